@@ -1,0 +1,124 @@
+"""Traceable collectives: ``groupcoord::all_reduce``, ``all_gather``, ``reduce_scatter``.
+
+``torch.compile`` cannot trace into a process-group call (Python objects,
+sockets, C++ work handles), so a plain collective inside a compiled module
+would split the graph. Registering each collective as a torch custom op makes
+it one opaque node instead: Dynamo records the call, the *fake* implementation
+tells the compiler the output's shape and dtype without communicating, and at
+run time the *real* implementation looks up the
+:class:`~coordinator.group_coordinator.GroupCoordinator` by its unique name
+and runs its ordinary (eager) collective.
+
+The group travels through the graph as a string (its ``unique_name``), since
+graph inputs must be tensors or plain values. Groups register themselves in
+:mod:`coordinator.group_registry`, a weak-value mapping, so a compiled graph
+never keeps a destroyed group alive.
+
+Eager code does not pay for any of this: ``GroupCoordinator.all_reduce`` calls
+these ops only while ``torch.compiler.is_compiling()`` (i.e. while Dynamo
+traces); when the compiled graph later *runs*, that flag is false again and
+the op's implementation takes the eager path of the same method.
+
+Schemas (all return new tensors, nothing is mutated)::
+
+    groupcoord::all_reduce(Tensor tensor, str group_name) -> Tensor
+    groupcoord::all_gather(Tensor tensor, int dim, int world_size, str group_name) -> Tensor
+    groupcoord::reduce_scatter(Tensor tensor, int dim, int world_size, str group_name) -> Tensor
+
+``world_size`` is passed explicitly so the fake implementations can compute
+output shapes without looking the group up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.library import custom_op
+
+__all__ = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "traced_all_reduce",
+    "traced_all_gather",
+    "traced_reduce_scatter",
+]
+
+
+def _lookup(group_name: str) -> Any:
+    from coordinator.group_registry import get_group_by_name  # lazy: no import cycle
+
+    return get_group_by_name(group_name)
+
+
+def _fresh(out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """Custom ops must not return (a view of) their input: copy if the group did."""
+    if out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
+        return out.clone()
+    return out
+
+
+def _scaled_shape(t: torch.Tensor, dim: int, world_size: int, grow: bool) -> list[Any]:
+    shape = list(t.shape)
+    d = dim % t.dim()
+    if grow:
+        shape[d] = shape[d] * world_size
+    else:
+        torch._check(
+            shape[d] % world_size == 0,
+            lambda: f"reduce_scatter: size {shape[d]} of dim {d} is not divisible by {world_size}",
+        )
+        shape[d] = shape[d] // world_size
+    return shape
+
+
+@custom_op("groupcoord::all_reduce", mutates_args=())
+def all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum ``tensor`` over the group named ``group_name`` (new tensor)."""
+    return _fresh(_lookup(group_name).all_reduce(tensor), tensor)
+
+
+@all_reduce.register_fake
+def _all_reduce_fake(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+@custom_op("groupcoord::all_gather", mutates_args=())
+def all_gather(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (new tensor)."""
+    return _fresh(_lookup(group_name).all_gather(tensor, dim), tensor)
+
+
+@all_gather.register_fake
+def _all_gather_fake(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    return tensor.new_empty(_scaled_shape(tensor, dim, world_size, grow=True))
+
+
+@custom_op("groupcoord::reduce_scatter", mutates_args=())
+def reduce_scatter(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    """Sum over the group and keep this rank's equal slice along ``dim`` (new tensor)."""
+    return _fresh(_lookup(group_name).reduce_scatter(tensor, dim), tensor)
+
+
+@reduce_scatter.register_fake
+def _reduce_scatter_fake(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    return tensor.new_empty(_scaled_shape(tensor, dim, world_size, grow=False))
+
+
+# --------------------------------------------------------------------------- helpers
+def traced_all_reduce(group: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """Call ``groupcoord::all_reduce`` for ``group`` (anything with ``unique_name``)."""
+    return torch.ops.groupcoord.all_reduce(tensor, group.unique_name)
+
+
+def traced_all_gather(group: Any, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Call ``groupcoord::all_gather`` for ``group`` (needs ``unique_name``, ``world_size``)."""
+    return torch.ops.groupcoord.all_gather(tensor, dim % tensor.dim(), group.world_size, group.unique_name)
+
+
+def traced_reduce_scatter(group: Any, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Call ``groupcoord::reduce_scatter`` for ``group`` (needs ``unique_name``, ``world_size``)."""
+    return torch.ops.groupcoord.reduce_scatter(
+        tensor, dim % tensor.dim(), group.world_size, group.unique_name
+    )

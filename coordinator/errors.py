@@ -1,0 +1,65 @@
+"""The exception family of :mod:`coordinator`.
+
+Errors are mixed with the builtin they resemble, so ``except TimeoutError``
+catches :class:`CommTimeout` and ``except RuntimeError`` catches
+:class:`NotInitializedError`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GroupCoordError",
+    "CommTimeout",
+    "NotInitializedError",
+    "RankFailedError",
+    "RankDiedError",
+    "DistributedTimeout",
+]
+
+
+class GroupCoordError(Exception):
+    """Base class of every error raised on purpose by ``coordinator``."""
+
+
+class CommTimeout(GroupCoordError, TimeoutError):
+    """A communication did not complete in time; names group, operation and peer."""
+
+
+class NotInitializedError(GroupCoordError, RuntimeError):
+    """A getter was called before the state it returns was initialised."""
+
+
+class RankFailedError(GroupCoordError, RuntimeError):
+    """A rank of :func:`coordinator.testing.run_distributed` failed.
+
+    Attributes:
+        rank: The rank that failed first.
+        remote_traceback: The traceback text printed in that rank ('' if it died).
+    """
+
+    def __init__(self, message: str, rank: int, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.rank, self.remote_traceback))
+
+
+class RankDiedError(RankFailedError):
+    """A rank process exited (crash, signal, ``os._exit``) without returning a result."""
+
+
+class DistributedTimeout(CommTimeout):
+    """:func:`coordinator.testing.run_distributed` ran past its timeout.
+
+    Attributes:
+        pending_ranks: Ranks that had not returned when time ran out.
+    """
+
+    def __init__(self, message: str, pending_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.pending_ranks = pending_ranks
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.pending_ranks))

@@ -1,0 +1,493 @@
+"""GroupCoordinator: every collective an engine needs, for one parallel dimension.
+
+A coordinator owns, for the ranks of one group (say one TP group):
+
+* a CPU ``gloo`` group for objects, metadata and barriers;
+* a device group (the same gloo group on CPU, NCCL on GPUs);
+* a device communicator picked through :mod:`device_comms`'s registry by the
+  group's device (the CPU shared-memory one on CPU), which carries tensors;
+* optionally a shared-memory message queue that broadcasts objects and tensor
+  dict metadata from one writer rank in microseconds.
+
+Ranks in arguments are ranks *within the group*. A group of one answers every
+call locally. Tensor results are new tensors; inputs are never modified except
+by :meth:`GroupCoordinator.broadcast` (receivers pass the buffer to fill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from coordinator import tensor_dict as td
+from coordinator.group_registry import REGISTRY
+from coordinator.object_comm import ObjectCodec, PickleCodec, recv_object, send_object
+from device_comms import (
+    DeviceCommunicator,
+    ReduceOp,
+    TorchDistributedCommunicator,
+    get_device_communicator,
+    select_device_communicator,
+)
+from device_comms import validation as v
+from device_comms.errors import translate_backend_error
+
+__all__ = ["GroupCoordinator", "GraphCaptureContext"]
+
+
+@dataclasses.dataclass
+class GraphCaptureContext:
+    """What :meth:`GroupCoordinator.graph_capture` yields.
+
+    Attributes:
+        stream: The CUDA stream captured on, or None on CPU.
+    """
+
+    stream: Any = None
+
+
+class GroupCoordinator:
+    """Collectives for one group of ranks (one parallel dimension).
+
+    Every process calls the constructor with the same ``group_ranks`` (all
+    groups of this kind, e.g. every TP group); each process keeps the group it
+    belongs to.
+
+    Args:
+        group_ranks: Lists of global ranks, one list per group.
+        local_rank: This process's rank on its node (picks the GPU).
+        torch_distributed_backend: Backend of the device group (``"gloo"``, ``"nccl"``).
+        use_device_communicator: Use the registry's best communicator for the
+            device; else tensors go through plain torch.distributed.
+        use_message_queue_broadcaster: Broadcast objects and tensor-dict
+            metadata from rank 0 through a shared-memory message queue.
+        group_name: Base name; the unique name is ``<group_name>:<n>``.
+        device_communicator: Registry name to force a specific communicator.
+        timeout: Timeout of the process groups created here.
+
+    Attributes:
+        rank: Global rank of this process.
+        ranks: Global ranks of this group.
+        world_size: Size of this group.
+        rank_in_group: This process's rank within the group.
+        local_rank: Rank on the node.
+        cpu_group: The gloo group.
+        device_group: The group carrying device tensors.
+        device: This rank's device.
+        device_communicator: The registry-chosen communicator (None if disabled).
+        unique_name: Name unique within the process (``tp:0``).
+    """
+
+    def __init__(
+        self,
+        group_ranks: Sequence[Sequence[int]],
+        local_rank: int,
+        torch_distributed_backend: str | dist.Backend,
+        use_device_communicator: bool,
+        use_message_queue_broadcaster: bool = False,
+        group_name: str | None = None,
+        *,
+        device_communicator: str | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised; call "
+                "coordinator.init_distributed_environment(...) first"
+            )
+        _check_group_ranks(group_ranks, dist.get_world_size())
+        self.unique_name = REGISTRY.unique_name(group_name or "anonymous")
+        self.rank = dist.get_rank()
+        self.local_rank = local_rank
+        backend = str(torch_distributed_backend)
+        self.cpu_group: dist.ProcessGroup | None = None
+        self.device_group: dist.ProcessGroup | None = None
+        kw = {"timeout": timeout} if timeout is not None else {}
+        for ranks in group_ranks:
+            ranks = list(ranks)
+            cpu = dist.new_group(ranks, backend="gloo", **kw)
+            dev = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend, **kw)
+            if self.rank in ranks:
+                self.ranks = ranks
+                self.cpu_group, self.device_group = cpu, dev
+        if self.cpu_group is None:
+            raise ValueError(f"global rank {self.rank} is in none of group_ranks={group_ranks}")
+        self.world_size = len(self.ranks)
+        self.rank_in_group = self.ranks.index(self.rank)
+        self.device = _pick_device(backend, local_rank)
+        self.codec: ObjectCodec = PickleCodec()
+        self._destroyed = False
+
+        self.device_communicator: DeviceCommunicator | None = None
+        if use_device_communicator and self.world_size > 1:
+            cls = (
+                get_device_communicator(device_communicator)
+                if device_communicator
+                else select_device_communicator(self.device)
+            )
+            self.device_communicator = cls(
+                self.cpu_group, self.device, self.device_group, self.unique_name
+            )
+        self.comm: DeviceCommunicator = self.device_communicator or TorchDistributedCommunicator(
+            self.cpu_group, self.device, self.device_group, self.unique_name
+        )
+        self.mq_broadcaster: Any = None
+        self.mq_writer_rank = 0
+        if use_message_queue_broadcaster and self.world_size > 1 and _mq_available():
+            self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)
+        REGISTRY.add(self)
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def first_rank(self) -> int:
+        """Global rank of the group's first member."""
+        return self.ranks[0]
+
+    @property
+    def last_rank(self) -> int:
+        """Global rank of the group's last member."""
+        return self.ranks[-1]
+
+    @property
+    def is_first_rank(self) -> bool:
+        """Whether this process is the group's first member."""
+        return self.rank == self.first_rank
+
+    @property
+    def is_last_rank(self) -> bool:
+        """Whether this process is the group's last member."""
+        return self.rank == self.last_rank
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next member (wrapping around)."""
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous member (wrapping around)."""
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    # ------------------------------------------------------------------ tensors
+    def all_reduce(self, input_: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """Element-wise reduction across the group; returns a new tensor.
+
+        Args:
+            input_: Tensor on this group's device; same shape and dtype on every rank.
+            op: A :class:`ReduceOp`; bitwise ops need integer dtypes, AVG floating.
+        """
+        return self.comm.all_reduce(input_, op)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``input_`` along ``dim`` (negative allowed)."""
+        return self.comm.all_gather(input_, dim)
+
+    def all_gatherv(
+        self,
+        input_: torch.Tensor | Sequence[torch.Tensor],
+        dim: int = 0,
+        sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """All-gather where rank ``i`` contributes ``sizes[i]`` rows along ``dim``.
+
+        ``input_`` may be a list of tensors; then a list comes back.
+        """
+        return self.comm.all_gatherv(input_, dim, sizes)
+
+    def reduce_scatter(
+        self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor:
+        """Reduce, then keep this rank's equal slice along ``dim``."""
+        return self.comm.reduce_scatter(input_, dim, op)
+
+    def reduce_scatterv(
+        self,
+        input_: torch.Tensor,
+        dim: int = -1,
+        sizes: Sequence[int] | None = None,
+        op: ReduceOp = ReduceOp.SUM,
+    ) -> torch.Tensor:
+        """Reduce, then keep ``sizes[rank]`` entries along ``dim`` (sizes sum to the dim)."""
+        return self.comm.reduce_scatterv(input_, dim, sizes, op)
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
+        return self.comm.gather(input_, dst, dim)
+
+    def reduce(
+        self, input_: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor | None:
+        """Reduce onto ``dst`` (a new tensor there, None elsewhere)."""
+        return self.comm.reduce(input_, dst, op)
+
+    def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = 0) -> torch.Tensor:
+        """Split ``src``'s tensor into equal slices along ``dim``; rank ``i`` gets slice ``i``."""
+        return self.comm.scatter(input_, src, dim)
+
+    def all_to_all(
+        self, input_: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0
+    ) -> torch.Tensor:
+        """Slice ``j`` along ``scatter_dim`` goes to rank ``j``; received slices are
+        concatenated along ``gather_dim``."""
+        return self.comm.all_to_all(input_, scatter_dim, gather_dim)
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
+        return self.comm.broadcast(input_, src)
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        """Send ``tensor`` to group rank ``dst`` (default: the next rank)."""
+        if dst is None:
+            dst = (self.rank_in_group + 1) % self.world_size
+        self.comm.send(tensor, dst)
+
+    def recv(
+        self, size: torch.Size | Sequence[int], dtype: torch.dtype, src: int | None = None
+    ) -> torch.Tensor:
+        """Receive a tensor from group rank ``src`` (default: the previous rank)."""
+        if src is None:
+            src = (self.rank_in_group - 1) % self.world_size
+        return self.comm.recv(size, dtype, src)
+
+    # ------------------------------------------------------------------ objects
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """Broadcast a Python object from ``src``; returns it on every rank.
+
+        Uses the message queue when the group has one and ``src`` is its writer.
+        """
+        v.check_rank(src, self.world_size, "src")
+        if self.world_size == 1:
+            return obj
+        if self.mq_broadcaster is not None and src == self.mq_writer_rank:
+            return self.mq_broadcaster.broadcast_object(obj)
+        box = [obj if self.rank_in_group == src else None]
+        self._cpu_call(
+            "broadcast_object", dist.broadcast_object_list, box,
+            src=self.ranks[src], group=self.cpu_group,
+        )
+        return box[0]
+
+    def broadcast_object_list(
+        self, obj_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None
+    ) -> list[Any]:
+        """Broadcast a list of objects in place (like ``torch.distributed``)."""
+        if not isinstance(obj_list, list):
+            raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
+        v.check_rank(src, self.world_size, "src")
+        if self.world_size == 1:
+            return obj_list
+        self._cpu_call(
+            "broadcast_object_list", dist.broadcast_object_list, obj_list,
+            src=self.ranks[src], group=group or self.cpu_group,
+        )
+        return obj_list
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        """Send a Python object to group rank ``dst`` over the CPU group."""
+        self._check_peer(dst, "dst")
+        self._cpu_call("send_object", send_object, obj, self.ranks[dst], self.cpu_group, self.codec)
+
+    def recv_object(self, src: int) -> Any:
+        """Receive a Python object from group rank ``src``."""
+        self._check_peer(src, "src")
+        return self._cpu_call("recv_object", recv_object, self.ranks[src], self.cpu_group, self.codec)
+
+    # ------------------------------------------------------------------ tensor dicts
+    def broadcast_tensor_dict(
+        self,
+        tensor_dict: Mapping[Any, Any] | None = None,
+        src: int = 0,
+        group: dist.ProcessGroup | None = None,
+        metadata_group: dist.ProcessGroup | None = None,
+    ) -> dict[Any, Any] | None:
+        """Broadcast a dict of tensors / None / plain data from ``src``.
+
+        Metadata travels once (message queue or CPU group); tensors follow over
+        the device communicator (CPU tensors of a GPU group over the CPU group).
+        Receivers allocate and get a new dict.
+        """
+        v.check_rank(src, self.world_size, "src")
+        if self.world_size == 1:
+            return dict(tensor_dict) if tensor_dict is not None else tensor_dict
+        if self.rank_in_group == src and not isinstance(tensor_dict, Mapping):
+            raise TypeError(f"tensor_dict must be a dict on src, got {type(tensor_dict).__name__}")
+        return td.broadcast_tensor_dict(self, tensor_dict, src, group, metadata_group)
+
+    def send_tensor_dict(
+        self,
+        tensor_dict: Mapping[Any, Any],
+        dst: int | None = None,
+        all_gather_group: "GroupCoordinator | None" = None,
+        all_gather_tensors: Mapping[Any, bool] | None = None,
+    ) -> None:
+        """Send a tensor dict to group rank ``dst`` (default: next rank).
+
+        With ``all_gather_group`` (n ranks holding the same tensors), each rank
+        sends only its 1/n slice of every tensor whose numel divides by n; the
+        receivers rebuild it with an all-gather. ``all_gather_tensors`` maps keys
+        to True/False to force or disable that per key.
+        """
+        if dst is None:
+            dst = (self.rank_in_group + 1) % self.world_size
+        if self.world_size == 1:
+            return
+        self._check_peer(dst, "dst")
+        td.send_tensor_dict(self, tensor_dict, dst, _ag(all_gather_group), all_gather_tensors)
+
+    def recv_tensor_dict(
+        self,
+        src: int | None = None,
+        all_gather_group: "GroupCoordinator | None" = None,
+        all_gather_tensors: Mapping[Any, bool] | None = None,
+    ) -> dict[Any, Any] | None:
+        """Receive a dict sent by :meth:`send_tensor_dict` from group rank ``src``.
+
+        Slicing is decided by the sender (recorded in the metadata);
+        ``all_gather_tensors`` is accepted for symmetry with the sender.
+        """
+        if src is None:
+            src = (self.rank_in_group - 1) % self.world_size
+        if self.world_size == 1:
+            return None
+        self._check_peer(src, "src")
+        return td.recv_tensor_dict(self, src, _ag(all_gather_group))
+
+    # ------------------------------------------------------------------ control
+    def barrier(self, timeout: float | None = None) -> None:
+        """Wait for every rank of the group (on the CPU group).
+
+        Args:
+            timeout: Seconds; when given, a rank missing after that long raises
+                :class:`~device_comms.errors.CollectiveTimeout` naming the ranks.
+        """
+        if self.world_size == 1:
+            return
+        if timeout is None:
+            self._cpu_call("barrier", dist.barrier, group=self.cpu_group)
+            return
+        try:
+            dist.monitored_barrier(
+                group=self.cpu_group,
+                timeout=datetime.timedelta(seconds=timeout),
+                wait_all_ranks=True,
+            )
+        except RuntimeError as e:
+            from device_comms.errors import CollectiveTimeout
+
+            raise CollectiveTimeout(
+                f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}), "
+                f"op barrier: not every rank arrived within {timeout}s: {str(e).splitlines()[0]}"
+            ) from e
+
+    @contextlib.contextmanager
+    def graph_capture(
+        self, graph_capture_context: GraphCaptureContext | None = None
+    ) -> Iterator[GraphCaptureContext]:
+        """Context for capturing CUDA graphs around this group's collectives.
+
+        On CPU it yields a context whose ``stream`` is None. Nests: pass the
+        outer context to reuse its stream.
+        """
+        ctx = graph_capture_context
+        if ctx is None:
+            stream = None
+            if self.device.type == "cuda":
+                stream = torch.cuda.Stream(device=self.device)
+            ctx = GraphCaptureContext(stream)
+        with contextlib.ExitStack() as stack:
+            if ctx.stream is not None:
+                stack.enter_context(torch.cuda.stream(ctx.stream))
+            stack.enter_context(self.comm.graph_capture())
+            yield ctx
+
+    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+        """Let the device communicator register buffers for ``model``."""
+        if self.device_communicator is not None:
+            self.device_communicator.prepare_communication_buffer_for_model(model)
+
+    def create_mq_broadcaster(
+        self,
+        writer_rank: int = 0,
+        external_writer_handle: Any = None,
+        blocking: bool = True,
+    ) -> Any:
+        """Create a message queue from group rank ``writer_rank`` to all others.
+
+        Available once the :mod:`shm_broadcast` queue is in place.
+        """
+        raise NotImplementedError("message queue integration is not available yet")
+
+    def destroy(self) -> None:
+        """Release communicators, queues and process groups. Idempotent."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        REGISTRY.remove(self)
+        if self.mq_broadcaster is not None:
+            self.mq_broadcaster.close()
+            self.mq_broadcaster = None
+        self.comm.destroy()
+        for pg in {id(self.cpu_group): self.cpu_group, id(self.device_group): self.device_group}.values():
+            if pg is not None and dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(pg)
+        self.cpu_group = self.device_group = None
+
+    def __repr__(self) -> str:
+        return (
+            f"GroupCoordinator({self.unique_name!r}, ranks={self.ranks}, "
+            f"rank_in_group={self.rank_in_group}, comm={type(self.comm).__name__})"
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _check_peer(self, r: Any, arg: str) -> None:
+        v.check_rank(r, self.world_size, arg)
+        if r == self.rank_in_group:
+            raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
+
+    def _cpu_call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            where = f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}), op {op}"
+            raise translate_backend_error(e, where) from e
+
+
+def _mq_available() -> bool:
+    try:
+        import shm_broadcast.message_queue  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _ag(group: Any) -> "GroupCoordinator | None":
+    if group is None or isinstance(group, GroupCoordinator):
+        return group
+    raise TypeError(f"all_gather_group must be a GroupCoordinator, got {type(group).__name__}")
+
+
+def _pick_device(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def _check_group_ranks(group_ranks: Any, world_size: int) -> None:
+    if not isinstance(group_ranks, (list, tuple)) or not group_ranks:
+        raise TypeError(f"group_ranks must be a non-empty list of rank lists, got {group_ranks!r}")
+    seen: set[int] = set()
+    for ranks in group_ranks:
+        if not isinstance(ranks, (list, tuple)) or not ranks:
+            raise TypeError(f"each entry of group_ranks must be a non-empty list of ints, got {ranks!r}")
+        for r in ranks:
+            if not isinstance(r, int) or not 0 <= r < world_size:
+                raise ValueError(f"group_ranks holds {r!r}, not a global rank in [0, {world_size})")
+            if r in seen:
+                raise ValueError(f"rank {r} appears in more than one group of group_ranks")
+            seen.add(r)

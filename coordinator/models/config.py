@@ -1,0 +1,241 @@
+"""Configuration of a Llama-architecture decoder, read from a Hugging Face ``config.json``.
+
+Only what the model needs is kept, validated once, with errors naming the
+field. Both config dialects are understood: the older top-level
+``rope_theta`` + ``rope_scaling`` and the newer ``rope_parameters`` dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+import torch
+
+from coordinator.layers.rotary import SUPPORTED_ROPE_TYPES
+
+__all__ = ["LlamaModelConfig", "default_config", "DTYPES"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+_ARCH_TYPES = ("llama",)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaModelConfig:
+    """Architecture of a Llama decoder (field names follow Hugging Face's ``LlamaConfig``).
+
+    Attributes:
+        vocab_size: Vocabulary size.
+        hidden_size: Model width.
+        intermediate_size: SwiGLU inner width.
+        num_hidden_layers: Decoder layers.
+        num_attention_heads: Query heads.
+        num_key_value_heads: Key/value heads (grouped-query attention).
+        head_dim: Features per head.
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base.
+        rope_type: ``default``, ``linear`` or ``llama3``.
+        rope_params: Extra parameters of the RoPE variant.
+        max_position_embeddings: Longest supported sequence.
+        tie_word_embeddings: The LM head reuses the embedding matrix.
+        attention_bias: q/k/v/o projections have biases.
+        mlp_bias: gate/up/down projections have biases.
+        bos_token_id: Beginning-of-sequence id (informational).
+        eos_token_ids: End-of-sequence ids; generation stops on any of them.
+        dtype: Checkpoint dtype name (``float32``, ``bfloat16``...).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config field {name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary embeddings), got {self.head_dim}")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    # ------------------------------------------------------------------ HF dialect
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> "LlamaModelConfig":
+        """Build from a parsed Hugging Face ``config.json``.
+
+        Raises:
+            ValueError: Not a Llama config, an unsupported activation or RoPE
+                type, or a missing/invalid field.
+        """
+        if not isinstance(d, Mapping):
+            raise TypeError(f"config must be a mapping, got {type(d).__name__}")
+        model_type = d.get("model_type", "llama")
+        if model_type not in _ARCH_TYPES:
+            raise ValueError(f"model_type must be one of {_ARCH_TYPES}, got {model_type!r}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {act!r}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in d:
+                raise ValueError(f"config.json lacks required field {key!r}")
+        heads = d["num_attention_heads"]
+        kv_heads = d.get("num_key_value_heads") or heads
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        rope_type, theta, params = _parse_rope(d)
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_type=rope_type,
+            rope_params=params,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            dtype=str(dtype),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> "LlamaModelConfig":
+        """Read ``path`` (a ``config.json`` file or the directory holding one)."""
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            p = os.path.join(p, "config.json")
+        if not os.path.isfile(p):
+            raise ValueError(f"no config.json at {p!r}; expected a Hugging Face model directory")
+        with open(p, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p} is not valid JSON: {e}") from e
+        return cls.from_hf_dict(data)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A Hugging Face style ``config.json`` dict describing this architecture."""
+        rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta, **self.rope_params}
+        eos: Any = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "rope_scaling": None if self.rope_type == "default" else dict(rope),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos if self.eos_token_ids else None,
+            "torch_dtype": self.dtype,
+        }
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The checkpoint dtype as a ``torch.dtype``."""
+        return DTYPES[self.dtype]
+
+
+def _parse_rope(d: Mapping[str, Any]) -> tuple[str, float, dict[str, Any]]:
+    """``(rope_type, theta, extra params)`` from either config dialect."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope_parameters/rope_scaling must be a dict or null, got {params!r}")
+    if params and all(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported for Llama models")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    extra = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
+    if rope_type == "llama3":
+        extra.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+    return str(rope_type), float(theta), extra
+
+
+def default_config() -> LlamaModelConfig:
+    """The embedded demo model: small enough for a CPU, big enough to be a real decoder.
+
+    4 layers, width 256, 8 query heads sharing 4 KV heads, vocabulary 512
+    (weights come from :func:`coordinator.models.checkpoint.random_state_dict`).
+    """
+    return LlamaModelConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_ids=(),
+    )

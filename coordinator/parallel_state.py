@@ -1,0 +1,342 @@
+"""Process-wide parallel state: the world, TP, PP and DP groups, no config object.
+
+Typical use in each of N processes (under ``torchrun`` or any spawner)::
+
+    from coordinator import parallel_state as ps
+    ps.init_distributed_environment(world_size=4, rank=r,
+                                    distributed_init_method="tcp://10.0.0.1:29500")
+    ps.initialize_model_parallel(tensor_model_parallel_size=2,
+                                 pipeline_model_parallel_size=2)
+    y = ps.get_tp_group().all_reduce(x)
+    ...
+    ps.destroy_model_parallel(); ps.destroy_distributed_environment()
+
+Rank layout is DP x PP x TP with TP varying fastest: global rank
+``r = dp * (PP * TP) + pp * TP + tp``. With TP=2, PP=2 (world 4) the TP
+groups are [0, 1] and [2, 3], the PP groups [0, 2] and [1, 3].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from coordinator.errors import NotInitializedError
+from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
+from coordinator.group_registry import REGISTRY
+from device_comms import ReduceOp
+
+__all__ = [
+    "init_distributed_environment",
+    "initialize_model_parallel",
+    "ensure_model_parallel_initialized",
+    "model_parallel_is_initialized",
+    "get_world_group",
+    "get_tp_group",
+    "get_pp_group",
+    "get_dp_group",
+    "get_tensor_model_parallel_world_size",
+    "get_tensor_model_parallel_rank",
+    "get_pipeline_model_parallel_world_size",
+    "get_pipeline_model_parallel_rank",
+    "destroy_model_parallel",
+    "destroy_distributed_environment",
+    "graph_capture",
+    "in_the_same_node_as",
+    "patch_tensor_parallel_group",
+    "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_all_gather",
+    "tensor_model_parallel_reduce_scatter",
+    "tensor_model_parallel_gather",
+    "broadcast_tensor_dict",
+]
+
+
+def _int_arg(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def init_distributed_environment(
+    world_size: int = -1,
+    rank: int = -1,
+    distributed_init_method: str = "env://",
+    local_rank: int = -1,
+    backend: str = "gloo",
+    timeout: datetime.timedelta | float | None = None,
+) -> GroupCoordinator:
+    """Initialise torch.distributed (if needed) and create the world group.
+
+    Args:
+        world_size: Number of processes; -1 reads ``WORLD_SIZE`` (env://).
+        rank: This process's global rank; -1 reads ``RANK`` (env://).
+        distributed_init_method: ``env://`` or ``tcp://host:port``.
+        local_rank: Rank on this node; -1 reads ``LOCAL_RANK`` or uses ``rank``.
+        backend: Backend of the world group (``gloo``; ``nccl`` for GPUs).
+        timeout: Collective timeout (timedelta or seconds).
+
+    Returns:
+        The world :class:`GroupCoordinator`.
+
+    Raises:
+        ValueError: Inconsistent arguments (e.g. tcp:// without rank/world_size).
+    """
+    world_size = _int_arg(world_size, "world_size")
+    rank = _int_arg(rank, "rank")
+    local_rank = _int_arg(local_rank, "local_rank")
+    if not isinstance(distributed_init_method, str) or "://" not in distributed_init_method:
+        raise ValueError(
+            f"distributed_init_method must be 'env://' or 'tcp://host:port', "
+            f"got {distributed_init_method!r}"
+        )
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a timedelta or seconds, got {type(timeout).__name__}")
+    if not dist.is_initialized():
+        if not distributed_init_method.startswith("env://") and (world_size < 1 or rank < 0):
+            raise ValueError(
+                f"{distributed_init_method.split('://')[0]}:// needs world_size >= 1 and "
+                f"rank >= 0, got world_size={world_size}, rank={rank}"
+            )
+        if world_size >= 1 and not 0 <= rank < world_size and rank != -1:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        kwargs: dict[str, Any] = {"backend": backend, "init_method": distributed_init_method}
+        if world_size >= 1:
+            kwargs["world_size"] = world_size
+        if rank >= 0:
+            kwargs["rank"] = rank
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        dist.init_process_group(**kwargs)
+    elif world_size >= 1 and world_size != dist.get_world_size():
+        raise ValueError(
+            f"torch.distributed is already initialised with world size "
+            f"{dist.get_world_size()}, but world_size={world_size} was requested"
+        )
+    if local_rank == -1:
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    if REGISTRY.world is None:
+        REGISTRY.world = GroupCoordinator(
+            [list(range(dist.get_world_size()))],
+            local_rank,
+            backend,
+            use_device_communicator=True,
+            group_name="world",
+            timeout=timeout,
+        )
+    return REGISTRY.world
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    backend: str | None = None,
+) -> None:
+    """Create the TP, PP and DP groups (collective over the whole world).
+
+    Raises:
+        NotInitializedError: :func:`init_distributed_environment` was not called.
+        ValueError: The sizes do not multiply to the world size.
+        RuntimeError: Model parallel groups already exist.
+    """
+    tp = _int_arg(tensor_model_parallel_size, "tensor_model_parallel_size")
+    pp = _int_arg(pipeline_model_parallel_size, "pipeline_model_parallel_size")
+    dp = _int_arg(data_parallel_size, "data_parallel_size")
+    world = get_world_group()
+    for name, size in (("tensor", tp), ("pipeline", pp), ("data", dp)):
+        if size < 1:
+            raise ValueError(f"{name}_model_parallel_size must be >= 1, got {size}")
+    if tp * pp * dp != world.world_size:
+        raise ValueError(
+            f"tensor ({tp}) x pipeline ({pp}) x data ({dp}) parallel sizes = {tp * pp * dp} "
+            f"must equal the world size {world.world_size}"
+        )
+    if model_parallel_is_initialized():
+        raise RuntimeError(
+            "model parallel groups are already initialised; call destroy_model_parallel() "
+            "first, or ensure_model_parallel_initialized(tp, pp) to check the sizes"
+        )
+    backend = backend or str(dist.get_backend(world.device_group))
+    local_rank = world.local_rank
+    tp_groups = [[d * pp * tp + p * tp + t for t in range(tp)] for d in range(dp) for p in range(pp)]
+    pp_groups = [[d * pp * tp + p * tp + t for p in range(pp)] for d in range(dp) for t in range(tp)]
+    dp_groups = [[d * pp * tp + p * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)]
+    REGISTRY.tp = GroupCoordinator(
+        tp_groups, local_rank, backend, True, use_message_queue_broadcaster=True, group_name="tp"
+    )
+    REGISTRY.pp = GroupCoordinator(pp_groups, local_rank, backend, True, group_name="pp")
+    REGISTRY.dp = GroupCoordinator(dp_groups, local_rank, backend, True, group_name="dp")
+
+
+def ensure_model_parallel_initialized(
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    data_parallel_size: int = 1,
+    backend: str | None = None,
+) -> None:
+    """Initialise model parallel groups unless they exist; if they do, check the sizes.
+
+    Raises:
+        ValueError: Existing groups have other sizes.
+    """
+    if not model_parallel_is_initialized():
+        initialize_model_parallel(
+            tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size, backend
+        )
+        return
+    have = (get_tp_group().world_size, get_pp_group().world_size, get_dp_group().world_size)
+    want = (tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size)
+    if have != want:
+        raise ValueError(
+            f"model parallel groups exist with (tp, pp, dp) = {have}, but {want} was requested; "
+            f"call destroy_model_parallel() first to change them"
+        )
+
+
+def model_parallel_is_initialized() -> bool:
+    """Whether the TP, PP and DP groups exist."""
+    return REGISTRY.tp is not None and REGISTRY.pp is not None and REGISTRY.dp is not None
+
+
+def _need(group: GroupCoordinator | None, what: str, how: str) -> GroupCoordinator:
+    if group is None:
+        raise NotInitializedError(f"the {what} group is not initialised; call {how} first")
+    return group
+
+
+_MP_HOW = "coordinator.parallel_state.initialize_model_parallel(...)"
+
+
+def get_world_group() -> GroupCoordinator:
+    """The world group. Raises NotInitializedError before init_distributed_environment."""
+    return _need(REGISTRY.world, "world", "coordinator.parallel_state.init_distributed_environment(...)")
+
+
+def get_tp_group() -> GroupCoordinator:
+    """The tensor-parallel group of this process."""
+    return _need(REGISTRY.tp, "tensor model parallel", _MP_HOW)
+
+
+def get_pp_group() -> GroupCoordinator:
+    """The pipeline-parallel group of this process."""
+    return _need(REGISTRY.pp, "pipeline model parallel", _MP_HOW)
+
+
+def get_dp_group() -> GroupCoordinator:
+    """The data-parallel group of this process."""
+    return _need(REGISTRY.dp, "data parallel", _MP_HOW)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Size of the TP group."""
+    return get_tp_group().world_size
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """This process's rank in its TP group."""
+    return get_tp_group().rank_in_group
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Size of the PP group."""
+    return get_pp_group().world_size
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """This process's rank in its PP group."""
+    return get_pp_group().rank_in_group
+
+
+def destroy_model_parallel() -> None:
+    """Destroy the TP, PP and DP groups (no-op if absent)."""
+    for attr in ("tp", "pp", "dp"):
+        g = getattr(REGISTRY, attr)
+        setattr(REGISTRY, attr, None)
+        if g is not None:
+            g.destroy()
+
+
+def destroy_distributed_environment() -> None:
+    """Destroy the world group and torch.distributed; the process may initialise again."""
+    destroy_model_parallel()
+    world, REGISTRY.world = REGISTRY.world, None
+    if world is not None:
+        world.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def graph_capture(device: torch.device | str | None = None) -> Iterator[GraphCaptureContext]:
+    """Enter graph-capture mode on the TP and PP groups (one shared stream).
+
+    Args:
+        device: The device captured on (used for the stream on GPUs).
+    """
+    stream = None
+    if device is not None and torch.device(device).type == "cuda":
+        stream = torch.cuda.Stream(device=device)
+    ctx = GraphCaptureContext(stream)
+    with get_tp_group().graph_capture(ctx), get_pp_group().graph_capture(ctx):
+        yield ctx
+
+
+def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:
+    """For each rank of ``group``, whether it shares a node (``/dev/shm``) with ``source_rank``.
+
+    Args:
+        group: A GroupCoordinator, a torch ProcessGroup or a StatelessProcessGroup.
+        source_rank: Group rank to compare with.
+    """
+    from shm_broadcast.topology import in_the_same_node_as as _same
+
+    if isinstance(group, GroupCoordinator):
+        group = group.cpu_group
+    return _same(group, source_rank)
+
+
+@contextlib.contextmanager
+def patch_tensor_parallel_group(group: GroupCoordinator) -> Iterator[GroupCoordinator]:
+    """Temporarily make ``group`` the TP group (e.g. for a draft model)."""
+    if not isinstance(group, GroupCoordinator):
+        raise TypeError(f"group must be a GroupCoordinator, got {type(group).__name__}")
+    old, REGISTRY.tp = REGISTRY.tp, group
+    try:
+        yield group
+    finally:
+        REGISTRY.tp = old
+
+
+def tensor_model_parallel_all_reduce(input_: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce over the TP group."""
+    return get_tp_group().all_reduce(input_, op)
+
+
+def tensor_model_parallel_all_gather(input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """All-gather over the TP group."""
+    return get_tp_group().all_gather(input_, dim)
+
+
+def tensor_model_parallel_reduce_scatter(input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Reduce-scatter over the TP group."""
+    return get_tp_group().reduce_scatter(input_, dim)
+
+
+def tensor_model_parallel_gather(
+    input_: torch.Tensor, dst: int = 0, dim: int = -1
+) -> torch.Tensor | None:
+    """Gather onto TP rank ``dst``."""
+    return get_tp_group().gather(input_, dst, dim)
+
+
+def broadcast_tensor_dict(tensor_dict: dict[Any, Any] | None = None, src: int = 0) -> dict[Any, Any] | None:
+    """Broadcast a tensor dict over the TP group."""
+    return get_tp_group().broadcast_tensor_dict(tensor_dict, src)

@@ -1,0 +1,251 @@
+"""Moving dicts of tensors and plain values between ranks.
+
+A tensor dict is flattened into *metadata* (one entry per key, in order) and a
+list of *payload* tensors. Metadata is plain data, so the message queue's
+msgspec codec carries it without pickling::
+
+    entry = [key, VALUE, value]                       # plain Python value
+          | [key, TENSOR, [device_type, dtype, shape, sliced]]
+
+Payload routing:
+
+* the message queue (when the group has one and ``src`` is its writer) carries
+  the metadata, and CPU tensors travel inside the same message, out of band;
+* otherwise metadata travels once over the CPU group, and each non-empty
+  tensor follows: tensors on the group's device through the device
+  communicator, CPU tensors (on a GPU group) over the CPU group.
+
+Receivers allocate their own tensors. Empty tensors send no payload.
+
+Pipeline sends can use the all-gather optimisation: when the tensor is
+replicated across an ``all_gather_group`` (say the TP group) of ``n`` ranks, each
+sender sends only its ``1/n`` slice and the receiving TP ranks rebuild the
+whole tensor with one all-gather among themselves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from device_comms.torch_communicator import _wire
+
+if TYPE_CHECKING:
+    from coordinator.group_coordinator import GroupCoordinator
+
+__all__ = [
+    "broadcast_tensor_dict",
+    "send_tensor_dict",
+    "recv_tensor_dict",
+    "flatten_tensor_dict",
+]
+
+VALUE, TENSOR, INLINE = 0, 1, 2
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in tensor-dict metadata")
+    return dt
+
+
+def flatten_tensor_dict(
+    tensor_dict: Mapping[Any, Any],
+    inline_cpu: bool = False,
+    slicing: Mapping[Any, bool] | None = None,
+) -> tuple[list[list[Any]], list[torch.Tensor]]:
+    """Split a dict into metadata entries and payload tensors.
+
+    Args:
+        tensor_dict: Mapping of keys to tensors, None or plain data.
+        inline_cpu: Keep CPU tensors inside the metadata (for the message queue,
+            which encodes them out of band).
+        slicing: Keys whose tensors are sent as slices (see module docstring).
+
+    Raises:
+        TypeError: ``tensor_dict`` is not a mapping.
+    """
+    if not isinstance(tensor_dict, Mapping):
+        raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
+    meta: list[list[Any]] = []
+    payload: list[torch.Tensor] = []
+    for key, value in tensor_dict.items():
+        if isinstance(value, torch.Tensor):
+            if inline_cpu and value.device.type == "cpu":
+                meta.append([key, INLINE, value])
+                continue
+            sliced = bool(slicing and slicing.get(key, False))
+            meta.append(
+                [key, TENSOR, [value.device.type, _dtype_name(value.dtype), list(value.shape), sliced]]
+            )
+            payload.append(value)
+        else:
+            meta.append([key, VALUE, value])
+    return meta, payload
+
+
+def _alloc(desc: list[Any], device: torch.device, numel_div: int = 1) -> torch.Tensor:
+    dev_type, dtype_name, shape, _ = desc
+    dev = torch.device("cpu") if dev_type == "cpu" else device
+    if numel_div == 1:
+        return torch.empty(shape, dtype=_dtype(dtype_name), device=dev)
+    numel = 1
+    for s in shape:
+        numel *= s
+    return torch.empty(numel // numel_div, dtype=_dtype(dtype_name), device=dev)
+
+
+# ---------------------------------------------------------------------- broadcast
+def broadcast_tensor_dict(
+    gc: "GroupCoordinator",
+    tensor_dict: Mapping[Any, Any] | None,
+    src: int,
+    group: dist.ProcessGroup | None,
+    metadata_group: dist.ProcessGroup | None,
+) -> dict[Any, Any] | None:
+    """Implementation of :meth:`GroupCoordinator.broadcast_tensor_dict`."""
+    overrides = group is not None or metadata_group is not None
+    use_mq = not overrides and gc.mq_broadcaster is not None and src == gc.mq_writer_rank
+    is_src = gc.rank_in_group == src
+    if is_src:
+        meta, payload = flatten_tensor_dict(tensor_dict, inline_cpu=use_mq)  # type: ignore[arg-type]
+        if overrides:
+            box = [meta]
+            dist.broadcast_object_list(
+                box, src=gc.ranks[src], group=metadata_group or gc.cpu_group
+            )
+        else:
+            gc.broadcast_object(meta, src=src)
+        for t in payload:
+            if t.numel():
+                _bcast_tensor(gc, t.contiguous(), src, group, metadata_group)
+        return dict(tensor_dict)  # type: ignore[arg-type]
+    if overrides:
+        box = [None]
+        dist.broadcast_object_list(box, src=gc.ranks[src], group=metadata_group or gc.cpu_group)
+        meta = box[0]
+    else:
+        meta = gc.broadcast_object(None, src=src)
+    out: dict[Any, Any] = {}
+    for key, kind, value in meta:
+        if kind == TENSOR:
+            t = _alloc(value, gc.device)
+            if t.numel():
+                _bcast_tensor(gc, t, src, group, metadata_group)
+            out[key] = t
+        else:
+            out[key] = value
+    return out
+
+
+def _bcast_tensor(
+    gc: "GroupCoordinator",
+    t: torch.Tensor,
+    src: int,
+    group: dist.ProcessGroup | None,
+    metadata_group: dist.ProcessGroup | None,
+) -> None:
+    on_cpu = t.device.type == "cpu"
+    if group is not None or metadata_group is not None:
+        pg = (metadata_group or gc.cpu_group) if on_cpu else (group or gc.device_group)
+        dist.broadcast(_wire(t), src=gc.ranks[src], group=pg)
+    elif t.device.type == gc.device.type:
+        gc.comm.broadcast(t, src=src)
+    else:  # CPU tensor in a GPU group: over the CPU group
+        dist.broadcast(_wire(t), src=gc.ranks[src], group=gc.cpu_group)
+
+
+# ---------------------------------------------------------------------- point to point
+def send_tensor_dict(
+    gc: "GroupCoordinator",
+    tensor_dict: Mapping[Any, Any],
+    dst: int,
+    all_gather_group: "GroupCoordinator | None",
+    all_gather_tensors: Mapping[Any, bool] | None,
+) -> None:
+    """Implementation of :meth:`GroupCoordinator.send_tensor_dict`."""
+    if not isinstance(tensor_dict, Mapping):
+        raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
+    n = all_gather_group.world_size if all_gather_group is not None else 1
+    slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
+    meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing)
+    gc.send_object(meta, dst=dst)
+    for (key, kind, desc), t in zip((m for m in meta if m[1] == TENSOR), payload):
+        if not t.numel():
+            continue
+        if desc[3] and all_gather_group is not None:  # sliced: send only this rank's 1/n
+            t = t.reshape(n, -1)[all_gather_group.rank_in_group]
+        _send(gc, t.contiguous(), dst)
+
+
+def recv_tensor_dict(
+    gc: "GroupCoordinator",
+    src: int,
+    all_gather_group: "GroupCoordinator | None",
+) -> dict[Any, Any]:
+    """Implementation of :meth:`GroupCoordinator.recv_tensor_dict`."""
+    meta = gc.recv_object(src=src)
+    out: dict[Any, Any] = {}
+    for key, kind, value in meta:
+        if kind != TENSOR:
+            out[key] = value
+            continue
+        sliced = bool(value[3])
+        if not sliced:
+            out[key] = _recv_into(gc, _alloc(value, gc.device), src)
+            continue
+        if all_gather_group is None:
+            raise ValueError(
+                f"the sender sliced tensor {key!r} for an all-gather but recv_tensor_dict was "
+                f"called without all_gather_group; pass the same all_gather_group on both sides"
+            )
+        piece = _recv_into(gc, _alloc(value, gc.device, all_gather_group.world_size), src)
+        full = all_gather_group.all_gather(piece, dim=0)
+        out[key] = full.reshape(value[2])
+    return out
+
+
+def _slicing_plan(
+    tensor_dict: Mapping[Any, Any], n: int, overrides: Mapping[Any, bool] | None
+) -> dict[Any, bool]:
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(
+            f"all_gather_tensors must be a dict of key -> bool, got {type(overrides).__name__}"
+        )
+    plan: dict[Any, bool] = {}
+    for key, t in tensor_dict.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        divisible = n > 1 and t.numel() > 0 and t.numel() % n == 0
+        want = overrides.get(key, divisible) if overrides else divisible
+        if want and not divisible:
+            raise ValueError(
+                f"all_gather_tensors[{key!r}] is True but tensor {key!r} has {t.numel()} "
+                f"elements, not divisible by the all_gather_group size {n}"
+            )
+        plan[key] = bool(want)
+    return plan
+
+
+def _send(gc: "GroupCoordinator", t: torch.Tensor, dst: int) -> None:
+    if t.device.type == gc.device.type:
+        gc.comm.send(t, dst=dst)
+    else:  # CPU tensor in a GPU group: over the CPU group
+        dist.send(_wire(t), dst=gc.ranks[dst], group=gc.cpu_group)
+
+
+def _recv_into(gc: "GroupCoordinator", buf: torch.Tensor, src: int) -> torch.Tensor:
+    """Receive into a tensor shaped like ``buf`` (returns the filled tensor)."""
+    if not buf.numel():
+        return buf
+    if buf.device.type == gc.device.type:
+        return gc.comm.recv(buf.shape, buf.dtype, src=src)
+    dist.recv(_wire(buf), src=gc.ranks[src], group=gc.cpu_group)
+    return buf

@@ -1,0 +1,43 @@
+"""Device communicators: one abstract base, a registry, and the transports.
+
+Import-light: nothing GPU-related is imported at module load. The CPU
+communicators register themselves here; CUDA ones register with a lazy
+``is_available()`` that imports their libraries only when asked.
+"""
+
+from device_comms.base import DeviceCommunicator
+from device_comms.errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    CommunicatorUnavailable,
+    DeviceCommError,
+    PeerDiedError,
+)
+from device_comms.reduce_op import ReduceOp, reduce_local
+from device_comms.registry import (
+    get_device_communicator,
+    list_device_communicators,
+    register_device_communicator,
+    select_device_communicator,
+    unregister_device_communicator,
+)
+from device_comms.torch_communicator import TorchDistributedCommunicator
+
+register_device_communicator("torch", TorchDistributedCommunicator)
+
+__all__ = [
+    "DeviceCommunicator",
+    "TorchDistributedCommunicator",
+    "ReduceOp",
+    "reduce_local",
+    "DeviceCommError",
+    "CommunicatorUnavailable",
+    "CollectiveTimeout",
+    "CollectiveMismatch",
+    "PeerDiedError",
+    "register_device_communicator",
+    "unregister_device_communicator",
+    "get_device_communicator",
+    "list_device_communicators",
+    "select_device_communicator",
+]

@@ -1,0 +1,298 @@
+"""The abstract device communicator that every transport implements.
+
+A communicator moves tensors among the ranks of one group on one kind of device.
+:class:`DeviceCommunicator` fixes the public surface; its public methods check
+arguments (``TypeError``/``ValueError`` naming the argument), answer a group of
+one without communicating, normalise ``dim``, and translate backend failures
+into this package's errors. Subclasses implement the protected ``_hooks``,
+which receive validated, contiguous tensors, non-negative dims and group-local
+ranks.
+
+Conventions for every operation:
+
+* ranks are ranks *within the group* (``0 .. world_size-1``);
+* results are new tensors; inputs are never modified, except by
+  :meth:`broadcast`, whose receivers pass the buffer to fill (as in
+  ``torch.distributed``) and by :meth:`recv` callers' nothing (it allocates);
+* every rank gets a bitwise identical result from reductions.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any, ClassVar, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from device_comms import validation as v
+from device_comms.errors import translate_backend_error
+from device_comms.reduce_op import ReduceOp, check_reduce_op
+
+__all__ = ["DeviceCommunicator"]
+
+
+class DeviceCommunicator(abc.ABC):
+    """Abstract base of all device communicators.
+
+    Class attributes:
+        name: Registry name (``"cpu"``, ``"torch"``, later ``"pynccl"``...).
+        device_types: Device types served (``{"cpu"}``, ``{"cuda"}``).
+        priority: Higher wins when several available communicators serve a device.
+
+    Args:
+        cpu_group: A gloo group over the same ranks (handshakes, metadata).
+        device: The device this rank's tensors live on.
+        device_group: The group that carries tensor payloads (defaults to
+            ``cpu_group``; a NCCL group for CUDA communicators).
+        unique_name: The owning group's unique name (used in errors and names).
+    """
+
+    name: ClassVar[str] = ""
+    device_types: ClassVar[frozenset[str]] = frozenset()
+    priority: ClassVar[int] = 0
+
+    def __init__(
+        self,
+        cpu_group: dist.ProcessGroup,
+        device: torch.device,
+        device_group: dist.ProcessGroup | None = None,
+        unique_name: str = "",
+    ) -> None:
+        self.cpu_group = cpu_group
+        self.device_group = device_group if device_group is not None else cpu_group
+        self.device = torch.device(device)
+        self.unique_name = unique_name or f"{self.name}-group"
+        self.rank_in_group: int = dist.get_rank(cpu_group)
+        self.world_size: int = dist.get_world_size(cpu_group)
+        self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
+        self.rank: int = self.ranks[self.rank_in_group]
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether this communicator can run in this process (libraries, hardware)."""
+        return True
+
+    @classmethod
+    def serves(cls, device: torch.device) -> bool:
+        """Whether this communicator handles tensors on ``device``."""
+        return torch.device(device).type in cls.device_types
+
+    # ------------------------------------------------------------------ public API
+    def all_reduce(self, input_: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """Reduce ``input_`` element-wise across ranks; returns a new tensor."""
+        t = v.check_tensor(input_, "input_", self.device)
+        rop = check_reduce_op(op, t.dtype)
+        if self.world_size == 1:
+            return t.clone()
+        return self._guard("all_reduce", self._all_reduce, t.contiguous(), rop)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``input_`` along ``dim`` (same shape on all ranks)."""
+        t = v.check_tensor(input_, "input_", self.device)
+        d = v.norm_dim(dim, t.dim())
+        if self.world_size == 1:
+            return t.clone()
+        return self._guard("all_gather", self._all_gather, t.contiguous(), d)
+
+    def all_gatherv(
+        self,
+        input_: torch.Tensor | Sequence[torch.Tensor],
+        dim: int = 0,
+        sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """All-gather where rank ``i`` contributes ``sizes[i]`` along ``dim``.
+
+        ``input_`` may be a list of tensors (each gathered the same way; a list
+        comes back). ``sizes=None`` means equal sizes (plain all-gather).
+        """
+        if isinstance(input_, (list, tuple)):
+            return [self.all_gatherv(x, dim, sizes) for x in input_]
+        t = v.check_tensor(input_, "input_", self.device)
+        d = v.norm_dim(dim, t.dim())
+        if sizes is None:
+            return self.all_gather(t, d)
+        sz = v.check_sizes(sizes, self.world_size)
+        if t.shape[d] != sz[self.rank_in_group]:
+            raise ValueError(
+                f"input_.shape[{dim}] is {t.shape[d]} on rank {self.rank_in_group} but "
+                f"sizes[{self.rank_in_group}] is {sz[self.rank_in_group]}; every rank must "
+                f"pass the same sizes list, with its own entry matching its input"
+            )
+        if self.world_size == 1:
+            return t.clone()
+        return self._guard("all_gatherv", self._all_gatherv, t.contiguous(), d, sz)
+
+    def reduce_scatter(
+        self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor:
+        """Reduce across ranks, then give rank ``i`` the ``i``-th equal slice along ``dim``."""
+        t = v.check_tensor(input_, "input_", self.device)
+        d = v.norm_dim(dim, t.dim())
+        rop = check_reduce_op(op, t.dtype)
+        v.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
+        if self.world_size == 1:
+            return t.clone()
+        return self._guard("reduce_scatter", self._reduce_scatter, t.contiguous(), d, rop)
+
+    def reduce_scatterv(
+        self,
+        input_: torch.Tensor,
+        dim: int = -1,
+        sizes: Sequence[int] | None = None,
+        op: ReduceOp = ReduceOp.SUM,
+    ) -> torch.Tensor:
+        """Reduce-scatter where rank ``i`` receives ``sizes[i]`` entries along ``dim``."""
+        t = v.check_tensor(input_, "input_", self.device)
+        d = v.norm_dim(dim, t.dim())
+        if sizes is None:
+            return self.reduce_scatter(t, d, op)
+        rop = check_reduce_op(op, t.dtype)
+        sz = v.check_sizes(sizes, self.world_size, total=t.shape[d])
+        if self.world_size == 1:
+            return t.clone()
+        return self._guard("reduce_scatterv", self._reduce_scatterv, t.contiguous(), d, sz, rop)
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
+        t = v.check_tensor(input_, "input_", self.device)
+        v.check_rank(dst, self.world_size, "dst")
+        d = v.norm_dim(dim, t.dim())
+        if self.world_size == 1:
+            return t.clone()
+        return self._guard("gather", self._gather, t.contiguous(), dst, d)
+
+    def reduce(
+        self, input_: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor | None:
+        """Reduce onto ``dst`` (new tensor there, None elsewhere)."""
+        t = v.check_tensor(input_, "input_", self.device)
+        v.check_rank(dst, self.world_size, "dst")
+        rop = check_reduce_op(op, t.dtype)
+        if self.world_size == 1:
+            return t.clone()
+        return self._guard("reduce", self._reduce, t.contiguous(), dst, rop)
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast ``input_`` from ``src`` in place; receivers pass the buffer to fill."""
+        t = v.check_tensor(input_, "input_", self.device)
+        v.check_rank(src, self.world_size, "src")
+        if self.world_size == 1:
+            return t
+        if not t.is_contiguous():
+            raise ValueError("input_ must be contiguous for an in-place broadcast")
+        return self._guard("broadcast", self._broadcast, t, src)
+
+    def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = 0) -> torch.Tensor:
+        """Split ``src``'s ``input_`` into equal slices along ``dim``; rank ``i`` gets slice ``i``.
+
+        Non-source ranks may pass ``None``; shape and dtype come from ``src``.
+        """
+        v.check_rank(src, self.world_size, "src")
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+        if self.rank_in_group == src:
+            t = v.check_tensor(input_, "input_", self.device)
+            d = v.norm_dim(dim, t.dim())
+            v.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
+            if self.world_size == 1:
+                return t.clone()
+            t = t.contiguous()
+        else:
+            t, d = None, dim
+        return self._guard("scatter", self._scatter, t, src, d)
+
+    def all_to_all(
+        self, input_: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0
+    ) -> torch.Tensor:
+        """Send slice ``j`` of ``input_`` (split along ``scatter_dim``) to rank ``j``,
+        and concatenate the slices received from every rank along ``gather_dim``."""
+        t = v.check_tensor(input_, "input_", self.device)
+        sd = v.norm_dim(scatter_dim, t.dim(), "scatter_dim")
+        gd = v.norm_dim(gather_dim, t.dim(), "gather_dim")
+        v.check_divisible(t.shape[sd], self.world_size, f"input_.shape[{scatter_dim}]")
+        if self.world_size == 1:
+            return t.clone()
+        return self._guard("all_to_all", self._all_to_all, t.contiguous(), sd, gd)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to group rank ``dst`` (blocking)."""
+        t = v.check_tensor(tensor, "tensor", self.device)
+        v.check_rank(dst, self.world_size, "dst")
+        if dst == self.rank_in_group:
+            raise ValueError(f"dst={dst} is this rank; send needs another rank of the group")
+        self._guard("send", self._send, t.contiguous(), dst)
+
+    def recv(self, size: torch.Size | Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        v.check_rank(src, self.world_size, "src")
+        if src == self.rank_in_group:
+            raise ValueError(f"src={src} is this rank; recv needs another rank of the group")
+        return self._guard("recv", self._recv, torch.Size(size), dtype, src)
+
+    # ------------------------------------------------------------------ lifecycle
+    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+        """Register model buffers with the transport (no-op unless overridden)."""
+
+    @contextlib.contextmanager
+    def graph_capture(self) -> Iterator[None]:
+        """Context entered around CUDA graph capture (no-op unless overridden)."""
+        yield
+
+    def destroy(self) -> None:
+        """Release every resource; idempotent. Subclasses extend and call super()."""
+
+    # ------------------------------------------------------------------ hooks
+    @abc.abstractmethod
+    def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, t: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _reduce_scatterv(
+        self, t: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
+    ) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None: ...
+
+    @abc.abstractmethod
+    def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _scatter(self, t: torch.Tensor | None, src: int, dim: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _send(self, t: torch.Tensor, dst: int) -> None: ...
+
+    @abc.abstractmethod
+    def _recv(self, size: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor: ...
+
+    # ------------------------------------------------------------------ errors
+    def _guard(self, op: str, fn: Any, *args: Any) -> Any:
+        """Run a hook, turning backend failures into this package's errors."""
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            raise self._translate(op, e) from e
+
+    def _translate(self, op: str, e: RuntimeError) -> BaseException:
+        where = f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}), op {op}"
+        return translate_backend_error(e, where)

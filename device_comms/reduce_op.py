@@ -1,0 +1,133 @@
+"""Reduction operators, their validation and a local reference reduction."""
+
+from __future__ import annotations
+
+import enum
+from typing import Sequence
+
+import torch
+
+__all__ = ["ReduceOp", "check_reduce_op", "reduce_local", "BITWISE_OPS"]
+
+
+class ReduceOp(enum.Enum):
+    """Element-wise reductions understood by every communicator."""
+
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    def to_torch(self) -> "torch.distributed.ReduceOp":
+        """The matching ``torch.distributed.ReduceOp`` (AVG maps to SUM; divide after)."""
+        import torch.distributed as dist
+
+        return {
+            ReduceOp.SUM: dist.ReduceOp.SUM,
+            ReduceOp.AVG: dist.ReduceOp.SUM,
+            ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+            ReduceOp.MIN: dist.ReduceOp.MIN,
+            ReduceOp.MAX: dist.ReduceOp.MAX,
+            ReduceOp.BAND: dist.ReduceOp.BAND,
+            ReduceOp.BOR: dist.ReduceOp.BOR,
+            ReduceOp.BXOR: dist.ReduceOp.BXOR,
+        }[self]
+
+
+BITWISE_OPS = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+_INTEGRAL = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+)
+
+
+def check_reduce_op(op: object, dtype: torch.dtype, arg: str = "op") -> ReduceOp:
+    """Validate ``op`` for tensors of ``dtype`` and return it as a :class:`ReduceOp`.
+
+    Accepts a :class:`ReduceOp`, its name (``"sum"``/``"SUM"``), or a
+    ``torch.distributed.ReduceOp``.
+
+    Raises:
+        TypeError: ``op`` is not a reduction, a bitwise op is used on a
+            non-integer dtype, or AVG on an integer dtype.
+    """
+    rop = _coerce(op, arg)
+    if rop in BITWISE_OPS and dtype not in _INTEGRAL:
+        raise TypeError(
+            f"{arg}=ReduceOp.{rop.name} needs an integer or bool tensor, got dtype {dtype}; "
+            f"use SUM/MIN/MAX/PRODUCT/AVG for floating point"
+        )
+    if rop is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(
+            f"{arg}=ReduceOp.AVG needs a floating-point tensor, got dtype {dtype}; "
+            f"use SUM and divide, or convert to float first"
+        )
+    return rop
+
+
+def _coerce(op: object, arg: str) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        try:
+            return ReduceOp[op.upper()]
+        except KeyError:
+            pass
+    else:
+        try:
+            import torch.distributed as dist
+
+            if isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+                name = str(op).rsplit(".", 1)[-1].upper()
+                if name == "PREMUL_SUM":
+                    raise TypeError(f"{arg}: PREMUL_SUM is not supported")
+                return ReduceOp[name]
+        except (ImportError, KeyError):
+            pass
+    names = ", ".join(m.name for m in ReduceOp)
+    raise TypeError(f"{arg} must be a ReduceOp ({names}), got {op!r}")
+
+
+def reduce_local(tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    """Reduce ``tensors`` element-wise in list order (a fixed, rank-independent order).
+
+    Used as the arithmetic of shared-memory collectives and as a test reference.
+    Floating-point SUM/AVG accumulate left to right, so any rank that reduces the
+    same list gets a bitwise identical result.
+    """
+    if not tensors:
+        raise ValueError("tensors must be a non-empty sequence")
+    acc = tensors[0].clone()
+    for t in tensors[1:]:
+        _accumulate_(acc, t, op)
+    if op is ReduceOp.AVG:
+        acc.div_(len(tensors))
+    return acc
+
+
+def _accumulate_(acc: torch.Tensor, t: torch.Tensor, op: ReduceOp) -> None:
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        if acc.dtype == torch.bool:
+            acc.logical_or_(t)
+        else:
+            acc.add_(t)
+    elif op is ReduceOp.PRODUCT:
+        if acc.dtype == torch.bool:
+            acc.logical_and_(t)
+        else:
+            acc.mul_(t)
+    elif op is ReduceOp.MIN:
+        torch.minimum(acc, t, out=acc)
+    elif op is ReduceOp.MAX:
+        torch.maximum(acc, t, out=acc)
+    elif op is ReduceOp.BAND:
+        acc.bitwise_and_(t)
+    elif op is ReduceOp.BOR:
+        acc.bitwise_or_(t)
+    elif op is ReduceOp.BXOR:
+        acc.bitwise_xor_(t)
+    else:  # pragma: no cover
+        raise TypeError(f"unknown op {op!r}")

@@ -1,0 +1,164 @@
+"""A communicator that carries every op over a ``torch.distributed`` group.
+
+This is the portable path: gloo for CPU tensors (and NCCL for CUDA ones when
+given a NCCL ``device_group``). Faster transports subclass it and override the
+ops they accelerate, falling back to these implementations for the rest.
+
+Uneven ops (``all_gatherv``, ``reduce_scatterv``) pad every rank's piece to the
+largest and slice afterwards, which works on any backend. Pure data-movement
+ops send 2-byte types and bool as ``uint8`` byte views, so they work even where a
+backend lacks a kernel for ``bfloat16``/``float16``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from device_comms.base import DeviceCommunicator
+from device_comms.reduce_op import ReduceOp
+
+__all__ = ["TorchDistributedCommunicator"]
+
+# torch >= 2.12 names these *_single; older releases only have *_tensor.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_BYTE_MOVED = frozenset({torch.bfloat16, torch.float16, torch.bool, torch.int16})
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A same-memory view of contiguous ``t`` in a dtype every backend can move.
+
+    Types gloo lacks kernels for travel as flat ``uint8`` bytes; callers only
+    use this for pure data movement on contiguous tensors.
+    """
+    if t.dtype in _BYTE_MOVED:
+        return t.reshape(-1).view(torch.uint8)
+    return t
+
+
+class TorchDistributedCommunicator(DeviceCommunicator):
+    """Every op through ``torch.distributed`` on ``device_group`` (any device type)."""
+
+    name = "torch"
+    device_types = frozenset({"cpu", "cuda"})
+    priority = 0
+
+    def _g(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    # --- reductions -----------------------------------------------------------
+    def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        out = t.clone()
+        dist.all_reduce(out, op=op.to_torch(), group=self.device_group)
+        if op is ReduceOp.AVG:
+            out.div_(self.world_size)
+        return out
+
+    def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
+        out = t.clone()
+        dist.reduce(out, dst=self._g(dst), op=op.to_torch(), group=self.device_group)
+        if self.rank_in_group != dst:
+            return None
+        if op is ReduceOp.AVG:
+            out.div_(self.world_size)
+        return out
+
+    def _reduce_scatter(self, t: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor:
+        n = self.world_size
+        x = t.movedim(dim, 0).contiguous()
+        out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=t.dtype, device=t.device)
+        _reduce_scatter_flat(out.view(-1), x.view(-1), op=op.to_torch(), group=self.device_group)
+        if op is ReduceOp.AVG:
+            out.div_(n)
+        return out.movedim(0, dim).contiguous()
+
+    def _reduce_scatterv(
+        self, t: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
+    ) -> torch.Tensor:
+        n, m = self.world_size, max(sizes)
+        x = t.movedim(dim, 0)
+        padded = torch.zeros((n * m,) + x.shape[1:], dtype=t.dtype, device=t.device)
+        off = 0
+        for i, s in enumerate(sizes):
+            padded[i * m : i * m + s] = x[off : off + s]
+            off += s
+        out = torch.empty((m,) + x.shape[1:], dtype=t.dtype, device=t.device)
+        _reduce_scatter_flat(out.view(-1), padded.view(-1), op=op.to_torch(), group=self.device_group)
+        if op is ReduceOp.AVG:
+            out.div_(n)
+        return out[: sizes[self.rank_in_group]].movedim(0, dim).contiguous()
+
+    # --- data movement ----------------------------------------------------------
+    def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        n = self.world_size
+        out = torch.empty((n,) + t.shape, dtype=t.dtype, device=t.device)
+        _all_gather_flat(_wire(out).view(-1), _wire(t).view(-1), group=self.device_group)
+        return _concat_leading(out, dim)
+
+    def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        n, m = self.world_size, max(sizes)
+        x = t.movedim(dim, 0)
+        padded = torch.zeros((m,) + x.shape[1:], dtype=t.dtype, device=t.device)
+        padded[: x.shape[0]] = x
+        out = torch.empty((n * m,) + x.shape[1:], dtype=t.dtype, device=t.device)
+        _all_gather_flat(_wire(out).view(-1), _wire(padded).view(-1), group=self.device_group)
+        pieces = [out[i * m : i * m + s] for i, s in enumerate(sizes)]
+        return torch.cat(pieces, 0).movedim(0, dim).contiguous()
+
+    def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
+        me = self.rank_in_group == dst
+        bufs = [torch.empty_like(t) for _ in range(self.world_size)] if me else None
+        dist.gather(
+            _wire(t),
+            [_wire(b) for b in bufs] if bufs is not None else None,
+            dst=self._g(dst),
+            group=self.device_group,
+        )
+        return torch.cat(bufs, dim) if bufs is not None else None
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        dist.broadcast(_wire(t), src=self._g(src), group=self.device_group)
+        return t
+
+    def _scatter(self, t: torch.Tensor | None, src: int, dim: int) -> torch.Tensor:
+        meta = [None if t is None else (tuple(t.shape), t.dtype, dim)]
+        dist.broadcast_object_list(meta, src=self._g(src), group=self.cpu_group)
+        shape, dtype, d = meta[0]  # type: ignore[misc]
+        d = d % len(shape)
+        n = self.world_size
+        piece_shape = list(shape)
+        piece_shape[d] //= n
+        out = torch.empty(piece_shape, dtype=dtype, device=self.device)
+        chunks = None
+        if t is not None:
+            chunks = [_wire(c.contiguous()) for c in t.chunk(n, d)]
+        dist.scatter(_wire(out), chunks, src=self._g(src), group=self.device_group)
+        return out
+
+    def _all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        n = self.world_size
+        x = t.movedim(scatter_dim, 0).contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(_wire(out), _wire(x), group=self.device_group)
+        # out = [piece from rank 0 | piece from rank 1 | ...], each in moved layout.
+        pieces = [p.movedim(0, scatter_dim) for p in out.chunk(n, 0)]
+        return torch.cat(pieces, gather_dim).contiguous()
+
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        dist.send(_wire(t), dst=self._g(dst), group=self.device_group)
+
+    def _recv(self, size: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
+        out = torch.empty(size, dtype=dtype, device=self.device)
+        dist.recv(_wire(out), src=self._g(src), group=self.device_group)
+        return out
+
+
+def _concat_leading(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """(n, *shape) -> shape with dim ``dim`` n times larger (rank-major concat)."""
+    n = stacked.shape[0]
+    shape = list(stacked.shape[1:])
+    x = stacked.movedim(0, dim)  # (..., n, shape[dim], ...)
+    shape[dim] *= n
+    return x.reshape(shape)

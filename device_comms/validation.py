@@ -1,0 +1,76 @@
+"""Argument checks shared by every communicator (user input never hits ``assert``)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["check_tensor", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
+
+
+def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.Tensor:
+    """Raise TypeError unless ``t`` is a tensor (on ``device``'s type when given)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    if device is not None and t.device.type != device.type:
+        raise ValueError(
+            f"{arg} must be on a {device.type} device for this communicator, "
+            f"got a tensor on {t.device}; move it with .to({str(device)!r})"
+        )
+    return t
+
+
+def norm_dim(dim: Any, ndim: int, arg: str = "dim") -> int:
+    """Return ``dim`` as a non-negative index into a tensor of ``ndim`` dims."""
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"{arg} must be an int, got {type(dim).__name__}")
+    if ndim == 0:
+        raise ValueError(f"{arg}={dim} is invalid for a 0-dim tensor; reshape it to 1-D first")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{arg} must be in [{-ndim}, {ndim}) for a {ndim}-D tensor, got {dim}")
+    return dim % ndim
+
+
+def check_rank(r: Any, world_size: int, arg: str) -> int:
+    """Return ``r`` if it is a valid group rank, else raise ValueError/TypeError."""
+    if not isinstance(r, int) or isinstance(r, bool):
+        raise TypeError(f"{arg} must be an int rank within the group, got {type(r).__name__}")
+    if not 0 <= r < world_size:
+        raise ValueError(f"{arg} must be a rank in [0, {world_size}) within the group, got {r}")
+    return r
+
+
+def check_sizes(
+    sizes: Any, world_size: int, arg: str = "sizes", total: int | None = None
+) -> list[int]:
+    """Validate a per-rank size list (non-negative ints, one per rank, optional sum)."""
+    if not isinstance(sizes, (list, tuple)):
+        raise TypeError(f"{arg} must be a list of ints (one per rank), got {type(sizes).__name__}")
+    if len(sizes) != world_size:
+        raise ValueError(f"{arg} must have {world_size} entries (one per rank), got {len(sizes)}")
+    out = []
+    for i, s in enumerate(sizes):
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"{arg}[{i}] must be a non-negative int, got {s!r}")
+        out.append(s)
+    if total is not None and sum(out) != total:
+        raise ValueError(
+            f"{arg} must sum to the size of the scattered dimension ({total}), "
+            f"got sum({out}) = {sum(out)}"
+        )
+    return out
+
+
+def check_divisible(n: int, world_size: int, what: str) -> None:
+    """Raise ValueError unless ``n`` splits evenly across ``world_size`` ranks."""
+    if n % world_size:
+        raise ValueError(
+            f"{what} ({n}) must be divisible by the group's world size ({world_size}); "
+            f"use the 'v' variant with explicit sizes for uneven splits"
+        )
+
+
+def same_shapes(tensors: Sequence[torch.Tensor]) -> bool:
+    """True when all tensors share one shape."""
+    return all(t.shape == tensors[0].shape for t in tensors)

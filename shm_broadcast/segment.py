@@ -1,0 +1,365 @@
+"""Named POSIX shared-memory segments that are never lost.
+
+Every segment this project creates goes through :class:`SharedSegment`, which
+gives the guarantees the rest of the code relies on:
+
+* **Recognisable names.** ``gc_<kind>_<owner pid>_<random token>`` (for example
+  ``/dev/shm/gc_mq_4242_1f0e9a2b``), so ``groupcoord cleanup`` can tell our
+  segments from anyone else's and find those whose owner has died.
+* **Private.** Created with mode ``0600`` and ``O_EXCL``.
+* **No bus errors.** Before creating, free space in ``/dev/shm`` is checked and
+  the pages are reserved with ``posix_fallocate``; a full ``/dev/shm`` raises
+  :class:`ShmSpaceError` at creation instead of ``SIGBUS`` on a later write.
+* **One owner unlinks.** Only the creating process (same pid, so not a forked
+  child) unlinks: on :meth:`SharedSegment.close`, at interpreter exit, and on
+  ``SIGTERM``. Attaching processes never unlink and never register with
+  :mod:`multiprocessing.resource_tracker` (which would warn about, or even
+  unlink, segments it does not own).
+* **Crash recovery.** A ``SIGKILL``-ed owner cannot clean up after itself;
+  :func:`list_segments` and :func:`remove_orphans` (``groupcoord cleanup``)
+  find and remove segments whose owner pid no longer exists.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import re
+import secrets
+import signal
+import threading
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable
+
+import psutil
+
+from shm_broadcast.errors import SegmentError, ShmSpaceError
+
+try:  # CPython's own binding of shm_open/shm_unlink (POSIX only).
+    import _posixshmem
+except ImportError:  # pragma: no cover - non-POSIX platforms
+    _posixshmem = None  # type: ignore[assignment]
+
+__all__ = [
+    "PREFIX",
+    "SHM_DIR",
+    "SharedSegment",
+    "SegmentInfo",
+    "list_segments",
+    "remove_orphans",
+    "shm_free_bytes",
+]
+
+PREFIX = "gc_"
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"^gc_(?P<kind>[a-z0-9]+)_(?P<pid>\d+)_(?P<token>[0-9a-f]+)$")
+_KIND_RE = re.compile(r"^[a-z0-9]{1,16}$")
+# Headroom kept free in /dev/shm beyond the requested size.
+_SPACE_MARGIN = 1 << 20
+
+
+def shm_free_bytes() -> int:
+    """Return the bytes available to unprivileged users in ``/dev/shm``.
+
+    Returns:
+        Free bytes, or ``-1`` when ``/dev/shm`` does not exist (non-Linux).
+    """
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
+
+
+class _OwnerRegistry:
+    """Process-wide set of segments this process created and must unlink.
+
+    The one piece of global state in this module: ``atexit`` and the
+    ``SIGTERM`` handler need to find every owned segment.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._names: dict[str, int] = {}  # name -> creating pid
+        self._hooks_installed = False
+        self._prev_sigterm: Any = None
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            self._names[name] = os.getpid()
+            if not self._hooks_installed:
+                self._install_hooks()
+
+    def discard(self, name: str) -> None:
+        with self._lock:
+            self._names.pop(name, None)
+
+    def unlink_all(self) -> None:
+        """Unlink every segment created by this very process (not by a parent)."""
+        with self._lock:
+            mine = [n for n, pid in self._names.items() if pid == os.getpid()]
+            for n in mine:
+                self._names.pop(n, None)
+        for n in mine:
+            _unlink_quietly(n)
+
+    def _install_hooks(self) -> None:
+        self._hooks_installed = True
+        atexit.register(self.unlink_all)
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        try:
+            prev = signal.getsignal(signal.SIGTERM)
+            if prev is signal.SIG_IGN:
+                return
+            self._prev_sigterm = prev
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except (ValueError, OSError):  # pragma: no cover - embedded interpreters
+            pass
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self.unlink_all()
+        prev = self._prev_sigterm
+        if callable(prev):
+            prev(signum, frame)
+            return
+        # Default action: die by SIGTERM, as the process would have without us.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_OWNERS = _OwnerRegistry()
+
+
+def _unlink_quietly(name: str) -> None:
+    try:
+        _shm_unlink(name)
+    except FileNotFoundError:
+        pass
+    except OSError:  # pragma: no cover - permission races at exit
+        pass
+
+
+def _shm_open(name: str, flags: int, mode: int = 0o600) -> int:
+    if _posixshmem is None:  # pragma: no cover
+        raise SegmentError("POSIX shared memory is not available on this platform")
+    return _posixshmem.shm_open("/" + name, flags, mode)
+
+
+def _shm_unlink(name: str) -> None:
+    if _posixshmem is None:  # pragma: no cover
+        raise SegmentError("POSIX shared memory is not available on this platform")
+    _posixshmem.shm_unlink("/" + name)
+
+
+class SharedSegment:
+    """A mapped POSIX shared-memory segment.
+
+    Create one with :meth:`create` (the owner) or :meth:`attach` (everyone
+    else). Use as a context manager or call :meth:`close`.
+
+    Attributes:
+        name: Segment name without the leading slash (file in ``/dev/shm``).
+        size: Size in bytes.
+        is_owner: Whether this object created the segment and will unlink it.
+        buf: A writable ``memoryview`` over the whole segment.
+    """
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap, is_owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self._mmap: mmap.mmap | None = mm
+        self.buf: memoryview = memoryview(mm)
+        self.is_owner = is_owner
+        self._owner_pid = os.getpid()
+
+    @classmethod
+    def create(cls, kind: str, size: int) -> "SharedSegment":
+        """Create and map a new segment owned by this process.
+
+        Args:
+            kind: Short lowercase tag naming the user (``"mq"``, ``"cpucomm"``...).
+            size: Size in bytes, > 0.
+
+        Returns:
+            The owning :class:`SharedSegment`, zero-filled.
+
+        Raises:
+            ValueError: ``kind`` or ``size`` is malformed.
+            ShmSpaceError: ``/dev/shm`` cannot hold ``size`` bytes.
+            SegmentError: Creation failed for another reason.
+        """
+        if not isinstance(kind, str) or not _KIND_RE.match(kind):
+            raise ValueError(f"kind must be 1-16 lowercase letters/digits, got {kind!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ValueError(f"size must be a positive int (bytes), got {size!r}")
+        free = shm_free_bytes()
+        if free >= 0 and free < size + _SPACE_MARGIN:
+            raise ShmSpaceError(
+                f"/dev/shm has {free / 2**20:.1f} MiB free but a {kind!r} segment needs "
+                f"{size / 2**20:.1f} MiB; free space (run `groupcoord cleanup --yes` to "
+                f"remove segments of dead processes) or enlarge /dev/shm "
+                f"(docker: --shm-size)."
+            )
+        for _ in range(8):
+            name = f"{PREFIX}{kind}_{os.getpid()}_{secrets.token_hex(4)}"
+            try:
+                fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                break
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise SegmentError(f"cannot create shared memory segment {name!r}: {e}") from e
+        else:  # pragma: no cover - 8 collisions of a 32-bit token
+            raise SegmentError("could not find a free shared memory segment name")
+        _OWNERS.add(name)
+        try:
+            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise ShmSpaceError(
+                    f"could not reserve {size / 2**20:.1f} MiB in /dev/shm for segment "
+                    f"{name!r} ({e}); free space or enlarge /dev/shm."
+                ) from e
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            _OWNERS.discard(name)
+            _unlink_quietly(name)
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, size, mm, is_owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "SharedSegment":
+        """Map an existing segment created by another process.
+
+        Args:
+            name: The owner's :attr:`name`.
+
+        Returns:
+            A non-owning :class:`SharedSegment`.
+
+        Raises:
+            SegmentError: The segment does not exist (its owner may have exited).
+        """
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"name must be a segment name without '/', got {name!r}")
+        try:
+            fd = _shm_open(name, os.O_RDWR, 0o600)
+        except FileNotFoundError as e:
+            raise SegmentError(
+                f"shared memory segment {name!r} does not exist; its owner has probably "
+                f"exited or closed it"
+            ) from e
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                raise SegmentError(f"shared memory segment {name!r} is empty")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return cls(name, size, mm, is_owner=False)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._mmap is None
+
+    def unlink(self) -> None:
+        """Remove the name from ``/dev/shm`` (owner only; idempotent).
+
+        The mapping stays valid for processes that already attached.
+        """
+        if self.is_owner and os.getpid() == self._owner_pid:
+            _OWNERS.discard(self.name)
+            _unlink_quietly(self.name)
+
+    def close(self) -> None:
+        """Unmap, and unlink if this process owns the segment. Idempotent."""
+        if self._mmap is None:
+            return
+        self.unlink()
+        mm, self._mmap = self._mmap, None
+        self.buf.release()
+        try:
+            mm.close()
+        except BufferError:
+            # Someone still holds a view (a tensor over the buffer); the mapping
+            # is freed with the last reference. The name is already gone.
+            pass
+
+    def __enter__(self) -> "SharedSegment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        role = "owner" if self.is_owner else "attached"
+        return f"SharedSegment({self.name!r}, size={self.size}, {role})"
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """One of our segments found in ``/dev/shm``.
+
+    Attributes:
+        name: File name in ``/dev/shm``.
+        kind: The ``kind`` tag it was created with.
+        pid: Owner process id.
+        size: Size in bytes.
+        owner_alive: Whether a process with that pid exists.
+    """
+
+    name: str
+    kind: str
+    pid: int
+    size: int
+    owner_alive: bool
+
+
+def list_segments(pid_alive: Callable[[int], bool] = psutil.pid_exists) -> list[SegmentInfo]:
+    """List this project's segments in ``/dev/shm``.
+
+    Args:
+        pid_alive: Predicate deciding whether an owner pid is alive.
+
+    Returns:
+        One :class:`SegmentInfo` per segment, sorted by name.
+    """
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    out = []
+    for n in sorted(names):
+        m = _NAME_RE.match(n)
+        if not m:
+            continue
+        try:
+            size = os.stat(os.path.join(SHM_DIR, n)).st_size
+        except OSError:
+            continue
+        pid = int(m.group("pid"))
+        out.append(SegmentInfo(n, m.group("kind"), pid, size, pid_alive(pid)))
+    return out
+
+
+def remove_orphans(dry_run: bool = False) -> list[SegmentInfo]:
+    """Unlink every segment of ours whose owner process no longer exists.
+
+    Args:
+        dry_run: Only report; remove nothing.
+
+    Returns:
+        The orphaned segments (removed unless ``dry_run``).
+    """
+    orphans = [s for s in list_segments() if not s.owner_alive]
+    if not dry_run:
+        for s in orphans:
+            _unlink_quietly(s.name)
+    return orphans
