@@ -39,11 +39,13 @@ from coordinator.parallel_state import (
     tensor_model_parallel_gather,
     tensor_model_parallel_reduce_scatter,
 )
+from coordinator.stateless_group import StatelessProcessGroup
 from device_comms import ReduceOp
 
 __all__ = [
     "GroupCoordinator",
     "GraphCaptureContext",
+    "StatelessProcessGroup",
     "ReduceOp",
     "GroupCoordError",
     "CommTimeout",

@@ -65,7 +65,7 @@ def no_leaks() -> Iterator[None]:
         ]
         segs = [
             s for s in list_segments()
-            if s.name not in seg_before and s.pid not in allowed and s.kind != "node"
+            if s.name not in seg_before and s.pid not in allowed
         ]
         if (not kids and not segs) or time.monotonic() > deadline:
             break

@@ -1,0 +1,78 @@
+"""The ``groupcoord`` command line.
+
+Subcommands (each module is imported only when its command runs)::
+
+    groupcoord demo [...]               sharded model demo, checked against a reference
+    groupcoord bench mq [...]           shared-memory queue vs gloo and pickle+zmq
+    groupcoord bench collectives [...]  CPU shared-memory collectives vs gloo
+    groupcoord cleanup [--yes]          list / remove /dev/shm segments of dead processes
+    groupcoord doctor [--json]          environment report for bug reports
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Sequence
+
+__all__ = ["main", "build_parser"]
+
+# command -> (module, function adding arguments, function running the command)
+_COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "demo": ("coordinator.demo.cli", "add_args", "run", "run the sharded model demo"),
+    "cleanup": ("shm_broadcast.cli", "add_cleanup_args", "run_cleanup",
+                "list (and with --yes remove) /dev/shm segments whose owner died"),
+    "doctor": ("coordinator.doctor", "add_args", "run", "print an environment report"),
+}
+_BENCHES: dict[str, tuple[str, str, str, str]] = {
+    "mq": ("shm_broadcast.cli", "add_bench_args", "run_bench",
+           "message queue latency/throughput vs gloo and pickle+zmq"),
+    "collectives": ("device_comms.bench_collectives", "add_bench_args", "run_bench",
+                    "CPU shared-memory collectives vs gloo"),
+}
+
+
+def _load(module: str, name: str) -> Callable[..., object]:
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
+def _add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]",
+         table: dict[str, tuple[str, str, str, str]], argv: Sequence[str]) -> None:
+    for cmd, (module, add_fn, run_fn, help_text) in table.items():
+        p = sub.add_parser(cmd, help=help_text, description=help_text)
+        # Only import the module of the command actually used (keeps --help fast).
+        if cmd in argv:
+            _load(module, add_fn)(p)
+        p.set_defaults(_run=(module, run_fn))
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """Build the argument parser (subcommand options load for the chosen command)."""
+    parser = argparse.ArgumentParser(
+        prog="groupcoord",
+        description="groupcoord: process-group coordination for LLM serving engines.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add(sub, _COMMANDS, argv)
+    bench = sub.add_parser("bench", help="benchmarks (mq, collectives)")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    _add(bsub, _BENCHES, argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``groupcoord`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    target = getattr(args, "_run", None)
+    if target is None:
+        parser.print_help()
+        return 2
+    module, fn = target
+    return int(_load(module, fn)(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

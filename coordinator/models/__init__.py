@@ -1,0 +1,28 @@
+"""Decoder models built from :mod:`coordinator.layers`, sharded over TP x PP ranks.
+
+* :class:`LlamaForCausalLM` — one rank's shard (or the whole model) of a
+  Llama-architecture decoder; loads Hugging Face checkpoints.
+* :class:`ModelRunner` / :class:`StepInput` — run scheduler steps (prefill and
+  decode mixed) with a paged KV cache and pipeline hand-off.
+* :func:`generate_greedy` — a small continuous-batching greedy loop.
+"""
+
+from coordinator.models.config import LlamaModelConfig, default_config
+from coordinator.models.generate import GenerationRequest, generate_greedy
+from coordinator.models.kv_cache import AttentionInputs, KVCache, KVCacheFullError
+from coordinator.models.llama import LlamaForCausalLM, partition_layers
+from coordinator.models.runner import ModelRunner, StepInput
+
+__all__ = [
+    "LlamaModelConfig",
+    "default_config",
+    "LlamaForCausalLM",
+    "partition_layers",
+    "KVCache",
+    "KVCacheFullError",
+    "AttentionInputs",
+    "ModelRunner",
+    "StepInput",
+    "GenerationRequest",
+    "generate_greedy",
+]

@@ -1,0 +1,155 @@
+"""Drives one rank's model shard through scheduler steps.
+
+A step (:class:`StepInput`) lists, for every scheduled request, the tokens to
+run now and how many of its tokens are already cached. A prefill is a request
+with ``num_computed == 0`` and its prompt (or a chunk of it); a decode is one
+token. Any mix of both is one step (continuous batching). The step is a
+msgspec struct, so an engine's driver can broadcast it to the workers as is.
+
+Per step on every rank::
+
+    free finished requests' KV blocks
+    reserve KV slots, build AttentionInputs            (same on every rank)
+    first stage: embed token ids  | later stage: recv hidden states from prev
+    run the local layers           (TP collectives inside)
+    not last stage: send hidden states to next stage -> None
+    last stage: greedy next token of every request    -> list[int]
+
+The next tokens exist on the last pipeline stage;
+:meth:`ModelRunner.share_next_tokens` broadcasts them to the whole
+pipeline group so the first stage (the driver's) has them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgspec
+import torch
+
+from coordinator.models.kv_cache import AttentionInputs
+from coordinator.models.llama import LlamaForCausalLM
+
+__all__ = ["StepInput", "ModelRunner"]
+
+
+class StepInput(msgspec.Struct, frozen=True):
+    """One scheduler step.
+
+    Attributes:
+        req_ids: Scheduled requests (distinct).
+        token_ids: For each scheduled request, its tokens to run now.
+        num_computed: For each scheduled request, its tokens already in the KV cache.
+        finished_req_ids: Requests whose KV cache to release before the step.
+    """
+
+    req_ids: list[int]
+    token_ids: list[list[int]]
+    num_computed: list[int]
+    finished_req_ids: list[int] = []
+
+
+class ModelRunner:
+    """Owns a model shard and its KV cache; runs :class:`StepInput` steps.
+
+    Args:
+        model: This rank's shard.
+        num_kv_blocks: KV cache capacity in blocks.
+        block_size: Tokens per KV block.
+        compile: Run the forward through ``torch.compile(fullgraph=True, dynamic=True)``.
+        compile_backend: ``torch.compile`` backend (``inductor``, ``aot_eager``...).
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_kv_blocks: int = 256,
+        block_size: int = 16,
+        compile: bool = False,
+        compile_backend: str = "inductor",
+    ) -> None:
+        if not isinstance(model, LlamaForCausalLM):
+            raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
+        self.model = model
+        self.kv_cache = model.make_kv_cache(num_kv_blocks, block_size)
+        self.pp_group = model.pp_group
+        self._forward: Callable[..., torch.Tensor] = model
+        if compile:
+            self._forward = torch.compile(model, fullgraph=True, dynamic=True, backend=compile_backend)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.model.is_first_stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.model.is_last_stage
+
+    def _check(self, step: StepInput) -> None:
+        if not isinstance(step, StepInput):
+            raise TypeError(f"step must be a StepInput, got {type(step).__name__}")
+        n = len(step.req_ids)
+        if len(step.token_ids) != n or len(step.num_computed) != n:
+            raise ValueError(
+                f"step.req_ids, step.token_ids and step.num_computed must have equal lengths, got "
+                f"{n}, {len(step.token_ids)}, {len(step.num_computed)}"
+            )
+        vocab = self.model.config.vocab_size
+        for req, toks in zip(step.req_ids, step.token_ids):
+            bad = [t for t in toks if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"request {req}: token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
+
+    @torch.no_grad()
+    def run(self, step: StepInput, all_logits: bool = False) -> torch.Tensor | None:
+        """Run one step; returns logits on the last stage (``[R, V]``, or ``[T, V]``), else None."""
+        self._check(step)
+        for req in step.finished_req_ids:
+            self.kv_cache.free(req)
+        if not step.req_ids:
+            return torch.empty(0, self.model.config.vocab_size) if self.is_last_stage else None
+        attn: AttentionInputs = self.kv_cache.prepare_step(
+            step.req_ids, step.num_computed, [len(t) for t in step.token_ids]
+        )
+        input_ids = hidden = None
+        if self.is_first_stage:
+            input_ids = torch.tensor([t for toks in step.token_ids for t in toks], dtype=torch.long)
+        else:
+            hidden = self.pp_group.recv_tensor_dict()["hidden_states"]
+        out = self._forward(input_ids, attn, self.kv_cache.layers, hidden, all_logits)
+        if not self.is_last_stage:
+            self.pp_group.send_tensor_dict({"hidden_states": out})
+            return None
+        return out
+
+    def execute(self, step: StepInput) -> list[int] | None:
+        """Run one step; the greedy next token of each request on the last stage, else None."""
+        logits = self.run(step)
+        return None if logits is None else logits.argmax(dim=-1).tolist()
+
+    def share_next_tokens(self, tokens: list[int] | None, num_requests: int) -> list[int]:
+        """Broadcast the last stage's ``tokens`` to every rank of the pipeline group."""
+        if self.pp_group is None or self.pp_group.world_size == 1:
+            if tokens is None:
+                raise ValueError("tokens must be given on the last pipeline stage")
+            return list(tokens)
+        src = self.pp_group.world_size - 1
+        if self.is_last_stage:
+            if tokens is None or len(tokens) != num_requests:
+                raise ValueError(f"the last stage must pass {num_requests} tokens, got {tokens!r}")
+            buf = torch.tensor(tokens, dtype=torch.long)
+        else:
+            buf = torch.empty(num_requests, dtype=torch.long)
+        if num_requests == 0:
+            return []
+        out: Any = self.pp_group.broadcast(buf, src=src)
+        return (buf if out is None else out).tolist()
+
+    def step(self, step: StepInput) -> list[int]:
+        """:meth:`execute` then :meth:`share_next_tokens`: next tokens on every rank."""
+        return self.share_next_tokens(self.execute(step), len(step.req_ids))
+
+    def close(self) -> None:
+        """Release the KV cache."""
+        self.kv_cache.reset()
+        self.kv_cache.layers.clear()

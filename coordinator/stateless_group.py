@@ -1,0 +1,249 @@
+"""An object-level process group over a TCPStore, outside torch.distributed's global state.
+
+:class:`StatelessProcessGroup` lets one process join several independent groups
+(say an engine's data-parallel coordinator group and a KV-transfer group)
+without ``torch.distributed.init_process_group``. It moves picklable Python
+objects only; it is meant for setup handshakes and control messages.
+
+Protocol (all through the store, keys prefixed with the group's name)::
+
+    send_obj(dst)      set  p2p/<src>-><dst>/<seq>             recv_obj deletes it
+    broadcast_obj(src) set  bcast/<src>/<seq>                  each reader adds 1 to
+                                                               .../acks; the last
+                                                               reader deletes both
+    all_gather_obj     set  gather/<seq>/<rank>, read all;    last reader cleans up
+    barrier            set  barrier/<seq>/<rank>, wait all;   rank 0 deletes them in
+                                                               barrier seq+1
+
+Sequence numbers are per peer (p2p) or per source (broadcast), so the store
+holds only messages not yet read. Blocking calls take a timeout and raise
+:class:`~coordinator.errors.CommTimeout` naming the group, the operation and
+the peer(s) that did not answer. Objects are pickled (these carry arbitrary
+objects such as queue handles; the hot path uses the message queue instead).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections import defaultdict
+from typing import Any
+
+import torch.distributed as dist
+
+from coordinator.errors import CommTimeout
+
+__all__ = ["StatelessProcessGroup"]
+
+_DEFAULT_TIMEOUT = 300.0
+
+
+class StatelessProcessGroup:
+    """A group of ``world_size`` processes sharing a TCPStore.
+
+    Build with :meth:`create`. Ranks are ``0 .. world_size-1``; rank 0 hosts
+    the store and must outlive the others' use of the group.
+
+    Attributes:
+        rank: This process's rank.
+        world_size: Number of processes.
+        name: Key prefix, also used in error messages.
+        store: The underlying ``torch.distributed.Store``.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: dist.Store,
+        name: str = "stateless",
+        timeout: float = _DEFAULT_TIMEOUT,
+    ) -> None:
+        _check_rank_world(rank, world_size)
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store
+        self.name = name
+        self.timeout = float(timeout)
+        self._send_seq: dict[int, int] = defaultdict(int)
+        self._recv_seq: dict[int, int] = defaultdict(int)
+        self._bcast_seq: dict[int, int] = defaultdict(int)
+        self._gather_seq = 0
+        self._barrier_seq = 0
+
+    @classmethod
+    def create(
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout: float = _DEFAULT_TIMEOUT,
+        name: str = "stateless",
+    ) -> "StatelessProcessGroup":
+        """Create a group: rank 0 listens on ``host:port``, others connect.
+
+        Args:
+            host: Address of rank 0's store.
+            port: Port of the store (rank 0 binds it).
+            rank: This process's rank.
+            world_size: Number of processes.
+            timeout: Default seconds for blocking operations.
+            name: Key prefix (groups sharing a store need distinct names).
+
+        Raises:
+            ValueError: Bad rank/world_size/port.
+        """
+        _check_rank_world(rank, world_size)
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"port must be an int in (0, 65536), got {port!r}")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"host must be a non-empty str, got {host!r}")
+        store = dist.TCPStore(
+            host_name=host,
+            port=port,
+            world_size=world_size,
+            is_master=(rank == 0),
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+        return cls(rank, world_size, store, name=name, timeout=timeout)
+
+    # ------------------------------------------------------------------ p2p
+    def send_obj(self, obj: Any, dst: int) -> None:
+        """Send ``obj`` to rank ``dst`` (returns once stored; does not wait for dst)."""
+        self._check_peer(dst, "dst")
+        key = self._key(f"p2p/{self.rank}->{dst}/{self._send_seq[dst]}")
+        self._send_seq[dst] += 1
+        self.store.set(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv_obj(self, src: int, timeout: float | None = None) -> Any:
+        """Receive the next object sent by rank ``src``."""
+        self._check_peer(src, "src")
+        key = self._key(f"p2p/{src}->{self.rank}/{self._recv_seq[src]}")
+        self._recv_seq[src] += 1
+        data = self._get(key, timeout, "recv_obj", [src])
+        self.store.delete_key(key)
+        return pickle.loads(data)
+
+    # ------------------------------------------------------------------ collectives
+    def broadcast_obj(self, obj: Any | None, src: int, timeout: float | None = None) -> Any:
+        """Broadcast ``obj`` from rank ``src``; every rank returns it."""
+        _check_in_range(src, self.world_size, "src")
+        seq = self._bcast_seq[src]
+        self._bcast_seq[src] += 1
+        key = self._key(f"bcast/{src}/{seq}")
+        if self.rank == src:
+            if self.world_size > 1:
+                self.store.set(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+            return obj
+        data = self._get(key, timeout, "broadcast_obj", [src])
+        self._ack_and_clean(key + "/acks", self.world_size - 1, [key])
+        return pickle.loads(data)
+
+    def all_gather_obj(self, obj: Any, timeout: float | None = None) -> list[Any]:
+        """Gather one object from every rank; returns the list ordered by rank."""
+        seq = self._gather_seq
+        self._gather_seq += 1
+        base = self._key(f"gather/{seq}")
+        self.store.set(f"{base}/{self.rank}", pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        keys = [f"{base}/{r}" for r in range(self.world_size)]
+        self._wait(keys, timeout, "all_gather_obj")
+        out = [obj if r == self.rank else pickle.loads(self.store.get(k)) for r, k in enumerate(keys)]
+        self._ack_and_clean(f"{base}/done", self.world_size, keys)
+        return out
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Block until every rank has entered the barrier.
+
+        No store operation follows the wait, so every rank may exit (rank 0
+        included, which hosts the store) right after a final barrier. Rank 0
+        deletes each barrier's keys during the next one.
+
+        Raises:
+            CommTimeout: Some rank did not arrive within ``timeout`` seconds
+                (the message lists which).
+        """
+        seq = self._barrier_seq
+        self._barrier_seq += 1
+        self.store.set(self._key(f"barrier/{seq}/{self.rank}"), b"1")
+        self._wait([self._key(f"barrier/{seq}/{r}") for r in range(self.world_size)], timeout, "barrier")
+        if self.rank == 0 and seq > 0:  # everyone has left barrier seq-1
+            self._delete([self._key(f"barrier/{seq - 1}/{r}") for r in range(self.world_size)])
+
+    def close(self) -> None:
+        """Drop the store connection (rank 0 stops serving the others)."""
+        self.store = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StatelessProcessGroup({self.name!r}, rank={self.rank}, world_size={self.world_size})"
+
+    # ------------------------------------------------------------------ internals
+    def _key(self, suffix: str) -> str:
+        return f"{self.name}/{suffix}"
+
+    def _check_peer(self, r: Any, arg: str) -> None:
+        _check_in_range(r, self.world_size, arg)
+        if r == self.rank:
+            raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
+
+    def _wait(self, keys: list[str], timeout: float | None, op: str) -> None:
+        if self.store is None:
+            raise RuntimeError(f"stateless group {self.name!r} is closed")
+        t = self.timeout if timeout is None else float(timeout)
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=t))
+        except (RuntimeError, dist.DistError) as e:
+            missing = [i for i, k in enumerate(keys) if not self._exists(k)]
+            raise CommTimeout(
+                f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
+                f"rank(s) {missing} did not answer within {t:.1f}s. Check that they are alive "
+                f"and call {op} too."
+            ) from e
+
+    def _get(self, key: str, timeout: float | None, op: str, peers: list[int]) -> bytes:
+        try:
+            self._wait([key], timeout, op)
+        except CommTimeout as e:
+            t = self.timeout if timeout is None else float(timeout)
+            raise CommTimeout(
+                f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
+                f"rank(s) {peers} did not answer within {t:.1f}s. Check that they are alive "
+                f"and call the matching operation."
+            ) from e.__cause__
+        return self.store.get(key)
+
+    def _ack_and_clean(self, counter: str, readers: int, keys: list[str]) -> None:
+        """Count this reader; the last one deletes ``keys``. Best effort: the store's
+        host may already have left after its own last use of the group."""
+        try:
+            if self.store.add(counter, 1) == readers:
+                self._delete(keys + [counter])
+        except (RuntimeError, dist.DistError):
+            pass
+
+    def _delete(self, keys: list[str]) -> None:
+        for k in keys:
+            try:
+                self.store.delete_key(k)
+            except (RuntimeError, dist.DistError):
+                return
+
+    def _exists(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except (RuntimeError, dist.DistError):
+            return False
+
+
+def _check_in_range(r: Any, world_size: int, arg: str) -> None:
+    if not isinstance(r, int) or isinstance(r, bool):
+        raise TypeError(f"{arg} must be an int rank, got {type(r).__name__}")
+    if not 0 <= r < world_size:
+        raise ValueError(f"{arg} must be in [0, {world_size}), got {r}")
+
+
+def _check_rank_world(rank: Any, world_size: Any) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    _check_in_range(rank, world_size, "rank")

@@ -1,0 +1,355 @@
+"""ShmRingBuffer: a shared-memory ring of fixed-size chunks with per-chunk flags.
+
+One writer and ``n_reader`` readers on the same node share one segment
+(:class:`~shm_broadcast.segment.SharedSegment`, kind ``"mq"``)::
+
+    +----------------+--------------------------+-------------------+----------------------+
+    | header (64 B)  | reader table             | chunk flags       | chunk data           |
+    | magic, geometry| pid u64 x n, ctime f64 x n| per chunk:        | max_chunks x         |
+    | writer pid,    | state u8 x n             |  W u8, R_0..R_n-1 |  max_chunk_bytes     |
+    | ready/shutdown/| parked u8 x n            |  (8-byte stride)  |  (64-byte aligned)   |
+    | writer_parked  |                          |                   |                      |
+    +----------------+--------------------------+-------------------+----------------------+
+
+Message ``k`` goes to chunk ``k % max_chunks``; writer and readers each keep
+their own counter, so the flags alone say whose turn it is.
+
+State machine of one chunk (W = written flag, R_i = read flag of reader i)::
+
+                     writer: all R_i == 1 (or W == 0 at start)
+        +----------+  -> W := 0                        +-----------+
+        |   FREE   | ----------------------------------> |  WRITING  |
+        | W=1,R=1..| (initially W=0, R=0..: also FREE)   |  W=0      |
+        +----------+                                     +-----------+
+             ^                                                 | writer: copy payload,
+             | last reader:                                    | then R_i := 0 (all i),
+             | R_i := 1                                        | then W := 1
+             |                                                 v
+        +-----------+   reader i: R_i == 0 and W == 1    +-----------+
+        | PARTIALLY | <--------------------------------  | PUBLISHED |
+        |   READ    |   copy out, then R_i := 1          | W=1, R=0..|
+        +-----------+  -------- (each reader once) ----> +-----------+
+
+* The writer only touches a chunk's payload in WRITING, which it enters only
+  when every reader has set its R_i (or the chunk was never written).
+* Reader i only touches the payload while ``R_i == 0 and W == 1``; it reads
+  ``R_i`` *first*, then ``W``. Reading ``R_i == 0`` means the writer's
+  ``R_i := 0`` of this round is visible, hence also its earlier ``W := 0``; a
+  following ``W == 1`` can then only be this round's publish, never the stale
+  ``W`` of the previous round (reading ``W`` first would allow exactly that).
+
+Memory ordering. Every flag is one byte written with a single store *after*
+the payload (``memoryview`` item assignment, one ``MOV`` byte store), and read
+with a single load *before* the payload. CPython executes each such access in
+a separate C call, so the compiler cannot reorder them; the CPU can:
+
+* x86-64 (TSO): stores become visible in program order and loads are not
+  reordered with older loads, nor stores with older loads. So "payload, then
+  flag" (store/store), "flag, then payload" (load/load) and "payload read,
+  then R_i := 1" (load/store) are all ordered by the hardware; no fence is
+  needed on the data path (:meth:`release_fence`/:meth:`acquire_fence` are
+  no-ops there).
+* Weaker models (ARM64, POWER): those reorderings are allowed, so both fences
+  become a full barrier (:meth:`full_fence`).
+* The one pattern TSO does *not* order is store -> load, which is what the
+  park/doorbell handshake needs (a Dekker pattern): a reader stores
+  ``parked := 1`` then loads ``W``; the writer stores ``W := 1`` then loads
+  ``parked``. Without a barrier both loads can see the old values (each store
+  still in its core's store buffer): the reader sleeps, the writer rings no
+  bell -- a lost wakeup. Both sides therefore call :meth:`full_fence` between
+  their store and their load, on every architecture. :meth:`full_fence` is an
+  uncontended ``threading.Lock`` acquire + release; CPython implements it with
+  an atomic read-modify-write (a ``LOCK``-prefixed instruction on x86, which
+  drains the store buffer, i.e. a full barrier; on ARM64 glibc's semaphores use
+  acquire/release atomics). Belt and braces: a parked side never blocks longer
+  than ``WaitPolicy.park_poll_s`` before re-reading the flags, so even a lost
+  wakeup costs at most that, never a hang.
+
+The same handshake runs in reverse when the ring is full: the writer sets
+``writer_parked``, fences, re-checks the chunk, and sleeps; a reader sets its
+``R_i``, fences, and pokes the writer if ``writer_parked`` is set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import struct
+import threading
+
+from shm_broadcast.errors import SegmentError
+from shm_broadcast.segment import SharedSegment
+
+__all__ = ["ShmRingBuffer", "CHUNK_HEADER", "READER_EMPTY", "READER_ATTACHED", "READER_CLOSED"]
+
+_MAGIC = b"GCMQRB01"
+_HDR = struct.Struct("<8sIIQQd")  # magic, n_reader, max_chunks, chunk_bytes, writer pid, ctime
+_OFF_READY = 48
+_OFF_SHUTDOWN = 49
+_OFF_WRITER_PARKED = 50
+_HEADER_BYTES = 64
+_ALIGN = 64
+#: Bytes reserved at the start of each chunk for the message header.
+CHUNK_HEADER = 32
+
+READER_EMPTY = 0
+READER_ATTACHED = 1
+READER_CLOSED = 2
+
+_STRONGLY_ORDERED = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _noop() -> None:
+    return None
+
+
+class _Geometry:
+    """Byte offsets of every region, computed from the three sizes."""
+
+    def __init__(self, n_reader: int, max_chunk_bytes: int, max_chunks: int) -> None:
+        self.n_reader = n_reader
+        self.max_chunks = max_chunks
+        self.chunk_bytes = max_chunk_bytes
+        self.pid_off = _HEADER_BYTES
+        self.ctime_off = self.pid_off + 8 * n_reader
+        self.state_off = self.ctime_off + 8 * n_reader
+        self.parked_off = self.state_off + n_reader
+        self.flags_off = _align(self.parked_off + n_reader, _ALIGN)
+        self.flag_stride = _align(1 + n_reader, 8)
+        self.data_off = _align(self.flags_off + self.flag_stride * max_chunks, _ALIGN)
+        self.data_stride = _align(max_chunk_bytes, _ALIGN)
+        self.total = self.data_off + self.data_stride * max_chunks
+
+
+class ShmRingBuffer:
+    """The shared ring: geometry, flags and the protocol operations on them.
+
+    Create with :meth:`create` (the writer, which owns and unlinks the
+    segment) or :meth:`attach` (a reader). Not thread-safe; one object per
+    process side.
+
+    Attributes:
+        name: Segment name (in ``/dev/shm``).
+        n_reader: Number of readers served through the ring.
+        max_chunks: Number of chunks.
+        max_chunk_bytes: Bytes per chunk, including :data:`CHUNK_HEADER`.
+        buf: ``memoryview`` of the whole segment.
+        base_addr: Address of the mapping in this process (for ``memmove``).
+    """
+
+    def __init__(self, segment: SharedSegment, geometry: _Geometry) -> None:
+        self._seg = segment
+        self._g = geometry
+        self.name = segment.name
+        self.n_reader = geometry.n_reader
+        self.max_chunks = geometry.max_chunks
+        self.max_chunk_bytes = geometry.chunk_bytes
+        self.buf: memoryview = segment.buf
+        # The address only; no ctypes object is kept, so no buffer export
+        # blocks SharedSegment.close().
+        self.base_addr: int = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf))
+        self._ones = b"\x01" * geometry.n_reader
+        self._zeros = b"\x00" * geometry.n_reader
+        self._fence_lock = threading.Lock()
+        strong = _STRONGLY_ORDERED
+        self.release_fence = _noop if strong else self.full_fence
+        self.acquire_fence = _noop if strong else self.full_fence
+
+    # ------------------------------------------------------------ lifecycle
+    @classmethod
+    def create(cls, n_reader: int, max_chunk_bytes: int, max_chunks: int) -> "ShmRingBuffer":
+        """Create the segment (owned by this process) and initialise the header.
+
+        Args:
+            n_reader: Readers served through shared memory (>= 1).
+            max_chunk_bytes: Bytes per chunk (> :data:`CHUNK_HEADER`).
+            max_chunks: Number of chunks (>= 1).
+
+        Raises:
+            ValueError: A size is out of range.
+            ShmSpaceError: ``/dev/shm`` is too small.
+        """
+        _check_int("n_reader", n_reader, 1)
+        _check_int("max_chunk_bytes", max_chunk_bytes, CHUNK_HEADER + 64)
+        _check_int("max_chunks", max_chunks, 1)
+        g = _Geometry(n_reader, max_chunk_bytes, max_chunks)
+        seg = SharedSegment.create("mq", g.total)
+        _HDR.pack_into(seg.buf, 0, _MAGIC, n_reader, max_chunks, max_chunk_bytes, 0, 0.0)
+        return cls(seg, g)
+
+    @classmethod
+    def attach(cls, name: str) -> "ShmRingBuffer":
+        """Map an existing ring created by a writer.
+
+        Raises:
+            SegmentError: The segment is gone or is not a ring of this version.
+        """
+        seg = SharedSegment.attach(name)
+        try:
+            magic, n, chunks, chunk_bytes, _pid, _ct = _HDR.unpack_from(seg.buf, 0)
+            if magic != _MAGIC:
+                raise SegmentError(f"segment {name!r} is not a message-queue ring (bad magic)")
+            g = _Geometry(n, chunk_bytes, chunks)
+            if g.total > seg.size:
+                raise SegmentError(f"segment {name!r} is smaller than its header claims")
+        except BaseException:
+            seg.close()
+            raise
+        return cls(seg, g)
+
+    def close(self) -> None:
+        """Unmap (and unlink, for the owner). Idempotent."""
+        self._seg.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._seg.closed
+
+    # --------------------------------------------------------------- fences
+    def full_fence(self) -> None:
+        """Full memory barrier (store->load included); see the module docstring."""
+        lock = self._fence_lock
+        lock.acquire()
+        lock.release()
+
+    # -------------------------------------------------------------- offsets
+    def data_offset(self, chunk: int) -> int:
+        """Offset in :attr:`buf` of chunk ``chunk``'s first byte."""
+        return self._g.data_off + chunk * self._g.data_stride
+
+    # ------------------------------------------------------- writer protocol
+    def is_free(self, chunk: int) -> bool:
+        """Whether the writer may overwrite ``chunk`` (FREE state)."""
+        g = self._g
+        off = g.flags_off + chunk * g.flag_stride
+        buf = self.buf
+        return buf[off + 1 : off + 1 + g.n_reader] == self._ones or buf[off] == 0
+
+    def lagging_readers(self, chunk: int) -> list[int]:
+        """Readers that have not yet read ``chunk`` (their ``R_i`` is 0)."""
+        g = self._g
+        off = g.flags_off + chunk * g.flag_stride
+        if self.buf[off] == 0:
+            return []
+        return [r for r in range(g.n_reader) if self.buf[off + 1 + r] == 0]
+
+    def begin_write(self, chunk: int) -> None:
+        """FREE -> WRITING: clear ``W`` before touching the payload."""
+        g = self._g
+        self.buf[g.flags_off + chunk * g.flag_stride] = 0
+
+    def publish(self, chunk: int) -> None:
+        """WRITING -> PUBLISHED: clear every ``R_i``, then set ``W``."""
+        g = self._g
+        off = g.flags_off + chunk * g.flag_stride
+        self.release_fence()
+        self.buf[off + 1 : off + 1 + g.n_reader] = self._zeros
+        self.buf[off] = 1
+
+    def any_reader_parked(self) -> bool:
+        """Whether some reader declared itself parked (call after :meth:`full_fence`)."""
+        g = self._g
+        return self.buf[g.parked_off : g.parked_off + g.n_reader] != self._zeros
+
+    # ------------------------------------------------------- reader protocol
+    def is_readable(self, chunk: int, reader: int) -> bool:
+        """Whether ``chunk`` is PUBLISHED and unread by ``reader`` (R first, then W)."""
+        g = self._g
+        off = g.flags_off + chunk * g.flag_stride
+        buf = self.buf
+        return buf[off + 1 + reader] == 0 and buf[off] == 1
+
+    def mark_read(self, chunk: int, reader: int) -> None:
+        """Set ``R_reader`` after the payload has been copied out."""
+        g = self._g
+        self.release_fence()
+        self.buf[g.flags_off + chunk * g.flag_stride + 1 + reader] = 1
+
+    # ------------------------------------------------------- shared header
+    def set_writer(self, pid: int, create_time: float) -> None:
+        """Record the writer's identity in the header."""
+        struct.pack_into("<Qd", self.buf, 24, pid, create_time)
+
+    def writer_identity(self) -> tuple[int, float]:
+        """Return the writer's ``(pid, create_time)`` from the header."""
+        pid, ct = struct.unpack_from("<Qd", self.buf, 24)
+        return int(pid), float(ct)
+
+    def set_ready(self) -> None:
+        """Mark the queue connected (every reader attached)."""
+        self.buf[_OFF_READY] = 1
+
+    def is_ready(self) -> bool:
+        """Whether the writer marked the queue connected."""
+        return self.buf[_OFF_READY] == 1
+
+    def set_shutdown(self) -> None:
+        """Tell every reader that no message will follow those already published."""
+        self.buf[_OFF_SHUTDOWN] = 1
+
+    def is_shutdown(self) -> bool:
+        """Whether the writer shut the queue down."""
+        return self.buf[_OFF_SHUTDOWN] == 1
+
+    def set_writer_parked(self, parked: bool) -> None:
+        """Declare (or clear) that the writer sleeps waiting for a free chunk."""
+        self.buf[_OFF_WRITER_PARKED] = 1 if parked else 0
+
+    def writer_parked(self) -> bool:
+        """Whether the writer declared itself parked (call after :meth:`full_fence`)."""
+        return self.buf[_OFF_WRITER_PARKED] == 1
+
+    def set_reader_parked(self, reader: int, parked: bool) -> None:
+        """Declare (or clear) that ``reader`` sleeps on its doorbell."""
+        self.buf[self._g.parked_off + reader] = 1 if parked else 0
+
+    def register_reader(self, reader: int, pid: int, create_time: float) -> None:
+        """Record a reader's identity, then mark it attached.
+
+        Raises:
+            ValueError: ``reader`` is out of range.
+            SegmentError: Another process already registered as this reader.
+        """
+        g = self._g
+        if not 0 <= reader < g.n_reader:
+            raise ValueError(f"reader index must be in [0, {g.n_reader}), got {reader}")
+        if self.buf[g.state_off + reader] != READER_EMPTY:
+            other = self.reader_identity(reader)[0]
+            raise SegmentError(
+                f"reader slot {reader} of ring {self.name!r} is already taken by pid {other}"
+            )
+        struct.pack_into("<Q", self.buf, g.pid_off + 8 * reader, pid)
+        struct.pack_into("<d", self.buf, g.ctime_off + 8 * reader, create_time)
+        self.release_fence()
+        self.buf[g.state_off + reader] = READER_ATTACHED
+
+    def set_reader_state(self, reader: int, state: int) -> None:
+        """Set a reader's state byte (:data:`READER_CLOSED` on close)."""
+        self.buf[self._g.state_off + reader] = state
+
+    def reader_state(self, reader: int) -> int:
+        """Return :data:`READER_EMPTY`, :data:`READER_ATTACHED` or :data:`READER_CLOSED`."""
+        return self.buf[self._g.state_off + reader]
+
+    def reader_identity(self, reader: int) -> tuple[int, float]:
+        """Return the registered ``(pid, create_time)`` of ``reader``."""
+        g = self._g
+        (pid,) = struct.unpack_from("<Q", self.buf, g.pid_off + 8 * reader)
+        (ct,) = struct.unpack_from("<d", self.buf, g.ctime_off + 8 * reader)
+        return int(pid), float(ct)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShmRingBuffer({self.name!r}, n_reader={self.n_reader}, "
+            f"max_chunks={self.max_chunks}, max_chunk_bytes={self.max_chunk_bytes})"
+        )
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
