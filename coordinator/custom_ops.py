@@ -91,18 +91,24 @@ def all_gather(tensor: torch.Tensor, dim: int, world_size: int, group_name: str)
 
 
 @all_gather.register_fake
-def _all_gather_fake(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+def _all_gather_fake(
+    tensor: torch.Tensor, dim: int, world_size: int, group_name: str
+) -> torch.Tensor:
     return tensor.new_empty(_scaled_shape(tensor, dim, world_size, grow=True))
 
 
 @custom_op("groupcoord::reduce_scatter", mutates_args=())
-def reduce_scatter(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+def reduce_scatter(
+    tensor: torch.Tensor, dim: int, world_size: int, group_name: str
+) -> torch.Tensor:
     """Sum over the group and keep this rank's equal slice along ``dim`` (new tensor)."""
     return _fresh(_lookup(group_name).reduce_scatter(tensor, dim), tensor)
 
 
 @reduce_scatter.register_fake
-def _reduce_scatter_fake(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+def _reduce_scatter_fake(
+    tensor: torch.Tensor, dim: int, world_size: int, group_name: str
+) -> torch.Tensor:
     return tensor.new_empty(_scaled_shape(tensor, dim, world_size, grow=False))
 
 
@@ -114,7 +120,9 @@ def traced_all_reduce(group: Any, tensor: torch.Tensor) -> torch.Tensor:
 
 def traced_all_gather(group: Any, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Call ``groupcoord::all_gather`` for ``group`` (needs ``unique_name``, ``world_size``)."""
-    return torch.ops.groupcoord.all_gather(tensor, dim % tensor.dim(), group.world_size, group.unique_name)
+    return torch.ops.groupcoord.all_gather(
+        tensor, dim % tensor.dim(), group.world_size, group.unique_name
+    )
 
 
 def traced_reduce_scatter(group: Any, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from coordinator import tensor_dict as td
+from coordinator.errors import NotInitializedError
 from coordinator.group_registry import REGISTRY
 from coordinator.object_comm import ObjectCodec, PickleCodec, recv_object, send_object
 from device_comms import (
@@ -96,7 +97,7 @@ class GroupCoordinator:
         timeout: datetime.timedelta | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError(
+            raise NotInitializedError(
                 "torch.distributed is not initialised; call "
                 "coordinator.init_distributed_environment(...) first"
             )
@@ -312,10 +313,10 @@ class GroupCoordinator:
         Receivers allocate and get a new dict.
         """
         v.check_rank(src, self.world_size, "src")
-        if self.world_size == 1:
-            return dict(tensor_dict) if tensor_dict is not None else tensor_dict
         if self.rank_in_group == src and not isinstance(tensor_dict, Mapping):
             raise TypeError(f"tensor_dict must be a dict on src, got {type(tensor_dict).__name__}")
+        if self.world_size == 1:
+            return dict(tensor_dict)  # type: ignore[arg-type]
         return td.broadcast_tensor_dict(self, tensor_dict, src, group, metadata_group)
 
     def send_tensor_dict(
@@ -334,6 +335,9 @@ class GroupCoordinator:
         """
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
+        v.check_rank(dst, self.world_size, "dst")
+        if not isinstance(tensor_dict, Mapping):
+            raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
         if self.world_size == 1:
             return
         self._check_peer(dst, "dst")
@@ -352,6 +356,7 @@ class GroupCoordinator:
         """
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
+        v.check_rank(src, self.world_size, "src")
         if self.world_size == 1:
             return None
         self._check_peer(src, "src")
@@ -418,9 +423,55 @@ class GroupCoordinator:
     ) -> Any:
         """Create a message queue from group rank ``writer_rank`` to all others.
 
-        Available once the :mod:`shm_broadcast` queue is in place.
+        Collective over the CPU group (every rank calls it), unless
+        ``external_writer_handle`` is given: then this rank only connects, as a
+        reader, to a queue whose writer lives elsewhere.
+
+        Args:
+            writer_rank: Group rank of the writer.
+            external_writer_handle: A :class:`shm_broadcast.Handle` (or its bytes)
+                of an existing queue to read from.
+            blocking: Wait until every reader is connected (always done for
+                collective creation, so no message can be lost).
+
+        Returns:
+            The writer's queue on ``writer_rank``, a reader's queue elsewhere.
         """
-        raise NotImplementedError("message queue integration is not available yet")
+        from shm_broadcast.message_queue import MessageQueue
+
+        v.check_rank(writer_rank, self.world_size, "writer_rank")
+        if external_writer_handle is not None:
+            mq = MessageQueue.create_from_handle(external_writer_handle, self.rank_in_group)
+            if blocking:
+                mq.wait_until_ready()
+            return mq
+        return MessageQueue.create_from_process_group(
+            self.cpu_group, writer_rank=writer_rank, name=f"{self.unique_name}-mq"
+        )
+
+    def create_single_reader_mq_broadcasters(
+        self, reader_rank_in_group: int = 0, blocking: bool = False
+    ) -> tuple[Any, list[Any]]:
+        """Give every other rank a queue to ``reader_rank_in_group`` (e.g. results
+        from workers back to the driver). Collective.
+
+        Returns:
+            ``(my_writer, readers)``: a writer rank gets its queue and ``[]``; the
+            reader gets ``None`` and the queues indexed by group rank (``None`` at
+            its own index). With ``blocking=False`` call ``wait_until_ready()`` on
+            each queue, on both sides, before the first message.
+        """
+        from coordinator.mq_broadcasters import create_single_reader_mq_broadcasters
+
+        return create_single_reader_mq_broadcasters(self, reader_rank_in_group, blocking)
+
+    def all_gather_object_cpu(self, obj: Any) -> list[Any]:
+        """Gather one picklable object from every rank over the CPU group."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        self._cpu_call("all_gather_object", dist.all_gather_object, out, obj, group=self.cpu_group)
+        return out
 
     def destroy(self) -> None:
         """Release communicators, queues and process groups. Idempotent."""

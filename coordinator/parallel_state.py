@@ -90,7 +90,11 @@ def init_distributed_environment(
     world_size = _int_arg(world_size, "world_size")
     rank = _int_arg(rank, "rank")
     local_rank = _int_arg(local_rank, "local_rank")
-    if not isinstance(distributed_init_method, str) or "://" not in distributed_init_method:
+    if not isinstance(distributed_init_method, str):
+        raise TypeError(
+            f"distributed_init_method must be a str, got {type(distributed_init_method).__name__}"
+        )
+    if "://" not in distributed_init_method:
         raise ValueError(
             f"distributed_init_method must be 'env://' or 'tcp://host:port', "
             f"got {distributed_init_method!r}"

@@ -5,7 +5,10 @@ list of *payload* tensors. Metadata is plain data, so the message queue's
 msgspec codec carries it without pickling::
 
     entry = [key, VALUE, value]                       # plain Python value
-          | [key, TENSOR, [device_type, dtype, shape, sliced]]
+          | [key, TENSOR, [device_type, dtype, shape, parts]]
+
+``parts`` is 0 for a tensor sent whole, or ``n`` when it travels as ``1/n``
+slices (see below); receivers check it against their own group.
 
 Payload routing:
 
@@ -60,6 +63,7 @@ def flatten_tensor_dict(
     tensor_dict: Mapping[Any, Any],
     inline_cpu: bool = False,
     slicing: Mapping[Any, bool] | None = None,
+    parts: int = 1,
 ) -> tuple[list[list[Any]], list[torch.Tensor]]:
     """Split a dict into metadata entries and payload tensors.
 
@@ -68,6 +72,7 @@ def flatten_tensor_dict(
         inline_cpu: Keep CPU tensors inside the metadata (for the message queue,
             which encodes them out of band).
         slicing: Keys whose tensors are sent as slices (see module docstring).
+        parts: Number of slices of a sliced tensor (the all-gather group size).
 
     Raises:
         TypeError: ``tensor_dict`` is not a mapping.
@@ -81,9 +86,9 @@ def flatten_tensor_dict(
             if inline_cpu and value.device.type == "cpu":
                 meta.append([key, INLINE, value])
                 continue
-            sliced = bool(slicing and slicing.get(key, False))
+            n = parts if slicing and slicing.get(key, False) else 0
             meta.append(
-                [key, TENSOR, [value.device.type, _dtype_name(value.dtype), list(value.shape), sliced]]
+                [key, TENSOR, [value.device.type, _dtype_name(value.dtype), list(value.shape), n]]
             )
             payload.append(value)
         else:
@@ -175,7 +180,7 @@ def send_tensor_dict(
         raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
     n = all_gather_group.world_size if all_gather_group is not None else 1
     slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
-    meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing)
+    meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n)
     gc.send_object(meta, dst=dst)
     for (key, kind, desc), t in zip((m for m in meta if m[1] == TENSOR), payload):
         if not t.numel():
@@ -193,22 +198,30 @@ def recv_tensor_dict(
     """Implementation of :meth:`GroupCoordinator.recv_tensor_dict`."""
     meta = gc.recv_object(src=src)
     out: dict[Any, Any] = {}
+    problem = ""
+    have = all_gather_group.world_size if all_gather_group is not None else None
     for key, kind, value in meta:
         if kind != TENSOR:
             out[key] = value
             continue
-        sliced = bool(value[3])
-        if not sliced:
+        parts = int(value[3])
+        if not parts:
             out[key] = _recv_into(gc, _alloc(value, gc.device), src)
             continue
-        if all_gather_group is None:
-            raise ValueError(
-                f"the sender sliced tensor {key!r} for an all-gather but recv_tensor_dict was "
-                f"called without all_gather_group; pass the same all_gather_group on both sides"
+        piece = _recv_into(gc, _alloc(value, gc.device, parts), src)
+        if all_gather_group is None or have != parts:
+            # Keep receiving (the sender is blocked on its sends), report at the end.
+            problem = problem or (
+                f"the sender sliced tensor {key!r} into {parts} parts for an all-gather, but "
+                f"recv_tensor_dict was called with "
+                f"{'no all_gather_group' if have is None else f'an all_gather_group of size {have}'}"
+                f"; pass the same kind of all_gather_group on both sides"
             )
-        piece = _recv_into(gc, _alloc(value, gc.device, all_gather_group.world_size), src)
+            continue
         full = all_gather_group.all_gather(piece, dim=0)
         out[key] = full.reshape(value[2])
+    if problem:
+        raise ValueError(problem)
     return out
 
 
@@ -225,6 +238,11 @@ def _slicing_plan(
             continue
         divisible = n > 1 and t.numel() > 0 and t.numel() % n == 0
         want = overrides.get(key, divisible) if overrides else divisible
+        if want and n == 1:
+            raise ValueError(
+                f"all_gather_tensors[{key!r}] is True but no all_gather_group of more than "
+                f"one rank was given; pass all_gather_group to slice tensors"
+            )
         if want and not divisible:
             raise ValueError(
                 f"all_gather_tensors[{key!r}] is True but tensor {key!r} has {t.numel()} "

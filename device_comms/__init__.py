@@ -22,12 +22,15 @@ from device_comms.registry import (
     unregister_device_communicator,
 )
 from device_comms.torch_communicator import TorchDistributedCommunicator
+from device_comms.cpu_communicator import CpuCommunicator
 
 register_device_communicator("torch", TorchDistributedCommunicator)
+register_device_communicator("cpu", CpuCommunicator)
 
 __all__ = [
     "DeviceCommunicator",
     "TorchDistributedCommunicator",
+    "CpuCommunicator",
     "ReduceOp",
     "reduce_local",
     "DeviceCommError",

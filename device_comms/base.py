@@ -109,21 +109,33 @@ class DeviceCommunicator(abc.ABC):
         comes back). ``sizes=None`` means equal sizes (plain all-gather).
         """
         if isinstance(input_, (list, tuple)):
+            # Validate every tensor before the first collective, so a bad one
+            # raises here instead of leaving the peers inside an all-gather.
+            for i, x in enumerate(input_):
+                self._check_gatherv(x, dim, sizes, f"input_[{i}]")
             return [self.all_gatherv(x, dim, sizes) for x in input_]
-        t = v.check_tensor(input_, "input_", self.device)
-        d = v.norm_dim(dim, t.dim())
-        if sizes is None:
+        t, d, sz = self._check_gatherv(input_, dim, sizes, "input_")
+        if sz is None:
             return self.all_gather(t, d)
-        sz = v.check_sizes(sizes, self.world_size)
-        if t.shape[d] != sz[self.rank_in_group]:
-            raise ValueError(
-                f"input_.shape[{dim}] is {t.shape[d]} on rank {self.rank_in_group} but "
-                f"sizes[{self.rank_in_group}] is {sz[self.rank_in_group]}; every rank must "
-                f"pass the same sizes list, with its own entry matching its input"
-            )
         if self.world_size == 1:
             return t.clone()
         return self._guard("all_gatherv", self._all_gatherv, t.contiguous(), d, sz)
+
+    def _check_gatherv(
+        self, input_: Any, dim: int, sizes: Sequence[int] | None, arg: str
+    ) -> tuple[torch.Tensor, int, list[int] | None]:
+        t = v.check_tensor(input_, arg, self.device)
+        d = v.norm_dim(dim, t.dim())
+        if sizes is None:
+            return t, d, None
+        sz = v.check_sizes(sizes, self.world_size)
+        if t.shape[d] != sz[self.rank_in_group]:
+            raise ValueError(
+                f"{arg}.shape[{dim}] is {t.shape[d]} on rank {self.rank_in_group} but "
+                f"sizes[{self.rank_in_group}] is {sz[self.rank_in_group]}; every rank must "
+                f"pass the same sizes list, with its own entry matching its input"
+            )
+        return t, d, sz
 
     def reduce_scatter(
         self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
@@ -179,10 +191,10 @@ class DeviceCommunicator(abc.ABC):
         """Broadcast ``input_`` from ``src`` in place; receivers pass the buffer to fill."""
         t = v.check_tensor(input_, "input_", self.device)
         v.check_rank(src, self.world_size, "src")
-        if self.world_size == 1:
-            return t
         if not t.is_contiguous():
             raise ValueError("input_ must be contiguous for an in-place broadcast")
+        if self.world_size == 1:
+            return t
         return self._guard("broadcast", self._broadcast, t, src)
 
     def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = 0) -> torch.Tensor:

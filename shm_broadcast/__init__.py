@@ -1,28 +1,40 @@
 """Shared-memory broadcast: one writer, many readers, microseconds per message.
 
-This package uses nothing else of groupcoord. It also hosts the shared-memory
-segment lifecycle (:mod:`shm_broadcast.segment`) and same-node detection
-(:mod:`shm_broadcast.topology`) that the higher layers reuse.
+This package uses nothing else of groupcoord. Main entry point:
+:class:`MessageQueue` (see :mod:`shm_broadcast.message_queue`). It also hosts
+the shared-memory segment lifecycle (:mod:`shm_broadcast.segment`) and
+same-node detection (:mod:`shm_broadcast.topology`) that the higher layers
+reuse.
 """
 
 from shm_broadcast.errors import (
     PeerDiedError,
     QueueClosedError,
+    QueueRoleError,
     QueueTimeout,
     SegmentError,
     ShmBroadcastError,
     ShmSpaceError,
 )
+from shm_broadcast.handle import Handle
+from shm_broadcast.message_queue import MessageQueue
+from shm_broadcast.ring_buffer import ShmRingBuffer
 from shm_broadcast.segment import SharedSegment, list_segments, remove_orphans
 from shm_broadcast.topology import in_the_same_node_as, node_assignment
+from shm_broadcast.waiting import WaitPolicy
 
 __all__ = [
     "ShmBroadcastError",
     "QueueTimeout",
     "PeerDiedError",
     "QueueClosedError",
+    "QueueRoleError",
     "SegmentError",
     "ShmSpaceError",
+    "MessageQueue",
+    "Handle",
+    "WaitPolicy",
+    "ShmRingBuffer",
     "SharedSegment",
     "list_segments",
     "remove_orphans",

@@ -191,7 +191,7 @@ class Codec:
         return off
 
     def _tensor_desc(self, t: torch.Tensor) -> bytes:
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise TypeError(
                 f"MessageQueue carries CPU tensors only, got a tensor on {t.device}; "
                 "move it with .cpu() or use a device communicator"
@@ -201,17 +201,19 @@ class Codec:
         code = _DTYPE_TO_CODE.get(t.dtype)
         if code is None:
             raise TypeError(f"tensor dtype {t.dtype} is not supported by MessageQueue")
-        flags = _FLAG_REQUIRES_GRAD if t.requires_grad else 0
-        src = t.detach()
-        if src.is_conj():
-            src = src.resolve_conj()
-        if src.is_neg():
-            src = src.resolve_neg()
-        if not src.is_contiguous():
-            src = src.contiguous()
-        nbytes = src.numel() * src.element_size()
-        off = self._reserve(nbytes, src.data_ptr() if nbytes else 0, src)
-        shape = src.shape
+        flags = 0
+        if t.requires_grad:
+            flags = _FLAG_REQUIRES_GRAD
+            t = t.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = t.nbytes
+        off = self._reserve(nbytes, t.data_ptr(), t)
+        shape = t.shape
         ndim = len(shape)
         return _TENSOR_HEAD.pack(off, nbytes, code, flags, ndim) + _SHAPES[ndim].pack(*shape)
 

@@ -256,6 +256,12 @@ class ShmRingBuffer:
         g = self._g
         return self.buf[g.parked_off : g.parked_off + g.n_reader] != self._zeros
 
+    def parked_readers(self) -> list[int]:
+        """Indices of the readers that declared themselves parked."""
+        g = self._g
+        buf = self.buf
+        return [r for r in range(g.n_reader) if buf[g.parked_off + r]]
+
     # ------------------------------------------------------- reader protocol
     def is_readable(self, chunk: int, reader: int) -> bool:
         """Whether ``chunk`` is PUBLISHED and unread by ``reader`` (R first, then W)."""

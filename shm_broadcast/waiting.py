@@ -6,12 +6,13 @@ full ring) waits in three phases, driven by :class:`Backoff`::
       start
         |
         v
-    +--------+  spin_s elapsed   +---------+  yield_s elapsed   +--------+
-    |  SPIN  | ----------------> |  YIELD  | -----------------> |  PARK  |
-    | (poll  |                   | (poll + |                    | (zmq   |
-    |  flag) |                   |  sched_ |                    |  poll, |
-    +--------+                   |  yield) |                    |  <= park_poll_s)
-        |                        +---------+                    +--------+
+    +--------+  spin_s elapsed   +---------+  yield_s elapsed   +----------+
+    |  SPIN  | ----------------> |  YIELD  | -----------------> |   PARK   |
+    | (poll  |                   | (poll + |                    | (poll(2) |
+    |  flag) |                   |  sched_ |                    | doorbell,|
+    +--------+                   |  yield) |                    | <= park_ |
+        |                        +---------+                    | poll_s)  |
+        |                            |                          +----------+
         |  condition true            |                              |
         +----------------------------+------------------------------+--> done
 
@@ -19,9 +20,10 @@ full ring) waits in three phases, driven by :class:`Backoff`::
   50 us): a reader in a hot loop sees a new message within a microsecond or so.
 * **YIELD** keeps polling but calls ``sched_yield()`` between polls, so an
   oversubscribed machine gives the core to whoever needs it.
-* **PARK** declares itself parked in shared memory and blocks in ``zmq.poll``
-  on a doorbell socket that the peer rings only when it sees the parked flag;
-  an idle side costs ~0% CPU and still wakes in tens of microseconds.
+* **PARK** declares itself parked in shared memory and blocks in ``poll(2)``
+  on its doorbell (:mod:`shm_broadcast.doorbell`), which the peer rings only
+  when it sees the parked flag; an idle side costs ~0% CPU and wakes with a
+  single kernel wake-up.
 
 Whatever the phase, :meth:`Backoff.step` runs the checks every ``liveness_s``
 (default 0.2 s) and at the deadline: the caller's timeout

@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from coordinator.layers.comm import tp_all_gather, tp_all_reduce, tp_reduce_scatter
-from coordinator.layers.weights import TPGroup, copy_checked, pad_to_multiple, set_weight_loader, tp_size_and_rank
+from coordinator.layers.weights import (
+    TPGroup,
+    copy_checked,
+    pad_to_multiple,
+    set_weight_loader,
+    tp_size_and_rank,
+)
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead"]
 
@@ -52,7 +58,8 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         if num_embeddings <= 0 or embedding_dim <= 0:
             raise ValueError(
-                f"num_embeddings and embedding_dim must be positive, got {num_embeddings}, {embedding_dim}"
+                f"num_embeddings and embedding_dim must be positive, "
+                f"got {num_embeddings}, {embedding_dim}"
             )
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
@@ -81,7 +88,9 @@ class VocabParallelEmbedding(nn.Module):
         with torch.no_grad():
             param.data.zero_()
         if valid:
-            copy_checked(param.data[:valid], loaded[self.vocab_start : self.vocab_start + valid], name)
+            copy_checked(
+                param.data[:valid], loaded[self.vocab_start : self.vocab_start + valid], name
+            )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embed ``input_ids`` (any shape) to ``[..., embedding_dim]``."""

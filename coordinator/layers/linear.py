@@ -67,7 +67,9 @@ class _ParallelLinearBase(nn.Module):
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
         self.prefix = prefix or type(self).__name__
-        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=params_dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_local, in_local, dtype=params_dtype), requires_grad=False
+        )
         set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(
@@ -156,9 +158,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard: object) -> None:
         """Copy this rank's slice of matrix ``shard[0]`` into its place."""
-        if len(shard) != 1 or not isinstance(shard[0], int) or not 0 <= shard[0] < len(self.output_sizes):
+        if (
+            len(shard) != 1
+            or not isinstance(shard[0], int)
+            or not 0 <= shard[0] < len(self.output_sizes)
+        ):
             raise ValueError(
-                f"{self._pname(param)} needs a shard id in [0, {len(self.output_sizes)}), got {shard!r}"
+                f"{self._pname(param)} needs a shard id in [0, {len(self.output_sizes)}), "
+                f"got {shard!r}"
             )
         i = shard[0]
         name = f"{self._pname(param)}[shard {i}]"
@@ -212,7 +219,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             if tp % total_num_kv_heads != 0:
                 raise ValueError(
-                    f"num_key_value_heads ({total_num_kv_heads}) is smaller than the tensor-parallel "
+                    f"num_key_value_heads ({total_num_kv_heads}) is smaller than the "
+                    f"tensor-parallel "
                     f"size ({tp}) and does not divide it, so KV heads cannot be replicated evenly"
                 )
             self.num_kv_heads = 1
@@ -222,7 +230,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_size
         total_out = (total_num_heads + 2 * total_num_kv_heads) * head_size
         out_local = self.q_size + 2 * self.kv_size
-        _ParallelLinearBase.__init__(self, hidden_size, out_local, bias, tp_group, params_dtype, prefix)
+        _ParallelLinearBase.__init__(
+            self, hidden_size, out_local, bias, tp_group, params_dtype, prefix
+        )
         self.input_size, self.output_size = hidden_size, total_out
         self.gather_output = False
 
@@ -230,7 +240,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         """Copy this rank's heads of the full ``q``, ``k`` or ``v`` tensor (``shard[0]``)."""
         sid = shard[0] if len(shard) == 1 else None
         if sid not in ("q", "k", "v"):
-            raise ValueError(f"{self._pname(param)} needs a shard id 'q', 'k' or 'v', got {shard!r}")
+            raise ValueError(
+                f"{self._pname(param)} needs a shard id 'q', 'k' or 'v', got {shard!r}"
+            )
         name = f"{self._pname(param)}[{sid}]"
         hd = self.head_size
         if sid == "q":

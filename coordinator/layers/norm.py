@@ -23,7 +23,9 @@ class RMSNorm(nn.Module):
         params_dtype: Weight dtype.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)

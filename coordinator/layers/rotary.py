@@ -19,7 +19,9 @@ __all__ = ["RotaryEmbedding", "SUPPORTED_ROPE_TYPES", "compute_inv_freq"]
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def compute_inv_freq(head_dim: int, theta: float, rope_type: str, params: Mapping[str, Any]) -> torch.Tensor:
+def compute_inv_freq(
+    head_dim: int, theta: float, rope_type: str, params: Mapping[str, Any]
+) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (float32) for one RoPE variant.
 
     Args:
@@ -34,13 +36,17 @@ def compute_inv_freq(head_dim: int, theta: float, rope_type: str, params: Mappin
     """
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim)
+    )
     if rope_type == "default":
         return inv_freq
 
     def need(key: str) -> float:
         if key not in params:
-            raise ValueError(f"rope_scaling of type {rope_type!r} needs {key!r}; got keys {sorted(params)}")
+            raise ValueError(
+                f"rope_scaling of type {rope_type!r} needs {key!r}; got keys {sorted(params)}"
+            )
         return float(params[key])
 
     if rope_type == "linear":
@@ -56,7 +62,8 @@ def compute_inv_freq(head_dim: int, theta: float, rope_type: str, params: Mappin
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
     raise ValueError(
-        f"rope_type {rope_type!r} is not supported; supported types: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        f"rope_type {rope_type!r} is not supported; "
+        f"supported types: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
 
 
@@ -84,10 +91,15 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.register_buffer("inv_freq", compute_inv_freq(head_dim, theta, rope_type, params or {}), persistent=False)
+        self.inv_freq: torch.Tensor
+        self.register_buffer(
+            "inv_freq", compute_inv_freq(head_dim, theta, rope_type, params or {}), persistent=False
+        )
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and ``sin`` tables ``[num_tokens, head_dim]`` for ``positions`` ``[num_tokens]``."""
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` tables ``[T, head_dim]`` for ``positions`` ``[T]``."""
         freqs = positions[:, None].to(torch.float32) * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

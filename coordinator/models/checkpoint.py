@@ -39,11 +39,17 @@ def checkpoint_files(model_dir: str | os.PathLike[str]) -> list[str]:
     """
     d = os.fspath(model_dir)
     if not os.path.isdir(d):
-        raise ValueError(f"model_dir must be a directory with config.json and *.safetensors, got {d!r}")
+        raise ValueError(
+            f"model_dir must be a directory with config.json and *.safetensors, got {d!r}"
+        )
     files = sorted(glob.glob(os.path.join(d, "*.safetensors")))
     if not files:
         other = sorted(os.path.basename(p) for p in glob.glob(os.path.join(d, "*.bin")))
-        hint = f" (found {other}: convert them with save_pretrained(safe_serialization=True))" if other else ""
+        hint = (
+            f" (found {other}: convert them with save_pretrained(safe_serialization=True))"
+            if other
+            else ""
+        )
         raise ValueError(f"no *.safetensors file in {d!r}{hint}")
     return files
 
@@ -65,7 +71,7 @@ def iter_checkpoint(
 
 
 def hf_parameter_shapes(config: LlamaModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face names and shapes of every parameter of ``LlamaForCausalLM``, in a fixed order."""
+    """HF names and shapes of every ``LlamaForCausalLM`` parameter, in a fixed order."""
     c = config
     h, hd = c.hidden_size, c.head_dim
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
@@ -132,5 +138,7 @@ def save_checkpoint(
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config.to_hf_dict(), f, indent=2)
-    tensors = {k: v.detach().to(config.torch_dtype).contiguous().clone() for k, v in state_dict.items()}
+    tensors = {
+        k: v.detach().to(config.torch_dtype).contiguous().clone() for k, v in state_dict.items()
+    }
     save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})

@@ -96,7 +96,8 @@ class LlamaModelConfig:
             raise ValueError(f"head_dim must be even (rotary embeddings), got {self.head_dim}")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
-                f"rope type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                f"rope type {self.rope_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
@@ -120,7 +121,13 @@ class LlamaModelConfig:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {act!r}")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
             if key not in d:
                 raise ValueError(f"config.json lacks required field {key!r}")
         heads = d["num_attention_heads"]
@@ -168,8 +175,14 @@ class LlamaModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face style ``config.json`` dict describing this architecture."""
-        rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta, **self.rope_params}
-        eos: Any = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
+        rope: dict[str, Any] = {
+            "rope_type": self.rope_type,
+            "rope_theta": self.rope_theta,
+            **self.rope_params,
+        }
+        eos: Any = (
+            list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
+        )
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -211,7 +224,8 @@ def _parse_rope(d: Mapping[str, Any]) -> tuple[str, float, dict[str, Any]]:
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"rope type {rope_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     extra = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
     if rope_type == "llama3":

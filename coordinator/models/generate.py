@@ -69,7 +69,9 @@ def generate_greedy(
         if not r.prompt:
             raise ValueError(f"request {r.req_id} has an empty prompt")
         if r.max_new_tokens < 1:
-            raise ValueError(f"request {r.req_id}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+            raise ValueError(
+                f"request {r.req_id}: max_new_tokens must be >= 1, got {r.max_new_tokens}"
+            )
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
     eos = set(eos_token_ids)

@@ -154,10 +154,13 @@ class KVCache:
         needed = 0
         for req, done, new in zip(req_ids, num_computed, num_new):
             if new <= 0:
-                raise ValueError(f"request {req} has {new} new tokens; every scheduled request needs >= 1")
+                raise ValueError(
+                    f"request {req} has {new} new tokens; every scheduled request needs >= 1"
+                )
             if done != self.length(req):
                 raise ValueError(
-                    f"request {req}: num_computed is {done} but the KV cache holds {self.length(req)} "
+                    f"request {req}: num_computed is {done} but the KV cache holds "
+                    f"{self.length(req)} "
                     f"tokens for it; the scheduler and the cache disagree"
                 )
             needed += self.blocks_needed(req, new)

@@ -95,15 +95,33 @@ def _sp_pad(num_tokens: int, tp: int) -> int:
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with rotary embeddings, split over heads."""
 
-    def __init__(self, c: LlamaModelConfig, tp_group: TPGroup | None, dtype: torch.dtype, sp: bool, prefix: str) -> None:
+    def __init__(
+        self,
+        c: LlamaModelConfig,
+        tp_group: TPGroup | None,
+        dtype: torch.dtype,
+        sp: bool,
+        prefix: str,
+    ) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
-            c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
-            bias=c.attention_bias, tp_group=tp_group, params_dtype=dtype, prefix=f"{prefix}.qkv_proj",
+            c.hidden_size,
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            bias=c.attention_bias,
+            tp_group=tp_group,
+            params_dtype=dtype,
+            prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
-            c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias,
-            reduce_scatter=sp, tp_group=tp_group, params_dtype=dtype, prefix=f"{prefix}.o_proj",
+            c.num_attention_heads * c.head_dim,
+            c.hidden_size,
+            bias=c.attention_bias,
+            reduce_scatter=sp,
+            tp_group=tp_group,
+            params_dtype=dtype,
+            prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_type, c.rope_params)
         self.num_heads = self.qkv_proj.num_heads
@@ -113,7 +131,9 @@ class LlamaAttention(nn.Module):
         self.sp = sp
         self.tp_size = self.qkv_proj.tp_size
 
-    def forward(self, x: torch.Tensor, attn: AttentionInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attn: AttentionInputs, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(x))
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -121,8 +141,15 @@ class LlamaAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(attn.positions, q, k)
         o = torch.ops.groupcoord.paged_attention(
-            q, k, v, kv_cache, attn.slot_mapping, attn.query_start_loc,
-            attn.context_slots, attn.context_start_loc, self.scale,
+            q,
+            k,
+            v,
+            kv_cache,
+            attn.slot_mapping,
+            attn.query_start_loc,
+            attn.context_slots,
+            attn.context_start_loc,
+            self.scale,
         )
         o = o.reshape(t, self.num_heads * self.head_dim)
         if self.sp:
@@ -133,15 +160,31 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, c: LlamaModelConfig, tp_group: TPGroup | None, dtype: torch.dtype, sp: bool, prefix: str) -> None:
+    def __init__(
+        self,
+        c: LlamaModelConfig,
+        tp_group: TPGroup | None,
+        dtype: torch.dtype,
+        sp: bool,
+        prefix: str,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            c.hidden_size, [c.intermediate_size] * 2, bias=c.mlp_bias,
-            tp_group=tp_group, params_dtype=dtype, prefix=f"{prefix}.gate_up_proj",
+            c.hidden_size,
+            [c.intermediate_size] * 2,
+            bias=c.mlp_bias,
+            tp_group=tp_group,
+            params_dtype=dtype,
+            prefix=f"{prefix}.gate_up_proj",
         )
         self.down_proj = RowParallelLinear(
-            c.intermediate_size, c.hidden_size, bias=c.mlp_bias, reduce_scatter=sp,
-            tp_group=tp_group, params_dtype=dtype, prefix=f"{prefix}.down_proj",
+            c.intermediate_size,
+            c.hidden_size,
+            bias=c.mlp_bias,
+            reduce_scatter=sp,
+            tp_group=tp_group,
+            params_dtype=dtype,
+            prefix=f"{prefix}.down_proj",
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +195,14 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block followed by a pre-norm SwiGLU block."""
 
-    def __init__(self, c: LlamaModelConfig, tp_group: TPGroup | None, dtype: torch.dtype, sp: bool, prefix: str) -> None:
+    def __init__(
+        self,
+        c: LlamaModelConfig,
+        tp_group: TPGroup | None,
+        dtype: torch.dtype,
+        sp: bool,
+        prefix: str,
+    ) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.sp = sp
@@ -161,8 +211,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(c, tp_group, dtype, sp, f"{prefix}.mlp")
 
-    def forward(self, x: torch.Tensor, attn: AttentionInputs, kv_cache: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[T, H]`` (or this rank's ``[ceil(T/tp), H]`` token slice with sequence parallelism)."""
+    def forward(
+        self, x: torch.Tensor, attn: AttentionInputs, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """``x``: ``[T, H]``, or with sequence parallelism this rank's ``[ceil(T/tp), H]`` slice."""
         h = self.input_layernorm(x)
         if self.sp:
             h = tp_all_gather(self.tp_group, h, 0)[: attn.positions.shape[0]]
@@ -196,11 +248,17 @@ class LlamaModel(nn.Module):
         self.sp = sequence_parallel and self.tp_size > 1
         self.is_first = pp_rank == 0
         self.is_last = pp_rank == pp_size - 1
-        self.start_layer, self.end_layer = partition_layers(config.num_hidden_layers, pp_size)[pp_rank]
+        self.start_layer, self.end_layer = partition_layers(config.num_hidden_layers, pp_size)[
+            pp_rank
+        ]
         if self.is_first:
             self.embed_tokens = VocabParallelEmbedding(
-                config.vocab_size, config.hidden_size, tp_group, dtype,
-                reduce_scatter=self.sp, prefix="model.embed_tokens",
+                config.vocab_size,
+                config.hidden_size,
+                tp_group,
+                dtype,
+                reduce_scatter=self.sp,
+                prefix="model.embed_tokens",
             )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, tp_group, dtype, self.sp, f"model.layers.{i}")
@@ -222,7 +280,11 @@ class LlamaModel(nn.Module):
         if self.is_first:
             if input_ids is None:
                 raise ValueError("the first pipeline stage needs input_ids")
-            ids = F.pad(input_ids, (0, _sp_pad(input_ids.shape[0], self.tp_size))) if self.sp else input_ids
+            ids = (
+                F.pad(input_ids, (0, _sp_pad(input_ids.shape[0], self.tp_size)))
+                if self.sp
+                else input_ids
+            )
             h = self.embed_tokens(ids)
         else:
             if hidden_states is None:
@@ -269,12 +331,18 @@ class LlamaForCausalLM(nn.Module):
         self.tp_group = tp_group
         self.pp_group = pp_group
         self.pp_size, self.pp_rank = tp_size_and_rank(pp_group)
-        self.model = LlamaModel(config, tp_group, self.pp_rank, self.pp_size, dtype, sequence_parallel)
+        self.model = LlamaModel(
+            config, tp_group, self.pp_rank, self.pp_size, dtype, sequence_parallel
+        )
         self.is_first_stage = self.model.is_first
         self.is_last_stage = self.model.is_last
         if self.is_last_stage:
             self.lm_head = ParallelLMHead(
-                config.vocab_size, config.hidden_size, tp_group=tp_group, params_dtype=dtype, prefix="lm_head"
+                config.vocab_size,
+                config.hidden_size,
+                tp_group=tp_group,
+                params_dtype=dtype,
+                prefix="lm_head",
             )
             if config.tie_word_embeddings and self.is_first_stage:
                 self.lm_head.tie_to(self.model.embed_tokens)
@@ -295,8 +363,12 @@ class LlamaForCausalLM(nn.Module):
     def make_kv_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
         """A KV cache sized for this shard's layers and heads."""
         return KVCache(
-            self.num_local_layers, self.num_local_kv_heads, self.config.head_dim,
-            num_blocks, block_size, self.dtype,
+            self.num_local_layers,
+            self.num_local_kv_heads,
+            self.config.head_dim,
+            num_blocks,
+            block_size,
+            self.dtype,
         )
 
     # ------------------------------------------------------------------ forward
@@ -337,11 +409,15 @@ class LlamaForCausalLM(nn.Module):
         """Whether checkpoint tensor ``name`` is needed by this stage."""
         layer = self._layer_of(name)
         if layer is not None:
-            return self.model.start_layer <= layer < self.model.end_layer and "rotary_emb" not in name
+            return (
+                self.model.start_layer <= layer < self.model.end_layer and "rotary_emb" not in name
+            )
         if name.startswith("model.embed_tokens."):
             return self.is_first_stage or (self.is_last_stage and self.config.tie_word_embeddings)
         if name.startswith("model.norm.") or name.startswith("lm_head."):
-            return self.is_last_stage and not (name.startswith("lm_head.") and self.config.tie_word_embeddings)
+            return self.is_last_stage and not (
+                name.startswith("lm_head.") and self.config.tie_word_embeddings
+            )
         return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -354,7 +430,9 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: Unknown tensor, shape mismatch, or missing parameters.
         """
-        params = dict(self.named_parameters())  # a tied head on the embedding's stage is deduplicated
+        params = dict(
+            self.named_parameters()
+        )  # a tied head on the embedding's stage is deduplicated
         loaded: set[str] = set()
         for name, tensor in weights:
             if not self.wants(name):
@@ -373,7 +451,9 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if shard is None else f"{target}#{shard}")
         missing = sorted(self._expected_loads(params) - loaded)
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) this rank needs: {missing[:8]}")
+            raise ValueError(
+                f"checkpoint lacks {len(missing)} tensor(s) this rank needs: {missing[:8]}"
+            )
 
     def _target(self, name: str) -> tuple[str, str | int | None]:
         """Our parameter name and shard id for checkpoint tensor ``name``."""
@@ -381,13 +461,18 @@ class LlamaForCausalLM(nn.Module):
             if frag in name:
                 return name.replace(frag, ours), shard
         if name.startswith("model.embed_tokens.") and not self.is_first_stage:
-            return name.replace("model.embed_tokens.", "lm_head."), None  # tied head on a later stage
+            return name.replace(
+                "model.embed_tokens.", "lm_head."
+            ), None  # tied head on a later stage
         return name, None
 
     def _known(self, name: str) -> bool:
         if "rotary_emb" in name:
             return True
-        return name.startswith(("model.embed_tokens.", "model.norm.", "lm_head.")) or self._layer_of(name) is not None
+        return (
+            name.startswith(("model.embed_tokens.", "model.norm.", "lm_head."))
+            or self._layer_of(name) is not None
+        )
 
     def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[str]:
         out: set[str] = set()
@@ -423,7 +508,9 @@ class LlamaForCausalLM(nn.Module):
 
         config = LlamaModelConfig.from_json(model_dir)
         model = cls(config, tp_group, pp_group, dtype or torch.float32, sequence_parallel)
-        model.load_weights(iter_checkpoint(model_dir, lambda n: model.wants(n) or not model._known(n)))
+        model.load_weights(
+            iter_checkpoint(model_dir, lambda n: model.wants(n) or not model._known(n))
+        )
         return model.eval()
 
     @classmethod

@@ -57,7 +57,8 @@ class ModelRunner:
         num_kv_blocks: KV cache capacity in blocks.
         block_size: Tokens per KV block.
         compile: Run the forward through ``torch.compile(fullgraph=True, dynamic=True)``.
-        compile_backend: ``torch.compile`` backend (``inductor``, ``aot_eager``...).
+        compile_backend: ``torch.compile`` backend: a name (``inductor``,
+            ``aot_eager``...) or a backend callable.
     """
 
     def __init__(
@@ -66,7 +67,7 @@ class ModelRunner:
         num_kv_blocks: int = 256,
         block_size: int = 16,
         compile: bool = False,
-        compile_backend: str = "inductor",
+        compile_backend: str | Callable[..., Any] = "inductor",
     ) -> None:
         if not isinstance(model, LlamaForCausalLM):
             raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
@@ -75,7 +76,9 @@ class ModelRunner:
         self.pp_group = model.pp_group
         self._forward: Callable[..., torch.Tensor] = model
         if compile:
-            self._forward = torch.compile(model, fullgraph=True, dynamic=True, backend=compile_backend)
+            self._forward = torch.compile(
+                model, fullgraph=True, dynamic=True, backend=compile_backend
+            )
 
     @property
     def is_first_stage(self) -> bool:
@@ -98,7 +101,9 @@ class ModelRunner:
         for req, toks in zip(step.req_ids, step.token_ids):
             bad = [t for t in toks if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"request {req}: token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
+                raise ValueError(
+                    f"request {req}: token ids {bad[:4]} are outside the vocabulary [0, {vocab})"
+                )
 
     @torch.no_grad()
     def run(self, step: StepInput, all_logits: bool = False) -> torch.Tensor | None:
@@ -115,12 +120,23 @@ class ModelRunner:
         if self.is_first_stage:
             input_ids = torch.tensor([t for toks in step.token_ids for t in toks], dtype=torch.long)
         else:
-            hidden = self.pp_group.recv_tensor_dict()["hidden_states"]
+            received = self._pp().recv_tensor_dict()
+            if not received or "hidden_states" not in received:
+                raise RuntimeError(
+                    f"pipeline stage {self.model.pp_rank} expected hidden_states from the previous "
+                    f"stage, got {sorted(received) if received else received!r}"
+                )
+            hidden = received["hidden_states"]
         out = self._forward(input_ids, attn, self.kv_cache.layers, hidden, all_logits)
         if not self.is_last_stage:
-            self.pp_group.send_tensor_dict({"hidden_states": out})
+            self._pp().send_tensor_dict({"hidden_states": out})
             return None
         return out
+
+    def _pp(self) -> Any:
+        if self.pp_group is None:  # only reachable with a single stage, which never sends
+            raise RuntimeError("a pipeline stage other than the only one needs a pp_group")
+        return self.pp_group
 
     def execute(self, step: StepInput) -> list[int] | None:
         """Run one step; the greedy next token of each request on the last stage, else None."""

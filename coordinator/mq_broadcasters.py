@@ -1,0 +1,94 @@
+"""Many-writers-to-one-reader message queues for a group (results back to a driver).
+
+:func:`create_single_reader_mq_broadcasters` gives every rank of a group except
+the reader its own one-reader queue, whose only reader is
+``reader_rank_in_group``. Workers ``enqueue`` their results; the driver
+``dequeue``s from each worker's queue. Readers on the writer's node read
+through shared memory, others over TCP.
+
+It is collective over the group's CPU group: handles are exchanged with one
+all-gather, so creation costs one round trip whatever the group size.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from device_comms import validation as v
+
+if TYPE_CHECKING:
+    from shm_broadcast.message_queue import MessageQueue
+
+    from coordinator.group_coordinator import GroupCoordinator
+
+__all__ = ["create_single_reader_mq_broadcasters", "SINGLE_READER_CHUNK_BYTES", "SINGLE_READER_CHUNKS"]
+
+SINGLE_READER_CHUNK_BYTES = 1 << 20
+SINGLE_READER_CHUNKS = 8
+
+
+def create_single_reader_mq_broadcasters(
+    gc: "GroupCoordinator",
+    reader_rank_in_group: int = 0,
+    blocking: bool = False,
+    max_chunk_bytes: int = SINGLE_READER_CHUNK_BYTES,
+    max_chunks: int = SINGLE_READER_CHUNKS,
+) -> tuple["MessageQueue | None", list["MessageQueue | None"]]:
+    """Create one queue per non-reader rank, all read by ``reader_rank_in_group``.
+
+    Args:
+        gc: The group (every rank calls this).
+        reader_rank_in_group: Group rank that reads every queue.
+        blocking: Wait until all queues are connected before returning. With
+            False, call ``wait_until_ready()`` on every returned queue (both
+            sides) before the first message.
+        max_chunk_bytes: Chunk size of each queue's ring.
+        max_chunks: Chunks per ring.
+
+    Returns:
+        ``(my_writer, readers)``: on a writer rank, its own queue and ``[]``; on
+        the reader, ``None`` and a list indexed by group rank holding the queue
+        read from that rank (``None`` at the reader's own index).
+    """
+    from shm_broadcast.message_queue import MessageQueue
+    from shm_broadcast.topology import in_the_same_node_as
+
+    v.check_rank(reader_rank_in_group, gc.world_size, "reader_rank_in_group")
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be a bool, got {type(blocking).__name__}")
+    me, reader = gc.rank_in_group, reader_rank_in_group
+    if gc.world_size == 1:
+        return None, [None]
+    same_node = in_the_same_node_as(gc.cpu_group, source_rank=reader)
+    writer: MessageQueue | None = None
+    handle: bytes | None = None
+    if me != reader:
+        local = same_node[me]
+        writer = MessageQueue(
+            n_reader=1,
+            n_local_reader=1 if local else 0,
+            local_reader_ranks=[reader] if local else [],
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+            name=f"{gc.unique_name}-to{reader}-from{me}",
+            writer_rank=me,
+        )
+        handle = writer.export_handle().to_bytes()
+    handles: list[Any] = gc.all_gather_object_cpu(handle)
+    readers: list[MessageQueue | None] = []
+    try:
+        if me == reader:
+            readers = [
+                None if r == reader else MessageQueue.create_from_handle(h, reader)
+                for r, h in enumerate(handles)
+            ]
+        if blocking:
+            for q in [writer, *readers]:
+                if q is not None:
+                    q.wait_until_ready()
+    except BaseException:
+        for q in [writer, *readers]:
+            if q is not None:
+                q.close()
+        raise
+    return writer, readers

@@ -1,0 +1,256 @@
+"""``groupcoord bench collectives``: CPU shared-memory collectives against raw gloo.
+
+For each world size, fresh ranks are started (:mod:`device_comms.spawn_group`);
+each builds a :class:`~device_comms.cpu_communicator.CpuCommunicator` over the
+world group and times, for every op, dtype and size, our call and the raw
+``torch.distributed`` gloo call **in the same run, interleaved in blocks** (so
+machine noise hits both alike). A sample is one collective; its latency is the
+slowest rank's time for it (the collective is done when every rank is done).
+Reported: median and p99 per op and size, and the ratio of gloo's median to
+ours (> 1: we are faster).
+
+Sizes are the full buffer: the tensor of ``all_reduce``, the *output* of
+``all_gather`` and the *input* of ``reduce_scatter`` (as nccl-tests count).
+"Raw gloo" is ``dist.all_reduce`` in place, ``all_gather_single`` /
+``reduce_scatter_single`` into preallocated outputs: gloo does not pay for the
+new output tensor our API returns, so the comparison is conservative.
+
+Each rank uses ``max(1, cpus // world_size)`` torch threads (as the test
+harness does) unless ``--threads`` says otherwise.
+
+Run: ``python -m device_comms.bench_collectives --world-sizes 2 4 --json out.json
+--plot out.png`` (``groupcoord bench collectives ...`` is the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+__all__ = ["add_bench_args", "run_bench", "main"]
+
+_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+_DTYPES = ("float32", "bfloat16", "float16", "int32", "int64")
+_DEFAULT_SIZES = [1 << s for s in range(10, 27, 2)]  # 1 KiB .. 64 MiB, powers of 4
+
+
+def _parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in "KMG" else t
+    try:
+        value = int(float(num) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must look like 4096, 64K or 16M, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """Add this benchmark's options to ``parser``."""
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4],
+                        help="world sizes to run (default: 2 4)")
+    parser.add_argument("--ops", nargs="+", choices=_OPS, default=list(_OPS),
+                        help="collectives to time (default: all three)")
+    parser.add_argument("--dtypes", nargs="+", choices=_DTYPES, default=["float32", "bfloat16"],
+                        help="dtypes (default: float32 bfloat16)")
+    parser.add_argument("--sizes", type=_parse_size, nargs="+", default=None,
+                        help="buffer sizes (e.g. 1K 64K 1M); default 1K..64M in powers of 4")
+    parser.add_argument("--min-bytes", type=_parse_size, default=None, help="drop smaller default sizes")
+    parser.add_argument("--max-bytes", type=_parse_size, default=None, help="drop larger default sizes")
+    parser.add_argument("--max-iters", type=int, default=400, help="samples per point, at most")
+    parser.add_argument("--min-iters", type=int, default=12, help="samples per point, at least")
+    parser.add_argument("--budget-mb", type=float, default=256.0,
+                        help="per point and implementation, about this many MB are moved (sets iterations)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--workspace-bytes", type=_parse_size, default=None,
+                        help="CpuCommunicator workspace (default: its own default)")
+    parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
+    parser.add_argument("--plot", dest="plot_path", default=None,
+                        help="write a log-log PNG plot here (needs matplotlib: pip install groupcoord[plot])")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark described by parsed ``args``; returns the exit status."""
+    from device_comms.bench_report import format_table, write_json, write_plot
+    from device_comms.spawn_group import spawn_group
+
+    sizes = args.sizes or [
+        s for s in _DEFAULT_SIZES
+        if (args.min_bytes is None or s >= args.min_bytes) and (args.max_bytes is None or s <= args.max_bytes)
+    ]
+    for ws in args.world_sizes:
+        if ws < 2:
+            print(f"--world-sizes: every world size must be >= 2, got {ws}", file=sys.stderr)
+            return 2
+    if args.min_iters < 1 or args.max_iters < args.min_iters:
+        print("--min-iters must be >= 1 and <= --max-iters", file=sys.stderr)
+        return 2
+    if args.plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'groupcoord[plot]'", file=sys.stderr)
+            return 2
+    cfg = {
+        "ops": list(args.ops), "dtypes": list(args.dtypes), "sizes": sizes,
+        "min_iters": args.min_iters, "max_iters": args.max_iters,
+        "budget": int(args.budget_mb * (1 << 20)), "threads": args.threads,
+        "workspace_bytes": args.workspace_bytes,
+    }
+    records: list[dict[str, Any]] = []
+    for ws in args.world_sizes:
+        print(f"# world size {ws}: starting {ws} ranks ...", flush=True)
+        # Resolve through the package so children can import it under `python -m` too.
+        rank_fn = importlib.import_module("device_comms.bench_collectives")._bench_rank
+        outcomes = spawn_group(rank_fn, ws, (cfg,), timeout=args.timeout)
+        bad = [o for o in outcomes if not o.ok]
+        if bad:
+            for o in bad:
+                print(f"rank {o.rank} failed (exit code {o.exitcode}): {o.error}", file=sys.stderr)
+            return 1
+        recs = outcomes[0].result
+        records.extend(recs)
+        print(format_table(recs), flush=True)
+    meta = {
+        "command": " ".join(["python -m device_comms.bench_collectives"] + sys.argv[1:]),
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if args.json_path:
+        write_json(args.json_path, records, meta)
+        print(f"wrote {args.json_path}")
+    if args.plot_path:
+        write_plot(args.plot_path, records)
+        print(f"wrote {args.plot_path}")
+    return 0
+
+
+# ---------------------------------------------------------------------- per rank
+def _bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
+    import torch
+    import torch.distributed as dist
+
+    from device_comms.cpu_communicator import CpuCommunicator
+
+    torch.set_num_threads(cfg["threads"] or max(1, (os.cpu_count() or 1) // world_size))
+    comm = CpuCommunicator(
+        dist.group.WORLD, torch.device("cpu"), unique_name="bench",
+        workspace_bytes=cfg["workspace_bytes"],
+    )
+    records: list[dict[str, Any]] = []
+    try:
+        for op in cfg["ops"]:
+            for dname in cfg["dtypes"]:
+                dtype = getattr(torch, dname)
+                for nbytes in cfg["sizes"]:
+                    rec = _bench_point(comm, op, dtype, nbytes, cfg, rank, world_size)
+                    if rank == 0:
+                        records.append(rec)
+    finally:
+        comm.destroy()
+    return records if rank == 0 else None
+
+
+def _bench_point(
+    comm: Any, op: str, dtype: Any, nbytes: int, cfg: dict[str, Any], rank: int, ws: int
+) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    item = torch.empty((), dtype=dtype).element_size()
+    numel = max(ws, nbytes // item // ws * ws)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    if dtype.is_floating_point:
+        full = torch.randn(numel, generator=gen).to(dtype)
+    else:
+        full = torch.randint(-100, 100, (numel,), generator=gen, dtype=dtype)
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if op == "all_reduce":
+        x, y = full, full.clone()
+        ours: Callable[[], Any] = lambda: comm.all_reduce(x)
+        raw: Callable[[], Any] = lambda: dist.all_reduce(y)
+        check = (comm.all_reduce(x), _gloo_copy(dist.all_reduce, full))
+    elif op == "all_gather":
+        x = full[: numel // ws].clone()
+        out = torch.empty(numel, dtype=dtype)
+        ours = lambda: comm.all_gather(x, 0)
+        raw = lambda: ag(out, x)
+        raw()
+        check = (comm.all_gather(x, 0), out.clone())
+    else:
+        x = full
+        out = torch.empty(numel // ws, dtype=dtype)
+        ours = lambda: comm.reduce_scatter(x, 0)
+        raw = lambda: rs(out, x)
+        raw()
+        check = (comm.reduce_scatter(x, 0), out.clone())
+    exact = op == "all_gather" or not dtype.is_floating_point
+    same = bool(torch.equal(*check)) if exact else bool(
+        torch.allclose(check[0].float(), check[1].float(), rtol=2e-2, atol=2e-2 * ws)
+    )
+    iters = int(min(cfg["max_iters"], max(cfg["min_iters"], cfg["budget"] // max(1, nbytes))))
+    block = max(1, min(20, iters // 4))
+    for _ in range(3):
+        ours()
+        raw()
+    t_ours: list[float] = []
+    t_raw: list[float] = []
+    while len(t_ours) < iters:
+        k = min(block, iters - len(t_ours))
+        _time(ours, k, t_ours)
+        _time(raw, k, t_raw)
+    everyone = [None] * ws
+    dist.all_gather_object(everyone, (t_ours, t_raw, same))
+    slow_ours = [max(v[0][i] for v in everyone) for i in range(iters)]  # type: ignore[index]
+    slow_raw = [max(v[1][i] for v in everyone) for i in range(iters)]  # type: ignore[index]
+    return {
+        "world_size": ws, "op": op, "dtype": str(dtype).removeprefix("torch."), "bytes": nbytes,
+        "iters": iters, "mode": comm.mode,
+        "shm_p50_us": _pct(slow_ours, 50), "shm_p99_us": _pct(slow_ours, 99),
+        "gloo_p50_us": _pct(slow_raw, 50), "gloo_p99_us": _pct(slow_raw, 99),
+        "results_match": all(v[2] for v in everyone),  # type: ignore[index]
+    }
+
+
+def _gloo_copy(fn: Callable[..., Any], t: Any) -> Any:
+    y = t.clone()
+    fn(y)
+    return y
+
+
+def _time(fn: Callable[[], Any], k: int, into: list[float]) -> None:
+    clock = time.perf_counter
+    for _ in range(k):
+        t0 = clock()
+        fn()
+        into.append((clock() - t0) * 1e6)
+
+
+def _pct(samples: list[float], q: float) -> float:
+    if q == 50:
+        return float(statistics.median(samples))
+    s = sorted(samples)
+    return float(s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m device_comms.bench_collectives``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m device_comms.bench_collectives",
+        description="CPU shared-memory collectives vs gloo",
+    )
+    add_bench_args(parser)
+    return run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""``CpuCommunicator``: gloo for everything, shared memory for same-node ranks.
+
+Construction (collective over ``cpu_group``) finds which ranks share a node
+(:func:`shm_broadcast.topology.node_assignment`; ``GROUPCOORD_NODE_ID`` or the
+``node_id`` argument override it) and maps one shared-memory workspace per
+node. Then:
+
+* **one node** (the usual case): ``all_reduce``, ``reduce``, ``all_gather``,
+  ``all_gatherv``, ``reduce_scatter``, ``reduce_scatterv``, ``broadcast`` and
+  ``gather`` run in the :class:`~device_comms.shm_engine.ShmEngine`; large
+  messages go through the workspace in pieces;
+* **several nodes**: ``all_reduce`` is hierarchical
+  (:class:`~device_comms.hierarchical.HierarchicalAllReduce`: shared memory
+  within nodes, gloo between one leader per node); other ops use gloo;
+* **one rank per node**, shared memory disabled, or setup failed (e.g.
+  ``/dev/shm`` full): everything goes to gloo, as in
+  :class:`~device_comms.torch_communicator.TorchDistributedCommunicator`.
+
+``scatter``, ``all_to_all``, ``send`` and ``recv`` always use gloo.
+
+Configuration (arguments win over environment variables; the environment is
+read at construction):
+
+* ``workspace_bytes`` / ``GROUPCOORD_CPU_SHM_BYTES``: data bytes of a node's
+  workspace (default 32 MiB, split into 2 x local-ranks slots);
+* ``use_shm`` / ``GROUPCOORD_CPU_SHM=0``: disable the shared-memory path (if
+  any rank disables it, all do);
+* ``timeout`` / ``GROUPCOORD_CPU_SHM_TIMEOUT``: seconds a shared-memory step
+  may wait for a peer before :class:`~device_comms.errors.CollectiveTimeout`
+  (default 1800, gloo's default; ``0`` waits forever). A dead peer is reported
+  as :class:`~device_comms.errors.PeerDiedError` within about 0.2 s anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from device_comms.hierarchical import HierarchicalAllReduce
+from device_comms.reduce_op import ReduceOp
+from device_comms.shm_engine import ShmEngine
+from device_comms.shm_sync import StepSync
+from device_comms.shm_workspace import WorkspacePlan, open_workspace
+from device_comms.torch_communicator import TorchDistributedCommunicator
+from shm_broadcast.group_adapter import object_group
+from shm_broadcast.topology import node_assignment
+
+__all__ = ["CpuCommunicator", "BYTES_ENV", "ENABLE_ENV", "TIMEOUT_ENV"]
+
+logger = logging.getLogger(__name__)
+
+BYTES_ENV = "GROUPCOORD_CPU_SHM_BYTES"
+ENABLE_ENV = "GROUPCOORD_CPU_SHM"
+TIMEOUT_ENV = "GROUPCOORD_CPU_SHM_TIMEOUT"
+DEFAULT_WORKSPACE_BYTES = 32 << 20
+DEFAULT_TIMEOUT = 1800.0
+_SHM_OPS = (
+    "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
+    "reduce_scatterv", "broadcast", "gather",
+)
+
+
+class CpuCommunicator(TorchDistributedCommunicator):
+    """CPU communicator: shared memory between same-node ranks, gloo otherwise.
+
+    Args:
+        cpu_group: Gloo group of the ranks (also carries the gloo fallbacks).
+        device: A CPU device.
+        device_group: Group for payloads (defaults to ``cpu_group``).
+        unique_name: The owning group's unique name (in errors).
+        workspace_bytes: Data bytes per node workspace (see module docstring).
+        use_shm: False forces gloo; None reads ``GROUPCOORD_CPU_SHM``.
+        timeout: Seconds a shared-memory step may wait; None reads the
+            environment, 0 waits forever.
+        node_id: This rank's node identity (then every rank must pass one);
+            overrides the shared-memory probe, like ``GROUPCOORD_NODE_ID``.
+        oneshot_bytes: Largest all-reduce done in one shot (tuning knob).
+
+    Attributes:
+        mode: ``"shm"`` (one node), ``"hierarchical"`` (several nodes) or ``"gloo"``.
+        fallback_reason: Why ``mode`` is ``"gloo"`` (None otherwise).
+        nodes: Node index of every group rank (empty when shm is disabled).
+        shm_calls: Per op, how many calls the shared-memory engine served.
+    """
+
+    name = "cpu"
+    device_types = frozenset({"cpu"})
+    priority = 10
+
+    def __init__(
+        self,
+        cpu_group: dist.ProcessGroup,
+        device: torch.device,
+        device_group: dist.ProcessGroup | None = None,
+        unique_name: str = "",
+        *,
+        workspace_bytes: int | None = None,
+        use_shm: bool | None = None,
+        timeout: float | None = None,
+        node_id: str | None = None,
+        oneshot_bytes: int | None = None,
+    ) -> None:
+        super().__init__(cpu_group, device, device_group, unique_name)
+        if self.device.type != "cpu":
+            raise ValueError(f"device must be a CPU device for CpuCommunicator, got {self.device}")
+        ws_bytes = _positive_int(workspace_bytes, "workspace_bytes", BYTES_ENV, DEFAULT_WORKSPACE_BYTES)
+        enabled = _enabled(use_shm)
+        wait_s = _timeout(timeout)
+        if node_id is not None and not isinstance(node_id, str):
+            raise TypeError(f"node_id must be a str or None, got {type(node_id).__name__}")
+        if oneshot_bytes is not None and (not isinstance(oneshot_bytes, int) or oneshot_bytes < 0):
+            raise ValueError(f"oneshot_bytes must be a non-negative int, got {oneshot_bytes!r}")
+        self.mode = "gloo"
+        self.fallback_reason: str | None = None
+        self.nodes: list[int] = []
+        self.shm_calls: dict[str, int] = dict.fromkeys(_SHM_OPS, 0)
+        self._engine: ShmEngine | None = None
+        self._flat: ShmEngine | None = None
+        self._hier: HierarchicalAllReduce | None = None
+        if self.world_size > 1:
+            self._setup(enabled, node_id, ws_bytes, wait_s, oneshot_bytes)
+
+    # ------------------------------------------------------------------ setup
+    def _setup(
+        self,
+        enabled: bool,
+        node_id: str | None,
+        ws_bytes: int,
+        wait_s: float | None,
+        oneshot: int | None,
+    ) -> None:
+        og = object_group(self.cpu_group)
+        votes = og.all_gather((enabled, node_id))
+        if not all(e for e, _ in votes):
+            off = [r for r, (e, _) in enumerate(votes) if not e]
+            self.fallback_reason = f"shared memory disabled on rank(s) {off} ({ENABLE_ENV}=0 or use_shm=False)"
+            return
+        ids = [n for _, n in votes]
+        if any(i is not None for i in ids):
+            if any(i is None for i in ids):
+                missing = [r for r, i in enumerate(ids) if i is None]
+                raise ValueError(
+                    f"node_id was given on some ranks but not on rank(s) {missing}; "
+                    f"pass it on every rank of group {self.unique_name!r} or on none"
+                )
+            order: dict[str, int] = {}
+            self.nodes = [order.setdefault(i, len(order)) for i in ids]
+        else:
+            self.nodes = node_assignment(self.cpu_group)
+        n_nodes = max(self.nodes) + 1
+        if n_nodes == self.world_size:
+            self.fallback_reason = "every rank is on a different node"
+            return
+        plan = WorkspacePlan.from_nodes(self.nodes, self.rank_in_group)
+        ws, pids, err = open_workspace(self.cpu_group, plan, ws_bytes)
+        if err is not None:
+            self.fallback_reason = f"shared-memory workspace unavailable: {err}"
+            logger.warning("group %r falls back to gloo: %s", self.unique_name, err)
+            return
+        if ws is not None:
+            sync = StepSync(
+                ws, self.unique_name, plan.local_ranks, [pids[r] for r in plan.local_ranks], wait_s
+            )
+            self._engine = ShmEngine(ws, sync, oneshot)
+        if n_nodes == 1:
+            self._flat = self._engine
+            self.mode = "shm"
+            return
+        leaders = [self.ranks[self.nodes.index(j)] for j in range(n_nodes)]
+        self._hier = HierarchicalAllReduce(
+            self._engine, self.cpu_group, leaders, self.nodes[self.rank_in_group],
+            plan.local_rank == 0, self.world_size,
+        )
+        self.mode = "hierarchical"
+
+    @property
+    def hierarchical(self) -> HierarchicalAllReduce | None:
+        """The hierarchical all-reduce (several nodes), else None."""
+        return self._hier
+
+    def describe(self) -> dict[str, Any]:
+        """A summary for logs and bug reports."""
+        eng = self._engine
+        return {
+            "mode": self.mode,
+            "fallback_reason": self.fallback_reason,
+            "nodes": list(self.nodes),
+            "local_ranks": eng.size if eng is not None else 1,
+            "slot_bytes": eng.ws.slot_bytes if eng is not None else 0,
+            "oneshot_bytes": eng.oneshot_bytes if eng is not None else 0,
+            "shm_calls": dict(self.shm_calls),
+        }
+
+    def destroy(self) -> None:
+        """Unmap the workspace (peers waiting on this rank get an error). Idempotent."""
+        eng, self._engine, self._flat, self._hier = self._engine, None, None, None
+        if eng is not None:
+            eng.close()
+        super().destroy()
+
+    # ------------------------------------------------------------------ reductions
+    def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        eng = self._flat
+        if eng is not None:
+            self.shm_calls["all_reduce"] += 1
+            return eng.all_reduce(t, op)
+        if self._hier is not None:
+            return self._hier.all_reduce(t, op)
+        return super()._all_reduce(t, op)
+
+    def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
+        eng = self._flat
+        if eng is None:
+            return super()._reduce(t, dst, op)
+        self.shm_calls["reduce"] += 1
+        return eng.reduce(t, dst, op)
+
+    def _reduce_scatter(self, t: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._reduce_scatter(t, dim, op)
+        self.shm_calls["reduce_scatter"] += 1
+        n = self.world_size
+        x = t.movedim(dim, 0).contiguous()
+        k = x.numel() // n
+        out = eng.reduce_scatter(x.view(-1), [k] * n, op, "reduce_scatter", x.numel())
+        return out.view((x.shape[0] // n,) + x.shape[1:]).movedim(0, dim).contiguous()
+
+    def _reduce_scatterv(
+        self, t: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
+    ) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._reduce_scatterv(t, dim, sizes, op)
+        self.shm_calls["reduce_scatterv"] += 1
+        x = t.movedim(dim, 0).contiguous()
+        inner = math.prod(x.shape[1:])
+        key = _size_key(sizes, inner)
+        out = eng.reduce_scatter(x.view(-1), [s * inner for s in sizes], op, "reduce_scatterv", key)
+        mine = sizes[self.rank_in_group]
+        return out.view((mine,) + x.shape[1:]).movedim(0, dim).contiguous()
+
+    # ------------------------------------------------------------------ data movement
+    def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._all_gather(t, dim)
+        self.shm_calls["all_gather"] += 1
+        if t.nbytes <= eng.ws.slot_bytes:
+            return eng.all_gather_cat(t, dim)  # type: ignore[return-value]
+        n = t.numel()
+        flat = eng.gather_flat(t.view(-1), [n] * self.world_size, "all_gather", n)
+        return _concat_leading(flat, self.world_size, t.shape, dim)  # type: ignore[arg-type]
+
+    def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._all_gatherv(t, dim, sizes)
+        self.shm_calls["all_gatherv"] += 1
+        inner = math.prod(t.shape[:dim]) * math.prod(t.shape[dim + 1 :])
+        shapes = [t.shape[:dim] + (s,) + t.shape[dim + 1 :] for s in sizes]
+        key = _size_key(sizes, inner)
+        if max(sizes) * inner * t.element_size() <= eng.ws.slot_bytes:
+            return eng.gatherv_cat(t, [torch.Size(s) for s in shapes], dim, key)
+        counts = [s * inner for s in sizes]
+        flat: torch.Tensor = eng.gather_flat(t.view(-1), counts, "all_gatherv", key)  # type: ignore[assignment]
+        if dim == 0:
+            return flat.view((sum(sizes),) + t.shape[1:])
+        pieces, off = [], 0
+        for c, shape in zip(counts, shapes):
+            pieces.append(flat[off : off + c].view(shape))
+            off += c
+        return torch.cat(pieces, dim)
+
+    def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
+        eng = self._flat
+        if eng is None:
+            return super()._gather(t, dst, dim)
+        self.shm_calls["gather"] += 1
+        if t.nbytes <= eng.ws.slot_bytes:
+            return eng.all_gather_cat(t, dim, "gather", dst)
+        n = t.numel()
+        flat = eng.gather_flat(t.view(-1), [n] * self.world_size, "gather", n, dst)
+        return None if flat is None else _concat_leading(flat, self.world_size, t.shape, dim)
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._broadcast(t, src)
+        self.shm_calls["broadcast"] += 1
+        return eng.broadcast(t, src)
+
+    def __repr__(self) -> str:
+        return (
+            f"CpuCommunicator({self.unique_name!r}, rank {self.rank_in_group}/{self.world_size}, "
+            f"mode={self.mode})"
+        )
+
+
+def _concat_leading(flat: torch.Tensor, n: int, shape: torch.Size, dim: int) -> torch.Tensor:
+    """Rank-major flat gather of ``n`` tensors of ``shape`` -> concatenation along ``dim``."""
+    stacked = flat.view((n,) + tuple(shape))
+    out_shape = list(shape)
+    out_shape[dim] *= n
+    return stacked.movedim(0, dim).reshape(out_shape)
+
+
+def _size_key(sizes: Sequence[int], inner: int) -> int:
+    """A deterministic int64 key of an uneven layout (same on every rank)."""
+    return hash((tuple(sizes), inner)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _positive_int(value: int | None, arg: str, env: str, default: int) -> int:
+    if value is None:
+        raw = os.environ.get(env)
+        if raw is None or raw == "":
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{env} must be a positive int (bytes), got {raw!r}") from None
+        arg = env
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{arg} must be a positive int (bytes), got {value!r}")
+    return value
+
+
+def _enabled(use_shm: bool | None) -> bool:
+    if use_shm is not None:
+        if not isinstance(use_shm, bool):
+            raise TypeError(f"use_shm must be a bool or None, got {type(use_shm).__name__}")
+        return use_shm
+    raw = os.environ.get(ENABLE_ENV, "1").strip().lower()
+    if raw in ("1", "true", "yes", "on", ""):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENABLE_ENV} must be 0 or 1, got {raw!r}")
+
+
+def _timeout(timeout: float | None) -> float | None:
+    arg = "timeout"
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None or raw == "":
+            return DEFAULT_TIMEOUT
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV} must be seconds (a number), got {raw!r}") from None
+        arg = TIMEOUT_ENV
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"{arg} must be a non-negative number of seconds, got {timeout!r}")
+    return None if timeout == 0 else float(timeout)

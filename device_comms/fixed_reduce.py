@@ -1,0 +1,64 @@
+"""Element-wise reduction of several tensors in a fixed (rank) order, into any output.
+
+Same arithmetic as :func:`device_comms.reduce_op.reduce_local` (left to right,
+``bool`` SUM/PRODUCT as logical OR/AND, AVG divides the sum once at the end),
+so a shared-memory collective whose ranks all run it on the same inputs gets
+bitwise identical results, equal to the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from device_comms.reduce_op import ReduceOp
+
+__all__ = ["binary_fn", "reduce_views"]
+
+_Binary = Callable[..., torch.Tensor]
+
+_FNS: dict[ReduceOp, _Binary] = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.AVG: torch.add,
+    ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.BAND: torch.bitwise_and,
+    ReduceOp.BOR: torch.bitwise_or,
+    ReduceOp.BXOR: torch.bitwise_xor,
+}
+_BOOL_FNS: dict[ReduceOp, _Binary] = {
+    ReduceOp.SUM: torch.logical_or,
+    ReduceOp.AVG: torch.logical_or,
+    ReduceOp.PRODUCT: torch.logical_and,
+}
+
+
+def binary_fn(op: ReduceOp, dtype: torch.dtype) -> _Binary:
+    """The two-operand torch function (``fn(a, b, out=...)``) that accumulates ``op``."""
+    if dtype == torch.bool:
+        return _BOOL_FNS.get(op, _FNS[op])
+    return _FNS[op]
+
+
+def reduce_views(
+    srcs: Sequence[torch.Tensor], op: ReduceOp, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reduce ``srcs`` (at least two, same shape) left to right.
+
+    Args:
+        srcs: Operands in rank order.
+        op: The reduction.
+        out: Where to write (may not alias any source); a new tensor when None.
+
+    Returns:
+        The reduced tensor (``out`` when given).
+    """
+    fn = binary_fn(op, srcs[0].dtype)
+    acc = fn(srcs[0], srcs[1]) if out is None else fn(srcs[0], srcs[1], out=out)
+    for s in srcs[2:]:
+        fn(acc, s, out=acc)
+    if op is ReduceOp.AVG:
+        acc.div_(len(srcs))
+    return acc

@@ -1,0 +1,300 @@
+"""Collectives among the ranks of one node through a shared-memory workspace.
+
+Algorithms (``L`` local ranks; every op is one or more steps of
+:class:`~device_comms.shm_sync.StepSync`; messages larger than a slot go in
+slot-sized pieces, two steps apart in the double buffer):
+
+* **all_reduce, small** (one shot, one step): every rank copies its tensor into
+  its slot; every rank reduces all ``L`` slots in rank order. A handful of
+  torch calls: one copy, ``L-1`` element-wise ops.
+* **all_reduce, large** (reduce-scatter + all-gather, two steps per piece):
+  the piece is cut into ``L`` regions; rank ``i`` copies the regions *other*
+  ranks own into its slot, reduces region ``i`` (its own input plus the peers'
+  slots, in rank order) into its slot of the other parity, and then every rank
+  copies all reduced regions out. Each region is computed by exactly one rank,
+  so results are identical everywhere, and memory bandwidth is shared.
+* **reduce_scatter(v)**: rank ``j``'s region of every rank's input goes through
+  the slots; rank ``j`` reduces it (one step per piece).
+* **all_gather(v)/gather**: every rank copies its tensor in; readers copy all
+  slots out (``torch.cat`` straight from the slots when it fits).
+* **broadcast/reduce**: the root writes / only the root reduces.
+
+Each op's first step carries a signature (op kind, dtype, reduce op, root,
+size) that every rank compares, so mismatched calls raise
+:class:`~device_comms.errors.CollectiveMismatch` everywhere instead of
+returning garbage. Results are always new tensors (never views of the
+workspace), except :meth:`ShmEngine.broadcast`, which fills its argument.
+Not thread-safe: one collective at a time per communicator, as with NCCL.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from device_comms.fixed_reduce import reduce_views
+from device_comms.reduce_op import ReduceOp
+from device_comms.shm_sync import StepSync, signature
+from device_comms.shm_workspace import ShmWorkspace
+
+__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
+
+# Largest all_reduce done in one shot; above it, reduce-scatter + all-gather.
+DEFAULT_ONESHOT_BYTES = 256 * 1024
+_ALIGN_BYTES = 64  # region boundaries on cache lines
+_VIEW_CACHE_MAX = 512
+
+
+class ShmEngine:
+    """Shared-memory collectives for the local ranks of a workspace.
+
+    Args:
+        ws: The mapped workspace.
+        sync: The step synchroniser over ``ws``.
+        oneshot_bytes: Largest all_reduce/reduce done in one shot.
+
+    Attributes:
+        size: Number of local ranks.
+        me: This rank's local index.
+    """
+
+    def __init__(self, ws: ShmWorkspace, sync: StepSync, oneshot_bytes: int | None = None) -> None:
+        self.ws = ws
+        self.sync = sync
+        self.size = ws.local_size
+        self.me = ws.local_rank
+        self.oneshot_bytes = min(
+            ws.slot_bytes, DEFAULT_ONESHOT_BYTES if oneshot_bytes is None else oneshot_bytes
+        )
+        self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
+        self._sigs: dict[tuple[str, torch.dtype, ReduceOp | None, int], int] = {}
+
+    def close(self) -> None:
+        """Mark this rank closed for its peers and unmap. Idempotent."""
+        self._views.clear()
+        self.sync.close()
+        self.ws.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _sig(self, kind: str, dtype: torch.dtype, op: ReduceOp | None = None, root: int = 0) -> int:
+        key = (kind, dtype, op, root)
+        s = self._sigs.get(key)
+        if s is None:
+            s = self._sigs[key] = signature(kind, dtype, op, root)
+        return s
+
+    def _shaped(self, parity: int, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's slot as a tensor shaped like ``t`` (cached)."""
+        key = (parity, t.dtype, t.shape)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= _VIEW_CACHE_MAX:
+                self._views.clear()
+            n = t.numel()
+            v = [s[:n].view(t.shape) for s in self.ws.slots(parity, t.dtype)]
+            self._views[key] = v
+        return v
+
+    def _bounds(self, count: int, itemsize: int) -> list[int]:
+        """Split ``count`` elements into ``size`` cache-line-aligned regions."""
+        align = max(1, _ALIGN_BYTES // itemsize)
+        step = math.ceil(count / self.size / align) * align
+        return [min(count, j * step) for j in range(self.size + 1)]
+
+    # ------------------------------------------------------------------ reductions
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """All-reduce contiguous ``t``; returns a new tensor, identical on every rank."""
+        sync = self.sync
+        if t.nbytes <= self.oneshot_bytes:
+            views = self._shaped(sync.next_parity, t)
+            views[self.me].copy_(t)
+            sync.step("all_reduce", self._sig("all_reduce", t.dtype, op), t.numel(), True)
+            return reduce_views(views, op)
+        out = self._two_phase(t, op, "all_reduce", self._sig("all_reduce", t.dtype, op), True)
+        return out  # type: ignore[return-value]
+
+    def reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
+        """Reduce onto local rank ``dst`` (new tensor there, None elsewhere)."""
+        sync = self.sync
+        sig = self._sig("reduce", t.dtype, op, dst)
+        if t.nbytes <= self.oneshot_bytes:
+            views = self._shaped(sync.next_parity, t)
+            views[self.me].copy_(t)
+            sync.step("reduce", sig, t.numel(), True)
+            return reduce_views(views, op) if self.me == dst else None
+        return self._two_phase(t, op, "reduce", sig, self.me == dst)
+
+    def _two_phase(
+        self, t: torch.Tensor, op: ReduceOp, name: str, sig: int, want: bool
+    ) -> torch.Tensor | None:
+        ws, sync, me, size = self.ws, self.sync, self.me, self.size
+        flat, n, dt = t.view(-1), t.numel(), t.dtype
+        out = torch.empty_like(flat) if want else None
+        chunk = ws.slot_elems(dt)
+        first = True
+        for a in range(0, n, chunk):
+            b = self._bounds(min(chunk, n - a), t.element_size())
+            p = sync.next_parity
+            mine = ws.slot(p, me, dt)
+            for j in range(size):
+                if j != me and b[j + 1] > b[j]:
+                    mine[b[j] : b[j + 1]].copy_(flat[a + b[j] : a + b[j + 1]])
+            sync.step(name, sig, n, first)
+            first = False
+            lo, hi = b[me], b[me + 1]
+            q = sync.next_parity
+            if hi > lo:
+                srcs = [
+                    flat[a + lo : a + hi] if r == me else ws.slot(p, r, dt)[lo:hi]
+                    for r in range(size)
+                ]
+                reduce_views(srcs, op, out=ws.slot(q, me, dt)[lo:hi])
+            sync.step(name)
+            if out is not None:
+                for j in range(size):
+                    if b[j + 1] > b[j]:
+                        out[a + b[j] : a + b[j + 1]].copy_(ws.slot(q, j, dt)[b[j] : b[j + 1]])
+        return out.view(t.shape) if out is not None else None
+
+    def reduce_scatter(
+        self, x: torch.Tensor, counts: Sequence[int], op: ReduceOp, kind: str, size_key: int
+    ) -> torch.Tensor:
+        """Reduce flat ``x`` across ranks; return this rank's region (``counts[me]`` elements).
+
+        Region ``j`` of ``x`` is ``counts[j]`` elements, regions back to back in rank order.
+        """
+        ws, sync, me, size = self.ws, self.sync, self.me, self.size
+        dt = x.dtype
+        sig = self._sig(kind, dt, op)
+        offs = [0]
+        for c in counts:
+            offs.append(offs[-1] + c)
+        mine_n = counts[me]
+        out = torch.empty(mine_n, dtype=dt)
+        if x.nbytes <= self.oneshot_bytes:  # one step: the slot holds all of x
+            p = sync.next_parity
+            ws.slot(p, me, dt)[: x.numel()].copy_(x)
+            sync.step(kind, sig, size_key, True)
+            if mine_n:
+                lo = offs[me]
+                srcs = [ws.slot(p, r, dt)[lo : lo + mine_n] for r in range(size)]
+                reduce_views(srcs, op, out=out)
+            return out
+        align = max(1, _ALIGN_BYTES // x.element_size())
+        chunk = max(align, ws.slot_elems(dt) // size // align * align)
+        first = True
+        for a in range(0, max(counts), chunk):
+            lens = [max(0, min(chunk, c - a)) for c in counts]
+            pos = [0]
+            for ln in lens:
+                pos.append(pos[-1] + ln)
+            p = sync.next_parity
+            slot = ws.slot(p, me, dt)
+            for j in range(size):
+                if j != me and lens[j]:
+                    slot[pos[j] : pos[j + 1]].copy_(x[offs[j] + a : offs[j] + a + lens[j]])
+            sync.step(kind, sig, size_key, first)
+            first = False
+            ln = lens[me]
+            if ln:
+                srcs = [
+                    x[offs[me] + a : offs[me] + a + ln] if r == me
+                    else ws.slot(p, r, dt)[pos[me] : pos[me] + ln]
+                    for r in range(size)
+                ]
+                reduce_views(srcs, op, out=out[a : a + ln])
+        if first:  # nothing to move (all regions empty): still agree on the call
+            sync.step(kind, sig, size_key, True)
+        return out
+
+    # ------------------------------------------------------------------ data movement
+    def all_gather_cat(
+        self, t: torch.Tensor, dim: int, kind: str = "all_gather", dst: int | None = None
+    ) -> torch.Tensor | None:
+        """Every rank's ``t`` (same shape, fits a slot) concatenated along ``dim``.
+
+        Every rank gets it when ``dst`` is None, else only local rank ``dst``.
+        """
+        views = self._shaped(self.sync.next_parity, t)
+        views[self.me].copy_(t)
+        sig = self._sig(kind, t.dtype, None, 0 if dst is None else dst)
+        self.sync.step(kind, sig, t.numel(), True)
+        if dst is None or dst == self.me:
+            return torch.cat(views, dim)
+        return None
+
+    def gatherv_cat(
+        self, t: torch.Tensor, shapes: Sequence[torch.Size], dim: int, size_key: int
+    ) -> torch.Tensor:
+        """All-gather of per-rank shapes ``shapes`` (each fits a slot), concatenated along ``dim``."""
+        p, dt = self.sync.next_parity, t.dtype
+        views = [
+            s[: math.prod(shape)].view(shape)
+            for s, shape in zip(self.ws.slots(p, dt), shapes)
+        ]
+        views[self.me].copy_(t)
+        self.sync.step("all_gatherv", self._sig("all_gatherv", dt), size_key, True)
+        return torch.cat(views, dim)
+
+    def gather_flat(
+        self,
+        x: torch.Tensor,
+        counts: Sequence[int],
+        kind: str,
+        size_key: int,
+        dst: int | None = None,
+    ) -> torch.Tensor | None:
+        """Rank-major concatenation of every rank's flat ``x`` (``counts[r]`` elements).
+
+        Every rank gets it when ``dst`` is None, else only local rank ``dst``.
+        """
+        ws, sync, me, size = self.ws, self.sync, self.me, self.size
+        dt = x.dtype
+        sig = self._sig(kind, dt, None, 0 if dst is None else dst)
+        offs = [0]
+        for c in counts:
+            offs.append(offs[-1] + c)
+        reader = dst is None or dst == me
+        out = torch.empty(offs[-1], dtype=dt) if reader else None
+        chunk = ws.slot_elems(dt)
+        first = True
+        for a in range(0, max(counts), chunk):
+            ln = max(0, min(chunk, counts[me] - a))
+            p = sync.next_parity
+            if ln and not (reader and dst is not None):  # dst copies its own part directly
+                ws.slot(p, me, dt)[:ln].copy_(x[a : a + ln])
+            sync.step(kind, sig, size_key, first)
+            first = False
+            if out is None:
+                continue
+            for r in range(size):
+                lr = max(0, min(chunk, counts[r] - a))
+                if lr:
+                    src = x[a : a + lr] if r == me else ws.slot(p, r, dt)[:lr]
+                    out[offs[r] + a : offs[r] + a + lr].copy_(src)
+        if first:
+            sync.step(kind, sig, size_key, True)
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill contiguous ``t`` on every rank with local rank ``src``'s ``t``; returns ``t``."""
+        ws, sync, me = self.ws, self.sync, self.me
+        dt, n = t.dtype, t.numel()
+        flat = t.view(-1)
+        sig = self._sig("broadcast", dt, None, src)
+        chunk = ws.slot_elems(dt)
+        first = True
+        for a in range(0, n, chunk):
+            ln = min(chunk, n - a)
+            p = sync.next_parity
+            if me == src:
+                ws.slot(p, me, dt)[:ln].copy_(flat[a : a + ln])
+            sync.step("broadcast", sig, n, first)
+            first = False
+            if me != src:
+                flat[a : a + ln].copy_(ws.slot(p, src, dt)[:ln])
+        if first:
+            sync.step("broadcast", sig, n, True)
+        return t

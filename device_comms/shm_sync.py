@@ -1,0 +1,302 @@
+"""Lock-free step synchronisation of the shared-memory collective engine.
+
+Every collective is a sequence of *steps*. In step ``s`` (1, 2, ...) each
+local rank writes only its own slot of buffer parity ``s % 2``, publishes
+``s`` in its generation word, waits until every peer's generation is ``>= s``
+and then may read any slot of parity ``s % 2``. Generations only grow and every
+op of the communicator shares them, so there is no reset step and different
+ops interleave freely.
+
+Protocol for one step, seen from writer ``r`` and any reader ``q``::
+
+    rank r                                    rank q (waiting at step s)
+    ------                                    --------------------------
+    write own slot of parity s%2
+    write sig[s%2] = (op,dtype,root | size)
+    FENCE  (orders the data before the flag)
+    gen_r := s  -----------------------------> sees gen_r >= s
+                                               FENCE (flag before data)
+                                               compare sig[s%2] of r with its own
+                                               read r's slot of parity s%2
+                                               ... finishes reading, later
+                                               publishes gen_q := s+1
+
+Generation of a peer ``q`` as seen by rank ``r`` waiting at step ``s``::
+
+        gen_q < s        gen_q == s              gen_q == s+1
+     +-----------+   +------------------+   +----------------------+
+     |  behind:  |-->| step s published |-->| done with step s;     |
+     |  wait     |   | (data + sig)     |   | its step-s data stays |
+     +-----------+   +------------------+   | intact (see below)    |
+                                            +----------------------+
+    gen_q >= s+2 cannot happen: q writes step s+2 only after seeing every
+    generation >= s+1, and ours is still s.
+
+Why buffers are never overwritten while read (double buffering): rank ``r``
+writes parity ``s%2`` again only at step ``s+2``. Before that it completed step
+``s+1``, i.e. saw every ``gen_q >= s+1``; a peer publishes ``s+1`` only after it
+finished reading step ``s``. The same argument protects the signature words,
+which are checked before a rank publishes its next step.
+
+Memory ordering. On x86-64 (TSO) stores are not reordered with older stores
+and loads not with older loads, so "data, then flag" / "flag, then data" in
+program order would already suffice for ordinary stores; but torch's copy
+kernels may use non-temporal or fast-string stores, which are weakly ordered.
+``FENCE`` is an uncontended ``threading.Lock`` acquire + release: a locked
+read-modify-write on x86 (a full barrier that also drains write-combining
+buffers), and on ARMv8 a release followed by an acquire (ordered, RCsc), which
+acts as a full barrier too. The flag is one aligned 8-byte store/load through a
+``memoryview`` (a single instruction on x86-64 and ARM64), so it never tears.
+Rank ``r`` writes only its own 64-byte header line, so flags do not falsely
+share cache lines.
+
+Waiting spins on the flags (only when the node's ranks do not outnumber its
+CPUs), then yields with ``sched_yield``, and sleeps in short naps after a few
+milliseconds. Every 0.2 s it checks that the ranks it waits for are alive
+(``psutil``; a zombie counts as dead) and have not closed the workspace, and
+applies the optional timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Sequence
+
+import psutil
+import torch
+
+from device_comms.errors import CollectiveMismatch, CollectiveTimeout, DeviceCommError, PeerDiedError
+from device_comms.reduce_op import ReduceOp
+from device_comms.shm_workspace import CLOSED, GEN, SIG, ShmWorkspace
+
+__all__ = ["StepSync", "signature", "KIND_NAMES", "BrokenCommunicator"]
+
+_FENCE = threading.Lock()
+_HEALTH_EVERY = 0.2  # seconds between liveness/timeout checks
+_NAP_AFTER = 0.002  # seconds of waiting after which we sleep instead of yielding
+_NAP = 50e-6
+
+KIND_NAMES = {
+    1: "all_reduce", 2: "all_gather", 3: "all_gatherv", 4: "reduce_scatter",
+    5: "reduce_scatterv", 6: "broadcast", 7: "gather", 8: "reduce",
+}
+_KIND_CODES = {v: k for k, v in KIND_NAMES.items()}
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+]
+_DTYPE_CODES = {d: i + 1 for i, d in enumerate(_DTYPES)}
+_OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
+_OPS = {v: k for k, v in _OP_CODES.items()}
+
+
+class BrokenCommunicator(DeviceCommError, RuntimeError):
+    """An earlier failure (dead peer, timeout) left the shared-memory engine unusable."""
+
+
+def signature(kind: str, dtype: torch.dtype, op: ReduceOp | None = None, root: int = 0) -> int:
+    """Pack what must agree across ranks (op kind, dtype, reduce op, root) into an int64."""
+    return (
+        _KIND_CODES[kind]
+        | _DTYPE_CODES.get(dtype, 63) << 8
+        | (_OP_CODES[op] if op is not None else 0) << 16
+        | root << 24
+    )
+
+
+def describe_signature(sig_a: int, sig_b: int) -> str:
+    """Human-readable form of a packed signature (for mismatch messages)."""
+    kind = KIND_NAMES.get(sig_a & 0xFF, f"op#{sig_a & 0xFF}")
+    code = (sig_a >> 8) & 0xFF
+    dtype = _DTYPES[code - 1] if 0 < code <= len(_DTYPES) else "?"
+    parts = [kind, f"dtype={dtype}"]
+    op = _OPS.get((sig_a >> 16) & 0xFF)
+    if op is not None:
+        parts.append(f"op={op.name}")
+    if kind in ("broadcast", "gather", "reduce"):
+        parts.append(f"root={sig_a >> 24}")
+    parts.append(f"size-key={sig_b}")
+    return "(" + ", ".join(parts) + ")"
+
+
+class StepSync:
+    """Generation counters of one local rank over a :class:`ShmWorkspace`.
+
+    Args:
+        ws: The workspace.
+        name: The group's unique name (for errors).
+        group_ranks: Group rank of every local rank (for errors).
+        pids: Pid of every local rank.
+        timeout: Seconds a step may wait before :class:`CollectiveTimeout` (None: forever).
+
+    Attributes:
+        gen: Last step this rank published.
+    """
+
+    def __init__(
+        self,
+        ws: ShmWorkspace,
+        name: str,
+        group_ranks: Sequence[int],
+        pids: Sequence[int],
+        timeout: float | None,
+    ) -> None:
+        self.ws = ws
+        self.hdr = ws.hdr
+        self.name = name
+        self.me = ws.local_rank
+        self.size = ws.local_size
+        self.group_ranks = list(group_ranks)
+        self.pids = list(pids)
+        self.timeout = timeout
+        self.gen = 0
+        self.broken: str | None = None
+        self._my_line = ws.line(self.me)
+        self._peers = [r for r in range(self.size) if r != self.me]
+        self._peer_gen = [ws.line(r) + GEN for r in self._peers]
+        self._peer_lines = [(r, ws.line(r)) for r in self._peers]
+        self._procs = {r: _process(self.pids[r]) for r in self._peers}
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # pragma: no cover - non-Linux
+            cpus = os.cpu_count() or 1
+        # Spinning only helps when every local rank has a CPU of its own.
+        self.spin = 200 if self.size <= cpus else 0
+
+    @property
+    def next_parity(self) -> int:
+        """Buffer parity of the next step."""
+        return (self.gen + 1) & 1
+
+    def step(self, op: str, sig_a: int = 0, sig_b: int = 0, check: bool = False) -> int:
+        """Publish the next step and wait for every peer to publish it.
+
+        Call after writing this rank's slot of :attr:`next_parity`.
+
+        Args:
+            op: Operation name (for errors).
+            sig_a: Packed signature (from :func:`signature`), when ``check``.
+            sig_b: Size key, when ``check``.
+            check: Compare signatures with every peer's.
+
+        Returns:
+            The parity of the step just completed.
+
+        Raises:
+            CollectiveMismatch: Peers called a different collective (every rank raises).
+            PeerDiedError: A peer exited or closed the workspace while we waited.
+            CollectiveTimeout: The timeout elapsed.
+        """
+        if self.broken is not None:
+            raise BrokenCommunicator(self.broken)
+        g = self.gen + 1
+        hdr = self.hdr
+        if check:
+            w = self._my_line + SIG[g & 1]
+            hdr[w] = sig_a
+            hdr[w + 1] = sig_b
+        _FENCE.acquire()
+        _FENCE.release()
+        hdr[self._my_line + GEN] = g
+        self.gen = g
+        for idx in self._peer_gen:
+            if hdr[idx] < g:
+                self._wait_slow(g, op)
+                break
+        _FENCE.acquire()
+        _FENCE.release()
+        if check:
+            w = SIG[g & 1]
+            for r, line in self._peer_lines:
+                if hdr[line + w] != sig_a or hdr[line + w + 1] != sig_b:
+                    self._mismatch(op, r, sig_a, sig_b, hdr[line + w], hdr[line + w + 1])
+        return g & 1
+
+    def close(self) -> None:
+        """Tell peers this rank left (they stop waiting on it with an error)."""
+        try:
+            self.hdr[self._my_line + CLOSED] = 1
+        except (ValueError, TypeError):  # already released
+            pass
+
+    # ------------------------------------------------------------------ slow path
+    def _wait_slow(self, g: int, op: str) -> None:
+        hdr, spin = self.hdr, self.spin
+        start = time.monotonic()
+        next_health = start + _HEALTH_EVERY
+        n = 0
+        for idx in self._peer_gen:
+            while hdr[idx] < g:
+                n += 1
+                if n <= spin:
+                    continue
+                if n & 31:
+                    os.sched_yield()
+                    continue
+                now = time.monotonic()
+                if now - start > _NAP_AFTER:
+                    time.sleep(_NAP)
+                else:
+                    os.sched_yield()
+                if now >= next_health:
+                    next_health = now + _HEALTH_EVERY
+                    self._check_health(g, op, now - start)
+
+    def _behind(self, g: int) -> list[int]:
+        return [r for r in self._peers if self.hdr[self.ws.line(r) + GEN] < g]
+
+    def _check_health(self, g: int, op: str, waited: float) -> None:
+        behind = self._behind(g)
+        for r in behind:
+            rank, pid = self.group_ranks[r], self.pids[r]
+            if self.hdr[self.ws.line(r) + CLOSED]:
+                self._fail(PeerDiedError(
+                    f"group {self.name!r}, op {op}: peer rank {rank} (pid {pid}) destroyed its "
+                    f"communicator while this rank (rank {self.group_ranks[self.me]}) waited "
+                    f"for it; every rank must call the same collectives before destroy()"
+                ))
+            if not _alive(self._procs.get(r)):
+                self._fail(PeerDiedError(
+                    f"group {self.name!r}, op {op}: peer rank {rank} (pid {pid}) died while "
+                    f"this rank (rank {self.group_ranks[self.me]}) waited for it in the "
+                    f"shared-memory engine; the communicator cannot be used any more"
+                ))
+        if self.timeout is not None and waited > self.timeout:
+            ranks = [self.group_ranks[r] for r in behind]
+            self._fail(CollectiveTimeout(
+                f"group {self.name!r}, op {op}: rank(s) {ranks} did not reach step {g} within "
+                f"{self.timeout:.1f}s (this is rank {self.group_ranks[self.me]}); check that "
+                f"every rank calls the same collectives in the same order"
+            ))
+
+    def _fail(self, e: DeviceCommError) -> None:
+        self.broken = f"an earlier error left this communicator unusable: {e}"
+        raise e
+
+    def _mismatch(self, op: str, r: int, a: int, b: int, pa: int, pb: int) -> None:
+        raise CollectiveMismatch(
+            f"group {self.name!r}: rank {self.group_ranks[self.me]} called "
+            f"{describe_signature(a, b)} but rank {self.group_ranks[r]} called "
+            f"{describe_signature(pa, pb)} at the same point; every rank must call the same "
+            f"collective with the same dtype, size, op and root"
+        )
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except (psutil.Error, ValueError):
+        return None  # not visible (other pid namespace): rely on the timeout
+
+
+def _alive(proc: psutil.Process | None) -> bool:
+    if proc is None:
+        return True
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True

@@ -1,0 +1,134 @@
+"""CLI pieces of shm_broadcast: ``groupcoord cleanup`` and ``groupcoord bench mq``.
+
+The ``groupcoord`` console script (``coordinator.cli``) wires these in::
+
+    p = sub.add_parser("cleanup", help=...); add_cleanup_args(p); p.set_defaults(func=run_cleanup)
+    p = bench_sub.add_parser("mq", help=...); add_bench_args(p); p.set_defaults(func=run_bench)
+
+They also run stand-alone: ``python -m shm_broadcast.cli cleanup [--yes]`` and
+``python -m shm_broadcast.cli bench [options]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from typing import Sequence
+
+__all__ = ["add_cleanup_args", "run_cleanup", "add_bench_args", "run_bench", "main"]
+
+
+def add_cleanup_args(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``groupcoord cleanup`` to ``parser``."""
+    parser.description = (
+        "List this project's shared-memory segments in /dev/shm (gc_*) whose owner process "
+        "is dead; with --yes, remove them.")
+    parser.add_argument("--yes", "-y", action="store_true",
+                        help="remove the orphaned segments (default: only list them)")
+    parser.add_argument("--all", action="store_true",
+                        help="also list segments whose owner is alive (never removed)")
+
+
+def run_cleanup(args: argparse.Namespace) -> int:
+    """Run ``groupcoord cleanup``; returns the exit status (0 ok, 1 failures)."""
+    from shm_broadcast.segment import SHM_DIR, list_segments, remove_orphans
+
+    segs = list_segments()
+    orphans = [s for s in segs if not s.owner_alive]
+    if getattr(args, "all", False):
+        for s in segs:
+            if s.owner_alive:
+                print(f"in use   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid} alive)")
+    if not orphans:
+        print(f"no orphaned groupcoord segments in {SHM_DIR}")
+        return 0
+    total = sum(s.size for s in orphans)
+    if not args.yes:
+        for s in orphans:
+            print(f"orphan   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid} dead)")
+        print(f"{len(orphans)} orphaned segment(s), {_size(total)}; "
+              "run `groupcoord cleanup --yes` to remove them")
+        return 0
+    removed = remove_orphans(dry_run=False)
+    still = {s.name for s in list_segments() if not s.owner_alive}
+    failed = 0
+    for s in removed:
+        if s.name in still:
+            failed += 1
+            print(f"FAILED   {s.name}  (could not remove)", file=sys.stderr)
+        else:
+            print(f"removed  {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid})")
+    print(f"removed {len(removed) - failed} orphaned segment(s)")
+    return 1 if failed else 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``groupcoord bench mq`` to ``parser``."""
+    from shm_broadcast.bench_payloads import payload_names
+
+    parser.description = (
+        "Benchmark the shared-memory MessageQueue (1 writer, N local reader processes) "
+        "against gloo broadcast_object_list and pickle over zmq ipc PUB/SUB, in one run.")
+    parser.add_argument("--readers", type=int, nargs="+", default=[1, 3], metavar="N",
+                        help="reader process counts (default: 1 3)")
+    parser.add_argument("--payloads", nargs="+", default=payload_names(),
+                        choices=payload_names(), help="payloads (default: all)")
+    parser.add_argument("--seconds", type=float, default=1.0,
+                        help="target seconds per measurement (default 1.0)")
+    parser.add_argument("--max-iters", type=int, default=5000,
+                        help="cap on iterations per measurement (default 5000)")
+    parser.add_argument("--idle", type=float, default=5.0, metavar="SECONDS",
+                        help="idle period of the idle-CPU/wake-up test, 0 to skip (default 5)")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="measure only the MessageQueue")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``groupcoord bench mq``; prints the table, returns the exit status."""
+    from shm_broadcast.bench_mq import BenchConfig, format_table, run_bench as _run
+
+    for name, value, low in (("--seconds", args.seconds, 0.0), ("--idle", args.idle, 0.0)):
+        if value < low:
+            raise SystemExit(f"{name} must be >= {low}, got {value}")
+    if any(n < 1 for n in args.readers):
+        raise SystemExit(f"--readers must be >= 1, got {args.readers}")
+    if args.max_iters < 5:
+        raise SystemExit(f"--max-iters must be >= 5, got {args.max_iters}")
+    cfg = BenchConfig(readers=list(args.readers), payloads=list(args.payloads),
+                      seconds=args.seconds, max_iters=args.max_iters,
+                      baselines=not args.no_baselines, idle_s=args.idle)
+    report = _run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    report["command"] = shlex.join(sys.argv)
+    print(format_table(report))
+    print("rt = writer sends to all readers, each decodes and acks, writer has all acks; "
+          "stream = N back-to-back messages, one ack at the end")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m shm_broadcast.cli {cleanup,bench} ...``."""
+    parser = argparse.ArgumentParser(prog="python -m shm_broadcast.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("cleanup", help="list/remove orphaned shared-memory segments")
+    add_cleanup_args(p)
+    p.set_defaults(func=run_cleanup)
+    p = sub.add_parser("bench", help="benchmark the message queue (groupcoord bench mq)")
+    add_bench_args(p)
+    p.set_defaults(func=run_bench)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

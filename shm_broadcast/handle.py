@@ -1,0 +1,67 @@
+"""Handle: everything a reader needs to connect to a MessageQueue's writer."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["Handle"]
+
+
+class Handle(msgspec.Struct, frozen=True, kw_only=True):
+    """Small, msgspec- and pickle-serialisable description of a queue.
+
+    Produced by :meth:`MessageQueue.export_handle` on the writer; pass it to
+    every reader (``MessageQueue.create_from_handle(handle, rank)``).
+
+    Attributes:
+        name: Queue name used in every error message.
+        n_reader: Total readers (local + remote).
+        local_reader_ranks: Ranks served through shared memory, in reader-slot
+            order; any other rank connecting is a remote (TCP) reader.
+        max_chunk_bytes: Bytes per ring chunk.
+        max_chunks: Chunks in the ring.
+        segment: Shared-memory segment name (``None`` without local readers).
+        bell_prefix: Name prefix of the doorbells (:mod:`shm_broadcast.doorbell`).
+        local_pub: Writer's same-node XPUB endpoint (overflow messages).
+        local_ctl: Writer's same-node ROUTER endpoint.
+        remote_pub: Writer's TCP XPUB endpoint for remote readers, if any.
+        remote_ctl: Writer's TCP ROUTER endpoint for remote readers, if any.
+        writer_pid: Writer process id (liveness checks).
+        writer_create_time: Writer process start time (pid reuse check).
+        writer_host: Writer hostname.
+        writer_rank: Writer's rank, for messages only.
+        remote_window: Messages a remote reader may lag before the writer waits.
+    """
+
+    name: str
+    n_reader: int
+    local_reader_ranks: tuple[int, ...]
+    max_chunk_bytes: int
+    max_chunks: int
+    segment: str | None
+    bell_prefix: str | None
+    local_pub: str | None
+    local_ctl: str | None
+    remote_pub: str | None
+    remote_ctl: str | None
+    writer_pid: int
+    writer_create_time: float
+    writer_host: str
+    writer_rank: int | None = None
+    remote_window: int = 16
+
+    def to_bytes(self) -> bytes:
+        """Serialise with msgspec msgpack."""
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Handle":
+        """Inverse of :meth:`to_bytes`.
+
+        Raises:
+            ValueError: ``data`` is not a serialised handle.
+        """
+        try:
+            return msgspec.msgpack.decode(data, type=cls)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"data is not a serialised MessageQueue Handle: {e}") from e

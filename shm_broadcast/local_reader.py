@@ -1,0 +1,309 @@
+"""LocalReader: a reader on the writer's node, served through the shared ring.
+
+Per message: wait until chunk ``seq % max_chunks`` is readable for this
+reader (``R_i == 0`` then ``W == 1``; see :mod:`shm_broadcast.ring_buffer`),
+decode straight from the shared memory (arrays are copied out), set ``R_i``,
+and poke the writer if it declared itself parked on a full ring.
+
+Waiting follows :class:`~shm_broadcast.waiting.Backoff`. Parking is the only
+delicate part -- the lost-wakeup race::
+
+    reader                                   writer
+    ------                                   ------
+    parked[i] := 1                           W := 1            (publish)
+    full_fence()                             full_fence()
+    if readable: unpark, go                  if any parked[j]: ring doorbell j
+    poll(doorbell, <= park_poll_s)
+
+Because each side stores, fences, then loads the other's flag, at least one
+of them sees the other's store: either the reader finds the message before
+sleeping, or the writer sees ``parked`` and rings. Either way no wakeup is
+lost; and the bounded poll means even a bug here would cost latency, not a
+hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import msgspec
+import psutil
+import zmq
+
+from shm_broadcast.codec import Codec
+from shm_broadcast.doorbell import BellRinger, Doorbell, bell_address
+from shm_broadcast.errors import (
+    PeerDiedError, QueueClosedError, QueueTimeout, ShmBroadcastError,
+)
+from shm_broadcast.handle import Handle
+from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, ShmRingBuffer
+from shm_broadcast.transport import (
+    CTL_CLOSED, CTL_HELLO, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
+    close_all, new_socket,
+)
+from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy
+
+__all__ = ["LocalReader"]
+
+#: An overflow message's payload is already in flight when its chunk is
+#: published; give it at least this long even under ``timeout=0``.
+_OVERFLOW_MIN_WAIT = 2.0
+
+
+def _never() -> bool:
+    return False
+
+
+class LocalReader:
+    """Reader side through shared memory; used through :class:`MessageQueue`.
+
+    Args:
+        handle: The writer's handle.
+        index: This reader's slot (position of its rank in
+            ``handle.local_reader_ranks``).
+        rank: This reader's rank (messages only).
+        policy: Waiting policy.
+        codec: Decoder.
+    """
+
+    def __init__(self, handle: Handle, index: int, rank: int, policy: WaitPolicy,
+                 codec: Codec) -> None:
+        self.name = handle.name
+        self.index = index
+        self.rank = rank
+        self.side = f"reader rank {rank}"
+        self.max_chunks = handle.max_chunks
+        self.codec = codec
+        self._pid = os.getpid()
+        self._owner_thread = threading.get_ident()
+        self._writer = PeerWatch(handle.writer_pid, handle.writer_create_time,
+                                 handle.writer_host)
+        wr = "" if handle.writer_rank is None else f" rank {handle.writer_rank}"
+        self._writer_desc = f"writer{wr} ({self._writer.describe()})"
+        self._seq = 0
+        self._ready = False
+        self._closing = False
+        self._closed = False
+        self._stash: collections.deque = collections.deque()
+        self._cond: Callable[[], bool] = _never
+        self._wait_what = ""
+        self._wait_timeout: float | None = None
+        self._backoff = Backoff(policy, self._check_wait)
+        self.ring: ShmRingBuffer | None = None
+        self.ctx: zmq.Context | None = None
+        self.sub: zmq.Socket | None = None
+        self.dealer: zmq.Socket | None = None
+        self._ringer = BellRinger()
+        self._doorbell: Doorbell | None = None
+        try:
+            if (handle.segment is None or handle.local_pub is None or handle.local_ctl is None
+                    or handle.bell_prefix is None):
+                raise ValueError(f"handle of queue {handle.name!r} has no local readers")
+            self._writer_bell = bell_address(handle.bell_prefix, "w")
+            self.ring = ShmRingBuffer.attach(handle.segment)
+            ctime = psutil.Process(self._pid).create_time()
+            self._doorbell = Doorbell(bell_address(handle.bell_prefix, f"r{index}"))
+            self.ring.register_reader(index, self._pid, ctime)
+            self.ctx = zmq.Context(io_threads=1)
+            self.sub = new_socket(self.ctx, zmq.SUB)
+            self.sub.connect(handle.local_pub)
+            self.sub.subscribe(TOPIC_OVERFLOW)
+            self.dealer = new_socket(self.ctx, zmq.DEALER)
+            self.dealer.setsockopt(zmq.ROUTING_ID, b"L%d" % index)
+            self.dealer.connect(handle.local_ctl)
+            self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
+                [rank, self._pid, ctime, socket.gethostname()]))
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------- waiting
+    def wait_until_ready(self, timeout: float | None) -> None:
+        """Block until the writer saw every reader connect."""
+        if self._ready:
+            return
+        self._check_open("wait_until_ready")
+        ring = self.ring
+        self._wait("the writer to see all readers connected", ring.is_ready, timeout)
+        self._ready = True
+
+    def _wait(self, what: str, cond: Callable[[], bool], timeout: float | None) -> None:
+        self._cond, self._wait_what, self._wait_timeout = cond, what, timeout
+        b = self._backoff
+        b.start(None if timeout is None else time.monotonic() + timeout)
+        while not cond():
+            if b.step() == PARK:
+                self._park(cond, b.park_timeout())
+
+    def _park(self, cond: Callable[[], bool], seconds: float) -> None:
+        ring = self.ring
+        self._doorbell.drain()
+        ring.set_reader_parked(self.index, True)
+        ring.full_fence()
+        try:
+            if not cond() and not ring.is_shutdown() and not self._closing:
+                self._doorbell.wait(seconds)
+        finally:
+            ring.set_reader_parked(self.index, False)
+        if (ring.is_shutdown() or self._closing) and not cond():
+            self._check_wait(False)
+
+    def _drain_sub(self) -> None:
+        sub = self.sub
+        try:
+            while True:
+                frames = sub.recv_multipart(zmq.NOBLOCK, copy=False)
+                self._stash.append(frames)  # overflow payload: keep it for its chunk
+        except zmq.Again:
+            pass
+
+    def _check_wait(self, expired: bool) -> None:
+        if self._closing:
+            raise QueueClosedError(
+                f"queue {self.name!r}: {self.side} was shut down while waiting for "
+                f"{self._wait_what}", queue=self.name, side=self.side)
+        if self._cond():
+            return
+        if self.ring.is_shutdown():
+            raise QueueClosedError(
+                f"queue {self.name!r}: the {self._writer_desc} shut the queue down; "
+                f"{self.side} waited for {self._wait_what}", queue=self.name, side=self.side,
+                peers=["writer"])
+        if not self._writer.alive():
+            if self._cond():
+                return
+            raise PeerDiedError(
+                f"queue {self.name!r}: the {self._writer_desc} died while {self.side} "
+                f"waited for {self._wait_what}", queue=self.name, side=self.side,
+                peers=["writer"])
+        if expired:
+            raise QueueTimeout(
+                f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
+                f"waiting for {self._wait_what} (the {self._writer_desc} is alive but sent "
+                f"nothing)", queue=self.name, side=self.side, peers=["writer"])
+
+    # ------------------------------------------------------------- dequeue
+    def poll(self) -> bool:
+        """Whether :meth:`dequeue` would return without waiting for the writer."""
+        if self._closed:
+            return False
+        return self.ring.is_readable(self._seq % self.max_chunks, self.index)
+
+    def dequeue(self, timeout: float | None) -> Any:
+        """Receive the next message."""
+        if self._closing or not self._ready:
+            self._check_open("dequeue")
+            if self._closing:
+                raise QueueClosedError(f"queue {self.name!r}: {self.side} was shut down",
+                                       queue=self.name, side=self.side)
+            self.wait_until_ready(timeout if timeout is not None else 120.0)
+        ring = self.ring
+        seq = self._seq
+        chunk = seq % self.max_chunks
+        idx = self.index
+        if not ring.is_readable(chunk, idx):
+            self._wait(f"message #{seq}", lambda: ring.is_readable(chunk, idx), timeout)
+        ring.acquire_fence()
+        buf = ring.buf
+        d = ring.data_offset(chunk)
+        wseq, kind, mlen, blen = WIRE.unpack_from(buf, d)
+        if wseq != seq:
+            raise ShmBroadcastError(
+                f"queue {self.name!r}: {self.side} expected message #{seq} but chunk "
+                f"{chunk} holds #{wseq}; the ring is corrupt")
+        if kind == KIND_OVERFLOW:
+            frames = self._recv_overflow(seq, timeout)
+            try:
+                head = frames[1].buffer
+                return self.codec.decode(head[WIRE.size : WIRE.size + mlen], frames[2].buffer,
+                                         0, blen)
+            finally:
+                self._consume(chunk)
+        try:
+            m = d + CHUNK_HEADER
+            return self.codec.decode(buf[m : m + mlen], buf, m + (mlen + 63) // 64 * 64, blen)
+        finally:
+            self._consume(chunk)
+
+    def _consume(self, chunk: int) -> None:
+        ring = self.ring
+        ring.mark_read(chunk, self.index)
+        self._seq += 1
+        ring.full_fence()
+        if ring.writer_parked():
+            self._ringer.ring(self._writer_bell)
+
+    def _recv_overflow(self, seq: int, timeout: float | None) -> list:
+        def have() -> bool:
+            while self._stash:
+                (s,) = WIRE.unpack_from(self._stash[0][1].buffer)[:1]
+                if s >= seq:
+                    return True
+                self._stash.popleft()  # stale: cannot happen, but never block on it
+            return False
+
+        wait = None if timeout is None else max(timeout, _OVERFLOW_MIN_WAIT)
+        self._cond, self._wait_what, self._wait_timeout = (
+            have, f"the payload of overflow message #{seq}", wait)
+        b = self._backoff
+        b.start(None if wait is None else time.monotonic() + wait)
+        while not have():
+            b.step()
+            if self.sub.poll(max(1, int(b.park_timeout() * 1000))):
+                self._drain_sub()
+        frames = self._stash.popleft()
+        (s,) = WIRE.unpack_from(frames[1].buffer)[:1]
+        if s != seq:
+            raise ShmBroadcastError(
+                f"queue {self.name!r}: {self.side} expected overflow payload #{seq}, got #{s}")
+        return frames
+
+    # ----------------------------------------------------------- lifecycle
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise QueueClosedError(f"queue {self.name!r}: {op}() on a closed queue",
+                                   queue=self.name, side=self.side)
+
+    def shutdown(self) -> None:
+        """Stop reading: blocked calls raise QueueClosedError; the writer is told."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.ring is not None and not self.ring.closed:
+            self.ring.set_reader_state(self.index, READER_CLOSED)
+            self._ringer.ring(self._writer_bell)  # a writer waiting for us re-checks now
+        if self._doorbell is not None:
+            self._ringer.ring(self._doorbell.address)  # wake our own blocked call
+        if threading.get_ident() == self._owner_thread and self.dealer is not None:
+            try:
+                self.dealer.send(CTL_CLOSED, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        """Leave the queue (the segment stays, the writer owns it). Idempotent."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
+        if self.dealer is not None:
+            self.shutdown()
+        self._closed = True
+        self._stash.clear()
+        if self.dealer is not None and not self.dealer.closed:
+            self.dealer.setsockopt(zmq.LINGER, 200)  # let the goodbye out
+            self.dealer.close()
+        close_all(self.sub)
+        if self.ctx is not None:
+            self.ctx.term()
+        if self._doorbell is not None:
+            self._doorbell.close()
+        self._ringer.close()
+        if self.ring is not None:
+            self.ring.close()

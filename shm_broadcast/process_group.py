@@ -1,0 +1,119 @@
+"""Collective construction of a MessageQueue over a process group.
+
+:func:`create_from_process_group` works with a ``torch.distributed``
+ProcessGroup (a CPU-capable one, e.g. gloo) or a StatelessProcessGroup (see
+:mod:`shm_broadcast.group_adapter`):
+
+1. every rank learns which ranks share the writer's node
+   (:func:`~shm_broadcast.topology.in_the_same_node_as`);
+2. the writer creates the queue with those readers local and the others
+   remote, and broadcasts its handle (or its creation error, so no rank is
+   left waiting);
+3. readers connect, and every participant waits until the queue is ready.
+
+Building blocks for a GroupCoordinator:
+
+* broadcaster from rank ``w``: ``create_from_process_group(g, writer_rank=w)``;
+* one reader, many writers (results back to a driver): for each writer
+  ``w != r``, ``create_from_process_group(g, writer_rank=w, reader_ranks=[r])``
+  -- each call is collective and returns ``None`` on uninvolved ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from shm_broadcast.errors import ShmBroadcastError
+from shm_broadcast.group_adapter import object_group
+from shm_broadcast.handle import Handle
+from shm_broadcast.message_queue import MessageQueue
+from shm_broadcast.topology import in_the_same_node_as
+from shm_broadcast.waiting import WaitPolicy
+
+__all__ = ["create_from_process_group"]
+
+
+def create_from_process_group(
+    group: Any,
+    max_chunk_bytes: int,
+    max_chunks: int,
+    writer_rank: int = 0,
+    reader_ranks: list[int] | None = None,
+    *,
+    name: str | None = None,
+    connect_ip: str | None = None,
+    wait_policy: WaitPolicy | None = None,
+    timeout: float | None = 120.0,
+) -> MessageQueue | None:
+    """Create and connect a queue collectively; every rank of ``group`` calls it.
+
+    Args:
+        group: torch ProcessGroup (CPU-capable) or StatelessProcessGroup.
+        max_chunk_bytes: Ring chunk size.
+        max_chunks: Ring chunks.
+        writer_rank: Group rank of the writer.
+        reader_ranks: Group ranks that read; default every rank but the writer.
+            Ranks are group-local, and are the ranks in the queue's errors.
+        name: Queue name for errors (default ``mq-w<writer_rank>-<pid>``).
+        connect_ip: IP for the TCP endpoints if some readers are on other nodes.
+        wait_policy: Waiting policy for this rank's side.
+        timeout: Seconds every participant waits for the queue to connect.
+
+    Returns:
+        The queue on the writer and the readers, ``None`` on other ranks.
+
+    Raises:
+        ValueError: ``writer_rank`` or ``reader_ranks`` is invalid.
+        ShmBroadcastError: The writer failed to create the queue (on readers;
+            the writer re-raises its own error).
+        QueueTimeout: The queue did not connect within ``timeout``.
+    """
+    og = object_group(group)
+    world, rank = og.world_size, og.rank
+    if isinstance(writer_rank, bool) or not isinstance(writer_rank, int) or not (
+        0 <= writer_rank < world
+    ):
+        raise ValueError(f"writer_rank must be an int in [0, {world}), got {writer_rank!r}")
+    if reader_ranks is None:
+        readers = [r for r in range(world) if r != writer_rank]
+    else:
+        readers = list(reader_ranks)
+        if (
+            len(set(readers)) != len(readers)
+            or writer_rank in readers
+            or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world
+                       for r in readers)
+        ):
+            raise ValueError(
+                f"reader_ranks must be distinct group ranks in [0, {world}) other than the "
+                f"writer ({writer_rank}), got {reader_ranks!r}")
+    same_node = in_the_same_node_as(og, source_rank=writer_rank)
+    local = [r for r in readers if same_node[r]]
+    mq: MessageQueue | None = None
+    payload: tuple[str, Any] | None = None
+    if rank == writer_rank:
+        try:
+            mq = MessageQueue(
+                len(readers), len(local), local, max_chunk_bytes, max_chunks, connect_ip,
+                name=name or f"mq-w{writer_rank}-{os.getpid()}", wait_policy=wait_policy,
+                writer_rank=writer_rank)
+            payload = ("ok", mq.export_handle().to_bytes())
+        except BaseException as e:
+            og.broadcast(("error", f"{type(e).__name__}: {e}"), src=writer_rank)
+            raise
+    payload = og.broadcast(payload, src=writer_rank)
+    if payload[0] != "ok":
+        raise ShmBroadcastError(
+            f"the writer (rank {writer_rank}) could not create the message queue: {payload[1]}")
+    try:
+        if rank in readers:
+            mq = MessageQueue.create_from_handle(Handle.from_bytes(payload[1]), rank,
+                                                 wait_policy=wait_policy)
+        if mq is not None:
+            mq.wait_until_ready(timeout)
+    except BaseException:
+        if mq is not None:
+            mq.close()
+        raise
+    return mq

@@ -1,0 +1,467 @@
+"""QueueWriter: the writer side of a MessageQueue.
+
+Per message (see :mod:`shm_broadcast.ring_buffer` for the flag protocol):
+
+1. encode (msgspec + raw array copies, :mod:`shm_broadcast.codec`);
+2. local readers: wait until chunk ``seq % max_chunks`` is FREE, write header,
+   msgpack bytes and arrays straight into it (or, if the message does not fit,
+   publish it on the ``o`` topic first and write only the header), publish the
+   flags, then -- after a full fence -- ring the doorbell only if some reader
+   declared itself parked. A spinning reader costs the writer no syscall;
+3. remote readers: wait for flow-control credit, send on the ``m`` topic.
+
+A writer blocked on a full ring uses the same spin/yield/park policy as the
+readers, parks on its ``ctl`` socket (readers poke it after freeing a chunk if
+it declared itself parked) and checks the lagging readers' liveness.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+import psutil
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from shm_broadcast.codec import Codec, Encoded
+from shm_broadcast.doorbell import BellRinger, Doorbell, bell_address, new_bell_prefix
+from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout
+from shm_broadcast.handle import Handle
+from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
+from shm_broadcast.transport import (
+    ACK, CTL_ACK, CTL_CLOSED, CTL_HELLO, KIND_DATA, KIND_OVERFLOW, KIND_READY, KIND_SHUTDOWN,
+    TOPIC_OVERFLOW, TOPIC_REMOTE, WIRE, bind, close_all, host_ip,
+    local_bind_address, new_socket,
+)
+from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy
+
+__all__ = ["QueueWriter"]
+
+_ZERO_COPY_MIN = 1 << 16
+
+
+class QueueWriter:
+    """Writer side; used through :class:`shm_broadcast.MessageQueue`.
+
+    Args:
+        name: Queue name for messages.
+        n_reader: Total readers.
+        local_reader_ranks: Ranks of the same-node readers, in slot order.
+        max_chunk_bytes: Bytes per chunk.
+        max_chunks: Chunks in the ring.
+        connect_ip: IP to bind the TCP sockets on when there are remote readers.
+        policy: Waiting policy.
+        codec: Encoder.
+        writer_rank: This process's rank (messages only).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        n_reader: int,
+        local_reader_ranks: tuple[int, ...],
+        max_chunk_bytes: int,
+        max_chunks: int,
+        connect_ip: str | None,
+        policy: WaitPolicy,
+        codec: Codec,
+        writer_rank: int | None,
+    ) -> None:
+        self.name = name
+        self.n_reader = n_reader
+        self.local_ranks = local_reader_ranks
+        self.n_local = len(local_reader_ranks)
+        self.n_remote = n_reader - self.n_local
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_chunks = max_chunks
+        self.policy = policy
+        self.codec = codec
+        self.side = "writer" if writer_rank is None else f"writer (rank {writer_rank})"
+        self.writer_rank = writer_rank
+        self.remote_window = max(8, 2 * max_chunks)
+        self._pid = os.getpid()
+        self._ctime = psutil.Process(self._pid).create_time()
+        self._owner_thread = threading.get_ident()
+        self._seq = 0
+        self._ready = self.n_reader == 0
+        self._closing = False
+        self._closed = False
+        self._subs = {TOPIC_OVERFLOW: 0, TOPIC_REMOTE: 0}
+        self._hello: dict[bytes, tuple[int, int, float, str]] = {}
+        self._remote_fd: dict[int, int] = {}
+        self._remote_acked: dict[int, int] = {}
+        self._remote_min_acked = 0
+        self._dead_remote: dict[int, str] = {}
+        self._said_goodbye: set[int] = set()
+        self._local_watch: dict[int, PeerWatch] = {}
+        self._wait_seq = 0
+        self._wait_chunk: int | None = None
+        self._wait_timeout: float | None = None
+        self._backoff = Backoff(policy, self._check_wait)
+        self.ring: ShmRingBuffer | None = None
+        self.ctx: zmq.Context | None = None
+        self.pub: zmq.Socket | None = None
+        self.ctl: zmq.Socket | None = None
+        self._mon: zmq.Socket | None = None
+        self._ringer = BellRinger()
+        self._doorbell: Doorbell | None = None
+        self._bell_prefix = new_bell_prefix() if self.n_local else None
+        self._reader_bells = [bell_address(self._bell_prefix, f"r{i}")
+                              for i in range(self.n_local)]
+        addrs: dict[str, str | None] = dict(local_pub=None, local_ctl=None, remote_pub=None,
+                                            remote_ctl=None)
+        try:
+            if self.n_local:
+                self.ring = ShmRingBuffer.create(self.n_local, max_chunk_bytes, max_chunks)
+                self.ring.set_writer(self._pid, self._ctime)
+                self._doorbell = Doorbell(bell_address(self._bell_prefix, "w"))
+            if n_reader:
+                self.ctx = zmq.Context(io_threads=1)
+                remote = self.n_remote > 0
+                self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote)
+                self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+                self.ctl = new_socket(self.ctx, zmq.ROUTER, tcp=remote)
+                if self.n_local:
+                    addrs["local_pub"] = bind(self.pub, local_bind_address("pub"))
+                    addrs["local_ctl"] = bind(self.ctl, local_bind_address("ctl"))
+                if remote:
+                    ip = connect_ip or host_ip()
+                    if ":" in ip:
+                        self.pub.setsockopt(zmq.IPV6, 1)
+                        self.ctl.setsockopt(zmq.IPV6, 1)
+                        ip = f"[{ip}]"
+                    addrs["remote_pub"] = bind(self.pub, f"tcp://{ip}:*")
+                    addrs["remote_ctl"] = bind(self.ctl, f"tcp://{ip}:*")
+                    self._mon = self.ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        except BaseException:
+            self.close()
+            raise
+        self.handle = Handle(
+            name=name,
+            n_reader=n_reader,
+            local_reader_ranks=tuple(local_reader_ranks),
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+            segment=self.ring.name if self.ring is not None else None,
+            bell_prefix=self._bell_prefix,
+            writer_pid=self._pid,
+            writer_create_time=self._ctime,
+            writer_host=socket.gethostname(),
+            writer_rank=writer_rank,
+            remote_window=self.remote_window,
+            **addrs,
+        )
+
+    # ------------------------------------------------------------ handshake
+    def wait_until_ready(self, timeout: float | None) -> None:
+        """Block until every reader is attached and subscribed."""
+        if self._ready:
+            return
+        self._check_open("wait_until_ready")
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        poller = zmq.Poller()
+        poller.register(self.pub, zmq.POLLIN)
+        poller.register(self.ctl, zmq.POLLIN)
+        while True:
+            self._drain_pub()
+            self._drain_ctl()
+            missing = self._missing_readers()
+            if not missing:
+                break
+            if self._closing:
+                raise QueueClosedError(
+                    f"queue {self.name!r}: shut down while the writer waited for readers",
+                    queue=self.name, side=self.side)
+            self._raise_if_reader_dead(list(range(self.n_local)), list(self._remote_acked))
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise QueueTimeout(
+                    f"queue {self.name!r}: {self.side} waited {timeout:g} s for its readers "
+                    f"to connect; still missing: {', '.join(missing)}",
+                    queue=self.name, side=self.side, peers=missing)
+            wait = 0.1 if deadline is None else min(0.1, deadline - now)
+            poller.poll(max(1, int(wait * 1000)))
+        self._ready = True
+        if self.ring is not None:
+            self.ring.set_ready()
+            self._ring_readers(range(self.n_local))
+        if self.n_remote:
+            self.pub.send_multipart([TOPIC_REMOTE, WIRE.pack(0, KIND_READY, 0, 0)])
+
+    def _missing_readers(self) -> list[str]:
+        missing = [f"local reader rank {r}" for i, r in enumerate(self.local_ranks)
+                   if b"L%d" % i not in self._hello]
+        n_remote_seen = sum(1 for k in self._hello if k[:1] == b"R")
+        if n_remote_seen < self.n_remote:
+            missing.append(f"{self.n_remote - n_remote_seen} remote reader(s)")
+        if not missing and (self._subs[TOPIC_OVERFLOW] < self.n_local
+                            or self._subs[TOPIC_REMOTE] < self.n_remote):
+            missing.append("subscriptions still in flight")
+        return missing
+
+    def _drain_pub(self) -> None:
+        pub = self.pub
+        try:
+            while True:
+                msg = pub.recv(zmq.NOBLOCK)
+                if msg[:1] == b"\x01" and msg[1:] in self._subs:
+                    self._subs[msg[1:]] += 1
+        except zmq.Again:
+            pass
+
+    def _drain_ctl(self) -> None:
+        ctl = self.ctl
+        if ctl is None:
+            return
+        try:
+            while True:
+                frames = ctl.recv_multipart(zmq.NOBLOCK, copy=False)
+                if len(frames) == 2:
+                    self._on_ctl(frames[0].bytes, frames[1])
+        except zmq.Again:
+            pass
+        mon = self._mon
+        if mon is not None:
+            try:
+                while True:
+                    ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+                    if ev["event"] == zmq.EVENT_DISCONNECTED:
+                        rank = self._remote_fd.pop(int(ev["value"]), None)
+                        if rank is not None and rank not in self._said_goodbye:
+                            self._dead_remote[rank] = "its connection to the writer dropped"
+            except zmq.Again:
+                pass
+
+    def _on_ctl(self, ident: bytes, frame: zmq.Frame) -> None:
+        body = frame.bytes
+        kind = body[:1]
+        if kind == CTL_HELLO:
+            rank, pid, ctime, host = msgspec.msgpack.decode(body[1:])
+            self._hello[ident] = (rank, pid, ctime, host)
+            if ident[:1] == b"R":
+                self._remote_fd[frame.get(zmq.SRCFD)] = rank
+                self._remote_acked.setdefault(rank, 0)
+                self._local_watch[-1 - rank] = PeerWatch(pid, ctime, host)
+        elif kind == CTL_ACK:
+            info = self._hello.get(ident)
+            if info is not None:
+                self._remote_acked[info[0]] = ACK.unpack_from(body, 1)[0]
+                self._remote_min_acked = min(self._remote_acked.values())
+        elif kind == CTL_CLOSED:
+            info = self._hello.get(ident)
+            if info is not None:
+                self._said_goodbye.add(info[0])
+
+    # ------------------------------------------------------------- enqueue
+    def enqueue(self, obj: Any, timeout: float | None) -> None:
+        """Send ``obj`` to every reader (see the module docstring)."""
+        if not self._ready:
+            self._check_open("enqueue")
+            self.wait_until_ready(timeout if timeout is not None else 120.0)
+        if self._closing:
+            self._raise_closed("enqueue")
+        if not self.n_reader:
+            return
+        enc = self.codec.encode(obj)
+        msg = enc.msg
+        mlen = len(msg)
+        blen = enc.blob_len
+        boff = CHUNK_HEADER + (mlen + 63) // 64 * 64
+        overflow = boff + blen > self.max_chunk_bytes
+        seq = self._seq
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ring = self.ring
+        frames: list[Any] | None = None
+        if ring is not None:
+            chunk = seq % self.max_chunks
+            if not ring.is_free(chunk):
+                self._wait_free(chunk, seq, deadline, timeout)
+        if self.n_remote and seq + 1 - self.remote_window > self._remote_min_acked:
+            self._wait_credit(seq, deadline, timeout)
+        if ring is not None:
+            ring.begin_write(chunk)
+            d = ring.data_offset(chunk)
+            if overflow:
+                frames = self._frames(seq, enc, None)
+                self.pub.send_multipart([TOPIC_OVERFLOW, *frames], copy=blen < _ZERO_COPY_MIN)
+                WIRE.pack_into(ring.buf, d, seq, KIND_OVERFLOW, mlen, blen)
+            else:
+                buf = ring.buf
+                WIRE.pack_into(buf, d, seq, KIND_DATA, mlen, blen)
+                buf[d + CHUNK_HEADER : d + CHUNK_HEADER + mlen] = msg
+                if blen:
+                    enc.write_blob(ring.base_addr + d + boff)
+            ring.publish(chunk)
+            ring.full_fence()
+            if ring.any_reader_parked():
+                self._ring_readers(ring.parked_readers())
+        if self.n_remote:
+            if frames is None:
+                # Copy out of the chunk: it is reused once the local readers are done.
+                src = bytes(ring.buf[d + boff : d + boff + blen]) if ring is not None else None
+                frames = self._frames(seq, enc, src)
+            self.pub.send_multipart([TOPIC_REMOTE, *frames], copy=blen < _ZERO_COPY_MIN)
+        self._seq = seq + 1
+
+    def _ring_readers(self, readers: Any) -> None:
+        ring, bells = self._ringer.ring, self._reader_bells
+        for i in readers:
+            ring(bells[i])
+
+    @staticmethod
+    def _frames(seq: int, enc: Encoded, blob: Any) -> list[Any]:
+        head = WIRE.pack(seq, KIND_DATA, len(enc.msg), enc.blob_len) + enc.msg
+        if blob is None:
+            blob = enc.blob_bytes()
+        return [head, blob]
+
+    def _wait_free(self, chunk: int, seq: int, deadline: float | None,
+                   timeout: float | None) -> None:
+        ring = self.ring
+        self._wait_seq, self._wait_chunk, self._wait_timeout = seq, chunk, timeout
+        b = self._backoff
+        b.start(deadline)
+        while not ring.is_free(chunk):
+            if b.step() == PARK:
+                ring.set_writer_parked(True)
+                ring.full_fence()
+                if not ring.is_free(chunk) and not self._closing:
+                    self._doorbell.wait(b.park_timeout())
+                ring.set_writer_parked(False)
+
+    def _wait_credit(self, seq: int, deadline: float | None, timeout: float | None) -> None:
+        need = seq + 1 - self.remote_window
+        self._wait_seq, self._wait_chunk, self._wait_timeout = seq, None, timeout
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        poller.register(self._mon, zmq.POLLIN)
+        b = self._backoff
+        b.start(deadline)
+        self._drain_ctl()
+        while self._remote_min_acked < need:
+            b.step()
+            poller.poll(max(1, int(b.park_timeout() * 1000)))
+            self._drain_ctl()
+
+    def _lagging(self) -> tuple[list[int], list[int]]:
+        """Local reader slots and remote ranks holding up the current wait."""
+        local: list[int] = []
+        if self._wait_chunk is not None and self.ring is not None:
+            local = self.ring.lagging_readers(self._wait_chunk)
+        need = self._wait_seq + 1 - self.remote_window
+        remote = [r for r, n in self._remote_acked.items() if n < need]
+        return local, remote
+
+    def _check_wait(self, expired: bool) -> None:
+        if self._closing:
+            self._raise_closed("enqueue")
+        self._drain_ctl()
+        local, remote = self._lagging()
+        if not local and not remote:
+            return
+        self._raise_if_reader_dead(local, remote)
+        if expired:
+            ranks = [self.local_ranks[i] for i in local] + remote
+            raise QueueTimeout(
+                f"queue {self.name!r}: enqueue of message #{self._wait_seq} timed out after "
+                f"{self._wait_timeout:g} s; the {self.side} is waiting for reader rank(s) "
+                f"{ranks} to consume earlier messages (ring of {self.max_chunks} chunks full)",
+                queue=self.name, side=self.side, peers=ranks)
+
+    def _raise_if_reader_dead(self, local: list[int], remote: list[int]) -> None:
+        ring = self.ring
+        for i in local:
+            rank = self.local_ranks[i]
+            state = ring.reader_state(i)
+            if state == READER_EMPTY:
+                continue
+            if state == READER_CLOSED:
+                raise QueueClosedError(
+                    f"queue {self.name!r}: reader rank {rank} closed the queue; the "
+                    f"{self.side} cannot deliver message #{self._wait_seq}",
+                    queue=self.name, side=self.side, peers=[rank])
+            watch = self._local_watch.get(i)
+            if watch is None:
+                watch = self._local_watch[i] = PeerWatch(*ring.reader_identity(i))
+            if not watch.alive():
+                raise PeerDiedError(
+                    f"queue {self.name!r}: reader rank {rank} ({watch.describe()}) died; "
+                    f"the {self.side} cannot deliver message #{self._wait_seq}",
+                    queue=self.name, side=self.side, peers=[rank])
+        for rank in remote:
+            if rank in self._said_goodbye:
+                raise QueueClosedError(
+                    f"queue {self.name!r}: remote reader rank {rank} closed the queue",
+                    queue=self.name, side=self.side, peers=[rank])
+            watch = self._local_watch.get(-1 - rank)
+            why = self._dead_remote.get(rank)
+            if why is None and watch is not None and not watch.alive():
+                why = "its process exited"
+            if why is not None:
+                who = watch.describe() if watch is not None else "unknown pid"
+                raise PeerDiedError(
+                    f"queue {self.name!r}: remote reader rank {rank} ({who}) is gone: {why}",
+                    queue=self.name, side=self.side, peers=[rank])
+
+    # ------------------------------------------------------------ lifecycle
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise QueueClosedError(f"queue {self.name!r}: {op}() on a closed queue",
+                                   queue=self.name, side=self.side)
+
+    def _raise_closed(self, op: str) -> None:
+        raise QueueClosedError(
+            f"queue {self.name!r}: {op}() interrupted: the {self.side} was shut down",
+            queue=self.name, side=self.side)
+
+    def shutdown(self) -> None:
+        """Stop: readers drain what was sent, then get QueueClosedError."""
+        if self._closing:
+            return
+        self._closing = True
+        ring = self.ring
+        if ring is not None and not ring.closed:
+            ring.set_shutdown()
+            self._ring_readers(range(self.n_local))  # thread-safe: plain sendto
+            if self._doorbell is not None:
+                self._ringer.ring(self._doorbell.address)  # wake our own blocked call
+        if threading.get_ident() == self._owner_thread and not self._closed and self.pub is not None:
+            try:
+                if self.n_remote:
+                    self.pub.send_multipart(
+                        [TOPIC_REMOTE, WIRE.pack(self._seq, KIND_SHUTDOWN, 0, 0)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        """Shut down, close sockets and unlink the segment. Idempotent."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True  # a forked child: zmq state is not ours to touch
+            return
+        self.shutdown()
+        self._closed = True
+        if self.pub is not None and not self.pub.closed:
+            self.pub.setsockopt(zmq.LINGER, 500)  # let SHUTDOWN / overflow frames out
+            self.pub.close()
+        if self._mon is not None:
+            try:
+                self.ctl.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        close_all(self._mon, self.ctl)
+        if self.ctx is not None:
+            self.ctx.term()
+        if self._doorbell is not None:
+            self._doorbell.close()
+        self._ringer.close()
+        if self.ring is not None:
+            self.ring.close()

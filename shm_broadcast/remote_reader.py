@@ -1,0 +1,245 @@
+"""RemoteReader: a reader on another node, served over zmq PUB/SUB on TCP.
+
+Every message arrives on the writer's ``m`` topic as ``[topic, header+msgpack,
+blob]``. Flow control keeps the writer from running away from a slow remote
+reader: the reader acks its cumulative count every ``remote_window // 4``
+messages on its DEALER, and the writer waits once it is ``remote_window``
+messages ahead of the slowest remote reader.
+
+Liveness: a socket monitor reports the TCP connection to the writer dropping
+(a dead process's sockets are closed by its kernel; a dead host is caught by
+ZMTP heartbeats); on the same host the writer's pid is also checked.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+import psutil
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from shm_broadcast.codec import Codec
+from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout, ShmBroadcastError
+from shm_broadcast.handle import Handle
+from shm_broadcast.transport import (
+    ACK, CTL_ACK, CTL_CLOSED, CTL_HELLO, KIND_READY, KIND_SHUTDOWN, TOPIC_REMOTE, WIRE,
+    close_all, new_socket,
+)
+from shm_broadcast.waiting import Backoff, PeerWatch, WaitPolicy
+
+__all__ = ["RemoteReader"]
+
+
+class RemoteReader:
+    """Reader side over TCP; used through :class:`MessageQueue`.
+
+    Args:
+        handle: The writer's handle (must have ``remote_pub``).
+        rank: This reader's rank; must not be in ``handle.local_reader_ranks``.
+        policy: Waiting policy (liveness interval and park poll bound).
+        codec: Decoder.
+    """
+
+    def __init__(self, handle: Handle, rank: int, policy: WaitPolicy, codec: Codec) -> None:
+        self.name = handle.name
+        self.rank = rank
+        self.side = f"remote reader rank {rank}"
+        self.codec = codec
+        self._pid = os.getpid()
+        self._owner_thread = threading.get_ident()
+        self._writer = PeerWatch(handle.writer_pid, handle.writer_create_time,
+                                 handle.writer_host)
+        wr = "" if handle.writer_rank is None else f" rank {handle.writer_rank}"
+        self._writer_desc = f"writer{wr} ({self._writer.describe()})"
+        self._ack_every = max(1, handle.remote_window // 4)
+        self._seq = 0
+        self._ready = False
+        self._closing = False
+        self._closed = False
+        self._shutdown_seen = False
+        self._writer_lost = False
+        self._peek: list | None = None
+        self._wait_what = ""
+        self._wait_timeout: float | None = None
+        self._backoff = Backoff(policy, self._check_wait)
+        self.ctx: zmq.Context | None = None
+        self.sub: zmq.Socket | None = None
+        self.dealer: zmq.Socket | None = None
+        self._mon: zmq.Socket | None = None
+        try:
+            if handle.remote_pub is None or handle.remote_ctl is None:
+                raise ValueError(
+                    f"rank {rank} is not a local reader of queue {handle.name!r} "
+                    f"(local ranks {list(handle.local_reader_ranks)}) and the queue has no "
+                    "remote endpoint; pass the right rank or create the queue with "
+                    "n_reader > n_local_reader")
+            self.ctx = zmq.Context(io_threads=1)
+            self.sub = new_socket(self.ctx, zmq.SUB, tcp=True)
+            if "[" in handle.remote_pub:
+                self.sub.setsockopt(zmq.IPV6, 1)
+            self._mon = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self.sub.connect(handle.remote_pub)
+            self.sub.subscribe(TOPIC_REMOTE)
+            self.dealer = new_socket(self.ctx, zmq.DEALER, tcp=True)
+            if "[" in handle.remote_ctl:
+                self.dealer.setsockopt(zmq.IPV6, 1)
+            self.dealer.setsockopt(zmq.ROUTING_ID, b"R%d" % rank)
+            self.dealer.connect(handle.remote_ctl)
+            ctime = psutil.Process(self._pid).create_time()
+            self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
+                [rank, self._pid, ctime, socket.gethostname()]))
+            self._poller = zmq.Poller()
+            self._poller.register(self.sub, zmq.POLLIN)
+            self._poller.register(self._mon, zmq.POLLIN)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------- receive
+    def _next(self, what: str, timeout: float | None) -> list:
+        """Return the next frames on the subscription, waiting as needed."""
+        if self._peek is not None:
+            frames, self._peek = self._peek, None
+            return frames
+        try:
+            return self.sub.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass
+        self._wait_what, self._wait_timeout = what, timeout
+        b = self._backoff
+        b.start(None if timeout is None else time.monotonic() + timeout)
+        while True:
+            b.step()
+            events = dict(self._poller.poll(max(1, int(b.park_timeout() * 1000))))
+            if self._mon in events:
+                self._drain_monitor()
+            if self.sub in events:
+                return self.sub.recv_multipart(copy=False)
+
+    def _drain_monitor(self) -> None:
+        try:
+            while True:
+                ev = parse_monitor_message(self._mon.recv_multipart(zmq.NOBLOCK))
+                if ev["event"] == zmq.EVENT_DISCONNECTED:
+                    self._writer_lost = True
+        except zmq.Again:
+            pass
+
+    def _check_wait(self, expired: bool) -> None:
+        if self._closing:
+            raise QueueClosedError(
+                f"queue {self.name!r}: {self.side} was shut down while waiting for "
+                f"{self._wait_what}", queue=self.name, side=self.side)
+        if self._writer_lost or not self._writer.alive():
+            try:  # deliver what arrived before the connection dropped
+                self._peek = self.sub.recv_multipart(zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            raise PeerDiedError(
+                f"queue {self.name!r}: lost the {self._writer_desc} while {self.side} waited "
+                f"for {self._wait_what}", queue=self.name, side=self.side, peers=["writer"])
+        if expired:
+            raise QueueTimeout(
+                f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
+                f"waiting for {self._wait_what} from the {self._writer_desc}",
+                queue=self.name, side=self.side, peers=["writer"])
+
+    def wait_until_ready(self, timeout: float | None) -> None:
+        """Block until the writer's READY marker arrives."""
+        if self._ready:
+            return
+        self._check_open("wait_until_ready")
+        while True:
+            frames = self._next("the writer to see all readers connected", timeout)
+            seq, kind, _m, _b = WIRE.unpack_from(frames[1].buffer)
+            if kind == KIND_READY:
+                self._ready = True
+                return
+            if kind == KIND_SHUTDOWN:
+                self._shutdown_seen = True
+                self._raise_shutdown()
+
+    def poll(self) -> bool:
+        """Whether a message (or the writer's shutdown marker) is waiting."""
+        if self._closed:
+            return False
+        return self._peek is not None or bool(self.sub.poll(0))
+
+    def dequeue(self, timeout: float | None) -> Any:
+        """Receive the next message."""
+        if self._closing or not self._ready:
+            self._check_open("dequeue")
+            if self._closing:
+                raise QueueClosedError(f"queue {self.name!r}: {self.side} was shut down",
+                                       queue=self.name, side=self.side)
+            self.wait_until_ready(timeout if timeout is not None else 120.0)
+        if self._shutdown_seen:
+            self._raise_shutdown()
+        frames = self._next(f"message #{self._seq}", timeout)
+        head = frames[1].buffer
+        seq, kind, mlen, blen = WIRE.unpack_from(head)
+        if kind == KIND_SHUTDOWN:
+            self._shutdown_seen = True
+            self._raise_shutdown()
+        if seq != self._seq:
+            raise ShmBroadcastError(
+                f"queue {self.name!r}: {self.side} expected message #{self._seq}, got #{seq}")
+        self._seq = seq + 1
+        if self._seq % self._ack_every == 0:
+            try:
+                self.dealer.send(CTL_ACK + ACK.pack(self._seq), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        return self.codec.decode(head[WIRE.size : WIRE.size + mlen], frames[2].buffer, 0, blen)
+
+    def _raise_shutdown(self) -> None:
+        raise QueueClosedError(
+            f"queue {self.name!r}: the {self._writer_desc} shut the queue down; no message "
+            f"#{self._seq} will come", queue=self.name, side=self.side, peers=["writer"])
+
+    # ----------------------------------------------------------- lifecycle
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise QueueClosedError(f"queue {self.name!r}: {op}() on a closed queue",
+                                   queue=self.name, side=self.side)
+
+    def shutdown(self) -> None:
+        """Stop reading: blocked calls raise QueueClosedError; the writer is told."""
+        if self._closing:
+            return
+        self._closing = True
+        if threading.get_ident() == self._owner_thread and self.dealer is not None:
+            try:
+                self.dealer.send(CTL_CLOSED, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        """Disconnect. Idempotent."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
+        if self.dealer is not None:
+            self.shutdown()
+        self._closed = True
+        self._peek = None
+        if self.dealer is not None and not self.dealer.closed:
+            self.dealer.setsockopt(zmq.LINGER, 200)
+            self.dealer.close()
+        if self._mon is not None and self.sub is not None:
+            try:
+                self.sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        close_all(self._mon, self.sub)
+        if self.ctx is not None:
+            self.ctx.term()

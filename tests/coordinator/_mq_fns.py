@@ -1,0 +1,105 @@
+"""Rank functions for test_mq_integration."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from coordinator import GroupCoordinator
+from coordinator import parallel_state as ps
+
+
+def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=world_size // tp)
+    g = ps.get_tp_group()
+    out: dict = {"has_mq": g.mq_broadcaster is not None}
+    for step in range(50):
+        src_obj = {"step": step, "ids": list(range(step % 7)), "tag": f"s{step}"}
+        got = g.broadcast_object(src_obj if g.rank_in_group == 0 else None)
+        if got != src_obj:
+            out["bad_obj"] = (step, got)
+    meta = {
+        "input_ids": torch.arange(10, dtype=torch.int64),
+        "positions": torch.arange(10, dtype=torch.int32)[::2],   # non-contiguous
+        "scale": torch.tensor(0.5, dtype=torch.bfloat16),        # 0-dim bf16
+        "empty": torch.empty(0, 3),
+        "none": None,
+        "reqs": ["a", "b"],
+    }
+    d = g.broadcast_tensor_dict(meta if g.rank_in_group == 0 else None)
+    out["dict_ok"] = all(
+        torch.equal(d[k], meta[k]) and d[k].dtype == meta[k].dtype
+        for k in ("input_ids", "positions", "scale", "empty")
+    ) and d["none"] is None and d["reqs"] == ["a", "b"]
+    # A second broadcaster with a non-zero writer.
+    mq = g.create_mq_broadcaster(writer_rank=g.world_size - 1)
+    last = g.rank_in_group == g.world_size - 1
+    got = mq.broadcast_object({"from": "last"} if last else None)
+    out["writer_last_ok"] = got == {"from": "last"}
+    mq.close()
+    return out
+
+
+def single_reader(rank: int, world_size: int, blocking: bool) -> dict:
+    g = ps.get_world_group()
+    reader = world_size - 1
+    writer, readers = g.create_single_reader_mq_broadcasters(reader_rank_in_group=reader, blocking=blocking)
+    if not blocking:
+        for q in [writer, *readers]:
+            if q is not None:
+                q.wait_until_ready()
+    out: dict = {}
+    try:
+        if g.rank_in_group == reader:
+            assert writer is None and readers[reader] is None
+            got = {}
+            for step in range(20):
+                for r, q in enumerate(readers):
+                    if q is not None:
+                        msg = q.dequeue(timeout=30)
+                        got.setdefault(r, []).append(msg)
+            out["ok"] = all(
+                m["rank"] == r and m["step"] == i and torch.equal(m["t"], torch.full((3,), float(r * 100 + i)))
+                for r, msgs in got.items()
+                for i, m in enumerate(msgs)
+            )
+            out["count"] = sum(len(m) for m in got.values())
+        else:
+            assert readers == []
+            for step in range(20):
+                writer.enqueue({"rank": g.rank_in_group, "step": step,
+                                "t": torch.full((3,), float(g.rank_in_group * 100 + step))})
+        g.barrier()
+    finally:
+        for q in [writer, *readers]:
+            if q is not None:
+                q.close()
+    return out
+
+
+def external_writer(rank: int, world_size: int) -> dict:
+    from shm_broadcast.message_queue import MessageQueue
+
+    # Rank 0 is outside the group [1, 2] and writes to it.
+    gc = GroupCoordinator([[0], [1, 2]], rank, "gloo", use_device_communicator=False, group_name="ext")
+    mq = None
+    box = [None]
+    if rank == 0:
+        mq = MessageQueue(n_reader=2, n_local_reader=2, local_reader_ranks=[0, 1])
+        box = [mq.export_handle().to_bytes()]
+    dist.broadcast_object_list(box, src=0)
+    out: dict = {}
+    try:
+        if rank == 0:
+            mq.wait_until_ready()
+            for i in range(5):
+                mq.enqueue({"i": i})
+        else:
+            mq = gc.create_mq_broadcaster(external_writer_handle=box[0])
+            out["got"] = [mq.dequeue(timeout=30)["i"] for _ in range(5)]
+        dist.barrier()
+    finally:
+        if mq is not None:
+            mq.close()
+        gc.destroy()
+    return out

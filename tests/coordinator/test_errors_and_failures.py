@@ -1,0 +1,125 @@
+"""Bad input, mismatched collectives, timeouts and dying ranks.
+
+* Bad arguments raise TypeError/ValueError on the caller, naming the argument,
+  before any communication (so the group keeps working).
+* A collective whose ranks disagree on the tensor size, or a rank killed in the
+  middle of a collective, is reported by the harness within seconds; nothing
+  hangs. The failing runs use their own short-lived ranks so the shared pools
+  stay warm.
+* The validation helpers are property-tested in process (hypothesis).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.errors import DistributedTimeout, RankDiedError
+from coordinator.testing import run_distributed
+from device_comms import CollectiveMismatch, CollectiveTimeout, PeerDiedError, ReduceOp
+from device_comms import validation as v
+from device_comms.reduce_op import check_reduce_op
+from tests.coordinator import _dist_fns as F
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_bad_arguments_raise_on_the_caller(dist_pool, world_size):
+    results = dist_pool(world_size).run(F.run_bad_inputs, timeout=150)
+    assert all(r == results[0] for r in results)
+    assert len(results[0]) > 50
+
+
+@pytest.mark.timeout(120)
+def test_barrier_with_timeout_names_the_group_and_the_missing_rank(dist_pool):
+    msgs = dist_pool(2).run(F.barrier_timeout, timeout=90)
+    assert "bartmp" in msgs[0] and "barrier" in msgs[0]
+    assert "1" in msgs[0].split("within")[-1], msgs[0]  # gloo's reason names rank 1
+
+
+# Errors a rank may legitimately report for a broken collective; a hang
+# (DistributedTimeout) is the one outcome that is not acceptable.
+_REPORTED = (RankDiedError, PeerDiedError, CollectiveMismatch, CollectiveTimeout)
+
+
+@pytest.mark.timeout(90)
+def test_all_reduce_with_mismatched_sizes_fails_fast_instead_of_hanging():
+    """gloo detects the size mismatch on the receiving side and aborts that rank
+    (SIGABRT from a C++ enforce, uncatchable); the harness reports the death."""
+    t0 = time.monotonic()
+    with pytest.raises(_REPORTED) as info:
+        run_distributed(F.mismatched_all_reduce, 2, timeout=45)
+    elapsed = time.monotonic() - t0
+    assert not isinstance(info.value, DistributedTimeout)
+    assert elapsed < 45, f"took {elapsed:.1f}s"
+
+
+@pytest.mark.timeout(90)
+def test_rank_killed_mid_collective_is_reported_within_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(_REPORTED) as info:
+        run_distributed(F.killed_mid_collective, 2, 1, 0.5, timeout=60)
+    elapsed = time.monotonic() - t0
+    # Measured here: a few seconds, almost all of it process start-up.
+    assert elapsed < 30, f"a dead rank took {elapsed:.1f}s to be reported"
+    if isinstance(info.value, RankDiedError):
+        assert info.value.rank == 1 and "SIGKILL" in str(info.value)
+    else:  # the survivor noticed first
+        assert getattr(info.value, "groupcoord_rank", None) == 0
+
+
+# ---------------------------------------------------------------------- in process
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-10, 10), st.integers(0, 6))
+def test_norm_dim_property(dim, ndim):
+    if ndim == 0 or not -ndim <= dim < ndim:
+        with pytest.raises(ValueError, match="dim"):
+            v.norm_dim(dim, ndim)
+    else:
+        assert v.norm_dim(dim, ndim) == dim % ndim
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-2, 5), max_size=6), st.integers(1, 5), st.integers(0, 20))
+def test_check_sizes_property(sizes, world_size, total):
+    ok_len = len(sizes) == world_size
+    ok_vals = all(s >= 0 for s in sizes)
+    ok_sum = sum(sizes) == total
+    if ok_len and ok_vals and ok_sum:
+        assert v.check_sizes(sizes, world_size, total=total) == sizes
+    else:
+        with pytest.raises(ValueError, match="sizes"):
+            v.check_sizes(sizes, world_size, total=total)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(list(ReduceOp)),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                        torch.int64, torch.int32, torch.uint8, torch.bool]))
+def test_check_reduce_op_property(op, dtype):
+    bitwise = op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+    refused = (bitwise and dtype.is_floating_point) or (
+        op is ReduceOp.AVG and not dtype.is_floating_point)
+    if refused:
+        with pytest.raises(TypeError, match=f"op=ReduceOp.{op.name}"):
+            check_reduce_op(op, dtype)
+    else:
+        assert check_reduce_op(op, dtype) is op
+        assert check_reduce_op(op.name.lower(), dtype) is op  # names are accepted too
+
+
+def test_check_helpers_reject_wrong_types():
+    with pytest.raises(TypeError, match="sizes"):
+        v.check_sizes((i for i in range(2)), 2)
+    with pytest.raises(ValueError, match=r"sizes\[1\]"):
+        v.check_sizes([1, True], 2)
+    with pytest.raises(TypeError, match="src"):
+        v.check_rank(True, 2, "src")
+    with pytest.raises(TypeError, match="input_"):
+        v.check_tensor([1], "input_")
+    with pytest.raises(TypeError, match="op"):
+        check_reduce_op(3, torch.float32)

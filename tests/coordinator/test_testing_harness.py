@@ -1,0 +1,180 @@
+"""coordinator.testing: run_distributed and DistributedPool report every failure fast.
+
+Covered: results by rank; args and per-rank env reach the ranks; a rank's
+exception is re-raised in the parent with its type, ``groupcoord_rank`` and the
+remote traceback; unpicklable exceptions; ranks that exit or are killed;
+timeouts naming the pending ranks; pool reuse, restart after a failure and
+teardown of model-parallel state between runs; startup failures; ranks dying
+with their parent. The autouse ``no_leaks`` fixture checks after each test that
+no process or shared-memory segment was left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from coordinator.errors import (
+    CommTimeout,
+    DistributedTimeout,
+    RankDiedError,
+    RankFailedError,
+)
+from coordinator.testing import DistributedPool, live_pool_pids, run_distributed
+from tests.coordinator import _dist_fns as F
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """A private pool of 2 ranks that the failure tests are allowed to break."""
+    p = DistributedPool(2)
+    yield p
+    p.close()
+
+
+@pytest.mark.timeout(120)
+def test_results_by_rank_args_and_reuse(pool):
+    first = pool.run(F.echo, "a", 3)
+    assert [r[:3] for r in first] == [(0, 2, ("a", 3)), (1, 2, ("a", 3))]
+    pids = [r[3] for r in first]
+    assert set(pids) == set(pool.worker_pids) <= live_pool_pids()
+    assert [r[3] for r in pool.run(F.echo)] == pids, "a healthy pool must reuse its ranks"
+
+
+@pytest.mark.timeout(120)
+def test_model_parallel_state_is_torn_down_between_runs(pool):
+    assert pool.run(F.init_mp_then_check, 0) == [True, True]
+    assert pool.run(F.init_mp_then_check, 1) == [False, False]
+
+
+@pytest.mark.timeout(120)
+def test_exception_is_reraised_with_type_rank_and_remote_traceback(pool):
+    with pytest.raises(F.RankBoom, match="boom on rank 1") as info:
+        pool.run(F.raise_on, 1, "custom")
+    e = info.value
+    assert e.groupcoord_rank == 1
+    tb = str(e.__cause__)
+    assert "rank 1 of 2 raised RankBoom" in tb and "in raise_on" in tb and "Traceback" in tb
+    # the pool restarts on the next run, with new processes
+    with pytest.raises(KeyError) as info:
+        pool.run(F.raise_on, 0, "keyerror")
+    assert info.value.groupcoord_rank == 0
+    assert pool.run(F.raise_on, -1, "none") == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_unpicklable_exception_becomes_rank_failed_error(pool):
+    with pytest.raises(RankFailedError) as info:
+        pool.run(F.raise_on, 0, "unpicklable")
+    e = info.value
+    assert e.rank == 0 and "Unpicklable" in str(e) and "cannot travel" in str(e)
+    assert "in raise_on" in e.remote_traceback
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how,words", [("exit", "exit code 3"), ("kill", "SIGKILL")])
+def test_rank_that_dies_raises_rank_died_error(pool, how, words):
+    before = set(pool.worker_pids)
+    t0 = time.monotonic()
+    with pytest.raises(RankDiedError) as info:
+        pool.run(F.exit_on, 1, how, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert info.value.rank == 1 and words in str(info.value) and "exit_on" in str(info.value)
+    assert not pool.worker_pids  # every rank was killed and reaped
+    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
+               for p in before)
+    assert pool.run(F.exit_on, -1, how) == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_timeout_raises_distributed_timeout_naming_pending_ranks(pool):
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTimeout) as info:
+        pool.run(F.sleep_then, 60.0, None, timeout=2.0)
+    elapsed = time.monotonic() - t0
+    assert 2.0 <= elapsed < 20, elapsed
+    e = info.value
+    assert isinstance(e, CommTimeout) and isinstance(e, TimeoutError)
+    assert e.pending_ranks == [0, 1]
+    assert "[0, 1]" in str(e) and "sleep_then" in str(e) and "2.0s" in str(e)
+
+
+@pytest.mark.timeout(120)
+def test_closed_pool_and_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        DistributedPool(0)
+    with pytest.raises(ValueError, match="world_size"):
+        DistributedPool(True)
+    with pytest.raises(TypeError, match="backend"):
+        DistributedPool(2, backend=None)
+    with pytest.raises(ValueError, match="env"):
+        DistributedPool(2, env=[{}])
+    p = DistributedPool(1)
+    with pytest.raises(TypeError, match="fn"):
+        p.run("not callable")
+    p.close()
+    p.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        p.run(F.echo)
+
+
+@pytest.mark.timeout(120)
+def test_run_distributed_env_per_rank_and_node_simulation():
+    results = run_distributed(
+        F.read_env, 2, "GROUPCOORD_NODE_ID",
+        env=[{"GROUPCOORD_NODE_ID": "nodeA"}, {"GROUPCOORD_NODE_ID": "nodeB"}], timeout=90,
+    )
+    assert [r["env"] for r in results] == ["nodeA", "nodeB"]
+    assert all(r["same_node"] == [True, False] for r in results)
+
+
+@pytest.mark.timeout(120)
+def test_startup_failure_is_reported():
+    # This torch has no NCCL: every rank fails in init_process_group.
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as info:
+        run_distributed(F.echo, 2, backend="nccl", timeout=60)
+    assert time.monotonic() - t0 < 45
+    assert hasattr(info.value, "groupcoord_rank") or isinstance(info.value, RankFailedError)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_die_with_their_parent(tmp_path):
+    """SIGKILL the process that owns a pool: its ranks must not outlive it."""
+    script = tmp_path / "owner.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        from coordinator.testing import DistributedPool
+        from tests.coordinator import _dist_fns as F
+        if __name__ == "__main__":
+            p = DistributedPool(2)
+            pids = [r[3] for r in p.run(F.echo)]
+            print(" ".join(map(str, pids)), flush=True)
+            time.sleep(120)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             env=env, cwd=os.getcwd())
+    try:
+        line = owner.stdout.readline()
+        pids = [int(x) for x in line.split()]
+        assert len(pids) == 2, f"owner printed {line!r}"
+        owner.kill()
+        owner.wait(10)
+        deadline = time.monotonic() + 10
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in pids if psutil.pid_exists(p)
+                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            time.sleep(0.05)
+        assert not alive, f"ranks {alive} outlived their parent"
+    finally:
+        owner.kill()
+        owner.wait(10)
+        owner.stdout.close()
