@@ -46,11 +46,11 @@ import ctypes
 import io
 import pickle
 import struct
+import sys
 from typing import Any
 
 import msgspec
 import numpy as np
-import torch
 
 __all__ = ["Codec", "Encoded"]
 
@@ -75,27 +75,43 @@ _TORCH_DTYPE_NAMES = (
     "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
     "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16",
 )
-_DTYPE_TO_CODE: dict[torch.dtype, int] = {}
-_CODE_TO_DTYPE: dict[int, tuple[torch.dtype, np.dtype, bool]] = {}
-_NUMPY_SAME = {
-    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-    torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
-    torch.uint8: np.uint8, torch.bool: np.bool_, torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
-}
 _UINT_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.complex128}
-for _code, _name in enumerate(_TORCH_DTYPE_NAMES):
-    _dt = getattr(torch, _name, None)
-    if isinstance(_dt, torch.dtype) and _dt not in _DTYPE_TO_CODE:
-        _DTYPE_TO_CODE[_dt] = _code
-        _same = _NUMPY_SAME.get(_dt)
-        _np = np.dtype(_same) if _same is not None else np.dtype(_UINT_BY_SIZE[_dt.itemsize])
-        _CODE_TO_DTYPE[_code] = (_dt, _np, _same is None)
-
 _NONE_TYPE = type(None)
-# Types encoded natively and exactly, plus the two array types the hook handles.
-_PASS = frozenset({str, int, float, bool, _NONE_TYPE, bytes, torch.Tensor, np.ndarray})
 _PLAIN_KEYS = frozenset({str, int})
+# Types encoded natively and exactly, plus the array types the hook handles.
+# torch is not imported by this package: until the process imports it, no
+# value can be a tensor; _load_torch() extends the tables once it is there.
+_PASS = frozenset({str, int, float, bool, _NONE_TYPE, bytes, np.ndarray})
+_TENSOR: Any = None  # torch.Tensor once loaded
+_TORCH: Any = None  # the torch module once loaded
+_DTYPE_TO_CODE: dict[Any, int] = {}
+_CODE_TO_DTYPE: dict[int, tuple[Any, np.dtype, bool]] = {}
+
+
+def _load_torch() -> Any:
+    """Import torch (if needed) and build the dtype tables. Returns the module."""
+    global _PASS, _TENSOR, _TORCH
+    if _TORCH is not None:
+        return _TORCH
+    import torch
+
+    same = {
+        torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+        torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
+        torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.bool_,
+        torch.complex64: np.complex64, torch.complex128: np.complex128,
+    }
+    for code, name in enumerate(_TORCH_DTYPE_NAMES):
+        dt = getattr(torch, name, None)
+        if isinstance(dt, torch.dtype) and dt not in _DTYPE_TO_CODE:
+            _DTYPE_TO_CODE[dt] = code
+            np_same = same.get(dt)
+            np_dt = np.dtype(np_same) if np_same is not None else np.dtype(_UINT_BY_SIZE[dt.itemsize])
+            _CODE_TO_DTYPE[code] = (dt, np_dt, np_same is None)
+    _TENSOR = torch.Tensor
+    _PASS = _PASS | {torch.Tensor}
+    _TORCH = torch
+    return torch
 
 
 class _Box:
@@ -171,6 +187,8 @@ class Codec:
             TypeError: A value cannot be encoded (CUDA tensor, sparse tensor,
                 or an opaque type with ``allow_pickle=False``).
         """
+        if _TORCH is None and "torch" in sys.modules:
+            _load_torch()
         self._copies = []
         self._keep = []
         self._cursor = 0
@@ -190,13 +208,13 @@ class Codec:
         self._cursor = off + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         return off
 
-    def _tensor_desc(self, t: torch.Tensor) -> bytes:
+    def _tensor_desc(self, t: Any) -> bytes:
         if not t.is_cpu:
             raise TypeError(
                 f"MessageQueue carries CPU tensors only, got a tensor on {t.device}; "
                 "move it with .cpu() or use a device communicator"
             )
-        if t.layout is not torch.strided:
+        if t.layout is not _TORCH.strided:
             raise TypeError(f"MessageQueue carries strided tensors only, got layout {t.layout}")
         code = _DTYPE_TO_CODE.get(t.dtype)
         if code is None:
@@ -236,7 +254,7 @@ class Codec:
 
     def _enc_hook(self, obj: Any) -> msgspec.msgpack.Ext:
         t = type(obj)
-        if t is torch.Tensor:
+        if t is _TENSOR and t is not None:
             return msgspec.msgpack.Ext(_EXT_TENSOR, self._tensor_desc(obj))
         if t is np.ndarray and not obj.dtype.hasobject:
             return msgspec.msgpack.Ext(_EXT_NDARRAY, self._array_desc(obj))
@@ -286,7 +304,8 @@ class Codec:
         count = nbytes // dtype.itemsize
         return np.frombuffer(self._src, dtype, count, self._src_start + off).reshape(shape).copy()
 
-    def _tensor_from(self, data: Any) -> torch.Tensor:
+    def _tensor_from(self, data: Any) -> Any:
+        torch = _TORCH if _TORCH is not None else _load_torch()
         off, nbytes, code, flags, ndim = _TENSOR_HEAD.unpack_from(data, 0)
         shape = _SHAPES[ndim].unpack_from(data, _TENSOR_HEAD.size)
         entry = _CODE_TO_DTYPE.get(code)
@@ -349,7 +368,7 @@ class _OobPickler(pickle.Pickler):
 
     def persistent_id(self, obj: Any) -> Any:
         t = type(obj)
-        if t is torch.Tensor:
+        if t is _TENSOR and t is not None:
             return (_EXT_TENSOR, self._codec._tensor_desc(obj))
         if t is np.ndarray and not obj.dtype.hasobject:
             return (_EXT_NDARRAY, self._codec._array_desc(obj))

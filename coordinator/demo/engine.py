@@ -1,0 +1,223 @@
+"""The demo engine: a driver, TP x PP workers, and groupcoord between them.
+
+Every rank holds one shard of the model (a :class:`ModelRunner`). Global rank 0
+is also the *driver*: it runs the scheduler (:func:`generate_greedy`, greedy
+decoding with continuous batching) and, each step::
+
+    driver (rank 0)                              every other rank
+    ---------------                              ----------------
+    step = scheduler.next()
+    meta_q.enqueue(step)      == shared memory ==> step = meta_q.dequeue()
+    runner.execute(step)      <== TP all-reduce / PP send/recv ==> runner.execute(step)
+    tokens = result_q.dequeue() <== single-reader queue == last PP stage, TP rank 0
+    scheduler.update(tokens)
+
+``meta_q`` is the world group's message queue (one writer, all ranks read);
+``result_q`` is a single-reader queue from the last pipeline stage to the
+driver (unused when the driver is itself the last stage, i.e. PP=1).
+
+After generation the driver asks every rank to run the full sequences once
+more and returns the logits, so the caller can compare them with the
+unsharded reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+__all__ = ["EngineConfig", "engine_rank"]
+
+_STOP = "stop"
+_VERIFY = "verify"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What every rank needs to build its shard and run.
+
+    Attributes:
+        tp: Tensor-parallel size.
+        pp: Pipeline-parallel size.
+        model_dir: Hugging Face Llama checkpoint directory, or None for the
+            embedded fixed-seed model.
+        seed: Seed of the embedded model.
+        requests: ``(prompt ids, max_new_tokens, arrival_step)`` per request.
+        compile: Run the model through ``torch.compile(fullgraph=True)``.
+        compile_backend: Backend for ``--compile``.
+        ignore_eos: Do not stop at the model's end-of-sequence ids.
+        progress: Print progress lines while running.
+        kv_blocks: KV cache capacity in blocks of 16 tokens.
+    """
+
+    tp: int
+    pp: int
+    model_dir: str | None
+    seed: int
+    requests: tuple[tuple[tuple[int, ...], int, int], ...]
+    compile: bool = False
+    compile_backend: str = "aot_eager"
+    ignore_eos: bool = False
+    progress: bool = True
+    kv_blocks: int = 512
+
+
+def build_model(cfg: EngineConfig, tp_group: Any, pp_group: Any) -> Any:
+    """This rank's shard (or the whole model when both groups are None)."""
+    from coordinator.models.llama import LlamaForCausalLM
+
+    if cfg.model_dir:
+        return LlamaForCausalLM.from_pretrained(cfg.model_dir, tp_group, pp_group)
+    return LlamaForCausalLM.from_seed(seed=cfg.seed, tp_group=tp_group, pp_group=pp_group)
+
+
+def _stats_us(samples_ns: list[int]) -> dict[str, float]:
+    if not samples_ns:
+        return {"p50": 0.0, "p99": 0.0, "mean": 0.0, "n": 0}
+    t = torch.tensor(samples_ns, dtype=torch.float64) / 1e3
+    return {
+        "p50": float(t.quantile(0.5)),
+        "p99": float(t.quantile(0.99)),
+        "mean": float(t.mean()),
+        "n": len(samples_ns),
+    }
+
+
+def engine_rank(rank: int, world_size: int, cfg: EngineConfig) -> dict[str, Any]:
+    """Run on every rank (via ``run_distributed``); the driver's dict has the results."""
+    from coordinator import parallel_state as ps
+    from coordinator.models.runner import ModelRunner
+
+    ps.initialize_model_parallel(cfg.tp, cfg.pp)
+    world, tp, pp = ps.get_world_group(), ps.get_tp_group(), ps.get_pp_group()
+    model = build_model(cfg, tp, pp if pp.world_size > 1 else None)
+    runner = ModelRunner(
+        model, num_kv_blocks=cfg.kv_blocks, compile=cfg.compile, compile_backend=cfg.compile_backend
+    )
+    meta_q = world.create_mq_broadcaster(writer_rank=0)
+    result_rank = (cfg.pp - 1) * cfg.tp  # last stage, TP rank 0 (DP = 1)
+    writer, readers = world.create_single_reader_mq_broadcasters(0, blocking=True)
+    try:
+        if rank == 0:
+            return _drive(cfg, runner, meta_q, readers, result_rank, model, type(tp.comm).__name__)
+        return _serve(runner, meta_q, writer if rank == result_rank else None)
+    finally:
+        for q in [meta_q, writer, *readers]:
+            if q is not None:
+                q.close()
+        runner.close()
+
+
+def _serve(runner: Any, meta_q: Any, result_q: Any) -> dict[str, Any]:
+    """Worker loop: run whatever the driver sends until it says stop."""
+    from coordinator.models.runner import StepInput
+
+    recv_ns: list[int] = []
+    while True:
+        msg = meta_q.dequeue()
+        recv_ns.append(time.perf_counter_ns() - msg["t_ns"])
+        if msg["kind"] == _STOP:
+            break
+        step = StepInput(**msg["step"])
+        if msg["kind"] == _VERIFY:
+            logits = runner.run(step, all_logits=True)
+            if result_q is not None:
+                result_q.enqueue(logits)
+            continue
+        tokens = runner.execute(step)
+        if result_q is not None:
+            result_q.enqueue(tokens)
+    return {"recv_latency_us": _stats_us(recv_ns[:-1])}
+
+
+def _drive(
+    cfg: EngineConfig,
+    runner: Any,
+    meta_q: Any,
+    readers: list[Any],
+    result_rank: int,
+    model: Any,
+    comm_name: str,
+) -> dict[str, Any]:
+    """Driver loop: schedule, broadcast each step, collect next tokens."""
+    from coordinator.models.generate import GenerationRequest, generate_greedy
+    from coordinator.models.runner import StepInput
+
+    bcast_ns: list[int] = []
+    compute_ns: list[int] = []
+    counters = {"steps": 0, "tokens": 0, "last_print": time.perf_counter()}
+    start = time.perf_counter()
+
+    def send(kind: str, step: StepInput | None) -> None:
+        t0 = time.perf_counter_ns()
+        body = msgspec.structs.asdict(step) if step is not None else None
+        meta_q.enqueue({"kind": kind, "step": body, "t_ns": t0})
+        bcast_ns.append(time.perf_counter_ns() - t0)
+
+    def result(local: Any) -> Any:
+        return local if result_rank == 0 else readers[result_rank].dequeue()
+
+    def step_fn(step: StepInput) -> list[int]:
+        send("step", step)
+        t0 = time.perf_counter_ns()
+        tokens = result(runner.execute(step))
+        compute_ns.append(time.perf_counter_ns() - t0)
+        counters["steps"] += 1
+        counters["tokens"] += sum(1 for _ in step.req_ids)
+        _progress(cfg, counters, start)
+        return tokens
+
+    eos = () if cfg.ignore_eos else model.config.eos_token_ids
+    reqs = [
+        GenerationRequest(i, list(p), n, arrival) for i, (p, n, arrival) in enumerate(cfg.requests)
+    ]
+    generated = generate_greedy(step_fn, reqs, eos_token_ids=eos)
+    elapsed = time.perf_counter() - start
+    if cfg.progress:
+        print(file=sys.stderr)
+    # Verification pass: the full sequences once more, all logits back to the driver.
+    seqs = [list(r.prompt) + generated[r.req_id] for r in reqs]
+    base = 1 + max(r.req_id for r in reqs)
+    verify = StepInput(
+        [base + i for i in range(len(seqs))],
+        [s[:-1] if len(s) > 1 else s for s in seqs],
+        [0] * len(seqs),
+    )
+    send(_VERIFY, verify)
+    logits = result(runner.run(verify, all_logits=True))
+    send(_STOP, None)
+    new_tokens = sum(len(v) for v in generated.values())
+    return {
+        "generated": [generated[r.req_id] for r in reqs],
+        "sequences": seqs,
+        "logits": logits,
+        "steps": counters["steps"],
+        "seconds": elapsed,
+        "new_tokens": new_tokens,
+        "tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
+        "metadata_broadcast_us": _stats_us(bcast_ns[: counters["steps"]]),
+        "step_compute_us": _stats_us(compute_ns),
+        "communicator": comm_name,
+    }
+
+
+def _progress(cfg: EngineConfig, counters: dict[str, Any], start: float) -> None:
+    if not cfg.progress:
+        return
+    now = time.perf_counter()
+    if now - counters["last_print"] < 0.5:
+        return
+    counters["last_print"] = now
+    rate = counters["tokens"] / max(now - start, 1e-9)
+    print(
+        f"\r  step {counters['steps']:4d} | {counters['tokens']:5d} tokens scheduled | "
+        f"{rate:7.1f} tok/s",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
