@@ -24,6 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from coordinator import custom_ops
 from coordinator import tensor_dict as td
 from coordinator.errors import NotInitializedError
 from coordinator.group_registry import REGISTRY
@@ -182,10 +183,14 @@ class GroupCoordinator:
             input_: Tensor on this group's device; same shape and dtype on every rank.
             op: A :class:`ReduceOp`; bitwise ops need integer dtypes, AVG floating.
         """
+        if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
+            return custom_ops.traced_all_reduce(self, input_)
         return self.comm.all_reduce(input_, op)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``input_`` along ``dim`` (negative allowed)."""
+        if _tracing() and self.world_size > 1:
+            return custom_ops.traced_all_gather(self, input_, dim)
         return self.comm.all_gather(input_, dim)
 
     def all_gatherv(
@@ -204,6 +209,8 @@ class GroupCoordinator:
         self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor:
         """Reduce, then keep this rank's equal slice along ``dim``."""
+        if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
+            return custom_ops.traced_reduce_scatter(self, input_, dim)
         return self.comm.reduce_scatter(input_, dim, op)
 
     def reduce_scatterv(
@@ -507,6 +514,12 @@ class GroupCoordinator:
         except RuntimeError as e:
             where = f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}), op {op}"
             raise translate_backend_error(e, where) from e
+
+
+def _tracing() -> bool:
+    """True while torch.compile traces: collectives become ``groupcoord::`` custom ops,
+    opaque graph nodes whose implementation calls back into the eager path."""
+    return torch.compiler.is_compiling()
 
 
 def _mq_available() -> bool:

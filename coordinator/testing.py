@@ -287,20 +287,40 @@ class DistributedPool:
             deadline = time.monotonic() + 10.0
             for p in procs:
                 p.join(max(0.0, deadline - time.monotonic()))
+        pids = [p.pid for p in procs if p.pid is not None]
+        # SIGTERM first: ranks unlink the shared memory they own on SIGTERM.
+        _signal_all([p for p in procs if p.is_alive()], signal.SIGTERM)
+        deadline = time.monotonic() + 2.0
         for p in procs:
-            if p.is_alive():
-                try:
-                    os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            p.join(max(0.0, deadline - time.monotonic()))
+        _signal_all([p for p in procs if p.is_alive()], signal.SIGKILL)
         for p in procs:
             p.join(10.0)
             try:
                 p.close()
             except ValueError:
                 pass
+        _remove_segments_of(pids)
         for c in conns:
             c.close()
+
+
+def _signal_all(procs: list[Any], sig: int) -> None:
+    for p in procs:
+        try:
+            os.kill(p.pid, sig)
+        except (ProcessLookupError, TypeError):
+            pass
+
+
+def _remove_segments_of(pids: list[int]) -> None:
+    """Unlink shared memory still owned by our (now dead) ranks, e.g. after SIGKILL."""
+    from shm_broadcast.segment import list_segments, remove_segment
+
+    dead = set(pids)
+    for seg in list_segments():
+        if seg.pid in dead and not seg.owner_alive:
+            remove_segment(seg.name)
 
 
 def _try_recv(conn: Connection) -> Any:

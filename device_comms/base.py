@@ -301,7 +301,8 @@ class DeviceCommunicator(abc.ABC):
     def _guard(self, op: str, fn: Any, *args: Any) -> Any:
         """Run a hook, turning backend failures into this package's errors."""
         try:
-            return fn(*args)
+            with torch.no_grad():  # collectives are not autograd ops (as in torch.distributed)
+                return fn(*args)
         except RuntimeError as e:
             raise self._translate(op, e) from e
 

@@ -154,7 +154,7 @@ class ShmEngine:
             sync.step(name)
             if out is not None:
                 for j in range(size):
-                    if b[j + 1] > b[j] and not (j == 1 and a > 0):
+                    if b[j + 1] > b[j]:
                         out[a + b[j] : a + b[j + 1]].copy_(ws.slot(q, j, dt)[b[j] : b[j + 1]])
         return out.view(t.shape) if out is not None else None
 

@@ -6,8 +6,8 @@ ops they accelerate, falling back to these implementations for the rest.
 
 Uneven ops (``all_gatherv``, ``reduce_scatterv``) pad every rank's piece to the
 largest and slice afterwards, which works on any backend. Pure data-movement
-ops send 2-byte types and bool as ``uint8`` byte views, so they work even where a
-backend lacks a kernel for ``bfloat16``/``float16``.
+ops send every type outside a small native set as ``uint8`` byte views, so they
+work even where a backend lacks a kernel (``bfloat16``, ``uint16``, ``float8``...).
 """
 
 from __future__ import annotations
@@ -24,16 +24,18 @@ __all__ = ["TorchDistributedCommunicator"]
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-_BYTE_MOVED = frozenset({torch.bfloat16, torch.float16, torch.bool, torch.int16})
+# Types every backend moves natively; all others (bfloat16, float16, bool,
+# int16, uint16/32/64, float8, complex...) move as raw bytes.
+_NATIVE = frozenset({torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64})
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """A same-memory view of contiguous ``t`` in a dtype every backend can move.
 
-    Types gloo lacks kernels for travel as flat ``uint8`` bytes; callers only
-    use this for pure data movement on contiguous tensors.
+    Types outside a small native set travel as flat ``uint8`` bytes; callers
+    only use this for pure data movement on contiguous tensors.
     """
-    if t.dtype in _BYTE_MOVED:
+    if t.dtype not in _NATIVE:
         return t.reshape(-1).view(torch.uint8)
     return t
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-
 __all__ = ["PAYLOADS", "make_payload", "payload_names"]
 
 
@@ -37,6 +35,8 @@ def _tiny(step: int) -> dict[str, Any]:
 
 def _metadata(step: int, n_req: int, blocks_per_req: int, tokens: int,
               new_tokens: int) -> dict[str, Any]:
+    import torch
+
     g = torch.Generator().manual_seed(step)
     return {
         "step": step,
@@ -56,6 +56,8 @@ def _metadata(step: int, n_req: int, blocks_per_req: int, tokens: int,
 
 
 def _tensor(step: int, numel: int) -> dict[str, Any]:
+    import torch
+
     g = torch.Generator().manual_seed(step)
     return {"step": step, "kind": "hidden_states",
             "data": torch.randn(numel, generator=g, dtype=torch.float32)}

@@ -49,6 +49,7 @@ __all__ = [
     "SegmentInfo",
     "list_segments",
     "remove_orphans",
+    "remove_segment",
     "shm_free_bytes",
 ]
 
@@ -347,6 +348,17 @@ def list_segments(pid_alive: Callable[[int], bool] = psutil.pid_exists) -> list[
         pid = int(m.group("pid"))
         out.append(SegmentInfo(n, m.group("kind"), pid, size, pid_alive(pid)))
     return out
+
+
+def remove_segment(name: str) -> None:
+    """Unlink one of our segments by name (no error if it is already gone).
+
+    Raises:
+        ValueError: ``name`` is not a groupcoord segment name.
+    """
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"name must be a groupcoord segment name (gc_<kind>_<pid>_<hex>), got {name!r}")
+    _unlink_quietly(name)
 
 
 def remove_orphans(dry_run: bool = False) -> list[SegmentInfo]:

@@ -31,13 +31,17 @@ INT_OPS = (
     ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR,
 )
 DIMS = (0, 1, -1)
+# Types without (full) backend kernels: data movement must still carry them.
+EXOTIC = (torch.uint16, torch.float8_e4m3fn, torch.complex64, torch.int16, torch.bool)
 
 
 # ---------------------------------------------------------------------- helpers
 def make(rank: int, shape: Sequence[int], dtype: torch.dtype, tag: str) -> torch.Tensor:
     """The deterministic input of group rank ``rank`` for case ``tag``."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{tag}|{rank}".encode()))
-    if dtype.is_floating_point:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, tuple(shape), generator=g).bool()
+    if dtype.is_floating_point or dtype.is_complex:
         return torch.randint(-4, 5, tuple(shape), generator=g).to(dtype)
     return torch.randint(-1000, 1000, tuple(shape), generator=g, dtype=torch.int64).to(dtype)
 
@@ -65,6 +69,8 @@ def expect_equal(case: str, got: Any, want: torch.Tensor) -> None:
     assert isinstance(got, torch.Tensor), f"{case}: expected a tensor, got {type(got).__name__}"
     assert got.dtype == want.dtype, f"{case}: dtype {got.dtype} != {want.dtype}"
     assert got.shape == want.shape, f"{case}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.dtype in EXOTIC and not got.dtype.is_complex and got.dtype != torch.bool:
+        got, want = (x.contiguous().reshape(-1).view(torch.uint8) for x in (got, want))
     if not torch.equal(got, want):
         bad = (got != want).nonzero()[:5].tolist()
         raise AssertionError(f"{case}: values differ at {bad}: got {got.flatten()[:8]}, "
@@ -269,6 +275,31 @@ def collective_suite(g: Any, tag: str) -> list[str]:
         g.broadcast(buf, src)
         expect_equal(f"{tag}/broadcast/0-dim/{src}", buf, torch.tensor(7.0 + src))
 
+    # data movement of types without backend kernels (moved as raw bytes)
+    for dt in EXOTIC:
+        case = f"{tag}/exotic/{dt}"
+        shape = (2, 2 * n, 3)
+        xs = [make(r, shape, dt, case) for r in range(n)]
+        expect_equal(case + "/all_gather", g.all_gather(xs[me], 1), torch.cat(xs, 1))
+        vs = [make(r, (sizes[r], 2), dt, case + "v") for r in range(n)]
+        expect_equal(case + "/all_gatherv", g.all_gatherv(vs[me], 0, sizes), torch.cat(vs, 0))
+        got = g.gather(xs[me], n - 1, -1)
+        if me == n - 1:
+            expect_equal(case + "/gather", got, torch.cat(xs, -1))
+        expect_equal(case + "/scatter", g.scatter(xs[0] if me == 0 else None, 0, 1),
+                     xs[0].chunk(n, 1)[me].contiguous())
+        expect_equal(case + "/all_to_all", g.all_to_all(xs[me], 1, 0),
+                     torch.cat([x.chunk(n, 1)[me] for x in xs], 0))
+        buf = xs[me].clone() if me == n - 1 else torch.zeros(shape, dtype=dt)
+        g.broadcast(buf, n - 1)
+        expect_equal(case + "/broadcast", buf, xs[n - 1])
+        if n > 1:
+            if me == 0:
+                g.send(xs[0], n - 1)
+            elif me == n - 1:
+                expect_equal(case + "/send", g.recv(shape, dt, 0), xs[0])
+        done.append(case)
+
     # point to point (groups of 2+): explicit pairs, then defaults next/prev
     # (the even/odd schedule below needs an even group size: 2 or 4 here).
     if n > 1:
@@ -448,6 +479,9 @@ def mixed_dict(owner: int, tag: str) -> dict[Any, Any]:
         "zero_dim_i64": torch.tensor(owner * 11),
         "noncontig": base.t(),  # (6, 4), strides (1, 6)
         "noncontig_bf16": make(owner, (4, 6), torch.bfloat16, tag + "ncb")[:, ::2],
+        "u16": make(owner, (2, 3), torch.uint16, tag + "u16"),
+        "f8": make(owner, (5,), torch.float8_e4m3fn, tag + "f8"),
+        "c64": make(owner, (2, 2), torch.complex64, tag + "c64"),
         7: "an int key",
         "float": 2.25,
     }
@@ -536,7 +570,7 @@ def run_send_recv_tensor_dict(rank: int, world_size: int) -> list[str]:
         return d
 
     sliced_keys = {"rep", "rep_bf16", "rep_nc", "f32", "bf16", "bool", "f16", "noncontig",
-                   "noncontig_bf16"}
+                   "noncontig_bf16", "u16", "c64"}
 
     def expected(peer_global: int, peer_tp_globals: list[int], optimised: bool) -> dict[Any, Any]:
         want = sender_dict(peer_global)

@@ -227,20 +227,35 @@ def test_reference_greedy_matches_transformers_generate(
     assert generate_greedy(runner.step, _requests(), prefill_chunk=3) == hf_ids
 
 
-def test_tied_embeddings_and_biases_match_transformers(tmp_path: Any) -> None:
+@pytest.fixture(scope="module")
+def hf_tied_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[str, dict[int, list[int]]]:
+    """Tied embeddings, biases everywhere, one KV head (replicated under TP=2)."""
+    path = str(tmp_path_factory.mktemp("tiny_llama_tied"))
     hf = _save_hf_model(
-        str(tmp_path),
+        path,
         seed=5,
         tie_word_embeddings=True,
         attention_bias=True,
         mlp_bias=True,
         num_key_value_heads=1,
     )
-    assert "lm_head.weight" not in json.dumps(os.listdir(tmp_path))
-    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    return path, _hf_greedy(hf)
+
+
+def test_tied_embeddings_and_biases_match_transformers(
+    hf_tied_checkpoint: tuple[str, dict[int, list[int]]],
+) -> None:
+    path, hf_ids = hf_tied_checkpoint
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    model = LlamaForCausalLM.from_pretrained(path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     runner = ModelRunner(model, num_kv_blocks=32, block_size=4)
-    assert generate_greedy(runner.step, _requests()) == _hf_greedy(hf)
+    assert generate_greedy(runner.step, _requests()) == hf_ids
 
 
 def test_checkpoint_errors(tmp_path: Any, hf_checkpoint: tuple[str, Any, Any]) -> None:
@@ -354,7 +369,9 @@ def _sharded_generate(
 
 @pytest.mark.timeout(180)
 def test_tp2_and_pp2_match_transformers(
-    dist_pool: Any, hf_checkpoint: tuple[str, Any, Any]
+    dist_pool: Any,
+    hf_checkpoint: tuple[str, Any, Any],
+    hf_tied_checkpoint: tuple[str, dict[int, list[int]]],
 ) -> None:
     path, hf_ids, _ = hf_checkpoint
     pool = dist_pool(2)
@@ -368,6 +385,10 @@ def test_tp2_and_pp2_match_transformers(
     assert tp_shapes["model.layers.0.mlp.gate_up_proj.weight"] == (96, 64)
     assert tp_shapes["model.layers.0.mlp.down_proj.weight"] == (64, 48)
     assert tp_shapes["model.embed_tokens.weight"] == (81, 64)
+    tied_path, tied_ids = hf_tied_checkpoint
+    for tp, pp in ((2, 1), (1, 2)):  # the PP=2 last stage loads the tied head from embed_tokens
+        for res in pool.run(_sharded_generate, tied_path, tp, pp, False, None, timeout=120):
+            assert res["ids"] == tied_ids, (tp, pp)
     pp_shapes = pool.run(_sharded_generate, path, 1, 2, False, None, timeout=120)
     assert sorted({n.split(".")[2] for n in pp_shapes[0]["shapes"] if ".layers." in n}) == [
         "0",

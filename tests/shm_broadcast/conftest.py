@@ -1,0 +1,97 @@
+"""Fixtures of the shm_broadcast tests: child processes and leak checks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+from typing import Any, Callable
+
+import psutil
+import pytest
+
+from shm_broadcast.segment import SHM_DIR, list_segments
+
+
+class Procs:
+    """Spawned child processes of one test, reaped whatever happens."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.out = self.ctx.Queue()
+        self.started: list[Any] = []
+
+    def start(self, target: Callable[..., None], *args: Any) -> Any:
+        """Start ``target(*args, out_queue)`` in a fresh (spawn) process."""
+        p = self.ctx.Process(target=target, args=(*args, self.out), daemon=True)
+        p.start()
+        self.started.append(p)
+        return p
+
+    def get(self, timeout: float = 90.0) -> tuple:
+        """Next report of any child; a child's ``("error", ...)`` fails the test."""
+        try:
+            msg = self.out.get(timeout=timeout)
+        except queue.Empty:
+            alive = [(p.pid, p.exitcode) for p in self.started]
+            raise AssertionError(f"no report from children within {timeout} s: {alive}") from None
+        if msg[0] == "error":
+            raise AssertionError(f"child rank {msg[1]} failed:\n{msg[-1]}")
+        return msg
+
+    @property
+    def pids(self) -> set[int]:
+        """Pids of every child started."""
+        return {p.pid for p in self.started if p.pid is not None}
+
+    def reap(self) -> None:
+        """Kill what is still alive and join everything."""
+        for p in self.started:
+            if p.is_alive():
+                p.join(2)
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        self.out.close()
+        self.out.join_thread()
+
+
+@pytest.fixture
+def procs() -> Any:
+    """A :class:`Procs` whose children are killed and reaped after the test."""
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.reap()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Any:
+    """Fail a test that leaves a gc_* segment of this process or its children,
+    or a live child process (multiprocessing's resource tracker excepted)."""
+    before = {s.name for s in list_segments()}
+    yield
+    owners = {os.getpid()}
+    p = request.node.funcargs.get("procs")
+    if isinstance(p, Procs):
+        owners |= p.pids
+    leaked = [s.name for s in list_segments() if s.name not in before and s.pid in owners]
+    for name in leaked:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
+    children = [c for c in psutil.Process().children(recursive=True)
+                if "resource_tracker" not in " ".join(_cmdline(c))]
+    for c in children:
+        c.kill()
+    assert not leaked, f"test leaked shared-memory segments: {leaked}"
+    assert not children, f"test leaked child processes: {[c.pid for c in children]}"
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except (psutil.Error, OSError):
+        return []

@@ -1,0 +1,67 @@
+"""SharedSegment lifecycle: SIGTERM unlinks, SIGKILL orphans, cleanup removes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from shm_broadcast import SharedSegment, ShmSpaceError, list_segments
+from shm_broadcast.segment import SHM_DIR, shm_free_bytes
+
+from . import workers
+
+
+def _cleanup(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shm_broadcast.cli", "cleanup", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_unlinks_and_sigkill_orphan_is_cleaned(procs):
+    term = procs.start(workers.segment_owner)
+    kill = procs.start(workers.segment_owner)
+    names = {}
+    for _ in range(2):
+        _, name = procs.get()
+        names[int(name.split("_")[2])] = name
+    term_name, kill_name = names[term.pid], names[kill.pid]
+    assert os.path.exists(os.path.join(SHM_DIR, term_name))
+
+    os.kill(term.pid, signal.SIGTERM)
+    term.join(30)
+    assert term.exitcode == -signal.SIGTERM
+    assert not os.path.exists(os.path.join(SHM_DIR, term_name)), "SIGTERM must unlink"
+
+    os.kill(kill.pid, signal.SIGKILL)
+    kill.join(30)
+    assert os.path.exists(os.path.join(SHM_DIR, kill_name)), "SIGKILL cannot clean up"
+    listed = _cleanup()
+    assert listed.returncode == 0 and kill_name in listed.stdout, listed.stdout
+    assert os.path.exists(os.path.join(SHM_DIR, kill_name)), "without --yes nothing is removed"
+    removed = _cleanup("--yes")
+    assert removed.returncode == 0 and f"removed  {kill_name}" in removed.stdout, removed.stdout
+    assert not os.path.exists(os.path.join(SHM_DIR, kill_name))
+    assert kill_name not in {s.name for s in list_segments()}
+
+
+@pytest.mark.timeout(30)
+def test_cleanup_leaves_live_segments_alone():
+    with SharedSegment.create("test", 4096) as seg:
+        out = _cleanup("--yes", "--all")
+        assert out.returncode == 0
+        assert f"in use   {seg.name}" in out.stdout
+        assert os.path.exists(os.path.join(SHM_DIR, seg.name))
+
+
+@pytest.mark.timeout(30)
+def test_creation_fails_cleanly_when_dev_shm_is_too_small():
+    free = shm_free_bytes()
+    if free < 0:
+        pytest.skip("no /dev/shm on this platform")
+    with pytest.raises(ShmSpaceError, match="groupcoord cleanup"):
+        SharedSegment.create("test", free + (1 << 30))
+    assert not any(s.pid == os.getpid() for s in list_segments())
