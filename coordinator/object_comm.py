@@ -39,7 +39,11 @@ class PickleCodec:
 def send_object(obj: Any, dst_global: int, group: dist.ProcessGroup, codec: ObjectCodec) -> None:
     """Send ``obj`` to global rank ``dst_global`` over ``group``."""
     data = codec.dumps(obj)
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    payload = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if len(data)
+        else torch.empty(0, dtype=torch.uint8)  # frombuffer refuses empty buffers
+    )
     dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=dst_global, group=group)
     if payload.numel():
         dist.send(payload, dst=dst_global, group=group)

@@ -241,6 +241,12 @@ class DeviceCommunicator(abc.ABC):
         """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``."""
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if not isinstance(size, (torch.Size, list, tuple)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in size
+        ):
+            raise TypeError(f"size must be a shape (a sequence of ints), got {size!r}")
+        if any(s < 0 for s in size):
+            raise ValueError(f"size must not have negative entries, got {tuple(size)}")
         v.check_rank(src, self.world_size, "src")
         if src == self.rank_in_group:
             raise ValueError(f"src={src} is this rank; recv needs another rank of the group")

@@ -41,6 +41,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from device_comms import host_alloc
 from device_comms.hierarchical import HierarchicalAllReduce
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_engine import ShmEngine
@@ -226,10 +227,10 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return super()._reduce_scatter(t, dim, op)
         self.shm_calls["reduce_scatter"] += 1
         n = self.world_size
-        x = t.movedim(dim, 0).contiguous()
+        x = _moved(t, dim, 0)
         k = x.numel() // n
         out = eng.reduce_scatter(x.view(-1), [k] * n, op, "reduce_scatter", x.numel())
-        return out.view((x.shape[0] // n,) + x.shape[1:]).movedim(0, dim).contiguous()
+        return _moved(out.view((x.shape[0] // n,) + x.shape[1:]), 0, dim)
 
     def _reduce_scatterv(
         self, t: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
@@ -238,12 +239,12 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if eng is None:
             return super()._reduce_scatterv(t, dim, sizes, op)
         self.shm_calls["reduce_scatterv"] += 1
-        x = t.movedim(dim, 0).contiguous()
+        x = _moved(t, dim, 0)
         inner = math.prod(x.shape[1:])
         key = _size_key(sizes, inner)
         out = eng.reduce_scatter(x.view(-1), [s * inner for s in sizes], op, "reduce_scatterv", key)
         mine = sizes[self.rank_in_group]
-        return out.view((mine,) + x.shape[1:]).movedim(0, dim).contiguous()
+        return _moved(out.view((mine,) + x.shape[1:]), 0, dim)
 
     # ------------------------------------------------------------------ data movement
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -251,11 +252,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if eng is None:
             return super()._all_gather(t, dim)
         self.shm_calls["all_gather"] += 1
-        if t.nbytes <= eng.ws.slot_bytes:
+        if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
             return eng.all_gather_cat(t, dim)  # type: ignore[return-value]
-        n = t.numel()
-        flat = eng.gather_flat(t.view(-1), [n] * self.world_size, "all_gather", n)
-        return _concat_leading(flat, self.world_size, t.shape, dim)  # type: ignore[arg-type]
+        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "all_gather", None)
 
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         eng = self._flat
@@ -263,30 +262,41 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return super()._all_gatherv(t, dim, sizes)
         self.shm_calls["all_gatherv"] += 1
         inner = math.prod(t.shape[:dim]) * math.prod(t.shape[dim + 1 :])
-        shapes = [t.shape[:dim] + (s,) + t.shape[dim + 1 :] for s in sizes]
-        key = _size_key(sizes, inner)
-        if max(sizes) * inner * t.element_size() <= eng.ws.slot_bytes:
-            return eng.gatherv_cat(t, [torch.Size(s) for s in shapes], dim, key)
-        counts = [s * inner for s in sizes]
-        flat: torch.Tensor = eng.gather_flat(t.view(-1), counts, "all_gatherv", key)  # type: ignore[assignment]
-        if dim == 0:
-            return flat.view((sum(sizes),) + t.shape[1:])
-        pieces, off = [], 0
-        for c, shape in zip(counts, shapes):
-            pieces.append(flat[off : off + c].view(shape))
-            off += c
-        return torch.cat(pieces, dim)
+        if max(sizes) * inner * t.element_size() <= eng.ws.slot_bytes and (
+            sum(sizes) * inner * t.element_size() < host_alloc.HUGE_MIN_BYTES
+        ):
+            shapes = [torch.Size(t.shape[:dim] + (s,) + t.shape[dim + 1 :]) for s in sizes]
+            return eng.gatherv_cat(t, shapes, dim, _size_key(sizes, inner))
+        return self._gather_rows(eng, t, dim, sizes, "all_gatherv", None)  # type: ignore[return-value]
 
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         eng = self._flat
         if eng is None:
             return super()._gather(t, dst, dim)
         self.shm_calls["gather"] += 1
-        if t.nbytes <= eng.ws.slot_bytes:
+        if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
             return eng.all_gather_cat(t, dim, "gather", dst)
-        n = t.numel()
-        flat = eng.gather_flat(t.view(-1), [n] * self.world_size, "gather", n, dst)
-        return None if flat is None else _concat_leading(flat, self.world_size, t.shape, dim)
+        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "gather", dst)
+
+    def _gather_rows(
+        self, eng: ShmEngine, t: torch.Tensor, dim: int, sizes: list[int], kind: str, dst: int | None
+    ) -> torch.Tensor | None:
+        """Gather along ``dim`` written straight into the output's final layout."""
+        rows = math.prod(t.shape[:dim])
+        inner = math.prod(t.shape[dim + 1 :])
+        widths = [s * inner for s in sizes]
+        reader = dst is None or dst == self.rank_in_group
+        out = None
+        if reader:
+            shape = list(t.shape)
+            shape[dim] = sum(sizes)
+            out = host_alloc.empty(shape, t.dtype)
+        key = t.numel() if kind != "all_gatherv" else _size_key(sizes, inner)
+        eng.gather_rows(
+            t.view(rows, widths[self.rank_in_group]), widths,
+            None if out is None else out.view(rows, sum(widths)), kind, key, dst,
+        )
+        return out
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         eng = self._flat
@@ -302,12 +312,16 @@ class CpuCommunicator(TorchDistributedCommunicator):
         )
 
 
-def _concat_leading(flat: torch.Tensor, n: int, shape: torch.Size, dim: int) -> torch.Tensor:
-    """Rank-major flat gather of ``n`` tensors of ``shape`` -> concatenation along ``dim``."""
-    stacked = flat.view((n,) + tuple(shape))
-    out_shape = list(shape)
-    out_shape[dim] *= n
-    return stacked.movedim(0, dim).reshape(out_shape)
+def _moved(t: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+    """``t.movedim(src, dst)`` made contiguous (large copies huge-page backed)."""
+    if src == dst:
+        return t
+    m = t.movedim(src, dst)
+    if m.is_contiguous():
+        return m
+    out = host_alloc.empty(m.shape, t.dtype)
+    out.copy_(m)
+    return out
 
 
 def _size_key(sizes: Sequence[int], inner: int) -> int:

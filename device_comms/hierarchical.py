@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from device_comms import host_alloc
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_engine import ShmEngine
@@ -87,7 +88,7 @@ class HierarchicalAllReduce:
         if self.is_leader and partial is not None:  # the leader is local rank 0
             result = self._leaders_all_reduce(partial, inner)  # always a new tensor
         else:
-            result = torch.empty_like(t)
+            result = host_alloc.empty(t.shape, t.dtype)
         if eng is not None:
             eng.broadcast(result, 0)
             self.intra_node_shm_steps += 1
@@ -114,7 +115,7 @@ class HierarchicalAllReduce:
                 works.append(self._irecv(recv[j], j))
         for w in works:
             w.wait()
-        out = torch.empty_like(flat)
+        out = host_alloc.empty(n, x.dtype)
         if hi > lo:
             srcs = [flat[lo:hi] if j == me else recv[j] for j in range(k)]
             reduce_views(srcs, op, out=out[lo:hi])

@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 
+from device_comms import host_alloc
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_sync import StepSync, signature
@@ -131,7 +132,7 @@ class ShmEngine:
     ) -> torch.Tensor | None:
         ws, sync, me, size = self.ws, self.sync, self.me, self.size
         flat, n, dt = t.view(-1), t.numel(), t.dtype
-        out = torch.empty_like(flat) if want else None
+        out = host_alloc.empty(n, dt) if want else None
         chunk = ws.slot_elems(dt)
         first = True
         for a in range(0, n, chunk):
@@ -172,7 +173,7 @@ class ShmEngine:
         for c in counts:
             offs.append(offs[-1] + c)
         mine_n = counts[me]
-        out = torch.empty(mine_n, dtype=dt)
+        out = host_alloc.empty(mine_n, dt)
         if x.nbytes <= self.oneshot_bytes:  # one step: the slot holds all of x
             p = sync.next_parity
             ws.slot(p, me, dt)[: x.numel()].copy_(x)
@@ -238,45 +239,67 @@ class ShmEngine:
         self.sync.step("all_gatherv", self._sig("all_gatherv", dt), size_key, True)
         return torch.cat(views, dim)
 
-    def gather_flat(
+    def gather_rows(
         self,
-        x: torch.Tensor,
-        counts: Sequence[int],
+        x2: torch.Tensor,
+        widths: Sequence[int],
+        out2: torch.Tensor | None,
         kind: str,
         size_key: int,
         dst: int | None = None,
-    ) -> torch.Tensor | None:
-        """Rank-major concatenation of every rank's flat ``x`` (``counts[r]`` elements).
+    ) -> None:
+        """Gather 2-D pieces side by side: ``out2[:, c_r : c_r + widths[r]] = x2`` of rank ``r``.
 
-        Every rank gets it when ``dst`` is None, else only local rank ``dst``.
+        ``x2`` is this rank's ``(A, widths[me])`` contiguous input; ``out2`` the
+        ``(A, sum(widths))`` output on readers (every rank when ``dst`` is None,
+        else only local rank ``dst``; None elsewhere). Pieces go through the
+        slots a block of whole rows at a time, or a row in column pieces when a
+        row is larger than a slot, so the output is written in its final layout.
         """
         ws, sync, me, size = self.ws, self.sync, self.me, self.size
-        dt = x.dtype
+        dt = x2.dtype
         sig = self._sig(kind, dt, None, 0 if dst is None else dst)
+        rows_n = x2.shape[0]
         offs = [0]
-        for c in counts:
-            offs.append(offs[-1] + c)
-        reader = dst is None or dst == me
-        out = torch.empty(offs[-1], dtype=dt) if reader else None
+        for w in widths:
+            offs.append(offs[-1] + w)
+        writes = dst is None or dst != me  # a root reads its own part from x2
         chunk = ws.slot_elems(dt)
+        wmax = max(widths) if widths else 0
+        if wmax == 0 or rows_n == 0:
+            sync.step(kind, sig, size_key, True)  # nothing to move; still agree on the call
+            return
+        if wmax <= chunk:  # blocks of whole rows
+            per = max(1, chunk // wmax)
+            pieces = [(i, min(per, rows_n - i), None) for i in range(0, rows_n, per)]
+        else:  # each row in column pieces
+            pieces = [(i, 1, a) for i in range(rows_n) for a in range(0, wmax, chunk)]
         first = True
-        for a in range(0, max(counts), chunk):
-            ln = max(0, min(chunk, counts[me] - a))
+        for i, nrows, a in pieces:
             p = sync.next_parity
-            if ln and not (reader and dst is not None):  # dst copies its own part directly
-                ws.slot(p, me, dt)[:ln].copy_(x[a : a + ln])
+            if a is None:
+                if writes and widths[me]:
+                    ws.slot(p, me, dt)[: nrows * widths[me]].copy_(x2[i : i + nrows].reshape(-1))
+                sync.step(kind, sig, size_key, first)
+                first = False
+                if out2 is not None:
+                    for r in range(size):
+                        w = widths[r]
+                        if w:
+                            src = x2[i : i + nrows] if r == me else ws.slot(p, r, dt)[: nrows * w].view(nrows, w)
+                            out2[i : i + nrows, offs[r] : offs[r] + w].copy_(src)
+                continue
+            ln = max(0, min(chunk, widths[me] - a))
+            if writes and ln:
+                ws.slot(p, me, dt)[:ln].copy_(x2[i, a : a + ln])
             sync.step(kind, sig, size_key, first)
             first = False
-            if out is None:
-                continue
-            for r in range(size):
-                lr = max(0, min(chunk, counts[r] - a))
-                if lr:
-                    src = x[a : a + lr] if r == me else ws.slot(p, r, dt)[:lr]
-                    out[offs[r] + a : offs[r] + a + lr].copy_(src)
-        if first:
-            sync.step(kind, sig, size_key, True)
-        return out
+            if out2 is not None:
+                for r in range(size):
+                    lr = max(0, min(chunk, widths[r] - a))
+                    if lr:
+                        src = x2[i, a : a + lr] if r == me else ws.slot(p, r, dt)[:lr]
+                        out2[i, offs[r] + a : offs[r] + a + lr].copy_(src)
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """Fill contiguous ``t`` on every rank with local rank ``src``'s ``t``; returns ``t``."""

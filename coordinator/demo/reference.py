@@ -26,6 +26,7 @@ def reference_run(
     from coordinator.models.generate import GenerationRequest, generate_greedy
     from coordinator.models.runner import ModelRunner, StepInput
 
+    torch.set_num_threads(1)  # tiny model: one thread avoids OpenMP spin on busy cores
     model = build_model(cfg, None, None)
     runner = ModelRunner(model, num_kv_blocks=cfg.kv_blocks)
     try:

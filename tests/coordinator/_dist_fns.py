@@ -275,6 +275,21 @@ def collective_suite(g: Any, tag: str) -> list[str]:
         g.broadcast(buf, src)
         expect_equal(f"{tag}/broadcast/0-dim/{src}", buf, torch.tensor(7.0 + src))
 
+    # empty tensors through every collective
+    case = f"{tag}/empty"
+    e = torch.empty(0, 2 * n)
+    expect_equal(case + "/all_reduce", g.all_reduce(e), e)
+    expect_equal(case + "/all_gather", g.all_gather(e, 1), torch.empty(0, 2 * n * n))
+    expect_equal(case + "/all_gatherv", g.all_gatherv(e, 0, [0] * n), e)
+    expect_equal(case + "/reduce_scatter", g.reduce_scatter(e, 1), torch.empty(0, 2))
+    expect_equal(case + "/reduce_scatterv", g.reduce_scatterv(e, 0, [0] * n), e)
+    expect_equal(case + "/broadcast", g.broadcast(e.clone(), 0), e)
+    expect_equal(case + "/scatter", g.scatter(e if me == 0 else None, 0, 1), torch.empty(0, 2))
+    expect_equal(case + "/all_to_all", g.all_to_all(e.t().contiguous(), 0, 1), torch.empty(2, 0))
+    got = g.gather(e, 0, 1)
+    assert (got is None) == (me != 0), f"{case}/gather"
+    done.append(case)
+
     # data movement of types without backend kernels (moved as raw bytes)
     for dt in EXOTIC:
         case = f"{tag}/exotic/{dt}"
@@ -357,6 +372,17 @@ def object_suite(g: Any, tag: str) -> list[str]:
             g.send_object(None, 1)
         elif me == 1:
             assert g.recv_object(0) is None, "send_object(None) must arrive as None"
+        # A codec may encode an object as zero bytes.
+        old, g.codec = g.codec, EmptyForNoneCodec()
+        try:
+            if me == 0:
+                g.send_object(None, 1)
+                g.send_object([1, 2], 1)
+            elif me == 1:
+                assert g.recv_object(0) is None
+                assert g.recv_object(0) == [1, 2]
+        finally:
+            g.codec = old
     g.barrier()
     g.barrier(timeout=60.0)
     with g.graph_capture() as ctx:
@@ -367,6 +393,20 @@ def object_suite(g: Any, tag: str) -> list[str]:
                          torch.full((2,), float(n)))
     done += ["barrier", "graph_capture"]
     return done
+
+
+class EmptyForNoneCodec:
+    """An object codec that encodes None as zero bytes."""
+
+    def dumps(self, obj: Any) -> bytes:
+        import pickle
+
+        return b"" if obj is None else pickle.dumps(obj)
+
+    def loads(self, data: Any) -> Any:
+        import pickle
+
+        return None if not len(data) else pickle.loads(data)
 
 
 def topology_of(g: Any) -> dict[str, Any]:
@@ -893,6 +933,8 @@ def run_bad_inputs(rank: int, world_size: int) -> list[str]:
         ("recv/self", V, lambda: g.recv((2,), torch.float32, me), ("src", "this rank")),
         ("recv/dtype", T, lambda: g.recv((2,), "float32", other), ("dtype",)),
         ("recv/range", V, lambda: g.recv((2,), torch.float32, -1), ("src",)),
+        ("recv/size-type", T, lambda: g.recv("ab", torch.float32, other), ("size",)),
+        ("recv/size-neg", V, lambda: g.recv((2, -1), torch.float32, other), ("size",)),
         ("send_object/self", V, lambda: g.send_object({}, me), ("dst",)),
         ("send_object/range", V, lambda: g.send_object({}, n), ("dst",)),
         ("recv_object/self", V, lambda: g.recv_object(me), ("src",)),

@@ -69,16 +69,19 @@ def build_cases(n: int) -> list[Case]:
         add("all_gather", dtype, (3, 5), dim=1)
         add("all_gather", dtype, (BIG,), dim=0)
         add("all_gather", dtype, (2, BIG // 2), dim=0)
-        add("all_gather", dtype, (BIG // 4, 4), dim=1)
+        add("all_gather", dtype, (BIG // 4, 4), dim=1)  # blocks of rows
+        add("all_gather", dtype, (3, 9001), dim=1)  # rows larger than a slot
         sizes = tuple(r % 3 for r in range(n))  # includes zeros
         add("all_gatherv", dtype, (0, 4), dim=0, sizes=sizes)
         add("all_gatherv", dtype, (3, 0), dim=1, sizes=tuple(r + 1 for r in range(n)))
         add("all_gatherv", dtype, (0, 7), dim=0, sizes=tuple(1000 * (r + 1) + r for r in range(n)))
+        add("all_gatherv", dtype, (2, 0), dim=1, sizes=tuple(3000 * (r + 1) + r for r in range(n)))
         add("broadcast", dtype, (1,), root=n - 1)
         add("broadcast", dtype, (6, 7), root=1)
         add("broadcast", dtype, (BIG,), root=0)
         add("gather", dtype, (2, 3), dim=1, root=1)
         add("gather", dtype, (BIG,), dim=0, root=n - 1)
+        add("gather", dtype, (5, 3000), dim=-1, root=0)
     return out
 
 
