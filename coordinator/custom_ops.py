@@ -27,6 +27,21 @@ Schemas (all return new tensors, nothing is mutated)::
 
 ``world_size`` is passed explicitly so the fake implementations can compute
 output shapes without looking the group up.
+
+Autograd (so compiled training-style graphs get a backward graph); each
+formula is the adjoint of its collective, computed with the other ops::
+
+    all_reduce(x)                 backward: all_reduce(grad)
+    all_gather(x, dim)            backward: reduce_scatter(grad, dim)
+    reduce_scatter(x, dim)        backward: all_gather(grad, dim)
+
+These are gradients of the *global* loss (the sum of every rank's loss): e.g.
+``x_r`` contributes to the all-reduced output of every rank, so its gradient
+sums every rank's output gradient. Every rank must run the backward, in the
+same order, like any collective. Only the ops carry these formulas:
+``GroupCoordinator.all_reduce`` in eager mode stays non-differentiable (as in
+``torch.distributed``); under ``torch.compile`` it traces to the op, so
+compiled code backpropagates through it.
 """
 
 from __future__ import annotations
@@ -130,3 +145,35 @@ def traced_reduce_scatter(group: Any, tensor: torch.Tensor, dim: int = -1) -> to
     return torch.ops.groupcoord.reduce_scatter(
         tensor, dim % tensor.dim(), group.world_size, group.unique_name
     )
+
+
+# --------------------------------------------------------------------------- autograd
+def _setup_dim_ws_name(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    _, ctx.dim, ctx.world_size, ctx.group_name = inputs
+
+
+def _setup_name(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.group_name = inputs[1]
+
+
+def _all_reduce_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return torch.ops.groupcoord.all_reduce(grad.contiguous(), ctx.group_name), None
+
+
+def _all_gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    g = torch.ops.groupcoord.reduce_scatter(
+        grad.contiguous(), ctx.dim, ctx.world_size, ctx.group_name
+    )
+    return g, None, None, None
+
+
+def _reduce_scatter_backward(
+    ctx: Any, grad: torch.Tensor
+) -> tuple[torch.Tensor, None, None, None]:
+    g = torch.ops.groupcoord.all_gather(grad.contiguous(), ctx.dim, ctx.world_size, ctx.group_name)
+    return g, None, None, None
+
+
+all_reduce.register_autograd(_all_reduce_backward, setup_context=_setup_name)
+all_gather.register_autograd(_all_gather_backward, setup_context=_setup_dim_ws_name)
+reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_setup_dim_ws_name)

@@ -379,6 +379,7 @@ class GroupCoordinator:
         """
         if self.world_size == 1:
             return
+        self._check_live("barrier")
         if timeout is None:
             self._cpu_call("barrier", dist.barrier, group=self.cpu_group)
             return
@@ -489,7 +490,11 @@ class GroupCoordinator:
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.close()
             self.mq_broadcaster = None
-        self.comm.destroy()
+        # Later calls must fail loudly: with cpu_group None, torch.distributed
+        # would silently fall back to the *world* group.
+        comm, self.comm = self.comm, _DestroyedComm(self.unique_name)  # type: ignore[assignment]
+        self.device_communicator = None
+        comm.destroy()
         for pg in {id(self.cpu_group): self.cpu_group, id(self.device_group): self.device_group}.values():
             if pg is not None and dist.is_initialized():
                 with contextlib.suppress(Exception):
@@ -508,7 +513,12 @@ class GroupCoordinator:
         if r == self.rank_in_group:
             raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
 
+    def _check_live(self, op: str) -> None:
+        if self._destroyed:
+            raise NotInitializedError(_destroyed_msg(self.unique_name, op))
+
     def _cpu_call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self._check_live(op)
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:
@@ -520,6 +530,20 @@ def _tracing() -> bool:
     """True while torch.compile traces: collectives become ``groupcoord::`` custom ops,
     opaque graph nodes whose implementation calls back into the eager path."""
     return torch.compiler.is_compiling()
+
+
+def _destroyed_msg(name: str, op: str) -> str:
+    return f"GroupCoordinator {name!r} was destroyed; {op} needs a live group (create a new one)"
+
+
+class _DestroyedComm:
+    """Stands in for a destroyed group's communicator: any use raises."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        raise NotInitializedError(_destroyed_msg(self._name, attr))
 
 
 def _mq_available() -> bool:

@@ -26,7 +26,7 @@ Example (a pytest test)::
         return get_world_group().all_reduce(torch.tensor([rank])).item()
 
     def test_sum():
-        assert run_distributed(_check_sum, 2) == [1, 1]
+        results = run_distributed(_check_sum, 2)   # -> [1, 1], one entry per rank
 
 ``fn`` must be importable by the child (a module-level function).
 """

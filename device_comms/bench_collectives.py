@@ -4,8 +4,11 @@ For each world size, fresh ranks are started (:mod:`device_comms.spawn_group`);
 each builds a :class:`~device_comms.cpu_communicator.CpuCommunicator` over the
 world group and times, for every op, dtype and size, our call and the raw
 ``torch.distributed`` gloo call **in the same run, interleaved in blocks** (so
-machine noise hits both alike). A sample is one collective; its latency is the
-slowest rank's time for it (the collective is done when every rank is done).
+machine noise hits both alike). A sample is one collective, started by all
+ranks together (a shared-memory barrier of a few microseconds precedes every
+sample, so skew left over from the previous call is not charged to the next);
+its latency is the slowest rank's time (the collective is done when every rank
+is done).
 Reported: median and p99 per op and size, and the ratio of gloo's median to
 ours (> 1: we are faster).
 
@@ -206,8 +209,8 @@ def _bench_point(
     t_raw: list[float] = []
     while len(t_ours) < iters:
         k = min(block, iters - len(t_ours))
-        _time(ours, k, t_ours)
-        _time(raw, k, t_raw)
+        _time(ours, k, t_ours, comm.barrier)
+        _time(raw, k, t_raw, comm.barrier)
     everyone = [None] * ws
     dist.all_gather_object(everyone, (t_ours, t_raw, same))
     slow_ours = [max(v[0][i] for v in everyone) for i in range(iters)]  # type: ignore[index]
@@ -227,9 +230,10 @@ def _gloo_copy(fn: Callable[..., Any], t: Any) -> Any:
     return y
 
 
-def _time(fn: Callable[[], Any], k: int, into: list[float]) -> None:
+def _time(fn: Callable[[], Any], k: int, into: list[float], sync: Callable[[], None]) -> None:
     clock = time.perf_counter
     for _ in range(k):
+        sync()  # ranks start each sample together (a ~5 us shared-memory barrier)
         t0 = clock()
         fn()
         into.append((clock() - t0) * 1e6)

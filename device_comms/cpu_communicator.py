@@ -120,6 +120,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self.fallback_reason: str | None = None
         self.nodes: list[int] = []
         self.shm_calls: dict[str, int] = dict.fromkeys(_SHM_OPS, 0)
+        self._validated: set[tuple[ReduceOp, torch.dtype]] = set()
         self._engine: ShmEngine | None = None
         self._flat: ShmEngine | None = None
         self._hier: HierarchicalAllReduce | None = None
@@ -197,6 +198,16 @@ class CpuCommunicator(TorchDistributedCommunicator):
             "shm_calls": dict(self.shm_calls),
         }
 
+    def barrier(self) -> None:
+        """Wait until every rank of the group calls this (shared memory when one node)."""
+        if self.world_size == 1:
+            return
+        eng = self._flat
+        if eng is not None:
+            eng.sync.step("barrier")
+        else:
+            self._guard("barrier", dist.barrier, self.cpu_group)
+
     def destroy(self) -> None:
         """Unmap the workspace (peers waiting on this rank get an error). Idempotent."""
         eng, self._engine, self._flat, self._hier = self._engine, None, None, None
@@ -205,6 +216,35 @@ class CpuCommunicator(TorchDistributedCommunicator):
         super().destroy()
 
     # ------------------------------------------------------------------ reductions
+    def all_reduce(self, input_: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """Reduce ``input_`` element-wise across ranks; returns a new tensor.
+
+        Same contract as :meth:`DeviceCommunicator.all_reduce`. Calls that the
+        base class already validated for this ``(op, dtype)`` -- a plain,
+        contiguous CPU tensor that does not require grad -- skip straight to
+        the shared-memory engine: at 1 KiB the generic checks and the
+        ``no_grad`` context cost as much as the collective itself.
+        """
+        eng = self._flat
+        if (
+            eng is not None
+            and type(input_) is torch.Tensor
+            and type(op) is ReduceOp
+            and (op, input_.dtype) in self._validated
+            and input_.is_cpu
+            and not input_.requires_grad
+            and input_.is_contiguous()
+        ):
+            self.shm_calls["all_reduce"] += 1
+            try:
+                return eng.all_reduce(input_, op)
+            except RuntimeError as e:
+                raise self._translate("all_reduce", e) from e
+        out = super().all_reduce(input_, op)
+        if eng is not None and type(op) is ReduceOp:
+            self._validated.add((op, input_.dtype))
+        return out
+
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         eng = self._flat
         if eng is not None:

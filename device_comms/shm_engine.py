@@ -71,6 +71,7 @@ class ShmEngine:
         )
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
         self._sigs: dict[tuple[str, torch.dtype, ReduceOp | None, int], int] = {}
+        self._ar_sigs: dict[tuple[torch.dtype, ReduceOp], int] = {}  # hot-path shortcut
 
     def close(self) -> None:
         """Mark this rank closed for its peers and unmap. Idempotent."""
@@ -84,6 +85,8 @@ class ShmEngine:
         s = self._sigs.get(key)
         if s is None:
             s = self._sigs[key] = signature(kind, dtype, op, root)
+            if kind == "all_reduce":
+                self._ar_sigs[(dtype, op)] = s
         return s
 
     def _shaped(self, parity: int, t: torch.Tensor) -> list[torch.Tensor]:
@@ -109,9 +112,11 @@ class ShmEngine:
         """All-reduce contiguous ``t``; returns a new tensor, identical on every rank."""
         sync = self.sync
         if t.nbytes <= self.oneshot_bytes:
-            views = self._shaped(sync.next_parity, t)
+            key = ((sync.gen + 1) & 1, t.dtype, t.shape)
+            views = self._views.get(key) or self._shaped(key[0], t)
             views[self.me].copy_(t)
-            sync.step("all_reduce", self._sig("all_reduce", t.dtype, op), t.numel(), True)
+            sig = self._ar_sigs.get((t.dtype, op)) or self._sig("all_reduce", t.dtype, op)
+            sync.step("all_reduce", sig, t.numel(), True)
             return reduce_views(views, op)
         out = self._two_phase(t, op, "all_reduce", self._sig("all_reduce", t.dtype, op), True)
         return out  # type: ignore[return-value]

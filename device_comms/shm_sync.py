@@ -50,11 +50,34 @@ acts as a full barrier too. The flag is one aligned 8-byte store/load through a
 Rank ``r`` writes only its own 64-byte header line, so flags do not falsely
 share cache lines.
 
-Waiting spins on the flags (only when the node's ranks do not outnumber its
-CPUs), then yields with ``sched_yield``, and sleeps in short naps after a few
-milliseconds. Every 0.2 s it checks that the ranks it waits for are alive
-(``psutil``; a zombie counts as dead) and have not closed the workspace, and
-applies the optional timeout.
+Waiting for a peer's generation to reach ``s``::
+
+      +------+  _SPIN polls  +-------+  _PARK_AFTER s  +---------------------+
+      | POLL | ------------> | YIELD | --------------> | PARK: parked := 1,  |
+      +------+               +-------+                 | FENCE, re-read gen, |
+         |                      |                      | FUTEX_WAIT(gen, old)|
+         |  gen >= s            |                      | parked := 0         |
+         +----------------------+--------------------> +---------------------+
+                                  done   <-- gen >= s ----+   | woken/timeout:
+                                                              v  health check,
+                                                              PARK again
+
+Waiting: a few polls of the flag, then polls with ``sched_yield`` in between
+(no spinning at all when the node's ranks outnumber its CPUs), and after
+:data:`_PARK_AFTER` the waiter *parks*: it sets ``parked`` in its own line and
+sleeps in ``FUTEX_WAIT`` on the generation word it waits for
+(:mod:`device_comms.futex`). A rank that publishes a generation then checks the
+peers' ``parked`` words and, if one is set, issues ``FUTEX_WAKE`` on its own
+generation word. The two sides are a Dekker pair (each stores, then loads what
+the other stored), so both use ``FENCE`` between their store and their load:
+at least one sees the other, i.e. either the waiter sees the new generation and
+does not sleep, or the publisher sees ``parked`` and wakes it; and
+``FUTEX_WAIT`` itself re-checks the word atomically in the kernel. On a busy
+machine parking matters: a waiter that keeps polling burns the CPU share its
+peer needs, and a woken sleeper is scheduled promptly. Sleeps are bounded
+(:data:`_PARK_MAX`), and every 0.2 s the waiter checks that the ranks it waits
+for are alive (``psutil``; a zombie counts as dead) and have not closed the
+workspace, and applies the optional timeout.
 """
 
 from __future__ import annotations
@@ -69,14 +92,19 @@ import torch
 
 from device_comms.errors import CollectiveMismatch, CollectiveTimeout, DeviceCommError, PeerDiedError
 from device_comms.reduce_op import ReduceOp
-from device_comms.shm_workspace import CLOSED, GEN, SIG, ShmWorkspace
+from device_comms import futex
+from device_comms.shm_workspace import CLOSED, GEN, PARKED, SIG, ShmWorkspace
 
 __all__ = ["StepSync", "signature", "KIND_NAMES", "BrokenCommunicator"]
 
 _FENCE = threading.Lock()
+_acquire, _release = _FENCE.acquire, _FENCE.release
 _HEALTH_EVERY = 0.2  # seconds between liveness/timeout checks
 _NAP_AFTER = 0.002  # seconds of waiting after which we sleep instead of yielding
 _NAP = 50e-6
+_SPIN = 16  # polls before the first sched_yield
+_PARK_AFTER = 100e-6  # seconds of polling before sleeping on a futex
+_PARK_MAX = 0.05  # longest single futex sleep (health checks run in between)
 
 KIND_NAMES = {
     1: "all_reduce", 2: "all_gather", 3: "all_gatherv", 4: "reduce_scatter",
@@ -156,14 +184,24 @@ class StepSync:
         self._my_line = ws.line(self.me)
         self._peers = [r for r in range(self.size) if r != self.me]
         self._peer_gen = [ws.line(r) + GEN for r in self._peers]
-        self._peer_lines = [(r, ws.line(r)) for r in self._peers]
+        self._my_gen = self._my_line + GEN
+        self._my_sig = (self._my_line + SIG[0], self._my_line + SIG[1])
+        self._peer_sig = tuple([(r, ws.line(r) + SIG[p]) for r in self._peers] for p in (0, 1))
+        self._peer_parked = [ws.line(r) + PARKED for r in self._peers]
+        self._peer_gen_addr = [(ws.line(r) + GEN, ws.hdr_address + 8 * (ws.line(r) + GEN)) for r in self._peers]
+        self._my_parked = self._my_line + PARKED
+        self._my_gen_addr = ws.hdr_address + 8 * (self._my_line + GEN)
+        self._parking = futex.AVAILABLE
+        # Seconds of waiting after which a rank sleeps in the kernel (None: never).
+        self.park_after: float | None = _PARK_AFTER if futex.AVAILABLE else None
         self._procs = {r: _process(self.pids[r]) for r in self._peers}
         try:
             cpus = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):  # pragma: no cover - non-Linux
             cpus = os.cpu_count() or 1
-        # Spinning only helps when every local rank has a CPU of its own.
-        self.spin = 200 if self.size <= cpus else 0
+        # Spinning only helps when every local rank has a CPU of its own (and
+        # even then, on a busy machine, a short spin measured best).
+        self.spin = _SPIN if self.size <= cpus else 0
 
     @property
     def next_parity(self) -> int:
@@ -194,24 +232,30 @@ class StepSync:
         g = self.gen + 1
         hdr = self.hdr
         if check:
-            w = self._my_line + SIG[g & 1]
+            w = self._my_sig[g & 1]
             hdr[w] = sig_a
             hdr[w + 1] = sig_b
-        _FENCE.acquire()
-        _FENCE.release()
-        hdr[self._my_line + GEN] = g
+        _acquire()  # FENCE: data and signature before the generation
+        _release()
+        hdr[self._my_gen] = g
         self.gen = g
+        if self._parking:
+            _acquire()  # FENCE: store the generation before loading "parked" (Dekker)
+            _release()
+            for w in self._peer_parked:
+                if hdr[w]:
+                    futex.futex_wake(self._my_gen_addr)
+                    break
         for idx in self._peer_gen:
             if hdr[idx] < g:
                 self._wait_slow(g, op)
                 break
-        _FENCE.acquire()
-        _FENCE.release()
+        _acquire()  # FENCE: generations before the data
+        _release()
         if check:
-            w = SIG[g & 1]
-            for r, line in self._peer_lines:
-                if hdr[line + w] != sig_a or hdr[line + w + 1] != sig_b:
-                    self._mismatch(op, r, sig_a, sig_b, hdr[line + w], hdr[line + w + 1])
+            for r, w in self._peer_sig[g & 1]:
+                if hdr[w] != sig_a or hdr[w + 1] != sig_b:
+                    self._mismatch(op, r, sig_a, sig_b, hdr[w], hdr[w + 1])
         return g & 1
 
     def close(self) -> None:
@@ -226,23 +270,34 @@ class StepSync:
         hdr, spin = self.hdr, self.spin
         start = time.monotonic()
         next_health = start + _HEALTH_EVERY
+        park_after = self.park_after
         n = 0
-        for idx in self._peer_gen:
+        for idx, addr in self._peer_gen_addr:
             while hdr[idx] < g:
                 n += 1
                 if n <= spin:
                     continue
-                if n & 31:
-                    os.sched_yield()
-                    continue
                 now = time.monotonic()
-                if now - start > _NAP_AFTER:
-                    time.sleep(_NAP)
-                else:
-                    os.sched_yield()
                 if now >= next_health:
                     next_health = now + _HEALTH_EVERY
                     self._check_health(g, op, now - start)
+                if park_after is not None and now - start >= park_after:
+                    self._park(idx, addr, g, next_health - now)
+                elif now - start > _NAP_AFTER:
+                    time.sleep(_NAP)
+                else:
+                    os.sched_yield()
+
+    def _park(self, idx: int, addr: int, g: int, limit: float) -> None:
+        """Sleep on a peer's generation word until it moves (or ``limit`` seconds)."""
+        hdr = self.hdr
+        hdr[self._my_parked] = 1
+        _FENCE.acquire()  # store "parked" before loading the generation (Dekker)
+        _FENCE.release()
+        seen = hdr[idx]
+        if seen < g:
+            futex.futex_wait(addr, seen, max(1e-4, min(_PARK_MAX, limit)))
+        hdr[self._my_parked] = 0
 
     def _behind(self, g: int) -> list[int]:
         return [r for r in self._peers if self.hdr[self.ws.line(r) + GEN] < g]

@@ -12,9 +12,9 @@ the segment should a rank die inside the short setup window.
 Layout (``L`` local ranks, ``S`` = slot bytes)::
 
     offset 0        header: one 64-byte line per local rank (no false sharing)
-                    +------+--------+-------+-------+-------+-------+-----+---+
-       line of r:   | gen  | closed | sigA0 | sigB0 | sigA1 | sigB1 | pid | - |
-                    +------+--------+-------+-------+-------+-------+-----+---+
+                    +------+--------+-------+-------+-------+-------+-----+--------+
+       line of r:   | gen  | closed | sigA0 | sigB0 | sigA1 | sigB1 | pid | parked |
+                    +------+--------+-------+-------+-------+-------+-----+--------+
                     (int64 each; only rank r writes its line; padded to 4 KiB)
     H               data, buffer parity 0: slot rank 0 | slot rank 1 | ... (L x S)
     H + L*S         data, buffer parity 1: slot rank 0 | slot rank 1 | ... (L x S)
@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
+from device_comms import futex
 from shm_broadcast.errors import ShmBroadcastError
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.segment import SharedSegment
@@ -42,6 +43,7 @@ __all__ = [
     "CLOSED",
     "SIG",
     "PID",
+    "PARKED",
     "ShmWorkspace",
     "WorkspacePlan",
     "open_workspace",
@@ -50,7 +52,7 @@ __all__ = [
 
 SEGMENT_KIND = "cpucomm"
 LINE_WORDS = 8  # int64 words per rank line (64 bytes)
-GEN, CLOSED, PID = 0, 1, 6
+GEN, CLOSED, PID, PARKED = 0, 1, 6, 7
 SIG = (2, 4)  # word of (sigA, sigB) for buffer parity 0 and 1
 _PAGE = 4096
 
@@ -98,6 +100,7 @@ class ShmWorkspace:
         # can release its view even while a tensor still maps the memory.
         self._mv: memoryview | None = memoryview(segment.buf)
         self.hdr: memoryview = self._mv[:hdr_bytes].cast("q")
+        self.hdr_address: int = futex.address_of(self._mv)
         self._data_mv: memoryview | None = self._mv[hdr_bytes:need]
         data = torch.frombuffer(self._data_mv, dtype=torch.uint8)
         self._raw = [

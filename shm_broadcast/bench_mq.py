@@ -17,7 +17,8 @@ noise hits all transports alike):
 * **idle** (MessageQueue only): the readers wait ``idle_s`` seconds with no
   message while their CPU time is read with psutil, then one-way wake-up
   latency (writer's enqueue -> reader's dequeue returns, same-host monotonic
-  clock) is sampled after gaps long enough for the readers to park.
+  clock) is sampled after gaps long enough for the readers to park (0.25 s),
+  with the writer busy in between (reported) and with it sleeping too.
 """
 
 from __future__ import annotations
@@ -165,9 +166,14 @@ class MqDriver:
         return time.perf_counter() - t0
 
     def idle(self, idle_s: float, samples: int, gap_s: float = 0.25) -> dict[str, Any]:
-        """Idle CPU of the readers over ``idle_s``, then wake-up latencies."""
+        """Idle CPU of the readers over ``idle_s``, then wake-up latencies.
+
+        Wake-ups are sampled twice: with the writer busy between samples (the
+        engine case: only the readers idle; this is the reported number) and
+        with the writer sleeping too (its own cold start then adds to it).
+        """
         procs = [psutil.Process(pid) for pid in self.pids]
-        self._fwd.enqueue(("idle", samples + 1))
+        self._fwd.enqueue(("idle", 2 * samples + 1))
         time.sleep(0.2)  # let the readers park before measuring
         before = [p.cpu_times() for p in procs]
         t0 = time.monotonic()
@@ -176,23 +182,35 @@ class MqDriver:
         after = [p.cpu_times() for p in procs]
         cpu = [100.0 * ((a.user + a.system) - (b.user + b.system)) / elapsed
                for a, b in zip(after, before)]
-        wake: list[float] = []
-        for k in range(samples + 1):
-            if k:
-                time.sleep(gap_s)
-            self._fwd.enqueue({"t": time.perf_counter()})
-            wake.extend(b.dequeue() for b in self._back)
-        first = max(wake[: len(self._back)])
-        wake.sort()
+        warm = self._wake(samples + 1, gap_s, busy=True)
+        first = max(warm[: len(self._back)])
+        cold = self._wake(samples, gap_s, busy=False)
+        warm.sort()
+        cold.sort()
         return {
             "idle_s": round(elapsed, 2),
             "idle_cpu_percent_max": round(max(cpu), 2),
             "idle_cpu_percent": [round(c, 2) for c in cpu],
-            "wake_samples": len(wake),
-            "wake_p50_us": round(_pct(wake, 50) * 1e6, 1),
-            "wake_p99_us": round(_pct(wake, 99) * 1e6, 1),
+            "wake_samples": len(warm),
+            "wake_p50_us": round(_pct(warm, 50) * 1e6, 1),
+            "wake_p99_us": round(_pct(warm, 99) * 1e6, 1),
             "wake_after_idle_us": round(first * 1e6, 1),
+            "wake_writer_also_idle_p50_us": round(_pct(cold, 50) * 1e6, 1),
         }
+
+    def _wake(self, n: int, gap_s: float, busy: bool) -> list[float]:
+        """One-way latencies of ``n`` messages sent ``gap_s`` apart (readers parked)."""
+        out: list[float] = []
+        for _ in range(n):
+            end = time.perf_counter() + gap_s
+            if busy:
+                while time.perf_counter() < end:
+                    pass
+            else:
+                time.sleep(gap_s)
+            self._fwd.enqueue({"t": time.perf_counter()})
+            out.extend(b.dequeue() for b in self._back)
+        return out
 
     def close(self, stop: bool = True) -> None:
         """Stop the readers and close every queue."""
@@ -216,22 +234,34 @@ def _pct(sorted_values: list[float], p: float) -> float:
     return sorted_values[i]
 
 
-def _measure(driver: Any, obj: Any, size: int, cfg: BenchConfig) -> dict[str, Any]:
-    warm = driver.rt(obj, 3)
-    per = max(statistics.median(warm), 1e-7)
-    n = int(min(cfg.max_iters, max(cfg.min_iters, cfg.seconds / per)))
-    driver.rt(obj, min(50, max(3, n // 10)))
-    lat = sorted(driver.rt(obj, n))
-    n_stream = int(min(cfg.max_iters, max(cfg.min_iters, cfg.seconds / per)))
-    secs = driver.stream(obj, n_stream)
-    return {
-        "rt_iters": n,
-        "rt_p50_us": round(_pct(lat, 50) * 1e6, 1),
-        "rt_p99_us": round(_pct(lat, 99) * 1e6, 1),
-        "stream_msgs": n_stream,
-        "msgs_per_s": round(n_stream / secs, 1),
-        "MB_per_s": round(n_stream * size / secs / 1e6, 1),
-    }
+def _measure(drivers: list[Any], obj: Any, size: int, cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Measure every driver on ``obj``, interleaved in rounds so that load
+    changes on a shared machine hit all transports alike."""
+    rounds = 3
+    iters = []
+    for d in drivers:
+        warm = d.rt(obj, 3)
+        per = max(statistics.median(warm), 1e-7)
+        iters.append(int(min(cfg.max_iters, max(cfg.min_iters, cfg.seconds / per))))
+        d.rt(obj, min(50, max(3, iters[-1] // 10)))
+    lat: list[list[float]] = [[] for _ in drivers]
+    for _ in range(rounds):
+        for k, d in enumerate(drivers):
+            lat[k].extend(d.rt(obj, max(1, iters[k] // rounds)))
+    out = []
+    for k, d in enumerate(drivers):
+        n_stream = iters[k]
+        secs = d.stream(obj, n_stream)
+        ls = sorted(lat[k])
+        out.append({
+            "rt_iters": len(ls),
+            "rt_p50_us": round(_pct(ls, 50) * 1e6, 1),
+            "rt_p99_us": round(_pct(ls, 99) * 1e6, 1),
+            "stream_msgs": n_stream,
+            "msgs_per_s": round(n_stream / secs, 1),
+            "MB_per_s": round(n_stream * size / secs / 1e6, 1),
+        })
+    return out
 
 
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -254,8 +284,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
                 drivers.append(ZmqPickleDriver(n_readers, ctx))
             for name in cfg.payloads:
                 obj = make_payload(name, 0)
-                for d in drivers:
-                    r = _measure(d, obj, sizes[name], cfg)
+                for d, r in zip(drivers, _measure(drivers, obj, sizes[name], cfg)):
                     row = {"readers": n_readers, "payload": name, "payload_bytes": sizes[name],
                            "method": d.label, **r}
                     rows.append(row)
@@ -311,6 +340,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"idle ({i['readers']} reader(s)): max reader CPU {i['idle_cpu_percent_max']}% of a "
             f"core over {i['idle_s']} s; wake-up one-way p50 {i['wake_p50_us']} us, p99 "
-            f"{i['wake_p99_us']} us ({i['wake_samples']} samples; first after the idle period "
-            f"{i['wake_after_idle_us']} us)")
+            f"{i['wake_p99_us']} us ({i['wake_samples']} samples, writer busy; first after the "
+            f"idle period {i['wake_after_idle_us']} us; writer idle too: p50 "
+            f"{i['wake_writer_also_idle_p50_us']} us)")
     return "\n".join(lines)

@@ -394,20 +394,39 @@ class _OobUnpickler(pickle.Unpickler):
 def _prep(obj: Any) -> Any:
     """Make ``obj`` exact for msgspec: box tuples/sets/odd keys and opaque values.
 
-    Containers made only of pass-through values are returned as they are (the
-    common case costs one C-level type scan and no copy).
+    Returns ``obj`` itself when nothing needs boxing (the common case costs one
+    C-level type scan per container and no copy); containers are copied only
+    along the path to a value that changed.
     """
     t = type(obj)
     if t is dict:
-        if _PLAIN_KEYS.issuperset(map(type, obj)):
-            if _PASS.issuperset(map(type, obj.values())):
-                return obj
-            return {k: v if type(v) in _PASS else _prep(v) for k, v in obj.items()}
-        return _Box(_EXT_DICT_PAIRS, [[_prep(k), _prep(v)] for k, v in obj.items()])
+        if not _PLAIN_KEYS.issuperset(map(type, obj)):
+            return _Box(_EXT_DICT_PAIRS, [[_prep(k), _prep(v)] for k, v in obj.items()])
+        if _PASS.issuperset(map(type, obj.values())):
+            return obj
+        new = None
+        for k, v in obj.items():
+            if type(v) in _PASS:
+                continue
+            pv = _prep(v)
+            if pv is not v:
+                if new is None:
+                    new = dict(obj)
+                new[k] = pv
+        return obj if new is None else new
     if t is list:
         if _PASS.issuperset(map(type, obj)):
             return obj
-        return [x if type(x) in _PASS else _prep(x) for x in obj]
+        new = None
+        for i, v in enumerate(obj):
+            if type(v) in _PASS:
+                continue
+            pv = _prep(v)
+            if pv is not v:
+                if new is None:
+                    new = list(obj)
+                new[i] = pv
+        return obj if new is None else new
     if t in _PASS:
         return obj
     if t is tuple:

@@ -286,6 +286,7 @@ class QueueWriter:
         if self.n_remote and seq + 1 - self.remote_window > self._remote_min_acked:
             self._wait_credit(seq, deadline, timeout)
         if ring is not None:
+            ring.acquire_fence()  # readers' R_i loads before our payload stores (no-op on x86)
             ring.begin_write(chunk)
             d = ring.data_offset(chunk)
             if overflow:

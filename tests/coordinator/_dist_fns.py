@@ -458,7 +458,7 @@ def single_rank_suite(g: Any, tag: str) -> list[str]:
 # ---------------------------------------------------------------------- entry points
 def run_world_suites(rank: int, world_size: int) -> dict[str, Any]:
     """The full suite on the world group (plus a temporary group's lifecycle)."""
-    from coordinator import GroupCoordinator, get_group_by_name
+    from coordinator import GroupCoordinator, NotInitializedError, get_group_by_name
     from coordinator.parallel_state import get_world_group
 
     g = get_world_group()
@@ -474,6 +474,16 @@ def run_world_suites(rank: int, world_size: int) -> dict[str, Any]:
     tmp.destroy()
     expect_raises("tmp/after-destroy", ValueError, lambda: get_group_by_name(tmp.unique_name),
                   tmp.unique_name)
+    # A destroyed group refuses work (instead of falling back to the world group).
+    dead = [("all_reduce", lambda: tmp.all_reduce(torch.ones(2))),
+            ("graph_capture", lambda: tmp.graph_capture().__enter__())]
+    if world_size > 1:
+        dead += [("broadcast_object", lambda: tmp.broadcast_object(1, 0)),
+                 ("barrier", tmp.barrier),
+                 ("broadcast_tensor_dict", lambda: tmp.broadcast_tensor_dict({"a": 1}, 0)),
+                 ("send_object", lambda: tmp.send_object(1, (rank + 1) % world_size))]
+    for name, call in dead:
+        expect_raises(f"tmp/dead/{name}", NotInitializedError, call, "destroyed", tmp.unique_name)
     return {"cases": cases, "topology": topology_of(g), "comm": type(g.comm).__name__}
 
 
@@ -1037,12 +1047,16 @@ def init_mp_then_check(rank: int, world_size: int, step: int) -> bool:
     return was
 
 
-def mismatched_all_reduce(rank: int, world_size: int) -> None:
-    """All ranks all-reduce, but the last rank passes a tensor twice as long."""
-    from coordinator.parallel_state import get_world_group
+def mismatched_all_reduce_on_gloo(rank: int, world_size: int) -> None:
+    """On a group forced onto plain gloo (the "torch" communicator), all ranks
+    all-reduce but the last rank passes a tensor twice as long."""
+    from coordinator import GroupCoordinator
 
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
+                         group_name="gloo-only", device_communicator="torch")
+    assert type(g.comm).__name__ == "TorchDistributedCommunicator"
     n = 1000 * (2 if rank == world_size - 1 else 1)
-    get_world_group().all_reduce(torch.ones(n))
+    g.all_reduce(torch.ones(n))
 
 
 def killed_mid_collective(rank: int, world_size: int, victim: int, delay: float) -> int:
@@ -1078,3 +1092,72 @@ def barrier_timeout(rank: int, world_size: int) -> str:
     get_world_group().barrier()  # rank 1 waits here until rank 0 has failed
     tmp.destroy()
     return msg
+
+
+def mismatch_then_recover(rank: int, world_size: int) -> dict[str, Any]:
+    """Mismatched collectives on the default communicator: every rank must get an
+    error (not hang), and the group must work afterwards."""
+    from coordinator.parallel_state import get_world_group
+
+    g = get_world_group()
+    last = rank == world_size - 1
+    out: dict[str, Any] = {"comm": type(g.comm).__name__}
+    calls = {
+        "numel": lambda: g.all_reduce(torch.ones(2000 if last else 1000)),
+        "dtype": lambda: g.all_reduce(torch.ones(4, dtype=torch.int32 if last else torch.float32)),
+        "op": lambda: g.all_reduce(torch.ones(4), "max" if last else "sum"),
+        "all_gather": lambda: g.all_gather(torch.ones(3 if last else 2), 0),
+        "kind": lambda: g.all_gather(torch.ones(4), 0) if last else g.all_reduce(torch.ones(4)),
+    }
+    for name, call in calls.items():
+        t0 = time.monotonic()
+        try:
+            call()
+            out[name] = ("no error", None)
+        except Exception as e:  # noqa: BLE001 - the type is the result
+            out[name] = (type(e).__name__, round(time.monotonic() - t0, 2))
+        expect_equal(f"recovered after {name}", g.all_reduce(torch.ones(3)),
+                     torch.full((3,), float(world_size)))
+    return out
+
+
+def survivor_main(rank: int, world_size: int, port: int, conn: Any) -> None:
+    """Entry point of a hand-spawned rank (no harness watching): rank 1 SIGKILLs
+    itself in the middle of a stream of all-reduces; every survivor reports what
+    it raised and how long after the death (sent through ``conn``)."""
+    import signal
+
+    from coordinator import GroupCoordinator
+    from coordinator import parallel_state as ps
+
+    try:
+        ps.init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", rank)
+        default = ps.get_world_group()
+        gloo = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
+                                group_name="gloo-only", device_communicator="torch")
+        default.barrier()
+        x = torch.ones(1 << 16)
+        report: dict[str, Any] = {"comm": type(default.comm).__name__}
+        for i in range(10_000):
+            if rank == 1 and i == 20:
+                conn.send(("dying", time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            g = default if i % 2 == 0 else gloo
+            try:
+                g.all_reduce(x)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                report["first"] = (g.unique_name, type(e).__name__, time.time(), str(e)[:300])
+                break
+        # The other group must fail as well (not hang) now that the peer is gone.
+        other = gloo if report.get("first", ("world",))[0].startswith("world") else default
+        try:
+            other.all_reduce(x)
+            report["second"] = (other.unique_name, "no error", time.time(), "")
+        except Exception as e:  # noqa: BLE001
+            report["second"] = (other.unique_name, type(e).__name__, time.time(), str(e)[:300])
+        conn.send(("report", report))
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("crash", repr(e)))
+    finally:
+        conn.close()
+        os._exit(0)  # skip teardown that would talk to the dead peer

@@ -46,13 +46,29 @@ def test_barrier_with_timeout_names_the_group_and_the_missing_rank(dist_pool):
 _REPORTED = (RankDiedError, PeerDiedError, CollectiveMismatch, CollectiveTimeout)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mismatched_collectives_raise_on_every_rank_and_the_group_recovers(dist_pool, world_size):
+    """The default CPU communicator compares what every rank called: a mismatch
+    (size, dtype, op, or a different collective) is a CollectiveMismatch on
+    every rank, at once, and the next collective works."""
+    results = dist_pool(world_size).run(F.mismatch_then_recover, timeout=90)
+    for r in results:
+        comm = r.pop("comm")
+        for name, (exc, seconds) in r.items():
+            assert exc == "CollectiveMismatch", f"{comm}: {name} -> {exc}"
+            assert seconds < 10, f"{comm}: {name} took {seconds}s to be detected"
+    assert issubclass(CollectiveMismatch, ValueError)
+
+
 @pytest.mark.timeout(90)
-def test_all_reduce_with_mismatched_sizes_fails_fast_instead_of_hanging():
-    """gloo detects the size mismatch on the receiving side and aborts that rank
-    (SIGABRT from a C++ enforce, uncatchable); the harness reports the death."""
+def test_mismatched_sizes_on_plain_gloo_fail_fast_instead_of_hanging():
+    """Plain gloo (the "torch" communicator) does not hang either: the rank that
+    receives more bytes than it expects aborts (SIGABRT from a C++ enforce,
+    which Python cannot catch) and the harness reports the death in seconds."""
     t0 = time.monotonic()
     with pytest.raises(_REPORTED) as info:
-        run_distributed(F.mismatched_all_reduce, 2, timeout=45)
+        run_distributed(F.mismatched_all_reduce_on_gloo, 2, timeout=45)
     elapsed = time.monotonic() - t0
     assert not isinstance(info.value, DistributedTimeout)
     assert elapsed < 45, f"took {elapsed:.1f}s"
@@ -70,6 +86,50 @@ def test_rank_killed_mid_collective_is_reported_within_timeout():
         assert info.value.rank == 1 and "SIGKILL" in str(info.value)
     else:  # the survivor noticed first
         assert getattr(info.value, "groupcoord_rank", None) == 0
+
+
+@pytest.mark.timeout(120)
+def test_survivors_of_a_killed_rank_raise_peer_died_error_without_the_harness():
+    """Production has no harness: the ranks themselves must notice a dead peer.
+    Three hand-spawned ranks alternate all-reduces on the default (shared-memory)
+    communicator and on plain gloo; rank 1 is SIGKILLed; both survivors must raise
+    PeerDiedError promptly, on the group they were in and on the other one."""
+    import multiprocessing as mp
+
+    from coordinator.testing import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes, procs = [], []
+    for rank in range(3):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=F.survivor_main, args=(rank, 3, port, child), daemon=True)
+        p.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(p)
+    try:
+        msgs = {}
+        for rank, c in enumerate(pipes):
+            assert c.poll(90), f"rank {rank} reported nothing within 90 s (hang?)"
+            msgs[rank] = c.recv()
+        assert msgs[1][0] == "dying", msgs[1]
+        died = msgs[1][1]
+        for rank in (0, 2):
+            kind, report = msgs[rank]
+            assert kind == "report", report
+            for which in ("first", "second"):
+                group, exc, when, text = report[which]
+                assert exc == "PeerDiedError", f"rank {rank} {which} on {group}: {exc}: {text}"
+                assert when - died < 30, f"rank {rank} noticed after {when - died:.1f}s"
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in pipes:
+            c.close()
 
 
 # ---------------------------------------------------------------------- in process

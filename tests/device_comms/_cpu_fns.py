@@ -39,6 +39,19 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
     # The same cases with the default (large) workspace: every op fits in one piece.
     big = _comm(workspace_bytes=None)
     results_big = [run_case(big, c, rank) for c in build_cases(world_size)]
+    # Inputs the all_reduce fast path must leave to the validating path.
+    g = torch.full((4,), float(rank + 1), requires_grad=True)
+    nc = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)  # non-contiguous
+    extras = {
+        "grad": [comm.all_reduce(g) for _ in range(2)],
+        "noncontig": [comm.all_reduce(nc) for _ in range(2)],
+        "str_op": comm.all_reduce(torch.ones(2), "max"),
+    }
+    try:
+        comm.all_reduce(torch.ones(2, dtype=torch.int32), ReduceOp.AVG)
+        extras["bad_op"] = None
+    except TypeError as e:
+        extras["bad_op"] = str(e)
     calls = dict(comm.shm_calls)
     leftover = [s.name for s in list_segments() if s.kind == "cpucomm" and s.pid == os.getpid()]
     mapped_before = seg_name is not None and _maps(seg_name)
@@ -50,6 +63,7 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         "results": results,
         "results_big": results_big,
         "calls": calls,
+        "extras": extras,
         "leftover": leftover,
         "mapped_before": mapped_before,
         "mapped_after": seg_name is not None and _maps(seg_name),

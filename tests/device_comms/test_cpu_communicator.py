@@ -33,6 +33,13 @@ def test_every_op_matches_reference(dist_pool, world_size: int) -> None:
         assert out["leftover"] == [], "workspace name must be unlinked once every rank attached"
         assert out["mapped_before"] and not out["mapped_after"], "destroy() must unmap"
         assert all(v > 0 for v in out["calls"].values()), out["calls"]
+        total = world_size * (world_size + 1) / 2
+        for r in out["extras"]["grad"]:
+            assert not r.requires_grad and r.tolist() == [total] * 4
+        for r in out["extras"]["noncontig"]:
+            assert torch.equal(r, torch.arange(12.0).reshape(3, 4).t() * total)
+        assert out["extras"]["str_op"].tolist() == [1.0, 1.0]
+        assert "AVG" in out["extras"]["bad_op"]
     failures = []
     for key in ("results", "results_big"):
         for c in cases:

@@ -45,7 +45,9 @@ class Procs:
         return {p.pid for p in self.started if p.pid is not None}
 
     def reap(self) -> None:
-        """Kill what is still alive and join everything."""
+        """Kill what is still alive and join everything. Idempotent."""
+        if self.out is None:
+            return
         for p in self.started:
             if p.is_alive():
                 p.join(2)
@@ -54,6 +56,7 @@ class Procs:
             p.join(10)
         self.out.close()
         self.out.join_thread()
+        self.out = None
 
 
 @pytest.fixture

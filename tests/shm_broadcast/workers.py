@@ -165,3 +165,63 @@ def segment_owner(out: Any) -> None:
         time.sleep(600)
     except BaseException:
         out.put(("error", 0, traceback.format_exc()))
+
+
+def pg_worker(rank: int, world: int, port: int, port2: int, node_ids: list[str | None],
+              out: Any) -> None:
+    """Join a gloo group and build queues with create_from_process_group.
+
+    Then the same over a coordinator.StatelessProcessGroup (duck-typed group).
+
+    ``node_ids[rank]`` (if not None) becomes GROUPCOORD_NODE_ID, to simulate
+    ranks on another node (they become remote, TCP readers).
+    """
+    try:
+        if node_ids[rank] is not None:
+            os.environ["GROUPCOORD_NODE_ID"] = node_ids[rank]
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
+        group = dist.group.WORLD
+        report: dict[str, Any] = {}
+        try:
+            # 1. Broadcaster whose writer is not rank 0; every other rank reads.
+            mq = MessageQueue.create_from_process_group(group, 1 << 16, 4, writer_rank=1,
+                                                        timeout=60)
+            with mq:
+                got = [mq.broadcast_object({"step": s, "from": 1} if rank == 1 else None)
+                       for s in range(5)]
+                report["bcast"] = got
+                report["bcast_local"] = list(mq.export_handle().local_reader_ranks) if (
+                    rank == 1) else None
+            # 2. Results back to a driver: every rank writes to rank 0 through its own queue.
+            queues = {}
+            for w in range(1, world):
+                q = MessageQueue.create_from_process_group(group, 1 << 16, 4, writer_rank=w,
+                                                           reader_ranks=[0], timeout=60)
+                if q is not None:
+                    queues[w] = q
+            if rank == 0:
+                report["gathered"] = sorted(q.dequeue(timeout=30) for q in queues.values())
+            else:
+                queues[rank].enqueue(("result", rank), timeout=30)
+            report["n_queues"] = len(queues)
+            dist.barrier()
+            for q in queues.values():
+                q.close()
+        finally:
+            dist.destroy_process_group()
+        from coordinator.stateless_group import StatelessProcessGroup
+
+        sg = StatelessProcessGroup.create("127.0.0.1", port2, rank, world, timeout=60)
+        with MessageQueue.create_from_process_group(sg, 1 << 16, 4, writer_rank=2,
+                                                    timeout=60) as mq:
+            report["stateless"] = mq.broadcast_object(("hi", 2) if rank == 2 else None,
+                                                      timeout=30)
+        sg.barrier()  # rank 0 hosts the store: nobody may still need it when it exits
+        out.put(("ok", rank, report))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
