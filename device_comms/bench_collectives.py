@@ -109,6 +109,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "workspace_bytes": args.workspace_bytes,
     }
     records: list[dict[str, Any]] = []
+    load_before = _loadavg()
+    print(f"# load average before: {load_before} (timings are noisy on a busy machine)", flush=True)
     for ws in args.world_sizes:
         print(f"# world size {ws}: starting {ws} ranks ...", flush=True)
         # Resolve through the package so children can import it under `python -m` too.
@@ -126,6 +128,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "command": " ".join(["python -m device_comms.bench_collectives"] + sys.argv[1:]),
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "loadavg_before": load_before,
+        "loadavg_after": _loadavg(),
     }
     if args.json_path:
         write_json(args.json_path, records, meta)
@@ -134,6 +138,13 @@ def run_bench(args: argparse.Namespace) -> int:
         write_plot(args.plot_path, records)
         print(f"wrote {args.plot_path}")
     return 0
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover - not available
+        return None
 
 
 # ---------------------------------------------------------------------- per rank

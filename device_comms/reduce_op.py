@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ReduceOp", "check_reduce_op", "reduce_local", "BITWISE_OPS"]
+__all__ = ["ReduceOp", "check_reduce_op", "reduce_local", "BITWISE_OPS", "NO_ARITHMETIC"]
 
 
 class ReduceOp(enum.Enum):
@@ -42,6 +42,18 @@ BITWISE_OPS = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 _INTEGRAL = frozenset(
     {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 )
+# Bit containers torch has no arithmetic kernels for: they can be moved, not reduced.
+NO_ARITHMETIC = frozenset(
+    dt
+    for dt in (
+        getattr(torch, name, None)
+        for name in (
+            "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+            "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        )
+    )
+    if isinstance(dt, torch.dtype)
+)
 
 
 def check_reduce_op(op: object, dtype: torch.dtype, arg: str = "op") -> ReduceOp:
@@ -52,9 +64,15 @@ def check_reduce_op(op: object, dtype: torch.dtype, arg: str = "op") -> ReduceOp
 
     Raises:
         TypeError: ``op`` is not a reduction, a bitwise op is used on a
-            non-integer dtype, or AVG on an integer dtype.
+            non-integer dtype, AVG on an integer dtype, or ``dtype`` has no
+            arithmetic in torch (``uint16/32/64``, ``float8_*``).
     """
     rop = _coerce(op, arg)
+    if dtype in NO_ARITHMETIC:
+        raise TypeError(
+            f"{arg}=ReduceOp.{rop.name} cannot reduce a {dtype} tensor: torch has no "
+            f"arithmetic for that dtype; convert it first (e.g. .to(torch.float32))"
+        )
     if rop in BITWISE_OPS and dtype not in _INTEGRAL:
         raise TypeError(
             f"{arg}=ReduceOp.{rop.name} needs an integer or bool tensor, got dtype {dtype}; "

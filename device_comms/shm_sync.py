@@ -52,7 +52,7 @@ share cache lines.
 
 Waiting for a peer's generation to reach ``s``::
 
-      +------+  _SPIN polls  +-------+  _PARK_AFTER s  +---------------------+
+      +------+   _SPIN_S s   +-------+  _PARK_AFTER s  +---------------------+
       | POLL | ------------> | YIELD | --------------> | PARK: parked := 1,  |
       +------+               +-------+                 | FENCE, re-read gen, |
          |                      |                      | FUTEX_WAIT(gen, old)|
@@ -102,7 +102,7 @@ _acquire, _release = _FENCE.acquire, _FENCE.release
 _HEALTH_EVERY = 0.2  # seconds between liveness/timeout checks
 _NAP_AFTER = 0.002  # seconds of waiting after which we sleep instead of yielding
 _NAP = 50e-6
-_SPIN = 16  # polls before the first sched_yield
+_SPIN_S = 20e-6  # seconds of polling before the first sched_yield
 _PARK_AFTER = 100e-6  # seconds of polling before sleeping on a futex
 _PARK_MAX = 0.05  # longest single futex sleep (health checks run in between)
 
@@ -199,9 +199,10 @@ class StepSync:
             cpus = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):  # pragma: no cover - non-Linux
             cpus = os.cpu_count() or 1
-        # Spinning only helps when every local rank has a CPU of its own (and
-        # even then, on a busy machine, a short spin measured best).
-        self.spin = _SPIN if self.size <= cpus else 0
+        # Seconds of pure polling before yielding. Spinning only helps when
+        # every local rank has a CPU of its own; on a busy machine a yield
+        # that does switch costs tens of microseconds, so poll a little first.
+        self.spin_s = _SPIN_S if self.size <= cpus else 0.0
 
     @property
     def next_parity(self) -> int:
@@ -267,23 +268,26 @@ class StepSync:
 
     # ------------------------------------------------------------------ slow path
     def _wait_slow(self, g: int, op: str) -> None:
-        hdr, spin = self.hdr, self.spin
-        start = time.monotonic()
+        hdr, spin_s, park_after = self.hdr, self.spin_s, self.park_after
+        clock = time.perf_counter
+        start = clock()
         next_health = start + _HEALTH_EVERY
-        park_after = self.park_after
         n = 0
         for idx, addr in self._peer_gen_addr:
             while hdr[idx] < g:
                 n += 1
-                if n <= spin:
+                if n & 15:  # read the clock every 16 polls only
                     continue
-                now = time.monotonic()
+                now = clock()
+                waited = now - start
+                if waited < spin_s:
+                    continue
                 if now >= next_health:
                     next_health = now + _HEALTH_EVERY
-                    self._check_health(g, op, now - start)
-                if park_after is not None and now - start >= park_after:
+                    self._check_health(g, op, waited)
+                if park_after is not None and waited >= park_after:
                     self._park(idx, addr, g, next_health - now)
-                elif now - start > _NAP_AFTER:
+                elif park_after is None and waited > _NAP_AFTER:
                     time.sleep(_NAP)
                 else:
                     os.sched_yield()

@@ -267,6 +267,7 @@ def _measure(drivers: list[Any], obj: Any, size: int, cfg: BenchConfig) -> list[
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every configured measurement; returns the JSON-ready report."""
     ctx = mp.get_context("spawn")
+    load_start = [round(x, 2) for x in os.getloadavg()]
     codec = Codec()
     sizes = {}
     for name in cfg.payloads:
@@ -310,6 +311,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
         "config": asdict(cfg),
         "host": {"hostname": socket.gethostname(), "cpus": os.cpu_count(),
                  "python": platform.python_version(), "machine": platform.machine(),
+                 "loadavg_at_start": load_start,
                  "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "results": rows,

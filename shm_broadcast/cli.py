@@ -107,6 +107,8 @@ def run_bench(args: argparse.Namespace) -> int:
     report = _run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     report["command"] = shlex.join(sys.argv)
     print(format_table(report))
+    print(f"load average at start {report['host']['loadavg_at_start']}, at end "
+          f"{report['host']['loadavg_at_end']} ({report['host']['cpus']} CPUs)")
     print("rt = writer sends to all readers, each decodes and acks, writer has all acks; "
           "stream = N back-to-back messages, one ack at the end")
     if args.json:

@@ -147,7 +147,8 @@ class LocalReader:
         ring.full_fence()
         try:
             if not cond() and not ring.is_shutdown() and not self._closing:
-                self._doorbell.wait(seconds)
+                if self._doorbell.wait(seconds):
+                    self._backoff.rearm()  # a message is on its way: poll, don't re-park
         finally:
             ring.set_reader_parked(self.index, False)
         if (ring.is_shutdown() or self._closing) and not cond():

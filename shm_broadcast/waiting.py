@@ -193,6 +193,16 @@ class Backoff:
             return YIELD
         return PARK
 
+    def rearm(self) -> None:
+        """Restart the spin and yield phases (keeping deadline and checks).
+
+        Called after a doorbell woke a parked side: the bell announces a
+        message that may still be in the making, so poll actively again.
+        """
+        now = _monotonic()
+        self._spin_until = now + self._policy.spin_s
+        self._yield_until = self._spin_until + self._policy.yield_s
+
     def park_timeout(self) -> float:
         """Seconds the caller may block while parked before calling :meth:`step` again."""
         now = _monotonic()

@@ -1,8 +1,10 @@
 """GroupCoordinator's collectives on real gloo process groups, checked against local references.
 
-World sizes 1, 2 and 4 run every method on the world group; TP=2 x PP=2 runs
-them again on the TP and PP groups (group-local ranks that are not global
-ranks) and on the size-1 DP group. Each configuration is one pool run that
+World sizes 1, 2 and 4 run every method on the world group (whose tensors go
+through the registry's CPU communicator) and on a group forced onto plain gloo
+(``device_communicator="torch"``, the portable fallback); TP=2 x PP=2 runs them
+again on the TP and PP groups (group-local ranks that are not global ranks) and
+on the size-1 DP group. Each configuration is one pool run that
 checks a few hundred cases on the ranks (see ``_dist_fns.collective_suite``).
 """
 
@@ -38,6 +40,9 @@ def test_every_method_on_the_world_group(dist_pool, world_size):
             "gather", "reduce", "scatter", "all_to_all", "broadcast"} <= families
     if world_size > 1:
         assert "send" in families
+        # the same collective cases ran again on a group forced onto plain gloo
+        gloo = [c.removeprefix("gloo/") for c in cases[0] if c.startswith("gloo/")]
+        assert gloo == [c.removeprefix("world/") for c in cases[0] if c.startswith("world/")]
         assert f"send_object/{world_size - 1}->0" in cases[0]
     else:
         assert "single-rank" in cases[0]

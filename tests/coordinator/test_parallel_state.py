@@ -14,7 +14,7 @@ from coordinator import NotInitializedError
 from coordinator import parallel_state as ps
 from coordinator.group_coordinator import GroupCoordinator
 from coordinator.group_registry import REGISTRY
-from tests.coordinator import _dist_fns as F
+from tests.coordinator import _dist_state as F
 
 LAYOUTS = [(2, 2, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)]
 
@@ -89,27 +89,30 @@ def uninitialised():
     yield
 
 
-_GETTERS = [
-    (ps.get_world_group, "init_distributed_environment"),
-    (ps.get_tp_group, "initialize_model_parallel"),
-    (ps.get_pp_group, "initialize_model_parallel"),
-    (ps.get_dp_group, "initialize_model_parallel"),
-    (ps.get_tensor_model_parallel_world_size, "initialize_model_parallel"),
-    (ps.get_tensor_model_parallel_rank, "initialize_model_parallel"),
-    (ps.get_pipeline_model_parallel_world_size, "initialize_model_parallel"),
-    (ps.get_pipeline_model_parallel_rank, "initialize_model_parallel"),
-    (lambda: ps.tensor_model_parallel_all_reduce(torch.ones(1)), "initialize_model_parallel"),
-    (lambda: ps.tensor_model_parallel_all_gather(torch.ones(1)), "initialize_model_parallel"),
-    (lambda: ps.tensor_model_parallel_reduce_scatter(torch.ones(2)), "initialize_model_parallel"),
-    (lambda: ps.tensor_model_parallel_gather(torch.ones(1)), "initialize_model_parallel"),
-    (lambda: ps.broadcast_tensor_dict({"a": 1}), "initialize_model_parallel"),
-    (lambda: ps.initialize_model_parallel(1, 1), "init_distributed_environment"),
-    (lambda: ps.ensure_model_parallel_initialized(1, 1), "init_distributed_environment"),
-    (lambda: ps.graph_capture().__enter__(), "initialize_model_parallel"),
-]
+_MP = "initialize_model_parallel"
+_GETTERS = {
+    "get_world_group": (ps.get_world_group, "init_distributed_environment"),
+    "get_tp_group": (ps.get_tp_group, _MP),
+    "get_pp_group": (ps.get_pp_group, _MP),
+    "get_dp_group": (ps.get_dp_group, _MP),
+    "tp_world_size": (ps.get_tensor_model_parallel_world_size, _MP),
+    "tp_rank": (ps.get_tensor_model_parallel_rank, _MP),
+    "pp_world_size": (ps.get_pipeline_model_parallel_world_size, _MP),
+    "pp_rank": (ps.get_pipeline_model_parallel_rank, _MP),
+    "tp_all_reduce": (lambda: ps.tensor_model_parallel_all_reduce(torch.ones(1)), _MP),
+    "tp_all_gather": (lambda: ps.tensor_model_parallel_all_gather(torch.ones(1)), _MP),
+    "tp_reduce_scatter": (lambda: ps.tensor_model_parallel_reduce_scatter(torch.ones(2)), _MP),
+    "tp_gather": (lambda: ps.tensor_model_parallel_gather(torch.ones(1)), _MP),
+    "broadcast_tensor_dict": (lambda: ps.broadcast_tensor_dict({"a": 1}), _MP),
+    "initialize_model_parallel": (lambda: ps.initialize_model_parallel(1, 1),
+                                  "init_distributed_environment"),
+    "ensure_model_parallel": (lambda: ps.ensure_model_parallel_initialized(1, 1),
+                              "init_distributed_environment"),
+    "graph_capture": (lambda: ps.graph_capture().__enter__(), _MP),
+}
 
 
-@pytest.mark.parametrize("call,how", _GETTERS, ids=lambda x: getattr(x, "__name__", None))
+@pytest.mark.parametrize("call,how", list(_GETTERS.values()), ids=list(_GETTERS))
 def test_getters_before_init_raise_not_initialized(uninitialised, call, how):
     with pytest.raises(NotInitializedError, match=how) as info:
         call()

@@ -2,7 +2,7 @@
 
 The dicts mix float32/bfloat16/float16/int64/bool CPU tensors, non-contiguous
 tensors, empty and 0-dim tensors, None, strings, lists, an int key and a float
-(``_dist_fns.mixed_dict``). Receivers compare against the sender's dict, which
+(``_dist_tensor_dict.mixed_dict``). Receivers compare against the sender's dict, which
 they rebuild locally.
 """
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator import tensor_dict as td
-from tests.coordinator import _dist_fns as F
+from tests.coordinator import _dist_tensor_dict as F
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,47 @@
+"""The collectives benchmark runs end to end (no timing is asserted: numbers are noisy)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from device_comms import bench_collectives as bench
+from device_comms.bench_report import format_markdown, human_bytes
+
+
+def test_parse_size() -> None:
+    assert bench._parse_size("1K") == 1024
+    assert bench._parse_size("64KiB") == 64 << 10
+    assert bench._parse_size("16M") == 16 << 20
+    assert bench._parse_size("4096") == 4096
+    with pytest.raises(argparse.ArgumentTypeError, match="64K"):
+        bench._parse_size("lots")
+    assert human_bytes(1 << 20) == "1 MiB" and human_bytes(1000) == "1000 B"
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--world-sizes", "1"]) == 2
+    assert "world size" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_small_run_writes_json_and_plot(tmp_path) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = bench.main([
+        "--world-sizes", "2", "--dtypes", "float32", "bfloat16", "--sizes", "4K", "96K",
+        "--min-iters", "2", "--max-iters", "3", "--json", str(out), "--plot", str(png),
+    ])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    recs = data["results"]
+    assert {(r["op"], r["dtype"], r["bytes"]) for r in recs} == {
+        (op, dt, b) for op in ("all_reduce", "all_gather", "reduce_scatter")
+        for dt in ("float32", "bfloat16") for b in (4096, 96 << 10)
+    }
+    for r in recs:
+        assert r["results_match"] and r["mode"] == "shm" and r["world_size"] == 2
+        assert r["shm_p50_us"] > 0 and r["gloo_p50_us"] > 0
+    assert png.stat().st_size > 1000
+    assert "| 4 KiB |" in format_markdown(recs)
