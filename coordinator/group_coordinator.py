@@ -25,17 +25,12 @@ import torch
 import torch.distributed as dist
 
 from coordinator import custom_ops
+from coordinator import group_setup as setup
 from coordinator import tensor_dict as td
 from coordinator.errors import NotInitializedError
 from coordinator.group_registry import REGISTRY
 from coordinator.object_comm import ObjectCodec, PickleCodec, recv_object, send_object
-from device_comms import (
-    DeviceCommunicator,
-    ReduceOp,
-    TorchDistributedCommunicator,
-    get_device_communicator,
-    select_device_communicator,
-)
+from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms import validation as v
 from device_comms.errors import translate_backend_error
 
@@ -102,45 +97,29 @@ class GroupCoordinator:
                 "torch.distributed is not initialised; call "
                 "coordinator.init_distributed_environment(...) first"
             )
-        _check_group_ranks(group_ranks, dist.get_world_size())
         self.unique_name = REGISTRY.unique_name(group_name or "anonymous")
         self.rank = dist.get_rank()
         self.local_rank = local_rank
         backend = str(torch_distributed_backend)
-        self.cpu_group: dist.ProcessGroup | None = None
-        self.device_group: dist.ProcessGroup | None = None
-        kw = {"timeout": timeout} if timeout is not None else {}
-        for ranks in group_ranks:
-            ranks = list(ranks)
-            cpu = dist.new_group(ranks, backend="gloo", **kw)
-            dev = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend, **kw)
-            if self.rank in ranks:
-                self.ranks = ranks
-                self.cpu_group, self.device_group = cpu, dev
-        if self.cpu_group is None:
-            raise ValueError(f"global rank {self.rank} is in none of group_ranks={group_ranks}")
+        self.ranks, self.cpu_group, self.device_group = setup.create_process_groups(
+            group_ranks, backend, self.rank, timeout
+        )
         self.world_size = len(self.ranks)
         self.rank_in_group = self.ranks.index(self.rank)
-        self.device = _pick_device(backend, local_rank)
+        self.device = setup.pick_device(backend, local_rank)
         self.codec: ObjectCodec = PickleCodec()
         self._destroyed = False
-
         self.device_communicator: DeviceCommunicator | None = None
         if use_device_communicator and self.world_size > 1:
-            cls = (
-                get_device_communicator(device_communicator)
-                if device_communicator
-                else select_device_communicator(self.device)
-            )
-            self.device_communicator = cls(
-                self.cpu_group, self.device, self.device_group, self.unique_name
+            self.device_communicator = setup.build_communicator(
+                device_communicator, self.cpu_group, self.device, self.device_group, self.unique_name
             )
         self.comm: DeviceCommunicator = self.device_communicator or TorchDistributedCommunicator(
             self.cpu_group, self.device, self.device_group, self.unique_name
         )
         self.mq_broadcaster: Any = None
         self.mq_writer_rank = 0
-        if use_message_queue_broadcaster and self.world_size > 1 and _mq_available():
+        if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
             self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)
         REGISTRY.add(self)
 
@@ -321,7 +300,10 @@ class GroupCoordinator:
         """
         v.check_rank(src, self.world_size, "src")
         if self.rank_in_group == src and not isinstance(tensor_dict, Mapping):
-            raise TypeError(f"tensor_dict must be a dict on src, got {type(tensor_dict).__name__}")
+            err = TypeError(f"tensor_dict must be a dict on src, got {type(tensor_dict).__name__}")
+            if self.world_size > 1:  # the receivers are waiting: make them raise too
+                td.abort_broadcast(self, src, group, metadata_group, str(err))
+            raise err
         if self.world_size == 1:
             return dict(tensor_dict)  # type: ignore[arg-type]
         return td.broadcast_tensor_dict(self, tensor_dict, src, group, metadata_group)
@@ -492,7 +474,7 @@ class GroupCoordinator:
             self.mq_broadcaster = None
         # Later calls must fail loudly: with cpu_group None, torch.distributed
         # would silently fall back to the *world* group.
-        comm, self.comm = self.comm, _DestroyedComm(self.unique_name)  # type: ignore[assignment]
+        comm, self.comm = self.comm, setup.DestroyedComm(self.unique_name)  # type: ignore[assignment]
         self.device_communicator = None
         comm.destroy()
         for pg in {id(self.cpu_group): self.cpu_group, id(self.device_group): self.device_group}.values():
@@ -515,7 +497,7 @@ class GroupCoordinator:
 
     def _check_live(self, op: str) -> None:
         if self._destroyed:
-            raise NotInitializedError(_destroyed_msg(self.unique_name, op))
+            raise NotInitializedError(setup.destroyed_msg(self.unique_name, op))
 
     def _cpu_call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         self._check_live(op)
@@ -532,50 +514,7 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _destroyed_msg(name: str, op: str) -> str:
-    return f"GroupCoordinator {name!r} was destroyed; {op} needs a live group (create a new one)"
-
-
-class _DestroyedComm:
-    """Stands in for a destroyed group's communicator: any use raises."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        raise NotInitializedError(_destroyed_msg(self._name, attr))
-
-
-def _mq_available() -> bool:
-    try:
-        import shm_broadcast.message_queue  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _ag(group: Any) -> "GroupCoordinator | None":
     if group is None or isinstance(group, GroupCoordinator):
         return group
     raise TypeError(f"all_gather_group must be a GroupCoordinator, got {type(group).__name__}")
-
-
-def _pick_device(backend: str, local_rank: int) -> torch.device:
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-    return torch.device("cpu")
-
-
-def _check_group_ranks(group_ranks: Any, world_size: int) -> None:
-    if not isinstance(group_ranks, (list, tuple)) or not group_ranks:
-        raise TypeError(f"group_ranks must be a non-empty list of rank lists, got {group_ranks!r}")
-    seen: set[int] = set()
-    for ranks in group_ranks:
-        if not isinstance(ranks, (list, tuple)) or not ranks:
-            raise TypeError(f"each entry of group_ranks must be a non-empty list of ints, got {ranks!r}")
-        for r in ranks:
-            if not isinstance(r, int) or not 0 <= r < world_size:
-                raise ValueError(f"group_ranks holds {r!r}, not a global rank in [0, {world_size})")
-            if r in seen:
-                raise ValueError(f"rank {r} appears in more than one group of group_ranks")
-            seen.add(r)

@@ -40,12 +40,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "broadcast_tensor_dict",
+    "abort_broadcast",
     "send_tensor_dict",
     "recv_tensor_dict",
     "flatten_tensor_dict",
 ]
 
 VALUE, TENSOR, INLINE = 0, 1, 2
+# Metadata is a list; this dict in its place tells receivers that src failed.
+_ERROR_KEY = "__groupcoord_src_error__"
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -138,6 +141,11 @@ def broadcast_tensor_dict(
         meta = box[0]
     else:
         meta = gc.broadcast_object(None, src=src)
+    if isinstance(meta, dict) and _ERROR_KEY in meta:
+        raise ValueError(
+            f"broadcast_tensor_dict on group {gc.unique_name!r}: the source rank {src} "
+            f"rejected its input ({meta[_ERROR_KEY]}); fix the call on rank {src}"
+        )
     out: dict[Any, Any] = {}
     for key, kind, value in meta:
         if kind == TENSOR:
@@ -148,6 +156,22 @@ def broadcast_tensor_dict(
         else:
             out[key] = value
     return out
+
+
+def abort_broadcast(
+    gc: "GroupCoordinator",
+    src: int,
+    group: dist.ProcessGroup | None,
+    metadata_group: dist.ProcessGroup | None,
+    message: str,
+) -> None:
+    """On ``src``: send an error marker where receivers expect metadata, so they
+    raise instead of waiting for a broadcast that will never come."""
+    marker = {_ERROR_KEY: message}
+    if group is not None or metadata_group is not None:
+        dist.broadcast_object_list([marker], src=gc.ranks[src], group=metadata_group or gc.cpu_group)
+    else:
+        gc.broadcast_object(marker, src=src)
 
 
 def _bcast_tensor(

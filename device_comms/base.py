@@ -206,9 +206,14 @@ class DeviceCommunicator(abc.ABC):
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise TypeError(f"dim must be an int, got {type(dim).__name__}")
         if self.rank_in_group == src:
-            t = v.check_tensor(input_, "input_", self.device)
-            d = v.norm_dim(dim, t.dim())
-            v.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
+            try:
+                t = v.check_tensor(input_, "input_", self.device)
+                d = v.norm_dim(dim, t.dim())
+                v.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
+            except (TypeError, ValueError) as e:
+                if self.world_size > 1:  # receivers wait for src: make them raise too
+                    self._guard("scatter", self._scatter_abort, src, str(e))
+                raise
             if self.world_size == 1:
                 return t.clone()
             t = t.contiguous()
@@ -293,6 +298,10 @@ class DeviceCommunicator(abc.ABC):
 
     @abc.abstractmethod
     def _scatter(self, t: torch.Tensor | None, src: int, dim: int) -> torch.Tensor: ...
+
+    def _scatter_abort(self, src: int, message: str) -> None:
+        """On ``src`` after its input failed validation: tell the receivers of
+        :meth:`_scatter` to raise. Override when ``_scatter`` sends metadata first."""
 
     @abc.abstractmethod
     def _all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor: ...

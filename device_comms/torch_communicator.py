@@ -127,6 +127,11 @@ class TorchDistributedCommunicator(DeviceCommunicator):
     def _scatter(self, t: torch.Tensor | None, src: int, dim: int) -> torch.Tensor:
         meta = [None if t is None else (tuple(t.shape), t.dtype, dim)]
         dist.broadcast_object_list(meta, src=self._g(src), group=self.cpu_group)
+        if len(meta[0]) == 2 and meta[0][0] == "error":  # type: ignore[index]
+            raise ValueError(
+                f"scatter on group {self.unique_name!r}: the source rank {src} rejected its "
+                f"input ({meta[0][1]}); fix the call on rank {src}"  # type: ignore[index]
+            )
         shape, dtype, d = meta[0]  # type: ignore[misc]
         d = d % len(shape)
         n = self.world_size
@@ -138,6 +143,9 @@ class TorchDistributedCommunicator(DeviceCommunicator):
             chunks = [_wire(c.contiguous()) for c in t.chunk(n, d)]
         dist.scatter(_wire(out), chunks, src=self._g(src), group=self.device_group)
         return out
+
+    def _scatter_abort(self, src: int, message: str) -> None:
+        dist.broadcast_object_list([("error", message)], src=self._g(src), group=self.cpu_group)
 
     def _all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         n = self.world_size

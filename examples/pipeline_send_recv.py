@@ -125,7 +125,8 @@ def main() -> int:
           f"stage 0 = ranks {stage[0][0]['tp_ranks']}, stage 1 = ranks {stage[1][0]['tp_ranks']}")
     plain_bytes, sliced_bytes = stage[0][0]["bytes"]
     print(f"pipeline_send_recv: plain send: each stage-0 rank sends {plain_bytes} tensor bytes")
-    print(f"pipeline_send_recv: all_gather_group=tp: each stage-0 rank sends {sliced_bytes} tensor bytes")
+    print(f"pipeline_send_recv: all_gather_group=tp: each stage-0 rank sends {sliced_bytes} "
+          f"tensor bytes")
     # pipeline peers: stage-0 TP rank t sends to stage-1 TP rank t
     plain_ok = all(same(s["sent"], r["received"][0]) for s, r in zip(stage[0], stage[1]))
     gather_ok = all(same(s["sent"], r["received"][1]) for s, r in zip(stage[0], stage[1]))

@@ -47,7 +47,8 @@ N = 4096
 def task(step: int) -> dict[str, Any]:
     """What the driver broadcasts at ``step``."""
     g = torch.Generator().manual_seed(step)
-    return {"kind": "work", "step": step, "a": torch.randn(N, generator=g), "b": torch.randn(N, generator=g)}
+    a, b = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    return {"kind": "work", "step": step, "a": a, "b": b}
 
 
 def answer(msg: dict[str, Any], worker: int, n_workers: int) -> dict[str, Any]:

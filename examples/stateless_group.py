@@ -121,7 +121,7 @@ def main() -> int:
     results, release = ctx.Queue(), ctx.Event()
     ports = {"control": free_port(), "kv": free_port()}
     procs = [
-        ctx.Process(target=process_main, args=(i, ports, results, release), name=f"stateless-{i}", daemon=True)
+        ctx.Process(target=process_main, args=(i, ports, results, release), daemon=True)
         for i in range(3)
     ]
     for p in procs:

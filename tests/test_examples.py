@@ -32,7 +32,9 @@ CASES: dict[str, tuple[str, bool]] = {
 
 def _params() -> list[object]:
     return [
-        pytest.param(name, line, id=name.removesuffix(".py"), marks=[pytest.mark.slow] if slow else [])
+        pytest.param(
+            name, line, id=name.removesuffix(".py"), marks=[pytest.mark.slow] if slow else []
+        )
         for name, (line, slow) in CASES.items()
     ]
 
@@ -47,7 +49,9 @@ def test_every_example_is_covered_and_documented() -> None:
         assert "Run:" in doc and f"examples/{name}" in doc, f"{name}: docstring lacks how to run it"
         guards = [
             n for n in tree.body
-            if isinstance(n, ast.If) and "__name__" in ast.unparse(n.test) and "__main__" in ast.unparse(n.test)
+            if isinstance(n, ast.If) and ast.unparse(n.test) in (
+                "__name__ == '__main__'", "__name__ == \"__main__\""
+            )
         ]
         assert guards, f"{name}: no `if __name__ == \"__main__\":` guard"
         assert f"examples/{name}" in readme, f"examples/README.md does not explain {name}"

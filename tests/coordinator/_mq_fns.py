@@ -103,3 +103,26 @@ def external_writer(rank: int, world_size: int) -> dict:
             mq.close()
         gc.destroy()
     return out
+
+
+def src_only_errors_reach_everyone(rank: int, world_size: int) -> dict:
+    """A bad argument only src can see must make every rank raise, not hang."""
+    import time as _t
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    out: dict = {}
+    for name, group in (("world", ps.get_world_group()), ("tp_mq", ps.get_tp_group())):
+        t0 = _t.monotonic()
+        try:
+            group.broadcast_tensor_dict([1, 2] if group.rank_in_group == 0 else None)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            out[f"{name}_btd"] = (type(e).__name__, _t.monotonic() - t0, str(e))
+        t0 = _t.monotonic()
+        try:
+            group.scatter(torch.ones(3, 2) if group.rank_in_group == 0 else None, src=0, dim=0)
+        except (TypeError, ValueError) as e:
+            out[f"{name}_scatter"] = (type(e).__name__, _t.monotonic() - t0, str(e))
+        group.barrier()
+        ok = group.broadcast_tensor_dict({"x": torch.ones(2)} if group.rank_in_group == 0 else None)
+        out[f"{name}_after"] = bool(torch.equal(ok["x"], torch.ones(2)))
+    return out

@@ -130,14 +130,16 @@ def _autograd_checks(rank: int, world_size: int) -> dict[str, Any]:
         # compiled, aot_eager: one graph, same gradients
         torch._dynamo.reset()
         counters.clear()
-        compiled = _grads_of(torch.compile(_three_ops, fullgraph=True, backend="aot_eager"), rank, ws, name)
+        fn = torch.compile(_three_ops, fullgraph=True, backend="aot_eager")
+        compiled = _grads_of(fn, rank, ws, name)
         out["compiled_err"] = [float((g - w).abs().max()) for g, w in zip(compiled, want)]
         out["compiled_breaks"] = sum(counters["graph_break"].values())
 
         # the backward graph is made of the adjoint collectives
         torch._dynamo.reset()
         rec = _Recorder()
-        recorded = _grads_of(torch.compile(_three_ops, fullgraph=True, backend=rec.backend), rank, ws, name)
+        fn = torch.compile(_three_ops, fullgraph=True, backend=rec.backend)
+        recorded = _grads_of(fn, rank, ws, name)
         out["recorded_err"] = [float((g - w).abs().max()) for g, w in zip(recorded, want)]
         out["fw_ops"], out["bw_ops"] = sorted(rec.graphs["fw"]), sorted(rec.graphs["bw"])
 
@@ -175,7 +177,7 @@ def test_gradients_through_the_custom_ops(dist_pool: Any) -> None:
             "groupcoord.all_reduce.default",
             "groupcoord.reduce_scatter.default",
         ], where
-        # adjoints: all_reduce -> all_reduce, all_gather -> reduce_scatter, reduce_scatter -> all_gather
+        # adjoints: all_reduce -> all_reduce, all_gather <-> reduce_scatter
         assert res["bw_ops"] == res["fw_ops"], where
         assert res["eager_method_requires_grad"] is False, where
         assert res["module_breaks"] == 0, where

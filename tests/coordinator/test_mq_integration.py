@@ -28,3 +28,17 @@ def test_external_writer_handle(dist_pool) -> None:
     res = dist_pool(3).run(fns.external_writer, timeout=120)
     assert res[1]["got"] == [0, 1, 2, 3, 4]
     assert res[2]["got"] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_src_only_argument_errors_raise_everywhere(dist_pool, world_size: int) -> None:
+    res = dist_pool(world_size).run(fns.src_only_errors_reach_everyone, timeout=120)
+    for rank, r in enumerate(res):
+        for name in ("world", "tp_mq"):
+            kind, elapsed, msg = r[f"{name}_btd"]
+            assert kind == ("TypeError" if rank == 0 else "ValueError"), (rank, name, msg)
+            assert elapsed < 10 and ("source rank 0" in msg or rank == 0), msg
+            kind, elapsed, msg = r[f"{name}_scatter"]
+            assert kind == "ValueError" and elapsed < 10, (rank, name, msg)
+            assert "divisible" in msg, msg
+            assert r[f"{name}_after"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from coordinator import StatelessProcessGroup
@@ -29,9 +31,12 @@ def test_stateless_group_collectives(dist_pool, world_size: int) -> None:
 def test_stateless_barrier_timeout_names_missing_rank(dist_pool) -> None:
     res = dist_pool(3).run(fns.barrier_timeout, free_port(), timeout=90)
     for r in res[:2]:
-        assert r["elapsed"] is not None and r["elapsed"] < 5.0
+        assert r["elapsed"] is not None and r["elapsed"] < 6.0
         assert r["is_timeout"]
-        assert "[2]" in r["msg"] and "barrier" in r["msg"] and "'t'" in r["msg"]
+        missing = re.search(r"rank\(s\) \[([0-9, ]*)\]", r["msg"])
+        assert missing is not None, r["msg"]
+        assert 2 in [int(x) for x in missing.group(1).split(",")], r["msg"]  # late ones may join it
+        assert "barrier" in r["msg"] and "'t'" in r["msg"]
 
 
 def test_stateless_bad_arguments() -> None:

@@ -1,0 +1,124 @@
+"""Building the parts of a GroupCoordinator: process groups, device, communicator.
+
+Kept apart from :mod:`coordinator.group_coordinator` so that module holds the
+collectives and this one the construction rules:
+
+* every process creates every group (``torch.distributed.new_group`` is
+  collective over the world) and keeps the one it belongs to;
+* with the gloo backend, the device group *is* the CPU group (no second set
+  of connections);
+* the device communicator comes from :mod:`device_comms`'s registry, by
+  device, unless a name forces one;
+* a destroyed group's communicator is replaced by :class:`DestroyedComm`,
+  so later use fails loudly instead of falling back to the world group.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from coordinator.errors import NotInitializedError
+from device_comms import DeviceCommunicator, get_device_communicator, select_device_communicator
+
+__all__ = [
+    "check_group_ranks",
+    "create_process_groups",
+    "pick_device",
+    "build_communicator",
+    "mq_available",
+    "DestroyedComm",
+    "destroyed_msg",
+]
+
+
+def check_group_ranks(group_ranks: Any, world_size: int) -> None:
+    """Validate ``group_ranks``: non-empty lists of distinct global ranks.
+
+    Raises:
+        TypeError: Not a list of non-empty lists.
+        ValueError: A rank is out of range or appears twice.
+    """
+    if not isinstance(group_ranks, (list, tuple)) or not group_ranks:
+        raise TypeError(f"group_ranks must be a non-empty list of rank lists, got {group_ranks!r}")
+    seen: set[int] = set()
+    for ranks in group_ranks:
+        if not isinstance(ranks, (list, tuple)) or not ranks:
+            raise TypeError(f"each entry of group_ranks must be a non-empty list of ints, got {ranks!r}")
+        for r in ranks:
+            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world_size:
+                raise ValueError(f"group_ranks holds {r!r}, not a global rank in [0, {world_size})")
+            if r in seen:
+                raise ValueError(f"rank {r} appears in more than one group of group_ranks")
+            seen.add(r)
+
+
+def create_process_groups(
+    group_ranks: Sequence[Sequence[int]],
+    backend: str,
+    rank: int,
+    timeout: datetime.timedelta | None,
+) -> tuple[list[int], dist.ProcessGroup, dist.ProcessGroup]:
+    """Create every group collectively; return this rank's ``(ranks, cpu, device)``.
+
+    Raises:
+        ValueError: ``rank`` is in none of the groups.
+    """
+    check_group_ranks(group_ranks, dist.get_world_size())
+    kw: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    mine: tuple[list[int], dist.ProcessGroup, dist.ProcessGroup] | None = None
+    for ranks in group_ranks:
+        ranks = list(ranks)
+        cpu = dist.new_group(ranks, backend="gloo", **kw)
+        dev = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend, **kw)
+        if rank in ranks:
+            mine = (ranks, cpu, dev)
+    if mine is None:
+        raise ValueError(f"global rank {rank} is in none of group_ranks={group_ranks}")
+    return mine
+
+
+def pick_device(backend: str, local_rank: int) -> torch.device:
+    """This rank's device: ``cuda:<local_rank>`` for NCCL with GPUs, else CPU."""
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def build_communicator(
+    name: str | None,
+    cpu_group: dist.ProcessGroup,
+    device: torch.device,
+    device_group: dist.ProcessGroup,
+    unique_name: str,
+) -> DeviceCommunicator:
+    """Construct the named communicator, or the registry's best for ``device`` (collective)."""
+    cls = get_device_communicator(name) if name else select_device_communicator(device)
+    return cls(cpu_group, device, device_group, unique_name)
+
+
+def mq_available() -> bool:
+    """Whether the shared-memory message queue can be imported."""
+    try:
+        import shm_broadcast.message_queue  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def destroyed_msg(name: str, op: str) -> str:
+    """The error message for using a destroyed group."""
+    return f"GroupCoordinator {name!r} was destroyed; {op} needs a live group (create a new one)"
+
+
+class DestroyedComm:
+    """Stands in for a destroyed group's communicator: any use raises."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        raise NotInitializedError(destroyed_msg(self._name, attr))
