@@ -14,6 +14,7 @@ __all__ = [
     "RankFailedError",
     "RankDiedError",
     "DistributedTimeout",
+    "StoreConnectionError",
 ]
 
 
@@ -63,3 +64,7 @@ class DistributedTimeout(CommTimeout):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.pending_ranks))
+
+
+class StoreConnectionError(GroupCoordError, ConnectionError):
+    """A stateless group lost its connection to the store host (rank 0)."""

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from collections import defaultdict
 from typing import Any
 
 import torch.distributed as dist
 
-from coordinator.errors import CommTimeout
+from coordinator.errors import CommTimeout, StoreConnectionError
 
 __all__ = ["StatelessProcessGroup"]
 
@@ -156,8 +157,9 @@ class StatelessProcessGroup:
     def barrier(self, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier.
 
-        No store operation follows the wait, so every rank may exit (rank 0
-        included, which hosts the store) right after a final barrier. Rank 0
+        Every rank may exit right after a final barrier: rank 0, which hosts
+        the store, returns only after every other rank's wait has returned
+        (each confirms with one best-effort counter increment). Rank 0
         deletes each barrier's keys during the next one.
 
         Raises:
@@ -168,7 +170,28 @@ class StatelessProcessGroup:
         self._barrier_seq += 1
         self.store.set(self._key(f"barrier/{seq}/{self.rank}"), b"1")
         self._wait([self._key(f"barrier/{seq}/{r}") for r in range(self.world_size)], timeout, "barrier")
-        if self.rank == 0 and seq > 0:  # everyone has left barrier seq-1
+        left = self._key(f"barrier/{seq}/left")
+        if self.rank != 0:
+            # Tell the store's host that our wait has returned. Best effort: the
+            # barrier is complete for us, and the host may leave once it sees us.
+            try:
+                self.store.add(left, 1)
+            except (RuntimeError, dist.DistError):
+                pass
+            return
+        # The host stays until every other rank's wait has returned, so its exit
+        # (or close()) cannot cut off a rank that arrived last and is still waiting.
+        t = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + t
+        while self.store.add(left, 0) < self.world_size - 1:
+            if time.monotonic() > deadline:
+                raise CommTimeout(
+                    f"stateless group {self.name!r} (rank 0/{self.world_size}), op barrier: "
+                    f"not every rank confirmed leaving the barrier within {t:.1f}s"
+                )
+            time.sleep(0.001)
+        self._delete([left])  # every other rank has counted itself
+        if seq > 0:  # everyone has left barrier seq-1
             self._delete([self._key(f"barrier/{seq - 1}/{r}") for r in range(self.world_size)])
 
     def close(self) -> None:
@@ -193,6 +216,12 @@ class StatelessProcessGroup:
         t = self.timeout if timeout is None else float(timeout)
         try:
             self.store.wait(keys, datetime.timedelta(seconds=t))
+        except dist.DistNetworkError as e:
+            raise StoreConnectionError(
+                f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
+                f"lost the connection to the store on rank 0; rank 0 has probably exited or "
+                f"closed the group ({str(e).splitlines()[0]})"
+            ) from e
         except (RuntimeError, dist.DistError) as e:
             missing = [i for i, k in enumerate(keys) if not self._exists(k)]
             raise CommTimeout(

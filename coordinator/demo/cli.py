@@ -92,12 +92,17 @@ def run(args: argparse.Namespace) -> int:
         from coordinator.demo.tp_mlp import run_tp_mlp
 
         return 0 if run_tp_mlp(tp=args.tp) else 1
+    from coordinator.errors import DistributedTimeout, RankFailedError
+
     try:
         _check_args(args)
         return _run_engine(args)
     except ValueError as e:
         print(f"groupcoord demo: error: {e}", file=sys.stderr)
         return 2
+    except (RankFailedError, DistributedTimeout) as e:
+        print(f"groupcoord demo: failed: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
 
 
 def _run_engine(args: argparse.Namespace) -> int:

@@ -39,6 +39,13 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
     # The same cases with the default (large) workspace: every op fits in one piece.
     big = _comm(workspace_bytes=None)
     results_big = [run_case(big, c, rank) for c in build_cases(world_size)]
+    # Reductions larger than a slot in one-shot pieces (the 2-rank default).
+    pieces = _comm(oneshot_bytes=1 << 40)
+    results_pieces = [
+        run_case(pieces, c, rank) if c.kind in ("all_reduce", "reduce") else None
+        for c in build_cases(world_size)
+    ]
+    pieces.destroy()
     # Inputs the all_reduce fast path must leave to the validating path.
     g = torch.full((4,), float(rank + 1), requires_grad=True)
     nc = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)  # non-contiguous
@@ -62,6 +69,7 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         "mode": comm.mode,
         "results": results,
         "results_big": results_big,
+        "results_pieces": results_pieces,
         "calls": calls,
         "extras": extras,
         "leftover": leftover,
