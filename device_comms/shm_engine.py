@@ -46,7 +46,7 @@ __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES", "ONESHOT_ALWAYS"]
 # reduce-scatter + all-gather. With 2 ranks one shot moves about as many bytes
 # as the two-phase scheme and needs half the synchronisations, so it is used
 # at every size (measured faster on the 2-vCPU development VM at every size).
-DEFAULT_ONESHOT_BYTES = 4 << 20
+DEFAULT_ONESHOT_BYTES = 2 << 20
 ONESHOT_ALWAYS = 1 << 62
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
