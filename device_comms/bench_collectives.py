@@ -19,7 +19,11 @@ Sizes are the full buffer: the tensor of ``all_reduce``, the *output* of
 new output tensor our API returns, so the comparison is conservative.
 
 Each rank uses ``max(1, cpus // world_size)`` torch threads (as the test
-harness does) unless ``--threads`` says otherwise.
+harness does) unless ``--threads`` says otherwise. Ranks are not bound to
+CPUs unless ``--pin`` is given: binding makes our latency steadier on a busy
+machine (where the scheduler likes to put both ranks on one CPU) but makes
+gloo several times slower (its I/O threads share the rank's CPU), which would
+flatter the comparison.
 
 Run: ``python -m device_comms.bench_collectives --world-sizes 2 4 --json out.json
 --plot out.png`` (``groupcoord bench collectives ...`` is the same).
@@ -68,8 +72,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-bytes", type=_parse_size, default=None, help="drop smaller default sizes")
     parser.add_argument("--max-bytes", type=_parse_size, default=None, help="drop larger default sizes")
     parser.add_argument("--max-iters", type=int, default=400, help="samples per point, at most")
-    parser.add_argument("--min-iters", type=int, default=12, help="samples per point, at least")
-    parser.add_argument("--budget-mb", type=float, default=256.0,
+    parser.add_argument("--min-iters", type=int, default=16, help="samples per point, at least")
+    parser.add_argument("--budget-mb", type=float, default=1024.0,
                         help="per point and implementation, about this many MB are moved (sets iterations)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per rank")
     parser.add_argument("--workspace-bytes", type=_parse_size, default=None,
@@ -78,6 +82,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", dest="plot_path", default=None,
                         help="write a log-log PNG plot here (needs matplotlib: pip install groupcoord[plot])")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
+    parser.add_argument("--pin", action="store_true",
+                        help="bind rank r (all its threads) to CPU r %% cpus; helps us, hurts gloo "
+                             "(its I/O threads then share the rank's CPU), so off by default")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -115,7 +122,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"# world size {ws}: starting {ws} ranks ...", flush=True)
         # Resolve through the package so children can import it under `python -m` too.
         rank_fn = importlib.import_module("device_comms.bench_collectives")._bench_rank
-        outcomes = spawn_group(rank_fn, ws, (cfg,), timeout=args.timeout)
+        outcomes = spawn_group(rank_fn, ws, (cfg,), timeout=args.timeout, pin_cpus=args.pin)
         bad = [o for o in outcomes if not o.ok]
         if bad:
             for o in bad:
@@ -130,6 +137,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "loadavg_before": load_before,
         "loadavg_after": _loadavg(),
+        "pinned": args.pin,
     }
     if args.json_path:
         write_json(args.json_path, records, meta)

@@ -22,7 +22,8 @@ Configuration (arguments win over environment variables; the environment is
 read at construction):
 
 * ``workspace_bytes`` / ``GROUPCOORD_CPU_SHM_BYTES``: data bytes of a node's
-  workspace (default 32 MiB, split into 2 x local-ranks slots);
+  workspace, split into 2 x local-ranks slots (default: 2 MiB slots, i.e.
+  4 MiB per local rank); larger messages go through in slot-sized pieces;
 * ``use_shm`` / ``GROUPCOORD_CPU_SHM=0``: disable the shared-memory path (if
   any rank disables it, all do);
 * ``timeout`` / ``GROUPCOORD_CPU_SHM_TIMEOUT``: seconds a shared-memory step
@@ -58,7 +59,6 @@ logger = logging.getLogger(__name__)
 BYTES_ENV = "GROUPCOORD_CPU_SHM_BYTES"
 ENABLE_ENV = "GROUPCOORD_CPU_SHM"
 TIMEOUT_ENV = "GROUPCOORD_CPU_SHM_TIMEOUT"
-DEFAULT_WORKSPACE_BYTES = 32 << 20
 DEFAULT_TIMEOUT = 1800.0
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
@@ -109,13 +109,16 @@ class CpuCommunicator(TorchDistributedCommunicator):
         super().__init__(cpu_group, device, device_group, unique_name)
         if self.device.type != "cpu":
             raise ValueError(f"device must be a CPU device for CpuCommunicator, got {self.device}")
-        ws_bytes = _positive_int(workspace_bytes, "workspace_bytes", BYTES_ENV, DEFAULT_WORKSPACE_BYTES)
+        ws_bytes = _positive_int(workspace_bytes, "workspace_bytes", BYTES_ENV)
         enabled = _enabled(use_shm)
         wait_s = _timeout(timeout)
         if node_id is not None and not isinstance(node_id, str):
             raise TypeError(f"node_id must be a str or None, got {type(node_id).__name__}")
-        if oneshot_bytes is not None and (not isinstance(oneshot_bytes, int) or oneshot_bytes < 0):
-            raise ValueError(f"oneshot_bytes must be a non-negative int, got {oneshot_bytes!r}")
+        if oneshot_bytes is not None:
+            if not isinstance(oneshot_bytes, int) or isinstance(oneshot_bytes, bool):
+                raise TypeError(f"oneshot_bytes must be an int, got {type(oneshot_bytes).__name__}")
+            if oneshot_bytes < 0:
+                raise ValueError(f"oneshot_bytes must be >= 0, got {oneshot_bytes!r}")
         self.mode = "gloo"
         self.fallback_reason: str | None = None
         self.nodes: list[int] = []
@@ -132,7 +135,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self,
         enabled: bool,
         node_id: str | None,
-        ws_bytes: int,
+        ws_bytes: int | None,
         wait_s: float | None,
         oneshot: int | None,
     ) -> None:
@@ -369,17 +372,19 @@ def _size_key(sizes: Sequence[int], inner: int) -> int:
     return hash((tuple(sizes), inner)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def _positive_int(value: int | None, arg: str, env: str, default: int) -> int:
+def _positive_int(value: int | None, arg: str, env: str) -> int | None:
     if value is None:
         raw = os.environ.get(env)
         if raw is None or raw == "":
-            return default
+            return None
         try:
             value = int(raw)
         except ValueError:
             raise ValueError(f"{env} must be a positive int (bytes), got {raw!r}") from None
         arg = env
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{arg} must be a positive int (bytes), got {type(value).__name__}")
+    if value <= 0:
         raise ValueError(f"{arg} must be a positive int (bytes), got {value!r}")
     return value
 
@@ -408,6 +413,8 @@ def _timeout(timeout: float | None) -> float | None:
         except ValueError:
             raise ValueError(f"{TIMEOUT_ENV} must be seconds (a number), got {raw!r}") from None
         arg = TIMEOUT_ENV
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{arg} must be a number of seconds or None, got {type(timeout).__name__}")
+    if timeout < 0 or timeout != timeout:
         raise ValueError(f"{arg} must be a non-negative number of seconds, got {timeout!r}")
     return None if timeout == 0 else float(timeout)

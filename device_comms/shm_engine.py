@@ -4,20 +4,28 @@ Algorithms (``L`` local ranks; every op is one or more steps of
 :class:`~device_comms.shm_sync.StepSync`; messages larger than a slot go in
 slot-sized pieces, two steps apart in the double buffer):
 
-* **all_reduce, small** (one shot, one step): every rank copies its tensor into
-  its slot; every rank reduces all ``L`` slots in rank order. A handful of
-  torch calls: one copy, ``L-1`` element-wise ops.
-* **all_reduce, large** (reduce-scatter + all-gather, two steps per piece):
-  the piece is cut into ``L`` regions; rank ``i`` copies the regions *other*
-  ranks own into its slot, reduces region ``i`` (its own input plus the peers'
-  slots, in rank order) into its slot of the other parity, and then every rank
-  copies all reduced regions out. Each region is computed by exactly one rank,
-  so results are identical everywhere, and memory bandwidth is shared.
+* **all_reduce, one shot** (one step per slot-sized piece): every rank copies
+  its tensor into its slot; every rank reduces all ``L`` slots in rank order
+  (its own operand straight from its input). A handful of torch calls: one
+  copy, ``L-1`` element-wise ops. Used up to :data:`DEFAULT_ONESHOT_BYTES`
+  (configurable; beyond a slot it goes in pieces).
+* **all_reduce, large** (reduce-scatter + all-gather, two steps
+  per piece): the piece is cut into ``L`` regions; rank ``i`` copies the
+  regions *other* ranks own into its slot, reduces region ``i`` (its own input
+  plus the peers' slots, in rank order) into its slot of the other parity, and
+  then every rank copies all reduced regions out. Each region is computed by
+  exactly one rank, so results are identical everywhere, and the reduction
+  work and memory bandwidth are shared.
 * **reduce_scatter(v)**: rank ``j``'s region of every rank's input goes through
   the slots; rank ``j`` reduces it (one step per piece).
 * **all_gather(v)/gather**: every rank copies its tensor in; readers copy all
-  slots out (``torch.cat`` straight from the slots when it fits).
+  slots out: ``torch.cat`` straight from the slots when it fits, else blocks
+  of rows written into the output's final layout (:meth:`ShmEngine.gather_rows`).
 * **broadcast/reduce**: the root writes / only the root reduces.
+
+Results of 32 MiB and more are allocated with :func:`device_comms.host_alloc.empty`
+(huge pages; a fresh 64 MiB ``torch.empty`` costs more page faults than the
+collective itself on a VM).
 
 Each op's first step carries a signature (op kind, dtype, reduce op, root,
 size) that every rank compares, so mismatched calls raise
@@ -40,14 +48,13 @@ from device_comms.reduce_op import ReduceOp
 from device_comms.shm_sync import StepSync, signature
 from device_comms.shm_workspace import ShmWorkspace
 
-__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES", "ONESHOT_ALWAYS"]
+__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
 
-# Largest all_reduce done in one shot with 3+ local ranks; above it,
-# reduce-scatter + all-gather. With 2 ranks one shot moves about as many bytes
-# as the two-phase scheme and needs half the synchronisations, so it is used
-# at every size (measured faster on the 2-vCPU development VM at every size).
+# Largest all_reduce done in one shot; above it, reduce-scatter + all-gather.
+# Measured on the 2-vCPU development VM (2 and 4 ranks, idle and loaded): one
+# shot wins up to 2 MiB (one synchronisation instead of two), the two-phase
+# scheme from 4 MiB (it moves fewer bytes per rank and shares the reduction).
 DEFAULT_ONESHOT_BYTES = 2 << 20
-ONESHOT_ALWAYS = 1 << 62
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 
@@ -71,7 +78,7 @@ class ShmEngine:
         self.size = ws.local_size
         self.me = ws.local_rank
         if oneshot_bytes is None:
-            oneshot_bytes = ONESHOT_ALWAYS if self.size == 2 else DEFAULT_ONESHOT_BYTES
+            oneshot_bytes = DEFAULT_ONESHOT_BYTES
         #: all_reduce/reduce up to this many bytes run one shot (in slot-sized
         #: pieces above a slot); larger ones reduce-scatter + all-gather.
         self.oneshot_bytes = oneshot_bytes

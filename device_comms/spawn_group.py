@@ -54,6 +54,7 @@ def spawn_group(
     args: Sequence[Any] = (),
     env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
     timeout: float = 300.0,
+    pin_cpus: bool = False,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
 
@@ -65,6 +66,8 @@ def spawn_group(
         args: Extra arguments for ``fn``.
         env: Extra environment variables, one mapping or one per rank.
         timeout: Seconds before ranks still running are killed.
+        pin_cpus: Bind rank ``r`` (all its threads) to the ``r``-th allowed CPU
+            (round robin), as MPI launchers do by default for benchmarks.
 
     Returns:
         One :class:`RankOutcome` per rank, by rank.
@@ -85,7 +88,8 @@ def spawn_group(
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, store.port, tuple(args), envs[r], child, os.getpid(), timeout),
+                args=(fn, r, world_size, store.port, tuple(args), envs[r], child, os.getpid(), timeout,
+                      pin_cpus),
                 name=f"gc-bench-rank{r}",
                 daemon=True,
             )
@@ -157,7 +161,11 @@ def _child(
     conn: Connection,
     parent_pid: int,
     timeout: float,
+    pin_cpus: bool,
 ) -> None:
+    if pin_cpus and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # before any thread starts
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -114,15 +114,29 @@ def run_bad_inputs(rank: int, world_size: int) -> list[str]:
                       lambda: g.all_gatherv([make(me, (2, 4), torch.float32, "ok"), bad], 0, sizes),
                       f"sizes[{me}]")
     if me == 0:
-        expect_raises("scatter/src-dim", ValueError, lambda: g.scatter(x, 0, 2), ("dim"))
-        if n > 1:
-            expect_raises("scatter/src-indivisible", ValueError,
-                          lambda: g.scatter(torch.ones(n + 1, 2), 0, 0), "divisible")
-        expect_raises("scatter/src-not-tensor", TypeError, lambda: g.scatter(None, 0, 0), "input_")
         expect_raises("broadcast/non-contiguous", ValueError, lambda: g.broadcast(x.t(), 0),
                       "contiguous")
-        expect_raises("broadcast_tensor_dict/not-a-dict", TypeError,
-                      lambda: g.broadcast_tensor_dict([("a", x)], 0), "tensor_dict")
+    # Arguments only the source can get wrong, with every rank in the call: the
+    # source raises its own error and tells the receivers, who raise too.
+    src_cases = [
+        ("scatter/src-dim", ValueError, lambda: g.scatter(x, 0, 2), "dim"),
+        ("scatter/src-not-tensor", TypeError, lambda: g.scatter([1.0], 0, 0), "input_"),
+        ("broadcast_tensor_dict/not-a-dict", TypeError,
+         lambda: g.broadcast_tensor_dict([("a", x)], 0), "tensor_dict"),
+    ]
+    if n > 1:
+        src_cases.append(("scatter/src-indivisible", ValueError,
+                          lambda: g.scatter(torch.ones(n + 1, 2), 0, 0), "divisible"))
+    receivers = {
+        "scatter": lambda: g.scatter(None, 0, 0),
+        "broadcast_tensor_dict": lambda: g.broadcast_tensor_dict(None, 0),
+    }
+    for name, exc, fn, word in src_cases:
+        if me == 0:
+            expect_raises(name, exc, fn, word)
+        else:
+            expect_raises(name + "/receiver", ValueError, receivers[name.split("/")[0]],
+                          "source rank 0")
     # The group still works after all of that.
     expect_equal("still-works", g.all_reduce(torch.ones(3)), torch.full((3,), float(n)))
     return names

@@ -92,7 +92,7 @@ def test_fallback_to_gloo(dist_pool) -> None:
 def test_bad_arguments(dist_pool) -> None:
     msgs = dist_pool(2).run(fns.bad_arguments)[0]
     assert msgs[0].startswith("ValueError") and "workspace_bytes" in msgs[0]
-    assert msgs[1].startswith("ValueError") and "workspace_bytes" in msgs[1]
+    assert msgs[1].startswith("TypeError") and "workspace_bytes" in msgs[1]
     assert msgs[2].startswith("TypeError") and "use_shm" in msgs[2]
     assert msgs[3].startswith("ValueError") and "timeout" in msgs[3]
     assert msgs[4].startswith("TypeError") and "node_id" in msgs[4]

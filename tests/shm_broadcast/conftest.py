@@ -1,16 +1,13 @@
-"""Fixtures of the shm_broadcast tests: child processes and leak checks."""
+"""Fixtures of the shm_broadcast tests: spawned child processes, always reaped."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 from typing import Any, Callable
 
-import psutil
 import pytest
 
-from shm_broadcast.segment import SHM_DIR, list_segments
 
 
 class Procs:
@@ -69,32 +66,5 @@ def procs() -> Any:
         p.reap()
 
 
-@pytest.fixture(autouse=True)
-def no_leaks(request: pytest.FixtureRequest) -> Any:
-    """Fail a test that leaves a gc_* segment of this process or its children,
-    or a live child process (multiprocessing's resource tracker excepted)."""
-    before = {s.name for s in list_segments()}
-    yield
-    owners = {os.getpid()}
-    p = request.node.funcargs.get("procs")
-    if isinstance(p, Procs):
-        owners |= p.pids
-    leaked = [s.name for s in list_segments() if s.name not in before and s.pid in owners]
-    for name in leaked:
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except OSError:
-            pass
-    children = [c for c in psutil.Process().children(recursive=True)
-                if "resource_tracker" not in " ".join(_cmdline(c))]
-    for c in children:
-        c.kill()
-    assert not leaked, f"test leaked shared-memory segments: {leaked}"
-    assert not children, f"test leaked child processes: {[c.pid for c in children]}"
-
-
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except (psutil.Error, OSError):
-        return []
+# Leak checks (segments and child processes) come from the autouse fixture in
+# tests/conftest.py, which also knows the shared rank pools of other test dirs.
