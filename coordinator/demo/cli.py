@@ -141,7 +141,8 @@ def _run_engine(args: argparse.Namespace) -> int:
         print(f"    prompt {i} ({len(prompt)} tokens): {gen}")
     mb, comp = drv["metadata_broadcast_us"], drv["step_compute_us"]
     print(f"  throughput: {drv['tokens_per_s']:.1f} tokens/s ({drv['new_tokens']} tokens, "
-          f"{drv['steps']} steps, {drv['seconds']:.2f} s; {wall:.1f} s with process start-up)")
+          f"{drv['steps']} steps, {drv['seconds']:.2f} s; warm-up {drv['warmup_seconds']:.2f} s; "
+          f"{wall:.1f} s with process start-up)")
     print(f"  time per step (p50 / p99): metadata broadcast {mb['p50']:.1f} / {mb['p99']:.1f} us "
           f"(driver enqueue); compute {comp['p50'] / 1e3:.2f} / {comp['p99'] / 1e3:.2f} ms")
     if recv is not None:
@@ -155,7 +156,8 @@ def _run_engine(args: argparse.Namespace) -> int:
             "generated": drv["generated"],
             "tp": args.tp, "pp": args.pp, "model": src,
             "steps": drv["steps"], "new_tokens": drv["new_tokens"],
-            "seconds": drv["seconds"], "tokens_per_s": drv["tokens_per_s"],
+            "seconds": drv["seconds"], "warmup_seconds": drv["warmup_seconds"],
+            "tokens_per_s": drv["tokens_per_s"],
             "metadata_broadcast_us": mb, "step_compute_us": comp, "worker_recv_latency_us": recv,
             "reference_generated": ref_tokens, "tokens_identical": same,
             "max_logit_diff": diff, "verified": ok, "compiled": args.compile,
