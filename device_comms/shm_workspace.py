@@ -137,7 +137,7 @@ class ShmWorkspace:
 
     def slot_elems(self, dtype: torch.dtype) -> int:
         """Elements of ``dtype`` one slot holds."""
-        return self.slot_bytes // _itemsize(dtype)
+        return self.slot_bytes // dtype.itemsize
 
     def line(self, rank: int) -> int:
         """Index in :attr:`hdr` of the first word of local ``rank``'s header line."""
@@ -161,10 +161,6 @@ class ShmWorkspace:
         except BufferError:  # a caller kept a tensor view; the mapping lives on with it
             pass
         self.segment.close()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
