@@ -43,8 +43,8 @@ from shm_broadcast.errors import (
 from shm_broadcast.handle import Handle
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, ShmRingBuffer
 from shm_broadcast.transport import (
-    CTL_CLOSED, CTL_HELLO, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
-    close_all, new_socket,
+    CTL_HELLO, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
+    close_all, close_dealer, new_socket, say_goodbye,
 )
 from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy
 
@@ -280,11 +280,7 @@ class LocalReader:
             self._ringer.ring(self._writer_bell)  # a writer waiting for us re-checks now
         if self._doorbell is not None:
             self._ringer.ring(self._doorbell.address)  # wake our own blocked call
-        if threading.get_ident() == self._owner_thread and self.dealer is not None:
-            try:
-                self.dealer.send(CTL_CLOSED, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        say_goodbye(self.dealer, self._owner_thread)
 
     def close(self) -> None:
         """Leave the queue (the segment stays, the writer owns it). Idempotent."""
@@ -297,9 +293,7 @@ class LocalReader:
             self.shutdown()
         self._closed = True
         self._stash.clear()
-        if self.dealer is not None and not self.dealer.closed:
-            self.dealer.setsockopt(zmq.LINGER, 200)  # let the goodbye out
-            self.dealer.close()
+        close_dealer(self.dealer)
         close_all(self.sub)
         if self.ctx is not None:
             self.ctx.term()

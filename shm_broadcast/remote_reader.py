@@ -28,8 +28,8 @@ from shm_broadcast.codec import Codec
 from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout, ShmBroadcastError
 from shm_broadcast.handle import Handle
 from shm_broadcast.transport import (
-    ACK, CTL_ACK, CTL_CLOSED, CTL_HELLO, KIND_READY, KIND_SHUTDOWN, TOPIC_REMOTE, WIRE,
-    close_all, new_socket,
+    ACK, CTL_ACK, CTL_HELLO, KIND_READY, KIND_SHUTDOWN, TOPIC_REMOTE, WIRE,
+    close_all, close_dealer, new_socket, say_goodbye,
 )
 from shm_broadcast.waiting import Backoff, PeerWatch, WaitPolicy
 
@@ -215,11 +215,7 @@ class RemoteReader:
         if self._closing:
             return
         self._closing = True
-        if threading.get_ident() == self._owner_thread and self.dealer is not None:
-            try:
-                self.dealer.send(CTL_CLOSED, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        say_goodbye(self.dealer, self._owner_thread)
 
     def close(self) -> None:
         """Disconnect. Idempotent."""
@@ -232,9 +228,7 @@ class RemoteReader:
             self.shutdown()
         self._closed = True
         self._peek = None
-        if self.dealer is not None and not self.dealer.closed:
-            self.dealer.setsockopt(zmq.LINGER, 200)
-            self.dealer.close()
+        close_dealer(self.dealer)
         if self._mon is not None and self.sub is not None:
             try:
                 self.sub.disable_monitor()

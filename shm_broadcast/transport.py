@@ -31,6 +31,7 @@ import secrets
 import socket
 import struct
 import sys
+import threading
 
 import zmq
 
@@ -133,6 +134,24 @@ def host_ip() -> str:
         except OSError:
             continue
     return "127.0.0.1"
+
+
+def say_goodbye(dealer: zmq.Socket | None, owner_thread: int) -> None:
+    """Tell the writer this reader leaves (best effort; zmq sockets are not
+    thread-safe, so only the thread that owns ``dealer`` may send)."""
+    if dealer is None or threading.get_ident() != owner_thread:
+        return
+    try:
+        dealer.send(CTL_CLOSED, zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+
+
+def close_dealer(dealer: zmq.Socket | None) -> None:
+    """Close a reader's control socket, giving its goodbye 200 ms to leave."""
+    if dealer is not None and not dealer.closed:
+        dealer.setsockopt(zmq.LINGER, 200)
+        dealer.close()
 
 
 def close_all(*socks: zmq.Socket | None) -> None:
