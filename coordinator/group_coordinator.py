@@ -455,14 +455,6 @@ class GroupCoordinator:
 
         return create_single_reader_mq_broadcasters(self, reader_rank_in_group, blocking)
 
-    def all_gather_object_cpu(self, obj: Any) -> list[Any]:
-        """Gather one picklable object from every rank over the CPU group."""
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        self._cpu_call("all_gather_object", dist.all_gather_object, out, obj, group=self.cpu_group)
-        return out
-
     def destroy(self) -> None:
         """Release communicators, queues and process groups. Idempotent."""
         if self._destroyed:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from device_comms import validation as v
+from shm_broadcast.group_adapter import object_group
 
 if TYPE_CHECKING:
     from shm_broadcast.message_queue import MessageQueue
@@ -74,7 +75,7 @@ def create_single_reader_mq_broadcasters(
             writer_rank=me,
         )
         handle = writer.export_handle().to_bytes()
-    handles: list[Any] = gc.all_gather_object_cpu(handle)
+    handles: list[Any] = object_group(gc.cpu_group).all_gather(handle)
     readers: list[MessageQueue | None] = []
     try:
         if me == reader:

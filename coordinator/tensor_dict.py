@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.distributed as dist
 
-from device_comms.torch_communicator import _wire
+from device_comms.torch_communicator import wire_view
 
 if TYPE_CHECKING:
     from coordinator.group_coordinator import GroupCoordinator
@@ -184,11 +184,11 @@ def _bcast_tensor(
     on_cpu = t.device.type == "cpu"
     if group is not None or metadata_group is not None:
         pg = (metadata_group or gc.cpu_group) if on_cpu else (group or gc.device_group)
-        dist.broadcast(_wire(t), src=gc.ranks[src], group=pg)
+        dist.broadcast(wire_view(t), src=gc.ranks[src], group=pg)
     elif t.device.type == gc.device.type:
         gc.comm.broadcast(t, src=src)
     else:  # CPU tensor in a GPU group: over the CPU group
-        dist.broadcast(_wire(t), src=gc.ranks[src], group=gc.cpu_group)
+        dist.broadcast(wire_view(t), src=gc.ranks[src], group=gc.cpu_group)
 
 
 # ---------------------------------------------------------------------- point to point
@@ -280,7 +280,7 @@ def _send(gc: "GroupCoordinator", t: torch.Tensor, dst: int) -> None:
     if t.device.type == gc.device.type:
         gc.comm.send(t, dst=dst)
     else:  # CPU tensor in a GPU group: over the CPU group
-        dist.send(_wire(t), dst=gc.ranks[dst], group=gc.cpu_group)
+        dist.send(wire_view(t), dst=gc.ranks[dst], group=gc.cpu_group)
 
 
 def _recv_into(gc: "GroupCoordinator", buf: torch.Tensor, src: int) -> torch.Tensor:
@@ -289,5 +289,5 @@ def _recv_into(gc: "GroupCoordinator", buf: torch.Tensor, src: int) -> torch.Ten
         return buf
     if buf.device.type == gc.device.type:
         return gc.comm.recv(buf.shape, buf.dtype, src=src)
-    dist.recv(_wire(buf), src=gc.ranks[src], group=gc.cpu_group)
+    dist.recv(wire_view(buf), src=gc.ranks[src], group=gc.cpu_group)
     return buf

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from device_comms.base import DeviceCommunicator
 from device_comms.reduce_op import ReduceOp
 
-__all__ = ["TorchDistributedCommunicator"]
+__all__ = ["TorchDistributedCommunicator", "wire_view"]
 
 # torch >= 2.12 names these *_single; older releases only have *_tensor.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -29,7 +29,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _NATIVE = frozenset({torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64})
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
+def wire_view(t: torch.Tensor) -> torch.Tensor:
     """A same-memory view of contiguous ``t`` in a dtype every backend can move.
 
     Types outside a small native set travel as flat ``uint8`` bytes; callers
@@ -96,7 +96,7 @@ class TorchDistributedCommunicator(DeviceCommunicator):
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         n = self.world_size
         out = torch.empty((n,) + t.shape, dtype=t.dtype, device=t.device)
-        _all_gather_flat(_wire(out).view(-1), _wire(t).view(-1), group=self.device_group)
+        _all_gather_flat(wire_view(out).view(-1), wire_view(t).view(-1), group=self.device_group)
         return _concat_leading(out, dim)
 
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
@@ -105,7 +105,7 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         padded = torch.zeros((m,) + x.shape[1:], dtype=t.dtype, device=t.device)
         padded[: x.shape[0]] = x
         out = torch.empty((n * m,) + x.shape[1:], dtype=t.dtype, device=t.device)
-        _all_gather_flat(_wire(out).view(-1), _wire(padded).view(-1), group=self.device_group)
+        _all_gather_flat(wire_view(out).view(-1), wire_view(padded).view(-1), group=self.device_group)
         pieces = [out[i * m : i * m + s] for i, s in enumerate(sizes)]
         return torch.cat(pieces, 0).movedim(0, dim).contiguous()
 
@@ -113,15 +113,15 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         me = self.rank_in_group == dst
         bufs = [torch.empty_like(t) for _ in range(self.world_size)] if me else None
         dist.gather(
-            _wire(t),
-            [_wire(b) for b in bufs] if bufs is not None else None,
+            wire_view(t),
+            [wire_view(b) for b in bufs] if bufs is not None else None,
             dst=self._g(dst),
             group=self.device_group,
         )
         return torch.cat(bufs, dim) if bufs is not None else None
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        dist.broadcast(_wire(t), src=self._g(src), group=self.device_group)
+        dist.broadcast(wire_view(t), src=self._g(src), group=self.device_group)
         return t
 
     def _scatter(self, t: torch.Tensor | None, src: int, dim: int) -> torch.Tensor:
@@ -140,8 +140,8 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         out = torch.empty(piece_shape, dtype=dtype, device=self.device)
         chunks = None
         if t is not None:
-            chunks = [_wire(c.contiguous()) for c in t.chunk(n, d)]
-        dist.scatter(_wire(out), chunks, src=self._g(src), group=self.device_group)
+            chunks = [wire_view(c.contiguous()) for c in t.chunk(n, d)]
+        dist.scatter(wire_view(out), chunks, src=self._g(src), group=self.device_group)
         return out
 
     def _scatter_abort(self, src: int, message: str) -> None:
@@ -151,17 +151,17 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         n = self.world_size
         x = t.movedim(scatter_dim, 0).contiguous()
         out = torch.empty_like(x)
-        dist.all_to_all_single(_wire(out), _wire(x), group=self.device_group)
+        dist.all_to_all_single(wire_view(out), wire_view(x), group=self.device_group)
         # out = [piece from rank 0 | piece from rank 1 | ...], each in moved layout.
         pieces = [p.movedim(0, scatter_dim) for p in out.chunk(n, 0)]
         return torch.cat(pieces, gather_dim).contiguous()
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
-        dist.send(_wire(t), dst=self._g(dst), group=self.device_group)
+        dist.send(wire_view(t), dst=self._g(dst), group=self.device_group)
 
     def _recv(self, size: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(size, dtype=dtype, device=self.device)
-        dist.recv(_wire(out), src=self._g(src), group=self.device_group)
+        dist.recv(wire_view(out), src=self._g(src), group=self.device_group)
         return out
 
 

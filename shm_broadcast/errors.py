@@ -32,22 +32,24 @@ class ShmBroadcastError(Exception):
     """Base class of every error raised on purpose by ``shm_broadcast``."""
 
 
-class _QueueContext:
-    """Mixin storing where a queue error happened."""
+class _QueueError(ShmBroadcastError):
+    """Base of the queue errors: a message plus where it happened."""
 
-    queue: str | None
-    side: str | None
-    peers: tuple[object, ...]
-
-    def _set_context(
-        self, queue: str | None, side: str | None, peers: Sequence[object] | None
+    def __init__(
+        self,
+        message: str,
+        *,
+        queue: str | None = None,
+        side: str | None = None,
+        peers: Sequence[object] | None = None,
     ) -> None:
+        super().__init__(message)
         self.queue = queue
         self.side = side
-        self.peers = tuple(peers) if peers is not None else ()
+        self.peers: tuple[object, ...] = tuple(peers) if peers is not None else ()
 
 
-class QueueTimeout(ShmBroadcastError, TimeoutError, _QueueContext):
+class QueueTimeout(_QueueError, TimeoutError):
     """An enqueue or dequeue did not complete within its timeout.
 
     Attributes:
@@ -57,19 +59,8 @@ class QueueTimeout(ShmBroadcastError, TimeoutError, _QueueContext):
             or, on the reader side, the writer's identity.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        queue: str | None = None,
-        side: str | None = None,
-        peers: Sequence[object] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self._set_context(queue, side, peers)
 
-
-class PeerDiedError(ShmBroadcastError, RuntimeError, _QueueContext):
+class PeerDiedError(_QueueError, RuntimeError):
     """The process on the other side of a queue or segment has exited.
 
     Attributes:
@@ -78,31 +69,9 @@ class PeerDiedError(ShmBroadcastError, RuntimeError, _QueueContext):
         peers: The dead peer(s), as ranks (readers) or ``"writer"``.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        queue: str | None = None,
-        side: str | None = None,
-        peers: Sequence[object] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self._set_context(queue, side, peers)
 
-
-class QueueClosedError(ShmBroadcastError, RuntimeError, _QueueContext):
+class QueueClosedError(_QueueError, RuntimeError):
     """The queue was closed or shut down while a caller used or waited on it."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        queue: str | None = None,
-        side: str | None = None,
-        peers: Sequence[object] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self._set_context(queue, side, peers)
 
 
 class QueueRoleError(ShmBroadcastError, RuntimeError):

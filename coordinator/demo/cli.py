@@ -106,8 +106,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    import torch
-
     from coordinator.demo.engine import EngineConfig, build_model, engine_rank
     from coordinator.demo.reference import reference_run
     from coordinator.models.config import LlamaModelConfig, default_config
@@ -165,5 +163,4 @@ def _run_engine(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as f:
             json.dump(out, f, indent=2)
         print(f"  wrote {args.json_path}")
-    del torch
     return 0 if ok else 1
