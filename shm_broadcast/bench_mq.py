@@ -37,6 +37,7 @@ import psutil
 
 from shm_broadcast.bench_baselines import GlooDriver, ZmqPickleDriver, _reap
 from shm_broadcast.bench_payloads import make_payload, payload_names
+from shm_broadcast.bench_wake import bare_wake_latencies, busy_wait, wake_gaps
 from shm_broadcast.codec import Codec
 from shm_broadcast.message_queue import MessageQueue
 
@@ -116,6 +117,7 @@ class MqDriver:
     label = "shm_broadcast MessageQueue"
 
     def __init__(self, n_readers: int, ctx: Any, chunk_bytes: int, chunks: int) -> None:
+        self._ctx = ctx
         ranks = list(range(1, n_readers + 1))
         self._fwd = MessageQueue(n_readers, n_readers, ranks, max_chunk_bytes=chunk_bytes,
                                  max_chunks=chunks, name="bench-mq", writer_rank=0)
@@ -171,6 +173,9 @@ class MqDriver:
         Wake-ups are sampled twice: with the writer busy between samples (the
         engine case: only the readers idle; this is the reported number) and
         with the writer sleeping too (its own cold start then adds to it).
+        Gaps are randomised around ``gap_s`` (see :mod:`shm_broadcast.bench_wake`),
+        and the same gaps are replayed on a bare sleeping process: the
+        platform's wake-up floor, measured in the same run.
         """
         procs = [psutil.Process(pid) for pid in self.pids]
         self._fwd.enqueue(("idle", 2 * samples + 1))
@@ -182,11 +187,14 @@ class MqDriver:
         after = [p.cpu_times() for p in procs]
         cpu = [100.0 * ((a.user + a.system) - (b.user + b.system)) / elapsed
                for a, b in zip(after, before)]
-        warm = self._wake(samples + 1, gap_s, busy=True)
+        gaps = wake_gaps(samples + 1, gap_s)
+        warm = self._wake(gaps, busy=True)
         first = max(warm[: len(self._back)])
-        cold = self._wake(samples, gap_s, busy=False)
+        cold = self._wake(gaps[1:], busy=False)
         warm.sort()
         cold.sort()
+        floor = bare_wake_latencies(self._ctx, gaps[1:], busy=True)
+        floor_p50 = _pct(floor, 50)
         return {
             "idle_s": round(elapsed, 2),
             "idle_cpu_percent_max": round(max(cpu), 2),
@@ -196,18 +204,19 @@ class MqDriver:
             "wake_p99_us": round(_pct(warm, 99) * 1e6, 1),
             "wake_after_idle_us": round(first * 1e6, 1),
             "wake_writer_also_idle_p50_us": round(_pct(cold, 50) * 1e6, 1),
+            "floor_wake_p50_us": round(floor_p50 * 1e6, 1),
+            "floor_wake_p99_us": round(_pct(floor, 99) * 1e6, 1),
+            "wake_x_floor": round(_pct(warm, 50) / floor_p50, 2) if floor_p50 > 0 else None,
         }
 
-    def _wake(self, n: int, gap_s: float, busy: bool) -> list[float]:
-        """One-way latencies of ``n`` messages sent ``gap_s`` apart (readers parked)."""
+    def _wake(self, gaps: list[float], busy: bool) -> list[float]:
+        """One-way latencies of messages sent ``gaps`` apart (readers parked)."""
         out: list[float] = []
-        for _ in range(n):
-            end = time.perf_counter() + gap_s
+        for gap in gaps:
             if busy:
-                while time.perf_counter() < end:
-                    pass
+                busy_wait(gap)
             else:
-                time.sleep(gap_s)
+                time.sleep(gap)
             self._fwd.enqueue({"t": time.perf_counter()})
             out.extend(b.dequeue() for b in self._back)
         return out
@@ -306,6 +315,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
                       "MB/s counts payload bytes (msgpack + raw tensors) once per message",
             "idle": "reader CPU (psutil) while waiting idle_s with no message; then one-way "
                     "wake-up latency writer enqueue -> reader dequeue",
+            "floor_wake": "same gaps replayed on a bare process sleeping in poll() on a Unix "
+                          "datagram socket: the platform's wake-up floor (bench_wake.py)",
             "x_vs_mq": "baseline rt_p50 / MessageQueue rt_p50, same run",
         },
         "config": asdict(cfg),
@@ -344,5 +355,6 @@ def format_table(report: dict[str, Any]) -> str:
             f"core over {i['idle_s']} s; wake-up one-way p50 {i['wake_p50_us']} us, p99 "
             f"{i['wake_p99_us']} us ({i['wake_samples']} samples, writer busy; first after the "
             f"idle period {i['wake_after_idle_us']} us; writer idle too: p50 "
-            f"{i['wake_writer_also_idle_p50_us']} us)")
+            f"{i['wake_writer_also_idle_p50_us']} us); bare-process wake-up floor, same run: "
+            f"p50 {i.get('floor_wake_p50_us')} us, queue = {i.get('wake_x_floor')}x floor")
     return "\n".join(lines)

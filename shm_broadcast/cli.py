@@ -85,6 +85,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="cap on iterations per measurement (default 5000)")
     parser.add_argument("--idle", type=float, default=5.0, metavar="SECONDS",
                         help="idle period of the idle-CPU/wake-up test, 0 to skip (default 5)")
+    parser.add_argument("--wake-samples", type=int, default=20, metavar="N",
+                        help="wake-up latency samples after the idle period (default 20)")
     parser.add_argument("--no-baselines", action="store_true",
                         help="measure only the MessageQueue")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
@@ -99,11 +101,14 @@ def run_bench(args: argparse.Namespace) -> int:
             raise SystemExit(f"{name} must be >= {low}, got {value}")
     if any(n < 1 for n in args.readers):
         raise SystemExit(f"--readers must be >= 1, got {args.readers}")
+    if args.wake_samples < 1:
+        raise SystemExit(f"--wake-samples must be >= 1, got {args.wake_samples}")
     if args.max_iters < 5:
         raise SystemExit(f"--max-iters must be >= 5, got {args.max_iters}")
     cfg = BenchConfig(readers=list(args.readers), payloads=list(args.payloads),
                       seconds=args.seconds, max_iters=args.max_iters,
-                      baselines=not args.no_baselines, idle_s=args.idle)
+                      baselines=not args.no_baselines, idle_s=args.idle,
+                      wake_samples=args.wake_samples)
     report = _run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     report["command"] = shlex.join(sys.argv)
     print(format_table(report))

@@ -91,7 +91,7 @@ class LocalReader:
         self._closed = False
         self._stash: collections.deque = collections.deque()
         self._cond: Callable[[], bool] = _never
-        self._wait_what = ""
+        self._wait_what: str | None = ""
         self._wait_timeout: float | None = None
         self._backoff = Backoff(policy, self._check_wait)
         self.ring: ShmRingBuffer | None = None
@@ -106,6 +106,11 @@ class LocalReader:
                 raise ValueError(f"handle of queue {handle.name!r} has no local readers")
             self._writer_bell = bell_address(handle.bell_prefix, "w")
             self.ring = ShmRingBuffer.attach(handle.segment)
+            ring = self.ring
+            self._strong = ring.strongly_ordered
+            self._parked_at = ring.reader_parked_offset(index)
+            self._flag_at = [ring.flag_offsets(c, index) for c in range(ring.max_chunks)]
+            self._data_at = [ring.data_offset(c) for c in range(ring.max_chunks)]
             ctime = psutil.Process(self._pid).create_time()
             self.ring.register_reader(index, self._pid, ctime)
             self._doorbell = Doorbell(bell_address(handle.bell_prefix, f"r{index}"))
@@ -132,27 +137,41 @@ class LocalReader:
         self._wait("the writer to see all readers connected", ring.is_ready, timeout)
         self._ready = True
 
-    def _wait(self, what: str, cond: Callable[[], bool], timeout: float | None) -> None:
+    def _wait(self, what: str | None, cond: Callable[[], bool], timeout: float | None) -> None:
+        """Wait until ``cond()``; ``what`` names it in errors (``None``: the next message)."""
         self._cond, self._wait_what, self._wait_timeout = cond, what, timeout
         b = self._backoff
         b.start(None if timeout is None else time.monotonic() + timeout)
         while not cond():
-            if b.step() == PARK:
-                self._park(cond, b.park_timeout())
+            if b.step() == PARK and self._park(cond, b.park_timeout()):
+                return
 
-    def _park(self, cond: Callable[[], bool], seconds: float) -> None:
+    def _park(self, cond: Callable[[], bool], seconds: float) -> bool:
+        """Sleep on the doorbell; returns True when ``cond()`` held on waking.
+
+        The path after a ring is deliberately short (raw flag bytes, no method
+        calls): a reader idle for a while wakes with cold caches, where each
+        Python call costs microseconds of the wake-up latency.
+        """
         ring = self.ring
-        self._doorbell.drain()
-        ring.set_reader_parked(self.index, True)
+        buf = ring.buf
+        flag = self._parked_at
+        self._doorbell.drain()  # rings from before this park are stale
+        buf[flag] = 1
         ring.full_fence()
         try:
-            if not cond() and not ring.is_shutdown() and not self._closing:
-                if self._doorbell.wait(seconds):
-                    self._backoff.rearm()  # a message is on its way: poll, don't re-park
+            if cond():
+                return True
+            if not (ring.is_shutdown() or self._closing) and self._doorbell.wait(seconds):
+                buf[flag] = 0
+                if cond():
+                    return True
+                self._backoff.rearm()  # a message is on its way: poll, don't re-park
         finally:
-            ring.set_reader_parked(self.index, False)
-        if (ring.is_shutdown() or self._closing) and not cond():
+            buf[flag] = 0
+        if (self._closing or ring.is_shutdown()) and not cond():
             self._check_wait(False)
+        return False
 
     def _drain_sub(self) -> None:
         sub = self.sub
@@ -164,6 +183,8 @@ class LocalReader:
             pass
 
     def _check_wait(self, expired: bool) -> None:
+        if self._wait_what is None:
+            self._wait_what = f"message #{self._seq}"
         if self._closing:
             raise QueueClosedError(
                 f"queue {self.name!r}: {self.side} was shut down while waiting for "
@@ -206,12 +227,14 @@ class LocalReader:
         ring = self.ring
         seq = self._seq
         chunk = seq % self.max_chunks
-        idx = self.index
-        if not ring.is_readable(chunk, idx):
-            self._wait(f"message #{seq}", lambda: ring.is_readable(chunk, idx), timeout)
-        ring.acquire_fence()
         buf = ring.buf
-        d = ring.data_offset(chunk)
+        w_at, r_at = self._flag_at[chunk]
+        # Inlined ShmRingBuffer.is_readable: R_i first, then W.
+        if not (buf[r_at] == 0 and buf[w_at] == 1):
+            self._wait(None, lambda: buf[r_at] == 0 and buf[w_at] == 1, timeout)
+        if not self._strong:
+            ring.acquire_fence()
+        d = self._data_at[chunk]
         wseq, kind, mlen, blen = WIRE.unpack_from(buf, d)
         if wseq != seq:
             raise ShmBroadcastError(
@@ -233,10 +256,12 @@ class LocalReader:
 
     def _consume(self, chunk: int) -> None:
         ring = self.ring
-        ring.mark_read(chunk, self.index)
+        if not self._strong:
+            ring.release_fence()
+        ring.buf[self._flag_at[chunk][1]] = 1  # inlined ShmRingBuffer.mark_read
         self._seq += 1
         ring.full_fence()
-        if ring.writer_parked():
+        if ring.buf[ring.writer_parked_offset] and ring.take_writer_parked():
             self._ringer.ring(self._writer_bell)
 
     def _recv_overflow(self, seq: int, timeout: float | None) -> list:

@@ -119,6 +119,8 @@ class QueueWriter:
         try:
             if self.n_local:
                 self.ring = ShmRingBuffer.create(self.n_local, max_chunk_bytes, max_chunks)
+                self._parked_lo, self._parked_hi = self.ring.parked_span()
+                self._no_parked = bytes(self.n_local)
                 self.ring.set_writer(self._pid, self._ctime)
                 self._doorbell = Doorbell(bell_address(self._bell_prefix, "w"))
             if n_reader:
@@ -262,6 +264,21 @@ class QueueWriter:
     # ------------------------------------------------------------- enqueue
     def enqueue(self, obj: Any, timeout: float | None) -> None:
         """Send ``obj`` to every reader (see the module docstring)."""
+        ring = self.ring
+        if (ring is not None and not self._closing
+                and ring.buf[self._parked_lo : self._parked_hi] != self._no_parked and self._ready):
+            # Early doorbell, first thing: a parked reader takes ~200 us to get
+            # a CPU back; let that overlap with encoding and copying. It then
+            # polls (see Backoff.rearm); the bell after publishing below still
+            # guarantees the wake-up if it parked again meanwhile. The check is
+            # inlined (ShmRingBuffer.take_parked_readers + BellRinger.ring):
+            # after an idle spell caches are cold and each Python call before
+            # the sendto adds microseconds to the wake-up.
+            buf, lo, sendto = ring.buf, self._parked_lo, self._ringer.sendto
+            for i, address in enumerate(self._reader_bells):
+                if buf[lo + i]:
+                    buf[lo + i] = 0  # take the flag, then ring (see ring_buffer)
+                    sendto(address)
         if not self._ready:
             self._check_open("enqueue")
             self.wait_until_ready(timeout if timeout is not None else 120.0)
@@ -269,13 +286,6 @@ class QueueWriter:
             self._raise_closed("enqueue")
         if not self.n_reader:
             return
-        ring = self.ring
-        if ring is not None and ring.any_reader_parked():
-            # Early doorbell: a parked reader takes ~100 us to get a CPU back;
-            # let that overlap with encoding and copying. It then polls (see
-            # Backoff.rearm); the bell after publishing below still guarantees
-            # the wake-up if it parked again meanwhile.
-            self._ring_readers(ring.parked_readers())
         enc = self.codec.encode(obj)
         msg = enc.msg
         mlen = len(msg)
@@ -307,8 +317,9 @@ class QueueWriter:
                     enc.write_blob(ring.base_addr + d + boff)
             ring.publish(chunk)
             ring.full_fence()
-            if ring.any_reader_parked():
-                self._ring_readers(ring.parked_readers())
+            parked = ring.take_parked_readers()
+            if parked:
+                self._ring_readers(parked)
         if self.n_remote:
             if frames is None:
                 # Copy out of the chunk: it is reused once the local readers are done.
@@ -339,6 +350,7 @@ class QueueWriter:
             if b.step() == PARK:
                 if self._closing:
                     self._raise_closed("enqueue")
+                self._doorbell.drain()  # rings from before this park are stale
                 ring.set_writer_parked(True)
                 ring.full_fence()
                 if not ring.is_free(chunk):

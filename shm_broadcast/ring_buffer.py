@@ -68,6 +68,20 @@ a separate C call, so the compiler cannot reorder them; the CPU can:
 The same handshake runs in reverse when the ring is full: the writer sets
 ``writer_parked``, fences, re-checks the chunk, and sleeps; a reader sets its
 ``R_i``, fences, and pokes the writer if ``writer_parked`` is set.
+
+Who clears a parked flag. The side that rings also clears the flag, just
+before its ``sendto`` (:meth:`take_parked_readers`, :meth:`take_writer_parked`);
+the sleeper clears its own flag again when it wakes. Ringing is the costly
+part on a VM (the ``sendto`` that wakes an idle vCPU took ~100 us of the
+ringer's time on the development machine), and a sleeper needs ~200 us to get
+a CPU back, so without this the writer's early bell (before encoding) and its
+bell after publishing would both ring one sleeper. A plain load + store is
+enough, no atomic exchange: the ringer's ``parked := 0`` can only overwrite a
+*newer* ``parked := 1`` of the sleeper if that newer store came between the
+ringer's load and its store; the sleeper's park starts by draining its
+doorbell, then stores 1, so the ringer's ``sendto`` -- issued after its store
+-- lands in the doorbell after that drain and wakes the newer park. The worst
+case is one spurious wake-up, never a lost one.
 """
 
 from __future__ import annotations
@@ -156,6 +170,9 @@ class ShmRingBuffer:
         self._zeros = b"\x00" * geometry.n_reader
         self._fence_lock = threading.Lock()
         strong = _STRONGLY_ORDERED
+        #: True where the CPU orders the data path by itself (x86-64, TSO):
+        #: the release/acquire fences are no-ops and hot paths may skip them.
+        self.strongly_ordered: bool = strong
         self.release_fence = _noop if strong else self.full_fence
         self.acquire_fence = _noop if strong else self.full_fence
 
@@ -210,6 +227,32 @@ class ShmRingBuffer:
         """Whether :meth:`close` has run."""
         return self._seg.closed
 
+    # ------------------------------------------------- raw flag offsets
+    # For hot paths that inline the flag accesses (a woken reader runs with
+    # cold caches, where every Python call costs microseconds): the byte
+    # offsets in :attr:`buf` behind is_readable/mark_read/the parked flags.
+    def flag_offsets(self, chunk: int, reader: int) -> tuple[int, int]:
+        """Offsets of chunk ``chunk``'s ``W`` byte and of its ``R_reader`` byte."""
+        g = self._g
+        off = g.flags_off + chunk * g.flag_stride
+        return off, off + 1 + reader
+
+    def reader_parked_offset(self, reader: int) -> int:
+        """Offset of ``reader``'s parked byte (1 = sleeping on its doorbell)."""
+        return self._g.parked_off + reader
+
+    def parked_span(self) -> tuple[int, int]:
+        """``(start, stop)`` of the readers' parked bytes in :attr:`buf`.
+
+        ``buf[start:stop] != bytes(n_reader)`` means some reader is parked;
+        take a fresh slice each time (a kept slice would pin the mapping).
+        """
+        g = self._g
+        return g.parked_off, g.parked_off + g.n_reader
+
+    #: Offset of the writer's parked byte.
+    writer_parked_offset: int = _OFF_WRITER_PARKED
+
     # --------------------------------------------------------------- fences
     def full_fence(self) -> None:
         """Full memory barrier (store->load included); see the module docstring."""
@@ -262,6 +305,23 @@ class ShmRingBuffer:
         buf = self.buf
         return [r for r in range(g.n_reader) if buf[g.parked_off + r]]
 
+    def take_parked_readers(self) -> list[int]:
+        """Clear the parked flags that are set and return those readers' indices.
+
+        The caller must ring every returned reader's doorbell *after* this call:
+        see "Who clears a parked flag" in the module docstring for why a plain
+        load + store (no atomic exchange) cannot lose a wake-up.
+        """
+        g = self._g
+        buf = self.buf
+        base = g.parked_off
+        if buf[base : base + g.n_reader] == self._zeros:
+            return []
+        taken = [r for r in range(g.n_reader) if buf[base + r]]
+        for r in taken:
+            buf[base + r] = 0
+        return taken
+
     # ------------------------------------------------------- reader protocol
     def is_readable(self, chunk: int, reader: int) -> bool:
         """Whether ``chunk`` is PUBLISHED and unread by ``reader`` (R first, then W)."""
@@ -309,6 +369,14 @@ class ShmRingBuffer:
     def writer_parked(self) -> bool:
         """Whether the writer declared itself parked (call after :meth:`full_fence`)."""
         return self.buf[_OFF_WRITER_PARKED] == 1
+
+    def take_writer_parked(self) -> bool:
+        """Clear the writer's parked flag if set; returns whether it was (then ring it)."""
+        buf = self.buf
+        if buf[_OFF_WRITER_PARKED] != 1:
+            return False
+        buf[_OFF_WRITER_PARKED] = 0
+        return True
 
     def set_reader_parked(self, reader: int, parked: bool) -> None:
         """Declare (or clear) that ``reader`` sleeps on its doorbell."""
