@@ -31,7 +31,11 @@ full ring) waits in three phases, driven by :class:`Backoff`::
 * **PARK** declares itself parked in shared memory and blocks in ``poll(2)``
   on its doorbell (:mod:`shm_broadcast.doorbell`), which the peer rings only
   when it sees the parked flag; an idle side costs ~0% CPU and wakes with a
-  single kernel wake-up.
+  single kernel wake-up. That wake-up has a platform floor the queue cannot
+  beat: ``groupcoord bench mq`` measures it in the same run (a bare process
+  sleeping in ``poll(2)``; 160-240 us p50 on the 2-vCPU development VM, where
+  the queue measured 1.5-1.8x that). Engines that cannot afford it between
+  steps raise ``yield_s`` to cover their step time, trading CPU for latency.
 
 Whatever the phase, :meth:`Backoff.step` runs the checks every ``liveness_s``
 (default 0.2 s) and at the deadline: the caller's timeout
