@@ -31,6 +31,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="run the model under torch.compile(fullgraph=True)")
     p.add_argument("--compile-backend", default="aot_eager",
                    help="torch.compile backend for --compile (default aot_eager; inductor works too)")
+    p.add_argument("--dtype", default="float32",
+                   choices=("float32", "auto", "bfloat16", "float16"),
+                   help="compute dtype (default float32: bf16/fp16 checkpoints are upcast, which "
+                        "reproduces transformers' float32 forward; auto = the checkpoint's dtype)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded model (default 0)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
@@ -110,13 +114,16 @@ def _run_engine(args: argparse.Namespace) -> int:
     from coordinator.demo.reference import reference_run
     from coordinator.models.config import LlamaModelConfig, default_config
     from coordinator.testing import run_distributed
+    import torch
 
     mcfg = LlamaModelConfig.from_json(args.model_dir) if args.model_dir else default_config()
+    # refuse an unshardable layout here, with the field's name, before any rank starts
+    mcfg.check_parallel(args.tp, args.pp)
     cfg = EngineConfig(
         tp=args.tp, pp=args.pp, model_dir=args.model_dir, seed=args.seed,
         requests=tuple(_requests(args, mcfg.vocab_size)), compile=args.compile,
         compile_backend=args.compile_backend, ignore_eos=args.ignore_eos,
-        progress=not args.no_progress,
+        progress=not args.no_progress, dtype=args.dtype,
     )
     src = args.model_dir or f"embedded model (seed {args.seed})"
     print(f"groupcoord demo: Llama decoder [{src}: {mcfg.num_hidden_layers} layers, hidden "
@@ -132,7 +139,10 @@ def _run_engine(args: argparse.Namespace) -> int:
     ref_tokens, ref_logits = reference_run(cfg, drv["sequences"], build_model)
     same = ref_tokens == drv["generated"]
     diff = float((drv["logits"] - ref_logits).abs().max()) if drv["logits"].numel() else 0.0
-    ok = same and diff < 1e-3
+    # sharding only reorders float sums: allow rounding relative to the logits' scale
+    scale = max(1.0, float(ref_logits.abs().max())) if ref_logits.numel() else 1.0
+    tol = (1e-3 if drv["logits"].dtype == torch.float32 else 5e-2) * scale
+    ok = same and diff < tol
 
     print("  generated token ids (new tokens per prompt):")
     for i, (gen, (prompt, _, _)) in enumerate(zip(drv["generated"], cfg.requests)):

@@ -53,6 +53,8 @@ class EngineConfig:
         ignore_eos: Do not stop at the model's end-of-sequence ids.
         progress: Print progress lines while running.
         kv_blocks: KV cache capacity in blocks of 16 tokens.
+        dtype: Compute dtype: ``float32`` (default; bf16/fp16 checkpoints are
+            upcast), ``auto`` (the checkpoint's dtype), ``bfloat16`` or ``float16``.
     """
 
     tp: int
@@ -65,15 +67,22 @@ class EngineConfig:
     ignore_eos: bool = False
     progress: bool = True
     kv_blocks: int = 512
+    dtype: str = "float32"
 
 
 def build_model(cfg: EngineConfig, tp_group: Any, pp_group: Any) -> Any:
     """This rank's shard (or the whole model when both groups are None)."""
+    from coordinator.models.config import default_config, resolve_dtype
     from coordinator.models.llama import LlamaForCausalLM
 
     if cfg.model_dir:
-        return LlamaForCausalLM.from_pretrained(cfg.model_dir, tp_group, pp_group)
-    return LlamaForCausalLM.from_seed(seed=cfg.seed, tp_group=tp_group, pp_group=pp_group)
+        return LlamaForCausalLM.from_pretrained(cfg.model_dir, tp_group, pp_group, cfg.dtype)
+    return LlamaForCausalLM.from_seed(
+        seed=cfg.seed,
+        tp_group=tp_group,
+        pp_group=pp_group,
+        dtype=resolve_dtype(cfg.dtype, default_config()),
+    )
 
 
 def _stats_us(samples_ns: list[int]) -> dict[str, float]:

@@ -16,7 +16,7 @@ import torch
 
 from coordinator.layers.rotary import SUPPORTED_ROPE_TYPES
 
-__all__ = ["LlamaModelConfig", "default_config", "DTYPES"]
+__all__ = ["LlamaModelConfig", "default_config", "DTYPES", "resolve_dtype"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -160,17 +160,19 @@ class LlamaModelConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> "LlamaModelConfig":
-        """Read ``path`` (a ``config.json`` file or the directory holding one)."""
+        """Read ``path`` (a ``config.json`` file or the directory holding one).
+
+        When a ``generation_config.json`` sits next to it and names an
+        ``eos_token_id``, that one wins: it is what ``transformers``'
+        ``generate`` stops on.
+        """
         p = os.fspath(path)
         if os.path.isdir(p):
             p = os.path.join(p, "config.json")
-        if not os.path.isfile(p):
-            raise ValueError(f"no config.json at {p!r}; expected a Hugging Face model directory")
-        with open(p, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p} is not valid JSON: {e}") from e
+        data = _read_json(p, required=True)
+        gen = _read_json(os.path.join(os.path.dirname(p), "generation_config.json"), False)
+        if isinstance(gen, Mapping) and gen.get("eos_token_id") is not None:
+            data = {**data, "eos_token_id": gen["eos_token_id"]}
         return cls.from_hf_dict(data)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -207,10 +209,92 @@ class LlamaModelConfig:
             "torch_dtype": self.dtype,
         }
 
+    def check_parallel(self, tp: int, pp: int) -> None:
+        """Check that this model can be sharded over ``tp`` x ``pp`` ranks.
+
+        The rules follow vLLM: query heads, ``intermediate_size`` and (when
+        there are at least ``tp`` of them) KV heads split evenly over the
+        tensor-parallel ranks; with fewer KV heads than ``tp`` each KV head is
+        replicated on ``tp / num_key_value_heads`` ranks, so that must divide.
+        The vocabulary is padded, so any ``vocab_size`` works. Every pipeline
+        stage needs at least one decoder layer (vLLM would create empty
+        stages; here that is refused as a wasted process).
+
+        Raises:
+            TypeError: ``tp`` or ``pp`` is not an int.
+            ValueError: A size the model cannot be split by, naming the field.
+        """
+        for name, value in (("tensor-parallel size (tp)", tp), ("pipeline-parallel size (pp)", pp)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads % tp:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be divisible by the tensor-parallel size "
+                f"(tp={tp}); use a tp that divides {heads}"
+            )
+        if kv >= tp and kv % tp:
+            raise ValueError(
+                f"num_key_value_heads ({kv}) must be divisible by the tensor-parallel size "
+                f"(tp={tp}) when it is >= tp"
+            )
+        if kv < tp and tp % kv:
+            raise ValueError(
+                f"num_key_value_heads ({kv}) is smaller than the tensor-parallel size (tp={tp}) "
+                f"and does not divide it, so KV heads cannot be replicated evenly"
+            )
+        if self.intermediate_size % tp:
+            raise ValueError(
+                f"intermediate_size ({self.intermediate_size}) must be divisible by the "
+                f"tensor-parallel size (tp={tp})"
+            )
+        if pp > self.num_hidden_layers:
+            raise ValueError(
+                f"cannot split {self.num_hidden_layers} layers over {pp} pipeline stages: the "
+                f"pipeline-parallel size (pp={pp}) must be <= num_hidden_layers "
+                f"({self.num_hidden_layers})"
+            )
+
     @property
     def torch_dtype(self) -> torch.dtype:
         """The checkpoint dtype as a ``torch.dtype``."""
         return DTYPES[self.dtype]
+
+
+def _read_json(path: str, required: bool) -> Any:
+    """Parsed JSON at ``path``; ``None`` when absent and not ``required``."""
+    if not os.path.isfile(path):
+        if not required:
+            return None
+        raise ValueError(f"no config.json at {path!r}; expected a Hugging Face model directory")
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def resolve_dtype(dtype: "torch.dtype | str | None", config: "LlamaModelConfig") -> torch.dtype:
+    """The compute dtype for ``dtype``: ``None``/``"float32"`` -> float32 (the default),
+    ``"auto"`` -> the checkpoint's dtype, a name from :data:`DTYPES`, or a floating ``torch.dtype``.
+
+    Raises:
+        ValueError: An unknown name.
+        TypeError: Neither a string, ``None`` nor a floating ``torch.dtype``.
+    """
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            return config.torch_dtype
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise TypeError(f"dtype must be a floating torch.dtype, a name or 'auto', got {dtype!r}")
 
 
 def _parse_rope(d: Mapping[str, Any]) -> tuple[str, float, dict[str, Any]]:
@@ -230,6 +314,13 @@ def _parse_rope(d: Mapping[str, Any]) -> tuple[str, float, dict[str, Any]]:
     extra = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
     if rope_type == "llama3":
         extra.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+    if rope_type in ("linear", "dynamic", "llama3"):
+        factor = extra.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+            raise ValueError(
+                f"rope_scaling of type {rope_type!r} needs a positive numeric 'factor', "
+                f"got {factor!r}"
+            )
     return str(rope_type), float(theta), extra
 
 

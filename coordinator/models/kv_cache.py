@@ -38,6 +38,8 @@ class AttentionInputs(NamedTuple):
         context_slots: ``[sum(seq_lens)]`` slots of every request's full context, concatenated.
         context_start_loc: ``[R + 1]`` offsets of each request's context in ``context_slots``.
         logits_indices: ``[R]`` batch index of each request's last token.
+        seq_lens: ``[T]`` length of each token's request after the step (its
+            context length; dynamic RoPE scaling depends on it).
     """
 
     positions: torch.Tensor
@@ -46,6 +48,7 @@ class AttentionInputs(NamedTuple):
     context_slots: torch.Tensor
     context_start_loc: torch.Tensor
     logits_indices: torch.Tensor
+    seq_lens: torch.Tensor | None = None
 
 
 class KVCache:
@@ -172,6 +175,7 @@ class KVCache:
         positions: list[int] = []
         slot_mapping: list[int] = []
         context: list[int] = []
+        token_seq_lens: list[int] = []
         qsl, csl = [0], [0]
         for req, done, new in zip(req_ids, num_computed, num_new):
             table = self._tables.setdefault(req, [])
@@ -179,6 +183,7 @@ class KVCache:
                 table.append(self._free.pop())
             self._lengths[req] = done + new
             positions.extend(range(done, done + new))
+            token_seq_lens.extend([done + new] * new)
             slot_mapping.extend(self._slot(req, p) for p in range(done, done + new))
             context.extend(self._slot(req, p) for p in range(done + new))
             qsl.append(qsl[-1] + new)
@@ -191,4 +196,5 @@ class KVCache:
             context_slots=as_long(context),
             context_start_loc=as_long(csl),
             logits_indices=as_long([q - 1 for q in qsl[1:]]),
+            seq_lens=as_long(token_seq_lens),
         )

@@ -66,25 +66,31 @@ _STACKED = (
 def partition_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     """``[start, end)`` layer ranges of the ``pp_size`` pipeline stages.
 
-    Layers are split as evenly as possible; the first ``num_layers % pp_size``
-    stages take one extra layer (the last stage also carries the LM head).
+    Same split as vLLM's ``get_pp_indices``: every stage gets
+    ``num_layers // pp_size`` layers and the ``num_layers % pp_size`` extra
+    layers go one each to the stages *before* the last, starting from the
+    second-to-last (the first stage carries the embedding and the last the LM
+    head, so they are kept light). Example: 6 layers over 4 stages is
+    ``1, 2, 2, 1``.
 
     Raises:
-        ValueError: Fewer layers than stages.
+        ValueError: Fewer layers than stages (vLLM would leave stages empty).
     """
-    if pp_size <= 0:
-        raise ValueError(f"pipeline-parallel size must be positive, got {pp_size}")
+    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size <= 0:
+        raise ValueError(f"pipeline-parallel size must be a positive int, got {pp_size!r}")
     if num_layers < pp_size:
         raise ValueError(
             f"cannot split {num_layers} layers over {pp_size} pipeline stages; "
             f"use a pipeline-parallel size <= num_hidden_layers"
         )
     base, extra = divmod(num_layers, pp_size)
+    sizes = [base] * pp_size
+    for i in range(2, extra + 2):
+        sizes[-i] += 1
     out, start = [], 0
-    for stage in range(pp_size):
-        end = start + base + (1 if stage < extra else 0)
-        out.append((start, end))
-        start = end
+    for size in sizes:
+        out.append((start, start + size))
+        start += size
     return out
 
 
@@ -123,7 +129,9 @@ class LlamaAttention(nn.Module):
             params_dtype=dtype,
             prefix=f"{prefix}.o_proj",
         )
-        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_type, c.rope_params)
+        self.rotary_emb = RotaryEmbedding(
+            c.head_dim, c.rope_theta, c.rope_type, c.rope_params, c.max_position_embeddings
+        )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = c.head_dim
@@ -139,7 +147,7 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(attn.positions, q, k)
+        q, k = self.rotary_emb(attn.positions, q, k, attn.seq_lens)
         o = torch.ops.groupcoord.paged_attention(
             q,
             k,
@@ -331,6 +339,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp_group = tp_group
         self.pp_group = pp_group
         self.pp_size, self.pp_rank = tp_size_and_rank(pp_group)
+        config.check_parallel(tp_size_and_rank(tp_group)[0], self.pp_size)
         self.model = LlamaModel(
             config, tp_group, self.pp_rank, self.pp_size, dtype, sequence_parallel
         )
@@ -492,22 +501,32 @@ class LlamaForCausalLM(nn.Module):
         model_dir: str | os.PathLike[str],
         tp_group: TPGroup | None = None,
         pp_group: Any | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         sequence_parallel: bool = False,
     ) -> "LlamaForCausalLM":
         """Build this rank's shard from a Hugging Face checkpoint directory.
+
+        The default compute dtype is float32 whatever the checkpoint's
+        ``torch_dtype``: bf16/fp16 weights are upcast exactly, so the result is
+        Hugging Face's float32 forward of the same weights, and TP/PP sharding
+        changes the logits only by float32 rounding (greedy ids stay identical
+        on random tiny models). ``dtype="auto"`` computes in the checkpoint
+        dtype instead (vLLM's default; closer to ``transformers`` loaded with
+        its default ``dtype="auto"``, but sharding then moves logits by bf16/fp16
+        rounding, enough to flip near-tied greedy choices).
 
         Args:
             model_dir: Directory with ``config.json`` and ``*.safetensors``.
             tp_group: Tensor-parallel group or ``None``.
             pp_group: Pipeline-parallel group or ``None``.
-            dtype: Parameter dtype (default: float32).
+            dtype: Compute dtype: ``None`` (float32), ``"auto"``, a name or a ``torch.dtype``.
             sequence_parallel: See the class docstring.
         """
         from coordinator.models.checkpoint import iter_checkpoint
+        from coordinator.models.config import resolve_dtype
 
         config = LlamaModelConfig.from_json(model_dir)
-        model = cls(config, tp_group, pp_group, dtype or torch.float32, sequence_parallel)
+        model = cls(config, tp_group, pp_group, resolve_dtype(dtype, config), sequence_parallel)
         model.load_weights(
             iter_checkpoint(model_dir, lambda n: model.wants(n) or not model._known(n))
         )
