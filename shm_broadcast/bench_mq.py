@@ -256,7 +256,7 @@ def _measure(drivers: list[Any], obj: Any, size: int, cfg: BenchConfig) -> list[
     lat: list[list[float]] = [[] for _ in drivers]
     for _ in range(rounds):
         for k, d in enumerate(drivers):
-            lat[k].extend(d.rt(obj, max(1, iters[k] // rounds)))
+            lat[k].extend(d.rt(obj, -(-iters[k] // rounds)))  # ceil: >= min_iters in all
     out = []
     for k, d in enumerate(drivers):
         n_stream = iters[k]

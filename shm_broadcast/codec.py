@@ -21,6 +21,8 @@ None, bool, int (64-bit), float, str,      msgpack natives
 bytes, list, dict with str/int keys
 tuple, set, frozenset, dict with other     msgpack ext wrapping their items
 keys (e.g. tuple keys)                     (so a tuple comes back a tuple)
+memoryview                                 ext: bytes, format, shape (comes
+                                           back as a memoryview over a copy)
 ``torch.Tensor`` (CPU, strided, any dtype  ext descriptor + raw bytes
 incl. bfloat16/float8/complex, 0-dim,      (non-contiguous ones are made
 empty, non-contiguous, conj/neg views)     contiguous first; requires_grad kept)
@@ -31,6 +33,10 @@ namedtuples, msgspec Structs, datetime,    with any tensor/ndarray inside
 Parameter, subclasses of the above, ints   still sent out-of-band as raw
 beyond 64 bits, object arrays...)          bytes (pickle ``persistent_id``)
 =========================================  ===================================
+
+Nesting is bounded by the interpreter's recursion limit (roughly a thousand
+levels of lists/dicts, a few hundred of tuples/sets); deeper messages raise
+:class:`ValueError` before anything is sent.
 
 The pickle fallback is explicit: it can be switched off
 (``allow_pickle=False``), after which such values raise :class:`TypeError`
@@ -61,11 +67,15 @@ _EXT_SET = 4
 _EXT_FROZENSET = 5
 _EXT_DICT_PAIRS = 6
 _EXT_PICKLE = 7
+_EXT_MEMORYVIEW = 8
 
 _ALIGN = 64
 _TENSOR_HEAD = struct.Struct("<QQBBB")  # offset, nbytes, dtype code, flags, ndim
 _ARRAY_HEAD = struct.Struct("<QQBH")  # offset, nbytes, ndim, len(dtype descr)
-_SHAPES = [struct.Struct(f"<{n}q") for n in range(33)]
+# Shape structs by ndim; numpy 2 and torch allow up to 64 dimensions.
+_SHAPES = [struct.Struct(f"<{n}q") for n in range(65)]
+#: Depth hint for the error raised on messages nested too deeply.
+_DEPTH_HINT = "a few hundred levels of tuples/sets, about a thousand of lists/dicts"
 _FLAG_REQUIRES_GRAD = 1
 
 # Stable dtype codes: index in this tuple (names missing in this torch are skipped).
@@ -197,7 +207,12 @@ class Codec:
         except (OverflowError, UnicodeEncodeError):
             # An int beyond 64 bits or a lone surrogate somewhere: pickle it all.
             self._copies, self._keep, self._cursor = [], [], 0
-            msg = self._encoder.encode(_Box(_EXT_PICKLE, obj))
+            try:
+                msg = self._encoder.encode(_Box(_EXT_PICKLE, obj))
+            except RecursionError:
+                raise _too_deep("encode") from None
+        except RecursionError:
+            raise _too_deep("encode") from None
         return Encoded(msg, self._cursor, self._copies, self._keep)
 
     def _reserve(self, nbytes: int, src_addr: int, keep: Any) -> int:
@@ -293,6 +308,8 @@ class Codec:
         self._src_len = blob_len
         try:
             return self._decoder.decode(msg)
+        except RecursionError:
+            raise _too_deep("decode") from None
         finally:
             self._src = b""
 
@@ -301,8 +318,10 @@ class Codec:
             raise ValueError("corrupt message: array extends beyond the message's data area")
         if nbytes == 0:
             return np.empty(shape, dtype)
-        count = nbytes // dtype.itemsize
-        return np.frombuffer(self._src, dtype, count, self._src_start + off).reshape(shape).copy()
+        # Copy as raw bytes: a structured dtype's copy() skips its padding bytes
+        # (left uninitialised), a byte copy is exact and a plain memcpy.
+        raw = np.frombuffer(self._src, np.uint8, nbytes, self._src_start + off).copy()
+        return raw.view(dtype).reshape(shape)
 
     def _tensor_from(self, data: Any) -> Any:
         torch = _TORCH if _TORCH is not None else _load_torch()
@@ -344,11 +363,39 @@ class Codec:
             return set(self._decoder.decode(data))
         if code == _EXT_FROZENSET:
             return frozenset(self._decoder.decode(data))
+        if code == _EXT_MEMORYVIEW:
+            return _rebuild_memoryview(*msgspec.msgpack.decode(data))
         if code == _EXT_PICKLE:
             if not self.allow_pickle:
                 raise TypeError("received a pickled value but this queue side has allow_pickle=False")
             return _OobUnpickler(io.BytesIO(data), self).load()
         raise ValueError(f"corrupt or incompatible message: unknown ext code {code}")
+
+
+def _too_deep(op: str) -> ValueError:
+    return ValueError(
+        f"cannot {op} the message: it is nested too deeply for the recursion limit "
+        f"(sys.getrecursionlimit() = {sys.getrecursionlimit()}; roughly {_DEPTH_HINT} fit)")
+
+
+def _memoryview_state(mv: memoryview) -> tuple[bytes, str, list[int], bool]:
+    """``(C-order bytes, format, shape, readonly)`` of a memoryview (any layout)."""
+    return mv.tobytes(), mv.format, list(mv.shape or ()), bool(mv.readonly)
+
+
+def _rebuild_memoryview(data: bytes, fmt: str, shape: list[int], readonly: bool) -> memoryview:
+    """A memoryview equal to the one :func:`_memoryview_state` described, over fresh memory.
+
+    Read-only views come back over ``bytes``, writable ones over a ``bytearray``.
+    Formats ``memoryview.cast`` cannot restore (struct strings) come back as bytes ('B').
+    """
+    mv = memoryview(data if readonly else bytearray(data))
+    if fmt == "B" and len(shape) == 1:
+        return mv
+    try:
+        return mv.cast("B").cast(fmt, shape)
+    except (TypeError, ValueError):
+        return mv
 
 
 def _tuplify(descr: Any) -> Any:
@@ -365,6 +412,11 @@ class _OobPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, codec: Codec) -> None:
         super().__init__(file, protocol=5)
         self._codec = codec
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is memoryview:  # not picklable by itself
+            return _rebuild_memoryview, _memoryview_state(obj)
+        return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
         t = type(obj)
@@ -435,4 +487,6 @@ def _prep(obj: Any) -> Any:
         return _Box(_EXT_SET, _prep(list(obj)))
     if t is frozenset:
         return _Box(_EXT_FROZENSET, _prep(list(obj)))
+    if t is memoryview:  # msgpack would turn it into bytes
+        return _Box(_EXT_MEMORYVIEW, _memoryview_state(obj))
     return _Box(_EXT_PICKLE, obj)

@@ -86,6 +86,8 @@ class LocalReader:
         wr = "" if handle.writer_rank is None else f" rank {handle.writer_rank}"
         self._writer_desc = f"writer{wr} ({self._writer.describe()})"
         self._seq = 0
+        #: Parks on the doorbell, and those that ended by timeout rather than a ring.
+        self.park_stats = {"parks": 0, "timeouts": 0}
         self._ready = False
         self._closing = False
         self._closed = False
@@ -130,9 +132,9 @@ class LocalReader:
     # ------------------------------------------------------------- waiting
     def wait_until_ready(self, timeout: float | None) -> None:
         """Block until the writer saw every reader connect."""
+        self._check_open("wait_until_ready")  # also once ready: a closed queue is unusable
         if self._ready:
             return
-        self._check_open("wait_until_ready")
         ring = self.ring
         self._wait("the writer to see all readers connected", ring.is_ready, timeout)
         self._ready = True
@@ -162,11 +164,16 @@ class LocalReader:
         try:
             if cond():
                 return True
-            if not (ring.is_shutdown() or self._closing) and self._doorbell.wait(seconds):
-                buf[flag] = 0
-                if cond():
-                    return True
-                self._backoff.rearm()  # a message is on its way: poll, don't re-park
+            if not (ring.is_shutdown() or self._closing):
+                stats = self.park_stats
+                stats["parks"] += 1
+                if self._doorbell.wait(seconds):
+                    buf[flag] = 0
+                    if cond():
+                        return True
+                    self._backoff.rearm()  # a message is on its way: poll, don't re-park
+                else:
+                    stats["timeouts"] += 1
         finally:
             buf[flag] = 0
         if (self._closing or ring.is_shutdown()) and not cond():

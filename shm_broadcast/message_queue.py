@@ -239,6 +239,17 @@ class MessageQueue:
         """The queue's name."""
         return self._impl.name
 
+    def park_stats(self) -> dict[str, int]:
+        """Counters of this side's doorbell parks (diagnostics, cheap to keep).
+
+        Returns:
+            ``{"parks": n, "timeouts": m}``: how often this side slept on its
+            doorbell, and how many of those sleeps ended by the
+            ``park_poll_s`` bound instead of a ring. While the peer is busy, a
+            timeout means a wake-up was missed (or the peer stalled that long).
+        """
+        return dict(self._impl.park_stats)
+
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` has run."""

@@ -101,6 +101,8 @@ class QueueWriter:
         self._said_goodbye: set[int] = set()
         self._local_watch: dict[int, PeerWatch] = {}
         self._wait_seq = 0
+        #: Parks on the doorbell, and those that ended by timeout rather than a ring.
+        self.park_stats = {"parks": 0, "timeouts": 0}
         self._wait_chunk: int | None = None
         self._wait_timeout: float | None = None
         self._backoff = Backoff(policy, self._check_wait)
@@ -163,9 +165,9 @@ class QueueWriter:
     # ------------------------------------------------------------ handshake
     def wait_until_ready(self, timeout: float | None) -> None:
         """Block until every reader is attached and subscribed."""
+        self._check_open("wait_until_ready")  # also once ready: a closed queue is unusable
         if self._ready:
             return
-        self._check_open("wait_until_ready")
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         poller = zmq.Poller()
@@ -283,6 +285,7 @@ class QueueWriter:
             self._check_open("enqueue")
             self.wait_until_ready(timeout if timeout is not None else 120.0)
         if self._closing:
+            self._check_open("enqueue")
             self._raise_closed("enqueue")
         if not self.n_reader:
             return
@@ -291,7 +294,8 @@ class QueueWriter:
         mlen = len(msg)
         blen = enc.blob_len
         boff = CHUNK_HEADER + (mlen + 63) // 64 * 64
-        overflow = boff + blen > self.max_chunk_bytes
+        # Without arrays the msgpack bytes need no padding: a message fits up to the last byte.
+        overflow = (boff + blen if blen else CHUNK_HEADER + mlen) > self.max_chunk_bytes
         seq = self._seq
         deadline = None if timeout is None else time.monotonic() + timeout
         frames: list[Any] | None = None
@@ -354,7 +358,10 @@ class QueueWriter:
                 ring.set_writer_parked(True)
                 ring.full_fence()
                 if not ring.is_free(chunk):
-                    self._doorbell.wait(b.park_timeout())
+                    stats = self.park_stats
+                    stats["parks"] += 1
+                    if not self._doorbell.wait(b.park_timeout()):
+                        stats["timeouts"] += 1
                 ring.set_writer_parked(False)
 
     def _wait_credit(self, seq: int, deadline: float | None, timeout: float | None) -> None:

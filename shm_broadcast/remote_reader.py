@@ -59,6 +59,8 @@ class RemoteReader:
         self._writer_desc = f"writer{wr} ({self._writer.describe()})"
         self._ack_every = max(1, handle.remote_window // 4)
         self._seq = 0
+        #: Same keys as a local reader's; a remote reader never parks on a doorbell.
+        self.park_stats = {"parks": 0, "timeouts": 0}
         self._ready = False
         self._closing = False
         self._closed = False
@@ -153,9 +155,9 @@ class RemoteReader:
 
     def wait_until_ready(self, timeout: float | None) -> None:
         """Block until the writer's READY marker arrives."""
+        self._check_open("wait_until_ready")  # also once ready: a closed queue is unusable
         if self._ready:
             return
-        self._check_open("wait_until_ready")
         while True:
             frames = self._next("the writer to see all readers connected", timeout)
             seq, kind, _m, _b = WIRE.unpack_from(frames[1].buffer)

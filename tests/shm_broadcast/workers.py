@@ -225,3 +225,36 @@ def pg_worker(rank: int, world: int, port: int, port2: int, node_ids: list[str |
         out.put(("ok", rank, report))
     except BaseException:
         out.put(("error", rank, traceback.format_exc()))
+
+
+def jittery_reader(handle: Any, rank: int, n: int, max_gap_s: float, policy: Any,
+                   out: Any) -> None:
+    """Read ``n`` stamped messages with random pauses; report latencies and parks.
+
+    Message ``i`` is ``(i, t_sent)`` with ``t_sent = time.monotonic()`` on the
+    writer (the same clock system-wide on Linux). Pausing 0..``max_gap_s``
+    before each dequeue makes the reader park between messages.
+    """
+    import random
+
+    try:
+        rnd = random.Random(1000 + rank)
+        with MessageQueue.create_from_handle(handle, rank, wait_policy=policy) as mq:
+            mq.wait_until_ready(60)
+            before = mq.park_stats()
+            worst = 0.0
+            slow = []
+            for i in range(n):
+                time.sleep(rnd.uniform(0.0, max_gap_s))
+                seq, t_sent = mq.dequeue(timeout=60)
+                lat = time.monotonic() - t_sent
+                if seq != i:
+                    raise AssertionError(f"reader {rank}: got message {seq}, expected {i}")
+                worst = max(worst, lat)
+                if lat > 0.5:
+                    slow.append((i, round(lat, 3)))
+            after = mq.park_stats()
+        out.put(("ok", rank, after["parks"] - before["parks"],
+                 after["timeouts"] - before["timeouts"], worst, slow))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))

@@ -1,0 +1,71 @@
+"""Stress of the park/doorbell wake-up protocol with real processes.
+
+Readers pause a random 0-5 ms before each dequeue, so they park between
+messages; the writer pauses a random 0-5 ms before each enqueue and, with a
+one- or two-chunk ring, parks on a full ring too. With ``max_chunks=1`` every
+step is lock-step: a wake-up that is lost is not rescued by the next message's
+bell, the sleeper only wakes when its bounded poll (``park_poll_s``) expires.
+
+The wait policy makes that visible: ``park_poll_s = liveness_s = 1 s`` while no
+side is ever idle for more than a few ms, so any park that ends by timeout
+(``MessageQueue.park_stats()["timeouts"]``) or any message slower than 0.5 s
+is a lost wake-up (or a one-second scheduling stall, which this test treats
+as a failure too).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from shm_broadcast import MessageQueue, WaitPolicy
+
+from . import workers
+
+# Park almost at once (no spin, 0.2 ms of yielding); polls bounded by 1 s.
+POLICY = WaitPolicy(spin_s=0.0, yield_s=0.0002, park_poll_s=1.0, liveness_s=1.0)
+MAX_GAP_S = 0.005
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n_readers, max_chunks, n_msgs", [(4, 1, 500), (3, 2, 500)],
+                         ids=["4-readers-1-chunk", "3-readers-2-chunks"])
+def test_no_lost_wakeups_under_random_gaps(procs, n_readers, max_chunks, n_msgs):
+    ranks = list(range(1, n_readers + 1))
+    mq = MessageQueue(n_readers, n_readers, ranks, max_chunk_bytes=256, max_chunks=max_chunks,
+                      name=f"wake-{max_chunks}", wait_policy=POLICY)
+    rnd = random.Random(7)
+    try:
+        for r in ranks:
+            procs.start(workers.jittery_reader, mq.export_handle(), r, n_msgs, MAX_GAP_S, POLICY)
+        mq.wait_until_ready(50)
+        before = mq.park_stats()
+        slow_enqueues = []
+        for i in range(n_msgs):
+            gap = rnd.uniform(0.0, MAX_GAP_S)
+            if gap > 0.001:  # some back-to-back messages too
+                time.sleep(gap)
+            t0 = time.monotonic()
+            mq.enqueue((i, t0), timeout=30)
+            took = time.monotonic() - t0
+            if took > 0.5:
+                slow_enqueues.append((i, round(took, 3)))
+        after = mq.park_stats()
+        reports = sorted(procs.get(timeout=40) for _ in ranks)
+    finally:
+        mq.close()
+    writer_parks = after["parks"] - before["parks"]
+    writer_timeouts = after["timeouts"] - before["timeouts"]
+    assert [r[:2] for r in reports] == [("ok", r) for r in ranks]
+    summary = {r[1]: {"parks": r[2], "timeouts": r[3], "worst_s": round(r[4], 3), "slow": r[5]}
+               for r in reports}
+    summary["writer"] = {"parks": writer_parks, "timeouts": writer_timeouts,
+                         "slow": slow_enqueues}
+    # The scenario really exercised both directions of the handshake...
+    assert all(summary[r]["parks"] >= n_msgs // 5 for r in ranks), summary
+    assert writer_parks >= n_msgs // 10, summary
+    # ... and no sleeper ever needed its timeout to notice a message or a free chunk.
+    assert writer_timeouts == 0 and not slow_enqueues, summary
+    assert all(summary[r]["timeouts"] == 0 and not summary[r]["slow"] for r in ranks), summary
