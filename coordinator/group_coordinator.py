@@ -29,7 +29,14 @@ from coordinator import group_setup as setup
 from coordinator import tensor_dict as td
 from coordinator.errors import NotInitializedError
 from coordinator.group_registry import REGISTRY
-from coordinator.object_comm import ObjectCodec, PickleCodec, recv_object, send_object
+from coordinator.object_comm import (
+    SERIALIZE_ERRORS,
+    ObjectCodec,
+    PickleCodec,
+    SourceFailure,
+    recv_object,
+    send_object,
+)
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms import validation as v
 from device_comms.errors import translate_backend_error
@@ -246,11 +253,35 @@ class GroupCoordinator:
         """Broadcast a Python object from ``src``; returns it on every rank.
 
         Uses the message queue when the group has one and ``src`` is its writer.
+
+        Raises:
+            TypeError: On ``src``: ``obj`` cannot be serialised. The other ranks
+                are told and raise ``ValueError`` instead of waiting forever.
         """
         v.check_rank(src, self.world_size, "src")
         if self.world_size == 1:
             return obj
+        if self.rank_in_group == src:
+            try:
+                return self._broadcast_raw(obj, src)
+            except SERIALIZE_ERRORS as e:
+                self._broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src)
+                raise TypeError(
+                    f"broadcast_object on group {self.unique_name!r}: obj of type "
+                    f"{type(obj).__name__} cannot be serialised ({type(e).__name__}: {e})"
+                ) from e
+        got = self._broadcast_raw(None, src)
+        if isinstance(got, SourceFailure):
+            raise ValueError(
+                f"broadcast_object on group {self.unique_name!r}: the source rank {src} could "
+                f"not send its object ({got.message}); fix the call on rank {src}"
+            )
+        return got
+
+    def _broadcast_raw(self, obj: Any, src: int) -> Any:
+        """One object from ``src`` to all (message queue or CPU group), unchecked."""
         if self.mq_broadcaster is not None and src == self.mq_writer_rank:
+            self._check_live("broadcast_object")
             return self.mq_broadcaster.broadcast_object(obj)
         box = [obj if self.rank_in_group == src else None]
         self._cpu_call(
@@ -266,12 +297,28 @@ class GroupCoordinator:
         if not isinstance(obj_list, list):
             raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
         v.check_rank(src, self.world_size, "src")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch ProcessGroup or None, got {type(group).__name__}")
         if self.world_size == 1:
             return obj_list
-        self._cpu_call(
-            "broadcast_object_list", dist.broadcast_object_list, obj_list,
-            src=self.ranks[src], group=group or self.cpu_group,
-        )
+        box, failed, kw = obj_list, None, {"src": self.ranks[src], "group": group or self.cpu_group}
+        if self.rank_in_group == src:
+            try:
+                return self._cpu_call("broadcast_object_list", _bcast_list, obj_list, **kw)
+            except SERIALIZE_ERRORS as e:  # nothing was sent: tell the receivers instead
+                failed, box = e, [SourceFailure(f"{type(e).__name__}: {e}")] * len(obj_list)
+        self._cpu_call("broadcast_object_list", _bcast_list, box, **kw)
+        if failed is not None:
+            raise TypeError(
+                f"broadcast_object_list on group {self.unique_name!r}: an entry of obj_list "
+                f"cannot be serialised ({type(failed).__name__}: {failed})"
+            ) from failed
+        if obj_list and isinstance(obj_list[0], SourceFailure):
+            msg = obj_list[0].message
+            raise ValueError(
+                f"broadcast_object_list on group {self.unique_name!r}: the source rank {src} "
+                f"could not send its objects ({msg}); fix the call on rank {src}"
+            )
         return obj_list
 
     def send_object(self, obj: Any, dst: int) -> None:
@@ -356,9 +403,16 @@ class GroupCoordinator:
         """Wait for every rank of the group (on the CPU group).
 
         Args:
-            timeout: Seconds; when given, a rank missing after that long raises
-                :class:`~device_comms.errors.CollectiveTimeout` naming the ranks.
+            timeout: Seconds (or a ``timedelta``); when given, a rank missing
+                after that long raises :class:`~device_comms.errors.CollectiveTimeout`
+                naming the ranks.
+
+        Raises:
+            TypeError: ``timeout`` is not a number or a timedelta.
+            ValueError: ``timeout`` is not positive and finite.
         """
+        if timeout is not None:
+            timeout = setup.check_timeout(timeout)
         if self.world_size == 1:
             return
         self._check_live("barrier")
@@ -504,6 +558,11 @@ def _tracing() -> bool:
     """True while torch.compile traces: collectives become ``groupcoord::`` custom ops,
     opaque graph nodes whose implementation calls back into the eager path."""
     return torch.compiler.is_compiling()
+
+
+def _bcast_list(obj_list: list[Any], src: int, group: dist.ProcessGroup) -> list[Any]:
+    dist.broadcast_object_list(obj_list, src=src, group=group)
+    return obj_list
 
 
 def _ag(group: Any) -> "GroupCoordinator | None":

@@ -16,6 +16,7 @@ collectives and this one the construction rules:
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Any, Sequence
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "mq_available",
     "DestroyedComm",
     "destroyed_msg",
+    "check_timeout",
 ]
 
 
@@ -122,3 +124,24 @@ class DestroyedComm:
 
     def __getattr__(self, attr: str) -> Any:
         raise NotInitializedError(destroyed_msg(self._name, attr))
+
+
+def check_timeout(timeout: Any) -> float:
+    """Seconds of a timeout argument: a positive finite number or a timedelta.
+
+    Raises:
+        TypeError: Neither a number nor a timedelta (bools are refused).
+        ValueError: Not positive and finite.
+    """
+    if isinstance(timeout, datetime.timedelta):
+        secs = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        secs = float(timeout)
+    else:
+        raise TypeError(
+            f"timeout must be a number of seconds or a datetime.timedelta, "
+            f"got {type(timeout).__name__}"
+        )
+    if not math.isfinite(secs) or secs <= 0:
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    return secs

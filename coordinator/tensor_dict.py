@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.distributed as dist
 
+from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms.torch_communicator import wire_view
 
 if TYPE_CHECKING:
@@ -47,8 +48,6 @@ __all__ = [
 ]
 
 VALUE, TENSOR, INLINE = 0, 1, 2
-# Metadata is a list; this dict in its place tells receivers that src failed.
-_ERROR_KEY = "__groupcoord_src_error__"
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -67,6 +66,7 @@ def flatten_tensor_dict(
     inline_cpu: bool = False,
     slicing: Mapping[Any, bool] | None = None,
     parts: int = 1,
+    device: torch.device | None = None,
 ) -> tuple[list[list[Any]], list[torch.Tensor]]:
     """Split a dict into metadata entries and payload tensors.
 
@@ -76,9 +76,12 @@ def flatten_tensor_dict(
             which encodes them out of band).
         slicing: Keys whose tensors are sent as slices (see module docstring).
         parts: Number of slices of a sliced tensor (the all-gather group size).
+        device: The group's device; when given, every tensor must be on the CPU
+            or on a device of that type.
 
     Raises:
-        TypeError: ``tensor_dict`` is not a mapping.
+        TypeError: ``tensor_dict`` is not a mapping, or holds a sparse tensor.
+        ValueError: A tensor is on a device the group cannot move.
     """
     if not isinstance(tensor_dict, Mapping):
         raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
@@ -86,6 +89,17 @@ def flatten_tensor_dict(
     payload: list[torch.Tensor] = []
     for key, value in tensor_dict.items():
         if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided:
+                raise TypeError(
+                    f"tensor_dict[{key!r}] is a {value.layout} tensor; only dense (strided) "
+                    f"tensors can be sent, convert it with .to_dense()"
+                )
+            if device is not None and value.device.type not in ("cpu", device.type):
+                where = "cpu" if device.type == "cpu" else f"cpu or {device.type}"
+                raise ValueError(
+                    f"tensor_dict[{key!r}] is on {value.device}, but this group moves tensors "
+                    f"on {where}; move it with .to({str(device)!r})"
+                )
             if inline_cpu and value.device.type == "cpu":
                 meta.append([key, INLINE, value])
                 continue
@@ -123,28 +137,30 @@ def broadcast_tensor_dict(
     use_mq = not overrides and gc.mq_broadcaster is not None and src == gc.mq_writer_rank
     is_src = gc.rank_in_group == src
     if is_src:
-        meta, payload = flatten_tensor_dict(tensor_dict, inline_cpu=use_mq)  # type: ignore[arg-type]
-        if overrides:
-            box = [meta]
-            dist.broadcast_object_list(
-                box, src=gc.ranks[src], group=metadata_group or gc.cpu_group
+        try:
+            meta, payload = flatten_tensor_dict(  # type: ignore[arg-type]
+                tensor_dict, inline_cpu=use_mq, device=gc.device
             )
-        else:
-            gc.broadcast_object(meta, src=src)
+        except (TypeError, ValueError) as e:
+            abort_broadcast(gc, src, group, metadata_group, str(e))
+            raise
+        try:
+            _bcast_meta(gc, meta, src, group, metadata_group)
+        except SERIALIZE_ERRORS as e:
+            abort_broadcast(gc, src, group, metadata_group, f"{type(e).__name__}: {e}")
+            raise TypeError(
+                f"broadcast_tensor_dict on group {gc.unique_name!r}: tensor_dict holds a value "
+                f"that cannot be serialised ({type(e).__name__}: {e})"
+            ) from e
         for t in payload:
             if t.numel():
                 _bcast_tensor(gc, t.contiguous(), src, group, metadata_group)
         return dict(tensor_dict)  # type: ignore[arg-type]
-    if overrides:
-        box = [None]
-        dist.broadcast_object_list(box, src=gc.ranks[src], group=metadata_group or gc.cpu_group)
-        meta = box[0]
-    else:
-        meta = gc.broadcast_object(None, src=src)
-    if isinstance(meta, dict) and _ERROR_KEY in meta:
+    meta = _bcast_meta(gc, None, src, group, metadata_group)
+    if isinstance(meta, SourceFailure):
         raise ValueError(
             f"broadcast_tensor_dict on group {gc.unique_name!r}: the source rank {src} "
-            f"rejected its input ({meta[_ERROR_KEY]}); fix the call on rank {src}"
+            f"rejected its input ({meta.message}); fix the call on rank {src}"
         )
     out: dict[Any, Any] = {}
     for key, kind, value in meta:
@@ -167,11 +183,22 @@ def abort_broadcast(
 ) -> None:
     """On ``src``: send an error marker where receivers expect metadata, so they
     raise instead of waiting for a broadcast that will never come."""
-    marker = {_ERROR_KEY: message}
+    _bcast_meta(gc, SourceFailure(message), src, group, metadata_group)
+
+
+def _bcast_meta(
+    gc: "GroupCoordinator",
+    obj: Any,
+    src: int,
+    group: dist.ProcessGroup | None,
+    metadata_group: dist.ProcessGroup | None,
+) -> Any:
+    """Broadcast the metadata object (no failure checks; callers do them)."""
     if group is not None or metadata_group is not None:
-        dist.broadcast_object_list([marker], src=gc.ranks[src], group=metadata_group or gc.cpu_group)
-    else:
-        gc.broadcast_object(marker, src=src)
+        box = [obj]
+        dist.broadcast_object_list(box, src=gc.ranks[src], group=metadata_group or gc.cpu_group)
+        return box[0]
+    return gc._broadcast_raw(obj, src)
 
 
 def _bcast_tensor(
@@ -200,12 +227,21 @@ def send_tensor_dict(
     all_gather_tensors: Mapping[Any, bool] | None,
 ) -> None:
     """Implementation of :meth:`GroupCoordinator.send_tensor_dict`."""
+    # Argument errors raise here before anything is sent (as every point-to-point
+    # argument check does); a value that does not serialise is reported to the
+    # receiver by send_object, in place of the metadata it waits for.
     if not isinstance(tensor_dict, Mapping):
         raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
     n = all_gather_group.world_size if all_gather_group is not None else 1
     slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
-    meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n)
-    gc.send_object(meta, dst=dst)
+    meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n, device=gc.device)
+    try:
+        gc.send_object(meta, dst=dst)
+    except TypeError as e:  # the receiver was told by send_object
+        raise TypeError(
+            f"send_tensor_dict on group {gc.unique_name!r}: tensor_dict holds a value that "
+            f"cannot be serialised ({e.__cause__ or e})"
+        ) from e
     for (key, kind, desc), t in zip((m for m in meta if m[1] == TENSOR), payload):
         if not t.numel():
             continue
