@@ -464,6 +464,7 @@ class GroupCoordinator:
         writer_rank: int = 0,
         external_writer_handle: Any = None,
         blocking: bool = True,
+        **queue_options: Any,
     ) -> Any:
         """Create a message queue from group rank ``writer_rank`` to all others.
 
@@ -477,21 +478,19 @@ class GroupCoordinator:
                 of an existing queue to read from.
             blocking: Wait until every reader is connected (always done for
                 collective creation, so no message can be lost).
+            **queue_options: Passed on to the queue: ``max_chunk_bytes``,
+                ``max_chunks``, ``connect_ip``, ``wait_policy`` (a
+                :class:`shm_broadcast.WaitPolicy`, e.g. a longer ``yield_s`` so
+                readers stay awake between engine steps); for an external
+                handle only ``wait_policy``.
 
         Returns:
             The writer's queue on ``writer_rank``, a reader's queue elsewhere.
         """
-        from shm_broadcast.message_queue import MessageQueue
+        from coordinator.mq_broadcasters import create_mq_broadcaster
 
-        v.check_rank(writer_rank, self.world_size, "writer_rank")
-        if external_writer_handle is not None:
-            mq = MessageQueue.create_from_handle(external_writer_handle, self.rank_in_group)
-            if blocking:
-                mq.wait_until_ready()
-            return mq
-        return MessageQueue.create_from_process_group(
-            self.cpu_group, writer_rank=writer_rank, name=f"{self.unique_name}-mq"
-        )
+        return create_mq_broadcaster(self, writer_rank, external_writer_handle, blocking,
+                                     **queue_options)
 
     def create_single_reader_mq_broadcasters(
         self, reader_rank_in_group: int = 0, blocking: bool = False

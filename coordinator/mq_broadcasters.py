@@ -1,4 +1,7 @@
-"""Many-writers-to-one-reader message queues for a group (results back to a driver).
+"""Message queues over a group: one-to-all broadcasters and all-to-one result queues.
+
+:func:`create_mq_broadcaster` builds the group's one-writer-to-every-other-rank
+queue (``GroupCoordinator.create_mq_broadcaster``).
 
 :func:`create_single_reader_mq_broadcasters` gives every rank of a group except
 the reader its own one-reader queue, whose only reader is
@@ -22,10 +25,45 @@ if TYPE_CHECKING:
 
     from coordinator.group_coordinator import GroupCoordinator
 
-__all__ = ["create_single_reader_mq_broadcasters", "SINGLE_READER_CHUNK_BYTES", "SINGLE_READER_CHUNKS"]
+__all__ = [
+    "create_mq_broadcaster",
+    "create_single_reader_mq_broadcasters",
+    "SINGLE_READER_CHUNK_BYTES",
+    "SINGLE_READER_CHUNKS",
+]
 
 SINGLE_READER_CHUNK_BYTES = 1 << 20
 SINGLE_READER_CHUNKS = 8
+
+
+_COLLECTIVE_OPTIONS = frozenset({"max_chunk_bytes", "max_chunks", "connect_ip", "wait_policy"})
+_HANDLE_OPTIONS = frozenset({"wait_policy"})
+
+
+def create_mq_broadcaster(
+    gc: "GroupCoordinator",
+    writer_rank: int = 0,
+    external_writer_handle: Any = None,
+    blocking: bool = True,
+    **queue_options: Any,
+) -> "MessageQueue | None":
+    """Implementation of :meth:`GroupCoordinator.create_mq_broadcaster` (see there)."""
+    from shm_broadcast.message_queue import MessageQueue
+
+    v.check_rank(writer_rank, gc.world_size, "writer_rank")
+    allowed = _HANDLE_OPTIONS if external_writer_handle is not None else _COLLECTIVE_OPTIONS
+    unknown = sorted(set(queue_options) - allowed)
+    if unknown:
+        raise TypeError(f"create_mq_broadcaster() got unexpected queue options {unknown}; "
+                        f"allowed here: {sorted(allowed)}")
+    if external_writer_handle is not None:
+        mq = MessageQueue.create_from_handle(external_writer_handle, gc.rank_in_group,
+                                             **queue_options)
+        if blocking:
+            mq.wait_until_ready()
+        return mq
+    return MessageQueue.create_from_process_group(
+        gc.cpu_group, writer_rank=writer_rank, name=f"{gc.unique_name}-mq", **queue_options)
 
 
 def create_single_reader_mq_broadcasters(

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from coordinator import GroupCoordinator
 from coordinator import parallel_state as ps
+from shm_broadcast import WaitPolicy
 
 
 def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
@@ -31,11 +32,20 @@ def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
         torch.equal(d[k], meta[k]) and d[k].dtype == meta[k].dtype
         for k in ("input_ids", "positions", "scale", "empty")
     ) and d["none"] is None and d["reqs"] == ["a", "b"]
-    # A second broadcaster with a non-zero writer.
-    mq = g.create_mq_broadcaster(writer_rank=g.world_size - 1)
+    # A second broadcaster with a non-zero writer and its own queue options:
+    # a 4 KiB ring of 2 chunks, so the 20 KB message takes the overflow path.
+    try:
+        g.create_mq_broadcaster(max_chunk=1)
+    except TypeError as e:
+        out["bad_option"] = "max_chunk" in str(e)
+    mq = g.create_mq_broadcaster(writer_rank=g.world_size - 1, max_chunk_bytes=1 << 12,
+                                 max_chunks=2, wait_policy=WaitPolicy(yield_s=0.005))
     last = g.rank_in_group == g.world_size - 1
     got = mq.broadcast_object({"from": "last"} if last else None)
-    out["writer_last_ok"] = got == {"from": "last"}
+    big = {"blob": "x" * 20_000, "t": torch.arange(1000)}
+    got_big = mq.broadcast_object(big if last else None)
+    out["writer_last_ok"] = got == {"from": "last"} and got_big["blob"] == big["blob"] and \
+        torch.equal(got_big["t"], big["t"])
     mq.close()
     return out
 

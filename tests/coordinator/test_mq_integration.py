@@ -14,6 +14,7 @@ def test_tp_group_broadcasts_through_queue(dist_pool, world_size: int, tp: int) 
         assert "bad_obj" not in r, r.get("bad_obj")
         assert r["dict_ok"]
         assert r["writer_last_ok"]
+        assert r.get("bad_option") is True
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
