@@ -7,8 +7,10 @@ communicators register themselves here; CUDA ones register with a lazy
 
 from device_comms.base import DeviceCommunicator
 from device_comms.errors import (
+    BrokenCommunicator,
     CollectiveMismatch,
     CollectiveTimeout,
+    CommunicatorClosed,
     CommunicatorUnavailable,
     DeviceCommError,
     PeerDiedError,
@@ -38,6 +40,8 @@ __all__ = [
     "CollectiveTimeout",
     "CollectiveMismatch",
     "PeerDiedError",
+    "BrokenCommunicator",
+    "CommunicatorClosed",
     "register_device_communicator",
     "unregister_device_communicator",
     "get_device_communicator",

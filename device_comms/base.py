@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from device_comms import validation as v
-from device_comms.errors import translate_backend_error
+from device_comms.errors import CommunicatorClosed, translate_backend_error
 from device_comms.reduce_op import ReduceOp, check_reduce_op
 
 __all__ = ["DeviceCommunicator"]
@@ -68,6 +68,7 @@ class DeviceCommunicator(abc.ABC):
         self.world_size: int = dist.get_world_size(cpu_group)
         self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
         self.rank: int = self.ranks[self.rank_in_group]
+        self._closed = False
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -83,16 +84,26 @@ class DeviceCommunicator(abc.ABC):
     # ------------------------------------------------------------------ public API
     def all_reduce(self, input_: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``input_`` element-wise across ranks; returns a new tensor."""
-        t = v.check_tensor(input_, "input_", self.device)
-        rop = check_reduce_op(op, t.dtype)
+        self._check_open()
+        try:
+            t = v.check_tensor(input_, "input_", self.device)
+            rop = check_reduce_op(op, t.dtype)
+        except (TypeError, ValueError) as e:
+            self._reject("all_reduce", e)
+            raise
         if self.world_size == 1:
             return t.clone()
         return self._guard("all_reduce", self._all_reduce, t.contiguous(), rop)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``input_`` along ``dim`` (same shape on all ranks)."""
-        t = v.check_tensor(input_, "input_", self.device)
-        d = v.norm_dim(dim, t.dim())
+        self._check_open()
+        try:
+            t = v.check_tensor(input_, "input_", self.device)
+            d = v.norm_dim(dim, t.dim())
+        except (TypeError, ValueError) as e:
+            self._reject("all_gather", e)
+            raise
         if self.world_size == 1:
             return t.clone()
         return self._guard("all_gather", self._all_gather, t.contiguous(), d)
@@ -108,13 +119,24 @@ class DeviceCommunicator(abc.ABC):
         ``input_`` may be a list of tensors (each gathered the same way; a list
         comes back). ``sizes=None`` means equal sizes (plain all-gather).
         """
+        self._check_open()
         if isinstance(input_, (list, tuple)):
             # Validate every tensor before the first collective, so a bad one
-            # raises here instead of leaving the peers inside an all-gather.
-            for i, x in enumerate(input_):
-                self._check_gatherv(x, dim, sizes, f"input_[{i}]")
+            # raises here (and makes the peers, already inside the collective
+            # of the first tensor, raise too) instead of leaving them waiting.
+            try:
+                for i, x in enumerate(input_):
+                    self._check_gatherv(x, dim, sizes, f"input_[{i}]")
+            except (TypeError, ValueError) as e:
+                self._reject("all_gatherv" if sizes is not None else "all_gather", e,
+                             input_[0] if input_ else None, dim, sizes)
+                raise
             return [self.all_gatherv(x, dim, sizes) for x in input_]
-        t, d, sz = self._check_gatherv(input_, dim, sizes, "input_")
+        try:
+            t, d, sz = self._check_gatherv(input_, dim, sizes, "input_")
+        except (TypeError, ValueError) as e:
+            self._reject("all_gatherv" if sizes is not None else "all_gather", e, input_, dim, sizes)
+            raise
         if sz is None:
             return self.all_gather(t, d)
         if self.world_size == 1:
@@ -141,10 +163,15 @@ class DeviceCommunicator(abc.ABC):
         self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor:
         """Reduce across ranks, then give rank ``i`` the ``i``-th equal slice along ``dim``."""
-        t = v.check_tensor(input_, "input_", self.device)
-        d = v.norm_dim(dim, t.dim())
-        rop = check_reduce_op(op, t.dtype)
-        v.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
+        self._check_open()
+        try:
+            t = v.check_tensor(input_, "input_", self.device)
+            d = v.norm_dim(dim, t.dim())
+            rop = check_reduce_op(op, t.dtype)
+            v.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
+        except (TypeError, ValueError) as e:
+            self._reject("reduce_scatter", e)
+            raise
         if self.world_size == 1:
             return t.clone()
         return self._guard("reduce_scatter", self._reduce_scatter, t.contiguous(), d, rop)
@@ -157,21 +184,32 @@ class DeviceCommunicator(abc.ABC):
         op: ReduceOp = ReduceOp.SUM,
     ) -> torch.Tensor:
         """Reduce-scatter where rank ``i`` receives ``sizes[i]`` entries along ``dim``."""
-        t = v.check_tensor(input_, "input_", self.device)
-        d = v.norm_dim(dim, t.dim())
+        self._check_open()
+        try:
+            t = v.check_tensor(input_, "input_", self.device)
+            d = v.norm_dim(dim, t.dim())
+            if sizes is not None:
+                rop = check_reduce_op(op, t.dtype)
+                sz = v.check_sizes(sizes, self.world_size, total=t.shape[d])
+        except (TypeError, ValueError) as e:
+            self._reject("reduce_scatter" if sizes is None else "reduce_scatterv", e)
+            raise
         if sizes is None:
             return self.reduce_scatter(t, d, op)
-        rop = check_reduce_op(op, t.dtype)
-        sz = v.check_sizes(sizes, self.world_size, total=t.shape[d])
         if self.world_size == 1:
             return t.clone()
         return self._guard("reduce_scatterv", self._reduce_scatterv, t.contiguous(), d, sz, rop)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
-        t = v.check_tensor(input_, "input_", self.device)
-        v.check_rank(dst, self.world_size, "dst")
-        d = v.norm_dim(dim, t.dim())
+        self._check_open()
+        try:
+            t = v.check_tensor(input_, "input_", self.device)
+            v.check_rank(dst, self.world_size, "dst")
+            d = v.norm_dim(dim, t.dim())
+        except (TypeError, ValueError) as e:
+            self._reject("gather", e)
+            raise
         if self.world_size == 1:
             return t.clone()
         return self._guard("gather", self._gather, t.contiguous(), dst, d)
@@ -180,19 +218,29 @@ class DeviceCommunicator(abc.ABC):
         self, input_: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor | None:
         """Reduce onto ``dst`` (new tensor there, None elsewhere)."""
-        t = v.check_tensor(input_, "input_", self.device)
-        v.check_rank(dst, self.world_size, "dst")
-        rop = check_reduce_op(op, t.dtype)
+        self._check_open()
+        try:
+            t = v.check_tensor(input_, "input_", self.device)
+            v.check_rank(dst, self.world_size, "dst")
+            rop = check_reduce_op(op, t.dtype)
+        except (TypeError, ValueError) as e:
+            self._reject("reduce", e)
+            raise
         if self.world_size == 1:
             return t.clone()
         return self._guard("reduce", self._reduce, t.contiguous(), dst, rop)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast ``input_`` from ``src`` in place; receivers pass the buffer to fill."""
-        t = v.check_tensor(input_, "input_", self.device)
-        v.check_rank(src, self.world_size, "src")
-        if not t.is_contiguous():
-            raise ValueError("input_ must be contiguous for an in-place broadcast")
+        self._check_open()
+        try:
+            t = v.check_tensor(input_, "input_", self.device)
+            v.check_rank(src, self.world_size, "src")
+            if not t.is_contiguous():
+                raise ValueError("input_ must be contiguous for an in-place broadcast")
+        except (TypeError, ValueError) as e:
+            self._reject("broadcast", e)
+            raise
         if self.world_size == 1:
             return t
         return self._guard("broadcast", self._broadcast, t, src)
@@ -202,6 +250,7 @@ class DeviceCommunicator(abc.ABC):
 
         Non-source ranks may pass ``None``; shape and dtype come from ``src``.
         """
+        self._check_open()
         v.check_rank(src, self.world_size, "src")
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise TypeError(f"dim must be an int, got {type(dim).__name__}")
@@ -226,6 +275,7 @@ class DeviceCommunicator(abc.ABC):
     ) -> torch.Tensor:
         """Send slice ``j`` of ``input_`` (split along ``scatter_dim``) to rank ``j``,
         and concatenate the slices received from every rank along ``gather_dim``."""
+        self._check_open()
         t = v.check_tensor(input_, "input_", self.device)
         sd = v.norm_dim(scatter_dim, t.dim(), "scatter_dim")
         gd = v.norm_dim(gather_dim, t.dim(), "gather_dim")
@@ -236,6 +286,7 @@ class DeviceCommunicator(abc.ABC):
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` to group rank ``dst`` (blocking)."""
+        self._check_open()
         t = v.check_tensor(tensor, "tensor", self.device)
         v.check_rank(dst, self.world_size, "dst")
         if dst == self.rank_in_group:
@@ -244,6 +295,7 @@ class DeviceCommunicator(abc.ABC):
 
     def recv(self, size: torch.Size | Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
         """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``."""
+        self._check_open()
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if not isinstance(size, (torch.Size, list, tuple)) or not all(
@@ -267,7 +319,51 @@ class DeviceCommunicator(abc.ABC):
         yield
 
     def destroy(self) -> None:
-        """Release every resource; idempotent. Subclasses extend and call super()."""
+        """Release every resource; idempotent. Subclasses extend and call super().
+
+        Afterwards every collective raises :class:`~device_comms.errors.CommunicatorClosed`.
+        """
+        self._closed = True
+
+    def close(self) -> None:
+        """Same as :meth:`destroy`."""
+        self.destroy()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`destroy`/:meth:`close` was called."""
+        return self._closed
+
+    def __enter__(self) -> "DeviceCommunicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CommunicatorClosed(
+                f"communicator of group {self.unique_name!r} (rank {self.rank_in_group}/"
+                f"{self.world_size}) was destroyed; create a new one to communicate again"
+            )
+
+    def _reject(self, op: str, e: BaseException, *meta: Any) -> None:
+        """This rank's arguments of ``op`` failed validation (``e`` is re-raised by the caller).
+
+        Contract: a validation error raises on the caller *without
+        communicating* (tests/coordinator/_dist_failures.py relies on it: a
+        rank alone may pass a bad argument and the others do not call), so
+        this only hands the event to :meth:`_abort_collective`, a no-op here.
+        """
+        if self.world_size > 1:
+            self._abort_collective(op, str(e), *meta)
+
+    def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
+        """Extension point for a transport that can tell peers already inside
+        ``op`` to raise without blocking this rank (none does yet).
+
+        ``meta`` is ``(input_, dim, sizes)`` for ``all_gatherv``, else empty.
+        """
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod

@@ -272,7 +272,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
         n = self.world_size
         x = _moved(t, dim, 0)
         k = x.numel() // n
-        out = eng.reduce_scatter(x.view(-1), [k] * n, op, "reduce_scatter", x.numel())
+        key = _shape_key(t.shape, dim)
+        out = eng.reduce_scatter(x.view(-1), [k] * n, op, "reduce_scatter", key)
         return _moved(out.view((x.shape[0] // n,) + x.shape[1:]), 0, dim)
 
     def _reduce_scatterv(
@@ -284,7 +285,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self.shm_calls["reduce_scatterv"] += 1
         x = _moved(t, dim, 0)
         inner = math.prod(x.shape[1:])
-        key = _size_key(sizes, inner)
+        key = _size_key(sizes, x.shape[1:], dim)
         out = eng.reduce_scatter(x.view(-1), [s * inner for s in sizes], op, "reduce_scatterv", key)
         mine = sizes[self.rank_in_group]
         return _moved(out.view((mine,) + x.shape[1:]), 0, dim)
@@ -295,9 +296,10 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if eng is None:
             return super()._all_gather(t, dim)
         self.shm_calls["all_gather"] += 1
+        key = _shape_key(t.shape, dim)
         if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
-            return eng.all_gather_cat(t, dim)  # type: ignore[return-value]
-        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "all_gather", None)
+            return eng.all_gather_cat(t, dim, size_key=key)  # type: ignore[return-value]
+        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "all_gather", None, key)
 
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         eng = self._flat
@@ -305,24 +307,33 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return super()._all_gatherv(t, dim, sizes)
         self.shm_calls["all_gatherv"] += 1
         inner = math.prod(t.shape[:dim]) * math.prod(t.shape[dim + 1 :])
+        key = _size_key(sizes, t.shape[:dim] + t.shape[dim + 1 :], dim)
         if max(sizes) * inner * t.element_size() <= eng.ws.slot_bytes and (
             sum(sizes) * inner * t.element_size() < host_alloc.HUGE_MIN_BYTES
         ):
             shapes = [torch.Size(t.shape[:dim] + (s,) + t.shape[dim + 1 :]) for s in sizes]
-            return eng.gatherv_cat(t, shapes, dim, _size_key(sizes, inner))
-        return self._gather_rows(eng, t, dim, sizes, "all_gatherv", None)  # type: ignore[return-value]
+            return eng.gatherv_cat(t, shapes, dim, key)
+        return self._gather_rows(eng, t, dim, sizes, "all_gatherv", None, key)  # type: ignore[return-value]
 
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         eng = self._flat
         if eng is None:
             return super()._gather(t, dst, dim)
         self.shm_calls["gather"] += 1
+        key = _shape_key(t.shape, dim)
         if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
-            return eng.all_gather_cat(t, dim, "gather", dst)
-        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "gather", dst)
+            return eng.all_gather_cat(t, dim, "gather", dst, key)
+        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "gather", dst, key)
 
     def _gather_rows(
-        self, eng: ShmEngine, t: torch.Tensor, dim: int, sizes: list[int], kind: str, dst: int | None
+        self,
+        eng: ShmEngine,
+        t: torch.Tensor,
+        dim: int,
+        sizes: list[int],
+        kind: str,
+        dst: int | None,
+        key: int,
     ) -> torch.Tensor | None:
         """Gather along ``dim`` written straight into the output's final layout."""
         rows = math.prod(t.shape[:dim])
@@ -334,7 +345,6 @@ class CpuCommunicator(TorchDistributedCommunicator):
             shape = list(t.shape)
             shape[dim] = sum(sizes)
             out = host_alloc.empty(shape, t.dtype)
-        key = t.numel() if kind != "all_gatherv" else _size_key(sizes, inner)
         eng.gather_rows(
             t.view(rows, widths[self.rank_in_group]), widths,
             None if out is None else out.view(rows, sum(widths)), kind, key, dst,
@@ -367,9 +377,22 @@ def _moved(t: torch.Tensor, src: int, dst: int) -> torch.Tensor:
     return out
 
 
-def _size_key(sizes: Sequence[int], inner: int) -> int:
-    """A deterministic int64 key of an uneven layout (same on every rank)."""
-    return hash((tuple(sizes), inner)) & 0x7FFF_FFFF_FFFF_FFFF
+def _size_key(sizes: Sequence[int], others: Sequence[int], dim: int) -> int:
+    """A deterministic int64 key of an uneven layout (same on every rank).
+
+    Covers the per-rank sizes, the other dimensions and ``dim`` itself, so
+    ranks that disagree on any of them raise instead of mixing layouts.
+    """
+    return hash((tuple(sizes), tuple(others), dim)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _shape_key(shape: Sequence[int], dim: int) -> int:
+    """A deterministic int64 key of an even layout: the full shape and ``dim``.
+
+    The element count alone lets ranks with a (2, 3) and a (3, 2) input, or
+    different ``dim`` arguments, exchange bytes silently into a wrong result.
+    """
+    return hash((tuple(shape), dim)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _positive_int(value: int | None, arg: str, env: str) -> int | None:

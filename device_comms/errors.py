@@ -8,6 +8,8 @@ __all__ = [
     "CollectiveTimeout",
     "PeerDiedError",
     "CollectiveMismatch",
+    "BrokenCommunicator",
+    "CommunicatorClosed",
 ]
 
 
@@ -29,6 +31,14 @@ class PeerDiedError(DeviceCommError, RuntimeError):
 
 class CollectiveMismatch(DeviceCommError, ValueError):
     """Ranks called the same collective with incompatible arguments (shape, dtype, op)."""
+
+
+class BrokenCommunicator(DeviceCommError, RuntimeError):
+    """An earlier failure (dead peer, timeout) left the shared-memory engine unusable."""
+
+
+class CommunicatorClosed(DeviceCommError, RuntimeError):
+    """A collective was called on a communicator after ``destroy()``/``close()``."""
 
 
 def translate_backend_error(e: BaseException, where: str) -> BaseException:

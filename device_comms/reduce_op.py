@@ -64,7 +64,8 @@ def check_reduce_op(op: object, dtype: torch.dtype, arg: str = "op") -> ReduceOp
 
     Raises:
         TypeError: ``op`` is not a reduction, a bitwise op is used on a
-            non-integer dtype, AVG on an integer dtype, or ``dtype`` has no
+            non-integer dtype, AVG on an integer dtype, MIN/MAX/PRODUCT on a
+            complex dtype, or ``dtype`` has no
             arithmetic in torch (``uint16/32/64``, ``float8_*``).
     """
     rop = _coerce(op, arg)
@@ -77,6 +78,12 @@ def check_reduce_op(op: object, dtype: torch.dtype, arg: str = "op") -> ReduceOp
         raise TypeError(
             f"{arg}=ReduceOp.{rop.name} needs an integer or bool tensor, got dtype {dtype}; "
             f"use SUM/MIN/MAX/PRODUCT/AVG for floating point"
+        )
+    if dtype.is_complex and rop in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+        raise TypeError(
+            f"{arg}=ReduceOp.{rop.name} is not supported for complex dtype {dtype} "
+            f"(complex numbers have no order, and torch.distributed rejects a complex "
+            f"PRODUCT); use SUM/AVG, or reduce .real/.imag or torch.view_as_real separately"
         )
     if rop is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
         raise TypeError(

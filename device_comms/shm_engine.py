@@ -255,16 +255,22 @@ class ShmEngine:
 
     # ------------------------------------------------------------------ data movement
     def all_gather_cat(
-        self, t: torch.Tensor, dim: int, kind: str = "all_gather", dst: int | None = None
+        self,
+        t: torch.Tensor,
+        dim: int,
+        kind: str = "all_gather",
+        dst: int | None = None,
+        size_key: int | None = None,
     ) -> torch.Tensor | None:
         """Every rank's ``t`` (same shape, fits a slot) concatenated along ``dim``.
 
         Every rank gets it when ``dst`` is None, else only local rank ``dst``.
+        ``size_key`` (default: the element count) must agree on every rank.
         """
         views = self._shaped(self.sync.next_parity, t)
         views[self.me].copy_(t)
         sig = self._sig(kind, t.dtype, None, 0 if dst is None else dst)
-        self.sync.step(kind, sig, t.numel(), True)
+        self.sync.step(kind, sig, t.numel() if size_key is None else size_key, True)
         if dst is None or dst == self.me:
             return torch.cat(views, dim)
         return None

@@ -90,7 +90,13 @@ from typing import Sequence
 import psutil
 import torch
 
-from device_comms.errors import CollectiveMismatch, CollectiveTimeout, DeviceCommError, PeerDiedError
+from device_comms.errors import (  # BrokenCommunicator re-exported for older imports
+    BrokenCommunicator,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    DeviceCommError,
+    PeerDiedError,
+)
 from device_comms.reduce_op import ReduceOp
 from device_comms import futex
 from device_comms.shm_workspace import CLOSED, GEN, PARKED, SIG, ShmWorkspace
@@ -118,14 +124,19 @@ _KIND_CODES = {v: k for k, v in KIND_NAMES.items()}
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+] + [  # newer bit containers, when this torch has them (codes stay stable: appended)
+    dt for dt in (
+        getattr(torch, name, None)
+        for name in (
+            "complex32", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+            "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        )
+    ) if isinstance(dt, torch.dtype)
 ]
 _DTYPE_CODES = {d: i + 1 for i, d in enumerate(_DTYPES)}
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
+
 _OPS = {v: k for k, v in _OP_CODES.items()}
-
-
-class BrokenCommunicator(DeviceCommError, RuntimeError):
-    """An earlier failure (dead peer, timeout) left the shared-memory engine unusable."""
 
 
 def signature(kind: str, dtype: torch.dtype, op: ReduceOp | None = None, root: int = 0) -> int:

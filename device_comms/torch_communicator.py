@@ -12,10 +12,13 @@ work even where a backend lacks a kernel (``bfloat16``, ``uint16``, ``float8``..
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from device_comms.base import DeviceCommunicator
+from device_comms.errors import CollectiveMismatch
 from device_comms.reduce_op import ReduceOp
 
 __all__ = ["TorchDistributedCommunicator", "wire_view"]
@@ -27,6 +30,13 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # Types every backend moves natively; all others (bfloat16, float16, bool,
 # int16, uint16/32/64, float8, complex...) move as raw bytes.
 _NATIVE = frozenset({torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64})
+# Integer types gloo (and NCCL) cannot reduce: reduced in a wider type and cast
+# back. Two's complement arithmetic is modular, so wrap-around and bitwise ops
+# give exactly the narrow type's results.
+_REDUCE_AS = {torch.int16: torch.int32}
+# Bytes in front of every rank's piece in all_gatherv: its size along ``dim``
+# (int64; -1 when its arguments were rejected), padded so any dtype stays aligned.
+_GATHERV_HDR = 16
 
 
 def wire_view(t: torch.Tensor) -> torch.Tensor:
@@ -52,22 +62,27 @@ class TorchDistributedCommunicator(DeviceCommunicator):
 
     # --- reductions -----------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        out = t.clone()
+        wide = _REDUCE_AS.get(t.dtype)
+        out = t.to(wide) if wide is not None else t.clone()
         dist.all_reduce(out, op=op.to_torch(), group=self.device_group)
         if op is ReduceOp.AVG:
             out.div_(self.world_size)
-        return out
+        return out.to(t.dtype) if wide is not None else out
 
     def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
-        out = t.clone()
+        wide = _REDUCE_AS.get(t.dtype)
+        out = t.to(wide) if wide is not None else t.clone()
         dist.reduce(out, dst=self._g(dst), op=op.to_torch(), group=self.device_group)
         if self.rank_in_group != dst:
             return None
         if op is ReduceOp.AVG:
             out.div_(self.world_size)
-        return out
+        return out.to(t.dtype) if wide is not None else out
 
     def _reduce_scatter(self, t: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor:
+        wide = _REDUCE_AS.get(t.dtype)
+        if wide is not None:
+            return self._reduce_scatter(t.to(wide), dim, op).to(t.dtype)
         n = self.world_size
         x = t.movedim(dim, 0).contiguous()
         out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=t.dtype, device=t.device)
@@ -79,6 +94,9 @@ class TorchDistributedCommunicator(DeviceCommunicator):
     def _reduce_scatterv(
         self, t: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
     ) -> torch.Tensor:
+        wide = _REDUCE_AS.get(t.dtype)
+        if wide is not None:
+            return self._reduce_scatterv(t.to(wide), dim, sizes, op).to(t.dtype)
         n, m = self.world_size, max(sizes)
         x = t.movedim(dim, 0)
         padded = torch.zeros((n * m,) + x.shape[1:], dtype=t.dtype, device=t.device)
@@ -100,13 +118,43 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         return _concat_leading(out, dim)
 
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        return self._gatherv_bytes(t, dim, sizes, t.shape[dim])
+
+    def _gatherv_bytes(self, t: torch.Tensor, dim: int, sizes: list[int], own: int) -> torch.Tensor:
+        """All-gather of uneven pieces as bytes, each behind a header with its size.
+
+        Every rank checks every header against ``sizes``, so a rank whose input
+        does not match its entry (``own`` = -1 after a local rejection) makes
+        every rank raise :class:`CollectiveMismatch` instead of a wrong result.
+        """
         n, m = self.world_size, max(sizes)
         x = t.movedim(dim, 0)
-        padded = torch.zeros((m,) + x.shape[1:], dtype=t.dtype, device=t.device)
-        padded[: x.shape[0]] = x
-        out = torch.empty((n * m,) + x.shape[1:], dtype=t.dtype, device=t.device)
-        _all_gather_flat(wire_view(out).view(-1), wire_view(padded).view(-1), group=self.device_group)
-        pieces = [out[i * m : i * m + s] for i, s in enumerate(sizes)]
+        inner = tuple(x.shape[1:])
+        row = math.prod(inner) * t.element_size()
+        piece = _GATHERV_HDR + m * row
+        buf = torch.empty(piece, dtype=torch.uint8, device=t.device)
+        buf[:8].view(torch.int64).fill_(own)
+        if 0 < own <= m:
+            buf[_GATHERV_HDR : _GATHERV_HDR + own * row].view(t.dtype).view((own,) + inner).copy_(x)
+        out = torch.empty(n * piece, dtype=torch.uint8, device=t.device)
+        _all_gather_flat(out, buf, group=self.device_group)
+        rows = out.view(n, piece)
+        heads = rows[:, :8].clone().view(torch.int64).view(-1).tolist()
+        bad = [r for r in range(n) if heads[r] != sizes[r]]
+        if bad:
+            got = ", ".join(
+                f"rank {r}: " + ("its arguments were rejected" if heads[r] < 0 else f"{heads[r]}")
+                for r in bad
+            )
+            raise CollectiveMismatch(
+                f"group {self.unique_name!r}, op all_gatherv: inputs do not match sizes={sizes} "
+                f"along dim {dim} ({got}); every rank must pass the same sizes list, with its "
+                f"own entry matching its input"
+            )
+        pieces = [
+            rows[r, _GATHERV_HDR : _GATHERV_HDR + s * row].view(t.dtype).view((s,) + inner)
+            for r, s in enumerate(sizes)
+        ]
         return torch.cat(pieces, 0).movedim(0, dim).contiguous()
 
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
