@@ -14,6 +14,7 @@ from device_comms.errors import (
     CommunicatorUnavailable,
     DeviceCommError,
     PeerDiedError,
+    PeerRejectedError,
 )
 from device_comms.reduce_op import ReduceOp, reduce_local
 from device_comms.registry import (
@@ -40,6 +41,7 @@ __all__ = [
     "CollectiveTimeout",
     "CollectiveMismatch",
     "PeerDiedError",
+    "PeerRejectedError",
     "BrokenCommunicator",
     "CommunicatorClosed",
     "register_device_communicator",

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from device_comms import validation as v
-from device_comms.errors import CommunicatorClosed, translate_backend_error
+from device_comms.errors import CommunicatorClosed, DeviceCommError, translate_backend_error
 from device_comms.reduce_op import ReduceOp, check_reduce_op
 
 __all__ = ["DeviceCommunicator"]
@@ -350,17 +350,27 @@ class DeviceCommunicator(abc.ABC):
     def _reject(self, op: str, e: BaseException, *meta: Any) -> None:
         """This rank's arguments of ``op`` failed validation (``e`` is re-raised by the caller).
 
-        Contract: a validation error raises on the caller *without
-        communicating* (tests/coordinator/_dist_failures.py relies on it: a
-        rank alone may pass a bad argument and the others do not call), so
-        this only hands the event to :meth:`_abort_collective`, a no-op here.
+        Contract: every rank calls the same collectives. A rank whose own
+        arguments are bad still *takes part* in ``op`` through
+        :meth:`_abort_collective`, so peers whose call was valid raise
+        :class:`~device_comms.errors.PeerRejectedError` (naming this rank and
+        ``e``) promptly instead of waiting for the timeout, and every rank stays
+        in step for the next collective. When every rank rejects (arguments the
+        ranks agree on), each raises its own error. If telling the peers fails
+        (a dead peer, a timeout), that is noted on ``e``, which still raises.
         """
         if self.world_size > 1:
-            self._abort_collective(op, str(e), *meta)
+            try:
+                self._abort_collective(op, f"{type(e).__name__}: {e}", *meta)
+            except (DeviceCommError, RuntimeError) as notify:
+                e.add_note(f"telling the peers of group {self.unique_name!r} failed: {notify}")
 
     def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
-        """Extension point for a transport that can tell peers already inside
-        ``op`` to raise without blocking this rank (none does yet).
+        """Take part in ``op`` as a rank that rejected its arguments (``message`` says why).
+
+        Transports whose ``op`` can carry a "rejected" mark override this; the
+        base does nothing (peers of such a transport wait as before: see the
+        transport's docstring for which ops are covered).
 
         ``meta`` is ``(input_, dim, sizes)`` for ``all_gatherv``, else empty.
         """

@@ -18,6 +18,14 @@ node. Then:
 
 ``scatter``, ``all_to_all``, ``send`` and ``recv`` always use gloo.
 
+A rank whose own arguments fail validation still takes part in the call (see
+:meth:`DeviceCommunicator._reject`): in the shared-memory engine, for every op
+it runs, as one step with a "rejected" signature, so the peers raise
+:class:`~device_comms.errors.PeerRejectedError` within milliseconds and the
+group stays usable; on gloo as described in
+:mod:`device_comms.torch_communicator` (in hierarchical mode a rejected
+``all_reduce`` is not announced: its peers wait for the timeout).
+
 Configuration (arguments win over environment variables; the environment is
 read at construction):
 
@@ -357,6 +365,15 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return super()._broadcast(t, src)
         self.shm_calls["broadcast"] += 1
         return eng.broadcast(t, src)
+
+    def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
+        """A rejected call is one shared-memory step with a "rejected" signature
+        (any op the engine runs; see :mod:`device_comms.shm_sync`); otherwise gloo's."""
+        eng = self._flat
+        if eng is not None and op in _SHM_OPS:
+            eng.sync.reject(op, message)
+            return
+        super()._abort_collective(op, message, *meta)
 
     def __repr__(self) -> str:
         return (

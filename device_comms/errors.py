@@ -8,6 +8,7 @@ __all__ = [
     "CollectiveTimeout",
     "PeerDiedError",
     "CollectiveMismatch",
+    "PeerRejectedError",
     "BrokenCommunicator",
     "CommunicatorClosed",
 ]
@@ -31,6 +32,38 @@ class PeerDiedError(DeviceCommError, RuntimeError):
 
 class CollectiveMismatch(DeviceCommError, ValueError):
     """Ranks called the same collective with incompatible arguments (shape, dtype, op)."""
+
+
+class PeerRejectedError(CollectiveMismatch):
+    """A peer rejected its own arguments of the collective this rank was in.
+
+    Raised on the ranks whose call was valid, promptly, instead of leaving them
+    waiting for a rank that raised ``ValueError``/``TypeError`` locally.
+    Nothing was exchanged and the communicator stays usable.
+
+    Attributes:
+        rank: Group rank that rejected the call.
+        op: The operation this rank was running.
+        reason: The rejecting rank's error message (may be empty).
+    """
+
+    def __init__(self, group: str, op: str, rank: int, reason: str) -> None:
+        self.rank, self.op, self.reason = rank, op, reason
+        super().__init__(
+            f"group {group!r}, op {op}: rank {rank} rejected its arguments of this collective "
+            f"({reason or 'no reason given'}); this call was abandoned on every rank, nothing "
+            f"was exchanged and the group stays usable. Fix the call on rank {rank}."
+        )
+
+    def __reduce__(self) -> tuple:  # keeps the custom __init__ picklable across processes
+        return (_rebuild_rejected, (str(self), self.rank, self.op, self.reason))
+
+
+def _rebuild_rejected(msg: str, rank: int, op: str, reason: str) -> "PeerRejectedError":
+    e = PeerRejectedError.__new__(PeerRejectedError)
+    Exception.__init__(e, msg)
+    e.rank, e.op, e.reason = rank, op, reason
+    return e
 
 
 class BrokenCommunicator(DeviceCommError, RuntimeError):

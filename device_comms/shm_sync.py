@@ -38,6 +38,31 @@ writes parity ``s%2`` again only at step ``s+2``. Before that it completed step
 finished reading step ``s``. The same argument protects the signature words,
 which are checked before a rank publishes its next step.
 
+Rejected calls. A rank whose own arguments fail validation still takes
+part in the collective's *first* step, so every generation stays in step::
+
+    all ranks at gen G; rank r rejects, peers q call the op validly
+
+    rank r (rejecting)                     rank q (valid call)
+    ------------------                     -------------------
+    write reason text into own slot G+1    write own data into slot G+1
+    sig[(G+1)%2] := (REJECTED, len)        sig[(G+1)%2] := (op, size key)
+    FENCE; gen_r := G+1                    FENCE; gen_q := G+1
+    wait every gen >= G+1                  wait every gen >= G+1
+    own sig is REJECTED: no checks         sees r's sig REJECTED: reads r's
+    return -> raise ValueError/TypeError   reason, raise PeerRejectedError
+    --------------- every rank at gen G+1, nothing else written ---------------
+
+A rejected call is thus an ordinary step (a complete one: the rejecting rank
+also waits for its peers), so the double-buffering argument above holds
+unchanged and the next collective of every rank is step G+2. The REJECTED
+signature's kind byte (0xFF) never occurs in a real signature. When several
+ranks reject, each raises its own error; a valid rank names the lowest
+rejecting rank. A multi-step op checks signatures in its first step, so its
+valid ranks leave before any further step. A ``barrier`` (no signature)
+passes a rejected step silently: ranks calling different things at the same
+point is the caller's bug, as with any other mismatch.
+
 Memory ordering. On x86-64 (TSO) stores are not reordered with older stores
 and loads not with older loads, so "data, then flag" / "flag, then data" in
 program order would already suffice for ordinary stores; but torch's copy
@@ -96,12 +121,13 @@ from device_comms.errors import (  # BrokenCommunicator re-exported for older im
     CollectiveTimeout,
     DeviceCommError,
     PeerDiedError,
+    PeerRejectedError,
 )
 from device_comms.reduce_op import ReduceOp
 from device_comms import futex
 from device_comms.shm_workspace import CLOSED, GEN, PARKED, SIG, ShmWorkspace
 
-__all__ = ["StepSync", "signature", "KIND_NAMES", "BrokenCommunicator"]
+__all__ = ["StepSync", "signature", "KIND_NAMES", "BrokenCommunicator", "REJECTED"]
 
 _FENCE = threading.Lock()
 _acquire, _release = _FENCE.acquire, _FENCE.release
@@ -121,6 +147,9 @@ KIND_NAMES = {
     5: "reduce_scatterv", 6: "broadcast", 7: "gather", 8: "reduce",
 }
 _KIND_CODES = {v: k for k, v in KIND_NAMES.items()}
+#: Signature of a step taken by a rank that rejected its own arguments (kind 0xFF).
+REJECTED = 0xFF
+_REASON_MAX = 4096  # bytes of the rejection reason passed to the peers
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
@@ -269,8 +298,23 @@ class StepSync:
         if check:
             for r, w in self._peer_sig[g & 1]:
                 if hdr[w] != sig_a or hdr[w + 1] != sig_b:
-                    self._mismatch(op, r, sig_a, sig_b, hdr[w], hdr[w + 1])
+                    self._disagree(op, g, sig_a, sig_b)
+                    break
         return g & 1
+
+    def reject(self, op: str, reason: str) -> None:
+        """Take part in ``op``'s first step as a rank that rejected its arguments.
+
+        Writes ``reason`` (truncated UTF-8) into this rank's slot, publishes the
+        step with the :data:`REJECTED` signature and waits for the peers like
+        any step; peers in the step raise :class:`PeerRejectedError`. Returns
+        normally (the caller raises its own validation error).
+        """
+        data = reason.encode("utf-8", "replace")[: min(_REASON_MAX, self.ws.slot_bytes)]
+        if data:
+            slot = self.ws.slot(self.next_parity, self.me, torch.uint8)
+            slot[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.step(op, REJECTED, len(data), True)
 
     def close(self) -> None:
         """Tell peers this rank left (they stop waiting on it with an error)."""
@@ -346,6 +390,22 @@ class StepSync:
     def _fail(self, e: DeviceCommError) -> None:
         self.broken = f"an earlier error left this communicator unusable: {e}"
         raise e
+
+    def _disagree(self, op: str, g: int, a: int, b: int) -> None:
+        """Some peer's signature of step ``g`` differs from ours: raise, or not if we rejected."""
+        if a == REJECTED:
+            return  # this rank raises its own validation error
+        hdr, p = self.hdr, g & 1
+        for r, w in self._peer_sig[p]:  # peers in rank order: name the lowest rejecter
+            if hdr[w] == REJECTED:
+                n = max(0, min(int(hdr[w + 1]), _REASON_MAX, self.ws.slot_bytes))
+                raw = self.ws.slot(p, r, torch.uint8)[:n].numpy().tobytes()
+                raise PeerRejectedError(
+                    self.name, op, self.group_ranks[r], raw.decode("utf-8", "replace")
+                )
+        for r, w in self._peer_sig[p]:
+            if hdr[w] != a or hdr[w + 1] != b:
+                self._mismatch(op, r, a, b, hdr[w], hdr[w + 1])
 
     def _mismatch(self, op: str, r: int, a: int, b: int, pa: int, pb: int) -> None:
         raise CollectiveMismatch(

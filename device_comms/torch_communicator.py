@@ -8,17 +8,39 @@ Uneven ops (``all_gatherv``, ``reduce_scatterv``) pad every rank's piece to the
 largest and slice afterwards, which works on any backend. Pure data-movement
 ops send every type outside a small native set as ``uint8`` byte views, so they
 work even where a backend lacks a kernel (``bfloat16``, ``uint16``, ``float8``...).
+
+Rejected calls (a rank whose own arguments fail validation while its peers'
+calls are valid; see :meth:`DeviceCommunicator._reject`):
+
+* ``all_gatherv``: every piece travels behind a header with its real size; a
+  rank whose input does not match its own ``sizes`` entry still joins the
+  all-gather with size -1 and a dummy payload (this needs a tensor of the right
+  dtype and inner shape, a valid ``dim`` and a valid ``sizes`` list; for other
+  rejections its peers wait for the timeout);
+* ``broadcast`` and ``reduce_scatterv``: every call first all-gathers one
+  int64 per rank over ``cpu_group`` (its byte count, -1 when it rejected), so
+  a rejection *or* a size disagreement raises on every rank instead of
+  hanging or aborting inside gloo. This costs one small round trip per call;
+* then, if some but not all ranks rejected, the lowest rejecting rank
+  broadcasts its reason (on this error path only) and the valid ranks raise
+  :class:`~device_comms.errors.PeerRejectedError` naming it; every rank has
+  run the same collectives, so the group stays usable;
+* other ops do not announce a rejection (their peers wait for the timeout);
+* none of this runs for GPU tensors (no header exchange: it would synchronise
+  the stream and break CUDA graph capture), which keep torch.distributed's
+  behaviour.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from device_comms.base import DeviceCommunicator
-from device_comms.errors import CollectiveMismatch
+from device_comms.errors import CollectiveMismatch, PeerRejectedError
 from device_comms.reduce_op import ReduceOp
 
 __all__ = ["TorchDistributedCommunicator", "wire_view"]
@@ -59,6 +81,16 @@ class TorchDistributedCommunicator(DeviceCommunicator):
 
     def _g(self, group_rank: int) -> int:
         return self.ranks[group_rank]
+
+    @property
+    def _checks_calls(self) -> bool:
+        """Whether calls exchange size headers (rejections, size mismatches).
+
+        Only for CPU tensors: on a GPU the header check would synchronise the
+        stream every call and could not run inside CUDA graph capture, so GPU
+        calls keep torch.distributed's behaviour.
+        """
+        return self.device.type == "cpu"
 
     # --- reductions -----------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
@@ -105,6 +137,8 @@ class TorchDistributedCommunicator(DeviceCommunicator):
             padded[i * m : i * m + s] = x[off : off + s]
             off += s
         out = torch.empty((m,) + x.shape[1:], dtype=t.dtype, device=t.device)
+        if self._checks_calls:
+            self._agree("reduce_scatterv", padded.nbytes)
         _reduce_scatter_flat(out.view(-1), padded.view(-1), op=op.to_torch(), group=self.device_group)
         if op is ReduceOp.AVG:
             out.div_(n)
@@ -120,12 +154,15 @@ class TorchDistributedCommunicator(DeviceCommunicator):
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         return self._gatherv_bytes(t, dim, sizes, t.shape[dim])
 
-    def _gatherv_bytes(self, t: torch.Tensor, dim: int, sizes: list[int], own: int) -> torch.Tensor:
+    def _gatherv_bytes(
+        self, t: torch.Tensor, dim: int, sizes: list[int], own: int, reason: str | None = None
+    ) -> torch.Tensor | None:
         """All-gather of uneven pieces as bytes, each behind a header with its size.
 
         Every rank checks every header against ``sizes``, so a rank whose input
-        does not match its entry (``own`` = -1 after a local rejection) makes
-        every rank raise :class:`CollectiveMismatch` instead of a wrong result.
+        does not match its entry (``own`` = -1 and ``reason`` after a local
+        rejection) makes every valid rank raise instead of returning a wrong
+        result. Returns None on a rejecting rank.
         """
         n, m = self.world_size, max(sizes)
         x = t.movedim(dim, 0)
@@ -139,13 +176,16 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         out = torch.empty(n * piece, dtype=torch.uint8, device=t.device)
         _all_gather_flat(out, buf, group=self.device_group)
         rows = out.view(n, piece)
+        if not self._checks_calls:
+            pieces = [rows[r, _GATHERV_HDR : _GATHERV_HDR + s * row].view(t.dtype).view((s,) + inner)
+                      for r, s in enumerate(sizes)]
+            return torch.cat(pieces, 0).movedim(0, dim).contiguous()
         heads = rows[:, :8].clone().view(torch.int64).view(-1).tolist()
+        if self._settle_rejections("all_gatherv", heads, reason):
+            return None
         bad = [r for r in range(n) if heads[r] != sizes[r]]
         if bad:
-            got = ", ".join(
-                f"rank {r}: " + ("its arguments were rejected" if heads[r] < 0 else f"{heads[r]}")
-                for r in bad
-            )
+            got = ", ".join(f"rank {r}: {heads[r]}" for r in bad)
             raise CollectiveMismatch(
                 f"group {self.unique_name!r}, op all_gatherv: inputs do not match sizes={sizes} "
                 f"along dim {dim} ({got}); every rank must pass the same sizes list, with its "
@@ -156,6 +196,76 @@ class TorchDistributedCommunicator(DeviceCommunicator):
             for r, s in enumerate(sizes)
         ]
         return torch.cat(pieces, 0).movedim(0, dim).contiguous()
+
+    # --- rejected calls ---------------------------------------------------------
+    def _agree(self, op: str, nbytes: int, reason: str | None = None) -> None:
+        """All-gather every rank's byte count of ``op`` (-1: it rejected its arguments).
+
+        Raises on every valid rank if some rank rejected
+        (:class:`PeerRejectedError`) or the byte counts differ
+        (:class:`CollectiveMismatch`); returns on a rejecting rank.
+        """
+        n = self.world_size
+        mine = torch.tensor([-1 if reason is not None else nbytes], dtype=torch.int64)
+        out = torch.empty(n, dtype=torch.int64)
+        _all_gather_flat(out, mine, group=self.cpu_group)
+        heads = out.tolist()
+        if self._settle_rejections(op, heads, reason):
+            return
+        if any(h != heads[0] for h in heads):
+            raise CollectiveMismatch(
+                f"group {self.unique_name!r}, op {op}: ranks disagree on the size of the call "
+                f"(bytes per rank: {heads}); every rank must pass tensors of the same shape and "
+                f"dtype"
+            )
+
+    def _settle_rejections(self, op: str, heads: list[int], reason: str | None) -> bool:
+        """Act on the all-gathered headers of a call (negative: that rank rejected).
+
+        Every rank sees the same ``heads``, so every rank takes the same path:
+        when some but not all ranks rejected, the lowest rejecting rank
+        broadcasts its reason. Returns True on a rejecting rank (it raises its
+        own error), raises :class:`PeerRejectedError` on a valid rank, and
+        returns False when nobody rejected.
+        """
+        rejected = [r for r, h in enumerate(heads) if h < 0]
+        if not rejected:
+            return False
+        why = [reason]
+        if len(rejected) < self.world_size:
+            dist.broadcast_object_list(why, src=self._g(rejected[0]), group=self.cpu_group)
+        if reason is not None:
+            return True
+        raise PeerRejectedError(self.unique_name, op, rejected[0], str(why[0]))
+
+    def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
+        if not self._checks_calls:
+            return  # GPU calls exchange no headers: peers cannot be told (see _checks_calls)
+        if op == "all_gatherv":
+            args = self._gatherv_dummy(*meta) if len(meta) == 3 else None
+            if args is not None:
+                self._guard(op, self._gatherv_bytes, *args, -1, message)
+        elif op in ("broadcast", "reduce_scatterv"):
+            self._guard(op, self._agree, op, -1, message)
+
+    def _gatherv_dummy(
+        self, input_: Any, dim: Any, sizes: Any
+    ) -> tuple[torch.Tensor, int, list[int]] | None:
+        """Arguments for joining a rejected all_gatherv, or None if they cannot be built."""
+        if not isinstance(input_, torch.Tensor) or input_.device.type != self.device.type:
+            return None
+        if not isinstance(dim, int) or isinstance(dim, bool) or input_.dim() == 0:
+            return None
+        if not -input_.dim() <= dim < input_.dim() or not isinstance(sizes, (list, tuple)):
+            return None
+        if len(sizes) != self.world_size or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
+        ):
+            return None
+        d = dim % input_.dim()
+        shape = list(input_.shape)
+        shape[d] = 0  # no payload: the header says "rejected"; inner shape sizes the pieces
+        return torch.empty(shape, dtype=input_.dtype, device=input_.device), d, list(sizes)
 
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         me = self.rank_in_group == dst
@@ -169,6 +279,8 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         return torch.cat(bufs, dim) if bufs is not None else None
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        if self._checks_calls:
+            self._agree("broadcast", t.nbytes)
         dist.broadcast(wire_view(t), src=self._g(src), group=self.device_group)
         return t
 

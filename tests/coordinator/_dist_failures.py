@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from device_comms import ReduceOp
+from device_comms import PeerRejectedError, ReduceOp
 from tests.coordinator._dist_checks import (
     expect_equal,
     expect_raises,
@@ -20,9 +20,11 @@ from tests.coordinator._dist_checks import (
 def run_bad_inputs(rank: int, world_size: int) -> list[str]:
     """Every bad argument raises TypeError/ValueError on the caller, naming the argument.
 
-    Arguments the ranks all agree on are passed on every rank (each raises
-    before communicating). Checks only one rank can make (its own size entry,
-    the source's tensor) run on that rank alone, so no peer is left waiting.
+    Arguments the ranks all agree on are passed on every rank (each raises).
+    Checks only one rank can make (its own size entry, the source's tensor)
+    run with every rank in the call: that rank raises its own error and the
+    others PeerRejectedError naming it, within two seconds; the group then
+    still works.
     """
     from coordinator import GroupCoordinator
     from coordinator.parallel_state import get_world_group
@@ -104,18 +106,41 @@ def run_bad_inputs(rank: int, world_size: int) -> list[str]:
     for name, exc, fn, words in cases:
         expect_raises(name, exc, fn, *words)
         names.append(name)
-    # Arguments only one rank can get wrong: that rank raises, the others do not call.
-    if me == n - 1:
+    # Arguments only one rank can get wrong (its own size entry, the source's
+    # tensor): every rank makes the call; the offender raises its own error,
+    # the others a prompt PeerRejectedError naming it, and the group still works.
+    if n > 1:
         sizes = [2] * n
-        bad = make(me, (3, 4), torch.float32, "bad")
-        expect_raises("all_gatherv/own-size", ValueError, lambda: g.all_gatherv(bad, 0, sizes),
-                      f"sizes[{me}]", "input_.shape[0]")
-        expect_raises("all_gatherv/own-size-list", ValueError,
-                      lambda: g.all_gatherv([make(me, (2, 4), torch.float32, "ok"), bad], 0, sizes),
-                      f"sizes[{me}]")
-    if me == 0:
-        expect_raises("broadcast/non-contiguous", ValueError, lambda: g.broadcast(x.t(), 0),
-                      "contiguous")
+        for bad in sorted({0, n // 2, n - 1}):  # first, a middle and the last rank
+            own = make(me, (3 if me == bad else 2, 4), torch.float32, "ok")
+            one_rank = [
+                ("all_gatherv/own-size", lambda: g.all_gatherv(own, 0, sizes),
+                 (f"sizes[{bad}]", "input_.shape[0]")),
+                ("all_gatherv/own-size-list",
+                 lambda: g.all_gatherv([make(me, (2, 4), torch.float32, "ok"), own], 0, sizes),
+                 (f"sizes[{bad}]", "input_[1]")),
+                ("broadcast/non-contiguous",
+                 lambda: g.broadcast(x.t() if me == bad else torch.empty(4, 2), bad),
+                 ("contiguous",)),
+            ]
+            for name, fn, words in one_rank:
+                t0 = time.monotonic()
+                if me == bad:
+                    try:
+                        fn()
+                        raise AssertionError(f"{name}: rank {me} passed a bad argument, no error")
+                    except PeerRejectedError as e:
+                        raise AssertionError(f"{name}: the offender got its peers' error: {e}")
+                    except ValueError as e:
+                        assert all(w in str(e) for w in words), f"{name}: {e}"
+                else:
+                    msg = expect_raises(name + "/peer", PeerRejectedError, fn, f"rank {bad}", *words)
+                    took = time.monotonic() - t0
+                    assert took < 2.0, f"{name}/peer: {took:.2f}s to learn of rank {bad}'s rejection"
+                    assert "rejected" in msg, msg
+                expect_equal(f"{name}/then-works", g.all_reduce(torch.ones(3)),
+                             torch.full((3,), float(n)))
+                names.append(f"{name}@{bad if bad in (0, n - 1) else 'mid'}")
     # Arguments only the source can get wrong, with every rank in the call: the
     # source raises its own error and tells the receivers, who raise too.
     src_cases = [

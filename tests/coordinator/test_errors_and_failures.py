@@ -1,7 +1,9 @@
 """Bad input, mismatched collectives, timeouts and dying ranks.
 
-* Bad arguments raise TypeError/ValueError on the caller, naming the argument,
-  before any communication (so the group keeps working).
+* Bad arguments raise TypeError/ValueError on the caller, naming the argument.
+  When only one rank's arguments are bad (its own size entry, the broadcast
+  source's tensor) its peers, in the same call, raise PeerRejectedError naming
+  that rank within two seconds; either way the group keeps working.
 * A collective whose ranks disagree on the tensor size, or a rank killed in the
   middle of a collective, is reported by the harness within seconds; nothing
   hangs. The failing runs use their own short-lived ranks so the shared pools
@@ -32,6 +34,9 @@ def test_bad_arguments_raise_on_the_caller(dist_pool, world_size):
     results = dist_pool(world_size).run(F.run_bad_inputs, timeout=150)
     assert all(r == results[0] for r in results)
     assert len(results[0]) > 50
+    one_rank = [c for c in results[0] if "@" in c]  # offender first, middle, last rank
+    want = 0 if world_size == 1 else 3 * len({0, world_size // 2, world_size - 1})
+    assert len(one_rank) == want, one_rank
 
 
 @pytest.mark.timeout(120)
