@@ -219,12 +219,19 @@ class ShmEngine:
         out = host_alloc.empty(mine_n, dt)
         if x.nbytes <= self._single:  # one step: the slot holds all of x
             p = sync.next_parity
-            ws.slot(p, me, dt)[: x.numel()].copy_(x)
+            key = ("rs", p, dt, x.numel(), offs[me], mine_n)
+            views = self._views.get(key)
+            if views is None:  # my slot for x, then every rank's copy of my region
+                if len(self._views) >= _VIEW_CACHE_MAX:
+                    self._views.clear()
+                lo = offs[me]
+                views = self._views[key] = [ws.slot(p, me, dt)[: x.numel()]] + [
+                    ws.slot(p, r, dt)[lo : lo + mine_n] for r in range(size)
+                ]
+            views[0].copy_(x)
             sync.step(kind, sig, size_key, True)
             if mine_n:
-                lo = offs[me]
-                srcs = [ws.slot(p, r, dt)[lo : lo + mine_n] for r in range(size)]
-                reduce_views(srcs, op, out=out)
+                reduce_views(views[1:], op, out=out)
             return out
         align = max(1, _ALIGN_BYTES // x.element_size())
         chunk = max(align, ws.slot_elems(dt) // size // align * align)
