@@ -235,6 +235,14 @@ class MessageQueue:
         return self._rank
 
     @property
+    def transport(self) -> str:
+        """``"writer"``, ``"shm"`` (a reader on the writer's node, through the
+        ring) or ``"tcp"`` (a reader on another node, through zmq)."""
+        if self._is_writer:
+            return "writer"
+        return "tcp" if isinstance(self._impl, RemoteReader) else "shm"
+
+    @property
     def name(self) -> str:
         """The queue's name."""
         return self._impl.name
