@@ -176,13 +176,24 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         out = torch.empty(n * piece, dtype=torch.uint8, device=t.device)
         _all_gather_flat(out, buf, group=self.device_group)
         rows = out.view(n, piece)
-        if not self._checks_calls:
-            pieces = [rows[r, _GATHERV_HDR : _GATHERV_HDR + s * row].view(t.dtype).view((s,) + inner)
-                      for r, s in enumerate(sizes)]
-            return torch.cat(pieces, 0).movedim(0, dim).contiguous()
+        if self._checks_calls:  # headers are checked on CPU only (see _checks_calls)
+            self._check_gatherv_heads(rows, sizes, dim, reason)
+            if reason is not None:
+                return None
+        pieces = [
+            rows[r, _GATHERV_HDR : _GATHERV_HDR + s * row].view(t.dtype).view((s,) + inner)
+            for r, s in enumerate(sizes)
+        ]
+        return torch.cat(pieces, 0).movedim(0, dim).contiguous()
+
+    def _check_gatherv_heads(
+        self, rows: torch.Tensor, sizes: list[int], dim: int, reason: str | None
+    ) -> None:
+        """Raise unless every piece's header matches ``sizes`` (returns on a rejecting rank)."""
+        n = self.world_size
         heads = rows[:, :8].clone().view(torch.int64).view(-1).tolist()
         if self._settle_rejections("all_gatherv", heads, reason):
-            return None
+            return
         bad = [r for r in range(n) if heads[r] != sizes[r]]
         if bad:
             got = ", ".join(f"rank {r}: {heads[r]}" for r in bad)
@@ -191,11 +202,6 @@ class TorchDistributedCommunicator(DeviceCommunicator):
                 f"along dim {dim} ({got}); every rank must pass the same sizes list, with its "
                 f"own entry matching its input"
             )
-        pieces = [
-            rows[r, _GATHERV_HDR : _GATHERV_HDR + s * row].view(t.dtype).view((s,) + inner)
-            for r, s in enumerate(sizes)
-        ]
-        return torch.cat(pieces, 0).movedim(0, dim).contiguous()
 
     # --- rejected calls ---------------------------------------------------------
     def _agree(self, op: str, nbytes: int, reason: str | None = None) -> None:
