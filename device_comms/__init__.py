@@ -13,6 +13,8 @@ from device_comms.errors import (
     CommunicatorClosed,
     CommunicatorUnavailable,
     DeviceCommError,
+    KernelCompileError,
+    NcclError,
     PeerDiedError,
     PeerRejectedError,
 )
@@ -26,14 +28,17 @@ from device_comms.registry import (
 )
 from device_comms.torch_communicator import TorchDistributedCommunicator
 from device_comms.cpu_communicator import CpuCommunicator
+from device_comms.cuda_communicator import CudaCommunicator
 
 register_device_communicator("torch", TorchDistributedCommunicator)
 register_device_communicator("cpu", CpuCommunicator)
+register_device_communicator("cuda", CudaCommunicator)  # is_available() loads NCCL lazily
 
 __all__ = [
     "DeviceCommunicator",
     "TorchDistributedCommunicator",
     "CpuCommunicator",
+    "CudaCommunicator",
     "ReduceOp",
     "reduce_local",
     "DeviceCommError",
@@ -44,6 +49,8 @@ __all__ = [
     "PeerRejectedError",
     "BrokenCommunicator",
     "CommunicatorClosed",
+    "KernelCompileError",
+    "NcclError",
     "register_device_communicator",
     "unregister_device_communicator",
     "get_device_communicator",

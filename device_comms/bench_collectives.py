@@ -82,6 +82,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", dest="plot_path", default=None,
                         help="write a log-log PNG plot here (needs matplotlib: pip install groupcoord[plot])")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: shared-memory collectives vs gloo over processes; cuda: custom "
+                             "all-reduce at virtual ranks and NCCL at world size 1 on one GPU")
+    parser.add_argument("--calls", type=int, default=20,
+                        help="--device cuda: all-reduces per captured graph")
+    parser.add_argument("--reps", type=int, default=50, help="--device cuda: graph replays timed")
     parser.add_argument("--pin", action="store_true",
                         help="bind rank r (all its threads) to CPU r %% cpus; helps us, hurts gloo "
                              "(its I/O threads then share the rank's CPU), so off by default")
@@ -91,6 +97,15 @@ def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; returns the exit status."""
     from device_comms.bench_report import format_table, write_json, write_plot
     from device_comms.spawn_group import spawn_group
+
+    if args.device == "cuda":
+        from device_comms.bench_cuda import run_cuda_bench
+
+        if args.dtypes == ["float32", "bfloat16"]:  # the CPU default: keep one for the GPU
+            args.dtypes = ["bfloat16"]
+        if args.world_sizes == [2, 4]:
+            args.world_sizes = [2, 4, 8]
+        return run_cuda_bench(args)
 
     sizes = args.sizes or [
         s for s in _DEFAULT_SIZES

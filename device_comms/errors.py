@@ -11,6 +11,8 @@ __all__ = [
     "PeerRejectedError",
     "BrokenCommunicator",
     "CommunicatorClosed",
+    "NcclError",
+    "KernelCompileError",
 ]
 
 
@@ -74,6 +76,25 @@ class CommunicatorClosed(DeviceCommError, RuntimeError):
     """A collective was called on a communicator after ``destroy()``/``close()``."""
 
 
+class NcclError(DeviceCommError, RuntimeError):
+    """An NCCL call returned a result other than ``ncclSuccess``.
+
+    Attributes:
+        call: The NCCL function that failed (``"ncclAllReduce"``...).
+        code: Its ``ncclResult_t`` value.
+        detail: NCCL's own description of ``code`` (``ncclGetErrorString``).
+    """
+
+    def __init__(self, call: str, code: int, detail: str = "") -> None:
+        self.call, self.code, self.detail = call, code, detail
+        super().__init__(
+            f"{call} failed with NCCL error {code}: {detail or 'no description'}"
+        )
+
+    def __reduce__(self) -> tuple:  # keeps the custom __init__ picklable across processes
+        return (type(self), (self.call, self.code, self.detail))
+
+
 def translate_backend_error(e: BaseException, where: str) -> BaseException:
     """Turn a torch.distributed backend failure into this family's error.
 
@@ -104,3 +125,13 @@ def translate_backend_error(e: BaseException, where: str) -> BaseException:
             f"({first}). Check the other ranks' logs."
         )
     return e
+
+
+class KernelCompileError(DeviceCommError, RuntimeError):
+    """NVRTC could not compile a kernel source; the message holds NVRTC's log.
+
+    Attributes:
+        log: The compiler log (empty when NVRTC gave none).
+    """
+
+    log: str = ""

@@ -1,0 +1,173 @@
+"""``groupcoord bench collectives --device cuda``: GPU all-reduce latency.
+
+On one GPU, three things are timed with CUDA events, per call:
+
+* the custom all-reduce's one-shot and two-shot kernels at 2/4/8 *virtual
+  ranks* (:class:`~device_comms.custom_allreduce.virtual.VirtualRanks`: every
+  rank's kernel on its own stream, concurrently), replayed from a CUDA graph
+  that holds ``--calls`` back-to-back all-reduces;
+* :class:`~device_comms.pynccl.PyNcclCommunicator` at world size 1, eager and
+  graph-replayed;
+* torch's NCCL all_reduce at world size 1, eager (the baseline engines know).
+
+NCCL refuses two ranks on one GPU, so world size 1 is the only NCCL point a
+single-GPU host can measure; it prices NCCL's fixed cost per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["run_cuda_bench"]
+
+_DEFAULT_SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _event_time(fn: Callable[[], Any], reps: int, per: int) -> list[float]:
+    """Microseconds per call for ``reps`` runs of ``fn`` (each doing ``per`` calls)."""
+    out = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        out.append(start.elapsed_time(stop) * 1000.0 / per)
+    return out
+
+
+def _graph(body: Callable[[], Any], capture_ctx: Any = None) -> torch.cuda.CUDAGraph:
+    import contextlib
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # warm-up outside the capture (allocations, compilation)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with capture_ctx if capture_ctx is not None else contextlib.nullcontext():
+        with torch.cuda.graph(g):
+            body()
+    return g
+
+
+def _stats(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {"p50_us": statistics.median(s), "p99_us": s[min(len(s) - 1, int(0.99 * len(s)))]}
+
+
+def _bench_virtual(n: int, variant: str, nbytes: int, dtype: torch.dtype, calls: int,
+                   reps: int) -> dict[str, float]:
+    from device_comms.custom_allreduce.virtual import VirtualRanks
+
+    numel = nbytes // torch.tensor([], dtype=dtype).element_size()
+    with VirtualRanks(n, "cuda:0", max(nbytes, 1 << 20)) as vr:
+        xs = [torch.randn(numel, dtype=dtype, device="cuda") for _ in range(n)]
+        g = _graph(lambda: [vr.all_reduce(xs, variant=variant) for _ in range(calls)], vr.capture())
+        for _ in range(3):
+            g.replay()
+        samples = _event_time(g.replay, reps, calls)
+        torch.cuda.synchronize()
+        vr.check_errors()
+    return _stats(samples)
+
+
+def _bench_nccl(nbytes: int, dtype: torch.dtype, calls: int, reps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from device_comms.pynccl import PyNcclCommunicator
+
+    numel = nbytes // torch.tensor([], dtype=dtype).element_size()
+    x = torch.randn(numel, dtype=dtype, device="cuda")
+    out: dict[str, Any] = {}
+    with PyNcclCommunicator(dist.group.WORLD, torch.device("cuda", 0)) as comm:
+        y = torch.empty_like(x)
+        eager = lambda: [comm.all_reduce(x, y) for _ in range(calls)]  # noqa: E731
+        eager()
+        out["pynccl_eager"] = _stats(_event_time(eager, reps, calls))
+        g = _graph(eager)
+        out["pynccl_graph"] = _stats(_event_time(g.replay, reps, calls))
+    nccl = _nccl_group()
+    z = x.clone()
+    torch_eager = lambda: [dist.all_reduce(z, group=nccl) for _ in range(calls)]  # noqa: E731
+    torch_eager()
+    out["torch_nccl_eager"] = _stats(_event_time(torch_eager, reps, calls))
+    return out
+
+
+_NCCL_GROUP: list[Any] = []
+
+
+def _nccl_group() -> Any:
+    import torch.distributed as dist
+
+    if not _NCCL_GROUP:
+        _NCCL_GROUP.append(dist.new_group([0], backend="nccl"))
+    return _NCCL_GROUP[0]
+
+
+def _init_world() -> None:
+    import torch.distributed as dist
+
+    from coordinator.testing import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                world_size=1, rank=0)
+
+
+def _row(nbytes: int, dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:
+    row: dict[str, Any] = {"bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
+    for n in args.world_sizes:
+        for variant in ("oneshot", "twoshot"):
+            row[f"{variant}_x{n}"] = _bench_virtual(n, variant, nbytes, dtype, args.calls, args.reps)
+    row.update(_bench_nccl(nbytes, dtype, args.calls, args.reps))
+    return row
+
+
+def _print_table(rows: list[dict[str, Any]], world_sizes: list[int]) -> None:
+    cols = [f"{v}_x{n}" for n in world_sizes for v in ("oneshot", "twoshot")]
+    cols += ["pynccl_graph", "pynccl_eager", "torch_nccl_eager"]
+    print("| bytes | dtype | " + " | ".join(cols) + " |")
+    print("|---:|---|" + "---:|" * len(cols))
+    for r in rows:
+        cells = [f"{r[c]['p50_us']:.1f}" for c in cols]
+        print(f"| {r['bytes']} | {r['dtype']} | " + " | ".join(cells) + " |")
+    print("(p50 microseconds per call, CUDA events; p99 in the JSON)")
+
+
+def run_cuda_bench(args: argparse.Namespace) -> int:
+    """Run the GPU benchmark; returns the exit status."""
+    if not torch.cuda.is_available():
+        print("--device cuda needs a CUDA GPU; none is visible")
+        return 2
+    _init_world()
+    sizes = args.sizes or _DEFAULT_SIZES
+    world_sizes = [n for n in args.world_sizes if n in (2, 4, 6, 8)] or [2, 4, 8]
+    args.world_sizes = world_sizes
+    rows = []
+    for name in args.dtypes:
+        if name not in _DTYPES:
+            continue
+        for nbytes in sizes:
+            rows.append(_row(nbytes, _DTYPES[name], args))
+            print(f"# done {nbytes} B {name}", flush=True)
+    print(f"# device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"calls per replay {args.calls}, replays {args.reps}")
+    _print_table(rows, world_sizes)
+    if args.json_path:
+        meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                "time": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()}
+        with open(args.json_path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"wrote {args.json_path}")
+    return 0

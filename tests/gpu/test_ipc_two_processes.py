@@ -1,0 +1,95 @@
+"""CUDA IPC between two processes sharing one GPU.
+
+Each process allocates memory, publishes an IPC handle over a gloo group (72
+bytes, no pickle), opens its peer's, and reads the peer's data through the
+opened pointer, for a buffer of its own and for a tensor that sits at an
+offset inside a torch caching-allocator block (base + offset). Then the full
+:class:`CustomAllreduce` runs across the two processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.testing import run_distributed
+
+pytestmark = [pytest.mark.cupy, pytest.mark.timeout(300)]
+
+
+def _view(ptr: int, nbytes: int) -> torch.Tensor:
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, None, 0)
+    arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    return torch.as_tensor(arr, device="cuda:0")
+
+
+def _read_peer(rank: int, world_size: int) -> dict:
+    from coordinator.parallel_state import get_world_group
+    from device_comms.custom_allreduce.device_memory import DeviceBuffer
+    from device_comms.custom_allreduce.handles import CudaIpcBackend, HandleBook, all_gather_handles
+
+    torch.cuda.set_device(0)
+    group = get_world_group().cpu_group
+    own = DeviceBuffer(1 << 20, 0)
+    _view(own.ptr, 1 << 20).fill_(rank + 1)
+    block = torch.zeros(3 << 20, dtype=torch.uint8, device="cuda:0")
+    inner = block[(1 << 20) + 4096 :][: 1 << 20]  # a pointer inside a larger block
+    inner.fill_(rank + 101)
+    torch.cuda.synchronize()
+    backend = CudaIpcBackend()
+    mine = [backend.handle_of(own.ptr), backend.handle_of(inner.data_ptr())]
+    got = all_gather_handles(group, mine, "test buffers")
+    peer = 1 - rank
+    with HandleBook(backend, rank) as book:
+        ptrs_own = book.register([got[r][0] for r in range(world_size)], own.ptr)
+        ptrs_inner = book.register([got[r][1] for r in range(world_size)], inner.data_ptr())
+        seen_own = _view(ptrs_own[peer], 1 << 20).unique().tolist()
+        seen_inner = _view(ptrs_inner[peer], 1 << 20).unique().tolist()
+        offset = got[peer][1].offset
+        opened = book.open_count
+    torch.distributed.barrier(group)  # the peer is done reading before memory goes
+    own.close()
+    return {"own": seen_own, "inner": seen_inner, "offset": offset, "opened": opened}
+
+
+def test_each_process_reads_the_others_buffer() -> None:
+    outs = run_distributed(_read_peer, 2)
+    for rank, out in enumerate(outs):
+        peer = 1 - rank
+        assert out["own"] == [peer + 1]
+        assert out["inner"] == [peer + 101]
+        assert out["offset"] > 0, "a sub-allocation must travel as base + offset"
+        assert out["opened"] == 2
+
+
+def _custom_allreduce(rank: int, world_size: int) -> dict:
+    from coordinator.parallel_state import get_world_group
+    from device_comms.custom_allreduce.communicator import CustomAllreduce
+
+    torch.cuda.set_device(0)
+    group = get_world_group().cpu_group
+    results = {}
+    with CustomAllreduce(group, torch.device("cuda", 0), 1 << 20, timeout=30.0) as car:
+        if car.disabled:
+            return {"disabled": car.reason}
+        for nbytes in (16, 4096, 1 << 20):
+            for dtype in (torch.float32, torch.bfloat16):
+                numel = nbytes // torch.tensor([], dtype=dtype).element_size()
+                g = torch.Generator(device="cpu").manual_seed(nbytes)
+                base = torch.randn(world_size, numel, generator=g).to(dtype)
+                out = car.all_reduce(base[rank].cuda())
+                torch.cuda.synchronize()
+                car.check_error()
+                want = base.double().sum(0).to(dtype)
+                results[(nbytes, str(dtype))] = (out.cpu() - want).abs().max().item()
+    return {"errors": results}
+
+
+def test_custom_allreduce_across_two_processes_on_one_gpu() -> None:
+    outs = run_distributed(_custom_allreduce, 2)
+    for out in outs:
+        assert "disabled" not in out, out
+        for key, err in out["errors"].items():
+            assert err == 0.0, (key, err)  # two-term sums round once: exact
