@@ -34,6 +34,43 @@ def _version(mod: str) -> str:
         return "not installed"
 
 
+def _nccl_report() -> dict[str, Any]:
+    """Which ``libnccl.so.2`` groupcoord loads, and its version (no GPU needed)."""
+    from device_comms.errors import CommunicatorUnavailable
+    from device_comms.pynccl import library
+
+    try:
+        path = library.find_library()
+        return {"path": path, "version": library.load_library(path).version_string()}
+    except (CommunicatorUnavailable, OSError) as e:
+        return {"error": str(e).splitlines()[0]}
+
+
+def _nvrtc_report() -> dict[str, Any]:
+    """The NVRTC that compiles the custom all-reduce kernels to PTX (no GPU needed)."""
+    from device_comms.custom_allreduce import nvrtc
+    from device_comms.errors import CommunicatorUnavailable
+
+    try:
+        major, minor = nvrtc.nvrtc_version()
+        return {"path": nvrtc.library_path(), "version": f"{major}.{minor}"}
+    except (CommunicatorUnavailable, OSError) as e:
+        return {"error": str(e).splitlines()[0]}
+
+
+def _cupy_report() -> dict[str, Any] | str:
+    """CuPy's version and CUDA runtime, imported only when installed."""
+    if importlib.util.find_spec("cupy") is None:
+        return "not installed (pip install 'groupcoord[cuda13]' or '[cuda]')"
+    try:
+        import cupy
+
+        runtime = cupy.cuda.runtime.runtimeGetVersion()
+        return {"version": cupy.__version__, "cuda_runtime": f"{runtime // 1000}.{runtime % 1000 // 10}"}
+    except Exception as e:  # a broken CuPy install is what the report must show
+        return {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+
+
 def collect() -> dict[str, Any]:
     """Gather the report as a dict."""
     import psutil
@@ -62,7 +99,9 @@ def collect() -> dict[str, Any]:
         "torch_cuda_build": torch.version.cuda or "cpu-only",
         "torch_debug_build": bool(torch.version.debug),
         "packages": {p: _version(p) for p in ("pyzmq", "msgspec", "psutil", "numpy")},
-        "cupy": "importable" if importlib.util.find_spec("cupy") else "not installed",
+        "cupy": _cupy_report(),
+        "nccl": _nccl_report(),
+        "nvrtc": _nvrtc_report(),
         "gloo_available": dist.is_gloo_available(),
         "nccl_available": dist.is_nccl_available(),
         "gpu_count": gpus,

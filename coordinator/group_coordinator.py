@@ -41,7 +41,7 @@ from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunica
 from device_comms import validation as v
 from device_comms.errors import translate_backend_error
 
-__all__ = ["GroupCoordinator", "GraphCaptureContext"]
+__all__ = ["GroupCoordinator", "GraphCaptureContext", "side_stream"]
 
 
 @dataclasses.dataclass
@@ -439,15 +439,20 @@ class GroupCoordinator:
     ) -> Iterator[GraphCaptureContext]:
         """Context for capturing CUDA graphs around this group's collectives.
 
+        On a GPU it makes a side stream current (capture cannot run on the
+        default stream; the side stream first waits for the work already queued
+        on the current one) and enters the device communicator's capture
+        context, which registers what the captured collectives read (the custom
+        all-reduce exchanges its captured inputs' IPC handles when the context
+        exits: every rank must capture the same collectives). Capture with
+        ``torch.cuda.graph(g, stream=ctx.stream)`` inside it.
+
         On CPU it yields a context whose ``stream`` is None. Nests: pass the
         outer context to reuse its stream.
         """
         ctx = graph_capture_context
         if ctx is None:
-            stream = None
-            if self.device.type == "cuda":
-                stream = torch.cuda.Stream(device=self.device)
-            ctx = GraphCaptureContext(stream)
+            ctx = GraphCaptureContext(side_stream(self.device))
         with contextlib.ExitStack() as stack:
             if ctx.stream is not None:
                 stack.enter_context(torch.cuda.stream(ctx.stream))
@@ -551,6 +556,15 @@ class GroupCoordinator:
         except RuntimeError as e:
             where = f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}), op {op}"
             raise translate_backend_error(e, where) from e
+
+
+def side_stream(device: torch.device) -> Any:
+    """A new CUDA stream on ``device`` ordered after its current stream (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
 
 
 def _tracing() -> bool:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from coordinator.errors import NotInitializedError
-from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
+from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
 from coordinator.group_registry import REGISTRY
 from device_comms import ReduceOp
 
@@ -287,7 +287,7 @@ def graph_capture(device: torch.device | str | None = None) -> Iterator[GraphCap
     """
     stream = None
     if device is not None and torch.device(device).type == "cuda":
-        stream = torch.cuda.Stream(device=device)
+        stream = side_stream(torch.device(device))
     ctx = GraphCaptureContext(stream)
     with get_tp_group().graph_capture(ctx), get_pp_group().graph_capture(ctx):
         yield ctx

@@ -36,11 +36,18 @@ class CudaCommunicator(TorchDistributedCommunicator):
         device: This rank's CUDA device.
         device_group: The torch.distributed group used by the fallbacks.
         unique_name: The owning group's unique name.
+        use_custom_allreduce: False never builds the custom all-reduce; None
+            (default) builds it unless ``GROUPCOORD_DISABLE_CUSTOM_ALLREDUCE``
+            is set. Either way every rank agrees on the outcome.
+        custom_allreduce_max_size: Largest message for the custom all-reduce
+            in bytes (default 8 MiB).
+        timeout: Seconds a custom all-reduce kernel waits for a peer (default 300).
 
     Attributes:
         pynccl: The NCCL communicator (None for a group of one, which never communicates).
-        custom_ar: An optional custom all-reduce with ``should_use(t)``,
-            ``all_reduce(t)``, ``capture()`` and ``close()``; None by default.
+        custom_ar: The custom all-reduce (``should_use(t)``, ``all_reduce(t)``,
+            ``capture()``, ``close()``), or None.
+        custom_ar_reason: Why ``custom_ar`` is None ("" when it is set).
     """
 
     name = "cuda"
@@ -53,16 +60,56 @@ class CudaCommunicator(TorchDistributedCommunicator):
         device: torch.device,
         device_group: dist.ProcessGroup | None = None,
         unique_name: str = "",
+        *,
+        use_custom_allreduce: bool | None = None,
+        custom_allreduce_max_size: int | None = None,
+        timeout: float | None = None,
     ) -> None:
         super().__init__(cpu_group, device, device_group, unique_name)
+        if use_custom_allreduce is not None and not isinstance(use_custom_allreduce, bool):
+            raise TypeError(
+                "use_custom_allreduce must be a bool or None, got "
+                f"{type(use_custom_allreduce).__name__}"
+            )
         self.custom_ar: Any = None
+        self.custom_ar_reason = "world size 1" if self.world_size == 1 else ""
         self.pynccl: PyNcclCommunicator | None = (
             self._make_pynccl() if self.world_size > 1 else None
         )
+        if self.world_size > 1:
+            self._make_custom_ar(use_custom_allreduce, custom_allreduce_max_size, timeout)
 
     def _make_pynccl(self) -> PyNcclCommunicator:
         """Build the NCCL communicator (collective over ``cpu_group``)."""
         return PyNcclCommunicator(self.cpu_group, self.device)
+
+    def _make_custom_ar(
+        self, use: bool | None, max_size: int | None, timeout: float | None
+    ) -> None:
+        """Build the custom all-reduce (collective: every rank takes part, and agrees)."""
+        from device_comms.custom_allreduce import eligibility as elig
+
+        if self.device.type != "cuda":
+            self.custom_ar_reason = f"device {self.device} is not a CUDA device"
+            return  # every rank of a group has the same device type
+        if self.world_size not in elig.SUPPORTED_WORLD_SIZES:
+            self.custom_ar_reason = f"world size {self.world_size} is not one of 2, 4, 6, 8"
+            return  # every rank sees the same world size: no exchange needed
+        wait_s = 300.0 if timeout is None else _positive_seconds(timeout)
+        size = elig.DEFAULT_MAX_SIZE if max_size is None else elig.check_max_size(max_size)
+        cupy_ok = _cupy_imports()
+        enabled = use is not False and cupy_ok
+        from device_comms.custom_allreduce.communicator import CustomAllreduce
+
+        car = CustomAllreduce(
+            self.cpu_group, self.device, size, enabled=enabled, timeout=wait_s,
+            unique_name=self.unique_name or "custom-allreduce",
+        )
+        if car.disabled:
+            self.custom_ar_reason = car.reason + ("" if cupy_ok else " (CuPy does not import here)")
+            car.close()
+            return
+        self.custom_ar = car
 
     @classmethod
     def is_available(cls) -> bool:
@@ -80,7 +127,9 @@ class CudaCommunicator(TorchDistributedCommunicator):
     @property
     def _nccl(self) -> PyNcclCommunicator:
         if self.pynccl is None:  # only a group of one, whose ops never reach a hook
-            raise RuntimeError(f"group {self.unique_name!r} has no NCCL communicator (world size 1)")
+            raise RuntimeError(
+                f"group {self.unique_name!r} has no NCCL communicator (world size 1)"
+            )
         return self.pynccl
 
     # --- reductions -----------------------------------------------------------
@@ -167,8 +216,25 @@ class CudaCommunicator(TorchDistributedCommunicator):
                 super().destroy()
 
 
+def _cupy_imports() -> bool:
+    """Whether CuPy imports (the custom all-reduce compiles its kernels with it)."""
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _positive_seconds(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    return float(timeout)
+
+
 def _concat_ranks(stacked: torch.Tensor, dim: int) -> torch.Tensor:
-    """``(world_size, *shape)`` -> ``shape`` with ``dim`` ``world_size`` times longer (rank order)."""
+    """``(n, *shape)`` -> ``shape`` with ``dim`` ``n`` times longer (rank-major concat)."""
     n, shape = stacked.shape[0], list(stacked.shape[1:])
     if dim == 0:
         return stacked.reshape([n * shape[0]] + shape[1:])

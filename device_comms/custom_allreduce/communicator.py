@@ -110,17 +110,19 @@ class CustomAllreduce:
 
     # ------------------------------------------------------------------ setup
     def _agree(self, enabled: bool) -> elig.GroupVerdict:
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        index = self.device.index
+        if index is None:
+            index = torch.cuda.current_device() if enabled else 0
         self.device_index = index
         facts = torch.tensor([int(enabled), index], dtype=torch.int64)
         rows = [torch.empty_like(facts) for _ in range(self.world_size)]
         dist.all_gather(rows, facts, group=self.cpu_group)
         devices = [int(r[1]) for r in rows]
+        everyone = all(int(r[0]) for r in rows)
         same_node = all(in_the_same_node_as(self.cpu_group, 0))
-        p2p = same_node and elig.P2P_CACHE.check(devices, _can_access_peer)
-        return elig.group_verdict(
-            self.world_size, same_node, p2p, all(int(r[0]) for r in rows)
-        )
+        # Every rank sees the same rows, so every rank skips (or runs) the P2P check alike.
+        p2p = everyone and same_node and elig.P2P_CACHE.check(devices, _can_access_peer)
+        return elig.group_verdict(self.world_size, same_node, p2p, everyone)
 
     def _setup(self, backend: IpcBackend, max_graph_inputs: int) -> None:
         self._buffer = DeviceBuffer(layout.buffer_bytes(self.max_size), self.device_index)

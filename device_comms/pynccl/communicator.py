@@ -18,9 +18,10 @@ as well. Under capture, pass tensors whose memory outlives the graph.
 
 Arguments are checked before anything is enqueued (wrong device, non-contiguous,
 mismatched sizes or dtypes, unsupported dtype/op: ``TypeError``/``ValueError``
-naming the argument). While :meth:`PyNcclCommunicator.disable`\\ d every
-operation raises :class:`~device_comms.errors.CommunicatorUnavailable`; it
-never silently does nothing.
+naming the argument). While disabled (:meth:`PyNcclCommunicator.disable`,
+:meth:`PyNcclCommunicator.paused`) every operation raises
+:class:`~device_comms.errors.CommunicatorUnavailable`; it never silently does
+nothing.
 
 Ranks are ranks within the group (``0 .. world_size-1``). As with NCCL itself,
 every rank must issue the same operations in the same order with matching
@@ -117,7 +118,7 @@ class PyNcclCommunicator:
         x = self._tensor(in_, "in_")
         plan = self._plan(x.dtype, op)
         if out is not None:
-            self._same(x, self._tensor(out, "out"), "in_", "out", x.numel())
+            self._same(self._tensor(out, "out"), x, "out", "in_", x.numel())
         with self._on_stream(stream) as s:
             out = torch.empty_like(x) if out is None else out
 
@@ -125,25 +126,26 @@ class PyNcclCommunicator:
                 self.lib.all_reduce(send.data_ptr(), recv.data_ptr(), send.numel(), plan.dtype,
                                     plan.op, self._comm, s)
 
-            self._reduction(plan, x, out, issue, send_count=send_numel(x, plan))
+            self._reduction(plan, x, out, issue, send_count=_send_count(x, plan))
         return out
 
     def reduce_scatter(
         self, out: torch.Tensor, in_: torch.Tensor, op: ReduceOp = ReduceOp.SUM, stream: Any = None
     ) -> torch.Tensor:
-        """Reduce ``in_`` (``world_size`` equal flat pieces); rank ``i`` gets piece ``i`` in ``out``."""
+        """Reduce ``in_`` (``world_size`` equal flat pieces); rank ``i`` gets piece ``i``."""
         self._check_usable("reduce_scatter")
         x, o = self._tensor(in_, "in_"), self._tensor(out, "out")
         plan = self._plan(x.dtype, op)
         v.check_divisible(x.numel(), self.world_size, "in_.numel()")
-        self._same(o, x, "out", "in_", x.numel() // self.world_size, what="in_.numel() / world_size")
+        self._same(o, x, "out", "in_", x.numel() // self.world_size,
+                   what="in_.numel() / world_size")
         with self._on_stream(stream) as s:
 
             def issue(send: torch.Tensor, recv: torch.Tensor) -> None:
                 self.lib.reduce_scatter(send.data_ptr(), recv.data_ptr(), recv.numel(), plan.dtype,
                                         plan.op, self._comm, s)
 
-            self._reduction(plan, x, o, issue, send_count=send_numel(o, plan))
+            self._reduction(plan, x, o, issue, send_count=_send_count(o, plan))
         return o
 
     def reduce(
@@ -166,7 +168,7 @@ class PyNcclCommunicator:
         if self.rank == root and out is None:
             raise ValueError(f"out must be a tensor on the root rank {root}, got None")
         if out is not None:
-            self._same(x, self._tensor(out, "out"), "in_", "out", x.numel())
+            self._same(self._tensor(out, "out"), x, "out", "in_", x.numel())
         with self._on_stream(stream) as s:
 
             def issue(send: torch.Tensor, recv: torch.Tensor | None) -> None:
@@ -174,7 +176,7 @@ class PyNcclCommunicator:
                                 send.numel(), plan.dtype, plan.op, root, self._comm, s)
 
             self._reduction(plan, x, out if self.rank == root else None, issue,
-                            send_count=send_numel(x, plan))
+                            send_count=_send_count(x, plan))
         return out
 
     def reduce_scatterv(
@@ -185,7 +187,7 @@ class PyNcclCommunicator:
         op: ReduceOp = ReduceOp.SUM,
         stream: Any = None,
     ) -> torch.Tensor:
-        """Reduce ``in_``; rank ``i`` gets rows ``sizes[:i].sum() ..`` (``sizes[i]`` of dim 0).
+        """Reduce ``in_``; rank ``i`` gets the ``sizes[i]`` rows (dim 0) after ``sum(sizes[:i])``.
 
         Runs as one grouped ``ncclReduce`` per rank (each rank the root of its rows).
         """
@@ -206,7 +208,7 @@ class PyNcclCommunicator:
                                             rows * inner, plan.dtype, plan.op, r, self._comm, s)
                         off += rows * step
 
-            self._reduction(plan, x, o, issue, send_count=send_numel(x, plan))
+            self._reduction(plan, x, o, issue, send_count=_send_count(x, plan))
         return o
 
     # ------------------------------------------------------------------ data movement
@@ -219,7 +221,8 @@ class PyNcclCommunicator:
         with self._on_stream(stream) as s:
             src, dst = bytes_view(x, "in_"), bytes_view(o, "out")
             if src.numel():
-                self.lib.all_gather(src.data_ptr(), dst.data_ptr(), src.numel(), _UINT8, self._comm, s)
+                self.lib.all_gather(src.data_ptr(), dst.data_ptr(), src.numel(), _UINT8,
+                                    self._comm, s)
         return o
 
     def all_gatherv(
@@ -336,11 +339,12 @@ class PyNcclCommunicator:
                 self._after_group.clear()
             raise
         self._group_depth -= 1
-        self.lib.group_end()
+        pending: list[Callable[[], Any]] = []
         if self._group_depth == 0:
             pending, self._after_group = self._after_group, []
-            for fn in pending:
-                fn()
+        self.lib.group_end()  # on failure the pending conversions are dropped with it
+        for fn in pending:
+            fn()
 
     # ------------------------------------------------------------------ state
     def disable(self) -> None:
@@ -436,10 +440,13 @@ class PyNcclCommunicator:
             raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
         if t.device != self.device:
             raise ValueError(
-                f"{arg} must be on this communicator's device {self.device}, got a tensor on {t.device}"
+                f"{arg} must be on this communicator's device {self.device}, "
+                f"got a tensor on {t.device}"
             )
         if not t.is_contiguous():
-            raise ValueError(f"{arg} must be contiguous (call .contiguous() first), got strides {t.stride()}")
+            raise ValueError(
+                f"{arg} must be contiguous (call .contiguous() first), got strides {t.stride()}"
+            )
         return t
 
     def _same(self, a: torch.Tensor, b: torch.Tensor, a_arg: str, b_arg: str, numel: int,
@@ -449,17 +456,23 @@ class PyNcclCommunicator:
             raise TypeError(f"{a_arg} must have {b_arg}'s dtype {b.dtype}, got {a.dtype}")
         if a.numel() != numel:
             want = f"{what} = {numel}" if what else f"{numel}"
-            raise ValueError(f"{a_arg} must have {want} elements, got {a.numel()} (shape {tuple(a.shape)})")
+            raise ValueError(
+                f"{a_arg} must have {want} elements, got {a.numel()} (shape {tuple(a.shape)})"
+            )
 
     def _check_rows(self, piece: torch.Tensor, whole: torch.Tensor, sizes: Any, piece_arg: str,
                     whole_arg: str, gathered: str) -> list[int]:
         """Checks of the uneven ops: rows of ``piece`` = ``sizes[rank]``, of ``whole`` = sum."""
         sz = v.check_sizes(sizes, self.world_size)
         if piece.dtype != whole.dtype:
-            raise TypeError(f"{piece_arg} must have {whole_arg}'s dtype {whole.dtype}, got {piece.dtype}")
+            raise TypeError(
+                f"{piece_arg} must have {whole_arg}'s dtype {whole.dtype}, got {piece.dtype}"
+            )
         for t, arg in ((piece, piece_arg), (whole, whole_arg)):
             if t.dim() == 0:
-                raise ValueError(f"{arg} must have at least one dimension (rows along dim 0), got a 0-dim tensor")
+                raise ValueError(
+                    f"{arg} must have at least one dimension (rows along dim 0), got a 0-dim tensor"
+                )
         if piece.shape[1:] != whole.shape[1:]:
             raise ValueError(
                 f"{piece_arg} and {whole_arg} must match beyond dim 0, got shapes "
@@ -471,13 +484,17 @@ class PyNcclCommunicator:
                 f"{self.rank}, got {piece.shape[0]}"
             )
         if whole.shape[0] != sum(sz):
-            raise ValueError(f"{gathered}.shape[0] must be sum(sizes) = {sum(sz)}, got {whole.shape[0]}")
+            raise ValueError(
+                f"{gathered}.shape[0] must be sum(sizes) = {sum(sz)}, got {whole.shape[0]}"
+            )
         return sz
 
     def _check_peer(self, peer: Any, arg: str) -> None:
         v.check_rank(peer, self.world_size, arg)
         if peer == self.rank:
-            raise ValueError(f"{arg}={peer} is this rank; point-to-point needs another rank of the group")
+            raise ValueError(
+                f"{arg}={peer} is this rank; point-to-point needs another rank of the group"
+            )
 
     def _plan(self, dtype: torch.dtype, op: Any) -> ReducePlan:
         return reduction_plan(dtype, as_reduce_op(op), self.nccl_version)
@@ -511,12 +528,14 @@ class PyNcclCommunicator:
             yield _current_stream(self.device)
             return
         if not hasattr(stream, "cuda_stream"):
-            raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+            raise TypeError(
+                f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
+            )
         with torch.cuda.stream(stream):
             yield stream.cuda_stream
 
 
-def send_numel(t: torch.Tensor, plan: ReducePlan) -> int:
+def _send_count(t: torch.Tensor, plan: ReducePlan) -> int:
     """NCCL elements of ``t`` under ``plan`` (0 when there is nothing to reduce)."""
     return t.numel() * plan.factor
 
@@ -529,7 +548,9 @@ def _current_stream(device: torch.device) -> int | None:
 
 def _check_device(device: Any, injected: bool) -> torch.device:
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
-        raise TypeError(f"device must be a torch.device, a str or an int, got {type(device).__name__}")
+        raise TypeError(
+            f"device must be a torch.device, a str or an int, got {type(device).__name__}"
+        )
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if dev.type != "cuda" and not injected:
         raise ValueError(f"device must be a CUDA device for NCCL, got {dev}")

@@ -77,7 +77,8 @@ _R = ncclResult_t
 SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "ncclGetVersion": (_R, (ctypes.POINTER(ctypes.c_int),)),
     "ncclGetUniqueId": (_R, (ctypes.POINTER(NcclUniqueId),)),
-    "ncclCommInitRank": (_R, (ctypes.POINTER(ncclComm_t), ctypes.c_int, NcclUniqueId, ctypes.c_int)),
+    "ncclCommInitRank": (_R, (ctypes.POINTER(ncclComm_t), ctypes.c_int, NcclUniqueId,
+                              ctypes.c_int)),
     "ncclCommDestroy": (_R, (ncclComm_t,)),
     "ncclCommAbort": (_R, (ncclComm_t,)),
     "ncclGetErrorString": (ctypes.c_char_p, (ncclResult_t,)),
@@ -152,7 +153,9 @@ def _installed_wheels() -> list[str]:
 def _wheel_candidates(nvidia_dirs: Sequence[str] | None) -> list[Candidate]:
     dirs = _nvidia_dirs() if nvidia_dirs is None else list(nvidia_dirs)
     wheels = _installed_wheels() if nvidia_dirs is None else []
-    label = f"wheel {' or '.join(WHEELS)}" + (f" (installed: {', '.join(wheels)})" if wheels else "")
+    label = f"wheel {' or '.join(WHEELS)}"
+    if wheels:
+        label += f" (installed: {', '.join(wheels)})"
     if not dirs:
         return [Candidate(label, None, "no 'nvidia' namespace package on sys.path")]
     out = []
@@ -334,7 +337,9 @@ class NcclLibrary:
         if not isinstance(unique_id, (bytes, bytearray)):
             raise TypeError(f"unique_id must be bytes, got {type(unique_id).__name__}")
         if len(unique_id) != UNIQUE_ID_BYTES:
-            raise ValueError(f"unique_id must be {UNIQUE_ID_BYTES} bytes long, got {len(unique_id)}")
+            raise ValueError(
+                f"unique_id must be {UNIQUE_ID_BYTES} bytes long, got {len(unique_id)}"
+            )
         uid = NcclUniqueId.from_buffer_copy(bytes(unique_id))
         comm = ncclComm_t()
         self._call("ncclCommInitRank", ctypes.byref(comm), nranks, uid, rank)

@@ -47,7 +47,9 @@ DATATYPE_CODES: dict[str, int] = {
     "ncclBfloat16": 9, "ncclFloat8e4m3": 10, "ncclFloat8e5m2": 11,
 }
 # ncclRedOp_t (nccl.h), the built-in operators.
-REDOP_CODES: dict[str, int] = {"ncclSum": 0, "ncclProd": 1, "ncclMax": 2, "ncclMin": 3, "ncclAvg": 4}
+REDOP_CODES: dict[str, int] = {
+    "ncclSum": 0, "ncclProd": 1, "ncclMax": 2, "ncclMin": 3, "ncclAvg": 4,
+}
 # First NCCL release whose ncclDataType_t has the two float8 types (2.24.0;
 # PyTorch's NCCL_SUPPORTS_FP8 and nccl-tests' HAVE_FP8 use the same gate).
 FP8_MIN_VERSION = 22400
@@ -131,7 +133,9 @@ class ReducePlan:
         if self.kind == "complex":
             return torch.view_as_real(t.reshape(-1)).reshape(-1)
         if self.kind == "widen":
-            raise ValueError("a widened reduction has no same-memory view; copy with .to(plan.wide)")
+            raise ValueError(
+                "a widened reduction has no same-memory view; copy with .to(plan.wide)"
+            )
         return t.reshape(-1)
 
 

@@ -93,3 +93,57 @@ def test_custom_allreduce_across_two_processes_on_one_gpu() -> None:
         assert "disabled" not in out, out
         for key, err in out["errors"].items():
             assert err == 0.0, (key, err)  # two-term sums round once: exact
+
+
+class _NoNcclCuda:
+    """Built lazily: CudaCommunicator without NCCL (NCCL refuses two ranks on one GPU)."""
+
+    @staticmethod
+    def make(group, device):
+        from device_comms.cuda_communicator import CudaCommunicator
+
+        class _Comm(CudaCommunicator):
+            def _make_pynccl(self):  # the custom all-reduce path needs no NCCL
+                return None
+
+        return _Comm(group, device, unique_name="tp-test", timeout=30.0)
+
+
+def _cuda_communicator(rank: int, world_size: int) -> dict:
+    from coordinator.parallel_state import get_world_group
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    comm = _NoNcclCuda.make(get_world_group().cpu_group, dev)
+    try:
+        if comm.custom_ar is None:
+            return {"disabled": comm.custom_ar_reason}
+        x = torch.full((4, 256), float(rank + 1), device=dev, dtype=torch.float16)
+        eager = comm.all_reduce(x)
+        static = torch.zeros(1024, device=dev)
+        with comm.graph_capture():
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                comm.all_reduce(static)  # warm-up outside the graph
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=s):
+                    out = comm.all_reduce(static)
+            torch.cuda.current_stream().wait_stream(s)
+        replays = []
+        for step in range(3):
+            static.fill_(float((rank + 1) * (step + 1)))
+            g.replay()
+            torch.cuda.synchronize()
+            replays.append(out.unique().tolist())
+        return {"eager": eager.unique().tolist(), "replays": replays}
+    finally:
+        comm.destroy()
+
+
+def test_cuda_communicator_routes_all_reduce_to_custom_allreduce() -> None:
+    outs = run_distributed(_cuda_communicator, 2)
+    for out in outs:
+        assert "disabled" not in out, out
+        assert out["eager"] == [3.0]
+        assert out["replays"] == [[3.0], [6.0], [9.0]]

@@ -41,6 +41,7 @@ OPS = {
     REDOP_CODES["ncclAvg"]: ReduceOp.AVG,
 }
 COMM = "gloo-nccl-comm"
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def memory(ptr: int | None, count: int, dtype: int) -> torch.Tensor:
@@ -121,7 +122,7 @@ class GlooNccl:
     def _gathered(self, send: torch.Tensor) -> list[torch.Tensor]:
         raw = send.view(torch.uint8) if send.numel() else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(self.n * raw.numel(), dtype=torch.uint8)
-        dist.all_gather_into_tensor(out, raw.clone(), group=self.group)
+        _all_gather_flat(out, raw.clone(), group=self.group)
         return [p.view(send.dtype) for p in out.chunk(self.n)] if raw.numel() else [send] * self.n
 
     # ------------------------------------------------------------------ collectives
