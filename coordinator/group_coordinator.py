@@ -447,17 +447,22 @@ class GroupCoordinator:
         exits: every rank must capture the same collectives). Capture with
         ``torch.cuda.graph(g, stream=ctx.stream)`` inside it.
 
-        On CPU it yields a context whose ``stream`` is None. Nests: pass the
-        outer context to reuse its stream.
+        On exit the caller's stream waits for the side stream. On CPU it
+        yields a context whose ``stream`` is None. Nests: pass the outer
+        context to reuse its stream.
         """
         ctx = graph_capture_context
+        owner = ctx is None
         if ctx is None:
             ctx = GraphCaptureContext(side_stream(self.device))
+        caller = torch.cuda.current_stream(self.device) if ctx.stream is not None else None
         with contextlib.ExitStack() as stack:
             if ctx.stream is not None:
                 stack.enter_context(torch.cuda.stream(ctx.stream))
             stack.enter_context(self.comm.graph_capture())
             yield ctx
+        if owner and caller is not None:
+            caller.wait_stream(ctx.stream)  # work queued inside lands before the caller's next
 
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
         """Let the device communicator register buffers for ``model``."""

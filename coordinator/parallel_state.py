@@ -288,9 +288,12 @@ def graph_capture(device: torch.device | str | None = None) -> Iterator[GraphCap
     stream = None
     if device is not None and torch.device(device).type == "cuda":
         stream = side_stream(torch.device(device))
+    caller = torch.cuda.current_stream(torch.device(device)) if stream is not None else None
     ctx = GraphCaptureContext(stream)
     with get_tp_group().graph_capture(ctx), get_pp_group().graph_capture(ctx):
         yield ctx
+    if caller is not None:
+        caller.wait_stream(stream)  # work queued inside lands before the caller's next
 
 
 def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:

@@ -8,7 +8,15 @@ On one GPU, three things are timed with CUDA events, per call:
   that holds ``--calls`` back-to-back all-reduces;
 * :class:`~device_comms.pynccl.PyNcclCommunicator` at world size 1, eager and
   graph-replayed;
-* torch's NCCL all_reduce at world size 1, eager (the baseline engines know).
+* torch's NCCL all_reduce at world size 1, eager (the baseline engines know;
+  torch's in-place all_reduce of a group of one enqueues no GPU work, so a
+  graph of it is empty and not timed).
+
+Every custom all-reduce point runs before the first NCCL communicator is made,
+so the virtual ranks' concurrent kernels never share the device with NCCL's
+streams.
+
+The custom all-reduce columns stop at its 8 MiB limit; NCCL goes on to 64 MiB.
 
 NCCL refuses two ranks on one GPU, so world size 1 is the only NCCL point a
 single-GPU host can measure; it prices NCCL's fixed cost per call.
@@ -27,7 +35,9 @@ import torch
 
 __all__ = ["run_cuda_bench"]
 
-_DEFAULT_SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20]
+_DEFAULT_SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20,
+                  16 << 20, 64 << 20]
+_CUSTOM_MAX = 8 << 20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -92,16 +102,26 @@ def _bench_nccl(nbytes: int, dtype: torch.dtype, calls: int, reps: int) -> dict[
     with PyNcclCommunicator(dist.group.WORLD, torch.device("cuda", 0)) as comm:
         y = torch.empty_like(x)
         eager = lambda: [comm.all_reduce(x, y) for _ in range(calls)]  # noqa: E731
-        eager()
-        out["pynccl_eager"] = _stats(_event_time(eager, reps, calls))
-        g = _graph(eager)
-        out["pynccl_graph"] = _stats(_event_time(g.replay, reps, calls))
+        out["pynccl_eager"], out["pynccl_graph"] = _eager_and_graph(eager, reps, calls)
     nccl = _nccl_group()
     z = x.clone()
     torch_eager = lambda: [dist.all_reduce(z, group=nccl) for _ in range(calls)]  # noqa: E731
     torch_eager()
     out["torch_nccl_eager"] = _stats(_event_time(torch_eager, reps, calls))
     return out
+
+
+def _eager_and_graph(eager: Callable[[], Any], reps: int, calls: int) -> tuple[dict, dict]:
+    """Stats of ``eager`` run directly, then replayed from a graph (destroyed before return:
+    NCCL keeps a communicator alive while a graph that captured it exists)."""
+    eager()
+    eager_stats = _stats(_event_time(eager, reps, calls))
+    g = _graph(eager)
+    g.replay()
+    graph_stats = _stats(_event_time(g.replay, reps, calls))
+    torch.cuda.synchronize()
+    del g
+    return eager_stats, graph_stats
 
 
 _NCCL_GROUP: list[Any] = []
@@ -125,12 +145,14 @@ def _init_world() -> None:
                                 world_size=1, rank=0)
 
 
-def _row(nbytes: int, dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:
+def _virtual_row(nbytes: int, dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
-    for n in args.world_sizes:
-        for variant in ("oneshot", "twoshot"):
-            row[f"{variant}_x{n}"] = _bench_virtual(n, variant, nbytes, dtype, args.calls, args.reps)
-    row.update(_bench_nccl(nbytes, dtype, args.calls, args.reps))
+    if nbytes <= _CUSTOM_MAX:
+        for n in args.world_sizes:
+            for variant in ("oneshot", "twoshot"):
+                row[f"{variant}_x{n}"] = _bench_virtual(
+                    n, variant, nbytes, dtype, args.calls, args.reps
+                )
     return row
 
 
@@ -140,7 +162,7 @@ def _print_table(rows: list[dict[str, Any]], world_sizes: list[int]) -> None:
     print("| bytes | dtype | " + " | ".join(cols) + " |")
     print("|---:|---|" + "---:|" * len(cols))
     for r in rows:
-        cells = [f"{r[c]['p50_us']:.1f}" for c in cols]
+        cells = [f"{r[c]['p50_us']:.1f}" if c in r else "-" for c in cols]
         print(f"| {r['bytes']} | {r['dtype']} | " + " | ".join(cells) + " |")
     print("(p50 microseconds per call, CUDA events; p99 in the JSON)")
 
@@ -154,13 +176,12 @@ def run_cuda_bench(args: argparse.Namespace) -> int:
     sizes = args.sizes or _DEFAULT_SIZES
     world_sizes = [n for n in args.world_sizes if n in (2, 4, 6, 8)] or [2, 4, 8]
     args.world_sizes = world_sizes
-    rows = []
-    for name in args.dtypes:
-        if name not in _DTYPES:
-            continue
-        for nbytes in sizes:
-            rows.append(_row(nbytes, _DTYPES[name], args))
-            print(f"# done {nbytes} B {name}", flush=True)
+    points = [(n, _DTYPES[d]) for d in args.dtypes if d in _DTYPES for n in sizes]
+    rows = [_virtual_row(nbytes, dtype, args) for nbytes, dtype in points]
+    print("# custom all-reduce points done", flush=True)
+    for row, (nbytes, dtype) in zip(rows, points):
+        row.update(_bench_nccl(nbytes, dtype, args.calls, args.reps))
+    print("# NCCL points done", flush=True)
     print(f"# device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"calls per replay {args.calls}, replays {args.reps}")
     _print_table(rows, world_sizes)

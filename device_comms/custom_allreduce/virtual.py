@@ -92,8 +92,13 @@ class VirtualRanks:
         index = self._entry_for(inputs)
         outs = [torch.empty_like(x) for x in inputs]
         current = torch.cuda.current_stream(self.device)
-        for r, stream in enumerate(self._streams):
+        # Fork every rank's stream before any launch: torch's stream pool is
+        # round-robin, so a rank's stream may be the caller's current stream,
+        # and a rank stream waiting on it after that rank's launch would wait
+        # for a kernel that itself waits for this rank (a deadlock).
+        for stream in self._streams:
             stream.wait_stream(current)
+        for r, stream in enumerate(self._streams):
             with torch.cuda.stream(stream):
                 if index == 0:
                     self._staging[r][:nbytes].copy_(inputs[r].reshape(-1).view(torch.uint8))

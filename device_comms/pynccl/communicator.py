@@ -32,13 +32,20 @@ inside ``ncclCommInitRank`` leaves its peers waiting in NCCL's bootstrap.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from device_comms import validation as v
-from device_comms.errors import CommunicatorClosed, CommunicatorUnavailable, NcclError
+from device_comms.errors import (
+    CollectiveTimeout,
+    CommunicatorClosed,
+    CommunicatorUnavailable,
+    NcclError,
+)
 from device_comms.pynccl import bootstrap
 from device_comms.pynccl.library import NCCL_IN_PROGRESS, NCCL_SUCCESS, format_version, load_library
 from device_comms.pynccl.types import (
@@ -387,13 +394,24 @@ class PyNcclCommunicator:
                 f"{self.rank}/{self.world_size}; close it with close(abort=True))",
             )
 
-    def close(self, abort: bool | None = None) -> None:
+    def close(self, abort: bool | None = None, timeout: float = 60.0) -> None:
         """Release the NCCL communicator; idempotent.
+
+        NCCL (2.26 and later) does not release a communicator while a CUDA
+        graph that captured its operations is alive: delete such graphs (and
+        ``torch.compile`` caches holding them) first. The release runs on a
+        helper thread and this call waits at most ``timeout`` for it; if a
+        graph still holds the communicator it raises, and the release
+        finishes by itself once the last such graph is destroyed.
 
         Args:
             abort: True: ``ncclCommAbort`` (does not wait for peers or pending
                 work). False: ``ncclCommDestroy``. None: abort only if
                 ``ncclCommGetAsyncError`` reports an error.
+            timeout: Seconds to wait for NCCL to release the communicator.
+
+        Raises:
+            CollectiveTimeout: NCCL did not release it within ``timeout``.
         """
         if self._comm is None:
             return
@@ -404,10 +422,9 @@ class PyNcclCommunicator:
                 abort = code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS)
             except NcclError:
                 abort = True
-        if abort:
-            self.lib.comm_abort(comm)
-        else:
-            self.lib.comm_destroy(comm)
+        release = self.lib.comm_abort if abort else self.lib.comm_destroy
+        gc.collect()  # graphs that are only garbage let go of the communicator now
+        _release_bounded(release, comm, timeout, f"rank {self.rank}/{self.world_size} ({self.device})")
 
     def destroy(self) -> None:
         """Same as :meth:`close` with ``abort=None``."""
@@ -571,3 +588,26 @@ class _Unusable:
 
     def unique_id(self) -> bytes:
         raise self._error
+
+
+def _release_bounded(release: Callable[[Any], Any], comm: Any, timeout: float, who: str) -> None:
+    """Run ``release(comm)`` on a daemon thread; wait at most ``timeout`` seconds for it."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            release(comm)
+        except BaseException as e:  # reported to the caller below
+            failure.append(e)
+
+    worker = threading.Thread(target=run, name="groupcoord-nccl-release", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise CollectiveTimeout(
+            f"releasing the NCCL communicator of {who} did not finish within {timeout:g}s: "
+            f"NCCL keeps a communicator until every CUDA graph that captured its operations "
+            f"is destroyed; delete those graphs first (the release completes when they go)"
+        )
+    if failure:
+        raise failure[0]

@@ -102,3 +102,17 @@ def test_missing_rank_times_out_with_its_name() -> None:
         torch.cuda.synchronize()
         with pytest.raises(CollectiveTimeout, match="rank 1 did not reach the start barrier"):
             vr.check_errors()
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_caller_on_a_rank_stream_does_not_serialise_the_ranks(which: int) -> None:
+    # torch's stream pool is round-robin: after enough streams, a rank's stream
+    # can be the caller's current one. The ranks must still run concurrently.
+    with _virtual(2, timeout=5.0) as vr:
+        inputs = _inputs(2, 4096, torch.float32)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(vr._streams[which]):
+            outs = vr.all_reduce(inputs, variant="oneshot")
+        torch.cuda.synchronize()
+        vr.check_errors()
+        _check(inputs, outs)

@@ -38,7 +38,8 @@ def _graph_capture(tp, dev) -> bool:
 
     x = torch.randn(4, 32, device=dev)
     with ps.graph_capture(dev) as ctx:
-        assert ctx.stream is not None and ctx.stream != torch.cuda.current_stream()
+        assert ctx.stream is not None and ctx.stream == torch.cuda.current_stream()
+        assert ctx.stream != torch.cuda.default_stream()
         y = tp.all_reduce(x) * 2  # warm-up on the capture stream
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=ctx.stream):
@@ -50,14 +51,24 @@ def _graph_capture(tp, dev) -> bool:
 
 
 def _compiled(tp, dev) -> bool:
+    """torch.compile with CUDA graphs, through the group and through the traced custom ops
+    themselves (a group of one does not trace them, so they are called directly)."""
+    from coordinator import custom_ops
+
     def f(t: torch.Tensor) -> torch.Tensor:
         return tp.all_reduce(t.sin()) + 1
 
-    fc = torch.compile(f, mode="reduce-overhead")
+    def g(t: torch.Tensor) -> torch.Tensor:
+        a = custom_ops.traced_all_reduce(tp, t.sin())
+        b = custom_ops.traced_all_gather(tp, a, 0)
+        return custom_ops.traced_reduce_scatter(tp, b * 2, 0) + 1
+
     ok = True
-    for _ in range(4):
-        t = torch.randn(64, device=dev)
-        ok &= torch.allclose(fc(t), f(t))
+    for fn in (f, g):
+        fc = torch.compile(fn, mode="reduce-overhead")
+        for _ in range(4):
+            t = torch.randn(64, device=dev)
+            ok &= torch.allclose(fc(t), f(t) if fn is f else t.sin() * 2 + 1)
     return bool(ok)
 
 
