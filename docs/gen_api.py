@@ -20,6 +20,8 @@ PACKAGES = [
     ("coordinator.layers", "Tensor-parallel layers with checkpoint-sharding weight loaders."),
     ("coordinator.models", "The Llama decoder, KV cache, runner and greedy generation."),
     ("device_comms", "DeviceCommunicator base, registry and transports."),
+    ("device_comms.pynccl", "NCCL through ctypes: library discovery, types, PyNcclCommunicator."),
+    ("device_comms.custom_allreduce", "One-node all-reduce over CUDA IPC with NVRTC-compiled kernels."),
     ("shm_broadcast", "Shared-memory segments, message queue, topology."),
 ]
 

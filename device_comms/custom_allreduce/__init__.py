@@ -5,6 +5,8 @@ below is imported from its module on first access, and no module imports
 CuPy or initialises CUDA at load time.
 
 Modules:
+    communicator: ``CustomAllreduce``, the per-group all-reduce.
+    virtual: ``VirtualRanks``, N ranks' kernels in one process (checks, benchmarks).
     nvrtc: compile CUDA C++ to PTX with NVRTC (no GPU needed).
     eligibility: which groups and which calls may use the custom all-reduce.
     handles: IPC handles, their exchange and their bookkeeping.
@@ -17,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 # name -> module (relative to this package) that defines it
 _EXPORTS: dict[str, str] = {
+    "CustomAllreduce": "communicator",
+    "VirtualRanks": "virtual",
     # nvrtc
     "CompiledPtx": "nvrtc",
     "compile_to_ptx": "nvrtc",
@@ -46,6 +50,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from device_comms.custom_allreduce.communicator import CustomAllreduce
     from device_comms.custom_allreduce.eligibility import (
         ALIGNMENT,
         DEFAULT_MAX_SIZE,
@@ -73,6 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         nvrtc_version,
         supported_archs,
     )
+    from device_comms.custom_allreduce.virtual import VirtualRanks
 
 
 def __getattr__(name: str) -> Any:
