@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import re
 import sys
 from typing import Any
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 PACKAGES = [
     ("coordinator", "GroupCoordinator, parallel state, stateless groups, errors."),
@@ -31,9 +35,22 @@ def _first_paragraph(obj: Any) -> str:
     return doc.split("\n\n")[0].replace("\n", " ").strip()
 
 
+def _stable(text: str) -> str:
+    """``text`` without object addresses, so that every run renders the same page."""
+    return _ADDRESS.sub("", text)
+
+
+def _constant(obj: Any) -> str:
+    """A constant's repr, with sets in sorted order (their own order varies by run)."""
+    if isinstance(obj, (set, frozenset)):
+        items = ", ".join(sorted(repr(x) for x in obj))
+        return f"{type(obj).__name__}({{{items}}})"
+    return _stable(repr(obj))
+
+
 def _sig(obj: Any) -> str:
     try:
-        return str(inspect.signature(obj))
+        return _stable(str(inspect.signature(obj)))
     except (TypeError, ValueError):
         return ""
 
@@ -76,9 +93,10 @@ def render() -> str:
             elif callable(obj):
                 out += [f"### `{name}{_sig(obj)}`", "", _first_paragraph(obj), ""]
             else:
-                out += [f"### `{name}`", "", f"Constant: `{obj!r}`", ""]
+                out += [f"### `{name}`", "", f"Constant: `{_constant(obj)}`", ""]
     return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.stdout.write(render())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Callable, Iterator
 
@@ -49,13 +50,53 @@ def dist_pool() -> Iterator[Callable[..., DistributedPool]]:
         p.close()
 
 
+class _TreeWatch:
+    """Every pid seen in this process's tree while a test runs (sampled on a thread).
+
+    A segment may be blamed on a test only if its owner belonged to the test's
+    process tree: other processes on the machine (another suite, a crashed
+    server) leave their own segments, which are not this test's fault.
+    """
+
+    def __init__(self, me: psutil.Process, interval: float = 0.05) -> None:
+        self.me, self.interval = me, interval
+        self.seen: set[int] = {me.pid}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="no-leaks-watch", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> set[int]:
+        try:
+            now = {c.pid for c in self.me.children(recursive=True)}
+        except psutil.Error:
+            now = set()
+        self.seen |= now
+        return now | {self.me.pid}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    """Fail a test that leaves a child process or a ``gc_*`` /dev/shm segment behind."""
+    """Fail a test that leaves a child process or a ``gc_*`` /dev/shm segment behind.
+
+    Only the test's own processes (alive or dead) and the segments they
+    created count.
+    """
     me = psutil.Process(os.getpid())
     seg_before = {s.name for s in list_segments()}
     kids_before = {c.pid for c in me.children(recursive=True)}
-    yield
+    watch = _TreeWatch(me)
+    try:
+        yield
+    finally:
+        watch.stop()
     deadline = time.monotonic() + 5.0
     while True:
         allowed = _pool_family()
@@ -63,11 +104,11 @@ def no_leaks() -> Iterator[None]:
             c for c in me.children(recursive=True)
             if c.pid not in kids_before and c.pid not in allowed and not _is_ignored(c)
         ]
-        mine = {me.pid} | {c.pid for c in me.children(recursive=True)}
-        segs = [  # new segments owned by this test's processes, or by dead ones
+        mine = watch.sample()
+        segs = [  # new segments owned by this test's processes (alive or dead)
             s for s in list_segments()
             if s.name not in seg_before and s.pid not in allowed
-            and (s.pid in mine or not s.owner_alive)
+            and (s.pid in mine or s.pid in watch.seen)
         ]
         if (not kids and not segs) or time.monotonic() > deadline:
             break

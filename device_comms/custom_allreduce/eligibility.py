@@ -44,12 +44,17 @@ ENV_DISABLE = "GROUPCOORD_DISABLE_CUSTOM_ALLREDUCE"
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 
 
-def disabled_by_env(environ: Mapping[str, str] = os.environ) -> bool:
+def disabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``GROUPCOORD_DISABLE_CUSTOM_ALLREDUCE`` disables the custom all-reduce.
 
     Values ``1``, ``true``, ``yes`` and ``on`` (any case, surrounding blanks
     ignored) disable it; anything else, or no variable, leaves it enabled.
+
+    Args:
+        environ: The environment to read (default: ``os.environ``).
     """
+    if environ is None:
+        environ = os.environ
     return environ.get(ENV_DISABLE, "").strip().lower() in _TRUE_WORDS
 
 
