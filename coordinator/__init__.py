@@ -6,12 +6,19 @@ Start here::
 """
 
 from coordinator.errors import (
+    BrokenCommunicator,
+    ClosedError,
+    CollectiveMismatch,
     CommTimeout,
+    CommunicatorUnavailable,
     DistributedTimeout,
     GroupCoordError,
     NotInitializedError,
+    PeerDiedError,
+    PeerRejectedError,
     RankDiedError,
     RankFailedError,
+    SegmentError,
 )
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
 from coordinator.group_registry import get_group_by_name
@@ -49,6 +56,13 @@ __all__ = [
     "ReduceOp",
     "GroupCoordError",
     "CommTimeout",
+    "PeerDiedError",
+    "ClosedError",
+    "CollectiveMismatch",
+    "PeerRejectedError",
+    "CommunicatorUnavailable",
+    "BrokenCommunicator",
+    "SegmentError",
     "NotInitializedError",
     "RankFailedError",
     "RankDiedError",

@@ -1,29 +1,52 @@
-"""The exception family of :mod:`coordinator`.
+"""Errors of :mod:`coordinator`: the project's one family, plus its own kinds.
 
-Errors are mixed with the builtin they resemble, so ``except TimeoutError``
-catches :class:`CommTimeout` and ``except RuntimeError`` catches
-:class:`NotInitializedError`.
+The family is defined once in :mod:`shm_broadcast.errors` and re-exported
+here, so ``from coordinator import CommTimeout`` is the same class that a queue
+or a shared-memory collective raises. Errors are mixed with the builtin they
+resemble: ``except TimeoutError`` catches :class:`CommTimeout` and
+``except RuntimeError`` catches :class:`NotInitializedError`.
 """
 
 from __future__ import annotations
 
+from device_comms.errors import (
+    BrokenCommunicator,
+    CommunicatorUnavailable,
+    KernelCompileError,
+    NcclError,
+)
+from shm_broadcast.errors import (
+    ClosedError,
+    CollectiveMismatch,
+    CommTimeout,
+    GroupCoordError,
+    PeerDiedError,
+    PeerRejectedError,
+    QueueRoleError,
+    SegmentError,
+    ShmSpaceError,
+)
+
 __all__ = [
     "GroupCoordError",
     "CommTimeout",
+    "PeerDiedError",
+    "ClosedError",
+    "CollectiveMismatch",
+    "PeerRejectedError",
+    "QueueRoleError",
+    "SegmentError",
+    "ShmSpaceError",
+    "CommunicatorUnavailable",
+    "BrokenCommunicator",
+    "NcclError",
+    "KernelCompileError",
     "NotInitializedError",
     "RankFailedError",
     "RankDiedError",
     "DistributedTimeout",
     "StoreConnectionError",
 ]
-
-
-class GroupCoordError(Exception):
-    """Base class of every error raised on purpose by ``coordinator``."""
-
-
-class CommTimeout(GroupCoordError, TimeoutError):
-    """A communication did not complete in time; names group, operation and peer."""
 
 
 class NotInitializedError(GroupCoordError, RuntimeError):
@@ -39,7 +62,7 @@ class RankFailedError(GroupCoordError, RuntimeError):
     """
 
     def __init__(self, message: str, rank: int, remote_traceback: str = "") -> None:
-        super().__init__(message)
+        super().__init__(message, peers=(rank,))
         self.rank = rank
         self.remote_traceback = remote_traceback
 
@@ -59,7 +82,7 @@ class DistributedTimeout(CommTimeout):
     """
 
     def __init__(self, message: str, pending_ranks: list[int]) -> None:
-        super().__init__(message)
+        super().__init__(message, peers=pending_ranks)
         self.pending_ranks = pending_ranks
 
     def __reduce__(self) -> tuple[object, ...]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from coordinator import custom_ops
 from coordinator import group_setup as setup
 from coordinator import tensor_dict as td
-from coordinator.errors import NotInitializedError
+from coordinator.errors import CollectiveMismatch, NotInitializedError
 from coordinator.group_registry import REGISTRY
 from coordinator.object_comm import (
     SERIALIZE_ERRORS,
@@ -272,9 +272,10 @@ class GroupCoordinator:
                 ) from e
         got = self._broadcast_raw(None, src)
         if isinstance(got, SourceFailure):
-            raise ValueError(
+            raise CollectiveMismatch(
                 f"broadcast_object on group {self.unique_name!r}: the source rank {src} could "
-                f"not send its object ({got.message}); fix the call on rank {src}"
+                f"not send its object ({got.message}); fix the call on rank {src}",
+                queue=self.unique_name, peers=(src,),
             )
         return got
 
@@ -315,9 +316,10 @@ class GroupCoordinator:
             ) from failed
         if obj_list and isinstance(obj_list[0], SourceFailure):
             msg = obj_list[0].message
-            raise ValueError(
+            raise CollectiveMismatch(
                 f"broadcast_object_list on group {self.unique_name!r}: the source rank {src} "
-                f"could not send its objects ({msg}); fix the call on rank {src}"
+                f"could not send its objects ({msg}); fix the call on rank {src}",
+                queue=self.unique_name, peers=(src,),
             )
         return obj_list
 

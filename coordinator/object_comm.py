@@ -22,6 +22,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from coordinator.errors import CollectiveMismatch
+
 __all__ = [
     "ObjectCodec",
     "PickleCodec",
@@ -124,8 +126,9 @@ def recv_object(src_global: int, group: dist.ProcessGroup, codec: ObjectCodec) -
         dist.recv(buf, src=src_global, group=group)
     data = buf.numpy().tobytes()
     if failed:
-        raise ValueError(
+        raise CollectiveMismatch(
             f"the sender (global rank {src_global}) could not serialise the object it was "
-            f"sending ({data.decode('utf-8', 'replace')}); fix the call on that rank"
+            f"sending ({data.decode('utf-8', 'replace')}); fix the call on that rank",
+            peers=(src_global,),
         )
     return codec.loads(data)

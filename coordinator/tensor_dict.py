@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.distributed as dist
 
+from coordinator.errors import CollectiveMismatch
 from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms.torch_communicator import wire_view
 
@@ -158,9 +159,10 @@ def broadcast_tensor_dict(
         return dict(tensor_dict)  # type: ignore[arg-type]
     meta = _bcast_meta(gc, None, src, group, metadata_group)
     if isinstance(meta, SourceFailure):
-        raise ValueError(
+        raise CollectiveMismatch(
             f"broadcast_tensor_dict on group {gc.unique_name!r}: the source rank {src} "
-            f"rejected its input ({meta.message}); fix the call on rank {src}"
+            f"rejected its input ({meta.message}); fix the call on rank {src}",
+            queue=gc.unique_name, peers=(src,),
         )
     out: dict[Any, Any] = {}
     for key, kind, value in meta:

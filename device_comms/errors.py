@@ -1,82 +1,53 @@
-"""The exception family of :mod:`device_comms`."""
+"""Errors of :mod:`device_comms`: the project's family plus NCCL and kernel errors.
+
+The family (root, timeout, dead peer, closed, mismatch) is defined once in
+:mod:`shm_broadcast.errors` and re-exported here; ``DeviceCommError``,
+``CollectiveTimeout`` and ``CommunicatorClosed`` are other names of
+:class:`GroupCoordError`, :class:`CommTimeout` and :class:`ClosedError`.
+"""
 
 from __future__ import annotations
 
+from shm_broadcast.errors import (
+    ClosedError,
+    CollectiveMismatch,
+    CommTimeout,
+    GroupCoordError,
+    PeerDiedError,
+    PeerRejectedError,
+)
+
 __all__ = [
+    "GroupCoordError",
     "DeviceCommError",
     "CommunicatorUnavailable",
+    "CommTimeout",
     "CollectiveTimeout",
     "PeerDiedError",
+    "ClosedError",
+    "CommunicatorClosed",
     "CollectiveMismatch",
     "PeerRejectedError",
     "BrokenCommunicator",
-    "CommunicatorClosed",
     "NcclError",
     "KernelCompileError",
 ]
 
+# The family is defined once, in the bottom package; these are the same classes.
+DeviceCommError = GroupCoordError
+CollectiveTimeout = CommTimeout
+CommunicatorClosed = ClosedError
 
-class DeviceCommError(Exception):
-    """Base class of every error raised on purpose by ``device_comms``."""
 
-
-class CommunicatorUnavailable(DeviceCommError, LookupError):
+class CommunicatorUnavailable(GroupCoordError, LookupError):
     """No registered communicator is available for the requested name/device."""
 
 
-class CollectiveTimeout(DeviceCommError, TimeoutError):
-    """A collective did not complete in time; the message names group, op and peer."""
+class BrokenCommunicator(GroupCoordError, RuntimeError):
+    """An earlier failure (dead peer, timeout) left the communicator unusable."""
 
 
-class PeerDiedError(DeviceCommError, RuntimeError):
-    """A peer process of the group exited while this rank waited on it."""
-
-
-class CollectiveMismatch(DeviceCommError, ValueError):
-    """Ranks called the same collective with incompatible arguments (shape, dtype, op)."""
-
-
-class PeerRejectedError(CollectiveMismatch):
-    """A peer rejected its own arguments of the collective this rank was in.
-
-    Raised on the ranks whose call was valid, promptly, instead of leaving them
-    waiting for a rank that raised ``ValueError``/``TypeError`` locally.
-    Nothing was exchanged and the communicator stays usable.
-
-    Attributes:
-        rank: Group rank that rejected the call.
-        op: The operation this rank was running.
-        reason: The rejecting rank's error message (may be empty).
-    """
-
-    def __init__(self, group: str, op: str, rank: int, reason: str) -> None:
-        self.rank, self.op, self.reason = rank, op, reason
-        super().__init__(
-            f"group {group!r}, op {op}: rank {rank} rejected its arguments of this collective "
-            f"({reason or 'no reason given'}); this call was abandoned on every rank, nothing "
-            f"was exchanged and the group stays usable. Fix the call on rank {rank}."
-        )
-
-    def __reduce__(self) -> tuple:  # keeps the custom __init__ picklable across processes
-        return (_rebuild_rejected, (str(self), self.rank, self.op, self.reason))
-
-
-def _rebuild_rejected(msg: str, rank: int, op: str, reason: str) -> "PeerRejectedError":
-    e = PeerRejectedError.__new__(PeerRejectedError)
-    Exception.__init__(e, msg)
-    e.rank, e.op, e.reason = rank, op, reason
-    return e
-
-
-class BrokenCommunicator(DeviceCommError, RuntimeError):
-    """An earlier failure (dead peer, timeout) left the shared-memory engine unusable."""
-
-
-class CommunicatorClosed(DeviceCommError, RuntimeError):
-    """A collective was called on a communicator after ``destroy()``/``close()``."""
-
-
-class NcclError(DeviceCommError, RuntimeError):
+class NcclError(GroupCoordError, RuntimeError):
     """An NCCL call returned a result other than ``ncclSuccess``.
 
     Attributes:
@@ -86,10 +57,8 @@ class NcclError(DeviceCommError, RuntimeError):
     """
 
     def __init__(self, call: str, code: int, detail: str = "") -> None:
+        super().__init__(f"{call} failed with NCCL error {code}: {detail or 'no description'}")
         self.call, self.code, self.detail = call, code, detail
-        super().__init__(
-            f"{call} failed with NCCL error {code}: {detail or 'no description'}"
-        )
 
     def __reduce__(self) -> tuple:  # keeps the custom __init__ picklable across processes
         return (type(self), (self.call, self.code, self.detail))
@@ -106,13 +75,13 @@ def translate_backend_error(e: BaseException, where: str) -> BaseException:
         A :class:`CollectiveTimeout` for timeouts, a :class:`PeerDiedError` for
         closed connections, or ``e`` itself when it is neither.
     """
-    if isinstance(e, DeviceCommError) or not isinstance(e, RuntimeError):
+    if isinstance(e, GroupCoordError) or not isinstance(e, RuntimeError):
         return e
     msg = str(e)
     first = msg.splitlines()[0] if msg else type(e).__name__
     low = msg.lower()
     if "timed out" in low or "timeout" in low:
-        return CollectiveTimeout(
+        return CommTimeout(
             f"{where}: a peer did not answer in time ({first}). Check that every rank of "
             f"the group calls the same collectives in the same order, and that no rank died."
         )
@@ -127,7 +96,7 @@ def translate_backend_error(e: BaseException, where: str) -> BaseException:
     return e
 
 
-class KernelCompileError(DeviceCommError, RuntimeError):
+class KernelCompileError(GroupCoordError, RuntimeError):
     """NVRTC could not compile a kernel source; the message holds NVRTC's log.
 
     Attributes:

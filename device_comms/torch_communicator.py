@@ -294,9 +294,10 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         meta = [None if t is None else (tuple(t.shape), t.dtype, dim)]
         dist.broadcast_object_list(meta, src=self._g(src), group=self.cpu_group)
         if len(meta[0]) == 2 and meta[0][0] == "error":  # type: ignore[index]
-            raise ValueError(
+            raise CollectiveMismatch(
                 f"scatter on group {self.unique_name!r}: the source rank {src} rejected its "
-                f"input ({meta[0][1]}); fix the call on rank {src}"  # type: ignore[index]
+                f"input ({meta[0][1]}); fix the call on rank {src}",  # type: ignore[index]
+                queue=self.unique_name, peers=(src,),
             )
         shape, dtype, d = meta[0]  # type: ignore[misc]
         d = d % len(shape)

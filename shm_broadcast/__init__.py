@@ -8,6 +8,10 @@ reuse.
 """
 
 from shm_broadcast.errors import (
+    ClosedError,
+    CollectiveMismatch,
+    CommTimeout,
+    GroupCoordError,
     PeerDiedError,
     QueueClosedError,
     QueueRoleError,
@@ -24,6 +28,10 @@ from shm_broadcast.topology import in_the_same_node_as, node_assignment
 from shm_broadcast.waiting import WaitPolicy
 
 __all__ = [
+    "GroupCoordError",
+    "CommTimeout",
+    "ClosedError",
+    "CollectiveMismatch",
     "ShmBroadcastError",
     "QueueTimeout",
     "PeerDiedError",

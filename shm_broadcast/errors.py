@@ -1,16 +1,38 @@
-"""The exception family of :mod:`shm_broadcast`.
+"""The project's one exception family, rooted here in the bottom package.
 
-Every error raised on purpose by this package derives from
-:class:`ShmBroadcastError`, mixed with the builtin it resembles so callers can
-catch either (``except TimeoutError`` works for :class:`QueueTimeout`).
+Every error that ``shm_broadcast``, ``device_comms`` and ``coordinator`` raise
+on purpose derives from :class:`GroupCoordError`, mixed with the builtin it
+resembles, so callers can catch either (``except TimeoutError`` catches
+:class:`CommTimeout`). The upper packages re-export these classes and add
+only errors of their own kind (NCCL, kernel compilation, rank failures of the
+test harness); the same condition raises the same class in every layer:
 
-The queue errors carry structured context besides their message, so callers
-(for example a GroupCoordinator) can react without parsing text:
+=====================  ==========================================  ==============
+condition              class                                       builtin
+=====================  ==========================================  ==============
+a wait ran out         :class:`CommTimeout`                        TimeoutError
+a peer process exited  :class:`PeerDiedError`                      RuntimeError
+used after close       :class:`ClosedError`                        RuntimeError
+ranks disagree, or     :class:`CollectiveMismatch`                 ValueError
+the source failed      (:class:`PeerRejectedError`: a peer refused
+                       its own arguments)
+wrong queue role       :class:`QueueRoleError`                     RuntimeError
+shared memory          :class:`SegmentError` (:class:`ShmSpaceError`)  OSError
+=====================  ==========================================  ==============
 
-* ``queue``: the queue's name,
-* ``side``: ``"writer"`` or ``"reader <rank>"`` (who raised),
-* ``peers``: the ranks of the peers involved (lagging or dead readers, or the
-  writer's rank/``None``).
+Argument errors are plain ``TypeError`` (wrong type) and ``ValueError``
+(wrong value), never a class of this family.
+
+Errors raised around a channel carry structured context besides their message,
+so callers can react without parsing text:
+
+* ``queue``: the queue's (or group's) name,
+* ``side``: who raised (``"writer"``, ``"reader <rank>"``, ``"rank <r>"``),
+* ``peers``: the ranks of the peers involved (lagging, missing or dead ones).
+
+The older names stay as aliases of the same classes: ``ShmBroadcastError``
+(the root), ``QueueTimeout`` (:class:`CommTimeout`) and ``QueueClosedError``
+(:class:`ClosedError`).
 """
 
 from __future__ import annotations
@@ -18,26 +40,34 @@ from __future__ import annotations
 from typing import Sequence
 
 __all__ = [
+    "GroupCoordError",
+    "CommTimeout",
+    "PeerDiedError",
+    "ClosedError",
+    "CollectiveMismatch",
+    "PeerRejectedError",
+    "QueueRoleError",
+    "SegmentError",
+    "ShmSpaceError",
     "ShmBroadcastError",
     "QueueTimeout",
-    "PeerDiedError",
     "QueueClosedError",
-    "QueueRoleError",
-    "ShmSpaceError",
-    "SegmentError",
 ]
 
 
-class ShmBroadcastError(Exception):
-    """Base class of every error raised on purpose by ``shm_broadcast``."""
+class GroupCoordError(Exception):
+    """Base class of every error raised on purpose by this project.
 
-
-class _QueueError(ShmBroadcastError):
-    """Base of the queue errors: a message plus where it happened."""
+    Args:
+        message: What happened, naming the group or queue, the op and the ranks.
+        queue: Name of the queue or group involved, if any.
+        side: Who raised (``"writer"``, ``"reader <rank>"``, ``"rank <r>"``).
+        peers: Ranks (or names) of the peers involved.
+    """
 
     def __init__(
         self,
-        message: str,
+        message: str = "",
         *,
         queue: str | None = None,
         side: str | None = None,
@@ -49,38 +79,76 @@ class _QueueError(ShmBroadcastError):
         self.peers: tuple[object, ...] = tuple(peers) if peers is not None else ()
 
 
-class QueueTimeout(_QueueError, TimeoutError):
-    """An enqueue or dequeue did not complete within its timeout.
+class CommTimeout(GroupCoordError, TimeoutError):
+    """A wait did not complete within its timeout.
 
-    Attributes:
-        queue: Name of the queue.
-        side: ``"writer"`` or ``"reader <rank>"``.
-        peers: Ranks of the readers the writer waited for (lagging readers),
-            or, on the reader side, the writer's identity.
+    The message names the group (or queue), the operation and the ranks that
+    did not arrive; ``peers`` holds those ranks when they are known.
     """
 
 
-class PeerDiedError(_QueueError, RuntimeError):
-    """The process on the other side of a queue or segment has exited.
+class PeerDiedError(GroupCoordError, RuntimeError):
+    """The process on the other side of a queue, segment or collective has exited."""
 
-    Attributes:
-        queue: Name of the queue (``None`` outside a queue).
-        side: Who noticed: ``"writer"`` or ``"reader <rank>"``.
-        peers: The dead peer(s), as ranks (readers) or ``"writer"``.
+
+class ClosedError(GroupCoordError, RuntimeError):
+    """A queue, group or communicator was used (or waited on) after it was closed."""
+
+
+class CollectiveMismatch(GroupCoordError, ValueError):
+    """Ranks called the same operation incompatibly, or its source rank failed.
+
+    Raised on the ranks whose own call was valid: different shapes, dtypes or
+    ops, a source whose payload could not be produced or decoded.
     """
 
 
-class QueueClosedError(_QueueError, RuntimeError):
-    """The queue was closed or shut down while a caller used or waited on it."""
+class PeerRejectedError(CollectiveMismatch):
+    """A peer rejected its own arguments of the collective this rank was in.
+
+    Raised on the ranks whose call was valid, promptly, instead of leaving them
+    waiting for a rank that raised ``ValueError``/``TypeError`` locally.
+    Nothing was exchanged and the communicator stays usable.
+
+    Attributes:
+        rank: Group rank that rejected the call.
+        op: The operation this rank was running.
+        reason: The rejecting rank's error message (may be empty).
+    """
+
+    def __init__(self, group: str, op: str, rank: int, reason: str) -> None:
+        super().__init__(
+            f"group {group!r}, op {op}: rank {rank} rejected its arguments of this collective "
+            f"({reason or 'no reason given'}); this call was abandoned on every rank, nothing "
+            f"was exchanged and the group stays usable. Fix the call on rank {rank}.",
+            queue=group, peers=(rank,),
+        )
+        self.rank, self.op, self.reason = rank, op, reason
+
+    def __reduce__(self) -> tuple:  # keeps the custom __init__ picklable across processes
+        return (_rebuild_rejected, (str(self), self.rank, self.op, self.reason))
 
 
-class QueueRoleError(ShmBroadcastError, RuntimeError):
+def _rebuild_rejected(msg: str, rank: int, op: str, reason: str) -> PeerRejectedError:
+    e = PeerRejectedError.__new__(PeerRejectedError)
+    GroupCoordError.__init__(e, msg, peers=(rank,))
+    e.rank, e.op, e.reason = rank, op, reason
+    return e
+
+
+class QueueRoleError(GroupCoordError, RuntimeError):
     """A writer-only method was called on a reader, or the reverse."""
 
 
-class SegmentError(ShmBroadcastError, OSError):
+class SegmentError(GroupCoordError, OSError):
     """A shared-memory segment could not be created, attached or removed."""
 
 
 class ShmSpaceError(SegmentError):
     """``/dev/shm`` has too little free space for a new segment."""
+
+
+# Older names of the same classes.
+ShmBroadcastError = GroupCoordError
+QueueTimeout = CommTimeout
+QueueClosedError = ClosedError

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shm_broadcast.errors import ShmBroadcastError
+from shm_broadcast.errors import CollectiveMismatch
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.handle import Handle
 from shm_broadcast.message_queue import MessageQueue
@@ -65,7 +65,7 @@ def create_from_process_group(
 
     Raises:
         ValueError: ``writer_rank`` or ``reader_ranks`` is invalid.
-        ShmBroadcastError: The writer failed to create the queue (on readers;
+        CollectiveMismatch: The writer failed to create the queue (on readers;
             the writer re-raises its own error).
         QueueTimeout: The queue did not connect within ``timeout``.
     """
@@ -104,8 +104,9 @@ def create_from_process_group(
             raise
     payload = og.broadcast(payload, src=writer_rank)
     if payload[0] != "ok":
-        raise ShmBroadcastError(
-            f"the writer (rank {writer_rank}) could not create the message queue: {payload[1]}")
+        raise CollectiveMismatch(
+            f"the writer (rank {writer_rank}) could not create the message queue: {payload[1]}",
+            peers=(writer_rank,))
     try:
         if rank in readers:
             mq = MessageQueue.create_from_handle(Handle.from_bytes(payload[1]), rank,

@@ -79,7 +79,7 @@ def test_general_cases(world_size: int) -> None:
             want = [[float(r)] * 2 for r in range(n) if r % 2]
             assert o[f"after_sizes_{label}"] == want
         for name, msg, _ in o["closed"]:
-            assert name == "CommunicatorClosed" and "destroyed" in msg, (name, msg)
+            assert name == "ClosedError" and "destroyed" in msg, (name, msg)
 
 
 @pytest.mark.timeout(90)
