@@ -33,6 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from coordinator.errors import CommTimeout, StoreConnectionError
+from shm_broadcast.checks import check_int, check_rank
 
 __all__ = ["StatelessProcessGroup"]
 
@@ -96,8 +97,7 @@ class StatelessProcessGroup:
             ValueError: Bad rank/world_size/port.
         """
         _check_rank_world(rank, world_size)
-        if not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"port must be an int in (0, 65536), got {port!r}")
+        check_int(port, "port", minimum=1, maximum=65535)
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a non-empty str, got {host!r}")
         store = dist.TCPStore(
@@ -266,13 +266,9 @@ class StatelessProcessGroup:
 
 
 def _check_in_range(r: Any, world_size: int, arg: str) -> None:
-    if not isinstance(r, int) or isinstance(r, bool):
-        raise TypeError(f"{arg} must be an int rank, got {type(r).__name__}")
-    if not 0 <= r < world_size:
-        raise ValueError(f"{arg} must be in [0, {world_size}), got {r}")
+    check_rank(r, world_size, arg)
 
 
 def _check_rank_world(rank: Any, world_size: Any) -> None:
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    _check_in_range(rank, world_size, "rank")
+    check_int(world_size, "world_size", minimum=1)
+    check_rank(rank, world_size, "rank")

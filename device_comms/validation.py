@@ -6,6 +6,8 @@ from typing import Any, Sequence
 
 import torch
 
+from shm_broadcast import checks
+
 __all__ = ["check_tensor", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
 
 
@@ -33,12 +35,8 @@ def norm_dim(dim: Any, ndim: int, arg: str = "dim") -> int:
 
 
 def check_rank(r: Any, world_size: int, arg: str) -> int:
-    """Return ``r`` if it is a valid group rank, else raise ValueError/TypeError."""
-    if not isinstance(r, int) or isinstance(r, bool):
-        raise TypeError(f"{arg} must be an int rank within the group, got {type(r).__name__}")
-    if not 0 <= r < world_size:
-        raise ValueError(f"{arg} must be a rank in [0, {world_size}) within the group, got {r}")
-    return r
+    """Return ``r`` if it is a valid group rank, else raise TypeError/ValueError."""
+    return checks.check_rank(r, world_size, arg)
 
 
 def check_sizes(
@@ -51,9 +49,7 @@ def check_sizes(
         raise ValueError(f"{arg} must have {world_size} entries (one per rank), got {len(sizes)}")
     out = []
     for i, s in enumerate(sizes):
-        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-            raise ValueError(f"{arg}[{i}] must be a non-negative int, got {s!r}")
-        out.append(s)
+        out.append(checks.check_int(s, f"{arg}[{i}]", minimum=0))
     if total is not None and sum(out) != total:
         raise ValueError(
             f"{arg} must sum to the size of the scattered dimension ({total}), "

@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Any
 
+from shm_broadcast.checks import check_int, check_timeout
 from shm_broadcast.codec import Codec
 from shm_broadcast.errors import QueueRoleError
 from shm_broadcast.handle import Handle
@@ -58,15 +59,11 @@ DEFAULT_READY_TIMEOUT = 120.0
 
 
 def _check_timeout(timeout: Any) -> None:
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
-    ):
-        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    check_timeout(timeout)
 
 
 def _check_count(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    check_int(value, name, minimum=minimum)
 
 
 class MessageQueue:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from shm_broadcast.checks import check_rank
 from shm_broadcast.errors import CollectiveMismatch
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.handle import Handle
@@ -71,10 +72,7 @@ def create_from_process_group(
     """
     og = object_group(group)
     world, rank = og.world_size, og.rank
-    if isinstance(writer_rank, bool) or not isinstance(writer_rank, int) or not (
-        0 <= writer_rank < world
-    ):
-        raise ValueError(f"writer_rank must be an int in [0, {world}), got {writer_rank!r}")
+    check_rank(writer_rank, world, "writer_rank")
     if reader_ranks is None:
         readers = [r for r in range(world) if r != writer_rank]
     else:

@@ -91,6 +91,7 @@ import platform
 import struct
 import threading
 
+from shm_broadcast.checks import check_int
 from shm_broadcast.errors import SegmentError
 from shm_broadcast.segment import SharedSegment
 
@@ -425,5 +426,4 @@ class ShmRingBuffer:
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    check_int(value, name, minimum=minimum)

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import psutil
 
+from shm_broadcast.checks import check_int
 from shm_broadcast.errors import SegmentError, ShmSpaceError
 
 try:  # CPython's own binding of shm_open/shm_unlink (POSIX only).
@@ -194,8 +195,7 @@ class SharedSegment:
         """
         if not isinstance(kind, str) or not _KIND_RE.match(kind):
             raise ValueError(f"kind must be 1-16 lowercase letters/digits, got {kind!r}")
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise ValueError(f"size must be a positive int (bytes), got {size!r}")
+        check_int(size, "size", minimum=1)
         free = shm_free_bytes()
         if free >= 0 and free < size + _SPACE_MARGIN:
             raise ShmSpaceError(

@@ -182,8 +182,10 @@ def test_check_reduce_op_property(op, dtype):
 def test_check_helpers_reject_wrong_types():
     with pytest.raises(TypeError, match="sizes"):
         v.check_sizes((i for i in range(2)), 2)
-    with pytest.raises(ValueError, match=r"sizes\[1\]"):
+    with pytest.raises(TypeError, match=r"sizes\[1\]"):
         v.check_sizes([1, True], 2)
+    with pytest.raises(ValueError, match=r"sizes\[1\]"):
+        v.check_sizes([1, -1], 2)
     with pytest.raises(TypeError, match="src"):
         v.check_rank(True, 2, "src")
     with pytest.raises(TypeError, match="input_"):

@@ -248,7 +248,7 @@ def test_bad_call_arguments(queues):
     w, (r,) = queues(1, name="args")
     with pytest.raises(ValueError, match="timeout"):
         r.dequeue(timeout=-1)
-    with pytest.raises(ValueError, match="timeout"):
+    with pytest.raises(TypeError, match="timeout"):
         w.enqueue(1, timeout="soon")
     with pytest.raises(TypeError, match="Handle"):
         MessageQueue.create_from_handle({"not": "a handle"}, 0)

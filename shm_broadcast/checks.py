@@ -1,0 +1,77 @@
+"""Argument checks shared by every layer (the bottom package owns them).
+
+One rule everywhere: a value of the wrong type raises ``TypeError`` naming the
+argument, the expected type and the type that came; a value of the right type
+outside its range raises ``ValueError`` naming the argument, the range and
+the value. ``bool`` is never accepted where an int is expected.
+
+Timeouts mean the same in every layer (:func:`check_timeout`): a number of
+seconds ``>= 0``, where ``0`` polls once without waiting, and ``None`` means
+"the caller's default" (inside coordinator calls, the group's timeout).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["check_int", "check_rank", "check_timeout"]
+
+
+def check_int(value: Any, arg: str, *, minimum: int | None = None,
+              maximum: int | None = None) -> int:
+    """Return ``value`` if it is an int in ``[minimum, maximum]`` (either bound optional).
+
+    Raises:
+        TypeError: ``value`` is not an int (or is a bool).
+        ValueError: ``value`` is outside the bounds.
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{arg} must be an int, got {type(value).__name__} ({value!r:.60})")
+    too_small = minimum is not None and value < minimum
+    too_big = maximum is not None and value > maximum
+    if too_small or too_big:
+        if maximum is None:
+            want = f">= {minimum}"
+        elif minimum is None:
+            want = f"<= {maximum}"
+        else:
+            want = f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{arg} must be an int {want}, got {value}")
+    return value
+
+
+def check_rank(value: Any, world_size: int, arg: str) -> int:
+    """Return ``value`` if it is a rank in ``[0, world_size)``.
+
+    Raises:
+        TypeError: ``value`` is not an int (or is a bool).
+        ValueError: ``value`` is not in ``[0, world_size)``.
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{arg} must be an int rank, got {type(value).__name__} ({value!r:.60})")
+    if not 0 <= value < world_size:
+        raise ValueError(f"{arg} must be a rank in [0, {world_size}), got {value}")
+    return value
+
+
+def check_timeout(value: Any, arg: str = "timeout",
+                  default: float | None = None) -> float | None:
+    """Return a timeout in seconds: ``value``, or ``default`` when ``value`` is None.
+
+    ``0`` means poll once without waiting; a ``None`` result (only from a
+    ``None`` default) means no limit.
+
+    Raises:
+        TypeError: ``value`` is neither None nor a real number.
+        ValueError: ``value`` is negative, NaN or infinite.
+    """
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{arg} must be a number of seconds or None, got {type(value).__name__} ({value!r:.60})"
+        )
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{arg} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
