@@ -20,7 +20,7 @@ __all__ = ["main", "build_parser"]
 
 # command -> (module, function adding arguments, function running the command)
 _COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "demo": ("coordinator.demo.cli", "add_args", "run", "run the sharded model demo"),
+    "demo": ("coordinator.engine.demo.cli", "add_args", "run", "run the sharded model demo"),
     "cleanup": ("shm_broadcast.cli", "add_cleanup_args", "run_cleanup",
                 "list (and with --yes remove) /dev/shm segments whose owner died"),
     "doctor": ("coordinator.doctor", "add_args", "run", "print an environment report"),
@@ -28,7 +28,7 @@ _COMMANDS: dict[str, tuple[str, str, str, str]] = {
 _BENCHES: dict[str, tuple[str, str, str, str]] = {
     "mq": ("shm_broadcast.cli", "add_bench_args", "run_bench",
            "message queue latency/throughput vs gloo and pickle+zmq"),
-    "collectives": ("device_comms.bench_collectives", "add_bench_args", "run_bench",
+    "collectives": ("device_comms.bench.collectives", "add_bench_args", "run_bench",
                     "CPU shared-memory collectives vs gloo"),
 }
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from coordinator import custom_ops
 from coordinator import group_setup as setup
-from coordinator import tensor_dict as td
+from coordinator import tensor_dict as tensor_dict_ops
 from coordinator.errors import CollectiveMismatch, NotInitializedError
 from coordinator.group_registry import REGISTRY
 from coordinator.object_comm import (
@@ -38,7 +38,7 @@ from coordinator.object_comm import (
     send_object,
 )
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
-from device_comms import validation as v
+from device_comms import validation
 from device_comms.errors import translate_backend_error
 
 __all__ = ["GroupCoordinator", "GraphCaptureContext", "side_stream"]
@@ -258,7 +258,7 @@ class GroupCoordinator:
             TypeError: On ``src``: ``obj`` cannot be serialised. The other ranks
                 are told and raise ``ValueError`` instead of waiting forever.
         """
-        v.check_rank(src, self.world_size, "src")
+        validation.check_rank(src, self.world_size, "src")
         if self.world_size == 1:
             return obj
         if self.rank_in_group == src:
@@ -297,7 +297,7 @@ class GroupCoordinator:
         """Broadcast a list of objects in place (like ``torch.distributed``)."""
         if not isinstance(obj_list, list):
             raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
-        v.check_rank(src, self.world_size, "src")
+        validation.check_rank(src, self.world_size, "src")
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch ProcessGroup or None, got {type(group).__name__}")
         if self.world_size == 1:
@@ -347,15 +347,15 @@ class GroupCoordinator:
         the device communicator (CPU tensors of a GPU group over the CPU group).
         Receivers allocate and get a new dict.
         """
-        v.check_rank(src, self.world_size, "src")
+        validation.check_rank(src, self.world_size, "src")
         if self.rank_in_group == src and not isinstance(tensor_dict, Mapping):
             err = TypeError(f"tensor_dict must be a dict on src, got {type(tensor_dict).__name__}")
             if self.world_size > 1:  # the receivers are waiting: make them raise too
-                td.abort_broadcast(self, src, group, metadata_group, str(err))
+                tensor_dict_ops.abort_broadcast(self, src, group, metadata_group, str(err))
             raise err
         if self.world_size == 1:
             return dict(tensor_dict)  # type: ignore[arg-type]
-        return td.broadcast_tensor_dict(self, tensor_dict, src, group, metadata_group)
+        return tensor_dict_ops.broadcast_tensor_dict(self, tensor_dict, src, group, metadata_group)
 
     def send_tensor_dict(
         self,
@@ -373,13 +373,13 @@ class GroupCoordinator:
         """
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
-        v.check_rank(dst, self.world_size, "dst")
+        validation.check_rank(dst, self.world_size, "dst")
         if not isinstance(tensor_dict, Mapping):
             raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
         if self.world_size == 1:
             return
         self._check_peer(dst, "dst")
-        td.send_tensor_dict(self, tensor_dict, dst, _ag(all_gather_group), all_gather_tensors)
+        tensor_dict_ops.send_tensor_dict(self, tensor_dict, dst, _ag(all_gather_group), all_gather_tensors)
 
     def recv_tensor_dict(
         self,
@@ -394,11 +394,11 @@ class GroupCoordinator:
         """
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
-        v.check_rank(src, self.world_size, "src")
+        validation.check_rank(src, self.world_size, "src")
         if self.world_size == 1:
             return None
         self._check_peer(src, "src")
-        return td.recv_tensor_dict(self, src, _ag(all_gather_group))
+        return tensor_dict_ops.recv_tensor_dict(self, src, _ag(all_gather_group))
 
     # ------------------------------------------------------------------ control
     def barrier(self, timeout: float | None = None) -> None:
@@ -548,7 +548,7 @@ class GroupCoordinator:
 
     # ------------------------------------------------------------------ helpers
     def _check_peer(self, r: Any, arg: str) -> None:
-        v.check_rank(r, self.world_size, arg)
+        validation.check_rank(r, self.world_size, arg)
         if r == self.rank_in_group:
             raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from device_comms import validation as v
+from device_comms import validation
 from shm_broadcast.group_adapter import object_group
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ _HANDLE_OPTIONS = frozenset({"wait_policy"})
 
 
 def create_mq_broadcaster(
-    gc: "GroupCoordinator",
+    group: "GroupCoordinator",
     writer_rank: int = 0,
     external_writer_handle: Any = None,
     blocking: bool = True,
@@ -50,24 +50,24 @@ def create_mq_broadcaster(
     """Implementation of :meth:`GroupCoordinator.create_mq_broadcaster` (see there)."""
     from shm_broadcast.message_queue import MessageQueue
 
-    v.check_rank(writer_rank, gc.world_size, "writer_rank")
+    validation.check_rank(writer_rank, group.world_size, "writer_rank")
     allowed = _HANDLE_OPTIONS if external_writer_handle is not None else _COLLECTIVE_OPTIONS
     unknown = sorted(set(queue_options) - allowed)
     if unknown:
         raise TypeError(f"create_mq_broadcaster() got unexpected queue options {unknown}; "
                         f"allowed here: {sorted(allowed)}")
     if external_writer_handle is not None:
-        mq = MessageQueue.create_from_handle(external_writer_handle, gc.rank_in_group,
+        mq = MessageQueue.create_from_handle(external_writer_handle, group.rank_in_group,
                                              **queue_options)
         if blocking:
             mq.wait_until_ready()
         return mq
     return MessageQueue.create_from_process_group(
-        gc.cpu_group, writer_rank=writer_rank, name=f"{gc.unique_name}-mq", **queue_options)
+        group.cpu_group, writer_rank=writer_rank, name=f"{group.unique_name}-mq", **queue_options)
 
 
 def create_single_reader_mq_broadcasters(
-    gc: "GroupCoordinator",
+    group: "GroupCoordinator",
     reader_rank_in_group: int = 0,
     blocking: bool = False,
     max_chunk_bytes: int = SINGLE_READER_CHUNK_BYTES,
@@ -76,7 +76,7 @@ def create_single_reader_mq_broadcasters(
     """Create one queue per non-reader rank, all read by ``reader_rank_in_group``.
 
     Args:
-        gc: The group (every rank calls this).
+        group: The group (every rank calls this).
         reader_rank_in_group: Group rank that reads every queue.
         blocking: Wait until all queues are connected before returning. With
             False, call ``wait_until_ready()`` on every returned queue (both
@@ -92,35 +92,43 @@ def create_single_reader_mq_broadcasters(
     from shm_broadcast.message_queue import MessageQueue
     from shm_broadcast.topology import in_the_same_node_as
 
-    v.check_rank(reader_rank_in_group, gc.world_size, "reader_rank_in_group")
+    validation.check_rank(reader_rank_in_group, group.world_size, "reader_rank_in_group")
     if not isinstance(blocking, bool):
         raise TypeError(f"blocking must be a bool, got {type(blocking).__name__}")
-    me, reader = gc.rank_in_group, reader_rank_in_group
-    if gc.world_size == 1:
+    me, reader = group.rank_in_group, reader_rank_in_group
+    if group.world_size == 1:
         return None, [None]
-    same_node = in_the_same_node_as(gc.cpu_group, source_rank=reader)
+    same_node = in_the_same_node_as(group.cpu_group, source_rank=reader)
     writer: MessageQueue | None = None
-    handle: bytes | None = None
     if me != reader:
-        local = same_node[me]
         writer = MessageQueue(
             n_reader=1,
-            n_local_reader=1 if local else 0,
-            local_reader_ranks=[reader] if local else [],
+            n_local_reader=1 if same_node[me] else 0,
+            local_reader_ranks=[reader] if same_node[me] else [],
             max_chunk_bytes=max_chunk_bytes,
             max_chunks=max_chunks,
-            name=f"{gc.unique_name}-to{reader}-from{me}",
+            name=f"{group.unique_name}-to{reader}-from{me}",
             writer_rank=me,
         )
-        handle = writer.export_handle().to_bytes()
-    handles: list[Any] = object_group(gc.cpu_group).all_gather(handle)
+    handle = writer.export_handle().to_bytes() if writer is not None else None
+    handles: list[Any] = object_group(group.cpu_group).all_gather(handle)
+    readers = _attach_readers(writer, handles, me, reader, blocking)
+    return writer, readers
+
+
+def _attach_readers(writer: "MessageQueue | None", handles: list[Any], me: int, reader: int,
+                    blocking: bool) -> list["MessageQueue | None"]:
+    """On the reader, open every writer's queue; optionally wait for all to connect.
+
+    On failure every queue this rank holds (its writer included) is closed.
+    """
+    from shm_broadcast.message_queue import MessageQueue
+
     readers: list[MessageQueue | None] = []
     try:
         if me == reader:
-            readers = [
-                None if r == reader else MessageQueue.create_from_handle(h, reader)
-                for r, h in enumerate(handles)
-            ]
+            readers = [None if r == reader else MessageQueue.create_from_handle(h, reader)
+                       for r, h in enumerate(handles)]
         if blocking:
             for q in [writer, *readers]:
                 if q is not None:
@@ -130,4 +138,4 @@ def create_single_reader_mq_broadcasters(
             if q is not None:
                 q.close()
         raise
-    return writer, readers
+    return readers

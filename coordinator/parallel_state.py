@@ -90,35 +90,10 @@ def init_distributed_environment(
     world_size = _int_arg(world_size, "world_size")
     rank = _int_arg(rank, "rank")
     local_rank = _int_arg(local_rank, "local_rank")
-    if not isinstance(distributed_init_method, str):
-        raise TypeError(
-            f"distributed_init_method must be a str, got {type(distributed_init_method).__name__}"
-        )
-    if "://" not in distributed_init_method:
-        raise ValueError(
-            f"distributed_init_method must be 'env://' or 'tcp://host:port', "
-            f"got {distributed_init_method!r}"
-        )
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = datetime.timedelta(seconds=timeout)
-    if timeout is not None and not isinstance(timeout, datetime.timedelta):
-        raise TypeError(f"timeout must be a timedelta or seconds, got {type(timeout).__name__}")
+    _check_init_method(distributed_init_method)
+    timeout = _as_timedelta(timeout)
     if not dist.is_initialized():
-        if not distributed_init_method.startswith("env://") and (world_size < 1 or rank < 0):
-            raise ValueError(
-                f"{distributed_init_method.split('://')[0]}:// needs world_size >= 1 and "
-                f"rank >= 0, got world_size={world_size}, rank={rank}"
-            )
-        if world_size >= 1 and not 0 <= rank < world_size and rank != -1:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        kwargs: dict[str, Any] = {"backend": backend, "init_method": distributed_init_method}
-        if world_size >= 1:
-            kwargs["world_size"] = world_size
-        if rank >= 0:
-            kwargs["rank"] = rank
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        dist.init_process_group(**kwargs)
+        _init_torch_distributed(world_size, rank, distributed_init_method, backend, timeout)
     elif world_size >= 1 and world_size != dist.get_world_size():
         raise ValueError(
             f"torch.distributed is already initialised with world size "
@@ -137,6 +112,43 @@ def init_distributed_environment(
         )
     return REGISTRY.world
 
+
+
+def _check_init_method(method: Any) -> None:
+    if not isinstance(method, str):
+        raise TypeError(f"distributed_init_method must be a str, got {type(method).__name__}")
+    if "://" not in method:
+        raise ValueError(
+            f"distributed_init_method must be 'env://' or 'tcp://host:port', got {method!r}")
+
+
+def _as_timedelta(timeout: Any) -> datetime.timedelta | None:
+    """Seconds or a timedelta as a timedelta; None stays None (torch's default)."""
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a timedelta or seconds, got {type(timeout).__name__}")
+    return timeout
+
+
+def _init_torch_distributed(world_size: int, rank: int, method: str, backend: str,
+                            timeout: datetime.timedelta | None) -> None:
+    """dist.init_process_group with only the arguments the caller gave."""
+    if not method.startswith("env://") and (world_size < 1 or rank < 0):
+        raise ValueError(
+            f"{method.split('://')[0]}:// needs world_size >= 1 and "
+            f"rank >= 0, got world_size={world_size}, rank={rank}"
+        )
+    if world_size >= 1 and not 0 <= rank < world_size and rank != -1:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    kwargs: dict[str, Any] = {"backend": backend, "init_method": method}
+    if world_size >= 1:
+        kwargs["world_size"] = world_size
+    if rank >= 0:
+        kwargs["rank"] = rank
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    dist.init_process_group(**kwargs)
 
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,

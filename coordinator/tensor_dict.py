@@ -127,7 +127,7 @@ def _alloc(desc: list[Any], device: torch.device, numel_div: int = 1) -> torch.T
 
 # ---------------------------------------------------------------------- broadcast
 def broadcast_tensor_dict(
-    gc: "GroupCoordinator",
+    coord: "GroupCoordinator",
     tensor_dict: Mapping[Any, Any] | None,
     src: int,
     group: dist.ProcessGroup | None,
@@ -135,41 +135,41 @@ def broadcast_tensor_dict(
 ) -> dict[Any, Any] | None:
     """Implementation of :meth:`GroupCoordinator.broadcast_tensor_dict`."""
     overrides = group is not None or metadata_group is not None
-    use_mq = not overrides and gc.mq_broadcaster is not None and src == gc.mq_writer_rank
-    is_src = gc.rank_in_group == src
+    use_mq = not overrides and coord.mq_broadcaster is not None and src == coord.mq_writer_rank
+    is_src = coord.rank_in_group == src
     if is_src:
         try:
             meta, payload = flatten_tensor_dict(  # type: ignore[arg-type]
-                tensor_dict, inline_cpu=use_mq, device=gc.device
+                tensor_dict, inline_cpu=use_mq, device=coord.device
             )
         except (TypeError, ValueError) as e:
-            abort_broadcast(gc, src, group, metadata_group, str(e))
+            abort_broadcast(coord, src, group, metadata_group, str(e))
             raise
         try:
-            _bcast_meta(gc, meta, src, group, metadata_group)
+            _bcast_meta(coord, meta, src, group, metadata_group)
         except SERIALIZE_ERRORS as e:
-            abort_broadcast(gc, src, group, metadata_group, f"{type(e).__name__}: {e}")
+            abort_broadcast(coord, src, group, metadata_group, f"{type(e).__name__}: {e}")
             raise TypeError(
-                f"broadcast_tensor_dict on group {gc.unique_name!r}: tensor_dict holds a value "
+                f"broadcast_tensor_dict on group {coord.unique_name!r}: tensor_dict holds a value "
                 f"that cannot be serialised ({type(e).__name__}: {e})"
             ) from e
         for t in payload:
             if t.numel():
-                _bcast_tensor(gc, t.contiguous(), src, group, metadata_group)
+                _bcast_tensor(coord, t.contiguous(), src, group, metadata_group)
         return dict(tensor_dict)  # type: ignore[arg-type]
-    meta = _bcast_meta(gc, None, src, group, metadata_group)
+    meta = _bcast_meta(coord, None, src, group, metadata_group)
     if isinstance(meta, SourceFailure):
         raise CollectiveMismatch(
-            f"broadcast_tensor_dict on group {gc.unique_name!r}: the source rank {src} "
+            f"broadcast_tensor_dict on group {coord.unique_name!r}: the source rank {src} "
             f"rejected its input ({meta.message}); fix the call on rank {src}",
-            queue=gc.unique_name, peers=(src,),
+            queue=coord.unique_name, peers=(src,),
         )
     out: dict[Any, Any] = {}
     for key, kind, value in meta:
         if kind == TENSOR:
-            t = _alloc(value, gc.device)
+            t = _alloc(value, coord.device)
             if t.numel():
-                _bcast_tensor(gc, t, src, group, metadata_group)
+                _bcast_tensor(coord, t, src, group, metadata_group)
             out[key] = t
         else:
             out[key] = value
@@ -177,7 +177,7 @@ def broadcast_tensor_dict(
 
 
 def abort_broadcast(
-    gc: "GroupCoordinator",
+    coord: "GroupCoordinator",
     src: int,
     group: dist.ProcessGroup | None,
     metadata_group: dist.ProcessGroup | None,
@@ -185,11 +185,11 @@ def abort_broadcast(
 ) -> None:
     """On ``src``: send an error marker where receivers expect metadata, so they
     raise instead of waiting for a broadcast that will never come."""
-    _bcast_meta(gc, SourceFailure(message), src, group, metadata_group)
+    _bcast_meta(coord, SourceFailure(message), src, group, metadata_group)
 
 
 def _bcast_meta(
-    gc: "GroupCoordinator",
+    coord: "GroupCoordinator",
     obj: Any,
     src: int,
     group: dist.ProcessGroup | None,
@@ -198,13 +198,13 @@ def _bcast_meta(
     """Broadcast the metadata object (no failure checks; callers do them)."""
     if group is not None or metadata_group is not None:
         box = [obj]
-        dist.broadcast_object_list(box, src=gc.ranks[src], group=metadata_group or gc.cpu_group)
+        dist.broadcast_object_list(box, src=coord.ranks[src], group=metadata_group or coord.cpu_group)
         return box[0]
-    return gc._broadcast_raw(obj, src)
+    return coord._broadcast_raw(obj, src)
 
 
 def _bcast_tensor(
-    gc: "GroupCoordinator",
+    coord: "GroupCoordinator",
     t: torch.Tensor,
     src: int,
     group: dist.ProcessGroup | None,
@@ -212,17 +212,17 @@ def _bcast_tensor(
 ) -> None:
     on_cpu = t.device.type == "cpu"
     if group is not None or metadata_group is not None:
-        pg = (metadata_group or gc.cpu_group) if on_cpu else (group or gc.device_group)
-        dist.broadcast(wire_view(t), src=gc.ranks[src], group=pg)
-    elif t.device.type == gc.device.type:
-        gc.comm.broadcast(t, src=src)
+        pg = (metadata_group or coord.cpu_group) if on_cpu else (group or coord.device_group)
+        dist.broadcast(wire_view(t), src=coord.ranks[src], group=pg)
+    elif t.device.type == coord.device.type:
+        coord.comm.broadcast(t, src=src)
     else:  # CPU tensor in a GPU group: over the CPU group
-        dist.broadcast(wire_view(t), src=gc.ranks[src], group=gc.cpu_group)
+        dist.broadcast(wire_view(t), src=coord.ranks[src], group=coord.cpu_group)
 
 
 # ---------------------------------------------------------------------- point to point
 def send_tensor_dict(
-    gc: "GroupCoordinator",
+    coord: "GroupCoordinator",
     tensor_dict: Mapping[Any, Any],
     dst: int,
     all_gather_group: "GroupCoordinator | None",
@@ -236,12 +236,12 @@ def send_tensor_dict(
         raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
     n = all_gather_group.world_size if all_gather_group is not None else 1
     slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
-    meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n, device=gc.device)
+    meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n, device=coord.device)
     try:
-        gc.send_object(meta, dst=dst)
+        coord.send_object(meta, dst=dst)
     except TypeError as e:  # the receiver was told by send_object
         raise TypeError(
-            f"send_tensor_dict on group {gc.unique_name!r}: tensor_dict holds a value that "
+            f"send_tensor_dict on group {coord.unique_name!r}: tensor_dict holds a value that "
             f"cannot be serialised ({e.__cause__ or e})"
         ) from e
     for (key, kind, desc), t in zip((m for m in meta if m[1] == TENSOR), payload):
@@ -249,16 +249,16 @@ def send_tensor_dict(
             continue
         if desc[3] and all_gather_group is not None:  # sliced: send only this rank's 1/n
             t = t.reshape(n, -1)[all_gather_group.rank_in_group]
-        _send(gc, t.contiguous(), dst)
+        _send(coord, t.contiguous(), dst)
 
 
 def recv_tensor_dict(
-    gc: "GroupCoordinator",
+    coord: "GroupCoordinator",
     src: int,
     all_gather_group: "GroupCoordinator | None",
 ) -> dict[Any, Any]:
     """Implementation of :meth:`GroupCoordinator.recv_tensor_dict`."""
-    meta = gc.recv_object(src=src)
+    meta = coord.recv_object(src=src)
     out: dict[Any, Any] = {}
     problem = ""
     have = all_gather_group.world_size if all_gather_group is not None else None
@@ -268,9 +268,9 @@ def recv_tensor_dict(
             continue
         parts = int(value[3])
         if not parts:
-            out[key] = _recv_into(gc, _alloc(value, gc.device), src)
+            out[key] = _recv_into(coord, _alloc(value, coord.device), src)
             continue
-        piece = _recv_into(gc, _alloc(value, gc.device, parts), src)
+        piece = _recv_into(coord, _alloc(value, coord.device, parts), src)
         if all_gather_group is None or have != parts:
             # Keep receiving (the sender is blocked on its sends), report at the end.
             problem = problem or (
@@ -314,18 +314,18 @@ def _slicing_plan(
     return plan
 
 
-def _send(gc: "GroupCoordinator", t: torch.Tensor, dst: int) -> None:
-    if t.device.type == gc.device.type:
-        gc.comm.send(t, dst=dst)
+def _send(coord: "GroupCoordinator", t: torch.Tensor, dst: int) -> None:
+    if t.device.type == coord.device.type:
+        coord.comm.send(t, dst=dst)
     else:  # CPU tensor in a GPU group: over the CPU group
-        dist.send(wire_view(t), dst=gc.ranks[dst], group=gc.cpu_group)
+        dist.send(wire_view(t), dst=coord.ranks[dst], group=coord.cpu_group)
 
 
-def _recv_into(gc: "GroupCoordinator", buf: torch.Tensor, src: int) -> torch.Tensor:
+def _recv_into(coord: "GroupCoordinator", buf: torch.Tensor, src: int) -> torch.Tensor:
     """Receive into a tensor shaped like ``buf`` (returns the filled tensor)."""
     if not buf.numel():
         return buf
-    if buf.device.type == gc.device.type:
-        return gc.comm.recv(buf.shape, buf.dtype, src=src)
-    dist.recv(wire_view(buf), src=gc.ranks[src], group=gc.cpu_group)
+    if buf.device.type == coord.device.type:
+        return coord.comm.recv(buf.shape, buf.dtype, src=src)
+    dist.recv(wire_view(buf), src=coord.ranks[src], group=coord.cpu_group)
     return buf

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from device_comms import validation as v
+from device_comms import validation
 from device_comms.errors import CommunicatorClosed, DeviceCommError, translate_backend_error
 from device_comms.reduce_op import ReduceOp, check_reduce_op
 
@@ -86,7 +86,7 @@ class DeviceCommunicator(abc.ABC):
         """Reduce ``input_`` element-wise across ranks; returns a new tensor."""
         self._check_open()
         try:
-            t = v.check_tensor(input_, "input_", self.device)
+            t = validation.check_tensor(input_, "input_", self.device)
             rop = check_reduce_op(op, t.dtype)
         except (TypeError, ValueError) as e:
             self._reject("all_reduce", e)
@@ -99,8 +99,8 @@ class DeviceCommunicator(abc.ABC):
         """Concatenate every rank's ``input_`` along ``dim`` (same shape on all ranks)."""
         self._check_open()
         try:
-            t = v.check_tensor(input_, "input_", self.device)
-            d = v.norm_dim(dim, t.dim())
+            t = validation.check_tensor(input_, "input_", self.device)
+            d = validation.norm_dim(dim, t.dim())
         except (TypeError, ValueError) as e:
             self._reject("all_gather", e)
             raise
@@ -146,11 +146,11 @@ class DeviceCommunicator(abc.ABC):
     def _check_gatherv(
         self, input_: Any, dim: int, sizes: Sequence[int] | None, arg: str
     ) -> tuple[torch.Tensor, int, list[int] | None]:
-        t = v.check_tensor(input_, arg, self.device)
-        d = v.norm_dim(dim, t.dim())
+        t = validation.check_tensor(input_, arg, self.device)
+        d = validation.norm_dim(dim, t.dim())
         if sizes is None:
             return t, d, None
-        sz = v.check_sizes(sizes, self.world_size)
+        sz = validation.check_sizes(sizes, self.world_size)
         if t.shape[d] != sz[self.rank_in_group]:
             raise ValueError(
                 f"{arg}.shape[{dim}] is {t.shape[d]} on rank {self.rank_in_group} but "
@@ -165,10 +165,10 @@ class DeviceCommunicator(abc.ABC):
         """Reduce across ranks, then give rank ``i`` the ``i``-th equal slice along ``dim``."""
         self._check_open()
         try:
-            t = v.check_tensor(input_, "input_", self.device)
-            d = v.norm_dim(dim, t.dim())
+            t = validation.check_tensor(input_, "input_", self.device)
+            d = validation.norm_dim(dim, t.dim())
             rop = check_reduce_op(op, t.dtype)
-            v.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
+            validation.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
         except (TypeError, ValueError) as e:
             self._reject("reduce_scatter", e)
             raise
@@ -186,11 +186,11 @@ class DeviceCommunicator(abc.ABC):
         """Reduce-scatter where rank ``i`` receives ``sizes[i]`` entries along ``dim``."""
         self._check_open()
         try:
-            t = v.check_tensor(input_, "input_", self.device)
-            d = v.norm_dim(dim, t.dim())
+            t = validation.check_tensor(input_, "input_", self.device)
+            d = validation.norm_dim(dim, t.dim())
             if sizes is not None:
                 rop = check_reduce_op(op, t.dtype)
-                sz = v.check_sizes(sizes, self.world_size, total=t.shape[d])
+                sz = validation.check_sizes(sizes, self.world_size, total=t.shape[d])
         except (TypeError, ValueError) as e:
             self._reject("reduce_scatter" if sizes is None else "reduce_scatterv", e)
             raise
@@ -204,9 +204,9 @@ class DeviceCommunicator(abc.ABC):
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
         self._check_open()
         try:
-            t = v.check_tensor(input_, "input_", self.device)
-            v.check_rank(dst, self.world_size, "dst")
-            d = v.norm_dim(dim, t.dim())
+            t = validation.check_tensor(input_, "input_", self.device)
+            validation.check_rank(dst, self.world_size, "dst")
+            d = validation.norm_dim(dim, t.dim())
         except (TypeError, ValueError) as e:
             self._reject("gather", e)
             raise
@@ -220,8 +220,8 @@ class DeviceCommunicator(abc.ABC):
         """Reduce onto ``dst`` (new tensor there, None elsewhere)."""
         self._check_open()
         try:
-            t = v.check_tensor(input_, "input_", self.device)
-            v.check_rank(dst, self.world_size, "dst")
+            t = validation.check_tensor(input_, "input_", self.device)
+            validation.check_rank(dst, self.world_size, "dst")
             rop = check_reduce_op(op, t.dtype)
         except (TypeError, ValueError) as e:
             self._reject("reduce", e)
@@ -234,8 +234,8 @@ class DeviceCommunicator(abc.ABC):
         """Broadcast ``input_`` from ``src`` in place; receivers pass the buffer to fill."""
         self._check_open()
         try:
-            t = v.check_tensor(input_, "input_", self.device)
-            v.check_rank(src, self.world_size, "src")
+            t = validation.check_tensor(input_, "input_", self.device)
+            validation.check_rank(src, self.world_size, "src")
             if not t.is_contiguous():
                 raise ValueError("input_ must be contiguous for an in-place broadcast")
         except (TypeError, ValueError) as e:
@@ -251,14 +251,14 @@ class DeviceCommunicator(abc.ABC):
         Non-source ranks may pass ``None``; shape and dtype come from ``src``.
         """
         self._check_open()
-        v.check_rank(src, self.world_size, "src")
+        validation.check_rank(src, self.world_size, "src")
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise TypeError(f"dim must be an int, got {type(dim).__name__}")
         if self.rank_in_group == src:
             try:
-                t = v.check_tensor(input_, "input_", self.device)
-                d = v.norm_dim(dim, t.dim())
-                v.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
+                t = validation.check_tensor(input_, "input_", self.device)
+                d = validation.norm_dim(dim, t.dim())
+                validation.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
             except (TypeError, ValueError) as e:
                 if self.world_size > 1:  # receivers wait for src: make them raise too
                     self._guard("scatter", self._scatter_abort, src, str(e))
@@ -276,10 +276,10 @@ class DeviceCommunicator(abc.ABC):
         """Send slice ``j`` of ``input_`` (split along ``scatter_dim``) to rank ``j``,
         and concatenate the slices received from every rank along ``gather_dim``."""
         self._check_open()
-        t = v.check_tensor(input_, "input_", self.device)
-        sd = v.norm_dim(scatter_dim, t.dim(), "scatter_dim")
-        gd = v.norm_dim(gather_dim, t.dim(), "gather_dim")
-        v.check_divisible(t.shape[sd], self.world_size, f"input_.shape[{scatter_dim}]")
+        t = validation.check_tensor(input_, "input_", self.device)
+        sd = validation.norm_dim(scatter_dim, t.dim(), "scatter_dim")
+        gd = validation.norm_dim(gather_dim, t.dim(), "gather_dim")
+        validation.check_divisible(t.shape[sd], self.world_size, f"input_.shape[{scatter_dim}]")
         if self.world_size == 1:
             return t.clone()
         return self._guard("all_to_all", self._all_to_all, t.contiguous(), sd, gd)
@@ -287,8 +287,8 @@ class DeviceCommunicator(abc.ABC):
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` to group rank ``dst`` (blocking)."""
         self._check_open()
-        t = v.check_tensor(tensor, "tensor", self.device)
-        v.check_rank(dst, self.world_size, "dst")
+        t = validation.check_tensor(tensor, "tensor", self.device)
+        validation.check_rank(dst, self.world_size, "dst")
         if dst == self.rank_in_group:
             raise ValueError(f"dst={dst} is this rank; send needs another rank of the group")
         self._guard("send", self._send, t.contiguous(), dst)
@@ -304,7 +304,7 @@ class DeviceCommunicator(abc.ABC):
             raise TypeError(f"size must be a shape (a sequence of ints), got {size!r}")
         if any(s < 0 for s in size):
             raise ValueError(f"size must not have negative entries, got {tuple(size)}")
-        v.check_rank(src, self.world_size, "src")
+        validation.check_rank(src, self.world_size, "src")
         if src == self.rank_in_group:
             raise ValueError(f"src={src} is this rank; recv needs another rank of the group")
         return self._guard("recv", self._recv, torch.Size(size), dtype, src)

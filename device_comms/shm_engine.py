@@ -38,7 +38,7 @@ Not thread-safe: one collective at a time per communicator, as with NCCL.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -58,6 +58,18 @@ DEFAULT_ONESHOT_BYTES = 2 << 20
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 
+
+class _GatherStep(NamedTuple):
+    """What every piece of one gather_rows call shares."""
+
+    x2: torch.Tensor
+    out2: torch.Tensor | None
+    widths: Sequence[int]
+    offs: list[int]
+    writes: bool
+    kind: str
+    sig: Any
+    size_key: int
 
 class ShmEngine:
     """Shared-memory collectives for the local ranks of a workspace.
@@ -312,7 +324,7 @@ class ShmEngine:
         slots a block of whole rows at a time, or a row in column pieces when a
         row is larger than a slot, so the output is written in its final layout.
         """
-        ws, sync, me, size = self.ws, self.sync, self.me, self.size
+        ws, sync, me = self.ws, self.sync, self.me
         dt = x2.dtype
         sig = self._sig(kind, dt, None, 0 if dst is None else dst)
         rows_n = x2.shape[0]
@@ -330,32 +342,45 @@ class ShmEngine:
             pieces = [(i, min(per, rows_n - i), None) for i in range(0, rows_n, per)]
         else:  # each row in column pieces
             pieces = [(i, 1, a) for i in range(rows_n) for a in range(0, wmax, chunk)]
-        first = True
-        for i, nrows, a in pieces:
-            p = sync.next_parity
+        step = _GatherStep(x2, out2, widths, offs, writes, kind, sig, size_key)
+        for n, (i, nrows, a) in enumerate(pieces):
             if a is None:
-                if writes and widths[me]:
-                    ws.slot(p, me, dt)[: nrows * widths[me]].copy_(x2[i : i + nrows].reshape(-1))
-                sync.step(kind, sig, size_key, first)
-                first = False
-                if out2 is not None:
-                    for r in range(size):
-                        w = widths[r]
-                        if w:
-                            src = x2[i : i + nrows] if r == me else ws.slot(p, r, dt)[: nrows * w].view(nrows, w)
-                            out2[i : i + nrows, offs[r] : offs[r] + w].copy_(src)
-                continue
-            ln = max(0, min(chunk, widths[me] - a))
-            if writes and ln:
-                ws.slot(p, me, dt)[:ln].copy_(x2[i, a : a + ln])
-            sync.step(kind, sig, size_key, first)
-            first = False
-            if out2 is not None:
-                for r in range(size):
-                    lr = max(0, min(chunk, widths[r] - a))
-                    if lr:
-                        src = x2[i, a : a + lr] if r == me else ws.slot(p, r, dt)[:lr]
-                        out2[i, offs[r] + a : offs[r] + a + lr].copy_(src)
+                self._gather_row_block(step, i, nrows, first=n == 0)
+            else:
+                self._gather_column_piece(step, i, a, chunk, first=n == 0)
+
+    def _gather_row_block(self, step: "_GatherStep", i: int, nrows: int, first: bool) -> None:
+        """Rows ``i : i + nrows`` of every rank's piece through one round of slots."""
+        ws, me, dt, widths = self.ws, self.me, step.x2.dtype, step.widths
+        p = self.sync.next_parity
+        if step.writes and widths[me]:
+            ws.slot(p, me, dt)[: nrows * widths[me]].copy_(step.x2[i : i + nrows].reshape(-1))
+        self.sync.step(step.kind, step.sig, step.size_key, first)
+        if step.out2 is None:
+            return
+        for r in range(self.size):
+            w = widths[r]
+            if w:
+                src = (step.x2[i : i + nrows] if r == me
+                       else ws.slot(p, r, dt)[: nrows * w].view(nrows, w))
+                step.out2[i : i + nrows, step.offs[r] : step.offs[r] + w].copy_(src)
+
+    def _gather_column_piece(self, step: "_GatherStep", i: int, a: int, chunk: int,
+                             first: bool) -> None:
+        """Columns ``a : a + chunk`` of row ``i`` of every rank's piece (rows wider than a slot)."""
+        ws, me, dt, widths = self.ws, self.me, step.x2.dtype, step.widths
+        p = self.sync.next_parity
+        ln = max(0, min(chunk, widths[me] - a))
+        if step.writes and ln:
+            ws.slot(p, me, dt)[:ln].copy_(step.x2[i, a : a + ln])
+        self.sync.step(step.kind, step.sig, step.size_key, first)
+        if step.out2 is None:
+            return
+        for r in range(self.size):
+            lr = max(0, min(chunk, widths[r] - a))
+            if lr:
+                src = step.x2[i, a : a + lr] if r == me else ws.slot(p, r, dt)[:lr]
+                step.out2[i, step.offs[r] + a : step.offs[r] + a + lr].copy_(src)
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """Fill contiguous ``t`` on every rank with local rank ``src``'s ``t``; returns ``t``."""

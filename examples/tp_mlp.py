@@ -7,7 +7,7 @@ What it shows:
     second is *row parallel* (each rank holds the matching half of the input
     features and produces a partial sum). One ``all_reduce`` over the
     tensor-parallel group completes the sum. The layers come from
-    ``coordinator.layers``; each parameter's weight loader cuts this rank's
+    ``coordinator.engine.layers``; each parameter's weight loader cuts this rank's
     shard out of the full (checkpoint) tensor.
 
     ``coordinator.testing.run_distributed`` starts the two processes with
@@ -53,7 +53,7 @@ def full_weights(seed: int = 0) -> dict[str, torch.Tensor]:
 def mlp_rank(rank: int, world_size: int) -> dict[str, Any]:
     """Runs on every rank: build this rank's shard of the MLP and run it."""
     from coordinator import parallel_state as ps
-    from coordinator.layers import ColumnParallelLinear, RowParallelLinear
+    from coordinator.engine.layers import ColumnParallelLinear, RowParallelLinear
 
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     tp = ps.get_tp_group()

@@ -70,7 +70,7 @@ def _size(n: int) -> str:
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``groupcoord bench mq`` to ``parser``."""
-    from shm_broadcast.bench_payloads import payload_names
+    from shm_broadcast.bench.payloads import payload_names
 
     parser.description = (
         "Benchmark the shared-memory MessageQueue (1 writer, N local reader processes) "
@@ -94,7 +94,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``groupcoord bench mq``; prints the table, returns the exit status."""
-    from shm_broadcast.bench_mq import BenchConfig, format_table, run_bench as _run
+    from shm_broadcast.bench.mq import BenchConfig, format_table, run_bench as _run
 
     for name, value, low in (("--seconds", args.seconds, 0.0), ("--idle", args.idle, 0.0)):
         if value < low:

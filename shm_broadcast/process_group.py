@@ -73,42 +73,17 @@ def create_from_process_group(
     og = object_group(group)
     world, rank = og.world_size, og.rank
     check_rank(writer_rank, world, "writer_rank")
-    if reader_ranks is None:
-        readers = [r for r in range(world) if r != writer_rank]
-    else:
-        readers = list(reader_ranks)
-        if (
-            len(set(readers)) != len(readers)
-            or writer_rank in readers
-            or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world
-                       for r in readers)
-        ):
-            raise ValueError(
-                f"reader_ranks must be distinct group ranks in [0, {world}) other than the "
-                f"writer ({writer_rank}), got {reader_ranks!r}")
+    readers = _resolve_readers(reader_ranks, writer_rank, world)
     same_node = in_the_same_node_as(og, source_rank=writer_rank)
     local = [r for r in readers if same_node[r]]
     mq: MessageQueue | None = None
-    payload: tuple[str, Any] | None = None
     if rank == writer_rank:
-        try:
-            mq = MessageQueue(
-                len(readers), len(local), local, max_chunk_bytes, max_chunks, connect_ip,
-                name=name or f"mq-w{writer_rank}-{os.getpid()}", wait_policy=wait_policy,
-                writer_rank=writer_rank)
-            payload = ("ok", mq.export_handle().to_bytes())
-        except BaseException as e:
-            og.broadcast(("error", f"{type(e).__name__}: {e}"), src=writer_rank)
-            raise
-    payload = og.broadcast(payload, src=writer_rank)
-    if payload[0] != "ok":
-        raise CollectiveMismatch(
-            f"the writer (rank {writer_rank}) could not create the message queue: {payload[1]}",
-            peers=(writer_rank,))
+        mq = _create_on_writer(og, readers, local, max_chunk_bytes, max_chunks, connect_ip,
+                               name or f"mq-w{writer_rank}-{os.getpid()}", wait_policy)
+    handle = _receive_handle(og, mq, writer_rank)
     try:
         if rank in readers:
-            mq = MessageQueue.create_from_handle(Handle.from_bytes(payload[1]), rank,
-                                                 wait_policy=wait_policy)
+            mq = MessageQueue.create_from_handle(handle, rank, wait_policy=wait_policy)
         if mq is not None:
             mq.wait_until_ready(timeout)
     except BaseException:
@@ -116,3 +91,50 @@ def create_from_process_group(
             mq.close()
         raise
     return mq
+
+
+def _resolve_readers(reader_ranks: list[int] | None, writer_rank: int, world: int) -> list[int]:
+    """The reader ranks: the given ones, checked, or every rank but the writer."""
+    if reader_ranks is None:
+        return [r for r in range(world) if r != writer_rank]
+    readers = list(reader_ranks)
+    if (
+        len(set(readers)) != len(readers)
+        or writer_rank in readers
+        or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world
+                   for r in readers)
+    ):
+        raise ValueError(
+            f"reader_ranks must be distinct group ranks in [0, {world}) other than the "
+            f"writer ({writer_rank}), got {reader_ranks!r}")
+    return readers
+
+
+def _create_on_writer(og: Any, readers: list[int], local: list[int], max_chunk_bytes: int,
+                      max_chunks: int, connect_ip: str | None, name: str,
+                      wait_policy: WaitPolicy | None) -> MessageQueue:
+    """Create the writer's queue; on failure tell the readers why, then re-raise."""
+    writer_rank = og.rank
+    try:
+        return MessageQueue(len(readers), len(local), local, max_chunk_bytes, max_chunks,
+                            connect_ip, name=name, wait_policy=wait_policy,
+                            writer_rank=writer_rank)
+    except BaseException as e:
+        og.broadcast(("error", f"{type(e).__name__}: {e}"), src=writer_rank)
+        raise
+
+
+def _receive_handle(og: Any, mq: MessageQueue | None, writer_rank: int) -> Handle:
+    """Broadcast the writer's handle; a writer-side failure is a CollectiveMismatch here."""
+    payload = ("ok", mq.export_handle().to_bytes()) if mq is not None else None
+    try:
+        payload = og.broadcast(payload, src=writer_rank)
+    except BaseException:
+        if mq is not None:
+            mq.close()
+        raise
+    if payload[0] != "ok":
+        raise CollectiveMismatch(
+            f"the writer (rank {writer_rank}) could not create the message queue: {payload[1]}",
+            peers=(writer_rank,))
+    return Handle.from_bytes(payload[1])

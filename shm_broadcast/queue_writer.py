@@ -88,6 +88,19 @@ class QueueWriter:
         self._pid = os.getpid()
         self._ctime = psutil.Process(self._pid).create_time()
         self._owner_thread = threading.get_ident()
+        self._init_protocol_state()
+        self._init_resources()
+        try:
+            if self.n_local:
+                self._create_ring()
+            addrs = self._bind_sockets(connect_ip) if n_reader else {}
+        except BaseException:
+            self.close()
+            raise
+        self.handle = self._make_handle(addrs)
+
+    def _init_protocol_state(self) -> None:
+        """Sequence number, handshake bookkeeping and remote flow control."""
         self._seq = 0
         self._ready = self.n_reader == 0
         self._closing = False
@@ -105,7 +118,10 @@ class QueueWriter:
         self.park_stats = {"parks": 0, "timeouts": 0}
         self._wait_chunk: int | None = None
         self._wait_timeout: float | None = None
-        self._backoff = Backoff(policy, self._check_wait)
+        self._backoff = Backoff(self.policy, self._check_wait)
+
+    def _init_resources(self) -> None:
+        """Every resource starts as None so that close() works at any point of setup."""
         self.ring: ShmRingBuffer | None = None
         self.ctx: zmq.Context | None = None
         self.pub: zmq.Socket | None = None
@@ -116,50 +132,60 @@ class QueueWriter:
         self._bell_prefix = new_bell_prefix() if self.n_local else None
         self._reader_bells = [bell_address(self._bell_prefix, f"r{i}")
                               for i in range(self.n_local)]
-        addrs: dict[str, str | None] = dict(local_pub=None, local_ctl=None, remote_pub=None,
-                                            remote_ctl=None)
-        try:
-            if self.n_local:
-                self.ring = ShmRingBuffer.create(self.n_local, max_chunk_bytes, max_chunks)
-                self._parked_lo, self._parked_hi = self.ring.parked_span()
-                self._no_parked = bytes(self.n_local)
-                self.ring.set_writer(self._pid, self._ctime)
-                self._doorbell = Doorbell(bell_address(self._bell_prefix, "w"))
-            if n_reader:
-                self.ctx = zmq.Context(io_threads=1)
-                remote = self.n_remote > 0
-                self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote)
-                self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-                self.ctl = new_socket(self.ctx, zmq.ROUTER, tcp=remote)
-                if self.n_local:
-                    addrs["local_pub"] = bind(self.pub, local_bind_address("pub"))
-                    addrs["local_ctl"] = bind(self.ctl, local_bind_address("ctl"))
-                if remote:
-                    ip = connect_ip or host_ip()
-                    if ":" in ip:
-                        self.pub.setsockopt(zmq.IPV6, 1)
-                        self.ctl.setsockopt(zmq.IPV6, 1)
-                        ip = f"[{ip}]"
-                    addrs["remote_pub"] = bind(self.pub, f"tcp://{ip}:*")
-                    addrs["remote_ctl"] = bind(self.ctl, f"tcp://{ip}:*")
-                    self._mon = self.ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        except BaseException:
-            self.close()
-            raise
-        self.handle = Handle(
-            name=name,
-            n_reader=n_reader,
-            local_reader_ranks=tuple(local_reader_ranks),
-            max_chunk_bytes=max_chunk_bytes,
-            max_chunks=max_chunks,
+
+    def _create_ring(self) -> None:
+        """The shared-memory ring for local readers, and the writer's doorbell."""
+        self.ring = ShmRingBuffer.create(self.n_local, self.max_chunk_bytes, self.max_chunks)
+        self._parked_lo, self._parked_hi = self.ring.parked_span()
+        self._no_parked = bytes(self.n_local)
+        self.ring.set_writer(self._pid, self._ctime)
+        self._doorbell = Doorbell(bell_address(self._bell_prefix, "w"))
+
+    def _bind_sockets(self, connect_ip: str | None) -> dict[str, str]:
+        """Bind the XPUB (data) and ROUTER (control) sockets; returns their addresses.
+
+        Local readers connect over owner-only IPC paths; remote readers over TCP
+        on ``connect_ip`` (default: this host's address).
+        """
+        self.ctx = zmq.Context(io_threads=1)
+        remote = self.n_remote > 0
+        self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.ctl = new_socket(self.ctx, zmq.ROUTER, tcp=remote)
+        addrs: dict[str, str] = {}
+        if self.n_local:
+            addrs["local_pub"] = bind(self.pub, local_bind_address("pub"))
+            addrs["local_ctl"] = bind(self.ctl, local_bind_address("ctl"))
+        if remote:
+            ip = connect_ip or host_ip()
+            if ":" in ip:
+                self.pub.setsockopt(zmq.IPV6, 1)
+                self.ctl.setsockopt(zmq.IPV6, 1)
+                ip = f"[{ip}]"
+            addrs["remote_pub"] = bind(self.pub, f"tcp://{ip}:*")
+            addrs["remote_ctl"] = bind(self.ctl, f"tcp://{ip}:*")
+            self._mon = self.ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        return addrs
+
+    def _make_handle(self, addrs: dict[str, str]) -> Handle:
+        """What readers need to attach: segment, bells, socket addresses, writer identity."""
+        return Handle(
+            name=self.name,
+            n_reader=self.n_reader,
+            local_reader_ranks=tuple(self.local_ranks),
+            max_chunk_bytes=self.max_chunk_bytes,
+            max_chunks=self.max_chunks,
             segment=self.ring.name if self.ring is not None else None,
             bell_prefix=self._bell_prefix,
             writer_pid=self._pid,
             writer_create_time=self._ctime,
             writer_host=socket.gethostname(),
-            writer_rank=writer_rank,
+            writer_rank=self.writer_rank,
             remote_window=self.remote_window,
-            **addrs,
+            local_pub=addrs.get("local_pub"),
+            local_ctl=addrs.get("local_ctl"),
+            remote_pub=addrs.get("remote_pub"),
+            remote_ctl=addrs.get("remote_ctl"),
         )
 
     # ------------------------------------------------------------ handshake
@@ -281,56 +307,83 @@ class QueueWriter:
                 if buf[lo + i]:
                     buf[lo + i] = 0  # take the flag, then ring (see ring_buffer)
                     sendto(address)
-        if not self._ready:
-            self._check_open("enqueue")
-            self.wait_until_ready(timeout if timeout is not None else 120.0)
-        if self._closing:
-            self._check_open("enqueue")
-            self._raise_closed("enqueue")
+        if not self._ready or self._closing:
+            self._before_first_or_after_shutdown(timeout)
         if not self.n_reader:
             return
         enc = self.codec.encode(obj)
-        msg = enc.msg
-        mlen = len(msg)
-        blen = enc.blob_len
-        boff = CHUNK_HEADER + (mlen + 63) // 64 * 64
-        # Without arrays the msgpack bytes need no padding: a message fits up to the last byte.
-        overflow = (boff + blen if blen else CHUNK_HEADER + mlen) > self.max_chunk_bytes
         seq = self._seq
         deadline = None if timeout is None else time.monotonic() + timeout
-        frames: list[Any] | None = None
         if ring is not None:
             chunk = seq % self.max_chunks
             if not ring.is_free(chunk):
                 self._wait_free(chunk, seq, deadline, timeout)
         if self.n_remote and seq + 1 - self.remote_window > self._remote_min_acked:
             self._wait_credit(seq, deadline, timeout)
-        if ring is not None:
-            ring.acquire_fence()  # readers' R_i loads before our payload stores (no-op on x86)
-            ring.begin_write(chunk)
-            d = ring.data_offset(chunk)
-            if overflow:
-                frames = self._frames(seq, enc, None)
-                self.pub.send_multipart([TOPIC_OVERFLOW, *frames], copy=blen < _ZERO_COPY_MIN)
-                WIRE.pack_into(ring.buf, d, seq, KIND_OVERFLOW, mlen, blen)
-            else:
-                buf = ring.buf
-                WIRE.pack_into(buf, d, seq, KIND_DATA, mlen, blen)
-                buf[d + CHUNK_HEADER : d + CHUNK_HEADER + mlen] = msg
-                if blen:
-                    enc.write_blob(ring.base_addr + d + boff)
-            ring.publish(chunk)
-            ring.full_fence()
-            parked = ring.take_parked_readers()
-            if parked:
-                self._ring_readers(parked)
+        frames = self._write_local(ring, chunk, seq, enc) if ring is not None else None
         if self.n_remote:
-            if frames is None:
-                # Copy out of the chunk: it is reused once the local readers are done.
-                src = bytes(ring.buf[d + boff : d + boff + blen]) if ring is not None else None
-                frames = self._frames(seq, enc, src)
-            self.pub.send_multipart([TOPIC_REMOTE, *frames], copy=blen < _ZERO_COPY_MIN)
+            self._send_remote(seq, enc, frames, chunk if ring is not None else None)
         self._seq = seq + 1
+
+    def _before_first_or_after_shutdown(self, timeout: float | None) -> None:
+        """The rare enqueue states: readers not yet attached, or the queue shut down."""
+        if not self._ready:
+            self._check_open("enqueue")
+            self.wait_until_ready(timeout if timeout is not None else 120.0)
+        if self._closing:
+            self._check_open("enqueue")
+            self._raise_closed("enqueue")
+
+    @staticmethod
+    def _blob_offset(mlen: int) -> int:
+        """Arrays start 64-byte aligned after the header and the msgpack bytes."""
+        return CHUNK_HEADER + (mlen + 63) // 64 * 64
+
+    def _write_local(self, ring: ShmRingBuffer, chunk: int, seq: int,
+                     enc: Encoded) -> list[Any] | None:
+        """Fill the (free) chunk, publish it and ring parked readers.
+
+        A message that does not fit goes out on the overflow topic first and the
+        chunk carries only its header; the frames are returned for reuse by
+        remote readers. Returns None when the message went into the chunk.
+        """
+        msg, blen = enc.msg, enc.blob_len
+        mlen = len(msg)
+        boff = self._blob_offset(mlen)
+        # Without arrays the msgpack bytes need no padding: a message fits up to the last byte.
+        overflow = (boff + blen if blen else CHUNK_HEADER + mlen) > self.max_chunk_bytes
+        frames: list[Any] | None = None
+        ring.acquire_fence()  # readers' R_i loads before our payload stores (no-op on x86)
+        ring.begin_write(chunk)
+        d = ring.data_offset(chunk)
+        if overflow:
+            frames = self._frames(seq, enc, None)
+            self.pub.send_multipart([TOPIC_OVERFLOW, *frames], copy=blen < _ZERO_COPY_MIN)
+            WIRE.pack_into(ring.buf, d, seq, KIND_OVERFLOW, mlen, blen)
+        else:
+            buf = ring.buf
+            WIRE.pack_into(buf, d, seq, KIND_DATA, mlen, blen)
+            buf[d + CHUNK_HEADER : d + CHUNK_HEADER + mlen] = msg
+            if blen:
+                enc.write_blob(ring.base_addr + d + boff)
+        ring.publish(chunk)
+        ring.full_fence()
+        parked = ring.take_parked_readers()
+        if parked:
+            self._ring_readers(parked)
+        return frames
+
+    def _send_remote(self, seq: int, enc: Encoded, frames: list[Any] | None,
+                     chunk: int | None) -> None:
+        """Publish the message to remote readers, reusing the overflow frames if any."""
+        if frames is None:
+            src = None
+            if chunk is not None:
+                # Copy out of the chunk: it is reused once the local readers are done.
+                d = self.ring.data_offset(chunk) + self._blob_offset(len(enc.msg))
+                src = bytes(self.ring.buf[d : d + enc.blob_len])
+            frames = self._frames(seq, enc, src)
+        self.pub.send_multipart([TOPIC_REMOTE, *frames], copy=enc.blob_len < _ZERO_COPY_MIN)
 
     def _ring_readers(self, readers: Any) -> None:
         ring, bells = self._ringer.ring, self._reader_bells

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from device_comms import validation as v
+from device_comms import validation
 from device_comms.errors import (
     CollectiveTimeout,
     CommunicatorClosed,
@@ -143,7 +143,7 @@ class PyNcclCommunicator:
         self._check_usable("reduce_scatter")
         x, o = self._tensor(in_, "in_"), self._tensor(out, "out")
         plan = self._plan(x.dtype, op)
-        v.check_divisible(x.numel(), self.world_size, "in_.numel()")
+        validation.check_divisible(x.numel(), self.world_size, "in_.numel()")
         self._same(o, x, "out", "in_", x.numel() // self.world_size,
                    what="in_.numel() / world_size")
         with self._on_stream(stream) as s:
@@ -170,7 +170,7 @@ class PyNcclCommunicator:
         """
         self._check_usable("reduce")
         x = self._tensor(in_, "in_")
-        v.check_rank(root, self.world_size, "root")
+        validation.check_rank(root, self.world_size, "root")
         plan = self._plan(x.dtype, op)
         if self.rank == root and out is None:
             raise ValueError(f"out must be a tensor on the root rank {root}, got None")
@@ -258,7 +258,7 @@ class PyNcclCommunicator:
         """Broadcast ``tensor`` from group rank ``src`` in place (any dtype); returns it."""
         self._check_usable("broadcast")
         t = self._tensor(tensor, "tensor")
-        v.check_rank(src, self.world_size, "src")
+        validation.check_rank(src, self.world_size, "src")
         with self._on_stream(stream) as s:
             buf = bytes_view(t, "tensor")
             if buf.numel():
@@ -296,7 +296,7 @@ class PyNcclCommunicator:
         """
         self._check_usable("gather")
         x = self._tensor(in_, "in_")
-        v.check_rank(dst, self.world_size, "dst")
+        validation.check_rank(dst, self.world_size, "dst")
         if self.rank == dst:
             if out is None:
                 raise ValueError(f"out must be a tensor on the destination rank {dst}, got None")
@@ -480,7 +480,7 @@ class PyNcclCommunicator:
     def _check_rows(self, piece: torch.Tensor, whole: torch.Tensor, sizes: Any, piece_arg: str,
                     whole_arg: str, gathered: str) -> list[int]:
         """Checks of the uneven ops: rows of ``piece`` = ``sizes[rank]``, of ``whole`` = sum."""
-        sz = v.check_sizes(sizes, self.world_size)
+        sz = validation.check_sizes(sizes, self.world_size)
         if piece.dtype != whole.dtype:
             raise TypeError(
                 f"{piece_arg} must have {whole_arg}'s dtype {whole.dtype}, got {piece.dtype}"
@@ -507,7 +507,7 @@ class PyNcclCommunicator:
         return sz
 
     def _check_peer(self, peer: Any, arg: str) -> None:
-        v.check_rank(peer, self.world_size, arg)
+        validation.check_rank(peer, self.world_size, arg)
         if peer == self.rank:
             raise ValueError(
                 f"{arg}={peer} is this rank; point-to-point needs another rank of the group"

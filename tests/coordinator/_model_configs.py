@@ -119,7 +119,7 @@ def sharded_cases(
     Returns, per case, the generated ids and (last stage only) the logits of ``verify_seq``.
     """
     from coordinator import parallel_state as ps
-    from coordinator.models import (
+    from coordinator.engine.models import (
         GenerationRequest,
         LlamaForCausalLM,
         ModelRunner,
@@ -160,7 +160,7 @@ def sharded_cases(
 def sharded_error(rank: int, world_size: int, tp: int, pp: int, model_dir: str) -> str:
     """The error message building a TP x PP shard of ``model_dir`` raises on this rank."""
     from coordinator import parallel_state as ps
-    from coordinator.models import LlamaForCausalLM
+    from coordinator.engine.models import LlamaForCausalLM
 
     ps.initialize_model_parallel(tp, pp)
     try:

@@ -32,7 +32,7 @@ class _TPBlock(torch.nn.Module):
 
     def __init__(self, tp: Any) -> None:
         super().__init__()
-        from coordinator.layers import ColumnParallelLinear, RowParallelLinear, tp_all_gather
+        from coordinator.engine.layers import ColumnParallelLinear, RowParallelLinear, tp_all_gather
 
         self.tp = tp
         self.gather = tp_all_gather

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from coordinator.errors import DistributedTimeout, RankDiedError
 from coordinator.testing import run_distributed
 from device_comms import CollectiveMismatch, CollectiveTimeout, PeerDiedError, ReduceOp
-from device_comms import validation as v
+from device_comms import validation
 from device_comms.reduce_op import check_reduce_op
 from tests.coordinator import _dist_failures as F
 
@@ -143,9 +143,9 @@ def test_survivors_of_a_killed_rank_raise_peer_died_error_without_the_harness():
 def test_norm_dim_property(dim, ndim):
     if ndim == 0 or not -ndim <= dim < ndim:
         with pytest.raises(ValueError, match="dim"):
-            v.norm_dim(dim, ndim)
+            validation.norm_dim(dim, ndim)
     else:
-        assert v.norm_dim(dim, ndim) == dim % ndim
+        assert validation.norm_dim(dim, ndim) == dim % ndim
 
 
 @settings(max_examples=200, deadline=None)
@@ -155,10 +155,10 @@ def test_check_sizes_property(sizes, world_size, total):
     ok_vals = all(s >= 0 for s in sizes)
     ok_sum = sum(sizes) == total
     if ok_len and ok_vals and ok_sum:
-        assert v.check_sizes(sizes, world_size, total=total) == sizes
+        assert validation.check_sizes(sizes, world_size, total=total) == sizes
     else:
         with pytest.raises(ValueError, match="sizes"):
-            v.check_sizes(sizes, world_size, total=total)
+            validation.check_sizes(sizes, world_size, total=total)
 
 
 @settings(max_examples=100, deadline=None)
@@ -181,14 +181,14 @@ def test_check_reduce_op_property(op, dtype):
 
 def test_check_helpers_reject_wrong_types():
     with pytest.raises(TypeError, match="sizes"):
-        v.check_sizes((i for i in range(2)), 2)
+        validation.check_sizes((i for i in range(2)), 2)
     with pytest.raises(TypeError, match=r"sizes\[1\]"):
-        v.check_sizes([1, True], 2)
+        validation.check_sizes([1, True], 2)
     with pytest.raises(ValueError, match=r"sizes\[1\]"):
-        v.check_sizes([1, -1], 2)
+        validation.check_sizes([1, -1], 2)
     with pytest.raises(TypeError, match="src"):
-        v.check_rank(True, 2, "src")
+        validation.check_rank(True, 2, "src")
     with pytest.raises(TypeError, match="input_"):
-        v.check_tensor([1], "input_")
+        validation.check_tensor([1], "input_")
     with pytest.raises(TypeError, match="op"):
         check_reduce_op(3, torch.float32)

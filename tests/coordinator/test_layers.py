@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coordinator.layers import (
+from coordinator.engine.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,

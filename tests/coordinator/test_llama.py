@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.models import (
+from coordinator.engine.models import (
     GenerationRequest,
     KVCache,
     KVCacheFullError,
@@ -28,7 +28,7 @@ from coordinator.models import (
     generate_greedy,
     partition_layers,
 )
-from coordinator.models.checkpoint import random_state_dict, save_checkpoint
+from coordinator.engine.models.checkpoint import random_state_dict, save_checkpoint
 
 TINY = dict(
     vocab_size=161,  # odd: the vocab-parallel layers must pad for TP=2
@@ -136,7 +136,7 @@ def test_config_round_trips_through_transformers(tmp_path: Any) -> None:
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from coordinator.layers import RotaryEmbedding
+    from coordinator.engine.layers import RotaryEmbedding
 
     rope = {
         "factor": 8.0,

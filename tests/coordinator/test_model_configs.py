@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.models import LlamaForCausalLM, LlamaModelConfig, partition_layers
+from coordinator.engine.models import LlamaForCausalLM, LlamaModelConfig, partition_layers
 
 from tests.coordinator._model_configs import CASES, PROMPTS, build_case, sharded_cases, sharded_error
 
@@ -155,7 +155,7 @@ def test_dynamic_rope_matches_hf_frequencies() -> None:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from coordinator.layers import RotaryEmbedding
+    from coordinator.engine.layers import RotaryEmbedding
 
     hf_cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=8,
                          rope_scaling={"rope_type": "dynamic", "factor": 3.0}, rope_theta=1000.0)
@@ -217,7 +217,7 @@ def test_dtype_choice_and_generation_config_eos(checkpoints: dict[str, Any], tmp
                                                 ) -> None:
     """float32 compute by default for a bf16 checkpoint; ``auto`` keeps bf16; bad names
     are refused; generation_config.json's eos (what HF generate uses) wins."""
-    from coordinator.models.config import resolve_dtype
+    from coordinator.engine.models.config import resolve_dtype
 
     path = checkpoints["kv4_llama3_bf16"]["path"]
     cfg = LlamaModelConfig.from_json(path)

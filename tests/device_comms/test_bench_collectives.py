@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from device_comms import bench_collectives as bench
-from device_comms.bench_report import format_markdown, human_bytes
+from device_comms.bench import collectives as bench
+from device_comms.bench.report import format_markdown, human_bytes
 
 
 def test_parse_size() -> None:

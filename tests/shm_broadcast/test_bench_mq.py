@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shm_broadcast.bench_wake import bare_wake_latencies, wake_gaps
+from shm_broadcast.bench.wake import bare_wake_latencies, wake_gaps
 
 pytestmark = pytest.mark.timeout(240)
 

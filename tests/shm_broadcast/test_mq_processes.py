@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from shm_broadcast import MessageQueue, PeerDiedError, list_segments
-from shm_broadcast.bench_baselines import free_port
+from coordinator.testing import free_port
 from shm_broadcast.segment import SHM_DIR
 
 from . import workers

@@ -197,19 +197,25 @@ def test_comm_init_rank_checks_the_id(nccl_lib) -> None:
 
 
 # ---------------------------------------------------------------------- import-light
+# A CUDA build of torch links NCCL itself, so the probe compares the NCCL
+# mappings after our import with those after a plain ``import torch``.
 _PROBE = textwrap.dedent(
     """
     import json, sys
+    def nccl_maps():
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split()[-1] for ln in f if "libnccl" in ln})
+    import torch
+    baseline = nccl_maps()
+    cuda_before = torch.cuda.is_initialized()
     import device_comms
     from device_comms import CudaCommunicator, list_device_communicators
     from device_comms.pynccl import library
-    maps = lambda: open("/proc/self/maps").read()
-    out = {"after_import": "libnccl" in maps(), "loaded": library._LOADED.paths()}
-    import torch
-    out["cuda_initialized"] = torch.cuda.is_initialized()
+    out = {"after_import": nccl_maps() != baseline, "loaded": library._LOADED.paths()}
+    out["cuda_initialized"] = torch.cuda.is_initialized() and not cuda_before
     out["available"] = CudaCommunicator.is_available()
     out["listed"] = list_device_communicators()["cuda"]["available"]
-    out["after_probe"] = "libnccl" in maps()
+    out["after_probe"] = nccl_maps() != baseline
     out["has_gpu"] = torch.cuda.is_available()
     print(json.dumps(out))
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from coordinator.layers.weights import default_weight_loader, set_weight_loader
+from coordinator.engine.layers.weights import default_weight_loader, set_weight_loader
 
 __all__ = ["RMSNorm"]
 

@@ -22,7 +22,7 @@ The forward is a pure function of tensors (token ids, positions, attention
 metadata, KV cache tensors), so it compiles with
 ``torch.compile(fullgraph=True, dynamic=True)`` into one graph per stage.
 Pipeline communication and the KV-cache bookkeeping live in
-:class:`~coordinator.models.runner.ModelRunner`.
+:class:`~coordinator.engine.models.runner.ModelRunner`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator.layers import (
+from coordinator.engine.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -45,10 +45,10 @@ from coordinator.layers import (
     VocabParallelEmbedding,
     tp_all_gather,
 )
-from coordinator.layers.weights import TPGroup, tp_size_and_rank
-from coordinator.models import attention as _attention  # noqa: F401  (registers the op)
-from coordinator.models.config import LlamaModelConfig
-from coordinator.models.kv_cache import AttentionInputs, KVCache
+from coordinator.engine.layers.weights import TPGroup, tp_size_and_rank
+from coordinator.engine.models import attention as _attention  # noqa: F401  (registers the op)
+from coordinator.engine.models.config import LlamaModelConfig
+from coordinator.engine.models.kv_cache import AttentionInputs, KVCache
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "partition_layers"]
 
@@ -522,8 +522,8 @@ class LlamaForCausalLM(nn.Module):
             dtype: Compute dtype: ``None`` (float32), ``"auto"``, a name or a ``torch.dtype``.
             sequence_parallel: See the class docstring.
         """
-        from coordinator.models.checkpoint import iter_checkpoint
-        from coordinator.models.config import resolve_dtype
+        from coordinator.engine.models.checkpoint import iter_checkpoint
+        from coordinator.engine.models.config import resolve_dtype
 
         config = LlamaModelConfig.from_json(model_dir)
         model = cls(config, tp_group, pp_group, resolve_dtype(dtype, config), sequence_parallel)
@@ -546,8 +546,8 @@ class LlamaForCausalLM(nn.Module):
 
         Every rank draws the same full weights from ``seed`` and keeps its shard.
         """
-        from coordinator.models.checkpoint import random_state_dict
-        from coordinator.models.config import default_config
+        from coordinator.engine.models.checkpoint import random_state_dict
+        from coordinator.engine.models.config import default_config
 
         config = config or default_config()
         model = cls(config, tp_group, pp_group, dtype, sequence_parallel)

@@ -16,7 +16,7 @@ Schema::
 
 Shapes: ``q`` ``[T, Hq, D]``; ``k``, ``v`` ``[T, Hkv, D]``; ``kv_cache``
 ``[2, slots, Hkv, D]``; metadata as in
-:class:`~coordinator.models.kv_cache.AttentionInputs`. Query head ``h`` reads
+:class:`~coordinator.engine.models.kv_cache.AttentionInputs`. Query head ``h`` reads
 KV head ``h // (Hq / Hkv)`` (grouped-query attention, Hugging Face order).
 The new tokens of a request are its last ``n`` context positions; token ``i``
 of them sees context positions ``<= L - n + i``.

@@ -1,4 +1,4 @@
-"""Decoder models built from :mod:`coordinator.layers`, sharded over TP x PP ranks.
+"""Decoder models built from :mod:`coordinator.engine.layers`, sharded over TP x PP ranks.
 
 * :class:`LlamaForCausalLM` — one rank's shard (or the whole model) of a
   Llama-architecture decoder; loads Hugging Face checkpoints.
@@ -7,11 +7,11 @@
 * :func:`generate_greedy` — a small continuous-batching greedy loop.
 """
 
-from coordinator.models.config import LlamaModelConfig, default_config
-from coordinator.models.generate import GenerationRequest, generate_greedy
-from coordinator.models.kv_cache import AttentionInputs, KVCache, KVCacheFullError
-from coordinator.models.llama import LlamaForCausalLM, partition_layers
-from coordinator.models.runner import ModelRunner, StepInput
+from coordinator.engine.models.config import LlamaModelConfig, default_config
+from coordinator.engine.models.generate import GenerationRequest, generate_greedy
+from coordinator.engine.models.kv_cache import AttentionInputs, KVCache, KVCacheFullError
+from coordinator.engine.models.llama import LlamaForCausalLM, partition_layers
+from coordinator.engine.models.runner import ModelRunner, StepInput
 
 __all__ = [
     "LlamaModelConfig",

@@ -1,7 +1,7 @@
 """``groupcoord bench mq``: MessageQueue against gloo and pickle-over-zmq.
 
 One writer (this process) and 1 or 3 local reader processes per transport.
-For every payload of :mod:`shm_broadcast.bench_payloads` and every transport
+For every payload of :mod:`shm_broadcast.bench.payloads` and every transport
 it measures, in the same run and interleaved payload by payload (so machine
 noise hits all transports alike):
 
@@ -9,7 +9,7 @@ noise hits all transports alike):
   to every reader, each reader decodes it and replies with a tiny ack, the
   writer has received every ack. The MessageQueue acks through one
   single-reader MessageQueue per reader; the baselines use their own
-  transport back (see :mod:`shm_broadcast.bench_baselines`);
+  transport back (see :mod:`shm_broadcast.bench.baselines`);
 * **throughput** (``msgs_per_s``/``MB_per_s``): the writer streams N payloads
   back to back, every reader decodes all of them and acks once at the end;
   MB/s counts the payload's size (msgpack + raw tensor bytes) once per
@@ -35,9 +35,9 @@ from typing import Any, Callable
 
 import psutil
 
-from shm_broadcast.bench_baselines import GlooDriver, ZmqPickleDriver, _reap
-from shm_broadcast.bench_payloads import make_payload, payload_names
-from shm_broadcast.bench_wake import bare_wake_latencies, busy_wait, wake_gaps
+from shm_broadcast.bench.baselines import GlooDriver, ZmqPickleDriver, _reap
+from shm_broadcast.bench.payloads import make_payload, payload_names
+from shm_broadcast.bench.wake import bare_wake_latencies, busy_wait, wake_gaps
 from shm_broadcast.codec import Codec
 from shm_broadcast.message_queue import MessageQueue
 
@@ -173,7 +173,7 @@ class MqDriver:
         Wake-ups are sampled twice: with the writer busy between samples (the
         engine case: only the readers idle; this is the reported number) and
         with the writer sleeping too (its own cold start then adds to it).
-        Gaps are randomised around ``gap_s`` (see :mod:`shm_broadcast.bench_wake`),
+        Gaps are randomised around ``gap_s`` (see :mod:`shm_broadcast.bench.wake`),
         and the same gaps are replayed on a bare sleeping process: the
         platform's wake-up floor, measured in the same run.
         """

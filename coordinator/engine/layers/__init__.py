@@ -5,17 +5,17 @@ single process: the unsharded reference) and carries weight loaders that cut
 this rank's shard out of a full checkpoint tensor.
 """
 
-from coordinator.layers.comm import tp_all_gather, tp_all_reduce, tp_reduce_scatter
-from coordinator.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from coordinator.layers.linear import (
+from coordinator.engine.layers.comm import tp_all_gather, tp_all_reduce, tp_reduce_scatter
+from coordinator.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from coordinator.engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from coordinator.layers.norm import RMSNorm
-from coordinator.layers.rotary import RotaryEmbedding
-from coordinator.layers.weights import (
+from coordinator.engine.layers.norm import RMSNorm
+from coordinator.engine.layers.rotary import RotaryEmbedding
+from coordinator.engine.layers.weights import (
     TPGroup,
     default_weight_loader,
     divide,

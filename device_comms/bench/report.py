@@ -2,7 +2,7 @@
 
 A record is one (world size, op, dtype, size) point with the median and p99
 latency in microseconds of our communicator (``shm_*``) and of raw gloo
-(``gloo_*``), as produced by :mod:`device_comms.bench_collectives`.
+(``gloo_*``), as produced by :mod:`device_comms.bench.collectives`.
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ class EngineConfig:
 
 def build_model(cfg: EngineConfig, tp_group: Any, pp_group: Any) -> Any:
     """This rank's shard (or the whole model when both groups are None)."""
-    from coordinator.models.config import default_config, resolve_dtype
-    from coordinator.models.llama import LlamaForCausalLM
+    from coordinator.engine.models.config import default_config, resolve_dtype
+    from coordinator.engine.models.llama import LlamaForCausalLM
 
     if cfg.model_dir:
         return LlamaForCausalLM.from_pretrained(cfg.model_dir, tp_group, pp_group, cfg.dtype)
@@ -100,7 +100,7 @@ def _stats_us(samples_ns: list[int]) -> dict[str, float]:
 def engine_rank(rank: int, world_size: int, cfg: EngineConfig) -> dict[str, Any]:
     """Run on every rank (via ``run_distributed``); the driver's dict has the results."""
     from coordinator import parallel_state as ps
-    from coordinator.models.runner import ModelRunner
+    from coordinator.engine.models.runner import ModelRunner
 
     ps.initialize_model_parallel(cfg.tp, cfg.pp)
     world, tp, pp = ps.get_world_group(), ps.get_tp_group(), ps.get_pp_group()
@@ -124,7 +124,7 @@ def engine_rank(rank: int, world_size: int, cfg: EngineConfig) -> dict[str, Any]
 
 def _serve(runner: Any, meta_q: Any, result_q: Any) -> dict[str, Any]:
     """Worker loop: run whatever the driver sends until it says stop."""
-    from coordinator.models.runner import StepInput
+    from coordinator.engine.models.runner import StepInput
 
     recv_ns: list[int] = []
     while True:
@@ -154,8 +154,8 @@ def _drive(
     comm_name: str,
 ) -> dict[str, Any]:
     """Driver loop: schedule, broadcast each step, collect next tokens."""
-    from coordinator.models.generate import GenerationRequest, generate_greedy
-    from coordinator.models.runner import StepInput
+    from coordinator.engine.models.generate import GenerationRequest, generate_greedy
+    from coordinator.engine.models.runner import StepInput
 
     bcast_ns: list[int] = []
     compute_ns: list[int] = []

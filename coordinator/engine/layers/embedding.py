@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator.layers.comm import tp_all_gather, tp_all_reduce, tp_reduce_scatter
-from coordinator.layers.weights import (
+from coordinator.engine.layers.comm import tp_all_gather, tp_all_reduce, tp_reduce_scatter
+from coordinator.engine.layers.weights import (
     TPGroup,
     copy_checked,
     pad_to_multiple,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable, Sequence
 
-from coordinator.models.runner import StepInput
+from coordinator.engine.models.runner import StepInput
 
 __all__ = ["GenerationRequest", "generate_greedy"]
 

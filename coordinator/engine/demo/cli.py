@@ -1,6 +1,6 @@
 """``groupcoord demo``: a Llama decoder served over TP x PP CPU processes, verified.
 
-Runs :mod:`coordinator.demo.engine` on ``tp * pp`` processes, then the same
+Runs :mod:`coordinator.engine.demo.engine` on ``tp * pp`` processes, then the same
 model unsharded in this process, and reports whether the greedy tokens are
 identical and how far the logits are apart.
 """
@@ -93,7 +93,7 @@ def _check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; exit code 0 when the sharded run matches the reference."""
     if args.mlp:
-        from coordinator.demo.tp_mlp import run_tp_mlp
+        from coordinator.engine.demo.tp_mlp import run_tp_mlp
 
         return 0 if run_tp_mlp(tp=args.tp) else 1
     from coordinator.errors import DistributedTimeout, RankFailedError
@@ -110,9 +110,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    from coordinator.demo.engine import EngineConfig, build_model, engine_rank
-    from coordinator.demo.reference import reference_run
-    from coordinator.models.config import LlamaModelConfig, default_config
+    from coordinator.engine.demo.engine import EngineConfig, build_model, engine_rank
+    from coordinator.engine.demo.reference import reference_run
+    from coordinator.engine.models.config import LlamaModelConfig, default_config
     from coordinator.testing import run_distributed
     import torch
 

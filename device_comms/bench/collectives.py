@@ -1,6 +1,6 @@
 """``groupcoord bench collectives``: CPU shared-memory collectives against raw gloo.
 
-For each world size, fresh ranks are started (:mod:`device_comms.spawn_group`);
+For each world size, fresh ranks are started (:mod:`device_comms.bench.spawn_group`);
 each builds a :class:`~device_comms.cpu_communicator.CpuCommunicator` over the
 world group and times, for every op, dtype and size, our call and the raw
 ``torch.distributed`` gloo call **in the same run, interleaved in blocks** (so
@@ -25,7 +25,7 @@ machine (where the scheduler likes to put both ranks on one CPU) but makes
 gloo several times slower (its I/O threads share the rank's CPU), which would
 flatter the comparison.
 
-Run: ``python -m device_comms.bench_collectives --world-sizes 2 4 --json out.json
+Run: ``python -m device_comms.bench.collectives --world-sizes 2 4 --json out.json
 --plot out.png`` (``groupcoord bench collectives ...`` is the same).
 """
 
@@ -95,11 +95,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; returns the exit status."""
-    from device_comms.bench_report import format_table, write_json, write_plot
-    from device_comms.spawn_group import spawn_group
+    from device_comms.bench.report import format_table, write_json, write_plot
+    from device_comms.bench.spawn_group import spawn_group
 
     if args.device == "cuda":
-        from device_comms.bench_cuda import run_cuda_bench
+        from device_comms.bench.cuda import run_cuda_bench
 
         if args.dtypes == ["float32", "bfloat16"]:  # the CPU default: keep one for the GPU
             args.dtypes = ["bfloat16"]
@@ -136,7 +136,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for ws in args.world_sizes:
         print(f"# world size {ws}: starting {ws} ranks ...", flush=True)
         # Resolve through the package so children can import it under `python -m` too.
-        rank_fn = importlib.import_module("device_comms.bench_collectives")._bench_rank
+        rank_fn = importlib.import_module("device_comms.bench.collectives")._bench_rank
         outcomes = spawn_group(rank_fn, ws, (cfg,), timeout=args.timeout, pin_cpus=args.pin)
         bad = [o for o in outcomes if not o.ok]
         if bad:
@@ -147,7 +147,7 @@ def run_bench(args: argparse.Namespace) -> int:
         records.extend(recs)
         print(format_table(recs), flush=True)
     meta = {
-        "command": " ".join(["python -m device_comms.bench_collectives"] + sys.argv[1:]),
+        "command": " ".join(["python -m device_comms.bench.collectives"] + sys.argv[1:]),
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "loadavg_before": load_before,
@@ -281,9 +281,9 @@ def _pct(samples: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m device_comms.bench_collectives``."""
+    """Entry point of ``python -m device_comms.bench.collectives``."""
     parser = argparse.ArgumentParser(
-        prog="python -m device_comms.bench_collectives",
+        prog="python -m device_comms.bench.collectives",
         description="CPU shared-memory collectives vs gloo",
     )
     add_bench_args(parser)

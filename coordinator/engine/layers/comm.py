@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from coordinator.custom_ops import traced_all_gather, traced_all_reduce, traced_reduce_scatter
-from coordinator.layers.weights import TPGroup
+from coordinator.engine.layers.weights import TPGroup
 
 __all__ = ["tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"]
 

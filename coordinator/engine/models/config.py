@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
-from coordinator.layers.rotary import SUPPORTED_ROPE_TYPES
+from coordinator.engine.layers.rotary import SUPPORTED_ROPE_TYPES
 
 __all__ = ["LlamaModelConfig", "default_config", "DTYPES", "resolve_dtype"]
 
@@ -328,7 +328,7 @@ def default_config() -> LlamaModelConfig:
     """The embedded demo model: small enough for a CPU, big enough to be a real decoder.
 
     4 layers, width 256, 8 query heads sharing 4 KV heads, vocabulary 512
-    (weights come from :func:`coordinator.models.checkpoint.random_state_dict`).
+    (weights come from :func:`coordinator.engine.models.checkpoint.random_state_dict`).
     """
     return LlamaModelConfig(
         vocab_size=512,

@@ -136,13 +136,16 @@ def _nccl_group() -> Any:
 
 
 def _init_world() -> None:
+    """A one-rank gloo world over a file store (no port, no network)."""
+    import tempfile
+
     import torch.distributed as dist
 
-    from coordinator.testing import free_port
-
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                                world_size=1, rank=0)
+        fd, path = tempfile.mkstemp(prefix="groupcoord-bench-cuda-")
+        os.close(fd)
+        os.unlink(path)  # the store creates it; removed again with the group
+        dist.init_process_group("gloo", init_method=f"file://{path}", world_size=1, rank=0)
 
 
 def _virtual_row(nbytes: int, dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:

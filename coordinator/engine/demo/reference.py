@@ -15,7 +15,7 @@ def reference_run(
     """Generate with the whole model, and score the sharded run's sequences.
 
     Args:
-        cfg: The demo's :class:`~coordinator.demo.engine.EngineConfig`.
+        cfg: The demo's :class:`~coordinator.engine.demo.engine.EngineConfig`.
         sequences: Prompt + generated ids of the sharded run, per request.
         build_model: Builds the model for ``(cfg, tp_group, pp_group)``.
 
@@ -23,8 +23,8 @@ def reference_run(
         The reference's generated ids per request, and its logits for
         ``sequences`` laid out like the sharded verification pass.
     """
-    from coordinator.models.generate import GenerationRequest, generate_greedy
-    from coordinator.models.runner import ModelRunner, StepInput
+    from coordinator.engine.models.generate import GenerationRequest, generate_greedy
+    from coordinator.engine.models.runner import ModelRunner, StepInput
 
     torch.set_num_threads(1)  # tiny model: one thread avoids OpenMP spin on busy cores
     model = build_model(cfg, None, None)

@@ -27,8 +27,8 @@ from typing import Any, Callable
 import msgspec
 import torch
 
-from coordinator.models.kv_cache import AttentionInputs
-from coordinator.models.llama import LlamaForCausalLM
+from coordinator.engine.models.kv_cache import AttentionInputs
+from coordinator.engine.models.llama import LlamaForCausalLM
 
 __all__ = ["StepInput", "ModelRunner"]
 

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from coordinator.models.config import LlamaModelConfig
+from coordinator.engine.models.config import LlamaModelConfig
 
 __all__ = [
     "checkpoint_files",

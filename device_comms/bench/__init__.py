@@ -1,0 +1,11 @@
+"""Benchmarks of the device communicators (``groupcoord bench collectives``).
+
+Not part of the library API: nothing under :mod:`device_comms` outside this
+package imports it.
+
+Modules:
+    collectives: CPU shared-memory collectives vs gloo, over real processes.
+    cuda: the GPU all-reduce table (custom all-reduce, PyNccl, torch NCCL).
+    report: tables and plots of the results.
+    spawn_group: start N processes with a gloo group for a benchmark.
+"""
