@@ -33,18 +33,17 @@ Example (a pytest test)::
 
 from __future__ import annotations
 
-import ctypes
-import multiprocessing as mp
 import os
 import pickle
-import signal
-import socket
-import sys
 import time
 import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
+
+from shm_broadcast.launcher import (
+    describe_exit, die_with_parent, free_port, per_rank_env, start_ranks, stop_ranks,
+)
 
 from coordinator.errors import DistributedTimeout, RankDiedError, RankFailedError
 
@@ -52,13 +51,6 @@ __all__ = ["run_distributed", "DistributedPool", "free_port", "live_pool_pids"]
 
 DEFAULT_TIMEOUT = 120.0
 _POOLS: "weakref.WeakSet[DistributedPool]" = weakref.WeakSet()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def live_pool_pids() -> set[int]:
@@ -137,7 +129,7 @@ class DistributedPool:
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
         self.world_size = world_size
         self.backend = backend
-        self._envs = _per_rank_env(env, world_size)
+        self._envs = per_rank_env(env, world_size)
         self._start_timeout = start_timeout
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
@@ -180,20 +172,12 @@ class DistributedPool:
 
     # ------------------------------------------------------------------ internals
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        for rank in range(self.world_size):
-            parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(
-                target=_worker_main,
-                args=(rank, self.world_size, port, self.backend, child, self._envs[rank], os.getpid()),
-                name=f"groupcoord-rank{rank}",
-                daemon=True,
-            )
-            p.start()
-            child.close()
-            self._procs.append(p)
-            self._conns.append(parent)
+        port, me = free_port(), os.getpid()
+        self._procs, self._conns = start_ranks(
+            _worker_main, self.world_size,
+            lambda rank, child: (rank, self.world_size, port, self.backend, child,
+                                 self._envs[rank], me),
+            name="groupcoord-rank", duplex=True)
         self._collect(self._start_timeout, what="startup")
 
     def _collect(self, timeout: float, what: str) -> list[Any]:
@@ -245,7 +229,7 @@ class DistributedPool:
                             self._procs[r].join(1.0)
                             code = self._procs[r].exitcode
                             raise RankDiedError(
-                                f"{what}: rank {r} of {n} exited without a result ({_describe_exit(code)}); "
+                                f"{what}: rank {r} of {n} exited without a result ({describe_exit(code)}); "
                                 f"all ranks were killed.",
                                 r,
                             )
@@ -287,40 +271,7 @@ class DistributedPool:
             deadline = time.monotonic() + 10.0
             for p in procs:
                 p.join(max(0.0, deadline - time.monotonic()))
-        pids = [p.pid for p in procs if p.pid is not None]
-        # SIGTERM first: ranks unlink the shared memory they own on SIGTERM.
-        _signal_all([p for p in procs if p.is_alive()], signal.SIGTERM)
-        deadline = time.monotonic() + 2.0
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        _signal_all([p for p in procs if p.is_alive()], signal.SIGKILL)
-        for p in procs:
-            p.join(10.0)
-            try:
-                p.close()
-            except ValueError:
-                pass
-        _remove_segments_of(pids)
-        for c in conns:
-            c.close()
-
-
-def _signal_all(procs: list[Any], sig: int) -> None:
-    for p in procs:
-        try:
-            os.kill(p.pid, sig)
-        except (ProcessLookupError, TypeError):
-            pass
-
-
-def _remove_segments_of(pids: list[int]) -> None:
-    """Unlink shared memory still owned by our (now dead) ranks, e.g. after SIGKILL."""
-    from shm_broadcast.segment import list_segments, remove_segment
-
-    dead = set(pids)
-    for seg in list_segments():
-        if seg.pid in dead and not seg.owner_alive:
-            remove_segment(seg.name)
+        stop_ranks(procs, conns)  # SIGTERM first: ranks unlink the memory they own
 
 
 def _try_recv(conn: Connection) -> Any:
@@ -329,41 +280,6 @@ def _try_recv(conn: Connection) -> Any:
         return conn.recv() if conn.poll() else None
     except (EOFError, OSError):
         return None
-
-
-def _per_rank_env(
-    env: Mapping[str, str] | Sequence[Mapping[str, str]] | None, n: int
-) -> list[dict[str, str]]:
-    if env is None:
-        return [{} for _ in range(n)]
-    if isinstance(env, Mapping):
-        return [dict(env) for _ in range(n)]
-    envs = list(env)
-    if len(envs) != n:
-        raise ValueError(f"env must be one mapping or {n} mappings (one per rank), got {len(envs)}")
-    return [dict(e) for e in envs]
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:  # parent died before prctl took effect
-        os._exit(1)
 
 
 def _worker_main(
@@ -375,55 +291,16 @@ def _worker_main(
     env: dict[str, str],
     parent_pid: int,
 ) -> None:
-    _die_with_parent(parent_pid)
-    os.environ.update(env)
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    """A pooled rank: initialise, report, then run functions until told to stop."""
+    die_with_parent(parent_pid)
     try:
-        import torch
-
-        from coordinator import parallel_state as ps
-
-        if "OMP_NUM_THREADS" not in env:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        ps.init_distributed_environment(
-            world_size=world_size,
-            rank=rank,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            local_rank=rank,
-            backend=backend,
-        )
+        ps = _init_rank(rank, world_size, port, backend, env)
     except BaseException as e:  # report startup failures like task failures
         _send_error(conn, e)
         return
     conn.send(("ok", None))
     try:
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                break
-            if msg[0] == "stop":
-                break
-            _, fn, args = msg
-            try:
-                result = fn(rank, world_size, *args)
-            except BaseException as e:
-                _send_error(conn, e)
-                break  # a failed run leaves groups in an unknown state: stop
-            try:
-                _reset_between_runs(ps)
-                conn.send(("ok", result))
-            except BaseException as e:
-                _send_error(conn, e)
-                break
+        _serve(conn, ps, rank, world_size)
     finally:
         try:
             ps.destroy_model_parallel()
@@ -431,6 +308,48 @@ def _worker_main(
         except BaseException:
             pass
         conn.close()
+
+
+def _init_rank(rank: int, world_size: int, port: int, backend: str,
+               env: dict[str, str]) -> Any:
+    """Environment, thread count and the world group; returns ``parallel_state``."""
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    import torch
+
+    from coordinator import parallel_state as ps
+
+    if "OMP_NUM_THREADS" not in env:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    ps.init_distributed_environment(
+        world_size=world_size, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=rank, backend=backend)
+    return ps
+
+
+def _serve(conn: Connection, ps: Any, rank: int, world_size: int) -> None:
+    """Run each ``("run", fn, args)``; stop at ``("stop",)``, EOF or the first failure."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "stop":
+            return
+        _, fn, args = msg
+        try:
+            result = fn(rank, world_size, *args)
+        except BaseException as e:
+            _send_error(conn, e)
+            return  # a failed run leaves groups in an unknown state: stop
+        try:
+            _reset_between_runs(ps)
+            conn.send(("ok", result))
+        except BaseException as e:
+            _send_error(conn, e)
+            return
 
 
 def _reset_between_runs(ps: Any) -> None:

@@ -7,5 +7,6 @@ Modules:
     collectives: CPU shared-memory collectives vs gloo, over real processes.
     cuda: the GPU all-reduce table (custom all-reduce, PyNccl, torch NCCL).
     report: tables and plots of the results.
-    spawn_group: start N processes with a gloo group for a benchmark.
+
+Ranks are started by :func:`shm_broadcast.launcher.spawn_group`.
 """

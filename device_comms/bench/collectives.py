@@ -1,6 +1,6 @@
 """``groupcoord bench collectives``: CPU shared-memory collectives against raw gloo.
 
-For each world size, fresh ranks are started (:mod:`device_comms.bench.spawn_group`);
+For each world size, fresh ranks are started (:func:`shm_broadcast.launcher.spawn_group`);
 each builds a :class:`~device_comms.cpu_communicator.CpuCommunicator` over the
 world group and times, for every op, dtype and size, our call and the raw
 ``torch.distributed`` gloo call **in the same run, interleaved in blocks** (so
@@ -96,7 +96,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; returns the exit status."""
     from device_comms.bench.report import format_table, write_json, write_plot
-    from device_comms.bench.spawn_group import spawn_group
+    from shm_broadcast.launcher import spawn_group
 
     if args.device == "cuda":
         from device_comms.bench.cuda import run_cuda_bench

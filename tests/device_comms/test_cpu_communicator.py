@@ -7,7 +7,7 @@ import torch
 
 from coordinator.testing import run_distributed
 from device_comms import CpuCommunicator, ReduceOp, select_device_communicator
-from device_comms.bench.spawn_group import spawn_group
+from shm_broadcast.launcher import spawn_group
 from tests.device_comms import _cpu_fns as fns
 from tests.device_comms._cpu_cases import FLOATS, INTS, Case, build_cases, expected, make_input
 

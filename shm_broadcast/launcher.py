@@ -1,0 +1,286 @@
+"""Local rank processes: start them, tie them to their parent, stop and reap them.
+
+The one process launcher of the project. :mod:`coordinator.testing` (tests and
+the demo) and the benchmarks build on it; it lives in the bottom package so
+that every layer may use it.
+
+Two ways to use it:
+
+* the primitives (:func:`start_ranks`, :func:`stop_ranks`,
+  :func:`die_with_parent`, ...), for a harness with its own message protocol
+  (``coordinator.testing.DistributedPool`` keeps its ranks between runs and
+  stops them all at the first failure);
+* :func:`spawn_group`, one-shot ranks with a gloo world group whose outcomes
+  are reported one by one: a rank that dies does **not** stop the others, so a
+  test can kill a rank on purpose and check what the survivors saw.
+
+What holds for every rank started here: it is a ``spawn`` child (no inherited
+threads or CUDA state); it dies with its parent (``PR_SET_PDEATHSIG``, and a
+check that the parent did not die before that took effect); :func:`stop_ranks`
+sends SIGTERM first (ranks unlink the shared memory they own on SIGTERM), then
+SIGKILL, reaps every process and unlinks the segments still owned by a dead
+rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Mapping, Sequence
+
+from shm_broadcast.checks import check_int
+
+__all__ = [
+    "RankOutcome",
+    "describe_exit",
+    "die_with_parent",
+    "free_port",
+    "per_rank_env",
+    "pin_to_cpu",
+    "spawn_group",
+    "start_ranks",
+    "stop_ranks",
+]
+
+EnvArg = Mapping[str, str] | Sequence[Mapping[str, str]] | None
+
+
+# ---------------------------------------------------------------- primitives
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def per_rank_env(env: EnvArg, n: int) -> list[dict[str, str]]:
+    """``env`` as one dict per rank: one mapping for all, or exactly ``n`` of them."""
+    if env is None:
+        return [{} for _ in range(n)]
+    if isinstance(env, Mapping):
+        return [dict(env) for _ in range(n)]
+    envs = [dict(e) for e in env]
+    if len(envs) != n:
+        raise ValueError(f"env must be one mapping or {n} mappings (one per rank), got {len(envs)}")
+    return envs
+
+
+def describe_exit(code: int | None) -> str:
+    """A process exit code in words (``killed by signal SIGKILL``, ``exit code 1``)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child: be killed when the parent dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def pin_to_cpu(rank: int) -> None:
+    """Bind this process (call before any thread starts) to the ``rank``-th allowed CPU."""
+    if hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+
+
+def start_ranks(
+    target: Callable[..., None],
+    world_size: int,
+    args_of: Callable[[int, Connection], tuple[Any, ...]],
+    *,
+    name: str,
+    duplex: bool,
+) -> tuple[list[Any], list[Connection]]:
+    """Start ``world_size`` spawn children running ``target(*args_of(rank, pipe_end))``.
+
+    Returns the processes and the parent's ends of their pipes, by rank. If a
+    start fails, the ranks already started are stopped before re-raising.
+    """
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    conns: list[Connection] = []
+    try:
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=duplex)
+            p = ctx.Process(target=target, args=args_of(rank, child),
+                            name=f"{name}{rank}", daemon=True)
+            conns.append(parent)
+            p.start()
+            child.close()
+            procs.append(p)
+    except BaseException:
+        stop_ranks(procs, conns)
+        raise
+    return procs, conns
+
+
+def _signal_all(procs: Sequence[Any], sig: int) -> None:
+    for p in procs:
+        try:
+            os.kill(p.pid, sig)
+        except (ProcessLookupError, TypeError):
+            pass
+
+
+def stop_ranks(procs: Sequence[Any], conns: Sequence[Connection] = (),
+               term_grace: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL what still runs; reap all, close pipes, unlink orphaned segments."""
+    from shm_broadcast.segment import list_segments, remove_segment
+
+    pids = {p.pid for p in procs if p.pid is not None}
+    _signal_all([p for p in procs if p.is_alive()], signal.SIGTERM)
+    deadline = time.monotonic() + term_grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    _signal_all([p for p in procs if p.is_alive()], signal.SIGKILL)
+    for p in procs:
+        p.join(10.0)
+        try:
+            p.close()
+        except ValueError:  # still running after SIGKILL + 10 s: leave it to init
+            pass
+    for seg in list_segments():
+        if seg.pid in pids and not seg.owner_alive:
+            remove_segment(seg.name)
+    for c in conns:
+        c.close()
+
+
+# ---------------------------------------------------------------- spawn_group
+@dataclass
+class RankOutcome:
+    """What one rank of :func:`spawn_group` did.
+
+    Attributes:
+        rank: The rank.
+        ok: Whether ``fn`` returned.
+        result: Its return value (when ``ok``).
+        error: ``"<Type>: message"`` and traceback when ``fn`` raised.
+        exitcode: Process exit code (negative: killed by that signal; None: still
+            running when killed at the timeout).
+    """
+
+    rank: int
+    ok: bool = False
+    result: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+
+def spawn_group(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    env: EnvArg = None,
+    timeout: float = 300.0,
+    pin_cpus: bool = False,
+) -> list[RankOutcome]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
+
+    Each child initialises ``torch.distributed`` (gloo, world group) first. The
+    rendezvous store lives in the parent, so ranks keep working when any of
+    them dies. Every child is reaped before this returns.
+
+    Args:
+        fn: Module-level function; its result must be picklable.
+        world_size: Number of ranks (>= 1).
+        args: Extra arguments for ``fn``.
+        env: Extra environment variables, one mapping or one per rank.
+        timeout: Seconds before ranks still running are killed.
+        pin_cpus: Bind rank ``r`` (all its threads) to the ``r``-th allowed CPU
+            (round robin), as MPI launchers do by default for benchmarks.
+
+    Returns:
+        One :class:`RankOutcome` per rank, by rank.
+    """
+    import torch.distributed as dist
+
+    check_int(world_size, "world_size", minimum=1)
+    envs = per_rank_env(env, world_size)
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+    me = os.getpid()
+    procs, conns = start_ranks(
+        _spawn_child, world_size,
+        lambda r, child: (fn, r, world_size, store.port, tuple(args), envs[r], child, me,
+                          timeout, pin_cpus),
+        name="gc-rank", duplex=False)
+    try:
+        return _collect_outcomes(procs, conns, timeout)
+    finally:
+        stop_ranks(procs, conns, term_grace=0.0)
+        del store
+
+
+def _collect_outcomes(procs: list[Any], conns: list[Connection],
+                      timeout: float) -> list[RankOutcome]:
+    """Each rank's message (or its silence), then its exit code after a 10 s grace."""
+    out = [RankOutcome(r) for r in range(len(procs))]
+    deadline = time.monotonic() + timeout
+    live = {c: r for r, c in enumerate(conns)}
+    while live and time.monotonic() < deadline:
+        for c in wait(list(live), timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+            r = live.pop(c)  # type: ignore[call-overload]
+            try:
+                kind, payload = c.recv()  # type: ignore[union-attr]
+            except (EOFError, OSError):
+                continue  # exited without a message
+            if kind == "ok":
+                out[r].ok, out[r].result = True, payload
+            else:
+                out[r].error = payload
+    grace = time.monotonic() + 10.0
+    for r, p in enumerate(procs):
+        p.join(max(0.0, grace - time.monotonic()))
+        out[r].exitcode = p.exitcode
+    return out
+
+
+def _spawn_child(fn: Callable[..., Any], rank: int, world_size: int, port: int,
+                 args: tuple[Any, ...], env: dict[str, str], conn: Connection,
+                 parent_pid: int, timeout: float, pin_cpus: bool) -> None:
+    if pin_cpus:
+        pin_to_cpu(rank)  # before any thread starts
+    die_with_parent(parent_pid)
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        msg: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
+    except BaseException as e:  # report, do not hang the parent
+        msg = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    try:
+        conn.send(msg)
+    except (BrokenPipeError, OSError):
+        pass
+    conn.close()
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # a dead peer can make teardown fail; we are exiting anyway
+        pass
