@@ -95,9 +95,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; returns the exit status."""
-    from device_comms.bench.report import format_table, write_json, write_plot
-    from shm_broadcast.launcher import spawn_group
-
     if args.device == "cuda":
         from device_comms.bench.cuda import run_cuda_bench
 
@@ -106,33 +103,55 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.world_sizes == [2, 4]:
             args.world_sizes = [2, 4, 8]
         return run_cuda_bench(args)
+    problem = _check_cpu_args(args)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    load_before = _loadavg()
+    print(f"# load average before: {load_before} (timings are noisy on a busy machine)", flush=True)
+    records = _run_world_sizes(args, _rank_config(args))
+    if records is None:
+        return 1
+    _write_outputs(args, records, load_before)
+    return 0
 
-    sizes = args.sizes or [
-        s for s in _DEFAULT_SIZES
-        if (args.min_bytes is None or s >= args.min_bytes) and (args.max_bytes is None or s <= args.max_bytes)
-    ]
+
+def _check_cpu_args(args: argparse.Namespace) -> str | None:
+    """The option error to print (exit status 2), or None."""
     for ws in args.world_sizes:
         if ws < 2:
-            print(f"--world-sizes: every world size must be >= 2, got {ws}", file=sys.stderr)
-            return 2
+            return f"--world-sizes: every world size must be >= 2, got {ws}"
     if args.min_iters < 1 or args.max_iters < args.min_iters:
-        print("--min-iters must be >= 1 and <= --max-iters", file=sys.stderr)
-        return 2
+        return "--min-iters must be >= 1 and <= --max-iters"
     if args.plot_path:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("--plot needs matplotlib: pip install 'groupcoord[plot]'", file=sys.stderr)
-            return 2
-    cfg = {
+            return "--plot needs matplotlib: pip install 'groupcoord[plot]'"
+    return None
+
+
+def _rank_config(args: argparse.Namespace) -> dict[str, Any]:
+    """What every rank needs to know: ops, dtypes, sizes, iteration budget."""
+    sizes = args.sizes or [
+        s for s in _DEFAULT_SIZES
+        if (args.min_bytes is None or s >= args.min_bytes) and (args.max_bytes is None or s <= args.max_bytes)
+    ]
+    return {
         "ops": list(args.ops), "dtypes": list(args.dtypes), "sizes": sizes,
         "min_iters": args.min_iters, "max_iters": args.max_iters,
         "budget": int(args.budget_mb * (1 << 20)), "threads": args.threads,
         "workspace_bytes": args.workspace_bytes,
     }
+
+
+def _run_world_sizes(args: argparse.Namespace,
+                     cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Fresh ranks per world size; rank 0's records, or None when a rank failed."""
+    from device_comms.bench.report import format_table
+    from shm_broadcast.launcher import describe_exit, spawn_group
+
     records: list[dict[str, Any]] = []
-    load_before = _loadavg()
-    print(f"# load average before: {load_before} (timings are noisy on a busy machine)", flush=True)
     for ws in args.world_sizes:
         print(f"# world size {ws}: starting {ws} ranks ...", flush=True)
         # Resolve through the package so children can import it under `python -m` too.
@@ -141,11 +160,18 @@ def run_bench(args: argparse.Namespace) -> int:
         bad = [o for o in outcomes if not o.ok]
         if bad:
             for o in bad:
-                print(f"rank {o.rank} failed (exit code {o.exitcode}): {o.error}", file=sys.stderr)
-            return 1
-        recs = outcomes[0].result
-        records.extend(recs)
-        print(format_table(recs), flush=True)
+                print(f"rank {o.rank} failed ({describe_exit(o.exitcode)}): {o.error}",
+                      file=sys.stderr)
+            return None
+        records.extend(outcomes[0].result)
+        print(format_table(outcomes[0].result), flush=True)
+    return records
+
+
+def _write_outputs(args: argparse.Namespace, records: list[dict[str, Any]],
+                   load_before: list[float] | None) -> None:
+    from device_comms.bench.report import write_json, write_plot
+
     meta = {
         "command": " ".join(["python -m device_comms.bench.collectives"] + sys.argv[1:]),
         "cpus": os.cpu_count(),
@@ -160,7 +186,6 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot_path:
         write_plot(args.plot_path, records)
         print(f"wrote {args.plot_path}")
-    return 0
 
 
 def _loadavg() -> list[float] | None:

@@ -111,10 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_engine(args: argparse.Namespace) -> int:
     from coordinator.engine.demo.engine import EngineConfig, build_model, engine_rank
-    from coordinator.engine.demo.reference import reference_run
     from coordinator.engine.models.config import LlamaModelConfig, default_config
     from coordinator.testing import run_distributed
-    import torch
 
     mcfg = LlamaModelConfig.from_json(args.model_dir) if args.model_dir else default_config()
     # refuse an unshardable layout here, with the field's name, before any rank starts
@@ -136,13 +134,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     drv = results[0]
     recv = results[1]["recv_latency_us"] if len(results) > 1 else None
 
-    ref_tokens, ref_logits = reference_run(cfg, drv["sequences"], build_model)
-    same = ref_tokens == drv["generated"]
-    diff = float((drv["logits"] - ref_logits).abs().max()) if drv["logits"].numel() else 0.0
-    # sharding only reorders float sums: allow rounding relative to the logits' scale
-    scale = max(1.0, float(ref_logits.abs().max())) if ref_logits.numel() else 1.0
-    tol = (1e-3 if drv["logits"].dtype == torch.float32 else 5e-2) * scale
-    ok = same and diff < tol
+    ref_tokens, same, diff, ok = _check_against_reference(cfg, drv, build_model)
 
     print("  generated token ids (new tokens per prompt):")
     for i, (gen, (prompt, _, _)) in enumerate(zip(drv["generated"], cfg.requests)):
@@ -160,17 +152,44 @@ def _run_engine(args: argparse.Namespace) -> int:
     print(f"  verification vs unsharded reference: greedy tokens identical: {same}; "
           f"max |logit diff| = {diff:.2e} -> {verdict}")
     if args.json_path:
-        out: dict[str, Any] = {
-            "generated": drv["generated"],
-            "tp": args.tp, "pp": args.pp, "model": src,
-            "steps": drv["steps"], "new_tokens": drv["new_tokens"],
-            "seconds": drv["seconds"], "warmup_seconds": drv["warmup_seconds"],
-            "tokens_per_s": drv["tokens_per_s"],
-            "metadata_broadcast_us": mb, "step_compute_us": comp, "worker_recv_latency_us": recv,
-            "reference_generated": ref_tokens, "tokens_identical": same,
-            "max_logit_diff": diff, "verified": ok, "compiled": args.compile,
-        }
-        with open(args.json_path, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"  wrote {args.json_path}")
+        _write_json(args, src, drv, recv, {"reference_generated": ref_tokens,
+                                           "tokens_identical": same, "max_logit_diff": diff,
+                                           "verified": ok})
     return 0 if ok else 1
+
+
+def _check_against_reference(cfg: Any, drv: dict[str, Any],
+                             build_model: Any) -> tuple[Any, bool, float, bool]:
+    """Greedy tokens and logits of the sharded run vs one unsharded process.
+
+    Returns the reference tokens, whether the tokens are identical, the largest
+    logit difference, and the verdict (tokens identical and logits within
+    rounding relative to their scale: sharding only reorders float sums).
+    """
+    import torch
+
+    from coordinator.engine.demo.reference import reference_run
+
+    ref_tokens, ref_logits = reference_run(cfg, drv["sequences"], build_model)
+    same = ref_tokens == drv["generated"]
+    diff = float((drv["logits"] - ref_logits).abs().max()) if drv["logits"].numel() else 0.0
+    scale = max(1.0, float(ref_logits.abs().max())) if ref_logits.numel() else 1.0
+    tol = (1e-3 if drv["logits"].dtype == torch.float32 else 5e-2) * scale
+    return ref_tokens, same, diff, same and diff < tol
+
+
+def _write_json(args: argparse.Namespace, src: str, drv: dict[str, Any],
+                recv: dict[str, float] | None, verdict: dict[str, Any]) -> None:
+    out: dict[str, Any] = {
+        "generated": drv["generated"],
+        "tp": args.tp, "pp": args.pp, "model": src,
+        "steps": drv["steps"], "new_tokens": drv["new_tokens"],
+        "seconds": drv["seconds"], "warmup_seconds": drv["warmup_seconds"],
+        "tokens_per_s": drv["tokens_per_s"],
+        "metadata_broadcast_us": drv["metadata_broadcast_us"],
+        "step_compute_us": drv["step_compute_us"], "worker_recv_latency_us": recv,
+        **verdict, "compiled": args.compile,
+    }
+    with open(args.json_path, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"  wrote {args.json_path}")

@@ -155,76 +155,100 @@ def _drive(
 ) -> dict[str, Any]:
     """Driver loop: schedule, broadcast each step, collect next tokens."""
     from coordinator.engine.models.generate import GenerationRequest, generate_greedy
-    from coordinator.engine.models.runner import StepInput
 
-    bcast_ns: list[int] = []
-    compute_ns: list[int] = []
-    counters = {"steps": 0, "tokens": 0, "last_print": time.perf_counter()}
-    start = time.perf_counter()
-
-    def send(kind: str, step: StepInput | None) -> None:
-        t0 = time.perf_counter_ns()
-        body = msgspec.structs.asdict(step) if step is not None else None
-        meta_q.enqueue({"kind": kind, "step": body, "t_ns": t0})
-        bcast_ns.append(time.perf_counter_ns() - t0)
-
-    def result(local: Any) -> Any:
-        return local if result_rank == 0 else readers[result_rank].dequeue()
-
-    def step_fn(step: StepInput) -> list[int]:
-        send("step", step)
-        t0 = time.perf_counter_ns()
-        tokens = result(runner.execute(step))
-        compute_ns.append(time.perf_counter_ns() - t0)
-        counters["steps"] += 1
-        counters["tokens"] += sum(1 for _ in step.req_ids)
-        _progress(cfg, counters, start)
-        return tokens
-
-    # Warm-up: one dummy request through the whole pipeline, so one-time costs
-    # (first kernels, thread pools, compilation) stay out of the step timings.
-    warm_start = time.perf_counter()
-    warm_id = -1
-    for warm in (StepInput([warm_id], [[0, 1, 2, 3]], [0]), StepInput([], [], [], [warm_id])):
-        meta_q.enqueue({"kind": "step", "step": msgspec.structs.asdict(warm), "t_ns": time.perf_counter_ns()})
-        result(runner.execute(warm))
-    warmup_s = time.perf_counter() - warm_start
-    start = time.perf_counter()
-    counters["last_print"] = start
-
+    driver = _Driver(cfg, runner, meta_q, readers, result_rank)
+    warmup_s = driver.warm_up()
     eos = () if cfg.ignore_eos else model.config.eos_token_ids
     reqs = [
         GenerationRequest(i, list(p), n, arrival) for i, (p, n, arrival) in enumerate(cfg.requests)
     ]
-    generated = generate_greedy(step_fn, reqs, eos_token_ids=eos)
-    elapsed = time.perf_counter() - start
+    driver.restart_clock()
+    generated = generate_greedy(driver.step, reqs, eos_token_ids=eos)
+    elapsed = time.perf_counter() - driver.start
     if cfg.progress:
         print(file=sys.stderr)
-    # Verification pass: the full sequences once more, all logits back to the driver.
     seqs = [list(r.prompt) + generated[r.req_id] for r in reqs]
-    base = 1 + max(r.req_id for r in reqs)
-    verify = StepInput(
-        [base + i for i in range(len(seqs))],
-        [s[:-1] if len(s) > 1 else s for s in seqs],
-        [0] * len(seqs),
-    )
-    send(_VERIFY, verify)
-    logits = result(runner.run(verify, all_logits=True))
-    send(_STOP, None)
+    logits = driver.verify(seqs, first_id=1 + max(r.req_id for r in reqs))
+    driver.send(_STOP, None)
     new_tokens = sum(len(v) for v in generated.values())
     return {
         "generated": [generated[r.req_id] for r in reqs],
         "sequences": seqs,
         "logits": logits,
-        "steps": counters["steps"],
+        "steps": driver.counters["steps"],
         "seconds": elapsed,
         "warmup_seconds": warmup_s,
         "new_tokens": new_tokens,
         "tokens_per_s": new_tokens / elapsed if elapsed > 0 else 0.0,
-        "metadata_broadcast_us": _stats_us(bcast_ns[: counters["steps"]]),
-        "step_compute_us": _stats_us(compute_ns),
+        "metadata_broadcast_us": _stats_us(driver.bcast_ns[: driver.counters["steps"]]),
+        "step_compute_us": _stats_us(driver.compute_ns),
         "communicator": comm_name,
     }
+
+
+class _Driver:
+    """The driver's side of each step: broadcast it, run it, collect its tokens, time both."""
+
+    def __init__(self, cfg: EngineConfig, runner: Any, meta_q: Any, readers: list[Any],
+                 result_rank: int) -> None:
+        self.cfg, self.runner, self.meta_q = cfg, runner, meta_q
+        self.readers, self.result_rank = readers, result_rank
+        self.bcast_ns: list[int] = []
+        self.compute_ns: list[int] = []
+        self.counters: dict[str, Any] = {"steps": 0, "tokens": 0}
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self.start = time.perf_counter()
+        self.counters["last_print"] = self.start
+
+    def send(self, kind: str, step: Any) -> None:
+        """Broadcast one step (or a control message) to every worker."""
+        t0 = time.perf_counter_ns()
+        body = msgspec.structs.asdict(step) if step is not None else None
+        self.meta_q.enqueue({"kind": kind, "step": body, "t_ns": t0})
+        self.bcast_ns.append(time.perf_counter_ns() - t0)
+
+    def result(self, local: Any) -> Any:
+        """The step's result: ours on rank 0, else the last pipeline stage's."""
+        return local if self.result_rank == 0 else self.readers[self.result_rank].dequeue()
+
+    def step(self, step: Any) -> list[int]:
+        """One timed decoding step (the callback of generate_greedy)."""
+        self.send("step", step)
+        t0 = time.perf_counter_ns()
+        tokens = self.result(self.runner.execute(step))
+        self.compute_ns.append(time.perf_counter_ns() - t0)
+        self.counters["steps"] += 1
+        self.counters["tokens"] += sum(1 for _ in step.req_ids)
+        _progress(self.cfg, self.counters, self.start)
+        return tokens
+
+    def warm_up(self) -> float:
+        """One dummy request through the whole pipeline, so one-time costs (first
+        kernels, thread pools, compilation) stay out of the step timings."""
+        from coordinator.engine.models.runner import StepInput
+
+        t0 = time.perf_counter()
+        warm_id = -1
+        for warm in (StepInput([warm_id], [[0, 1, 2, 3]], [0]),
+                     StepInput([], [], [], [warm_id])):
+            self.meta_q.enqueue({"kind": "step", "step": msgspec.structs.asdict(warm),
+                                 "t_ns": time.perf_counter_ns()})
+            self.result(self.runner.execute(warm))
+        return time.perf_counter() - t0
+
+    def verify(self, seqs: list[list[int]], first_id: int) -> Any:
+        """The full sequences once more, all logits back to the driver."""
+        from coordinator.engine.models.runner import StepInput
+
+        verify = StepInput(
+            [first_id + i for i in range(len(seqs))],
+            [s[:-1] if len(s) > 1 else s for s in seqs],
+            [0] * len(seqs),
+        )
+        self.send(_VERIFY, verify)
+        return self.result(self.runner.run(verify, all_logits=True))
 
 
 def _progress(cfg: EngineConfig, counters: dict[str, Any], start: float) -> None:

@@ -63,17 +63,7 @@ def generate_greedy(
         ValueError: Invalid requests or arguments, or ``max_steps`` exceeded.
     """
     reqs = list(requests)
-    if len({r.req_id for r in reqs}) != len(reqs):
-        raise ValueError("request ids must be distinct")
-    for r in reqs:
-        if not r.prompt:
-            raise ValueError(f"request {r.req_id} has an empty prompt")
-        if r.max_new_tokens < 1:
-            raise ValueError(
-                f"request {r.req_id}: max_new_tokens must be >= 1, got {r.max_new_tokens}"
-            )
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
+    _check_requests(reqs, prefill_chunk)
     eos = set(eos_token_ids)
     waiting = sorted(reqs, key=lambda r: (r.arrival_step, r.req_id))
     running: list[_Live] = []
@@ -86,36 +76,68 @@ def generate_greedy(
             if finished_last_step:
                 step_fn(StepInput([], [], [], finished_last_step))  # release the last caches
             return done
-        ids, toks, computed, sampling = [], [], [], []
-        for live in running:
-            prompt = list(live.req.prompt)
-            if live.prefilled < len(prompt):
-                n = len(prompt) - live.prefilled
-                n = n if prefill_chunk is None else min(n, prefill_chunk)
-                ids.append(live.req.req_id)
-                toks.append(prompt[live.prefilled : live.prefilled + n])
-                computed.append(live.prefilled)
-                sampling.append(live.prefilled + n == len(prompt))
-                live.prefilled += n
-            else:
-                ids.append(live.req.req_id)
-                toks.append([live.output[-1]])
-                computed.append(len(prompt) + len(live.output) - 1)
-                sampling.append(True)
-        step = StepInput(ids, toks, computed, finished_last_step)
+        step, sampling = _schedule(running, finished_last_step, prefill_chunk)
         finished_last_step = []
-        if not ids:
+        if not step.req_ids:
             step_fn(step)  # releases caches; nothing scheduled (waiting for arrivals)
             continue
-        next_tokens = step_fn(step)
-        still: list[_Live] = []
-        for live, tok, sample in zip(running, next_tokens, sampling):
-            if sample:
-                live.output.append(int(tok))
-            if sample and (len(live.output) >= live.req.max_new_tokens or int(tok) in eos):
-                done[live.req.req_id] = live.output
-                finished_last_step.append(live.req.req_id)
-            else:
-                still.append(live)
-        running = still
+        running, finished_last_step = _take_tokens(running, step_fn(step), sampling, eos, done)
     raise ValueError(f"generation did not finish within max_steps={max_steps}")
+
+
+def _check_requests(reqs: list[GenerationRequest], prefill_chunk: int | None) -> None:
+    if len({r.req_id for r in reqs}) != len(reqs):
+        raise ValueError("request ids must be distinct")
+    for r in reqs:
+        if not r.prompt:
+            raise ValueError(f"request {r.req_id} has an empty prompt")
+        if r.max_new_tokens < 1:
+            raise ValueError(
+                f"request {r.req_id}: max_new_tokens must be >= 1, got {r.max_new_tokens}"
+            )
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
+
+
+def _schedule(running: list[_Live], finished: list[int],
+              prefill_chunk: int | None) -> tuple[StepInput, list[bool]]:
+    """One step for every running request: its next prompt chunk, or its last token.
+
+    Returns the step and, per request, whether this step samples a new token
+    (False for a prefill chunk that does not reach the prompt's end).
+    """
+    ids, toks, computed, sampling = [], [], [], []
+    for live in running:
+        prompt = list(live.req.prompt)
+        ids.append(live.req.req_id)
+        if live.prefilled < len(prompt):
+            n = len(prompt) - live.prefilled
+            n = n if prefill_chunk is None else min(n, prefill_chunk)
+            toks.append(prompt[live.prefilled : live.prefilled + n])
+            computed.append(live.prefilled)
+            sampling.append(live.prefilled + n == len(prompt))
+            live.prefilled += n
+        else:
+            toks.append([live.output[-1]])
+            computed.append(len(prompt) + len(live.output) - 1)
+            sampling.append(True)
+    return StepInput(ids, toks, computed, finished), sampling
+
+
+def _take_tokens(running: list[_Live], next_tokens: list[int], sampling: list[bool],
+                 eos: set[int], done: dict[int, list[int]]) -> tuple[list[_Live], list[int]]:
+    """Append sampled tokens; move finished requests to ``done``.
+
+    Returns the requests still running and the ids that finished this step.
+    """
+    still: list[_Live] = []
+    finished: list[int] = []
+    for live, tok, sample in zip(running, next_tokens, sampling):
+        if sample:
+            live.output.append(int(tok))
+        if sample and (len(live.output) >= live.req.max_new_tokens or int(tok) in eos):
+            done[live.req.req_id] = live.output
+            finished.append(live.req.req_id)
+        else:
+            still.append(live)
+    return still, finished

@@ -146,32 +146,7 @@ class KVCache:
                 disagrees with the cache, or a request with no new tokens.
             KVCacheFullError: Not enough free blocks.
         """
-        n = len(req_ids)
-        if len(num_computed) != n or len(num_new) != n:
-            raise ValueError(
-                f"req_ids, num_computed and num_new must have equal lengths, got "
-                f"{n}, {len(num_computed)}, {len(num_new)}"
-            )
-        if len(set(req_ids)) != n:
-            raise ValueError(f"req_ids must be distinct within a step, got {list(req_ids)}")
-        needed = 0
-        for req, done, new in zip(req_ids, num_computed, num_new):
-            if new <= 0:
-                raise ValueError(
-                    f"request {req} has {new} new tokens; every scheduled request needs >= 1"
-                )
-            if done != self.length(req):
-                raise ValueError(
-                    f"request {req}: num_computed is {done} but the KV cache holds "
-                    f"{self.length(req)} "
-                    f"tokens for it; the scheduler and the cache disagree"
-                )
-            needed += self.blocks_needed(req, new)
-        if needed > len(self._free):
-            raise KVCacheFullError(
-                f"KV cache full: the step needs {needed} more blocks of {self.block_size} tokens, "
-                f"{len(self._free)} of {self.num_blocks} are free; finish or preempt requests first"
-            )
+        self._check_step(req_ids, num_computed, num_new)
         positions: list[int] = []
         slot_mapping: list[int] = []
         context: list[int] = []
@@ -198,3 +173,32 @@ class KVCache:
             logits_indices=as_long([q - 1 for q in qsl[1:]]),
             seq_lens=as_long(token_seq_lens),
         )
+
+    def _check_step(self, req_ids: Sequence[int], num_computed: Sequence[int],
+                    num_new: Sequence[int]) -> None:
+        """Raise unless the step agrees with the cache and fits in the free blocks."""
+        n = len(req_ids)
+        if len(num_computed) != n or len(num_new) != n:
+            raise ValueError(
+                f"req_ids, num_computed and num_new must have equal lengths, got "
+                f"{n}, {len(num_computed)}, {len(num_new)}"
+            )
+        if len(set(req_ids)) != n:
+            raise ValueError(f"req_ids must be distinct within a step, got {list(req_ids)}")
+        needed = 0
+        for req, done, new in zip(req_ids, num_computed, num_new):
+            if new <= 0:
+                raise ValueError(
+                    f"request {req} has {new} new tokens; every scheduled request needs >= 1"
+                )
+            if done != self.length(req):
+                raise ValueError(
+                    f"request {req}: num_computed is {done} but the KV cache holds "
+                    f"{self.length(req)} tokens for it; the scheduler and the cache disagree"
+                )
+            needed += self.blocks_needed(req, new)
+        if needed > len(self._free):
+            raise KVCacheFullError(
+                f"KV cache full: the step needs {needed} more blocks of {self.block_size} tokens, "
+                f"{len(self._free)} of {self.num_blocks} are free; finish or preempt requests first"
+            )
