@@ -27,7 +27,7 @@ import torch.distributed as dist
 from coordinator import custom_ops
 from coordinator import group_setup as setup
 from coordinator import tensor_dict as tensor_dict_ops
-from coordinator.errors import CollectiveMismatch, NotInitializedError
+from coordinator.errors import CollectiveMismatch, CommTimeout, NotInitializedError
 from coordinator.group_registry import REGISTRY
 from coordinator.object_comm import (
     SERIALIZE_ERRORS,
@@ -40,6 +40,7 @@ from coordinator.object_comm import (
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms import validation
 from device_comms.errors import translate_backend_error
+from shm_broadcast.checks import check_timeout
 
 __all__ = ["GroupCoordinator", "GraphCaptureContext", "side_stream"]
 
@@ -54,6 +55,9 @@ class GraphCaptureContext:
 
     stream: Any = None
 
+
+#: torch.distributed's default process-group timeout, in seconds (30 minutes).
+_TORCH_DEFAULT_TIMEOUT_S = 1800.0
 
 class GroupCoordinator:
     """Collectives for one group of ranks (one parallel dimension).
@@ -104,12 +108,15 @@ class GroupCoordinator:
                 "torch.distributed is not initialised; call "
                 "coordinator.init_distributed_environment(...) first"
             )
+        #: Seconds every wait of this group may last (torch's default when not given).
+        self.timeout: float = check_timeout(timeout, default=_TORCH_DEFAULT_TIMEOUT_S,
+                                            positive=True)
         self.unique_name = REGISTRY.unique_name(group_name or "anonymous")
         self.rank = dist.get_rank()
         self.local_rank = local_rank
         backend = str(torch_distributed_backend)
         self.ranks, self.cpu_group, self.device_group = setup.create_process_groups(
-            group_ranks, backend, self.rank, timeout
+            group_ranks, backend, self.rank, datetime.timedelta(seconds=self.timeout)
         )
         self.world_size = len(self.ranks)
         self.rank_in_group = self.ranks.index(self.rank)
@@ -119,10 +126,12 @@ class GroupCoordinator:
         self.device_communicator: DeviceCommunicator | None = None
         if use_device_communicator and self.world_size > 1:
             self.device_communicator = setup.build_communicator(
-                device_communicator, self.cpu_group, self.device, self.device_group, self.unique_name
+                device_communicator, self.cpu_group, self.device, self.device_group,
+                self.unique_name, None if timeout is None else self.timeout,
             )
         self.comm: DeviceCommunicator = self.device_communicator or TorchDistributedCommunicator(
-            self.cpu_group, self.device, self.device_group, self.unique_name
+            self.cpu_group, self.device, self.device_group, self.unique_name,
+            timeout=None if timeout is None else self.timeout,
         )
         self.mq_broadcaster: Any = None
         self.mq_writer_rank = 0
@@ -283,7 +292,7 @@ class GroupCoordinator:
         """One object from ``src`` to all (message queue or CPU group), unchecked."""
         if self.mq_broadcaster is not None and src == self.mq_writer_rank:
             self._check_live("broadcast_object")
-            return self.mq_broadcaster.broadcast_object(obj)
+            return self.mq_broadcaster.broadcast_object(obj, timeout=self.timeout)
         box = [obj if self.rank_in_group == src else None]
         self._cpu_call(
             "broadcast_object", dist.broadcast_object_list, box,
@@ -401,38 +410,37 @@ class GroupCoordinator:
         return tensor_dict_ops.recv_tensor_dict(self, src, _ag(all_gather_group))
 
     # ------------------------------------------------------------------ control
-    def barrier(self, timeout: float | None = None) -> None:
+    def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
         """Wait for every rank of the group (on the CPU group).
 
         Args:
-            timeout: Seconds (or a ``timedelta``); when given, a rank missing
-                after that long raises :class:`~device_comms.errors.CollectiveTimeout`
-                naming the ranks.
+            timeout: Seconds (or a ``timedelta``) to wait, ``> 0``: a barrier
+                has no poll-once form (every rank must answer rank 0, and an
+                answer that comes after rank 0 gave up would break the group's
+                connections). ``None`` means the group's timeout. A rank
+                missing after that long raises :class:`CommTimeout` naming the ranks.
 
         Raises:
             TypeError: ``timeout`` is not a number or a timedelta.
             ValueError: ``timeout`` is not positive and finite.
         """
-        if timeout is not None:
-            timeout = setup.check_timeout(timeout)
+        wait_s = check_timeout(timeout, default=None, positive=True)
         if self.world_size == 1:
             return
         self._check_live("barrier")
-        if timeout is None:
+        if wait_s is None:  # the gloo group was created with the group's timeout
             self._cpu_call("barrier", dist.barrier, group=self.cpu_group)
             return
         try:
             dist.monitored_barrier(
                 group=self.cpu_group,
-                timeout=datetime.timedelta(seconds=timeout),
+                timeout=datetime.timedelta(seconds=wait_s),
                 wait_all_ranks=True,
             )
         except RuntimeError as e:
-            from device_comms.errors import CollectiveTimeout
-
-            raise CollectiveTimeout(
+            raise CommTimeout(
                 f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}), "
-                f"op barrier: not every rank arrived within {timeout}s: {str(e).splitlines()[0]}"
+                f"op barrier: not every rank arrived within {wait_s:g}s: {str(e).splitlines()[0]}"
             ) from e
 
     @contextlib.contextmanager

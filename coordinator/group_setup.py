@@ -16,7 +16,6 @@ collectives and this one the construction rules:
 from __future__ import annotations
 
 import datetime
-import math
 from typing import Any, Sequence
 
 import torch
@@ -33,7 +32,6 @@ __all__ = [
     "mq_available",
     "DestroyedComm",
     "destroyed_msg",
-    "check_timeout",
 ]
 
 
@@ -96,10 +94,16 @@ def build_communicator(
     device: torch.device,
     device_group: dist.ProcessGroup,
     unique_name: str,
+    timeout: float | None,
 ) -> DeviceCommunicator:
-    """Construct the named communicator, or the registry's best for ``device`` (collective)."""
+    """Construct the named communicator, or the registry's best for ``device`` (collective).
+
+    ``timeout`` (the group's, when the caller gave one; else None for the
+    communicator's own default, which its environment variable may set)
+    bounds every wait of the communicator.
+    """
     cls = get_device_communicator(name) if name else select_device_communicator(device)
-    return cls(cpu_group, device, device_group, unique_name)
+    return cls(cpu_group, device, device_group, unique_name, timeout=timeout)
 
 
 def mq_available() -> bool:
@@ -126,22 +130,3 @@ class DestroyedComm:
         raise NotInitializedError(destroyed_msg(self._name, attr))
 
 
-def check_timeout(timeout: Any) -> float:
-    """Seconds of a timeout argument: a positive finite number or a timedelta.
-
-    Raises:
-        TypeError: Neither a number nor a timedelta (bools are refused).
-        ValueError: Not positive and finite.
-    """
-    if isinstance(timeout, datetime.timedelta):
-        secs = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        secs = float(timeout)
-    else:
-        raise TypeError(
-            f"timeout must be a number of seconds or a datetime.timedelta, "
-            f"got {type(timeout).__name__}"
-        )
-    if not math.isfinite(secs) or secs <= 0:
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
-    return secs

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from device_comms import validation
+from shm_broadcast.checks import check_timeout
 from device_comms.errors import CommunicatorClosed, DeviceCommError, translate_backend_error
 from device_comms.reduce_op import ReduceOp, check_reduce_op
 
@@ -47,6 +48,9 @@ class DeviceCommunicator(abc.ABC):
         device_group: The group that carries tensor payloads (defaults to
             ``cpu_group``; a NCCL group for CUDA communicators).
         unique_name: The owning group's unique name (used in errors and names).
+        timeout: Seconds any wait of this communicator may last (``0`` polls
+            once; None: the communicator's own default). A communicator that
+            a ``GroupCoordinator`` builds gets the group's timeout.
     """
 
     name: ClassVar[str] = ""
@@ -59,7 +63,10 @@ class DeviceCommunicator(abc.ABC):
         device: torch.device,
         device_group: dist.ProcessGroup | None = None,
         unique_name: str = "",
+        *,
+        timeout: float | None = None,
     ) -> None:
+        self.timeout: float | None = check_timeout(timeout)
         self.cpu_group = cpu_group
         self.device_group = device_group if device_group is not None else cpu_group
         self.device = torch.device(device)

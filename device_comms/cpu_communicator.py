@@ -36,7 +36,8 @@ read at construction):
   any rank disables it, all do);
 * ``timeout`` / ``GROUPCOORD_CPU_SHM_TIMEOUT``: seconds a shared-memory step
   may wait for a peer before :class:`~device_comms.errors.CollectiveTimeout`
-  (default 1800, gloo's default; ``0`` waits forever). A dead peer is reported
+  (default 1800, gloo's default; ``0`` polls once; a ``GroupCoordinator``
+  passes its group's timeout). A dead peer is reported
   as :class:`~device_comms.errors.PeerDiedError` within about 0.2 s anyway.
 """
 
@@ -57,6 +58,7 @@ from device_comms.shm_engine import ShmEngine
 from device_comms.shm_sync import StepSync
 from device_comms.shm_workspace import WorkspacePlan, open_workspace
 from device_comms.torch_communicator import TorchDistributedCommunicator
+from shm_broadcast.checks import check_timeout
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.topology import node_assignment
 
@@ -85,7 +87,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         workspace_bytes: Data bytes per node workspace (see module docstring).
         use_shm: False forces gloo; None reads ``GROUPCOORD_CPU_SHM``.
         timeout: Seconds a shared-memory step may wait; None reads the
-            environment, 0 waits forever.
+            environment; 0 polls once.
         node_id: This rank's node identity (then every rank must pass one);
             overrides the shared-memory probe, like ``GROUPCOORD_NODE_ID``.
         oneshot_bytes: Largest all-reduce done in one shot (tuning knob).
@@ -114,12 +116,12 @@ class CpuCommunicator(TorchDistributedCommunicator):
         node_id: str | None = None,
         oneshot_bytes: int | None = None,
     ) -> None:
-        super().__init__(cpu_group, device, device_group, unique_name)
+        wait_s = _timeout(timeout)
+        super().__init__(cpu_group, device, device_group, unique_name, timeout=wait_s)
         if self.device.type != "cpu":
             raise ValueError(f"device must be a CPU device for CpuCommunicator, got {self.device}")
         ws_bytes = _positive_int(workspace_bytes, "workspace_bytes", BYTES_ENV)
         enabled = _enabled(use_shm)
-        wait_s = _timeout(timeout)
         if node_id is not None and not isinstance(node_id, str):
             raise TypeError(f"node_id must be a str or None, got {type(node_id).__name__}")
         if oneshot_bytes is not None:
@@ -442,19 +444,15 @@ def _enabled(use_shm: bool | None) -> bool:
     raise ValueError(f"{ENABLE_ENV} must be 0 or 1, got {raw!r}")
 
 
-def _timeout(timeout: float | None) -> float | None:
-    arg = "timeout"
-    if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV)
-        if raw is None or raw == "":
-            return DEFAULT_TIMEOUT
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV} must be seconds (a number), got {raw!r}") from None
-        arg = TIMEOUT_ENV
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{arg} must be a number of seconds or None, got {type(timeout).__name__}")
-    if timeout < 0 or timeout != timeout:
-        raise ValueError(f"{arg} must be a non-negative number of seconds, got {timeout!r}")
-    return None if timeout == 0 else float(timeout)
+def _timeout(timeout: float | None) -> float:
+    """The step timeout: ``timeout``, else ``GROUPCOORD_CPU_SHM_TIMEOUT``, else the default."""
+    if timeout is not None:
+        return check_timeout(timeout)
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be seconds (a number), got {raw!r}") from None
+    return check_timeout(seconds, TIMEOUT_ENV)

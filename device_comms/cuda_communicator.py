@@ -24,6 +24,7 @@ import torch.distributed as dist
 from device_comms.pynccl.communicator import PyNcclCommunicator
 from device_comms.reduce_op import ReduceOp
 from device_comms.torch_communicator import TorchDistributedCommunicator
+from shm_broadcast.checks import check_timeout
 
 __all__ = ["CudaCommunicator"]
 
@@ -41,7 +42,7 @@ class CudaCommunicator(TorchDistributedCommunicator):
             is set. Either way every rank agrees on the outcome.
         custom_allreduce_max_size: Largest message for the custom all-reduce
             in bytes (default 8 MiB).
-        timeout: Seconds a custom all-reduce kernel waits for a peer (default 300).
+        timeout: Seconds a custom all-reduce kernel waits for a peer (default 300; 0 polls once).
 
     Attributes:
         pynccl: The NCCL communicator (None for a group of one, which never communicates).
@@ -65,7 +66,7 @@ class CudaCommunicator(TorchDistributedCommunicator):
         custom_allreduce_max_size: int | None = None,
         timeout: float | None = None,
     ) -> None:
-        super().__init__(cpu_group, device, device_group, unique_name)
+        super().__init__(cpu_group, device, device_group, unique_name, timeout=timeout)
         if use_custom_allreduce is not None and not isinstance(use_custom_allreduce, bool):
             raise TypeError(
                 "use_custom_allreduce must be a bool or None, got "
@@ -95,7 +96,7 @@ class CudaCommunicator(TorchDistributedCommunicator):
         if self.world_size not in elig.SUPPORTED_WORLD_SIZES:
             self.custom_ar_reason = f"world size {self.world_size} is not one of 2, 4, 6, 8"
             return  # every rank sees the same world size: no exchange needed
-        wait_s = 300.0 if timeout is None else _positive_seconds(timeout)
+        wait_s = check_timeout(timeout, default=300.0)
         size = elig.DEFAULT_MAX_SIZE if max_size is None else elig.check_max_size(max_size)
         cupy_ok = _cupy_imports()
         enabled = use is not False and cupy_ok
@@ -223,14 +224,6 @@ def _cupy_imports() -> bool:
     except Exception:
         return False
     return True
-
-
-def _positive_seconds(timeout: Any) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    return float(timeout)
 
 
 def _concat_ranks(stacked: torch.Tensor, dim: int) -> torch.Tensor:

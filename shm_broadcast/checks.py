@@ -6,12 +6,18 @@ outside its range raises ``ValueError`` naming the argument, the range and
 the value. ``bool`` is never accepted where an int is expected.
 
 Timeouts mean the same in every layer (:func:`check_timeout`): a number of
-seconds ``>= 0``, where ``0`` polls once without waiting, and ``None`` means
-"the caller's default" (inside coordinator calls, the group's timeout).
+seconds (or a ``datetime.timedelta``) ``>= 0``, where ``0`` polls once without
+waiting, and ``None`` means "the caller's default" (inside coordinator calls,
+the group's timeout). No wait is unbounded: there is no "wait forever" value.
+Two kinds of timeout have no poll-once form and must be ``> 0``
+(:func:`check_timeout` with ``positive=True``): a group's own timeout, the
+default of every wait of the group, and a barrier's, where an answer that
+arrives after rank 0 gave up would break the group's connections.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 from typing import Any
 
@@ -55,23 +61,28 @@ def check_rank(value: Any, world_size: int, arg: str) -> int:
     return value
 
 
-def check_timeout(value: Any, arg: str = "timeout",
-                  default: float | None = None) -> float | None:
+def check_timeout(value: Any, arg: str = "timeout", default: float | None = None, *,
+                  positive: bool = False) -> float | None:
     """Return a timeout in seconds: ``value``, or ``default`` when ``value`` is None.
 
-    ``0`` means poll once without waiting; a ``None`` result (only from a
-    ``None`` default) means no limit.
+    ``value`` is a number of seconds or a ``datetime.timedelta``. ``0`` means
+    poll once without waiting (refused with ``positive=True``); a ``None``
+    result (only from a ``None`` default) means the callee's own default.
 
     Raises:
-        TypeError: ``value`` is neither None nor a real number.
-        ValueError: ``value`` is negative, NaN or infinite.
+        TypeError: ``value`` is neither None, a real number nor a timedelta.
+        ValueError: ``value`` is negative, NaN or infinite (or 0 with ``positive``).
     """
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, datetime.timedelta):
+        value = value.total_seconds()
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
-            f"{arg} must be a number of seconds or None, got {type(value).__name__} ({value!r:.60})"
+            f"{arg} must be a number of seconds, a timedelta or None, got "
+            f"{type(value).__name__} ({value!r:.60})"
         )
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{arg} must be a finite number of seconds >= 0, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        want = "> 0" if positive else ">= 0 (0 polls once)"
+        raise ValueError(f"{arg} must be a finite number of seconds {want}, got {value!r}")
     return float(value)
