@@ -159,7 +159,7 @@ class LocalReader:
         buf = ring.buf
         flag = self._parked_at
         self._doorbell.drain()  # rings from before this park are stale
-        buf[flag] = 1
+        ring.set_reader_parked(self.index, True)
         ring.full_fence()
         try:
             if cond():
@@ -263,12 +263,10 @@ class LocalReader:
 
     def _consume(self, chunk: int) -> None:
         ring = self.ring
-        if not self._strong:
-            ring.release_fence()
-        ring.buf[self._flag_at[chunk][1]] = 1  # inlined ShmRingBuffer.mark_read
+        ring.mark_read(chunk, self.index)
         self._seq += 1
         ring.full_fence()
-        if ring.buf[ring.writer_parked_offset] and ring.take_writer_parked():
+        if ring.take_writer_parked():
             self._ringer.ring(self._writer_bell)
 
     def _recv_overflow(self, seq: int, timeout: float | None) -> list:

@@ -167,6 +167,13 @@ class ShmRingBuffer:
         # The address only; no ctypes object is kept, so no buffer export
         # blocks SharedSegment.close().
         self.base_addr: int = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf))
+        #: Offset of each chunk's ``W`` byte (its ``R_i`` bytes follow) and of
+        #: its data: computed once, shared by these methods and the hot paths
+        #: that inline a flag access (via :meth:`flag_offsets`, :meth:`data_offset`).
+        self._w_at = [geometry.flags_off + c * geometry.flag_stride
+                      for c in range(geometry.max_chunks)]
+        self._data_at = [geometry.data_off + c * geometry.data_stride
+                         for c in range(geometry.max_chunks)]
         self._ones = b"\x01" * geometry.n_reader
         self._zeros = b"\x00" * geometry.n_reader
         self._fence_lock = threading.Lock()
@@ -234,8 +241,7 @@ class ShmRingBuffer:
     # offsets in :attr:`buf` behind is_readable/mark_read/the parked flags.
     def flag_offsets(self, chunk: int, reader: int) -> tuple[int, int]:
         """Offsets of chunk ``chunk``'s ``W`` byte and of its ``R_reader`` byte."""
-        g = self._g
-        off = g.flags_off + chunk * g.flag_stride
+        off = self._w_at[chunk]
         return off, off + 1 + reader
 
     def reader_parked_offset(self, reader: int) -> int:
@@ -251,9 +257,6 @@ class ShmRingBuffer:
         g = self._g
         return g.parked_off, g.parked_off + g.n_reader
 
-    #: Offset of the writer's parked byte.
-    writer_parked_offset: int = _OFF_WRITER_PARKED
-
     # --------------------------------------------------------------- fences
     def full_fence(self) -> None:
         """Full memory barrier (store->load included); see the module docstring."""
@@ -264,47 +267,32 @@ class ShmRingBuffer:
     # -------------------------------------------------------------- offsets
     def data_offset(self, chunk: int) -> int:
         """Offset in :attr:`buf` of chunk ``chunk``'s first byte."""
-        return self._g.data_off + chunk * self._g.data_stride
+        return self._data_at[chunk]
 
     # ------------------------------------------------------- writer protocol
     def is_free(self, chunk: int) -> bool:
         """Whether the writer may overwrite ``chunk`` (FREE state)."""
-        g = self._g
-        off = g.flags_off + chunk * g.flag_stride
+        off = self._w_at[chunk]
         buf = self.buf
-        return buf[off + 1 : off + 1 + g.n_reader] == self._ones or buf[off] == 0
+        return buf[off + 1 : off + 1 + self.n_reader] == self._ones or buf[off] == 0
 
     def lagging_readers(self, chunk: int) -> list[int]:
         """Readers that have not yet read ``chunk`` (their ``R_i`` is 0)."""
-        g = self._g
-        off = g.flags_off + chunk * g.flag_stride
+        off = self._w_at[chunk]
         if self.buf[off] == 0:
             return []
-        return [r for r in range(g.n_reader) if self.buf[off + 1 + r] == 0]
+        return [r for r in range(self.n_reader) if self.buf[off + 1 + r] == 0]
 
     def begin_write(self, chunk: int) -> None:
         """FREE -> WRITING: clear ``W`` before touching the payload."""
-        g = self._g
-        self.buf[g.flags_off + chunk * g.flag_stride] = 0
+        self.buf[self._w_at[chunk]] = 0
 
     def publish(self, chunk: int) -> None:
         """WRITING -> PUBLISHED: clear every ``R_i``, then set ``W``."""
-        g = self._g
-        off = g.flags_off + chunk * g.flag_stride
+        off = self._w_at[chunk]
         self.release_fence()
-        self.buf[off + 1 : off + 1 + g.n_reader] = self._zeros
+        self.buf[off + 1 : off + 1 + self.n_reader] = self._zeros
         self.buf[off] = 1
-
-    def any_reader_parked(self) -> bool:
-        """Whether some reader declared itself parked (call after :meth:`full_fence`)."""
-        g = self._g
-        return self.buf[g.parked_off : g.parked_off + g.n_reader] != self._zeros
-
-    def parked_readers(self) -> list[int]:
-        """Indices of the readers that declared themselves parked."""
-        g = self._g
-        buf = self.buf
-        return [r for r in range(g.n_reader) if buf[g.parked_off + r]]
 
     def take_parked_readers(self) -> list[int]:
         """Clear the parked flags that are set and return those readers' indices.
@@ -326,16 +314,14 @@ class ShmRingBuffer:
     # ------------------------------------------------------- reader protocol
     def is_readable(self, chunk: int, reader: int) -> bool:
         """Whether ``chunk`` is PUBLISHED and unread by ``reader`` (R first, then W)."""
-        g = self._g
-        off = g.flags_off + chunk * g.flag_stride
+        off = self._w_at[chunk]
         buf = self.buf
         return buf[off + 1 + reader] == 0 and buf[off] == 1
 
     def mark_read(self, chunk: int, reader: int) -> None:
         """Set ``R_reader`` after the payload has been copied out."""
-        g = self._g
         self.release_fence()
-        self.buf[g.flags_off + chunk * g.flag_stride + 1 + reader] = 1
+        self.buf[self._w_at[chunk] + 1 + reader] = 1
 
     # ------------------------------------------------------- shared header
     def set_writer(self, pid: int, create_time: float) -> None:
@@ -366,10 +352,6 @@ class ShmRingBuffer:
     def set_writer_parked(self, parked: bool) -> None:
         """Declare (or clear) that the writer sleeps waiting for a free chunk."""
         self.buf[_OFF_WRITER_PARKED] = 1 if parked else 0
-
-    def writer_parked(self) -> bool:
-        """Whether the writer declared itself parked (call after :meth:`full_fence`)."""
-        return self.buf[_OFF_WRITER_PARKED] == 1
 
     def take_writer_parked(self) -> bool:
         """Clear the writer's parked flag if set; returns whether it was (then ring it)."""

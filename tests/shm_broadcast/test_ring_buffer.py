@@ -76,12 +76,16 @@ def test_header_fields_and_reader_table():
                 other.register_reader(3, 1, 1.0)
             other.set_reader_state(1, READER_CLOSED)
             assert ring.reader_state(1) == READER_CLOSED
-            assert not ring.any_reader_parked()
+            assert ring.take_parked_readers() == []
             other.set_reader_parked(2, True)
             ring.full_fence()
-            assert ring.any_reader_parked() and ring.parked_readers() == [2]
+            lo, hi = ring.parked_span()
+            assert ring.buf[lo:hi] == b"\x00\x00\x01"
+            assert ring.take_parked_readers() == [2]  # taken: cleared for the next ring
+            assert ring.take_parked_readers() == [] and ring.buf[lo:hi] == bytes(3)
+            assert not ring.take_writer_parked()
             other.set_writer_parked(True)
-            assert ring.writer_parked()
+            assert ring.take_writer_parked() and not ring.take_writer_parked()
             # Chunk data regions are disjoint, aligned and large enough.
             offs = [ring.data_offset(c) for c in range(4)]
             assert all(o % 64 == 0 for o in offs)
