@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -22,21 +23,242 @@ from hypothesis import strategies as st
 
 from coordinator.errors import DistributedTimeout, RankDiedError
 from coordinator.testing import run_distributed
-from device_comms import CollectiveMismatch, CollectiveTimeout, PeerDiedError, ReduceOp
+from device_comms import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    PeerDiedError,
+    PeerRejectedError,
+    ReduceOp,
+)
 from device_comms import validation
 from device_comms.reduce_op import check_reduce_op
 from tests.coordinator import _dist_failures as F
+from tests.coordinator._dist_checks import expect_equal, expect_raises, make
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_bad_arguments_raise_on_the_caller(dist_pool, world_size):
-    results = dist_pool(world_size).run(F.run_bad_inputs, timeout=150)
-    assert all(r == results[0] for r in results)
-    assert len(results[0]) > 50
-    one_rank = [c for c in results[0] if "@" in c]  # offender first, middle, last rank
-    want = 0 if world_size == 1 else 3 * len({0, world_size // 2, world_size - 1})
-    assert len(one_rank) == want, one_rank
+# ---------------------------------------------------------------------- bad arguments
+# One test id per bad argument and world size, each run on the shared pool
+# ranks; every run ends by checking that the group still works.
+def _bad_arguments(g: Any, n: int, me: int) -> list[tuple[str, type, Callable[[], Any], tuple[str, ...]]]:
+    """``(name, exception, call, words its message must name)`` for every bad argument
+    the ranks all agree on (each rank raises). Built on the ranks with their group;
+    the test process builds it with ``g=None`` for the names only (nothing is called)."""
+    from coordinator import GroupCoordinator
+
+    other = (me + 1) % n
+    x = make(me, (2, 4), torch.float32, "bad")
+    xi = make(me, (2, 4), torch.int64, "bad")
+    meta = torch.empty(2, 4, device="meta")
+    T, V = TypeError, ValueError
+    cases: list[tuple[str, type, Callable[[], Any], tuple[str, ...]]] = [
+        ("all_reduce/band-float", T, lambda: g.all_reduce(x, ReduceOp.BAND), ("op", "BAND", "float32")),
+        ("all_reduce/bxor-bf16", T, lambda: g.all_reduce(x.bfloat16(), ReduceOp.BXOR), ("op", "bfloat16")),
+        ("all_reduce/avg-int", T, lambda: g.all_reduce(xi, ReduceOp.AVG), ("op", "AVG", "int64")),
+        ("all_reduce/bad-op", T, lambda: g.all_reduce(x, "median"), ("op",)),
+        ("all_reduce/uint16", T, lambda: g.all_reduce(x.to(torch.uint16)), ("op", "uint16")),
+        ("reduce/float8", T, lambda: g.reduce(x.to(torch.float8_e4m3fn), 0, ReduceOp.MAX),
+         ("op", "float8")),
+        ("reduce_scatter/uint32", T, lambda: g.reduce_scatter(torch.zeros(n, dtype=torch.uint32), 0),
+         ("uint32",)),
+        ("all_reduce/not-tensor", T, lambda: g.all_reduce([1.0, 2.0]), ("input_", "list")),
+        ("all_reduce/meta-device", V, lambda: g.all_reduce(meta), ("input_", "cpu")),
+        ("all_gather/dim-range", V, lambda: g.all_gather(x, 2), ("dim", "[-2, 2)")),
+        ("all_gather/dim-neg", V, lambda: g.all_gather(x, -3), ("dim",)),
+        ("all_gather/dim-type", T, lambda: g.all_gather(x, 1.0), ("dim",)),
+        ("all_gather/0-dim", V, lambda: g.all_gather(torch.tensor(1.0), 0), ("dim", "0-dim")),
+        ("all_gather/not-tensor", T, lambda: g.all_gather(None), ("input_",)),
+        ("all_gatherv/sizes-len", V, lambda: g.all_gatherv(x, 0, [2] * (n + 1)), ("sizes", str(n))),
+        ("all_gatherv/sizes-neg", V, lambda: g.all_gatherv(x, 0, [2] * (n - 1) + [-1]), ("sizes[",)),
+        ("all_gatherv/sizes-type", T, lambda: g.all_gatherv(x, 0, "22"), ("sizes",)),
+        ("all_gatherv/dim", V, lambda: g.all_gatherv(x, 5, [2] * n), ("dim",)),
+        ("reduce_scatter/indivisible", V, lambda: g.reduce_scatter(torch.ones(2, n + 1)), ("divisible", "input_.shape")),
+        ("reduce_scatter/dim", V, lambda: g.reduce_scatter(x, 3), ("dim",)),
+        ("reduce_scatter/band-float", T, lambda: g.reduce_scatter(torch.ones(n), 0, ReduceOp.BAND), ("op",)),
+        ("reduce_scatterv/sum", V, lambda: g.reduce_scatterv(torch.ones(n + 2), 0, [1] * n), ("sizes", "sum")),
+        ("reduce_scatterv/len", V, lambda: g.reduce_scatterv(torch.ones(4), 0, [4] + [0] * n), ("sizes",)),
+        ("reduce_scatterv/avg-int", T, lambda: g.reduce_scatterv(xi, 0, [2] + [0] * (n - 1), ReduceOp.AVG), ("op",)),
+        ("gather/dst-range", V, lambda: g.gather(x, n), ("dst", f"[0, {n})")),
+        ("gather/dst-neg", V, lambda: g.gather(x, -1), ("dst",)),
+        ("gather/dst-type", T, lambda: g.gather(x, "0"), ("dst",)),
+        ("gather/dim", V, lambda: g.gather(x, 0, 2), ("dim",)),
+        ("reduce/dst", V, lambda: g.reduce(x, n + 3), ("dst",)),
+        ("reduce/op", T, lambda: g.reduce(x, 0, ReduceOp.BOR), ("op",)),
+        ("scatter/src", V, lambda: g.scatter(x, n), ("src",)),
+        ("scatter/dim-type", T, lambda: g.scatter(x, 0, "0"), ("dim",)),
+        ("all_to_all/scatter_dim", V, lambda: g.all_to_all(x, 2, 0), ("scatter_dim",)),
+        ("all_to_all/gather_dim", V, lambda: g.all_to_all(torch.ones(n, 2), 0, -3), ("gather_dim",)),
+        ("broadcast/src", V, lambda: g.broadcast(x, n), ("src",)),
+        ("broadcast/src-bool", T, lambda: g.broadcast(x, True), ("src",)),
+        ("broadcast/not-tensor", T, lambda: g.broadcast(3.0, 0), ("input_",)),
+        ("broadcast_object/src", V, lambda: g.broadcast_object(1, n), ("src",)),
+        ("broadcast_object_list/src", V, lambda: g.broadcast_object_list([1], -1), ("src",)),
+        ("broadcast_object_list/type", T, lambda: g.broadcast_object_list((1, 2), 0), ("obj_list", "tuple")),
+        ("broadcast_tensor_dict/src", V, lambda: g.broadcast_tensor_dict({"a": x}, n), ("src",)),
+        ("send/self", V, lambda: g.send(x, me), ("dst", "this rank")),
+        ("send/range", V, lambda: g.send(x, n), ("dst",)),
+        ("send/not-tensor", T, lambda: g.send("x", other), ("tensor",)),
+        ("recv/self", V, lambda: g.recv((2,), torch.float32, me), ("src", "this rank")),
+        ("recv/dtype", T, lambda: g.recv((2,), "float32", other), ("dtype",)),
+        ("recv/range", V, lambda: g.recv((2,), torch.float32, -1), ("src",)),
+        ("recv/size-type", T, lambda: g.recv("ab", torch.float32, other), ("size",)),
+        ("recv/size-neg", V, lambda: g.recv((2, -1), torch.float32, other), ("size",)),
+        ("send_object/self", V, lambda: g.send_object({}, me), ("dst",)),
+        ("send_object/range", V, lambda: g.send_object({}, n), ("dst",)),
+        ("recv_object/self", V, lambda: g.recv_object(me), ("src",)),
+        ("recv_object/type", T, lambda: g.recv_object(None), ("src",)),
+        ("send_tensor_dict/self", V, lambda: g.send_tensor_dict({"a": x}, me), ("dst",)),
+        ("send_tensor_dict/range", V, lambda: g.send_tensor_dict({"a": x}, n), ("dst",)),
+        ("send_tensor_dict/not-a-dict", T, lambda: g.send_tensor_dict([x], other), ("tensor_dict",)),
+        ("recv_tensor_dict/range", V, lambda: g.recv_tensor_dict(n), ("src",)),
+        ("group_ranks/dup", V, lambda: GroupCoordinator([[0, 0]], 0, "gloo", True), ("group_ranks",)),
+        ("group_ranks/range", V, lambda: GroupCoordinator([list(range(n + 1))], 0, "gloo", True), ("group_ranks",)),
+        ("group_ranks/type", T, lambda: GroupCoordinator("01", 0, "gloo", True), ("group_ranks",)),
+    ]
+    if n == 1:  # everything divides by 1; a send_tensor_dict to oneself is a no-op
+        cases = [c for c in cases if "indivisible" not in c[0] and c[0] != "send_tensor_dict/self"]
+    return cases
+
+
+def _one_rank_bad_arguments(g: Any, n: int, me: int, bad: int) -> list[tuple[str, Callable[[], Any], tuple[str, ...]]]:
+    """``(name, call, words)`` for arguments only one rank can get wrong (its own
+    size entry, the source's tensor), got wrong by rank ``bad``."""
+    x = make(me, (2, 4), torch.float32, "bad")
+    sizes = [2] * n
+    own = make(me, (3 if me == bad else 2, 4), torch.float32, "ok")
+    return [
+        ("all_gatherv/own-size", lambda: g.all_gatherv(own, 0, sizes),
+         (f"sizes[{bad}]", "input_.shape[0]")),
+        ("all_gatherv/own-size-list",
+         lambda: g.all_gatherv([make(me, (2, 4), torch.float32, "ok"), own], 0, sizes),
+         (f"sizes[{bad}]", "input_[1]")),
+        ("broadcast/non-contiguous",
+         lambda: g.broadcast(x.t() if me == bad else torch.empty(4, 2), bad),
+         ("contiguous",)),
+    ]
+
+
+def _offenders(n: int) -> list[int]:
+    """The first, a middle and the last rank."""
+    return sorted({0, n // 2, n - 1}) if n > 1 else []
+
+
+def _source_bad_arguments(g: Any, n: int) -> list[tuple[str, type, Callable[[], Any], str]]:
+    """``(name, exception, call on the source, word)`` for arguments only the source can get wrong."""
+    x = make(0, (2, 4), torch.float32, "bad")
+    cases = [
+        ("scatter/src-dim", ValueError, lambda: g.scatter(x, 0, 2), "dim"),
+        ("scatter/src-not-tensor", TypeError, lambda: g.scatter([1.0], 0, 0), "input_"),
+        ("broadcast_tensor_dict/not-a-dict", TypeError,
+         lambda: g.broadcast_tensor_dict([("a", x)], 0), "tensor_dict"),
+    ]
+    if n > 1:
+        cases.append(("scatter/src-indivisible", ValueError,
+                      lambda: g.scatter(torch.ones(n + 1, 2), 0, 0), "divisible"))
+    return cases
+
+
+def _still_works(g: Any) -> None:
+    expect_equal("still-works", g.all_reduce(torch.ones(3)), torch.full((3,), float(g.world_size)))
+
+
+def _bad_argument(rank: int, world_size: int, name: str) -> str:
+    """On the ranks: bad argument ``name`` raises its TypeError/ValueError on every rank."""
+    from coordinator.parallel_state import get_world_group
+
+    g = get_world_group()
+    (case,) = [c for c in _bad_arguments(g, g.world_size, g.rank_in_group) if c[0] == name]
+    _, exc, fn, words = case
+    expect_raises(name, exc, fn, *words)
+    _still_works(g)
+    return name
+
+
+def _one_rank_bad_argument(rank: int, world_size: int, name: str, bad: int) -> str:
+    """On the ranks: every rank makes the call; the offender ``bad`` raises its own
+    error, the others a prompt PeerRejectedError naming it, and the group still works."""
+    from coordinator.parallel_state import get_world_group
+
+    g = get_world_group()
+    n, me = g.world_size, g.rank_in_group
+    (case,) = [c for c in _one_rank_bad_arguments(g, n, me, bad) if c[0] == name]
+    _, fn, words = case
+    t0 = time.monotonic()
+    if me == bad:
+        try:
+            fn()
+            raise AssertionError(f"{name}: rank {me} passed a bad argument, no error")
+        except PeerRejectedError as e:
+            raise AssertionError(f"{name}: the offender got its peers' error: {e}")
+        except ValueError as e:
+            assert all(w in str(e) for w in words), f"{name}: {e}"
+    else:
+        msg = expect_raises(name + "/peer", PeerRejectedError, fn, f"rank {bad}", *words)
+        took = time.monotonic() - t0
+        assert took < 2.0, f"{name}/peer: {took:.2f}s to learn of rank {bad}'s rejection"
+        assert "rejected" in msg, msg
+    expect_equal(f"{name}/then-works", g.all_reduce(torch.ones(3)), torch.full((3,), float(n)))
+    return f"{name}@{bad}"
+
+
+def _source_bad_argument(rank: int, world_size: int, name: str) -> str:
+    """On the ranks: the source (rank 0) raises its own error and tells the
+    receivers, who raise too; the group still works."""
+    from coordinator.parallel_state import get_world_group
+
+    g = get_world_group()
+    (case,) = [c for c in _source_bad_arguments(g, g.world_size) if c[0] == name]
+    _, exc, fn, word = case
+    receivers = {
+        "scatter": lambda: g.scatter(None, 0, 0),
+        "broadcast_tensor_dict": lambda: g.broadcast_tensor_dict(None, 0),
+    }
+    if g.rank_in_group == 0:
+        expect_raises(name, exc, fn, word)
+    else:
+        expect_raises(name + "/receiver", ValueError, receivers[name.split("/")[0]], "source rank 0")
+    _still_works(g)
+    return name
+
+
+BAD_WORLD_SIZES = [1, 2, 4]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,name", [
+    pytest.param(ws, c[0], id=f"ws{ws}-{c[0]}")
+    for ws in BAD_WORLD_SIZES for c in _bad_arguments(None, ws, 0)
+])
+def test_bad_argument_raises_on_the_caller(dist_pool, world_size, name):
+    assert dist_pool(world_size).run(_bad_argument, name, timeout=60) == [name] * world_size
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,name,bad", [
+    pytest.param(ws, c[0], bad, id=f"ws{ws}-{c[0]}@rank{bad}")
+    for ws in BAD_WORLD_SIZES for bad in _offenders(ws)
+    for c in _one_rank_bad_arguments(None, ws, 0, bad)
+])
+def test_argument_only_one_rank_gets_wrong_fails_its_peers_promptly(dist_pool, world_size, name, bad):
+    got = dist_pool(world_size).run(_one_rank_bad_argument, name, bad, timeout=60)
+    assert got == [f"{name}@{bad}"] * world_size
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,name", [
+    pytest.param(ws, c[0], id=f"ws{ws}-{c[0]}")
+    for ws in BAD_WORLD_SIZES for c in _source_bad_arguments(None, ws)
+])
+def test_argument_only_the_source_gets_wrong_raises_on_every_rank(dist_pool, world_size, name):
+    assert dist_pool(world_size).run(_source_bad_argument, name, timeout=60) == [name] * world_size
+
+
+def test_bad_argument_tables():
+    for ws in BAD_WORLD_SIZES:
+        names = [c[0] for c in _bad_arguments(None, ws, 0)]
+        assert len(names) > 50 and len(set(names)) == len(names)
+        offenders = _offenders(ws)
+        assert offenders == ([] if ws == 1 else sorted({0, ws // 2, ws - 1}))
+        assert len(_one_rank_bad_arguments(None, ws, 0, 0)) == 3
 
 
 @pytest.mark.timeout(120)
