@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from coordinator.group_coordinator import GroupCoordinator
@@ -38,6 +38,9 @@ class GroupRegistry:
         self.tp: GroupCoordinator | None = None
         self.pp: GroupCoordinator | None = None
         self.dp: GroupCoordinator | None = None
+        #: The timeout given to ``init_distributed_environment`` (None: not
+        #: given); the model-parallel groups inherit it.
+        self.timeout: Any = None
 
     def unique_name(self, base: str) -> str:
         """Return ``base:<n>``, with ``n`` counting the groups created under ``base``."""

@@ -110,6 +110,7 @@ def init_distributed_environment(
             group_name="world",
             timeout=timeout,
         )
+        REGISTRY.timeout = timeout
     return REGISTRY.world
 
 
@@ -186,10 +187,13 @@ def initialize_model_parallel(
     pp_groups = [[d * pp * tp + p * tp + t for p in range(pp)] for d in range(dp) for t in range(tp)]
     dp_groups = [[d * pp * tp + p * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)]
     REGISTRY.tp = GroupCoordinator(
-        tp_groups, local_rank, backend, True, use_message_queue_broadcaster=True, group_name="tp"
+        tp_groups, local_rank, backend, use_device_communicator=True,
+        use_message_queue_broadcaster=True, group_name="tp", timeout=REGISTRY.timeout,
     )
-    REGISTRY.pp = GroupCoordinator(pp_groups, local_rank, backend, True, group_name="pp")
-    REGISTRY.dp = GroupCoordinator(dp_groups, local_rank, backend, True, group_name="dp")
+    REGISTRY.pp = GroupCoordinator(pp_groups, local_rank, backend, use_device_communicator=True,
+                                   group_name="pp", timeout=REGISTRY.timeout)
+    REGISTRY.dp = GroupCoordinator(dp_groups, local_rank, backend, use_device_communicator=True,
+                                   group_name="dp", timeout=REGISTRY.timeout)
 
 
 def ensure_model_parallel_initialized(
@@ -284,6 +288,7 @@ def destroy_distributed_environment() -> None:
     """Destroy the world group and torch.distributed; the process may initialise again."""
     destroy_model_parallel()
     world, REGISTRY.world = REGISTRY.world, None
+    REGISTRY.timeout = None
     if world is not None:
         world.destroy()
     if dist.is_initialized():

@@ -268,10 +268,8 @@ class DistributedPool:
                     c.send(("stop",))
                 except (BrokenPipeError, OSError):
                     pass
-            deadline = time.monotonic() + 10.0
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        stop_ranks(procs, conns)  # SIGTERM first: ranks unlink the memory they own
+        # SIGTERM before SIGKILL: ranks unlink the memory they own on SIGTERM.
+        stop_ranks(procs, conns, wait_first=10.0 if graceful else 0.0)
 
 
 def _try_recv(conn: Connection) -> Any:

@@ -144,11 +144,22 @@ def _signal_all(procs: Sequence[Any], sig: int) -> None:
 
 
 def stop_ranks(procs: Sequence[Any], conns: Sequence[Connection] = (),
-               term_grace: float = 2.0) -> None:
-    """SIGTERM, then SIGKILL what still runs; reap all, close pipes, unlink orphaned segments."""
+               term_grace: float = 2.0, wait_first: float = 0.0) -> None:
+    """Stop and reap every process; close pipes; unlink segments orphaned by a dead rank.
+
+    Args:
+        procs: The processes (``multiprocessing.Process``).
+        conns: Pipe ends to close afterwards.
+        term_grace: Seconds between SIGTERM and SIGKILL.
+        wait_first: Seconds to let them exit by themselves (after a stop
+            command) before any signal.
+    """
     from shm_broadcast.segment import list_segments, remove_segment
 
     pids = {p.pid for p in procs if p.pid is not None}
+    deadline = time.monotonic() + wait_first
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
     _signal_all([p for p in procs if p.is_alive()], signal.SIGTERM)
     deadline = time.monotonic() + term_grace
     for p in procs:

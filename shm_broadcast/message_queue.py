@@ -133,7 +133,7 @@ class MessageQueue:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         policy = _policy(wait_policy)
-        self._impl: Any = QueueWriter(
+        self._impl: QueueWriter | LocalReader | RemoteReader = QueueWriter(
             name=name or f"mq-{os.getpid()}",
             n_reader=n_reader,
             local_reader_ranks=ranks,
@@ -258,7 +258,7 @@ class MessageQueue:
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` has run."""
-        return self._impl._closed
+        return self._impl.closed
 
     # ------------------------------------------------------------ writer API
     def export_handle(self) -> Handle:
@@ -370,7 +370,7 @@ class MessageQueue:
         and given up to 2 s to leave.
         """
         with self._close_lock:
-            if self._impl._closed:
+            if self._impl.closed:
                 return
             if self._busy:
                 self._impl.shutdown()

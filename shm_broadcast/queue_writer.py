@@ -502,6 +502,11 @@ class QueueWriter:
             f"queue {self.name!r}: {op}() interrupted: the {self.side} was shut down",
             queue=self.name, side=self.side)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
     def shutdown(self) -> None:
         """Stop: readers drain what was sent, then get QueueClosedError."""
         if self._closing:

@@ -212,6 +212,11 @@ class RemoteReader:
             raise QueueClosedError(f"queue {self.name!r}: {op}() on a closed queue",
                                    queue=self.name, side=self.side)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
     def shutdown(self) -> None:
         """Stop reading: blocked calls raise QueueClosedError; the writer is told."""
         if self._closing:

@@ -24,34 +24,24 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
-import socket
 import time
 from datetime import timedelta
 from typing import Any
 
 import zmq
 
-__all__ = ["GlooDriver", "ZmqPickleDriver", "free_port"]
+from shm_broadcast.launcher import free_port, stop_ranks
+
+__all__ = ["GlooDriver", "ZmqPickleDriver"]
 
 _JOIN_S = 20.0
 _GLOO_TIMEOUT_S = 120
 _ZMQ_RECV_TIMEOUT_MS = 120_000
 
 
-def free_port() -> int:
-    """Return a TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reap(procs: list[Any]) -> None:
-    for p in procs:
-        p.join(_JOIN_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    """Readers exit after their stop command; whatever does not is killed."""
+    stop_ranks(procs, wait_first=_JOIN_S)
 
 
 # ----------------------------------------------------------------------- gloo

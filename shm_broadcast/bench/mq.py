@@ -35,7 +35,8 @@ from typing import Any, Callable
 
 import psutil
 
-from shm_broadcast.bench.baselines import GlooDriver, ZmqPickleDriver, _reap
+from shm_broadcast.bench.baselines import GlooDriver, ZmqPickleDriver
+from shm_broadcast.launcher import stop_ranks
 from shm_broadcast.bench.payloads import make_payload, payload_names
 from shm_broadcast.bench.wake import bare_wake_latencies, busy_wait, wake_gaps
 from shm_broadcast.codec import Codec
@@ -229,7 +230,7 @@ class MqDriver:
         except Exception:
             pass
         finally:
-            _reap(self._procs)
+            stop_ranks(self._procs, wait_first=20.0)
             for b in self._back:
                 b.close()
             self._fwd.close()

@@ -91,6 +91,20 @@ def _mq_waits_for_the_group_timeout(rank: int, world_size: int,
         g.destroy()
 
 
+def _model_parallel_groups_inherit(rank: int, world_size: int, port: int) -> dict[str, Any]:
+    """Re-initialise with a timeout: tp/pp/dp get the world's, and so do their communicators."""
+    from coordinator import parallel_state as ps
+
+    ps.destroy_distributed_environment()
+    ps.init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", rank,
+                                    timeout=11.0)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    groups = {"world": ps.get_world_group(), "tp": ps.get_tp_group(), "pp": ps.get_pp_group(),
+              "dp": ps.get_dp_group()}
+    return {k: (g.timeout, g.comm.timeout if g.world_size > 1 else None)
+            for k, g in groups.items()}
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_group_timeout_reaches_its_communicator(dist_pool, world_size: int) -> None:
@@ -125,3 +139,12 @@ def test_queue_waits_are_bounded_by_the_group_timeout(dist_pool) -> None:
     assert kind == "CommTimeout", res[1]
     assert 1.5 <= elapsed < 15, elapsed
     assert "to-mq" in msg or "queue" in msg, msg
+
+
+def test_model_parallel_groups_inherit_the_world_timeout() -> None:
+    from coordinator.testing import free_port, run_distributed
+
+    res = run_distributed(_model_parallel_groups_inherit, 4, free_port(), timeout=180)
+    for r in res:
+        assert r["world"] == (11.0, 11.0) and r["tp"] == (11.0, 11.0), r
+        assert r["pp"][0] == 11.0 and r["dp"][0] == 11.0, r
