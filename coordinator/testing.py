@@ -45,7 +45,9 @@ from shm_broadcast.launcher import (
     describe_exit, die_with_parent, free_port, per_rank_env, start_ranks, stop_ranks,
 )
 
-from coordinator.errors import DistributedTimeout, RankDiedError, RankFailedError
+from coordinator.errors import (
+    DistributedTimeout, GroupCoordError, RankDiedError, RankFailedError,
+)
 
 __all__ = ["run_distributed", "DistributedPool", "free_port", "live_pool_pids"]
 
@@ -58,7 +60,7 @@ def live_pool_pids() -> set[int]:
     return {pid for pool in list(_POOLS) for pid in pool.worker_pids}
 
 
-class _RemoteTraceback(Exception):
+class _RemoteTraceback(GroupCoordError):
     """Carries a rank's traceback text as the ``__cause__`` of a re-raised error."""
 
     def __init__(self, tb: str) -> None:
