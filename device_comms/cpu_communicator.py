@@ -414,16 +414,22 @@ def _shape_key(shape: Sequence[int], dim: int) -> int:
     return hash((tuple(shape), dim)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def _from_env(env: str, convert: Any, what: str) -> Any:
+    """The environment variable ``env`` converted, or None when unset or empty."""
+    raw = os.environ.get(env)
+    if raw is None or raw == "":
+        return None
+    try:
+        return convert(raw)
+    except ValueError:
+        raise ValueError(f"{env} must be {what}, got {raw!r}") from None
+
+
 def _positive_int(value: int | None, arg: str, env: str) -> int | None:
     if value is None:
-        raw = os.environ.get(env)
-        if raw is None or raw == "":
+        value, arg = _from_env(env, int, "a positive int (bytes)"), env
+        if value is None:
             return None
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"{env} must be a positive int (bytes), got {raw!r}") from None
-        arg = env
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{arg} must be a positive int (bytes), got {type(value).__name__}")
     if value <= 0:
@@ -448,11 +454,5 @@ def _timeout(timeout: float | None) -> float:
     """The step timeout: ``timeout``, else ``GROUPCOORD_CPU_SHM_TIMEOUT``, else the default."""
     if timeout is not None:
         return check_timeout(timeout)
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV} must be seconds (a number), got {raw!r}") from None
-    return check_timeout(seconds, TIMEOUT_ENV)
+    seconds = _from_env(TIMEOUT_ENV, float, "seconds (a number)")
+    return DEFAULT_TIMEOUT if seconds is None else check_timeout(seconds, TIMEOUT_ENV)
