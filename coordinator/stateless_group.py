@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from coordinator.errors import CommTimeout, StoreConnectionError
-from shm_broadcast.checks import check_int, check_rank
+from shm_broadcast.checks import check_int, check_rank, check_timeout
 
 __all__ = ["StatelessProcessGroup"]
 
@@ -66,7 +66,7 @@ class StatelessProcessGroup:
         self.world_size = world_size
         self.store = store
         self.name = name
-        self.timeout = float(timeout)
+        self.timeout: float = check_timeout(timeout, positive=True)  # type: ignore[assignment]
         self._send_seq: dict[int, int] = defaultdict(int)
         self._recv_seq: dict[int, int] = defaultdict(int)
         self._bcast_seq: dict[int, int] = defaultdict(int)
@@ -181,7 +181,7 @@ class StatelessProcessGroup:
             return
         # The host stays until every other rank's wait has returned, so its exit
         # (or close()) cannot cut off a rank that arrived last and is still waiting.
-        t = self.timeout if timeout is None else float(timeout)
+        t = self._seconds(timeout)
         deadline = time.monotonic() + t
         while self.store.add(left, 0) < self.world_size - 1:
             if time.monotonic() > deadline:
@@ -202,6 +202,10 @@ class StatelessProcessGroup:
         return f"StatelessProcessGroup({self.name!r}, rank={self.rank}, world_size={self.world_size})"
 
     # ------------------------------------------------------------------ internals
+    def _seconds(self, timeout: Any) -> float:
+        """A call's timeout: its own (0 polls once) or the group's."""
+        return check_timeout(timeout, default=self.timeout)  # type: ignore[return-value]
+
     def _key(self, suffix: str) -> str:
         return f"{self.name}/{suffix}"
 
@@ -213,7 +217,7 @@ class StatelessProcessGroup:
     def _wait(self, keys: list[str], timeout: float | None, op: str) -> None:
         if self.store is None:
             raise RuntimeError(f"stateless group {self.name!r} is closed")
-        t = self.timeout if timeout is None else float(timeout)
+        t = self._seconds(timeout)
         try:
             self.store.wait(keys, datetime.timedelta(seconds=t))
         except dist.DistNetworkError as e:
@@ -234,7 +238,7 @@ class StatelessProcessGroup:
         try:
             self._wait([key], timeout, op)
         except CommTimeout as e:
-            t = self.timeout if timeout is None else float(timeout)
+            t = self._seconds(timeout)
             raise CommTimeout(
                 f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
                 f"rank(s) {peers} did not answer within {t:.1f}s. Check that they are alive "

@@ -58,8 +58,8 @@ DEFAULT_MAX_CHUNKS = 8
 DEFAULT_READY_TIMEOUT = 120.0
 
 
-def _check_timeout(timeout: Any) -> None:
-    check_timeout(timeout)
+def _check_timeout(timeout: Any) -> float | None:
+    return check_timeout(timeout)
 
 
 def _check_count(name: str, value: Any, minimum: int) -> None:
@@ -289,8 +289,7 @@ class MessageQueue:
         if not self._is_writer:
             raise QueueRoleError(f"queue {self.name!r}: enqueue() is for the writer; "
                                  f"this is reader rank {self._rank}")
-        if timeout is not None:
-            _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._busy += 1
         try:
             self._impl.enqueue(obj, timeout)
@@ -315,8 +314,7 @@ class MessageQueue:
         if self._is_writer:
             raise QueueRoleError(f"queue {self.name!r}: dequeue() is for readers; "
                                  "this is the writer")
-        if timeout is not None:
-            _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._busy += 1
         try:
             return self._impl.dequeue(timeout)
@@ -347,7 +345,7 @@ class MessageQueue:
             QueueTimeout: Not everyone connected in time (names who is missing).
             PeerDiedError: A peer died meanwhile.
         """
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._busy += 1
         try:
             self._impl.wait_until_ready(timeout)
