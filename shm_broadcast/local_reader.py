@@ -262,11 +262,15 @@ class LocalReader:
             self._consume(chunk)
 
     def _consume(self, chunk: int) -> None:
+        """ShmRingBuffer.mark_read, then poke a parked writer; the flag stores are
+        inlined at the ring's own offsets (this runs once per message)."""
         ring = self.ring
-        ring.mark_read(chunk, self.index)
+        if not self._strong:
+            ring.release_fence()
+        ring.buf[self._flag_at[chunk][1]] = 1
         self._seq += 1
         ring.full_fence()
-        if ring.take_writer_parked():
+        if ring.buf[ring.writer_parked_offset] and ring.take_writer_parked():
             self._ringer.ring(self._writer_bell)
 
     def _recv_overflow(self, seq: int, timeout: float | None) -> list:

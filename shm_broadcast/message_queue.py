@@ -289,7 +289,8 @@ class MessageQueue:
         if not self._is_writer:
             raise QueueRoleError(f"queue {self.name!r}: enqueue() is for the writer; "
                                  f"this is reader rank {self._rank}")
-        timeout = _check_timeout(timeout)
+        if timeout is not None:
+            timeout = _check_timeout(timeout)
         self._busy += 1
         try:
             self._impl.enqueue(obj, timeout)
@@ -314,7 +315,8 @@ class MessageQueue:
         if self._is_writer:
             raise QueueRoleError(f"queue {self.name!r}: dequeue() is for readers; "
                                  "this is the writer")
-        timeout = _check_timeout(timeout)
+        if timeout is not None:
+            timeout = _check_timeout(timeout)
         self._busy += 1
         try:
             return self._impl.dequeue(timeout)

@@ -320,7 +320,9 @@ class QueueWriter:
                 self._wait_free(chunk, seq, deadline, timeout)
         if self.n_remote and seq + 1 - self.remote_window > self._remote_min_acked:
             self._wait_credit(seq, deadline, timeout)
-        frames = self._write_local(ring, chunk, seq, enc) if ring is not None else None
+        frames = None
+        if ring is not None:
+            frames = self._write_local(ring, chunk, seq, enc)
         if self.n_remote:
             self._send_remote(seq, enc, frames, chunk if ring is not None else None)
         self._seq = seq + 1
@@ -349,7 +351,7 @@ class QueueWriter:
         """
         msg, blen = enc.msg, enc.blob_len
         mlen = len(msg)
-        boff = self._blob_offset(mlen)
+        boff = CHUNK_HEADER + (mlen + 63) // 64 * 64  # as _blob_offset, inlined
         # Without arrays the msgpack bytes need no padding: a message fits up to the last byte.
         overflow = (boff + blen if blen else CHUNK_HEADER + mlen) > self.max_chunk_bytes
         frames: list[Any] | None = None

@@ -257,6 +257,9 @@ class ShmRingBuffer:
         g = self._g
         return g.parked_off, g.parked_off + g.n_reader
 
+    #: Offset of the writer's parked byte (see :meth:`take_writer_parked`).
+    writer_parked_offset: int = _OFF_WRITER_PARKED
+
     # --------------------------------------------------------------- fences
     def full_fence(self) -> None:
         """Full memory barrier (store->load included); see the module docstring."""
