@@ -4,6 +4,7 @@ Subcommands (each module is imported only when its command runs)::
 
     groupcoord demo [...]               sharded model demo, checked against a reference
     groupcoord bench mq [...]           shared-memory queue vs gloo and pickle+zmq
+    groupcoord bench mq-hotpath [...]   the queue's CPU cost per message (one process)
     groupcoord bench collectives [...]  CPU shared-memory collectives vs gloo
     groupcoord cleanup [--yes]          list / remove /dev/shm segments of dead processes
     groupcoord doctor [--json]          environment report for bug reports
@@ -28,6 +29,8 @@ _COMMANDS: dict[str, tuple[str, str, str, str]] = {
 _BENCHES: dict[str, tuple[str, str, str, str]] = {
     "mq": ("shm_broadcast.cli", "add_bench_args", "run_bench",
            "message queue latency/throughput vs gloo and pickle+zmq"),
+    "mq-hotpath": ("shm_broadcast.bench.hotpath", "add_args", "run",
+                   "the queue's CPU cost per message, writer and reader in one process"),
     "collectives": ("device_comms.bench.collectives", "add_bench_args", "run_bench",
                     "CPU shared-memory collectives vs gloo"),
 }

@@ -8,4 +8,5 @@ Modules:
     baselines: gloo broadcast and pickle+zmq, measured in the same run.
     payloads: the payload shapes measured.
     wake: the platform's wake-up floor (a datagram socket ping-pong).
+    hotpath: the queue's own CPU cost per message, in one process.
 """

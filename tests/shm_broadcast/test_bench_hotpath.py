@@ -1,0 +1,27 @@
+"""``groupcoord bench mq-hotpath`` runs end to end (no timing is asserted: numbers are noisy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(120)
+def test_hotpath_cli_writes_every_payload(tmp_path) -> None:
+    out = tmp_path / "hot.json"
+    res = subprocess.run([sys.executable, "-m", "coordinator", "bench", "mq-hotpath",
+                          "--rounds", "20", "--repeats", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=100)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(out.read_text())
+    assert set(got) == {"step-dict", "tensor-4KB", "bytes-64KB"}
+    assert all(0 < v["p50_us"] <= v["p99_us"] for v in got.values()), got
+
+
+def test_hotpath_cli_rejects_too_few_rounds() -> None:
+    res = subprocess.run([sys.executable, "-m", "coordinator", "bench", "mq-hotpath",
+                          "--rounds", "3"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--rounds" in res.stdout
