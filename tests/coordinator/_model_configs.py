@@ -1,5 +1,6 @@
-"""Helpers of test_model_configs: tiny random HF Llama checkpoints of many shapes, HF's
-greedy ids and logits for them, and the rank function that serves them sharded.
+"""Data of test_model_configs: tiny random HF Llama checkpoints of many shapes, and HF's
+greedy ids and logits for them (the rank functions that serve them sharded are in
+the test module).
 
 Each case is a set of ``transformers.LlamaConfig`` overrides. The checkpoint is saved
 in the case's dtype; the reference is Hugging Face's model run in float32 on exactly
@@ -8,7 +9,6 @@ the saved (rounded) weights, which is what our model computes (it upcasts to flo
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -108,68 +108,3 @@ def build_case(path: str, name: str, seed: int = 0) -> dict[str, Any]:
     to_save = hf.to(getattr(torch, overrides["torch_dtype"])) if "torch_dtype" in overrides else hf
     to_save.save_pretrained(path, safe_serialization=True)
     return {"ids": expected, "max_new": max_new, "logits": logits, "seq": seq, "path": path}
-
-
-def sharded_cases(
-    rank: int, world_size: int, tp: int, pp: int, cases: list[tuple[str, list[int], list[int]]]
-) -> list[dict[str, Any]]:
-    """On every rank: for each ``(model_dir, max_new, verify_seq)`` build the TP x PP shard,
-    generate greedily (batched, staggered arrivals, chunked prefill) and score ``verify_seq``.
-
-    Returns, per case, the generated ids and (last stage only) the logits of ``verify_seq``.
-    """
-    from coordinator import parallel_state as ps
-    from coordinator.engine.models import (
-        GenerationRequest,
-        LlamaForCausalLM,
-        ModelRunner,
-        StepInput,
-        generate_greedy,
-    )
-
-    torch.set_num_threads(1)
-    ps.initialize_model_parallel(tp, pp)
-    out = []
-    try:
-        for model_dir, max_new, seq in cases:
-            pp_group = ps.get_pp_group()
-            model = LlamaForCausalLM.from_pretrained(
-                model_dir, ps.get_tp_group(), pp_group if pp_group.world_size > 1 else None
-            )
-            runner = ModelRunner(model, num_kv_blocks=64, block_size=4)
-            eos = model.config.eos_token_ids
-            reqs = [GenerationRequest(i, p, n, arrival_step=i % 2)
-                    for i, (p, n) in enumerate(zip(PROMPTS, max_new))]
-            # dynamic NTK depends on the sequence length at each step, so a chunked
-            # prefill legitimately differs from HF's one-shot prefill: no chunks there
-            chunk = None if model.config.rope_type == "dynamic" else 5
-            ids = generate_greedy(runner.step, reqs, eos_token_ids=eos, prefill_chunk=chunk)
-            logits = runner.run(StepInput([99], [seq], [0]), all_logits=True)
-            runner.close()
-            out.append({
-                "ids": [ids[i] for i in range(len(PROMPTS))],
-                "logits": logits,
-                "layers": (model.model.start_layer, model.model.end_layer),
-                "name": os.path.basename(model_dir),
-            })
-    finally:
-        ps.destroy_model_parallel()
-    return out
-
-
-def sharded_error(rank: int, world_size: int, tp: int, pp: int, model_dir: str) -> str:
-    """The error message building a TP x PP shard of ``model_dir`` raises on this rank."""
-    from coordinator import parallel_state as ps
-    from coordinator.engine.models import LlamaForCausalLM
-
-    ps.initialize_model_parallel(tp, pp)
-    try:
-        pp_group = ps.get_pp_group()
-        LlamaForCausalLM.from_pretrained(
-            model_dir, ps.get_tp_group(), pp_group if pp_group.world_size > 1 else None
-        )
-    except ValueError as e:
-        return str(e)
-    finally:
-        ps.destroy_model_parallel()
-    return ""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.coordinator import _compile_fns as fns
+from coordinator import parallel_state as ps
 
 
 @pytest.mark.timeout(300)
 def test_group_methods_compile_without_graph_breaks(dist_pool) -> None:
-    res = dist_pool(2).run(fns.compiled_matches_eager, timeout=280)
+    res = dist_pool(2).run(compiled_matches_eager, timeout=280)
     for r in res:
         assert r["graph_breaks"] == 0, r
         assert r["graphs"] == 1, r
@@ -17,3 +18,40 @@ def test_group_methods_compile_without_graph_breaks(dist_pool) -> None:
         assert [o.removesuffix(".default") for o in r["ops"]] == [
             "groupcoord.all_gather", "groupcoord.all_reduce", "groupcoord.reduce_scatter"
         ], r["ops"]
+
+
+# ---------------------------------------------------------------------- on the ranks
+class _Block(torch.nn.Module):
+    def __init__(self, group) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.group = group
+        self.w = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.group.all_reduce(x @ self.w)            # row-parallel style
+        g = self.group.all_gather(h, dim=-1)             # column gather
+        r = self.group.reduce_scatter(g * 2.0, dim=-1)   # back to the shard
+        return torch.relu(r) + h
+
+
+@torch.no_grad()  # serving code runs without autograd
+def compiled_matches_eager(rank: int, world_size: int) -> dict:
+    import torch._dynamo
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    block = _Block(ps.get_tp_group())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 + rank))
+    eager = block(x)
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(block)(x)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out2 = compiled(x + 1)
+    return {
+        "graph_breaks": explain.graph_break_count,
+        "graphs": explain.graph_count,
+        "match": torch.allclose(out, eager, atol=1e-5),
+        "match2": torch.allclose(out2, block(x + 1), atol=1e-5),
+        "ops": sorted({str(n.target) for g in explain.graphs for n in g.graph.nodes
+                       if "groupcoord" in str(n.target)}),
+    }

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -32,8 +33,7 @@ from device_comms import (
 )
 from device_comms import validation
 from device_comms.reduce_op import check_reduce_op
-from tests.coordinator import _dist_failures as F
-from tests.coordinator._dist_checks import expect_equal, expect_raises, make
+from tests.coordinator.rank_checks import expect_equal, expect_raises, make
 
 
 # ---------------------------------------------------------------------- bad arguments
@@ -263,7 +263,7 @@ def test_bad_argument_tables():
 
 @pytest.mark.timeout(120)
 def test_barrier_with_timeout_names_the_group_and_the_missing_rank(dist_pool):
-    msgs = dist_pool(2).run(F.barrier_timeout, timeout=90)
+    msgs = dist_pool(2).run(barrier_timeout, timeout=90)
     assert "bartmp" in msgs[0] and "barrier" in msgs[0]
     assert "Ranks 1 failed" in msgs[0] or "Rank 1 failed" in msgs[0], msgs[0]
 
@@ -279,7 +279,7 @@ def test_mismatched_collectives_raise_on_every_rank_and_the_group_recovers(dist_
     """The default CPU communicator compares what every rank called: a mismatch
     (size, dtype, op, or a different collective) is a CollectiveMismatch on
     every rank, at once, and the next collective works."""
-    results = dist_pool(world_size).run(F.mismatch_then_recover, timeout=90)
+    results = dist_pool(world_size).run(mismatch_then_recover, timeout=90)
     for r in results:
         comm = r.pop("comm")
         for name, (exc, seconds) in r.items():
@@ -295,7 +295,7 @@ def test_mismatched_sizes_on_plain_gloo_fail_fast_instead_of_hanging():
     which Python cannot catch) and the harness reports the death in seconds."""
     t0 = time.monotonic()
     with pytest.raises(_REPORTED) as info:
-        run_distributed(F.mismatched_all_reduce_on_gloo, 2, timeout=45)
+        run_distributed(mismatched_all_reduce_on_gloo, 2, timeout=45)
     elapsed = time.monotonic() - t0
     assert not isinstance(info.value, DistributedTimeout)
     assert elapsed < 45, f"took {elapsed:.1f}s"
@@ -305,7 +305,7 @@ def test_mismatched_sizes_on_plain_gloo_fail_fast_instead_of_hanging():
 def test_rank_killed_mid_collective_is_reported_within_timeout():
     t0 = time.monotonic()
     with pytest.raises(_REPORTED) as info:
-        run_distributed(F.killed_mid_collective, 2, 1, 0.5, timeout=60)
+        run_distributed(killed_mid_collective, 2, 1, 0.5, timeout=60)
     elapsed = time.monotonic() - t0
     # Measured here: a few seconds, almost all of it process start-up.
     assert elapsed < 30, f"a dead rank took {elapsed:.1f}s to be reported"
@@ -330,7 +330,7 @@ def test_survivors_of_a_killed_rank_raise_peer_died_error_without_the_harness():
     pipes, procs = [], []
     for rank in range(3):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=F.survivor_main, args=(rank, 3, port, child), daemon=True)
+        p = ctx.Process(target=survivor_main, args=(rank, 3, port, child), daemon=True)
         p.start()
         child.close()
         pipes.append(parent)
@@ -414,3 +414,120 @@ def test_check_helpers_reject_wrong_types():
         validation.check_tensor([1], "input_")
     with pytest.raises(TypeError, match="op"):
         check_reduce_op(3, torch.float32)
+
+
+# ---------------------------------------------------------------------- on the ranks
+def mismatched_all_reduce_on_gloo(rank: int, world_size: int) -> None:
+    """On a group forced onto plain gloo (the "torch" communicator), all ranks
+    all-reduce but the last rank passes a tensor twice as long."""
+    from coordinator import GroupCoordinator
+
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
+                         group_name="gloo-only", device_communicator="torch")
+    assert type(g.comm).__name__ == "TorchDistributedCommunicator"
+    n = 1000 * (2 if rank == world_size - 1 else 1)
+    g.all_reduce(torch.ones(n))
+
+
+def killed_mid_collective(rank: int, world_size: int, victim: int, delay: float) -> int:
+    """All ranks loop over all_reduce; ``victim`` SIGKILLs itself ``delay`` s in."""
+    import signal
+    import threading
+
+    from coordinator.parallel_state import get_world_group
+
+    g = get_world_group()
+    g.barrier()
+    if rank == victim:
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    x = torch.ones(1 << 18)
+    for _ in range(100_000):
+        g.all_reduce(x)
+    return rank
+
+
+def barrier_timeout(rank: int, world_size: int) -> str:
+    """barrier(timeout) with rank 1 missing raises CollectiveTimeout on rank 0 (world size 2)."""
+    from coordinator import GroupCoordinator
+    from coordinator.parallel_state import get_world_group
+    from device_comms import CollectiveTimeout
+
+    tmp = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="bartmp")
+    msg = ""
+    t0 = time.monotonic()
+    if rank == 0:
+        msg = expect_raises("barrier-timeout", CollectiveTimeout, lambda: tmp.barrier(timeout=1.0),
+                            "bartmp", "barrier")
+        assert time.monotonic() - t0 < 20, "barrier(timeout=1) took far too long"
+    get_world_group().barrier()  # rank 1 waits here until rank 0 has failed
+    tmp.destroy()
+    return msg
+
+
+def mismatch_then_recover(rank: int, world_size: int) -> dict[str, Any]:
+    """Mismatched collectives on the default communicator: every rank must get an
+    error (not hang), and the group must work afterwards."""
+    from coordinator.parallel_state import get_world_group
+
+    g = get_world_group()
+    last = rank == world_size - 1
+    out: dict[str, Any] = {"comm": type(g.comm).__name__}
+    calls = {
+        "numel": lambda: g.all_reduce(torch.ones(2000 if last else 1000)),
+        "dtype": lambda: g.all_reduce(torch.ones(4, dtype=torch.int32 if last else torch.float32)),
+        "op": lambda: g.all_reduce(torch.ones(4), "max" if last else "sum"),
+        "all_gather": lambda: g.all_gather(torch.ones(3 if last else 2), 0),
+        "kind": lambda: g.all_gather(torch.ones(4), 0) if last else g.all_reduce(torch.ones(4)),
+    }
+    for name, call in calls.items():
+        t0 = time.monotonic()
+        try:
+            call()
+            out[name] = ("no error", None)
+        except Exception as e:  # noqa: BLE001 - the type is the result
+            out[name] = (type(e).__name__, round(time.monotonic() - t0, 2))
+        expect_equal(f"recovered after {name}", g.all_reduce(torch.ones(3)),
+                     torch.full((3,), float(world_size)))
+    return out
+
+
+def survivor_main(rank: int, world_size: int, port: int, conn: Any) -> None:
+    """Entry point of a hand-spawned rank (no harness watching): rank 1 SIGKILLs
+    itself in the middle of a stream of all-reduces; every survivor reports what
+    it raised and how long after the death (sent through ``conn``)."""
+    import signal
+
+    from coordinator import GroupCoordinator
+    from coordinator import parallel_state as ps
+
+    try:
+        ps.init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", rank)
+        default = ps.get_world_group()
+        gloo = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
+                                group_name="gloo-only", device_communicator="torch")
+        default.barrier()
+        x = torch.ones(1 << 16)
+        report: dict[str, Any] = {"comm": type(default.comm).__name__}
+        for i in range(10_000):
+            if rank == 1 and i == 20:
+                conn.send(("dying", time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            g = default if i % 2 == 0 else gloo
+            try:
+                g.all_reduce(x)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                report["first"] = (g.unique_name, type(e).__name__, time.time(), str(e)[:300])
+                break
+        # The other group must fail as well (not hang) now that the peer is gone.
+        other = gloo if report.get("first", ("world",))[0].startswith("world") else default
+        try:
+            other.all_reduce(x)
+            report["second"] = (other.unique_name, "no error", time.time(), "")
+        except Exception as e:  # noqa: BLE001
+            report["second"] = (other.unique_name, type(e).__name__, time.time(), str(e)[:300])
+        conn.send(("report", report))
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("crash", repr(e)))
+    finally:
+        conn.close()
+        os._exit(0)  # skip teardown that would talk to the dead peer

@@ -13,7 +13,7 @@ are one per method, because every run builds the model-parallel groups again
 (the pool tears them down after each run, ~0.3 s).
 
 The functions below run on the ranks as ``fn(rank, world_size, *args)`` (the
-pool pickles them by reference; see ``_dist_checks`` for inputs and references).
+pool pickles them by reference; see ``tests/coordinator/rank_checks.py`` for inputs and references).
 Every case returns the names of the checks it made, identical on every rank.
 """
 
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from device_comms import ReduceOp
-from tests.coordinator._dist_checks import (
+from tests.coordinator.rank_checks import (
     DIMS,
     DTYPES,
     EXOTIC,

@@ -9,7 +9,9 @@ ids and the last stage HF's logits. Several configs share one distributed run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +21,12 @@ import pytest
 import torch
 
 from coordinator.engine.models import LlamaForCausalLM, LlamaModelConfig, partition_layers
+from tests.coordinator._model_configs import CASES, PROMPTS, build_case
 
-from tests.coordinator._model_configs import CASES, PROMPTS, build_case, sharded_cases, sharded_error
-
-pytest.importorskip("transformers")
+# The ranks import this module (for the functions at the bottom): look for
+# transformers without importing it there.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="needs transformers")
 
 LOGIT_ATOL = 2e-4
 
@@ -237,3 +241,69 @@ def test_dtype_choice_and_generation_config_eos(checkpoints: dict[str, Any], tmp
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
     assert LlamaModelConfig.from_json(tmp_path).eos_token_ids == (3, 4)
     assert any(len(e) < 12 for e in eos)
+
+
+# ---------------------------------------------------------------------- on the ranks
+def sharded_cases(
+    rank: int, world_size: int, tp: int, pp: int, cases: list[tuple[str, list[int], list[int]]]
+) -> list[dict[str, Any]]:
+    """On every rank: for each ``(model_dir, max_new, verify_seq)`` build the TP x PP shard,
+    generate greedily (batched, staggered arrivals, chunked prefill) and score ``verify_seq``.
+
+    Returns, per case, the generated ids and (last stage only) the logits of ``verify_seq``.
+    """
+    from coordinator import parallel_state as ps
+    from coordinator.engine.models import (
+        GenerationRequest,
+        LlamaForCausalLM,
+        ModelRunner,
+        StepInput,
+        generate_greedy,
+    )
+
+    torch.set_num_threads(1)
+    ps.initialize_model_parallel(tp, pp)
+    out = []
+    try:
+        for model_dir, max_new, seq in cases:
+            pp_group = ps.get_pp_group()
+            model = LlamaForCausalLM.from_pretrained(
+                model_dir, ps.get_tp_group(), pp_group if pp_group.world_size > 1 else None
+            )
+            runner = ModelRunner(model, num_kv_blocks=64, block_size=4)
+            eos = model.config.eos_token_ids
+            reqs = [GenerationRequest(i, p, n, arrival_step=i % 2)
+                    for i, (p, n) in enumerate(zip(PROMPTS, max_new))]
+            # dynamic NTK depends on the sequence length at each step, so a chunked
+            # prefill legitimately differs from HF's one-shot prefill: no chunks there
+            chunk = None if model.config.rope_type == "dynamic" else 5
+            ids = generate_greedy(runner.step, reqs, eos_token_ids=eos, prefill_chunk=chunk)
+            logits = runner.run(StepInput([99], [seq], [0]), all_logits=True)
+            runner.close()
+            out.append({
+                "ids": [ids[i] for i in range(len(PROMPTS))],
+                "logits": logits,
+                "layers": (model.model.start_layer, model.model.end_layer),
+                "name": os.path.basename(model_dir),
+            })
+    finally:
+        ps.destroy_model_parallel()
+    return out
+
+
+def sharded_error(rank: int, world_size: int, tp: int, pp: int, model_dir: str) -> str:
+    """The error message building a TP x PP shard of ``model_dir`` raises on this rank."""
+    from coordinator import parallel_state as ps
+    from coordinator.engine.models import LlamaForCausalLM
+
+    ps.initialize_model_parallel(tp, pp)
+    try:
+        pp_group = ps.get_pp_group()
+        LlamaForCausalLM.from_pretrained(
+            model_dir, ps.get_tp_group(), pp_group if pp_group.world_size > 1 else None
+        )
+    except ValueError as e:
+        return str(e)
+    finally:
+        ps.destroy_model_parallel()
+    return ""

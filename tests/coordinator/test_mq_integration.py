@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from tests.coordinator import _mq_fns as fns
+from coordinator import GroupCoordinator
+from coordinator import parallel_state as ps
+from shm_broadcast import WaitPolicy
 
 
 @pytest.mark.parametrize("world_size,tp", [(2, 2), (4, 4), (4, 2)])
 def test_tp_group_broadcasts_through_queue(dist_pool, world_size: int, tp: int) -> None:
-    for r in dist_pool(world_size).run(fns.tp_broadcasts, tp, timeout=120):
+    for r in dist_pool(world_size).run(tp_broadcasts, tp, timeout=120):
         assert r["has_mq"]
         assert "bad_obj" not in r, r.get("bad_obj")
         assert r["dict_ok"]
@@ -20,20 +24,20 @@ def test_tp_group_broadcasts_through_queue(dist_pool, world_size: int, tp: int) 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("blocking", [True, False])
 def test_single_reader_queues(dist_pool, world_size: int, blocking: bool) -> None:
-    res = dist_pool(world_size).run(fns.single_reader, blocking, timeout=120)
+    res = dist_pool(world_size).run(single_reader, blocking, timeout=120)
     assert res[-1]["ok"]
     assert res[-1]["count"] == 20 * (world_size - 1)
 
 
 def test_external_writer_handle(dist_pool) -> None:
-    res = dist_pool(3).run(fns.external_writer, timeout=120)
+    res = dist_pool(3).run(external_writer, timeout=120)
     assert res[1]["got"] == [0, 1, 2, 3, 4]
     assert res[2]["got"] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_src_only_argument_errors_raise_everywhere(dist_pool, world_size: int) -> None:
-    res = dist_pool(world_size).run(fns.src_only_errors_reach_everyone, timeout=120)
+    res = dist_pool(world_size).run(src_only_errors_reach_everyone, timeout=120)
     for rank, r in enumerate(res):
         for name in ("world", "tp_mq"):
             kind, elapsed, msg = r[f"{name}_btd"]
@@ -46,3 +50,132 @@ def test_src_only_argument_errors_raise_everywhere(dist_pool, world_size: int) -
             assert elapsed < 10, (rank, name, msg)
             assert "divisible" in msg, msg
             assert r[f"{name}_after"]
+
+
+# ---------------------------------------------------------------------- on the ranks
+def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=world_size // tp)
+    g = ps.get_tp_group()
+    out: dict = {"has_mq": g.mq_broadcaster is not None}
+    for step in range(50):
+        src_obj = {"step": step, "ids": list(range(step % 7)), "tag": f"s{step}"}
+        got = g.broadcast_object(src_obj if g.rank_in_group == 0 else None)
+        if got != src_obj:
+            out["bad_obj"] = (step, got)
+    meta = {
+        "input_ids": torch.arange(10, dtype=torch.int64),
+        "positions": torch.arange(10, dtype=torch.int32)[::2],   # non-contiguous
+        "scale": torch.tensor(0.5, dtype=torch.bfloat16),        # 0-dim bf16
+        "empty": torch.empty(0, 3),
+        "none": None,
+        "reqs": ["a", "b"],
+    }
+    d = g.broadcast_tensor_dict(meta if g.rank_in_group == 0 else None)
+    out["dict_ok"] = all(
+        torch.equal(d[k], meta[k]) and d[k].dtype == meta[k].dtype
+        for k in ("input_ids", "positions", "scale", "empty")
+    ) and d["none"] is None and d["reqs"] == ["a", "b"]
+    # A second broadcaster with a non-zero writer and its own queue options:
+    # a 4 KiB ring of 2 chunks, so the 20 KB message takes the overflow path.
+    try:
+        g.create_mq_broadcaster(max_chunk=1)
+    except TypeError as e:
+        out["bad_option"] = "max_chunk" in str(e)
+    mq = g.create_mq_broadcaster(writer_rank=g.world_size - 1, max_chunk_bytes=1 << 12,
+                                 max_chunks=2, wait_policy=WaitPolicy(yield_s=0.005))
+    last = g.rank_in_group == g.world_size - 1
+    got = mq.broadcast_object({"from": "last"} if last else None)
+    big = {"blob": "x" * 20_000, "t": torch.arange(1000)}
+    got_big = mq.broadcast_object(big if last else None)
+    out["writer_last_ok"] = got == {"from": "last"} and got_big["blob"] == big["blob"] and \
+        torch.equal(got_big["t"], big["t"])
+    mq.close()
+    return out
+
+
+def single_reader(rank: int, world_size: int, blocking: bool) -> dict:
+    g = ps.get_world_group()
+    reader = world_size - 1
+    writer, readers = g.create_single_reader_mq_broadcasters(reader_rank_in_group=reader, blocking=blocking)
+    if not blocking:
+        for q in [writer, *readers]:
+            if q is not None:
+                q.wait_until_ready()
+    out: dict = {}
+    try:
+        if g.rank_in_group == reader:
+            assert writer is None and readers[reader] is None
+            got = {}
+            for step in range(20):
+                for r, q in enumerate(readers):
+                    if q is not None:
+                        msg = q.dequeue(timeout=30)
+                        got.setdefault(r, []).append(msg)
+            out["ok"] = all(
+                m["rank"] == r and m["step"] == i and torch.equal(m["t"], torch.full((3,), float(r * 100 + i)))
+                for r, msgs in got.items()
+                for i, m in enumerate(msgs)
+            )
+            out["count"] = sum(len(m) for m in got.values())
+        else:
+            assert readers == []
+            for step in range(20):
+                writer.enqueue({"rank": g.rank_in_group, "step": step,
+                                "t": torch.full((3,), float(g.rank_in_group * 100 + step))})
+        g.barrier()
+    finally:
+        for q in [writer, *readers]:
+            if q is not None:
+                q.close()
+    return out
+
+
+def external_writer(rank: int, world_size: int) -> dict:
+    from shm_broadcast.message_queue import MessageQueue
+
+    # Rank 0 is outside the group [1, 2] and writes to it.
+    gc = GroupCoordinator([[0], [1, 2]], rank, "gloo", use_device_communicator=False, group_name="ext")
+    mq = None
+    box = [None]
+    if rank == 0:
+        mq = MessageQueue(n_reader=2, n_local_reader=2, local_reader_ranks=[0, 1])
+        box = [mq.export_handle().to_bytes()]
+    dist.broadcast_object_list(box, src=0)
+    out: dict = {}
+    try:
+        if rank == 0:
+            mq.wait_until_ready()
+            for i in range(5):
+                mq.enqueue({"i": i})
+        else:
+            mq = gc.create_mq_broadcaster(external_writer_handle=box[0])
+            out["got"] = [mq.dequeue(timeout=30)["i"] for _ in range(5)]
+        dist.barrier()
+    finally:
+        if mq is not None:
+            mq.close()
+        gc.destroy()
+    return out
+
+
+def src_only_errors_reach_everyone(rank: int, world_size: int) -> dict:
+    """A bad argument only src can see must make every rank raise, not hang."""
+    import time as _t
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    out: dict = {}
+    for name, group in (("world", ps.get_world_group()), ("tp_mq", ps.get_tp_group())):
+        t0 = _t.monotonic()
+        try:
+            group.broadcast_tensor_dict([1, 2] if group.rank_in_group == 0 else None)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            out[f"{name}_btd"] = (type(e).__name__, _t.monotonic() - t0, str(e))
+        t0 = _t.monotonic()
+        try:
+            group.scatter(torch.ones(3, 2) if group.rank_in_group == 0 else None, src=0, dim=0)
+        except (TypeError, ValueError) as e:
+            out[f"{name}_scatter"] = (type(e).__name__, _t.monotonic() - t0, str(e))
+        group.barrier()
+        ok = group.broadcast_tensor_dict({"x": torch.ones(2)} if group.rank_in_group == 0 else None)
+        out[f"{name}_after"] = bool(torch.equal(ok["x"], torch.ones(2)))
+    return out

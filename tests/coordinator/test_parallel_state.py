@@ -6,6 +6,9 @@ torch.distributed needed); everything else runs on pool ranks.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +17,13 @@ from coordinator import NotInitializedError
 from coordinator import parallel_state as ps
 from coordinator.group_coordinator import GroupCoordinator
 from coordinator.group_registry import REGISTRY
-from tests.coordinator import _dist_state as F
+from device_comms import ReduceOp
+from tests.coordinator.rank_checks import (
+    expect_equal,
+    expect_raises,
+    make,
+    ref_reduce,
+)
 
 LAYOUTS = [(2, 2, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)]
 
@@ -44,7 +53,7 @@ def test_expected_groups_helper_matches_the_documented_example():
 
 @pytest.mark.timeout(180)
 def test_layouts_at_world_size_4(dist_pool):
-    results = dist_pool(4).run(F.run_layouts, LAYOUTS, timeout=150)
+    results = dist_pool(4).run(run_layouts, LAYOUTS, timeout=150)
     for i, (tp, pp, dp) in enumerate(LAYOUTS):
         want = _expected_groups(tp, pp, dp)
         for rank, per_rank in enumerate(results):
@@ -58,7 +67,7 @@ def test_layouts_at_world_size_4(dist_pool):
 
 @pytest.mark.timeout(120)
 def test_destroy_distributed_environment_then_init_again(dist_pool):
-    results = dist_pool(2).run(F.run_reinit_world, timeout=90)
+    results = dist_pool(2).run(run_reinit_world, timeout=90)
     assert results[0] == results[1]
     assert results[0]["old"] != results[0]["new"]
 
@@ -66,7 +75,7 @@ def test_destroy_distributed_environment_then_init_again(dist_pool):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_in_the_same_node_as(dist_pool, world_size):
-    results = dist_pool(world_size).run(F.run_same_node, timeout=90)
+    results = dist_pool(world_size).run(run_same_node, timeout=90)
     for r in results:
         assert r["plain"] == [True] * world_size
         assert r["torch_group"] == [True] * world_size
@@ -78,7 +87,7 @@ def test_in_the_same_node_as(dist_pool, world_size):
 
 @pytest.mark.timeout(120)
 def test_wrappers_graph_capture_and_patch_tensor_parallel_group(dist_pool):
-    assert dist_pool(4).run(F.run_wrappers, timeout=90) == [["wrappers"]] * 4
+    assert dist_pool(4).run(run_wrappers, timeout=90) == [["wrappers"]] * 4
 
 
 # ---------------------------------------------------------------------- in process
@@ -149,3 +158,167 @@ def test_init_distributed_environment_bad_arguments(uninitialised, kwargs, exc, 
     assert word in str(info.value)
     assert not dist.is_initialized()
 
+
+# ---------------------------------------------------------------------- on the ranks
+# ---------------------------------------------------------------------- parallel state
+def run_layouts(rank: int, world_size: int, configs: list[tuple[int, int, int]]) -> list[dict]:
+    """Initialise, inspect, use and destroy model parallelism for each (tp, pp, dp)."""
+    from coordinator import NotInitializedError
+    from coordinator import parallel_state as ps
+
+    out = []
+    for tp, pp, dp in configs:
+        assert not ps.model_parallel_is_initialized()
+        ps.initialize_model_parallel(tp, pp, dp)
+        assert ps.model_parallel_is_initialized()
+        groups = {"tp": ps.get_tp_group(), "pp": ps.get_pp_group(), "dp": ps.get_dp_group()}
+        rec: dict[str, Any] = {k: list(g.ranks) for k, g in groups.items()}
+        rec["getters"] = (
+            ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+        )
+        # Each group really connects the ranks it lists.
+        for k, g in groups.items():
+            got = g.all_reduce(torch.tensor([rank], dtype=torch.int64))
+            assert got.item() == sum(g.ranks), f"{(tp, pp, dp)} {k}: {got.item()} != sum{g.ranks}"
+            gathered = g.all_gather(torch.tensor([rank]), 0)
+            assert gathered.tolist() == list(g.ranks), f"{k}: gathered {gathered.tolist()}"
+        # ensure_...: a no-op with the same sizes, an error with others.
+        ps.ensure_model_parallel_initialized(tp, pp, dp)
+        assert ps.get_tp_group() is groups["tp"], "ensure_model_parallel_initialized rebuilt groups"
+        other = (pp, tp, dp) if tp != pp else (tp * dp, pp, 1) if dp > 1 else (1, pp * tp, 1)
+        expect_raises("ensure/other-sizes", ValueError,
+                      lambda: ps.ensure_model_parallel_initialized(*other), "destroy_model_parallel")
+        expect_raises("init-twice", RuntimeError,
+                      lambda: ps.initialize_model_parallel(tp, pp, dp), "already")
+        ps.destroy_model_parallel()
+        assert not ps.model_parallel_is_initialized()
+        expect_raises("after-destroy", NotInitializedError, ps.get_tp_group, "initialize_model_parallel")
+        out.append(rec)
+    ps.destroy_model_parallel()  # no-op when absent
+    # ensure_... initialises when nothing exists.
+    ps.ensure_model_parallel_initialized(world_size, 1)
+    assert ps.get_tensor_model_parallel_world_size() == world_size
+    ps.destroy_model_parallel()
+    # Sizes that do not multiply to the world size, or are not positive ints.
+    for args, exc, words in (
+        ((3, 1, 1), ValueError, ("world size", str(world_size))),
+        ((world_size, 2, 1), ValueError, ("world size",)),
+        ((0, 1, 1), ValueError, ("tensor_model_parallel_size",)),
+        ((1, -1, 1), ValueError, ("pipeline_model_parallel_size",)),
+        (("2", 1, 1), TypeError, ("tensor_model_parallel_size",)),
+        ((1, 1, 2.0), TypeError, ("data_parallel_size",)),
+    ):
+        expect_raises(f"sizes{args}", exc, lambda: ps.initialize_model_parallel(*args), *words)
+        assert not ps.model_parallel_is_initialized()
+    return out
+
+
+def run_reinit_world(rank: int, world_size: int) -> dict[str, Any]:
+    """destroy_distributed_environment, then init again in the same processes."""
+    import torch.distributed as dist
+
+    from coordinator import NotInitializedError
+    from coordinator import parallel_state as ps
+    from coordinator.testing import free_port
+
+    old = ps.get_world_group()
+    port = old.broadcast_object(free_port() if rank == 0 else None, 0)
+    ps.initialize_model_parallel(world_size, 1)
+    ps.destroy_distributed_environment()
+    assert not dist.is_initialized()
+    assert not ps.model_parallel_is_initialized()
+    expect_raises("world-after-destroy", NotInitializedError, ps.get_world_group,
+                  "init_distributed_environment")
+    ps.destroy_distributed_environment()  # idempotent
+    g = ps.init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", rank,
+                                        timeout=60.0)
+    assert g is not old and g is ps.get_world_group() and g.world_size == world_size
+    assert g.unique_name != old.unique_name
+    total = g.all_reduce(torch.tensor([rank + 1.0])).item()
+    assert total == world_size * (world_size + 1) / 2
+    # Already initialised: returns the same group; another world size is an error.
+    assert ps.init_distributed_environment() is g
+    expect_raises("init/other-size", ValueError,
+                  lambda: ps.init_distributed_environment(world_size + 1), "world_size")
+    ps.initialize_model_parallel(1, world_size)
+    assert ps.get_pipeline_model_parallel_world_size() == world_size
+    assert ps.get_pipeline_model_parallel_rank() == rank
+    return {"old": old.unique_name, "new": g.unique_name}
+
+
+def run_same_node(rank: int, world_size: int) -> dict[str, Any]:
+    """in_the_same_node_as: all True on one machine; GROUPCOORD_NODE_ID splits nodes."""
+    from coordinator import parallel_state as ps
+
+    world = ps.get_world_group()
+    out: dict[str, Any] = {"plain": ps.in_the_same_node_as(world),
+                           "torch_group": ps.in_the_same_node_as(world.cpu_group, world_size - 1)}
+    os.environ["GROUPCOORD_NODE_ID"] = f"node{rank // 2}"
+    try:
+        out["split_src0"] = ps.in_the_same_node_as(world, 0)
+        out["split_srclast"] = ps.in_the_same_node_as(world, source_rank=world_size - 1)
+    finally:
+        del os.environ["GROUPCOORD_NODE_ID"]
+    return out
+
+
+def run_wrappers(rank: int, world_size: int) -> list[str]:
+    """tensor_model_parallel_* wrappers, graph_capture and patch_tensor_parallel_group."""
+    from coordinator import GraphCaptureContext
+    from coordinator import parallel_state as ps
+
+    ps.initialize_model_parallel(2, 2)
+    tp = ps.get_tp_group()
+    t = tp.rank_in_group
+    assert (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()) == (2, rank % 2)
+    assert (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()) == (2, rank // 2)
+
+    def inputs(tag: str, shape: tuple[int, ...], dt: torch.dtype = torch.float32) -> list[torch.Tensor]:
+        return [make(r, shape, dt, tag) for r in tp.ranks]
+
+    xs = inputs("w-ar", (3, 4))
+    expect_equal("wrap/all_reduce", ps.tensor_model_parallel_all_reduce(xs[t]), ref_reduce(xs, ReduceOp.SUM))
+    xs = inputs("w-ar-max", (3,), torch.int64)
+    expect_equal("wrap/all_reduce/max", ps.tensor_model_parallel_all_reduce(xs[t], ReduceOp.MAX),
+                 ref_reduce(xs, ReduceOp.MAX))
+    xs = inputs("w-ag", (2, 3, 2), torch.bfloat16)
+    expect_equal("wrap/all_gather", ps.tensor_model_parallel_all_gather(xs[t]), torch.cat(xs, -1))
+    expect_equal("wrap/all_gather/0", ps.tensor_model_parallel_all_gather(xs[t], 0), torch.cat(xs, 0))
+    xs = inputs("w-rs", (2, 4))
+    expect_equal("wrap/reduce_scatter", ps.tensor_model_parallel_reduce_scatter(xs[t]),
+                 ref_reduce(xs, ReduceOp.SUM).chunk(2, -1)[t])
+    expect_equal("wrap/reduce_scatter/0", ps.tensor_model_parallel_reduce_scatter(xs[t], 0),
+                 ref_reduce(xs, ReduceOp.SUM).chunk(2, 0)[t])
+    xs = inputs("w-g", (2, 3))
+    for dst in (0, 1):
+        got = ps.tensor_model_parallel_gather(xs[t], dst, 0)
+        if t == dst:
+            expect_equal("wrap/gather", got, torch.cat(xs, 0))
+        else:
+            assert got is None
+    got = ps.tensor_model_parallel_gather(xs[t])  # defaults dst=0, dim=-1
+    if t == 0:
+        expect_equal("wrap/gather/defaults", got, torch.cat(xs, -1))
+    with ps.graph_capture() as ctx:
+        assert isinstance(ctx, GraphCaptureContext) and ctx.stream is None
+        with tp.graph_capture(ctx) as inner:
+            assert inner is ctx
+    # patch_tensor_parallel_group: the wrappers follow the patched group, then revert.
+    world = ps.get_world_group()
+    with ps.patch_tensor_parallel_group(world) as patched:
+        assert patched is world and ps.get_tp_group() is world
+        assert ps.get_tensor_model_parallel_world_size() == world_size
+        assert ps.get_tensor_model_parallel_rank() == rank
+        total = ps.tensor_model_parallel_all_reduce(torch.tensor([1.0])).item()
+        assert total == world_size, total
+    assert ps.get_tp_group() is tp
+    try:
+        with ps.patch_tensor_parallel_group(world):
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    assert ps.get_tp_group() is tp, "patch_tensor_parallel_group must restore after an exception"
+    expect_raises("patch/type", TypeError,
+                  lambda: ps.patch_tensor_parallel_group(world.cpu_group).__enter__(), "group")
+    return ["wrappers"]

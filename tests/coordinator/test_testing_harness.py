@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import psutil
 import pytest
@@ -28,7 +29,6 @@ from coordinator.errors import (
     RankFailedError,
 )
 from coordinator.testing import DistributedPool, live_pool_pids, run_distributed
-from tests.coordinator import _dist_failures as F
 
 
 @pytest.fixture(scope="module")
@@ -41,45 +41,45 @@ def pool():
 
 @pytest.mark.timeout(120)
 def test_results_by_rank_args_and_reuse(pool):
-    first = pool.run(F.echo, "a", 3)
+    first = pool.run(echo, "a", 3)
     assert [r[:3] for r in first] == [(0, 2, ("a", 3)), (1, 2, ("a", 3))]
     pids = [r[3] for r in first]
     assert set(pids) == set(pool.worker_pids) <= live_pool_pids()
-    assert [r[3] for r in pool.run(F.echo)] == pids, "a healthy pool must reuse its ranks"
+    assert [r[3] for r in pool.run(echo)] == pids, "a healthy pool must reuse its ranks"
 
 
 @pytest.mark.timeout(120)
 def test_model_parallel_state_is_torn_down_between_runs(pool):
-    assert pool.run(F.init_mp_then_check, 0) == [True, True]
-    assert pool.run(F.init_mp_then_check, 1) == [False, False]
+    assert pool.run(init_mp_then_check, 0) == [True, True]
+    assert pool.run(init_mp_then_check, 1) == [False, False]
 
 
 @pytest.mark.timeout(120)
 def test_exception_is_reraised_with_type_rank_and_remote_traceback(pool):
-    with pytest.raises(F.RankBoom, match="boom on rank 1") as info:
-        pool.run(F.raise_on, 1, "custom")
+    with pytest.raises(RankBoom, match="boom on rank 1") as info:
+        pool.run(raise_on, 1, "custom")
     e = info.value
     assert e.groupcoord_rank == 1
     tb = str(e.__cause__)
     assert "rank 1 of 2 raised RankBoom" in tb and "in raise_on" in tb and "Traceback" in tb
     # the pool restarts on the next run, with new processes
     with pytest.raises(KeyError) as info:
-        pool.run(F.raise_on, 0, "keyerror")
+        pool.run(raise_on, 0, "keyerror")
     assert info.value.groupcoord_rank == 0
-    assert pool.run(F.raise_on, -1, "none") == [0, 1]
+    assert pool.run(raise_on, -1, "none") == [0, 1]
 
 
 @pytest.mark.timeout(120)
 def test_unpicklable_result_is_reported(pool):
     with pytest.raises(Exception, match="lambda|pickle") as info:
-        pool.run(F.return_unpicklable)
+        pool.run(return_unpicklable)
     assert info.value.groupcoord_rank in (0, 1)
 
 
 @pytest.mark.timeout(120)
 def test_unpicklable_exception_becomes_rank_failed_error(pool):
     with pytest.raises(RankFailedError) as info:
-        pool.run(F.raise_on, 0, "unpicklable")
+        pool.run(raise_on, 0, "unpicklable")
     e = info.value
     assert e.rank == 0 and "Unpicklable" in str(e) and "cannot travel" in str(e)
     assert "in raise_on" in e.remote_traceback
@@ -88,10 +88,10 @@ def test_unpicklable_exception_becomes_rank_failed_error(pool):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how,words", [("exit", "exit code 3"), ("kill", "SIGKILL")])
 def test_rank_that_dies_raises_rank_died_error(pool, how, words):
-    before = {r[3] for r in pool.run(F.echo)}  # (starts the ranks if a failure stopped them)
+    before = {r[3] for r in pool.run(echo)}  # (starts the ranks if a failure stopped them)
     t0 = time.monotonic()
     with pytest.raises(RankDiedError) as info:
-        pool.run(F.exit_on, 1, how, timeout=60)
+        pool.run(exit_on, 1, how, timeout=60)
     assert time.monotonic() - t0 < 30
     assert info.value.rank == 1 and words in str(info.value) and "exit_on" in str(info.value)
     assert not pool.worker_pids  # every rank was killed and reaped
@@ -104,7 +104,7 @@ def test_rank_that_dies_raises_rank_died_error(pool, how, words):
 def test_timeout_raises_distributed_timeout_naming_pending_ranks(pool):
     t0 = time.monotonic()
     with pytest.raises(DistributedTimeout) as info:
-        pool.run(F.sleep_then, 60.0, None, timeout=2.0)
+        pool.run(sleep_then, 60.0, None, timeout=2.0)
     elapsed = time.monotonic() - t0
     assert 2.0 <= elapsed < 20, elapsed
     e = info.value
@@ -129,13 +129,13 @@ def test_closed_pool_and_bad_arguments():
     p.close()
     p.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
-        p.run(F.echo)
+        p.run(echo)
 
 
 @pytest.mark.timeout(120)
 def test_run_distributed_env_per_rank_and_node_simulation():
     results = run_distributed(
-        F.read_env, 2, "GROUPCOORD_NODE_ID",
+        read_env, 2, "GROUPCOORD_NODE_ID",
         env=[{"GROUPCOORD_NODE_ID": "nodeA"}, {"GROUPCOORD_NODE_ID": "nodeB"}], timeout=90,
     )
     assert [r["env"] for r in results] == ["nodeA", "nodeB"]
@@ -151,7 +151,7 @@ def test_startup_failure_is_reported():
     t0 = time.monotonic()
     # torch raises RuntimeError or ValueError here depending on its build.
     with pytest.raises((RuntimeError, ValueError), match="(?i)nccl|gpu|cuda device") as info:
-        run_distributed(F.echo, 2, backend="nccl", timeout=60)
+        run_distributed(echo, 2, backend="nccl", timeout=60)
     assert time.monotonic() - t0 < 45
     assert info.value.groupcoord_rank in (0, 1)
     assert "init_distributed_environment" in str(info.value.__cause__)
@@ -164,10 +164,10 @@ def test_ranks_die_with_their_parent(tmp_path):
     script.write_text(textwrap.dedent("""
         import os, sys, time
         from coordinator.testing import DistributedPool
-        from tests.coordinator import _dist_failures as F
+        from tests.coordinator.test_testing_harness import echo
         if __name__ == "__main__":
             p = DistributedPool(2)
-            pids = [r[3] for r in p.run(F.echo)]
+            pids = [r[3] for r in p.run(echo)]
             print(" ".join(map(str, pids)), flush=True)
             time.sleep(120)
     """))
@@ -191,3 +191,74 @@ def test_ranks_die_with_their_parent(tmp_path):
         owner.kill()
         owner.wait(10)
         owner.stdout.close()
+
+
+# ---------------------------------------------------------------------- on the ranks
+class RankBoom(ValueError):
+    """A custom exception raised on one rank (re-raised in the parent with its type)."""
+
+
+class Unpicklable(Exception):
+    """An exception that cannot be pickled (holds a lambda)."""
+
+    def __init__(self) -> None:
+        super().__init__("cannot travel")
+        self.fn = lambda: None
+
+
+def raise_on(rank: int, world_size: int, bad_rank: int, kind: str) -> int:
+    """Raise on ``bad_rank`` (the others return their rank)."""
+    if rank == bad_rank:
+        if kind == "custom":
+            raise RankBoom(f"boom on rank {rank}")
+        if kind == "keyerror":
+            raise KeyError("missing")
+        if kind == "unpicklable":
+            raise Unpicklable()
+    return rank
+
+
+def exit_on(rank: int, world_size: int, bad_rank: int, how: str) -> int:
+    """Die without a result on ``bad_rank``: ``os._exit(3)`` or SIGKILL."""
+    import signal
+
+    if rank == bad_rank:
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+def return_unpicklable(rank: int, world_size: int) -> Any:
+    """Return something the pipe cannot carry."""
+    return lambda: rank
+
+
+def echo(rank: int, world_size: int, *args: Any) -> tuple[Any, ...]:
+    """Return what the rank was called with, plus its pid and parent pid."""
+    return (rank, world_size, args, os.getpid())
+
+
+def read_env(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    """The rank's view of env var ``name`` and of its node placement."""
+    from coordinator import parallel_state as ps
+
+    return {"env": os.environ.get(name), "same_node": ps.in_the_same_node_as(ps.get_world_group())}
+
+
+def init_mp_then_check(rank: int, world_size: int, step: int) -> bool:
+    """Step 0 leaves model parallelism initialised; step 1 sees it torn down."""
+    from coordinator import parallel_state as ps
+
+    if step == 0:
+        ps.initialize_model_parallel(world_size, 1)
+        return ps.model_parallel_is_initialized()
+    was = ps.model_parallel_is_initialized()
+    ps.initialize_model_parallel(1, world_size)
+    return was
+
+
+def sleep_then(rank: int, world_size: int, seconds: float, value: Any) -> Any:
+    """Sleep, then return ``value`` (harness tests)."""
+    time.sleep(seconds)
+    return value

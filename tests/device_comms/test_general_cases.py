@@ -9,12 +9,19 @@ use after destroy, and create/destroy cycles (no leaked segments or fds).
 
 from __future__ import annotations
 
+import datetime
+import os
+import time
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from coordinator.testing import run_distributed
+from device_comms import CpuCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms.errors import BrokenCommunicator
-from tests.device_comms import _general_fns as fns
+from tests.device_comms import general_cases
 
 
 def _same(a: object, b: object) -> bool:
@@ -46,14 +53,14 @@ def test_broken_communicator_import_paths() -> None:
 @pytest.mark.parametrize("world_size", [3, 5])
 def test_general_cases(world_size: int) -> None:
     n = world_size
-    outs = run_distributed(fns.general, n, timeout=140)
-    cases = fns.cases(n)
+    outs = run_distributed(general, n, timeout=140)
+    cases = general_cases.cases(n)
     failures = []
     for c in cases:
         for key, cmp in (("shm", _same), ("gloo", _close)):
             got = [o[key][c[0]] for o in outs]
             for r in range(n):
-                want = fns.expected(c, n, r)
+                want = general_cases.expected(c, n, r)
                 if not cmp(got[r], want):
                     failures.append(f"{key} {c[:5]} {c[5]} rank {r}")
             if c[1] in ("all_reduce", "all_gather", "all_gatherv", "broadcast"):
@@ -85,7 +92,7 @@ def test_general_cases(world_size: int) -> None:
 @pytest.mark.timeout(90)
 def test_two_groups_and_create_destroy_cycles() -> None:
     n = 2
-    outs = run_distributed(fns.lifecycle, n, timeout=80)
+    outs = run_distributed(lifecycle, n, timeout=80)
     for rank, o in enumerate(outs):
         for i, (ar, ag, bc, rsv) in enumerate(o["inter"]):
             dt = (torch.float32, torch.int64, torch.bfloat16)[i % 3]
@@ -98,3 +105,94 @@ def test_two_groups_and_create_destroy_cycles() -> None:
         fds0, fds1 = o["fds"]
         assert fds1 <= fds0, f"file descriptors leaked: {fds0} -> {fds1}"
         assert o["segs"] == [], o["segs"]
+
+
+# ---------------------------------------------------------------------- on the ranks
+SMALL_WS = 64 << 10  # slots of a few KiB: "large" inputs go through in pieces
+
+
+def _group() -> Any:
+    return dist.new_group(timeout=datetime.timedelta(seconds=20), backend="gloo")
+
+
+def _attempt(fn: Any) -> tuple[str, str, float]:
+    t0 = time.monotonic()
+    try:
+        fn()
+        return ("ok", "", time.monotonic() - t0)
+    except Exception as e:  # reported to the parent, which checks the type
+        return (type(e).__name__, str(e), time.monotonic() - t0)
+
+
+def general(rank: int, n: int) -> dict[str, Any]:
+    """Every case through shared memory and through plain gloo, plus error paths."""
+    pg = _group()
+    out: dict[str, Any] = {}
+    shm = CpuCommunicator(pg, torch.device("cpu"), unique_name="gen", workspace_bytes=SMALL_WS, timeout=20)
+    gloo = TorchDistributedCommunicator(pg, torch.device("cpu"), unique_name="gen-gloo")
+    out["mode"] = shm.mode
+    out["shm"] = [general_cases.run_case(shm, c, rank, n) for c in general_cases.cases(n)]
+    out["gloo"] = [general_cases.run_case(gloo, c, rank, n) for c in general_cases.cases(n)]
+    # Complex MIN/MAX/PRODUCT: a clear TypeError before any communication.
+    out["complex"] = [
+        _attempt(lambda op=op: c.all_reduce(torch.ones(3, dtype=torch.complex64), op))
+        for c in (shm, gloo) for op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
+    ]
+    # Disagreements that the element count alone does not reveal (shared memory).
+    x = torch.arange(6.0).reshape(2, 3) + rank
+    out["mismatch"] = [
+        _attempt(lambda: shm.all_gather(x if rank else x.reshape(3, 2), 0)),
+        _attempt(lambda: shm.all_gather(x, 0 if rank else 1)),
+        _attempt(lambda: shm.gather(x if rank else x.reshape(3, 2), n - 1, 0)),
+        _attempt(lambda: shm.reduce_scatter(torch.ones(n, n), 0 if rank else 1)),
+        _attempt(lambda: shm.all_gatherv(torch.ones(2, 3) if rank else torch.ones(2, 3, 1), 0, [2] * n)),
+    ]
+    out["after_mismatch"] = shm.all_reduce(torch.ones(3)).tolist()
+    # A peer whose sizes list disagrees (not only its own input) is caught by
+    # the signature / the per-rank size headers on every rank, promptly.
+    bad_sizes = [2] * n if rank else [2] * (n - 1) + [1]
+    for label, c in (("shm", shm), ("gloo", gloo)):
+        out[f"sizes_differ_{label}"] = _attempt(
+            lambda c=c: c.all_gatherv(torch.ones(bad_sizes[rank], 4), 0, bad_sizes)
+        )
+        out[f"after_sizes_{label}"] = c.all_gatherv(
+            torch.full((rank % 2, 2), float(rank)), 0, [r % 2 for r in range(n)]
+        ).tolist()
+    shm.destroy()
+    gloo.close()
+    out["closed"] = [
+        _attempt(lambda c=c: c.all_reduce(torch.ones(2))) for c in (shm, gloo)
+    ] + [_attempt(lambda: shm.all_gather(torch.ones(2))), _attempt(lambda: shm.send(torch.ones(1), 0 if rank else 1))]
+    dist.destroy_process_group(pg)
+    return out
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def lifecycle(rank: int, n: int) -> dict[str, Any]:
+    """Two communicators interleaved, then many create/destroy cycles."""
+    pg_a, pg_b = _group(), _group()
+    a = CpuCommunicator(pg_a, torch.device("cpu"), unique_name="a", workspace_bytes=SMALL_WS, timeout=20)
+    b = CpuCommunicator(pg_b, torch.device("cpu"), unique_name="b", timeout=20)
+    inter = []
+    for i in range(6):  # changing shapes/dtypes, interleaving two groups and ops
+        dt = (torch.float32, torch.int64, torch.bfloat16)[i % 3]
+        x = torch.full((i + 1, 3), rank + 1, dtype=dt)
+        inter.append((a.all_reduce(x), b.all_gather(x, 0), a.broadcast(x.clone(), i % n),
+                      b.reduce_scatterv(torch.ones(i + 1, dtype=dt), 0, [i + 1] + [0] * (n - 1))))
+    a.destroy()
+    b.destroy()
+    dist.barrier()
+    fds0 = _fds()
+    for _ in range(12):
+        c = CpuCommunicator(pg_a, torch.device("cpu"), unique_name="cyc", workspace_bytes=SMALL_WS)
+        c.all_reduce(torch.ones(5))
+        c.destroy()
+    dist.barrier()
+    segs = [s for s in os.listdir("/dev/shm") if s.startswith("gc_cpucomm_")]
+    fds1 = _fds()
+    dist.destroy_process_group(pg_a)
+    dist.destroy_process_group(pg_b)
+    return {"inter": inter, "fds": (fds0, fds1), "segs": segs}

@@ -7,10 +7,17 @@ the sender's memory.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import enum
+import math
 import os
 import threading
 import time
+import traceback
+from typing import Any
 
+import msgspec
 import numpy as np
 import psutil
 import pytest
@@ -20,12 +27,11 @@ from shm_broadcast import (
     MessageQueue, QueueClosedError, QueueRoleError, QueueTimeout, list_segments,
 )
 from shm_broadcast.codec import Codec
-
-from . import _payload_fns as pf
+from shm_broadcast.ring_buffer import CHUNK_HEADER
 
 
 def _send_payloads(mq: MessageQueue, mcb: int) -> None:
-    for _name, obj in pf.payloads(mcb):
+    for _name, obj in payloads(mcb):
         mq.enqueue(obj, timeout=60)
     t = torch.zeros(4)
     mq.enqueue(t, timeout=60)
@@ -44,7 +50,7 @@ def test_every_payload_kind_round_trips_exactly(procs):
     try:
         handles = [qa.export_handle(), qb.export_handle()]
         for r in (1, 2, 3):
-            procs.start(pf.payload_reader, handles, r, [4096, 128])
+            procs.start(payload_reader, handles, r, [4096, 128])
         qa.wait_until_ready(50)
         _send_payloads(qa, 4096)
         qa.close()
@@ -63,7 +69,7 @@ def test_every_payload_kind_round_trips_exactly(procs):
 def test_chunk_boundary_is_exact():
     # The sizes the sweep uses really sit on both sides of the ring/overflow boundary.
     for mcb in (128, 4096):
-        exact, over = pf.boundary_sizes(mcb)
+        exact, over = boundary_sizes(mcb)
         c = Codec()
         assert 32 + len(c.encode(b"\x07" * exact).msg) == mcb
         assert 32 + len(c.encode(b"\x07" * over).msg) == mcb + 1
@@ -77,10 +83,10 @@ def test_six_local_readers_with_scattered_ranks(procs):
                       writer_rank=3)
     try:
         for r in ranks:
-            procs.start(pf.numpy_reader, mq.export_handle(), r, n)
+            procs.start(numpy_reader, mq.export_handle(), r, n)
         mq.wait_until_ready(50)
         for i in range(n):
-            assert mq.broadcast_object(pf.numpy_message(i), timeout=30) is not None
+            assert mq.broadcast_object(numpy_message(i), timeout=30) is not None
     finally:
         mq.close()
     reports = sorted(procs.get(timeout=40) for _ in ranks)
@@ -218,3 +224,277 @@ def test_dequeue_order_with_overflow_interleaved_and_slow_start():
     finally:
         for q in (r, rr, w):
             q.close()
+
+
+# ---------------------------------------------------------------------- payloads and reader processes
+# Both the test (writer) and the reader processes build the same payloads with
+# payloads(), so a reader can check each message without it being sent twice.
+# Module-level classes keep pickled values importable in the children.
+class Color(enum.Enum):
+    RED = 1
+    BLUE = "b"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    tags: tuple
+    data: Any = None
+
+
+class Meta(msgspec.Struct):
+    name: str
+    shape: tuple
+    extra: dict = {}
+
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+def _deep(depth: int, wrap: Any) -> Any:
+    x: Any = "leaf"
+    for _ in range(depth):
+        x = wrap(x)
+    return x
+
+
+def boundary_sizes(max_chunk_bytes: int) -> tuple[int, int]:
+    """Lengths ``L`` of a ``bytes`` payload that exactly fills a chunk, and ``L + 1``.
+
+    A message without arrays fits when ``CHUNK_HEADER + len(msgpack) <= max_chunk_bytes``.
+    """
+    codec = Codec()
+    best = 0
+    for n in range(max(0, max_chunk_bytes - 64), max_chunk_bytes):
+        mlen = len(codec.encode(b"\x07" * n).msg)
+        if mlen == max_chunk_bytes - CHUNK_HEADER:
+            best = n
+    if not best:
+        raise AssertionError(f"no exact-boundary bytes length for {max_chunk_bytes}")
+    return best, best + 1
+
+
+def payloads(max_chunk_bytes: int, with_torch: bool = True) -> list[tuple[str, Any]]:
+    """Deterministic ``(name, object)`` pairs covering the supported value kinds."""
+    rng = np.random.default_rng(1234)
+    exact, over = boundary_sizes(max_chunk_bytes)
+    out: list[tuple[str, Any]] = [
+        ("none", None),
+        ("none_list", [None, None, (None,)]),
+        ("nested", {"a": [1, (2, 3), {4, 5}, frozenset({6, (7, 8)})], "b": ({"c": (9,)}, [])}),
+        ("int_keys", {1: "a", -2: "b", 2**63 - 1: "c"}),
+        ("odd_keys", {(1, 2): "t", None: 3, 1.5: 2, True: "bool", "s": 1, frozenset({1}): 0}),
+        ("bool_vs_int_key", {True: 1, 2: 2}),
+        ("bytes", b"\x00\xff" * 3),
+        ("bytearray", bytearray(b"abc\x00")),
+        ("memoryview", memoryview(b"view")),
+        ("memoryview_2d", memoryview(np.arange(6.0).reshape(2, 3))),
+        ("unicode", "h\u00e9llo \U0001f600 \u4e2d\u6587"),
+        ("surrogate", "a\ud800b"),
+        ("surrogate_in_dict", {"k": ["x", "\udcff"], "t": (1,)}),
+        ("big_ints", [2**64 - 1, -(2**63), 2**64, -(2**70), 10**40]),
+        ("floats", [float("nan"), float("inf"), -float("inf"), -0.0, 5e-324]),
+        ("np_scalars", [np.int64(3), np.float32(1.5), np.bool_(True), np.uint8(255),
+                        np.complex64(1 + 2j), np.float16(-0.0)]),
+        ("enums", [Color.RED, Color.BLUE, Level.LOW]),
+        ("dataclass", Point(1, (2, "x"), {"a": np.arange(3)})),
+        ("struct", Meta("m", (1, 2), {"k": [1.5]})),
+        ("namedtuple", Pair(1, Pair((2,), None))),
+        ("ordered_dict", collections.OrderedDict([("b", 1), ("a", 2)])),
+        ("deep_list", _deep(400, lambda x: [x])),
+        ("deep_dict", _deep(300, lambda x: {"k": x})),
+        ("deep_tuple", _deep(150, lambda x: (x,))),
+        ("exact_chunk", b"\x07" * exact),
+        ("small_after_exact", (1, 2)),
+        ("over_by_one", b"\x07" * over),
+        ("small_after_over", {"i": 1}),
+    ]
+    arrays: dict[str, np.ndarray] = {}
+    for dt in ("i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16",
+               "?", ">i4", ">f8", "M8[s]", "m8[ms]", "U3", "S2"):
+        a = rng.integers(0, 100, size=(3, 4)).astype(dt)
+        arrays[dt] = a
+    arrays["structured"] = np.array([(1, 2.5, b"ab"), (3, -1.0, b"c")],
+                                    dtype=[("a", "<i4"), ("b", "<f8"), ("c", "S2")])
+    arrays["aligned_struct"] = np.zeros(2, dtype=np.dtype([("a", "i1"), ("b", "i8")], align=True))
+    arrays["fortran"] = np.asfortranarray(np.arange(12, dtype=np.int32).reshape(3, 4))
+    arrays["strided"] = np.arange(40, dtype=np.float64)[::3]
+    arrays["reversed"] = np.arange(5)[::-1]
+    arrays["zero_d"] = np.array(7, dtype=np.int16)
+    arrays["empty"] = np.zeros((0, 5), dtype=np.float32)
+    arrays["object"] = np.array([1, "a", None, (2,)], dtype=object)
+    arrays["many_dims"] = np.arange(2, dtype=np.int8).reshape([1] * 39 + [2])
+    out.append(("arrays", arrays))
+    out.append(("array_in_tuple", (np.arange(3), [np.ones(2, np.float32)])))
+    if with_torch:
+        import torch
+
+        tensors: dict[str, Any] = {}
+        for name in ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32",
+                     "int64", "uint8", "bool", "complex64", "complex128", "uint16", "uint32",
+                     "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                     "float8_e5m2fnuz"):
+            dt = getattr(torch, name, None)
+            if dt is None:
+                continue
+            raw = torch.from_numpy(rng.integers(0, 256, size=(3, 16), dtype=np.uint8).copy())
+            if dt is torch.bool:
+                raw = raw % 2  # a bool byte other than 0/1 is not a valid value
+            tensors[name] = raw.view(dt)  # random bit patterns (NaNs included), 16 bytes a row
+        base = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)
+        tensors["zero_dim"] = torch.tensor(3.25)
+        tensors["numel0"] = torch.zeros(0, 7, dtype=torch.int64)
+        tensors["transposed"] = base.transpose(0, 2)
+        tensors["offset_view"] = base.reshape(-1)[7:19]
+        tensors["expanded"] = torch.tensor([1.0, 2.0]).expand(4, 2)
+        tensors["channels_last"] = torch.arange(24.0).reshape(1, 2, 3, 4).to(
+            memory_format=torch.channels_last)
+        tensors["requires_grad"] = torch.ones(3, requires_grad=True)
+        tensors["conj"] = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj()
+        out.append(("tensors", tensors))
+        out.append(("parameter", torch.nn.Parameter(torch.arange(4.0))))
+        out.append(("torch_meta", [torch.Size([2, 3]), torch.float16, torch.bfloat16,
+                                   torch.device("cpu"), (torch.int8,)]))
+        out.append(("tensor_tuple", (torch.ones(2, dtype=torch.bfloat16), Point(0, (torch.zeros(1),)))))
+        big = max_chunk_bytes // 4 + 64
+        out.append(("tensor_overflow", {"t": torch.arange(big, dtype=torch.int32), "i": 1}))
+        out.append(("after_tensor_overflow", torch.full((2,), 7, dtype=torch.int8)))
+    return out
+
+
+def mismatch(a: Any, b: Any, path: str = "$") -> str | None:
+    """Return where ``b`` differs from ``a`` (type included), or ``None`` when equal."""
+    if type(a) is not type(b):
+        return f"{path}: type {type(b).__qualname__}, expected {type(a).__qualname__}"
+    if isinstance(a, np.ndarray):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{path}: array {b.dtype}{b.shape}, expected {a.dtype}{a.shape}"
+        if a.dtype.hasobject:
+            return None if a.tolist() == b.tolist() else f"{path}: object array differs"
+        return None if np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes() \
+            else f"{path}: array bytes differ"
+    if type(a).__module__.startswith("torch"):
+        return _torch_mismatch(a, b, path)
+    if isinstance(a, float):
+        same = (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+        return None if same else f"{path}: {b!r} != {a!r}"
+    if isinstance(a, np.generic):
+        return None if a.tobytes() == b.tobytes() and a.dtype == b.dtype else f"{path}: {b!r} != {a!r}"
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: length {len(b)} != {len(a)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            m = mismatch(x, y, f"{path}[{i}]")
+            if m:
+                return m
+        return None
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return f"{path}: keys {list(b)!r} != {list(a)!r}"
+        for k in a:
+            m = mismatch(a[k], b[k], f"{path}[{k!r}]")
+            if m:
+                return m
+        return None
+    if dataclasses.is_dataclass(a):
+        return mismatch(dataclasses.astuple(a), dataclasses.astuple(b), path)
+    if isinstance(a, msgspec.Struct):
+        return mismatch(msgspec.structs.astuple(a), msgspec.structs.astuple(b), path)
+    if isinstance(a, memoryview):
+        ok = (a.tobytes(), a.format, a.shape, a.readonly) == (b.tobytes(), b.format, b.shape, b.readonly)
+        return None if ok else f"{path}: memoryview differs"
+    return None if a == b else f"{path}: {b!r} != {a!r}"
+
+
+def _torch_mismatch(a: Any, b: Any, path: str) -> str | None:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        if (a.dtype, a.shape, a.requires_grad) != (b.dtype, b.shape, b.requires_grad):
+            return (f"{path}: tensor {b.dtype}{tuple(b.shape)} grad={b.requires_grad}, expected "
+                    f"{a.dtype}{tuple(a.shape)} grad={a.requires_grad}")
+        if a.numel() and not torch.equal(_bits(a), _bits(b)):
+            return f"{path}: tensor bits differ"
+        return None
+    return None if a == b else f"{path}: {b!r} != {a!r}"
+
+
+def _bits(t: Any) -> Any:
+    import torch
+
+    t = t.detach().resolve_conj().contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype.itemsize else t
+
+
+def payload_reader(handles: list, rank: int, chunk_sizes: list[int], out: Any) -> None:
+    """Read every payload from each queue in ``handles``, check them, report mismatches.
+
+    Also checks received tensors never alias the ring: a tensor received first
+    is mutated, more messages are read, and the others received so far must be
+    unchanged (and the mutated one keeps its new value).
+    """
+    try:
+        import torch
+
+        errors: list[str] = []
+        for handle, mcb in zip(handles, chunk_sizes):
+            expected = payloads(mcb)
+            with MessageQueue.create_from_handle(handle, rank) as mq:
+                mq.wait_until_ready(60)
+                kept: list[tuple[Any, Any]] = []
+                for name, exp in expected:
+                    got = mq.dequeue(timeout=60)
+                    m = mismatch(exp, got)
+                    if m:
+                        errors.append(f"q{mcb} {name}: {m}")
+                    if isinstance(got, dict) and name == "tensors":
+                        got["float32"].fill_(-1.0)  # mutate right away
+                        kept.append((got["float32"], torch.full_like(got["float32"], -1.0)))
+                        kept.extend((t, t.clone()) for k, t in got.items() if k != "float32")
+                # The writer mutates its tensor after sending; the second copy must show it.
+                first, second = mq.dequeue(timeout=60), mq.dequeue(timeout=60)
+                if not (torch.equal(first, torch.zeros(4)) and torch.equal(second, torch.ones(4))):
+                    errors.append(f"q{mcb} sender aliasing: {first} {second}")
+                for t, snap in kept:
+                    if not torch.equal(_bits(t), _bits(snap)):
+                        errors.append(f"q{mcb}: a received tensor changed after more messages")
+                try:
+                    mq.dequeue(timeout=60)
+                    errors.append(f"q{mcb}: message after the last one")
+                except QueueClosedError:
+                    pass
+        out.put(("ok", rank, errors))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def numpy_reader(handle: Any, rank: int, n: int, out: Any) -> None:
+    """Read ``n`` numpy-only messages (no torch import, fast to spawn) and check them."""
+    try:
+        errors = []
+        with MessageQueue.create_from_handle(handle, rank) as mq:
+            mq.wait_until_ready(60)
+            for i in range(n):
+                got = mq.dequeue(timeout=60)
+                m = mismatch(numpy_message(i), got)
+                if m:
+                    errors.append(f"#{i}: {m}")
+            t0 = time.monotonic()
+            try:
+                mq.dequeue(timeout=60)
+            except QueueClosedError:
+                pass
+            closed_after = time.monotonic() - t0
+        out.put(("ok", rank, errors, closed_after < 30))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def numpy_message(i: int) -> Any:
+    """The ``i``-th message of the many-readers test; every 5th overflows a 1 KiB chunk."""
+    size = 600 if i % 5 == 3 else i % 13
+    return (i, {"a": np.arange(size, dtype=np.float64) * i, (i, "k"): {i % 3}}, b"x" * (i % 7))

@@ -6,13 +6,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import traceback
+from typing import Any
 
 import pytest
 
 from shm_broadcast import SharedSegment, ShmSpaceError, list_segments
 from shm_broadcast.segment import SHM_DIR, shm_free_bytes
-
-from . import workers
 
 
 def _cleanup(*args: str) -> subprocess.CompletedProcess:
@@ -22,8 +23,8 @@ def _cleanup(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(90)
 def test_sigterm_unlinks_and_sigkill_orphan_is_cleaned(procs):
-    term = procs.start(workers.segment_owner)
-    kill = procs.start(workers.segment_owner)
+    term = procs.start(segment_owner)
+    kill = procs.start(segment_owner)
     names = {}
     for _ in range(2):
         _, name = procs.get()
@@ -65,3 +66,16 @@ def test_creation_fails_cleanly_when_dev_shm_is_too_small():
     with pytest.raises(ShmSpaceError, match="groupcoord cleanup"):
         SharedSegment.create("test", free + (1 << 30))
     assert not any(s.pid == os.getpid() for s in list_segments())
+
+
+# ---------------------------------------------------------------------- child processes
+# Spawned by the ``procs`` fixture as ``fn(*args, out_queue)``; each reports through
+# the queue (``("ok", ...)`` or ``("error", traceback)``) and never fails silently.
+def segment_owner(out: Any) -> None:
+    """Create a segment and sleep until killed."""
+    try:
+        seg = SharedSegment.create("test", 4096)
+        out.put(("segment", seg.name))
+        time.sleep(600)
+    except BaseException:
+        out.put(("error", 0, traceback.format_exc()))

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import random
 import time
+import traceback
+from typing import Any
 
 import pytest
 
 from shm_broadcast import MessageQueue, WaitPolicy
 
-from . import workers
 
 # Park almost at once (no spin, 0.2 ms of yielding); polls bounded by 1 s.
 POLICY = WaitPolicy(spin_s=0.0, yield_s=0.0002, park_poll_s=1.0, liveness_s=1.0)
@@ -39,7 +40,7 @@ def test_no_lost_wakeups_under_random_gaps(procs, n_readers, max_chunks, n_msgs)
     rnd = random.Random(7)
     try:
         for r in ranks:
-            procs.start(workers.jittery_reader, mq.export_handle(), r, n_msgs, MAX_GAP_S, POLICY)
+            procs.start(jittery_reader, mq.export_handle(), r, n_msgs, MAX_GAP_S, POLICY)
         mq.wait_until_ready(50)
         before = mq.park_stats()
         slow_enqueues = []
@@ -69,3 +70,39 @@ def test_no_lost_wakeups_under_random_gaps(procs, n_readers, max_chunks, n_msgs)
     # ... and no sleeper ever needed its timeout to notice a message or a free chunk.
     assert writer_timeouts == 0 and not slow_enqueues, summary
     assert all(summary[r]["timeouts"] == 0 and not summary[r]["slow"] for r in ranks), summary
+
+
+# ---------------------------------------------------------------------- child processes
+# Spawned by the ``procs`` fixture as ``fn(*args, out_queue)``; each reports through
+# the queue (``("ok", ...)`` or ``("error", traceback)``) and never fails silently.
+def jittery_reader(handle: Any, rank: int, n: int, max_gap_s: float, policy: Any,
+                   out: Any) -> None:
+    """Read ``n`` stamped messages with random pauses; report latencies and parks.
+
+    Message ``i`` is ``(i, t_sent)`` with ``t_sent = time.monotonic()`` on the
+    writer (the same clock system-wide on Linux). Pausing 0..``max_gap_s``
+    before each dequeue makes the reader park between messages.
+    """
+    import random
+
+    try:
+        rnd = random.Random(1000 + rank)
+        with MessageQueue.create_from_handle(handle, rank, wait_policy=policy) as mq:
+            mq.wait_until_ready(60)
+            before = mq.park_stats()
+            worst = 0.0
+            slow = []
+            for i in range(n):
+                time.sleep(rnd.uniform(0.0, max_gap_s))
+                seq, t_sent = mq.dequeue(timeout=60)
+                lat = time.monotonic() - t_sent
+                if seq != i:
+                    raise AssertionError(f"reader {rank}: got message {seq}, expected {i}")
+                worst = max(worst, lat)
+                if lat > 0.5:
+                    slow.append((i, round(lat, 3)))
+            after = mq.park_stats()
+        out.put(("ok", rank, after["parks"] - before["parks"],
+                 after["timeouts"] - before["timeouts"], worst, slow))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))

@@ -25,7 +25,7 @@ from device_comms import (
     select_device_communicator,
 )
 from device_comms.pynccl import PyNcclCommunicator
-from tests.device_comms import _general_fns as general
+from tests.device_comms import general_cases
 from tests.device_comms.pynccl._gloo_nccl import GlooNccl
 
 
@@ -84,9 +84,9 @@ def _same(got: Any, want: Any) -> bool:
 def _general_cases(rank: int, n: int) -> dict[str, Any]:
     comm = _CpuCuda(dist.group.WORLD, torch.device("cpu"), unique_name="cuda-test")
     failures, refused = [], 0
-    for case in general.cases(n):
+    for case in general_cases.cases(n):
         try:
-            got = general.run_case(comm, case, rank, n)
+            got = general_cases.run_case(comm, case, rank, n)
         except ValueError as e:
             if not _expects_value_error(case) or "not supported by NCCL" not in str(e):
                 raise
@@ -94,7 +94,7 @@ def _general_cases(rank: int, n: int) -> dict[str, Any]:
             continue
         if _expects_value_error(case):
             failures.append(f"{case[:5]}: no ValueError")
-        elif not _same(got, general.expected(case, n, rank)):
+        elif not _same(got, general_cases.expected(case, n, rank)):
             failures.append(f"{case[:5]}: got {got!r}")
     names = comm.fake.names()
     comm.destroy()

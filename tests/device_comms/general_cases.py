@@ -1,33 +1,25 @@
-"""Rank functions of tests/device_comms/test_general_cases.py (module-level, importable).
+"""The general cases of the device communicators: inputs, the case list, how a
+communicator runs a case, and the fixed-order reference.
 
-Cases are built identically on every rank and in the parent (seeded inputs),
-so the parent recomputes each expected result with the fixed-order reference.
+Shared by tests/device_comms/test_general_cases.py (shared memory and plain
+gloo) and tests/device_comms/pynccl/test_cuda_communicator.py (the CUDA
+communicator). Cases are built identically on every rank and in the parent
+(seeded inputs), so the parent recomputes each expected result with the
+reference.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from device_comms import (
-    CollectiveMismatch,
-    CommunicatorClosed,
-    CpuCommunicator,
-    ReduceOp,
-    TorchDistributedCommunicator,
-    reduce_local,
-)
+from device_comms import ReduceOp, reduce_local
 
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
 )
-SMALL_WS = 64 << 10  # slots of a few KiB: "large" inputs go through in pieces
 
 
 def valid_ops(dt: torch.dtype) -> list[ReduceOp]:
@@ -165,90 +157,3 @@ def expected(case: tuple[Any, ...], n: int, rank: int) -> torch.Tensor | None:
     if kind == "sendrecv":
         return torch.stack([xs[(rank - 1) % n], xs[(rank + 1) % n]])
     raise ValueError(kind)
-
-
-def _group() -> Any:
-    return dist.new_group(timeout=datetime.timedelta(seconds=20), backend="gloo")
-
-
-def _attempt(fn: Any) -> tuple[str, str, float]:
-    t0 = time.monotonic()
-    try:
-        fn()
-        return ("ok", "", time.monotonic() - t0)
-    except Exception as e:  # reported to the parent, which checks the type
-        return (type(e).__name__, str(e), time.monotonic() - t0)
-
-
-def general(rank: int, n: int) -> dict[str, Any]:
-    """Every case through shared memory and through plain gloo, plus error paths."""
-    pg = _group()
-    out: dict[str, Any] = {}
-    shm = CpuCommunicator(pg, torch.device("cpu"), unique_name="gen", workspace_bytes=SMALL_WS, timeout=20)
-    gloo = TorchDistributedCommunicator(pg, torch.device("cpu"), unique_name="gen-gloo")
-    out["mode"] = shm.mode
-    out["shm"] = [run_case(shm, c, rank, n) for c in cases(n)]
-    out["gloo"] = [run_case(gloo, c, rank, n) for c in cases(n)]
-    # Complex MIN/MAX/PRODUCT: a clear TypeError before any communication.
-    out["complex"] = [
-        _attempt(lambda op=op: c.all_reduce(torch.ones(3, dtype=torch.complex64), op))
-        for c in (shm, gloo) for op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
-    ]
-    # Disagreements that the element count alone does not reveal (shared memory).
-    x = torch.arange(6.0).reshape(2, 3) + rank
-    out["mismatch"] = [
-        _attempt(lambda: shm.all_gather(x if rank else x.reshape(3, 2), 0)),
-        _attempt(lambda: shm.all_gather(x, 0 if rank else 1)),
-        _attempt(lambda: shm.gather(x if rank else x.reshape(3, 2), n - 1, 0)),
-        _attempt(lambda: shm.reduce_scatter(torch.ones(n, n), 0 if rank else 1)),
-        _attempt(lambda: shm.all_gatherv(torch.ones(2, 3) if rank else torch.ones(2, 3, 1), 0, [2] * n)),
-    ]
-    out["after_mismatch"] = shm.all_reduce(torch.ones(3)).tolist()
-    # A peer whose sizes list disagrees (not only its own input) is caught by
-    # the signature / the per-rank size headers on every rank, promptly.
-    bad_sizes = [2] * n if rank else [2] * (n - 1) + [1]
-    for label, c in (("shm", shm), ("gloo", gloo)):
-        out[f"sizes_differ_{label}"] = _attempt(
-            lambda c=c: c.all_gatherv(torch.ones(bad_sizes[rank], 4), 0, bad_sizes)
-        )
-        out[f"after_sizes_{label}"] = c.all_gatherv(
-            torch.full((rank % 2, 2), float(rank)), 0, [r % 2 for r in range(n)]
-        ).tolist()
-    shm.destroy()
-    gloo.close()
-    out["closed"] = [
-        _attempt(lambda c=c: c.all_reduce(torch.ones(2))) for c in (shm, gloo)
-    ] + [_attempt(lambda: shm.all_gather(torch.ones(2))), _attempt(lambda: shm.send(torch.ones(1), 0 if rank else 1))]
-    dist.destroy_process_group(pg)
-    return out
-
-
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def lifecycle(rank: int, n: int) -> dict[str, Any]:
-    """Two communicators interleaved, then many create/destroy cycles."""
-    pg_a, pg_b = _group(), _group()
-    a = CpuCommunicator(pg_a, torch.device("cpu"), unique_name="a", workspace_bytes=SMALL_WS, timeout=20)
-    b = CpuCommunicator(pg_b, torch.device("cpu"), unique_name="b", timeout=20)
-    inter = []
-    for i in range(6):  # changing shapes/dtypes, interleaving two groups and ops
-        dt = (torch.float32, torch.int64, torch.bfloat16)[i % 3]
-        x = torch.full((i + 1, 3), rank + 1, dtype=dt)
-        inter.append((a.all_reduce(x), b.all_gather(x, 0), a.broadcast(x.clone(), i % n),
-                      b.reduce_scatterv(torch.ones(i + 1, dtype=dt), 0, [i + 1] + [0] * (n - 1))))
-    a.destroy()
-    b.destroy()
-    dist.barrier()
-    fds0 = _fds()
-    for _ in range(12):
-        c = CpuCommunicator(pg_a, torch.device("cpu"), unique_name="cyc", workspace_bytes=SMALL_WS)
-        c.all_reduce(torch.ones(5))
-        c.destroy()
-    dist.barrier()
-    segs = [s for s in os.listdir("/dev/shm") if s.startswith("gc_cpucomm_")]
-    fds1 = _fds()
-    dist.destroy_process_group(pg_a)
-    dist.destroy_process_group(pg_b)
-    return {"inter": inter, "fds": (fds0, fds1), "segs": segs}

@@ -1,8 +1,9 @@
 """Inputs, references and assertions shared by the functions run on pool ranks.
 
-The ``tests/coordinator/_dist_*.py`` modules hold module-level functions (the
-pool pickles them by reference) called as ``fn(rank, world_size, *args)`` on
-every rank. The checks compute their reference results locally: every rank can
+Used by the coordinator test modules whose module-level functions run on the
+ranks as ``fn(rank, world_size, *args)`` (the pool pickles them by reference:
+test_group_coordinator, test_errors_and_failures, test_parallel_state,
+test_tensor_dict, test_general_cases). The checks compute their reference results locally: every rank can
 build every other rank's input (inputs are a deterministic function of the
 group rank and a case tag), so no reference data has to travel. A failed check
 raises ``AssertionError`` on the rank, which the pool re-raises in the test
