@@ -64,8 +64,10 @@ def test_no_lost_wakeups_under_random_gaps(procs, n_readers, max_chunks, n_msgs)
                for r in reports}
     summary["writer"] = {"parks": writer_parks, "timeouts": writer_timeouts,
                          "slow": slow_enqueues}
-    # The scenario really exercised both directions of the handshake...
-    assert all(summary[r]["parks"] >= n_msgs // 5 for r in ranks), summary
+    # The scenario really exercised both directions of the handshake (on a quiet
+    # machine each reader parks for ~20% of the messages; a reader descheduled by
+    # other load finds messages waiting instead, so the floor leaves 2x room)...
+    assert all(summary[r]["parks"] >= n_msgs // 10 for r in ranks), summary
     assert writer_parks >= n_msgs // 10, summary
     # ... and no sleeper ever needed its timeout to notice a message or a free chunk.
     assert writer_timeouts == 0 and not slow_enqueues, summary
