@@ -245,6 +245,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
             and type(op) is ReduceOp
             and (op, input_.dtype) in self._validated
             and input_.is_cpu
+            and input_.layout is torch.strided  # before is_contiguous: sparse has none
             and not input_.requires_grad
             and input_.is_contiguous()
         ):

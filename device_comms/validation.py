@@ -12,9 +12,25 @@ __all__ = ["check_tensor", "norm_dim", "check_rank", "check_sizes", "check_divis
 
 
 def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.Tensor:
-    """Raise TypeError unless ``t`` is a tensor (on ``device``'s type when given)."""
+    """Return ``t`` if it is a dense tensor with data (on ``device``'s type when given).
+
+    Layout and storage are checked here, before any communication: a sparse or
+    meta tensor that got further would fail mid-collective on one rank only.
+
+    Raises:
+        TypeError: ``t`` is not a tensor, or is sparse / quantised / nested.
+        ValueError: ``t`` is a meta tensor or on another device type.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested:
+        kind = "quantised" if t.is_quantized else "nested" if t.is_nested else str(t.layout)
+        raise TypeError(
+            f"{arg} must be a dense (torch.strided) tensor, got a {kind} tensor; "
+            f"convert it first (e.g. .to_dense())"
+        )
+    if t.is_meta:
+        raise ValueError(f"{arg} is a meta tensor (it has no data); materialise it first")
     if device is not None and t.device.type != device.type:
         raise ValueError(
             f"{arg} must be on a {device.type} device for this communicator, "
