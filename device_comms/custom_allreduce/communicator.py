@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from device_comms.custom_allreduce import eligibility as elig
 from device_comms.custom_allreduce import layout
-from device_comms.custom_allreduce.device_memory import DeviceBuffer, ErrorWords, decode_error
+from device_comms.custom_allreduce.device_memory import DeviceBuffer, KernelFaultWords, decode_error
 from device_comms.custom_allreduce.handles import (
     CudaIpcBackend,
     HandleBook,
@@ -127,7 +127,7 @@ class CustomAllreduce:
     def _setup(self, backend: IpcBackend, max_graph_inputs: int) -> None:
         self._buffer = DeviceBuffer(layout.buffer_bytes(self.max_size), self.device_index)
         self._staging = self._buffer.tensor(layout.staging_offset(), self.max_size)
-        self._errors = ErrorWords(1)
+        self._errors = KernelFaultWords(1)
         self._tables = RankTables(self.device_index, max_graph_inputs + 1)
         self._book = HandleBook(backend, self.rank)
         self._backend = backend

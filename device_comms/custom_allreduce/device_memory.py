@@ -2,7 +2,7 @@
 
 * :class:`DeviceBuffer`: one ``cudaMalloc`` allocation of its own (so an IPC
   handle of its pointer names exactly it), freed by :meth:`DeviceBuffer.close`.
-* :class:`ErrorWords`: page-locked host words mapped into the device; a
+* :class:`KernelFaultWords`: page-locked host words mapped into the device; a
   kernel that gives up waiting stores a code there, and the host reads it
   without synchronising a stream.
 * :func:`decode_error`: what such a code says.
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["DeviceBuffer", "ErrorWords", "decode_error", "PHASE_NAMES"]
+__all__ = ["DeviceBuffer", "KernelFaultWords", "decode_error", "PHASE_NAMES"]
 
 PHASE_NAMES = ("start", "mid", "end")
 _HOST_ALLOC_MAPPED = 2  # cudaHostAllocMapped
@@ -77,7 +77,7 @@ class DeviceBuffer:
             _runtime().free(self.ptr)
 
 
-class ErrorWords:
+class KernelFaultWords:
     """``count`` 32-bit words of mapped, page-locked host memory, zeroed.
 
     Attributes:

@@ -22,7 +22,7 @@ import torch
 
 from device_comms.custom_allreduce import eligibility as elig
 from device_comms.custom_allreduce import layout
-from device_comms.custom_allreduce.device_memory import DeviceBuffer, ErrorWords, decode_error
+from device_comms.custom_allreduce.device_memory import DeviceBuffer, KernelFaultWords, decode_error
 from device_comms.custom_allreduce.kernels import choose_variant, kernel_set
 from device_comms.custom_allreduce.table import RankTables
 from device_comms.errors import CollectiveTimeout
@@ -67,7 +67,7 @@ class VirtualRanks:
         size = layout.buffer_bytes(self.max_size)
         self._buffers = [DeviceBuffer(size, self.device_index) for _ in range(world_size)]
         self._staging = [b.tensor(layout.staging_offset(), self.max_size) for b in self._buffers]
-        self._errors = ErrorWords(world_size)
+        self._errors = KernelFaultWords(world_size)
         self._tables = RankTables(self.device_index, max_graph_inputs + 1)
         self._sig = [b.ptr for b in self._buffers]
         self._tmp = [b.ptr + layout.tmp_offset(self.max_size) for b in self._buffers]
