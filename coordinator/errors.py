@@ -46,6 +46,7 @@ __all__ = [
     "RankDiedError",
     "DistributedTimeout",
     "StoreConnectionError",
+    "AuthenticationError",
 ]
 
 
@@ -91,3 +92,29 @@ class DistributedTimeout(CommTimeout):
 
 class StoreConnectionError(GroupCoordError, ConnectionError):
     """A stateless group lost its connection to the store host (rank 0)."""
+
+
+class AuthenticationError(GroupCoordError, PermissionError):
+    """A value read from a shared channel failed authentication and was not decoded.
+
+    Raised by :class:`~coordinator.stateless_group.StatelessProcessGroup` when a
+    value under one of its keys lacks a valid HMAC for the group's secret
+    (written by a process that does not hold the secret, altered, or moved from
+    another key), and when the group's secret cannot be established.
+
+    Attributes:
+        rejected: How many values were rejected before this error was raised.
+    """
+
+    def __init__(self, message: str, *, rejected: int = 0, queue: str | None = None,
+                 peers: list[int] | tuple[int, ...] | None = None) -> None:
+        super().__init__(message, queue=queue, peers=peers)
+        self.rejected = rejected
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_auth_error, (str(self), self.rejected, self.queue, self.peers))
+
+
+def _rebuild_auth_error(message: str, rejected: int, queue: str | None,
+                        peers: tuple[object, ...]) -> AuthenticationError:
+    return AuthenticationError(message, rejected=rejected, queue=queue, peers=list(peers))  # type: ignore[arg-type]

@@ -24,7 +24,8 @@ def add_cleanup_args(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``groupcoord cleanup`` to ``parser``."""
     parser.description = (
         "List this project's shared-memory segments in /dev/shm (gc_*) whose owner process "
-        "is dead; with --yes, remove them.")
+        "is provably gone; with --yes, remove them. Segments whose owner cannot be judged "
+        "(another pid namespace, no owner record) are listed with the reason and kept.")
     parser.add_argument("--yes", "-y", action="store_true",
                         help="remove the orphaned segments (default: only list them)")
     parser.add_argument("--all", action="store_true",
@@ -32,36 +33,55 @@ def add_cleanup_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cleanup(args: argparse.Namespace) -> int:
-    """Run ``groupcoord cleanup``; returns the exit status (0 ok, 1 failures)."""
+    """Run ``groupcoord cleanup``.
+
+    Returns:
+        0 when nothing was left undone, 1 when a removal failed, 2 when ``--yes``
+        kept segments whose owner could not be judged (listed with the reason).
+    """
     from shm_broadcast.segment import SHM_DIR, list_segments, remove_orphans
 
     segs = list_segments()
-    orphans = [s for s in segs if not s.owner_alive]
     if getattr(args, "all", False):
         for s in segs:
-            if s.owner_alive:
-                print(f"in use   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid} alive)")
+            if s.status == "alive":
+                print(f"in use   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: {s.reason})")
+    unknown = [s for s in segs if s.status == "unknown"]
+    for s in unknown:
+        print(f"kept     {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: cannot tell "
+              f"whether it is alive: {s.reason})")
+    orphans = [s for s in segs if s.status == "gone"]
     if not orphans:
         print(f"no orphaned groupcoord segments in {SHM_DIR}")
-        return 0
+        return _unknown_status(unknown, args.yes)
     total = sum(s.size for s in orphans)
     if not args.yes:
         for s in orphans:
-            print(f"orphan   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid} dead)")
+            print(f"orphan   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: {s.reason})")
         print(f"{len(orphans)} orphaned segment(s), {_size(total)}; "
               "run `groupcoord cleanup --yes` to remove them")
         return 0
     removed = remove_orphans(dry_run=False)
-    still = {s.name for s in list_segments() if not s.owner_alive}
+    still = {s.name for s in list_segments() if s.status == "gone"}
     failed = 0
     for s in removed:
         if s.name in still:
             failed += 1
             print(f"FAILED   {s.name}  (could not remove)", file=sys.stderr)
         else:
-            print(f"removed  {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid})")
+            print(f"removed  {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: {s.reason})")
     print(f"removed {len(removed) - failed} orphaned segment(s)")
-    return 1 if failed else 0
+    return 1 if failed else _unknown_status(unknown, args.yes)
+
+
+def _unknown_status(unknown: list, yes: bool) -> int:
+    """Exit status for segments kept undecided: 2 with ``--yes`` (the caller asked to clean)."""
+    if not unknown:
+        return 0
+    print(f"{len(unknown)} segment(s) kept: their owner cannot be proven gone from here (see "
+          "above); run cleanup where the owner ran (same pid namespace), or remove them by "
+          "hand if you know the owner is gone", file=sys.stderr)
+    return 2 if yes else 0
 
 
 def _size(n: int) -> str:

@@ -15,25 +15,34 @@ gives the guarantees the rest of the code relies on:
   ``SIGTERM``. Attaching processes never unlink and never register with
   :mod:`multiprocessing.resource_tracker` (which would warn about, or even
   unlink, segments it does not own).
-* **Crash recovery.** A ``SIGKILL``-ed owner cannot clean up after itself;
-  :func:`list_segments` and :func:`remove_orphans` (``groupcoord cleanup``)
-  find and remove segments whose owner pid no longer exists.
+* **Crash recovery that cannot hurt the living.** A ``SIGKILL``-ed owner
+  cannot clean up after itself; :func:`list_segments` and
+  :func:`remove_orphans` (``groupcoord cleanup``) find and remove segments
+  whose owner is *provably* gone. Next to each segment the owner writes a
+  record ``<name>.owner`` (mode 0600) of its identity: pid, pid-namespace
+  inode (``/proc/self/ns/pid``), start time (``/proc/self/stat``, clock
+  ticks since boot), boot id and uid. An owner is gone when the machine has
+  rebooted since (other boot id), or, seen from the same pid namespace, when
+  its pid does not exist or belongs to a process with another start time.
+  When that cannot be decided (the owner ran in another pid namespace, there
+  is no trustworthy record, ``/proc`` is not this process's) the segment is
+  kept and the reason reported.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import mmap
 import os
 import re
 import secrets
 import signal
+import stat
 import threading
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable
-
-import psutil
 
 from shm_broadcast.checks import check_int
 from shm_broadcast.errors import SegmentError, ShmSpaceError
@@ -48,6 +57,7 @@ __all__ = [
     "SHM_DIR",
     "SharedSegment",
     "SegmentInfo",
+    "OwnerIdentity",
     "list_segments",
     "remove_orphans",
     "remove_segment",
@@ -136,11 +146,16 @@ _OWNERS = _OwnerRegistry()
 
 
 def _unlink_quietly(name: str) -> None:
+    """Unlink segment ``name`` and its owner record; no error if either is gone."""
     try:
         _shm_unlink(name)
     except FileNotFoundError:
         pass
     except OSError:  # pragma: no cover - permission races at exit
+        pass
+    try:
+        os.unlink(_record_path(name))
+    except OSError:
         pass
 
 
@@ -217,6 +232,7 @@ class SharedSegment:
             raise SegmentError("could not find a free shared memory segment name")
         _OWNERS.add(name)
         try:
+            _write_owner_record(name)
             os.ftruncate(fd, size)
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -305,6 +321,34 @@ class SharedSegment:
 
 
 @dataclass(frozen=True)
+class OwnerIdentity:
+    """Who created a segment, precisely enough to tell later whether it is gone.
+
+    Attributes:
+        pid: Process id, in the owner's pid namespace.
+        pidns: Inode of the owner's pid namespace (``/proc/self/ns/pid``);
+            0 when it could not be read.
+        start_ticks: Process start time, clock ticks since boot (``/proc/<pid>/stat``).
+        boot_id: ``/proc/sys/kernel/random/boot_id`` of the machine ('' if unknown).
+        uid: Effective uid of the owner.
+    """
+
+    pid: int
+    pidns: int
+    start_ticks: int
+    boot_id: str
+    uid: int
+
+    @classmethod
+    def of_self(cls) -> "OwnerIdentity":
+        """This process's identity (fields it cannot read are 0 or '')."""
+        pid = os.getpid()
+        own_proc = _proc_is_ours()
+        return cls(pid, _pidns_inode("self") if own_proc else 0,
+                   (_start_ticks(pid) or 0) if own_proc else 0, _boot_id(), os.geteuid())
+
+
+@dataclass(frozen=True)
 class SegmentInfo:
     """One of our segments found in ``/dev/shm``.
 
@@ -313,7 +357,10 @@ class SegmentInfo:
         kind: The ``kind`` tag it was created with.
         pid: Owner process id.
         size: Size in bytes.
-        owner_alive: Whether a process with that pid exists.
+        owner_alive: False only when the owner is provably gone (so the
+            segment may be removed); True when it is alive or undecidable.
+        status: ``"alive"``, ``"gone"`` or ``"unknown"``.
+        reason: Why ``status`` was decided (for ``"unknown"``: why it could not be).
     """
 
     name: str
@@ -321,13 +368,16 @@ class SegmentInfo:
     pid: int
     size: int
     owner_alive: bool
+    status: str = "alive"
+    reason: str = ""
 
 
-def list_segments(pid_alive: Callable[[int], bool] = psutil.pid_exists) -> list[SegmentInfo]:
-    """List this project's segments in ``/dev/shm``.
+def list_segments(pid_alive: Callable[[int], bool] | None = None) -> list[SegmentInfo]:
+    """List this project's segments in ``/dev/shm`` and judge whether their owners are gone.
 
     Args:
-        pid_alive: Predicate deciding whether an owner pid is alive.
+        pid_alive: Predicate deciding whether a pid exists in this process's
+            pid namespace; None uses ``kill(pid, 0)``.
 
     Returns:
         One :class:`SegmentInfo` per segment, sorted by name.
@@ -336,17 +386,21 @@ def list_segments(pid_alive: Callable[[int], bool] = psutil.pid_exists) -> list[
         names = os.listdir(SHM_DIR)
     except OSError:
         return []
+    me = OwnerIdentity.of_self()
     out = []
     for n in sorted(names):
         m = _NAME_RE.match(n)
         if not m:
             continue
         try:
-            size = os.stat(os.path.join(SHM_DIR, n)).st_size
+            st = os.stat(os.path.join(SHM_DIR, n))
         except OSError:
             continue
         pid = int(m.group("pid"))
-        out.append(SegmentInfo(n, m.group("kind"), pid, size, pid_alive(pid)))
+        status, reason = _judge_owner(pid, _read_owner_record(n, st.st_uid), me,
+                                      pid_alive or _pid_exists)
+        out.append(SegmentInfo(n, m.group("kind"), pid, st.st_size, status != "gone",
+                               status, reason))
     return out
 
 
@@ -362,7 +416,10 @@ def remove_segment(name: str) -> None:
 
 
 def remove_orphans(dry_run: bool = False) -> list[SegmentInfo]:
-    """Unlink every segment of ours whose owner process no longer exists.
+    """Unlink every segment of ours whose owner is provably gone.
+
+    Segments whose owner cannot be judged (``status == "unknown"``) are kept;
+    :func:`list_segments` reports them with the reason.
 
     Args:
         dry_run: Only report; remove nothing.
@@ -370,8 +427,123 @@ def remove_orphans(dry_run: bool = False) -> list[SegmentInfo]:
     Returns:
         The orphaned segments (removed unless ``dry_run``).
     """
-    orphans = [s for s in list_segments() if not s.owner_alive]
+    orphans = [s for s in list_segments() if s.status == "gone"]
     if not dry_run:
         for s in orphans:
             _unlink_quietly(s.name)
     return orphans
+
+
+# ---------------------------------------------------------------------- owner identity
+def _record_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name + ".owner")
+
+
+def _write_owner_record(name: str) -> None:
+    """Write ``<name>.owner`` (0600, new file only). Best effort: without it the
+    segment is never removed by cleanup, only by its owner."""
+    ident = OwnerIdentity.of_self()
+    try:
+        fd = os.open(_record_path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return
+    try:
+        os.write(fd, json.dumps(ident.__dict__).encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_owner_record(name: str, seg_uid: int) -> OwnerIdentity | str:
+    """The owner record of segment ``name``, or why there is no trustworthy one."""
+    try:
+        fd = os.open(_record_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return "no owner record (made by an older groupcoord, or the record was lost)"
+    except OSError as e:
+        return f"owner record unreadable ({e.strerror})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != seg_uid or st.st_mode & 0o077:
+            return "owner record not written privately by the segment's owner"
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        d = json.loads(raw)
+        ident = OwnerIdentity(int(d["pid"]), int(d["pidns"]), int(d["start_ticks"]),
+                              str(d["boot_id"]), int(d["uid"]))
+    except (ValueError, KeyError, TypeError):
+        return "owner record malformed"
+    return ident
+
+
+def _judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity,
+                 exists: Callable[[int], bool]) -> tuple[str, str]:
+    """``(status, reason)`` of a segment's owner, seen from this process."""
+    if isinstance(rec, OwnerIdentity) and rec.pid != pid:
+        rec = f"owner record names pid {rec.pid}, the segment name pid {pid}"
+    if isinstance(rec, str):
+        if me.pidns and exists(pid):
+            return "alive", f"pid {pid} exists ({rec})"
+        return "unknown", rec
+    if rec.boot_id and me.boot_id and rec.boot_id != me.boot_id:
+        return "gone", f"created before the last reboot (boot id {rec.boot_id[:8]}...)"
+    if not me.pidns or not rec.pidns:
+        return "unknown", "pid namespace unknown (is /proc mounted for this pid namespace?)"
+    if rec.pidns != me.pidns:
+        return "unknown", (f"owner ran in another pid namespace (pid:[{rec.pidns}], this "
+                           f"process is in pid:[{me.pidns}]); its pid cannot be checked from here")
+    if not exists(pid):
+        return "gone", f"no process {pid} in this pid namespace"
+    now = _start_ticks(pid)
+    if now is None:
+        return "unknown", f"cannot read the start time of process {pid}"
+    if now != rec.start_ticks:
+        return "gone", f"pid {pid} now belongs to another process (started at tick {now})"
+    return "alive", f"process {pid} (started at tick {now}) is running"
+
+
+def _pid_exists(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _proc_is_ours() -> bool:
+    """Whether ``/proc`` shows this process's pid namespace."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def _pidns_inode(pid: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

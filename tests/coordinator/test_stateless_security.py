@@ -1,0 +1,242 @@
+"""Attacks on StatelessProcessGroup, replayed with real processes, stores and sockets.
+
+An outsider is a separate process that can reach the store's port (loopback)
+but holds no secret. It writes pickles that would create a file, forged and
+moved values, and reads what the ranks store. Nothing it writes is decoded,
+nothing it reads reveals the payload, and the ranks either carry on (a valid
+value arrives) or raise AuthenticationError.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+from coordinator.errors import AuthenticationError, CollectiveMismatch, GroupCoordError
+from coordinator.stateless_group import SECRET_ENV, StatelessProcessGroup
+from coordinator.testing import free_port, run_distributed
+
+HOST = "127.0.0.1"
+
+# The outsider: connects to the store as a plain client and runs one action.
+_OUTSIDER = r"""
+import datetime, sys
+import torch.distributed as dist
+host, port, action, key, arg = sys.argv[1:6]
+s = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=20),
+                  wait_for_workers=False)
+if action == "set":
+    s.set(key, bytes.fromhex(arg))
+elif action == "copy":
+    s.wait([key]); s.set(arg, s.get(key))
+elif action == "read":
+    s.wait([key]); sys.stdout.write(s.get(key).hex())
+"""
+
+
+def _outsider(port: int, action: str, key: str, arg: str = "") -> str:
+    """Run the outsider process (no secret in its environment); returns its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    out = subprocess.run([sys.executable, "-c", _OUTSIDER, HOST, str(port), action, key, arg],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+class _CreateFile:
+    """Unpickling this calls ``open(path, "w")``: proof of code execution if it happens."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.path, "w"))
+
+
+def _evil_pickle(path: str) -> str:
+    return pickle.dumps(_CreateFile(path), protocol=2).hex()
+
+
+# ---------------------------------------------------------------------- tests
+def test_store_listens_only_on_the_given_address() -> None:
+    port = free_port()
+    g = StatelessProcessGroup.create(HOST, port, 0, 1, timeout=10, name="bind")
+    try:
+        listening = [c.laddr for c in psutil.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listening and all(a.ip == HOST for a in listening), listening
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize("secret_from", ["key-file", "env"])
+def test_outsider_pickle_under_the_keys_runs_nothing(tmp_path, secret_from: str) -> None:
+    marker = str(tmp_path / "pwned")
+    env = {SECRET_ENV: os.urandom(32).hex()} if secret_from == "env" else None
+    res = run_distributed(_rank_pickle_attack, 2, free_port(), marker, env=env, timeout=120)
+    assert not os.path.exists(marker), "an outsider's pickle was executed"
+    assert res[1]["p2p"] == {"legit": 1}  # the rank carried on once the real value came
+    assert res[1]["bcast"] == ("legit", 2)
+    assert res[1]["rejected"] >= 2  # the outsider's values were seen and dropped
+    assert res[0]["gather"] == res[1]["gather"] == [0, 1]
+    assert res[1]["unanswered"].startswith("AuthenticationError") and "none was decoded" in \
+        res[1]["unanswered"], res[1]["unanswered"]
+
+
+def test_forged_moved_and_read_values_are_useless_to_an_outsider() -> None:
+    res = run_distributed(_rank_forgery, 2, free_port(), timeout=120)
+    r1 = res[1]
+    assert r1["first"] == "TOPSECRET-1"
+    assert r1["moved"].startswith("AuthenticationError") and "wrong HMAC" in r1["moved"], r1
+    assert r1["forged"].startswith("AuthenticationError") and "wrong HMAC" in r1["forged"], r1
+    assert r1["raw_pickle"].startswith("AuthenticationError"), r1
+    assert not res[0]["plaintext_visible"]  # the outsider read only ciphertext
+
+
+def test_unsendable_object_raises_type_error_naming_type_and_opt_in() -> None:
+    res = run_distributed(_rank_unsendable, 2, free_port(), timeout=120)
+    assert "_CreateFile" in res[0] and "allow_pickle=True" in res[0], res[0]
+    assert res[1].startswith("CollectiveMismatch") and "rank 0" in res[1], res[1]
+
+
+def test_opt_in_pickle_round_trips_between_opted_in_ranks() -> None:
+    res = run_distributed(_rank_opt_in, 2, free_port(), timeout=120)
+    assert res[1] == "complex:(1+2j)"
+
+
+def test_secret_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="non-loopback.*secret"):
+        StatelessProcessGroup.create("10.255.255.1", free_port(), 0, 1, timeout=5)
+    with pytest.raises(TypeError, match="secret must be bytes, got str"):
+        StatelessProcessGroup.create(HOST, free_port(), 0, 1, secret="x" * 32)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="secret must hold >= 16 bytes, got 4"):
+        StatelessProcessGroup.create(HOST, free_port(), 0, 1, secret=b"abcd")
+    with pytest.raises(ValueError, match="contradict"):
+        StatelessProcessGroup.create(HOST, free_port(), 0, 1, secret=os.urandom(16), insecure=True)
+    with pytest.raises(TypeError, match="allow_pickle must be a bool"):
+        StatelessProcessGroup.create(HOST, free_port(), 0, 1, allow_pickle=1)  # type: ignore[arg-type]
+
+
+def test_bad_secret_environment_variable_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "not-hex")
+    with pytest.raises(ValueError, match=SECRET_ENV):
+        StatelessProcessGroup.create(HOST, free_port(), 0, 1, timeout=5)
+    monkeypatch.setenv(SECRET_ENV, "ab" * 8)
+    with pytest.raises(ValueError, match="32 hex digits"):
+        StatelessProcessGroup.create(HOST, free_port(), 0, 1, timeout=5)
+
+
+def test_mismatched_secrets_fail_authentication_promptly() -> None:
+    res = run_distributed(_rank_wrong_secret, 2, free_port(), timeout=120)
+    assert res[1].startswith("AuthenticationError") and "session" in res[1], res[1]
+
+
+def test_authentication_error_is_in_the_family() -> None:
+    e = AuthenticationError("x", rejected=3, queue="g", peers=[1])
+    assert isinstance(e, GroupCoordError) and isinstance(e, PermissionError)
+    back = pickle.loads(pickle.dumps(e))
+    assert (back.rejected, back.queue, back.peers, str(back)) == (3, "g", (1,), "x")
+
+
+# ---------------------------------------------------------------------- on the ranks
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _rank_pickle_attack(rank: int, world_size: int, port: int, marker: str) -> dict:
+    g = StatelessProcessGroup.create(HOST, port, rank, world_size, timeout=30, name="stateless")
+    out: dict[str, Any] = {}
+    if rank == 0:
+        evil = _evil_pickle(marker)
+        for key in ("stateless/p2p/0->1/0", "stateless/bcast/0/0", "stateless/p2p/0->1/1"):
+            _outsider(port, "set", key, evil)
+        g.barrier()
+        time.sleep(0.5)  # rank 1 is now reading the outsider's values
+        g.send_obj({"legit": 1}, dst=1)
+        g.broadcast_obj(("legit", 2), src=0)
+    else:
+        g.barrier()
+        out["p2p"] = g.recv_obj(src=0, timeout=20)
+        out["bcast"] = g.broadcast_obj(None, src=0, timeout=20)
+        try:  # only the outsider's value is ever under p2p/0->1/1
+            g.recv_obj(src=0, timeout=1.0)
+        except AuthenticationError as e:
+            out["unanswered"] = _err(e)
+        out["rejected"] = g.rejected_values
+    out["gather"] = g.all_gather_obj(rank)
+    g.barrier()
+    g.close()
+    return out
+
+
+def _rank_forgery(rank: int, world_size: int, port: int) -> dict:
+    g = StatelessProcessGroup.create(HOST, port, rank, world_size, timeout=30, name="f")
+    out: dict[str, Any] = {}
+    if rank == 0:
+        g.send_obj("TOPSECRET-1", dst=1)
+        seen = bytes.fromhex(_outsider(port, "read", "f/p2p/0->1/0"))
+        out["plaintext_visible"] = b"TOPSECRET" in seen
+        _outsider(port, "copy", "f/p2p/0->1/0", "f/p2p/0->1/1")  # a valid value, moved
+        forged = bytearray(seen)
+        forged[-40] ^= 1  # one ciphertext bit flipped
+        _outsider(port, "set", "f/p2p/0->1/2", bytes(forged).hex())
+        _outsider(port, "set", "f/p2p/0->1/3", pickle.dumps(["plain pickle"]).hex())
+        g.barrier()
+    else:
+        g.barrier()
+        out["first"] = g.recv_obj(src=0)
+        for what in ("moved", "forged", "raw_pickle"):
+            try:
+                out[what] = repr(g.recv_obj(src=0, timeout=1.0))
+            except AuthenticationError as e:
+                out[what] = _err(e)
+    g.barrier()
+    g.close()
+    return out
+
+
+def _rank_unsendable(rank: int, world_size: int, port: int) -> str:
+    g = StatelessProcessGroup.create(HOST, port, rank, world_size, timeout=30, name="u")
+    try:
+        if rank == 0:
+            try:
+                g.send_obj(_CreateFile("/nonexistent/never"), dst=1)
+            except TypeError as e:
+                return str(e)
+            return "no error"
+        try:
+            return repr(g.recv_obj(src=0, timeout=20))
+        except CollectiveMismatch as e:
+            return _err(e)
+    finally:
+        g.barrier()
+        g.close()
+
+
+def _rank_opt_in(rank: int, world_size: int, port: int) -> str:
+    g = StatelessProcessGroup.create(HOST, port, rank, world_size, timeout=30, name="o",
+                                     allow_pickle=True)
+    got = g.broadcast_obj(1 + 2j if rank == 0 else None, src=0)
+    g.barrier()
+    g.close()
+    return f"{type(got).__name__}:{got}"
+
+
+def _rank_wrong_secret(rank: int, world_size: int, port: int) -> str:
+    secret = bytes([rank + 1]) * 32  # every rank a different secret
+    try:
+        g = StatelessProcessGroup.create(HOST, port, rank, world_size, timeout=3, name="w",
+                                         secret=secret)
+    except AuthenticationError as e:
+        return _err(e)
+    if rank == 0:
+        time.sleep(5)  # keep the store up while rank 1 gives up
+    g.close()
+    return "created"
