@@ -39,7 +39,10 @@ from tests.coordinator.rank_checks import expect_equal, expect_raises, make
 # ---------------------------------------------------------------------- bad arguments
 # One test id per bad argument and world size, each run on the shared pool
 # ranks; every run ends by checking that the group still works.
-def _bad_arguments(g: Any, n: int, me: int) -> list[tuple[str, type, Callable[[], Any], tuple[str, ...]]]:
+BadArgument = tuple[str, type, Callable[[], Any], tuple[str, ...]]  # name, exception, call, words
+
+
+def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
     """``(name, exception, call, words its message must name)`` for every bad argument
     the ranks all agree on (each rank raises). Built on the ranks with their group;
     the test process builds it with ``g=None`` for the names only (nothing is called)."""
@@ -50,7 +53,7 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[tuple[str, type, Callable[[]
     xi = make(me, (2, 4), torch.int64, "bad")
     meta = torch.empty(2, 4, device="meta")
     T, V = TypeError, ValueError
-    cases: list[tuple[str, type, Callable[[], Any], tuple[str, ...]]] = [
+    cases: list[BadArgument] = [
         ("all_reduce/band-float", T, lambda: g.all_reduce(x, ReduceOp.BAND), ("op", "BAND", "float32")),
         ("all_reduce/bxor-bf16", T, lambda: g.all_reduce(x.bfloat16(), ReduceOp.BXOR), ("op", "bfloat16")),
         ("all_reduce/avg-int", T, lambda: g.all_reduce(xi, ReduceOp.AVG), ("op", "AVG", "int64")),
@@ -119,7 +122,9 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[tuple[str, type, Callable[[]
     return cases
 
 
-def _one_rank_bad_arguments(g: Any, n: int, me: int, bad: int) -> list[tuple[str, Callable[[], Any], tuple[str, ...]]]:
+def _one_rank_bad_arguments(
+    g: Any, n: int, me: int, bad: int
+) -> list[tuple[str, Callable[[], Any], tuple[str, ...]]]:
     """``(name, call, words)`` for arguments only one rank can get wrong (its own
     size entry, the source's tensor), got wrong by rank ``bad``."""
     x = make(me, (2, 4), torch.float32, "bad")

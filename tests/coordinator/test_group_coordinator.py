@@ -13,8 +13,9 @@ are one per method, because every run builds the model-parallel groups again
 (the pool tears them down after each run, ~0.3 s).
 
 The functions below run on the ranks as ``fn(rank, world_size, *args)`` (the
-pool pickles them by reference; see ``tests/coordinator/rank_checks.py`` for inputs and references).
-Every case returns the names of the checks it made, identical on every rank.
+pool pickles them by reference; inputs and references come from
+``tests/coordinator/rank_checks.py``). Every case returns the names of the
+checks it made, identical on every rank.
 """
 
 from __future__ import annotations
@@ -673,7 +674,8 @@ def test_world_group(dist_pool, world_size, case):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size,case", [
-    pytest.param(ws, c, id=f"ws{ws}-{c.name}") for ws in WORLD_SIZES[1:] for c in collective_cases(ws)
+    pytest.param(ws, c, id=f"ws{ws}-{c.name}")
+    for ws in WORLD_SIZES[1:] for c in collective_cases(ws)
 ])
 def test_group_forced_onto_plain_gloo(dist_pool, world_size, case):
     _ran_the_same_checks(dist_pool(world_size).run(_run_cases, "gloo", [case], timeout=90))
