@@ -26,7 +26,8 @@ Security (see ``docs/security-stateless.md``):
   variable :data:`SECRET_ENV` (set by the launcher for every rank), else, for
   a loopback ``host`` only, a random secret that rank 0 writes to a file only
   its user can read (``/dev/shm/groupcoord-<uid>/``, mode 0700/0600) and the
-  other ranks read. A group on a non-loopback address without a secret raises
+  other ranks read (removed at the first barrier, on ``close()`` or at exit).
+  A group on a non-loopback address without a secret raises
   ``ValueError``; ``insecure=True`` turns authentication off explicitly.
 
 Protocol (all through the store, keys prefixed with the group's name)::
@@ -98,7 +99,8 @@ class StatelessProcessGroup:
         name: Key prefix, also used in error messages.
         timeout: Default seconds for blocking operations (> 0).
         secret: The group's shared secret (>= 16 bytes); None reads
-            :data:`SECRET_ENV`.
+            :data:`SECRET_ENV`, else, for a ``TCPStore`` on a loopback
+            address, rank 0 makes one and shares it through a private file.
         insecure: No secret: values are neither authenticated nor encrypted
             (still never unpickled unless ``allow_pickle``).
         allow_pickle: Pickle objects msgpack cannot carry, and accept pickled
@@ -113,8 +115,10 @@ class StatelessProcessGroup:
         rejected_values: Values ignored so far because they failed authentication.
 
     Raises:
-        ValueError: No secret is given or in the environment and ``insecure``
-            is false, or the secret is malformed.
+        TypeError: An argument has the wrong type.
+        ValueError: No secret is given or in the environment, the store is not
+            a loopback ``TCPStore`` and ``insecure`` is false; or the secret
+            is malformed.
         AuthenticationError: No authentic session record from rank 0 arrived
             within ``timeout``.
     """
@@ -124,8 +128,7 @@ class StatelessProcessGroup:
                  insecure: bool = False, allow_pickle: bool = False,
                  _secret_source: Callable[[], bytes | None] | None = None) -> None:
         _check_rank_world(rank, world_size)
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
+        _check_name(name)
         self.rank = rank
         self.world_size = world_size
         self.store = store
@@ -140,8 +143,11 @@ class StatelessProcessGroup:
         self._barrier_seq = 0
         self._key_file: str | None = None
         if _secret_source is None:
-            fixed = _resolve_secret(secret, _check_bool(insecure, "insecure"))
-            _secret_source = None if fixed is None else (lambda: fixed)
+            host, port = (store.host, store.port) if isinstance(store, dist.TCPStore) else (None, 0)
+            _secret_source, self._key_file = _secret_plan(
+                rank, host, port, name, secret, _check_bool(insecure, "insecure"))
+        if self._key_file is not None:
+            weakref.finalize(self, _remove_quietly, self._key_file)
         self._sealer = _Sealer(name) if _secret_source is None else self._establish(_secret_source)
 
     @classmethod
@@ -175,24 +181,18 @@ class StatelessProcessGroup:
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a non-empty str, got {host!r}")
         t: float = check_timeout(timeout, positive=True)  # type: ignore[assignment]
-        fixed = _resolve_secret(secret, _check_bool(insecure, "insecure"), auto_ok=True)
-        key_file: str | None = None
-        source: Callable[[], bytes | None] | None = None
-        if fixed is _AUTO:
-            if not _is_loopback(host):
-                raise ValueError(
-                    f"a stateless group on non-loopback host {host!r} needs a shared secret: pass "
-                    f"secret=<the same >= {_MIN_SECRET} random bytes on every rank>, or set "
-                    f"{SECRET_ENV}=<hex> in every rank's environment (e.g. from "
-                    f"secrets.token_hex(32) in the launcher), or pass insecure=True")
-            key_file = _key_file_path(host, port, name)
-            source = _write_key_file(key_file) if rank == 0 else (lambda: _read_key_file(key_file))
-        elif fixed is not None:
-            source = lambda: fixed  # noqa: E731
-        store = _open_store(host, port, rank, world_size, t)
-        group = cls(rank, world_size, store, name=name, timeout=t, insecure=source is None,
-                    allow_pickle=allow_pickle, _secret_source=source)
-        if rank == 0 and key_file is not None:
+        _check_name(name)
+        source, key_file = _secret_plan(rank, host, port, name, secret,
+                                        _check_bool(insecure, "insecure"))
+        try:
+            store = _open_store(host, port, rank, world_size, t)
+            group = cls(rank, world_size, store, name=name, timeout=t, insecure=source is None,
+                        allow_pickle=allow_pickle, _secret_source=source)
+        except BaseException:
+            if key_file is not None:
+                _remove_quietly(key_file)
+            raise
+        if key_file is not None:
             group._key_file = key_file
             weakref.finalize(group, _remove_quietly, key_file)
         return group
@@ -301,8 +301,11 @@ class StatelessProcessGroup:
         self._delete(left[1:])
         if seq > 0:  # everyone has left barrier seq-1
             self._delete([self._key(f"barrier/{seq - 1}/{r}") for r in range(self.world_size)])
-        else:  # every rank has verified the session record
+        else:  # every rank has verified the session: its record and key file are done
             self._delete([self._key("session")])
+            if self._key_file is not None:
+                _remove_quietly(self._key_file)
+                self._key_file = None
 
     def close(self) -> None:
         """Drop the store connection (rank 0 stops serving the others, removes its key file)."""
@@ -549,9 +552,11 @@ def _resolve_secret(secret: Any, insecure: bool, auto_ok: bool = False) -> bytes
         try:
             value = bytes.fromhex(env.strip())
         except ValueError:
-            raise ValueError(f"{SECRET_ENV} must be hex digits, got {len(env)} other characters") from None
+            raise ValueError(f"{SECRET_ENV} must be hex digits, got {len(env)} characters "
+                             "that are not all hex (value not shown)") from None
         if len(value) < _MIN_SECRET:
-            raise ValueError(f"{SECRET_ENV} must hold >= {2 * _MIN_SECRET} hex digits, got {len(env)}")
+            raise ValueError(
+                f"{SECRET_ENV} must hold >= {2 * _MIN_SECRET} hex digits, got {len(env)}")
         return value
     if insecure:
         return None
@@ -560,6 +565,31 @@ def _resolve_secret(secret: Any, insecure: bool, auto_ok: bool = False) -> bytes
     raise ValueError(
         f"a StatelessProcessGroup needs a shared secret: pass secret=<bytes> or set {SECRET_ENV} "
         f"(hex) on every rank, or pass insecure=True")
+
+
+def _secret_plan(rank: int, host: str | None, port: int, name: str, secret: Any,
+                 insecure: bool) -> tuple[Callable[[], bytes | None] | None, str | None]:
+    """``(secret source or None if insecure, key file this rank writes or None)``.
+
+    Raises:
+        ValueError: No secret, and the store is not on a loopback address.
+    """
+    fixed = _resolve_secret(secret, insecure, auto_ok=host is not None)
+    if fixed is None:
+        return None, None
+    if fixed is not _AUTO:
+        return (lambda: fixed), None
+    host = str(host)  # set: _AUTO comes only with a host
+    if not _is_loopback(host):
+        raise ValueError(
+            f"a stateless group on non-loopback host {host!r} needs a shared secret: pass "
+            f"secret=<the same >= {_MIN_SECRET} random bytes on every rank>, or set "
+            f"{SECRET_ENV}=<hex> in every rank's environment (e.g. from secrets.token_hex(32) "
+            f"in the launcher), or pass insecure=True")
+    path = _key_file_path(host, port, name)
+    if rank == 0:
+        return _write_key_file(path), path
+    return (lambda: _read_key_file(path)), None
 
 
 def _is_loopback(host: str) -> bool:
@@ -627,6 +657,7 @@ def _private_dir(path: str) -> None:
 def _write_key_file(path: str) -> Callable[[], bytes]:
     """Write a fresh secret to ``path`` (0600, atomically); returns its source."""
     _private_dir(os.path.dirname(path))
+    _prune_key_files(os.path.dirname(path))
     secret = secrets.token_bytes(32)
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -636,6 +667,22 @@ def _write_key_file(path: str) -> Callable[[], bytes]:
         os.close(fd)
     os.replace(tmp, path)
     return lambda: secret
+
+
+def _prune_key_files(directory: str, max_age_s: float = 86400.0) -> None:
+    """Remove key files left by ranks that died during setup (older than a day)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    now = time.time()
+    for n in names:
+        path = os.path.join(directory, n)
+        try:
+            if n.startswith("stateless-") and now - os.lstat(path).st_mtime > max_age_s:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _read_key_file(path: str) -> bytes | None:
@@ -662,6 +709,13 @@ def _remove_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} ({name!r:.60})")
+    if not name or "/" in name:
+        raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
 
 
 def _check_bool(value: Any, arg: str) -> bool:

@@ -254,18 +254,20 @@ class ObjectGroup:
         import torch
         import torch.distributed as dist
 
-        gsrc = dist.get_global_rank(self._group, src)
+        gsrc, dev = dist.get_global_rank(self._group, src), _device_of(self._group)
         payload, error = self._encode(obj) if self.rank == src else (b"", None)
-        size = torch.tensor([len(payload)], dtype=torch.int64)
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
         dist.broadcast(size, src=gsrc, group=self._group)
         n = self._checked_size(int(size.item()), src)
-        buf = _bytes_tensor(payload) if self.rank == src else torch.empty(n, dtype=torch.uint8)
+        buf = (_bytes_tensor(payload).to(dev) if self.rank == src
+               else torch.empty(n, dtype=torch.uint8, device=dev))
         dist.broadcast(buf, src=gsrc, group=self._group)
         if error is not None:
             raise error
         if self.rank == src:
             return obj
-        return decode_object(buf.numpy(), allow_pickle=self._allow_pickle, source=f"rank {src}")
+        return decode_object(buf.cpu().numpy(), allow_pickle=self._allow_pickle,
+                             source=f"rank {src}")
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Gather ``obj`` from every rank; returns the list ordered by group rank.
@@ -281,20 +283,22 @@ class ObjectGroup:
         import torch.distributed as dist
 
         payload, error = self._encode(obj)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self._group)
+        dev, n = _device_of(self._group), self.world_size
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
+        mine = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+        dist.all_gather(sizes, mine, group=self._group)
         lens = [self._checked_size(int(s.item()), r) for r, s in enumerate(sizes)]
         width = max(lens)
-        mine = torch.zeros(width, dtype=torch.uint8)
-        mine[: len(payload)] = _bytes_tensor(payload)
-        bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(bufs, mine, group=self._group)
+        data = torch.zeros(width, dtype=torch.uint8)
+        data[: len(payload)] = _bytes_tensor(payload)
+        bufs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(n)]
+        dist.all_gather(bufs, data.to(dev), group=self._group)
         if error is not None:
             raise error
         return [obj if r == self.rank else
-                decode_object(bufs[r][: lens[r]].numpy(), allow_pickle=self._allow_pickle,
+                decode_object(bufs[r][: lens[r]].cpu().numpy(), allow_pickle=self._allow_pickle,
                               source=f"rank {r}")
-                for r in range(self.world_size)]
+                for r in range(n)]
 
     def _encode(self, obj: Any) -> tuple[bytes, BaseException | None]:
         """This rank's payload, or a failure record and the error to raise after sending it."""
@@ -309,6 +313,16 @@ class ObjectGroup:
                 f"rank {src} announced an object of {n} bytes, outside [1, {MAX_OBJECT_BYTES}]; "
                 "nothing was allocated", peers=(src,))
         return n
+
+
+def _device_of(group: Any) -> Any:
+    """Where the group's tensors live: CPU, or the current CUDA device for a NCCL-only group."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _bytes_tensor(data: bytes) -> Any:

@@ -444,7 +444,8 @@ def _write_owner_record(name: str) -> None:
     segment is never removed by cleanup, only by its owner."""
     ident = OwnerIdentity.of_self()
     try:
-        fd = os.open(_record_path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(_record_path(name), flags, 0o600)
     except OSError:
         return
     try:

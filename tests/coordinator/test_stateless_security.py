@@ -133,9 +133,65 @@ def test_bad_secret_environment_variable_is_refused(monkeypatch) -> None:
         StatelessProcessGroup.create(HOST, free_port(), 0, 1, timeout=5)
 
 
+def test_direct_construction_needs_a_secret_unless_the_store_is_on_loopback() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match="needs a shared secret"):
+        StatelessProcessGroup(0, 1, store)
+    with pytest.raises(TypeError, match="name must be a str"):
+        StatelessProcessGroup(0, 1, store, name=3, insecure=True)  # type: ignore[arg-type]
+    g = StatelessProcessGroup(0, 1, store, name="h", secret=os.urandom(16))
+    assert g.broadcast_obj(("x", {1}), src=0) == ("x", {1})
+    g.barrier()
+    g.close()
+    res = run_distributed(_rank_own_store, 2, free_port(), timeout=120)
+    assert res == [[(0, "own"), (1, "own")]] * 2
+
+
 def test_mismatched_secrets_fail_authentication_promptly() -> None:
     res = run_distributed(_rank_wrong_secret, 2, free_port(), timeout=120)
     assert res[1].startswith("AuthenticationError") and "session" in res[1], res[1]
+
+
+def test_insecure_mode_still_never_unpickles(tmp_path) -> None:
+    marker = str(tmp_path / "pwned")
+    res = run_distributed(_rank_insecure, 2, free_port(), marker, timeout=120)
+    assert not os.path.exists(marker)
+    assert res[1]["framed_pickle"].startswith("CollectiveMismatch") and \
+        "not unpickled" in res[1]["framed_pickle"], res[1]
+    assert res[1]["after"] == ["still", "working"]
+
+
+@pytest.mark.parametrize("n", [pytest.param(5_000, id="short"),
+                               pytest.param(100_000, id="100k", marks=pytest.mark.slow)])
+def test_every_altered_sealed_value_fails_authentication(n: int) -> None:
+    import random
+
+    from coordinator.stateless_group import _Sealer
+    from shm_broadcast.group_adapter import encode_object
+
+    rng = random.Random(n)
+    sealer = _Sealer("g", os.urandom(32), os.urandom(16))
+    key = "g/p2p/0->1/0"
+    sealed = sealer.seal(key, encode_object({"ids": [1, 2, 3], "t": ("a", b"b")}))
+    assert sealer.open(key, sealed) == encode_object({"ids": [1, 2, 3], "t": ("a", b"b")})
+    for _ in range(n):
+        data = bytearray(sealed)
+        for _ in range(rng.randint(1, 3)):
+            op = rng.random()
+            if op < 0.7 and data:
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            elif op < 0.85 or not data:
+                data.insert(rng.randrange(len(data) + 1), rng.randrange(256))
+            else:
+                del data[rng.randrange(len(data)):]
+        if bytes(data) == sealed:
+            continue
+        with pytest.raises(AuthenticationError):
+            sealer.open(key, bytes(data))
+    with pytest.raises(AuthenticationError, match="wrong HMAC"):
+        sealer.open("g/p2p/0->1/1", sealed)  # moved to another key
 
 
 def test_authentication_error_is_in_the_family() -> None:
@@ -227,6 +283,39 @@ def _rank_opt_in(rank: int, world_size: int, port: int) -> str:
     g.barrier()
     g.close()
     return f"{type(got).__name__}:{got}"
+
+
+def _rank_insecure(rank: int, world_size: int, port: int, marker: str) -> dict:
+    g = StatelessProcessGroup.create(HOST, port, rank, world_size, timeout=30, name="i",
+                                     insecure=True)
+    out: dict[str, Any] = {}
+    if rank == 0:  # a correctly framed plain value whose payload is a pickle
+        _outsider(port, "set", "i/p2p/0->1/0", (b"GCS1\x00p" + bytes.fromhex(
+            _evil_pickle(marker))).hex())
+    g.barrier()
+    if rank == 1:
+        try:
+            out["framed_pickle"] = repr(g.recv_obj(src=0, timeout=10))
+        except CollectiveMismatch as e:
+            out["framed_pickle"] = _err(e)
+    out["after"] = g.broadcast_obj(["still", "working"] if rank == 0 else None, src=0)
+    g.barrier()
+    g.close()
+    return out
+
+
+def _rank_own_store(rank: int, world_size: int, port: int) -> list:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(HOST, port, world_size, rank == 0, datetime.timedelta(seconds=30),
+                          wait_for_workers=False)
+    g = StatelessProcessGroup(rank, world_size, store, name="own", timeout=30)
+    got = g.all_gather_obj((rank, "own"))
+    g.barrier()
+    g.close()
+    return got
 
 
 def _rank_wrong_secret(rank: int, world_size: int, port: int) -> str:

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 
 from coordinator.testing import free_port
@@ -85,10 +87,44 @@ def test_pickled_or_failed_payloads_are_refused_unread(tmp_path) -> None:
     assert decode_object(encode_object(1 + 2j, allow_pickle=True), allow_pickle=True) == 1 + 2j
 
 
-def test_malformed_bytes_raise_only_collective_mismatch() -> None:
-    rng = random.Random(12)
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False),
+    st.text(max_size=20), st.binary(max_size=20))
+_hashables = st.recursive(_scalars, lambda c: st.tuples(c, c) | st.frozensets(c, max_size=3),
+                          max_leaves=6)
+_objects = st.recursive(
+    _hashables,
+    lambda c: (st.lists(c, max_size=4) | st.tuples(c, c) | st.sets(_hashables, max_size=3)
+               | st.dictionaries(st.text(max_size=5), c, max_size=3)
+               | st.dictionaries(_hashables, c, max_size=3)),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_objects)
+def test_round_trip_is_exact_for_generated_objects(obj: Any) -> None:
+    back = decode_object(encode_object(obj))
+    assert back == obj and _same_types(back, obj)
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` (equal) have the same container and scalar types throughout."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return all(_same_types(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        keys = {type(k): k for k in a}
+        return all(type(k) in keys for k in b) and all(_same_types(a[k], b[k]) for k in a)
+    return True
+
+
+@pytest.mark.parametrize("n", [pytest.param(20_000, id="short"),
+                               pytest.param(100_000, id="100k", marks=pytest.mark.slow)])
+def test_malformed_bytes_raise_only_collective_mismatch(n: int) -> None:
+    rng = random.Random(n)
     seeds = [encode_object(o) for o in SAMPLES] + [b"m\xdd\xff\xff\xff\xff", b"m\xc7\xff\x01"]
-    for i in range(20000):
+    for _ in range(n):
         data = bytearray(rng.choice(seeds))
         for _ in range(rng.randint(1, 4)):
             op = rng.random()
