@@ -2,10 +2,28 @@
 
 A parked side (a reader waiting for a message, or the writer waiting for a
 free chunk) sleeps in ``poll(2)`` on its own :class:`Doorbell`, a Unix
-datagram socket bound to an abstract name (Linux; no file, nothing to leak).
-The other side rings it with :class:`BellRinger` -- one non-blocking
-``sendto`` -- and only when the sleeper declared itself parked in shared
-memory, so the hot path (a spinning peer) makes no syscall at all.
+datagram socket bound to a file in the queue's private *channel directory*
+(``0700``, created by the writer; see :func:`shm_broadcast.transport.new_channel_dir`).
+The other side rings it through a :class:`BellRinger` line -- one
+non-blocking ``send`` on a datagram socket *connected* to that doorbell --
+and only when the sleeper declared itself parked in shared memory, so the hot
+path (a spinning peer) makes no syscall at all.
+
+Protocol changes for private channels (what holds):
+
+* A doorbell's path is ``<channel dir>/w`` (writer) or ``<channel dir>/r<i>``
+  (reader slot ``i``). Another user can neither bind such a path nor send to
+  it: the directory denies them search permission. (Abstract names, used
+  before, have no permissions at all.)
+* A ringer connects each line once (lazily, at the first ring that finds the
+  doorbell bound, or eagerly through ``line.connect()``). A connected Unix
+  datagram socket refers to the receiving *socket*, not to its path, so the
+  writer can delete the whole directory once every reader is attached, and a
+  line never reaches a socket bound later at the same path. Ringing a
+  connected socket also skips the path lookup ``sendto`` would make.
+* :meth:`Doorbell.ring_self` wakes the doorbell's own sleeper (``shutdown``
+  from another thread) through a socket connected at bind time, so it too
+  works after the path is gone.
 
 Why not a zmq socket? The first version rang the readers through the writer's
 zmq PUB socket. A zmq message crosses two I/O threads before it reaches the
@@ -24,44 +42,50 @@ the liveness checks, not here. Every park is bounded by
 from __future__ import annotations
 
 import os
-import secrets
 import select
 import socket
-import sys
-import tempfile
+from typing import Callable
 
-__all__ = ["Doorbell", "BellRinger", "new_bell_prefix", "bell_address"]
+__all__ = ["Doorbell", "BellRinger", "bell_address"]
 
 _BELL = b"!"
 
 
-def new_bell_prefix() -> str:
-    """Return a fresh name prefix for the doorbells of one queue."""
-    return f"gc_mq_{os.getpid()}_{secrets.token_hex(6)}_"
-
-
 def bell_address(prefix: str, tag: str) -> str:
-    """Return the socket address of doorbell ``tag`` (``"w"``, ``"r0"``...) of a queue."""
-    if sys.platform.startswith("linux"):
-        return "\0" + prefix + tag  # abstract namespace: no file system entry
-    return os.path.join(tempfile.gettempdir(), prefix + tag)
+    """Return the path of doorbell ``tag`` (``"w"``, ``"r0"``...) of a queue.
+
+    Args:
+        prefix: The queue's channel directory followed by ``/`` (the handle's
+            ``bell_prefix``).
+        tag: The doorbell's name in it.
+    """
+    return prefix + tag
+
+
+def _dgram() -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.setblocking(False)
+    return s
 
 
 class Doorbell:
     """The receiving end: one per sleeper.
 
     Args:
-        address: From :func:`bell_address`.
+        address: From :func:`bell_address`; its directory must exist and be ours.
     """
 
     def __init__(self, address: str) -> None:
         self.address = address
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._self_line: socket.socket | None = None
         try:
             self._sock.bind(address)
             self._sock.setblocking(False)
+            self._self_line = _dgram()
+            self._self_line.connect(address)  # stays valid once the path is removed
         except BaseException:
-            self._sock.close()
+            self.close()
             raise
         self._poller = select.poll()
         self._poller.register(self._sock.fileno(), select.POLLIN)
@@ -88,39 +112,71 @@ class Doorbell:
         except OSError:
             pass
 
+    def ring_self(self) -> None:
+        """Wake this doorbell's sleeper (any thread; never blocks, never raises)."""
+        line = self._self_line
+        if line is not None:
+            try:
+                line.send(_BELL)
+            except OSError:  # full (already rung) or closed
+                pass
+
     def close(self) -> None:
-        """Close (and, outside Linux, unlink) the socket. Idempotent."""
+        """Close the socket and unlink its path (if still there). Idempotent.
+
+        The channel directory may already be gone (the writer removes it once
+        everyone is connected): that is not an error.
+        """
+        if self._self_line is not None:
+            self._self_line.close()
+            self._self_line = None
         if self._sock.fileno() < 0:
             return
         self._sock.close()
-        if not self.address.startswith("\0"):
-            try:
-                os.unlink(self.address)
-            except OSError:
-                pass
+        try:
+            os.unlink(self.address)
+        except OSError:
+            pass
 
 
 class BellRinger:
-    """The sending end: rings any doorbell by address, never blocks, never raises."""
+    """The sending end: one line per doorbell; lines never block and never raise."""
 
     def __init__(self) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-        send = self._sock.sendto
+        self._socks: list[socket.socket] = []
 
-        def sendto(address: str) -> None:
-            try:
-                send(_BELL, address)
-            except OSError:  # buffer full (already rung), refused/missing (gone), closed
-                pass
+    def line(self, address: str) -> Callable[[], None]:
+        """Return a function that rings the doorbell at ``address``.
 
-        #: :meth:`ring` as a plain function (one call level less on hot paths).
-        self.sendto = sendto
+        The function connects on its first call that finds the doorbell bound
+        (earlier calls are no-ops) and from then on only sends; its attribute
+        ``connect()`` connects now and says whether the line is connected.
+        """
+        sock = _dgram()
+        self._socks.append(sock)
+        send = sock.send
+        connected = [False]
 
-    def ring(self, address: str) -> None:
-        """Wake the sleeper at ``address`` (no-op if it is gone or already rung)."""
-        self.sendto(address)
+        def connect() -> bool:
+            if not connected[0]:
+                try:
+                    sock.connect(address)
+                    connected[0] = True
+                except OSError:  # not bound yet, gone, or the ringer is closed
+                    pass
+            return connected[0]
+
+        def ring() -> None:
+            if connected[0] or connect():
+                try:
+                    send(_BELL)
+                except OSError:  # buffer full (already rung), peer closed, ringer closed
+                    pass
+
+        ring.connect = connect  # type: ignore[attr-defined]
+        return ring
 
     def close(self) -> None:
-        """Close the socket. Idempotent."""
-        self._sock.close()
+        """Close every line. Idempotent; rings after this are no-ops."""
+        for s in self._socks:
+            s.close()

@@ -20,6 +20,13 @@ of them sees the other's store: either the reader finds the message before
 sleeping, or the writer sees ``parked`` and rings. Either way no wakeup is
 lost; and the bounded poll means even a bug here would cost latency, not a
 hang.
+
+Channels (see :mod:`shm_broadcast.transport`): the reader binds its doorbell
+``r<index>`` in the writer's ``0700`` channel directory *before* it sends its
+hello, connects a line to the writer's doorbell and its zmq sockets to the
+``ipc://`` paths there, none of which ever reconnect. The writer removes the
+directory once every reader is attached, so closing must not need it; a
+reader that finds the writer dead on close removes what is left of it.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from shm_broadcast.handle import Handle
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, ShmRingBuffer
 from shm_broadcast.transport import (
     CTL_HELLO, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
-    close_all, close_dealer, new_socket, say_goodbye,
+    close_all, close_dealer, new_socket, remove_dead_channel_dir, say_goodbye,
 )
 from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy
 
@@ -57,6 +64,10 @@ _OVERFLOW_MIN_WAIT = 2.0
 
 def _never() -> bool:
     return False
+
+
+def _no_ring() -> None:
+    return None
 
 
 class LocalReader:
@@ -92,6 +103,8 @@ class LocalReader:
         self._closing = False
         self._closed = False
         self._stash: collections.deque = collections.deque()
+        #: While waiting for an overflow payload: until when it may still arrive.
+        self._in_flight_until: float | None = None
         self._cond: Callable[[], bool] = _never
         self._wait_what: str | None = ""
         self._wait_timeout: float | None = None
@@ -102,11 +115,14 @@ class LocalReader:
         self.dealer: zmq.Socket | None = None
         self._ringer = BellRinger()
         self._doorbell: Doorbell | None = None
+        self._bell_prefix = handle.bell_prefix
+        self._ring_writer: Any = _no_ring
+        self._n_local = len(handle.local_reader_ranks)
         try:
             if (handle.segment is None or handle.local_pub is None or handle.local_ctl is None
                     or handle.bell_prefix is None):
                 raise ValueError(f"handle of queue {handle.name!r} has no local readers")
-            self._writer_bell = bell_address(handle.bell_prefix, "w")
+            self._ring_writer = self._ringer.line(bell_address(handle.bell_prefix, "w"))
             self.ring = ShmRingBuffer.attach(handle.segment)
             ring = self.ring
             self._strong = ring.strongly_ordered
@@ -116,6 +132,7 @@ class LocalReader:
             ctime = psutil.Process(self._pid).create_time()
             self.ring.register_reader(index, self._pid, ctime)
             self._doorbell = Doorbell(bell_address(handle.bell_prefix, f"r{index}"))
+            self._ring_writer.connect()  # the writer's bell exists as long as its handle
             self.ctx = zmq.Context(io_threads=1)
             self.sub = new_socket(self.ctx, zmq.SUB)
             self.sub.connect(handle.local_pub)
@@ -198,6 +215,15 @@ class LocalReader:
                 f"{self._wait_what}", queue=self.name, side=self.side)
         if self._cond():
             return
+        if self._in_flight_until is not None and (self.ring.is_shutdown()
+                                                  or not self._writer.alive()):
+            # A published overflow chunk's payload was sent before the chunk:
+            # it is in flight (zmq keeps what arrived before the connection
+            # dropped), so the writer's shutdown or exit is no reason to stop
+            # waiting for it -- for _OVERFLOW_MIN_WAIT at most.
+            self._drain_sub()
+            if self._cond() or time.monotonic() < self._in_flight_until:
+                return
         if self.ring.is_shutdown():
             raise QueueClosedError(
                 f"queue {self.name!r}: the {self._writer_desc} shut the queue down; "
@@ -271,7 +297,7 @@ class LocalReader:
         self._seq += 1
         ring.full_fence()
         if ring.buf[ring.writer_parked_offset] and ring.take_writer_parked():
-            self._ringer.ring(self._writer_bell)
+            self._ring_writer()
 
     def _recv_overflow(self, seq: int, timeout: float | None) -> list:
         def have() -> bool:
@@ -286,11 +312,16 @@ class LocalReader:
         self._cond, self._wait_what, self._wait_timeout = (
             have, f"the payload of overflow message #{seq}", wait)
         b = self._backoff
-        b.start(None if wait is None else time.monotonic() + wait)
-        while not have():
-            b.step()
-            if self.sub.poll(max(1, int(b.park_timeout() * 1000))):
-                self._drain_sub()
+        now = time.monotonic()
+        b.start(None if wait is None else now + wait)
+        self._in_flight_until = now + _OVERFLOW_MIN_WAIT
+        try:
+            while not have():
+                b.step()
+                if self.sub.poll(max(1, int(b.park_timeout() * 1000))):
+                    self._drain_sub()
+        finally:
+            self._in_flight_until = None
         frames = self._stash.popleft()
         (s,) = WIRE.unpack_from(frames[1].buffer)[:1]
         if s != seq:
@@ -316,9 +347,9 @@ class LocalReader:
         self._closing = True
         if self.ring is not None and not self.ring.closed:
             self.ring.set_reader_state(self.index, READER_CLOSED)
-            self._ringer.ring(self._writer_bell)  # a writer waiting for us re-checks now
+            self._ring_writer()  # a writer waiting for us re-checks now
         if self._doorbell is not None:
-            self._ringer.ring(self._doorbell.address)  # wake our own blocked call
+            self._doorbell.ring_self()  # wake our own blocked call
         say_goodbye(self.dealer, self._owner_thread)
 
     def close(self) -> None:
@@ -339,5 +370,9 @@ class LocalReader:
         if self._doorbell is not None:
             self._doorbell.close()
         self._ringer.close()
+        if self._bell_prefix and not self._writer.alive():
+            # A writer killed before every reader attached left its directory.
+            names = ["w", "p", "c"] + [f"r{i}" for i in range(self._n_local)]
+            remove_dead_channel_dir(self._bell_prefix.rstrip(os.sep), names)
         if self.ring is not None:
             self.ring.close()

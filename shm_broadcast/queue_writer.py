@@ -11,8 +11,30 @@ Per message (see :mod:`shm_broadcast.ring_buffer` for the flag protocol):
 3. remote readers: wait for flow-control credit, send on the ``m`` topic.
 
 A writer blocked on a full ring uses the same spin/yield/park policy as the
-readers, parks on its ``ctl`` socket (readers poke it after freeing a chunk if
-it declared itself parked) and checks the lagging readers' liveness.
+readers, parks on its doorbell (readers ring it after freeing a chunk if it
+declared itself parked) and checks the lagging readers' liveness.
+
+Channel security (protocol, see :mod:`shm_broadcast.transport` and
+``docs/security-channels.md``); what holds:
+
+* Local sockets and doorbells live in a ``0700`` channel directory the writer
+  creates; once every reader is attached the writer connects its doorbell
+  lines and removes the directory (``close`` removes it too, and a
+  ``weakref.finalize`` at interpreter exit), so only the queue's processes
+  ever held a path into it.
+* With remote readers the TCP listeners are CURVE servers (a keypair per
+  queue) and a ZAP handler admits only the remote readers' client key(s)
+  carried by the handle. Refused handshakes are counted
+  (:meth:`QueueWriter.security_stats`).
+* Control frames are validated before they change any state: a hello counts
+  only if it decodes as ``[rank, pid, create_time, host]``, comes from a
+  routing id the queue expects (``L<i>``: the local slot whose shared-memory
+  registration has the same pid and start time; ``R<rank>``: a rank that is
+  not local, over a ZAP-authenticated connection, at most ``n_remote`` of
+  them), and is the first for that id. Acks must be 8 bytes from a known
+  remote reader and never beyond the messages sent. Anything else is ignored
+  and counted as ``bad_control``; nothing a peer sends raises a decoder's
+  exception in the writer.
 """
 
 from __future__ import annotations
@@ -21,6 +43,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 import msgspec
@@ -29,20 +52,24 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from shm_broadcast.codec import Codec, Encoded
-from shm_broadcast.doorbell import BellRinger, Doorbell, bell_address, new_bell_prefix
+from shm_broadcast.doorbell import BellRinger, Doorbell, bell_address
 from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout
 from shm_broadcast.handle import Handle
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
 from shm_broadcast.transport import (
-    ACK, CTL_ACK, CTL_CLOSED, CTL_HELLO, KIND_DATA, KIND_OVERFLOW, KIND_READY, KIND_SHUTDOWN,
-    TOPIC_OVERFLOW, TOPIC_REMOTE, WIRE, bind, close_all, host_ip,
-    local_bind_address, new_socket,
+    ACK, CTL_ACK, CTL_CLOSED, CTL_HELLO, HANDSHAKE_FAILED, KIND_DATA, KIND_OVERFLOW,
+    KIND_READY, KIND_SHUTDOWN, TOPIC_OVERFLOW, TOPIC_REMOTE, WIRE, ReaderAuthenticator, bind,
+    close_all, count_failed_handshakes, host_ip, local_bind_address, make_curve_server,
+    new_channel_dir, new_keypair, new_socket, remove_channel_dir,
 )
 from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy
 
 __all__ = ["QueueWriter"]
 
 _ZERO_COPY_MIN = 1 << 16
+
+_Hello = tuple[int, int, float, str]
+_HELLO_DECODER = msgspec.msgpack.Decoder(_Hello)
 
 
 class QueueWriter:
@@ -92,6 +119,7 @@ class QueueWriter:
         self._init_resources()
         try:
             if self.n_local:
+                self._open_channel_dir()
                 self._create_ring()
             addrs = self._bind_sockets(connect_ip) if n_reader else {}
         except BaseException:
@@ -111,6 +139,8 @@ class QueueWriter:
         self._remote_acked: dict[int, int] = {}
         self._remote_min_acked = 0
         self._dead_remote: dict[int, str] = {}
+        self._bad_control = 0
+        self._failed_handshakes = 0
         self._said_goodbye: set[int] = set()
         self._local_watch: dict[int, PeerWatch] = {}
         self._wait_seq = 0
@@ -127,10 +157,24 @@ class QueueWriter:
         self.pub: zmq.Socket | None = None
         self.ctl: zmq.Socket | None = None
         self._mon: zmq.Socket | None = None
+        self._pub_mon: zmq.Socket | None = None
+        self._auth: ReaderAuthenticator | None = None
+        self._server_keys: tuple[bytes, bytes] | None = None
+        self._client_keys: tuple[bytes, bytes] | None = None
         self._ringer = BellRinger()
         self._doorbell: Doorbell | None = None
-        self._bell_prefix = new_bell_prefix() if self.n_local else None
-        self._reader_bells = [bell_address(self._bell_prefix, f"r{i}")
+        self._channel_dir: str | None = None
+        self._bell_prefix: str | None = None
+        self._reader_rings: list[Any] = []
+        self._dir_finalizer: weakref.finalize | None = None
+
+    def _open_channel_dir(self) -> None:
+        """The private directory of the local sockets, and a line to each reader's bell."""
+        self._channel_dir = new_channel_dir()
+        # Removed at exit even if close() never runs (not after SIGKILL: see close()).
+        self._dir_finalizer = weakref.finalize(self, remove_channel_dir, self._channel_dir)
+        self._bell_prefix = self._channel_dir + os.sep
+        self._reader_rings = [self._ringer.line(bell_address(self._bell_prefix, f"r{i}"))
                               for i in range(self.n_local)]
 
     def _create_ring(self) -> None:
@@ -144,27 +188,35 @@ class QueueWriter:
     def _bind_sockets(self, connect_ip: str | None) -> dict[str, str]:
         """Bind the XPUB (data) and ROUTER (control) sockets; returns their addresses.
 
-        Local readers connect over owner-only IPC paths; remote readers over TCP
-        on ``connect_ip`` (default: this host's address).
+        Local readers connect over ``ipc://`` paths in the channel directory
+        (NULL mechanism: the directory's permissions are the access control);
+        remote readers over CURVE-authenticated TCP on ``connect_ip`` (default:
+        this host's address). The ipc binds come first: zmq takes a listener's
+        mechanism from the socket options at bind time.
         """
         self.ctx = zmq.Context(io_threads=1)
         remote = self.n_remote > 0
-        self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote)
+        self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote, reconnect=True)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self.ctl = new_socket(self.ctx, zmq.ROUTER, tcp=remote)
+        self.ctl = new_socket(self.ctx, zmq.ROUTER, tcp=remote, reconnect=True)
         addrs: dict[str, str] = {}
         if self.n_local:
-            addrs["local_pub"] = bind(self.pub, local_bind_address("pub"))
-            addrs["local_ctl"] = bind(self.ctl, local_bind_address("ctl"))
+            addrs["local_pub"] = bind(self.pub, local_bind_address(self._channel_dir, "p"))
+            addrs["local_ctl"] = bind(self.ctl, local_bind_address(self._channel_dir, "c"))
         if remote:
+            self._server_keys, self._client_keys = new_keypair(), new_keypair()
+            self._auth = ReaderAuthenticator(self.ctx, {self._client_keys[0]: "reader"})
             ip = connect_ip or host_ip()
+            for sock in (self.pub, self.ctl):
+                make_curve_server(sock, self._server_keys[1])
+                if ":" in ip:
+                    sock.setsockopt(zmq.IPV6, 1)
             if ":" in ip:
-                self.pub.setsockopt(zmq.IPV6, 1)
-                self.ctl.setsockopt(zmq.IPV6, 1)
                 ip = f"[{ip}]"
+            self._mon = self.ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+            self._pub_mon = self.pub.get_monitor_socket(HANDSHAKE_FAILED)
             addrs["remote_pub"] = bind(self.pub, f"tcp://{ip}:*")
             addrs["remote_ctl"] = bind(self.ctl, f"tcp://{ip}:*")
-            self._mon = self.ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         return addrs
 
     def _make_handle(self, addrs: dict[str, str]) -> Handle:
@@ -182,6 +234,9 @@ class QueueWriter:
             writer_host=socket.gethostname(),
             writer_rank=self.writer_rank,
             remote_window=self.remote_window,
+            curve_server_key=self._server_keys[0] if self._server_keys else None,
+            curve_client_key=self._client_keys[0] if self._client_keys else None,
+            curve_client_secret=self._client_keys[1] if self._client_keys else None,
             local_pub=addrs.get("local_pub"),
             local_ctl=addrs.get("local_ctl"),
             remote_pub=addrs.get("remote_pub"),
@@ -220,10 +275,23 @@ class QueueWriter:
             poller.poll(max(1, int(wait * 1000)))
         self._ready = True
         if self.ring is not None:
+            self._seal_channel_dir()
             self.ring.set_ready()
             self._ring_readers(range(self.n_local))
         if self.n_remote:
             self.pub.send_multipart([TOPIC_REMOTE, WIRE.pack(0, KIND_READY, 0, 0)])
+
+    def _seal_channel_dir(self) -> None:
+        """Every local reader is connected: drop the paths nobody needs any more.
+
+        Each reader bound its doorbell before its hello, so every line
+        connects now; zmq's ipc connections are established (hellos and
+        subscriptions came through them) and never reconnect. After this no
+        path into the queue exists, and a crash cannot leak the directory.
+        """
+        for ring in self._reader_rings:
+            ring.connect()
+        remove_channel_dir(self._channel_dir)
 
     def _missing_readers(self) -> list[str]:
         missing = [f"local reader rank {r}" for i, r in enumerate(self.local_ranks)
@@ -255,39 +323,86 @@ class QueueWriter:
                 frames = ctl.recv_multipart(zmq.NOBLOCK, copy=False)
                 if len(frames) == 2:
                     self._on_ctl(frames[0].bytes, frames[1])
+                else:
+                    self._bad_control += 1
         except zmq.Again:
             pass
-        mon = self._mon
-        if mon is not None:
-            try:
-                while True:
-                    ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
-                    if ev["event"] == zmq.EVENT_DISCONNECTED:
-                        rank = self._remote_fd.pop(int(ev["value"]), None)
-                        if rank is not None and rank not in self._said_goodbye:
-                            self._dead_remote[rank] = "its connection to the writer dropped"
-            except zmq.Again:
-                pass
+        if self._mon is not None:
+            failed, gone = count_failed_handshakes(self._mon)
+            self._failed_handshakes += failed
+            for fd in gone:
+                rank = self._remote_fd.pop(fd, None)
+                if rank is not None and rank not in self._said_goodbye:
+                    self._dead_remote[rank] = "its connection to the writer dropped"
 
     def _on_ctl(self, ident: bytes, frame: zmq.Frame) -> None:
+        """Apply one control frame if it is valid (module docstring); else count it."""
         body = frame.bytes
         kind = body[:1]
+        info = self._hello.get(ident)
         if kind == CTL_HELLO:
-            rank, pid, ctime, host = msgspec.msgpack.decode(body[1:])
-            self._hello[ident] = (rank, pid, ctime, host)
-            if ident[:1] == b"R":
-                self._remote_fd[frame.get(zmq.SRCFD)] = rank
-                self._remote_acked.setdefault(rank, 0)
-                self._local_watch[-1 - rank] = PeerWatch(pid, ctime, host)
+            ok = info is None and self._accept_hello(ident, frame, body)
         elif kind == CTL_ACK:
-            info = self._hello.get(ident)
-            if info is not None:
-                self._remote_acked[info[0]] = ACK.unpack_from(body, 1)[0]
-                self._remote_min_acked = min(self._remote_acked.values())
+            ok = info is not None and ident[:1] == b"R" and len(body) == 1 + ACK.size
+            if ok:
+                n = ACK.unpack_from(body, 1)[0]
+                ok = n <= self._seq  # an ack for messages never sent is forged
+                if ok:
+                    self._remote_acked[info[0]] = max(n, self._remote_acked[info[0]])
+                    self._remote_min_acked = min(self._remote_acked.values())
         elif kind == CTL_CLOSED:
-            info = self._hello.get(ident)
-            if info is not None:
+            ok = info is not None and len(body) == 1
+            if ok:
                 self._said_goodbye.add(info[0])
+        else:
+            ok = False
+        if not ok:
+            self._bad_control += 1
+
+    def _accept_hello(self, ident: bytes, frame: zmq.Frame, body: bytes) -> bool:
+        """Record a reader's first hello if it is consistent; returns whether it was."""
+        try:
+            rank, pid, ctime, host = _HELLO_DECODER.decode(body[1:])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        slot = _slot_of(ident)
+        if slot is None or rank < 0 or pid <= 0:
+            return False
+        if ident[:1] == b"L":
+            if not (slot < self.n_local and self.local_ranks[slot] == rank
+                    and self.ring is not None and self.ring.reader_state(slot) != READER_EMPTY):
+                return False
+            rpid, rctime = self.ring.reader_identity(slot)
+            if rpid != pid or abs(rctime - ctime) > 1e-3:
+                return False  # not the process registered in the ring for this slot
+            self._hello[ident] = (rank, pid, ctime, host)
+            return True
+        n_remote_seen = sum(1 for k in self._hello if k[:1] == b"R")
+        if (slot != rank or rank in self.local_ranks or n_remote_seen >= self.n_remote
+                or not _authenticated(frame)):
+            return False
+        self._hello[ident] = (rank, pid, ctime, host)
+        self._remote_fd[frame.get(zmq.SRCFD)] = rank
+        self._remote_acked.setdefault(rank, 0)
+        self._local_watch[-1 - rank] = PeerWatch(pid, ctime, host)
+        return True
+
+    def security_stats(self) -> dict[str, int]:
+        """Counters of what the writer refused (diagnostics; cheap).
+
+        Returns:
+            ``{"auth_denied": ZAP refusals of an unknown client key,
+            "handshake_failed": TCP handshakes that did not complete (no or
+            wrong keys, another mechanism, ZAP refusal), "bad_control":
+            control frames ignored as malformed, forged or out of place}``.
+        """
+        if not self._closed:
+            self._drain_ctl()
+            failed, _ = count_failed_handshakes(self._pub_mon)
+            self._failed_handshakes += failed
+        return {"auth_denied": self._auth.denied if self._auth is not None else 0,
+                "handshake_failed": self._failed_handshakes,
+                "bad_control": self._bad_control}
 
     # ------------------------------------------------------------- enqueue
     def enqueue(self, obj: Any, timeout: float | None) -> None:
@@ -302,11 +417,11 @@ class QueueWriter:
             # inlined (ShmRingBuffer.take_parked_readers + BellRinger.ring):
             # after an idle spell caches are cold and each Python call before
             # the sendto adds microseconds to the wake-up.
-            buf, lo, sendto = ring.buf, self._parked_lo, self._ringer.sendto
-            for i, address in enumerate(self._reader_bells):
+            buf, lo = ring.buf, self._parked_lo
+            for i, ring_reader in enumerate(self._reader_rings):
                 if buf[lo + i]:
                     buf[lo + i] = 0  # take the flag, then ring (see ring_buffer)
-                    sendto(address)
+                    ring_reader()
         if not self._ready or self._closing:
             self._before_first_or_after_shutdown(timeout)
         if not self.n_reader:
@@ -388,9 +503,9 @@ class QueueWriter:
         self.pub.send_multipart([TOPIC_REMOTE, *frames], copy=enc.blob_len < _ZERO_COPY_MIN)
 
     def _ring_readers(self, readers: Any) -> None:
-        ring, bells = self._ringer.ring, self._reader_bells
+        rings = self._reader_rings
         for i in readers:
-            ring(bells[i])
+            rings[i]()
 
     @staticmethod
     def _frames(seq: int, enc: Encoded, blob: Any) -> list[Any]:
@@ -519,7 +634,7 @@ class QueueWriter:
             ring.set_shutdown()
             self._ring_readers(range(self.n_local))  # thread-safe: plain sendto
             if self._doorbell is not None:
-                self._ringer.ring(self._doorbell.address)  # wake our own blocked call
+                self._doorbell.ring_self()  # wake our own blocked call
         if threading.get_ident() == self._owner_thread and not self._closed and self.pub is not None:
             try:
                 if self.n_remote:
@@ -537,19 +652,39 @@ class QueueWriter:
             return
         self.shutdown()
         self._closed = True
+        for sock, mon in ((self.ctl, self._mon), (self.pub, self._pub_mon)):
+            if mon is not None:
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
         if self.pub is not None and not self.pub.closed:
             self.pub.setsockopt(zmq.LINGER, 500)  # let SHUTDOWN / overflow frames out
             self.pub.close()
-        if self._mon is not None:
-            try:
-                self.ctl.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        close_all(self._mon, self.ctl)
+        close_all(self._mon, self._pub_mon, self.ctl)
+        if self._auth is not None:
+            self._auth.stop()  # its socket lives on ctx: stop it before term()
         if self.ctx is not None:
             self.ctx.term()
         if self._doorbell is not None:
             self._doorbell.close()
         self._ringer.close()
+        if self._dir_finalizer is not None:
+            self._dir_finalizer()  # removes the channel directory (if not sealed yet)
         if self.ring is not None:
             self.ring.close()
+
+
+def _slot_of(ident: bytes) -> int | None:
+    """The number in a routing id ``L<n>`` / ``R<n>``, or None if it is not one."""
+    if len(ident) < 2 or ident[:1] not in (b"L", b"R") or not ident[1:].isdigit():
+        return None
+    return int(ident[1:])
+
+
+def _authenticated(frame: zmq.Frame) -> bool:
+    """Whether ``frame`` came over a connection ZAP admitted (ipc ones have no User-Id)."""
+    try:
+        return bool(frame.get("User-Id"))
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return False

@@ -9,6 +9,25 @@ messages ahead of the slowest remote reader.
 Liveness: a socket monitor reports the TCP connection to the writer dropping
 (a dead process's sockets are closed by its kernel; a dead host is caught by
 ZMTP heartbeats); on the same host the writer's pid is also checked.
+
+Authentication and no reconnection (protocol; what holds):
+
+* Both sockets are CURVE clients of the writer's key from the handle, with
+  the client keypair the handle carries; a handle without CURVE keys is
+  refused (``ValueError``): this reader never talks plain TCP. A frame can
+  therefore only come from a peer holding the writer's secret key.
+* No reconnection (``ZMQ_RECONNECT_IVL`` of 12.4 days; see
+  :mod:`shm_broadcast.transport` for why not ``-1``): the SUB makes one
+  connection. When it drops, the reader delivers the frames that had already
+  arrived -- they came through the authenticated connection, from the writer
+  -- and then raises ``PeerDiedError``, as the queue's contract says.
+* Before using any frame the reader drains its monitor: a second successful
+  handshake (impossible by the above, checked anyway), or a failed handshake
+  before the first success (the peer at the address is not the writer), makes
+  it raise ``PeerDiedError`` and decode nothing. A failed handshake after the
+  first success means the writer is gone. A process that binds the writer's
+  old port after the writer died is never connected to, and could not
+  authenticate if it were.
 """
 
 from __future__ import annotations
@@ -28,8 +47,8 @@ from shm_broadcast.codec import Codec
 from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout, ShmBroadcastError
 from shm_broadcast.handle import Handle
 from shm_broadcast.transport import (
-    ACK, CTL_ACK, CTL_HELLO, KIND_READY, KIND_SHUTDOWN, TOPIC_REMOTE, WIRE,
-    close_all, close_dealer, new_socket, say_goodbye,
+    ACK, CTL_ACK, CTL_HELLO, HANDSHAKE_FAILED, KIND_READY, KIND_SHUTDOWN, TOPIC_REMOTE, WIRE,
+    close_all, close_dealer, make_curve_client, new_socket, say_goodbye,
 )
 from shm_broadcast.waiting import Backoff, PeerWatch, WaitPolicy
 
@@ -66,6 +85,9 @@ class RemoteReader:
         self._closed = False
         self._shutdown_seen = False
         self._writer_lost = False
+        #: Why frames from the SUB connection can no longer be trusted, if so.
+        self._untrusted: str | None = None
+        self._handshakes = 0
         self._peek: list | None = None
         self._wait_what = ""
         self._wait_timeout: float | None = None
@@ -81,27 +103,33 @@ class RemoteReader:
                     f"(local ranks {list(handle.local_reader_ranks)}) and the queue has no "
                     "remote endpoint; pass the right rank or create the queue with "
                     "n_reader > n_local_reader")
-            self.ctx = zmq.Context(io_threads=1)
-            self.sub = new_socket(self.ctx, zmq.SUB, tcp=True)
-            if "[" in handle.remote_pub:
-                self.sub.setsockopt(zmq.IPV6, 1)
-            self._mon = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self.sub.connect(handle.remote_pub)
-            self.sub.subscribe(TOPIC_REMOTE)
-            self.dealer = new_socket(self.ctx, zmq.DEALER, tcp=True)
-            if "[" in handle.remote_ctl:
-                self.dealer.setsockopt(zmq.IPV6, 1)
-            self.dealer.setsockopt(zmq.ROUTING_ID, b"R%d" % rank)
-            self.dealer.connect(handle.remote_ctl)
-            ctime = psutil.Process(self._pid).create_time()
-            self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
-                [rank, self._pid, ctime, socket.gethostname()]))
+            self._connect(handle, rank)
             self._poller = zmq.Poller()
             self._poller.register(self.sub, zmq.POLLIN)
             self._poller.register(self._mon, zmq.POLLIN)
         except BaseException:
             self.close()
             raise
+
+    def _connect(self, handle: Handle, rank: int) -> None:
+        """Open the CURVE SUB (data) and DEALER (control) connections; say hello."""
+        keys = _client_keys(handle)
+        self.ctx = zmq.Context(io_threads=1)
+        self.sub = new_socket(self.ctx, zmq.SUB, tcp=True)
+        self.dealer = new_socket(self.ctx, zmq.DEALER, tcp=True)
+        for sock, addr in ((self.sub, handle.remote_pub), (self.dealer, handle.remote_ctl)):
+            make_curve_client(sock, *keys)
+            if "[" in addr:
+                sock.setsockopt(zmq.IPV6, 1)
+        self._mon = self.sub.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
+        self.sub.connect(handle.remote_pub)
+        self.sub.subscribe(TOPIC_REMOTE)
+        self.dealer.setsockopt(zmq.ROUTING_ID, b"R%d" % rank)
+        self.dealer.connect(handle.remote_ctl)
+        ctime = psutil.Process(self._pid).create_time()
+        self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
+            [rank, self._pid, ctime, socket.gethostname()]))
 
     # ------------------------------------------------------------- receive
     def _next(self, what: str, timeout: float | None) -> list:
@@ -128,16 +156,38 @@ class RemoteReader:
         try:
             while True:
                 ev = parse_monitor_message(self._mon.recv_multipart(zmq.NOBLOCK))
-                if ev["event"] == zmq.EVENT_DISCONNECTED:
+                event = ev["event"]
+                if event == zmq.EVENT_DISCONNECTED:
                     self._writer_lost = True
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._handshakes += 1
+                    if self._handshakes > 1:
+                        self._untrusted = "the connection to the writer was re-established"
+                elif event & HANDSHAKE_FAILED:
+                    self._writer_lost = True
+                    if not self._handshakes:
+                        self._untrusted = (
+                            "the TCP handshake failed: the peer did not prove the writer's "
+                            "CURVE key, or the writer refused this reader's key")
         except zmq.Again:
             pass
+
+    def _vet(self) -> None:
+        """Called before any received frame is used: raise if it may not be the writer's."""
+        if self._mon.get(zmq.EVENTS) & zmq.POLLIN:
+            self._drain_monitor()
+        if self._untrusted is not None:
+            self._peek = None
+            raise PeerDiedError(
+                f"queue {self.name!r}: {self.side} lost the {self._writer_desc}: "
+                f"{self._untrusted}", queue=self.name, side=self.side, peers=["writer"])
 
     def _check_wait(self, expired: bool) -> None:
         if self._closing:
             raise QueueClosedError(
                 f"queue {self.name!r}: {self.side} was shut down while waiting for "
                 f"{self._wait_what}", queue=self.name, side=self.side)
+        self._vet()
         if self._writer_lost or not self._writer.alive():
             try:  # deliver what arrived before the connection dropped
                 self._peek = self.sub.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -160,6 +210,7 @@ class RemoteReader:
             return
         while True:
             frames = self._next("the writer to see all readers connected", timeout)
+            self._vet()
             seq, kind, _m, _b = WIRE.unpack_from(frames[1].buffer)
             if kind == KIND_READY:
                 self._ready = True
@@ -185,6 +236,7 @@ class RemoteReader:
         if self._shutdown_seen:
             self._raise_shutdown()
         frames = self._next(f"message #{self._seq}", timeout)
+        self._vet()
         head = frames[1].buffer
         seq, kind, mlen, blen = WIRE.unpack_from(head)
         if kind == KIND_SHUTDOWN:
@@ -244,3 +296,17 @@ class RemoteReader:
         close_all(self._mon, self.sub)
         if self.ctx is not None:
             self.ctx.term()
+
+
+def _client_keys(handle: Handle) -> tuple[bytes, bytes, bytes]:
+    """``(server public, client public, client secret)`` from the handle.
+
+    Raises:
+        ValueError: The handle carries no CURVE keys (this reader refuses plain TCP).
+    """
+    keys = (handle.curve_server_key, handle.curve_client_key, handle.curve_client_secret)
+    if any(not isinstance(k, bytes) or len(k) != 40 for k in keys):
+        raise ValueError(
+            f"the handle of queue {handle.name!r} carries no valid CURVE keys for remote "
+            "readers; a remote reader never connects without authentication")
+    return keys  # type: ignore[return-value]

@@ -1,4 +1,4 @@
-"""zmq plumbing of the message queue: sockets, endpoints and the wire header.
+"""zmq plumbing of the message queue: sockets, endpoints, keys and the wire header.
 
 Two sockets on the writer carry everything that does not go through the ring:
 
@@ -20,20 +20,50 @@ control), and a goodbye on close.
 
 Wake-ups of parked sides do not use zmq; see :mod:`shm_broadcast.doorbell`.
 
-Local endpoints are Linux abstract ``ipc://@...`` sockets: no file is created,
-so nothing can leak on a crash. Elsewhere they fall back to TCP loopback.
+Who can reach these sockets (see ``docs/security-channels.md``):
+
+* **Local endpoints** are filesystem ``ipc://`` sockets inside the queue's
+  *channel directory* (:func:`new_channel_dir`): created ``0700`` by the
+  writer with a random name, so no other user can connect to, bind in, or even
+  look up a path in it. The doorbells live there too. The writer removes the
+  directory once every reader is connected (connected sockets do not need the
+  path any more) and on close; a reader that finds the writer dead removes it
+  on its own close, so a crashed writer leaves nothing in the common case.
+* **TCP endpoints** use CURVE (Curve25519 + XSalsa20-Poly1305, from libsodium
+  through libzmq): the writer is the CURVE server with a fresh keypair per
+  queue, and a ZAP handler (:class:`ReaderAuthenticator`) admits only the
+  client public keys of the queue's own readers. The writer's public key and
+  the readers' client keypair travel in the :class:`~shm_broadcast.handle.Handle`,
+  which is exchanged over the group's own channel. A peer without the keys
+  completes no handshake: it can neither read a frame nor send one, and every
+  refused handshake is counted. The local ``ipc://`` listeners are bound
+  before the CURVE options are set, so they stay on the NULL mechanism (zmq
+  snapshots mechanism options per bind).
+* **No reconnection**: a reader's sockets connect once. Their
+  ``ZMQ_RECONNECT_IVL`` is :data:`NO_RECONNECT_MS` (12.4 days) rather than
+  ``-1``: with ``-1`` libzmq ends the connection's pipe the moment it drops
+  and discards the messages that had arrived but were not read yet (the
+  writer's last messages before it exited, an overflow payload in flight);
+  with a huge interval the session and those messages survive, and no
+  reconnection is attempted within any realistic lifetime of the reader,
+  which raises ``PeerDiedError`` within ~0.3 s of the drop. Over TCP a
+  reconnection could not succeed anyway: nobody else holds the writer's
+  per-queue secret key. The remote reader also checks, before using any
+  frame, that its monitor saw exactly one successful handshake.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
+import shutil
 import socket
+import stat
 import struct
-import sys
+import tempfile
 import threading
 
 import zmq
+from zmq.utils import z85
 
 __all__ = [
     "WIRE",
@@ -52,6 +82,17 @@ __all__ = [
     "local_bind_address",
     "host_ip",
     "close_all",
+    "new_channel_dir",
+    "remove_channel_dir",
+    "remove_dead_channel_dir",
+    "new_keypair",
+    "make_curve_server",
+    "make_curve_client",
+    "ReaderAuthenticator",
+    "HANDSHAKE_FAILED",
+    "ZAP_DOMAIN",
+    "count_failed_handshakes",
+    "NO_RECONNECT_MS",
 ]
 
 #: Message header: sequence number, kind, msgpack length, blob length.
@@ -72,8 +113,27 @@ CTL_CLOSED = b"c"
 
 HOST_IP_ENV = "GROUPCOORD_HOST_IP"
 
+#: ZAP domain of the writer's TCP listeners (the authenticator serves only it).
+ZAP_DOMAIN = "groupcoord"
 
-def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False) -> zmq.Socket:
+#: Monitor events of a handshake that did not complete (wrong or missing keys,
+#: a peer speaking another mechanism, a ZAP denial).
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+#: ``sun_path`` holds 108 bytes with the NUL; the longest name we put in a
+#: channel directory is 3 bytes (``r99``...), zmq adds nothing.
+_SUN_PATH_MAX = 107
+
+#: A reader socket's reconnect interval: 2**30 ms (12.4 days; zmq adds up to
+#: as much again of jitter, which must still fit a C int). Not -1: see the
+#: module docstring.
+NO_RECONNECT_MS = 1 << 30
+_DIR_BASE_MAX = 64
+
+
+def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
+               reconnect: bool = False) -> zmq.Socket:
     """Create a socket with our defaults: no linger, unbounded queues.
 
     Queues are unbounded because flow control is ours (the ring for local
@@ -89,6 +149,8 @@ def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False) -> zmq.Socket:
     """
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
+    if not reconnect:
+        s.setsockopt(zmq.RECONNECT_IVL, NO_RECONNECT_MS)  # see the module docstring
     s.setsockopt(zmq.SNDHWM, 0)
     s.setsockopt(zmq.RCVHWM, 0)
     if tcp:
@@ -108,11 +170,169 @@ def bind(sock: zmq.Socket, address: str) -> str:
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
 
-def local_bind_address(tag: str) -> str:
-    """Return a fresh same-node endpoint for a socket of this process."""
-    if sys.platform.startswith("linux") and zmq.has("ipc"):
-        return f"ipc://@gc_mq_{os.getpid()}_{secrets.token_hex(6)}_{tag}"
-    return "tcp://127.0.0.1:*"
+def local_bind_address(channel_dir: str, tag: str) -> str:
+    """Return the same-node endpoint ``tag`` (``"p"``, ``"c"``) inside a channel directory.
+
+    Raises:
+        OSError: zmq was built without ``ipc://`` (no private local endpoint).
+    """
+    if not zmq.has("ipc"):
+        raise OSError("libzmq lacks ipc:// transport: the queue has no private local channel")
+    return f"ipc://{os.path.join(channel_dir, tag)}"
+
+
+def _dir_base() -> str:
+    """Where channel directories go: ``$XDG_RUNTIME_DIR`` (per-user, tmpfs) if
+    usable, else the temp directory, else ``/tmp``; short enough for sun_path."""
+    for base in (os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir(), "/tmp"):
+        if (base and len(os.fsencode(base)) <= _DIR_BASE_MAX and os.path.isdir(base)
+                and os.access(base, os.W_OK | os.X_OK)):
+            return base
+    raise OSError("no writable directory with a short path for the queue's local sockets "
+                  "(tried $XDG_RUNTIME_DIR, the temp directory, /tmp)")
+
+
+def new_channel_dir() -> str:
+    """Create a fresh private directory (``0700``, ours) for one queue's local sockets.
+
+    ``mkdtemp`` creates it with ``O_EXCL`` semantics under a random name, so it
+    cannot be a directory another user prepared; we re-check owner and mode.
+
+    Returns:
+        Its absolute path (at most ``_DIR_BASE_MAX + 11`` bytes: every socket
+        path in it fits ``sun_path``).
+    """
+    path = tempfile.mkdtemp(prefix="gc", dir=_dir_base())
+    st = os.lstat(path)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        remove_channel_dir(path)
+        raise OSError(f"channel directory {path} is not private (mode {st.st_mode:o})")
+    assert len(os.fsencode(path)) + 4 <= _SUN_PATH_MAX
+    return path
+
+
+def remove_channel_dir(path: str | None) -> None:
+    """Remove a channel directory and the socket files in it; never raises."""
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_dead_channel_dir(path: str, names: list[str]) -> None:
+    """Remove a dead writer's channel directory, touching only what a queue puts there.
+
+    For a reader cleaning up after a crashed writer: it unlinks the sockets
+    ``names`` (only if they are sockets) and removes the directory only if it is
+    then empty, so a wrong path in a handle cannot make it delete anything
+    else. Never raises.
+    """
+    for name in names:
+        p = os.path.join(path, name)
+        try:
+            if stat.S_ISSOCK(os.lstat(p).st_mode):
+                os.unlink(p)
+        except OSError:
+            pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def new_keypair() -> tuple[bytes, bytes]:
+    """Return a fresh CURVE ``(public, secret)`` keypair, Z85-encoded (40 bytes each).
+
+    Raises:
+        OSError: libzmq was built without CURVE (no libsodium).
+    """
+    if not zmq.has("curve"):
+        raise OSError("libzmq lacks CURVE: the queue cannot authenticate TCP readers; "
+                      "install a pyzmq wheel (they bundle libsodium)")
+    return zmq.curve_keypair()
+
+
+def make_curve_server(sock: zmq.Socket, secret: bytes) -> None:
+    """Make every *later* bind of ``sock`` a CURVE server checked by ZAP.
+
+    ``ZAP_ENFORCE_DOMAIN`` fails closed: without a running ZAP handler no
+    client is admitted (libzmq would otherwise accept any client key).
+    """
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+
+def make_curve_client(sock: zmq.Socket, server_public: bytes, public: bytes,
+                      secret: bytes) -> None:
+    """Make ``sock``'s connections CURVE clients of the server ``server_public``."""
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
+class ReaderAuthenticator:
+    """The writer's ZAP handler: admits only the queue's own readers' keys.
+
+    It runs pyzmq's :class:`~zmq.auth.thread.ThreadAuthenticator` (a thread
+    answering libzmq's ZAP requests on the context) with a callback that looks
+    the client's public key up in ``allowed`` and counts refusals. Each
+    admitted connection gets the key's label as its ZAP ``User-Id``, which the
+    writer reads on control frames to know they came through CURVE.
+
+    Args:
+        ctx: The writer's context (the handler serves every socket on it).
+        allowed: Z85 client public key -> label (``"reader"``, ``"R3"``...).
+    """
+
+    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, str]) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.allowed = dict(allowed)
+        #: ZAP requests refused (unknown client key).
+        self.denied = 0
+        self._auth = ThreadAuthenticator(ctx)
+        self._auth.curve_user_id = self._user_id  # instance attribute shadows the method
+        self._auth.start()
+        self._auth.configure_curve_callback(ZAP_DOMAIN, self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP decision for a Z85 client key (called on the handler thread)."""
+        if key in self.allowed:
+            return True
+        self.denied += 1  # one writer thread of the GIL-protected int: no lock needed
+        return False
+
+    def _user_id(self, raw_key: bytes) -> str:
+        return self.allowed.get(z85.encode(raw_key), "")
+
+    def stop(self) -> None:
+        """Stop the handler thread (before the context is terminated). Idempotent."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+def count_failed_handshakes(mon: zmq.Socket | None) -> tuple[int, list[int]]:
+    """Drain a monitor socket: count failed handshakes, collect disconnected fds.
+
+    Returns:
+        ``(failed, disconnected_fds)``.
+    """
+    from zmq.utils.monitor import parse_monitor_message
+
+    failed, gone = 0, []
+    if mon is None:
+        return failed, gone
+    try:
+        while True:
+            ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+            if ev["event"] & HANDSHAKE_FAILED:
+                failed += 1
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                gone.append(int(ev["value"]))
+    except zmq.Again:
+        pass
+    return failed, gone
 
 
 def host_ip() -> str:
