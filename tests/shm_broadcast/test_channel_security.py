@@ -1,0 +1,373 @@
+"""Attacks on the queue's channels, replayed with real processes and sockets (loopback).
+
+Each test plays an outsider the way issue 12 describes it and asserts that the
+attack fails while the legitimate peers carry on (or raise a clear error):
+
+* a SUB on the writer's TCP port receives nothing (CURVE + ZAP);
+* a hello from an outsider does not make the writer ready;
+* a forged or malformed control message on the local channel is ignored and
+  counted, never a decoder's exception or a ``PeerDiedError`` for a live reader;
+* after the writer dies, a process that binds its ports is never connected to:
+  the reader raises ``PeerDiedError`` and decodes nothing;
+* another user (``nobody``) can neither connect to nor bind in the local
+  channel directory;
+* the channel directory does not outlive the queue.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import signal
+import socket
+import struct
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import psutil
+import pytest
+import zmq
+
+from shm_broadcast import MessageQueue, PeerDiedError, QueueTimeout
+from shm_broadcast.handle import Handle
+from shm_broadcast.transport import CTL_ACK, CTL_HELLO, KIND_DATA, TOPIC_REMOTE, WIRE
+
+pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+
+_SECRET = "token ids are users' prompts"
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _hello(rank: int, pid: int | None = None) -> bytes:
+    pid = os.getpid() if pid is None else pid
+    ctime = psutil.Process(os.getpid()).create_time()
+    return CTL_HELLO + msgspec.msgpack.encode([rank, pid, ctime, socket.gethostname()])
+
+
+# ------------------------------------------------------------------ children
+def legit_reader(handle: Any, rank: int, n: int, out: Any) -> None:
+    """Read ``n`` messages (each must carry the secret) and report them."""
+    try:
+        with MessageQueue.create_from_handle(handle, rank) as mq:
+            mq.wait_until_ready(60)
+            got = [mq.dequeue(timeout=60) for _ in range(n)]
+        assert all(g["secret"] == _SECRET for g in got), got
+        out.put(("ok", rank, [g["i"] for g in got]))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def _outsider_socks(ctx: zmq.Context, handle: Any, kind: int, addr: str) -> list[zmq.Socket]:
+    """Three outsiders: plain TCP, CURVE with its own key, CURVE expecting another server."""
+    socks = []
+    for mode in ("plain", "own-key", "wrong-server"):
+        s = ctx.socket(kind)
+        s.linger = 0
+        if mode != "plain":
+            pub, sec = zmq.curve_keypair()
+            server = handle.curve_server_key if mode == "own-key" else zmq.curve_keypair()[0]
+            s.curve_serverkey, s.curve_publickey, s.curve_secretkey = server, pub, sec
+        if kind == zmq.DEALER:
+            s.setsockopt(zmq.ROUTING_ID, b"R1")
+        s.connect(addr)
+        socks.append(s)
+    return socks
+
+
+def outsider_sub(handle: Any, listen_s: float, out: Any) -> None:
+    """Subscribe to everything on the writer's TCP PUB port; report what arrived."""
+    try:
+        ctx = zmq.Context()
+        socks = _outsider_socks(ctx, handle, zmq.SUB, handle.remote_pub)
+        for s in socks:
+            s.subscribe(b"")
+        out.put(("listening", -1))
+        got = 0
+        end = time.monotonic() + listen_s
+        while time.monotonic() < end:
+            for s in socks:
+                while s.poll(0):
+                    s.recv()
+                    got += 1
+            time.sleep(0.01)
+        for s in socks:
+            s.close()
+        ctx.term()
+        out.put(("outsider", -1, got))
+    except BaseException:
+        out.put(("error", -1, traceback.format_exc()))
+
+
+def outsider_hello(handle: Any, out: Any) -> None:
+    """Connect to the control and data ports as remote reader rank 1 would; say hello."""
+    try:
+        ctx = zmq.Context()
+        socks = _outsider_socks(ctx, handle, zmq.DEALER, handle.remote_ctl)
+        subs = _outsider_socks(ctx, handle, zmq.SUB, handle.remote_pub)
+        for s in subs:
+            s.subscribe(TOPIC_REMOTE)
+        for s in socks:
+            s.send(_hello(1))
+            s.send(CTL_ACK + struct.pack("<Q", 1 << 40))
+            s.send(b"h\xc1garbage")
+        out.put(("sent", -1))
+        time.sleep(4.0)  # stay connected while the writer waits
+        for s in socks + subs:
+            s.close()
+        ctx.term()
+        out.put(("done", -1))
+    except BaseException:
+        out.put(("error", -1, traceback.format_exc()))
+
+
+def doomed_writer(n: int, out: Any) -> None:
+    """A writer with one remote reader: send ``n`` messages, then wait to be killed."""
+    try:
+        mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="doomed")
+        out.put(("handle", 0, mq.export_handle()))
+        mq.wait_until_ready(60)
+        for i in range(n):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=60)
+        out.put(("sent", 0))
+        time.sleep(120)
+    except BaseException:
+        out.put(("error", 0, traceback.format_exc()))
+
+
+def impostor(pub_port: int, ctl_port: int, curve: bool, seconds: float, out: Any) -> None:
+    """Bind a dead writer's ports and publish well-formed frames for message #3."""
+    try:
+        ctx = zmq.Context()
+        pub, ctl = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
+        mons = []
+        for s, port in ((pub, pub_port), (ctl, ctl_port)):
+            s.linger = 0
+            if curve:  # a CURVE server, but with a key of its own
+                s.curve_server = True
+                s.curve_secretkey = zmq.curve_keypair()[1]
+            mons.append(s.get_monitor_socket(zmq.EVENT_ACCEPTED))
+            s.bind(f"tcp://127.0.0.1:{port}")
+        out.put(("bound", -2))
+        body = msgspec.msgpack.encode({"i": 3, "secret": "from the impostor"})
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pub.send_multipart([TOPIC_REMOTE, WIRE.pack(3, KIND_DATA, len(body), 0) + body, b""])
+            time.sleep(0.005)
+        accepted = 0
+        for m in mons:
+            while m.poll(0):
+                m.recv_multipart()
+                accepted += 1
+        for s in (pub, ctl):
+            s.disable_monitor()
+        for s in (*mons, pub, ctl):
+            s.close(linger=0)
+        ctx.term()
+        out.put(("impostor", -2, accepted))
+    except BaseException:
+        out.put(("error", -2, traceback.format_exc()))
+
+
+# --------------------------------------------------------------------- tests
+@pytest.mark.timeout(120)
+def test_outsider_sub_on_the_tcp_port_receives_nothing(procs):
+    n = 50
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-pub")
+    try:
+        h = mq.export_handle()
+        procs.start(outsider_sub, h, 6.0)
+        assert procs.get(60)[0] == "listening"
+        procs.start(legit_reader, h, 1, n)
+        mq.wait_until_ready(60)
+        for i in range(n):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        reports = [procs.get(60) for _ in range(2)]
+        stats = mq._impl.security_stats()
+    finally:
+        mq.close()
+    by_kind = {r[0]: r for r in reports}
+    assert by_kind["ok"][2] == list(range(n))  # the real reader got everything
+    assert by_kind["outsider"][2] == 0  # no outsider got a single frame
+    # plain TCP and a wrong server key fail the handshake; an unknown client key is refused by ZAP
+    assert stats["handshake_failed"] >= 3 and stats["auth_denied"] >= 1, stats
+
+
+@pytest.mark.timeout(120)
+def test_outsider_hello_does_not_complete_the_handshake(procs):
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-hello")
+    try:
+        h = mq.export_handle()
+        procs.start(outsider_hello, h)
+        assert procs.get(60)[0] == "sent"
+        with pytest.raises(QueueTimeout, match="1 remote reader"):
+            mq.wait_until_ready(2.5)  # nothing an outsider sent counts
+        stats = mq._impl.security_stats()
+        assert stats["handshake_failed"] >= 4 and stats["auth_denied"] >= 2, stats
+        assert procs.get(60)[0] == "done"
+        procs.start(legit_reader, h, 1, 3)  # the real reader still gets in
+        mq.wait_until_ready(60)
+        for i in range(3):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        assert procs.get(60)[2] == [0, 1, 2]
+    finally:
+        mq.close()
+
+
+def _dead_pid() -> int:
+    p = psutil.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.timeout(120)
+def test_forged_and_malformed_local_control_messages_are_ignored(procs):
+    # Same-user forger (only the owner can enter the channel directory): defence in depth.
+    mq = MessageQueue(1, 1, [1], name="sec-ctl")
+    ctx = zmq.Context()
+    try:
+        h = mq.export_handle()
+        forger = ctx.socket(zmq.DEALER)
+        forger.linger = 0
+        forger.setsockopt(zmq.ROUTING_ID, b"L0")
+        forger.connect(h.local_ctl)
+        for msg in (_hello(1, pid=_dead_pid()), b"h", b"h\xc1", b"h" + msgspec.msgpack.encode(
+                ["1", "x", None, 3]), _hello(1), CTL_ACK + b"\x01", b"c", b"zz"):
+            forger.send(msg)
+        forger.send_multipart([b"a", b"b"])
+        with pytest.raises(QueueTimeout, match="local reader rank 1"):
+            mq.wait_until_ready(1.5)  # no DecodeError, no PeerDiedError, not ready
+        assert mq._impl.security_stats()["bad_control"] >= 9
+        forger.close()
+        time.sleep(0.3)  # the ROUTER frees the routing id the forger held
+        procs.start(legit_reader, h, 1, 2)
+        mq.wait_until_ready(60)
+        for i in range(2):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        assert procs.get(60)[2] == [0, 1]
+    finally:
+        mq.close()
+        ctx.term()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("curve", [False, True], ids=["plain-impostor", "curve-impostor"])
+def test_writer_dies_and_an_impostor_binds_its_port(procs, curve):
+    procs.start(doomed_writer, 3)
+    kind, _, h = procs.get(60)
+    assert kind == "handle"
+    reader = MessageQueue.create_from_handle(h, rank=1)
+    try:
+        reader.wait_until_ready(60)
+        assert [reader.dequeue(timeout=30)["i"] for _ in range(3)] == [0, 1, 2]
+        assert procs.get(60)[0] == "sent"
+        os.kill(h.writer_pid, signal.SIGKILL)
+        procs.start(impostor, _port(h.remote_pub), _port(h.remote_ctl), curve, 3.0)
+        assert procs.get(60)[0] == "bound"
+        with pytest.raises(PeerDiedError):
+            got = reader.dequeue(timeout=10)
+            pytest.fail(f"decoded a frame after the writer died: {got!r}")
+        report = procs.get(60)
+        assert report[0] == "impostor" and report[2] == 0  # never even connected to
+    finally:
+        reader.close()
+
+
+def _nobody() -> tuple[int, int] | None:
+    try:
+        pw = pwd.getpwnam("nobody")
+    except KeyError:
+        return None
+    return pw.pw_uid, pw.pw_gid
+
+
+def _as_nobody(uid: int, gid: int, channel_dir: str) -> int:
+    """In a forked child running as ``nobody``: which local attacks succeed (bitmask)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no zmq, no Python-level cleanup, just syscalls
+        os.close(r)
+        mask = 0
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            attacks = [
+                lambda: os.listdir(channel_dir),
+                lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect(
+                    os.path.join(channel_dir, "c")),  # the control ROUTER
+                lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect(
+                    os.path.join(channel_dir, "p")),  # the overflow PUB
+                lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).bind(
+                    os.path.join(channel_dir, "r0")),  # pre-bind a reader's doorbell
+                lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(
+                    b"!", os.path.join(channel_dir, "w")),  # ring the writer
+            ]
+            for bit, attack in enumerate(attacks):
+                try:
+                    attack()
+                    mask |= 1 << bit
+                except PermissionError:
+                    pass
+                except OSError:
+                    mask |= 1 << (bit + 8)  # failed for another reason: report it
+        except BaseException:
+            mask = 1 << 16
+        os.write(w, struct.pack("<i", mask))
+        os._exit(0)
+    os.close(w)
+    try:
+        data = os.read(r, 4)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    return struct.unpack("<i", data)[0]
+
+
+@pytest.mark.timeout(120)
+def test_another_user_cannot_reach_the_local_channels(procs):
+    ids = _nobody()
+    if os.geteuid() != 0 or ids is None:
+        pytest.skip("needs root (to become 'nobody' in a forked child) and a 'nobody' user")
+    mq = MessageQueue(1, 1, [1], name="sec-local")
+    try:
+        h = mq.export_handle()
+        channel_dir = h.bell_prefix.rstrip("/")
+        st = os.stat(channel_dir)
+        assert st.st_mode & 0o777 == 0o700 and st.st_uid == os.geteuid()
+        assert h.local_pub == f"ipc://{channel_dir}/p" and h.local_ctl == f"ipc://{channel_dir}/c"
+        assert _as_nobody(*ids, channel_dir) == 0  # every attack: PermissionError
+        procs.start(legit_reader, h, 1, 2)
+        mq.wait_until_ready(60)
+        assert not os.path.exists(channel_dir)  # sealed: no path into the queue is left
+        for i in range(2):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        assert procs.get(60)[2] == [0, 1]
+    finally:
+        mq.close()
+
+
+@pytest.mark.timeout(60)
+def test_channel_directory_does_not_outlive_the_queue():
+    mq = MessageQueue(2, 2, [1, 2], name="sec-dir")
+    channel_dir = mq.export_handle().bell_prefix.rstrip("/")
+    assert os.path.isdir(channel_dir)
+    mq.close()  # never became ready: close removes it
+    assert not os.path.exists(channel_dir)
+
+
+def test_handle_hides_the_client_secret_and_readers_refuse_plain_tcp():
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-handle")
+    try:
+        h = mq.export_handle()
+        assert h.curve_client_secret is not None and h.curve_client_secret.decode() not in repr(h)
+        assert Handle.from_bytes(h.to_bytes()) == h
+        bare = msgspec.structs.replace(h, curve_server_key=None)
+        with pytest.raises(ValueError, match="CURVE"):
+            MessageQueue.create_from_handle(bare, rank=1)
+    finally:
+        mq.close()
