@@ -175,13 +175,18 @@ class StatelessProcessGroup:
             ValueError: Bad rank/world_size/port/host, or no secret for a
                 non-loopback ``host`` without ``insecure``.
             AuthenticationError: The session could not be authenticated in time.
+            StoreConnectionError: Rank 0 cannot listen on ``host:port`` (in
+                use, or not an address of this host).
         """
         _check_rank_world(rank, world_size)
         check_int(port, "port", minimum=1, maximum=65535)
-        if not isinstance(host, str) or not host:
-            raise ValueError(f"host must be a non-empty str, got {host!r}")
+        if not isinstance(host, str):
+            raise TypeError(f"host must be a str, got {type(host).__name__} ({host!r:.60})")
+        if not host:
+            raise ValueError("host must be a non-empty str, got ''")
         t: float = check_timeout(timeout, positive=True)  # type: ignore[assignment]
         _check_name(name)
+        _check_bool(allow_pickle, "allow_pickle")
         source, key_file = _secret_plan(rank, host, port, name, secret,
                                         _check_bool(insecure, "insecure"))
         try:
@@ -615,8 +620,14 @@ def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float
                              timeout=td, wait_for_workers=False)
     import socket
 
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.create_server((host, port), family=family, backlog=512)
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family, backlog=512)
+    except OSError as e:
+        raise StoreConnectionError(
+            f"rank 0 cannot listen on {host}:{port} for its stateless group's store: "
+            f"{e.strerror or e} (errno {e.errno}); pick a free port or an address of this host"
+        ) from e
     fd = sock.detach()  # the store owns (and closes) the listening socket from here
     try:
         return dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=True,

@@ -76,6 +76,19 @@ def test_store_listens_only_on_the_given_address() -> None:
         g.close()
 
 
+def test_port_in_use_is_a_store_connection_error_and_leaves_no_key_file() -> None:
+    import socket
+
+    from coordinator.errors import StoreConnectionError
+    from coordinator.stateless_group import _key_file_path
+
+    with socket.create_server((HOST, 0)) as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(StoreConnectionError, match=f"cannot listen on {HOST}:{port}"):
+            StatelessProcessGroup.create(HOST, port, 0, 1, timeout=5, name="busy")
+    assert not os.path.exists(_key_file_path(HOST, port, "busy"))
+
+
 @pytest.mark.parametrize("secret_from", ["key-file", "env"])
 def test_outsider_pickle_under_the_keys_runs_nothing(tmp_path, secret_from: str) -> None:
     marker = str(tmp_path / "pwned")
@@ -120,6 +133,10 @@ def test_secret_arguments_are_checked() -> None:
         StatelessProcessGroup.create(HOST, free_port(), 0, 1, secret=b"abcd")
     with pytest.raises(ValueError, match="contradict"):
         StatelessProcessGroup.create(HOST, free_port(), 0, 1, secret=os.urandom(16), insecure=True)
+    with pytest.raises(TypeError, match="host must be a str, got bytes"):
+        StatelessProcessGroup.create(b"127.0.0.1", free_port(), 0, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="insecure must be a bool, got int"):
+        StatelessProcessGroup.create(HOST, free_port(), 0, 1, insecure=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="allow_pickle must be a bool"):
         StatelessProcessGroup.create(HOST, free_port(), 0, 1, allow_pickle=1)  # type: ignore[arg-type]
 
