@@ -21,12 +21,13 @@ gives the guarantees the rest of the code relies on:
   whose owner is *provably* gone. Next to each segment the owner writes a
   record ``<name>.owner`` (mode 0600) of its identity: pid, pid-namespace
   inode (``/proc/self/ns/pid``), start time (``/proc/self/stat``, clock
-  ticks since boot), boot id and uid. An owner is gone when the machine has
-  rebooted since (other boot id), or, seen from the same pid namespace, when
-  its pid does not exist or belongs to a process with another start time.
-  When that cannot be decided (the owner ran in another pid namespace, there
-  is no trustworthy record, ``/proc`` is not this process's) the segment is
-  kept and the reason reported.
+  ticks since boot), boot id, uid and time-namespace inode. An owner is
+  gone when the machine has rebooted since (other boot id), or, seen from
+  the same pid namespace, when its pid does not exist or belongs to a
+  process with another start time (compared within one time namespace).
+  When that cannot be decided (the owner ran in another pid or time
+  namespace, there is no trustworthy record, ``/proc`` is not this
+  process's) the segment is kept and the reason reported.
 """
 
 from __future__ import annotations
@@ -331,6 +332,9 @@ class OwnerIdentity:
         start_ticks: Process start time, clock ticks since boot (``/proc/<pid>/stat``).
         boot_id: ``/proc/sys/kernel/random/boot_id`` of the machine ('' if unknown).
         uid: Effective uid of the owner.
+        timens: Inode of the owner's time namespace (``/proc/self/ns/time``;
+            0 where the kernel has none): start times are comparable only
+            within one.
     """
 
     pid: int
@@ -338,14 +342,16 @@ class OwnerIdentity:
     start_ticks: int
     boot_id: str
     uid: int
+    timens: int = 0
 
     @classmethod
     def of_self(cls) -> "OwnerIdentity":
         """This process's identity (fields it cannot read are 0 or '')."""
         pid = os.getpid()
         own_proc = _proc_is_ours()
-        return cls(pid, _pidns_inode("self") if own_proc else 0,
-                   (_start_ticks(pid) or 0) if own_proc else 0, _boot_id(), os.geteuid())
+        return cls(pid, _ns_inode("pid") if own_proc else 0,
+                   (_start_ticks(pid) or 0) if own_proc else 0, _boot_id(), os.geteuid(),
+                   _ns_inode("time") if own_proc else 0)
 
 
 @dataclass(frozen=True)
@@ -474,7 +480,7 @@ def _read_owner_record(name: str, seg_uid: int) -> OwnerIdentity | str:
     try:
         d = json.loads(raw)
         ident = OwnerIdentity(int(d["pid"]), int(d["pidns"]), int(d["start_ticks"]),
-                              str(d["boot_id"]), int(d["uid"]))
+                              str(d["boot_id"]), int(d["uid"]), int(d.get("timens", 0)))
     except (ValueError, KeyError, TypeError):
         return "owner record malformed"
     return ident
@@ -498,6 +504,9 @@ def _judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity,
                            f"process is in pid:[{me.pidns}]); its pid cannot be checked from here")
     if not exists(pid):
         return "gone", f"no process {pid} in this pid namespace"
+    if rec.timens != me.timens:
+        return "unknown", (f"pid {pid} exists, but its start time cannot be compared from "
+                           f"another time namespace (time:[{rec.timens}], ours time:[{me.timens}])")
     now = _start_ticks(pid)
     if now is None:
         return "unknown", f"cannot read the start time of process {pid}"
@@ -526,9 +535,10 @@ def _proc_is_ours() -> bool:
         return False
 
 
-def _pidns_inode(pid: str) -> int:
+def _ns_inode(kind: str) -> int:
+    """Inode of this process's ``kind`` namespace (0 if the kernel has none)."""
     try:
-        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
     except OSError:
         return 0
 

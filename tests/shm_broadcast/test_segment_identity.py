@@ -62,6 +62,9 @@ def test_pid_reuse_and_reboot_are_recognised_as_gone() -> None:
         _rewrite(path, {**rec, "boot_id": "00000000-0000-0000-0000-000000000000"})
         info = _info(seg.name)
         assert info.status == "gone" and "reboot" in info.reason, info
+        _rewrite(path, {**rec, "timens": rec["timens"] + 1})  # start times not comparable
+        info = _info(seg.name)
+        assert info.status == "unknown" and "time namespace" in info.reason, info
         _rewrite(path, {**rec, "pidns": rec["pidns"] + 1})
         info = _info(seg.name)
         assert info.status == "unknown" and "another pid namespace" in info.reason, info
