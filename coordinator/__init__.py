@@ -6,6 +6,7 @@ Start here::
 """
 
 from coordinator.errors import (
+    AuthenticationError,
     BrokenCommunicator,
     ClosedError,
     CollectiveMismatch,
@@ -19,6 +20,7 @@ from coordinator.errors import (
     RankDiedError,
     RankFailedError,
     SegmentError,
+    StoreConnectionError,
 )
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
 from coordinator.group_registry import get_group_by_name
@@ -63,6 +65,8 @@ __all__ = [
     "CommunicatorUnavailable",
     "BrokenCommunicator",
     "SegmentError",
+    "AuthenticationError",
+    "StoreConnectionError",
     "NotInitializedError",
     "RankFailedError",
     "RankDiedError",
