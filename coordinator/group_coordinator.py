@@ -29,18 +29,13 @@ from coordinator import group_setup as setup
 from coordinator import tensor_dict as tensor_dict_ops
 from coordinator.errors import CollectiveMismatch, CommTimeout, NotInitializedError
 from coordinator.group_registry import REGISTRY
-from coordinator.object_comm import (
-    SERIALIZE_ERRORS,
-    ObjectCodec,
-    PickleCodec,
-    SourceFailure,
-    recv_object,
-    send_object,
-)
+from coordinator import object_comm
+from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms import validation
 from device_comms.errors import translate_backend_error
 from shm_broadcast.checks import check_timeout
+from shm_broadcast.codec import Codec
 
 __all__ = ["GroupCoordinator", "GraphCaptureContext", "side_stream"]
 
@@ -77,6 +72,13 @@ class GroupCoordinator:
         group_name: Base name; the unique name is ``<group_name>:<n>``.
         device_communicator: Registry name to force a specific communicator.
         timeout: Timeout of the process groups created here.
+        allow_pickle: Opt in to pickle for objects msgspec cannot carry
+            (dataclasses, enums, arbitrary classes) in object collectives,
+            tensor-dict values and the group's message queues. Off by
+            default: such objects raise ``TypeError`` on the sender (its peers
+            raise ``CollectiveMismatch``) and nothing received is unpickled.
+            Every rank must pass the same value; with it, any process that can
+            send to this group can run code in it, so only for trusted peers.
 
     Attributes:
         rank: Global rank of this process.
@@ -89,6 +91,8 @@ class GroupCoordinator:
         device: This rank's device.
         device_communicator: The registry-chosen communicator (None if disabled).
         unique_name: Name unique within the process (``tp:0``).
+        allow_pickle: Whether this group opted in to pickle.
+        codec: The :class:`shm_broadcast.codec.Codec` of the object collectives.
     """
 
     def __init__(
@@ -102,7 +106,10 @@ class GroupCoordinator:
         *,
         device_communicator: str | None = None,
         timeout: datetime.timedelta | None = None,
+        allow_pickle: bool = False,
     ) -> None:
+        if not isinstance(allow_pickle, bool):
+            raise TypeError(f"allow_pickle must be a bool, got {type(allow_pickle).__name__}")
         if not dist.is_initialized():
             raise NotInitializedError(
                 "torch.distributed is not initialised; call "
@@ -121,7 +128,8 @@ class GroupCoordinator:
         self.world_size = len(self.ranks)
         self.rank_in_group = self.ranks.index(self.rank)
         self.device = setup.pick_device(backend, local_rank)
-        self.codec: ObjectCodec = PickleCodec()
+        self.allow_pickle = allow_pickle
+        self.codec = Codec(allow_pickle=allow_pickle)
         self._destroyed = False
         self.device_communicator: DeviceCommunicator | None = None
         if use_device_communicator and self.world_size > 1:
@@ -261,11 +269,17 @@ class GroupCoordinator:
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """Broadcast a Python object from ``src``; returns it on every rank.
 
-        Uses the message queue when the group has one and ``src`` is its writer.
+        Uses the message queue when the group has one and ``src`` is its
+        writer, else the CPU group. Either way the object travels as msgspec
+        msgpack with tensors and arrays out of band (see
+        :mod:`shm_broadcast.codec` for what is carried exactly); nothing is
+        pickled unless the group was created with ``allow_pickle=True``.
 
         Raises:
-            TypeError: On ``src``: ``obj`` cannot be serialised. The other ranks
-                are told and raise ``ValueError`` instead of waiting forever.
+            TypeError: On ``src``: ``obj`` cannot be encoded (the message names
+                the type and the ``allow_pickle`` opt-in). The other ranks are
+                told and raise ``CollectiveMismatch`` instead of waiting forever.
+            DecodeError: On a receiver: the bytes received are malformed.
         """
         validation.check_rank(src, self.world_size, "src")
         if self.world_size == 1:
@@ -288,22 +302,33 @@ class GroupCoordinator:
             )
         return got
 
-    def _broadcast_raw(self, obj: Any, src: int) -> Any:
-        """One object from ``src`` to all (message queue or CPU group), unchecked."""
-        if self.mq_broadcaster is not None and src == self.mq_writer_rank:
+    def _broadcast_raw(self, obj: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
+        """One object from ``src`` to all, unchecked: through the message queue
+        (when ``group`` is None and ``src`` is its writer), else as bytes over
+        ``group`` (default the CPU group)."""
+        if group is None and self.mq_broadcaster is not None and src == self.mq_writer_rank:
             self._check_live("broadcast_object")
             return self.mq_broadcaster.broadcast_object(obj, timeout=self.timeout)
-        box = [obj if self.rank_in_group == src else None]
-        self._cpu_call(
-            "broadcast_object", dist.broadcast_object_list, box,
-            src=self.ranks[src], group=self.cpu_group,
+        return self._cpu_call(
+            "broadcast_object", object_comm.broadcast_object,
+            obj if self.rank_in_group == src else None, self.ranks[src],
+            group or self.cpu_group, self.codec, self.rank_in_group == src,
         )
-        return box[0]
 
     def broadcast_object_list(
         self, obj_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None
     ) -> list[Any]:
-        """Broadcast a list of objects in place (like ``torch.distributed``)."""
+        """Broadcast a list of objects in place (like ``torch.distributed``, without pickle).
+
+        The list travels as one message over the CPU group (or ``group``);
+        receivers pass a list of the same length, whose items are replaced.
+
+        Raises:
+            TypeError: On ``src``: an entry cannot be encoded (receivers raise
+                ``CollectiveMismatch``); ``obj_list`` is not a list.
+            CollectiveMismatch: On a receiver: the source failed, or sent a
+                list of another length.
+        """
         if not isinstance(obj_list, list):
             raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
         validation.check_rank(src, self.world_size, "src")
@@ -311,36 +336,50 @@ class GroupCoordinator:
             raise TypeError(f"group must be a torch ProcessGroup or None, got {type(group).__name__}")
         if self.world_size == 1:
             return obj_list
-        box, failed, kw = obj_list, None, {"src": self.ranks[src], "group": group or self.cpu_group}
+        pg = group or self.cpu_group
         if self.rank_in_group == src:
             try:
-                return self._cpu_call("broadcast_object_list", _bcast_list, obj_list, **kw)
+                self._broadcast_raw(list(obj_list), src, pg)
             except SERIALIZE_ERRORS as e:  # nothing was sent: tell the receivers instead
-                failed, box = e, [SourceFailure(f"{type(e).__name__}: {e}")] * len(obj_list)
-        self._cpu_call("broadcast_object_list", _bcast_list, box, **kw)
-        if failed is not None:
-            raise TypeError(
-                f"broadcast_object_list on group {self.unique_name!r}: an entry of obj_list "
-                f"cannot be serialised ({type(failed).__name__}: {failed})"
-            ) from failed
-        if obj_list and isinstance(obj_list[0], SourceFailure):
-            msg = obj_list[0].message
+                self._broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src, pg)
+                raise TypeError(
+                    f"broadcast_object_list on group {self.unique_name!r}: an entry of "
+                    f"obj_list cannot be serialised ({type(e).__name__}: {e})"
+                ) from e
+            return obj_list
+        got = self._broadcast_raw(None, src, pg)
+        why = _list_mismatch(got, len(obj_list))
+        if why is not None:
             raise CollectiveMismatch(
                 f"broadcast_object_list on group {self.unique_name!r}: the source rank {src} "
-                f"could not send its objects ({msg}); fix the call on rank {src}",
+                f"could not send its objects ({why}); fix the call on rank {src}",
                 queue=self.unique_name, peers=(src,),
             )
+        obj_list[:] = got
         return obj_list
 
     def send_object(self, obj: Any, dst: int) -> None:
-        """Send a Python object to group rank ``dst`` over the CPU group."""
+        """Send a Python object to group rank ``dst`` over the CPU group (no pickle
+        unless the group opted in; see :meth:`broadcast_object`).
+
+        Raises:
+            TypeError: ``obj`` cannot be encoded; the receiver is told and raises
+                ``CollectiveMismatch``.
+        """
         self._check_peer(dst, "dst")
-        self._cpu_call("send_object", send_object, obj, self.ranks[dst], self.cpu_group, self.codec)
+        self._cpu_call("send_object", object_comm.send_object, obj, self.ranks[dst],
+                       self.cpu_group, self.codec)
 
     def recv_object(self, src: int) -> Any:
-        """Receive a Python object from group rank ``src``."""
+        """Receive a Python object from group rank ``src``.
+
+        Raises:
+            CollectiveMismatch: The sender could not encode its object.
+            DecodeError: The bytes received are malformed.
+        """
         self._check_peer(src, "src")
-        return self._cpu_call("recv_object", recv_object, self.ranks[src], self.cpu_group, self.codec)
+        return self._cpu_call("recv_object", object_comm.recv_object, self.ranks[src],
+                              self.cpu_group, self.codec)
 
     # ------------------------------------------------------------------ tensor dicts
     def broadcast_tensor_dict(
@@ -588,9 +627,15 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _bcast_list(obj_list: list[Any], src: int, group: dist.ProcessGroup) -> list[Any]:
-    dist.broadcast_object_list(obj_list, src=src, group=group)
-    return obj_list
+def _list_mismatch(got: Any, n: int) -> str | None:
+    """Why a received object list cannot fill a receiver's list of ``n`` (None: it can)."""
+    if isinstance(got, SourceFailure):
+        return got.message
+    if type(got) is not list:
+        return f"it sent a {type(got).__name__}, not a list"
+    if len(got) != n:
+        return f"it sent {len(got)} objects, this rank's obj_list has {n}"
+    return None
 
 
 def _ag(group: Any) -> "GroupCoordinator | None":

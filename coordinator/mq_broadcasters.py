@@ -11,6 +11,9 @@ through shared memory, others over TCP.
 
 It is collective over the group's CPU group: handles are exchanged with one
 all-gather, so creation costs one round trip whatever the group size.
+
+Every queue made here takes the group's ``allow_pickle`` (off by default): its
+writer refuses values msgspec cannot carry, and its readers never unpickle.
 """
 
 from __future__ import annotations
@@ -58,12 +61,13 @@ def create_mq_broadcaster(
                         f"allowed here: {sorted(allowed)}")
     if external_writer_handle is not None:
         mq = MessageQueue.create_from_handle(external_writer_handle, group.rank_in_group,
-                                             **queue_options)
+                                             allow_pickle=group.allow_pickle, **queue_options)
         if blocking:
             mq.wait_until_ready()
         return mq
     return MessageQueue.create_from_process_group(
-        group.cpu_group, writer_rank=writer_rank, name=f"{group.unique_name}-mq", **queue_options)
+        group.cpu_group, writer_rank=writer_rank, name=f"{group.unique_name}-mq",
+        allow_pickle=group.allow_pickle, **queue_options)
 
 
 def create_single_reader_mq_broadcasters(
@@ -109,15 +113,16 @@ def create_single_reader_mq_broadcasters(
             max_chunks=max_chunks,
             name=f"{group.unique_name}-to{reader}-from{me}",
             writer_rank=me,
+            allow_pickle=group.allow_pickle,
         )
     handle = writer.export_handle().to_bytes() if writer is not None else None
     handles: list[Any] = object_group(group.cpu_group).all_gather(handle)
-    readers = _attach_readers(writer, handles, me, reader, blocking)
+    readers = _attach_readers(writer, handles, me, reader, blocking, group.allow_pickle)
     return writer, readers
 
 
 def _attach_readers(writer: "MessageQueue | None", handles: list[Any], me: int, reader: int,
-                    blocking: bool) -> list["MessageQueue | None"]:
+                    blocking: bool, allow_pickle: bool) -> list["MessageQueue | None"]:
     """On the reader, open every writer's queue; optionally wait for all to connect.
 
     On failure every queue this rank holds (its writer included) is closed.
@@ -127,7 +132,8 @@ def _attach_readers(writer: "MessageQueue | None", handles: list[Any], me: int, 
     readers: list[MessageQueue | None] = []
     try:
         if me == reader:
-            readers = [None if r == reader else MessageQueue.create_from_handle(h, reader)
+            readers = [None if r == reader else
+                       MessageQueue.create_from_handle(h, reader, allow_pickle=allow_pickle)
                        for r, h in enumerate(handles)]
         if blocking:
             for q in [writer, *readers]:

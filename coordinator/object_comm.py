@@ -1,41 +1,63 @@
-"""Point-to-point Python objects over a CPU (gloo) group, and source-failure markers.
+"""Python objects over a CPU (gloo) group, without pickle, and source-failure markers.
 
-An object is serialised to bytes, its length goes first as one int64 tensor,
-then the bytes as a uint8 tensor. Serialisation is pluggable
-(:class:`ObjectCodec`); the default is pickle, because these calls carry
-arbitrary user objects. Hot-path metadata should use the message queue or
-``broadcast_tensor_dict``, which never pickle tensors.
+An object is encoded with the message queue's codec (:mod:`shm_broadcast.codec`:
+msgspec msgpack for the structure, tensors and arrays out of band as raw
+bytes). What travels over gloo is
 
-A sender that cannot serialise its object must not leave the receiver waiting
-for bytes that never come: it sends a *negative* length ``-(n + 1)`` followed
-by ``n`` bytes of UTF-8 error text, and the receiver raises ``ValueError``
-with that text. Collectives use :class:`SourceFailure` the same way: a source
-whose input is unusable broadcasts one in place of the data, so every
-receiver raises instead of hanging.
+1. a header, one int64 tensor ``[msg_len, blob_len]``;
+2. when non-empty, one uint8 tensor holding the msgpack bytes followed by the
+   arrays' raw bytes.
+
+The receiver checks the header (non-negative sizes, at most
+:data:`MAX_OBJECT_BYTES`) before it allocates, and decodes with the same
+checks every queue reader makes: malformed bytes raise
+:class:`~shm_broadcast.errors.DecodeError`, and nothing received is ever
+unpickled unless the group opted in with ``allow_pickle=True``.
+
+A sender that cannot encode its object (a type msgspec cannot carry, say)
+must not leave the receivers waiting for bytes that never come. Point to
+point, it sends the header ``[len(text), -1]`` and its error text as UTF-8;
+in broadcasts the caller sends a :class:`SourceFailure` (its own msgpack ext,
+no pickle) in place of the data. The sender raises ``TypeError`` itself, and
+every receiver raises :class:`~shm_broadcast.errors.CollectiveMismatch`
+naming the sender.
+
+A caller may still plug its own :class:`ObjectCodec` (``dumps``/``loads``)
+into ``GroupCoordinator.codec``; its bytes then travel as the msgpack part.
 """
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from coordinator.errors import CollectiveMismatch
+from coordinator.errors import CollectiveMismatch, DecodeError
+from shm_broadcast.codec import Codec, SourceFailure
 
 __all__ = [
     "ObjectCodec",
     "PickleCodec",
     "SourceFailure",
     "SERIALIZE_ERRORS",
+    "MAX_OBJECT_BYTES",
     "send_object",
     "recv_object",
+    "broadcast_object",
 ]
 
+#: Largest object (msgpack plus raw array bytes) a receiver accepts: 1 TiB.
+#: The header of a larger claim is refused before anything is allocated.
+MAX_OBJECT_BYTES = 1 << 40
+_MAX_FAILURE_TEXT = 4096
+
 # What serialisers raise for a value they cannot encode (before any byte moves):
-# pickle raises PicklingError, AttributeError ("Can't pickle local object") or
-# TypeError ("cannot pickle '_thread.lock' object"); msgspec raises TypeError.
+# the codec raises TypeError (a type it cannot carry without the pickle
+# opt-in, a CUDA or sparse tensor); with the opt-in, pickle raises
+# PicklingError, AttributeError ("Can't pickle local object") or TypeError.
 SERIALIZE_ERRORS: tuple[type[BaseException], ...] = (
     pickle.PicklingError,
     AttributeError,
@@ -44,27 +66,8 @@ SERIALIZE_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-class SourceFailure:
-    """Sent in place of the data when the source rank rejected its own input.
-
-    Attributes:
-        message: Why the source failed (its exception text).
-    """
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (SourceFailure, (self.message,))
-
-    def __repr__(self) -> str:
-        return f"SourceFailure({self.message!r})"
-
-
 class ObjectCodec(Protocol):
-    """Turns objects into bytes and back."""
+    """Turns objects into bytes and back (kept for callers that bring their own)."""
 
     def dumps(self, obj: Any) -> bytes: ...
 
@@ -72,7 +75,12 @@ class ObjectCodec(Protocol):
 
 
 class PickleCodec:
-    """Pickle with the highest protocol."""
+    """Pickle with the highest protocol.
+
+    Unsafe on received bytes: ``loads`` runs whatever code the sender chose.
+    Nothing in this project uses it; it is kept for callers that exchange
+    objects among processes they trust as much as their own.
+    """
 
     def dumps(self, obj: Any) -> bytes:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -81,54 +89,142 @@ class PickleCodec:
         return pickle.loads(data)
 
 
-def _as_tensor(data: bytes) -> torch.Tensor:
-    if not len(data):
-        return torch.empty(0, dtype=torch.uint8)  # frombuffer refuses empty buffers
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def _pack(obj: Any, codec: Codec | ObjectCodec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(header, payload)`` tensors for ``obj``; raises the codec's TypeError first.
+
+    A :class:`Codec` puts msgpack then array bytes in the payload; a
+    caller-supplied :class:`ObjectCodec` puts its ``dumps`` bytes (``blob_len`` 0).
+    """
+    if not isinstance(codec, Codec):
+        data = codec.dumps(obj)
+        payload = torch.empty(len(data), dtype=torch.uint8)
+        if len(data):
+            ctypes.memmove(payload.data_ptr(), bytes(data), len(data))
+        return torch.tensor([len(data), 0], dtype=torch.int64), payload
+    enc = codec.encode(obj)
+    mlen = len(enc.msg)
+    payload = torch.empty(mlen + enc.blob_len, dtype=torch.uint8)
+    if payload.numel():
+        addr = payload.data_ptr()
+        ctypes.memmove(addr, enc.msg, mlen)
+        enc.write_blob(addr + mlen)
+    return torch.tensor([mlen, enc.blob_len], dtype=torch.int64), payload
 
 
-def send_object(obj: Any, dst_global: int, group: dist.ProcessGroup, codec: ObjectCodec) -> None:
-    """Send ``obj`` to global rank ``dst_global`` over ``group``.
+def _failure_message(e: BaseException) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(header, payload)`` of a failure: ``[len(text), -1]``, then the UTF-8 text."""
+    text = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:_MAX_FAILURE_TEXT]
+    payload = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.empty(
+        0, dtype=torch.uint8)
+    return torch.tensor([len(text), -1], dtype=torch.int64), payload
+
+
+def _payload_for(header: torch.Tensor, peer: int) -> tuple[int, int, torch.Tensor]:
+    """Check a received header, then allocate the payload buffer it announces.
+
+    Returns:
+        ``(msg_len, blob_len, buffer)``; ``blob_len`` is -1 for a failure text.
 
     Raises:
-        TypeError: ``obj`` cannot be serialised (the receiver is told, and raises
-            ``ValueError``).
+        DecodeError: A size is negative (other than a failure's -1), a failure
+            text is longer than senders write, or the total exceeds
+            :data:`MAX_OBJECT_BYTES` (all checked before anything is allocated).
+    """
+    mlen, blen = (int(x) for x in header.tolist())
+    failure = blen == -1
+    if mlen < 0 or blen < -1 or mlen + max(blen, 0) > (
+            _MAX_FAILURE_TEXT if failure else MAX_OBJECT_BYTES):
+        raise DecodeError(
+            f"corrupt object header from global rank {peer}: msgpack {mlen} bytes, arrays "
+            f"{blen} bytes (each must be >= 0, together at most {MAX_OBJECT_BYTES})",
+            peers=(peer,))
+    return mlen, blen, torch.empty(mlen + max(blen, 0), dtype=torch.uint8)
+
+
+def _unpack(mlen: int, blen: int, payload: torch.Tensor, codec: Codec | ObjectCodec) -> Any:
+    arr = payload.numpy()
+    if not isinstance(codec, Codec):
+        return codec.loads(arr.tobytes())
+    return codec.decode(memoryview(arr)[:mlen], arr, mlen, blen)
+
+
+def _raise_if_failure(got: Any, what: str, peer: int) -> Any:
+    if isinstance(got, SourceFailure):
+        raise CollectiveMismatch(
+            f"{what}: the sender (global rank {peer}) could not serialise its object "
+            f"({got.message}); fix the call on that rank", peers=(peer,))
+    return got
+
+
+def send_object(obj: Any, dst_global: int, group: dist.ProcessGroup,
+                codec: Codec | ObjectCodec) -> None:
+    """Send ``obj`` to global rank ``dst_global`` over ``group`` (no pickle by default).
+
+    Raises:
+        TypeError: ``obj`` cannot be encoded (the message names the type and the
+            pickle opt-in); the receiver is told and raises ``CollectiveMismatch``.
     """
     try:
-        data = codec.dumps(obj)
+        header, payload = _pack(obj, codec)
     except SERIALIZE_ERRORS as e:
-        text = f"{type(e).__name__}: {e}".encode("utf-8", "replace")
-        dist.send(torch.tensor([-(len(text) + 1)], dtype=torch.int64), dst=dst_global, group=group)
-        if text:
-            dist.send(_as_tensor(text), dst=dst_global, group=group)
+        _send(*_failure_message(e), dst_global, group)
         raise TypeError(
             f"obj of type {type(obj).__name__} cannot be serialised for sending "
             f"({type(e).__name__}: {e})"
         ) from e
-    payload = _as_tensor(data)
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=dst_global, group=group)
+    _send(header, payload, dst_global, group)
+
+
+def _send(header: torch.Tensor, payload: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    dist.send(header, dst=dst, group=group)
     if payload.numel():
-        dist.send(payload, dst=dst_global, group=group)
+        dist.send(payload, dst=dst, group=group)
 
 
-def recv_object(src_global: int, group: dist.ProcessGroup, codec: ObjectCodec) -> Any:
+def recv_object(src_global: int, group: dist.ProcessGroup, codec: Codec | ObjectCodec) -> Any:
     """Receive an object sent by :func:`send_object` from global rank ``src_global``.
 
     Raises:
-        ValueError: The sender could not serialise its object.
+        CollectiveMismatch: The sender could not serialise its object.
+        DecodeError: The bytes received are malformed, or hold a pickled value
+            while ``codec`` has ``allow_pickle`` off.
     """
-    size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, src=src_global, group=group)
-    n = int(size.item())
-    failed = n < 0
-    buf = torch.empty(-n - 1 if failed else n, dtype=torch.uint8)
-    if buf.numel():
-        dist.recv(buf, src=src_global, group=group)
-    data = buf.numpy().tobytes()
-    if failed:
-        raise CollectiveMismatch(
-            f"the sender (global rank {src_global}) could not serialise the object it was "
-            f"sending ({data.decode('utf-8', 'replace')}); fix the call on that rank",
-            peers=(src_global,),
-        )
-    return codec.loads(data)
+    header = torch.empty(2, dtype=torch.int64)
+    dist.recv(header, src=src_global, group=group)
+    mlen, blen, payload = _payload_for(header, src_global)
+    if payload.numel():
+        dist.recv(payload, src=src_global, group=group)
+    if blen == -1:
+        text = payload.numpy().tobytes().decode("utf-8", "replace")
+        _raise_if_failure(SourceFailure(text), "recv_object", src_global)
+    return _unpack(mlen, blen, payload, codec)
+
+
+def broadcast_object(obj: Any, src_global: int, group: dist.ProcessGroup,
+                     codec: Codec | ObjectCodec, is_src: bool) -> Any:
+    """Broadcast ``obj`` from global rank ``src_global``; returns it on every rank.
+
+    No failure handling: on the source, an object that cannot be encoded raises
+    ``TypeError`` before anything is sent, and the caller then broadcasts a
+    :class:`SourceFailure` in its place. Receivers return what arrived
+    (possibly that marker).
+
+    Raises:
+        TypeError: On the source, ``obj`` cannot be encoded.
+        DecodeError: On a receiver, the bytes received are malformed.
+    """
+    if is_src:
+        header, payload = _pack(obj, codec)
+        dist.broadcast(header, src=src_global, group=group)
+        if payload.numel():
+            dist.broadcast(payload, src=src_global, group=group)
+        return obj
+    header = torch.empty(2, dtype=torch.int64)
+    dist.broadcast(header, src=src_global, group=group)
+    mlen, blen, payload = _payload_for(header, src_global)
+    if payload.numel():
+        dist.broadcast(payload, src=src_global, group=group)
+    if blen == -1:  # senders of broadcasts send SourceFailure objects, never this form
+        raise DecodeError(f"corrupt object header from global rank {src_global}",
+                          peers=(src_global,))
+    return _unpack(mlen, blen, payload, codec)

@@ -70,6 +70,8 @@ def init_distributed_environment(
     local_rank: int = -1,
     backend: str = "gloo",
     timeout: datetime.timedelta | float | None = None,
+    *,
+    allow_pickle: bool = False,
 ) -> GroupCoordinator:
     """Initialise torch.distributed (if needed) and create the world group.
 
@@ -80,6 +82,10 @@ def init_distributed_environment(
         local_rank: Rank on this node; -1 reads ``LOCAL_RANK`` or uses ``rank``.
         backend: Backend of the world group (``gloo``; ``nccl`` for GPUs).
         timeout: Collective timeout (timedelta or seconds).
+        allow_pickle: Opt the world group in to pickle for objects msgspec
+            cannot carry (see :class:`GroupCoordinator`); off by default, and
+            inherited by :func:`initialize_model_parallel`'s groups. Only
+            between processes that trust each other.
 
     Returns:
         The world :class:`GroupCoordinator`.
@@ -109,6 +115,7 @@ def init_distributed_environment(
             use_device_communicator=True,
             group_name="world",
             timeout=timeout,
+            allow_pickle=allow_pickle,
         )
         REGISTRY.timeout = timeout
     return REGISTRY.world
@@ -156,10 +163,22 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     data_parallel_size: int = 1,
     backend: str | None = None,
+    *,
+    allow_pickle: bool | None = None,
 ) -> None:
     """Create the TP, PP and DP groups (collective over the whole world).
 
+    Args:
+        tensor_model_parallel_size: TP size.
+        pipeline_model_parallel_size: PP size.
+        data_parallel_size: DP size.
+        backend: Backend of the device groups (default: the world group's).
+        allow_pickle: Opt the three groups (and the TP group's message queue)
+            in to pickle; ``None`` (default) takes the world group's setting,
+            which is off unless ``init_distributed_environment`` opted in.
+
     Raises:
+        TypeError: ``allow_pickle`` is not a bool or None.
         NotInitializedError: :func:`init_distributed_environment` was not called.
         ValueError: The sizes do not multiply to the world size.
         RuntimeError: Model parallel groups already exist.
@@ -167,6 +186,8 @@ def initialize_model_parallel(
     tp = _int_arg(tensor_model_parallel_size, "tensor_model_parallel_size")
     pp = _int_arg(pipeline_model_parallel_size, "pipeline_model_parallel_size")
     dp = _int_arg(data_parallel_size, "data_parallel_size")
+    if allow_pickle is not None and not isinstance(allow_pickle, bool):
+        raise TypeError(f"allow_pickle must be a bool or None, got {type(allow_pickle).__name__}")
     world = get_world_group()
     for name, size in (("tensor", tp), ("pipeline", pp), ("data", dp)):
         if size < 1:
@@ -186,14 +207,14 @@ def initialize_model_parallel(
     tp_groups = [[d * pp * tp + p * tp + t for t in range(tp)] for d in range(dp) for p in range(pp)]
     pp_groups = [[d * pp * tp + p * tp + t for p in range(pp)] for d in range(dp) for t in range(tp)]
     dp_groups = [[d * pp * tp + p * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)]
-    REGISTRY.tp = GroupCoordinator(
-        tp_groups, local_rank, backend, use_device_communicator=True,
-        use_message_queue_broadcaster=True, group_name="tp", timeout=REGISTRY.timeout,
-    )
+    kw = {"timeout": REGISTRY.timeout,
+          "allow_pickle": world.allow_pickle if allow_pickle is None else allow_pickle}
+    REGISTRY.tp = GroupCoordinator(tp_groups, local_rank, backend, use_device_communicator=True,
+                                   use_message_queue_broadcaster=True, group_name="tp", **kw)
     REGISTRY.pp = GroupCoordinator(pp_groups, local_rank, backend, use_device_communicator=True,
-                                   group_name="pp", timeout=REGISTRY.timeout)
+                                   group_name="pp", **kw)
     REGISTRY.dp = GroupCoordinator(dp_groups, local_rank, backend, use_device_communicator=True,
-                                   group_name="dp", timeout=REGISTRY.timeout)
+                                   group_name="dp", **kw)
 
 
 def ensure_model_parallel_initialized(

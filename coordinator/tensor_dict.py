@@ -2,7 +2,8 @@
 
 A tensor dict is flattened into *metadata* (one entry per key, in order) and a
 list of *payload* tensors. Metadata is plain data, so the message queue's
-msgspec codec carries it without pickling::
+msgspec codec carries it without pickling, on every path (queue or CPU
+group)::
 
     entry = [key, VALUE, value]                       # plain Python value
           | [key, TENSOR, [device_type, dtype, shape, parts]]
@@ -20,6 +21,14 @@ Payload routing:
 
 Receivers allocate their own tensors. Empty tensors send no payload.
 
+Received metadata is checked before anything is allocated for it
+(:func:`check_metadata`): entries of the right form, a known kind, a known
+dtype, a device the group moves, non-negative dimensions whose byte size fits
+in 64 bits, slicing that divides the tensor. Anything else raises
+:class:`~shm_broadcast.errors.DecodeError`. Values other than tensors go
+through the codec's rules: types msgspec cannot carry are refused on the
+source unless the group opted in with ``allow_pickle=True``.
+
 Pipeline sends can use the all-gather optimisation: when the tensor is
 replicated across an ``all_gather_group`` (say the TP group) of ``n`` ranks, each
 sender sends only its ``1/n`` slice and the receiving TP ranks rebuild the
@@ -28,12 +37,13 @@ whole tensor with one all-gather among themselves.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-from coordinator.errors import CollectiveMismatch
+from coordinator.errors import CollectiveMismatch, DecodeError
 from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms.torch_communicator import wire_view
 
@@ -46,19 +56,42 @@ __all__ = [
     "send_tensor_dict",
     "recv_tensor_dict",
     "flatten_tensor_dict",
+    "check_metadata",
 ]
 
 VALUE, TENSOR, INLINE = 0, 1, 2
+
+
+_MAX_NDIM = 64
+_MAX_TENSOR_BYTES = 1 << 62
 
 
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+def _known_dtypes() -> dict[str, torch.dtype]:
+    """Canonical names of the dtypes a receiver may allocate (no quantized ones)."""
+    out: dict[str, torch.dtype] = {}
+    for value in vars(torch).values():
+        if isinstance(value, torch.dtype) and not _dtype_name(value).startswith("q"):
+            try:
+                with warnings.catch_warnings():  # complex32 warns that it is experimental
+                    warnings.simplefilter("ignore")
+                    torch.empty(0, dtype=value)
+            except (RuntimeError, TypeError):
+                continue
+            out[_dtype_name(value)] = value
+    return out
+
+
+_DTYPES = _known_dtypes()
+
+
 def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in tensor-dict metadata")
+    dt = _DTYPES.get(name) if type(name) is str else None
+    if dt is None:
+        raise DecodeError(f"unknown dtype {name!r} in tensor-dict metadata")
     return dt
 
 
@@ -115,6 +148,7 @@ def flatten_tensor_dict(
 
 
 def _alloc(desc: list[Any], device: torch.device, numel_div: int = 1) -> torch.Tensor:
+    """A tensor for a descriptor :func:`check_metadata` accepted."""
     dev_type, dtype_name, shape, _ = desc
     dev = torch.device("cpu") if dev_type == "cpu" else device
     if numel_div == 1:
@@ -123,6 +157,60 @@ def _alloc(desc: list[Any], device: torch.device, numel_div: int = 1) -> torch.T
     for s in shape:
         numel *= s
     return torch.empty(numel // numel_div, dtype=_dtype(dtype_name), device=dev)
+
+
+def check_metadata(meta: Any, device_type: str) -> list[list[Any]]:
+    """Check received tensor-dict metadata before anything is allocated for it.
+
+    Args:
+        meta: What the codec decoded (a list of ``[key, kind, value]``).
+        device_type: The receiving group's device type (``"cpu"``, ``"cuda"``).
+
+    Returns:
+        ``meta`` itself, every entry known to be well formed: keys hashable,
+        kinds known, tensor descriptors ``[device, dtype, shape, parts]`` with a
+        device of ``"cpu"`` or ``device_type``, a known dtype, at most 64
+        non-negative dimensions whose byte size fits in 62 bits, and ``parts``
+        (``0`` or a slice count) dividing the element count.
+
+    Raises:
+        DecodeError: Any entry is malformed.
+    """
+    if type(meta) is not list:
+        raise DecodeError(f"tensor-dict metadata must be a list, got {type(meta).__name__}")
+    for i, entry in enumerate(meta):
+        if type(entry) is not list or len(entry) != 3 or entry[1] not in (VALUE, TENSOR, INLINE):
+            raise DecodeError(f"tensor-dict metadata entry {i} is malformed: {entry!r:.200}")
+        try:
+            hash(entry[0])
+        except TypeError:
+            raise DecodeError(f"tensor-dict metadata entry {i} has an unhashable key") from None
+        if entry[1] == TENSOR:
+            _check_desc(entry[2], device_type, i)
+        elif entry[1] == INLINE and not isinstance(entry[2], torch.Tensor):
+            raise DecodeError(f"tensor-dict metadata entry {i} is an inline tensor without one")
+    return meta
+
+
+def _check_desc(desc: Any, device_type: str, i: int) -> None:
+    if type(desc) is not list or len(desc) != 4:
+        raise DecodeError(f"tensor-dict metadata entry {i}: bad tensor descriptor {desc!r:.200}")
+    dev_type, dtype_name, shape, parts = desc
+    if dev_type not in ("cpu", device_type):
+        raise DecodeError(f"tensor-dict metadata entry {i}: device {dev_type!r:.40} is not "
+                          f"'cpu' or this group's {device_type!r}")
+    itemsize = _dtype(dtype_name).itemsize
+    if (type(shape) is not list or len(shape) > _MAX_NDIM
+            or not all(type(n) is int and n >= 0 for n in shape)):
+        raise DecodeError(f"tensor-dict metadata entry {i}: bad shape {shape!r:.200}")
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * itemsize > _MAX_TENSOR_BYTES:
+        raise DecodeError(f"tensor-dict metadata entry {i}: shape {shape} is too large")
+    if type(parts) is not int or parts < 0 or (parts and numel % parts):
+        raise DecodeError(f"tensor-dict metadata entry {i}: bad slice count {parts!r:.40} "
+                          f"for {numel} elements")
 
 
 # ---------------------------------------------------------------------- broadcast
@@ -164,6 +252,7 @@ def broadcast_tensor_dict(
             f"rejected its input ({meta.message}); fix the call on rank {src}",
             queue=coord.unique_name, peers=(src,),
         )
+    check_metadata(meta, coord.device.type)
     out: dict[Any, Any] = {}
     for key, kind, value in meta:
         if kind == TENSOR:
@@ -195,11 +284,13 @@ def _bcast_meta(
     group: dist.ProcessGroup | None,
     metadata_group: dist.ProcessGroup | None,
 ) -> Any:
-    """Broadcast the metadata object (no failure checks; callers do them)."""
+    """Broadcast the metadata object (no failure checks; callers do them).
+
+    Through the group's message queue or as codec bytes over the CPU group
+    (``metadata_group`` when given); never pickled unless the group opted in.
+    """
     if group is not None or metadata_group is not None:
-        box = [obj]
-        dist.broadcast_object_list(box, src=coord.ranks[src], group=metadata_group or coord.cpu_group)
-        return box[0]
+        return coord._broadcast_raw(obj, src, metadata_group or coord.cpu_group)
     return coord._broadcast_raw(obj, src)
 
 
@@ -258,7 +349,7 @@ def recv_tensor_dict(
     all_gather_group: "GroupCoordinator | None",
 ) -> dict[Any, Any]:
     """Implementation of :meth:`GroupCoordinator.recv_tensor_dict`."""
-    meta = coord.recv_object(src=src)
+    meta = check_metadata(coord.recv_object(src=src), coord.device.type)
     out: dict[Any, Any] = {}
     problem = ""
     have = all_gather_group.world_size if all_gather_group is not None else None

@@ -17,6 +17,9 @@ ranks disagree, or     :class:`CollectiveMismatch`                 ValueError
 the source failed      (:class:`PeerRejectedError`: a peer refused
                        its own arguments)
 wrong queue role       :class:`QueueRoleError`                     RuntimeError
+malformed bytes from   :class:`DecodeError`                        ValueError
+a peer (or refused
+pickle)
 shared memory          :class:`SegmentError` (:class:`ShmSpaceError`)  OSError
 =====================  ==========================================  ==============
 
@@ -47,6 +50,7 @@ __all__ = [
     "CollectiveMismatch",
     "PeerRejectedError",
     "QueueRoleError",
+    "DecodeError",
     "SegmentError",
     "ShmSpaceError",
     "ShmBroadcastError",
@@ -138,6 +142,18 @@ def _rebuild_rejected(msg: str, rank: int, op: str, reason: str) -> PeerRejected
 
 class QueueRoleError(GroupCoordError, RuntimeError):
     """A writer-only method was called on a reader, or the reverse."""
+
+
+class DecodeError(GroupCoordError, ValueError):
+    """Received bytes could not be decoded: malformed, truncated or refused.
+
+    The one error every decoder of this project raises for input it cannot
+    accept: a size that does not match the bytes present, a negative or
+    overflowing shape, an unknown dtype or type code, bad UTF-8, a pickled
+    value on a side that did not opt in to pickle. Nothing was allocated for
+    the claimed sizes before it is raised. ``queue`` and ``side`` name the
+    channel when the decoder knows it.
+    """
 
 
 class SegmentError(GroupCoordError, OSError):

@@ -85,8 +85,10 @@ class MessageQueue:
             the default route.
         name: Name used in errors (default ``mq-<pid>``).
         wait_policy: Spin/yield/park timing (:class:`WaitPolicy`).
-        allow_pickle: Allow the explicit pickle fallback for values msgspec
-            cannot carry exactly (see :mod:`shm_broadcast.codec`).
+        allow_pickle: Opt in to pickle for values msgspec cannot carry exactly
+            (see :mod:`shm_broadcast.codec`). Off by default: such values raise
+            ``TypeError`` in :meth:`enqueue`. Readers must opt in too
+            (:meth:`create_from_handle`); only between trusted processes.
         exact_types: Preserve tuples/sets/dataclasses exactly (default); False
             trades that for speed on huge lists (msgspec's lossy mapping).
         writer_rank: This process's rank, for error messages.
@@ -107,7 +109,7 @@ class MessageQueue:
         *,
         name: str | None = None,
         wait_policy: WaitPolicy | None = None,
-        allow_pickle: bool = True,
+        allow_pickle: bool = False,
         exact_types: bool = True,
         writer_rank: int | None = None,
     ) -> None:
@@ -159,7 +161,7 @@ class MessageQueue:
         rank: int,
         *,
         wait_policy: WaitPolicy | None = None,
-        allow_pickle: bool = True,
+        allow_pickle: bool = False,
     ) -> "MessageQueue":
         """Connect a reader to the writer described by ``handle``.
 
@@ -168,7 +170,10 @@ class MessageQueue:
             rank: This reader's rank. Ranks in ``handle.local_reader_ranks``
                 read through shared memory; any other rank is a remote reader.
             wait_policy: Spin/yield/park timing of this reader.
-            allow_pickle: Accept values the writer sent through pickle.
+            allow_pickle: Unpickle values the writer sent through pickle (which
+                runs code the writer chose). Off by default: a pickled value
+                raises :class:`~shm_broadcast.errors.DecodeError` in
+                :meth:`dequeue` and is never unpickled.
 
         Raises:
             TypeError: ``handle`` is not a :class:`Handle`.
@@ -204,6 +209,7 @@ class MessageQueue:
         connect_ip: str | None = None,
         wait_policy: WaitPolicy | None = None,
         timeout: float | None = DEFAULT_READY_TIMEOUT,
+        allow_pickle: bool = False,
     ) -> "MessageQueue | None":
         """Build a connected queue collectively over ``group``.
 
@@ -218,7 +224,8 @@ class MessageQueue:
 
         return create_from_process_group(
             group, max_chunk_bytes, max_chunks, writer_rank, reader_ranks, name=name,
-            connect_ip=connect_ip, wait_policy=wait_policy, timeout=timeout)
+            connect_ip=connect_ip, wait_policy=wait_policy, timeout=timeout,
+            allow_pickle=allow_pickle)
 
     # ---------------------------------------------------------- properties
     @property
@@ -309,6 +316,8 @@ class MessageQueue:
         Raises:
             QueueTimeout: Nothing arrived within ``timeout``.
             PeerDiedError: The writer died and every message it sent was read.
+            DecodeError: The message is malformed, or holds a pickled value
+                while this side has ``allow_pickle`` off.
             QueueClosedError: The writer shut the queue down (after every
                 earlier message was read) or this side was shut down.
         """

@@ -46,6 +46,7 @@ def create_from_process_group(
     connect_ip: str | None = None,
     wait_policy: WaitPolicy | None = None,
     timeout: float | None = 120.0,
+    allow_pickle: bool = False,
 ) -> MessageQueue | None:
     """Create and connect a queue collectively; every rank of ``group`` calls it.
 
@@ -60,6 +61,8 @@ def create_from_process_group(
         connect_ip: IP for the TCP endpoints if some readers are on other nodes.
         wait_policy: Waiting policy for this rank's side.
         timeout: Seconds every participant waits for the queue to connect.
+        allow_pickle: Opt every side in to pickle (:mod:`shm_broadcast.codec`);
+            off by default. Every rank must pass the same value.
 
     Returns:
         The queue on the writer and the readers, ``None`` on other ranks.
@@ -71,19 +74,20 @@ def create_from_process_group(
         QueueTimeout: The queue did not connect within ``timeout``.
     """
     og = object_group(group)
-    world, rank = og.world_size, og.rank
-    check_rank(writer_rank, world, "writer_rank")
-    readers = _resolve_readers(reader_ranks, writer_rank, world)
+    check_rank(writer_rank, og.world_size, "writer_rank")
+    readers = _resolve_readers(reader_ranks, writer_rank, og.world_size)
     same_node = in_the_same_node_as(og, source_rank=writer_rank)
     local = [r for r in readers if same_node[r]]
     mq: MessageQueue | None = None
-    if rank == writer_rank:
+    if og.rank == writer_rank:
+        name = name or f"mq-w{writer_rank}-{os.getpid()}"
         mq = _create_on_writer(og, readers, local, max_chunk_bytes, max_chunks, connect_ip,
-                               name or f"mq-w{writer_rank}-{os.getpid()}", wait_policy)
+                               name, wait_policy, allow_pickle)
     handle = _receive_handle(og, mq, writer_rank)
     try:
-        if rank in readers:
-            mq = MessageQueue.create_from_handle(handle, rank, wait_policy=wait_policy)
+        if og.rank in readers:
+            mq = MessageQueue.create_from_handle(handle, og.rank, wait_policy=wait_policy,
+                                                 allow_pickle=allow_pickle)
         if mq is not None:
             mq.wait_until_ready(timeout)
     except BaseException:
@@ -112,13 +116,13 @@ def _resolve_readers(reader_ranks: list[int] | None, writer_rank: int, world: in
 
 def _create_on_writer(og: Any, readers: list[int], local: list[int], max_chunk_bytes: int,
                       max_chunks: int, connect_ip: str | None, name: str,
-                      wait_policy: WaitPolicy | None) -> MessageQueue:
+                      wait_policy: WaitPolicy | None, allow_pickle: bool) -> MessageQueue:
     """Create the writer's queue; on failure tell the readers why, then re-raise."""
     writer_rank = og.rank
     try:
         return MessageQueue(len(readers), len(local), local, max_chunk_bytes, max_chunks,
                             connect_ip, name=name, wait_policy=wait_policy,
-                            writer_rank=writer_rank)
+                            writer_rank=writer_rank, allow_pickle=allow_pickle)
     except BaseException as e:
         og.broadcast(("error", f"{type(e).__name__}: {e}"), src=writer_rank)
         raise

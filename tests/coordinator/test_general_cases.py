@@ -4,9 +4,12 @@
   (float32/16, bfloat16, int8, uint8, int32, int64, bool), 0-dim, empty, 4-D,
   transposed/sliced/expanded inputs, negative and non-last dims, uneven
   all_gatherv/reduce_scatterv with zero-size ranks, non-zero dst/src.
-* Odd Python objects (dataclass, enum, numpy, tuples and tuple keys, sets,
-  5 MiB bytes, big ints) through every object path, including the TP group's
-  message queue; Parameters, expanded tensors and a 24 MiB tensor in tensor dicts.
+* Odd Python objects (numpy arrays and scalars, tuples and tuple keys, sets,
+  5 MiB bytes, big ints, torch.Size/dtype) through every object path, including
+  the TP group's message queue, without pickle; dataclasses and enums too when
+  the groups opt in with ``allow_pickle=True`` (msgspec would hand them back as
+  dicts and values); Parameters, expanded tensors and a 24 MiB tensor in
+  tensor dicts.
 * Input only the source can get wrong (a meta or sparse tensor, a value that
   does not pickle) raises on the source *and* on every receiver; these used
   to leave the receivers waiting forever.
@@ -45,9 +48,16 @@ def test_collectives_every_dtype_and_layout_at_world_size_3(dist_pool):
 
 
 @pytest.mark.timeout(120)
-def test_odd_objects_and_tensor_dicts_through_every_path_at_tp3(dist_pool):
-    """World group (CPU-group path) and TP=3 (message queue) and size-1 PP."""
-    _no_failures(dist_pool(3).run(objects, 3, timeout=100))
+@pytest.mark.parametrize("allow_pickle", [False, True], ids=["msgspec", "pickle-opt-in"])
+def test_odd_objects_and_tensor_dicts_through_every_path_at_tp3(dist_pool, allow_pickle):
+    """World group (CPU-group path) and TP=3 (message queue) and size-1 PP.
+
+    The default carries every object here but dataclasses and enums, which
+    only pickle returns as themselves: those are added when the groups opt in
+    explicitly with ``allow_pickle=True`` (and refused without it, see
+    ``source_failures``).
+    """
+    _no_failures(dist_pool(3).run(objects, 3, allow_pickle, timeout=100))
 
 
 @pytest.mark.timeout(120)
@@ -272,7 +282,8 @@ def collectives(rank: int, world_size: int) -> list[str]:
     return fails
 
 
-def objects(rank: int, world_size: int, tp: int) -> list[str]:
+def objects(rank: int, world_size: int, tp: int, allow_pickle: bool = False) -> list[str]:
+    from coordinator import GroupCoordinator
     from coordinator import parallel_state as ps
 
     fails: list[str] = []
@@ -283,13 +294,19 @@ def objects(rank: int, world_size: int, tp: int) -> list[str]:
         except Exception as e:  # noqa: BLE001
             fails.append(f"{case}: {type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-600:]}")
 
-    ps.initialize_model_parallel(tp, world_size // tp)
-    groups = [("world", ps.get_world_group()), ("tp", ps.get_tp_group()), ("pp", ps.get_pp_group())]
+    ps.initialize_model_parallel(tp, world_size // tp, allow_pickle=allow_pickle)
+    world = ps.get_world_group()
+    if allow_pickle:  # the pool's world group did not opt in: a world-sized group that does
+        world = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
+                                 group_name="world-pickle", allow_pickle=True)
+    groups = [("world", world), ("tp", ps.get_tp_group()), ("pp", ps.get_pp_group())]
+    pickle_only = {"dc": Point(3, [1, (2, 3)]), "enum": Color.RED} if allow_pickle else {}
     for tag, g in groups:
         n, me = g.world_size, g.rank_in_group
         objs = {
-            "dc": Point(3, [1, (2, 3)]),
-            "enum": Color.RED,
+            **pickle_only,
+            "npscalar": np.float32(1.5),
+            "torch_meta": [torch.Size([2, 3]), torch.bfloat16],
             "np": np.arange(6, dtype=np.float16).reshape(2, 3),
             "big": b"\x01" * (5 << 20),
             "tuple": (1, (2, "x"), None),
@@ -326,8 +343,7 @@ def objects(rank: int, world_size: int, tp: int) -> list[str]:
                 "i8": torch.tensor([-3, 4], dtype=torch.int8),
                 "u8": torch.tensor([250, 4], dtype=torch.uint8),
                 "f16": torch.tensor([[1.5]], dtype=torch.float16),
-                "dc": Point(1, [2]),
-                "enum": Color.RED,
+                **pickle_only,
                 "np": np.ones(3, dtype=np.int32),
                 "e": torch.empty(0, dtype=torch.int64),
                 "scalar": torch.tensor(2.5, dtype=torch.bfloat16),
@@ -363,6 +379,8 @@ def objects(rank: int, world_size: int, tp: int) -> list[str]:
                         got = g.recv_tensor_dict(a)
                         assert got == {}, got
                 chk(f"{tag}/std-empty/{a}->{b}", fstd_empty)
+    if allow_pickle:
+        world.destroy()
     return fails
 
 
@@ -486,6 +504,12 @@ def source_failures(rank: int, world_size: int, tp: int) -> list[str]:
              lambda: g.broadcast_object(None, src), TypeError, ("obj", "serialised")),
             ("bobj_list/unpicklable", lambda: g.broadcast_object_list([1, lam], src),
              lambda: g.broadcast_object_list([None, None], src), TypeError, ("obj_list",)),
+            # Without the pickle opt-in, values msgspec cannot carry exactly are
+            # refused on the source, naming the type and the opt-in.
+            ("bobj/dataclass-needs-pickle", lambda: g.broadcast_object(Point(1, [2]), src),
+             lambda: g.broadcast_object(None, src), TypeError, ("Point", "allow_pickle=True")),
+            ("btd/enum-needs-pickle", lambda: g.broadcast_tensor_dict({"e": Color.RED}, src),
+             lambda: g.broadcast_tensor_dict(None, src), TypeError, ("Color", "allow_pickle=True")),
         ]
         for name, on_src, on_other, exc, words in cases:
             def f(on_src=on_src, on_other=on_other, exc=exc, words=words, name=name):
@@ -508,6 +532,8 @@ def source_failures(rank: int, world_size: int, tp: int) -> list[str]:
             ("std/unpicklable", lambda: g.send_tensor_dict({"f": lam}, dst), TypeError,
              ("tensor_dict", "serialised")),
             ("sobj/unpicklable", lambda: g.send_object(lam, dst), TypeError, ("obj", "serialised")),
+            ("sobj/enum-needs-pickle", lambda: g.send_object(Color.RED, dst), TypeError,
+             ("Color", "allow_pickle=True")),
         ]
         for name, on_src, exc, words in p2p:
             recv = g.recv_object if name.startswith("sobj") else g.recv_tensor_dict

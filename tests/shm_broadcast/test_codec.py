@@ -1,4 +1,4 @@
-"""Codec: exact round trips, out-of-band arrays, explicit pickle fallback."""
+"""Codec: exact round trips without pickle, out-of-band arrays, pickle only as an opt-in."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shm_broadcast.codec import Codec
+from shm_broadcast.codec import Codec, SourceFailure
+from shm_broadcast.errors import DecodeError
 
 
 def roundtrip(obj, codec=None):
@@ -83,8 +84,11 @@ def test_tensor_flags_and_views():
     assert got["grad"].requires_grad and torch.equal(got["grad"], src["grad"])
     assert not got["conj"].is_conj() and torch.equal(got["conj"], c.conj().resolve_conj())
     assert torch.equal(got["neg"], src["neg"].resolve_neg())
-    assert isinstance(got["param"], torch.nn.Parameter)  # subclass via the pickle fallback
+    assert type(got["param"]) is torch.nn.Parameter  # its own flag, no pickle
+    assert got["param"].requires_grad
     assert torch.equal(got["param"].data, src["param"].data)
+    frozen = roundtrip(torch.nn.Parameter(torch.ones(2), requires_grad=False))[0]
+    assert type(frozen) is torch.nn.Parameter and not frozen.requires_grad
 
 
 @pytest.mark.timeout(30)
@@ -110,10 +114,13 @@ def test_numpy_arrays_roundtrip():
         "big_endian": np.arange(5, dtype=">i4"),
         "structured": np.zeros(3, dtype=st_dtype),
         "dt64": np.array(["2024-01-01"], dtype="datetime64[ns]"),
-        "objects": np.array([1, "x", None], dtype=object),  # pickle fallback
+        # Object arrays hold Python objects: only with the pickle opt-in.
+        "objects": np.array([1, "x", None], dtype=object),
     }
     src["structured"]["b"] = 1.5
-    got, _, _ = roundtrip(src)
+    with pytest.raises(TypeError, match="allow_pickle=True"):
+        Codec().encode(src)
+    got, _, _ = roundtrip(src, Codec(allow_pickle=True))
     for k, v in src.items():
         assert type(got[k]) is np.ndarray and got[k].dtype == v.dtype and got[k].shape == v.shape
         assert got[k].tobytes() == v.tobytes() if v.dtype != object else list(got[k]) == list(v)
@@ -130,7 +137,47 @@ class Color(enum.Enum):
 
 
 @pytest.mark.timeout(30)
-def test_python_structures_are_exact():
+def test_python_structures_are_exact_without_pickle():
+    src = {
+        "tuple": (1, (2, "x"), []),
+        "set": {1, 2, 3},
+        "frozenset": frozenset({"a"}),
+        (1, 2): "tuple key",
+        5: "int key",
+        2**70: "big int key",
+        "list_of_tuples": [(1, 2), (3, 4)],
+        "none": None, "bool": True, "float": 1.5, "bytes": b"\x00\xff", "str": "é",
+        "surrogate": "a\udc80b",
+        "big_int": 2**80, "big_neg": -(2**200) - 7, "edges": [-(2**63), 2**64 - 1, 2**64, -(2**63) - 1],
+        "np_scalars": [np.int64(7), np.float32(1.5), np.bool_(True), np.uint8(255),
+                       np.complex64(1 + 2j), np.datetime64("2024-01-01", "D")],
+        "failure": SourceFailure("why"),
+    }
+    got, _, _ = roundtrip(src)
+    assert list(got) == list(src)
+    for k, v in src.items():
+        if k == "np_scalars":
+            assert [type(x) for x in got[k]] == [type(x) for x in v] and got[k] == v
+        else:
+            assert type(got[k]) is type(v) and got[k] == v, k
+    assert type(got["tuple"][1]) is tuple and type(got["list_of_tuples"][0]) is tuple
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value", [
+    Step([1], torch.arange(2)), Color.RED, datetime.datetime(2024, 5, 1), lambda: 1,
+    np.array([None], dtype=object),
+], ids=["dataclass", "enum", "datetime", "lambda", "object-array"])
+def test_values_msgspec_cannot_carry_are_refused_by_the_sender(value):
+    """msgspec would turn these into dicts/values/strings (lossy): without the
+    opt-in the sender refuses, naming the type and the opt-in."""
+    with pytest.raises(TypeError, match=r"allow_pickle=True") as info:
+        Codec().encode({"nested": [value]})
+    assert type(value).__qualname__ in str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_python_structures_are_exact_with_the_pickle_opt_in():
     src = {
         "tuple": (1, (2, "x"), []),
         "set": {1, 2, 3},
@@ -145,7 +192,7 @@ def test_python_structures_are_exact():
         "when": datetime.datetime(2024, 5, 1, 12, 0),
         "np_scalar": np.int64(7),
     }
-    got, _, _ = roundtrip(src)
+    got, _, _ = roundtrip(src, Codec(allow_pickle=True))
     for k, v in src.items():
         if k == "dataclass":
             assert type(got[k]) is Step and got[k].ids == [1, 2]
@@ -159,21 +206,24 @@ def test_python_structures_are_exact():
 @pytest.mark.timeout(30)
 def test_pickle_fallback_sends_tensors_out_of_band():
     big = torch.zeros(100_000)
-    got, enc, _ = roundtrip(Step([1], big))
+    got, enc, _ = roundtrip(Step([1], big), Codec(allow_pickle=True))
     assert torch.equal(got.hidden, big)
     assert enc.blob_len >= big.numel() * 4
     assert len(enc.msg) < 1024  # the pickle holds a reference, not the 400 kB
 
 
 @pytest.mark.timeout(30)
-def test_pickle_fallback_can_be_disabled():
-    codec = Codec(allow_pickle=False)
+def test_pickle_is_off_by_default_on_both_sides():
+    codec = Codec()
+    assert codec.allow_pickle is False
     assert roundtrip({"a": (1, [2])}, codec)[0] == {"a": (1, [2])}  # no pickle needed
     with pytest.raises(TypeError, match="Step"):
         codec.encode({"x": Step([], torch.zeros(1))})
-    enc = Codec().encode(Color.RED)
-    with pytest.raises(TypeError, match="allow_pickle"):
+    enc = Codec(allow_pickle=True).encode(Color.RED)  # a peer that opted in
+    with pytest.raises(DecodeError, match="allow_pickle"):
         codec.decode(enc.msg, b"", 0, 0)
+    with pytest.raises(TypeError, match="allow_pickle must be a bool, got int"):
+        Codec(allow_pickle=1)
 
 
 @pytest.mark.timeout(30)
@@ -195,7 +245,7 @@ def test_fast_mode_is_msgspec_semantics():
 @pytest.mark.timeout(30)
 def test_corrupt_offsets_are_rejected():
     enc = Codec().encode(torch.arange(100))
-    with pytest.raises(ValueError, match="corrupt"):
+    with pytest.raises(DecodeError, match="corrupt"):
         Codec().decode(enc.msg, bytearray(enc.blob_len), 0, 10)
 
 

@@ -44,9 +44,13 @@ def test_every_payload_kind_round_trips_exactly(procs):
     # Queue A: 2 local readers + 1 remote (TCP), writer rank 7, 4 KiB chunks, 2 of them:
     # many payloads overflow through zmq, interleaved with ring messages.
     # Queue B: the same 3 readers all local, 128-byte chunks and max_chunks=1.
+    # The payloads include kinds only pickle carries exactly (enums, dataclasses,
+    # Structs, namedtuples, object arrays), so both sides opt in explicitly;
+    # test_payloads_without_pickle covers the default.
     qa = MessageQueue(3, 2, [1, 2], max_chunk_bytes=4096, max_chunks=2,
-                      connect_ip="127.0.0.1", name="payloads-a", writer_rank=7)
-    qb = MessageQueue(3, 3, [3, 1, 2], max_chunk_bytes=128, max_chunks=1, name="payloads-b")
+                      connect_ip="127.0.0.1", name="payloads-a", writer_rank=7, allow_pickle=True)
+    qb = MessageQueue(3, 3, [3, 1, 2], max_chunk_bytes=128, max_chunks=1, name="payloads-b",
+                      allow_pickle=True)
     try:
         handles = [qa.export_handle(), qb.export_handle()]
         for r in (1, 2, 3):
@@ -64,6 +68,34 @@ def test_every_payload_kind_round_trips_exactly(procs):
     assert [(k, r) for k, r, _ in reports] == [("ok", 1), ("ok", 2), ("ok", 3)]
     for _, rank, errors in reports:
         assert errors == [], f"reader rank {rank}: {errors}"
+
+
+#: Payloads that hold a kind msgspec cannot carry exactly (only with allow_pickle).
+PICKLE_ONLY = {"enums", "dataclass", "struct", "namedtuple", "ordered_dict", "arrays",
+               "tensor_tuple"}
+
+
+@pytest.mark.timeout(60)
+def test_payloads_without_pickle():
+    """Default codec: every payload but the pickle-only kinds round-trips exactly;
+    those are refused on the sender with a TypeError naming the opt-in."""
+    codec = Codec()
+    errors = []
+    for name, obj in payloads(4096):
+        try:
+            enc = codec.encode(obj)
+        except TypeError as e:
+            if name not in PICKLE_ONLY or "allow_pickle=True" not in str(e):
+                errors.append(f"{name}: {e}")
+            continue
+        if name in PICKLE_ONLY:
+            errors.append(f"{name}: was encoded without pickle")
+            continue
+        got = codec.decode(enc.msg, enc.blob_bytes(), 0, enc.blob_len)
+        problem = mismatch(got, obj, name)
+        if problem:
+            errors.append(problem)
+    assert errors == []
 
 
 def test_chunk_boundary_is_exact():
@@ -443,7 +475,7 @@ def payload_reader(handles: list, rank: int, chunk_sizes: list[int], out: Any) -
         errors: list[str] = []
         for handle, mcb in zip(handles, chunk_sizes):
             expected = payloads(mcb)
-            with MessageQueue.create_from_handle(handle, rank) as mq:
+            with MessageQueue.create_from_handle(handle, rank, allow_pickle=True) as mq:
                 mq.wait_until_ready(60)
                 kept: list[tuple[Any, Any]] = []
                 for name, exp in expected:
