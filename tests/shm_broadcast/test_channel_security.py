@@ -125,15 +125,19 @@ def outsider_hello(handle: Any, out: Any) -> None:
         out.put(("error", -1, traceback.format_exc()))
 
 
-def doomed_writer(n: int, out: Any) -> None:
-    """A writer with one remote reader: send ``n`` messages, then wait to be killed."""
+def doomed_writer(n: int, sent: Any, out: Any) -> None:
+    """A writer with one remote reader: send ``n`` messages, set ``sent``, wait to be killed.
+
+    ``sent`` is an Event, not a report on ``out``: killing a process right
+    after its report arrived can leave the shared queue's write lock held.
+    """
     try:
         mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="doomed")
         out.put(("handle", 0, mq.export_handle()))
         mq.wait_until_ready(60)
         for i in range(n):
             mq.enqueue({"i": i, "secret": _SECRET}, timeout=60)
-        out.put(("sent", 0))
+        sent.set()
         time.sleep(120)
     except BaseException:
         out.put(("error", 0, traceback.format_exc()))
@@ -163,12 +167,12 @@ def impostor(pub_port: int, ctl_port: int, curve: bool, seconds: float, out: Any
             while m.poll(0):
                 m.recv_multipart()
                 accepted += 1
+        out.put(("impostor", -2, accepted))  # before cleaning up: nothing may delay it
         for s in (pub, ctl):
             s.disable_monitor()
         for s in (*mons, pub, ctl):
             s.close(linger=0)
         ctx.term()
-        out.put(("impostor", -2, accepted))
     except BaseException:
         out.put(("error", -2, traceback.format_exc()))
 
@@ -257,14 +261,15 @@ def test_forged_and_malformed_local_control_messages_are_ignored(procs):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("curve", [False, True], ids=["plain-impostor", "curve-impostor"])
 def test_writer_dies_and_an_impostor_binds_its_port(procs, curve):
-    procs.start(doomed_writer, 3)
+    sent = procs.ctx.Event()
+    procs.start(doomed_writer, 3, sent)
     kind, _, h = procs.get(60)
     assert kind == "handle"
     reader = MessageQueue.create_from_handle(h, rank=1)
     try:
         reader.wait_until_ready(60)
         assert [reader.dequeue(timeout=30)["i"] for _ in range(3)] == [0, 1, 2]
-        assert procs.get(60)[0] == "sent"
+        assert sent.wait(60)
         os.kill(h.writer_pid, signal.SIGKILL)
         procs.start(impostor, _port(h.remote_pub), _port(h.remote_ctl), curve, 3.0)
         assert procs.get(60)[0] == "bound"
