@@ -133,18 +133,26 @@ class LocalReader:
             self.ring.register_reader(index, self._pid, ctime)
             self._doorbell = Doorbell(bell_address(handle.bell_prefix, f"r{index}"))
             self._ring_writer.connect()  # the writer's bell exists as long as its handle
-            self.ctx = zmq.Context(io_threads=1)
-            self.sub = new_socket(self.ctx, zmq.SUB)
-            self.sub.connect(handle.local_pub)
-            self.sub.subscribe(TOPIC_OVERFLOW)
-            self.dealer = new_socket(self.ctx, zmq.DEALER)
-            self.dealer.setsockopt(zmq.ROUTING_ID, b"L%d" % index)
-            self.dealer.connect(handle.local_ctl)
-            self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
-                [rank, self._pid, ctime, socket.gethostname()]))
+            self._connect(handle, ctime)
         except BaseException:
             self.close()
             raise
+
+    def _connect(self, handle: Handle, ctime: float) -> None:
+        """Connect the overflow SUB and the control DEALER (ipc), then say hello.
+
+        The hello goes last: the writer accepts it only from the process
+        registered in this reader's ring slot, with this doorbell bound.
+        """
+        self.ctx = zmq.Context(io_threads=1)
+        self.sub = new_socket(self.ctx, zmq.SUB)
+        self.sub.connect(handle.local_pub)
+        self.sub.subscribe(TOPIC_OVERFLOW)
+        self.dealer = new_socket(self.ctx, zmq.DEALER)
+        self.dealer.setsockopt(zmq.ROUTING_ID, b"L%d" % self.index)
+        self.dealer.connect(handle.local_ctl)
+        self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
+            [self.rank, self._pid, ctime, socket.gethostname()]))
 
     # ------------------------------------------------------------- waiting
     def wait_until_ready(self, timeout: float | None) -> None:

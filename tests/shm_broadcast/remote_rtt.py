@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from typing import Any
@@ -31,8 +32,21 @@ __all__ = ["measure"]
 _READY_S = 60.0
 
 
+def _no_curve() -> None:
+    """Diagnostics only (``GC_RTT_NO_CURVE=1``): the same code with CURVE switched off,
+    to tell the cost of the cipher from the rest of the changes."""
+    import shm_broadcast.queue_writer as qw
+    import shm_broadcast.remote_reader as rr
+
+    qw.make_curve_server = lambda sock, secret: None
+    rr.make_curve_client = lambda sock, *keys: None
+    qw._authenticated = lambda frame: True
+
+
 def _echo(ping_handle: Any, conn: Any, iters: int, warmup: int) -> None:
     """Process B: read every ping (rank 1, remote), answer on its own queue."""
+    if os.environ.get("GC_RTT_NO_CURVE") == "1":
+        _no_curve()
     ping = MessageQueue.create_from_handle(ping_handle, rank=1)
     pong = MessageQueue(1, 0, connect_ip="127.0.0.1", name="pong")
     try:
@@ -53,6 +67,8 @@ def measure(payload: int = 4096, iters: int = 2000, warmup: int = 200) -> dict[s
     Returns:
         ``{"median_us", "p99_us", "mean_us", "iters", "payload"}``.
     """
+    if os.environ.get("GC_RTT_NO_CURVE") == "1":
+        _no_curve()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     ping = MessageQueue(1, 0, connect_ip="127.0.0.1", name="ping")
