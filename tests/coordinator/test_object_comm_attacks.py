@@ -1,0 +1,109 @@
+"""A hostile peer on the CPU group against the object paths of GroupCoordinator.
+
+Rank 0 plays the attacker with raw gloo sends (headers and payloads of its
+choosing); rank 1 receives with the ordinary ``recv_object`` /
+``recv_tensor_dict`` / ``broadcast_object``. Every attack must end in
+:class:`DecodeError` on rank 1 before it allocates what was claimed, pickled
+payloads are never loaded, and the group keeps working afterwards.
+"""
+
+from __future__ import annotations
+
+import pickle
+import tracemalloc
+from typing import Any
+
+import pytest
+import torch
+
+_GIB = 1 << 30
+
+
+def _send_raw(header: list[int], payload: bytes, dst: int, group: Any) -> None:
+    """What a hostile member of ``group`` can send: any header, any payload."""
+    import torch.distributed as dist
+
+    dist.send(torch.tensor(header, dtype=torch.int64), dst=dst, group=group)
+    if payload:
+        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=dst, group=group)
+
+
+def _encoded(obj: Any, allow_pickle: bool = False) -> tuple[list[int], bytes]:
+    from shm_broadcast.codec import Codec
+
+    enc = Codec(allow_pickle=allow_pickle).encode(obj)
+    return [len(enc.msg), enc.blob_len], bytes(enc.msg) + bytes(enc.blob_bytes())
+
+
+def _attacks() -> list[tuple[str, list[int], bytes]]:
+    """``(name, header, payload)`` of each hostile message rank 0 sends."""
+    from shm_broadcast import codec as c
+
+    tensor_1gib = c._TENSOR_HEAD.pack(0, 0, 0, 0, 1) + (_GIB // 4).to_bytes(8, "little")
+    import msgspec
+
+    lie = msgspec.msgpack.encode(msgspec.msgpack.Ext(c._EXT_TENSOR, tensor_1gib))
+    pickled_header, pickled = _encoded(_Evil(), allow_pickle=True)
+    td_header, td = _encoded([["x", 1, ["cpu", "float32", [-4], 0]]])
+    return [
+        ("negative-size", [-5, 0], b""),
+        ("huge-size", [1 << 50, 0], b""),
+        ("huge-failure-text", [1 << 20, -1], b""),
+        ("garbage", [7, 0], b"\xc1\xc1\xc1\xc1\xc1\xc1\xc1"),
+        ("30-bytes-claiming-1GiB", [len(lie), 0], lie),
+        ("pickle", pickled_header, pickled),
+        ("tensor-dict-shape-(-4,)", td_header, td),
+    ]
+
+
+class _Evil:
+    """Unpickling this would run ``print`` (a stand-in for any code)."""
+
+    def __reduce__(self) -> tuple:
+        return (print, ("pwned: code ran in the receiver",))
+
+
+def hostile_peer(rank: int, world_size: int) -> list[str]:
+    """Rank 0 attacks, rank 1 must refuse every message and stay usable."""
+    from coordinator.errors import DecodeError
+    from coordinator import parallel_state as ps
+
+    world = ps.get_world_group()
+    fails: list[str] = []
+    loads, pickle.loads = pickle.loads, _refuse
+    try:
+        for name, header, payload in _attacks():
+            if rank == 0:
+                _send_raw(header, payload, dst=1, group=world.cpu_group)
+            else:
+                recv = world.recv_tensor_dict if name.startswith("tensor-dict") else world.recv_object
+                tracemalloc.start()
+                try:
+                    got = recv(0)
+                    fails.append(f"{name}: decoded {got!r:.100}")
+                except DecodeError:
+                    pass
+                except Exception as e:  # noqa: BLE001 -- report what escaped
+                    fails.append(f"{name}: {type(e).__name__}: {e}")
+                _, peak = tracemalloc.get_traced_memory()
+                tracemalloc.stop()
+                if peak > (64 << 20):
+                    fails.append(f"{name}: allocated {peak} bytes before refusing")
+            world.barrier()
+        # still in step: an ordinary exchange works
+        got = world.broadcast_object({"ok": (1, 2)} if rank == 0 else None, 0)
+        if got != {"ok": (1, 2)}:
+            fails.append(f"after the attacks: {got!r}")
+    finally:
+        pickle.loads = loads
+    return fails
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("pickle.loads called on bytes from a peer")
+
+
+@pytest.mark.timeout(120)
+def test_hostile_peer_messages_are_refused_with_decode_error(dist_pool):
+    results = dist_pool(2).run(hostile_peer, timeout=100)
+    assert results == [[], []]
