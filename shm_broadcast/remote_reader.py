@@ -63,9 +63,13 @@ class RemoteReader:
         rank: This reader's rank; must not be in ``handle.local_reader_ranks``.
         policy: Waiting policy (liveness interval and park poll bound).
         codec: Decoder.
+        client_keypair: This reader's own Z85 ``(public, secret)`` CURVE keys,
+            whose public half the writer was given (``remote_reader_keys``);
+            default: the keypair the handle carries.
     """
 
-    def __init__(self, handle: Handle, rank: int, policy: WaitPolicy, codec: Codec) -> None:
+    def __init__(self, handle: Handle, rank: int, policy: WaitPolicy, codec: Codec,
+                 client_keypair: tuple[bytes, bytes] | None = None) -> None:
         self.name = handle.name
         self.rank = rank
         self.side = f"remote reader rank {rank}"
@@ -103,7 +107,7 @@ class RemoteReader:
                     f"(local ranks {list(handle.local_reader_ranks)}) and the queue has no "
                     "remote endpoint; pass the right rank or create the queue with "
                     "n_reader > n_local_reader")
-            self._connect(handle, rank)
+            self._connect(handle, rank, client_keypair)
             self._poller = zmq.Poller()
             self._poller.register(self.sub, zmq.POLLIN)
             self._poller.register(self._mon, zmq.POLLIN)
@@ -111,9 +115,10 @@ class RemoteReader:
             self.close()
             raise
 
-    def _connect(self, handle: Handle, rank: int) -> None:
+    def _connect(self, handle: Handle, rank: int,
+                 client_keypair: tuple[bytes, bytes] | None) -> None:
         """Open the CURVE SUB (data) and DEALER (control) connections; say hello."""
-        keys = _client_keys(handle)
+        keys = _client_keys(handle, client_keypair)
         self.ctx = zmq.Context(io_threads=1)
         self.sub = new_socket(self.ctx, zmq.SUB, tcp=True)
         self.dealer = new_socket(self.ctx, zmq.DEALER, tcp=True)
@@ -298,13 +303,15 @@ class RemoteReader:
             self.ctx.term()
 
 
-def _client_keys(handle: Handle) -> tuple[bytes, bytes, bytes]:
-    """``(server public, client public, client secret)`` from the handle.
+def _client_keys(handle: Handle, own: tuple[bytes, bytes] | None
+                 ) -> tuple[bytes, bytes, bytes]:
+    """``(server public, client public, client secret)``: the reader's own pair or the handle's.
 
     Raises:
-        ValueError: The handle carries no CURVE keys (this reader refuses plain TCP).
+        ValueError: A key is missing or malformed (this reader refuses plain TCP).
     """
-    keys = (handle.curve_server_key, handle.curve_client_key, handle.curve_client_secret)
+    pair = own if own is not None else (handle.curve_client_key, handle.curve_client_secret)
+    keys = (handle.curve_server_key, *pair)
     if any(not isinstance(k, bytes) or len(k) != 40 for k in keys):
         raise ValueError(
             f"the handle of queue {handle.name!r} carries no valid CURVE keys for remote "

@@ -9,9 +9,10 @@ with a one-byte topic:
 * ``b"o"`` overflow: a message too large for a chunk, for local readers;
 * ``b"m"`` every message, for remote readers (and READY / SHUTDOWN markers).
 
-Readers subscribe to the topics they need; XPUB in verbose mode hands every
-subscription back to the writer, which is how ``wait_until_ready`` knows that
-no message can be lost to the PUB/SUB "slow joiner" effect.
+Readers subscribe to the topics they need; XPUB in "verboser" mode hands every
+subscription and unsubscription (also of a peer that left) back to the
+writer, which is how ``wait_until_ready`` knows that no message can be lost
+to the PUB/SUB "slow joiner" effect.
 
 ``ctl`` (ROUTER, readers -> writer): each reader connects a DEALER whose
 routing id names it (``L<index>`` local, ``R<rank>`` remote) and sends a hello

@@ -376,3 +376,47 @@ def test_handle_hides_the_client_secret_and_readers_refuse_plain_tcp():
             MessageQueue.create_from_handle(bare, rank=1)
     finally:
         mq.close()
+
+
+@pytest.mark.timeout(60)
+def test_per_reader_keys_admit_each_reader_only_under_its_own_rank():
+    # The planned mode (needs MessageQueue/process_group plumbing): every remote
+    # reader brings its own keypair; only public keys reach the writer.
+    from shm_broadcast.codec import Codec
+    from shm_broadcast.queue_writer import QueueWriter
+    from shm_broadcast.remote_reader import RemoteReader
+    from shm_broadcast.transport import new_keypair
+    from shm_broadcast.waiting import WaitPolicy
+
+    k1, k2, k9 = new_keypair(), new_keypair(), new_keypair()
+    with pytest.raises(ValueError, match="remote_reader_keys"):
+        QueueWriter(name="k", n_reader=2, local_reader_ranks=(), max_chunk_bytes=1 << 16,
+                    max_chunks=4, connect_ip="127.0.0.1", policy=WaitPolicy(), codec=Codec(),
+                    writer_rank=0, remote_reader_keys={1: k1[0]})
+    w = QueueWriter(name="k", n_reader=2, local_reader_ranks=(), max_chunk_bytes=1 << 16,
+                    max_chunks=4, connect_ip="127.0.0.1", policy=WaitPolicy(), codec=Codec(),
+                    writer_rank=0, remote_reader_keys={1: k1[0], 2: k2[0]})
+    readers = []
+    try:
+        h = w.handle
+        assert h.curve_client_secret is None and h.curve_client_key is None
+        # rank 2's key used to claim rank 1, and an unknown key: neither counts
+        readers.append(RemoteReader(h, 1, WaitPolicy(), Codec(), client_keypair=k2))
+        readers.append(RemoteReader(h, 2, WaitPolicy(), Codec(), client_keypair=k9))
+        with pytest.raises(QueueTimeout, match="2 remote reader"):
+            w.wait_until_ready(1.5)
+        stats = w.security_stats()
+        assert stats["bad_control"] >= 1 and stats["auth_denied"] >= 1, stats
+        for r in readers:
+            r.close()
+        readers = [RemoteReader(h, 1, WaitPolicy(), Codec(), client_keypair=k1),
+                   RemoteReader(h, 2, WaitPolicy(), Codec(), client_keypair=k2)]
+        w.wait_until_ready(30)
+        w.enqueue({"secret": _SECRET}, timeout=10)
+        for r in readers:
+            r.wait_until_ready(10)
+            assert r.dequeue(10) == {"secret": _SECRET}
+    finally:
+        for r in readers:
+            r.close()
+        w.close()
