@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from device_comms.base import DeviceCommunicator
-from device_comms.errors import CollectiveMismatch, PeerRejectedError
+from device_comms.errors import CollectiveMismatch, DecodeError, PeerRejectedError
+from shm_broadcast.group_adapter import object_group
 from device_comms.reduce_op import ReduceOp
 
 __all__ = ["TorchDistributedCommunicator", "wire_view"]
@@ -237,12 +238,12 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         rejected = [r for r, h in enumerate(heads) if h < 0]
         if not rejected:
             return False
-        why = [reason]
-        if len(rejected) < self.world_size:
-            dist.broadcast_object_list(why, src=self._g(rejected[0]), group=self.cpu_group)
+        why = reason
+        if len(rejected) < self.world_size:  # msgpack over gloo: never unpickled
+            why = object_group(self.cpu_group).broadcast(reason, rejected[0])
         if reason is not None:
             return True
-        raise PeerRejectedError(self.unique_name, op, rejected[0], str(why[0]))
+        raise PeerRejectedError(self.unique_name, op, rejected[0], str(why))
 
     def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
         if not self._checks_calls:
@@ -291,15 +292,16 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         return t
 
     def _scatter(self, t: torch.Tensor | None, src: int, dim: int) -> torch.Tensor:
-        meta = [None if t is None else (tuple(t.shape), t.dtype, dim)]
-        dist.broadcast_object_list(meta, src=self._g(src), group=self.cpu_group)
-        if len(meta[0]) == 2 and meta[0][0] == "error":  # type: ignore[index]
+        """The source announces shape, dtype and dim (msgpack, never pickle), then scatters."""
+        meta = None if t is None else ["ok", list(t.shape), _dtype_name(t.dtype), dim]
+        meta = object_group(self.cpu_group).broadcast(meta, src)
+        if meta[0] == "error":
             raise CollectiveMismatch(
                 f"scatter on group {self.unique_name!r}: the source rank {src} rejected its "
-                f"input ({meta[0][1]}); fix the call on rank {src}",  # type: ignore[index]
+                f"input ({meta[1]}); fix the call on rank {src}",
                 queue=self.unique_name, peers=(src,),
             )
-        shape, dtype, d = meta[0]  # type: ignore[misc]
+        shape, dtype, d = self._check_scatter_meta(meta, src)
         d = d % len(shape)
         n = self.world_size
         piece_shape = list(shape)
@@ -311,8 +313,24 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         dist.scatter(wire_view(out), chunks, src=self._g(src), group=self.device_group)
         return out
 
+    def _check_scatter_meta(self, meta: Any, src: int) -> tuple[list[int], torch.dtype, int]:
+        """Shape, dtype and dim from the source's announcement, checked before allocating."""
+        try:
+            _, shape, dtype_name, d = meta
+            dtype = getattr(torch, dtype_name)
+            ok = (isinstance(dtype, torch.dtype) and isinstance(d, int)
+                  and all(isinstance(x, int) and x >= 0 for x in shape) and -len(shape) <= d
+                  < len(shape))
+        except (TypeError, ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise DecodeError(
+                f"scatter on group {self.unique_name!r}: the announcement of rank {src} is "
+                f"malformed ({meta!r:.200}); nothing was allocated", peers=(src,))
+        return shape, dtype, d
+
     def _scatter_abort(self, src: int, message: str) -> None:
-        dist.broadcast_object_list([("error", message)], src=self._g(src), group=self.cpu_group)
+        object_group(self.cpu_group).broadcast(["error", message], src)
 
     def _all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         n = self.world_size
@@ -339,3 +357,8 @@ def _concat_leading(stacked: torch.Tensor, dim: int) -> torch.Tensor:
     x = stacked.movedim(0, dim)  # (..., n, shape[dim], ...)
     shape[dim] *= n
     return x.reshape(shape)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (an attribute of ``torch``)."""
+    return str(dtype).removeprefix("torch.")

@@ -30,7 +30,8 @@ def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.
             f"convert it first (e.g. .to_dense())"
         )
     if t.is_meta:
-        raise ValueError(f"{arg} is a meta tensor (it has no data); materialise it first")
+        where = f" on a {device.type} device" if device is not None else ""
+        raise ValueError(f"{arg} is a meta tensor (it has no data); materialise it{where} first")
     if device is not None and t.device.type != device.type:
         raise ValueError(
             f"{arg} must be on a {device.type} device for this communicator, "

@@ -193,12 +193,39 @@ def workloads(rank: int, world_size: int) -> dict[str, Any]:
             counts["tensor_dicts-world"] = tensor_dicts(world)
             counts["tensor_dicts-tp"] = tensor_dicts(tp)
             counts["results"] = _results(rank, writer, readers)
+            counts["gloo"] = gloo_communicator(world)
         finally:
             for q in [writer, *readers]:
                 if q is not None:
                     q.close()
     counts["pickle_calls"] = list(seen)
     return counts
+
+
+def gloo_communicator(world: Any) -> int:
+    """The torch (gloo) communicator's own metadata: scatter's announcement, a source
+    that rejects its scatter, and a rank that rejects its broadcast."""
+    from device_comms import TorchDistributedCommunicator
+    from device_comms.errors import CollectiveMismatch, PeerRejectedError
+
+    me, n = world.rank_in_group, world.world_size
+    comm = TorchDistributedCommunicator(world.cpu_group, torch.device("cpu"), unique_name="np")
+    try:
+        full = torch.arange(n * 2, dtype=torch.float32).reshape(n, 2) if me == 0 else None
+        assert torch.equal(comm.scatter(full, src=0, dim=0).flatten(), torch.arange(2.0) + 2 * me)
+        bad = torch.ones(n + 1, 2) if me == 0 else None  # not divisible: rank 0 rejects
+        with contextlib.suppress(ValueError):  # the source's own error
+            comm.scatter(bad, src=0, dim=0)
+            raise AssertionError("the scatter of an indivisible tensor returned")
+        rejected = "no" if me == 1 else torch.ones(3)  # rank 1 passes a str
+        try:
+            comm.broadcast(rejected, src=0)  # type: ignore[arg-type]
+            raise AssertionError("a broadcast with a rejected peer returned")
+        except (TypeError, PeerRejectedError, CollectiveMismatch):
+            pass
+    finally:
+        comm.destroy()
+    return 3
 
 
 def _results(rank: int, writer: Any, readers: list[Any]) -> int:

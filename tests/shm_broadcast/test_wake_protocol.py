@@ -8,9 +8,10 @@ bell, the sleeper only wakes when its bounded poll (``park_poll_s``) expires.
 
 The wait policy makes that visible: ``park_poll_s = liveness_s = 1 s`` while no
 side is ever idle for more than a few ms, so any park that ends by timeout
-(``MessageQueue.park_stats()["timeouts"]``) or any message slower than 0.5 s
-is a lost wake-up (or a one-second scheduling stall, which this test treats
-as a failure too).
+(``MessageQueue.park_stats()["timeouts"]``) is a lost wake-up, and so is any
+message that took ``SLOW_S`` or more: a sleeper whose bell was lost wakes only
+when its 1 s poll expires. Faster delays are the scheduler's (a loaded
+2-core machine can stall a process for half a second) and are not failures.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from shm_broadcast import MessageQueue, WaitPolicy
 # Park almost at once (no spin, 0.2 ms of yielding); polls bounded by 1 s.
 POLICY = WaitPolicy(spin_s=0.0, yield_s=0.0002, park_poll_s=1.0, liveness_s=1.0)
 MAX_GAP_S = 0.005
+SLOW_S = 0.95 * POLICY.park_poll_s
 
 
 @pytest.mark.timeout(60)
@@ -51,7 +53,7 @@ def test_no_lost_wakeups_under_random_gaps(procs, n_readers, max_chunks, n_msgs)
             t0 = time.monotonic()
             mq.enqueue((i, t0), timeout=30)
             took = time.monotonic() - t0
-            if took > 0.5:
+            if took >= SLOW_S:
                 slow_enqueues.append((i, round(took, 3)))
         after = mq.park_stats()
         reports = sorted(procs.get(timeout=40) for _ in ranks)
@@ -101,7 +103,7 @@ def jittery_reader(handle: Any, rank: int, n: int, max_gap_s: float, policy: Any
                 if seq != i:
                     raise AssertionError(f"reader {rank}: got message {seq}, expected {i}")
                 worst = max(worst, lat)
-                if lat > 0.5:
+                if lat >= SLOW_S:
                     slow.append((i, round(lat, 3)))
             after = mq.park_stats()
         out.put(("ok", rank, after["parks"] - before["parks"],
