@@ -61,6 +61,9 @@ __all__ = ["LocalReader"]
 #: published; give it at least this long even under ``timeout=0``.
 _OVERFLOW_MIN_WAIT = 2.0
 
+#: Where the msgpack bytes start in an overflow frame: topic byte + header.
+_HEAD = 1 + WIRE.size
+
 
 def _never() -> bool:
     return False
@@ -284,8 +287,8 @@ class LocalReader:
         if kind == KIND_OVERFLOW:
             frames = self._recv_overflow(seq, timeout)
             try:
-                head = frames[1].buffer
-                return self.codec.decode(head[WIRE.size : WIRE.size + mlen], frames[2].buffer,
+                head = frames[0].buffer  # topic byte, header, msgpack
+                return self.codec.decode(head[_HEAD : _HEAD + mlen], frames[1].buffer,
                                          0, blen)
             finally:
                 self._consume(chunk)
@@ -310,7 +313,7 @@ class LocalReader:
     def _recv_overflow(self, seq: int, timeout: float | None) -> list:
         def have() -> bool:
             while self._stash:
-                (s,) = WIRE.unpack_from(self._stash[0][1].buffer)[:1]
+                (s,) = WIRE.unpack_from(self._stash[0][0].buffer, 1)[:1]
                 if s >= seq:
                     return True
                 self._stash.popleft()  # stale: cannot happen, but never block on it
@@ -331,7 +334,7 @@ class LocalReader:
         finally:
             self._in_flight_until = None
         frames = self._stash.popleft()
-        (s,) = WIRE.unpack_from(frames[1].buffer)[:1]
+        (s,) = WIRE.unpack_from(frames[0].buffer, 1)[:1]
         if s != seq:
             raise ShmBroadcastError(
                 f"queue {self.name!r}: {self.side} expected overflow payload #{seq}, got #{s}")

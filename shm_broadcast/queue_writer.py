@@ -294,7 +294,7 @@ class QueueWriter:
             self.ring.set_ready()
             self._ring_readers(range(self.n_local))
         if self.n_remote:
-            self.pub.send_multipart([TOPIC_REMOTE, WIRE.pack(0, KIND_READY, 0, 0)])
+            self.pub.send(TOPIC_REMOTE + WIRE.pack(0, KIND_READY, 0, 0))
 
     def _seal_channel_dir(self) -> None:
         """Every local reader is connected: drop the paths nobody needs any more.
@@ -495,7 +495,8 @@ class QueueWriter:
         d = ring.data_offset(chunk)
         if overflow:
             frames = self._frames(seq, enc, None)
-            self.pub.send_multipart([TOPIC_OVERFLOW, *frames], copy=blen < _ZERO_COPY_MIN)
+            self.pub.send_multipart([TOPIC_OVERFLOW + frames[0], frames[1]],
+                                    copy=blen < _ZERO_COPY_MIN)
             WIRE.pack_into(ring.buf, d, seq, KIND_OVERFLOW, mlen, blen)
         else:
             buf = ring.buf
@@ -520,7 +521,8 @@ class QueueWriter:
                 d = self.ring.data_offset(chunk) + self._blob_offset(len(enc.msg))
                 src = bytes(self.ring.buf[d : d + enc.blob_len])
             frames = self._frames(seq, enc, src)
-        self.pub.send_multipart([TOPIC_REMOTE, *frames], copy=enc.blob_len < _ZERO_COPY_MIN)
+        self.pub.send_multipart([TOPIC_REMOTE + frames[0], frames[1]],
+                                copy=enc.blob_len < _ZERO_COPY_MIN)
 
     def _ring_readers(self, readers: Any) -> None:
         rings = self._reader_rings
@@ -658,8 +660,8 @@ class QueueWriter:
         if threading.get_ident() == self._owner_thread and not self._closed and self.pub is not None:
             try:
                 if self.n_remote:
-                    self.pub.send_multipart(
-                        [TOPIC_REMOTE, WIRE.pack(self._seq, KIND_SHUTDOWN, 0, 0)], zmq.NOBLOCK)
+                    self.pub.send(
+                        TOPIC_REMOTE + WIRE.pack(self._seq, KIND_SHUTDOWN, 0, 0), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 

@@ -54,6 +54,9 @@ from shm_broadcast.waiting import Backoff, PeerWatch, WaitPolicy
 
 __all__ = ["RemoteReader"]
 
+#: Where the msgpack bytes start in a frame: topic byte + header.
+_HEAD = 1 + WIRE.size
+
 
 class RemoteReader:
     """Reader side over TCP; used through :class:`MessageQueue`.
@@ -216,7 +219,7 @@ class RemoteReader:
         while True:
             frames = self._next("the writer to see all readers connected", timeout)
             self._vet()
-            seq, kind, _m, _b = WIRE.unpack_from(frames[1].buffer)
+            seq, kind, _m, _b = WIRE.unpack_from(frames[0].buffer, 1)
             if kind == KIND_READY:
                 self._ready = True
                 return
@@ -242,8 +245,8 @@ class RemoteReader:
             self._raise_shutdown()
         frames = self._next(f"message #{self._seq}", timeout)
         self._vet()
-        head = frames[1].buffer
-        seq, kind, mlen, blen = WIRE.unpack_from(head)
+        head = frames[0].buffer  # topic byte, header, msgpack
+        seq, kind, mlen, blen = WIRE.unpack_from(head, 1)
         if kind == KIND_SHUTDOWN:
             self._shutdown_seen = True
             self._raise_shutdown()
@@ -256,7 +259,7 @@ class RemoteReader:
                 self.dealer.send(CTL_ACK + ACK.pack(self._seq), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        return self.codec.decode(head[WIRE.size : WIRE.size + mlen], frames[2].buffer, 0, blen)
+        return self.codec.decode(head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen)
 
     def _raise_shutdown(self) -> None:
         raise QueueClosedError(

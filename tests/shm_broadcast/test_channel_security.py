@@ -160,7 +160,7 @@ def impostor(pub_port: int, ctl_port: int, curve: bool, seconds: float, out: Any
         body = msgspec.msgpack.encode({"i": 3, "secret": "from the impostor"})
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            pub.send_multipart([TOPIC_REMOTE, WIRE.pack(3, KIND_DATA, len(body), 0) + body, b""])
+            pub.send_multipart([TOPIC_REMOTE + WIRE.pack(3, KIND_DATA, len(body), 0) + body, b""])
             time.sleep(0.005)
         accepted = 0
         for m in mons:
