@@ -28,6 +28,7 @@ import ctypes
 import datetime
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import sys
@@ -56,10 +57,37 @@ EnvArg = Mapping[str, str] | Sequence[Mapping[str, str]] | None
 
 # ---------------------------------------------------------------- primitives
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
+    """A TCP port that was free on ``host`` a moment ago.
+
+    Chosen below the kernel's ephemeral range when possible: a port from that
+    range (what ``bind(0)`` returns) may be taken by any outgoing connection of
+    another process (gloo opens many) before the caller binds it again.
+    """
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(_FIXED_LOW, low) if low > _FIXED_LOW + 64 else 0
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, port))
+                return int(s.getsockname()[1])
+        except OSError:
+            if port == 0:
+                raise
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+_FIXED_LOW = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def per_rank_env(env: EnvArg, n: int) -> list[dict[str, str]]:

@@ -25,11 +25,12 @@ import os
 from typing import Any
 
 from shm_broadcast.checks import check_rank
-from shm_broadcast.errors import CollectiveMismatch
+from shm_broadcast.errors import CollectiveMismatch, DecodeError
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.handle import Handle
 from shm_broadcast.message_queue import MessageQueue
 from shm_broadcast.topology import in_the_same_node_as
+from shm_broadcast.transport import new_keypair
 from shm_broadcast.waiting import WaitPolicy
 
 __all__ = ["create_from_process_group"]
@@ -78,16 +79,18 @@ def create_from_process_group(
     readers = _resolve_readers(reader_ranks, writer_rank, og.world_size)
     same_node = in_the_same_node_as(og, source_rank=writer_rank)
     local = [r for r in readers if same_node[r]]
+    my_keys, reader_keys = _exchange_reader_keys(og, [r for r in readers if r not in local])
     mq: MessageQueue | None = None
     if og.rank == writer_rank:
         name = name or f"mq-w{writer_rank}-{os.getpid()}"
         mq = _create_on_writer(og, readers, local, max_chunk_bytes, max_chunks, connect_ip,
-                               name, wait_policy, allow_pickle)
+                               name, wait_policy, allow_pickle, reader_keys)
     handle = _receive_handle(og, mq, writer_rank)
     try:
         if og.rank in readers:
             mq = MessageQueue.create_from_handle(handle, og.rank, wait_policy=wait_policy,
-                                                 allow_pickle=allow_pickle)
+                                                 allow_pickle=allow_pickle,
+                                                 curve_keypair=my_keys)
         if mq is not None:
             mq.wait_until_ready(timeout)
     except BaseException:
@@ -114,15 +117,39 @@ def _resolve_readers(reader_ranks: list[int] | None, writer_rank: int, world: in
     return readers
 
 
+def _exchange_reader_keys(og: Any, remote: list[int]
+                          ) -> tuple[tuple[bytes, bytes] | None, dict[int, bytes] | None]:
+    """Each remote reader makes its own CURVE keypair; every rank learns the public keys.
+
+    Only public keys travel (msgpack over the group), so the queue's handle
+    carries no secret. Returns this rank's keypair (remote readers only) and
+    ``{rank: public key}`` (None when no reader is remote: no exchange then).
+    """
+    if not remote:
+        return None, None
+    mine = new_keypair() if og.rank in remote else None
+    publics = og.all_gather(mine[0] if mine is not None else None)
+    keys: dict[int, bytes] = {}
+    for r in remote:
+        key = publics[r]
+        if not isinstance(key, bytes) or len(key) != 40:
+            raise DecodeError(f"rank {r} sent no valid CURVE public key for the queue "
+                              f"({type(key).__name__}); nothing was created", peers=(r,))
+        keys[r] = key
+    return mine, keys
+
+
 def _create_on_writer(og: Any, readers: list[int], local: list[int], max_chunk_bytes: int,
                       max_chunks: int, connect_ip: str | None, name: str,
-                      wait_policy: WaitPolicy | None, allow_pickle: bool) -> MessageQueue:
+                      wait_policy: WaitPolicy | None, allow_pickle: bool,
+                      reader_keys: dict[int, bytes] | None) -> MessageQueue:
     """Create the writer's queue; on failure tell the readers why, then re-raise."""
     writer_rank = og.rank
     try:
         return MessageQueue(len(readers), len(local), local, max_chunk_bytes, max_chunks,
                             connect_ip, name=name, wait_policy=wait_policy,
-                            writer_rank=writer_rank, allow_pickle=allow_pickle)
+                            writer_rank=writer_rank, allow_pickle=allow_pickle,
+                            remote_reader_keys=reader_keys)
     except BaseException as e:
         og.broadcast(("error", f"{type(e).__name__}: {e}"), src=writer_rank)
         raise

@@ -33,6 +33,7 @@ def test_tensor_parallel_group_across_two_hosts(world_size):
         assert r["transport"] == expected, (rank, r["transport"])
         # One rank per host leaves nothing to share memory with: plain gloo.
         assert r["comm_mode"] == ("hierarchical" if world_size > 2 else "gloo")
+        assert r["handle_secret"] is None  # each remote reader made its own keypair
         assert r["metadata_ok"]
         assert r["all_reduce_err"] < 1e-5
         assert r["all_reduce_max_ok"] and r["all_gather_ok"] and r["reduce_scatter_ok"]
@@ -81,6 +82,9 @@ def whole_world_tp(rank: int, world_size: int) -> dict[str, Any]:
         "same_node": ps.in_the_same_node_as(tp, source_rank=0),
         "transport": tp.mq_broadcaster.transport if tp.mq_broadcaster is not None else None,
         "comm_mode": getattr(tp.device_communicator, "mode", None),
+        # The TP queue's handle went over gloo: it must hold public keys only.
+        "handle_secret": (tp.mq_broadcaster.export_handle().curve_client_secret
+                          if rank == 0 and tp.mq_broadcaster is not None else None),
     }
     ok = True
     for step in range(12):
