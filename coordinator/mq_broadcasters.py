@@ -103,6 +103,7 @@ def create_single_reader_mq_broadcasters(
     if group.world_size == 1:
         return None, [None]
     same_node = in_the_same_node_as(group.cpu_group, source_rank=reader)
+    keypair, reader_key = _reader_keys(group, me, reader, all(same_node))
     writer: MessageQueue | None = None
     if me != reader:
         writer = MessageQueue(
@@ -114,15 +115,39 @@ def create_single_reader_mq_broadcasters(
             name=f"{group.unique_name}-to{reader}-from{me}",
             writer_rank=me,
             allow_pickle=group.allow_pickle,
+            remote_reader_keys=None if same_node[me] else {reader: reader_key},
         )
     handle = writer.export_handle().to_bytes() if writer is not None else None
     handles: list[Any] = object_group(group.cpu_group).all_gather(handle)
-    readers = _attach_readers(writer, handles, me, reader, blocking, group.allow_pickle)
+    readers = _attach_readers(writer, handles, me, reader, blocking, group.allow_pickle, keypair)
     return writer, readers
 
 
+def _reader_keys(group: "GroupCoordinator", me: int, reader: int,
+                 all_local: bool) -> tuple[tuple[bytes, bytes] | None, Any]:
+    """The reader's own CURVE keypair (for writers on other nodes) and its public key.
+
+    Only the public key travels (msgpack over the CPU group), so no handle
+    carries a secret. Nothing is exchanged when every writer shares the
+    reader's node.
+    """
+    if all_local:
+        return None, None
+    from shm_broadcast.errors import DecodeError
+    from shm_broadcast.transport import new_keypair
+
+    keypair = new_keypair() if me == reader else None
+    public = object_group(group.cpu_group).broadcast(
+        keypair[0] if keypair is not None else None, reader)
+    if not isinstance(public, bytes) or len(public) != 40:
+        raise DecodeError(f"group {group.unique_name!r}: the reader (rank {reader}) sent no "
+                          f"valid CURVE public key ({type(public).__name__})", peers=(reader,))
+    return keypair, public
+
+
 def _attach_readers(writer: "MessageQueue | None", handles: list[Any], me: int, reader: int,
-                    blocking: bool, allow_pickle: bool) -> list["MessageQueue | None"]:
+                    blocking: bool, allow_pickle: bool,
+                    keypair: tuple[bytes, bytes] | None) -> list["MessageQueue | None"]:
     """On the reader, open every writer's queue; optionally wait for all to connect.
 
     On failure every queue this rank holds (its writer included) is closed.
@@ -133,7 +158,8 @@ def _attach_readers(writer: "MessageQueue | None", handles: list[Any], me: int, 
     try:
         if me == reader:
             readers = [None if r == reader else
-                       MessageQueue.create_from_handle(h, reader, allow_pickle=allow_pickle)
+                       MessageQueue.create_from_handle(h, reader, allow_pickle=allow_pickle,
+                                                       curve_keypair=keypair)
                        for r, h in enumerate(handles)]
         if blocking:
             for q in [writer, *readers]:

@@ -80,17 +80,14 @@ def create_from_process_group(
     same_node = in_the_same_node_as(og, source_rank=writer_rank)
     local = [r for r in readers if same_node[r]]
     my_keys, reader_keys = _exchange_reader_keys(og, [r for r in readers if r not in local])
-    mq: MessageQueue | None = None
-    if og.rank == writer_rank:
-        name = name or f"mq-w{writer_rank}-{os.getpid()}"
-        mq = _create_on_writer(og, readers, local, max_chunk_bytes, max_chunks, connect_ip,
-                               name, wait_policy, allow_pickle, reader_keys)
+    mq = None if og.rank != writer_rank else _create_on_writer(
+        og, readers, local, max_chunk_bytes, max_chunks, connect_ip,
+        name or f"mq-w{writer_rank}-{os.getpid()}", wait_policy, allow_pickle, reader_keys)
     handle = _receive_handle(og, mq, writer_rank)
     try:
         if og.rank in readers:
             mq = MessageQueue.create_from_handle(handle, og.rank, wait_policy=wait_policy,
-                                                 allow_pickle=allow_pickle,
-                                                 curve_keypair=my_keys)
+                                                 allow_pickle=allow_pickle, curve_keypair=my_keys)
         if mq is not None:
             mq.wait_until_ready(timeout)
     except BaseException:
