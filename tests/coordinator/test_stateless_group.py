@@ -95,8 +95,11 @@ def barrier_timeout(rank: int, world_size: int, port: int) -> dict:
         time.sleep(6.0)  # skip the second barrier until the others gave up
         return {"skipped": True}
     t0 = time.monotonic()
+    out: dict = {"elapsed": None}
     try:
         g.barrier(timeout=2.0)
     except CommTimeout as e:
-        return {"elapsed": time.monotonic() - t0, "msg": str(e), "is_timeout": isinstance(e, TimeoutError)}
-    return {"elapsed": None}
+        out = {"elapsed": time.monotonic() - t0, "msg": str(e), "is_timeout": isinstance(e, TimeoutError)}
+    if rank == 0:  # rank 0 hosts the store: outlive the other ranks' timed-out waits
+        time.sleep(3.0)
+    return out
