@@ -66,11 +66,13 @@ def test_no_lost_wakeups_under_random_gaps(procs, n_readers, max_chunks, n_msgs)
                for r in reports}
     summary["writer"] = {"parks": writer_parks, "timeouts": writer_timeouts,
                          "slow": slow_enqueues}
-    # The scenario really exercised both directions of the handshake (on a quiet
-    # machine each reader parks for ~20% of the messages; a reader descheduled by
-    # other load finds messages waiting instead, so the floor leaves 2x room)...
-    assert all(summary[r]["parks"] >= n_msgs // 10 for r in ranks), summary
-    assert writer_parks >= n_msgs // 10, summary
+    # The scenario really exercised both directions of the handshake. On a quiet
+    # machine each side parks for ~20-50% of the messages; a side descheduled by
+    # other load finds its message (or its free chunk) ready instead, and with two
+    # test suites on two cores that fell to 3-4%. A protocol that stopped parking
+    # would show 0: the floor is 2%.
+    assert all(summary[r]["parks"] >= n_msgs // 50 for r in ranks), summary
+    assert writer_parks >= n_msgs // 50, summary
     # ... and no sleeper ever needed its timeout to notice a message or a free chunk.
     assert writer_timeouts == 0 and not slow_enqueues, summary
     assert all(summary[r]["timeouts"] == 0 and not summary[r]["slow"] for r in ranks), summary
