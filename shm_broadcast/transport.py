@@ -211,7 +211,9 @@ def new_channel_dir() -> str:
     if st.st_uid != os.geteuid() or st.st_mode & 0o077:
         remove_channel_dir(path)
         raise OSError(f"channel directory {path} is not private (mode {st.st_mode:o})")
-    assert len(os.fsencode(path)) + 4 <= _SUN_PATH_MAX
+    if len(os.fsencode(path)) + 4 > _SUN_PATH_MAX:  # _dir_base keeps bases short
+        remove_channel_dir(path)
+        raise OSError(f"channel directory {path} is too long for Unix socket paths")
     return path
 
 

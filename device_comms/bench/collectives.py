@@ -227,6 +227,8 @@ def _bench_point(
     import torch
     import torch.distributed as dist
 
+    from shm_broadcast.group_adapter import object_group
+
     item = torch.empty((), dtype=dtype).element_size()
     numel = max(ws, nbytes // item // ws * ws)
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -270,8 +272,8 @@ def _bench_point(
         k = min(block, iters - len(t_ours))
         _time(ours, k, t_ours, comm.barrier)
         _time(raw, k, t_raw, comm.barrier)
-    everyone = [None] * ws
-    dist.all_gather_object(everyone, (t_ours, t_raw, same))
+    # msgpack over gloo (never pickle): the same path as the library's setup exchanges
+    everyone = object_group(dist.group.WORLD).all_gather((t_ours, t_raw, same))
     slow_ours = [max(v[0][i] for v in everyone) for i in range(iters)]  # type: ignore[index]
     slow_raw = [max(v[1][i] for v in everyone) for i in range(iters)]  # type: ignore[index]
     return {
