@@ -58,14 +58,6 @@ DEFAULT_MAX_CHUNKS = 8
 DEFAULT_READY_TIMEOUT = 120.0
 
 
-def _check_timeout(timeout: Any) -> float | None:
-    return check_timeout(timeout)
-
-
-def _check_count(name: str, value: Any, minimum: int) -> None:
-    check_int(value, name, minimum=minimum)
-
-
 class MessageQueue:
     """A one-writer, many-reader broadcast queue.
 
@@ -120,8 +112,8 @@ class MessageQueue:
         writer_rank: int | None = None,
         remote_reader_keys: dict[int, bytes] | None = None,
     ) -> None:
-        _check_count("n_reader", n_reader, 0)
-        _check_count("n_local_reader", n_local_reader, 0)
+        check_int(n_reader, "n_reader", minimum=0)
+        check_int(n_local_reader, "n_local_reader", minimum=0)
         if n_local_reader > n_reader:
             raise ValueError(
                 f"n_local_reader must be <= n_reader ({n_reader}), got {n_local_reader}")
@@ -135,8 +127,8 @@ class MessageQueue:
                 raise ValueError(
                     f"local_reader_ranks must be {n_local_reader} distinct ints >= 0, "
                     f"got {local_reader_ranks!r}")
-        _check_count("max_chunk_bytes", max_chunk_bytes, 128)
-        _check_count("max_chunks", max_chunks, 1)
+        check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
+        check_int(max_chunks, "max_chunks", minimum=1)
         if connect_ip is not None and (not isinstance(connect_ip, str) or not connect_ip):
             raise ValueError(f"connect_ip must be None or an IP address string, got {connect_ip!r}")
         if name is not None and not isinstance(name, str):
@@ -197,7 +189,7 @@ class MessageQueue:
             handle = Handle.from_bytes(bytes(handle))
         if not isinstance(handle, Handle):
             raise TypeError(f"handle must be a shm_broadcast.Handle, got {type(handle).__name__}")
-        _check_count("rank", rank, 0)
+        check_int(rank, "rank", minimum=0)
         policy = _policy(wait_policy)
         codec = Codec(allow_pickle=allow_pickle)
         self = cls.__new__(cls)
@@ -317,7 +309,7 @@ class MessageQueue:
             raise QueueRoleError(f"queue {self.name!r}: enqueue() is for the writer; "
                                  f"this is reader rank {self._rank}")
         if timeout is not None:
-            timeout = _check_timeout(timeout)
+            timeout = check_timeout(timeout)
         self._busy += 1
         try:
             self._impl.enqueue(obj, timeout)
@@ -345,7 +337,7 @@ class MessageQueue:
             raise QueueRoleError(f"queue {self.name!r}: dequeue() is for readers; "
                                  "this is the writer")
         if timeout is not None:
-            timeout = _check_timeout(timeout)
+            timeout = check_timeout(timeout)
         self._busy += 1
         try:
             return self._impl.dequeue(timeout)
@@ -376,7 +368,7 @@ class MessageQueue:
             QueueTimeout: Not everyone connected in time (names who is missing).
             PeerDiedError: A peer died meanwhile.
         """
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         self._busy += 1
         try:
             self._impl.wait_until_ready(timeout)

@@ -198,9 +198,9 @@ class ShmRingBuffer:
             ValueError: A size is out of range.
             ShmSpaceError: ``/dev/shm`` is too small.
         """
-        _check_int("n_reader", n_reader, 1)
-        _check_int("max_chunk_bytes", max_chunk_bytes, CHUNK_HEADER + 64)
-        _check_int("max_chunks", max_chunks, 1)
+        check_int(n_reader, "n_reader", minimum=1)
+        check_int(max_chunk_bytes, "max_chunk_bytes", minimum=CHUNK_HEADER + 64)
+        check_int(max_chunks, "max_chunks", minimum=1)
         g = _Geometry(n_reader, max_chunk_bytes, max_chunks)
         seg = SharedSegment.create("mq", g.total)
         _HDR.pack_into(seg.buf, 0, _MAGIC, n_reader, max_chunks, max_chunk_bytes, 0, 0.0)
@@ -409,6 +409,3 @@ class ShmRingBuffer:
             f"max_chunks={self.max_chunks}, max_chunk_bytes={self.max_chunk_bytes})"
         )
 
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    check_int(value, name, minimum=minimum)
