@@ -5,6 +5,7 @@ Subcommands (each module is imported only when its command runs)::
     groupcoord demo [...]               sharded model demo, checked against a reference
     groupcoord bench mq [...]           shared-memory queue vs gloo and pickle+zmq
     groupcoord bench mq-hotpath [...]   the queue's CPU cost per message (one process)
+    groupcoord bench mq-remote [...]    the queue's TCP path (CURVE) vs plain zmq
     groupcoord bench collectives [...]  CPU shared-memory collectives vs gloo
     groupcoord cleanup [--yes]          list / remove /dev/shm segments of dead processes
     groupcoord doctor [--json]          environment report for bug reports
@@ -31,6 +32,8 @@ _BENCHES: dict[str, tuple[str, str, str, str]] = {
            "message queue latency/throughput vs gloo and pickle+zmq"),
     "mq-hotpath": ("shm_broadcast.bench.hotpath", "add_args", "run",
                    "the queue's CPU cost per message, writer and reader in one process"),
+    "mq-remote": ("shm_broadcast.bench.remote", "add_args", "run",
+                  "round trips over the queue's TCP path (CURVE) vs plain zmq, pickle and raw"),
     "collectives": ("device_comms.bench.collectives", "add_bench_args", "run_bench",
                     "CPU shared-memory collectives vs gloo"),
 }

@@ -513,16 +513,30 @@ class QueueWriter:
 
     def _send_remote(self, seq: int, enc: Encoded, frames: list[Any] | None,
                      chunk: int | None) -> None:
-        """Publish the message to remote readers, reusing the overflow frames if any."""
-        if frames is None:
-            src = None
-            if chunk is not None:
-                # Copy out of the chunk: it is reused once the local readers are done.
-                d = self.ring.data_offset(chunk) + self._blob_offset(len(enc.msg))
-                src = bytes(self.ring.buf[d : d + enc.blob_len])
-            frames = self._frames(seq, enc, src)
-        self.pub.send_multipart([TOPIC_REMOTE + frames[0], frames[1]],
-                                copy=enc.blob_len < _ZERO_COPY_MIN)
+        """Publish the message to remote readers, reusing the overflow frames if any.
+
+        A message whose arrays total less than ``_ZERO_COPY_MIN`` bytes goes
+        as one frame (topic, header, msgpack, arrays): CURVE seals every frame
+        in its own box, so the copy is cheaper than the second box.
+        """
+        if frames is not None:
+            self.pub.send_multipart([TOPIC_REMOTE + frames[0], frames[1]],
+                                    copy=enc.blob_len < _ZERO_COPY_MIN)
+            return
+        blob: Any = None
+        if chunk is not None and enc.blob_len:
+            # The chunk already holds the arrays; it is reused once the local
+            # readers are done, so whatever is sent is a copy.
+            d = self.ring.data_offset(chunk) + self._blob_offset(len(enc.msg))
+            blob = self.ring.buf[d : d + enc.blob_len]
+        head = TOPIC_REMOTE + WIRE.pack(seq, KIND_DATA, len(enc.msg), enc.blob_len)
+        if enc.blob_len < _ZERO_COPY_MIN:
+            if blob is None:
+                blob = enc.blob_bytes() if enc.blob_len else b""
+            self.pub.send(b"".join((head, enc.msg, blob)))
+        else:
+            self.pub.send_multipart([head + enc.msg, enc.blob_bytes() if blob is None
+                                     else bytes(blob)], copy=False)
 
     def _ring_readers(self, readers: Any) -> None:
         rings = self._reader_rings

@@ -1,7 +1,8 @@
 """RemoteReader: a reader on another node, served over zmq PUB/SUB on TCP.
 
-Every message arrives on the writer's ``m`` topic as ``[topic, header+msgpack,
-blob]``. Flow control keeps the writer from running away from a slow remote
+Every message arrives on the writer's ``m`` topic as one frame ``topic +
+header + msgpack + arrays`` when its arrays total under 64 KiB, else as two
+frames ``[topic + header + msgpack, arrays]`` (sent without copying). Flow control keeps the writer from running away from a slow remote
 reader: the reader acks its cumulative count every ``remote_window // 4``
 messages on its DEALER, and the writer waits once it is ``remote_window``
 messages ahead of the slowest remote reader.
@@ -259,6 +260,8 @@ class RemoteReader:
                 self.dealer.send(CTL_ACK + ACK.pack(self._seq), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        if len(frames) == 1:  # small message: arrays follow the msgpack bytes
+            return self.codec.decode(head[_HEAD : _HEAD + mlen], head, _HEAD + mlen, blen)
         return self.codec.decode(head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen)
 
     def _raise_shutdown(self) -> None:

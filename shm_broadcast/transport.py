@@ -4,10 +4,11 @@ Two sockets on the writer carry everything that does not go through the ring:
 
 ``pub`` (XPUB, writer -> readers), bound on a local endpoint and, when some
 readers live on other nodes, on ``tcp://connect_ip:<free port>``. A message
-is two frames, ``[topic byte + WIRE header + msgpack, blob]`` (READY and
-SHUTDOWN markers: the first frame only); the topic is a prefix of the first
-frame rather than a frame of its own, because CURVE seals every frame
-separately (one fewer box per message). Topics:
+is two frames, ``[topic byte + WIRE header + msgpack, blob]``, or, for remote
+readers when the blob is under 64 KiB, one frame with the blob appended
+(READY and SHUTDOWN markers: the first frame only); the topic is a prefix of
+the first frame rather than a frame of its own, because CURVE seals every
+frame separately (one box fewer per frame saved). Topics:
 
 * ``b"o"`` overflow: a message too large for a chunk, for local readers;
 * ``b"m"`` every message, for remote readers (and READY / SHUTDOWN markers).

@@ -530,3 +530,31 @@ def numpy_message(i: int) -> Any:
     """The ``i``-th message of the many-readers test; every 5th overflows a 1 KiB chunk."""
     size = 600 if i % 5 == 3 else i % 13
     return (i, {"a": np.arange(size, dtype=np.float64) * i, (i, "k"): {i % 3}}, b"x" * (i % 7))
+
+
+#: Array bytes around the one-frame / two-frame boundary of remote messages (64 KiB).
+_REMOTE_BLOB_SIZES = [0, 1, 4096, (1 << 16) - 1, 1 << 16, (1 << 16) + 8, 1 << 20]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n_local", [0, 1], ids=["remote-only", "with-ring"])
+def test_remote_messages_of_every_frame_layout_arrive_exact(n_local):
+    # Small messages travel to remote readers as one frame (arrays appended),
+    # larger ones as two; with a ring the arrays are copied out of the chunk,
+    # and a message larger than a chunk reuses the overflow frames.
+    w, readers = _queue_with_readers(n_local, 1, max_chunk_bytes=1 << 17, max_chunks=2,
+                                     name=f"frames{n_local}")
+    try:
+        for size in _REMOTE_BLOB_SIZES:
+            arr = np.arange(size, dtype=np.uint8) * 7
+            msg = {"size": size, "arr": arr, "tail": [size, "x" * (size % 97)]}
+            w.enqueue(msg, timeout=10)
+            for r in readers:
+                got = r.dequeue(timeout=10)
+                assert got["size"] == size and got["tail"] == msg["tail"]
+                assert got["arr"].dtype == np.uint8 and np.array_equal(got["arr"], arr)
+        w.enqueue("no arrays", timeout=10)
+        assert [r.dequeue(timeout=10) for r in readers] == ["no arrays"] * len(readers)
+    finally:
+        for q in [*readers, w]:
+            q.close()
