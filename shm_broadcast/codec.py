@@ -67,57 +67,67 @@ the data area), shapes must be non-negative with at most 64 dimensions,
 dtypes must be known plain (non-object) ones, and any malformed input raises
 :class:`~shm_broadcast.errors.DecodeError`, never ``IndexError``,
 ``struct.error``, ``MemoryError``, ``UnicodeDecodeError`` or msgspec's errors.
+
+This module holds :class:`Codec` and :class:`Encoded`; the byte layout (ext
+codes, descriptors, leaf values, the torch tables) is
+:mod:`shm_broadcast.wire_format`, the boxing of lossy types before msgspec
+:mod:`shm_broadcast.codec_boxing`, and the pickle opt-in
+:mod:`shm_broadcast.codec_pickle`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import io
 import math
-import pickle
-import re
 import struct
 import sys
-import warnings
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from shm_broadcast.codec_boxing import Box, prep, prep_full
+from shm_broadcast.codec_pickle import pickle_oob, unpickle_oob
 from shm_broadcast.errors import DecodeError
+from shm_broadcast.wire_format import (
+    ALIGN,
+    ARRAY_HEAD,
+    EXT_BIGINT,
+    EXT_BYTEARRAY,
+    EXT_DICT_PAIRS,
+    EXT_FAILURE,
+    EXT_FROZENSET,
+    EXT_MEMORYVIEW,
+    EXT_NDARRAY,
+    EXT_NPSCALAR,
+    EXT_PICKLE,
+    EXT_SET,
+    EXT_SURROGATE_STR,
+    EXT_TENSOR,
+    EXT_TORCH_DEVICE,
+    EXT_TORCH_DTYPE,
+    EXT_TORCH_SIZE,
+    EXT_TUPLE,
+    FLAG_PARAMETER,
+    FLAG_REQUIRES_GRAD,
+    SHAPES,
+    TENSOR_HEAD,
+    TORCH,
+    SourceFailure,
+    dtype_from,
+    is_plain_npscalar,
+    memoryview_fields,
+    npscalar_from,
+    npscalar_state,
+    rebuild_memoryview,
+    torch_leaf_bytes,
+    torch_leaf_from,
+)
 
 __all__ = ["Codec", "Encoded", "SourceFailure", "PICKLE_OPT_IN"]
 
-_EXT_TENSOR = 1
-_EXT_NDARRAY = 2
-_EXT_TUPLE = 3
-_EXT_SET = 4
-_EXT_FROZENSET = 5
-_EXT_DICT_PAIRS = 6
-_EXT_PICKLE = 7
-_EXT_MEMORYVIEW = 8
-_EXT_NPSCALAR = 9
-_EXT_BIGINT = 10
-_EXT_SURROGATE_STR = 11
-_EXT_FAILURE = 12
-_EXT_BYTEARRAY = 13
-_EXT_TORCH_SIZE = 14
-_EXT_TORCH_DTYPE = 15
-_EXT_TORCH_DEVICE = 16
-
-_ALIGN = 64
-_MAX_NDIM = 64
-_TENSOR_HEAD = struct.Struct("<QQBBB")  # offset, nbytes, dtype code, flags, ndim
-_ARRAY_HEAD = struct.Struct("<QQBH")  # offset, nbytes, ndim, len(dtype descr)
-# Shape structs by ndim; numpy 2 and torch allow up to 64 dimensions.
-_SHAPES = [struct.Struct(f"<{n}q") for n in range(_MAX_NDIM + 1)]
 #: Depth hint for the error raised on messages nested too deeply.
 _DEPTH_HINT = "a few hundred levels of tuples/sets, about a thousand of lists/dicts"
-_FLAG_REQUIRES_GRAD = 1
-_FLAG_PARAMETER = 2
-#: A plain numpy dtype string: byte order, kind, size, optional datetime unit.
-_DTYPE_STR = re.compile(r"[<>|=]?[?a-zA-Z][0-9]{0,9}(\[[0-9]{0,9}[a-zA-Z]{1,3}\])?")
-_INT64_MIN, _UINT64_END = -(1 << 63), 1 << 64
 
 #: How an error tells the user to opt in to pickle (one wording everywhere).
 PICKLE_OPT_IN = (
@@ -125,96 +135,6 @@ PICKLE_OPT_IN = (
     "init_distributed_environment / initialize_model_parallel), which lets the "
     "peer run code in this process: only between processes you trust"
 )
-
-# Stable dtype codes: index in this tuple (names missing in this torch are skipped).
-_TORCH_DTYPE_NAMES = (
-    "float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64",
-    "uint8", "bool", "complex64", "complex128", "complex32", "uint16", "uint32",
-    "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16",
-)
-_UINT_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.complex128}
-_NONE_TYPE = type(None)
-_PLAIN_KEYS = frozenset({str, int})
-# Types encoded natively and exactly, plus the array types the hook handles.
-# torch is not imported by this package: until the process imports it, no
-# value can be a tensor; _load_torch() extends the tables once it is there.
-_PASS = frozenset({str, int, float, bool, _NONE_TYPE, bytes, np.ndarray})
-_TENSOR: Any = None  # torch.Tensor once loaded
-_PARAMETER: Any = None  # torch.nn.Parameter once loaded
-_TORCH: Any = None  # the torch module once loaded
-_DTYPE_TO_CODE: dict[Any, int] = {}
-_CODE_TO_DTYPE: dict[int, tuple[Any, np.dtype, bool, int]] = {}
-_DTYPE_BY_NAME: dict[str, Any] = {}  # "float32" -> torch.float32, known dtypes only
-_TORCH_LEAVES: dict[type, int] = {}  # torch.Size/dtype/device -> their ext codes
-
-
-def _load_torch() -> Any:
-    """Import torch (if needed) and build the dtype tables. Returns the module."""
-    global _PASS, _TENSOR, _PARAMETER, _TORCH
-    if _TORCH is not None:
-        return _TORCH
-    import torch
-
-    same = {
-        torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-        torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
-        torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.bool_,
-        torch.complex64: np.complex64, torch.complex128: np.complex128,
-    }
-    for code, name in enumerate(_TORCH_DTYPE_NAMES):
-        dt = getattr(torch, name, None)
-        if isinstance(dt, torch.dtype) and dt not in _DTYPE_TO_CODE:
-            _DTYPE_TO_CODE[dt] = code
-            np_same = same.get(dt)
-            np_dt = np.dtype(np_same) if np_same is not None else np.dtype(_UINT_BY_SIZE[dt.itemsize])
-            _CODE_TO_DTYPE[code] = (dt, np_dt, np_same is None, np_dt.itemsize)
-    _DTYPE_BY_NAME.update((str(dt).removeprefix("torch."), dt) for dt in _DTYPE_TO_CODE)
-    _TORCH_LEAVES.update({torch.Size: _EXT_TORCH_SIZE, torch.dtype: _EXT_TORCH_DTYPE,
-                          torch.device: _EXT_TORCH_DEVICE})
-    _TENSOR = torch.Tensor
-    _PARAMETER = torch.nn.Parameter
-    _PASS = _PASS | {torch.Tensor}
-    _TORCH = torch
-    return torch
-
-
-class SourceFailure:
-    """Sent in place of the data when the sender could not produce it.
-
-    Travels as its own msgpack ext (no pickle); a receiver that gets one
-    raises instead of waiting for data that will never come.
-
-    Attributes:
-        message: Why the sender failed (its exception text).
-    """
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (SourceFailure, (self.message,))
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is SourceFailure and other.message == self.message
-
-    def __hash__(self) -> int:
-        return hash(self.message)
-
-    def __repr__(self) -> str:
-        return f"SourceFailure({self.message!r})"
-
-
-class _Box:
-    """Wraps a value the encoder hook must turn into an ext (tuple, set, opaque)."""
-
-    __slots__ = ("code", "value")
-
-    def __init__(self, code: int, value: Any) -> None:
-        self.code = code
-        self.value = value
 
 
 class Encoded:
@@ -290,18 +210,18 @@ class Codec:
                 the message names the type and the opt-in).
             ValueError: ``obj`` is nested too deeply.
         """
-        if _TORCH is None and "torch" in sys.modules:
-            _load_torch()
+        if TORCH.module is None and "torch" in sys.modules:
+            TORCH.load()
         self._copies = []
         self._keep = []
         self._cursor = 0
         try:
-            msg = self._encoder.encode(_prep(obj) if self.exact else obj)
+            msg = self._encoder.encode(prep(obj) if self.exact else obj)
         except (OverflowError, UnicodeEncodeError):
             # An int beyond 64 bits or a lone surrogate somewhere: box those too.
             self._copies, self._keep, self._cursor = [], [], 0
             try:
-                msg = self._encoder.encode(_prep_full(obj, self.exact))
+                msg = self._encoder.encode(prep_full(obj, self.exact))
             except RecursionError:
                 raise _too_deep("encode") from None
         except RecursionError:
@@ -313,7 +233,7 @@ class Codec:
         if nbytes:
             self._copies.append((src_addr, nbytes, off))
             self._keep.append(keep)
-        self._cursor = off + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self._cursor = off + (nbytes + ALIGN - 1) // ALIGN * ALIGN
         return off
 
     def _tensor_desc(self, t: Any, flags: int = 0) -> bytes:
@@ -322,13 +242,13 @@ class Codec:
                 f"MessageQueue carries CPU tensors only, got a tensor on {t.device}; "
                 "move it with .cpu() or use a device communicator"
             )
-        if t.layout is not _TORCH.strided:
+        if t.layout is not TORCH.module.strided:
             raise TypeError(f"MessageQueue carries strided tensors only, got layout {t.layout}")
-        code = _DTYPE_TO_CODE.get(t.dtype)
+        code = TORCH.dtype_to_code.get(t.dtype)
         if code is None:
             raise TypeError(f"tensor dtype {t.dtype} is not supported by MessageQueue")
         if t.requires_grad:
-            flags |= _FLAG_REQUIRES_GRAD
+            flags |= FLAG_REQUIRES_GRAD
             t = t.detach()
         if t.is_conj():
             t = t.resolve_conj()
@@ -340,7 +260,7 @@ class Codec:
         off = self._reserve(nbytes, t.data_ptr(), t)
         shape = t.shape
         ndim = len(shape)
-        return _TENSOR_HEAD.pack(off, nbytes, code, flags, ndim) + _SHAPES[ndim].pack(*shape)
+        return TENSOR_HEAD.pack(off, nbytes, code, flags, ndim) + SHAPES[ndim].pack(*shape)
 
     def _array_desc(self, a: np.ndarray) -> bytes:
         if not a.flags.c_contiguous:
@@ -354,47 +274,45 @@ class Codec:
         off = self._reserve(nbytes, a.__array_interface__["data"][0] if nbytes else 0, a)
         ndim = a.ndim
         return (
-            _ARRAY_HEAD.pack(off, nbytes, ndim, len(descr))
-            + _SHAPES[ndim].pack(*a.shape)
+            ARRAY_HEAD.pack(off, nbytes, ndim, len(descr))
+            + SHAPES[ndim].pack(*a.shape)
             + descr
         )
 
     def _enc_hook(self, obj: Any) -> msgspec.msgpack.Ext:
         t = type(obj)
-        if t is _TENSOR and t is not None:
-            return msgspec.msgpack.Ext(_EXT_TENSOR, self._tensor_desc(obj))
+        if t is TORCH.tensor:  # None until torch is loaded
+            return msgspec.msgpack.Ext(EXT_TENSOR, self._tensor_desc(obj))
         if t is np.ndarray and not obj.dtype.hasobject:
-            return msgspec.msgpack.Ext(_EXT_NDARRAY, self._array_desc(obj))
-        if t is _Box:
+            return msgspec.msgpack.Ext(EXT_NDARRAY, self._array_desc(obj))
+        if t is Box:
             return self._box_ext(obj)
-        if t is _PARAMETER and t is not None:
-            return msgspec.msgpack.Ext(_EXT_TENSOR, self._tensor_desc(obj, _FLAG_PARAMETER))
+        if t is TORCH.parameter:
+            return msgspec.msgpack.Ext(EXT_TENSOR, self._tensor_desc(obj, FLAG_PARAMETER))
         if t is SourceFailure:
-            return msgspec.msgpack.Ext(_EXT_FAILURE, _utf8(obj.message))
-        if _is_plain_npscalar(obj):  # exact=False reaches here with numpy scalars
-            return msgspec.msgpack.Ext(_EXT_NPSCALAR, _npscalar_state(obj))
-        if _TORCH is not None and t in _TORCH_LEAVES:  # and with dtypes, devices
-            return self._box_ext(_Box(_TORCH_LEAVES[t], obj))
+            return msgspec.msgpack.Ext(EXT_FAILURE, _utf8(obj.message))
+        if is_plain_npscalar(obj):  # exact=False reaches here with numpy scalars
+            return msgspec.msgpack.Ext(EXT_NPSCALAR, npscalar_state(obj))
+        if t in TORCH.leaves:  # and with dtypes, devices
+            return self._box_ext(Box(TORCH.leaves[t], obj))
         # A type msgspec does not know (custom classes...).
-        return msgspec.msgpack.Ext(_EXT_PICKLE, self._pickle(obj))
+        return msgspec.msgpack.Ext(EXT_PICKLE, self._pickle(obj))
 
-    def _box_ext(self, box: _Box) -> msgspec.msgpack.Ext:
+    def _box_ext(self, box: Box) -> msgspec.msgpack.Ext:
         code, value = box.code, box.value
-        if code == _EXT_PICKLE:
-            return msgspec.msgpack.Ext(_EXT_PICKLE, self._pickle(value))
-        if code == _EXT_NPSCALAR:
-            return msgspec.msgpack.Ext(_EXT_NPSCALAR, _npscalar_state(value))
-        if code == _EXT_BIGINT:
+        if code == EXT_PICKLE:
+            return msgspec.msgpack.Ext(EXT_PICKLE, self._pickle(value))
+        if code == EXT_NPSCALAR:
+            return msgspec.msgpack.Ext(EXT_NPSCALAR, npscalar_state(value))
+        if code == EXT_BIGINT:
             return msgspec.msgpack.Ext(
-                _EXT_BIGINT, value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True))
-        if code == _EXT_SURROGATE_STR:
-            return msgspec.msgpack.Ext(_EXT_SURROGATE_STR, _utf8(value))
-        if code == _EXT_BYTEARRAY:
-            return msgspec.msgpack.Ext(_EXT_BYTEARRAY, bytes(value))
-        if code == _EXT_TORCH_SIZE:
-            return msgspec.msgpack.Ext(code, _SHAPES[len(value)].pack(*value))
-        if code in (_EXT_TORCH_DTYPE, _EXT_TORCH_DEVICE):
-            return msgspec.msgpack.Ext(code, str(value).removeprefix("torch.").encode())
+                EXT_BIGINT, value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True))
+        if code == EXT_SURROGATE_STR:
+            return msgspec.msgpack.Ext(EXT_SURROGATE_STR, _utf8(value))
+        if code == EXT_BYTEARRAY:
+            return msgspec.msgpack.Ext(EXT_BYTEARRAY, bytes(value))
+        if code in (EXT_TORCH_SIZE, EXT_TORCH_DTYPE, EXT_TORCH_DEVICE):
+            return msgspec.msgpack.Ext(code, torch_leaf_bytes(code, value))
         return msgspec.msgpack.Ext(code, self._encoder.encode(value))
 
     def _pickle(self, obj: Any) -> bytes:
@@ -409,9 +327,7 @@ class Codec:
                 "(dataclasses.asdict(x), an enum's .value...) or opt in with "
                 + PICKLE_OPT_IN
             )
-        out = io.BytesIO()
-        _OobPickler(out, self).dump(obj)
-        return out.getvalue()
+        return pickle_oob(obj, self._tensor_desc, self._array_desc)
 
     # ---------------------------------------------------------------- decode
     def decode(self, msg: Any, blob: Any, blob_start: int, blob_len: int) -> Any:
@@ -479,14 +395,16 @@ class Codec:
         return raw.copy().view(dtype).reshape(shape)
 
     def _tensor_from(self, data: Any) -> Any:
-        torch = _TORCH if _TORCH is not None else _load_torch()
+        torch = TORCH.module
+        if torch is None:
+            torch = TORCH.load()
         try:  # a short descriptor or ndim > 64 fails here (struct.error / IndexError)
-            off, nbytes, code, flags, ndim = _TENSOR_HEAD.unpack_from(data, 0)
-            shape = _SHAPES[ndim].unpack_from(data, _TENSOR_HEAD.size)
+            off, nbytes, code, flags, ndim = TENSOR_HEAD.unpack_from(data, 0)
+            shape = SHAPES[ndim].unpack_from(data, TENSOR_HEAD.size)
         except (struct.error, IndexError):
             raise DecodeError(
                 f"corrupt message: bad tensor descriptor of {len(data)} bytes") from None
-        entry = _CODE_TO_DTYPE.get(code)
+        entry = TORCH.code_to_dtype.get(code)
         if entry is None:
             raise DecodeError(f"corrupt or incompatible message: unknown tensor dtype code {code}")
         dtype, np_dtype, needs_view, itemsize = entry
@@ -494,17 +412,17 @@ class Codec:
         if needs_view:
             t = t.view(dtype)
         if flags:
-            if flags & _FLAG_PARAMETER:
-                return _PARAMETER(t, requires_grad=bool(flags & _FLAG_REQUIRES_GRAD))
-            if flags & _FLAG_REQUIRES_GRAD:
+            if flags & FLAG_PARAMETER:
+                return TORCH.parameter(t, requires_grad=bool(flags & FLAG_REQUIRES_GRAD))
+            if flags & FLAG_REQUIRES_GRAD:
                 t.requires_grad_(True)
         return t
 
     def _array_from(self, data: Any) -> np.ndarray:
         try:  # a short descriptor or ndim > 64 fails here (struct.error / IndexError)
-            off, nbytes, ndim, dlen = _ARRAY_HEAD.unpack_from(data, 0)
-            pos = _ARRAY_HEAD.size
-            shape = _SHAPES[ndim].unpack_from(data, pos)
+            off, nbytes, ndim, dlen = ARRAY_HEAD.unpack_from(data, 0)
+            pos = ARRAY_HEAD.size
+            shape = SHAPES[ndim].unpack_from(data, pos)
         except (struct.error, IndexError):
             raise DecodeError(
                 f"corrupt message: bad array descriptor of {len(data)} bytes") from None
@@ -512,43 +430,43 @@ class Codec:
         if len(data) != pos + dlen:
             raise DecodeError(f"corrupt message: array descriptor of {len(data)} bytes, "
                               f"{pos + dlen} expected")
-        dt = _dtype_from(bytes(data[pos:]))
+        dt = dtype_from(bytes(data[pos:]))
         return self._slice(off, nbytes, dt, dt.itemsize, shape)
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
-        if code == _EXT_TENSOR:
+        if code == EXT_TENSOR:
             return self._tensor_from(data)
-        if code == _EXT_NDARRAY:
+        if code == EXT_NDARRAY:
             return self._array_from(data)
-        if code == _EXT_TUPLE:
+        if code == EXT_TUPLE:
             return tuple(self._items(data, code))
-        if code == _EXT_DICT_PAIRS:
+        if code == EXT_DICT_PAIRS:
             return _pairs_to_dict(self._items(data, code))
-        if code == _EXT_SET:
+        if code == EXT_SET:
             return set(self._items(data, code))
-        if code == _EXT_FROZENSET:
+        if code == EXT_FROZENSET:
             return frozenset(self._items(data, code))
-        if code == _EXT_MEMORYVIEW:
-            return _rebuild_memoryview(*_memoryview_fields(msgspec.msgpack.decode(data)))
-        if code == _EXT_NPSCALAR:
-            return _npscalar_from(data)
-        if code == _EXT_BIGINT:
+        if code == EXT_MEMORYVIEW:
+            return rebuild_memoryview(*memoryview_fields(msgspec.msgpack.decode(data)))
+        if code == EXT_NPSCALAR:
+            return npscalar_from(data)
+        if code == EXT_BIGINT:
             return int.from_bytes(data, "little", signed=True)
-        if code == _EXT_SURROGATE_STR:
+        if code == EXT_SURROGATE_STR:
             return bytes(data).decode("utf-8", "surrogatepass")
-        if code == _EXT_BYTEARRAY:
+        if code == EXT_BYTEARRAY:
             return bytearray(data)
-        if code in (_EXT_TORCH_SIZE, _EXT_TORCH_DTYPE, _EXT_TORCH_DEVICE):
-            return _torch_leaf_from(code, data)
-        if code == _EXT_FAILURE:
+        if code in (EXT_TORCH_SIZE, EXT_TORCH_DTYPE, EXT_TORCH_DEVICE):
+            return torch_leaf_from(code, data)
+        if code == EXT_FAILURE:
             return SourceFailure(bytes(data).decode("utf-8", "surrogatepass"))
-        if code == _EXT_PICKLE:
+        if code == EXT_PICKLE:
             if not self.allow_pickle:
                 raise DecodeError(
                     "received a pickled value, which this side refuses to unpickle "
                     "(allow_pickle is off): the sender must send plain data, or opt in with "
                     + PICKLE_OPT_IN)
-            return _OobUnpickler(io.BytesIO(data), self).load()
+            return unpickle_oob(data, self._tensor_from, self._array_from)
         raise DecodeError(f"corrupt or incompatible message: unknown ext code {code}")
 
     def _items(self, data: memoryview, code: int) -> list:
@@ -573,241 +491,3 @@ def _pairs_to_dict(pairs: list) -> dict:
     if not all(type(p) is list and len(p) == 2 for p in pairs):
         raise DecodeError("corrupt message: a dict's items must be [key, value] pairs")
     return dict(pairs)
-
-
-_DTYPE_CACHE: dict[bytes, np.dtype] = {}  # accepted descriptors (bounded, see below)
-
-
-def _dtype_from(descr: bytes) -> np.dtype:
-    """The numpy dtype a received array descriptor names; plain data types only.
-
-    Raises:
-        DecodeError: The descriptor is malformed, names no dtype, or names one
-            holding Python objects (its bytes would be taken as pointers).
-    """
-    dt = _DTYPE_CACHE.get(descr)
-    if dt is not None:
-        return dt
-    try:
-        with warnings.catch_warnings():  # deprecated aliases ('a') warn; accept quietly
-            warnings.simplefilter("ignore")
-            if descr[:1] == b"\x00":
-                dt = np.lib.format.descr_to_dtype(_tuplify(msgspec.msgpack.decode(descr[1:])))
-            else:
-                text = descr.decode("ascii")
-                if not _DTYPE_STR.fullmatch(text):
-                    raise DecodeError(f"corrupt message: {text!r} is not a plain numpy dtype")
-                dt = np.dtype(text)
-    except DecodeError:
-        raise
-    except Exception as e:  # numpy/msgspec/unicode: all mean a malformed descriptor
-        raise DecodeError(f"corrupt message: bad array dtype ({type(e).__name__}: {e})") from None
-    if dt.hasobject:
-        raise DecodeError(f"corrupt message: array dtype {dt} holds Python objects")
-    if len(_DTYPE_CACHE) < 256:  # a peer sending endless new dtypes cannot grow it
-        _DTYPE_CACHE[descr] = dt
-    return dt
-
-
-def _torch_leaf_from(code: int, data: memoryview) -> Any:
-    """A received ``torch.Size``, ``torch.dtype`` (known names only) or ``torch.device``."""
-    torch = _TORCH if _TORCH is not None else _load_torch()
-    if code == _EXT_TORCH_SIZE:
-        if len(data) % 8 or len(data) > 8 * _MAX_NDIM:
-            raise DecodeError(f"corrupt message: torch.Size of {len(data)} bytes")
-        return torch.Size(_SHAPES[len(data) // 8].unpack_from(data, 0))
-    text = bytes(data).decode("ascii")
-    if code == _EXT_TORCH_DTYPE:
-        if text not in _DTYPE_BY_NAME:
-            raise DecodeError(f"corrupt message: unknown torch dtype {text[:40]!r}")
-        return _DTYPE_BY_NAME[text]
-    if len(text) > 64:
-        raise DecodeError(f"corrupt message: device string of {len(text)} characters")
-    return torch.device(text)
-
-
-def _is_plain_npscalar(obj: Any) -> bool:
-    return (isinstance(obj, np.generic) and type(obj).__module__ == "numpy"
-            and obj.dtype.fields is None and not obj.dtype.hasobject
-            and obj.dtype.kind != "V")
-
-
-def _npscalar_state(obj: Any) -> bytes:
-    return msgspec.msgpack.encode([obj.dtype.str, obj.tobytes()])
-
-
-def _npscalar_from(data: memoryview) -> Any:
-    fields = msgspec.msgpack.decode(data)
-    if (type(fields) is not list or len(fields) != 2 or type(fields[0]) is not str
-            or type(fields[1]) is not bytes):
-        raise DecodeError("corrupt message: a numpy scalar must be [dtype, bytes]")
-    dt = _dtype_from(fields[0].encode())
-    if dt.fields is not None or dt.kind == "V" or dt.itemsize != len(fields[1]):
-        raise DecodeError(
-            f"corrupt message: numpy scalar of {dt} with {len(fields[1])} bytes of data")
-    return np.frombuffer(fields[1], dt)[0]
-
-
-def _memoryview_state(mv: memoryview) -> tuple[bytes, str, list[int], bool]:
-    """``(C-order bytes, format, shape, readonly)`` of a memoryview (any layout)."""
-    return mv.tobytes(), mv.format, list(mv.shape or ()), bool(mv.readonly)
-
-
-def _memoryview_fields(fields: Any) -> tuple[bytes, str, list[int], bool]:
-    """Check a received memoryview state; the shape's product is not trusted (cast checks)."""
-    if (type(fields) is not list or len(fields) != 4 or type(fields[0]) is not bytes
-            or type(fields[1]) is not str or type(fields[2]) is not list
-            or type(fields[3]) is not bool or len(fields[2]) > _MAX_NDIM
-            or not all(type(n) is int and n >= 0 for n in fields[2])):
-        raise DecodeError("corrupt message: a memoryview must be [bytes, format, shape, readonly]")
-    return fields[0], fields[1], fields[2], fields[3]
-
-
-def _rebuild_memoryview(data: bytes, fmt: str, shape: list[int], readonly: bool) -> memoryview:
-    """A memoryview equal to the one :func:`_memoryview_state` described, over fresh memory.
-
-    Read-only views come back over ``bytes``, writable ones over a ``bytearray``.
-    Formats ``memoryview.cast`` cannot restore (struct strings) come back as bytes ('B').
-    """
-    mv = memoryview(data if readonly else bytearray(data))
-    if fmt == "B" and len(shape) == 1:
-        return mv
-    try:
-        return mv.cast("B").cast(fmt, shape)
-    except (TypeError, ValueError):
-        return mv
-
-
-def _tuplify(descr: Any) -> Any:
-    """Turn msgpack's lists back into the tuples numpy's descr format uses."""
-    if isinstance(descr, list):
-        return [tuple(_tuplify(x) for x in field) if isinstance(field, list) else field
-                for field in descr]
-    return descr
-
-
-class _OobPickler(pickle.Pickler):
-    """Pickler that sends plain tensors and ndarrays out-of-band (``allow_pickle`` only)."""
-
-    def __init__(self, file: io.BytesIO, codec: Codec) -> None:
-        super().__init__(file, protocol=5)
-        self._codec = codec
-
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is memoryview:  # not picklable by itself
-            return _rebuild_memoryview, _memoryview_state(obj)
-        return NotImplemented
-
-    def persistent_id(self, obj: Any) -> Any:
-        t = type(obj)
-        if t is _TENSOR and t is not None:
-            return (_EXT_TENSOR, self._codec._tensor_desc(obj))
-        if t is np.ndarray and not obj.dtype.hasobject:
-            return (_EXT_NDARRAY, self._codec._array_desc(obj))
-        return None
-
-
-class _OobUnpickler(pickle.Unpickler):
-    """Unpickler resolving :class:`_OobPickler`'s out-of-band arrays (``allow_pickle`` only)."""
-
-    def __init__(self, file: io.BytesIO, codec: Codec) -> None:
-        super().__init__(file)
-        self._codec = codec
-
-    def persistent_load(self, pid: Any) -> Any:
-        if type(pid) is not tuple or len(pid) != 2:
-            raise DecodeError(f"corrupt message: bad persistent id {pid!r}")
-        code, desc = pid
-        if code == _EXT_TENSOR:
-            return self._codec._tensor_from(desc)
-        if code == _EXT_NDARRAY:
-            return self._codec._array_from(desc)
-        raise DecodeError(f"corrupt message: unknown persistent id code {code!r}")
-
-
-def _prep(obj: Any) -> Any:
-    """Make ``obj`` exact for msgspec: box tuples/sets/odd keys and opaque values.
-
-    Returns ``obj`` itself when nothing needs boxing (the common case costs one
-    C-level type scan per container and no copy); containers are copied only
-    along the path to a value that changed.
-    """
-    t = type(obj)
-    if t is dict:
-        if not _PLAIN_KEYS.issuperset(map(type, obj)):
-            return _Box(_EXT_DICT_PAIRS, [[_prep(k), _prep(v)] for k, v in obj.items()])
-        if _PASS.issuperset(map(type, obj.values())):
-            return obj
-        new = None
-        for k, v in obj.items():
-            if type(v) in _PASS:
-                continue
-            pv = _prep(v)
-            if pv is not v:
-                if new is None:
-                    new = dict(obj)
-                new[k] = pv
-        return obj if new is None else new
-    if t is list:
-        if _PASS.issuperset(map(type, obj)):
-            return obj
-        new = None
-        for i, v in enumerate(obj):
-            if type(v) in _PASS:
-                continue
-            pv = _prep(v)
-            if pv is not v:
-                if new is None:
-                    new = list(obj)
-                new[i] = pv
-        return obj if new is None else new
-    if t in _PASS:
-        return obj
-    if t is tuple:
-        return _Box(_EXT_TUPLE, _prep(list(obj)))
-    if t is set:
-        return _Box(_EXT_SET, _prep(list(obj)))
-    if t is frozenset:
-        return _Box(_EXT_FROZENSET, _prep(list(obj)))
-    return _prep_leaf(obj, t)
-
-
-def _prep_leaf(obj: Any, t: type) -> Any:
-    """A value that is no container: itself when the encoder hook handles it, else boxed."""
-    if t is memoryview:  # msgpack would turn it into bytes
-        return _Box(_EXT_MEMORYVIEW, _memoryview_state(obj))
-    if t is bytearray:  # likewise
-        return _Box(_EXT_BYTEARRAY, obj)
-    if _TORCH is not None and t in _TORCH_LEAVES:
-        return _Box(_TORCH_LEAVES[t], obj)
-    if t is SourceFailure or (t is _PARAMETER and t is not None):
-        return obj
-    if _is_plain_npscalar(obj):
-        return _Box(_EXT_NPSCALAR, obj)
-    return _Box(_EXT_PICKLE, obj)  # refused by the hook unless allow_pickle
-
-
-def _prep_full(obj: Any, exact: bool) -> Any:
-    """Like :func:`_prep`, but visits every value and boxes ints beyond 64 bits and
-    strs with lone surrogates (msgpack holds neither). Only used after the fast
-    path failed on one of those, so its cost per element does not matter."""
-    t = type(obj)
-    if t is int:
-        return obj if _INT64_MIN <= obj < _UINT64_END else _Box(_EXT_BIGINT, obj)
-    if t is str:
-        try:
-            obj.encode("utf-8")
-            return obj
-        except UnicodeEncodeError:
-            return _Box(_EXT_SURROGATE_STR, obj)
-    if t is dict:
-        items = [(_prep_full(k, exact), _prep_full(v, exact)) for k, v in obj.items()]
-        if all(type(k) in _PLAIN_KEYS for k, _ in items):
-            return dict(items)
-        return _Box(_EXT_DICT_PAIRS, [[k, v] for k, v in items])
-    if t is list or (not exact and t is tuple):
-        return [_prep_full(v, exact) for v in obj]
-    if exact and t in (tuple, set, frozenset):
-        code = {tuple: _EXT_TUPLE, set: _EXT_SET, frozenset: _EXT_FROZENSET}[t]
-        return _Box(code, [_prep_full(v, exact) for v in obj])
-    return _prep(obj) if exact else obj

@@ -60,11 +60,11 @@ def pickle_blocked() -> Iterator[list[str]]:
     import torch._dynamo  # noqa: F401 -- imported lazily by custom ops; import it unblocked
     import torch.distributed.distributed_c10d as c10d
 
-    from shm_broadcast import codec
+    from shm_broadcast import codec_pickle
 
     patches = [(pickle, "loads", _refusing_loads), (pickle, "Unpickler", _RefusingUnpickler),
                (c10d, "_unpickler", _RefusingUnpickler),
-               (codec, "_OobUnpickler", _RefusingUnpickler)]
+               (codec_pickle, "OobUnpickler", _RefusingUnpickler)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     for mod, name, fn in patches:
         setattr(mod, name, fn)

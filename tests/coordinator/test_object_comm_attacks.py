@@ -37,12 +37,12 @@ def _encoded(obj: Any, allow_pickle: bool = False) -> tuple[list[int], bytes]:
 
 def _attacks() -> list[tuple[str, list[int], bytes]]:
     """``(name, header, payload)`` of each hostile message rank 0 sends."""
-    from shm_broadcast import codec as c
+    from shm_broadcast import wire_format as wf
 
-    tensor_1gib = c._TENSOR_HEAD.pack(0, 0, 0, 0, 1) + (_GIB // 4).to_bytes(8, "little")
+    tensor_1gib = wf.TENSOR_HEAD.pack(0, 0, 0, 0, 1) + (_GIB // 4).to_bytes(8, "little")
     import msgspec
 
-    lie = msgspec.msgpack.encode(msgspec.msgpack.Ext(c._EXT_TENSOR, tensor_1gib))
+    lie = msgspec.msgpack.encode(msgspec.msgpack.Ext(wf.EXT_TENSOR, tensor_1gib))
     pickled_header, pickled = _encoded(_Evil(), allow_pickle=True)
     td_header, td = _encoded([["x", 1, ["cpu", "float32", [-4], 0]]])
     return [

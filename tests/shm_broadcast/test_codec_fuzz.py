@@ -33,7 +33,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shm_broadcast import codec as codec_mod
+from shm_broadcast import codec_pickle, wire_format
 from shm_broadcast.codec import Codec, SourceFailure
 from shm_broadcast.errors import DecodeError, GroupCoordError
 
@@ -190,13 +190,13 @@ def _ext(code: int, data: bytes) -> bytes:
 
 
 def _tensor_msg(nbytes: int, shape: tuple[int, ...], code: int = 0, off: int = 0) -> bytes:
-    head = codec_mod._TENSOR_HEAD.pack(off, nbytes, code, 0, len(shape))
-    return _ext(codec_mod._EXT_TENSOR, head + struct.pack(f"<{len(shape)}q", *shape))
+    head = wire_format.TENSOR_HEAD.pack(off, nbytes, code, 0, len(shape))
+    return _ext(wire_format.EXT_TENSOR, head + struct.pack(f"<{len(shape)}q", *shape))
 
 
 def _array_msg(nbytes: int, shape: tuple[int, ...], descr: bytes) -> bytes:
-    head = codec_mod._ARRAY_HEAD.pack(0, nbytes, len(shape), len(descr))
-    return _ext(codec_mod._EXT_NDARRAY, head + struct.pack(f"<{len(shape)}q", *shape) + descr)
+    head = wire_format.ARRAY_HEAD.pack(0, nbytes, len(shape), len(descr))
+    return _ext(wire_format.EXT_NDARRAY, head + struct.pack(f"<{len(shape)}q", *shape) + descr)
 
 
 def _refused_without_allocating(msg: bytes, blob: bytes, blob_len: int, match: str) -> None:
@@ -214,7 +214,7 @@ def _refused_without_allocating(msg: bytes, blob: bytes, blob_len: int, match: s
 @pytest.mark.timeout(30)
 def test_attack_30_bytes_claiming_1gib_is_refused_without_allocating():
     torch.empty(0)  # the codec's torch tables exist before tracemalloc starts
-    codec_mod._load_torch()
+    wire_format.TORCH.load()
     gib = 1 << 30
     claims = [
         # nbytes 0 but a shape of 1 GiB: numpy would allocate it
@@ -250,7 +250,7 @@ def test_attack_unknown_and_object_dtypes_are_refused():
     with pytest.raises(DecodeError, match="unknown ext code"):
         Codec().decode(_ext(99, b"x"), b"", 0, 0)
     with pytest.raises(DecodeError, match="unknown torch dtype"):
-        Codec().decode(_ext(codec_mod._EXT_TORCH_DTYPE, b"__class__"), b"", 0, 0)
+        Codec().decode(_ext(wire_format.EXT_TORCH_DTYPE, b"__class__"), b"", 0, 0)
 
 
 @pytest.mark.timeout(30)
@@ -262,8 +262,8 @@ def test_attack_pickled_value_is_refused_without_unpickling(monkeypatch):
         raise AssertionError("the decoder called into pickle")
 
     monkeypatch.setattr(pickle, "loads", boom)
-    monkeypatch.setattr(codec_mod, "_OobUnpickler", boom)
-    msg = _ext(codec_mod._EXT_PICKLE, pickle.dumps(print))
+    monkeypatch.setattr(codec_pickle, "OobUnpickler", boom)
+    msg = _ext(wire_format.EXT_PICKLE, pickle.dumps(print))
     with pytest.raises(DecodeError, match="allow_pickle"):
         Codec().decode(msg, b"", 0, 0)
 
@@ -279,7 +279,7 @@ def test_decode_error_is_in_the_family():
         assert "DecodeError" in pkg.__all__ and pkg.DecodeError is DecodeError
     with pytest.raises(DecodeError, match="nested too deeply"):
         deep = b"\x91" * 100_000 + b"\xc0"  # 100,000 nested one-element arrays
-        Codec().decode(_ext(codec_mod._EXT_TUPLE, deep), b"", 0, 0)
+        Codec().decode(_ext(wire_format.EXT_TUPLE, deep), b"", 0, 0)
 
 
 @pytest.mark.timeout(30)
