@@ -126,6 +126,13 @@ from shm_broadcast.wire_format import (
 
 __all__ = ["Codec", "Encoded", "SourceFailure", "PICKLE_OPT_IN"]
 
+# Per-array names bound in this module by assignment. CPython 3.11 compiles
+# ``name.method(...)`` on a name bound by an import as an attribute load that
+# builds a bound method per call (about 20 ns), not as a method call; and the
+# dtype tables (filled in place by TORCH.load(), so these stay current) skip
+# a registry attribute load.
+_TENSOR_HEAD, _ARRAY_HEAD = TENSOR_HEAD, ARRAY_HEAD
+_DTYPE_TO_CODE, _CODE_TO_DTYPE = TORCH.dtype_to_code, TORCH.code_to_dtype
 #: Depth hint for the error raised on messages nested too deeply.
 _DEPTH_HINT = "a few hundred levels of tuples/sets, about a thousand of lists/dicts"
 
@@ -244,7 +251,7 @@ class Codec:
             )
         if t.layout is not TORCH.module.strided:
             raise TypeError(f"MessageQueue carries strided tensors only, got layout {t.layout}")
-        code = TORCH.dtype_to_code.get(t.dtype)
+        code = _DTYPE_TO_CODE.get(t.dtype)
         if code is None:
             raise TypeError(f"tensor dtype {t.dtype} is not supported by MessageQueue")
         if t.requires_grad:
@@ -260,7 +267,7 @@ class Codec:
         off = self._reserve(nbytes, t.data_ptr(), t)
         shape = t.shape
         ndim = len(shape)
-        return TENSOR_HEAD.pack(off, nbytes, code, flags, ndim) + SHAPES[ndim].pack(*shape)
+        return _TENSOR_HEAD.pack(off, nbytes, code, flags, ndim) + SHAPES[ndim].pack(*shape)
 
     def _array_desc(self, a: np.ndarray) -> bytes:
         if not a.flags.c_contiguous:
@@ -274,7 +281,7 @@ class Codec:
         off = self._reserve(nbytes, a.__array_interface__["data"][0] if nbytes else 0, a)
         ndim = a.ndim
         return (
-            ARRAY_HEAD.pack(off, nbytes, ndim, len(descr))
+            _ARRAY_HEAD.pack(off, nbytes, ndim, len(descr))
             + SHAPES[ndim].pack(*a.shape)
             + descr
         )
@@ -399,12 +406,12 @@ class Codec:
         if torch is None:
             torch = TORCH.load()
         try:  # a short descriptor or ndim > 64 fails here (struct.error / IndexError)
-            off, nbytes, code, flags, ndim = TENSOR_HEAD.unpack_from(data, 0)
-            shape = SHAPES[ndim].unpack_from(data, TENSOR_HEAD.size)
+            off, nbytes, code, flags, ndim = _TENSOR_HEAD.unpack_from(data, 0)
+            shape = SHAPES[ndim].unpack_from(data, _TENSOR_HEAD.size)
         except (struct.error, IndexError):
             raise DecodeError(
                 f"corrupt message: bad tensor descriptor of {len(data)} bytes") from None
-        entry = TORCH.code_to_dtype.get(code)
+        entry = _CODE_TO_DTYPE.get(code)
         if entry is None:
             raise DecodeError(f"corrupt or incompatible message: unknown tensor dtype code {code}")
         dtype, np_dtype, needs_view, itemsize = entry
@@ -420,8 +427,8 @@ class Codec:
 
     def _array_from(self, data: Any) -> np.ndarray:
         try:  # a short descriptor or ndim > 64 fails here (struct.error / IndexError)
-            off, nbytes, ndim, dlen = ARRAY_HEAD.unpack_from(data, 0)
-            pos = ARRAY_HEAD.size
+            off, nbytes, ndim, dlen = _ARRAY_HEAD.unpack_from(data, 0)
+            pos = _ARRAY_HEAD.size
             shape = SHAPES[ndim].unpack_from(data, pos)
         except (struct.error, IndexError):
             raise DecodeError(

@@ -46,7 +46,7 @@ __all__ = [
     "EXT_PICKLE", "EXT_MEMORYVIEW", "EXT_NPSCALAR", "EXT_BIGINT", "EXT_SURROGATE_STR",
     "EXT_FAILURE", "EXT_BYTEARRAY", "EXT_TORCH_SIZE", "EXT_TORCH_DTYPE", "EXT_TORCH_DEVICE",
     "ALIGN", "MAX_NDIM", "TENSOR_HEAD", "ARRAY_HEAD", "SHAPES",
-    "FLAG_REQUIRES_GRAD", "FLAG_PARAMETER", "INT64_MIN", "UINT64_END", "PLAIN_KEYS",
+    "FLAG_REQUIRES_GRAD", "FLAG_PARAMETER", "INT64_MIN", "UINT64_END",
     "TorchTypes", "TORCH", "SourceFailure",
     "dtype_from", "torch_leaf_bytes", "torch_leaf_from",
     "is_plain_npscalar", "npscalar_state", "npscalar_from",
@@ -91,8 +91,6 @@ _TORCH_DTYPE_NAMES = (
 )
 _UINT_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.complex128}
 _NONE_TYPE = type(None)
-#: Dict key types msgpack carries exactly.
-PLAIN_KEYS = frozenset({str, int})
 
 
 class TorchTypes:
