@@ -11,6 +11,9 @@ travel over the group's CPU side:
 
 If rank 0 cannot create the id it still takes part in the broadcast, with
 all-zero bytes (never a valid id), so the other ranks raise instead of waiting.
+A rank that could not load NCCL at all takes part with an
+:class:`UnusableLibrary`, and :func:`ranks_failed` then lets every rank give
+up together.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from device_comms.errors import CommunicatorUnavailable
 from device_comms.pynccl.library import UNIQUE_ID_BYTES
 
-__all__ = ["exchange_unique_id", "group_rank_and_size", "ranks_failed"]
+__all__ = ["exchange_unique_id", "group_rank_and_size", "ranks_failed", "UnusableLibrary"]
 
 _FAILED = bytes(UNIQUE_ID_BYTES)  # what rank 0 sends when it has no id
 
@@ -135,3 +138,18 @@ def ranks_failed(group: Any, failed: bool) -> list[int]:
     else:
         got = [group.broadcast_obj(bool(failed) if r == rank else None, src=r) for r in range(n)]
     return [r for r, f in enumerate(got) if f]
+
+
+class UnusableLibrary:
+    """Stands in for the library on a rank that could not load it (setup only).
+
+    Args:
+        error: Why the library is unusable; :meth:`unique_id` (the one call
+            setup makes on a rank's library) raises it.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    def unique_id(self) -> bytes:
+        raise self._error

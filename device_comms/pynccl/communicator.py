@@ -6,19 +6,21 @@ ranks agree that each could load NCCL, then each calls ``ncclCommInitRank``
 with its device current.
 
 **The capture rule.** Every operation enqueues its NCCL kernel(s) on
-``torch.cuda.current_stream(device)`` (or the ``stream`` passed) and makes no
-other CUDA call on the way: no synchronisation, no ``cudaGetDevice``, no
-host<->device copy; pointers come from ``tensor.data_ptr()``. An operation
-issued while a CUDA graph is being captured on that stream is therefore
-recorded into the graph and replays with it, reading and writing the same
-addresses. The only device work besides NCCL is what a dtype conversion needs
-(``int16``/``uint16`` reductions are widened to ``int32`` and cast back; a
-gather copies this rank's own piece), all stream-ordered kernels that capture
-as well. Under capture, pass tensors whose memory outlives the graph.
+``torch.cuda.current_stream(device)`` (or the ``stream`` passed; see
+:mod:`.streams`) and makes no other CUDA call on the way: no synchronisation,
+no ``cudaGetDevice``, no host<->device copy; pointers come from
+``tensor.data_ptr()``. An operation issued while a CUDA graph is being
+captured on that stream is therefore recorded into the graph and replays with
+it, reading and writing the same addresses. The only device work besides NCCL
+is what a dtype conversion needs (``int16``/``uint16`` reductions are widened
+to ``int32`` and cast back; a gather copies this rank's own piece), all
+stream-ordered kernels that capture as well. Under capture, pass tensors whose
+memory outlives the graph.
 
-Arguments are checked before anything is enqueued (wrong device, non-contiguous,
-mismatched sizes or dtypes, unsupported dtype/op: ``TypeError``/``ValueError``
-naming the argument). While disabled (:meth:`PyNcclCommunicator.disable`,
+Arguments are checked before anything is enqueued (wrong device,
+non-contiguous, mismatched sizes or dtypes, unsupported dtype/op:
+``TypeError``/``ValueError`` naming the argument; see :mod:`.arguments` and
+:mod:`.types`). While disabled (:meth:`PyNcclCommunicator.disable`,
 :meth:`PyNcclCommunicator.paused`) every operation raises
 :class:`~device_comms.errors.CommunicatorUnavailable`; it never silently does
 nothing.
@@ -47,6 +49,13 @@ from device_comms.errors import (
     NcclError,
 )
 from device_comms.pynccl import bootstrap
+from device_comms.pynccl.arguments import (
+    check_device,
+    check_operand,
+    check_peer,
+    check_rows,
+    check_same,
+)
 from device_comms.pynccl.library import NCCL_IN_PROGRESS, NCCL_SUCCESS, format_version, load_library
 from device_comms.pynccl.types import (
     DATATYPE_CODES,
@@ -55,6 +64,7 @@ from device_comms.pynccl.types import (
     bytes_view,
     reduction_plan,
 )
+from device_comms.pynccl.streams import device_context, on_stream
 from device_comms.reduce_op import ReduceOp
 
 __all__ = ["PyNcclCommunicator"]
@@ -86,11 +96,11 @@ class PyNcclCommunicator:
         self._after_group: list[Callable[[], Any]] = []
         error: BaseException | None = None
         try:
-            self.device = _check_device(device, injected=library is not None)
+            self.device = check_device(device, injected=library is not None)
             self.lib = library if library is not None else load_library()
             self.nccl_version: int = self.lib.version()
         except (TypeError, ValueError, CommunicatorUnavailable, NcclError) as e:
-            error, self.lib = e, _Unusable(e)
+            error, self.lib = e, bootstrap.UnusableLibrary(e)
         uid = bootstrap.exchange_unique_id(group, self.lib)
         failed = bootstrap.ranks_failed(group, error is not None)
         if error is not None:
@@ -100,7 +110,7 @@ class PyNcclCommunicator:
                 f"rank {self.rank}: group rank(s) {failed} could not set up NCCL (see their "
                 f"errors); no communicator was created"
             )
-        with _device_context(self.device):
+        with device_context(self.device):
             self._comm = self.lib.comm_init_rank(self.world_size, uid, self.rank)
 
     def __repr__(self) -> str:
@@ -122,11 +132,11 @@ class PyNcclCommunicator:
             ``out``.
         """
         self._check_usable("all_reduce")
-        x = self._tensor(in_, "in_")
+        x = check_operand(in_, "in_", self.device)
         plan = self._plan(x.dtype, op)
         if out is not None:
-            self._same(self._tensor(out, "out"), x, "out", "in_", x.numel())
-        with self._on_stream(stream) as s:
+            check_same(check_operand(out, "out", self.device), x, "out", "in_", x.numel())
+        with on_stream(stream, self.device) as s:
             out = torch.empty_like(x) if out is None else out
 
             def issue(send: torch.Tensor, recv: torch.Tensor) -> None:
@@ -141,12 +151,12 @@ class PyNcclCommunicator:
     ) -> torch.Tensor:
         """Reduce ``in_`` (``world_size`` equal flat pieces); rank ``i`` gets piece ``i``."""
         self._check_usable("reduce_scatter")
-        x, o = self._tensor(in_, "in_"), self._tensor(out, "out")
+        x, o = check_operand(in_, "in_", self.device), check_operand(out, "out", self.device)
         plan = self._plan(x.dtype, op)
         validation.check_divisible(x.numel(), self.world_size, "in_.numel()")
-        self._same(o, x, "out", "in_", x.numel() // self.world_size,
+        check_same(o, x, "out", "in_", x.numel() // self.world_size,
                    what="in_.numel() / world_size")
-        with self._on_stream(stream) as s:
+        with on_stream(stream, self.device) as s:
 
             def issue(send: torch.Tensor, recv: torch.Tensor) -> None:
                 self.lib.reduce_scatter(send.data_ptr(), recv.data_ptr(), recv.numel(), plan.dtype,
@@ -169,14 +179,14 @@ class PyNcclCommunicator:
             ``out`` (None on other ranks when they passed None).
         """
         self._check_usable("reduce")
-        x = self._tensor(in_, "in_")
+        x = check_operand(in_, "in_", self.device)
         validation.check_rank(root, self.world_size, "root")
         plan = self._plan(x.dtype, op)
         if self.rank == root and out is None:
             raise ValueError(f"out must be a tensor on the root rank {root}, got None")
         if out is not None:
-            self._same(self._tensor(out, "out"), x, "out", "in_", x.numel())
-        with self._on_stream(stream) as s:
+            check_same(check_operand(out, "out", self.device), x, "out", "in_", x.numel())
+        with on_stream(stream, self.device) as s:
 
             def issue(send: torch.Tensor, recv: torch.Tensor | None) -> None:
                 self.lib.reduce(send.data_ptr(), None if recv is None else recv.data_ptr(),
@@ -199,11 +209,12 @@ class PyNcclCommunicator:
         Runs as one grouped ``ncclReduce`` per rank (each rank the root of its rows).
         """
         self._check_usable("reduce_scatterv")
-        x, o = self._tensor(in_, "in_"), self._tensor(out, "out")
+        x, o = check_operand(in_, "in_", self.device), check_operand(out, "out", self.device)
         plan = self._plan(x.dtype, op)
-        sz = self._check_rows(o, x, sizes, "out", "in_", gathered="in_")
+        sz = check_rows(o, x, sizes, "out", "in_", gathered="in_", rank=self.rank,
+                        world_size=self.world_size)
         inner = math.prod(x.shape[1:]) * plan.factor
-        with self._on_stream(stream) as s:
+        with on_stream(stream, self.device) as s:
 
             def issue(send: torch.Tensor, recv: torch.Tensor) -> None:
                 step = send.element_size() * inner
@@ -223,9 +234,9 @@ class PyNcclCommunicator:
         """Concatenate every rank's flat ``in_`` (rank order) into ``out`` (dim 0 for
         tensors of the same shape); any dtype."""
         self._check_usable("all_gather")
-        x, o = self._tensor(in_, "in_"), self._tensor(out, "out")
-        self._same(o, x, "out", "in_", x.numel() * self.world_size, what="in_.numel() * world_size")
-        with self._on_stream(stream) as s:
+        x, o = check_operand(in_, "in_", self.device), check_operand(out, "out", self.device)
+        check_same(o, x, "out", "in_", x.numel() * self.world_size, what="in_.numel() * world_size")
+        with on_stream(stream, self.device) as s:
             src, dst = bytes_view(x, "in_"), bytes_view(o, "out")
             if src.numel():
                 self.lib.all_gather(src.data_ptr(), dst.data_ptr(), src.numel(), _UINT8,
@@ -240,10 +251,11 @@ class PyNcclCommunicator:
         Runs as one grouped ``ncclBroadcast`` per rank into its slice of ``out``.
         """
         self._check_usable("all_gatherv")
-        x, o = self._tensor(in_, "in_"), self._tensor(out, "out")
-        sz = self._check_rows(x, o, sizes, "in_", "out", gathered="out")
+        x, o = check_operand(in_, "in_", self.device), check_operand(out, "out", self.device)
+        sz = check_rows(x, o, sizes, "in_", "out", gathered="out", rank=self.rank,
+                        world_size=self.world_size)
         row = math.prod(o.shape[1:]) * o.element_size()
-        with self._on_stream(stream) as s:
+        with on_stream(stream, self.device) as s:
             src, dst = bytes_view(x, "in_"), bytes_view(o, "out")
             with self.grouped():
                 off = dst.data_ptr()
@@ -257,9 +269,9 @@ class PyNcclCommunicator:
     def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> torch.Tensor:
         """Broadcast ``tensor`` from group rank ``src`` in place (any dtype); returns it."""
         self._check_usable("broadcast")
-        t = self._tensor(tensor, "tensor")
+        t = check_operand(tensor, "tensor", self.device)
         validation.check_rank(src, self.world_size, "src")
-        with self._on_stream(stream) as s:
+        with on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
             if buf.numel():
                 self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), _UINT8, src,
@@ -269,9 +281,9 @@ class PyNcclCommunicator:
     def send(self, tensor: torch.Tensor, dst: int, stream: Any = None) -> None:
         """Send ``tensor`` to group rank ``dst`` (which must :meth:`recv` the same bytes)."""
         self._check_usable("send")
-        t = self._tensor(tensor, "tensor")
-        self._check_peer(dst, "dst")
-        with self._on_stream(stream) as s:
+        t = check_operand(tensor, "tensor", self.device)
+        check_peer(dst, "dst", self.rank, self.world_size)
+        with on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
             if buf.numel():
                 self.lib.send(buf.data_ptr(), buf.numel(), _UINT8, dst, self._comm, s)
@@ -279,9 +291,9 @@ class PyNcclCommunicator:
     def recv(self, tensor: torch.Tensor, src: int, stream: Any = None) -> torch.Tensor:
         """Receive into ``tensor`` from group rank ``src``; returns it."""
         self._check_usable("recv")
-        t = self._tensor(tensor, "tensor")
-        self._check_peer(src, "src")
-        with self._on_stream(stream) as s:
+        t = check_operand(tensor, "tensor", self.device)
+        check_peer(src, "src", self.rank, self.world_size)
+        with on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
             if buf.numel():
                 self.lib.recv(buf.data_ptr(), buf.numel(), _UINT8, src, self._comm, s)
@@ -295,14 +307,14 @@ class PyNcclCommunicator:
         Other ranks pass ``out=None``. Runs as grouped send/recv.
         """
         self._check_usable("gather")
-        x = self._tensor(in_, "in_")
+        x = check_operand(in_, "in_", self.device)
         validation.check_rank(dst, self.world_size, "dst")
         if self.rank == dst:
             if out is None:
                 raise ValueError(f"out must be a tensor on the destination rank {dst}, got None")
-            self._same(self._tensor(out, "out"), x, "out", "in_", x.numel() * self.world_size,
-                       what="in_.numel() * world_size")
-        with self._on_stream(stream) as s:
+            check_same(check_operand(out, "out", self.device), x, "out", "in_",
+                       x.numel() * self.world_size, what="in_.numel() * world_size")
+        with on_stream(stream, self.device) as s:
             src = bytes_view(x, "in_")
             if out is not None and self.rank == dst:
                 self._gather_into(bytes_view(out, "out"), src, dst, s)
@@ -452,67 +464,6 @@ class PyNcclCommunicator:
             f"create a new one to communicate again"
         )
 
-    def _tensor(self, t: Any, arg: str) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != self.device:
-            raise ValueError(
-                f"{arg} must be on this communicator's device {self.device}, "
-                f"got a tensor on {t.device}"
-            )
-        if not t.is_contiguous():
-            raise ValueError(
-                f"{arg} must be contiguous (call .contiguous() first), got strides {t.stride()}"
-            )
-        return t
-
-    def _same(self, a: torch.Tensor, b: torch.Tensor, a_arg: str, b_arg: str, numel: int,
-              what: str | None = None) -> None:
-        """``a`` must have ``b``'s dtype and ``numel`` elements."""
-        if a.dtype != b.dtype:
-            raise TypeError(f"{a_arg} must have {b_arg}'s dtype {b.dtype}, got {a.dtype}")
-        if a.numel() != numel:
-            want = f"{what} = {numel}" if what else f"{numel}"
-            raise ValueError(
-                f"{a_arg} must have {want} elements, got {a.numel()} (shape {tuple(a.shape)})"
-            )
-
-    def _check_rows(self, piece: torch.Tensor, whole: torch.Tensor, sizes: Any, piece_arg: str,
-                    whole_arg: str, gathered: str) -> list[int]:
-        """Checks of the uneven ops: rows of ``piece`` = ``sizes[rank]``, of ``whole`` = sum."""
-        sz = validation.check_sizes(sizes, self.world_size)
-        if piece.dtype != whole.dtype:
-            raise TypeError(
-                f"{piece_arg} must have {whole_arg}'s dtype {whole.dtype}, got {piece.dtype}"
-            )
-        for t, arg in ((piece, piece_arg), (whole, whole_arg)):
-            if t.dim() == 0:
-                raise ValueError(
-                    f"{arg} must have at least one dimension (rows along dim 0), got a 0-dim tensor"
-                )
-        if piece.shape[1:] != whole.shape[1:]:
-            raise ValueError(
-                f"{piece_arg} and {whole_arg} must match beyond dim 0, got shapes "
-                f"{tuple(piece.shape)} and {tuple(whole.shape)}"
-            )
-        if piece.shape[0] != sz[self.rank]:
-            raise ValueError(
-                f"{piece_arg}.shape[0] must be sizes[{self.rank}] = {sz[self.rank]} on rank "
-                f"{self.rank}, got {piece.shape[0]}"
-            )
-        if whole.shape[0] != sum(sz):
-            raise ValueError(
-                f"{gathered}.shape[0] must be sum(sizes) = {sum(sz)}, got {whole.shape[0]}"
-            )
-        return sz
-
-    def _check_peer(self, peer: Any, arg: str) -> None:
-        validation.check_rank(peer, self.world_size, arg)
-        if peer == self.rank:
-            raise ValueError(
-                f"{arg}={peer} is this rank; point-to-point needs another rank of the group"
-            )
-
     def _plan(self, dtype: torch.dtype, op: Any) -> ReducePlan:
         return reduction_plan(dtype, as_reduce_op(op), self.nccl_version)
 
@@ -537,57 +488,10 @@ class PyNcclCommunicator:
         else:
             fn()
 
-    @contextlib.contextmanager
-    def _on_stream(self, stream: Any) -> Iterator[int | None]:
-        """The raw ``cudaStream_t`` to enqueue on; a given stream is also made current
-        inside, so temporaries and conversions are ordered with the NCCL kernels."""
-        if stream is None:
-            yield _current_stream(self.device)
-            return
-        if not hasattr(stream, "cuda_stream"):
-            raise TypeError(
-                f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
-            )
-        with torch.cuda.stream(stream):
-            yield stream.cuda_stream
-
 
 def _send_count(t: torch.Tensor, plan: ReducePlan) -> int:
     """NCCL elements of ``t`` under ``plan`` (0 when there is nothing to reduce)."""
     return t.numel() * plan.factor
-
-
-def _current_stream(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None  # only with an injected library (tests): NULL stream
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def _check_device(device: Any, injected: bool) -> torch.device:
-    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
-        raise TypeError(
-            f"device must be a torch.device, a str or an int, got {type(device).__name__}"
-        )
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if dev.type != "cuda" and not injected:
-        raise ValueError(f"device must be a CUDA device for NCCL, got {dev}")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-def _device_context(device: torch.device) -> Any:
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-class _Unusable:
-    """Stands in for the library on a rank that could not load it (setup only)."""
-
-    def __init__(self, error: BaseException) -> None:
-        self._error = error
-
-    def unique_id(self) -> bytes:
-        raise self._error
 
 
 def _release_bounded(release: Callable[[Any], Any], comm: Any, timeout: float, who: str) -> None:
