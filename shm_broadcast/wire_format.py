@@ -17,16 +17,19 @@ whose code is one of the ``EXT_*`` constants below. The array descriptors:
 Array bytes start at :data:`ALIGN`-byte aligned offsets of the blob; shapes
 have at most :data:`MAX_NDIM` dimensions. The leaf values (numpy scalars,
 memoryviews, ``torch.Size``/``dtype``/``device``) have an encoder and a
-checking decoder here; every decoder raises
-:class:`~shm_broadcast.errors.DecodeError` on malformed input.
+checking decoder here (which raise :class:`~shm_broadcast.errors.DecodeError`
+for what they check; ``Codec.decode`` turns any other failure on malformed
+input into one too).
 
-torch is imported by nobody here: :data:`TORCH` (one :class:`TorchTypes`)
-holds the torch types and dtype tables, empty until :meth:`TorchTypes.load`
-runs (the codec calls it once the process has imported torch). Its
-containers are filled in place, never replaced, so a module may keep a
-reference to one. ``load`` sets the module last, after every table: a thread
-that sees ``TORCH.module`` set sees complete tables, and a tensor is in
-``pass_types`` only once ``TORCH.tensor`` is set.
+torch is loaded lazily: until the process imports it no value can be a tensor,
+so the encoder loads the tables only once ``torch`` is in ``sys.modules``;
+decoding a torch value imports it. :data:`TORCH` (the one :class:`TorchTypes`
+of the process) holds the torch types and dtype tables, empty until
+:meth:`TorchTypes.load` runs. Its containers are filled in place, never
+replaced, so a module may keep a reference to one. ``load`` sets
+``TORCH.module`` last, after every table: a thread that sees it set sees
+complete tables, and ``torch.Tensor`` joins ``pass_types`` only after
+``TORCH.tensor`` is set.
 """
 
 from __future__ import annotations
