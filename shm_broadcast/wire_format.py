@@ -235,6 +235,9 @@ def _tuplify(descr: Any) -> Any:
 def torch_leaf_bytes(code: int, value: Any) -> bytes:
     """The ext payload of a ``torch.Size`` (its dims) or ``torch.dtype``/``device`` (names)."""
     if code == EXT_TORCH_SIZE:
+        if len(value) > MAX_NDIM:
+            raise ValueError(f"cannot send a torch.Size of {len(value)} dimensions: at most "
+                             f"{MAX_NDIM} are supported (as for tensors)")
         return SHAPES[len(value)].pack(*value)
     return str(value).removeprefix("torch.").encode()
 

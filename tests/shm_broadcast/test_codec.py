@@ -236,6 +236,14 @@ def test_unsupported_tensors_raise_type_error():
 
 
 @pytest.mark.timeout(30)
+def test_torch_size_beyond_the_dimension_limit_is_a_value_error():
+    codec = Codec()
+    assert roundtrip(torch.Size([1] * 64), codec)[0] == torch.Size([1] * 64)
+    with pytest.raises(ValueError, match="65 dimensions: at most 64"):
+        codec.encode({"shape": torch.Size([1] * 65)})
+
+
+@pytest.mark.timeout(30)
 def test_fast_mode_is_msgspec_semantics():
     got, _, _ = roundtrip({"t": (1, 2), "x": torch.ones(2)}, Codec(exact=False))
     assert got["t"] == [1, 2]  # documented: tuples become lists
