@@ -11,14 +11,17 @@ gives the guarantees the rest of the code relies on:
   the pages are reserved with ``posix_fallocate``; a full ``/dev/shm`` raises
   :class:`ShmSpaceError` at creation instead of ``SIGBUS`` on a later write.
 * **One owner unlinks.** Only the creating process (same pid, so not a forked
-  child) unlinks: on :meth:`SharedSegment.close`, at interpreter exit, and on
-  ``SIGTERM``. Attaching processes never unlink and never register with
-  :mod:`multiprocessing.resource_tracker` (which would warn about, or even
-  unlink, segments it does not own).
-* **Crash recovery that cannot hurt the living.** A ``SIGKILL``-ed owner
-  cannot clean up after itself; :func:`list_segments` and
+  child) unlinks: on :meth:`SharedSegment.close`, and however the process
+  ends -- at interpreter exit, on a fatal signal, and after ``SIGKILL`` or
+  ``os._exit`` through its reaper process (:mod:`shm_broadcast.exit_cleanup`
+  has the exact guarantee). Attaching processes never unlink and never
+  register with :mod:`multiprocessing.resource_tracker` (which would warn
+  about, or even unlink, segments it does not own).
+* **Crash recovery that cannot hurt the living.** When an owner and its
+  reaper were killed together, :func:`list_segments` and
   :func:`remove_orphans` (``groupcoord cleanup``) find and remove segments
-  whose owner is *provably* gone. Next to each segment the owner writes a
+  whose owner is *provably* gone (and :func:`list_orphan_records` the owner
+  records left without their segment). Next to each segment the owner writes a
   record ``<name>.owner`` (mode 0600) of its identity: pid, pid-namespace
   inode (``/proc/self/ns/pid``), start time (``/proc/self/stat``, clock
   ticks since boot), boot id, uid and time-namespace inode. An owner is
@@ -32,19 +35,16 @@ gives the guarantees the rest of the code relies on:
 
 from __future__ import annotations
 
-import atexit
 import json
 import mmap
 import os
 import re
 import secrets
-import signal
 import stat
-import threading
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any, Callable
+from typing import Callable
 
+from shm_broadcast import exit_cleanup, leftovers
 from shm_broadcast.checks import check_int
 from shm_broadcast.errors import SegmentError, ShmSpaceError
 
@@ -60,14 +60,20 @@ __all__ = [
     "SegmentInfo",
     "OwnerIdentity",
     "list_segments",
+    "list_orphan_records",
     "remove_orphans",
+    "remove_orphan_records",
     "remove_segment",
     "shm_free_bytes",
+    "shm_total_bytes",
+    "judge_owner",
+    "read_owner_record",
+    "write_owner_record",
 ]
 
 PREFIX = "gc_"
-SHM_DIR = "/dev/shm"
-_NAME_RE = re.compile(r"^gc_(?P<kind>[a-z0-9]+)_(?P<pid>\d+)_(?P<token>[0-9a-f]+)$")
+SHM_DIR = leftovers.SHM_DIR
+_NAME_RE = leftovers.SEGMENT_RE
 _KIND_RE = re.compile(r"^[a-z0-9]{1,16}$")
 # Headroom kept free in /dev/shm beyond the requested size.
 _SPACE_MARGIN = 1 << 20
@@ -86,90 +92,37 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
-class _OwnerRegistry:
-    """Process-wide set of segments this process created and must unlink.
-
-    The one piece of global state in this module: ``atexit`` and the
-    ``SIGTERM`` handler need to find every owned segment.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._names: dict[str, int] = {}  # name -> creating pid
-        self._hooks_installed = False
-        self._prev_sigterm: Any = None
-
-    def add(self, name: str) -> None:
-        with self._lock:
-            self._names[name] = os.getpid()
-            if not self._hooks_installed:
-                self._install_hooks()
-
-    def discard(self, name: str) -> None:
-        with self._lock:
-            self._names.pop(name, None)
-
-    def unlink_all(self) -> None:
-        """Unlink every segment created by this very process (not by a parent)."""
-        with self._lock:
-            mine = [n for n, pid in self._names.items() if pid == os.getpid()]
-            for n in mine:
-                self._names.pop(n, None)
-        for n in mine:
-            _unlink_quietly(n)
-
-    def _install_hooks(self) -> None:
-        self._hooks_installed = True
-        atexit.register(self.unlink_all)
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        try:
-            prev = signal.getsignal(signal.SIGTERM)
-            if prev is signal.SIG_IGN:
-                return
-            self._prev_sigterm = prev
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-        except (ValueError, OSError):  # pragma: no cover - embedded interpreters
-            pass
-
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        self.unlink_all()
-        prev = self._prev_sigterm
-        if callable(prev):
-            prev(signum, frame)
-            return
-        # Default action: die by SIGTERM, as the process would have without us.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+def shm_total_bytes() -> int:
+    """Return the size of the file system holding ``/dev/shm`` (-1 if there is none)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return -1
+    return st.f_blocks * st.f_frsize
 
 
-_OWNERS = _OwnerRegistry()
+def _space_error(kind: str, size: int, free: int, cause: str = "") -> ShmSpaceError:
+    total = shm_total_bytes()
+    return ShmSpaceError(
+        f"/dev/shm is too small: a {kind!r} segment needs {size / 2**20:.1f} MiB, but /dev/shm "
+        f"holds {total / 2**20:.1f} MiB in all and {free / 2**20:.1f} MiB are free{cause}. "
+        f"Enlarge /dev/shm (docker: --shm-size=1g; a mount: `mount -o remount,size=1G "
+        f"/dev/shm`), use smaller queues (max_chunk_bytes/max_chunks), or free space "
+        f"(`groupcoord cleanup --yes` removes segments of dead processes).")
 
 
 def _unlink_quietly(name: str) -> None:
-    """Unlink segment ``name`` and its owner record; no error if either is gone."""
-    try:
-        _shm_unlink(name)
-    except FileNotFoundError:
-        pass
-    except OSError:  # pragma: no cover - permission races at exit
-        pass
-    try:
-        os.unlink(_record_path(name))
-    except OSError:
-        pass
+    """Unlink segment ``name`` and its owner record; no error if either is gone.
+
+    (``shm_unlink("/name")`` is ``unlink("/dev/shm/name")`` on Linux.)
+    """
+    leftovers.unlink_segment(name)
 
 
 def _shm_open(name: str, flags: int, mode: int = 0o600) -> int:
     if _posixshmem is None:  # pragma: no cover
         raise SegmentError("POSIX shared memory is not available on this platform")
     return _posixshmem.shm_open("/" + name, flags, mode)
-
-
-def _shm_unlink(name: str) -> None:
-    if _posixshmem is None:  # pragma: no cover
-        raise SegmentError("POSIX shared memory is not available on this platform")
-    _posixshmem.shm_unlink("/" + name)
 
 
 class SharedSegment:
@@ -214,12 +167,7 @@ class SharedSegment:
         check_int(size, "size", minimum=1)
         free = shm_free_bytes()
         if free >= 0 and free < size + _SPACE_MARGIN:
-            raise ShmSpaceError(
-                f"/dev/shm has {free / 2**20:.1f} MiB free but a {kind!r} segment needs "
-                f"{size / 2**20:.1f} MiB; free space (run `groupcoord cleanup --yes` to "
-                f"remove segments of dead processes) or enlarge /dev/shm "
-                f"(docker: --shm-size)."
-            )
+            raise _space_error(kind, size, free)
         for _ in range(8):
             name = f"{PREFIX}{kind}_{os.getpid()}_{secrets.token_hex(4)}"
             try:
@@ -231,21 +179,21 @@ class SharedSegment:
                 raise SegmentError(f"cannot create shared memory segment {name!r}: {e}") from e
         else:  # pragma: no cover - 8 collisions of a 32-bit token
             raise SegmentError("could not find a free shared memory segment name")
-        _OWNERS.add(name)
+        exit_cleanup.add_segment(name)
         try:
-            _write_owner_record(name)
+            write_owner_record(_record_path(name))
             os.ftruncate(fd, size)
             try:
+                # Reserve every page now: a full tmpfs fails here (ENOSPC)
+                # rather than with SIGBUS at the first write to a missing page.
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                raise ShmSpaceError(
-                    f"could not reserve {size / 2**20:.1f} MiB in /dev/shm for segment "
-                    f"{name!r} ({e}); free space or enlarge /dev/shm."
-                ) from e
+                raise _space_error(kind, size, max(shm_free_bytes(), 0),
+                                   f" (reserving the pages failed: {e.strerror})") from e
             mm = mmap.mmap(fd, size)
         except BaseException:
-            _OWNERS.discard(name)
             _unlink_quietly(name)
+            exit_cleanup.discard_segment(name)
             raise
         finally:
             os.close(fd)
@@ -293,8 +241,8 @@ class SharedSegment:
         The mapping stays valid for processes that already attached.
         """
         if self.is_owner and os.getpid() == self._owner_pid:
-            _OWNERS.discard(self.name)
             _unlink_quietly(self.name)
+            exit_cleanup.discard_segment(self.name)
 
     def close(self) -> None:
         """Unmap, and unlink if this process owns the segment. Idempotent."""
@@ -399,11 +347,13 @@ def list_segments(pid_alive: Callable[[int], bool] | None = None) -> list[Segmen
         if not m:
             continue
         try:
-            st = os.stat(os.path.join(SHM_DIR, n))
+            st = os.lstat(os.path.join(SHM_DIR, n))
         except OSError:
             continue
+        if not stat.S_ISREG(st.st_mode):
+            continue  # a segment is a regular file; never follow a planted link
         pid = int(m.group("pid"))
-        status, reason = _judge_owner(pid, _read_owner_record(n, st.st_uid), me,
+        status, reason = _judge_owner(pid, read_owner_record(_record_path(n), st.st_uid), me,
                                       pid_alive or _pid_exists)
         out.append(SegmentInfo(n, m.group("kind"), pid, st.st_size, status != "gone",
                                status, reason))
@@ -440,18 +390,79 @@ def remove_orphans(dry_run: bool = False) -> list[SegmentInfo]:
     return orphans
 
 
+# ---------------------------------------------------------------------- orphan records
+def list_orphan_records() -> list[str]:
+    """Owner records in ``/dev/shm`` whose segment is gone (their owner died
+    between unlinking the segment and its record, or an older release left
+    them).
+
+    Only regular files of this user named ``gc_<kind>_<pid>_<hex>.owner`` are
+    listed. A record is written after its segment exists and removed after
+    the segment is unlinked, and segment names are never reused, so a record
+    without its segment never gets one back: removing it cannot hurt a live
+    owner.
+
+    Returns:
+        The record file names, sorted.
+    """
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    out = []
+    for n in sorted(names):
+        if not n.endswith(leftovers.RECORD_SUFFIX):
+            continue
+        seg = n[: -len(leftovers.RECORD_SUFFIX)]
+        if not _NAME_RE.match(seg):
+            continue
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, n))
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        if not os.path.lexists(os.path.join(SHM_DIR, seg)):  # checked after the record
+            out.append(n)
+    return out
+
+
+def remove_orphan_records(dry_run: bool = False) -> list[str]:
+    """Remove the records :func:`list_orphan_records` finds.
+
+    Returns:
+        The records found (removed unless ``dry_run``).
+    """
+    found = list_orphan_records()
+    if not dry_run:
+        for n in found:
+            try:
+                os.unlink(os.path.join(SHM_DIR, n))
+            except OSError:
+                pass
+    return found
+
+
 # ---------------------------------------------------------------------- owner identity
 def _record_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name + ".owner")
+    return os.path.join(SHM_DIR, name + leftovers.RECORD_SUFFIX)
 
 
-def _write_owner_record(name: str) -> None:
-    """Write ``<name>.owner`` (0600, new file only). Best effort: without it the
-    segment is never removed by cleanup, only by its owner."""
+def write_owner_record(path: str, dir_fd: int | None = None) -> None:
+    """Write this process's :class:`OwnerIdentity` to a new file ``path`` (0600).
+
+    ``O_EXCL | O_NOFOLLOW``: never through a planted file or link. Best
+    effort: without a record the owner's files are never removed by
+    ``groupcoord cleanup``, only by the owner and its reaper.
+
+    Args:
+        path: The record's path (relative to ``dir_fd`` when given).
+        dir_fd: Directory descriptor ``path`` is relative to.
+    """
     ident = OwnerIdentity.of_self()
     try:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        fd = os.open(_record_path(name), flags, 0o600)
+        fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
     except OSError:
         return
     try:
@@ -462,18 +473,26 @@ def _write_owner_record(name: str) -> None:
         os.close(fd)
 
 
-def _read_owner_record(name: str, seg_uid: int) -> OwnerIdentity | str:
-    """The owner record of segment ``name``, or why there is no trustworthy one."""
+def read_owner_record(path: str, owner_uid: int,
+                      dir_fd: int | None = None) -> OwnerIdentity | str:
+    """Read an owner record, or say why there is no trustworthy one.
+
+    Args:
+        path: The record's path (relative to ``dir_fd`` when given).
+        owner_uid: Uid of the file the record describes; the record must be
+            a regular file of that user, unreadable and unwritable by others.
+        dir_fd: Directory descriptor ``path`` is relative to.
+    """
     try:
-        fd = os.open(_record_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except FileNotFoundError:
         return "no owner record (made by an older groupcoord, or the record was lost)"
     except OSError as e:
         return f"owner record unreadable ({e.strerror})"
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != seg_uid or st.st_mode & 0o077:
-            return "owner record not written privately by the segment's owner"
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner_uid or st.st_mode & 0o077:
+            return "owner record not written privately by the owner"
         raw = os.read(fd, 4096)
     finally:
         os.close(fd)
@@ -484,6 +503,22 @@ def _read_owner_record(name: str, seg_uid: int) -> OwnerIdentity | str:
     except (ValueError, KeyError, TypeError):
         return "owner record malformed"
     return ident
+
+
+def judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity | None = None,
+                exists: Callable[[int], bool] | None = None) -> tuple[str, str]:
+    """``(status, reason)`` of an owner, seen from this process.
+
+    Args:
+        pid: The owner's pid as the file's name states it.
+        rec: Its record (:func:`read_owner_record`), or why there is none.
+        me: This process's identity (default: read now).
+        exists: Whether a pid exists in this pid namespace (default ``kill(pid, 0)``).
+
+    Returns:
+        ``("gone" | "alive" | "unknown", reason)``; only ``"gone"`` may be removed.
+    """
+    return _judge_owner(pid, rec, me or OwnerIdentity.of_self(), exists or _pid_exists)
 
 
 def _judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity,

@@ -1,0 +1,56 @@
+"""Test helpers around owners and their exit reapers (real processes, no mocks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+
+from shm_broadcast.reaper import MARKER as REAPER_MARKER
+
+__all__ = ["reaper_of", "kill_with_reaper", "wait_gone"]
+
+
+def reaper_of(pid: int, timeout: float = 10.0) -> psutil.Process:
+    """The exit reaper of process ``pid`` (its child started with the reaper marker)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            for c in psutil.Process(pid).children():
+                if REAPER_MARKER in c.cmdline():
+                    return c
+        except psutil.Error:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} has no exit reaper")
+        time.sleep(0.02)
+
+
+def kill_with_reaper(pid: int) -> None:
+    """SIGKILL process ``pid`` and its exit reaper together (as ``docker kill`` or an
+    OOM kill of a whole cgroup would): nothing of the owner's is removed."""
+    reaper = reaper_of(pid)
+    reaper.kill()
+    deadline = time.monotonic() + 10
+    while _exists(reaper) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+
+
+def _exists(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(*paths: str, timeout: float = 5.0) -> list[str]:
+    """Wait until none of ``paths`` exists; returns those still there at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in paths if os.path.lexists(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
