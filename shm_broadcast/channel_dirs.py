@@ -93,11 +93,15 @@ def new_channel_dir() -> str:
 def remove_channel_dir(path: str | None) -> None:
     """Remove this process's channel directory and the sockets in it; never raises.
 
-    Only what a queue puts there is removed (see
+    Only the process that created it removes it: a child forked from the
+    writer (whose exit runs the writer's inherited finalizers) leaves it
+    alone. Only what a queue puts there is removed (see
     :func:`shm_broadcast.leftovers.remove_channel_dir`); a directory holding
     anything else stays registered, so the reaper tries again after exit.
     """
-    if path and leftovers.remove_channel_dir(path) is None:
+    if not path or not exit_cleanup.owns_dir(path):
+        return
+    if leftovers.remove_channel_dir(path) is None:
         exit_cleanup.discard_dir(path)
 
 

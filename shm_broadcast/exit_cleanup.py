@@ -55,7 +55,7 @@ from shm_broadcast import leftovers
 from shm_broadcast.reaper import MARKER
 
 __all__ = ["EXIT_SIGNALS", "add_segment", "discard_segment", "add_dir", "discard_dir",
-           "remove_all", "install_signal_hooks", "reaper_pid"]
+           "owns_dir", "remove_all", "install_signal_hooks", "reaper_pid"]
 
 #: Fatal signals whose default action is handled (path 2 above).
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -135,6 +135,11 @@ class ExitCleanup:
             if table.pop(item, None) is not None:
                 self._tell(f"-{kind} {item}\n")
         self.install_signal_hooks()
+
+    def owns(self, kind: str, item: str) -> bool:
+        """Whether this very process (not a parent it was forked from) created ``item``."""
+        table = self._segments if kind == "s" else self._dirs
+        return table.get(item) == os.getpid()
 
     def remove_all(self) -> None:
         """Remove everything this very process (not a parent) created."""
@@ -246,6 +251,11 @@ def add_dir(path: str) -> None:
 def discard_dir(path: str) -> None:
     """Forget channel directory ``path``: its owner removed it."""
     _REGISTRY.discard("d", path)
+
+
+def owns_dir(path: str) -> bool:
+    """Whether this process created channel directory ``path`` (and has not removed it)."""
+    return _REGISTRY.owns("d", path)
 
 
 def remove_all() -> None:

@@ -10,7 +10,7 @@ import psutil
 
 from shm_broadcast.reaper import MARKER as REAPER_MARKER
 
-__all__ = ["reaper_of", "kill_with_reaper", "wait_gone"]
+__all__ = ["reaper_of", "kill_with_reaper", "wait_exit", "wait_gone"]
 
 
 def reaper_of(pid: int, timeout: float = 10.0) -> psutil.Process:
@@ -33,17 +33,22 @@ def kill_with_reaper(pid: int) -> None:
     OOM kill of a whole cgroup would): nothing of the owner's is removed."""
     reaper = reaper_of(pid)
     reaper.kill()
-    deadline = time.monotonic() + 10
-    while _exists(reaper) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert wait_exit(reaper), f"reaper {reaper.pid} survived SIGKILL"
     os.kill(pid, signal.SIGKILL)
 
 
-def _exists(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def wait_exit(p: psutil.Process, timeout: float = 10.0) -> bool:
+    """Wait until ``p`` (not necessarily our child) has exited; False at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
 
 
 def wait_gone(*paths: str, timeout: float = 5.0) -> list[str]:
