@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import time
 
 import psutil
+import pytest
 
 from shm_broadcast.reaper import MARKER as REAPER_MARKER
 
-__all__ = ["reaper_of", "kill_with_reaper", "wait_exit", "wait_gone"]
+__all__ = ["reaper_of", "kill_with_reaper", "wait_exit", "wait_gone", "unshare_prefix"]
 
 
 def reaper_of(pid: int, timeout: float = 10.0) -> psutil.Process:
@@ -59,3 +62,16 @@ def wait_gone(*paths: str, timeout: float = 5.0) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.02)
+
+
+def unshare_prefix() -> tuple[str, ...]:
+    """The command prefix that runs a process in a new pid namespace, or skip."""
+    tool = shutil.which("unshare")
+    if tool is None:
+        pytest.skip("unshare(1) is not installed")
+    prefix = (tool, "--pid", "--fork", "--mount-proc")
+    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a pid namespace here (needs root or user namespaces): "
+                    f"{probe.stderr.strip()[:200]}")
+    return prefix

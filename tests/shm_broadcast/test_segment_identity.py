@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from shm_broadcast import SharedSegment
 from shm_broadcast.segment import SHM_DIR, OwnerIdentity, list_segments
-from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper
+from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this platform")
 
@@ -90,22 +89,9 @@ def test_cleanup_keeps_segments_it_cannot_judge_and_says_why(procs) -> None:
         os.unlink(os.path.join(SHM_DIR, name))
 
 
-def _unshare_prefix() -> tuple[str, ...]:
-    """The command prefix that runs a process in a new pid namespace, or skip."""
-    tool = shutil.which("unshare")
-    if tool is None:
-        pytest.skip("unshare(1) is not installed")
-    prefix = (tool, "--pid", "--fork", "--mount-proc")
-    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot create a pid namespace here (needs root or user namespaces): "
-                    f"{probe.stderr.strip()[:200]}")
-    return prefix
-
-
 @pytest.mark.timeout(120)
 def test_cleanup_from_another_pid_namespace_refuses_to_remove_a_live_segment(procs) -> None:
-    prefix = _unshare_prefix()
+    prefix = unshare_prefix()
     owner = procs.start(segment_owner)
     _, name = procs.get()
     res = _cleanup("--yes", prefix=prefix)
