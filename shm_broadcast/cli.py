@@ -167,6 +167,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="wake-up latency samples after the idle period (default 20)")
     parser.add_argument("--no-baselines", action="store_true",
                         help="measure only the MessageQueue")
+    parser.add_argument("--chunk-bytes", type=int, default=None, metavar="BYTES",
+                        help="ring chunk size of the measured queue (default: MessageQueue's)")
+    parser.add_argument("--chunks", type=int, default=None, metavar="N",
+                        help="ring chunks of the measured queue (default: MessageQueue's)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
 
@@ -183,10 +187,19 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"--wake-samples must be >= 1, got {args.wake_samples}")
     if args.max_iters < 5:
         raise SystemExit(f"--max-iters must be >= 5, got {args.max_iters}")
+    ring = {}
+    if getattr(args, "chunk_bytes", None) is not None:
+        if args.chunk_bytes < 128:
+            raise SystemExit(f"--chunk-bytes must be >= 128, got {args.chunk_bytes}")
+        ring["chunk_bytes"] = args.chunk_bytes
+    if getattr(args, "chunks", None) is not None:
+        if args.chunks < 1:
+            raise SystemExit(f"--chunks must be >= 1, got {args.chunks}")
+        ring["chunks"] = args.chunks
     cfg = BenchConfig(readers=list(args.readers), payloads=list(args.payloads),
                       seconds=args.seconds, max_iters=args.max_iters,
                       baselines=not args.no_baselines, idle_s=args.idle,
-                      wake_samples=args.wake_samples)
+                      wake_samples=args.wake_samples, **ring)
     report = _run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     report["command"] = shlex.join(sys.argv)
     print(format_table(report))

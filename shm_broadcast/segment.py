@@ -104,8 +104,9 @@ def shm_total_bytes() -> int:
 def _space_error(kind: str, size: int, free: int, cause: str = "") -> ShmSpaceError:
     total = shm_total_bytes()
     return ShmSpaceError(
-        f"/dev/shm is too small: a {kind!r} segment needs {size / 2**20:.1f} MiB, but /dev/shm "
-        f"holds {total / 2**20:.1f} MiB in all and {free / 2**20:.1f} MiB are free{cause}. "
+        f"/dev/shm is too small: a {kind!r} segment needs {size / 2**20:.1f} MiB (plus "
+        f"{_SPACE_MARGIN >> 20} MiB kept free), but /dev/shm holds {total / 2**20:.1f} MiB in "
+        f"all and {free / 2**20:.1f} MiB are free{cause}. "
         f"Enlarge /dev/shm (docker: --shm-size=1g; a mount: `mount -o remount,size=1G "
         f"/dev/shm`), use smaller queues (max_chunk_bytes/max_chunks), or free space "
         f"(`groupcoord cleanup --yes` removes segments of dead processes).")

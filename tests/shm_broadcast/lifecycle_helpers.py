@@ -13,7 +13,8 @@ import pytest
 
 from shm_broadcast.reaper import MARKER as REAPER_MARKER
 
-__all__ = ["reaper_of", "kill_with_reaper", "wait_exit", "wait_gone", "unshare_prefix"]
+__all__ = ["reaper_of", "kill_with_reaper", "wait_exit", "wait_gone", "unshare_prefix",
+           "small_shm_command"]
 
 
 def reaper_of(pid: int, timeout: float = 10.0) -> psutil.Process:
@@ -75,3 +76,24 @@ def unshare_prefix() -> tuple[str, ...]:
         pytest.skip(f"cannot create a pid namespace here (needs root or user namespaces): "
                     f"{probe.stderr.strip()[:200]}")
     return prefix
+
+
+def small_shm_command(size_mib: int, argv: list[str]) -> list[str]:
+    """A command running ``argv`` with a fresh ``size_mib`` MiB tmpfs on ``/dev/shm``
+    (a private mount namespace: nothing outside sees it), or skip.
+
+    Needs root (``unshare --mount`` and ``mount``); elsewhere the test skips
+    with that reason.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mounts a small tmpfs on /dev/shm in a private mount namespace")
+    tool = shutil.which("unshare")
+    if tool is None or shutil.which("mount") is None:
+        pytest.skip("unshare(1) or mount(8) is not installed")
+    prefix = [tool, "--mount", "--propagation", "private", "sh", "-c",
+              f'mount -t tmpfs -o size={size_mib}m tmpfs /dev/shm && exec "$@"', "sh"]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a new mount namespace here: "
+                    f"{probe.stderr.strip()[:200]}")
+    return [*prefix, *argv]
