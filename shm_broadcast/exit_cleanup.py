@@ -18,7 +18,9 @@ them), and the three paths that remove it:
    has a handler (the application's, Python's ``SIGINT`` handler raising
    ``KeyboardInterrupt``) or is ignored is left alone: the application's
    handler decides whether the process ends (then path 1 or 3 cleans up) or
-   carries on (then nothing may be removed: the queue is still in use).
+   carries on (then nothing may be removed: the queue is still in use). Not
+   in a pid namespace's init (pid 1), which ignores default-action signals:
+   there a handler would remove the files of a process that carries on.
 3. **After the process is gone, however it ended** -- ``SIGKILL``, the OOM
    killer, ``os._exit``, a crash, a signal whose handler was replaced by the
    application after ours, a process whose queues were all made in other
@@ -215,6 +217,10 @@ class ExitCleanup:
         """
         if threading.current_thread() is not threading.main_thread():
             return
+        if os.getpid() == 1:
+            # A namespace's init ignores default-action signals: a handler would
+            # remove the files and the process would carry on without them.
+            return
         for sig in EXIT_SIGNALS:
             try:
                 if signal.getsignal(sig) is signal.SIG_DFL:
@@ -226,6 +232,7 @@ class ExitCleanup:
         """Remove what we own, then die by the signal as without us."""
         self.remove_all()
         signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # delivered right here
         signal.raise_signal(signum)
 
 

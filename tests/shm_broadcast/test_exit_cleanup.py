@@ -24,8 +24,9 @@ from typing import Any
 import psutil
 import pytest
 
+from shm_broadcast import leftovers
 from shm_broadcast.segment import SHM_DIR
-from tests.shm_broadcast.lifecycle_helpers import reaper_of, wait_exit, wait_gone
+from tests.shm_broadcast.lifecycle_helpers import reaper_of, unshare_prefix, wait_exit, wait_gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGHUP": signal.SIGHUP, "SIGINT": signal.SIGINT}
@@ -59,10 +60,11 @@ CASES = [Case(h, w) for h in ("none", "before-exit", "after-reraise", "after-ose
          for w in ("main", "thread")]
 
 
-def _start(*args: str) -> tuple[subprocess.Popen, dict[str, Any]]:
+def _start(*args: str, prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.shm_broadcast.test_exit_cleanup", *args],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "tests.shm_broadcast.test_exit_cleanup", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line:
         proc.wait(30)
@@ -154,6 +156,28 @@ def test_a_forked_child_removes_nothing_of_its_parent() -> None:
         proc.kill()
         proc.wait(30)
     assert [p for p in _files(info) if os.path.lexists(p)] == []
+
+
+@pytest.mark.timeout(60)
+def test_the_init_of_a_pid_namespace_keeps_ignoring_a_default_sigterm(tmp_path: Any) -> None:
+    """As pid 1 (a container without an init), Python ignores a default SIGTERM from
+    outside. A handler of ours would remove the queue's files and let the process
+    carry on without them: none is installed there."""
+    prefix = unshare_prefix()
+    proc, info = _start("signal", "none", "main", str(int(signal.SIGTERM)),
+                        str(tmp_path / "marker"), prefix=prefix)
+    init = psutil.Process(proc.pid).children()[0]  # unshare forks the namespace's init
+    try:
+        assert info["pid"] == 1
+        init.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert init.is_running() and init.status() != psutil.STATUS_ZOMBIE
+        assert [os.path.lexists(p) for p in _files(info)] == [True, True, True]
+    finally:
+        init.kill()  # the namespace ends with its init, and its reaper with it
+        proc.wait(30)
+        leftovers.unlink_segment(info["segment"])  # so nobody was left to clean up
+        leftovers.remove_channel_dir(info["dir"])
 
 
 # ---------------------------------------------------------------------- child process
