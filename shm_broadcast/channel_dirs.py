@@ -173,7 +173,7 @@ def _judge_dir(path: str, me: OwnerIdentity) -> ChannelDirInfo | None:
     if why is not None:
         if why == "gone" or not isinstance(rec, OwnerIdentity):
             return None  # vanished, or not ours: another user's, a link, a look-alike
-        return ChannelDirInfo(path, rec.pid, "unknown", f"kept: it {why}")
+        return ChannelDirInfo(path, rec.pid, "unknown", why)
     if isinstance(rec, str):
         if not any(leftovers.CHANNEL_SOCKET_RE.match(e) for e in entries):
             return None  # an empty look-alike

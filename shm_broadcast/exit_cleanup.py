@@ -189,7 +189,7 @@ class ExitCleanup:
                 raise OSError("sys.executable is empty")
             self._link = _ReaperLink(os.getpid())
             return True
-        except OSError as e:
+        except (OSError, NotImplementedError, ValueError) as e:
             self._reaper_failed = True
             warnings.warn(
                 f"groupcoord could not start its exit reaper ({e}); shared-memory segments "
