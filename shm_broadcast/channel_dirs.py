@@ -32,7 +32,8 @@ import tempfile
 from dataclasses import dataclass
 
 from shm_broadcast import exit_cleanup, leftovers
-from shm_broadcast.segment import OwnerIdentity, judge_owner, read_owner_record, write_owner_record
+from shm_broadcast.owner_identity import (
+    OwnerIdentity, judge_owner, read_owner_record, write_owner_record)
 
 __all__ = [
     "ChannelDirInfo",

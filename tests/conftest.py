@@ -99,6 +99,7 @@ class _Leaks:
         self.segs_before = {s.name for s in list_segments()}
         self.records_before = set(list_orphan_records())
         self.dirs_before = {d.path for d in list_channel_dirs()}
+        self._found: tuple[list[str], list[str], list[str]] = ([], [], [])
 
     def find(self, mine: set[int], allowed: set[int]) -> list[str]:
         """Problems found now (empty when nothing leaked)."""
