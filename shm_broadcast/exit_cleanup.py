@@ -14,7 +14,10 @@ them), and the three paths that remove it:
    by that signal (same exit status). Synchronous. Handlers can only be set
    from the main thread: they are installed at the first registration made
    there, and every later registration or removal there re-checks (a *safe
-   point*; :func:`install_signal_hooks` is one more). A signal that already
+   point*; :func:`install_signal_hooks` is one more). A registration in
+   another thread queues the installation for the main thread
+   (``Py_AddPendingCall``), which runs it at its next bytecode boundary, as
+   it would a signal handler. A signal that already
    has a handler (the application's, Python's ``SIGINT`` handler raising
    ``KeyboardInterrupt``) or is ignored is left alone: the application's
    handler decides whether the process ends (then path 1 or 3 cleans up) or
@@ -23,8 +26,8 @@ them), and the three paths that remove it:
    there a handler would remove the files of a process that carries on.
 3. **After the process is gone, however it ended** -- ``SIGKILL``, the OOM
    killer, ``os._exit``, a crash, a signal whose handler was replaced by the
-   application after ours, a process whose queues were all made in other
-   threads: the *reaper* (:mod:`shm_broadcast.reaper`), a small
+   application after ours, a process whose main thread ran no Python code
+   between a registration in another thread and the signal: the *reaper* (:mod:`shm_broadcast.reaper`), a small
    standard-library-only process started with the first registration, learns
    every registration and removal over a pipe and removes what is left when
    its owner exits (it waits on a pidfd; typically within milliseconds, not
@@ -117,6 +120,8 @@ class ExitCleanup:
         self._atexit = False
         self._link: _ReaperLink | None = None
         self._reaper_failed = False
+        self._pending = False  # a main-thread call is queued
+        self._main_call: tuple | None = None
 
     # ------------------------------------------------------------ registry
     def add(self, kind: str, item: str) -> None:
@@ -128,7 +133,10 @@ class ExitCleanup:
                 self._atexit = True
                 atexit.register(self.remove_all)
             self._tell(f"+{kind} {item}\n")
-        self.install_signal_hooks()
+        if threading.current_thread() is threading.main_thread():
+            self.install_signal_hooks()
+        else:
+            self._hooks_from_main_thread()
 
     def discard(self, kind: str, item: str) -> None:
         """Forget an item its owner has just removed."""
@@ -207,6 +215,7 @@ class ExitCleanup:
             self._link.close()
             self._link = None
         self._reaper_failed = False
+        self._pending = False
 
     # ------------------------------------------------------------ signals
     def install_signal_hooks(self) -> None:
@@ -227,6 +236,39 @@ class ExitCleanup:
                     signal.signal(sig, self._on_signal)
             except (ValueError, OSError):  # pragma: no cover - embedded interpreters
                 pass
+
+    def _hooks_from_main_thread(self) -> None:
+        """Have the main thread install the hooks at its next bytecode boundary.
+
+        ``Py_AddPendingCall`` (CPython's C API, through ctypes) runs a function
+        in the main thread at the point where it would run a signal handler.
+        Best effort: elsewhere (another Python, the call queue full) the
+        hooks wait for the next safe point in the main thread, and the reaper
+        covers the exit meanwhile.
+        """
+        with self._lock:
+            if self._pending:
+                return  # already queued
+            try:
+                if self._main_call is None:
+                    import ctypes
+
+                    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+                    add = ctypes.pythonapi.Py_AddPendingCall
+                    add.argtypes = [proto, ctypes.c_void_p]
+                    add.restype = ctypes.c_int
+                    # Kept for the life of the process: the C side calls it later.
+                    self._main_call = (add, proto(self._pending_call))
+                add, callback = self._main_call
+                self._pending = add(callback, None) == 0
+            except (ImportError, AttributeError, OSError, TypeError):
+                self._pending = False
+
+    def _pending_call(self, _arg: int | None) -> int:
+        """Run by the main thread (see :meth:`_hooks_from_main_thread`)."""
+        self._pending = False
+        self.install_signal_hooks()
+        return 0
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """Remove what we own, then die by the signal as without us."""

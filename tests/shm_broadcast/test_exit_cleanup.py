@@ -51,8 +51,9 @@ class Case:
             return True  # sys.exit in the handler: atexit
         if self.handler == "none":
             # SIGINT: KeyboardInterrupt, then atexit. SIGTERM/SIGHUP: our handler,
-            # installed only from the main thread.
-            return sig == signal.SIGINT or self.where == "main"
+            # installed by the main thread (for a queue made in another thread:
+            # at the main thread's next bytecode, before the child reports).
+            return True
         return False  # the handler ends the process without atexit: the reaper cleans
 
 
@@ -88,6 +89,9 @@ def test_signal_leaves_nothing_and_keeps_the_exit_status(case: Case, sig_name: s
     try:
         files = _files(info)
         assert all(os.path.lexists(p) for p in files), info
+        # Ours only where the signal was left at its default (Python's SIGINT
+        # handler and the application's are never replaced).
+        assert info["our_handler"] == (case.handler == "none" and sig != signal.SIGINT), info
         assert sorted(os.listdir(info["dir"])) == ["c", "owner", "p", "w"]
         reaper = reaper_of(proc.pid)
         proc.send_signal(sig)
@@ -224,8 +228,11 @@ def _child_signal(handler: str, where: str, sig: int, marker: str) -> None:
         t.join()
     if handler.startswith("after"):
         signal.signal(sig, app_handler)
+    from shm_broadcast import exit_cleanup
+
+    ours = signal.getsignal(sig) == exit_cleanup._REGISTRY._on_signal
     try:  # reported inside: a SIGINT right after the report raises in here
-        _report(**_describe(queues[0]))
+        _report(**_describe(queues[0]), our_handler=ours)
         while True:
             time.sleep(0.05)
     except KeyboardInterrupt:
