@@ -181,11 +181,11 @@ class ExitCleanup:
             self._link.close()
             self._link.reap()
             self._link = None
-        if not self._start_reaper():
-            return
         me = os.getpid()
         lines = [f"+s {n}\n" for n, pid in self._segments.items() if pid == me]
         lines += [f"+d {p}\n" for p, pid in self._dirs.items() if pid == me]
+        if not lines or not self._start_reaper():
+            return  # nothing left to watch (a removal at exit needs no new reaper)
         for ln in lines:
             self._link.send(os.fsencode(ln))  # type: ignore[union-attr]
 
