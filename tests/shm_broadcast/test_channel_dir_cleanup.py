@@ -20,6 +20,7 @@ import tempfile
 import time
 from typing import Any, Iterator
 
+import psutil
 import pytest
 
 from shm_broadcast import leftovers
@@ -47,6 +48,13 @@ def _start_writer(prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict[
 
 
 def _stop(proc: subprocess.Popen) -> None:
+    """Kill the writer, and first the namespace's init when ``unshare`` started it
+    (killing ``unshare`` alone would leave its forked child running)."""
+    try:
+        for child in psutil.Process(proc.pid).children():
+            child.kill()
+    except psutil.NoSuchProcess:
+        pass
     proc.kill()
     proc.wait(30)
 
