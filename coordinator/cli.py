@@ -7,7 +7,7 @@ Subcommands (each module is imported only when its command runs)::
     groupcoord bench mq-hotpath [...]   the queue's CPU cost per message (one process)
     groupcoord bench mq-remote [...]    the queue's TCP path (CURVE) vs plain zmq
     groupcoord bench collectives [...]  CPU shared-memory collectives vs gloo
-    groupcoord cleanup [--yes]          list / remove /dev/shm segments of dead processes
+    groupcoord cleanup [--yes]          list / remove segments and channel dirs of dead processes
     groupcoord doctor [--json]          environment report for bug reports
 """
 
@@ -24,7 +24,8 @@ __all__ = ["main", "build_parser"]
 _COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("coordinator.engine.demo.cli", "add_args", "run", "run the sharded model demo"),
     "cleanup": ("shm_broadcast.cli", "add_cleanup_args", "run_cleanup",
-                "list (and with --yes remove) /dev/shm segments whose owner died"),
+                "list (and with --yes remove) segments, owner records and channel "
+                "directories whose owner died"),
     "doctor": ("coordinator.doctor", "add_args", "run", "print an environment report"),
 }
 _BENCHES: dict[str, tuple[str, str, str, str]] = {

@@ -35,8 +35,11 @@ __all__ = [
     "SINGLE_READER_CHUNKS",
 ]
 
-SINGLE_READER_CHUNK_BYTES = 1 << 20
-SINGLE_READER_CHUNKS = 8
+# One queue per worker, all on the reader's host: results (sampled tokens,
+# small dicts) are small, and larger ones take the overflow path. 1 MiB per
+# queue, so 7 workers' queues take 7 MiB of /dev/shm.
+SINGLE_READER_CHUNK_BYTES = 256 << 10
+SINGLE_READER_CHUNKS = 4
 
 
 _COLLECTIVE_OPTIONS = frozenset({"max_chunk_bytes", "max_chunks", "connect_ip", "wait_policy"})

@@ -30,8 +30,10 @@ Configuration (arguments win over environment variables; the environment is
 read at construction):
 
 * ``workspace_bytes`` / ``GROUPCOORD_CPU_SHM_BYTES``: data bytes of a node's
-  workspace, split into 2 x local-ranks slots (default: 2 MiB slots, i.e.
-  4 MiB per local rank); larger messages go through in slot-sized pieces;
+  workspace, split into 2 x local-ranks slots (default: 8 MiB in all, slots
+  of at most 2 MiB: 2 MiB for 2 ranks, 1 MiB for 4, 512 KiB for 8, so that a
+  host's workspaces fit a small ``/dev/shm``); larger messages go through in
+  slot-sized pieces;
 * ``use_shm`` / ``GROUPCOORD_CPU_SHM=0``: disable the shared-memory path (if
   any rank disables it, all do);
 * ``timeout`` / ``GROUPCOORD_CPU_SHM_TIMEOUT``: seconds a shared-memory step

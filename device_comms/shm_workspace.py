@@ -49,6 +49,8 @@ __all__ = [
     "open_workspace",
     "slot_bytes_for",
     "DEFAULT_SLOT_BYTES",
+    "DEFAULT_WORKSPACE_BYTES",
+    "workspace_segment_bytes",
 ]
 
 SEGMENT_KIND = "cpucomm"
@@ -62,20 +64,34 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-# Default slot: large messages go through in pieces of this size. Measured on
+# Largest slot: large messages go through in pieces of this size. Measured on
 # the development VM, 2 MiB pieces beat 8 MiB ones by 10-30% at 4-64 MiB (the
 # pieces stay in cache between the writer's copy and the readers' reduction).
 DEFAULT_SLOT_BYTES = 2 << 20
+# Default data bytes of one workspace, whatever the number of local ranks: a
+# host holds one workspace per communicator (world, TP, PP, DP groups), all in
+# /dev/shm. 8 MiB keeps 2 MiB slots for 2 ranks, 1 MiB for 4, 512 KiB for 8,
+# so a TP=8 host's world and TP workspaces take 16 MiB of Docker's default
+# 64 MiB /dev/shm (see docs/troubleshooting.md, "How much /dev/shm").
+DEFAULT_WORKSPACE_BYTES = 8 << 20
 
 
 def slot_bytes_for(total_bytes: int | None, local_size: int) -> int:
     """Bytes per slot when ``total_bytes`` of data are split into 2 x ``local_size`` slots.
 
-    ``None`` means the default, :data:`DEFAULT_SLOT_BYTES` per slot.
+    ``None`` means the default: :data:`DEFAULT_WORKSPACE_BYTES` in all, at
+    most :data:`DEFAULT_SLOT_BYTES` per slot.
     """
     if total_bytes is None:
-        return DEFAULT_SLOT_BYTES
+        per = DEFAULT_WORKSPACE_BYTES // (2 * local_size) // _PAGE * _PAGE
+        return max(_PAGE, min(DEFAULT_SLOT_BYTES, per))
     return max(_PAGE, total_bytes // (2 * local_size) // _PAGE * _PAGE)
+
+
+def workspace_segment_bytes(total_bytes: int | None, local_size: int) -> int:
+    """Size of the segment :func:`open_workspace` creates for ``local_size`` ranks."""
+    slot = slot_bytes_for(total_bytes, local_size)
+    return _round_up(local_size * LINE_WORDS * 8, _PAGE) + 2 * local_size * slot
 
 
 class ShmWorkspace:
@@ -199,7 +215,7 @@ def open_workspace(
         cpu_group: The gloo group of the communicator.
         plan: Node membership from :meth:`WorkspacePlan.from_nodes`.
         total_bytes: Data bytes per workspace (split into ``2 x L`` slots);
-            None for :data:`DEFAULT_SLOT_BYTES` per slot.
+            None for the default (:func:`slot_bytes_for`).
 
     Returns:
         ``(workspace or None, pid of every group rank, reason or None)``.
@@ -211,7 +227,7 @@ def open_workspace(
     offer: tuple[str, Any, int] | None = None
     if leader:
         slot = slot_bytes_for(total_bytes, size)
-        need = _round_up(size * LINE_WORDS * 8, _PAGE) + 2 * size * slot
+        need = workspace_segment_bytes(total_bytes, size)
         try:
             seg = SharedSegment.create(SEGMENT_KIND, need)
             offer = ("ok", seg.name, slot)

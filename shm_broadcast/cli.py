@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from typing import Sequence
@@ -23,13 +24,16 @@ __all__ = ["add_cleanup_args", "run_cleanup", "add_bench_args", "run_bench", "ma
 def add_cleanup_args(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``groupcoord cleanup`` to ``parser``."""
     parser.description = (
-        "List this project's shared-memory segments in /dev/shm (gc_*) whose owner process "
-        "is provably gone; with --yes, remove them. Segments whose owner cannot be judged "
-        "(another pid namespace, no owner record) are listed with the reason and kept.")
+        "List what groupcoord left behind whose owner process is provably gone: shared-memory "
+        "segments in /dev/shm (gc_*), owner records without their segment (gc_*.owner), and "
+        "queue channel directories (gc* under $XDG_RUNTIME_DIR, the temp directory, /tmp); "
+        "with --yes, remove them. Anything whose owner cannot be judged (another pid "
+        "namespace, no owner record) is listed with the reason and kept; only this user's "
+        "files of exactly our form are ever touched.")
     parser.add_argument("--yes", "-y", action="store_true",
-                        help="remove the orphaned segments (default: only list them)")
+                        help="remove what is orphaned (default: only list it)")
     parser.add_argument("--all", action="store_true",
-                        help="also list segments whose owner is alive (never removed)")
+                        help="also list what is in use by a live owner (never removed)")
 
 
 def run_cleanup(args: argparse.Namespace) -> int:
@@ -37,48 +41,102 @@ def run_cleanup(args: argparse.Namespace) -> int:
 
     Returns:
         0 when nothing was left undone, 1 when a removal failed, 2 when ``--yes``
-        kept segments whose owner could not be judged (listed with the reason).
+        kept something whose owner could not be judged (listed with the reason).
     """
-    from shm_broadcast.segment import SHM_DIR, list_segments, remove_orphans
+    from shm_broadcast.channel_dirs import list_channel_dirs
+    from shm_broadcast.segment import SHM_DIR, list_orphan_records, list_segments
 
-    segs = list_segments()
+    segs, dirs, records = list_segments(), list_channel_dirs(), list_orphan_records()
     if getattr(args, "all", False):
         for s in segs:
             if s.status == "alive":
                 print(f"in use   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: {s.reason})")
-    unknown = [s for s in segs if s.status == "unknown"]
-    for s in unknown:
-        print(f"kept     {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: cannot tell "
-              f"whether it is alive: {s.reason})")
+        for d in dirs:
+            if d.status == "alive":
+                print(f"in use   {d.path}  (channel directory, owner pid {d.pid}: {d.reason})")
+    unknown = [s.name for s in segs if s.status == "unknown"]
+    unknown += [d.path for d in dirs if d.status == "unknown"]
+    for s in segs:
+        if s.status == "unknown":
+            print(f"kept     {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: cannot tell "
+                  f"whether it is alive: {s.reason})")
+    for d in dirs:
+        if d.status == "unknown":
+            print(f"kept     {d.path}  (channel directory{_pid_text(d.pid)}: cannot tell whether "
+                  f"it is alive or remove it safely: {d.reason})")
     orphans = [s for s in segs if s.status == "gone"]
-    if not orphans:
-        print(f"no orphaned groupcoord segments in {SHM_DIR}")
+    dead_dirs = [d for d in dirs if d.status == "gone"]
+    if not orphans and not dead_dirs and not records:
+        print(f"nothing orphaned: no groupcoord segment, owner record or channel directory of a "
+              f"dead process in {SHM_DIR} or {', '.join(_bases())}")
         return _unknown_status(unknown, args.yes)
-    total = sum(s.size for s in orphans)
     if not args.yes:
-        for s in orphans:
-            print(f"orphan   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: {s.reason})")
-        print(f"{len(orphans)} orphaned segment(s), {_size(total)}; "
-              "run `groupcoord cleanup --yes` to remove them")
-        return 0
+        _list_orphans(orphans, dead_dirs, records)
+        return _unknown_status(unknown, args.yes)
+    failed = _remove_orphans(orphans, dead_dirs, records)
+    return 1 if failed else _unknown_status(unknown, args.yes)
+
+
+def _list_orphans(orphans: list, dead_dirs: list, records: list[str]) -> None:
+    for s in orphans:
+        print(f"orphan   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: {s.reason})")
+    for r in records:
+        print(f"orphan   {r}  (owner record whose segment is gone)")
+    for d in dead_dirs:
+        print(f"orphan   {d.path}  (channel directory, owner pid {d.pid}: {d.reason})")
+    total = sum(s.size for s in orphans)
+    print(f"{len(orphans)} orphaned segment(s) ({_size(total)}), {len(records)} owner record(s), "
+          f"{len(dead_dirs)} channel directory(ies); run `groupcoord cleanup --yes` to remove them")
+
+
+def _remove_orphans(orphans: list, dead_dirs: list, records: list[str]) -> int:
+    """Remove (re-judging first); returns how many removals failed."""
+    from shm_broadcast.channel_dirs import remove_dead_channel_dirs
+    from shm_broadcast.segment import SHM_DIR, list_segments, remove_orphan_records, remove_orphans
+
+    failed = 0
     removed = remove_orphans(dry_run=False)
     still = {s.name for s in list_segments() if s.status == "gone"}
-    failed = 0
     for s in removed:
         if s.name in still:
             failed += 1
             print(f"FAILED   {s.name}  (could not remove)", file=sys.stderr)
         else:
             print(f"removed  {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: {s.reason})")
-    print(f"removed {len(removed) - failed} orphaned segment(s)")
-    return 1 if failed else _unknown_status(unknown, args.yes)
+    for r in remove_orphan_records(dry_run=False):
+        if os.path.lexists(os.path.join(SHM_DIR, r)):
+            failed += 1
+            print(f"FAILED   {r}  (could not remove)", file=sys.stderr)
+        else:
+            print(f"removed  {r}  (owner record whose segment is gone)")
+    n_dirs = 0
+    for d, why in remove_dead_channel_dirs(dry_run=False):
+        if why is None:
+            n_dirs += 1
+            print(f"removed  {d.path}  (channel directory, owner pid {d.pid}: {d.reason})")
+        else:
+            failed += 1
+            print(f"FAILED   {d.path}  (could not remove: {why})", file=sys.stderr)
+    n_segs = len(removed) - sum(1 for s in removed if s.name in still)
+    print(f"removed {n_segs} orphaned segment(s) and {n_dirs} channel directory(ies)")
+    return failed
+
+
+def _pid_text(pid: int) -> str:
+    return f", owner pid {pid}" if pid else ""
+
+
+def _bases() -> list[str]:
+    from shm_broadcast.leftovers import channel_dir_bases
+
+    return channel_dir_bases()
 
 
 def _unknown_status(unknown: list, yes: bool) -> int:
-    """Exit status for segments kept undecided: 2 with ``--yes`` (the caller asked to clean)."""
+    """Exit status for items kept undecided: 2 with ``--yes`` (the caller asked to clean)."""
     if not unknown:
         return 0
-    print(f"{len(unknown)} segment(s) kept: their owner cannot be proven gone from here (see "
+    print(f"{len(unknown)} item(s) kept: their owner cannot be proven gone from here (see "
           "above); run cleanup where the owner ran (same pid namespace), or remove them by "
           "hand if you know the owner is gone", file=sys.stderr)
     return 2 if yes else 0
@@ -109,6 +167,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="wake-up latency samples after the idle period (default 20)")
     parser.add_argument("--no-baselines", action="store_true",
                         help="measure only the MessageQueue")
+    parser.add_argument("--chunk-bytes", type=int, default=None, metavar="BYTES",
+                        help="ring chunk size of the measured queue (default: MessageQueue's)")
+    parser.add_argument("--chunks", type=int, default=None, metavar="N",
+                        help="ring chunks of the measured queue (default: MessageQueue's)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
 
@@ -125,10 +187,19 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"--wake-samples must be >= 1, got {args.wake_samples}")
     if args.max_iters < 5:
         raise SystemExit(f"--max-iters must be >= 5, got {args.max_iters}")
+    ring = {}
+    if getattr(args, "chunk_bytes", None) is not None:
+        if args.chunk_bytes < 128:
+            raise SystemExit(f"--chunk-bytes must be >= 128, got {args.chunk_bytes}")
+        ring["chunk_bytes"] = args.chunk_bytes
+    if getattr(args, "chunks", None) is not None:
+        if args.chunks < 1:
+            raise SystemExit(f"--chunks must be >= 1, got {args.chunks}")
+        ring["chunks"] = args.chunks
     cfg = BenchConfig(readers=list(args.readers), payloads=list(args.payloads),
                       seconds=args.seconds, max_iters=args.max_iters,
                       baselines=not args.no_baselines, idle_s=args.idle,
-                      wake_samples=args.wake_samples)
+                      wake_samples=args.wake_samples, **ring)
     report = _run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     report["command"] = shlex.join(sys.argv)
     print(format_table(report))
@@ -147,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shm_broadcast.cli {cleanup,bench} ...``."""
     parser = argparse.ArgumentParser(prog="python -m shm_broadcast.cli")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("cleanup", help="list/remove orphaned shared-memory segments")
+    p = sub.add_parser("cleanup", help="list/remove orphaned segments and channel directories")
     add_cleanup_args(p)
     p.set_defaults(func=run_cleanup)
     p = sub.add_parser("bench", help="benchmark the message queue (groupcoord bench mq)")

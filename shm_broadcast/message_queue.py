@@ -53,8 +53,14 @@ from shm_broadcast.waiting import WaitPolicy
 __all__ = ["MessageQueue", "Handle", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS",
            "DEFAULT_READY_TIMEOUT"]
 
-DEFAULT_MAX_CHUNK_BYTES = 4 << 20
-DEFAULT_MAX_CHUNKS = 8
+#: Ring defaults: 4 chunks of 2 MiB (8 MiB per queue). A message up to 2 MiB
+#: (the 1 MiB tensors of ``groupcoord bench mq`` included) goes through the
+#: ring; larger ones take the overflow path (zmq ``ipc://``, no size limit).
+#: Sized so that a TP=8 host's segments (this ring, the CPU communicator
+#: workspaces) fit Docker's default 64 MiB ``/dev/shm`` with room to spare;
+#: see docs/troubleshooting.md, "How much /dev/shm".
+DEFAULT_MAX_CHUNK_BYTES = 2 << 20
+DEFAULT_MAX_CHUNKS = 4
 DEFAULT_READY_TIMEOUT = 120.0
 
 

@@ -11,42 +11,43 @@ gives the guarantees the rest of the code relies on:
   the pages are reserved with ``posix_fallocate``; a full ``/dev/shm`` raises
   :class:`ShmSpaceError` at creation instead of ``SIGBUS`` on a later write.
 * **One owner unlinks.** Only the creating process (same pid, so not a forked
-  child) unlinks: on :meth:`SharedSegment.close`, at interpreter exit, and on
-  ``SIGTERM``. Attaching processes never unlink and never register with
-  :mod:`multiprocessing.resource_tracker` (which would warn about, or even
-  unlink, segments it does not own).
-* **Crash recovery that cannot hurt the living.** A ``SIGKILL``-ed owner
-  cannot clean up after itself; :func:`list_segments` and
+  child) unlinks: on :meth:`SharedSegment.close`, and however the process
+  ends -- at interpreter exit, on a fatal signal, and after ``SIGKILL`` or
+  ``os._exit`` through its reaper process (:mod:`shm_broadcast.exit_cleanup`
+  has the exact guarantee). Attaching processes never unlink and never
+  register with :mod:`multiprocessing.resource_tracker` (which would warn
+  about, or even unlink, segments it does not own).
+* **Crash recovery that cannot hurt the living.** When an owner and its
+  reaper were killed together, :func:`list_segments` and
   :func:`remove_orphans` (``groupcoord cleanup``) find and remove segments
-  whose owner is *provably* gone. Next to each segment the owner writes a
-  record ``<name>.owner`` (mode 0600) of its identity: pid, pid-namespace
-  inode (``/proc/self/ns/pid``), start time (``/proc/self/stat``, clock
-  ticks since boot), boot id, uid and time-namespace inode. An owner is
-  gone when the machine has rebooted since (other boot id), or, seen from
-  the same pid namespace, when its pid does not exist or belongs to a
-  process with another start time (compared within one time namespace).
-  When that cannot be decided (the owner ran in another pid or time
-  namespace, there is no trustworthy record, ``/proc`` is not this
-  process's) the segment is kept and the reason reported.
+  whose owner is *provably* gone (and :func:`list_orphan_records` the owner
+  records left without their segment). Next to each segment the owner writes
+  a record ``<name>.owner`` (mode 0600) of its identity; how an owner is
+  judged gone, or undecidable (then the segment is kept and the reason
+  reported), is in :mod:`shm_broadcast.owner_identity`.
 """
 
 from __future__ import annotations
 
-import atexit
-import json
 import mmap
 import os
 import re
 import secrets
-import signal
 import stat
-import threading
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any, Callable
+from typing import Callable
 
+from shm_broadcast import exit_cleanup, leftovers
 from shm_broadcast.checks import check_int
 from shm_broadcast.errors import SegmentError, ShmSpaceError
+from shm_broadcast.owner_identity import (  # re-exported: the segment API names them
+    OwnerIdentity,
+    _judge_owner,
+    _pid_exists,
+    judge_owner,
+    read_owner_record,
+    write_owner_record,
+)
 
 try:  # CPython's own binding of shm_open/shm_unlink (POSIX only).
     import _posixshmem
@@ -60,14 +61,20 @@ __all__ = [
     "SegmentInfo",
     "OwnerIdentity",
     "list_segments",
+    "list_orphan_records",
     "remove_orphans",
+    "remove_orphan_records",
     "remove_segment",
     "shm_free_bytes",
+    "shm_total_bytes",
+    "judge_owner",
+    "read_owner_record",
+    "write_owner_record",
 ]
 
 PREFIX = "gc_"
-SHM_DIR = "/dev/shm"
-_NAME_RE = re.compile(r"^gc_(?P<kind>[a-z0-9]+)_(?P<pid>\d+)_(?P<token>[0-9a-f]+)$")
+SHM_DIR = leftovers.SHM_DIR
+_NAME_RE = leftovers.SEGMENT_RE
 _KIND_RE = re.compile(r"^[a-z0-9]{1,16}$")
 # Headroom kept free in /dev/shm beyond the requested size.
 _SPACE_MARGIN = 1 << 20
@@ -86,90 +93,38 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
-class _OwnerRegistry:
-    """Process-wide set of segments this process created and must unlink.
-
-    The one piece of global state in this module: ``atexit`` and the
-    ``SIGTERM`` handler need to find every owned segment.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._names: dict[str, int] = {}  # name -> creating pid
-        self._hooks_installed = False
-        self._prev_sigterm: Any = None
-
-    def add(self, name: str) -> None:
-        with self._lock:
-            self._names[name] = os.getpid()
-            if not self._hooks_installed:
-                self._install_hooks()
-
-    def discard(self, name: str) -> None:
-        with self._lock:
-            self._names.pop(name, None)
-
-    def unlink_all(self) -> None:
-        """Unlink every segment created by this very process (not by a parent)."""
-        with self._lock:
-            mine = [n for n, pid in self._names.items() if pid == os.getpid()]
-            for n in mine:
-                self._names.pop(n, None)
-        for n in mine:
-            _unlink_quietly(n)
-
-    def _install_hooks(self) -> None:
-        self._hooks_installed = True
-        atexit.register(self.unlink_all)
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        try:
-            prev = signal.getsignal(signal.SIGTERM)
-            if prev is signal.SIG_IGN:
-                return
-            self._prev_sigterm = prev
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-        except (ValueError, OSError):  # pragma: no cover - embedded interpreters
-            pass
-
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        self.unlink_all()
-        prev = self._prev_sigterm
-        if callable(prev):
-            prev(signum, frame)
-            return
-        # Default action: die by SIGTERM, as the process would have without us.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+def shm_total_bytes() -> int:
+    """Return the size of the file system holding ``/dev/shm`` (-1 if there is none)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return -1
+    return st.f_blocks * st.f_frsize
 
 
-_OWNERS = _OwnerRegistry()
+def _space_error(kind: str, size: int, free: int, cause: str = "") -> ShmSpaceError:
+    total = shm_total_bytes()
+    return ShmSpaceError(
+        f"/dev/shm is too small: a {kind!r} segment needs {size / 2**20:.1f} MiB (plus "
+        f"{_SPACE_MARGIN >> 20} MiB kept free), but /dev/shm holds {total / 2**20:.1f} MiB in "
+        f"all and {free / 2**20:.1f} MiB are free{cause}. "
+        f"Enlarge /dev/shm (docker: --shm-size=1g; a mount: `mount -o remount,size=1G "
+        f"/dev/shm`), use smaller queues (max_chunk_bytes/max_chunks), or free space "
+        f"(`groupcoord cleanup --yes` removes segments of dead processes).")
 
 
 def _unlink_quietly(name: str) -> None:
-    """Unlink segment ``name`` and its owner record; no error if either is gone."""
-    try:
-        _shm_unlink(name)
-    except FileNotFoundError:
-        pass
-    except OSError:  # pragma: no cover - permission races at exit
-        pass
-    try:
-        os.unlink(_record_path(name))
-    except OSError:
-        pass
+    """Unlink segment ``name`` and its owner record; no error if either is gone.
+
+    (``shm_unlink("/name")`` is ``unlink("/dev/shm/name")`` on Linux.)
+    """
+    leftovers.unlink_segment(name)
 
 
 def _shm_open(name: str, flags: int, mode: int = 0o600) -> int:
     if _posixshmem is None:  # pragma: no cover
         raise SegmentError("POSIX shared memory is not available on this platform")
     return _posixshmem.shm_open("/" + name, flags, mode)
-
-
-def _shm_unlink(name: str) -> None:
-    if _posixshmem is None:  # pragma: no cover
-        raise SegmentError("POSIX shared memory is not available on this platform")
-    _posixshmem.shm_unlink("/" + name)
 
 
 class SharedSegment:
@@ -214,12 +169,7 @@ class SharedSegment:
         check_int(size, "size", minimum=1)
         free = shm_free_bytes()
         if free >= 0 and free < size + _SPACE_MARGIN:
-            raise ShmSpaceError(
-                f"/dev/shm has {free / 2**20:.1f} MiB free but a {kind!r} segment needs "
-                f"{size / 2**20:.1f} MiB; free space (run `groupcoord cleanup --yes` to "
-                f"remove segments of dead processes) or enlarge /dev/shm "
-                f"(docker: --shm-size)."
-            )
+            raise _space_error(kind, size, free)
         for _ in range(8):
             name = f"{PREFIX}{kind}_{os.getpid()}_{secrets.token_hex(4)}"
             try:
@@ -231,21 +181,21 @@ class SharedSegment:
                 raise SegmentError(f"cannot create shared memory segment {name!r}: {e}") from e
         else:  # pragma: no cover - 8 collisions of a 32-bit token
             raise SegmentError("could not find a free shared memory segment name")
-        _OWNERS.add(name)
+        exit_cleanup.add_segment(name)
         try:
-            _write_owner_record(name)
+            write_owner_record(_record_path(name))
             os.ftruncate(fd, size)
             try:
+                # Reserve every page now: a full tmpfs fails here (ENOSPC)
+                # rather than with SIGBUS at the first write to a missing page.
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                raise ShmSpaceError(
-                    f"could not reserve {size / 2**20:.1f} MiB in /dev/shm for segment "
-                    f"{name!r} ({e}); free space or enlarge /dev/shm."
-                ) from e
+                raise _space_error(kind, size, max(shm_free_bytes(), 0),
+                                   f" (reserving the pages failed: {e.strerror})") from e
             mm = mmap.mmap(fd, size)
         except BaseException:
-            _OWNERS.discard(name)
             _unlink_quietly(name)
+            exit_cleanup.discard_segment(name)
             raise
         finally:
             os.close(fd)
@@ -293,8 +243,8 @@ class SharedSegment:
         The mapping stays valid for processes that already attached.
         """
         if self.is_owner and os.getpid() == self._owner_pid:
-            _OWNERS.discard(self.name)
             _unlink_quietly(self.name)
+            exit_cleanup.discard_segment(self.name)
 
     def close(self) -> None:
         """Unmap, and unlink if this process owns the segment. Idempotent."""
@@ -319,39 +269,6 @@ class SharedSegment:
     def __repr__(self) -> str:
         role = "owner" if self.is_owner else "attached"
         return f"SharedSegment({self.name!r}, size={self.size}, {role})"
-
-
-@dataclass(frozen=True)
-class OwnerIdentity:
-    """Who created a segment, precisely enough to tell later whether it is gone.
-
-    Attributes:
-        pid: Process id, in the owner's pid namespace.
-        pidns: Inode of the owner's pid namespace (``/proc/self/ns/pid``);
-            0 when it could not be read.
-        start_ticks: Process start time, clock ticks since boot (``/proc/<pid>/stat``).
-        boot_id: ``/proc/sys/kernel/random/boot_id`` of the machine ('' if unknown).
-        uid: Effective uid of the owner.
-        timens: Inode of the owner's time namespace (``/proc/self/ns/time``;
-            0 where the kernel has none): start times are comparable only
-            within one.
-    """
-
-    pid: int
-    pidns: int
-    start_ticks: int
-    boot_id: str
-    uid: int
-    timens: int = 0
-
-    @classmethod
-    def of_self(cls) -> "OwnerIdentity":
-        """This process's identity (fields it cannot read are 0 or '')."""
-        pid = os.getpid()
-        own_proc = _proc_is_ours()
-        return cls(pid, _ns_inode("pid") if own_proc else 0,
-                   (_start_ticks(pid) or 0) if own_proc else 0, _boot_id(), os.geteuid(),
-                   _ns_inode("time") if own_proc else 0)
 
 
 @dataclass(frozen=True)
@@ -399,11 +316,13 @@ def list_segments(pid_alive: Callable[[int], bool] | None = None) -> list[Segmen
         if not m:
             continue
         try:
-            st = os.stat(os.path.join(SHM_DIR, n))
+            st = os.lstat(os.path.join(SHM_DIR, n))
         except OSError:
             continue
+        if not stat.S_ISREG(st.st_mode):
+            continue  # a segment is a regular file; never follow a planted link
         pid = int(m.group("pid"))
-        status, reason = _judge_owner(pid, _read_owner_record(n, st.st_uid), me,
+        status, reason = _judge_owner(pid, read_owner_record(_record_path(n), st.st_uid), me,
                                       pid_alive or _pid_exists)
         out.append(SegmentInfo(n, m.group("kind"), pid, st.st_size, status != "gone",
                                status, reason))
@@ -440,121 +359,59 @@ def remove_orphans(dry_run: bool = False) -> list[SegmentInfo]:
     return orphans
 
 
+# ---------------------------------------------------------------------- orphan records
+def list_orphan_records() -> list[str]:
+    """Owner records in ``/dev/shm`` whose segment is gone (their owner died
+    between unlinking the segment and its record, or an older release left
+    them).
+
+    Only regular files of this user named ``gc_<kind>_<pid>_<hex>.owner`` are
+    listed. A record is written after its segment exists and removed after
+    the segment is unlinked, and segment names are never reused, so a record
+    without its segment never gets one back: removing it cannot hurt a live
+    owner.
+
+    Returns:
+        The record file names, sorted.
+    """
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    out = []
+    for n in sorted(names):
+        if not n.endswith(leftovers.RECORD_SUFFIX):
+            continue
+        seg = n[: -len(leftovers.RECORD_SUFFIX)]
+        if not _NAME_RE.match(seg):
+            continue
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, n))
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        if not os.path.lexists(os.path.join(SHM_DIR, seg)):  # checked after the record
+            out.append(n)
+    return out
+
+
+def remove_orphan_records(dry_run: bool = False) -> list[str]:
+    """Remove the records :func:`list_orphan_records` finds.
+
+    Returns:
+        The records found (removed unless ``dry_run``).
+    """
+    found = list_orphan_records()
+    if not dry_run:
+        for n in found:
+            try:
+                os.unlink(os.path.join(SHM_DIR, n))
+            except OSError:
+                pass
+    return found
+
+
 # ---------------------------------------------------------------------- owner identity
 def _record_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name + ".owner")
-
-
-def _write_owner_record(name: str) -> None:
-    """Write ``<name>.owner`` (0600, new file only). Best effort: without it the
-    segment is never removed by cleanup, only by its owner."""
-    ident = OwnerIdentity.of_self()
-    try:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        fd = os.open(_record_path(name), flags, 0o600)
-    except OSError:
-        return
-    try:
-        os.write(fd, json.dumps(ident.__dict__).encode())
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _read_owner_record(name: str, seg_uid: int) -> OwnerIdentity | str:
-    """The owner record of segment ``name``, or why there is no trustworthy one."""
-    try:
-        fd = os.open(_record_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return "no owner record (made by an older groupcoord, or the record was lost)"
-    except OSError as e:
-        return f"owner record unreadable ({e.strerror})"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != seg_uid or st.st_mode & 0o077:
-            return "owner record not written privately by the segment's owner"
-        raw = os.read(fd, 4096)
-    finally:
-        os.close(fd)
-    try:
-        d = json.loads(raw)
-        ident = OwnerIdentity(int(d["pid"]), int(d["pidns"]), int(d["start_ticks"]),
-                              str(d["boot_id"]), int(d["uid"]), int(d.get("timens", 0)))
-    except (ValueError, KeyError, TypeError):
-        return "owner record malformed"
-    return ident
-
-
-def _judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity,
-                 exists: Callable[[int], bool]) -> tuple[str, str]:
-    """``(status, reason)`` of a segment's owner, seen from this process."""
-    if isinstance(rec, OwnerIdentity) and rec.pid != pid:
-        rec = f"owner record names pid {rec.pid}, the segment name pid {pid}"
-    if isinstance(rec, str):
-        if me.pidns and exists(pid):
-            return "alive", f"pid {pid} exists ({rec})"
-        return "unknown", rec
-    if rec.boot_id and me.boot_id and rec.boot_id != me.boot_id:
-        return "gone", f"created before the last reboot (boot id {rec.boot_id[:8]}...)"
-    if not me.pidns or not rec.pidns:
-        return "unknown", "pid namespace unknown (is /proc mounted for this pid namespace?)"
-    if rec.pidns != me.pidns:
-        return "unknown", (f"owner ran in another pid namespace (pid:[{rec.pidns}], this "
-                           f"process is in pid:[{me.pidns}]); its pid cannot be checked from here")
-    if not exists(pid):
-        return "gone", f"no process {pid} in this pid namespace"
-    if rec.timens != me.timens:
-        return "unknown", (f"pid {pid} exists, but its start time cannot be compared from "
-                           f"another time namespace (time:[{rec.timens}], ours time:[{me.timens}])")
-    now = _start_ticks(pid)
-    if now is None:
-        return "unknown", f"cannot read the start time of process {pid}"
-    if now != rec.start_ticks:
-        return "gone", f"pid {pid} now belongs to another process (started at tick {now})"
-    return "alive", f"process {pid} (started at tick {now}) is running"
-
-
-def _pid_exists(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _proc_is_ours() -> bool:
-    """Whether ``/proc`` shows this process's pid namespace."""
-    try:
-        return os.readlink("/proc/self") == str(os.getpid())
-    except OSError:
-        return False
-
-
-def _ns_inode(kind: str) -> int:
-    """Inode of this process's ``kind`` namespace (0 if the kernel has none)."""
-    try:
-        return os.stat(f"/proc/self/ns/{kind}").st_ino
-    except OSError:
-        return 0
-
-
-def _start_ticks(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        return int(raw[raw.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    return os.path.join(SHM_DIR, name + leftovers.RECORD_SUFFIX)

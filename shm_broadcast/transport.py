@@ -32,8 +32,11 @@ Who can reach these sockets (see ``docs/security-channels.md``):
   writer with a random name, so no other user can connect to, bind in, or even
   look up a path in it. The doorbells live there too. The writer removes the
   directory once every reader is connected (connected sockets do not need the
-  path any more) and on close; a reader that finds the writer dead removes it
-  on its own close, so a crashed writer leaves nothing in the common case.
+  path any more) and on close; it is registered for removal at exit, on a
+  fatal signal and by the writer's reaper after any death
+  (:mod:`shm_broadcast.exit_cleanup`), it holds an owner record for
+  ``groupcoord cleanup`` (:mod:`shm_broadcast.channel_dirs`), and a reader
+  that finds the writer dead removes it on its own close.
 * **TCP endpoints** use CURVE (Curve25519 + XSalsa20-Poly1305, from libsodium
   through libzmq): the writer is the CURVE server with a fresh keypair per
   queue, and a ZAP handler (:class:`ReaderAuthenticator`) admits only the
@@ -60,15 +63,14 @@ Who can reach these sockets (see ``docs/security-channels.md``):
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import stat
 import struct
-import tempfile
 import threading
 
 import zmq
 from zmq.utils import z85
+
+from shm_broadcast.channel_dirs import new_channel_dir, remove_channel_dir, remove_dead_channel_dir
 
 __all__ = [
     "WIRE",
@@ -126,15 +128,10 @@ ZAP_DOMAIN = "groupcoord"
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
-#: ``sun_path`` holds 108 bytes with the NUL; the longest name we put in a
-#: channel directory is 3 bytes (``r99``...), zmq adds nothing.
-_SUN_PATH_MAX = 107
-
 #: A reader socket's reconnect interval: 2**30 ms (12.4 days; zmq adds up to
 #: as much again of jitter, which must still fit a C int). Not -1: see the
 #: module docstring.
 NO_RECONNECT_MS = 1 << 30
-_DIR_BASE_MAX = 64
 
 
 def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
@@ -184,65 +181,6 @@ def local_bind_address(channel_dir: str, tag: str) -> str:
     if not zmq.has("ipc"):
         raise OSError("libzmq lacks ipc:// transport: the queue has no private local channel")
     return f"ipc://{os.path.join(channel_dir, tag)}"
-
-
-def _dir_base() -> str:
-    """Where channel directories go: ``$XDG_RUNTIME_DIR`` (per-user, tmpfs) if
-    usable, else the temp directory, else ``/tmp``; short enough for sun_path."""
-    for base in (os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir(), "/tmp"):
-        if (base and len(os.fsencode(base)) <= _DIR_BASE_MAX and os.path.isdir(base)
-                and os.access(base, os.W_OK | os.X_OK)):
-            return base
-    raise OSError("no writable directory with a short path for the queue's local sockets "
-                  "(tried $XDG_RUNTIME_DIR, the temp directory, /tmp)")
-
-
-def new_channel_dir() -> str:
-    """Create a fresh private directory (``0700``, ours) for one queue's local sockets.
-
-    ``mkdtemp`` creates it with ``O_EXCL`` semantics under a random name, so it
-    cannot be a directory another user prepared; we re-check owner and mode.
-
-    Returns:
-        Its absolute path (at most ``_DIR_BASE_MAX + 11`` bytes: every socket
-        path in it fits ``sun_path``).
-    """
-    path = tempfile.mkdtemp(prefix="gc", dir=_dir_base())
-    st = os.lstat(path)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        remove_channel_dir(path)
-        raise OSError(f"channel directory {path} is not private (mode {st.st_mode:o})")
-    if len(os.fsencode(path)) + 4 > _SUN_PATH_MAX:  # _dir_base keeps bases short
-        remove_channel_dir(path)
-        raise OSError(f"channel directory {path} is too long for Unix socket paths")
-    return path
-
-
-def remove_channel_dir(path: str | None) -> None:
-    """Remove a channel directory and the socket files in it; never raises."""
-    if path:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def remove_dead_channel_dir(path: str, names: list[str]) -> None:
-    """Remove a dead writer's channel directory, touching only what a queue puts there.
-
-    For a reader cleaning up after a crashed writer: it unlinks the sockets
-    ``names`` (only if they are sockets) and removes the directory only if it is
-    then empty, so a wrong path in a handle cannot make it delete anything
-    else. Never raises.
-    """
-    for name in names:
-        p = os.path.join(path, name)
-        try:
-            if stat.S_ISSOCK(os.lstat(p).st_mode):
-                os.unlink(p)
-        except OSError:
-            pass
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
 
 
 def new_keypair() -> tuple[bytes, bytes]:

@@ -11,9 +11,13 @@ import psutil
 import pytest
 
 from coordinator.testing import DistributedPool, live_pool_pids
-from shm_broadcast.segment import _unlink_quietly, list_segments
+from shm_broadcast import leftovers
+from shm_broadcast.channel_dirs import list_channel_dirs
+from shm_broadcast.reaper import MARKER as REAPER_MARKER
+from shm_broadcast.segment import SHM_DIR, _unlink_quietly, list_orphan_records, list_segments
 
-_IGNORED_CHILDREN = ("resource_tracker", "forkserver")
+# A process's exit reaper lives as long as the process: not a leak of the test.
+_IGNORED_CHILDREN = ("resource_tracker", "forkserver", REAPER_MARKER)
 
 
 def _is_ignored(p: psutil.Process) -> bool:
@@ -82,15 +86,66 @@ class _TreeWatch:
         self._thread.join()
 
 
+def _record_pid(record: str) -> int:
+    """Owner pid in an owner record's name ``gc_<kind>_<pid>_<hex>.owner``."""
+    m = leftovers.SEGMENT_RE.match(record[: -len(leftovers.RECORD_SUFFIX)])
+    return int(m.group("pid")) if m else -1
+
+
+class _Leaks:
+    """Our files that appeared during a test and belong to the test's processes."""
+
+    def __init__(self) -> None:
+        self.segs_before = {s.name for s in list_segments()}
+        self.records_before = set(list_orphan_records())
+        self.dirs_before = {d.path for d in list_channel_dirs()}
+        self._found: tuple[list[str], list[str], list[str]] = ([], [], [])
+
+    def find(self, mine: set[int], allowed: set[int]) -> list[str]:
+        """Problems found now (empty when nothing leaked)."""
+        def ours(pid: int) -> bool:
+            return pid not in allowed and pid in mine
+
+        segs = [s.name for s in list_segments() if s.name not in self.segs_before and ours(s.pid)]
+        records = [r for r in list_orphan_records() if r not in self.records_before
+                   and ours(_record_pid(r))]
+        dirs = [d.path for d in list_channel_dirs()
+                if d.path not in self.dirs_before and ours(d.pid)]
+        problems = []
+        if segs:
+            problems.append(f"leaked /dev/shm segments {segs}")
+        if records:
+            problems.append(f"leaked owner records without a segment {records}")
+        if dirs:
+            problems.append(f"leaked channel directories {dirs}")
+        self._found = (segs, records, dirs)
+        return problems
+
+    def remove(self) -> None:
+        """Remove what the last :meth:`find` reported (so later tests start clean)."""
+        segs, records, dirs = self._found
+        for name in segs:
+            _unlink_quietly(name)
+        for r in records:
+            try:
+                os.unlink(os.path.join(SHM_DIR, r))
+            except OSError:
+                pass
+        for d in dirs:
+            leftovers.remove_channel_dir(d)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    """Fail a test that leaves a child process or a ``gc_*`` /dev/shm segment behind.
+    """Fail a test that leaves behind a child process, a ``gc_*`` /dev/shm segment,
+    an owner record without its segment, or a queue channel directory.
 
-    Only the test's own processes (alive or dead) and the segments they
-    created count.
+    Only the test's own processes (alive or dead) and the files they created
+    count. Owners and their reapers remove files asynchronously after a kill,
+    so the check retries for up to 5 s.
     """
     me = psutil.Process(os.getpid())
-    seg_before = {s.name for s in list_segments()}
+    leaks = _Leaks()
     kids_before = {c.pid for c in me.children(recursive=True)}
     watch = _TreeWatch(me)
     try:
@@ -104,13 +159,8 @@ def no_leaks() -> Iterator[None]:
             c for c in me.children(recursive=True)
             if c.pid not in kids_before and c.pid not in allowed and not _is_ignored(c)
         ]
-        mine = watch.sample()
-        segs = [  # new segments owned by this test's processes (alive or dead)
-            s for s in list_segments()
-            if s.name not in seg_before and s.pid not in allowed
-            and (s.pid in mine or s.pid in watch.seen)
-        ]
-        if (not kids and not segs) or time.monotonic() > deadline:
+        files = leaks.find(watch.sample() | watch.seen, allowed)
+        if (not kids and not files) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     problems = []
@@ -121,9 +171,8 @@ def no_leaks() -> Iterator[None]:
                 k.kill()
             except psutil.NoSuchProcess:
                 pass
-    if segs:
-        problems.append(f"leaked /dev/shm segments {[s.name for s in segs]}")
-        for s in segs:
-            _unlink_quietly(s.name)
+    if files:
+        problems.extend(files)
+        leaks.remove()
     if problems:
         pytest.fail("test leaked resources: " + "; ".join(problems))

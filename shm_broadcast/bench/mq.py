@@ -40,7 +40,7 @@ from shm_broadcast.launcher import stop_ranks
 from shm_broadcast.bench.payloads import make_payload, payload_names
 from shm_broadcast.bench.wake import bare_wake_latencies, busy_wait, wake_gaps
 from shm_broadcast.codec import Codec
-from shm_broadcast.message_queue import MessageQueue
+from shm_broadcast.message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, MessageQueue
 
 __all__ = ["BenchConfig", "MqDriver", "run_bench", "format_table"]
 
@@ -60,8 +60,8 @@ class BenchConfig:
         baselines: Also measure gloo and pickle+zmq.
         idle_s: Idle period for the CPU measurement (0 skips the idle test).
         wake_samples: Wake-up latency samples after the idle period.
-        chunk_bytes: Ring chunk size of the measured queue.
-        chunks: Ring chunks of the measured queue.
+        chunk_bytes: Ring chunk size of the measured queue (default: the queue's).
+        chunks: Ring chunks of the measured queue (default: the queue's).
     """
 
     readers: list[int] = field(default_factory=lambda: [1, 3])
@@ -72,8 +72,8 @@ class BenchConfig:
     baselines: bool = True
     idle_s: float = 5.0
     wake_samples: int = 20
-    chunk_bytes: int = 4 << 20
-    chunks: int = 8
+    chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    chunks: int = DEFAULT_MAX_CHUNKS
 
 
 # ---------------------------------------------------------------- MessageQueue

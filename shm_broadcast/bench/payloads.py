@@ -8,8 +8,8 @@ Each payload imitates what an engine's driver broadcasts per step:
   sequence lengths, sampling parameters incl. a bfloat16 one);
 * ``64KB``  a larger batch of the same kind;
 * ``1MB``   a 1 MiB float32 tensor plus a few fields;
-* ``16MB``  a 16 MiB tensor: larger than the bench's 4 MiB chunks, so it
-  takes the overflow path.
+* ``16MB``  a 16 MiB tensor: larger than the ring's chunks (2 MiB by
+  default), so it takes the overflow path.
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -18,6 +16,7 @@ import pytest
 from coordinator.testing import free_port
 from shm_broadcast import MessageQueue, PeerDiedError, QueueClosedError, list_segments
 from shm_broadcast.segment import SHM_DIR
+from tests.shm_broadcast.lifecycle_helpers import wait_gone
 
 
 KILL_BOUND_S = 2.0
@@ -141,13 +140,10 @@ def test_killed_writer_makes_blocked_readers_raise_then_cleanup(procs):
         assert (kind, err) == ("raised", "PeerDiedError"), (kind, err, text)
         assert "died" in text and str(writer.pid) in text and "doomed-writer" in text
         assert t_raise - t_kill < KILL_BOUND_S, t_raise - t_kill
-    # The SIGKILLed writer could not unlink its ring; `groupcoord cleanup --yes` does.
-    seg = handle.segment
-    assert os.path.exists(os.path.join(SHM_DIR, seg))
-    out = subprocess.run([sys.executable, "-m", "shm_broadcast.cli", "cleanup", "--yes"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and seg in out.stdout, out.stdout + out.stderr
-    assert seg not in {s.name for s in list_segments()}
+    # The SIGKILLed writer could not unlink its ring; its exit reaper does.
+    seg = os.path.join(SHM_DIR, handle.segment)
+    assert wait_gone(seg, seg + ".owner") == []
+    assert handle.segment not in {s.name for s in list_segments()}
 
 
 def _enqueue_until_it_raises(mq: MessageQueue, out: list) -> None:

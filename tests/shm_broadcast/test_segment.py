@@ -1,4 +1,4 @@
-"""SharedSegment lifecycle: SIGTERM unlinks, SIGKILL orphans, cleanup removes."""
+"""SharedSegment lifecycle: SIGTERM unlinks, the reaper cleans after SIGKILL, cleanup removes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from shm_broadcast import SharedSegment, ShmSpaceError, list_segments
 from shm_broadcast.segment import SHM_DIR, shm_free_bytes
+from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, wait_gone
 
 
 def _cleanup(*args: str) -> subprocess.CompletedProcess:
@@ -22,7 +23,7 @@ def _cleanup(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(90)
-def test_sigterm_unlinks_and_sigkill_orphan_is_cleaned(procs):
+def test_sigterm_unlinks_before_death_and_sigkill_is_cleaned_by_the_reaper(procs):
     term = procs.start(segment_owner)
     kill = procs.start(segment_owner)
     names = {}
@@ -36,17 +37,30 @@ def test_sigterm_unlinks_and_sigkill_orphan_is_cleaned(procs):
     term.join(30)
     assert term.exitcode == -signal.SIGTERM
     assert not os.path.exists(os.path.join(SHM_DIR, term_name)), "SIGTERM must unlink"
+    assert not os.path.exists(os.path.join(SHM_DIR, term_name + ".owner"))
 
     os.kill(kill.pid, signal.SIGKILL)
     kill.join(30)
-    assert os.path.exists(os.path.join(SHM_DIR, kill_name)), "SIGKILL cannot clean up"
+    path = os.path.join(SHM_DIR, kill_name)
+    assert not wait_gone(path, path + ".owner"), "the reaper must remove a SIGKILLed owner's segment"
+
+
+@pytest.mark.timeout(90)
+def test_owner_killed_with_its_reaper_leaves_an_orphan_that_cleanup_removes(procs):
+    owner = procs.start(segment_owner)
+    _, name = procs.get()
+    kill_with_reaper(owner.pid)
+    owner.join(30)
+    time.sleep(0.2)
+    assert os.path.exists(os.path.join(SHM_DIR, name)), "nobody left to clean up"
     listed = _cleanup()
-    assert listed.returncode == 0 and kill_name in listed.stdout, listed.stdout
-    assert os.path.exists(os.path.join(SHM_DIR, kill_name)), "without --yes nothing is removed"
+    assert listed.returncode == 0 and f"orphan   {name}" in listed.stdout, listed.stdout
+    assert os.path.exists(os.path.join(SHM_DIR, name)), "without --yes nothing is removed"
     removed = _cleanup("--yes")
-    assert removed.returncode == 0 and f"removed  {kill_name}" in removed.stdout, removed.stdout
-    assert not os.path.exists(os.path.join(SHM_DIR, kill_name))
-    assert kill_name not in {s.name for s in list_segments()}
+    assert f"removed  {name}" in removed.stdout, removed.stdout + removed.stderr
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+    assert not os.path.exists(os.path.join(SHM_DIR, name + ".owner"))
+    assert name not in {s.name for s in list_segments()}
 
 
 @pytest.mark.timeout(30)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -17,6 +15,7 @@ import pytest
 
 from shm_broadcast import SharedSegment
 from shm_broadcast.segment import SHM_DIR, OwnerIdentity, list_segments
+from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this platform")
 
@@ -76,8 +75,8 @@ def test_pid_reuse_and_reboot_are_recognised_as_gone() -> None:
 def test_cleanup_keeps_segments_it_cannot_judge_and_says_why(procs) -> None:
     owner = procs.start(segment_owner)
     _, name = procs.get()
-    os.unlink(_record(name))  # no record, and then the owner dies
-    os.kill(owner.pid, signal.SIGKILL)
+    os.unlink(_record(name))  # no record, and then the owner dies with its reaper
+    kill_with_reaper(owner.pid)
     owner.join(10)
     try:
         info = _info(name)
@@ -90,30 +89,18 @@ def test_cleanup_keeps_segments_it_cannot_judge_and_says_why(procs) -> None:
         os.unlink(os.path.join(SHM_DIR, name))
 
 
-def _unshare_prefix() -> tuple[str, ...]:
-    """The command prefix that runs a process in a new pid namespace, or skip."""
-    tool = shutil.which("unshare")
-    if tool is None:
-        pytest.skip("unshare(1) is not installed")
-    prefix = (tool, "--pid", "--fork", "--mount-proc")
-    probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot create a pid namespace here (needs root or user namespaces): "
-                    f"{probe.stderr.strip()[:200]}")
-    return prefix
-
-
 @pytest.mark.timeout(120)
 def test_cleanup_from_another_pid_namespace_refuses_to_remove_a_live_segment(procs) -> None:
-    prefix = _unshare_prefix()
+    prefix = unshare_prefix()
     owner = procs.start(segment_owner)
     _, name = procs.get()
     res = _cleanup("--yes", prefix=prefix)
     assert os.path.exists(os.path.join(SHM_DIR, name)), "a live segment was removed"
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"kept     {name}" in res.stdout and "another pid namespace" in res.stdout, res.stdout
-    # The owner dies: still undecidable from the other namespace, removed from ours.
-    os.kill(owner.pid, signal.SIGKILL)
+    # The owner dies (with its reaper): still undecidable from the other
+    # namespace, removed from ours.
+    kill_with_reaper(owner.pid)
     owner.join(10)
     res = _cleanup("--yes", prefix=prefix)
     assert os.path.exists(os.path.join(SHM_DIR, name)) and res.returncode == 2
@@ -131,7 +118,7 @@ def test_cleanup_in_the_same_namespace_removes_only_the_dead_owners_segment(proc
     for _ in range(2):
         _, name = procs.get()
         names[int(name.split("_")[2])] = name
-    os.kill(dead.pid, signal.SIGKILL)
+    kill_with_reaper(dead.pid)
     dead.join(10)
     res = _cleanup("--yes")
     assert f"removed  {names[dead.pid]}" in res.stdout, res.stdout + res.stderr

@@ -1,0 +1,207 @@
+"""Who owns a file, recorded robustly enough to tell later whether the owner is gone.
+
+Every segment (``/dev/shm/<name>.owner``) and queue channel directory
+(``<dir>/owner``) gets an owner record at creation: a small JSON file, mode
+``0600``, created with ``O_EXCL | O_NOFOLLOW``, holding the creator's
+:class:`OwnerIdentity`: pid, pid-namespace inode (``/proc/self/ns/pid``),
+start time (``/proc/self/stat``, clock ticks since boot), boot id
+(``/proc/sys/kernel/random/boot_id``), uid and time-namespace inode.
+
+:func:`judge_owner` decides, from the caller's point of view, whether that
+owner is provably gone: the machine has rebooted since (other boot id), or,
+seen from the same pid namespace, its pid does not exist or belongs to a
+process with another start time (compared within one time namespace). When
+that cannot be decided (the owner ran in another pid or time namespace, there
+is no trustworthy record, ``/proc`` is not this process's) the answer is
+``"unknown"`` with the reason, and callers keep the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["OwnerIdentity", "write_owner_record", "read_owner_record", "judge_owner"]
+
+
+@dataclass(frozen=True)
+class OwnerIdentity:
+    """Who created a segment, precisely enough to tell later whether it is gone.
+
+    Attributes:
+        pid: Process id, in the owner's pid namespace.
+        pidns: Inode of the owner's pid namespace (``/proc/self/ns/pid``);
+            0 when it could not be read.
+        start_ticks: Process start time, clock ticks since boot (``/proc/<pid>/stat``).
+        boot_id: ``/proc/sys/kernel/random/boot_id`` of the machine ('' if unknown).
+        uid: Effective uid of the owner.
+        timens: Inode of the owner's time namespace (``/proc/self/ns/time``;
+            0 where the kernel has none): start times are comparable only
+            within one.
+    """
+
+    pid: int
+    pidns: int
+    start_ticks: int
+    boot_id: str
+    uid: int
+    timens: int = 0
+
+    @classmethod
+    def of_self(cls) -> "OwnerIdentity":
+        """This process's identity (fields it cannot read are 0 or '')."""
+        pid = os.getpid()
+        own_proc = _proc_is_ours()
+        return cls(pid, _ns_inode("pid") if own_proc else 0,
+                   (_start_ticks(pid) or 0) if own_proc else 0, _boot_id(), os.geteuid(),
+                   _ns_inode("time") if own_proc else 0)
+
+
+def write_owner_record(path: str, dir_fd: int | None = None) -> None:
+    """Write this process's :class:`OwnerIdentity` to a new file ``path`` (0600).
+
+    ``O_EXCL | O_NOFOLLOW``: never through a planted file or link. Best
+    effort: without a record the owner's files are never removed by
+    ``groupcoord cleanup``, only by the owner and its reaper.
+
+    Args:
+        path: The record's path (relative to ``dir_fd`` when given).
+        dir_fd: Directory descriptor ``path`` is relative to.
+    """
+    ident = OwnerIdentity.of_self()
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        os.write(fd, json.dumps(ident.__dict__).encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_owner_record(path: str, owner_uid: int,
+                      dir_fd: int | None = None) -> OwnerIdentity | str:
+    """Read an owner record, or say why there is no trustworthy one.
+
+    Args:
+        path: The record's path (relative to ``dir_fd`` when given).
+        owner_uid: Uid of the file the record describes; the record must be
+            a regular file of that user, unreadable and unwritable by others.
+        dir_fd: Directory descriptor ``path`` is relative to.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return "no owner record (made by an older groupcoord, or the record was lost)"
+    except OSError as e:
+        return f"owner record unreadable ({e.strerror})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner_uid or st.st_mode & 0o077:
+            return "owner record not written privately by the owner"
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        d = json.loads(raw)
+        ident = OwnerIdentity(int(d["pid"]), int(d["pidns"]), int(d["start_ticks"]),
+                              str(d["boot_id"]), int(d["uid"]), int(d.get("timens", 0)))
+    except (ValueError, KeyError, TypeError):
+        return "owner record malformed"
+    return ident
+
+
+def judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity | None = None,
+                exists: Callable[[int], bool] | None = None) -> tuple[str, str]:
+    """``(status, reason)`` of an owner, seen from this process.
+
+    Args:
+        pid: The owner's pid as the file's name states it.
+        rec: Its record (:func:`read_owner_record`), or why there is none.
+        me: This process's identity (default: read now).
+        exists: Whether a pid exists in this pid namespace (default ``kill(pid, 0)``).
+
+    Returns:
+        ``("gone" | "alive" | "unknown", reason)``; only ``"gone"`` may be removed.
+    """
+    return _judge_owner(pid, rec, me or OwnerIdentity.of_self(), exists or _pid_exists)
+
+
+def _judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity,
+                 exists: Callable[[int], bool]) -> tuple[str, str]:
+    """``(status, reason)`` of a segment's owner, seen from this process."""
+    if isinstance(rec, OwnerIdentity) and rec.pid != pid:
+        rec = f"owner record names pid {rec.pid}, the segment name pid {pid}"
+    if isinstance(rec, str):
+        if me.pidns and exists(pid):
+            return "alive", f"pid {pid} exists ({rec})"
+        return "unknown", rec
+    if rec.boot_id and me.boot_id and rec.boot_id != me.boot_id:
+        return "gone", f"created before the last reboot (boot id {rec.boot_id[:8]}...)"
+    if not me.pidns or not rec.pidns:
+        return "unknown", "pid namespace unknown (is /proc mounted for this pid namespace?)"
+    if rec.pidns != me.pidns:
+        return "unknown", (f"owner ran in another pid namespace (pid:[{rec.pidns}], this "
+                           f"process is in pid:[{me.pidns}]); its pid cannot be checked from here")
+    if not exists(pid):
+        return "gone", f"no process {pid} in this pid namespace"
+    if rec.timens != me.timens:
+        return "unknown", (f"pid {pid} exists, but its start time cannot be compared from "
+                           f"another time namespace (time:[{rec.timens}], ours time:[{me.timens}])")
+    now = _start_ticks(pid)
+    if now is None:
+        return "unknown", f"cannot read the start time of process {pid}"
+    if now != rec.start_ticks:
+        return "gone", f"pid {pid} now belongs to another process (started at tick {now})"
+    return "alive", f"process {pid} (started at tick {now}) is running"
+
+
+def _pid_exists(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _proc_is_ours() -> bool:
+    """Whether ``/proc`` shows this process's pid namespace."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def _ns_inode(kind: str) -> int:
+    """Inode of this process's ``kind`` namespace (0 if the kernel has none)."""
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,286 @@
+"""``groupcoord cleanup`` collects dead writers' channel directories and orphan owner
+records, and never removes anything of a live owner, another user, or a look-alike.
+
+Writers are real processes (a MessageQueue whose reader never attached, so its
+channel directory with the writer's sockets exists); "dead" means the writer
+and its exit reaper were both SIGKILLed (nothing of theirs can clean up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Iterator
+
+import psutil
+import pytest
+
+from shm_broadcast import leftovers
+from shm_broadcast.segment import SHM_DIR, OwnerIdentity
+from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cleanup(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([*prefix, sys.executable, "-m", "shm_broadcast.cli", "cleanup", *args],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def _start_writer(prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict[str, Any]]:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "tests.shm_broadcast.test_channel_dir_cleanup", "writer"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(30)
+        raise AssertionError(f"writer exited ({proc.returncode}) before reporting")
+    return proc, json.loads(line)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill the writer, and first the namespace's init when ``unshare`` started it
+    (killing ``unshare`` alone would leave its forked child running)."""
+    try:
+        for child in psutil.Process(proc.pid).children():
+            child.kill()
+    except psutil.NoSuchProcess:
+        pass
+    proc.kill()
+    proc.wait(30)
+
+
+def _remove_by_hand(info: dict[str, Any]) -> None:
+    shutil.rmtree(info["dir"], ignore_errors=True)
+    leftovers.unlink_segment(info["segment"])
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_writers_directory_is_listed_then_removed() -> None:
+    proc, info = _start_writer()
+    try:
+        assert sorted(os.listdir(info["dir"])) == ["c", "owner", "p", "w"]
+        listed = _cleanup("--all")
+        assert f"in use   {info['dir']}  (channel directory, owner pid {proc.pid}" in listed.stdout
+        kill_with_reaper(proc.pid)
+        proc.wait(30)
+        time.sleep(0.2)
+        assert os.path.isdir(info["dir"]), "nobody was left to remove it"
+        listed = _cleanup()
+        assert listed.returncode == 0, listed.stderr
+        assert f"orphan   {info['dir']}  (channel directory, owner pid {proc.pid}: no process" \
+            in listed.stdout, listed.stdout
+        assert os.path.isdir(info["dir"]), "without --yes nothing is removed"
+        removed = _cleanup("--yes")
+        assert f"removed  {info['dir']}" in removed.stdout, removed.stdout + removed.stderr
+        assert f"removed  {info['segment']}" in removed.stdout
+        assert not os.path.lexists(info["dir"])
+        assert not os.path.lexists(os.path.join(SHM_DIR, info["segment"] + ".owner"))
+    finally:
+        _stop(proc)
+        _remove_by_hand(info)
+
+
+@pytest.mark.timeout(120)
+def test_a_live_writer_in_another_pid_namespace_is_never_removed() -> None:
+    prefix = unshare_prefix()
+    proc, info = _start_writer(prefix)
+    try:
+        res = _cleanup("--yes")
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert f"kept     {info['dir']}" in res.stdout and "another pid namespace" in res.stdout
+        assert sorted(os.listdir(info["dir"])) == ["c", "owner", "p", "w"], "a live queue was hurt"
+        assert os.path.exists(os.path.join(SHM_DIR, info["segment"]))
+    finally:
+        _stop(proc)  # the namespace ends with its first process, the reaper with it
+        _remove_by_hand(info)
+
+
+@pytest.mark.timeout(60)
+def test_an_orphan_owner_record_is_removed_and_nothing_else() -> None:
+    proc, info = _start_writer()
+    seg = os.path.join(SHM_DIR, info["segment"])
+    foreign = None
+    try:
+        kill_with_reaper(proc.pid)
+        proc.wait(30)
+        os.unlink(seg)  # as if the owner died between unlinking the segment and its record
+        assert os.path.exists(seg + ".owner")
+        # Look-alikes that are not orphan records of ours: a link, another user's file.
+        link = os.path.join(SHM_DIR, f"gc_test_{proc.pid}_0badc0de.owner")
+        os.symlink("/etc/hostname", link)
+        ids = _nobody()
+        if ids is not None and os.geteuid() == 0:
+            foreign = os.path.join(SHM_DIR, f"gc_test_{proc.pid}_0f0f0f0f.owner")
+            with open(foreign, "w") as f:
+                f.write("{}")
+            os.chown(foreign, *ids)
+        listed = _cleanup()
+        assert f"orphan   {info['segment']}.owner  (owner record whose segment is gone)" \
+            in listed.stdout, listed.stdout
+        removed = _cleanup("--yes")
+        assert f"removed  {info['segment']}.owner" in removed.stdout, removed.stdout
+        assert not os.path.lexists(seg + ".owner")
+        assert os.path.islink(link) and (foreign is None or os.path.exists(foreign))
+        assert "0badc0de" not in removed.stdout and "0f0f0f0f" not in removed.stdout
+    finally:
+        _stop(proc)
+        _remove_by_hand(info)
+        for p in (os.path.join(SHM_DIR, f"gc_test_{proc.pid}_0badc0de.owner"), foreign):
+            if p and os.path.lexists(p):
+                os.unlink(p)
+
+
+# ---------------------------------------------------------------------- look-alikes
+def _nobody() -> tuple[int, int] | None:
+    try:
+        pw = pwd.getpwnam("nobody")
+    except KeyError:
+        return None
+    return pw.pw_uid, pw.pw_gid
+
+
+def _dead_identity() -> dict[str, Any]:
+    """An owner record that would be judged gone if it were trusted: ours, with the
+    pid of a process that has exited."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return {**OwnerIdentity.of_self().__dict__, "pid": p.pid}
+
+
+def _plant(base: str, rec: dict[str, Any], extra: str | None = None, prefix: str = "gc") -> str:
+    """A directory like a dead writer's: ``w`` socket, ``owner`` record, maybe more."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=base)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(os.path.join(path, "w"))
+    s.close()
+    fd = os.open(os.path.join(path, "owner"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, json.dumps(rec).encode())
+    os.close(fd)
+    if extra == "file":
+        open(os.path.join(path, "notes.txt"), "w").close()
+    elif extra == "link":
+        os.symlink(_VICTIM, os.path.join(path, "p"))
+    elif extra == "subdir":
+        os.mkdir(os.path.join(path, "r0"))
+    return path
+
+
+_VICTIM = os.path.join(tempfile.gettempdir(), "gc-cleanup-victim")
+
+
+@pytest.fixture
+def planted() -> Iterator[list[str]]:
+    """Paths the test plants; removed by hand afterwards."""
+    paths: list[str] = []
+    yield paths
+    for p in paths:
+        if os.path.islink(p) or os.path.isfile(p):
+            os.unlink(p)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_look_alike_planted_by_another_user_is_never_removed(planted: list[str]) -> None:
+    ids = _nobody()
+    if os.geteuid() != 0 or ids is None:
+        pytest.skip("needs root (to plant as 'nobody' in a forked child) and a 'nobody' user")
+    path = _plant_as(ids, leftovers.channel_dir_bases()[0], _dead_identity())
+    planted.append(path)
+    assert os.stat(path).st_uid == ids[0]
+    res = _cleanup("--yes", "--all")
+    assert path not in res.stdout, res.stdout  # not ours: not even listed
+    assert sorted(os.listdir(path)) == ["owner", "w"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra", ["file", "link", "subdir"])
+def test_our_directory_with_unexpected_contents_is_kept(extra: str, planted: list[str]) -> None:
+    with open(_VICTIM, "w") as f:
+        f.write("keep me")
+    planted.append(_VICTIM)
+    path = _plant(leftovers.channel_dir_bases()[0], _dead_identity(), extra)
+    planted.append(path)
+    before = sorted(os.listdir(path))
+    res = _cleanup("--yes")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"kept     {path}" in res.stdout and "which a queue does not create" in res.stdout
+    assert sorted(os.listdir(path)) == before
+    with open(_VICTIM) as f:
+        assert f.read() == "keep me"
+
+
+@pytest.mark.timeout(60)
+def test_a_link_named_like_a_channel_directory_is_not_followed(planted: list[str]) -> None:
+    base = leftovers.channel_dir_bases()[0]
+    target = _plant(base, _dead_identity(), prefix="gc-link-target-")  # not our name
+    planted.append(target)
+    link = os.path.join(base, "gczzlinkzz")
+    os.symlink(target, link)  # our name, but a link: never followed
+    planted.append(link)
+    res = _cleanup("--yes")
+    assert link not in res.stdout and target not in res.stdout, res.stdout
+    assert os.path.islink(link) and sorted(os.listdir(target)) == ["owner", "w"]
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_owners_directory_without_anything_foreign_is_removed(planted: list[str]) -> None:
+    """The positive control of the look-alike tests: the same planting, ours and
+    clean, is removed (so the tests above fail if the checks are dropped)."""
+    path = _plant(leftovers.channel_dir_bases()[0], _dead_identity())
+    planted.append(path)
+    res = _cleanup("--yes")
+    assert f"removed  {path}" in res.stdout, res.stdout + res.stderr
+    assert not os.path.lexists(path)
+
+
+def _plant_as(ids: tuple[int, int], base: str, rec: dict[str, Any]) -> str:
+    """:func:`_plant` in a forked child running as ``ids`` (uid, gid)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: syscalls only, then _exit
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setgid(ids[1])
+            os.setuid(ids[0])
+            out = _plant(base, rec).encode()
+        except BaseException as e:
+            out = b"!" + repr(e).encode()
+        os.write(w, struct.pack("<i", len(out)) + out)
+        os._exit(0)
+    os.close(w)
+    try:
+        n = struct.unpack("<i", os.read(r, 4))[0]
+        out = os.read(r, n).decode()
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert not out.startswith("!"), out
+    return out
+
+
+# ---------------------------------------------------------------------- child process
+def _writer() -> None:
+    """A writer whose one local reader never attaches: its channel directory stays."""
+    from shm_broadcast import MessageQueue
+
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2)
+    print(json.dumps({"pid": os.getpid(), "segment": mq._impl.ring.name,
+                      "dir": mq._impl._channel_dir}), flush=True)
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "writer":
+        _writer()
