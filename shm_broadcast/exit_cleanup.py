@@ -65,26 +65,44 @@ __all__ = ["EXIT_SIGNALS", "add_segment", "discard_segment", "add_dir", "discard
 #: Fatal signals whose default action is handled (path 2 above).
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 _REAPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+_SH = "/bin/sh"
 
 
 class _ReaperLink:
-    """This process's end of the pipe to its reaper."""
+    """This process's end of the pipe to its reaper.
+
+    The reaper is started detached (see :mod:`shm_broadcast.reaper`): a
+    ``/bin/sh`` started with ``posix_spawn`` puts it in the background and
+    exits at once, so the reaper is not our child. Without ``/bin/sh`` or our
+    start time (no ``/proc``) it is started as our child instead.
+    """
 
     def __init__(self, owner: int) -> None:
         r, w = os.pipe()
+        reaper = [sys.executable, "-I", "-S", _REAPER_PATH, MARKER, str(owner)]
+        ticks = _own_start_ticks()
+        detached = ticks is not None and os.access(_SH, os.X_OK)
+        if detached:  # $0 "$@" = the reaper's command; fd 3 becomes its stdin
+            argv = [_SH, "-c", 'exec "$0" "$@" <&3 3<&- &', *reaper, str(ticks)]
+            stdin = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                     (os.POSIX_SPAWN_DUP2, r, 3)]
+        else:
+            argv, stdin = reaper, [(os.POSIX_SPAWN_DUP2, r, 0)]
         try:
-            argv = [sys.executable, "-I", "-S", _REAPER_PATH, MARKER, str(owner)]
-            self.pid = os.posix_spawn(
-                sys.executable, argv, dict(os.environ),
-                file_actions=[(os.POSIX_SPAWN_DUP2, r, 0),
-                              (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+            pid = os.posix_spawn(
+                argv[0], argv, dict(os.environ),
+                file_actions=[*stdin, (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
                               (os.POSIX_SPAWN_DUP2, 1, 2)],
                 setsid=True, setsigmask=())
+            if detached:
+                os.waitpid(pid, 0)  # the shell exits once the reaper is started
         except BaseException:
             os.close(w)
             raise
         finally:
             os.close(r)
+        #: The reaper's pid when it is our child (None when detached).
+        self.child_pid = None if detached else pid
         self.fd = w
 
     def send(self, line: bytes) -> bool:
@@ -103,11 +121,25 @@ class _ReaperLink:
             pass
 
     def reap(self) -> None:
-        """Collect the exit status of a reaper that died while we live."""
+        """Collect the exit status of a reaper child that died while we live."""
+        if self.child_pid is None:
+            return
         try:
-            os.waitpid(self.pid, os.WNOHANG)
+            os.waitpid(self.child_pid, os.WNOHANG)
         except ChildProcessError:
             pass
+
+
+def _own_start_ticks() -> int | None:
+    """This process's start time in clock ticks since boot, or None without ``/proc``."""
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None  # /proc of another pid namespace
+        with open("/proc/self/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class ExitCleanup:
@@ -167,7 +199,9 @@ class ExitCleanup:
     def reaper_pid(self) -> int | None:
         """Pid of this process's reaper (None before the first registration)."""
         link = self._link
-        return link.pid if link is not None else None
+        if link is None:
+            return None
+        return link.child_pid if link.child_pid is not None else _find_reaper(os.getpid())
 
     # ------------------------------------------------------------ reaper
     def _tell(self, line: str) -> None:
@@ -276,6 +310,23 @@ class ExitCleanup:
         signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # delivered right here
         signal.raise_signal(signum)
+
+
+def _find_reaper(owner: int) -> int | None:
+    """Pid of the detached reaper of ``owner`` (found by its command line in ``/proc``)."""
+    want = [MARKER.encode(), str(owner).encode()]
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        for i in range(len(args) - 1):
+            if args[i : i + 2] == want:
+                return int(entry)
+    return None
 
 
 _REGISTRY = ExitCleanup()

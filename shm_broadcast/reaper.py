@@ -1,12 +1,17 @@
 """The exit reaper: a tiny process that removes its owner's files once the owner is gone.
 
 Started by :mod:`shm_broadcast.exit_cleanup` with the owner's first segment or
-channel directory, as ``python -I -S reaper.py --groupcoord-reaper <owner pid>``
-(standard library only; it loads :mod:`shm_broadcast.leftovers` by path, never
-the package). It runs in its own session and ignores ``SIGINT``, ``SIGTERM``
-and ``SIGHUP``, so the signal that ends its owner (a terminal's Ctrl-C or
-hangup, ``kill`` of the owner's process group, a service manager's
-``SIGTERM`` to every process of the unit) does not end it first.
+channel directory, as ``python -I -S reaper.py --groupcoord-reaper <owner pid>
+<owner start ticks>`` (standard library only; it loads
+:mod:`shm_broadcast.leftovers` by path, never the package). It is *detached*:
+started in the background by a ``/bin/sh`` that exits at once, so it is not a
+child of its owner (nothing for the owner to reap, nothing in the owner's
+process tree) and runs in its own session. It ignores ``SIGINT``,
+``SIGTERM`` and ``SIGHUP``, so the signal that ends its owner (a terminal's
+Ctrl-C or hangup, ``kill`` of the owner's process group, a service manager's
+``SIGTERM`` to every process of the unit) does not end it first. Without
+``/bin/sh`` or a readable ``/proc`` it is started as the owner's child
+instead (no start ticks on its command line).
 
 Protocol (owner -> reaper, on the reaper's stdin; one line per change, each
 written with a single ``write`` of less than ``PIPE_BUF`` bytes, so lines
@@ -19,12 +24,18 @@ never interleave)::
 
 What holds:
 
-* The owner is gone exactly when this process's parent pid is no longer
-  the owner's pid (the kernel re-parents a child when its parent exits, and
-  the parent cannot exit and come back). The reaper sleeps on a pidfd of the
-  owner (Linux >= 5.3), which becomes readable when the owner exits, and
-  re-checks the parent pid; without pidfds it polls the parent pid every
-  half second.
+* The owner is gone once it has exited. A detached reaper opens a pidfd of
+  the owner's pid (Linux >= 5.3) and then checks that pid's start time
+  (clock ticks since boot) against the owner's, given on its command line:
+  if they differ, or the pid is gone or a zombie, the owner exited before
+  the reaper got going (the pid may even name another process by then).
+  Otherwise the pidfd names the owner itself and becomes readable when it
+  exits, whatever happens to the pid afterwards.
+  Without pidfds it polls ``/proc/<pid>/stat`` every half second: gone when
+  the pid is missing, a zombie, or has another start time. A reaper started
+  as the owner's child sleeps on the same pidfd and knows the owner gone when
+  its parent pid changes (the kernel re-parents a child when its parent
+  exits, and the parent cannot exit and come back).
 * After the owner is gone, every line it wrote is already in the pipe: the
   reaper reads what is left without blocking (a child the owner forked
   without ``exec`` may still hold the write end, so it does not wait for
@@ -45,7 +56,7 @@ import signal
 import sys
 from types import ModuleType
 
-__all__ = ["MARKER", "Registry", "main"]
+__all__ = ["MARKER", "OwnerWatch", "Registry", "main"]
 
 #: First argument of a reaper's command line (how tests and ``ps`` recognise one).
 MARKER = "--groupcoord-reaper"
@@ -107,8 +118,59 @@ class Registry:
         self.dirs.clear()
 
 
-def _owner_gone(owner: int) -> bool:
-    return os.getppid() != owner
+class OwnerWatch:
+    """Tells whether the owner process has exited (see the module docstring).
+
+    Args:
+        owner: The owner's pid.
+        start_ticks: Its start time in clock ticks since boot, for a detached
+            reaper; None for a reaper that is the owner's child.
+    """
+
+    def __init__(self, owner: int, start_ticks: int | None) -> None:
+        self.owner = owner
+        self.start_ticks = start_ticks
+        self.fd = -1
+        self._exited = False
+        try:
+            self.fd = os.pidfd_open(owner)
+        except ProcessLookupError:
+            self._exited = True
+        except (AttributeError, OSError):
+            pass
+        if start_ticks is not None and not self._exited and self._identity_changed():
+            self._exited = True  # the pid already names another process
+
+    def _identity_changed(self) -> bool:
+        state_ticks = _state_and_ticks(self.owner)
+        return state_ticks is None or state_ticks[0] == b"Z" or state_ticks[1] != self.start_ticks
+
+    def gone(self) -> bool:
+        """Whether the owner has exited (checked now, without blocking)."""
+        if self._exited:
+            return True
+        if self.start_ticks is None:
+            self._exited = os.getppid() != self.owner
+        elif self.fd >= 0:
+            self._exited = bool(select.select([self.fd], [], [], 0)[0])
+        else:
+            self._exited = self._identity_changed()
+        return self._exited
+
+    def poll_timeout_ms(self) -> int | None:
+        """How long one wait may block: forever on a pidfd, else the polling period."""
+        return None if self.fd >= 0 else int(_POLL_NO_PIDFD_S * 1000)
+
+
+def _state_and_ticks(pid: int) -> tuple[bytes, int] | None:
+    """``(state letter, start ticks)`` of process ``pid``, or None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        fields = raw[raw.rindex(b")") + 2:].split()
+        return fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _read_available(fd: int, reg: Registry) -> bool:
@@ -127,7 +189,7 @@ def _read_available(fd: int, reg: Registry) -> bool:
         reg.feed(data)
 
 
-def run(owner: int, stdin_fd: int = 0) -> Registry:
+def run(watch: OwnerWatch, stdin_fd: int = 0) -> Registry:
     """Follow the owner's lines until it is gone, then remove what it left.
 
     Returns:
@@ -135,20 +197,15 @@ def run(owner: int, stdin_fd: int = 0) -> Registry:
     """
     leftovers = _load_leftovers()
     reg = Registry()
-    try:
-        pidfd = os.pidfd_open(owner)
-    except (AttributeError, OSError):
-        pidfd = -1
     os.set_blocking(stdin_fd, False)
     reading = True
     poller = select.poll()
     poller.register(stdin_fd, select.POLLIN)
-    if pidfd >= 0:
-        poller.register(pidfd, select.POLLIN)
-    while not _owner_gone(owner):
-        timeout = None if pidfd >= 0 else int(_POLL_NO_PIDFD_S * 1000)
+    if watch.fd >= 0:
+        poller.register(watch.fd, select.POLLIN)
+    while not watch.gone():
         try:
-            events = poller.poll(timeout)
+            events = poller.poll(watch.poll_timeout_ms())
         except InterruptedError:
             continue
         if reading and any(fd == stdin_fd for fd, _ in events):
@@ -162,19 +219,30 @@ def run(owner: int, stdin_fd: int = 0) -> Registry:
 
 
 def main(argv: list[str]) -> int:
-    """``reaper.py --groupcoord-reaper <owner pid>``."""
-    if len(argv) != 2 or argv[0] != MARKER or not argv[1].isdigit():
-        print(f"usage: reaper.py {MARKER} <owner pid>", file=sys.stderr)
+    """``reaper.py --groupcoord-reaper <owner pid> [<owner start ticks>]``."""
+    if (len(argv) not in (2, 3) or argv[0] != MARKER
+            or not all(a.isdigit() for a in argv[1:])):
+        print(f"usage: reaper.py {MARKER} <owner pid> [<owner start ticks>]", file=sys.stderr)
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    os.closerange(3, 65536)  # descriptors the owner let it inherit are not ours to hold
+    watch = OwnerWatch(int(argv[1]), int(argv[2]) if len(argv) == 3 else None)
+    if watch.fd < 0:
+        os.closerange(3, 65536)  # inherited descriptors are not ours to hold
+    else:
+        _close_all_but(watch.fd)
     try:
         os.chdir("/")  # hold no directory busy
     except OSError:
         pass
-    run(int(argv[1]))
+    run(watch)
     return 0
+
+
+def _close_all_but(keep: int) -> None:
+    """Close inherited descriptors (they are not ours to hold), keeping ``keep``."""
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 65536)
 
 
 if __name__ == "__main__":

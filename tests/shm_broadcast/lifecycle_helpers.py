@@ -18,15 +18,15 @@ __all__ = ["reaper_of", "kill_with_reaper", "wait_exit", "wait_gone", "unshare_p
 
 
 def reaper_of(pid: int, timeout: float = 10.0) -> psutil.Process:
-    """The exit reaper of process ``pid`` (its child started with the reaper marker)."""
+    """The exit reaper of process ``pid`` (detached: found by its command line,
+    ``... --groupcoord-reaper <pid> <start ticks>``)."""
+    want = [REAPER_MARKER, str(pid)]
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            for c in psutil.Process(pid).children():
-                if REAPER_MARKER in c.cmdline():
-                    return c
-        except psutil.Error:
-            pass
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if any(cmd[i : i + 2] == want for i in range(len(cmd) - 1)):
+                return p
         if time.monotonic() > deadline:
             raise AssertionError(f"process {pid} has no exit reaper")
         time.sleep(0.02)
