@@ -109,7 +109,7 @@ class CallErrors:
                 continue  # a malformed identity only loses the side check
             self.hosts[r], self.pids[r] = str(host), pid
             if boot and pidns and peer_boot == boot and peer_ns == pidns:
-                self.watches[r] = PeerWatch(pid, float(ctime))
+                self.watches[r] = PeerWatch(pid, float(ctime) or None)  # 0: start unknown
 
     # ------------------------------------------------------------------ entry
     def explain(self, op: str, seq: int, e: BaseException,

@@ -32,8 +32,8 @@ Liveness over TCP (what ends a connection, and what does not):
 * A peer that is merely *paused* (``SIGSTOP``, a debugger, swapping, a long
   GC pause) must not look dead. ZMTP heartbeats cannot tell the two apart:
   the heartbeat is answered by the peer's zmq I/O thread, which a stopped
-  process does not run, so a 3 s heartbeat timeout turned every 4 s pause
-  into a disconnect on both sides and lost the messages in flight. TCP
+  process does not run, so any heartbeat timeout would turn a longer pause
+  into a disconnect on both sides and lose the messages in flight. TCP
   sockets here therefore use no ZMTP heartbeat; they use kernel TCP
   keepalive (:data:`KEEPALIVE_IDLE_S`, :data:`KEEPALIVE_INTERVAL_S`,
   :data:`KEEPALIVE_PROBES`), which the peer's *kernel* answers whether or not

@@ -190,3 +190,33 @@ def test_every_rank_raises_within_the_timeout_naming_op_and_ranks(index: int) ->
                          ids=[f"{k}-{t}" for k, t, _ in _SLOW_CASES])
 def test_every_rank_raises_within_the_timeout_more_sizes(world_size: int, index: int) -> None:
     _check(world_size, _SLOW_CASES, index)
+
+
+# ------------------------------------------------------------------ a live peer that gave up
+def _gave_up(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 0 times out on a gloo receive (gloo then closes its connections); rank 1
+    arrives later and finds the connection closed by a peer that is alive."""
+    from coordinator import GroupCoordinator
+    from coordinator.errors import GroupCoordError
+
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="gave-up",
+                         timeout=1.5)
+    try:
+        if rank == 1:
+            time.sleep(2.5)
+        g.recv_object(src=1 - rank)
+        return {"error": None}
+    except GroupCoordError as e:
+        return {"error": type(e).__name__, "text": str(e), "peers": list(e.peers)}
+    finally:
+        time.sleep(0.5)
+        g.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_a_live_peer_that_gave_up_is_not_reported_dead(dist_pool) -> None:
+    r0, r1 = dist_pool(2).run(_gave_up, timeout=90)
+    assert r0["error"] == "CommTimeout" and r0["peers"] == [1], r0
+    assert "op recv_object, call #1" in r0["text"], r0
+    assert r1["error"] == "ClosedError" and r1["peers"] == [0], r1
+    assert "alive" in r1["text"] and "gave-up" in r1["text"], r1
