@@ -235,12 +235,7 @@ class GroupCoordinator:
 
         ``input_`` may be a list of tensors; then a list comes back.
         """
-        self.calls = seq = self.calls + 1
-        try:
-            return self.comm.all_gatherv(input_, dim, sizes)
-        except WAIT_ERRORS as e:
-            self._errors.explain("all_gatherv", seq, e)
-            raise
+        return self._run("all_gatherv", self.comm.all_gatherv, input_, dim, sizes)
 
     def reduce_scatter(
         self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
@@ -263,53 +258,28 @@ class GroupCoordinator:
         op: ReduceOp = ReduceOp.SUM,
     ) -> torch.Tensor:
         """Reduce, then keep ``sizes[rank]`` entries along ``dim`` (sizes sum to the dim)."""
-        self.calls = seq = self.calls + 1
-        try:
-            return self.comm.reduce_scatterv(input_, dim, sizes, op)
-        except WAIT_ERRORS as e:
-            self._errors.explain("reduce_scatterv", seq, e)
-            raise
+        return self._run("reduce_scatterv", self.comm.reduce_scatterv, input_, dim, sizes, op)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
-        self.calls = seq = self.calls + 1
-        try:
-            return self.comm.gather(input_, dst, dim)
-        except WAIT_ERRORS as e:
-            self._errors.explain("gather", seq, e)
-            raise
+        return self._run("gather", self.comm.gather, input_, dst, dim)
 
     def reduce(
         self, input_: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor | None:
         """Reduce onto ``dst`` (a new tensor there, None elsewhere)."""
-        self.calls = seq = self.calls + 1
-        try:
-            return self.comm.reduce(input_, dst, op)
-        except WAIT_ERRORS as e:
-            self._errors.explain("reduce", seq, e)
-            raise
+        return self._run("reduce", self.comm.reduce, input_, dst, op)
 
     def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = 0) -> torch.Tensor:
         """Split ``src``'s tensor into equal slices along ``dim``; rank ``i`` gets slice ``i``."""
-        self.calls = seq = self.calls + 1
-        try:
-            return self.comm.scatter(input_, src, dim)
-        except WAIT_ERRORS as e:
-            self._errors.explain("scatter", seq, e)
-            raise
+        return self._run("scatter", self.comm.scatter, input_, src, dim)
 
     def all_to_all(
         self, input_: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0
     ) -> torch.Tensor:
         """Slice ``j`` along ``scatter_dim`` goes to rank ``j``; received slices are
         concatenated along ``gather_dim``."""
-        self.calls = seq = self.calls + 1
-        try:
-            return self.comm.all_to_all(input_, scatter_dim, gather_dim)
-        except WAIT_ERRORS as e:
-            self._errors.explain("all_to_all", seq, e)
-            raise
+        return self._run("all_to_all", self.comm.all_to_all, input_, scatter_dim, gather_dim)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
@@ -416,12 +386,8 @@ class GroupCoordinator:
             CollectiveMismatch: On a receiver: the source failed, or sent a
                 list of another length.
         """
-        self.calls = seq = self.calls + 1
-        try:
-            return self._broadcast_object_list(obj_list, src, group)
-        except WAIT_ERRORS as e:
-            self._errors.explain("broadcast_object_list", seq, e)
-            raise
+        return self._run("broadcast_object_list", self._broadcast_object_list, obj_list, src,
+                         group)
 
     def _broadcast_object_list(self, obj_list: list[Any], src: int,
                                group: dist.ProcessGroup | None) -> list[Any]:
@@ -462,12 +428,7 @@ class GroupCoordinator:
             TypeError: ``obj`` cannot be encoded; the receiver is told and raises
                 ``CollectiveMismatch``.
         """
-        self.calls = seq = self.calls + 1
-        try:
-            self._send_object(obj, dst)
-        except WAIT_ERRORS as e:
-            self._errors.explain("send_object", seq, e, partner=_peer(dst))
-            raise
+        self._run("send_object", self._send_object, obj, dst, partner=_peer(dst))
 
     def _send_object(self, obj: Any, dst: int) -> None:
         """:meth:`send_object` without counting a call (for calls built on it)."""
@@ -482,12 +443,7 @@ class GroupCoordinator:
             CollectiveMismatch: The sender could not encode its object.
             DecodeError: The bytes received are malformed.
         """
-        self.calls = seq = self.calls + 1
-        try:
-            return self._recv_object(src)
-        except WAIT_ERRORS as e:
-            self._errors.explain("recv_object", seq, e, partner=_peer(src))
-            raise
+        return self._run("recv_object", self._recv_object, src, partner=_peer(src))
 
     def _recv_object(self, src: int) -> Any:
         """:meth:`recv_object` without counting a call (for calls built on it)."""
@@ -551,13 +507,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return
         self._check_peer(dst, "dst")
-        self.calls = seq = self.calls + 1
-        try:
-            tensor_dict_ops.send_tensor_dict(self, tensor_dict, dst, _ag(all_gather_group),
-                                             all_gather_tensors)
-        except WAIT_ERRORS as e:
-            self._errors.explain("send_tensor_dict", seq, e, partner=dst)
-            raise
+        self._run("send_tensor_dict", tensor_dict_ops.send_tensor_dict, self, tensor_dict, dst,
+                  _ag(all_gather_group), all_gather_tensors, partner=dst)
 
     def recv_tensor_dict(
         self,
@@ -576,12 +527,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return None
         self._check_peer(src, "src")
-        self.calls = seq = self.calls + 1
-        try:
-            return tensor_dict_ops.recv_tensor_dict(self, src, _ag(all_gather_group))
-        except WAIT_ERRORS as e:
-            self._errors.explain("recv_tensor_dict", seq, e, partner=src)
-            raise
+        return self._run("recv_tensor_dict", tensor_dict_ops.recv_tensor_dict, self, src,
+                         _ag(all_gather_group), partner=src)
 
     # ------------------------------------------------------------------ control
     def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
@@ -746,6 +693,16 @@ class GroupCoordinator:
     def _check_live(self, op: str) -> None:
         if self._destroyed:
             raise NotInitializedError(setup.destroyed_msg(self.unique_name, op))
+
+    def _run(self, op: str, fn: Any, *args: Any, partner: int | None = None) -> Any:
+        """Run ``fn(*args)`` as call ``op`` of this group: numbered, and a failed wait
+        explained (see :mod:`coordinator.call_errors`). The busiest calls inline this."""
+        self.calls = seq = self.calls + 1
+        try:
+            return fn(*args)
+        except WAIT_ERRORS as e:
+            self._errors.explain(op, seq, e, partner=partner)
+            raise
 
     def _cpu_call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a gloo call of this group (backend errors are translated by the
