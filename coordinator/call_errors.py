@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, NoReturn, Sequence
 
 import psutil
@@ -49,6 +50,10 @@ from shm_broadcast.segment import OwnerIdentity
 from shm_broadcast.waiting import PeerWatch
 
 __all__ = ["CallErrors", "WAIT_ERRORS", "own_identity"]
+
+#: Seconds to look again at peers' processes before reporting a closed connection
+#: from a live peer (an exiting process closes its sockets just before it is gone).
+_EXIT_GRACE_S = 0.1
 
 #: What a call may raise when a wait fails: our timeouts, and RuntimeError
 #: (PeerDiedError, BrokenCommunicator, or an untranslated backend error).
@@ -79,7 +84,6 @@ class CallErrors:
         name: The group's unique name.
         rank: This process's group rank.
         world_size: The group's size.
-        timeout: The group's timeout in seconds.
 
     Attributes:
         watches: Per group rank, a :class:`PeerWatch` of its process when it
@@ -87,11 +91,10 @@ class CallErrors:
         hosts: Per group rank, its host name (empty until :meth:`learn_peers`).
     """
 
-    def __init__(self, name: str, rank: int, world_size: int, timeout: float) -> None:
+    def __init__(self, name: str, rank: int, world_size: int) -> None:
         self.name = name
         self.rank = rank
         self.world_size = world_size
-        self.timeout = timeout
         self.watches: list[PeerWatch | None] = [None] * world_size
         self.hosts: list[str] = [""] * world_size
         self.pids: list[int] = [0] * world_size
@@ -181,6 +184,11 @@ class CallErrors:
         candidates = [partner] if partner is not None else [
             r for r in range(self.world_size) if r != self.rank]
         states = {r: self._state(r) for r in candidates}
+        if "exited" not in states.values():
+            # An exiting process closes its sockets a moment before it is gone:
+            # look again before calling a peer alive.
+            time.sleep(_EXIT_GRACE_S)
+            states = {r: self._state(r) for r in candidates}
         gone = [r for r in candidates if states[r] == "exited"]
         listing = self._states(candidates, states)
         first = backend_text

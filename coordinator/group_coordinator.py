@@ -146,8 +146,7 @@ class GroupCoordinator:
         self.allow_pickle = allow_pickle
         self.codec = Codec(allow_pickle=allow_pickle)
         self._destroyed = False
-        self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size,
-                                  self.timeout)
+        self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size)
         if self.world_size > 1:
             self._errors.learn_peers(self.cpu_group)
         self.device_communicator: DeviceCommunicator | None = None

@@ -13,8 +13,10 @@ The cases of issue 13: after ``init_distributed_environment(timeout=T)`` and
 * ``p2p-deadlock``: every rank waits in ``recv_tensor_dict`` from the previous
   rank, which never sends.
 
-Each runs on the shared-memory collectives and on plain gloo
-(``GROUPCOORD_CPU_SHM=0``). Every rank that is not stopped must raise
+Each runs on the shared-memory collectives (``shm``), on plain gloo
+(``gloo``: ``GROUPCOORD_CPU_SHM=0``) and on two simulated hosts (``hier``:
+``GROUPCOORD_NODE_ID``, so the collectives are hierarchical and the TP
+queue's readers on the second host read over TCP). Every rank that is not stopped must raise
 ``CommTimeout`` within ``T + 2`` s of the fault (not before ``T``), naming the
 group, the op it was in, its call number, and the ranks that did not arrive
 (``peers``, and in the text).
@@ -43,10 +45,11 @@ _CI_CASES = [
     ("driver-all-reduce", "gloo", 2.0),
     ("reader-barrier", "gloo", 2.0),
     ("p2p-deadlock", "shm", 2.0),
+    ("reader-stopped", "hier", 2.0),
 ]
 _SLOW_CASES = [(k, t, 2.0) for k in ("reader-busy", "reader-barrier", "reader-stopped",
                                       "driver-all-reduce", "p2p-deadlock")
-               for t in ("shm", "gloo")]
+               for t in ("shm", "gloo", "hier")]
 _GRACE_S = 2.0  # the issue's bound: every rank raises within timeout + 2 s
 
 
@@ -62,6 +65,11 @@ def _one_case(rank: int, world_size: int, kind: str, transport: str, timeout: fl
     from coordinator import parallel_state as ps
 
     os.environ["GROUPCOORD_CPU_SHM"] = "0" if transport == "gloo" else "1"
+    for var in ("GROUPCOORD_NODE_ID", "GROUPCOORD_HOST_IP"):
+        os.environ.pop(var, None)
+    if transport == "hier":  # ranks [0, n/2) on one host, the rest on another
+        os.environ["GROUPCOORD_NODE_ID"] = f"host{rank * 2 // world_size}"
+        os.environ["GROUPCOORD_HOST_IP"] = "127.0.0.1"
     ps.destroy_distributed_environment()
     ps.init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", rank,
                                     timeout=timeout)
@@ -72,19 +80,19 @@ def _one_case(rank: int, world_size: int, kind: str, transport: str, timeout: fl
         tp.broadcast_tensor_dict({"i": i, "x": torch.ones(8)} if rank == 0 else None)
         tp.all_reduce(torch.ones(8))
     mode = tp.comm.mode
+    remote = tp.mq_broadcaster.transport if rank else "writer"
     tp.barrier()
     t0 = time.time()
-    rec = _run_fault(rank, world_size, kind, tp, pids, t0 + timeout + _GRACE_S)
-    rec.update(mode=mode, t0=t0)
-    # In a passing run every rank has raised by now: only then tear the groups down
-    # (a peer's teardown would otherwise end a wait that must end by timing out).
-    time.sleep(max(0.0, t0 + timeout + _GRACE_S + 0.3 - time.time()))
+    rec = _run_fault(rank, world_size, kind, tp, pids)
+    rec.update(mode=mode, t0=t0, queue=remote)
+    # Tear the groups down only once every rank is done (a peer's teardown would
+    # end a wait that must end by timing out): the world group is untouched.
+    ps.get_world_group().barrier(timeout=timeout + _GRACE_S + 10)
     ps.destroy_distributed_environment()
     return rec
 
 
-def _run_fault(rank: int, world_size: int, kind: str, tp: Any, pids: list[int],
-               resume_at: float) -> dict[str, Any]:
+def _run_fault(rank: int, world_size: int, kind: str, tp: Any, pids: list[int]) -> dict[str, Any]:
     import torch
 
     from coordinator.errors import GroupCoordError
@@ -108,14 +116,13 @@ def _run_fault(rank: int, world_size: int, kind: str, tp: Any, pids: list[int],
             tp.all_reduce(torch.ones(8))
         elif kind == "reader-barrier":
             tp.barrier()
-        else:  # reader-stopped: rank 0 resumes it once everyone else raised
+        else:  # reader-stopped: rank 0 resumes it once it raised (naming it stopped)
             os.kill(os.getpid(), signal.SIGSTOP)
             return {"error": "stopped", "t": time.time()}
         return {"error": None, "t": time.time()}
     except GroupCoordError as e:
         t = time.time()
         if kind == "reader-stopped" and rank == 0:
-            time.sleep(max(0.0, resume_at - time.time()))
             os.kill(pids[victim], signal.SIGCONT)
         return {"error": type(e).__name__, "t": t, "text": str(e),
                 "peers": list(e.peers), "op": getattr(e, "op", None),
@@ -124,7 +131,8 @@ def _run_fault(rank: int, world_size: int, kind: str, tp: Any, pids: list[int],
 
 # ------------------------------------------------------------------ expectations
 def _expected(kind: str, rank: int, world_size: int) -> tuple[str, list[int]]:
-    """``(op, peers)`` the rank must name."""
+    """``(op, peers)`` the rank must name (for a hierarchical all_reduce, a subset:
+    stuck in its host's shared-memory stage, a rank knows only that host's ranks)."""
     victim, others = world_size - 1, [r for r in range(world_size) if r != rank]
     if kind == "driver-all-reduce":
         return ("all_reduce", others) if rank == 0 else ("broadcast_tensor_dict", [0])
@@ -156,9 +164,12 @@ def _check(world_size: int, cases: list, index: int) -> None:
     kind, transport, timeout = cases[index]
     recs = _results(world_size, cases)[index]
     t0 = min(r["t0"] for r in recs)
-    want_mode = "gloo" if transport == "gloo" else "shm"
+    want_mode = {"gloo": "gloo", "shm": "shm",
+                 "hier": "hierarchical" if world_size > 2 else "gloo"}[transport]
     for rank, rec in enumerate(recs):
         assert rec["mode"] == want_mode, rec
+        if transport == "hier" and rank >= (world_size + 1) // 2:
+            assert rec["queue"] == "tcp", rec  # the second host reads the TP queue over TCP
         if kind == "reader-stopped" and rank == world_size - 1:
             assert rec["error"] == "stopped", rec
             continue
@@ -168,8 +179,11 @@ def _check(world_size: int, cases: list, index: int) -> None:
         assert timeout - 0.5 <= elapsed <= timeout + _GRACE_S, f"after {elapsed:.2f}s: {where}"
         op, peers = _expected(kind, rank, world_size)
         assert rec["op"] == op and f"op {op}" in rec["text"], where
-        assert sorted(rec["peers"]) == peers, where
-        assert f"rank(s) {peers}" in rec["text"], where
+        if transport == "hier" and op == "all_reduce":
+            assert rec["peers"] and set(rec["peers"]) <= set(peers), where
+        else:
+            assert sorted(rec["peers"]) == peers, where
+        assert f"rank(s) {sorted(rec['peers'])}" in rec["text"], where
         assert "group 'tp:" in rec["text"] and f"call #{rec['call']}" in rec["text"], where
         assert rec["call"] >= 1, where
         if kind == "reader-stopped" and rank == 0:
