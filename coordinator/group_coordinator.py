@@ -12,6 +12,13 @@ A coordinator owns, for the ranks of one group (say one TP group):
 Ranks in arguments are ranks *within the group*. A group of one answers every
 call locally. Tensor results are new tensors; inputs are never modified except
 by :meth:`GroupCoordinator.broadcast` (receivers pass the buffer to fill).
+
+One timeout bounds every wait of a group (default 300 s; see
+:mod:`shm_broadcast.timeouts`): gloo calls, shared-memory collectives, message
+queue broadcasts, barriers and point-to-point calls. Each call has a sequence
+number, and a wait that runs out raises ``CommTimeout`` naming the group, the
+op, the call number and the ranks that did not arrive
+(:mod:`coordinator.call_errors`).
 """
 
 from __future__ import annotations
@@ -19,12 +26,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import re
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from coordinator import custom_ops
+from coordinator.call_errors import WAIT_ERRORS, CallErrors
 from coordinator import group_setup as setup
 from coordinator import tensor_dict as tensor_dict_ops
 from coordinator.errors import CollectiveMismatch, CommTimeout, NotInitializedError
@@ -33,8 +42,8 @@ from coordinator import object_comm
 from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms import validation
-from device_comms.errors import translate_backend_error
 from shm_broadcast.checks import check_timeout
+from shm_broadcast.timeouts import default_timeout
 from shm_broadcast.codec import Codec
 
 __all__ = ["GroupCoordinator", "GraphCaptureContext", "side_stream"]
@@ -51,8 +60,7 @@ class GraphCaptureContext:
     stream: Any = None
 
 
-#: torch.distributed's default process-group timeout, in seconds (30 minutes).
-_TORCH_DEFAULT_TIMEOUT_S = 1800.0
+_MONITORED_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 class GroupCoordinator:
     """Collectives for one group of ranks (one parallel dimension).
@@ -71,7 +79,12 @@ class GroupCoordinator:
             metadata from rank 0 through a shared-memory message queue.
         group_name: Base name; the unique name is ``<group_name>:<n>``.
         device_communicator: Registry name to force a specific communicator.
-        timeout: Timeout of the process groups created here.
+        timeout: Seconds (or a timedelta, ``> 0``) that bound every wait of
+            this group: its gloo groups, its device communicator, its message
+            queues, barriers and point-to-point calls. None: the
+            ``GROUPCOORD_TIMEOUT`` environment variable, else 300 s (the
+            communicator may then take ``GROUPCOORD_CPU_SHM_TIMEOUT``; see
+            :mod:`shm_broadcast.timeouts`).
         allow_pickle: Opt in to pickle for objects msgspec cannot carry
             (dataclasses, enums, arbitrary classes) in object collectives,
             tensor-dict values and the group's message queues. Off by
@@ -93,6 +106,9 @@ class GroupCoordinator:
         unique_name: Name unique within the process (``tp:0``).
         allow_pickle: Whether this group opted in to pickle.
         codec: The :class:`shm_broadcast.codec.Codec` of the object collectives.
+        timeout: Seconds every wait of this group may last.
+        calls: Calls made so far on this rank; the next call is number
+            ``calls + 1`` (errors name it: ranks making the same calls agree).
     """
 
     def __init__(
@@ -105,7 +121,7 @@ class GroupCoordinator:
         group_name: str | None = None,
         *,
         device_communicator: str | None = None,
-        timeout: datetime.timedelta | None = None,
+        timeout: float | datetime.timedelta | None = None,
         allow_pickle: bool = False,
     ) -> None:
         if not isinstance(allow_pickle, bool):
@@ -115,9 +131,8 @@ class GroupCoordinator:
                 "torch.distributed is not initialised; call "
                 "coordinator.init_distributed_environment(...) first"
             )
-        #: Seconds every wait of this group may last (torch's default when not given).
-        self.timeout: float = check_timeout(timeout, default=_TORCH_DEFAULT_TIMEOUT_S,
-                                            positive=True)
+        self.timeout: float = check_timeout(timeout, default=default_timeout(), positive=True)
+        self.calls = 0
         self.unique_name = REGISTRY.unique_name(group_name or "anonymous")
         self.rank = dist.get_rank()
         self.local_rank = local_rank
@@ -131,6 +146,9 @@ class GroupCoordinator:
         self.allow_pickle = allow_pickle
         self.codec = Codec(allow_pickle=allow_pickle)
         self._destroyed = False
+        self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size)
+        if self.world_size > 1:
+            self._errors.learn_peers(self.cpu_group)
         self.device_communicator: DeviceCommunicator | None = None
         if use_device_communicator and self.world_size > 1:
             self.device_communicator = setup.build_communicator(
@@ -188,13 +206,23 @@ class GroupCoordinator:
         """
         if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
             return custom_ops.traced_all_reduce(self, input_)
-        return self.comm.all_reduce(input_, op)
+        self.calls = seq = self.calls + 1
+        try:
+            return self.comm.all_reduce(input_, op)
+        except WAIT_ERRORS as e:
+            self._errors.explain("all_reduce", seq, e)
+            raise
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``input_`` along ``dim`` (negative allowed)."""
         if _tracing() and self.world_size > 1:
             return custom_ops.traced_all_gather(self, input_, dim)
-        return self.comm.all_gather(input_, dim)
+        self.calls = seq = self.calls + 1
+        try:
+            return self.comm.all_gather(input_, dim)
+        except WAIT_ERRORS as e:
+            self._errors.explain("all_gather", seq, e)
+            raise
 
     def all_gatherv(
         self,
@@ -206,7 +234,7 @@ class GroupCoordinator:
 
         ``input_`` may be a list of tensors; then a list comes back.
         """
-        return self.comm.all_gatherv(input_, dim, sizes)
+        return self._run("all_gatherv", self.comm.all_gatherv, input_, dim, sizes)
 
     def reduce_scatter(
         self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
@@ -214,7 +242,12 @@ class GroupCoordinator:
         """Reduce, then keep this rank's equal slice along ``dim``."""
         if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
             return custom_ops.traced_reduce_scatter(self, input_, dim)
-        return self.comm.reduce_scatter(input_, dim, op)
+        self.calls = seq = self.calls + 1
+        try:
+            return self.comm.reduce_scatter(input_, dim, op)
+        except WAIT_ERRORS as e:
+            self._errors.explain("reduce_scatter", seq, e)
+            raise
 
     def reduce_scatterv(
         self,
@@ -224,38 +257,48 @@ class GroupCoordinator:
         op: ReduceOp = ReduceOp.SUM,
     ) -> torch.Tensor:
         """Reduce, then keep ``sizes[rank]`` entries along ``dim`` (sizes sum to the dim)."""
-        return self.comm.reduce_scatterv(input_, dim, sizes, op)
+        return self._run("reduce_scatterv", self.comm.reduce_scatterv, input_, dim, sizes, op)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
-        return self.comm.gather(input_, dst, dim)
+        return self._run("gather", self.comm.gather, input_, dst, dim)
 
     def reduce(
         self, input_: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor | None:
         """Reduce onto ``dst`` (a new tensor there, None elsewhere)."""
-        return self.comm.reduce(input_, dst, op)
+        return self._run("reduce", self.comm.reduce, input_, dst, op)
 
     def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = 0) -> torch.Tensor:
         """Split ``src``'s tensor into equal slices along ``dim``; rank ``i`` gets slice ``i``."""
-        return self.comm.scatter(input_, src, dim)
+        return self._run("scatter", self.comm.scatter, input_, src, dim)
 
     def all_to_all(
         self, input_: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0
     ) -> torch.Tensor:
         """Slice ``j`` along ``scatter_dim`` goes to rank ``j``; received slices are
         concatenated along ``gather_dim``."""
-        return self.comm.all_to_all(input_, scatter_dim, gather_dim)
+        return self._run("all_to_all", self.comm.all_to_all, input_, scatter_dim, gather_dim)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
-        return self.comm.broadcast(input_, src)
+        self.calls = seq = self.calls + 1
+        try:
+            return self.comm.broadcast(input_, src)
+        except WAIT_ERRORS as e:
+            self._errors.explain("broadcast", seq, e)
+            raise
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to group rank ``dst`` (default: the next rank)."""
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
-        self.comm.send(tensor, dst)
+        self.calls = seq = self.calls + 1
+        try:
+            return self.comm.send(tensor, dst)
+        except WAIT_ERRORS as e:
+            self._errors.explain("send", seq, e, partner=_peer(dst))
+            raise
 
     def recv(
         self, size: torch.Size | Sequence[int], dtype: torch.dtype, src: int | None = None
@@ -263,7 +306,12 @@ class GroupCoordinator:
         """Receive a tensor from group rank ``src`` (default: the previous rank)."""
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
-        return self.comm.recv(size, dtype, src)
+        self.calls = seq = self.calls + 1
+        try:
+            return self.comm.recv(size, dtype, src)
+        except WAIT_ERRORS as e:
+            self._errors.explain("recv", seq, e, partner=_peer(src))
+            raise
 
     # ------------------------------------------------------------------ objects
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
@@ -281,6 +329,14 @@ class GroupCoordinator:
                 told and raise ``CollectiveMismatch`` instead of waiting forever.
             DecodeError: On a receiver: the bytes received are malformed.
         """
+        self.calls = seq = self.calls + 1
+        try:
+            return self._broadcast_object(obj, src)
+        except WAIT_ERRORS as e:
+            self._errors.explain("broadcast_object", seq, e, writer=self.mq_writer_rank)
+            raise
+
+    def _broadcast_object(self, obj: Any, src: int) -> Any:
         validation.check_rank(src, self.world_size, "src")
         if self.world_size == 1:
             return obj
@@ -308,7 +364,7 @@ class GroupCoordinator:
         ``group`` (default the CPU group)."""
         if group is None and self.mq_broadcaster is not None and src == self.mq_writer_rank:
             self._check_live("broadcast_object")
-            return self.mq_broadcaster.broadcast_object(obj, timeout=self.timeout)
+            return self.mq_broadcaster.broadcast_object(obj)  # the group's timeout is its default
         return self._cpu_call(
             "broadcast_object", object_comm.broadcast_object,
             obj if self.rank_in_group == src else None, self.ranks[src],
@@ -329,6 +385,11 @@ class GroupCoordinator:
             CollectiveMismatch: On a receiver: the source failed, or sent a
                 list of another length.
         """
+        return self._run("broadcast_object_list", self._broadcast_object_list, obj_list, src,
+                         group)
+
+    def _broadcast_object_list(self, obj_list: list[Any], src: int,
+                               group: dist.ProcessGroup | None) -> list[Any]:
         if not isinstance(obj_list, list):
             raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
         validation.check_rank(src, self.world_size, "src")
@@ -366,6 +427,10 @@ class GroupCoordinator:
             TypeError: ``obj`` cannot be encoded; the receiver is told and raises
                 ``CollectiveMismatch``.
         """
+        self._run("send_object", self._send_object, obj, dst, partner=_peer(dst))
+
+    def _send_object(self, obj: Any, dst: int) -> None:
+        """:meth:`send_object` without counting a call (for calls built on it)."""
         self._check_peer(dst, "dst")
         self._cpu_call("send_object", object_comm.send_object, obj, self.ranks[dst],
                        self.cpu_group, self.codec)
@@ -377,6 +442,10 @@ class GroupCoordinator:
             CollectiveMismatch: The sender could not encode its object.
             DecodeError: The bytes received are malformed.
         """
+        return self._run("recv_object", self._recv_object, src, partner=_peer(src))
+
+    def _recv_object(self, src: int) -> Any:
+        """:meth:`recv_object` without counting a call (for calls built on it)."""
         self._check_peer(src, "src")
         return self._cpu_call("recv_object", object_comm.recv_object, self.ranks[src],
                               self.cpu_group, self.codec)
@@ -395,6 +464,16 @@ class GroupCoordinator:
         the device communicator (CPU tensors of a GPU group over the CPU group).
         Receivers allocate and get a new dict.
         """
+        self.calls = seq = self.calls + 1
+        try:
+            return self._broadcast_tensor_dict(tensor_dict, src, group, metadata_group)
+        except WAIT_ERRORS as e:
+            self._errors.explain("broadcast_tensor_dict", seq, e, writer=self.mq_writer_rank)
+            raise
+
+    def _broadcast_tensor_dict(self, tensor_dict: Mapping[Any, Any] | None, src: int,
+                               group: dist.ProcessGroup | None,
+                               metadata_group: dist.ProcessGroup | None) -> dict[Any, Any] | None:
         validation.check_rank(src, self.world_size, "src")
         if self.rank_in_group == src and not isinstance(tensor_dict, Mapping):
             err = TypeError(f"tensor_dict must be a dict on src, got {type(tensor_dict).__name__}")
@@ -427,7 +506,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return
         self._check_peer(dst, "dst")
-        tensor_dict_ops.send_tensor_dict(self, tensor_dict, dst, _ag(all_gather_group), all_gather_tensors)
+        self._run("send_tensor_dict", tensor_dict_ops.send_tensor_dict, self, tensor_dict, dst,
+                  _ag(all_gather_group), all_gather_tensors, partner=dst)
 
     def recv_tensor_dict(
         self,
@@ -446,7 +526,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return None
         self._check_peer(src, "src")
-        return tensor_dict_ops.recv_tensor_dict(self, src, _ag(all_gather_group))
+        return self._run("recv_tensor_dict", tensor_dict_ops.recv_tensor_dict, self, src,
+                         _ag(all_gather_group), partner=src)
 
     # ------------------------------------------------------------------ control
     def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
@@ -463,24 +544,33 @@ class GroupCoordinator:
             TypeError: ``timeout`` is not a number or a timedelta.
             ValueError: ``timeout`` is not positive and finite.
         """
-        wait_s = check_timeout(timeout, default=None, positive=True)
+        wait_s = check_timeout(timeout, default=self.timeout, positive=True)
+        self.calls = seq = self.calls + 1
         if self.world_size == 1:
             return
         self._check_live("barrier")
-        if wait_s is None:  # the gloo group was created with the group's timeout
-            self._cpu_call("barrier", dist.barrier, group=self.cpu_group)
-            return
         try:
-            dist.monitored_barrier(
-                group=self.cpu_group,
-                timeout=datetime.timedelta(seconds=wait_s),
-                wait_all_ranks=True,
-            )
+            self._monitored_barrier(wait_s)
+        except WAIT_ERRORS as e:
+            self._errors.explain("barrier", seq, e)
+            raise
+
+    def _monitored_barrier(self, wait_s: float) -> None:
+        """gloo's monitored barrier: group rank 0 collects every rank and names the
+        missing ones; the others wait for rank 0's release."""
+        try:
+            dist.monitored_barrier(group=self.cpu_group,
+                                   timeout=datetime.timedelta(seconds=wait_s),
+                                   wait_all_ranks=True)
         except RuntimeError as e:
+            found = _MONITORED_MISSING.search(str(e))
+            if found is None:
+                raise
+            missing = [int(r) for r in found.group(1).replace(",", " ").split()]
             raise CommTimeout(
-                f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}), "
-                f"op barrier: not every rank arrived within {wait_s:g}s: {str(e).splitlines()[0]}"
-            ) from e
+                f"group {self.unique_name!r}, op barrier: rank(s) {missing} did not arrive "
+                f"within {wait_s:g}s ({str(e).splitlines()[0]})",
+                queue=self.unique_name, peers=missing) from e
 
     @contextlib.contextmanager
     def graph_capture(
@@ -603,13 +693,21 @@ class GroupCoordinator:
         if self._destroyed:
             raise NotInitializedError(setup.destroyed_msg(self.unique_name, op))
 
-    def _cpu_call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        self._check_live(op)
+    def _run(self, op: str, fn: Any, *args: Any, partner: int | None = None) -> Any:
+        """Run ``fn(*args)`` as call ``op`` of this group: numbered, and a failed wait
+        explained (see :mod:`coordinator.call_errors`). The busiest calls inline this."""
+        self.calls = seq = self.calls + 1
         try:
-            return fn(*args, **kwargs)
-        except RuntimeError as e:
-            where = f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}), op {op}"
-            raise translate_backend_error(e, where) from e
+            return fn(*args)
+        except WAIT_ERRORS as e:
+            self._errors.explain(op, seq, e, partner=partner)
+            raise
+
+    def _cpu_call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a gloo call of this group (backend errors are translated by the
+        public method's :class:`~coordinator.call_errors.CallErrors`)."""
+        self._check_live(op)
+        return fn(*args, **kwargs)
 
 
 def side_stream(device: torch.device) -> Any:
@@ -636,6 +734,11 @@ def _list_mismatch(got: Any, n: int) -> str | None:
     if len(got) != n:
         return f"it sent {len(got)} objects, this rank's obj_list has {n}"
     return None
+
+
+def _peer(rank: Any) -> int | None:
+    """A point-to-point call's peer rank, when it is one (for error messages)."""
+    return rank if type(rank) is int else None
 
 
 def _ag(group: Any) -> "GroupCoordinator | None":

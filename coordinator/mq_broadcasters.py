@@ -14,6 +14,14 @@ all-gather, so creation costs one round trip whatever the group size.
 
 Every queue made here takes the group's ``allow_pickle`` (off by default): its
 writer refuses values msgspec cannot carry, and its readers never unpickle.
+
+Every queue made here also takes the group's timeout: it bounds the wait for
+the queue to connect, and it is the queue's
+:attr:`~shm_broadcast.message_queue.MessageQueue.default_timeout`, so an
+``enqueue`` / ``dequeue`` called without a timeout (the group's own
+broadcasts, a driver reading results) raises ``QueueTimeout`` naming the
+lagging rank after the group's timeout instead of waiting as long as the peer
+lives.
 """
 
 from __future__ import annotations
@@ -65,12 +73,20 @@ def create_mq_broadcaster(
     if external_writer_handle is not None:
         mq = MessageQueue.create_from_handle(external_writer_handle, group.rank_in_group,
                                              allow_pickle=group.allow_pickle, **queue_options)
+        mq.default_timeout = group.timeout
         if blocking:
-            mq.wait_until_ready()
+            try:
+                mq.wait_until_ready(group.timeout)
+            except BaseException:
+                mq.close()
+                raise
         return mq
-    return MessageQueue.create_from_process_group(
+    mq = MessageQueue.create_from_process_group(
         group.cpu_group, writer_rank=writer_rank, name=f"{group.unique_name}-mq",
-        allow_pickle=group.allow_pickle, **queue_options)
+        timeout=group.timeout, allow_pickle=group.allow_pickle, **queue_options)
+    if mq is not None:
+        mq.default_timeout = group.timeout
+    return mq
 
 
 def create_single_reader_mq_broadcasters(
@@ -120,9 +136,12 @@ def create_single_reader_mq_broadcasters(
             allow_pickle=group.allow_pickle,
             remote_reader_keys=None if same_node[me] else {reader: reader_key},
         )
+    if writer is not None:
+        writer.default_timeout = group.timeout
     handle = writer.export_handle().to_bytes() if writer is not None else None
     handles: list[Any] = object_group(group.cpu_group).all_gather(handle)
-    readers = _attach_readers(writer, handles, me, reader, blocking, group.allow_pickle, keypair)
+    readers = _attach_readers(writer, handles, me, reader, blocking, group.allow_pickle, keypair,
+                              group.timeout)
     return writer, readers
 
 
@@ -149,9 +168,10 @@ def _reader_keys(group: "GroupCoordinator", me: int, reader: int,
 
 
 def _attach_readers(writer: "MessageQueue | None", handles: list[Any], me: int, reader: int,
-                    blocking: bool, allow_pickle: bool,
-                    keypair: tuple[bytes, bytes] | None) -> list["MessageQueue | None"]:
-    """On the reader, open every writer's queue; optionally wait for all to connect.
+                    blocking: bool, allow_pickle: bool, keypair: tuple[bytes, bytes] | None,
+                    timeout: float) -> list["MessageQueue | None"]:
+    """On the reader, open every writer's queue (each with ``timeout`` as its
+    default); optionally wait, at most ``timeout``, for all to connect.
 
     On failure every queue this rank holds (its writer included) is closed.
     """
@@ -160,14 +180,16 @@ def _attach_readers(writer: "MessageQueue | None", handles: list[Any], me: int, 
     readers: list[MessageQueue | None] = []
     try:
         if me == reader:
-            readers = [None if r == reader else
-                       MessageQueue.create_from_handle(h, reader, allow_pickle=allow_pickle,
-                                                       curve_keypair=keypair)
-                       for r, h in enumerate(handles)]
+            for r, h in enumerate(handles):
+                q = None if r == reader else MessageQueue.create_from_handle(
+                    h, reader, allow_pickle=allow_pickle, curve_keypair=keypair)
+                readers.append(q)
+                if q is not None:
+                    q.default_timeout = timeout
         if blocking:
             for q in [writer, *readers]:
                 if q is not None:
-                    q.wait_until_ready()
+                    q.wait_until_ready(timeout)
     except BaseException:
         for q in [writer, *readers]:
             if q is not None:

@@ -30,6 +30,8 @@ from coordinator.errors import NotInitializedError
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
 from coordinator.group_registry import REGISTRY
 from device_comms import ReduceOp
+from shm_broadcast.checks import check_timeout
+from shm_broadcast.timeouts import default_timeout
 
 __all__ = [
     "init_distributed_environment",
@@ -81,7 +83,12 @@ def init_distributed_environment(
         distributed_init_method: ``env://`` or ``tcp://host:port``.
         local_rank: Rank on this node; -1 reads ``LOCAL_RANK`` or uses ``rank``.
         backend: Backend of the world group (``gloo``; ``nccl`` for GPUs).
-        timeout: Collective timeout (timedelta or seconds).
+        timeout: Seconds (or a timedelta, ``> 0``) that bounds every wait of
+            the world group and, through :func:`initialize_model_parallel`,
+            of the TP/PP/DP groups: gloo calls, shared-memory collectives,
+            message-queue broadcasts, barriers, point-to-point. None: the
+            ``GROUPCOORD_TIMEOUT`` environment variable, else 300 s (see
+            :mod:`shm_broadcast.timeouts` for the precedence).
         allow_pickle: Opt the world group in to pickle for objects msgspec
             cannot carry (see :class:`GroupCoordinator`); off by default, and
             inherited by :func:`initialize_model_parallel`'s groups. Only
@@ -91,19 +98,29 @@ def init_distributed_environment(
         The world :class:`GroupCoordinator`.
 
     Raises:
-        ValueError: Inconsistent arguments (e.g. tcp:// without rank/world_size).
+        ValueError: Inconsistent arguments (e.g. tcp:// without rank/world_size),
+            or the world group exists with another world size or timeout.
     """
     world_size = _int_arg(world_size, "world_size")
     rank = _int_arg(rank, "rank")
     local_rank = _int_arg(local_rank, "local_rank")
     _check_init_method(distributed_init_method)
-    timeout = _as_timedelta(timeout)
+    seconds = check_timeout(timeout, positive=True)
     if not dist.is_initialized():
-        _init_torch_distributed(world_size, rank, distributed_init_method, backend, timeout)
+        wait_s = default_timeout() if seconds is None else seconds
+        _init_torch_distributed(world_size, rank, distributed_init_method, backend,
+                                datetime.timedelta(seconds=wait_s))
     elif world_size >= 1 and world_size != dist.get_world_size():
         raise ValueError(
             f"torch.distributed is already initialised with world size "
             f"{dist.get_world_size()}, but world_size={world_size} was requested"
+        )
+    world = REGISTRY.world
+    if world is not None and seconds is not None and seconds != world.timeout:
+        raise ValueError(
+            f"the world group already exists with timeout {world.timeout:g}s, but "
+            f"timeout={seconds:g}s was requested; call destroy_distributed_environment() "
+            f"first to change it"
         )
     if local_rank == -1:
         local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
@@ -114,10 +131,10 @@ def init_distributed_environment(
             backend,
             use_device_communicator=True,
             group_name="world",
-            timeout=timeout,
+            timeout=seconds,
             allow_pickle=allow_pickle,
         )
-        REGISTRY.timeout = timeout
+        REGISTRY.timeout = seconds  # None: each group resolves the default itself
     return REGISTRY.world
 
 
@@ -130,18 +147,9 @@ def _check_init_method(method: Any) -> None:
             f"distributed_init_method must be 'env://' or 'tcp://host:port', got {method!r}")
 
 
-def _as_timedelta(timeout: Any) -> datetime.timedelta | None:
-    """Seconds or a timedelta as a timedelta; None stays None (torch's default)."""
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = datetime.timedelta(seconds=timeout)
-    if timeout is not None and not isinstance(timeout, datetime.timedelta):
-        raise TypeError(f"timeout must be a timedelta or seconds, got {type(timeout).__name__}")
-    return timeout
-
-
 def _init_torch_distributed(world_size: int, rank: int, method: str, backend: str,
-                            timeout: datetime.timedelta | None) -> None:
-    """dist.init_process_group with only the arguments the caller gave."""
+                            timeout: datetime.timedelta) -> None:
+    """dist.init_process_group with the arguments the caller gave and the timeout."""
     if not method.startswith("env://") and (world_size < 1 or rank < 0):
         raise ValueError(
             f"{method.split('://')[0]}:// needs world_size >= 1 and "
@@ -154,8 +162,7 @@ def _init_torch_distributed(world_size: int, rank: int, method: str, backend: st
         kwargs["world_size"] = world_size
     if rank >= 0:
         kwargs["rank"] = rank
-    if timeout is not None:
-        kwargs["timeout"] = timeout
+    kwargs["timeout"] = timeout
     dist.init_process_group(**kwargs)
 
 def initialize_model_parallel(

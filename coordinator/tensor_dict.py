@@ -329,7 +329,7 @@ def send_tensor_dict(
     slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
     meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n, device=coord.device)
     try:
-        coord.send_object(meta, dst=dst)
+        coord._send_object(meta, dst)
     except TypeError as e:  # the receiver was told by send_object
         raise TypeError(
             f"send_tensor_dict on group {coord.unique_name!r}: tensor_dict holds a value that "
@@ -349,7 +349,7 @@ def recv_tensor_dict(
     all_gather_group: "GroupCoordinator | None",
 ) -> dict[Any, Any]:
     """Implementation of :meth:`GroupCoordinator.recv_tensor_dict`."""
-    meta = check_metadata(coord.recv_object(src=src), coord.device.type)
+    meta = check_metadata(coord._recv_object(src), coord.device.type)
     out: dict[Any, Any] = {}
     problem = ""
     have = all_gather_group.world_size if all_gather_group is not None else None

@@ -36,11 +36,14 @@ read at construction):
   slot-sized pieces;
 * ``use_shm`` / ``GROUPCOORD_CPU_SHM=0``: disable the shared-memory path (if
   any rank disables it, all do);
-* ``timeout`` / ``GROUPCOORD_CPU_SHM_TIMEOUT``: seconds a shared-memory step
-  may wait for a peer before :class:`~device_comms.errors.CollectiveTimeout`
-  (default 1800, gloo's default; ``0`` polls once; a ``GroupCoordinator``
-  passes its group's timeout). A dead peer is reported
-  as :class:`~device_comms.errors.PeerDiedError` within about 0.2 s anyway.
+* ``timeout`` / ``GROUPCOORD_CPU_SHM_TIMEOUT`` / ``GROUPCOORD_TIMEOUT``:
+  seconds a shared-memory step may wait for a peer before
+  :class:`~device_comms.errors.CollectiveTimeout` (``0`` polls once; default
+  :data:`~shm_broadcast.timeouts.DEFAULT_TIMEOUT_S`, 300 s; the precedence is
+  stated in :mod:`shm_broadcast.timeouts`). A ``GroupCoordinator`` given a
+  timeout passes it here, so it bounds these steps as it bounds the gloo calls.
+  A dead peer is reported as :class:`~device_comms.errors.PeerDiedError`
+  within about 0.2 s anyway; a stopped (paused) one is waited for.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from device_comms.shm_workspace import WorkspacePlan, open_workspace
 from device_comms.torch_communicator import TorchDistributedCommunicator
 from shm_broadcast.checks import check_timeout
 from shm_broadcast.group_adapter import object_group
+from shm_broadcast.timeouts import DEFAULT_TIMEOUT_S, default_timeout, env_timeout
 from shm_broadcast.topology import node_assignment
 
 __all__ = ["CpuCommunicator", "BYTES_ENV", "ENABLE_ENV", "TIMEOUT_ENV"]
@@ -71,7 +75,8 @@ logger = logging.getLogger(__name__)
 BYTES_ENV = "GROUPCOORD_CPU_SHM_BYTES"
 ENABLE_ENV = "GROUPCOORD_CPU_SHM"
 TIMEOUT_ENV = "GROUPCOORD_CPU_SHM_TIMEOUT"
-DEFAULT_TIMEOUT = 1800.0
+#: Seconds a step waits when neither an argument nor the environment chose.
+DEFAULT_TIMEOUT = DEFAULT_TIMEOUT_S
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
     "reduce_scatterv", "broadcast", "gather",
@@ -88,8 +93,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         unique_name: The owning group's unique name (in errors).
         workspace_bytes: Data bytes per node workspace (see module docstring).
         use_shm: False forces gloo; None reads ``GROUPCOORD_CPU_SHM``.
-        timeout: Seconds a shared-memory step may wait; None reads the
-            environment; 0 polls once.
+        timeout: Seconds a shared-memory step may wait; 0 polls once; None
+            reads ``GROUPCOORD_CPU_SHM_TIMEOUT``, then ``GROUPCOORD_TIMEOUT``,
+            else 300.
         node_id: This rank's node identity (then every rank must pass one);
             overrides the shared-memory probe, like ``GROUPCOORD_NODE_ID``.
         oneshot_bytes: Largest all-reduce done in one shot (tuning knob).
@@ -454,8 +460,9 @@ def _enabled(use_shm: bool | None) -> bool:
 
 
 def _timeout(timeout: float | None) -> float:
-    """The step timeout: ``timeout``, else ``GROUPCOORD_CPU_SHM_TIMEOUT``, else the default."""
+    """The step timeout: ``timeout``, else ``GROUPCOORD_CPU_SHM_TIMEOUT``, else
+    ``GROUPCOORD_TIMEOUT``, else 300 s (see :mod:`shm_broadcast.timeouts`)."""
     if timeout is not None:
         return check_timeout(timeout)
-    seconds = _from_env(TIMEOUT_ENV, float, "seconds (a number)")
-    return DEFAULT_TIMEOUT if seconds is None else check_timeout(seconds, TIMEOUT_ENV)
+    seconds = env_timeout(TIMEOUT_ENV, positive=False)
+    return default_timeout() if seconds is None else seconds

@@ -25,6 +25,7 @@ from device_comms.pynccl.communicator import PyNcclCommunicator
 from device_comms.reduce_op import ReduceOp
 from device_comms.torch_communicator import TorchDistributedCommunicator
 from shm_broadcast.checks import check_timeout
+from shm_broadcast.timeouts import default_timeout
 
 __all__ = ["CudaCommunicator"]
 
@@ -42,7 +43,7 @@ class CudaCommunicator(TorchDistributedCommunicator):
             is set. Either way every rank agrees on the outcome.
         custom_allreduce_max_size: Largest message for the custom all-reduce
             in bytes (default 8 MiB).
-        timeout: Seconds a custom all-reduce kernel waits for a peer (default 300; 0 polls once).
+        timeout: Seconds a custom all-reduce kernel waits for a peer (default: ``GROUPCOORD_TIMEOUT``, else 300; 0 polls once).
 
     Attributes:
         pynccl: The NCCL communicator (None for a group of one, which never communicates).
@@ -96,7 +97,7 @@ class CudaCommunicator(TorchDistributedCommunicator):
         if self.world_size not in elig.SUPPORTED_WORLD_SIZES:
             self.custom_ar_reason = f"world size {self.world_size} is not one of 2, 4, 6, 8"
             return  # every rank sees the same world size: no exchange needed
-        wait_s = check_timeout(timeout, default=300.0)
+        wait_s = check_timeout(timeout, default=default_timeout())
         size = elig.DEFAULT_MAX_SIZE if max_size is None else elig.check_max_size(max_size)
         cupy_ok = _cupy_imports()
         enabled = use is not False and cupy_ok

@@ -371,20 +371,23 @@ class StepSync:
                 self._fail(PeerDiedError(
                     f"group {self.name!r}, op {op}: peer rank {rank} (pid {pid}) destroyed its "
                     f"communicator while this rank (rank {self.group_ranks[self.me]}) waited "
-                    f"for it; every rank must call the same collectives before destroy()"
+                    f"for it; every rank must call the same collectives before destroy()",
+                    queue=self.name, peers=(rank,),
                 ))
             if not _alive(self._procs.get(r)):
                 self._fail(PeerDiedError(
                     f"group {self.name!r}, op {op}: peer rank {rank} (pid {pid}) died while "
                     f"this rank (rank {self.group_ranks[self.me]}) waited for it in the "
-                    f"shared-memory engine; the communicator cannot be used any more"
+                    f"shared-memory engine; the communicator cannot be used any more",
+                    queue=self.name, peers=(rank,),
                 ))
         if self.timeout is not None and waited > self.timeout:
             ranks = [self.group_ranks[r] for r in behind]
             self._fail(CollectiveTimeout(
                 f"group {self.name!r}, op {op}: rank(s) {ranks} did not reach step {g} within "
                 f"{self.timeout:.1f}s (this is rank {self.group_ranks[self.me]}); check that "
-                f"every rank calls the same collectives in the same order"
+                f"every rank calls the same collectives in the same order",
+                queue=self.name, peers=ranks,
             ))
 
     def _fail(self, e: DeviceCommError) -> None:

@@ -28,6 +28,7 @@ PACKAGES = [
     ("device_comms.custom_allreduce", "One-node all-reduce over CUDA IPC with NVRTC-compiled kernels."),
     ("shm_broadcast", "Shared-memory segments, message queue, topology."),
     ("shm_broadcast.checks", "Argument checks and the one timeout rule, shared by every layer."),
+    ("shm_broadcast.timeouts", "The one default timeout (300 s) and the environment overrides."),
     ("shm_broadcast.launcher", "Start, stop and reap local rank processes."),
 ]
 

@@ -65,6 +65,15 @@ _OVERFLOW_MIN_WAIT = 2.0
 _HEAD = 1 + WIRE.size
 
 
+#: How a timeout message describes the writer's process (:meth:`PeerWatch.state`).
+_WRITER_STATE = {
+    "running": "alive",
+    "stopped": "alive but stopped (SIGSTOP, job control or a debugger)",
+    "exited": "gone",
+    "unknown": "on another host",
+}
+
+
 def _never() -> bool:
     return False
 
@@ -250,8 +259,9 @@ class LocalReader:
         if expired:
             raise QueueTimeout(
                 f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
-                f"waiting for {self._wait_what} (the {self._writer_desc} is alive but sent "
-                f"nothing)", queue=self.name, side=self.side, peers=["writer"])
+                f"waiting for {self._wait_what} (the {self._writer_desc} is "
+                f"{_WRITER_STATE[self._writer.state()]} but sent nothing)", queue=self.name,
+                side=self.side, peers=["writer"])
 
     # ------------------------------------------------------------- dequeue
     def poll(self) -> bool:

@@ -27,6 +27,10 @@ lagging peers; without a timeout a dead peer raises
 :class:`~shm_broadcast.errors.PeerDiedError` within about
 ``WaitPolicy.liveness_s + park_poll_s`` (0.3 s by default); :meth:`shutdown`
 wakes blocked callers with :class:`~shm_broadcast.errors.QueueClosedError`.
+A paused peer (``SIGSTOP``, a debugger, swapping) is not a dead one: it is
+waited for, up to the timeout (see :mod:`shm_broadcast.waiting`). A call
+without a ``timeout`` uses :attr:`MessageQueue.default_timeout`, which a
+``GroupCoordinator`` sets to its group's timeout on the queues it creates.
 
 Threading: a queue object belongs to the thread that uses it; only
 :meth:`shutdown` may be called from another thread (the blocked call notices
@@ -159,6 +163,7 @@ class MessageQueue:
         self._rank = rank
         self._busy = 0
         self._close_lock = threading.Lock()
+        self._default_timeout: float | None = None
 
     @classmethod
     def create_from_handle(
@@ -285,6 +290,23 @@ class MessageQueue:
         """Whether :meth:`close` has run."""
         return self._impl.closed
 
+    @property
+    def default_timeout(self) -> float | None:
+        """Seconds :meth:`enqueue`, :meth:`dequeue` and :meth:`broadcast_object`
+        wait when called without a ``timeout`` (None, the default: as long as
+        the peer lives). Settable; a ``GroupCoordinator`` sets its group's
+        timeout on the queues it creates.
+
+        Raises:
+            TypeError, ValueError: On setting a value that is not a timeout
+                (:func:`~shm_broadcast.checks.check_timeout`).
+        """
+        return self._default_timeout
+
+    @default_timeout.setter
+    def default_timeout(self, value: float | None) -> None:
+        self._default_timeout = check_timeout(value, "default_timeout")
+
     # ------------------------------------------------------------ writer API
     def export_handle(self) -> Handle:
         """Return the :class:`Handle` readers connect with (writer only)."""
@@ -302,8 +324,8 @@ class MessageQueue:
 
         Args:
             obj: Any value (see :mod:`shm_broadcast.codec` for the encoding).
-            timeout: Seconds to wait for room; ``None`` waits as long as the
-                readers live.
+            timeout: Seconds to wait for room; ``None``: :attr:`default_timeout`
+                (itself None unless set: wait as long as the readers live).
 
         Raises:
             QueueTimeout: No room within ``timeout``; names lagging readers.
@@ -314,7 +336,9 @@ class MessageQueue:
         if not self._is_writer:
             raise QueueRoleError(f"queue {self.name!r}: enqueue() is for the writer; "
                                  f"this is reader rank {self._rank}")
-        if timeout is not None:
+        if timeout is None:
+            timeout = self._default_timeout
+        else:
             timeout = check_timeout(timeout)
         self._busy += 1
         try:
@@ -328,8 +352,8 @@ class MessageQueue:
 
         Args:
             timeout: Seconds to wait; ``0`` returns a waiting message or raises
-                at once (non-blocking poll); ``None`` waits as long as the
-                writer lives.
+                at once (non-blocking poll); ``None``: :attr:`default_timeout`
+                (itself None unless set: wait as long as the writer lives).
 
         Raises:
             QueueTimeout: Nothing arrived within ``timeout``.
@@ -342,7 +366,9 @@ class MessageQueue:
         if self._is_writer:
             raise QueueRoleError(f"queue {self.name!r}: dequeue() is for readers; "
                                  "this is the writer")
-        if timeout is not None:
+        if timeout is None:
+            timeout = self._default_timeout
+        else:
             timeout = check_timeout(timeout)
         self._busy += 1
         try:

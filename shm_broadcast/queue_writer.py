@@ -448,13 +448,14 @@ class QueueWriter:
             return
         enc = self.codec.encode(obj)
         seq = self._seq
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None  # set when a wait starts: no clock read when there is room
         if ring is not None:
             chunk = seq % self.max_chunks
             if not ring.is_free(chunk):
+                deadline = _deadline(timeout)
                 self._wait_free(chunk, seq, deadline, timeout)
         if self.n_remote and seq + 1 - self.remote_window > self._remote_min_acked:
-            self._wait_credit(seq, deadline, timeout)
+            self._wait_credit(seq, deadline or _deadline(timeout), timeout)
         frames = None
         if ring is not None:
             frames = self._write_local(ring, chunk, seq, enc)
@@ -603,10 +604,15 @@ class QueueWriter:
         self._raise_if_reader_dead(local, remote)
         if expired:
             ranks = [self.local_ranks[i] for i in local] + remote
+            states = [self._local_watch.get(i) for i in local] + [
+                self._local_watch.get(-1 - r) for r in remote]
+            who = ", ".join(f"rank {r}: {_state_text(w)}" for r, w in zip(ranks, states))
+            full = (f"ring of {self.max_chunks} chunks full" if local else
+                    f"{self.remote_window} messages unacknowledged")
             raise QueueTimeout(
                 f"queue {self.name!r}: enqueue of message #{self._wait_seq} timed out after "
                 f"{self._wait_timeout:g} s; the {self.side} is waiting for reader rank(s) "
-                f"{ranks} to consume earlier messages (ring of {self.max_chunks} chunks full)",
+                f"{ranks} to consume earlier messages ({full}; {who})",
                 queue=self.name, side=self.side, peers=ranks)
 
     def _raise_if_reader_dead(self, local: list[int], remote: list[int]) -> None:
@@ -709,6 +715,23 @@ class QueueWriter:
             self._dir_finalizer()  # removes the channel directory (if not sealed yet)
         if self.ring is not None:
             self.ring.close()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """The monotonic time a wait starting now ends at (None: no end)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _state_text(watch: PeerWatch | None) -> str:
+    """A lagging reader's process state for a timeout message."""
+    if watch is None:
+        return "process not identified"
+    state = watch.state()
+    if state == "stopped":
+        return f"{watch.describe()} is stopped (SIGSTOP, job control or a debugger)"
+    if state == "unknown":
+        return f"{watch.describe()}, not checkable from here"
+    return f"{watch.describe()} is {state}"
 
 
 def _slot_of(ident: bytes) -> int | None:

@@ -8,8 +8,11 @@ messages on its DEALER, and the writer waits once it is ``remote_window``
 messages ahead of the slowest remote reader.
 
 Liveness: a socket monitor reports the TCP connection to the writer dropping
-(a dead process's sockets are closed by its kernel; a dead host is caught by
-ZMTP heartbeats); on the same host the writer's pid is also checked.
+(a dead process's sockets are closed by its kernel; a vanished host is caught
+by kernel TCP keepalive); on the same host the writer's pid is also checked.
+A writer that is paused (``SIGSTOP``, a debugger) keeps its connection and is
+waited for: a timeout case, never ``PeerDiedError`` (see
+:mod:`shm_broadcast.transport`).
 
 Authentication and no reconnection (protocol; what holds):
 
@@ -207,10 +210,13 @@ class RemoteReader:
                 f"queue {self.name!r}: lost the {self._writer_desc} while {self.side} waited "
                 f"for {self._wait_what}", queue=self.name, side=self.side, peers=["writer"])
         if expired:
+            state = self._writer.state()
+            how = {"stopped": " (alive but stopped: SIGSTOP, job control or a debugger)",
+                   "running": " (alive)"}.get(state, "")
             raise QueueTimeout(
                 f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
-                f"waiting for {self._wait_what} from the {self._writer_desc}",
-                queue=self.name, side=self.side, peers=["writer"])
+                f"waiting for {self._wait_what} from the {self._writer_desc}{how}; its "
+                f"connection is up", queue=self.name, side=self.side, peers=["writer"])
 
     def wait_until_ready(self, timeout: float | None) -> None:
         """Block until the writer's READY marker arrives."""

@@ -25,6 +25,28 @@ control), and a goodbye on close.
 
 Wake-ups of parked sides do not use zmq; see :mod:`shm_broadcast.doorbell`.
 
+Liveness over TCP (what ends a connection, and what does not):
+
+* A peer process that exits has its sockets closed by its kernel: the
+  connection ends at once (FIN or RST), the socket monitor reports it, and the
+  other side raises ``PeerDiedError``. That is evidence of death.
+* A peer that is merely *paused* (``SIGSTOP``, a debugger, swapping, a long
+  GC pause) must not look dead. ZMTP heartbeats cannot tell the two apart:
+  the heartbeat is answered by the peer's zmq I/O thread, which a stopped
+  process does not run, so any heartbeat timeout would turn a longer pause
+  into a disconnect on both sides and lose the messages in flight. TCP
+  sockets here therefore use no ZMTP heartbeat; they use kernel TCP
+  keepalive (:data:`KEEPALIVE_IDLE_S`, :data:`KEEPALIVE_INTERVAL_S`,
+  :data:`KEEPALIVE_PROBES`), which the peer's *kernel* answers whether or not
+  the process runs. Only a host that vanished (powered off, unplugged,
+  partitioned) stops answering, and then the kernel resets the connection
+  after about ``KEEPALIVE_IDLE_S + KEEPALIVE_PROBES * KEEPALIVE_INTERVAL_S``
+  seconds of silence: also evidence, from the OS.
+* A pause of any length is therefore a timeout case: the waiting side raises
+  ``QueueTimeout`` when its caller's timeout runs out, and otherwise keeps
+  waiting (a same-host peer's pid and start time are checked as well; a
+  stopped process counts as alive).
+
 Who can reach these sockets (see ``docs/security-channels.md``):
 
 * **Local endpoints** are filesystem ``ipc://`` sockets inside the queue's
@@ -100,6 +122,9 @@ __all__ = [
     "ZAP_DOMAIN",
     "count_failed_handshakes",
     "NO_RECONNECT_MS",
+    "KEEPALIVE_IDLE_S",
+    "KEEPALIVE_INTERVAL_S",
+    "KEEPALIVE_PROBES",
 ]
 
 #: Message header: sequence number, kind, msgpack length, blob length.
@@ -133,6 +158,14 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
 #: module docstring.
 NO_RECONNECT_MS = 1 << 30
 
+#: Seconds a TCP connection may be silent before the kernel starts probing it.
+KEEPALIVE_IDLE_S = 10
+#: Seconds between two unanswered keepalive probes.
+KEEPALIVE_INTERVAL_S = 2
+#: Unanswered probes after which the kernel resets the connection (the peer's
+#: host is gone: a paused process's kernel answers every probe).
+KEEPALIVE_PROBES = 5
+
 
 def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
                reconnect: bool = False) -> zmq.Socket:
@@ -145,9 +178,10 @@ def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
     Args:
         ctx: The queue side's context.
         kind: ``zmq.XPUB``, ``zmq.SUB``, ``zmq.ROUTER`` or ``zmq.DEALER``.
-        tcp: Enable ZMTP heartbeats so a silently vanished peer host is
+        tcp: Enable kernel TCP keepalive, so a peer host that vanished is
             noticed (a dead process on a live host closes its TCP connection
-            right away anyway).
+            right away anyway). No ZMTP heartbeat: it would declare a paused
+            peer dead (see the module docstring).
     """
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
@@ -156,9 +190,10 @@ def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
     s.setsockopt(zmq.SNDHWM, 0)
     s.setsockopt(zmq.RCVHWM, 0)
     if tcp:
-        s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        s.setsockopt(zmq.HEARTBEAT_TTL, 3000)
+        s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        s.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+        s.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
     return s
 
 

@@ -44,6 +44,13 @@ Whatever the phase, :meth:`Backoff.step` runs the checks every ``liveness_s``
 still lives (:class:`PeerWatch`, :class:`~shm_broadcast.errors.PeerDiedError`).
 That is why no wait can hang silently: without a timeout, a dead peer is
 noticed within ``liveness_s`` plus one park poll.
+
+A pause is not a death. A peer stopped by ``SIGSTOP``, job control, a
+debugger, swapping or a long GC pause is alive: :class:`PeerWatch` reports it
+alive (and :meth:`PeerWatch.state` says ``"stopped"``), so its peers keep
+waiting and raise ``QueueTimeout`` when their timeout runs out, never
+``PeerDiedError``. Death is declared only on evidence: the process is gone
+(same host: pid *and* start time), or the OS closed or reset its connection.
 """
 
 from __future__ import annotations
@@ -134,6 +141,29 @@ class PeerWatch:
             return self._proc.is_running() and self._proc.status() != psutil.STATUS_ZOMBIE
         except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
             return False
+
+    def state(self) -> str:
+        """What can be told about the peer process, for error messages.
+
+        Returns:
+            ``"exited"`` (gone or a zombie), ``"stopped"`` (alive but paused:
+            ``SIGSTOP``, job control, a debugger), ``"running"`` (alive: on a
+            CPU, runnable or sleeping in a wait) or ``"unknown"`` (on another
+            host, where no check is possible).
+        """
+        if self._remote or self.pid <= 0:
+            return "unknown"
+        if not self.alive():
+            return "exited"
+        try:
+            status = self._proc.status()  # type: ignore[union-attr]  # set by alive()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            return "exited"
+        except psutil.Error:
+            return "unknown"
+        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            return "stopped"
+        return "running"
 
     def describe(self) -> str:
         """Return ``pid N`` or ``pid N on HOST`` for error messages."""

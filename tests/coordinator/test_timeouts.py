@@ -1,12 +1,15 @@
 """One timeout rule everywhere: seconds >= 0, 0 polls once, None is the caller's default.
 
 Inside a GroupCoordinator the default is the group's own timeout: its
-communicator and its message queue wait no longer than that.
+communicator and its message queue wait no longer than that. A group given no
+timeout takes ``GROUPCOORD_TIMEOUT``, else 300 s; ``GROUPCOORD_CPU_SHM_TIMEOUT``
+sets the shared-memory steps of such a group. An explicit timeout beats both.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import Any
 
@@ -22,17 +25,35 @@ def _group(rank: int, world_size: int, name: str, **kw: Any) -> Any:
     return GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name=name, **kw)
 
 
-def _timeouts_reach_the_communicator(rank: int, world_size: int) -> dict[str, Any]:
-    from device_comms.cpu_communicator import DEFAULT_TIMEOUT
+_ENVS = ("GROUPCOORD_TIMEOUT", "GROUPCOORD_CPU_SHM_TIMEOUT")
 
+
+def _timeouts_reach_the_communicator(rank: int, world_size: int) -> dict[str, Any]:
+    """What each source of a timeout gives: (group, communicator, queue default)."""
     out: dict[str, Any] = {}
-    for tag, kw in (("seconds", {"timeout": 7.5}),
-                    ("timedelta", {"timeout": datetime.timedelta(seconds=9)}),
-                    ("default", {})):
-        g = _group(rank, world_size, f"to-{tag}", **kw)
-        out[tag] = (g.timeout, g.comm.timeout, type(g.comm).__name__)
+    cases = (
+        ("seconds", {"timeout": 7.5}, {}),
+        ("timedelta", {"timeout": datetime.timedelta(seconds=9)}, {}),
+        ("default", {}, {}),
+        ("env", {}, {"GROUPCOORD_TIMEOUT": "13"}),
+        ("env-shm", {}, {"GROUPCOORD_TIMEOUT": "13", "GROUPCOORD_CPU_SHM_TIMEOUT": "4"}),
+        ("explicit-beats-env", {"timeout": 6.0},
+         {"GROUPCOORD_TIMEOUT": "13", "GROUPCOORD_CPU_SHM_TIMEOUT": "4"}),
+    )
+    for tag, kw, env in cases:
+        saved = {k: os.environ.pop(k, None) for k in _ENVS}
+        os.environ.update(env)
+        try:
+            g = _group(rank, world_size, f"to-{tag}", use_message_queue_broadcaster=True, **kw)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
+        mq = g.mq_broadcaster
+        out[tag] = (g.timeout, g.comm.timeout, type(g.comm).__name__,
+                    None if mq is None else mq.default_timeout)
         g.destroy()
-    out["cpu_default"] = DEFAULT_TIMEOUT
     return out
 
 
@@ -101,18 +122,66 @@ def _model_parallel_groups_inherit(rank: int, world_size: int, port: int) -> dic
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     groups = {"world": ps.get_world_group(), "tp": ps.get_tp_group(), "pp": ps.get_pp_group(),
               "dp": ps.get_dp_group()}
-    return {k: (g.timeout, g.comm.timeout if g.world_size > 1 else None)
-            for k, g in groups.items()}
+    out: dict[str, Any] = {k: (g.timeout, g.comm.timeout if g.world_size > 1 else None)
+                           for k, g in groups.items()}
+    out["tp-queue"] = ps.get_tp_group().mq_broadcaster.default_timeout
+    assert ps.init_distributed_environment(timeout=11.0) is ps.get_world_group()
+    try:
+        ps.init_distributed_environment(timeout=12.0)
+        out["other-timeout"] = "no error"
+    except ValueError as e:
+        out["other-timeout"] = str(e)
+    return out
 
 
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_the_group_timeout_reaches_its_communicator(dist_pool, world_size: int) -> None:
+def test_the_group_timeout_reaches_its_communicator_and_queue(dist_pool, world_size: int) -> None:
     for r in dist_pool(world_size).run(_timeouts_reach_the_communicator):
-        assert r["seconds"] == (7.5, 7.5, "CpuCommunicator")
-        assert r["timedelta"] == (9.0, 9.0, "CpuCommunicator")
-        # no group timeout given: torch's default for the group, the communicator's own
-        assert r["default"] == (1800.0, r["cpu_default"], "CpuCommunicator")
+        assert r["seconds"] == (7.5, 7.5, "CpuCommunicator", 7.5)
+        assert r["timedelta"] == (9.0, 9.0, "CpuCommunicator", 9.0)
+        assert r["default"] == (300.0, 300.0, "CpuCommunicator", 300.0)
+        assert r["env"] == (13.0, 13.0, "CpuCommunicator", 13.0)
+        assert r["env-shm"] == (13.0, 4.0, "CpuCommunicator", 13.0)
+        assert r["explicit-beats-env"] == (6.0, 6.0, "CpuCommunicator", 6.0)
+
+
+def test_default_timeout_and_its_environment_variable(monkeypatch) -> None:
+    from shm_broadcast.timeouts import DEFAULT_TIMEOUT_S, default_timeout
+
+    monkeypatch.delenv("GROUPCOORD_TIMEOUT", raising=False)
+    assert DEFAULT_TIMEOUT_S == 300.0 and default_timeout() == 300.0
+    monkeypatch.setenv("GROUPCOORD_TIMEOUT", "42.5")
+    assert default_timeout() == 42.5
+    for bad in ("soon", "0", "-3", "nan", "inf"):
+        monkeypatch.setenv("GROUPCOORD_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="GROUPCOORD_TIMEOUT"):
+            default_timeout()
+
+
+def test_a_queue_default_timeout_is_checked_and_used() -> None:
+    from shm_broadcast import MessageQueue, QueueTimeout
+
+    with MessageQueue(1, 1, [1], max_chunk_bytes=1024, max_chunks=1, name="dflt") as w, \
+            MessageQueue.create_from_handle(w.export_handle(), 1) as r:
+        w.wait_until_ready(10)
+        r.wait_until_ready(10)
+        assert w.default_timeout is None and r.default_timeout is None
+        for bad, exc in (("1", TypeError), (-1.0, ValueError), (float("nan"), ValueError)):
+            with pytest.raises(exc, match="default_timeout"):
+                r.default_timeout = bad
+        r.default_timeout = 0.3
+        t0 = time.monotonic()
+        with pytest.raises(QueueTimeout):
+            r.dequeue()  # no timeout given: the default applies
+        assert 0.25 <= time.monotonic() - t0 < 3
+        w.default_timeout = 0.3
+        w.enqueue(1)  # the ring holds one message: the next must wait for the reader
+        t0 = time.monotonic()
+        with pytest.raises(QueueTimeout, match=r"reader rank\(s\) \[1\]"):
+            w.enqueue(2)
+        assert 0.25 <= time.monotonic() - t0 < 3
+        assert r.dequeue() == 1
 
 
 def test_a_group_timeout_must_be_positive(dist_pool) -> None:
@@ -148,3 +217,6 @@ def test_model_parallel_groups_inherit_the_world_timeout() -> None:
     for r in res:
         assert r["world"] == (11.0, 11.0) and r["tp"] == (11.0, 11.0), r
         assert r["pp"][0] == 11.0 and r["dp"][0] == 11.0, r
+        assert r["tp-queue"] == 11.0, r
+        # asking an existing world group for another timeout is an error, not ignored
+        assert "timeout" in r["other-timeout"] and "12" in r["other-timeout"], r

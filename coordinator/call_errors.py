@@ -1,0 +1,246 @@
+"""What a GroupCoordinator says when one of its calls cannot complete.
+
+Every public call of a :class:`~coordinator.group_coordinator.GroupCoordinator`
+gets a sequence number: 1, 2, ... per group and rank. Ranks that make the same
+calls in the same order (the contract of every group) agree on it, so "call
+#17" on one rank is call #17 on the others, and two ranks that report
+different ops for the same number have diverged there.
+
+A wait that runs out raises :class:`~coordinator.errors.CommTimeout` whose
+message names the group, this rank, the op, the call number, the timeout and
+the ranks that did not arrive, with what is known about each one's process;
+``peers`` holds those ranks (group ranks). Where the ranks come from:
+
+* shared-memory collectives: the step's generation words say exactly which
+  ranks are behind;
+* message-queue broadcasts: the writer knows which readers lag, a reader waits
+  for the writer;
+* point-to-point calls: the peer is the call's ``src`` / ``dst``;
+* gloo collectives (barriers, objects over the CPU group, every collective of
+  a group without shared memory): gloo's error names nobody. A side check
+  then looks at the peers' processes, which costs no communication: each
+  rank's identity (pid, start time, boot id, pid namespace) is gathered once
+  when the group is built, and a peer on this host is reported ``exited``,
+  ``stopped`` (``SIGSTOP``, a debugger) or ``running``. Ranks found stopped or
+  exited are the suspects; when every peer runs, the message says that gloo
+  cannot tell which one is missing and names them all. Peers on other hosts
+  cannot be checked, which the message says too.
+
+Gloo also reports "connection closed by peer" when a *live* peer gave up
+(after its own timeout or error, gloo closes its connections). That becomes
+:class:`~coordinator.errors.PeerDiedError` only on evidence: a peer on this
+host whose process is gone is named as dead; when every peer is provably
+alive it is :class:`~coordinator.errors.ClosedError` ("a peer closed its
+connections"), because nobody died.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, NoReturn, Sequence
+
+import psutil
+
+from device_comms.errors import translate_backend_error
+from shm_broadcast.errors import ClosedError, CommTimeout, GroupCoordError, PeerDiedError
+from shm_broadcast.group_adapter import object_group
+from shm_broadcast.segment import OwnerIdentity
+from shm_broadcast.waiting import PeerWatch
+
+__all__ = ["CallErrors", "WAIT_ERRORS", "own_identity"]
+
+#: Seconds to look again at peers' processes before reporting a closed connection
+#: from a live peer (an exiting process closes its sockets just before it is gone).
+_EXIT_GRACE_S = 0.1
+
+#: What a call may raise when a wait fails: our timeouts, and RuntimeError
+#: (PeerDiedError, BrokenCommunicator, or an untranslated backend error).
+WAIT_ERRORS = (CommTimeout, RuntimeError)
+
+_WHY = {
+    "exited": "gone",
+    "stopped": "stopped: SIGSTOP, job control or a debugger",
+    "running": "alive",
+    "unknown": "not checkable from here",
+}
+
+
+def own_identity() -> list[Any]:
+    """This process's ``[host, pid, start time, boot id, pid namespace]``, msgpack-able."""
+    me = OwnerIdentity.of_self()
+    try:
+        ctime = psutil.Process().create_time()
+    except psutil.Error:
+        ctime = 0.0
+    return [socket.gethostname(), os.getpid(), ctime, me.boot_id, me.pidns]
+
+
+class CallErrors:
+    """Explains failed waits of one group's calls (see the module docstring).
+
+    Args:
+        name: The group's unique name.
+        rank: This process's group rank.
+        world_size: The group's size.
+
+    Attributes:
+        watches: Per group rank, a :class:`PeerWatch` of its process when it
+            can be checked from here (same boot and pid namespace), else None.
+        hosts: Per group rank, its host name (empty until :meth:`learn_peers`).
+    """
+
+    def __init__(self, name: str, rank: int, world_size: int) -> None:
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.watches: list[PeerWatch | None] = [None] * world_size
+        self.hosts: list[str] = [""] * world_size
+        self.pids: list[int] = [0] * world_size
+
+    def learn_peers(self, cpu_group: Any) -> None:
+        """Gather every rank's process identity (collective over ``cpu_group``)."""
+        mine = own_identity()
+        idents = object_group(cpu_group).all_gather(mine)
+        _, _, _, boot, pidns = mine
+        for r, ident in enumerate(idents):
+            try:
+                host, pid, ctime, peer_boot, peer_ns = ident
+                pid = int(pid)
+            except (TypeError, ValueError):
+                continue  # a malformed identity only loses the side check
+            self.hosts[r], self.pids[r] = str(host), pid
+            if boot and pidns and peer_boot == boot and peer_ns == pidns:
+                self.watches[r] = PeerWatch(pid, float(ctime) or None)  # 0: start unknown
+
+    # ------------------------------------------------------------------ entry
+    def explain(self, op: str, seq: int, e: BaseException,
+                partner: int | None = None, writer: int | None = None) -> None:
+        """Raise the error call ``seq`` (``op``) should raise for ``e``, or return
+        to let the caller re-raise ``e`` unchanged.
+
+        Args:
+            op: The public method that failed.
+            seq: Its sequence number in this group.
+            e: What the call raised.
+            partner: The peer of a point-to-point call (group rank).
+            writer: The group rank of the message queue's writer, for a
+                reader's timeout (its ``peers`` say ``"writer"``).
+        """
+        cause = e
+        raw = e.__cause__ if isinstance(e, GroupCoordError) else e
+        if not isinstance(e, GroupCoordError):
+            e = translate_backend_error(e, self._where(op, seq))
+            if e is cause:
+                return  # not a failed wait: the caller re-raises it as it is
+        if isinstance(e, CommTimeout):
+            if getattr(e, "call", None) is not None:
+                return  # already explained by the group whose call it was
+            detail = f"gloo: {_first_line(raw)}" if _is_backend_error(raw) else _first_line(e)
+            self._raise(self._timeout(op, seq, e, partner, writer, detail), cause)
+        if isinstance(e, PeerDiedError) and _is_backend_error(raw):
+            self._raise(self._closed_by_peer(op, seq, _first_line(raw), partner), cause)
+        if e is not cause:
+            self._raise(e, cause)
+
+    # ------------------------------------------------------------------ timeouts
+    def _timeout(self, op: str, seq: int, e: CommTimeout, partner: int | None,
+                 writer: int | None, detail: str) -> CommTimeout:
+        known = [p for p in e.peers if isinstance(p, int) and not isinstance(p, bool)]
+        if writer is not None and "writer" in e.peers:
+            known.append(writer)
+        if partner is not None and not known:
+            known = [partner]
+        if known:
+            missing = sorted(set(known))
+            head = f"timed out waiting for rank(s) {missing} ({self._states(missing)})"
+        else:
+            missing, head = self._suspects()
+        err = CommTimeout(
+            f"{self._where(op, seq)}: {head}. Every rank of the group must make the same "
+            f"calls in the same order. Detail: {detail}",
+            queue=self.name, side=f"rank {self.rank}", peers=missing)
+        err.call = seq  # type: ignore[attr-defined]
+        err.op = op  # type: ignore[attr-defined]
+        return err
+
+    def _suspects(self) -> tuple[list[int], str]:
+        """Gloo named nobody: the peers whose process is stopped or gone, else all."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        states = {r: self._state(r) for r in others}
+        bad = [r for r in others if states[r] in ("stopped", "exited")]
+        listing = self._states(others, states)
+        if bad:
+            return bad, (f"timed out; gloo does not say which rank is missing, suspected: "
+                         f"rank(s) {bad} (side check of the peers' processes: {listing})")
+        return others, (f"timed out; gloo does not say which rank is missing and no peer "
+                        f"process is stopped or gone, so any of rank(s) {others} may be "
+                        f"elsewhere ({listing})")
+
+    # ------------------------------------------------------------------ closed connections
+    def _closed_by_peer(self, op: str, seq: int, backend_text: str,
+                        partner: int | None) -> GroupCoordError:
+        candidates = [partner] if partner is not None else [
+            r for r in range(self.world_size) if r != self.rank]
+        states = {r: self._state(r) for r in candidates}
+        if "exited" not in states.values():
+            # An exiting process closes its sockets a moment before it is gone:
+            # look again before calling a peer alive.
+            time.sleep(_EXIT_GRACE_S)
+            states = {r: self._state(r) for r in candidates}
+        gone = [r for r in candidates if states[r] == "exited"]
+        listing = self._states(candidates, states)
+        first = backend_text
+        where = self._where(op, seq)
+        if gone:
+            return PeerDiedError(
+                f"{where}: rank(s) {gone} died ({listing}); gloo reported: {first}",
+                queue=self.name, side=f"rank {self.rank}", peers=gone)
+        if all(states[r] != "unknown" for r in candidates):
+            return ClosedError(
+                f"{where}: a peer closed its connections of this group although its process "
+                f"is alive ({listing}): it gave up on a call (its own timeout or error) or "
+                f"destroyed the group. Look for the first error in the other ranks' logs; "
+                f"gloo reported: {first}",
+                queue=self.name, side=f"rank {self.rank}", peers=candidates)
+        return PeerDiedError(
+            f"{where}: a peer closed its connection: it exited, or gave up on the call "
+            f"({listing}); gloo reported: {first}",
+            queue=self.name, side=f"rank {self.rank}", peers=candidates)
+
+    # ------------------------------------------------------------------ helpers
+    def _where(self, op: str, seq: int) -> str:
+        return (f"group {self.name!r} (rank {self.rank} of {self.world_size}), op {op}, "
+                f"call #{seq}")
+
+    def _state(self, r: int) -> str:
+        if not 0 <= r < self.world_size:
+            return "unknown"
+        w = self.watches[r]
+        return w.state() if w is not None else "unknown"
+
+    def _states(self, ranks: Sequence[int], states: dict[int, str] | None = None) -> str:
+        parts = []
+        for r in ranks:
+            st = states[r] if states is not None else self._state(r)
+            pid = self.pids[r] if 0 <= r < self.world_size else 0
+            who = f"pid {pid}" if pid else "pid unknown"
+            if st == "unknown" and 0 <= r < self.world_size and self.hosts[r]:
+                who += f" on {self.hosts[r]}"
+            parts.append(f"rank {r}, {who}: {_WHY[st]}")
+        return "; ".join(parts)
+
+    @staticmethod
+    def _raise(err: BaseException, cause: BaseException) -> NoReturn:
+        raise err from cause
+
+
+def _first_line(e: BaseException | None) -> str:
+    """The first line of an error's text (gloo appends long notes), at most 400 characters."""
+    return str(e).strip().split("\n", 1)[0][:400]
+
+
+def _is_backend_error(e: BaseException | None) -> bool:
+    """Whether ``e`` is a backend's own error (gloo's RuntimeError), not one of ours."""
+    return isinstance(e, RuntimeError) and not isinstance(e, GroupCoordError)
