@@ -93,6 +93,7 @@ import zmq
 from zmq.utils import z85
 
 from shm_broadcast.channel_dirs import new_channel_dir, remove_channel_dir, remove_dead_channel_dir
+from shm_broadcast.host_address import host_ip
 
 __all__ = [
     "WIRE",
@@ -142,8 +143,6 @@ TOPIC_REMOTE = b"m"
 CTL_HELLO = b"h"
 CTL_ACK = b"a"
 CTL_CLOSED = b"c"
-
-HOST_IP_ENV = "GROUPCOORD_HOST_IP"
 
 #: ZAP domain of the writer's TCP listeners (the authenticator serves only it).
 ZAP_DOMAIN = "groupcoord"
@@ -313,27 +312,6 @@ def count_failed_handshakes(mon: zmq.Socket | None) -> tuple[int, list[int]]:
     except zmq.Again:
         pass
     return failed, gone
-
-
-def host_ip() -> str:
-    """Best guess of this host's IP address that other nodes can reach.
-
-    ``$GROUPCOORD_HOST_IP`` wins; otherwise the source address of the default
-    route (a UDP ``connect`` sends no packet); otherwise loopback.
-    """
-    env = os.environ.get(HOST_IP_ENV)
-    if env:
-        return env
-    for target in ("10.255.255.255", "8.8.8.8"):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((target, 1))
-                ip = s.getsockname()[0]
-                if ip and not ip.startswith("0."):
-                    return ip
-        except OSError:
-            continue
-    return "127.0.0.1"
 
 
 def say_goodbye(dealer: zmq.Socket | None, owner_thread: int) -> None:
