@@ -404,7 +404,8 @@ class QueueWriter:
         self._hello[ident] = (rank, pid, ctime, host)
         self._remote_fd[frame.get(zmq.SRCFD)] = rank
         self._remote_acked.setdefault(rank, 0)
-        self._local_watch[-1 - rank] = PeerWatch(pid, ctime, host)
+        # A TCP reader's pid is not ours to check (see PeerWatch's ``remote``).
+        self._local_watch[-1 - rank] = PeerWatch(pid, ctime, host, remote=True)
         return True
 
     def security_stats(self) -> dict[str, int]:

@@ -83,8 +83,10 @@ class RemoteReader:
         self.codec = codec
         self._pid = os.getpid()
         self._owner_thread = threading.get_ident()
+        # Reached over TCP: the writer's pid is not ours to check (hostnames
+        # may coincide across hosts); its death shows as a dropped connection.
         self._writer = PeerWatch(handle.writer_pid, handle.writer_create_time,
-                                 handle.writer_host)
+                                 handle.writer_host, remote=True)
         wr = "" if handle.writer_rank is None else f" rank {handle.writer_rank}"
         self._writer_desc = f"writer{wr} ({self._writer.describe()})"
         self._ack_every = max(1, handle.remote_window // 4)

@@ -118,13 +118,20 @@ class PeerWatch:
             it, or ``None`` to skip the reuse check.
         host: Hostname of the peer; a peer on another host cannot be checked
             with psutil and is always reported alive.
+        remote: True for a peer reached over the network (a TCP reader or
+            writer): its pid is not checked here whatever its hostname says,
+            because two hosts may share a hostname while their pids live in
+            different pid spaces. ``None`` decides by ``host``.
     """
 
-    def __init__(self, pid: int, create_time: float | None, host: str | None = None) -> None:
+    def __init__(self, pid: int, create_time: float | None, host: str | None = None,
+                 *, remote: bool | None = None) -> None:
         self.pid = pid
         self.create_time = create_time
         self.host = host
-        self._remote = host is not None and host != socket.gethostname()
+        if remote is None:
+            remote = host is not None and host != socket.gethostname()
+        self._remote = remote
         self._proc: psutil.Process | None = None
 
     def alive(self) -> bool:
