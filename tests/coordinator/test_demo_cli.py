@@ -76,3 +76,68 @@ def test_demo_rejects_bad_prompt_ids(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "--prompt-ids" in proc.stderr and "'1,x'" in proc.stderr
+
+
+# ------------------------------------------------------------- --launcher env
+def _torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _env_without_launcher() -> dict[str, str]:
+    import os
+
+    drop = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+@pytest.mark.timeout(240)
+def test_demo_under_torchrun_equals_the_default_launcher(tmp_path: Path) -> None:
+    """torchrun starts the ranks (--launcher env): same tokens and bit-identical logits
+    as the demo that starts its ranks itself."""
+    common = ["--tp", "2", "--pp", "1", "--max-new-tokens", "6", "--no-progress",
+              "--timeout", "120"]
+    env = {**_env_without_launcher(), "OMP_NUM_THREADS": "1"}
+    spawned = tmp_path / "spawn.json"
+    proc = subprocess.run([sys.executable, "-m", "coordinator", "demo", *common,
+                           "--json", str(spawned)],
+                          capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launched = tmp_path / "env.json"
+    proc = subprocess.run([*_torchrun(), "--standalone", "--nproc-per-node", "2",
+                           "-m", "coordinator", "demo", "--launcher", "env", *common,
+                           "--json", str(launched)],
+                          capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("PASS") == 1  # only global rank 0 reports
+    a, b = json.loads(spawned.read_text()), json.loads(launched.read_text())
+    assert (a["launcher"], b["launcher"]) == ("spawn", "env")
+    assert b["verified"] and b["generated"] == a["generated"]
+    assert b["logits_sha256"] == a["logits_sha256"]
+    # rank 1's arrival latencies reached the driver: one per message, as with spawn
+    assert b["worker_recv_latency_us"]["n"] == a["worker_recv_latency_us"]["n"] > b["steps"]
+
+
+@pytest.mark.parametrize("env_update,needle", [
+    ({}, "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set"),
+    ({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "needs 4 ranks, but the launcher started WORLD_SIZE=3"),
+    ({"RANK": "0", "WORLD_SIZE": "four", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "WORLD_SIZE must be an int, got 'four'"),
+], ids=["not-launched", "wrong-world-size", "bad-world-size"])
+def test_demo_launcher_env_refuses_a_wrong_environment(env_update, needle) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "demo", "--launcher", "env", "--no-progress"],
+        capture_output=True, text=True, timeout=120, env={**_env_without_launcher(), **env_update},
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    assert "--launcher env" in proc.stderr
+
+
+def test_demo_mlp_refuses_launcher_env() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "demo", "--mlp", "--launcher", "env"],
+        capture_output=True, text=True, timeout=120, env=_env_without_launcher(),
+    )
+    assert proc.returncode == 2 and "--mlp runs with --launcher spawn only" in proc.stderr
