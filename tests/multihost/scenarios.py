@@ -452,9 +452,9 @@ FAULTS = {
     # the link drops while stage 1 waits for stage 0's tensor dict.
     "fault-pp-link": Fault("pp", "link", 0, "send_tensor_dict"),
 }
-CI_CASES = ("healthy", "same-hostname", "demo", "fault-tp-kill", "fault-tp-kill-writer",
-            "fault-tp-link")
-SLOW_CASES = ("fault-tp-link-all-reduce", "fault-pp-kill", "fault-pp-link")
+CI_CASES = ("healthy", "same-hostname", "demo", "fault-tp-kill", "fault-tp-link")
+SLOW_CASES = ("fault-tp-kill-writer", "fault-tp-link-all-reduce", "fault-pp-kill",
+              "fault-pp-link")
 
 
 def run_case(name: str, workdir: Path, timeout: float) -> tuple[list[str], dict[str, Any]]:
