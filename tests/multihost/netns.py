@@ -28,7 +28,10 @@ and the names left in ``/dev/shm`` to ``/tmp/rc`` and ``/tmp/shm-left``.
 Clean-up holds on every exit path: the command's first process is pid 1 of
 its pid namespace, and ``unshare --kill-child`` kills it when ``unshare``
 dies, which takes every process of the namespace with it; ``unshare`` itself
-dies with the driver (``PR_SET_PDEATHSIG``). The mounts live only in the
+dies with the driver (``PR_SET_PDEATHSIG``). Those two signals race with a
+driver that dies while ``unshare`` is still forking, so the namespace also
+watches a *lifeline*: a pipe whose only write end the driver holds; at its
+end of file the script kills every process of the namespace. The mounts live only in the
 launch's mount namespace, which ends with its last process. :meth:`close`
 kills what is still running and deletes both network namespaces (which
 removes the veth pair); :func:`sweep_stale` deletes namespaces left by a
@@ -61,10 +64,15 @@ _counter = itertools.count()
 
 #: Runs as pid 1 of the launch's namespaces. Arguments: hostname, hosts file,
 #: the host's private /tmp, /dev/shm size, time limit (s), then the command.
+#: Its fd 3 is the lifeline: the driver holds the only write end, so end of
+#: file means the driver is gone, and every process of the namespace is
+#: killed (pid 1 then exits, which ends the namespace).
 _HOST_SCRIPT = r"""
 set -eu
 name=$1 hosts=$2 tmpdir=$3 shm_size=$4 limit=$5
 shift 5
+( read -r _ <&3 || true; kill -KILL -1 2>/dev/null ) &
+exec 3<&-
 mount --bind "$hosts" /etc/hosts
 mount -t tmpfs -o "size=$shm_size,mode=1777" gcmh-shm /dev/shm
 mount --bind "$tmpdir" /tmp
@@ -196,6 +204,7 @@ class LaunchedHost:
     proc: subprocess.Popen[bytes]
     log_path: Path
     log: IO[bytes]
+    lifeline: int
     started: float = field(default_factory=time.monotonic)
 
     def wait(self, deadline: float) -> int | None:
@@ -206,7 +215,11 @@ class LaunchedHost:
             return None
 
     def kill(self) -> None:
-        """SIGKILL ``unshare``: its child, pid 1 of the namespace, and all in it die."""
+        """End the launch: close the lifeline (every process in the namespace is
+        killed) and SIGKILL ``unshare`` (its child, pid 1, dies with it)."""
+        if self.lifeline >= 0:
+            os.close(self.lifeline)
+            self.lifeline = -1
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
@@ -295,20 +308,29 @@ class TwoHosts:
         """
         h = self.hosts[key]
         log_path = self.workdir / f"{key}.log"
+        read_end, lifeline = os.pipe()  # both close-on-exec; the child gets read_end as fd 3
         log = open(log_path, "ab")
         cmd = ["nsenter", f"--net={NETNS_DIR / h.netns}", "--",
                "unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "--mount-proc",
                "--kill-child=SIGKILL", "--propagation", "private", "--",
                "/bin/sh", "-c", _HOST_SCRIPT, "gcmh-host", h.hostname, str(h.dir / "hosts"),
                str(h.tmp), self.shm_size, str(int(limit_s)), *argv]
+
+        def in_child() -> None:  # before exec: die with the driver; lifeline on fd 3
+            _die_with_driver()
+            os.dup2(read_end, 3)
+
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=dict(env), cwd=cwd,
-                                    preexec_fn=_die_with_driver)
+                                    pass_fds=(3,), preexec_fn=in_child)
         except BaseException:
             log.close()
+            os.close(lifeline)
             raise
-        launched = LaunchedHost(h, proc, log_path, log)
+        finally:
+            os.close(read_end)
+        launched = LaunchedHost(h, proc, log_path, log, lifeline)
         self.launched.append(launched)
         return launched
 

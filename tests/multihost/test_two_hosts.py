@@ -81,18 +81,23 @@ def test_hosts_with_the_same_hostname(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("with_master_addr", [True, False], ids=["master-addr", "hostname"])
-def test_host_ip_without_default_route(tmp_path: Path, with_master_addr: bool) -> None:
+@pytest.mark.parametrize("env,expected", [
+    ({"MASTER_ADDR": "10.213.0.1"}, "10.213.0.2"),
+    ({}, "10.213.0.2"),
+    ({"MASTER_ADDR": "10.213.0.1", "GROUPCOORD_HOST_IP": "10.213.0.9"}, "10.213.0.9"),
+], ids=["master-addr", "hostname", "override"])
+def test_host_ip_without_default_route(tmp_path: Path, env: dict[str, str],
+                                       expected: str) -> None:
     """Host b has no default route: the queue's TCP endpoints must still bind on
     its veth address (from the route to MASTER_ADDR, else its resolved hostname),
-    not on 127.0.0.1, which host a cannot reach."""
+    not on 127.0.0.1, which host a cannot reach; GROUPCOORD_HOST_IP overrides."""
     code = "from shm_broadcast.transport import host_ip; print('HOST_IP=' + host_ip())"
     with TwoHosts(tmp_path) as hosts:
-        env = sc.host_env({"MASTER_ADDR": hosts.hosts["a"].ip} if with_master_addr else {})
-        launched = hosts.launch("b", [sys.executable, "-c", code], env, 60, cwd=str(sc.REPO))
+        launched = hosts.launch("b", [sys.executable, "-c", code], sc.host_env(env), 60,
+                                cwd=str(sc.REPO))
         assert launched.wait(time.monotonic() + 90) == 0
         assert launched.command_status() == 0, launched.log_tail()
-        assert "HOST_IP=10.213.0.2\n" in launched.log_tail()
+        assert f"HOST_IP={expected}\n" in launched.log_tail()
 
 
 # ---------------------------------------------------------------- the demo
@@ -104,6 +109,16 @@ def test_demo_tp2_pp2_across_hosts_equals_one_host(tmp_path: Path) -> None:
     run, two = sc.run_demo_two_hosts(tmp_path / "two")
     one = sc.run_demo_one_host(tmp_path)
     assert sc.check_demo(run, two, one) == [], run.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_demo_tp4_across_hosts_equals_one_host(tmp_path: Path) -> None:
+    """TP=4 over both hosts: every layer's all-reduce is hierarchical; tokens equal
+    the one-host demo's and the logits pass the reference check."""
+    run, two = sc.run_demo_two_hosts(tmp_path / "two", tp=4, pp=1)
+    one = sc.run_demo_one_host(tmp_path, tp=4, pp=1)
+    assert sc.check_demo(run, two, one, tp=4, pp=1, bitwise=False) == [], run.describe()
 
 
 # ---------------------------------------------------------------- faults
@@ -146,70 +161,81 @@ def test_no_namespace_left_behind() -> None:
 
 
 # ---------------------------------------------------------------- clean-up
-def _descendants(pid: int) -> list[Any]:
-    import psutil
-
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _start_driver(argv: list[str]) -> tuple[Any, list[Any], list[str]]:
-    """Start a scenario driver; return it once its hosts run (their processes, namespaces)."""
+def _start_driver(argv: list[str], early: bool) -> tuple[Any, int]:
+    """Start a scenario driver; return it and the Python driver's pid once its hosts
+    start (``early``: as soon as the first one is being created) or run."""
     import subprocess
+
+    import psutil
 
     proc = subprocess.Popen(argv, cwd=str(sc.REPO), env=sc.host_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        kids = _descendants(proc.pid)
-        py = [k for k in kids if _driver_pid(k) is not None]
-        names = sorted(p.name for p in Path("/run/netns").glob("gcmh-*")
-                       if any(p.name.startswith(f"gcmh-{d}-") for d in [proc.pid, *[k.pid for k in py]]))
-        if names and sum("unshare" in k.name() for k in kids) >= 2:
-            return proc, kids, names
-        time.sleep(0.05)
+        try:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            break
+        names = [_name(k) for k in kids]
+        driver = next((k.pid for k in [psutil.Process(proc.pid), *kids]
+                       if "tests.multihost.scenarios" in _cmdline(k)), None)
+        started = sum(n in ("nsenter", "unshare") for n in names)
+        if driver is not None and started >= (1 if early else 2) \
+                and (early or "sh" in names):
+            return proc, driver
+        time.sleep(0.005 if early else 0.05)
     proc.kill()
     proc.wait()
     raise AssertionError("the driver's hosts never came up")
 
 
-def _driver_pid(k: Any) -> int | None:
+def _name(p: Any) -> str:
     try:
-        return k.pid if "scenarios" in " ".join(k.cmdline()) else None
+        return str(p.name())
     except Exception:
-        return None
+        return ""
 
 
-def _gone(procs: list[Any], within_s: float) -> list[Any]:
+def _cmdline(p: Any) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except Exception:
+        return ""
+
+
+def _processes_of(driver: int) -> list[Any]:
+    """Processes whose command line names the driver's work directory or namespaces."""
     import psutil
 
-    _, alive = psutil.wait_procs(procs, timeout=within_s)
-    return alive
+    tag = f"gcmh-{driver}-"
+    return [p for p in psutil.process_iter() if tag in _cmdline(p)]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["sigkill-driver", "sigterm-script"])
+@pytest.mark.parametrize("how", ["sigkill-driver", "sigkill-driver-while-starting",
+                                 "sigterm-script"])
 def test_everything_is_removed_when_the_run_is_killed(how: str) -> None:
-    """SIGKILL of the Python driver (its hosts die with it; the next run sweeps
-    its namespaces) or SIGTERM of run_two_hosts.sh (its trap and the driver
-    remove everything): no process, namespace or veth is left."""
+    """SIGKILL of the Python driver, also while its hosts are being created (its
+    hosts die with it; the next run sweeps its namespaces and work directory),
+    or SIGTERM of run_two_hosts.sh (its trap and the driver remove everything):
+    no process, namespace, veth or work directory is left."""
     import signal
 
-    if how == "sigkill-driver":
+    import psutil
+
+    if how.startswith("sigkill-driver"):
         argv = [sys.executable, "-m", "tests.multihost.scenarios", "--case", "healthy"]
     else:
         argv = ["bash", str(sc.REPO / "tests/multihost/run_two_hosts.sh"), "--case", "healthy"]
-    proc, kids, names = _start_driver(argv)
-    os.kill(proc.pid, signal.SIGKILL if how == "sigkill-driver" else signal.SIGTERM)
+    proc, driver = _start_driver(argv, early=how.endswith("while-starting"))
+    os.kill(proc.pid, signal.SIGTERM if how == "sigterm-script" else signal.SIGKILL)
     proc.wait(30)
-    alive = _gone(kids, within_s=30)
-    assert alive == [], [(p.pid, p.name()) for p in alive]
-    if how == "sigkill-driver":
-        assert set(sweep_stale()) >= set(names)  # what the next run does first
-    left = [n for n in names if (Path("/run/netns") / n).exists()]
-    assert left == []
-    owners = {n.split("-")[1] for n in names}
-    dirs = [d for d in Path(tempfile.gettempdir()).glob("gcmh-*") if d.name.split("-")[1] in owners]
-    assert dirs == []
+    # 5 s: far less than the run itself would take, so nothing may just finish
+    deadline = time.monotonic() + 5
+    while (left_procs := _processes_of(driver)) and time.monotonic() < deadline:
+        psutil.wait_procs(left_procs, timeout=0.2)
+    assert left_procs == [], [(p.pid, _cmdline(p)[:200]) for p in left_procs]
+    if how.startswith("sigkill-driver"):
+        sweep_stale()  # what the next run does first
+    assert sorted(p.name for p in Path("/run/netns").glob(f"gcmh-{driver}-*")) == []
+    assert sorted(Path(tempfile.gettempdir()).glob(f"gcmh-{driver}-*")) == []
