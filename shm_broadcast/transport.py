@@ -85,7 +85,6 @@ Who can reach these sockets (see ``docs/security-channels.md``):
 from __future__ import annotations
 
 import os
-import socket
 import struct
 import threading
 

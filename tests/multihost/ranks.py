@@ -139,14 +139,14 @@ def case_tp(args: argparse.Namespace) -> dict[str, Any]:
     got = tp.broadcast_object(obj if rank == n - 1 else None, src=n - 1)
     out["object_ok"] = got["ids"] == [1, 2] and got["from"] == "last"
     out["object_host"] = got["host"]
-    out.update(_results_to_rank0(tp))
+    out.update(_results_to_rank0(tp, args.timeout))
     if rank == 0:
         out["security_stats"] = mq.security_stats()
     tp.barrier()
     return out
 
 
-def _results_to_rank0(tp: Any) -> dict[str, Any]:
+def _results_to_rank0(tp: Any, timeout: float) -> dict[str, Any]:
     """Every rank writes its result to rank 0 over a single-reader queue (TCP across hosts)."""
     rank, n = tp.rank_in_group, tp.world_size
     writer, readers = tp.create_single_reader_mq_broadcasters(reader_rank_in_group=0,
@@ -154,7 +154,7 @@ def _results_to_rank0(tp: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         if rank == 0:
-            got = {r: q.dequeue(timeout=args_timeout()) for r, q in enumerate(readers)
+            got = {r: q.dequeue(timeout=timeout) for r, q in enumerate(readers)
                    if q is not None}
             out["results_ok"] = got == {r: {"rank": r, "tokens": [r] * 3} for r in range(1, n)}
             out["result_transports"] = {str(r): q.transport for r, q in enumerate(readers)
@@ -293,13 +293,6 @@ def case_fault(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------- main
 _CASES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "tp": case_tp, "pp": case_pp, "fault": case_fault}
-_ARGS: argparse.Namespace | None = None
-
-
-def args_timeout() -> float:
-    """The groups' timeout of this run (seconds)."""
-    assert _ARGS is not None
-    return float(_ARGS.timeout)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -344,11 +337,9 @@ def _leave_groups(limit_s: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the cases in order; write one result file per case; the exit status."""
-    global _ARGS
-    args = _ARGS = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     me = _identity()
     ps.init_distributed_environment(timeout=args.timeout)
-    status = 0
     for case in args.case:
         res = {**me, "case": case, **_CASES[case](args)}
         if res.get("outcome") == "raised":
@@ -358,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         ps.destroy_model_parallel()
         _write(args.out, f"{case}-rank{me['rank']}.json", res)
     ps.destroy_distributed_environment()
-    return status
+    return 0
 
 
 if __name__ == "__main__":
