@@ -152,14 +152,6 @@ def test_link_down_is_a_timeout_not_a_death(fault_runs: dict[str, sc.Run],
     assert all("CommTimeout" in run.rank("fault", r)["error_mro"] for r in got), got
 
 
-def test_no_namespace_left_behind() -> None:
-    """Every namespace this process created is gone (run last)."""
-    sweep_stale()
-    netns = Path("/run/netns")
-    left = sorted(p.name for p in netns.glob(f"gcmh-{os.getpid()}-*")) if netns.is_dir() else []
-    assert left == []
-
-
 # ---------------------------------------------------------------- clean-up
 def _start_driver(argv: list[str], early: bool) -> tuple[Any, int]:
     """Start a scenario driver; return it and the Python driver's pid once its hosts
@@ -239,3 +231,11 @@ def test_everything_is_removed_when_the_run_is_killed(how: str) -> None:
         sweep_stale()  # what the next run does first
     assert sorted(p.name for p in Path("/run/netns").glob(f"gcmh-{driver}-*")) == []
     assert sorted(Path(tempfile.gettempdir()).glob(f"gcmh-{driver}-*")) == []
+
+
+def test_no_namespace_left_behind() -> None:
+    """Every namespace this process created is gone (run last)."""
+    sweep_stale()
+    netns = Path("/run/netns")
+    left = sorted(p.name for p in netns.glob(f"gcmh-{os.getpid()}-*")) if netns.is_dir() else []
+    assert left == []
