@@ -92,30 +92,24 @@ def _env_without_launcher() -> dict[str, str]:
 
 
 @pytest.mark.timeout(240)
-def test_demo_under_torchrun_equals_the_default_launcher(tmp_path: Path) -> None:
-    """torchrun starts the ranks (--launcher env): same tokens and bit-identical logits
-    as the demo that starts its ranks itself."""
-    common = ["--tp", "2", "--pp", "1", "--max-new-tokens", "6", "--no-progress",
-              "--timeout", "120"]
+def test_demo_under_torchrun(tmp_path: Path) -> None:
+    """torchrun starts the ranks (--launcher env): rank 0 alone reports, verified
+    against the unsharded model (tests/multihost compares it bit for bit with
+    the default launcher, across two simulated hosts)."""
     env = {**_env_without_launcher(), "OMP_NUM_THREADS": "1"}
-    spawned = tmp_path / "spawn.json"
-    proc = subprocess.run([sys.executable, "-m", "coordinator", "demo", *common,
-                           "--json", str(spawned)],
-                          capture_output=True, text=True, timeout=200, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     launched = tmp_path / "env.json"
     proc = subprocess.run([*_torchrun(), "--standalone", "--nproc-per-node", "2",
-                           "-m", "coordinator", "demo", "--launcher", "env", *common,
-                           "--json", str(launched)],
+                           "-m", "coordinator", "demo", "--launcher", "env", "--tp", "2",
+                           "--pp", "1", "--max-new-tokens", "6", "--no-progress",
+                           "--timeout", "120", "--json", str(launched)],
                           capture_output=True, text=True, timeout=200, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("PASS") == 1  # only global rank 0 reports
-    a, b = json.loads(spawned.read_text()), json.loads(launched.read_text())
-    assert (a["launcher"], b["launcher"]) == ("spawn", "env")
-    assert b["verified"] and b["generated"] == a["generated"]
-    assert b["logits_sha256"] == a["logits_sha256"]
-    # rank 1's arrival latencies reached the driver: one per message, as with spawn
-    assert b["worker_recv_latency_us"]["n"] == a["worker_recv_latency_us"]["n"] > b["steps"]
+    b = json.loads(launched.read_text())
+    assert b["launcher"] == "env" and (b["tp"], b["pp"]) == (2, 1)
+    assert b["verified"] and b["tokens_identical"] and b["generated"] == b["reference_generated"]
+    # rank 1's arrival latencies reached the driver: one per step at least
+    assert b["worker_recv_latency_us"]["n"] > b["steps"] > 0
 
 
 @pytest.mark.parametrize("env_update,needle", [
