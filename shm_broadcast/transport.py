@@ -20,7 +20,7 @@ to the PUB/SUB "slow joiner" effect.
 
 ``ctl`` (ROUTER, readers -> writer): each reader connects a DEALER whose
 routing id names it (``L<index>`` local, ``R<rank>`` remote) and sends a hello
-(pid, process start time, host), remote readers' cumulative acks (flow
+(pid, process start time, host, pid space), remote readers' cumulative acks (flow
 control), and a goodbye on close.
 
 Wake-ups of parked sides do not use zmq; see :mod:`shm_broadcast.doorbell`.

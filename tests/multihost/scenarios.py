@@ -527,8 +527,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in problems:
                 print(f"    {line}")
     finally:
-        if a.keep:
-            print(f"work directory: {work}")
+        if a.keep:  # renamed: a kept directory is not swept as a dead driver's
+            kept = work.with_name(work.name.replace("gcmh-", "gcmh-kept-", 1))
+            work.rename(kept)
+            print(f"work directory: {kept}")
         else:
             shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0

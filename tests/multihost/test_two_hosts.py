@@ -139,17 +139,19 @@ def test_fault_raises_within_the_timeout(name: str, fault_runs: dict[str, sc.Run
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 13 item 3 (queue liveness, another branch): a TCP reader whose link is down "
-    "declares the writer dead after zmq's 3 s heartbeat timeout (PeerDiedError) although "
-    "the writer lives; remove this marker when that lands"))
 def test_link_down_is_a_timeout_not_a_death(fault_runs: dict[str, sc.Run],
                                             tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Nobody died when the link dropped: every rank must raise a timeout."""
+    """Nobody died when the link dropped: every rank whose wait crosses the link
+    raises a timeout (the TCP readers 2, 3 waiting for the writer, rank 0 waiting
+    for leader rank 2), never PeerDiedError. Rank 1 waits for rank 0 on its own
+    host, which may really have exited after its own timeout by then."""
     run = _fault_run(fault_runs, "fault-tp-link", tmp_path_factory)
-    got: dict[int, Any] = {r: x.get("error_type") for r, x in run.results.get("fault", {}).items()}
-    assert sorted(got) == [0, 1, 2, 3]
-    assert all("CommTimeout" in run.rank("fault", r)["error_mro"] for r in got), got
+    got = {r: (x.get("error_type"), x.get("message", "")[:300])
+           for r, x in run.results.get("fault", {}).items()}
+    assert sorted(got) == [0, 1, 2, 3], got
+    for r in (0, 2, 3):
+        assert "CommTimeout" in run.rank("fault", r)["error_mro"], got[r]
+    assert got[1][0] in ("CommTimeout", "PeerDiedError", "ClosedError"), got[1]
 
 
 # ---------------------------------------------------------------- clean-up
