@@ -186,10 +186,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
             self._flat = self._engine
             self.mode = "shm"
             return
-        leaders = [self.ranks[self.nodes.index(j)] for j in range(n_nodes)]
         self._hier = HierarchicalAllReduce(
-            self._engine, self.cpu_group, leaders, self.nodes[self.rank_in_group],
-            plan.local_rank == 0, self.world_size,
+            self._engine, self.cpu_group, self.nodes, self.rank_in_group, self.unique_name
         )
         self.mode = "hierarchical"
 
@@ -265,7 +263,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
             self.shm_calls["all_reduce"] += 1
             return eng.all_reduce(t, op)
         if self._hier is not None:
-            return self._hier.all_reduce(t, op)
+            h = self._header("all_reduce", t.dtype, op, 0, t.shape, t.shape)
+            return self._hier.all_reduce(t, op, h)
         return super()._all_reduce(t, op)
 
     def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
@@ -369,12 +368,37 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self.shm_calls["broadcast"] += 1
         return eng.broadcast(t, src)
 
+    # ------------------------------------------------------------------ signatures
+    def _prologue(self, op: str, header: Any, reason: str | None) -> bool:
+        """Agree on a gloo-routed collective where the other ops meet, before its envelopes.
+
+        One node: a shared-memory step with the call's signature (scatter,
+        all_to_all), so a rank in one of them and a rank in a shared-memory
+        op raise at once instead of waiting for each other. Several nodes:
+        :meth:`HierarchicalAllReduce.agree` (every op but send/recv).
+        Returns True when the peers were told of this rank's rejection.
+        """
+        eng = self._flat
+        if eng is not None:
+            if op in _SHM_OPS:
+                return False
+            if reason is not None:
+                eng.sync.reject(op, reason)
+                return True
+            eng.sync.step(op, int(header[3]), int(header[4]), True)
+            return False
+        if self._hier is not None:
+            self._hier.agree(op, header, reason)
+            return reason is not None
+        return False
+
     def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
         """A rejected call is one shared-memory step with a "rejected" signature
-        (any op the engine runs; see :mod:`device_comms.shm_sync`); otherwise gloo's."""
+        (any op the engine runs; see :mod:`device_comms.shm_sync`); otherwise gloo's
+        (after :meth:`_prologue`, which tells the other ops' ranks)."""
         eng = self._flat
         if eng is not None and op in _SHM_OPS:
-            eng.sync.reject(op, message)
+            self._guard(op, eng.sync.reject, op, message)
             return
         super()._abort_collective(op, message, *meta)
 
