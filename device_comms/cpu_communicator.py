@@ -18,13 +18,27 @@ node. Then:
 
 ``scatter``, ``all_to_all``, ``send`` and ``recv`` always use gloo.
 
-A rank whose own arguments fail validation still takes part in the call (see
-:meth:`DeviceCommunicator._reject`): in the shared-memory engine, for every op
-it runs, as one step with a "rejected" signature, so the peers raise
-:class:`~device_comms.errors.PeerRejectedError` within milliseconds and the
-group stays usable; on gloo as described in
-:mod:`device_comms.torch_communicator` (in hierarchical mode a rejected
-``all_reduce`` is not announced: its peers wait for the timeout).
+Every call is signed (op, dtype, shape, layout, root; the call number is the
+step generation in shared memory, a counter on gloo), so a rejected, skipped
+or mismatched call raises :class:`~device_comms.errors.PeerRejectedError` /
+:class:`~device_comms.errors.CollectiveMismatch` on every rank within
+milliseconds and the group stays usable:
+
+* shared-memory ops compare their first step's signature
+  (:mod:`device_comms.shm_sync`); a rank that rejects its arguments takes
+  that step with a "rejected" signature;
+* gloo ops exchange call headers first (:mod:`device_comms.torch_communicator`);
+  with one node, ``scatter`` and ``all_to_all`` first take a shared-memory step
+  with their signature, so a rank in one of them and a rank in a
+  shared-memory op meet there instead of waiting for each other;
+* with several nodes every collective first agrees through the node leaders
+  (:meth:`HierarchicalAllReduce.agree`; the all-reduce carries its signature
+  in its own steps and messages), which relay a node's rejection or mismatch
+  to the other nodes.
+
+``send``/``recv`` meet only their peer, so a rank in a send and its peer in
+a collective wait for the timeout (a ``CollectiveTimeout``), as do ranks that
+call collectives of different communicators.
 
 Configuration (arguments win over environment variables; the environment is
 read at construction):

@@ -28,7 +28,9 @@ Results of 32 MiB and more are allocated with :func:`device_comms.host_alloc.emp
 collective itself on a VM).
 
 Each op's first step carries a signature (op kind, dtype, reduce op, root,
-size) that every rank compares, so mismatched calls raise
+and a size key covering the shape and layout arguments; see
+:func:`~device_comms.shm_sync.shape_key`) that every rank compares, so
+mismatched calls raise
 :class:`~device_comms.errors.CollectiveMismatch` everywhere instead of
 returning garbage. Results are always new tensors (never views of the
 workspace), except :meth:`ShmEngine.broadcast`, which fills its argument.

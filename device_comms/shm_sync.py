@@ -63,6 +63,13 @@ valid ranks leave before any further step. A ``barrier`` (no signature)
 passes a rejected step silently: ranks calling different things at the same
 point is the caller's bug, as with any other mismatch.
 
+Relayed errors. A step whose signature is :data:`FAILED` (kind 0xFE) carries
+an error found elsewhere -- a hierarchical communicator's node leader passing
+on another node's rejection or mismatch (:meth:`StepSync.relay`) -- as
+msgpack ``(kind, culprit rank, message)`` in the relaying rank's slot; its
+local peers raise the same class naming the same culprit. Like a rejected
+step it is a complete step, so generations stay in step.
+
 Memory ordering. On x86-64 (TSO) stores are not reordered with older stores
 and loads not with older loads, so "data, then flag" / "flag, then data" in
 program order would already suffice for ordinary stores; but torch's copy

@@ -3,13 +3,13 @@
 :class:`SignedCalls` is mixed into
 :class:`~device_comms.torch_communicator.TorchDistributedCommunicator`. It
 keeps the per-group call counter, the per-peer send/recv counters, a cache of
-call headers and two :class:`~device_comms.envelopes.Envelopes` (collectives
-and point-to-point, on their own tags), and offers the three things an op
-needs:
+call headers, the collective :class:`~device_comms.envelopes.Blocks` and the
+point-to-point :class:`~device_comms.envelopes.Envelopes`, and offers the
+three things an op needs:
 
 * :meth:`SignedCalls._call`: agree on a collective with every peer (the
-  :meth:`_prologue` first, then one envelope exchange), raising on every rank
-  unless every rank made this very call; small payloads ride along;
+  :meth:`_prologue` first, then one all-gather of blocks), raising on every
+  rank unless every rank made this very call; small payloads ride along;
 * :meth:`SignedCalls._p2p_call`: the same for one send/recv pair;
 * :meth:`SignedCalls._reject_call`: take part in a call as a rank that
   rejected its own arguments (any op, any argument), so the peers raise
@@ -22,16 +22,14 @@ stay equal across ranks after any of those.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from device_comms.call_signature import REJECTED, group_id, layout_key, settle, template
-from device_comms.envelopes import (
-    COLLECTIVE_TAG, P2P_TAG, Envelopes, failure_header, reason_bytes,
-)
+from device_comms.envelopes import P2P_TAG, Blocks, Envelopes, failure_header, reason_bytes
 from device_comms.reduce_op import ReduceOp
 
 __all__ = ["SignedCalls"]
@@ -53,7 +51,7 @@ class SignedCalls:
     world_size: int
 
     def _init_signed_calls(self) -> None:
-        self._coll_env: Envelopes | None = None
+        self._blocks: Blocks | None = None
         self._p2p_env: Envelopes | None = None
         self._headers: dict[tuple[Any, ...], np.ndarray] = {}
         self._seq = 0
@@ -83,15 +81,19 @@ class SignedCalls:
             )
         return h
 
-    def _envelopes(self, p2p: bool = False) -> Envelopes:
-        env = self._p2p_env if p2p else self._coll_env
+    def _envelopes(self) -> Blocks:
+        """The collective exchange (built at the first signed call)."""
+        b = self._blocks
+        if b is None:
+            b = self._blocks = Blocks(self.device_group, self.world_size, self.rank_in_group)
+        return b
+
+    def _p2p(self) -> Envelopes:
+        """The point-to-point exchange (built at the first send/recv)."""
+        env = self._p2p_env
         if env is None:
             peers = [r for r in range(self.world_size) if r != self.rank_in_group]
-            env = Envelopes(self.device_group, peers, P2P_TAG if p2p else COLLECTIVE_TAG)
-            if p2p:
-                self._p2p_env = env
-            else:
-                self._coll_env = env
+            env = self._p2p_env = Envelopes(self.device_group, peers, P2P_TAG)
         return env
 
     # ------------------------------------------------------------------ calls
@@ -105,17 +107,12 @@ class SignedCalls:
         """
         return False
 
-    def _call(
-        self,
-        op: str,
-        header: np.ndarray,
-        payload: torch.Tensor | None = None,
-        to: Mapping[int, torch.Tensor | None] | None = None,
-    ) -> None:
-        """Agree on collective ``op`` with every peer; small payloads travel along.
+    def _call(self, op: str, header: np.ndarray, payload: torch.Tensor | None = None) -> None:
+        """Agree on collective ``op`` with every peer; a small payload travels along.
 
-        ``payload`` (flat bytes) goes to every peer, or ``to[p]`` to peer ``p``.
-        Afterwards :meth:`_payload` holds what each peer sent.
+        ``payload`` (a contiguous tensor of at most
+        :data:`~device_comms.envelopes.BLOCK_INLINE` bytes) reaches every peer;
+        afterwards :meth:`_received` / :meth:`_payload` hold what each rank sent.
 
         Raises:
             PeerRejectedError: A peer rejected its arguments.
@@ -125,7 +122,7 @@ class SignedCalls:
         env = self._envelopes()
         self._seq += 1
         header[2] = self._seq
-        env.exchange(header, payload, to)
+        env.exchange(header, payload)
         self._settle(op, env, header, env.peers)
 
     def _reject_call(self, op: str, reason: str) -> None:
@@ -150,7 +147,7 @@ class SignedCalls:
 
         Returns True on a rejecting rank (it raises its own error).
         """
-        env = self._envelopes(p2p=True)
+        env = self._p2p()
         self._p2p_seq[peer] += 1
         if header is None:
             header = self._failure(op, self._p2p_seq[peer])
@@ -166,7 +163,9 @@ class SignedCalls:
         h[2] = seq
         return h
 
-    def _settle(self, op: str, env: Envelopes, header: np.ndarray, peers: list[int]) -> bool:
+    def _settle(
+        self, op: str, env: Blocks | Envelopes, header: np.ndarray, peers: list[int]
+    ) -> bool:
         """Raise unless every peer's header agrees with ``header`` (see ``settle``)."""
         mine = header[:6].tobytes()
         words = env.words
@@ -180,21 +179,31 @@ class SignedCalls:
         return settle(self.unique_name, op, self.rank_in_group, heads, env.reason)
 
     # ------------------------------------------------------------------ payloads
-    def _payload(self, peer: int, p2p: bool = False) -> torch.Tensor:
-        """The bytes ``peer`` sent with its header in the last exchange."""
-        return self._envelopes(p2p).payload(peer)
+    def _payload(self, rank: int) -> torch.Tensor:
+        """The bytes ``rank`` sent with its header in the last collective exchange."""
+        return self._envelopes().payload(rank)
 
     def _received(
-        self, mine: torch.Tensor, shapes: Sequence[Sequence[int]] | None = None
+        self,
+        mine: torch.Tensor,
+        shapes: Sequence[torch.Size] | None = None,
+        at: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
         """Every rank's piece of the last exchange in rank order (``mine`` for this rank).
 
-        ``shapes[r]`` is rank ``r``'s piece shape (default: ``mine``'s).
+        Rank ``r``'s piece has ``shapes[r]`` (default: ``mine``'s shape) and
+        starts ``at[r]`` elements into its payload (default: 0). The pieces
+        alias the receive buffer until the next exchange.
         """
         env = self._envelopes()
-        me, dt = self.rank_in_group, mine.dtype
-        return [
-            mine if r == me else
-            env.payload(r).view(dt).view(mine.shape if shapes is None else shapes[r])
-            for r in range(self.world_size)
-        ]
+        dt = mine.dtype
+        if shapes is None and at is None:
+            out = list(env.views(dt, mine.shape))
+        else:
+            out = [
+                env.views(dt, torch.Size(mine.shape if shapes is None else shapes[r]),
+                          0 if at is None else at[r])[r]
+                for r in range(self.world_size)
+            ]
+        out[self.rank_in_group] = mine
+        return out

@@ -13,8 +13,8 @@ Signed calls (CPU tensors). Every op, collective or point-to-point, starts
 with an envelope exchange (:mod:`device_comms.envelopes`): each rank sends
 every peer its call's header (op, dtype, shape, layout arguments, root, the
 group's call number; :mod:`device_comms.call_signature`) and, when the call
-is small (at most :data:`~device_comms.envelopes.INLINE_MAX` bytes per peer),
-the payload itself. Then every rank has seen every header and:
+is small (at most :data:`~device_comms.envelopes.BLOCK_INLINE` bytes from a
+rank), the payload itself. Then every rank has seen every header and:
 
 * a call that every rank made alike is already done when small (each rank
   computes its result from the payloads: reductions in rank order, so every
@@ -52,7 +52,7 @@ import torch.distributed as dist
 from device_comms.base import DeviceCommunicator
 from device_comms.call_signature import data_shape
 from device_comms.errors import CollectiveMismatch, DecodeError
-from device_comms.envelopes import INLINE_MAX, as_bytes
+from device_comms.envelopes import BLOCK_INLINE, INLINE_MAX, as_bytes
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.signed_calls import SignedCalls
@@ -122,9 +122,9 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
     # --- reductions -----------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         if self._checks_calls:
-            small = t.nbytes <= INLINE_MAX
+            small = t.nbytes <= BLOCK_INLINE
             h = self._header("all_reduce", t.dtype, op, 0, t.shape, t.shape)
-            self._call("all_reduce", h, as_bytes(t) if small else None)
+            self._call("all_reduce", h, t if small else None)
             if small:
                 return reduce_views(self._received(t), op)
         wide = _REDUCE_AS.get(t.dtype)
@@ -137,9 +137,9 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
     def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
         me = self.rank_in_group == dst
         if self._checks_calls:
-            small = t.nbytes <= INLINE_MAX
+            small = t.nbytes <= BLOCK_INLINE
             h = self._header("reduce", t.dtype, op, dst, t.shape, t.shape)
-            self._call("reduce", h, to={dst: as_bytes(t)} if small and not me else None)
+            self._call("reduce", h, t if small and not me else None)
             if small:
                 return reduce_views(self._received(t), op) if me else None
         wide = _REDUCE_AS.get(t.dtype)
@@ -187,23 +187,24 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         self, kind: str, t: torch.Tensor, x: torch.Tensor, dim: int, sizes: list[int],
         op: ReduceOp, layout: object,
     ) -> torch.Tensor:
-        """(v)reduce-scatter on CPU: regions in the envelopes when small, else gloo."""
+        """(v)reduce-scatter on CPU: the whole input in the block when small, else gloo.
+
+        Every rank's block then holds its whole input; this rank reduces its
+        region of each, in rank order.
+        """
         me, inner = self.rank_in_group, x.shape[1:]
-        row = math.prod(inner) * x.element_size()
-        small = max(sizes) * row <= INLINE_MAX
-        offs = [0]
-        for s in sizes:
-            offs.append(offs[-1] + s)
-        regions = [x[offs[j] : offs[j + 1]] for j in range(self.world_size)]
+        small = x.nbytes <= BLOCK_INLINE
         h = self._header(kind, t.dtype, op, 0, layout, t.shape)
-        to = {j: as_bytes(regions[j]) for j in range(self.world_size) if j != me} if small else None
-        self._call(kind, h, to=to)
+        self._call(kind, h, x if small else None)
         if not small:
             if kind == "reduce_scatter":
                 return self._plain_reduce_scatter(x, dim, op)
             return self._plain_reduce_scatterv(x, dim, sizes, op)
-        shapes = [(sizes[me],) + tuple(inner)] * self.world_size
-        return reduce_views(self._received(regions[me], shapes), op).movedim(0, dim).contiguous()
+        start = sum(sizes[:me])
+        mine = x[start : start + sizes[me]]
+        at = [start * math.prod(inner)] * self.world_size
+        got = self._received(mine, [mine.shape] * self.world_size, at)
+        return reduce_views(got, op).movedim(0, dim).contiguous()
 
     def _plain_reduce_scatterv(
         self, x: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
@@ -227,9 +228,9 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
     # --- data movement ----------------------------------------------------------
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if self._checks_calls:
-            small = t.nbytes <= INLINE_MAX
+            small = t.nbytes <= BLOCK_INLINE
             h = self._header("all_gather", t.dtype, None, 0, (t.shape, dim), t.shape)
-            self._call("all_gather", h, as_bytes(t) if small else None)
+            self._call("all_gather", h, t if small else None)
             if small:
                 return torch.cat(self._received(t), dim)
         n = self.world_size
@@ -240,9 +241,9 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         inner = t.shape[:dim] + t.shape[dim + 1 :]
         if self._checks_calls:
-            small = max(sizes) * math.prod(inner) * t.element_size() <= INLINE_MAX
+            small = max(sizes) * math.prod(inner) * t.element_size() <= BLOCK_INLINE
             h = self._header("all_gatherv", t.dtype, None, 0, (tuple(sizes), inner, dim), t.shape)
-            self._call("all_gatherv", h, as_bytes(t) if small else None)
+            self._call("all_gatherv", h, t if small else None)
             if small:
                 shapes = [t.shape[:dim] + (s,) + t.shape[dim + 1 :] for s in sizes]
                 return torch.cat(self._received(t, shapes), dim)
@@ -266,9 +267,9 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         me = self.rank_in_group == dst
         if self._checks_calls:
-            small = t.nbytes <= INLINE_MAX
+            small = t.nbytes <= BLOCK_INLINE
             h = self._header("gather", t.dtype, None, dst, (t.shape, dim), t.shape)
-            self._call("gather", h, to={dst: as_bytes(t)} if small and not me else None)
+            self._call("gather", h, t if small and not me else None)
             if small:
                 return torch.cat(self._received(t), dim) if me else None
         bufs = [torch.empty_like(t) for _ in range(self.world_size)] if me else None
@@ -282,13 +283,13 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if self._checks_calls:
-            small = t.nbytes <= INLINE_MAX
+            small = t.nbytes <= BLOCK_INLINE
             me = self.rank_in_group == src
             h = self._header("broadcast", t.dtype, None, src, t.shape, t.shape)
-            self._call("broadcast", h, as_bytes(t) if small and me else None)
+            self._call("broadcast", h, t if small and me else None)
             if small:
                 if not me:
-                    as_bytes(t).copy_(self._payload(src))
+                    t.copy_(self._envelopes().views(t.dtype, t.shape)[src])
                 return t
         dist.broadcast(wire_view(t), src=self._g(src), group=self.device_group)
         return t
@@ -322,7 +323,7 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         return out
 
     def _signed_scatter(self, t: torch.Tensor | None, src: int, dim: int) -> torch.Tensor:
-        """Scatter on CPU: the source's envelope to rank ``j`` holds its shape and piece ``j``.
+        """Scatter on CPU: the source's block holds its shape, and its tensor when small.
 
         Receivers know neither shape nor dtype, so their header leaves both
         open; every rank's ``dim`` travels in word 10 and is checked against
@@ -330,27 +331,24 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         """
         n, me = self.world_size, self.rank_in_group
         if t is not None:
-            pieces = torch.tensor_split(t, n, dim)
-            small = pieces[0].nbytes <= INLINE_MAX - _PREFIX_BYTES
             prefix = _shape_prefix(t.shape)
-            to = {j: _cat_bytes(prefix, pieces[j].contiguous() if small else None)
-                  for j in range(n) if j != me}
+            small = prefix.numel() + t.nbytes <= BLOCK_INLINE
+            payload = torch.cat([prefix, as_bytes(t)]) if small else prefix
             h = self._header("scatter", None, None, src, (), t.shape, data_dtype=t.dtype, extra=dim)
-            self._call("scatter", h, to=to)
+            self._call("scatter", h, payload)
             self._check_scatter_dims(src, h)
             if small:
-                return pieces[me].clone(memory_format=torch.contiguous_format)
+                return torch.tensor_split(t, n, dim)[me].clone(memory_format=torch.contiguous_format)
             return self._plain_scatter(t, src, list(t.shape), t.dtype, dim)
         h = self._header("scatter", None, None, src, (), None, extra=dim)
         self._call("scatter", h)
         d = self._check_scatter_dims(src, h)
         shape, dtype = self._scatter_source(src)
-        piece_shape = list(shape)
-        piece_shape[d] //= n
-        out = torch.empty(piece_shape, dtype=dtype)
-        if out.nbytes <= INLINE_MAX - _PREFIX_BYTES:
-            as_bytes(out).copy_(self._payload(src)[_PREFIX_BYTES:])
-            return out
+        skip = 16 * ((len(shape) + 1) // 2)
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if skip + nbytes <= BLOCK_INLINE:
+            whole = self._payload(src)[skip : skip + nbytes].view(dtype).view(shape)
+            return torch.tensor_split(whole, n, d)[me].clone(memory_format=torch.contiguous_format)
         return self._plain_scatter(None, src, shape, dtype, d)
 
     def _check_scatter_dims(self, src: int, mine: np.ndarray) -> int:
@@ -372,16 +370,17 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         return src_d
 
     def _scatter_source(self, src: int) -> tuple[list[int], torch.dtype]:
-        """Shape and dtype of the source's tensor, from its envelope (checked before allocating)."""
+        """Shape and dtype of the source's tensor, from its block (checked before allocating)."""
         words = self._envelopes().words[src]
         ndim = int(words[9])
         raw = self._payload(src)
         _, dtype = data_shape(words)
-        shape = raw[:_PREFIX_BYTES].view(torch.int64)[:ndim].tolist() if (
-            raw.numel() >= _PREFIX_BYTES and 0 < ndim <= _PREFIX_BYTES // 8) else None
+        shape = None
+        if 0 < ndim <= _MAX_DIMS and raw.numel() >= 8 * ndim:
+            shape = raw[: 8 * ndim].view(torch.int64).tolist()
         if dtype is None or shape is None or any(x < 0 for x in shape):
             raise DecodeError(
-                f"scatter on group {self.unique_name!r}: rank {src}'s envelope does not describe "
+                f"scatter on group {self.unique_name!r}: rank {src}'s block does not describe "
                 f"a tensor (ndim {ndim}, dtype code {int(words[8])}); nothing was allocated",
                 queue=self.unique_name, peers=(src,))
         return shape, dtype
@@ -412,14 +411,13 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         n, me = self.world_size, self.rank_in_group
         x = t.movedim(scatter_dim, 0).contiguous()
         if self._checks_calls:
-            pieces = torch.tensor_split(x, n, 0)
-            small = pieces[0].nbytes <= INLINE_MAX
+            small = x.nbytes <= BLOCK_INLINE
             h = self._header("all_to_all", t.dtype, None, 0, (t.shape, scatter_dim, gather_dim),
                              t.shape)
-            to = {j: as_bytes(pieces[j]) for j in range(n) if j != me} if small else None
-            self._call("all_to_all", h, to=to)
-            if small:
-                got = self._received(pieces[me])
+            self._call("all_to_all", h, x if small else None)
+            if small:  # piece ``me`` of every rank's whole input
+                mine = torch.tensor_split(x, n, 0)[me]
+                got = self._received(mine, [mine.shape] * n, [me * mine.numel()] * n)
                 return torch.cat([p.movedim(0, scatter_dim) for p in got], gather_dim).contiguous()
         out = torch.empty_like(x)
         dist.all_to_all_single(wire_view(out), wire_view(x), group=self.device_group)
@@ -433,7 +431,7 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
             h = self._header("send/recv", t.dtype, None, self.rank_in_group, t.shape, t.shape)
             self._p2p_call("send", dst, h, as_bytes(t) if small else None)
             if not small:
-                self._envelopes(p2p=True).send_raw(as_bytes(t), dst).wait()
+                self._p2p().send_raw(as_bytes(t), dst).wait()
             return
         dist.send(wire_view(t), dst=self._g(dst), group=self.device_group)
 
@@ -442,9 +440,9 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         if self._checks_calls:
             self._p2p_call("recv", src, self._header("send/recv", dtype, None, src, size, size))
             if out.nbytes <= INLINE_MAX:
-                as_bytes(out).copy_(self._payload(src, p2p=True))
+                as_bytes(out).copy_(self._p2p().payload(src))
             else:
-                self._envelopes(p2p=True).recv_raw(as_bytes(out), src).wait()
+                self._p2p().recv_raw(as_bytes(out), src).wait()
             return out
         dist.recv(wire_view(out), src=self._g(src), group=self.device_group)
         return out
@@ -464,19 +462,14 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         self._guard(op, self._reject_call, op, message)
 
 
-# Bytes in front of scatter's payloads: the source's shape as int64 words, as
-# many as a tensor may have dims (a multiple of 16, so the piece stays aligned).
-_PREFIX_BYTES = 8 * 64
+_MAX_DIMS = 64  # dims a tensor may have (torch's limit)
 
 
 def _shape_prefix(shape: torch.Size) -> torch.Tensor:
-    words = torch.zeros(_PREFIX_BYTES // 8, dtype=torch.int64)
+    """The shape as int64 words, padded to 16 bytes (the data after it stays aligned)."""
+    words = torch.zeros(2 * ((len(shape) + 1) // 2), dtype=torch.int64)
     words[: len(shape)] = torch.tensor(list(shape), dtype=torch.int64)
     return words.view(torch.uint8)
-
-
-def _cat_bytes(prefix: torch.Tensor, piece: torch.Tensor | None) -> torch.Tensor:
-    return prefix if piece is None else torch.cat([prefix, as_bytes(piece)])
 
 
 def _concat_leading(stacked: torch.Tensor, dim: int) -> torch.Tensor:

@@ -241,3 +241,149 @@ def run_case(rank: int, world_size: int, path: str, op: str, fault: str) -> dict
     comm.destroy()
     return {"outcome": outcome, "elapsed": elapsed, "good": good, "p2p_good": p2p_good,
             "mode": mode}
+
+
+# ---------------------------------------------------------------------- beyond the matrix
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_large_calls_agree_first_then_run_gloo(dist_pool, world_size: int) -> None:
+    """Payloads above a block: headers first, then the gloo op; mismatches still caught."""
+    outs = dist_pool(world_size).run(large_calls, timeout=75)
+    n = world_size
+    for rank, out in enumerate(outs):
+        for op, ok in out["results"].items():
+            assert ok, f"rank {rank}: {op} gave a wrong result"
+        for op, (kind, msg) in out["mismatch"].items():
+            assert kind == "CollectiveMismatch", (rank, op, kind, msg)
+            assert f"rank {n - 1}" in msg or f"[{n - 1}]" in msg, (rank, op, msg)
+        assert out["after"] == [float(n)] * 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rejected_rank_that_continues_does_not_pair_with_its_peers_call(
+        dist_pool, world_size: int) -> None:
+    """The rank whose all_reduce is rejected goes on to its next all_reduce; before
+    signatures its peers' first all_reduce silently returned the sum of its second."""
+    outs = dist_pool(world_size).run(reject_then_continue, timeout=45)
+    n = world_size
+    for rank, out in enumerate(outs):
+        first, second = out
+        assert first[0] == ("TypeError" if rank == 0 else "PeerRejectedError"), (rank, first)
+        assert second == [float(n)] * 4, (rank, second)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_node_gloo_routed_op_meets_shared_memory_op(dist_pool, world_size: int) -> None:
+    """One node: a rank in scatter/all_to_all (gloo) and ranks in a shared-memory op raise."""
+    outs = dist_pool(world_size).run(cross_transport, timeout=45)
+    for rank, out in enumerate(outs):
+        assert out["mode"] == "shm"
+        for label, (kind, msg) in out["cases"].items():
+            assert kind == "CollectiveMismatch", (rank, label, kind, msg)
+            assert f"rank {world_size - 1}" in msg, (rank, label, msg)
+        assert out["after"] == [float(world_size)] * 2
+
+
+def large_calls(rank: int, world_size: int) -> dict[str, Any]:
+    from device_comms.envelopes import BLOCK_INLINE
+
+    n = world_size
+    comm = TorchDistributedCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="big")
+    rows = BLOCK_INLINE // 4  # float32 rows of 1 element: one block's worth per rank
+    xs = [_x(r, (2 * n * rows, 3)) for r in range(n)]
+    x = xs[rank]
+    total = sum(xs)
+    res: dict[str, bool] = {}
+    res["all_reduce"] = torch.equal(comm.all_reduce(x), total)
+    red = comm.reduce(x, n - 1)
+    res["reduce"] = torch.equal(red, total) if rank == n - 1 else red is None
+    res["all_gather"] = torch.equal(comm.all_gather(x, 1), torch.cat(xs, 1))
+    sizes = [rows * (r + 1) for r in range(n)]
+    piece = _x(rank, (sizes[rank], 3))
+    res["all_gatherv"] = torch.equal(comm.all_gatherv(piece, 0, sizes),
+                                     torch.cat([_x(r, (sizes[r], 3)) for r in range(n)]))
+    m = x.shape[0] // n
+    res["reduce_scatter"] = torch.equal(comm.reduce_scatter(x, 0), total[rank * m:(rank + 1) * m])
+    vs = [rows * (r + 1) for r in range(n)]
+    vx = [_x(r, (sum(vs), 3)) for r in range(n)]
+    off = sum(vs[:rank])
+    res["reduce_scatterv"] = torch.equal(comm.reduce_scatterv(vx[rank], 0, vs),
+                                         sum(vx)[off:off + vs[rank]])
+    g = comm.gather(x, 0, 0)
+    res["gather"] = torch.equal(g, torch.cat(xs)) if rank == 0 else g is None
+    b = x.clone() if rank == 1 else torch.zeros_like(x)
+    res["broadcast"] = torch.equal(comm.broadcast(b, 1), xs[1])
+    sc = comm.scatter(xs[0] if rank == 0 else None, 0, 0)
+    res["scatter"] = torch.equal(sc, xs[0][rank * m:(rank + 1) * m])
+    a2a = comm.all_to_all(x, 0, 1)
+    res["all_to_all"] = torch.equal(a2a, torch.cat([xs[r][rank * m:(rank + 1) * m] for r in range(n)], 1))
+    big = _x(0, (70000,))  # above a point-to-point envelope too
+    if rank == 0:
+        comm.send(big, n - 1)
+    elif rank == n - 1:
+        res["send_recv"] = torch.equal(comm.recv((70000,), torch.float32, 0), big)
+    mismatch: dict[str, tuple[str, str]] = {}
+    wrong = rank == n - 1
+    for op, call in (
+        ("all_reduce", lambda: comm.all_reduce(_x(rank, (2 * n * rows, 4 if wrong else 3)))),
+        ("all_gather", lambda: comm.all_gather(x.double() if wrong else x, 0)),
+        ("scatter", lambda: comm.scatter(xs[0] if rank == 0 else None, 0, 1 if wrong else 0)),
+    ):
+        try:
+            call()
+            mismatch[op] = ("ok", "")
+        except CollectiveMismatch as e:
+            mismatch[op] = (type(e).__name__, str(e))
+    if rank in (0, n - 1):  # a large send against a receiver expecting another shape
+        try:
+            if rank == 0:
+                comm.send(big, n - 1)
+            else:
+                comm.recv((69999,), torch.float32, 0)
+            mismatch["send_recv"] = ("ok", "")
+        except CollectiveMismatch as e:
+            mismatch["send_recv"] = (type(e).__name__, str(e))
+    after = comm.all_reduce(torch.ones(3)).tolist()
+    comm.destroy()
+    return {"results": res, "mismatch": mismatch, "after": after}
+
+
+def reject_then_continue(rank: int, world_size: int) -> list[Any]:
+    comm = TorchDistributedCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="rtc")
+    out: list[Any] = []
+    try:
+        t = [1.0] * 4 if rank == 0 else torch.full((4,), 100.0)
+        out.append(("returned", comm.all_reduce(t).tolist()))  # type: ignore[arg-type]
+    except PeerRejectedError as e:
+        out.append(("PeerRejectedError", e.rank))
+    except TypeError as e:
+        out.append(("TypeError", str(e)))
+    out.append(comm.all_reduce(torch.ones(4)).tolist())
+    comm.destroy()
+    return out
+
+
+def cross_transport(rank: int, world_size: int) -> dict[str, Any]:
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="xt",
+                           workspace_bytes=1 << 16)
+    odd = rank == world_size - 1
+    cases: dict[str, tuple[str, str]] = {}
+    n = world_size
+    for label, gloo_op in (
+        ("scatter", lambda: comm.scatter(torch.ones(n, 2) if rank == 0 else None, 0, 0)),
+        ("all_to_all", lambda: comm.all_to_all(torch.ones(n, 2), 0, 0)),
+    ):
+        try:
+            if odd:
+                gloo_op()
+            else:
+                comm.all_reduce(torch.ones(n, 2))
+            cases[label] = ("ok", "")
+        except CollectiveMismatch as e:
+            cases[label] = (type(e).__name__, str(e))
+    after = comm.all_reduce(torch.ones(2)).tolist()
+    mode = comm.mode
+    comm.destroy()
+    return {"cases": cases, "after": after, "mode": mode}
