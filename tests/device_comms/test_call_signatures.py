@@ -387,3 +387,61 @@ def cross_transport(rank: int, world_size: int) -> dict[str, Any]:
     mode = comm.mode
     comm.destroy()
     return {"cases": cases, "after": after, "mode": mode}
+
+
+_LAYOUTS = ["sparse_coo", "sparse_csr", "meta", "quantised", "nested"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path,world_size", [("gloo", 2), ("gloo", 3), ("hierarchical", 3)])
+@pytest.mark.parametrize("kind", _LAYOUTS)
+def test_bad_layout_is_refused_before_communicating(dist_pool, path: str, world_size: int,
+                                                    kind: str) -> None:
+    """A sparse/meta/quantised/nested tensor on the last rank: refused there, announced."""
+    outs = dist_pool(world_size).run(bad_layout, path, kind, timeout=45)
+    culprit = world_size - 1
+    for rank, out in enumerate(outs):
+        for op, (what, msg) in out["calls"].items():
+            if rank == culprit:
+                assert what in ("TypeError", "ValueError") and "input_" in msg, (rank, op, msg)
+            else:
+                assert what == "PeerRejectedError" and f"rank {culprit}" in msg, (rank, op, msg)
+        assert out["after"] == [float(world_size)] * 2
+
+
+def _bad(kind: str) -> Any:
+    import warnings
+
+    warnings.simplefilter("ignore")  # beta warnings of sparse CSR / nested / quantised
+    if kind == "sparse_coo":
+        return torch.ones(8).to_sparse()
+    if kind == "sparse_csr":
+        return torch.ones(2, 4).to_sparse_csr()
+    if kind == "meta":
+        return torch.empty(8, device="meta")
+    if kind == "nested":
+        return torch.nested.nested_tensor([torch.ones(3), torch.ones(5)])
+    return torch.quantize_per_tensor(torch.ones(8), 0.1, 0, torch.qint8)
+
+
+def bad_layout(rank: int, world_size: int, path: str, kind: str) -> dict[str, Any]:
+    comm = _comm(path, rank, world_size)
+    culprit = rank == world_size - 1
+    calls: dict[str, tuple[str, str]] = {}
+    for op in ("all_reduce", "all_gather", "broadcast"):
+        x = _bad(kind) if culprit else torch.ones(8)
+        try:
+            if op == "all_reduce":
+                comm.all_reduce(x)
+            elif op == "all_gather":
+                comm.all_gather(x, 0)
+            else:
+                comm.broadcast(x, 0)
+            calls[op] = ("ok", "")
+        except PeerRejectedError as e:
+            calls[op] = ("PeerRejectedError", str(e))
+        except (TypeError, ValueError) as e:
+            calls[op] = (type(e).__name__, str(e))
+    after = comm.all_reduce(torch.ones(2)).tolist()
+    comm.destroy()
+    return {"calls": calls, "after": after}
