@@ -99,8 +99,9 @@ class ShmEngine:
         self._single = min(ws.slot_bytes, oneshot_bytes)  # one step, cached views
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
         self._sigs: dict[tuple[str, torch.dtype, ReduceOp | None, int], int] = {}
-        self._ar_sigs: dict[tuple[torch.dtype, ReduceOp], int] = {}  # hot-path shortcut
         self._shape_keys: dict[torch.Size, int] = {}
+        # One-step all-reduce: (parity, dtype, shape, op) -> (slot views, signature, size key).
+        self._ar_steps: dict[tuple[Any, ...], tuple[list[torch.Tensor], int, int]] = {}
 
     def close(self) -> None:
         """Mark this rank closed for its peers and unmap. Idempotent."""
@@ -114,8 +115,6 @@ class ShmEngine:
         s = self._sigs.get(key)
         if s is None:
             s = self._sigs[key] = signature(kind, dtype, op, root)
-            if kind == "all_reduce":
-                self._ar_sigs[(dtype, op)] = s
         return s
 
     def shape_key(self, shape: torch.Size) -> int:
@@ -150,12 +149,18 @@ class ShmEngine:
         """All-reduce contiguous ``t``; returns a new tensor, identical on every rank."""
         sync = self.sync
         if t.nbytes <= self._single:
-            key = ((sync.gen + 1) & 1, t.dtype, t.shape)
-            views = self._views.get(key) or self._shaped(key[0], t)
+            key = ((sync.gen + 1) & 1, t.dtype, t.shape, op)
+            hit = self._ar_steps.get(key)
+            if hit is None:
+                if len(self._ar_steps) >= _VIEW_CACHE_MAX:
+                    self._ar_steps.clear()
+                hit = self._ar_steps[key] = (
+                    self._shaped(key[0], t), self._sig("all_reduce", t.dtype, op),
+                    self.shape_key(t.shape),
+                )
+            views, sig, sk = hit
             views[self.me].copy_(t)
-            sig = self._ar_sigs.get((t.dtype, op)) or self._sig("all_reduce", t.dtype, op)
-            sk = self._shape_keys.get(t.shape)
-            sync.step("all_reduce", sig, self.shape_key(t.shape) if sk is None else sk, True)
+            sync.step("all_reduce", sig, sk, True)
             return reduce_views(views, op)
         sig, sk = self._sig("all_reduce", t.dtype, op), self.shape_key(t.shape)
         if t.nbytes <= self.oneshot_bytes:

@@ -240,12 +240,13 @@ _DIM_BITS = 20
 def shape_key(shape: Sequence[int]) -> int:
     """A non-negative int64 that tells shapes apart, readable when the shape is small.
 
-    Up to three dims below 2**20 are packed exactly (ndim in bits 60-61, dims
-    20 bits each), so a mismatch message can print the shape; any other shape
-    is a hash of its dims with bit 62 set. The same in every process.
+    Up to three dims below 2**20 are packed exactly (dims 20 bits each, then
+    ``(ndim - 1) % 4`` in bits 60-61, so a 1-D shape's key is its length), and
+    a mismatch message can print the shape; any other shape is a hash of its
+    dims with bit 62 set. The same in every process.
     """
     if len(shape) <= 3 and all(0 <= s < 1 << _DIM_BITS for s in shape):
-        k = len(shape) << 60
+        k = ((len(shape) - 1) % 4) << 60
         for i, s in enumerate(shape):
             k |= s << (_DIM_BITS * i)
         return k
@@ -257,7 +258,8 @@ def shape_of_key(key: int) -> tuple[int, ...] | None:
     if key < 0 or key & _HASHED:
         return None
     mask = (1 << _DIM_BITS) - 1
-    return tuple((key >> (_DIM_BITS * i)) & mask for i in range((key >> 60) & 3))
+    ndim = (((key >> 60) & 3) + 1) % 4
+    return tuple((key >> (_DIM_BITS * i)) & mask for i in range(ndim))
 
 
 class StepSync:

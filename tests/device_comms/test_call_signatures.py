@@ -72,8 +72,17 @@ def _cases(full: bool) -> list[Any]:
     return out
 
 
+_CI_EXTRA = {  # faults the rule below leaves out on some path
+    ("gloo", 2, "all_reduce", "op"), ("gloo", 3, "reduce_scatter", "op"),
+    ("hierarchical", 4, "all_reduce", "op"), ("hierarchical", 3, "all_reduce", "skip"),
+    ("hierarchical", 4, "all_reduce", "dtype"), ("hierarchical", 3, "broadcast", "root"),
+}
+
+
 def _in_ci(path: str, n: int, op: str, fault: str) -> bool:
     """A selection that covers every op, every fault, both paths and all world sizes."""
+    if (path, n, op, fault) in _CI_EXTRA:
+        return True
     i, j = OPS.index(op), FAULTS.index(fault)
     if path == "gloo":
         return (i + j) % 6 == n % 6 and n in (2, 3) or (n == 4 and (i * 3 + j) % 19 == 0)
