@@ -247,6 +247,9 @@ class HierarchicalAllReduce:
             h = header
             h[2] = self.seq
             env.exchange(h, payload)
+        mine = h[:6].tobytes()
+        if all(env.words[p][:6].tobytes() == mine for p in env.peers):
+            return None  # every node made this call (the common case: no dicts, no classes)
         heads = {p: env.words[p] for p in env.peers}
         heads[self.me] = h
         try:
