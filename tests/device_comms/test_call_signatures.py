@@ -1,7 +1,9 @@
 """No silent wrong results: every op's call signature reaches every rank.
 
-For each op on the plain gloo path (world sizes 2, 3, 4) and the hierarchical
-path (3 and 4 ranks on two simulated nodes), one fault per case:
+For each op on the plain gloo path (world sizes 2, 3, 4), the hierarchical
+path (3 and 4 ranks on two simulated nodes) and the one-node shared-memory
+path (2, 3, 4; its gloo-routed ops: scatter, all_to_all, send/recv), one
+fault per case:
 
 * ``reject-first`` / ``reject-middle`` / ``reject-last``: that rank passes an
   argument only it can see is wrong; it raises TypeError/ValueError, every
@@ -41,7 +43,7 @@ OPS = (
 REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatterv")
 ROOTED = ("reduce", "gather", "broadcast", "scatter")
 FAULTS = ("reject-first", "reject-middle", "reject-last", "skip", "dtype", "shape", "op", "root")
-PATHS = {"gloo": (2, 3, 4), "hierarchical": (3, 4)}
+PATHS = {"gloo": (2, 3, 4), "hierarchical": (3, 4), "shm": (2, 3, 4)}
 
 
 def _applies(op: str, fault: str, world_size: int) -> bool:
@@ -86,6 +88,8 @@ def _in_ci(path: str, n: int, op: str, fault: str) -> bool:
     i, j = OPS.index(op), FAULTS.index(fault)
     if path == "gloo":
         return (i + j) % 6 == n % 6 and n in (2, 3) or (n == 4 and (i * 3 + j) % 19 == 0)
+    if path == "shm":  # already signed before this work: gloo-routed ops and a few others
+        return op in ("scatter", "all_to_all", "send_recv") and (i + j + n) % 5 == 0
     return (i + 2 * j) % 11 == n
 
 
@@ -104,7 +108,7 @@ def test_fault_is_seen_by_every_rank(dist_pool, path: str, world_size: int, op: 
     total = float(world_size * (world_size + 1) // 2)
     for rank, out in enumerate(outs):
         where = f"rank {rank} ({path}, {op}, {fault}, culprit {culprit})"
-        assert out["mode"] == ("hierarchical" if path == "hierarchical" else "gloo"), where
+        assert out["mode"] == path, where
         assert out["good"] == [total] * 3, f"{where}: the next call gave {out['good']}"
         if op == "send_recv":
             assert out["p2p_good"] is None or out["p2p_good"] == [7.0, 7.0], where
@@ -136,6 +140,8 @@ def _comm(path: str, rank: int, world_size: int) -> DeviceCommunicator:
     world, cpu = dist.group.WORLD, torch.device("cpu")
     if path == "gloo":
         return TorchDistributedCommunicator(world, cpu, unique_name="sig-gloo")
+    if path == "shm":
+        return CpuCommunicator(world, cpu, unique_name="sig-shm", workspace_bytes=1 << 16)
     node = "a" if rank < (world_size + 1) // 2 else "b"  # 3: a a b, 4: a a b b
     return CpuCommunicator(world, cpu, unique_name="sig-hier", node_id=node,
                            workspace_bytes=1 << 16)
