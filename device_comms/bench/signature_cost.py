@@ -19,6 +19,11 @@ Run (the old tree from git, e.g. the branch point)::
     python -m device_comms.bench.signature_cost --old /tmp/old-tree --new . \\
         --paths gloo shm hierarchical --iters 5000 --rounds 6
 
+``--inprocess`` instead times, in the same two processes and alternating
+blocks of ``--iters`` calls, the signed gloo all-reduce and the unsigned one
+(the path GPU tensors keep): the signatures' own cost, without the drift
+between separately started jobs.
+
 This file runs its jobs as a script (``python <this file> --job ...``), so a
 job imports nothing of the tree it measures except ``device_comms``.
 """
@@ -76,6 +81,63 @@ def _job_rank(rank: int, world: int, port: int, path: str, iters: int, out: Any)
         out.put({"us": per_call.item(), "ok": ok, "mode": mode})
 
 
+def _inprocess_rank(rank: int, world: int, port: int, iters: int, rounds: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    from device_comms import TorchDistributedCommunicator
+
+    class Unsigned(TorchDistributedCommunicator):
+        _checks_calls = False  # the unsigned path (what GPU tensors keep)
+
+    cpu, group = torch.device("cpu"), dist.group.WORLD
+    comms = {"signed": TorchDistributedCommunicator(group, cpu, unique_name="signed"),
+             "unsigned": Unsigned(group, cpu, unique_name="unsigned")}
+    x = torch.ones(_ELEMS)
+    for c in comms.values():
+        for _ in range(200):
+            c.all_reduce(x)
+    times: dict[str, list[float]] = {k: [] for k in comms}
+    t = torch.zeros(1, dtype=torch.float64)
+    for rnd in range(rounds):
+        for name in (("unsigned", "signed") if rnd % 2 == 0 else ("signed", "unsigned")):
+            c = comms[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                c.all_reduce(x)
+            t[0] = (time.perf_counter() - t0) / iters * 1e6
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[name].append(t.item())
+    for c in comms.values():
+        c.destroy()
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(times)
+
+
+def _inprocess(iters: int, rounds: int) -> dict[str, list[float]]:
+    import multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_inprocess_rank, args=(r, 2, port, iters, rounds, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=1800)
+    finally:
+        for p in procs:
+            p.join(60)
+
+
 def _job(path: str, iters: int) -> None:
     """Time one path with the ``device_comms`` on ``sys.path``; print one JSON line."""
     import multiprocessing as mp
@@ -121,10 +183,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=5000)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--inprocess", action="store_true",
+                    help="signed vs unsigned gloo all-reduce in the same processes")
     ap.add_argument("--job", choices=sorted(_WORLD), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.job:
         _job(args.job, args.iters)
+        return 0
+    if args.inprocess:
+        times = _inprocess(args.iters, args.rounds)
+        ms, mu = statistics.median(times["signed"]), statistics.median(times["unsigned"])
+        print(f"gloo in-process: unsigned median {mu:8.1f} us  signed median {ms:8.1f} us  "
+              f"signed/unsigned {ms / mu:6.3f}   (unsigned "
+              f"{[round(v, 1) for v in times['unsigned']]}, signed "
+              f"{[round(v, 1) for v in times['signed']]})")
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(times, indent=1))
         return 0
     if not args.old:
         ap.error("--old is required")
