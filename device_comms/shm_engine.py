@@ -28,7 +28,9 @@ Results of 32 MiB and more are allocated with :func:`device_comms.host_alloc.emp
 collective itself on a VM).
 
 Each op's first step carries a signature (op kind, dtype, reduce op, root,
-size) that every rank compares, so mismatched calls raise
+and a size key covering the shape and layout arguments; see
+:func:`~device_comms.shm_sync.shape_key`) that every rank compares, so
+mismatched calls raise
 :class:`~device_comms.errors.CollectiveMismatch` everywhere instead of
 returning garbage. Results are always new tensors (never views of the
 workspace), except :meth:`ShmEngine.broadcast`, which fills its argument.
@@ -45,7 +47,7 @@ import torch
 from device_comms import host_alloc
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
-from device_comms.shm_sync import StepSync, signature
+from device_comms.shm_sync import StepSync, shape_key, signature
 from device_comms.shm_workspace import ShmWorkspace
 
 __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
@@ -97,7 +99,9 @@ class ShmEngine:
         self._single = min(ws.slot_bytes, oneshot_bytes)  # one step, cached views
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
         self._sigs: dict[tuple[str, torch.dtype, ReduceOp | None, int], int] = {}
-        self._ar_sigs: dict[tuple[torch.dtype, ReduceOp], int] = {}  # hot-path shortcut
+        self._shape_keys: dict[torch.Size, int] = {}
+        # One-step all-reduce: (parity, dtype, shape, op) -> (slot views, signature, size key).
+        self._ar_steps: dict[tuple[Any, ...], tuple[list[torch.Tensor], int, int]] = {}
 
     def close(self) -> None:
         """Mark this rank closed for its peers and unmap. Idempotent."""
@@ -111,9 +115,16 @@ class ShmEngine:
         s = self._sigs.get(key)
         if s is None:
             s = self._sigs[key] = signature(kind, dtype, op, root)
-            if kind == "all_reduce":
-                self._ar_sigs[(dtype, op)] = s
         return s
+
+    def shape_key(self, shape: torch.Size) -> int:
+        """The size key of a call on a tensor of ``shape`` (cached; same on every rank)."""
+        k = self._shape_keys.get(shape)
+        if k is None:
+            if len(self._shape_keys) >= _VIEW_CACHE_MAX:
+                self._shape_keys.clear()
+            k = self._shape_keys[shape] = shape_key(shape)
+        return k
 
     def _shaped(self, parity: int, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's slot as a tensor shaped like ``t`` (cached)."""
@@ -138,32 +149,51 @@ class ShmEngine:
         """All-reduce contiguous ``t``; returns a new tensor, identical on every rank."""
         sync = self.sync
         if t.nbytes <= self._single:
-            key = ((sync.gen + 1) & 1, t.dtype, t.shape)
-            views = self._views.get(key) or self._shaped(key[0], t)
+            key = ((sync.gen + 1) & 1, t.dtype, t.shape, op)
+            hit = self._ar_steps.get(key)
+            if hit is None:
+                if len(self._ar_steps) >= _VIEW_CACHE_MAX:
+                    self._ar_steps.clear()
+                hit = self._ar_steps[key] = (
+                    self._shaped(key[0], t), self._sig("all_reduce", t.dtype, op),
+                    self.shape_key(t.shape),
+                )
+            views, sig, sk = hit
             views[self.me].copy_(t)
-            sig = self._ar_sigs.get((t.dtype, op)) or self._sig("all_reduce", t.dtype, op)
-            sync.step("all_reduce", sig, t.numel(), True)
+            sync.step("all_reduce", sig, sk, True)
             return reduce_views(views, op)
-        sig = self._sig("all_reduce", t.dtype, op)
+        sig, sk = self._sig("all_reduce", t.dtype, op), self.shape_key(t.shape)
         if t.nbytes <= self.oneshot_bytes:
-            return self._oneshot_pieces(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
-        return self._two_phase(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
+            return self._oneshot_pieces(t, op, "all_reduce", (sig, sk), True)  # type: ignore[return-value]
+        return self._two_phase(t, op, "all_reduce", (sig, sk), True)  # type: ignore[return-value]
 
-    def reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
-        """Reduce onto local rank ``dst`` (new tensor there, None elsewhere)."""
+    def reduce(
+        self,
+        t: torch.Tensor,
+        dst: int,
+        op: ReduceOp,
+        signed: tuple[int, int] | None = None,
+        name: str = "reduce",
+    ) -> torch.Tensor | None:
+        """Reduce onto local rank ``dst`` (new tensor there, None elsewhere).
+
+        ``signed`` replaces the step signature and ``name`` the op named in
+        errors (a caller's own, e.g. the hierarchical all-reduce's).
+        """
         sync = self.sync
-        sig = self._sig("reduce", t.dtype, op, dst)
+        if signed is None:
+            signed = (self._sig("reduce", t.dtype, op, dst), self.shape_key(t.shape))
         if t.nbytes <= self._single:
             views = self._shaped(sync.next_parity, t)
             views[self.me].copy_(t)
-            sync.step("reduce", sig, t.numel(), True)
+            sync.step(name, signed[0], signed[1], True)
             return reduce_views(views, op) if self.me == dst else None
         if t.nbytes <= self.oneshot_bytes:
-            return self._oneshot_pieces(t, op, "reduce", sig, self.me == dst)
-        return self._two_phase(t, op, "reduce", sig, self.me == dst)
+            return self._oneshot_pieces(t, op, name, signed, self.me == dst)
+        return self._two_phase(t, op, name, signed, self.me == dst)
 
     def _oneshot_pieces(
-        self, t: torch.Tensor, op: ReduceOp, name: str, sig: int, want: bool
+        self, t: torch.Tensor, op: ReduceOp, name: str, sig: tuple[int, int], want: bool
     ) -> torch.Tensor | None:
         """One shot per slot-sized piece: everyone writes, readers reduce all slots."""
         ws, sync, me, size = self.ws, self.sync, self.me, self.size
@@ -175,7 +205,7 @@ class ShmEngine:
             ln = min(chunk, n - a)
             p = sync.next_parity
             ws.slot(p, me, dt)[:ln].copy_(flat[a : a + ln])
-            sync.step(name, sig, n, first)
+            sync.step(name, sig[0], sig[1], first)
             first = False
             if out is not None:
                 srcs = [flat[a : a + ln] if r == me else ws.slot(p, r, dt)[:ln] for r in range(size)]
@@ -183,7 +213,7 @@ class ShmEngine:
         return out.view(t.shape) if out is not None else None
 
     def _two_phase(
-        self, t: torch.Tensor, op: ReduceOp, name: str, sig: int, want: bool
+        self, t: torch.Tensor, op: ReduceOp, name: str, sig: tuple[int, int], want: bool
     ) -> torch.Tensor | None:
         ws, sync, me, size = self.ws, self.sync, self.me, self.size
         flat, n, dt = t.view(-1), t.numel(), t.dtype
@@ -197,7 +227,7 @@ class ShmEngine:
             for j in range(size):
                 if j != me and b[j + 1] > b[j]:
                     mine[b[j] : b[j + 1]].copy_(flat[a + b[j] : a + b[j + 1]])
-            sync.step(name, sig, n, first)
+            sync.step(name, sig[0], sig[1], first)
             first = False
             lo, hi = b[me], b[me + 1]
             q = sync.next_parity
@@ -382,12 +412,23 @@ class ShmEngine:
                 src = step.x2[i, a : a + lr] if r == me else ws.slot(p, r, dt)[:lr]
                 step.out2[i, step.offs[r] + a : step.offs[r] + a + lr].copy_(src)
 
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        """Fill contiguous ``t`` on every rank with local rank ``src``'s ``t``; returns ``t``."""
+    def broadcast(
+        self,
+        t: torch.Tensor,
+        src: int,
+        signed: tuple[int, int] | None = None,
+        name: str = "broadcast",
+    ) -> torch.Tensor:
+        """Fill contiguous ``t`` on every rank with local rank ``src``'s ``t``; returns ``t``.
+
+        ``signed`` and ``name`` replace the step signature and the op's name
+        (see :meth:`reduce`).
+        """
         ws, sync, me = self.ws, self.sync, self.me
         dt, n = t.dtype, t.numel()
         flat = t.view(-1)
-        sig = self._sig("broadcast", dt, None, src)
+        if signed is None:
+            signed = (self._sig("broadcast", dt, None, src), self.shape_key(t.shape))
         chunk = ws.slot_elems(dt)
         first = True
         for a in range(0, n, chunk):
@@ -395,10 +436,10 @@ class ShmEngine:
             p = sync.next_parity
             if me == src:
                 ws.slot(p, me, dt)[:ln].copy_(flat[a : a + ln])
-            sync.step("broadcast", sig, n, first)
+            sync.step(name, signed[0], signed[1], first)
             first = False
             if me != src:
                 flat[a : a + ln].copy_(ws.slot(p, src, dt)[:ln])
         if first:
-            sync.step("broadcast", sig, n, True)
+            sync.step(name, signed[0], signed[1], True)
         return t
