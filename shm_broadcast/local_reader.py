@@ -238,11 +238,11 @@ class LocalReader:
                 stats["sleeps" if planned else "parks"] += 1
                 if (self._doorbell.sleep(seconds) if planned else self._doorbell.wait(seconds)):
                     buf[flag] = 0
+                    if planned:
+                        stats["sleeps_rung"] += 1
                     if cond():
                         return True
                     self._backoff.rearm()  # a message is on its way: poll, don't re-park
-                    if planned:
-                        stats["sleeps_rung"] += 1
                 elif planned:
                     self._learn_oversleep()
                     self._warm_up()
@@ -325,8 +325,12 @@ class LocalReader:
 
     @property
     def predictor_stats(self) -> dict[str, int]:
-        """The predictor's counters (see :class:`ArrivalPredictor`); empty without one."""
-        return dict(self._predictor.stats) if self._predictor is not None else {}
+        """The predictor's counters (see :class:`ArrivalPredictor`) and
+        ``contended`` (planned polls that parked because the CPU was shared);
+        empty without a predictor."""
+        if self._predictor is None:
+            return {}
+        return {**self._predictor.stats, "contended": self._backoff.contended}
 
     # ------------------------------------------------------------- dequeue
     def poll(self) -> bool:

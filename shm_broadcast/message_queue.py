@@ -280,7 +280,8 @@ class MessageQueue:
             message came early); with a predictive policy, the predictor's
             counters follow: ``planned``/``unplanned`` waits and where each
             awaited message fell relative to its window (``early``,
-            ``on_time``, ``late``), plus ``ready`` (no wait was needed). See
+            ``on_time``, ``late``), plus ``ready`` (no wait was needed) and ``contended`` (polls cut short because
+            another task shared the CPU). See
             :mod:`shm_broadcast.predictive`.
         """
         out = dict(self._impl.park_stats)

@@ -32,9 +32,10 @@ learns *when* the next message will be published and plans each wait::
 The window brackets the next publish time. Three models each predict it:
 
 * **grid**: the writer runs on a clock -- publish ``k`` due at ``t0 + k*T``
-  (``T``: the median recent interval). The grid follows the earliest
-  publishes (a late message does not move it; an early one pulls it in), so a
-  late step does not make the next prediction late too;
+  (``T``: the median recent interval). An early publish pulls the grid in, a
+  slightly late one moves it along, a much later one (a descheduled writer)
+  moves it by 2% of ``T`` only, so a late step does not make the next
+  prediction late too;
 * **interval**: the last publish plus ``T`` (a writer whose period drifts);
 * **gap**: the wait's start plus the median recent wait-to-publish gap (an
   engine in lock-step: the next step comes a steady time after this rank
@@ -43,10 +44,14 @@ The window brackets the next publish time. Three models each predict it:
 Each model's recent errors (actual - predicted) calibrate it: its window is
 ``[prediction + q(low_quantile), prediction + q(high_quantile)]`` of those
 errors, widened by ``lead_s`` on each side; the model with the narrowest
-window wins. A window wider than ``max_window_s`` means irregular traffic:
-that wait is planned as today's. Messages beyond ``high_quantile`` (a writer
-descheduled for milliseconds on a busy machine) fall to the fallback, so its
-cost is bounded by the quantile, not by the tail.
+window wins. Messages beyond ``high_quantile`` (a writer descheduled for
+milliseconds on a busy machine) fall to the fallback, so its cost is bounded
+by the quantile, not by the tail. A window wider than ``max_window_s`` is cut
+to its first ``max_window_s`` (where a late-skewed distribution has its mass)
+and followed by a park, not by more yielding: such a wait polls no longer than
+the plain policy's initial yield (2 ms by default), but when the message is
+due. A window spanning more than half the expected gap means irregular
+traffic, planned as today's.
 
 Publish times are exact: the writer stamps every ring chunk with
 ``time.monotonic()`` just before publishing it (:data:`STAMP` at
@@ -89,10 +94,10 @@ from __future__ import annotations
 import collections
 import math
 import struct
-from dataclasses import dataclass, fields
-from typing import Deque
+from dataclasses import dataclass
+from typing import Deque, NamedTuple
 
-__all__ = ["PredictivePolicy", "ArrivalPredictor", "STAMP", "STAMP_OFFSET"]
+__all__ = ["PredictivePolicy", "ArrivalPredictor", "WaitPlan", "STAMP", "STAMP_OFFSET"]
 
 #: The writer's publish time (``time.monotonic()``, float64) in a ring chunk.
 STAMP = struct.Struct("<d")
@@ -102,6 +107,8 @@ STAMP_OFFSET = 24
 
 #: Samples beyond this (seconds) are not step traffic (or not a sane stamp).
 _MAX_SAMPLE_S = 60.0
+#: How much later than due (share of the period) the grid follows a message.
+_GRID_FOLLOW = 0.02
 
 
 @dataclass(frozen=True)
@@ -117,22 +124,32 @@ class PredictivePolicy:
             found by the fallback). Higher: fewer misses, wider windows.
         lead_s: Seconds added on both sides of the window (the reader's own
             reaction time; the timer's oversleep is learned on top).
-        max_window_s: Widest window worth planning; wider means the traffic is
-            irregular and the wait is planned as today's.
+        max_window_s: Widest window polled. A wider calibrated window is cut to
+            its first ``max_window_s`` (then the reader parks at once, no
+            fallback yield), unless it spans more than half the expected gap:
+            that traffic is irregular and the wait is planned as today's.
         min_sleep_s: A planned sleep shorter than this is not taken (the
             reader polls instead): waking costs about as much.
         fallback_yield_s: Seconds of yielding after a window closed without
             its message, before parking; None: ``WaitPolicy.yield_s``.
+        yield_contended_s: While polling, a ``sched_yield`` that returns only
+            after this long means another runnable task shares the CPU; the
+            reader then parks for the rest of the window (0: never). Polling
+            on a shared CPU waits out the other task's time slices, while a
+            parked reader is woken by the writer's bell -- rung when
+            ``enqueue`` *starts*, so the wake-up overlaps encoding -- with the
+            scheduler's wake-up preemption.
     """
 
     history: int = 16
     min_samples: int = 4
     low_quantile: float = 0.05
-    high_quantile: float = 0.8
+    high_quantile: float = 0.9
     lead_s: float = 100e-6
     max_window_s: float = 2e-3
     min_sleep_s: float = 300e-6
     fallback_yield_s: float | None = None
+    yield_contended_s: float = 50e-6
 
     def __post_init__(self) -> None:
         for name in ("history", "min_samples"):
@@ -141,7 +158,7 @@ class PredictivePolicy:
                 raise TypeError(f"PredictivePolicy.{name} must be an int, got "
                                 f"{type(value).__name__}")
         for name in ("low_quantile", "high_quantile", "lead_s", "max_window_s", "min_sleep_s",
-                     "fallback_yield_s"):
+                     "fallback_yield_s", "yield_contended_s"):
             value = getattr(self, name)
             if value is None and name == "fallback_yield_s":
                 continue
@@ -161,6 +178,15 @@ class PredictivePolicy:
         if self.max_window_s <= 0:
             raise ValueError(f"PredictivePolicy.max_window_s must be > 0, got "
                              f"{self.max_window_s!r}")
+
+
+class WaitPlan(NamedTuple):
+    """One planned wait (see :meth:`ArrivalPredictor.plan`); monotonic seconds."""
+
+    sleep_until: float
+    poll_until: float
+    fallback_yield_s: float
+    yield_contended_s: float
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -212,14 +238,14 @@ class ArrivalPredictor:
         """The median recent interval between publishes (seconds), once known."""
         return self._period
 
-    def plan(self, now: float) -> tuple[float, float, float] | None:
+    def plan(self, now: float) -> WaitPlan | None:
         """Plan a wait that starts ``now``.
 
         Returns:
-            ``(sleep_until, poll_until, fallback_yield_s)``: sleep (parked)
-            until the first, poll until the second, then yield that long and
-            park; ``sleep_until <= now`` means poll at once. ``None``: wait the
-            plain way.
+            The plan: sleep (parked) until ``sleep_until``, poll until
+            ``poll_until``, then yield ``fallback_yield_s`` (``< 0``: the wait
+            policy's ``yield_s``) and park; ``sleep_until <= now`` means poll
+            at once. ``None``: wait the plain way.
         """
         p = self.policy
         self._predict(now)
@@ -233,20 +259,28 @@ class ArrivalPredictor:
             if best is None or hi - lo < best[1] - best[0]:
                 best = (lo, hi, m)
         stats = self.stats
-        if best is None or best[1] - best[0] + 2 * p.lead_s > p.max_window_s \
-                or best[1] + p.lead_s <= now:
-            self._window = None
-            stats["unplanned"] += 1
-            return None
+        if best is None or best[1] + p.lead_s <= now:
+            return self._unplanned()  # nothing learned yet, or the message is overdue
         opens, closes = best[0] - p.lead_s, best[1] + p.lead_s
+        fallback = -1.0 if p.fallback_yield_s is None else p.fallback_yield_s
+        if closes - opens > p.max_window_s:
+            if closes - opens > 0.5 * ((opens + closes) / 2 - now):
+                return self._unplanned()  # irregular: the window is most of the gap
+            # Periodic with a long tail (a busy machine): poll the window's
+            # first max_window_s, where the messages bunch, then park at once.
+            closes, fallback = opens + p.max_window_s, 0.0
         sleep_until = opens - self._oversleep_s()
         if sleep_until - now < p.min_sleep_s:
             sleep_until = now
         self._window = (opens, closes)
         stats["planned"] += 1
         stats["model_" + _MODELS[best[2]]] += 1
-        fallback = p.fallback_yield_s
-        return sleep_until, closes, -1.0 if fallback is None else fallback
+        return WaitPlan(sleep_until, closes, fallback, p.yield_contended_s)
+
+    def _unplanned(self) -> None:
+        self._window = None
+        self.stats["unplanned"] += 1
+        return None
 
     def _predict(self, now: float) -> None:
         """Each model's point prediction of the next publish (None: not yet)."""
@@ -313,14 +347,25 @@ class ArrivalPredictor:
         self._window = None
 
     def _advance_grid(self, published: float) -> None:
-        """The grid point of this message: the predicted one unless the message
-        came earlier (the grid moves in) or a whole period off (re-anchor)."""
+        """The grid point of this message.
+
+        Early (before the grid's due time): the grid moves in to it. Late by a
+        little (up to ``_GRID_FOLLOW`` of a period): the grid follows, so an
+        estimated period a little off does not drift the grid away. Late by
+        more: the grid advances by the period plus that much only -- one
+        descheduled step does not shift it -- unless the message is half a
+        period off (a new phase): then it re-anchors there.
+        """
         period, grid = self._period, self._grid
         if period is None or grid is None:
             self._grid = published
             return
         due = grid + period
-        self._grid = published if published < due or published - due > 0.5 * period else due
+        late = published - due
+        if late <= _GRID_FOLLOW * period or late > 0.5 * period:
+            self._grid = published
+        else:
+            self._grid = due + _GRID_FOLLOW * period
 
     def _reset(self, published: float | None) -> None:
         """Forget everything (a stamp that makes no sense: a new writer, a bad clock)."""

@@ -71,7 +71,7 @@ from typing import Callable
 
 import psutil
 
-from shm_broadcast.predictive import PredictivePolicy
+from shm_broadcast.predictive import PredictivePolicy, WaitPlan
 
 __all__ = ["WaitPolicy", "Backoff", "PeerWatch", "SPIN", "YIELD", "PARK", "SLEEP"]
 
@@ -220,7 +220,7 @@ class Backoff:
     """
 
     __slots__ = ("_policy", "_check", "_deadline", "_sleep_until", "_spin_until",
-                 "_yield_until", "_next_check")
+                 "_yield_until", "_next_check", "_contended_s", "contended")
 
     def __init__(self, policy: WaitPolicy, check: Callable[[bool], None]) -> None:
         self._policy = policy
@@ -230,18 +230,22 @@ class Backoff:
         self._spin_until = 0.0
         self._yield_until = 0.0
         self._next_check = 0.0
+        self._contended_s = 0.0
+        #: Planned polls cut short because a yield showed the CPU contended.
+        self.contended = 0
 
-    def start(self, deadline: float | None, plan: tuple[float, float, float] | None = None,
+    def start(self, deadline: float | None, plan: WaitPlan | None = None,
               now: float | None = None) -> None:
         """Begin a new wait that ends at ``deadline`` (monotonic) or never.
 
         Args:
             deadline: When the wait times out (monotonic seconds), or None.
-            plan: ``(sleep_until, poll_until, fallback_yield_s)`` from
-                :meth:`~shm_broadcast.predictive.ArrivalPredictor.plan`: SLEEP
-                until the first, poll until the second, then YIELD for the
-                third (``< 0``: ``yield_s``) and PARK. None: SPIN -> YIELD ->
-                PARK from now.
+            plan: From :meth:`~shm_broadcast.predictive.ArrivalPredictor.plan`:
+                SLEEP until ``sleep_until``, poll until ``poll_until``, then
+                YIELD for ``fallback_yield_s`` more (``< 0``: ``yield_s``) and
+                PARK; polling stops early (PARK) when one ``sched_yield``
+                returned only after ``yield_contended_s`` (0: never). None:
+                SPIN -> YIELD -> PARK from now.
             now: The current monotonic time, if the caller just read it.
         """
         if now is None:
@@ -252,12 +256,13 @@ class Backoff:
             self._sleep_until = 0.0
             self._spin_until = now + p.spin_s
             self._yield_until = self._spin_until + p.yield_s
+            self._contended_s = 0.0
         else:
-            sleep_until, poll_until, fallback = plan
-            self._sleep_until = sleep_until
-            self._spin_until = max(now, sleep_until) + p.spin_s
-            self._yield_until = max(self._spin_until, poll_until) + (
-                p.yield_s if fallback < 0 else fallback)
+            self._sleep_until = plan.sleep_until
+            self._spin_until = max(now, plan.sleep_until) + p.spin_s
+            self._yield_until = max(self._spin_until, plan.poll_until) + (
+                p.yield_s if plan.fallback_yield_s < 0 else plan.fallback_yield_s)
+            self._contended_s = plan.yield_contended_s
         nxt = now + p.liveness_s
         self._next_check = nxt if deadline is None or deadline > nxt else deadline
 
@@ -280,6 +285,13 @@ class Backoff:
             return SPIN
         if now < self._yield_until:
             _sched_yield()
+            if self._contended_s and _monotonic() - now > self._contended_s:
+                # Another task held this CPU: polling here would wait out its
+                # time slices; parked, the writer's bell wakes us (with the
+                # scheduler's wake-up preemption) instead.
+                self._yield_until = now
+                self.contended += 1
+                return PARK
             return YIELD
         return PARK
 
@@ -289,7 +301,8 @@ class Backoff:
         return self._sleep_until
 
     def rearm(self) -> None:
-        """Restart the spin and yield phases (keeping deadline and checks).
+        """Restart the spin and yield phases (keeping deadline, checks and the
+        contention limit).
 
         Called after a doorbell woke a parked (or planned-sleeping) side: the
         bell announces a message that may still be in the making, so poll
