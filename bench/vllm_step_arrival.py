@@ -63,8 +63,15 @@ def metadata(step: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ one side
-def _reader_main(kind: str, handle: Any, policy: str, out: Any) -> None:
+def _pin(cpu: int | None) -> None:
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[cpu % len(cpus)]})
+
+
+def _reader_main(kind: str, handle: Any, policy: str, out: Any, cpu: int | None) -> None:
     """The reader child: dequeue; per block report latencies and CPU."""
+    _pin(cpu)
     mq = _open_reader(kind, handle, policy)
     lat: list[float] = []
     cpu0 = wall0 = 0.0
@@ -102,8 +109,9 @@ def _open_reader(kind: str, handle: Any, policy: str) -> Any:
     return mq
 
 
-def _side(kind: str, policy: str, step_s: float) -> int:
+def _side(kind: str, policy: str, step_s: float, pin: bool) -> int:
     """A writer process: start the reader, then obey ``run N`` / ``quit`` on stdin."""
+    _pin(0 if pin else None)
     ctx = mp.get_context("spawn")
     if kind == "vllm":
         from vllm.distributed.device_communicators.shm_broadcast import MessageQueue as VQ
@@ -117,7 +125,8 @@ def _side(kind: str, policy: str, step_s: float) -> int:
                           name="step-arrival")
         handle = mq.export_handle()
     out = ctx.Queue()
-    proc = ctx.Process(target=_reader_main, args=(kind, handle, policy, out), daemon=True)
+    proc = ctx.Process(target=_reader_main, args=(kind, handle, policy, out, 1 if pin else None),
+                       daemon=True)
     proc.start()
     if kind == "vllm":
         mq.wait_until_ready()
@@ -181,7 +190,7 @@ def _start(kind: str, policy: str, args: argparse.Namespace) -> subprocess.Popen
         py = sys.executable
         env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [py, os.path.abspath(__file__), "--side", kind, "--policy", policy,
-           "--step-ms", str(args.step_ms)]
+           "--step-ms", str(args.step_ms)] + (["--pin"] if args.pin else [])
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                          cwd=_ROOT)
     for line in p.stdout:  # type: ignore[union-attr]
@@ -212,10 +221,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="first messages of each block not counted (learning; default 20)")
     ap.add_argument("--contenders", nargs="+", default=["ours", "ours-plain", "vllm"],
                     choices=("ours", "ours-plain", "vllm"))
+    ap.add_argument("--pin", action="store_true",
+                    help="bind every writer to the first allowed CPU and every reader to the "
+                         "second (dedicated cores; without it the scheduler places them)")
     ap.add_argument("--json", dest="json_path", default=None, help="write the report here")
     args = ap.parse_args(argv)
     if args.side:
-        return _side(args.side, args.policy, args.step_ms / 1e3)
+        return _side(args.side, args.policy, args.step_ms / 1e3, args.pin)
     if args.steps <= args.skip:
         ap.error("--steps must be larger than --skip")
     specs = {"ours": ("ours", "predictive"), "ours-plain": ("ours", "plain"),

@@ -125,8 +125,10 @@ class LocalReader:
         #: planned sleeps (predictive policy) and those a ring cut short.
         self.park_stats = {"parks": 0, "timeouts": 0, "sleeps": 0, "sleeps_rung": 0}
         self._predictor = ArrivalPredictor(policy.predict) if policy.predict else None
-        #: When the current wait for a message began (None: it was there).
-        self._wait_began: float | None = None
+        #: What the predictor learns from the last message, handed over at the
+        #: next dequeue (off the message's path): its stamp, when the wait for
+        #: it began (None: it was there) and when the wait saw it.
+        self._learning: tuple[float, float | None, float | None] | None = None
         #: A copy of the last plain message, decoded again when a planned
         #: sleep ends (see :meth:`_warm_up`); never kept when pickle is allowed.
         self._warm_msg: bytes | None = None
@@ -201,18 +203,20 @@ class LocalReader:
         """Wait until ``cond()``; ``what`` names it in errors (``None``: the next message).
 
         With ``predict`` (the next message, predictive policy) the predictor
-        plans the wait; :attr:`_wait_began` records when it began.
+        plans the wait; it learns later (:meth:`_learn`) from when the wait
+        began and when it saw the message.
         """
         self._cond, self._wait_what, self._wait_timeout = cond, what, timeout
         b = self._backoff
         now = time.monotonic()
-        self._wait_began = now
         plan = self._predictor.plan(now) if predict else None  # type: ignore[union-attr]
         b.start(None if timeout is None else now + timeout, plan, now)
         while not cond():
             phase = b.step()
             if phase >= PARK and self._park(cond, b.park_timeout(), phase == SLEEP):
-                return
+                break
+        if predict:
+            self._learning = (0.0, now, time.monotonic())
 
     def _park(self, cond: Callable[[], bool], seconds: float, planned: bool = False) -> bool:
         """Sleep on the doorbell; returns True when ``cond()`` held on waking.
@@ -253,6 +257,12 @@ class LocalReader:
         if (self._closing or ring.is_shutdown()) and not cond():
             self._check_wait(False)
         return False
+
+    def _learn(self) -> None:
+        """Hand the last message's timing to the predictor."""
+        stamp, began, seen = self._learning  # type: ignore[misc]
+        self._learning = None
+        self._predictor.observe(stamp, began, seen)  # type: ignore[union-attr]
 
     def _warm_up(self) -> None:
         """Decode the last message again, result discarded, as the window opens.
@@ -354,16 +364,19 @@ class LocalReader:
         w_at, r_at = self._flag_at[chunk]
         # Inlined ShmRingBuffer.is_readable: R_i first, then W.
         pred = self._predictor
+        if pred is not None and self._learning is not None:
+            self._learn()  # the previous message, now that we are idle
         if not (buf[r_at] == 0 and buf[w_at] == 1):
             self._wait(None, lambda: buf[r_at] == 0 and buf[w_at] == 1, timeout,
                        pred is not None)
-        else:
-            self._wait_began = None
+        elif pred is not None:
+            self._learning = (0.0, None, None)
         if not self._strong:
             ring.acquire_fence()
         d = self._data_at[chunk]
         if pred is not None:  # the stamp, like the payload, is ours until R_i := 1
-            pred.observe(_unpack_stamp(buf, d + STAMP_OFFSET)[0], self._wait_began)
+            self._learning = (_unpack_stamp(buf, d + STAMP_OFFSET)[0],
+                              *self._learning[1:])  # type: ignore[index]
         wseq, kind, mlen, blen = WIRE.unpack_from(buf, d)
         if wseq != seq:
             raise ShmBroadcastError(

@@ -23,7 +23,8 @@ learns *when* the next message will be published and plans each wait::
                   v                                                 |
     +---------------------------------+                             |
     | POLL: SPIN, then YIELD until    |  message ------------------>+--> done
-    | the window closes               |                             |
+    | the window closes   (poll mode) |                             |
+    | -- or PARK at once  (park mode) |                             |
     +---------------------------------+                             |
                   | window over, no message (pattern broke)         |
                   v                                                 |
@@ -53,15 +54,28 @@ the plain policy's initial yield (2 ms by default), but when the message is
 due. A window spanning more than half the expected gap means irregular
 traffic, planned as today's.
 
+The predictor also learns *how* to spend the window. Polling finds the
+message within microseconds -- when the reader has a CPU of its own. When the
+writer wakes on the reader's CPU (a busy machine: nothing else idle), it
+preempts the polling reader, which then sees the message only once the writer
+blocks; a *parked* reader, woken by the writer's bell at the start of
+``enqueue``, is instead placed on a CPU that is free. So each window is spent
+in one of two modes, **poll** or **park** (the reader parks right after its
+sleep and the bell wakes it), and the predictor keeps the recent *detection
+lag* (publish stamp -> the reader saw it) of each: the mode with the lower
+median lag is used, the other one every ``explore_every``-th window so its
+estimate stays current.
+
 Publish times are exact: the writer stamps every ring chunk with
 ``time.monotonic()`` just before publishing it (:data:`STAMP` at
 :data:`STAMP_OFFSET` in the chunk header, after the ``WIRE`` fields; the same
 clock system-wide on Linux), so a message found late (after a park) teaches
 the right time, not the time of our wake-up. The sleep ends early by the
 timer's recent oversleep (a high quantile of ``wake - requested``), so the
-reader is running when its window opens. Learning is O(1) per message on the
-reader's critical path; sorting happens in :meth:`ArrivalPredictor.plan`, at
-the start of a wait, when the reader is idle anyway.
+reader is running when its window opens. Learning runs off the message's
+path: the reader hands a message's stamp to :meth:`ArrivalPredictor.observe`
+at its *next* ``dequeue`` (sorting happens in :meth:`ArrivalPredictor.plan`,
+at the start of a wait), when it is idle anyway.
 
 Safety (no lost wake-up, nothing slower than the fallback):
 
@@ -139,6 +153,9 @@ class PredictivePolicy:
             parked reader is woken by the writer's bell -- rung when
             ``enqueue`` *starts*, so the wake-up overlaps encoding -- with the
             scheduler's wake-up preemption.
+        explore_every: Every this many planned windows use the mode (poll or
+            park) whose recent detection lag is worse, to keep measuring it;
+            0 never switches modes (always poll).
     """
 
     history: int = 16
@@ -150,9 +167,10 @@ class PredictivePolicy:
     min_sleep_s: float = 300e-6
     fallback_yield_s: float | None = None
     yield_contended_s: float = 50e-6
+    explore_every: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("history", "min_samples"):
+        for name in ("history", "min_samples", "explore_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"PredictivePolicy.{name} must be an int, got "
@@ -175,6 +193,9 @@ class PredictivePolicy:
             raise ValueError(f"PredictivePolicy quantiles must satisfy 0 <= low_quantile <= "
                              f"high_quantile <= 1, got {self.low_quantile!r} and "
                              f"{self.high_quantile!r}")
+        if self.explore_every < 0:
+            raise ValueError(f"PredictivePolicy.explore_every must be >= 0, got "
+                             f"{self.explore_every}")
         if self.max_window_s <= 0:
             raise ValueError(f"PredictivePolicy.max_window_s must be > 0, got "
                              f"{self.max_window_s!r}")
@@ -190,12 +211,20 @@ class WaitPlan(NamedTuple):
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank quantile of a non-empty sorted list."""
-    return sorted_values[min(len(sorted_values) - 1, int(q * (len(sorted_values) - 1) + 0.5))]
+    """Quantile ``q`` of a non-empty sorted list, rounded toward the median: the
+    rank is rounded up below the median and down above it, so with few samples
+    one outlier does not become the window's edge."""
+    pos = q * (len(sorted_values) - 1)
+    return sorted_values[math.ceil(pos) if q < 0.5 else math.floor(pos)]
 
 
 _GRID, _INTERVAL, _GAP = 0, 1, 2
 _MODELS = ("grid", "interval", "gap")
+#: How a window is spent (see the module docstring).
+POLL, PARK_MODE = 0, 1
+_MODES = ("poll", "park")
+#: Lag samples each mode needs before the modes are compared.
+_MIN_LAGS = 3
 
 
 class ArrivalPredictor:
@@ -209,13 +238,13 @@ class ArrivalPredictor:
         stats: Counters: ``planned`` (waits with a window), ``unplanned``
             (plain waits), ``early`` (published before the window: found after a
             bell), ``on_time`` (inside it), ``late`` (after it: the fallback),
-            ``ready`` (there when ``dequeue`` was called: no wait at all), and
+            ``ready`` (there when ``dequeue`` was called: no wait at all),
             ``model_grid``/``model_interval``/``model_gap`` (which model
-            planned).
+            planned) and ``mode_poll``/``mode_park`` (how windows were spent).
     """
 
     __slots__ = ("policy", "stats", "_intervals", "_gaps", "_errors", "_oversleep",
-                 "_last_pub", "_grid", "_period", "_preds", "_window")
+                 "_last_pub", "_grid", "_period", "_preds", "_window", "_lags", "_mode")
 
     def __init__(self, policy: PredictivePolicy) -> None:
         self.policy = policy
@@ -230,8 +259,13 @@ class ArrivalPredictor:
         self._period: float | None = None  # median interval, as of the last plan
         self._preds: list[float | None] = [None, None, None]
         self._window: tuple[float, float] | None = None
+        #: Recent detection lags (publish -> seen) of windows spent polling / parked.
+        self._lags: tuple[Deque[float], Deque[float]] = (
+            collections.deque(maxlen=8), collections.deque(maxlen=8))
+        self._mode: int | None = None  # the mode of the current window
         self.stats = {"planned": 0, "unplanned": 0, "early": 0, "on_time": 0, "late": 0,
-                      "ready": 0, "model_grid": 0, "model_interval": 0, "model_gap": 0}
+                      "ready": 0, "model_grid": 0, "model_interval": 0, "model_gap": 0,
+                      "mode_poll": 0, "mode_park": 0}
 
     @property
     def period(self) -> float | None:
@@ -275,10 +309,31 @@ class ArrivalPredictor:
         self._window = (opens, closes)
         stats["planned"] += 1
         stats["model_" + _MODELS[best[2]]] += 1
+        mode = self._mode = self._choose_mode()
+        stats["mode_" + _MODES[mode]] += 1
+        if mode == PARK_MODE:  # sleep, then park at once: the bell wakes us
+            return WaitPlan(sleep_until, max(now, sleep_until), 0.0, p.yield_contended_s)
         return WaitPlan(sleep_until, closes, fallback, p.yield_contended_s)
+
+    def _choose_mode(self) -> int:
+        """Poll or park this window: the lower recent median lag, exploring the other."""
+        every = self.policy.explore_every
+        if not every:
+            return POLL
+        poll, park = self._lags
+        if len(poll) < _MIN_LAGS:
+            return POLL
+        if len(park) < _MIN_LAGS:
+            return PARK_MODE
+        best = POLL if sorted(poll)[len(poll) // 2] <= sorted(park)[len(park) // 2] \
+            else PARK_MODE
+        if self.stats["planned"] % every == 0:
+            return 1 - best
+        return best
 
     def _unplanned(self) -> None:
         self._window = None
+        self._mode = None
         self.stats["unplanned"] += 1
         return None
 
@@ -307,13 +362,16 @@ class ArrivalPredictor:
             return 0.0
         return _quantile(sorted(self._oversleep), self.policy.high_quantile)
 
-    def observe(self, published: float, wait_start: float | None) -> None:
-        """Learn from one message (O(1): this runs before ``dequeue`` returns).
+    def observe(self, published: float, wait_start: float | None,
+                seen: float | None = None) -> None:
+        """Learn from one message.
 
         Args:
             published: The writer's stamp (monotonic seconds).
             wait_start: When this reader began waiting for it, or ``None`` when
                 it was already there (then no plan was made for it).
+            seen: When the reader's wait saw it (monotonic), for the lag of
+                the window's mode; ``None``: not measured.
         """
         last = self._last_pub
         if not math.isfinite(published) or (last is not None and not
@@ -333,8 +391,13 @@ class ArrivalPredictor:
             self._gaps.append(gap if gap > 0.0 else 0.0)
             win = self._window
             if win is not None:
-                stats["early" if published < win[0] else "late" if published > win[1]
-                      else "on_time"] += 1
+                where = "early" if published < win[0] else "late" if published > win[1] \
+                    else "on_time"
+                stats[where] += 1
+                lag = None if seen is None else seen - published
+                if where == "on_time" and self._mode is not None and lag is not None \
+                        and 0.0 <= lag < 1.0:
+                    self._lags[self._mode].append(lag)
         for m in (_GRID, _INTERVAL, _GAP):
             pred = preds[m]
             if pred is not None:
@@ -345,6 +408,7 @@ class ArrivalPredictor:
         self._advance_grid(published)
         self._last_pub = published
         self._window = None
+        self._mode = None
 
     def _advance_grid(self, published: float) -> None:
         """The grid point of this message.
@@ -377,3 +441,6 @@ class ArrivalPredictor:
         self._period = None
         self._preds = [None, None, None]
         self._window = None
+        self._mode = None
+        for lags in self._lags:
+            lags.clear()

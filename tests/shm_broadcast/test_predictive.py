@@ -1,10 +1,10 @@
 """Predictive waiting (shm_broadcast.predictive): the predictor's plans, and real
 queues between processes under periodic traffic whose pattern then breaks.
 
-The process tests use long periods (0.25-0.3 s) so that the wrong outcomes are
+The process tests use a long period (0.5 s) so that the wrong outcomes are
 unmistakable on a loaded machine: a reader whose planned sleep missed the
-writer's bell would wake only when the sleep ends, a period later; a message
-found only by the liveness timeout would take ``park_poll_s`` (1 s here).
+writer's bell would wake only when the sleep ends, most of a period later; a
+message found only by the liveness timeout would take ``park_poll_s`` (1 s).
 Legitimate delays (a bell's kernel wake-up, a descheduled process) are far
 below the bounds asserted. ``park_stats()`` shows which path each wait took.
 """
@@ -26,8 +26,9 @@ from shm_broadcast.ring_buffer import CHUNK_HEADER
 from shm_broadcast.transport import WIRE
 
 #: Bounded parks (1 s) and rare liveness checks: a lost bell would show as ~1 s.
-POLICY = WaitPolicy(park_poll_s=1.0, liveness_s=1.0, predict=PredictivePolicy())
-PERIOD_S = 0.3
+#: Three calibration samples (instead of four) make the tests learn a step sooner.
+POLICY = WaitPolicy(park_poll_s=1.0, liveness_s=1.0, predict=PredictivePolicy(min_samples=3))
+PERIOD_S = 0.5
 
 
 # ----------------------------------------------------------------- the policy
@@ -87,6 +88,17 @@ def test_a_late_step_does_not_shift_the_grid() -> None:
     plan = pred.plan(stamps[-1] + 0.0005)
     assert plan is not None and plan.sleep_until <= stamps[-1] + 0.01 <= plan.poll_until
     assert pred.stats["late"] >= 1
+
+
+@pytest.mark.parametrize("late_index", [3, 5], ids=["early-in-history", "last-before-plan"])
+def test_one_outlier_among_few_samples_keeps_the_plan(late_index: int) -> None:
+    pred = ArrivalPredictor(PredictivePolicy(min_samples=3))
+    stamps = [50.0 + 0.5 * i for i in range(8)]
+    stamps[late_index] += 0.2  # a writer descheduled for 0.2 s once
+    _feed(pred, stamps)
+    plan = pred.plan(stamps[-1] + 0.001)
+    assert plan is not None and plan.sleep_until <= stamps[-1] + 0.5 <= plan.poll_until
+    assert plan.poll_until - plan.sleep_until < 0.01
 
 
 def test_irregular_gaps_are_not_planned() -> None:
@@ -151,10 +163,10 @@ def _sleep_until(t: float) -> None:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("n_readers", [1, 3], ids=["1-reader", "3-readers"])
 def test_an_early_message_rings_the_planned_sleep_awake(procs, n_readers: int) -> None:
-    """Learn a 0.3 s period, then publish 0.06 s after the last message: every
-    reader is in a planned sleep until ~0.3 s and must be woken by the bell."""
+    """Learn a 0.5 s period, then publish 0.05 s after the last message: every
+    reader is in a planned sleep until ~0.5 s and must be woken by the bell."""
     ranks = list(range(1, n_readers + 1))
-    n_periodic, extra = 10, 2
+    n_periodic, extra = 8, 2
     mq = MessageQueue(n_readers, n_readers, ranks, max_chunk_bytes=4096, max_chunks=4,
                       name="pred-early")
     try:
@@ -165,8 +177,8 @@ def test_an_early_message_rings_the_planned_sleep_awake(procs, n_readers: int) -
         for i in range(n_periodic):
             _sleep_until(t + i * PERIOD_S)
             _send(mq, i)
-        _sleep_until(t + (n_periodic - 1) * PERIOD_S + 0.06)
-        _send(mq, n_periodic)                       # early: 0.06 s instead of 0.3 s
+        _sleep_until(t + (n_periodic - 1) * PERIOD_S + 0.05)
+        _send(mq, n_periodic)                       # early: 0.05 s instead of 0.5 s
         _sleep_until(t + (n_periodic + 1) * PERIOD_S)
         _send(mq, n_periodic + 1)                   # back on the clock
         reports = [procs.get(timeout=60) for _ in range(2 * n_readers)]
@@ -175,18 +187,19 @@ def test_an_early_message_rings_the_planned_sleep_awake(procs, n_readers: int) -
     done = sorted((r for r in reports if r[0] == "ok"), key=lambda r: r[1])
     assert [r[1] for r in done] == ranks
     for _, rank, lat, stats in done:
-        # The predictor engaged: the periodic messages were planned and slept for.
-        assert stats["planned"] >= 3 and stats["sleeps"] >= 3, (rank, stats)
+        detail = (rank, str(stats), [round(x, 4) for x in lat])
+        # The predictor engaged: periodic messages were planned and slept for.
+        assert stats["planned"] >= 2 and stats["sleeps"] >= 2, detail
         # The early message cut a planned sleep short through the doorbell ...
-        assert stats["sleeps_rung"] >= 1 and stats["early"] >= 1, (rank, str(stats), [round(x, 4) for x in lat])
-        # ... so it took a wake-up, not the rest of the sleep (~0.2 s) or a park bound (1 s).
-        assert lat[n_periodic] < 0.12, (rank, lat[n_periodic], stats)
-        assert max(lat) < 0.5, (rank, [round(x, 3) for x in lat], stats)
+        assert stats["sleeps_rung"] >= 1, detail
+        # ... so it took a wake-up, not the rest of the sleep (~0.4 s) or a park bound (1 s).
+        assert lat[n_periodic] < 0.3, detail
+        assert max(lat) < 0.6, detail
 
 
 @pytest.mark.timeout(90)
 def test_late_messages_and_a_pause_fall_back_and_stay_bounded(procs) -> None:
-    """After a learnt period: one message 0.25 s late, a 1.5 s pause (the reader's
+    """After a learnt period: one message 0.3 s late, a 1.5 s pause (the reader's
     CPU stays near zero), then a burst; no message waits for a timeout."""
     mq = MessageQueue(1, 1, [1], max_chunk_bytes=4096, max_chunks=4, name="pred-late")
     n = 16
@@ -197,7 +210,7 @@ def test_late_messages_and_a_pause_fall_back_and_stay_bounded(procs) -> None:
         for i in range(10):
             _sleep_until(t + i * PERIOD_S)
             _send(mq, i)
-        _sleep_until(t + 10 * PERIOD_S + 0.25)      # 0.25 s after its slot
+        _sleep_until(t + 10 * PERIOD_S + 0.3)       # 0.3 s after its slot
         _send(mq, 10)
         proc = psutil.Process(p.pid)
         time.sleep(0.3)                              # past any window and fallback
@@ -213,9 +226,10 @@ def test_late_messages_and_a_pause_fall_back_and_stay_bounded(procs) -> None:
         mq.close()
     idle_cpu = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (w1 - w0)
     assert idle_cpu < 0.05, idle_cpu
-    assert stats["late"] >= 1, stats
-    assert stats["timeouts"] == 0 or max(lat) < 0.5, stats  # found by bells, not by bounds
-    assert max(lat) < 0.5, ([round(x, 3) for x in lat], stats)
+    # The late message fell to the fallback, which parks: found by a bell, never
+    # by a park's 1 s bound (that would be a lost wake-up).
+    assert stats["late"] >= 1, str(stats)
+    assert max(lat) < 0.6, ([round(x, 3) for x in lat], str(stats))
 
 
 def sleeping_reader(handle: Any, out: Any) -> None:
@@ -224,14 +238,15 @@ def sleeping_reader(handle: Any, out: Any) -> None:
     try:
         with MessageQueue.create_from_handle(handle, 1, wait_policy=POLICY) as mq:
             mq.wait_until_ready(60)
-            for i in range(8):
+            for i in range(9):
                 mq.dequeue(timeout=30)
+            before = mq.park_stats()["sleeps"]
             t0 = time.monotonic()
             try:
-                mq.dequeue(timeout=0.4)
+                mq.dequeue(timeout=0.3)  # next message due in ~0.5 s: never sent
                 timed_out = None
             except QueueTimeout as e:
-                timed_out = (time.monotonic() - t0, str(e))
+                timed_out = (time.monotonic() - t0, str(e), mq.park_stats()["sleeps"] - before)
             stopper = threading.Timer(0.2, mq.shutdown)
             stopper.start()
             t0 = time.monotonic()
@@ -253,13 +268,15 @@ def test_a_planned_sleep_keeps_timeouts_and_shutdown(procs) -> None:
         procs.start(sleeping_reader, mq.export_handle())
         mq.wait_until_ready(60)
         t = time.monotonic()
-        for i in range(8):
+        for i in range(9):
             _sleep_until(t + i * PERIOD_S)
             _send(mq, i)
         _, _, timed_out, closed, stats = procs.get(timeout=40)
     finally:
         mq.close()
-    assert timed_out is not None and 0.35 < timed_out[0] < 1.5, timed_out
+    # The timeout ended a planned sleep (due ~0.5 s, deadline 0.3 s) on time ...
+    assert timed_out is not None and 0.25 < timed_out[0] < 1.2, timed_out
     assert "pred-stop" in timed_out[1] and "timed out" in timed_out[1]
-    assert closed is not None and closed < 1.5, closed
-    assert stats["sleeps"] >= 3, stats
+    assert timed_out[2] >= 1, (timed_out, str(stats))
+    # ... and a shutdown from another thread woke one (its sleep would last ~1 s).
+    assert closed is not None and closed < 0.9, closed
