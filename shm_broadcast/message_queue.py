@@ -280,8 +280,9 @@ class MessageQueue:
             message came early); with a predictive policy, the predictor's
             counters follow: ``planned``/``unplanned`` waits and where each
             awaited message fell relative to its window (``early``,
-            ``on_time``, ``late``), plus ``ready`` (no wait was needed) and ``contended`` (polls cut short because
-            another task shared the CPU). See
+            ``on_time``, ``late``), plus ``ready`` (no wait was needed),
+            ``contended`` (polls cut short because another task shared the
+            CPU) and ``mode_poll``/``mode_park`` (how windows were spent). See
             :mod:`shm_broadcast.predictive`.
         """
         out = dict(self._impl.park_stats)

@@ -9,9 +9,9 @@ learns *when* the next message will be published and plans each wait::
 
              dequeue(): no message yet
                         |
-                plan() -- no (too few samples, irregular traffic,
-                  |          message overdue) --> SPIN -> YIELD -> PARK
-                  | yes                           (today's Backoff, unchanged)
+                plan() -- no (too few samples,  --> SPIN -> YIELD -> PARK
+                  |          message overdue)     (today's Backoff, unchanged)
+                  | yes
                   v
     +---------------------------------+
     | SLEEP: parked on the doorbell,  |  bell (message early, or the
@@ -47,12 +47,13 @@ Each model's recent errors (actual - predicted) calibrate it: its window is
 errors, widened by ``lead_s`` on each side; the model with the narrowest
 window wins. Messages beyond ``high_quantile`` (a writer descheduled for
 milliseconds on a busy machine) fall to the fallback, so its cost is bounded
-by the quantile, not by the tail. A window wider than ``max_window_s`` is cut
-to its first ``max_window_s`` (where a late-skewed distribution has its mass)
-and followed by a park, not by more yielding: such a wait polls no longer than
-the plain policy's initial yield (2 ms by default), but when the message is
-due. A window spanning more than half the expected gap means irregular
-traffic, planned as today's.
+by the quantile, not by the tail. A window wider than ``max_window_s`` (a
+long tail, or irregular steps) is cut to its first ``max_window_s`` (where a
+late-skewed distribution has its mass) and followed by a park, not by more
+yielding: such a wait polls no longer than the plain policy's initial yield
+(2 ms by default), only later, when the message is likelier to come. So no
+traffic costs more CPU than with the plain policy plus, on a miss of a narrow
+window, the window itself.
 
 The predictor also learns *how* to spend the window. Polling finds the
 message within microseconds -- when the reader has a CPU of its own. When the
@@ -138,10 +139,9 @@ class PredictivePolicy:
             found by the fallback). Higher: fewer misses, wider windows.
         lead_s: Seconds added on both sides of the window (the reader's own
             reaction time; the timer's oversleep is learned on top).
-        max_window_s: Widest window polled. A wider calibrated window is cut to
-            its first ``max_window_s`` (then the reader parks at once, no
-            fallback yield), unless it spans more than half the expected gap:
-            that traffic is irregular and the wait is planned as today's.
+        max_window_s: Widest window polled. A wider calibrated window (a long
+            tail, irregular steps) is cut to its first ``max_window_s``, and
+            the reader then parks at once (no fallback yield).
         min_sleep_s: A planned sleep shorter than this is not taken (the
             reader polls instead): waking costs about as much.
         fallback_yield_s: Seconds of yielding after a window closed without
@@ -298,10 +298,9 @@ class ArrivalPredictor:
         opens, closes = best[0] - p.lead_s, best[1] + p.lead_s
         fallback = -1.0 if p.fallback_yield_s is None else p.fallback_yield_s
         if closes - opens > p.max_window_s:
-            if closes - opens > 0.5 * ((opens + closes) / 2 - now):
-                return self._unplanned()  # irregular: the window is most of the gap
-            # Periodic with a long tail (a busy machine): poll the window's
-            # first max_window_s, where the messages bunch, then park at once.
+            # A long tail (a busy machine) or irregular steps: poll the window's
+            # first max_window_s, then park at once -- never more CPU than the
+            # plain policy's initial yield, spent where messages are likelier.
             closes, fallback = opens + p.max_window_s, 0.0
         sleep_until = opens - self._oversleep_s()
         if sleep_until - now < p.min_sleep_s:

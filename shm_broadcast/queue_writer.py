@@ -7,8 +7,9 @@ Per message (see :mod:`shm_broadcast.ring_buffer` for the flag protocol):
    msgpack bytes and arrays straight into it (or, if the message does not fit,
    publish it on the ``o`` topic first and write only the header), stamp the
    chunk with the publish time (:data:`shm_broadcast.predictive.STAMP`, which
-   predictive readers learn from), publish the flags, then -- after a full fence -- ring the doorbell only if some reader
-   declared itself parked. A spinning reader costs the writer no syscall;
+   predictive readers learn from), publish the flags, then -- after a full
+   fence -- ring the doorbell only if some reader declared itself parked. A
+   spinning reader costs the writer no syscall;
 3. remote readers: wait for flow-control credit, send on the ``m`` topic.
 
 A writer blocked on a full ring uses the same spin/yield/park policy as the

@@ -101,15 +101,19 @@ def test_one_outlier_among_few_samples_keeps_the_plan(late_index: int) -> None:
     assert plan.poll_until - plan.sleep_until < 0.01
 
 
-def test_irregular_gaps_are_not_planned() -> None:
-    pred = ArrivalPredictor(PredictivePolicy())
+def test_irregular_gaps_poll_no_longer_than_the_plain_initial_yield() -> None:
+    policy = PredictivePolicy()
+    pred = ArrivalPredictor(policy)
     gaps = [0.001, 0.03, 0.004, 0.02, 0.0005, 0.04, 0.002, 0.025] * 3
     stamps = [5.0]
     for g in gaps:
         stamps.append(stamps[-1] + g)
     _feed(pred, stamps)
-    assert pred.plan(stamps[-1] + 0.0005) is None
-    assert pred.stats["unplanned"] > pred.stats["planned"]
+    now = stamps[-1] + 0.0005
+    plan = pred.plan(now)
+    # The window is cut to max_window_s and followed by a park (no fallback yield).
+    assert plan is not None and plan.fallback_yield_s == 0.0
+    assert plan.poll_until - max(now, plan.sleep_until) <= policy.max_window_s + 1e-9
 
 
 def test_nothing_is_planned_before_enough_samples_or_when_overdue() -> None:
@@ -238,7 +242,7 @@ def sleeping_reader(handle: Any, out: Any) -> None:
     try:
         with MessageQueue.create_from_handle(handle, 1, wait_policy=POLICY) as mq:
             mq.wait_until_ready(60)
-            for i in range(9):
+            for _ in range(9):
                 mq.dequeue(timeout=30)
             before = mq.park_stats()["sleeps"]
             t0 = time.monotonic()
