@@ -197,7 +197,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         leaders = [self.ranks[self.nodes.index(j)] for j in range(n_nodes)]
         self._hier = HierarchicalAllReduce(
             self._engine, self.cpu_group, leaders, self.nodes[self.rank_in_group],
-            plan.local_rank == 0, self.world_size,
+            plan.local_rank == 0, self.world_size, name=self.unique_name,
         )
         self.mode = "hierarchical"
 

@@ -19,16 +19,22 @@ with bitwise identical values.
 
 Reduction order: ranks within a node in rank order, then nodes in node order;
 AVG sums throughout and divides by the group size once at the end.
+
+Errors name the caller's op, ``all_reduce``, and the stage that failed: an
+error of a shared-memory stage (which names the engine's own step, ``reduce``
+or ``broadcast``) is re-raised as the same class with that context, and a gloo
+failure between leaders names the leaders this rank was exchanging with.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from device_comms import host_alloc
+from device_comms.errors import GroupCoordError, translate_backend_error
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_engine import ShmEngine
@@ -48,6 +54,7 @@ class HierarchicalAllReduce:
         node: This rank's node index.
         is_leader: Whether this rank leads its node.
         world_size: Ranks in the whole group (for AVG).
+        name: The group's name, for error messages.
 
     Attributes:
         calls: Hierarchical all-reduces run.
@@ -62,6 +69,7 @@ class HierarchicalAllReduce:
         node: int,
         is_leader: bool,
         world_size: int,
+        name: str = "",
     ) -> None:
         if len(leaders) < 2:
             raise ValueError(f"leaders must name at least 2 nodes' leaders, got {list(leaders)}")
@@ -71,6 +79,7 @@ class HierarchicalAllReduce:
         self.node = node
         self.is_leader = is_leader
         self.world_size = world_size
+        self.name = name
         self.calls = 0
         self.intra_node_shm_steps = 0
 
@@ -81,7 +90,8 @@ class HierarchicalAllReduce:
         eng = self.engine
         partial: torch.Tensor | None
         if eng is not None:
-            partial = eng.reduce(t, 0, inner)
+            partial = _in_stage("1/3, reduce to the node's leader in shared memory",
+                                eng.reduce, t, 0, inner)
             self.intra_node_shm_steps += 1
         else:
             partial = t
@@ -90,7 +100,8 @@ class HierarchicalAllReduce:
         else:
             result = host_alloc.empty(t.shape, t.dtype)
         if eng is not None:
-            eng.broadcast(result, 0)
+            _in_stage("3/3, broadcast from the node's leader in shared memory",
+                      eng.broadcast, result, 0)
             self.intra_node_shm_steps += 1
         if op is ReduceOp.AVG:
             result.div_(self.world_size)
@@ -113,8 +124,7 @@ class HierarchicalAllReduce:
                 works.append(self._isend(flat[bounds[j] : bounds[j + 1]], j))
             if hi > lo:
                 works.append(self._irecv(recv[j], j))
-        for w in works:
-            w.wait()
+        self._wait(works)
         out = host_alloc.empty(n, x.dtype)
         if hi > lo:
             srcs = [flat[lo:hi] if j == me else recv[j] for j in range(k)]
@@ -128,9 +138,25 @@ class HierarchicalAllReduce:
                 works.append(self._isend(out[lo:hi], j))
             if bounds[j + 1] > bounds[j]:
                 works.append(self._irecv(out[bounds[j] : bounds[j + 1]], j))
-        for w in works:
-            w.wait()
+        self._wait(works)
         return out.view(x.shape)
+
+    def _wait(self, works: list[dist.Work]) -> None:
+        """Wait for the leaders' messages; a gloo failure names the other leaders."""
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as e:
+            if isinstance(e, GroupCoordError):
+                raise
+            peers = [dist.get_group_rank(self.cpu_group, g)
+                     for j, g in enumerate(self.leaders) if j != self.node]
+            err = translate_backend_error(
+                e, f"group {self.name!r}, op all_reduce (hierarchical, stage 2/3: exchange "
+                   f"between node leaders; this leader waited for leader rank(s) {peers})")
+            if err is e:
+                raise
+            raise err from e
 
     def _isend(self, t: torch.Tensor, node: int) -> dist.Work:
         return dist.isend(_bytes(t), dst=self.leaders[node], group=self.cpu_group, tag=LEADER_TAG)
@@ -142,3 +168,14 @@ class HierarchicalAllReduce:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """Contiguous ``t`` as flat bytes (gloo moves any dtype that way)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+def _in_stage(stage: str, fn: Any, *args: Any) -> Any:
+    """Run a shared-memory stage; its errors say they happened inside ``all_reduce``."""
+    try:
+        return fn(*args)
+    except GroupCoordError as e:
+        if type(e).__init__ is not GroupCoordError.__init__:
+            raise  # a class with its own constructor (PeerRejectedError names its op)
+        raise type(e)(f"op all_reduce (hierarchical, stage {stage}): {e}", queue=e.queue,
+                      side=e.side, peers=e.peers) from e

@@ -59,7 +59,7 @@ from shm_broadcast.transport import (
     CTL_HELLO, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
     close_all, close_dealer, new_socket, remove_dead_channel_dir, say_goodbye,
 )
-from shm_broadcast.waiting import PARK, SLEEP, Backoff, PeerWatch, WaitPolicy
+from shm_broadcast.waiting import PARK, SLEEP, Backoff, PeerWatch, WaitPolicy, own_pid_space
 
 __all__ = ["LocalReader"]
 
@@ -117,7 +117,7 @@ class LocalReader:
         self._pid = os.getpid()
         self._owner_thread = threading.get_ident()
         self._writer = PeerWatch(handle.writer_pid, handle.writer_create_time,
-                                 handle.writer_host)
+                                 handle.writer_host, pid_space=handle.writer_pid_space)
         wr = "" if handle.writer_rank is None else f" rank {handle.writer_rank}"
         self._writer_desc = f"writer{wr} ({self._writer.describe()})"
         self._seq = 0
@@ -186,7 +186,7 @@ class LocalReader:
         self.dealer.setsockopt(zmq.ROUTING_ID, b"L%d" % self.index)
         self.dealer.connect(handle.local_ctl)
         self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
-            [self.rank, self._pid, ctime, socket.gethostname()]))
+            [self.rank, self._pid, ctime, socket.gethostname(), own_pid_space()]))
 
     # ------------------------------------------------------------- waiting
     def wait_until_ready(self, timeout: float | None) -> None:

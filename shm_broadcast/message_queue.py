@@ -83,8 +83,9 @@ class MessageQueue:
         max_chunks: Chunks in the ring: how far the writer may run ahead of
             the slowest local reader.
         connect_ip: IP address to bind the TCP endpoints on (only used with
-            remote readers); default ``$GROUPCOORD_HOST_IP`` or the address of
-            the default route.
+            remote readers); default :func:`shm_broadcast.transport.host_ip`
+            (``$GROUPCOORD_HOST_IP``, else the source address of the route to
+            ``$MASTER_ADDR``, else of the default route).
         name: Name used in errors (default ``mq-<pid>``).
         wait_policy: Spin/yield/park timing (:class:`WaitPolicy`).
         allow_pickle: Opt in to pickle for values msgspec cannot carry exactly

@@ -73,7 +73,8 @@ import psutil
 
 from shm_broadcast.predictive import PredictivePolicy, WaitPlan
 
-__all__ = ["WaitPolicy", "Backoff", "PeerWatch", "SPIN", "YIELD", "PARK", "SLEEP"]
+__all__ = ["WaitPolicy", "Backoff", "PeerWatch", "own_pid_space", "SPIN", "YIELD", "PARK",
+           "SLEEP"]
 
 SPIN = 0
 YIELD = 1
@@ -135,6 +136,26 @@ class WaitPolicy:
             )
 
 
+_PID_SPACE: tuple[int, str] | None = None  # (pid it was read in, value)
+
+
+def own_pid_space() -> str:
+    """Where this process's pid means something: ``"<boot id>/<pid namespace inode>"``.
+
+    Two processes can check each other's pids exactly when these are equal
+    (same running kernel, same pid namespace). ``""`` when it cannot be read
+    (no ``/proc`` of our own). Read once per process (a fork re-reads it).
+    """
+    global _PID_SPACE
+    pid = os.getpid()
+    if _PID_SPACE is None or _PID_SPACE[0] != pid:
+        from shm_broadcast.owner_identity import OwnerIdentity
+
+        me = OwnerIdentity.of_self()
+        _PID_SPACE = (pid, f"{me.boot_id}/{me.pidns}" if me.boot_id and me.pidns else "")
+    return _PID_SPACE[1]
+
+
 class PeerWatch:
     """Tells whether a peer process (pid + creation time) is still alive.
 
@@ -146,15 +167,25 @@ class PeerWatch:
         pid: The peer's process id.
         create_time: ``psutil.Process(pid).create_time()`` as the peer reported
             it, or ``None`` to skip the reuse check.
-        host: Hostname of the peer; a peer on another host cannot be checked
-            with psutil and is always reported alive.
+        host: Hostname of the peer, for messages (and the fallback below).
+        pid_space: The peer's :func:`own_pid_space`. Its pid is checked with
+            psutil only when that equals ours: hostnames cannot tell, since
+            hosts may share a name while their pids live in different pid
+            spaces (and containers on one kernel have pid spaces of their
+            own). Without it (``""``), a peer whose ``host`` differs from ours
+            is taken as remote. A remote peer is always reported alive.
     """
 
-    def __init__(self, pid: int, create_time: float | None, host: str | None = None) -> None:
+    def __init__(self, pid: int, create_time: float | None, host: str | None = None,
+                 *, pid_space: str = "") -> None:
         self.pid = pid
         self.create_time = create_time
         self.host = host
-        self._remote = host is not None and host != socket.gethostname()
+        mine = own_pid_space() if pid_space else ""
+        if pid_space and mine:
+            self._remote = pid_space != mine
+        else:
+            self._remote = host is not None and host != socket.gethostname()
         self._proc: psutil.Process | None = None
 
     def alive(self) -> bool:

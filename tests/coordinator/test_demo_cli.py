@@ -84,3 +84,62 @@ def test_demo_rejects_bad_prompt_ids(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "--prompt-ids" in proc.stderr and "'1,x'" in proc.stderr
+
+
+# ------------------------------------------------------------- --launcher env
+def _torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _env_without_launcher() -> dict[str, str]:
+    import os
+
+    drop = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+@pytest.mark.timeout(240)
+def test_demo_under_torchrun(tmp_path: Path) -> None:
+    """torchrun starts the ranks (--launcher env): rank 0 alone reports, verified
+    against the unsharded model (tests/multihost compares it bit for bit with
+    the default launcher, across two simulated hosts)."""
+    env = {**_env_without_launcher(), "OMP_NUM_THREADS": "1"}
+    launched = tmp_path / "env.json"
+    proc = subprocess.run([*_torchrun(), "--standalone", "--nproc-per-node", "2",
+                           "-m", "coordinator", "demo", "--launcher", "env", "--tp", "2",
+                           "--pp", "1", "--max-new-tokens", "6", "--no-progress",
+                           "--timeout", "120", "--json", str(launched)],
+                          capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("PASS") == 1  # only global rank 0 reports
+    b = json.loads(launched.read_text())
+    assert b["launcher"] == "env" and (b["tp"], b["pp"]) == (2, 1)
+    assert b["verified"] and b["tokens_identical"] and b["generated"] == b["reference_generated"]
+    # rank 1's arrival latencies reached the driver: one per step at least
+    assert b["worker_recv_latency_us"]["n"] > b["steps"] > 0
+
+
+@pytest.mark.parametrize("env_update,needle", [
+    ({}, "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set"),
+    ({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "needs 4 ranks, but the launcher started WORLD_SIZE=3"),
+    ({"RANK": "0", "WORLD_SIZE": "four", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "WORLD_SIZE must be an int, got 'four'"),
+], ids=["not-launched", "wrong-world-size", "bad-world-size"])
+def test_demo_launcher_env_refuses_a_wrong_environment(env_update, needle) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "demo", "--launcher", "env", "--no-progress"],
+        capture_output=True, text=True, timeout=120, env={**_env_without_launcher(), **env_update},
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    assert "--launcher env" in proc.stderr
+
+
+def test_demo_mlp_refuses_launcher_env() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "demo", "--mlp", "--launcher", "env"],
+        capture_output=True, text=True, timeout=120, env=_env_without_launcher(),
+    )
+    assert proc.returncode == 2 and "--mlp runs with --launcher spawn only" in proc.stderr
