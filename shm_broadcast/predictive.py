@@ -64,8 +64,9 @@ blocks; a *parked* reader, woken by the writer's bell at the start of
 in one of two modes, **poll** or **park** (the reader parks right after its
 sleep and the bell wakes it), and the predictor keeps the recent *detection
 lag* (publish stamp -> the reader saw it) of each: the mode with the lower
-median lag is used, the other one every ``explore_every``-th window so its
-estimate stays current.
+median lag (park's plus ``park_penalty_s``, the writer's cost of ringing) is
+used, the other one every ``explore_every``-th window so its estimate stays
+current.
 
 Publish times are exact: the writer stamps every ring chunk with
 ``time.monotonic()`` just before publishing it (:data:`STAMP` at
@@ -156,6 +157,9 @@ class PredictivePolicy:
         explore_every: Every this many planned windows use the mode (poll or
             park) whose recent detection lag is worse, to keep measuring it;
             0 never switches modes (always poll).
+        park_penalty_s: Added to park mode's lag when the modes are compared:
+            what the writer's bell costs it (a ``sendto`` that wakes a sleeper,
+            ~20 us on the 2-vCPU development VM), which the reader cannot see.
     """
 
     history: int = 16
@@ -168,6 +172,7 @@ class PredictivePolicy:
     fallback_yield_s: float | None = None
     yield_contended_s: float = 50e-6
     explore_every: int = 16
+    park_penalty_s: float = 20e-6
 
     def __post_init__(self) -> None:
         for name in ("history", "min_samples", "explore_every"):
@@ -176,7 +181,7 @@ class PredictivePolicy:
                 raise TypeError(f"PredictivePolicy.{name} must be an int, got "
                                 f"{type(value).__name__}")
         for name in ("low_quantile", "high_quantile", "lead_s", "max_window_s", "min_sleep_s",
-                     "fallback_yield_s", "yield_contended_s"):
+                     "fallback_yield_s", "yield_contended_s", "park_penalty_s"):
             value = getattr(self, name)
             if value is None and name == "fallback_yield_s":
                 continue
@@ -324,7 +329,8 @@ class ArrivalPredictor:
             return POLL
         if len(park) < _MIN_LAGS:
             return PARK_MODE
-        best = POLL if sorted(poll)[len(poll) // 2] <= sorted(park)[len(park) // 2] \
+        penalty = self.policy.park_penalty_s
+        best = POLL if sorted(poll)[len(poll) // 2] <= sorted(park)[len(park) // 2] + penalty \
             else PARK_MODE
         if self.stats["planned"] % every == 0:
             return 1 - best

@@ -38,6 +38,8 @@ PERIOD_S = 0.5
     ("high_quantile", 1.5, ValueError), ("lead_s", -1e-6, ValueError),
     ("max_window_s", 0.0, ValueError), ("min_sleep_s", math.nan, ValueError),
     ("fallback_yield_s", -1.0, ValueError), ("yield_contended_s", "0", ValueError),
+    ("explore_every", -1, ValueError), ("explore_every", 1.5, TypeError),
+    ("park_penalty_s", math.inf, ValueError),
     ("lead_s", True, ValueError),
 ], ids=lambda v: str(v))
 def test_policy_rejects_bad_knobs_naming_them(field: str, value: Any, exc: type) -> None:
@@ -99,6 +101,38 @@ def test_one_outlier_among_few_samples_keeps_the_plan(late_index: int) -> None:
     plan = pred.plan(stamps[-1] + 0.001)
     assert plan is not None and plan.sleep_until <= stamps[-1] + 0.5 <= plan.poll_until
     assert plan.poll_until - plan.sleep_until < 0.01
+
+
+def _feed_with_lag(pred: ArrivalPredictor, stamps: list[float], lag_of: dict[int, float]) -> list:
+    """Like _feed, but the reader sees each message ``lag_of[mode]`` after it."""
+    from shm_broadcast.predictive import PARK_MODE
+
+    modes = []
+    now = stamps[0] - 0.1
+    for t in stamps:
+        plan = pred.plan(now)
+        mode = None if plan is None else (
+            PARK_MODE if plan.poll_until <= max(now, plan.sleep_until) else 0)
+        modes.append(mode)
+        pred.observe(t, now, t + lag_of[mode] if mode is not None else None)
+        now = t + 0.0005
+    return modes
+
+
+@pytest.mark.parametrize("poll_lag,park_lag,expect", [
+    (5e-6, 300e-6, "poll"), (400e-6, 60e-6, "park"), (60e-6, 50e-6, "poll"),
+], ids=["poll-faster", "park-faster", "park-not-worth-the-bell"])
+def test_the_mode_with_the_lower_lag_wins_and_the_other_is_explored(
+        poll_lag: float, park_lag: float, expect: str) -> None:
+    from shm_broadcast.predictive import PARK_MODE
+
+    pred = ArrivalPredictor(PredictivePolicy(explore_every=8))
+    stamps = [20.0 + 0.01 * i for i in range(80)]
+    modes = _feed_with_lag(pred, stamps, {0: poll_lag, PARK_MODE: park_lag})
+    tail = [m for m in modes[-32:] if m is not None]
+    want = 0 if expect == "poll" else PARK_MODE
+    assert tail.count(want) >= 26 and tail.count(1 - want) >= 2, modes  # exploring
+    assert pred.stats["mode_poll"] + pred.stats["mode_park"] == pred.stats["planned"]
 
 
 def test_irregular_gaps_poll_no_longer_than_the_plain_initial_yield() -> None:
