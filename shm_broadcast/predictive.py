@@ -66,7 +66,9 @@ sleep and the bell wakes it), and the predictor keeps the recent *detection
 lag* (publish stamp -> the reader saw it) of each: the mode with the lower
 median lag (park's plus ``park_penalty_s``, the writer's cost of ringing) is
 used, the other one every ``explore_every``-th window so its estimate stays
-current.
+current. Within poll mode, a ``sched_yield`` that returns only after
+``yield_contended_s`` (another task held the CPU) ends the polling too: the
+reader parks for the rest of the window.
 
 Publish times are exact: the writer stamps every ring chunk with
 ``time.monotonic()`` just before publishing it (:data:`STAMP` at
