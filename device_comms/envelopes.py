@@ -27,16 +27,18 @@ Each call contributes exactly one block whatever happens (valid, rejected,
 mismatched), so the next call pairs with the peers' next call: after a
 rejection or a mismatch the group stays usable.
 
-Point-to-point (:class:`Envelopes`): send/recv, and the hierarchical
-all-reduce's node leaders (a subset of the group, which has no collective of
-its own), exchange envelopes as tagged messages (:data:`P2P_TAG`,
-:data:`~device_comms.hierarchical.LEADER_TAG`), apart from user traffic on tag
-0. Each side posts a receive of ``HDR_BYTES + INLINE_MAX`` bytes from each
-peer (gloo accepts a shorter message into a larger buffer), sends its own
-envelope and waits for both. For send/recv the receiver sends its
-expectation (dtype, shape, source) while the sender sends its header and a
-small payload, so both sides see both headers and both raise on a mismatch or
-a rejection; a larger payload follows only after both agreed.
+Point-to-point (:class:`Envelopes`): the hierarchical all-reduce's node
+leaders (a subset of the group, which has no collective of its own) exchange
+envelopes as tagged messages (:data:`~device_comms.hierarchical.LEADER_TAG`),
+apart from user traffic on tag 0. Each side posts a receive of
+``HDR_BYTES + INLINE_MAX`` bytes from each peer (gloo accepts a shorter
+message into a larger buffer), sends its own envelope and waits for both.
+Send/recv exchange the same envelopes by direction
+(:mod:`device_comms.p2p_envelopes`, tags :data:`P2P_TAG` and the one after
+it): the receiver sends its expectation (dtype, shape, source) while the
+sender sends its header and a small payload, so both sides see both headers
+and both raise on a mismatch or a rejection; a larger payload follows only
+after both agreed.
 
 Every wait is bounded by the process group's timeout (gloo raises, the
 caller translates it).
