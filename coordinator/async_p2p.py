@@ -62,13 +62,14 @@ stream, imported at the first CUDA call).
 from __future__ import annotations
 
 import datetime
+import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
 from coordinator import tensor_dict as tensor_dict_ops
 from coordinator.errors import CommTimeout
-from coordinator.p2p_channels import RECV, SEND, Channels, Work, warn_unobserved
+from coordinator.p2p_channels import LIVENESS_S, RECV, SEND, Channels, Work, warn_unobserved
 from device_comms import validation
 from shm_broadcast.checks import check_timeout
 
@@ -92,11 +93,12 @@ class P2PHandle:
         call: The call's number in its group (``GroupCoordinator.calls``).
     """
 
-    __slots__ = ("_work", "_timeout")
+    __slots__ = ("_work", "_timeout", "_next_check")
 
     def __init__(self, work: Any, timeout: float) -> None:
         self._work = work
         self._timeout = timeout
+        self._next_check = time.monotonic() + LIVENESS_S
 
     @property
     def op(self) -> str:
@@ -111,8 +113,19 @@ class P2PHandle:
         return self._work.call
 
     def is_completed(self) -> bool:
-        """Whether the call finished, successfully or not (``wait()`` then returns at once)."""
-        return self._work.done()
+        """Whether the call finished, successfully or not (``wait()`` then returns at once).
+
+        A call whose peer's process is gone counts as finished (with
+        ``PeerDiedError``); that is checked at most every :data:`LIVENESS_S`.
+        """
+        w = self._work
+        if w.done():
+            return True
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + LIVENESS_S
+            self._check_peer()
+        return w.done()
 
     def wait(self, timeout: float | datetime.timedelta | None = None) -> Any:
         """Wait for the call; return its result (a receive's tensor or dict, None for sends).
@@ -131,19 +144,32 @@ class P2PHandle:
         """
         wait_s = check_timeout(timeout, default=self._timeout)
         w = self._work
-        if not w.block(wait_s):
-            raise self._timed_out(wait_s)
+        deadline = time.monotonic() + wait_s
+        # Gloo may not notice a peer that died while a receive was posted; the
+        # peer's process is checked between slices of the wait.
+        while not w.block(max(0.0, min(LIVENESS_S, deadline - time.monotonic()))):
+            self._check_peer()
+            if w.done():
+                break
+            if time.monotonic() >= deadline:
+                raise self._timed_out(wait_s)
         w.observed = True
         if w.error is not None:
             raise w.error
         return w.result
+
+    def _check_peer(self) -> None:
+        w = self._work
+        dead = w.dead_peer()
+        if dead is not None:
+            w.declare(dead)
 
     def _timed_out(self, wait_s: float) -> BaseException:
         w = self._work
         e = CommTimeout(f"{w.describe()} did not complete within {wait_s:g}s (it goes on: "
                         f"wait again, or destroy the group to cancel it)", peers=(w.peer,))
         try:
-            w.explain(w.op, w.call, e, partner=w.peer)
+            w.errors.explain(w.op, w.call, e, partner=w.peer)
         except CommTimeout as err:
             return err
         return e
@@ -234,7 +260,12 @@ def ordered(coord: "GroupCoordinator", direction: str, peer: Any, op: str,
     ch = chs.find(direction, peer) if chs is not None else None
     if ch is None:
         return fn(*args)
-    with ch.turn(coord.timeout, lambda: f"{op} with rank {peer}"):
+    def check() -> None:
+        dead = coord._errors.dead_partner(op, coord.calls, peer)
+        if dead is not None:
+            raise dead
+
+    with ch.turn(coord.timeout, lambda: f"{op} with rank {peer}", check):
         return fn(*args)
 
 
@@ -252,7 +283,7 @@ def close(coord: "GroupCoordinator") -> None:
 def submit(coord: "GroupCoordinator", direction: str, peer: int, op: str, seq: int,
            fn: Callable[..., Any], *args: Any, quiet: bool = False) -> Work:
     """Queue ``fn(*args)`` as call ``seq`` on the channel of ``direction`` with ``peer``."""
-    work = Work(op, peer, seq, fn, args, coord._errors.explain, quiet=quiet)
+    work = Work(op, peer, seq, fn, args, coord._errors, quiet=quiet)
     _channels(coord).get(direction, peer).submit(work)
     return work
 
@@ -279,7 +310,7 @@ def _submit(coord: "GroupCoordinator", direction: str, peer: int, op: str, seq: 
 
 def _done(coord: "GroupCoordinator", op: str, peer: int, seq: int, result: Any) -> P2PHandle:
     """A handle of a call that needs no communication (a group of one)."""
-    work = Work(op, peer, seq, lambda: result, (), coord._errors.explain)
+    work = Work(op, peer, seq, lambda: result, (), coord._errors)
     work.run()
     return P2PHandle(work, coord.timeout)
 

@@ -65,10 +65,10 @@ class EventWork:
     :class:`Work` (a tensor dict's metadata)."""
 
     def __init__(self, op: str, peer: int, call: int, event: Any, device: torch.device,
-                 result: Any, explain: Any, cpu: Work | None = None) -> None:
+                 result: Any, errors: Any, cpu: Work | None = None) -> None:
         self.op, self.peer, self.call = op, peer, call
         self._device = device
-        self.explain, self.result = explain, result
+        self.errors, self.result = errors, result
         self._event, self._cpu = event, cpu
         self.error: BaseException | None = None
         self.observed = self.dropped = self.quiet = False
@@ -95,6 +95,14 @@ class EventWork:
         if self.error is None:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         return True
+
+    def dead_peer(self) -> BaseException | None:
+        """None: NCCL reports its own failures (and a hung kernel cannot be stopped)."""
+        return None
+
+    def declare(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
 
     def describe(self) -> str:
         where = "to" if "send" in self.op else "from"
@@ -199,7 +207,7 @@ class CudaP2P:
 
     def _handle(self, op: str, peer: int, seq: int, ev: Any, result: Any,
                 cpu: Work | None = None) -> P2PHandle:
-        w = EventWork(op, peer, seq, ev, self.coord.device, result, self.coord._errors.explain, cpu)
+        w = EventWork(op, peer, seq, ev, self.coord.device, result, self.coord._errors, cpu)
         self._pending = [p for p in self._pending if not p.done()] + [w]
         return P2PHandle(w, self.coord.timeout)
 

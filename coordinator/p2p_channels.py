@@ -40,10 +40,12 @@ from typing import Any, Callable, Iterator
 from coordinator.call_errors import WAIT_ERRORS
 from coordinator.errors import ClosedError, CommTimeout
 
-__all__ = ["Work", "Channel", "Channels", "SEND", "RECV"]
+__all__ = ["Work", "Channel", "Channels", "SEND", "RECV", "LIVENESS_S"]
 
 SEND, RECV = "send", "recv"
 _JOIN_S = 10.0  # after breaking the connections, every wait ends within milliseconds
+#: Seconds between checks that a waited-for peer's process still exists.
+LIVENESS_S = 0.25
 
 
 class Work:
@@ -55,21 +57,22 @@ class Work:
         call: The call's number in its group.
         fn: What runs it (a blocking call); its return value is the result.
         args: Arguments of ``fn``.
-        explain: The group's :meth:`~coordinator.call_errors.CallErrors.explain`,
-            which turns a failed wait into the error the call raises.
+        errors: The group's :class:`~coordinator.call_errors.CallErrors`, which
+            turns a failed wait into the error the call raises and tells
+            whether the peer's process is gone.
         quiet: Nobody waits for this item (it only tells the peer that this
             rank rejected its arguments): its failure is expected and not reported.
     """
 
-    __slots__ = ("op", "peer", "call", "_fn", "_args", "explain", "quiet", "result", "error",
-                 "observed", "dropped", "cancel", "_done")
+    __slots__ = ("op", "peer", "call", "_fn", "_args", "errors", "quiet", "result", "error",
+                 "observed", "dropped", "cancel", "_done", "_settle")
 
     def __init__(self, op: str, peer: int, call: int, fn: Callable[..., Any],
-                 args: tuple[Any, ...], explain: Callable[..., None], quiet: bool = False) -> None:
+                 args: tuple[Any, ...], errors: Any, quiet: bool = False) -> None:
         self.op, self.peer, self.call = op, peer, call
         self._fn: Callable[..., Any] | None = fn
         self._args: tuple[Any, ...] | None = args
-        self.explain = explain
+        self.errors = errors
         self.quiet = quiet
         self.result: Any = None
         self.error: BaseException | None = None
@@ -77,6 +80,7 @@ class Work:
         self.dropped = False  # the handle was garbage-collected before the outcome
         self.cancel: BaseException | None = None  # set by close() before breaking connections
         self._done = threading.Event()
+        self._settle = threading.Lock()  # the outcome is set once (worker or declare())
 
     def done(self) -> bool:
         """Whether the call finished (successfully or not)."""
@@ -93,17 +97,25 @@ class Work:
         try:
             if fn is None:
                 raise RuntimeError("internal: a point-to-point work item ran twice")
-            self.result = fn(*args)  # type: ignore[misc]
+            result = fn(*args)  # type: ignore[misc]
         except Exception as e:
-            self.error = self.cancel or self._explained(e)
-        finally:
-            self._finish()
+            self._finish(None, self.cancel or self._explained(e))
+        else:
+            self._finish(result, None)
 
     def fail(self, error: BaseException) -> None:
         """Finish without running (the channel closed before the call started)."""
         self._fn = self._args = None
-        self.error = error
-        self._finish()
+        self._finish(None, error)
+
+    def declare(self, error: BaseException) -> None:
+        """Finish with ``error`` now, though the worker may still be inside the call
+        (its peer is gone); whatever the worker ends with later is dropped."""
+        self._finish(None, error)
+
+    def dead_peer(self) -> BaseException | None:
+        """The error of this call when the peer's process is provably gone, else None."""
+        return self.errors.dead_partner(self.op, self.call, self.peer)
 
     def describe(self) -> str:
         """``"isend to rank 1 (call #5)"``."""
@@ -114,14 +126,18 @@ class Work:
         if not isinstance(e, WAIT_ERRORS):
             return e
         try:
-            self.explain(self.op, self.call, e, partner=self.peer)
+            self.errors.explain(self.op, self.call, e, partner=self.peer)
         except Exception as translated:
             return translated
         return e
 
-    def _finish(self) -> None:
-        self._done.set()
-        if self.dropped and self.error is not None and not self.quiet:
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        with self._settle:
+            if self._done.is_set():
+                return  # declared failed earlier: the first outcome stands
+            self.result, self.error = result, error
+            self._done.set()
+        if self.dropped and error is not None and not self.quiet:
             warn_unobserved(self)
 
 
@@ -171,18 +187,30 @@ class Channel:
         return bool(self._queue) or self._running is not None or self._inline
 
     @contextlib.contextmanager
-    def turn(self, timeout: float, describe: Callable[[], str]) -> Iterator[None]:
+    def turn(self, timeout: float, describe: Callable[[], str],
+             check: Callable[[], None]) -> Iterator[None]:
         """Hold this direction for an inline (blocking) call, after every earlier one.
+
+        Args:
+            timeout: Seconds to wait for the earlier calls.
+            describe: The waiting call, for the timeout's message.
+            check: Called every :data:`LIVENESS_S` while waiting; raises to stop
+                (the peer died).
 
         Raises:
             CommTimeout: The earlier calls did not finish within ``timeout``
                 (``peers`` empty: the caller's error translation names the peer).
             ClosedError: The channel closed meanwhile.
         """
+        deadline = time.monotonic() + timeout
         with self._cond:
-            free = self._cond.wait_for(
-                lambda: self._closed or not (self._queue or self._running or self._inline),
-                timeout)
+            while True:
+                free = self._cond.wait_for(
+                    lambda: self._closed or not (self._queue or self._running or self._inline),
+                    max(0.0, min(LIVENESS_S, deadline - time.monotonic())))
+                if free or time.monotonic() >= deadline:
+                    break
+                check()
             if self._closed:
                 raise ClosedError(f"{self.label}: the group was destroyed")
             if not free:
@@ -277,11 +305,9 @@ class Channels:
                 f"group {self.name!r} was destroyed before {w.describe()} started",
                 queue=self.name, peers=(w.peer,)))
         deadline = time.monotonic() + grace
-        for ch in channels:
-            w = ch.running()
-            if w is not None:
-                w.block(max(0.0, deadline - time.monotonic()))
-        stuck = [w for w in (ch.running() for ch in channels) if w is not None and not w.done()]
+        while any(ch.running() for ch in channels) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stuck = [w for w in (ch.running() for ch in channels) if w is not None]
         if stuck:
             for w in stuck:
                 w.cancel = ClosedError(
