@@ -85,12 +85,13 @@ _BREAK_TAG = 0x6770  # never sent: the expired wait on it closes the group's con
 
 
 class P2PHandle:
-    """An asynchronous point-to-point call (see the module docstring).
+    """An asynchronous point-to-point call, returned by ``GroupCoordinator.isend`` and
+    friends (see the module docstring for ordering, errors and closing).
 
-    Attributes:
-        op: The call (``"isend"``, ``"irecv"``, ``"isend_tensor_dict"``, ...).
-        peer: The other group rank.
-        call: The call's number in its group (``GroupCoordinator.calls``).
+    Args:
+        work: The call's state (a :class:`~coordinator.p2p_channels.Work`, or a
+            CUDA event's :class:`~coordinator.async_p2p_cuda.EventWork`).
+        timeout: The group's timeout, the default of :meth:`wait`.
     """
 
     __slots__ = ("_work", "_timeout", "_next_check")
@@ -102,14 +103,17 @@ class P2PHandle:
 
     @property
     def op(self) -> str:
+        """The call: ``"isend"``, ``"irecv"``, ``"isend_tensor_dict"`` or ``"irecv_tensor_dict"``."""
         return self._work.op
 
     @property
     def peer(self) -> int:
+        """The other group rank."""
         return self._work.peer
 
     @property
     def call(self) -> int:
+        """The call's number in its group (errors name it)."""
         return self._work.call
 
     def is_completed(self) -> bool:
