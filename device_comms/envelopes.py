@@ -58,7 +58,7 @@ from device_comms.call_signature import FAILED, HDR_BYTES, REJECTED
 
 __all__ = [
     "Blocks", "Envelopes", "BLOCK_INLINE", "BLOCK_BYTES", "INLINE_MAX", "P2P_TAG", "as_bytes",
-    "failure_header", "reason_bytes",
+    "failure_header", "reason_bytes", "fill_envelope",
 ]
 
 #: Payload bytes a collective's block carries; a call whose payload per rank
@@ -214,7 +214,7 @@ class Envelopes:
         """
         ps = self.peers if peers is None else peers
         works = [self.group.recv([self._recv[p]], p, self.tag) for p in ps]
-        buf = _fill(self._send, header, payload, INLINE_MAX)
+        buf = fill_envelope(self._send, header, payload, INLINE_MAX)
         works += [self.group.send([buf], p, self.tag) for p in ps]
         for w in works:
             w.wait()
@@ -238,7 +238,7 @@ class Envelopes:
 
 
 
-def _fill(buf: torch.Tensor, header: np.ndarray, payload: torch.Tensor | None,
+def fill_envelope(buf: torch.Tensor, header: np.ndarray, payload: torch.Tensor | None,
           limit: int) -> torch.Tensor:
     """Header + payload in ``buf``; returns the part to send (word 7: payload bytes or -1)."""
     words = buf[:HDR_BYTES].numpy().view(np.int64)

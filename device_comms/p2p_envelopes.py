@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from device_comms.call_signature import HDR_BYTES
-from device_comms.envelopes import INLINE_MAX, P2P_TAG, _fill
+from device_comms.envelopes import INLINE_MAX, P2P_TAG, fill_envelope
 
 __all__ = ["P2PSide", "P2PSides", "DATA_TAG", "REPLY_TAG", "SEND", "RECV"]
 
@@ -87,7 +87,7 @@ class P2PSide:
                 rejection's reason), or None.
         """
         work_in = self.group.recv([self._in], self.peer, self._in_tag)
-        out = _fill(self._out, header, payload, self._out_max)
+        out = fill_envelope(self._out, header, payload, self._out_max)
         work_out = self.group.send([out], self.peer, self._out_tag)
         work_out.wait()
         work_in.wait()
