@@ -182,10 +182,6 @@ class Channel:
                 self._thread.start()
             self._cond.notify_all()
 
-    def busy(self) -> bool:
-        """Whether a call of this direction is queued or running."""
-        return bool(self._queue) or self._running is not None or self._inline
-
     @contextlib.contextmanager
     def turn(self, timeout: float, describe: Callable[[], str],
              check: Callable[[], None]) -> Iterator[None]:
