@@ -283,8 +283,9 @@ def dropped_failure_warns(rank: int, n: int) -> list[str]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if rank % 2 == 0:
-                h = g.isend(torch.ones(4), peer)
-                del h  # the receiver expects another shape: this send fails
+                # The handle is dropped at once; the receiver expects another
+                # shape, so this send fails.
+                g.isend(torch.ones(4), peer)
                 # A later call in the same direction still runs, after the failed one.
                 g.send(torch.ones(2), peer)
             else:
@@ -434,6 +435,23 @@ def killed_peer(rank: int, n: int) -> dict[str, Any]:
     return out
 
 
+def alone(rank: int, n: int) -> dict[str, Any]:
+    """A group of one: dicts behave as the blocking calls (nothing to send, None
+    received); a tensor has no peer to go to."""
+
+    def body(g: Any) -> dict[str, Any]:
+        h = g.isend_tensor_dict({"a": torch.ones(2)})
+        r = g.irecv_tensor_dict()
+        out = {"sent": (h.is_completed(), h.wait()), "received": (r.is_completed(), r.wait())}
+        try:
+            g.isend(torch.ones(2))
+        except ValueError as e:
+            out["isend"] = str(e)
+        return out
+
+    return _with_group(rank, n, body)
+
+
 # ---------------------------------------------------------------------- tests
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size,pattern", [(2, "ring"), (4, "ring"), (4, "pairs")])
@@ -550,3 +568,10 @@ def test_cuda_half_imports_lazily_and_without_touching_cuda() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_one(dist_pool) -> None:
+    (out,) = dist_pool(1).run(alone, timeout=50)
+    assert out["sent"] == (True, None) and out["received"] == (True, None)
+    assert "dst=0 is this rank" in out["isend"]
