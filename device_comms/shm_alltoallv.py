@@ -1,0 +1,161 @@
+"""Uneven all-to-all through a node's shared-memory workspace.
+
+Each rank's *stream* is its input's bytes without the rows it sends to
+itself (those go straight from input to output): the rows for rank 0, rank 1,
+... in order, skipping its own. The stream moves through the rank's slot in
+windows; every receiver copies out of every peer's slot the bytes of that
+peer's stream meant for it, straight into its place in the result. So each
+byte is copied once in (input -> own slot) and once out (peer's slot ->
+result), with one step per window::
+
+    step 1 (signed)        my slot: [size record | stream bytes 0 .. S-H)
+                           every rank reads every record: the size table,
+                           the same on every rank -> verdict, result size
+    step 2, 3, ...         my slot: [stream bytes S-H+(k-2)S .. S-H+(k-1)S)
+    (only while some rank's stream is longer than what went through so far)
+
+``S`` is the slot size, ``H`` the record's bytes rounded up to a cache line.
+The number of steps follows from the size table, so every rank takes the
+same steps even when it has nothing left to send. The first step carries the
+call's signature (op, dtype, trailing shape), so a rank in another collective,
+with another dtype or row shape, or one that rejected its arguments, makes
+every rank raise in that step (:mod:`device_comms.shm_sync`); a size table
+whose ``recv_sizes`` disagree makes every rank raise right after it
+(:func:`device_comms.alltoallv.settle_sizes`). Either way each rank took
+exactly one step, so the communicator stays usable. Slots are double
+buffered as for every op of the engine: a rank rewrites a parity only after
+every peer has published the next step, i.e. finished reading this one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from device_comms import host_alloc
+from device_comms.alltoallv import (
+    SizeTable, offsets, record, record_words, row_bytes, settle_sizes,
+)
+from device_comms.shm_engine import ShmEngine
+from device_comms.shm_sync import shape_key, signature
+
+__all__ = ["all_to_allv", "fits", "record_bytes"]
+
+_LINE = 64  # the stream starts on a cache line after the size record
+
+
+def record_bytes(world_size: int) -> int:
+    """Bytes the size record takes at the start of a slot (cache-line aligned)."""
+    raw = 8 * record_words(world_size)
+    return (raw + _LINE - 1) // _LINE * _LINE
+
+
+def fits(eng: ShmEngine) -> bool:
+    """Whether the engine's slots hold a size record with room to spare.
+
+    The same on every rank of a node (same slot size and rank count), so
+    every rank routes a call the same way.
+    """
+    return 2 * record_bytes(eng.size) <= eng.ws.slot_bytes
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def all_to_allv(
+    eng: ShmEngine, x: torch.Tensor, send: list[int], recv: list[int] | None,
+    name: str = "all_to_allv",
+) -> torch.Tensor:
+    """Uneven all-to-all of contiguous ``x`` among the engine's ranks (group ranks).
+
+    Args:
+        eng: A one-node engine whose local ranks are the group's ranks.
+        x: This rank's rows, at least 1-D and contiguous.
+        send: Rows of ``x`` for each rank (sum: ``x.shape[0]``).
+        recv: Rows expected from each rank, or None (taken from the senders).
+        name: The op named in errors.
+
+    Raises:
+        CollectiveMismatch: A peer called something else (another op, dtype or
+            row shape), or the size records disagree (every rank raises).
+        PeerRejectedError: A peer rejected its arguments.
+    """
+    ws, sync, me, n = eng.ws, eng.sync, eng.me, eng.size
+    slot_b, head = ws.slot_bytes, record_bytes(n)
+    row, xb = row_bytes(x), _flat_bytes(x)
+    off = offsets(send)
+    cut, own = off[me] * row, send[me] * row  # my stream skips [cut, cut + own)
+    length = (off[n] - send[me]) * row
+    p = sync.next_parity
+    ws.slot(p, me, torch.int64)[: record_words(n)].copy_(record(send, recv))
+    _write(ws.slot(p, me, torch.uint8), head, xb, cut, own, length, 0, slot_b - head)
+    sig = signature("all_to_allv", x.dtype)
+    sync.step(name, sig, shape_key(tuple(x.shape[1:])), True)
+    words = record_words(n)
+    table = SizeTable.decode(
+        torch.stack([ws.slot(p, q, torch.int64)[:words] for q in range(n)]).tolist(), sync.name, name)
+    settle_sizes(table, sync.name, name)
+    got = table.received_by(me)
+    out = host_alloc.empty((sum(got),) + tuple(x.shape[1:]), x.dtype)
+    ob = _flat_bytes(out)
+    roff = offsets(got)
+    if own:
+        ob[roff[me] * row : roff[me] * row + own].copy_(xb[cut : cut + own])
+    pieces, longest = _pieces(table, me, row, roff)
+    _read(ws, p, pieces, ob, 0, slot_b - head, head)
+    a = slot_b - head
+    while a < longest:  # further windows, as long as the longest stream needs
+        p = sync.next_parity
+        _write(ws.slot(p, me, torch.uint8), 0, xb, cut, own, length, a, a + slot_b)
+        sync.step(name)
+        _read(ws, p, pieces, ob, a, a + slot_b, 0)
+        a += slot_b
+    return out
+
+
+def _pieces(
+    table: SizeTable, me: int, row: int, roff: list[int]
+) -> tuple[list[tuple[int, int, int, int]], int]:
+    """Where this rank's rows sit in each peer's stream, and the longest stream.
+
+    Returns ``([(peer, stream offset, bytes, result offset)], longest stream bytes)``.
+    """
+    pieces = []
+    longest = 0
+    for q, sq in enumerate(table.send):
+        longest = max(longest, (sum(sq) - sq[q]) * row)
+        if q == me or not sq[me] or not row:
+            continue
+        start = (sum(sq[:me]) - (sq[q] if q < me else 0)) * row
+        pieces.append((q, start, sq[me] * row, roff[q] * row))
+    return pieces, longest
+
+
+def _write(
+    slot: torch.Tensor, base: int, xb: torch.Tensor, cut: int, own: int, length: int,
+    a: int, b: int,
+) -> None:
+    """Copy my stream's bytes ``[a, b)`` (clipped to its ``length``) to ``slot[base:]``.
+
+    Stream bytes below ``cut`` are input bytes at the same offset; from
+    ``cut`` on they are ``own`` bytes further (past the rows kept here).
+    """
+    b = min(b, length)
+    lo, hi = a, min(b, cut)
+    if hi > lo:
+        slot[base + lo - a : base + hi - a].copy_(xb[lo:hi])
+    lo, hi = max(a, cut), b
+    if hi > lo:
+        slot[base + lo - a : base + hi - a].copy_(xb[lo + own : hi + own])
+
+
+def _read(
+    ws: object, p: int, pieces: list[tuple[int, int, int, int]], ob: torch.Tensor,
+    a: int, b: int, base: int,
+) -> None:
+    """Copy the part of each peer's window ``[a, b)`` (at ``base`` in its slot) meant for me."""
+    for q, start, nbytes, dst in pieces:
+        lo, hi = max(a, start), min(b, start + nbytes)
+        if hi > lo:
+            src = ws.slot(p, q, torch.uint8)  # type: ignore[attr-defined]
+            ob[dst + lo - start : dst + hi - start].copy_(src[base + lo - a : base + hi - a])
