@@ -38,7 +38,7 @@ EXPECTED = {
 }
 # Built on real ranks (each layout costs a model-parallel setup, so a few per world size).
 LAYOUTS = {
-    2: [(2, 1, 1), (1, 1, 2)],
+    2: [(2, 1, 1), (1, 1, 2), (1, 2, 1)],  # the last: EP groups of one rank
     4: [(2, 1, 2), (2, 2, 1), (1, 2, 2)],
     6: [(3, 1, 2), (2, 1, 3), (1, 2, 3)],
 }
@@ -117,6 +117,13 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int]])
         n = ep.world_size
         total = ep.all_reduce(torch.tensor([float(rank)])).item()
         rows = ep.all_to_allv(torch.full((n, 1), float(rank)), [1] * n).view(-1).tolist()
+        if n == 1:  # a group of one answers locally, MoE included
+            from coordinator import moe
+
+            inputs, routing = moe.dispatch(torch.ones(2, 3), torch.tensor([[0], [1]]),
+                                           torch.ones(2, 1), ep, 2)
+            assert [x.shape[0] for x in inputs] == [1, 1]
+            assert torch.equal(moe.combine([x * 3 for x in inputs], routing), torch.full((2, 3), 3.0))
         out.append({"ranks": list(ep.ranks), "rank_in_group": ep.rank_in_group,
                     "world_size": n, "name": ep.unique_name, "sum": total, "a2av": rows,
                     "tp_in_ep": set(ps.get_tp_group().ranks) <= set(ep.ranks)})
