@@ -261,3 +261,34 @@ def test_pynccl_argument_checks_before_enqueueing() -> None:
         call(recv_sizes=[4])
     with pytest.raises(ValueError, match="contiguous"):
         call(in_=torch.ones(2, 3).t())
+
+
+def test_size_checks_and_the_size_table_verdict() -> None:
+    from coordinator import CollectiveMismatch
+    from device_comms.alltoallv import SizeTable, check_sizes, record, settle_sizes
+    from device_comms.errors import DecodeError
+
+    assert check_sizes(torch.tensor([2, 0, 1]), 3, "send_sizes", total=3) == [2, 0, 1]
+    assert check_sizes((1, 1), 2, "recv_sizes") == [1, 1]
+    with pytest.raises(TypeError, match="send_sizes must hold integers"):
+        check_sizes(torch.tensor([1.0, 2.0]), 2, "send_sizes")
+    with pytest.raises(ValueError, match="send_sizes must be a list or a CPU tensor"):
+        check_sizes(torch.tensor([1, 2], device="meta"), 2, "send_sizes")
+    with pytest.raises(ValueError, match="must be 1-D"):
+        check_sizes(torch.ones(2, 2, dtype=torch.int64), 2, "send_sizes")
+    with pytest.raises(ValueError, match=r"send_sizes\[1\] must be an int >= 0, got -1"):
+        check_sizes([1, -1], 2, "send_sizes")
+    with pytest.raises(ValueError, match=r"must sum to input_.shape\[0\] \(4\)"):
+        check_sizes([1, 2], 2, "send_sizes", total=4)
+    # rank 0 sends [1, 2], rank 1 sends [3, 0]; rank 1 expects 1 row from rank 0, not 2
+    rows = [record([1, 2], None).tolist(), record([3, 0], [1, 0]).tolist()]
+    table = SizeTable.decode(rows, "g")
+    assert table.received_by(0) == [1, 3] and table.received_by(1) == [2, 0]
+    with pytest.raises(CollectiveMismatch, match="rank 1 expects 1 row.s. from rank 0, which "
+                                                 "sends it 2") as err:
+        settle_sizes(table, "g")
+    assert list(err.value.peers) == [0, 1]
+    settle_sizes(SizeTable.decode([record([1, 2], [1, 3]).tolist(),
+                                   record([3, 0], [2, 0]).tolist()], "g"), "g")
+    with pytest.raises(DecodeError, match="rank 1's size record is malformed"):
+        SizeTable.decode([rows[0], rows[1][:-1]], "g")
