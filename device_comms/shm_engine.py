@@ -37,13 +37,16 @@ Not thread-safe: one collective at a time per communicator, as with NCCL.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import torch
 
 from device_comms import host_alloc
-from device_comms.fixed_reduce import reduce_views
+from device_comms.engine_threads import GRAIN, ThreadCap, engine_threads
+from device_comms.fixed_reduce import binary_fn, reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_sync import StepSync, signature
 from device_comms.shm_workspace import ShmWorkspace
@@ -57,6 +60,8 @@ __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
 DEFAULT_ONESHOT_BYTES = 2 << 20
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
+_memmove = ctypes.memmove
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class _GatherStep(NamedTuple):
@@ -71,6 +76,24 @@ class _GatherStep(NamedTuple):
     sig: Any
     size_key: int
 
+def _capped(elems: Callable[..., int]) -> Callable[[_F], _F]:
+    """Run the decorated engine method under the engine's thread cap when it
+    touches more than :data:`GRAIN` elements (``elems(self, *args)`` says how
+    many); smaller kernels run serially in torch anyway."""
+
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def run(self: "ShmEngine", *args: Any, **kw: Any) -> Any:
+            if elems(self, *args) <= GRAIN:
+                return method(self, *args, **kw)
+            with self._cap:
+                return method(self, *args, **kw)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
 class ShmEngine:
     """Shared-memory collectives for the local ranks of a workspace.
 
@@ -78,13 +101,23 @@ class ShmEngine:
         ws: The mapped workspace.
         sync: The step synchroniser over ``ws``.
         oneshot_bytes: Largest all_reduce/reduce done in one shot.
+        threads: Most intra-op threads the engine's kernels use; None for
+            :func:`~device_comms.engine_threads.engine_threads` (the node's
+            CPUs divided among its local ranks).
 
     Attributes:
         size: Number of local ranks.
         me: This rank's local index.
+        threads: The engine's thread limit.
     """
 
-    def __init__(self, ws: ShmWorkspace, sync: StepSync, oneshot_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        ws: ShmWorkspace,
+        sync: StepSync,
+        oneshot_bytes: int | None = None,
+        threads: int | None = None,
+    ) -> None:
         self.ws = ws
         self.sync = sync
         self.size = ws.local_size
@@ -94,10 +127,19 @@ class ShmEngine:
         #: all_reduce/reduce up to this many bytes run one shot (in slot-sized
         #: pieces above a slot); larger ones reduce-scatter + all-gather.
         self.oneshot_bytes = oneshot_bytes
+        self.threads = engine_threads(sync.pids, self.me, threads)
+        self._cap = ThreadCap(self.threads)
         self._single = min(ws.slot_bytes, oneshot_bytes)  # one step, cached views
+        self._my_addr = (ws.slot_address(0, self.me), ws.slot_address(1, self.me))
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
         self._sigs: dict[tuple[str, torch.dtype, ReduceOp | None, int], int] = {}
-        self._ar_sigs: dict[tuple[torch.dtype, ReduceOp], int] = {}  # hot-path shortcut
+        # (dtype, op) -> (signature, accumulate function, divide at the end): hot-path shortcut
+        self._ar_plans: dict[tuple[torch.dtype, ReduceOp], tuple[int, Callable[..., Any], bool]] = {}
+
+    @property
+    def thread_cap(self) -> ThreadCap:
+        """Context manager limiting torch's intra-op threads to :attr:`threads` inside."""
+        return self._cap
 
     def close(self) -> None:
         """Mark this rank closed for its peers and unmap. Idempotent."""
@@ -111,9 +153,13 @@ class ShmEngine:
         s = self._sigs.get(key)
         if s is None:
             s = self._sigs[key] = signature(kind, dtype, op, root)
-            if kind == "all_reduce":
-                self._ar_sigs[(dtype, op)] = s
         return s
+
+    def _ar_plan(self, dtype: torch.dtype, op: ReduceOp) -> tuple[int, Callable[..., Any], bool]:
+        plan = self._ar_plans[(dtype, op)] = (
+            self._sig("all_reduce", dtype, op), binary_fn(op, dtype), op is ReduceOp.AVG
+        )
+        return plan
 
     def _shaped(self, parity: int, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's slot as a tensor shaped like ``t`` (cached)."""
@@ -137,20 +183,41 @@ class ShmEngine:
     def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         """All-reduce contiguous ``t``; returns a new tensor, identical on every rank."""
         sync = self.sync
-        if t.nbytes <= self._single:
-            key = ((sync.gen + 1) & 1, t.dtype, t.shape)
-            views = self._views.get(key) or self._shaped(key[0], t)
-            views[self.me].copy_(t)
-            sig = self._ar_sigs.get((t.dtype, op)) or self._sig("all_reduce", t.dtype, op)
-            sync.step("all_reduce", sig, t.numel(), True)
-            return reduce_views(views, op)
-        sig = self._sig("all_reduce", t.dtype, op)
-        if t.nbytes <= self.oneshot_bytes:
-            return self._oneshot_pieces(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
-        return self._two_phase(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
+        nbytes = t.nbytes
+        n = t.numel()
+        if nbytes <= self._single and n <= GRAIN:  # one step; torch runs it serially
+            p = (sync.gen + 1) & 1
+            key = (p, t.dtype, t.shape)
+            views = self._views.get(key) or self._shaped(p, t)
+            _memmove(self._my_addr[p], t.data_ptr(), nbytes)
+            sig, fn, avg = self._ar_plans.get((t.dtype, op)) or self._ar_plan(t.dtype, op)
+            sync.step("all_reduce", sig, n, True)
+            acc = fn(views[0], views[1])
+            for v in views[2:]:
+                fn(acc, v, out=acc)
+            if avg:
+                acc.div_(self.size)
+            return acc
+        with self._cap:
+            sig = self._sig("all_reduce", t.dtype, op)
+            if nbytes <= self._single:
+                p = sync.next_parity
+                views = self._shaped(p, t)
+                _memmove(self._my_addr[p], t.data_ptr(), nbytes)
+                sync.step("all_reduce", sig, n, True)
+                return reduce_views(views, op)
+            if nbytes <= self.oneshot_bytes:
+                return self._oneshot_pieces(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
+            return self._two_phase(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
 
     def reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
         """Reduce onto local rank ``dst`` (new tensor there, None elsewhere)."""
+        if t.numel() <= GRAIN:
+            return self._reduce(t, dst, op)
+        with self._cap:
+            return self._reduce(t, dst, op)
+
+    def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
         sync = self.sync
         sig = self._sig("reduce", t.dtype, op, dst)
         if t.nbytes <= self._single:
@@ -214,6 +281,7 @@ class ShmEngine:
                         out[a + b[j] : a + b[j + 1]].copy_(ws.slot(q, j, dt)[b[j] : b[j + 1]])
         return out.view(t.shape) if out is not None else None
 
+    @_capped(lambda self, x, *_: x.numel())
     def reduce_scatter(
         self, x: torch.Tensor, counts: Sequence[int], op: ReduceOp, kind: str, size_key: int
     ) -> torch.Tensor:
@@ -273,6 +341,7 @@ class ShmEngine:
         return out
 
     # ------------------------------------------------------------------ data movement
+    @_capped(lambda self, t, *_: t.numel() * self.size)
     def all_gather_cat(
         self,
         t: torch.Tensor,
@@ -294,6 +363,7 @@ class ShmEngine:
             return torch.cat(views, dim)
         return None
 
+    @_capped(lambda self, t, shapes, *_: sum(math.prod(s) for s in shapes))
     def gatherv_cat(
         self, t: torch.Tensor, shapes: Sequence[torch.Size], dim: int, size_key: int
     ) -> torch.Tensor:
@@ -307,6 +377,7 @@ class ShmEngine:
         self.sync.step("all_gatherv", self._sig("all_gatherv", dt), size_key, True)
         return torch.cat(views, dim)
 
+    @_capped(lambda self, x2, widths, *_: x2.shape[0] * sum(widths))
     def gather_rows(
         self,
         x2: torch.Tensor,
@@ -382,6 +453,7 @@ class ShmEngine:
                 src = step.x2[i, a : a + lr] if r == me else ws.slot(p, r, dt)[:lr]
                 step.out2[i, step.offs[r] + a : step.offs[r] + a + lr].copy_(src)
 
+    @_capped(lambda self, t, *_: t.numel())
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """Fill contiguous ``t`` on every rank with local rank ``src``'s ``t``; returns ``t``."""
         ws, sync, me = self.ws, self.sync, self.me
