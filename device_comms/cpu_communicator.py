@@ -148,7 +148,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self.fallback_reason: str | None = None
         self.nodes: list[int] = []
         self.shm_calls: dict[str, int] = dict.fromkeys(_SHM_OPS, 0)
-        self._validated: set[tuple[ReduceOp, torch.dtype]] = set()
+        # dtype -> ops already validated for it; a list searched by identity, because
+        # hashing a ReduceOp (Enum.__hash__, Python code) costs as much as the check.
+        self._validated: dict[torch.dtype, list[ReduceOp]] = {}
         self._engine: ShmEngine | None = None
         self._flat: ShmEngine | None = None
         self._hier: HierarchicalAllReduce | None = None
@@ -260,7 +262,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
             eng is not None
             and type(input_) is torch.Tensor
             and type(op) is ReduceOp
-            and (op, input_.dtype) in self._validated
+            and op in self._validated.get(input_.dtype, ())
             and input_.is_cpu
             and input_.layout is torch.strided  # before is_contiguous: sparse has none
             and not input_.requires_grad
@@ -273,7 +275,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 raise self._translate("all_reduce", e) from e
         out = super().all_reduce(input_, op)
         if eng is not None and type(op) is ReduceOp:
-            self._validated.add((op, input_.dtype))
+            ops = self._validated.setdefault(input_.dtype, [])
+            if op not in ops:
+                ops.append(op)
         return out
 
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:

@@ -59,6 +59,9 @@ def _pct(xs: list[float], q: float) -> float:
 # ------------------------------------------------------------------ rank side (vLLM venv)
 def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if cfg["pin"]:  # rank r on the r-th allowed CPU, as vLLM's CPU workers bind theirs
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     import torch
     import torch.distributed as dist
 
@@ -167,20 +170,29 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{impl}_p50"] = statistics.median(slow)
             row[f"{impl}_p99"] = _pct(slow, 99)
         row["speed_vs_vllm_op"] = row["vllm_op_p50"] / row["ours_p50"]
+        per_round = []  # each round's own p50 ratio: how much the machine's state moved it
+        for r in rounds:
+            p50 = {}
+            for impl in pt["times"]:
+                per_rank = [r[k]["points"][i]["times"][impl] for k in r]
+                p50[impl] = statistics.median(max(v) for v in zip(*per_rank))
+            per_round.append(p50["vllm_op"] / p50["ours"])
+        row["speed_per_round"] = per_round
         rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'dtype':>9} {'size':>8} {'ours p50':>9} {'ours p99':>9} {'vllm p50':>9} "
-            f"{'vllm p99':>9} {'ours speed':>10}  ok")
+            f"{'vllm p99':>9} {'ours speed':>10}  ok  speed per round")
     lines = [head]
     for r in rows:
         n = r["bytes"]
         size = f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1024 else f"{n} B"
         lines.append(f"{r['dtype']:>9} {size:>8} {r['ours_p50']:9.1f} {r['ours_p99']:9.1f} "
                      f"{r['vllm_op_p50']:9.1f} {r['vllm_op_p99']:9.1f} "
-                     f"{r['speed_vs_vllm_op']:9.2f}x  {'yes' if r['same'] else 'NO'}")
+                     f"{r['speed_vs_vllm_op']:9.2f}x  {'yes' if r['same'] else 'NO':>3}  "
+                     + " ".join(f"{x:.2f}" for x in r["speed_per_round"]))
     return "\n".join(lines)
 
 
@@ -196,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-iters", type=int, default=2000)
     p.add_argument("--budget-mb", type=float, default=512.0)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--pin", action="store_true", help="bind rank r to the r-th allowed CPU")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--driver", default=None, help=argparse.SUPPRESS)  # internal: config as JSON
     a = p.parse_args(argv)
@@ -213,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"world_size": a.world_size, "threads": a.threads, "dtypes": a.dtypes,
                "sizes": a.sizes, "min_iters": a.min_iters, "max_iters": a.max_iters,
                "budget": int(a.budget_mb * (1 << 20)), "timeout": a.timeout,
-               "prefix": f"gccmp{os.getpid()}r{i}"}
+               "prefix": f"gccmp{os.getpid()}r{i}", "pin": a.pin}
         proc = subprocess.run([a.python, os.path.abspath(__file__), "--driver", json.dumps(cfg)],
                               env=env, capture_output=True, text=True, timeout=a.timeout + 60)
         if proc.returncode != 0:
@@ -224,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# round {i + 1}/{a.rounds} done (threads per rank: {got['0']['threads']})",
               flush=True)
     rows = _summarise(rounds)
-    print(f"# world size {a.world_size}, torch threads per rank: {a.threads}, "
+    print(f"# world size {a.world_size}, torch threads per rank: {a.threads}, pinned: {a.pin}, "
           f"load average {os.getloadavg()}; latency in us, speed = vllm p50 / ours p50")
     print(_table(rows))
     if a.json_path:
