@@ -23,18 +23,25 @@ VM (2 CPUs, 2 or 4 ranks) that is one thread per rank; on a 64-core host with
 replaces the rule, still capped by torch's setting. The user's own setting is
 restored after every collective (:class:`ThreadCap`), and kernels over at most
 :data:`GRAIN` elements run serially in torch anyway, so small collectives do
-not touch the setting at all.
+not touch the setting at all. Only torch's OpenMP backend (every Linux and
+macOS wheel) is capped: the native thread-pool backend cannot change its size
+once it has run (torch warns instead) and its idle workers block rather than
+spin, so there the cap does nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from types import TracebackType
 from typing import Sequence
 
 import torch
 
-__all__ = ["GRAIN", "THREADS_ENV", "cores_per_rank", "engine_threads", "env_threads", "ThreadCap"]
+__all__ = [
+    "GRAIN", "THREADS_ENV", "cores_per_rank", "engine_threads", "env_threads", "openmp_backend",
+    "ThreadCap",
+]
 
 #: torch's intra-op grain (``at::internal::GRAIN_SIZE``): element-wise kernels
 #: over at most this many elements never start a parallel region.
@@ -93,6 +100,12 @@ def engine_threads(pids: Sequence[int], me: int, override: int | None = None) ->
     return override if override is not None else cores_per_rank(pids, me)
 
 
+@functools.lru_cache(maxsize=1)
+def openmp_backend() -> bool:
+    """Whether torch's intra-op parallelism is OpenMP (where the cap applies)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 class ThreadCap:
     """Context manager: torch's intra-op threads at most ``limit`` inside, restored after.
 
@@ -104,16 +117,21 @@ class ThreadCap:
         limit: The most threads kernels may use inside the block (>= 1).
     """
 
-    __slots__ = ("limit", "_saved", "_depth")
+    __slots__ = ("limit", "_active", "_saved", "_depth")
 
     def __init__(self, limit: int) -> None:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        if not isinstance(limit, int) or isinstance(limit, bool):
+            raise TypeError(f"limit must be a positive int, got {type(limit).__name__}")
+        if limit < 1:
             raise ValueError(f"limit must be a positive int, got {limit!r}")
         self.limit = limit
+        self._active = openmp_backend()
         self._saved = 0  # torch's setting to restore on leaving (0: nothing to restore)
         self._depth = 0
 
     def __enter__(self) -> "ThreadCap":
+        if not self._active:
+            return self
         self._depth += 1
         if self._depth == 1:
             n = torch.get_num_threads()
@@ -128,6 +146,8 @@ class ThreadCap:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if not self._active:
+            return
         self._depth -= 1
         if self._depth == 0 and self._saved:
             torch.set_num_threads(self._saved)

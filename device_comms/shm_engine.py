@@ -23,6 +23,20 @@ slot-sized pieces, two steps apart in the double buffer):
   of rows written into the output's final layout (:meth:`ShmEngine.gather_rows`).
 * **broadcast/reduce**: the root writes / only the root reduces.
 
+Threads: every op over more than :data:`~device_comms.engine_threads.GRAIN`
+elements runs its torch kernels under :attr:`ShmEngine.thread_cap`, at most
+:attr:`ShmEngine.threads` intra-op threads (the node's CPUs divided among its
+local ranks; :mod:`device_comms.engine_threads` says why: torch's default
+thread count made every rank's OpenMP team spin on the CPUs its peers needed,
+a 30-50x slowdown at 1-16 MiB). Smaller kernels never start a parallel region.
+
+The one-step all_reduce (at most a slot and :data:`GRAIN` elements, the
+latency-bound case) is kept to a few calls: the (op, dtype, shape) of the last
+call and its slot views are remembered (matched by identity, since hashing a
+``ReduceOp`` runs Python code), the input goes into the slot with
+``ctypes.memmove``, and float32/float64/int32/int64 sums are ``numpy.add``
+(bitwise the same sum, ~0.25 us less dispatch than ``torch.add``).
+
 Results of 32 MiB and more are allocated with :func:`device_comms.host_alloc.empty`
 (huge pages; a fresh 64 MiB ``torch.empty`` costs more page faults than the
 collective itself on a VM).
@@ -59,6 +73,7 @@ __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
 # shot wins up to 2 MiB (one synchronisation instead of two), the two-phase
 # scheme from 4 MiB (it moves fewer bytes per rank and shares the reduction).
 DEFAULT_ONESHOT_BYTES = 2 << 20
+DEFAULT_PAIR_PIECE_BYTES = 512 << 10
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
@@ -159,6 +174,9 @@ class ShmEngine:
         self.oneshot_bytes = oneshot_bytes
         self.threads = engine_threads(sync.pids, self.me, threads)
         self._cap = ThreadCap(self.threads)
+        #: Two ranks: all_reduce above the one-step path goes through
+        #: :meth:`_pair_all_reduce` in pieces of this many bytes (0: off).
+        self.pair_piece_bytes = DEFAULT_PAIR_PIECE_BYTES
         self._single = min(ws.slot_bytes, oneshot_bytes)  # one step, cached views
         self._my_addr = (ws.slot_address(0, self.me), ws.slot_address(1, self.me))
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
@@ -228,6 +246,8 @@ class ShmEngine:
             return acc
         with self._cap:
             sig = self._sig("all_reduce", t.dtype, op)
+            if self.size == 2 and self.pair_piece_bytes:
+                return self._pair_all_reduce(t, op, sig)
             if nbytes <= self._single:
                 p = sync.next_parity
                 views = self._shaped(p, t)
@@ -237,6 +257,48 @@ class ShmEngine:
             if nbytes <= self.oneshot_bytes:
                 return self._oneshot_pieces(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
             return self._two_phase(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
+
+    def _pair_all_reduce(self, t: torch.Tensor, op: ReduceOp, sig: int) -> torch.Tensor:
+        """Two ranks: each reduces *into the peer's slot*, in rank order, and copies that out.
+
+        Per piece: copy my piece into my slot; step; ``peer_slot = fn(x0, x1)``
+        in place (rank order, so both ranks get the same bits); copy the peer's
+        slot into the output. Each shared cache line is thus written by its
+        owner, then read *and written* by the peer, which leaves it modified in
+        the peer's cache: the owner's next write takes it over cheaply. When
+        the peer only reads it (the one-shot scheme), the line is shared by
+        both caches and the owner's next write must invalidate the peer's copy,
+        which on the development VM made writing a 1 MiB slot 5x slower (125 vs
+        26 us) whenever the two ranks ran on vCPUs that do not share a cache.
+        """
+        ws, sync, me = self.ws, self.sync, self.me
+        flat, n, dt = t.view(-1), t.numel(), t.dtype
+        isz = t.element_size()
+        out = host_alloc.empty(n, dt)
+        fn = binary_fn(op, dt)
+        avg = op is ReduceOp.AVG
+        chunk = max(1, min(ws.slot_bytes, self.pair_piece_bytes) // isz)
+        base = flat.data_ptr()
+        first = True
+        for a in range(0, n, chunk):
+            ln = min(chunk, n - a)
+            p = sync.next_parity
+            _memmove(self._my_addr[p], base + a * isz, ln * isz)
+            sync.step("all_reduce", sig, n, first)
+            first = False
+            peer = ws.slot(p, 1 - me, dt)[:ln]
+            mine = flat[a : a + ln]
+            if me == 0:
+                fn(mine, peer, out=peer)
+            else:
+                fn(peer, mine, out=peer)
+            if avg:
+                torch.div(peer, 2, out=out[a : a + ln])
+            else:
+                _memmove(out.data_ptr() + a * isz, peer.data_ptr(), ln * isz)
+        if first:  # nothing to move (empty): still agree on the call
+            sync.step("all_reduce", sig, n, True)
+        return out.view(t.shape)
 
     def reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
         """Reduce onto local rank ``dst`` (new tensor there, None elsewhere)."""
