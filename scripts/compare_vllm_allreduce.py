@@ -177,6 +177,7 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 per_rank = [r[k]["points"][i]["times"][impl] for k in r]
                 p50[impl] = statistics.median(max(v) for v in zip(*per_rank))
             per_round.append(p50["vllm_op"] / p50["ours"])
+            row.setdefault("p50_per_round", []).append(p50)
         row["speed_per_round"] = per_round
         rows.append(row)
     return rows

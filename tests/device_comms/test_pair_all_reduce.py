@@ -1,4 +1,5 @@
-"""Two ranks: the all_reduce that reduces into the peer's slot (``ShmEngine._pair_all_reduce``).
+"""Two ranks: the all_reduce that reduces into the peer's slot (``ShmEngine._pair_small``,
+``ShmEngine._pair_all_reduce``).
 
 Every dtype, odd sizes and piece counts; results bitwise equal to the reference
 reduction in rank order on both ranks, also where the order shows (the maximum of
@@ -54,7 +55,10 @@ def pair_rank(rank: int, world_size: int, piece: int) -> dict[str, Any]:
     if piece:
         eng.pair_piece_bytes = piece
     lo, hi = eng.ws.slot_address(0, 0), eng.ws.slot_address(1, 1) + eng.ws.slot_bytes
-    lengths = [GRAIN + 1, GRAIN + 333, (eng.ws.slot_bytes // 2) + 1, 3 * eng.ws.slot_bytes // 4 + 17]
+    # One step in place (>= 32 KiB and within a 64 KiB slot for 2- and 4-byte types),
+    # then pieces (beyond the slot or the torch grain).
+    lengths = [9001, 16000, 16400, GRAIN + 1, GRAIN + 333, (eng.ws.slot_bytes // 2) + 1,
+               3 * eng.ws.slot_bytes // 4 + 17]
     cases = [(d, n, op) for d in _DTYPES for n in lengths for op in _ops(d)]
     got = []
     for i, (dtype, n, op) in enumerate(cases):
