@@ -9,6 +9,19 @@ slot-sized pieces, two steps apart in the double buffer):
   (its own operand straight from its input). A handful of torch calls: one
   copy, ``L-1`` element-wise ops. Used up to :data:`DEFAULT_ONESHOT_BYTES`
   (configurable; beyond a slot it goes in pieces).
+* **all_reduce, two ranks** (one step per piece of
+  :data:`DEFAULT_PAIR_PIECE_BYTES`; one-step calls from
+  :data:`PAIR_SMALL_MIN_BYTES`): each rank copies its piece into its slot,
+  then reduces *into the peer's slot* in rank order (``fn(x0, x1)`` on both,
+  so the bits agree) and copies that out. A shared line is then written by its
+  owner and read-and-written by the peer, so it moves between the caches in
+  the modified state; when the peer only reads it, both caches share it and
+  the owner's next write must invalidate the peer's copy, which made slot
+  writes 5x slower on vCPUs without a common cache. The rank's own slot
+  belongs to the peer between the step and the next one (the double-buffer
+  argument of :mod:`device_comms.shm_sync` covers it: the owner writes that
+  parity again only after the peer finished the step). Beyond
+  ``oneshot_bytes``, 2-byte floats use the two-phase scheme below instead.
 * **all_reduce, large** (reduce-scatter + all-gather, two steps
   per piece): the piece is cut into ``L`` regions; rank ``i`` copies the
   regions *other* ranks own into its slot, reduces region ``i`` (its own input
@@ -81,6 +94,11 @@ DEFAULT_ONESHOT_BYTES = 2 << 20
 # copy costs more than it saves (16 KiB: 4.6 vs 4.2 us).
 DEFAULT_PAIR_PIECE_BYTES = 512 << 10
 PAIR_SMALL_MIN_BYTES = 32 << 10
+# 2-byte floats are converted to float32 and back in every reduction, so beyond
+# the one-shot limit sharing the reduction (reduce-scatter + all-gather) beats
+# the pair scheme, in which each rank reduces everything (bfloat16, 16 MiB:
+# 2.2-4.4 vs 2.8-7.0 ms; float32 is memory-bound and the same either way).
+_HALF_FLOATS = {torch.bfloat16, torch.float16}
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
@@ -259,7 +277,9 @@ class ShmEngine:
             return acc
         with self._cap:
             sig = self._sig("all_reduce", t.dtype, op)
-            if self.size == 2 and self.pair_piece_bytes:
+            if self.size == 2 and self.pair_piece_bytes and (
+                nbytes <= self.oneshot_bytes or t.dtype not in _HALF_FLOATS
+            ):
                 return self._pair_all_reduce(t, op, sig)
             if nbytes <= self._single:
                 p = sync.next_parity
@@ -297,6 +317,7 @@ class ShmEngine:
         both caches and the owner's next write must invalidate the peer's copy,
         which on the development VM made writing a 1 MiB slot 5x slower (125 vs
         26 us) whenever the two ranks ran on vCPUs that do not share a cache.
+        Pieces of 512 KiB keep a piece's input, slots and output in L2.
         """
         ws, sync, me = self.ws, self.sync, self.me
         flat, n, dt = t.view(-1), t.numel(), t.dtype
