@@ -7,7 +7,9 @@ objects (see :func:`shm_broadcast.group_adapter.encode_object`: ``None``,
 numbers, str, bytes and lists/tuples/dicts/sets of them); it is meant for
 setup handshakes and control messages.
 
-Security (see ``docs/security-stateless.md``):
+Security (see ``docs/security-stateless.md``; the sealing itself is
+:mod:`coordinator.store_sealing`, where the secret comes from
+:mod:`coordinator.group_secret`):
 
 * **The store binds the address it was given.** Rank 0 binds a listening
   socket to ``host:port`` itself and hands it to the TCPStore
@@ -52,11 +54,9 @@ and the peer(s) that did not answer.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import hmac
 import os
 import secrets
-import struct
 import time
 import weakref
 from collections import defaultdict
@@ -65,9 +65,10 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from coordinator.errors import AuthenticationError, CommTimeout, StoreConnectionError
+from coordinator.group_secret import SECRET_ENV, remove_quietly, secret_plan
+from coordinator.store_sealing import NONCE_BYTES, Sealer, session_tag
 from shm_broadcast.checks import check_int, check_rank, check_timeout
 from shm_broadcast.group_adapter import (
-    MAX_OBJECT_BYTES,
     decode_object,
     encode_failure,
     encode_object,
@@ -76,13 +77,6 @@ from shm_broadcast.group_adapter import (
 __all__ = ["SECRET_ENV", "StatelessProcessGroup"]
 
 _DEFAULT_TIMEOUT = 300.0
-#: Environment variable holding the group secret as hex (at least 32 hex digits).
-SECRET_ENV = "GROUPCOORD_GROUP_SECRET"
-_MIN_SECRET = 16
-_MAGIC = b"GCS1"
-_SEALED, _PLAIN = 1, 0
-_NONCE = 16
-_TAG = 32
 _RETRY_S = 0.005
 
 
@@ -144,11 +138,11 @@ class StatelessProcessGroup:
         self._key_file: str | None = None
         if _secret_source is None:
             host, port = (store.host, store.port) if isinstance(store, dist.TCPStore) else (None, 0)
-            _secret_source, self._key_file = _secret_plan(
+            _secret_source, self._key_file = secret_plan(
                 rank, host, port, name, secret, _check_bool(insecure, "insecure"))
         if self._key_file is not None:
-            weakref.finalize(self, _remove_quietly, self._key_file)
-        self._sealer = _Sealer(name) if _secret_source is None else self._establish(_secret_source)
+            weakref.finalize(self, remove_quietly, self._key_file)
+        self._sealer = Sealer(name) if _secret_source is None else self._establish(_secret_source)
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int,
@@ -187,7 +181,7 @@ class StatelessProcessGroup:
         t: float = check_timeout(timeout, positive=True)  # type: ignore[assignment]
         _check_name(name)
         _check_bool(allow_pickle, "allow_pickle")
-        source, key_file = _secret_plan(rank, host, port, name, secret,
+        source, key_file = secret_plan(rank, host, port, name, secret,
                                         _check_bool(insecure, "insecure"))
         try:
             store = _open_store(host, port, rank, world_size, t)
@@ -195,11 +189,11 @@ class StatelessProcessGroup:
                         allow_pickle=allow_pickle, _secret_source=source)
         except BaseException:
             if key_file is not None:
-                _remove_quietly(key_file)
+                remove_quietly(key_file)
             raise
         if key_file is not None:
             group._key_file = key_file
-            weakref.finalize(group, _remove_quietly, key_file)
+            weakref.finalize(group, remove_quietly, key_file)
         return group
 
     @staticmethod
@@ -309,30 +303,30 @@ class StatelessProcessGroup:
         else:  # every rank has verified the session: its record and key file are done
             self._delete([self._key("session")])
             if self._key_file is not None:
-                _remove_quietly(self._key_file)
+                remove_quietly(self._key_file)
                 self._key_file = None
 
     def close(self) -> None:
         """Drop the store connection (rank 0 stops serving the others, removes its key file)."""
         self.store = None  # type: ignore[assignment]
         if self._key_file is not None:
-            _remove_quietly(self._key_file)
+            remove_quietly(self._key_file)
             self._key_file = None
 
     def __repr__(self) -> str:
         return f"StatelessProcessGroup({self.name!r}, rank={self.rank}, world_size={self.world_size})"
 
     # ------------------------------------------------------------------ sealing
-    def _establish(self, source: Callable[[], bytes | None]) -> "_Sealer":
+    def _establish(self, source: Callable[[], bytes | None]) -> "Sealer":
         """Agree on the session: rank 0 publishes an authenticated nonce, others verify it."""
         key = self._key("session")
         if self.rank == 0:
             secret = source()
             if secret is None:
                 raise AuthenticationError(f"stateless group {self.name!r}: rank 0 has no secret")
-            session = secrets.token_bytes(_NONCE)
-            self.store.set(key, session + _session_tag(secret, self.name, key, session))
-            return _Sealer(self.name, secret, session)
+            session = secrets.token_bytes(NONCE_BYTES)
+            self.store.set(key, session + session_tag(secret, self.name, key, session))
+            return Sealer(self.name, secret, session)
         deadline = time.monotonic() + self.timeout
         why = "no session record from rank 0"
         while True:
@@ -347,9 +341,9 @@ class StatelessProcessGroup:
             if secret is None:
                 why = "the key file of rank 0 is missing or not private"
             elif record is not None:
-                session, tag = record[:_NONCE], record[_NONCE:]
-                if hmac.compare_digest(tag, _session_tag(secret, self.name, key, session)):
-                    return _Sealer(self.name, secret, session)
+                session, tag = record[:NONCE_BYTES], record[NONCE_BYTES:]
+                if hmac.compare_digest(tag, session_tag(secret, self.name, key, session)):
+                    return Sealer(self.name, secret, session)
                 self.rejected_values += 1
                 why = "the session record failed authentication"
             time.sleep(_RETRY_S)
@@ -467,151 +461,7 @@ class StatelessProcessGroup:
             return False
 
 
-class _Sealer:
-    """Seals values (encrypt-then-MAC) for one group and session, or frames them in clear.
-
-    Layout of a sealed value: ``GCS1 | 0x01 | nonce(16) | ciphertext | tag(32)``,
-    ``tag = HMAC-SHA256(mac_key, len|name | len|key | header | ciphertext)``. The
-    ciphertext is the plaintext XOR ``SHAKE-256(enc_key | nonce)``. Both keys
-    are HMAC-SHA256(secret, label | session).
-    """
-
-    def __init__(self, name: str, secret: bytes | None = None, session: bytes = b"") -> None:
-        self._name = name.encode()
-        self._mac_key = self._enc_key = b""
-        if secret is not None:
-            self._mac_key = hmac.new(secret, b"groupcoord-stateless-mac\0" + session,
-                                     hashlib.sha256).digest()
-            self._enc_key = hmac.new(secret, b"groupcoord-stateless-enc\0" + session,
-                                     hashlib.sha256).digest()
-
-    def seal(self, key: str, plain: bytes) -> bytes:
-        if not self._mac_key:
-            return _MAGIC + bytes([_PLAIN]) + plain
-        nonce = secrets.token_bytes(_NONCE)
-        head = _MAGIC + bytes([_SEALED]) + nonce
-        body = _xor(plain, hashlib.shake_256(self._enc_key + nonce).digest(len(plain)))
-        return head + body + self._tag(key, head, body)
-
-    def open(self, key: str, data: bytes) -> bytes:
-        """The plaintext of ``data`` read under ``key``.
-
-        Raises:
-            AuthenticationError: Wrong size, framing, mode or tag (nothing decoded).
-        """
-        n = len(data)
-        mode = data[len(_MAGIC)] if n > len(_MAGIC) and data[: len(_MAGIC)] == _MAGIC else -1
-        if not self._mac_key:
-            if mode != _PLAIN or n > MAX_OBJECT_BYTES + 5:
-                raise AuthenticationError(f"value of {n} bytes is not a plain groupcoord value")
-            return data[len(_MAGIC) + 1:]
-        head_len = len(_MAGIC) + 1 + _NONCE
-        if mode != _SEALED or not head_len + _TAG <= n <= head_len + _TAG + MAX_OBJECT_BYTES:
-            raise AuthenticationError(
-                f"value of {n} bytes is not sealed with this group's secret (wrong framing)")
-        head, body, tag = data[:head_len], data[head_len:n - _TAG], data[n - _TAG:]
-        if not hmac.compare_digest(tag, self._tag(key, head, body)):
-            raise AuthenticationError("value has a wrong HMAC (forged, altered or moved)")
-        return _xor(body, hashlib.shake_256(self._enc_key + head[-_NONCE:]).digest(len(body)))
-
-    def _tag(self, key: str, head: bytes, body: bytes) -> bytes:
-        k = key.encode()
-        mac = hmac.new(self._mac_key, struct.pack("<I", len(self._name)) + self._name,
-                       hashlib.sha256)
-        mac.update(struct.pack("<I", len(k)) + k)
-        mac.update(head)
-        mac.update(body)
-        return mac.digest()
-
-
-def _xor(a: bytes, b: bytes) -> bytes:
-    n = len(a)
-    return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(n, "little")
-
-
-def _session_tag(secret: bytes, name: str, key: str, session: bytes) -> bytes:
-    nb, kb = name.encode(), key.encode()
-    msg = b"groupcoord-stateless-session\0" + struct.pack("<II", len(nb), len(kb)) + nb + kb
-    return hmac.new(secret, msg + session, hashlib.sha256).digest()
-
-
-# ---------------------------------------------------------------------- secrets and store
-_AUTO = b"<auto>"
-
-
-def _resolve_secret(secret: Any, insecure: bool, auto_ok: bool = False) -> bytes | None:
-    """The group secret from the argument or :data:`SECRET_ENV`; None if insecure.
-
-    Returns :data:`_AUTO` when neither is set and ``auto_ok`` (loopback key file).
-    """
-    if secret is not None:
-        if not isinstance(secret, (bytes, bytearray)):
-            raise TypeError(f"secret must be bytes, got {type(secret).__name__}")
-        if len(secret) < _MIN_SECRET:
-            raise ValueError(f"secret must hold >= {_MIN_SECRET} bytes, got {len(secret)}")
-        if insecure:
-            raise ValueError("secret and insecure=True contradict each other; pass one")
-        return bytes(secret)
-    env = os.environ.get(SECRET_ENV, "")
-    if env and not insecure:
-        try:
-            value = bytes.fromhex(env.strip())
-        except ValueError:
-            raise ValueError(f"{SECRET_ENV} must be hex digits, got {len(env)} characters "
-                             "that are not all hex (value not shown)") from None
-        if len(value) < _MIN_SECRET:
-            raise ValueError(
-                f"{SECRET_ENV} must hold >= {2 * _MIN_SECRET} hex digits, got {len(env)}")
-        return value
-    if insecure:
-        return None
-    if auto_ok:
-        return _AUTO
-    raise ValueError(
-        f"a StatelessProcessGroup needs a shared secret: pass secret=<bytes> or set {SECRET_ENV} "
-        f"(hex) on every rank, or pass insecure=True")
-
-
-def _secret_plan(rank: int, host: str | None, port: int, name: str, secret: Any,
-                 insecure: bool) -> tuple[Callable[[], bytes | None] | None, str | None]:
-    """``(secret source or None if insecure, key file this rank writes or None)``.
-
-    Raises:
-        ValueError: No secret, and the store is not on a loopback address.
-    """
-    fixed = _resolve_secret(secret, insecure, auto_ok=host is not None)
-    if fixed is None:
-        return None, None
-    if fixed is not _AUTO:
-        return (lambda: fixed), None
-    host = str(host)  # set: _AUTO comes only with a host
-    if not _is_loopback(host):
-        raise ValueError(
-            f"a stateless group on non-loopback host {host!r} needs a shared secret: pass "
-            f"secret=<the same >= {_MIN_SECRET} random bytes on every rank>, or set "
-            f"{SECRET_ENV}=<hex> in every rank's environment (e.g. from secrets.token_hex(32) "
-            f"in the launcher), or pass insecure=True")
-    path = _key_file_path(host, port, name)
-    if rank == 0:
-        return _write_key_file(path), path
-    return (lambda: _read_key_file(path)), None
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-    import socket
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-
-
+# ---------------------------------------------------------------------- store and checks
 def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float) -> dist.Store:
     """Rank 0: a TCPStore listening on ``host:port`` only; others: a client of it."""
     td = datetime.timedelta(seconds=timeout)
@@ -638,88 +488,6 @@ def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float
         except OSError:
             pass
         raise
-
-
-def _key_dir() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else __import__("tempfile").gettempdir()
-    return os.path.join(base, f"groupcoord-{os.geteuid()}")
-
-
-def _key_file_path(host: str, port: int, name: str) -> str:
-    tag = hashlib.sha256(f"{host}\0{port}\0{name}".encode()).hexdigest()[:16]
-    return os.path.join(_key_dir(), f"stateless-{port}-{tag}.key")
-
-
-def _private_dir(path: str) -> None:
-    """Make sure ``path`` is a directory of ours that nobody else can enter."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    import stat
-
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise AuthenticationError(
-            f"refusing key directory {path!r}: it must be a directory owned by uid "
-            f"{os.geteuid()} with mode 0700 (found uid {st.st_uid}, mode {oct(st.st_mode)})")
-
-
-def _write_key_file(path: str) -> Callable[[], bytes]:
-    """Write a fresh secret to ``path`` (0600, atomically); returns its source."""
-    _private_dir(os.path.dirname(path))
-    _prune_key_files(os.path.dirname(path))
-    secret = secrets.token_bytes(32)
-    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, secret)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return lambda: secret
-
-
-def _prune_key_files(directory: str, max_age_s: float = 86400.0) -> None:
-    """Remove key files left by ranks that died during setup (older than a day)."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    now = time.time()
-    for n in names:
-        path = os.path.join(directory, n)
-        try:
-            if n.startswith("stateless-") and now - os.lstat(path).st_mtime > max_age_s:
-                os.unlink(path)
-        except OSError:
-            pass
-
-
-def _read_key_file(path: str) -> bytes | None:
-    """The secret in ``path`` if it is a private regular file of ours, else None."""
-    import stat
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        d = os.lstat(os.path.dirname(path))
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077
-                or d.st_uid != os.geteuid() or d.st_mode & 0o077 or st.st_size != 32):
-            return None
-        return os.read(fd, 32)
-    finally:
-        os.close(fd)
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _check_name(name: Any) -> None:

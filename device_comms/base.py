@@ -135,14 +135,13 @@ class DeviceCommunicator(abc.ABC):
                 for i, x in enumerate(input_):
                     self._check_gatherv(x, dim, sizes, f"input_[{i}]")
             except (TypeError, ValueError) as e:
-                self._reject("all_gatherv" if sizes is not None else "all_gather", e,
-                             input_[0] if input_ else None, dim, sizes)
+                self._reject("all_gatherv" if sizes is not None else "all_gather", e)
                 raise
             return [self.all_gatherv(x, dim, sizes) for x in input_]
         try:
             t, d, sz = self._check_gatherv(input_, dim, sizes, "input_")
         except (TypeError, ValueError) as e:
-            self._reject("all_gatherv" if sizes is not None else "all_gather", e, input_, dim, sizes)
+            self._reject("all_gatherv" if sizes is not None else "all_gather", e)
             raise
         if sz is None:
             return self.all_gather(t, d)
@@ -258,9 +257,13 @@ class DeviceCommunicator(abc.ABC):
         Non-source ranks may pass ``None``; shape and dtype come from ``src``.
         """
         self._check_open()
-        validation.check_rank(src, self.world_size, "src")
-        if not isinstance(dim, int) or isinstance(dim, bool):
-            raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+        try:
+            validation.check_rank(src, self.world_size, "src")
+            if not isinstance(dim, int) or isinstance(dim, bool):
+                raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+        except (TypeError, ValueError) as e:
+            self._reject("scatter", e)
+            raise
         if self.rank_in_group == src:
             try:
                 t = validation.check_tensor(input_, "input_", self.device)
@@ -283,10 +286,14 @@ class DeviceCommunicator(abc.ABC):
         """Send slice ``j`` of ``input_`` (split along ``scatter_dim``) to rank ``j``,
         and concatenate the slices received from every rank along ``gather_dim``."""
         self._check_open()
-        t = validation.check_tensor(input_, "input_", self.device)
-        sd = validation.norm_dim(scatter_dim, t.dim(), "scatter_dim")
-        gd = validation.norm_dim(gather_dim, t.dim(), "gather_dim")
-        validation.check_divisible(t.shape[sd], self.world_size, f"input_.shape[{scatter_dim}]")
+        try:
+            t = validation.check_tensor(input_, "input_", self.device)
+            sd = validation.norm_dim(scatter_dim, t.dim(), "scatter_dim")
+            gd = validation.norm_dim(gather_dim, t.dim(), "gather_dim")
+            validation.check_divisible(t.shape[sd], self.world_size, f"input_.shape[{scatter_dim}]")
+        except (TypeError, ValueError) as e:
+            self._reject("all_to_all", e)
+            raise
         if self.world_size == 1:
             return t.clone()
         return self._guard("all_to_all", self._all_to_all, t.contiguous(), sd, gd)
@@ -294,7 +301,12 @@ class DeviceCommunicator(abc.ABC):
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` to group rank ``dst`` (blocking)."""
         self._check_open()
-        t = validation.check_tensor(tensor, "tensor", self.device)
+        try:
+            t = validation.check_tensor(tensor, "tensor", self.device)
+        except (TypeError, ValueError) as e:
+            if self._is_peer(dst):  # the receiver can be told
+                self._reject("send", e, dst)
+            raise
         validation.check_rank(dst, self.world_size, "dst")
         if dst == self.rank_in_group:
             raise ValueError(f"dst={dst} is this rank; send needs another rank of the group")
@@ -303,18 +315,28 @@ class DeviceCommunicator(abc.ABC):
     def recv(self, size: torch.Size | Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
         """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``."""
         self._check_open()
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        if not isinstance(size, (torch.Size, list, tuple)) or not all(
-            isinstance(s, int) and not isinstance(s, bool) for s in size
-        ):
-            raise TypeError(f"size must be a shape (a sequence of ints), got {size!r}")
-        if any(s < 0 for s in size):
-            raise ValueError(f"size must not have negative entries, got {tuple(size)}")
+        try:
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+            if not isinstance(size, (torch.Size, list, tuple)) or not all(
+                isinstance(s, int) and not isinstance(s, bool) for s in size
+            ):
+                raise TypeError(f"size must be a shape (a sequence of ints), got {size!r}")
+            if any(s < 0 for s in size):
+                raise ValueError(f"size must not have negative entries, got {tuple(size)}")
+        except (TypeError, ValueError) as e:
+            if self._is_peer(src):  # the sender can be told
+                self._reject("recv", e, src)
+            raise
         validation.check_rank(src, self.world_size, "src")
         if src == self.rank_in_group:
             raise ValueError(f"src={src} is this rank; recv needs another rank of the group")
         return self._guard("recv", self._recv, torch.Size(size), dtype, src)
+
+    def _is_peer(self, r: Any) -> bool:
+        """Whether ``r`` is another rank of this group (a valid send/recv peer)."""
+        return (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.world_size
+                and r != self.rank_in_group)
 
     # ------------------------------------------------------------------ lifecycle
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
@@ -379,7 +401,7 @@ class DeviceCommunicator(abc.ABC):
         base does nothing (peers of such a transport wait as before: see the
         transport's docstring for which ops are covered).
 
-        ``meta`` is ``(input_, dim, sizes)`` for ``all_gatherv``, else empty.
+        ``meta`` is ``(peer,)`` for ``send``/``recv``, else empty.
         """
 
     # ------------------------------------------------------------------ hooks

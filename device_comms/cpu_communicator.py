@@ -18,13 +18,27 @@ node. Then:
 
 ``scatter``, ``all_to_all``, ``send`` and ``recv`` always use gloo.
 
-A rank whose own arguments fail validation still takes part in the call (see
-:meth:`DeviceCommunicator._reject`): in the shared-memory engine, for every op
-it runs, as one step with a "rejected" signature, so the peers raise
-:class:`~device_comms.errors.PeerRejectedError` within milliseconds and the
-group stays usable; on gloo as described in
-:mod:`device_comms.torch_communicator` (in hierarchical mode a rejected
-``all_reduce`` is not announced: its peers wait for the timeout).
+Every call is signed (op, dtype, shape, layout, root; the call number is the
+step generation in shared memory, a counter on gloo), so a rejected, skipped
+or mismatched call raises :class:`~device_comms.errors.PeerRejectedError` /
+:class:`~device_comms.errors.CollectiveMismatch` on every rank within
+milliseconds and the group stays usable:
+
+* shared-memory ops compare their first step's signature
+  (:mod:`device_comms.shm_sync`); a rank that rejects its arguments takes
+  that step with a "rejected" signature;
+* gloo ops exchange call headers first (:mod:`device_comms.torch_communicator`);
+  with one node, ``scatter`` and ``all_to_all`` first take a shared-memory step
+  with their signature, so a rank in one of them and a rank in a
+  shared-memory op meet there instead of waiting for each other;
+* with several nodes every collective first agrees through the node leaders
+  (:meth:`HierarchicalAllReduce.agree`; the all-reduce carries its signature
+  in its own steps and messages), which relay a node's rejection or mismatch
+  to the other nodes.
+
+``send``/``recv`` meet only their peer, so a rank in a send and its peer in
+a collective wait for the timeout (a ``CollectiveTimeout``), as do ranks that
+call collectives of different communicators.
 
 Configuration (arguments win over environment variables; the environment is
 read at construction):
@@ -204,10 +218,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
             self._flat = self._engine
             self.mode = "shm"
             return
-        leaders = [self.ranks[self.nodes.index(j)] for j in range(n_nodes)]
         self._hier = HierarchicalAllReduce(
-            self._engine, self.cpu_group, leaders, self.nodes[self.rank_in_group],
-            plan.local_rank == 0, self.world_size,
+            self._engine, self.cpu_group, self.nodes, self.rank_in_group, self.unique_name
         )
         self.mode = "hierarchical"
 
@@ -286,7 +298,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
             self.shm_calls["all_reduce"] += 1
             return eng.all_reduce(t, op)
         if self._hier is not None:
-            return self._hier.all_reduce(t, op)
+            h = self._header("all_reduce", t.dtype, op, 0, t.shape, t.shape)
+            return self._hier.all_reduce(t, op, h)
         return super()._all_reduce(t, op)
 
     def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
@@ -394,12 +407,37 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self.shm_calls["broadcast"] += 1
         return eng.broadcast(t, src)
 
+    # ------------------------------------------------------------------ signatures
+    def _prologue(self, op: str, header: Any, reason: str | None) -> bool:
+        """Agree on a gloo-routed collective where the other ops meet, before its envelopes.
+
+        One node: a shared-memory step with the call's signature (scatter,
+        all_to_all), so a rank in one of them and a rank in a shared-memory
+        op raise at once instead of waiting for each other. Several nodes:
+        :meth:`HierarchicalAllReduce.agree` (every op but send/recv).
+        Returns True when the peers were told of this rank's rejection.
+        """
+        eng = self._flat
+        if eng is not None:
+            if op in _SHM_OPS:
+                return False
+            if reason is not None:
+                eng.sync.reject(op, reason)
+                return True
+            eng.sync.step(op, int(header[3]), int(header[4]), True)
+            return False
+        if self._hier is not None:
+            self._hier.agree(op, header, reason)
+            return reason is not None
+        return False
+
     def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
         """A rejected call is one shared-memory step with a "rejected" signature
-        (any op the engine runs; see :mod:`device_comms.shm_sync`); otherwise gloo's."""
+        (any op the engine runs; see :mod:`device_comms.shm_sync`); otherwise gloo's
+        (after :meth:`_prologue`, which tells the other ops' ranks)."""
         eng = self._flat
         if eng is not None and op in _SHM_OPS:
-            eng.sync.reject(op, message)
+            self._guard(op, eng.sync.reject, op, message)
             return
         super()._abort_collective(op, message, *meta)
 

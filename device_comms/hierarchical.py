@@ -13,22 +13,49 @@ Stage 2 uses point-to-point gloo messages on the communicator's own CPU group
 ``use_local_synchronization=True``, derives the group's store prefix from the
 number of groups each process already holds, which differs between leaders
 and non-leaders), while a communicator is built collectively only by its own
-group. The leaders run a reduce-scatter then an all-gather: leader ``j`` sums
-piece ``j`` of every node's partial result in node order, so every rank ends
-with bitwise identical values.
+group. Small partial results (at most
+:data:`~device_comms.envelopes.INLINE_MAX` bytes) travel whole in one round
+and every leader reduces all of them; larger ones go as a reduce-scatter then
+an all-gather: leader ``j`` sums piece ``j`` of every node's partial result in
+node order. Either way every rank ends with bitwise identical values.
 
 Reduction order: ranks within a node in rank order, then nodes in node order;
 AVG sums throughout and divides by the group size once at the end.
+
+Signatures. Stage 1 is a shared-memory step carrying the call's signature,
+so the ranks of a node agree first. Each leader's first message of stage 2 is
+an envelope (:mod:`device_comms.envelopes`): its node's call header, with the
+partial result when it is small, or a REJECTED/FAILED header passing on what
+went wrong on its node. Every leader settles the same headers alike, and
+stage 3 (the broadcast step) carries the verdict to the node's other ranks:
+the result, or the error relayed with :meth:`StepSync.relay`::
+
+    node A: rank 0 (leader), rank 1          node B: rank 2 (leader), rank 3
+    step 1 (shm): sig(all_reduce ...)        step 1 (shm): sig(...)
+    rank 0 -- header + partial -->  <-- header + partial -- rank 2
+    both leaders: settle(headers) -> same verdict
+    step 2 (shm): result or relay(error)     step 2 (shm): result or relay(error)
+
+The other collectives of a hierarchical communicator run over gloo; they
+first :meth:`HierarchicalAllReduce.agree` the same way (a step, the leaders'
+headers, a verdict step), so a rank in one of them and a rank in an
+all-reduce raise :class:`~device_comms.errors.CollectiveMismatch` instead of
+waiting for each other. A rejected call (:meth:`reject`) is a REJECTED step
+on its node, and its leader passes it on.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from device_comms import host_alloc
+from device_comms.call_signature import FAILED, REJECTED, group_id, settle, template
+from device_comms.envelopes import INLINE_MAX, Envelopes, as_bytes, failure_header, reason_bytes
+from device_comms.errors import CollectiveMismatch, PeerRejectedError
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_engine import ShmEngine
@@ -44,12 +71,15 @@ class HierarchicalAllReduce:
     Args:
         engine: This node's shared-memory engine (None when the node has one rank).
         cpu_group: The communicator's gloo group.
-        leaders: Global rank of every node's leader, in node order.
-        node: This rank's node index.
-        is_leader: Whether this rank leads its node.
-        world_size: Ranks in the whole group (for AVG).
+        nodes: Node index of every group rank (nodes numbered from 0 in order
+            of their lowest rank; at least two nodes).
+        rank_in_group: This rank.
+        name: The group's unique name (for errors).
 
     Attributes:
+        leaders: Group rank of every node's leader, in node order.
+        node: This rank's node index.
+        is_leader: Whether this rank leads its node.
         calls: Hierarchical all-reduces run.
         intra_node_shm_steps: Intra-node shared-memory collectives run (for tests).
     """
@@ -58,45 +88,199 @@ class HierarchicalAllReduce:
         self,
         engine: ShmEngine | None,
         cpu_group: dist.ProcessGroup,
-        leaders: Sequence[int],
-        node: int,
-        is_leader: bool,
-        world_size: int,
+        nodes: Sequence[int],
+        rank_in_group: int,
+        name: str = "",
     ) -> None:
-        if len(leaders) < 2:
-            raise ValueError(f"leaders must name at least 2 nodes' leaders, got {list(leaders)}")
+        n_nodes = max(nodes) + 1
+        if n_nodes < 2:
+            raise ValueError(f"nodes must name at least 2 nodes, got {list(nodes)}")
         self.engine = engine
         self.cpu_group = cpu_group
-        self.leaders = list(leaders)
-        self.node = node
-        self.is_leader = is_leader
-        self.world_size = world_size
+        self.nodes = list(nodes)
+        self.name = name
+        self.leaders = [self.nodes.index(j) for j in range(n_nodes)]
+        self.node = self.nodes[rank_in_group]
+        self.is_leader = self.leaders[self.node] == rank_in_group
+        self.me = rank_in_group
+        self.world_size = len(self.nodes)
         self.calls = 0
         self.intra_node_shm_steps = 0
+        self.seq = 0  # leader exchanges so far (the same on every leader)
+        self._env: Envelopes | None = None
+        self._blank = template(group_id(name), "all_reduce", None, None, 0, 0, None)
+        if self.is_leader:
+            self._env = Envelopes(cpu_group, [r for r in self.leaders if r != rank_in_group],
+                                  LEADER_TAG)
 
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        """All-reduce contiguous ``t`` over every rank of every node."""
+    # ------------------------------------------------------------------ agreement
+    def agree(self, op: str, header: np.ndarray | None, reason: str | None = None) -> None:
+        """Agree on a gloo collective with every rank, or tell them this rank rejected it.
+
+        Args:
+            op: The op this rank runs.
+            header: Its call header (:mod:`device_comms.call_signature`); None
+                when ``reason`` is given.
+            reason: This rank rejected its arguments (its error message).
+
+        Raises:
+            PeerRejectedError: Another rank rejected its call.
+            CollectiveMismatch: Some rank made another call.
+        """
+        eng = self.engine
+        sig = (int(header[3]), int(header[4])) if header is not None else (0, 0)
+        local_err: CollectiveMismatch | None = None
+        if eng is not None:
+            try:
+                if reason is not None:
+                    eng.sync.reject(op, reason)
+                else:
+                    eng.sync.step(op, sig[0], sig[1], True)
+            except CollectiveMismatch as e:
+                if not self.is_leader:
+                    raise
+                local_err = e
+        if not self.is_leader:
+            if reason is None and eng is not None:
+                eng.sync.step(op, sig[0], sig[1], True)  # the leader's verdict
+            return
+        err = self._verdict(op, header, reason, local_err, None)
+        if local_err is not None:  # this node's ranks already know
+            raise local_err
+        if eng is not None and reason is None:
+            if err is None:
+                eng.sync.step(op, sig[0], sig[1], True)
+            else:
+                eng.sync.relay(op, err)
+        if err is not None:
+            raise err
+
+    def reject(self, op: str, reason: str) -> None:
+        """Take part in ``op`` (any collective) as a rank that rejected its arguments."""
+        self.agree(op, None, reason)
+
+    # ------------------------------------------------------------------ all-reduce
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp, header: np.ndarray) -> torch.Tensor:
+        """All-reduce contiguous ``t`` over every rank of every node.
+
+        ``header`` is the call's header; its words 3 and 4 sign the
+        shared-memory steps, the leaders exchange it.
+        """
         self.calls += 1
         inner = ReduceOp.SUM if op is ReduceOp.AVG else op
+        signed = (int(header[3]), int(header[4]))
         eng = self.engine
-        partial: torch.Tensor | None
+        partial: torch.Tensor | None = t
+        local_err: CollectiveMismatch | None = None
         if eng is not None:
-            partial = eng.reduce(t, 0, inner)
             self.intra_node_shm_steps += 1
-        else:
-            partial = t
-        if self.is_leader and partial is not None:  # the leader is local rank 0
-            result = self._leaders_all_reduce(partial, inner)  # always a new tensor
-        else:
+            try:
+                partial = eng.reduce(t, 0, inner, signed=signed, name="all_reduce")
+            except CollectiveMismatch as e:
+                if not self.is_leader:
+                    raise
+                local_err = e
+        if not self.is_leader:
             result = host_alloc.empty(t.shape, t.dtype)
-        if eng is not None:
-            eng.broadcast(result, 0)
+            eng.broadcast(result, 0, signed=signed, name="all_reduce")  # type: ignore[union-attr]
             self.intra_node_shm_steps += 1
+        else:
+            result = self._leader_all_reduce(t, partial, inner, header, local_err)
+            if eng is not None:
+                eng.broadcast(result, 0, signed=signed, name="all_reduce")
+                self.intra_node_shm_steps += 1
         if op is ReduceOp.AVG:
             result.div_(self.world_size)
         return result
 
+    def _leader_all_reduce(
+        self,
+        t: torch.Tensor,
+        partial: torch.Tensor | None,
+        op: ReduceOp,
+        header: np.ndarray,
+        local_err: CollectiveMismatch | None,
+    ) -> torch.Tensor:
+        """Stage 2 on a leader: agree with the other leaders, then reduce the partials."""
+        small = t.nbytes <= INLINE_MAX
+        send = as_bytes(partial) if small and partial is not None and local_err is None else None
+        err = self._verdict("all_reduce", header, None, local_err, send)
+        if local_err is not None:  # this node's ranks already know
+            raise local_err
+        if err is not None:
+            if self.engine is not None:
+                self.engine.sync.relay("all_reduce", err)  # stage 3 carries the error
+            raise err
+        assert partial is not None  # no local error, so stage 1 produced it
+        if not small:
+            return self._leaders_all_reduce(partial, op)
+        env = self._env
+        srcs = [
+            partial if j == self.node else
+            env.payload(r).view(t.dtype).view(t.shape)  # type: ignore[union-attr]
+            for j, r in enumerate(self.leaders)
+        ]
+        return reduce_views(srcs, op)
+
+    def _verdict(
+        self,
+        op: str,
+        header: np.ndarray | None,
+        reason: str | None,
+        local_err: CollectiveMismatch | None,
+        payload: torch.Tensor | None,
+    ) -> CollectiveMismatch | None:
+        """One envelope round among the leaders; the error every leader found, or None.
+
+        This leader sends its node's header (or a REJECTED/FAILED one naming
+        the culprit); the returned error is what the other leaders sent or
+        how the nodes' calls differ. Returns None as well when this node
+        itself failed (``reason`` or ``local_err``: its ranks already know).
+        """
+        env = self._env
+        assert env is not None  # leaders only
+        self.seq += 1
+        if reason is not None or local_err is not None or header is None:
+            h, text = self._failure(reason, local_err)
+            env.exchange(h, reason_bytes(text))
+        else:
+            h = header
+            h[2] = self.seq
+            env.exchange(h, payload)
+        mine = h[:6].tobytes()
+        if all(env.words[p][:6].tobytes() == mine for p in env.peers):
+            return None  # every node made this call (the common case: no dicts, no classes)
+        heads = {p: env.words[p] for p in env.peers}
+        heads[self.me] = h
+        try:
+            settle(self.name, op, self.me, heads, env.reason, self._members)
+        except CollectiveMismatch as e:
+            if reason is None and local_err is None:
+                return e
+        return None
+
+    def _failure(
+        self, reason: str | None, local_err: CollectiveMismatch | None
+    ) -> tuple[np.ndarray, str]:
+        """The header and text this leader sends when its node failed."""
+        if local_err is None:  # this leader rejected its own call
+            status, culprit, text = REJECTED, self.me, reason or ""
+        elif isinstance(local_err, PeerRejectedError):
+            status, culprit, text = REJECTED, local_err.rank, local_err.reason
+        else:
+            who = local_err.peers[0] if local_err.peers else self.me
+            status, culprit, text = FAILED, int(who), str(local_err)  # type: ignore[call-overload]
+        h = failure_header(self._blank, status, culprit)
+        h[2] = self.seq
+        return h, text
+
+    def _members(self, leader: int) -> list[int]:
+        """Group ranks of the node ``leader`` leads."""
+        node = self.nodes[leader]
+        return [r for r, j in enumerate(self.nodes) if j == node]
+
     def _leaders_all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """Reduce-scatter then all-gather of the partials among the leaders (large ones)."""
         k = len(self.leaders)
         me = self.node
         flat = x.reshape(-1)
@@ -133,10 +317,10 @@ class HierarchicalAllReduce:
         return out.view(x.shape)
 
     def _isend(self, t: torch.Tensor, node: int) -> dist.Work:
-        return dist.isend(_bytes(t), dst=self.leaders[node], group=self.cpu_group, tag=LEADER_TAG)
+        return self.cpu_group.send([_bytes(t)], self.leaders[node], LEADER_TAG)
 
     def _irecv(self, t: torch.Tensor, node: int) -> dist.Work:
-        return dist.irecv(_bytes(t), src=self.leaders[node], group=self.cpu_group, tag=LEADER_TAG)
+        return self.cpu_group.recv([_bytes(t)], self.leaders[node], LEADER_TAG)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,9 @@ Results of 32 MiB and more are allocated with :func:`device_comms.host_alloc.emp
 collective itself on a VM).
 
 Each op's first step carries a signature (op kind, dtype, reduce op, root,
-size) that every rank compares, so mismatched calls raise
+and a size key covering the shape and layout arguments; see
+:func:`~device_comms.shm_sync.shape_key`) that every rank compares, so
+mismatched calls raise
 :class:`~device_comms.errors.CollectiveMismatch` everywhere instead of
 returning garbage. Results are always new tensors (never views of the
 workspace), except :meth:`ShmEngine.broadcast`, which fills its argument.
@@ -76,7 +78,7 @@ from device_comms import host_alloc
 from device_comms.engine_threads import GRAIN, ThreadCap, engine_threads
 from device_comms.fixed_reduce import binary_fn, reduce_views
 from device_comms.reduce_op import ReduceOp
-from device_comms.shm_sync import StepSync, signature
+from device_comms.shm_sync import StepSync, shape_key, signature
 from device_comms.shm_workspace import ShmWorkspace
 
 __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
@@ -144,11 +146,11 @@ def _capped(elems: Callable[..., int]) -> Callable[[_F], _F]:
 class _SmallAllReduce:
     """What a one-step all_reduce of one (op, dtype, shape) needs, kept for the next call."""
 
-    __slots__ = ("op", "dtype", "shape", "sig", "fn", "avg", "views", "numpy", "pair")
+    __slots__ = ("op", "dtype", "shape", "sig", "size_key", "fn", "avg", "views", "numpy", "pair")
 
     def __init__(self, eng: "ShmEngine | None", t: torch.Tensor | None, op: ReduceOp | None) -> None:
         self.op, self.dtype, self.shape = op, None, None
-        self.sig, self.fn, self.avg = 0, torch.add, False
+        self.sig, self.size_key, self.fn, self.avg = 0, 0, torch.add, False
         self.views: tuple[list[Any], ...] = ([], [])
         self.numpy = self.pair = False
         if eng is None or t is None or op is None:
@@ -156,6 +158,7 @@ class _SmallAllReduce:
         self.pair = eng.size == 2 and t.nbytes >= eng.pair_small_min_bytes
         self.dtype, self.shape = t.dtype, t.shape
         self.sig = eng._sig("all_reduce", t.dtype, op)
+        self.size_key = eng.shape_key(t.shape)
         self.fn = binary_fn(op, t.dtype)
         self.avg = op is ReduceOp.AVG
         self.views = (eng._shaped(0, t), eng._shaped(1, t))
@@ -210,6 +213,7 @@ class ShmEngine:
         self._my_addr = (ws.slot_address(0, self.me), ws.slot_address(1, self.me))
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
         self._sigs: dict[tuple[str, torch.dtype, ReduceOp | None, int], int] = {}
+        self._shape_keys: dict[torch.Size, int] = {}
         self._last = _SmallAllReduce(None, None, None)  # the last one-step all_reduce
 
     @property
@@ -231,6 +235,15 @@ class ShmEngine:
         if s is None:
             s = self._sigs[key] = signature(kind, dtype, op, root)
         return s
+
+    def shape_key(self, shape: torch.Size) -> int:
+        """The size key of a call on a tensor of ``shape`` (cached; same on every rank)."""
+        k = self._shape_keys.get(shape)
+        if k is None:
+            if len(self._shape_keys) >= _VIEW_CACHE_MAX:
+                self._shape_keys.clear()
+            k = self._shape_keys[shape] = shape_key(shape)
+        return k
 
     def _shaped(self, parity: int, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's slot as a tensor shaped like ``t`` (cached)."""
@@ -263,7 +276,7 @@ class ShmEngine:
                 c = self._last = _SmallAllReduce(self, t, op)
             p = (sync.gen + 1) & 1
             _memmove(self._my_addr[p], t.data_ptr(), nbytes)
-            sync.step("all_reduce", c.sig, n, True)
+            sync.step("all_reduce", c.sig, c.size_key, True)
             views, fn = c.views[p], c.fn
             if c.pair:
                 return self._pair_small(t, views[1 - self.me], c)
@@ -276,7 +289,7 @@ class ShmEngine:
                 acc.div_(self.size)
             return acc
         with self._cap:
-            sig = self._sig("all_reduce", t.dtype, op)
+            sig = (self._sig("all_reduce", t.dtype, op), self.shape_key(t.shape))
             if self.size == 2 and self.pair_piece_bytes and (
                 nbytes <= self.oneshot_bytes or t.dtype not in _HALF_FLOATS
             ):
@@ -285,7 +298,7 @@ class ShmEngine:
                 p = sync.next_parity
                 views = self._shaped(p, t)
                 _memmove(self._my_addr[p], t.data_ptr(), nbytes)
-                sync.step("all_reduce", sig, n, True)
+                sync.step("all_reduce", sig[0], sig[1], True)
                 return reduce_views(views, op)
             if nbytes <= self.oneshot_bytes:
                 return self._oneshot_pieces(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
@@ -305,7 +318,9 @@ class ShmEngine:
             return _from_numpy(peer.copy())
         return torch.div(peer, 2) if c.avg else peer.clone()
 
-    def _pair_all_reduce(self, t: torch.Tensor, op: ReduceOp, sig: int) -> torch.Tensor:
+    def _pair_all_reduce(
+        self, t: torch.Tensor, op: ReduceOp, sig: tuple[int, int]
+    ) -> torch.Tensor:
         """Two ranks: each reduces *into the peer's slot*, in rank order, and copies that out.
 
         Per piece: copy my piece into my slot; step; ``peer_slot = fn(x0, x1)``
@@ -332,7 +347,7 @@ class ShmEngine:
             ln = min(chunk, n - a)
             p = sync.next_parity
             _memmove(self._my_addr[p], base + a * isz, ln * isz)
-            sync.step("all_reduce", sig, n, first)
+            sync.step("all_reduce", sig[0], sig[1], first)
             first = False
             peer = ws.slot(p, 1 - me, dt)[:ln]
             mine = flat[a : a + ln]
@@ -345,30 +360,37 @@ class ShmEngine:
             else:
                 _memmove(out.data_ptr() + a * isz, peer.data_ptr(), ln * isz)
         if first:  # nothing to move (empty): still agree on the call
-            sync.step("all_reduce", sig, n, True)
+            sync.step("all_reduce", sig[0], sig[1], True)
         return out.view(t.shape)
 
-    def reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
-        """Reduce onto local rank ``dst`` (new tensor there, None elsewhere)."""
-        if t.numel() <= GRAIN:
-            return self._reduce(t, dst, op)
-        with self._cap:
-            return self._reduce(t, dst, op)
+    @_capped(lambda self, t, *_: t.numel())
+    def reduce(
+        self,
+        t: torch.Tensor,
+        dst: int,
+        op: ReduceOp,
+        signed: tuple[int, int] | None = None,
+        name: str = "reduce",
+    ) -> torch.Tensor | None:
+        """Reduce onto local rank ``dst`` (new tensor there, None elsewhere).
 
-    def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
+        ``signed`` replaces the step signature and ``name`` the op named in
+        errors (a caller's own, e.g. the hierarchical all-reduce's).
+        """
         sync = self.sync
-        sig = self._sig("reduce", t.dtype, op, dst)
+        if signed is None:
+            signed = (self._sig("reduce", t.dtype, op, dst), self.shape_key(t.shape))
         if t.nbytes <= self._single:
             views = self._shaped(sync.next_parity, t)
             views[self.me].copy_(t)
-            sync.step("reduce", sig, t.numel(), True)
+            sync.step(name, signed[0], signed[1], True)
             return reduce_views(views, op) if self.me == dst else None
         if t.nbytes <= self.oneshot_bytes:
-            return self._oneshot_pieces(t, op, "reduce", sig, self.me == dst)
-        return self._two_phase(t, op, "reduce", sig, self.me == dst)
+            return self._oneshot_pieces(t, op, name, signed, self.me == dst)
+        return self._two_phase(t, op, name, signed, self.me == dst)
 
     def _oneshot_pieces(
-        self, t: torch.Tensor, op: ReduceOp, name: str, sig: int, want: bool
+        self, t: torch.Tensor, op: ReduceOp, name: str, sig: tuple[int, int], want: bool
     ) -> torch.Tensor | None:
         """One shot per slot-sized piece: everyone writes, readers reduce all slots."""
         ws, sync, me, size = self.ws, self.sync, self.me, self.size
@@ -380,7 +402,7 @@ class ShmEngine:
             ln = min(chunk, n - a)
             p = sync.next_parity
             ws.slot(p, me, dt)[:ln].copy_(flat[a : a + ln])
-            sync.step(name, sig, n, first)
+            sync.step(name, sig[0], sig[1], first)
             first = False
             if out is not None:
                 srcs = [flat[a : a + ln] if r == me else ws.slot(p, r, dt)[:ln] for r in range(size)]
@@ -388,7 +410,7 @@ class ShmEngine:
         return out.view(t.shape) if out is not None else None
 
     def _two_phase(
-        self, t: torch.Tensor, op: ReduceOp, name: str, sig: int, want: bool
+        self, t: torch.Tensor, op: ReduceOp, name: str, sig: tuple[int, int], want: bool
     ) -> torch.Tensor | None:
         ws, sync, me, size = self.ws, self.sync, self.me, self.size
         flat, n, dt = t.view(-1), t.numel(), t.dtype
@@ -402,7 +424,7 @@ class ShmEngine:
             for j in range(size):
                 if j != me and b[j + 1] > b[j]:
                     mine[b[j] : b[j + 1]].copy_(flat[a + b[j] : a + b[j + 1]])
-            sync.step(name, sig, n, first)
+            sync.step(name, sig[0], sig[1], first)
             first = False
             lo, hi = b[me], b[me + 1]
             q = sync.next_parity
@@ -592,12 +614,23 @@ class ShmEngine:
                 step.out2[i, step.offs[r] + a : step.offs[r] + a + lr].copy_(src)
 
     @_capped(lambda self, t, *_: t.numel())
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        """Fill contiguous ``t`` on every rank with local rank ``src``'s ``t``; returns ``t``."""
+    def broadcast(
+        self,
+        t: torch.Tensor,
+        src: int,
+        signed: tuple[int, int] | None = None,
+        name: str = "broadcast",
+    ) -> torch.Tensor:
+        """Fill contiguous ``t`` on every rank with local rank ``src``'s ``t``; returns ``t``.
+
+        ``signed`` and ``name`` replace the step signature and the op's name
+        (see :meth:`reduce`).
+        """
         ws, sync, me = self.ws, self.sync, self.me
         dt, n = t.dtype, t.numel()
         flat = t.view(-1)
-        sig = self._sig("broadcast", dt, None, src)
+        if signed is None:
+            signed = (self._sig("broadcast", dt, None, src), self.shape_key(t.shape))
         chunk = ws.slot_elems(dt)
         first = True
         for a in range(0, n, chunk):
@@ -605,10 +638,10 @@ class ShmEngine:
             p = sync.next_parity
             if me == src:
                 ws.slot(p, me, dt)[:ln].copy_(flat[a : a + ln])
-            sync.step("broadcast", sig, n, first)
+            sync.step(name, signed[0], signed[1], first)
             first = False
             if me != src:
                 flat[a : a + ln].copy_(ws.slot(p, src, dt)[:ln])
         if first:
-            sync.step("broadcast", sig, n, True)
+            sync.step(name, signed[0], signed[1], True)
         return t

@@ -71,6 +71,13 @@ valid ranks leave before any further step. A ``barrier`` (no signature)
 passes a rejected step silently: ranks calling different things at the same
 point is the caller's bug, as with any other mismatch.
 
+Relayed errors. A step whose signature is :data:`FAILED` (kind 0xFE) carries
+an error found elsewhere -- a hierarchical communicator's node leader passing
+on another node's rejection or mismatch (:meth:`StepSync.relay`) -- as
+msgpack ``(kind, culprit rank, message)`` in the relaying rank's slot; its
+local peers raise the same class naming the same culprit. Like a rejected
+step it is a complete step, so generations stay in step.
+
 Memory ordering. On x86-64 (TSO) stores are not reordered with older stores
 and loads not with older loads, so "data, then flag" / "flag, then data" in
 program order would already suffice for ordinary stores; but torch's copy
@@ -120,6 +127,7 @@ import threading
 import time
 from typing import Sequence
 
+import msgspec
 import psutil
 import torch
 
@@ -127,6 +135,7 @@ from device_comms.errors import (  # BrokenCommunicator re-exported for older im
     BrokenCommunicator,
     CollectiveMismatch,
     CollectiveTimeout,
+    DecodeError,
     DeviceCommError,
     PeerDiedError,
     PeerRejectedError,
@@ -135,7 +144,11 @@ from device_comms.reduce_op import ReduceOp
 from device_comms import futex
 from device_comms.shm_workspace import CLOSED, GEN, PARKED, SIG, ShmWorkspace
 
-__all__ = ["StepSync", "signature", "KIND_NAMES", "BrokenCommunicator", "REJECTED"]
+__all__ = [
+    "StepSync", "signature", "shape_key", "shape_of_key", "dtype_code", "dtype_of", "op_of",
+    "KIND_NAMES",
+    "BrokenCommunicator", "REJECTED", "FAILED",
+]
 
 _FENCE = threading.Lock()
 _acquire, _release = _FENCE.acquire, _FENCE.release
@@ -153,10 +166,14 @@ _PARK_MAX = 0.05  # longest single futex sleep (health checks run in between)
 KIND_NAMES = {
     1: "all_reduce", 2: "all_gather", 3: "all_gatherv", 4: "reduce_scatter",
     5: "reduce_scatterv", 6: "broadcast", 7: "gather", 8: "reduce",
+    9: "scatter", 10: "all_to_all", 11: "send/recv",
 }
 _KIND_CODES = {v: k for k, v in KIND_NAMES.items()}
 #: Signature of a step taken by a rank that rejected its own arguments (kind 0xFF).
 REJECTED = 0xFF
+#: Signature of a step that relays an error found elsewhere (kind 0xFE; see
+#: :meth:`StepSync.relay`): a node leader passing on what another node's ranks did.
+FAILED = 0xFE
 _REASON_MAX = 4096  # bytes of the rejection reason passed to the peers
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
@@ -176,14 +193,34 @@ _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 _OPS = {v: k for k, v in _OP_CODES.items()}
 
 
-def signature(kind: str, dtype: torch.dtype, op: ReduceOp | None = None, root: int = 0) -> int:
-    """Pack what must agree across ranks (op kind, dtype, reduce op, root) into an int64."""
+def signature(
+    kind: str, dtype: torch.dtype | None, op: ReduceOp | None = None, root: int = 0
+) -> int:
+    """Pack what must agree across ranks (op kind, dtype, reduce op, root) into an int64.
+
+    ``dtype=None`` (code 0) stands for "not known to every rank" (scatter's receivers).
+    """
     return (
         _KIND_CODES[kind]
-        | _DTYPE_CODES.get(dtype, 63) << 8
+        | (dtype_code(dtype) if dtype is not None else 0) << 8
         | (_OP_CODES[op] if op is not None else 0) << 16
         | root << 24
     )
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A stable small code for ``dtype`` (63: a dtype without a code)."""
+    return _DTYPE_CODES.get(dtype, 63)
+
+
+def dtype_of(code: int) -> torch.dtype | None:
+    """The dtype of :func:`dtype_code` ``code`` (None: unknown or no code)."""
+    return _DTYPES[code - 1] if 0 < code <= len(_DTYPES) else None
+
+
+def op_of(code: int) -> ReduceOp | None:
+    """The reduce op packed in a signature's op byte (None: not a reduction)."""
+    return _OPS.get(code)
 
 
 def describe_signature(sig_a: int, sig_b: int) -> str:
@@ -197,8 +234,40 @@ def describe_signature(sig_a: int, sig_b: int) -> str:
         parts.append(f"op={op.name}")
     if kind in ("broadcast", "gather", "reduce"):
         parts.append(f"root={sig_a >> 24}")
-    parts.append(f"size-key={sig_b}")
+    shape = shape_of_key(sig_b) if kind in _SHAPE_KEYED else None
+    parts.append(f"shape={shape}" if shape is not None else f"size-key={sig_b}")
     return "(" + ", ".join(parts) + ")"
+
+
+# Kinds whose size key is a shape_key (the others hash their layout arguments too).
+_SHAPE_KEYED = frozenset({"all_reduce", "reduce", "broadcast", "send/recv"})
+_HASHED = 1 << 62  # flag of a shape_key that is a hash
+_DIM_BITS = 20
+
+
+def shape_key(shape: Sequence[int]) -> int:
+    """A non-negative int64 that tells shapes apart, readable when the shape is small.
+
+    Up to three dims below 2**20 are packed exactly (dims 20 bits each, then
+    ``(ndim - 1) % 4`` in bits 60-61, so a 1-D shape's key is its length), and
+    a mismatch message can print the shape; any other shape is a hash of its
+    dims with bit 62 set. The same in every process.
+    """
+    if len(shape) <= 3 and all(0 <= s < 1 << _DIM_BITS for s in shape):
+        k = ((len(shape) - 1) % 4) << 60
+        for i, s in enumerate(shape):
+            k |= s << (_DIM_BITS * i)
+        return k
+    return (hash(tuple(shape)) & ((1 << 60) - 1)) | _HASHED
+
+
+def shape_of_key(key: int) -> tuple[int, ...] | None:
+    """The shape a :func:`shape_key` packed exactly, else None."""
+    if key < 0 or key & _HASHED:
+        return None
+    mask = (1 << _DIM_BITS) - 1
+    ndim = (((key >> 60) & 3) + 1) % 4
+    return tuple((key >> (_DIM_BITS * i)) & mask for i in range(ndim))
 
 
 class StepSync:
@@ -324,6 +393,25 @@ class StepSync:
             slot[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.step(op, REJECTED, len(data), True)
 
+    def relay(self, op: str, error: CollectiveMismatch) -> None:
+        """Take part in a step as a rank that passes on an error found elsewhere.
+
+        A node leader uses this when another node's ranks rejected or
+        mismatched a call its own local ranks agreed on: it writes ``error``
+        (its class, culprit rank and message, as msgpack) into its slot and
+        publishes the step with the :data:`FAILED` signature; the local peers
+        in the step raise the same class naming the same culprit. Returns
+        normally (the caller raises ``error`` itself).
+        """
+        culprit = error.peers[0] if error.peers and isinstance(error.peers[0], int) else -1
+        kind = "rejected" if isinstance(error, PeerRejectedError) else "mismatch"
+        text = error.reason if isinstance(error, PeerRejectedError) else str(error)
+        data = msgspec.msgpack.encode((kind, culprit, text[:_REASON_MAX]))
+        data = data[: self.ws.slot_bytes]
+        slot = self.ws.slot(self.next_parity, self.me, torch.uint8)
+        slot[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.step(op, FAILED, len(data), True)
+
     def close(self) -> None:
         """Tell peers this rank left (they stop waiting on it with an error)."""
         try:
@@ -404,13 +492,15 @@ class StepSync:
 
     def _disagree(self, op: str, g: int, a: int, b: int) -> None:
         """Some peer's signature of step ``g`` differs from ours: raise, or not if we rejected."""
-        if a == REJECTED:
-            return  # this rank raises its own validation error
+        if a == REJECTED or a == FAILED:
+            return  # this rank raises its own error
         hdr, p = self.hdr, g & 1
         for r, w in self._peer_sig[p]:  # peers in rank order: name the lowest rejecter
-            if hdr[w] == REJECTED:
-                n = max(0, min(int(hdr[w + 1]), _REASON_MAX, self.ws.slot_bytes))
+            if hdr[w] == REJECTED or hdr[w] == FAILED:
+                n = max(0, min(int(hdr[w + 1]), _REASON_MAX + 64, self.ws.slot_bytes))
                 raw = self.ws.slot(p, r, torch.uint8)[:n].numpy().tobytes()
+                if hdr[w] == FAILED:
+                    raise self._relayed(op, r, raw)
                 raise PeerRejectedError(
                     self.name, op, self.group_ranks[r], raw.decode("utf-8", "replace")
                 )
@@ -418,12 +508,25 @@ class StepSync:
             if hdr[w] != a or hdr[w + 1] != b:
                 self._mismatch(op, r, a, b, hdr[w], hdr[w + 1])
 
+    def _relayed(self, op: str, r: int, raw: bytes) -> CollectiveMismatch:
+        """The error local rank ``r`` relayed with :meth:`relay`, to raise here."""
+        try:
+            kind, culprit, text = msgspec.msgpack.decode(raw, type=tuple[str, int, str])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return DecodeError(
+                f"group {self.name!r}, op {op}: rank {self.group_ranks[r]} relayed an error "
+                f"that does not decode ({e})", queue=self.name, peers=(self.group_ranks[r],))
+        if kind == "rejected":
+            return PeerRejectedError(self.name, op, culprit, text)
+        return CollectiveMismatch(text, queue=self.name, peers=(culprit,))
+
     def _mismatch(self, op: str, r: int, a: int, b: int, pa: int, pb: int) -> None:
         raise CollectiveMismatch(
-            f"group {self.name!r}: rank {self.group_ranks[self.me]} called "
+            f"group {self.name!r}, op {op}: rank {self.group_ranks[self.me]} called "
             f"{describe_signature(a, b)} but rank {self.group_ranks[r]} called "
             f"{describe_signature(pa, pb)} at the same point; every rank must call the same "
-            f"collective with the same dtype, size, op and root"
+            f"collective with the same dtype, size, op and root",
+            queue=self.name, peers=(self.group_ranks[r],),
         )
 
 

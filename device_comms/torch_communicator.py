@@ -9,26 +9,35 @@ largest and slice afterwards, which works on any backend. Pure data-movement
 ops send every type outside a small native set as ``uint8`` byte views, so they
 work even where a backend lacks a kernel (``bfloat16``, ``uint16``, ``float8``...).
 
-Rejected calls (a rank whose own arguments fail validation while its peers'
-calls are valid; see :meth:`DeviceCommunicator._reject`):
+Signed calls (CPU tensors). Every op, collective or point-to-point, starts
+with an envelope exchange (:mod:`device_comms.envelopes`): each rank sends
+every peer its call's header (op, dtype, shape, layout arguments, root, the
+group's call number; :mod:`device_comms.call_signature`) and, when the call
+is small (at most :data:`~device_comms.envelopes.BLOCK_INLINE` bytes from a
+rank), the payload itself. Then every rank has seen every header and:
 
-* ``all_gatherv``: every piece travels behind a header with its real size; a
-  rank whose input does not match its own ``sizes`` entry still joins the
-  all-gather with size -1 and a dummy payload (this needs a tensor of the right
-  dtype and inner shape, a valid ``dim`` and a valid ``sizes`` list; for other
-  rejections its peers wait for the timeout);
-* ``broadcast`` and ``reduce_scatterv``: every call first all-gathers one
-  int64 per rank over ``cpu_group`` (its byte count, -1 when it rejected), so
-  a rejection *or* a size disagreement raises on every rank instead of
-  hanging or aborting inside gloo. This costs one small round trip per call;
-* then, if some but not all ranks rejected, the lowest rejecting rank
-  broadcasts its reason (on this error path only) and the valid ranks raise
-  :class:`~device_comms.errors.PeerRejectedError` naming it; every rank has
-  run the same collectives, so the group stays usable;
-* other ops do not announce a rejection (their peers wait for the timeout);
-* none of this runs for GPU tensors (no header exchange: it would synchronise
-  the stream and break CUDA graph capture), which keep torch.distributed's
-  behaviour.
+* a call that every rank made alike is already done when small (each rank
+  computes its result from the payloads: reductions in rank order, so every
+  rank gets bitwise identical values); a larger one runs the gloo op next,
+  whose sizes every rank now knows to agree, so gloo never sees a size
+  mismatch (which aborts the process);
+* a rank whose own arguments failed validation (any op, any argument; see
+  :meth:`DeviceCommunicator._reject`) sent a REJECTED header with its reason
+  instead: its peers raise :class:`~device_comms.errors.PeerRejectedError`
+  naming it, it raises its own ``TypeError``/``ValueError``;
+* calls that differ (op, dtype, shape, layout, root, call number: a skipped
+  or extra call) raise :class:`~device_comms.errors.CollectiveMismatch` on
+  every rank, naming who called what;
+* in all three cases every rank sent and received exactly one envelope, so
+  the group stays usable for the next call.
+
+Send and recv exchange envelopes between the two ranks (the receiver sends its
+expected dtype, shape and source), so both sides raise on a mismatch or a
+rejection; a payload over the inline size follows after both agreed.
+
+None of this runs for GPU tensors: an exchange on the host would synchronise
+the stream every call and break CUDA graph capture, so they keep
+``torch.distributed``'s behaviour (and scatter's metadata announcement).
 """
 
 from __future__ import annotations
@@ -36,13 +45,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from device_comms.base import DeviceCommunicator
-from device_comms.errors import CollectiveMismatch, DecodeError, PeerRejectedError
-from shm_broadcast.group_adapter import object_group
+from device_comms.call_signature import data_shape
+from device_comms.errors import CollectiveMismatch, DecodeError
+from device_comms.envelopes import BLOCK_INLINE, INLINE_MAX, as_bytes
+from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
+from device_comms.signed_calls import SignedCalls
+from shm_broadcast.group_adapter import object_group
 
 __all__ = ["TorchDistributedCommunicator", "wire_view"]
 
@@ -57,9 +71,6 @@ _NATIVE = frozenset({torch.float32, torch.float64, torch.int8, torch.uint8, torc
 # back. Two's complement arithmetic is modular, so wrap-around and bitwise ops
 # give exactly the narrow type's results.
 _REDUCE_AS = {torch.int16: torch.int32}
-# Bytes in front of every rank's piece in all_gatherv: its size along ``dim``
-# (int64; -1 when its arguments were rejected), padded so any dtype stays aligned.
-_GATHERV_HDR = 16
 
 
 def wire_view(t: torch.Tensor) -> torch.Tensor:
@@ -73,21 +84,36 @@ def wire_view(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class TorchDistributedCommunicator(DeviceCommunicator):
-    """Every op through ``torch.distributed`` on ``device_group`` (any device type)."""
+class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
+    """Every op through ``torch.distributed`` on ``device_group`` (any device type).
+
+    Same arguments as :class:`~device_comms.base.DeviceCommunicator`.
+    """
 
     name = "torch"
     device_types = frozenset({"cpu", "cuda"})
     priority = 0
+
+    def __init__(
+        self,
+        cpu_group: dist.ProcessGroup,
+        device: torch.device,
+        device_group: dist.ProcessGroup | None = None,
+        unique_name: str = "",
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(cpu_group, device, device_group, unique_name, timeout=timeout)
+        self._init_signed_calls()
 
     def _g(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
     @property
     def _checks_calls(self) -> bool:
-        """Whether calls exchange size headers (rejections, size mismatches).
+        """Whether calls are signed (an envelope exchange first; see the module docstring).
 
-        Only for CPU tensors: on a GPU the header check would synchronise the
+        Only for CPU tensors: on a GPU the exchange would synchronise the
         stream every call and could not run inside CUDA graph capture, so GPU
         calls keep torch.distributed's behaviour.
         """
@@ -95,6 +121,12 @@ class TorchDistributedCommunicator(DeviceCommunicator):
 
     # --- reductions -----------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if self._checks_calls:
+            small = t.nbytes <= BLOCK_INLINE
+            h = self._header("all_reduce", t.dtype, op, 0, t.shape, t.shape)
+            self._call("all_reduce", h, t if small else None)
+            if small:
+                return reduce_views(self._received(t), op)
         wide = _REDUCE_AS.get(t.dtype)
         out = t.to(wide) if wide is not None else t.clone()
         dist.all_reduce(out, op=op.to_torch(), group=self.device_group)
@@ -103,22 +135,39 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         return out.to(t.dtype) if wide is not None else out
 
     def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
+        me = self.rank_in_group == dst
+        if self._checks_calls:
+            small = t.nbytes <= BLOCK_INLINE
+            h = self._header("reduce", t.dtype, op, dst, t.shape, t.shape)
+            self._call("reduce", h, t if small and not me else None)
+            if small:
+                return reduce_views(self._received(t), op) if me else None
         wide = _REDUCE_AS.get(t.dtype)
         out = t.to(wide) if wide is not None else t.clone()
         dist.reduce(out, dst=self._g(dst), op=op.to_torch(), group=self.device_group)
-        if self.rank_in_group != dst:
+        if not me:
             return None
         if op is ReduceOp.AVG:
             out.div_(self.world_size)
         return out.to(t.dtype) if wide is not None else out
 
     def _reduce_scatter(self, t: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor:
-        wide = _REDUCE_AS.get(t.dtype)
-        if wide is not None:
-            return self._reduce_scatter(t.to(wide), dim, op).to(t.dtype)
         n = self.world_size
         x = t.movedim(dim, 0).contiguous()
-        out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=t.dtype, device=t.device)
+        m = x.shape[0] // n
+        if self._checks_calls:
+            return self._signed_reduce_scatter(
+                "reduce_scatter", t, x, dim, [m] * n, op, (t.shape, dim)
+            )
+        return self._plain_reduce_scatter(x, dim, op)
+
+    def _plain_reduce_scatter(self, x: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor:
+        """Reduce-scatter of ``x`` (the scattered dim moved to 0) through the backend."""
+        wide = _REDUCE_AS.get(x.dtype)
+        if wide is not None:
+            return self._plain_reduce_scatter(x.to(wide), dim, op).to(x.dtype)
+        n = self.world_size
+        out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=x.dtype, device=x.device)
         _reduce_scatter_flat(out.view(-1), x.view(-1), op=op.to_torch(), group=self.device_group)
         if op is ReduceOp.AVG:
             out.div_(n)
@@ -127,19 +176,50 @@ class TorchDistributedCommunicator(DeviceCommunicator):
     def _reduce_scatterv(
         self, t: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
     ) -> torch.Tensor:
-        wide = _REDUCE_AS.get(t.dtype)
+        x = t.movedim(dim, 0).contiguous()
+        if self._checks_calls:
+            return self._signed_reduce_scatter(
+                "reduce_scatterv", t, x, dim, sizes, op, (tuple(sizes), t.shape, dim)
+            )
+        return self._plain_reduce_scatterv(x, dim, sizes, op)
+
+    def _signed_reduce_scatter(
+        self, kind: str, t: torch.Tensor, x: torch.Tensor, dim: int, sizes: list[int],
+        op: ReduceOp, layout: object,
+    ) -> torch.Tensor:
+        """(v)reduce-scatter on CPU: the whole input in the block when small, else gloo.
+
+        Every rank's block then holds its whole input; this rank reduces its
+        region of each, in rank order.
+        """
+        me, inner = self.rank_in_group, x.shape[1:]
+        small = x.nbytes <= BLOCK_INLINE
+        h = self._header(kind, t.dtype, op, 0, layout, t.shape)
+        self._call(kind, h, x if small else None)
+        if not small:
+            if kind == "reduce_scatter":
+                return self._plain_reduce_scatter(x, dim, op)
+            return self._plain_reduce_scatterv(x, dim, sizes, op)
+        start = sum(sizes[:me])
+        mine = x[start : start + sizes[me]]
+        at = [start * math.prod(inner)] * self.world_size
+        got = self._received(mine, [mine.shape] * self.world_size, at)
+        return reduce_views(got, op).movedim(0, dim).contiguous()
+
+    def _plain_reduce_scatterv(
+        self, x: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
+    ) -> torch.Tensor:
+        """Uneven reduce-scatter through the backend: pieces padded to the largest."""
+        wide = _REDUCE_AS.get(x.dtype)
         if wide is not None:
-            return self._reduce_scatterv(t.to(wide), dim, sizes, op).to(t.dtype)
+            return self._plain_reduce_scatterv(x.to(wide), dim, sizes, op).to(x.dtype)
         n, m = self.world_size, max(sizes)
-        x = t.movedim(dim, 0)
-        padded = torch.zeros((n * m,) + x.shape[1:], dtype=t.dtype, device=t.device)
+        padded = torch.zeros((n * m,) + x.shape[1:], dtype=x.dtype, device=x.device)
         off = 0
         for i, s in enumerate(sizes):
             padded[i * m : i * m + s] = x[off : off + s]
             off += s
-        out = torch.empty((m,) + x.shape[1:], dtype=t.dtype, device=t.device)
-        if self._checks_calls:
-            self._agree("reduce_scatterv", padded.nbytes)
+        out = torch.empty((m,) + x.shape[1:], dtype=x.dtype, device=x.device)
         _reduce_scatter_flat(out.view(-1), padded.view(-1), op=op.to_torch(), group=self.device_group)
         if op is ReduceOp.AVG:
             out.div_(n)
@@ -147,135 +227,51 @@ class TorchDistributedCommunicator(DeviceCommunicator):
 
     # --- data movement ----------------------------------------------------------
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if self._checks_calls:
+            small = t.nbytes <= BLOCK_INLINE
+            h = self._header("all_gather", t.dtype, None, 0, (t.shape, dim), t.shape)
+            self._call("all_gather", h, t if small else None)
+            if small:
+                return torch.cat(self._received(t), dim)
         n = self.world_size
         out = torch.empty((n,) + t.shape, dtype=t.dtype, device=t.device)
         _all_gather_flat(wire_view(out).view(-1), wire_view(t).view(-1), group=self.device_group)
         return _concat_leading(out, dim)
 
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-        return self._gatherv_bytes(t, dim, sizes, t.shape[dim])
+        inner = t.shape[:dim] + t.shape[dim + 1 :]
+        if self._checks_calls:
+            small = max(sizes) * math.prod(inner) * t.element_size() <= BLOCK_INLINE
+            h = self._header("all_gatherv", t.dtype, None, 0, (tuple(sizes), inner, dim), t.shape)
+            self._call("all_gatherv", h, t if small else None)
+            if small:
+                shapes = [t.shape[:dim] + (s,) + t.shape[dim + 1 :] for s in sizes]
+                return torch.cat(self._received(t, shapes), dim)
+        return self._plain_gatherv(t, dim, sizes)
 
-    def _gatherv_bytes(
-        self, t: torch.Tensor, dim: int, sizes: list[int], own: int, reason: str | None = None
-    ) -> torch.Tensor | None:
-        """All-gather of uneven pieces as bytes, each behind a header with its size.
-
-        Every rank checks every header against ``sizes``, so a rank whose input
-        does not match its entry (``own`` = -1 and ``reason`` after a local
-        rejection) makes every valid rank raise instead of returning a wrong
-        result. Returns None on a rejecting rank.
-        """
+    def _plain_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """All-gather of uneven pieces as bytes, each padded to the largest."""
         n, m = self.world_size, max(sizes)
         x = t.movedim(dim, 0)
         inner = tuple(x.shape[1:])
         row = math.prod(inner) * t.element_size()
-        piece = _GATHERV_HDR + m * row
-        buf = torch.empty(piece, dtype=torch.uint8, device=t.device)
-        buf[:8].view(torch.int64).fill_(own)
-        if 0 < own <= m:
-            buf[_GATHERV_HDR : _GATHERV_HDR + own * row].view(t.dtype).view((own,) + inner).copy_(x)
-        out = torch.empty(n * piece, dtype=torch.uint8, device=t.device)
+        buf = torch.zeros(m * row, dtype=torch.uint8, device=t.device)
+        if x.shape[0]:
+            buf[: x.shape[0] * row].view(t.dtype).view(x.shape).copy_(x)
+        out = torch.empty(n * m * row, dtype=torch.uint8, device=t.device)
         _all_gather_flat(out, buf, group=self.device_group)
-        rows = out.view(n, piece)
-        if self._checks_calls:  # headers are checked on CPU only (see _checks_calls)
-            self._check_gatherv_heads(rows, sizes, dim, reason)
-            if reason is not None:
-                return None
-        pieces = [
-            rows[r, _GATHERV_HDR : _GATHERV_HDR + s * row].view(t.dtype).view((s,) + inner)
-            for r, s in enumerate(sizes)
-        ]
+        rows = out.view(n, m * row)
+        pieces = [rows[r, : s * row].view(t.dtype).view((s,) + inner) for r, s in enumerate(sizes)]
         return torch.cat(pieces, 0).movedim(0, dim).contiguous()
-
-    def _check_gatherv_heads(
-        self, rows: torch.Tensor, sizes: list[int], dim: int, reason: str | None
-    ) -> None:
-        """Raise unless every piece's header matches ``sizes`` (returns on a rejecting rank)."""
-        n = self.world_size
-        heads = rows[:, :8].clone().view(torch.int64).view(-1).tolist()
-        if self._settle_rejections("all_gatherv", heads, reason):
-            return
-        bad = [r for r in range(n) if heads[r] != sizes[r]]
-        if bad:
-            got = ", ".join(f"rank {r}: {heads[r]}" for r in bad)
-            raise CollectiveMismatch(
-                f"group {self.unique_name!r}, op all_gatherv: inputs do not match sizes={sizes} "
-                f"along dim {dim} ({got}); every rank must pass the same sizes list, with its "
-                f"own entry matching its input"
-            )
-
-    # --- rejected calls ---------------------------------------------------------
-    def _agree(self, op: str, nbytes: int, reason: str | None = None) -> None:
-        """All-gather every rank's byte count of ``op`` (-1: it rejected its arguments).
-
-        Raises on every valid rank if some rank rejected
-        (:class:`PeerRejectedError`) or the byte counts differ
-        (:class:`CollectiveMismatch`); returns on a rejecting rank.
-        """
-        n = self.world_size
-        mine = torch.tensor([-1 if reason is not None else nbytes], dtype=torch.int64)
-        out = torch.empty(n, dtype=torch.int64)
-        _all_gather_flat(out, mine, group=self.cpu_group)
-        heads = out.tolist()
-        if self._settle_rejections(op, heads, reason):
-            return
-        if any(h != heads[0] for h in heads):
-            raise CollectiveMismatch(
-                f"group {self.unique_name!r}, op {op}: ranks disagree on the size of the call "
-                f"(bytes per rank: {heads}); every rank must pass tensors of the same shape and "
-                f"dtype"
-            )
-
-    def _settle_rejections(self, op: str, heads: list[int], reason: str | None) -> bool:
-        """Act on the all-gathered headers of a call (negative: that rank rejected).
-
-        Every rank sees the same ``heads``, so every rank takes the same path:
-        when some but not all ranks rejected, the lowest rejecting rank
-        broadcasts its reason. Returns True on a rejecting rank (it raises its
-        own error), raises :class:`PeerRejectedError` on a valid rank, and
-        returns False when nobody rejected.
-        """
-        rejected = [r for r, h in enumerate(heads) if h < 0]
-        if not rejected:
-            return False
-        why = reason
-        if len(rejected) < self.world_size:  # msgpack over gloo: never unpickled
-            why = object_group(self.cpu_group).broadcast(reason, rejected[0])
-        if reason is not None:
-            return True
-        raise PeerRejectedError(self.unique_name, op, rejected[0], str(why))
-
-    def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
-        if not self._checks_calls:
-            return  # GPU calls exchange no headers: peers cannot be told (see _checks_calls)
-        if op == "all_gatherv":
-            args = self._gatherv_dummy(*meta) if len(meta) == 3 else None
-            if args is not None:
-                self._guard(op, self._gatherv_bytes, *args, -1, message)
-        elif op in ("broadcast", "reduce_scatterv"):
-            self._guard(op, self._agree, op, -1, message)
-
-    def _gatherv_dummy(
-        self, input_: Any, dim: Any, sizes: Any
-    ) -> tuple[torch.Tensor, int, list[int]] | None:
-        """Arguments for joining a rejected all_gatherv, or None if they cannot be built."""
-        if not isinstance(input_, torch.Tensor) or input_.device.type != self.device.type:
-            return None
-        if not isinstance(dim, int) or isinstance(dim, bool) or input_.dim() == 0:
-            return None
-        if not -input_.dim() <= dim < input_.dim() or not isinstance(sizes, (list, tuple)):
-            return None
-        if len(sizes) != self.world_size or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
-        ):
-            return None
-        d = dim % input_.dim()
-        shape = list(input_.shape)
-        shape[d] = 0  # no payload: the header says "rejected"; inner shape sizes the pieces
-        return torch.empty(shape, dtype=input_.dtype, device=input_.device), d, list(sizes)
 
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         me = self.rank_in_group == dst
+        if self._checks_calls:
+            small = t.nbytes <= BLOCK_INLINE
+            h = self._header("gather", t.dtype, None, dst, (t.shape, dim), t.shape)
+            self._call("gather", h, t if small and not me else None)
+            if small:
+                return torch.cat(self._received(t), dim) if me else None
         bufs = [torch.empty_like(t) for _ in range(self.world_size)] if me else None
         dist.gather(
             wire_view(t),
@@ -287,12 +283,21 @@ class TorchDistributedCommunicator(DeviceCommunicator):
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if self._checks_calls:
-            self._agree("broadcast", t.nbytes)
+            small = t.nbytes <= BLOCK_INLINE
+            me = self.rank_in_group == src
+            h = self._header("broadcast", t.dtype, None, src, t.shape, t.shape)
+            self._call("broadcast", h, t if small and me else None)
+            if small:
+                if not me:
+                    t.copy_(self._envelopes().views(t.dtype, t.shape)[src])
+                return t
         dist.broadcast(wire_view(t), src=self._g(src), group=self.device_group)
         return t
 
     def _scatter(self, t: torch.Tensor | None, src: int, dim: int) -> torch.Tensor:
-        """The source announces shape, dtype and dim (msgpack, never pickle), then scatters."""
+        if self._checks_calls:
+            return self._signed_scatter(t, src, dim)
+        # GPU: the source announces shape, dtype and dim (msgpack, never pickle), then scatters.
         meta = None if t is None else ["ok", list(t.shape), _dtype_name(t.dtype), dim]
         meta = object_group(self.cpu_group).broadcast(meta, src)
         if meta[0] == "error":
@@ -302,16 +307,83 @@ class TorchDistributedCommunicator(DeviceCommunicator):
                 queue=self.unique_name, peers=(src,),
             )
         shape, dtype, d = self._check_scatter_meta(meta, src)
-        d = d % len(shape)
-        n = self.world_size
+        return self._plain_scatter(t, src, shape, dtype, d % len(shape))
+
+    def _plain_scatter(
+        self, t: torch.Tensor | None, src: int, shape: list[int], dtype: torch.dtype, d: int
+    ) -> torch.Tensor:
+        """Scatter through the backend once every rank knows the source's shape and dtype."""
         piece_shape = list(shape)
-        piece_shape[d] //= n
+        piece_shape[d] //= self.world_size
         out = torch.empty(piece_shape, dtype=dtype, device=self.device)
         chunks = None
         if t is not None:
-            chunks = [wire_view(c.contiguous()) for c in t.chunk(n, d)]
+            chunks = [wire_view(c.contiguous()) for c in torch.tensor_split(t, self.world_size, d)]
         dist.scatter(wire_view(out), chunks, src=self._g(src), group=self.device_group)
         return out
+
+    def _signed_scatter(self, t: torch.Tensor | None, src: int, dim: int) -> torch.Tensor:
+        """Scatter on CPU: the source's block holds its shape, and its tensor when small.
+
+        Receivers know neither shape nor dtype, so their header leaves both
+        open; every rank's ``dim`` travels in word 10 and is checked against
+        the source's tensor after the exchange.
+        """
+        n, me = self.world_size, self.rank_in_group
+        if t is not None:
+            prefix = _shape_prefix(t.shape)
+            small = prefix.numel() + t.nbytes <= BLOCK_INLINE
+            payload = torch.cat([prefix, as_bytes(t)]) if small else prefix
+            h = self._header("scatter", None, None, src, (), t.shape, data_dtype=t.dtype, extra=dim)
+            self._call("scatter", h, payload)
+            self._check_scatter_dims(src, h)
+            if small:
+                return torch.tensor_split(t, n, dim)[me].clone(memory_format=torch.contiguous_format)
+            return self._plain_scatter(t, src, list(t.shape), t.dtype, dim)
+        h = self._header("scatter", None, None, src, (), None, extra=dim)
+        self._call("scatter", h)
+        d = self._check_scatter_dims(src, h)
+        shape, dtype = self._scatter_source(src)
+        skip = 16 * ((len(shape) + 1) // 2)
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if skip + nbytes <= BLOCK_INLINE:
+            whole = self._payload(src)[skip : skip + nbytes].view(dtype).view(shape)
+            return torch.tensor_split(whole, n, d)[me].clone(memory_format=torch.contiguous_format)
+        return self._plain_scatter(None, src, shape, dtype, d)
+
+    def _check_scatter_dims(self, src: int, mine: np.ndarray) -> int:
+        """The source's scatter dim; raises on every rank unless every rank's ``dim`` names it."""
+        env = self._envelopes()
+        me = self.rank_in_group
+        words = [mine if r == me else env.words[r] for r in range(self.world_size)]
+        ndim, src_d = int(words[src][9]), int(words[src][10])
+        dims = [int(w[10]) for w in words]
+        bad = [r for r, d in enumerate(dims) if not -ndim <= d < ndim or d % ndim != src_d]
+        if bad:
+            raise CollectiveMismatch(
+                f"group {self.unique_name!r}, op scatter: rank(s) {bad} passed a dim that does "
+                f"not match the source's (dim per rank: {dims}; the source rank {src} scatters "
+                f"a {ndim}-D tensor along dim {src_d}); every rank must pass the same dim. "
+                f"Nothing was exchanged and the group stays usable.",
+                queue=self.unique_name, peers=bad,
+            )
+        return src_d
+
+    def _scatter_source(self, src: int) -> tuple[list[int], torch.dtype]:
+        """Shape and dtype of the source's tensor, from its block (checked before allocating)."""
+        words = self._envelopes().words[src]
+        ndim = int(words[9])
+        raw = self._payload(src)
+        _, dtype = data_shape(words)
+        shape = None
+        if 0 < ndim <= _MAX_DIMS and raw.numel() >= 8 * ndim:
+            shape = raw[: 8 * ndim].view(torch.int64).tolist()
+        if dtype is None or shape is None or any(x < 0 for x in shape):
+            raise DecodeError(
+                f"scatter on group {self.unique_name!r}: rank {src}'s block does not describe "
+                f"a tensor (ndim {ndim}, dtype code {int(words[8])}); nothing was allocated",
+                queue=self.unique_name, peers=(src,))
+        return shape, dtype
 
     def _check_scatter_meta(self, meta: Any, src: int) -> tuple[list[int], torch.dtype, int]:
         """Shape, dtype and dim from the source's announcement, checked before allocating."""
@@ -330,11 +402,23 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         return shape, dtype, d
 
     def _scatter_abort(self, src: int, message: str) -> None:
-        object_group(self.cpu_group).broadcast(["error", message], src)
+        if self._checks_calls:
+            self._abort_collective("scatter", message)
+        else:
+            object_group(self.cpu_group).broadcast(["error", message], src)
 
     def _all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-        n = self.world_size
+        n, me = self.world_size, self.rank_in_group
         x = t.movedim(scatter_dim, 0).contiguous()
+        if self._checks_calls:
+            small = x.nbytes <= BLOCK_INLINE
+            h = self._header("all_to_all", t.dtype, None, 0, (t.shape, scatter_dim, gather_dim),
+                             t.shape)
+            self._call("all_to_all", h, x if small else None)
+            if small:  # piece ``me`` of every rank's whole input
+                mine = torch.tensor_split(x, n, 0)[me]
+                got = self._received(mine, [mine.shape] * n, [me * mine.numel()] * n)
+                return torch.cat([p.movedim(0, scatter_dim) for p in got], gather_dim).contiguous()
         out = torch.empty_like(x)
         dist.all_to_all_single(wire_view(out), wire_view(x), group=self.device_group)
         # out = [piece from rank 0 | piece from rank 1 | ...], each in moved layout.
@@ -342,12 +426,50 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         return torch.cat(pieces, gather_dim).contiguous()
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
+        if self._checks_calls:
+            small = t.nbytes <= INLINE_MAX
+            h = self._header("send/recv", t.dtype, None, self.rank_in_group, t.shape, t.shape)
+            self._p2p_call("send", dst, h, as_bytes(t) if small else None)
+            if not small:
+                self._p2p().send_raw(as_bytes(t), dst).wait()
+            return
         dist.send(wire_view(t), dst=self._g(dst), group=self.device_group)
 
     def _recv(self, size: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(size, dtype=dtype, device=self.device)
+        if self._checks_calls:
+            self._p2p_call("recv", src, self._header("send/recv", dtype, None, src, size, size))
+            if out.nbytes <= INLINE_MAX:
+                as_bytes(out).copy_(self._p2p().payload(src))
+            else:
+                self._p2p().recv_raw(as_bytes(out), src).wait()
+            return out
         dist.recv(wire_view(out), src=self._g(src), group=self.device_group)
         return out
+
+    # --- rejected calls -----------------------------------------------------------
+    def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
+        """Send a REJECTED envelope in place of this rank's call (CPU; see the module docstring).
+
+        ``meta`` is ``(peer,)`` for send/recv (nobody is told without a valid peer).
+        """
+        if not self._checks_calls:
+            return  # GPU calls exchange no headers: peers cannot be told (see _checks_calls)
+        if op in ("send", "recv"):
+            if meta:
+                self._guard(op, self._p2p_call, op, meta[0], None, None, message)
+            return
+        self._guard(op, self._reject_call, op, message)
+
+
+_MAX_DIMS = 64  # dims a tensor may have (torch's limit)
+
+
+def _shape_prefix(shape: torch.Size) -> torch.Tensor:
+    """The shape as int64 words, padded to 16 bytes (the data after it stays aligned)."""
+    words = torch.zeros(2 * ((len(shape) + 1) // 2), dtype=torch.int64)
+    words[: len(shape)] = torch.tensor(list(shape), dtype=torch.int64)
+    return words.view(torch.uint8)
 
 
 def _concat_leading(stacked: torch.Tensor, dim: int) -> torch.Tensor:

@@ -48,6 +48,9 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
         curve_client_key: Z85 public key the writer's ZAP handler admits.
         curve_client_secret: Z85 secret of that key, for the remote readers
             (secret: see the module docstring).
+        writer_pid_space: The writer's
+            :func:`~shm_broadcast.waiting.own_pid_space`: readers check its
+            pid only from the same pid space.
     """
 
     name: str
@@ -69,6 +72,7 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
     curve_server_key: bytes | None = None
     curve_client_key: bytes | None = None
     curve_client_secret: bytes | None = None
+    writer_pid_space: str = ""
 
     def __repr__(self) -> str:
         fields = []

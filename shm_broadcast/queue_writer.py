@@ -5,9 +5,11 @@ Per message (see :mod:`shm_broadcast.ring_buffer` for the flag protocol):
 1. encode (msgspec + raw array copies, :mod:`shm_broadcast.codec`);
 2. local readers: wait until chunk ``seq % max_chunks`` is FREE, write header,
    msgpack bytes and arrays straight into it (or, if the message does not fit,
-   publish it on the ``o`` topic first and write only the header), publish the
-   flags, then -- after a full fence -- ring the doorbell only if some reader
-   declared itself parked. A spinning reader costs the writer no syscall;
+   publish it on the ``o`` topic first and write only the header), stamp the
+   chunk with the publish time (:data:`shm_broadcast.predictive.STAMP`, which
+   predictive readers learn from), publish the flags, then -- after a full
+   fence -- ring the doorbell only if some reader declared itself parked. A
+   spinning reader costs the writer no syscall;
 3. remote readers: wait for flow-control credit, send on the ``m`` topic.
 
 A writer blocked on a full ring uses the same spin/yield/park policy as the
@@ -27,7 +29,7 @@ Channel security (protocol, see :mod:`shm_broadcast.transport` and
   carried by the handle. Refused handshakes are counted
   (:meth:`QueueWriter.security_stats`).
 * Control frames are validated before they change any state: a hello counts
-  only if it decodes as ``[rank, pid, create_time, host]``, comes from a
+  only if it decodes as ``[rank, pid, create_time, host, pid_space]``, comes from a
   routing id the queue expects (``L<i>``: the local slot whose shared-memory
   registration has the same pid and start time; ``R<rank>``: a rank that is
   not local, over a ZAP-authenticated connection, at most ``n_remote`` of
@@ -55,6 +57,7 @@ from shm_broadcast.codec import Codec, Encoded
 from shm_broadcast.doorbell import BellRinger, Doorbell, bell_address
 from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout
 from shm_broadcast.handle import Handle
+from shm_broadcast.predictive import STAMP, STAMP_OFFSET
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
 from shm_broadcast.transport import (
     ACK, CTL_ACK, CTL_CLOSED, CTL_HELLO, HANDSHAKE_FAILED, KIND_DATA, KIND_OVERFLOW,
@@ -62,13 +65,15 @@ from shm_broadcast.transport import (
     close_all, count_failed_handshakes, host_ip, local_bind_address, make_curve_server,
     new_channel_dir, new_keypair, new_socket, remove_channel_dir,
 )
-from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy
+from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy, own_pid_space
 
 __all__ = ["QueueWriter"]
 
 _ZERO_COPY_MIN = 1 << 16
+_monotonic = time.monotonic
+_pack_stamp = STAMP.pack_into
 
-_Hello = tuple[int, int, float, str]
+_Hello = tuple[int, int, float, str, str]  # rank, pid, start time, host, pid space
 _HELLO_DECODER = msgspec.msgpack.Decoder(_Hello)
 
 
@@ -247,6 +252,7 @@ class QueueWriter:
             writer_pid=self._pid,
             writer_create_time=self._ctime,
             writer_host=socket.gethostname(),
+            writer_pid_space=own_pid_space(),
             writer_rank=self.writer_rank,
             remote_window=self.remote_window,
             curve_server_key=self._server_keys[0] if self._server_keys else None,
@@ -381,7 +387,7 @@ class QueueWriter:
     def _accept_hello(self, ident: bytes, frame: zmq.Frame, body: bytes) -> bool:
         """Record a reader's first hello if it is consistent; returns whether it was."""
         try:
-            rank, pid, ctime, host = _HELLO_DECODER.decode(body[1:])
+            rank, pid, ctime, host, pid_space = _HELLO_DECODER.decode(body[1:])
         except (msgspec.DecodeError, msgspec.ValidationError):
             return False
         slot = _slot_of(ident)
@@ -404,7 +410,8 @@ class QueueWriter:
         self._hello[ident] = (rank, pid, ctime, host)
         self._remote_fd[frame.get(zmq.SRCFD)] = rank
         self._remote_acked.setdefault(rank, 0)
-        self._local_watch[-1 - rank] = PeerWatch(pid, ctime, host)
+        # checked by pid only from the reader's own pid space, whatever its hostname
+        self._local_watch[-1 - rank] = PeerWatch(pid, ctime, host, pid_space=pid_space)
         return True
 
     def security_stats(self) -> dict[str, int]:
@@ -505,6 +512,7 @@ class QueueWriter:
             buf[d + CHUNK_HEADER : d + CHUNK_HEADER + mlen] = msg
             if blen:
                 enc.write_blob(ring.base_addr + d + boff)
+        _pack_stamp(ring.buf, d + STAMP_OFFSET, _monotonic())  # read only after W == 1
         ring.publish(chunk)
         ring.full_fence()
         parked = ring.take_parked_readers()

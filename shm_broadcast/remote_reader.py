@@ -54,7 +54,7 @@ from shm_broadcast.transport import (
     ACK, CTL_ACK, CTL_HELLO, HANDSHAKE_FAILED, KIND_READY, KIND_SHUTDOWN, TOPIC_REMOTE, WIRE,
     close_all, close_dealer, make_curve_client, new_socket, say_goodbye,
 )
-from shm_broadcast.waiting import Backoff, PeerWatch, WaitPolicy
+from shm_broadcast.waiting import Backoff, PeerWatch, WaitPolicy, own_pid_space
 
 __all__ = ["RemoteReader"]
 
@@ -83,8 +83,9 @@ class RemoteReader:
         self.codec = codec
         self._pid = os.getpid()
         self._owner_thread = threading.get_ident()
+        # checked by pid only from the writer's own pid space, whatever its hostname
         self._writer = PeerWatch(handle.writer_pid, handle.writer_create_time,
-                                 handle.writer_host)
+                                 handle.writer_host, pid_space=handle.writer_pid_space)
         wr = "" if handle.writer_rank is None else f" rank {handle.writer_rank}"
         self._writer_desc = f"writer{wr} ({self._writer.describe()})"
         self._ack_every = max(1, handle.remote_window // 4)
@@ -141,7 +142,7 @@ class RemoteReader:
         self.dealer.connect(handle.remote_ctl)
         ctime = psutil.Process(self._pid).create_time()
         self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
-            [rank, self._pid, ctime, socket.gethostname()]))
+            [rank, self._pid, ctime, socket.gethostname(), own_pid_space()]))
 
     # ------------------------------------------------------------- receive
     def _next(self, what: str, timeout: float | None) -> list:

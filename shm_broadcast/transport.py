@@ -20,7 +20,7 @@ to the PUB/SUB "slow joiner" effect.
 
 ``ctl`` (ROUTER, readers -> writer): each reader connects a DEALER whose
 routing id names it (``L<index>`` local, ``R<rank>`` remote) and sends a hello
-(pid, process start time, host), remote readers' cumulative acks (flow
+(pid, process start time, host, pid space), remote readers' cumulative acks (flow
 control), and a goodbye on close.
 
 Wake-ups of parked sides do not use zmq; see :mod:`shm_broadcast.doorbell`.
@@ -85,7 +85,6 @@ Who can reach these sockets (see ``docs/security-channels.md``):
 from __future__ import annotations
 
 import os
-import socket
 import struct
 import threading
 
@@ -93,6 +92,7 @@ import zmq
 from zmq.utils import z85
 
 from shm_broadcast.channel_dirs import new_channel_dir, remove_channel_dir, remove_dead_channel_dir
+from shm_broadcast.host_address import host_ip
 
 __all__ = [
     "WIRE",
@@ -142,8 +142,6 @@ TOPIC_REMOTE = b"m"
 CTL_HELLO = b"h"
 CTL_ACK = b"a"
 CTL_CLOSED = b"c"
-
-HOST_IP_ENV = "GROUPCOORD_HOST_IP"
 
 #: ZAP domain of the writer's TCP listeners (the authenticator serves only it).
 ZAP_DOMAIN = "groupcoord"
@@ -313,27 +311,6 @@ def count_failed_handshakes(mon: zmq.Socket | None) -> tuple[int, list[int]]:
     except zmq.Again:
         pass
     return failed, gone
-
-
-def host_ip() -> str:
-    """Best guess of this host's IP address that other nodes can reach.
-
-    ``$GROUPCOORD_HOST_IP`` wins; otherwise the source address of the default
-    route (a UDP ``connect`` sends no packet); otherwise loopback.
-    """
-    env = os.environ.get(HOST_IP_ENV)
-    if env:
-        return env
-    for target in ("10.255.255.255", "8.8.8.8"):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((target, 1))
-                ip = s.getsockname()[0]
-                if ip and not ip.startswith("0."):
-                    return ip
-        except OSError:
-            continue
-    return "127.0.0.1"
 
 
 def say_goodbye(dealer: zmq.Socket | None, owner_thread: int) -> None:

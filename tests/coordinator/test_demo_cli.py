@@ -67,6 +67,14 @@ def test_demo_matches_hf_greedy(tmp_path: Path, hf_checkpoint, tp: int, pp: int)
     assert report["max_logit_diff"] < 1e-3
     assert report["tp"] == tp and report["pp"] == pp
     assert report["metadata_broadcast_us"]["n"] == report["steps"]
+    # Every worker reports the arrival of each timed step and what its wait cost.
+    workers = report["workers"]
+    assert [w["rank"] for w in workers] == list(range(1, tp * pp))
+    for w in workers:
+        assert w["arrival_us"]["n"] == report["steps"]
+        assert 0 < w["arrival_us"]["p50"] <= w["arrival_us"]["p99"] <= w["arrival_us"]["max"]
+        assert w["wait_cpu_us_per_step"] >= 0 and 0 <= w["wait_cpu_percent"] <= 100
+        assert "planned" in w["queue_wait_stats"]  # the metadata queue waits predictively
 
 
 def test_demo_rejects_bad_prompt_ids(tmp_path: Path) -> None:
@@ -76,3 +84,64 @@ def test_demo_rejects_bad_prompt_ids(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "--prompt-ids" in proc.stderr and "'1,x'" in proc.stderr
+
+
+# ------------------------------------------------------------- --launcher env
+def _torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _env_without_launcher() -> dict[str, str]:
+    import os
+
+    drop = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+@pytest.mark.timeout(240)
+def test_demo_under_torchrun(tmp_path: Path) -> None:
+    """torchrun starts the ranks (--launcher env): rank 0 alone reports, verified
+    against the unsharded model (tests/multihost compares it bit for bit with
+    the default launcher, across two simulated hosts)."""
+    env = {**_env_without_launcher(), "OMP_NUM_THREADS": "1"}
+    launched = tmp_path / "env.json"
+    proc = subprocess.run([*_torchrun(), "--standalone", "--nproc-per-node", "2",
+                           "-m", "coordinator", "demo", "--launcher", "env", "--tp", "2",
+                           "--pp", "1", "--max-new-tokens", "6", "--no-progress",
+                           "--timeout", "120", "--json", str(launched)],
+                          capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("PASS") == 1  # only global rank 0 reports
+    b = json.loads(launched.read_text())
+    assert b["launcher"] == "env" and (b["tp"], b["pp"]) == (2, 1)
+    assert b["verified"] and b["tokens_identical"] and b["generated"] == b["reference_generated"]
+    # every worker's report reached the driver: one arrival per timed step
+    assert b["worker_recv_latency_us"]["n"] == b["steps"] > 0
+    assert [w["rank"] for w in b["workers"]] == [1]
+    assert b["workers"][0]["arrival_us"]["n"] == b["steps"]
+
+
+@pytest.mark.parametrize("env_update,needle", [
+    ({}, "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set"),
+    ({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "needs 4 ranks, but the launcher started WORLD_SIZE=3"),
+    ({"RANK": "0", "WORLD_SIZE": "four", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "WORLD_SIZE must be an int, got 'four'"),
+], ids=["not-launched", "wrong-world-size", "bad-world-size"])
+def test_demo_launcher_env_refuses_a_wrong_environment(env_update, needle) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "demo", "--launcher", "env", "--no-progress"],
+        capture_output=True, text=True, timeout=120, env={**_env_without_launcher(), **env_update},
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    assert "--launcher env" in proc.stderr
+
+
+def test_demo_mlp_refuses_launcher_env() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "demo", "--mlp", "--launcher", "env"],
+        capture_output=True, text=True, timeout=120, env=_env_without_launcher(),
+    )
+    assert proc.returncode == 2 and "--mlp runs with --launcher spawn only" in proc.stderr

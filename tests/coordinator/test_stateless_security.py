@@ -80,7 +80,7 @@ def test_port_in_use_is_a_store_connection_error_and_leaves_no_key_file() -> Non
     import socket
 
     from coordinator.errors import StoreConnectionError
-    from coordinator.stateless_group import _key_file_path
+    from coordinator.group_secret import _key_file_path
 
     with socket.create_server((HOST, 0)) as busy:
         port = busy.getsockname()[1]
@@ -185,7 +185,7 @@ def test_insecure_mode_still_never_unpickles(tmp_path) -> None:
 def test_every_altered_sealed_value_fails_authentication(n: int) -> None:
     import random
 
-    from coordinator.stateless_group import _Sealer
+    from coordinator.store_sealing import Sealer as _Sealer
     from shm_broadcast.group_adapter import encode_object
 
     rng = random.Random(n)

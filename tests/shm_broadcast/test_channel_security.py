@@ -33,6 +33,7 @@ import zmq
 from shm_broadcast import MessageQueue, PeerDiedError, QueueTimeout
 from shm_broadcast.handle import Handle
 from shm_broadcast.transport import CTL_ACK, CTL_HELLO, KIND_DATA, TOPIC_REMOTE, WIRE
+from shm_broadcast.waiting import own_pid_space
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 
@@ -46,7 +47,8 @@ def _port(endpoint: str) -> int:
 def _hello(rank: int, pid: int | None = None) -> bytes:
     pid = os.getpid() if pid is None else pid
     ctime = psutil.Process(os.getpid()).create_time()
-    return CTL_HELLO + msgspec.msgpack.encode([rank, pid, ctime, socket.gethostname()])
+    return CTL_HELLO + msgspec.msgpack.encode([rank, pid, ctime, socket.gethostname(),
+                                               own_pid_space()])
 
 
 # ------------------------------------------------------------------ children

