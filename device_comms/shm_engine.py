@@ -20,8 +20,10 @@ slot-sized pieces, two steps apart in the double buffer):
   writes 5x slower on vCPUs without a common cache. The rank's own slot
   belongs to the peer between the step and the next one (the double-buffer
   argument of :mod:`device_comms.shm_sync` covers it: the owner writes that
-  parity again only after the peer finished the step). Beyond
-  ``oneshot_bytes``, 2-byte floats use the two-phase scheme below instead.
+  parity again only after the peer finished the step). When the two ranks
+  share a cache it reduces into its output instead (no copy; see
+  :mod:`device_comms.placement`). Beyond ``oneshot_bytes`` two ranks use the
+  two-phase scheme below, which shares the reduction work.
 * **all_reduce, large** (reduce-scatter + all-gather, two steps
   per piece): the piece is cut into ``L`` regions; rank ``i`` copies the
   regions *other* ranks own into its slot, reduces region ``i`` (its own input
@@ -77,6 +79,7 @@ import torch
 from device_comms import host_alloc
 from device_comms.engine_threads import GRAIN, ThreadCap, engine_threads
 from device_comms.fixed_reduce import binary_fn, reduce_views
+from device_comms.placement import PeerPlacement
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_sync import StepSync, shape_key, signature
 from device_comms.shm_workspace import ShmWorkspace
@@ -96,11 +99,10 @@ DEFAULT_ONESHOT_BYTES = 2 << 20
 # copy costs more than it saves (16 KiB: 4.6 vs 4.2 us).
 DEFAULT_PAIR_PIECE_BYTES = 512 << 10
 PAIR_SMALL_MIN_BYTES = 32 << 10
-# 2-byte floats are converted to float32 and back in every reduction, so beyond
-# the one-shot limit sharing the reduction (reduce-scatter + all-gather) beats
-# the pair scheme, in which each rank reduces everything (bfloat16, 16 MiB:
-# 2.2-4.4 vs 2.8-7.0 ms; float32 is memory-bound and the same either way).
-_HALF_FLOATS = {torch.bfloat16, torch.float16}
+# Beyond the one-shot limit two ranks share the reduction (reduce-scatter +
+# all-gather) instead: reducing everything on each rank (the pair scheme) cost
+# bfloat16 25-60% at 4-16 MiB, and float32 7% (vCPUs sharing a cache) to 60%
+# (both ranks on one vCPU, where the work adds up).
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
@@ -209,6 +211,7 @@ class ShmEngine:
         #: Two ranks: one-step all_reduces of at least this many bytes reduce into
         #: the peer's slot too (:meth:`_pair_small`); smaller ones read both slots.
         self.pair_small_min_bytes = PAIR_SMALL_MIN_BYTES
+        self._placement = PeerPlacement(sync.pids[1 - self.me]) if self.size == 2 else None
         self._single = min(ws.slot_bytes, oneshot_bytes)  # one step, cached views
         self._my_addr = (ws.slot_address(0, self.me), ws.slot_address(1, self.me))
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
@@ -290,16 +293,14 @@ class ShmEngine:
             return acc
         with self._cap:
             sig = (self._sig("all_reduce", t.dtype, op), self.shape_key(t.shape))
-            if self.size == 2 and self.pair_piece_bytes and (
-                nbytes <= self.oneshot_bytes or t.dtype not in _HALF_FLOATS
-            ):
+            if self.size == 2 and self.pair_piece_bytes and nbytes <= self.oneshot_bytes:
                 return self._pair_all_reduce(t, op, sig)
             if nbytes <= self._single:
                 p = sync.next_parity
                 views = self._shaped(p, t)
                 _memmove(self._my_addr[p], t.data_ptr(), nbytes)
                 sync.step("all_reduce", sig[0], sig[1], True)
-                return reduce_views(views, op)
+                return reduce_views([t if r == self.me else v for r, v in enumerate(views)], op)
             if nbytes <= self.oneshot_bytes:
                 return self._oneshot_pieces(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
             return self._two_phase(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
@@ -333,6 +334,13 @@ class ShmEngine:
         which on the development VM made writing a 1 MiB slot 5x slower (125 vs
         26 us) whenever the two ranks ran on vCPUs that do not share a cache.
         Pieces of 512 KiB keep a piece's input, slots and output in L2.
+
+        When both ranks run where they share a cache (:mod:`device_comms.placement`)
+        a rank reduces straight into its output instead, reading the peer's
+        slot only (no extra copy). Each rank decides for itself: either way it
+        takes the same steps, never reads its own slot after a step and writes
+        only the peer's, which the peer no longer reads, so mixed decisions are
+        still correct.
         """
         ws, sync, me = self.ws, self.sync, self.me
         flat, n, dt = t.view(-1), t.numel(), t.dtype
@@ -342,6 +350,7 @@ class ShmEngine:
         avg = op is ReduceOp.AVG
         chunk = max(1, min(ws.slot_bytes, self.pair_piece_bytes) // isz)
         base = flat.data_ptr()
+        migrate = self._placement is None or not self._placement.shares_cache()
         first = True
         for a in range(0, n, chunk):
             ln = min(chunk, n - a)
@@ -351,13 +360,14 @@ class ShmEngine:
             first = False
             peer = ws.slot(p, 1 - me, dt)[:ln]
             mine = flat[a : a + ln]
+            dst = peer if migrate else out[a : a + ln]
             if me == 0:
-                fn(mine, peer, out=peer)
+                fn(mine, peer, out=dst)
             else:
-                fn(peer, mine, out=peer)
+                fn(peer, mine, out=dst)
             if avg:
-                torch.div(peer, 2, out=out[a : a + ln])
-            else:
+                torch.div(dst, 2, out=out[a : a + ln])
+            elif migrate:
                 _memmove(out.data_ptr() + a * isz, peer.data_ptr(), ln * isz)
         if first:  # nothing to move (empty): still agree on the call
             sync.step("all_reduce", sig[0], sig[1], True)
