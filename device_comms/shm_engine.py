@@ -22,8 +22,8 @@ slot-sized pieces, two steps apart in the double buffer):
   argument of :mod:`device_comms.shm_sync` covers it: the owner writes that
   parity again only after the peer finished the step). When the two ranks
   share a cache it reduces into its output instead (no copy; see
-  :mod:`device_comms.placement`). Beyond ``oneshot_bytes`` two ranks use the
-  two-phase scheme below, which shares the reduction work.
+  :mod:`device_comms.placement`). Beyond ``oneshot_bytes``, 2-byte floats
+  use the two-phase scheme below, which shares the (costly) reduction.
 * **all_reduce, large** (reduce-scatter + all-gather, two steps
   per piece): the piece is cut into ``L`` regions; rank ``i`` copies the
   regions *other* ranks own into its slot, reduces region ``i`` (its own input
@@ -99,10 +99,13 @@ DEFAULT_ONESHOT_BYTES = 2 << 20
 # copy costs more than it saves (16 KiB: 4.6 vs 4.2 us).
 DEFAULT_PAIR_PIECE_BYTES = 512 << 10
 PAIR_SMALL_MIN_BYTES = 32 << 10
-# Beyond the one-shot limit two ranks share the reduction (reduce-scatter +
-# all-gather) instead: reducing everything on each rank (the pair scheme) cost
-# bfloat16 25-60% at 4-16 MiB, and float32 7% (vCPUs sharing a cache) to 60%
-# (both ranks on one vCPU, where the work adds up).
+# Beyond the one-shot limit, 2-byte floats (converted to float32 and back in
+# every reduction) keep sharing the reduction between two ranks (reduce-scatter
+# + all-gather): reducing everything on each rank cost bfloat16 25-27% at 4-16
+# MiB with both ranks on one vCPU (the work adds up), while it saved 25% on
+# vCPUs without a common cache. Memory-bound dtypes take the pair scheme at
+# every size: float32 16 MiB 1.6 vs 3.1 ms there, 3.0 vs 2.9 ms on one vCPU.
+_HALF_FLOATS = {torch.bfloat16, torch.float16}
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
@@ -293,7 +296,9 @@ class ShmEngine:
             return acc
         with self._cap:
             sig = (self._sig("all_reduce", t.dtype, op), self.shape_key(t.shape))
-            if self.size == 2 and self.pair_piece_bytes and nbytes <= self.oneshot_bytes:
+            if self.size == 2 and self.pair_piece_bytes and (
+                nbytes <= self.oneshot_bytes or t.dtype not in _HALF_FLOATS
+            ):
                 return self._pair_all_reduce(t, op, sig)
             if nbytes <= self._single:
                 p = sync.next_parity
