@@ -179,15 +179,17 @@ def _serve(tp: Any, queues: dict[str, Any], x: Any, cfg: EngineBenchConfig) -> l
         before = q.park_stats()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         while True:
-            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            w0 = time.perf_counter_ns()  # CPU interval nested in the wall interval
+            c0 = time.thread_time_ns()
             msg = q.dequeue()
+            c1 = time.thread_time_ns()
             now = time.perf_counter_ns()
             if "cmd" in msg:
                 name = msg["to"]
                 break
             if msg["step"] >= cfg.warmup_steps:
                 block["arrival_ns"].append(now - msg["t_ns"])
-                block["wait_cpu_ns"] += time.thread_time_ns() - c0
+                block["wait_cpu_ns"] += c1 - c0
                 block["wait_wall_ns"] += now - w0
             _layers(tp, x, cfg.layers,
                     block["allreduce_ns"] if msg["step"] >= cfg.warmup_steps else None)

@@ -114,12 +114,16 @@ class _Arrivals:
 
     def receive(self, meta_q: Any) -> Any:
         """``meta_q.dequeue()``, timed."""
-        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        # The CPU interval nests inside the wall interval (wall read first and
+        # last), so a fully busy wait reports at most 100% of a core.
+        w0 = time.perf_counter_ns()
+        c0 = time.thread_time_ns()
         msg = meta_q.dequeue()
+        c1 = time.thread_time_ns()
         now = time.perf_counter_ns()
         if msg.get("timed"):
             self.latency_ns.append(now - msg["t_ns"])
-            self.wait_cpu_ns += time.thread_time_ns() - c0
+            self.wait_cpu_ns += c1 - c0
             self.wait_wall_ns += now - w0
         return msg
 
