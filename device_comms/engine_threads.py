@@ -34,11 +34,12 @@ from __future__ import annotations
 import functools
 import os
 from types import TracebackType
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
 __all__ = [
+    "capped",
     "GRAIN", "THREADS_ENV", "cores_per_rank", "engine_threads", "env_threads", "openmp_backend",
     "ThreadCap",
 ]
@@ -152,3 +153,24 @@ class ThreadCap:
         if self._depth == 0 and self._saved:
             torch.set_num_threads(self._saved)
             self._saved = 0
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def capped(elems: Callable[..., int]) -> Callable[[_F], _F]:
+    """Run the decorated method under its object's ``thread_cap`` when it
+    touches more than :data:`GRAIN` elements (``elems(self, *args)`` says how
+    many); smaller kernels run serially in torch anyway."""
+
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kw: Any) -> Any:
+            if elems(self, *args) <= GRAIN:
+                return method(self, *args, **kw)
+            with self.thread_cap:
+                return method(self, *args, **kw)
+
+        return run  # type: ignore[return-value]
+
+    return wrap

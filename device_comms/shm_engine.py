@@ -35,7 +35,8 @@ slot-sized pieces, two steps apart in the double buffer):
   the slots; rank ``j`` reduces it (one step per piece).
 * **all_gather(v)/gather**: every rank copies its tensor in; readers copy all
   slots out: ``torch.cat`` straight from the slots when it fits, else blocks
-  of rows written into the output's final layout (:meth:`ShmEngine.gather_rows`).
+  of rows written into the output's final layout
+  (:meth:`~device_comms.shm_gather.ShmGatherOps.gather_rows`).
 * **broadcast/reduce**: the root writes / only the root reduces.
 
 Threads: every op over more than :data:`~device_comms.engine_threads.GRAIN`
@@ -69,18 +70,18 @@ Not thread-safe: one collective at a time per communicator, as with NCCL.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
-from typing import Any, Callable, NamedTuple, Sequence, TypeVar
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from device_comms import host_alloc
-from device_comms.engine_threads import GRAIN, ThreadCap, engine_threads
+from device_comms.engine_threads import GRAIN, ThreadCap, capped, engine_threads
 from device_comms.fixed_reduce import binary_fn, reduce_views
 from device_comms.placement import PeerPlacement
 from device_comms.reduce_op import ReduceOp
+from device_comms.shm_gather import ShmGatherOps
 from device_comms.shm_sync import StepSync, shape_key, signature
 from device_comms.shm_workspace import ShmWorkspace
 
@@ -114,38 +115,6 @@ _from_numpy = torch.from_numpy
 # ``torch.from_numpy`` costs ~0.25 us less than ``torch.add`` (dispatch), and the
 # element-wise IEEE/two's-complement sums are bitwise the same as torch's.
 _NUMPY_SUM = {torch.float32, torch.float64, torch.int32, torch.int64}
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _GatherStep(NamedTuple):
-    """What every piece of one gather_rows call shares."""
-
-    x2: torch.Tensor
-    out2: torch.Tensor | None
-    widths: Sequence[int]
-    offs: list[int]
-    writes: bool
-    kind: str
-    sig: Any
-    size_key: int
-
-
-def _capped(elems: Callable[..., int]) -> Callable[[_F], _F]:
-    """Run the decorated engine method under the engine's thread cap when it
-    touches more than :data:`GRAIN` elements (``elems(self, *args)`` says how
-    many); smaller kernels run serially in torch anyway."""
-
-    def wrap(method: _F) -> _F:
-        @functools.wraps(method)
-        def run(self: "ShmEngine", *args: Any, **kw: Any) -> Any:
-            if elems(self, *args) <= GRAIN:
-                return method(self, *args, **kw)
-            with self._cap:
-                return method(self, *args, **kw)
-
-        return run  # type: ignore[return-value]
-
-    return wrap
 
 
 class _SmallAllReduce:
@@ -173,7 +142,7 @@ class _SmallAllReduce:
             self.views = tuple([v.numpy() for v in vs] for vs in self.views)
 
 
-class ShmEngine:
+class ShmEngine(ShmGatherOps):
     """Shared-memory collectives for the local ranks of a workspace.
 
     Args:
@@ -378,7 +347,7 @@ class ShmEngine:
             sync.step("all_reduce", sig[0], sig[1], True)
         return out.view(t.shape)
 
-    @_capped(lambda self, t, *_: t.numel())
+    @capped(lambda self, t, *_: t.numel())
     def reduce(
         self,
         t: torch.Tensor,
@@ -456,7 +425,7 @@ class ShmEngine:
                         out[a + b[j] : a + b[j + 1]].copy_(ws.slot(q, j, dt)[b[j] : b[j + 1]])
         return out.view(t.shape) if out is not None else None
 
-    @_capped(lambda self, x, *_: x.numel())
+    @capped(lambda self, x, *_: x.numel())
     def reduce_scatter(
         self, x: torch.Tensor, counts: Sequence[int], op: ReduceOp, kind: str, size_key: int
     ) -> torch.Tensor:
@@ -516,119 +485,7 @@ class ShmEngine:
         return out
 
     # ------------------------------------------------------------------ data movement
-    @_capped(lambda self, t, *_: t.numel() * self.size)
-    def all_gather_cat(
-        self,
-        t: torch.Tensor,
-        dim: int,
-        kind: str = "all_gather",
-        dst: int | None = None,
-        size_key: int | None = None,
-    ) -> torch.Tensor | None:
-        """Every rank's ``t`` (same shape, fits a slot) concatenated along ``dim``.
-
-        Every rank gets it when ``dst`` is None, else only local rank ``dst``.
-        ``size_key`` (default: the element count) must agree on every rank.
-        """
-        views = self._shaped(self.sync.next_parity, t)
-        views[self.me].copy_(t)
-        sig = self._sig(kind, t.dtype, None, 0 if dst is None else dst)
-        self.sync.step(kind, sig, t.numel() if size_key is None else size_key, True)
-        if dst is None or dst == self.me:
-            return torch.cat(views, dim)
-        return None
-
-    @_capped(lambda self, t, shapes, *_: sum(math.prod(s) for s in shapes))
-    def gatherv_cat(
-        self, t: torch.Tensor, shapes: Sequence[torch.Size], dim: int, size_key: int
-    ) -> torch.Tensor:
-        """All-gather of per-rank shapes ``shapes`` (each fits a slot), concatenated along ``dim``."""
-        p, dt = self.sync.next_parity, t.dtype
-        views = [
-            s[: math.prod(shape)].view(shape)
-            for s, shape in zip(self.ws.slots(p, dt), shapes)
-        ]
-        views[self.me].copy_(t)
-        self.sync.step("all_gatherv", self._sig("all_gatherv", dt), size_key, True)
-        return torch.cat(views, dim)
-
-    @_capped(lambda self, x2, widths, *_: x2.shape[0] * sum(widths))
-    def gather_rows(
-        self,
-        x2: torch.Tensor,
-        widths: Sequence[int],
-        out2: torch.Tensor | None,
-        kind: str,
-        size_key: int,
-        dst: int | None = None,
-    ) -> None:
-        """Gather 2-D pieces side by side: ``out2[:, c_r : c_r + widths[r]] = x2`` of rank ``r``.
-
-        ``x2`` is this rank's ``(A, widths[me])`` contiguous input; ``out2`` the
-        ``(A, sum(widths))`` output on readers (every rank when ``dst`` is None,
-        else only local rank ``dst``; None elsewhere). Pieces go through the
-        slots a block of whole rows at a time, or a row in column pieces when a
-        row is larger than a slot, so the output is written in its final layout.
-        """
-        ws, sync, me = self.ws, self.sync, self.me
-        dt = x2.dtype
-        sig = self._sig(kind, dt, None, 0 if dst is None else dst)
-        rows_n = x2.shape[0]
-        offs = [0]
-        for w in widths:
-            offs.append(offs[-1] + w)
-        writes = dst is None or dst != me  # a root reads its own part from x2
-        chunk = ws.slot_elems(dt)
-        wmax = max(widths) if widths else 0
-        if wmax == 0 or rows_n == 0:
-            sync.step(kind, sig, size_key, True)  # nothing to move; still agree on the call
-            return
-        if wmax <= chunk:  # blocks of whole rows
-            per = max(1, chunk // wmax)
-            pieces = [(i, min(per, rows_n - i), None) for i in range(0, rows_n, per)]
-        else:  # each row in column pieces
-            pieces = [(i, 1, a) for i in range(rows_n) for a in range(0, wmax, chunk)]
-        step = _GatherStep(x2, out2, widths, offs, writes, kind, sig, size_key)
-        for n, (i, nrows, a) in enumerate(pieces):
-            if a is None:
-                self._gather_row_block(step, i, nrows, first=n == 0)
-            else:
-                self._gather_column_piece(step, i, a, chunk, first=n == 0)
-
-    def _gather_row_block(self, step: "_GatherStep", i: int, nrows: int, first: bool) -> None:
-        """Rows ``i : i + nrows`` of every rank's piece through one round of slots."""
-        ws, me, dt, widths = self.ws, self.me, step.x2.dtype, step.widths
-        p = self.sync.next_parity
-        if step.writes and widths[me]:
-            ws.slot(p, me, dt)[: nrows * widths[me]].copy_(step.x2[i : i + nrows].reshape(-1))
-        self.sync.step(step.kind, step.sig, step.size_key, first)
-        if step.out2 is None:
-            return
-        for r in range(self.size):
-            w = widths[r]
-            if w:
-                src = (step.x2[i : i + nrows] if r == me
-                       else ws.slot(p, r, dt)[: nrows * w].view(nrows, w))
-                step.out2[i : i + nrows, step.offs[r] : step.offs[r] + w].copy_(src)
-
-    def _gather_column_piece(self, step: "_GatherStep", i: int, a: int, chunk: int,
-                             first: bool) -> None:
-        """Columns ``a : a + chunk`` of row ``i`` of every rank's piece (rows wider than a slot)."""
-        ws, me, dt, widths = self.ws, self.me, step.x2.dtype, step.widths
-        p = self.sync.next_parity
-        ln = max(0, min(chunk, widths[me] - a))
-        if step.writes and ln:
-            ws.slot(p, me, dt)[:ln].copy_(step.x2[i, a : a + ln])
-        self.sync.step(step.kind, step.sig, step.size_key, first)
-        if step.out2 is None:
-            return
-        for r in range(self.size):
-            lr = max(0, min(chunk, widths[r] - a))
-            if lr:
-                src = step.x2[i, a : a + lr] if r == me else ws.slot(p, r, dt)[:lr]
-                step.out2[i, step.offs[r] + a : step.offs[r] + a + lr].copy_(src)
-
-    @_capped(lambda self, t, *_: t.numel())
+    @capped(lambda self, t, *_: t.numel())
     def broadcast(
         self,
         t: torch.Tensor,

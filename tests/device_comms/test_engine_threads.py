@@ -198,8 +198,9 @@ def default_threads_rank(rank: int, world_size: int, threads: int) -> dict[str, 
     comm.barrier()
     time.sleep(0.2)
     before = _thread_cpu_ns(workers)
-    for _ in range(10):  # the same kind of kernels outside the engine: the team runs
-        big.add(1.0)
+    large = torch.zeros(1 << 22)
+    for _ in range(80):  # the same kind of kernels outside the engine: the team runs
+        large.add_(1.0)
     uncapped = _thread_cpu_ns(workers) - before
     info = comm.describe()
     comm.destroy()
@@ -223,8 +224,9 @@ def test_collectives_with_more_threads_than_cpus(world_size: int) -> None:
         assert o["engine_threads"] == 1
         if openmp_backend():  # the engine's kernels never woke the team; plain torch kernels did
             assert o["workers"] >= 1, "the OpenMP team should exist"
-            assert o["capped_ns"] < 2e6, o
-            assert o["uncapped_ns"] > o["capped_ns"], o
+            # Measured on 2 vCPUs, 4 threads: capped 0.3-4 ms, without the cap 24-45 ms,
+            # the plain kernels below 25-35 ms; a ratio survives a loaded machine.
+            assert 3 * o["capped_ns"] < o["uncapped_ns"], o
 
 
 def bad_env_rank(rank: int, world_size: int) -> str:
