@@ -25,9 +25,17 @@ whose ``recv_sizes`` disagree makes every rank raise right after it
 exactly one step, so the communicator stays usable. Slots are double
 buffered as for every op of the engine: a rank rewrites a parity only after
 every peer has published the next step, i.e. finished reading this one.
+
+Copies up to :data:`_MEMMOVE_MAX` bytes are one ``memmove`` (no torch
+dispatch); larger ones are torch copies, run under the engine's thread cap
+(:mod:`device_comms.engine_threads`) like the engine's other kernels.
 """
 
 from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import Any
 
 import torch
 
@@ -35,12 +43,15 @@ from device_comms import host_alloc
 from device_comms.alltoallv import (
     SizeTable, offsets, record, record_words, row_bytes, settle_sizes,
 )
+from device_comms.engine_threads import GRAIN
 from device_comms.shm_engine import ShmEngine
 from device_comms.shm_sync import shape_key, signature
 
 __all__ = ["all_to_allv", "fits", "record_bytes"]
 
 _LINE = 64  # the stream starts on a cache line after the size record
+_MEMMOVE_MAX = 256 << 10  # larger copies go through torch (parallel under the thread cap)
+_memmove = ctypes.memmove
 
 
 def record_bytes(world_size: int) -> int:
@@ -80,6 +91,29 @@ def all_to_allv(
             row shape), or the size records disagree (every rank raises).
         PeerRejectedError: A peer rejected its arguments.
     """
+    with _capped(eng, x.nbytes):
+        return _all_to_allv(eng, x, send, recv, name)
+
+
+def _capped(eng: ShmEngine, nbytes: int) -> Any:
+    """The engine's thread cap when a copy of ``nbytes`` may run in parallel."""
+    return eng.thread_cap if nbytes > GRAIN else contextlib.nullcontext()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` of contiguous uint8 tensors of equal length."""
+    n = dst.numel()
+    if not n:
+        return
+    if n <= _MEMMOVE_MAX:
+        _memmove(dst.data_ptr(), src.data_ptr(), n)
+    else:
+        dst.copy_(src)
+
+
+def _all_to_allv(
+    eng: ShmEngine, x: torch.Tensor, send: list[int], recv: list[int] | None, name: str,
+) -> torch.Tensor:
     ws, sync, me, n = eng.ws, eng.sync, eng.me, eng.size
     slot_b, head = ws.slot_bytes, record_bytes(n)
     row, xb = row_bytes(x), _flat_bytes(x)
@@ -99,17 +133,18 @@ def all_to_allv(
     out = host_alloc.empty((sum(got),) + tuple(x.shape[1:]), x.dtype)
     ob = _flat_bytes(out)
     roff = offsets(got)
-    if own:
-        ob[roff[me] * row : roff[me] * row + own].copy_(xb[cut : cut + own])
-    pieces, longest = _pieces(table, me, row, roff)
-    _read(ws, p, pieces, ob, 0, slot_b - head, head)
-    a = slot_b - head
-    while a < longest:  # further windows, as long as the longest stream needs
-        p = sync.next_parity
-        _write(ws.slot(p, me, torch.uint8), 0, xb, cut, own, length, a, a + slot_b)
-        sync.step(name)
-        _read(ws, p, pieces, ob, a, a + slot_b, 0)
-        a += slot_b
+    with _capped(eng, out.nbytes):
+        if own:
+            _copy(ob[roff[me] * row : roff[me] * row + own], xb[cut : cut + own])
+        pieces, longest = _pieces(table, me, row, roff)
+        _read(ws, p, pieces, ob, 0, slot_b - head, head)
+        a = slot_b - head
+        while a < longest:  # further windows, as long as the longest stream needs
+            p = sync.next_parity
+            _write(ws.slot(p, me, torch.uint8), 0, xb, cut, own, length, a, a + slot_b)
+            sync.step(name)
+            _read(ws, p, pieces, ob, a, a + slot_b, 0)
+            a += slot_b
     return out
 
 
@@ -143,10 +178,10 @@ def _write(
     b = min(b, length)
     lo, hi = a, min(b, cut)
     if hi > lo:
-        slot[base + lo - a : base + hi - a].copy_(xb[lo:hi])
+        _copy(slot[base + lo - a : base + hi - a], xb[lo:hi])
     lo, hi = max(a, cut), b
     if hi > lo:
-        slot[base + lo - a : base + hi - a].copy_(xb[lo + own : hi + own])
+        _copy(slot[base + lo - a : base + hi - a], xb[lo + own : hi + own])
 
 
 def _read(
@@ -158,4 +193,4 @@ def _read(
         lo, hi = max(a, start), min(b, start + nbytes)
         if hi > lo:
             src = ws.slot(p, q, torch.uint8)  # type: ignore[attr-defined]
-            ob[dst + lo - start : dst + hi - start].copy_(src[base + lo - a : base + hi - a])
+            _copy(ob[dst + lo - start : dst + hi - start], src[base + lo - a : base + hi - a])
