@@ -35,17 +35,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from typing import Any
 
+import numpy as np
 import torch
 
 from device_comms import host_alloc
-from device_comms.alltoallv import (
-    SizeTable, offsets, record, record_words, row_bytes, settle_sizes,
-)
+from device_comms.alltoallv import SizeTable, offsets, record_words, row_bytes, settle_sizes
 from device_comms.engine_threads import GRAIN
 from device_comms.shm_engine import ShmEngine
-from device_comms.shm_sync import shape_key, signature
+from device_comms.shm_sync import signature
 
 __all__ = ["all_to_allv", "fits", "record_bytes"]
 
@@ -67,6 +67,16 @@ def fits(eng: ShmEngine) -> bool:
     every rank routes a call the same way.
     """
     return 2 * record_bytes(eng.size) <= eng.ws.slot_bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(dtype: torch.dtype) -> int:
+    return signature("all_to_allv", dtype)
+
+
+def _words(ws: Any, parity: int, rank: int) -> np.ndarray:
+    """Local ``rank``'s slot of ``parity`` as int64 words (a numpy view: cheap to read and fill)."""
+    return ws.slot(parity, rank, torch.int64).numpy()
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -121,13 +131,11 @@ def _all_to_allv(
     cut, own = off[me] * row, send[me] * row  # my stream skips [cut, cut + own)
     length = (off[n] - send[me]) * row
     p = sync.next_parity
-    ws.slot(p, me, torch.int64)[: record_words(n)].copy_(record(send, recv))
-    _write(ws.slot(p, me, torch.uint8), head, xb, cut, own, length, 0, slot_b - head)
-    sig = signature("all_to_allv", x.dtype)
-    sync.step(name, sig, shape_key(tuple(x.shape[1:])), True)
     words = record_words(n)
-    table = SizeTable.decode(
-        torch.stack([ws.slot(p, q, torch.int64)[:words] for q in range(n)]).tolist(), sync.name, name)
+    _words(ws, p, me)[:words] = [1 if recv is not None else 0] + send + (recv or [0] * n)
+    _write(ws.slot(p, me, torch.uint8), head, xb, cut, own, length, 0, slot_b - head)
+    sync.step(name, _signature(x.dtype), eng.shape_key(x.shape[1:]), True)
+    table = SizeTable.decode([_words(ws, p, q)[:words].tolist() for q in range(n)], sync.name, name)
     settle_sizes(table, sync.name, name)
     got = table.received_by(me)
     out = host_alloc.empty((sum(got),) + tuple(x.shape[1:]), x.dtype)
