@@ -146,7 +146,7 @@ class SizeTable:
         send: list[list[int]] = []
         recv: list[list[int] | None] = []
         for i, w in enumerate(rows):
-            if len(w) != 2 * n + 1 or w[0] not in (0, 1) or any(x < 0 for x in w[1:]):
+            if len(w) != 2 * n + 1 or w[0] not in (0, 1) or min(w) < 0:
                 raise DecodeError(
                     f"group {name!r}, op {op}: rank {i}'s size record is malformed "
                     f"({w[:8]}...); nothing was received", queue=name, peers=(i,))

@@ -407,7 +407,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if eng is None or not self._in_shm("all_to_allv"):
             return super()._all_to_allv(t, send, recv)
         self.shm_calls["all_to_allv"] += 1
-        return shm_alltoallv.all_to_allv(eng, t, send, recv)
+        return eng.all_to_allv(t, send, recv)
 
     def _in_shm(self, op: str) -> bool:
         """Whether ``op`` runs in the shared-memory engine (the same on every rank)."""

@@ -36,18 +36,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from device_comms import host_alloc
 from device_comms.alltoallv import SizeTable, offsets, record_words, row_bytes, settle_sizes
-from device_comms.engine_threads import GRAIN
-from device_comms.shm_engine import ShmEngine
+from device_comms.engine_threads import GRAIN, ThreadCap
 from device_comms.shm_sync import signature
 
-__all__ = ["all_to_allv", "fits", "record_bytes"]
+if TYPE_CHECKING:
+    from device_comms.shm_engine import ShmEngine
+    from device_comms.shm_sync import StepSync
+    from device_comms.shm_workspace import ShmWorkspace
+
+__all__ = ["ShmAllToAllvOps", "fits", "record_bytes"]
 
 _LINE = 64  # the stream starts on a cache line after the size record
 _MEMMOVE_MAX = 256 << 10  # larger copies go through torch (parallel under the thread cap)
@@ -60,7 +64,7 @@ def record_bytes(world_size: int) -> int:
     return (raw + _LINE - 1) // _LINE * _LINE
 
 
-def fits(eng: ShmEngine) -> bool:
+def fits(eng: "ShmEngine") -> bool:
     """Whether the engine's slots hold a size record with room to spare.
 
     The same on every rank of a node (same slot size and rank count), so
@@ -74,40 +78,8 @@ def _signature(dtype: torch.dtype) -> int:
     return signature("all_to_allv", dtype)
 
 
-def _words(ws: Any, parity: int, rank: int) -> np.ndarray:
-    """Local ``rank``'s slot of ``parity`` as int64 words (a numpy view: cheap to read and fill)."""
-    return ws.slot(parity, rank, torch.int64).numpy()
-
-
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
-
-
-def all_to_allv(
-    eng: ShmEngine, x: torch.Tensor, send: list[int], recv: list[int] | None,
-    name: str = "all_to_allv",
-) -> torch.Tensor:
-    """Uneven all-to-all of contiguous ``x`` among the engine's ranks (group ranks).
-
-    Args:
-        eng: A one-node engine whose local ranks are the group's ranks.
-        x: This rank's rows, at least 1-D and contiguous.
-        send: Rows of ``x`` for each rank (sum: ``x.shape[0]``).
-        recv: Rows expected from each rank, or None (taken from the senders).
-        name: The op named in errors.
-
-    Raises:
-        CollectiveMismatch: A peer called something else (another op, dtype or
-            row shape), or the size records disagree (every rank raises).
-        PeerRejectedError: A peer rejected its arguments.
-    """
-    with _capped(eng, x.nbytes):
-        return _all_to_allv(eng, x, send, recv, name)
-
-
-def _capped(eng: ShmEngine, nbytes: int) -> Any:
-    """The engine's thread cap when a copy of ``nbytes`` may run in parallel."""
-    return eng.thread_cap if nbytes > GRAIN else contextlib.nullcontext()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -121,39 +93,90 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _all_to_allv(
-    eng: ShmEngine, x: torch.Tensor, send: list[int], recv: list[int] | None, name: str,
-) -> torch.Tensor:
-    ws, sync, me, n = eng.ws, eng.sync, eng.me, eng.size
-    slot_b, head = ws.slot_bytes, record_bytes(n)
-    row, xb = row_bytes(x), _flat_bytes(x)
-    off = offsets(send)
-    cut, own = off[me] * row, send[me] * row  # my stream skips [cut, cut + own)
-    length = (off[n] - send[me]) * row
-    p = sync.next_parity
-    words = record_words(n)
-    _words(ws, p, me)[:words] = [1 if recv is not None else 0] + send + (recv or [0] * n)
-    _write(ws.slot(p, me, torch.uint8), head, xb, cut, own, length, 0, slot_b - head)
-    sync.step(name, _signature(x.dtype), eng.shape_key(x.shape[1:]), True)
-    table = SizeTable.decode([_words(ws, p, q)[:words].tolist() for q in range(n)], sync.name, name)
-    settle_sizes(table, sync.name, name)
-    got = table.received_by(me)
-    out = host_alloc.empty((sum(got),) + tuple(x.shape[1:]), x.dtype)
-    ob = _flat_bytes(out)
-    roff = offsets(got)
-    with _capped(eng, out.nbytes):
-        if own:
-            _copy(ob[roff[me] * row : roff[me] * row + own], xb[cut : cut + own])
-        pieces, longest = _pieces(table, me, row, roff)
-        _read(ws, p, pieces, ob, 0, slot_b - head, head)
-        a = slot_b - head
-        while a < longest:  # further windows, as long as the longest stream needs
-            p = sync.next_parity
-            _write(ws.slot(p, me, torch.uint8), 0, xb, cut, own, length, a, a + slot_b)
-            sync.step(name)
-            _read(ws, p, pieces, ob, a, a + slot_b, 0)
-            a += slot_b
-    return out
+class ShmAllToAllvOps:
+    """The uneven all-to-all of :class:`~device_comms.shm_engine.ShmEngine` (a mixin:
+    the engine provides the workspace, the synchroniser and the caches below)."""
+
+    ws: "ShmWorkspace"
+    sync: "StepSync"
+    size: int
+    me: int
+    _views: dict[Any, Any]  # the engine's view cache (cleared when it closes)
+
+    @property
+    def thread_cap(self) -> ThreadCap:  # provided by the engine
+        raise NotImplementedError
+
+    def shape_key(self, shape: torch.Size) -> int:  # provided by the engine
+        raise NotImplementedError
+
+    def all_to_allv(
+        self, x: torch.Tensor, send: list[int], recv: list[int] | None,
+        name: str = "all_to_allv",
+    ) -> torch.Tensor:
+        """Uneven all-to-all of contiguous ``x`` among the engine's ranks (group ranks).
+
+        Args:
+            x: This rank's rows, at least 1-D and contiguous.
+            send: Rows of ``x`` for each rank (sum: ``x.shape[0]``).
+            recv: Rows expected from each rank, or None (taken from the senders).
+            name: The op named in errors.
+
+        Raises:
+            CollectiveMismatch: A peer called something else (another op, dtype or
+                row shape), or the size records disagree (every rank raises).
+            PeerRejectedError: A peer rejected its arguments.
+        """
+        with self._capped(x.nbytes):
+            return self._all_to_allv(x, send, recv, name)
+
+    def _capped(self, nbytes: int) -> Any:
+        """The engine's thread cap when a copy of ``nbytes`` may run in parallel."""
+        return self.thread_cap if nbytes > GRAIN else contextlib.nullcontext()
+
+    def _words(self, parity: int, rank: int) -> np.ndarray:
+        """Local ``rank``'s slot of ``parity`` as int64 words (a cached numpy view)."""
+        key = ("all_to_allv", parity)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = [self.ws.slot(parity, r, torch.int64).numpy()
+                                        for r in range(self.size)]
+        return views[rank]
+
+    def _all_to_allv(
+        self, x: torch.Tensor, send: list[int], recv: list[int] | None, name: str,
+    ) -> torch.Tensor:
+        ws, sync, me, n = self.ws, self.sync, self.me, self.size
+        slot_b, head = ws.slot_bytes, record_bytes(n)
+        row, xb = row_bytes(x), _flat_bytes(x)
+        off = offsets(send)
+        cut, own = off[me] * row, send[me] * row  # my stream skips [cut, cut + own)
+        length = (off[n] - send[me]) * row
+        p = sync.next_parity
+        words = record_words(n)
+        self._words(p, me)[:words] = [1 if recv is not None else 0] + send + (recv or [0] * n)
+        _write(ws.slot(p, me, torch.uint8), head, xb, cut, own, length, 0, slot_b - head)
+        sync.step(name, _signature(x.dtype), self.shape_key(x.shape[1:]), True)
+        table = SizeTable.decode([self._words(p, q)[:words].tolist() for q in range(n)],
+                                 sync.name, name)
+        settle_sizes(table, sync.name, name)
+        got = table.received_by(me)
+        out = host_alloc.empty((sum(got),) + tuple(x.shape[1:]), x.dtype)
+        ob = _flat_bytes(out)
+        roff = offsets(got)
+        with self._capped(out.nbytes):
+            if own:
+                _copy(ob[roff[me] * row : roff[me] * row + own], xb[cut : cut + own])
+            pieces, longest = _pieces(table, me, row, roff)
+            _read(ws, p, pieces, ob, 0, slot_b - head, head)
+            a = slot_b - head
+            while a < longest:  # further windows, as long as the longest stream needs
+                p = sync.next_parity
+                _write(ws.slot(p, me, torch.uint8), 0, xb, cut, own, length, a, a + slot_b)
+                sync.step(name)
+                _read(ws, p, pieces, ob, a, a + slot_b, 0)
+                a += slot_b
+        return out
 
 
 def _pieces(
