@@ -44,7 +44,7 @@ def signed_all_to_allv(
         CollectiveMismatch: Peers called something else, or the sizes disagree.
         PeerRejectedError: A peer rejected its arguments.
     """
-    n, me = comm.world_size, comm.rank_in_group
+    me = comm.rank_in_group
     rec = record(send, recv)
     rec_b = rec.view(torch.uint8)
     carried = rec_b.numel() <= BLOCK_INLINE  # the record rides in the block
