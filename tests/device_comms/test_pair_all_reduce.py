@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from coordinator.testing import run_distributed
 from device_comms import CpuCommunicator, ReduceOp, reduce_local
 from device_comms.engine_threads import GRAIN
 
@@ -82,8 +81,8 @@ def pair_rank(rank: int, world_size: int, piece: int, shared: str) -> dict[str, 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("shared", ["measured", "neither", "both", "mixed"])
 @pytest.mark.parametrize("piece", [0, 4096, 12288 + 64], ids=["default", "4KiB", "odd"])
-def test_pair_all_reduce_matches_reference(piece: int, shared: str) -> None:
-    outs = run_distributed(pair_rank, 2, piece, shared, timeout=100)
+def test_pair_all_reduce_matches_reference(dist_pool: Any, piece: int, shared: str) -> None:
+    outs = dist_pool(2).run(pair_rank, piece, shared, timeout=100)
     for rank, o in enumerate(outs):
         assert o["bad"] == [], f"rank {rank}: {o['bad'][:5]} of {o['n']}"
         assert o["aliased"] == [], "results must not be views of the workspace"
