@@ -16,7 +16,9 @@ node. Then:
   ``/dev/shm`` full): everything goes to gloo, as in
   :class:`~device_comms.torch_communicator.TorchDistributedCommunicator`.
 
-``scatter``, ``all_to_all``, ``send`` and ``recv`` always use gloo.
+``all_to_allv`` runs in the engine too (one copy in, one copy out: see
+:mod:`device_comms.shm_alltoallv`); ``scatter``, ``all_to_all``, ``send``
+and ``recv`` always use gloo.
 
 Every call is signed (op, dtype, shape, layout, root; the call number is the
 step generation in shared memory, a counter on gloo), so a rejected, skipped
@@ -75,7 +77,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from device_comms import host_alloc
+from device_comms import host_alloc, shm_alltoallv
 from device_comms.engine_threads import env_threads
 from device_comms.hierarchical import HierarchicalAllReduce
 from device_comms.reduce_op import ReduceOp
@@ -99,7 +101,7 @@ TIMEOUT_ENV = "GROUPCOORD_CPU_SHM_TIMEOUT"
 DEFAULT_TIMEOUT = DEFAULT_TIMEOUT_S
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
-    "reduce_scatterv", "broadcast", "gather",
+    "reduce_scatterv", "broadcast", "gather", "all_to_allv",
 )
 
 
@@ -400,6 +402,20 @@ class CpuCommunicator(TorchDistributedCommunicator):
         )
         return out
 
+    def _all_to_allv(self, t: torch.Tensor, send: list[int], recv: list[int] | None) -> torch.Tensor:
+        eng = self._flat
+        if eng is None or not self._in_shm("all_to_allv"):
+            return super()._all_to_allv(t, send, recv)
+        self.shm_calls["all_to_allv"] += 1
+        return eng.all_to_allv(t, send, recv)
+
+    def _in_shm(self, op: str) -> bool:
+        """Whether ``op`` runs in the shared-memory engine (the same on every rank)."""
+        eng = self._flat
+        if eng is None or op not in _SHM_OPS:
+            return False
+        return op != "all_to_allv" or shm_alltoallv.fits(eng)
+
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         eng = self._flat
         if eng is None:
@@ -419,7 +435,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         """
         eng = self._flat
         if eng is not None:
-            if op in _SHM_OPS:
+            if self._in_shm(op):
                 return False
             if reason is not None:
                 eng.sync.reject(op, reason)
@@ -436,7 +452,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         (any op the engine runs; see :mod:`device_comms.shm_sync`); otherwise gloo's
         (after :meth:`_prologue`, which tells the other ops' ranks)."""
         eng = self._flat
-        if eng is not None and op in _SHM_OPS:
+        if eng is not None and self._in_shm(op):
             self._guard(op, eng.sync.reject, op, message)
             return
         super()._abort_collective(op, message, *meta)

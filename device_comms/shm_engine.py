@@ -38,6 +38,9 @@ slot-sized pieces, two steps apart in the double buffer):
   of rows written into the output's final layout
   (:meth:`~device_comms.shm_gather.ShmGatherOps.gather_rows`).
 * **broadcast/reduce**: the root writes / only the root reduces.
+* **all_to_allv**: each rank's rows for the others stream through its slot,
+  every receiver copies its part straight into place: one copy in, one out
+  (:class:`~device_comms.shm_alltoallv.ShmAllToAllvOps`).
 
 Threads: every op over more than :data:`~device_comms.engine_threads.GRAIN`
 elements runs its torch kernels under :attr:`ShmEngine.thread_cap`, at most
@@ -81,6 +84,7 @@ from device_comms.engine_threads import GRAIN, ThreadCap, capped, engine_threads
 from device_comms.fixed_reduce import binary_fn, reduce_views
 from device_comms.placement import PeerPlacement
 from device_comms.reduce_op import ReduceOp
+from device_comms.shm_alltoallv import ShmAllToAllvOps
 from device_comms.shm_gather import ShmGatherOps
 from device_comms.shm_sync import StepSync, shape_key, signature
 from device_comms.shm_workspace import ShmWorkspace
@@ -142,7 +146,7 @@ class _SmallAllReduce:
             self.views = tuple([v.numpy() for v in vs] for vs in self.views)
 
 
-class ShmEngine(ShmGatherOps):
+class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
     """Shared-memory collectives for the local ranks of a workspace.
 
     Args:

@@ -13,10 +13,20 @@ Reported: median and p99 per op and size, and the ratio of gloo's median to
 ours (> 1: we are faster).
 
 Sizes are the full buffer: the tensor of ``all_reduce``, the *output* of
-``all_gather`` and the *input* of ``reduce_scatter`` (as nccl-tests count).
+``all_gather``, the *input* of ``reduce_scatter`` (as nccl-tests count) and
+each rank's *input* of ``all_to_allv``.
+
 "Raw gloo" is ``dist.all_reduce`` in place, ``all_gather_single`` /
 ``reduce_scatter_single`` into preallocated outputs: gloo does not pay for the
 new output tensor our API returns, so the comparison is conservative.
+
+``all_to_allv`` splits are uneven and skewed like MoE routing
+(:func:`routing_splits`): destination ``j`` is popular in proportion to
+``1 / (j + 1)``, each rank's share is jittered by its own seeded noise, and each
+rank sends nothing to one peer (world size > 2). Rows are up to 4 KiB (a
+hidden state of 2048 bf16). Raw gloo is ``dist.all_to_all_single`` with the
+same splits on byte views (moving rows needs no arithmetic), output
+preallocated; ours gets ``recv_sizes`` too, as gloo must.
 
 Torch threads per rank (``--threads``): ``1``; ``default``, torch's own default
 (the number of cores, what an engine that computes with every core has: each
@@ -48,7 +58,8 @@ from typing import Any, Callable
 
 __all__ = ["add_bench_args", "run_bench", "main"]
 
-_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_allv")
+_DEFAULT_OPS = _OPS[:3]
 _DTYPES = ("float32", "bfloat16", "float16", "int32", "int64")
 _DEFAULT_SIZES = [1 << s for s in range(10, 27, 2)]  # 1 KiB .. 64 MiB, powers of 4
 
@@ -94,8 +105,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Add this benchmark's options to ``parser``."""
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4],
                         help="world sizes to run (default: 2 4)")
-    parser.add_argument("--ops", nargs="+", choices=_OPS, default=list(_OPS),
-                        help="collectives to time (default: all three)")
+    parser.add_argument("--ops", nargs="+", choices=_OPS, default=list(_DEFAULT_OPS),
+                        help="collectives to time (default: all_reduce all_gather reduce_scatter)")
     parser.add_argument("--dtypes", nargs="+", choices=_DTYPES, default=["float32", "bfloat16"],
                         help="dtypes (default: float32 bfloat16)")
     parser.add_argument("--sizes", type=_parse_size, nargs="+", default=None,
@@ -269,7 +280,7 @@ def _bench_point(
 
     from shm_broadcast.group_adapter import object_group
 
-    ours, raw, same = _point_calls(comm, op, dtype, nbytes, rank, ws)
+    ours, raw, same, extra = _point_calls(comm, op, dtype, nbytes, rank, ws)
     iters = int(min(cfg["max_iters"], max(cfg["min_iters"], cfg["budget"] // max(1, nbytes))))
     block = max(1, min(20, iters // 4))
     for n in counts:
@@ -302,14 +313,15 @@ def _bench_point(
             "shm_p50_us": _pct(slow_ours, 50), "shm_p99_us": _pct(slow_ours, 99),
             "gloo_p50_us": _pct(slow_raw, 50), "gloo_p99_us": _pct(slow_raw, 99),
             "results_match": all(v[2] for v in everyone),  # type: ignore[index]
+            **extra,
         })
     return recs
 
 
 def _point_calls(
     comm: Any, op: str, dtype: Any, nbytes: int, rank: int, ws: int
-) -> tuple[Callable[[], Any], Callable[[], Any], bool]:
-    """Our call, the raw gloo call, and whether their results agree."""
+) -> tuple[Callable[[], Any], Callable[[], Any], bool, dict[str, Any]]:
+    """Our call, the raw gloo call, whether their results agree, and record extras."""
     import torch
     import torch.distributed as dist
 
@@ -322,11 +334,14 @@ def _point_calls(
         full = torch.randint(-100, 100, (numel,), generator=gen, dtype=dtype)
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    extra: dict[str, Any] = {}
     if op == "all_reduce":
         x, y = full, full.clone()
         ours: Callable[[], Any] = lambda: comm.all_reduce(x)
         raw: Callable[[], Any] = lambda: dist.all_reduce(y)
         check = (comm.all_reduce(x), _gloo_copy(dist.all_reduce, full))
+    elif op == "all_to_allv":
+        ours, raw, check, extra = _all_to_allv_point(comm, full, rank, ws)
     elif op == "all_gather":
         x = full[: numel // ws].clone()
         out = torch.empty(numel, dtype=dtype)
@@ -341,11 +356,61 @@ def _point_calls(
         raw = lambda: rs(out, x)
         raw()
         check = (comm.reduce_scatter(x, 0), out.clone())
-    exact = op == "all_gather" or not dtype.is_floating_point
+    exact = op in ("all_gather", "all_to_allv") or not dtype.is_floating_point
     same = bool(torch.equal(*check)) if exact else bool(
         torch.allclose(check[0].float(), check[1].float(), rtol=2e-2, atol=2e-2 * ws)
     )
-    return ours, raw, same
+    return ours, raw, same, extra
+
+
+def routing_splits(rows: int, ws: int, rank: int) -> list[int]:
+    """Rows ``rank`` sends each rank: skewed like MoE routing (see the module docstring).
+
+    Deterministic in ``(rows, ws, rank)``, so every rank knows every rank's
+    splits (and with them its own receive sizes).
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(4321 + 17 * rank + ws)
+    weights = [(1.0 / (j + 1)) * float(torch.empty(1).log_normal_(0.0, 0.5, generator=gen))
+               for j in range(ws)]
+    if ws > 2:
+        weights[(rank + 1) % ws] = 0.0  # one peer gets nothing from this rank
+    total = sum(weights)
+    exact = [rows * w / total for w in weights]
+    out = [int(e) for e in exact]
+    for j in sorted(range(ws), key=lambda j: exact[j] - out[j], reverse=True)[: rows - sum(out)]:
+        out[j] += 1  # largest remainders: the splits sum to rows
+    return out
+
+
+def _all_to_allv_point(comm: Any, full: Any, rank: int, ws: int) -> tuple[Any, Any, Any, Any]:
+    """``(ours, raw gloo, (our result, gloo's result), record extras)`` of one point.
+
+    The extras: ``row_bytes``, and ``hot_share``, the fraction of every rank's
+    rows that goes to the busiest receiver.
+    """
+    import torch
+    import torch.distributed as dist
+
+    item = full.element_size()
+    width = max(1, min(4096 // item, full.numel() // (4 * ws)))  # row of at most 4 KiB
+    rows = full.numel() // width
+    x = full[: rows * width].view(rows, width)
+    splits = [routing_splits(rows, ws, r) for r in range(ws)]
+    send, recv = splits[rank], [splits[r][rank] for r in range(ws)]
+    out = x.new_empty((sum(recv), width))
+    xb = x.reshape(-1).view(torch.uint8).view(rows, width * item)
+    ob = out.reshape(-1).view(torch.uint8).view(sum(recv), width * item)
+
+    def raw() -> None:
+        dist.all_to_all_single(ob, xb, output_split_sizes=recv, input_split_sizes=send)
+
+    raw()
+    hot = max(sum(splits[r][j] for r in range(ws)) for j in range(ws)) / max(1, ws * rows)
+    extra = {"row_bytes": width * item, "hot_share": round(hot, 3)}
+    check = (comm.all_to_allv(x, send), out.clone())
+    return (lambda: comm.all_to_allv(x, send, recv)), raw, check, extra
 
 
 def _gloo_copy(fn: Callable[..., Any], t: Any) -> Any:

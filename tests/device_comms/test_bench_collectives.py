@@ -61,3 +61,32 @@ def test_small_run_writes_json_and_plot(tmp_path) -> None:
     md = format_markdown(recs)
     assert "| 4 KiB |" in md
     assert "torch threads per rank: 1 (--threads 1)" in md and "(--threads 3)" in md
+
+
+def test_routing_splits_are_uneven_skewed_and_sum_to_the_rows() -> None:
+    for ws in (2, 3, 4, 8):
+        splits = [bench.routing_splits(1000, ws, r) for r in range(ws)]
+        assert all(sum(s) == 1000 and min(s) >= 0 for s in splits)
+        assert splits == [bench.routing_splits(1000, ws, r) for r in range(ws)]  # deterministic
+        recv = [sum(s[j] for s in splits) for j in range(ws)]
+        assert max(recv) >= 1.3 * min(recv)  # one receiver is hot
+        if ws > 2:
+            assert all(splits[r][(r + 1) % ws] == 0 for r in range(ws))
+
+
+@pytest.mark.timeout(120)
+def test_all_to_allv_run(tmp_path) -> None:
+    out = tmp_path / "a2av.json"
+    rc = bench.main([
+        "--world-sizes", "3", "--ops", "all_to_allv", "--dtypes", "bfloat16", "float32",
+        "--sizes", "4K", "96K", "--min-iters", "2", "--max-iters", "3", "--threads", "1",
+        "--json", str(out),
+    ])
+    assert rc == 0
+    recs = json.loads(out.read_text())["results"]
+    assert {(r["op"], r["dtype"], r["bytes"]) for r in recs} == {
+        ("all_to_allv", dt, b) for dt in ("bfloat16", "float32") for b in (4096, 96 << 10)}
+    for r in recs:
+        assert r["results_match"] and r["mode"] == "shm" and r["threads"] == 1
+        assert 1 / 3 < r["hot_share"] < 1 and r["row_bytes"] <= 4096
+        assert r["shm_p50_us"] > 0 and r["gloo_p50_us"] > 0
