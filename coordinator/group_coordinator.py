@@ -285,6 +285,29 @@ class GroupCoordinator:
         concatenated along ``gather_dim``."""
         return self._run("all_to_all", self.comm.all_to_all, input_, scatter_dim, gather_dim)
 
+    def all_to_allv(
+        self,
+        input_: torch.Tensor,
+        send_sizes: Sequence[int] | torch.Tensor,
+        recv_sizes: Sequence[int] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rows ``send_sizes[j]`` of ``input_`` (dim 0, rank order) go to rank ``j``; returns
+        the rows received, concatenated in rank order (``recv_sizes=None``: exchanged first).
+
+        Mismatched sizes (rank ``i``'s ``recv_sizes[j]`` != rank ``j``'s ``send_sizes[i]``)
+        raise ``CollectiveMismatch`` on every rank; see :mod:`device_comms.alltoallv`.
+        """
+        return self._run("all_to_allv", self.comm.all_to_allv, input_, send_sizes, recv_sizes)
+
+    def reject_call(self, op: str, error: BaseException) -> None:
+        """Take this rank's part in the peers' collective ``op`` as a rejection of ``error``.
+
+        For code built on this group's collectives that checks its own arguments
+        (MoE dispatch/combine): the peers raise ``PeerRejectedError`` naming this
+        rank instead of waiting; the caller then raises ``error``. Counts as a call.
+        """
+        self._run(op, self.comm.reject, op, error)
+
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
         self.calls = seq = self.calls + 1

@@ -1,4 +1,4 @@
-"""Process-wide parallel state: the world, TP, PP and DP groups, no config object.
+"""Process-wide parallel state: the world, TP, PP, DP and EP groups, no config object.
 
 Typical use in each of N processes (under ``torchrun`` or any spawner)::
 
@@ -14,6 +14,10 @@ Typical use in each of N processes (under ``torchrun`` or any spawner)::
 Rank layout is DP x PP x TP with TP varying fastest: global rank
 ``r = dp * (PP * TP) + pp * TP + tp``. With TP=2, PP=2 (world 4) the TP
 groups are [0, 1] and [2, 3], the PP groups [0, 2] and [1, 3].
+
+With ``enable_expert_parallel=True`` an expert-parallel group spans the
+DP x TP ranks of each pipeline stage, ``ep_rank = dp * TP + tp`` (vLLM's
+layout; see :mod:`coordinator.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from coordinator.errors import NotInitializedError
+from coordinator.expert_parallel import ep_group_ranks
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
 from coordinator.group_registry import REGISTRY
 from device_comms import ReduceOp
@@ -42,6 +47,7 @@ __all__ = [
     "get_tp_group",
     "get_pp_group",
     "get_dp_group",
+    "get_ep_group",
     "get_tensor_model_parallel_world_size",
     "get_tensor_model_parallel_rank",
     "get_pipeline_model_parallel_world_size",
@@ -172,8 +178,9 @@ def initialize_model_parallel(
     backend: str | None = None,
     *,
     allow_pickle: bool | None = None,
+    enable_expert_parallel: bool = False,
 ) -> None:
-    """Create the TP, PP and DP groups (collective over the whole world).
+    """Create the TP, PP and DP groups, and the EP group when asked (collective over the world).
 
     Args:
         tensor_model_parallel_size: TP size.
@@ -183,9 +190,13 @@ def initialize_model_parallel(
         allow_pickle: Opt the three groups (and the TP group's message queue)
             in to pickle; ``None`` (default) takes the world group's setting,
             which is off unless ``init_distributed_environment`` opted in.
+        enable_expert_parallel: Also create the expert-parallel group: the
+            DP x TP ranks of this rank's pipeline stage, ``ep_rank = dp * TP + tp``
+            (:mod:`coordinator.expert_parallel`); :func:`get_ep_group` returns it.
 
     Raises:
-        TypeError: ``allow_pickle`` is not a bool or None.
+        TypeError: ``allow_pickle`` is not a bool or None, or
+            ``enable_expert_parallel`` is not a bool.
         NotInitializedError: :func:`init_distributed_environment` was not called.
         ValueError: The sizes do not multiply to the world size.
         RuntimeError: Model parallel groups already exist.
@@ -195,6 +206,9 @@ def initialize_model_parallel(
     dp = _int_arg(data_parallel_size, "data_parallel_size")
     if allow_pickle is not None and not isinstance(allow_pickle, bool):
         raise TypeError(f"allow_pickle must be a bool or None, got {type(allow_pickle).__name__}")
+    if not isinstance(enable_expert_parallel, bool):
+        raise TypeError("enable_expert_parallel must be a bool, got "
+                        f"{type(enable_expert_parallel).__name__}")
     world = get_world_group()
     for name, size in (("tensor", tp), ("pipeline", pp), ("data", dp)):
         if size < 1:
@@ -222,6 +236,9 @@ def initialize_model_parallel(
                                    group_name="pp", **kw)
     REGISTRY.dp = GroupCoordinator(dp_groups, local_rank, backend, use_device_communicator=True,
                                    group_name="dp", **kw)
+    if enable_expert_parallel:
+        REGISTRY.ep = GroupCoordinator(ep_group_ranks(tp, pp, dp), local_rank, backend,
+                                       use_device_communicator=True, group_name="ep", **kw)
 
 
 def ensure_model_parallel_initialized(
@@ -229,17 +246,31 @@ def ensure_model_parallel_initialized(
     pipeline_model_parallel_size: int,
     data_parallel_size: int = 1,
     backend: str | None = None,
+    *,
+    enable_expert_parallel: bool | None = None,
 ) -> None:
     """Initialise model parallel groups unless they exist; if they do, check the sizes.
 
+    ``enable_expert_parallel`` None: create no EP group, and accept existing
+    groups with or without one; a bool: create or require that.
+
     Raises:
-        ValueError: Existing groups have other sizes.
+        ValueError: Existing groups have other sizes, or do (not) have the EP
+            group ``enable_expert_parallel`` asks for.
     """
     if not model_parallel_is_initialized():
         initialize_model_parallel(
-            tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size, backend
+            tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size, backend,
+            enable_expert_parallel=bool(enable_expert_parallel),
         )
         return
+    if enable_expert_parallel is not None and enable_expert_parallel != (REGISTRY.ep is not None):
+        have_ep = "has" if REGISTRY.ep is not None else "has no"
+        raise ValueError(
+            f"model parallel groups exist and {have_ep} expert-parallel group, but "
+            f"enable_expert_parallel={enable_expert_parallel} was requested; call "
+            f"destroy_model_parallel() first to change that"
+        )
     have = (get_tp_group().world_size, get_pp_group().world_size, get_dp_group().world_size)
     want = (tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size)
     if have != want:
@@ -283,6 +314,29 @@ def get_dp_group() -> GroupCoordinator:
     return _need(REGISTRY.dp, "data parallel", _MP_HOW)
 
 
+def get_ep_group() -> GroupCoordinator:
+    """The expert-parallel group of this process (the DP x TP ranks of its stage).
+
+    Raises:
+        NotInitializedError: Model parallel groups do not exist yet, or were
+            created without ``enable_expert_parallel=True``.
+    """
+    if REGISTRY.ep is not None:
+        return REGISTRY.ep
+    if model_parallel_is_initialized():
+        raise NotInitializedError(
+            "the expert parallel group is not initialised: expert parallelism is off "
+            "(initialize_model_parallel was called without enable_expert_parallel=True); "
+            "call destroy_model_parallel(), then initialize_model_parallel(..., "
+            "enable_expert_parallel=True)"
+        )
+    raise NotInitializedError(
+        "the expert parallel group is not initialised; call "
+        "coordinator.parallel_state.initialize_model_parallel(..., enable_expert_parallel=True) "
+        "first"
+    )
+
+
 def get_tensor_model_parallel_world_size() -> int:
     """Size of the TP group."""
     return get_tp_group().world_size
@@ -304,8 +358,8 @@ def get_pipeline_model_parallel_rank() -> int:
 
 
 def destroy_model_parallel() -> None:
-    """Destroy the TP, PP and DP groups (no-op if absent)."""
-    for attr in ("tp", "pp", "dp"):
+    """Destroy the TP, PP, DP and EP groups (no-op if absent)."""
+    for attr in ("tp", "pp", "dp", "ep"):
         g = getattr(REGISTRY, attr)
         setattr(REGISTRY, attr, None)
         if g is not None:

@@ -26,9 +26,14 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from device_comms import validation
+from device_comms import alltoallv, validation
 from shm_broadcast.checks import check_timeout
-from device_comms.errors import CommunicatorClosed, DeviceCommError, translate_backend_error
+from device_comms.errors import (
+    CollectiveMismatch,
+    CommunicatorClosed,
+    DeviceCommError,
+    translate_backend_error,
+)
 from device_comms.reduce_op import ReduceOp, check_reduce_op
 
 __all__ = ["DeviceCommunicator"]
@@ -298,6 +303,46 @@ class DeviceCommunicator(abc.ABC):
             return t.clone()
         return self._guard("all_to_all", self._all_to_all, t.contiguous(), sd, gd)
 
+    def all_to_allv(
+        self,
+        input_: torch.Tensor,
+        send_sizes: Sequence[int] | torch.Tensor,
+        recv_sizes: Sequence[int] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Uneven all-to-all along dim 0 (see :mod:`device_comms.alltoallv`).
+
+        Rows ``send_sizes[j]`` of ``input_`` (in rank order) go to rank ``j``;
+        returns the rows received from every rank, concatenated in rank order.
+        ``recv_sizes=None`` takes them from the senders; given, they must
+        match (else every rank raises ``CollectiveMismatch``).
+        """
+        self._check_open()
+        try:
+            t, send, recv = alltoallv.check_input(
+                input_, send_sizes, recv_sizes, self.world_size, self.device)
+        except (TypeError, ValueError) as e:
+            self._reject("all_to_allv", e)
+            raise
+        if self.world_size == 1:
+            if recv is not None and recv != send:
+                raise CollectiveMismatch(
+                    f"group {self.unique_name!r}, op all_to_allv: recv_sizes {recv} do not "
+                    f"match send_sizes {send} (a group of one sends to itself)",
+                    queue=self.unique_name, peers=(0,))
+            return t.clone()
+        return self._guard("all_to_allv", self._all_to_allv, t.contiguous(), send, recv)
+
+    def reject(self, op: str, error: BaseException) -> None:
+        """Take part in collective ``op`` as a rank whose caller rejected its arguments.
+
+        For layers built on a collective that check more than the collective
+        can (MoE dispatch/combine): the peers, already in ``op``, raise
+        :class:`~device_comms.errors.PeerRejectedError` naming this rank and
+        ``error`` instead of waiting. The caller raises ``error`` itself.
+        """
+        self._check_open()
+        self._reject(op, error)
+
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` to group rank ``dst`` (blocking)."""
         self._check_open()
@@ -440,6 +485,16 @@ class DeviceCommunicator(abc.ABC):
 
     @abc.abstractmethod
     def _all_to_all(self, t: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor: ...
+
+    def _all_to_allv(
+        self, t: torch.Tensor, send: list[int], recv: list[int] | None
+    ) -> torch.Tensor:
+        """Uneven all-to-all of contiguous ``t`` (at least 1-D); ``recv`` None: not given.
+
+        Not abstract, so that transports written before it still construct;
+        they raise here until they implement it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement all_to_allv")
 
     @abc.abstractmethod
     def _send(self, t: torch.Tensor, dst: int) -> None: ...

@@ -16,7 +16,9 @@ node. Then:
   ``/dev/shm`` full): everything goes to gloo, as in
   :class:`~device_comms.torch_communicator.TorchDistributedCommunicator`.
 
-``scatter``, ``all_to_all``, ``send`` and ``recv`` always use gloo.
+``all_to_allv`` runs in the engine too (one copy in, one copy out: see
+:mod:`device_comms.shm_alltoallv`); ``scatter``, ``all_to_all``, ``send``
+and ``recv`` always use gloo.
 
 Every call is signed (op, dtype, shape, layout, root; the call number is the
 step generation in shared memory, a counter on gloo), so a rejected, skipped
@@ -48,6 +50,11 @@ read at construction):
   of at most 2 MiB: 2 MiB for 2 ranks, 1 MiB for 4, 512 KiB for 8, so that a
   host's workspaces fit a small ``/dev/shm``); larger messages go through in
   slot-sized pieces;
+* ``GROUPCOORD_CPU_SHM_THREADS``: most intra-op threads the engine's own
+  copies and reductions use (default: the CPUs the node's ranks may run on,
+  divided among them; see :mod:`device_comms.engine_threads`), whatever
+  ``torch.get_num_threads()`` says; the caller's setting is restored after
+  each collective;
 * ``use_shm`` / ``GROUPCOORD_CPU_SHM=0``: disable the shared-memory path (if
   any rank disables it, all do);
 * ``timeout`` / ``GROUPCOORD_CPU_SHM_TIMEOUT`` / ``GROUPCOORD_TIMEOUT``:
@@ -70,7 +77,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from device_comms import host_alloc
+from device_comms import host_alloc, shm_alltoallv
+from device_comms.engine_threads import env_threads
 from device_comms.hierarchical import HierarchicalAllReduce
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_engine import ShmEngine
@@ -93,7 +101,7 @@ TIMEOUT_ENV = "GROUPCOORD_CPU_SHM_TIMEOUT"
 DEFAULT_TIMEOUT = DEFAULT_TIMEOUT_S
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
-    "reduce_scatterv", "broadcast", "gather",
+    "reduce_scatterv", "broadcast", "gather", "all_to_allv",
 )
 
 
@@ -143,6 +151,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if self.device.type != "cpu":
             raise ValueError(f"device must be a CPU device for CpuCommunicator, got {self.device}")
         ws_bytes = _positive_int(workspace_bytes, "workspace_bytes", BYTES_ENV)
+        threads = env_threads()
         enabled = _enabled(use_shm)
         if node_id is not None and not isinstance(node_id, str):
             raise TypeError(f"node_id must be a str or None, got {type(node_id).__name__}")
@@ -155,12 +164,14 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self.fallback_reason: str | None = None
         self.nodes: list[int] = []
         self.shm_calls: dict[str, int] = dict.fromkeys(_SHM_OPS, 0)
-        self._validated: set[tuple[ReduceOp, torch.dtype]] = set()
+        # dtype -> ops already validated for it; a list searched by identity, because
+        # hashing a ReduceOp (Enum.__hash__, Python code) costs as much as the check.
+        self._validated: dict[torch.dtype, list[ReduceOp]] = {}
         self._engine: ShmEngine | None = None
         self._flat: ShmEngine | None = None
         self._hier: HierarchicalAllReduce | None = None
         if self.world_size > 1:
-            self._setup(enabled, node_id, ws_bytes, wait_s, oneshot_bytes)
+            self._setup(enabled, node_id, ws_bytes, wait_s, oneshot_bytes, threads)
 
     # ------------------------------------------------------------------ setup
     def _setup(
@@ -170,6 +181,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         ws_bytes: int | None,
         wait_s: float | None,
         oneshot: int | None,
+        threads: int | None,
     ) -> None:
         og = object_group(self.cpu_group)
         votes = og.all_gather((enabled, node_id))
@@ -203,7 +215,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
             sync = StepSync(
                 ws, self.unique_name, plan.local_ranks, [pids[r] for r in plan.local_ranks], wait_s
             )
-            self._engine = ShmEngine(ws, sync, oneshot)
+            self._engine = ShmEngine(ws, sync, oneshot, threads)
         if n_nodes == 1:
             self._flat = self._engine
             self.mode = "shm"
@@ -228,6 +240,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
             "local_ranks": eng.size if eng is not None else 1,
             "slot_bytes": eng.ws.slot_bytes if eng is not None else 0,
             "oneshot_bytes": eng.oneshot_bytes if eng is not None else 0,
+            "engine_threads": eng.threads if eng is not None else 0,
             "shm_calls": dict(self.shm_calls),
         }
 
@@ -263,7 +276,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
             eng is not None
             and type(input_) is torch.Tensor
             and type(op) is ReduceOp
-            and (op, input_.dtype) in self._validated
+            and op in self._validated.get(input_.dtype, ())
             and input_.is_cpu
             and input_.layout is torch.strided  # before is_contiguous: sparse has none
             and not input_.requires_grad
@@ -276,7 +289,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 raise self._translate("all_reduce", e) from e
         out = super().all_reduce(input_, op)
         if eng is not None and type(op) is ReduceOp:
-            self._validated.add((op, input_.dtype))
+            ops = self._validated.setdefault(input_.dtype, [])
+            if op not in ops:
+                ops.append(op)
         return out
 
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
@@ -302,11 +317,12 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return super()._reduce_scatter(t, dim, op)
         self.shm_calls["reduce_scatter"] += 1
         n = self.world_size
-        x = _moved(t, dim, 0)
-        k = x.numel() // n
         key = _shape_key(t.shape, dim)
-        out = eng.reduce_scatter(x.view(-1), [k] * n, op, "reduce_scatter", key)
-        return _moved(out.view((x.shape[0] // n,) + x.shape[1:]), 0, dim)
+        with eng.thread_cap:  # the transposing copies run under the engine's thread limit too
+            x = _moved(t, dim, 0)
+            k = x.numel() // n
+            out = eng.reduce_scatter(x.view(-1), [k] * n, op, "reduce_scatter", key)
+            return _moved(out.view((x.shape[0] // n,) + x.shape[1:]), 0, dim)
 
     def _reduce_scatterv(
         self, t: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
@@ -315,12 +331,15 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if eng is None:
             return super()._reduce_scatterv(t, dim, sizes, op)
         self.shm_calls["reduce_scatterv"] += 1
-        x = _moved(t, dim, 0)
-        inner = math.prod(x.shape[1:])
-        key = _size_key(sizes, x.shape[1:], dim)
-        out = eng.reduce_scatter(x.view(-1), [s * inner for s in sizes], op, "reduce_scatterv", key)
-        mine = sizes[self.rank_in_group]
-        return _moved(out.view((mine,) + x.shape[1:]), 0, dim)
+        with eng.thread_cap:
+            x = _moved(t, dim, 0)
+            inner = math.prod(x.shape[1:])
+            key = _size_key(sizes, x.shape[1:], dim)
+            out = eng.reduce_scatter(
+                x.view(-1), [s * inner for s in sizes], op, "reduce_scatterv", key
+            )
+            mine = sizes[self.rank_in_group]
+            return _moved(out.view((mine,) + x.shape[1:]), 0, dim)
 
     # ------------------------------------------------------------------ data movement
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -383,6 +402,20 @@ class CpuCommunicator(TorchDistributedCommunicator):
         )
         return out
 
+    def _all_to_allv(self, t: torch.Tensor, send: list[int], recv: list[int] | None) -> torch.Tensor:
+        eng = self._flat
+        if eng is None or not self._in_shm("all_to_allv"):
+            return super()._all_to_allv(t, send, recv)
+        self.shm_calls["all_to_allv"] += 1
+        return eng.all_to_allv(t, send, recv)
+
+    def _in_shm(self, op: str) -> bool:
+        """Whether ``op`` runs in the shared-memory engine (the same on every rank)."""
+        eng = self._flat
+        if eng is None or op not in _SHM_OPS:
+            return False
+        return op != "all_to_allv" or shm_alltoallv.fits(eng)
+
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         eng = self._flat
         if eng is None:
@@ -402,7 +435,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         """
         eng = self._flat
         if eng is not None:
-            if op in _SHM_OPS:
+            if self._in_shm(op):
                 return False
             if reason is not None:
                 eng.sync.reject(op, reason)
@@ -419,7 +452,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         (any op the engine runs; see :mod:`device_comms.shm_sync`); otherwise gloo's
         (after :meth:`_prologue`, which tells the other ops' ranks)."""
         eng = self._flat
-        if eng is not None and op in _SHM_OPS:
+        if eng is not None and self._in_shm(op):
             self._guard(op, eng.sync.reject, op, message)
             return
         super()._abort_collective(op, message, *meta)

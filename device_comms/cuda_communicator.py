@@ -6,7 +6,9 @@ one NCCL launch (or one fused group) on the current stream, safe inside CUDA
 graph capture. All-reduce first asks an optional ``custom_ar`` (a one-node
 custom all-reduce, plugged in by its owner): when it takes the tensor, NCCL is
 not used. ``scatter`` and ``all_to_all`` keep the ``torch.distributed``
-implementation over ``device_group``.
+implementation over ``device_group``. ``all_to_allv`` agrees on every rank's
+sizes over the CPU group (a host-side exchange; mismatched sizes and rejected
+arguments raise on every rank), then runs as grouped NCCL send/recv.
 
 Rejected calls: a rank whose own arguments fail validation raises locally; its
 peers are not told (as for every GPU transport, see
@@ -21,6 +23,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from device_comms import gloo_alltoallv
 from device_comms.pynccl.communicator import PyNcclCommunicator
 from device_comms.reduce_op import ReduceOp
 from device_comms.torch_communicator import TorchDistributedCommunicator
@@ -183,6 +186,13 @@ class CudaCommunicator(TorchDistributedCommunicator):
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         return self._nccl.broadcast(t, src)
 
+    def _all_to_allv(self, t: torch.Tensor, send: list[int], recv: list[int] | None) -> torch.Tensor:
+        # The sizes are agreed over the CPU group first (host-side msgpack, no stream
+        # synchronisation): NCCL pairs a send only with a receive of the same size.
+        got = gloo_alltoallv.exchange_sizes(self, send, recv)
+        out = t.new_empty((sum(got),) + t.shape[1:])
+        return self._nccl.all_to_allv(out, t, send, got)
+
     def _send(self, t: torch.Tensor, dst: int) -> None:
         self._nccl.send(t, dst)
 
@@ -191,7 +201,10 @@ class CudaCommunicator(TorchDistributedCommunicator):
         return self._nccl.recv(out, src)
 
     def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
-        """NCCL ops carry no "rejected" mark: peers of a rejecting rank are not told."""
+        """NCCL ops carry no "rejected" mark: peers of a rejecting rank are not told,
+        except in ``all_to_allv``, whose sizes are agreed over the CPU group first."""
+        if op == "all_to_allv":
+            self._guard(op, gloo_alltoallv.reject_exchange, self, message)
 
     # --- lifecycle ----------------------------------------------------------------
     @contextlib.contextmanager

@@ -9,6 +9,21 @@ slot-sized pieces, two steps apart in the double buffer):
   (its own operand straight from its input). A handful of torch calls: one
   copy, ``L-1`` element-wise ops. Used up to :data:`DEFAULT_ONESHOT_BYTES`
   (configurable; beyond a slot it goes in pieces).
+* **all_reduce, two ranks** (one step per piece of
+  :data:`DEFAULT_PAIR_PIECE_BYTES`; one-step calls from
+  :data:`PAIR_SMALL_MIN_BYTES`): each rank copies its piece into its slot,
+  then reduces *into the peer's slot* in rank order (``fn(x0, x1)`` on both,
+  so the bits agree) and copies that out. A shared line is then written by its
+  owner and read-and-written by the peer, so it moves between the caches in
+  the modified state; when the peer only reads it, both caches share it and
+  the owner's next write must invalidate the peer's copy, which made slot
+  writes 5x slower on vCPUs without a common cache. The rank's own slot
+  belongs to the peer between the step and the next one (the double-buffer
+  argument of :mod:`device_comms.shm_sync` covers it: the owner writes that
+  parity again only after the peer finished the step). When the two ranks
+  share a cache it reduces into its output instead (no copy; see
+  :mod:`device_comms.placement`). Beyond ``oneshot_bytes``, 2-byte floats
+  use the two-phase scheme below, which shares the (costly) reduction.
 * **all_reduce, large** (reduce-scatter + all-gather, two steps
   per piece): the piece is cut into ``L`` regions; rank ``i`` copies the
   regions *other* ranks own into its slot, reduces region ``i`` (its own input
@@ -20,8 +35,26 @@ slot-sized pieces, two steps apart in the double buffer):
   the slots; rank ``j`` reduces it (one step per piece).
 * **all_gather(v)/gather**: every rank copies its tensor in; readers copy all
   slots out: ``torch.cat`` straight from the slots when it fits, else blocks
-  of rows written into the output's final layout (:meth:`ShmEngine.gather_rows`).
+  of rows written into the output's final layout
+  (:meth:`~device_comms.shm_gather.ShmGatherOps.gather_rows`).
 * **broadcast/reduce**: the root writes / only the root reduces.
+* **all_to_allv**: each rank's rows for the others stream through its slot,
+  every receiver copies its part straight into place: one copy in, one out
+  (:class:`~device_comms.shm_alltoallv.ShmAllToAllvOps`).
+
+Threads: every op over more than :data:`~device_comms.engine_threads.GRAIN`
+elements runs its torch kernels under :attr:`ShmEngine.thread_cap`, at most
+:attr:`ShmEngine.threads` intra-op threads (the node's CPUs divided among its
+local ranks; :mod:`device_comms.engine_threads` says why: torch's default
+thread count made every rank's OpenMP team spin on the CPUs its peers needed,
+a 30-50x slowdown at 1-16 MiB). Smaller kernels never start a parallel region.
+
+The one-step all_reduce (at most a slot and :data:`GRAIN` elements, the
+latency-bound case) is kept to a few calls: the (op, dtype, shape) of the last
+call and its slot views are remembered (matched by identity, since hashing a
+``ReduceOp`` runs Python code), the input goes into the slot with
+``ctypes.memmove``, and float32/float64/int32/int64 sums are ``numpy.add``
+(bitwise the same sum, ~0.25 us less dispatch than ``torch.add``).
 
 Results of 32 MiB and more are allocated with :func:`device_comms.host_alloc.empty`
 (huge pages; a fresh 64 MiB ``torch.empty`` costs more page faults than the
@@ -39,14 +72,20 @@ Not thread-safe: one collective at a time per communicator, as with NCCL.
 
 from __future__ import annotations
 
+import ctypes
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from device_comms import host_alloc
-from device_comms.fixed_reduce import reduce_views
+from device_comms.engine_threads import GRAIN, ThreadCap, capped, engine_threads
+from device_comms.fixed_reduce import binary_fn, reduce_views
+from device_comms.placement import PeerPlacement
 from device_comms.reduce_op import ReduceOp
+from device_comms.shm_alltoallv import ShmAllToAllvOps
+from device_comms.shm_gather import ShmGatherOps
 from device_comms.shm_sync import StepSync, shape_key, signature
 from device_comms.shm_workspace import ShmWorkspace
 
@@ -57,36 +96,80 @@ __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
 # shot wins up to 2 MiB (one synchronisation instead of two), the two-phase
 # scheme from 4 MiB (it moves fewer bytes per rank and shares the reduction).
 DEFAULT_ONESHOT_BYTES = 2 << 20
+# Two ranks (see ShmEngine._pair_all_reduce): pieces of the large all_reduce, and
+# the smallest one-step all_reduce done the same way. Measured on the development
+# VM (vCPUs with and without a common cache, interleaved): 512 KiB pieces beat
+# 128/256 KiB (more steps) and 1-2 MiB (out of L2); from 32 KiB the in-place
+# reduction wins (64 KiB: 8.2 vs 10.0 us and 6.8 vs 8.0 us), below it the extra
+# copy costs more than it saves (16 KiB: 4.6 vs 4.2 us).
+DEFAULT_PAIR_PIECE_BYTES = 512 << 10
+PAIR_SMALL_MIN_BYTES = 32 << 10
+# Beyond the one-shot limit, 2-byte floats (converted to float32 and back in
+# every reduction) keep sharing the reduction between two ranks (reduce-scatter
+# + all-gather): reducing everything on each rank cost bfloat16 25-27% at 4-16
+# MiB with both ranks on one vCPU (the work adds up), while it saved 25% on
+# vCPUs without a common cache. Memory-bound dtypes take the pair scheme at
+# every size: float32 16 MiB 1.6 vs 3.1 ms there, 3.0 vs 2.9 ms on one vCPU.
+_HALF_FLOATS = {torch.bfloat16, torch.float16}
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
+_memmove = ctypes.memmove
+_from_numpy = torch.from_numpy
+# dtypes whose SUM of small tensors goes through numpy: ``np.add`` plus
+# ``torch.from_numpy`` costs ~0.25 us less than ``torch.add`` (dispatch), and the
+# element-wise IEEE/two's-complement sums are bitwise the same as torch's.
+_NUMPY_SUM = {torch.float32, torch.float64, torch.int32, torch.int64}
 
 
-class _GatherStep(NamedTuple):
-    """What every piece of one gather_rows call shares."""
+class _SmallAllReduce:
+    """What a one-step all_reduce of one (op, dtype, shape) needs, kept for the next call."""
 
-    x2: torch.Tensor
-    out2: torch.Tensor | None
-    widths: Sequence[int]
-    offs: list[int]
-    writes: bool
-    kind: str
-    sig: Any
-    size_key: int
+    __slots__ = ("op", "dtype", "shape", "sig", "size_key", "fn", "avg", "views", "numpy", "pair")
 
-class ShmEngine:
+    def __init__(self, eng: "ShmEngine | None", t: torch.Tensor | None, op: ReduceOp | None) -> None:
+        self.op, self.dtype, self.shape = op, None, None
+        self.sig, self.size_key, self.fn, self.avg = 0, 0, torch.add, False
+        self.views: tuple[list[Any], ...] = ([], [])
+        self.numpy = self.pair = False
+        if eng is None or t is None or op is None:
+            return  # the empty entry no call matches
+        self.pair = eng.size == 2 and t.nbytes >= eng.pair_small_min_bytes
+        self.dtype, self.shape = t.dtype, t.shape
+        self.sig = eng._sig("all_reduce", t.dtype, op)
+        self.size_key = eng.shape_key(t.shape)
+        self.fn = binary_fn(op, t.dtype)
+        self.avg = op is ReduceOp.AVG
+        self.views = (eng._shaped(0, t), eng._shaped(1, t))
+        if op is ReduceOp.SUM and t.dtype in _NUMPY_SUM and t.dim() > 0:  # 0-d: ufuncs give scalars
+            self.numpy = True
+            self.fn = np.add
+            self.views = tuple([v.numpy() for v in vs] for vs in self.views)
+
+
+class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
     """Shared-memory collectives for the local ranks of a workspace.
 
     Args:
         ws: The mapped workspace.
         sync: The step synchroniser over ``ws``.
         oneshot_bytes: Largest all_reduce/reduce done in one shot.
+        threads: Most intra-op threads the engine's kernels use; None for
+            :func:`~device_comms.engine_threads.engine_threads` (the node's
+            CPUs divided among its local ranks).
 
     Attributes:
         size: Number of local ranks.
         me: This rank's local index.
+        threads: The engine's thread limit.
     """
 
-    def __init__(self, ws: ShmWorkspace, sync: StepSync, oneshot_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        ws: ShmWorkspace,
+        sync: StepSync,
+        oneshot_bytes: int | None = None,
+        threads: int | None = None,
+    ) -> None:
         self.ws = ws
         self.sync = sync
         self.size = ws.local_size
@@ -96,16 +179,31 @@ class ShmEngine:
         #: all_reduce/reduce up to this many bytes run one shot (in slot-sized
         #: pieces above a slot); larger ones reduce-scatter + all-gather.
         self.oneshot_bytes = oneshot_bytes
+        self.threads = engine_threads(sync.pids, self.me, threads)
+        self._cap = ThreadCap(self.threads)
+        #: Two ranks: all_reduce above the one-step path goes through
+        #: :meth:`_pair_all_reduce` in pieces of this many bytes (0: off).
+        self.pair_piece_bytes = DEFAULT_PAIR_PIECE_BYTES
+        #: Two ranks: one-step all_reduces of at least this many bytes reduce into
+        #: the peer's slot too (:meth:`_pair_small`); smaller ones read both slots.
+        self.pair_small_min_bytes = PAIR_SMALL_MIN_BYTES
+        self._placement = PeerPlacement(sync.pids[1 - self.me]) if self.size == 2 else None
         self._single = min(ws.slot_bytes, oneshot_bytes)  # one step, cached views
+        self._my_addr = (ws.slot_address(0, self.me), ws.slot_address(1, self.me))
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
         self._sigs: dict[tuple[str, torch.dtype, ReduceOp | None, int], int] = {}
         self._shape_keys: dict[torch.Size, int] = {}
-        # One-step all-reduce: (parity, dtype, shape, op) -> (slot views, signature, size key).
-        self._ar_steps: dict[tuple[Any, ...], tuple[list[torch.Tensor], int, int]] = {}
+        self._last = _SmallAllReduce(None, None, None)  # the last one-step all_reduce
+
+    @property
+    def thread_cap(self) -> ThreadCap:
+        """Context manager limiting torch's intra-op threads to :attr:`threads` inside."""
+        return self._cap
 
     def close(self) -> None:
         """Mark this rank closed for its peers and unmap. Idempotent."""
         self._views.clear()
+        self._last = _SmallAllReduce(None, None, None)  # its views map the workspace
         self.sync.close()
         self.ws.close()
 
@@ -148,25 +246,112 @@ class ShmEngine:
     def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         """All-reduce contiguous ``t``; returns a new tensor, identical on every rank."""
         sync = self.sync
-        if t.nbytes <= self._single:
-            key = ((sync.gen + 1) & 1, t.dtype, t.shape, op)
-            hit = self._ar_steps.get(key)
-            if hit is None:
-                if len(self._ar_steps) >= _VIEW_CACHE_MAX:
-                    self._ar_steps.clear()
-                hit = self._ar_steps[key] = (
-                    self._shaped(key[0], t), self._sig("all_reduce", t.dtype, op),
-                    self.shape_key(t.shape),
-                )
-            views, sig, sk = hit
-            views[self.me].copy_(t)
-            sync.step("all_reduce", sig, sk, True)
-            return reduce_views(views, op)
-        sig, sk = self._sig("all_reduce", t.dtype, op), self.shape_key(t.shape)
-        if t.nbytes <= self.oneshot_bytes:
-            return self._oneshot_pieces(t, op, "all_reduce", (sig, sk), True)  # type: ignore[return-value]
-        return self._two_phase(t, op, "all_reduce", (sig, sk), True)  # type: ignore[return-value]
+        nbytes = t.nbytes
+        n = t.numel()
+        if nbytes <= self._single and n <= GRAIN:  # one step; torch runs it serially
+            c = self._last
+            # Identity checks, not a dict keyed by the enum: ReduceOp.__hash__ runs in Python.
+            if op is not c.op or t.dtype is not c.dtype or t.shape != c.shape:
+                c = self._last = _SmallAllReduce(self, t, op)
+            p = (sync.gen + 1) & 1
+            _memmove(self._my_addr[p], t.data_ptr(), nbytes)
+            sync.step("all_reduce", c.sig, c.size_key, True)
+            views, fn = c.views[p], c.fn
+            if c.pair:
+                return self._pair_small(t, views[1 - self.me], c)
+            acc = fn(views[0], views[1])
+            for v in views[2:]:
+                fn(acc, v, out=acc)
+            if c.numpy:
+                return _from_numpy(acc)
+            if c.avg:
+                acc.div_(self.size)
+            return acc
+        with self._cap:
+            sig = (self._sig("all_reduce", t.dtype, op), self.shape_key(t.shape))
+            if self.size == 2 and self.pair_piece_bytes and (
+                nbytes <= self.oneshot_bytes or t.dtype not in _HALF_FLOATS
+            ):
+                return self._pair_all_reduce(t, op, sig)
+            if nbytes <= self._single:
+                p = sync.next_parity
+                views = self._shaped(p, t)
+                _memmove(self._my_addr[p], t.data_ptr(), nbytes)
+                sync.step("all_reduce", sig[0], sig[1], True)
+                return reduce_views([t if r == self.me else v for r, v in enumerate(views)], op)
+            if nbytes <= self.oneshot_bytes:
+                return self._oneshot_pieces(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
+            return self._two_phase(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
 
+    def _pair_small(self, t: torch.Tensor, peer: Any, c: "_SmallAllReduce") -> torch.Tensor:
+        """The one-step all_reduce of two ranks from :data:`PAIR_SMALL_MIN_BYTES` on: reduce
+        into the peer's slot view ``peer`` in rank order and copy it out (see
+        :meth:`_pair_all_reduce` for why); this rank's own slot is the peer's to modify."""
+        fn = c.fn
+        x = t.numpy() if c.numpy else t
+        if self.me == 0:
+            fn(x, peer, out=peer)
+        else:
+            fn(peer, x, out=peer)
+        if c.numpy:
+            return _from_numpy(peer.copy())
+        return torch.div(peer, 2) if c.avg else peer.clone()
+
+    def _pair_all_reduce(
+        self, t: torch.Tensor, op: ReduceOp, sig: tuple[int, int]
+    ) -> torch.Tensor:
+        """Two ranks: each reduces *into the peer's slot*, in rank order, and copies that out.
+
+        Per piece: copy my piece into my slot; step; ``peer_slot = fn(x0, x1)``
+        in place (rank order, so both ranks get the same bits); copy the peer's
+        slot into the output. Each shared cache line is thus written by its
+        owner, then read *and written* by the peer, which leaves it modified in
+        the peer's cache: the owner's next write takes it over cheaply. When
+        the peer only reads it (the one-shot scheme), the line is shared by
+        both caches and the owner's next write must invalidate the peer's copy,
+        which on the development VM made writing a 1 MiB slot 5x slower (125 vs
+        26 us) whenever the two ranks ran on vCPUs that do not share a cache.
+        Pieces of 512 KiB keep a piece's input, slots and output in L2.
+
+        When both ranks run where they share a cache (:mod:`device_comms.placement`)
+        a rank reduces straight into its output instead, reading the peer's
+        slot only (no extra copy). Each rank decides for itself: either way it
+        takes the same steps, never reads its own slot after a step and writes
+        only the peer's, which the peer no longer reads, so mixed decisions are
+        still correct.
+        """
+        ws, sync, me = self.ws, self.sync, self.me
+        flat, n, dt = t.view(-1), t.numel(), t.dtype
+        isz = t.element_size()
+        out = host_alloc.empty(n, dt)
+        fn = binary_fn(op, dt)
+        avg = op is ReduceOp.AVG
+        chunk = max(1, min(ws.slot_bytes, self.pair_piece_bytes) // isz)
+        base = flat.data_ptr()
+        migrate = self._placement is None or not self._placement.shares_cache()
+        first = True
+        for a in range(0, n, chunk):
+            ln = min(chunk, n - a)
+            p = sync.next_parity
+            _memmove(self._my_addr[p], base + a * isz, ln * isz)
+            sync.step("all_reduce", sig[0], sig[1], first)
+            first = False
+            peer = ws.slot(p, 1 - me, dt)[:ln]
+            mine = flat[a : a + ln]
+            dst = peer if migrate else out[a : a + ln]
+            if me == 0:
+                fn(mine, peer, out=dst)
+            else:
+                fn(peer, mine, out=dst)
+            if avg:
+                torch.div(dst, 2, out=out[a : a + ln])
+            elif migrate:
+                _memmove(out.data_ptr() + a * isz, peer.data_ptr(), ln * isz)
+        if first:  # nothing to move (empty): still agree on the call
+            sync.step("all_reduce", sig[0], sig[1], True)
+        return out.view(t.shape)
+
+    @capped(lambda self, t, *_: t.numel())
     def reduce(
         self,
         t: torch.Tensor,
@@ -244,6 +429,7 @@ class ShmEngine:
                         out[a + b[j] : a + b[j + 1]].copy_(ws.slot(q, j, dt)[b[j] : b[j + 1]])
         return out.view(t.shape) if out is not None else None
 
+    @capped(lambda self, x, *_: x.numel())
     def reduce_scatter(
         self, x: torch.Tensor, counts: Sequence[int], op: ReduceOp, kind: str, size_key: int
     ) -> torch.Tensor:
@@ -303,115 +489,7 @@ class ShmEngine:
         return out
 
     # ------------------------------------------------------------------ data movement
-    def all_gather_cat(
-        self,
-        t: torch.Tensor,
-        dim: int,
-        kind: str = "all_gather",
-        dst: int | None = None,
-        size_key: int | None = None,
-    ) -> torch.Tensor | None:
-        """Every rank's ``t`` (same shape, fits a slot) concatenated along ``dim``.
-
-        Every rank gets it when ``dst`` is None, else only local rank ``dst``.
-        ``size_key`` (default: the element count) must agree on every rank.
-        """
-        views = self._shaped(self.sync.next_parity, t)
-        views[self.me].copy_(t)
-        sig = self._sig(kind, t.dtype, None, 0 if dst is None else dst)
-        self.sync.step(kind, sig, t.numel() if size_key is None else size_key, True)
-        if dst is None or dst == self.me:
-            return torch.cat(views, dim)
-        return None
-
-    def gatherv_cat(
-        self, t: torch.Tensor, shapes: Sequence[torch.Size], dim: int, size_key: int
-    ) -> torch.Tensor:
-        """All-gather of per-rank shapes ``shapes`` (each fits a slot), concatenated along ``dim``."""
-        p, dt = self.sync.next_parity, t.dtype
-        views = [
-            s[: math.prod(shape)].view(shape)
-            for s, shape in zip(self.ws.slots(p, dt), shapes)
-        ]
-        views[self.me].copy_(t)
-        self.sync.step("all_gatherv", self._sig("all_gatherv", dt), size_key, True)
-        return torch.cat(views, dim)
-
-    def gather_rows(
-        self,
-        x2: torch.Tensor,
-        widths: Sequence[int],
-        out2: torch.Tensor | None,
-        kind: str,
-        size_key: int,
-        dst: int | None = None,
-    ) -> None:
-        """Gather 2-D pieces side by side: ``out2[:, c_r : c_r + widths[r]] = x2`` of rank ``r``.
-
-        ``x2`` is this rank's ``(A, widths[me])`` contiguous input; ``out2`` the
-        ``(A, sum(widths))`` output on readers (every rank when ``dst`` is None,
-        else only local rank ``dst``; None elsewhere). Pieces go through the
-        slots a block of whole rows at a time, or a row in column pieces when a
-        row is larger than a slot, so the output is written in its final layout.
-        """
-        ws, sync, me = self.ws, self.sync, self.me
-        dt = x2.dtype
-        sig = self._sig(kind, dt, None, 0 if dst is None else dst)
-        rows_n = x2.shape[0]
-        offs = [0]
-        for w in widths:
-            offs.append(offs[-1] + w)
-        writes = dst is None or dst != me  # a root reads its own part from x2
-        chunk = ws.slot_elems(dt)
-        wmax = max(widths) if widths else 0
-        if wmax == 0 or rows_n == 0:
-            sync.step(kind, sig, size_key, True)  # nothing to move; still agree on the call
-            return
-        if wmax <= chunk:  # blocks of whole rows
-            per = max(1, chunk // wmax)
-            pieces = [(i, min(per, rows_n - i), None) for i in range(0, rows_n, per)]
-        else:  # each row in column pieces
-            pieces = [(i, 1, a) for i in range(rows_n) for a in range(0, wmax, chunk)]
-        step = _GatherStep(x2, out2, widths, offs, writes, kind, sig, size_key)
-        for n, (i, nrows, a) in enumerate(pieces):
-            if a is None:
-                self._gather_row_block(step, i, nrows, first=n == 0)
-            else:
-                self._gather_column_piece(step, i, a, chunk, first=n == 0)
-
-    def _gather_row_block(self, step: "_GatherStep", i: int, nrows: int, first: bool) -> None:
-        """Rows ``i : i + nrows`` of every rank's piece through one round of slots."""
-        ws, me, dt, widths = self.ws, self.me, step.x2.dtype, step.widths
-        p = self.sync.next_parity
-        if step.writes and widths[me]:
-            ws.slot(p, me, dt)[: nrows * widths[me]].copy_(step.x2[i : i + nrows].reshape(-1))
-        self.sync.step(step.kind, step.sig, step.size_key, first)
-        if step.out2 is None:
-            return
-        for r in range(self.size):
-            w = widths[r]
-            if w:
-                src = (step.x2[i : i + nrows] if r == me
-                       else ws.slot(p, r, dt)[: nrows * w].view(nrows, w))
-                step.out2[i : i + nrows, step.offs[r] : step.offs[r] + w].copy_(src)
-
-    def _gather_column_piece(self, step: "_GatherStep", i: int, a: int, chunk: int,
-                             first: bool) -> None:
-        """Columns ``a : a + chunk`` of row ``i`` of every rank's piece (rows wider than a slot)."""
-        ws, me, dt, widths = self.ws, self.me, step.x2.dtype, step.widths
-        p = self.sync.next_parity
-        ln = max(0, min(chunk, widths[me] - a))
-        if step.writes and ln:
-            ws.slot(p, me, dt)[:ln].copy_(step.x2[i, a : a + ln])
-        self.sync.step(step.kind, step.sig, step.size_key, first)
-        if step.out2 is None:
-            return
-        for r in range(self.size):
-            lr = max(0, min(chunk, widths[r] - a))
-            if lr:
-                src = step.x2[i, a : a + lr] if r == me else ws.slot(p, r, dt)[:lr]
-                step.out2[i, step.offs[r] + a : step.offs[r] + a + lr].copy_(src)
-
+    @capped(lambda self, t, *_: t.numel())
     def broadcast(
         self,
         t: torch.Tensor,

@@ -38,6 +38,14 @@ writes parity ``s%2`` again only at step ``s+2``. Before that it completed step
 finished reading step ``s``. The same argument protects the signature words,
 which are checked before a rank publishes its next step.
 
+Writing a peer's slot. With two local ranks the engine's all_reduce lets the
+peer ``q`` *modify* ``r``'s slot of parity ``s%2`` after step ``s``
+(``ShmEngine._pair_all_reduce``), while ``r`` no longer reads it. The argument
+above covers it unchanged: ``q`` publishes ``s+1`` only after it finished with
+step ``s``'s slots, so ``r``'s rewrite at step ``s+2`` cannot overlap ``q``'s
+writes, and ``q``'s writes before its ``FENCE`` + publish are visible to ``r``
+when ``r`` sees ``gen_q >= s+1``.
+
 Rejected calls. A rank whose own arguments fail validation still takes
 part in the collective's *first* step, so every generation stays in step::
 
@@ -158,7 +166,7 @@ _PARK_MAX = 0.05  # longest single futex sleep (health checks run in between)
 KIND_NAMES = {
     1: "all_reduce", 2: "all_gather", 3: "all_gatherv", 4: "reduce_scatter",
     5: "reduce_scatterv", 6: "broadcast", 7: "gather", 8: "reduce",
-    9: "scatter", 10: "all_to_all", 11: "send/recv",
+    9: "scatter", 10: "all_to_all", 11: "send/recv", 12: "all_to_allv",
 }
 _KIND_CODES = {v: k for k, v in KIND_NAMES.items()}
 #: Signature of a step taken by a rank that rejected its own arguments (kind 0xFF).

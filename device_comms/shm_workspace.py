@@ -129,6 +129,7 @@ class ShmWorkspace:
         self._mv: memoryview | None = memoryview(segment.buf)
         self.hdr: memoryview = self._mv[:hdr_bytes].cast("q")
         self.hdr_address: int = futex.address_of(self._mv)
+        self._data_address = self.hdr_address + hdr_bytes
         self._data_mv: memoryview | None = self._mv[hdr_bytes:need]
         data = torch.frombuffer(self._data_mv, dtype=torch.uint8)
         self._raw = [
@@ -146,6 +147,13 @@ class ShmWorkspace:
             v = self._raw[parity][rank].view(dtype)
             self._typed[key] = v
         return v
+
+    def slot_address(self, parity: int, rank: int) -> int:
+        """Address of the first byte of local ``rank``'s slot in buffer ``parity``.
+
+        Valid while the workspace is mapped (until :meth:`close`).
+        """
+        return self._data_address + (parity * self.local_size + rank) * self.slot_bytes
 
     def slots(self, parity: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """Every rank's slot in buffer ``parity`` (flat ``dtype`` tensors, by local rank)."""

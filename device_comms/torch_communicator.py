@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from device_comms import gloo_alltoallv
 from device_comms.base import DeviceCommunicator
 from device_comms.call_signature import data_shape
 from device_comms.errors import CollectiveMismatch, DecodeError
@@ -428,6 +429,13 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         pieces = [p.movedim(0, scatter_dim) for p in out.chunk(n, 0)]
         return torch.cat(pieces, gather_dim).contiguous()
 
+    def _all_to_allv(self, t: torch.Tensor, send: list[int], recv: list[int] | None) -> torch.Tensor:
+        if self._checks_calls:
+            return gloo_alltoallv.signed_all_to_allv(self, t, send, recv)
+        got = gloo_alltoallv.exchange_sizes(self, send, recv)
+        out = torch.empty((sum(got),) + t.shape[1:], dtype=t.dtype, device=t.device)
+        return gloo_alltoallv.plain_all_to_allv(self.device_group, t, send, got, out)
+
     def _send(self, t: torch.Tensor, dst: int) -> None:
         if self._checks_calls:
             small = t.nbytes <= INLINE_MAX
@@ -459,7 +467,9 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         ``meta`` is ``(peer,)`` for send/recv (nobody is told without a valid peer).
         """
         if not self._checks_calls:
-            return  # GPU calls exchange no headers: peers cannot be told (see _checks_calls)
+            if op == "all_to_allv":  # its sizes travel over the CPU group anyway
+                self._guard(op, gloo_alltoallv.reject_exchange, self, message)
+            return  # other GPU calls exchange no headers: peers cannot be told (see _checks_calls)
         if op in ("send", "recv"):
             if meta:
                 with self._p2p_side(op, meta[0]) as side:

@@ -21,6 +21,7 @@ PACKAGES = [
     ("coordinator", "GroupCoordinator, parallel state, stateless groups, errors."),
     ("coordinator.testing", "Run functions on real processes with torch.distributed initialised."),
     ("coordinator.custom_ops", "Traceable collectives for torch.compile."),
+    ("coordinator.moe", "Mixture-of-experts dispatch and combine over the expert-parallel group."),
     ("coordinator.engine.layers", "Tensor-parallel layers with checkpoint-sharding weight loaders."),
     ("coordinator.engine.models", "The Llama decoder, KV cache, runner and greedy generation."),
     ("device_comms", "DeviceCommunicator base, registry and transports."),

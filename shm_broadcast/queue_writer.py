@@ -28,15 +28,8 @@ Channel security (protocol, see :mod:`shm_broadcast.transport` and
   queue) and a ZAP handler admits only the remote readers' client key(s)
   carried by the handle. Refused handshakes are counted
   (:meth:`QueueWriter.security_stats`).
-* Control frames are validated before they change any state: a hello counts
-  only if it decodes as ``[rank, pid, create_time, host, pid_space]``, comes from a
-  routing id the queue expects (``L<i>``: the local slot whose shared-memory
-  registration has the same pid and start time; ``R<rank>``: a rank that is
-  not local, over a ZAP-authenticated connection, at most ``n_remote`` of
-  them), and is the first for that id. Acks must be 8 bytes from a known
-  remote reader and never beyond the messages sent. Anything else is ignored
-  and counted as ``bad_control``; nothing a peer sends raises a decoder's
-  exception in the writer.
+* Control frames are validated before they change any state
+  (:mod:`shm_broadcast.writer_control`).
 """
 
 from __future__ import annotations
@@ -48,10 +41,8 @@ import time
 import weakref
 from typing import Any
 
-import msgspec
 import psutil
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from shm_broadcast.codec import Codec, Encoded
 from shm_broadcast.doorbell import BellRinger, Doorbell, bell_address
@@ -60,12 +51,12 @@ from shm_broadcast.handle import Handle
 from shm_broadcast.predictive import STAMP, STAMP_OFFSET
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
 from shm_broadcast.transport import (
-    ACK, CTL_ACK, CTL_CLOSED, CTL_HELLO, HANDSHAKE_FAILED, KIND_DATA, KIND_OVERFLOW,
-    KIND_READY, KIND_SHUTDOWN, TOPIC_OVERFLOW, TOPIC_REMOTE, WIRE, ReaderAuthenticator, bind,
-    close_all, count_failed_handshakes, host_ip, local_bind_address, make_curve_server,
-    new_channel_dir, new_keypair, new_socket, remove_channel_dir,
+    HANDSHAKE_FAILED, KIND_DATA, KIND_OVERFLOW, KIND_SHUTDOWN, TOPIC_OVERFLOW,
+    TOPIC_REMOTE, WIRE, ReaderAuthenticator, bind, close_all, host_ip, local_bind_address,
+    make_curve_server, new_channel_dir, new_keypair, new_socket, remove_channel_dir,
 )
 from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy, own_pid_space
+from shm_broadcast.writer_control import WriterControl, check_reader_keys
 
 __all__ = ["QueueWriter"]
 
@@ -73,11 +64,7 @@ _ZERO_COPY_MIN = 1 << 16
 _monotonic = time.monotonic
 _pack_stamp = STAMP.pack_into
 
-_Hello = tuple[int, int, float, str, str]  # rank, pid, start time, host, pid space
-_HELLO_DECODER = msgspec.msgpack.Decoder(_Hello)
-
-
-class QueueWriter:
+class QueueWriter(WriterControl):
     """Writer side; used through :class:`shm_broadcast.MessageQueue`.
 
     Args:
@@ -128,7 +115,7 @@ class QueueWriter:
         self._pid = os.getpid()
         self._ctime = psutil.Process(self._pid).create_time()
         self._owner_thread = threading.get_ident()
-        self._reader_keys = _check_reader_keys(remote_reader_keys, self.n_remote,
+        self._reader_keys = check_reader_keys(remote_reader_keys, self.n_remote,
                                                local_reader_ranks)
         self._init_protocol_state()
         self._init_resources()
@@ -214,6 +201,9 @@ class QueueWriter:
         self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote, reconnect=True)
         self.pub.setsockopt(zmq.XPUB_VERBOSER, 1)
         self.ctl = new_socket(self.ctx, zmq.ROUTER, tcp=remote, reconnect=True)
+        # A reader's new connection takes over its routing id even before the
+        # writer saw the old one close (writer_control says why that is safe).
+        self.ctl.setsockopt(zmq.ROUTER_HANDOVER, 1)
         addrs: dict[str, str] = {}
         if self.n_local:
             addrs["local_pub"] = bind(self.pub, local_bind_address(self._channel_dir, "p"))
@@ -265,172 +255,6 @@ class QueueWriter:
         )
 
     # ------------------------------------------------------------ handshake
-    def wait_until_ready(self, timeout: float | None) -> None:
-        """Block until every reader is attached and subscribed."""
-        self._check_open("wait_until_ready")  # also once ready: a closed queue is unusable
-        if self._ready:
-            return
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        poller = zmq.Poller()
-        poller.register(self.pub, zmq.POLLIN)
-        poller.register(self.ctl, zmq.POLLIN)
-        while True:
-            self._drain_pub()
-            self._drain_ctl()
-            missing = self._missing_readers()
-            if not missing:
-                break
-            if self._closing:
-                raise QueueClosedError(
-                    f"queue {self.name!r}: shut down while the writer waited for readers",
-                    queue=self.name, side=self.side)
-            self._raise_if_reader_dead(list(range(self.n_local)), list(self._remote_acked))
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise QueueTimeout(
-                    f"queue {self.name!r}: {self.side} waited {timeout:g} s for its readers "
-                    f"to connect; still missing: {', '.join(missing)}",
-                    queue=self.name, side=self.side, peers=missing)
-            wait = 0.1 if deadline is None else min(0.1, deadline - now)
-            poller.poll(max(1, int(wait * 1000)))
-        self._ready = True
-        if self.ring is not None:
-            self._seal_channel_dir()
-            self.ring.set_ready()
-            self._ring_readers(range(self.n_local))
-        if self.n_remote:
-            self.pub.send(TOPIC_REMOTE + WIRE.pack(0, KIND_READY, 0, 0))
-
-    def _seal_channel_dir(self) -> None:
-        """Every local reader is connected: drop the paths nobody needs any more.
-
-        Each reader bound its doorbell before its hello, so every line
-        connects now; zmq's ipc connections are established (hellos and
-        subscriptions came through them) and never reconnect. After this no
-        path into the queue exists, and a crash cannot leak the directory.
-        """
-        for ring in self._reader_rings:
-            ring.connect()
-        remove_channel_dir(self._channel_dir)
-
-    def _missing_readers(self) -> list[str]:
-        missing = [f"local reader rank {r}" for i, r in enumerate(self.local_ranks)
-                   if b"L%d" % i not in self._hello]
-        n_remote_seen = sum(1 for k in self._hello if k[:1] == b"R")
-        if n_remote_seen < self.n_remote:
-            missing.append(f"{self.n_remote - n_remote_seen} remote reader(s)")
-        if not missing and (self._subs[TOPIC_OVERFLOW] < self.n_local
-                            or self._subs[TOPIC_REMOTE] < self.n_remote):
-            missing.append("subscriptions still in flight")
-        return missing
-
-    def _drain_pub(self) -> None:
-        pub = self.pub
-        try:
-            while True:
-                msg = pub.recv(zmq.NOBLOCK)
-                if msg[1:] in self._subs:
-                    # VERBOSER: every (un)subscription, also one of a peer that left
-                    if msg[:1] == b"\x01":
-                        self._subs[msg[1:]] += 1
-                    elif msg[:1] == b"\x00":
-                        self._subs[msg[1:]] -= 1
-        except zmq.Again:
-            pass
-
-    def _drain_ctl(self) -> None:
-        ctl = self.ctl
-        if ctl is None:
-            return
-        try:
-            while True:
-                frames = ctl.recv_multipart(zmq.NOBLOCK, copy=False)
-                if len(frames) == 2:
-                    self._on_ctl(frames[0].bytes, frames[1])
-                else:
-                    self._bad_control += 1
-        except zmq.Again:
-            pass
-        if self._mon is not None:
-            failed, gone = count_failed_handshakes(self._mon)
-            self._failed_handshakes += failed
-            for fd in gone:
-                rank = self._remote_fd.pop(fd, None)
-                if rank is not None and rank not in self._said_goodbye:
-                    self._dead_remote[rank] = "its connection to the writer dropped"
-
-    def _on_ctl(self, ident: bytes, frame: zmq.Frame) -> None:
-        """Apply one control frame if it is valid (module docstring); else count it."""
-        body = frame.bytes
-        kind = body[:1]
-        info = self._hello.get(ident)
-        if kind == CTL_HELLO:
-            ok = info is None and self._accept_hello(ident, frame, body)
-        elif kind == CTL_ACK:
-            ok = info is not None and ident[:1] == b"R" and len(body) == 1 + ACK.size
-            if ok:
-                n = ACK.unpack_from(body, 1)[0]
-                ok = n <= self._seq  # an ack for messages never sent is forged
-                if ok:
-                    self._remote_acked[info[0]] = max(n, self._remote_acked[info[0]])
-                    self._remote_min_acked = min(self._remote_acked.values())
-        elif kind == CTL_CLOSED:
-            ok = info is not None and len(body) == 1
-            if ok:
-                self._said_goodbye.add(info[0])
-        else:
-            ok = False
-        if not ok:
-            self._bad_control += 1
-
-    def _accept_hello(self, ident: bytes, frame: zmq.Frame, body: bytes) -> bool:
-        """Record a reader's first hello if it is consistent; returns whether it was."""
-        try:
-            rank, pid, ctime, host, pid_space = _HELLO_DECODER.decode(body[1:])
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return False
-        slot = _slot_of(ident)
-        if slot is None or rank < 0 or pid <= 0:
-            return False
-        if ident[:1] == b"L":
-            if not (slot < self.n_local and self.local_ranks[slot] == rank
-                    and self.ring is not None and self.ring.reader_state(slot) != READER_EMPTY):
-                return False
-            rpid, rctime = self.ring.reader_identity(slot)
-            if rpid != pid or abs(rctime - ctime) > 1e-3:
-                return False  # not the process registered in the ring for this slot
-            self._hello[ident] = (rank, pid, ctime, host)
-            return True
-        n_remote_seen = sum(1 for k in self._hello if k[:1] == b"R")
-        user = _user_id(frame)
-        if (slot != rank or rank in self.local_ranks or n_remote_seen >= self.n_remote
-                or not user or (self._reader_keys is not None and user != f"R{rank}")):
-            return False  # per-reader keys: R<rank> must speak with rank's own key
-        self._hello[ident] = (rank, pid, ctime, host)
-        self._remote_fd[frame.get(zmq.SRCFD)] = rank
-        self._remote_acked.setdefault(rank, 0)
-        # checked by pid only from the reader's own pid space, whatever its hostname
-        self._local_watch[-1 - rank] = PeerWatch(pid, ctime, host, pid_space=pid_space)
-        return True
-
-    def security_stats(self) -> dict[str, int]:
-        """Counters of what the writer refused (diagnostics; cheap).
-
-        Returns:
-            ``{"auth_denied": ZAP refusals of an unknown client key,
-            "handshake_failed": TCP handshakes that did not complete (no or
-            wrong keys, another mechanism, ZAP refusal), "bad_control":
-            control frames ignored as malformed, forged or out of place}``.
-        """
-        if not self._closed:
-            self._drain_ctl()
-            failed, _ = count_failed_handshakes(self._pub_mon)
-            self._failed_handshakes += failed
-        return {"auth_denied": self._auth.denied if self._auth is not None else 0,
-                "handshake_failed": self._failed_handshakes,
-                "bad_control": self._bad_control}
-
     # ------------------------------------------------------------- enqueue
     def enqueue(self, obj: Any, timeout: float | None) -> None:
         """Send ``obj`` to every reader (see the module docstring)."""
@@ -740,39 +564,3 @@ def _state_text(watch: PeerWatch | None) -> str:
     if state == "unknown":
         return f"{watch.describe()}, not checkable from here"
     return f"{watch.describe()} is {state}"
-
-
-def _slot_of(ident: bytes) -> int | None:
-    """The number in a routing id ``L<n>`` / ``R<n>``, or None if it is not one."""
-    if len(ident) < 2 or ident[:1] not in (b"L", b"R") or not ident[1:].isdigit():
-        return None
-    return int(ident[1:])
-
-
-def _user_id(frame: zmq.Frame) -> str:
-    """The ZAP User-Id of ``frame``'s connection; ``""`` if ZAP did not admit it
-    (ipc connections have none)."""
-    try:
-        return frame.get("User-Id") or ""
-    except (zmq.ZMQError, UnicodeDecodeError):
-        return ""
-
-
-def _check_reader_keys(keys: Any, n_remote: int,
-                       local_ranks: tuple[int, ...]) -> dict[int, bytes] | None:
-    """Validate ``remote_reader_keys``: one Z85 public key per remote rank.
-
-    Raises:
-        ValueError: Wrong count, a local rank, or a key that is not 40 bytes.
-    """
-    if keys is None:
-        return None
-    keys = dict(keys)
-    bad = [r for r, k in keys.items()
-           if not isinstance(r, int) or r < 0 or r in local_ranks
-           or not isinstance(k, bytes) or len(k) != 40]
-    if len(keys) != n_remote or bad or len(set(keys.values())) != len(keys):
-        raise ValueError(
-            f"remote_reader_keys must map each of the {n_remote} remote reader ranks to its "
-            f"own 40-byte Z85 CURVE public key; got ranks {sorted(keys)} (invalid: {bad})")
-    return keys

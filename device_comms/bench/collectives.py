@@ -13,13 +13,30 @@ Reported: median and p99 per op and size, and the ratio of gloo's median to
 ours (> 1: we are faster).
 
 Sizes are the full buffer: the tensor of ``all_reduce``, the *output* of
-``all_gather`` and the *input* of ``reduce_scatter`` (as nccl-tests count).
+``all_gather``, the *input* of ``reduce_scatter`` (as nccl-tests count) and
+each rank's *input* of ``all_to_allv``.
+
 "Raw gloo" is ``dist.all_reduce`` in place, ``all_gather_single`` /
 ``reduce_scatter_single`` into preallocated outputs: gloo does not pay for the
 new output tensor our API returns, so the comparison is conservative.
 
-Each rank uses ``max(1, cpus // world_size)`` torch threads (as the test
-harness does) unless ``--threads`` says otherwise. Ranks are not bound to
+``all_to_allv`` splits are uneven and skewed like MoE routing
+(:func:`routing_splits`): destination ``j`` is popular in proportion to
+``1 / (j + 1)``, each rank's share is jittered by its own seeded noise, and each
+rank sends nothing to one peer (world size > 2). Rows are up to 4 KiB (a
+hidden state of 2048 bf16). Raw gloo is ``dist.all_to_all_single`` with the
+same splits on byte views (moving rows needs no arithmetic), output
+preallocated; ours gets ``recv_sizes`` too, as gloo must.
+
+Torch threads per rank (``--threads``): ``1``; ``default``, torch's own default
+(the number of cores, what an engine that computes with every core has: each
+rank's kernels would then oversubscribe the CPUs, see
+:mod:`device_comms.engine_threads`); or a number ``N``. Several settings
+(``--threads 1 default``) are timed in the same processes, interleaved in
+blocks like ours and gloo. Without the option each rank uses
+``max(1, cpus // world_size)`` (as the test harness does). The table headers
+and every record say which setting ran and how many threads a rank had.
+Ranks are not bound to
 CPUs unless ``--pin`` is given: binding makes our latency steadier on a busy
 machine (where the scheduler likes to put both ranks on one CPU) but makes
 gloo several times slower (its I/O threads share the rank's CPU), which would
@@ -41,7 +58,8 @@ from typing import Any, Callable
 
 __all__ = ["add_bench_args", "run_bench", "main"]
 
-_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_allv")
+_DEFAULT_OPS = _OPS[:3]
 _DTYPES = ("float32", "bfloat16", "float16", "int32", "int64")
 _DEFAULT_SIZES = [1 << s for s in range(10, 27, 2)]  # 1 KiB .. 64 MiB, powers of 4
 
@@ -59,12 +77,36 @@ def _parse_size(text: str) -> int:
     return value
 
 
+def _parse_threads(text: str) -> int | str:
+    """``--threads``: ``"default"`` or a positive int."""
+    t = text.strip().lower()
+    if t == "default":
+        return "default"
+    try:
+        value = int(t)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"threads must be 1, default or a positive int N, got {text!r}")
+    return value
+
+
+def threads_for(setting: int | str | None, world_size: int) -> int | None:
+    """Torch threads a rank sets for ``--threads`` (None: leave torch's default)."""
+    if setting == "default":
+        return None
+    if setting is None:
+        return max(1, (os.cpu_count() or 1) // world_size)
+    return int(setting)
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Add this benchmark's options to ``parser``."""
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4],
                         help="world sizes to run (default: 2 4)")
-    parser.add_argument("--ops", nargs="+", choices=_OPS, default=list(_OPS),
-                        help="collectives to time (default: all three)")
+    parser.add_argument("--ops", nargs="+", choices=_OPS, default=list(_DEFAULT_OPS),
+                        help="collectives to time (default: all_reduce all_gather reduce_scatter)")
     parser.add_argument("--dtypes", nargs="+", choices=_DTYPES, default=["float32", "bfloat16"],
                         help="dtypes (default: float32 bfloat16)")
     parser.add_argument("--sizes", type=_parse_size, nargs="+", default=None,
@@ -75,7 +117,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-iters", type=int, default=16, help="samples per point, at least")
     parser.add_argument("--budget-mb", type=float, default=1024.0,
                         help="per point and implementation, about this many MB are moved (sets iterations)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    parser.add_argument("--threads", type=_parse_threads, nargs="+", default=None,
+                        help="torch threads per rank: 1, default (torch's own default, the "
+                             "core count) or N; several settings are timed interleaved in one "
+                             "run (default: max(1, cpus // world size))")
     parser.add_argument("--workspace-bytes", type=_parse_size, default=None,
                         help="CpuCommunicator workspace (default: its own default)")
     parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
@@ -140,7 +185,8 @@ def _rank_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "ops": list(args.ops), "dtypes": list(args.dtypes), "sizes": sizes,
         "min_iters": args.min_iters, "max_iters": args.max_iters,
-        "budget": int(args.budget_mb * (1 << 20)), "threads": args.threads,
+        "budget": int(args.budget_mb * (1 << 20)),
+        "threads": list(args.threads) if args.threads else [None],
         "workspace_bytes": args.workspace_bytes,
     }
 
@@ -179,6 +225,7 @@ def _write_outputs(args: argparse.Namespace, records: list[dict[str, Any]],
         "loadavg_before": load_before,
         "loadavg_after": _loadavg(),
         "pinned": args.pin,
+        "threads": ["cpus/world_size"] if not args.threads else [str(t) for t in args.threads],
     }
     if args.json_path:
         write_json(args.json_path, records, meta)
@@ -202,7 +249,9 @@ def _bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[st
 
     from device_comms.cpu_communicator import CpuCommunicator
 
-    torch.set_num_threads(cfg["threads"] or max(1, (os.cpu_count() or 1) // world_size))
+    default = torch.get_num_threads()  # torch's own default, before anything set it
+    counts = [threads_for(t, world_size) or default for t in cfg["threads"]]
+    torch.set_num_threads(counts[0])
     comm = CpuCommunicator(
         dist.group.WORLD, torch.device("cpu"), unique_name="bench",
         workspace_bytes=cfg["workspace_bytes"],
@@ -213,21 +262,68 @@ def _bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[st
             for dname in cfg["dtypes"]:
                 dtype = getattr(torch, dname)
                 for nbytes in cfg["sizes"]:
-                    rec = _bench_point(comm, op, dtype, nbytes, cfg, rank, world_size)
+                    recs = _bench_point(comm, op, dtype, nbytes, cfg, rank, world_size, counts)
                     if rank == 0:
-                        records.append(rec)
+                        records.extend(recs)
     finally:
         comm.destroy()
     return records if rank == 0 else None
 
 
 def _bench_point(
-    comm: Any, op: str, dtype: Any, nbytes: int, cfg: dict[str, Any], rank: int, ws: int
-) -> dict[str, Any]:
+    comm: Any, op: str, dtype: Any, nbytes: int, cfg: dict[str, Any], rank: int, ws: int,
+    counts: list[int],
+) -> list[dict[str, Any]]:
+    """One record per thread setting; the settings' samples interleave in blocks."""
     import torch
     import torch.distributed as dist
 
     from shm_broadcast.group_adapter import object_group
+
+    ours, raw, same, extra = _point_calls(comm, op, dtype, nbytes, rank, ws)
+    iters = int(min(cfg["max_iters"], max(cfg["min_iters"], cfg["budget"] // max(1, nbytes))))
+    block = max(1, min(20, iters // 4))
+    for n in counts:
+        torch.set_num_threads(n)
+        for _ in range(3):
+            ours()
+            raw()
+    t_ours: list[list[float]] = [[] for _ in counts]
+    t_raw: list[list[float]] = [[] for _ in counts]
+    while len(t_ours[0]) < iters:
+        k = min(block, iters - len(t_ours[0]))
+        for i, n in enumerate(counts):
+            torch.set_num_threads(n)
+            _time(ours, k, t_ours[i], comm.barrier)
+            _time(raw, k, t_raw[i], comm.barrier)
+    torch.set_num_threads(counts[0])
+    # msgpack over gloo (never pickle): the same path as the library's setup exchanges
+    everyone = object_group(dist.group.WORLD).all_gather((t_ours, t_raw, same))
+    recs = []
+    for i, n in enumerate(counts):
+        slow_ours = [max(v[0][i][j] for v in everyone) for j in range(iters)]  # type: ignore[index]
+        slow_raw = [max(v[1][i][j] for v in everyone) for j in range(iters)]  # type: ignore[index]
+        setting = cfg["threads"][i]
+        recs.append({
+            "world_size": ws, "op": op, "dtype": str(dtype).removeprefix("torch."),
+            "bytes": nbytes, "iters": iters, "mode": comm.mode,
+            "threads": n,
+            "threads_setting": "cpus/world_size" if setting is None else str(setting),
+            "engine_threads": comm.describe()["engine_threads"],
+            "shm_p50_us": _pct(slow_ours, 50), "shm_p99_us": _pct(slow_ours, 99),
+            "gloo_p50_us": _pct(slow_raw, 50), "gloo_p99_us": _pct(slow_raw, 99),
+            "results_match": all(v[2] for v in everyone),  # type: ignore[index]
+            **extra,
+        })
+    return recs
+
+
+def _point_calls(
+    comm: Any, op: str, dtype: Any, nbytes: int, rank: int, ws: int
+) -> tuple[Callable[[], Any], Callable[[], Any], bool, dict[str, Any]]:
+    """Our call, the raw gloo call, whether their results agree, and record extras."""
+    import torch
+    import torch.distributed as dist
 
     item = torch.empty((), dtype=dtype).element_size()
     numel = max(ws, nbytes // item // ws * ws)
@@ -238,11 +334,14 @@ def _bench_point(
         full = torch.randint(-100, 100, (numel,), generator=gen, dtype=dtype)
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    extra: dict[str, Any] = {}
     if op == "all_reduce":
         x, y = full, full.clone()
         ours: Callable[[], Any] = lambda: comm.all_reduce(x)
         raw: Callable[[], Any] = lambda: dist.all_reduce(y)
         check = (comm.all_reduce(x), _gloo_copy(dist.all_reduce, full))
+    elif op == "all_to_allv":
+        ours, raw, check, extra = _all_to_allv_point(comm, full, rank, ws)
     elif op == "all_gather":
         x = full[: numel // ws].clone()
         out = torch.empty(numel, dtype=dtype)
@@ -257,32 +356,61 @@ def _bench_point(
         raw = lambda: rs(out, x)
         raw()
         check = (comm.reduce_scatter(x, 0), out.clone())
-    exact = op == "all_gather" or not dtype.is_floating_point
+    exact = op in ("all_gather", "all_to_allv") or not dtype.is_floating_point
     same = bool(torch.equal(*check)) if exact else bool(
         torch.allclose(check[0].float(), check[1].float(), rtol=2e-2, atol=2e-2 * ws)
     )
-    iters = int(min(cfg["max_iters"], max(cfg["min_iters"], cfg["budget"] // max(1, nbytes))))
-    block = max(1, min(20, iters // 4))
-    for _ in range(3):
-        ours()
-        raw()
-    t_ours: list[float] = []
-    t_raw: list[float] = []
-    while len(t_ours) < iters:
-        k = min(block, iters - len(t_ours))
-        _time(ours, k, t_ours, comm.barrier)
-        _time(raw, k, t_raw, comm.barrier)
-    # msgpack over gloo (never pickle): the same path as the library's setup exchanges
-    everyone = object_group(dist.group.WORLD).all_gather((t_ours, t_raw, same))
-    slow_ours = [max(v[0][i] for v in everyone) for i in range(iters)]  # type: ignore[index]
-    slow_raw = [max(v[1][i] for v in everyone) for i in range(iters)]  # type: ignore[index]
-    return {
-        "world_size": ws, "op": op, "dtype": str(dtype).removeprefix("torch."), "bytes": nbytes,
-        "iters": iters, "mode": comm.mode,
-        "shm_p50_us": _pct(slow_ours, 50), "shm_p99_us": _pct(slow_ours, 99),
-        "gloo_p50_us": _pct(slow_raw, 50), "gloo_p99_us": _pct(slow_raw, 99),
-        "results_match": all(v[2] for v in everyone),  # type: ignore[index]
-    }
+    return ours, raw, same, extra
+
+
+def routing_splits(rows: int, ws: int, rank: int) -> list[int]:
+    """Rows ``rank`` sends each rank: skewed like MoE routing (see the module docstring).
+
+    Deterministic in ``(rows, ws, rank)``, so every rank knows every rank's
+    splits (and with them its own receive sizes).
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(4321 + 17 * rank + ws)
+    weights = [(1.0 / (j + 1)) * float(torch.empty(1).log_normal_(0.0, 0.5, generator=gen))
+               for j in range(ws)]
+    if ws > 2:
+        weights[(rank + 1) % ws] = 0.0  # one peer gets nothing from this rank
+    total = sum(weights)
+    exact = [rows * w / total for w in weights]
+    out = [int(e) for e in exact]
+    for j in sorted(range(ws), key=lambda j: exact[j] - out[j], reverse=True)[: rows - sum(out)]:
+        out[j] += 1  # largest remainders: the splits sum to rows
+    return out
+
+
+def _all_to_allv_point(comm: Any, full: Any, rank: int, ws: int) -> tuple[Any, Any, Any, Any]:
+    """``(ours, raw gloo, (our result, gloo's result), record extras)`` of one point.
+
+    The extras: ``row_bytes``, and ``hot_share``, the fraction of every rank's
+    rows that goes to the busiest receiver.
+    """
+    import torch
+    import torch.distributed as dist
+
+    item = full.element_size()
+    width = max(1, min(4096 // item, full.numel() // (4 * ws)))  # row of at most 4 KiB
+    rows = full.numel() // width
+    x = full[: rows * width].view(rows, width)
+    splits = [routing_splits(rows, ws, r) for r in range(ws)]
+    send, recv = splits[rank], [splits[r][rank] for r in range(ws)]
+    out = x.new_empty((sum(recv), width))
+    xb = x.reshape(-1).view(torch.uint8).view(rows, width * item)
+    ob = out.reshape(-1).view(torch.uint8).view(sum(recv), width * item)
+
+    def raw() -> None:
+        dist.all_to_all_single(ob, xb, output_split_sizes=recv, input_split_sizes=send)
+
+    raw()
+    hot = max(sum(splits[r][j] for r in range(ws)) for j in range(ws)) / max(1, ws * rows)
+    extra = {"row_bytes": width * item, "hot_share": round(hot, 3)}
+    check = (comm.all_to_allv(x, send), out.clone())
+    return (lambda: comm.all_to_allv(x, send, recv)), raw, check, extra
 
 
 def _gloo_copy(fn: Callable[..., Any], t: Any) -> Any:

@@ -8,7 +8,6 @@ latency in microseconds of our communicator (``shm_*``) and of raw gloo
 from __future__ import annotations
 
 import json
-from itertools import groupby
 from typing import Any, Iterable, Sequence
 
 __all__ = ["format_table", "format_markdown", "write_json", "write_plot", "human_bytes"]
@@ -26,17 +25,29 @@ def _us(x: float) -> str:
     return f"{x:,.1f}" if x < 1000 else f"{x:,.0f}"
 
 
+def _threads(r: dict[str, Any]) -> str:
+    """``"torch threads per rank: 2 (--threads default)"``; empty for older records."""
+    if "threads" not in r:
+        return ""
+    return f"  torch threads per rank: {r['threads']} (--threads {r.get('threads_setting', '?')})"
+
+
 def _groups(records: Sequence[dict[str, Any]]) -> Iterable[tuple[tuple[Any, ...], list[dict[str, Any]]]]:
-    key = lambda r: (r["world_size"], r["op"], r["dtype"])  # noqa: E731
-    for k, grp in groupby(records, key=key):
-        yield k, sorted(grp, key=lambda r: r["bytes"])
+    """Records by (world size, op, dtype, thread setting), in order of first appearance."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in records:
+        key = (r["world_size"], r["op"], r["dtype"], r.get("threads_setting"))
+        groups.setdefault(key, []).append(r)
+    for k, grp in groups.items():
+        yield k[:3], sorted(grp, key=lambda r: r["bytes"])
 
 
 def format_table(records: Sequence[dict[str, Any]]) -> str:
     """Plain-text tables, one per (world size, op, dtype)."""
     lines = []
     for (ws, op, dtype), grp in _groups(records):
-        lines.append(f"\nworld_size={ws}  op={op}  dtype={dtype}  (latency in us; speedup = gloo p50 / shm p50)")
+        lines.append(f"\nworld_size={ws}  op={op}  dtype={dtype}{_threads(grp[0])}"
+                     "  (latency in us; speedup = gloo p50 / shm p50)")
         lines.append(f"{'size':>9} {'shm p50':>10} {'shm p99':>10} {'gloo p50':>10} {'gloo p99':>10} "
                      f"{'speedup':>8} {'iters':>6} {'ok':>3}")
         for r in grp:
@@ -53,7 +64,7 @@ def format_markdown(records: Sequence[dict[str, Any]]) -> str:
     """Markdown tables, one per (world size, op, dtype)."""
     out = []
     for (ws, op, dtype), grp in _groups(records):
-        out.append(f"\n**world size {ws}, {op}, {dtype}** (microseconds)\n")
+        out.append(f"\n**world size {ws}, {op}, {dtype}** (microseconds){_threads(grp[0])}\n")
         out.append("| size | shm p50 | shm p99 | gloo p50 | gloo p99 | speedup (p50) |")
         out.append("|---:|---:|---:|---:|---:|---:|")
         for r in grp:
@@ -90,16 +101,16 @@ def write_plot(path: str, records: Sequence[dict[str, Any]]) -> None:
     for i, ws in enumerate(worlds):
         for j, op in enumerate(ops):
             ax = axes[i][j]
-            for dtype in dict.fromkeys(r["dtype"] for r in records):
-                pts = sorted(
-                    (r for r in records if r["world_size"] == ws and r["op"] == op and r["dtype"] == dtype),
-                    key=lambda r: r["bytes"],
-                )
-                if not pts:
+            settings = list(dict.fromkeys(r.get("threads_setting") for r in records))
+            for (w, o, dtype), pts in _groups(records):
+                if (w, o) != (ws, op):
                     continue
                 xs = [r["bytes"] for r in pts]
-                ax.plot(xs, [r["shm_p50_us"] for r in pts], "o-", label=f"shm {dtype}")
-                ax.plot(xs, [r["gloo_p50_us"] for r in pts], "s--", label=f"gloo {dtype}")
+                tag = dtype
+                if len(settings) > 1:
+                    tag += f", {pts[0]['threads']} thr"
+                ax.plot(xs, [r["shm_p50_us"] for r in pts], "o-", label=f"shm {tag}")
+                ax.plot(xs, [r["gloo_p50_us"] for r in pts], "s--", label=f"gloo {tag}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{op}, world size {ws}")

@@ -48,6 +48,7 @@ from device_comms.errors import (
     CommunicatorUnavailable,
     NcclError,
 )
+from device_comms.pynccl import all_to_allv as a2av
 from device_comms.pynccl import bootstrap
 from device_comms.pynccl.arguments import (
     check_device,
@@ -334,6 +335,19 @@ class PyNcclCommunicator:
             for r in range(self.world_size):
                 if r != dst:
                     self.lib.recv(out.data_ptr() + r * n, n, _UINT8, r, self._comm, s)
+
+    def all_to_allv(
+        self, out: torch.Tensor, in_: torch.Tensor, send_sizes: Sequence[int],
+        recv_sizes: Sequence[int], stream: Any = None,
+    ) -> torch.Tensor:
+        """Rows ``send_sizes[r]`` of ``in_`` (dim 0, rank order) to rank ``r``; rows from
+        rank ``r`` into ``out`` in rank order. Grouped send/recv (:mod:`.all_to_allv`)."""
+        self._check_usable("all_to_allv")
+        o, x, send, recv = a2av.check_arguments(out, in_, send_sizes, recv_sizes, self.rank,
+                                                self.world_size, self.device)
+        with on_stream(stream, self.device) as s:
+            a2av.all_to_allv(self.lib, self._comm, self.grouped, o, x, send, recv, self.rank, s)
+        return o
 
     # ------------------------------------------------------------------ grouping
     @contextlib.contextmanager

@@ -336,7 +336,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         base = mq.get((r["readers"], r["payload"]))
         if base is not None and base["rt_p50_us"] > 0:
-            r["x_vs_mq"] = round(r["rt_p50_us"] / base["rt_p50_us"], 1)
+            r["x_vs_mq"] = float(f"{r['rt_p50_us'] / base['rt_p50_us']:.3g}")  # never rounds to 0
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -345,7 +345,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{'rt p99 us':>10} {'msg/s':>9} {'MB/s':>8} {'p50 vs mq':>9}")
     lines = [head, "-" * len(head)]
     for r in report["results"]:
-        ratio = "" if r["method"] == MqDriver.label else f"{r.get('x_vs_mq', float('nan')):.1f}x"
+        ratio = "" if r["method"] == MqDriver.label else f"{r.get('x_vs_mq', float('nan')):.3g}x"
         lines.append(
             f"{r['readers']:>7} {r['payload']:>7} {r['payload_bytes']:>9}  {r['method']:<28} "
             f"{r['rt_p50_us']:>10.1f} {r['rt_p99_us']:>10.1f} {r['msgs_per_s']:>9.0f} "

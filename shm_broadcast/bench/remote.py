@@ -253,7 +253,7 @@ def measure_all(payloads: list[str], iters: int, threads: int = 0, baselines: bo
             res = _measure(drivers, objs, iters)
             for r in res:
                 r.update(payload=name, payload_bytes=size,
-                         x_vs_mq=round(r["rt_p50_us"] / res[0]["rt_p50_us"], 2))
+                         x_vs_mq=float(f"{r['rt_p50_us'] / res[0]['rt_p50_us']:.3g}"))
                 log(f"[bench mq-remote] {name:>5} {r['method']:<26} p50 {r['rt_p50_us']:>9.1f} us"
                     f"  p99 {r['rt_p99_us']:>9.1f} us")
             rows += res

@@ -80,6 +80,8 @@ def collective_cases(n: int) -> list[Case]:
     c += [Case(f"reduce/dst{dst}", _reduce, (dst,)) for dst in range(n)]
     c += [Case(f"scatter/src{src}", _scatter, (src,)) for src in range(n)]
     c += [Case(f"all_to_all/{_dt(dt)}", _all_to_all, (dt,)) for dt in DTYPES]
+    c += [Case(f"all_to_allv/{_dt(dt)}", _all_to_allv, (dt,)) for dt in DTYPES + (torch.bool,)]
+    c += [Case("all_to_allv/mismatch", _all_to_allv_mismatch)]
     c += [Case(f"broadcast/src{src}", _broadcast, (src,)) for src in range(n)]
     c += [Case("empty", _empty)]
     c += [Case(f"exotic/{_dt(dt)}", _exotic, (dt,)) for dt in EXOTIC]
@@ -447,6 +449,41 @@ def _all_to_all(g: Any, tag: str, dt: torch.dtype) -> list[str]:
     return done
 
 
+def _all_to_allv(g: Any, tag: str, dt: torch.dtype) -> list[str]:
+    """Uneven splits (zeros included), sizes given or exchanged, 1-D and 3-D rows."""
+    n, me = g.world_size, g.rank_in_group
+    done = []
+    for k, row in enumerate(((), (3,), (2, 1, 4))):
+        case = f"{tag}/all_to_allv/{dt}/{k}"
+        sizes = [[(3 * i + 5 * j + k) % 4 for j in range(n)] for i in range(n)]  # sizes[i][j]: i -> j
+        x = make(me, (sum(sizes[me]),) + row, dt, case)
+        want = torch.cat([make(r, (sum(sizes[r]),) + row, dt, case).split(sizes[r])[me]
+                          for r in range(n)])
+        recv = [sizes[r][me] for r in range(n)] if k % 2 else None
+        expect_equal(case, g.all_to_allv(x, sizes[me], recv), want)
+        done.append(case)
+    return done
+
+
+def _all_to_allv_mismatch(g: Any, tag: str) -> list[str]:
+    """recv_sizes that disagree with a sender raise CollectiveMismatch on every rank."""
+    from coordinator import CollectiveMismatch
+
+    n, me = g.world_size, g.rank_in_group
+    x = torch.ones(n, 2)
+    recv = [1] * n
+    if me == n - 1:
+        recv[0] = 2
+    case = f"{tag}/all_to_allv/mismatch"
+    if n == 1:
+        expect_raises(case, CollectiveMismatch, lambda: g.all_to_allv(x, [1], [2]), "recv_sizes")
+    else:
+        expect_raises(case, CollectiveMismatch, lambda: g.all_to_allv(x, [1] * n, recv),
+                      f"rank {n - 1} expects 2 row(s) from rank 0")
+    expect_equal(f"{case}/after", g.all_to_allv(x, [1] * n), torch.ones(n, 2))
+    return [case]
+
+
 def _broadcast(g: Any, tag: str, src: int) -> list[str]:
     """In place, from ``src``; also a 0-dim tensor."""
     me = g.rank_in_group
@@ -708,7 +745,8 @@ def test_case_tables_cover_every_method():
     for n in WORLD_SIZES:
         methods = {c.method for c in world_cases(n)}
         assert {"all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv",
-                "gather", "reduce", "scatter", "all_to_all", "broadcast", "empty", "exotic",
+                "gather", "reduce", "scatter", "all_to_all", "all_to_allv", "broadcast", "empty",
+                "exotic",
                 "broadcast_object", "barrier", "graph_capture"} <= methods
         assert ("send" in methods) == ("send_object" in methods) == (n > 1)
         assert ("single-rank" in methods) == (n == 1)

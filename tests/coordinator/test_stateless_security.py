@@ -25,29 +25,39 @@ from coordinator.testing import free_port, run_distributed
 
 HOST = "127.0.0.1"
 
-# The outsider: connects to the store as a plain client and runs one action.
+# The outsider: connects to the store as a plain client and runs its actions
+# (triples of action, key, argument) in order; prints what it read, one per line.
 _OUTSIDER = r"""
 import datetime, sys
 import torch.distributed as dist
-host, port, action, key, arg = sys.argv[1:6]
+host, port = sys.argv[1:3]
 s = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=20),
                   wait_for_workers=False)
-if action == "set":
-    s.set(key, bytes.fromhex(arg))
-elif action == "copy":
-    s.wait([key]); s.set(arg, s.get(key))
-elif action == "read":
-    s.wait([key]); sys.stdout.write(s.get(key).hex())
+args = sys.argv[3:]
+for action, key, arg in zip(args[0::3], args[1::3], args[2::3]):
+    if action == "set":
+        s.set(key, bytes.fromhex(arg))
+    elif action == "copy":
+        s.wait([key]); s.set(arg, s.get(key))
+    elif action == "read":
+        s.wait([key]); sys.stdout.write(s.get(key).hex() + "\n")
 """
 
 
-def _outsider(port: int, action: str, key: str, arg: str = "") -> str:
-    """Run the outsider process (no secret in its environment); returns its stdout."""
+def _outsiders(port: int, actions: list[tuple[str, str, str]]) -> str:
+    """Run one outsider process (no secret in its environment) doing ``actions``
+    in order; returns its stdout."""
     env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
-    out = subprocess.run([sys.executable, "-c", _OUTSIDER, HOST, str(port), action, key, arg],
+    argv = [x for a in actions for x in a]
+    out = subprocess.run([sys.executable, "-c", _OUTSIDER, HOST, str(port), *argv],
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def _outsider(port: int, action: str, key: str, arg: str = "") -> str:
+    """One outsider action; returns what it read (empty for writes)."""
+    return _outsiders(port, [(action, key, arg)]).strip()
 
 
 class _CreateFile:
@@ -228,8 +238,8 @@ def _rank_pickle_attack(rank: int, world_size: int, port: int, marker: str) -> d
     out: dict[str, Any] = {}
     if rank == 0:
         evil = _evil_pickle(marker)
-        for key in ("stateless/p2p/0->1/0", "stateless/bcast/0/0", "stateless/p2p/0->1/1"):
-            _outsider(port, "set", key, evil)
+        _outsiders(port, [("set", key, evil) for key in
+                          ("stateless/p2p/0->1/0", "stateless/bcast/0/0", "stateless/p2p/0->1/1")])
         g.barrier()
         time.sleep(0.5)  # rank 1 is now reading the outsider's values
         g.send_obj({"legit": 1}, dst=1)
@@ -256,11 +266,13 @@ def _rank_forgery(rank: int, world_size: int, port: int) -> dict:
         g.send_obj("TOPSECRET-1", dst=1)
         seen = bytes.fromhex(_outsider(port, "read", "f/p2p/0->1/0"))
         out["plaintext_visible"] = b"TOPSECRET" in seen
-        _outsider(port, "copy", "f/p2p/0->1/0", "f/p2p/0->1/1")  # a valid value, moved
         forged = bytearray(seen)
         forged[-40] ^= 1  # one ciphertext bit flipped
-        _outsider(port, "set", "f/p2p/0->1/2", bytes(forged).hex())
-        _outsider(port, "set", "f/p2p/0->1/3", pickle.dumps(["plain pickle"]).hex())
+        _outsiders(port, [
+            ("copy", "f/p2p/0->1/0", "f/p2p/0->1/1"),  # a valid value, moved
+            ("set", "f/p2p/0->1/2", bytes(forged).hex()),
+            ("set", "f/p2p/0->1/3", pickle.dumps(["plain pickle"]).hex()),
+        ])
         g.barrier()
     else:
         g.barrier()

@@ -21,6 +21,17 @@ def test_parse_size() -> None:
     assert human_bytes(1 << 20) == "1 MiB" and human_bytes(1000) == "1000 B"
 
 
+def test_parse_threads() -> None:
+    assert bench._parse_threads("default") == "default"
+    assert bench._parse_threads(" 1 ") == 1 and bench._parse_threads("6") == 6
+    for bad in ("0", "-1", "all", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="1, default or a positive int"):
+            bench._parse_threads(bad)
+    assert bench.threads_for("default", 2) is None
+    assert bench.threads_for(3, 2) == 3
+    assert bench.threads_for(None, 2) >= 1
+
+
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--world-sizes", "1"]) == 2
     assert "world size" in capsys.readouterr().err
@@ -32,16 +43,50 @@ def test_small_run_writes_json_and_plot(tmp_path) -> None:
     rc = bench.main([
         "--world-sizes", "2", "--dtypes", "bfloat16", "--sizes", "4K", "96K",
         "--min-iters", "2", "--max-iters", "3", "--json", str(out), "--plot", str(png),
+        "--threads", "1", "3",
     ])
     assert rc == 0
     data = json.loads(out.read_text())
     recs = data["results"]
-    assert {(r["op"], r["dtype"], r["bytes"]) for r in recs} == {
-        (op, dt, b) for op in ("all_reduce", "all_gather", "reduce_scatter")
-        for dt in ("bfloat16",) for b in (4096, 96 << 10)
-    }
+    assert data["meta"]["threads"] == ["1", "3"]
+    assert sorted((r["op"], r["dtype"], r["bytes"], r["threads_setting"]) for r in recs) == sorted(
+        (op, dt, b, t) for op in ("all_reduce", "all_gather", "reduce_scatter")
+        for dt in ("bfloat16",) for b in (4096, 96 << 10) for t in ("1", "3")
+    )
     for r in recs:
         assert r["results_match"] and r["mode"] == "shm" and r["world_size"] == 2
         assert r["shm_p50_us"] > 0 and r["gloo_p50_us"] > 0
+        assert r["threads"] == int(r["threads_setting"]) and r["engine_threads"] >= 1
     assert png.stat().st_size > 1000
-    assert "| 4 KiB |" in format_markdown(recs)
+    md = format_markdown(recs)
+    assert "| 4 KiB |" in md
+    assert "torch threads per rank: 1 (--threads 1)" in md and "(--threads 3)" in md
+
+
+def test_routing_splits_are_uneven_skewed_and_sum_to_the_rows() -> None:
+    for ws in (2, 3, 4, 8):
+        splits = [bench.routing_splits(1000, ws, r) for r in range(ws)]
+        assert all(sum(s) == 1000 and min(s) >= 0 for s in splits)
+        assert splits == [bench.routing_splits(1000, ws, r) for r in range(ws)]  # deterministic
+        recv = [sum(s[j] for s in splits) for j in range(ws)]
+        assert max(recv) >= 1.3 * min(recv)  # one receiver is hot
+        if ws > 2:
+            assert all(splits[r][(r + 1) % ws] == 0 for r in range(ws))
+
+
+@pytest.mark.timeout(120)
+def test_all_to_allv_run(tmp_path) -> None:
+    out = tmp_path / "a2av.json"
+    rc = bench.main([
+        "--world-sizes", "3", "--ops", "all_to_allv", "--dtypes", "bfloat16", "float32",
+        "--sizes", "4K", "96K", "--min-iters", "2", "--max-iters", "3", "--threads", "1",
+        "--json", str(out),
+    ])
+    assert rc == 0
+    recs = json.loads(out.read_text())["results"]
+    assert {(r["op"], r["dtype"], r["bytes"]) for r in recs} == {
+        ("all_to_allv", dt, b) for dt in ("bfloat16", "float32") for b in (4096, 96 << 10)}
+    for r in recs:
+        assert r["results_match"] and r["mode"] == "shm" and r["threads"] == 1
+        assert 1 / 3 < r["hot_share"] < 1 and r["row_bytes"] <= 4096
+        assert r["shm_p50_us"] > 0 and r["gloo_p50_us"] > 0

@@ -53,6 +53,7 @@ def test_every_op_matches_reference(dist_pool, world_size: int) -> None:
         for r in out["extras"]["noncontig"]:
             assert torch.equal(r, torch.arange(12.0).reshape(3, 4).t() * total)
         assert out["extras"]["str_op"].tolist() == [1.0, 1.0]
+        assert out["extras"]["a2av"].tolist() == [[float(q)] * 2 for q in range(world_size)]
         assert "AVG" in out["extras"]["bad_op"]
     failures = []
     for key in ("results", "results_big", "results_pieces"):
@@ -358,6 +359,8 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         "grad": [comm.all_reduce(g) for _ in range(2)],
         "noncontig": [comm.all_reduce(nc) for _ in range(2)],
         "str_op": comm.all_reduce(torch.ones(2), "max"),
+        # one row to every rank through the engine (tests/device_comms/test_all_to_allv.py has the rest)
+        "a2av": comm.all_to_allv(torch.full((world_size, 2), float(rank)), [1] * world_size),
     }
     try:
         comm.all_reduce(torch.ones(2, dtype=torch.int32), ReduceOp.AVG)

