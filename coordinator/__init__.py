@@ -23,6 +23,7 @@ from coordinator.errors import (
     SegmentError,
     StoreConnectionError,
 )
+from coordinator.async_p2p import P2PHandle
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
 from coordinator.group_registry import get_group_by_name
 from coordinator.parallel_state import (
@@ -56,6 +57,7 @@ from device_comms import ReduceOp
 __all__ = [
     "GroupCoordinator",
     "GraphCaptureContext",
+    "P2PHandle",
     "StatelessProcessGroup",
     "ReduceOp",
     "GroupCoordError",

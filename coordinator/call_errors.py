@@ -144,6 +144,20 @@ class CallErrors:
         if e is not cause:
             self._raise(e, cause)
 
+    def dead_partner(self, op: str, seq: int, partner: int) -> PeerDiedError | None:
+        """The error of call ``seq`` when its ``partner``'s process is provably gone
+        (checked on this host: pid and start time), else None.
+
+        For waits that cannot count on the backend to notice: a gloo receive
+        posted while its peer dies may wait for the whole timeout.
+        """
+        if self._state(partner) != "exited":
+            return None
+        return PeerDiedError(
+            f"{self._where(op, seq)}: rank {partner} died while this call waited for it "
+            f"({self._states([partner])})",
+            queue=self.name, side=f"rank {self.rank}", peers=[partner])
+
     # ------------------------------------------------------------------ timeouts
     def _timeout(self, op: str, seq: int, e: CommTimeout, partner: int | None,
                  writer: int | None, detail: str) -> CommTimeout:

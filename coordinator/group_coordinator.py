@@ -32,10 +32,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from coordinator import custom_ops
+from coordinator import async_p2p, custom_ops
 from coordinator.call_errors import WAIT_ERRORS, CallErrors
 from coordinator import group_setup as setup
 from coordinator import tensor_dict as tensor_dict_ops
+from coordinator.async_p2p import RECV, SEND, P2PHandle
 from coordinator.errors import CollectiveMismatch, CommTimeout, NotInitializedError
 from coordinator.group_registry import REGISTRY
 from coordinator import object_comm
@@ -148,6 +149,8 @@ class GroupCoordinator:
         self.allow_pickle = allow_pickle
         self.codec = Codec(allow_pickle=allow_pickle)
         self._destroyed = False
+        self._p2p_channels: Any = None  # async point-to-point threads (coordinator.async_p2p)
+        self._p2p_cuda: Any = None
         self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size)
         if self.world_size > 1:
             self._errors.learn_peers(self.cpu_group)
@@ -320,7 +323,7 @@ class GroupCoordinator:
             dst = (self.rank_in_group + 1) % self.world_size
         self.calls = seq = self.calls + 1
         try:
-            return self.comm.send(tensor, dst)
+            return async_p2p.ordered(self, SEND, dst, "send", self.comm.send, tensor, dst)
         except WAIT_ERRORS as e:
             self._errors.explain("send", seq, e, partner=_peer(dst))
             raise
@@ -333,7 +336,7 @@ class GroupCoordinator:
             src = (self.rank_in_group - 1) % self.world_size
         self.calls = seq = self.calls + 1
         try:
-            return self.comm.recv(size, dtype, src)
+            return async_p2p.ordered(self, RECV, src, "recv", self.comm.recv, size, dtype, src)
         except WAIT_ERRORS as e:
             self._errors.explain("recv", seq, e, partner=_peer(src))
             raise
@@ -452,7 +455,8 @@ class GroupCoordinator:
             TypeError: ``obj`` cannot be encoded; the receiver is told and raises
                 ``CollectiveMismatch``.
         """
-        self._run("send_object", self._send_object, obj, dst, partner=_peer(dst))
+        self._run("send_object", async_p2p.ordered, self, SEND, dst, "send_object",
+                  self._send_object, obj, dst, partner=_peer(dst))
 
     def _send_object(self, obj: Any, dst: int) -> None:
         """:meth:`send_object` without counting a call (for calls built on it)."""
@@ -467,7 +471,8 @@ class GroupCoordinator:
             CollectiveMismatch: The sender could not encode its object.
             DecodeError: The bytes received are malformed.
         """
-        return self._run("recv_object", self._recv_object, src, partner=_peer(src))
+        return self._run("recv_object", async_p2p.ordered, self, RECV, src, "recv_object",
+                         self._recv_object, src, partner=_peer(src))
 
     def _recv_object(self, src: int) -> Any:
         """:meth:`recv_object` without counting a call (for calls built on it)."""
@@ -531,7 +536,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return
         self._check_peer(dst, "dst")
-        self._run("send_tensor_dict", tensor_dict_ops.send_tensor_dict, self, tensor_dict, dst,
+        self._run("send_tensor_dict", async_p2p.ordered, self, SEND, dst, "send_tensor_dict",
+                  tensor_dict_ops.send_tensor_dict, self, tensor_dict, dst,
                   _ag(all_gather_group), all_gather_tensors, partner=dst)
 
     def recv_tensor_dict(
@@ -551,8 +557,32 @@ class GroupCoordinator:
         if self.world_size == 1:
             return None
         self._check_peer(src, "src")
-        return self._run("recv_tensor_dict", tensor_dict_ops.recv_tensor_dict, self, src,
+        return self._run("recv_tensor_dict", async_p2p.ordered, self, RECV, src,
+                         "recv_tensor_dict", tensor_dict_ops.recv_tensor_dict, self, src,
                          _ag(all_gather_group), partner=src)
+
+    # ------------------------------------------------------------------ asynchronous p2p
+    # Handles with wait(timeout=None) / is_completed(); order, errors and closing:
+    # see coordinator.async_p2p.
+    def isend(self, tensor: torch.Tensor, dst: int | None = None) -> P2PHandle:
+        """Start sending ``tensor`` to group rank ``dst`` (default: the next rank)."""
+        return async_p2p.isend(self, tensor, dst)
+
+    def irecv(self, tensor_or_spec: torch.Tensor | tuple[Sequence[int], torch.dtype],
+              src: int | None = None) -> P2PHandle:
+        """Start receiving from ``src`` (default: the previous rank) into a tensor, or
+        a new one of ``(shape, dtype)``; ``wait()`` returns it."""
+        return async_p2p.irecv(self, tensor_or_spec, src)
+
+    def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any],
+                          dst: int | None = None) -> P2PHandle:
+        """Start :meth:`send_tensor_dict` to ``dst`` (default: the next rank)."""
+        return async_p2p.isend_tensor_dict(self, tensor_dict, dst)
+
+    def irecv_tensor_dict(self, src: int | None = None) -> P2PHandle:
+        """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank);
+        ``wait()`` returns the dict."""
+        return async_p2p.irecv_tensor_dict(self, src)
 
     # ------------------------------------------------------------------ control
     def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
@@ -690,6 +720,7 @@ class GroupCoordinator:
             return
         self._destroyed = True
         REGISTRY.remove(self)
+        async_p2p.close(self)  # outstanding handles end (ClosedError), threads are joined
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.close()
             self.mq_broadcaster = None

@@ -27,16 +27,18 @@ Each call contributes exactly one block whatever happens (valid, rejected,
 mismatched), so the next call pairs with the peers' next call: after a
 rejection or a mismatch the group stays usable.
 
-Point-to-point (:class:`Envelopes`): send/recv, and the hierarchical
-all-reduce's node leaders (a subset of the group, which has no collective of
-its own), exchange envelopes as tagged messages (:data:`P2P_TAG`,
-:data:`~device_comms.hierarchical.LEADER_TAG`), apart from user traffic on tag
-0. Each side posts a receive of ``HDR_BYTES + INLINE_MAX`` bytes from each
-peer (gloo accepts a shorter message into a larger buffer), sends its own
-envelope and waits for both. For send/recv the receiver sends its
-expectation (dtype, shape, source) while the sender sends its header and a
-small payload, so both sides see both headers and both raise on a mismatch or
-a rejection; a larger payload follows only after both agreed.
+Point-to-point (:class:`Envelopes`): the hierarchical all-reduce's node
+leaders (a subset of the group, which has no collective of its own) exchange
+envelopes as tagged messages (:data:`~device_comms.hierarchical.LEADER_TAG`),
+apart from user traffic on tag 0. Each side posts a receive of
+``HDR_BYTES + INLINE_MAX`` bytes from each peer (gloo accepts a shorter
+message into a larger buffer), sends its own envelope and waits for both.
+Send/recv exchange the same envelopes by direction
+(:mod:`device_comms.p2p_envelopes`, tags :data:`P2P_TAG` and the one after
+it): the receiver sends its expectation (dtype, shape, source) while the
+sender sends its header and a small payload, so both sides see both headers
+and both raise on a mismatch or a rejection; a larger payload follows only
+after both agreed.
 
 Every wait is bounded by the process group's timeout (gloo raises, the
 caller translates it).
@@ -56,7 +58,7 @@ from device_comms.call_signature import FAILED, HDR_BYTES, REJECTED
 
 __all__ = [
     "Blocks", "Envelopes", "BLOCK_INLINE", "BLOCK_BYTES", "INLINE_MAX", "P2P_TAG", "as_bytes",
-    "failure_header", "reason_bytes",
+    "failure_header", "reason_bytes", "fill_envelope",
 ]
 
 #: Payload bytes a collective's block carries; a call whose payload per rank
@@ -212,7 +214,7 @@ class Envelopes:
         """
         ps = self.peers if peers is None else peers
         works = [self.group.recv([self._recv[p]], p, self.tag) for p in ps]
-        buf = _fill(self._send, header, payload, INLINE_MAX)
+        buf = fill_envelope(self._send, header, payload, INLINE_MAX)
         works += [self.group.send([buf], p, self.tag) for p in ps]
         for w in works:
             w.wait()
@@ -236,7 +238,7 @@ class Envelopes:
 
 
 
-def _fill(buf: torch.Tensor, header: np.ndarray, payload: torch.Tensor | None,
+def fill_envelope(buf: torch.Tensor, header: np.ndarray, payload: torch.Tensor | None,
           limit: int) -> torch.Tensor:
     """Header + payload in ``buf``; returns the part to send (word 7: payload bytes or -1)."""
     words = buf[:HDR_BYTES].numpy().view(np.int64)

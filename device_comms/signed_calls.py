@@ -2,15 +2,19 @@
 
 :class:`SignedCalls` is mixed into
 :class:`~device_comms.torch_communicator.TorchDistributedCommunicator`. It
-keeps the per-group call counter, the per-peer send/recv counters, a cache of
-call headers, the collective :class:`~device_comms.envelopes.Blocks` and the
-point-to-point :class:`~device_comms.envelopes.Envelopes`, and offers the
-three things an op needs:
+keeps the per-group call counter, a cache of call headers, the collective
+:class:`~device_comms.envelopes.Blocks` and the point-to-point
+:class:`~device_comms.p2p_envelopes.P2PSides` (one call counter, buffer set
+and lock per peer and direction, so a send and a receive with the same peer
+may run at the same time on two threads), and offers the three things an op
+needs:
 
 * :meth:`SignedCalls._call`: agree on a collective with every peer (the
   :meth:`_prologue` first, then one all-gather of blocks), raising on every
   rank unless every rank made this very call; small payloads ride along;
-* :meth:`SignedCalls._p2p_call`: the same for one send/recv pair;
+* :meth:`SignedCalls._p2p_call`: the same for one send/recv pair, on the
+  :class:`~device_comms.p2p_envelopes.P2PSide` that :meth:`SignedCalls._p2p_side`
+  holds for the call;
 * :meth:`SignedCalls._reject_call`: take part in a call as a rank that
   rejected its own arguments (any op, any argument), so the peers raise
   :class:`~device_comms.errors.PeerRejectedError` naming it.
@@ -22,14 +26,15 @@ stay equal across ranks after any of those.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, ContextManager, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from device_comms.call_signature import REJECTED, group_id, layout_key, settle, template
-from device_comms.envelopes import P2P_TAG, Blocks, Envelopes, failure_header, reason_bytes
+from device_comms.envelopes import Blocks, failure_header, reason_bytes
+from device_comms.p2p_envelopes import RECV, SEND, P2PSide, P2PSides
 from device_comms.reduce_op import ReduceOp
 
 __all__ = ["SignedCalls"]
@@ -52,10 +57,9 @@ class SignedCalls:
 
     def _init_signed_calls(self) -> None:
         self._blocks: Blocks | None = None
-        self._p2p_env: Envelopes | None = None
+        self._p2p_sides = P2PSides(self.device_group)
         self._headers: dict[tuple[Any, ...], np.ndarray] = {}
         self._seq = 0
-        self._p2p_seq = [0] * self.world_size
         self._gid = group_id(self.unique_name)
 
     # ------------------------------------------------------------------ headers
@@ -88,13 +92,10 @@ class SignedCalls:
             b = self._blocks = Blocks(self.device_group, self.world_size, self.rank_in_group)
         return b
 
-    def _p2p(self) -> Envelopes:
-        """The point-to-point exchange (built at the first send/recv)."""
-        env = self._p2p_env
-        if env is None:
-            peers = [r for r in range(self.world_size) if r != self.rank_in_group]
-            env = self._p2p_env = Envelopes(self.device_group, peers, P2P_TAG)
-        return env
+    def _p2p_side(self, op: str, peer: int) -> ContextManager[P2PSide]:
+        """This rank's side of ``op`` (``"send"`` or ``"recv"``) with ``peer``, its lock
+        held for the ``with`` block (the whole call: envelopes and payload)."""
+        return self._p2p_sides.hold(peer, SEND if op == "send" else RECV)
 
     # ------------------------------------------------------------------ calls
     def _prologue(self, op: str, header: np.ndarray | None, reason: str | None) -> bool:
@@ -138,24 +139,25 @@ class SignedCalls:
     def _p2p_call(
         self,
         op: str,
-        peer: int,
+        side: P2PSide,
         header: np.ndarray | None,
         payload: torch.Tensor | None = None,
         reason: str | None = None,
     ) -> bool:
-        """Agree on one send/recv with ``peer`` (``header`` None: this rank rejected).
+        """Agree on one send/recv on ``side`` (held by the caller; ``header`` None:
+        this rank rejected).
 
         Returns True on a rejecting rank (it raises its own error).
         """
-        env = self._p2p()
-        self._p2p_seq[peer] += 1
+        side.seq += 1
         if header is None:
-            header = self._failure(op, self._p2p_seq[peer])
+            header = self._failure(op, side.seq)
             payload = reason_bytes(reason or "")
         else:
-            header[2] = self._p2p_seq[peer]
-        env.exchange(header, payload, peers=[peer])
-        return self._settle(op, env, header, [peer])
+            header = header.copy()  # the cached template may be in use on another thread
+            header[2] = side.seq
+        side.exchange(header, payload)
+        return self._settle(op, side, header, [side.peer])
 
     def _failure(self, op: str, seq: int) -> np.ndarray:
         h = self._header(_KIND.get(op, op), None, None, 0, (), None)
@@ -164,7 +166,7 @@ class SignedCalls:
         return h
 
     def _settle(
-        self, op: str, env: Blocks | Envelopes, header: np.ndarray, peers: list[int]
+        self, op: str, env: Blocks | P2PSide, header: np.ndarray, peers: list[int]
     ) -> bool:
         """Raise unless every peer's header agrees with ``header`` (see ``settle``)."""
         mine = header[:6].tobytes()

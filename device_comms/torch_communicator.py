@@ -33,7 +33,10 @@ rank), the payload itself. Then every rank has seen every header and:
 
 Send and recv exchange envelopes between the two ranks (the receiver sends its
 expected dtype, shape and source), so both sides raise on a mismatch or a
-rejection; a payload over the inline size follows after both agreed.
+rejection; a payload over the inline size follows after both agreed. Each
+direction with each peer has its own tags, counter and lock
+(:mod:`device_comms.p2p_envelopes`): a rank may send to a peer on one thread
+while it receives from the same peer on another.
 
 None of this runs for GPU tensors: an exchange on the host would synchronise
 the stream every call and break CUDA graph capture, so they keep
@@ -437,20 +440,22 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         if self._checks_calls:
             small = t.nbytes <= INLINE_MAX
             h = self._header("send/recv", t.dtype, None, self.rank_in_group, t.shape, t.shape)
-            self._p2p_call("send", dst, h, as_bytes(t) if small else None)
-            if not small:
-                self._p2p().send_raw(as_bytes(t), dst).wait()
+            with self._p2p_side("send", dst) as side:
+                self._p2p_call("send", side, h, as_bytes(t) if small else None)
+                if not small:
+                    side.send_raw(as_bytes(t)).wait()
             return
         dist.send(wire_view(t), dst=self._g(dst), group=self.device_group)
 
     def _recv(self, size: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(size, dtype=dtype, device=self.device)
         if self._checks_calls:
-            self._p2p_call("recv", src, self._header("send/recv", dtype, None, src, size, size))
-            if out.nbytes <= INLINE_MAX:
-                as_bytes(out).copy_(self._p2p().payload(src))
-            else:
-                self._p2p().recv_raw(as_bytes(out), src).wait()
+            with self._p2p_side("recv", src) as side:
+                self._p2p_call("recv", side, self._header("send/recv", dtype, None, src, size, size))
+                if out.nbytes <= INLINE_MAX:
+                    as_bytes(out).copy_(side.payload())
+                else:
+                    side.recv_raw(as_bytes(out)).wait()
             return out
         dist.recv(wire_view(out), src=self._g(src), group=self.device_group)
         return out
@@ -467,7 +472,8 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
             return  # other GPU calls exchange no headers: peers cannot be told (see _checks_calls)
         if op in ("send", "recv"):
             if meta:
-                self._guard(op, self._p2p_call, op, meta[0], None, None, message)
+                with self._p2p_side(op, meta[0]) as side:
+                    self._guard(op, self._p2p_call, op, side, None, None, message)
             return
         self._guard(op, self._reject_call, op, message)
 

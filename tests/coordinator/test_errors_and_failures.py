@@ -48,10 +48,15 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
     the test process builds it with ``g=None`` for the names only (nothing is called)."""
     from coordinator import GroupCoordinator
 
-    # The point-to-point partner makes the mirror call (pairs 0-1, 2-3): a rejected
-    # send/recv still meets its peer, as a valid one does (gloo's send is a
-    # rendezvous, so a ring of blocking sends deadlocks whatever the arguments).
+    # The point-to-point partner makes the matching call with a bad argument of its
+    # own (pairs 0-1, 2-3: the lower rank sends, the higher receives): a rejected
+    # send/recv still meets its peer, as a valid one does. Two sends (or two
+    # receives) between a pair never meet: each direction is a stream of its own
+    # (device_comms/p2p_envelopes.py), and gloo's send is a rendezvous.
     other = me ^ 1 if me ^ 1 < n else (me + 1) % n
+    sends = me <= other
+    bad_send = (lambda: g.send("x", other), ("tensor",))
+    bad_recv = (lambda: g.recv((2,), "float32", other), ("dtype",))
     x = make(me, (2, 4), torch.float32, "bad")
     xi = make(me, (2, 4), torch.int64, "bad")
     meta = torch.empty(2, 4, device="meta")
@@ -102,12 +107,14 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
         ("broadcast_tensor_dict/src", V, lambda: g.broadcast_tensor_dict({"a": x}, n), ("src",)),
         ("send/self", V, lambda: g.send(x, me), ("dst", "this rank")),
         ("send/range", V, lambda: g.send(x, n), ("dst",)),
-        ("send/not-tensor", T, lambda: g.send("x", other), ("tensor",)),
+        ("send/not-tensor", T, *bad_send) if sends else ("send/not-tensor", T, *bad_recv),
         ("recv/self", V, lambda: g.recv((2,), torch.float32, me), ("src", "this rank")),
-        ("recv/dtype", T, lambda: g.recv((2,), "float32", other), ("dtype",)),
+        ("recv/dtype", T, *bad_send) if sends else ("recv/dtype", T, *bad_recv),
         ("recv/range", V, lambda: g.recv((2,), torch.float32, -1), ("src",)),
-        ("recv/size-type", T, lambda: g.recv("ab", torch.float32, other), ("size",)),
-        ("recv/size-neg", V, lambda: g.recv((2, -1), torch.float32, other), ("size",)),
+        ("recv/size-type", T, *bad_send) if sends
+        else ("recv/size-type", T, lambda: g.recv("ab", torch.float32, other), ("size",)),
+        ("recv/size-neg", T, *bad_send) if sends
+        else ("recv/size-neg", V, lambda: g.recv((2, -1), torch.float32, other), ("size",)),
         ("send_object/self", V, lambda: g.send_object({}, me), ("dst",)),
         ("send_object/range", V, lambda: g.send_object({}, n), ("dst",)),
         ("recv_object/self", V, lambda: g.recv_object(me), ("src",)),

@@ -15,6 +15,10 @@ Per step on every rank::
     not last stage: send hidden states to next stage -> None
     last stage: greedy next token of every request    -> list[int]
 
+With several pipeline stages the step runs in micro-batches of requests whose
+transfers are asynchronous, so a stage sends one micro-batch while it
+computes the next (:mod:`coordinator.engine.models.pipeline`).
+
 The next tokens exist on the last pipeline stage;
 :meth:`ModelRunner.share_next_tokens` broadcasts them to the whole
 pipeline group so the first stage (the driver's) has them.
@@ -29,6 +33,8 @@ import torch
 
 from coordinator.engine.models.kv_cache import AttentionInputs
 from coordinator.engine.models.llama import LlamaForCausalLM
+from coordinator.engine.models.pipeline import run_stage
+from shm_broadcast.checks import check_int
 
 __all__ = ["StepInput", "ModelRunner"]
 
@@ -59,6 +65,10 @@ class ModelRunner:
         compile: Run the forward through ``torch.compile(fullgraph=True, dynamic=True)``.
         compile_backend: ``torch.compile`` backend: a name (``inductor``,
             ``aot_eager``...) or a backend callable.
+        micro_batches: With several pipeline stages, split each step into at
+            most this many micro-batches of requests, so that sending one
+            overlaps computing the next (1: whole steps). Every rank must
+            pass the same value.
     """
 
     def __init__(
@@ -68,9 +78,11 @@ class ModelRunner:
         block_size: int = 16,
         compile: bool = False,
         compile_backend: str | Callable[..., Any] = "inductor",
+        micro_batches: int = 2,
     ) -> None:
         if not isinstance(model, LlamaForCausalLM):
             raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
+        self.micro_batches = check_int(micro_batches, "micro_batches", minimum=1)
         self.model = model
         self.kv_cache = model.make_kv_cache(num_kv_blocks, block_size)
         self.pp_group = model.pp_group
@@ -116,22 +128,15 @@ class ModelRunner:
         attn: AttentionInputs = self.kv_cache.prepare_step(
             step.req_ids, step.num_computed, [len(t) for t in step.token_ids]
         )
-        input_ids = hidden = None
-        if self.is_first_stage:
-            input_ids = torch.tensor([t for toks in step.token_ids for t in toks], dtype=torch.long)
-        else:
-            received = self._pp().recv_tensor_dict()
-            if not received or "hidden_states" not in received:
-                raise RuntimeError(
-                    f"pipeline stage {self.model.pp_rank} expected hidden_states from the previous "
-                    f"stage, got {sorted(received) if received else received!r}"
-                )
-            hidden = received["hidden_states"]
-        out = self._forward(input_ids, attn, self.kv_cache.layers, hidden, all_logits)
-        if not self.is_last_stage:
-            self._pp().send_tensor_dict({"hidden_states": out})
-            return None
-        return out
+        layers = self.kv_cache.layers
+        if self.is_first_stage and self.is_last_stage:
+            ids = torch.tensor([t for toks in step.token_ids for t in toks], dtype=torch.long)
+            return self._forward(ids, attn, layers, None, all_logits)
+        return run_stage(
+            lambda ids, a, hidden: self._forward(ids, a, layers, hidden, all_logits),
+            self._pp(), step.token_ids, attn, self.is_first_stage, self.is_last_stage,
+            self.micro_batches,
+        )
 
     def _pp(self) -> Any:
         if self.pp_group is None:  # only reachable with a single stage, which never sends
