@@ -91,7 +91,7 @@ def _report(args: argparse.Namespace, cfg: Any, mcfg: Any, results: list[dict[st
     secs = max(r["seconds"] for r in results)
     print(f"  throughput: {new / secs:.1f} tokens/s ({new} tokens, {drv['steps']} steps, "
           f"{secs:.2f} s; {wall:.1f} s with process start-up)")
-    print("  expert load (rows routed to each expert, all steps; per stage, by EP rank):")
+    print("  expert load (rows routed to each expert, generation and verification; per stage, by EP rank):")
     for p in range(cfg.pp):
         stage = sorted((r for r in results if r["stage"] == p), key=lambda r: r["ep_rank"])
         cells = [f"ep{r['ep_rank']} (rank {r['rank']}) experts {r['experts'][0][0]}-"

@@ -82,6 +82,8 @@ class _ReplicaStepper:
     def __init__(self, runner: Any, model: Any, dp_group: Any) -> None:
         self.runner, self.model, self.dp_group = runner, model, dp_group
         self.dp, self.replica = dp_group.world_size, dp_group.rank_in_group
+        #: Steps with requests in which this replica had none (it only served its experts).
+        self.idle_steps = 0
 
     def _mine(self, step: Any) -> Any:
         from coordinator.engine.models.runner import StepInput
@@ -99,6 +101,7 @@ class _ReplicaStepper:
         else:
             self.runner.run(mine)  # frees finished requests' KV blocks
             self.model.idle()
+            self.idle_steps += bool(step.req_ids)
             tokens = []
         if self.dp == 1:
             return tokens
@@ -165,7 +168,7 @@ def moe_engine_rank(rank: int, world_size: int, cfg: MoeEngineConfig) -> dict[st
             "tp_rank": tp.rank_in_group, "ep_rank": ep.rank_in_group, "ep_size": ep.world_size,
             "generated": [generated[r.req_id] for r in reqs], "sequences": seqs,
             "verify_indices": idx, "logits": logits if tp.rank_in_group == 0 else None,
-            "steps": steps[0], "seconds": seconds,
+            "steps": steps[0], "seconds": seconds, "idle_steps": stepper.idle_steps,
             "experts": [list(range(b.first_expert, b.first_expert + b.num_local))
                         for b in model.sparse_blocks()][:1],
             "expert_rows": [b.expert_rows.tolist() for b in model.sparse_blocks()],
