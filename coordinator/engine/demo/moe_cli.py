@@ -89,8 +89,11 @@ def _report(args: argparse.Namespace, cfg: Any, mcfg: Any, results: list[dict[st
         print(f"    prompt {i} ({len(prompt)} tokens, replica {i % cfg.dp}): {gen}")
     new = sum(len(g) for g in drv["generated"])
     secs = max(r["seconds"] for r in results)
+    step = drv["step_us"]
     print(f"  throughput: {new / secs:.1f} tokens/s ({new} tokens, {drv['steps']} steps, "
-          f"{secs:.2f} s; {wall:.1f} s with process start-up)")
+          f"{secs:.2f} s; warm-up {drv['warmup_seconds']:.2f} s; {wall:.1f} s with process "
+          f"start-up); time per step p50 / p99: {step['p50'] / 1e3:.2f} / "
+          f"{step['p99'] / 1e3:.2f} ms (rank 0)")
     print("  expert load (rows routed to each expert, generation and verification; per stage, by EP rank):")
     for p in range(cfg.pp):
         stage = sorted((r for r in results if r["stage"] == p), key=lambda r: r["ep_rank"])
@@ -107,6 +110,9 @@ def _report(args: argparse.Namespace, cfg: Any, mcfg: Any, results: list[dict[st
                "generated": drv["generated"], "reference_generated": ref_tokens,
                "tokens_identical": same, "max_logit_diff": diff, "verified": ok,
                "steps": drv["steps"], "seconds": secs, "new_tokens": new,
+               "tokens_per_s": new / secs, "step_us": step,
+               "warmup_seconds": drv["warmup_seconds"],
+               "idle_steps": {r["rank"]: r["idle_steps"] for r in results},
                "expert_rows": {r["rank"]: r["expert_rows"] for r in results}}
         with open(args.json_path, "w") as f:
             json.dump(out, f, indent=2)

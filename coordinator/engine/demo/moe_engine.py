@@ -135,10 +135,26 @@ class _ReplicaStepper:
             return idx, None
         return idx, self.runner.run(step, all_logits=True)
 
+    def warm_up(self) -> float:
+        """One dummy request per replica through the model, so one-time costs (first
+        shared-memory segments, thread pools, peers still loading weights) stay out of
+        the step timings; the expert load counters restart after it. Returns seconds."""
+        from coordinator.engine.models.runner import StepInput
+
+        t0 = time.perf_counter()
+        ids = [-1 - d for d in range(self.dp)]  # -1 - d covers every residue mod dp
+        self.step(StepInput(ids, [[0, 1, 2, 3]] * self.dp, [0] * self.dp))
+        self.step(StepInput([], [], [], ids))
+        for block in self.model.sparse_blocks():
+            block.expert_rows.zero_()
+        self.idle_steps = 0
+        return time.perf_counter() - t0
+
 
 def moe_engine_rank(rank: int, world_size: int, cfg: MoeEngineConfig) -> dict[str, Any]:
     """Run on every rank (via ``run_distributed``): generate, verify pass, per-rank report."""
     from coordinator import parallel_state as ps
+    from coordinator.engine.demo.engine import _stats_us
     from coordinator.engine.models.generate import GenerationRequest, generate_greedy
     from coordinator.engine.models.runner import ModelRunner
 
@@ -152,14 +168,17 @@ def moe_engine_rank(rank: int, world_size: int, cfg: MoeEngineConfig) -> dict[st
         stepper = _ReplicaStepper(runner, model, dp)
         eos = () if cfg.ignore_eos else model.config.eos_token_ids
         reqs = [GenerationRequest(i, list(p), n, a) for i, (p, n, a) in enumerate(cfg.requests)]
-        steps = [0]
+        step_ns: list[int] = []
 
-        def counted(step: Any) -> list[int]:
-            steps[0] += 1
-            return stepper.step(step)
+        def timed(step: Any) -> list[int]:
+            t = time.perf_counter_ns()
+            out = stepper.step(step)
+            step_ns.append(time.perf_counter_ns() - t)
+            return out
 
+        warmup = stepper.warm_up()
         t0 = time.perf_counter()
-        generated = generate_greedy(counted, reqs, eos_token_ids=eos)
+        generated = generate_greedy(timed, reqs, eos_token_ids=eos)
         seconds = time.perf_counter() - t0
         seqs = [list(r.prompt) + generated[r.req_id] for r in reqs]
         idx, logits = stepper.verify(seqs, first_id=len(reqs))
@@ -168,7 +187,8 @@ def moe_engine_rank(rank: int, world_size: int, cfg: MoeEngineConfig) -> dict[st
             "tp_rank": tp.rank_in_group, "ep_rank": ep.rank_in_group, "ep_size": ep.world_size,
             "generated": [generated[r.req_id] for r in reqs], "sequences": seqs,
             "verify_indices": idx, "logits": logits if tp.rank_in_group == 0 else None,
-            "steps": steps[0], "seconds": seconds, "idle_steps": stepper.idle_steps,
+            "steps": len(step_ns), "seconds": seconds, "step_us": _stats_us(step_ns),
+            "warmup_seconds": warmup, "idle_steps": stepper.idle_steps,
             "experts": [list(range(b.first_expert, b.first_expert + b.num_local))
                         for b in model.sparse_blocks()][:1],
             "expert_rows": [b.expert_rows.tolist() for b in model.sparse_blocks()],
