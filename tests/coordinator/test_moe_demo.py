@@ -167,6 +167,15 @@ def test_cli_moe_refuses_bad_layouts(argv: list[str], needle: str,
     assert needle in err, err
 
 
+def test_cli_dense_demo_points_to_model_moe(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from coordinator.cli import main
+
+    _hf_model_config("mixtral").save_pretrained(tmp_path)
+    assert main(["demo", "--model-dir", str(tmp_path), "--no-progress"]) == 2
+    assert "is a mixtral (mixture-of-experts) checkpoint: pass --model moe" in capsys.readouterr().err
+
+
 def test_moe_config_from_hf_and_checks(tmp_path: Path) -> None:
     _hf_model_config("mixtral").save_pretrained(tmp_path / "mixtral")
     _hf_model_config("qwen2_moe").save_pretrained(tmp_path / "qwen")
@@ -186,3 +195,8 @@ def test_moe_config_from_hf_and_checks(tmp_path: Path) -> None:
         MoeModelConfig.from_hf_dict({"model_type": "llama"})
     with pytest.raises(ValueError, match="lacks required field 'num_local_experts'"):
         MoeModelConfig.from_hf_dict({"model_type": "mixtral"})
+    windowed = {**_hf_model_config("mixtral").to_dict(), "sliding_window": 16}
+    with pytest.raises(ValueError, match=r"sliding_window \(16\)"):
+        MoeModelConfig.from_hf_dict(windowed)
+    with pytest.raises(ValueError, match="num_experts_per_tok \\(9\\) must be <= num_experts"):
+        MoeModelConfig.from_hf_dict({**windowed, "sliding_window": None, "num_experts_per_tok": 9})

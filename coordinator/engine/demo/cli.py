@@ -145,6 +145,10 @@ def _run_engine(args: argparse.Namespace) -> int:
     from coordinator.engine.demo.engine import EngineConfig, build_model, engine_rank
     from coordinator.engine.models.config import LlamaModelConfig, default_config
 
+    if args.model_dir:
+        from coordinator.engine.demo.moe_cli import refuse_moe_checkpoint
+
+        refuse_moe_checkpoint(args.model_dir)
     mcfg = LlamaModelConfig.from_json(args.model_dir) if args.model_dir else default_config()
     # refuse an unshardable layout here, with the field's name, before any rank starts
     mcfg.check_parallel(args.tp, args.pp)

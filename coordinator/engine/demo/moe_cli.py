@@ -13,7 +13,22 @@ import json
 import time
 from typing import Any
 
-__all__ = ["run_moe"]
+__all__ = ["run_moe", "refuse_moe_checkpoint"]
+
+
+def refuse_moe_checkpoint(model_dir: str) -> None:
+    """Raise ValueError when the dense demo is pointed at a MoE checkpoint."""
+    import os
+
+    from coordinator.engine.models.config import _read_json
+    from coordinator.engine.models.moe_config import MOE_MODEL_TYPES
+
+    path = os.path.join(model_dir, "config.json") if os.path.isdir(model_dir) else model_dir
+    data = _read_json(path, required=False)
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if model_type in MOE_MODEL_TYPES:
+        raise ValueError(f"--model-dir {model_dir} is a {model_type} (mixture-of-experts) "
+                         f"checkpoint: pass --model moe")
 
 
 def _check(args: argparse.Namespace) -> None:

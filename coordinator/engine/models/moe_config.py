@@ -87,6 +87,10 @@ class MoeModelConfig(LlamaModelConfig):
         qwen = mt == "qwen2_moe"
         if qwen and d.get("use_sliding_window"):
             raise ValueError("use_sliding_window: sliding-window attention is not supported")
+        window = None if qwen else d.get("sliding_window")
+        if window is not None and window < d.get("max_position_embeddings", 2048):
+            raise ValueError(f"sliding_window ({window}) < max_position_embeddings: "
+                             "sliding-window attention is not supported (null = full attention)")
         key = "num_experts" if qwen else "num_local_experts"
         for k in (key, "num_experts_per_tok"):
             if k not in d:

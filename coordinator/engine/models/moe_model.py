@@ -135,7 +135,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         for pname, p in params.items():
             if pname.endswith(".mlp.w13") or pname.endswith(".mlp.w2"):
                 block = self._block(pname)
-                assert block is not None  # a w13/w2 parameter lives in a sparse block
+                if block is None:  # unreachable: w13/w2 exist only in sparse blocks
+                    raise RuntimeError(f"parameter {pname} is outside a sparse block")
                 experts = range(block.first_expert, block.first_expert + block.num_local)
                 if pname.endswith("w13"):
                     out.update(f"{pname}#{(e, h)}" for e in experts for h in (0, 1))
