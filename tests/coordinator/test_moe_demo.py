@@ -9,6 +9,7 @@ generated sequences, within float32 rounding).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -124,6 +125,23 @@ def test_moe_engine_matches_hf(dist_pool: Any, checkpoints: dict[str, Any], kind
     results = dist_pool(tp * pp * dp).run(moe_engine_rank, _engine_cfg(exp["path"], tp, pp, dp),
                                           timeout=150)
     _check_ranks(results, exp, tp, pp, dp)
+
+
+@pytest.mark.timeout(120)
+def test_moe_replica_without_requests_serves_its_experts(dist_pool: Any,
+                                                         checkpoints: dict[str, Any]) -> None:
+    """One request over DP=2: replica 1 never has a request, yet holds experts 4-7, so
+    every step (and the verification pass) it only serves the other replica's tokens."""
+    exp = checkpoints["mixtral"]
+    cfg = dataclasses.replace(_engine_cfg(exp["path"], 1, 1, 2),
+                              requests=((tuple(PROMPTS[0]), MAX_NEW[0], 0),))
+    r0, r1 = dist_pool(2).run(moe_engine_rank, cfg, timeout=100)
+    assert r0["generated"] == r1["generated"] == [exp["ids"][0]]
+    # every step that schedules the request (the last step only releases its KV blocks)
+    assert r1["idle_steps"] == MAX_NEW[0] == r1["steps"] - 1 and r0["idle_steps"] == 0
+    assert r1["verify_indices"] == [] and r1["logits"] is None
+    assert (r0["logits"] - exp["logits"][0]).abs().max().item() < 1e-4
+    assert r1["experts"] == [[4, 5, 6, 7]] and sum(map(sum, r1["expert_rows"])) > 0
 
 
 @pytest.mark.timeout(180)
