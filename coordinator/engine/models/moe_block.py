@@ -29,6 +29,7 @@ reference.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -76,9 +77,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: Any, tp_group: TPGroup | None, ep_group: Any | None,
                  dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
-        import dataclasses
-
-        from coordinator.engine.models.llama import LlamaMLP
+        from coordinator.engine.models.llama import LlamaMLP  # llama imports layers; no cycle
 
         c = config
         self.tp_group, self.ep_group = tp_group, ep_group
