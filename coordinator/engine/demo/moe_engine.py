@@ -20,7 +20,11 @@ lockstep; per step, on every rank::
 
 Because the idle path makes the same EP calls, in layer order, as a forward
 of the stage, the EP group's calls stay paired whatever the routing and
-however requests are spread over replicas.
+however requests are spread over replicas. For the same reason a step is one
+forward per stage when DP > 1: pipeline micro-batches
+(:mod:`coordinator.engine.models.pipeline`) are split from each replica's own
+requests, so replicas would run different numbers of them (with DP = 1 every
+rank of a stage splits the same step, and micro-batches stay on).
 """
 
 from __future__ import annotations
@@ -164,7 +168,11 @@ def moe_engine_rank(rank: int, world_size: int, cfg: MoeEngineConfig) -> dict[st
     try:
         tp, pp, dp, ep = ps.get_tp_group(), ps.get_pp_group(), ps.get_dp_group(), ps.get_ep_group()
         model = build_moe_model(cfg, tp, pp if pp.world_size > 1 else None, ep)
-        runner = ModelRunner(model, num_kv_blocks=cfg.kv_blocks)
+        # Pipeline micro-batches are split per replica from its own requests, so with
+        # DP > 1 replicas would make different numbers of EP calls per step: one
+        # forward per stage per step keeps them paired (DP = 1 keeps the overlap).
+        runner = ModelRunner(model, num_kv_blocks=cfg.kv_blocks,
+                             micro_batches=2 if cfg.dp == 1 else 1)
         stepper = _ReplicaStepper(runner, model, dp)
         eos = () if cfg.ignore_eos else model.config.eos_token_ids
         reqs = [GenerationRequest(i, list(p), n, a) for i, (p, n, a) in enumerate(cfg.requests)]
