@@ -116,9 +116,9 @@ def _check_ranks(results: list[dict[str, Any]], exp: dict[str, Any], tp: int, pp
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind,tp,pp,dp", [
     ("mixtral", 2, 1, 2),   # EP=4: TP=2 x EP over DP=2
-    pytest.param("qwen2_moe", 2, 1, 1, marks=pytest.mark.slow),  # EP=2 over TP: shared
-    # expert and a dense layer (mlp_only_layers) TP-sharded, q/k/v biases
-    pytest.param("mixtral", 1, 2, 2, marks=pytest.mark.slow),  # EP=2 per stage, PP=2
+    ("qwen2_moe", 2, 1, 1),  # EP=2 over TP: shared expert and a dense layer
+    # (mlp_only_layers) TP-sharded, q/k/v biases
+    ("mixtral", 1, 2, 2),   # EP=2 per stage, PP=2: one EP group per stage
 ], ids=["mixtral-tp2-dp2-ep4", "qwen2moe-tp2-ep2", "mixtral-pp2-dp2-ep2"])
 def test_moe_engine_matches_hf(dist_pool: Any, checkpoints: dict[str, Any], kind: str,
                                tp: int, pp: int, dp: int) -> None:
