@@ -27,8 +27,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``p``."""
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2)")
+    p.add_argument("--model", choices=("llama", "moe"), default="llama",
+                   help="llama: the dense decoder (default); moe: a Mixtral-style decoder, "
+                        "experts sharded by EP over each stage's DP x TP ranks "
+                        "(coordinator.engine.demo.moe_cli)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas (--model moe only; default 1)")
     p.add_argument("--model-dir", default=None,
-                   help="Hugging Face Llama checkpoint dir (config.json + *.safetensors); "
+                   help="Hugging Face checkpoint dir (config.json + *.safetensors): Llama, or "
+                        "with --model moe Mixtral / Qwen2-MoE; "
                         "default: the embedded fixed-seed model")
     p.add_argument("--prompt-ids", default=None,
                    help='prompts as token ids, ";" between prompts: "1,2,3;4,5"')
@@ -98,11 +105,15 @@ def _requests(args: argparse.Namespace, vocab: int) -> list[tuple[tuple[int, ...
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("tp", "pp", "max_new_tokens"):
+    for name in ("tp", "pp", "dp", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.mlp and args.launcher != "spawn":
         raise ValueError(f"--mlp runs with --launcher spawn only, got --launcher {args.launcher}")
+    if args.dp != 1 and args.model != "moe":
+        raise ValueError(f"--dp {args.dp} needs --model moe (the dense demo has no DP replicas)")
+    if args.mlp and args.model == "moe":
+        raise ValueError("--mlp and --model moe are different demos; pass one")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
 
@@ -117,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
             from coordinator.engine.demo.tp_mlp import run_tp_mlp
 
             return 0 if run_tp_mlp(tp=args.tp) else 1
+        if args.model == "moe":
+            from coordinator.engine.demo.moe_cli import run_moe
+
+            return run_moe(args)
         return _run_engine(args)
     except ValueError as e:
         print(f"groupcoord demo: error: {e}", file=sys.stderr)
@@ -130,6 +145,10 @@ def _run_engine(args: argparse.Namespace) -> int:
     from coordinator.engine.demo.engine import EngineConfig, build_model, engine_rank
     from coordinator.engine.models.config import LlamaModelConfig, default_config
 
+    if args.model_dir:
+        from coordinator.engine.demo.moe_cli import refuse_moe_checkpoint
+
+        refuse_moe_checkpoint(args.model_dir)
     mcfg = LlamaModelConfig.from_json(args.model_dir) if args.model_dir else default_config()
     # refuse an unshardable layout here, with the field's name, before any rank starts
     mcfg.check_parallel(args.tp, args.pp)
