@@ -27,6 +27,7 @@ __all__ = [
     "iter_checkpoint",
     "save_checkpoint",
     "random_state_dict",
+    "random_weights",
     "hf_parameter_shapes",
 ]
 
@@ -109,11 +110,17 @@ def random_state_dict(config: LlamaModelConfig, seed: int = 0) -> dict[str, torc
     rounding differences between sharded and unsharded runs); norm weights
     are ``1 + 0.1 * noise`` so a wrongly loaded norm shows up; biases are small.
     """
+    return random_weights(hf_parameter_shapes(config), seed)
+
+
+def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """Float32 weights of the named ``shapes`` from ``seed``, scaled as
+    :func:`random_state_dict` says (by name: norms, biases, embeddings, matrices)."""
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, shape in hf_parameter_shapes(config).items():
+    for name, shape in shapes.items():
         noise = torch.randn(shape, generator=g, dtype=torch.float32)
         if name.endswith("norm.weight"):
             out[name] = 1.0 + 0.1 * noise

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from coordinator.engine.models.checkpoint import hf_parameter_shapes
+from coordinator.engine.models.checkpoint import hf_parameter_shapes, random_weights
 from coordinator.engine.models.moe_config import MoeModelConfig
 
 __all__ = ["moe_parameter_shapes", "random_moe_state_dict"]
@@ -59,18 +59,4 @@ def moe_parameter_shapes(config: MoeModelConfig) -> dict[str, tuple[int, ...]]:
 
 def random_moe_state_dict(config: MoeModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Full float32 weights for ``config`` from ``seed`` (scaled as the Llama ones)."""
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    g = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for name, shape in moe_parameter_shapes(config).items():
-        noise = torch.randn(shape, generator=g, dtype=torch.float32)
-        if name.endswith("norm.weight"):
-            out[name] = 1.0 + 0.1 * noise
-        elif name.endswith(".bias"):
-            out[name] = 0.02 * noise
-        elif name == "model.embed_tokens.weight":
-            out[name] = noise
-        else:
-            out[name] = noise / shape[1] ** 0.5
-    return out
+    return random_weights(moe_parameter_shapes(config), seed)

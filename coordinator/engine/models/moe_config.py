@@ -19,10 +19,9 @@ each token uses ``num_experts_per_tok``:
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Mapping
 
-from coordinator.engine.models.config import LlamaModelConfig, _read_json
+from coordinator.engine.models.config import LlamaModelConfig
 
 __all__ = ["MoeModelConfig", "default_moe_config", "MOE_MODEL_TYPES"]
 
@@ -117,19 +116,6 @@ class MoeModelConfig(LlamaModelConfig):
             sparse_layers=sparse,
             o_proj_bias=False if qwen else base.attention_bias,
         )
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike[str]) -> "MoeModelConfig":
-        """Read ``path`` (a ``config.json`` or its directory); ``generation_config.json``'s
-        ``eos_token_id`` wins, as with Llama."""
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        data = _read_json(p, required=True)
-        gen = _read_json(os.path.join(os.path.dirname(p), "generation_config.json"), False)
-        if isinstance(gen, Mapping) and gen.get("eos_token_id") is not None:
-            data = {**data, "eos_token_id": gen["eos_token_id"]}
-        return cls.from_hf_dict(data)
 
     @property
     def has_dense_layers(self) -> bool:
