@@ -62,7 +62,18 @@ _ROOT_KINDS = frozenset({"broadcast", "gather", "reduce", "scatter", "send/recv"
 
 
 def group_id(name: str) -> int:
-    """A stable 32-bit id of a communicator's unique name."""
+    """A stable 32-bit id of a communicator's unique name, without its process counter.
+
+    A GroupCoordinator's unique name is ``<base>:<n>``, ``n`` counting the
+    groups of that base this *process* created: a process that destroyed and
+    re-created its groups has ``tp:1`` where a freshly started peer (a
+    replacement rank) has ``tp:0`` for the same group. The id is meant to tell
+    apart communicators sharing one gloo group, which have different bases,
+    so the counter is left out.
+    """
+    base, sep, counter = name.rpartition(":")
+    if sep and counter.isdigit():
+        name = base
     return zlib.crc32(name.encode("utf-8", "replace"))
 
 

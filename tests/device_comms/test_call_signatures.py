@@ -460,3 +460,44 @@ def bad_layout(rank: int, world_size: int, path: str, kind: str) -> dict[str, An
     after = comm.all_reduce(torch.ones(2)).tolist()
     comm.destroy()
     return {"calls": calls, "after": after}
+
+
+# ---------------------------------------------------------------------- group ids
+def test_group_id_ignores_the_process_counter() -> None:
+    from device_comms.call_signature import group_id
+
+    assert group_id("tp:0") == group_id("tp:7") == group_id("tp")
+    assert group_id("tp:0") != group_id("pp:0")
+    assert group_id("sig-gloo") != group_id("sig-shm")
+    assert group_id("a:b") != group_id("a")  # only a numeric counter is left out
+
+
+def counters_differ(rank: int, world_size: int, shm: bool) -> tuple[str, list[float]]:
+    """Rank 1 made more groups before (a process that re-created its groups, next to
+    a fresh replacement rank): the same group has another ``ctr:<n>`` name on each
+    rank, and its signed calls must still agree."""
+    import os
+
+    from coordinator import GroupCoordinator
+    from coordinator.group_registry import REGISTRY
+
+    if rank == 1:
+        REGISTRY.unique_name("ctr")
+        REGISTRY.unique_name("ctr")
+    os.environ["GROUPCOORD_CPU_SHM"] = "1" if shm else "0"
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="ctr")
+    try:
+        out = g.all_reduce(torch.ones(4) * (rank + 1))
+        got = g.broadcast_object({"n": 3} if rank == 0 else None, 0)
+        return g.unique_name, out.tolist() + [float(got["n"])]
+    finally:
+        g.destroy()
+        os.environ.pop("GROUPCOORD_CPU_SHM", None)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
+def test_ranks_whose_group_counters_differ_still_agree(dist_pool, shm: bool) -> None:
+    (name0, got0), (name1, got1) = dist_pool(2).run(counters_differ, shm, timeout=45)
+    assert name0 != name1
+    assert got0 == got1 == [3.0] * 4 + [3.0]
