@@ -36,6 +36,13 @@ the result, or the error relayed with :meth:`StepSync.relay`::
     both leaders: settle(headers) -> same verdict
     step 2 (shm): result or relay(error)     step 2 (shm): result or relay(error)
 
+When a leader's exchange fails (a remote leader timed out, died or closed
+its connections), the leader relays a :class:`CollectiveTimeout` naming the
+other nodes' ranks to its node's ranks, which wait for the verdict a little
+longer than the group's timeout (:data:`VERDICT_GRACE_S`) so that it reaches
+them; they then know which ranks did not arrive, not just that their leader
+did not answer.
+
 The other collectives of a hierarchical communicator run over gloo; they
 first :meth:`HierarchicalAllReduce.agree` the same way (a step, the leaders'
 headers, a verdict step), so a rank in one of them and a rank in an
@@ -46,7 +53,8 @@ on its node, and its leader passes it on.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -55,7 +63,9 @@ import torch.distributed as dist
 from device_comms import host_alloc
 from device_comms.call_signature import FAILED, REJECTED, group_id, settle, template
 from device_comms.envelopes import INLINE_MAX, Envelopes, as_bytes, failure_header, reason_bytes
-from device_comms.errors import CollectiveMismatch, PeerRejectedError
+from device_comms.errors import (
+    CollectiveMismatch, CollectiveTimeout, GroupCoordError, PeerRejectedError,
+)
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_engine import ShmEngine
@@ -63,6 +73,10 @@ from device_comms.shm_engine import ShmEngine
 __all__ = ["HierarchicalAllReduce", "LEADER_TAG"]
 
 LEADER_TAG = 0x6763  # "gc": keeps leader traffic apart from user send/recv (tag 0)
+#: Seconds a non-leader waits for its leader's verdict beyond the group's
+#: timeout: a leader whose exchange with the other leaders timed out (at the
+#: group's timeout) then still relays that, naming the other nodes' ranks.
+VERDICT_GRACE_S = 1.0
 
 
 class HierarchicalAllReduce:
@@ -142,9 +156,11 @@ class HierarchicalAllReduce:
                 local_err = e
         if not self.is_leader:
             if reason is None and eng is not None:
-                eng.sync.step(op, sig[0], sig[1], True)  # the leader's verdict
+                with self._awaiting_verdict():
+                    eng.sync.step(op, sig[0], sig[1], True)  # the leader's verdict
             return
-        err = self._verdict(op, header, reason, local_err, None)
+        with self._relaying_failures(op, reason is None and local_err is None):
+            err = self._verdict(op, header, reason, local_err, None)
         if local_err is not None:  # this node's ranks already know
             raise local_err
         if eng is not None and reason is None:
@@ -154,6 +170,41 @@ class HierarchicalAllReduce:
                 eng.sync.relay(op, err)
         if err is not None:
             raise err
+
+    @contextlib.contextmanager
+    def _awaiting_verdict(self) -> Iterator[None]:
+        """On a non-leader: wait for the leader's verdict up to :data:`VERDICT_GRACE_S`
+        beyond the timeout (the engine runs one call at a time, so the
+        synchroniser's timeout may be lengthened for this one step)."""
+        sync = self.engine.sync  # type: ignore[union-attr]
+        saved = sync.timeout
+        if saved is not None:
+            sync.timeout = saved + VERDICT_GRACE_S
+        try:
+            yield
+        finally:
+            sync.timeout = saved
+
+    @contextlib.contextmanager
+    def _relaying_failures(self, op: str, node_waits: bool) -> Iterator[None]:
+        """On a leader: when the exchange with the other leaders fails (gloo's
+        timeout or a closed connection), tell this node's ranks, which wait
+        for the verdict (``node_waits``), before raising the failure here."""
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, GroupCoordError) or not node_waits or self.engine is None:
+                raise
+            remote = [r for r, j in enumerate(self.nodes) if j != self.node]
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            lost = CollectiveTimeout(
+                f"group {self.name!r}, op {op}: the exchange of this node's leader (rank "
+                f"{self.me}) with the other nodes' leaders failed ({first}); rank(s) {remote} "
+                f"on the other nodes did not complete the call",
+                queue=self.name, peers=remote)
+            with contextlib.suppress(GroupCoordError):  # a local rank gone too: it is reported
+                self.engine.sync.relay(op, lost)
+            raise
 
     def reject(self, op: str, reason: str) -> None:
         """Take part in ``op`` (any collective) as a rank that rejected its arguments."""
@@ -182,10 +233,12 @@ class HierarchicalAllReduce:
                 local_err = e
         if not self.is_leader:
             result = host_alloc.empty(t.shape, t.dtype)
-            eng.broadcast(result, 0, signed=signed, name="all_reduce")  # type: ignore[union-attr]
+            with self._awaiting_verdict():
+                eng.broadcast(result, 0, signed=signed, name="all_reduce")  # type: ignore[union-attr]
             self.intra_node_shm_steps += 1
         else:
-            result = self._leader_all_reduce(t, partial, inner, header, local_err)
+            with self._relaying_failures("all_reduce", local_err is None):
+                result = self._leader_all_reduce(t, partial, inner, header, local_err)
             if eng is not None:
                 eng.broadcast(result, 0, signed=signed, name="all_reduce")
                 self.intra_node_shm_steps += 1
