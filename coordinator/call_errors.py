@@ -32,11 +32,20 @@ Gloo also reports "connection closed by peer" when a *live* peer gave up
 host whose process is gone is named as dead; when every peer is provably
 alive it is :class:`~coordinator.errors.ClosedError` ("a peer closed its
 connections"), because nobody died.
+
+Any other error of the family raised inside a call names the group's op too:
+when a lower layer raised it for a call of its own (the shared-memory engine
+seeing a peer die during the header broadcast of ``broadcast_object``, a
+signed call finding a mismatch in the tensors of a tensor dict), it is
+raised again, same class and ``peers``, its message prefixed with the group,
+the op and the call number.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import socket
 import time
 from typing import Any, NoReturn, Sequence
@@ -44,20 +53,26 @@ from typing import Any, NoReturn, Sequence
 import psutil
 
 from device_comms.errors import translate_backend_error
-from shm_broadcast.errors import ClosedError, CommTimeout, GroupCoordError, PeerDiedError
+from shm_broadcast.errors import (
+    ClosedError, CollectiveMismatch, CommTimeout, GroupCoordError, PeerDiedError,
+)
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.segment import OwnerIdentity
 from shm_broadcast.waiting import PeerWatch
 
 __all__ = ["CallErrors", "WAIT_ERRORS", "own_identity"]
 
-#: Seconds to look again at peers' processes before reporting a closed connection
-#: from a live peer (an exiting process closes its sockets just before it is gone).
-_EXIT_GRACE_S = 0.1
+#: Seconds to keep looking at peers' processes before reporting a closed
+#: connection from a live peer: an exiting process closes its sockets before it
+#: is gone, and an interpreter that exits on an uncaught exception takes a few
+#: hundred milliseconds more to finish (atexit handlers, finalisation).
+_EXIT_GRACE_S = 1.0
+_EXIT_POLL_S = 0.02
 
-#: What a call may raise when a wait fails: our timeouts, and RuntimeError
-#: (PeerDiedError, BrokenCommunicator, or an untranslated backend error).
-WAIT_ERRORS = (CommTimeout, RuntimeError)
+#: What a call may raise when a wait fails or its ranks disagree: our timeouts,
+#: RuntimeError (PeerDiedError, BrokenCommunicator, or an untranslated backend
+#: error) and CollectiveMismatch.
+WAIT_ERRORS = (CommTimeout, RuntimeError, CollectiveMismatch)
 
 _WHY = {
     "exited": "gone",
@@ -143,10 +158,21 @@ class CallErrors:
             self._raise(self._closed_by_peer(op, seq, _first_line(raw), partner), cause)
         if e is not cause:
             self._raise(e, cause)
+        # Raised by a lower layer for a call of its own (the header broadcast of
+        # broadcast_object, the tensors of a tensor dict): say which call of this
+        # group it served; a queue names its writer "writer": give its rank.
+        names_op = re.search(rf"\bop {re.escape(op)}\b", str(e)) is not None
+        writer_named = writer is not None and "writer" in e.peers
+        if not names_op or writer_named:
+            peers = [writer if p == "writer" else p for p in e.peers]
+            self._raise(_in_call(e, None if names_op else self._where(op, seq), peers), cause)
 
     # ------------------------------------------------------------------ timeouts
     def _timeout(self, op: str, seq: int, e: CommTimeout, partner: int | None,
-                 writer: int | None, detail: str) -> CommTimeout:
+                 writer: int | None, detail: str) -> GroupCoordError:
+        """The timeout naming the ranks that did not arrive; a
+        :class:`PeerDiedError` naming them when some of them are gone (the side
+        check is evidence: the wait ran out because they died)."""
         known = [p for p in e.peers if isinstance(p, int) and not isinstance(p, bool)]
         if writer is not None and "writer" in e.peers:
             known.append(writer)
@@ -155,12 +181,23 @@ class CallErrors:
         if known:
             missing = sorted(set(known))
             head = f"timed out waiting for rank(s) {missing} ({self._states(missing)})"
+            stuck = [r for r in missing if self._state(r) in ("stopped", "exited")]
+            if stuck and stuck != missing:
+                # The running ones are most likely waiting for these, as this rank is.
+                missing = stuck
+                head += f"; stopped or gone among them: rank(s) {stuck}"
         else:
             missing, head = self._suspects()
-        err = CommTimeout(
-            f"{self._where(op, seq)}: {head}. Every rank of the group must make the same "
-            f"calls in the same order. Detail: {detail}",
-            queue=self.name, side=f"rank {self.rank}", peers=missing)
+        gone = [r for r in missing if self._state(r) == "exited"]
+        if gone:
+            err: GroupCoordError = PeerDiedError(
+                f"{self._where(op, seq)}: rank(s) {gone} died; this rank {head}. "
+                f"Detail: {detail}", queue=self.name, side=f"rank {self.rank}", peers=gone)
+        else:
+            err = CommTimeout(
+                f"{self._where(op, seq)}: {head}. Every rank of the group must make the same "
+                f"calls in the same order. Detail: {detail}",
+                queue=self.name, side=f"rank {self.rank}", peers=missing)
         err.call = seq  # type: ignore[attr-defined]
         err.op = op  # type: ignore[attr-defined]
         return err
@@ -184,15 +221,30 @@ class CallErrors:
         candidates = [partner] if partner is not None else [
             r for r in range(self.world_size) if r != self.rank]
         states = {r: self._state(r) for r in candidates}
-        if "exited" not in states.values():
-            # An exiting process closes its sockets a moment before it is gone:
-            # look again before calling a peer alive.
-            time.sleep(_EXIT_GRACE_S)
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        while (not {"exited", "stopped"} & set(states.values())
+               and time.monotonic() < deadline):
+            # An exiting process closes its sockets before it is gone: keep
+            # looking before calling every peer alive (a stopped one explains
+            # the wait at once).
+            time.sleep(_EXIT_POLL_S)
             states = {r: self._state(r) for r in candidates}
         gone = [r for r in candidates if states[r] == "exited"]
+        stopped = [r for r in candidates if states[r] == "stopped"]
         listing = self._states(candidates, states)
         first = backend_text
         where = self._where(op, seq)
+        if stopped and not gone:
+            # This rank waited for a stopped rank; a peer that waited too gave up
+            # first and closed its connections: the stopped rank is the one missing.
+            err = CommTimeout(
+                f"{where}: rank(s) {stopped} did not arrive ({listing}); a peer gave up "
+                f"waiting first and closed its connections. Every rank of the group must "
+                f"make the same calls in the same order. Detail: gloo: {first}",
+                queue=self.name, side=f"rank {self.rank}", peers=stopped)
+            err.call = seq  # type: ignore[attr-defined]
+            err.op = op  # type: ignore[attr-defined]
+            return err
         if gone:
             return PeerDiedError(
                 f"{where}: rank(s) {gone} died ({listing}); gloo reported: {first}",
@@ -208,6 +260,16 @@ class CallErrors:
             f"{where}: a peer closed its connection: it exited, or gave up on the call "
             f"({listing}); gloo reported: {first}",
             queue=self.name, side=f"rank {self.rank}", peers=candidates)
+
+    def await_exit(self, ranks: Sequence[int]) -> None:
+        """Wait (at most the exit grace) until one of ``ranks`` is gone, for a
+        failure that came before its timeout: a peer whose connections broke
+        is usually exiting, and is reported dead once its process is gone."""
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        while time.monotonic() < deadline:
+            if any(self._state(r) in ("exited", "stopped", "unknown") for r in ranks):
+                return
+            time.sleep(_EXIT_POLL_S)
 
     # ------------------------------------------------------------------ helpers
     def _where(self, op: str, seq: int) -> str:
@@ -234,6 +296,16 @@ class CallErrors:
     @staticmethod
     def _raise(err: BaseException, cause: BaseException) -> NoReturn:
         raise err from cause
+
+
+def _in_call(e: GroupCoordError, where: str | None, peers: Sequence[object]) -> GroupCoordError:
+    """A copy of ``e`` (same class) naming ``peers``, its message prefixed with ``where``."""
+    new = copy.copy(e)
+    new.__dict__.update(e.__dict__)
+    new.peers = tuple(peers)
+    if where is not None:
+        new.args = (f"{where}: {e}",)
+    return new
 
 
 def _first_line(e: BaseException | None) -> str:
