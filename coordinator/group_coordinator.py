@@ -27,11 +27,13 @@ import contextlib
 import dataclasses
 import datetime
 import re
+import time
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from coordinator import broadcast_stamps as stamps
 from coordinator import custom_ops
 from coordinator.call_errors import WAIT_ERRORS, CallErrors
 from coordinator import group_setup as setup
@@ -109,6 +111,10 @@ class GroupCoordinator:
         timeout: Seconds every wait of this group may last.
         calls: Calls made so far on this rank; the next call is number
             ``calls + 1`` (errors name it: ranks making the same calls agree).
+        collectives: Collective calls (all but point-to-point ones) made so
+            far on this rank: the same on every rank of a correct program,
+            so it stamps the message-queue broadcasts
+            (:mod:`coordinator.broadcast_stamps`).
     """
 
     def __init__(
@@ -133,6 +139,7 @@ class GroupCoordinator:
             )
         self.timeout: float = check_timeout(timeout, default=default_timeout(), positive=True)
         self.calls = 0
+        self.collectives = 0
         self.unique_name = REGISTRY.unique_name(group_name or "anonymous")
         self.rank = dist.get_rank()
         self.local_rank = local_rank
@@ -159,6 +166,7 @@ class GroupCoordinator:
             self.cpu_group, self.device, self.device_group, self.unique_name,
             timeout=None if timeout is None else self.timeout,
         )
+        self._cpu_side: DeviceCommunicator | None = None
         self.mq_broadcaster: Any = None
         self.mq_writer_rank = 0
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
@@ -207,6 +215,7 @@ class GroupCoordinator:
         if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
             return custom_ops.traced_all_reduce(self, input_)
         self.calls = seq = self.calls + 1
+        self.collectives += 1
         try:
             return self.comm.all_reduce(input_, op)
         except WAIT_ERRORS as e:
@@ -218,6 +227,7 @@ class GroupCoordinator:
         if _tracing() and self.world_size > 1:
             return custom_ops.traced_all_gather(self, input_, dim)
         self.calls = seq = self.calls + 1
+        self.collectives += 1
         try:
             return self.comm.all_gather(input_, dim)
         except WAIT_ERRORS as e:
@@ -243,6 +253,7 @@ class GroupCoordinator:
         if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
             return custom_ops.traced_reduce_scatter(self, input_, dim)
         self.calls = seq = self.calls + 1
+        self.collectives += 1
         try:
             return self.comm.reduce_scatter(input_, dim, op)
         except WAIT_ERRORS as e:
@@ -283,6 +294,7 @@ class GroupCoordinator:
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
         self.calls = seq = self.calls + 1
+        self.collectives += 1
         try:
             return self.comm.broadcast(input_, src)
         except WAIT_ERRORS as e:
@@ -318,7 +330,9 @@ class GroupCoordinator:
         """Broadcast a Python object from ``src``; returns it on every rank.
 
         Uses the message queue when the group has one and ``src`` is its
-        writer, else the CPU group. Either way the object travels as msgspec
+        writer, else broadcasts of the group's CPU communicator (signed calls:
+        a rank making another call there raises ``CollectiveMismatch`` on
+        every rank). Either way the object travels as msgspec
         msgpack with tensors and arrays out of band (see
         :mod:`shm_broadcast.codec` for what is carried exactly); nothing is
         pickled unless the group was created with ``allow_pickle=True``.
@@ -330,6 +344,7 @@ class GroupCoordinator:
             DecodeError: On a receiver: the bytes received are malformed.
         """
         self.calls = seq = self.calls + 1
+        self.collectives += 1
         try:
             return self._broadcast_object(obj, src)
         except WAIT_ERRORS as e:
@@ -358,26 +373,55 @@ class GroupCoordinator:
             )
         return got
 
-    def _broadcast_raw(self, obj: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
-        """One object from ``src`` to all, unchecked: through the message queue
-        (when ``group`` is None and ``src`` is its writer), else as bytes over
-        ``group`` (default the CPU group)."""
-        if group is None and self.mq_broadcaster is not None and src == self.mq_writer_rank:
-            self._check_live("broadcast_object")
-            return self.mq_broadcaster.broadcast_object(obj)  # the group's timeout is its default
-        return self._cpu_call(
-            "broadcast_object", object_comm.broadcast_object,
-            obj if self.rank_in_group == src else None, self.ranks[src],
-            group or self.cpu_group, self.codec, self.rank_in_group == src,
-        )
+    def _broadcast_raw(self, obj: Any, src: int, group: dist.ProcessGroup | None = None,
+                       op: str = "broadcast_object", queue: bool = True) -> Any:
+        """One object from ``src`` to all, unchecked.
+
+        Through the message queue when ``queue``, ``group`` is None and ``src``
+        is its writer (the message carries this collective call's number, see
+        :mod:`coordinator.broadcast_stamps`); else as bytes through this
+        group's signed CPU communicator (``group`` None), or as plain gloo
+        broadcasts over ``group``.
+        """
+        if (queue and group is None and self.mq_broadcaster is not None
+                and src == self.mq_writer_rank):
+            self._check_live(op)
+            mq = self.mq_broadcaster  # the group's timeout is its default
+            if self.rank_in_group == src:
+                mq.broadcast_object(stamps.stamp(obj, self.collectives, op))
+                return obj
+            return stamps.unstamp(mq.broadcast_object(None), self.collectives, op,
+                                  self.unique_name, src, self.calls)
+        self._check_live(op)
+        if group is None:
+            bcast = object_comm.comm_broadcast(self._cpu_comm(), src)
+        else:
+            bcast = object_comm.gloo_broadcast(self.ranks[src], group)
+        is_src = self.rank_in_group == src
+        return object_comm.broadcast_object(obj if is_src else None, self.ranks[src], bcast,
+                                            self.codec, is_src)
+
+    def _cpu_comm(self) -> DeviceCommunicator:
+        """The communicator that carries this group's CPU bytes (objects, metadata):
+        the device communicator on a CPU group, else a signed gloo one over
+        ``cpu_group``, built at first use."""
+        if self.device.type == "cpu":
+            return self.comm
+        if self._cpu_side is None:
+            self._cpu_side = TorchDistributedCommunicator(
+                self.cpu_group, torch.device("cpu"), self.cpu_group, self.unique_name,
+                timeout=self.timeout)
+        return self._cpu_side
 
     def broadcast_object_list(
         self, obj_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None
     ) -> list[Any]:
         """Broadcast a list of objects in place (like ``torch.distributed``, without pickle).
 
-        The list travels as one message over the CPU group (or ``group``);
-        receivers pass a list of the same length, whose items are replaced.
+        The list travels as one message through the group's CPU communicator
+        (signed calls, as :meth:`broadcast_object`), or as plain gloo
+        broadcasts over ``group`` when given; receivers pass a list of the
+        same length, whose items are replaced.
 
         Raises:
             TypeError: On ``src``: an entry cannot be encoded (receivers raise
@@ -397,18 +441,19 @@ class GroupCoordinator:
             raise TypeError(f"group must be a torch ProcessGroup or None, got {type(group).__name__}")
         if self.world_size == 1:
             return obj_list
-        pg = group or self.cpu_group
+        op = "broadcast_object_list"
         if self.rank_in_group == src:
             try:
-                self._broadcast_raw(list(obj_list), src, pg)
+                self._broadcast_raw(list(obj_list), src, group, op, queue=False)
             except SERIALIZE_ERRORS as e:  # nothing was sent: tell the receivers instead
-                self._broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src, pg)
+                self._broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src, group, op,
+                                    queue=False)
                 raise TypeError(
                     f"broadcast_object_list on group {self.unique_name!r}: an entry of "
                     f"obj_list cannot be serialised ({type(e).__name__}: {e})"
                 ) from e
             return obj_list
-        got = self._broadcast_raw(None, src, pg)
+        got = self._broadcast_raw(None, src, group, op, queue=False)
         why = _list_mismatch(got, len(obj_list))
         if why is not None:
             raise CollectiveMismatch(
@@ -427,7 +472,7 @@ class GroupCoordinator:
             TypeError: ``obj`` cannot be encoded; the receiver is told and raises
                 ``CollectiveMismatch``.
         """
-        self._run("send_object", self._send_object, obj, dst, partner=_peer(dst))
+        self._run("send_object", self._send_object, obj, dst, partner=_peer(dst), p2p=True)
 
     def _send_object(self, obj: Any, dst: int) -> None:
         """:meth:`send_object` without counting a call (for calls built on it)."""
@@ -442,7 +487,7 @@ class GroupCoordinator:
             CollectiveMismatch: The sender could not encode its object.
             DecodeError: The bytes received are malformed.
         """
-        return self._run("recv_object", self._recv_object, src, partner=_peer(src))
+        return self._run("recv_object", self._recv_object, src, partner=_peer(src), p2p=True)
 
     def _recv_object(self, src: int) -> Any:
         """:meth:`recv_object` without counting a call (for calls built on it)."""
@@ -465,6 +510,7 @@ class GroupCoordinator:
         Receivers allocate and get a new dict.
         """
         self.calls = seq = self.calls + 1
+        self.collectives += 1
         try:
             return self._broadcast_tensor_dict(tensor_dict, src, group, metadata_group)
         except WAIT_ERRORS as e:
@@ -507,7 +553,7 @@ class GroupCoordinator:
             return
         self._check_peer(dst, "dst")
         self._run("send_tensor_dict", tensor_dict_ops.send_tensor_dict, self, tensor_dict, dst,
-                  _ag(all_gather_group), all_gather_tensors, partner=dst)
+                  _ag(all_gather_group), all_gather_tensors, partner=dst, p2p=True)
 
     def recv_tensor_dict(
         self,
@@ -527,7 +573,7 @@ class GroupCoordinator:
             return None
         self._check_peer(src, "src")
         return self._run("recv_tensor_dict", tensor_dict_ops.recv_tensor_dict, self, src,
-                         _ag(all_gather_group), partner=src)
+                         _ag(all_gather_group), partner=src, p2p=True)
 
     # ------------------------------------------------------------------ control
     def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
@@ -546,6 +592,7 @@ class GroupCoordinator:
         """
         wait_s = check_timeout(timeout, default=self.timeout, positive=True)
         self.calls = seq = self.calls + 1
+        self.collectives += 1
         if self.world_size == 1:
             return
         self._check_live("barrier")
@@ -558,6 +605,7 @@ class GroupCoordinator:
     def _monitored_barrier(self, wait_s: float) -> None:
         """gloo's monitored barrier: group rank 0 collects every rank and names the
         missing ones; the others wait for rank 0's release."""
+        start = time.monotonic()
         try:
             dist.monitored_barrier(group=self.cpu_group,
                                    timeout=datetime.timedelta(seconds=wait_s),
@@ -567,6 +615,10 @@ class GroupCoordinator:
             if found is None:
                 raise
             missing = [int(r) for r in found.group(1).replace(",", " ").split()]
+            if time.monotonic() - start < 0.9 * wait_s:
+                # Failed before the timeout: their connection broke, so they are
+                # probably exiting; let the explanation see them gone.
+                self._errors.await_exit(missing)
             raise CommTimeout(
                 f"group {self.unique_name!r}, op barrier: rank(s) {missing} did not arrive "
                 f"within {wait_s:g}s ({str(e).splitlines()[0]})",
@@ -671,6 +723,9 @@ class GroupCoordinator:
         comm, self.comm = self.comm, setup.DestroyedComm(self.unique_name)  # type: ignore[assignment]
         self.device_communicator = None
         comm.destroy()
+        if self._cpu_side is not None:
+            self._cpu_side.destroy()
+            self._cpu_side = None
         for pg in {id(self.cpu_group): self.cpu_group, id(self.device_group): self.device_group}.values():
             if pg is not None and dist.is_initialized():
                 with contextlib.suppress(Exception):
@@ -693,10 +748,14 @@ class GroupCoordinator:
         if self._destroyed:
             raise NotInitializedError(setup.destroyed_msg(self.unique_name, op))
 
-    def _run(self, op: str, fn: Any, *args: Any, partner: int | None = None) -> Any:
-        """Run ``fn(*args)`` as call ``op`` of this group: numbered, and a failed wait
-        explained (see :mod:`coordinator.call_errors`). The busiest calls inline this."""
+    def _run(self, op: str, fn: Any, *args: Any, partner: int | None = None,
+             p2p: bool = False) -> Any:
+        """Run ``fn(*args)`` as call ``op`` of this group: numbered (a collective
+        call, unless ``p2p``), and a failed wait explained (see
+        :mod:`coordinator.call_errors`). The busiest calls inline this."""
         self.calls = seq = self.calls + 1
+        if not p2p:
+            self.collectives += 1
         try:
             return fn(*args)
         except WAIT_ERRORS as e:
