@@ -1,0 +1,148 @@
+"""The fault matrix: every op of the GroupCoordinator, every transport, world sizes 2
+and 4, five kinds of fault; each case must keep the contract of
+:mod:`tests.faults.contract`.
+
+* Ops (:mod:`tests.faults.ops`): all_reduce, all_gather, all_gatherv,
+  reduce_scatter, reduce_scatterv, gather, reduce, scatter, all_to_all,
+  broadcast, send/recv, broadcast_object (through the TP broadcaster and over
+  the CPU side), broadcast_object_list, send_object/recv_object,
+  broadcast_tensor_dict (TP broadcaster and CPU side), send_tensor_dict /
+  recv_tensor_dict, barrier.
+* Transports: ``shm`` (shared memory), ``gloo`` (``GROUPCOORD_CPU_SHM=0``),
+  ``hier`` (two simulated hosts with ``GROUPCOORD_NODE_ID``: the hierarchical
+  all-reduce, TCP readers of the TP broadcaster; at world size 2 one rank per
+  host, so plain gloo collectives).
+* Faults: ``kill`` (SIGKILL), ``stop`` (SIGSTOP), ``raise`` (an exception in
+  the culprit's code in place of the call; its process exits), ``skip``,
+  ``other-op``, ``dtype``, ``shape``.
+* Culprit: the last rank; also rank 0 (writer, root, source, sender, node
+  leader) for the ops where rank 0 has a role, for kill, stop, raise and skip.
+
+Cases run in the rig's reused processes (:mod:`tests.faults.rig`), each with
+fresh groups and a 2 s group timeout. A selection runs in CI; the whole
+matrix is ``slow`` (``pytest -m slow tests/faults``). With
+``GROUPCOORD_FAULT_TIMES=<file>`` every case appends its detection times (s
+from the fault to each survivor's error) to that file as JSON lines;
+``python -m tests.faults.times <file>`` tabulates them (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from typing import Any
+
+import pytest
+
+from tests.faults.contract import DESTRUCTIVE, check_case
+from tests.faults.ops import OPS
+
+TIMEOUT_S = 2.0
+FAULTS = ("kill", "stop", "raise", "skip", "other-op", "dtype", "shape")
+TRANSPORTS = ("shm", "gloo", "hier")
+#: Ops where rank 0 has a role of its own (root, source, writer, sender, leader).
+RANK0_OPS = ("all_reduce", "gather", "reduce", "scatter", "broadcast", "send_recv",
+             "broadcast_object-mq", "broadcast_object_list", "broadcast_tensor_dict-mq")
+RANK0_FAULTS = ("kill", "stop", "raise", "skip")
+
+# (world size, transport, fault, op, culprit): every fault, transport, world
+# size and op at least once, and each library fix this suite brought.
+CI_CASES = [
+    (4, "shm", "kill", "all_reduce", 3),
+    (4, "gloo", "kill", "broadcast_object-cpu", 3),
+    (4, "hier", "kill", "all_gather", 3),
+    (2, "shm", "kill", "send_recv_tensor_dict", 1),
+    (4, "gloo", "kill", "barrier", 3),
+    (2, "hier", "kill", "broadcast_tensor_dict-mq", 0),
+    (4, "shm", "kill", "reduce_scatterv", 3),
+    (4, "shm", "stop", "broadcast_tensor_dict-mq", 3),
+    (4, "gloo", "stop", "gather", 3),
+    (4, "hier", "stop", "reduce_scatter", 3),
+    (2, "gloo", "stop", "send_recv", 1),
+    (4, "gloo", "raise", "all_reduce", 3),
+    (4, "hier", "raise", "broadcast_object_list", 3),
+    (2, "shm", "raise", "reduce", 0),
+    (4, "shm", "skip", "broadcast_object-mq", 3),
+    (4, "gloo", "skip", "broadcast_object-cpu", 3),
+    (4, "hier", "skip", "all_reduce", 3),
+    (2, "shm", "skip", "barrier", 1),
+    (2, "shm", "skip", "broadcast_tensor_dict-mq", 0),
+    (2, "hier", "skip", "broadcast_tensor_dict-cpu", 1),
+    (4, "shm", "other-op", "broadcast_tensor_dict-mq", 3),
+    (2, "hier", "other-op", "scatter", 1),
+    (4, "gloo", "other-op", "send_recv_object", 3),
+    (4, "hier", "dtype", "all_to_all", 3),
+    (2, "gloo", "dtype", "broadcast", 1),
+    (4, "gloo", "dtype", "send_recv", 3),
+    (4, "shm", "shape", "all_gatherv", 3),
+    (4, "gloo", "shape", "broadcast_object_list", 3),
+]
+
+
+def applies(op_name: str, fault: str, culprit: int) -> bool:
+    """Whether the fault exists for the op (a dtype needs a tensor the culprit passes)."""
+    op = OPS[op_name]
+    if fault in ("dtype", "shape"):
+        return fault in op.mismatches and not (op.shape_needs_receiver and culprit == 0)
+    return True
+
+
+def all_cases() -> list[tuple[int, str, str, str, int]]:
+    out = []
+    for n, t, fault, op in itertools.product((2, 4), TRANSPORTS, FAULTS, OPS):
+        culprits = [n - 1] + ([0] if op in RANK0_OPS and fault in RANK0_FAULTS else [])
+        out += [(n, t, fault, op, c) for c in culprits if applies(op, fault, c)]
+    return out
+
+
+def _params() -> list[Any]:
+    ci = set(CI_CASES)
+    out = []
+    for case in all_cases():
+        n, t, fault, op, c = case
+        marks = [] if case in ci else [pytest.mark.slow]
+        out.append(pytest.param(*case, id=f"ws{n}-{t}-{fault}-{op}-c{c}", marks=marks))
+    missing = ci - set(all_cases())
+    assert not missing, f"CI cases outside the matrix: {missing}"
+    return out
+
+
+def _modes_ok(run: Any, n: int, transport: str) -> list[str]:
+    """The case ran on the transport it names (hier at 2 ranks: plain gloo between hosts)."""
+    want = {"shm": "shm", "gloo": "gloo", "hier": "hierarchical" if n > 2 else "gloo"}[transport]
+    bad = []
+    for rank, rec in enumerate(run.records):
+        if rec is None:
+            continue
+        if rec["mode"] != want:
+            bad.append(f"rank {rank} ran on {rec['mode']}, not {want}")
+        if transport == "hier" and rank >= n // 2 and rec["queue"] != "tcp":
+            bad.append(f"rank {rank} (second host) reads the TP broadcaster over {rec['queue']}")
+    return bad
+
+
+def _record_times(run: Any, n: int) -> None:
+    path = os.environ.get("GROUPCOORD_FAULT_TIMES")
+    if not path or run.fault_t is None:
+        return
+    times = {}
+    for rank, rec in enumerate(run.records):
+        err = next((c for c in rec["calls"] if not c["ok"]), None) if rec else None
+        if err is not None:
+            times[rank] = round(err["t"] - run.fault_t, 4)
+    with open(path, "a") as f:
+        f.write(json.dumps({"ws": n, **run.spec, "detect_s": times}) + "\n")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size,transport,fault,op,culprit", _params())
+def test_fault_case(fault_rig, world_size: int, transport: str, fault: str, op: str,
+                    culprit: int) -> None:
+    spec = {"op": op, "fault": fault, "culprit": culprit, "transport": transport,
+            "timeout": TIMEOUT_S, "recover": fault not in DESTRUCTIVE}
+    run = fault_rig.run(spec, world_size)
+    _record_times(run, world_size)
+    bad = _modes_ok(run, world_size, transport) + check_case(run, world_size)
+    assert not bad, (f"{op} / {fault} on {transport}, {world_size} ranks, culprit rank "
+                     f"{culprit}:\n  " + "\n  ".join(bad))
