@@ -7,6 +7,8 @@ Subcommands (each module is imported only when its command runs)::
     groupcoord bench mq-hotpath [...]   the queue's CPU cost per message (one process)
     groupcoord bench mq-remote [...]    the queue's TCP path (CURVE) vs plain zmq
     groupcoord bench collectives [...]  CPU shared-memory collectives vs gloo
+    groupcoord bench engine [...]       the demo's step loop without the model: metadata
+                                        arrival, all_reduce latency and CPU per rank
     groupcoord cleanup [--yes]          list / remove segments and channel dirs of dead processes
     groupcoord doctor [--json]          environment report for bug reports
 """
@@ -37,6 +39,9 @@ _BENCHES: dict[str, tuple[str, str, str, str]] = {
                   "round trips over the queue's TCP path (CURVE) vs plain zmq, pickle and raw"),
     "collectives": ("device_comms.bench.collectives", "add_bench_args", "run_bench",
                     "CPU shared-memory collectives vs gloo"),
+    "engine": ("coordinator.engine.bench.cli", "add_args", "run",
+               "the demo's step loop without the model: periodic metadata through the TP "
+               "broadcaster plus a TP all_reduce per layer; latency and CPU per rank"),
 }
 
 
@@ -62,7 +67,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add(sub, _COMMANDS, argv)
-    bench = sub.add_parser("bench", help="benchmarks (mq, collectives)")
+    bench = sub.add_parser("bench", help="benchmarks (mq, collectives, engine)")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
     _add(bsub, _BENCHES, argv)
     return parser

@@ -78,7 +78,9 @@ class GroupCoordinator:
         use_device_communicator: Use the registry's best communicator for the
             device; else tensors go through plain torch.distributed.
         use_message_queue_broadcaster: Broadcast objects and tensor-dict
-            metadata from rank 0 through a shared-memory message queue.
+            metadata from rank 0 through a shared-memory message queue (the
+            TP group's, in ``parallel_state``), whose readers wait
+            predictively (:meth:`create_mq_broadcaster`).
         group_name: Base name; the unique name is ``<group_name>:<n>``.
         device_communicator: Registry name to force a specific communicator.
         timeout: Seconds (or a timedelta, ``> 0``) that bound every wait of
@@ -681,9 +683,11 @@ class GroupCoordinator:
                 collective creation, so no message can be lost).
             **queue_options: Passed on to the queue: ``max_chunk_bytes``,
                 ``max_chunks``, ``connect_ip``, ``wait_policy`` (a
-                :class:`shm_broadcast.WaitPolicy`, e.g. a longer ``yield_s`` so
-                readers stay awake between engine steps); for an external
-                handle only ``wait_policy``.
+                :class:`shm_broadcast.WaitPolicy`; default
+                ``WaitPolicy.predictive()``: readers learn the step period and
+                sleep until shortly before each message, see
+                :mod:`shm_broadcast.predictive`); for an external handle only
+                ``wait_policy``.
 
         Returns:
             The writer's queue on ``writer_rank``, a reader's queue elsewhere.

@@ -15,6 +15,14 @@ all-gather, so creation costs one round trip whatever the group size.
 Every queue made here takes the group's ``allow_pickle`` (off by default): its
 writer refuses values msgspec cannot carry, and its readers never unpickle.
 
+Broadcaster readers wait predictively by default (``WaitPolicy.predictive()``,
+see :mod:`shm_broadcast.predictive`): a group's broadcaster carries one
+metadata message per engine step, so its readers learn the step period, sleep
+parked until shortly before the next step and poll only around it; traffic
+that is not periodic falls back to the plain spin -> yield -> park. Pass
+``wait_policy=WaitPolicy()`` for the plain policy. Single-reader queues keep
+the plain policy.
+
 Every queue made here also takes the group's timeout: it bounds the wait for
 the queue to connect, and it is the queue's
 :attr:`~shm_broadcast.message_queue.MessageQueue.default_timeout`, so an
@@ -64,12 +72,16 @@ def create_mq_broadcaster(
     """Implementation of :meth:`GroupCoordinator.create_mq_broadcaster` (see there)."""
     from shm_broadcast.message_queue import MessageQueue
 
+    from shm_broadcast.waiting import WaitPolicy
+
     validation.check_rank(writer_rank, group.world_size, "writer_rank")
     allowed = _HANDLE_OPTIONS if external_writer_handle is not None else _COLLECTIVE_OPTIONS
     unknown = sorted(set(queue_options) - allowed)
     if unknown:
         raise TypeError(f"create_mq_broadcaster() got unexpected queue options {unknown}; "
                         f"allowed here: {sorted(allowed)}")
+    if queue_options.get("wait_policy") is None:
+        queue_options["wait_policy"] = WaitPolicy.predictive()
     if external_writer_handle is not None:
         mq = MessageQueue.create_from_handle(external_writer_handle, group.rank_in_group,
                                              allow_pickle=group.allow_pickle, **queue_options)

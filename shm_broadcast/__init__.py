@@ -23,6 +23,7 @@ from shm_broadcast.errors import (
 )
 from shm_broadcast.handle import Handle
 from shm_broadcast.message_queue import MessageQueue
+from shm_broadcast.predictive import PredictivePolicy
 from shm_broadcast.ring_buffer import ShmRingBuffer
 from shm_broadcast.segment import SharedSegment, list_segments, remove_orphans
 from shm_broadcast.topology import in_the_same_node_as, node_assignment
@@ -44,6 +45,7 @@ __all__ = [
     "MessageQueue",
     "Handle",
     "WaitPolicy",
+    "PredictivePolicy",
     "ShmRingBuffer",
     "SharedSegment",
     "list_segments",

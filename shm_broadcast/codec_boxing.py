@@ -18,6 +18,7 @@ big int or a lone surrogate.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from shm_broadcast.wire_format import (
@@ -43,6 +44,9 @@ __all__ = ["Box", "prep", "prep_full"]
 
 #: Dict key types msgpack carries exactly.
 _PLAIN_KEYS = frozenset({str, int})
+_LIST_ONLY = frozenset({list})
+_DICT_ONLY = frozenset({dict})
+_chain = itertools.chain.from_iterable
 # The registry's containers under names of this module (TORCH.load() fills them
 # in place, so they stay current): prep looks them up once per container, and a
 # name bound here by assignment, not by import, compiles ``_PASS.issuperset(...)``
@@ -86,7 +90,7 @@ def prep(obj: Any) -> Any:
                 new[k] = pv
         return obj if new is None else new
     if t is list:
-        if _PASS.issuperset(map(type, obj)):
+        if _PASS.issuperset(map(type, obj)) or _plain_rows(obj):
             return obj
         new = None
         for i, v in enumerate(obj):
@@ -107,6 +111,23 @@ def prep(obj: Any) -> Any:
     if t is frozenset:
         return Box(EXT_FROZENSET, prep(list(obj)))
     return _prep_leaf(obj, t)
+
+
+def _plain_rows(obj: list) -> bool:
+    """Whether ``obj`` is a list of plain lists, or of plain str-/int-keyed dicts
+    (token ids per request, block tables, per-request records): checked with
+    one C-level scan over all the rows' items instead of a call per row."""
+    if not obj:
+        return False
+    row = type(obj[0])
+    if row is list:
+        return _LIST_ONLY.issuperset(map(type, obj)) and _PASS.issuperset(
+            map(type, _chain(obj)))
+    if row is dict:
+        return (_DICT_ONLY.issuperset(map(type, obj))
+                and _PLAIN_KEYS.issuperset(map(type, _chain(obj)))
+                and _PASS.issuperset(map(type, _chain(map(dict.values, obj)))))
+    return False
 
 
 def _prep_leaf(obj: Any, t: type) -> Any:

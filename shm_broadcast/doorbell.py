@@ -49,6 +49,8 @@ from typing import Callable
 __all__ = ["Doorbell", "BellRinger", "bell_address"]
 
 _BELL = b"!"
+#: ``select(2)`` handles descriptors below this (glibc's FD_SETSIZE).
+_FD_SETSIZE = 1024
 
 
 def bell_address(prefix: str, tag: str) -> str:
@@ -101,6 +103,22 @@ class Doorbell:
             Whether the bell was rung (now or before, and not yet drained).
         """
         return bool(self._poller.poll(max(1, int(timeout_s * 1000))))
+
+    def sleep(self, timeout_s: float) -> bool:
+        """Like :meth:`wait`, but to the microsecond (a planned sleep).
+
+        ``poll(2)`` takes whole milliseconds; ``select(2)`` takes microseconds
+        (the kernel adds its timer slack, ~50 us). A descriptor beyond
+        ``select``'s limit falls back to ``poll`` rounded *down* to whole
+        milliseconds: the caller's loop polls the rest, never oversleeps.
+
+        Returns:
+            Whether the bell was rung (not yet drained).
+        """
+        fd = self._sock.fileno()
+        if fd < _FD_SETSIZE:
+            return bool(select.select((fd,), (), (), timeout_s if timeout_s > 0 else 0)[0])
+        return bool(self._poller.poll(int(timeout_s * 1000) if timeout_s > 0 else 0))
 
     def drain(self) -> None:
         """Discard rings received so far."""

@@ -269,15 +269,26 @@ class MessageQueue:
         return self._impl.name
 
     def park_stats(self) -> dict[str, int]:
-        """Counters of this side's doorbell parks (diagnostics, cheap to keep).
+        """Counters of this side's waiting (diagnostics, cheap to keep).
 
         Returns:
-            ``{"parks": n, "timeouts": m}``: how often this side slept on its
-            doorbell, and how many of those sleeps ended by the
+            ``{"parks": n, "timeouts": m, ...}``: how often this side slept on
+            its doorbell, and how many of those sleeps ended by the
             ``park_poll_s`` bound instead of a ring. While the peer is busy, a
             timeout means a wake-up was missed (or the peer stalled that long).
+            A shared-memory reader also counts ``sleeps`` (planned sleeps of a
+            predictive policy) and ``sleeps_rung`` (those a ring cut short: the
+            message came early); with a predictive policy, the predictor's
+            counters follow: ``planned``/``unplanned`` waits and where each
+            awaited message fell relative to its window (``early``,
+            ``on_time``, ``late``), plus ``ready`` (no wait was needed),
+            ``contended`` (polls cut short because another task shared the
+            CPU) and ``mode_poll``/``mode_park`` (how windows were spent). See
+            :mod:`shm_broadcast.predictive`.
         """
-        return dict(self._impl.park_stats)
+        out = dict(self._impl.park_stats)
+        out.update(getattr(self._impl, "predictor_stats", {}))
+        return out
 
     def security_stats(self) -> dict[str, int]:
         """Writer only: frames refused by authentication, failed handshakes and

@@ -5,9 +5,11 @@ Per message (see :mod:`shm_broadcast.ring_buffer` for the flag protocol):
 1. encode (msgspec + raw array copies, :mod:`shm_broadcast.codec`);
 2. local readers: wait until chunk ``seq % max_chunks`` is FREE, write header,
    msgpack bytes and arrays straight into it (or, if the message does not fit,
-   publish it on the ``o`` topic first and write only the header), publish the
-   flags, then -- after a full fence -- ring the doorbell only if some reader
-   declared itself parked. A spinning reader costs the writer no syscall;
+   publish it on the ``o`` topic first and write only the header), stamp the
+   chunk with the publish time (:data:`shm_broadcast.predictive.STAMP`, which
+   predictive readers learn from), publish the flags, then -- after a full
+   fence -- ring the doorbell only if some reader declared itself parked. A
+   spinning reader costs the writer no syscall;
 3. remote readers: wait for flow-control credit, send on the ``m`` topic.
 
 A writer blocked on a full ring uses the same spin/yield/park policy as the
@@ -55,6 +57,7 @@ from shm_broadcast.codec import Codec, Encoded
 from shm_broadcast.doorbell import BellRinger, Doorbell, bell_address
 from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout
 from shm_broadcast.handle import Handle
+from shm_broadcast.predictive import STAMP, STAMP_OFFSET
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
 from shm_broadcast.transport import (
     ACK, CTL_ACK, CTL_CLOSED, CTL_HELLO, HANDSHAKE_FAILED, KIND_DATA, KIND_OVERFLOW,
@@ -67,6 +70,8 @@ from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy, own_pid_
 __all__ = ["QueueWriter"]
 
 _ZERO_COPY_MIN = 1 << 16
+_monotonic = time.monotonic
+_pack_stamp = STAMP.pack_into
 
 _Hello = tuple[int, int, float, str, str]  # rank, pid, start time, host, pid space
 _HELLO_DECODER = msgspec.msgpack.Decoder(_Hello)
@@ -507,6 +512,7 @@ class QueueWriter:
             buf[d + CHUNK_HEADER : d + CHUNK_HEADER + mlen] = msg
             if blen:
                 enc.write_blob(ring.base_addr + d + boff)
+        _pack_stamp(ring.buf, d + STAMP_OFFSET, _monotonic())  # read only after W == 1
         ring.publish(chunk)
         ring.full_fence()
         parked = ring.take_parked_readers()

@@ -37,6 +37,14 @@ full ring) waits in three phases, driven by :class:`Backoff`::
   the queue measured 1.5-1.8x that). Engines that cannot afford it between
   steps raise ``yield_s`` to cover their step time, trading CPU for latency.
 
+A reader of step-periodic traffic (an engine's metadata queue) can do better
+than either polling or parking the whole gap: with ``WaitPolicy(predict=
+PredictivePolicy())`` (:mod:`shm_broadcast.predictive`) it learns when the
+next message is due, sleeps parked (the doorbell still wakes it) until just
+before that, and polls only around the expected time. :class:`Backoff` runs
+such a plan as one more phase, **SLEEP**, before SPIN; when the window passes
+without a message it continues with YIELD and PARK as above.
+
 Whatever the phase, :meth:`Backoff.step` runs the checks every ``liveness_s``
 (default 0.2 s) and at the deadline: the caller's timeout
 (:class:`~shm_broadcast.errors.QueueTimeout`), a ``shutdown()``
@@ -63,11 +71,16 @@ from typing import Callable
 
 import psutil
 
-__all__ = ["WaitPolicy", "Backoff", "PeerWatch", "own_pid_space", "SPIN", "YIELD", "PARK"]
+from shm_broadcast.predictive import PredictivePolicy, WaitPlan
+
+__all__ = ["WaitPolicy", "Backoff", "PeerWatch", "own_pid_space", "SPIN", "YIELD", "PARK",
+           "SLEEP"]
 
 SPIN = 0
 YIELD = 1
 PARK = 2
+#: A planned sleep (parked, timed): see :mod:`shm_broadcast.predictive`.
+SLEEP = 3
 
 _monotonic = time.monotonic
 _sched_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
@@ -86,14 +99,32 @@ class WaitPolicy:
             the flag, its deadline and the peer's liveness after each.
         liveness_s: How often (seconds) a waiting side checks that its peer
             process is alive.
+        predict: Shared-memory readers learn when messages are due and sleep
+            until shortly before (:class:`~shm_broadcast.predictive.PredictivePolicy`
+            holds the knobs); None (default): plain spin -> yield -> park.
+            :meth:`predictive` gives the policy of group broadcasters.
     """
 
     spin_s: float = 5e-6
     yield_s: float = 0.002
     park_poll_s: float = 0.1
     liveness_s: float = 0.2
+    predict: PredictivePolicy | None = None
+
+    @classmethod
+    def predictive(cls, **knobs: float | int) -> "WaitPolicy":
+        """The default timings with predictive waiting on (what a
+        ``GroupCoordinator``'s broadcaster readers use).
+
+        Args:
+            **knobs: :class:`~shm_broadcast.predictive.PredictivePolicy` fields.
+        """
+        return cls(predict=PredictivePolicy(**knobs))  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
+        if self.predict is not None and not isinstance(self.predict, PredictivePolicy):
+            raise TypeError(f"WaitPolicy.predict must be a PredictivePolicy or None, got "
+                            f"{type(self.predict).__name__}")
         for field in ("spin_s", "yield_s", "park_poll_s", "liveness_s"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -219,23 +250,50 @@ class Backoff:
             it raises to end the wait (timeout, dead peer, shutdown).
     """
 
-    __slots__ = ("_policy", "_check", "_deadline", "_spin_until", "_yield_until", "_next_check")
+    __slots__ = ("_policy", "_check", "_deadline", "_sleep_until", "_spin_until",
+                 "_yield_until", "_next_check", "_contended_s", "contended")
 
     def __init__(self, policy: WaitPolicy, check: Callable[[bool], None]) -> None:
         self._policy = policy
         self._check = check
         self._deadline: float | None = None
+        self._sleep_until = 0.0
         self._spin_until = 0.0
         self._yield_until = 0.0
         self._next_check = 0.0
+        self._contended_s = 0.0
+        #: Planned polls cut short because a yield showed the CPU contended.
+        self.contended = 0
 
-    def start(self, deadline: float | None) -> None:
-        """Begin a new wait that ends at ``deadline`` (monotonic) or never."""
-        now = _monotonic()
+    def start(self, deadline: float | None, plan: WaitPlan | None = None,
+              now: float | None = None) -> None:
+        """Begin a new wait that ends at ``deadline`` (monotonic) or never.
+
+        Args:
+            deadline: When the wait times out (monotonic seconds), or None.
+            plan: From :meth:`~shm_broadcast.predictive.ArrivalPredictor.plan`:
+                SLEEP until ``sleep_until``, poll until ``poll_until``, then
+                YIELD for ``fallback_yield_s`` more (``< 0``: ``yield_s``) and
+                PARK; polling stops early (PARK) when one ``sched_yield``
+                returned only after ``yield_contended_s`` (0: never). None:
+                SPIN -> YIELD -> PARK from now.
+            now: The current monotonic time, if the caller just read it.
+        """
+        if now is None:
+            now = _monotonic()
         p = self._policy
         self._deadline = deadline
-        self._spin_until = now + p.spin_s
-        self._yield_until = self._spin_until + p.yield_s
+        if plan is None:
+            self._sleep_until = 0.0
+            self._spin_until = now + p.spin_s
+            self._yield_until = self._spin_until + p.yield_s
+            self._contended_s = 0.0
+        else:
+            self._sleep_until = plan.sleep_until
+            self._spin_until = max(now, plan.sleep_until) + p.spin_s
+            self._yield_until = max(self._spin_until, plan.poll_until) + (
+                p.yield_s if plan.fallback_yield_s < 0 else plan.fallback_yield_s)
+            self._contended_s = plan.yield_contended_s
         nxt = now + p.liveness_s
         self._next_check = nxt if deadline is None or deadline > nxt else deadline
 
@@ -243,34 +301,55 @@ class Backoff:
         """Advance the wait by one poll; returns the phase to wait in.
 
         Returns:
-            :data:`SPIN` (poll again now), :data:`YIELD` (after having yielded
-            the CPU once) or :data:`PARK` (the caller should block on its
-            doorbell for :meth:`park_timeout` seconds).
+            :data:`SLEEP` (the caller should sleep parked for
+            :meth:`park_timeout` seconds: a planned sleep), :data:`SPIN` (poll
+            again now), :data:`YIELD` (after having yielded the CPU once) or
+            :data:`PARK` (the caller should block on its doorbell for
+            :meth:`park_timeout` seconds).
         """
         now = _monotonic()
         if now >= self._next_check:
             self._run_check(now)
+        if now < self._sleep_until:
+            return SLEEP
         if now < self._spin_until:
             return SPIN
         if now < self._yield_until:
             _sched_yield()
+            if self._contended_s and _monotonic() - now > self._contended_s:
+                # Another task held this CPU: polling here would wait out its
+                # time slices; parked, the writer's bell wakes us (with the
+                # scheduler's wake-up preemption) instead.
+                self._yield_until = now
+                self.contended += 1
+                return PARK
             return YIELD
         return PARK
 
-    def rearm(self) -> None:
-        """Restart the spin and yield phases (keeping deadline and checks).
+    @property
+    def sleep_until(self) -> float:
+        """End of the planned sleep (0.0 when none is planned or it was cut short)."""
+        return self._sleep_until
 
-        Called after a doorbell woke a parked side: the bell announces a
-        message that may still be in the making, so poll actively again.
+    def rearm(self) -> None:
+        """Restart the spin and yield phases (keeping deadline, checks and the
+        contention limit).
+
+        Called after a doorbell woke a parked (or planned-sleeping) side: the
+        bell announces a message that may still be in the making, so poll
+        actively again.
         """
         now = _monotonic()
+        self._sleep_until = 0.0
         self._spin_until = now + self._policy.spin_s
         self._yield_until = self._spin_until + self._policy.yield_s
 
     def park_timeout(self) -> float:
-        """Seconds the caller may block while parked before calling :meth:`step` again."""
+        """Seconds the caller may block (parked or sleeping) before calling :meth:`step` again."""
         now = _monotonic()
         t = min(self._policy.park_poll_s, self._next_check - now)
+        if self._sleep_until > now:
+            t = min(t, self._sleep_until - now)
         return t if t > 0 else 0.0
 
     def check_now(self) -> None:

@@ -67,6 +67,14 @@ def test_demo_matches_hf_greedy(tmp_path: Path, hf_checkpoint, tp: int, pp: int)
     assert report["max_logit_diff"] < 1e-3
     assert report["tp"] == tp and report["pp"] == pp
     assert report["metadata_broadcast_us"]["n"] == report["steps"]
+    # Every worker reports the arrival of each timed step and what its wait cost.
+    workers = report["workers"]
+    assert [w["rank"] for w in workers] == list(range(1, tp * pp))
+    for w in workers:
+        assert w["arrival_us"]["n"] == report["steps"]
+        assert 0 < w["arrival_us"]["p50"] <= w["arrival_us"]["p99"] <= w["arrival_us"]["max"]
+        assert w["wait_cpu_us_per_step"] >= 0 and 0 <= w["wait_cpu_percent"] <= 100
+        assert "planned" in w["queue_wait_stats"]  # the metadata queue waits predictively
 
 
 def test_demo_rejects_bad_prompt_ids(tmp_path: Path) -> None:
@@ -108,8 +116,10 @@ def test_demo_under_torchrun(tmp_path: Path) -> None:
     b = json.loads(launched.read_text())
     assert b["launcher"] == "env" and (b["tp"], b["pp"]) == (2, 1)
     assert b["verified"] and b["tokens_identical"] and b["generated"] == b["reference_generated"]
-    # rank 1's arrival latencies reached the driver: one per step at least
-    assert b["worker_recv_latency_us"]["n"] > b["steps"] > 0
+    # every worker's report reached the driver: one arrival per timed step
+    assert b["worker_recv_latency_us"]["n"] == b["steps"] > 0
+    assert [w["rank"] for w in b["workers"]] == [1]
+    assert b["workers"][0]["arrival_us"]["n"] == b["steps"]
 
 
 @pytest.mark.parametrize("env_update,needle", [

@@ -19,6 +19,9 @@ def test_tp_group_broadcasts_through_queue(dist_pool, world_size: int, tp: int) 
         assert r["dict_ok"]
         assert r["writer_last_ok"]
         assert r.get("bad_option") is True
+        # The group's broadcaster readers wait predictively; an explicit policy wins.
+        assert r["predictive"] == (r["rank_in_group"] != 0)
+        assert r["explicit_plain"] is True
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -59,7 +62,8 @@ def test_src_only_argument_errors_raise_everywhere(dist_pool, world_size: int) -
 def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=world_size // tp)
     g = ps.get_tp_group()
-    out: dict = {"has_mq": g.mq_broadcaster is not None}
+    out: dict = {"has_mq": g.mq_broadcaster is not None, "rank_in_group": g.rank_in_group,
+                 "predictive": "planned" in g.mq_broadcaster.park_stats()}
     for step in range(50):
         src_obj = {"step": step, "ids": list(range(step % 7)), "tag": f"s{step}"}
         got = g.broadcast_object(src_obj if g.rank_in_group == 0 else None)
@@ -87,6 +91,7 @@ def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
     mq = g.create_mq_broadcaster(writer_rank=g.world_size - 1, max_chunk_bytes=1 << 12,
                                  max_chunks=2, wait_policy=WaitPolicy(yield_s=0.005))
     last = g.rank_in_group == g.world_size - 1
+    out["explicit_plain"] = "planned" not in mq.park_stats()
     got = mq.broadcast_object({"from": "last"} if last else None)
     big = {"blob": "x" * 20_000, "t": torch.arange(1000)}
     got_big = mq.broadcast_object(big if last else None)

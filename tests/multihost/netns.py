@@ -19,7 +19,9 @@ in the machine's own namespace.
 :meth:`TwoHosts.launch` runs a command as a host: ``nsenter`` into its netns,
 then ``unshare`` a mount, UTS, IPC and pid namespace, in which a small shell
 script mounts a fresh ``tmpfs`` on ``/dev/shm``, binds the host's private
-directory (``<workdir>/<host>/tmp``, readable by the driver) on ``/tmp`` and a
+directory (``<workdir>/<host>/tmp``, readable by the driver) on ``/tmp`` (with
+the machine's ``/tmp`` directories that hold the interpreter or the checkout
+bound back in at their paths) and a
 per-host ``hosts`` file on ``/etc/hosts`` (the hostname resolves to the
 host's veth address, as on a configured machine), sets the hostname, and runs
 the command under ``timeout``. After the command it writes its exit status
@@ -69,13 +71,21 @@ _counter = itertools.count()
 #: killed (pid 1 then exits, which ends the namespace).
 _HOST_SCRIPT = r"""
 set -eu
-name=$1 hosts=$2 tmpdir=$3 shm_size=$4 limit=$5
-shift 5
+name=$1 hosts=$2 tmpdir=$3 shm_size=$4 limit=$5 keep=$6
+shift 6
 ( read -r _ <&3 || true; kill -KILL -1 2>/dev/null ) &
 exec 3<&-
 mount --bind "$hosts" /etc/hosts
 mount -t tmpfs -o "size=$shm_size,mode=1777" gcmh-shm /dev/shm
-mount --bind "$tmpdir" /tmp
+# Directories of the machine's /tmp the command needs (a venv, a checkout)
+# stay visible at the same path inside the host's private /tmp.
+old_ifs=$IFS; IFS=:
+for top in $keep; do
+    mkdir -p "$tmpdir/$top"
+    mount --bind "/tmp/$top" "$tmpdir/$top"
+done
+IFS=$old_ifs
+mount --rbind "$tmpdir" /tmp
 mount -t sysfs gcmh-sys /sys 2>/dev/null || true
 hostname "$name"
 unset XDG_RUNTIME_DIR TMPDIR
@@ -86,6 +96,21 @@ echo $? > /tmp/rc
 ls -A /dev/shm > /tmp/shm-left
 exit 0
 """
+
+
+def kept_tmp_dirs() -> tuple[str, ...]:
+    """The top-level directories of ``/tmp`` that hold this interpreter, its
+    packages or the working directory (a CI venv or clone made with ``mktemp``):
+    a host must still see them once its private ``/tmp`` covers the machine's."""
+    import sys
+    paths = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.executable, os.getcwd(),
+             *sys.path]
+    tops: set[str] = set()
+    for p in filter(None, paths):
+        parts = Path(os.path.realpath(p)).parts
+        if len(parts) > 2 and parts[:2] == ("/", "tmp"):
+            tops.add(parts[2])
+    return tuple(sorted(t for t in tops if ":" not in t and os.path.isdir(f"/tmp/{t}")))
 
 
 def unavailable_reason() -> str | None:
@@ -268,6 +293,8 @@ class TwoHosts:
             self.hosts[key] = Host(key, f"{tag}{key}", f"{_SUBNET}{i + 1}", hostnames[i], d)
         self.launched: list[LaunchedHost] = []
         self._made: list[str] = []
+        #: Top-level names in the machine's /tmp that every host still sees.
+        self.kept_tmp = kept_tmp_dirs()
         try:
             self._build()
         except BaseException:
@@ -314,7 +341,8 @@ class TwoHosts:
                "unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "--mount-proc",
                "--kill-child=SIGKILL", "--propagation", "private", "--",
                "/bin/sh", "-c", _HOST_SCRIPT, "gcmh-host", h.hostname, str(h.dir / "hosts"),
-               str(h.tmp), self.shm_size, str(int(limit_s)), *argv]
+               str(h.tmp), self.shm_size, str(int(limit_s)), ":".join(self.kept_tmp),
+               *argv]
 
         def in_child() -> None:  # before exec: die with the driver; lifeline on fd 3
             _die_with_driver()

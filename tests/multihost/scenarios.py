@@ -155,7 +155,7 @@ def launch_two_hosts(
             run.shm_left[k] = lh.shm_left()
             # torchrun's scratch and torch's compile cache are not ours to remove
             run.tmp_left[k] = sorted(p.name for p in lh.host.tmp.iterdir()
-                                     if p.name not in ("out", "rc", "shm-left")
+                                     if p.name not in ("out", "rc", "shm-left", *hosts.kept_tmp)
                                      and not p.name.startswith(_TORCH_TMP))
             run.logs[k] = lh.log_tail()
         run.results = _read_results(hosts)

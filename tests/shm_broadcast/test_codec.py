@@ -163,6 +163,39 @@ def test_python_structures_are_exact_without_pickle():
     assert type(got["tuple"][1]) is tuple and type(got["list_of_tuples"][0]) is tuple
 
 
+def _deep_types(x):
+    """The structure's exact types, recursively (dict keys included)."""
+    if isinstance(x, dict):
+        return (dict, [(_deep_types(k), _deep_types(v)) for k, v in x.items()])
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return (type(x), [_deep_types(v) for v in x])
+    return type(x)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("rows", [
+    [[1, 2], [3, 4], []],
+    [[1, 2], [3, (4, 5)]],
+    [[1], [2], {3}],
+    [[1.5, "a"], [None, bytearray(b"x")]],
+    [[2**70], [1]],
+    [{"a": 1}, {"b": [2]}],
+    [{"a": 1}, {"b": (2,)}],
+    [{"a": 1}, {(1, 2): "tuple key"}],
+    [{"a": 1}, {3: "int key"}],
+    [{"a": 1}, [2]],
+    [[], {}],
+], ids=["plain-lists", "tuple-in-row", "set-row", "bytearray-in-row", "bigint-in-row",
+        "plain-dicts", "tuple-in-dict-row", "tuple-key-row", "int-key-row", "mixed-rows",
+        "empty-rows"])
+def test_rows_of_lists_and_dicts_stay_exact(rows):
+    """Lists of rows (block tables, per-request records) are checked in one scan;
+    anything lossy in any row still takes the exact path."""
+    got, _, _ = roundtrip({"rows": rows, "nested": [rows, rows]})
+    assert got == {"rows": rows, "nested": [rows, rows]}
+    assert _deep_types(got) == _deep_types({"rows": rows, "nested": [rows, rows]})
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("value", [
     Step([1], torch.arange(2)), Color.RED, datetime.datetime(2024, 5, 1), lambda: 1,

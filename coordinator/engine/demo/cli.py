@@ -143,7 +143,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     if args.launcher == "env":
         from coordinator.engine.demo.external import run_this_rank
 
-        drv, recv, wall = run_this_rank(cfg, args.timeout)
+        drv, workers, wall = run_this_rank(cfg, args.timeout)
         if drv is None:
             return 0  # a worker: rank 0 reports
         where = "processes started by an external launcher"
@@ -154,14 +154,13 @@ def _run_engine(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         results = run_distributed(engine_rank, args.tp * args.pp, cfg, timeout=args.timeout)
         wall = time.perf_counter() - t0
-        drv = results[0]
-        recv = results[1]["recv_latency_us"] if len(results) > 1 else None
+        drv, workers = results[0], results[1:]
         where = "CPU processes"
     print(f"groupcoord demo: Llama decoder [{src}: {mcfg.num_hidden_layers} layers, hidden "
           f"{mcfg.hidden_size}, heads {mcfg.num_attention_heads}/{mcfg.num_key_value_heads} kv, "
           f"vocab {mcfg.vocab_size}] on TP={args.tp} x PP={args.pp} = {args.tp * args.pp} {where}, "
           f"{len(cfg.requests)} requests{' (compiled)' if args.compile else ''}")
-    return _report(args, cfg, src, drv, recv, wall, build_model)
+    return _report(args, cfg, src, drv, workers, wall, build_model)
 
 
 def _warn_if_under_launcher() -> None:
@@ -175,7 +174,7 @@ def _warn_if_under_launcher() -> None:
 
 
 def _report(args: argparse.Namespace, cfg: Any, src: str, drv: dict[str, Any],
-            recv: dict[str, float] | None, wall: float, build_model: Any) -> int:
+            workers: list[dict[str, Any]], wall: float, build_model: Any) -> int:
     """Print the driver's results, verify them, write the JSON; the exit status."""
     ref_tokens, same, diff, ok = _check_against_reference(cfg, drv, build_model)
 
@@ -188,18 +187,31 @@ def _report(args: argparse.Namespace, cfg: Any, src: str, drv: dict[str, Any],
           f"{wall:.1f} s with {'process start-up' if args.launcher == 'spawn' else 'group set-up'})")
     print(f"  time per step (p50 / p99): metadata broadcast {mb['p50']:.1f} / {mb['p99']:.1f} us "
           f"(driver enqueue); compute {comp['p50'] / 1e3:.2f} / {comp['p99'] / 1e3:.2f} ms")
-    if recv is not None:
-        print(f"  metadata arrival at worker rank 1 (p50 / p99): {recv['p50']:.1f} / {recv['p99']:.1f} us;"
-              f" TP communicator: {drv['communicator']}")
+    _print_arrivals(workers, mb)
+    print(f"  TP communicator: {drv['communicator']}")
     verdict = "PASS" if ok else "FAIL"
     print(f"  verification vs unsharded reference: greedy tokens identical: {same}; "
           f"max |logit diff| = {diff:.2e} -> {verdict}")
     if args.json_path:
-        _write_json(args, src, drv, recv, {"reference_generated": ref_tokens,
+        _write_json(args, src, drv, workers, {"reference_generated": ref_tokens,
                                            "tokens_identical": same, "max_logit_diff": diff,
                                            "verified": ok,
                                            "logits_sha256": _digest(drv["logits"])})
     return 0 if ok else 1
+
+
+def _print_arrivals(workers: list[dict[str, Any]], enqueue: dict[str, float]) -> None:
+    """Per worker: metadata arrival latency and the CPU its wait cost."""
+    if not workers:
+        return
+    print("  metadata arrival at workers (driver's clock before encoding -> worker's dequeue "
+          "returned), p50 / p99; waiting CPU (the waiting thread's CPU time in dequeue):")
+    for w in workers:
+        a = w["arrival_us"]
+        ratio = a["p50"] / enqueue["p50"] if enqueue["p50"] > 0 else float("nan")
+        print(f"    rank {w['rank']}: {a['p50']:.1f} / {a['p99']:.1f} us ({ratio:.2f}x the driver's "
+              f"enqueue p50); waiting CPU {w['wait_cpu_us_per_step']:.0f} us per step = "
+              f"{w['wait_cpu_percent']:.1f}% of a core over {w['wait_ms_per_step']:.2f} ms waited")
 
 
 def _check_against_reference(cfg: Any, drv: dict[str, Any],
@@ -235,7 +247,7 @@ def _digest(t: Any) -> str:
 
 
 def _write_json(args: argparse.Namespace, src: str, drv: dict[str, Any],
-                recv: dict[str, float] | None, verdict: dict[str, Any]) -> None:
+                workers: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
     out: dict[str, Any] = {
         "generated": drv["generated"],
         "tp": args.tp, "pp": args.pp, "model": src,
@@ -243,7 +255,9 @@ def _write_json(args: argparse.Namespace, src: str, drv: dict[str, Any],
         "seconds": drv["seconds"], "warmup_seconds": drv["warmup_seconds"],
         "tokens_per_s": drv["tokens_per_s"],
         "metadata_broadcast_us": drv["metadata_broadcast_us"],
-        "step_compute_us": drv["step_compute_us"], "worker_recv_latency_us": recv,
+        "step_compute_us": drv["step_compute_us"],
+        "worker_recv_latency_us": workers[0]["arrival_us"] if workers else None,
+        "workers": workers,
         **verdict, "compiled": args.compile, "launcher": args.launcher,
     }
     with open(args.json_path, "w") as f:

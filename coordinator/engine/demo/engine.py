@@ -12,7 +12,9 @@ decoding with continuous batching) and, each step::
     tokens = result_q.dequeue() <== single-reader queue == last PP stage, TP rank 0
     scheduler.update(tokens)
 
-``meta_q`` is the world group's message queue (one writer, all ranks read);
+``meta_q`` is the world group's message queue (one writer, all ranks read;
+its readers wait predictively, see :mod:`shm_broadcast.predictive`, and time
+each step's arrival and the CPU their wait cost);
 ``result_q`` is a single-reader queue from the last pipeline stage to the
 driver (unused when the driver is itself the last stage, i.e. PP=1).
 
@@ -87,14 +89,55 @@ def build_model(cfg: EngineConfig, tp_group: Any, pp_group: Any) -> Any:
 
 def _stats_us(samples_ns: list[int]) -> dict[str, float]:
     if not samples_ns:
-        return {"p50": 0.0, "p99": 0.0, "mean": 0.0, "n": 0}
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0, "n": 0}
     t = torch.tensor(samples_ns, dtype=torch.float64) / 1e3
     return {
         "p50": float(t.quantile(0.5)),
+        "p90": float(t.quantile(0.9)),
         "p99": float(t.quantile(0.99)),
+        "max": float(t.max()),
         "mean": float(t.mean()),
         "n": len(samples_ns),
     }
+
+
+class _Arrivals:
+    """A worker's record of each timed step message: arrival latency (driver's
+    clock read before encoding -> ``dequeue`` returned, one monotonic clock for
+    every process of the host) and the CPU its waiting thread spent in
+    ``dequeue`` (thread CPU time, so the model's compute threads don't count)."""
+
+    def __init__(self) -> None:
+        self.latency_ns: list[int] = []
+        self.wait_cpu_ns = 0
+        self.wait_wall_ns = 0
+
+    def receive(self, meta_q: Any) -> Any:
+        """``meta_q.dequeue()``, timed."""
+        # The CPU interval nests inside the wall interval (wall read first and
+        # last), so a fully busy wait reports at most 100% of a core.
+        w0 = time.perf_counter_ns()
+        c0 = time.thread_time_ns()
+        msg = meta_q.dequeue()
+        c1 = time.thread_time_ns()
+        now = time.perf_counter_ns()
+        if msg.get("timed"):
+            self.latency_ns.append(now - msg["t_ns"])
+            self.wait_cpu_ns += c1 - c0
+            self.wait_wall_ns += now - w0
+        return msg
+
+    def report(self, rank: int, meta_q: Any) -> dict[str, Any]:
+        n = len(self.latency_ns)
+        return {
+            "rank": rank,
+            "arrival_us": _stats_us(self.latency_ns),
+            "wait_cpu_us_per_step": self.wait_cpu_ns / 1e3 / n if n else 0.0,
+            "wait_cpu_percent": 100.0 * self.wait_cpu_ns / self.wait_wall_ns
+            if self.wait_wall_ns else 0.0,
+            "wait_ms_per_step": self.wait_wall_ns / 1e6 / n if n else 0.0,
+            "queue_wait_stats": meta_q.park_stats(),
+        }
 
 
 def engine_rank(rank: int, world_size: int, cfg: EngineConfig) -> dict[str, Any]:
@@ -114,7 +157,7 @@ def engine_rank(rank: int, world_size: int, cfg: EngineConfig) -> dict[str, Any]
     try:
         if rank == 0:
             return _drive(cfg, runner, meta_q, readers, result_rank, model, type(tp.comm).__name__)
-        return _serve(runner, meta_q, writer if rank == result_rank else None)
+        return _serve(rank, runner, meta_q, writer if rank == result_rank else None)
     finally:
         for q in [meta_q, writer, *readers]:
             if q is not None:
@@ -122,14 +165,13 @@ def engine_rank(rank: int, world_size: int, cfg: EngineConfig) -> dict[str, Any]
         runner.close()
 
 
-def _serve(runner: Any, meta_q: Any, result_q: Any) -> dict[str, Any]:
+def _serve(rank: int, runner: Any, meta_q: Any, result_q: Any) -> dict[str, Any]:
     """Worker loop: run whatever the driver sends until it says stop."""
     from coordinator.engine.models.runner import StepInput
 
-    recv_ns: list[int] = []
+    arrivals = _Arrivals()
     while True:
-        msg = meta_q.dequeue()
-        recv_ns.append(time.perf_counter_ns() - msg["t_ns"])
+        msg = arrivals.receive(meta_q)
         if msg["kind"] == _STOP:
             break
         step = StepInput(**msg["step"])
@@ -141,7 +183,7 @@ def _serve(runner: Any, meta_q: Any, result_q: Any) -> dict[str, Any]:
         tokens = runner.execute(step)
         if result_q is not None:
             result_q.enqueue(tokens)
-    return {"recv_latency_us": _stats_us(recv_ns[:-1])}
+    return arrivals.report(rank, meta_q)
 
 
 def _drive(
@@ -203,10 +245,11 @@ class _Driver:
         self.counters["last_print"] = self.start
 
     def send(self, kind: str, step: Any) -> None:
-        """Broadcast one step (or a control message) to every worker."""
+        """Broadcast one step (or a control message) to every worker; steps are
+        timed here and, on arrival, by the workers."""
         t0 = time.perf_counter_ns()
         body = msgspec.structs.asdict(step) if step is not None else None
-        self.meta_q.enqueue({"kind": kind, "step": body, "t_ns": t0})
+        self.meta_q.enqueue({"kind": kind, "step": body, "t_ns": t0, "timed": kind == "step"})
         self.bcast_ns.append(time.perf_counter_ns() - t0)
 
     def result(self, local: Any) -> Any:

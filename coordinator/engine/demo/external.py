@@ -59,9 +59,9 @@ def run_this_rank(cfg: Any, timeout: float) -> tuple[dict[str, Any] | None, Any,
         timeout: Seconds every wait of the groups may last.
 
     Returns:
-        On global rank 0: ``(driver results, worker rank 1's arrival
-        latencies or None, seconds from joining the world to the end)``;
-        on every other rank ``(None, None, seconds)``.
+        On global rank 0: ``(driver results, every worker's report (arrival
+        latencies, waiting CPU) by rank, seconds from joining the world to the
+        end)``; on every other rank ``(None, None, seconds)``.
 
     Raises:
         ValueError: Not started by a launcher, or its world size is not
@@ -77,12 +77,11 @@ def run_this_rank(cfg: Any, timeout: float) -> tuple[dict[str, Any] | None, Any,
         rank = world.rank
         out = engine_rank(rank, world_size, cfg)
         ps.destroy_model_parallel()
-        recv = None
-        if world_size > 1:  # rank 1's arrival latencies go to the driver, as with spawn
-            recv = world.broadcast_object(out.get("recv_latency_us") if rank == 1 else None,
-                                          src=1)
+        # Every worker's report goes to the driver, as with spawn (msgpack, never pickle).
+        workers = [world.broadcast_object(out if rank == r else None, src=r)
+                   for r in range(1, world_size)]
         wall = time.perf_counter() - t0
-        return (out, recv, wall) if rank == 0 else (None, None, wall)
+        return (out, workers, wall) if rank == 0 else (None, None, wall)
     finally:
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()
