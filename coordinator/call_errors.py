@@ -29,9 +29,18 @@ the ranks that did not arrive, with what is known about each one's process;
 Gloo also reports "connection closed by peer" when a *live* peer gave up
 (after its own timeout or error, gloo closes its connections). That becomes
 :class:`~coordinator.errors.PeerDiedError` only on evidence: a peer on this
-host whose process is gone is named as dead; when every peer is provably
-alive it is :class:`~coordinator.errors.ClosedError` ("a peer closed its
-connections"), because nobody died.
+host whose process is gone (within a grace of :data:`_EXIT_GRACE_S`: an
+exiting process closes its sockets first) is named as dead; a stopped one is
+the rank that did not arrive (:class:`~coordinator.errors.CommTimeout`). When
+no peer is gone or stopped and the call had lasted most of the timeout
+(:data:`_GAVE_UP_FRACTION`), a peer gave up at its own timeout while this
+rank waited too: that is this rank's timeout as well (``CommTimeout``, naming
+every candidate, as gloo names nobody). Earlier, a peer gave up on an error
+of its own or destroyed the group: when every peer is provably alive it is
+:class:`~coordinator.errors.ClosedError` ("a peer closed its connections"),
+because nobody died. A node leader of the hierarchical path passes a closed
+connection between leaders on to its node's ranks as a ``PeerDiedError``
+marked ``suspected``; it is explained the same way, among the other nodes' ranks.
 
 Any other error of the family raised inside a call names the group's op too:
 when a lower layer raised it for a call of its own (the shared-memory engine
@@ -68,6 +77,9 @@ __all__ = ["CallErrors", "WAIT_ERRORS", "own_identity"]
 #: hundred milliseconds more to finish (atexit handlers, finalisation).
 _EXIT_GRACE_S = 1.0
 _EXIT_POLL_S = 0.02
+#: A live peer that closed its connections after the call had lasted this share
+#: of the timeout gave up at its own timeout: the call is reported as timed out.
+_GAVE_UP_FRACTION = 0.8
 
 #: What a call may raise when a wait fails or its ranks disagree: our timeouts,
 #: RuntimeError (PeerDiedError, BrokenCommunicator, or an untranslated backend
@@ -99,6 +111,8 @@ class CallErrors:
         name: The group's unique name.
         rank: This process's group rank.
         world_size: The group's size.
+        timeout: The group's timeout in seconds (None: unknown; a closed
+            connection from a live peer is then never read as a timeout).
 
     Attributes:
         watches: Per group rank, a :class:`PeerWatch` of its process when it
@@ -106,10 +120,12 @@ class CallErrors:
         hosts: Per group rank, its host name (empty until :meth:`learn_peers`).
     """
 
-    def __init__(self, name: str, rank: int, world_size: int) -> None:
+    def __init__(self, name: str, rank: int, world_size: int,
+                 timeout: float | None = None) -> None:
         self.name = name
         self.rank = rank
         self.world_size = world_size
+        self.timeout = timeout
         self.watches: list[PeerWatch | None] = [None] * world_size
         self.hosts: list[str] = [""] * world_size
         self.pids: list[int] = [0] * world_size
@@ -130,8 +146,8 @@ class CallErrors:
                 self.watches[r] = PeerWatch(pid, float(ctime) or None)  # 0: start unknown
 
     # ------------------------------------------------------------------ entry
-    def explain(self, op: str, seq: int, e: BaseException,
-                partner: int | None = None, writer: int | None = None) -> None:
+    def explain(self, op: str, seq: int, e: BaseException, partner: int | None = None,
+                writer: int | None = None, started: float | None = None) -> None:
         """Raise the error call ``seq`` (``op``) should raise for ``e``, or return
         to let the caller re-raise ``e`` unchanged.
 
@@ -142,6 +158,7 @@ class CallErrors:
             partner: The peer of a point-to-point call (group rank).
             writer: The group rank of the message queue's writer, for a
                 reader's timeout (its ``peers`` say ``"writer"``).
+            started: When the call began (``time.monotonic()``), if known.
         """
         cause = e
         raw = e.__cause__ if isinstance(e, GroupCoordError) else e
@@ -155,7 +172,12 @@ class CallErrors:
             detail = f"gloo: {_first_line(raw)}" if _is_backend_error(raw) else _first_line(e)
             self._raise(self._timeout(op, seq, e, partner, writer, detail), cause)
         if isinstance(e, PeerDiedError) and _is_backend_error(raw):
-            self._raise(self._closed_by_peer(op, seq, _first_line(raw), partner), cause)
+            self._raise(self._closed_by_peer(op, seq, _first_line(raw), partner, started),
+                        cause)
+        if isinstance(e, PeerDiedError) and getattr(e, "suspected", False):
+            ranks = [p for p in e.peers if isinstance(p, int) and not isinstance(p, bool)]
+            self._raise(self._closed_by_peer(op, seq, _first_line(e), partner, started,
+                                             ranks or None), cause)
         if e is not cause:
             self._raise(e, cause)
         # Raised by a lower layer for a call of its own (the header broadcast of
@@ -216,10 +238,17 @@ class CallErrors:
                         f"elsewhere ({listing})")
 
     # ------------------------------------------------------------------ closed connections
-    def _closed_by_peer(self, op: str, seq: int, backend_text: str,
-                        partner: int | None) -> GroupCoordError:
-        candidates = [partner] if partner is not None else [
-            r for r in range(self.world_size) if r != self.rank]
+    def _closed_by_peer(self, op: str, seq: int, backend_text: str, partner: int | None,
+                        started: float | None = None,
+                        among: Sequence[int] | None = None) -> GroupCoordError:
+        """The error for a connection a peer closed (see the module docstring):
+        the candidates are ``among``, else the partner, else every other rank."""
+        if among is not None:
+            candidates = list(among)
+        elif partner is not None:
+            candidates = [partner]
+        else:
+            candidates = [r for r in range(self.world_size) if r != self.rank]
         states = {r: self._state(r) for r in candidates}
         deadline = time.monotonic() + _EXIT_GRACE_S
         while (not {"exited", "stopped"} & set(states.values())
@@ -249,6 +278,8 @@ class CallErrors:
             return PeerDiedError(
                 f"{where}: rank(s) {gone} died ({listing}); gloo reported: {first}",
                 queue=self.name, side=f"rank {self.rank}", peers=gone)
+        if self._gave_up_at_timeout(started):  # nobody gone or stopped: live peers gave up
+            return self._given_up(where, seq, op, candidates, listing, first)
         if all(states[r] != "unknown" for r in candidates):
             return ClosedError(
                 f"{where}: a peer closed its connections of this group although its process "
@@ -260,6 +291,25 @@ class CallErrors:
             f"{where}: a peer closed its connection: it exited, or gave up on the call "
             f"({listing}); gloo reported: {first}",
             queue=self.name, side=f"rank {self.rank}", peers=candidates)
+
+    def _gave_up_at_timeout(self, started: float | None) -> bool:
+        """Whether the call had lasted most of the timeout (a peer closing now gave up
+        at its own timeout while this rank waited too)."""
+        return (started is not None and self.timeout is not None
+                and time.monotonic() - started >= _GAVE_UP_FRACTION * self.timeout)
+
+    def _given_up(self, where: str, seq: int, op: str, candidates: list[int], listing: str,
+                  first: str) -> CommTimeout:
+        """The timeout of a call whose live peers gave up waiting first."""
+        err = CommTimeout(
+            f"{where}: timed out: after {self.timeout:g}s a live peer gave up waiting and closed "
+            f"its connections, so this call cannot complete either; gloo does not say which "
+            f"rank is missing, any of rank(s) {candidates} may be elsewhere ({listing}). Every "
+            f"rank of the group must make the same calls in the same order. Detail: gloo: "
+            f"{first}", queue=self.name, side=f"rank {self.rank}", peers=candidates)
+        err.call = seq  # type: ignore[attr-defined]
+        err.op = op  # type: ignore[attr-defined]
+        return err
 
     def await_exit(self, ranks: Sequence[int]) -> None:
         """Wait (at most the exit grace) until one of ``ranks`` is gone, for a

@@ -155,7 +155,8 @@ class GroupCoordinator:
         self.allow_pickle = allow_pickle
         self.codec = Codec(allow_pickle=allow_pickle)
         self._destroyed = False
-        self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size)
+        self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size,
+                                  self.timeout)
         if self.world_size > 1:
             self._errors.learn_peers(self.cpu_group)
         self.device_communicator: DeviceCommunicator | None = None
@@ -217,11 +218,12 @@ class GroupCoordinator:
         if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
             return custom_ops.traced_all_reduce(self, input_)
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         self.collectives += 1
         try:
             return self.comm.all_reduce(input_, op)
         except WAIT_ERRORS as e:
-            self._errors.explain("all_reduce", seq, e)
+            self._errors.explain("all_reduce", seq, e, started=started)
             raise
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -229,11 +231,12 @@ class GroupCoordinator:
         if _tracing() and self.world_size > 1:
             return custom_ops.traced_all_gather(self, input_, dim)
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         self.collectives += 1
         try:
             return self.comm.all_gather(input_, dim)
         except WAIT_ERRORS as e:
-            self._errors.explain("all_gather", seq, e)
+            self._errors.explain("all_gather", seq, e, started=started)
             raise
 
     def all_gatherv(
@@ -255,11 +258,12 @@ class GroupCoordinator:
         if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
             return custom_ops.traced_reduce_scatter(self, input_, dim)
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         self.collectives += 1
         try:
             return self.comm.reduce_scatter(input_, dim, op)
         except WAIT_ERRORS as e:
-            self._errors.explain("reduce_scatter", seq, e)
+            self._errors.explain("reduce_scatter", seq, e, started=started)
             raise
 
     def reduce_scatterv(
@@ -296,11 +300,12 @@ class GroupCoordinator:
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         self.collectives += 1
         try:
             return self.comm.broadcast(input_, src)
         except WAIT_ERRORS as e:
-            self._errors.explain("broadcast", seq, e)
+            self._errors.explain("broadcast", seq, e, started=started)
             raise
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
@@ -308,10 +313,11 @@ class GroupCoordinator:
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         try:
             return self.comm.send(tensor, dst)
         except WAIT_ERRORS as e:
-            self._errors.explain("send", seq, e, partner=_peer(dst))
+            self._errors.explain("send", seq, e, partner=_peer(dst), started=started)
             raise
 
     def recv(
@@ -321,10 +327,11 @@ class GroupCoordinator:
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         try:
             return self.comm.recv(size, dtype, src)
         except WAIT_ERRORS as e:
-            self._errors.explain("recv", seq, e, partner=_peer(src))
+            self._errors.explain("recv", seq, e, partner=_peer(src), started=started)
             raise
 
     # ------------------------------------------------------------------ objects
@@ -346,11 +353,13 @@ class GroupCoordinator:
             DecodeError: On a receiver: the bytes received are malformed.
         """
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         self.collectives += 1
         try:
             return self._broadcast_object(obj, src)
         except WAIT_ERRORS as e:
-            self._errors.explain("broadcast_object", seq, e, writer=self.mq_writer_rank)
+            self._errors.explain("broadcast_object", seq, e, writer=self.mq_writer_rank,
+                                 started=started)
             raise
 
     def _broadcast_object(self, obj: Any, src: int) -> Any:
@@ -512,11 +521,13 @@ class GroupCoordinator:
         Receivers allocate and get a new dict.
         """
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         self.collectives += 1
         try:
             return self._broadcast_tensor_dict(tensor_dict, src, group, metadata_group)
         except WAIT_ERRORS as e:
-            self._errors.explain("broadcast_tensor_dict", seq, e, writer=self.mq_writer_rank)
+            self._errors.explain("broadcast_tensor_dict", seq, e, writer=self.mq_writer_rank,
+                                 started=started)
             raise
 
     def _broadcast_tensor_dict(self, tensor_dict: Mapping[Any, Any] | None, src: int,
@@ -594,6 +605,7 @@ class GroupCoordinator:
         """
         wait_s = check_timeout(timeout, default=self.timeout, positive=True)
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         self.collectives += 1
         if self.world_size == 1:
             return
@@ -601,7 +613,8 @@ class GroupCoordinator:
         try:
             self._monitored_barrier(wait_s)
         except WAIT_ERRORS as e:
-            self._errors.explain("barrier", seq, e)
+            self._errors.explain("barrier", seq, e,
+                                 started=started if wait_s == self.timeout else None)
             raise
 
     def _monitored_barrier(self, wait_s: float) -> None:
@@ -758,12 +771,13 @@ class GroupCoordinator:
         call, unless ``p2p``), and a failed wait explained (see
         :mod:`coordinator.call_errors`). The busiest calls inline this."""
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         if not p2p:
             self.collectives += 1
         try:
             return fn(*args)
         except WAIT_ERRORS as e:
-            self._errors.explain(op, seq, e, partner=partner)
+            self._errors.explain(op, seq, e, partner=partner, started=started)
             raise
 
     def _cpu_call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
