@@ -26,22 +26,26 @@ Signatures. Stage 1 is a shared-memory step carrying the call's signature,
 so the ranks of a node agree first. Each leader's first message of stage 2 is
 an envelope (:mod:`device_comms.envelopes`): its node's call header, with the
 partial result when it is small, or a REJECTED/FAILED header passing on what
-went wrong on its node. Every leader settles the same headers alike, and
-stage 3 (the broadcast step) carries the verdict to the node's other ranks:
+went wrong on its node. Every leader settles the same headers alike (a
+mismatch between tied classes, e.g. two nodes, names the other side on each
+node: :func:`~device_comms.call_signature.settle`), and stage 3 (the broadcast step) carries the verdict to the node's other ranks:
 the result, or the error relayed with :meth:`StepSync.relay`::
 
     node A: rank 0 (leader), rank 1          node B: rank 2 (leader), rank 3
     step 1 (shm): sig(all_reduce ...)        step 1 (shm): sig(...)
     rank 0 -- header + partial -->  <-- header + partial -- rank 2
-    both leaders: settle(headers) -> same verdict
+    both leaders: settle(headers) -> verdict
     step 2 (shm): result or relay(error)     step 2 (shm): result or relay(error)
 
 When a leader's exchange fails (a remote leader timed out, died or closed
-its connections), the leader relays a :class:`CollectiveTimeout` naming the
-other nodes' ranks to its node's ranks, which wait for the verdict a little
-longer than the group's timeout (:data:`VERDICT_GRACE_S`) so that it reaches
-them; they then know which ranks did not arrive, not just that their leader
-did not answer.
+its connections), the leader relays the failure to its node's ranks, naming
+the other nodes' ranks: a :class:`CollectiveTimeout` when gloo timed out, a
+:class:`PeerDiedError` marked ``suspected`` when a connection closed (its
+receivers check which of those ranks' processes are gone before they call
+any of them dead, as for a closed connection of their own). The node's
+ranks wait for the verdict a little longer than the group's timeout
+(:data:`VERDICT_GRACE_S`) so that it reaches them; they then know which
+ranks did not arrive, not just that their leader did not answer.
 
 The other collectives of a hierarchical communicator run over gloo; they
 first :meth:`HierarchicalAllReduce.agree` the same way (a step, the leaders'
@@ -64,7 +68,8 @@ from device_comms import host_alloc
 from device_comms.call_signature import FAILED, REJECTED, group_id, settle, template
 from device_comms.envelopes import INLINE_MAX, Envelopes, as_bytes, failure_header, reason_bytes
 from device_comms.errors import (
-    CollectiveMismatch, CollectiveTimeout, GroupCoordError, PeerRejectedError,
+    CollectiveMismatch, CollectiveTimeout, GroupCoordError, PeerDiedError, PeerRejectedError,
+    translate_backend_error,
 )
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
@@ -197,11 +202,17 @@ class HierarchicalAllReduce:
                 raise
             remote = [r for r, j in enumerate(self.nodes) if j != self.node]
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            lost = CollectiveTimeout(
-                f"group {self.name!r}, op {op}: the exchange of this node's leader (rank "
-                f"{self.me}) with the other nodes' leaders failed ({first}); rank(s) {remote} "
-                f"on the other nodes did not complete the call",
-                queue=self.name, peers=remote)
+            closed = isinstance(translate_backend_error(e, self.name), PeerDiedError)
+            what = "closed its connections" if closed else "failed"
+            text = (f"group {self.name!r}, op {op}: the exchange of this node's leader (rank "
+                    f"{self.me}) with the other nodes' leaders {what} ({first}); rank(s) "
+                    f"{remote} on the other nodes did not complete the call")
+            lost: GroupCoordError
+            if closed:
+                lost = PeerDiedError(text, queue=self.name, peers=remote)
+                lost.suspected = True  # type: ignore[attr-defined]
+            else:
+                lost = CollectiveTimeout(text, queue=self.name, peers=remote)
             with contextlib.suppress(GroupCoordError):  # a local rank gone too: it is reported
                 self.engine.sync.relay(op, lost)
             raise

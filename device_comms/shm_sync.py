@@ -396,8 +396,9 @@ class StepSync:
         into its slot and publishes the step with the :data:`FAILED`
         signature; the local peers in the step raise the same kind of error
         naming the same ranks (:class:`PeerRejectedError`,
-        :class:`CollectiveMismatch`, or :class:`CollectiveTimeout` for a
-        failed exchange). Returns normally (the caller raises ``error`` itself).
+        :class:`CollectiveMismatch`, :class:`CollectiveTimeout` for an exchange
+        that timed out, or :class:`PeerDiedError` marked ``suspected`` for one
+        whose connection closed). Returns normally (the caller raises ``error`` itself).
         """
         peers = [p for p in error.peers if isinstance(p, int) and not isinstance(p, bool)]
         culprit = peers[0] if peers else -1
@@ -405,6 +406,8 @@ class StepSync:
             kind, text = "rejected", error.reason
         elif isinstance(error, CollectiveMismatch):
             kind, text = "mismatch", str(error)
+        elif isinstance(error, PeerDiedError):
+            kind, text = "closed", str(error)
         else:
             kind, text = "timeout", str(error)
         data = msgspec.msgpack.encode((kind, culprit, text[:_REASON_MAX], peers[:64]))
@@ -522,6 +525,10 @@ class StepSync:
             return PeerRejectedError(self.name, op, culprit, text)
         if kind == "timeout":
             return CollectiveTimeout(text, queue=self.name, peers=peers)
+        if kind == "closed":  # a connection closed: death suspected, not seen
+            died = PeerDiedError(text, queue=self.name, peers=peers)
+            died.suspected = True  # type: ignore[attr-defined]
+            return died
         return CollectiveMismatch(text, queue=self.name, peers=(culprit,))
 
     def _mismatch(self, op: str, r: int, a: int, b: int, pa: int, pb: int) -> None:

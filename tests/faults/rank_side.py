@@ -12,6 +12,9 @@ of the op:
 * ``raise``: an exception is raised in its code in place of the call and
   propagates out of the process, which exits as any Python program with an
   uncaught exception does (exit status 1, ``atexit`` handlers run);
+* ``exit-late`` (a test of its own, not in the matrix): it tears its groups
+  down (its connections close), lingers :data:`LINGER_S` and exits, as an
+  application that cleans up on an error before it exits;
 * ``skip``: it goes straight to the follow-up call;
 * ``other-op`` / ``dtype`` / ``shape``: it makes another op, or the op with
   another dtype or shape, then (if that returned) the follow-up.
@@ -35,9 +38,15 @@ from typing import Any
 
 import torch
 
+from tests.faults.contract import DESTRUCTIVE
 from tests.faults.ops import FOLLOW_UP, OPS, Op, other_op, same_result
 
 __all__ = ["InjectedFault", "run_case", "teardown"]
+
+
+_JOIN_S = 60.0
+#: How long an ``exit-late`` culprit lives on after closing its connections.
+LINGER_S = 0.5
 
 
 class InjectedFault(RuntimeError):
@@ -63,8 +72,11 @@ def _join(spec: dict[str, Any], rank: int, world_size: int, port: int) -> Any:
     timeout = float(spec["timeout"])
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                           timeout=datetime.timedelta(seconds=60))
+    # Joining is not under test: the default group (which no op uses) gets a long
+    # timeout, so a rank that starts late on a loaded machine still joins. Every
+    # group of the case gets the case's timeout from init_distributed_environment.
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+                            timeout=datetime.timedelta(seconds=_JOIN_S))
     ps.init_distributed_environment(world_size, rank, "env://", rank, timeout=timeout)
     ps.initialize_model_parallel(world_size)
     return ps.get_tp_group()
@@ -105,6 +117,13 @@ def _fault(conn: Connection, fault: str) -> None:
     elif fault == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(3600)  # the rig kills it; SIGCONT is never sent
+    elif fault == "exit-late":
+        import gc
+
+        teardown()
+        gc.collect()  # the groups' gloo connections close with their last reference
+        time.sleep(LINGER_S)
+        os._exit(1)
     raise InjectedFault(f"injected fault: rank {os.environ.get('RANK', '?')} raised "
                         f"instead of calling")
 
@@ -122,7 +141,7 @@ def run_case(conn: Connection, spec: dict[str, Any], rank: int, world_size: int,
     op, fault, culprit = OPS[spec["op"]], spec["fault"], spec["culprit"]
     me_bad = rank == culprit
     step: list[tuple[Op, str | None]] = [(op, None), (FOLLOW_UP, None)]
-    if me_bad and fault in ("kill", "stop", "raise"):
+    if me_bad and fault in DESTRUCTIVE:
         _fault(conn, fault)
     elif me_bad and fault == "skip":
         step = [(FOLLOW_UP, None)]

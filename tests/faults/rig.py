@@ -35,6 +35,7 @@ from typing import Any
 import psutil
 
 from shm_broadcast.launcher import describe_exit, die_with_parent, stop_ranks
+from tests.faults.contract import DESTRUCTIVE
 
 __all__ = ["CaseRun", "FaultRig", "live_rig_pids"]
 
@@ -58,6 +59,7 @@ class CaseRun:
         records: Per rank, its report (None: it never finished, e.g. the culprit).
         fault_t: When the culprit injected its fault (monotonic clock), or None.
         exits: Per rank whose process ended during the case, its exit in words.
+        exit_t: Per such rank, when the rig saw its process end (monotonic clock).
         recovered: Per rank, the report of the recovery step (when it ran).
         problems: What went wrong in the harness's eyes (hangs, crashes, leaks).
         elapsed: Wall seconds of the case.
@@ -67,6 +69,7 @@ class CaseRun:
     records: list[dict[str, Any] | None]
     fault_t: float | None = None
     exits: dict[int, str] = field(default_factory=dict)
+    exit_t: dict[int, float] = field(default_factory=dict)
     recovered: list[dict[str, Any] | None] | None = None
     problems: list[str] = field(default_factory=list)
     elapsed: float = 0.0
@@ -175,7 +178,7 @@ class FaultRig:
     def _collect(self, ranks: list[_Worker], run: CaseRun) -> None:
         """Every rank's report; the culprit's fault time; deaths."""
         timeout = float(run.spec["timeout"])
-        culprit, destructive = run.spec["culprit"], run.spec["fault"] in ("kill", "stop", "raise")
+        culprit, destructive = run.spec["culprit"], run.spec["fault"] in DESTRUCTIVE
         pending = {r for r in range(len(ranks)) if not (destructive and r == culprit)}
         watch = set(range(len(ranks)))
         start_deadline = time.monotonic() + _START_S + 30
@@ -212,6 +215,7 @@ class FaultRig:
                         continue
                 ranks[r].proc.join(2.0)
                 if ranks[r].proc.exitcode is not None:
+                    run.exit_t[r] = time.monotonic()
                     run.exits[r] = describe_exit(ranks[r].proc.exitcode)
                     watch.discard(r)
                     if r in pending:
@@ -222,11 +226,12 @@ class FaultRig:
     def _finish(self, ranks: list[_Worker], run: CaseRun) -> None:
         """Kill the culprit of a destructive fault, recover if asked, tear down survivors."""
         culprit, fault = run.spec["culprit"], run.spec["fault"]
-        if fault in ("kill", "stop", "raise"):
+        if fault in DESTRUCTIVE:
             w = ranks[culprit]
             if fault == "stop" and w.proc.exitcode is None:
                 os.kill(w.pid, signal.SIGKILL)
             w.proc.join(10.0)
+            run.exit_t.setdefault(culprit, time.monotonic())
             run.exits.setdefault(culprit, describe_exit(w.proc.exitcode))
             self._drop(w)
             self._top_up()  # its replacement starts while the others tear down

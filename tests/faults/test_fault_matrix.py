@@ -96,12 +96,27 @@ def all_cases() -> list[tuple[int, str, str, str, int]]:
     return out
 
 
+def known_limit(n: int, transport: str, fault: str, op: str, culprit: int) -> str | None:
+    """Why the library cannot keep the contract in this case, or None."""
+    spec = OPS[op]
+    if (transport == "hier" and n == 4 and fault == "skip" and culprit == 0
+            and spec.route in ("comm", "cpu") and not spec.paired):
+        return ("hierarchical agreement judges a mismatch inside a host among that host's "
+                "ranks before the leaders talk; with two ranks per host a leader that skipped "
+                "is a 1-1 tie there, so the other host's ranks are told the leader's peer "
+                "(rank 1) is the culprit, though ranks 1-3 agree (the message names both calls)")
+    return None
+
+
 def _params() -> list[Any]:
     ci = set(CI_CASES)
     out = []
     for case in all_cases():
         n, t, fault, op, c = case
         marks = [] if case in ci else [pytest.mark.slow]
+        why = known_limit(*case)
+        if why is not None:
+            marks.append(pytest.mark.xfail(reason=why, strict=True))
         out.append(pytest.param(*case, id=f"ws{n}-{t}-{fault}-{op}-c{c}", marks=marks))
     missing = ci - set(all_cases())
     assert not missing, f"CI cases outside the matrix: {missing}"
@@ -146,3 +161,24 @@ def test_fault_case(fault_rig, world_size: int, transport: str, fault: str, op: 
     bad = _modes_ok(run, world_size, transport) + check_case(run, world_size)
     assert not bad, (f"{op} / {fault} on {transport}, {world_size} ranks, culprit rank "
                      f"{culprit}:\n  " + "\n  ".join(bad))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport,culprit,over_gloo", [("hier", 0, [2, 3]), ("gloo", 3, [0, 1, 2])],
+                         ids=["hier-leader", "gloo"])
+def test_a_peer_that_closes_its_connections_then_exits_is_reported_dead(
+        fault_rig, transport: str, culprit: int, over_gloo: list[int]) -> None:
+    """The culprit tears its groups down (closing its connections) and exits 0.5 s
+    later: survivors that see the closed gloo connection, directly or relayed by
+    their node's leader (``hier``: rank 3 learns it from leader 2), wait for the
+    evidence and name it dead, not a live peer that closed its connections (a
+    shared-memory peer of the culprit sees it leave the workspace at once)."""
+    from tests.faults.rank_side import LINGER_S
+
+    spec = {"op": "all_reduce", "fault": "exit-late", "culprit": culprit,
+            "transport": transport, "timeout": TIMEOUT_S, "recover": False}
+    run = fault_rig.run(spec, 4)
+    bad = _modes_ok(run, 4, transport) + check_case(run, 4)
+    assert not bad, "\n  ".join(bad)
+    seen = {r: run.records[r]["calls"][-1]["t"] - run.fault_t for r in over_gloo}
+    assert min(seen.values()) >= LINGER_S * 0.8, seen  # they waited for the exit
