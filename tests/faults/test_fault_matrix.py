@@ -19,11 +19,18 @@ and 4, five kinds of fault; each case must keep the contract of
   leader) for the ops where rank 0 has a role, for kill, stop, raise and skip.
 
 Cases run in the rig's reused processes (:mod:`tests.faults.rig`), each with
-fresh groups and a 2 s group timeout. A selection runs in CI; the whole
-matrix is ``slow`` (``pytest -m slow tests/faults``). With
-``GROUPCOORD_FAULT_TIMES=<file>`` every case appends its detection times (s
-from the fault to each survivor's error) to that file as JSON lines;
-``python -m tests.faults.times <file>`` tabulates them (docs/reliability.md).
+fresh groups and a 2 s group timeout. A selection (``CI_CASES``: every
+fault, transport, world size and op at least once) runs in CI; the whole
+matrix is ``slow`` (``pytest -m slow tests/faults``). Cases the library
+cannot get right are strict xfails with the reason (:func:`known_limit`).
+With ``GROUPCOORD_FAULT_TIMES=<file>`` every case appends its detection
+times (s from the fault to each survivor's error) to that file as JSON
+lines; ``python -m tests.faults.times <file>`` tabulates them
+(docs/reliability.md).
+
+Besides the matrix, ``exit-late``: a culprit that closes its connections and
+exits a moment later must be reported dead by survivors that learn of it
+over gloo, also through a node leader.
 """
 
 from __future__ import annotations
@@ -47,17 +54,17 @@ RANK0_OPS = ("all_reduce", "gather", "reduce", "scatter", "broadcast", "send_rec
 RANK0_FAULTS = ("kill", "stop", "raise", "skip")
 
 # (world size, transport, fault, op, culprit): every fault, transport, world
-# size and op at least once, and each library fix this suite brought.
+# size and op at least once, and each library fix this suite brought; about
+# 55 s on a 2-core machine (the cases that wait out the 2 s timeout dominate).
 CI_CASES = [
     (4, "shm", "kill", "all_reduce", 3),
     (4, "gloo", "kill", "broadcast_object-cpu", 3),
     (4, "hier", "kill", "all_gather", 3),
     (2, "shm", "kill", "send_recv_tensor_dict", 1),
-    (4, "gloo", "kill", "barrier", 3),
+    (2, "gloo", "kill", "barrier", 1),
     (2, "hier", "kill", "broadcast_tensor_dict-mq", 0),
     (4, "shm", "kill", "reduce_scatterv", 3),
     (4, "shm", "stop", "broadcast_tensor_dict-mq", 3),
-    (4, "gloo", "stop", "gather", 3),
     (4, "hier", "stop", "reduce_scatter", 3),
     (2, "gloo", "stop", "send_recv", 1),
     (4, "gloo", "raise", "all_reduce", 3),
@@ -66,10 +73,10 @@ CI_CASES = [
     (4, "shm", "skip", "broadcast_object-mq", 3),
     (4, "gloo", "skip", "broadcast_object-cpu", 3),
     (4, "hier", "skip", "all_reduce", 3),
+    (2, "gloo", "skip", "gather", 0),
     (2, "shm", "skip", "barrier", 1),
     (2, "shm", "skip", "broadcast_tensor_dict-mq", 0),
     (2, "hier", "skip", "broadcast_tensor_dict-cpu", 1),
-    (4, "shm", "other-op", "broadcast_tensor_dict-mq", 3),
     (2, "hier", "other-op", "scatter", 1),
     (4, "gloo", "other-op", "send_recv_object", 3),
     (4, "hier", "dtype", "all_to_all", 3),
@@ -182,3 +189,11 @@ def test_a_peer_that_closes_its_connections_then_exits_is_reported_dead(
     assert not bad, "\n  ".join(bad)
     seen = {r: run.records[r]["calls"][-1]["t"] - run.fault_t for r in over_gloo}
     assert min(seen.values()) >= LINGER_S * 0.8, seen  # they waited for the exit
+
+
+def test_the_ci_selection_covers_every_fault_transport_size_and_op() -> None:
+    assert {c[2] for c in CI_CASES} == set(FAULTS)
+    assert {c[1] for c in CI_CASES} == set(TRANSPORTS)
+    assert {c[0] for c in CI_CASES} == {2, 4}
+    assert {c[3] for c in CI_CASES} == set(OPS)
+    assert not [c for c in CI_CASES if known_limit(*c)]
