@@ -32,10 +32,10 @@ Gloo also reports "connection closed by peer" when a *live* peer gave up
 host whose process is gone (within a grace of :data:`_EXIT_GRACE_S`: an
 exiting process closes its sockets first) is named as dead; a stopped one is
 the rank that did not arrive (:class:`~coordinator.errors.CommTimeout`). When
-no peer is gone or stopped and the call had lasted most of the timeout
-(:data:`_GAVE_UP_FRACTION`), a peer gave up at its own timeout while this
-rank waited too: that is this rank's timeout as well (``CommTimeout``, naming
-every candidate, as gloo names nobody). Earlier, a peer gave up on an error
+the call had lasted most of the timeout (:data:`_GAVE_UP_FRACTION`) and no
+peer is gone or stopped at once (no grace then), a peer gave up at its own
+timeout while this rank waited too: that is this rank's timeout as well
+(``CommTimeout``, naming every candidate, as gloo names nobody). Earlier, a peer gave up on an error
 of its own or destroyed the group: when every peer is provably alive it is
 :class:`~coordinator.errors.ClosedError` ("a peer closed its connections"),
 because nobody died. A node leader of the hierarchical path passes a closed
@@ -250,7 +250,11 @@ class CallErrors:
         else:
             candidates = [r for r in range(self.world_size) if r != self.rank]
         states = {r: self._state(r) for r in candidates}
-        deadline = time.monotonic() + _EXIT_GRACE_S
+        late = self._gave_up_at_timeout(started)
+        # A close this late is most likely a peer's timeout: no grace (a killed
+        # process is gone before its sockets close; a slowly exiting one is then
+        # reported as the timeout it caused, not as dead).
+        deadline = time.monotonic() + (0.0 if late else _EXIT_GRACE_S)
         while (not {"exited", "stopped"} & set(states.values())
                and time.monotonic() < deadline):
             # An exiting process closes its sockets before it is gone: keep
@@ -278,7 +282,7 @@ class CallErrors:
             return PeerDiedError(
                 f"{where}: rank(s) {gone} died ({listing}); gloo reported: {first}",
                 queue=self.name, side=f"rank {self.rank}", peers=gone)
-        if self._gave_up_at_timeout(started):  # nobody gone or stopped: live peers gave up
+        if late:  # nobody gone or stopped: live peers gave up
             return self._given_up(where, seq, op, candidates, listing, first)
         if all(states[r] != "unknown" for r in candidates):
             return ClosedError(

@@ -267,7 +267,7 @@ def test_a_peer_that_gave_up_at_its_timeout_is_a_timeout_here_too(dist_pool) -> 
     r0, r1 = dist_pool(2).run(_gave_up_while_waiting, timeout=90)
     assert r0["error"] == "CommTimeout" and r0["peers"] == [1], r0
     assert r1["error"] == "CommTimeout" and r1["peers"] == [0], r1
-    # It saw the closed connection (then looked 1 s for an exiting process), not its
-    # own timeout; within the timeout + 2 s every wait must keep.
+    # It saw the closed connection, not its own timeout, and did not look for an
+    # exiting process that long.
     assert "gave up waiting" in r1["text"] and "op recv_object" in r1["text"], r1
-    assert r1["after"] < 2.0 + 2.0, r1
+    assert r1["after"] < 2.0, r1
