@@ -29,14 +29,32 @@ the ranks that did not arrive, with what is known about each one's process;
 Gloo also reports "connection closed by peer" when a *live* peer gave up
 (after its own timeout or error, gloo closes its connections). That becomes
 :class:`~coordinator.errors.PeerDiedError` only on evidence: a peer on this
-host whose process is gone is named as dead; when every peer is provably
-alive it is :class:`~coordinator.errors.ClosedError` ("a peer closed its
-connections"), because nobody died.
+host whose process is gone (within a grace of :data:`_EXIT_GRACE_S`: an
+exiting process closes its sockets first) is named as dead; a stopped one is
+the rank that did not arrive (:class:`~coordinator.errors.CommTimeout`). When
+the call had lasted most of the timeout (:data:`_GAVE_UP_FRACTION`) and no
+peer is gone or stopped at once (no grace then), a peer gave up at its own
+timeout while this rank waited too: that is this rank's timeout as well
+(``CommTimeout``, naming every candidate, as gloo names nobody). Earlier, a peer gave up on an error
+of its own or destroyed the group: when every peer is provably alive it is
+:class:`~coordinator.errors.ClosedError` ("a peer closed its connections"),
+because nobody died. A node leader of the hierarchical path passes a closed
+connection between leaders on to its node's ranks as a ``PeerDiedError``
+marked ``suspected``; it is explained the same way, among the other nodes' ranks.
+
+Any other error of the family raised inside a call names the group's op too:
+when a lower layer raised it for a call of its own (the shared-memory engine
+seeing a peer die during the header broadcast of ``broadcast_object``, a
+signed call finding a mismatch in the tensors of a tensor dict), it is
+raised again, same class and ``peers``, its message prefixed with the group,
+the op and the call number.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import socket
 import time
 from typing import Any, NoReturn, Sequence
@@ -44,20 +62,29 @@ from typing import Any, NoReturn, Sequence
 import psutil
 
 from device_comms.errors import translate_backend_error
-from shm_broadcast.errors import ClosedError, CommTimeout, GroupCoordError, PeerDiedError
+from shm_broadcast.errors import (
+    ClosedError, CollectiveMismatch, CommTimeout, GroupCoordError, PeerDiedError,
+)
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.segment import OwnerIdentity
 from shm_broadcast.waiting import PeerWatch
 
 __all__ = ["CallErrors", "WAIT_ERRORS", "own_identity"]
 
-#: Seconds to look again at peers' processes before reporting a closed connection
-#: from a live peer (an exiting process closes its sockets just before it is gone).
-_EXIT_GRACE_S = 0.1
+#: Seconds to keep looking at peers' processes before reporting a closed
+#: connection from a live peer: an exiting process closes its sockets before it
+#: is gone, and an interpreter that exits on an uncaught exception takes a few
+#: hundred milliseconds more to finish (atexit handlers, finalisation).
+_EXIT_GRACE_S = 1.0
+_EXIT_POLL_S = 0.02
+#: A live peer that closed its connections after the call had lasted this share
+#: of the timeout gave up at its own timeout: the call is reported as timed out.
+_GAVE_UP_FRACTION = 0.8
 
-#: What a call may raise when a wait fails: our timeouts, and RuntimeError
-#: (PeerDiedError, BrokenCommunicator, or an untranslated backend error).
-WAIT_ERRORS = (CommTimeout, RuntimeError)
+#: What a call may raise when a wait fails or its ranks disagree: our timeouts,
+#: RuntimeError (PeerDiedError, BrokenCommunicator, or an untranslated backend
+#: error) and CollectiveMismatch.
+WAIT_ERRORS = (CommTimeout, RuntimeError, CollectiveMismatch)
 
 _WHY = {
     "exited": "gone",
@@ -84,6 +111,8 @@ class CallErrors:
         name: The group's unique name.
         rank: This process's group rank.
         world_size: The group's size.
+        timeout: The group's timeout in seconds (None: unknown; a closed
+            connection from a live peer is then never read as a timeout).
 
     Attributes:
         watches: Per group rank, a :class:`PeerWatch` of its process when it
@@ -91,10 +120,12 @@ class CallErrors:
         hosts: Per group rank, its host name (empty until :meth:`learn_peers`).
     """
 
-    def __init__(self, name: str, rank: int, world_size: int) -> None:
+    def __init__(self, name: str, rank: int, world_size: int,
+                 timeout: float | None = None) -> None:
         self.name = name
         self.rank = rank
         self.world_size = world_size
+        self.timeout = timeout
         self.watches: list[PeerWatch | None] = [None] * world_size
         self.hosts: list[str] = [""] * world_size
         self.pids: list[int] = [0] * world_size
@@ -115,8 +146,8 @@ class CallErrors:
                 self.watches[r] = PeerWatch(pid, float(ctime) or None)  # 0: start unknown
 
     # ------------------------------------------------------------------ entry
-    def explain(self, op: str, seq: int, e: BaseException,
-                partner: int | None = None, writer: int | None = None) -> None:
+    def explain(self, op: str, seq: int, e: BaseException, partner: int | None = None,
+                writer: int | None = None, started: float | None = None) -> None:
         """Raise the error call ``seq`` (``op``) should raise for ``e``, or return
         to let the caller re-raise ``e`` unchanged.
 
@@ -127,6 +158,7 @@ class CallErrors:
             partner: The peer of a point-to-point call (group rank).
             writer: The group rank of the message queue's writer, for a
                 reader's timeout (its ``peers`` say ``"writer"``).
+            started: When the call began (``time.monotonic()``), if known.
         """
         cause = e
         raw = e.__cause__ if isinstance(e, GroupCoordError) else e
@@ -140,9 +172,22 @@ class CallErrors:
             detail = f"gloo: {_first_line(raw)}" if _is_backend_error(raw) else _first_line(e)
             self._raise(self._timeout(op, seq, e, partner, writer, detail), cause)
         if isinstance(e, PeerDiedError) and _is_backend_error(raw):
-            self._raise(self._closed_by_peer(op, seq, _first_line(raw), partner), cause)
+            self._raise(self._closed_by_peer(op, seq, _first_line(raw), partner, started),
+                        cause)
+        if isinstance(e, PeerDiedError) and getattr(e, "suspected", False):
+            ranks = [p for p in e.peers if isinstance(p, int) and not isinstance(p, bool)]
+            self._raise(self._closed_by_peer(op, seq, _first_line(e), partner, started,
+                                             ranks or None), cause)
         if e is not cause:
             self._raise(e, cause)
+        # Raised by a lower layer for a call of its own (the header broadcast of
+        # broadcast_object, the tensors of a tensor dict): say which call of this
+        # group it served; a queue names its writer "writer": give its rank.
+        names_op = re.search(rf"\bop {re.escape(op)}\b", str(e)) is not None
+        writer_named = writer is not None and "writer" in e.peers
+        if not names_op or writer_named:
+            peers = [writer if p == "writer" else p for p in e.peers]
+            self._raise(_in_call(e, None if names_op else self._where(op, seq), peers), cause)
 
     def dead_partner(self, op: str, seq: int, partner: int) -> PeerDiedError | None:
         """The error of call ``seq`` when its ``partner``'s process is provably gone
@@ -160,7 +205,10 @@ class CallErrors:
 
     # ------------------------------------------------------------------ timeouts
     def _timeout(self, op: str, seq: int, e: CommTimeout, partner: int | None,
-                 writer: int | None, detail: str) -> CommTimeout:
+                 writer: int | None, detail: str) -> GroupCoordError:
+        """The timeout naming the ranks that did not arrive; a
+        :class:`PeerDiedError` naming them when some of them are gone (the side
+        check is evidence: the wait ran out because they died)."""
         known = [p for p in e.peers if isinstance(p, int) and not isinstance(p, bool)]
         if writer is not None and "writer" in e.peers:
             known.append(writer)
@@ -169,12 +217,23 @@ class CallErrors:
         if known:
             missing = sorted(set(known))
             head = f"timed out waiting for rank(s) {missing} ({self._states(missing)})"
+            stuck = [r for r in missing if self._state(r) in ("stopped", "exited")]
+            if stuck and stuck != missing:
+                # The running ones are most likely waiting for these, as this rank is.
+                missing = stuck
+                head += f"; stopped or gone among them: rank(s) {stuck}"
         else:
             missing, head = self._suspects()
-        err = CommTimeout(
-            f"{self._where(op, seq)}: {head}. Every rank of the group must make the same "
-            f"calls in the same order. Detail: {detail}",
-            queue=self.name, side=f"rank {self.rank}", peers=missing)
+        gone = [r for r in missing if self._state(r) == "exited"]
+        if gone:
+            err: GroupCoordError = PeerDiedError(
+                f"{self._where(op, seq)}: rank(s) {gone} died; this rank {head}. "
+                f"Detail: {detail}", queue=self.name, side=f"rank {self.rank}", peers=gone)
+        else:
+            err = CommTimeout(
+                f"{self._where(op, seq)}: {head}. Every rank of the group must make the same "
+                f"calls in the same order. Detail: {detail}",
+                queue=self.name, side=f"rank {self.rank}", peers=missing)
         err.call = seq  # type: ignore[attr-defined]
         err.op = op  # type: ignore[attr-defined]
         return err
@@ -193,24 +252,52 @@ class CallErrors:
                         f"elsewhere ({listing})")
 
     # ------------------------------------------------------------------ closed connections
-    def _closed_by_peer(self, op: str, seq: int, backend_text: str,
-                        partner: int | None) -> GroupCoordError:
-        candidates = [partner] if partner is not None else [
-            r for r in range(self.world_size) if r != self.rank]
+    def _closed_by_peer(self, op: str, seq: int, backend_text: str, partner: int | None,
+                        started: float | None = None,
+                        among: Sequence[int] | None = None) -> GroupCoordError:
+        """The error for a connection a peer closed (see the module docstring):
+        the candidates are ``among``, else the partner, else every other rank."""
+        if among is not None:
+            candidates = list(among)
+        elif partner is not None:
+            candidates = [partner]
+        else:
+            candidates = [r for r in range(self.world_size) if r != self.rank]
         states = {r: self._state(r) for r in candidates}
-        if "exited" not in states.values():
-            # An exiting process closes its sockets a moment before it is gone:
-            # look again before calling a peer alive.
-            time.sleep(_EXIT_GRACE_S)
+        late = self._gave_up_at_timeout(started)
+        # A close this late is most likely a peer's timeout: no grace (a killed
+        # process is gone before its sockets close; a slowly exiting one is then
+        # reported as the timeout it caused, not as dead).
+        deadline = time.monotonic() + (0.0 if late else _EXIT_GRACE_S)
+        while (not {"exited", "stopped"} & set(states.values())
+               and time.monotonic() < deadline):
+            # An exiting process closes its sockets before it is gone: keep
+            # looking before calling every peer alive (a stopped one explains
+            # the wait at once).
+            time.sleep(_EXIT_POLL_S)
             states = {r: self._state(r) for r in candidates}
         gone = [r for r in candidates if states[r] == "exited"]
+        stopped = [r for r in candidates if states[r] == "stopped"]
         listing = self._states(candidates, states)
         first = backend_text
         where = self._where(op, seq)
+        if stopped and not gone:
+            # This rank waited for a stopped rank; a peer that waited too gave up
+            # first and closed its connections: the stopped rank is the one missing.
+            err = CommTimeout(
+                f"{where}: rank(s) {stopped} did not arrive ({listing}); a peer gave up "
+                f"waiting first and closed its connections. Every rank of the group must "
+                f"make the same calls in the same order. Detail: gloo: {first}",
+                queue=self.name, side=f"rank {self.rank}", peers=stopped)
+            err.call = seq  # type: ignore[attr-defined]
+            err.op = op  # type: ignore[attr-defined]
+            return err
         if gone:
             return PeerDiedError(
                 f"{where}: rank(s) {gone} died ({listing}); gloo reported: {first}",
                 queue=self.name, side=f"rank {self.rank}", peers=gone)
+        if late:  # nobody gone or stopped: live peers gave up
+            return self._given_up(where, seq, op, candidates, listing, first)
         if all(states[r] != "unknown" for r in candidates):
             return ClosedError(
                 f"{where}: a peer closed its connections of this group although its process "
@@ -222,6 +309,35 @@ class CallErrors:
             f"{where}: a peer closed its connection: it exited, or gave up on the call "
             f"({listing}); gloo reported: {first}",
             queue=self.name, side=f"rank {self.rank}", peers=candidates)
+
+    def _gave_up_at_timeout(self, started: float | None) -> bool:
+        """Whether the call had lasted most of the timeout (a peer closing now gave up
+        at its own timeout while this rank waited too)."""
+        return (started is not None and self.timeout is not None
+                and time.monotonic() - started >= _GAVE_UP_FRACTION * self.timeout)
+
+    def _given_up(self, where: str, seq: int, op: str, candidates: list[int], listing: str,
+                  first: str) -> CommTimeout:
+        """The timeout of a call whose live peers gave up waiting first."""
+        err = CommTimeout(
+            f"{where}: timed out: after {self.timeout:g}s a live peer gave up waiting and closed "
+            f"its connections, so this call cannot complete either; gloo does not say which "
+            f"rank is missing, any of rank(s) {candidates} may be elsewhere ({listing}). Every "
+            f"rank of the group must make the same calls in the same order. Detail: gloo: "
+            f"{first}", queue=self.name, side=f"rank {self.rank}", peers=candidates)
+        err.call = seq  # type: ignore[attr-defined]
+        err.op = op  # type: ignore[attr-defined]
+        return err
+
+    def await_exit(self, ranks: Sequence[int]) -> None:
+        """Wait (at most the exit grace) until one of ``ranks`` is gone, for a
+        failure that came before its timeout: a peer whose connections broke
+        is usually exiting, and is reported dead once its process is gone."""
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        while time.monotonic() < deadline:
+            if any(self._state(r) in ("exited", "stopped", "unknown") for r in ranks):
+                return
+            time.sleep(_EXIT_POLL_S)
 
     # ------------------------------------------------------------------ helpers
     def _where(self, op: str, seq: int) -> str:
@@ -248,6 +364,16 @@ class CallErrors:
     @staticmethod
     def _raise(err: BaseException, cause: BaseException) -> NoReturn:
         raise err from cause
+
+
+def _in_call(e: GroupCoordError, where: str | None, peers: Sequence[object]) -> GroupCoordError:
+    """A copy of ``e`` (same class) naming ``peers``, its message prefixed with ``where``."""
+    new = copy.copy(e)
+    new.__dict__.update(e.__dict__)
+    new.peers = tuple(peers)
+    if where is not None:
+        new.args = (f"{where}: {e}",)
+    return new
 
 
 def _first_line(e: BaseException | None) -> str:

@@ -27,12 +27,14 @@ import contextlib
 import dataclasses
 import datetime
 import re
+import time
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from coordinator import async_p2p, custom_ops
+from coordinator import broadcast_stamps as stamps
 from coordinator.call_errors import WAIT_ERRORS, CallErrors
 from coordinator import group_setup as setup
 from coordinator import tensor_dict as tensor_dict_ops
@@ -112,6 +114,10 @@ class GroupCoordinator:
         timeout: Seconds every wait of this group may last.
         calls: Calls made so far on this rank; the next call is number
             ``calls + 1`` (errors name it: ranks making the same calls agree).
+        collectives: Collective calls (all but point-to-point ones) made so
+            far on this rank: the same on every rank of a correct program,
+            so it stamps the message-queue broadcasts
+            (:mod:`coordinator.broadcast_stamps`).
     """
 
     def __init__(
@@ -136,6 +142,7 @@ class GroupCoordinator:
             )
         self.timeout: float = check_timeout(timeout, default=default_timeout(), positive=True)
         self.calls = 0
+        self.collectives = 0
         self.unique_name = REGISTRY.unique_name(group_name or "anonymous")
         self.rank = dist.get_rank()
         self.local_rank = local_rank
@@ -151,7 +158,8 @@ class GroupCoordinator:
         self._destroyed = False
         self._p2p_channels: Any = None  # async point-to-point threads (coordinator.async_p2p)
         self._p2p_cuda: Any = None
-        self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size)
+        self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size,
+                                  self.timeout)
         if self.world_size > 1:
             self._errors.learn_peers(self.cpu_group)
         self.device_communicator: DeviceCommunicator | None = None
@@ -164,6 +172,7 @@ class GroupCoordinator:
             self.cpu_group, self.device, self.device_group, self.unique_name,
             timeout=None if timeout is None else self.timeout,
         )
+        self._cpu_side: DeviceCommunicator | None = None
         self.mq_broadcaster: Any = None
         self.mq_writer_rank = 0
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
@@ -212,10 +221,12 @@ class GroupCoordinator:
         if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
             return custom_ops.traced_all_reduce(self, input_)
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
         try:
             return self.comm.all_reduce(input_, op)
         except WAIT_ERRORS as e:
-            self._errors.explain("all_reduce", seq, e)
+            self._errors.explain("all_reduce", seq, e, started=started)
             raise
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -223,10 +234,12 @@ class GroupCoordinator:
         if _tracing() and self.world_size > 1:
             return custom_ops.traced_all_gather(self, input_, dim)
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
         try:
             return self.comm.all_gather(input_, dim)
         except WAIT_ERRORS as e:
-            self._errors.explain("all_gather", seq, e)
+            self._errors.explain("all_gather", seq, e, started=started)
             raise
 
     def all_gatherv(
@@ -248,10 +261,12 @@ class GroupCoordinator:
         if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
             return custom_ops.traced_reduce_scatter(self, input_, dim)
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
         try:
             return self.comm.reduce_scatter(input_, dim, op)
         except WAIT_ERRORS as e:
-            self._errors.explain("reduce_scatter", seq, e)
+            self._errors.explain("reduce_scatter", seq, e, started=started)
             raise
 
     def reduce_scatterv(
@@ -311,10 +326,12 @@ class GroupCoordinator:
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
         try:
             return self.comm.broadcast(input_, src)
         except WAIT_ERRORS as e:
-            self._errors.explain("broadcast", seq, e)
+            self._errors.explain("broadcast", seq, e, started=started)
             raise
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
@@ -322,10 +339,11 @@ class GroupCoordinator:
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         try:
             return async_p2p.ordered(self, SEND, dst, "send", self.comm.send, tensor, dst)
         except WAIT_ERRORS as e:
-            self._errors.explain("send", seq, e, partner=_peer(dst))
+            self._errors.explain("send", seq, e, partner=_peer(dst), started=started)
             raise
 
     def recv(
@@ -335,10 +353,11 @@ class GroupCoordinator:
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
         try:
             return async_p2p.ordered(self, RECV, src, "recv", self.comm.recv, size, dtype, src)
         except WAIT_ERRORS as e:
-            self._errors.explain("recv", seq, e, partner=_peer(src))
+            self._errors.explain("recv", seq, e, partner=_peer(src), started=started)
             raise
 
     # ------------------------------------------------------------------ objects
@@ -346,7 +365,9 @@ class GroupCoordinator:
         """Broadcast a Python object from ``src``; returns it on every rank.
 
         Uses the message queue when the group has one and ``src`` is its
-        writer, else the CPU group. Either way the object travels as msgspec
+        writer, else broadcasts of the group's CPU communicator (signed calls:
+        a rank making another call there raises ``CollectiveMismatch`` on
+        every rank). Either way the object travels as msgspec
         msgpack with tensors and arrays out of band (see
         :mod:`shm_broadcast.codec` for what is carried exactly); nothing is
         pickled unless the group was created with ``allow_pickle=True``.
@@ -358,10 +379,13 @@ class GroupCoordinator:
             DecodeError: On a receiver: the bytes received are malformed.
         """
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
         try:
             return self._broadcast_object(obj, src)
         except WAIT_ERRORS as e:
-            self._errors.explain("broadcast_object", seq, e, writer=self.mq_writer_rank)
+            self._errors.explain("broadcast_object", seq, e, writer=self.mq_writer_rank,
+                                 started=started)
             raise
 
     def _broadcast_object(self, obj: Any, src: int) -> Any:
@@ -386,26 +410,55 @@ class GroupCoordinator:
             )
         return got
 
-    def _broadcast_raw(self, obj: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
-        """One object from ``src`` to all, unchecked: through the message queue
-        (when ``group`` is None and ``src`` is its writer), else as bytes over
-        ``group`` (default the CPU group)."""
-        if group is None and self.mq_broadcaster is not None and src == self.mq_writer_rank:
-            self._check_live("broadcast_object")
-            return self.mq_broadcaster.broadcast_object(obj)  # the group's timeout is its default
-        return self._cpu_call(
-            "broadcast_object", object_comm.broadcast_object,
-            obj if self.rank_in_group == src else None, self.ranks[src],
-            group or self.cpu_group, self.codec, self.rank_in_group == src,
-        )
+    def _broadcast_raw(self, obj: Any, src: int, group: dist.ProcessGroup | None = None,
+                       op: str = "broadcast_object", queue: bool = True) -> Any:
+        """One object from ``src`` to all, unchecked.
+
+        Through the message queue when ``queue``, ``group`` is None and ``src``
+        is its writer (the message carries this collective call's number, see
+        :mod:`coordinator.broadcast_stamps`); else as bytes through this
+        group's signed CPU communicator (``group`` None), or as plain gloo
+        broadcasts over ``group``.
+        """
+        if (queue and group is None and self.mq_broadcaster is not None
+                and src == self.mq_writer_rank):
+            self._check_live(op)
+            mq = self.mq_broadcaster  # the group's timeout is its default
+            if self.rank_in_group == src:
+                mq.broadcast_object(stamps.stamp(obj, self.collectives, op))
+                return obj
+            return stamps.unstamp(mq.broadcast_object(None), self.collectives, op,
+                                  self.unique_name, src, self.calls)
+        self._check_live(op)
+        if group is None:
+            bcast = object_comm.comm_broadcast(self._cpu_comm(), src)
+        else:
+            bcast = object_comm.gloo_broadcast(self.ranks[src], group)
+        is_src = self.rank_in_group == src
+        return object_comm.broadcast_object(obj if is_src else None, self.ranks[src], bcast,
+                                            self.codec, is_src)
+
+    def _cpu_comm(self) -> DeviceCommunicator:
+        """The communicator that carries this group's CPU bytes (objects, metadata):
+        the device communicator on a CPU group, else a signed gloo one over
+        ``cpu_group``, built at first use."""
+        if self.device.type == "cpu":
+            return self.comm
+        if self._cpu_side is None:
+            self._cpu_side = TorchDistributedCommunicator(
+                self.cpu_group, torch.device("cpu"), self.cpu_group, self.unique_name,
+                timeout=self.timeout)
+        return self._cpu_side
 
     def broadcast_object_list(
         self, obj_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None
     ) -> list[Any]:
         """Broadcast a list of objects in place (like ``torch.distributed``, without pickle).
 
-        The list travels as one message over the CPU group (or ``group``);
-        receivers pass a list of the same length, whose items are replaced.
+        The list travels as one message through the group's CPU communicator
+        (signed calls, as :meth:`broadcast_object`), or as plain gloo
+        broadcasts over ``group`` when given; receivers pass a list of the
+        same length, whose items are replaced.
 
         Raises:
             TypeError: On ``src``: an entry cannot be encoded (receivers raise
@@ -425,18 +478,19 @@ class GroupCoordinator:
             raise TypeError(f"group must be a torch ProcessGroup or None, got {type(group).__name__}")
         if self.world_size == 1:
             return obj_list
-        pg = group or self.cpu_group
+        op = "broadcast_object_list"
         if self.rank_in_group == src:
             try:
-                self._broadcast_raw(list(obj_list), src, pg)
+                self._broadcast_raw(list(obj_list), src, group, op, queue=False)
             except SERIALIZE_ERRORS as e:  # nothing was sent: tell the receivers instead
-                self._broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src, pg)
+                self._broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src, group, op,
+                                    queue=False)
                 raise TypeError(
                     f"broadcast_object_list on group {self.unique_name!r}: an entry of "
                     f"obj_list cannot be serialised ({type(e).__name__}: {e})"
                 ) from e
             return obj_list
-        got = self._broadcast_raw(None, src, pg)
+        got = self._broadcast_raw(None, src, group, op, queue=False)
         why = _list_mismatch(got, len(obj_list))
         if why is not None:
             raise CollectiveMismatch(
@@ -456,7 +510,7 @@ class GroupCoordinator:
                 ``CollectiveMismatch``.
         """
         self._run("send_object", async_p2p.ordered, self, SEND, dst, "send_object",
-                  self._send_object, obj, dst, partner=_peer(dst))
+                  self._send_object, obj, dst, partner=_peer(dst), p2p=True)
 
     def _send_object(self, obj: Any, dst: int) -> None:
         """:meth:`send_object` without counting a call (for calls built on it)."""
@@ -472,7 +526,7 @@ class GroupCoordinator:
             DecodeError: The bytes received are malformed.
         """
         return self._run("recv_object", async_p2p.ordered, self, RECV, src, "recv_object",
-                         self._recv_object, src, partner=_peer(src))
+                         self._recv_object, src, partner=_peer(src), p2p=True)
 
     def _recv_object(self, src: int) -> Any:
         """:meth:`recv_object` without counting a call (for calls built on it)."""
@@ -495,10 +549,13 @@ class GroupCoordinator:
         Receivers allocate and get a new dict.
         """
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
         try:
             return self._broadcast_tensor_dict(tensor_dict, src, group, metadata_group)
         except WAIT_ERRORS as e:
-            self._errors.explain("broadcast_tensor_dict", seq, e, writer=self.mq_writer_rank)
+            self._errors.explain("broadcast_tensor_dict", seq, e, writer=self.mq_writer_rank,
+                                 started=started)
             raise
 
     def _broadcast_tensor_dict(self, tensor_dict: Mapping[Any, Any] | None, src: int,
@@ -538,7 +595,7 @@ class GroupCoordinator:
         self._check_peer(dst, "dst")
         self._run("send_tensor_dict", async_p2p.ordered, self, SEND, dst, "send_tensor_dict",
                   tensor_dict_ops.send_tensor_dict, self, tensor_dict, dst,
-                  _ag(all_gather_group), all_gather_tensors, partner=dst)
+                  _ag(all_gather_group), all_gather_tensors, partner=dst, p2p=True)
 
     def recv_tensor_dict(
         self,
@@ -559,7 +616,7 @@ class GroupCoordinator:
         self._check_peer(src, "src")
         return self._run("recv_tensor_dict", async_p2p.ordered, self, RECV, src,
                          "recv_tensor_dict", tensor_dict_ops.recv_tensor_dict, self, src,
-                         _ag(all_gather_group), partner=src)
+                         _ag(all_gather_group), partner=src, p2p=True)
 
     # ------------------------------------------------------------------ asynchronous p2p
     # Handles with wait(timeout=None) / is_completed(); order, errors and closing:
@@ -601,18 +658,22 @@ class GroupCoordinator:
         """
         wait_s = check_timeout(timeout, default=self.timeout, positive=True)
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
         if self.world_size == 1:
             return
         self._check_live("barrier")
         try:
             self._monitored_barrier(wait_s)
         except WAIT_ERRORS as e:
-            self._errors.explain("barrier", seq, e)
+            self._errors.explain("barrier", seq, e,
+                                 started=started if wait_s == self.timeout else None)
             raise
 
     def _monitored_barrier(self, wait_s: float) -> None:
         """gloo's monitored barrier: group rank 0 collects every rank and names the
         missing ones; the others wait for rank 0's release."""
+        start = time.monotonic()
         try:
             dist.monitored_barrier(group=self.cpu_group,
                                    timeout=datetime.timedelta(seconds=wait_s),
@@ -622,6 +683,10 @@ class GroupCoordinator:
             if found is None:
                 raise
             missing = [int(r) for r in found.group(1).replace(",", " ").split()]
+            if time.monotonic() - start < 0.9 * wait_s:
+                # Failed before the timeout: their connection broke, so they are
+                # probably exiting; let the explanation see them gone.
+                self._errors.await_exit(missing)
             raise CommTimeout(
                 f"group {self.unique_name!r}, op barrier: rank(s) {missing} did not arrive "
                 f"within {wait_s:g}s ({str(e).splitlines()[0]})",
@@ -729,6 +794,9 @@ class GroupCoordinator:
         comm, self.comm = self.comm, setup.DestroyedComm(self.unique_name)  # type: ignore[assignment]
         self.device_communicator = None
         comm.destroy()
+        if self._cpu_side is not None:
+            self._cpu_side.destroy()
+            self._cpu_side = None
         for pg in {id(self.cpu_group): self.cpu_group, id(self.device_group): self.device_group}.values():
             if pg is not None and dist.is_initialized():
                 with contextlib.suppress(Exception):
@@ -751,14 +819,19 @@ class GroupCoordinator:
         if self._destroyed:
             raise NotInitializedError(setup.destroyed_msg(self.unique_name, op))
 
-    def _run(self, op: str, fn: Any, *args: Any, partner: int | None = None) -> Any:
-        """Run ``fn(*args)`` as call ``op`` of this group: numbered, and a failed wait
-        explained (see :mod:`coordinator.call_errors`). The busiest calls inline this."""
+    def _run(self, op: str, fn: Any, *args: Any, partner: int | None = None,
+             p2p: bool = False) -> Any:
+        """Run ``fn(*args)`` as call ``op`` of this group: numbered (a collective
+        call, unless ``p2p``), and a failed wait explained (see
+        :mod:`coordinator.call_errors`). The busiest calls inline this."""
         self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        if not p2p:
+            self.collectives += 1
         try:
             return fn(*args)
         except WAIT_ERRORS as e:
-            self._errors.explain(op, seq, e, partner=partner)
+            self._errors.explain(op, seq, e, partner=partner, started=started)
             raise
 
     def _cpu_call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -2,11 +2,18 @@
 
 An object is encoded with the message queue's codec (:mod:`shm_broadcast.codec`:
 msgspec msgpack for the structure, tensors and arrays out of band as raw
-bytes). What travels over gloo is
+bytes). What travels is
 
 1. a header, one int64 tensor ``[msg_len, blob_len]``;
 2. when non-empty, one uint8 tensor holding the msgpack bytes followed by the
    arrays' raw bytes.
+
+Point to point, both go as plain gloo sends. Broadcasts go through a
+:data:`Broadcast` function: a group's own (CPU) communicator
+(:func:`comm_broadcast`), whose calls are signed, so a rank that skipped the
+broadcast or made another call there raises ``CollectiveMismatch`` on every
+rank instead of pairing its bytes with another call; or plain gloo
+broadcasts over a group the caller named (:func:`gloo_broadcast`).
 
 The receiver checks the header (non-negative sizes, at most
 :data:`MAX_OBJECT_BYTES`) before it allocates, and decodes with the same
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import pickle
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,6 +54,8 @@ __all__ = [
     "send_object",
     "recv_object",
     "broadcast_object",
+    "comm_broadcast",
+    "gloo_broadcast",
 ]
 
 #: Largest object (msgpack plus raw array bytes) a receiver accepts: 1 TiB.
@@ -200,9 +209,33 @@ def recv_object(src_global: int, group: dist.ProcessGroup, codec: Codec | Object
     return _unpack(mlen, blen, payload, codec)
 
 
-def broadcast_object(obj: Any, src_global: int, group: dist.ProcessGroup,
+#: Broadcasts a tensor in place from the source (returns the filled tensor).
+Broadcast = Callable[[torch.Tensor], torch.Tensor]
+
+
+def gloo_broadcast(src_global: int, group: dist.ProcessGroup) -> Broadcast:
+    """Plain ``torch.distributed`` broadcasts over ``group`` (unsigned)."""
+    def bcast(t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, src=src_global, group=group)
+        return t
+    return bcast
+
+
+def comm_broadcast(comm: Any, src: int) -> Broadcast:
+    """Broadcasts through a device communicator serving CPU tensors: signed calls,
+    so a rank that called something else makes every rank raise
+    ``CollectiveMismatch`` instead of pairing bytes with another call."""
+    def bcast(t: torch.Tensor) -> torch.Tensor:
+        return comm.broadcast(t, src)
+    return bcast
+
+
+def broadcast_object(obj: Any, src_global: int, bcast: Broadcast,
                      codec: Codec | ObjectCodec, is_src: bool) -> Any:
     """Broadcast ``obj`` from global rank ``src_global``; returns it on every rank.
+
+    ``bcast`` moves the header, then the payload (:func:`comm_broadcast` or
+    :func:`gloo_broadcast`).
 
     No failure handling: on the source, an object that cannot be encoded raises
     ``TypeError`` before anything is sent, and the caller then broadcasts a
@@ -215,15 +248,14 @@ def broadcast_object(obj: Any, src_global: int, group: dist.ProcessGroup,
     """
     if is_src:
         header, payload = _pack(obj, codec)
-        dist.broadcast(header, src=src_global, group=group)
+        bcast(header)
         if payload.numel():
-            dist.broadcast(payload, src=src_global, group=group)
+            bcast(payload)
         return obj
-    header = torch.empty(2, dtype=torch.int64)
-    dist.broadcast(header, src=src_global, group=group)
+    header = bcast(torch.empty(2, dtype=torch.int64))
     mlen, blen, payload = _payload_for(header, src_global)
     if payload.numel():
-        dist.broadcast(payload, src=src_global, group=group)
+        payload = bcast(payload)
     if blen == -1:  # senders of broadcasts send SourceFailure objects, never this form
         raise DecodeError(f"corrupt object header from global rank {src_global}",
                           peers=(src_global,))

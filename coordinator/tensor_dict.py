@@ -291,7 +291,7 @@ def _bcast_meta(
     """
     if group is not None or metadata_group is not None:
         return coord._broadcast_raw(obj, src, metadata_group or coord.cpu_group)
-    return coord._broadcast_raw(obj, src)
+    return coord._broadcast_raw(obj, src, op="broadcast_tensor_dict")
 
 
 def _bcast_tensor(

@@ -28,10 +28,13 @@ the source's shape and dtype. Hashes of tuples of ints are the same in every
 process (Python randomises only ``str``/``bytes`` hashes), and the group id
 uses CRC-32 of the name for the same reason.
 
-:func:`settle` turns the headers every rank sees into the same verdict on
-every rank: a rejection (the lowest rejecting rank is named), a mismatch (the
-ranks outside the largest agreeing class are named, with what they called),
-or agreement.
+:func:`settle` turns the headers every rank sees into a verdict: a rejection
+(the lowest rejecting rank is named), a mismatch (the ranks outside the
+largest agreeing class are named, with what they called), or agreement. Every
+rank reaches the same verdict, except whom a mismatch names when the largest
+classes tie (two ranks that disagree, two hosts): nobody can tell which side
+is wrong, so each rank names the ranks outside its own class (its peers in
+the other class, never itself), as the shared-memory engine does.
 """
 
 from __future__ import annotations
@@ -62,7 +65,18 @@ _ROOT_KINDS = frozenset({"broadcast", "gather", "reduce", "scatter", "send/recv"
 
 
 def group_id(name: str) -> int:
-    """A stable 32-bit id of a communicator's unique name."""
+    """A stable 32-bit id of a communicator's unique name, without its process counter.
+
+    A GroupCoordinator's unique name is ``<base>:<n>``, ``n`` counting the
+    groups of that base this *process* created: a process that destroyed and
+    re-created its groups has ``tp:1`` where a freshly started peer (a
+    replacement rank) has ``tp:0`` for the same group. The id is meant to tell
+    apart communicators sharing one gloo group, which have different bases,
+    so the counter is left out.
+    """
+    base, sep, counter = name.rpartition(":")
+    if sep and counter.isdigit():
+        name = base
     return zlib.crc32(name.encode("utf-8", "replace"))
 
 
@@ -152,7 +166,8 @@ def settle(
     text: Callable[[int], str],
     members: Callable[[int], Sequence[int]] | None = None,
 ) -> bool:
-    """Decide a call from every participant's header; the same on every rank.
+    """Decide a call from every participant's header (the same on every rank, but
+    for whom a tied mismatch names: see the module docstring).
 
     Args:
         name: The group's unique name (for messages).
@@ -194,19 +209,21 @@ def settle(
     for r in sorted(headers):
         classes.setdefault(tuple(int(x) for x in headers[r][_AGREE]), []).append(r)
     if len(classes) > 1:
-        raise _mismatch(name, op, headers, list(classes.values()), members)
+        raise _mismatch(name, op, me, headers, list(classes.values()), members)
     return False
 
 
 def _mismatch(
     name: str,
     op: str,
+    me: int,
     headers: Mapping[int, np.ndarray],
     classes: list[list[int]],
     members: Callable[[int], Sequence[int]] | None,
 ) -> CollectiveMismatch:
-    """The error naming who called what, the largest agreeing class last."""
-    classes.sort(key=lambda c: (-len(c), c[0]))  # the majority first; ties: lowest rank
+    """The error naming who called what, the largest agreeing class last (ties:
+    this rank's class if it is among the largest, else the lowest rank's)."""
+    classes.sort(key=lambda c: (-len(c), me not in c, c[0]))
     who = members or (lambda r: [r])
     lines = []
     for c in classes:

@@ -26,15 +26,26 @@ Signatures. Stage 1 is a shared-memory step carrying the call's signature,
 so the ranks of a node agree first. Each leader's first message of stage 2 is
 an envelope (:mod:`device_comms.envelopes`): its node's call header, with the
 partial result when it is small, or a REJECTED/FAILED header passing on what
-went wrong on its node. Every leader settles the same headers alike, and
-stage 3 (the broadcast step) carries the verdict to the node's other ranks:
+went wrong on its node. Every leader settles the same headers alike (a
+mismatch between tied classes, e.g. two nodes, names the other side on each
+node: :func:`~device_comms.call_signature.settle`), and stage 3 (the broadcast step) carries the verdict to the node's other ranks:
 the result, or the error relayed with :meth:`StepSync.relay`::
 
     node A: rank 0 (leader), rank 1          node B: rank 2 (leader), rank 3
     step 1 (shm): sig(all_reduce ...)        step 1 (shm): sig(...)
     rank 0 -- header + partial -->  <-- header + partial -- rank 2
-    both leaders: settle(headers) -> same verdict
+    both leaders: settle(headers) -> verdict
     step 2 (shm): result or relay(error)     step 2 (shm): result or relay(error)
+
+When a leader's exchange fails (a remote leader timed out, died or closed
+its connections), the leader relays the failure to its node's ranks, naming
+the other nodes' ranks: a :class:`CollectiveTimeout` when gloo timed out, a
+:class:`PeerDiedError` marked ``suspected`` when a connection closed (its
+receivers check which of those ranks' processes are gone before they call
+any of them dead, as for a closed connection of their own). The node's
+ranks wait for the verdict a little longer than the group's timeout
+(:data:`VERDICT_GRACE_S`) so that it reaches them; they then know which
+ranks did not arrive, not just that their leader did not answer.
 
 The other collectives of a hierarchical communicator run over gloo; they
 first :meth:`HierarchicalAllReduce.agree` the same way (a step, the leaders'
@@ -46,7 +57,8 @@ on its node, and its leader passes it on.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -55,7 +67,10 @@ import torch.distributed as dist
 from device_comms import host_alloc
 from device_comms.call_signature import FAILED, REJECTED, group_id, settle, template
 from device_comms.envelopes import INLINE_MAX, Envelopes, as_bytes, failure_header, reason_bytes
-from device_comms.errors import CollectiveMismatch, PeerRejectedError
+from device_comms.errors import (
+    CollectiveMismatch, CollectiveTimeout, GroupCoordError, PeerDiedError, PeerRejectedError,
+    translate_backend_error,
+)
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_engine import ShmEngine
@@ -63,6 +78,10 @@ from device_comms.shm_engine import ShmEngine
 __all__ = ["HierarchicalAllReduce", "LEADER_TAG"]
 
 LEADER_TAG = 0x6763  # "gc": keeps leader traffic apart from user send/recv (tag 0)
+#: Seconds a non-leader waits for its leader's verdict beyond the group's
+#: timeout: a leader whose exchange with the other leaders timed out (at the
+#: group's timeout) then still relays that, naming the other nodes' ranks.
+VERDICT_GRACE_S = 1.0
 
 
 class HierarchicalAllReduce:
@@ -142,9 +161,11 @@ class HierarchicalAllReduce:
                 local_err = e
         if not self.is_leader:
             if reason is None and eng is not None:
-                eng.sync.step(op, sig[0], sig[1], True)  # the leader's verdict
+                with self._awaiting_verdict():
+                    eng.sync.step(op, sig[0], sig[1], True)  # the leader's verdict
             return
-        err = self._verdict(op, header, reason, local_err, None)
+        with self._relaying_failures(op, reason is None and local_err is None):
+            err = self._verdict(op, header, reason, local_err, None)
         if local_err is not None:  # this node's ranks already know
             raise local_err
         if eng is not None and reason is None:
@@ -154,6 +175,47 @@ class HierarchicalAllReduce:
                 eng.sync.relay(op, err)
         if err is not None:
             raise err
+
+    @contextlib.contextmanager
+    def _awaiting_verdict(self) -> Iterator[None]:
+        """On a non-leader: wait for the leader's verdict up to :data:`VERDICT_GRACE_S`
+        beyond the timeout (the engine runs one call at a time, so the
+        synchroniser's timeout may be lengthened for this one step)."""
+        sync = self.engine.sync  # type: ignore[union-attr]
+        saved = sync.timeout
+        if saved is not None:
+            sync.timeout = saved + VERDICT_GRACE_S
+        try:
+            yield
+        finally:
+            sync.timeout = saved
+
+    @contextlib.contextmanager
+    def _relaying_failures(self, op: str, node_waits: bool) -> Iterator[None]:
+        """On a leader: when the exchange with the other leaders fails (gloo's
+        timeout or a closed connection), tell this node's ranks, which wait
+        for the verdict (``node_waits``), before raising the failure here."""
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, GroupCoordError) or not node_waits or self.engine is None:
+                raise
+            remote = [r for r, j in enumerate(self.nodes) if j != self.node]
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            closed = isinstance(translate_backend_error(e, self.name), PeerDiedError)
+            what = "closed its connections" if closed else "failed"
+            text = (f"group {self.name!r}, op {op}: the exchange of this node's leader (rank "
+                    f"{self.me}) with the other nodes' leaders {what} ({first}); rank(s) "
+                    f"{remote} on the other nodes did not complete the call")
+            lost: GroupCoordError
+            if closed:
+                lost = PeerDiedError(text, queue=self.name, peers=remote)
+                lost.suspected = True  # type: ignore[attr-defined]
+            else:
+                lost = CollectiveTimeout(text, queue=self.name, peers=remote)
+            with contextlib.suppress(GroupCoordError):  # a local rank gone too: it is reported
+                self.engine.sync.relay(op, lost)
+            raise
 
     def reject(self, op: str, reason: str) -> None:
         """Take part in ``op`` (any collective) as a rank that rejected its arguments."""
@@ -182,10 +244,12 @@ class HierarchicalAllReduce:
                 local_err = e
         if not self.is_leader:
             result = host_alloc.empty(t.shape, t.dtype)
-            eng.broadcast(result, 0, signed=signed, name="all_reduce")  # type: ignore[union-attr]
+            with self._awaiting_verdict():
+                eng.broadcast(result, 0, signed=signed, name="all_reduce")  # type: ignore[union-attr]
             self.intra_node_shm_steps += 1
         else:
-            result = self._leader_all_reduce(t, partial, inner, header, local_err)
+            with self._relaying_failures("all_reduce", local_err is None):
+                result = self._leader_all_reduce(t, partial, inner, header, local_err)
             if eng is not None:
                 eng.broadcast(result, 0, signed=signed, name="all_reduce")
                 self.intra_node_shm_steps += 1

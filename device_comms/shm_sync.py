@@ -137,6 +137,7 @@ from device_comms.errors import (  # BrokenCommunicator re-exported for older im
     CollectiveTimeout,
     DecodeError,
     DeviceCommError,
+    GroupCoordError,
     PeerDiedError,
     PeerRejectedError,
 )
@@ -393,20 +394,31 @@ class StepSync:
             slot[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.step(op, REJECTED, len(data), True)
 
-    def relay(self, op: str, error: CollectiveMismatch) -> None:
+    def relay(self, op: str, error: GroupCoordError) -> None:
         """Take part in a step as a rank that passes on an error found elsewhere.
 
         A node leader uses this when another node's ranks rejected or
-        mismatched a call its own local ranks agreed on: it writes ``error``
-        (its class, culprit rank and message, as msgpack) into its slot and
-        publishes the step with the :data:`FAILED` signature; the local peers
-        in the step raise the same class naming the same culprit. Returns
-        normally (the caller raises ``error`` itself).
+        mismatched a call its own local ranks agreed on, or when its exchange
+        with the other nodes' leaders failed (a timeout, a closed connection):
+        it writes ``error`` (its kind, culprit ranks and message, as msgpack)
+        into its slot and publishes the step with the :data:`FAILED`
+        signature; the local peers in the step raise the same kind of error
+        naming the same ranks (:class:`PeerRejectedError`,
+        :class:`CollectiveMismatch`, :class:`CollectiveTimeout` for an exchange
+        that timed out, or :class:`PeerDiedError` marked ``suspected`` for one
+        whose connection closed). Returns normally (the caller raises ``error`` itself).
         """
-        culprit = error.peers[0] if error.peers and isinstance(error.peers[0], int) else -1
-        kind = "rejected" if isinstance(error, PeerRejectedError) else "mismatch"
-        text = error.reason if isinstance(error, PeerRejectedError) else str(error)
-        data = msgspec.msgpack.encode((kind, culprit, text[:_REASON_MAX]))
+        peers = [p for p in error.peers if isinstance(p, int) and not isinstance(p, bool)]
+        culprit = peers[0] if peers else -1
+        if isinstance(error, PeerRejectedError):
+            kind, text = "rejected", error.reason
+        elif isinstance(error, CollectiveMismatch):
+            kind, text = "mismatch", str(error)
+        elif isinstance(error, PeerDiedError):
+            kind, text = "closed", str(error)
+        else:
+            kind, text = "timeout", str(error)
+        data = msgspec.msgpack.encode((kind, culprit, text[:_REASON_MAX], peers[:64]))
         data = data[: self.ws.slot_bytes]
         slot = self.ws.slot(self.next_parity, self.me, torch.uint8)
         slot[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -508,16 +520,23 @@ class StepSync:
             if hdr[w] != a or hdr[w + 1] != b:
                 self._mismatch(op, r, a, b, hdr[w], hdr[w + 1])
 
-    def _relayed(self, op: str, r: int, raw: bytes) -> CollectiveMismatch:
+    def _relayed(self, op: str, r: int, raw: bytes) -> GroupCoordError:
         """The error local rank ``r`` relayed with :meth:`relay`, to raise here."""
         try:
-            kind, culprit, text = msgspec.msgpack.decode(raw, type=tuple[str, int, str])
+            kind, culprit, text, peers = msgspec.msgpack.decode(
+                raw, type=tuple[str, int, str, list[int]])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return DecodeError(
                 f"group {self.name!r}, op {op}: rank {self.group_ranks[r]} relayed an error "
                 f"that does not decode ({e})", queue=self.name, peers=(self.group_ranks[r],))
         if kind == "rejected":
             return PeerRejectedError(self.name, op, culprit, text)
+        if kind == "timeout":
+            return CollectiveTimeout(text, queue=self.name, peers=peers)
+        if kind == "closed":  # a connection closed: death suspected, not seen
+            died = PeerDiedError(text, queue=self.name, peers=peers)
+            died.suspected = True  # type: ignore[attr-defined]
+            return died
         return CollectiveMismatch(text, queue=self.name, peers=(culprit,))
 
     def _mismatch(self, op: str, r: int, a: int, b: int, pa: int, pb: int) -> None:

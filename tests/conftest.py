@@ -15,6 +15,7 @@ from shm_broadcast import leftovers
 from shm_broadcast.channel_dirs import list_channel_dirs
 from shm_broadcast.reaper import MARKER as REAPER_MARKER
 from shm_broadcast.segment import SHM_DIR, _unlink_quietly, list_orphan_records, list_segments
+from tests.faults.rig import live_rig_pids
 
 # A process's exit reaper lives as long as the process: not a leak of the test.
 _IGNORED_CHILDREN = ("resource_tracker", "forkserver", REAPER_MARKER)
@@ -155,9 +156,12 @@ def no_leaks() -> Iterator[None]:
     deadline = time.monotonic() + 5.0
     while True:
         allowed = _pool_family()
+        # Idle fault-rig workers outlive a test as pool workers do; their files
+        # are still checked (the rig also checks each case's files itself).
+        idle = allowed | live_rig_pids()
         kids = [
             c for c in me.children(recursive=True)
-            if c.pid not in kids_before and c.pid not in allowed and not _is_ignored(c)
+            if c.pid not in kids_before and c.pid not in idle and not _is_ignored(c)
         ]
         files = leaks.find(watch.sample() | watch.seen, allowed)
         if (not kids and not files) or time.monotonic() > deadline:

@@ -460,3 +460,77 @@ def bad_layout(rank: int, world_size: int, path: str, kind: str) -> dict[str, An
     after = comm.all_reduce(torch.ones(2)).tolist()
     comm.destroy()
     return {"calls": calls, "after": after}
+
+
+# ---------------------------------------------------------------------- group ids
+def test_group_id_ignores_the_process_counter() -> None:
+    from device_comms.call_signature import group_id
+
+    assert group_id("tp:0") == group_id("tp:7") == group_id("tp")
+    assert group_id("tp:0") != group_id("pp:0")
+    assert group_id("sig-gloo") != group_id("sig-shm")
+    assert group_id("a:b") != group_id("a")  # only a numeric counter is left out
+
+
+def counters_differ(rank: int, world_size: int, shm: bool) -> tuple[str, list[float]]:
+    """Rank 1 made more groups before (a process that re-created its groups, next to
+    a fresh replacement rank): the same group has another ``ctr:<n>`` name on each
+    rank, and its signed calls must still agree."""
+    import os
+
+    from coordinator import GroupCoordinator
+    from coordinator.group_registry import REGISTRY
+
+    if rank == 1:
+        REGISTRY.unique_name("ctr")
+        REGISTRY.unique_name("ctr")
+    os.environ["GROUPCOORD_CPU_SHM"] = "1" if shm else "0"
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="ctr")
+    try:
+        out = g.all_reduce(torch.ones(4) * (rank + 1))
+        got = g.broadcast_object({"n": 3} if rank == 0 else None, 0)
+        return g.unique_name, out.tolist() + [float(got["n"])]
+    finally:
+        g.destroy()
+        os.environ.pop("GROUPCOORD_CPU_SHM", None)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
+def test_ranks_whose_group_counters_differ_still_agree(dist_pool, shm: bool) -> None:
+    (name0, got0), (name1, got1) = dist_pool(2).run(counters_differ, shm, timeout=45)
+    assert name0 != name1
+    assert got0 == got1 == [3.0] * 4 + [3.0]
+
+
+# ---------------------------------------------------------------------- whom a mismatch names
+def _headers(calls: dict[int, str]) -> dict[int, Any]:
+    import numpy as np
+
+    from device_comms.call_signature import group_id, layout_key, template
+
+    shapes = {"a": (4, 2), "b": (7,), "c": (3,)}
+    return {r: template(group_id("tp:0"), "all_reduce", torch.float32, None, 0,
+                        layout_key(shapes[c]), shapes[c]).astype(np.int64)
+            for r, c in calls.items()}
+
+
+@pytest.mark.parametrize("calls,named", [
+    ({0: "a", 1: "a", 2: "a", 3: "b"}, {r: [3] for r in range(4)}),
+    ({0: "b", 1: "a", 2: "a", 3: "a"}, {r: [0] for r in range(4)}),
+    ({0: "b", 1: "a"}, {0: [1], 1: [0]}),
+    ({0: "a", 1: "a", 2: "b", 3: "b"}, {0: [2, 3], 1: [2, 3], 2: [0, 1], 3: [0, 1]}),
+    ({0: "a", 1: "b", 2: "c"}, {0: [1, 2], 1: [0, 2], 2: [0, 1]}),
+], ids=["minority-last", "minority-first", "tie-of-two", "tie-of-pairs", "three-way"])
+def test_a_mismatch_names_the_minority_or_on_a_tie_the_other_side(
+        calls: dict[int, str], named: dict[int, list[int]]) -> None:
+    """The ranks outside the largest class are named, the same on every rank; on a
+    tie every rank names the ranks outside its own class (two ranks that disagree
+    cannot tell which one is wrong), never itself."""
+    from device_comms.call_signature import settle
+
+    heads = _headers(calls)
+    for me, want in named.items():
+        with pytest.raises(CollectiveMismatch) as info:
+            settle("tp:0", "all_reduce", me, heads, lambda r: "")
+        assert sorted(info.value.peers) == want, (me, str(info.value))

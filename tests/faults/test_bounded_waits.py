@@ -234,3 +234,40 @@ def test_a_live_peer_that_gave_up_is_not_reported_dead(dist_pool) -> None:
     assert "op recv_object, call #1" in r0["text"], r0
     assert r1["error"] == "ClosedError" and r1["peers"] == [0], r1
     assert "alive" in r1["text"] and "gave-up" in r1["text"], r1
+
+
+def _gave_up_while_waiting(rank: int, world_size: int) -> dict[str, Any]:
+    """Both ranks wait to receive from each other (a p2p deadlock); rank 1 entered
+    0.2 s later, so rank 0 times out first and closes its connections while rank 1,
+    1.8 s into its 2 s wait, still waits."""
+    from coordinator import GroupCoordinator
+    from coordinator.errors import GroupCoordError
+
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
+                         group_name="gave-up-late", timeout=2.0)
+    g.barrier()
+    try:
+        if rank == 1:
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        g.recv_object(src=1 - rank)
+        return {"error": None}
+    except GroupCoordError as e:
+        return {"error": type(e).__name__, "text": str(e), "peers": list(e.peers),
+                "after": time.monotonic() - t0}
+    finally:
+        time.sleep(0.5)
+        g.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_gave_up_at_its_timeout_is_a_timeout_here_too(dist_pool) -> None:
+    """Closed by a live peer that timed out while this rank waited (most of the
+    timeout gone): CommTimeout naming it, not ClosedError."""
+    r0, r1 = dist_pool(2).run(_gave_up_while_waiting, timeout=90)
+    assert r0["error"] == "CommTimeout" and r0["peers"] == [1], r0
+    assert r1["error"] == "CommTimeout" and r1["peers"] == [0], r1
+    # It saw the closed connection, not its own timeout, and did not look for an
+    # exiting process that long.
+    assert "gave up waiting" in r1["text"] and "op recv_object" in r1["text"], r1
+    assert r1["after"] < 2.0, r1
