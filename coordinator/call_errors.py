@@ -69,7 +69,7 @@ from shm_broadcast.group_adapter import object_group
 from shm_broadcast.segment import OwnerIdentity
 from shm_broadcast.waiting import PeerWatch
 
-__all__ = ["CallErrors", "WAIT_ERRORS", "own_identity"]
+__all__ = ["CallErrors", "WAIT_ERRORS", "own_identity", "peer_rank"]
 
 #: Seconds to keep looking at peers' processes before reporting a closed
 #: connection from a live peer: an exiting process closes its sockets before it
@@ -384,3 +384,8 @@ def _first_line(e: BaseException | None) -> str:
 def _is_backend_error(e: BaseException | None) -> bool:
     """Whether ``e`` is a backend's own error (gloo's RuntimeError), not one of ours."""
     return isinstance(e, RuntimeError) and not isinstance(e, GroupCoordError)
+
+
+def peer_rank(rank: Any) -> int | None:
+    """A point-to-point call's peer rank, when it is one (for error messages)."""
+    return rank if type(rank) is int else None

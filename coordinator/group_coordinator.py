@@ -28,21 +28,19 @@ import dataclasses
 import datetime
 import re
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from coordinator import async_p2p, custom_ops
-from coordinator import broadcast_stamps as stamps
-from coordinator.call_errors import WAIT_ERRORS, CallErrors
+from coordinator.call_errors import WAIT_ERRORS, CallErrors, peer_rank
 from coordinator import group_setup as setup
-from coordinator import tensor_dict as tensor_dict_ops
-from coordinator.async_p2p import RECV, SEND, P2PHandle
-from coordinator.errors import CollectiveMismatch, CommTimeout, NotInitializedError
+from coordinator.async_p2p import RECV, SEND
+from coordinator.errors import CommTimeout, NotInitializedError
+from coordinator.group_objects import GroupObjectCalls
 from coordinator.group_registry import REGISTRY
-from coordinator import object_comm
-from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
+from coordinator.group_tensor_dicts import GroupTensorDictCalls
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms import validation
 from shm_broadcast.checks import check_timeout
@@ -65,7 +63,7 @@ class GraphCaptureContext:
 
 _MONITORED_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
-class GroupCoordinator:
+class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
     """Collectives for one group of ranks (one parallel dimension).
 
     Every process calls the constructor with the same ``group_ranks`` (all
@@ -343,7 +341,7 @@ class GroupCoordinator:
         try:
             return async_p2p.ordered(self, SEND, dst, "send", self.comm.send, tensor, dst)
         except WAIT_ERRORS as e:
-            self._errors.explain("send", seq, e, partner=_peer(dst), started=started)
+            self._errors.explain("send", seq, e, partner=peer_rank(dst), started=started)
             raise
 
     def recv(
@@ -357,289 +355,8 @@ class GroupCoordinator:
         try:
             return async_p2p.ordered(self, RECV, src, "recv", self.comm.recv, size, dtype, src)
         except WAIT_ERRORS as e:
-            self._errors.explain("recv", seq, e, partner=_peer(src), started=started)
+            self._errors.explain("recv", seq, e, partner=peer_rank(src), started=started)
             raise
-
-    # ------------------------------------------------------------------ objects
-    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        """Broadcast a Python object from ``src``; returns it on every rank.
-
-        Uses the message queue when the group has one and ``src`` is its
-        writer, else broadcasts of the group's CPU communicator (signed calls:
-        a rank making another call there raises ``CollectiveMismatch`` on
-        every rank). Either way the object travels as msgspec
-        msgpack with tensors and arrays out of band (see
-        :mod:`shm_broadcast.codec` for what is carried exactly); nothing is
-        pickled unless the group was created with ``allow_pickle=True``.
-
-        Raises:
-            TypeError: On ``src``: ``obj`` cannot be encoded (the message names
-                the type and the ``allow_pickle`` opt-in). The other ranks are
-                told and raise ``CollectiveMismatch`` instead of waiting forever.
-            DecodeError: On a receiver: the bytes received are malformed.
-        """
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        self.collectives += 1
-        try:
-            return self._broadcast_object(obj, src)
-        except WAIT_ERRORS as e:
-            self._errors.explain("broadcast_object", seq, e, writer=self.mq_writer_rank,
-                                 started=started)
-            raise
-
-    def _broadcast_object(self, obj: Any, src: int) -> Any:
-        validation.check_rank(src, self.world_size, "src")
-        if self.world_size == 1:
-            return obj
-        if self.rank_in_group == src:
-            try:
-                return self._broadcast_raw(obj, src)
-            except SERIALIZE_ERRORS as e:
-                self._broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src)
-                raise TypeError(
-                    f"broadcast_object on group {self.unique_name!r}: obj of type "
-                    f"{type(obj).__name__} cannot be serialised ({type(e).__name__}: {e})"
-                ) from e
-        got = self._broadcast_raw(None, src)
-        if isinstance(got, SourceFailure):
-            raise CollectiveMismatch(
-                f"broadcast_object on group {self.unique_name!r}: the source rank {src} could "
-                f"not send its object ({got.message}); fix the call on rank {src}",
-                queue=self.unique_name, peers=(src,),
-            )
-        return got
-
-    def _broadcast_raw(self, obj: Any, src: int, group: dist.ProcessGroup | None = None,
-                       op: str = "broadcast_object", queue: bool = True) -> Any:
-        """One object from ``src`` to all, unchecked.
-
-        Through the message queue when ``queue``, ``group`` is None and ``src``
-        is its writer (the message carries this collective call's number, see
-        :mod:`coordinator.broadcast_stamps`); else as bytes through this
-        group's signed CPU communicator (``group`` None), or as plain gloo
-        broadcasts over ``group``.
-        """
-        if (queue and group is None and self.mq_broadcaster is not None
-                and src == self.mq_writer_rank):
-            self._check_live(op)
-            mq = self.mq_broadcaster  # the group's timeout is its default
-            if self.rank_in_group == src:
-                mq.broadcast_object(stamps.stamp(obj, self.collectives, op))
-                return obj
-            return stamps.unstamp(mq.broadcast_object(None), self.collectives, op,
-                                  self.unique_name, src, self.calls)
-        self._check_live(op)
-        if group is None:
-            bcast = object_comm.comm_broadcast(self._cpu_comm(), src)
-        else:
-            bcast = object_comm.gloo_broadcast(self.ranks[src], group)
-        is_src = self.rank_in_group == src
-        return object_comm.broadcast_object(obj if is_src else None, self.ranks[src], bcast,
-                                            self.codec, is_src)
-
-    def _cpu_comm(self) -> DeviceCommunicator:
-        """The communicator that carries this group's CPU bytes (objects, metadata):
-        the device communicator on a CPU group, else a signed gloo one over
-        ``cpu_group``, built at first use."""
-        if self.device.type == "cpu":
-            return self.comm
-        if self._cpu_side is None:
-            self._cpu_side = TorchDistributedCommunicator(
-                self.cpu_group, torch.device("cpu"), self.cpu_group, self.unique_name,
-                timeout=self.timeout)
-        return self._cpu_side
-
-    def broadcast_object_list(
-        self, obj_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None
-    ) -> list[Any]:
-        """Broadcast a list of objects in place (like ``torch.distributed``, without pickle).
-
-        The list travels as one message through the group's CPU communicator
-        (signed calls, as :meth:`broadcast_object`), or as plain gloo
-        broadcasts over ``group`` when given; receivers pass a list of the
-        same length, whose items are replaced.
-
-        Raises:
-            TypeError: On ``src``: an entry cannot be encoded (receivers raise
-                ``CollectiveMismatch``); ``obj_list`` is not a list.
-            CollectiveMismatch: On a receiver: the source failed, or sent a
-                list of another length.
-        """
-        return self._run("broadcast_object_list", self._broadcast_object_list, obj_list, src,
-                         group)
-
-    def _broadcast_object_list(self, obj_list: list[Any], src: int,
-                               group: dist.ProcessGroup | None) -> list[Any]:
-        if not isinstance(obj_list, list):
-            raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
-        validation.check_rank(src, self.world_size, "src")
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a torch ProcessGroup or None, got {type(group).__name__}")
-        if self.world_size == 1:
-            return obj_list
-        op = "broadcast_object_list"
-        if self.rank_in_group == src:
-            try:
-                self._broadcast_raw(list(obj_list), src, group, op, queue=False)
-            except SERIALIZE_ERRORS as e:  # nothing was sent: tell the receivers instead
-                self._broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src, group, op,
-                                    queue=False)
-                raise TypeError(
-                    f"broadcast_object_list on group {self.unique_name!r}: an entry of "
-                    f"obj_list cannot be serialised ({type(e).__name__}: {e})"
-                ) from e
-            return obj_list
-        got = self._broadcast_raw(None, src, group, op, queue=False)
-        why = _list_mismatch(got, len(obj_list))
-        if why is not None:
-            raise CollectiveMismatch(
-                f"broadcast_object_list on group {self.unique_name!r}: the source rank {src} "
-                f"could not send its objects ({why}); fix the call on rank {src}",
-                queue=self.unique_name, peers=(src,),
-            )
-        obj_list[:] = got
-        return obj_list
-
-    def send_object(self, obj: Any, dst: int) -> None:
-        """Send a Python object to group rank ``dst`` over the CPU group (no pickle
-        unless the group opted in; see :meth:`broadcast_object`).
-
-        Raises:
-            TypeError: ``obj`` cannot be encoded; the receiver is told and raises
-                ``CollectiveMismatch``.
-        """
-        self._run("send_object", async_p2p.ordered, self, SEND, dst, "send_object",
-                  self._send_object, obj, dst, partner=_peer(dst), p2p=True)
-
-    def _send_object(self, obj: Any, dst: int) -> None:
-        """:meth:`send_object` without counting a call (for calls built on it)."""
-        self._check_peer(dst, "dst")
-        self._cpu_call("send_object", object_comm.send_object, obj, self.ranks[dst],
-                       self.cpu_group, self.codec)
-
-    def recv_object(self, src: int) -> Any:
-        """Receive a Python object from group rank ``src``.
-
-        Raises:
-            CollectiveMismatch: The sender could not encode its object.
-            DecodeError: The bytes received are malformed.
-        """
-        return self._run("recv_object", async_p2p.ordered, self, RECV, src, "recv_object",
-                         self._recv_object, src, partner=_peer(src), p2p=True)
-
-    def _recv_object(self, src: int) -> Any:
-        """:meth:`recv_object` without counting a call (for calls built on it)."""
-        self._check_peer(src, "src")
-        return self._cpu_call("recv_object", object_comm.recv_object, self.ranks[src],
-                              self.cpu_group, self.codec)
-
-    # ------------------------------------------------------------------ tensor dicts
-    def broadcast_tensor_dict(
-        self,
-        tensor_dict: Mapping[Any, Any] | None = None,
-        src: int = 0,
-        group: dist.ProcessGroup | None = None,
-        metadata_group: dist.ProcessGroup | None = None,
-    ) -> dict[Any, Any] | None:
-        """Broadcast a dict of tensors / None / plain data from ``src``.
-
-        Metadata travels once (message queue or CPU group); tensors follow over
-        the device communicator (CPU tensors of a GPU group over the CPU group).
-        Receivers allocate and get a new dict.
-        """
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        self.collectives += 1
-        try:
-            return self._broadcast_tensor_dict(tensor_dict, src, group, metadata_group)
-        except WAIT_ERRORS as e:
-            self._errors.explain("broadcast_tensor_dict", seq, e, writer=self.mq_writer_rank,
-                                 started=started)
-            raise
-
-    def _broadcast_tensor_dict(self, tensor_dict: Mapping[Any, Any] | None, src: int,
-                               group: dist.ProcessGroup | None,
-                               metadata_group: dist.ProcessGroup | None) -> dict[Any, Any] | None:
-        validation.check_rank(src, self.world_size, "src")
-        if self.rank_in_group == src and not isinstance(tensor_dict, Mapping):
-            err = TypeError(f"tensor_dict must be a dict on src, got {type(tensor_dict).__name__}")
-            if self.world_size > 1:  # the receivers are waiting: make them raise too
-                tensor_dict_ops.abort_broadcast(self, src, group, metadata_group, str(err))
-            raise err
-        if self.world_size == 1:
-            return dict(tensor_dict)  # type: ignore[arg-type]
-        return tensor_dict_ops.broadcast_tensor_dict(self, tensor_dict, src, group, metadata_group)
-
-    def send_tensor_dict(
-        self,
-        tensor_dict: Mapping[Any, Any],
-        dst: int | None = None,
-        all_gather_group: "GroupCoordinator | None" = None,
-        all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> None:
-        """Send a tensor dict to group rank ``dst`` (default: next rank).
-
-        With ``all_gather_group`` (n ranks holding the same tensors), each rank
-        sends only its 1/n slice of every tensor whose numel divides by n; the
-        receivers rebuild it with an all-gather. ``all_gather_tensors`` maps keys
-        to True/False to force or disable that per key.
-        """
-        if dst is None:
-            dst = (self.rank_in_group + 1) % self.world_size
-        validation.check_rank(dst, self.world_size, "dst")
-        if not isinstance(tensor_dict, Mapping):
-            raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
-        if self.world_size == 1:
-            return
-        self._check_peer(dst, "dst")
-        self._run("send_tensor_dict", async_p2p.ordered, self, SEND, dst, "send_tensor_dict",
-                  tensor_dict_ops.send_tensor_dict, self, tensor_dict, dst,
-                  _ag(all_gather_group), all_gather_tensors, partner=dst, p2p=True)
-
-    def recv_tensor_dict(
-        self,
-        src: int | None = None,
-        all_gather_group: "GroupCoordinator | None" = None,
-        all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> dict[Any, Any] | None:
-        """Receive a dict sent by :meth:`send_tensor_dict` from group rank ``src``.
-
-        Slicing is decided by the sender (recorded in the metadata);
-        ``all_gather_tensors`` is accepted for symmetry with the sender.
-        """
-        if src is None:
-            src = (self.rank_in_group - 1) % self.world_size
-        validation.check_rank(src, self.world_size, "src")
-        if self.world_size == 1:
-            return None
-        self._check_peer(src, "src")
-        return self._run("recv_tensor_dict", async_p2p.ordered, self, RECV, src,
-                         "recv_tensor_dict", tensor_dict_ops.recv_tensor_dict, self, src,
-                         _ag(all_gather_group), partner=src, p2p=True)
-
-    # ------------------------------------------------------------------ asynchronous p2p
-    # Handles with wait(timeout=None) / is_completed(); order, errors and closing:
-    # see coordinator.async_p2p.
-    def isend(self, tensor: torch.Tensor, dst: int | None = None) -> P2PHandle:
-        """Start sending ``tensor`` to group rank ``dst`` (default: the next rank)."""
-        return async_p2p.isend(self, tensor, dst)
-
-    def irecv(self, tensor_or_spec: torch.Tensor | tuple[Sequence[int], torch.dtype],
-              src: int | None = None) -> P2PHandle:
-        """Start receiving from ``src`` (default: the previous rank) into a tensor, or
-        a new one of ``(shape, dtype)``; ``wait()`` returns it."""
-        return async_p2p.irecv(self, tensor_or_spec, src)
-
-    def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any],
-                          dst: int | None = None) -> P2PHandle:
-        """Start :meth:`send_tensor_dict` to ``dst`` (default: the next rank)."""
-        return async_p2p.isend_tensor_dict(self, tensor_dict, dst)
-
-    def irecv_tensor_dict(self, src: int | None = None) -> P2PHandle:
-        """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank);
-        ``wait()`` returns the dict."""
-        return async_p2p.irecv_tensor_dict(self, src)
 
     # ------------------------------------------------------------------ control
     def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
@@ -854,25 +571,3 @@ def _tracing() -> bool:
     """True while torch.compile traces: collectives become ``groupcoord::`` custom ops,
     opaque graph nodes whose implementation calls back into the eager path."""
     return torch.compiler.is_compiling()
-
-
-def _list_mismatch(got: Any, n: int) -> str | None:
-    """Why a received object list cannot fill a receiver's list of ``n`` (None: it can)."""
-    if isinstance(got, SourceFailure):
-        return got.message
-    if type(got) is not list:
-        return f"it sent a {type(got).__name__}, not a list"
-    if len(got) != n:
-        return f"it sent {len(got)} objects, this rank's obj_list has {n}"
-    return None
-
-
-def _peer(rank: Any) -> int | None:
-    """A point-to-point call's peer rank, when it is one (for error messages)."""
-    return rank if type(rank) is int else None
-
-
-def _ag(group: Any) -> "GroupCoordinator | None":
-    if group is None or isinstance(group, GroupCoordinator):
-        return group
-    raise TypeError(f"all_gather_group must be a GroupCoordinator, got {type(group).__name__}")

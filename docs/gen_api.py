@@ -59,11 +59,29 @@ def _sig(obj: Any) -> str:
         return ""
 
 
+def _parts(cls: type) -> list[type]:
+    """``cls`` and the mixins it is assembled from (our own classes that no
+    package exports: their methods are ``cls``'s API)."""
+    ours = tuple(f"{m.split('.')[0]}." for m, _ in PACKAGES)
+    return [c for c in cls.__mro__
+            if c is cls or (c.__module__.startswith(ours) and c not in _exported())]
+
+
+def _exported() -> set[type]:
+    out = set()
+    for modname, _ in PACKAGES:
+        mod = importlib.import_module(modname)
+        out |= {o for o in (getattr(mod, n) for n in getattr(mod, "__all__", []))
+                if inspect.isclass(o)}
+    return out
+
+
 def _members(cls: type) -> list[str]:
-    lines = []
-    for name, member in cls.__dict__.items():
-        if name.startswith("_"):
+    lines, seen = [], set()
+    for name, member in ((n, m) for c in _parts(cls) for n, m in c.__dict__.items()):
+        if name.startswith("_") or name in seen:
             continue
+        seen.add(name)
         if isinstance(member, property):
             lines.append(f"  - `{name}` (property): {_first_paragraph(member)}")
         elif isinstance(member, (classmethod, staticmethod)):
@@ -88,7 +106,8 @@ def render() -> str:
         for name in getattr(mod, "__all__", []):
             obj = getattr(mod, name)
             if inspect.isclass(obj):
-                bases = ", ".join(b.__name__ for b in obj.__bases__ if b is not object)
+                bases = ", ".join(b.__name__ for b in obj.__bases__
+                                  if b is not object and b not in _parts(obj))
                 out.append(f"### class `{name}{_sig(obj)}`" + (f" ({bases})" if bases else ""))
                 out += ["", _first_paragraph(obj), ""]
                 members = _members(obj)
