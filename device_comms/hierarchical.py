@@ -275,7 +275,8 @@ class HierarchicalAllReduce:
             if self.engine is not None:
                 self.engine.sync.relay("all_reduce", err)  # stage 3 carries the error
             raise err
-        assert partial is not None  # no local error, so stage 1 produced it
+        if partial is None:  # stage 1 produces it whenever there is no local error
+            raise RuntimeError("hierarchical all_reduce: stage 1 left no partial sum")
         if not small:
             return self._leaders_all_reduce(partial, op)
         env = self._env
@@ -302,7 +303,9 @@ class HierarchicalAllReduce:
         itself failed (``reason`` or ``local_err``: its ranks already know).
         """
         env = self._env
-        assert env is not None  # leaders only
+        if env is None:  # only leaders exchange envelopes
+            raise RuntimeError(
+                f"hierarchical {op}: a non-leader rank reached the leaders' exchange")
         self.seq += 1
         if reason is not None or local_err is not None or header is None:
             h, text = self._failure(reason, local_err)
