@@ -188,6 +188,7 @@ def _cli(tmp_path: Path, ckpt: str, tp: int, pp: int, max_new: int, *extra: str
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_tp2_pp2_bf16_gqa_tied_matches_hf(tmp_path: Path, checkpoints: dict[str, Any]
                                              ) -> None:

@@ -70,6 +70,7 @@ def test_hosts_exit_clean(healthy: sc.Run) -> None:
     assert sc._check_clean(healthy) == [], healthy.describe()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_hosts_with_the_same_hostname(tmp_path: Path) -> None:
     """Both hosts named ``gcnode`` (separate pid spaces): nothing may take the peer
