@@ -50,7 +50,7 @@ def test_broken_communicator_import_paths() -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size", [3, 5])
+@pytest.mark.parametrize("world_size", [3, pytest.param(5, marks=pytest.mark.slow)])
 def test_general_cases(world_size: int) -> None:
     n = world_size
     outs = run_distributed(general, n, timeout=140)
