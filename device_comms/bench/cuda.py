@@ -6,8 +6,9 @@ On one GPU, three things are timed with CUDA events, per call:
   ranks* (:class:`~device_comms.custom_allreduce.virtual.VirtualRanks`: every
   rank's kernel on its own stream, concurrently), replayed from a CUDA graph
   that holds ``--calls`` back-to-back all-reduces;
-* :class:`~device_comms.pynccl.PyNcclCommunicator` at world size 1, eager and
-  graph-replayed;
+* :class:`~device_comms.pynccl.PyNcclCommunicator` at world size 1, out of
+  place eager and graph-replayed (NCCL copies the input to the output), and
+  in place eager (NCCL enqueues nothing then: the column prices the host path);
 * torch's NCCL all_reduce at world size 1, eager (the baseline engines know;
   torch's in-place all_reduce of a group of one enqueues no GPU work, so a
   graph of it is empty and not timed).
@@ -33,11 +34,14 @@ from typing import Any, Callable
 
 import torch
 
+from device_comms.errors import CollectiveTimeout
+
 __all__ = ["run_cuda_bench"]
 
 _DEFAULT_SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20,
                   16 << 20, 64 << 20]
 _CUSTOM_MAX = 8 << 20
+_KERNEL_TIMEOUT_S = 2.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,18 +84,26 @@ def _bench_virtual(n: int, variant: str, nbytes: int, dtype: torch.dtype, calls:
     from device_comms.custom_allreduce.virtual import VirtualRanks
 
     numel = nbytes // torch.tensor([], dtype=dtype).element_size()
-    with VirtualRanks(n, "cuda:0", max(nbytes, 1 << 20)) as vr:
+    # A short kernel timeout: a point whose ranks cannot meet fails in seconds
+    # (checked after the warm-up replays) instead of stalling every timed replay.
+    with VirtualRanks(n, "cuda:0", max(nbytes, 1 << 20), timeout=_KERNEL_TIMEOUT_S) as vr:
         xs = [torch.randn(numel, dtype=dtype, device="cuda") for _ in range(n)]
+        vr.all_reduce(xs, variant=variant)  # one eager call first: it fails fast
+        torch.cuda.synchronize()
+        vr.check_errors()
         g = _graph(lambda: [vr.all_reduce(xs, variant=variant) for _ in range(calls)], vr.capture())
         for _ in range(3):
             g.replay()
+            torch.cuda.synchronize()
+            vr.check_errors()
         samples = _event_time(g.replay, reps, calls)
         torch.cuda.synchronize()
         vr.check_errors()
     return _stats(samples)
 
 
-def _bench_nccl(nbytes: int, dtype: torch.dtype, calls: int, reps: int) -> dict[str, Any]:
+def _bench_nccl(nbytes: int, dtype: torch.dtype, calls: int, reps: int,
+                nccl: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     from device_comms.pynccl import PyNcclCommunicator
@@ -103,7 +115,11 @@ def _bench_nccl(nbytes: int, dtype: torch.dtype, calls: int, reps: int) -> dict[
         y = torch.empty_like(x)
         eager = lambda: [comm.all_reduce(x, y) for _ in range(calls)]  # noqa: E731
         out["pynccl_eager"], out["pynccl_graph"] = _eager_and_graph(eager, reps, calls)
-    nccl = _nccl_group()
+        # In place, as torch's all_reduce below. NCCL at one rank then enqueues no GPU
+        # work, so only the eager call is timed (a graph of it would be empty).
+        inplace = lambda: [comm.all_reduce(y, y) for _ in range(calls)]  # noqa: E731
+        inplace()
+        out["pynccl_eager_inplace"] = _stats(_event_time(inplace, reps, calls))
     z = x.clone()
     torch_eager = lambda: [dist.all_reduce(z, group=nccl) for _ in range(calls)]  # noqa: E731
     torch_eager()
@@ -124,19 +140,8 @@ def _eager_and_graph(eager: Callable[[], Any], reps: int, calls: int) -> tuple[d
     return eager_stats, graph_stats
 
 
-_NCCL_GROUP: list[Any] = []
-
-
-def _nccl_group() -> Any:
-    import torch.distributed as dist
-
-    if not _NCCL_GROUP:
-        _NCCL_GROUP.append(dist.new_group([0], backend="nccl"))
-    return _NCCL_GROUP[0]
-
-
-def _init_world() -> None:
-    """A one-rank gloo world over a file store (no port, no network)."""
+def _init_world() -> bool:
+    """A one-rank gloo world over a file store (no port, no network); True if made here."""
     import tempfile
 
     import torch.distributed as dist
@@ -146,52 +151,85 @@ def _init_world() -> None:
         os.close(fd)
         os.unlink(path)  # the store creates it; removed again with the group
         dist.init_process_group("gloo", init_method=f"file://{path}", world_size=1, rank=0)
+        return True
+    return False
 
 
-def _virtual_row(nbytes: int, dtype: torch.dtype, args: argparse.Namespace) -> dict[str, Any]:
+def _virtual_row(nbytes: int, dtype: torch.dtype, args: argparse.Namespace,
+                 failed: list[str]) -> dict[str, Any]:
+    """The custom all-reduce's points of one size, each printed as it ends. A point that
+    times out is recorded as its error and appended to ``failed``; once one has, the
+    remaining points are skipped (they would mostly wait out their timeouts too)."""
     row: dict[str, Any] = {"bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
     if nbytes <= _CUSTOM_MAX:
         for n in args.world_sizes:
             for variant in ("oneshot", "twoshot"):
-                row[f"{variant}_x{n}"] = _bench_virtual(
-                    n, variant, nbytes, dtype, args.calls, args.reps
-                )
+                key = f"{variant}_x{n}"
+                if failed:
+                    row[key] = {"error": f"skipped after {failed[0]} failed"}
+                    continue
+                try:
+                    row[key] = _bench_virtual(n, variant, nbytes, dtype, args.calls, args.reps)
+                except CollectiveTimeout as e:
+                    row[key] = {"error": str(e)}
+                    failed.append(f"{row['dtype']} {nbytes} B {key}")
+                print(f"# {row['dtype']} {nbytes} B {key}: {row[key]}", flush=True)
     return row
 
 
 def _print_table(rows: list[dict[str, Any]], world_sizes: list[int]) -> None:
     cols = [f"{v}_x{n}" for n in world_sizes for v in ("oneshot", "twoshot")]
-    cols += ["pynccl_graph", "pynccl_eager", "torch_nccl_eager"]
+    cols += ["pynccl_graph", "pynccl_eager", "pynccl_eager_inplace", "torch_nccl_eager"]
     print("| bytes | dtype | " + " | ".join(cols) + " |")
     print("|---:|---|" + "---:|" * len(cols))
     for r in rows:
-        cells = [f"{r[c]['p50_us']:.1f}" if c in r else "-" for c in cols]
+        cells = [f"{r[c]['p50_us']:.1f}" if "p50_us" in r.get(c, {}) else
+                 ("FAIL" if c in r else "-") for c in cols]
         print(f"| {r['bytes']} | {r['dtype']} | " + " | ".join(cells) + " |")
     print("(p50 microseconds per call, CUDA events; p99 in the JSON)")
 
 
 def run_cuda_bench(args: argparse.Namespace) -> int:
-    """Run the GPU benchmark; returns the exit status."""
+    """Run the GPU benchmark; returns the exit status (1 if a point failed)."""
+    import torch.distributed as dist
+
     if not torch.cuda.is_available():
         print("--device cuda needs a CUDA GPU; none is visible")
         return 2
-    _init_world()
-    sizes = args.sizes or _DEFAULT_SIZES
-    world_sizes = [n for n in args.world_sizes if n in (2, 4, 6, 8)] or [2, 4, 8]
-    args.world_sizes = world_sizes
-    points = [(n, _DTYPES[d]) for d in args.dtypes if d in _DTYPES for n in sizes]
-    rows = [_virtual_row(nbytes, dtype, args) for nbytes, dtype in points]
-    print("# custom all-reduce points done", flush=True)
-    for row, (nbytes, dtype) in zip(rows, points):
-        row.update(_bench_nccl(nbytes, dtype, args.calls, args.reps))
-    print("# NCCL points done", flush=True)
-    print(f"# device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-          f"calls per replay {args.calls}, replays {args.reps}")
-    _print_table(rows, world_sizes)
+    made_world = _init_world()
+    try:
+        rows = _measure(args)
+    finally:
+        if made_world:
+            dist.destroy_process_group()
+    _print_table(rows, args.world_sizes)
     if args.json_path:
         meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid()}
         with open(args.json_path, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print(f"wrote {args.json_path}")
-    return 0
+    failed = sorted({k for r in rows for k, v in r.items() if isinstance(v, dict) and "error" in v})
+    if failed:
+        print(f"# {len(failed)} column(s) with failed points: {failed}")
+    return 1 if failed else 0
+
+
+def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every point: the custom all-reduce's first, then NCCL's (see the module docstring)."""
+    import torch.distributed as dist
+
+    sizes = args.sizes or _DEFAULT_SIZES
+    args.world_sizes = [n for n in args.world_sizes if n in (2, 4, 6, 8)] or [2, 4, 8]
+    points = [(n, _DTYPES[d]) for d in args.dtypes if d in _DTYPES for n in sizes]
+    failed: list[str] = []
+    rows = [_virtual_row(nbytes, dtype, args, failed) for nbytes, dtype in points]
+    print("# custom all-reduce points done", flush=True)
+    nccl = dist.new_group([0], backend="nccl")
+    for row, (nbytes, dtype) in zip(rows, points):
+        row.update(_bench_nccl(nbytes, dtype, args.calls, args.reps, nccl))
+        print(f"# {row['dtype']} {nbytes} B NCCL: "
+              + ", ".join(f"{k} {row[k]['p50_us']:.1f}" for k in row if "nccl" in k), flush=True)
+    print(f"# device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"calls per replay {args.calls}, replays {args.reps}")
+    return rows

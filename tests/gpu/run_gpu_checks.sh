@@ -21,9 +21,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   python3 -m coordinator.cli doctor || true
 } 2>&1 | tee "$out/env.txt"
 
+# Each step is bounded as a whole (GPU_CHECK_PYTEST_S, GPU_CHECK_BENCH_S seconds),
+# on top of the tests' own per-test timeouts.
 status=0
-python3 -m pytest tests/gpu -v -p no:cacheprovider -o addopts="" 2>&1 | tee "$out/pytest.log" || status=1
-python3 -m coordinator.cli bench collectives --device cuda --json "$out/bench.json" \
-  2>&1 | tee "$out/bench.log" || status=1
+timeout -k 10 "${GPU_CHECK_PYTEST_S:-420}" python3 -m pytest tests/gpu -v -p no:cacheprovider \
+  -o addopts="" --durations=15 2>&1 | tee "$out/pytest.log" || status=1
+timeout -k 10 "${GPU_CHECK_BENCH_S:-300}" python3 -m coordinator.cli bench collectives \
+  --device cuda --json "$out/bench.json" 2>&1 | tee "$out/bench.log" || status=1
 echo "gpu checks exit status: $status"
 exit $status

@@ -25,6 +25,8 @@ def _api(rank: int, world_size: int) -> dict:
         "reduce_scatter": torch.equal(tp.reduce_scatter(x, dim=0), x),
         "gather": torch.equal(tp.gather(x, 0, -1), x),
         "broadcast": torch.equal(tp.broadcast(x.clone(), 0), x),
+        "all_to_all": torch.equal(tp.all_to_all(x), x),
+        "all_to_allv": torch.equal(tp.all_to_allv(x, [8], [8]), x),
     }
     d = tp.broadcast_tensor_dict({"a": x, "n": 3})
     got["tensor_dict"] = torch.equal(d["a"], x) and d["n"] == 3

@@ -54,6 +54,7 @@ def _ops(comm, x: torch.Tensor) -> dict[str, torch.Tensor]:
     outs["gather"] = comm.gather(_poison(x), x, 0)
     b = x.clone()
     outs["broadcast"] = comm.broadcast(b, 0)
+    outs["all_to_allv"] = comm.all_to_allv(_poison(x), x, [x.shape[0]], [x.shape[0]])
     outs["send_recv_self"] = _send_recv_self(comm, x)
     return outs
 

@@ -1,10 +1,11 @@
-"""CUDA IPC between two processes sharing one GPU.
+"""CUDA IPC between processes sharing one GPU.
 
 Each process allocates memory, publishes an IPC handle over a gloo group (72
 bytes, no pickle), opens its peer's, and reads the peer's data through the
 opened pointer, for a buffer of its own and for a tensor that sits at an
 offset inside a torch caching-allocator block (base + offset). Then the full
-:class:`CustomAllreduce` runs across the two processes.
+:class:`CustomAllreduce` runs across two and four processes (they time-slice
+the GPU, so this checks the protocol across processes, not its speed).
 """
 
 from __future__ import annotations
@@ -65,12 +66,14 @@ def test_each_process_reads_the_others_buffer() -> None:
 
 
 def _custom_allreduce(rank: int, world_size: int) -> dict:
+    import hashlib
+
     from coordinator.parallel_state import get_world_group
     from device_comms.custom_allreduce.communicator import CustomAllreduce
 
     torch.cuda.set_device(0)
     group = get_world_group().cpu_group
-    results = {}
+    errors, digests = {}, {}
     with CustomAllreduce(group, torch.device("cuda", 0), 1 << 20, timeout=30.0) as car:
         if car.disabled:
             return {"disabled": car.reason}
@@ -82,17 +85,24 @@ def _custom_allreduce(rank: int, world_size: int) -> dict:
                 out = car.all_reduce(base[rank].cuda())
                 torch.cuda.synchronize()
                 car.check_error()
-                want = base.double().sum(0).to(dtype)
-                results[(nbytes, str(dtype))] = (out.cpu() - want).abs().max().item()
-    return {"errors": results}
+                want = base.double().sum(0).to(dtype).double()  # the sum, rounded once
+                key = f"{nbytes} {dtype}"
+                errors[key] = ((out.cpu().double() - want).abs().max() / want.abs().max()).item()
+                digests[key] = hashlib.sha256(out.cpu().view(torch.uint8).numpy()).hexdigest()
+    return {"errors": errors, "digests": digests}
 
 
-def test_custom_allreduce_across_two_processes_on_one_gpu() -> None:
-    outs = run_distributed(_custom_allreduce, 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_custom_allreduce_across_processes_on_one_gpu(world_size: int) -> None:
+    """Every rank gets the float64 sum to within one rounding, bitwise alike on all ranks
+    (two processes sum two terms: exact)."""
+    outs = run_distributed(_custom_allreduce, world_size)
     for out in outs:
         assert "disabled" not in out, out
         for key, err in out["errors"].items():
-            assert err == 0.0, (key, err)  # two-term sums round once: exact
+            tol = 0.0 if world_size == 2 else (1e-6 if "float32" in key else 8e-3)
+            assert err <= tol, (key, err)
+        assert out["digests"] == outs[0]["digests"], "ranks differ"
 
 
 class _NoNcclCuda:
