@@ -274,7 +274,8 @@ def spawn_group(
 
 def _collect_outcomes(procs: list[Any], conns: list[Connection],
                       timeout: float) -> list[RankOutcome]:
-    """Each rank's message (or its silence), then its exit code after a 10 s grace."""
+    """Each rank's message (or its silence at the deadline), then the exit code of each
+    rank that reported, after a grace of up to 10 s."""
     out = [RankOutcome(r) for r in range(len(procs))]
     deadline = time.monotonic() + timeout
     live = {c: r for r, c in enumerate(conns)}
@@ -289,9 +290,12 @@ def _collect_outcomes(procs: list[Any], conns: list[Connection],
                 out[r].ok, out[r].result = True, payload
             else:
                 out[r].error = payload
+    # Ranks that reported (or closed their pipe) get a grace to exit; ranks still
+    # silent at the deadline are past the timeout and are killed by the caller.
     grace = time.monotonic() + 10.0
     for r, p in enumerate(procs):
-        p.join(max(0.0, grace - time.monotonic()))
+        if conns[r] not in live:
+            p.join(max(0.0, grace - time.monotonic()))
         out[r].exitcode = p.exitcode
     return out
 

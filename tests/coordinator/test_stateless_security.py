@@ -176,8 +176,9 @@ def test_direct_construction_needs_a_secret_unless_the_store_is_on_loopback() ->
     assert res == [[(0, "own"), (1, "own")]] * 2
 
 
-def test_mismatched_secrets_fail_authentication_promptly() -> None:
-    res = run_distributed(_rank_wrong_secret, 2, free_port(), timeout=120)
+def test_mismatched_secrets_fail_authentication_promptly(tmp_path) -> None:
+    res = run_distributed(_rank_wrong_secret, 2, free_port(), str(tmp_path / "done"),
+                          timeout=120)
     assert res[1].startswith("AuthenticationError") and "session" in res[1], res[1]
 
 
@@ -347,14 +348,16 @@ def _rank_own_store(rank: int, world_size: int, port: int) -> list:
     return got
 
 
-def _rank_wrong_secret(rank: int, world_size: int, port: int) -> str:
+def _rank_wrong_secret(rank: int, world_size: int, port: int, done: str) -> str:
     secret = bytes([rank + 1]) * 32  # every rank a different secret
     try:
         g = StatelessProcessGroup.create(HOST, port, rank, world_size, timeout=3, name="w",
                                          secret=secret)
     except AuthenticationError as e:
+        open(done, "w").close()
         return _err(e)
-    if rank == 0:
-        time.sleep(5)  # keep the store up while rank 1 gives up
+    deadline = time.monotonic() + 10
+    while rank == 0 and not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.02)  # keep the store up until rank 1 has given up
     g.close()
     return "created"

@@ -262,9 +262,11 @@ def _child_two_queues() -> None:
     more = threading.Event()
     signal.signal(signal.SIGUSR1, lambda s, f: more.set())
     keep = [_make_queue()]
-    _report(**_describe(keep[0]))
+    first = _describe(keep[0])
+    _report(**first)
     more.wait(30)
-    reaper = psutil.Process(_describe(keep[0])["reaper"])
+    # The pid read before the kill: once the reaper is dead, a lookup finds none.
+    reaper = psutil.Process(first["reaper"])
     deadline = time.monotonic() + 10  # the first reaper was killed: wait until it is
     while reaper.is_running() and reaper.status() != psutil.STATUS_ZOMBIE:
         if time.monotonic() > deadline:
