@@ -160,8 +160,13 @@ def _virtual_row(nbytes: int, dtype: torch.dtype, args: argparse.Namespace,
     """The custom all-reduce's points of one size, each printed as it ends. A point that
     times out is recorded as its error and appended to ``failed``; once one has, the
     remaining points are skipped (they would mostly wait out their timeouts too)."""
+    from device_comms.custom_allreduce.eligibility import ALIGNMENT
+
     row: dict[str, Any] = {"bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
-    if nbytes <= _CUSTOM_MAX:
+    if not 0 < nbytes <= _CUSTOM_MAX or nbytes % ALIGNMENT:
+        print(f"# {row['dtype']} {nbytes} B: not eligible for the custom all-reduce "
+              f"(a positive multiple of {ALIGNMENT} bytes up to {_CUSTOM_MAX}); NCCL only")
+    else:
         for n in args.world_sizes:
             for variant in ("oneshot", "twoshot"):
                 key = f"{variant}_x{n}"
@@ -215,13 +220,20 @@ def run_cuda_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _whole_elements(nbytes: int, dtype: torch.dtype) -> int:
+    """``nbytes`` rounded down to whole elements of ``dtype`` (at least one)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    return max(size, nbytes // size * size)
+
+
 def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every point: the custom all-reduce's first, then NCCL's (see the module docstring)."""
     import torch.distributed as dist
 
     sizes = args.sizes or _DEFAULT_SIZES
     args.world_sizes = [n for n in args.world_sizes if n in (2, 4, 6, 8)] or [2, 4, 8]
-    points = [(n, _DTYPES[d]) for d in args.dtypes if d in _DTYPES for n in sizes]
+    points = [(_whole_elements(n, _DTYPES[d]), _DTYPES[d])
+              for d in args.dtypes if d in _DTYPES for n in sizes]
     failed: list[str] = []
     rows = [_virtual_row(nbytes, dtype, args, failed) for nbytes, dtype in points]
     print("# custom all-reduce points done", flush=True)

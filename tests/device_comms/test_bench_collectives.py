@@ -90,3 +90,25 @@ def test_all_to_allv_run(tmp_path) -> None:
         assert r["results_match"] and r["mode"] == "shm" and r["threads"] == 1
         assert 1 / 3 < r["hot_share"] < 1 and r["row_bytes"] <= 4096
         assert r["shm_p50_us"] > 0 and r["gloo_p50_us"] > 0
+
+
+def test_cuda_bench_plans_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``--device cuda`` decides before touching a GPU: sizes are whole elements,
+    sizes the custom all-reduce cannot take go to NCCL only, and no GPU exits 2."""
+    import torch
+
+    from device_comms.bench import cuda
+
+    assert cuda._whole_elements(1000, torch.float32) == 1000
+    assert cuda._whole_elements(1001, torch.float32) == 1000
+    assert cuda._whole_elements(1, torch.bfloat16) == 2
+    args = argparse.Namespace(world_sizes=[2], calls=1, reps=1)
+    for nbytes in (1000, 16 << 20):  # not a multiple of 16; over the 8 MiB limit
+        assert cuda._virtual_row(nbytes, torch.float32, args, []) == {
+            "bytes": nbytes, "dtype": "float32"}
+        assert "NCCL only" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        args = argparse.Namespace(device="cuda", dtypes=["float32", "bfloat16"],
+                                  world_sizes=[2, 4], sizes=None, json_path=None)
+        assert bench.run_bench(args) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().out

@@ -40,7 +40,7 @@ def _idle_child(conn) -> None:  # noqa: ANN001 - a multiprocessing Connection
 
 
 # ------------------------------------------------------------------ tests
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(3, marks=pytest.mark.slow), 4])
 def test_each_rank_reports_its_own_outcome(world_size: int) -> None:
     victim = world_size - 1
     outs = spawn_group(_mixed, world_size, (victim,), timeout=120)
