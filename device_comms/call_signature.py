@@ -13,7 +13,7 @@ word    field
 3       kind | dtype | reduce op | root, packed by :func:`shm_sync.signature`
 4       layout key: a hash of the shape and the layout arguments
         (``dim``, ``sizes``, ``scatter_dim``/``gather_dim``)
-5       status: :data:`OK`, :data:`REJECTED` or :data:`FAILED`
+5       status: :data:`OK`, :data:`REJECTED`, :data:`FAILED` or :data:`SPLIT`
 6       culprit: group rank that rejected or mismatched (REJECTED/FAILED)
 7       bytes after the header (inline payload or reason text); -1: none
 8       dtype code of this rank's data (0: not known to this rank)
@@ -35,6 +35,13 @@ rank reaches the same verdict, except whom a mismatch names when the largest
 classes tie (two ranks that disagree, two hosts): nobody can tell which side
 is wrong, so each rank names the ranks outside its own class (its peers in
 the other class, never itself), as the shared-memory engine does.
+
+A participant that speaks for several ranks (a node leader of the
+hierarchical communicator) whose ranks disagree among themselves sends a
+:data:`SPLIT` header: its payload lists every call its ranks made and who
+made it (:func:`encode_calls`). :func:`settle` then counts ranks, not
+participants: a leader whose two ranks tie 1-1 cannot tell which of them is
+wrong, but with the other nodes' ranks counted the largest class is clear.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from __future__ import annotations
 import zlib
 from typing import Callable, Mapping, Sequence
 
+import msgspec
 import numpy as np
 import torch
 
@@ -50,14 +58,18 @@ from device_comms.reduce_op import ReduceOp
 from device_comms.shm_sync import KIND_NAMES, dtype_code, dtype_of, op_of, shape_key, signature
 
 __all__ = [
-    "HDR_BYTES", "HDR_WORDS", "MAGIC", "OK", "REJECTED", "FAILED",
-    "group_id", "layout_key", "template", "describe", "settle",
+    "HDR_BYTES", "HDR_WORDS", "MAGIC", "OK", "REJECTED", "FAILED", "SPLIT",
+    "group_id", "layout_key", "template", "describe", "settle", "encode_calls", "decode_calls",
 ]
 
 HDR_WORDS = 20
 HDR_BYTES = 8 * HDR_WORDS
 MAGIC = 0x4743_5347_0001  # "GCSG", version 1
-OK, REJECTED, FAILED = 0, 1, 2
+OK, REJECTED, FAILED, SPLIT = 0, 1, 2, 3
+#: Most distinct calls a SPLIT payload may list (one per rank of a node at most).
+MAX_SPLIT_CALLS = 64
+#: One call of a SPLIT payload: (word 3, word 4, the group ranks that made it).
+Call = tuple[int, int, list[int]]
 _DIMS = 9  # sizes of the shape a header spells out
 _DIM0 = 11  # word of the first size
 _AGREE = slice(0, 5)  # the words every rank must share
@@ -158,6 +170,30 @@ def describe(words: np.ndarray) -> str:
     return f"{kind}({', '.join(parts)}) #{int(words[2])}"
 
 
+def encode_calls(calls: Sequence[Call]) -> bytes:
+    """The payload of a :data:`SPLIT` header: every call a participant's ranks made."""
+    return msgspec.msgpack.encode([[int(a), int(b), [int(r) for r in ranks]]
+                                   for a, b, ranks in calls])
+
+
+def decode_calls(raw: bytes, who: int, name: str) -> list[Call]:
+    """The calls of a :data:`SPLIT` payload that participant ``who`` sent.
+
+    Raises:
+        DecodeError: The bytes are not such a list, or list too many calls or ranks.
+    """
+    try:
+        calls = msgspec.msgpack.decode(raw, type=list[tuple[int, int, list[int]]])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise DecodeError(f"group {name!r}: rank {who} sent a split-call list that does not "
+                          f"decode ({e})", queue=name, peers=(who,)) from None
+    if not 2 <= len(calls) <= MAX_SPLIT_CALLS or sum(len(c[2]) for c in calls) > MAX_SPLIT_CALLS:
+        raise DecodeError(f"group {name!r}: rank {who} sent a split-call list of "
+                          f"{len(calls)} calls (2 to {MAX_SPLIT_CALLS} expected)",
+                          queue=name, peers=(who,))
+    return [(a, b, list(ranks)) for a, b, ranks in calls]
+
+
 def settle(
     name: str,
     op: str,
@@ -165,6 +201,7 @@ def settle(
     headers: Mapping[int, np.ndarray],
     text: Callable[[int], str],
     members: Callable[[int], Sequence[int]] | None = None,
+    calls: Callable[[int], list[Call]] | None = None,
 ) -> bool:
     """Decide a call from every participant's header (the same on every rank, but
     for whom a tied mismatch names: see the module docstring).
@@ -178,6 +215,8 @@ def settle(
         text: The text a REJECTED/FAILED participant sent (its reason).
         members: The group ranks a participant speaks for (a node leader:
             its node's ranks); default: itself.
+        calls: The calls of a :data:`SPLIT` participant's ranks (its decoded
+            payload); needed only where SPLIT headers can occur.
 
     Returns:
         True when this rank itself rejected its call (it raises its own
@@ -196,42 +235,62 @@ def settle(
                 f"({int(w[0]):#x}); two different communicators share this gloo group's tags?",
                 queue=name, peers=(r,),
             )
-    failed = [r for r in sorted(headers) if int(headers[r][5]) != OK]
+    failed = [r for r in sorted(headers) if int(headers[r][5]) not in (OK, SPLIT)]
+    if int(headers[me][5]) != OK:
+        return True
     if failed:
-        if int(headers[me][5]) != OK:
-            return True
         r = failed[0]
         culprit = int(headers[r][6])
         if int(headers[r][5]) == REJECTED:
             raise PeerRejectedError(name, op, culprit, text(r))
         raise CollectiveMismatch(text(r), queue=name, peers=(culprit,))
-    classes: dict[tuple[int, ...], list[int]] = {}
+    who = members or (lambda r: [r])
+    classes: dict[tuple[int, ...], tuple[np.ndarray, list[int]]] = {}
     for r in sorted(headers):
-        classes.setdefault(tuple(int(x) for x in headers[r][_AGREE]), []).append(r)
+        for head, ranks in _calls_of(r, headers[r], who, calls):
+            key = tuple(int(x) for x in head[_AGREE])
+            classes.setdefault(key, (head, []))[1].extend(ranks)
     if len(classes) > 1:
-        raise _mismatch(name, op, me, headers, list(classes.values()), members)
+        raise _mismatch(name, op, set(who(me)), list(classes.values()))
     return False
+
+
+def _calls_of(
+    r: int,
+    head: np.ndarray,
+    who: Callable[[int], Sequence[int]],
+    calls: Callable[[int], list[Call]] | None,
+) -> list[tuple[np.ndarray, list[int]]]:
+    """Participant ``r``'s calls as (a header describing the call, its group ranks)."""
+    if int(head[5]) != SPLIT:
+        return [(head, list(who(r)))]
+    if calls is None:
+        raise RuntimeError("settle: a SPLIT header needs the calls of its participant")
+    out = []
+    for a, b, ranks in calls(r):
+        h = head.copy()
+        h[3], h[4], h[5], h[6] = a, b, OK, -1
+        h[8], h[9] = (a >> 8) & 0xFF, -1  # the dtype is in the signature; the shape is not
+        out.append((h, ranks))
+    return out
 
 
 def _mismatch(
     name: str,
     op: str,
-    me: int,
-    headers: Mapping[int, np.ndarray],
-    classes: list[list[int]],
-    members: Callable[[int], Sequence[int]] | None,
+    mine: set[int],
+    classes: list[tuple[np.ndarray, list[int]]],
 ) -> CollectiveMismatch:
     """The error naming who called what, the largest agreeing class last (ties:
     this rank's class if it is among the largest, else the lowest rank's)."""
-    classes.sort(key=lambda c: (-len(c), me not in c, c[0]))
-    who = members or (lambda r: [r])
+    classes = [(h, sorted(ranks)) for h, ranks in classes]
+    classes.sort(key=lambda c: (-len(c[1]), not mine & set(c[1]), c[1][0]))
     lines = []
-    for c in classes:
-        ranks = sorted(x for r in c for x in who(r))
+    for head, ranks in classes:
         label = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-        lines.append(f"{label} called {describe(headers[c[0]])}")
-    culprits = sorted(x for c in classes[1:] for r in c for x in who(r))
-    hint = _hint(headers[classes[0][0]], headers[classes[1][0]])
+        lines.append(f"{label} called {describe(head)}")
+    culprits = sorted(x for _, ranks in classes[1:] for x in ranks)
+    hint = _hint(classes[0][0], classes[1][0])
     return CollectiveMismatch(
         f"group {name!r}, op {op}: the ranks' calls do not match: {'; '.join(lines[1:])}; "
         f"but {lines[0]}{hint}. Every rank must make the same calls in the same order "

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from device_comms.call_signature import FAILED, HDR_BYTES, REJECTED
+from device_comms.call_signature import FAILED, HDR_BYTES, REJECTED, SPLIT
 
 __all__ = [
     "Blocks", "Envelopes", "BLOCK_INLINE", "BLOCK_BYTES", "INLINE_MAX", "P2P_TAG", "as_bytes",
@@ -256,9 +256,9 @@ def fill_envelope(buf: torch.Tensor, header: np.ndarray, payload: torch.Tensor |
 
 
 def failure_header(header: np.ndarray, status: int, culprit: int) -> np.ndarray:
-    """A copy of ``header`` with a REJECTED/FAILED status naming ``culprit``."""
-    if status not in (REJECTED, FAILED):
-        raise ValueError(f"status must be REJECTED or FAILED, got {status}")
+    """A copy of ``header`` with a REJECTED/FAILED/SPLIT status naming ``culprit``."""
+    if status not in (REJECTED, FAILED, SPLIT):
+        raise ValueError(f"status must be REJECTED, FAILED or SPLIT, got {status}")
     h = header.copy()
     h[5], h[6] = status, culprit
     return h

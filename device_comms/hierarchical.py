@@ -28,7 +28,11 @@ an envelope (:mod:`device_comms.envelopes`): its node's call header, with the
 partial result when it is small, or a REJECTED/FAILED header passing on what
 went wrong on its node. Every leader settles the same headers alike (a
 mismatch between tied classes, e.g. two nodes, names the other side on each
-node: :func:`~device_comms.call_signature.settle`), and stage 3 (the broadcast step) carries the verdict to the node's other ranks:
+node: :func:`~device_comms.call_signature.settle`). A leader whose own node's
+ranks disagree sends a SPLIT header listing every local call and who made it,
+so the leaders count ranks: one rank of a two-rank node that skipped a call
+is named by every node, though its node alone saw a 1-1 tie. Stage 3 (the
+broadcast step) carries the verdict to the node's other ranks:
 the result, or the error relayed with :meth:`StepSync.relay`::
 
     node A: rank 0 (leader), rank 1          node B: rank 2 (leader), rank 3
@@ -65,7 +69,9 @@ import torch
 import torch.distributed as dist
 
 from device_comms import host_alloc
-from device_comms.call_signature import FAILED, REJECTED, group_id, settle, template
+from device_comms.call_signature import (
+    FAILED, REJECTED, SPLIT, decode_calls, encode_calls, group_id, settle, template,
+)
 from device_comms.envelopes import INLINE_MAX, Envelopes, as_bytes, failure_header, reason_bytes
 from device_comms.errors import (
     CollectiveMismatch, CollectiveTimeout, GroupCoordError, PeerDiedError, PeerRejectedError,
@@ -307,7 +313,13 @@ class HierarchicalAllReduce:
             raise RuntimeError(
                 f"hierarchical {op}: a non-leader rank reached the leaders' exchange")
         self.seq += 1
-        if reason is not None or local_err is not None or header is None:
+        split = getattr(local_err, "calls", None) if reason is None else None
+        if split is not None:  # this node's ranks disagree: tell who called what
+            h = failure_header(self._blank, SPLIT, -1)
+            h[2] = self.seq
+            raw = encode_calls(split)
+            env.exchange(h, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        elif reason is not None or local_err is not None or header is None:
             h, text = self._failure(reason, local_err)
             env.exchange(h, reason_bytes(text))
         else:
@@ -320,7 +332,8 @@ class HierarchicalAllReduce:
         heads = {p: env.words[p] for p in env.peers}
         heads[self.me] = h
         try:
-            settle(self.name, op, self.me, heads, env.reason, self._members)
+            settle(self.name, op, self.me, heads, env.reason, self._members,
+                   lambda p: decode_calls(bytes(env.payload(p).numpy()), p, self.name))
         except CollectiveMismatch as e:
             if reason is None and local_err is None:
                 return e

@@ -518,7 +518,16 @@ class StepSync:
                 )
         for r, w in self._peer_sig[p]:
             if hdr[w] != a or hdr[w + 1] != b:
-                self._mismatch(op, r, a, b, hdr[w], hdr[w + 1])
+                self._mismatch(op, r, a, b, hdr[w], hdr[w + 1], self._calls(p, a, b))
+
+    def _calls(self, p: int, a: int, b: int) -> list[tuple[int, int, list[int]]]:
+        """Every local rank's signature of the step of parity ``p``, as ``(sig_a, sig_b,
+        group ranks that signed it)``; this rank signed ``(a, b)``."""
+        classes: dict[tuple[int, int], list[int]] = {(a, b): [self.group_ranks[self.me]]}
+        for r, w in self._peer_sig[p]:
+            key = (int(self.hdr[w]), int(self.hdr[w + 1]))
+            classes.setdefault(key, []).append(self.group_ranks[r])
+        return [(x, y, ranks) for (x, y), ranks in classes.items()]
 
     def _relayed(self, op: str, r: int, raw: bytes) -> GroupCoordError:
         """The error local rank ``r`` relayed with :meth:`relay`, to raise here."""
@@ -539,14 +548,19 @@ class StepSync:
             return died
         return CollectiveMismatch(text, queue=self.name, peers=(culprit,))
 
-    def _mismatch(self, op: str, r: int, a: int, b: int, pa: int, pb: int) -> None:
-        raise CollectiveMismatch(
+    def _mismatch(self, op: str, r: int, a: int, b: int, pa: int, pb: int,
+                  calls: list[tuple[int, int, list[int]]]) -> None:
+        """Raise the mismatch with local rank ``r``; ``calls`` (every local rank's call)
+        goes with it as ``error.calls``, for a node leader to pass on."""
+        error = CollectiveMismatch(
             f"group {self.name!r}, op {op}: rank {self.group_ranks[self.me]} called "
             f"{describe_signature(a, b)} but rank {self.group_ranks[r]} called "
             f"{describe_signature(pa, pb)} at the same point; every rank must call the same "
             f"collective with the same dtype, size, op and root",
             queue=self.name, peers=(self.group_ranks[r],),
         )
+        error.calls = calls  # type: ignore[attr-defined]
+        raise error
 
 
 def _process(pid: int) -> psutil.Process | None:

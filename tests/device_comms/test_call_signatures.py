@@ -534,3 +534,68 @@ def test_a_mismatch_names_the_minority_or_on_a_tie_the_other_side(
         with pytest.raises(CollectiveMismatch) as info:
             settle("tp:0", "all_reduce", me, heads, lambda r: "")
         assert sorted(info.value.peers) == want, (me, str(info.value))
+
+
+def _split_node(calls: dict[int, str], leader: int) -> tuple[Any, list[tuple[int, int, list[int]]]]:
+    """The SPLIT header and call list a node leader sends when its ranks ``calls`` disagree."""
+    from device_comms.call_signature import SPLIT
+    from device_comms.envelopes import failure_header
+
+    heads = _headers(calls)
+    by_call: dict[tuple[int, int], list[int]] = {}
+    for r, h in heads.items():
+        by_call.setdefault((int(h[3]), int(h[4])), []).append(r)
+    return failure_header(heads[leader], SPLIT, -1), [(a, b, rs) for (a, b), rs in by_call.items()]
+
+
+@pytest.mark.parametrize("nodes,named", [
+    # two hosts of two ranks; host 0's leader skipped (a 1-1 tie on its host)
+    ([{0: "b", 1: "a"}, {2: "a", 3: "a"}], {2: [0]}),
+    # the non-leader skipped instead
+    ([{0: "a", 1: "b"}, {2: "a", 3: "a"}], {2: [1]}),
+    # a 2-2 tie at rank level: each leader names the ranks outside its own class
+    ([{0: "b", 1: "a"}, {2: "a"}, {3: "b"}], {2: [0, 3], 3: [1, 2]}),
+    # three hosts, one split 2-1 inside
+    ([{0: "a", 1: "c", 2: "a"}, {3: "a", 4: "a"}, {5: "a"}], {3: [1], 5: [1]}),
+], ids=["leader-skipped", "member-skipped", "tie-of-ranks", "three-hosts"])
+def test_split_nodes_are_settled_by_counting_ranks(nodes: list[dict[int, str]],
+                                                   named: dict[int, list[int]]) -> None:
+    """A leader whose node's ranks disagree sends every local call (SPLIT); the other
+    leaders count ranks, so the rank outside the largest class is named even where its
+    own node saw a 1-1 tie. The split node's leader settles nothing (its ranks raised)."""
+    from device_comms.call_signature import decode_calls, encode_calls, settle
+
+    heads, calls, members = {}, {}, {}
+    for node in nodes:
+        leader = min(node)
+        members[leader] = sorted(node)
+        if len(set(node.values())) > 1:
+            heads[leader], calls[leader] = _split_node(node, leader)
+        else:
+            heads[leader] = _headers({leader: node[leader]})[leader]
+    raw = {r: encode_calls(c) for r, c in calls.items()}
+    for me in heads:
+        args = ("tp:0", "all_reduce", me, heads, lambda r: "", members.__getitem__,
+                lambda r: decode_calls(raw[r], r, "tp:0"))
+        if me in calls:
+            assert settle(*args) is True  # its own ranks already raised
+            continue
+        with pytest.raises(CollectiveMismatch) as info:
+            settle(*args)
+        assert sorted(info.value.peers) == named[me], str(info.value)
+        if len(named[me]) == 1:
+            assert f"rank {named[me][0]} called all_reduce" in str(info.value)
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x91\x01", b"\xc1", None],
+                         ids=["empty", "wrong-shape", "not-msgpack", "too-many"])
+def test_a_split_call_list_that_does_not_decode_is_refused(raw: bytes | None) -> None:
+    from device_comms.call_signature import MAX_SPLIT_CALLS, decode_calls, encode_calls
+    from device_comms.errors import DecodeError
+
+    if raw is None:
+        raw = encode_calls([(1, i, [i]) for i in range(MAX_SPLIT_CALLS + 1)])
+    with pytest.raises(DecodeError, match="rank 2"):
+        decode_calls(raw, 2, "tp:0")
+    assert decode_calls(encode_calls([(1, 2, [0]), (1, 3, [1, 2])]), 2, "tp:0") == [
+        (1, 2, [0]), (1, 3, [1, 2])]

@@ -104,14 +104,9 @@ def all_cases() -> list[tuple[int, str, str, str, int]]:
 
 
 def known_limit(n: int, transport: str, fault: str, op: str, culprit: int) -> str | None:
-    """Why the library cannot keep the contract in this case, or None."""
-    spec = OPS[op]
-    if (transport == "hier" and n == 4 and fault == "skip" and culprit == 0
-            and spec.route in ("comm", "cpu") and not spec.paired):
-        return ("hierarchical agreement judges a mismatch inside a host among that host's "
-                "ranks before the leaders talk; with two ranks per host a leader that skipped "
-                "is a 1-1 tie there, so the other host's ranks are told the leader's peer "
-                "(rank 1) is the culprit, though ranks 1-3 agree (the message names both calls)")
+    """Why the library cannot keep the contract in this case, or None (no case today:
+    a node leader that skipped a call, a 1-1 tie on its own two-rank host, is named
+    by every node since leaders count ranks, not nodes)."""
     return None
 
 
