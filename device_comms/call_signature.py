@@ -14,34 +14,40 @@ word    field
 4       layout key: a hash of the shape and the layout arguments
         (``dim``, ``sizes``, ``scatter_dim``/``gather_dim``)
 5       status: :data:`OK`, :data:`REJECTED`, :data:`FAILED` or :data:`SPLIT`
-6       culprit: group rank that rejected or mismatched (REJECTED/FAILED)
-7       bytes after the header (inline payload or reason text); -1: none
+6       culprit: group rank that rejected or mismatched (REJECTED/FAILED); -1
+        otherwise
+7       bytes after the header (inline payload, reason text, or a SPLIT
+        header's call list); -1: none
 8       dtype code of this rank's data (0: not known to this rank)
 9       ndim of this rank's data (-1: not known to this rank)
 10      an op's extra argument checked after the exchange (scatter: ``dim``)
 11-19   the first nine sizes of that shape
 ======  ================================================================
 
-Words 0-4 must be equal on every rank of a call whose status is OK;
+Words 0-4 must be equal on every rank of a call whose status is OK (words 3-4
+of a SPLIT header mean nothing: its call list says who signed what);
 words 8-19 describe the data for error messages and tell scatter's receivers
 the source's shape and dtype. Hashes of tuples of ints are the same in every
 process (Python randomises only ``str``/``bytes`` hashes), and the group id
 uses CRC-32 of the name for the same reason.
 
-:func:`settle` turns the headers every rank sees into a verdict: a rejection
-(the lowest rejecting rank is named), a mismatch (the ranks outside the
-largest agreeing class are named, with what they called), or agreement. Every
-rank reaches the same verdict, except whom a mismatch names when the largest
-classes tie (two ranks that disagree, two hosts): nobody can tell which side
-is wrong, so each rank names the ranks outside its own class (its peers in
-the other class, never itself), as the shared-memory engine does.
+:func:`settle` turns the headers every participant sees into a verdict: a
+rejection (the lowest rejecting rank is named), a mismatch (the ranks outside
+the largest agreeing class are named, with what they called), or agreement.
+Classes are counted in ranks: a participant that speaks for several ranks
+(a node leader of the hierarchical communicator) counts as its node's ranks.
+Every participant whose own call was valid reaches the same verdict, except
+whom a mismatch names when the largest classes tie (two ranks that disagree,
+two hosts of equal size): nobody can tell which side is wrong, so each names
+the ranks outside its own class (its peers in the other class, never
+itself), as the shared-memory engine does.
 
-A participant that speaks for several ranks (a node leader of the
-hierarchical communicator) whose ranks disagree among themselves sends a
+A node leader whose own ranks disagree among themselves sends a
 :data:`SPLIT` header: its payload lists every call its ranks made and who
-made it (:func:`encode_calls`). :func:`settle` then counts ranks, not
-participants: a leader whose two ranks tie 1-1 cannot tell which of them is
-wrong, but with the other nodes' ranks counted the largest class is clear.
+made it (:func:`encode_calls`; :func:`decode_calls` checks it). Its node's
+ranks raise their local error; the other leaders count the listed ranks
+with everyone else's, so where the node alone saw a 1-1 tie the largest
+class across the group is still clear.
 """
 
 from __future__ import annotations
@@ -55,7 +61,10 @@ import torch
 
 from device_comms.errors import CollectiveMismatch, DecodeError, PeerRejectedError
 from device_comms.reduce_op import ReduceOp
-from device_comms.shm_sync import KIND_NAMES, dtype_code, dtype_of, op_of, shape_key, signature
+from device_comms.shm_sync import (
+    KIND_NAMES, SHAPE_KEYED_KINDS, dtype_code, dtype_of, op_of, shape_key, shape_of_key,
+    signature,
+)
 
 __all__ = [
     "HDR_BYTES", "HDR_WORDS", "MAGIC", "OK", "REJECTED", "FAILED", "SPLIT",
@@ -66,8 +75,8 @@ HDR_WORDS = 20
 HDR_BYTES = 8 * HDR_WORDS
 MAGIC = 0x4743_5347_0001  # "GCSG", version 1
 OK, REJECTED, FAILED, SPLIT = 0, 1, 2, 3
-#: Most distinct calls a SPLIT payload may list (one per rank of a node at most).
-MAX_SPLIT_CALLS = 64
+_LIST_MAX = 64  # ranks a refused SPLIT payload's error message lists
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 #: One call of a SPLIT payload: (word 3, word 4, the group ranks that made it).
 Call = tuple[int, int, list[int]]
 _DIMS = 9  # sizes of the shape a header spells out
@@ -176,22 +185,35 @@ def encode_calls(calls: Sequence[Call]) -> bytes:
                                    for a, b, ranks in calls])
 
 
-def decode_calls(raw: bytes, who: int, name: str) -> list[Call]:
-    """The calls of a :data:`SPLIT` payload that participant ``who`` sent.
+def decode_calls(raw: bytes, who: int, members: Sequence[int], name: str) -> list[Call]:
+    """The calls of the :data:`SPLIT` payload that participant ``who`` sent for ``members``.
+
+    A valid list names at least two different calls, every rank of ``members``
+    exactly once, and signatures that fit in int64 (the header's words).
 
     Raises:
-        DecodeError: The bytes are not such a list, or list too many calls or ranks.
+        DecodeError: Anything else (the payload is at most an envelope's
+            inline size, so decoding allocates little).
     """
+    def refuse(why: str) -> DecodeError:
+        return DecodeError(f"group {name!r}: rank {who} sent a split-call list that {why}",
+                           queue=name, peers=(who,))
+
     try:
         calls = msgspec.msgpack.decode(raw, type=list[tuple[int, int, list[int]]])
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise DecodeError(f"group {name!r}: rank {who} sent a split-call list that does not "
-                          f"decode ({e})", queue=name, peers=(who,)) from None
-    if not 2 <= len(calls) <= MAX_SPLIT_CALLS or sum(len(c[2]) for c in calls) > MAX_SPLIT_CALLS:
-        raise DecodeError(f"group {name!r}: rank {who} sent a split-call list of "
-                          f"{len(calls)} calls (2 to {MAX_SPLIT_CALLS} expected)",
-                          queue=name, peers=(who,))
-    return [(a, b, list(ranks)) for a, b, ranks in calls]
+        raise refuse(f"does not decode ({e})") from None
+    ranks = sorted(r for _, _, rs in calls for r in rs)
+    if ranks != sorted(members):
+        raise refuse(f"names ranks {ranks[:_LIST_MAX]}, not its node's {sorted(members)} "
+                     f"each once")
+    sigs = {(a, b) for a, b, _ in calls}
+    if len(sigs) != len(calls) or len(calls) < 2:
+        raise refuse(f"lists {len(calls)} calls, {len(sigs)} of them different (at least 2 "
+                     f"different calls, none twice, expected)")
+    if any(not _INT64_MIN <= x <= _INT64_MAX for sig in sigs for x in sig):
+        raise refuse("holds a signature outside int64")
+    return [(a, b, sorted(rs)) for a, b, rs in calls]
 
 
 def settle(
@@ -219,11 +241,13 @@ def settle(
             payload); needed only where SPLIT headers can occur.
 
     Returns:
-        True when this rank itself rejected its call (it raises its own
-        error), False when every participant agrees.
+        True when this participant's own status is not OK (it rejected its
+        call, or its node failed or split: it raises its own error), False
+        when every participant agrees.
 
     Raises:
-        DecodeError: A header is not one of this protocol.
+        DecodeError: A header is not one of this protocol, a SPLIT header
+            came where ``calls`` is None, or ``calls`` refused a call list.
         PeerRejectedError: A peer rejected its arguments.
         CollectiveMismatch: The headers disagree (op, dtype, shape, root,
             layout, sequence or group), or a peer relays such an error.
@@ -246,13 +270,15 @@ def settle(
         raise CollectiveMismatch(text(r), queue=name, peers=(culprit,))
     who = members or (lambda r: [r])
     classes: dict[tuple[int, ...], tuple[np.ndarray, list[int]]] = {}
-    for r in sorted(headers):
+    # OK headers first: a class is described by its first header, and a real one
+    # knows the shape and dtype of the data, a SPLIT-derived one only its signature.
+    for r in sorted(headers, key=lambda r: (int(headers[r][5]) == SPLIT, r)):
         for head, ranks in _calls_of(r, headers[r], who, calls):
             key = tuple(int(x) for x in head[_AGREE])
             classes.setdefault(key, (head, []))[1].extend(ranks)
     if len(classes) > 1:
         raise _mismatch(name, op, set(who(me)), list(classes.values()))
-    return False
+    return False  # one class: no SPLIT header (its calls are at least two classes)
 
 
 def _calls_of(
@@ -264,15 +290,23 @@ def _calls_of(
     """Participant ``r``'s calls as (a header describing the call, its group ranks)."""
     if int(head[5]) != SPLIT:
         return [(head, list(who(r)))]
-    if calls is None:
-        raise RuntimeError("settle: a SPLIT header needs the calls of its participant")
-    out = []
-    for a, b, ranks in calls(r):
-        h = head.copy()
-        h[3], h[4], h[5], h[6] = a, b, OK, -1
-        h[8], h[9] = (a >> 8) & 0xFF, -1  # the dtype is in the signature; the shape is not
-        out.append((h, ranks))
-    return out
+    if calls is None:  # only node leaders send SPLIT, and only to leaders
+        raise DecodeError(f"rank {r} sent a SPLIT header where no participant speaks for "
+                          f"other ranks", peers=(r,))
+    return [(_call_header(head, a, b), ranks) for a, b, ranks in calls(r)]
+
+
+def _call_header(head: np.ndarray, a: int, b: int) -> np.ndarray:
+    """A header describing the call signed ``(a, b)`` (words 3-4 of a shared-memory
+    step): the dtype comes from the signature, the shape from a shape key."""
+    h = head.copy()
+    h[3], h[4], h[5], h[6], h[7] = a, b, OK, -1, -1
+    h[8], h[9] = (a >> 8) & 0xFF, -1
+    shape = shape_of_key(b) if KIND_NAMES.get(a & 0xFF) in SHAPE_KEYED_KINDS else None
+    if shape is not None and len(shape) <= _DIMS:
+        h[9] = len(shape)
+        h[_DIM0 : _DIM0 + len(shape)] = shape
+    return h
 
 
 def _mismatch(
@@ -307,6 +341,7 @@ def _hint(a: np.ndarray, b: np.ndarray) -> str:
     if int(a[2]) != int(b[2]):
         return (" (at a different call number: a call failed on some rank without reaching "
                 "its peers)")
-    if int(a[3]) == int(b[3]) and int(a[4]) != int(b[4]) and describe(a) == describe(b):
+    if (int(a[3]) == int(b[3]) and int(a[4]) != int(b[4]) and int(a[9]) >= 0
+            and int(b[9]) >= 0 and describe(a) == describe(b)):
         return " (same shape, different layout arguments: dim, sizes or split dims)"
     return ""

@@ -26,13 +26,15 @@ Signatures. Stage 1 is a shared-memory step carrying the call's signature,
 so the ranks of a node agree first. Each leader's first message of stage 2 is
 an envelope (:mod:`device_comms.envelopes`): its node's call header, with the
 partial result when it is small, or a REJECTED/FAILED header passing on what
-went wrong on its node. Every leader settles the same headers alike (a
-mismatch between tied classes, e.g. two nodes, names the other side on each
-node: :func:`~device_comms.call_signature.settle`). A leader whose own node's
-ranks disagree sends a SPLIT header listing every local call and who made it,
-so the leaders count ranks: one rank of a two-rank node that skipped a call
-is named by every node, though its node alone saw a 1-1 tie. Stage 3 (the
-broadcast step) carries the verdict to the node's other ranks:
+went wrong on its node. Leaders count ranks, not nodes: a leader speaks for
+its node's ranks, and one whose own ranks disagree among themselves sends a
+SPLIT header listing every local call and who made it, so one rank of a
+two-rank node that skipped a call is named by every other node, though its
+own node saw a 1-1 tie (that node's ranks raise their local error at once).
+Every leader settles the same headers alike (a mismatch between tied classes,
+e.g. two nodes of equal size, names the other side on each node:
+:func:`~device_comms.call_signature.settle`). Stage 3 (the broadcast step)
+carries the verdict to the node's other ranks:
 the result, or the error relayed with :meth:`StepSync.relay`::
 
     node A: rank 0 (leader), rank 1          node B: rank 2 (leader), rank 3
@@ -74,8 +76,8 @@ from device_comms.call_signature import (
 )
 from device_comms.envelopes import INLINE_MAX, Envelopes, as_bytes, failure_header, reason_bytes
 from device_comms.errors import (
-    CollectiveMismatch, CollectiveTimeout, GroupCoordError, PeerDiedError, PeerRejectedError,
-    translate_backend_error,
+    CollectiveMismatch, CollectiveTimeout, DecodeError, GroupCoordError, PeerDiedError,
+    PeerRejectedError, translate_backend_error,
 )
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
@@ -303,10 +305,12 @@ class HierarchicalAllReduce:
     ) -> CollectiveMismatch | None:
         """One envelope round among the leaders; the error every leader found, or None.
 
-        This leader sends its node's header (or a REJECTED/FAILED one naming
-        the culprit); the returned error is what the other leaders sent or
-        how the nodes' calls differ. Returns None as well when this node
-        itself failed (``reason`` or ``local_err``: its ranks already know).
+        This leader sends its node's header, a REJECTED/FAILED one naming the
+        culprit, or, when its node's ranks disagree among themselves, a SPLIT
+        one listing their calls; the returned error is what the other leaders
+        sent or how the ranks' calls differ, counted rank by rank. Returns None
+        as well when this node itself failed (``reason`` or ``local_err``: its
+        ranks already know).
         """
         env = self._env
         if env is None:  # only leaders exchange envelopes
@@ -333,10 +337,14 @@ class HierarchicalAllReduce:
         heads[self.me] = h
         try:
             settle(self.name, op, self.me, heads, env.reason, self._members,
-                   lambda p: decode_calls(bytes(env.payload(p).numpy()), p, self.name))
+                   lambda p: decode_calls(bytes(env.payload(p).numpy()), p,
+                                          self._members(p), self.name))
         except CollectiveMismatch as e:
             if reason is None and local_err is None:
                 return e
+        except DecodeError as e:  # a leader's header or call list is not valid:
+            if reason is None and local_err is None:  # no call can be matched with it
+                return CollectiveMismatch(str(e), queue=self.name, peers=e.peers)
         return None
 
     def _failure(

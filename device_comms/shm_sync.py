@@ -235,13 +235,13 @@ def describe_signature(sig_a: int, sig_b: int) -> str:
         parts.append(f"op={op.name}")
     if kind in ("broadcast", "gather", "reduce"):
         parts.append(f"root={sig_a >> 24}")
-    shape = shape_of_key(sig_b) if kind in _SHAPE_KEYED else None
+    shape = shape_of_key(sig_b) if kind in SHAPE_KEYED_KINDS else None
     parts.append(f"shape={shape}" if shape is not None else f"size-key={sig_b}")
     return "(" + ", ".join(parts) + ")"
 
 
 # Kinds whose size key is a shape_key (the others hash their layout arguments too).
-_SHAPE_KEYED = frozenset({"all_reduce", "reduce", "broadcast", "send/recv"})
+SHAPE_KEYED_KINDS = frozenset({"all_reduce", "reduce", "broadcast", "send/recv"})
 _HASHED = 1 << 62  # flag of a shape_key that is a hash
 _DIM_BITS = 20
 
@@ -546,7 +546,7 @@ class StepSync:
             died = PeerDiedError(text, queue=self.name, peers=peers)
             died.suspected = True  # type: ignore[attr-defined]
             return died
-        return CollectiveMismatch(text, queue=self.name, peers=(culprit,))
+        return CollectiveMismatch(text, queue=self.name, peers=tuple(peers) or (culprit,))
 
     def _mismatch(self, op: str, r: int, a: int, b: int, pa: int, pb: int,
                   calls: list[tuple[int, int, list[int]]]) -> None:

@@ -536,16 +536,18 @@ def test_a_mismatch_names_the_minority_or_on_a_tie_the_other_side(
         assert sorted(info.value.peers) == want, (me, str(info.value))
 
 
-def _split_node(calls: dict[int, str], leader: int) -> tuple[Any, list[tuple[int, int, list[int]]]]:
-    """The SPLIT header and call list a node leader sends when its ranks ``calls`` disagree."""
-    from device_comms.call_signature import SPLIT
+def _split_node(calls: dict[int, str]) -> tuple[Any, list[tuple[int, int, list[int]]]]:
+    """The SPLIT header and call list a node leader sends when its ranks ``calls`` disagree
+    (the header is the communicator's blank one, as the leader's is)."""
+    from device_comms.call_signature import SPLIT, group_id, template
     from device_comms.envelopes import failure_header
 
     heads = _headers(calls)
     by_call: dict[tuple[int, int], list[int]] = {}
     for r, h in heads.items():
         by_call.setdefault((int(h[3]), int(h[4])), []).append(r)
-    return failure_header(heads[leader], SPLIT, -1), [(a, b, rs) for (a, b), rs in by_call.items()]
+    blank = template(group_id("tp:0"), "all_reduce", None, None, 0, 0, None)
+    return failure_header(blank, SPLIT, -1), [(a, b, rs) for (a, b), rs in by_call.items()]
 
 
 @pytest.mark.parametrize("nodes,named", [
@@ -557,12 +559,14 @@ def _split_node(calls: dict[int, str], leader: int) -> tuple[Any, list[tuple[int
     ([{0: "b", 1: "a"}, {2: "a"}, {3: "b"}], {2: [0, 3], 3: [1, 2]}),
     # three hosts, one split 2-1 inside
     ([{0: "a", 1: "c", 2: "a"}, {3: "a", 4: "a"}, {5: "a"}], {3: [1], 5: [1]}),
-], ids=["leader-skipped", "member-skipped", "tie-of-ranks", "three-hosts"])
+    # no split, hosts of unequal size: ranks are counted, not hosts
+    ([{0: "b", 1: "b", 2: "b"}, {3: "a"}, {4: "a"}], {0: [3, 4], 3: [3, 4], 4: [3, 4]}),
+], ids=["leader-skipped", "member-skipped", "tie-of-ranks", "three-hosts", "uneven-hosts"])
 def test_split_nodes_are_settled_by_counting_ranks(nodes: list[dict[int, str]],
                                                    named: dict[int, list[int]]) -> None:
-    """A leader whose node's ranks disagree sends every local call (SPLIT); the other
-    leaders count ranks, so the rank outside the largest class is named even where its
-    own node saw a 1-1 tie. The split node's leader settles nothing (its ranks raised)."""
+    """Leaders count ranks; a leader whose node's ranks disagree sends every local call
+    (SPLIT), so the rank outside the largest class is named even where its own node saw
+    a 1-1 tie. The split node's leader settles nothing (its ranks raised locally)."""
     from device_comms.call_signature import decode_calls, encode_calls, settle
 
     heads, calls, members = {}, {}, {}
@@ -570,32 +574,54 @@ def test_split_nodes_are_settled_by_counting_ranks(nodes: list[dict[int, str]],
         leader = min(node)
         members[leader] = sorted(node)
         if len(set(node.values())) > 1:
-            heads[leader], calls[leader] = _split_node(node, leader)
+            heads[leader], calls[leader] = _split_node(node)
         else:
             heads[leader] = _headers({leader: node[leader]})[leader]
     raw = {r: encode_calls(c) for r, c in calls.items()}
     for me in heads:
         args = ("tp:0", "all_reduce", me, heads, lambda r: "", members.__getitem__,
-                lambda r: decode_calls(raw[r], r, "tp:0"))
+                lambda r: decode_calls(raw[r], r, members[r], "tp:0"))
         if me in calls:
             assert settle(*args) is True  # its own ranks already raised
             continue
         with pytest.raises(CollectiveMismatch) as info:
             settle(*args)
-        assert sorted(info.value.peers) == named[me], str(info.value)
-        if len(named[me]) == 1:
-            assert f"rank {named[me][0]} called all_reduce" in str(info.value)
+        text = str(info.value)
+        assert sorted(info.value.peers) == named[me], text
+        assert "same shape, different layout" not in text, text
+        if named[me] == [0] or named[me] == [1]:  # the majority's shape is spelled out
+            assert f"rank {named[me][0]} called all_reduce" in text, text
+            assert "but ranks [" in text and "shape=(4, 2)" in text.split("but ranks")[1], text
 
 
-@pytest.mark.parametrize("raw", [b"", b"\x91\x01", b"\xc1", None],
-                         ids=["empty", "wrong-shape", "not-msgpack", "too-many"])
-def test_a_split_call_list_that_does_not_decode_is_refused(raw: bytes | None) -> None:
-    from device_comms.call_signature import MAX_SPLIT_CALLS, decode_calls, encode_calls
+@pytest.mark.parametrize("calls,why", [
+    (b"", "does not decode"),
+    (b"\x91\x01", "does not decode"),
+    (b"\xc1", "does not decode"),
+    ([(1, 2, [0]), (1, 3, [0])], "names ranks"),          # rank 0 twice, rank 1 missing
+    ([(1, 2, [0]), (1, 3, [1, 7])], "names ranks"),       # a rank of another node
+    ([(1, 2, [0, 1])], "different calls"),                # one call is no split
+    ([(1, 2, [0]), (1, 2, [1])], "different calls"),      # the same call twice
+    ([(1 << 63, 2, [0]), (1, 3, [1])], "outside int64"),  # decodes (uint64), fits no word
+], ids=["empty", "wrong-shape", "not-msgpack", "rank-twice", "foreign-rank", "one-call",
+        "same-call-twice", "too-large"])
+def test_a_split_call_list_that_is_not_valid_is_refused(calls: Any, why: str) -> None:
+    from device_comms.call_signature import decode_calls, encode_calls
     from device_comms.errors import DecodeError
 
-    if raw is None:
-        raw = encode_calls([(1, i, [i]) for i in range(MAX_SPLIT_CALLS + 1)])
-    with pytest.raises(DecodeError, match="rank 2"):
-        decode_calls(raw, 2, "tp:0")
-    assert decode_calls(encode_calls([(1, 2, [0]), (1, 3, [1, 2])]), 2, "tp:0") == [
-        (1, 2, [0]), (1, 3, [1, 2])]
+    raw = calls if isinstance(calls, bytes) else encode_calls(calls)
+    with pytest.raises(DecodeError, match=f"rank 2 sent a split-call list that .*{why}"):
+        decode_calls(raw, 2, [0, 1], "tp:0")
+    assert decode_calls(encode_calls([(1, 2, [1]), (1, 3, [0])]), 2, [0, 1], "tp:0") == [
+        (1, 2, [1]), (1, 3, [0])]
+
+
+def test_a_split_header_where_no_participant_speaks_for_others_is_refused() -> None:
+    """The flat signed path passes no call lists: a SPLIT header there is not ours."""
+    from device_comms.call_signature import settle
+    from device_comms.errors import DecodeError
+
+    heads = _headers({0: "a", 1: "a"})
+    heads[1], _ = _split_node({1: "a", 2: "b"})
+    with pytest.raises(DecodeError, match="rank 1 sent a SPLIT header"):
+        settle("tp:0", "all_reduce", 0, heads, lambda r: "")
