@@ -100,6 +100,7 @@ def _env_without_launcher() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
+@pytest.mark.slow  # CI runs the demo under torchrun across two hosts (tests/multihost)
 @pytest.mark.timeout(240)
 def test_demo_under_torchrun(tmp_path: Path) -> None:
     """torchrun starts the ranks (--launcher env): rank 0 alone reports, verified

@@ -23,7 +23,7 @@ def _hosts(world_size: int) -> list[dict[str, str]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tensor_parallel_group_across_two_hosts(world_size):
     res = run_distributed(whole_world_tp, world_size, env=_hosts(world_size), timeout=150)
     local = [r * 2 // world_size == 0 for r in range(world_size)]

@@ -99,7 +99,7 @@ def test_port_in_use_is_a_store_connection_error_and_leaves_no_key_file() -> Non
     assert not os.path.exists(_key_file_path(HOST, port, "busy"))
 
 
-@pytest.mark.parametrize("secret_from", ["key-file", "env"])
+@pytest.mark.parametrize("secret_from", ["key-file", pytest.param("env", marks=pytest.mark.slow)])
 def test_outsider_pickle_under_the_keys_runs_nothing(tmp_path, secret_from: str) -> None:
     marker = str(tmp_path / "pwned")
     env = {SECRET_ENV: os.urandom(32).hex()} if secret_from == "env" else None

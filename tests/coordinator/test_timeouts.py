@@ -193,7 +193,7 @@ def test_a_group_timeout_must_be_positive(dist_pool) -> None:
             assert kinds[bad].startswith("TypeError") and "timeout" in kinds[bad], kinds
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_timeout_zero_polls_once(dist_pool, world_size: int) -> None:
     res = dist_pool(world_size).run(_poll_once_in_a_collective, 3.0, timeout=120)
     kind, elapsed, msg = res[0]

@@ -199,7 +199,8 @@ def _sleep_until(t: float) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("n_readers", [1, 3], ids=["1-reader", "3-readers"])
+@pytest.mark.parametrize("n_readers", [pytest.param(1, marks=pytest.mark.slow), 3],
+                         ids=["1-reader", "3-readers"])
 def test_an_early_message_rings_the_planned_sleep_awake(procs, n_readers: int) -> None:
     """Learn a 0.5 s period, then publish 0.05 s after the last message: every
     reader is in a planned sleep until ~0.5 s and must be woken by the bell."""
