@@ -113,8 +113,8 @@ def test_outsider_pickle_under_the_keys_runs_nothing(tmp_path, secret_from: str)
         res[1]["unanswered"], res[1]["unanswered"]
 
 
-def test_forged_moved_and_read_values_are_useless_to_an_outsider() -> None:
-    res = run_distributed(_rank_forgery, 2, free_port(), timeout=120)
+def test_forged_moved_and_read_values_are_useless_to_an_outsider(dist_pool) -> None:
+    res = dist_pool(2).run(_rank_forgery, free_port(), timeout=120)
     r1 = res[1]
     assert r1["first"] == "TOPSECRET-1"
     assert r1["moved"].startswith("AuthenticationError") and "wrong HMAC" in r1["moved"], r1
@@ -123,14 +123,14 @@ def test_forged_moved_and_read_values_are_useless_to_an_outsider() -> None:
     assert not res[0]["plaintext_visible"]  # the outsider read only ciphertext
 
 
-def test_unsendable_object_raises_type_error_naming_type_and_opt_in() -> None:
-    res = run_distributed(_rank_unsendable, 2, free_port(), timeout=120)
+def test_unsendable_object_raises_type_error_naming_type_and_opt_in(dist_pool) -> None:
+    res = dist_pool(2).run(_rank_unsendable, free_port(), timeout=120)
     assert "_CreateFile" in res[0] and "allow_pickle=True" in res[0], res[0]
     assert res[1].startswith("CollectiveMismatch") and "rank 0" in res[1], res[1]
 
 
-def test_opt_in_pickle_round_trips_between_opted_in_ranks() -> None:
-    res = run_distributed(_rank_opt_in, 2, free_port(), timeout=120)
+def test_opt_in_pickle_round_trips_between_opted_in_ranks(dist_pool) -> None:
+    res = dist_pool(2).run(_rank_opt_in, free_port(), timeout=120)
     assert res[1] == "complex:(1+2j)"
 
 
@@ -160,7 +160,7 @@ def test_bad_secret_environment_variable_is_refused(monkeypatch) -> None:
         StatelessProcessGroup.create(HOST, free_port(), 0, 1, timeout=5)
 
 
-def test_direct_construction_needs_a_secret_unless_the_store_is_on_loopback() -> None:
+def test_direct_construction_needs_a_secret_unless_the_store_is_on_loopback(dist_pool) -> None:
     import torch.distributed as dist
 
     store = dist.HashStore()
@@ -172,19 +172,19 @@ def test_direct_construction_needs_a_secret_unless_the_store_is_on_loopback() ->
     assert g.broadcast_obj(("x", {1}), src=0) == ("x", {1})
     g.barrier()
     g.close()
-    res = run_distributed(_rank_own_store, 2, free_port(), timeout=120)
+    res = dist_pool(2).run(_rank_own_store, free_port(), timeout=120)
     assert res == [[(0, "own"), (1, "own")]] * 2
 
 
-def test_mismatched_secrets_fail_authentication_promptly(tmp_path) -> None:
-    res = run_distributed(_rank_wrong_secret, 2, free_port(), str(tmp_path / "done"),
-                          timeout=120)
+def test_mismatched_secrets_fail_authentication_promptly(dist_pool, tmp_path) -> None:
+    res = dist_pool(2).run(_rank_wrong_secret, free_port(), str(tmp_path / "done"),
+                           timeout=120)
     assert res[1].startswith("AuthenticationError") and "session" in res[1], res[1]
 
 
-def test_insecure_mode_still_never_unpickles(tmp_path) -> None:
+def test_insecure_mode_still_never_unpickles(dist_pool, tmp_path) -> None:
     marker = str(tmp_path / "pwned")
-    res = run_distributed(_rank_insecure, 2, free_port(), marker, timeout=120)
+    res = dist_pool(2).run(_rank_insecure, free_port(), marker, timeout=120)
     assert not os.path.exists(marker)
     assert res[1]["framed_pickle"].startswith("CollectiveMismatch") and \
         "not unpickled" in res[1]["framed_pickle"], res[1]

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch.distributed as dist
 
-from coordinator.testing import free_port, run_distributed
+from coordinator.testing import free_port
 from device_comms.errors import CommunicatorUnavailable, NcclError
 
 
@@ -82,8 +82,8 @@ def _nccl_group_rejected(rank: int, n: int) -> str:
 
 # ---------------------------------------------------------------------- tests
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_unique_id_over_gloo(nccl_lib, world_size: int) -> None:
-    outs = run_distributed(_gloo_ids, world_size)
+def test_unique_id_over_gloo(dist_pool, nccl_lib, world_size: int) -> None:
+    outs = dist_pool(world_size).run(_gloo_ids)
     made = outs[0]["made_world"]
     assert isinstance(made, bytes) and len(made) == 128 and made != bytes(128)
     assert all(o["world"] == made for o in outs), "every rank gets rank 0's 128 bytes"
@@ -96,8 +96,8 @@ def test_unique_id_over_gloo(nccl_lib, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_unique_id_over_stateless_group(nccl_lib, world_size: int) -> None:
-    outs = run_distributed(_stateless_ids, world_size, free_port())
+def test_unique_id_over_stateless_group(dist_pool, nccl_lib, world_size: int) -> None:
+    outs = dist_pool(world_size).run(_stateless_ids, free_port())
     made = outs[0]["made"]
     assert isinstance(made, bytes) and len(made) == 128
     assert [o["uid"] for o in outs] == [made] * world_size
@@ -105,15 +105,15 @@ def test_unique_id_over_stateless_group(nccl_lib, world_size: int) -> None:
     assert all(o["failed"] == [0] for o in outs)
 
 
-def test_failure_on_rank0_reaches_every_rank(nccl_lib) -> None:
-    outs = run_distributed(_root_fails, 3)
+def test_failure_on_rank0_reaches_every_rank(dist_pool, nccl_lib) -> None:
+    outs = dist_pool(3).run(_root_fails)
     assert outs[0][0] == "NcclError" and "injected" in outs[0][1]
     for kind, msg in outs[1:]:
         assert kind == "CommunicatorUnavailable" and "group rank 0 could not create" in msg
 
 
-def test_nccl_process_group_is_rejected() -> None:
-    outs = run_distributed(_nccl_group_rejected, 2)
+def test_nccl_process_group_is_rejected(dist_pool) -> None:
+    outs = dist_pool(2).run(_nccl_group_rejected)
     for msg in outs:
         assert "must be a CPU (gloo) process group" in msg and "'nccl'" in msg
 
