@@ -317,7 +317,7 @@ class HierarchicalAllReduce:
             raise RuntimeError(
                 f"hierarchical {op}: a non-leader rank reached the leaders' exchange")
         self.seq += 1
-        split = getattr(local_err, "calls", None) if reason is None else None
+        split = getattr(local_err, "calls", None)  # a local mismatch (never with ``reason``)
         if split is not None:  # this node's ranks disagree: tell who called what
             h = failure_header(self._blank, SPLIT, -1)
             h[2] = self.seq

@@ -160,10 +160,12 @@ def _virtual_row(nbytes: int, dtype: torch.dtype, args: argparse.Namespace,
     """The custom all-reduce's points of one size, each printed as it ends. A point that
     times out is recorded as its error and appended to ``failed``; once one has, the
     remaining points are skipped (they would mostly wait out their timeouts too)."""
-    from device_comms.custom_allreduce.eligibility import ALIGNMENT
+    from device_comms.custom_allreduce.eligibility import ALIGNMENT, call_eligible
 
     row: dict[str, Any] = {"bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
-    if not 0 < nbytes <= _CUSTOM_MAX or nbytes % ALIGNMENT:
+    probe = torch.empty(nbytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype,
+                        device="meta")  # the per-call rule, without memory
+    if not call_eligible(probe, _CUSTOM_MAX):
         print(f"# {row['dtype']} {nbytes} B: not eligible for the custom all-reduce "
               f"(a positive multiple of {ALIGNMENT} bytes up to {_CUSTOM_MAX}); NCCL only")
     else:
