@@ -209,20 +209,35 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         return self.ranks[(self.rank_in_group - 1) % self.world_size]
 
     # ------------------------------------------------------------------ tensors
-    def all_reduce(self, input_: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        """Element-wise reduction across the group; returns a new tensor.
+    def all_reduce(
+        self,
+        input_: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Element-wise reduction across the group.
 
         Args:
             input_: Tensor on this group's device; same shape and dtype on every rank.
             op: A :class:`ReduceOp`; bitwise ops need integer dtypes, AVG floating.
+            out: Where to write the result instead of a new tensor: contiguous,
+                ``input_``'s shape, dtype and device; ``input_`` itself reduces
+                in place (what vLLM's CPU path does), saving an allocation and,
+                on the shared-memory engine, a pass over the output.
+
+        Returns:
+            ``out`` when given, else a new tensor.
         """
-        if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
+        if _tracing() and self.world_size > 1 and op is ReduceOp.SUM and out is None:
             return custom_ops.traced_all_reduce(self, input_)
         self.calls = seq = self.calls + 1
         started = time.monotonic()
         self.collectives += 1
         try:
-            return self.comm.all_reduce(input_, op)
+            if out is None:
+                return self.comm.all_reduce(input_, op)
+            return self.comm.all_reduce(input_, op, out=out)
         except WAIT_ERRORS as e:
             self._errors.explain("all_reduce", seq, e, started=started)
             raise

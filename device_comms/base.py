@@ -94,18 +94,39 @@ class DeviceCommunicator(abc.ABC):
         return torch.device(device).type in cls.device_types
 
     # ------------------------------------------------------------------ public API
-    def all_reduce(self, input_: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        """Reduce ``input_`` element-wise across ranks; returns a new tensor."""
+    def all_reduce(
+        self,
+        input_: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Reduce ``input_`` element-wise across ranks.
+
+        Args:
+            input_: The local operand (same shape and dtype on every rank).
+            op: The reduction.
+            out: Where to write the result: a contiguous tensor of ``input_``'s
+                shape, dtype and device, which may be ``input_`` itself (in
+                place) but must not otherwise overlap it. None: a new tensor.
+
+        Returns:
+            ``out`` when given, else a new tensor.
+        """
         self._check_open()
         try:
             t = validation.check_tensor(input_, "input_", self.device)
             rop = check_reduce_op(op, t.dtype)
+            if out is not None:
+                validation.check_out(out, t, self.device)
         except (TypeError, ValueError) as e:
             self._reject("all_reduce", e)
             raise
         if self.world_size == 1:
-            return t.clone()
-        return self._guard("all_reduce", self._all_reduce, t.contiguous(), rop)
+            return t.clone() if out is None else out.copy_(t)
+        if out is None:
+            return self._guard("all_reduce", self._all_reduce, t.contiguous(), rop)
+        return self._guard("all_reduce", self._all_reduce_into, t.contiguous(), rop, out)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``input_`` along ``dim`` (same shape on all ranks)."""
@@ -452,6 +473,14 @@ class DeviceCommunicator(abc.ABC):
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor: ...
+
+    def _all_reduce_into(self, t: torch.Tensor, op: ReduceOp, out: torch.Tensor) -> torch.Tensor:
+        """All-reduce contiguous ``t`` into ``out`` (validated: ``t`` itself or disjoint).
+
+        The base reduces into a new tensor and copies it; transports that can
+        write the result in place override this.
+        """
+        return out.copy_(self._all_reduce(t, op))
 
     @abc.abstractmethod
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor: ...

@@ -262,18 +262,26 @@ class CpuCommunicator(TorchDistributedCommunicator):
         super().destroy()
 
     # ------------------------------------------------------------------ reductions
-    def all_reduce(self, input_: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        """Reduce ``input_`` element-wise across ranks; returns a new tensor.
+    def all_reduce(
+        self,
+        input_: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Reduce ``input_`` element-wise across ranks; ``out`` or a new tensor.
 
         Same contract as :meth:`DeviceCommunicator.all_reduce`. Calls that the
         base class already validated for this ``(op, dtype)`` -- a plain,
-        contiguous CPU tensor that does not require grad -- skip straight to
-        the shared-memory engine: at 1 KiB the generic checks and the
-        ``no_grad`` context cost as much as the collective itself.
+        contiguous CPU tensor that does not require grad, with no ``out`` or
+        ``out=input_`` -- skip straight to the shared-memory engine: at 1 KiB
+        the generic checks and the ``no_grad`` context cost as much as the
+        collective itself.
         """
         eng = self._flat
         if (
             eng is not None
+            and (out is None or out is input_)
             and type(input_) is torch.Tensor
             and type(op) is ReduceOp
             and op in self._validated.get(input_.dtype, ())
@@ -284,15 +292,15 @@ class CpuCommunicator(TorchDistributedCommunicator):
         ):
             self.shm_calls["all_reduce"] += 1
             try:
-                return eng.all_reduce(input_, op)
+                return eng.all_reduce(input_, op, out)
             except RuntimeError as e:
                 raise self._translate("all_reduce", e) from e
-        out = super().all_reduce(input_, op)
+        res = super().all_reduce(input_, op, out=out)
         if eng is not None and type(op) is ReduceOp:
             ops = self._validated.setdefault(input_.dtype, [])
             if op not in ops:
                 ops.append(op)
-        return out
+        return res
 
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         eng = self._flat
@@ -303,6 +311,13 @@ class CpuCommunicator(TorchDistributedCommunicator):
             h = self._header("all_reduce", t.dtype, op, 0, t.shape, t.shape)
             return self._hier.all_reduce(t, op, h)
         return super()._all_reduce(t, op)
+
+    def _all_reduce_into(self, t: torch.Tensor, op: ReduceOp, out: torch.Tensor) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._all_reduce_into(t, op, out)
+        self.shm_calls["all_reduce"] += 1
+        return eng.all_reduce(t, op, out=out)
 
     def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
         eng = self._flat

@@ -9,21 +9,23 @@ slot-sized pieces, two steps apart in the double buffer):
   (its own operand straight from its input). A handful of torch calls: one
   copy, ``L-1`` element-wise ops. Used up to :data:`DEFAULT_ONESHOT_BYTES`
   (configurable; beyond a slot it goes in pieces).
-* **all_reduce, two ranks** (one step per piece of
-  :data:`DEFAULT_PAIR_PIECE_BYTES`; one-step calls from
-  :data:`PAIR_SMALL_MIN_BYTES`): each rank copies its piece into its slot,
-  then reduces *into the peer's slot* in rank order (``fn(x0, x1)`` on both,
-  so the bits agree) and copies that out. A shared line is then written by its
-  owner and read-and-written by the peer, so it moves between the caches in
-  the modified state; when the peer only reads it, both caches share it and
-  the owner's next write must invalidate the peer's copy, which made slot
-  writes 5x slower on vCPUs without a common cache. The rank's own slot
-  belongs to the peer between the step and the next one (the double-buffer
-  argument of :mod:`device_comms.shm_sync` covers it: the owner writes that
-  parity again only after the peer finished the step). When the two ranks
-  share a cache it reduces into its output instead (no copy; see
-  :mod:`device_comms.placement`). Beyond ``oneshot_bytes``, 2-byte floats
-  use the two-phase scheme below, which shares the (costly) reduction.
+* **all_reduce, two ranks, one step** (from :data:`PAIR_SMALL_MIN_BYTES` up to
+  a slot and :data:`~device_comms.engine_threads.GRAIN` elements): each rank
+  copies its tensor into its slot, then reduces *into the peer's slot* in rank
+  order (``fn(x0, x1)`` on both, so the bits agree) and copies that out. A
+  shared line is then written by its owner and read-and-written by the peer,
+  so it moves between the caches in the modified state; when the peer only
+  reads it, both caches share it and the owner's next write must invalidate
+  the peer's copy. The rank's own slot belongs to the peer between the step
+  and the next one (the double-buffer argument of :mod:`device_comms.shm_sync`
+  covers it: the owner writes that parity again only after the peer finished
+  the step).
+* **all_reduce, two ranks, larger** (pieces of :data:`DEFAULT_PAIR_PIECE_BYTES`,
+  one step per piece plus one): reduce-scatter and all-gather fused and
+  pipelined, each rank reducing half of every piece
+  (:meth:`ShmEngine._pair_all_reduce`). Per element of the message a rank
+  copies half an element in, reduces half and copies one out, against one in,
+  one reduced and one out when both ranks reduce everything.
 * **all_reduce, large** (reduce-scatter + all-gather, two steps
   per piece): the piece is cut into ``L`` regions; rank ``i`` copies the
   regions *other* ranks own into its slot, reduces region ``i`` (its own input
@@ -82,7 +84,6 @@ import torch
 from device_comms import host_alloc
 from device_comms.engine_threads import GRAIN, ThreadCap, capped, engine_threads
 from device_comms.fixed_reduce import binary_fn, reduce_views
-from device_comms.placement import PeerPlacement
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_alltoallv import ShmAllToAllvOps
 from device_comms.shm_gather import ShmGatherOps
@@ -96,21 +97,15 @@ __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
 # shot wins up to 2 MiB (one synchronisation instead of two), the two-phase
 # scheme from 4 MiB (it moves fewer bytes per rank and shares the reduction).
 DEFAULT_ONESHOT_BYTES = 2 << 20
-# Two ranks (see ShmEngine._pair_all_reduce): pieces of the large all_reduce, and
-# the smallest one-step all_reduce done the same way. Measured on the development
-# VM (vCPUs with and without a common cache, interleaved): 512 KiB pieces beat
-# 128/256 KiB (more steps) and 1-2 MiB (out of L2); from 32 KiB the in-place
-# reduction wins (64 KiB: 8.2 vs 10.0 us and 6.8 vs 8.0 us), below it the extra
-# copy costs more than it saves (16 KiB: 4.6 vs 4.2 us).
-DEFAULT_PAIR_PIECE_BYTES = 512 << 10
+# Two ranks (see ShmEngine._pair_all_reduce): bytes of a piece of the large
+# all_reduce (both halves), and the smallest one-step all_reduce that reduces into
+# the peer's slot. Measured on the development VM (2 vCPUs, separate L2 caches of
+# 2 MiB), float32, interleaved: 1 MiB pieces beat 256/512 KiB by 2-4% (fewer steps)
+# and match 2 MiB, which leaves less of L2 for the caller's data. From 32 KiB the
+# one-step reduction into the peer's slot wins (64 KiB: 8.2 vs 10.0 us), below it
+# its extra copy costs more than it saves (16 KiB: 4.6 vs 4.2 us).
+DEFAULT_PAIR_PIECE_BYTES = 1 << 20
 PAIR_SMALL_MIN_BYTES = 32 << 10
-# Beyond the one-shot limit, 2-byte floats (converted to float32 and back in
-# every reduction) keep sharing the reduction between two ranks (reduce-scatter
-# + all-gather): reducing everything on each rank cost bfloat16 25-27% at 4-16
-# MiB with both ranks on one vCPU (the work adds up), while it saved 25% on
-# vCPUs without a common cache. Memory-bound dtypes take the pair scheme at
-# every size: float32 16 MiB 1.6 vs 3.1 ms there, 3.0 vs 2.9 ms on one vCPU.
-_HALF_FLOATS = {torch.bfloat16, torch.float16}
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
@@ -119,6 +114,27 @@ _from_numpy = torch.from_numpy
 # ``torch.from_numpy`` costs ~0.25 us less than ``torch.add`` (dispatch), and the
 # element-wise IEEE/two's-complement sums are bitwise the same as torch's.
 _NUMPY_SUM = {torch.float32, torch.float64, torch.int32, torch.int64}
+
+
+def _pair_pieces(n: int, isz: int, slot_bytes: int) -> list[tuple[int, int, int, int]]:
+    """Pieces ``(start, split, end, half)`` of ``n`` elements for the two-rank all_reduce.
+
+    Rank 0 reduces ``[start, split)``, rank 1 ``[split, end)``; each half is at
+    most ``half`` elements (a multiple of a cache line), so a slot holds two.
+    """
+    align = max(1, _ALIGN_BYTES // isz)
+    half = max(align, slot_bytes // isz // (2 * align) * align)
+    out = []
+    for a in range(0, n, 2 * half):
+        ln = min(2 * half, n - a)
+        m = min(ln, -(-ln // (2 * align)) * align)
+        out.append((a, a + m, a + ln, half))
+    return out
+
+
+def _half(piece: tuple[int, int, int, int], rank: int) -> tuple[int, int]:
+    """The element range of ``piece`` that local ``rank`` reduces."""
+    return (piece[0], piece[1]) if rank == 0 else (piece[1], piece[2])
 
 
 class _SmallAllReduce:
@@ -187,7 +203,6 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
         #: Two ranks: one-step all_reduces of at least this many bytes reduce into
         #: the peer's slot too (:meth:`_pair_small`); smaller ones read both slots.
         self.pair_small_min_bytes = PAIR_SMALL_MIN_BYTES
-        self._placement = PeerPlacement(sync.pids[1 - self.me]) if self.size == 2 else None
         self._single = min(ws.slot_bytes, oneshot_bytes)  # one step, cached views
         self._my_addr = (ws.slot_address(0, self.me), ws.slot_address(1, self.me))
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
@@ -243,8 +258,14 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
         return [min(count, j * step) for j in range(self.size + 1)]
 
     # ------------------------------------------------------------------ reductions
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        """All-reduce contiguous ``t``; returns a new tensor, identical on every rank."""
+    def all_reduce(
+        self, t: torch.Tensor, op: ReduceOp, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """All-reduce contiguous ``t``, identical on every rank.
+
+        Returns ``out`` (contiguous, ``t``'s shape and dtype; ``t`` itself or
+        disjoint from it) when given, else a new tensor.
+        """
         sync = self.sync
         nbytes = t.nbytes
         n = t.numel()
@@ -258,30 +279,41 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
             sync.step("all_reduce", c.sig, c.size_key, True)
             views, fn = c.views[p], c.fn
             if c.pair:
-                return self._pair_small(t, views[1 - self.me], c)
-            acc = fn(views[0], views[1])
-            for v in views[2:]:
-                fn(acc, v, out=acc)
-            if c.numpy:
-                return _from_numpy(acc)
-            if c.avg:
-                acc.div_(self.size)
-            return acc
+                res = self._pair_small(t, views[1 - self.me], c)
+            else:
+                acc = fn(views[0], views[1])
+                for v in views[2:]:
+                    fn(acc, v, out=acc)
+                if c.numpy:
+                    res = _from_numpy(acc)
+                else:
+                    if c.avg:
+                        acc.div_(self.size)
+                    res = acc
+            return res if out is None else out.copy_(res)
         with self._cap:
-            sig = (self._sig("all_reduce", t.dtype, op), self.shape_key(t.shape))
-            if self.size == 2 and self.pair_piece_bytes and (
-                nbytes <= self.oneshot_bytes or t.dtype not in _HALF_FLOATS
-            ):
-                return self._pair_all_reduce(t, op, sig)
-            if nbytes <= self._single:
-                p = sync.next_parity
-                views = self._shaped(p, t)
-                _memmove(self._my_addr[p], t.data_ptr(), nbytes)
-                sync.step("all_reduce", sig[0], sig[1], True)
-                return reduce_views([t if r == self.me else v for r, v in enumerate(views)], op)
-            if nbytes <= self.oneshot_bytes:
-                return self._oneshot_pieces(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
-            return self._two_phase(t, op, "all_reduce", sig, True)  # type: ignore[return-value]
+            res = self._large_all_reduce(t, op, out)
+        return res if out is None else out
+
+    def _large_all_reduce(
+        self, t: torch.Tensor, op: ReduceOp, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The all_reduce beyond one small step (see the module docstring for the schemes)."""
+        sync = self.sync
+        sig = (self._sig("all_reduce", t.dtype, op), self.shape_key(t.shape))
+        if self.size == 2 and self.pair_piece_bytes:
+            return self._pair_all_reduce(t, op, sig, out)
+        if t.nbytes <= self._single:
+            p = sync.next_parity
+            views = self._shaped(p, t)
+            _memmove(self._my_addr[p], t.data_ptr(), t.nbytes)
+            sync.step("all_reduce", sig[0], sig[1], True)
+            if out is not None:  # own operand from the slot: out may be t
+                return reduce_views(views, op, out=out)
+            return reduce_views([t if r == self.me else v for r, v in enumerate(views)], op)
+        if t.nbytes <= self.oneshot_bytes:
+            return self._oneshot_pieces(t, op, "all_reduce", sig, True, out)  # type: ignore[return-value]
+        return self._two_phase(t, op, "all_reduce", sig, True, out)  # type: ignore[return-value]
 
     def _pair_small(self, t: torch.Tensor, peer: Any, c: "_SmallAllReduce") -> torch.Tensor:
         """The one-step all_reduce of two ranks from :data:`PAIR_SMALL_MIN_BYTES` on: reduce
@@ -298,57 +330,64 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
         return torch.div(peer, 2) if c.avg else peer.clone()
 
     def _pair_all_reduce(
-        self, t: torch.Tensor, op: ReduceOp, sig: tuple[int, int]
+        self, t: torch.Tensor, op: ReduceOp, sig: tuple[int, int], out: torch.Tensor | None
     ) -> torch.Tensor:
-        """Two ranks: each reduces *into the peer's slot*, in rank order, and copies that out.
+        """Two ranks: reduce-scatter and all-gather fused, one step per piece.
 
-        Per piece: copy my piece into my slot; step; ``peer_slot = fn(x0, x1)``
-        in place (rank order, so both ranks get the same bits); copy the peer's
-        slot into the output. Each shared cache line is thus written by its
-        owner, then read *and written* by the peer, which leaves it modified in
-        the peer's cache: the owner's next write takes it over cheaply. When
-        the peer only reads it (the one-shot scheme), the line is shared by
-        both caches and the owner's next write must invalidate the peer's copy,
-        which on the development VM made writing a 1 MiB slot 5x slower (125 vs
-        26 us) whenever the two ranks ran on vCPUs that do not share a cache.
-        Pieces of 512 KiB keep a piece's input, slots and output in L2.
+        Piece ``k`` (at most half a slot per rank) is cut in two halves; rank
+        ``i`` reduces half ``i``. Before step ``s`` a rank writes into its slot
+        of that step's parity the half of piece ``s`` the *peer* reduces
+        (region ``IN``) and its own reduced half of piece ``s-1`` (region
+        ``RED``); after the step it copies the peer's reduced half of piece
+        ``s-1`` into the output and reduces its half of piece ``s`` (its input
+        and the peer's ``IN``, in rank order) into its slot of the *next*
+        parity's ``RED``, from where it copies it into the output. So ``K``
+        pieces take ``K+1`` steps, every element is reduced by exactly one rank
+        (both ranks get the same bits) and a rank moves half the bytes that
+        reducing everything would take: per element of the message, half an
+        element in, half reduced, one out.
 
-        When both ranks run where they share a cache (:mod:`device_comms.placement`)
-        a rank reduces straight into its output instead, reading the peer's
-        slot only (no extra copy). Each rank decides for itself: either way it
-        takes the same steps, never reads its own slot after a step and writes
-        only the peer's, which the peer no longer reads, so mixed decisions are
-        still correct.
+        Slots are written only in the parity of the step about to be
+        published or, after step ``s``, of step ``s+1``, whose previous use
+        (step ``s-1``) the peer finished before publishing step ``s``: the
+        double-buffer argument of :mod:`device_comms.shm_sync`.
+
+        ``out`` may be ``t``: an element of ``t`` is read (copied in, or
+        reduced) at the step that writes its output element or one step before.
         """
         ws, sync, me = self.ws, self.sync, self.me
         flat, n, dt = t.view(-1), t.numel(), t.dtype
         isz = t.element_size()
-        out = host_alloc.empty(n, dt)
+        if out is None:
+            out = host_alloc.empty(n, dt)
         fn = binary_fn(op, dt)
         avg = op is ReduceOp.AVG
-        chunk = max(1, min(ws.slot_bytes, self.pair_piece_bytes) // isz)
-        base = flat.data_ptr()
-        migrate = self._placement is None or not self._placement.shares_cache()
-        first = True
-        for a in range(0, n, chunk):
-            ln = min(chunk, n - a)
+        pieces = _pair_pieces(n, isz, min(ws.slot_bytes, self.pair_piece_bytes))
+        half = pieces[0][3] if pieces else 0  # RED starts at half a piece
+        x_addr, out_addr = flat.data_ptr(), out.data_ptr()
+        prev: tuple[int, int, int, int] | None = None
+        for s in range(len(pieces) + 1):
             p = sync.next_parity
-            _memmove(self._my_addr[p], base + a * isz, ln * isz)
-            sync.step("all_reduce", sig[0], sig[1], first)
-            first = False
-            peer = ws.slot(p, 1 - me, dt)[:ln]
-            mine = flat[a : a + ln]
-            dst = peer if migrate else out[a : a + ln]
-            if me == 0:
-                fn(mine, peer, out=dst)
-            else:
-                fn(peer, mine, out=dst)
-            if avg:
-                torch.div(dst, 2, out=out[a : a + ln])
-            elif migrate:
-                _memmove(out.data_ptr() + a * isz, peer.data_ptr(), ln * isz)
-        if first:  # nothing to move (empty): still agree on the call
-            sync.step("all_reduce", sig[0], sig[1], True)
+            cur = pieces[s] if s < len(pieces) else None
+            if cur is not None:  # IN: the half of this piece the peer reduces
+                lo, hi = _half(cur, 1 - me)
+                _memmove(self._my_addr[p], x_addr + lo * isz, (hi - lo) * isz)
+            sync.step("all_reduce", sig[0], sig[1], s == 0)
+            theirs = ws.slot(p, 1 - me, dt)
+            if prev is not None:  # the peer's reduced half of the previous piece
+                lo, hi = _half(prev, 1 - me)
+                _memmove(out_addr + lo * isz, theirs.data_ptr() + half * isz, (hi - lo) * isz)
+            if cur is not None:  # my half, reduced into RED of the next step's slot
+                lo, hi = _half(cur, me)
+                dst = ws.slot(1 - p, me, dt)[half : half + hi - lo]
+                if me == 0:
+                    fn(flat[lo:hi], theirs[: hi - lo], out=dst)
+                else:
+                    fn(theirs[: hi - lo], flat[lo:hi], out=dst)
+                if avg:
+                    dst.div_(2)
+                _memmove(out_addr + lo * isz, dst.data_ptr(), (hi - lo) * isz)
+            prev = cur
         return out.view(t.shape)
 
     @capped(lambda self, t, *_: t.numel())
@@ -378,12 +417,23 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
         return self._two_phase(t, op, name, signed, self.me == dst)
 
     def _oneshot_pieces(
-        self, t: torch.Tensor, op: ReduceOp, name: str, sig: tuple[int, int], want: bool
+        self,
+        t: torch.Tensor,
+        op: ReduceOp,
+        name: str,
+        sig: tuple[int, int],
+        want: bool,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """One shot per slot-sized piece: everyone writes, readers reduce all slots."""
+        """One shot per slot-sized piece: everyone writes, readers reduce all slots.
+
+        The result goes into ``into`` when given (it may be ``t``: then the
+        rank's own operand is read from its slot).
+        """
         ws, sync, me, size = self.ws, self.sync, self.me, self.size
         flat, n, dt = t.view(-1), t.numel(), t.dtype
-        out = host_alloc.empty(n, dt) if want else None
+        out = None if not want else into if into is not None else host_alloc.empty(n, dt)
+        own = flat if into is None else None
         chunk = ws.slot_elems(dt)
         first = True
         for a in range(0, n, chunk):
@@ -393,16 +443,30 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
             sync.step(name, sig[0], sig[1], first)
             first = False
             if out is not None:
-                srcs = [flat[a : a + ln] if r == me else ws.slot(p, r, dt)[:ln] for r in range(size)]
-                reduce_views(srcs, op, out=out[a : a + ln])
+                srcs = [
+                    own[a : a + ln] if r == me and own is not None else ws.slot(p, r, dt)[:ln]
+                    for r in range(size)
+                ]
+                reduce_views(srcs, op, out=out.view(-1)[a : a + ln])
         return out.view(t.shape) if out is not None else None
 
     def _two_phase(
-        self, t: torch.Tensor, op: ReduceOp, name: str, sig: tuple[int, int], want: bool
+        self,
+        t: torch.Tensor,
+        op: ReduceOp,
+        name: str,
+        sig: tuple[int, int],
+        want: bool,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
+        """Reduce-scatter + all-gather per slot-sized piece, into ``into`` when given.
+
+        ``into`` may be ``t``: a piece's input is read before the second step,
+        its output written after it.
+        """
         ws, sync, me, size = self.ws, self.sync, self.me, self.size
         flat, n, dt = t.view(-1), t.numel(), t.dtype
-        out = host_alloc.empty(n, dt) if want else None
+        out = None if not want else into.view(-1) if into is not None else host_alloc.empty(n, dt)
         chunk = ws.slot_elems(dt)
         first = True
         for a in range(0, n, chunk):

@@ -8,7 +8,7 @@ import torch
 
 from shm_broadcast import checks
 
-__all__ = ["check_tensor", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
+__all__ = ["check_tensor", "check_out", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
 
 
 def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.Tensor:
@@ -38,6 +38,45 @@ def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.
             f"got a tensor on {t.device}; move it with .to({str(device)!r})"
         )
     return t
+
+
+def check_out(out: Any, like: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Return ``out`` if it can take a result shaped like ``like``, written element-wise.
+
+    It must be a dense, contiguous tensor with ``like``'s dtype and shape, and
+    either be ``like`` itself (same memory, in place) or share no memory with it.
+
+    Raises:
+        TypeError: ``out`` is not a dense tensor, or its dtype differs.
+        ValueError: ``out``'s device type, shape or layout is wrong, or it
+            partly overlaps ``like``.
+    """
+    check_tensor(out, "out", device)
+    if out.dtype != like.dtype:
+        raise TypeError(f"out must have dtype {like.dtype} (input_'s), got {out.dtype}")
+    if out.shape != like.shape:
+        raise ValueError(f"out must have shape {tuple(like.shape)} (input_'s), got {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {out.stride()} for shape {tuple(out.shape)}")
+    if out.device != like.device:
+        raise ValueError(f"out must be on {like.device} (input_'s device), got {out.device}")
+    if _overlap(out, like) and not (out.data_ptr() == like.data_ptr() and like.is_contiguous()):
+        raise ValueError(
+            "out overlaps input_ without being the same memory; pass input_ itself "
+            "(in place) or a separate tensor"
+        )
+    return out
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges spanned by ``a`` and ``b`` intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def norm_dim(dim: Any, ndim: int, arg: str = "dim") -> int:

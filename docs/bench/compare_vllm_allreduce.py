@@ -12,6 +12,8 @@ is the slowest rank's):
 
 * ``ours``: :meth:`device_comms.cpu_communicator.CpuCommunicator.all_reduce`
   (returns a new tensor; argument checks included);
+* ``ours_inplace``: the same with ``out=x`` (the result written over the
+  input, as vLLM's op does; checks included);
 * ``vllm_op``: ``torch.ops._C.shm_allreduce(handle, x)`` (in place), what
   vLLM's ``CpuCommunicator.all_reduce`` calls for a TP group.
 
@@ -99,14 +101,17 @@ def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
 
     x = torch.randn(max(1, nbytes // dtype.itemsize), generator=torch.Generator().manual_seed(rank))
     x = x.to(dtype)
-    y = x.clone()
+    y, z = x.clone(), x.clone()
     ref = comm.all_reduce(x)
     torch.ops._C.shm_allreduce(handle, y)
+    comm.all_reduce(z, out=z)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    same = bool(torch.allclose(ref.float(), y.float(), rtol=tol, atol=tol))
+    same = bool(torch.allclose(ref.float(), y.float(), rtol=tol, atol=tol)
+                and torch.equal(ref, z))
     iters = max(cfg["min_iters"], min(cfg["max_iters"], cfg["budget"] // max(1, nbytes)))
     fns = {
         "ours": lambda: comm.all_reduce(x),
+        "ours_inplace": lambda: comm.all_reduce(z, out=z),
         "vllm_op": lambda: torch.ops._C.shm_allreduce(handle, y),
     }
     for f in fns.values():
@@ -170,13 +175,14 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{impl}_p50"] = statistics.median(slow)
             row[f"{impl}_p99"] = _pct(slow, 99)
         row["speed_vs_vllm_op"] = row["vllm_op_p50"] / row["ours_p50"]
+        row["inplace_speed_vs_vllm_op"] = row["vllm_op_p50"] / row["ours_inplace_p50"]
         per_round = []  # each round's own p50 ratio: how much the machine's state moved it
         for r in rounds:
             p50 = {}
             for impl in pt["times"]:
                 per_rank = [r[k]["points"][i]["times"][impl] for k in r]
                 p50[impl] = statistics.median(max(v) for v in zip(*per_rank))
-            per_round.append(p50["vllm_op"] / p50["ours"])
+            per_round.append((p50["vllm_op"] / p50["ours"], p50["vllm_op"] / p50["ours_inplace"]))
             row.setdefault("p50_per_round", []).append(p50)
         row["speed_per_round"] = per_round
         rows.append(row)
@@ -184,16 +190,19 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'dtype':>9} {'size':>8} {'ours p50':>9} {'ours p99':>9} {'vllm p50':>9} "
-            f"{'vllm p99':>9} {'ours speed':>10}  ok  speed per round")
+    head = (f"{'dtype':>9} {'size':>8} {'ours p50':>9} {'ours p99':>9} {'in-pl p50':>9} "
+            f"{'in-pl p99':>9} {'vllm p50':>9} {'vllm p99':>9} {'speed':>6} {'in-pl':>6}  ok"
+            "  speed per round (new tensor/in place)")
     lines = [head]
     for r in rows:
         n = r["bytes"]
         size = f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1024 else f"{n} B"
         lines.append(f"{r['dtype']:>9} {size:>8} {r['ours_p50']:9.1f} {r['ours_p99']:9.1f} "
+                     f"{r['ours_inplace_p50']:9.1f} {r['ours_inplace_p99']:9.1f} "
                      f"{r['vllm_op_p50']:9.1f} {r['vllm_op_p99']:9.1f} "
-                     f"{r['speed_vs_vllm_op']:9.2f}x  {'yes' if r['same'] else 'NO':>3}  "
-                     + " ".join(f"{x:.2f}" for x in r["speed_per_round"]))
+                     f"{r['speed_vs_vllm_op']:5.2f}x {r['inplace_speed_vs_vllm_op']:5.2f}x "
+                     f"{'yes' if r['same'] else 'NO':>3}  "
+                     + " ".join(f"{a:.2f}/{b:.2f}" for a, b in r["speed_per_round"]))
     return "\n".join(lines)
 
 

@@ -1,11 +1,11 @@
-"""Two ranks: the all_reduce that reduces into the peer's slot (``ShmEngine._pair_small``,
-``ShmEngine._pair_all_reduce``).
+"""Two ranks: the one-step all_reduce into the peer's slot (``ShmEngine._pair_small``)
+and the pipelined reduce-scatter + all-gather (``ShmEngine._pair_all_reduce``).
 
-Every dtype, odd sizes and piece counts, with both variants (into the peer's slot,
-or straight into the output when the ranks share a cache) and with the ranks
-choosing differently; results bitwise equal to the reference reduction in rank
-order on both ranks, also where the order shows (the maximum of +0.0 and -0.0 is
-whichever operand comes first), and no result aliases the workspace.
+Every dtype, odd sizes and piece counts (one piece, several, a last half piece,
+halves that are not whole cache lines); results bitwise equal to the reference
+reduction in rank order on both ranks, also where the order shows (the maximum
+of +0.0 and -0.0 is whichever operand comes first), and no result aliases the
+workspace.
 """
 
 from __future__ import annotations
@@ -48,21 +48,18 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
-def pair_rank(rank: int, world_size: int, piece: int, shared: str) -> dict[str, Any]:
+def pair_rank(rank: int, world_size: int, piece: int) -> dict[str, Any]:
     comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="pair",
                            workspace_bytes=256 << 10, oneshot_bytes=1 << 30)
     eng = comm._engine
-    assert eng is not None and eng._placement is not None
+    assert eng is not None
     if piece:
         eng.pair_piece_bytes = piece
-    if shared != "measured":  # where the ranks run decides the variant; force it
-        answer = {"both": True, "neither": False, "mixed": rank == 0}[shared]
-        eng._placement.shares_cache = lambda: answer  # type: ignore[method-assign]
     lo, hi = eng.ws.slot_address(0, 0), eng.ws.slot_address(1, 1) + eng.ws.slot_bytes
     # One step in place (>= 32 KiB and within a 64 KiB slot for 2- and 4-byte types),
     # then pieces (beyond the slot or the torch grain).
     lengths = [9001, 16000, 16400, GRAIN + 1, GRAIN + 333, (eng.ws.slot_bytes // 2) + 1,
-               3 * eng.ws.slot_bytes // 4 + 17]
+               3 * eng.ws.slot_bytes // 4 + 17, 2 * eng.ws.slot_bytes + 5]
     cases = [(d, n, op) for d in _DTYPES for n in lengths for op in _ops(d)]
     got = []
     for i, (dtype, n, op) in enumerate(cases):
@@ -79,10 +76,9 @@ def pair_rank(rank: int, world_size: int, piece: int, shared: str) -> dict[str, 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("shared", ["measured", "neither", "both", "mixed"])
-@pytest.mark.parametrize("piece", [0, 4096, 12288 + 64], ids=["default", "4KiB", "odd"])
-def test_pair_all_reduce_matches_reference(dist_pool: Any, piece: int, shared: str) -> None:
-    outs = dist_pool(2).run(pair_rank, piece, shared, timeout=100)
+@pytest.mark.parametrize("piece", [0, 4096, 12288 + 64, 200], ids=["default", "4KiB", "odd", "tiny"])
+def test_pair_all_reduce_matches_reference(dist_pool: Any, piece: int) -> None:
+    outs = dist_pool(2).run(pair_rank, piece, timeout=100)
     for rank, o in enumerate(outs):
         assert o["bad"] == [], f"rank {rank}: {o['bad'][:5]} of {o['n']}"
         assert o["aliased"] == [], "results must not be views of the workspace"
