@@ -229,8 +229,9 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         Returns:
             ``out`` when given, else a new tensor.
         """
-        if _tracing() and self.world_size > 1 and op is ReduceOp.SUM and out is None:
-            return custom_ops.traced_all_reduce(self, input_)
+        if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
+            res = custom_ops.traced_all_reduce(self, input_)
+            return res if out is None else out.copy_(res)
         self.calls = seq = self.calls + 1
         started = time.monotonic()
         self.collectives += 1

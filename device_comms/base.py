@@ -122,8 +122,11 @@ class DeviceCommunicator(abc.ABC):
         except (TypeError, ValueError) as e:
             self._reject("all_reduce", e)
             raise
+        if t.is_conj() or t.is_neg():  # transports move raw elements: materialise the view
+            t = t.resolve_conj().resolve_neg()
         if self.world_size == 1:
-            return t.clone() if out is None else out.copy_(t)
+            with torch.no_grad():
+                return t.clone() if out is None else out.copy_(t)
         if out is None:
             return self._guard("all_reduce", self._all_reduce, t.contiguous(), rop)
         return self._guard("all_reduce", self._all_reduce_into, t.contiguous(), rop, out)

@@ -296,7 +296,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
             except RuntimeError as e:
                 raise self._translate("all_reduce", e) from e
         res = super().all_reduce(input_, op, out=out)
-        if eng is not None and type(op) is ReduceOp:
+        # Complex tensors can be lazy conjugate views, which only the checked path resolves.
+        if eng is not None and type(op) is ReduceOp and not input_.dtype.is_complex:
             ops = self._validated.setdefault(input_.dtype, [])
             if op not in ops:
                 ops.append(op)

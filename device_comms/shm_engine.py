@@ -205,6 +205,9 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
         self.pair_small_min_bytes = PAIR_SMALL_MIN_BYTES
         self._single = min(ws.slot_bytes, oneshot_bytes)  # one step, cached views
         self._my_addr = (ws.slot_address(0, self.me), ws.slot_address(1, self.me))
+        self._slot_addr = [[ws.slot_address(p, r) for r in range(self.size)] for p in (0, 1)]
+        self._plans: dict[tuple[int, int, int], tuple[int, list[tuple[Any, Any, int, int]]]] = {}
+        self._slot_views: dict[tuple[torch.dtype, bool], list[list[Any]]] = {}
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
         self._sigs: dict[tuple[str, torch.dtype, ReduceOp | None, int], int] = {}
         self._shape_keys: dict[torch.Size, int] = {}
@@ -218,6 +221,7 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
     def close(self) -> None:
         """Mark this rank closed for its peers and unmap. Idempotent."""
         self._views.clear()
+        self._slot_views.clear()
         self._last = _SmallAllReduce(None, None, None)  # its views map the workspace
         self.sync.close()
         self.ws.close()
@@ -278,19 +282,18 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
             _memmove(self._my_addr[p], t.data_ptr(), nbytes)
             sync.step("all_reduce", c.sig, c.size_key, True)
             views, fn = c.views[p], c.fn
+            if out is not None:  # the operands are slot views: out may be t
+                return self._small_into(t, views, c, out)
             if c.pair:
-                res = self._pair_small(t, views[1 - self.me], c)
-            else:
-                acc = fn(views[0], views[1])
-                for v in views[2:]:
-                    fn(acc, v, out=acc)
-                if c.numpy:
-                    res = _from_numpy(acc)
-                else:
-                    if c.avg:
-                        acc.div_(self.size)
-                    res = acc
-            return res if out is None else out.copy_(res)
+                return self._pair_small(t, views[1 - self.me], c)
+            acc = fn(views[0], views[1])
+            for v in views[2:]:
+                fn(acc, v, out=acc)
+            if c.numpy:
+                return _from_numpy(acc)
+            if c.avg:
+                acc.div_(self.size)
+            return acc
         with self._cap:
             res = self._large_all_reduce(t, op, out)
         return res if out is None else out
@@ -315,10 +318,73 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
             return self._oneshot_pieces(t, op, "all_reduce", sig, True, out)  # type: ignore[return-value]
         return self._two_phase(t, op, "all_reduce", sig, True, out)  # type: ignore[return-value]
 
+    def _small_into(
+        self, t: torch.Tensor, views: list[Any], c: "_SmallAllReduce", out: torch.Tensor
+    ) -> torch.Tensor:
+        """The one-step all_reduce's reduction straight into ``out`` (which may be ``t``).
+
+        Operands are the slot ``views``, except with two ranks from
+        :data:`PAIR_SMALL_MIN_BYTES` on, where the peer may be reducing into this
+        rank's slot (:meth:`_pair_small`) and the rank's own operand is ``t``:
+        reading and writing the same element in one element-wise op is safe.
+        """
+        fn = c.fn
+        acc = out.detach().numpy() if c.numpy else out
+        if c.pair:
+            mine = t.detach().numpy() if c.numpy else t
+            views = [mine, views[1]] if self.me == 0 else [views[0], mine]
+        fn(views[0], views[1], out=acc)
+        for v in views[2:]:
+            fn(acc, v, out=acc)
+        if c.avg:
+            out.div_(self.size)
+        return out
+
+    def _pair_plan(self, n: int, isz: int) -> tuple[int, list[tuple[Any, Any, int, int]]]:
+        """``(half, steps)`` of :meth:`_pair_all_reduce` for ``n`` elements of ``isz`` bytes.
+
+        Step ``s`` is ``(send, recv, lo, hi)``: the (byte offset, bytes) of the
+        input copied into this rank's slot before the step, those of the output
+        filled from the peer's reduced half after it (None where nothing moves),
+        and the elements this rank reduces after it (``hi < 0``: none). Cached.
+        """
+        key = (n, isz, self.pair_piece_bytes)
+        got = self._plans.get(key)
+        if got is not None:
+            return got
+        pieces = _pair_pieces(n, isz, min(self.ws.slot_bytes, self.pair_piece_bytes))
+        steps: list[tuple[Any, Any, int, int]] = []
+        for s in range(len(pieces) + 1):
+            send = recv = None
+            lo = hi = -1
+            if s < len(pieces):
+                a, b = _half(pieces[s], 1 - self.me)
+                send = (a * isz, (b - a) * isz)
+                lo, hi = _half(pieces[s], self.me)
+            if s > 0:
+                a, b = _half(pieces[s - 1], 1 - self.me)
+                recv = (a * isz, (b - a) * isz)
+            steps.append((send, recv, lo, hi))
+        if len(self._plans) >= _VIEW_CACHE_MAX:
+            self._plans.clear()
+        got = self._plans[key] = (pieces[0][3] if pieces else 0, steps)
+        return got
+
+    def _pair_slots(self, dt: torch.dtype, as_numpy: bool) -> list[list[Any]]:
+        """Both ranks' slots of both parities (``[parity][rank]``), flat ``dt`` tensors or arrays."""
+        key = (dt, as_numpy)
+        got = self._slot_views.get(key)
+        if got is None:
+            got = [[self.ws.slot(p, r, dt) for r in range(self.size)] for p in (0, 1)]
+            if as_numpy:
+                got = [[v.numpy() for v in row] for row in got]
+            self._slot_views[key] = got
+        return got
+
     def _pair_small(self, t: torch.Tensor, peer: Any, c: "_SmallAllReduce") -> torch.Tensor:
         """The one-step all_reduce of two ranks from :data:`PAIR_SMALL_MIN_BYTES` on: reduce
-        into the peer's slot view ``peer`` in rank order and copy it out (see
-        :meth:`_pair_all_reduce` for why); this rank's own slot is the peer's to modify."""
+        into the peer's slot view ``peer`` in rank order and copy it out (the module
+        docstring says why); this rank's own slot is the peer's to modify."""
         fn = c.fn
         x = t.numpy() if c.numpy else t
         if self.me == 0:
@@ -337,8 +403,8 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
         Piece ``k`` (at most half a slot per rank) is cut in two halves; rank
         ``i`` reduces half ``i``. Before step ``s`` a rank writes into its slot
         of that step's parity the half of piece ``s`` the *peer* reduces
-        (region ``IN``) and its own reduced half of piece ``s-1`` (region
-        ``RED``); after the step it copies the peer's reduced half of piece
+        (region ``IN``; its own reduced half of piece ``s-1``, region ``RED``,
+        went there after step ``s-1``); after the step it copies the peer's reduced half of piece
         ``s-1`` into the output and reduces its half of piece ``s`` (its input
         and the peer's ``IN``, in rank order) into its slot of the *next*
         parity's ``RED``, from where it copies it into the output. So ``K``
@@ -355,39 +421,37 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
         ``out`` may be ``t``: an element of ``t`` is read (copied in, or
         reduced) at the step that writes its output element or one step before.
         """
-        ws, sync, me = self.ws, self.sync, self.me
-        flat, n, dt = t.view(-1), t.numel(), t.dtype
-        isz = t.element_size()
+        sync, me, peer = self.sync, self.me, 1 - self.me
+        n, dt, isz = t.numel(), t.dtype, t.element_size()
         if out is None:
             out = host_alloc.empty(n, dt)
-        fn = binary_fn(op, dt)
+        half, plan = self._pair_plan(n, isz)
+        if op is ReduceOp.SUM and dt in _NUMPY_SUM:  # bitwise torch's sum, less dispatch
+            x: Any = t.detach().view(-1).numpy()
+            fn: Any = np.add
+            slots = self._pair_slots(dt, True)
+        else:
+            x, fn, slots = t.view(-1), binary_fn(op, dt), self._pair_slots(dt, False)
         avg = op is ReduceOp.AVG
-        pieces = _pair_pieces(n, isz, min(ws.slot_bytes, self.pair_piece_bytes))
-        half = pieces[0][3] if pieces else 0  # RED starts at half a piece
-        x_addr, out_addr = flat.data_ptr(), out.data_ptr()
-        prev: tuple[int, int, int, int] | None = None
-        for s in range(len(pieces) + 1):
-            p = sync.next_parity
-            cur = pieces[s] if s < len(pieces) else None
-            if cur is not None:  # IN: the half of this piece the peer reduces
-                lo, hi = _half(cur, 1 - me)
-                _memmove(self._my_addr[p], x_addr + lo * isz, (hi - lo) * isz)
+        x_addr, out_addr, addr = t.data_ptr(), out.data_ptr(), self._slot_addr
+        red = half * isz
+        for s, (send, recv, lo, hi) in enumerate(plan):
+            p = (sync.gen + 1) & 1
+            if send is not None:  # IN: the half of this piece the peer reduces
+                _memmove(addr[p][me], x_addr + send[0], send[1])
             sync.step("all_reduce", sig[0], sig[1], s == 0)
-            theirs = ws.slot(p, 1 - me, dt)
-            if prev is not None:  # the peer's reduced half of the previous piece
-                lo, hi = _half(prev, 1 - me)
-                _memmove(out_addr + lo * isz, theirs.data_ptr() + half * isz, (hi - lo) * isz)
-            if cur is not None:  # my half, reduced into RED of the next step's slot
-                lo, hi = _half(cur, me)
-                dst = ws.slot(1 - p, me, dt)[half : half + hi - lo]
+            if recv is not None:  # the peer's reduced half of the previous piece
+                _memmove(out_addr + recv[0], addr[p][peer] + red, recv[1])
+            if hi >= 0:  # my half, reduced into RED of the next step's slot
+                m = hi - lo
+                dst = slots[1 - p][me][half : half + m]
                 if me == 0:
-                    fn(flat[lo:hi], theirs[: hi - lo], out=dst)
+                    fn(x[lo:hi], slots[p][peer][:m], out=dst)
                 else:
-                    fn(theirs[: hi - lo], flat[lo:hi], out=dst)
+                    fn(slots[p][peer][:m], x[lo:hi], out=dst)
                 if avg:
                     dst.div_(2)
-                _memmove(out_addr + lo * isz, dst.data_ptr(), (hi - lo) * isz)
-            prev = cur
+                _memmove(out_addr + lo * isz, addr[1 - p][me] + red, m * isz)
         return out.view(t.shape)
 
     @capped(lambda self, t, *_: t.numel())

@@ -77,6 +77,20 @@ _NATIVE = frozenset({torch.float32, torch.float64, torch.int8, torch.uint8, torc
 _REDUCE_AS = {torch.int16: torch.int32}
 
 
+def _wire_op(op: ReduceOp, dtype: torch.dtype) -> Any:
+    """The ``torch.distributed`` op for ``op`` on ``dtype``.
+
+    Backends reduce ``bool`` as bytes, so SUM would leave 2s (and wrap to 0 at
+    256 ranks) where logical OR means 1; MAX/MIN over 0/1 bytes are OR/AND.
+    """
+    if dtype == torch.bool:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            return ReduceOp.MAX.to_torch()
+        if op is ReduceOp.PRODUCT:
+            return ReduceOp.MIN.to_torch()
+    return op.to_torch()
+
+
 def wire_view(t: torch.Tensor) -> torch.Tensor:
     """A same-memory view of contiguous ``t`` in a dtype every backend can move.
 
@@ -133,7 +147,7 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
                 return reduce_views(self._received(t), op)
         wide = _REDUCE_AS.get(t.dtype)
         out = t.to(wide) if wide is not None else t.clone()
-        dist.all_reduce(out, op=op.to_torch(), group=self.device_group)
+        dist.all_reduce(out, op=_wire_op(op, t.dtype), group=self.device_group)
         if op is ReduceOp.AVG:
             out.div_(self.world_size)
         return out.to(t.dtype) if wide is not None else out
@@ -148,7 +162,7 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
                 return reduce_views(self._received(t), op) if me else None
         wide = _REDUCE_AS.get(t.dtype)
         out = t.to(wide) if wide is not None else t.clone()
-        dist.reduce(out, dst=self._g(dst), op=op.to_torch(), group=self.device_group)
+        dist.reduce(out, dst=self._g(dst), op=_wire_op(op, t.dtype), group=self.device_group)
         if not me:
             return None
         if op is ReduceOp.AVG:
@@ -172,7 +186,7 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
             return self._plain_reduce_scatter(x.to(wide), dim, op).to(x.dtype)
         n = self.world_size
         out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=x.dtype, device=x.device)
-        _reduce_scatter_flat(out.view(-1), x.view(-1), op=op.to_torch(), group=self.device_group)
+        _reduce_scatter_flat(out.view(-1), x.view(-1), op=_wire_op(op, x.dtype), group=self.device_group)
         if op is ReduceOp.AVG:
             out.div_(n)
         return out.movedim(0, dim).contiguous()
@@ -224,7 +238,7 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
             padded[i * m : i * m + s] = x[off : off + s]
             off += s
         out = torch.empty((m,) + x.shape[1:], dtype=x.dtype, device=x.device)
-        _reduce_scatter_flat(out.view(-1), padded.view(-1), op=op.to_torch(), group=self.device_group)
+        _reduce_scatter_flat(out.view(-1), padded.view(-1), op=_wire_op(op, x.dtype), group=self.device_group)
         if op is ReduceOp.AVG:
             out.div_(n)
         return out[: sizes[self.rank_in_group]].movedim(0, dim).contiguous()

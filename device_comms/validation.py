@@ -43,8 +43,9 @@ def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.
 def check_out(out: Any, like: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """Return ``out`` if it can take a result shaped like ``like``, written element-wise.
 
-    It must be a dense, contiguous tensor with ``like``'s dtype and shape, and
-    either be ``like`` itself (same memory, in place) or share no memory with it.
+    It must be a dense, contiguous tensor with ``like``'s dtype and shape (not a
+    lazy conjugate or negative view), and either be ``like`` itself (same
+    memory, in place) or share no memory with it.
 
     Raises:
         TypeError: ``out`` is not a dense tensor, or its dtype differs.
@@ -60,6 +61,11 @@ def check_out(out: Any, like: torch.Tensor, device: torch.device | None = None) 
         raise ValueError(f"out must be contiguous, got strides {out.stride()} for shape {tuple(out.shape)}")
     if out.device != like.device:
         raise ValueError(f"out must be on {like.device} (input_'s device), got {out.device}")
+    if out.is_conj() or out.is_neg():
+        raise ValueError(
+            "out must not be a lazily conjugated or negated view (results are written "
+            "as raw elements); pass a plain tensor, e.g. out.resolve_conj().resolve_neg()"
+        )
     if _overlap(out, like) and not (out.data_ptr() == like.data_ptr() and like.is_contiguous()):
         raise ValueError(
             "out overlaps input_ without being the same memory; pass input_ itself "

@@ -10,6 +10,8 @@ workspace.
 
 from __future__ import annotations
 
+import random
+import time
 from typing import Any
 
 import pytest
@@ -84,3 +86,60 @@ def test_pair_all_reduce_matches_reference(dist_pool: Any, piece: int) -> None:
         assert o["aliased"] == [], "results must not be views of the workspace"
     for a, b in zip(outs[0]["bits"], outs[1]["bits"]):
         assert _same_bits(a, b), "both ranks must get the same bits"
+
+
+def _stress_case(i: int, seed: int) -> tuple[str, torch.dtype, int]:
+    pick = random.Random(seed * 100_003 + i)  # the same sequence on both ranks
+    kind = pick.choice(["new", "in place", "mixed", "all_gather", "broadcast", "reduce_scatter"])
+    dtype = pick.choice([torch.float32, torch.bfloat16, torch.int64])
+    n = pick.choice([100, 9000, 12_000, 20_000, 40_000, 70_002])  # every all_reduce scheme
+    return kind, dtype, n
+
+
+def stress_rank(rank: int, world_size: int, seed: int, calls: int) -> dict[str, Any]:
+    """Random collectives on one engine with random delays around every step."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="pairstress",
+                           workspace_bytes=256 << 10)
+    sync = comm._engine.sync
+    real_step, jitter = sync.step, random.Random(seed * 31 + rank)
+
+    def uneven_step(*args: Any, **kw: Any) -> int:
+        if jitter.random() < 0.3:
+            time.sleep(jitter.random() * 3e-4)
+        parity = real_step(*args, **kw)
+        if jitter.random() < 0.3:  # one rank lingers after the step, the other runs ahead
+            time.sleep(jitter.random() * 3e-4)
+        return parity
+
+    sync.step = uneven_step  # type: ignore[method-assign]
+    bad: list[str] = []
+    try:
+        for i in range(calls):
+            kind, dtype, n = _stress_case(i, seed)
+            xs = [_input(i, r, n, dtype) for r in range(world_size)]
+            x = xs[rank].clone()
+            if kind == "all_gather":
+                got, want = comm.all_gather(x, 0), torch.cat(xs)
+            elif kind == "broadcast":
+                got, want = comm.broadcast(x, i % 2), xs[i % 2]
+            elif kind == "reduce_scatter":
+                got = comm.reduce_scatter(x, 0)
+                want = reduce_local(xs, ReduceOp.SUM).chunk(world_size)[rank]
+            else:
+                into = x if kind == "in place" or (kind == "mixed" and rank == i % 2) else None
+                got, want = comm.all_reduce(x, out=into), reduce_local(xs, ReduceOp.SUM)
+            if not _same_bits(got, want):
+                bad.append(f"call {i}: {kind} {dtype} n={n}")
+    finally:
+        comm.destroy()
+    return {"bad": bad}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_uneven_ranks_never_see_a_reused_slot(dist_pool: Any, seed: int) -> None:
+    """Double buffering under skew: a rank delayed before or after any step
+    must never read a slot its peer already rewrote, nor write one still read."""
+    outs = dist_pool(2).run(stress_rank, seed, 120, timeout=110)
+    for rank, o in enumerate(outs):
+        assert o["bad"] == [], f"rank {rank}: {o['bad'][:5]}"
