@@ -10,7 +10,9 @@ workspace.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 from typing import Any
 
@@ -20,6 +22,8 @@ import torch.distributed as dist
 
 from device_comms import CpuCommunicator, ReduceOp, reduce_local
 from device_comms.engine_threads import GRAIN
+from device_comms.errors import CollectiveMismatch, PeerDiedError
+from shm_broadcast.launcher import spawn_group
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
            torch.int8, torch.bool, torch.complex64)
@@ -143,3 +147,59 @@ def test_uneven_ranks_never_see_a_reused_slot(dist_pool: Any, seed: int) -> None
     outs = dist_pool(2).run(stress_rank, seed, 120, timeout=110)
     for rank, o in enumerate(outs):
         assert o["bad"] == [], f"rank {rank}: {o['bad'][:5]}"
+
+
+def killed_mid_call(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 SIGKILLs itself after the third step of a 4 MiB pipelined all_reduce."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="pairkill")
+    x = torch.ones(1 << 20)  # 4 MiB: four 1 MiB pieces, five steps
+    comm.all_reduce(x)
+    if rank == 1:
+        sync, real_step, seen = comm._engine.sync, comm._engine.sync.step, [0]
+
+        def step_then_die(*args: Any, **kw: Any) -> int:
+            parity = real_step(*args, **kw)
+            seen[0] += 1
+            if seen[0] == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return parity
+
+        sync.step = step_then_die  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x)
+        return {"error": None}
+    except PeerDiedError as e:
+        return {"error": str(e), "elapsed": time.monotonic() - t0}
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.timeout(90)
+def test_peer_killed_inside_the_pipeline_is_reported() -> None:
+    outs = spawn_group(killed_mid_call, 2, (), timeout=80)
+    assert outs[1].exitcode == -9
+    res = outs[0].result
+    assert outs[0].ok and res["error"] is not None, "rank 0 did not notice the dead peer"
+    assert res["elapsed"] < 2.0 and "rank 1" in res["error"] and "all_reduce" in res["error"], res
+
+
+def mismatched_large(rank: int, world_size: int) -> dict[str, Any]:
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="pairmis")
+    try:
+        try:  # both above the one-step limit: the pipelined scheme on both ranks
+            comm.all_reduce(torch.ones(300_000 + rank))
+            err = None
+        except CollectiveMismatch as e:
+            err = str(e)
+        after = comm.all_reduce(torch.full((600_000,), float(rank)))
+    finally:
+        comm.destroy()
+    return {"err": err, "after": float(after[-1])}
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_sizes_raise_on_both_ranks_and_the_group_goes_on(dist_pool: Any) -> None:
+    for rank, o in enumerate(dist_pool(2).run(mismatched_large, timeout=50)):
+        assert o["err"] is not None and "all_reduce" in o["err"], (rank, o)
+        assert o["after"] == 1.0
