@@ -37,6 +37,7 @@ import datetime
 import glob
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -118,17 +119,20 @@ def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
         for _ in range(5):
             f()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    faults = dict.fromkeys(fns, 0)  # minor page faults inside the timed calls
     block = max(1, min(20, iters // 4))
     clock = time.perf_counter
     while len(times["ours"]) < iters:
         for k, f in fns.items():
             for _ in range(block):
                 comm.barrier()
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = clock()
                 f()
                 times[k].append((clock() - t0) * 1e6)
+                faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     return {"dtype": str(dtype).removeprefix("torch."), "bytes": nbytes, "same": same,
-            "times": times}
+            "times": times, "faults_per_call": {k: v / len(times[k]) for k, v in faults.items()}}
 
 
 def _driver(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +178,8 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 slow += [max(v) for v in zip(*per_rank)]
             row[f"{impl}_p50"] = statistics.median(slow)
             row[f"{impl}_p99"] = _pct(slow, 99)
+        row["faults_per_call"] = {impl: max(r[k]["points"][i]["faults_per_call"][impl]
+                                            for r in rounds for k in r) for impl in pt["times"]}
         row["speed_vs_vllm_op"] = row["vllm_op_p50"] / row["ours_p50"]
         row["inplace_speed_vs_vllm_op"] = row["vllm_op_p50"] / row["ours_inplace_p50"]
         per_round = []  # each round's own p50 ratio: how much the machine's state moved it
