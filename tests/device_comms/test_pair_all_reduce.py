@@ -2,14 +2,18 @@
 and the pipelined reduce-scatter + all-gather (``ShmEngine._pair_all_reduce``).
 
 Every dtype, odd sizes and piece counts (one piece, several, a last half piece,
-halves that are not whole cache lines); results bitwise equal to the reference
-reduction in rank order on both ranks, also where the order shows (the maximum
-of +0.0 and -0.0 is whichever operand comes first), and no result aliases the
-workspace.
+halves that are not whole cache lines); results bitwise equal on both ranks
+(every element is reduced by one rank) and bitwise equal to the reference
+reduction in rank order -- except the sign of a zero that MAX/MIN pick from
++0.0 and -0.0: torch's vectorised and scalar kernels choose different operands
+when they compare equal, and which elements take which path depends on how a
+kernel is split among threads (a 16-core host splits the engine's half pieces
+and the reference differently); and no result aliases the workspace.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import signal
@@ -75,10 +79,15 @@ def pair_rank(rank: int, world_size: int, piece: int) -> dict[str, Any]:
     bad = []
     for i, ((dtype, n, op), g) in enumerate(zip(cases, got)):
         want = reduce_local([_input(i, r, n, dtype) for r in range(world_size)], op)
-        if not _same_bits(g, want):
+        if op in (ReduceOp.MAX, ReduceOp.MIN) and dtype.is_floating_point:
+            same = torch.equal(g, want)  # values; the sign of a zero may differ (see above)
+        else:
+            same = _same_bits(g, want)
+        if not same:
             bad.append(f"{dtype} n={n} {op.name}")
     return {"bad": bad, "aliased": aliased, "n": len(cases),
-            "bits": [g.view(-1)[:64].clone() for g in got]}
+            "digests": [hashlib.sha256(g.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+                        for g in got]}
 
 
 @pytest.mark.timeout(120)
@@ -88,8 +97,7 @@ def test_pair_all_reduce_matches_reference(dist_pool: Any, piece: int) -> None:
     for rank, o in enumerate(outs):
         assert o["bad"] == [], f"rank {rank}: {o['bad'][:5]} of {o['n']}"
         assert o["aliased"] == [], "results must not be views of the workspace"
-    for a, b in zip(outs[0]["bits"], outs[1]["bits"]):
-        assert _same_bits(a, b), "both ranks must get the same bits"
+    assert outs[0]["digests"] == outs[1]["digests"], "both ranks must get the same bits"
 
 
 def _stress_case(i: int, seed: int) -> tuple[str, torch.dtype, int]:
