@@ -230,6 +230,8 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
             ``out`` when given, else a new tensor.
         """
         if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
+            if out is not None:  # the result is a fresh tensor: only shape and kind matter
+                validation.check_out_meta(out, input_)
             res = custom_ops.traced_all_reduce(self, input_)
             return res if out is None else out.copy_(res)
         self.calls = seq = self.calls + 1

@@ -10,7 +10,8 @@ slot-sized pieces, two steps apart in the double buffer):
   copy, ``L-1`` element-wise ops. Used up to :data:`DEFAULT_ONESHOT_BYTES`
   (configurable; beyond a slot it goes in pieces).
 * **all_reduce, two ranks, one step** (from :data:`PAIR_SMALL_MIN_BYTES` up to
-  a slot and :data:`~device_comms.engine_threads.GRAIN` elements): each rank
+  a slot, ``oneshot_bytes`` and :data:`~device_comms.engine_threads.GRAIN`
+  elements): each rank
   copies its tensor into its slot, then reduces *into the peer's slot* in rank
   order (``fn(x0, x1)`` on both, so the bits agree) and copies that out. A
   shared line is then written by its owner and read-and-written by the peer,
@@ -109,11 +110,18 @@ PAIR_SMALL_MIN_BYTES = 32 << 10
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
+_increment_version = torch.autograd.graph.increment_version
 _from_numpy = torch.from_numpy
 # dtypes whose SUM of small tensors goes through numpy: ``np.add`` plus
 # ``torch.from_numpy`` costs ~0.25 us less than ``torch.add`` (dispatch), and the
 # element-wise IEEE/two's-complement sums are bitwise the same as torch's.
 _NUMPY_SUM = {torch.float32, torch.float64, torch.int32, torch.int64}
+
+
+def _written(t: torch.Tensor) -> None:
+    """Count a write into ``t`` that torch did not see (ctypes, numpy), as an in-place op
+    does, so autograd refuses a tensor it saved for backward instead of using new values."""
+    _increment_version(t)
 
 
 def _pair_pieces(n: int, isz: int, slot_bytes: int) -> list[tuple[int, int, int, int]]:
@@ -296,7 +304,10 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
             return acc
         with self._cap:
             res = self._large_all_reduce(t, op, out)
-        return res if out is None else out
+        if out is None:
+            return res
+        _written(out)
+        return out
 
     def _large_all_reduce(
         self, t: torch.Tensor, op: ReduceOp, out: torch.Tensor | None
@@ -338,6 +349,7 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
             fn(acc, v, out=acc)
         if c.avg:
             out.div_(self.size)
+        _written(out)
         return out
 
     def _pair_plan(self, n: int, isz: int) -> tuple[int, list[tuple[Any, Any, int, int]]]:

@@ -83,8 +83,8 @@ def _wire_op(op: ReduceOp, dtype: torch.dtype) -> Any:
     Backends reduce ``bool`` as bytes, so SUM would leave 2s (and wrap to 0 at
     256 ranks) where logical OR means 1; MAX/MIN over 0/1 bytes are OR/AND.
     """
-    if dtype == torch.bool:
-        if op in (ReduceOp.SUM, ReduceOp.AVG):
+    if dtype == torch.bool:  # (AVG is rejected for bool before this)
+        if op is ReduceOp.SUM:
             return ReduceOp.MAX.to_torch()
         if op is ReduceOp.PRODUCT:
             return ReduceOp.MIN.to_torch()

@@ -8,7 +8,7 @@ import torch
 
 from shm_broadcast import checks
 
-__all__ = ["check_tensor", "check_out", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
+__all__ = ["check_tensor", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
 
 
 def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.Tensor:
@@ -53,24 +53,33 @@ def check_out(out: Any, like: torch.Tensor, device: torch.device | None = None) 
             partly overlaps ``like``.
     """
     check_tensor(out, "out", device)
+    check_out_meta(out, like)
+    if out.device != like.device:
+        raise ValueError(f"out must be on {like.device} (input_'s device), got {out.device}")
+    if out.is_conj() or out.is_neg():
+        raise ValueError(
+            f"out must not be a lazy view (is_conj()={out.is_conj()}, is_neg()={out.is_neg()}): "
+            "results are written as raw elements; pass out.resolve_conj().resolve_neg()"
+        )
+    if _overlap(out, like) and not (out.data_ptr() == like.data_ptr() and like.is_contiguous()):
+        raise ValueError(
+            f"out overlaps input_ without being the same memory (out's bytes start at "
+            f"{out.data_ptr():#x}, input_'s at {like.data_ptr():#x}); pass input_ itself "
+            "(in place) or a separate tensor"
+        )
+    return out
+
+
+def check_out_meta(out: Any, like: torch.Tensor) -> torch.Tensor:
+    """The checks of :func:`check_out` that need only metadata (what a traced call can do)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if out.dtype != like.dtype:
         raise TypeError(f"out must have dtype {like.dtype} (input_'s), got {out.dtype}")
     if out.shape != like.shape:
         raise ValueError(f"out must have shape {tuple(like.shape)} (input_'s), got {tuple(out.shape)}")
     if not out.is_contiguous():
         raise ValueError(f"out must be contiguous, got strides {out.stride()} for shape {tuple(out.shape)}")
-    if out.device != like.device:
-        raise ValueError(f"out must be on {like.device} (input_'s device), got {out.device}")
-    if out.is_conj() or out.is_neg():
-        raise ValueError(
-            "out must not be a lazily conjugated or negated view (results are written "
-            "as raw elements); pass a plain tensor, e.g. out.resolve_conj().resolve_neg()"
-        )
-    if _overlap(out, like) and not (out.data_ptr() == like.data_ptr() and like.is_contiguous()):
-        raise ValueError(
-            "out overlaps input_ without being the same memory; pass input_ itself "
-            "(in place) or a separate tensor"
-        )
     return out
 
 

@@ -55,3 +55,39 @@ def compiled_matches_eager(rank: int, world_size: int) -> dict:
         "ops": sorted({str(n.target) for g in explain.graphs for n in g.graph.nodes
                        if "groupcoord" in str(n.target)}),
     }
+
+
+@pytest.mark.timeout(300)
+def test_all_reduce_out_under_compile(dist_pool) -> None:
+    for r in dist_pool(2).run(compiled_out, timeout=280):
+        assert r["graph_breaks"] == 0 and r["in_place"], r
+        assert r["bad_shape"].startswith("ValueError") and "out must have shape" in r["bad_shape"], r
+        assert r["bad_dtype"].startswith("TypeError") and "out must have dtype" in r["bad_dtype"], r
+
+
+@torch.no_grad()
+def compiled_out(rank: int, world_size: int) -> dict:
+    import torch._dynamo
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = ps.get_tp_group()
+
+    def step(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return tp.all_reduce(x * 2.0, out=out)
+
+    x = torch.full((4, 8), float(rank + 1))
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(step)(x, torch.empty(4, 8))
+    buf = torch.empty(4, 8)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(x, buf)
+    want = 2.0 * sum(range(1, world_size + 1))
+    res = {"graph_breaks": explain.graph_break_count,
+           "in_place": got is buf and torch.equal(buf, torch.full((4, 8), want))}
+    for key, bad in (("bad_shape", torch.empty(3, 4, 8)), ("bad_dtype", torch.empty(4, 8, dtype=torch.float64))):
+        torch._dynamo.reset()
+        try:
+            torch.compile(step, backend="aot_eager")(x, bad)
+            res[key] = "accepted"
+        except (TypeError, ValueError) as e:
+            res[key] = f"{type(e).__name__}: {e}"
+    return res

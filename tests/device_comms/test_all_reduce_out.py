@@ -2,14 +2,15 @@
 
 Every all_reduce scheme of the shared-memory engine (one small step, the
 two-rank one-step and pipelined schemes, one shot in pieces, reduce-scatter +
-all-gather), the hierarchical path (one node per rank) and gloo, at 2, 3 and 4
-ranks, for every dtype family: the result is bitwise the one the same call
+all-gather), the hierarchical path (two ranks per simulated node; at 2 ranks
+that is one node, the flat path) and gloo, at 2, 3 and 4 ranks, for every
+dtype family: the result is bitwise the one the same call
 returns as a new tensor (which on shared memory is bitwise the reference
 reduction in rank order), ``out`` is what comes back, a separate ``out`` leaves
 the input untouched, and ranks may mix the two forms in one call.
 ``GroupCoordinator.all_reduce`` passes ``out`` through (also at one rank and
-for an ``out`` that requires grad). Bad ``out``
-arguments raise the documented error on the rank that passed them and a
+for an ``out`` that requires grad), and a write into ``out`` counts as an
+in-place op for autograd. Bad ``out`` arguments raise the documented error on the rank that passed them and a
 :class:`PeerRejectedError` on the others, after which the group still works.
 """
 
@@ -198,3 +199,32 @@ def coordinator_rank(rank: int, world_size: int) -> dict[str, Any]:
 def test_group_coordinator_all_reduce_out(dist_pool: Any, world_size: int) -> None:
     for rank, o in enumerate(dist_pool(world_size).run(coordinator_rank, timeout=50)):
         assert o["bad"] == [], f"rank {rank}: {o['bad']}"
+
+
+def version_rank(rank: int, world_size: int, mode: str, n: int) -> dict[str, Any]:
+    """A tensor saved for backward and then overwritten through ``out=``: backward must refuse."""
+    comm = _comm(mode, rank)
+    try:
+        x = torch.full((n,), 3.0)
+        comm.all_reduce(x)  # validated once: the next call takes the fast path
+        w = torch.ones(n, requires_grad=True)
+        y = (w * x).sum()  # saves x
+        before = x._version
+        comm.all_reduce(x, out=x)
+        bumped = x._version > before
+        try:
+            y.backward()
+            refused = False
+        except RuntimeError as e:
+            refused = "modified by an inplace operation" in str(e)
+    finally:
+        comm.destroy()
+    return {"bumped": bumped, "refused": refused}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [16, 20_000, 300_000], ids=["small", "pair-step", "pipelined"])
+@pytest.mark.parametrize("mode", ["shm", "shm-wide", "gloo"])
+def test_writes_into_out_count_for_autograd(dist_pool: Any, mode: str, n: int) -> None:
+    for rank, o in enumerate(dist_pool(2).run(version_rank, mode, n, timeout=50)):
+        assert o["bumped"] and o["refused"], (rank, o)
