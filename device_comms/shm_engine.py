@@ -9,24 +9,10 @@ slot-sized pieces, two steps apart in the double buffer):
   (its own operand straight from its input). A handful of torch calls: one
   copy, ``L-1`` element-wise ops. Used up to :data:`DEFAULT_ONESHOT_BYTES`
   (configurable; beyond a slot it goes in pieces).
-* **all_reduce, two ranks, one step** (from :data:`PAIR_SMALL_MIN_BYTES` up to
-  a slot, ``oneshot_bytes`` and :data:`~device_comms.engine_threads.GRAIN`
-  elements): each rank
-  copies its tensor into its slot, then reduces *into the peer's slot* in rank
-  order (``fn(x0, x1)`` on both, so the bits agree) and copies that out. A
-  shared line is then written by its owner and read-and-written by the peer,
-  so it moves between the caches in the modified state; when the peer only
-  reads it, both caches share it and the owner's next write must invalidate
-  the peer's copy. The rank's own slot belongs to the peer between the step
-  and the next one (the double-buffer argument of :mod:`device_comms.shm_sync`
-  covers it: the owner writes that parity again only after the peer finished
-  the step).
-* **all_reduce, two ranks, larger** (pieces of :data:`DEFAULT_PAIR_PIECE_BYTES`,
-  one step per piece plus one): reduce-scatter and all-gather fused and
-  pipelined, each rank reducing half of every piece
-  (:meth:`ShmEngine._pair_all_reduce`). Per element of the message a rank
-  copies half an element in, reduces half and copies one out, against one in,
-  one reduced and one out when both ranks reduce everything.
+* **all_reduce, two ranks**: one step into the peer's slot from
+  :data:`~device_comms.shm_pair.PAIR_SMALL_MIN_BYTES`, and beyond one step a
+  pipelined reduce-scatter + all-gather in which each rank reduces half of
+  every piece (:mod:`device_comms.shm_pair`).
 * **all_reduce, large** (reduce-scatter + all-gather, two steps
   per piece): the piece is cut into ``L`` regions; rank ``i`` copies the
   regions *other* ranks own into its slot, reduces region ``i`` (its own input
@@ -84,10 +70,11 @@ import torch
 
 from device_comms import host_alloc
 from device_comms.engine_threads import GRAIN, ThreadCap, capped, engine_threads
-from device_comms.fixed_reduce import binary_fn, reduce_views
+from device_comms.fixed_reduce import NUMPY_SUM, binary_fn, reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_alltoallv import ShmAllToAllvOps
 from device_comms.shm_gather import ShmGatherOps
+from device_comms.shm_pair import DEFAULT_PAIR_PIECE_BYTES, PAIR_SMALL_MIN_BYTES, ShmPairOps
 from device_comms.shm_sync import StepSync, shape_key, signature
 from device_comms.shm_workspace import ShmWorkspace
 
@@ -98,51 +85,17 @@ __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
 # shot wins up to 2 MiB (one synchronisation instead of two), the two-phase
 # scheme from 4 MiB (it moves fewer bytes per rank and shares the reduction).
 DEFAULT_ONESHOT_BYTES = 2 << 20
-# Two ranks (see ShmEngine._pair_all_reduce): bytes of a piece of the large
-# all_reduce (both halves), and the smallest one-step all_reduce that reduces into
-# the peer's slot. Measured on the development VM (2 vCPUs, separate L2 caches of
-# 2 MiB), float32, interleaved: 1 MiB pieces beat 256/512 KiB by 2-4% (fewer steps)
-# and match 2 MiB, which leaves less of L2 for the caller's data. From 32 KiB the
-# one-step reduction into the peer's slot wins (64 KiB: 8.2 vs 10.0 us), below it
-# its extra copy costs more than it saves (16 KiB: 4.6 vs 4.2 us).
-DEFAULT_PAIR_PIECE_BYTES = 1 << 20
-PAIR_SMALL_MIN_BYTES = 32 << 10
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
 _increment_version = torch.autograd.graph.increment_version
 _from_numpy = torch.from_numpy
-# dtypes whose SUM of small tensors goes through numpy: ``np.add`` plus
-# ``torch.from_numpy`` costs ~0.25 us less than ``torch.add`` (dispatch), and the
-# element-wise IEEE/two's-complement sums are bitwise the same as torch's.
-_NUMPY_SUM = {torch.float32, torch.float64, torch.int32, torch.int64}
 
 
 def _written(t: torch.Tensor) -> None:
     """Count a write into ``t`` that torch did not see (ctypes, numpy), as an in-place op
     does, so autograd refuses a tensor it saved for backward instead of using new values."""
     _increment_version(t)
-
-
-def _pair_pieces(n: int, isz: int, slot_bytes: int) -> list[tuple[int, int, int, int]]:
-    """Pieces ``(start, split, end, half)`` of ``n`` elements for the two-rank all_reduce.
-
-    Rank 0 reduces ``[start, split)``, rank 1 ``[split, end)``; each half is at
-    most ``half`` elements (a multiple of a cache line), so a slot holds two.
-    """
-    align = max(1, _ALIGN_BYTES // isz)
-    half = max(align, slot_bytes // isz // (2 * align) * align)
-    out = []
-    for a in range(0, n, 2 * half):
-        ln = min(2 * half, n - a)
-        m = min(ln, -(-ln // (2 * align)) * align)
-        out.append((a, a + m, a + ln, half))
-    return out
-
-
-def _half(piece: tuple[int, int, int, int], rank: int) -> tuple[int, int]:
-    """The element range of ``piece`` that local ``rank`` reduces."""
-    return (piece[0], piece[1]) if rank == 0 else (piece[1], piece[2])
 
 
 class _SmallAllReduce:
@@ -164,13 +117,13 @@ class _SmallAllReduce:
         self.fn = binary_fn(op, t.dtype)
         self.avg = op is ReduceOp.AVG
         self.views = (eng._shaped(0, t), eng._shaped(1, t))
-        if op is ReduceOp.SUM and t.dtype in _NUMPY_SUM and t.dim() > 0:  # 0-d: ufuncs give scalars
+        if op is ReduceOp.SUM and t.dtype in NUMPY_SUM and t.dim() > 0:  # 0-d: ufuncs give scalars
             self.numpy = True
             self.fn = np.add
             self.views = tuple([v.numpy() for v in vs] for vs in self.views)
 
 
-class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
+class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
     """Shared-memory collectives for the local ranks of a workspace.
 
     Args:
@@ -351,120 +304,6 @@ class ShmEngine(ShmGatherOps, ShmAllToAllvOps):
             out.div_(self.size)
         _written(out)
         return out
-
-    def _pair_plan(self, n: int, isz: int) -> tuple[int, list[tuple[Any, Any, int, int]]]:
-        """``(half, steps)`` of :meth:`_pair_all_reduce` for ``n`` elements of ``isz`` bytes.
-
-        Step ``s`` is ``(send, recv, lo, hi)``: the (byte offset, bytes) of the
-        input copied into this rank's slot before the step, those of the output
-        filled from the peer's reduced half after it (None where nothing moves),
-        and the elements this rank reduces after it (``hi < 0``: none). Cached.
-        """
-        key = (n, isz, self.pair_piece_bytes)
-        got = self._plans.get(key)
-        if got is not None:
-            return got
-        pieces = _pair_pieces(n, isz, min(self.ws.slot_bytes, self.pair_piece_bytes))
-        steps: list[tuple[Any, Any, int, int]] = []
-        for s in range(len(pieces) + 1):
-            send = recv = None
-            lo = hi = -1
-            if s < len(pieces):
-                a, b = _half(pieces[s], 1 - self.me)
-                send = (a * isz, (b - a) * isz)
-                lo, hi = _half(pieces[s], self.me)
-            if s > 0:
-                a, b = _half(pieces[s - 1], 1 - self.me)
-                recv = (a * isz, (b - a) * isz)
-            steps.append((send, recv, lo, hi))
-        if len(self._plans) >= _VIEW_CACHE_MAX:
-            self._plans.clear()
-        got = self._plans[key] = (pieces[0][3] if pieces else 0, steps)
-        return got
-
-    def _pair_slots(self, dt: torch.dtype, as_numpy: bool) -> list[list[Any]]:
-        """Both ranks' slots of both parities (``[parity][rank]``), flat ``dt`` tensors or arrays."""
-        key = (dt, as_numpy)
-        got = self._slot_views.get(key)
-        if got is None:
-            got = [[self.ws.slot(p, r, dt) for r in range(self.size)] for p in (0, 1)]
-            if as_numpy:
-                got = [[v.numpy() for v in row] for row in got]
-            self._slot_views[key] = got
-        return got
-
-    def _pair_small(self, t: torch.Tensor, peer: Any, c: "_SmallAllReduce") -> torch.Tensor:
-        """The one-step all_reduce of two ranks from :data:`PAIR_SMALL_MIN_BYTES` on: reduce
-        into the peer's slot view ``peer`` in rank order and copy it out (the module
-        docstring says why); this rank's own slot is the peer's to modify."""
-        fn = c.fn
-        x = t.numpy() if c.numpy else t
-        if self.me == 0:
-            fn(x, peer, out=peer)
-        else:
-            fn(peer, x, out=peer)
-        if c.numpy:
-            return _from_numpy(peer.copy())
-        return torch.div(peer, 2) if c.avg else peer.clone()
-
-    def _pair_all_reduce(
-        self, t: torch.Tensor, op: ReduceOp, sig: tuple[int, int], out: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Two ranks: reduce-scatter and all-gather fused, one step per piece.
-
-        Piece ``k`` (at most half a slot per rank) is cut in two halves; rank
-        ``i`` reduces half ``i``. Before step ``s`` a rank writes into its slot
-        of that step's parity the half of piece ``s`` the *peer* reduces
-        (region ``IN``; its own reduced half of piece ``s-1``, region ``RED``,
-        went there after step ``s-1``); after the step it copies the peer's reduced half of piece
-        ``s-1`` into the output and reduces its half of piece ``s`` (its input
-        and the peer's ``IN``, in rank order) into its slot of the *next*
-        parity's ``RED``, from where it copies it into the output. So ``K``
-        pieces take ``K+1`` steps, every element is reduced by exactly one rank
-        (both ranks get the same bits) and a rank moves half the bytes that
-        reducing everything would take: per element of the message, half an
-        element in, half reduced, one out.
-
-        Slots are written only in the parity of the step about to be
-        published or, after step ``s``, of step ``s+1``, whose previous use
-        (step ``s-1``) the peer finished before publishing step ``s``: the
-        double-buffer argument of :mod:`device_comms.shm_sync`.
-
-        ``out`` may be ``t``: an element of ``t`` is read (copied in, or
-        reduced) at the step that writes its output element or one step before.
-        """
-        sync, me, peer = self.sync, self.me, 1 - self.me
-        n, dt, isz = t.numel(), t.dtype, t.element_size()
-        if out is None:
-            out = host_alloc.empty(n, dt)
-        half, plan = self._pair_plan(n, isz)
-        if op is ReduceOp.SUM and dt in _NUMPY_SUM:  # bitwise torch's sum, less dispatch
-            x: Any = t.detach().view(-1).numpy()
-            fn: Any = np.add
-            slots = self._pair_slots(dt, True)
-        else:
-            x, fn, slots = t.view(-1), binary_fn(op, dt), self._pair_slots(dt, False)
-        avg = op is ReduceOp.AVG
-        x_addr, out_addr, addr = t.data_ptr(), out.data_ptr(), self._slot_addr
-        red = half * isz
-        for s, (send, recv, lo, hi) in enumerate(plan):
-            p = (sync.gen + 1) & 1
-            if send is not None:  # IN: the half of this piece the peer reduces
-                _memmove(addr[p][me], x_addr + send[0], send[1])
-            sync.step("all_reduce", sig[0], sig[1], s == 0)
-            if recv is not None:  # the peer's reduced half of the previous piece
-                _memmove(out_addr + recv[0], addr[p][peer] + red, recv[1])
-            if hi >= 0:  # my half, reduced into RED of the next step's slot
-                m = hi - lo
-                dst = slots[1 - p][me][half : half + m]
-                if me == 0:
-                    fn(x[lo:hi], slots[p][peer][:m], out=dst)
-                else:
-                    fn(slots[p][peer][:m], x[lo:hi], out=dst)
-                if avg:
-                    dst.div_(2)
-                _memmove(out_addr + lo * isz, addr[1 - p][me] + red, m * isz)
-        return out.view(t.shape)
 
     @capped(lambda self, t, *_: t.numel())
     def reduce(
