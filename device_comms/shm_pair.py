@@ -157,10 +157,11 @@ class ShmPairOps:
         ``i`` reduces half ``i``. Before step ``s`` a rank writes into its slot
         of that step's parity the half of piece ``s`` the *peer* reduces
         (region ``IN``; its own reduced half of piece ``s-1``, region ``RED``,
-        went there after step ``s-1``); after the step it copies the peer's reduced half of piece
-        ``s-1`` into the output and reduces its half of piece ``s`` (its input
-        and the peer's ``IN``, in rank order) into its slot of the *next*
-        parity's ``RED``, from where it copies it into the output. So ``K``
+        went there after step ``s-1``). After the step it copies the peer's
+        reduced half of piece ``s-1`` into the output and reduces its half of
+        piece ``s`` (its input and the peer's ``IN``, in rank order) into its
+        slot of the *next* parity's ``RED``, from where it copies it into the
+        output. So ``K``
         pieces take ``K+1`` steps, every element is reduced by exactly one rank
         (both ranks get the same bits) and a rank moves half the bytes that
         reducing everything would take: per element of the message, half an
