@@ -238,8 +238,6 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         started = time.monotonic()
         self.collectives += 1
         try:
-            if out is None:
-                return self.comm.all_reduce(input_, op)
             return self.comm.all_reduce(input_, op, out=out)
         except WAIT_ERRORS as e:
             self._errors.explain("all_reduce", seq, e, started=started)
