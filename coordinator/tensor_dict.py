@@ -46,6 +46,7 @@ import torch.distributed as dist
 from coordinator.errors import CollectiveMismatch, DecodeError
 from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms.torch_communicator import wire_view
+from device_comms.validation import dense
 
 if TYPE_CHECKING:
     from coordinator.group_coordinator import GroupCoordinator
@@ -243,7 +244,7 @@ def broadcast_tensor_dict(
             ) from e
         for t in payload:
             if t.numel():
-                _bcast_tensor(coord, t.contiguous(), src, group, metadata_group)
+                _bcast_tensor(coord, dense(t), src, group, metadata_group)
         return dict(tensor_dict)  # type: ignore[arg-type]
     meta = _bcast_meta(coord, None, src, group, metadata_group)
     if isinstance(meta, SourceFailure):
@@ -340,7 +341,7 @@ def send_tensor_dict(
             continue
         if desc[3] and all_gather_group is not None:  # sliced: send only this rank's 1/n
             t = t.reshape(n, -1)[all_gather_group.rank_in_group]
-        _send(coord, t.contiguous(), dst)
+        _send(coord, dense(t), dst)
 
 
 def recv_tensor_dict(

@@ -122,14 +122,13 @@ class DeviceCommunicator(abc.ABC):
         except (TypeError, ValueError) as e:
             self._reject("all_reduce", e)
             raise
-        if t.is_conj() or t.is_neg():  # transports move raw elements: materialise the view
-            t = t.resolve_conj().resolve_neg()
+        t = validation.resolved(t)  # transports move raw elements
         if self.world_size == 1:
             with torch.no_grad():
                 return t.clone() if out is None else out.copy_(t)
         if out is None:
-            return self._guard("all_reduce", self._all_reduce, t.contiguous(), rop)
-        return self._guard("all_reduce", self._all_reduce_into, t.contiguous(), rop, out)
+            return self._guard("all_reduce", self._all_reduce, validation.dense(t), rop)
+        return self._guard("all_reduce", self._all_reduce_into, validation.dense(t), rop, out)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``input_`` along ``dim`` (same shape on all ranks)."""
@@ -142,7 +141,7 @@ class DeviceCommunicator(abc.ABC):
             raise
         if self.world_size == 1:
             return t.clone()
-        return self._guard("all_gather", self._all_gather, t.contiguous(), d)
+        return self._guard("all_gather", self._all_gather, validation.dense(t), d)
 
     def all_gatherv(
         self,
@@ -176,7 +175,7 @@ class DeviceCommunicator(abc.ABC):
             return self.all_gather(t, d)
         if self.world_size == 1:
             return t.clone()
-        return self._guard("all_gatherv", self._all_gatherv, t.contiguous(), d, sz)
+        return self._guard("all_gatherv", self._all_gatherv, validation.dense(t), d, sz)
 
     def _check_gatherv(
         self, input_: Any, dim: int, sizes: Sequence[int] | None, arg: str
@@ -209,7 +208,7 @@ class DeviceCommunicator(abc.ABC):
             raise
         if self.world_size == 1:
             return t.clone()
-        return self._guard("reduce_scatter", self._reduce_scatter, t.contiguous(), d, rop)
+        return self._guard("reduce_scatter", self._reduce_scatter, validation.dense(t), d, rop)
 
     def reduce_scatterv(
         self,
@@ -233,7 +232,7 @@ class DeviceCommunicator(abc.ABC):
             return self.reduce_scatter(t, d, op)
         if self.world_size == 1:
             return t.clone()
-        return self._guard("reduce_scatterv", self._reduce_scatterv, t.contiguous(), d, sz, rop)
+        return self._guard("reduce_scatterv", self._reduce_scatterv, validation.dense(t), d, sz, rop)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
@@ -247,7 +246,7 @@ class DeviceCommunicator(abc.ABC):
             raise
         if self.world_size == 1:
             return t.clone()
-        return self._guard("gather", self._gather, t.contiguous(), dst, d)
+        return self._guard("gather", self._gather, validation.dense(t), dst, d)
 
     def reduce(
         self, input_: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM
@@ -263,7 +262,7 @@ class DeviceCommunicator(abc.ABC):
             raise
         if self.world_size == 1:
             return t.clone()
-        return self._guard("reduce", self._reduce, t.contiguous(), dst, rop)
+        return self._guard("reduce", self._reduce, validation.dense(t), dst, rop)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast ``input_`` from ``src`` in place; receivers pass the buffer to fill."""
@@ -273,6 +272,11 @@ class DeviceCommunicator(abc.ABC):
             validation.check_rank(src, self.world_size, "src")
             if not t.is_contiguous():
                 raise ValueError("input_ must be contiguous for an in-place broadcast")
+            if t.is_conj() or t.is_neg():
+                raise ValueError(
+                    f"input_ must not be a lazy view for an in-place broadcast (is_conj()="
+                    f"{t.is_conj()}, is_neg()={t.is_neg()}): its raw elements are not its "
+                    "values; pass input_.resolve_conj().resolve_neg()")
         except (TypeError, ValueError) as e:
             self._reject("broadcast", e)
             raise
@@ -304,7 +308,7 @@ class DeviceCommunicator(abc.ABC):
                 raise
             if self.world_size == 1:
                 return t.clone()
-            t = t.contiguous()
+            t = validation.dense(t)
         else:
             t, d = None, dim
         return self._guard("scatter", self._scatter, t, src, d)
@@ -325,7 +329,7 @@ class DeviceCommunicator(abc.ABC):
             raise
         if self.world_size == 1:
             return t.clone()
-        return self._guard("all_to_all", self._all_to_all, t.contiguous(), sd, gd)
+        return self._guard("all_to_all", self._all_to_all, validation.dense(t), sd, gd)
 
     def all_to_allv(
         self,
@@ -354,7 +358,7 @@ class DeviceCommunicator(abc.ABC):
                     f"match send_sizes {send} (a group of one sends to itself)",
                     queue=self.unique_name, peers=(0,))
             return t.clone()
-        return self._guard("all_to_allv", self._all_to_allv, t.contiguous(), send, recv)
+        return self._guard("all_to_allv", self._all_to_allv, validation.dense(t), send, recv)
 
     def reject(self, op: str, error: BaseException) -> None:
         """Take part in collective ``op`` as a rank whose caller rejected its arguments.
@@ -379,7 +383,7 @@ class DeviceCommunicator(abc.ABC):
         validation.check_rank(dst, self.world_size, "dst")
         if dst == self.rank_in_group:
             raise ValueError(f"dst={dst} is this rank; send needs another rank of the group")
-        self._guard("send", self._send, t.contiguous(), dst)
+        self._guard("send", self._send, validation.dense(t), dst)
 
     def recv(self, size: torch.Size | Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
         """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``."""

@@ -99,6 +99,7 @@ ENABLE_ENV = "GROUPCOORD_CPU_SHM"
 TIMEOUT_ENV = "GROUPCOORD_CPU_SHM_TIMEOUT"
 #: Seconds a step waits when neither an argument nor the environment chose.
 DEFAULT_TIMEOUT = DEFAULT_TIMEOUT_S
+_TENSOR, _STRIDED = torch.Tensor, torch.strided
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
     "reduce_scatterv", "broadcast", "gather", "all_to_allv",
@@ -279,22 +280,38 @@ class CpuCommunicator(TorchDistributedCommunicator):
         collective itself.
         """
         eng = self._flat
-        if (
-            eng is not None
-            and (out is None or out is input_)
-            and type(input_) is torch.Tensor
-            and type(op) is ReduceOp
-            and op in self._validated.get(input_.dtype, ())
-            and input_.is_cpu
-            and input_.layout is torch.strided  # before is_contiguous: sparse has none
-            and not input_.requires_grad
-            and input_.is_contiguous()
-        ):
-            self.shm_calls["all_reduce"] += 1
-            try:
-                return eng.all_reduce(input_, op, out)
-            except RuntimeError as e:
-                raise self._translate("all_reduce", e) from e
+        if eng is not None and (out is None or out is input_) and type(input_) is _TENSOR:
+            c = eng.last_small  # an (op, dtype) that passed the checks before, and a shape
+            if (
+                op is c.op
+                and input_.dtype is c.dtype
+                and c.plain
+                and input_.is_cpu
+                and input_.layout is _STRIDED  # before is_contiguous: sparse has none
+                and not input_.requires_grad
+                and input_.is_contiguous()
+                and not input_.is_neg()  # a lazily negated view: its bytes are not its values
+                and input_.shape == c.shape
+            ):
+                self.shm_calls["all_reduce"] += 1
+                try:
+                    return eng.small_all_reduce(c, input_, out)
+                except RuntimeError as e:
+                    raise self._translate("all_reduce", e) from e
+            if (
+                type(op) is ReduceOp
+                and op in self._validated.get(input_.dtype, ())
+                and input_.is_cpu
+                and input_.layout is _STRIDED
+                and not input_.requires_grad
+                and input_.is_contiguous()
+                and not input_.is_neg()
+            ):
+                self.shm_calls["all_reduce"] += 1
+                try:
+                    return eng.all_reduce(input_, op, out)
+                except RuntimeError as e:
+                    raise self._translate("all_reduce", e) from e
         res = super().all_reduce(input_, op, out=out)
         # Complex tensors can be lazy conjugate views, which only the checked path resolves.
         if eng is not None and type(op) is ReduceOp and not input_.dtype.is_complex:

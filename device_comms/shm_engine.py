@@ -101,17 +101,25 @@ def _written(t: torch.Tensor) -> None:
 class _SmallAllReduce:
     """What a one-step all_reduce of one (op, dtype, shape) needs, kept for the next call."""
 
-    __slots__ = ("op", "dtype", "shape", "sig", "size_key", "fn", "avg", "views", "numpy", "pair")
+    __slots__ = ("op", "dtype", "shape", "nbytes", "sig", "size_key", "fn", "avg", "views",
+                 "numpy", "pair", "scratch", "scratch_addr", "plain")
 
     def __init__(self, eng: "ShmEngine | None", t: torch.Tensor | None, op: ReduceOp | None) -> None:
-        self.op, self.dtype, self.shape = op, None, None
+        self.op, self.dtype, self.shape, self.nbytes = op, None, None, 0
+        #: Real dtype (no lazy conjugation to resolve): a caller that checked
+        #: a tensor's dtype, shape, device, layout, strides and grad against
+        #: this entry may call :meth:`ShmEngine.small_all_reduce` directly.
+        self.plain = False
         self.sig, self.size_key, self.fn, self.avg = 0, 0, torch.add, False
         self.views: tuple[list[Any], ...] = ([], [])
         self.numpy = self.pair = False
+        self.scratch: Any = None
+        self.scratch_addr = 0
         if eng is None or t is None or op is None:
             return  # the empty entry no call matches
         self.pair = eng.size == 2 and t.nbytes >= eng.pair_small_min_bytes
-        self.dtype, self.shape = t.dtype, t.shape
+        self.dtype, self.shape, self.nbytes = t.dtype, t.shape, t.nbytes
+        self.plain = not t.dtype.is_complex
         self.sig = eng._sig("all_reduce", t.dtype, op)
         self.size_key = eng.shape_key(t.shape)
         self.fn = binary_fn(op, t.dtype)
@@ -121,6 +129,9 @@ class _SmallAllReduce:
             self.numpy = True
             self.fn = np.add
             self.views = tuple([v.numpy() for v in vs] for vs in self.views)
+            if not self.pair:  # out= reduces here, then one copy (see ShmEngine._small_into)
+                self.scratch = np.empty(tuple(t.shape), dtype=self.views[0][0].dtype)
+                self.scratch_addr = self.scratch.ctypes.data
 
 
 class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
@@ -172,7 +183,8 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
         self._sigs: dict[tuple[str, torch.dtype, ReduceOp | None, int], int] = {}
         self._shape_keys: dict[torch.Size, int] = {}
-        self._last = _SmallAllReduce(None, None, None)  # the last one-step all_reduce
+        #: The last one-step all_reduce's entry (its op, dtype, shape and slot views).
+        self.last_small = _SmallAllReduce(None, None, None)
 
     @property
     def thread_cap(self) -> ThreadCap:
@@ -183,7 +195,7 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         """Mark this rank closed for its peers and unmap. Idempotent."""
         self._views.clear()
         self._slot_views.clear()
-        self._last = _SmallAllReduce(None, None, None)  # its views map the workspace
+        self.last_small = _SmallAllReduce(None, None, None)  # its views map the workspace
         self.sync.close()
         self.ws.close()
 
@@ -231,36 +243,44 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         Returns ``out`` (contiguous, ``t``'s shape and dtype; ``t`` itself or
         disjoint from it) when given, else a new tensor.
         """
-        sync = self.sync
-        nbytes = t.nbytes
-        n = t.numel()
-        if nbytes <= self._single and n <= GRAIN:  # one step; torch runs it serially
-            c = self._last
+        if t.nbytes <= self._single and t.numel() <= GRAIN:  # one step; torch runs it serially
+            c = self.last_small
             # Identity checks, not a dict keyed by the enum: ReduceOp.__hash__ runs in Python.
             if op is not c.op or t.dtype is not c.dtype or t.shape != c.shape:
-                c = self._last = _SmallAllReduce(self, t, op)
-            p = (sync.gen + 1) & 1
-            _memmove(self._my_addr[p], t.data_ptr(), nbytes)
-            sync.step("all_reduce", c.sig, c.size_key, True)
-            views, fn = c.views[p], c.fn
-            if out is not None:  # the operands are slot views: out may be t
-                return self._small_into(t, views, c, out)
-            if c.pair:
-                return self._pair_small(t, views[1 - self.me], c)
-            acc = fn(views[0], views[1])
-            for v in views[2:]:
-                fn(acc, v, out=acc)
-            if c.numpy:
-                return _from_numpy(acc)
-            if c.avg:
-                acc.div_(self.size)
-            return acc
+                c = self.last_small = _SmallAllReduce(self, t, op)
+            return self.small_all_reduce(c, t, out)
         with self._cap:
             res = self._large_all_reduce(t, op, out)
         if out is None:
             return res
         _written(out)
         return out
+
+    def small_all_reduce(
+        self, c: "_SmallAllReduce", t: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The one-step all_reduce of ``t``, which matches entry ``c`` (op, dtype, shape).
+
+        ``c`` must be :attr:`last_small` and match ``t``; ``t`` is contiguous.
+        """
+        sync = self.sync
+        p = (sync.gen + 1) & 1
+        _memmove(self._my_addr[p], t.data_ptr(), c.nbytes)
+        sync.step("all_reduce", c.sig, c.size_key, True)
+        views = c.views[p]
+        if out is not None:  # the operands are slot views: out may be t
+            return self._small_into(t, views, c, out)
+        if c.pair:
+            return self._pair_small(t, views[1 - self.me], c)
+        fn = c.fn
+        acc = fn(views[0], views[1])
+        for v in views[2:]:
+            fn(acc, v, out=acc)
+        if c.numpy:
+            return _from_numpy(acc)
+        if c.avg:
+            acc.div_(self.size)
+        return acc
 
     def _large_all_reduce(
         self, t: torch.Tensor, op: ReduceOp, out: torch.Tensor | None
@@ -293,6 +313,15 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         reading and writing the same element in one element-wise op is safe.
         """
         fn = c.fn
+        scratch = c.scratch
+        if scratch is not None:
+            # A private array and one memmove into out: cheaper than an array view of out.
+            fn(views[0], views[1], out=scratch)
+            for v in views[2:]:
+                fn(scratch, v, out=scratch)
+            _memmove(out.data_ptr(), c.scratch_addr, out.nbytes)
+            _written(out)
+            return out
         acc = out.detach().numpy() if c.numpy else out
         if c.pair:
             mine = t.detach().numpy() if c.numpy else t

@@ -8,7 +8,7 @@ import torch
 
 from shm_broadcast import checks
 
-__all__ = ["check_tensor", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
+__all__ = ["check_tensor", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
 
 
 def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.Tensor:
@@ -37,6 +37,32 @@ def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.
             f"{arg} must be on a {device.type} device for this communicator, "
             f"got a tensor on {t.device}; move it with .to({str(device)!r})"
         )
+    return t
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its values materialised when it is a lazy conjugate or negative view.
+
+    Transports move raw elements: a view whose bytes are not its values (the
+    imaginary part of a conjugate, ``z.conj().imag``, is a negative view) must
+    not be sent as it is.
+    """
+    if t.is_conj() or t.is_neg():
+        return t.resolve_conj().resolve_neg()
+    return t
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous raw elements that are its values (see :func:`resolved`),
+    flattening to a stride-1 view (``t.reshape(-1).view(torch.uint8)`` works).
+
+    torch calls a tensor of at most one element contiguous whatever its strides
+    (``x[3:4:2]``), and its flat view keeps the odd stride; such a tensor is
+    copied into fresh storage (a few bytes).
+    """
+    t = resolved(t).contiguous()
+    if t.numel() <= 1 and t.dim() and t.stride(-1) != 1:
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
     return t
 
 

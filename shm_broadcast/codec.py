@@ -326,7 +326,11 @@ class Codec:
         if not self.allow_pickle:
             what = f"{type(obj).__module__}.{type(obj).__qualname__}"
             if isinstance(obj, np.ndarray):
-                what += f" of dtype {obj.dtype} (Python objects)"
+                what += f" of dtype {obj.dtype}"
+                if obj.dtype.hasobject:
+                    what += " (Python objects)"
+                elif type(obj) is not np.ndarray:
+                    what += " (an ndarray subclass: send np.asarray(x))"
             raise TypeError(
                 f"cannot send a value of type {what} without pickle: msgspec carries "
                 "None, bool, int, float, str, bytes, lists, dicts, tuples, sets, numpy "

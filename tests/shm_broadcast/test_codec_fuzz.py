@@ -223,6 +223,12 @@ def test_attack_30_bytes_claiming_1gib_is_refused_without_allocating():
         (_tensor_msg(gib, (gib // 4,)), bytes(64), gib, "beyond"),
         (_array_msg(0, (gib,), b"|u1"), b"", 0, "needs"),
         (_array_msg(gib, (1024,), b"|V1048576"), bytes(64), gib, "beyond"),
+        # zero-size string dtypes: 0 data bytes fit any shape, but numpy makes
+        # S0/U0 arrays S1/U1 and would allocate 1 or 4 bytes per element
+        (_array_msg(0, (gib,), b"<U0"), b"", 0, "no item size"),
+        (_array_msg(0, (gib,), b"|S0"), b"", 0, "no item size"),
+        (_array_msg(0, (gib,), b"|S"), b"", 0, "no item size"),
+        (_array_msg(0, (gib,), b"\x00" + msgspec.msgpack.encode("<U0")), b"", 0, "no item size"),
     ]
     for msg, blob, blob_len, match in claims:
         assert len(msg) <= 40, len(msg)  # about 30 bytes

@@ -1,0 +1,137 @@
+"""The communicator's fast path for a repeated small all_reduce never skips a check it needs.
+
+``CpuCommunicator.all_reduce`` sends a call straight to the engine when it
+matches the last one-step all_reduce (op, dtype, shape) and is a plain
+contiguous CPU tensor. Each case below first makes such an entry, then calls
+with a tensor that matches the entry's op, dtype and shape but must *not* be
+copied as raw bytes: a lazily negated view (``z.conj().imag`` of one element
+is contiguous), a non-contiguous view of the same shape, a tensor that
+requires grad, a sparse tensor, a different op; and it alternates new-tensor,
+in-place and separate-``out`` calls on one entry. Every result is compared
+with the reduction of all ranks' inputs computed locally.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from device_comms import CpuCommunicator, ReduceOp, reduce_local
+
+
+def _x(rank: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 101 + rank)
+    return torch.randn(shape, generator=g)
+
+
+def _neg_view(rank: int, world_size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def make(r: int) -> torch.Tensor:
+        return torch.complex(_x(r, (1,)), _x(r, (1,), 1)).conj().imag  # neg bit, contiguous
+
+    mine = make(rank)
+    assert mine.is_neg() and mine.is_contiguous()  # the case exists on this torch
+    return mine, [make(r).clone() for r in range(world_size)]
+
+
+def _transposed(rank: int, world_size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def make(r: int) -> torch.Tensor:
+        return _x(r, (8, 8), 2).t()  # shape (8, 8), not contiguous
+
+    return make(rank), [make(r).contiguous() for r in range(world_size)]
+
+
+def _sliced(rank: int, world_size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def make(r: int) -> torch.Tensor:
+        return _x(r, (8, 16), 3)[:, ::2]  # shape (8, 8), every other column
+
+    return make(rank), [make(r).contiguous() for r in range(world_size)]
+
+
+_CASES: dict[str, Callable[[int, int], tuple[torch.Tensor, list[torch.Tensor]]]] = {
+    "neg-view": _neg_view,
+    "transposed": _transposed,
+    "strided": _sliced,
+}
+
+
+def fast_path_rank(rank: int, world_size: int, case: str) -> list[str]:
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name=f"fast-{case}")
+    bad: list[str] = []
+    try:
+        x, inputs = _CASES[case](rank, world_size)
+        shape = tuple(x.shape)
+        for _ in range(3):  # the entry now exists for (SUM, float32, shape)
+            comm.all_reduce(_x(rank, shape, 9))
+        ref = reduce_local(inputs, ReduceOp.SUM)
+        keep = x.clone()
+        got = comm.all_reduce(x)
+        if not torch.equal(got, ref):
+            bad.append(f"{case}: new tensor {got.flatten()[:4].tolist()} != "
+                       f"{ref.flatten()[:4].tolist()}")
+        if not torch.equal(x, keep):
+            bad.append(f"{case}: the input changed")
+        dst = torch.empty(shape)
+        if not torch.equal(comm.all_reduce(x, out=dst), ref):
+            bad.append(f"{case}: separate out")
+    finally:
+        comm.destroy()
+    return bad
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_matching_entry_does_not_skip_checks(dist_pool: Any, case: str, world_size: int) -> None:
+    results = dist_pool(world_size).run(fast_path_rank, case, timeout=80)
+    assert results == [[]] * world_size
+
+
+def forms_rank(rank: int, world_size: int) -> list[str]:
+    """One entry, every call form and op in turn; grad, sparse and op changes in between."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="fast-forms")
+    bad: list[str] = []
+    try:
+        for i in range(12):
+            inputs = [_x(r, (4, 64), i) for r in range(world_size)]
+            x = inputs[rank].clone()
+            op = (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.SUM, ReduceOp.AVG)[i % 4]
+            ref = reduce_local(inputs, op)
+            form = i % 3
+            if form == 0:
+                got = comm.all_reduce(x, op)
+            elif form == 1:
+                got = comm.all_reduce(x, op, out=x)
+                if got is not x:
+                    bad.append(f"call {i}: in place returned another tensor")
+            else:
+                got = comm.all_reduce(x, op, out=torch.empty_like(x))
+            if not torch.allclose(got, ref, rtol=1e-6, atol=1e-6):
+                bad.append(f"call {i}: {op.name} form {form} wrong")
+            # same op, dtype and shape, but requires grad: the checked path
+            w = inputs[rank].clone().requires_grad_(True)
+            r = comm.all_reduce(w, op)
+            if not torch.allclose(r, ref, rtol=1e-6, atol=1e-6):
+                bad.append(f"call {i}: requires_grad input")
+        sparse = torch.eye(4, 64).to_sparse()
+        try:
+            comm.all_reduce(sparse)
+            bad.append("a sparse tensor was accepted")
+        except (TypeError, ValueError):
+            pass
+        comm.barrier()  # the rejection left the group in step
+        y = comm.all_reduce(torch.ones(4, 64))
+        if not torch.equal(y, torch.full((4, 64), float(world_size))):
+            bad.append("the group is out of step after the rejection")
+    finally:
+        comm.destroy()
+    return bad
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_call_forms_share_one_entry(dist_pool: Any, world_size: int) -> None:
+    results = dist_pool(world_size).run(forms_rank, timeout=80)
+    assert results == [[]] * world_size
