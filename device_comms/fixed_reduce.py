@@ -8,13 +8,15 @@ bitwise identical results, equal to the reference.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import warnings
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from device_comms.reduce_op import ReduceOp
 
-__all__ = ["binary_fn", "reduce_views", "NUMPY_SUM"]
+__all__ = ["binary_fn", "reduce_views", "NUMPY_SUM", "NUMPY_ERRORS", "quiet_numpy_sum"]
 
 _Binary = Callable[..., torch.Tensor]
 
@@ -22,6 +24,28 @@ _Binary = Callable[..., torch.Tensor]
 #: plus ``torch.from_numpy`` costs ~0.25 us less than ``torch.add`` (dispatch),
 #: and the element-wise IEEE/two's-complement sums are bitwise the same as torch's.
 NUMPY_SUM = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
+
+#: What numpy raises where torch is silent: it reports a float sum that
+#: overflows or is invalid (``inf + -inf``) as a RuntimeWarning, after writing
+#: the IEEE result (inf, nan) into its output. The engine's results must be
+#: torch's, with no report: warnings attributed to the modules that call
+#: ``np.add`` are ignored (below), and where a user's ``"error"`` filter comes
+#: first, call sites catch this: an ``out=`` call's output is complete, an
+#: allocating one is redone by :func:`quiet_numpy_sum`.
+NUMPY_ERRORS = RuntimeWarning
+warnings.filterwarnings("ignore", category=RuntimeWarning,
+                        module=r"device_comms\.(shm_engine|shm_pair)\Z")
+
+
+def quiet_numpy_sum(views: Sequence[Any], out: Any = None) -> Any:
+    """``views[0] + views[1] + ...`` in order (into ``out`` if given) with numpy,
+    without numpy's floating-point reports; only for the rare call whose
+    report was raised (errstate costs ~1 us)."""
+    with np.errstate(all="ignore"):
+        acc = np.add(views[0], views[1], out=out)
+        for v in views[2:]:
+            np.add(acc, v, out=acc)
+    return acc
 
 _FNS: dict[ReduceOp, _Binary] = {
     ReduceOp.SUM: torch.add,

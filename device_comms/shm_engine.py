@@ -70,7 +70,13 @@ import torch
 
 from device_comms import host_alloc
 from device_comms.engine_threads import GRAIN, ThreadCap, capped, engine_threads
-from device_comms.fixed_reduce import NUMPY_SUM, binary_fn, reduce_views
+from device_comms.fixed_reduce import (
+    NUMPY_ERRORS,
+    NUMPY_SUM,
+    binary_fn,
+    quiet_numpy_sum,
+    reduce_views,
+)
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_alltoallv import ShmAllToAllvOps
 from device_comms.shm_gather import ShmGatherOps
@@ -273,9 +279,14 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         if c.pair:
             return self._pair_small(t, views[1 - self.me], c)
         fn = c.fn
-        acc = fn(views[0], views[1])
-        for v in views[2:]:
-            fn(acc, v, out=acc)
+        try:
+            acc = fn(views[0], views[1])
+            for v in views[2:]:
+                fn(acc, v, out=acc)
+        except NUMPY_ERRORS:  # an overflow report turned into an error: redo it quietly
+            if not c.numpy:
+                raise
+            acc = quiet_numpy_sum(views)
         if c.numpy:
             return _from_numpy(acc)
         if c.avg:
@@ -316,9 +327,12 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         scratch = c.scratch
         if scratch is not None:
             # A private array and one memmove into out: cheaper than an array view of out.
-            fn(views[0], views[1], out=scratch)
-            for v in views[2:]:
-                fn(scratch, v, out=scratch)
+            try:
+                fn(views[0], views[1], out=scratch)
+                for v in views[2:]:
+                    fn(scratch, v, out=scratch)
+            except NUMPY_ERRORS:  # an overflow report turned into an error: redo it quietly
+                quiet_numpy_sum(views, scratch)
             _memmove(out.data_ptr(), c.scratch_addr, out.nbytes)
             _written(out)
             return out
@@ -326,9 +340,11 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         if c.pair:
             mine = t.detach().numpy() if c.numpy else t
             views = [mine, views[1]] if self.me == 0 else [views[0], mine]
-        fn(views[0], views[1], out=acc)
-        for v in views[2:]:
-            fn(acc, v, out=acc)
+        for i in range(1, len(views)):
+            try:
+                fn(views[0] if i == 1 else acc, views[i], out=acc)
+            except NUMPY_ERRORS:  # reported after acc was written: the IEEE result stands
+                pass
         if c.avg:
             out.div_(self.size)
         _written(out)
