@@ -28,12 +28,19 @@ from typing import Any
 
 from coordinator.errors import CollectiveMismatch, DecodeError
 
-__all__ = ["stamp", "unstamp"]
+__all__ = ["stamp", "unstamp", "number_of"]
 
 
 def stamp(payload: Any, number: int, op: str) -> list[Any]:
     """The message the writer sends for its collective call ``number`` (``op``)."""
     return [number, op, payload]
+
+
+def number_of(message: Any) -> int | None:
+    """The collective number a stamped message carries (None: not a stamped one)."""
+    if type(message) is list and len(message) == 3 and type(message[0]) is int:
+        return message[0]
+    return None
 
 
 def unstamp(message: Any, number: int, op: str, group: str, writer: int, seq: int) -> Any:

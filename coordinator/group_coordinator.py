@@ -171,6 +171,9 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
             timeout=None if timeout is None else self.timeout,
         )
         self._cpu_side: DeviceCommunicator | None = None
+        #: Collective numbers whose queue message this rank must skip: it
+        #: rejected its own arguments to those calls and read nothing.
+        self._skipped_stamps: set[int] = set()
         self.mq_broadcaster: Any = None
         self.mq_writer_rank = 0
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():

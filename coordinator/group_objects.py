@@ -71,7 +71,11 @@ class GroupObjectCalls:
             raise
 
     def _broadcast_object(self, obj: Any, src: int) -> Any:
-        validation.check_rank(src, self.world_size, "src")
+        try:
+            validation.check_rank(src, self.world_size, "src")
+        except (TypeError, ValueError) as e:
+            self._reject_broadcast("broadcast_object", e)
+            raise
         if self.world_size == 1:
             return obj
         if self.rank_in_group == src:
@@ -109,8 +113,11 @@ class GroupObjectCalls:
             if self.rank_in_group == src:
                 mq.broadcast_object(stamps.stamp(obj, self.collectives, op))
                 return obj
-            return stamps.unstamp(mq.broadcast_object(None), self.collectives, op,
-                                  self.unique_name, src, self.calls)
+            msg = mq.broadcast_object(None)
+            while self._skipped_stamps and stamps.number_of(msg) in self._skipped_stamps:
+                self._skipped_stamps.discard(stamps.number_of(msg))  # a call we rejected
+                msg = mq.broadcast_object(None)
+            return stamps.unstamp(msg, self.collectives, op, self.unique_name, src, self.calls)
         self._check_live(op)
         if group is None:
             bcast = object_comm.comm_broadcast(self._cpu_comm(), src)
@@ -119,6 +126,29 @@ class GroupObjectCalls:
         is_src = self.rank_in_group == src
         return object_comm.broadcast_object(obj if is_src else None, self.ranks[src], bcast,
                                             self.codec, is_src)
+
+    def _reject_broadcast(self, op: str, error: BaseException, queue: bool = True) -> None:
+        """This rank rejected its own arguments to broadcast ``op``: let the peers know.
+
+        The peers broadcast either through the group's message queue (their
+        ``src`` is its writer) or through the CPU communicator. On the queue, a
+        writer sends a failure marker (receivers raise ``CollectiveMismatch``)
+        and a reader marks the call's message to be skipped at its next read;
+        otherwise the rank takes part in the communicator's broadcast as a
+        rejecting rank (receivers raise ``PeerRejectedError``). A reader cannot
+        know which way its peers went: if they used the communicator while the
+        group has a queue, they wait for this rank until the group's timeout.
+        """
+        if self.world_size == 1:
+            return
+        if queue and self.mq_broadcaster is not None:
+            if self.rank_in_group == self.mq_writer_rank:
+                self.mq_broadcaster.broadcast_object(stamps.stamp(
+                    SourceFailure(f"{type(error).__name__}: {error}"), self.collectives, op))
+            else:
+                self._skipped_stamps.add(self.collectives)
+            return
+        self._cpu_comm().reject("broadcast", error)
 
     def _cpu_comm(self) -> DeviceCommunicator:
         """The communicator that carries this group's CPU bytes (objects, metadata):
@@ -153,11 +183,16 @@ class GroupObjectCalls:
 
     def _broadcast_object_list(self, obj_list: list[Any], src: int,
                                group: dist.ProcessGroup | None) -> list[Any]:
-        if not isinstance(obj_list, list):
-            raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
-        validation.check_rank(src, self.world_size, "src")
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch ProcessGroup or None, got {type(group).__name__}")
+        try:
+            if not isinstance(obj_list, list):
+                raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
+            validation.check_rank(src, self.world_size, "src")
+        except (TypeError, ValueError) as e:
+            if group is None:  # plain gloo broadcasts over a group cannot carry the news
+                self._reject_broadcast("broadcast_object_list", e, queue=False)
+            raise
         if self.world_size == 1:
             return obj_list
         op = "broadcast_object_list"

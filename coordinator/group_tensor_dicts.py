@@ -68,7 +68,12 @@ class GroupTensorDictCalls:
     def _broadcast_tensor_dict(self, tensor_dict: Mapping[Any, Any] | None, src: int,
                                group: dist.ProcessGroup | None,
                                metadata_group: dist.ProcessGroup | None) -> dict[Any, Any] | None:
-        validation.check_rank(src, self.world_size, "src")
+        try:
+            validation.check_rank(src, self.world_size, "src")
+        except (TypeError, ValueError) as e:
+            if group is None and metadata_group is None:  # plain gloo cannot carry the news
+                self._reject_broadcast("broadcast_tensor_dict", e)
+            raise
         if self.rank_in_group == src and not isinstance(tensor_dict, Mapping):
             err = TypeError(f"tensor_dict must be a dict on src, got {type(tensor_dict).__name__}")
             if self.world_size > 1:  # the receivers are waiting: make them raise too

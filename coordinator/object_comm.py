@@ -160,7 +160,7 @@ def _unpack(mlen: int, blen: int, payload: torch.Tensor, codec: Codec | ObjectCo
 def _raise_if_failure(got: Any, what: str, peer: int) -> Any:
     if isinstance(got, SourceFailure):
         raise CollectiveMismatch(
-            f"{what}: the sender (global rank {peer}) could not serialise its object "
+            f"{what}: the sender (global rank {peer}) could not send its object "
             f"({got.message}); fix the call on that rank", peers=(peer,))
     return got
 

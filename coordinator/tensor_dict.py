@@ -321,9 +321,11 @@ def send_tensor_dict(
     all_gather_tensors: Mapping[Any, bool] | None,
 ) -> None:
     """Implementation of :meth:`GroupCoordinator.send_tensor_dict`."""
-    # Argument errors raise here before anything is sent (as every point-to-point
-    # argument check does); a value that does not serialise is reported to the
-    # receiver by send_object, in place of the metadata it waits for.
+    # Argument errors raise here before anything is sent, as every point-to-point
+    # argument check does: telling the receiver would need a blocking send, and
+    # a rank may make the same mistake with nobody receiving. A value that does
+    # not serialise is reported to the receiver by send_object, in place of the
+    # metadata it waits for.
     if not isinstance(tensor_dict, Mapping):
         raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
     n = all_gather_group.world_size if all_gather_group is not None else 1

@@ -55,7 +55,7 @@ def wait_exit(p: psutil.Process, timeout: float = 10.0) -> bool:
         time.sleep(0.01)
 
 
-def wait_gone(*paths: str, timeout: float = 5.0) -> list[str]:
+def wait_gone(*paths: str, timeout: float = 15.0) -> list[str]:
     """Wait until none of ``paths`` exists; returns those still there at the timeout."""
     deadline = time.monotonic() + timeout
     while True:

@@ -1,0 +1,88 @@
+"""One rank's bad arguments to an object or tensor-dict call do not strand its peers.
+
+The rank that passed them raises TypeError/ValueError; its peers raise (a
+PeerRejectedError or CollectiveMismatch naming the problem) within the
+second, not at the group's timeout, and the group stays in step: the calls
+that follow work on every rank. Covered: a bad ``src`` (or a non-list
+``obj_list``) on one rank of ``broadcast_object``, ``broadcast_object_list``
+and ``broadcast_tensor_dict``, over the CPU communicator and over a group's
+message queue (the bad rank being its writer or a reader).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+_TIMEOUT = 20.0  # the group's: a peer left waiting would take this long
+
+
+def _group(rank: int, world_size: int, name: str, mq: bool) -> Any:
+    from coordinator.group_coordinator import GroupCoordinator
+
+    return GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name=name,
+                            timeout=_TIMEOUT, use_message_queue_broadcaster=mq)
+
+
+def _broadcast_call(g: Any, op: str, rank: int, bad: bool) -> Any:
+    src = g.world_size if bad else 0
+    if op == "broadcast_object":
+        return g.broadcast_object({"step": 1} if rank == 0 else None, src=src)
+    if op == "broadcast_object_list":
+        return g.broadcast_object_list([1, 2] if rank == 0 else [None, None], src=src)
+    if op == "obj_list-not-a-list":
+        return g.broadcast_object_list(5 if bad else ([1, 2] if rank == 0 else [None, None]))
+    return g.broadcast_tensor_dict({"x": torch.ones(2)} if rank == 0 else None, src=src)
+
+
+def bad_src_rank(rank: int, world_size: int, op: str, mq: bool, bad_rank: int) -> list[str]:
+    from coordinator.errors import CollectiveMismatch, PeerRejectedError
+
+    g = _group(rank, world_size, f"bad-{op}-{mq}", mq)
+    problems: list[str] = []
+    try:
+        t0 = time.monotonic()
+        try:
+            _broadcast_call(g, op, rank, rank == bad_rank)
+            raised: BaseException | None = None
+        except (TypeError, ValueError, PeerRejectedError, CollectiveMismatch) as e:
+            raised = e
+        took = time.monotonic() - t0
+        if rank == bad_rank and not isinstance(raised, (TypeError, ValueError)):
+            problems.append(f"the bad rank raised {raised!r}")
+        if took > _TIMEOUT / 4:
+            problems.append(f"the call took {took:.1f} s")
+        for i in range(2):  # in step again
+            got = g.broadcast_object({"i": i} if rank == 0 else None, src=0)
+            if got != {"i": i}:
+                problems.append(f"broadcast_object afterwards gave {got!r}")
+            s = g.all_reduce(torch.ones(3))
+            if not torch.equal(s, torch.full((3,), float(world_size))):
+                problems.append(f"all_reduce afterwards gave {s.tolist()}")
+    finally:
+        g.destroy()
+    return problems
+
+
+_OPS = ["broadcast_object", "broadcast_object_list", "obj_list-not-a-list",
+        "broadcast_tensor_dict"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("op", _OPS)
+def test_bad_src_on_one_rank_over_the_communicator(dist_pool: Any, op: str,
+                                                   world_size: int) -> None:
+    results = dist_pool(world_size).run(bad_src_rank, op, False, world_size - 1, timeout=110)
+    assert results == [[]] * world_size
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad_rank", [0, 2], ids=["queue-writer", "queue-reader"])
+@pytest.mark.parametrize("op", ["broadcast_object", "broadcast_tensor_dict"])
+def test_bad_src_on_one_rank_over_the_queue(dist_pool: Any, op: str, bad_rank: int) -> None:
+    results = dist_pool(3).run(bad_src_rank, op, True, bad_rank, timeout=110)
+    assert results == [[]] * 3
