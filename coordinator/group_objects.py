@@ -114,8 +114,7 @@ class GroupObjectCalls:
                 mq.broadcast_object(stamps.stamp(obj, self.collectives, op))
                 return obj
             msg = mq.broadcast_object(None)
-            while self._skipped_stamps and stamps.number_of(msg) in self._skipped_stamps:
-                self._skipped_stamps.discard(stamps.number_of(msg))  # a call we rejected
+            while self._stale(msg):
                 msg = mq.broadcast_object(None)
             return stamps.unstamp(msg, self.collectives, op, self.unique_name, src, self.calls)
         self._check_live(op)
@@ -149,6 +148,18 @@ class GroupObjectCalls:
                 self._skipped_stamps.add(self.collectives)
             return
         self._cpu_comm().reject("broadcast", error)
+
+    def _stale(self, msg: Any) -> bool:
+        """Whether a queue message belongs to an earlier call nobody here reads:
+        one this rank rejected, or a writer's failure marker for a call this rank
+        made through the communicator (see :meth:`_reject_broadcast`)."""
+        n = stamps.number_of(msg)
+        if n is None:
+            return False
+        if n in self._skipped_stamps:
+            self._skipped_stamps.discard(n)
+            return True
+        return n < self.collectives and isinstance(msg[2], SourceFailure)
 
     def _cpu_comm(self) -> DeviceCommunicator:
         """The communicator that carries this group's CPU bytes (objects, metadata):

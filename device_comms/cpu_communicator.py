@@ -306,6 +306,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 and not input_.requires_grad
                 and input_.is_contiguous()
                 and not input_.is_neg()
+                and not input_._is_zerotensor()
             ):
                 self.shm_calls["all_reduce"] += 1
                 try:

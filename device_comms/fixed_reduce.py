@@ -26,13 +26,14 @@ _Binary = Callable[..., torch.Tensor]
 NUMPY_SUM = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 
 #: What numpy raises where torch is silent: it reports a float sum that
-#: overflows or is invalid (``inf + -inf``) as a RuntimeWarning, after writing
-#: the IEEE result (inf, nan) into its output. The engine's results must be
-#: torch's, with no report: warnings attributed to the modules that call
-#: ``np.add`` are ignored (below), and where a user's ``"error"`` filter comes
-#: first, call sites catch this: an ``out=`` call's output is complete, an
-#: allocating one is redone by :func:`quiet_numpy_sum`.
-NUMPY_ERRORS = RuntimeWarning
+#: overflows or is invalid (``inf + -inf``) after writing the IEEE result (inf,
+#: nan) into its output -- as a RuntimeWarning, or as a FloatingPointError
+#: under ``np.seterr(all="raise")``. The engine's results must be torch's, with
+#: no report: warnings attributed to the modules that call ``np.add`` are
+#: ignored (below), and where a user's ``"error"`` filter comes first or
+#: numpy is set to raise, call sites catch these: an ``out=`` call's output is
+#: complete, an allocating one is redone by :func:`quiet_numpy_sum`.
+NUMPY_ERRORS = (RuntimeWarning, FloatingPointError)
 warnings.filterwarnings("ignore", category=RuntimeWarning,
                         module=r"device_comms\.(shm_engine|shm_pair)\Z")
 

@@ -271,7 +271,11 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         """
         sync = self.sync
         p = (sync.gen + 1) & 1
-        _memmove(self._my_addr[p], t.data_ptr(), c.nbytes)
+        src = t.data_ptr()
+        if not src and c.nbytes:  # storage-less zeros (autograd's): nothing to copy from
+            t = torch.zeros(t.shape, dtype=t.dtype)
+            src = t.data_ptr()
+        _memmove(self._my_addr[p], src, c.nbytes)
         sync.step("all_reduce", c.sig, c.size_key, True)
         views = c.views[p]
         if out is not None:  # the operands are slot views: out may be t

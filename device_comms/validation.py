@@ -45,10 +45,13 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
 
     Transports move raw elements: a view whose bytes are not its values (the
     imaginary part of a conjugate, ``z.conj().imag``, is a negative view) must
-    not be sent as it is.
+    not be sent as it is, nor a zero tensor without storage (autograd's
+    efficient zeros).
     """
     if t.is_conj() or t.is_neg():
         return t.resolve_conj().resolve_neg()
+    if t._is_zerotensor():  # autograd's storage-less zeros: data_ptr() is 0
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     return t
 
 

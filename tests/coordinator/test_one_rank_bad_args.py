@@ -6,7 +6,9 @@ second, not at the group's timeout, and the group stays in step: the calls
 that follow work on every rank. Covered: a bad ``src`` (or a non-list
 ``obj_list``) on one rank of ``broadcast_object``, ``broadcast_object_list``
 and ``broadcast_tensor_dict``, over the CPU communicator and over a group's
-message queue (the bad rank being its writer or a reader).
+message queue (the bad rank being its writer or a reader). A writer's failure
+marker that nobody read (its peers went through the communicator, and waited
+there until the timeout) does not spoil the queue's later broadcasts.
 """
 
 from __future__ import annotations
@@ -86,3 +88,36 @@ def test_bad_src_on_one_rank_over_the_communicator(dist_pool: Any, op: str,
 def test_bad_src_on_one_rank_over_the_queue(dist_pool: Any, op: str, bad_rank: int) -> None:
     results = dist_pool(3).run(bad_src_rank, op, True, bad_rank, timeout=110)
     assert results == [[]] * 3
+
+
+def unread_marker_rank(rank: int, world_size: int) -> list[str]:
+    from coordinator.errors import CommTimeout
+    from coordinator.group_coordinator import GroupCoordinator
+
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="marker",
+                         timeout=3.0, use_message_queue_broadcaster=True)
+    problems: list[str] = []
+    try:
+        try:  # the writer (rank 0) names no rank; the others name rank 1: the communicator
+            g.broadcast_object("x" if rank == 1 else None, src=world_size if rank == 0 else 1)
+            problems.append("the call returned")
+        except ValueError:
+            if rank != 0:
+                problems.append("a reader raised ValueError")
+        except CommTimeout:
+            if rank == 0:
+                problems.append("the writer timed out")
+        # (three: with the marker they fill the queue's ring without waiting for the
+        # reader, which is still in its timed-out call)
+        got = [g.broadcast_object(f"m{i}" if rank == 0 else None, src=0) for i in range(3)]
+        if got != ["m0", "m1", "m2"]:
+            problems.append(f"the queue's broadcasts gave {got!r}")
+        torch.distributed.barrier()  # the writer stays until the reader is done
+    finally:
+        g.destroy()
+    return problems
+
+
+@pytest.mark.timeout(120)
+def test_unread_failure_marker_does_not_spoil_the_queue(dist_pool: Any) -> None:
+    assert dist_pool(2).run(unread_marker_rank, timeout=110) == [[]] * 2

@@ -6,7 +6,8 @@ RuntimeWarning where torch says nothing. The results must be torch's (inf,
 nan) with no warning under the default filters, and under a user's
 ``warnings.simplefilter("error")`` the call must still return them instead of
 raising on some ranks (in the two-rank pipelined scheme each rank reduces a
-different half, so one rank raising would leave the other waiting).
+different half, so one rank raising would leave the other waiting); so must
+it under ``np.seterr(all="raise")``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def ieee_rank(rank: int, world_size: int, action: str) -> list[str]:
+    import numpy as np
+
+    if action == "numpy-raise":  # numpy raises FloatingPointError instead of warning
+        np.seterr(all="raise")
     comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="ieee", timeout=20)
     bad: list[str] = []
     try:
@@ -68,6 +73,6 @@ def ieee_rank(rank: int, world_size: int, action: str) -> list[str]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("action", ["default-filters", "error"])
+@pytest.mark.parametrize("action", ["default-filters", "error", "numpy-raise"])
 def test_overflow_and_nan_sums_are_torchs(dist_pool: Any, action: str, world_size: int) -> None:
     assert dist_pool(world_size).run(ieee_rank, action, timeout=110) == [[]] * world_size

@@ -1,6 +1,7 @@
 """Tensors whose raw elements are not laid out, or not valued, as they read.
 
-Two kinds that torch calls contiguous: a lazily negated view (``z.conj().imag``
+Three kinds that torch calls contiguous: autograd's storage-less zeros
+(``data_ptr()`` is 0), a lazily negated view (``z.conj().imag``
 of one element: its bytes hold the un-negated values) and a tensor of at most
 one element with a stride other than 1 (``x[3:4:2]``: its flat view cannot be
 reinterpreted as bytes). Every collective and point-to-point call must send
@@ -94,3 +95,32 @@ def test_lazy_and_odd_views_send_their_values(dist_pool: Any, kind: str, mode: s
                                               world_size: int) -> None:
     results = dist_pool(world_size).run(lazy_rank, mode, kind, timeout=80)
     assert results == [[]] * world_size
+
+
+def zero_rank(rank: int, world_size: int, mode: str) -> list[str]:
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="lazy-zero",
+                           use_shm=mode == "shm")
+    bad: list[str] = []
+    try:
+        for n in (8, 40_000):  # one small step; the large schemes
+            for _ in range(3):  # cold (checked) and warm (the cached entry) calls
+                z = torch._efficientzerotensor(n)
+                if not torch.equal(comm.all_reduce(z), torch.zeros(n)):
+                    bad.append(f"all_reduce n={n}")
+            if not torch.equal(comm.all_gather(torch._efficientzerotensor(n), 0),
+                               torch.zeros(n * world_size)):
+                bad.append(f"all_gather n={n}")
+            if rank == 0:
+                comm.send(torch._efficientzerotensor(n), 1)
+            elif rank == 1 and not torch.equal(comm.recv((n,), torch.float32, 0), torch.zeros(n)):
+                bad.append(f"send/recv n={n}")
+    finally:
+        comm.destroy()
+    return bad
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("mode", ["shm", "gloo"])
+def test_storage_less_zeros_are_sent_as_zeros(dist_pool: Any, mode: str, world_size: int) -> None:
+    assert dist_pool(world_size).run(zero_rank, mode, timeout=80) == [[]] * world_size
