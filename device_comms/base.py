@@ -122,13 +122,13 @@ class DeviceCommunicator(abc.ABC):
         except (TypeError, ValueError) as e:
             self._reject("all_reduce", e)
             raise
-        t = validation.resolved(t)  # transports move raw elements
+        t = validation.dense(t)  # transports move raw elements
         if self.world_size == 1:
             with torch.no_grad():
                 return t.clone() if out is None else out.copy_(t)
         if out is None:
-            return self._guard("all_reduce", self._all_reduce, validation.dense(t), rop)
-        return self._guard("all_reduce", self._all_reduce_into, validation.dense(t), rop, out)
+            return self._guard("all_reduce", self._all_reduce, t, rop)
+        return self._guard("all_reduce", self._all_reduce_into, t, rop, out)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``input_`` along ``dim`` (same shape on all ranks)."""

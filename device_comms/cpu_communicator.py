@@ -280,19 +280,18 @@ class CpuCommunicator(TorchDistributedCommunicator):
         collective itself.
         """
         eng = self._flat
-        if eng is not None and (out is None or out is input_) and type(input_) is _TENSOR:
+        if (
+            eng is not None
+            and (out is None or out is input_)
+            and type(input_) is _TENSOR
+            and input_.is_cpu
+            and input_.layout is _STRIDED  # before is_contiguous: sparse has none
+            and not input_.requires_grad
+            and input_.is_contiguous()
+            and not input_.is_neg()  # a lazily negated view: its bytes are not its values
+        ):
             c = eng.last_small  # an (op, dtype) that passed the checks before, and a shape
-            if (
-                op is c.op
-                and input_.dtype is c.dtype
-                and c.plain
-                and input_.is_cpu
-                and input_.layout is _STRIDED  # before is_contiguous: sparse has none
-                and not input_.requires_grad
-                and input_.is_contiguous()
-                and not input_.is_neg()  # a lazily negated view: its bytes are not its values
-                and input_.shape == c.shape
-            ):
+            if op is c.op and input_.dtype is c.dtype and c.plain and input_.shape == c.shape:
                 self.shm_calls["all_reduce"] += 1
                 try:
                     return eng.small_all_reduce(c, input_, out)
@@ -301,11 +300,6 @@ class CpuCommunicator(TorchDistributedCommunicator):
             if (
                 type(op) is ReduceOp
                 and op in self._validated.get(input_.dtype, ())
-                and input_.is_cpu
-                and input_.layout is _STRIDED
-                and not input_.requires_grad
-                and input_.is_contiguous()
-                and not input_.is_neg()
                 and not input_._is_zerotensor()
             ):
                 self.shm_calls["all_reduce"] += 1

@@ -344,11 +344,12 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         if c.pair:
             mine = t.detach().numpy() if c.numpy else t
             views = [mine, views[1]] if self.me == 0 else [views[0], mine]
-        for i in range(1, len(views)):
-            try:
-                fn(views[0] if i == 1 else acc, views[i], out=acc)
-            except NUMPY_ERRORS:  # reported after acc was written: the IEEE result stands
-                pass
+        try:  # numpy here only with two ranks (c.pair): this is its one call
+            fn(views[0], views[1], out=acc)
+        except NUMPY_ERRORS:  # reported after acc was written: the IEEE result stands
+            pass
+        for v in views[2:]:
+            fn(acc, v, out=acc)
         if c.avg:
             out.div_(self.size)
         _written(out)
