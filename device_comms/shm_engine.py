@@ -41,9 +41,14 @@ a 30-50x slowdown at 1-16 MiB). Smaller kernels never start a parallel region.
 The one-step all_reduce (at most a slot and :data:`GRAIN` elements, the
 latency-bound case) is kept to a few calls: the (op, dtype, shape) of the last
 call and its slot views are remembered (matched by identity, since hashing a
-``ReduceOp`` runs Python code), the input goes into the slot with
-``ctypes.memmove``, and float32/float64/int32/int64 sums are ``numpy.add``
-(bitwise the same sum, ~0.25 us less dispatch than ``torch.add``).
+``ReduceOp`` runs Python code); the input goes into the slot with
+``ctypes.memmove`` the first time an address is seen and, from its second
+call on, through a numpy view of that address (a third of the cost; an
+in-place result is written through it too: see
+:meth:`_SmallAllReduce.held_at` for why a view that owns nothing is safe);
+its step skips the ordering fences a TSO machine does not need
+(:mod:`device_comms.shm_sync`); and float32/float64/int32/int64 sums are
+``numpy.add`` (bitwise the same sum, ~0.25 us less dispatch than ``torch.add``).
 
 Results of 32 MiB and more are allocated with :func:`device_comms.host_alloc.empty`
 (huge pages; a fresh 64 MiB ``torch.empty`` costs more page faults than the
@@ -55,7 +60,10 @@ and a size key covering the shape and layout arguments; see
 mismatched calls raise
 :class:`~device_comms.errors.CollectiveMismatch` everywhere instead of
 returning garbage. Results are always new tensors (never views of the
-workspace), except :meth:`ShmEngine.broadcast`, which fills its argument.
+workspace), except :meth:`ShmEngine.broadcast`, which fills its argument. A
+new result may live in memory torch did not allocate (numpy's, huge pages),
+so its storage cannot grow (``resize_`` to more elements raises); a caller's
+own tensors are never marked so (:mod:`device_comms.host_arrays`).
 Not thread-safe: one collective at a time per communicator, as with NCCL.
 """
 
@@ -77,6 +85,7 @@ from device_comms.fixed_reduce import (
     quiet_numpy_sum,
     reduce_views,
 )
+from device_comms.host_arrays import array_of, bytes_at
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_alltoallv import ShmAllToAllvOps
 from device_comms.shm_gather import ShmGatherOps
@@ -94,21 +103,40 @@ DEFAULT_ONESHOT_BYTES = 2 << 20
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
-_increment_version = torch.autograd.graph.increment_version
 _from_numpy = torch.from_numpy
+_HELD_MAX = 16  # caller addresses with a byte view, per one-step all_reduce entry
+
+
+def _version_bumper() -> Any:
+    """torch's C entry that counts an in-place write into each tensor of a tuple, else
+    the public wrapper around it (0.1 us more per call)."""
+    bump = getattr(torch._C, "_increment_version", None)
+    probe = torch.empty(0)
+    try:
+        before = probe._version
+        bump((probe,))  # type: ignore[misc]
+        if probe._version == before + 1:
+            return bump
+    except (TypeError, RuntimeError):
+        pass
+    return torch.autograd.graph.increment_version
+
+
+_bump_versions = _version_bumper()
 
 
 def _written(t: torch.Tensor) -> None:
     """Count a write into ``t`` that torch did not see (ctypes, numpy), as an in-place op
     does, so autograd refuses a tensor it saved for backward instead of using new values."""
-    _increment_version(t)
+    _bump_versions((t,))
 
 
 class _SmallAllReduce:
     """What a one-step all_reduce of one (op, dtype, shape) needs, kept for the next call."""
 
     __slots__ = ("op", "dtype", "shape", "nbytes", "sig", "size_key", "fn", "avg", "views",
-                 "numpy", "pair", "scratch", "scratch_addr", "plain")
+                 "numpy", "pair", "scratch", "scratch_addr", "plain", "more", "mine", "held",
+                 "sighted")
 
     def __init__(self, eng: "ShmEngine | None", t: torch.Tensor | None, op: ReduceOp | None) -> None:
         self.op, self.dtype, self.shape, self.nbytes = op, None, None, 0
@@ -121,6 +149,14 @@ class _SmallAllReduce:
         self.numpy = self.pair = False
         self.scratch: Any = None
         self.scratch_addr = 0
+        #: More than two ranks: the slots past the first two, by parity.
+        self.more: tuple[list[Any], ...] = ([], [])
+        #: This rank's slot of each parity as ``nbytes`` numpy bytes.
+        self.mine: tuple[Any, ...] = ()
+        #: Caller memory by address: ``nbytes`` numpy bytes and, for numpy sums,
+        #: the same bytes as a typed array of the entry's shape (see :meth:`held_at`).
+        self.held: dict[int, tuple[Any, Any]] = {}
+        self.sighted: set[int] = set()
         if eng is None or t is None or op is None:
             return  # the empty entry no call matches
         self.pair = eng.size == 2 and t.nbytes >= eng.pair_small_min_bytes
@@ -131,6 +167,7 @@ class _SmallAllReduce:
         self.fn = binary_fn(op, t.dtype)
         self.avg = op is ReduceOp.AVG
         self.views = (eng._shaped(0, t), eng._shaped(1, t))
+        self.mine = tuple(eng.ws.slot(p, eng.me, torch.uint8)[: t.nbytes].numpy() for p in (0, 1))
         if op is ReduceOp.SUM and t.dtype in NUMPY_SUM and t.dim() > 0:  # 0-d: ufuncs give scalars
             self.numpy = True
             self.fn = np.add
@@ -138,6 +175,33 @@ class _SmallAllReduce:
             if not self.pair:  # out= reduces here, then one copy (see ShmEngine._small_into)
                 self.scratch = np.empty(tuple(t.shape), dtype=self.views[0][0].dtype)
                 self.scratch_addr = self.scratch.ctypes.data
+        self.more = (self.views[0][2:], self.views[1][2:])
+
+    def held_at(self, addr: int) -> tuple[Any, Any] | None:
+        """Numpy views of the ``nbytes`` bytes at ``addr``, from the second call there on.
+
+        Only for the memory of a live contiguous tensor of this entry's shape and
+        dtype that starts at ``addr``: those are exactly the bytes the views
+        cover, whichever allocation they belong to now, and they are mapped
+        while that tensor lives. The views own nothing (a freed tensor's
+        address may come back, as allocators reuse blocks, and then they serve
+        the new tensor). A copy through them costs a third of a
+        ``ctypes.memmove`` call; making one costs about two, so an address
+        gets views only when it comes back.
+        """
+        if not addr or not self.nbytes:
+            return None
+        if addr not in self.sighted:
+            if len(self.sighted) >= _HELD_MAX:
+                self.sighted.clear()
+            self.sighted.add(addr)
+            return None
+        raw = bytes_at(addr, self.nbytes)
+        typed = raw.view(self.views[0][0].dtype).reshape(tuple(self.shape)) if self.numpy else None
+        if len(self.held) >= _HELD_MAX:
+            self.held.clear()
+        v = self.held[addr] = (raw, typed)
+        return v
 
 
 class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
@@ -272,20 +336,25 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         sync = self.sync
         p = (sync.gen + 1) & 1
         src = t.data_ptr()
-        if not src and c.nbytes:  # storage-less zeros (autograd's): nothing to copy from
-            t = torch.zeros(t.shape, dtype=t.dtype)
-            src = t.data_ptr()
-        _memmove(self._my_addr[p], src, c.nbytes)
-        sync.step("all_reduce", c.sig, c.size_key, True)
+        held = c.held.get(src)
+        if held is not None:
+            c.mine[p][...] = held[0]
+        else:
+            if not src and c.nbytes:  # storage-less zeros (autograd's): nothing to copy from
+                t = torch.zeros(t.shape, dtype=t.dtype)
+                src = t.data_ptr()
+            _memmove(self._my_addr[p], src, c.nbytes)
+            held = c.held_at(src)
+        sync.step("all_reduce", c.sig, c.size_key, True, True)  # glibc / numpy stores
         views = c.views[p]
         if out is not None:  # the operands are slot views: out may be t
-            return self._small_into(t, views, c, out)
+            return self._small_into(t, views, c.more[p], c, out, held)
         if c.pair:
-            return self._pair_small(t, views[1 - self.me], c)
+            return self._pair_small(t, views[1 - self.me], c, held)
         fn = c.fn
         try:
             acc = fn(views[0], views[1])
-            for v in views[2:]:
+            for v in c.more[p]:
                 fn(acc, v, out=acc)
         except NUMPY_ERRORS:  # an overflow report turned into an error: redo it quietly
             if not c.numpy:
@@ -318,37 +387,55 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         return self._two_phase(t, op, "all_reduce", sig, True, out)  # type: ignore[return-value]
 
     def _small_into(
-        self, t: torch.Tensor, views: list[Any], c: "_SmallAllReduce", out: torch.Tensor
+        self,
+        t: torch.Tensor,
+        views: list[Any],
+        more: list[Any],
+        c: "_SmallAllReduce",
+        out: torch.Tensor,
+        held: tuple[Any, Any] | None,
     ) -> torch.Tensor:
         """The one-step all_reduce's reduction straight into ``out`` (which may be ``t``).
 
-        Operands are the slot ``views``, except with two ranks from
-        :data:`PAIR_SMALL_MIN_BYTES` on, where the peer may be reducing into this
-        rank's slot (:meth:`_pair_small`) and the rank's own operand is ``t``:
-        reading and writing the same element in one element-wise op is safe.
+        Operands are the slot ``views`` (``more``: those past the first two),
+        except with two ranks from :data:`PAIR_SMALL_MIN_BYTES` on, where the
+        peer may be reducing into this rank's slot (:meth:`_pair_small`) and
+        the rank's own operand is ``t``: reading and writing the same element
+        in one element-wise op is safe. ``held``: the entry's views of ``t``'s
+        bytes (:meth:`_SmallAllReduce.held_at`), if it has them.
         """
         fn = c.fn
-        scratch = c.scratch
-        if scratch is not None:
-            # A private array and one memmove into out: cheaper than an array view of out.
+        mine = held
+        if out is not t:
+            addr = out.data_ptr()
+            held = c.held.get(addr) or c.held_at(addr)
+        if c.scratch is not None:
+            # Into out's own view if the entry has one, else a private array and one
+            # memmove into out: cheaper than making an array view of out.
+            acc = c.scratch if held is None else held[1]
             try:
-                fn(views[0], views[1], out=scratch)
-                for v in views[2:]:
-                    fn(scratch, v, out=scratch)
+                fn(views[0], views[1], out=acc)
+                for v in more:
+                    fn(acc, v, out=acc)
             except NUMPY_ERRORS:  # an overflow report turned into an error: redo it quietly
-                quiet_numpy_sum(views, scratch)
-            _memmove(out.data_ptr(), c.scratch_addr, out.nbytes)
+                quiet_numpy_sum(views, acc)
+            if held is None:
+                _memmove(out.data_ptr(), c.scratch_addr, out.nbytes)
             _written(out)
             return out
-        acc = out.detach().numpy() if c.numpy else out
+        acc = out
+        if c.numpy:
+            acc = held[1] if held is not None else array_of(out)
         if c.pair:
-            mine = t.detach().numpy() if c.numpy else t
-            views = [mine, views[1]] if self.me == 0 else [views[0], mine]
+            own: Any = t
+            if c.numpy:
+                own = mine[1] if mine is not None else array_of(t)
+            views = [own, views[1]] if self.me == 0 else [views[0], own]
         try:  # numpy here only with two ranks (c.pair): this is its one call
             fn(views[0], views[1], out=acc)
         except NUMPY_ERRORS:  # reported after acc was written: the IEEE result stands
             pass
-        for v in views[2:]:
+        for v in more:
             fn(acc, v, out=acc)
         if c.avg:
             out.div_(self.size)

@@ -35,6 +35,7 @@ import torch
 
 from device_comms import host_alloc
 from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn
+from device_comms.host_arrays import array_of
 from device_comms.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
@@ -134,12 +135,17 @@ class ShmPairOps:
             self._slot_views[key] = got
         return got
 
-    def _pair_small(self, t: torch.Tensor, peer: Any, c: Any) -> torch.Tensor:
+    def _pair_small(
+        self, t: torch.Tensor, peer: Any, c: Any, held: tuple[Any, Any] | None = None
+    ) -> torch.Tensor:
         """The one-step all_reduce of two ranks from :data:`PAIR_SMALL_MIN_BYTES` on: reduce
         into the peer's slot view ``peer`` in rank order and copy it out (the module
-        docstring says why); this rank's own slot is the peer's to modify."""
+        docstring says why); this rank's own slot is the peer's to modify. ``held``:
+        numpy views of ``t``'s bytes (raw, typed), if the caller has them."""
         fn = c.fn
-        x = t.numpy() if c.numpy else t
+        x: Any = t
+        if c.numpy:
+            x = held[1] if held is not None else array_of(t)
         try:
             if self.me == 0:
                 fn(x, peer, out=peer)
@@ -184,7 +190,7 @@ class ShmPairOps:
             out = host_alloc.empty(n, dt)
         half, plan = self._pair_plan(n, isz)
         if op is ReduceOp.SUM and dt in NUMPY_SUM:  # bitwise torch's sum, less dispatch
-            x: Any = t.detach().view(-1).numpy()
+            x: Any = array_of(t).reshape(-1)
             fn: Any = np.add
             slots = self._pair_slots(dt, True)
         else:

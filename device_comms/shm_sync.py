@@ -85,7 +85,12 @@ kernels may use non-temporal or fast-string stores, which are weakly ordered.
 ``FENCE`` is an uncontended ``threading.Lock`` acquire + release: a locked
 read-modify-write on x86 (a full barrier that also drains write-combining
 buffers), and on ARMv8 a release followed by an acquire (ordered, RCsc), which
-acts as a full barrier too. The flag is one aligned 8-byte store/load through a
+acts as a full barrier too. A step whose caller wrote its data from this
+thread with ordinary stores (``StepSync.step(plain_stores=True)``: glibc's
+``memmove``, which ends its own non-temporal loop with ``sfence``, and numpy's
+copy and ufunc loops) skips the two ordering fences on x86: there program
+order is memory order for store-store and load-load pairs. The Dekker fence
+below (a store, then a load) stays on every machine. The flag is one aligned 8-byte store/load through a
 ``memoryview`` (a single instruction on x86-64 and ARM64), so it never tears.
 Rank ``r`` writes only its own 64-byte header line, so flags do not falsely
 share cache lines.
@@ -123,6 +128,7 @@ workspace, and applies the optional timeout.
 from __future__ import annotations
 
 import os
+import platform
 import threading
 import time
 from typing import Sequence
@@ -153,6 +159,9 @@ __all__ = [
 
 _FENCE = threading.Lock()
 _acquire, _release = _FENCE.acquire, _FENCE.release
+# Total store order: stores are not reordered with older stores, loads not with
+# older loads (only a store followed by a load needs a fence; see "Memory ordering").
+_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _HEALTH_EVERY = 0.2  # seconds between liveness/timeout checks
 _NAP_AFTER = 0.002  # seconds of waiting after which we sleep instead of yielding
 _NAP = 50e-6
@@ -329,7 +338,10 @@ class StepSync:
         """Buffer parity of the next step."""
         return (self.gen + 1) & 1
 
-    def step(self, op: str, sig_a: int = 0, sig_b: int = 0, check: bool = False) -> int:
+    def step(
+        self, op: str, sig_a: int = 0, sig_b: int = 0, check: bool = False,
+        plain_stores: bool = False,
+    ) -> int:
         """Publish the next step and wait for every peer to publish it.
 
         Call after writing this rank's slot of :attr:`next_parity`.
@@ -339,6 +351,10 @@ class StepSync:
             sig_a: Packed signature (from :func:`signature`), when ``check``.
             sig_b: Size key, when ``check``.
             check: Compare signatures with every peer's.
+            plain_stores: This thread wrote the step's data with ordinary
+                stores (glibc ``memmove``, numpy; the reads after the step
+                are loads), so on a TSO machine program order is memory
+                order and the two ordering fences are skipped.
 
         Returns:
             The parity of the step just completed.
@@ -356,8 +372,10 @@ class StepSync:
             w = self._my_sig[g & 1]
             hdr[w] = sig_a
             hdr[w + 1] = sig_b
-        _acquire()  # FENCE: data and signature before the generation
-        _release()
+        fenced = not (plain_stores and _TSO)
+        if fenced:
+            _acquire()  # FENCE: data and signature before the generation
+            _release()
         hdr[self._my_gen] = g
         self.gen = g
         if self._parking:
@@ -371,8 +389,9 @@ class StepSync:
             if hdr[idx] < g:
                 self._wait_slow(g, op)
                 break
-        _acquire()  # FENCE: generations before the data
-        _release()
+        if fenced:
+            _acquire()  # FENCE: generations before the data
+            _release()
         if check:
             for r, w in self._peer_sig[g & 1]:
                 if hdr[w] != sig_a or hdr[w + 1] != sig_b:
