@@ -81,7 +81,7 @@ from device_comms import host_alloc, shm_alltoallv
 from device_comms.engine_threads import env_threads
 from device_comms.hierarchical import HierarchicalAllReduce
 from device_comms.reduce_op import ReduceOp
-from device_comms.shm_engine import ShmEngine
+from device_comms.shm_engine import NotServed, ShmEngine
 from device_comms.shm_sync import StepSync
 from device_comms.shm_workspace import WorkspacePlan, open_workspace
 from device_comms.torch_communicator import TorchDistributedCommunicator
@@ -292,11 +292,14 @@ class CpuCommunicator(TorchDistributedCommunicator):
         ):
             c = eng.last_small  # an (op, dtype) that passed the checks before, and a shape
             if op is c.op and input_.dtype is c.dtype and c.plain and input_.shape == c.shape:
-                self.shm_calls["all_reduce"] += 1
                 try:
-                    return eng.small_all_reduce(c, input_, out)
+                    res = eng.small_all_reduce(c, input_, out)
+                except NotServed:
+                    return super().all_reduce(input_, op, out=out)
                 except RuntimeError as e:
                     raise self._translate("all_reduce", e) from e
+                self.shm_calls["all_reduce"] += 1
+                return res
             if (
                 type(op) is ReduceOp
                 and op in self._validated.get(input_.dtype, ())

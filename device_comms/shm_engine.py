@@ -93,7 +93,7 @@ from device_comms.shm_pair import DEFAULT_PAIR_PIECE_BYTES, PAIR_SMALL_MIN_BYTES
 from device_comms.shm_sync import StepSync, shape_key, signature
 from device_comms.shm_workspace import ShmWorkspace
 
-__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
+__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES", "NotServed"]
 
 # Largest all_reduce done in one shot; above it, reduce-scatter + all-gather.
 # Measured on the 2-vCPU development VM (2 and 4 ranks, idle and loaded): one
@@ -129,6 +129,11 @@ def _written(t: torch.Tensor) -> None:
     """Count a write into ``t`` that torch did not see (ctypes, numpy), as an in-place op
     does, so autograd refuses a tensor it saved for backward instead of using new values."""
     _bump_versions((t,))
+
+
+class NotServed(Exception):
+    """:meth:`ShmEngine.small_all_reduce` cannot serve this call as it stands (raised
+    before any step); the caller takes its checked path, which says why."""
 
 
 class _SmallAllReduce:
@@ -341,6 +346,8 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
             c.mine[p][...] = held[0]
         else:
             if not src and c.nbytes:  # storage-less zeros (autograd's): nothing to copy from
+                if out is not None:  # nor to write into: the caller's checks refuse it
+                    raise NotServed("out is a storage-less zero tensor")
                 t = torch.zeros(t.shape, dtype=t.dtype)
                 src = t.data_ptr()
             _memmove(self._my_addr[p], src, c.nbytes)

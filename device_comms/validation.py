@@ -78,11 +78,16 @@ def check_out(out: Any, like: torch.Tensor, device: torch.device | None = None) 
 
     Raises:
         TypeError: ``out`` is not a dense tensor, or its dtype differs.
-        ValueError: ``out``'s device type, shape or layout is wrong, or it
-            partly overlaps ``like``.
+        ValueError: ``out``'s device type, shape or layout is wrong, it is a
+            storage-less zero tensor, or it partly overlaps ``like``.
     """
     check_tensor(out, "out", device)
     check_out_meta(out, like)
+    if out._is_zerotensor():  # data_ptr() is 0: there is nowhere to write
+        raise ValueError(
+            "out must have memory to write into, got a storage-less zero tensor "
+            "(autograd's efficient zeros); pass torch.zeros_like(out)"
+        )
     if out.device != like.device:
         raise ValueError(f"out must be on {like.device} (input_'s device), got {out.device}")
     if out.is_conj() or out.is_neg():

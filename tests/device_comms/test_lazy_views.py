@@ -124,3 +124,48 @@ def zero_rank(rank: int, world_size: int, mode: str) -> list[str]:
 @pytest.mark.parametrize("mode", ["shm", "gloo"])
 def test_storage_less_zeros_are_sent_as_zeros(dist_pool: Any, mode: str, world_size: int) -> None:
     assert dist_pool(world_size).run(zero_rank, mode, timeout=80) == [[]] * world_size
+
+
+def zero_out_rank(rank: int, world_size: int, mode: str, form: str) -> list[str]:
+    """Rank 0 asks for its result in a storage-less zero tensor; the others call validly."""
+    from device_comms.errors import PeerRejectedError
+
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="lazy-zero-out",
+                           use_shm=mode == "shm")
+    bad: list[str] = []
+    try:
+        for n in (8, 40_000):
+            for _ in range(3):  # cold (checked) and warm (the cached entry) calls
+                comm.all_reduce(torch.ones(n))
+            x = torch.ones(n)
+            z = torch._efficientzerotensor(n)
+            try:
+                if rank != 0:
+                    comm.all_reduce(x)
+                elif form == "in-place":
+                    comm.all_reduce(z, out=z)
+                else:
+                    comm.all_reduce(x, out=z)
+                bad.append(f"n={n}: no error")
+            except PeerRejectedError:  # before ValueError: it is one too
+                if rank == 0:
+                    bad.append(f"n={n}: the rejecting rank got PeerRejectedError")
+            except ValueError as e:
+                if rank != 0 or "out" not in str(e):
+                    bad.append(f"n={n}: {e!r}")
+            y = comm.all_reduce(torch.ones(n))  # the group is still in step
+            if not torch.equal(y, torch.full((n,), float(world_size))):
+                bad.append(f"n={n}: out of step after the rejection")
+    finally:
+        comm.destroy()
+    return bad
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("form", ["in-place", "separate"])
+@pytest.mark.parametrize("mode", ["shm", "gloo"])
+def test_storage_less_zeros_are_refused_as_out(dist_pool: Any, mode: str, form: str,
+                                               world_size: int) -> None:
+    results = dist_pool(world_size).run(zero_out_rank, mode, form, timeout=80)
+    assert results == [[]] * world_size
