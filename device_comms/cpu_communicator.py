@@ -81,7 +81,8 @@ from device_comms import host_alloc, shm_alltoallv
 from device_comms.engine_threads import env_threads
 from device_comms.hierarchical import HierarchicalAllReduce
 from device_comms.reduce_op import ReduceOp
-from device_comms.shm_engine import NotServed, ShmEngine
+from device_comms.shm_engine import ShmEngine
+from device_comms.shm_small import NotServed
 from device_comms.shm_sync import StepSync
 from device_comms.shm_workspace import WorkspacePlan, open_workspace
 from device_comms.torch_communicator import TorchDistributedCommunicator

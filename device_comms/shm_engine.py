@@ -39,16 +39,7 @@ thread count made every rank's OpenMP team spin on the CPUs its peers needed,
 a 30-50x slowdown at 1-16 MiB). Smaller kernels never start a parallel region.
 
 The one-step all_reduce (at most a slot and :data:`GRAIN` elements, the
-latency-bound case) is kept to a few calls: the (op, dtype, shape) of the last
-call and its slot views are remembered (matched by identity, since hashing a
-``ReduceOp`` runs Python code); the input goes into the slot with
-``ctypes.memmove`` the first time an address is seen and, from its second
-call on, through a numpy view of that address (a third of the cost; an
-in-place result is written through it too: see
-:meth:`_SmallAllReduce.held_at` for why a view that owns nothing is safe);
-its step skips the ordering fences a TSO machine does not need
-(:mod:`device_comms.shm_sync`); and float32/float64/int32/int64 sums are
-``numpy.add`` (bitwise the same sum, ~0.25 us less dispatch than ``torch.add``).
+latency-bound case) has its own module, :mod:`device_comms.shm_small`.
 
 Results of 32 MiB and more are allocated with :func:`device_comms.host_alloc.empty`
 (huge pages; a fresh 64 MiB ``torch.empty`` costs more page faults than the
@@ -73,27 +64,21 @@ import ctypes
 import math
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from device_comms import host_alloc
 from device_comms.engine_threads import GRAIN, ThreadCap, capped, engine_threads
-from device_comms.fixed_reduce import (
-    NUMPY_ERRORS,
-    NUMPY_SUM,
-    binary_fn,
-    quiet_numpy_sum,
-    reduce_views,
-)
-from device_comms.host_arrays import array_of, bytes_at
+from device_comms.fixed_reduce import reduce_views
+from device_comms.host_arrays import mark_written
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_alltoallv import ShmAllToAllvOps
 from device_comms.shm_gather import ShmGatherOps
 from device_comms.shm_pair import DEFAULT_PAIR_PIECE_BYTES, PAIR_SMALL_MIN_BYTES, ShmPairOps
+from device_comms.shm_small import ShmSmallOps, SmallAllReduce
 from device_comms.shm_sync import StepSync, shape_key, signature
 from device_comms.shm_workspace import ShmWorkspace
 
-__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES", "NotServed"]
+__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
 
 # Largest all_reduce done in one shot; above it, reduce-scatter + all-gather.
 # Measured on the 2-vCPU development VM (2 and 4 ranks, idle and loaded): one
@@ -103,113 +88,9 @@ DEFAULT_ONESHOT_BYTES = 2 << 20
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
-_from_numpy = torch.from_numpy
-_HELD_MAX = 16  # caller addresses with a byte view, per one-step all_reduce entry
 
 
-def _version_bumper() -> Any:
-    """torch's C entry that counts an in-place write into each tensor of a tuple, else
-    the public wrapper around it (0.1 us more per call)."""
-    bump = getattr(torch._C, "_increment_version", None)
-    probe = torch.empty(0)
-    try:
-        before = probe._version
-        bump((probe,))  # type: ignore[misc]
-        if probe._version == before + 1:
-            return bump
-    except (TypeError, RuntimeError):
-        pass
-    return torch.autograd.graph.increment_version
-
-
-_bump_versions = _version_bumper()
-
-
-def _written(t: torch.Tensor) -> None:
-    """Count a write into ``t`` that torch did not see (ctypes, numpy), as an in-place op
-    does, so autograd refuses a tensor it saved for backward instead of using new values."""
-    _bump_versions((t,))
-
-
-class NotServed(Exception):
-    """:meth:`ShmEngine.small_all_reduce` cannot serve this call as it stands (raised
-    before any step); the caller takes its checked path, which says why."""
-
-
-class _SmallAllReduce:
-    """What a one-step all_reduce of one (op, dtype, shape) needs, kept for the next call."""
-
-    __slots__ = ("op", "dtype", "shape", "nbytes", "sig", "size_key", "fn", "avg", "views",
-                 "numpy", "pair", "scratch", "scratch_addr", "plain", "more", "mine", "held",
-                 "sighted")
-
-    def __init__(self, eng: "ShmEngine | None", t: torch.Tensor | None, op: ReduceOp | None) -> None:
-        self.op, self.dtype, self.shape, self.nbytes = op, None, None, 0
-        #: Real dtype (no lazy conjugation to resolve): a caller that checked
-        #: a tensor's dtype, shape, device, layout, strides and grad against
-        #: this entry may call :meth:`ShmEngine.small_all_reduce` directly.
-        self.plain = False
-        self.sig, self.size_key, self.fn, self.avg = 0, 0, torch.add, False
-        self.views: tuple[list[Any], ...] = ([], [])
-        self.numpy = self.pair = False
-        self.scratch: Any = None
-        self.scratch_addr = 0
-        #: More than two ranks: the slots past the first two, by parity.
-        self.more: tuple[list[Any], ...] = ([], [])
-        #: This rank's slot of each parity as ``nbytes`` numpy bytes.
-        self.mine: tuple[Any, ...] = ()
-        #: Caller memory by address: ``nbytes`` numpy bytes and, for numpy sums,
-        #: the same bytes as a typed array of the entry's shape (see :meth:`held_at`).
-        self.held: dict[int, tuple[Any, Any]] = {}
-        self.sighted: set[int] = set()
-        if eng is None or t is None or op is None:
-            return  # the empty entry no call matches
-        self.pair = eng.size == 2 and t.nbytes >= eng.pair_small_min_bytes
-        self.dtype, self.shape, self.nbytes = t.dtype, t.shape, t.nbytes
-        self.plain = not t.dtype.is_complex
-        self.sig = eng._sig("all_reduce", t.dtype, op)
-        self.size_key = eng.shape_key(t.shape)
-        self.fn = binary_fn(op, t.dtype)
-        self.avg = op is ReduceOp.AVG
-        self.views = (eng._shaped(0, t), eng._shaped(1, t))
-        self.mine = tuple(eng.ws.slot(p, eng.me, torch.uint8)[: t.nbytes].numpy() for p in (0, 1))
-        if op is ReduceOp.SUM and t.dtype in NUMPY_SUM and t.dim() > 0:  # 0-d: ufuncs give scalars
-            self.numpy = True
-            self.fn = np.add
-            self.views = tuple([v.numpy() for v in vs] for vs in self.views)
-            if not self.pair:  # out= reduces here, then one copy (see ShmEngine._small_into)
-                self.scratch = np.empty(tuple(t.shape), dtype=self.views[0][0].dtype)
-                self.scratch_addr = self.scratch.ctypes.data
-        self.more = (self.views[0][2:], self.views[1][2:])
-
-    def held_at(self, addr: int) -> tuple[Any, Any] | None:
-        """Numpy views of the ``nbytes`` bytes at ``addr``, from the second call there on.
-
-        Only for the memory of a live contiguous tensor of this entry's shape and
-        dtype that starts at ``addr``: those are exactly the bytes the views
-        cover, whichever allocation they belong to now, and they are mapped
-        while that tensor lives. The views own nothing (a freed tensor's
-        address may come back, as allocators reuse blocks, and then they serve
-        the new tensor). A copy through them costs a third of a
-        ``ctypes.memmove`` call; making one costs about two, so an address
-        gets views only when it comes back.
-        """
-        if not addr or not self.nbytes:
-            return None
-        if addr not in self.sighted:
-            if len(self.sighted) >= _HELD_MAX:
-                self.sighted.clear()
-            self.sighted.add(addr)
-            return None
-        raw = bytes_at(addr, self.nbytes)
-        typed = raw.view(self.views[0][0].dtype).reshape(tuple(self.shape)) if self.numpy else None
-        if len(self.held) >= _HELD_MAX:
-            self.held.clear()
-        v = self.held[addr] = (raw, typed)
-        return v
-
-
-class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
+class ShmEngine(ShmPairOps, ShmSmallOps, ShmGatherOps, ShmAllToAllvOps):
     """Shared-memory collectives for the local ranks of a workspace.
 
     Args:
@@ -259,7 +140,7 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         self._sigs: dict[tuple[str, torch.dtype, ReduceOp | None, int], int] = {}
         self._shape_keys: dict[torch.Size, int] = {}
         #: The last one-step all_reduce's entry (its op, dtype, shape and slot views).
-        self.last_small = _SmallAllReduce(None, None, None)
+        self.last_small = SmallAllReduce(None, None, None)
 
     @property
     def thread_cap(self) -> ThreadCap:
@@ -270,7 +151,7 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         """Mark this rank closed for its peers and unmap. Idempotent."""
         self._views.clear()
         self._slot_views.clear()
-        self.last_small = _SmallAllReduce(None, None, None)  # its views map the workspace
+        self.last_small = SmallAllReduce(None, None, None)  # its views map the workspace
         self.sync.close()
         self.ws.close()
 
@@ -322,56 +203,14 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
             c = self.last_small
             # Identity checks, not a dict keyed by the enum: ReduceOp.__hash__ runs in Python.
             if op is not c.op or t.dtype is not c.dtype or t.shape != c.shape:
-                c = self.last_small = _SmallAllReduce(self, t, op)
+                c = self.last_small = SmallAllReduce(self, t, op)
             return self.small_all_reduce(c, t, out)
         with self._cap:
             res = self._large_all_reduce(t, op, out)
         if out is None:
             return res
-        _written(out)
+        mark_written(out)
         return out
-
-    def small_all_reduce(
-        self, c: "_SmallAllReduce", t: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The one-step all_reduce of ``t``, which matches entry ``c`` (op, dtype, shape).
-
-        ``c`` must be :attr:`last_small` and match ``t``; ``t`` is contiguous.
-        """
-        sync = self.sync
-        p = (sync.gen + 1) & 1
-        src = t.data_ptr()
-        held = c.held.get(src)
-        if held is not None:
-            c.mine[p][...] = held[0]
-        else:
-            if not src and c.nbytes:  # storage-less zeros (autograd's): nothing to copy from
-                if out is not None:  # nor to write into: the caller's checks refuse it
-                    raise NotServed("out is a storage-less zero tensor")
-                t = torch.zeros(t.shape, dtype=t.dtype)
-                src = t.data_ptr()
-            _memmove(self._my_addr[p], src, c.nbytes)
-            held = c.held_at(src)
-        sync.step("all_reduce", c.sig, c.size_key, True, True)  # glibc / numpy stores
-        views = c.views[p]
-        if out is not None:  # the operands are slot views: out may be t
-            return self._small_into(t, views, c.more[p], c, out, held)
-        if c.pair:
-            return self._pair_small(t, views[1 - self.me], c, held)
-        fn = c.fn
-        try:
-            acc = fn(views[0], views[1])
-            for v in c.more[p]:
-                fn(acc, v, out=acc)
-        except NUMPY_ERRORS:  # an overflow report turned into an error: redo it quietly
-            if not c.numpy:
-                raise
-            acc = quiet_numpy_sum(views)
-        if c.numpy:
-            return _from_numpy(acc)
-        if c.avg:
-            acc.div_(self.size)
-        return acc
 
     def _large_all_reduce(
         self, t: torch.Tensor, op: ReduceOp, out: torch.Tensor | None
@@ -392,62 +231,6 @@ class ShmEngine(ShmPairOps, ShmGatherOps, ShmAllToAllvOps):
         if t.nbytes <= self.oneshot_bytes:
             return self._oneshot_pieces(t, op, "all_reduce", sig, True, out)  # type: ignore[return-value]
         return self._two_phase(t, op, "all_reduce", sig, True, out)  # type: ignore[return-value]
-
-    def _small_into(
-        self,
-        t: torch.Tensor,
-        views: list[Any],
-        more: list[Any],
-        c: "_SmallAllReduce",
-        out: torch.Tensor,
-        held: tuple[Any, Any] | None,
-    ) -> torch.Tensor:
-        """The one-step all_reduce's reduction straight into ``out`` (which may be ``t``).
-
-        Operands are the slot ``views`` (``more``: those past the first two),
-        except with two ranks from :data:`PAIR_SMALL_MIN_BYTES` on, where the
-        peer may be reducing into this rank's slot (:meth:`_pair_small`) and
-        the rank's own operand is ``t``: reading and writing the same element
-        in one element-wise op is safe. ``held``: the entry's views of ``t``'s
-        bytes (:meth:`_SmallAllReduce.held_at`), if it has them.
-        """
-        fn = c.fn
-        mine = held
-        if out is not t:
-            addr = out.data_ptr()
-            held = c.held.get(addr) or c.held_at(addr)
-        if c.scratch is not None:
-            # Into out's own view if the entry has one, else a private array and one
-            # memmove into out: cheaper than making an array view of out.
-            acc = c.scratch if held is None else held[1]
-            try:
-                fn(views[0], views[1], out=acc)
-                for v in more:
-                    fn(acc, v, out=acc)
-            except NUMPY_ERRORS:  # an overflow report turned into an error: redo it quietly
-                quiet_numpy_sum(views, acc)
-            if held is None:
-                _memmove(out.data_ptr(), c.scratch_addr, out.nbytes)
-            _written(out)
-            return out
-        acc = out
-        if c.numpy:
-            acc = held[1] if held is not None else array_of(out)
-        if c.pair:
-            own: Any = t
-            if c.numpy:
-                own = mine[1] if mine is not None else array_of(t)
-            views = [own, views[1]] if self.me == 0 else [views[0], own]
-        try:  # numpy here only with two ranks (c.pair): this is its one call
-            fn(views[0], views[1], out=acc)
-        except NUMPY_ERRORS:  # reported after acc was written: the IEEE result stands
-            pass
-        for v in more:
-            fn(acc, v, out=acc)
-        if c.avg:
-            out.div_(self.size)
-        _written(out)
-        return out
 
     @capped(lambda self, t, *_: t.numel())
     def reduce(

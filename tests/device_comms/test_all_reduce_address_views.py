@@ -2,7 +2,7 @@
 
 From the second call at an address, the engine copies a small all_reduce's
 input (and writes an ``out``) through numpy views of that address instead of
-``ctypes.memmove`` (``_SmallAllReduce.held_at``). The views own nothing, so
+``ctypes.memmove`` (``SmallAllReduce.held_at``). The views own nothing, so
 every pattern below reuses addresses under changing contents and owners:
 fresh tensors whose freed blocks the allocator hands back, one tensor reduced
 in place again and again, a persistent ``out`` buffer, rows of one buffer at
