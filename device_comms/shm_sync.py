@@ -89,8 +89,11 @@ acts as a full barrier too. A step whose caller wrote its data from this
 thread with ordinary stores (``StepSync.step(plain_stores=True)``: glibc's
 ``memmove``, which ends its own non-temporal loop with ``sfence``, and numpy's
 copy and ufunc loops) skips the two ordering fences on x86: there program
-order is memory order for store-store and load-load pairs. The Dekker fence
-below (a store, then a load) stays on every machine. The flag is one aligned 8-byte store/load through a
+order is memory order for store-store and load-load pairs, and stores that
+other threads made before this one saw them (an OpenMP team's, joined at its
+barrier) are seen by every CPU in the same order (x86 stores are
+multi-copy atomic). The Dekker fence below (a store, then a load) stays on
+every machine. The flag is one aligned 8-byte store/load through a
 ``memoryview`` (a single instruction on x86-64 and ARM64), so it never tears.
 Rank ``r`` writes only its own 64-byte header line, so flags do not falsely
 share cache lines.
