@@ -10,7 +10,7 @@ word    field
 0       :data:`MAGIC` (protocol and version)
 1       group id: a stable hash of the communicator's unique name
 2       sequence number of the call (per communicator; per peer for p2p)
-3       kind | dtype | reduce op | root, packed by :func:`shm_sync.signature`
+3       kind | dtype | reduce op | root, packed by :func:`step_signature.signature`
 4       layout key: a hash of the shape and the layout arguments
         (``dim``, ``sizes``, ``scatter_dim``/``gather_dim``)
 5       status: :data:`OK`, :data:`REJECTED`, :data:`FAILED` or :data:`SPLIT`
@@ -61,7 +61,7 @@ import torch
 
 from device_comms.errors import CollectiveMismatch, DecodeError, PeerRejectedError
 from device_comms.reduce_op import ReduceOp
-from device_comms.shm_sync import (
+from device_comms.step_signature import (
     KIND_NAMES, SHAPE_KEYED_KINDS, dtype_code, dtype_of, op_of, shape_key, shape_of_key,
     signature,
 )
@@ -104,7 +104,7 @@ def group_id(name: str) -> int:
 def layout_key(layout: object) -> int:
     """A non-negative int64 of a layout (the same in every process).
 
-    A plain shape (a tuple of ints) gets :func:`shm_sync.shape_key`, the key
+    A plain shape (a tuple of ints) gets :func:`step_signature.shape_key`, the key
     the shared-memory engine signs its steps with; any other layout (a tuple
     holding the shape and ``dim``, ``sizes``...) a hash of it.
     """
@@ -128,7 +128,7 @@ def template(
 
     Args:
         gid: :func:`group_id` of the communicator.
-        kind: An op kind of :data:`shm_sync.KIND_NAMES`.
+        kind: An op kind of :data:`step_signature.KIND_NAMES`.
         dtype: The dtype every rank must share (None: not every rank knows it).
         op: The reduce op, if any.
         root: Root / source / destination group rank (0 when none).

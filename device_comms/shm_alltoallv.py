@@ -44,7 +44,7 @@ import torch
 from device_comms import host_alloc
 from device_comms.alltoallv import SizeTable, offsets, record_words, row_bytes, settle_sizes
 from device_comms.engine_threads import GRAIN, ThreadCap
-from device_comms.shm_sync import signature
+from device_comms.step_signature import signature
 
 if TYPE_CHECKING:
     from device_comms.shm_engine import ShmEngine

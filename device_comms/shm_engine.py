@@ -47,7 +47,7 @@ collective itself on a VM).
 
 Each op's first step carries a signature (op kind, dtype, reduce op, root,
 and a size key covering the shape and layout arguments; see
-:func:`~device_comms.shm_sync.shape_key`) that every rank compares, so
+:func:`~device_comms.step_signature.shape_key`) that every rank compares, so
 mismatched calls raise
 :class:`~device_comms.errors.CollectiveMismatch` everywhere instead of
 returning garbage. Results are always new tensors (never views of the
@@ -75,7 +75,8 @@ from device_comms.shm_alltoallv import ShmAllToAllvOps
 from device_comms.shm_gather import ShmGatherOps
 from device_comms.shm_pair import DEFAULT_PAIR_PIECE_BYTES, PAIR_SMALL_MIN_BYTES, ShmPairOps
 from device_comms.shm_small import ShmSmallOps, SmallAllReduce
-from device_comms.shm_sync import StepSync, shape_key, signature
+from device_comms.shm_sync import StepSync
+from device_comms.step_signature import shape_key, signature
 from device_comms.shm_workspace import ShmWorkspace
 
 __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
