@@ -184,7 +184,7 @@ class ShmSmallOps:
         more: list[Any],
         c: SmallAllReduce,
         out: torch.Tensor,
-        held: tuple[Any, Any] | None,
+        held_t: tuple[Any, Any] | None,
     ) -> torch.Tensor:
         """The one-step all_reduce's reduction straight into ``out`` (which may be ``t``).
 
@@ -192,11 +192,11 @@ class ShmSmallOps:
         except with two ranks from :data:`PAIR_SMALL_MIN_BYTES` on, where the
         peer may be reducing into this rank's slot (:meth:`_pair_small`) and
         the rank's own operand is ``t``: reading and writing the same element
-        in one element-wise op is safe. ``held``: the entry's views of ``t``'s
+        in one element-wise op is safe. ``held_t``: the entry's views of ``t``'s
         bytes (:meth:`SmallAllReduce.held_at`), if it has them.
         """
         fn = c.fn
-        mine = held
+        held = held_t  # views of out's bytes
         if out is not t:
             addr = out.data_ptr()
             held = c.held.get(addr) or c.held_at(addr)
@@ -220,7 +220,7 @@ class ShmSmallOps:
         if c.pair:
             own: Any = t
             if c.numpy:
-                own = mine[1] if mine is not None else array_of(t)
+                own = held_t[1] if held_t is not None else array_of(t)
             views = [own, views[1]] if self.me == 0 else [views[0], own]
         try:  # numpy here only with two ranks (c.pair): this is its one call
             fn(views[0], views[1], out=acc)
