@@ -184,6 +184,8 @@ class CallErrors:
         # broadcast_object, the tensors of a tensor dict): say which call of this
         # group it served; a queue names its writer "writer": give its rank.
         names_op = re.search(rf"\bop {re.escape(op)}\b", str(e)) is not None
+        if writer is None:  # a point-to-point link's writer is the call's partner
+            writer = partner
         writer_named = writer is not None and "writer" in e.peers
         if not names_op or writer_named:
             peers = [writer if p == "writer" else p for p in e.peers]

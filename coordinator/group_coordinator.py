@@ -41,6 +41,7 @@ from coordinator.errors import CommTimeout, NotInitializedError
 from coordinator.group_objects import GroupObjectCalls
 from coordinator.group_registry import REGISTRY
 from coordinator.group_tensor_dicts import GroupTensorDictCalls
+from coordinator.shm_links import ShmLinks
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms import validation
 from shm_broadcast.checks import check_timeout
@@ -156,6 +157,7 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         self._destroyed = False
         self._p2p_channels: Any = None  # async point-to-point threads (coordinator.async_p2p)
         self._p2p_cuda: Any = None
+        self._links = ShmLinks(self)  # tensor dicts with same-host peers (coordinator.shm_links)
         self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size,
                                   self.timeout)
         if self.world_size > 1:
@@ -521,7 +523,9 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
             return
         self._destroyed = True
         REGISTRY.remove(self)
+        self._links.shutdown()  # calls blocked on a link end with ClosedError
         async_p2p.close(self)  # outstanding handles end (ClosedError), threads are joined
+        self._links.close()
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.close()
             self.mq_broadcaster = None

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.distributed as dist
 
+from coordinator import shm_links
 from coordinator.errors import CollectiveMismatch, DecodeError
 from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms.torch_communicator import wire_view
@@ -331,6 +332,13 @@ def send_tensor_dict(
     n = all_gather_group.world_size if all_gather_group is not None else 1
     slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
     meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n, device=coord.device)
+    if all_gather_group is not None:  # sliced: send only this rank's 1/n
+        payload = [t.reshape(n, -1)[all_gather_group.rank_in_group] if desc[3] else t
+                   for (_, _, desc), t in zip((m for m in meta if m[1] == TENSOR), payload)]
+    link = coord._links.sender(dst)
+    if link is not None:
+        _send_on_link(coord, link, meta, payload)
+        return
     try:
         coord._send_object(meta, dst)
     except TypeError as e:  # the receiver was told by send_object
@@ -338,12 +346,22 @@ def send_tensor_dict(
             f"send_tensor_dict on group {coord.unique_name!r}: tensor_dict holds a value that "
             f"cannot be serialised ({e.__cause__ or e})"
         ) from e
-    for (key, kind, desc), t in zip((m for m in meta if m[1] == TENSOR), payload):
-        if not t.numel():
-            continue
-        if desc[3] and all_gather_group is not None:  # sliced: send only this rank's 1/n
-            t = t.reshape(n, -1)[all_gather_group.rank_in_group]
-        _send(coord, dense(t), dst)
+    for t in payload:
+        if t.numel():
+            _send(coord, dense(t), dst)
+
+
+def _send_on_link(coord: "GroupCoordinator", link: Any, meta: list[list[Any]],
+                  payload: list[torch.Tensor]) -> None:
+    """One link message; a value the codec refuses is reported to the receiver."""
+    try:
+        link.enqueue(shm_links.pack(meta, payload))
+    except SERIALIZE_ERRORS as e:  # encoding comes first: nothing was published
+        link.enqueue(shm_links.failure(f"{type(e).__name__}: {e}"))
+        raise TypeError(
+            f"send_tensor_dict on group {coord.unique_name!r}: tensor_dict holds a value that "
+            f"cannot be serialised ({type(e).__name__}: {e})"
+        ) from e
 
 
 def recv_tensor_dict(
@@ -352,7 +370,17 @@ def recv_tensor_dict(
     all_gather_group: "GroupCoordinator | None",
 ) -> dict[Any, Any]:
     """Implementation of :meth:`GroupCoordinator.recv_tensor_dict`."""
-    meta = check_metadata(coord._recv_object(src), coord.device.type)
+    link = coord._links.receiver(src)
+    if link is None:
+        meta = check_metadata(coord._recv_object(src), coord.device.type)
+        def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
+            return _recv_into(coord, _alloc(desc, coord.device, parts or 1), src)
+    else:
+        meta, pieces = shm_links.unpack(link.dequeue(), coord.ranks[src])
+        meta = check_metadata(meta, coord.device.type)
+        taken = iter(range(len(pieces) + 1))
+        def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
+            return shm_links.take_piece(pieces, taken, _dtype(desc[1]), desc[2], parts, key)
     out: dict[Any, Any] = {}
     problem = ""
     have = all_gather_group.world_size if all_gather_group is not None else None
@@ -362,9 +390,9 @@ def recv_tensor_dict(
             continue
         parts = int(value[3])
         if not parts:
-            out[key] = _recv_into(coord, _alloc(value, coord.device), src)
+            out[key] = fill(value, 0, key)
             continue
-        piece = _recv_into(coord, _alloc(value, coord.device, parts), src)
+        piece = fill(value, parts, key)
         if all_gather_group is None or have != parts:
             # Keep receiving (the sender is blocked on its sends), report at the end.
             problem = problem or (
@@ -376,6 +404,10 @@ def recv_tensor_dict(
             continue
         full = all_gather_group.all_gather(piece, dim=0)
         out[key] = full.reshape(value[2])
+    if link is not None and next(taken) != len(pieces):
+        raise DecodeError(f"recv_tensor_dict: the link message from global rank "
+                          f"{coord.ranks[src]} holds {len(pieces)} tensors' bytes, more than "
+                          f"its metadata describes")
     if problem:
         raise ValueError(problem)
     return out

@@ -412,6 +412,15 @@ class DeviceCommunicator(abc.ABC):
                 and r != self.rank_in_group)
 
     # ------------------------------------------------------------------ lifecycle
+    def shares_memory_with(self, peer: int) -> bool:
+        """Whether this rank and group rank ``peer`` map the same shared memory.
+
+        True only where the communicator proved it (a shared-memory workspace
+        that both ranks opened); point-to-point layers above may then move
+        data through shared memory instead of the CPU group.
+        """
+        return False
+
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
         """Register model buffers with the transport (no-op unless overridden)."""
 

@@ -227,6 +227,12 @@ class CpuCommunicator(TorchDistributedCommunicator):
         )
         self.mode = "hierarchical"
 
+    def shares_memory_with(self, peer: int) -> bool:
+        """Whether group rank ``peer`` opened this rank's node workspace."""
+        if self._engine is None or not 0 <= peer < len(self.nodes):
+            return False
+        return self.nodes[peer] == self.nodes[self.rank_in_group]
+
     @property
     def hierarchical(self) -> HierarchicalAllReduce | None:
         """The hierarchical all-reduce (several nodes), else None."""

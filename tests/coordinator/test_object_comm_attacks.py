@@ -66,9 +66,13 @@ class _Evil:
 def hostile_peer(rank: int, world_size: int) -> list[str]:
     """Rank 0 attacks, rank 1 must refuse every message and stay usable."""
     from coordinator.errors import DecodeError
-    from coordinator import parallel_state as ps
 
-    world = ps.get_world_group()
+    from coordinator.group_coordinator import GroupCoordinator
+
+    # A fresh group: the first recv_tensor_dict of a direction reads the sender's
+    # link offer over the CPU group (coordinator.shm_links), which the attack replaces.
+    world = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
+                             group_name="hostile", timeout=60)
     fails: list[str] = []
     loads, pickle.loads = pickle.loads, _refuse
     try:
@@ -96,6 +100,7 @@ def hostile_peer(rank: int, world_size: int) -> list[str]:
             fails.append(f"after the attacks: {got!r}")
     finally:
         pickle.loads = loads
+        world.destroy()
     return fails
 
 
