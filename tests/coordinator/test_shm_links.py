@@ -302,3 +302,28 @@ def test_a_dead_sender_is_named():
     assert res.result["error"] == "PeerDiedError", res.result
     assert 0 in res.result["peers"], res.result
     assert res.result["s"] < 30, res.result
+
+
+def sent_then_destroyed(rank: int, n: int, numel: int) -> Any:
+    """Rank 0 sends two dicts (one may exceed the ring chunk) and destroys its group
+    at once; rank 1 reads them a second later: both must arrive whole."""
+    g = _group(rank, n, "sent-then-destroyed", timeout=30)
+    try:
+        if rank == 0:
+            g.send_tensor_dict({"settle": 1}, 1)
+            g.send_tensor_dict({"big": torch.arange(numel, dtype=torch.float32)}, 1)
+            g.send_tensor_dict({"small": torch.arange(5)}, 1)
+            return None
+        g.recv_tensor_dict(0)
+        time.sleep(1.0)
+        big, small = g.recv_tensor_dict(0), g.recv_tensor_dict(0)
+        return [torch.equal(big["big"], torch.arange(numel, dtype=torch.float32)),
+                small["small"].tolist()]
+    finally:
+        g.destroy()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("numel", [1000, 3 << 20], ids=["in-ring", "overflow-12MiB"])
+def test_dicts_sent_before_destroy_still_arrive(dist_pool, numel):
+    assert dist_pool(2).run(sent_then_destroyed, numel, timeout=100)[1] == [True, [0, 1, 2, 3, 4]]

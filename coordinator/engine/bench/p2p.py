@@ -36,7 +36,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="bytes of tensors per dict (default 16K 256K 1M 8M)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--threads", nargs="+", type=parse_threads, default=[1, "default"],
-                   help="torch threads per rank: 1, default or N (default: 1 default)")
+                   help="torch threads per rank: 1, default (torch's default in this "
+                        "process) or N (default: 1 default)")
     p.add_argument("--iters", type=_positive(int), default=200, help="round trips per block (default 200)")
     p.add_argument("--rounds", type=_positive(int), default=3, help="blocks per transport (default 3)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
@@ -50,8 +51,7 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
 
     from coordinator import GroupCoordinator
 
-    if cfg["threads"] != "default":
-        torch.set_num_threads(cfg["threads"])
+    torch.set_num_threads(cfg["threads"])
     groups = {t: GroupCoordinator([[0, 1]], rank, "gloo", True, group_name=f"p2p-{t}")
               for t in _TRANSPORTS}
     dtype = getattr(torch, cfg["dtype"])
@@ -115,12 +115,16 @@ def run(args: argparse.Namespace) -> int:
     from coordinator.testing import run_distributed
     from device_comms.bench.report import human_bytes
 
+    import torch
+
     report: list[dict[str, Any]] = []
     print(f"groupcoord bench p2p: 2 ranks, {args.dtype}, {args.rounds} x {args.iters} round "
           f"trips per transport and size (rank 0's clock), blocks interleaved", flush=True)
     print(f"{'threads':>7} {'size':>8}  {'link p50/p99 us':>17}  {'cpu-group p50/p99 us':>21}  "
           f"{'x':>6}")
     for threads in args.threads:
+        if threads == "default":  # this process's, as the ranks' harness caps theirs
+            threads = torch.get_num_threads()
         cfg = {"sizes": args.sizes, "dtype": args.dtype, "threads": threads,
                "iters": args.iters, "rounds": args.rounds}
         try:
