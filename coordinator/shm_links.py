@@ -34,14 +34,10 @@ group's timeout, naming the receiver), as an eager send does. A receiver that
 never comes is therefore seen by the sender only when the ring is full, or
 at the direction's first dict (the offer waits for it).
 
-Messages on a link: ``["td", meta, pieces]``, the metadata of
-:mod:`coordinator.tensor_dict` (tensor entries are descriptors) and one flat
-``uint8`` tensor per non-empty payload tensor, so every dtype travels; or
-``["fail", text]`` when the dict held a value the codec refused, which the
-receiver raises as ``CollectiveMismatch``. The queue's codec takes the
-group's ``allow_pickle`` (off: nothing received is unpickled), and the
-receiver checks the metadata, then each piece's dtype and byte count against
-its descriptor, before using anything (:func:`unpack`).
+What a dict becomes on a link (one message, or a header and parts for dicts
+larger than a ring chunk) is :mod:`coordinator.link_messages`. The queue's
+codec takes the group's ``allow_pickle`` (off: nothing received is
+unpickled).
 
 Closing. :meth:`ShmLinks.shutdown` wakes any call blocked on a link (from any
 thread) with ``ClosedError``; :meth:`ShmLinks.close` closes the queues (the
@@ -54,11 +50,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from coordinator.errors import ClosedError, CollectiveMismatch, DecodeError
+from coordinator.errors import ClosedError, DecodeError
 from coordinator.p2p_channels import RECV, SEND
 
 if TYPE_CHECKING:
@@ -66,7 +60,7 @@ if TYPE_CHECKING:
 
     from coordinator.group_coordinator import GroupCoordinator
 
-__all__ = ["ShmLinks", "ENABLE_ENV", "MAGIC", "CHUNK_BYTES", "CHUNKS", "unpack"]
+__all__ = ["ShmLinks", "ENABLE_ENV", "MAGIC", "CHUNK_BYTES", "CHUNKS"]
 
 logger = logging.getLogger(__name__)
 
@@ -243,55 +237,3 @@ def _check_offer(offer: Any, src: int, me: int) -> Any:
         raise DecodeError(f"recv_tensor_dict: rank {src} offered a link that is not a "
                           f"shared-memory queue read by this rank alone", peers=(src,))
     return handle
-
-
-def pack(meta: list[list[Any]], payload: list[torch.Tensor]) -> list[Any]:
-    """A link message: the metadata and each non-empty payload tensor, contiguous and
-    detached (received tensors are plain new tensors, as over the CPU group)."""
-    from device_comms.validation import dense
-
-    return ["td", meta, [dense(t.detach()) for t in payload if t.numel()]]
-
-
-def failure(text: str) -> list[Any]:
-    """The message that tells the receiver the dict could not be sent."""
-    return ["fail", text]
-
-
-def unpack(msg: Any, src_global: int) -> tuple[Any, list[torch.Tensor]]:
-    """``(meta, pieces)`` of a link message; ``meta`` is still to be checked.
-
-    Raises:
-        CollectiveMismatch: The sender could not encode its dict.
-        DecodeError: The message is not a link message.
-    """
-    if type(msg) is list and len(msg) == 2 and msg[0] == "fail" and type(msg[1]) is str:
-        raise CollectiveMismatch(
-            f"recv_tensor_dict: the sender (global rank {src_global}) could not send its "
-            f"tensor dict ({msg[1][:2000]}); fix the call on that rank", peers=(src_global,))
-    if (type(msg) is not list or len(msg) != 3 or msg[0] != "td" or type(msg[2]) is not list
-            or not all(type(p) is torch.Tensor for p in msg[2])):
-        raise DecodeError(f"recv_tensor_dict: malformed link message from global rank "
-                          f"{src_global}: {type(msg).__name__} {msg!r:.80}")
-    return msg[1], msg[2]
-
-
-def take_piece(pieces: list[torch.Tensor], taken: Iterator[int], dtype: torch.dtype,
-               shape: list[int], parts: int, key: Any) -> torch.Tensor:
-    """The next piece, checked against a checked descriptor: ``shape`` (or, sliced
-    into ``parts``, its flat ``1/parts``) of ``dtype``. Empty tensors take no piece."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    if parts:
-        numel //= parts
-    if not numel:
-        return torch.empty(shape if not parts else (0,), dtype=dtype)
-    index = next(taken)
-    if index >= len(pieces):
-        raise DecodeError(f"recv_tensor_dict: the link message lacks the bytes of tensor {key!r}")
-    piece = pieces[index]
-    if piece.dtype != dtype or piece.numel() != numel:
-        raise DecodeError(f"recv_tensor_dict: tensor {key!r} should be {numel} elements of "
-                          f"{dtype}, the link message holds {piece.numel()} of {piece.dtype}")
-    return piece.reshape(shape if not parts else (numel,))

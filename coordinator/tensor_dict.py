@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.distributed as dist
 
-from coordinator import shm_links
+from coordinator import link_messages
 from coordinator.errors import CollectiveMismatch, DecodeError
 from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms.torch_communicator import wire_view
@@ -353,11 +353,11 @@ def send_tensor_dict(
 
 def _send_on_link(coord: "GroupCoordinator", link: Any, meta: list[list[Any]],
                   payload: list[torch.Tensor]) -> None:
-    """One link message; a value the codec refuses is reported to the receiver."""
+    """The dict on its link; a value the codec refuses is reported to the receiver."""
     try:
-        link.enqueue(shm_links.pack(meta, payload))
+        link_messages.send(link, meta, payload)
     except SERIALIZE_ERRORS as e:  # encoding comes first: nothing was published
-        link.enqueue(shm_links.failure(f"{type(e).__name__}: {e}"))
+        link.enqueue(link_messages.failure(f"{type(e).__name__}: {e}"))
         raise TypeError(
             f"send_tensor_dict on group {coord.unique_name!r}: tensor_dict holds a value that "
             f"cannot be serialised ({type(e).__name__}: {e})"
@@ -376,11 +376,13 @@ def recv_tensor_dict(
         def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
             return _recv_into(coord, _alloc(desc, coord.device, parts or 1), src)
     else:
-        meta, pieces = shm_links.unpack(link.dequeue(), coord.ranks[src])
-        meta = check_metadata(meta, coord.device.type)
-        taken = iter(range(len(pieces) + 1))
+        pieces = link_messages.Pieces(link, link.dequeue(), coord.ranks[src])
+        meta = check_metadata(pieces.meta, coord.device.type)
+        pieces.expect([n * _dtype(d[1]).itemsize for n, d in _numels(meta) if n])
         def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
-            return shm_links.take_piece(pieces, taken, _dtype(desc[1]), desc[2], parts, key)
+            numel = _numel(desc[2]) // (parts or 1)
+            flat = pieces.take(_dtype(desc[1]), numel, key)
+            return flat if parts else flat.reshape(desc[2])
     out: dict[Any, Any] = {}
     problem = ""
     have = all_gather_group.world_size if all_gather_group is not None else None
@@ -404,13 +406,21 @@ def recv_tensor_dict(
             continue
         full = all_gather_group.all_gather(piece, dim=0)
         out[key] = full.reshape(value[2])
-    if link is not None and next(taken) != len(pieces):
-        raise DecodeError(f"recv_tensor_dict: the link message from global rank "
-                          f"{coord.ranks[src]} holds {len(pieces)} tensors' bytes, more than "
-                          f"its metadata describes")
     if problem:
         raise ValueError(problem)
     return out
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _numels(meta: list[list[Any]]) -> list[tuple[int, list[Any]]]:
+    """``(elements sent, descriptor)`` of every tensor entry of checked metadata."""
+    return [(_numel(v[2]) // (v[3] or 1), v) for _, kind, v in meta if kind == TENSOR]
 
 
 def _slicing_plan(

@@ -53,8 +53,10 @@ def _dict(src: int, dst: int, big: bool) -> dict[str, Any]:
         "none": None,
         "value": {"ids": [src, dst], "name": f"{src}->{dst}", "t": (1, 2)},
     }
-    if big:
+    if big:  # streamed in parts: the two large ones; "f32" and the rest travel inline
         d["big"] = torch.arange(5 << 20 >> 2, dtype=torch.float32) + src  # 5 MiB
+        d["mid"] = (torch.arange(300_000, dtype=torch.float32) - dst).to(torch.bfloat16)
+        d["mid-strided"] = torch.arange(800_000, dtype=torch.int64)[::4] + src
     return d
 
 
@@ -122,20 +124,28 @@ class _Evil:
         return (print, ("pwned: code ran in the receiver",))
 
 
-def _hostile_messages() -> list[tuple[str, Any]]:
+def _hostile_messages() -> list[tuple[str, list[Any]]]:
+    """``(name, messages)``: each attack's messages, all read by the receive that fails."""
     f32 = ["cpu", "float32", [4], 0]
+    big = ["td", [["x", 1, ["cpu", "float32", [600_000], 0]]], []]  # 2.4 MiB: streamed
     return [
-        ("not-a-list", {"td": 1}),
-        ("unknown-tag", ["nope", [], []]),
-        ("pieces-not-tensors", ["td", [["x", 1, f32]], [b"\x00" * 16]]),
-        ("missing-bytes", ["td", [["x", 1, f32]], []]),
-        ("too-few-elements", ["td", [["x", 1, f32]], [torch.zeros(3)]]),
-        ("wrong-dtype", ["td", [["x", 1, f32]], [torch.zeros(4, dtype=torch.int32)]]),
-        ("extra-pieces", ["td", [["x", 1, f32]], [torch.zeros(4), torch.zeros(4)]]),
-        ("negative-shape", ["td", [["x", 1, ["cpu", "float32", [-4], 0]]], []]),
-        ("huge-shape", ["td", [["x", 1, ["cpu", "float32", [1 << 40, 1 << 30], 0]]], []]),
-        ("bad-slicing", ["td", [["x", 1, ["cpu", "float32", [5], 2]]], [torch.zeros(2)]]),
-        ("pickled-value", ["td", [["x", 0, _Evil()]], []]),
+        ("not-a-list", [{"td": 1}]),
+        ("unknown-tag", [["nope", [], []]]),
+        ("pieces-not-tensors", [["td", [["x", 1, f32]], [b"\x00" * 16]]]),
+        ("missing-bytes", [["td", [["x", 1, f32]], []]]),
+        ("too-few-elements", [["td", [["x", 1, f32]], [torch.zeros(3)]]]),
+        ("wrong-dtype", [["td", [["x", 1, f32]], [torch.zeros(4, dtype=torch.int32)]]]),
+        ("extra-pieces", [["td", [["x", 1, f32]], [torch.zeros(4), torch.zeros(4)]]]),
+        ("negative-shape", [["td", [["x", 1, ["cpu", "float32", [-4], 0]]], []]]),
+        ("huge-shape", [["td", [["x", 1, ["cpu", "float32", [1 << 40, 1 << 30], 0]]], []]]),
+        ("bad-slicing", [["td", [["x", 1, ["cpu", "float32", [5], 2]]], [torch.zeros(2)]]]),
+        ("pickled-value", [["td", [["x", 0, _Evil()]], []]]),
+        ("streamed-sent-inline", [["td", big[1], [torch.zeros(600_000)]]]),
+        ("part-of-wrong-dtype", [big, ["part", torch.zeros(10, dtype=torch.int32)]]),
+        ("part-too-long", [big, ["part", torch.zeros(600_001)]]),
+        ("part-2d", [big, ["part", torch.zeros(2, 5)]]),
+        ("dict-instead-of-part", [big, ["td", [], []]]),
+        ("pickled-part", [big, ["part", _Evil()]]),
     ]
 
 
@@ -164,8 +174,9 @@ def hostile_link(rank: int, n: int) -> list[str]:
             q = MessageQueue(1, 1, local_reader_ranks=[1], allow_pickle=True)
             g._send_object([MAGIC, q.export_handle().to_bytes()], 1)
             q.wait_until_ready(30)
-            for _, msg in _hostile_messages():
-                q.enqueue(msg)
+            for _, msgs in _hostile_messages():
+                for msg in msgs:
+                    q.enqueue(msg)
             q.enqueue(["td", [["ok", 0, 7], ["t", 2, torch.arange(3)]], []])
             g.barrier()
             q.close()
