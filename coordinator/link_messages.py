@@ -31,12 +31,13 @@ from typing import Any
 import torch
 
 from coordinator.errors import CollectiveMismatch, DecodeError
+from coordinator.shm_links import CHUNK_BYTES
 
 __all__ = ["PART_BYTES", "streamed", "send", "failure", "Pieces"]
 
 #: Bytes of one message's tensors at most: a link's ring chunk less 64 KiB for
 #: the metadata and the message's header.
-PART_BYTES = (2 << 20) - (64 << 10)
+PART_BYTES = CHUNK_BYTES - (64 << 10)
 
 
 def streamed(sizes: list[int]) -> list[bool]:

@@ -68,8 +68,8 @@ logger = logging.getLogger(__name__)
 ENABLE_ENV = "GROUPCOORD_P2P_SHM"
 #: First element of every offer (and its version).
 MAGIC = "groupcoord-p2p-link/1"
-#: Ring chunk of a link: dicts up to this size (metadata and tensors) go
-#: through shared memory; larger ones through the queue's overflow socket.
+#: Ring chunk of a link: a dict's message, or one part of its large tensors
+#: (:mod:`coordinator.link_messages`), fits in one.
 CHUNK_BYTES = 2 << 20
 #: Chunks per link: how many dicts a sender may run ahead of its receiver.
 CHUNKS = 2
