@@ -2,11 +2,13 @@
 
 A dict is its metadata (:func:`coordinator.tensor_dict.flatten_tensor_dict`:
 plain values, and a ``[device, dtype, shape, parts]`` descriptor per tensor)
-and its *pieces*, the non-empty payload tensors in order, contiguous and
-detached (a receiver gets plain new tensors, as over the CPU group)::
+and its *pieces*, the non-empty payload tensors in order as flat bytes
+(``uint8``: every dtype travels, sub-byte and bit types included; subclasses
+and autograd do not, so a receiver gets plain new tensors, as over the CPU
+group)::
 
     ["td", meta, inline pieces]            the dict; then, in order,
-    ["part", flat slice of a piece] ...    the streamed pieces' bytes
+    ["part", bytes of a piece] ...         the streamed pieces, part by part
     ["fail", text]                         instead of the dict: the sender's codec
                                            refused a value (CollectiveMismatch)
 
@@ -19,14 +21,18 @@ while the sender writes part ``k + 1``; one message larger than a chunk would
 take the queue's overflow socket instead.
 
 The receiver checks every message before using it: its form, each inline
-piece's dtype and element count against its descriptor, the count of inline
-pieces, and each part's dtype and size against what its piece still lacks
-(:class:`Pieces`). Anything else is :class:`~coordinator.errors.DecodeError`.
+piece's byte count against its descriptor, the count of inline pieces, and
+each part's size against what its piece still lacks (:class:`Pieces`);
+anything else is :class:`~coordinator.errors.DecodeError`. A streamed piece's
+buffer is allocated when its first part arrived, not on the header's claim.
+A dict that fails partway through its parts (a timeout, a dead peer, a bad
+part) leaves the link out of order: both sides then close that direction
+(:meth:`coordinator.shm_links.ShmLinks.break_direction`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -47,27 +53,48 @@ def streamed(sizes: list[int]) -> list[bool]:
     return [n > PART_BYTES // 4 for n in sizes]
 
 
-def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor]) -> None:
+def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
+         broken: Callable[[BaseException], None]) -> None:
     """Enqueue a dict on ``link``: its message, then the parts of its streamed pieces.
+
+    Args:
+        broken: Called with the error when a part fails after the dict's message
+            went out (the link's order is then lost), before the error propagates.
 
     Raises:
         TypeError etc.: The codec refused a value of ``meta``; nothing was sent.
     """
+    pieces = [_bytes_of(t) for t in payload if t.numel()]
+    flags = streamed([p.numel() for p in pieces])
+    link.enqueue(["td", meta, [p for p, f in zip(pieces, flags) if not f]])
+    try:
+        for p, f in zip(pieces, flags):
+            for a in range(0, p.numel() if f else 0, PART_BYTES):
+                link.enqueue(["part", p[a : a + PART_BYTES]])
+    except BaseException as e:
+        broken(e)
+        raise
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as flat bytes of a plain tensor: every dtype (sub-byte and
+    bit types too) and subclass travels, and nothing of autograd."""
     from device_comms.validation import dense
 
-    pieces = [dense(t.detach()) for t in payload if t.numel()]
-    flags = streamed([p.numel() * p.element_size() for p in pieces])
-    link.enqueue(["td", meta, [p for p, f in zip(pieces, flags) if not f]])
-    for p, f in zip(pieces, flags):
-        if f:
-            flat, step = p.reshape(-1), max(1, PART_BYTES // p.element_size())
-            for a in range(0, flat.numel(), step):
-                link.enqueue(["part", flat[a : a + step]])
+    t = t.detach()
+    if type(t) is not torch.Tensor:
+        t = t.as_subclass(torch.Tensor)
+    return dense(t).reshape(-1).view(torch.uint8)
 
 
 def failure(text: str) -> list[Any]:
     """The message that tells the receiver the dict could not be sent."""
     return ["fail", text]
+
+
+def _tag(msg: Any, n: int) -> Any:
+    """``msg[0]`` when ``msg`` is a list of ``n`` items led by a str, else None."""
+    return msg[0] if type(msg) is list and len(msg) == n and type(msg[0]) is str else None
 
 
 class Pieces:
@@ -77,24 +104,28 @@ class Pieces:
         link: The link (for the streamed pieces' parts).
         msg: The dict's message, as dequeued.
         src_global: The sender's global rank (for errors).
+        broken: Called with the error when reading a streamed piece fails (the
+            link's order is then lost), before the error propagates.
 
     Raises:
         CollectiveMismatch: The sender could not encode its dict.
         DecodeError: The message is not a dict's message.
     """
 
-    def __init__(self, link: Any, msg: Any, src_global: int) -> None:
-        if type(msg) is list and len(msg) == 2 and msg[0] == "fail" and type(msg[1]) is str:
+    def __init__(self, link: Any, msg: Any, src_global: int,
+                 broken: Callable[[BaseException], None]) -> None:
+        if _tag(msg, 2) == "fail" and type(msg[1]) is str:
             raise CollectiveMismatch(
                 f"recv_tensor_dict: the sender (global rank {src_global}) could not send its "
                 f"tensor dict ({msg[1][:2000]}); fix the call on that rank", peers=(src_global,))
-        if (type(msg) is not list or len(msg) != 3 or msg[0] != "td" or type(msg[2]) is not list
-                or not all(type(p) is torch.Tensor for p in msg[2])):
+        if _tag(msg, 3) != "td" or type(msg[2]) is not list or not all(
+                type(p) is torch.Tensor and p.dtype == torch.uint8 and p.dim() == 1
+                for p in msg[2]):
             raise DecodeError(f"recv_tensor_dict: malformed link message from global rank "
                               f"{src_global}: {type(msg).__name__} {msg!r:.80}")
         self.meta: Any = msg[1]
         self._inline: list[torch.Tensor] = msg[2]
-        self._link, self._src = link, src_global
+        self._link, self._src, self._broken = link, src_global, broken
         self._flags: list[bool] = []
         self._next = self._taken = 0
 
@@ -110,28 +141,36 @@ class Pieces:
         """The next piece: ``numel`` elements of ``dtype``, flat (empty: a new tensor)."""
         if not numel:
             return torch.empty(0, dtype=dtype)
+        nbytes = numel * dtype.itemsize
         streamed_piece = self._flags[self._next]
         self._next += 1
         if streamed_piece:
-            return self._stream(dtype, numel, key)
+            try:
+                return self._stream(nbytes, key).view(dtype)
+            except BaseException as e:
+                self._broken(e)
+                raise
         piece = self._inline[self._taken]
         self._taken += 1
-        if piece.dtype != dtype or piece.numel() != numel:
-            raise DecodeError(f"recv_tensor_dict: tensor {key!r} should be {numel} elements of "
-                              f"{dtype}, the link message holds {piece.numel()} of {piece.dtype}")
-        return piece.reshape(-1)
+        if piece.numel() != nbytes:
+            raise DecodeError(f"recv_tensor_dict: tensor {key!r} needs {nbytes} bytes, the link "
+                              f"message holds {piece.numel()}")
+        return piece.detach().view(dtype)
 
-    def _stream(self, dtype: torch.dtype, numel: int, key: Any) -> torch.Tensor:
-        out = torch.empty(numel, dtype=dtype)
+    def _stream(self, nbytes: int, key: Any) -> torch.Tensor:
+        out: torch.Tensor | None = None  # allocated once a part arrived, not on a claim alone
         done = 0
-        while done < numel:
+        while done < nbytes:
             msg = self._link.dequeue()
-            part = msg[1] if type(msg) is list and len(msg) == 2 and msg[0] == "part" else None
-            if (type(part) is not torch.Tensor or part.dtype != dtype or part.dim() != 1
-                    or not 0 < part.numel() <= numel - done):
+            part = msg[1] if _tag(msg, 2) == "part" else None
+            if (type(part) is not torch.Tensor or part.dtype != torch.uint8 or part.dim() != 1
+                    or not 0 < part.numel() <= nbytes - done):
                 raise DecodeError(f"recv_tensor_dict: expected a part of tensor {key!r} "
-                                  f"({numel - done} more elements of {dtype}) from global rank "
-                                  f"{self._src}, got {type(msg).__name__} {msg!r:.80}")
+                                  f"({nbytes - done} more bytes) from global rank {self._src}, "
+                                  f"got {type(msg).__name__} {msg!r:.80}")
+            if out is None:
+                out = torch.empty(nbytes, dtype=torch.uint8)
             out[done : done + part.numel()].copy_(part)
             done += part.numel()
+        assert out is not None  # nbytes > 0: the loop ran
         return out

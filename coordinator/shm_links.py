@@ -50,30 +50,29 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
-from coordinator.errors import ClosedError, DecodeError
-from coordinator.p2p_channels import RECV, SEND
+from coordinator import link_offer
+from coordinator.errors import ClosedError, CommTimeout, DecodeError, GroupCoordError
+from coordinator.p2p_channels import LIVENESS_S, RECV, SEND
 
 if TYPE_CHECKING:
     from shm_broadcast.message_queue import MessageQueue
 
     from coordinator.group_coordinator import GroupCoordinator
 
-__all__ = ["ShmLinks", "ENABLE_ENV", "MAGIC", "CHUNK_BYTES", "CHUNKS"]
+__all__ = ["ShmLinks", "ENABLE_ENV", "CHUNK_BYTES", "CHUNKS", "LIVENESS_S"]
 
 logger = logging.getLogger(__name__)
 
 #: ``0`` on a sending rank: its tensor dicts keep to the CPU group.
 ENABLE_ENV = "GROUPCOORD_P2P_SHM"
-#: First element of every offer (and its version).
-MAGIC = "groupcoord-p2p-link/1"
 #: Ring chunk of a link: a dict's message, or one part of its large tensors
 #: (:mod:`coordinator.link_messages`), fits in one.
 CHUNK_BYTES = 2 << 20
 #: Chunks per link: how many dicts a sender may run ahead of its receiver.
 CHUNKS = 2
-_MAX_HANDLE_BYTES = 1 << 16
 _CPU_GROUP = "cpu-group"  # a settled direction without a link
 
 
@@ -89,6 +88,7 @@ class ShmLinks:
         self._lock = threading.Lock()
         self._settled: dict[tuple[str, int], Any] = {}
         self._queues: list["MessageQueue"] = []  # settled or settling: shutdown reaches both
+        self._broken: dict[tuple[str, int], str] = {}
         self._closed = False
 
     def sender(self, dst: int) -> "MessageQueue | None":
@@ -96,6 +96,8 @@ class ShmLinks:
         if self._coord.device.type != "cpu":
             return None
         got = self._settled.get((SEND, dst))
+        if self._broken:
+            self._check_broken(SEND, dst)
         if got is None:
             got = self._offer(dst)
         return None if got is _CPU_GROUP else got
@@ -105,6 +107,8 @@ class ShmLinks:
         if self._coord.device.type != "cpu":
             return None
         got = self._settled.get((RECV, src))
+        if self._broken:
+            self._check_broken(RECV, src)
         if got is None:
             got = self._accept(src)
         return None if got is _CPU_GROUP else got
@@ -131,10 +135,10 @@ class ShmLinks:
         coord = self._coord
         q = self._open_writer(dst)
         try:
-            handle = q.export_handle().to_bytes() if q is not None else None
-            coord._send_object([MAGIC, handle], dst)
+            coord._send_object(link_offer.offer(
+                q.export_handle().to_bytes() if q is not None else None), dst)
             if q is not None:
-                q.wait_until_ready(coord.timeout)
+                self._wait_ready(q, dst, "send_tensor_dict")
         except BaseException:
             self._drop(q)
             raise
@@ -142,21 +146,63 @@ class ShmLinks:
 
     def _accept(self, src: int) -> Any:
         coord = self._coord
-        handle = _check_offer(coord._recv_object(src), src, coord.rank_in_group)
+        handle = link_offer.check_offer(coord._recv_object(src), coord, src)
         if handle is None:
             return self._keep(RECV, src, None)
         from shm_broadcast.message_queue import MessageQueue
 
-        q = MessageQueue.create_from_handle(handle, coord.rank_in_group,
-                                            allow_pickle=coord.allow_pickle)
-        q.default_timeout = coord.timeout
-        self._register(q)
+        q = None
         try:
-            q.wait_until_ready(coord.timeout)
-        except BaseException:
+            q = MessageQueue.create_from_handle(handle, coord.rank_in_group,
+                                                allow_pickle=coord.allow_pickle,
+                                                resizable_tensors=True)
+            q.default_timeout = coord.timeout
+            self._register(q)
+            self._wait_ready(q, src, "recv_tensor_dict")
+        except GroupCoordError:
             self._drop(q)
             raise
+        except Exception as e:  # what a crafted handle can still provoke (zmq, sizes)
+            self._drop(q)
+            raise DecodeError(f"group {coord.unique_name!r}: recv_tensor_dict from rank {src}: "
+                              f"its link does not open ({type(e).__name__}: {e})",
+                              peers=(src,)) from e
         return self._keep(RECV, src, q)
+
+    def _wait_ready(self, q: "MessageQueue", peer: int, op: str) -> None:
+        """``q.wait_until_ready`` within the group's timeout, in slices between
+        which a peer whose process is gone ends the wait (``PeerDiedError``)."""
+        coord = self._coord
+        end = time.monotonic() + coord.timeout
+        while True:
+            try:
+                q.wait_until_ready(max(0.0, min(LIVENESS_S, end - time.monotonic())))
+                return
+            except CommTimeout:
+                dead = coord._errors.dead_partner(op, coord.calls, peer)
+                if dead is not None:
+                    raise dead from None
+                if time.monotonic() >= end:
+                    raise
+
+    def break_direction(self, direction: str, peer: int, error: BaseException) -> None:
+        """Close one direction's link after a dict failed partway through it: the
+        link's order is lost, so later calls there raise ``ClosedError``, and the
+        peer's wait on it ends with ``ClosedError`` too."""
+        with self._lock:
+            self._broken[(direction, peer)] = f"{type(error).__name__}: {error}"[:300]
+            q = self._settled.get((direction, peer))
+        if q is not None and q is not _CPU_GROUP:
+            q.shutdown()
+
+    def _check_broken(self, direction: str, peer: int) -> None:
+        why = self._broken.get((direction, peer))
+        if why is not None:
+            side = "to" if direction == SEND else "from"
+            raise ClosedError(
+                f"group {self._coord.unique_name!r}: the link {side} rank {peer} was closed "
+                f"when an earlier tensor dict failed partway ({why}); destroy the group",
+                peers=(peer,))
 
     def _open_writer(self, dst: int) -> "MessageQueue | None":
         """A new link's writer, or None where the CPU group must carry the dicts."""
@@ -212,28 +258,3 @@ class ShmLinks:
 
     def _closed_error(self) -> ClosedError:
         return ClosedError(f"group {self._coord.unique_name!r} was destroyed")
-
-
-def _check_offer(offer: Any, src: int, me: int) -> Any:
-    """The handle of a valid offer (None: no link), else DecodeError."""
-    if (type(offer) is not list or len(offer) != 2 or offer[0] != MAGIC
-            or not (offer[1] is None or type(offer[1]) is bytes)):
-        raise DecodeError(
-            f"recv_tensor_dict: rank {src} did not begin with a link offer (the first tensor "
-            f"dict of a direction does); got {type(offer).__name__} {offer!r:.80}", peers=(src,))
-    if offer[1] is None:
-        return None
-    if len(offer[1]) > _MAX_HANDLE_BYTES:
-        raise DecodeError(f"recv_tensor_dict: rank {src} offered a link handle of "
-                          f"{len(offer[1])} bytes (at most {_MAX_HANDLE_BYTES})", peers=(src,))
-    from shm_broadcast.handle import Handle
-
-    try:
-        handle = Handle.from_bytes(offer[1])
-    except ValueError as e:
-        raise DecodeError(f"recv_tensor_dict: rank {src} offered a malformed link handle "
-                          f"({e})", peers=(src,)) from None
-    if tuple(handle.local_reader_ranks) != (me,) or handle.n_reader != 1 or handle.remote_pub:
-        raise DecodeError(f"recv_tensor_dict: rank {src} offered a link that is not a "
-                          f"shared-memory queue read by this rank alone", peers=(src,))
-    return handle

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from coordinator import link_messages
 from coordinator.errors import CollectiveMismatch, DecodeError
+from coordinator.p2p_channels import RECV as RECV_SIDE, SEND as SEND_SIDE
 from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms.torch_communicator import wire_view
 from device_comms.validation import dense
@@ -337,7 +338,7 @@ def send_tensor_dict(
                    for (_, _, desc), t in zip((m for m in meta if m[1] == TENSOR), payload)]
     link = coord._links.sender(dst)
     if link is not None:
-        _send_on_link(coord, link, meta, payload)
+        _send_on_link(coord, link, meta, payload, dst)
         return
     try:
         coord._send_object(meta, dst)
@@ -352,10 +353,11 @@ def send_tensor_dict(
 
 
 def _send_on_link(coord: "GroupCoordinator", link: Any, meta: list[list[Any]],
-                  payload: list[torch.Tensor]) -> None:
+                  payload: list[torch.Tensor], dst: int) -> None:
     """The dict on its link; a value the codec refuses is reported to the receiver."""
     try:
-        link_messages.send(link, meta, payload)
+        link_messages.send(link, meta, payload,
+                           lambda e: coord._links.break_direction(SEND_SIDE, dst, e))
     except SERIALIZE_ERRORS as e:  # encoding comes first: nothing was published
         link.enqueue(link_messages.failure(f"{type(e).__name__}: {e}"))
         raise TypeError(
@@ -376,7 +378,8 @@ def recv_tensor_dict(
         def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
             return _recv_into(coord, _alloc(desc, coord.device, parts or 1), src)
     else:
-        pieces = link_messages.Pieces(link, link.dequeue(), coord.ranks[src])
+        pieces = link_messages.Pieces(link, link.dequeue(), coord.ranks[src],
+                                      lambda e: coord._links.break_direction(RECV_SIDE, src, e))
         meta = check_metadata(pieces.meta, coord.device.type)
         pieces.expect([n * _dtype(d[1]).itemsize for n, d in _numels(meta) if n])
         def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:

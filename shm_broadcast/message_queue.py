@@ -175,6 +175,7 @@ class MessageQueue:
         wait_policy: WaitPolicy | None = None,
         allow_pickle: bool = False,
         curve_keypair: tuple[bytes, bytes] | None = None,
+        resizable_tensors: bool = False,
     ) -> "MessageQueue":
         """Connect a reader to the writer described by ``handle``.
 
@@ -191,6 +192,9 @@ class MessageQueue:
                 keys, whose public half the writer was given
                 (``remote_reader_keys``); without it the handle must carry a
                 client keypair, which makes the handle a credential.
+            resizable_tensors: Decode tensors into storage torch allocates
+                (resizable, like ``torch.empty``'s) instead of a NumPy copy
+                (see :class:`~shm_broadcast.codec.Codec`'s ``resizable``).
 
         Raises:
             TypeError: ``handle`` is not a :class:`Handle`.
@@ -203,7 +207,7 @@ class MessageQueue:
             raise TypeError(f"handle must be a shm_broadcast.Handle, got {type(handle).__name__}")
         check_int(rank, "rank", minimum=0)
         policy = _policy(wait_policy)
-        codec = Codec(allow_pickle=allow_pickle)
+        codec = Codec(allow_pickle=allow_pickle, resizable=resizable_tensors)
         self = cls.__new__(cls)
         if rank in handle.local_reader_ranks:
             index = handle.local_reader_ranks.index(rank)

@@ -69,8 +69,11 @@ def hostile_peer(rank: int, world_size: int) -> list[str]:
 
     from coordinator.group_coordinator import GroupCoordinator
 
+    from coordinator.link_offer import MAGIC
+
     # A fresh group: the first recv_tensor_dict of a direction reads the sender's
-    # link offer over the CPU group (coordinator.shm_links), which the attack replaces.
+    # link offer over the CPU group (coordinator.link_offer); the attacker offers none.
+    offered = False
     world = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
                              group_name="hostile", timeout=60)
     fails: list[str] = []
@@ -78,6 +81,11 @@ def hostile_peer(rank: int, world_size: int) -> list[str]:
     try:
         for name, header, payload in _attacks():
             if rank == 0:
+                if name.startswith("tensor-dict") and not offered:
+                    # Settle the direction on the CPU group, so the attack meets
+                    # the metadata checks of that path (not the offer's).
+                    world._send_object([MAGIC, None], 1)
+                    offered = True
                 _send_raw(header, payload, dst=1, group=world.cpu_group)
             else:
                 recv = world.recv_tensor_dict if name.startswith("tensor-dict") else world.recv_object

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,6 +49,8 @@ def _dict(src: int, dst: int, big: bool) -> dict[str, Any]:
         "strided": base.float()[:, ::2],
         "transposed": base.float().t(),
         "conj-view": torch.complex(base.float(), base.float()).conj(),
+        "uint4": (base.to(torch.uint8) % 16).view(torch.uint4),
+        "subclass": base.float().as_subclass(_Sub),
         "needs-grad": base.float().requires_grad_(),
         "parameter": torch.nn.Parameter(base.float()),
         "none": None,
@@ -60,6 +63,31 @@ def _dict(src: int, dst: int, big: bool) -> dict[str, Any]:
     return d
 
 
+class _Sub(torch.Tensor):
+    """A tensor subclass: it arrives as a plain tensor with the same values."""
+
+
+def _same_values(g: torch.Tensor, v: torch.Tensor) -> bool:
+    try:
+        return bool(torch.equal(g, v.detach().as_subclass(torch.Tensor)))
+    except (RuntimeError, NotImplementedError):  # sub-byte dtypes: compare the bytes
+        return bool(torch.equal(g.reshape(-1).view(torch.uint8),
+                                v.detach().reshape(-1).view(torch.uint8)))
+
+
+def _resizable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can grow, as a tensor torch allocated can (where its dtype can)."""
+    try:
+        torch.empty(1, dtype=t.dtype).resize_(4)
+    except (RuntimeError, NotImplementedError):
+        return True  # the dtype itself cannot (sub-byte types)
+    try:
+        t.resize_(t.numel() + 3)
+        return True
+    except RuntimeError:
+        return False
+
+
 def _differences(got: Any, want: dict[str, Any]) -> list[str]:
     if not isinstance(got, dict) or list(got) != list(want):
         return [f"keys {list(got) if isinstance(got, dict) else type(got)} != {list(want)}"]
@@ -68,8 +96,10 @@ def _differences(got: Any, want: dict[str, Any]) -> list[str]:
         g = got[k]
         if isinstance(v, torch.Tensor):
             if not (type(g) is torch.Tensor and not g.requires_grad and g.dtype == v.dtype
-                    and g.shape == v.shape and torch.equal(g, v.detach())):
-                bad.append(f"{k}: {g!r:.80} != {v!r:.80}")
+                    and g.shape == v.shape and _same_values(g, v)):
+                bad.append(f"{k}: {type(g).__name__} {g!r:.80} != {v!r:.80}")
+            elif not _resizable(g):
+                bad.append(f"{k}: the received tensor cannot be resized")
         elif g != v:
             bad.append(f"{k}: {g!r} != {v!r}")
     return bad
@@ -124,65 +154,93 @@ class _Evil:
         return (print, ("pwned: code ran in the receiver",))
 
 
-def _hostile_messages() -> list[tuple[str, list[Any]]]:
-    """``(name, messages)``: each attack's messages, all read by the receive that fails."""
+def _hostile_messages() -> list[tuple[str, Any]]:
+    """``(name, message)``: each read by one receive, which must raise DecodeError."""
     f32 = ["cpu", "float32", [4], 0]
-    big = ["td", [["x", 1, ["cpu", "float32", [600_000], 0]]], []]  # 2.4 MiB: streamed
     return [
-        ("not-a-list", [{"td": 1}]),
-        ("unknown-tag", [["nope", [], []]]),
-        ("pieces-not-tensors", [["td", [["x", 1, f32]], [b"\x00" * 16]]]),
-        ("missing-bytes", [["td", [["x", 1, f32]], []]]),
-        ("too-few-elements", [["td", [["x", 1, f32]], [torch.zeros(3)]]]),
-        ("wrong-dtype", [["td", [["x", 1, f32]], [torch.zeros(4, dtype=torch.int32)]]]),
-        ("extra-pieces", [["td", [["x", 1, f32]], [torch.zeros(4), torch.zeros(4)]]]),
-        ("negative-shape", [["td", [["x", 1, ["cpu", "float32", [-4], 0]]], []]]),
-        ("huge-shape", [["td", [["x", 1, ["cpu", "float32", [1 << 40, 1 << 30], 0]]], []]]),
-        ("bad-slicing", [["td", [["x", 1, ["cpu", "float32", [5], 2]]], [torch.zeros(2)]]]),
-        ("pickled-value", [["td", [["x", 0, _Evil()]], []]]),
-        ("streamed-sent-inline", [["td", big[1], [torch.zeros(600_000)]]]),
-        ("part-of-wrong-dtype", [big, ["part", torch.zeros(10, dtype=torch.int32)]]),
-        ("part-too-long", [big, ["part", torch.zeros(600_001)]]),
-        ("part-2d", [big, ["part", torch.zeros(2, 5)]]),
-        ("dict-instead-of-part", [big, ["td", [], []]]),
-        ("pickled-part", [big, ["part", _Evil()]]),
+        ("not-a-list", {"td": 1}),
+        ("unknown-tag", ["nope", [], []]),
+        ("tag-not-a-str", [np.zeros(2), [], []]),
+        ("pieces-not-tensors", ["td", [["x", 1, f32]], [b"\x00" * 16]]),
+        ("missing-bytes", ["td", [["x", 1, f32]], []]),
+        ("too-few-bytes", ["td", [["x", 1, f32]], [torch.zeros(15, dtype=torch.uint8)]]),
+        ("piece-not-bytes", ["td", [["x", 1, f32]], [torch.zeros(4)]]),
+        ("extra-pieces", ["td", [["x", 1, f32]], [torch.zeros(16, dtype=torch.uint8)] * 2]),
+        ("negative-shape", ["td", [["x", 1, ["cpu", "float32", [-4], 0]]], []]),
+        ("huge-shape", ["td", [["x", 1, ["cpu", "float32", [1 << 40, 1 << 30], 0]]], []]),
+        ("bad-slicing", ["td", [["x", 1, ["cpu", "float32", [5], 2]]],
+                         [torch.zeros(8, dtype=torch.uint8)]]),
+        ("pickled-value", ["td", [["x", 0, _Evil()]], []]),
+        ("streamed-sent-inline", ["td", _BIG[1], [torch.zeros(2_400_000, dtype=torch.uint8)]]),
     ]
+
+
+#: A dict header whose one tensor (2.4 MB) must follow in parts.
+_BIG = ["td", [["x", 1, ["cpu", "float32", [600_000], 0]]], []]
+
+
+#: Handle fields rank 0 changes in an honest link's handle: each must be refused.
+_CRAFTED = {
+    "tcp-control": {"local_ctl": "tcp://127.0.0.1:9"},
+    "tcp-endpoints": {"remote_pub": "tcp://127.0.0.1:9", "remote_ctl": "tcp://127.0.0.1:9"},
+    "other-host": {"writer_host": "gpu-node-77.elsewhere"},
+    "other-process": {"writer_pid": 1},
+    "outside-channel-dir": {"local_pub": "ipc:///tmp/elsewhere/p"},
+    "zero-chunks": {"max_chunks": 0},
+    "no-segment": {"segment": None},
+    "two-readers": {"n_reader": 2},
+}
+_OFFER_NAMES = ["garbage-handle", "no-magic", "magic-not-a-str", *_CRAFTED]
+
+
+def _crafted_offers(q: Any) -> list[Any]:
+    """Offers rank 1 must refuse before opening anything, in :data:`_OFFER_NAMES` order."""
+    import msgspec
+
+    from coordinator.link_offer import MAGIC
+
+    h = q.export_handle()
+    return [[MAGIC, b"\x93garbage"], ["not-it", None], [np.zeros(2), None],
+            *([MAGIC, msgspec.structs.replace(h, **kw).to_bytes()] for kw in _CRAFTED.values())]
 
 
 def _refuse(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("pickle.loads called on bytes from a peer")
 
 
-def hostile_link(rank: int, n: int) -> list[str]:
-    """Rank 0 offers a link meant for another rank, then a pickle-enabled link of
-    its own, and writes malformed messages on it; rank 1 must raise DecodeError
-    for each, never unpickle, and read the honest dict that follows."""
-    from coordinator.errors import DecodeError
-    from coordinator.shm_links import MAGIC
+def _attacker_queue(reader: int) -> Any:
+    """A link-shaped queue of rank 0's own, which (unlike the group's) may pickle."""
+    from coordinator.shm_links import CHUNK_BYTES, CHUNKS
     from shm_broadcast.message_queue import MessageQueue
+
+    return MessageQueue(1, 1, local_reader_ranks=[reader], max_chunk_bytes=CHUNK_BYTES,
+                        max_chunks=CHUNKS, allow_pickle=True)
+
+
+def hostile_link(rank: int, n: int) -> list[str]:
+    """Rank 0 sends crafted offers, then offers a pickle-enabled link of its own
+    and writes malformed messages on it; rank 1 must raise DecodeError for each,
+    never unpickle, and read the honest dict that follows."""
+    from coordinator.errors import DecodeError
+    from coordinator.link_offer import MAGIC
 
     g = _group(rank, n, "hostile-link")
     fails: list[str] = []
     loads, pickle.loads = pickle.loads, _refuse
     try:
         if rank == 0:
-            g._send_object([MAGIC, b"\x93garbage"], 1)
-            g._send_object(["not-the-magic", None], 1)
-            other = MessageQueue(1, 1, local_reader_ranks=[5])
-            g._send_object([MAGIC, other.export_handle().to_bytes()], 1)
-            other.close()
-            q = MessageQueue(1, 1, local_reader_ranks=[1], allow_pickle=True)
+            q = _attacker_queue(1)
+            for offer in _crafted_offers(q):
+                g._send_object(offer, 1)
             g._send_object([MAGIC, q.export_handle().to_bytes()], 1)
             q.wait_until_ready(30)
-            for _, msgs in _hostile_messages():
-                for msg in msgs:
-                    q.enqueue(msg)
+            for _, msg in _hostile_messages():
+                q.enqueue(msg)
             q.enqueue(["td", [["ok", 0, 7], ["t", 2, torch.arange(3)]], []])
             g.barrier()
             q.close()
             return fails
-        offers = [("garbage-handle", None), ("no-magic", None), ("offer-for-rank-5", None)]
-        for name, _ in [*offers, *_hostile_messages()]:
+        for name in [*_OFFER_NAMES, *(name for name, _ in _hostile_messages())]:
             try:
                 got = g.recv_tensor_dict(0)
                 fails.append(f"{name}: decoded {got!r:.100}")
@@ -203,6 +261,55 @@ def hostile_link(rank: int, n: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_hostile_link_messages_are_refused(dist_pool):
     assert dist_pool(2).run(hostile_link, timeout=100) == [[], []]
+
+
+_BAD_PARTS = {
+    "part-of-wrong-dtype": ["part", torch.zeros(10, dtype=torch.int32)],
+    "part-too-long": ["part", torch.zeros(2_400_001, dtype=torch.uint8)],
+    "part-2d": ["part", torch.zeros(2, 5, dtype=torch.uint8)],
+    "dict-instead-of-part": ["td", [], []],
+    "pickled-part": ["part", _Evil()],
+}
+
+
+def hostile_stream(rank: int, n: int, bad: str) -> list[str]:
+    """A dict header announcing a streamed tensor, then a bad part: DecodeError, and
+    the direction is closed from then on (ClosedError), its order being lost."""
+    from coordinator.errors import ClosedError, DecodeError
+    from coordinator.link_offer import MAGIC
+
+    g = _group(rank, n, "hostile-stream")
+    loads, pickle.loads = pickle.loads, _refuse
+    try:
+        if rank == 0:
+            q = _attacker_queue(1)
+            g._send_object([MAGIC, q.export_handle().to_bytes()], 1)
+            q.wait_until_ready(30)
+            q.enqueue(_BIG)
+            q.enqueue(_BAD_PARTS[bad])
+            g.barrier()
+            q.close()
+            return []
+        out = []
+        for expected in (DecodeError, ClosedError):
+            try:
+                got = g.recv_tensor_dict(0)
+                out.append(f"decoded {got!r:.100}")
+            except expected:
+                pass
+            except Exception as e:  # noqa: BLE001 -- report what escaped
+                out.append(f"{type(e).__name__} (expected {expected.__name__}): {e}")
+        g.barrier()
+        return out
+    finally:
+        pickle.loads = loads
+        g.destroy()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad", sorted(_BAD_PARTS))
+def test_a_bad_part_is_refused_and_closes_the_direction(dist_pool, bad):
+    assert dist_pool(2).run(hostile_stream, bad, timeout=100) == [[], []]
 
 
 # ---------------------------------------------------------------------- waits end
@@ -338,3 +445,76 @@ def sent_then_destroyed(rank: int, n: int, numel: int) -> Any:
 @pytest.mark.parametrize("numel", [1000, 3 << 20], ids=["in-ring", "overflow-12MiB"])
 def test_dicts_sent_before_destroy_still_arrive(dist_pool, numel):
     assert dist_pool(2).run(sent_then_destroyed, numel, timeout=100)[1] == [True, [0, 1, 2, 3, 4]]
+
+
+def receiver_dies_while_settling(rank: int, n: int) -> dict[str, Any]:
+    """Rank 1 takes rank 0's link offer and is killed before it attaches: rank 0's
+    send must raise PeerDiedError naming it, long before the group's timeout."""
+    from coordinator.errors import PeerDiedError
+
+    g = _group(rank, n, "dies-settling", timeout=60)
+    if rank == 1:
+        g._recv_object(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        g.send_tensor_dict({"x": torch.ones(3)}, 1)
+        out: dict[str, Any] = {"error": "none"}
+    except PeerDiedError as e:
+        out = {"error": "PeerDiedError", "peers": list(e.peers), "msg": str(e)}
+    except Exception as e:  # noqa: BLE001 -- the type is the result
+        out = {"error": f"{type(e).__name__}: {e}"}
+    out["s"] = time.monotonic() - t0
+    g.destroy()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_receiver_dead_before_attaching_is_named():
+    outcomes = spawn_group(receiver_dies_while_settling, 2, timeout=90)
+    assert outcomes[1].exitcode == -signal.SIGKILL, outcomes[1]
+    res = outcomes[0]
+    assert res.ok, res.error
+    assert res.result["error"] == "PeerDiedError", res.result
+    assert 1 in res.result["peers"] and "send_tensor_dict" in res.result["msg"], res.result
+    assert res.result["s"] < 15, res.result
+
+
+def late_receiver_mid_stream(rank: int, n: int) -> list[str]:
+    """A dict larger than the ring times out partway (the receiver is late): the
+    sender's next dict must not be misread as the rest of it. Both sides raise
+    ClosedError on that direction from then on."""
+    from coordinator.errors import ClosedError, CommTimeout
+
+    g = _group(rank, n, "mid-stream", timeout=3.0)
+    out: list[str] = []
+
+    def expect(kind: type, fn: Any, what: str) -> None:
+        try:
+            got = fn()
+            out.append(f"{what}: returned {got!r:.60}")
+        except kind:
+            pass
+        except Exception as e:  # noqa: BLE001 -- the type is the result
+            out.append(f"{what}: {type(e).__name__} (expected {kind.__name__}): {e}")
+
+    try:
+        if rank == 0:
+            g.send_tensor_dict({"settle": 1}, 1)
+            expect(CommTimeout, lambda: g.send_tensor_dict(
+                {"big": torch.zeros(3 << 20)}, 1), "big send")
+            expect(ClosedError, lambda: g.send_tensor_dict({"small": 7}, 1), "next send")
+        else:
+            g.recv_tensor_dict(0)
+            time.sleep(5.0)
+            expect(ClosedError, lambda: g.recv_tensor_dict(0), "big receive")
+            expect(ClosedError, lambda: g.recv_tensor_dict(0), "next receive")
+        time.sleep(1.0)
+        return out
+    finally:
+        g.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_a_dict_cut_short_closes_the_direction(dist_pool):
+    assert dist_pool(2).run(late_receiver_mid_stream, timeout=100) == [[], []]
