@@ -46,8 +46,9 @@ def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("resizable", [False, True], ids=["numpy-copy", "resizable"])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-def test_tensor_kinds_roundtrip_bit_exact(dtype):
+def test_tensor_kinds_roundtrip_bit_exact(dtype, resizable):
     base = sample(dtype, (4, 6))
     cases = {
         "contiguous": base,
@@ -58,7 +59,7 @@ def test_tensor_kinds_roundtrip_bit_exact(dtype):
         "empty_3d": torch.empty((0, 3, 2), dtype=dtype),
         "expanded": base[:1].expand(3, 6),
     }
-    got, enc, _ = roundtrip(cases)
+    got, enc, _ = roundtrip(cases, Codec(resizable=resizable))
     assert set(got) == set(cases)
     for name, t in cases.items():
         g = got[name]
@@ -66,6 +67,8 @@ def test_tensor_kinds_roundtrip_bit_exact(dtype):
         assert g.dtype == t.dtype and g.shape == t.shape, name
         assert g.is_contiguous(), name
         assert torch.equal(bits(g), bits(t)), name
+        if resizable:  # storage torch allocated: it grows like torch.empty's
+            g.resize_(g.numel() + 5)
     # Tensors travel as raw bytes next to the msgpack, not inside it.
     assert enc.blob_len >= sum(t.numel() * t.element_size() for t in cases.values())
     assert len(enc.msg) < 1024
@@ -92,10 +95,11 @@ def test_tensor_flags_and_views():
 
 
 @pytest.mark.timeout(30)
-def test_decoded_tensors_do_not_alias_the_buffer():
+@pytest.mark.parametrize("resizable", [False, True], ids=["numpy-copy", "resizable"])
+def test_decoded_tensors_do_not_alias_the_buffer(resizable):
     t = torch.arange(16, dtype=torch.int64)
     arr = np.arange(8, dtype=np.float32)
-    got, enc, blob = roundtrip({"t": t, "a": arr})
+    got, enc, blob = roundtrip({"t": t, "a": arr}, Codec(resizable=resizable))
     blob[:] = b"\xff" * len(blob)  # the writer reuses the chunk
     assert torch.equal(got["t"], t)
     assert np.array_equal(got["a"], arr)
