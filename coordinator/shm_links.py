@@ -14,12 +14,14 @@ with an *offer* over the CPU group (``send_object``): ``[MAGIC, handle]`` when
 the sender opened a link (its communicator shares memory with ``dst``,
 ``GROUPCOORD_P2P_SHM`` is not ``0``, ``/dev/shm`` had room), else
 ``[MAGIC, None]``. The receiver's first ``recv_tensor_dict`` from that rank
-reads the offer and attaches, or stays on the CPU group; both sides then wait
-(at most the group's timeout) until the link is connected. The sender alone
+reads the offer, checks it (:mod:`coordinator.link_offer`) and attaches, or
+stays on the CPU group; both sides then wait (at most the group's timeout, in
+slices that notice a dead peer) until the link is connected. The sender alone
 decides, so the two sides cannot disagree, and the choice holds for the
 group's life::
 
     direction:  UNSETTLED --(offer sent / offer read)--> LINK | CPU GROUP
+                LINK --(a dict failed partway: its order is lost)--> CLOSED
                 an error while settling leaves it UNSETTLED (the next call offers again)
 
 GPU groups never offer: their tensors go through the device communicator.
@@ -62,7 +64,7 @@ if TYPE_CHECKING:
 
     from coordinator.group_coordinator import GroupCoordinator
 
-__all__ = ["ShmLinks", "ENABLE_ENV", "CHUNK_BYTES", "CHUNKS", "LIVENESS_S"]
+__all__ = ["ShmLinks", "ENABLE_ENV", "CHUNK_BYTES", "CHUNKS"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,24 +95,20 @@ class ShmLinks:
 
     def sender(self, dst: int) -> "MessageQueue | None":
         """The link to group rank ``dst``, or None for the CPU group (settles on first use)."""
-        if self._coord.device.type != "cpu":
-            return None
-        got = self._settled.get((SEND, dst))
-        if self._broken:
-            self._check_broken(SEND, dst)
-        if got is None:
-            got = self._offer(dst)
-        return None if got is _CPU_GROUP else got
+        return self._link(SEND, dst)
 
     def receiver(self, src: int) -> "MessageQueue | None":
         """The link from group rank ``src``, or None for the CPU group (settles on first use)."""
+        return self._link(RECV, src)
+
+    def _link(self, direction: str, peer: int) -> "MessageQueue | None":
         if self._coord.device.type != "cpu":
             return None
-        got = self._settled.get((RECV, src))
+        got = self._settled.get((direction, peer))
         if self._broken:
-            self._check_broken(RECV, src)
+            self._check_broken(direction, peer)
         if got is None:
-            got = self._accept(src)
+            got = self._offer(peer) if direction == SEND else self._accept(peer)
         return None if got is _CPU_GROUP else got
 
     def shutdown(self) -> None:
