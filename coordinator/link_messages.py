@@ -2,13 +2,13 @@
 
 A dict is its metadata (:func:`coordinator.tensor_dict.flatten_tensor_dict`:
 plain values, and a ``[device, dtype, shape, parts]`` descriptor per tensor)
-and its *pieces*, the non-empty payload tensors in order as flat bytes
-(``uint8``: every dtype travels, sub-byte and bit types included; subclasses
-and autograd do not, so a receiver gets plain new tensors, as over the CPU
-group)::
+and its *pieces*, the non-empty payload tensors in order, contiguous: as
+themselves where the codec carries their dtype, else as flat ``uint8`` bytes
+(sub-byte and bit types); subclasses and autograd do not travel, so a
+receiver gets plain new tensors, as over the CPU group::
 
     ["td", meta, inline pieces]            the dict; then, in order,
-    ["part", bytes of a piece] ...         the streamed pieces, part by part
+    ["part", bytes of a piece] ...         the streamed pieces, part by part (uint8)
     ["fail", text]                         instead of the dict: the sender's codec
                                            refused a value (CollectiveMismatch)
 
@@ -21,7 +21,7 @@ while the sender writes part ``k + 1``; one message larger than a chunk would
 take the queue's overflow socket instead.
 
 The receiver checks every message before using it: its form, each inline
-piece's byte count against its descriptor, the count of inline pieces, and
+piece's dtype and size against its descriptor, the count of inline pieces, and
 each part's size against what its piece still lacks (:class:`Pieces`);
 anything else is :class:`~coordinator.errors.DecodeError`. A streamed piece's
 buffer is allocated when its first part arrived, not on the header's claim.
@@ -64,27 +64,33 @@ def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
     Raises:
         TypeError etc.: The codec refused a value of ``meta``; nothing was sent.
     """
-    pieces = [_bytes_of(t) for t in payload if t.numel()]
-    flags = streamed([p.numel() for p in pieces])
+    pieces = [_piece(t) for t in payload if t.numel()]
+    flags = streamed([p.numel() * p.element_size() for p in pieces])
     link.enqueue(["td", meta, [p for p, f in zip(pieces, flags) if not f]])
     try:
         for p, f in zip(pieces, flags):
-            for a in range(0, p.numel() if f else 0, PART_BYTES):
-                link.enqueue(["part", p[a : a + PART_BYTES]])
+            if f:
+                flat = p.reshape(-1).view(torch.uint8)
+                for a in range(0, flat.numel(), PART_BYTES):
+                    link.enqueue(["part", flat[a : a + PART_BYTES]])
     except BaseException as e:
         broken(e)
         raise
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values as flat bytes of a plain tensor: every dtype (sub-byte and
-    bit types too) and subclass travels, and nothing of autograd."""
+def _piece(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a contiguous plain tensor the codec carries: itself where
+    its dtype travels, else its flat bytes (sub-byte and bit types); subclasses
+    and autograd do not travel."""
     from device_comms.validation import dense
+    from shm_broadcast.codec import carries_dtype
 
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if type(t) is not torch.Tensor:
         t = t.as_subclass(torch.Tensor)
-    return dense(t).reshape(-1).view(torch.uint8)
+    t = dense(t)
+    return t if carries_dtype(t.dtype) else t.reshape(-1).view(torch.uint8)
 
 
 def failure(text: str) -> list[Any]:
@@ -119,8 +125,7 @@ class Pieces:
                 f"recv_tensor_dict: the sender (global rank {src_global}) could not send its "
                 f"tensor dict ({msg[1][:2000]}); fix the call on that rank", peers=(src_global,))
         if _tag(msg, 3) != "td" or type(msg[2]) is not list or not all(
-                type(p) is torch.Tensor and p.dtype == torch.uint8 and p.dim() == 1
-                for p in msg[2]):
+                type(p) is torch.Tensor for p in msg[2]):
             raise DecodeError(f"recv_tensor_dict: malformed link message from global rank "
                               f"{src_global}: {type(msg).__name__} {msg!r:.80}")
         self.meta: Any = msg[1]
@@ -152,10 +157,14 @@ class Pieces:
                 raise
         piece = self._inline[self._taken]
         self._taken += 1
-        if piece.numel() != nbytes:
-            raise DecodeError(f"recv_tensor_dict: tensor {key!r} needs {nbytes} bytes, the link "
-                              f"message holds {piece.numel()}")
-        return piece.detach().view(dtype)
+        if piece.requires_grad:
+            piece = piece.detach()
+        if piece.dtype == dtype and piece.numel() == numel:
+            return piece.reshape(-1)
+        if piece.dtype == torch.uint8 and piece.dim() == 1 and piece.numel() == nbytes:
+            return piece.view(dtype)  # a dtype the codec does not carry, as bytes
+        raise DecodeError(f"recv_tensor_dict: tensor {key!r} should be {numel} elements of "
+                          f"{dtype}, the link message holds {piece.numel()} of {piece.dtype}")
 
     def _stream(self, nbytes: int, key: Any) -> torch.Tensor:
         out: torch.Tensor | None = None  # allocated once a part arrived, not on a claim alone

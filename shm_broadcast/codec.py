@@ -124,7 +124,7 @@ from shm_broadcast.wire_format import (
     torch_leaf_from,
 )
 
-__all__ = ["Codec", "Encoded", "SourceFailure", "PICKLE_OPT_IN"]
+__all__ = ["Codec", "Encoded", "SourceFailure", "PICKLE_OPT_IN", "carries_dtype"]
 
 # Per-array names bound in this module by assignment. CPython 3.11 compiles
 # ``name.method(...)`` on a name bound by an import as an attribute load that
@@ -174,6 +174,13 @@ class Encoded:
         if self.blob_len:
             self.write_blob(ctypes.addressof(ctypes.c_char.from_buffer(out)))
         return out
+
+
+def carries_dtype(dtype: Any) -> bool:
+    """Whether tensors of torch ``dtype`` travel as themselves (others: as their bytes)."""
+    if TORCH.module is None:
+        TORCH.load()
+    return dtype in _DTYPE_TO_CODE
 
 
 class Codec:
@@ -371,6 +378,7 @@ class Codec:
         self._src = blob
         self._src_start = blob_start
         self._src_len = blob_len
+        self._src_span: tuple[int, int] | None = None  # (address, size), once needed
         try:
             return self._decoder.decode(msg)
         except DecodeError:
@@ -396,17 +404,35 @@ class Codec:
     def _owned_tensor(self, off: int, nbytes: int, np_dtype: np.dtype, itemsize: int,
                       shape: tuple, dtype: Any, torch: Any) -> Any:
         """The message's tensor at ``off`` in storage torch allocated (resizable)."""
-        raw = self._bytes(off, nbytes, np_dtype, itemsize, shape)
-        t = torch.empty(nbytes, dtype=torch.uint8)
-        if raw is not None:
-            ctypes.memmove(t.data_ptr(), raw.ctypes.data, nbytes)
-        return t.view(dtype).reshape(shape)
+        if self._in_area(off, nbytes, np_dtype, itemsize, shape):
+            if self._src_span is None:  # once per message: its buffer's address and size
+                whole = np.frombuffer(self._src, np.uint8)
+                self._src_span = (whole.ctypes.data, whole.size)
+            base, size = self._src_span
+            if self._src_start + off + nbytes > size:
+                raise DecodeError(
+                    f"corrupt message: array of {nbytes} bytes at offset {off} extends beyond "
+                    f"the bytes received")
+            t = torch.empty(shape, dtype=dtype)
+            ctypes.memmove(t.data_ptr(), base + self._src_start + off, nbytes)
+            return t
+        return torch.empty(shape, dtype=dtype)
 
     def _bytes(self, off: int, nbytes: int, dtype: np.dtype, itemsize: int,
                shape: tuple) -> np.ndarray | None:
         """The message's ``nbytes`` at ``off`` as uint8, uncopied (None when empty)."""
-        # Holds on return: 0 <= dims, prod(shape) * itemsize == nbytes, and the
-        # nbytes lie inside both the declared data area and the buffer itself.
+        if not self._in_area(off, nbytes, dtype, itemsize, shape):
+            return None
+        try:  # frombuffer allocates nothing: it refuses a range the buffer does not hold
+            return np.frombuffer(self._src, np.uint8, nbytes, self._src_start + off)
+        except ValueError:
+            raise DecodeError(
+                f"corrupt message: array of {nbytes} bytes at offset {off} extends beyond "
+                f"the bytes received") from None
+
+    def _in_area(self, off: int, nbytes: int, dtype: Any, itemsize: int, shape: tuple) -> bool:
+        """Whether the array is non-empty; raises unless 0 <= dims, prod(shape) *
+        itemsize == nbytes and the bytes lie inside the declared data area."""
         ndim = len(shape)
         if ndim == 1:  # the common case, without the generic calls
             bad = shape[0] < 0 or shape[0] * itemsize != nbytes
@@ -417,18 +443,12 @@ class Codec:
                 f"corrupt message: shape {shape} of {dtype} does not match the descriptor's "
                 f"{nbytes} bytes (negative, or needs {math.prod(shape) * itemsize})")
         if nbytes == 0:
-            return None
+            return False
         if off + nbytes > self._src_len:
             raise DecodeError(
                 f"corrupt message: array of {nbytes} bytes at offset {off} extends beyond "
                 f"the message's data area ({self._src_len} bytes declared)")
-        try:  # frombuffer allocates nothing: it refuses a range the buffer does not hold
-            raw = np.frombuffer(self._src, np.uint8, nbytes, self._src_start + off)
-        except ValueError:
-            raise DecodeError(
-                f"corrupt message: array of {nbytes} bytes at offset {off} extends beyond "
-                f"the bytes received") from None
-        return raw
+        return True
 
     def _tensor_from(self, data: Any) -> Any:
         torch = TORCH.module
