@@ -32,6 +32,7 @@ part) leaves the link out of order: both sides then close that direction
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Callable
 
 import torch
@@ -179,7 +180,9 @@ class Pieces:
                                   f"got {type(msg).__name__} {msg!r:.80}")
             if out is None:
                 out = torch.empty(nbytes, dtype=torch.uint8)
-            out[done : done + part.numel()].copy_(part)
+            # One thread's memcpy: torch's copy_ would start its OpenMP team, which
+            # spins against the sender's on a busy host (see docs/performance.md).
+            ctypes.memmove(out.data_ptr() + done, part.data_ptr(), part.numel())
             done += part.numel()
         assert out is not None  # nbytes > 0: the loop ran
         return out
