@@ -209,6 +209,17 @@ def _refuse(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("pickle.loads called on bytes from a peer")
 
 
+def _refused(g: Any, expected: type, name: str) -> list[str]:
+    """``[]`` when rank 0's next dict raises ``expected`` here, else what happened."""
+    try:
+        got = g.recv_tensor_dict(0)
+        return [f"{name}: decoded {got!r:.100}"]
+    except expected:
+        return []
+    except Exception as e:  # noqa: BLE001 -- report what escaped
+        return [f"{name}: {type(e).__name__} (expected {expected.__name__}): {e}"]
+
+
 def _attacker_queue(reader: int) -> Any:
     """A link-shaped queue of rank 0's own, which (unlike the group's) may pickle."""
     from coordinator.shm_links import CHUNK_BYTES, CHUNKS
@@ -242,13 +253,7 @@ def hostile_link(rank: int, n: int) -> list[str]:
             q.close()
             return fails
         for name in [*_OFFER_NAMES, *(name for name, _ in _hostile_messages())]:
-            try:
-                got = g.recv_tensor_dict(0)
-                fails.append(f"{name}: decoded {got!r:.100}")
-            except DecodeError:
-                pass
-            except Exception as e:  # noqa: BLE001 -- report what escaped
-                fails.append(f"{name}: {type(e).__name__}: {e}")
+            fails += _refused(g, DecodeError, name)
         got = g.recv_tensor_dict(0)
         if got.get("ok") != 7 or not torch.equal(got.get("t"), torch.arange(3)):
             fails.append(f"honest dict after the attacks: {got!r:.100}")
@@ -291,15 +296,7 @@ def hostile_stream(rank: int, n: int, bad: str) -> list[str]:
             g.barrier()
             q.close()
             return []
-        out = []
-        for expected in (DecodeError, ClosedError):
-            try:
-                got = g.recv_tensor_dict(0)
-                out.append(f"decoded {got!r:.100}")
-            except expected:
-                pass
-            except Exception as e:  # noqa: BLE001 -- report what escaped
-                out.append(f"{type(e).__name__} (expected {expected.__name__}): {e}")
+        out = _refused(g, DecodeError, "bad part") + _refused(g, ClosedError, "next receive")
         g.barrier()
         return out
     finally:
