@@ -168,21 +168,25 @@ class Pieces:
                           f"{dtype}, the link message holds {piece.numel()} of {piece.dtype}")
 
     def _stream(self, nbytes: int, key: Any) -> torch.Tensor:
-        out: torch.Tensor | None = None  # allocated once a part arrived, not on a claim alone
+        part = self._part(nbytes, 0, key)
+        out = torch.empty(nbytes, dtype=torch.uint8)  # once a part arrived, not on a claim alone
         done = 0
-        while done < nbytes:
-            msg = self._link.dequeue()
-            part = msg[1] if _tag(msg, 2) == "part" else None
-            if (type(part) is not torch.Tensor or part.dtype != torch.uint8 or part.dim() != 1
-                    or not 0 < part.numel() <= nbytes - done):
-                raise DecodeError(f"recv_tensor_dict: expected a part of tensor {key!r} "
-                                  f"({nbytes - done} more bytes) from global rank {self._src}, "
-                                  f"got {type(msg).__name__} {msg!r:.80}")
-            if out is None:
-                out = torch.empty(nbytes, dtype=torch.uint8)
+        while True:
             # One thread's memcpy: torch's copy_ would start its OpenMP team, which
             # spins against the sender's on a busy host (see docs/performance.md).
             ctypes.memmove(out.data_ptr() + done, part.data_ptr(), part.numel())
             done += part.numel()
-        assert out is not None  # nbytes > 0: the loop ran
-        return out
+            if done == nbytes:
+                return out
+            part = self._part(nbytes, done, key)
+
+    def _part(self, nbytes: int, done: int, key: Any) -> torch.Tensor:
+        """The next part of a streamed piece of ``nbytes`` of which ``done`` arrived."""
+        msg = self._link.dequeue()
+        part = msg[1] if _tag(msg, 2) == "part" else None
+        if (type(part) is not torch.Tensor or part.dtype != torch.uint8 or part.dim() != 1
+                or not 0 < part.numel() <= nbytes - done):
+            raise DecodeError(f"recv_tensor_dict: expected a part of tensor {key!r} "
+                              f"({nbytes - done} more bytes) from global rank {self._src}, "
+                              f"got {type(msg).__name__} {msg!r:.80}")
+        return part

@@ -37,6 +37,7 @@ whole tensor with one all-gather among themselves.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -383,7 +384,7 @@ def recv_tensor_dict(
         meta = check_metadata(pieces.meta, coord.device.type)
         pieces.expect([n * _dtype(d[1]).itemsize for n, d in _numels(meta) if n])
         def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
-            numel = _numel(desc[2]) // (parts or 1)
+            numel = math.prod(desc[2]) // (parts or 1)
             flat = pieces.take(_dtype(desc[1]), numel, key)
             return flat if parts else flat.reshape(desc[2])
     out: dict[Any, Any] = {}
@@ -414,16 +415,9 @@ def recv_tensor_dict(
     return out
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _numels(meta: list[list[Any]]) -> list[tuple[int, list[Any]]]:
     """``(elements sent, descriptor)`` of every tensor entry of checked metadata."""
-    return [(_numel(v[2]) // (v[3] or 1), v) for _, kind, v in meta if kind == TENSOR]
+    return [(math.prod(v[2]) // (v[3] or 1), v) for _, kind, v in meta if kind == TENSOR]
 
 
 def _slicing_plan(
