@@ -15,6 +15,9 @@ Payload routing:
 
 * the message queue (when the group has one and ``src`` is its writer) carries
   the metadata, and CPU tensors travel inside the same message, out of band;
+* ``send_tensor_dict`` between two ranks of a host on a CPU group: the
+  direction's shared-memory link carries metadata and tensors as one message
+  (:mod:`coordinator.shm_links`, :mod:`coordinator.link_messages`);
 * otherwise metadata travels once over the CPU group, and each non-empty
   tensor follows: tensors on the group's device through the device
   communicator, CPU tensors (on a GPU group) over the CPU group.
