@@ -401,6 +401,24 @@ class Codec:
         # (left uninitialised), a byte copy is exact and a plain memcpy.
         return raw.copy().view(dtype).reshape(shape)
 
+    def _plain_copy(self, off: int, nbytes: int, dtype: np.dtype, itemsize: int,
+                    shape: tuple) -> np.ndarray:
+        """A copy of the message's array of plain (unstructured) ``dtype`` at ``off``.
+
+        Plain dtypes have no padding, so numpy's copy of a contiguous array is
+        a byte copy (NaN payloads and non-0/1 bools come through as sent), done
+        in one call instead of :meth:`_slice`'s three.
+        """
+        if not self._in_area(off, nbytes, dtype, itemsize, shape):
+            return np.empty(shape, dtype)
+        try:  # frombuffer allocates nothing: it refuses a range the buffer does not hold
+            raw = np.frombuffer(self._src, dtype, nbytes // itemsize, self._src_start + off)
+        except ValueError:
+            raise DecodeError(
+                f"corrupt message: array of {nbytes} bytes at offset {off} extends beyond "
+                f"the bytes received") from None
+        return raw.reshape(shape).copy()
+
     def _owned_tensor(self, off: int, nbytes: int, np_dtype: np.dtype, itemsize: int,
                       shape: tuple, dtype: Any, torch: Any) -> Any:
         """The message's tensor at ``off`` in storage torch allocated (resizable)."""
@@ -467,7 +485,7 @@ class Codec:
         if self.resizable:
             t = self._owned_tensor(off, nbytes, np_dtype, itemsize, shape, dtype, torch)
         else:
-            t = torch.from_numpy(self._slice(off, nbytes, np_dtype, itemsize, shape))
+            t = torch.from_numpy(self._plain_copy(off, nbytes, np_dtype, itemsize, shape))
             if needs_view:
                 t = t.view(dtype)
         if flags:

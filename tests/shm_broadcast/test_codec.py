@@ -75,6 +75,24 @@ def test_tensor_kinds_roundtrip_bit_exact(dtype, resizable):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("resizable", [False, True], ids=["numpy-copy", "resizable"])
+def test_raw_bytes_survive_typed_copies(resizable):
+    """Bytes no arithmetic would produce come back as sent: bools stored as 2 or
+    255, signalling NaNs with payloads, negative zero."""
+    cases = {
+        "bool": torch.tensor([0, 1, 2, 255], dtype=torch.uint8).view(torch.bool),
+        "f32": torch.tensor([0x7F800001, 0xFFC00123, 0x80000000], dtype=torch.int64)
+        .to(torch.int32).view(torch.float32).reshape(3, 1),
+        "f64": torch.tensor([0x7FF0000000000001, -0x8000000000000000], dtype=torch.int64)
+        .view(torch.float64),
+        "f16": torch.tensor([0x7C01, -0x8000], dtype=torch.int16).view(torch.float16),
+    }
+    got, _, _ = roundtrip(cases, Codec(resizable=resizable))
+    for name, t in cases.items():
+        assert torch.equal(bits(got[name]), bits(t)), name
+
+
+@pytest.mark.timeout(30)
 def test_tensor_flags_and_views():
     c = torch.randn(5, dtype=torch.complex64)
     src = {
