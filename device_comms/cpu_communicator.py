@@ -42,6 +42,12 @@ milliseconds and the group stays usable:
 a collective wait for the timeout (a ``CollectiveTimeout``), as do ranks that
 call collectives of different communicators.
 
+One collective at a time: while a thread is in a collective, another
+thread's collective on the same communicator raises
+:class:`~device_comms.errors.ConcurrentCallError` before touching anything
+(the engine's steps and slots are the rank's; two calls at once would mix
+their data). ``send``/``recv`` may run on other threads meanwhile.
+
 Configuration (arguments win over environment variables; the environment is
 read at construction):
 
@@ -72,6 +78,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -79,6 +86,7 @@ import torch.distributed as dist
 
 from device_comms import host_alloc, shm_alltoallv
 from device_comms.engine_threads import env_threads
+from device_comms.errors import ConcurrentCallError
 from device_comms.hierarchical import HierarchicalAllReduce
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_engine import ShmEngine
@@ -86,6 +94,7 @@ from device_comms.shm_small import NotServed
 from device_comms.shm_sync import StepSync
 from device_comms.shm_workspace import WorkspacePlan, open_workspace
 from device_comms.torch_communicator import TorchDistributedCommunicator
+from device_comms.validation import storage_covers
 from shm_broadcast.checks import check_timeout
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.timeouts import DEFAULT_TIMEOUT_S, default_timeout, env_timeout
@@ -101,6 +110,7 @@ TIMEOUT_ENV = "GROUPCOORD_CPU_SHM_TIMEOUT"
 #: Seconds a step waits when neither an argument nor the environment chose.
 DEFAULT_TIMEOUT = DEFAULT_TIMEOUT_S
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
+_P2P_OPS = frozenset({"send", "recv"})  # not held by a collective (see CpuCommunicator._guard)
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
     "reduce_scatterv", "broadcast", "gather", "all_to_allv",
@@ -149,6 +159,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         oneshot_bytes: int | None = None,
     ) -> None:
         wait_s = _timeout(timeout)
+        #: Held by the thread in a collective (reentrant: a call's own nested steps);
+        #: another thread's collective meanwhile raises ConcurrentCallError.
+        self._one_call = threading.RLock()
         super().__init__(cpu_group, device, device_group, unique_name, timeout=wait_s)
         if self.device.type != "cpu":
             raise ValueError(f"device must be a CPU device for CpuCommunicator, got {self.device}")
@@ -258,7 +271,11 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return
         eng = self._flat
         if eng is not None:
-            eng.sync.step("barrier")
+            self._enter("barrier")
+            try:
+                eng.sync.step("barrier")
+            finally:
+                self._one_call.release()
         else:
             self._guard("barrier", dist.barrier, self.cpu_group)
 
@@ -299,24 +316,34 @@ class CpuCommunicator(TorchDistributedCommunicator):
         ):
             c = eng.last_small  # an (op, dtype) that passed the checks before, and a shape
             if op is c.op and input_.dtype is c.dtype and c.plain and input_.shape == c.shape:
+                if not self._one_call.acquire(False):
+                    raise self._concurrent("all_reduce")
                 try:
                     res = eng.small_all_reduce(c, input_, out)
                 except NotServed:
-                    return super().all_reduce(input_, op, out=out)
+                    res = None
                 except RuntimeError as e:
                     raise self._translate("all_reduce", e) from e
+                finally:
+                    self._one_call.release()
+                if res is None:
+                    return super().all_reduce(input_, op, out=out)
                 self.shm_calls["all_reduce"] += 1
                 return res
             if (
                 type(op) is ReduceOp
                 and op in self._validated.get(input_.dtype, ())
                 and not input_._is_zerotensor()
+                and storage_covers(input_)  # not freed under it: the engine copies by address
             ):
+                self._enter("all_reduce")
                 self.shm_calls["all_reduce"] += 1
                 try:
                     return eng.all_reduce(input_, op, out)
                 except RuntimeError as e:
                     raise self._translate("all_reduce", e) from e
+                finally:
+                    self._one_call.release()
         res = super().all_reduce(input_, op, out=out)
         # Complex tensors can be lazy conjugate views, which only the checked path resolves.
         if eng is not None and type(op) is ReduceOp and not input_.dtype.is_complex:
@@ -460,6 +487,43 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return super()._broadcast(t, src)
         self.shm_calls["broadcast"] += 1
         return eng.broadcast(t, src)
+
+    # ------------------------------------------------------------------ one call at a time
+    def _guard(self, op: str, fn: Any, *args: Any) -> Any:
+        """Run a hook as the base does, holding the communicator for a collective.
+
+        Point-to-point calls are not held: the coordinator runs sends and
+        receives on worker threads while collectives run (they use gloo).
+        """
+        if op in _P2P_OPS:
+            return super()._guard(op, fn, *args)
+        self._enter(op)
+        try:
+            return super()._guard(op, fn, *args)
+        finally:
+            self._one_call.release()
+
+    def _enter(self, op: str) -> None:
+        """Take the communicator for collective ``op`` (release ``_one_call`` after it).
+
+        The engine's steps and slots are this rank's, one collective at a time:
+        two threads in collectives at once would take each other's steps and
+        mix their data. So while one thread is in a collective, another
+        thread's raises :class:`ConcurrentCallError` before touching anything.
+        (Waiting for the first call instead would still pair calls across
+        ranks in whatever order each rank's threads happened to run.)
+        """
+        if not self._one_call.acquire(False):
+            raise self._concurrent(op)
+
+    def _concurrent(self, op: str) -> ConcurrentCallError:
+        return ConcurrentCallError(
+            f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}): "
+            f"{op} was called on thread {threading.current_thread().name!r} while another "
+            f"thread is in a collective of this communicator; a communicator runs one "
+            f"collective at a time: call its collectives from one thread (or give each "
+            f"thread its own group)"
+        )
 
     # ------------------------------------------------------------------ signatures
     def _prologue(self, op: str, header: Any, reason: str | None) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "PeerRejectedError",
     "DecodeError",
     "BrokenCommunicator",
+    "ConcurrentCallError",
     "NcclError",
     "KernelCompileError",
 ]
@@ -47,6 +48,14 @@ class CommunicatorUnavailable(GroupCoordError, LookupError):
 
 class BrokenCommunicator(GroupCoordError, RuntimeError):
     """An earlier failure (dead peer, timeout) left the communicator unusable."""
+
+
+class ConcurrentCallError(GroupCoordError, RuntimeError):
+    """A collective was called while another thread's collective of the same
+    communicator was still running (a communicator runs one at a time).
+
+    Raised before the call touches anything; the call in flight is unaffected.
+    """
 
 
 class NcclError(GroupCoordError, RuntimeError):

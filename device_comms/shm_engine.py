@@ -55,7 +55,9 @@ workspace), except :meth:`ShmEngine.broadcast`, which fills its argument. A
 new result may live in memory torch did not allocate (numpy's, huge pages),
 so its storage cannot grow (``resize_`` to more elements raises); a caller's
 own tensors are never marked so (:mod:`device_comms.host_arrays`).
-Not thread-safe: one collective at a time per communicator, as with NCCL.
+Not thread-safe: one collective at a time per communicator, as with NCCL
+(:class:`~device_comms.cpu_communicator.CpuCommunicator` refuses a second
+thread's collective with :class:`~device_comms.errors.ConcurrentCallError`).
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 __all__ = ["SmallAllReduce", "ShmSmallOps", "NotServed"]
 
 _HELD_MAX = 16  # caller addresses with a byte view, per entry
+# No mapping starts in the first page: an address below it is data_ptr() of a tensor
+# without memory (autograd's zeros: 0; a view of a storage resized to 0: its offset).
+_NULL_PAGE = 4096
 _memmove = ctypes.memmove
 _from_numpy = torch.from_numpy
 
@@ -149,11 +152,8 @@ class ShmSmallOps:
         if held is not None:
             c.mine[p][...] = held[0]
         else:
-            if not src and c.nbytes:  # storage-less zeros (autograd's): nothing to copy from
-                if out is not None:  # nor to write into: the caller's checks refuse it
-                    raise NotServed("out is a storage-less zero tensor")
-                t = torch.zeros(t.shape, dtype=t.dtype)
-                src = t.data_ptr()
+            if src < _NULL_PAGE and c.nbytes:  # storage-less zeros or a freed storage
+                raise NotServed("input_ has no memory")  # the caller's checks say which
             _memmove(self._my_addr[p], src, c.nbytes)
             held = c.held_at(src)
         sync.step("all_reduce", c.sig, c.size_key, True, True)  # glibc / numpy stores

@@ -8,7 +8,7 @@ import torch
 
 from shm_broadcast import checks
 
-__all__ = ["check_tensor", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
+__all__ = ["check_tensor", "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
 
 
 def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.Tensor:
@@ -19,7 +19,8 @@ def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.
 
     Raises:
         TypeError: ``t`` is not a tensor, or is sparse / quantised / nested.
-        ValueError: ``t`` is a meta tensor or on another device type.
+        ValueError: ``t`` is a meta tensor, on another device type, or its
+            storage no longer holds its elements (:func:`check_storage`).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
@@ -37,7 +38,46 @@ def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.
             f"{arg} must be on a {device.type} device for this communicator, "
             f"got a tensor on {t.device}; move it with .to({str(device)!r})"
         )
+    check_storage(t, arg)
     return t
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storage that its elements reach (from the storage's start)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return (t.storage_offset() + last + 1) * t.element_size()
+
+
+def storage_covers(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` lies in its storage (true for storage-less zeros,
+    which :func:`resolved` replaces, and for empty tensors)."""
+    nbytes = t.nbytes
+    if nbytes == 0:
+        return True
+    try:
+        have = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # a wrapper without a storage of its own
+        return True
+    # Contiguous (the common case): the elements end at offset + nbytes.
+    if t.is_contiguous() and have >= t.storage_offset() * t.element_size() + nbytes:
+        return True
+    return have >= _extent_bytes(t) or t._is_zerotensor()
+
+
+def check_storage(t: torch.Tensor, arg: str) -> None:
+    """Raise ValueError when ``t``'s storage was freed or shrunk under it.
+
+    ``x.untyped_storage().resize_(0)`` keeps ``x``'s shape but frees its bytes
+    (``data_ptr()`` becomes 0, or a tiny offset): transports that copy by
+    address would read zeros, garbage, or crash.
+    """
+    if not storage_covers(t):
+        raise ValueError(
+            f"{arg}'s storage holds {t.untyped_storage().nbytes()} bytes but its "
+            f"{tuple(t.shape)} elements need {_extent_bytes(t)} (the storage was freed "
+            f"or shrunk, e.g. by untyped_storage().resize_(0)); give it memory again "
+            f"(untyped_storage().resize_(...)) or pass another tensor"
+        )
 
 
 def resolved(t: torch.Tensor) -> torch.Tensor:
