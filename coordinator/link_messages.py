@@ -22,9 +22,12 @@ take the queue's overflow socket instead.
 
 The receiver checks every message before using it: its form, each inline
 piece's dtype and size against its descriptor, the count of inline pieces, and
-each part's size against what its piece still lacks (:class:`Pieces`);
-anything else is :class:`~coordinator.errors.DecodeError`. A streamed piece's
-buffer is allocated when its first part arrived, not on the header's claim.
+each part's size (:data:`PART_BYTES`, the last part what its piece still
+lacks: :class:`Pieces`); anything else is
+:class:`~coordinator.errors.DecodeError`. A streamed piece's buffer is
+allocated when its first part arrived, not on the header's claim, and the
+dict's metadata cannot claim more bytes than the host has
+(:func:`coordinator.tensor_dict.check_metadata`).
 A dict that fails partway through its parts (a timeout, a dead peer, a bad
 part) leaves the link out of order: both sides then close that direction
 (:meth:`coordinator.shm_links.ShmLinks.break_direction`).
@@ -184,9 +187,10 @@ class Pieces:
         """The next part of a streamed piece of ``nbytes`` of which ``done`` arrived."""
         msg = self._link.dequeue()
         part = msg[1] if _tag(msg, 2) == "part" else None
+        size = min(PART_BYTES, nbytes - done)  # what send() cuts: full parts, then the rest
         if (type(part) is not torch.Tensor or part.dtype != torch.uint8 or part.dim() != 1
-                or not 0 < part.numel() <= nbytes - done):
+                or part.numel() != size):
             raise DecodeError(f"recv_tensor_dict: expected a part of tensor {key!r} "
-                              f"({nbytes - done} more bytes) from global rank {self._src}, "
-                              f"got {type(msg).__name__} {msg!r:.80}")
+                              f"({size} of {nbytes - done} more bytes) from global rank "
+                              f"{self._src}, got {type(msg).__name__} {msg!r:.80}")
         return part

@@ -14,7 +14,12 @@ shape):
   :data:`~coordinator.shm_links.CHUNKS`) and it has a segment name;
 * both ``ipc://`` endpoints lie in the handle's channel directory;
 * the writer is the sender's process: its pid as gathered when the group was
-  built, on this host.
+  built, on this host;
+* the segment and the channel directory are the writer's own: the segment's
+  name carries the writer's pid, the directory's owner record names it (a
+  sender cannot point this rank at another process's queue);
+* once mapped, the ring's own header describes the same shape (the queue's
+  reader refuses any other).
 
 Anything else raises :class:`~coordinator.errors.DecodeError` naming the
 group and the sender, before anything is opened.
@@ -22,6 +27,7 @@ group and the sender, before anything is opened.
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -95,4 +101,28 @@ def _problem(h: "Handle", coord: "GroupCoordinator", src: int) -> str:
     if h.writer_host != socket.gethostname() or (pid and h.writer_pid != pid):
         return (f"writer {h.writer_host!r:.60} pid {h.writer_pid}, not rank {src}'s process "
                 f"(pid {pid or 'unknown'}) on this host")
+    return _foreign(h)
+
+
+def _foreign(h: "Handle") -> str:
+    """Why ``h``'s segment or channel directory belongs to a process other than its
+    writer ("": both are the writer's), so that a sender cannot make this rank
+    attach to, or connect into, another process's queue."""
+    from shm_broadcast.leftovers import CHANNEL_DIR_RE, CHANNEL_OWNER_FILE, SEGMENT_RE
+    from shm_broadcast.owner_identity import read_owner_record
+
+    m = SEGMENT_RE.match(h.segment or "")
+    if m is None or m.group("kind") != "mq" or int(m.group("pid")) != h.writer_pid:
+        return f"segment {h.segment!r:.80} is not a queue ring of the writer (pid {h.writer_pid})"
+    prefix = h.bell_prefix or ""
+    where = prefix[:-1]
+    endpoints = (f"ipc://{prefix}p", f"ipc://{prefix}c")
+    if (not prefix.endswith("/") or not CHANNEL_DIR_RE.match(os.path.basename(where))
+            or (h.local_pub, h.local_ctl) != endpoints):
+        return f"channel directory {prefix!r:.80} or its endpoints are not a queue's"
+    owner = read_owner_record(os.path.join(where, CHANNEL_OWNER_FILE), os.geteuid())
+    if not isinstance(owner, str) and owner.pid != h.writer_pid:
+        # (No record at all is accepted: a writer writes it on a best-effort basis.)
+        return f"channel directory {where!r:.80} belongs to pid {owner.pid}, not the writer"
     return ""
+

@@ -147,13 +147,8 @@ class ShmLinks:
         handle = link_offer.check_offer(coord._recv_object(src), coord, src)
         if handle is None:
             return self._keep(RECV, src, None)
-        from shm_broadcast.message_queue import MessageQueue
-
-        q = None
+        q = self._attach(handle, src)
         try:
-            q = MessageQueue.create_from_handle(handle, coord.rank_in_group,
-                                                allow_pickle=coord.allow_pickle,
-                                                resizable_tensors=True)
             q.default_timeout = coord.timeout
             self._register(q)
             self._wait_ready(q, src, "recv_tensor_dict")
@@ -162,10 +157,33 @@ class ShmLinks:
             raise
         except Exception as e:  # what a crafted handle can still provoke (zmq, sizes)
             self._drop(q)
-            raise DecodeError(f"group {coord.unique_name!r}: recv_tensor_dict from rank {src}: "
-                              f"its link does not open ({type(e).__name__}: {e})",
-                              peers=(src,)) from e
+            raise self._unopened(src, e) from e
         return self._keep(RECV, src, q)
+
+    def _attach(self, handle: Any, src: int) -> "MessageQueue":
+        """The reader of the link ``handle`` (an accepted offer) describes.
+
+        Raises:
+            PeerDiedError: ``src`` died since it offered (its ring is gone).
+            DecodeError: The link does not open: whatever the queue raised (a
+                ring gone or already read by another reader, as a replayed
+                offer's is, a socket that does not connect) is the sender's doing.
+        """
+        from shm_broadcast.message_queue import MessageQueue
+
+        coord = self._coord
+        try:
+            return MessageQueue.create_from_handle(handle, coord.rank_in_group,
+                                                   allow_pickle=coord.allow_pickle,
+                                                   resizable_tensors=True)
+        except Exception as e:
+            dead = coord._errors.dead_partner("recv_tensor_dict", coord.calls, src)
+            raise (dead or self._unopened(src, e)) from e
+
+    def _unopened(self, src: int, e: BaseException) -> DecodeError:
+        return DecodeError(f"group {self._coord.unique_name!r}: recv_tensor_dict from rank "
+                           f"{src}: its link does not open ({type(e).__name__}: {e})",
+                           peers=(src,))
 
     def _wait_ready(self, q: "MessageQueue", peer: int, op: str) -> None:
         """``q.wait_until_ready`` within the group's timeout, in slices between

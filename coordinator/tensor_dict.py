@@ -40,6 +40,7 @@ whole tensor with one all-gather among themselves.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping
@@ -121,7 +122,8 @@ def flatten_tensor_dict(
             or on a device of that type.
 
     Raises:
-        TypeError: ``tensor_dict`` is not a mapping, or holds a sparse tensor.
+        TypeError: ``tensor_dict`` is not a mapping, or holds a sparse or
+            quantized tensor.
         ValueError: A tensor is on a device the group cannot move.
     """
     if not isinstance(tensor_dict, Mapping):
@@ -130,11 +132,7 @@ def flatten_tensor_dict(
     payload: list[torch.Tensor] = []
     for key, value in tensor_dict.items():
         if isinstance(value, torch.Tensor):
-            if value.layout != torch.strided:
-                raise TypeError(
-                    f"tensor_dict[{key!r}] is a {value.layout} tensor; only dense (strided) "
-                    f"tensors can be sent, convert it with .to_dense()"
-                )
+            _check_sendable(key, value)
             if device is not None and value.device.type not in ("cpu", device.type):
                 where = "cpu" if device.type == "cpu" else f"cpu or {device.type}"
                 raise ValueError(
@@ -152,6 +150,26 @@ def flatten_tensor_dict(
         else:
             meta.append([key, VALUE, value])
     return meta, payload
+
+
+def _check_sendable(key: Any, value: torch.Tensor) -> None:
+    """Refuse, before anything is sent, a tensor no receiver could rebuild.
+
+    Raises:
+        TypeError: ``value`` is not dense (strided), or its dtype is one a
+            receiver does not allocate (quantized dtypes).
+    """
+    if value.layout != torch.strided:
+        raise TypeError(
+            f"tensor_dict[{key!r}] is a {value.layout} tensor; only dense (strided) "
+            f"tensors can be sent, convert it with .to_dense()"
+        )
+    if _dtype_name(value.dtype) not in _DTYPES:
+        raise TypeError(
+            f"tensor_dict[{key!r}] has dtype {value.dtype}, which cannot be sent "
+            f"(quantized tensors do not travel); send .int_repr() with its scale and "
+            f"zero point, or .dequantize()"
+        )
 
 
 def _alloc(desc: list[Any], device: torch.device, numel_div: int = 1) -> torch.Tensor:
@@ -178,13 +196,16 @@ def check_metadata(meta: Any, device_type: str) -> list[list[Any]]:
         kinds known, tensor descriptors ``[device, dtype, shape, parts]`` with a
         device of ``"cpu"`` or ``device_type``, a known dtype, at most 64
         non-negative dimensions whose byte size fits in 62 bits, and ``parts``
-        (``0`` or a slice count) dividing the element count.
+        (``0`` or a slice count) dividing the element count; the CPU tensors
+        together no larger than this host's memory and swap (the receiver
+        must hold them all, so a larger claim is a lie).
 
     Raises:
         DecodeError: Any entry is malformed.
     """
     if type(meta) is not list:
         raise DecodeError(f"tensor-dict metadata must be a list, got {type(meta).__name__}")
+    cpu_bytes = 0
     for i, entry in enumerate(meta):
         if type(entry) is not list or len(entry) != 3 or entry[1] not in (VALUE, TENSOR, INLINE):
             raise DecodeError(f"tensor-dict metadata entry {i} is malformed: {entry!r:.200}")
@@ -193,13 +214,17 @@ def check_metadata(meta: Any, device_type: str) -> list[list[Any]]:
         except TypeError:
             raise DecodeError(f"tensor-dict metadata entry {i} has an unhashable key") from None
         if entry[1] == TENSOR:
-            _check_desc(entry[2], device_type, i)
+            nbytes = _check_desc(entry[2], device_type, i)
+            if entry[2][0] == "cpu":
+                cpu_bytes += nbytes
         elif entry[1] == INLINE and not isinstance(entry[2], torch.Tensor):
             raise DecodeError(f"tensor-dict metadata entry {i} is an inline tensor without one")
+    _check_host_bytes(cpu_bytes)
     return meta
 
 
-def _check_desc(desc: Any, device_type: str, i: int) -> None:
+def _check_desc(desc: Any, device_type: str, i: int) -> int:
+    """Check one tensor descriptor; returns the bytes of its whole tensor."""
     if type(desc) is not list or len(desc) != 4:
         raise DecodeError(f"tensor-dict metadata entry {i}: bad tensor descriptor {desc!r:.200}")
     dev_type, dtype_name, shape, parts = desc
@@ -218,6 +243,22 @@ def _check_desc(desc: Any, device_type: str, i: int) -> None:
     if type(parts) is not int or parts < 0 or (parts and numel % parts):
         raise DecodeError(f"tensor-dict metadata entry {i}: bad slice count {parts!r:.40} "
                           f"for {numel} elements")
+    return numel * itemsize
+
+
+@functools.cache
+def _host_memory() -> int:
+    """Bytes of this host's memory and swap: no CPU tensor dict it receives can be larger."""
+    import psutil
+
+    return psutil.virtual_memory().total + psutil.swap_memory().total
+
+
+def _check_host_bytes(nbytes: int) -> None:
+    """Refuse metadata whose CPU tensors could not fit in this host's memory."""
+    if nbytes > _host_memory():
+        raise DecodeError(f"tensor-dict metadata describes {nbytes} bytes of CPU tensors, more "
+                          f"than this host's memory and swap ({_host_memory()} bytes)")
 
 
 # ---------------------------------------------------------------------- broadcast

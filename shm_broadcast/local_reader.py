@@ -50,7 +50,7 @@ import zmq
 from shm_broadcast.codec import Codec
 from shm_broadcast.doorbell import BellRinger, Doorbell, bell_address
 from shm_broadcast.errors import (
-    DecodeError, PeerDiedError, QueueClosedError, QueueTimeout, ShmBroadcastError,
+    DecodeError, PeerDiedError, QueueClosedError, QueueTimeout, SegmentError, ShmBroadcastError,
 )
 from shm_broadcast.handle import Handle
 from shm_broadcast.predictive import STAMP, STAMP_OFFSET, ArrivalPredictor
@@ -159,6 +159,7 @@ class LocalReader:
             self._ring_writer = self._ringer.line(bell_address(handle.bell_prefix, "w"))
             self.ring = ShmRingBuffer.attach(handle.segment)
             ring = self.ring
+            _check_geometry(ring, handle, self._n_local)
             self._strong = ring.strongly_ordered
             self._parked_at = ring.reader_parked_offset(index)
             self._flag_at = [ring.flag_offsets(c, index) for c in range(ring.max_chunks)]
@@ -488,3 +489,23 @@ class LocalReader:
             remove_dead_channel_dir(self._bell_prefix.rstrip(os.sep), names)
         if self.ring is not None:
             self.ring.close()
+
+
+def _check_geometry(ring: ShmRingBuffer, handle: Handle, n_local: int) -> None:
+    """Refuse a ring whose own header disagrees with the handle that named it.
+
+    A reader maps the ring as its header describes it, and the handle came
+    from elsewhere (a peer, a file): a mismatch means one of them is not what
+    the writer made, and reading by either would misplace chunks.
+
+    Raises:
+        SegmentError: The header's readers, chunks or chunk size differ from
+            the handle's.
+    """
+    have = (ring.n_reader, ring.max_chunks, ring.max_chunk_bytes)
+    want = (n_local, handle.max_chunks, handle.max_chunk_bytes)
+    if have != want:
+        raise SegmentError(
+            f"ring {ring.name!r} of queue {handle.name!r} holds {have[0]} readers x "
+            f"{have[1]} chunks of {have[2]} bytes, but its handle says {want[0]} x "
+            f"{want[1]} of {want[2]}: refusing to read it")

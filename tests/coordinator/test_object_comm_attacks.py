@@ -45,6 +45,8 @@ def _attacks() -> list[tuple[str, list[int], bytes]]:
     lie = msgspec.msgpack.encode(msgspec.msgpack.Ext(wf.EXT_TENSOR, tensor_1gib))
     pickled_header, pickled = _encoded(_Evil(), allow_pickle=True)
     td_header, td = _encoded([["x", 1, ["cpu", "float32", [-4], 0]]])
+    # More bytes than any host holds, under the 62-bit bound of one tensor.
+    huge_header, huge = _encoded([["x", 1, ["cpu", "uint8", [1 << 50], 0]]])
     return [
         ("negative-size", [-5, 0], b""),
         ("huge-size", [1 << 50, 0], b""),
@@ -53,6 +55,7 @@ def _attacks() -> list[tuple[str, list[int], bytes]]:
         ("30-bytes-claiming-1GiB", [len(lie), 0], lie),
         ("pickle", pickled_header, pickled),
         ("tensor-dict-shape-(-4,)", td_header, td),
+        ("tensor-dict-of-1PiB", huge_header, huge),
     ]
 
 

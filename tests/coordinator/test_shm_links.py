@@ -273,6 +273,7 @@ _BAD_PARTS = {
     "part-of-wrong-dtype": ["part", torch.zeros(10, dtype=torch.int32)],
     "part-too-long": ["part", torch.zeros(2_400_001, dtype=torch.uint8)],
     "part-2d": ["part", torch.zeros(2, 5, dtype=torch.uint8)],
+    "part-too-short": ["part", torch.zeros(1000, dtype=torch.uint8)],  # honest parts are full
     "dict-instead-of-part": ["td", [], []],
     "pickled-part": ["part", _Evil()],
 }
@@ -308,6 +309,164 @@ def hostile_stream(rank: int, n: int, bad: str) -> list[str]:
 @pytest.mark.parametrize("bad", sorted(_BAD_PARTS))
 def test_a_bad_part_is_refused_and_closes_the_direction(dist_pool, bad):
     assert dist_pool(2).run(hostile_stream, bad, timeout=100) == [[], []]
+
+
+#: Dict headers claiming more bytes than any host holds (under the 62-bit
+#: bound of a tensor's size): refused before a byte is allocated or awaited.
+_CLAIMS = {
+    "one-tensor-of-1PiB": [1 << 50],
+    "64-tensors-of-256GiB": [1 << 38] * 64,
+}
+
+
+def hostile_claim(rank: int, n: int, case: str) -> list[str]:
+    """A header claiming :data:`_CLAIMS` bytes, one full part, then an honest dict:
+    DecodeError at once for the header (nothing allocated, no wait for parts),
+    DecodeError for the stray part, then the honest dict arrives."""
+    from coordinator.errors import DecodeError
+    from coordinator.link_messages import PART_BYTES
+    from coordinator.link_offer import MAGIC
+
+    g = _group(rank, n, "hostile-claim", timeout=20)
+    try:
+        if rank == 0:
+            q = _attacker_queue(1)
+            g._send_object([MAGIC, q.export_handle().to_bytes()], 1)
+            q.wait_until_ready(30)
+            q.enqueue(["td", [[f"x{i}", 1, ["cpu", "uint8", [c], 0]]
+                              for i, c in enumerate(_CLAIMS[case])], []])
+            q.enqueue(["part", torch.zeros(PART_BYTES, dtype=torch.uint8)])
+            q.enqueue(["td", [["ok", 0, 7]], []])
+            g.barrier()
+            q.close()
+            return []
+        t0 = time.monotonic()
+        out = _refused(g, DecodeError, "the claim")
+        if time.monotonic() - t0 > 5:
+            out.append(f"the claim was refused after {time.monotonic() - t0:.1f} s")
+        out += _refused(g, DecodeError, "the stray part")
+        got = g.recv_tensor_dict(0)
+        if got != {"ok": 7}:
+            out.append(f"honest dict after the claim: {got!r:.100}")
+        g.barrier()
+        return out
+    finally:
+        g.destroy()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(_CLAIMS))
+def test_a_claim_beyond_the_hosts_memory_is_refused(dist_pool, case):
+    assert dist_pool(2).run(hostile_claim, case, timeout=100) == [[], []]
+
+
+def _victim_queue() -> Any:
+    """A link-shaped queue of rank 1's own, for rank 1 alone to read (not yet attached)."""
+    return _attacker_queue(1)
+
+
+def _foreign_handle(case: str, own: Any, victim: Any) -> Any:
+    """Rank 0's link handle, with the part ``case`` names taken from ``victim``'s."""
+    v = victim
+    fields = {
+        "someone-elses-segment": {"segment": v.segment},
+        "someone-elses-channel-dir": {"bell_prefix": v.bell_prefix, "local_pub": v.local_pub,
+                                      "local_ctl": v.local_ctl},
+        "both": {"segment": v.segment, "bell_prefix": v.bell_prefix,
+                 "local_pub": v.local_pub, "local_ctl": v.local_ctl},
+    }[case]
+    return _replace(own, **fields)
+
+
+#: Offers built on another process's queue (rank 1's own victim queue), a ring
+#: whose header disagrees with its handle, and an offer replayed from another group.
+_FOREIGN = ["someone-elses-segment", "someone-elses-channel-dir", "both",
+            "ring-of-larger-chunks", "ring-of-more-chunks", "replayed-offer"]
+
+
+def foreign_offer(rank: int, n: int, case: str) -> list[str]:
+    """Rank 0 offers ``case``; rank 1 must refuse it with DecodeError at once,
+    leave the victim queue untouched, and take rank 0's honest link next."""
+    from coordinator.errors import DecodeError
+    from coordinator.link_offer import MAGIC
+    from coordinator.p2p_channels import SEND
+    from coordinator.shm_links import CHUNK_BYTES, CHUNKS
+    from shm_broadcast.handle import Handle
+    from shm_broadcast.message_queue import MessageQueue
+    from shm_broadcast.ring_buffer import READER_EMPTY
+
+    g = _group(rank, n, "foreign-offer", timeout=20)
+    other = _group(rank, n, "foreign-offer-b", timeout=20) if case == "replayed-offer" else None
+    out: list[str] = []
+    try:
+        if rank == 0:
+            q = None
+            if case == "replayed-offer":  # rank 0's honest link of the other group
+                other.send_tensor_dict({"settle": 1}, 1)
+                offer = other._links._settled[(SEND, 1)].export_handle()
+            elif case.startswith("ring-of"):
+                shape = ({"max_chunk_bytes": CHUNK_BYTES * 4} if case == "ring-of-larger-chunks"
+                         else {"max_chunks": CHUNKS * 2})
+                q = MessageQueue(1, 1, local_reader_ranks=[1], **shape)
+                offer = _replace(q.export_handle(), max_chunk_bytes=CHUNK_BYTES,
+                                 max_chunks=CHUNKS)
+            else:
+                victim = Handle.from_bytes(g.recv_object(1))
+                q = _attacker_queue(1)
+                offer = _foreign_handle(case, q.export_handle(), victim)
+            g._send_object([MAGIC, offer.to_bytes()], 1)
+            g.barrier()
+            g.send_tensor_dict({"honest": torch.arange(3)}, 1)
+            if other is not None:
+                other.send_tensor_dict({"still": 2}, 1)
+            g.barrier()
+            if q is not None:
+                q.close()
+            return out
+        victim = None
+        if case.startswith("some") or case == "both":
+            victim = _victim_queue()
+            g.send_object(victim.export_handle().to_bytes(), 0)
+            vdir = victim.export_handle().bell_prefix
+            before = sorted(os.listdir(vdir))
+        elif other is not None:
+            other.recv_tensor_dict(0)
+        t0 = time.monotonic()
+        out += _refused(g, DecodeError, case)
+        if time.monotonic() - t0 > 5:
+            out.append(f"refused after {time.monotonic() - t0:.1f} s")
+        if victim is not None:
+            if victim._impl.ring.reader_state(0) != READER_EMPTY:
+                out.append("rank 1 took the victim queue's reader slot")
+            if sorted(os.listdir(vdir)) != before:
+                out.append(f"the victim's channel directory changed: {before} -> "
+                           f"{sorted(os.listdir(vdir))}")
+        g.barrier()
+        got = g.recv_tensor_dict(0)
+        if list(got) != ["honest"] or not torch.equal(got["honest"], torch.arange(3)):
+            out.append(f"honest dict after the offer: {got!r:.100}")
+        if other is not None and other.recv_tensor_dict(0) != {"still": 2}:
+            out.append("the replayed link's own group lost its link")
+        g.barrier()
+        if victim is not None:
+            victim.close()
+        return out
+    finally:
+        g.destroy()
+        if other is not None:
+            other.destroy()
+
+
+def _replace(h: Any, **fields: Any) -> Any:
+    import msgspec
+
+    return msgspec.structs.replace(h, **fields)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", _FOREIGN)
+def test_an_offer_of_another_queue_is_refused(dist_pool, case):
+    assert dist_pool(2).run(foreign_offer, case, timeout=100) == [[], []]
 
 
 # ---------------------------------------------------------------------- waits end

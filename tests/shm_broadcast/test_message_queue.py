@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from shm_broadcast import (
-    Handle, MessageQueue, QueueClosedError, QueueRoleError, QueueTimeout, WaitPolicy,
+    Handle, MessageQueue, QueueClosedError, QueueRoleError, QueueTimeout, SegmentError,
+    WaitPolicy,
 )
 
 
@@ -270,3 +271,22 @@ def test_wait_until_ready_times_out_naming_missing_readers():
             w.wait_until_ready(timeout=0.3)
         assert time.monotonic() - t0 < 1.0
         assert "local reader rank 4" in str(info.value) and "1 remote reader" in str(info.value)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("field,factor", [("max_chunks", 2), ("max_chunk_bytes", 4),
+                                          ("max_chunk_bytes", 0.5)],
+                         ids=["more-chunks", "larger-chunks", "smaller-chunks"])
+def test_a_handle_that_disagrees_with_its_ring_is_refused(field, factor):
+    """A reader maps the ring by its own header: a handle claiming another
+    geometry (forged, or of another queue) is refused before the reader takes
+    its slot, and the honest reader still attaches afterwards."""
+    with MessageQueue(1, 1, [1], max_chunk_bytes=1 << 16, max_chunks=4, name="geom") as w:
+        h = w.export_handle()
+        lie = msgspec.structs.replace(h, **{field: int(getattr(h, field) * factor)})
+        with pytest.raises(SegmentError, match="its handle says"):
+            MessageQueue.create_from_handle(lie, 1)
+        with MessageQueue.create_from_handle(h, 1) as r:
+            w.wait_until_ready(10)
+            w.enqueue({"ok": 1})
+            assert r.dequeue(timeout=10) == {"ok": 1}
