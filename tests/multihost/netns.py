@@ -68,12 +68,16 @@ _counter = itertools.count()
 #: the host's private /tmp, /dev/shm size, time limit (s), then the command.
 #: Its fd 3 is the lifeline: the driver holds the only write end, so end of
 #: file means the driver is gone, and every process of the namespace is
-#: killed (pid 1 then exits, which ends the namespace).
+#: killed. Pid 1 (this script) ignores SIGKILL from inside its namespace, so
+#: the watcher first sends it SIGTERM, which its trap turns into an exit as
+#: soon as the command it runs was killed: it never goes on to start the next
+#: one (the driver may die while the host is still being set up).
 _HOST_SCRIPT = r"""
 set -eu
 name=$1 hosts=$2 tmpdir=$3 shm_size=$4 limit=$5 keep=$6
 shift 6
-( read -r _ <&3 || true; kill -KILL -1 2>/dev/null ) &
+trap 'exit 137' TERM
+( read -r _ <&3 || true; kill -TERM 1; kill -KILL -1 2>/dev/null ) &
 exec 3<&-
 mount --bind "$hosts" /etc/hosts
 mount -t tmpfs -o "size=$shm_size,mode=1777" gcmh-shm /dev/shm
@@ -344,8 +348,12 @@ class TwoHosts:
                str(h.tmp), self.shm_size, str(int(limit_s)), ":".join(self.kept_tmp),
                *argv]
 
+        driver = os.getpid()
+
         def in_child() -> None:  # before exec: die with the driver; lifeline on fd 3
             _die_with_driver()
+            if os.getppid() != driver:  # it died before the line above took effect
+                os._exit(1)
             os.dup2(read_end, 3)
 
         try:
