@@ -77,17 +77,18 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import threading
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from device_comms import host_alloc, shm_alltoallv
+from device_comms.cpu_config import (
+    BYTES_ENV, ENABLE_ENV, TIMEOUT_ENV, positive_bytes, step_timeout, use_shm_enabled,
+)
 from device_comms.engine_threads import env_threads
-from device_comms.errors import ConcurrentCallError
 from device_comms.hierarchical import HierarchicalAllReduce
+from device_comms.one_call import OneCall
 from device_comms.reduce_op import ReduceOp
 from device_comms.shm_engine import ShmEngine
 from device_comms.shm_small import NotServed
@@ -95,22 +96,15 @@ from device_comms.shm_sync import StepSync
 from device_comms.shm_workspace import WorkspacePlan, open_workspace
 from device_comms.torch_communicator import TorchDistributedCommunicator
 from device_comms.validation import storage_covers
-from shm_broadcast.checks import check_timeout
 from shm_broadcast.group_adapter import object_group
-from shm_broadcast.timeouts import DEFAULT_TIMEOUT_S, default_timeout, env_timeout
 from shm_broadcast.topology import node_assignment
 
 __all__ = ["CpuCommunicator", "BYTES_ENV", "ENABLE_ENV", "TIMEOUT_ENV"]
 
 logger = logging.getLogger(__name__)
 
-BYTES_ENV = "GROUPCOORD_CPU_SHM_BYTES"
-ENABLE_ENV = "GROUPCOORD_CPU_SHM"
-TIMEOUT_ENV = "GROUPCOORD_CPU_SHM_TIMEOUT"
-#: Seconds a step waits when neither an argument nor the environment chose.
-DEFAULT_TIMEOUT = DEFAULT_TIMEOUT_S
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
-_P2P_OPS = frozenset({"send", "recv"})  # not held by a collective (see CpuCommunicator._guard)
+_P2P_OPS = frozenset({"send", "recv"})  # not held by a collective (device_comms.one_call)
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
     "reduce_scatterv", "broadcast", "gather", "all_to_allv",
@@ -158,16 +152,17 @@ class CpuCommunicator(TorchDistributedCommunicator):
         node_id: str | None = None,
         oneshot_bytes: int | None = None,
     ) -> None:
-        wait_s = _timeout(timeout)
-        #: Held by the thread in a collective (reentrant: a call's own nested steps);
-        #: another thread's collective meanwhile raises ConcurrentCallError.
-        self._one_call = threading.RLock()
+        wait_s = step_timeout(timeout)
+        #: Held by the thread in a collective; another thread's collective meanwhile
+        #: raises ConcurrentCallError.
+        self._one_call = OneCall(lambda: f"group {self.unique_name!r} "
+                                         f"(rank {self.rank_in_group}/{self.world_size})")
         super().__init__(cpu_group, device, device_group, unique_name, timeout=wait_s)
         if self.device.type != "cpu":
             raise ValueError(f"device must be a CPU device for CpuCommunicator, got {self.device}")
-        ws_bytes = _positive_int(workspace_bytes, "workspace_bytes", BYTES_ENV)
+        ws_bytes = positive_bytes(workspace_bytes, "workspace_bytes", BYTES_ENV)
         threads = env_threads()
-        enabled = _enabled(use_shm)
+        enabled = use_shm_enabled(use_shm)
         if node_id is not None and not isinstance(node_id, str):
             raise TypeError(f"node_id must be a str or None, got {type(node_id).__name__}")
         if oneshot_bytes is not None:
@@ -271,11 +266,11 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return
         eng = self._flat
         if eng is not None:
-            self._enter("barrier")
+            self._one_call.enter("barrier")
             try:
                 eng.sync.step("barrier")
             finally:
-                self._one_call.release()
+                self._one_call.leave()
         else:
             self._guard("barrier", dist.barrier, self.cpu_group)
 
@@ -316,8 +311,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         ):
             c = eng.last_small  # an (op, dtype) that passed the checks before, and a shape
             if op is c.op and input_.dtype is c.dtype and c.plain and input_.shape == c.shape:
-                if not self._one_call.acquire(False):
-                    raise self._concurrent("all_reduce")
+                self._one_call.enter("all_reduce")
                 try:
                     res = eng.small_all_reduce(c, input_, out)
                 except NotServed:
@@ -325,7 +319,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 except RuntimeError as e:
                     raise self._translate("all_reduce", e) from e
                 finally:
-                    self._one_call.release()
+                    self._one_call.leave()
                 if res is None:
                     return super().all_reduce(input_, op, out=out)
                 self.shm_calls["all_reduce"] += 1
@@ -336,14 +330,14 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 and not input_._is_zerotensor()
                 and storage_covers(input_)  # not freed under it: the engine copies by address
             ):
-                self._enter("all_reduce")
+                self._one_call.enter("all_reduce")
                 self.shm_calls["all_reduce"] += 1
                 try:
                     return eng.all_reduce(input_, op, out)
                 except RuntimeError as e:
                     raise self._translate("all_reduce", e) from e
                 finally:
-                    self._one_call.release()
+                    self._one_call.leave()
         res = super().all_reduce(input_, op, out=out)
         # Complex tensors can be lazy conjugate views, which only the checked path resolves.
         if eng is not None and type(op) is ReduceOp and not input_.dtype.is_complex:
@@ -492,38 +486,15 @@ class CpuCommunicator(TorchDistributedCommunicator):
     def _guard(self, op: str, fn: Any, *args: Any) -> Any:
         """Run a hook as the base does, holding the communicator for a collective.
 
-        Point-to-point calls are not held: the coordinator runs sends and
-        receives on worker threads while collectives run (they use gloo).
+        Point-to-point calls are not held (:mod:`device_comms.one_call`).
         """
         if op in _P2P_OPS:
             return super()._guard(op, fn, *args)
-        self._enter(op)
+        self._one_call.enter(op)
         try:
             return super()._guard(op, fn, *args)
         finally:
-            self._one_call.release()
-
-    def _enter(self, op: str) -> None:
-        """Take the communicator for collective ``op`` (release ``_one_call`` after it).
-
-        The engine's steps and slots are this rank's, one collective at a time:
-        two threads in collectives at once would take each other's steps and
-        mix their data. So while one thread is in a collective, another
-        thread's raises :class:`ConcurrentCallError` before touching anything.
-        (Waiting for the first call instead would still pair calls across
-        ranks in whatever order each rank's threads happened to run.)
-        """
-        if not self._one_call.acquire(False):
-            raise self._concurrent(op)
-
-    def _concurrent(self, op: str) -> ConcurrentCallError:
-        return ConcurrentCallError(
-            f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}): "
-            f"{op} was called on thread {threading.current_thread().name!r} while another "
-            f"thread is in a collective of this communicator; a communicator runs one "
-            f"collective at a time: call its collectives from one thread (or give each "
-            f"thread its own group)"
-        )
+            self._one_call.leave()
 
     # ------------------------------------------------------------------ signatures
     def _prologue(self, op: str, header: Any, reason: str | None) -> bool:
@@ -594,48 +565,3 @@ def _shape_key(shape: Sequence[int], dim: int) -> int:
     different ``dim`` arguments, exchange bytes silently into a wrong result.
     """
     return hash((tuple(shape), dim)) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def _from_env(env: str, convert: Any, what: str) -> Any:
-    """The environment variable ``env`` converted, or None when unset or empty."""
-    raw = os.environ.get(env)
-    if raw is None or raw == "":
-        return None
-    try:
-        return convert(raw)
-    except ValueError:
-        raise ValueError(f"{env} must be {what}, got {raw!r}") from None
-
-
-def _positive_int(value: int | None, arg: str, env: str) -> int | None:
-    if value is None:
-        value, arg = _from_env(env, int, "a positive int (bytes)"), env
-        if value is None:
-            return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{arg} must be a positive int (bytes), got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{arg} must be a positive int (bytes), got {value!r}")
-    return value
-
-
-def _enabled(use_shm: bool | None) -> bool:
-    if use_shm is not None:
-        if not isinstance(use_shm, bool):
-            raise TypeError(f"use_shm must be a bool or None, got {type(use_shm).__name__}")
-        return use_shm
-    raw = os.environ.get(ENABLE_ENV, "1").strip().lower()
-    if raw in ("1", "true", "yes", "on", ""):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{ENABLE_ENV} must be 0 or 1, got {raw!r}")
-
-
-def _timeout(timeout: float | None) -> float:
-    """The step timeout: ``timeout``, else ``GROUPCOORD_CPU_SHM_TIMEOUT``, else
-    ``GROUPCOORD_TIMEOUT``, else 300 s (see :mod:`shm_broadcast.timeouts`)."""
-    if timeout is not None:
-        return check_timeout(timeout)
-    seconds = env_timeout(TIMEOUT_ENV, positive=False)
-    return default_timeout() if seconds is None else seconds
