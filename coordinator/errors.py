@@ -12,6 +12,7 @@ from __future__ import annotations
 from device_comms.errors import (
     BrokenCommunicator,
     CommunicatorUnavailable,
+    ConcurrentCallError,
     KernelCompileError,
     NcclError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "ShmSpaceError",
     "CommunicatorUnavailable",
     "BrokenCommunicator",
+    "ConcurrentCallError",
     "NcclError",
     "KernelCompileError",
     "NotInitializedError",
