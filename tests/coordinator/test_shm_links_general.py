@@ -285,6 +285,9 @@ def _both_ways(g: Any, rank: int, n: int, threads: bool) -> list[str]:
 #: ``id -> (world size, ranks with GROUPCOORD_P2P_SHM=0)``.
 RUNS = {"2-ranks": (2, []), "2-ranks-cpu-group": (2, [0, 1]), "3-ranks-rank1-off": (3, [1]),
         "4-ranks": (4, [])}
+#: Default runs keep CI short: links, the CPU group and a 4-stage pipeline;
+#: links off on one rank of three runs with -m slow.
+_SLOW_RUNS = {"3-ranks-rank1-off"}
 _results: dict[str, Any] = {}
 
 
@@ -307,7 +310,8 @@ def _run(dist_pool: Any, run: str) -> list[dict[str, list[str]]]:
 
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("case", [*CASES, *EXTRA])
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", [
+    pytest.param(r, marks=[pytest.mark.slow] if r in _SLOW_RUNS else []) for r in RUNS])
 def test_pipeline_case(dist_pool, run, case):
     per_rank = _run(dist_pool, run)
     problems = {rank: res[case] for rank, res in enumerate(per_rank) if res[case]}

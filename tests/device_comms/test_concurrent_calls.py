@@ -97,7 +97,7 @@ def concurrent_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_second_thread_is_refused_and_first_call_completes(world_size: int) -> None:
     outs = run_distributed(concurrent_rank, world_size, timeout=110)
     want = torch.full((_N,), 2.0 * world_size)

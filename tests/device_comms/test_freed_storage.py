@@ -146,7 +146,7 @@ def freed_rank(rank: int, world_size: int, who: str) -> list[tuple[str, int, str
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("who", ["one", "all"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_freed_storage_is_refused(dist_pool: Any, world_size: int, who: str) -> None:
     outs = dist_pool(world_size).run(freed_rank, who, timeout=110)
     failures = []
