@@ -513,8 +513,6 @@ def test_destroy_ends_a_wait_on_a_link(dist_pool):
 def silent_sender(rank: int, n: int) -> dict[str, Any]:
     """Rank 0 settles the link and then sends nothing: rank 1's next receive must
     raise CommTimeout naming the op and rank 0 after the group's timeout."""
-    from coordinator.errors import CommTimeout
-
     g = _group(rank, n, "silent-link", timeout=1.5)
     try:
         if rank == 0:
@@ -522,15 +520,23 @@ def silent_sender(rank: int, n: int) -> dict[str, Any]:
             time.sleep(3.0)
             return {}
         g.recv_tensor_dict(0)
-        t0 = time.monotonic()
-        try:
-            g.recv_tensor_dict(0)
-            return {"error": "none"}
-        except CommTimeout as e:
-            return {"error": "CommTimeout", "msg": str(e), "peers": list(e.peers),
-                    "s": time.monotonic() - t0}
+        return timeout_outcome(lambda: g.recv_tensor_dict(0))
     finally:
         g.destroy()
+
+
+def timeout_outcome(call: Any) -> dict[str, Any]:
+    """Run ``call``: ``{"error": "none"}``, or what the CommTimeout it raised said
+    (text, peers) and after how many seconds."""
+    from coordinator.errors import CommTimeout
+
+    t0 = time.monotonic()
+    try:
+        call()
+        return {"error": "none"}
+    except CommTimeout as e:
+        return {"error": "CommTimeout", "msg": str(e), "peers": list(e.peers),
+                "s": time.monotonic() - t0}
 
 
 @pytest.mark.timeout(120)

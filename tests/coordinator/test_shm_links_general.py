@@ -347,8 +347,8 @@ def silent_receiver(rank: int, n: int, when: str) -> dict[str, Any]:
     """Rank 1 never receives (``at-first-dict``), or receives one dict and then
     no more (``after-settling``): rank 0's sends must end within the group's
     timeout with CommTimeout naming the group, the op and rank 1."""
-    from coordinator.errors import CommTimeout
     from coordinator.shm_links import CHUNKS
+    from tests.coordinator.test_shm_links import timeout_outcome
 
     g = _group(rank, n, f"silent-{when}", timeout=1.5)
     try:
@@ -359,14 +359,12 @@ def silent_receiver(rank: int, n: int, when: str) -> dict[str, Any]:
             return {}
         if when == "after-settling":
             g.send_tensor_dict({"settle": 1}, 1)
-        t0 = time.monotonic()
-        try:
+
+        def fill() -> None:
             for i in range(CHUNKS + 1):  # the ring holds CHUNKS dicts
                 g.send_tensor_dict({"i": i, "x": torch.ones(4)}, 1)
-            return {"error": "none"}
-        except CommTimeout as e:
-            return {"error": "CommTimeout", "msg": str(e), "peers": list(e.peers),
-                    "s": time.monotonic() - t0}
+
+        return timeout_outcome(fill)
     finally:
         g.destroy()
 
