@@ -56,11 +56,11 @@ read at construction):
   of at most 2 MiB: 2 MiB for 2 ranks, 1 MiB for 4, 512 KiB for 8, so that a
   host's workspaces fit a small ``/dev/shm``); larger messages go through in
   slot-sized pieces;
-* ``GROUPCOORD_CPU_SHM_THREADS``: most intra-op threads the engine's own
+* ``GROUPCOORD_CPU_SHM_THREADS``: the intra-op threads the engine's own
   copies and reductions use (default: the CPUs the node's ranks may run on,
-  divided among them; see :mod:`device_comms.engine_threads`), whatever
-  ``torch.get_num_threads()`` says; the caller's setting is restored after
-  each collective;
+  divided among them; see :mod:`device_comms.engine_threads`), more or fewer
+  than ``torch.get_num_threads()`` says; the caller's setting is restored
+  after each collective;
 * ``use_shm`` / ``GROUPCOORD_CPU_SHM=0``: disable the shared-memory path (if
   any rank disables it, all do);
 * ``timeout`` / ``GROUPCOORD_CPU_SHM_TIMEOUT`` / ``GROUPCOORD_TIMEOUT``:
@@ -377,7 +377,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self.shm_calls["reduce_scatter"] += 1
         n = self.world_size
         key = _shape_key(t.shape, dim)
-        with eng.thread_cap:  # the transposing copies run under the engine's thread limit too
+        with eng.kernel_threads:  # the transposing copies run under the engine's thread limit too
             x = _moved(t, dim, 0)
             k = x.numel() // n
             out = eng.reduce_scatter(x.view(-1), [k] * n, op, "reduce_scatter", key)
@@ -390,7 +390,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if eng is None:
             return super()._reduce_scatterv(t, dim, sizes, op)
         self.shm_calls["reduce_scatterv"] += 1
-        with eng.thread_cap:
+        with eng.kernel_threads:
             x = _moved(t, dim, 0)
             inner = math.prod(x.shape[1:])
             key = _size_key(sizes, x.shape[1:], dim)

@@ -27,7 +27,7 @@ buffered as for every op of the engine: a rank rewrites a parity only after
 every peer has published the next step, i.e. finished reading this one.
 
 Copies up to :data:`_MEMMOVE_MAX` bytes are one ``memmove`` (no torch
-dispatch); larger ones are torch copies, run under the engine's thread cap
+dispatch); larger ones are torch copies, run with the engine's thread count
 (:mod:`device_comms.engine_threads`) like the engine's other kernels.
 """
 
@@ -43,7 +43,7 @@ import torch
 
 from device_comms import host_alloc
 from device_comms.alltoallv import SizeTable, offsets, record_words, row_bytes, settle_sizes
-from device_comms.engine_threads import GRAIN, ThreadCap
+from device_comms.engine_threads import GRAIN, KernelThreads
 from device_comms.step_signature import signature
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["ShmAllToAllvOps", "fits", "record_bytes"]
 
 _LINE = 64  # the stream starts on a cache line after the size record
-_MEMMOVE_MAX = 256 << 10  # larger copies go through torch (parallel under the thread cap)
+_MEMMOVE_MAX = 256 << 10  # larger copies go through torch (parallel with the engine's thread count)
 _memmove = ctypes.memmove
 
 
@@ -104,7 +104,7 @@ class ShmAllToAllvOps:
     _views: dict[Any, Any]  # the engine's view cache (cleared when it closes)
 
     @property
-    def thread_cap(self) -> ThreadCap:  # provided by the engine
+    def kernel_threads(self) -> KernelThreads:  # provided by the engine
         raise NotImplementedError
 
     def shape_key(self, shape: torch.Size) -> int:  # provided by the engine
@@ -127,12 +127,12 @@ class ShmAllToAllvOps:
                 row shape), or the size records disagree (every rank raises).
             PeerRejectedError: A peer rejected its arguments.
         """
-        with self._capped(x.nbytes):
+        with self._threaded(x.nbytes):
             return self._all_to_allv(x, send, recv, name)
 
-    def _capped(self, nbytes: int) -> Any:
-        """The engine's thread cap when a copy of ``nbytes`` may run in parallel."""
-        return self.thread_cap if nbytes > GRAIN else contextlib.nullcontext()
+    def _threaded(self, nbytes: int) -> Any:
+        """The engine's thread count when a copy of ``nbytes`` may run in parallel."""
+        return self.kernel_threads if nbytes > GRAIN else contextlib.nullcontext()
 
     def _words(self, parity: int, rank: int) -> np.ndarray:
         """Local ``rank``'s slot of ``parity`` as int64 words (a cached numpy view)."""
@@ -164,7 +164,7 @@ class ShmAllToAllvOps:
         out = host_alloc.empty((sum(got),) + tuple(x.shape[1:]), x.dtype)
         ob = _flat_bytes(out)
         roff = offsets(got)
-        with self._capped(out.nbytes):
+        with self._threaded(out.nbytes):
             if own:
                 _copy(ob[roff[me] * row : roff[me] * row + own], xb[cut : cut + own])
             pieces, longest = _pieces(table, me, row, roff)

@@ -32,11 +32,13 @@ slot-sized pieces, two steps apart in the double buffer):
   (:class:`~device_comms.shm_alltoallv.ShmAllToAllvOps`).
 
 Threads: every op over more than :data:`~device_comms.engine_threads.GRAIN`
-elements runs its torch kernels under :attr:`ShmEngine.thread_cap`, at most
+elements runs its torch kernels under :attr:`ShmEngine.kernel_threads`, with
 :attr:`ShmEngine.threads` intra-op threads (the node's CPUs divided among its
-local ranks; :mod:`device_comms.engine_threads` says why: torch's default
-thread count made every rank's OpenMP team spin on the CPUs its peers needed,
-a 30-50x slowdown at 1-16 MiB). Smaller kernels never start a parallel region.
+local ranks, whatever torch's own setting; :mod:`device_comms.engine_threads`
+says why: torch's default thread count made every rank's OpenMP team spin on
+the CPUs its peers needed, a 30-50x slowdown at 1-16 MiB, and one thread per
+rank left a many-core node's memory bandwidth idle). Smaller kernels never
+start a parallel region.
 
 The one-step all_reduce (at most a slot and :data:`GRAIN` elements, the
 latency-bound case) has its own module, :mod:`device_comms.shm_small`.
@@ -69,7 +71,7 @@ from typing import Any, Sequence
 import torch
 
 from device_comms import host_alloc
-from device_comms.engine_threads import GRAIN, ThreadCap, capped, engine_threads
+from device_comms.engine_threads import GRAIN, KernelThreads, engine_threads, threaded
 from device_comms.fixed_reduce import reduce_views
 from device_comms.host_arrays import mark_written
 from device_comms.reduce_op import ReduceOp
@@ -127,7 +129,7 @@ class ShmEngine(ShmPairOps, ShmSmallOps, ShmGatherOps, ShmAllToAllvOps):
         #: pieces above a slot); larger ones reduce-scatter + all-gather.
         self.oneshot_bytes = oneshot_bytes
         self.threads = engine_threads(sync.pids, self.me, threads)
-        self._cap = ThreadCap(self.threads)
+        self._cap = KernelThreads(self.threads)
         #: Two ranks: all_reduce above the one-step path goes through
         #: :meth:`_pair_all_reduce` in pieces of this many bytes (0: off).
         self.pair_piece_bytes = DEFAULT_PAIR_PIECE_BYTES
@@ -146,7 +148,7 @@ class ShmEngine(ShmPairOps, ShmSmallOps, ShmGatherOps, ShmAllToAllvOps):
         self.last_small = SmallAllReduce(None, None, None)
 
     @property
-    def thread_cap(self) -> ThreadCap:
+    def kernel_threads(self) -> KernelThreads:
         """Context manager limiting torch's intra-op threads to :attr:`threads` inside."""
         return self._cap
 
@@ -235,7 +237,7 @@ class ShmEngine(ShmPairOps, ShmSmallOps, ShmGatherOps, ShmAllToAllvOps):
             return self._oneshot_pieces(t, op, "all_reduce", sig, True, out)  # type: ignore[return-value]
         return self._two_phase(t, op, "all_reduce", sig, True, out)  # type: ignore[return-value]
 
-    @capped(lambda self, t, *_: t.numel())
+    @threaded(lambda self, t, *_: t.numel())
     def reduce(
         self,
         t: torch.Tensor,
@@ -338,7 +340,7 @@ class ShmEngine(ShmPairOps, ShmSmallOps, ShmGatherOps, ShmAllToAllvOps):
                         out[a + b[j] : a + b[j + 1]].copy_(ws.slot(q, j, dt)[b[j] : b[j + 1]])
         return out.view(t.shape) if out is not None else None
 
-    @capped(lambda self, x, *_: x.numel())
+    @threaded(lambda self, x, *_: x.numel())
     def reduce_scatter(
         self, x: torch.Tensor, counts: Sequence[int], op: ReduceOp, kind: str, size_key: int
     ) -> torch.Tensor:
@@ -398,7 +400,7 @@ class ShmEngine(ShmPairOps, ShmSmallOps, ShmGatherOps, ShmAllToAllvOps):
         return out
 
     # ------------------------------------------------------------------ data movement
-    @capped(lambda self, t, *_: t.numel())
+    @threaded(lambda self, t, *_: t.numel())
     def broadcast(
         self,
         t: torch.Tensor,

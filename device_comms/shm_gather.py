@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 
-from device_comms.engine_threads import ThreadCap, capped
+from device_comms.engine_threads import KernelThreads, threaded
 
 if TYPE_CHECKING:
     from device_comms.shm_sync import StepSync
@@ -48,7 +48,7 @@ class ShmGatherOps:
     me: int
 
     @property
-    def thread_cap(self) -> ThreadCap:  # provided by the engine
+    def kernel_threads(self) -> KernelThreads:  # provided by the engine
         raise NotImplementedError
 
     def _shaped(self, parity: int, t: torch.Tensor) -> list[torch.Tensor]:
@@ -57,7 +57,7 @@ class ShmGatherOps:
     def _sig(self, kind: str, dtype: torch.dtype, op: Any = None, root: int = 0) -> int:
         raise NotImplementedError
 
-    @capped(lambda self, t, *_: t.numel() * self.size)
+    @threaded(lambda self, t, *_: t.numel() * self.size)
     def all_gather_cat(
         self,
         t: torch.Tensor,
@@ -79,7 +79,7 @@ class ShmGatherOps:
             return torch.cat(views, dim)
         return None
 
-    @capped(lambda self, t, shapes, *_: sum(math.prod(s) for s in shapes))
+    @threaded(lambda self, t, shapes, *_: sum(math.prod(s) for s in shapes))
     def gatherv_cat(
         self, t: torch.Tensor, shapes: Sequence[torch.Size], dim: int, size_key: int
     ) -> torch.Tensor:
@@ -93,7 +93,7 @@ class ShmGatherOps:
         self.sync.step("all_gatherv", self._sig("all_gatherv", dt), size_key, True)
         return torch.cat(views, dim)
 
-    @capped(lambda self, x2, widths, *_: x2.shape[0] * sum(widths))
+    @threaded(lambda self, x2, widths, *_: x2.shape[0] * sum(widths))
     def gather_rows(
         self,
         x2: torch.Tensor,

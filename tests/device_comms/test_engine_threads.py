@@ -1,5 +1,5 @@
-"""The shared-memory engine's thread limit: the sizing rule, the cap, and collectives
-run with more torch threads than the node has CPUs (torch's default on a busy host)."""
+"""The shared-memory engine's thread count: the sizing rule, the setting (lowered and
+raised), and collectives run with more torch threads than the node has CPUs (torch's default on a busy host)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from device_comms import CpuCommunicator, ReduceOp, reduce_local
 from device_comms.engine_threads import (
     GRAIN,
     THREADS_ENV,
-    ThreadCap,
+    KernelThreads,
     cores_per_rank,
     engine_threads,
     env_threads,
@@ -80,7 +80,7 @@ def test_bad_environment_value(monkeypatch: pytest.MonkeyPatch, raw: str) -> Non
         env_threads()
 
 
-# ---------------------------------------------------------------------- the cap
+# ---------------------------------------------------------------------- the setting
 @pytest.fixture
 def four_threads() -> Any:
     before = torch.get_num_threads()
@@ -89,9 +89,9 @@ def four_threads() -> Any:
     torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not openmp_backend(), reason="the cap acts on torch's OpenMP backend only")
-def test_cap_applies_and_restores(four_threads: None) -> None:
-    cap = ThreadCap(1)
+@pytest.mark.skipif(not openmp_backend(), reason="the setting acts on torch's OpenMP backend only")
+def test_setting_applies_and_restores(four_threads: None) -> None:
+    cap = KernelThreads(1)
     with cap:
         assert torch.get_num_threads() == 1
         with cap:  # nested: only the outer block restores
@@ -102,20 +102,21 @@ def test_cap_applies_and_restores(four_threads: None) -> None:
         with cap:
             raise RuntimeError("boom")
     assert torch.get_num_threads() == 4
-    with ThreadCap(8):  # above torch's setting: left alone
-        assert torch.get_num_threads() == 4
+    with KernelThreads(6):  # above torch's setting: raised for the block
+        assert torch.get_num_threads() == 6
+    assert torch.get_num_threads() == 4
 
 
 @pytest.mark.parametrize("bad", [0, -1])
 def test_cap_rejects_bad_limit(bad: int) -> None:
     with pytest.raises(ValueError, match=f"limit must be a positive int, got {bad}"):
-        ThreadCap(bad)
+        KernelThreads(bad)
 
 
 @pytest.mark.parametrize("bad", [1.0, True, "2", None])
 def test_cap_rejects_non_int_limit(bad: Any) -> None:
     with pytest.raises(TypeError, match=f"limit must be a positive int, got {type(bad).__name__}"):
-        ThreadCap(bad)
+        KernelThreads(bad)
 
 
 # ---------------------------------------------------------------------- on real ranks
@@ -238,6 +239,52 @@ def bad_env_rank(rank: int, world_size: int) -> str:
     finally:
         del os.environ[THREADS_ENV]
     return "no error"
+
+
+def one_thread_rank(rank: int, world_size: int, engine: int) -> dict[str, Any]:
+    """torch at one thread, the engine at ``engine``: large collectives run on more
+    threads than the caller's (new OpenMP workers use CPU), results stay exact and the
+    caller's setting is back after every call."""
+    torch.set_num_threads(1)
+    os.environ[THREADS_ENV] = str(engine)
+    try:
+        comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="one",
+                               workspace_bytes=1 << 20)
+    finally:
+        del os.environ[THREADS_ENV]
+    before = _tids()
+    n = 1 << 21  # 8 MiB of float32: pieces far above the grain
+    x = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    got, restored = [], True
+    for _ in range(3):
+        got.append(comm.all_reduce(x, ReduceOp.SUM))
+        restored &= torch.get_num_threads() == 1
+        got.append(comm.all_gather(x[: n // 4], 0))
+        restored &= torch.get_num_threads() == 1
+    workers = _tids() - before
+    cpu = _thread_cpu_ns(workers)
+    info = comm.describe()
+    comm.destroy()
+    total = sum(range(1, world_size + 1))
+    want_sum = torch.arange(n, dtype=torch.float32) * total
+    want_gather = torch.cat([torch.arange(n // 4, dtype=torch.float32) * (r + 1)
+                             for r in range(world_size)])
+    exact = all(torch.equal(g, want_sum if i % 2 == 0 else want_gather)
+                for i, g in enumerate(got))
+    return {"exact": exact, "restored": restored, "workers": len(workers), "cpu_ns": cpu,
+            "engine_threads": info["engine_threads"]}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not openmp_backend(), reason="the setting acts on torch's OpenMP backend only")
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_engine_raises_one_torch_thread(world_size: int) -> None:
+    for rank, o in enumerate(run_distributed(one_thread_rank, world_size, 2, timeout=80)):
+        assert o["exact"], f"rank {rank}: wrong results"
+        assert o["restored"], "the caller's torch thread count must be restored after each call"
+        assert o["engine_threads"] == 2
+        assert o["workers"] >= 1 and o["cpu_ns"] > 0, (
+            f"rank {rank}: the engine's kernels should have run on a second thread: {o}")
 
 
 @pytest.mark.timeout(60)
