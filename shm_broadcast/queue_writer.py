@@ -136,6 +136,7 @@ class QueueWriter(WriterControl):
         self._closing = False
         self._closed = False
         self._subs = {TOPIC_OVERFLOW: 0, TOPIC_REMOTE: 0}
+        self._joined: dict[int, int] = {}  # remote rank -> its joined-topic subscriptions
         self._hello: dict[bytes, tuple[int, int, float, str]] = {}
         self._remote_fd: dict[int, int] = {}
         self._remote_acked: dict[int, int] = {}

@@ -52,6 +52,7 @@ from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout, 
 from shm_broadcast.handle import Handle
 from shm_broadcast.transport import (
     ACK, CTL_ACK, CTL_HELLO, HANDSHAKE_FAILED, KIND_READY, KIND_SHUTDOWN, TOPIC_REMOTE, WIRE,
+    joined_topic,
     close_all, close_dealer, make_curve_client, new_socket, say_goodbye,
 )
 from shm_broadcast.waiting import Backoff, PeerWatch, WaitPolicy, own_pid_space
@@ -138,6 +139,7 @@ class RemoteReader:
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
         self.sub.connect(handle.remote_pub)
         self.sub.subscribe(TOPIC_REMOTE)
+        self.sub.subscribe(joined_topic(rank))  # after TOPIC_REMOTE: see transport.TOPIC_JOINED
         self.dealer.setsockopt(zmq.ROUTING_ID, b"R%d" % rank)
         self.dealer.connect(handle.remote_ctl)
         ctime = psutil.Process(self._pid).create_time()

@@ -102,6 +102,8 @@ __all__ = [
     "KIND_SHUTDOWN",
     "TOPIC_OVERFLOW",
     "TOPIC_REMOTE",
+    "joined_topic",
+    "joined_rank",
     "CTL_HELLO",
     "CTL_ACK",
     "CTL_CLOSED",
@@ -138,6 +140,29 @@ KIND_SHUTDOWN = 3
 
 TOPIC_OVERFLOW = b"o"
 TOPIC_REMOTE = b"m"
+#: A remote reader subscribes to ``TOPIC_JOINED + b"<rank>"`` right after
+#: ``TOPIC_REMOTE``: nothing is ever published under it, but the writer's XPUB
+#: reports it, and since one connection's subscriptions arrive in order, seeing
+#: a rank's joined topic proves that rank's ``TOPIC_REMOTE`` subscription is in
+#: place. Counting ``TOPIC_REMOTE`` subscriptions alone would also count an
+#: extra connection (a reader's stale one, a second client with an admitted
+#: key) and let the writer publish READY before a real reader subscribed.
+TOPIC_JOINED = b"j"
+_JOINED_DIGITS = 9  # ranks below 10**9; longer subscriptions are not ours
+
+
+def joined_topic(rank: int) -> bytes:
+    """The subscription with which remote reader ``rank`` says its data topic is set."""
+    return TOPIC_JOINED + b"%d" % rank
+
+
+def joined_rank(topic: bytes) -> int | None:
+    """The rank a :func:`joined_topic` subscription names, or None if it is not one."""
+    digits = topic[1:]
+    if (topic[:1] != TOPIC_JOINED or not digits or len(digits) > _JOINED_DIGITS
+            or not digits.isdigit()):
+        return None
+    return int(digits)
 
 CTL_HELLO = b"h"
 CTL_ACK = b"a"

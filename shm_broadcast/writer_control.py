@@ -11,6 +11,12 @@ must be 8 bytes from a known remote reader and never beyond the messages sent.
 Anything else is ignored and counted as ``bad_control``; nothing a peer sends
 raises a decoder's exception in the writer.
 
+The writer is ready when every reader has said hello and each one's data
+subscription is in place: for a remote rank, its ``TOPIC_JOINED`` subscription
+(sent after its data topic on the same connection) has arrived. A count of
+data-topic subscriptions alone would also count an extra connection with an
+admitted key, and READY would go out before a real reader could receive it.
+
 A new connection under a routing id that is still attached takes the id over
 (``ROUTER_HANDOVER``): a reader that reconnects before the writer saw its old
 connection close can still say hello. The takeover gains nothing: an id whose
@@ -31,7 +37,7 @@ from shm_broadcast.errors import QueueClosedError, QueueTimeout
 from shm_broadcast.ring_buffer import READER_EMPTY
 from shm_broadcast.transport import (
     ACK, CTL_ACK, CTL_CLOSED, CTL_HELLO, KIND_READY, TOPIC_OVERFLOW, TOPIC_REMOTE, WIRE,
-    ReaderAuthenticator, count_failed_handshakes, remove_channel_dir,
+    ReaderAuthenticator, count_failed_handshakes, joined_rank, remove_channel_dir,
 )
 from shm_broadcast.waiting import PeerWatch
 
@@ -41,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["WriterControl", "check_reader_keys"]
 
 _Hello = tuple[int, int, float, str, str]  # rank, pid, start time, host, pid space
+_MAX_JOINED = 4096  # joined-topic ranks tracked; more come only from a hostile client
 _HELLO_DECODER = msgspec.msgpack.Decoder(_Hello)
 
 
@@ -66,6 +73,7 @@ class WriterControl:
     _reader_rings: list[Any]
     _seq: int
     _subs: dict[bytes, int]
+    _joined: dict[int, int]
     _hello: dict[bytes, tuple[int, int, float, str]]
     _remote_fd: dict[int, int]
     _remote_acked: dict[int, int]
@@ -129,11 +137,12 @@ class WriterControl:
     def _missing_readers(self) -> list[str]:
         missing = [f"local reader rank {r}" for i, r in enumerate(self.local_ranks)
                    if b"L%d" % i not in self._hello]
-        n_remote_seen = sum(1 for k in self._hello if k[:1] == b"R")
-        if n_remote_seen < self.n_remote:
-            missing.append(f"{self.n_remote - n_remote_seen} remote reader(s)")
+        remote = [info[0] for k, info in self._hello.items() if k[:1] == b"R"]
+        if len(remote) < self.n_remote:
+            missing.append(f"{self.n_remote - len(remote)} remote reader(s)")
         if not missing and (self._subs[TOPIC_OVERFLOW] < self.n_local
-                            or self._subs[TOPIC_REMOTE] < self.n_remote):
+                            or self._subs[TOPIC_REMOTE] < self.n_remote
+                            or any(self._joined.get(r, 0) < 1 for r in remote)):
             missing.append("subscriptions still in flight")
         return missing
 
@@ -142,12 +151,14 @@ class WriterControl:
         try:
             while True:
                 msg = pub.recv(zmq.NOBLOCK)
+                # VERBOSER: every (un)subscription, also one of a peer that left
+                step = {b"\x01": 1, b"\x00": -1}.get(msg[:1], 0)
                 if msg[1:] in self._subs:
-                    # VERBOSER: every (un)subscription, also one of a peer that left
-                    if msg[:1] == b"\x01":
-                        self._subs[msg[1:]] += 1
-                    elif msg[:1] == b"\x00":
-                        self._subs[msg[1:]] -= 1
+                    self._subs[msg[1:]] += step
+                    continue
+                rank = joined_rank(msg[1:])
+                if rank is not None and (rank in self._joined or len(self._joined) < _MAX_JOINED):
+                    self._joined[rank] = self._joined.get(rank, 0) + step
         except zmq.Again:
             pass
 

@@ -455,3 +455,60 @@ def test_a_reader_that_reconnects_under_an_attached_id_is_admitted():
         for r in readers:
             r.close()
         w.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_extra_subscription_does_not_make_the_writer_ready_early():
+    """A second connection with an admitted key subscribes to the data topic, and
+    rank 2 says hello before its own subscription is in place: the writer must
+    wait for rank 2's subscription, not count the extra one, or its READY and
+    first messages would be lost to rank 2."""
+    from shm_broadcast.codec import Codec
+    from shm_broadcast.queue_writer import QueueWriter
+    from shm_broadcast.remote_reader import RemoteReader
+    from shm_broadcast.transport import KIND_READY, joined_topic, new_keypair
+    from shm_broadcast.waiting import WaitPolicy
+
+    k1, k2 = new_keypair(), new_keypair()
+    w = QueueWriter(name="x", n_reader=2, local_reader_ranks=(), max_chunk_bytes=1 << 16,
+                    max_chunks=4, connect_ip="127.0.0.1", policy=WaitPolicy(), codec=Codec(),
+                    writer_rank=0, remote_reader_keys={1: k1[0], 2: k2[0]})
+    ctx = zmq.Context()
+
+    def client(kind: int, addr: str) -> zmq.Socket:
+        s = ctx.socket(kind)
+        s.linger = 0
+        s.curve_serverkey, s.curve_publickey, s.curve_secretkey = (
+            w.handle.curve_server_key, k2[0], k2[1])
+        if kind == zmq.DEALER:
+            s.setsockopt(zmq.ROUTING_ID, b"R2")
+        s.connect(addr)
+        return s
+
+    reader1 = RemoteReader(w.handle, 1, WaitPolicy(), Codec(), client_keypair=k1)
+    extra = client(zmq.SUB, w.handle.remote_pub)
+    extra.subscribe(TOPIC_REMOTE)
+    hello2 = client(zmq.DEALER, w.handle.remote_ctl)
+    try:
+        hello2.send(_hello(2))
+        with pytest.raises(QueueTimeout, match="subscriptions still in flight"):
+            w.wait_until_ready(1.5)
+        sub2 = client(zmq.SUB, w.handle.remote_pub)
+        sub2.subscribe(TOPIC_REMOTE)
+        sub2.subscribe(joined_topic(2))
+        w.wait_until_ready(20)
+        w.enqueue({"secret": _SECRET}, timeout=10)
+        assert sub2.poll(10_000), "rank 2 must get the READY marker"
+        frames = sub2.recv_multipart()
+        assert WIRE.unpack_from(frames[0], 1)[1] == KIND_READY
+        assert sub2.poll(10_000), "rank 2 must get the first message"
+        assert WIRE.unpack_from(sub2.recv_multipart()[0], 1)[1] == KIND_DATA
+        reader1.wait_until_ready(10)
+        assert reader1.dequeue(10) == {"secret": _SECRET}
+        sub2.close()
+    finally:
+        for s in (extra, hello2):
+            s.close()
+        reader1.close()
+        w.close()
+        ctx.term()
