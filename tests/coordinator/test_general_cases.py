@@ -99,6 +99,7 @@ def test_layouts_and_reinit_at_world_size_3(dist_pool):
 LAYOUTS_6 = [(3, 2, 1), (2, 3, 1), (1, 2, 3)]
 
 
+@pytest.mark.slow  # CI time; world sizes 2-4 run by default
 @pytest.mark.timeout(150)
 def test_layouts_and_reinit_at_world_size_6():
     from coordinator.testing import run_distributed

@@ -102,6 +102,7 @@ def test_host_ip_without_default_route(tmp_path: Path, env: dict[str, str],
 
 
 # ---------------------------------------------------------------- the demo
+@pytest.mark.slow  # ~20 s; the CI keeps the cross-host TP, pipeline and fault cases
 @pytest.mark.timeout(300)
 def test_demo_tp2_pp2_across_hosts_equals_one_host(tmp_path: Path) -> None:
     """``torchrun ... -m coordinator demo --launcher env`` over both hosts: verified
