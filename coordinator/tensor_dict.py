@@ -235,10 +235,11 @@ def _check_desc(desc: Any, device_type: str, i: int) -> int:
     if (type(shape) is not list or len(shape) > _MAX_NDIM
             or not all(type(n) is int and n >= 0 for n in shape)):
         raise DecodeError(f"tensor-dict metadata entry {i}: bad shape {shape!r:.200}")
-    numel = 1
+    numel, span = 1, 1
     for n in shape:
         numel *= n
-    if numel * itemsize > _MAX_TENSOR_BYTES:
+        span *= max(n, 1)  # an empty tensor's strides still multiply its other sizes
+    if span * itemsize > _MAX_TENSOR_BYTES:
         raise DecodeError(f"tensor-dict metadata entry {i}: shape {shape} is too large")
     if type(parts) is not int or parts < 0 or (parts and numel % parts):
         raise DecodeError(f"tensor-dict metadata entry {i}: bad slice count {parts!r:.40} "

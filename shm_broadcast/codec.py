@@ -304,7 +304,7 @@ class Codec:
         t = type(obj)
         if t is TORCH.tensor:  # None until torch is loaded
             return msgspec.msgpack.Ext(EXT_TENSOR, self._tensor_desc(obj))
-        if t is np.ndarray and not obj.dtype.hasobject:
+        if t is np.ndarray and not obj.dtype.hasobject and obj.dtype.itemsize:
             return msgspec.msgpack.Ext(EXT_NDARRAY, self._array_desc(obj))
         if t is Box:
             return self._box_ext(obj)
@@ -343,6 +343,8 @@ class Codec:
                 what += f" of dtype {obj.dtype}"
                 if obj.dtype.hasobject:
                     what += " (Python objects)"
+                elif not obj.dtype.itemsize:
+                    what += " (items of 0 bytes, which a receiver cannot size-check)"
                 elif type(obj) is not np.ndarray:
                     what += " (an ndarray subclass: send np.asarray(x))"
             raise TypeError(

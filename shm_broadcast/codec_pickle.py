@@ -58,7 +58,7 @@ class OobPickler(pickle.Pickler):
         t = type(obj)
         if t is TORCH.tensor:  # None until torch is loaded
             return (EXT_TENSOR, self._tensor_desc(obj))
-        if t is np.ndarray and not obj.dtype.hasobject:
+        if t is np.ndarray and not obj.dtype.hasobject and obj.dtype.itemsize:
             return (EXT_NDARRAY, self._array_desc(obj))
         return None
 

@@ -56,7 +56,7 @@ from shm_broadcast.handle import Handle
 from shm_broadcast.predictive import STAMP, STAMP_OFFSET, ArrivalPredictor
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, ShmRingBuffer
 from shm_broadcast.transport import (
-    CTL_HELLO, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
+    CTL_HELLO, KIND_DATA, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
     close_all, close_dealer, new_socket, remove_dead_channel_dir, say_goodbye,
 )
 from shm_broadcast.waiting import PARK, SLEEP, Backoff, PeerWatch, WaitPolicy, own_pid_space
@@ -164,6 +164,7 @@ class LocalReader:
             self._parked_at = ring.reader_parked_offset(index)
             self._flag_at = [ring.flag_offsets(c, index) for c in range(ring.max_chunks)]
             self._data_at = [ring.data_offset(c) for c in range(ring.max_chunks)]
+            self._chunk_bytes = ring.max_chunk_bytes
             ctime = psutil.Process(self._pid).create_time()
             self.ring.register_reader(index, self._pid, ctime)
             self._doorbell = Doorbell(bell_address(handle.bell_prefix, f"r{index}"))
@@ -380,7 +381,7 @@ class LocalReader:
                               *self._learning[1:])  # type: ignore[index]
         wseq, kind, mlen, blen = WIRE.unpack_from(buf, d)
         if wseq != seq:
-            raise ShmBroadcastError(
+            raise DecodeError(
                 f"queue {self.name!r}: {self.side} expected message #{seq} but chunk "
                 f"{chunk} holds #{wseq}; the ring is corrupt")
         if kind == KIND_OVERFLOW:
@@ -391,9 +392,15 @@ class LocalReader:
                                          0, blen)
             finally:
                 self._consume(chunk)
+        boff = CHUNK_HEADER + (mlen + 63) // 64 * 64
+        if kind != KIND_DATA or (boff + blen if blen else CHUNK_HEADER + mlen) > self._chunk_bytes:
+            raise DecodeError(
+                f"queue {self.name!r}: {self.side} found message #{seq} in chunk {chunk} with "
+                f"kind {kind}, {mlen} + {blen} bytes, which a {self._chunk_bytes}-byte chunk "
+                f"cannot hold; the ring is corrupt")
         try:
             m = d + CHUNK_HEADER
-            obj = self.codec.decode(buf[m : m + mlen], buf, m + (mlen + 63) // 64 * 64, blen)
+            obj = self.codec.decode(buf[m : m + mlen], buf, d + boff, blen)
             if self._keep_warm and blen == 0 and mlen <= _WARM_MAX:
                 self._warm_msg = bytes(buf[m : m + mlen])
             return obj

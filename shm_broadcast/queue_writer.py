@@ -51,7 +51,7 @@ from shm_broadcast.handle import Handle
 from shm_broadcast.predictive import STAMP, STAMP_OFFSET
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
 from shm_broadcast.transport import (
-    HANDSHAKE_FAILED, KIND_DATA, KIND_OVERFLOW, KIND_SHUTDOWN, TOPIC_OVERFLOW,
+    CONTROL_MAX_BYTES, HANDSHAKE_FAILED, KIND_DATA, KIND_OVERFLOW, KIND_SHUTDOWN, TOPIC_OVERFLOW,
     TOPIC_REMOTE, WIRE, ReaderAuthenticator, bind, close_all, host_ip, local_bind_address,
     make_curve_server, new_channel_dir, new_keypair, new_socket, remove_channel_dir,
 )
@@ -199,9 +199,11 @@ class QueueWriter(WriterControl):
         """
         self.ctx = zmq.Context(io_threads=1)
         remote = self.n_remote > 0
-        self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote, reconnect=True)
+        self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote, reconnect=True,
+                              max_in=CONTROL_MAX_BYTES)
         self.pub.setsockopt(zmq.XPUB_VERBOSER, 1)
-        self.ctl = new_socket(self.ctx, zmq.ROUTER, tcp=remote, reconnect=True)
+        self.ctl = new_socket(self.ctx, zmq.ROUTER, tcp=remote, reconnect=True,
+                              max_in=CONTROL_MAX_BYTES)
         # A reader's new connection takes over its routing id even before the
         # writer saw the old one close (writer_control says why that is safe).
         self.ctl.setsockopt(zmq.ROUTER_HANDOVER, 1)

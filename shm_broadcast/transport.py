@@ -102,6 +102,7 @@ __all__ = [
     "KIND_SHUTDOWN",
     "TOPIC_OVERFLOW",
     "TOPIC_REMOTE",
+    "CONTROL_MAX_BYTES",
     "joined_topic",
     "joined_rank",
     "CTL_HELLO",
@@ -140,6 +141,9 @@ KIND_SHUTDOWN = 3
 
 TOPIC_OVERFLOW = b"o"
 TOPIC_REMOTE = b"m"
+#: The most bytes a frame to the writer may have: its sockets receive only
+#: subscriptions, hellos (~100 bytes), acks and goodbyes.
+CONTROL_MAX_BYTES = 64 << 10
 #: A remote reader subscribes to ``TOPIC_JOINED + b"<rank>"`` right after
 #: ``TOPIC_REMOTE``: nothing is ever published under it, but the writer's XPUB
 #: reports it, and since one connection's subscriptions arrive in order, seeing
@@ -191,7 +195,7 @@ KEEPALIVE_PROBES = 5
 
 
 def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
-               reconnect: bool = False) -> zmq.Socket:
+               reconnect: bool = False, max_in: int | None = None) -> zmq.Socket:
     """Create a socket with our defaults: no linger, unbounded queues.
 
     Queues are unbounded because flow control is ours (the ring for local
@@ -205,8 +209,15 @@ def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
             noticed (a dead process on a live host closes its TCP connection
             right away anyway). No ZMTP heartbeat: it would declare a paused
             peer dead (see the module docstring).
+        max_in: Largest frame this socket accepts (``zmq.MAXMSGSIZE``); a
+            peer that declares a larger one is disconnected before it is
+            buffered, also during the CURVE handshake, so a client without keys
+            cannot make the process hold memory. None: unbounded (for sockets
+            that receive message payloads).
     """
     s = ctx.socket(kind)
+    if max_in is not None:
+        s.setsockopt(zmq.MAXMSGSIZE, max_in)
     s.setsockopt(zmq.LINGER, 0)
     if not reconnect:
         s.setsockopt(zmq.RECONNECT_IVL, NO_RECONNECT_MS)  # see the module docstring

@@ -218,9 +218,10 @@ def dtype_from(descr: bytes) -> np.dtype:
         raise DecodeError(f"corrupt message: bad array dtype ({type(e).__name__}: {e})") from None
     if dt.hasobject:
         raise DecodeError(f"corrupt message: array dtype {dt} holds Python objects")
-    if dt.itemsize == 0 and dt.kind in "SU":
-        # No array has it (numpy makes S0/U0 arrays S1/U1): with 0 data bytes
-        # any shape would pass the size check, and allocating it would not.
+    if dt.itemsize == 0:
+        # With 0 data bytes any shape would pass the size check, and using the
+        # array would not (S0/U0 arrays do not exist: numpy makes them S1/U1;
+        # V0 and empty structured arrays are sent in-band with allow_pickle only).
         raise DecodeError(f"corrupt message: array dtype {descr!r} has no item size")
     if len(_DTYPE_CACHE) < 256:  # a peer sending endless new dtypes cannot grow it
         _DTYPE_CACHE[descr] = dt

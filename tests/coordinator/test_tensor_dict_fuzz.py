@@ -76,6 +76,7 @@ def test_mutated_metadata_slow_100k():
     [[["unhashable"], 0, 1]],
     [["k", TENSOR, ["cpu", "float32", [-4], 0]]],
     [["k", TENSOR, ["cpu", "float32", [1 << 40, 1 << 40], 0]]],
+    [["k", TENSOR, ["cpu", "float32", [0, 1 << 62, 1 << 62], 0]]],
     [["k", TENSOR, ["cpu", "__class__", [2], 0]]],
     [["k", TENSOR, ["cpu", "qint8", [2], 0]]],
     [["k", TENSOR, ["cuda", "float32", [2], 0]]],
@@ -83,8 +84,13 @@ def test_mutated_metadata_slow_100k():
     [["k", TENSOR, ["cpu", "float32", [2]]]],
     [["k", TENSOR, ["cpu", "float32", [2.5], 0]]],
     [["k", 2, "inline without a tensor"]],
-], ids=["not-list", "kind", "key", "negative", "huge", "getattr", "quantized", "device",
+], ids=["not-list", "kind", "key", "negative", "huge", "empty-huge-strides", "getattr", "quantized", "device",
         "parts", "short", "float-dim", "inline"])
 def test_bad_metadata_is_refused(meta):
     with pytest.raises(DecodeError):
         check_metadata(meta, "cpu")
+
+
+def test_empty_tensors_with_large_other_sizes_are_accepted():
+    meta = [["k", TENSOR, ["cpu", "float32", [0, 4096, 4096], 0]]]
+    check_metadata(meta, "cpu")  # no error: strides of 64 Mi elements are fine

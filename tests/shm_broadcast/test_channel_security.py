@@ -512,3 +512,43 @@ def test_an_extra_subscription_does_not_make_the_writer_ready_early():
         reader1.close()
         w.close()
         ctx.term()
+
+
+def _long_curve_command(endpoint: str, declared: int, send: int) -> tuple[int, bool]:
+    """Play a client without keys: a ZMTP 3.0 greeting naming CURVE, then one
+    command frame declaring ``declared`` bytes, then up to ``send`` bytes of it.
+    Returns (bytes sent, whether the writer cut the connection)."""
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\0")
+                  + b"\x00" + b"\0" * 31)
+        s.recv(64)
+        s.sendall(b"\x06" + struct.pack(">Q", declared))
+        chunk, sent = b"A" * (1 << 20), 0
+        while sent < send:
+            s.sendall(chunk)
+            sent += len(chunk)
+        s.settimeout(2)
+        try:
+            return sent, s.recv(1) == b""
+        except TimeoutError:
+            return sent, False
+    except OSError:  # reset or broken pipe: the writer dropped the connection
+        return sent, True
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("port", ["data", "control"])
+def test_a_client_without_keys_cannot_make_the_writer_buffer_a_long_frame(port):
+    with MessageQueue(1, 0, connect_ip="127.0.0.1", name="long") as mq:
+        h = mq.export_handle()
+        me = psutil.Process()
+        before = me.memory_info().rss
+        sent, cut = _long_curve_command(h.remote_pub if port == "data" else h.remote_ctl,
+                                        1 << 30, 48 << 20)
+        grown = me.memory_info().rss - before
+        assert cut, f"the writer kept a {sent >> 20} MiB unauthenticated frame's connection"
+        assert grown < 16 << 20, f"the writer buffered {grown >> 20} MiB for a client without keys"

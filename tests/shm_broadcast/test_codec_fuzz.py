@@ -229,9 +229,16 @@ def test_attack_30_bytes_claiming_1gib_is_refused_without_allocating():
         (_array_msg(0, (gib,), b"|S0"), b"", 0, "no item size"),
         (_array_msg(0, (gib,), b"|S"), b"", 0, "no item size"),
         (_array_msg(0, (gib,), b"\x00" + msgspec.msgpack.encode("<U0")), b"", 0, "no item size"),
+        # other 0-byte items: an array of them holds any number of elements in 0 bytes
+        (_array_msg(0, (gib,), b"|V0"), b"", 0, "no item size"),
+        (_array_msg(0, (gib,), b"\x00" + msgspec.msgpack.encode([])), b"", 0, "no item size"),
+        (_array_msg(0, (gib,), b"\x00" + msgspec.msgpack.encode([["a", "<U0"]])), b"", 0,
+         "no item size"),
+        (_array_msg(0, (gib,), b"\x00" + msgspec.msgpack.encode([["a", "<f8", [0]]])), b"", 0,
+         "no item size"),
     ]
     for msg, blob, blob_len, match in claims:
-        assert len(msg) <= 40, len(msg)  # about 30 bytes
+        assert len(msg) <= 48, len(msg)  # about 30-40 bytes
         _refused_without_allocating(msg, blob, blob_len, match)
 
 
@@ -296,3 +303,18 @@ def test_valid_corpus_still_round_trips():
     got = c.decode(*_CORPUS[-1], 0, len(_CORPUS[-1][1]))
     assert got["step"] == 3 and torch.equal(got["ids"], torch.arange(8))
     assert type(got["meta"][0]) is tuple and np.array_equal(got["meta"][1]["k"], np.ones(2))
+
+
+@pytest.mark.parametrize("dtype", ["V0", "empty-struct"])
+def test_arrays_of_zero_byte_items_need_pickle(dtype):
+    """The decoder refuses 0-byte items, so the encoder does not send them out of
+    band: without pickle they are a TypeError naming the dtype; with it they go
+    in-band and round-trip."""
+    a = np.zeros(5, dtype=np.dtype("V0") if dtype == "V0" else np.dtype([]))
+    with pytest.raises(TypeError, match="0 bytes"):
+        Codec().encode({"a": a})
+    c = Codec(allow_pickle=True)
+    enc = c.encode({"a": a})
+    blob = enc.blob_bytes()
+    got = c.decode(enc.msg, blob, 0, enc.blob_len)["a"]
+    assert got.dtype == a.dtype and got.shape == a.shape

@@ -290,3 +290,29 @@ def test_a_handle_that_disagrees_with_its_ring_is_refused(field, factor):
             w.wait_until_ready(10)
             w.enqueue({"ok": 1})
             assert r.dequeue(timeout=10) == {"ok": 1}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("corruption", ["blob-beyond-chunk", "metadata-beyond-chunk",
+                                        "unknown-kind", "wrong-sequence"])
+def test_a_corrupt_chunk_header_is_refused_not_read(queues, corruption):
+    """A same-user process rewrites a published chunk's header: the reader must
+    raise, never decode bytes outside the chunk (another chunk the writer may be
+    filling, or the rest of the segment)."""
+    import numpy as np
+
+    from shm_broadcast import DecodeError
+    from shm_broadcast.transport import WIRE
+
+    w, (r,) = queues(1, max_chunk_bytes=4096, max_chunks=4, name="corrupt")
+    w.enqueue([np.arange(8, dtype=np.uint8)], timeout=10)
+    ring = w._impl.ring
+    d = ring.data_offset(0)
+    seq, kind, mlen, blen = WIRE.unpack_from(ring.buf, d)
+    forged = {"blob-beyond-chunk": (seq, kind, mlen, 1 << 40),
+              "metadata-beyond-chunk": (seq, kind, 4096, 0),
+              "unknown-kind": (seq, 99, mlen, blen),
+              "wrong-sequence": (seq + 7, kind, mlen, blen)}[corruption]
+    WIRE.pack_into(ring.buf, d, *forged)
+    with pytest.raises(DecodeError, match="the ring is corrupt"):
+        r.dequeue(timeout=5)
