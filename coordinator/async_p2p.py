@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
+from coordinator import link_tensors
 from coordinator import tensor_dict as tensor_dict_ops
 from coordinator.errors import CommTimeout
 from coordinator.p2p_channels import LIVENESS_S, RECV, SEND, Channels, Work, warn_unobserved
@@ -205,7 +206,7 @@ def isend(coord: "GroupCoordinator", tensor: torch.Tensor, dst: int | None) -> P
         raise
     if coord.device.type == "cuda":
         return _cuda(coord).isend(t, dst, seq)
-    return _submit(coord, SEND, dst, "isend", seq, coord.comm.send, t, dst)
+    return _submit(coord, SEND, dst, "isend", seq, link_tensors.send, coord, t, dst)
 
 
 def irecv(coord: "GroupCoordinator", tensor_or_spec: Any, src: int | None) -> P2PHandle:
@@ -354,7 +355,7 @@ def _recv_target(x: Any, device: torch.device) -> tuple[torch.Tensor | None, tor
 
 def _recv_into(coord: "GroupCoordinator", buf: torch.Tensor | None, size: torch.Size,
                dtype: torch.dtype, src: int) -> torch.Tensor:
-    out = coord.comm.recv(size, dtype, src)
+    out = link_tensors.recv(coord, size, dtype, src)
     if buf is None:
         return out
     buf.copy_(out)

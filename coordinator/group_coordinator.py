@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from coordinator import async_p2p, custom_ops
+from coordinator import async_p2p, custom_ops, link_tensors
 from coordinator.call_errors import WAIT_ERRORS, CallErrors, peer_rank
 from coordinator import group_setup as setup
 from coordinator.async_p2p import RECV, SEND
@@ -360,7 +360,8 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         self.calls = seq = self.calls + 1
         started = time.monotonic()
         try:
-            return async_p2p.ordered(self, SEND, dst, "send", self.comm.send, tensor, dst)
+            return async_p2p.ordered(self, SEND, dst, "send", link_tensors.send, self, tensor,
+                                     dst)
         except WAIT_ERRORS as e:
             self._errors.explain("send", seq, e, partner=peer_rank(dst), started=started)
             raise
@@ -374,7 +375,8 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         self.calls = seq = self.calls + 1
         started = time.monotonic()
         try:
-            return async_p2p.ordered(self, RECV, src, "recv", self.comm.recv, size, dtype, src)
+            return async_p2p.ordered(self, RECV, src, "recv", link_tensors.recv, self, size,
+                                     dtype, src)
         except WAIT_ERRORS as e:
             self._errors.explain("recv", seq, e, partner=peer_rank(src), started=started)
             raise
@@ -392,21 +394,27 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
 
         Raises:
             TypeError: ``timeout`` is not a number or a timedelta.
-            ValueError: ``timeout`` is not positive and finite.
+            ValueError: ``timeout`` is not positive and finite. Either one is
+                raised after this rank took part in the barrier with the
+                group's timeout, so that its peers are not left waiting.
         """
-        wait_s = check_timeout(timeout, default=self.timeout, positive=True)
+        try:
+            wait_s, bad = check_timeout(timeout, default=self.timeout, positive=True), None
+        except (TypeError, ValueError) as e:  # still take part: the peers are not stranded
+            wait_s, bad = self.timeout, e
         self.calls = seq = self.calls + 1
         started = time.monotonic()
         self.collectives += 1
-        if self.world_size == 1:
-            return
-        self._check_live("barrier")
-        try:
-            self._monitored_barrier(wait_s)
-        except WAIT_ERRORS as e:
-            self._errors.explain("barrier", seq, e,
-                                 started=started if wait_s == self.timeout else None)
-            raise
+        if self.world_size > 1:
+            self._check_live("barrier")
+            try:
+                self._monitored_barrier(wait_s)
+            except WAIT_ERRORS as e:
+                self._errors.explain("barrier", seq, e,
+                                     started=started if wait_s == self.timeout else None)
+                raise
+        if bad is not None:
+            raise bad
 
     def _monitored_barrier(self, wait_s: float) -> None:
         """gloo's monitored barrier: group rank 0 collects every rank and names the

@@ -11,6 +11,9 @@ receiver gets plain new tensors, as over the CPU group::
     ["part", bytes of a piece] ...         the streamed pieces, part by part (uint8)
     ["fail", text]                         instead of the dict: the sender's codec
                                            refused a value (CollectiveMismatch)
+    ["t1", meta, inline pieces]            one tensor of ``send``/``isend``
+                                           (:mod:`coordinator.link_tensors`): a
+                                           dict of one entry, parts as a dict's
 
 Which pieces are streamed follows from the metadata alone (:func:`streamed`),
 so the receiver knows what to expect before reading anything: none when all
@@ -43,7 +46,11 @@ import torch
 from coordinator.errors import CollectiveMismatch, DecodeError
 from coordinator.shm_links import CHUNK_BYTES
 
-__all__ = ["PART_BYTES", "streamed", "send", "failure", "Pieces"]
+__all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "failure", "Pieces"]
+
+#: The tag of a tensor dict's message, and of a single tensor's.
+DICT, TENSOR_ONLY = "td", "t1"
+_CALLS = {DICT: "send_tensor_dict", TENSOR_ONLY: "send"}
 
 #: Bytes of one message's tensors at most: a link's ring chunk less 64 KiB for
 #: the metadata and the message's header.
@@ -58,19 +65,20 @@ def streamed(sizes: list[int]) -> list[bool]:
 
 
 def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
-         broken: Callable[[BaseException], None]) -> None:
+         broken: Callable[[BaseException], None], tag: str = DICT) -> None:
     """Enqueue a dict on ``link``: its message, then the parts of its streamed pieces.
 
     Args:
         broken: Called with the error when a part fails after the dict's message
             went out (the link's order is then lost), before the error propagates.
+        tag: :data:`DICT`, or :data:`TENSOR_ONLY` for one tensor of ``send``.
 
     Raises:
         TypeError etc.: The codec refused a value of ``meta``; nothing was sent.
     """
     pieces = [_piece(t) for t in payload if t.numel()]
     flags = streamed([p.numel() * p.element_size() for p in pieces])
-    link.enqueue(["td", meta, [p for p, f in zip(pieces, flags) if not f]])
+    link.enqueue([tag, meta, [p for p, f in zip(pieces, flags) if not f]])
     try:
         for p, f in zip(pieces, flags):
             if f:
@@ -116,27 +124,49 @@ class Pieces:
         src_global: The sender's global rank (for errors).
         broken: Called with the error when reading a streamed piece fails (the
             link's order is then lost), before the error propagates.
+        tag: The message this call waits for: :data:`DICT` (``recv_tensor_dict``)
+            or :data:`TENSOR_ONLY` (``recv``).
 
     Raises:
-        CollectiveMismatch: The sender could not encode its dict.
-        DecodeError: The message is not a dict's message.
+        CollectiveMismatch: The sender could not send, or sent the other kind
+            (a dict to ``recv``, a tensor to ``recv_tensor_dict``).
+        DecodeError: The message is not a dict's or a tensor's message.
     """
 
     def __init__(self, link: Any, msg: Any, src_global: int,
-                 broken: Callable[[BaseException], None]) -> None:
+                 broken: Callable[[BaseException], None], tag: str = DICT) -> None:
+        call = "recv" if tag == TENSOR_ONLY else "recv_tensor_dict"
         if _tag(msg, 2) == "fail" and type(msg[1]) is str:
             raise CollectiveMismatch(
-                f"recv_tensor_dict: the sender (global rank {src_global}) could not send its "
-                f"tensor dict ({msg[1][:2000]}); fix the call on that rank", peers=(src_global,))
-        if _tag(msg, 3) != "td" or type(msg[2]) is not list or not all(
+                f"{call}: the sender (global rank {src_global}) could not send "
+                f"({msg[1][:2000]}); fix the call on that rank", peers=(src_global,))
+        sent = _tag(msg, 3)
+        if sent in _CALLS and sent != tag:
+            self._mismatch = (f"{call}: the sender (global rank {src_global}) called "
+                              f"{_CALLS[sent]} where this rank called {call}")
+        else:
+            self._mismatch = ""
+        if sent not in _CALLS or type(msg[2]) is not list or not all(
                 type(p) is torch.Tensor for p in msg[2]):
-            raise DecodeError(f"recv_tensor_dict: malformed link message from global rank "
+            raise DecodeError(f"{call}: malformed link message from global rank "
                               f"{src_global}: {type(msg).__name__} {msg!r:.80}")
         self.meta: Any = msg[1]
         self._inline: list[torch.Tensor] = msg[2]
         self._link, self._src, self._broken = link, src_global, broken
         self._flags: list[bool] = []
         self._next = self._taken = 0
+
+    def finish(self) -> None:
+        """Called once every piece was taken (the link is in order again): raise if
+        the sender made the other kind of call.
+
+        Raises:
+            CollectiveMismatch: A dict came to ``recv`` or a tensor to
+                ``recv_tensor_dict``; what it carried was consumed.
+        """
+        if self._mismatch:
+            raise CollectiveMismatch(f"{self._mismatch}; make the same kind of call on both "
+                                     f"ranks (what it sent was consumed)", peers=(self._src,))
 
     def expect(self, sizes: list[int]) -> None:
         """Take the byte sizes of the non-empty pieces the checked metadata describes."""

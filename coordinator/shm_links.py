@@ -101,6 +101,20 @@ class ShmLinks:
         """The link from group rank ``src``, or None for the CPU group (settles on first use)."""
         return self._link(RECV, src)
 
+    def settled(self, direction: str, peer: int) -> "MessageQueue | None":
+        """The link of one direction if it has settled on one, else None (unsettled
+        or on the CPU group); never settles (:mod:`coordinator.link_tensors`).
+
+        Raises:
+            ClosedError: The direction's link was closed after a failed dict.
+        """
+        got = self._settled.get((direction, peer))
+        if got is None or got is _CPU_GROUP:
+            return None
+        if self._broken:
+            self._check_broken(direction, peer)
+        return got
+
     def _link(self, direction: str, peer: int) -> "MessageQueue | None":
         if self._coord.device.type != "cpu":
             return None

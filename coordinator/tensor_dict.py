@@ -159,10 +159,11 @@ def _check_sendable(key: Any, value: torch.Tensor) -> None:
         TypeError: ``value`` is not dense (strided), or its dtype is one a
             receiver does not allocate (quantized dtypes).
     """
-    if value.layout != torch.strided:
+    if value.layout != torch.strided or value.is_nested:
+        kind = "nested" if value.is_nested else str(value.layout)
         raise TypeError(
-            f"tensor_dict[{key!r}] is a {value.layout} tensor; only dense (strided) "
-            f"tensors can be sent, convert it with .to_dense()"
+            f"tensor_dict[{key!r}] is a {kind} tensor; only dense (strided) "
+            f"tensors can be sent (.to_dense(), or .unbind() a nested one)"
         )
     if _dtype_name(value.dtype) not in _DTYPES:
         raise TypeError(
@@ -369,16 +370,23 @@ def send_tensor_dict(
     all_gather_tensors: Mapping[Any, bool] | None,
 ) -> None:
     """Implementation of :meth:`GroupCoordinator.send_tensor_dict`."""
-    # Argument errors raise here before anything is sent, as every point-to-point
-    # argument check does: telling the receiver would need a blocking send, and
-    # a rank may make the same mistake with nobody receiving. A value that does
-    # not serialise is reported to the receiver by send_object, in place of the
-    # metadata it waits for.
+    # Argument errors raise here before anything is sent. On a settled link the
+    # receiver is told (a failure message costs no wait); elsewhere telling it
+    # would need a blocking send, and a rank may make the same mistake with
+    # nobody receiving. A value that does not serialise is reported to the
+    # receiver by send_object, in place of the metadata it waits for.
     if not isinstance(tensor_dict, Mapping):
         raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
     n = all_gather_group.world_size if all_gather_group is not None else 1
-    slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
-    meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n, device=coord.device)
+    try:
+        slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
+        meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n,
+                                            device=coord.device)
+    except (TypeError, ValueError) as e:
+        settled = coord._links.settled(SEND_SIDE, dst)
+        if settled is not None:
+            settled.enqueue(link_messages.failure(f"{type(e).__name__}: {e}"))
+        raise
     if all_gather_group is not None:  # sliced: send only this rank's 1/n
         payload = [t.reshape(n, -1)[all_gather_group.rank_in_group] if desc[3] else t
                    for (_, _, desc), t in zip((m for m in meta if m[1] == TENSOR), payload)]
@@ -455,6 +463,8 @@ def recv_tensor_dict(
             continue
         full = all_gather_group.all_gather(piece, dim=0)
         out[key] = full.reshape(value[2])
+    if link is not None:
+        pieces.finish()
     if problem:
         raise ValueError(problem)
     return out

@@ -389,14 +389,7 @@ class DeviceCommunicator(abc.ABC):
         """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``."""
         self._check_open()
         try:
-            if not isinstance(dtype, torch.dtype):
-                raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-            if not isinstance(size, (torch.Size, list, tuple)) or not all(
-                isinstance(s, int) and not isinstance(s, bool) for s in size
-            ):
-                raise TypeError(f"size must be a shape (a sequence of ints), got {size!r}")
-            if any(s < 0 for s in size):
-                raise ValueError(f"size must not have negative entries, got {tuple(size)}")
+            shape = validation.check_spec(size, dtype)
         except (TypeError, ValueError) as e:
             if self._is_peer(src):  # the sender can be told
                 self._reject("recv", e, src)
@@ -404,7 +397,7 @@ class DeviceCommunicator(abc.ABC):
         validation.check_rank(src, self.world_size, "src")
         if src == self.rank_in_group:
             raise ValueError(f"src={src} is this rank; recv needs another rank of the group")
-        return self._guard("recv", self._recv, torch.Size(size), dtype, src)
+        return self._guard("recv", self._recv, shape, dtype, src)
 
     def _is_peer(self, r: Any) -> bool:
         """Whether ``r`` is another rank of this group (a valid send/recv peer)."""

@@ -7,8 +7,9 @@ from typing import Any, Sequence
 import torch
 
 from shm_broadcast import checks
+from shm_broadcast.tensor_storage import check_storage, storage_covers
 
-__all__ = ["check_tensor", "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_sizes", "check_divisible"]
+__all__ = ["check_tensor", "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible"]
 
 
 def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.Tensor:
@@ -40,44 +41,6 @@ def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.
         )
     check_storage(t, arg)
     return t
-
-
-def _extent_bytes(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s storage that its elements reach (from the storage's start)."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return (t.storage_offset() + last + 1) * t.element_size()
-
-
-def storage_covers(t: torch.Tensor) -> bool:
-    """Whether every element of ``t`` lies in its storage (true for storage-less zeros,
-    which :func:`resolved` replaces, and for empty tensors)."""
-    nbytes = t.nbytes
-    if nbytes == 0:
-        return True
-    try:
-        have = t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):  # a wrapper without a storage of its own
-        return True
-    # Contiguous (the common case): the elements end at offset + nbytes.
-    if t.is_contiguous() and have >= t.storage_offset() * t.element_size() + nbytes:
-        return True
-    return have >= _extent_bytes(t) or t._is_zerotensor()
-
-
-def check_storage(t: torch.Tensor, arg: str) -> None:
-    """Raise ValueError when ``t``'s storage was freed or shrunk under it.
-
-    ``x.untyped_storage().resize_(0)`` keeps ``x``'s shape but frees its bytes
-    (``data_ptr()`` becomes 0, or a tiny offset): transports that copy by
-    address would read zeros, garbage, or crash.
-    """
-    if not storage_covers(t):
-        raise ValueError(
-            f"{arg}'s storage holds {t.untyped_storage().nbytes()} bytes but its "
-            f"{tuple(t.shape)} elements need {_extent_bytes(t)} (the storage was freed "
-            f"or shrunk, e.g. by untyped_storage().resize_(0)); give it memory again "
-            f"(untyped_storage().resize_(...)) or pass another tensor"
-        )
 
 
 def resolved(t: torch.Tensor) -> torch.Tensor:
@@ -177,6 +140,24 @@ def norm_dim(dim: Any, ndim: int, arg: str = "dim") -> int:
     if not -ndim <= dim < ndim:
         raise ValueError(f"{arg} must be in [{-ndim}, {ndim}) for a {ndim}-D tensor, got {dim}")
     return dim % ndim
+
+
+def check_spec(size: Any, dtype: Any) -> torch.Size:
+    """The shape of a ``recv(size, dtype)`` call, checked with its dtype.
+
+    Raises:
+        TypeError: ``dtype`` is not a ``torch.dtype`` or ``size`` not a sequence of ints.
+        ValueError: ``size`` has a negative entry.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if not isinstance(size, (torch.Size, list, tuple)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) for s in size
+    ):
+        raise TypeError(f"size must be a shape (a sequence of ints), got {size!r}")
+    if any(s < 0 for s in size):
+        raise ValueError(f"size must not have negative entries, got {tuple(size)}")
+    return torch.Size(size)
 
 
 def check_rank(r: Any, world_size: int, arg: str) -> int:

@@ -88,7 +88,8 @@ import numpy as np
 
 from shm_broadcast.codec_boxing import Box, prep, prep_full
 from shm_broadcast.codec_pickle import pickle_oob, unpickle_oob
-from shm_broadcast.errors import DecodeError
+from shm_broadcast.errors import DecodeError, EncodeError
+from shm_broadcast.tensor_storage import check_storage
 from shm_broadcast.wire_format import (
     ALIGN,
     ARRAY_HEAD,
@@ -229,7 +230,9 @@ class Codec:
             TypeError: A value cannot be encoded (CUDA tensor, sparse tensor,
                 or a type msgspec cannot carry while ``allow_pickle`` is off;
                 the message names the type and the opt-in).
-            ValueError: ``obj`` is nested too deeply.
+            EncodeError: A value is wrong rather than of the wrong type (a
+                tensor whose storage was freed, nesting too deep); both a
+                TypeError and a ValueError.
         """
         if TORCH.module is None and "torch" in sys.modules:
             TORCH.load()
@@ -263,11 +266,16 @@ class Codec:
                 f"MessageQueue carries CPU tensors only, got a tensor on {t.device}; "
                 "move it with .cpu() or use a device communicator"
             )
-        if t.layout is not TORCH.module.strided:
-            raise TypeError(f"MessageQueue carries strided tensors only, got layout {t.layout}")
+        if t.layout is not TORCH.module.strided or t.is_nested:
+            raise TypeError(f"MessageQueue carries strided tensors only, got "
+                            f"{'a nested tensor' if t.is_nested else f'layout {t.layout}'}")
         code = _DTYPE_TO_CODE.get(t.dtype)
         if code is None:
             raise TypeError(f"tensor dtype {t.dtype} is not supported by MessageQueue")
+        try:  # before any copy reads it by address
+            check_storage(t, "a tensor in the message")
+        except ValueError as e:
+            raise EncodeError(str(e)) from None
         if t.requires_grad:
             flags |= FLAG_REQUIRES_GRAD
             t = t.detach()
@@ -559,7 +567,7 @@ class Codec:
 def _too_deep(op: str) -> ValueError:
     text = (f"cannot {op} the message: it is nested too deeply for the recursion limit "
             f"(sys.getrecursionlimit() = {sys.getrecursionlimit()}; roughly {_DEPTH_HINT} fit)")
-    return DecodeError(text) if op == "decode" else ValueError(text)
+    return DecodeError(text) if op == "decode" else EncodeError(text)
 
 
 def _utf8(text: str) -> bytes:

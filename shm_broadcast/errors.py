@@ -51,6 +51,7 @@ __all__ = [
     "PeerRejectedError",
     "QueueRoleError",
     "DecodeError",
+    "EncodeError",
     "SegmentError",
     "ShmSpaceError",
     "ShmBroadcastError",
@@ -153,6 +154,18 @@ class DecodeError(GroupCoordError, ValueError):
     value on a side that did not opt in to pickle. Nothing was allocated for
     the claimed sizes before it is raised. ``queue`` and ``side`` name the
     channel when the decoder knows it.
+    """
+
+
+class EncodeError(GroupCoordError, TypeError, ValueError):
+    """A value could not be encoded for sending; nothing of it was sent.
+
+    Raised by the codec for what is wrong with a value rather than with its
+    type: a tensor whose storage was freed or shrunk under it (the ValueError
+    a collective raises for the same tensor), a structure nested too deeply,
+    a tensor whose sizes torch cannot report. Both a ``TypeError`` (what the
+    codec raises for every value it cannot send, which callers report to the
+    receivers) and a ``ValueError`` (what the same mistake raises elsewhere).
     """
 
 

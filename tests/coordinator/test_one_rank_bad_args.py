@@ -121,3 +121,89 @@ def unread_marker_rank(rank: int, world_size: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_unread_failure_marker_does_not_spoil_the_queue(dist_pool: Any) -> None:
     assert dist_pool(2).run(unread_marker_rank, timeout=110) == [[]] * 2
+
+
+def _bad_value(case: str) -> Any:
+    """A value the sending rank cannot encode, for every reason but its type."""
+    if case in ("freed-tensor", "shrunk-tensor"):
+        t = torch.full((4096,), 7.0)
+        t.untyped_storage().resize_(0 if case == "freed-tensor" else 64)
+        return [t]
+    if case == "nested-tensor":
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    deep: list[Any] = []
+    for _ in range(5000):
+        deep = [deep]
+    return deep
+
+
+def bad_value_rank(rank: int, world_size: int, op: str, case: str, mq: bool) -> list[str]:
+    """Rank 0 sends a value it cannot encode: it raises TypeError/ValueError, the
+    others CollectiveMismatch at once, and the group stays in step."""
+    from coordinator.errors import CollectiveMismatch
+
+    g = _group(rank, world_size, f"val-{op}-{case}-{mq}", mq)
+    problems: list[str] = []
+    try:
+        t0 = time.monotonic()
+        try:
+            if op == "broadcast_object":
+                g.broadcast_object({"a": _bad_value(case)} if rank == 0 else None, src=0)
+            else:
+                g.broadcast_tensor_dict({"a": _bad_value(case)} if rank == 0 else None, src=0)
+            problems.append(f"rank {rank}: the call returned")
+        except CollectiveMismatch:
+            if rank == 0:
+                problems.append("the sender raised CollectiveMismatch")
+        except (TypeError, ValueError) as e:
+            if rank != 0:
+                problems.append(f"a receiver raised {e!r:.200}")
+        if time.monotonic() - t0 > _TIMEOUT / 4:
+            problems.append(f"the call took {time.monotonic() - t0:.1f} s")
+        got = g.broadcast_object({"i": 1} if rank == 0 else None, src=0)
+        if got != {"i": 1}:
+            problems.append(f"broadcast_object afterwards gave {got!r}")
+    finally:
+        g.destroy()
+    return problems
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mq", [False, True], ids=["communicator", "queue"])
+@pytest.mark.parametrize("case", ["freed-tensor", "shrunk-tensor", "nested-tensor", "too-deep"])
+@pytest.mark.parametrize("op", ["broadcast_object", "broadcast_tensor_dict"])
+def test_a_value_the_sender_cannot_encode_is_reported(dist_pool: Any, op: str, case: str,
+                                                      mq: bool) -> None:
+    assert dist_pool(2).run(bad_value_rank, op, case, mq, timeout=50) == [[], []]
+
+
+def bad_barrier_timeout_rank(rank: int, world_size: int, bad: Any) -> list[str]:
+    """The last rank passes a bad barrier timeout: it raises after taking part (with
+    the group's timeout), so the others' barrier completes at once and the group
+    stays in step."""
+    g = _group(rank, world_size, "bar", False)
+    problems: list[str] = []
+    try:
+        t0 = time.monotonic()
+        try:
+            g.barrier(timeout=bad if rank == world_size - 1 else None)
+            if rank == world_size - 1:
+                problems.append("the bad rank's barrier returned")
+        except (TypeError, ValueError) as e:
+            if rank != world_size - 1 or "timeout" not in str(e):
+                problems.append(f"rank {rank} raised {e!r}")
+        if time.monotonic() - t0 > _TIMEOUT / 4:
+            problems.append(f"the barrier took {time.monotonic() - t0:.1f} s")
+        s = g.all_reduce(torch.ones(3))
+        if not torch.equal(s, torch.full((3,), float(world_size))):
+            problems.append(f"all_reduce afterwards gave {s.tolist()}")
+    finally:
+        g.destroy()
+    return problems
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [-1, 0, "5", float("nan")], ids=["negative", "zero", "str", "nan"])
+def test_a_bad_barrier_timeout_on_one_rank_does_not_strand_the_others(dist_pool: Any,
+                                                                       bad: Any) -> None:
+    assert dist_pool(3).run(bad_barrier_timeout_rank, bad, timeout=50) == [[]] * 3

@@ -318,3 +318,38 @@ def test_arrays_of_zero_byte_items_need_pickle(dtype):
     blob = enc.blob_bytes()
     got = c.decode(enc.msg, blob, 0, enc.blob_len)["a"]
     assert got.dtype == a.dtype and got.shape == a.shape
+
+
+def _freed_tensor(n: int, keep_bytes: int = 0) -> torch.Tensor:
+    t = torch.full((n,), 7.0)
+    t.untyped_storage().resize_(keep_bytes)
+    return t
+
+
+@pytest.mark.parametrize("case", ["freed", "shrunk", "freed-view", "freed-in-pickle"])
+def test_a_tensor_without_its_bytes_is_refused_before_any_copy(case):
+    """Encoding copies tensors by address: a freed storage would crash the process
+    and a shrunk one would send whatever the allocator put after it."""
+    from shm_broadcast import EncodeError
+
+    if case == "freed-view":
+        base = torch.ones(64)
+        t = base[8:].view(8, 7)
+        base.untyped_storage().resize_(0)
+    else:
+        t = _freed_tensor(4096, 64 if case == "shrunk" else 0)
+    codec = Codec(allow_pickle=case == "freed-in-pickle")
+    value = {"a": [t]} if case != "freed-in-pickle" else {"a": [t, _Opaque()]}
+    with pytest.raises(EncodeError, match="storage was freed or shrunk") as info:
+        codec.encode(value)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+
+
+class _Opaque:
+    """A value only pickle carries (its tensors then go out of band)."""
+
+
+def test_nested_tensors_are_refused_by_type():
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match="nested tensor"):
+        Codec().encode({"a": [nt]})

@@ -1,0 +1,93 @@
+"""Single tensors of ``send`` / ``recv`` (and ``isend`` / ``irecv``) on a settled link.
+
+Once a direction between two ranks of a host has settled on a shared-memory
+link (its first tensor dict, :mod:`coordinator.shm_links`), a plain tensor
+sent that way travels on the same link, as a one-entry message tagged
+:data:`~coordinator.link_messages.TENSOR_ONLY`: one copy into the ring and
+one out, instead of the CPU group's header exchange and socket transfer
+(hundreds of microseconds per call between two local processes).
+
+Why both sides agree without a word. Calls of one direction with one peer run
+one at a time in issue order (:func:`coordinator.async_p2p.ordered`), and a
+direction is settled from its first tensor dict on, so before a rank's ``k``-th
+call in a direction both ranks have made the same ``k - 1`` calls, and both
+see the direction settled, or neither does. A direction that is unsettled or
+settled on the CPU group keeps using the communicator's ``send``/``recv``.
+
+What differs from the CPU group. A send returns once the tensor is in the
+ring (as a tensor dict's does; the ring holds :data:`~coordinator.shm_links.CHUNKS`
+messages). A sender's bad argument is reported to the receiver (a failure
+message: ``CollectiveMismatch`` there); a receiver's bad ``size``/``dtype``
+raises on the receiver before it takes anything, and the tensor stays for
+its next ``recv``. A tensor whose shape or dtype differs from what ``recv``
+asked for, or a dict where ``recv`` waits (and a tensor where
+``recv_tensor_dict`` waits), is consumed and raises ``CollectiveMismatch``
+on the receiver: the link stays in order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from coordinator import link_messages
+from coordinator.errors import CollectiveMismatch, DecodeError
+from coordinator.p2p_channels import RECV, SEND
+from coordinator.tensor_dict import TENSOR, _dtype, check_metadata, flatten_tensor_dict
+from device_comms import validation
+
+if TYPE_CHECKING:
+    from coordinator.group_coordinator import GroupCoordinator
+
+__all__ = ["send", "recv"]
+
+_KEY = "tensor"
+
+
+def send(coord: "GroupCoordinator", tensor: torch.Tensor, dst: int) -> None:
+    """Send ``tensor`` to group rank ``dst``: on the direction's link if it has one,
+    else through the communicator."""
+    link = coord._links.settled(SEND, dst)
+    if link is None:
+        return coord.comm.send(tensor, dst)
+    try:
+        t = validation.check_tensor(tensor, "tensor", coord.device)
+        meta, payload = flatten_tensor_dict({_KEY: t}, device=coord.device)
+    except (TypeError, ValueError) as e:
+        link.enqueue(link_messages.failure(f"{type(e).__name__}: {e}"))
+        raise
+    link_messages.send(link, meta, payload,
+                       lambda e: coord._links.break_direction(SEND, dst, e),
+                       tag=link_messages.TENSOR_ONLY)
+
+
+def recv(coord: "GroupCoordinator", size: torch.Size | Sequence[int], dtype: torch.dtype,
+         src: int) -> torch.Tensor:
+    """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``: from the
+    direction's link if it has one, else through the communicator."""
+    link = coord._links.settled(RECV, src)
+    if link is None:
+        return coord.comm.recv(size, dtype, src)
+    shape = validation.check_spec(size, dtype)
+    src_global = coord.ranks[src]
+    pieces = link_messages.Pieces(link, link.dequeue(), src_global,
+                                  lambda e: coord._links.break_direction(RECV, src, e),
+                                  tag=link_messages.TENSOR_ONLY)
+    meta = check_metadata(pieces.meta, coord.device.type)
+    descs = [v for _, kind, v in meta if kind == TENSOR]
+    sizes = [(_dtype(d[1]), math.prod(d[2]) // (d[3] or 1)) for d in descs]
+    pieces.expect([n * dt.itemsize for dt, n in sizes if n])
+    taken = [pieces.take(dt, n, _KEY) for dt, n in sizes]  # all of it: the link stays in order
+    pieces.finish()  # a dict where recv waits
+    if len(descs) != 1 or descs[0][3]:
+        raise DecodeError(f"recv: the link message from global rank {src_global} holds "
+                          f"{len(descs)} tensors, not one whole tensor")
+    out = taken[0].reshape(descs[0][2])
+    if out.shape != shape or out.dtype != dtype:
+        raise CollectiveMismatch(
+            f"recv on group {coord.unique_name!r}: expected a tensor of shape {tuple(shape)} "
+            f"and {dtype} from rank {src}, which sent {tuple(out.shape)} and {out.dtype}",
+            peers=(src_global,))
+    return out

@@ -1,0 +1,164 @@
+"""Plain ``send``/``recv`` (and ``isend``/``irecv``) on a direction settled on a
+shared-memory link (coordinator.link_tensors), on real ranks.
+
+Each rank code builds its own group; a first tensor dict settles each
+direction. Then single tensors of every kind travel on the link (the link's
+message count proves it), mixed in order with dicts and asynchronous calls;
+mismatched calls raise on the receiver and leave the link in order.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator.errors import CollectiveMismatch
+
+
+def _group(rank: int, n: int, name: str) -> Any:
+    from coordinator import GroupCoordinator
+
+    return GroupCoordinator([list(range(n))], rank, "gloo", True, group_name=name, timeout=30)
+
+
+def _tensors(src: int) -> list[torch.Tensor]:
+    """Every dtype family, 0-d, empty, views, and one larger than a link chunk."""
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6) + 10 * src
+    return [base.float(), base.to(torch.bfloat16), base.long(), base.to(torch.int8),
+            base.long() % 3 == 0, torch.complex(base.float(), -base.float()),
+            torch.tensor(2.5 + src), torch.empty(0, 3), base.float()[:, ::2], base.t(),
+            torch.arange(3 << 20 >> 2, dtype=torch.float32) + src]  # 3 MiB: streamed
+
+
+def _messages(g: Any, peer: int) -> int:
+    """Messages the link to ``peer`` has carried (its writer's sequence number)."""
+    from coordinator.p2p_channels import SEND
+
+    link = g._links.settled(SEND, peer)
+    return -1 if link is None else link._impl._seq
+
+
+def pairs(rank: int, world_size: int) -> list[str]:
+    """A ring: each rank sends to the next and receives from the previous."""
+    g = _group(rank, world_size, "lt")
+    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
+    bad: list[str] = []
+    mine, theirs = _tensors(rank), _tensors(prv)
+    try:
+        for step in ("settle", "tensors", "mixed"):
+            if step == "settle":  # the offer waits for its receiver: even ranks go first
+                h = g.isend_tensor_dict({"x": torch.ones(2) * rank}, nxt)
+                got = g.recv_tensor_dict(prv)
+                h.wait(20)
+                bad += [] if torch.equal(got["x"], torch.ones(2) * prv) else ["settling dict"]
+                continue
+            if step == "tensors":
+                before = _messages(g, nxt)
+                for i, (t, want) in enumerate(zip(mine, theirs)):
+                    if rank % 2 == 0:
+                        g.send(t, nxt)
+                        got = g.recv(want.shape, want.dtype, prv)
+                    else:
+                        got = g.recv(want.shape, want.dtype, prv)
+                        g.send(t, nxt)
+                    if got.dtype != want.dtype or not torch.equal(got, want.contiguous()):
+                        bad.append(f"tensor {i} ({want.dtype} {tuple(want.shape)})")
+                if _messages(g, nxt) < before + len(mine):
+                    bad.append(f"not on the link: {before} -> {_messages(g, nxt)} messages")
+                continue
+            h = [g.isend(mine[0], nxt), g.isend_tensor_dict({"k": mine[2]}, nxt),
+                 g.isend(mine[5], nxt)]
+            r1 = g.recv(theirs[0].shape, theirs[0].dtype, prv)
+            r2 = g.recv_tensor_dict(prv)
+            r3 = g.irecv((theirs[5].shape, theirs[5].dtype), prv).wait(20)
+            for x in h:
+                x.wait(20)
+            if not (torch.equal(r1, theirs[0]) and torch.equal(r2["k"], theirs[2])
+                    and torch.equal(r3, theirs[5])):
+                bad.append("mixed order")
+    finally:
+        g.destroy()
+    return bad
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_single_tensors_travel_on_the_link_in_order(dist_pool, world_size):
+    assert dist_pool(world_size).run(pairs, timeout=140) == [[]] * world_size
+
+
+def _outcome(fn: Any) -> str:
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - the test compares the error's class
+        return type(e).__name__
+    return "ok" if not isinstance(out, torch.Tensor) else f"ok {tuple(out.shape)} {out.dtype}"
+
+
+def mismatches(rank: int, world_size: int) -> list[str]:
+    """Rank 0 sends, rank 1 receives; each mismatch is followed by a good exchange."""
+    g = _group(rank, 2, "lm")
+    good = torch.arange(6.0)
+    got: list[str] = []
+
+    def exchange() -> None:
+        if rank == 0:
+            g.send(good, 1)
+        else:
+            got.append(_outcome(lambda: g.recv((6,), torch.float32, 0)))
+
+    try:
+        if rank == 0:
+            g.send_tensor_dict({"x": good}, 1)
+        else:
+            g.recv_tensor_dict(0)
+        cases = [
+            (lambda: g.send(torch.ones(4), 1), lambda: g.recv((5,), torch.float32, 0)),
+            (lambda: g.send(torch.ones(4), 1), lambda: g.recv((4,), torch.int64, 0)),
+            (lambda: g.send_tensor_dict({"a": torch.ones(3 << 20)}, 1),
+             lambda: g.recv((3 << 20,), torch.float32, 0)),
+            (lambda: g.send(torch.ones(2), 1), lambda: g.recv_tensor_dict(0)),
+            (lambda: g.send("not a tensor", 1), lambda: g.recv((2,), torch.float32, 0)),
+            (lambda: good, lambda: g.recv((-1,), torch.float32, 0)),  # nothing sent
+        ]
+        for send, recv in cases:
+            got.append(_outcome(send if rank == 0 else recv))
+            exchange()
+    finally:
+        g.destroy()
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_mismatched_calls_raise_on_the_receiver_and_keep_the_link_in_order(dist_pool):
+    sender, receiver = dist_pool(2).run(mismatches, timeout=110)
+    ok = "ok (6,) torch.float32"
+    assert sender == ["ok"] * 4 + ["TypeError", "ok (6,) torch.float32"], sender
+    assert receiver == ["CollectiveMismatch", ok, "CollectiveMismatch", ok, "CollectiveMismatch",
+                        ok, "CollectiveMismatch", ok, "CollectiveMismatch", ok,
+                        "ValueError", ok], receiver
+
+
+def cpu_group_direction(rank: int, world_size: int) -> list[bool]:
+    """With GROUPCOORD_P2P_SHM=0 on the sender the direction settles on the CPU
+    group: send/recv keep working there, and nothing is on a link."""
+    if rank == 0:
+        os.environ["GROUPCOORD_P2P_SHM"] = "0"
+    g = _group(rank, 2, "lc")
+    try:
+        if rank == 0:
+            g.send_tensor_dict({"x": torch.ones(2)}, 1)
+            g.send(torch.arange(5), 1)
+            return [_messages(g, 1) == -1]
+        g.recv_tensor_dict(0)
+        return [torch.equal(g.recv((5,), torch.int64, 0), torch.arange(5))]
+    finally:
+        g.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_a_direction_on_the_cpu_group_keeps_the_communicator(dist_pool):
+    assert dist_pool(2).run(cpu_group_direction, timeout=50) == [[True], [True]]
