@@ -221,9 +221,11 @@ class GroupObjectCalls:
         got = self._broadcast_raw(None, src, group, op, queue=False)
         why = _list_mismatch(got, len(obj_list))
         if why is not None:
+            whose = (f"the source rank {src} could not send its objects ({why}); fix the call "
+                     f"on rank {src}" if isinstance(got, SourceFailure) else
+                     f"the lists differ ({why}); pass obj_list of the same length on every rank")
             raise CollectiveMismatch(
-                f"broadcast_object_list on group {self.unique_name!r}: the source rank {src} "
-                f"could not send its objects ({why}); fix the call on rank {src}",
+                f"broadcast_object_list on group {self.unique_name!r}: {whose}",
                 queue=self.unique_name, peers=(src,),
             )
         obj_list[:] = got

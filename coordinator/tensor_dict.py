@@ -370,23 +370,16 @@ def send_tensor_dict(
     all_gather_tensors: Mapping[Any, bool] | None,
 ) -> None:
     """Implementation of :meth:`GroupCoordinator.send_tensor_dict`."""
-    # Argument errors raise here before anything is sent. On a settled link the
-    # receiver is told (a failure message costs no wait); elsewhere telling it
-    # would need a blocking send, and a rank may make the same mistake with
-    # nobody receiving. A value that does not serialise is reported to the
-    # receiver by send_object, in place of the metadata it waits for.
+    # Argument errors raise here before anything is sent, as every point-to-point
+    # argument check does: telling the receiver would need a blocking send, and
+    # a rank may make the same mistake with nobody receiving. A value that does
+    # not serialise is reported to the receiver by send_object, in place of the
+    # metadata it waits for.
     if not isinstance(tensor_dict, Mapping):
         raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
     n = all_gather_group.world_size if all_gather_group is not None else 1
-    try:
-        slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
-        meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n,
-                                            device=coord.device)
-    except (TypeError, ValueError) as e:
-        settled = coord._links.settled(SEND_SIDE, dst)
-        if settled is not None:
-            settled.enqueue(link_messages.failure(f"{type(e).__name__}: {e}"))
-        raise
+    slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
+    meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n, device=coord.device)
     if all_gather_group is not None:  # sliced: send only this rank's 1/n
         payload = [t.reshape(n, -1)[all_gather_group.rank_in_group] if desc[3] else t
                    for (_, _, desc), t in zip((m for m in meta if m[1] == TENSOR), payload)]
