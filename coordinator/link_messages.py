@@ -14,6 +14,8 @@ receiver gets plain new tensors, as over the CPU group::
     ["t1", meta, inline pieces]            one tensor of ``send``/``isend``
                                            (:mod:`coordinator.link_tensors`): a
                                            dict of one entry, parts as a dict's
+    ["t1", tensor]                         the same when it fits one part and its
+                                           dtype travels as itself
 
 Which pieces are streamed follows from the metadata alone (:func:`streamed`),
 so the receiver knows what to expect before reading anything: none when all
@@ -46,7 +48,8 @@ import torch
 from coordinator.errors import CollectiveMismatch, DecodeError
 from coordinator.shm_links import CHUNK_BYTES
 
-__all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "failure", "Pieces"]
+__all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "plain_piece", "failure",
+           "Pieces"]
 
 #: The tag of a tensor dict's message, and of a single tensor's.
 DICT, TENSOR_ONLY = "td", "t1"
@@ -76,7 +79,7 @@ def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
     Raises:
         TypeError etc.: The codec refused a value of ``meta``; nothing was sent.
     """
-    pieces = [_piece(t) for t in payload if t.numel()]
+    pieces = [plain_piece(t) for t in payload if t.numel()]
     flags = streamed([p.numel() * p.element_size() for p in pieces])
     link.enqueue([tag, meta, [p for p, f in zip(pieces, flags) if not f]])
     try:
@@ -90,7 +93,7 @@ def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
         raise
 
 
-def _piece(t: torch.Tensor) -> torch.Tensor:
+def plain_piece(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values as a contiguous plain tensor the codec carries: itself where
     its dtype travels, else its flat bytes (sub-byte and bit types); subclasses
     and autograd do not travel."""
@@ -140,6 +143,11 @@ class Pieces:
             raise CollectiveMismatch(
                 f"{call}: the sender (global rank {src_global}) could not send "
                 f"({msg[1][:2000]}); fix the call on that rank", peers=(src_global,))
+        if _tag(msg, 2) == TENSOR_ONLY and tag == DICT:  # a whole message: nothing follows
+            raise CollectiveMismatch(
+                f"{call}: the sender (global rank {src_global}) called send where this rank "
+                f"called {call}; make the same kind of call on both ranks (what it sent was "
+                f"consumed)", peers=(src_global,))
         sent = _tag(msg, 3)
         if sent in _CALLS and sent != tag:
             self._mismatch = (f"{call}: the sender (global rank {src_global}) called "

@@ -54,6 +54,11 @@ def send(coord: "GroupCoordinator", tensor: torch.Tensor, dst: int) -> None:
         return coord.comm.send(tensor, dst)
     try:
         t = validation.check_tensor(tensor, "tensor", coord.device)
+        piece = link_messages.plain_piece(t)
+        if piece.dtype == t.dtype and piece.nbytes <= link_messages.PART_BYTES:
+            # The common case in one message the codec checks itself: [tag, tensor].
+            link.enqueue([link_messages.TENSOR_ONLY, piece])
+            return
         meta, payload = flatten_tensor_dict({_KEY: t}, device=coord.device)
     except (TypeError, ValueError) as e:
         link.enqueue(link_messages.failure(f"{type(e).__name__}: {e}"))
@@ -72,7 +77,14 @@ def recv(coord: "GroupCoordinator", size: torch.Size | Sequence[int], dtype: tor
         return coord.comm.recv(size, dtype, src)
     shape = validation.check_spec(size, dtype)
     src_global = coord.ranks[src]
-    pieces = link_messages.Pieces(link, link.dequeue(), src_global,
+    msg = link.dequeue()
+    if type(msg) is list and len(msg) == 2 and msg[0] == link_messages.TENSOR_ONLY:
+        out = msg[1]
+        if type(out) is not torch.Tensor:
+            raise DecodeError(f"recv: malformed link message from global rank {src_global}: "
+                              f"{type(out).__name__} {out!r:.80}")
+        return _matching(coord, out, shape, dtype, src, src_global)
+    pieces = link_messages.Pieces(link, msg, src_global,
                                   lambda e: coord._links.break_direction(RECV, src, e),
                                   tag=link_messages.TENSOR_ONLY)
     meta = check_metadata(pieces.meta, coord.device.type)
@@ -84,10 +96,17 @@ def recv(coord: "GroupCoordinator", size: torch.Size | Sequence[int], dtype: tor
     if len(descs) != 1 or descs[0][3]:
         raise DecodeError(f"recv: the link message from global rank {src_global} holds "
                           f"{len(descs)} tensors, not one whole tensor")
-    out = taken[0].reshape(descs[0][2])
+    return _matching(coord, taken[0].reshape(descs[0][2]), shape, dtype, src, src_global)
+
+
+def _matching(coord: "GroupCoordinator", out: torch.Tensor, shape: torch.Size,
+              dtype: torch.dtype, src: int, src_global: int) -> torch.Tensor:
+    """``out`` if it is what ``recv`` asked for (it was consumed either way)."""
     if out.shape != shape or out.dtype != dtype:
         raise CollectiveMismatch(
             f"recv on group {coord.unique_name!r}: expected a tensor of shape {tuple(shape)} "
             f"and {dtype} from rank {src}, which sent {tuple(out.shape)} and {out.dtype}",
             peers=(src_global,))
+    if out.requires_grad:  # only a pickling peer's codec could set it
+        out = out.detach()
     return out

@@ -169,6 +169,7 @@ def bad_value_rank(rank: int, world_size: int, op: str, case: str, mq: bool) -> 
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 @pytest.mark.parametrize("mq", [False, True], ids=["communicator", "queue"])
 @pytest.mark.parametrize("case", ["freed-tensor", "shrunk-tensor", "nested-tensor", "too-deep"])
 @pytest.mark.parametrize("op", ["broadcast_object", "broadcast_tensor_dict"])
