@@ -85,7 +85,7 @@ def pairs(rank: int, world_size: int) -> list[str]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_single_tensors_travel_on_the_link_in_order(dist_pool, world_size):
     assert dist_pool(world_size).run(pairs, timeout=140) == [[]] * world_size
 

@@ -414,8 +414,10 @@ def test_tp2_x_pp2_matches_transformers(
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("sequence_parallel", "collectives"),
-    [pytest.param(False, {"all_reduce", "all_gather"}, marks=pytest.mark.slow),  # CI time:
-     (True, {"reduce_scatter", "all_gather"})],  # compiled all_reduce: test_custom_ops.py
+    # CI time: both under -m slow; compiled collectives inside layers run by default
+    # in test_custom_ops.py and test_compile_group_methods.py
+    [pytest.param(False, {"all_reduce", "all_gather"}, marks=pytest.mark.slow),
+     pytest.param(True, {"reduce_scatter", "all_gather"}, marks=pytest.mark.slow)],
 )
 def test_compiled_tp2_model_has_no_graph_breaks(
     dist_pool: Any,

@@ -74,7 +74,7 @@ _OPS = ["broadcast_object", "broadcast_object_list", "obj_list-not-a-list",
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("op", _OPS)
 def test_bad_src_on_one_rank_over_the_communicator(dist_pool: Any, op: str,
                                                    world_size: int) -> None:
