@@ -40,6 +40,19 @@ def _broadcast_call(g: Any, op: str, rank: int, bad: bool) -> Any:
     return g.broadcast_tensor_dict({"x": torch.ones(2)} if rank == 0 else None, src=src)
 
 
+def _in_step(g: Any, rank: int, world_size: int, i: int) -> list[str]:
+    """What is wrong with a broadcast_object and an all_reduce after a failed call
+    (nothing when the group is in step again)."""
+    problems = []
+    got = g.broadcast_object({"i": i} if rank == 0 else None, src=0)
+    if got != {"i": i}:
+        problems.append(f"broadcast_object afterwards gave {got!r}")
+    s = g.all_reduce(torch.ones(3))
+    if not torch.equal(s, torch.full((3,), float(world_size))):
+        problems.append(f"all_reduce afterwards gave {s.tolist()}")
+    return problems
+
+
 def bad_src_rank(rank: int, world_size: int, op: str, mq: bool, bad_rank: int) -> list[str]:
     from coordinator.errors import CollectiveMismatch, PeerRejectedError
 
@@ -57,13 +70,8 @@ def bad_src_rank(rank: int, world_size: int, op: str, mq: bool, bad_rank: int) -
             problems.append(f"the bad rank raised {raised!r}")
         if took > _TIMEOUT / 4:
             problems.append(f"the call took {took:.1f} s")
-        for i in range(2):  # in step again
-            got = g.broadcast_object({"i": i} if rank == 0 else None, src=0)
-            if got != {"i": i}:
-                problems.append(f"broadcast_object afterwards gave {got!r}")
-            s = g.all_reduce(torch.ones(3))
-            if not torch.equal(s, torch.full((3,), float(world_size))):
-                problems.append(f"all_reduce afterwards gave {s.tolist()}")
+        for i in range(2):
+            problems += _in_step(g, rank, world_size, i)
     finally:
         g.destroy()
     return problems
@@ -160,9 +168,7 @@ def bad_value_rank(rank: int, world_size: int, op: str, case: str, mq: bool) -> 
                 problems.append(f"a receiver raised {e!r:.200}")
         if time.monotonic() - t0 > _TIMEOUT / 4:
             problems.append(f"the call took {time.monotonic() - t0:.1f} s")
-        got = g.broadcast_object({"i": 1} if rank == 0 else None, src=0)
-        if got != {"i": 1}:
-            problems.append(f"broadcast_object afterwards gave {got!r}")
+        problems += _in_step(g, rank, world_size, 1)
     finally:
         g.destroy()
     return problems
@@ -195,9 +201,7 @@ def bad_barrier_timeout_rank(rank: int, world_size: int, bad: Any) -> list[str]:
                 problems.append(f"rank {rank} raised {e!r}")
         if time.monotonic() - t0 > _TIMEOUT / 4:
             problems.append(f"the barrier took {time.monotonic() - t0:.1f} s")
-        s = g.all_reduce(torch.ones(3))
-        if not torch.equal(s, torch.full((3,), float(world_size))):
-            problems.append(f"all_reduce afterwards gave {s.tolist()}")
+        problems += _in_step(g, rank, world_size, 0)
     finally:
         g.destroy()
     return problems
