@@ -40,10 +40,12 @@ def _broadcast_call(g: Any, op: str, rank: int, bad: bool) -> Any:
     return g.broadcast_tensor_dict({"x": torch.ones(2)} if rank == 0 else None, src=src)
 
 
-def _in_step(g: Any, rank: int, world_size: int, i: int) -> list[str]:
-    """What is wrong with a broadcast_object and an all_reduce after a failed call
-    (nothing when the group is in step again)."""
+def _in_step(g: Any, rank: int, world_size: int, i: int, t0: float | None = None) -> list[str]:
+    """What is wrong after a failed call that began at ``t0``: it took too long, or a
+    broadcast_object and an all_reduce that follow fail (nothing: in step again)."""
     problems = []
+    if t0 is not None and time.monotonic() - t0 > _TIMEOUT / 4:
+        problems.append(f"the call took {time.monotonic() - t0:.1f} s")
     got = g.broadcast_object({"i": i} if rank == 0 else None, src=0)
     if got != {"i": i}:
         problems.append(f"broadcast_object afterwards gave {got!r}")
@@ -166,9 +168,7 @@ def bad_value_rank(rank: int, world_size: int, op: str, case: str, mq: bool) -> 
         except (TypeError, ValueError) as e:
             if rank != 0:
                 problems.append(f"a receiver raised {e!r:.200}")
-        if time.monotonic() - t0 > _TIMEOUT / 4:
-            problems.append(f"the call took {time.monotonic() - t0:.1f} s")
-        problems += _in_step(g, rank, world_size, 1)
+        problems += _in_step(g, rank, world_size, 1, t0)
     finally:
         g.destroy()
     return problems
@@ -199,9 +199,7 @@ def bad_barrier_timeout_rank(rank: int, world_size: int, bad: Any) -> list[str]:
         except (TypeError, ValueError) as e:
             if rank != world_size - 1 or "timeout" not in str(e):
                 problems.append(f"rank {rank} raised {e!r}")
-        if time.monotonic() - t0 > _TIMEOUT / 4:
-            problems.append(f"the barrier took {time.monotonic() - t0:.1f} s")
-        problems += _in_step(g, rank, world_size, 0)
+        problems += _in_step(g, rank, world_size, 0, t0)
     finally:
         g.destroy()
     return problems
