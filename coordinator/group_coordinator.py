@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import re
 import time
 from typing import Any, Iterator, Sequence
 
@@ -37,7 +36,8 @@ from coordinator import async_p2p, custom_ops, link_tensors
 from coordinator.call_errors import WAIT_ERRORS, CallErrors, peer_rank
 from coordinator import group_setup as setup
 from coordinator.async_p2p import RECV, SEND
-from coordinator.errors import CommTimeout, NotInitializedError
+from coordinator.monitored_barrier import monitored_barrier
+from coordinator.errors import NotInitializedError
 from coordinator.group_objects import GroupObjectCalls
 from coordinator.group_registry import REGISTRY
 from coordinator.group_tensor_dicts import GroupTensorDictCalls
@@ -62,7 +62,6 @@ class GraphCaptureContext:
     stream: Any = None
 
 
-_MONITORED_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
     """Collectives for one group of ranks (one parallel dimension).
@@ -408,35 +407,13 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         if self.world_size > 1:
             self._check_live("barrier")
             try:
-                self._monitored_barrier(wait_s)
+                monitored_barrier(self, wait_s)
             except WAIT_ERRORS as e:
                 self._errors.explain("barrier", seq, e,
                                      started=started if wait_s == self.timeout else None)
                 raise
         if bad is not None:
             raise bad
-
-    def _monitored_barrier(self, wait_s: float) -> None:
-        """gloo's monitored barrier: group rank 0 collects every rank and names the
-        missing ones; the others wait for rank 0's release."""
-        start = time.monotonic()
-        try:
-            dist.monitored_barrier(group=self.cpu_group,
-                                   timeout=datetime.timedelta(seconds=wait_s),
-                                   wait_all_ranks=True)
-        except RuntimeError as e:
-            found = _MONITORED_MISSING.search(str(e))
-            if found is None:
-                raise
-            missing = [int(r) for r in found.group(1).replace(",", " ").split()]
-            if time.monotonic() - start < 0.9 * wait_s:
-                # Failed before the timeout: their connection broke, so they are
-                # probably exiting; let the explanation see them gone.
-                self._errors.await_exit(missing)
-            raise CommTimeout(
-                f"group {self.unique_name!r}, op barrier: rank(s) {missing} did not arrive "
-                f"within {wait_s:g}s ({str(e).splitlines()[0]})",
-                queue=self.unique_name, peers=missing) from e
 
     @contextlib.contextmanager
     def graph_capture(
