@@ -107,6 +107,6 @@ def _matching(coord: "GroupCoordinator", out: torch.Tensor, shape: torch.Size,
             f"recv on group {coord.unique_name!r}: expected a tensor of shape {tuple(shape)} "
             f"and {dtype} from rank {src}, which sent {tuple(out.shape)} and {out.dtype}",
             peers=(src_global,))
-    if out.requires_grad:  # only a pickling peer's codec could set it
+    if out.requires_grad:  # a peer's codec may set the flag; a received tensor never needs it
         out = out.detach()
     return out
