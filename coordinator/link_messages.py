@@ -49,7 +49,7 @@ from coordinator.errors import CollectiveMismatch, DecodeError
 from coordinator.shm_links import CHUNK_BYTES
 
 __all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "plain_piece", "failure",
-           "Pieces"]
+           "lone_tensor", "Pieces"]
 
 #: The tag of a tensor dict's message, and of a single tensor's.
 DICT, TENSOR_ONLY = "td", "t1"
@@ -111,6 +111,20 @@ def plain_piece(t: torch.Tensor) -> torch.Tensor:
 def failure(text: str) -> list[Any]:
     """The message that tells the receiver the dict could not be sent."""
     return ["fail", text]
+
+
+def lone_tensor(msg: Any, src_global: int) -> torch.Tensor | None:
+    """The tensor of a one-part ``["t1", tensor]`` message, or None for any other message.
+
+    Raises:
+        DecodeError: The message has that form but does not hold a tensor.
+    """
+    if _tag(msg, 2) != TENSOR_ONLY:
+        return None
+    if type(msg[1]) is not torch.Tensor:
+        raise DecodeError(f"recv: malformed link message from global rank {src_global}: "
+                          f"{type(msg[1]).__name__} {msg[1]!r:.80}")
+    return msg[1]
 
 
 def _tag(msg: Any, n: int) -> Any:

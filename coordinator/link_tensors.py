@@ -27,7 +27,6 @@ on the receiver: the link stays in order.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -35,7 +34,7 @@ import torch
 from coordinator import link_messages
 from coordinator.errors import CollectiveMismatch, DecodeError
 from coordinator.p2p_channels import RECV, SEND
-from coordinator.tensor_dict import TENSOR, _dtype, check_metadata, flatten_tensor_dict
+from coordinator.tensor_dict import _dtype, _numels, check_metadata, flatten_tensor_dict
 from device_comms import validation
 
 if TYPE_CHECKING:
@@ -78,21 +77,18 @@ def recv(coord: "GroupCoordinator", size: torch.Size | Sequence[int], dtype: tor
     shape = validation.check_spec(size, dtype)
     src_global = coord.ranks[src]
     msg = link.dequeue()
-    if type(msg) is list and len(msg) == 2 and msg[0] == link_messages.TENSOR_ONLY:
-        out = msg[1]
-        if type(out) is not torch.Tensor:
-            raise DecodeError(f"recv: malformed link message from global rank {src_global}: "
-                              f"{type(out).__name__} {out!r:.80}")
+    out = link_messages.lone_tensor(msg, src_global)
+    if out is not None:
         return _matching(coord, out, shape, dtype, src, src_global)
     pieces = link_messages.Pieces(link, msg, src_global,
                                   lambda e: coord._links.break_direction(RECV, src, e),
                                   tag=link_messages.TENSOR_ONLY)
-    meta = check_metadata(pieces.meta, coord.device.type)
-    descs = [v for _, kind, v in meta if kind == TENSOR]
-    sizes = [(_dtype(d[1]), math.prod(d[2]) // (d[3] or 1)) for d in descs]
-    pieces.expect([n * dt.itemsize for dt, n in sizes if n])
-    taken = [pieces.take(dt, n, _KEY) for dt, n in sizes]  # all of it: the link stays in order
-    pieces.finish()  # a dict where recv waits
+    numels = _numels(check_metadata(pieces.meta, coord.device.type))
+    pieces.expect([n * _dtype(d[1]).itemsize for n, d in numels if n])
+    # all of it, so that the link stays in order, then: a dict where recv waits?
+    taken = [pieces.take(_dtype(d[1]), n, _KEY) for n, d in numels]
+    pieces.finish()
+    descs = [d for _, d in numels]
     if len(descs) != 1 or descs[0][3]:
         raise DecodeError(f"recv: the link message from global rank {src_global} holds "
                           f"{len(descs)} tensors, not one whole tensor")
