@@ -323,7 +323,11 @@ def _done(coord: "GroupCoordinator", op: str, peer: int, seq: int, result: Any) 
 def _tell_peer(coord: "GroupCoordinator", direction: str, peer: int, op: str, seq: int,
                e: BaseException) -> None:
     """In this direction's order, take part in the call as a rank that rejected its
-    arguments, so the peer raises ``PeerRejectedError`` instead of waiting."""
+    arguments, so the peer raises ``PeerRejectedError`` instead of waiting; only
+    where the direction's transport tells rejections (``ShmLinks.rejections_told``:
+    elsewhere the bad call takes no part)."""
+    if not coord._links.rejections_told(direction, peer):
+        return
     kind = "send" if direction == SEND else "recv"
     reject = getattr(coord.comm, "_reject", None)
     if reject is not None:

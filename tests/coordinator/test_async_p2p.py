@@ -275,7 +275,11 @@ def destroy_with_outstanding(rank: int, n: int) -> dict[str, Any]:
 
 
 def dropped_failure_warns(rank: int, n: int) -> list[str]:
-    """A handle dropped without wait() whose call fails is reported as a warning."""
+    """A handle dropped without wait() whose call fails is reported as a warning.
+
+    The sender keeps its direction on the CPU group (``GROUPCOORD_P2P_SHM=0``),
+    where a receiver's refusal reaches the sender (on a link only the receiver
+    raises)."""
     from coordinator.errors import CollectiveMismatch
 
     def body(g: Any) -> list[str]:
@@ -295,7 +299,12 @@ def dropped_failure_warns(rank: int, n: int) -> list[str]:
             g.barrier()
         return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
 
-    return _with_group(rank, n, body)
+    if rank % 2 == 0:
+        os.environ["GROUPCOORD_P2P_SHM"] = "0"
+    try:
+        return _with_group(rank, n, body)
+    finally:
+        os.environ.pop("GROUPCOORD_P2P_SHM", None)  # pool workers run later tests
 
 
 def completion_progress(rank: int, n: int) -> dict[str, Any]:
@@ -369,9 +378,12 @@ def _bad_call(g: Any, rank: int, case: str) -> Any:
     return calls[case]()
 
 
-def bad_arguments(rank: int, n: int, case: str) -> dict[str, Any]:
+def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any]:
     """Even ranks make the bad call; odd ranks make the matching good one when the bad
-    call had a valid peer: they must be told (PeerRejectedError), not left waiting."""
+    call had a valid peer. On the CPU group (``GROUPCOORD_P2P_SHM=0``, directions
+    settled by a first exchange) the peer is told (PeerRejectedError), not left
+    waiting; on a link the bad call takes no part, and the peer's call pairs with
+    the even rank's next, good one."""
     from coordinator.errors import PeerRejectedError
 
     exc_type, arg = BAD_CALLS[case]
@@ -381,17 +393,16 @@ def bad_arguments(rank: int, n: int, case: str) -> dict[str, Any]:
     def body(g: Any) -> dict[str, Any]:
         peer = rank ^ 1
         out: dict[str, Any] = {}
+        h = g.isend(torch.zeros(1), peer)  # settles both directions
+        g.irecv(((1,), torch.float32), peer).wait()
+        h.wait()
         if rank % 2 == 0:
             with pytest.raises(exc_type) as info:
                 _bad_call(g, rank, case)
             out["text"] = str(info.value)
             assert arg in out["text"], (case, out["text"])
-        elif rejected_peer:
-            h = (g.irecv(((2,), torch.float32), peer) if "isend" in case
-                 else g.isend(torch.ones(2), peer))
-            with pytest.raises(PeerRejectedError) as rej:
-                h.wait(10)
-            out["peer_told"] = str(rej.value)
+        if rejected_peer:
+            out.update(_rejected_peer(g, rank, peer, case, transport, PeerRejectedError))
         if case.startswith("wait-"):  # the sends themselves were valid: receive them
             if rank % 2:
                 g.irecv(((2,), torch.float32), peer).wait()
@@ -402,7 +413,35 @@ def bad_arguments(rank: int, n: int, case: str) -> dict[str, Any]:
         assert torch.equal(got, torch.full((3,), float(peer)))
         return out
 
-    return _with_group(rank, n, body)
+    if transport == "cpu-group":
+        os.environ["GROUPCOORD_P2P_SHM"] = "0"
+    try:
+        return _with_group(rank, n, body)
+    finally:
+        os.environ.pop("GROUPCOORD_P2P_SHM", None)  # pool workers run later tests
+
+
+def _rejected_peer(g: Any, rank: int, peer: int, case: str, transport: str,
+                   rejected: type[Exception]) -> dict[str, Any]:
+    """The odd rank's good call matching the even rank's bad one: told on the CPU
+    group; on a link it pairs with the even rank's next call, which is good."""
+    sending = "isend" in case  # the even rank's bad call sends
+    if rank % 2:
+        h = (g.irecv(((2,), torch.float32), peer) if sending
+             else g.isend(torch.ones(2), peer))
+        if transport == "cpu-group":
+            with pytest.raises(rejected) as rej:
+                h.wait(10)
+            return {"peer_told": str(rej.value)}
+        got = h.wait(10)
+        assert got is None or torch.equal(got, torch.ones(2)), got
+        return {"paired": True}
+    if transport == "link":  # the good call the odd rank's call pairs with
+        if sending:
+            g.isend(torch.ones(2), peer).wait(10)
+        else:
+            assert torch.equal(g.irecv(((2,), torch.float32), peer).wait(10), torch.ones(2))
+    return {}
 
 
 def killed_peer(rank: int, n: int) -> dict[str, Any]:
@@ -528,10 +567,18 @@ def test_is_completed_progresses_with_the_peer(dist_pool, world_size) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", sorted(BAD_CALLS))
 def test_bad_arguments_raise_naming_the_argument(dist_pool, case) -> None:
-    out = dist_pool(2).run(bad_arguments, case, timeout=100)
+    out = dist_pool(2).run(bad_arguments, case, "link", timeout=100)
     assert BAD_CALLS[case][1] in out[0]["text"]
-    if "peer_told" in out[1]:
-        assert "rank 0" in out[1]["peer_told"], out[1]
+    assert "peer_told" not in out[1], out[1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["isend-not-a-tensor", "isend-meta-tensor",
+                                  "irecv-spec-not-a-pair", "irecv-spec-negative"])
+def test_bad_arguments_on_the_cpu_group_are_told_to_the_peer(dist_pool, case) -> None:
+    out = dist_pool(2).run(bad_arguments, case, "cpu-group", timeout=100)
+    assert BAD_CALLS[case][1] in out[0]["text"]
+    assert "rank 0" in out[1]["peer_told"], out[1]
 
 
 @pytest.mark.timeout(120)

@@ -1,8 +1,8 @@
 """Plain ``send``/``recv`` (and ``isend``/``irecv``) on a direction settled on a
 shared-memory link (coordinator.link_tensors), on real ranks.
 
-Each rank code builds its own group; a first tensor dict settles each
-direction. Then single tensors of every kind travel on the link (the link's
+Each rank code builds its own group; a first tensor dict (or a first single
+tensor) settles each direction. Then single tensors of every kind travel on the link (the link's
 message count proves it), mixed in order with dicts and asynchronous calls;
 mismatched calls raise on the receiver and leave the link in order.
 """
@@ -121,8 +121,9 @@ def mismatches(rank: int, world_size: int) -> list[str]:
             (lambda: g.send_tensor_dict({"a": torch.ones(3 << 20)}, 1),
              lambda: g.recv((3 << 20,), torch.float32, 0)),
             (lambda: g.send(torch.ones(2), 1), lambda: g.recv_tensor_dict(0)),
-            (lambda: g.send("not a tensor", 1), lambda: g.recv((2,), torch.float32, 0)),
-            (lambda: good, lambda: g.recv((-1,), torch.float32, 0)),  # nothing sent
+            # bad arguments raise on their caller alone: nothing sent, nothing taken
+            (lambda: g.send("not a tensor", 1), lambda: good),
+            (lambda: good, lambda: g.recv((-1,), torch.float32, 0)),
         ]
         for send, recv in cases:
             got.append(_outcome(send if rank == 0 else recv))
@@ -138,28 +139,68 @@ def test_mismatched_calls_raise_on_the_receiver_and_keep_the_link_in_order(dist_
     ok = "ok (6,) torch.float32"
     assert sender == ["ok"] * 4 + ["TypeError", "ok (6,) torch.float32"], sender
     assert receiver == ["CollectiveMismatch", ok, "CollectiveMismatch", ok, "CollectiveMismatch",
-                        ok, "CollectiveMismatch", ok, "CollectiveMismatch", ok,
-                        "ValueError", ok], receiver
+                        ok, "CollectiveMismatch", ok, ok, ok, "ValueError", ok], receiver
 
 
-def cpu_group_direction(rank: int, world_size: int) -> list[bool]:
+def cpu_group_direction(rank: int, world_size: int, first: str) -> list[bool]:
     """With GROUPCOORD_P2P_SHM=0 on the sender the direction settles on the CPU
-    group: send/recv keep working there, and nothing is on a link."""
+    group (at its first call, a dict's or a tensor's): send/recv keep working
+    there, and nothing is on a link."""
     if rank == 0:
         os.environ["GROUPCOORD_P2P_SHM"] = "0"
     g = _group(rank, 2, "lc")
     try:
         if rank == 0:
-            g.send_tensor_dict({"x": torch.ones(2)}, 1)
+            if first == "dict":
+                g.send_tensor_dict({"x": torch.ones(2)}, 1)
             g.send(torch.arange(5), 1)
+            g.send(torch.ones(3), 1)
             return [_messages(g, 1) == -1]
-        g.recv_tensor_dict(0)
-        return [torch.equal(g.recv((5,), torch.int64, 0), torch.arange(5))]
+        if first == "dict":
+            g.recv_tensor_dict(0)
+        return [torch.equal(g.recv((5,), torch.int64, 0), torch.arange(5)),
+                torch.equal(g.recv((3,), torch.float32, 0), torch.ones(3))]
     finally:
         os.environ.pop("GROUPCOORD_P2P_SHM", None)  # pool workers run later tests
         g.destroy()
 
 
 @pytest.mark.timeout(60)
-def test_a_direction_on_the_cpu_group_keeps_the_communicator(dist_pool):
-    assert dist_pool(2).run(cpu_group_direction, timeout=50) == [[True], [True]]
+@pytest.mark.parametrize("first", ["dict", "tensor"])
+def test_a_direction_on_the_cpu_group_keeps_the_communicator(dist_pool, first):
+    assert dist_pool(2).run(cpu_group_direction, first, timeout=50) == [[True], [True, True]]
+
+
+def plain_first(rank: int, world_size: int, how: str) -> list[str]:
+    """A ring whose directions see no tensor dict: the first single tensor settles
+    each on a link, and every later one travels there."""
+    g = _group(rank, world_size, "lp")
+    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
+    mine, theirs = _tensors(rank), _tensors(prv)
+    bad: list[str] = []
+    try:
+        for i, (t, want) in enumerate(zip(mine, theirs)):
+            if how == "async":
+                h = g.isend(t, nxt)
+                got = g.irecv((want.shape, want.dtype), prv).wait(20)
+                h.wait(20)
+            elif rank % 2 == 0:  # the first send waits for its receiver: even ranks go first
+                g.send(t, nxt)
+                got = g.recv(want.shape, want.dtype, prv)
+            else:
+                got = g.recv(want.shape, want.dtype, prv)
+                g.send(t, nxt)
+            if got.dtype != want.dtype or not torch.equal(got, want.contiguous()):
+                bad.append(f"tensor {i} ({want.dtype} {tuple(want.shape)})")
+        if _messages(g, nxt) < len(mine):
+            bad.append(f"not on the link: {_messages(g, nxt)} messages for {len(mine)} tensors")
+    finally:
+        g.destroy()
+    return bad
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,how", [(2, "blocking"), (3, "async"),
+                                            pytest.param(4, "blocking", marks=pytest.mark.slow)])
+def test_the_first_single_tensor_settles_a_direction_on_a_link(dist_pool, world_size, how):
+    assert dist_pool(world_size).run(plain_first, how, timeout=100) == [[]] * world_size
