@@ -1,9 +1,8 @@
 """The offer that settles a link: what a sender sends, what a receiver accepts.
 
-The first point-to-point call of a direction (a tensor dict or a single
-tensor) begins with ``[MAGIC, handle bytes]`` (a shared-memory link) or
-``[MAGIC, None]`` (the CPU group) over the CPU group
-(:mod:`coordinator.shm_links`). The receiver accepts a handle only
+The first tensor dict of a direction begins with ``[MAGIC, handle bytes]``
+(a shared-memory link) or ``[MAGIC, None]`` (the CPU group) over the CPU
+group (:mod:`coordinator.shm_links`). The receiver accepts a handle only
 when it describes exactly what an honest sender of this library makes, so a
 hostile group member cannot point it anywhere else (a TCP endpoint, another
 host, a socket outside the queue's private directory, a ring of another
@@ -52,19 +51,17 @@ def offer(handle: bytes | None) -> list[Any]:
     return [MAGIC, handle]
 
 
-def check_offer(got: Any, coord: "GroupCoordinator", src: int,
-                op: str = "recv_tensor_dict") -> "Handle | None":
-    """The handle of an acceptable offer from group rank ``src`` (None: the CPU group);
-    ``op`` names the receiving call in errors.
+def check_offer(got: Any, coord: "GroupCoordinator", src: int) -> "Handle | None":
+    """The handle of an acceptable offer from group rank ``src`` (None: the CPU group).
 
     Raises:
         DecodeError: ``got`` is not an offer, or its handle is not a link this
             library would make for this rank (see the module docstring).
     """
-    where = f"group {coord.unique_name!r}: {op} from rank {src}"
+    where = f"group {coord.unique_name!r}: recv_tensor_dict from rank {src}"
     if (type(got) is not list or len(got) != 2 or type(got[0]) is not str or got[0] != MAGIC
             or not (got[1] is None or type(got[1]) is bytes)):
-        raise DecodeError(f"{where}: the first call of a direction begins with a link "
+        raise DecodeError(f"{where}: the first tensor dict of a direction begins with a link "
                           f"offer; got {type(got).__name__} {got!r:.80}", peers=(src,))
     if got[1] is None:
         return None

@@ -1,34 +1,37 @@
-"""Single tensors of ``send`` / ``recv`` (and ``isend`` / ``irecv``) on a link.
+"""Single tensors of ``send`` / ``recv`` (and ``isend`` / ``irecv``) on a settled link.
 
-A direction between two ranks of a host settles at its first point-to-point
-call, a single tensor's as well as a tensor dict's (:mod:`coordinator.shm_links`):
-on a shared-memory link where the sender's communicator shares memory with
-the receiver, else on the CPU group. On a link a tensor travels as a
-one-entry message tagged :data:`~coordinator.link_messages.TENSOR_ONLY`: one
-copy into the ring and one out, instead of the CPU group's header exchange
-and socket transfer (hundreds of microseconds per call between two local
-processes). A direction settled on the CPU group, and every GPU group, keep
-using the communicator's ``send``/``recv``.
+Once a direction between two ranks of a host has settled on a shared-memory
+link (its first tensor dict, :mod:`coordinator.shm_links`), a plain tensor
+sent that way travels on the same link, as a one-entry message tagged
+:data:`~coordinator.link_messages.TENSOR_ONLY`: one copy into the ring and
+one out, instead of the CPU group's header exchange and socket transfer
+(hundreds of microseconds per call between two local processes).
 
-Why both sides agree. Calls of one direction with one peer run one at a time
-in issue order (:func:`coordinator.async_p2p.ordered`), so a rank's ``k``-th
-call in a direction pairs with its peer's ``k``-th: the first pair carries
-the offer, and every later pair sees the same settled transport.
+Why both sides agree without a word. Calls of one direction with one peer run
+one at a time in issue order (:func:`coordinator.async_p2p.ordered`), and a
+direction is settled from its first tensor dict on, so before a rank's ``k``-th
+call in a direction both ranks have made the same ``k - 1`` calls, and both
+see the direction settled, or neither does. A direction that is unsettled or
+settled on the CPU group keeps using the communicator's ``send``/``recv``.
 
-The first call waits for its peer (the sender until the receiver has
-attached, the receiver for the offer), at most the group's timeout.
+Why a single tensor does not settle a direction. A link's sends are eager (a
+send returns once its message is in the ring), while the communicator's
+``send`` meets its receiver, as gloo's does: a receiver that skips its call
+or asks for another shape makes the sender raise there (``CommTimeout``,
+``CollectiveMismatch``), and a rank's bad arguments are told to its peer
+(``PeerRejectedError``). Code that sends plain tensors keeps those
+guarantees until it opts into the link by sending a tensor dict.
 
-What differs from the CPU group. A send returns once the tensor is in the
-ring (as a tensor dict's does; the ring holds :data:`~coordinator.shm_links.CHUNKS`
-messages). A call with bad arguments raises on its caller before anything is
-sent, settled or taken, and takes no part (the peer's call pairs with the
-caller's next one; see :meth:`~coordinator.shm_links.ShmLinks.rejections_told`
-for why only the CPU group tells the peer); a failure found while sending
-is reported to the receiver (a failure message: ``CollectiveMismatch``
-there). A tensor whose shape or dtype
-differs from what ``recv`` asked for, or a dict where ``recv`` waits (and a
-tensor where ``recv_tensor_dict`` waits), is consumed and raises
-``CollectiveMismatch`` on the receiver: the link stays in order.
+What differs on a link. A send returns once the tensor is in the ring (the
+ring holds :data:`~coordinator.shm_links.CHUNKS` messages). A call with bad
+arguments raises on its caller before anything is sent or taken, and takes
+no part (the peer's call pairs with the caller's next one; a rejection could
+not reach a sender that already returned); a failure found while sending is
+reported to the receiver (a failure message: ``CollectiveMismatch`` there).
+A tensor whose shape or dtype differs from what ``recv`` asked for, or a
+dict where ``recv`` waits (and a tensor where ``recv_tensor_dict`` waits), is
+consumed and raises ``CollectiveMismatch`` on the receiver: the link stays
+in order.
 """
 
 from __future__ import annotations
@@ -54,14 +57,10 @@ _KEY = "tensor"
 def send(coord: "GroupCoordinator", tensor: torch.Tensor, dst: int) -> None:
     """Send ``tensor`` to group rank ``dst``: on the direction's link if it has one,
     else through the communicator."""
-    if _is_peer(coord, dst) and coord._links.rejections_told(SEND, dst):
-        return coord.comm.send(tensor, dst)
-    # A bad argument raises here, before anything is sent or settled: it takes no part.
-    t = validation.check_tensor(tensor, "tensor", coord.device)
-    _check_peer(coord, dst, "dst", "send")
-    link = coord._links.sender(dst, "send")
+    link = coord._links.settled(SEND, dst) if _is_peer(coord, dst) else None
     if link is None:
-        return coord.comm.send(t, dst)
+        return coord.comm.send(tensor, dst)
+    t = validation.check_tensor(tensor, "tensor", coord.device)  # takes no part: see above
     try:
         piece = link_messages.plain_piece(t)
         if piece.dtype == t.dtype and piece.nbytes <= link_messages.PART_BYTES:
@@ -81,13 +80,10 @@ def recv(coord: "GroupCoordinator", size: torch.Size | Sequence[int], dtype: tor
          src: int) -> torch.Tensor:
     """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``: from the
     direction's link if it has one, else through the communicator."""
-    if _is_peer(coord, src) and coord._links.rejections_told(RECV, src):
-        return coord.comm.recv(size, dtype, src)
-    shape = validation.check_spec(size, dtype)  # a bad argument takes no part (see send)
-    _check_peer(coord, src, "src", "recv")
-    link = coord._links.receiver(src, "recv")
+    link = coord._links.settled(RECV, src) if _is_peer(coord, src) else None
     if link is None:
-        return coord.comm.recv(shape, dtype, src)
+        return coord.comm.recv(size, dtype, src)
+    shape = validation.check_spec(size, dtype)  # takes no part: see the module docstring
     src_global = coord.ranks[src]
     msg = link.dequeue()
     out = link_messages.lone_tensor(msg, src_global)
@@ -112,13 +108,6 @@ def _is_peer(coord: "GroupCoordinator", r: Any) -> bool:
     """Whether ``r`` is another rank of the group (a valid send/recv peer)."""
     return (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < coord.world_size
             and r != coord.rank_in_group)
-
-
-def _check_peer(coord: "GroupCoordinator", peer: Any, arg: str, op: str) -> None:
-    """``peer`` is another rank of the group (else TypeError/ValueError naming ``arg``)."""
-    validation.check_rank(peer, coord.world_size, arg)
-    if peer == coord.rank_in_group:
-        raise ValueError(f"{arg}={peer} is this rank; {op} needs another rank of the group")
 
 
 def _matching(coord: "GroupCoordinator", out: torch.Tensor, shape: torch.Size,

@@ -1,4 +1,4 @@
-"""Point-to-point traffic between two ranks of one host, through shared memory.
+"""Tensor dicts between two ranks of one host, through shared memory.
 
 On a CPU group whose communicator shares memory with the peer,
 ``send_tensor_dict`` / ``recv_tensor_dict`` (and their asynchronous forms)
@@ -7,20 +7,20 @@ move each dict as *one* message of a one-reader
 *link*: the metadata and every tensor's bytes together, copied once into the
 ring and once out. Over the CPU group the same dict costs the metadata plus
 one gloo send per tensor, each a socket round trip and a kernel wake-up
-(hundreds of microseconds each between two local processes). Single tensors
-of ``send`` / ``recv`` take the same link (:mod:`coordinator.link_tensors`).
+(hundreds of microseconds each between two local processes). Once settled
+on a link, single tensors of ``send`` / ``recv`` take it too
+(:mod:`coordinator.link_tensors`).
 
-Settling a direction. A rank's first point-to-point call to ``dst`` (a
-tensor dict or a single tensor, blocking or not) begins with an *offer* over
-the CPU group (``send_object``): ``[MAGIC, handle]`` when the sender opened a
-link (its communicator shares memory with ``dst``, ``GROUPCOORD_P2P_SHM`` is
-not ``0``, ``/dev/shm`` had room), else ``[MAGIC, None]``. The receiver's
-first call from that rank (``recv`` or ``recv_tensor_dict``: calls pair in
-order, see below) reads the offer, checks it (:mod:`coordinator.link_offer`)
-and attaches, or stays on the CPU group; both sides then wait (at most the
-group's timeout, in slices that notice a dead peer) until the link is
-connected. The sender alone decides, so the two sides cannot disagree, and
-the choice holds for the group's life::
+Settling a direction. The first tensor dict a rank sends to ``dst`` begins
+with an *offer* over the CPU group (``send_object``): ``[MAGIC, handle]`` when
+the sender opened a link (its communicator shares memory with ``dst``,
+``GROUPCOORD_P2P_SHM`` is not ``0``, ``/dev/shm`` had room), else
+``[MAGIC, None]``. The receiver's first ``recv_tensor_dict`` from that rank
+reads the offer, checks it (:mod:`coordinator.link_offer`) and attaches, or
+stays on the CPU group; both sides then wait (at most the group's timeout, in
+slices that notice a dead peer) until the link is connected. The sender alone
+decides, so the two sides cannot disagree, and the choice holds for the
+group's life::
 
     direction:  UNSETTLED --(offer sent / offer read)--> LINK | CPU GROUP
                 LINK --(a dict failed partway: its order is lost)--> CLOSED
@@ -95,15 +95,13 @@ class ShmLinks:
         self._broken: dict[tuple[str, int], str] = {}
         self._closed = False
 
-    def sender(self, dst: int, op: str = "send_tensor_dict") -> "MessageQueue | None":
-        """The link to group rank ``dst``, or None for the CPU group (settles on
-        first use; ``op`` names the call in a timeout's message)."""
-        return self._link(SEND, dst, op)
+    def sender(self, dst: int) -> "MessageQueue | None":
+        """The link to group rank ``dst``, or None for the CPU group (settles on first use)."""
+        return self._link(SEND, dst)
 
-    def receiver(self, src: int, op: str = "recv_tensor_dict") -> "MessageQueue | None":
-        """The link from group rank ``src``, or None for the CPU group (settles on
-        first use; ``op`` names the call in a timeout's message)."""
-        return self._link(RECV, src, op)
+    def receiver(self, src: int) -> "MessageQueue | None":
+        """The link from group rank ``src``, or None for the CPU group (settles on first use)."""
+        return self._link(RECV, src)
 
     def settled(self, direction: str, peer: int) -> "MessageQueue | None":
         """The link of one direction if it has settled on one, else None (unsettled
@@ -122,26 +120,25 @@ class ShmLinks:
     def rejections_told(self, direction: str, peer: int) -> bool:
         """Whether a rank's bad arguments for this direction reach its peer.
 
-        Only where calls go through the communicator, whose ``send``/``recv``
-        take part as a rejected call (GPU groups; directions settled on the
-        CPU group). On a link, or before a direction settles, a call with bad
-        arguments raises on its caller and takes no part: the peer's call pairs
-        with the caller's next one (or times out). A link's sends are eager,
-        so a rejection could not reach a sender that already returned, and a
-        direction that has not settled has no agreed transport to tell it on.
+        Everywhere but on a link: calls there go through the communicator,
+        whose ``send``/``recv`` take part as a rejected call. On a link a call
+        with bad arguments raises on its caller and takes no part (the peer's
+        call pairs with the caller's next one): a link's sends are eager, so a
+        rejection could not reach a sender that already returned.
         """
         if self._coord.device.type != "cpu":
             return True
-        return self._settled.get((direction, peer)) is _CPU_GROUP
+        got = self._settled.get((direction, peer))
+        return got is None or got is _CPU_GROUP
 
-    def _link(self, direction: str, peer: int, op: str) -> "MessageQueue | None":
+    def _link(self, direction: str, peer: int) -> "MessageQueue | None":
         if self._coord.device.type != "cpu":
             return None
         got = self._settled.get((direction, peer))
         if self._broken:
             self._check_broken(direction, peer)
         if got is None:
-            got = self._offer(peer, op) if direction == SEND else self._accept(peer, op)
+            got = self._offer(peer) if direction == SEND else self._accept(peer)
         return None if got is _CPU_GROUP else got
 
     def shutdown(self) -> None:
@@ -162,14 +159,14 @@ class ShmLinks:
             q.close()
 
     # ------------------------------------------------------------------ settling
-    def _offer(self, dst: int, op: str) -> Any:
+    def _offer(self, dst: int) -> Any:
         coord = self._coord
         q = self._open_writer(dst)
         try:
             coord._send_object(link_offer.offer(
                 q.export_handle().to_bytes() if q is not None else None), dst)
             if q is not None:
-                self._wait_ready(q, dst, op)
+                self._wait_ready(q, dst, "send_tensor_dict")
         except GroupCoordError:
             self._drop(q)
             if self._closed:  # the group was destroyed while this call waited
@@ -180,7 +177,7 @@ class ShmLinks:
             raise
         return self._keep(SEND, dst, q)
 
-    def _accept(self, src: int, op: str) -> Any:
+    def _accept(self, src: int) -> Any:
         coord = self._coord
         try:
             got = coord._recv_object(src)
@@ -188,23 +185,23 @@ class ShmLinks:
             if self._closed:  # the group was destroyed while this call waited
                 raise self._closed_error() from None
             raise
-        handle = link_offer.check_offer(got, coord, src, op)
+        handle = link_offer.check_offer(got, coord, src)
         if handle is None:
             return self._keep(RECV, src, None)
-        q = self._attach(handle, src, op)
+        q = self._attach(handle, src)
         try:
             q.default_timeout = coord.timeout
             self._register(q)
-            self._wait_ready(q, src, op)
+            self._wait_ready(q, src, "recv_tensor_dict")
         except GroupCoordError:
             self._drop(q)
             raise
         except Exception as e:  # what a crafted handle can still provoke (zmq, sizes)
             self._drop(q)
-            raise self._unopened(src, op, e) from e
+            raise self._unopened(src, e) from e
         return self._keep(RECV, src, q)
 
-    def _attach(self, handle: Any, src: int, op: str) -> "MessageQueue":
+    def _attach(self, handle: Any, src: int) -> "MessageQueue":
         """The reader of the link ``handle`` (an accepted offer) describes.
 
         Raises:
@@ -221,11 +218,11 @@ class ShmLinks:
                                                    allow_pickle=coord.allow_pickle,
                                                    resizable_tensors=True)
         except Exception as e:
-            dead = coord._errors.dead_partner(op, coord.calls, src)
-            raise (dead or self._unopened(src, op, e)) from e
+            dead = coord._errors.dead_partner("recv_tensor_dict", coord.calls, src)
+            raise (dead or self._unopened(src, e)) from e
 
-    def _unopened(self, src: int, op: str, e: BaseException) -> DecodeError:
-        return DecodeError(f"group {self._coord.unique_name!r}: {op} from rank "
+    def _unopened(self, src: int, e: BaseException) -> DecodeError:
+        return DecodeError(f"group {self._coord.unique_name!r}: recv_tensor_dict from rank "
                            f"{src}: its link does not open ({type(e).__name__}: {e})",
                            peers=(src,))
 

@@ -380,9 +380,10 @@ def _bad_call(g: Any, rank: int, case: str) -> Any:
 
 def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any]:
     """Even ranks make the bad call; odd ranks make the matching good one when the bad
-    call had a valid peer. On the CPU group (``GROUPCOORD_P2P_SHM=0``, directions
-    settled by a first exchange) the peer is told (PeerRejectedError), not left
-    waiting; on a link the bad call takes no part, and the peer's call pairs with
+    call had a valid peer. Through the communicator (a direction that carried no
+    tensor dict, or one settled on the CPU group with ``GROUPCOORD_P2P_SHM=0``)
+    the peer is told (PeerRejectedError), not left waiting; on a link (settled
+    by a first dict) the bad call takes no part, and the peer's call pairs with
     the even rank's next, good one."""
     from coordinator.errors import PeerRejectedError
 
@@ -393,9 +394,10 @@ def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any
     def body(g: Any) -> dict[str, Any]:
         peer = rank ^ 1
         out: dict[str, Any] = {}
-        h = g.isend(torch.zeros(1), peer)  # settles both directions
-        g.irecv(((1,), torch.float32), peer).wait()
-        h.wait()
+        if transport != "unsettled":  # a first dict each way settles both directions
+            h = g.isend_tensor_dict({"x": torch.zeros(1)}, peer)
+            g.recv_tensor_dict(peer)
+            h.wait()
         if rank % 2 == 0:
             with pytest.raises(exc_type) as info:
                 _bad_call(g, rank, case)
@@ -429,7 +431,7 @@ def _rejected_peer(g: Any, rank: int, peer: int, case: str, transport: str,
     if rank % 2:
         h = (g.irecv(((2,), torch.float32), peer) if sending
              else g.isend(torch.ones(2), peer))
-        if transport == "cpu-group":
+        if transport != "link":
             with pytest.raises(rejected) as rej:
                 h.wait(10)
             return {"peer_told": str(rej.value)}
@@ -567,18 +569,27 @@ def test_is_completed_progresses_with_the_peer(dist_pool, world_size) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", sorted(BAD_CALLS))
 def test_bad_arguments_raise_naming_the_argument(dist_pool, case) -> None:
-    out = dist_pool(2).run(bad_arguments, case, "link", timeout=100)
+    out = dist_pool(2).run(bad_arguments, case, "unsettled", timeout=100)
     assert BAD_CALLS[case][1] in out[0]["text"]
-    assert "peer_told" not in out[1], out[1]
+    if "peer_told" in out[1]:
+        assert "rank 0" in out[1]["peer_told"], out[1]
+
+
+_TOLD_CASES = ["isend-not-a-tensor", "isend-meta-tensor", "irecv-spec-not-a-pair",
+               "irecv-spec-negative"]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["isend-not-a-tensor", "isend-meta-tensor",
-                                  "irecv-spec-not-a-pair", "irecv-spec-negative"])
-def test_bad_arguments_on_the_cpu_group_are_told_to_the_peer(dist_pool, case) -> None:
-    out = dist_pool(2).run(bad_arguments, case, "cpu-group", timeout=100)
+@pytest.mark.parametrize("transport", ["link", "cpu-group"])
+@pytest.mark.parametrize("case", _TOLD_CASES)
+def test_bad_arguments_on_a_settled_direction(dist_pool, case, transport) -> None:
+    """Told to the peer on the CPU group; on a link the bad call takes no part."""
+    out = dist_pool(2).run(bad_arguments, case, transport, timeout=100)
     assert BAD_CALLS[case][1] in out[0]["text"]
-    assert "rank 0" in out[1]["peer_told"], out[1]
+    if transport == "link":
+        assert out[1] == {"paired": True}, out[1]
+    else:
+        assert "rank 0" in out[1]["peer_told"], out[1]
 
 
 @pytest.mark.timeout(120)
