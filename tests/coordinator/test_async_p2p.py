@@ -495,7 +495,8 @@ def alone(rank: int, n: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- tests
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size,pattern", [(2, "ring"), (4, "ring"), (4, "pairs")])
+@pytest.mark.parametrize("world_size,pattern", [(2, "ring"), pytest.param(4, "ring", marks=pytest.mark.slow),
+                                                (4, "pairs")])
 def test_many_outstanding_handles_arrive_in_issue_order(dist_pool, world_size, pattern) -> None:
     k = 12
     got = dist_pool(world_size).run(many_outstanding, pattern, k, timeout=100)

@@ -72,7 +72,7 @@ def test_get_ep_group_before_initialisation(uninitialised: Any) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size", [2, 4, 6])
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param(6, marks=pytest.mark.slow)])
 def test_ep_layouts_on_real_ranks(dist_pool: Any, world_size: int) -> None:
     results = dist_pool(world_size).run(run_layouts, LAYOUTS[world_size], timeout=220)
     for i, layout in enumerate(LAYOUTS[world_size]):

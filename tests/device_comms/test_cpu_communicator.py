@@ -38,7 +38,7 @@ def test_registered_above_torch() -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_op_matches_reference(dist_pool, world_size: int) -> None:
     outs = dist_pool(world_size).run(all_cases)
     cases = build_cases(world_size)

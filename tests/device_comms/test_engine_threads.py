@@ -215,7 +215,8 @@ def default_threads_rank(rank: int, world_size: int, threads: int) -> dict[str, 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow),
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_collectives_with_more_threads_than_cpus(world_size: int) -> None:
     threads = 2 * len(OWN)  # oversubscribed whatever the machine
     outs = run_distributed(default_threads_rank, world_size, threads, timeout=220)

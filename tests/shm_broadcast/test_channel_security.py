@@ -261,7 +261,8 @@ def test_forged_and_malformed_local_control_messages_are_ignored(procs):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("curve", [False, True], ids=["plain-impostor", "curve-impostor"])
+@pytest.mark.parametrize("curve", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["plain-impostor", "curve-impostor"])
 def test_writer_dies_and_an_impostor_binds_its_port(procs, curve):
     sent = procs.ctx.Event()
     procs.start(doomed_writer, 3, sent)

@@ -30,7 +30,7 @@ def _send_all(mq: MessageQueue, n: int, with_tensors: bool) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "n_readers, n_msgs, with_tensors",
-    [(1, 2000, False), (2, 2000, False), (3, 10_000, True)],
+    [(1, 2000, False), (2, 2000, False), pytest.param(3, 10_000, True, marks=pytest.mark.slow)],
     ids=["1-reader", "2-readers", "3-readers-10k-tensors"],
 )
 def test_messages_arrive_complete_and_in_order(procs, capfd, n_readers, n_msgs, with_tensors):

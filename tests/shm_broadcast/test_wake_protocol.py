@@ -33,7 +33,8 @@ SLOW_S = 0.95 * POLICY.park_poll_s
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("n_readers, max_chunks, n_msgs", [(4, 1, 500), (3, 2, 500)],
+@pytest.mark.parametrize("n_readers, max_chunks, n_msgs",
+                         [(4, 1, 500), pytest.param(3, 2, 500, marks=pytest.mark.slow)],
                          ids=["4-readers-1-chunk", "3-readers-2-chunks"])
 def test_no_lost_wakeups_under_random_gaps(procs, n_readers, max_chunks, n_msgs):
     ranks = list(range(1, n_readers + 1))
