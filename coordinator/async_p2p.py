@@ -327,11 +327,19 @@ def _tell_peer(coord: "GroupCoordinator", direction: str, peer: int, op: str, se
     where the direction's transport tells rejections (``ShmLinks.rejections_told``:
     elsewhere the bad call takes no part)."""
     if not coord._links.rejections_told(direction, peer):
-        return
+        return  # already on a link, which it never leaves: nothing to tell
     kind = "send" if direction == SEND else "recv"
-    reject = getattr(coord.comm, "_reject", None)
-    if reject is not None:
-        submit(coord, direction, peer, op, seq, reject, kind, e, peer, quiet=True)
+    if getattr(coord.comm, "_reject", None) is not None:
+        submit(coord, direction, peer, op, seq, _reject_if_told, coord, direction, peer, kind, e,
+               quiet=True)
+
+
+def _reject_if_told(coord: "GroupCoordinator", direction: str, peer: int, kind: str,
+                    e: BaseException) -> None:
+    """The rejection, decided in the direction's issue order: an earlier call still
+    queued (a first tensor dict) may have settled the direction on a link since."""
+    if coord._links.rejections_told(direction, peer):
+        coord.comm._reject(kind, e, peer)
 
 
 def _recv_target(x: Any, device: torch.device) -> tuple[torch.Tensor | None, torch.Size,

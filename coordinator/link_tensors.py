@@ -60,7 +60,8 @@ def send(coord: "GroupCoordinator", tensor: torch.Tensor, dst: int) -> None:
     link = coord._links.settled(SEND, dst) if _is_peer(coord, dst) else None
     if link is None:
         return coord.comm.send(tensor, dst)
-    t = validation.check_tensor(tensor, "tensor", coord.device)  # takes no part: see above
+    # A bad argument takes no part on a link (see the module docstring).
+    t = validation.check_tensor(tensor, "tensor", coord.device)
     try:
         piece = link_messages.plain_piece(t)
         if piece.dtype == t.dtype and piece.nbytes <= link_messages.PART_BYTES:

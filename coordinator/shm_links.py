@@ -167,9 +167,9 @@ class ShmLinks:
                 q.export_handle().to_bytes() if q is not None else None), dst)
             if q is not None:
                 self._wait_ready(q, dst, "send_tensor_dict")
-        except GroupCoordError:
+        except Exception:
             self._drop(q)
-            if self._closed:  # the group was destroyed while this call waited
+            if self._closed:  # the group was destroyed while this call waited (gloo's error)
                 raise self._closed_error() from None
             raise
         except BaseException:
@@ -181,8 +181,8 @@ class ShmLinks:
         coord = self._coord
         try:
             got = coord._recv_object(src)
-        except GroupCoordError:
-            if self._closed:  # the group was destroyed while this call waited
+        except Exception:
+            if self._closed:  # the group was destroyed while this call waited (gloo's error)
                 raise self._closed_error() from None
             raise
         handle = link_offer.check_offer(got, coord, src)
@@ -195,6 +195,8 @@ class ShmLinks:
             self._wait_ready(q, src, "recv_tensor_dict")
         except GroupCoordError:
             self._drop(q)
+            if self._closed:
+                raise self._closed_error() from None
             raise
         except Exception as e:  # what a crafted handle can still provoke (zmq, sizes)
             self._drop(q)

@@ -423,6 +423,41 @@ def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any
         os.environ.pop("GROUPCOORD_P2P_SHM", None)  # pool workers run later tests
 
 
+def bad_call_behind_a_settling_dict(rank: int, n: int, direction: str) -> dict[str, Any]:
+    """Rank 0's first call toward rank 1 is an un-waited dict (it settles the direction
+    on a link), then a call with a bad argument: the rejection must not travel on the
+    CPU group (rank 1 reads the link), so rank 1's next call pairs with rank 0's next."""
+    def body(g: Any) -> dict[str, Any]:
+        good = torch.arange(4.0)
+        t0 = time.monotonic()
+        peer = 1 - rank
+        if direction == "send":  # rank 0 sends on the settling direction
+            if rank == 0:
+                h = g.isend_tensor_dict({"x": good}, peer)
+                with pytest.raises(TypeError):
+                    g.isend("not a tensor", peer)
+                h2 = g.isend(good, peer)
+                h.wait(20)
+                h2.wait(20)
+            else:
+                assert torch.equal(g.recv_tensor_dict(peer)["x"], good)
+                assert torch.equal(g.recv((4,), torch.float32, peer), good)
+        else:  # rank 0 receives on the settling direction
+            if rank == 0:
+                h = g.irecv_tensor_dict(peer)
+                with pytest.raises(TypeError):
+                    g.irecv("float32", peer)
+                got = g.irecv(((4,), torch.float32), peer).wait(20)
+                assert torch.equal(h.wait(20)["x"], good) and torch.equal(got, good)
+            else:
+                g.send_tensor_dict({"x": good}, peer)
+                g.send(good, peer)
+        g.barrier()
+        return {"seconds": time.monotonic() - t0}
+
+    return _with_group(rank, n, body)
+
+
 def _rejected_peer(g: Any, rank: int, peer: int, case: str, transport: str,
                    rejected: type[Exception]) -> dict[str, Any]:
     """The odd rank's good call matching the even rank's bad one: told on the CPU
@@ -574,6 +609,13 @@ def test_bad_arguments_raise_naming_the_argument(dist_pool, case) -> None:
     assert BAD_CALLS[case][1] in out[0]["text"]
     if "peer_told" in out[1]:
         assert "rank 0" in out[1]["peer_told"], out[1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("direction", ["send", "recv"])
+def test_a_bad_call_queued_behind_a_settling_dict_takes_no_part(dist_pool, direction) -> None:
+    out = dist_pool(2).run(bad_call_behind_a_settling_dict, direction, timeout=100)
+    assert all(o["seconds"] < 15 for o in out), out  # no wait for the group's timeout
 
 
 _TOLD_CASES = ["isend-not-a-tensor", "isend-meta-tensor", "irecv-spec-not-a-pair",

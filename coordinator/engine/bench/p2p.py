@@ -172,13 +172,14 @@ def run(args: argparse.Namespace) -> int:
         if threads == "default":  # this process's, as the ranks' harness caps theirs
             threads = torch.get_num_threads()
         cfg = {"sizes": args.sizes, "dtype": args.dtype, "threads": threads,
-               "iters": args.iters, "rounds": args.rounds, "calls": args.calls}
+               "iters": args.iters, "rounds": args.rounds,
+               "calls": list(dict.fromkeys(args.calls))}
         try:
             got = run_distributed(bench_rank, 2, cfg, timeout=args.timeout)[0]
         except (RankFailedError, DistributedTimeout) as e:
             print(f"groupcoord bench p2p: failed: {str(e).splitlines()[0]}", file=sys.stderr)
             return 1
-        for call in args.calls:
+        for call in cfg["calls"]:
             report += _print_call(call, got["threads"], args.sizes, got["samples"][call])
     if args.json_path:
         with open(args.json_path, "w") as f:
