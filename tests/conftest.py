@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 import pytest
@@ -198,3 +198,22 @@ def no_leaks() -> Iterator[None]:
         leaks.remove()
     if problems:
         pytest.fail("test leaked resources: " + "; ".join(problems))
+
+
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture) -> Callable[[list[str]], tuple[Any, str, str]]:
+    """``groupcoord <argv>`` in this process, for options refused before anything
+    starts: ``(exit status, stdout, stderr)``."""
+    from coordinator.cli import main
+
+    def run(argv: list[str]) -> tuple[Any, str, str]:
+        try:
+            code: Any = main(argv)
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        if isinstance(code, str):  # sys.exit("text"): Python prints it and exits 1
+            return 1, out.out, out.err + code + "\n"
+        return code, out.out, out.err
+
+    return run

@@ -4,9 +4,11 @@ TP/PP through the real CLI, must generate what transformers' own greedy generate
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,13 +80,10 @@ def test_demo_matches_hf_greedy(tmp_path: Path, hf_checkpoint, tp: int, pp: int)
         assert "planned" in w["queue_wait_stats"]  # the metadata queue waits predictively
 
 
-def test_demo_rejects_bad_prompt_ids(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "coordinator", "demo", "--prompt-ids", "1,x;2"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "--prompt-ids" in proc.stderr and "'1,x'" in proc.stderr
+def test_demo_rejects_bad_prompt_ids(run_cli) -> None:
+    code, _, err = run_cli(["demo", "--prompt-ids", "1,x;2"])
+    assert code == 2
+    assert "--prompt-ids" in err and "'1,x'" in err
 
 
 # ------------------------------------------------------------- --launcher env
@@ -131,19 +130,24 @@ def test_demo_under_torchrun(tmp_path: Path) -> None:
     ({"RANK": "0", "WORLD_SIZE": "four", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
      "WORLD_SIZE must be an int, got 'four'"),
 ], ids=["not-launched", "wrong-world-size", "bad-world-size"])
-def test_demo_launcher_env_refuses_a_wrong_environment(env_update, needle) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "coordinator", "demo", "--launcher", "env", "--no-progress"],
-        capture_output=True, text=True, timeout=120, env={**_env_without_launcher(), **env_update},
-    )
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert needle in proc.stderr, proc.stderr
-    assert "--launcher env" in proc.stderr
+def test_demo_launcher_env_refuses_a_wrong_environment(env_update, needle, monkeypatch,
+                                                       run_cli) -> None:
+    _launcher_env(monkeypatch, env_update)
+    code, _, err = run_cli(["demo", "--launcher", "env", "--no-progress"])
+    assert code == 2, err
+    assert needle in err, err
+    assert "--launcher env" in err
 
 
-def test_demo_mlp_refuses_launcher_env() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "coordinator", "demo", "--mlp", "--launcher", "env"],
-        capture_output=True, text=True, timeout=120, env=_env_without_launcher(),
-    )
-    assert proc.returncode == 2 and "--mlp runs with --launcher spawn only" in proc.stderr
+def test_demo_mlp_refuses_launcher_env(monkeypatch, run_cli) -> None:
+    _launcher_env(monkeypatch, {})
+    code, _, err = run_cli(["demo", "--mlp", "--launcher", "env"])
+    assert code == 2 and "--mlp runs with --launcher spawn only" in err, err
+
+
+def _launcher_env(monkeypatch: Any, env_update: dict[str, str]) -> None:
+    """This process's environment without a launcher's variables, plus ``env_update``."""
+    for k in set(os.environ) - set(_env_without_launcher()):
+        monkeypatch.delenv(k)
+    for k, v in env_update.items():
+        monkeypatch.setenv(k, v)

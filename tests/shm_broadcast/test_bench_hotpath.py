@@ -21,7 +21,6 @@ def test_hotpath_cli_writes_every_payload(tmp_path) -> None:
     assert all(0 < v["p50_us"] <= v["p99_us"] for v in got.values()), got
 
 
-def test_hotpath_cli_rejects_too_few_rounds() -> None:
-    res = subprocess.run([sys.executable, "-m", "coordinator", "bench", "mq-hotpath",
-                          "--rounds", "3"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "--rounds" in res.stdout
+def test_hotpath_cli_rejects_too_few_rounds(run_cli) -> None:
+    code, out, _ = run_cli(["bench", "mq-hotpath", "--rounds", "3"])
+    assert code == 2 and "--rounds" in out

@@ -46,8 +46,6 @@ def test_wake_floor_measures_every_gap():
     assert all(0 < x < 1.0 for x in lat)
 
 
-def test_bench_mq_cli_rejects_bad_options():
-    proc = subprocess.run(
-        [sys.executable, "-m", "coordinator", "bench", "mq", "--wake-samples", "0"],
-        capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and "--wake-samples must be >= 1" in proc.stderr
+def test_bench_mq_cli_rejects_bad_options(run_cli):
+    code, _, err = run_cli(["bench", "mq", "--wake-samples", "0"])
+    assert code != 0 and "--wake-samples must be >= 1" in err

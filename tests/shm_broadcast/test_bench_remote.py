@@ -24,7 +24,6 @@ def test_remote_bench_cli_measures_queue_and_baselines(tmp_path) -> None:
     assert all(r["x_vs_mq"] == 1.0 for r in rows if r["method"].startswith("groupcoord"))
 
 
-def test_remote_bench_cli_rejects_bad_options() -> None:
-    res = subprocess.run([sys.executable, "-m", "coordinator", "bench", "mq-remote",
-                          "--iters", "2"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "--iters" in res.stdout
+def test_remote_bench_cli_rejects_bad_options(run_cli) -> None:
+    code, out, _ = run_cli(["bench", "mq-remote", "--iters", "2"])
+    assert code == 2 and "--iters" in out
