@@ -61,6 +61,7 @@ from typing import Any, NoReturn, Sequence
 
 import psutil
 
+from coordinator.errors import NotInitializedError
 from device_comms.errors import translate_backend_error
 from shm_broadcast.errors import (
     ClosedError, CollectiveMismatch, CommTimeout, GroupCoordError, PeerDiedError,
@@ -83,8 +84,11 @@ _GAVE_UP_FRACTION = 0.8
 
 #: What a call may raise when a wait fails or its ranks disagree: our timeouts,
 #: RuntimeError (PeerDiedError, BrokenCommunicator, or an untranslated backend
-#: error) and CollectiveMismatch.
-WAIT_ERRORS = (CommTimeout, RuntimeError, CollectiveMismatch)
+#: error) and CollectiveMismatch; and ValueError, which is what torch and
+#: Python raise when the group is destroyed under a running call (its process
+#: group unregistered, its shared memory released). :meth:`CallErrors.explain`
+#: re-raises anything else it does not recognise unchanged (argument errors).
+WAIT_ERRORS = (CommTimeout, RuntimeError, CollectiveMismatch, ValueError)
 
 _WHY = {
     "exited": "gone",
@@ -129,6 +133,9 @@ class CallErrors:
         self.watches: list[PeerWatch | None] = [None] * world_size
         self.hosts: list[str] = [""] * world_size
         self.pids: list[int] = [0] * world_size
+        #: Set by ``GroupCoordinator.destroy``: a call that fails from then on
+        #: failed because its group went away under it.
+        self.destroyed = False
 
     def learn_peers(self, cpu_group: Any) -> None:
         """Gather every rank's process identity (collective over ``cpu_group``)."""
@@ -160,6 +167,13 @@ class CallErrors:
                 reader's timeout (its ``peers`` say ``"writer"``).
             started: When the call began (``time.monotonic()``), if known.
         """
+        if self.destroyed and not isinstance(e, (ClosedError, NotInitializedError)):
+            # (NotInitializedError: the call began after destroy, and says so.)
+            err = ClosedError(f"{self._where(op, seq)}: the group was destroyed while this "
+                              f"call was running ({type(e).__name__}: {_first_line(e)})")
+            err.call = seq  # type: ignore[attr-defined]
+            err.op = op  # type: ignore[attr-defined]
+            self._raise(err, e)
         cause = e
         raw = e.__cause__ if isinstance(e, GroupCoordError) else e
         if not isinstance(e, GroupCoordError):

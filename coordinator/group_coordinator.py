@@ -507,6 +507,7 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         if self._destroyed:
             return
         self._destroyed = True
+        self._errors.destroyed = True  # calls still running on other threads: ClosedError
         REGISTRY.remove(self)
         self._links.shutdown()  # calls blocked on a link end with ClosedError
         async_p2p.close(self)  # outstanding handles end (ClosedError), threads are joined

@@ -547,3 +547,57 @@ def survivor_main(rank: int, world_size: int, port: int, conn: Any) -> None:
     finally:
         conn.close()
         os._exit(0)  # skip teardown that would talk to the dead peer
+
+
+# ---------------------------------------------------------------- destroyed under a call
+_RUNNING_OPS: dict[str, Callable[[Any], Any]] = {
+    "all_reduce": lambda g: g.all_reduce(torch.ones(2)),
+    "broadcast_object": lambda g: g.broadcast_object(None, src=0),
+    "recv_object": lambda g: g.recv_object(0),
+}
+
+
+def _destroyed_under_a_call(rank: int, world_size: int, op: str) -> dict[str, Any]:
+    """Rank 1 is in ``op`` on one thread (rank 0 never joins it) when another thread
+    destroys the group: the call raises ClosedError naming the group and op, not
+    whatever torch or a released buffer raised (a blocking gloo receive is not
+    interrupted: it ends at the group's timeout, 3 s)."""
+    import threading
+
+    from coordinator import GroupCoordinator
+    from coordinator.errors import ClosedError
+
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name=f"gone-{op}", timeout=3)
+    g.barrier()
+    if rank == 0:
+        time.sleep(1.0)
+        g.destroy()
+        return {}
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        t0 = time.monotonic()
+        try:
+            _RUNNING_OPS[op](g)
+            out["error"] = "none"
+        except ClosedError as e:
+            out["error"], out["text"] = "ClosedError", str(e)
+        except Exception as e:  # noqa: BLE001 -- the class is the result
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["s"] = time.monotonic() - t0
+
+    th = threading.Thread(target=call)
+    th.start()
+    time.sleep(0.3)
+    g.destroy()
+    th.join(30)
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", sorted(_RUNNING_OPS))
+def test_a_call_running_when_its_group_is_destroyed_raises_closed_error(dist_pool, op):
+    res = dist_pool(2).run(_destroyed_under_a_call, op, timeout=50)[1]
+    assert res.get("error") == "ClosedError", res
+    assert f"op {op}" in res["text"] and "destroyed" in res["text"], res
+    assert res["s"] < 3 + 2.0, res
