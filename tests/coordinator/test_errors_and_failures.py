@@ -554,6 +554,7 @@ _RUNNING_OPS: dict[str, Callable[[Any], Any]] = {
     "all_reduce": lambda g: g.all_reduce(torch.ones(2)),
     "broadcast_object": lambda g: g.broadcast_object(None, src=0),
     "recv_object": lambda g: g.recv_object(0),
+    "recv_tensor_dict": lambda g: g.recv_tensor_dict(0),  # waits for its link's offer
 }
 
 
