@@ -323,23 +323,16 @@ def _done(coord: "GroupCoordinator", op: str, peer: int, seq: int, result: Any) 
 def _tell_peer(coord: "GroupCoordinator", direction: str, peer: int, op: str, seq: int,
                e: BaseException) -> None:
     """In this direction's order, take part in the call as a rank that rejected its
-    arguments, so the peer raises ``PeerRejectedError`` instead of waiting; only
-    where the direction's transport tells rejections (``ShmLinks.rejections_told``:
-    elsewhere the bad call takes no part)."""
-    if not coord._links.rejections_told(direction, peer):
-        return  # already on a link, which it never leaves: nothing to tell
-    kind = "send" if direction == SEND else "recv"
-    if getattr(coord.comm, "_reject", None) is not None:
-        submit(coord, direction, peer, op, seq, _reject_if_told, coord, direction, peer, kind, e,
-               quiet=True)
-
-
-def _reject_if_told(coord: "GroupCoordinator", direction: str, peer: int, kind: str,
-                    e: BaseException) -> None:
-    """The rejection, decided in the direction's issue order: an earlier call still
-    queued (a first tensor dict) may have settled the direction on a link since."""
-    if coord._links.rejections_told(direction, peer):
-        coord.comm._reject(kind, e, peer)
+    arguments, so the peer raises ``PeerRejectedError`` instead of waiting
+    (:func:`coordinator.link_tensors.reject`: on the direction's link, or through
+    the communicator)."""
+    if coord.device.type != "cpu":
+        if getattr(coord.comm, "_reject", None) is not None:
+            submit(coord, direction, peer, op, seq, coord.comm._reject,
+                   "send" if direction == SEND else "recv", e, peer, quiet=True)
+        return
+    submit(coord, direction, peer, op, seq, link_tensors.reject, coord, direction, peer, e,
+           quiet=True)
 
 
 def _recv_target(x: Any, device: torch.device) -> tuple[torch.Tensor | None, torch.Size,

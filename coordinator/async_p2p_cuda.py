@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from coordinator import object_comm
 from coordinator import tensor_dict as tensor_dict_ops
 from coordinator.async_p2p import SEND, P2PHandle, ordered, submit
 from coordinator.call_errors import WAIT_ERRORS
@@ -215,7 +216,7 @@ class CudaP2P:
 def _send_meta(coord: "GroupCoordinator", meta: list[Any], cpu: list[torch.Tensor],
                dst: int) -> None:
     """The gloo part of a CUDA group's tensor dict: metadata, then its CPU tensors."""
-    coord._send_object(meta, dst)
+    coord._send_object(meta, dst, object_comm.DICT_META)
     for t in cpu:
         dist.send(wire_view(t), dst=coord.ranks[dst], group=coord.cpu_group)
 
@@ -223,7 +224,7 @@ def _send_meta(coord: "GroupCoordinator", meta: list[Any], cpu: list[torch.Tenso
 def _recv_meta(coord: "GroupCoordinator", src: int) -> tuple[dict[Any, Any], list[torch.Tensor]]:
     """Receive the gloo part; returns the dict (CUDA tensors allocated, not yet filled)
     and those CUDA tensors in order."""
-    meta = tensor_dict_ops.check_metadata(coord._recv_object(src), coord.device.type)
+    meta = tensor_dict_ops.check_metadata(coord._recv_object(src, object_comm.DICT_META), coord.device.type)
     out: dict[Any, Any] = {}
     on_gpu: list[torch.Tensor] = []
     for key, kind, value in meta:

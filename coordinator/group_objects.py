@@ -242,11 +242,12 @@ class GroupObjectCalls:
         self._run("send_object", async_p2p.ordered, self, SEND, dst, "send_object",
                   self._send_object, obj, dst, partner=peer_rank(dst), p2p=True)
 
-    def _send_object(self, obj: Any, dst: int) -> None:
-        """:meth:`send_object` without counting a call (for calls built on it)."""
+    def _send_object(self, obj: Any, dst: int, kind: int = object_comm.OBJECT) -> None:
+        """:meth:`send_object` without counting a call (for calls built on it; ``kind``:
+        see :mod:`coordinator.object_comm`)."""
         self._check_peer(dst, "dst")
         self._cpu_call("send_object", object_comm.send_object, obj, self.ranks[dst],
-                       self.cpu_group, self.codec)
+                       self.cpu_group, self.codec, kind)
 
     def recv_object(self, src: int) -> Any:
         """Receive a Python object from group rank ``src``.
@@ -258,11 +259,12 @@ class GroupObjectCalls:
         return self._run("recv_object", async_p2p.ordered, self, RECV, src, "recv_object",
                          self._recv_object, src, partner=peer_rank(src), p2p=True)
 
-    def _recv_object(self, src: int) -> Any:
-        """:meth:`recv_object` without counting a call (for calls built on it)."""
+    def _recv_object(self, src: int, kind: int = object_comm.OBJECT) -> Any:
+        """:meth:`recv_object` without counting a call (for calls built on it; ``kind``:
+        see :mod:`coordinator.object_comm`)."""
         self._check_peer(src, "src")
         return self._cpu_call("recv_object", object_comm.recv_object, self.ranks[src],
-                              self.cpu_group, self.codec)
+                              self.cpu_group, self.codec, kind)
 
 
 def _list_mismatch(got: Any, n: int) -> str | None:

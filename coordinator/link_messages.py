@@ -11,6 +11,8 @@ receiver gets plain new tensors, as over the CPU group::
     ["part", bytes of a piece] ...         the streamed pieces, part by part (uint8)
     ["fail", text]                         instead of the dict: the sender's codec
                                            refused a value (CollectiveMismatch)
+    ["rej", text]                          instead of a tensor: the sender rejected
+                                           its own arguments (PeerRejectedError)
     ["t1", meta, inline pieces]            one tensor of ``send``/``isend``
                                            (:mod:`coordinator.link_tensors`): a
                                            dict of one entry, parts as a dict's
@@ -24,6 +26,14 @@ metadata), else every piece over a quarter part. Streaming keeps a large
 dict in the ring, one part per chunk, the receiver copying part ``k`` out
 while the sender writes part ``k + 1``; one message larger than a chunk would
 take the queue's overflow socket instead.
+
+A call's message (a dict's or a tensor's, the header of a large one) is a
+confirmed enqueue: the receiver judges it in :func:`receive` before
+releasing its slot (form, kind of call, metadata, a tensor's shape and
+dtype), and a refused message has no parts after it. Parts, failures and
+rejections are eager. A confirmed send or a receive that times out closes
+the direction (``broken``): a message that comes late would pair with a
+later call.
 
 The receiver checks every message before using it: its form, each inline
 piece's dtype and size against its descriptor, the count of inline pieces, and
@@ -45,11 +55,11 @@ from typing import Any, Callable
 
 import torch
 
-from coordinator.errors import CollectiveMismatch, DecodeError
+from coordinator.errors import CollectiveMismatch, CommTimeout, DecodeError, PeerRejectedError
 from coordinator.shm_links import CHUNK_BYTES
 
 __all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "plain_piece", "failure",
-           "lone_tensor", "Pieces"]
+           "rejection", "tag_of", "sent_spec", "receive", "refused", "lone_tensor", "Pieces"]
 
 #: The tag of a tensor dict's message, and of a single tensor's.
 DICT, TENSOR_ONLY = "td", "t1"
@@ -68,20 +78,32 @@ def streamed(sizes: list[int]) -> list[bool]:
 
 
 def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
-         broken: Callable[[BaseException], None], tag: str = DICT) -> None:
+         broken: Callable[[BaseException], None], tag: str = DICT) -> str | None:
     """Enqueue a dict on ``link``: its message, then the parts of its streamed pieces.
 
     Args:
-        broken: Called with the error when a part fails after the dict's message
-            went out (the link's order is then lost), before the error propagates.
+        broken: Called with the error when the receiver's verdict does not come
+            in time or a part fails after the dict's message went out (the
+            link's order is then lost), before the error propagates.
         tag: :data:`DICT`, or :data:`TENSOR_ONLY` for one tensor of ``send``.
+
+    Returns:
+        The receiver's refusal of the message (its reason; then no part was
+        sent), else None.
 
     Raises:
         TypeError etc.: The codec refused a value of ``meta``; nothing was sent.
     """
     pieces = [plain_piece(t) for t in payload if t.numel()]
     flags = streamed([p.numel() * p.element_size() for p in pieces])
-    link.enqueue([tag, meta, [p for p, f in zip(pieces, flags) if not f]])
+    try:
+        refusal = link.enqueue_confirmed([tag, meta, [p for p, f in zip(pieces, flags)
+                                                       if not f]])[0]
+    except CommTimeout as e:  # it stays in the ring: a late receiver would misplace it
+        broken(e)
+        raise
+    if refusal is not None:
+        return refusal
     try:
         for p, f in zip(pieces, flags):
             if f:
@@ -91,6 +113,7 @@ def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
     except BaseException as e:
         broken(e)
         raise
+    return None
 
 
 def plain_piece(t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +134,104 @@ def plain_piece(t: torch.Tensor) -> torch.Tensor:
 def failure(text: str) -> list[Any]:
     """The message that tells the receiver the dict could not be sent."""
     return ["fail", text]
+
+
+def rejection(text: str) -> list[Any]:
+    """The message a sender whose arguments were bad sends in place of its tensor."""
+    return ["rej", text]
+
+
+def tag_of(msg: Any) -> Any:
+    """The tag of a link message (``msg[0]`` of a list led by a str), else None."""
+    return msg[0] if type(msg) is list and msg and type(msg[0]) is str else None
+
+
+def sent_spec(msg: Any, device_type: str) -> tuple[torch.Size, torch.dtype]:
+    """The shape and dtype of the tensor a :data:`TENSOR_ONLY` message carries.
+
+    Raises:
+        DecodeError: The message is malformed or does not describe one whole tensor.
+    """
+    from coordinator.tensor_dict import TENSOR, _dtype, check_metadata
+
+    if _tag(msg, 2) == TENSOR_ONLY and type(msg[1]) is torch.Tensor:
+        return msg[1].shape, msg[1].dtype
+    if _tag(msg, 3) == TENSOR_ONLY:
+        descs = [v for _, kind, v in check_metadata(msg[1], device_type) if kind == TENSOR]
+        if len(descs) == 1 and not descs[0][3]:
+            return torch.Size(descs[0][2]), _dtype(descs[0][1])
+    raise DecodeError(f"recv: malformed tensor message on the link: {msg!r:.80}")
+
+
+def receive(link: Any, src_global: int, broken: Callable[[BaseException], None], tag: str,
+            group: str, device_type: str,
+            check: Callable[[torch.Size, torch.dtype], None] | None = None,
+            rejected: str = "") -> "torch.Tensor | Pieces | None":
+    """Take the next message of a call waiting for ``tag``, judged before its slot
+    is released (its sender waits for the verdict).
+
+    Args:
+        check: For ``recv``: called with the shape and dtype a tensor's message
+            carries; raises ``CollectiveMismatch`` to refuse it.
+        rejected: This rank rejected its own call: refuse the message with
+            this reason (the sender raises ``PeerRejectedError``).
+
+    Returns:
+        The tensor of a one-part tensor message; :class:`Pieces` (metadata
+        checked) for the rest; None where this rank refused as ``rejected``.
+
+    Raises:
+        CollectiveMismatch: The sender sent the other kind, another shape or
+            dtype, or could not send; PeerRejectedError: it rejected its own
+            call; DecodeError: the message is malformed. The message was
+            refused (nothing follows it) or was a failure.
+    """
+    got: list[Any] = []
+
+    def verdict(msg: Any) -> str | None:
+        if rejected:
+            return "rejected: " + rejected if tag_of(msg) in _CALLS else None
+        one = lone_tensor(msg, src_global)
+        if one is not None:
+            if tag == DICT:  # a whole message: refused, nothing follows
+                _wrong_kind(TENSOR_ONLY, tag, src_global)
+            if check is not None:
+                check(one.shape, one.dtype)
+            got.append(one)
+            return None
+        pieces = Pieces(link, msg, src_global, broken, tag, group)
+        from coordinator.tensor_dict import _dtype, _numels, check_metadata
+
+        pieces.meta = check_metadata(pieces.meta, device_type)
+        numels = _numels(pieces.meta)
+        if check is not None:
+            check(*sent_spec(msg, device_type))
+        pieces.expect([n * _dtype(d[1]).itemsize for n, d in numels if n])
+        got.append(pieces)
+        return None
+
+    try:
+        link.dequeue(verdict=verdict)
+    except CommTimeout as e:  # a message that comes later would pair with a later call
+        broken(e)
+        raise
+    return got[0] if got else None
+
+
+def refused(group: str, op: str, refusal: str, dst: int, dst_global: int) -> CollectiveMismatch:
+    """The sender's error for a message group rank ``dst`` refused with ``refusal``."""
+    if refusal.startswith("rejected: "):
+        return PeerRejectedError(group, op, dst_global, refusal.removeprefix("rejected: "))
+    return CollectiveMismatch(f"{op} on group {group!r}: rank {dst} refused what this rank "
+                              f"sent ({refusal.removeprefix('mismatch: ')})",
+                              peers=(dst_global,))
+
+
+def _wrong_kind(sent: str, tag: str, src_global: int) -> None:
+    call = "recv" if tag == TENSOR_ONLY else "recv_tensor_dict"
+    raise CollectiveMismatch(
+        f"{call}: the sender (global rank {src_global}) called {_CALLS[sent]} where this rank "
+        f"called {call}; make the same kind of call on both ranks", peers=(src_global,))
 
 
 def lone_tensor(msg: Any, src_global: int) -> torch.Tensor | None:
@@ -146,28 +267,24 @@ class Pieces:
 
     Raises:
         CollectiveMismatch: The sender could not send, or sent the other kind
-            (a dict to ``recv``, a tensor to ``recv_tensor_dict``).
+            (a dict to ``recv``, a tensor to ``recv_tensor_dict``);
+            PeerRejectedError: it rejected its own call.
         DecodeError: The message is not a dict's or a tensor's message.
     """
 
     def __init__(self, link: Any, msg: Any, src_global: int,
-                 broken: Callable[[BaseException], None], tag: str = DICT) -> None:
+                 broken: Callable[[BaseException], None], tag: str = DICT,
+                 group: str = "") -> None:
         call = "recv" if tag == TENSOR_ONLY else "recv_tensor_dict"
         if _tag(msg, 2) == "fail" and type(msg[1]) is str:
             raise CollectiveMismatch(
                 f"{call}: the sender (global rank {src_global}) could not send "
                 f"({msg[1][:2000]}); fix the call on that rank", peers=(src_global,))
-        if _tag(msg, 2) == TENSOR_ONLY and tag == DICT:  # a whole message: nothing follows
-            raise CollectiveMismatch(
-                f"{call}: the sender (global rank {src_global}) called send where this rank "
-                f"called {call}; make the same kind of call on both ranks (what it sent was "
-                f"consumed)", peers=(src_global,))
+        if _tag(msg, 2) == "rej" and type(msg[1]) is str:
+            raise PeerRejectedError(group, call, src_global, msg[1][:2000])
         sent = _tag(msg, 3)
-        if sent in _CALLS and sent != tag:
-            self._mismatch = (f"{call}: the sender (global rank {src_global}) called "
-                              f"{_CALLS[sent]} where this rank called {call}")
-        else:
-            self._mismatch = ""
+        if sent in _CALLS and sent != tag:  # refused (see receive): nothing follows
+            _wrong_kind(sent, tag, src_global)
         if sent not in _CALLS or type(msg[2]) is not list or not all(
                 type(p) is torch.Tensor for p in msg[2]):
             raise DecodeError(f"{call}: malformed link message from global rank "
@@ -177,18 +294,6 @@ class Pieces:
         self._link, self._src, self._broken = link, src_global, broken
         self._flags: list[bool] = []
         self._next = self._taken = 0
-
-    def finish(self) -> None:
-        """Called once every piece was taken (the link is in order again): raise if
-        the sender made the other kind of call.
-
-        Raises:
-            CollectiveMismatch: A dict came to ``recv`` or a tensor to
-                ``recv_tensor_dict``; what it carried was consumed.
-        """
-        if self._mismatch:
-            raise CollectiveMismatch(f"{self._mismatch}; make the same kind of call on both "
-                                     f"ranks (what it sent was consumed)", peers=(self._src,))
 
     def expect(self, sizes: list[int]) -> None:
         """Take the byte sizes of the non-empty pieces the checked metadata describes."""
@@ -237,7 +342,7 @@ class Pieces:
 
     def _part(self, nbytes: int, done: int, key: Any) -> torch.Tensor:
         """The next part of a streamed piece of ``nbytes`` of which ``done`` arrived."""
-        msg = self._link.dequeue()
+        msg = self._link.dequeue(verdict=_no_header)
         part = msg[1] if _tag(msg, 2) == "part" else None
         size = min(PART_BYTES, nbytes - done)  # what send() cuts: full parts, then the rest
         if (type(part) is not torch.Tensor or part.dtype != torch.uint8 or part.dim() != 1
@@ -246,3 +351,10 @@ class Pieces:
                               f"({size} of {nbytes - done} more bytes) from global rank "
                               f"{self._src}, got {type(msg).__name__} {msg!r:.80}")
         return part
+
+
+def _no_header(msg: Any) -> str | None:
+    """Where a part is due, a call's header (whose sender waits) is refused."""
+    if tag_of(msg) in _CALLS:
+        return "mismatch: the receiver was reading the parts of an earlier message"
+    return None

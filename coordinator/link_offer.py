@@ -1,6 +1,6 @@
 """The offer that settles a link: what a sender sends, what a receiver accepts.
 
-The first tensor dict of a direction begins with ``[MAGIC, handle bytes]``
+The first call of a direction (a tensor dict or a tensor) begins with ``[MAGIC, handle bytes]``
 (a shared-memory link) or ``[MAGIC, None]`` (the CPU group) over the CPU
 group (:mod:`coordinator.shm_links`). The receiver accepts a handle only
 when it describes exactly what an honest sender of this library makes, so a
@@ -58,10 +58,10 @@ def check_offer(got: Any, coord: "GroupCoordinator", src: int) -> "Handle | None
         DecodeError: ``got`` is not an offer, or its handle is not a link this
             library would make for this rank (see the module docstring).
     """
-    where = f"group {coord.unique_name!r}: recv_tensor_dict from rank {src}"
+    where = f"group {coord.unique_name!r}: the first receive from rank {src}"
     if (type(got) is not list or len(got) != 2 or type(got[0]) is not str or got[0] != MAGIC
             or not (got[1] is None or type(got[1]) is bytes)):
-        raise DecodeError(f"{where}: the first tensor dict of a direction begins with a link "
+        raise DecodeError(f"{where}: the first call of a direction begins with a link "
                           f"offer; got {type(got).__name__} {got!r:.80}", peers=(src,))
     if got[1] is None:
         return None

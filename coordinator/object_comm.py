@@ -4,9 +4,16 @@ An object is encoded with the message queue's codec (:mod:`shm_broadcast.codec`:
 msgspec msgpack for the structure, tensors and arrays out of band as raw
 bytes). What travels is
 
-1. a header, one int64 tensor ``[msg_len, blob_len]``;
+1. a header, one int64 tensor ``[msg_len, blob_len, kind]``;
 2. when non-empty, one uint8 tensor holding the msgpack bytes followed by the
    arrays' raw bytes.
+
+``kind`` says which call sent the object (:data:`OBJECT`: ``send_object``;
+:data:`LINK_OFFER`: the first ``send``/``send_tensor_dict`` of a direction,
+:mod:`coordinator.shm_links`; :data:`DICT_META`: a tensor dict's metadata on
+the CPU group). A receiver waiting for another kind takes the object (the
+stream stays in order) and raises ``CollectiveMismatch`` naming both calls,
+so ``send`` paired with ``recv_object`` never hands the offer to the caller.
 
 Point to point, both go as plain gloo sends. Broadcasts go through a
 :data:`Broadcast` function: a group's own (CPU) communicator
@@ -23,7 +30,7 @@ unpickled unless the group opted in with ``allow_pickle=True``.
 
 A sender that cannot encode its object (a type msgspec cannot carry, say)
 must not leave the receivers waiting for bytes that never come. Point to
-point, it sends the header ``[len(text), -1]`` and its error text as UTF-8;
+point, it sends the header ``[len(text), -1, kind]`` and its error text as UTF-8;
 in broadcasts the caller sends a :class:`SourceFailure` (its own msgpack ext,
 no pickle) in place of the data. The sender raises ``TypeError`` itself, and
 every receiver raises :class:`~shm_broadcast.errors.CollectiveMismatch`
@@ -51,6 +58,9 @@ __all__ = [
     "SourceFailure",
     "SERIALIZE_ERRORS",
     "MAX_OBJECT_BYTES",
+    "OBJECT",
+    "LINK_OFFER",
+    "DICT_META",
     "send_object",
     "recv_object",
     "broadcast_object",
@@ -62,6 +72,13 @@ __all__ = [
 #: The header of a larger claim is refused before anything is allocated.
 MAX_OBJECT_BYTES = 1 << 40
 _MAX_FAILURE_TEXT = 4096
+
+#: Which call sent a point-to-point object (the header's third word).
+OBJECT, LINK_OFFER, DICT_META = 0, 1, 2
+_SENT_BY = {OBJECT: "send_object", LINK_OFFER: "send or send_tensor_dict",
+            DICT_META: "send_tensor_dict"}
+_WAITED_BY = {OBJECT: "recv_object", LINK_OFFER: "recv or recv_tensor_dict",
+              DICT_META: "recv_tensor_dict"}
 
 # What serialisers raise for a value they cannot encode (before any byte moves):
 # the codec raises TypeError (a type it cannot carry without the pickle
@@ -98,8 +115,8 @@ class PickleCodec:
         return pickle.loads(data)
 
 
-def _pack(obj: Any, codec: Codec | ObjectCodec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(header, payload)`` tensors for ``obj``; raises the codec's TypeError first.
+def _pack(obj: Any, codec: Codec | ObjectCodec) -> tuple[tuple[int, int], torch.Tensor]:
+    """``((msg_len, blob_len), payload)`` for ``obj``; raises the codec's TypeError first.
 
     A :class:`Codec` puts msgpack then array bytes in the payload; a
     caller-supplied :class:`ObjectCodec` puts its ``dumps`` bytes (``blob_len`` 0).
@@ -109,7 +126,7 @@ def _pack(obj: Any, codec: Codec | ObjectCodec) -> tuple[torch.Tensor, torch.Ten
         payload = torch.empty(len(data), dtype=torch.uint8)
         if len(data):
             ctypes.memmove(payload.data_ptr(), bytes(data), len(data))
-        return torch.tensor([len(data), 0], dtype=torch.int64), payload
+        return (len(data), 0), payload
     enc = codec.encode(obj)
     mlen = len(enc.msg)
     payload = torch.empty(mlen + enc.blob_len, dtype=torch.uint8)
@@ -117,15 +134,15 @@ def _pack(obj: Any, codec: Codec | ObjectCodec) -> tuple[torch.Tensor, torch.Ten
         addr = payload.data_ptr()
         ctypes.memmove(addr, enc.msg, mlen)
         enc.write_blob(addr + mlen)
-    return torch.tensor([mlen, enc.blob_len], dtype=torch.int64), payload
+    return (mlen, enc.blob_len), payload
 
 
-def _failure_message(e: BaseException) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(header, payload)`` of a failure: ``[len(text), -1]``, then the UTF-8 text."""
+def _failure_message(e: BaseException) -> tuple[tuple[int, int], torch.Tensor]:
+    """``((len(text), -1), payload)`` of a failure: then the UTF-8 text."""
     text = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:_MAX_FAILURE_TEXT]
     payload = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.empty(
         0, dtype=torch.uint8)
-    return torch.tensor([len(text), -1], dtype=torch.int64), payload
+    return (len(text), -1), payload
 
 
 def _payload_for(header: torch.Tensor, peer: int) -> tuple[int, int, torch.Tensor]:
@@ -139,14 +156,14 @@ def _payload_for(header: torch.Tensor, peer: int) -> tuple[int, int, torch.Tenso
             text is longer than senders write, or the total exceeds
             :data:`MAX_OBJECT_BYTES` (all checked before anything is allocated).
     """
-    mlen, blen = (int(x) for x in header.tolist())
+    mlen, blen, kind = (int(x) for x in header.tolist())
     failure = blen == -1
-    if mlen < 0 or blen < -1 or mlen + max(blen, 0) > (
+    if mlen < 0 or blen < -1 or kind not in _SENT_BY or mlen + max(blen, 0) > (
             _MAX_FAILURE_TEXT if failure else MAX_OBJECT_BYTES):
         raise DecodeError(
             f"corrupt object header from global rank {peer}: msgpack {mlen} bytes, arrays "
-            f"{blen} bytes (each must be >= 0, together at most {MAX_OBJECT_BYTES})",
-            peers=(peer,))
+            f"{blen} bytes, kind {kind} (sizes must be >= 0, together at most "
+            f"{MAX_OBJECT_BYTES}; kinds {sorted(_SENT_BY)})", peers=(peer,))
     return mlen, blen, torch.empty(mlen + max(blen, 0), dtype=torch.uint8)
 
 
@@ -166,46 +183,59 @@ def _raise_if_failure(got: Any, what: str, peer: int) -> Any:
 
 
 def send_object(obj: Any, dst_global: int, group: dist.ProcessGroup,
-                codec: Codec | ObjectCodec) -> None:
+                codec: Codec | ObjectCodec, kind: int = OBJECT) -> None:
     """Send ``obj`` to global rank ``dst_global`` over ``group`` (no pickle by default).
+
+    ``kind``: the call sending it (see the module docstring).
 
     Raises:
         TypeError: ``obj`` cannot be encoded (the message names the type and the
             pickle opt-in); the receiver is told and raises ``CollectiveMismatch``.
     """
     try:
-        header, payload = _pack(obj, codec)
+        sizes, payload = _pack(obj, codec)
     except SERIALIZE_ERRORS as e:
-        _send(*_failure_message(e), dst_global, group)
+        _send(*_failure_message(e), kind, dst_global, group)
         raise TypeError(
             f"obj of type {type(obj).__name__} cannot be serialised for sending "
             f"({type(e).__name__}: {e})"
         ) from e
-    _send(header, payload, dst_global, group)
+    _send(sizes, payload, kind, dst_global, group)
 
 
-def _send(header: torch.Tensor, payload: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
-    dist.send(header, dst=dst, group=group)
+def _send(sizes: tuple[int, int], payload: torch.Tensor, kind: int, dst: int,
+          group: dist.ProcessGroup) -> None:
+    dist.send(torch.tensor([*sizes, kind], dtype=torch.int64), dst=dst, group=group)
     if payload.numel():
         dist.send(payload, dst=dst, group=group)
 
 
-def recv_object(src_global: int, group: dist.ProcessGroup, codec: Codec | ObjectCodec) -> Any:
+def recv_object(src_global: int, group: dist.ProcessGroup, codec: Codec | ObjectCodec,
+                kind: int = OBJECT) -> Any:
     """Receive an object sent by :func:`send_object` from global rank ``src_global``.
 
+    ``kind``: the kind of object this call waits for (see the module docstring).
+
     Raises:
-        CollectiveMismatch: The sender could not serialise its object.
+        CollectiveMismatch: The sender could not serialise its object, or sent
+            another kind (what it sent was taken).
         DecodeError: The bytes received are malformed, or hold a pickled value
             while ``codec`` has ``allow_pickle`` off.
     """
-    header = torch.empty(2, dtype=torch.int64)
+    header = torch.empty(3, dtype=torch.int64)
     dist.recv(header, src=src_global, group=group)
     mlen, blen, payload = _payload_for(header, src_global)
     if payload.numel():
         dist.recv(payload, src=src_global, group=group)
+    sent = int(header[2])
+    if sent != kind:
+        raise CollectiveMismatch(
+            f"{_WAITED_BY[kind]}: the sender (global rank {src_global}) called "
+            f"{_SENT_BY[sent]} where this rank called {_WAITED_BY[kind]}; make matching "
+            f"calls on both ranks (what it sent was taken)", peers=(src_global,))
     if blen == -1:
         text = payload.numpy().tobytes().decode("utf-8", "replace")
-        _raise_if_failure(SourceFailure(text), "recv_object", src_global)
+        _raise_if_failure(SourceFailure(text), _WAITED_BY[kind], src_global)
     return _unpack(mlen, blen, payload, codec)
 
 
@@ -247,12 +277,12 @@ def broadcast_object(obj: Any, src_global: int, bcast: Broadcast,
         DecodeError: On a receiver, the bytes received are malformed.
     """
     if is_src:
-        header, payload = _pack(obj, codec)
-        bcast(header)
+        sizes, payload = _pack(obj, codec)
+        bcast(torch.tensor([*sizes, OBJECT], dtype=torch.int64))
         if payload.numel():
             bcast(payload)
         return obj
-    header = bcast(torch.empty(2, dtype=torch.int64))
+    header = bcast(torch.empty(3, dtype=torch.int64))
     mlen, blen, payload = _payload_for(header, src_global)
     if payload.numel():
         payload = bcast(payload)

@@ -7,23 +7,24 @@ move each dict as *one* message of a one-reader
 *link*: the metadata and every tensor's bytes together, copied once into the
 ring and once out. Over the CPU group the same dict costs the metadata plus
 one gloo send per tensor, each a socket round trip and a kernel wake-up
-(hundreds of microseconds each between two local processes). Once settled
-on a link, single tensors of ``send`` / ``recv`` take it too
+(hundreds of microseconds each between two local processes). Single
+tensors of ``send`` / ``recv`` take the link too, each meeting its receiver
 (:mod:`coordinator.link_tensors`).
 
-Settling a direction. The first tensor dict a rank sends to ``dst`` begins
-with an *offer* over the CPU group (``send_object``): ``[MAGIC, handle]`` when
+Settling a direction. The first call a rank makes toward ``dst`` (a tensor
+dict or a tensor) begins with an *offer* over the CPU group (an object of
+kind :data:`~coordinator.object_comm.LINK_OFFER`): ``[MAGIC, handle]`` when
 the sender opened a link (its communicator shares memory with ``dst``,
 ``GROUPCOORD_P2P_SHM`` is not ``0``, ``/dev/shm`` had room), else
-``[MAGIC, None]``. The receiver's first ``recv_tensor_dict`` from that rank
-reads the offer, checks it (:mod:`coordinator.link_offer`) and attaches, or
+``[MAGIC, None]``. The receiver's first ``recv_tensor_dict`` or ``recv`` from
+that rank reads the offer, checks it (:mod:`coordinator.link_offer`) and attaches, or
 stays on the CPU group; both sides then wait (at most the group's timeout, in
 slices that notice a dead peer) until the link is connected. The sender alone
 decides, so the two sides cannot disagree, and the choice holds for the
 group's life::
 
     direction:  UNSETTLED --(offer sent / offer read)--> LINK | CPU GROUP
-                LINK --(a dict failed partway: its order is lost)--> CLOSED
+                LINK --(a call failed partway or timed out: its order is lost)--> CLOSED
                 an error while settling leaves it UNSETTLED (the next call offers again)
 
 GPU groups never offer: their tensors go through the device communicator.
@@ -32,11 +33,13 @@ Order. Calls of one direction with one peer run one at a time in issue order
 (:func:`coordinator.async_p2p.ordered` and the channel threads), and a link is
 FIFO, so a rank's ``n``-th dict to ``p`` is ``p``'s ``n``-th dict from it.
 
-Buffering. A send returns once its dict is in the ring: a sender may run up
-to :data:`CHUNKS` dicts ahead of its receiver (then it waits, at most the
-group's timeout, naming the receiver), as an eager send does. A receiver that
-never comes is therefore seen by the sender only when the ring is full, or
-at the direction's first dict (the offer waits for it).
+Meeting. A send on a link returns once its receiver took the message (a
+dict larger than a chunk: its first message; the parts then stream through
+the ring), as gloo's send does: the receiver judges it before releasing its
+slot, so a receiver that never comes makes the sender time out naming it,
+and one that refuses (another kind of call, shape or dtype, its own bad
+arguments) makes it raise (:mod:`coordinator.link_tensors`,
+:mod:`coordinator.link_messages`).
 
 What a dict becomes on a link (one message, or a header and parts for dicts
 larger than a ring chunk) is :mod:`coordinator.link_messages`. The queue's
@@ -58,7 +61,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from coordinator import link_offer
-from coordinator.errors import ClosedError, CommTimeout, DecodeError, GroupCoordError
+from coordinator.object_comm import LINK_OFFER
+from coordinator.errors import (
+    ClosedError, CommTimeout, DecodeError, GroupCoordError, PeerDiedError,
+)
 from coordinator.p2p_channels import LIVENESS_S, RECV, SEND
 
 if TYPE_CHECKING:
@@ -92,16 +98,18 @@ class ShmLinks:
         self._lock = threading.Lock()
         self._settled: dict[tuple[str, int], Any] = {}
         self._queues: list["MessageQueue"] = []  # settled or settling: shutdown reaches both
-        self._broken: dict[tuple[str, int], str] = {}
+        self._broken: dict[tuple[str, int], tuple[str, bool]] = {}
         self._closed = False
 
-    def sender(self, dst: int) -> "MessageQueue | None":
-        """The link to group rank ``dst``, or None for the CPU group (settles on first use)."""
-        return self._link(SEND, dst)
+    def sender(self, dst: int, op: str = "send_tensor_dict") -> "MessageQueue | None":
+        """The link to group rank ``dst``, or None for the CPU group (settles on first
+        use; ``op``, the call settling it, is named in errors)."""
+        return self._link(SEND, dst, op)
 
-    def receiver(self, src: int) -> "MessageQueue | None":
-        """The link from group rank ``src``, or None for the CPU group (settles on first use)."""
-        return self._link(RECV, src)
+    def receiver(self, src: int, op: str = "recv_tensor_dict") -> "MessageQueue | None":
+        """The link from group rank ``src``, or None for the CPU group (settles on
+        first use; ``op``, the call settling it, is named in errors)."""
+        return self._link(RECV, src, op)
 
     def settled(self, direction: str, peer: int) -> "MessageQueue | None":
         """The link of one direction if it has settled on one, else None (unsettled
@@ -117,28 +125,14 @@ class ShmLinks:
             self._check_broken(direction, peer)
         return got
 
-    def rejections_told(self, direction: str, peer: int) -> bool:
-        """Whether a rank's bad arguments for this direction reach its peer.
-
-        Everywhere but on a link: calls there go through the communicator,
-        whose ``send``/``recv`` take part as a rejected call. On a link a call
-        with bad arguments raises on its caller and takes no part (the peer's
-        call pairs with the caller's next one): a link's sends are eager, so a
-        rejection could not reach a sender that already returned.
-        """
-        if self._coord.device.type != "cpu":
-            return True
-        got = self._settled.get((direction, peer))
-        return got is None or got is _CPU_GROUP
-
-    def _link(self, direction: str, peer: int) -> "MessageQueue | None":
+    def _link(self, direction: str, peer: int, op: str) -> "MessageQueue | None":
         if self._coord.device.type != "cpu":
             return None
         got = self._settled.get((direction, peer))
         if self._broken:
             self._check_broken(direction, peer)
         if got is None:
-            got = self._offer(peer) if direction == SEND else self._accept(peer)
+            got = self._offer(peer, op) if direction == SEND else self._accept(peer, op)
         return None if got is _CPU_GROUP else got
 
     def shutdown(self) -> None:
@@ -159,14 +153,15 @@ class ShmLinks:
             q.close()
 
     # ------------------------------------------------------------------ settling
-    def _offer(self, dst: int) -> Any:
+    def _offer(self, dst: int, op: str) -> Any:
         coord = self._coord
         q = self._open_writer(dst)
         try:
             coord._send_object(link_offer.offer(
-                q.export_handle().to_bytes() if q is not None else None), dst)
+                q.export_handle().to_bytes() if q is not None else None), dst,
+                LINK_OFFER)
             if q is not None:
-                self._wait_ready(q, dst, "send_tensor_dict")
+                self._wait_ready(q, dst, op)
         except Exception:
             self._drop(q)
             if self._closed:  # the group was destroyed while this call waited (gloo's error)
@@ -177,10 +172,10 @@ class ShmLinks:
             raise
         return self._keep(SEND, dst, q)
 
-    def _accept(self, src: int) -> Any:
+    def _accept(self, src: int, op: str) -> Any:
         coord = self._coord
         try:
-            got = coord._recv_object(src)
+            got = coord._recv_object(src, LINK_OFFER)
         except Exception:
             if self._closed:  # the group was destroyed while this call waited (gloo's error)
                 raise self._closed_error() from None
@@ -188,11 +183,11 @@ class ShmLinks:
         handle = link_offer.check_offer(got, coord, src)
         if handle is None:
             return self._keep(RECV, src, None)
-        q = self._attach(handle, src)
+        q = self._attach(handle, src, op)
         try:
             q.default_timeout = coord.timeout
             self._register(q)
-            self._wait_ready(q, src, "recv_tensor_dict")
+            self._wait_ready(q, src, op)
         except GroupCoordError:
             self._drop(q)
             if self._closed:
@@ -200,10 +195,10 @@ class ShmLinks:
             raise
         except Exception as e:  # what a crafted handle can still provoke (zmq, sizes)
             self._drop(q)
-            raise self._unopened(src, e) from e
+            raise self._unopened(src, e, op) from e
         return self._keep(RECV, src, q)
 
-    def _attach(self, handle: Any, src: int) -> "MessageQueue":
+    def _attach(self, handle: Any, src: int, op: str) -> "MessageQueue":
         """The reader of the link ``handle`` (an accepted offer) describes.
 
         Raises:
@@ -220,11 +215,11 @@ class ShmLinks:
                                                    allow_pickle=coord.allow_pickle,
                                                    resizable_tensors=True)
         except Exception as e:
-            dead = coord._errors.dead_partner("recv_tensor_dict", coord.calls, src)
-            raise (dead or self._unopened(src, e)) from e
+            dead = coord._errors.dead_partner(op, coord.calls, src)
+            raise (dead or self._unopened(src, e, op)) from e
 
-    def _unopened(self, src: int, e: BaseException) -> DecodeError:
-        return DecodeError(f"group {self._coord.unique_name!r}: recv_tensor_dict from rank "
+    def _unopened(self, src: int, e: BaseException, op: str) -> DecodeError:
+        return DecodeError(f"group {self._coord.unique_name!r}: {op} from rank "
                            f"{src}: its link does not open ({type(e).__name__}: {e})",
                            peers=(src,))
 
@@ -245,22 +240,29 @@ class ShmLinks:
                     raise
 
     def break_direction(self, direction: str, peer: int, error: BaseException) -> None:
-        """Close one direction's link after a dict failed partway through it: the
-        link's order is lost, so later calls there raise ``ClosedError``, and the
-        peer's wait on it ends with ``ClosedError`` too."""
+        """Close one direction's link after a call failed partway through it or timed
+        out: the link's order is lost, so later calls there raise ``ClosedError``
+        (``PeerDiedError`` when ``error`` was the peer's death), and the peer's
+        wait on it ends with ``ClosedError`` too."""
         with self._lock:
-            self._broken[(direction, peer)] = f"{type(error).__name__}: {error}"[:300]
+            self._broken[(direction, peer)] = (f"{type(error).__name__}: {error}"[:300],
+                                               isinstance(error, PeerDiedError))
             q = self._settled.get((direction, peer))
         if q is not None and q is not _CPU_GROUP:
             q.shutdown()
 
     def _check_broken(self, direction: str, peer: int) -> None:
-        why = self._broken.get((direction, peer))
-        if why is not None:
+        got = self._broken.get((direction, peer))
+        if got is not None:
+            why, died = got
             side = "to" if direction == SEND else "from"
+            if died:  # the same condition raises the same class: the peer is gone
+                raise PeerDiedError(
+                    f"group {self._coord.unique_name!r}: the link {side} rank {peer} was "
+                    f"closed when its peer died ({why})", peers=(peer,))
             raise ClosedError(
                 f"group {self._coord.unique_name!r}: the link {side} rank {peer} was closed "
-                f"when an earlier tensor dict failed partway ({why}); destroy the group",
+                f"when an earlier call failed partway or timed out ({why}); destroy the group",
                 peers=(peer,))
 
     def _open_writer(self, dst: int) -> "MessageQueue | None":

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 import torch.distributed as dist
 
-from coordinator import link_messages
+from coordinator import link_messages, object_comm
 from coordinator.errors import CollectiveMismatch, DecodeError
 from coordinator.p2p_channels import RECV as RECV_SIDE, SEND as SEND_SIDE
 from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
@@ -388,7 +388,7 @@ def send_tensor_dict(
         _send_on_link(coord, link, meta, payload, dst)
         return
     try:
-        coord._send_object(meta, dst)
+        coord._send_object(meta, dst, object_comm.DICT_META)
     except TypeError as e:  # the receiver was told by send_object
         raise TypeError(
             f"send_tensor_dict on group {coord.unique_name!r}: tensor_dict holds a value that "
@@ -403,14 +403,17 @@ def _send_on_link(coord: "GroupCoordinator", link: Any, meta: list[list[Any]],
                   payload: list[torch.Tensor], dst: int) -> None:
     """The dict on its link; a value the codec refuses is reported to the receiver."""
     try:
-        link_messages.send(link, meta, payload,
-                           lambda e: coord._links.break_direction(SEND_SIDE, dst, e))
+        refusal = link_messages.send(link, meta, payload,
+                                     lambda e: coord._links.break_direction(SEND_SIDE, dst, e))
     except SERIALIZE_ERRORS as e:  # encoding comes first: nothing was published
         link.enqueue(link_messages.failure(f"{type(e).__name__}: {e}"))
         raise TypeError(
             f"send_tensor_dict on group {coord.unique_name!r}: tensor_dict holds a value that "
             f"cannot be serialised ({type(e).__name__}: {e})"
         ) from e
+    if refusal is not None:
+        raise link_messages.refused(coord.unique_name, "send_tensor_dict", refusal, dst,
+                                    coord.ranks[dst])
 
 
 def recv_tensor_dict(
@@ -421,14 +424,14 @@ def recv_tensor_dict(
     """Implementation of :meth:`GroupCoordinator.recv_tensor_dict`."""
     link = coord._links.receiver(src)
     if link is None:
-        meta = check_metadata(coord._recv_object(src), coord.device.type)
+        meta = check_metadata(coord._recv_object(src, object_comm.DICT_META), coord.device.type)
         def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
             return _recv_into(coord, _alloc(desc, coord.device, parts or 1), src)
     else:
-        pieces = link_messages.Pieces(link, link.dequeue(), coord.ranks[src],
-                                      lambda e: coord._links.break_direction(RECV_SIDE, src, e))
-        meta = check_metadata(pieces.meta, coord.device.type)
-        pieces.expect([n * _dtype(d[1]).itemsize for n, d in _numels(meta) if n])
+        pieces = link_messages.receive(
+            link, coord.ranks[src], lambda e: coord._links.break_direction(RECV_SIDE, src, e),
+            link_messages.DICT, coord.unique_name, coord.device.type)
+        meta = pieces.meta
         def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
             numel = math.prod(desc[2]) // (parts or 1)
             flat = pieces.take(_dtype(desc[1]), numel, key)
@@ -456,8 +459,6 @@ def recv_tensor_dict(
             continue
         full = all_gather_group.all_gather(piece, dim=0)
         out[key] = full.reshape(value[2])
-    if link is not None:
-        pieces.finish()
     if problem:
         raise ValueError(problem)
     return out

@@ -54,7 +54,7 @@ from shm_broadcast.errors import (
 )
 from shm_broadcast.handle import Handle
 from shm_broadcast.predictive import STAMP, STAMP_OFFSET, ArrivalPredictor
-from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, ShmRingBuffer
+from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, REFUSED, TAKEN, ShmRingBuffer
 from shm_broadcast.transport import (
     CTL_HELLO, KIND_DATA, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
     close_all, close_dealer, new_socket, remove_dead_channel_dir, say_goodbye,
@@ -351,8 +351,10 @@ class LocalReader:
             return False
         return self.ring.is_readable(self._seq % self.max_chunks, self.index)
 
-    def dequeue(self, timeout: float | None) -> Any:
-        """Receive the next message."""
+    def dequeue(self, timeout: float | None,
+                verdict: Callable[[Any], str | None] | None = None) -> Any:
+        """Receive the next message; ``verdict`` (see :meth:`MessageQueue.dequeue`)
+        judges it before its chunk is released."""
         if self._closing or not self._ready:
             self._check_open("dequeue")
             if self._closing:
@@ -386,20 +388,20 @@ class LocalReader:
                 f"{chunk} holds #{wseq}; the ring is corrupt")
         if kind == KIND_OVERFLOW:
             frames = self._recv_overflow(seq, timeout)
-            try:
-                head = frames[0].buffer  # topic byte, header, msgpack
-                return self.codec.decode(head[_HEAD : _HEAD + mlen], frames[1].buffer,
-                                         0, blen)
-            finally:
-                self._consume(chunk)
+            head = frames[0].buffer  # topic byte, header, msgpack
+            return self._judged(chunk, verdict, self.codec.decode,
+                                head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen)
         boff = CHUNK_HEADER + (mlen + 63) // 64 * 64
         if kind != KIND_DATA or (boff + blen if blen else CHUNK_HEADER + mlen) > self._chunk_bytes:
             raise DecodeError(
                 f"queue {self.name!r}: {self.side} found message #{seq} in chunk {chunk} with "
                 f"kind {kind}, {mlen} + {blen} bytes, which a {self._chunk_bytes}-byte chunk "
                 f"cannot hold; the ring is corrupt")
+        m = d + CHUNK_HEADER
+        if verdict is not None:
+            return self._judged(chunk, verdict, self.codec.decode, buf[m : m + mlen], buf,
+                                d + boff, blen)
         try:
-            m = d + CHUNK_HEADER
             obj = self.codec.decode(buf[m : m + mlen], buf, d + boff, blen)
             if self._keep_warm and blen == 0 and mlen <= _WARM_MAX:
                 self._warm_msg = bytes(buf[m : m + mlen])
@@ -407,13 +409,34 @@ class LocalReader:
         finally:
             self._consume(chunk)
 
-    def _consume(self, chunk: int) -> None:
-        """ShmRingBuffer.mark_read, then poke a parked writer; the flag stores are
-        inlined at the ring's own offsets (this runs once per message)."""
+    def _judged(self, chunk: int, verdict: Callable[[Any], str | None] | None,
+                decode: Callable[..., Any], *args: Any) -> Any:
+        """Decode, let ``verdict`` judge (a decode error or a raising verdict refuses
+        the message with its text, then propagates), then release the chunk."""
+        refusal: str | None = None
+        try:
+            obj = decode(*args)
+            if verdict is not None:
+                said = verdict(obj)
+                refusal = None if said is None else str(said)
+            return obj
+        except BaseException as e:
+            if verdict is not None:
+                refusal = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            self._consume(chunk, refusal)
+
+    def _consume(self, chunk: int, refusal: str | None = None) -> None:
+        """ShmRingBuffer.mark_read (or a refusal's verdict), then poke a parked
+        writer; the flag stores are inlined at the ring's own offsets (this runs
+        once per message)."""
         ring = self.ring
+        if refusal is not None:
+            ring.write_refusal(self.index, refusal)
         if not self._strong:
             ring.release_fence()
-        ring.buf[self._flag_at[chunk][1]] = 1
+        ring.buf[self._flag_at[chunk][1]] = TAKEN if refusal is None else REFUSED
         self._seq += 1
         ring.full_fence()
         if ring.buf[ring.writer_parked_offset] and ring.take_writer_parked():

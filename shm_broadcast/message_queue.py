@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from shm_broadcast.checks import check_int, check_timeout
 from shm_broadcast.codec import Codec
@@ -362,14 +362,55 @@ class MessageQueue:
         finally:
             self._busy -= 1
 
+    def enqueue_confirmed(self, obj: Any, timeout: float | None = None) -> list[str | None]:
+        """Send ``obj`` like :meth:`enqueue`, then wait until every reader has taken
+        it, or refused it with :meth:`dequeue`'s ``verdict`` (writer only; every
+        reader on this host).
+
+        A meeting send: it returns only once the readers came, and tells the
+        writer what they made of the message.
+
+        Args:
+            obj: As for :meth:`enqueue`.
+            timeout: Seconds for room in the ring and the readers' verdicts
+                together; ``None``: :attr:`default_timeout`.
+
+        Returns:
+            One entry per reader, in slot order: None where the reader took the
+            message, its reason (text, at most ~1 KiB) where it refused it.
+
+        Raises:
+            QueueTimeout: No room, or a reader did not come, within ``timeout``;
+                names the readers.
+            QueueRoleError: A reader is remote (verdicts travel in the ring).
+            PeerDiedError, QueueClosedError, TypeError: As for :meth:`enqueue`.
+        """
+        if not self._is_writer:
+            raise QueueRoleError(f"queue {self.name!r}: enqueue_confirmed() is for the writer; "
+                                 f"this is reader rank {self._rank}")
+        timeout = self._default_timeout if timeout is None else check_timeout(timeout)
+        self._busy += 1
+        try:
+            return self._impl.enqueue_confirmed(obj, timeout)  # type: ignore[union-attr]
+        finally:
+            self._busy -= 1
+
     # ------------------------------------------------------------ reader API
-    def dequeue(self, timeout: float | None = None) -> Any:
+    def dequeue(self, timeout: float | None = None,
+                verdict: Callable[[Any], str | None] | None = None) -> Any:
         """Receive the next message (readers only).
 
         Args:
             timeout: Seconds to wait; ``0`` returns a waiting message or raises
                 at once (non-blocking poll); ``None``: :attr:`default_timeout`
                 (itself None unless set: wait as long as the writer lives).
+            verdict: Called with the decoded message before its slot is
+                released; a returned string refuses the message with that
+                reason (told to a writer waiting in :meth:`enqueue_confirmed`),
+                None takes it. A message that fails to decode, or whose
+                ``verdict`` raises, is refused with the error's text and the
+                error propagates. The message is returned either way. Readers
+                on the writer's host only.
 
         Raises:
             QueueTimeout: Nothing arrived within ``timeout``.
@@ -386,9 +427,16 @@ class MessageQueue:
             timeout = self._default_timeout
         else:
             timeout = check_timeout(timeout)
+        if verdict is not None and not callable(verdict):
+            raise TypeError(f"verdict must be a callable or None, got {type(verdict).__name__}")
         self._busy += 1
         try:
-            return self._impl.dequeue(timeout)
+            if verdict is None:
+                return self._impl.dequeue(timeout)
+            if not isinstance(self._impl, LocalReader):
+                raise QueueRoleError(f"queue {self.name!r}: a verdict needs a reader on the "
+                                     f"writer's host; this reader is remote")
+            return self._impl.dequeue(timeout, verdict)
         finally:
             self._busy -= 1
 

@@ -46,7 +46,7 @@ import zmq
 
 from shm_broadcast.codec import Codec, Encoded
 from shm_broadcast.doorbell import BellRinger, Doorbell, bell_address
-from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout
+from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueRoleError, QueueTimeout
 from shm_broadcast.handle import Handle
 from shm_broadcast.predictive import STAMP, STAMP_OFFSET
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
@@ -150,6 +150,7 @@ class QueueWriter(WriterControl):
         #: Parks on the doorbell, and those that ended by timeout rather than a ring.
         self.park_stats = {"parks": 0, "timeouts": 0}
         self._wait_chunk: int | None = None
+        self._confirming = False  # the wait is for a confirmed message's verdicts
         self._wait_timeout: float | None = None
         self._backoff = Backoff(self.policy, self._check_wait)
 
@@ -296,6 +297,29 @@ class QueueWriter(WriterControl):
         if self.n_remote:
             self._send_remote(seq, enc, frames, chunk if ring is not None else None)
         self._seq = seq + 1
+
+    def enqueue_confirmed(self, obj: Any, timeout: float | None) -> list[str | None]:
+        """:meth:`enqueue`, then wait until every reader took or refused the message
+        (``timeout`` bounds both waits together); each reader's verdict, in slot
+        order (see :meth:`ShmRingBuffer.verdicts`)."""
+        if self.n_remote:
+            raise QueueRoleError(
+                f"queue {self.name!r}: a confirmed enqueue needs every reader on the "
+                f"writer's host; {self.n_remote} reader(s) are remote")
+        seq = self._seq
+        deadline = _deadline(timeout)
+        self.enqueue(obj, timeout)
+        if not self.n_reader:
+            return []
+        ring = self.ring
+        chunk = seq % self.max_chunks
+        if not ring.is_free(chunk):
+            self._confirming = True
+            try:
+                self._wait_free(chunk, seq, deadline, timeout)
+            finally:
+                self._confirming = False
+        return ring.verdicts(chunk)
 
     def _before_first_or_after_shutdown(self, timeout: float | None) -> None:
         """The rare enqueue states: readers not yet attached, or the queue shut down."""
@@ -444,10 +468,12 @@ class QueueWriter(WriterControl):
             who = ", ".join(f"rank {r}: {_state_text(w)}" for r, w in zip(ranks, states))
             full = (f"ring of {self.max_chunks} chunks full" if local else
                     f"{self.remote_window} messages unacknowledged")
+            what = (f"to take message #{self._wait_seq} (a confirmed enqueue; {who})"
+                    if self._confirming else f"to consume earlier messages ({full}; {who})")
             raise QueueTimeout(
                 f"queue {self.name!r}: enqueue of message #{self._wait_seq} timed out after "
                 f"{self._wait_timeout:g} s; the {self.side} is waiting for reader rank(s) "
-                f"{ranks} to consume earlier messages ({full}; {who})",
+                f"{ranks} {what}",
                 queue=self.name, side=self.side, peers=ranks)
 
     def _raise_if_reader_dead(self, local: list[int], remote: list[int]) -> None:

@@ -3,13 +3,13 @@
 One writer and ``n_reader`` readers on the same node share one segment
 (:class:`~shm_broadcast.segment.SharedSegment`, kind ``"mq"``)::
 
-    +----------------+--------------------------+-------------------+----------------------+
-    | header (64 B)  | reader table             | chunk flags       | chunk data           |
-    | magic, geometry| pid u64 x n, ctime f64 x n| per chunk:        | max_chunks x         |
-    | writer pid,    | state u8 x n             |  W u8, R_0..R_n-1 |  max_chunk_bytes     |
-    | ready/shutdown/| parked u8 x n            |  (8-byte stride)  |  (64-byte aligned)   |
-    | writer_parked  |                          |                   |                      |
-    +----------------+--------------------------+-------------------+----------------------+
+    +----------------+--------------------------+-------------------+--------------+-------------------+
+    | header (64 B)  | reader table             | chunk flags       | refusals     | chunk data        |
+    | magic, geometry| pid u64 x n, ctime f64 x n| per chunk:        | per reader:  | max_chunks x      |
+    | writer pid,    | state u8 x n             |  W u8, R_0..R_n-1 |  1 KiB slot  |  max_chunk_bytes  |
+    | ready/shutdown/| parked u8 x n            |  (8-byte stride)  |              |  (64-byte aligned)|
+    | writer_parked  |                          |                   |              |                   |
+    +----------------+--------------------------+-------------------+--------------+-------------------+
 
 Message ``k`` goes to chunk ``k % max_chunks``; writer and readers each keep
 their own counter, so the flags alone say whose turn it is.
@@ -27,8 +27,21 @@ State machine of one chunk (W = written flag, R_i = read flag of reader i)::
              |                                                 v
         +-----------+   reader i: R_i == 0 and W == 1    +-----------+
         | PARTIALLY | <--------------------------------  | PUBLISHED |
-        |   READ    |   copy out, then R_i := 1          | W=1, R=0..|
+        |   READ    |   copy out, then R_i := 1 (or 2)   | W=1, R=0..|
         +-----------+  -------- (each reader once) ----> +-----------+
+
+Verdicts. A reader marks a message it *refused* with ``R_i := 2``
+(:data:`REFUSED`) instead of 1, after writing its reason into its refusal
+slot (:meth:`ShmRingBuffer.write_refusal`; one slot per reader, outside the
+chunks, so a refusal never touches a payload other readers still read). A
+writer that waits for the chunk to be FREE and then loads ``R_i`` before the
+slot (load/load, as for the payload) sees the reason whole: the confirmed
+sends of :meth:`shm_broadcast.message_queue.MessageQueue.enqueue_confirmed`.
+One slot per reader suffices: a confirmed writer reads the reasons of
+message ``k`` before it publishes ``k + 1``, and a reader has finished every
+earlier message before it judges ``k``, so no other refusal of that reader
+can be written meanwhile. FREE means every ``R_i`` is non-zero, whichever
+verdict it holds.
 
 * The writer only touches a chunk's payload in WRITING, which it enters only
   when every reader has set its R_i (or the chunk was never written).
@@ -95,9 +108,10 @@ from shm_broadcast.checks import check_int
 from shm_broadcast.errors import SegmentError
 from shm_broadcast.segment import SharedSegment
 
-__all__ = ["ShmRingBuffer", "CHUNK_HEADER", "READER_EMPTY", "READER_ATTACHED", "READER_CLOSED"]
+__all__ = ["ShmRingBuffer", "CHUNK_HEADER", "READER_EMPTY", "READER_ATTACHED", "READER_CLOSED",
+           "TAKEN", "REFUSED"]
 
-_MAGIC = b"GCMQRB01"
+_MAGIC = b"GCMQRB02"
 _HDR = struct.Struct("<8sIIQQd")  # magic, n_reader, max_chunks, chunk_bytes, writer pid, ctime
 _OFF_READY = 48
 _OFF_SHUTDOWN = 49
@@ -106,6 +120,13 @@ _HEADER_BYTES = 64
 _ALIGN = 64
 #: Bytes reserved at the start of each chunk for the message header.
 CHUNK_HEADER = 32
+
+#: ``R_i`` values once reader ``i`` is done with a message: taken, or refused
+#: (its reason in reader ``i``'s refusal slot).
+TAKEN, REFUSED = 1, 2
+#: Bytes of one reader's refusal slot (a u32 length, then UTF-8).
+_REFUSAL_SLOT = 1024
+_U32 = struct.Struct("<I")
 
 READER_EMPTY = 0
 READER_ATTACHED = 1
@@ -135,7 +156,8 @@ class _Geometry:
         self.parked_off = self.state_off + n_reader
         self.flags_off = _align(self.parked_off + n_reader, _ALIGN)
         self.flag_stride = _align(1 + n_reader, 8)
-        self.data_off = _align(self.flags_off + self.flag_stride * max_chunks, _ALIGN)
+        self.refusals_off = _align(self.flags_off + self.flag_stride * max_chunks, _ALIGN)
+        self.data_off = _align(self.refusals_off + _REFUSAL_SLOT * n_reader, _ALIGN)
         self.data_stride = _align(max_chunk_bytes, _ALIGN)
         self.total = self.data_off + self.data_stride * max_chunks
 
@@ -277,7 +299,8 @@ class ShmRingBuffer:
         """Whether the writer may overwrite ``chunk`` (FREE state)."""
         off = self._w_at[chunk]
         buf = self.buf
-        return buf[off + 1 : off + 1 + self.n_reader] == self._ones or buf[off] == 0
+        flags = buf[off + 1 : off + 1 + self.n_reader]
+        return flags == self._ones or buf[off] == 0 or 0 not in flags
 
     def lagging_readers(self, chunk: int) -> list[int]:
         """Readers that have not yet read ``chunk`` (their ``R_i`` is 0)."""
@@ -325,6 +348,32 @@ class ShmRingBuffer:
         """Set ``R_reader`` after the payload has been copied out."""
         self.release_fence()
         self.buf[self._w_at[chunk] + 1 + reader] = 1
+
+    # -------------------------------------------------------------- verdicts
+    def write_refusal(self, reader: int, reason: str) -> None:
+        """Put ``reason`` (cut to the slot) in ``reader``'s refusal slot, before it
+        sets ``R_reader := REFUSED`` on the chunk it holds PUBLISHED and unread."""
+        off = self._g.refusals_off + reader * _REFUSAL_SLOT
+        text = reason.encode("utf-8", "replace")[: _REFUSAL_SLOT - _U32.size]
+        _U32.pack_into(self.buf, off, len(text))
+        self.buf[off + _U32.size : off + _U32.size + len(text)] = text
+
+    def verdicts(self, chunk: int) -> list[str | None]:
+        """Each reader's verdict on a FREE chunk the writer published: None where it
+        took the message, its reason where it refused it."""
+        flags = bytes(self.buf[self._w_at[chunk] + 1 : self._w_at[chunk] + 1 + self.n_reader])
+        self.acquire_fence()  # R_i loads before the slots' (no-op on x86)
+        out: list[str | None] = []
+        for r, flag in enumerate(flags):
+            if flag != REFUSED:
+                out.append(None)
+                continue
+            off = self._g.refusals_off + r * _REFUSAL_SLOT
+            (n,) = _U32.unpack_from(self.buf, off)
+            n = min(n, _REFUSAL_SLOT - _U32.size)
+            out.append(bytes(self.buf[off + _U32.size : off + _U32.size + n])
+                       .decode("utf-8", "replace"))
+        return out
 
     # ------------------------------------------------------- shared header
     def set_writer(self, pid: int, create_time: float) -> None:

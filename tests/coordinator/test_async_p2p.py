@@ -380,11 +380,9 @@ def _bad_call(g: Any, rank: int, case: str) -> Any:
 
 def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any]:
     """Even ranks make the bad call; odd ranks make the matching good one when the bad
-    call had a valid peer. Through the communicator (a direction that carried no
-    tensor dict, or one settled on the CPU group with ``GROUPCOORD_P2P_SHM=0``)
-    the peer is told (PeerRejectedError), not left waiting; on a link (settled
-    by a first dict) the bad call takes no part, and the peer's call pairs with
-    the even rank's next, good one."""
+    call had a valid peer: the peer is told (PeerRejectedError), not left
+    waiting, whether the direction is unsettled (the bad call settles it), on
+    a link (settled by a first dict) or on the CPU group (``GROUPCOORD_P2P_SHM=0``)."""
     from coordinator.errors import PeerRejectedError
 
     exc_type, arg = BAD_CALLS[case]
@@ -425,8 +423,11 @@ def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any
 
 def bad_call_behind_a_settling_dict(rank: int, n: int, direction: str) -> dict[str, Any]:
     """Rank 0's first call toward rank 1 is an un-waited dict (it settles the direction
-    on a link), then a call with a bad argument: the rejection must not travel on the
-    CPU group (rank 1 reads the link), so rank 1's next call pairs with rank 0's next."""
+    on a link), then a call with a bad argument: its rejection takes the direction's
+    order, on the link rank 1 reads (not the CPU group), and rank 1's matching call
+    raises PeerRejectedError at once; the calls after it pair as issued."""
+    from coordinator.errors import PeerRejectedError
+
     def body(g: Any) -> dict[str, Any]:
         good = torch.arange(4.0)
         t0 = time.monotonic()
@@ -441,6 +442,8 @@ def bad_call_behind_a_settling_dict(rank: int, n: int, direction: str) -> dict[s
                 h2.wait(20)
             else:
                 assert torch.equal(g.recv_tensor_dict(peer)["x"], good)
+                with pytest.raises(PeerRejectedError, match="rank 0"):
+                    g.recv((4,), torch.float32, peer)
                 assert torch.equal(g.recv((4,), torch.float32, peer), good)
         else:  # rank 0 receives on the settling direction
             if rank == 0:
@@ -451,6 +454,8 @@ def bad_call_behind_a_settling_dict(rank: int, n: int, direction: str) -> dict[s
                 assert torch.equal(h.wait(20)["x"], good) and torch.equal(got, good)
             else:
                 g.send_tensor_dict({"x": good}, peer)
+                with pytest.raises(PeerRejectedError, match="rank 0"):
+                    g.send(good, peer)
                 g.send(good, peer)
         g.barrier()
         return {"seconds": time.monotonic() - t0}
@@ -460,24 +465,15 @@ def bad_call_behind_a_settling_dict(rank: int, n: int, direction: str) -> dict[s
 
 def _rejected_peer(g: Any, rank: int, peer: int, case: str, transport: str,
                    rejected: type[Exception]) -> dict[str, Any]:
-    """The odd rank's good call matching the even rank's bad one: told on the CPU
-    group; on a link it pairs with the even rank's next call, which is good."""
+    """The odd rank's good call matching the even rank's bad one: it is told, on
+    whichever transport the direction took."""
     sending = "isend" in case  # the even rank's bad call sends
     if rank % 2:
         h = (g.irecv(((2,), torch.float32), peer) if sending
              else g.isend(torch.ones(2), peer))
-        if transport != "link":
-            with pytest.raises(rejected) as rej:
-                h.wait(10)
-            return {"peer_told": str(rej.value)}
-        got = h.wait(10)
-        assert got is None or torch.equal(got, torch.ones(2)), got
-        return {"paired": True}
-    if transport == "link":  # the good call the odd rank's call pairs with
-        if sending:
-            g.isend(torch.ones(2), peer).wait(10)
-        else:
-            assert torch.equal(g.irecv(((2,), torch.float32), peer).wait(10), torch.ones(2))
+        with pytest.raises(rejected) as rej:
+            h.wait(10)
+        return {"peer_told": str(rej.value)}
     return {}
 
 
@@ -613,7 +609,8 @@ def test_bad_arguments_raise_naming_the_argument(dist_pool, case) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("direction", ["send", "recv"])
-def test_a_bad_call_queued_behind_a_settling_dict_takes_no_part(dist_pool, direction) -> None:
+def test_a_bad_call_queued_behind_a_settling_dict_is_told_on_the_link(dist_pool,
+                                                                     direction) -> None:
     out = dist_pool(2).run(bad_call_behind_a_settling_dict, direction, timeout=100)
     assert all(o["seconds"] < 15 for o in out), out  # no wait for the group's timeout
 
@@ -626,13 +623,10 @@ _TOLD_CASES = ["isend-not-a-tensor", "isend-meta-tensor", "irecv-spec-not-a-pair
 @pytest.mark.parametrize("transport", ["link", "cpu-group"])
 @pytest.mark.parametrize("case", _TOLD_CASES)
 def test_bad_arguments_on_a_settled_direction(dist_pool, case, transport) -> None:
-    """Told to the peer on the CPU group; on a link the bad call takes no part."""
+    """Told to the peer on either transport: over the CPU group, or on the link."""
     out = dist_pool(2).run(bad_arguments, case, transport, timeout=100)
     assert BAD_CALLS[case][1] in out[0]["text"]
-    if transport == "link":
-        assert out[1] == {"paired": True}, out[1]
-    else:
-        assert "rank 0" in out[1]["peer_told"], out[1]
+    assert "rank 0" in out[1]["peer_told"], out[1]
 
 
 @pytest.mark.timeout(120)

@@ -36,7 +36,8 @@ def _encoded(obj: Any, allow_pickle: bool = False) -> tuple[list[int], bytes]:
 
 
 def _attacks() -> list[tuple[str, list[int], bytes]]:
-    """``(name, header, payload)`` of each hostile message rank 0 sends."""
+    """``(name, header, payload)`` of each hostile message rank 0 sends (a header
+    of two words gets the kind its receiving call waits for)."""
     from shm_broadcast import wire_format as wf
 
     tensor_1gib = wf.TENSOR_HEAD.pack(0, 0, 0, 0, 1) + (_GIB // 4).to_bytes(8, "little")
@@ -56,6 +57,8 @@ def _attacks() -> list[tuple[str, list[int], bytes]]:
         ("pickle", pickled_header, pickled),
         ("tensor-dict-shape-(-4,)", td_header, td),
         ("tensor-dict-of-1PiB", huge_header, huge),
+        ("unknown-kind", [0, 0, 9], b""),
+        ("negative-kind", [0, 0, -3], b""),
     ]
 
 
@@ -73,6 +76,7 @@ def hostile_peer(rank: int, world_size: int) -> list[str]:
     from coordinator.group_coordinator import GroupCoordinator
 
     from coordinator.link_offer import MAGIC
+    from coordinator.object_comm import DICT_META, LINK_OFFER, OBJECT
 
     # A fresh group: the first recv_tensor_dict of a direction reads the sender's
     # link offer over the CPU group (coordinator.link_offer); the attacker offers none.
@@ -87,9 +91,11 @@ def hostile_peer(rank: int, world_size: int) -> list[str]:
                 if name.startswith("tensor-dict") and not offered:
                     # Settle the direction on the CPU group, so the attack meets
                     # the metadata checks of that path (not the offer's).
-                    world._send_object([MAGIC, None], 1)
+                    world._send_object([MAGIC, None], 1, LINK_OFFER)
                     offered = True
-                _send_raw(header, payload, dst=1, group=world.cpu_group)
+                kind = DICT_META if name.startswith("tensor-dict") else OBJECT
+                _send_raw(header if len(header) == 3 else [*header, kind], payload, dst=1,
+                          group=world.cpu_group)
             else:
                 recv = world.recv_tensor_dict if name.startswith("tensor-dict") else world.recv_object
                 tracemalloc.start()

@@ -13,10 +13,11 @@ is two hand-offs between stages (rank 0's clock). Two kinds of call
 
 The same processes measure each transport in alternating blocks: a group
 whose directions settled on shared-memory links (:mod:`coordinator.shm_links`,
-the default between ranks of a host, settled by a first tensor dict each way)
-and one held to the CPU group (its first dicts sent with
-``GROUPCOORD_P2P_SHM=0``: metadata over gloo, then a gloo send per tensor,
-each signed; single tensors take the signed send/recv). Example::
+the default between ranks of a host, settled by the first call each way; a
+tensor's send there meets its receiver) and one held to the CPU group (its
+first calls made with ``GROUPCOORD_P2P_SHM=0``: metadata over gloo, then a
+gloo send per tensor, each signed; single tensors take the signed
+send/recv). Example::
 
     groupcoord bench p2p --calls dict tensor --sizes 1K 16K 1M 8M --threads 1 default
 """
@@ -90,8 +91,8 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any
 
 
 def _settle(groups: dict[str, Any], rank: int) -> None:
-    """Settle both directions of each group with a first tensor dict: the
-    CPU-group one with links off."""
+    """Settle both directions of each group with a first tensor, as an engine's
+    first ``send`` does: the CPU-group one with links off."""
     import torch
 
     for t, g in groups.items():
@@ -99,10 +100,10 @@ def _settle(groups: dict[str, Any], rank: int) -> None:
             os.environ["GROUPCOORD_P2P_SHM"] = "0"
         try:
             if rank == 0:
-                g.send_tensor_dict({"x": torch.ones(1)}, 1)
-                g.recv_tensor_dict(1)
+                g.send(torch.ones(1), 1)
+                g.recv((1,), torch.float32, 1)
             else:
-                g.send_tensor_dict(g.recv_tensor_dict(0), 0)
+                g.send(g.recv((1,), torch.float32, 0), 0)
         finally:
             os.environ.pop("GROUPCOORD_P2P_SHM", None)
 
