@@ -140,3 +140,54 @@ def test_confirmed_enqueue_and_verdicts_check_their_roles_and_arguments(procs) -
                 r.dequeue(timeout=0, verdict="refuse")
         finally:
             r.close()
+
+
+def slow_reader(handle: Any, rank: int, n: int, out: Any) -> None:
+    """Take ``n`` array messages, each after a pause, and report whether every one
+    arrived whole (another reader refuses them all meanwhile)."""
+    import numpy as np
+
+    try:
+        with MessageQueue.create_from_handle(handle, rank) as mq:
+            mq.wait_until_ready(60)
+            bad = []
+            for i in range(n):
+                time.sleep(0.02)  # the refusing reader is done with the message first
+                msg = mq.dequeue(timeout=60)
+                if msg["i"] != i or not np.array_equal(msg["a"], np.arange(4096) + i):
+                    bad.append(i)
+            out.put(("ok", rank, bad))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def refusing_reader(handle: Any, rank: int, n: int, out: Any) -> None:
+    try:
+        with MessageQueue.create_from_handle(handle, rank) as mq:
+            mq.wait_until_ready(60)
+            for _ in range(n):
+                mq.dequeue(timeout=60, verdict=lambda m: "no " * 400)
+            out.put(("ok", rank, []))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_never_touches_what_another_reader_still_reads(procs) -> None:
+    """Reasons live outside the chunks: a slower reader still gets every payload whole."""
+    import numpy as np
+
+    n = 20
+    mq = MessageQueue(2, 2, [1, 2], max_chunk_bytes=1 << 16, max_chunks=2, name="overlap")
+    try:
+        procs.start(refusing_reader, mq.export_handle(), 1, n)
+        procs.start(slow_reader, mq.export_handle(), 2, n)
+        mq.wait_until_ready(60)
+        for i in range(n):
+            verdicts = mq.enqueue_confirmed({"i": i, "a": np.arange(4096) + i}, timeout=30)
+            assert verdicts[0] is not None and verdicts[0].startswith("no no") and \
+                verdicts[1] is None, verdicts
+        reports = sorted(procs.get(60) for _ in range(2))
+    finally:
+        mq.close()
+    assert reports == [("ok", 1, []), ("ok", 2, [])], reports
