@@ -218,13 +218,13 @@ def receive(link: Any, src_global: int, broken: Callable[[BaseException], None],
     return got[0] if got else None
 
 
-def refused(group: str, op: str, refusal: str, dst: int, dst_global: int) -> CollectiveMismatch:
-    """The sender's error for a message group rank ``dst`` refused with ``refusal``."""
+def refused(group: str, op: str, refusal: str, dst: int) -> CollectiveMismatch:
+    """The sender's error for a message group rank ``dst`` refused with ``refusal``
+    (naming the group rank, as the CPU group's signed calls do)."""
     if refusal.startswith("rejected: "):
-        return PeerRejectedError(group, op, dst_global, refusal.removeprefix("rejected: "))
+        return PeerRejectedError(group, op, dst, refusal.removeprefix("rejected: "))
     return CollectiveMismatch(f"{op} on group {group!r}: rank {dst} refused what this rank "
-                              f"sent ({refusal.removeprefix('mismatch: ')})",
-                              peers=(dst_global,))
+                              f"sent ({refusal.removeprefix('mismatch: ')})", peers=(dst,))
 
 
 def _wrong_kind(sent: str, tag: str, src_global: int) -> None:

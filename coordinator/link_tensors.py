@@ -111,7 +111,7 @@ def recv(coord: "GroupCoordinator", size: torch.Size | Sequence[int], dtype: tor
             raise CollectiveMismatch(
                 f"recv on group {coord.unique_name!r}: expected a tensor of shape "
                 f"{tuple(shape)} and {dtype} from rank {src}, which sent {tuple(sent)} and "
-                f"{sent_dtype}", peers=(coord.ranks[src],))
+                f"{sent_dtype}", peers=(src,))
 
     got = _take(coord, link, src, check)
     return got.detach() if got.requires_grad else got  # a peer's codec may set the flag
@@ -178,4 +178,4 @@ def _on_host(coord: "GroupCoordinator", r: Any) -> bool:
 
 def _raise_if_refused(coord: "GroupCoordinator", refusal: str | None, dst: int) -> None:
     if refusal is not None:
-        raise link_messages.refused(coord.unique_name, "send", refusal, dst, coord.ranks[dst])
+        raise link_messages.refused(coord.unique_name, "send", refusal, dst)

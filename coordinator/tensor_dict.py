@@ -412,8 +412,7 @@ def _send_on_link(coord: "GroupCoordinator", link: Any, meta: list[list[Any]],
             f"cannot be serialised ({type(e).__name__}: {e})"
         ) from e
     if refusal is not None:
-        raise link_messages.refused(coord.unique_name, "send_tensor_dict", refusal, dst,
-                                    coord.ranks[dst])
+        raise link_messages.refused(coord.unique_name, "send_tensor_dict", refusal, dst)
 
 
 def recv_tensor_dict(

@@ -296,3 +296,39 @@ def test_a_send_that_times_out_closes_its_direction(dist_pool):
     sender, receiver = dist_pool(2).run(late_receiver, timeout=50)
     assert sender == ["CommTimeout", "ClosedError"], sender
     assert receiver == ["ok (3,) torch.float32", "ClosedError"], receiver
+
+
+def subgroup_peers(rank: int, world_size: int) -> list[Any]:
+    """In the group of global ranks [1, 2], errors name group ranks (as the CPU
+    group's signed calls do): the receiver is group rank 1, the sender 0."""
+    from coordinator import GroupCoordinator
+    from coordinator.errors import PeerRejectedError
+
+    g = GroupCoordinator([[0], [1, 2]], rank, "gloo", True, group_name="sub", timeout=30)
+    out: list[Any] = []
+    try:
+        if rank == 1:
+            for _ in range(2):
+                try:
+                    g.send(torch.ones(4), 1)
+                except PeerRejectedError as e:
+                    out.append(("PeerRejectedError", e.rank, list(e.peers)))
+                except CollectiveMismatch as e:
+                    out.append(("CollectiveMismatch", list(e.peers)))
+        elif rank == 2:
+            try:
+                g.recv((5,), torch.float32, 0)
+            except CollectiveMismatch as e:
+                out.append(("CollectiveMismatch", list(e.peers)))
+            with pytest.raises(ValueError):
+                g.recv((-1,), torch.float32, 0)
+    finally:
+        g.destroy()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_link_errors_in_a_subgroup_name_group_ranks(dist_pool):
+    out = dist_pool(3).run(subgroup_peers, timeout=50)
+    assert out[1] == [("CollectiveMismatch", [1]), ("PeerRejectedError", 1, [1])], out
+    assert out[2] == [("CollectiveMismatch", [0])], out
