@@ -58,7 +58,8 @@ import torch
 from coordinator.errors import CollectiveMismatch, CommTimeout, DecodeError, PeerRejectedError
 from coordinator.shm_links import CHUNK_BYTES
 
-__all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "plain_piece", "failure",
+__all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "confirmed", "plain_piece",
+           "failure",
            "rejection", "tag_of", "sent_spec", "receive", "refused", "lone_tensor", "Pieces"]
 
 #: The tag of a tensor dict's message, and of a single tensor's.
@@ -96,12 +97,7 @@ def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
     """
     pieces = [plain_piece(t) for t in payload if t.numel()]
     flags = streamed([p.numel() * p.element_size() for p in pieces])
-    try:
-        refusal = link.enqueue_confirmed([tag, meta, [p for p, f in zip(pieces, flags)
-                                                       if not f]])[0]
-    except CommTimeout as e:  # it stays in the ring: a late receiver would misplace it
-        broken(e)
-        raise
+    refusal = confirmed(link, [tag, meta, [p for p, f in zip(pieces, flags) if not f]], broken)
     if refusal is not None:
         return refusal
     try:
@@ -114,6 +110,18 @@ def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
         broken(e)
         raise
     return None
+
+
+def confirmed(link: Any, msg: list[Any], broken: Callable[[BaseException], None]) -> str | None:
+    """Enqueue a call's message and wait for the receiver's verdict: its refusal
+    reason, or None where it took the message. A timeout calls ``broken`` (the
+    message stays in the ring, where a late receiver would pair it with a
+    later call), then propagates."""
+    try:
+        return link.enqueue_confirmed(msg)[0]
+    except CommTimeout as e:
+        broken(e)
+        raise
 
 
 def plain_piece(t: torch.Tensor) -> torch.Tensor:

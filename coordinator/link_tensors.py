@@ -43,9 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from coordinator import link_messages
-from coordinator.errors import (
-    CollectiveMismatch, CommTimeout, DecodeError, GroupCoordError, PeerRejectedError,
-)
+from coordinator.errors import CollectiveMismatch, DecodeError, GroupCoordError
 from coordinator.p2p_channels import RECV, SEND
 from coordinator.tensor_dict import _dtype, _numels, flatten_tensor_dict
 from device_comms import validation
@@ -75,7 +73,9 @@ def send(coord: "GroupCoordinator", tensor: torch.Tensor, dst: int) -> None:
         piece = link_messages.plain_piece(t)
         whole = piece.dtype == t.dtype and piece.nbytes <= link_messages.PART_BYTES
         if whole:  # the common case in one message the codec checks itself: [tag, tensor]
-            refusal = _confirmed(coord, link, dst, [link_messages.TENSOR_ONLY, piece])
+            refusal = link_messages.confirmed(
+                link, [link_messages.TENSOR_ONLY, piece],
+                lambda e: coord._links.break_direction(SEND, dst, e))
         else:
             meta, payload = flatten_tensor_dict({_KEY: t}, device=coord.device)
     except (TypeError, ValueError) as e:
@@ -141,16 +141,6 @@ def reject(coord: "GroupCoordinator", direction: str, peer: int, e: BaseExceptio
         return
     if link is None:
         coord.comm._reject(kind, e, peer)
-
-
-def _confirmed(coord: "GroupCoordinator", link: Any, dst: int, msg: list[Any]) -> str | None:
-    """``link.enqueue_confirmed(msg)``'s verdict; a timeout closes the direction (the
-    message stays in the ring, where a late receiver would pair it with a later call)."""
-    try:
-        return link.enqueue_confirmed(msg)[0]
-    except CommTimeout as e:
-        coord._links.break_direction(SEND, dst, e)
-        raise
 
 
 def _take(coord: "GroupCoordinator", link: Any, src: int,
