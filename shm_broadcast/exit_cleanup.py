@@ -17,11 +17,7 @@ them), and the three paths that remove it:
    point*; :func:`install_signal_hooks` is one more). A registration in
    another thread queues the installation for the main thread
    (``Py_AddPendingCall``), which runs it at its next bytecode boundary, as
-   it would a signal handler. The handler runs in the main thread between
-   bytecodes; while the main thread is stuck in one long C call, the signal
-   watch (:mod:`shm_broadcast.signal_watch`, a thread woken through the
-   wakeup fd) does the same at once, so the process still dies promptly. A
-   signal that already
+   it would a signal handler. A signal that already
    has a handler (the application's, Python's ``SIGINT`` handler raising
    ``KeyboardInterrupt``) or is ignored is left alone: the application's
    handler decides whether the process ends (then path 1 or 3 cleans up) or
@@ -53,7 +49,6 @@ empty, and its copy of the reaper pipe is closed). Removal goes through
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import signal
 import sys
@@ -62,7 +57,6 @@ import warnings
 from types import FrameType
 
 from shm_broadcast import leftovers
-from shm_broadcast.signal_watch import SignalWatch
 from shm_broadcast.reaper import MARKER
 
 __all__ = ["EXIT_SIGNALS", "add_segment", "discard_segment", "add_dir", "discard_dir",
@@ -160,7 +154,6 @@ class ExitCleanup:
         self._reaper_failed = False
         self._pending = False  # a main-thread call is queued
         self._main_call: tuple | None = None
-        self._watch = SignalWatch(self._on_signal_elsewhere)
 
     # ------------------------------------------------------------ registry
     def add(self, kind: str, item: str) -> None:
@@ -257,7 +250,6 @@ class ExitCleanup:
             self._link = None
         self._reaper_failed = False
         self._pending = False
-        self._watch.after_fork_in_child()
 
     # ------------------------------------------------------------ signals
     def install_signal_hooks(self) -> None:
@@ -272,16 +264,12 @@ class ExitCleanup:
             # A namespace's init ignores default-action signals: a handler would
             # remove the files and the process would carry on without them.
             return
-        ours = False
         for sig in EXIT_SIGNALS:
             try:
                 if signal.getsignal(sig) is signal.SIG_DFL:
                     signal.signal(sig, self._on_signal)
-                ours = ours or signal.getsignal(sig) == self._on_signal
             except (ValueError, OSError):  # pragma: no cover - embedded interpreters
                 pass
-        if ours:
-            self._watch.start()
 
     def _hooks_from_main_thread(self) -> None:
         """Have the main thread install the hooks at its next bytecode boundary.
@@ -321,23 +309,6 @@ class ExitCleanup:
         self.remove_all()
         signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # delivered right here
-        signal.raise_signal(signum)
-
-    def _on_signal_elsewhere(self, signum: int) -> None:
-        """The same, from the signal watch's thread (:mod:`shm_broadcast.signal_watch`):
-        while the main thread is stuck in a C call, its handler cannot run."""
-        try:
-            if signal.getsignal(signum) != self._on_signal:
-                return  # not one of ours (or replaced by the application since)
-        except ValueError:
-            return
-        self.remove_all()
-        # signal.signal() is for the main thread only; libc's sets the kernel's
-        # disposition from any thread (the process is about to die by it).
-        libc = ctypes.CDLL(None)
-        libc.signal.restype = ctypes.c_void_p
-        libc.signal(ctypes.c_int(signum), ctypes.c_void_p(0))  # SIG_DFL
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
         signal.raise_signal(signum)
 
 

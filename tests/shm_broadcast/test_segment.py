@@ -85,32 +85,6 @@ def test_creation_fails_cleanly_when_dev_shm_is_too_small():
 # ---------------------------------------------------------------------- child processes
 # Spawned by the ``procs`` fixture as ``fn(*args, out_queue)``; each reports through
 # the queue (``("ok", ...)`` or ``("error", traceback)``) and never fails silently.
-@pytest.mark.timeout(90)
-def test_sigterm_ends_a_process_whose_main_thread_is_stuck_in_a_c_call(procs):
-    """The signal lands on another thread while the main thread sleeps in C: the
-    Python handler cannot run there, the signal watch acts instead."""
-    owner = procs.start(blocked_main_owner)
-    _, name = procs.get()
-    os.kill(owner.pid, signal.SIGTERM)
-    owner.join(20)
-    assert owner.exitcode == -signal.SIGTERM, owner.exitcode
-    assert not os.path.exists(os.path.join(SHM_DIR, name)), "SIGTERM must unlink"
-
-
-def blocked_main_owner(out: Any) -> None:
-    """Create a segment, then sleep with SIGTERM blocked in the main thread only."""
-    import threading
-
-    try:
-        seg = SharedSegment.create("test", 4096)
-        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        out.put(("segment", seg.name))
-        time.sleep(600)
-    except BaseException:
-        out.put(("error", 0, traceback.format_exc()))
-
-
 def segment_owner(out: Any) -> None:
     """Create a segment and sleep until killed."""
     try:
