@@ -17,7 +17,10 @@ them), and the three paths that remove it:
    point*; :func:`install_signal_hooks` is one more). A registration in
    another thread queues the installation for the main thread
    (``Py_AddPendingCall``), which runs it at its next bytecode boundary, as
-   it would a signal handler. A signal that already
+   it would a signal handler. The handler itself runs in the main thread
+   between bytecodes: a main thread blocked in one long C call when the
+   signal comes (taken by another thread) delays it, and the death, until
+   that call returns (``docs/lifecycle.md``, "Limits"). A signal that already
    has a handler (the application's, Python's ``SIGINT`` handler raising
    ``KeyboardInterrupt``) or is ignored is left alone: the application's
    handler decides whether the process ends (then path 1 or 3 cleans up) or

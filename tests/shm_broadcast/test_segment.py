@@ -86,10 +86,13 @@ def test_creation_fails_cleanly_when_dev_shm_is_too_small():
 # Spawned by the ``procs`` fixture as ``fn(*args, out_queue)``; each reports through
 # the queue (``("ok", ...)`` or ``("error", traceback)``) and never fails silently.
 def segment_owner(out: Any) -> None:
-    """Create a segment and sleep until killed."""
+    """Create a segment and wait until killed, in slices: Python runs the signal
+    handler in the main thread between bytecodes, and the signal may be taken by
+    the queue's feeder thread (docs/lifecycle.md, "Limits")."""
     try:
         seg = SharedSegment.create("test", 4096)
         out.put(("segment", seg.name))
-        time.sleep(600)
+        for _ in range(6000):
+            time.sleep(0.1)
     except BaseException:
         out.put(("error", 0, traceback.format_exc()))
