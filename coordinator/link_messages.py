@@ -60,8 +60,10 @@ from coordinator.shm_links import CHUNK_BYTES
 
 __all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "confirmed", "plain_piece",
            "failure",
-           "rejection", "tag_of", "sent_spec", "receive", "refused", "lone_tensor", "Pieces"]
+           "rejection", "tag_of", "receive", "refused", "lone_tensor", "Pieces"]
 
+#: How a refusal's reason begins when the receiver rejected its own call.
+_REJECTED = "rejected: "
 #: The tag of a tensor dict's message, and of a single tensor's.
 DICT, TENSOR_ONLY = "td", "t1"
 _CALLS = {DICT: "send_tensor_dict", TENSOR_ONLY: "send"}
@@ -154,23 +156,6 @@ def tag_of(msg: Any) -> Any:
     return msg[0] if type(msg) is list and msg and type(msg[0]) is str else None
 
 
-def sent_spec(msg: Any, device_type: str) -> tuple[torch.Size, torch.dtype]:
-    """The shape and dtype of the tensor a :data:`TENSOR_ONLY` message carries.
-
-    Raises:
-        DecodeError: The message is malformed or does not describe one whole tensor.
-    """
-    from coordinator.tensor_dict import TENSOR, _dtype, check_metadata
-
-    if _tag(msg, 2) == TENSOR_ONLY and type(msg[1]) is torch.Tensor:
-        return msg[1].shape, msg[1].dtype
-    if _tag(msg, 3) == TENSOR_ONLY:
-        descs = [v for _, kind, v in check_metadata(msg[1], device_type) if kind == TENSOR]
-        if len(descs) == 1 and not descs[0][3]:
-            return torch.Size(descs[0][2]), _dtype(descs[0][1])
-    raise DecodeError(f"recv: malformed tensor message on the link: {msg!r:.80}")
-
-
 def receive(link: Any, src_global: int, broken: Callable[[BaseException], None], tag: str,
             group: str, device_type: str,
             check: Callable[[torch.Size, torch.dtype], None] | None = None,
@@ -198,7 +183,7 @@ def receive(link: Any, src_global: int, broken: Callable[[BaseException], None],
 
     def verdict(msg: Any) -> str | None:
         if rejected:
-            return "rejected: " + rejected if tag_of(msg) in _CALLS else None
+            return _REJECTED + rejected if tag_of(msg) in _CALLS else None
         one = lone_tensor(msg, src_global)
         if one is not None:
             if tag == DICT:  # a whole message: refused, nothing follows
@@ -212,8 +197,12 @@ def receive(link: Any, src_global: int, broken: Callable[[BaseException], None],
 
         pieces.meta = check_metadata(pieces.meta, device_type)
         numels = _numels(pieces.meta)
-        if check is not None:
-            check(*sent_spec(msg, device_type))
+        if check is not None:  # a tensor's message: one whole tensor, as sent
+            descs = [d for _, d in numels]
+            if len(descs) != 1 or descs[0][3]:
+                raise DecodeError(f"recv: the link message from global rank {src_global} "
+                                  f"holds {len(descs)} tensors, not one whole tensor")
+            check(torch.Size(descs[0][2]), _dtype(descs[0][1]))
         pieces.expect([n * _dtype(d[1]).itemsize for n, d in numels if n])
         got.append(pieces)
         return None
@@ -229,8 +218,8 @@ def receive(link: Any, src_global: int, broken: Callable[[BaseException], None],
 def refused(group: str, op: str, refusal: str, dst: int) -> CollectiveMismatch:
     """The sender's error for a message group rank ``dst`` refused with ``refusal``
     (naming the group rank, as the CPU group's signed calls do)."""
-    if refusal.startswith("rejected: "):
-        return PeerRejectedError(group, op, dst, refusal.removeprefix("rejected: "))
+    if refusal.startswith(_REJECTED):
+        return PeerRejectedError(group, op, dst, refusal.removeprefix(_REJECTED))
     return CollectiveMismatch(f"{op} on group {group!r}: rank {dst} refused what this rank "
                               f"sent ({refusal.removeprefix('mismatch: ')})", peers=(dst,))
 
