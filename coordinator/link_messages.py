@@ -156,7 +156,7 @@ def tag_of(msg: Any) -> Any:
     return msg[0] if type(msg) is list and msg and type(msg[0]) is str else None
 
 
-def receive(link: Any, src_global: int, broken: Callable[[BaseException], None], tag: str,
+def receive(link: Any, src: int, broken: Callable[[BaseException], None], tag: str,
             group: str, device_type: str,
             check: Callable[[torch.Size, torch.dtype], None] | None = None,
             rejected: str = "") -> "torch.Tensor | Pieces | None":
@@ -184,15 +184,15 @@ def receive(link: Any, src_global: int, broken: Callable[[BaseException], None],
     def verdict(msg: Any) -> str | None:
         if rejected:
             return _REJECTED + rejected if tag_of(msg) in _CALLS else None
-        one = lone_tensor(msg, src_global)
+        one = lone_tensor(msg, src)
         if one is not None:
             if tag == DICT:  # a whole message: refused, nothing follows
-                _wrong_kind(TENSOR_ONLY, tag, src_global)
+                _wrong_kind(TENSOR_ONLY, tag, src, group)
             if check is not None:
                 check(one.shape, one.dtype)
             got.append(one)
             return None
-        pieces = Pieces(link, msg, src_global, broken, tag, group)
+        pieces = Pieces(link, msg, src, broken, tag, group)
         from coordinator.tensor_dict import _dtype, _numels, check_metadata
 
         pieces.meta = check_metadata(pieces.meta, device_type)
@@ -200,7 +200,7 @@ def receive(link: Any, src_global: int, broken: Callable[[BaseException], None],
         if check is not None:  # a tensor's message: one whole tensor, as sent
             descs = [d for _, d in numels]
             if len(descs) != 1 or descs[0][3]:
-                raise DecodeError(f"recv: the link message from global rank {src_global} "
+                raise DecodeError(f"recv: the link message from rank {src} "
                                   f"holds {len(descs)} tensors, not one whole tensor")
             check(torch.Size(descs[0][2]), _dtype(descs[0][1]))
         pieces.expect([n * _dtype(d[1]).itemsize for n, d in numels if n])
@@ -224,14 +224,14 @@ def refused(group: str, op: str, refusal: str, dst: int) -> CollectiveMismatch:
                               f"sent ({refusal.removeprefix('mismatch: ')})", peers=(dst,))
 
 
-def _wrong_kind(sent: str, tag: str, src_global: int) -> None:
+def _wrong_kind(sent: str, tag: str, src: int, group: str) -> None:
     call = "recv" if tag == TENSOR_ONLY else "recv_tensor_dict"
     raise CollectiveMismatch(
-        f"{call}: the sender (global rank {src_global}) called {_CALLS[sent]} where this rank "
-        f"called {call}; make the same kind of call on both ranks", peers=(src_global,))
+        f"{call} on group {group!r}: the sender (rank {src}) called {_CALLS[sent]} where this rank "
+        f"called {call}; make the same kind of call on both ranks", peers=(src,))
 
 
-def lone_tensor(msg: Any, src_global: int) -> torch.Tensor | None:
+def lone_tensor(msg: Any, src: int) -> torch.Tensor | None:
     """The tensor of a one-part ``["t1", tensor]`` message, or None for any other message.
 
     Raises:
@@ -240,7 +240,7 @@ def lone_tensor(msg: Any, src_global: int) -> torch.Tensor | None:
     if _tag(msg, 2) != TENSOR_ONLY:
         return None
     if type(msg[1]) is not torch.Tensor:
-        raise DecodeError(f"recv: malformed link message from global rank {src_global}: "
+        raise DecodeError(f"recv: malformed link message from rank {src}: "
                           f"{type(msg[1]).__name__} {msg[1]!r:.80}")
     return msg[1]
 
@@ -256,7 +256,7 @@ class Pieces:
     Args:
         link: The link (for the streamed pieces' parts).
         msg: The dict's message, as dequeued.
-        src_global: The sender's global rank (for errors).
+        src: The sender's group rank (for errors).
         broken: Called with the error when reading a streamed piece fails (the
             link's order is then lost), before the error propagates.
         tag: The message this call waits for: :data:`DICT` (``recv_tensor_dict``)
@@ -269,26 +269,26 @@ class Pieces:
         DecodeError: The message is not a dict's or a tensor's message.
     """
 
-    def __init__(self, link: Any, msg: Any, src_global: int,
+    def __init__(self, link: Any, msg: Any, src: int,
                  broken: Callable[[BaseException], None], tag: str = DICT,
                  group: str = "") -> None:
         call = "recv" if tag == TENSOR_ONLY else "recv_tensor_dict"
         if _tag(msg, 2) == "fail" and type(msg[1]) is str:
             raise CollectiveMismatch(
-                f"{call}: the sender (global rank {src_global}) could not send "
-                f"({msg[1][:2000]}); fix the call on that rank", peers=(src_global,))
+                f"{call} on group {group!r}: the sender (rank {src}) could not send "
+                f"({msg[1][:2000]}); fix the call on that rank", peers=(src,))
         if _tag(msg, 2) == "rej" and type(msg[1]) is str:
-            raise PeerRejectedError(group, call, src_global, msg[1][:2000])
+            raise PeerRejectedError(group, call, src, msg[1][:2000])
         sent = _tag(msg, 3)
         if sent in _CALLS and sent != tag:  # refused (see receive): nothing follows
-            _wrong_kind(sent, tag, src_global)
+            _wrong_kind(sent, tag, src, group)
         if sent not in _CALLS or type(msg[2]) is not list or not all(
                 type(p) is torch.Tensor for p in msg[2]):
-            raise DecodeError(f"{call}: malformed link message from global rank "
-                              f"{src_global}: {type(msg).__name__} {msg!r:.80}")
+            raise DecodeError(f"{call}: malformed link message from rank "
+                              f"{src}: {type(msg).__name__} {msg!r:.80}")
         self.meta: Any = msg[1]
         self._inline: list[torch.Tensor] = msg[2]
-        self._link, self._src, self._broken = link, src_global, broken
+        self._link, self._src, self._broken = link, src, broken
         self._flags: list[bool] = []
         self._next = self._taken = 0
 
@@ -296,7 +296,7 @@ class Pieces:
         """Take the byte sizes of the non-empty pieces the checked metadata describes."""
         self._flags = streamed(sizes)
         if sum(not f for f in self._flags) != len(self._inline):
-            raise DecodeError(f"recv_tensor_dict: the link message from global rank {self._src} "
+            raise DecodeError(f"recv_tensor_dict: the link message from rank {self._src} "
                               f"holds {len(self._inline)} tensors, its metadata describes "
                               f"{sum(not f for f in self._flags)} sent with it")
 
@@ -345,7 +345,7 @@ class Pieces:
         if (type(part) is not torch.Tensor or part.dtype != torch.uint8 or part.dim() != 1
                 or part.numel() != size):
             raise DecodeError(f"recv_tensor_dict: expected a part of tensor {key!r} "
-                              f"({size} of {nbytes - done} more bytes) from global rank "
+                              f"({size} of {nbytes - done} more bytes) from rank "
                               f"{self._src}, got {type(msg).__name__} {msg!r:.80}")
         return part
 

@@ -148,7 +148,7 @@ def _take(coord: "GroupCoordinator", link: Any, src: int,
           rejected: str = "") -> torch.Tensor:
     """The next tensor from ``src`` (see :func:`coordinator.link_messages.receive`);
     a timeout closes the direction (a late message would pair with a later call)."""
-    got = link_messages.receive(link, coord.ranks[src],
+    got = link_messages.receive(link, src,
                                 lambda e: coord._links.break_direction(RECV, src, e),
                                 link_messages.TENSOR_ONLY, coord.unique_name,
                                 coord.device.type, check, rejected)

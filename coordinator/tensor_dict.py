@@ -428,7 +428,7 @@ def recv_tensor_dict(
             return _recv_into(coord, _alloc(desc, coord.device, parts or 1), src)
     else:
         pieces = link_messages.receive(
-            link, coord.ranks[src], lambda e: coord._links.break_direction(RECV_SIDE, src, e),
+            link, src, lambda e: coord._links.break_direction(RECV_SIDE, src, e),
             link_messages.DICT, coord.unique_name, coord.device.type)
         meta = pieces.meta
         def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:

@@ -315,6 +315,10 @@ def subgroup_peers(rank: int, world_size: int) -> list[Any]:
                     out.append(("PeerRejectedError", e.rank, list(e.peers)))
                 except CollectiveMismatch as e:
                     out.append(("CollectiveMismatch", list(e.peers)))
+            with pytest.raises(TypeError):
+                g.send("not a tensor", 1)  # type: ignore[arg-type]
+            with pytest.raises(CollectiveMismatch):
+                g.send_tensor_dict({"a": torch.ones(2)}, 1)
         elif rank == 2:
             try:
                 g.recv((5,), torch.float32, 0)
@@ -322,6 +326,13 @@ def subgroup_peers(rank: int, world_size: int) -> list[Any]:
                 out.append(("CollectiveMismatch", list(e.peers)))
             with pytest.raises(ValueError):
                 g.recv((-1,), torch.float32, 0)
+            with pytest.raises(PeerRejectedError) as rejected:
+                g.recv((4,), torch.float32, 0)
+            out.append(("PeerRejectedError", rejected.value.rank, list(rejected.value.peers)))
+            with pytest.raises(CollectiveMismatch) as wrong_kind:
+                g.recv((2,), torch.float32, 0)
+            out.append(("CollectiveMismatch", list(wrong_kind.value.peers),
+                        "rank 0" in str(wrong_kind.value) and g.unique_name in str(wrong_kind.value)))
     finally:
         g.destroy()
     return out
@@ -331,4 +342,5 @@ def subgroup_peers(rank: int, world_size: int) -> list[Any]:
 def test_link_errors_in_a_subgroup_name_group_ranks(dist_pool):
     out = dist_pool(3).run(subgroup_peers, timeout=50)
     assert out[1] == [("CollectiveMismatch", [1]), ("PeerRejectedError", 1, [1])], out
-    assert out[2] == [("CollectiveMismatch", [0])], out
+    assert out[2] == [("CollectiveMismatch", [0]), ("PeerRejectedError", 0, [0]),
+                      ("CollectiveMismatch", [0], True)], out
