@@ -123,7 +123,7 @@ class GroupObjectCalls:
         else:
             bcast = object_comm.gloo_broadcast(self.ranks[src], group)
         is_src = self.rank_in_group == src
-        return object_comm.broadcast_object(obj if is_src else None, self.ranks[src], bcast,
+        return object_comm.broadcast_object(obj if is_src else None, src, bcast,
                                             self.codec, is_src)
 
     def _reject_broadcast(self, op: str, error: BaseException, queue: bool = True) -> None:
@@ -264,7 +264,7 @@ class GroupObjectCalls:
         see :mod:`coordinator.object_comm`)."""
         self._check_peer(src, "src")
         return self._cpu_call("recv_object", object_comm.recv_object, self.ranks[src],
-                              self.cpu_group, self.codec, kind)
+                              self.cpu_group, self.codec, kind, src)
 
 
 def _list_mismatch(got: Any, n: int) -> str | None:

@@ -5,8 +5,8 @@ msgspec msgpack for the structure, tensors and arrays out of band as raw
 bytes). What travels is
 
 1. a header, one int64 tensor ``[msg_len, blob_len, kind]``;
-2. when non-empty, one uint8 tensor holding the msgpack bytes followed by the
-   arrays' raw bytes.
+2. when non-empty, the payload: the msgpack bytes followed by the arrays' raw
+   bytes, as uint8 tensors of at most :data:`PIECE_BYTES` each.
 
 ``kind`` says which call sent the object (:data:`OBJECT`: ``send_object``;
 :data:`LINK_OFFER`: the first ``send``/``send_tensor_dict`` of a direction,
@@ -23,7 +23,10 @@ rank instead of pairing its bytes with another call; or plain gloo
 broadcasts over a group the caller named (:func:`gloo_broadcast`).
 
 The receiver checks the header (non-negative sizes, at most
-:data:`MAX_OBJECT_BYTES`) before it allocates, and decodes with the same
+:data:`MAX_OBJECT_BYTES` and at most this host's memory and swap) before it
+allocates, and allocates a piece only when the piece before it arrived: its
+memory grows with the bytes a peer sent, never with what the peer claimed. It
+decodes with the same
 checks every queue reader makes: malformed bytes raise
 :class:`~shm_broadcast.errors.DecodeError`, and nothing received is ever
 unpickled unless the group opted in with ``allow_pickle=True``.
@@ -43,6 +46,7 @@ into ``GroupCoordinator.codec``; its bytes then travel as the msgpack part.
 from __future__ import annotations
 
 import ctypes
+import functools
 import pickle
 from typing import Any, Callable, Protocol
 
@@ -58,6 +62,7 @@ __all__ = [
     "SourceFailure",
     "SERIALIZE_ERRORS",
     "MAX_OBJECT_BYTES",
+    "PIECE_BYTES",
     "OBJECT",
     "LINK_OFFER",
     "DICT_META",
@@ -71,6 +76,9 @@ __all__ = [
 #: Largest object (msgpack plus raw array bytes) a receiver accepts: 1 TiB.
 #: The header of a larger claim is refused before anything is allocated.
 MAX_OBJECT_BYTES = 1 << 40
+#: Largest tensor a payload travels in: a receiver allocates a piece only
+#: once the one before it arrived.
+PIECE_BYTES = 64 << 20
 _MAX_FAILURE_TEXT = 4096
 
 #: Which call sent a point-to-point object (the header's third word).
@@ -145,26 +153,50 @@ def _failure_message(e: BaseException) -> tuple[tuple[int, int], torch.Tensor]:
     return (len(text), -1), payload
 
 
-def _payload_for(header: torch.Tensor, peer: int) -> tuple[int, int, torch.Tensor]:
-    """Check a received header, then allocate the payload buffer it announces.
+@functools.cache
+def host_memory() -> int:
+    """Bytes of this host's memory and swap: nothing received can be larger."""
+    import psutil
 
-    Returns:
-        ``(msg_len, blob_len, buffer)``; ``blob_len`` is -1 for a failure text.
+    return psutil.virtual_memory().total + psutil.swap_memory().total
+
+
+def _checked_header(header: torch.Tensor, peer: int) -> tuple[int, int]:
+    """``(msg_len, blob_len)`` of a received header; ``blob_len`` is -1 for a failure text.
 
     Raises:
         DecodeError: A size is negative (other than a failure's -1), a failure
-            text is longer than senders write, or the total exceeds
-            :data:`MAX_OBJECT_BYTES` (all checked before anything is allocated).
+            text is longer than senders write, the kind is unknown, or the
+            total exceeds :data:`MAX_OBJECT_BYTES` or this host's memory.
     """
     mlen, blen, kind = (int(x) for x in header.tolist())
-    failure = blen == -1
-    if mlen < 0 or blen < -1 or kind not in _SENT_BY or mlen + max(blen, 0) > (
-            _MAX_FAILURE_TEXT if failure else MAX_OBJECT_BYTES):
+    limit = _MAX_FAILURE_TEXT if blen == -1 else min(MAX_OBJECT_BYTES, host_memory())
+    if mlen < 0 or blen < -1 or kind not in _SENT_BY or mlen + max(blen, 0) > limit:
         raise DecodeError(
-            f"corrupt object header from global rank {peer}: msgpack {mlen} bytes, arrays "
-            f"{blen} bytes, kind {kind} (sizes must be >= 0, together at most "
-            f"{MAX_OBJECT_BYTES}; kinds {sorted(_SENT_BY)})", peers=(peer,))
-    return mlen, blen, torch.empty(mlen + max(blen, 0), dtype=torch.uint8)
+            f"corrupt object header from rank {peer}: msgpack {mlen} bytes, arrays "
+            f"{blen} bytes, kind {kind} (sizes must be >= 0, together at most {limit} "
+            f"bytes; kinds {sorted(_SENT_BY)})", peers=(peer,))
+    return mlen, blen
+
+
+def _send_payload(payload: torch.Tensor, move: Callable[[torch.Tensor], Any]) -> None:
+    """Hand ``payload`` to ``move`` in pieces of at most :data:`PIECE_BYTES`."""
+    for start in range(0, payload.numel(), PIECE_BYTES):
+        move(payload[start:start + PIECE_BYTES])
+
+
+def _receive_payload(nbytes: int, move: Callable[[torch.Tensor], Any]) -> torch.Tensor:
+    """The ``nbytes`` payload, received by ``move`` (which fills or returns each
+    piece) in the pieces :func:`_send_payload` cuts; a piece is allocated only
+    after the one before it arrived."""
+    pieces = []
+    for start in range(0, nbytes, PIECE_BYTES):
+        piece = torch.empty(min(PIECE_BYTES, nbytes - start), dtype=torch.uint8)
+        got = move(piece)
+        pieces.append(got if isinstance(got, torch.Tensor) else piece)
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
 
 
 def _unpack(mlen: int, blen: int, payload: torch.Tensor, codec: Codec | ObjectCodec) -> Any:
@@ -177,7 +209,7 @@ def _unpack(mlen: int, blen: int, payload: torch.Tensor, codec: Codec | ObjectCo
 def _raise_if_failure(got: Any, what: str, peer: int) -> Any:
     if isinstance(got, SourceFailure):
         raise CollectiveMismatch(
-            f"{what}: the sender (global rank {peer}) could not send its object "
+            f"{what}: the sender (rank {peer}) could not send its object "
             f"({got.message}); fix the call on that rank", peers=(peer,))
     return got
 
@@ -206,15 +238,16 @@ def send_object(obj: Any, dst_global: int, group: dist.ProcessGroup,
 def _send(sizes: tuple[int, int], payload: torch.Tensor, kind: int, dst: int,
           group: dist.ProcessGroup) -> None:
     dist.send(torch.tensor([*sizes, kind], dtype=torch.int64), dst=dst, group=group)
-    if payload.numel():
-        dist.send(payload, dst=dst, group=group)
+    _send_payload(payload, lambda piece: dist.send(piece, dst=dst, group=group))
 
 
 def recv_object(src_global: int, group: dist.ProcessGroup, codec: Codec | ObjectCodec,
-                kind: int = OBJECT) -> Any:
+                kind: int = OBJECT, src_rank: int | None = None) -> Any:
     """Receive an object sent by :func:`send_object` from global rank ``src_global``.
 
-    ``kind``: the kind of object this call waits for (see the module docstring).
+    ``kind``: the kind of object this call waits for (see the module docstring);
+    ``src_rank``: the sender's rank as errors name it (its group rank; default
+    ``src_global``).
 
     Raises:
         CollectiveMismatch: The sender could not serialise its object, or sent
@@ -223,19 +256,20 @@ def recv_object(src_global: int, group: dist.ProcessGroup, codec: Codec | Object
             while ``codec`` has ``allow_pickle`` off.
     """
     header = torch.empty(3, dtype=torch.int64)
+    who = src_global if src_rank is None else src_rank
     dist.recv(header, src=src_global, group=group)
-    mlen, blen, payload = _payload_for(header, src_global)
-    if payload.numel():
-        dist.recv(payload, src=src_global, group=group)
+    mlen, blen = _checked_header(header, who)
+    payload = _receive_payload(mlen + max(blen, 0),
+                               lambda piece: dist.recv(piece, src=src_global, group=group))
     sent = int(header[2])
     if sent != kind:
         raise CollectiveMismatch(
-            f"{_WAITED_BY[kind]}: the sender (global rank {src_global}) called "
+            f"{_WAITED_BY[kind]}: the sender (rank {who}) called "
             f"{_SENT_BY[sent]} where this rank called {_WAITED_BY[kind]}; make matching "
-            f"calls on both ranks (what it sent was taken)", peers=(src_global,))
+            f"calls on both ranks (what it sent was taken)", peers=(who,))
     if blen == -1:
         text = payload.numpy().tobytes().decode("utf-8", "replace")
-        _raise_if_failure(SourceFailure(text), _WAITED_BY[kind], src_global)
+        _raise_if_failure(SourceFailure(text), _WAITED_BY[kind], who)
     return _unpack(mlen, blen, payload, codec)
 
 
@@ -260,12 +294,12 @@ def comm_broadcast(comm: Any, src: int) -> Broadcast:
     return bcast
 
 
-def broadcast_object(obj: Any, src_global: int, bcast: Broadcast,
+def broadcast_object(obj: Any, src: int, bcast: Broadcast,
                      codec: Codec | ObjectCodec, is_src: bool) -> Any:
-    """Broadcast ``obj`` from global rank ``src_global``; returns it on every rank.
+    """Broadcast ``obj`` from the source ``bcast`` names; returns it on every rank.
 
     ``bcast`` moves the header, then the payload (:func:`comm_broadcast` or
-    :func:`gloo_broadcast`).
+    :func:`gloo_broadcast`); ``src`` is the source's rank as errors name it.
 
     No failure handling: on the source, an object that cannot be encoded raises
     ``TypeError`` before anything is sent, and the caller then broadcasts a
@@ -279,14 +313,11 @@ def broadcast_object(obj: Any, src_global: int, bcast: Broadcast,
     if is_src:
         sizes, payload = _pack(obj, codec)
         bcast(torch.tensor([*sizes, OBJECT], dtype=torch.int64))
-        if payload.numel():
-            bcast(payload)
+        _send_payload(payload, bcast)
         return obj
     header = bcast(torch.empty(3, dtype=torch.int64))
-    mlen, blen, payload = _payload_for(header, src_global)
-    if payload.numel():
-        payload = bcast(payload)
+    mlen, blen = _checked_header(header, src)
+    payload = _receive_payload(mlen + max(blen, 0), bcast)
     if blen == -1:  # senders of broadcasts send SourceFailure objects, never this form
-        raise DecodeError(f"corrupt object header from global rank {src_global}",
-                          peers=(src_global,))
+        raise DecodeError(f"corrupt object header from rank {src}", peers=(src,))
     return _unpack(mlen, blen, payload, codec)

@@ -40,7 +40,6 @@ whole tensor with one all-gather among themselves.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping
@@ -248,19 +247,11 @@ def _check_desc(desc: Any, device_type: str, i: int) -> int:
     return numel * itemsize
 
 
-@functools.cache
-def _host_memory() -> int:
-    """Bytes of this host's memory and swap: no CPU tensor dict it receives can be larger."""
-    import psutil
-
-    return psutil.virtual_memory().total + psutil.swap_memory().total
-
-
 def _check_host_bytes(nbytes: int) -> None:
     """Refuse metadata whose CPU tensors could not fit in this host's memory."""
-    if nbytes > _host_memory():
+    if nbytes > object_comm.host_memory():
         raise DecodeError(f"tensor-dict metadata describes {nbytes} bytes of CPU tensors, more "
-                          f"than this host's memory and swap ({_host_memory()} bytes)")
+                          f"than this host's memory and swap ({object_comm.host_memory()} bytes)")
 
 
 # ---------------------------------------------------------------------- broadcast

@@ -51,6 +51,7 @@ def _attacks() -> list[tuple[str, list[int], bytes]]:
     return [
         ("negative-size", [-5, 0], b""),
         ("huge-size", [1 << 50, 0], b""),
+        ("under-1TiB-above-host-memory", [(1 << 40) - 64, 0], b""),
         ("huge-failure-text", [1 << 20, -1], b""),
         ("garbage", [7, 0], b"\xc1\xc1\xc1\xc1\xc1\xc1\xc1"),
         ("30-bytes-claiming-1GiB", [len(lie), 0], lie),
@@ -129,3 +130,53 @@ def _refuse(*args: Any, **kwargs: Any) -> Any:
 def test_hostile_peer_messages_are_refused_with_decode_error(dist_pool):
     results = dist_pool(2).run(hostile_peer, timeout=100)
     assert results == [[], []]
+
+
+def claim_without_bytes(rank: int, world_size: int) -> list[Any]:
+    """Rank 0 claims a 16 GiB object and sends one piece of it; rank 1's memory
+    must grow with that piece, not with the claim, until its wait times out."""
+    import threading
+
+    import psutil
+
+    from coordinator.group_coordinator import GroupCoordinator
+    from coordinator.object_comm import OBJECT, PIECE_BYTES
+
+    world = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
+                             group_name="claim", timeout=4)
+    out: list[Any] = []
+    try:
+        if rank == 0:
+            _send_raw([16 * _GIB, 0, OBJECT], bytes(PIECE_BYTES), dst=1, group=world.cpu_group)
+            world._send_object("go", 1)  # a later call of the peer: never read as the object
+        else:
+            proc, peak, done = psutil.Process(), [0], threading.Event()
+            before = proc.memory_info().vms
+
+            def sample() -> None:
+                while not done.wait(0.005):
+                    peak[0] = max(peak[0], proc.memory_info().vms - before)
+
+            watcher = threading.Thread(target=sample)
+            watcher.start()
+            try:
+                world.recv_object(0)
+                out.append("returned")
+            except Exception as e:  # noqa: BLE001 -- the kind is checked by the test
+                out.append(type(e).__name__)
+            finally:
+                done.set()
+                watcher.join()
+            out.append(peak[0] < 4 * _GIB)
+    finally:
+        world.destroy()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_a_claimed_size_is_allocated_only_as_its_bytes_arrive(dist_pool):
+    from coordinator.errors import CommTimeout
+
+    results = dist_pool(2).run(claim_without_bytes, timeout=80)
+    kind, small = results[1]
+    assert kind in (CommTimeout.__name__, "DecodeError") and small, results
