@@ -201,10 +201,10 @@ class QueueWriter(WriterControl):
         self.ctx = zmq.Context(io_threads=1)
         remote = self.n_remote > 0
         self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote, reconnect=True,
-                              max_in=CONTROL_MAX_BYTES)
+                              max_in=CONTROL_MAX_BYTES, serve=True)
         self.pub.setsockopt(zmq.XPUB_VERBOSER, 1)
         self.ctl = new_socket(self.ctx, zmq.ROUTER, tcp=remote, reconnect=True,
-                              max_in=CONTROL_MAX_BYTES)
+                              max_in=CONTROL_MAX_BYTES, serve=True)
         # A reader's new connection takes over its routing id even before the
         # writer saw the old one close (writer_control says why that is safe).
         self.ctl.setsockopt(zmq.ROUTER_HANDOVER, 1)

@@ -185,6 +185,12 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
 #: module docstring.
 NO_RECONNECT_MS = 1 << 30
 
+#: Milliseconds a connection to a writer's socket has to complete its
+#: handshake before the writer drops it (zmq's default is 30 s). A reader
+#: completes it in milliseconds; a client that connects and stays silent
+#: holds one of the writer's file descriptors only this long.
+SERVE_HANDSHAKE_MS = 3000
+
 #: Seconds a TCP connection may be silent before the kernel starts probing it.
 KEEPALIVE_IDLE_S = 10
 #: Seconds between two unanswered keepalive probes.
@@ -195,7 +201,8 @@ KEEPALIVE_PROBES = 5
 
 
 def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
-               reconnect: bool = False, max_in: int | None = None) -> zmq.Socket:
+               reconnect: bool = False, max_in: int | None = None,
+               serve: bool = False) -> zmq.Socket:
     """Create a socket with our defaults: no linger, unbounded queues.
 
     Queues are unbounded because flow control is ours (the ring for local
@@ -214,6 +221,10 @@ def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
             buffered, also during the CURVE handshake, so a client without keys
             cannot make the process hold memory. None: unbounded (for sockets
             that receive message payloads).
+        serve: A socket that binds for clients (the writer's): a connection
+            that has not completed its handshake within
+            :data:`SERVE_HANDSHAKE_MS` is dropped, so silent clients cannot
+            hold its file descriptors for zmq's default 30 s.
     """
     s = ctx.socket(kind)
     if max_in is not None:
@@ -223,6 +234,8 @@ def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
         s.setsockopt(zmq.RECONNECT_IVL, NO_RECONNECT_MS)  # see the module docstring
     s.setsockopt(zmq.SNDHWM, 0)
     s.setsockopt(zmq.RCVHWM, 0)
+    if serve:
+        s.setsockopt(zmq.HANDSHAKE_IVL, SERVE_HANDSHAKE_MS)
     if tcp:
         s.setsockopt(zmq.TCP_KEEPALIVE, 1)
         s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)

@@ -224,6 +224,61 @@ def test_outsider_hello_does_not_complete_the_handshake(procs):
         mq.close()
 
 
+def _silent_clients(endpoint: str, n: int) -> list[socket.socket]:
+    """``n`` plain TCP connections to ``endpoint`` that never send a byte."""
+    socks = []
+    for _ in range(n):
+        c = socket.create_connection(("127.0.0.1", _port(endpoint)), timeout=10)
+        c.settimeout(0.05)
+        socks.append(c)
+    return socks
+
+
+def _dropped(c: socket.socket) -> bool:
+    """Whether the writer closed this connection (its greeting read and discarded)."""
+    try:
+        while c.recv(4096):
+            pass
+        return True
+    except socket.timeout:
+        return False
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_silent_connections_are_dropped_and_do_not_hold_the_writers_descriptors(procs):
+    from shm_broadcast.transport import SERVE_HANDSHAKE_MS
+
+    n = 150
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-silent")
+    socks: list[socket.socket] = []
+    try:
+        h = mq.export_handle()
+        me = psutil.Process()
+        fds = me.num_fds()
+        for endpoint in (h.remote_pub, h.remote_ctl):
+            socks += _silent_clients(endpoint, n)
+        deadline = time.monotonic() + SERVE_HANDSHAKE_MS / 1000 + 20
+        while True:
+            open_ = [c for c in socks if not _dropped(c)]
+            if not open_ or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not open_, f"{len(open_)} of {2 * n} silent connections still open"
+        # the writer's own descriptors are back (its side of each connection closed)
+        assert me.num_fds() - len(socks) <= fds + 4, (me.num_fds(), len(socks), fds)
+        procs.start(legit_reader, h, 1, 3)  # the real reader still gets in
+        mq.wait_until_ready(60)
+        for i in range(3):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        assert procs.get(60)[2] == [0, 1, 2]
+    finally:
+        for c in socks:
+            c.close()
+        mq.close()
+
+
 def _dead_pid() -> int:
     p = psutil.Popen(["true"])
     p.wait()
