@@ -4,7 +4,11 @@ In order: the ``secret`` argument (>= 16 bytes); the hex environment variable
 :data:`SECRET_ENV` that a launcher sets for every rank; for a store on a
 loopback address only, a random secret that rank 0 writes to a file only its
 user can read (``/dev/shm/groupcoord-<uid>/stateless-<port>-<tag>.key``,
-directory 0700, file 0600, written atomically) and the other ranks read. A
+directory 0700, file 0600, written atomically) and the other ranks read. Where
+another user took that directory's name first (``/dev/shm`` is writable by
+all), the ranks use ``~/.cache/groupcoord-keys`` in the user's home (from the
+password database, so every rank of the user agrees), which no one else can
+create: a squatter cannot stop the group from forming. A
 file is trusted only if it is a regular file of ours, mode 0600 in a 0700
 directory of ours, of exactly 32 bytes; key files older than a day (left by
 ranks that died during setup) are pruned when a new one is written. A
@@ -109,8 +113,20 @@ def _is_loopback(host: str) -> bool:
 
 
 def _key_dir() -> str:
+    """``/dev/shm/groupcoord-<uid>``, unless another user holds that name: then a
+    directory in this user's home (see the module docstring)."""
+    uid = os.geteuid()
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"groupcoord-{os.geteuid()}")
+    shared = os.path.join(base, f"groupcoord-{uid}")
+    try:
+        st = os.lstat(shared)
+    except FileNotFoundError:
+        return shared
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+        return shared
+    import pwd
+
+    return os.path.join(pwd.getpwuid(uid).pw_dir, ".cache", "groupcoord-keys")
 
 
 def _key_file_path(host: str, port: int, name: str) -> str:
@@ -120,6 +136,7 @@ def _key_file_path(host: str, port: int, name: str) -> str:
 
 def _private_dir(path: str) -> None:
     """Make sure ``path`` is a directory of ours that nobody else can enter."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

@@ -361,3 +361,62 @@ def _rank_wrong_secret(rank: int, world_size: int, port: int, done: str) -> str:
         time.sleep(0.02)  # keep the store up until rank 1 has given up
     g.close()
     return "created"
+
+
+def _rank_squatted(rank: int, world_size: int, port: int) -> tuple[str, Any]:
+    from coordinator.group_secret import _key_dir
+
+    g = StatelessProcessGroup.create(HOST, port, rank, world_size, timeout=30, name="squat")
+    try:
+        got = g.broadcast_obj("formed" if rank == 0 else None, 0)
+        g.barrier()
+    finally:
+        g.close()
+    return _key_dir(), got
+
+
+# Run in a private mount namespace whose /dev/shm is a fresh tmpfs: user
+# ``nobody`` takes the name of the key directory first, then a two-rank group
+# forms on loopback without a secret.
+_SQUATTED = r"""
+import os, pwd, sys
+from coordinator.group_secret import _key_dir
+from coordinator.testing import run_distributed
+from tests.coordinator.test_stateless_security import _rank_squatted
+taken = f"/dev/shm/groupcoord-{os.geteuid()}"
+nobody = pwd.getpwnam("nobody")
+pid = os.fork()
+if pid == 0:
+    os.setgroups([]); os.setgid(nobody.pw_gid); os.setuid(nobody.pw_uid)
+    os.mkdir(taken, 0o700)
+    os._exit(0)
+os.waitpid(pid, 0)
+assert os.lstat(taken).st_uid == nobody.pw_uid
+print(run_distributed(_rank_squatted, 2, int(sys.argv[1]), timeout=60))
+print("left", sorted(n for n in os.listdir(_key_dir()) if n.startswith("stateless-")))
+"""
+
+
+def test_another_user_taking_the_key_directory_name_does_not_stop_the_group() -> None:
+    import pwd
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root (to become nobody, and for a private /dev/shm) and unshare")
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user nobody")
+    script = ("mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec \"$0\" -c \"$1\" \"$2\"")
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
+         sys.executable, _SQUATTED, str(free_port())],
+        capture_output=True, text=True, timeout=90,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if proc.returncode and "unshare failed" in proc.stderr:
+        pytest.skip(f"no private mount namespace here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    home = pwd.getpwuid(os.geteuid()).pw_dir
+    where = f"{home}/.cache/groupcoord-keys"
+    assert f"[('{where}', 'formed'), ('{where}', 'formed')]" in proc.stdout, proc.stdout
+    assert "left []" in proc.stdout, proc.stdout  # the key file was removed after setup
