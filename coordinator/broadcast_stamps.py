@@ -13,7 +13,10 @@ of a collective call, counted per group and rank
 (``GroupCoordinator.collectives``), is the same on every rank. The writer
 sends each message as ``[number, op, payload]``; a reader compares the number
 with its own and raises :class:`~coordinator.errors.CollectiveMismatch`,
-naming the writer and both calls, instead of returning the payload.
+naming the writer and both calls, instead of returning the payload; and
+the same when the numbers agree but the writer's op differs (its
+``broadcast_tensor_dict`` read by a ``broadcast_object`` would hand over the
+dict's internal metadata).
 
 What it cannot see: a reader that skips a broadcast and whose very next
 collective call is the next broadcast counts that one as the skipped call's
@@ -44,7 +47,8 @@ def number_of(message: Any) -> int | None:
 
 
 def unstamp(message: Any, number: int, op: str, group: str, writer: int, seq: int) -> Any:
-    """The payload of ``message`` if it belongs to this rank's collective call ``number``.
+    """The payload of ``message`` if it belongs to this rank's collective call ``number``
+    and was sent by the same op.
 
     Args:
         message: What the queue delivered.
@@ -56,7 +60,8 @@ def unstamp(message: Any, number: int, op: str, group: str, writer: int, seq: in
 
     Raises:
         CollectiveMismatch: The message belongs to another collective call of
-            the writer (``peers``: the writer).
+            the writer, or the writer made another broadcasting call at this
+            number (``peers``: the writer).
         DecodeError: The message is not a stamped one.
     """
     if (type(message) is not list or len(message) != 3 or type(message[0]) is not int
@@ -64,6 +69,12 @@ def unstamp(message: Any, number: int, op: str, group: str, writer: int, seq: in
         raise DecodeError(f"group {group!r}, op {op}: the broadcaster's writer (rank {writer}) "
                           f"sent a message without a call stamp", queue=group, peers=(writer,))
     theirs, their_op, payload = message
+    if theirs == number and their_op != op:
+        raise CollectiveMismatch(
+            f"group {group!r}, op {op}, call #{seq}: rank {writer} (the broadcaster's writer) "
+            f"called {their_op:.40} where this rank called {op}, at the same collective call "
+            f"{number}; make the same collective calls on every rank. The message was not used.",
+            queue=group, peers=(writer,))
     if theirs != number:
         raise CollectiveMismatch(
             f"group {group!r}, op {op}, call #{seq}: the message read from the group's "

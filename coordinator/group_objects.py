@@ -124,7 +124,7 @@ class GroupObjectCalls:
             bcast = object_comm.gloo_broadcast(self.ranks[src], group)
         is_src = self.rank_in_group == src
         return object_comm.broadcast_object(obj if is_src else None, src, bcast,
-                                            self.codec, is_src)
+                                            self.codec, is_src, op)
 
     def _reject_broadcast(self, op: str, error: BaseException, queue: bool = True) -> None:
         """This rank rejected its own arguments to broadcast ``op``: let the peers know.

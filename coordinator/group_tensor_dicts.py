@@ -100,9 +100,9 @@ class GroupTensorDictCalls:
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         validation.check_rank(dst, self.world_size, "dst")
-        if not isinstance(tensor_dict, Mapping):
-            raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
         if self.world_size == 1:
+            if not isinstance(tensor_dict, Mapping):
+                raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
             return
         self._check_peer(dst, "dst")
         self._run("send_tensor_dict", async_p2p.ordered, self, SEND, dst, "send_tensor_dict",

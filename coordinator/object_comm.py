@@ -67,6 +67,7 @@ __all__ = [
     "LINK_OFFER",
     "DICT_META",
     "send_object",
+    "send_failure",
     "recv_object",
     "broadcast_object",
     "comm_broadcast",
@@ -81,12 +82,19 @@ MAX_OBJECT_BYTES = 1 << 40
 PIECE_BYTES = 64 << 20
 _MAX_FAILURE_TEXT = 4096
 
-#: Which call sent a point-to-point object (the header's third word).
-OBJECT, LINK_OFFER, DICT_META = 0, 1, 2
+#: Which call sent an object (the header's third word): point to point
+#: ``send_object``, a link offer, a tensor dict's metadata; broadcast, the same
+#: words for ``broadcast_object`` and ``broadcast_tensor_dict`` and
+#: :data:`OBJECT_LIST` for ``broadcast_object_list``.
+OBJECT, LINK_OFFER, DICT_META, OBJECT_LIST = 0, 1, 2, 3
 _SENT_BY = {OBJECT: "send_object", LINK_OFFER: "send or send_tensor_dict",
-            DICT_META: "send_tensor_dict"}
+            DICT_META: "send_tensor_dict", OBJECT_LIST: "broadcast_object_list"}
 _WAITED_BY = {OBJECT: "recv_object", LINK_OFFER: "recv or recv_tensor_dict",
               DICT_META: "recv_tensor_dict"}
+#: The kind each broadcasting call sends and expects.
+BROADCAST_KINDS = {"broadcast_object": OBJECT, "broadcast_tensor_dict": DICT_META,
+                   "broadcast_object_list": OBJECT_LIST}
+_BROADCAST_BY = {kind: op for op, kind in BROADCAST_KINDS.items()}
 
 # What serialisers raise for a value they cannot encode (before any byte moves):
 # the codec raises TypeError (a type it cannot carry without the pickle
@@ -145,9 +153,10 @@ def _pack(obj: Any, codec: Codec | ObjectCodec) -> tuple[tuple[int, int], torch.
     return (mlen, enc.blob_len), payload
 
 
-def _failure_message(e: BaseException) -> tuple[tuple[int, int], torch.Tensor]:
+def _failure_message(e: BaseException | str) -> tuple[tuple[int, int], torch.Tensor]:
     """``((len(text), -1), payload)`` of a failure: then the UTF-8 text."""
-    text = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:_MAX_FAILURE_TEXT]
+    reason = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+    text = reason.encode("utf-8", "replace")[:_MAX_FAILURE_TEXT]
     payload = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.empty(
         0, dtype=torch.uint8)
     return (len(text), -1), payload
@@ -235,6 +244,12 @@ def send_object(obj: Any, dst_global: int, group: dist.ProcessGroup,
     _send(sizes, payload, kind, dst_global, group)
 
 
+def send_failure(reason: str, dst_global: int, group: dist.ProcessGroup, kind: int) -> None:
+    """Send ``reason`` where global rank ``dst_global`` waits for an object of
+    ``kind``: its ``recv_object`` raises ``CollectiveMismatch`` quoting it."""
+    _send(*_failure_message(reason), kind, dst_global, group)
+
+
 def _send(sizes: tuple[int, int], payload: torch.Tensor, kind: int, dst: int,
           group: dist.ProcessGroup) -> None:
     dist.send(torch.tensor([*sizes, kind], dtype=torch.int64), dst=dst, group=group)
@@ -295,11 +310,14 @@ def comm_broadcast(comm: Any, src: int) -> Broadcast:
 
 
 def broadcast_object(obj: Any, src: int, bcast: Broadcast,
-                     codec: Codec | ObjectCodec, is_src: bool) -> Any:
+                     codec: Codec | ObjectCodec, is_src: bool,
+                     op: str = "broadcast_object") -> Any:
     """Broadcast ``obj`` from the source ``bcast`` names; returns it on every rank.
 
     ``bcast`` moves the header, then the payload (:func:`comm_broadcast` or
-    :func:`gloo_broadcast`); ``src`` is the source's rank as errors name it.
+    :func:`gloo_broadcast`); ``src`` is the source's rank as errors name it;
+    ``op`` the calling collective (a key of :data:`BROADCAST_KINDS`), which the
+    header carries and receivers compare with their own.
 
     No failure handling: on the source, an object that cannot be encoded raises
     ``TypeError`` before anything is sent, and the caller then broadcasts a
@@ -309,10 +327,12 @@ def broadcast_object(obj: Any, src: int, bcast: Broadcast,
     Raises:
         TypeError: On the source, ``obj`` cannot be encoded.
         DecodeError: On a receiver, the bytes received are malformed.
+        CollectiveMismatch: On a receiver, the source made another broadcasting
+            call (its bytes were taken, so the group stays in step).
     """
     if is_src:
         sizes, payload = _pack(obj, codec)
-        bcast(torch.tensor([*sizes, OBJECT], dtype=torch.int64))
+        bcast(torch.tensor([*sizes, BROADCAST_KINDS[op]], dtype=torch.int64))
         _send_payload(payload, bcast)
         return obj
     header = bcast(torch.empty(3, dtype=torch.int64))
@@ -320,4 +340,10 @@ def broadcast_object(obj: Any, src: int, bcast: Broadcast,
     payload = _receive_payload(mlen + max(blen, 0), bcast)
     if blen == -1:  # senders of broadcasts send SourceFailure objects, never this form
         raise DecodeError(f"corrupt object header from rank {src}", peers=(src,))
+    sent = int(header[2])
+    if sent != BROADCAST_KINDS[op]:
+        raise CollectiveMismatch(
+            f"{op}: the source (rank {src}) called {_BROADCAST_BY.get(sent, _SENT_BY[sent])} "
+            f"where this rank called {op}; make the same collective calls in the same order "
+            f"on every rank (what it sent was taken)", peers=(src,))
     return _unpack(mlen, blen, payload, codec)

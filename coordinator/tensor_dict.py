@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from coordinator import link_messages, object_comm
-from coordinator.errors import CollectiveMismatch, DecodeError
+from coordinator.errors import CollectiveMismatch, DecodeError, GroupCoordError
 from coordinator.p2p_channels import RECV as RECV_SIDE, SEND as SEND_SIDE
 from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms.torch_communicator import wire_view
@@ -331,7 +331,8 @@ def _bcast_meta(
     (``metadata_group`` when given); never pickled unless the group opted in.
     """
     if group is not None or metadata_group is not None:
-        return coord._broadcast_raw(obj, src, metadata_group or coord.cpu_group)
+        return coord._broadcast_raw(obj, src, metadata_group or coord.cpu_group,
+                                    op="broadcast_tensor_dict")
     return coord._broadcast_raw(obj, src, op="broadcast_tensor_dict")
 
 
@@ -360,17 +361,23 @@ def send_tensor_dict(
     all_gather_group: "GroupCoordinator | None",
     all_gather_tensors: Mapping[Any, bool] | None,
 ) -> None:
-    """Implementation of :meth:`GroupCoordinator.send_tensor_dict`."""
-    # Argument errors raise here before anything is sent, as every point-to-point
-    # argument check does: telling the receiver would need a blocking send, and
-    # a rank may make the same mistake with nobody receiving. A value that does
-    # not serialise is reported to the receiver by send_object, in place of the
-    # metadata it waits for.
-    if not isinstance(tensor_dict, Mapping):
-        raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
-    n = all_gather_group.world_size if all_gather_group is not None else 1
-    slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
-    meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n, device=coord.device)
+    """Implementation of :meth:`GroupCoordinator.send_tensor_dict`.
+
+    A ``tensor_dict`` this rank cannot send (not a mapping, a meta or sparse
+    tensor, a value the codec refuses) is reported to the receiver in place of
+    the dict, as ``send`` reports its bad arguments: it raises instead of
+    waiting for its timeout.
+    """
+    try:
+        if not isinstance(tensor_dict, Mapping):
+            raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
+        n = all_gather_group.world_size if all_gather_group is not None else 1
+        slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
+        meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n,
+                                            device=coord.device)
+    except (TypeError, ValueError) as e:
+        _reject_send(coord, dst, e)
+        raise
     if all_gather_group is not None:  # sliced: send only this rank's 1/n
         payload = [t.reshape(n, -1)[all_gather_group.rank_in_group] if desc[3] else t
                    for (_, _, desc), t in zip((m for m in meta if m[1] == TENSOR), payload)]
@@ -388,6 +395,23 @@ def send_tensor_dict(
     for t in payload:
         if t.numel():
             _send(coord, dense(t), dst)
+
+
+def _reject_send(coord: "GroupCoordinator", dst: int, e: BaseException) -> None:
+    """Send, in place of the dict ``dst`` waits for, why this rank's call failed:
+    on the direction's link (settling it if this is its first call) the
+    receiver raises ``PeerRejectedError``; on the CPU group, ``CollectiveMismatch``
+    naming this rank. Failing to tell is noted on ``e``."""
+    reason = f"{type(e).__name__}: {e}"
+    try:
+        link = coord._links.sender(dst)
+        if link is not None:
+            link.enqueue(link_messages.rejection(reason))
+        else:
+            coord._cpu_call("send_tensor_dict", object_comm.send_failure, reason,
+                            coord.ranks[dst], coord.cpu_group, object_comm.DICT_META)
+    except (GroupCoordError, RuntimeError) as notify:
+        e.add_note(f"telling rank {dst} of group {coord.unique_name!r} failed: {notify}")
 
 
 def _send_on_link(coord: "GroupCoordinator", link: Any, meta: list[list[Any]],

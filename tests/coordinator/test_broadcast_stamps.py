@@ -9,9 +9,10 @@ fault matrix: tests/faults/test_fault_matrix.py, ``skip`` / ``other-op`` of
 from __future__ import annotations
 
 import pytest
+import torch
 
 from coordinator.broadcast_stamps import stamp, unstamp
-from coordinator.errors import CollectiveMismatch, DecodeError
+from coordinator.errors import CollectiveMismatch, DecodeError, GroupCoordError
 
 
 def test_a_message_of_this_call_is_returned() -> None:
@@ -37,3 +38,53 @@ def test_a_message_of_another_call_raises_naming_both_calls(theirs: int, mine: i
 def test_a_message_without_a_stamp_is_refused(message: object) -> None:
     with pytest.raises(DecodeError, match="without a call stamp"):
         unstamp(message, 1, "broadcast_object", "tp:0", 0, 1)
+
+
+# ------------------------------------------------------------ across processes
+_BROADCASTS = {
+    "tensor_dict": lambda g, r: g.broadcast_tensor_dict(
+        {"k": [1, 2], "t": torch.ones(3)} if r == 0 else None, 0),
+    "meta_only_dict": lambda g, r: g.broadcast_tensor_dict(
+        {"k": [1, 2], "s": "x"} if r == 0 else None, 0),
+    "object": lambda g, r: g.broadcast_object({"x": 1} if r == 0 else None, 0),
+    "object_list": lambda g, r: g.broadcast_object_list([{"x": 1}] if r == 0 else [None], 0),
+}
+
+
+def other_broadcast(rank: int, world_size: int, queue: bool, source_op: str,
+                    reader_op: str) -> list[str]:
+    """The source makes ``source_op``, the others ``reader_op``: a receiver never
+    returns the source's data as its own call's result."""
+    from coordinator import GroupCoordinator
+
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, queue,
+                         group_name="kinds", timeout=10)
+    try:
+        try:
+            _BROADCASTS[source_op if rank == 0 else reader_op](g, rank)
+            return ["returned"]
+        except GroupCoordError as e:  # a source still sending tensors meets destroy()
+            return [type(e).__name__, str(e)]
+    finally:
+        g.destroy()
+
+
+_PAIRS = [("tensor_dict", "object"), ("meta_only_dict", "object"), ("object", "meta_only_dict"),
+          ("object", "object_list"), ("object_list", "object"), ("meta_only_dict", "object_list")]
+# broadcast_object_list never goes through the queue: its pairs run on the CPU group only.
+_CASES = [(q, a, b) for q in (True, False) for a, b in _PAIRS
+          if not (q and "object_list" in (a, b))]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("queue,source_op,reader_op", _CASES, ids=[
+    f"{'queue' if q else 'cpu-group'}-{a}-vs-{b}" for q, a, b in _CASES])
+def test_a_receiver_of_another_broadcast_raises_naming_both_calls(
+        dist_pool, world_size, queue, source_op, reader_op):
+    results = dist_pool(world_size).run(other_broadcast, queue, source_op, reader_op, timeout=50)
+    for rank in range(1, world_size):
+        assert results[rank][0] == "CollectiveMismatch", results
+        names = {"tensor_dict": "broadcast_tensor_dict", "meta_only_dict": "broadcast_tensor_dict",
+                 "object": "broadcast_object", "object_list": "broadcast_object_list"}
+        assert names[source_op] in results[rank][1] and names[reader_op] in results[rank][1]

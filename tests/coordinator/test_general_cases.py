@@ -520,30 +520,28 @@ def source_failures(rank: int, world_size: int, tp: int) -> list[str]:
                     expect_raises(f"{tag}/{name}/receiver", ValueError, on_other,
                                   f"source rank {src}")
             _collect(fails, f"{tag}/{name}", f)
-        # Point-to-point argument errors raise on the sender before anything is
-        # sent (the receiver is not called); a value that does not serialise is
-        # found while sending, and the receiver is told.
-        for name, call, exc, words in (
-            ("std/meta", lambda: g.send_tensor_dict({"a": meta_t}, dst), ValueError, ("'a'", "meta")),
-            ("std/sparse", lambda: g.send_tensor_dict({"s": sparse}, dst), TypeError, ("'s'", "sparse")),
-        ):
-            if me == src:
-                _collect(fails, f"{tag}/{name}", lambda: expect_raises(name, exc, call, *words))
+        # Point-to-point: the sender raises for its bad argument (a meta or
+        # sparse tensor) or a value that does not serialise, and the receiver
+        # is told in place of the dict or object it waits for.
         p2p = [
+            ("std/meta", lambda: g.send_tensor_dict({"a": meta_t}, dst), ValueError,
+             ("'a'", "meta"), f"rank {src} rejected"),
+            ("std/sparse", lambda: g.send_tensor_dict({"s": sparse}, dst), TypeError,
+             ("'s'", "sparse"), f"rank {src} rejected"),
             ("std/unpicklable", lambda: g.send_tensor_dict({"f": lam}, dst), TypeError,
-             ("tensor_dict", "serialised")),
-            ("sobj/unpicklable", lambda: g.send_object(lam, dst), TypeError, ("obj", "serialised")),
+             ("tensor_dict", "serialised"), f"rank {src})"),
+            ("sobj/unpicklable", lambda: g.send_object(lam, dst), TypeError, ("obj", "serialised"),
+             f"rank {src})"),
             ("sobj/enum-needs-pickle", lambda: g.send_object(Color.RED, dst), TypeError,
-             ("Color", "allow_pickle=True")),
+             ("Color", "allow_pickle=True"), f"rank {src})"),
         ]
-        for name, on_src, exc, words in p2p:
+        for name, on_src, exc, words, told in p2p:
             recv = g.recv_object if name.startswith("sobj") else g.recv_tensor_dict
-            def fp(on_src=on_src, exc=exc, words=words, name=name, recv=recv):
+            def fp(on_src=on_src, exc=exc, words=words, name=name, recv=recv, told=told):
                 if me == src:
                     expect_raises(f"{tag}/{name}/sender", exc, on_src, *words)
                 elif me == dst:
-                    expect_raises(f"{tag}/{name}/receiver", ValueError, lambda: recv(src),
-                                  f"rank {src})")
+                    expect_raises(f"{tag}/{name}/receiver", ValueError, lambda: recv(src), told)
             _collect(fails, f"{tag}/{name}", fp)
         # the group is still in step afterwards
         _collect(fails, f"{tag}/still-works", lambda: expect_equal(

@@ -210,3 +210,61 @@ def bad_barrier_timeout_rank(rank: int, world_size: int, bad: Any) -> list[str]:
 def test_a_bad_barrier_timeout_on_one_rank_does_not_strand_the_others(dist_pool: Any,
                                                                        bad: Any) -> None:
     assert dist_pool(3).run(bad_barrier_timeout_rank, bad, timeout=50) == [[]] * 3
+
+
+def _bad_dict(case: str) -> Any:
+    if case == "not-a-dict":
+        return [("x", torch.ones(2))]
+    if case == "meta-tensor":
+        return {"a": torch.ones(2, device="meta")}
+    return {"s": torch.eye(3).to_sparse()}
+
+
+def bad_dict_rank(rank: int, world_size: int, case: str, links: bool) -> list[str]:
+    """Rank 0 sends a dict it cannot send to rank 1 (on a link or over the CPU
+    group): it raises, rank 1 raises naming it at once, and both stay in step."""
+    import os
+
+    from coordinator.errors import CollectiveMismatch
+    from coordinator.shm_links import ENABLE_ENV
+
+    kept = os.environ.get(ENABLE_ENV)
+    os.environ[ENABLE_ENV] = "1" if links else "0"  # pool workers live on: restored below
+    g = _group(rank, world_size, f"bad-dict-{case}-{links}", False)
+    problems: list[str] = []
+    try:
+        t0 = time.monotonic()
+        try:
+            if rank == 0:
+                g.send_tensor_dict(_bad_dict(case), 1)
+            elif rank == 1:
+                g.recv_tensor_dict(0)
+            if rank in (0, 1):
+                problems.append("returned")
+        except (TypeError, ValueError) as e:
+            if rank == 1 and not (isinstance(e, CollectiveMismatch) and "rank 0" in str(e)):
+                problems.append(f"{type(e).__name__}: {e}")
+            if rank == 0 and isinstance(e, CollectiveMismatch):
+                problems.append(f"the sender raised {e}")
+        problems += _in_step(g, rank, world_size, 1, t0)
+        if rank == 0:  # the direction still carries dicts
+            g.send_tensor_dict({"h": torch.arange(4)}, 1)
+        elif rank == 1 and not torch.equal(g.recv_tensor_dict(0)["h"], torch.arange(4)):
+            problems.append("the next dict differs")
+    finally:
+        g.destroy()
+        if kept is None:
+            os.environ.pop(ENABLE_ENV, None)
+        else:
+            os.environ[ENABLE_ENV] = kept
+    return problems
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("links", [True, False], ids=["link", "cpu-group"])
+@pytest.mark.parametrize("case", ["not-a-dict", "meta-tensor", "sparse-tensor"])
+def test_a_dict_the_sender_cannot_send_is_reported_to_the_receiver(
+        dist_pool: Any, case: str, links: bool, world_size: int) -> None:
+    results = dist_pool(world_size).run(bad_dict_rank, case, links, timeout=100)
+    assert results == [[]] * world_size, results
