@@ -133,6 +133,15 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
     ) -> None:
         if not isinstance(allow_pickle, bool):
             raise TypeError(f"allow_pickle must be a bool, got {type(allow_pickle).__name__}")
+        backend = setup.check_backend(torch_distributed_backend, "torch_distributed_backend")
+        if not isinstance(local_rank, int) or isinstance(local_rank, bool):
+            raise TypeError(f"local_rank must be an int, got {type(local_rank).__name__}")
+        if local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0 (this process's rank on its node), "
+                             f"got {local_rank}")
+        if group_name is not None and (not isinstance(group_name, str) or not group_name):
+            raise TypeError(f"group_name must be a non-empty str or None, got "
+                            f"{type(group_name).__name__} {group_name!r:.40}")
         if not dist.is_initialized():
             raise NotInitializedError(
                 "torch.distributed is not initialised; call "
@@ -144,7 +153,6 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         self.unique_name = REGISTRY.unique_name(group_name or "anonymous")
         self.rank = dist.get_rank()
         self.local_rank = local_rank
-        backend = str(torch_distributed_backend)
         self.ranks, self.cpu_group, self.device_group = setup.create_process_groups(
             group_ranks, backend, self.rank, datetime.timedelta(seconds=self.timeout)
         )

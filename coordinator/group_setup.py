@@ -25,6 +25,7 @@ from coordinator.errors import NotInitializedError
 from device_comms import DeviceCommunicator, get_device_communicator, select_device_communicator
 
 __all__ = [
+    "check_backend",
     "check_group_ranks",
     "create_process_groups",
     "pick_device",
@@ -33,6 +34,25 @@ __all__ = [
     "DestroyedComm",
     "destroyed_msg",
 ]
+
+
+def check_backend(backend: Any, name: str) -> str:
+    """``backend`` if torch.distributed knows it: a name (``"gloo"``, ``"nccl"``,
+    ...) or ``"device:backend"`` pairs joined by commas (``"cpu:gloo,cuda:nccl"``).
+
+    Raises:
+        TypeError: Not a str (``dist.Backend`` is one).
+        ValueError: A backend torch.distributed does not know.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"{name} must be a str such as 'gloo' or 'nccl', got "
+                        f"{type(backend).__name__} {backend!r:.40}")
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    parts = [p.split(":", 1)[-1].strip().lower() for p in backend.split(",")]
+    if any(p not in known for p in parts):
+        raise ValueError(f"{name} must be one of {known}, or 'device:backend' pairs of them "
+                         f"joined by commas; got {backend!r:.80}")
+    return str(backend)
 
 
 def check_group_ranks(group_ranks: Any, world_size: int) -> None:

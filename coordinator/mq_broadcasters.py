@@ -37,6 +37,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from device_comms import validation
+from shm_broadcast.agreement import agree
+from shm_broadcast.checks import check_int
 from shm_broadcast.group_adapter import object_group
 
 if TYPE_CHECKING:
@@ -74,12 +76,18 @@ def create_mq_broadcaster(
 
     from shm_broadcast.waiting import WaitPolicy
 
-    validation.check_rank(writer_rank, group.world_size, "writer_rank")
+    group._check_live("create_mq_broadcaster")
     allowed = _HANDLE_OPTIONS if external_writer_handle is not None else _COLLECTIVE_OPTIONS
-    unknown = sorted(set(queue_options) - allowed)
-    if unknown:
-        raise TypeError(f"create_mq_broadcaster() got unexpected queue options {unknown}; "
-                        f"allowed here: {sorted(allowed)}")
+    try:
+        validation.check_rank(writer_rank, group.world_size, "writer_rank")
+        unknown = sorted(set(queue_options) - allowed)
+        if unknown:
+            raise TypeError(f"create_mq_broadcaster() got unexpected queue options {unknown}; "
+                            f"allowed here: {sorted(allowed)}")
+    except (TypeError, ValueError) as e:
+        if external_writer_handle is None:  # collective: the peers learn of it
+            agree(object_group(group.cpu_group), e, "create_mq_broadcaster", group.unique_name)
+        raise
     if queue_options.get("wait_policy") is None:
         queue_options["wait_policy"] = WaitPolicy.predictive()
     if external_writer_handle is not None:
@@ -127,12 +135,23 @@ def create_single_reader_mq_broadcasters(
     from shm_broadcast.message_queue import MessageQueue
     from shm_broadcast.topology import in_the_same_node_as
 
-    validation.check_rank(reader_rank_in_group, group.world_size, "reader_rank_in_group")
-    if not isinstance(blocking, bool):
-        raise TypeError(f"blocking must be a bool, got {type(blocking).__name__}")
+    group._check_live("create_single_reader_mq_broadcasters")
+    og = object_group(group.cpu_group)
+    op = "create_single_reader_mq_broadcasters"
+    try:
+        validation.check_rank(reader_rank_in_group, group.world_size, "reader_rank_in_group")
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking must be a bool, got {type(blocking).__name__}")
+        check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
+        check_int(max_chunks, "max_chunks", minimum=1)
+    except (TypeError, ValueError) as e:
+        if group.world_size > 1:
+            agree(og, e, op, group.unique_name)
+        raise
     me, reader = group.rank_in_group, reader_rank_in_group
     if group.world_size == 1:
         return None, [None]
+    agree(og, None, op, group.unique_name, reader)
     same_node = in_the_same_node_as(group.cpu_group, source_rank=reader)
     keypair, reader_key = _reader_keys(group, me, reader, all(same_node))
     writer: MessageQueue | None = None
@@ -151,7 +170,7 @@ def create_single_reader_mq_broadcasters(
     if writer is not None:
         writer.default_timeout = group.timeout
     handle = writer.export_handle().to_bytes() if writer is not None else None
-    handles: list[Any] = object_group(group.cpu_group).all_gather(handle)
+    handles: list[Any] = og.all_gather(handle)
     readers = _attach_readers(writer, handles, me, reader, blocking, group.allow_pickle, keypair,
                               group.timeout)
     return writer, readers

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from coordinator.errors import NotInitializedError
 from coordinator.expert_parallel import ep_group_ranks
+from coordinator.group_setup import check_backend
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
 from coordinator.group_registry import REGISTRY
 from device_comms import ReduceOp
@@ -110,6 +111,7 @@ def init_distributed_environment(
     world_size = _int_arg(world_size, "world_size")
     rank = _int_arg(rank, "rank")
     local_rank = _int_arg(local_rank, "local_rank")
+    backend = check_backend(backend, "backend")
     _check_init_method(distributed_init_method)
     seconds = check_timeout(timeout, positive=True)
     if not dist.is_initialized():
@@ -223,7 +225,8 @@ def initialize_model_parallel(
             "model parallel groups are already initialised; call destroy_model_parallel() "
             "first, or ensure_model_parallel_initialized(tp, pp) to check the sizes"
         )
-    backend = backend or str(dist.get_backend(world.device_group))
+    backend = (str(dist.get_backend(world.device_group)) if backend is None
+               else check_backend(backend, "backend"))
     local_rank = world.local_rank
     tp_groups = [[d * pp * tp + p * tp + t for t in range(tp)] for d in range(dp) for p in range(pp)]
     pp_groups = [[d * pp * tp + p * tp + t for p in range(pp)] for d in range(dp) for t in range(tp)]

@@ -4,6 +4,10 @@
 ProcessGroup (a CPU-capable one, e.g. gloo) or a StatelessProcessGroup (see
 :mod:`shm_broadcast.group_adapter`):
 
+0. every rank checks its own arguments and the ranks agree on them
+   (:func:`~shm_broadcast.agreement.agree`: a rank with bad arguments raises
+   its own error, the others ``PeerRejectedError`` naming it, and a writer or
+   reader list that differs between ranks is a ``CollectiveMismatch``);
 1. every rank learns which ranks share the writer's node
    (:func:`~shm_broadcast.topology.in_the_same_node_as`);
 2. the writer creates the queue with those readers local and the others
@@ -24,7 +28,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shm_broadcast.checks import check_rank
+from shm_broadcast.agreement import agree
+from shm_broadcast.checks import check_int, check_rank, check_timeout
 from shm_broadcast.errors import CollectiveMismatch, DecodeError
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.handle import Handle
@@ -69,20 +74,30 @@ def create_from_process_group(
         The queue on the writer and the readers, ``None`` on other ranks.
 
     Raises:
-        ValueError: ``writer_rank`` or ``reader_ranks`` is invalid.
-        CollectiveMismatch: The writer failed to create the queue (on readers;
-            the writer re-raises its own error).
+        TypeError, ValueError: This rank's arguments are invalid (every other
+            rank raises ``PeerRejectedError`` naming it).
+        PeerRejectedError: Another rank's arguments were invalid.
+        CollectiveMismatch: Ranks named different writers or readers, or the
+            writer failed to create the queue (on readers; the writer
+            re-raises its own error).
         QueueTimeout: The queue did not connect within ``timeout``.
     """
     og = object_group(group)
-    check_rank(writer_rank, og.world_size, "writer_rank")
-    readers = _resolve_readers(reader_ranks, writer_rank, og.world_size)
+    qname = name or f"mq-w{writer_rank}-{os.getpid()}"
+    try:
+        check_rank(writer_rank, og.world_size, "writer_rank")
+        readers = _resolve_readers(reader_ranks, writer_rank, og.world_size)
+        _check_options(max_chunk_bytes, max_chunks, connect_ip, wait_policy, timeout)
+    except (TypeError, ValueError) as e:
+        agree(og, e, "create_from_process_group", qname)
+        raise  # agree raised e already
+    agree(og, None, "create_from_process_group", qname, [writer_rank, readers])
     same_node = in_the_same_node_as(og, source_rank=writer_rank)
     local = [r for r in readers if same_node[r]]
     my_keys, reader_keys = _exchange_reader_keys(og, [r for r in readers if r not in local])
     mq = None if og.rank != writer_rank else _create_on_writer(
         og, readers, local, max_chunk_bytes, max_chunks, connect_ip,
-        name or f"mq-w{writer_rank}-{os.getpid()}", wait_policy, allow_pickle, reader_keys)
+        qname, wait_policy, allow_pickle, reader_keys)
     handle = _receive_handle(og, mq, writer_rank)
     try:
         if og.rank in readers:
@@ -95,6 +110,19 @@ def create_from_process_group(
             mq.close()
         raise
     return mq
+
+
+def _check_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any,
+                   wait_policy: Any, timeout: Any) -> None:
+    """The queue's options, checked on every rank (the writer alone uses the sizes,
+    but a reader's bad value is the same mistake and must not pass silently)."""
+    check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
+    check_int(max_chunks, "max_chunks", minimum=1)
+    if connect_ip is not None and (not isinstance(connect_ip, str) or not connect_ip):
+        raise ValueError(f"connect_ip must be None or an IP address string, got {connect_ip!r}")
+    if wait_policy is not None and not isinstance(wait_policy, WaitPolicy):
+        raise TypeError(f"wait_policy must be a WaitPolicy, got {type(wait_policy).__name__}")
+    check_timeout(timeout)
 
 
 def _resolve_readers(reader_ranks: list[int] | None, writer_rank: int, world: int) -> list[int]:

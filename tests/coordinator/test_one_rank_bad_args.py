@@ -268,3 +268,43 @@ def test_a_dict_the_sender_cannot_send_is_reported_to_the_receiver(
         dist_pool: Any, case: str, links: bool, world_size: int) -> None:
     results = dist_pool(world_size).run(bad_dict_rank, case, links, timeout=100)
     assert results == [[]] * world_size, results
+
+
+def bad_queue_creation_rank(rank: int, world_size: int, case: str) -> list[str]:
+    """The last rank passes a bad argument to a collective queue creation."""
+    from coordinator.errors import PeerRejectedError
+
+    g = _group(rank, world_size, f"bad-queue-{case}", False)
+    bad = rank == world_size - 1
+    problems: list[str] = []
+    try:
+        t0 = time.monotonic()
+        try:
+            if case == "unknown-option":
+                q = g.create_mq_broadcaster(**({"bogus": 1} if bad else {}))
+                q.close()
+            elif case == "writer-rank":
+                g.create_mq_broadcaster(writer_rank=world_size + 3 if bad else 0).close()
+            else:
+                w, rs = g.create_single_reader_mq_broadcasters(
+                    reader_rank_in_group=world_size + 1 if bad else 0)
+            problems.append("returned")
+        except PeerRejectedError as e:
+            if bad or e.rank != world_size - 1:
+                problems.append(f"PeerRejectedError naming {e.rank}: {e}")
+        except (TypeError, ValueError) as e:
+            if not bad:
+                problems.append(f"{type(e).__name__}: {e}")
+        problems += _in_step(g, rank, world_size, 2, t0)
+    finally:
+        g.destroy()
+    return problems
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", ["unknown-option", "writer-rank", "single-reader-rank"])
+def test_a_bad_queue_creation_argument_on_one_rank_does_not_strand_the_others(
+        dist_pool: Any, case: str, world_size: int) -> None:
+    results = dist_pool(world_size).run(bad_queue_creation_rank, case, timeout=100)
+    assert results == [[]] * world_size, results

@@ -150,6 +150,8 @@ def test_state_queries_and_teardown_before_init(uninitialised):
         ({"distributed_init_method": "tcp://127.0.0.1:1", "world_size": 2, "rank": 2},
          ValueError, "rank must be in [0, 2)"),
         ({"timeout": "soon"}, TypeError, "timeout"),
+        ({"backend": "nosuch"}, ValueError, "backend must be one of"),
+        ({"backend": 5}, TypeError, "backend must be a str"),
     ],
 )
 def test_init_distributed_environment_bad_arguments(uninitialised, kwargs, exc, word):
@@ -160,6 +162,38 @@ def test_init_distributed_environment_bad_arguments(uninitialised, kwargs, exc, 
 
 
 # ---------------------------------------------------------------------- on the ranks
+_BAD_GROUP_ARGS = {
+    "backend-unknown": ({"torch_distributed_backend": "nosuch"}, ValueError,
+                        "torch_distributed_backend must be one of"),
+    "backend-int": ({"torch_distributed_backend": 5}, TypeError, "torch_distributed_backend"),
+    "backend-pair-unknown": ({"torch_distributed_backend": "cpu:gloo,cuda:nosuch"}, ValueError,
+                             "torch_distributed_backend"),
+    "local-rank-str": ({"local_rank": "0"}, TypeError, "local_rank must be an int"),
+    "local-rank-negative": ({"local_rank": -5}, ValueError, "local_rank must be >= 0"),
+    "group-name-int": ({"group_name": 5}, TypeError, "group_name"),
+    "group-name-empty": ({"group_name": ""}, TypeError, "group_name"),
+}
+
+
+def bad_group_args(rank: int, world_size: int) -> dict[str, str]:
+    """Each bad GroupCoordinator argument: its error, or what happened instead."""
+    out = {}
+    for case, (kw, exc, words) in _BAD_GROUP_ARGS.items():
+        args = {"group_ranks": [list(range(world_size))], "local_rank": rank,
+                "torch_distributed_backend": "gloo", "use_device_communicator": True, **kw}
+        try:
+            GroupCoordinator(**args).destroy()
+            out[case] = "accepted"
+        except (TypeError, ValueError) as e:
+            out[case] = "ok" if type(e) is exc and words in str(e) else f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_group_coordinator_bad_arguments_name_them(dist_pool):
+    for got in dist_pool(2).run(bad_group_args, timeout=60):
+        assert got == dict.fromkeys(_BAD_GROUP_ARGS, "ok"), got
+
+
 # ---------------------------------------------------------------------- parallel state
 def run_layouts(rank: int, world_size: int, configs: list[tuple[int, int, int]]) -> list[dict]:
     """Initialise, inspect, use and destroy model parallelism for each (tp, pp, dp)."""
