@@ -154,7 +154,8 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         self.rank = dist.get_rank()
         self.local_rank = local_rank
         self.ranks, self.cpu_group, self.device_group = setup.create_process_groups(
-            group_ranks, backend, self.rank, datetime.timedelta(seconds=self.timeout)
+            group_ranks, backend, self.rank, datetime.timedelta(seconds=self.timeout),
+            self.unique_name,
         )
         self.world_size = len(self.ranks)
         self.rank_in_group = self.ranks.index(self.rank)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from coordinator.errors import NotInitializedError
+from coordinator.errors import CommTimeout, NotInitializedError, PeerDiedError
 from device_comms import DeviceCommunicator, get_device_communicator, select_device_communicator
 
 __all__ = [
@@ -81,24 +81,48 @@ def create_process_groups(
     backend: str,
     rank: int,
     timeout: datetime.timedelta | None,
+    name: str = "",
 ) -> tuple[list[int], dist.ProcessGroup, dist.ProcessGroup]:
     """Create every group collectively; return this rank's ``(ranks, cpu, device)``.
 
     Raises:
         ValueError: ``rank`` is in none of the groups.
+        CommTimeout: A group's ranks did not all arrive within ``timeout``.
+        PeerDiedError: A rank's connection closed while the groups were made.
     """
     check_group_ranks(group_ranks, dist.get_world_size())
     kw: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
     mine: tuple[list[int], dist.ProcessGroup, dist.ProcessGroup] | None = None
     for ranks in group_ranks:
         ranks = list(ranks)
-        cpu = dist.new_group(ranks, backend="gloo", **kw)
-        dev = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend, **kw)
+        try:
+            cpu = dist.new_group(ranks, backend="gloo", **kw)
+            dev = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend, **kw)
+        except RuntimeError as e:  # DistStoreError and gloo's errors are RuntimeErrors
+            raise _creation_error(name, ranks, rank, timeout, e) from e
         if rank in ranks:
             mine = (ranks, cpu, dev)
     if mine is None:
         raise ValueError(f"global rank {rank} is in none of group_ranks={group_ranks}")
     return mine
+
+
+def _creation_error(name: str, ranks: list[int], rank: int,
+                    timeout: datetime.timedelta | None, e: RuntimeError) -> Exception:
+    """Our error for a failed ``new_group`` of global ``ranks``: which ranks are
+    missing is not known here (the store says only that a key never came)."""
+    others = [r for r in ranks if r != rank]
+    text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    where = (f"group {name or 'unnamed'!r}, op new_group (global ranks {ranks}, created "
+             f"by every rank of the world)")
+    if any(w in text for w in ("reset by peer", "Connection closed", "Broken pipe", "EOF")):
+        return PeerDiedError(f"{where}: a rank's connection closed while the group was made, "
+                             f"so one of ranks {others} exited. Detail: {text}",
+                             queue=name or None, peers=others)
+    limit = "its timeout" if timeout is None else f"{timeout.total_seconds():g}s"
+    return CommTimeout(f"{where}: not every rank arrived within {limit}; any of ranks {others} "
+                       f"may be missing (every rank must create the same groups in the same "
+                       f"order). Detail: {text}", queue=name or None, peers=others)
 
 
 def pick_device(backend: str, local_rank: int) -> torch.device:

@@ -121,7 +121,11 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
         ("recv_object/type", T, lambda: g.recv_object(None), ("src",)),
         ("send_tensor_dict/self", V, lambda: g.send_tensor_dict({"a": x}, me), ("dst",)),
         ("send_tensor_dict/range", V, lambda: g.send_tensor_dict({"a": x}, n), ("dst",)),
-        ("send_tensor_dict/not-a-dict", T, lambda: g.send_tensor_dict([x], other), ("tensor_dict",)),
+        # the receiver is told of the sender's bad dict (PeerRejectedError quotes it)
+        ("send_tensor_dict/not-a-dict", T, lambda: g.send_tensor_dict([x], other), ("tensor_dict",))
+        if sends or n == 1 else
+        ("send_tensor_dict/not-a-dict", V, lambda: g.recv_tensor_dict(other),
+         ("rejected", "tensor_dict must be a dict")),
         ("recv_tensor_dict/range", V, lambda: g.recv_tensor_dict(n), ("src",)),
         ("group_ranks/dup", V, lambda: GroupCoordinator([[0, 0]], 0, "gloo", True), ("group_ranks",)),
         ("group_ranks/range", V, lambda: GroupCoordinator([list(range(n + 1))], 0, "gloo", True), ("group_ranks",)),
