@@ -58,9 +58,14 @@ def check_backend(backend: Any, name: str) -> str:
 def check_group_ranks(group_ranks: Any, world_size: int) -> None:
     """Validate ``group_ranks``: non-empty lists of distinct global ranks.
 
+    Each list must be in ascending order: ``torch.distributed`` numbers a
+    group's members by ascending global rank, and this group's ranks (``src``,
+    ``dst``, sizes, result order) are that numbering.
+
     Raises:
         TypeError: Not a list of non-empty lists.
-        ValueError: A rank is out of range or appears twice.
+        ValueError: A rank is out of range or appears twice, or a list is not
+            in ascending order.
     """
     if not isinstance(group_ranks, (list, tuple)) or not group_ranks:
         raise TypeError(f"group_ranks must be a non-empty list of rank lists, got {group_ranks!r}")
@@ -74,6 +79,11 @@ def check_group_ranks(group_ranks: Any, world_size: int) -> None:
             if r in seen:
                 raise ValueError(f"rank {r} appears in more than one group of group_ranks")
             seen.add(r)
+        if list(ranks) != sorted(ranks):
+            raise ValueError(
+                f"each list of group_ranks must be in ascending order (torch.distributed "
+                f"numbers a group's members by ascending global rank, and group ranks follow "
+                f"it), got {list(ranks)}; pass {sorted(ranks)}")
 
 
 def create_process_groups(

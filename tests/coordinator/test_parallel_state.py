@@ -172,6 +172,7 @@ _BAD_GROUP_ARGS = {
     "local-rank-negative": ({"local_rank": -5}, ValueError, "local_rank must be >= 0"),
     "group-name-int": ({"group_name": 5}, TypeError, "group_name"),
     "group-name-empty": ({"group_name": ""}, TypeError, "group_name"),
+    "group-ranks-descending": ({"group_ranks": [[1, 0]]}, ValueError, "ascending order"),
 }
 
 
@@ -180,7 +181,8 @@ def bad_group_args(rank: int, world_size: int) -> dict[str, str]:
     out = {}
     for case, (kw, exc, words) in _BAD_GROUP_ARGS.items():
         args = {"group_ranks": [list(range(world_size))], "local_rank": rank,
-                "torch_distributed_backend": "gloo", "use_device_communicator": True, **kw}
+                "torch_distributed_backend": "gloo", "use_device_communicator": True}
+        args.update(kw)
         try:
             GroupCoordinator(**args).destroy()
             out[case] = "accepted"

@@ -198,7 +198,10 @@ def pipeline(rank: int, n: int, shm_off: list[int]) -> dict[str, list[str]]:
 
 def _quantized_refused(g: Any, rank: int, n: int) -> list[str]:
     """A quantized tensor cannot travel: TypeError naming its key on the sender,
-    before anything is sent (the receiver gets the next dict)."""
+    and the receiver is told in place of the dict (PeerRejectedError, or
+    CollectiveMismatch over the CPU group); the next dict then arrives."""
+    from coordinator.errors import CollectiveMismatch
+
     bad = []
     if rank == 0:
         try:
@@ -209,6 +212,12 @@ def _quantized_refused(g: Any, rank: int, n: int) -> list[str]:
                 bad.append(f"the error does not name the key: {e}")
         g.send_tensor_dict({"after": 1}, 1)
     elif rank == 1:
+        try:
+            got = g.recv_tensor_dict(0)
+            bad.append(f"rank 1 was not told of the refused dict; got {got!r:.100}")
+        except CollectiveMismatch as e:
+            if "'q'" not in str(e) or "rank 0" not in str(e):
+                bad.append(f"the receiver's error does not name the key and sender: {e}")
         got = g.recv_tensor_dict(0)
         if got != {"after": 1}:
             bad.append(f"rank 1 got {got!r:.100}")
