@@ -226,10 +226,16 @@ def isend_tensor_dict(coord: "GroupCoordinator", tensor_dict: Mapping[Any, Any],
                       dst: int | None) -> P2PHandle:
     """Implementation of :meth:`GroupCoordinator.isend_tensor_dict`."""
     dst, seq = _begin(coord, "isend_tensor_dict", dst, "dst", +1, allow_alone=True)
-    if not isinstance(tensor_dict, Mapping):
-        raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
-    # Same checks as the blocking call (sparse tensors, devices), before anything is queued.
-    tensor_dict_ops.flatten_tensor_dict(tensor_dict, device=coord.device)
+    try:
+        if not isinstance(tensor_dict, Mapping):
+            raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
+        # Same checks as the blocking call (sparse tensors, devices), before anything is queued.
+        tensor_dict_ops.flatten_tensor_dict(tensor_dict, device=coord.device)
+    except (TypeError, ValueError) as e:
+        if coord.world_size > 1 and coord.device.type == "cpu":  # the receiver is told, in order
+            submit(coord, SEND, dst, "isend_tensor_dict", seq, tensor_dict_ops.reject_send,
+                   coord, dst, e, quiet=True)
+        raise
     if coord.world_size == 1:
         return _done(coord, "isend_tensor_dict", dst, seq, None)
     snapshot = dict(tensor_dict)  # later changes to the caller's dict do not travel

@@ -126,7 +126,16 @@ def _key_dir() -> str:
         return shared
     import pwd
 
-    return os.path.join(pwd.getpwuid(uid).pw_dir, ".cache", "groupcoord-keys")
+    try:
+        home = pwd.getpwuid(uid).pw_dir
+    except KeyError:
+        home = ""
+    if not home or not os.path.isdir(home):
+        raise AuthenticationError(
+            f"another user (uid {st.st_uid}) holds {shared!r}, and uid {uid} has no home "
+            f"directory to keep the group's key file in instead; pass secret=<bytes> or set "
+            f"{SECRET_ENV}=<hex> on every rank")
+    return os.path.join(home, ".cache", "groupcoord-keys")
 
 
 def _key_file_path(host: str, port: int, name: str) -> str:

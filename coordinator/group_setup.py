@@ -52,7 +52,20 @@ def check_backend(backend: Any, name: str) -> str:
     if any(p not in known for p in parts):
         raise ValueError(f"{name} must be one of {known}, or 'device:backend' pairs of them "
                          f"joined by commas; got {backend!r:.80}")
+    missing = [p for p in parts if p in _BUILT_IN and not _BUILT_IN[p]()]
+    if missing:
+        raise ValueError(f"{name} {backend!r:.80} names {missing}, which this build of torch "
+                         f"lacks (torch {torch.__version__}); use 'gloo' for CPU groups")
     return str(backend)
+
+
+# What torch's store and gloo say when new_group waited for a peer in vain.
+_GONE_WORDS = ("reset by peer", "connection closed", "broken pipe", "eof")
+_WAIT_WORDS = ("timeout", "timed out") + _GONE_WORDS
+
+_BUILT_IN = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available,
+             "mpi": dist.is_mpi_available, "ucc": dist.is_ucc_available,
+             "xccl": getattr(dist, "is_xccl_available", lambda: False)}
 
 
 def check_group_ranks(group_ranks: Any, world_size: int) -> None:
@@ -109,7 +122,10 @@ def create_process_groups(
             cpu = dist.new_group(ranks, backend="gloo", **kw)
             dev = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend, **kw)
         except RuntimeError as e:  # DistStoreError and gloo's errors are RuntimeErrors
-            raise _creation_error(name, ranks, rank, timeout, e) from e
+            ours = _creation_error(name, ranks, rank, timeout, e)
+            if ours is None:
+                raise
+            raise ours from e
         if rank in ranks:
             mine = (ranks, cpu, dev)
     if mine is None:
@@ -118,14 +134,17 @@ def create_process_groups(
 
 
 def _creation_error(name: str, ranks: list[int], rank: int,
-                    timeout: datetime.timedelta | None, e: RuntimeError) -> Exception:
-    """Our error for a failed ``new_group`` of global ``ranks``: which ranks are
-    missing is not known here (the store says only that a key never came)."""
+                    timeout: datetime.timedelta | None, e: RuntimeError) -> Exception | None:
+    """Our error for a ``new_group`` of global ``ranks`` that failed waiting for a
+    peer (None for any other failure: it is re-raised as it is). Which ranks
+    are missing is not known here (the store says only that a key never came)."""
     others = [r for r in ranks if r != rank]
     text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    if not any(w in text.lower() for w in _WAIT_WORDS):
+        return None
     where = (f"group {name or 'unnamed'!r}, op new_group (global ranks {ranks}, created "
              f"by every rank of the world)")
-    if any(w in text for w in ("reset by peer", "Connection closed", "Broken pipe", "EOF")):
+    if any(w in text.lower() for w in _GONE_WORDS):
         return PeerDiedError(f"{where}: a rank's connection closed while the group was made, "
                              f"so one of ranks {others} exited. Detail: {text}",
                              queue=name or None, peers=others)

@@ -197,15 +197,22 @@ def _send_payload(payload: torch.Tensor, move: Callable[[torch.Tensor], Any]) ->
 def _receive_payload(nbytes: int, move: Callable[[torch.Tensor], Any]) -> torch.Tensor:
     """The ``nbytes`` payload, received by ``move`` (which fills or returns each
     piece) in the pieces :func:`_send_payload` cuts; a piece is allocated only
-    after the one before it arrived."""
-    pieces = []
+    after the one before it arrived. The whole buffer is allocated once every
+    piece is here, and each piece is freed as it is copied in, so the pages in
+    use peak at the payload plus one piece."""
+    pieces: list[torch.Tensor | None] = []
     for start in range(0, nbytes, PIECE_BYTES):
         piece = torch.empty(min(PIECE_BYTES, nbytes - start), dtype=torch.uint8)
         got = move(piece)
         pieces.append(got if isinstance(got, torch.Tensor) else piece)
     if len(pieces) == 1:
-        return pieces[0]
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+        return pieces[0]  # type: ignore[return-value]
+    whole = torch.empty(nbytes, dtype=torch.uint8)
+    for i, start in enumerate(range(0, nbytes, PIECE_BYTES)):
+        piece = pieces[i]
+        whole[start:start + piece.numel()].copy_(piece)  # type: ignore[union-attr]
+        pieces[i] = piece = None  # its pages go back before the next piece's are touched
+    return whole
 
 
 def _unpack(mlen: int, blen: int, payload: torch.Tensor, codec: Codec | ObjectCodec) -> Any:

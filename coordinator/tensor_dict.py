@@ -376,7 +376,7 @@ def send_tensor_dict(
         meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n,
                                             device=coord.device)
     except (TypeError, ValueError) as e:
-        _reject_send(coord, dst, e)
+        reject_send(coord, dst, e)
         raise
     if all_gather_group is not None:  # sliced: send only this rank's 1/n
         payload = [t.reshape(n, -1)[all_gather_group.rank_in_group] if desc[3] else t
@@ -397,7 +397,7 @@ def send_tensor_dict(
             _send(coord, dense(t), dst)
 
 
-def _reject_send(coord: "GroupCoordinator", dst: int, e: BaseException) -> None:
+def reject_send(coord: "GroupCoordinator", dst: int, e: BaseException) -> None:
     """Send, in place of the dict ``dst`` waits for, why this rank's call failed:
     on the direction's link (settling it if this is its first call) the
     receiver raises ``PeerRejectedError``; on the CPU group, ``CollectiveMismatch``

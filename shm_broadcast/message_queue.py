@@ -55,7 +55,7 @@ from shm_broadcast.remote_reader import RemoteReader
 from shm_broadcast.waiting import WaitPolicy
 
 __all__ = ["MessageQueue", "Handle", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS",
-           "DEFAULT_READY_TIMEOUT"]
+           "DEFAULT_READY_TIMEOUT", "check_ring_options"]
 
 #: Ring defaults: 4 chunks of 2 MiB (8 MiB per queue). A message up to 2 MiB
 #: (the 1 MiB tensors of ``groupcoord bench mq`` included) goes through the
@@ -138,10 +138,7 @@ class MessageQueue:
                 raise ValueError(
                     f"local_reader_ranks must be {n_local_reader} distinct ints >= 0, "
                     f"got {local_reader_ranks!r}")
-        check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
-        check_int(max_chunks, "max_chunks", minimum=1)
-        if connect_ip is not None and (not isinstance(connect_ip, str) or not connect_ip):
-            raise ValueError(f"connect_ip must be None or an IP address string, got {connect_ip!r}")
+        check_ring_options(max_chunk_bytes, max_chunks, connect_ip)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         policy = _policy(wait_policy)
@@ -509,6 +506,20 @@ class MessageQueue:
         side = "writer" if self._is_writer else f"reader rank {self._rank}"
         state = "closed" if self.closed else "open"
         return f"MessageQueue({self.name!r}, {side}, {state})"
+
+
+def check_ring_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any) -> None:
+    """Check a writer's ring sizes and TCP address (:class:`MessageQueue`'s arguments).
+
+    Raises:
+        TypeError: A size is not an int.
+        ValueError: A size is too small, or ``connect_ip`` is not None or a
+            non-empty str.
+    """
+    check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
+    check_int(max_chunks, "max_chunks", minimum=1)
+    if connect_ip is not None and (not isinstance(connect_ip, str) or not connect_ip):
+        raise ValueError(f"connect_ip must be None or an IP address string, got {connect_ip!r}")
 
 
 def _policy(wait_policy: WaitPolicy | None) -> WaitPolicy:

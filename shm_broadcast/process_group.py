@@ -29,11 +29,11 @@ import os
 from typing import Any
 
 from shm_broadcast.agreement import agree
-from shm_broadcast.checks import check_int, check_rank, check_timeout
+from shm_broadcast.checks import check_rank, check_timeout
 from shm_broadcast.errors import CollectiveMismatch, DecodeError
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.handle import Handle
-from shm_broadcast.message_queue import MessageQueue
+from shm_broadcast.message_queue import MessageQueue, check_ring_options
 from shm_broadcast.topology import in_the_same_node_as
 from shm_broadcast.transport import new_keypair
 from shm_broadcast.waiting import WaitPolicy
@@ -116,10 +116,7 @@ def _check_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any,
                    wait_policy: Any, timeout: Any) -> None:
     """The queue's options, checked on every rank (the writer alone uses the sizes,
     but a reader's bad value is the same mistake and must not pass silently)."""
-    check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
-    check_int(max_chunks, "max_chunks", minimum=1)
-    if connect_ip is not None and (not isinstance(connect_ip, str) or not connect_ip):
-        raise ValueError(f"connect_ip must be None or an IP address string, got {connect_ip!r}")
+    check_ring_options(max_chunk_bytes, max_chunks, connect_ip)
     if wait_policy is not None and not isinstance(wait_policy, WaitPolicy):
         raise TypeError(f"wait_policy must be a WaitPolicy, got {type(wait_policy).__name__}")
     check_timeout(timeout)

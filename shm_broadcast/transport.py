@@ -189,7 +189,7 @@ NO_RECONNECT_MS = 1 << 30
 #: handshake before the writer drops it (zmq's default is 30 s). A reader
 #: completes it in milliseconds; a client that connects and stays silent
 #: holds one of the writer's file descriptors only this long.
-SERVE_HANDSHAKE_MS = 3000
+SERVE_HANDSHAKE_MS = 5000
 
 #: Seconds a TCP connection may be silent before the kernel starts probing it.
 KEEPALIVE_IDLE_S = 10

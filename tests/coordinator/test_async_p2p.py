@@ -383,7 +383,7 @@ def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any
     call had a valid peer: the peer is told (PeerRejectedError), not left
     waiting, whether the direction is unsettled (the bad call settles it), on
     a link (settled by a first dict) or on the CPU group (``GROUPCOORD_P2P_SHM=0``)."""
-    from coordinator.errors import PeerRejectedError
+    from coordinator.errors import CollectiveMismatch, PeerRejectedError
 
     exc_type, arg = BAD_CALLS[case]
     rejected_peer = case in ("isend-not-a-tensor", "isend-meta-tensor", "irecv-spec-not-a-pair",
@@ -403,6 +403,10 @@ def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any
             assert arg in out["text"], (case, out["text"])
         if rejected_peer:
             out.update(_rejected_peer(g, rank, peer, case, transport, PeerRejectedError))
+        if case.startswith("isend_tensor_dict") and rank % 2:  # told in place of the dict
+            with pytest.raises(CollectiveMismatch) as told:
+                g.irecv_tensor_dict(peer).wait(10)
+            out["peer_told"] = str(told.value)
         if case.startswith("wait-"):  # the sends themselves were valid: receive them
             if rank % 2:
                 g.irecv(((2,), torch.float32), peer).wait()

@@ -220,7 +220,8 @@ def _bad_dict(case: str) -> Any:
     return {"s": torch.eye(3).to_sparse()}
 
 
-def bad_dict_rank(rank: int, world_size: int, case: str, links: bool) -> list[str]:
+def bad_dict_rank(rank: int, world_size: int, case: str, links: bool,
+                  asynchronous: bool = False) -> list[str]:
     """Rank 0 sends a dict it cannot send to rank 1 (on a link or over the CPU
     group): it raises, rank 1 raises naming it at once, and both stay in step."""
     import os
@@ -235,7 +236,9 @@ def bad_dict_rank(rank: int, world_size: int, case: str, links: bool) -> list[st
     try:
         t0 = time.monotonic()
         try:
-            if rank == 0:
+            if rank == 0 and asynchronous:
+                g.isend_tensor_dict(_bad_dict(case), 1)
+            elif rank == 0:
                 g.send_tensor_dict(_bad_dict(case), 1)
             elif rank == 1:
                 g.recv_tensor_dict(0)
@@ -264,9 +267,10 @@ def bad_dict_rank(rank: int, world_size: int, case: str, links: bool) -> list[st
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("links", [True, False], ids=["link", "cpu-group"])
 @pytest.mark.parametrize("case", ["not-a-dict", "meta-tensor", "sparse-tensor"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["send", "isend"])
 def test_a_dict_the_sender_cannot_send_is_reported_to_the_receiver(
-        dist_pool: Any, case: str, links: bool, world_size: int) -> None:
-    results = dist_pool(world_size).run(bad_dict_rank, case, links, timeout=100)
+        dist_pool: Any, case: str, links: bool, world_size: int, asynchronous: bool) -> None:
+    results = dist_pool(world_size).run(bad_dict_rank, case, links, asynchronous, timeout=100)
     assert results == [[]] * world_size, results
 
 

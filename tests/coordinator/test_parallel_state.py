@@ -191,6 +191,28 @@ def bad_group_args(rank: int, world_size: int) -> dict[str, str]:
     return out
 
 
+def unbuilt_backends(rank: int, world_size: int) -> dict[str, str]:
+    """Each backend torch knows, when this build lacks it: the error it gives."""
+    checks = {"nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available,
+              "ucc": dist.is_ucc_available}
+    out = {}
+    for name, built in checks.items():
+        if built():  # nothing to refuse (NCCL in a CUDA build); not made here without GPUs
+            out[name] = "ok"
+            continue
+        try:
+            GroupCoordinator([list(range(world_size))], rank, name, True).destroy()
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = "ok" if "lacks" in str(e) else f"ValueError: {e}"
+    return out
+
+
+def test_a_backend_this_torch_lacks_is_a_value_error(dist_pool):
+    for got in dist_pool(2).run(unbuilt_backends, timeout=60):
+        assert got == {"nccl": "ok", "mpi": "ok", "ucc": "ok"}, got
+
+
 def test_group_coordinator_bad_arguments_name_them(dist_pool):
     for got in dist_pool(2).run(bad_group_args, timeout=60):
         assert got == dict.fromkeys(_BAD_GROUP_ARGS, "ok"), got

@@ -394,6 +394,28 @@ os.waitpid(pid, 0)
 assert os.lstat(taken).st_uid == nobody.pw_uid
 print(run_distributed(_rank_squatted, 2, int(sys.argv[1]), timeout=60))
 print("left", sorted(n for n in os.listdir(_key_dir()) if n.startswith("stateless-")))
+# A uid without a passwd entry (a container's arbitrary uid), its name taken too.
+homeless = 54321
+pid = os.fork()
+if pid == 0:
+    os.setgroups([]); os.setgid(nobody.pw_gid); os.setuid(nobody.pw_uid)
+    os.mkdir(f"/dev/shm/groupcoord-{homeless}", 0o700)
+    os._exit(0)
+os.waitpid(pid, 0)
+pid = os.fork()
+if pid == 0:
+    os.setgroups([]); os.setgid(homeless); os.setuid(homeless)
+    from coordinator.errors import AuthenticationError
+    from coordinator.stateless_group import StatelessProcessGroup
+    try:
+        StatelessProcessGroup.create("127.0.0.1", int(sys.argv[1]) + 1, 0, 1, timeout=10)
+        os._exit(1)
+    except AuthenticationError as e:
+        os._exit(0 if "no home directory" in str(e) else 2)
+    except BaseException:
+        os._exit(3)
+_, status = os.waitpid(pid, 0)
+print("homeless", os.waitstatus_to_exitcode(status))
 """
 
 
@@ -420,3 +442,4 @@ def test_another_user_taking_the_key_directory_name_does_not_stop_the_group() ->
     where = f"{home}/.cache/groupcoord-keys"
     assert f"[('{where}', 'formed'), ('{where}', 'formed')]" in proc.stdout, proc.stdout
     assert "left []" in proc.stdout, proc.stdout  # the key file was removed after setup
+    assert "homeless 0" in proc.stdout, proc.stdout  # AuthenticationError saying why

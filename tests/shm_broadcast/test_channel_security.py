@@ -180,6 +180,15 @@ def impostor(pub_port: int, ctl_port: int, curve: bool, seconds: float, out: Any
 
 
 # --------------------------------------------------------------------- tests
+def _real_reader_still_gets_in(procs: Any, mq: MessageQueue, h: Any) -> None:
+    """After an attack: a real reader attaches and reads three messages."""
+    procs.start(legit_reader, h, 1, 3)
+    mq.wait_until_ready(60)
+    for i in range(3):
+        mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+    assert procs.get(60)[2] == [0, 1, 2]
+
+
 @pytest.mark.timeout(120)
 def test_outsider_sub_on_the_tcp_port_receives_nothing(procs):
     n = 50
@@ -215,11 +224,7 @@ def test_outsider_hello_does_not_complete_the_handshake(procs):
         stats = mq._impl.security_stats()
         assert stats["handshake_failed"] >= 4 and stats["auth_denied"] >= 2, stats
         assert procs.get(60)[0] == "done"
-        procs.start(legit_reader, h, 1, 3)  # the real reader still gets in
-        mq.wait_until_ready(60)
-        for i in range(3):
-            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
-        assert procs.get(60)[2] == [0, 1, 2]
+        _real_reader_still_gets_in(procs, mq, h)
     finally:
         mq.close()
 
@@ -268,11 +273,7 @@ def test_silent_connections_are_dropped_and_do_not_hold_the_writers_descriptors(
         assert not open_, f"{len(open_)} of {2 * n} silent connections still open"
         # the writer's own descriptors are back (its side of each connection closed)
         assert me.num_fds() - len(socks) <= fds + 4, (me.num_fds(), len(socks), fds)
-        procs.start(legit_reader, h, 1, 3)  # the real reader still gets in
-        mq.wait_until_ready(60)
-        for i in range(3):
-            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
-        assert procs.get(60)[2] == [0, 1, 2]
+        _real_reader_still_gets_in(procs, mq, h)
     finally:
         for c in socks:
             c.close()
