@@ -51,6 +51,8 @@ from typing import Any
 import torch
 from torch.library import custom_op
 
+from device_comms.validation import norm_dim
+
 __all__ = [
     "all_reduce",
     "all_gather",
@@ -136,14 +138,14 @@ def traced_all_reduce(group: Any, tensor: torch.Tensor) -> torch.Tensor:
 def traced_all_gather(group: Any, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Call ``groupcoord::all_gather`` for ``group`` (needs ``unique_name``, ``world_size``)."""
     return torch.ops.groupcoord.all_gather(
-        tensor, dim % tensor.dim(), group.world_size, group.unique_name
+        tensor, norm_dim(dim, tensor.dim()), group.world_size, group.unique_name
     )
 
 
 def traced_reduce_scatter(group: Any, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Call ``groupcoord::reduce_scatter`` for ``group`` (needs ``unique_name``, ``world_size``)."""
     return torch.ops.groupcoord.reduce_scatter(
-        tensor, dim % tensor.dim(), group.world_size, group.unique_name
+        tensor, norm_dim(dim, tensor.dim()), group.world_size, group.unique_name
     )
 
 

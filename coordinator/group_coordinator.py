@@ -44,6 +44,7 @@ from coordinator.group_tensor_dicts import GroupTensorDictCalls
 from coordinator.shm_links import ShmLinks
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms import validation
+from device_comms.reduce_op import check_reduce_op
 from shm_broadcast.checks import check_timeout
 from shm_broadcast.timeouts import default_timeout
 from shm_broadcast.codec import Codec
@@ -242,10 +243,14 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         Returns:
             ``out`` when given, else a new tensor.
         """
-        if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
+        if _tracing() and (self.world_size == 1 or op is ReduceOp.SUM):
             if out is not None:  # the result is a fresh tensor: only shape and kind matter
                 validation.check_out_meta(out, input_)
-            res = custom_ops.traced_all_reduce(self, input_)
+            if self.world_size == 1:
+                check_reduce_op(op, input_.dtype)
+                res = input_.clone()
+            else:
+                res = custom_ops.traced_all_reduce(self, input_)
             return res if out is None else out.copy_(res)
         self.calls = seq = self.calls + 1
         started = time.monotonic()
@@ -258,8 +263,9 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``input_`` along ``dim`` (negative allowed)."""
-        if _tracing() and self.world_size > 1:
-            return custom_ops.traced_all_gather(self, input_, dim)
+        if _tracing():
+            return _traced_alone(input_, dim) if self.world_size == 1 else \
+                custom_ops.traced_all_gather(self, input_, dim)
         self.calls = seq = self.calls + 1
         started = time.monotonic()
         self.collectives += 1
@@ -285,8 +291,9 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor:
         """Reduce, then keep this rank's equal slice along ``dim``."""
-        if _tracing() and self.world_size > 1 and op is ReduceOp.SUM:
-            return custom_ops.traced_reduce_scatter(self, input_, dim)
+        if _tracing() and (self.world_size == 1 or op is ReduceOp.SUM):
+            return _traced_alone(input_, dim) if self.world_size == 1 else \
+                custom_ops.traced_reduce_scatter(self, input_, dim)
         self.calls = seq = self.calls + 1
         started = time.monotonic()
         self.collectives += 1
@@ -308,6 +315,9 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
+        if _tracing() and self.world_size == 1:
+            validation.check_rank(dst, 1, "dst")
+            return _traced_alone(input_, dim)
         return self._run("gather", self.comm.gather, input_, dst, dim)
 
     def reduce(
@@ -583,6 +593,13 @@ def side_stream(device: torch.device) -> Any:
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
+
+
+def _traced_alone(input_: torch.Tensor, dim: int) -> torch.Tensor:
+    """A world-size-1 gather or scatter under torch.compile: this rank's data (a
+    new tensor, as in eager mode), with ``dim`` checked as in eager mode."""
+    validation.norm_dim(dim, input_.dim())
+    return input_.clone()
 
 
 def _tracing() -> bool:

@@ -98,6 +98,35 @@ every machine. The flag is one aligned 8-byte store/load through a
 Rank ``r`` writes only its own 64-byte header line, so flags do not falsely
 share cache lines.
 
+Giving up on a step. A rank whose timeout elapses at step ``g`` must not
+leave a late peer to complete the step without it (the late rank would
+return a result while this one raised). So it first *withdraws* its
+publication, and a step passes only on a sweep of the peers' generations
+that follows one in which every peer was already seen::
+
+    rank t (timeout at step g)              rank p (late, or waiting)
+    --------------------------              -------------------------
+    gen_t := g-1   (withdraw)               gen_p := g
+    FENCE                                   FENCE
+    load every gen_q                        sweep 1: wait until each gen_q >= g
+      some gen_q < g: CLOSED_t := -g,       sweep 2: every gen_q >= g again?
+        raise CollectiveTimeout               yes: the step passes
+      all >= g: gen_t := g again, wake        no: wait again; a peer behind whose
+        the parked, wait on (it stands)           CLOSED < 0 gave up: raise
+                                                  CollectiveTimeout naming it
+
+Why no rank passes a step that another gave up for good: say ``t`` gave up,
+having seen ``gen_y < g`` after its FENCE, and ``p`` passed. ``p``'s first
+sweep saw ``gen_y >= g``, so it read after ``y``'s publish, which follows
+``t``'s load (it saw the old value), which follows ``t``'s withdrawal (the
+FENCE). ``p``'s second sweep reads ``gen_t`` later still (loads are not
+reordered with loads), so it sees ``g-1``, which ``t`` never changes again:
+``p`` did not pass. When ``y`` is ``p`` itself, ``p``'s FENCE after its own
+publish gives the same order (a store is not delayed past that fence). When
+``t`` finds every peer arrived, the step stands for everyone: nobody raised,
+and peers that saw ``g-1`` in between wait until ``t`` restores ``g``. A
+withdrawn rank's communicator is broken, so its slots are never written again.
+
 Waiting for a peer's generation to reach ``s``::
 
       +------+   _SPIN_S s   +-------+  _PARK_AFTER s  +---------------------+
@@ -288,17 +317,23 @@ class StepSync:
             _release()
         hdr[self._my_gen] = g
         self.gen = g
+        _acquire()  # FENCE: store the generation before loading "parked" and the
+        _release()  # peers' generations (both Dekker pairs)
         if self._parking:
-            _acquire()  # FENCE: store the generation before loading "parked" (Dekker)
-            _release()
             for w in self._peer_parked:
                 if hdr[w]:
                     futex.futex_wake(self._my_gen_addr)
                     break
-        for idx in self._peer_gen:
+        peers = self._peer_gen
+        for idx in peers:
             if hdr[idx] < g:
                 self._wait_slow(g, op)
                 break
+        else:  # a second sweep confirms (see "Giving up on a step")
+            for idx in peers:
+                if hdr[idx] < g:
+                    self._wait_slow(g, op)
+                    break
         if fenced:
             _acquire()  # FENCE: generations before the data
             _release()
@@ -354,18 +389,35 @@ class StepSync:
         self.step(op, FAILED, len(data), True)
 
     def close(self) -> None:
-        """Tell peers this rank left (they stop waiting on it with an error)."""
+        """Tell peers this rank left (they stop waiting on it with an error).
+
+        A rank that gave up on a step keeps that record (a negative ``CLOSED``
+        word), so peers arriving later still learn the cause: a timeout."""
         try:
-            self.hdr[self._my_line + CLOSED] = 1
+            if self.hdr[self._my_line + CLOSED] >= 0:
+                self.hdr[self._my_line + CLOSED] = 1
         except (ValueError, TypeError):  # already released
             pass
 
     # ------------------------------------------------------------------ slow path
     def _wait_slow(self, g: int, op: str) -> None:
+        """Wait until every peer published step ``g``, confirmed by one more sweep."""
+        start = time.perf_counter()
+        next_health = start + _HEALTH_EVERY
+        hdr, peers = self.hdr, self._peer_gen
+        while True:
+            next_health = self._wait_each(g, op, start, next_health)
+            if all(hdr[idx] >= g for idx in peers):
+                return  # a sweep after every peer was seen: see "Giving up on a step"
+
+    def _wait_each(self, g: int, op: str, start: float, next_health: float) -> float:
+        """Wait until each peer in turn is seen at generation ``g`` or later.
+
+        Returns:
+            When the next health check is due.
+        """
         hdr, spin_s, park_after = self.hdr, self.spin_s, self.park_after
         clock = time.perf_counter
-        start = clock()
-        next_health = start + _HEALTH_EVERY
         n = 0
         for idx, addr in self._peer_gen_addr:
             while hdr[idx] < g:
@@ -385,6 +437,7 @@ class StepSync:
                     time.sleep(_NAP)
                 else:
                     os.sched_yield()
+        return next_health
 
     def _park(self, idx: int, addr: int, g: int, limit: float) -> None:
         """Sleep on a peer's generation word until it moves (or ``limit`` seconds)."""
@@ -404,6 +457,8 @@ class StepSync:
         behind = self._behind(g)
         for r in behind:
             rank, pid = self.group_ranks[r], self.pids[r]
+            if self.hdr[self.ws.line(r) + CLOSED] < 0:
+                self._fail(self._peer_gave_up(op, g, behind))
             if self.hdr[self.ws.line(r) + CLOSED]:
                 self._fail(PeerDiedError(
                     f"group {self.name!r}, op {op}: peer rank {rank} (pid {pid}) destroyed its "
@@ -419,6 +474,9 @@ class StepSync:
                     queue=self.name, peers=(rank,),
                 ))
         if self.timeout is not None and waited > self.timeout:
+            behind = self._give_up(g)
+            if not behind:
+                return  # every peer arrived at the deadline: the step stands
             ranks = [self.group_ranks[r] for r in behind]
             self._fail(CollectiveTimeout(
                 f"group {self.name!r}, op {op}: rank(s) {ranks} did not reach step {g} within "
@@ -426,6 +484,42 @@ class StepSync:
                 f"every rank calls the same collectives in the same order",
                 queue=self.name, peers=ranks,
             ))
+
+    def _give_up(self, g: int) -> list[int]:
+        """Withdraw this rank's step ``g`` after its timeout (see "Giving up on a step").
+
+        Returns:
+            The local ranks still behind after the withdrawal: then it stands
+            (recorded as ``CLOSED = -g``). Empty: every peer had arrived, the
+            step is published again and the wait goes on.
+        """
+        hdr = self.hdr
+        hdr[self._my_gen] = g - 1
+        _acquire()  # FENCE: the withdrawal before loading the peers' generations (Dekker)
+        _release()
+        behind = self._behind(g)
+        if behind:
+            hdr[self._my_line + CLOSED] = -g
+            self.gen = g - 1
+            return behind
+        hdr[self._my_gen] = g
+        if self._parking:
+            futex.futex_wake(self._my_gen_addr)
+        return []
+
+    def _peer_gave_up(self, op: str, g: int, behind: list[int]) -> CollectiveTimeout:
+        """The error of a rank that finds peers withdrawn from step ``g`` after their timeout."""
+        line, hdr = self.ws.line, self.hdr
+        quit_ = [self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] < 0]
+        missing = [self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] == 0]
+        also = f"; rank(s) {missing} have not arrived either" if missing else ""
+        return CollectiveTimeout(
+            f"group {self.name!r}, op {op}: rank(s) {quit_} gave up on this call (step {g}) "
+            f"after their timeout, waiting for ranks that had not arrived (this is rank "
+            f"{self.group_ranks[self.me]}){also}; every rank must reach each collective within "
+            f"the group's timeout",
+            queue=self.name, peers=missing or quit_,
+        )
 
     def _fail(self, e: DeviceCommError) -> None:
         self.broken = f"an earlier error left this communicator unusable: {e}"

@@ -91,3 +91,72 @@ def compiled_out(rank: int, world_size: int) -> dict:
         except (TypeError, ValueError) as e:
             res[key] = f"{type(e).__name__}: {e}"
     return res
+
+
+_ALONE = ("all_reduce", "all_reduce_max", "all_gather", "reduce_scatter", "gather")
+
+
+@pytest.mark.timeout(300)
+def test_a_tp_group_of_one_compiles_with_fullgraph(dist_pool) -> None:
+    """TP=1 (the commonest engine): every helper traces with fullgraph and
+    returns what eager mode returns, bad dims raise as in eager mode."""
+    (r,) = dist_pool(1).run(compiled_alone, timeout=280)
+    for name in _ALONE:
+        assert r[name] == "same", (name, r[name])
+    assert r["bad_dim"].startswith("ValueError") and "dim must be in" in r["bad_dim"], r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("op,dim", [("all_gather", 2), ("all_gather", -3), ("reduce_scatter", 2)])
+def test_an_out_of_range_dim_raises_under_compile(dist_pool, op: str, dim: int) -> None:
+    """Eager mode refuses the dim; the traced op must not wrap it onto another dim."""
+    for r in dist_pool(2).run(compiled_bad_dim, op, dim, timeout=280):
+        assert r.startswith("ValueError") and "dim must be in" in r, r
+
+
+@torch.no_grad()
+def compiled_alone(rank: int, world_size: int) -> dict:
+    import torch._dynamo
+
+    from device_comms import ReduceOp
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    tp = ps.get_tp_group()
+    fns = {
+        "all_reduce": lambda t: ps.tensor_model_parallel_all_reduce(t * 2),
+        "all_reduce_max": lambda t: tp.all_reduce(t * 2, ReduceOp.MAX),
+        "all_gather": lambda t: ps.tensor_model_parallel_all_gather(t * 2, -1),
+        "reduce_scatter": lambda t: tp.reduce_scatter(t * 2, 0),
+        "gather": lambda t: ps.tensor_model_parallel_gather(t * 2, 0, -1),
+    }
+    x = torch.arange(6.0).reshape(2, 3)
+    res = {}
+    for name, fn in fns.items():
+        torch._dynamo.reset()
+        try:
+            got = torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+            res[name] = "same" if torch.equal(got, fn(x)) else f"differs: {got}"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            res[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda t: tp.all_gather(t * 2, 2), backend="aot_eager")(x)
+        res["bad_dim"] = "accepted"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        res["bad_dim"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+@torch.no_grad()
+def compiled_bad_dim(rank: int, world_size: int, op: str, dim: int) -> str:
+    import torch._dynamo
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = ps.get_tp_group()
+    x = torch.ones(2, 4)
+    torch._dynamo.reset()
+    try:
+        y = torch.compile(lambda t: getattr(tp, op)(t * 2, dim), backend="aot_eager")(x)
+        return f"returned shape {tuple(y.shape)}"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"{type(e).__name__}: {e}"
