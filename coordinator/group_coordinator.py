@@ -181,6 +181,7 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
             self.cpu_group, self.device, self.device_group, self.unique_name,
             timeout=None if timeout is None else self.timeout,
         )
+        self.comm.number_calls(self._call_number)
         self._cpu_side: DeviceCommunicator | None = None
         #: Collective numbers whose queue message this rank must skip: it
         #: rejected its own arguments to those calls and read nothing.
@@ -559,6 +560,10 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         validation.check_rank(r, self.world_size, arg)
         if r == self.rank_in_group:
             raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
+
+    def _call_number(self) -> int:
+        """This group's collective call number, which its communicators compare."""
+        return self.collectives
 
     def _check_live(self, op: str) -> None:
         if self._destroyed:

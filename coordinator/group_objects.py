@@ -19,7 +19,7 @@ import torch.distributed as dist
 from coordinator import broadcast_stamps as stamps
 from coordinator import object_comm
 from coordinator.call_errors import WAIT_ERRORS, CallErrors, peer_rank
-from coordinator.errors import CollectiveMismatch
+from coordinator.errors import CollectiveMismatch, CommTimeout
 from coordinator.object_comm import SERIALIZE_ERRORS, SourceFailure
 from coordinator import async_p2p
 from coordinator.async_p2p import RECV, SEND
@@ -113,9 +113,13 @@ class GroupObjectCalls:
             if self.rank_in_group == src:
                 mq.broadcast_object(stamps.stamp(obj, self.collectives, op))
                 return obj
-            msg = mq.broadcast_object(None)
-            while self._stale(msg):
+            try:
                 msg = mq.broadcast_object(None)
+                while self._stale(msg):
+                    msg = mq.broadcast_object(None)
+            except CommTimeout:  # this call's message, if it comes, is read by nobody
+                self._skipped_stamps.add(self.collectives)
+                raise
             return stamps.unstamp(msg, self.collectives, op, self.unique_name, src, self.calls)
         self._check_live(op)
         if group is None:
@@ -171,6 +175,7 @@ class GroupObjectCalls:
             self._cpu_side = TorchDistributedCommunicator(
                 self.cpu_group, torch.device("cpu"), self.cpu_group, self.unique_name,
                 timeout=self.timeout)
+            self._cpu_side.number_calls(self._call_number)
         return self._cpu_side
 
     def broadcast_object_list(

@@ -136,7 +136,7 @@ def reject(coord: "GroupCoordinator", direction: str, peer: int, e: BaseExceptio
                 _take(coord, link, peer, None, rejected=reason)
     except (CollectiveMismatch, DecodeError):
         return  # the peer's own call was wrong too: taken; this rank raises its own error
-    except GroupCoordError as notify:
+    except (GroupCoordError, RuntimeError) as notify:  # RuntimeError: gloo, settling the link
         e.add_note(f"telling rank {peer} of group {coord.unique_name!r} failed: {notify}")
         return
     if link is None:

@@ -388,6 +388,14 @@ def graph_capture(device: torch.device | str | None = None) -> Iterator[GraphCap
         device: The device captured on (used for the stream on GPUs).
     """
     stream = None
+    if device is not None and not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device must be a torch.device, a device string or an index, got "
+                        f"{type(device).__name__}")
+    try:
+        if device is not None:
+            torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device must name a device, got {device!r} ({e})") from None
     if device is not None and torch.device(device).type == "cuda":
         stream = side_stream(torch.device(device))
     caller = torch.cuda.current_stream(torch.device(device)) if stream is not None else None

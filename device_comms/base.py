@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,7 @@ class DeviceCommunicator(abc.ABC):
         self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
         self.rank: int = self.ranks[self.rank_in_group]
         self._closed = False
+        self._call_number: Callable[[], int] | None = None
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -417,6 +418,20 @@ class DeviceCommunicator(abc.ABC):
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
         """Register model buffers with the transport (no-op unless overridden)."""
 
+    def number_calls(self, source: Callable[[], int] | None) -> None:
+        """Number this communicator's collectives by ``source()``.
+
+        ``source`` is the owning group's call counter: the same on every rank
+        for the same call of the group, whichever transport carries it (a
+        queue broadcast counts too). Transports that compare calls compare
+        the numbers as well, so ranks that got out of step (one rank's call
+        never reached this communicator) raise
+        :class:`~device_comms.errors.CollectiveMismatch` instead of pairing
+        one rank's call ``#n`` with another's ``#n+1`` of the same kind.
+        None: the communicator numbers its own calls.
+        """
+        self._call_number = source
+
     @contextlib.contextmanager
     def graph_capture(self) -> Iterator[None]:
         """Context entered around CUDA graph capture (no-op unless overridden)."""
@@ -546,8 +561,19 @@ class DeviceCommunicator(abc.ABC):
         try:
             with torch.no_grad():  # collectives are not autograd ops (as in torch.distributed)
                 return fn(*args)
+        except DeviceCommError:
+            raise  # raised at a point the transport defines (a step, a header)
         except RuntimeError as e:
+            self._interrupted(op, e)
             raise self._translate(op, e) from e
+        except BaseException as e:  # KeyboardInterrupt, a signal handler's exception...
+            self._interrupted(op, e)
+            raise
+
+    def _interrupted(self, op: str, e: BaseException) -> None:
+        """``op`` stopped partway (``e`` escaped its hook). Transports whose peers
+        could otherwise take this rank's next call for the rest of this one
+        override this to break the communicator and tell the peers."""
 
     def _translate(self, op: str, e: RuntimeError) -> BaseException:
         where = f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}), op {op}"

@@ -87,6 +87,7 @@ from device_comms.cpu_config import (
     BYTES_ENV, ENABLE_ENV, TIMEOUT_ENV, positive_bytes, step_timeout, use_shm_enabled,
 )
 from device_comms.engine_threads import env_threads
+from device_comms.errors import DeviceCommError
 from device_comms.hierarchical import HierarchicalAllReduce
 from device_comms.one_call import OneCall
 from device_comms.reduce_op import ReduceOp
@@ -241,6 +242,23 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return False
         return self.nodes[peer] == self.nodes[self.rank_in_group]
 
+    def number_calls(self, source: Any) -> None:
+        """Number the collectives (see the base class); the shared-memory steps
+        compare the numbers beside each call's signature."""
+        super().number_calls(source)
+        if self._engine is not None:
+            self._engine.sync.number = source
+        if self._hier is not None:
+            self._hier.number = source
+
+    def _interrupted(self, op: str, e: BaseException) -> None:
+        """An exception other than a backend error (an interrupt, a signal
+        handler's) stopped ``op`` partway: the engine's steps are out of line
+        with the peers', so break it and tell them (they raise instead of
+        taking this rank's next call for the rest of this one)."""
+        if self._engine is not None and not isinstance(e, RuntimeError):
+            self._engine.sync.abandon(op, f"{type(e).__name__}: {e}")
+
     @property
     def hierarchical(self) -> HierarchicalAllReduce | None:
         """The hierarchical all-reduce (several nodes), else None."""
@@ -316,8 +334,13 @@ class CpuCommunicator(TorchDistributedCommunicator):
                     res = eng.small_all_reduce(c, input_, out)
                 except NotServed:
                     res = None
+                except DeviceCommError:
+                    raise
                 except RuntimeError as e:
                     raise self._translate("all_reduce", e) from e
+                except BaseException as e:  # an interrupt partway through
+                    self._interrupted("all_reduce", e)
+                    raise
                 finally:
                     self._one_call.leave()
                 if res is None:
@@ -334,8 +357,13 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 self.shm_calls["all_reduce"] += 1
                 try:
                     return eng.all_reduce(input_, op, out)
+                except DeviceCommError:
+                    raise
                 except RuntimeError as e:
                     raise self._translate("all_reduce", e) from e
+                except BaseException as e:  # an interrupt partway through
+                    self._interrupted("all_reduce", e)
+                    raise
                 finally:
                     self._one_call.leave()
         res = super().all_reduce(input_, op, out=out)

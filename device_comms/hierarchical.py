@@ -64,7 +64,7 @@ on its node, and its leader passes it on.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -134,6 +134,9 @@ class HierarchicalAllReduce:
         self.calls = 0
         self.intra_node_shm_steps = 0
         self.seq = 0  # leader exchanges so far (the same on every leader)
+        #: The owning group's call counter (``number_calls``); None: headers carry ``seq``.
+        self.number: Callable[[], int] | None = None
+        self._word = 0  # what the current exchange's headers carry as their number
         self._env: Envelopes | None = None
         self._blank = template(group_id(name), "all_reduce", None, None, 0, 0, None)
         if self.is_leader:
@@ -317,10 +320,11 @@ class HierarchicalAllReduce:
             raise RuntimeError(
                 f"hierarchical {op}: a non-leader rank reached the leaders' exchange")
         self.seq += 1
+        self._word = self.seq if self.number is None else self.number()
         split = getattr(local_err, "calls", None)  # a local mismatch (never with ``reason``)
         if split is not None:  # this node's ranks disagree: tell who called what
             h = failure_header(self._blank, SPLIT, -1)
-            h[2] = self.seq
+            h[2] = self._word
             raw = encode_calls(split)
             env.exchange(h, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         elif reason is not None or local_err is not None or header is None:
@@ -328,7 +332,7 @@ class HierarchicalAllReduce:
             env.exchange(h, reason_bytes(text))
         else:
             h = header
-            h[2] = self.seq
+            h[2] = self._word
             env.exchange(h, payload)
         mine = h[:6].tobytes()
         if all(env.words[p][:6].tobytes() == mine for p in env.peers):
@@ -359,7 +363,7 @@ class HierarchicalAllReduce:
             who = local_err.peers[0] if local_err.peers else self.me
             status, culprit, text = FAILED, int(who), str(local_err)  # type: ignore[call-overload]
         h = failure_header(self._blank, status, culprit)
-        h[2] = self.seq
+        h[2] = self._word
         return h, text
 
     def _members(self, leader: int) -> list[int]:

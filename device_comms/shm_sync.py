@@ -71,6 +71,15 @@ valid ranks leave before any further step. A ``barrier`` (no signature)
 passes a rejected step silently: ranks calling different things at the same
 point is the caller's bug, as with any other mismatch.
 
+Call numbers. Beside the signature, the first step of a call carries the
+owning group's call number (``StepSync.number``, from
+``DeviceCommunicator.number_calls``; 0 on every rank when unset) in a word of
+the same parity, compared after the same wait. Equal signatures at different
+numbers mean the ranks are out of step -- one rank's earlier call never
+reached this engine -- and every rank raises ``CollectiveMismatch`` instead of
+combining one rank's call ``#n`` with another's ``#n+1``. The numbers are not
+realigned afterwards: nobody can tell which rank's sequence is the intended one.
+
 Relayed errors. A step whose signature is :data:`FAILED` (kind 0xFE) carries
 an error found elsewhere -- a hierarchical communicator's node leader passing
 on another node's rejection or mismatch (:meth:`StepSync.relay`) -- as
@@ -104,16 +113,16 @@ return a result while this one raised). So it first *withdraws* its
 publication, and a step passes only on a sweep of the peers' generations
 that follows one in which every peer was already seen::
 
-    rank t (timeout at step g)              rank p (late, or waiting)
-    --------------------------              -------------------------
-    gen_t := g-1   (withdraw)               gen_p := g
-    FENCE                                   FENCE
-    load every gen_q                        sweep 1: wait until each gen_q >= g
-      some gen_q < g: CLOSED_t := -g,       sweep 2: every gen_q >= g again?
-        raise CollectiveTimeout               yes: the step passes
-      all >= g: gen_t := g again, wake        no: wait again; a peer behind whose
-        the parked, wait on (it stands)           CLOSED < 0 gave up: raise
-                                                  CollectiveTimeout naming it
+    rank t (timeout at step g, or it      rank p (late, or waiting)
+    saw a peer behind with CLOSED < 0)    -------------------------
+    ------------------------------------  gen_p := g
+    CLOSED_t := -g; gen_t := g-1          FENCE
+    FENCE                                 sweep 1: wait until each gen_q >= g
+    load every gen_q                      sweep 2: every gen_q >= g again?
+      some gen_q < g: it stands,            yes: the step passes
+        raise CollectiveTimeout             no: wait again (health checks: a
+      all >= g: gen_t := g, CLOSED_t := 0,      peer behind with CLOSED < 0
+        wake the parked, wait on                makes p give up as t did)
 
 Why no rank passes a step that another gave up for good: say ``t`` gave up,
 having seen ``gen_y < g`` after its FENCE, and ``p`` passed. ``p``'s first
@@ -124,8 +133,12 @@ reordered with loads), so it sees ``g-1``, which ``t`` never changes again:
 ``p`` did not pass. When ``y`` is ``p`` itself, ``p``'s FENCE after its own
 publish gives the same order (a store is not delayed past that fence). When
 ``t`` finds every peer arrived, the step stands for everyone: nobody raised,
-and peers that saw ``g-1`` in between wait until ``t`` restores ``g``. A
-withdrawn rank's communicator is broken, so its slots are never written again.
+and peers that saw ``g-1`` in between wait until ``t`` restores ``g`` (one
+that saw ``CLOSED_t < 0`` meanwhile withdraws too, by the same rule, so it
+raises only if its own sweep finds a rank behind: then nobody passes). A rank
+reads a peer's generation before its ``CLOSED`` word and ``t`` writes them in
+the other order, so a withdrawal is always seen with its mark. A withdrawn
+rank's communicator is broken, so its slots are never written again.
 
 Waiting for a peer's generation to reach ``s``::
 
@@ -163,7 +176,7 @@ import os
 import platform
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgspec
 import psutil
@@ -180,7 +193,7 @@ from device_comms.errors import (  # BrokenCommunicator re-exported for older im
     PeerRejectedError,
 )
 from device_comms import futex
-from device_comms.shm_workspace import CLOSED, GEN, PARKED, SIG, ShmWorkspace
+from device_comms.shm_workspace import CALL, CLOSED, GEN, PARKED, SIG, ShmWorkspace
 from device_comms.step_signature import (  # re-exported: the step's signature words
     FAILED,
     KIND_NAMES,
@@ -251,12 +264,16 @@ class StepSync:
         self.timeout = timeout
         self.gen = 0
         self.broken: str | None = None
+        #: The owning group's call counter (see "Call numbers"); None: every call is 0.
+        self.number: Callable[[], int] | None = None
         self._my_line = ws.line(self.me)
         self._peers = [r for r in range(self.size) if r != self.me]
         self._peer_gen = [ws.line(r) + GEN for r in self._peers]
         self._my_gen = self._my_line + GEN
         self._my_sig = (self._my_line + SIG[0], self._my_line + SIG[1])
         self._peer_sig = tuple([(r, ws.line(r) + SIG[p]) for r in self._peers] for p in (0, 1))
+        self._my_call = (self._my_line + CALL[0], self._my_line + CALL[1])
+        self._peer_call = tuple([ws.line(r) + CALL[p] for r in self._peers] for p in (0, 1))
         self._peer_parked = [ws.line(r) + PARKED for r in self._peers]
         self._peer_gen_addr = [(ws.line(r) + GEN, ws.hdr_address + 8 * (ws.line(r) + GEN)) for r in self._peers]
         self._my_parked = self._my_line + PARKED
@@ -311,6 +328,8 @@ class StepSync:
             w = self._my_sig[g & 1]
             hdr[w] = sig_a
             hdr[w + 1] = sig_b
+            number = self.number
+            call = hdr[self._my_call[g & 1]] = 0 if number is None else number()
         fenced = not (plain_stores and _TSO)
         if fenced:
             _acquire()  # FENCE: data and signature before the generation
@@ -341,6 +360,10 @@ class StepSync:
             for r, w in self._peer_sig[g & 1]:
                 if hdr[w] != sig_a or hdr[w + 1] != sig_b:
                     self._disagree(op, g, sig_a, sig_b)
+                    break
+            for w in self._peer_call[g & 1]:
+                if hdr[w] != call:
+                    self._out_of_step(op, g, sig_a, call)
                     break
         return g & 1
 
@@ -387,6 +410,20 @@ class StepSync:
         slot = self.ws.slot(self.next_parity, self.me, torch.uint8)
         slot[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.step(op, FAILED, len(data), True)
+
+    def abandon(self, op: str, why: str) -> None:
+        """This rank left ``op`` partway (``why``): break and tell the peers.
+
+        Peers waiting for this rank's next step find ``CLOSED < 0`` and raise
+        (as for a rank that gave up after its timeout), instead of taking its
+        next call's steps for the rest of this one."""
+        if self.broken is None:
+            self.broken = (f"an earlier call ({op}) was interrupted partway ({why}); this "
+                           f"communicator cannot be used any more")
+        try:
+            self.hdr[self._my_line + CLOSED] = -(self.gen + 1)
+        except (ValueError, TypeError):  # already released
+            pass
 
     def close(self) -> None:
         """Tell peers this rank left (they stop waiting on it with an error).
@@ -455,11 +492,10 @@ class StepSync:
 
     def _check_health(self, g: int, op: str, waited: float) -> None:
         behind = self._behind(g)
+        line = self.ws.line
         for r in behind:
             rank, pid = self.group_ranks[r], self.pids[r]
-            if self.hdr[self.ws.line(r) + CLOSED] < 0:
-                self._fail(self._peer_gave_up(op, g, behind))
-            if self.hdr[self.ws.line(r) + CLOSED]:
+            if self.hdr[line(r) + CLOSED] > 0:
                 self._fail(PeerDiedError(
                     f"group {self.name!r}, op {op}: peer rank {rank} (pid {pid}) destroyed its "
                     f"communicator while this rank (rank {self.group_ranks[self.me]}) waited "
@@ -473,51 +509,54 @@ class StepSync:
                     f"shared-memory engine; the communicator cannot be used any more",
                     queue=self.name, peers=(rank,),
                 ))
-        if self.timeout is not None and waited > self.timeout:
+        gave_up = any(self.hdr[line(r) + CLOSED] < 0 for r in behind)
+        if gave_up or (self.timeout is not None and waited > self.timeout):
             behind = self._give_up(g)
-            if not behind:
-                return  # every peer arrived at the deadline: the step stands
-            ranks = [self.group_ranks[r] for r in behind]
-            self._fail(CollectiveTimeout(
-                f"group {self.name!r}, op {op}: rank(s) {ranks} did not reach step {g} within "
-                f"{self.timeout:.1f}s (this is rank {self.group_ranks[self.me]}); check that "
-                f"every rank calls the same collectives in the same order",
-                queue=self.name, peers=ranks,
-            ))
+            if behind:
+                self._fail(self._timeout_error(op, g, behind))
+            # else every peer arrived at the deadline: the step stands, the wait goes on
 
     def _give_up(self, g: int) -> list[int]:
-        """Withdraw this rank's step ``g`` after its timeout (see "Giving up on a step").
+        """Withdraw this rank's step ``g`` (see "Giving up on a step").
 
         Returns:
-            The local ranks still behind after the withdrawal: then it stands
-            (recorded as ``CLOSED = -g``). Empty: every peer had arrived, the
-            step is published again and the wait goes on.
+            The local ranks still behind after the withdrawal: then it stands.
+            Empty: every peer had arrived, the step is published again and the
+            wait goes on.
         """
-        hdr = self.hdr
+        hdr, closed = self.hdr, self._my_line + CLOSED
+        hdr[closed] = -g  # before the withdrawal: who sees the one sees the other
         hdr[self._my_gen] = g - 1
         _acquire()  # FENCE: the withdrawal before loading the peers' generations (Dekker)
         _release()
         behind = self._behind(g)
         if behind:
-            hdr[self._my_line + CLOSED] = -g
             self.gen = g - 1
             return behind
         hdr[self._my_gen] = g
+        hdr[closed] = 0
         if self._parking:
             futex.futex_wake(self._my_gen_addr)
         return []
 
-    def _peer_gave_up(self, op: str, g: int, behind: list[int]) -> CollectiveTimeout:
-        """The error of a rank that finds peers withdrawn from step ``g`` after their timeout."""
-        line, hdr = self.ws.line, self.hdr
+    def _timeout_error(self, op: str, g: int, behind: list[int]) -> CollectiveTimeout:
+        """This rank gives up on step ``g``: the ranks that never came, and those that
+        gave up before it (their timeout ran out, or their call was interrupted)."""
+        line, hdr, me = self.ws.line, self.hdr, self.group_ranks[self.me]
         quit_ = [self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] < 0]
-        missing = [self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] == 0]
-        also = f"; rank(s) {missing} have not arrived either" if missing else ""
+        missing = [self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] >= 0]
+        wait = "" if self.timeout is None else f" within {self.timeout:.1f}s"
+        parts = []
+        if missing:
+            parts.append(f"rank(s) {missing} did not reach step {g}{wait}")
+        if quit_:
+            parts.append(f"rank(s) {quit_} gave up on this call (step {g}): their timeout ran "
+                         f"out waiting for ranks that had not arrived, or their call was "
+                         f"interrupted")
         return CollectiveTimeout(
-            f"group {self.name!r}, op {op}: rank(s) {quit_} gave up on this call (step {g}) "
-            f"after their timeout, waiting for ranks that had not arrived (this is rank "
-            f"{self.group_ranks[self.me]}){also}; every rank must reach each collective within "
-            f"the group's timeout",
+            f"group {self.name!r}, op {op}: {'; '.join(parts)} (this is rank {me}); check that "
+            f"every rank calls the same collectives in the same order, each within the "
+            f"group's timeout",
             queue=self.name, peers=missing or quit_,
         )
 
@@ -542,6 +581,23 @@ class StepSync:
         for r, w in self._peer_sig[p]:
             if hdr[w] != a or hdr[w + 1] != b:
                 self._mismatch(op, r, a, b, hdr[w], hdr[w + 1], self._calls(p, a, b))
+
+    def _out_of_step(self, op: str, g: int, a: int, call: int) -> None:
+        """Same call, but some peer made it as another of the group's calls: raise."""
+        if a == REJECTED or a == FAILED:
+            return  # this rank raises its own error
+        hdr, p = self.hdr, g & 1
+        others = sorted({(int(hdr[c]), self.group_ranks[r])
+                         for (r, _), c in zip(self._peer_sig[p], self._peer_call[p])
+                         if hdr[c] != call})
+        raise CollectiveMismatch(
+            f"group {self.name!r}, op {op}: this rank (rank {self.group_ranks[self.me]}) made "
+            f"it as the group's call #{call} but "
+            + ", ".join(f"rank {r} as call #{c}" for c, r in others)
+            + "; the ranks are out of step (a rank skipped or added a collective call, "
+            "or an earlier call failed on some ranks only)",
+            queue=self.name, peers=tuple(r for _, r in others),
+        )
 
     def _calls(self, p: int, a: int, b: int) -> list[tuple[int, int, list[int]]]:
         """Every local rank's signature of the step of parity ``p``, as ``(sig_a, sig_b,

@@ -44,6 +44,7 @@ __all__ = [
     "SIG",
     "PID",
     "PARKED",
+    "CALL",
     "ShmWorkspace",
     "WorkspacePlan",
     "open_workspace",
@@ -54,9 +55,10 @@ __all__ = [
 ]
 
 SEGMENT_KIND = "cpucomm"
-LINE_WORDS = 8  # int64 words per rank line (64 bytes)
+LINE_WORDS = 16  # int64 words per rank line (128 bytes: two cache lines)
 GEN, CLOSED, PID, PARKED = 0, 1, 6, 7
 SIG = (2, 4)  # word of (sigA, sigB) for buffer parity 0 and 1
+CALL = (8, 9)  # word of the group's call number for buffer parity 0 and 1
 _PAGE = 4096
 
 

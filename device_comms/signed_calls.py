@@ -51,6 +51,7 @@ class SignedCalls:
     """
 
     device_group: dist.ProcessGroup
+    _call_number: Any
     unique_name: str
     rank_in_group: int
     world_size: int
@@ -121,8 +122,7 @@ class SignedCalls:
         """
         self._prologue(op, header, None)
         env = self._envelopes()
-        self._seq += 1
-        header[2] = self._seq
+        header[2] = self._next_seq()
         env.exchange(header, payload)
         self._settle(op, env, header, env.peers)
 
@@ -131,10 +131,16 @@ class SignedCalls:
         if self._prologue(op, None, reason):
             return
         env = self._envelopes()
-        self._seq += 1
-        h = self._failure(op, self._seq)
+        h = self._failure(op, self._next_seq())
         env.exchange(h, reason_bytes(reason))
         self._settle(op, env, h, env.peers)
+
+    def _next_seq(self) -> int:
+        """The number of the next collective: the group's, when the group numbers
+        its calls (:meth:`~device_comms.base.DeviceCommunicator.number_calls`)."""
+        self._seq += 1
+        number = self._call_number
+        return self._seq if number is None else number()
 
     def _p2p_call(
         self,

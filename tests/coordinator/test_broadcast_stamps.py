@@ -8,6 +8,8 @@ fault matrix: tests/faults/test_fault_matrix.py, ``skip`` / ``other-op`` of
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -88,3 +90,39 @@ def test_a_receiver_of_another_broadcast_raises_naming_both_calls(
         names = {"tensor_dict": "broadcast_tensor_dict", "meta_only_dict": "broadcast_tensor_dict",
                  "object": "broadcast_object", "object_list": "broadcast_object_list"}
         assert names[source_op] in results[rank][1] and names[reader_op] in results[rank][1]
+
+
+def late_writer(rank: int, world_size: int) -> list[str]:
+    """The queue's writer is late for one broadcast (past the readers' timeout);
+    the readers raise there, and the broadcasts after it are right again."""
+    from coordinator import GroupCoordinator
+    from coordinator.errors import GroupCoordError
+
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, True,
+                         group_name="late-writer", timeout=1.0)
+    out = []
+    try:
+        for step in range(4):
+            if rank == 0 and step == 1:
+                time.sleep(1.5)
+            try:
+                got = g.broadcast_tensor_dict({"step": step} if rank == 0 else None, 0)
+                out.append("ok" if got == {"step": step} else f"WRONG {got}")
+            except GroupCoordError as e:
+                out.append(type(e).__name__)
+            total = g.all_reduce(torch.ones(2))
+            out.append("ok" if torch.equal(total, torch.full((2,), float(world_size))) else "WRONG")
+        return out
+    finally:
+        g.barrier(timeout=30)
+        g.destroy()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_readers_that_timed_out_on_a_late_writer_read_the_next_broadcasts(
+        dist_pool, world_size: int) -> None:
+    outs = dist_pool(world_size).run(late_writer)
+    assert outs[0] == ["ok"] * 8, outs
+    for o in outs[1:]:
+        assert o == ["ok", "ok", "CommTimeout", "ok", "ok", "ok", "ok", "ok"], outs

@@ -312,3 +312,35 @@ def test_a_bad_queue_creation_argument_on_one_rank_does_not_strand_the_others(
         dist_pool: Any, case: str, world_size: int) -> None:
     results = dist_pool(world_size).run(bad_queue_creation_rank, case, timeout=100)
     assert results == [[]] * world_size, results
+
+
+def bad_send_to_a_busy_rank(rank: int, world_size: int, op: str) -> str:
+    """Rank 0's send/recv has a bad argument while rank 1 is busy elsewhere (it
+    never makes the matching call): rank 0 must still raise its own error."""
+    from coordinator import GroupCoordinator
+
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, False,
+                         group_name=f"busy-{op}", timeout=1.0)
+    try:
+        if rank != 0:
+            time.sleep(1.6)
+            return "busy"
+        t0 = time.monotonic()
+        try:
+            if op == "send":
+                g.send([1.0, 2.0], 1)  # type: ignore[arg-type]
+            else:
+                g.recv("ab", torch.float32, 1)  # type: ignore[arg-type]
+            return "returned"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return f"{type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}"
+    finally:
+        g.destroy()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["send", "recv"])
+def test_a_bad_point_to_point_argument_raises_its_own_error_when_the_peer_is_busy(
+        dist_pool, op: str) -> None:
+    res = dist_pool(2).run(bad_send_to_a_busy_rank, op)[0]
+    assert res.startswith("TypeError"), res

@@ -380,3 +380,11 @@ def run_wrappers(rank: int, world_size: int) -> list[str]:
     expect_raises("patch/type", TypeError,
                   lambda: ps.patch_tensor_parallel_group(world.cpu_group).__enter__(), "group")
     return ["wrappers"]
+
+
+@pytest.mark.parametrize("device,error", [("nonsense", ValueError), (3.5, TypeError),
+                                          (["cpu"], TypeError)])
+def test_graph_capture_names_a_bad_device(device: object, error: type) -> None:
+    with pytest.raises(error, match="device"):
+        with ps.graph_capture(device):  # type: ignore[arg-type]
+            pass

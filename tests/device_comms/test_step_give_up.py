@@ -121,3 +121,55 @@ def test_ranks_agree_on_a_step_reached_at_the_deadline(dist_pool) -> None:
     a, b = dist_pool(2).run(punctual_at_the_deadline)
     assert a["results"] == b["results"], (a, b)
     assert "WRONG" not in a["results"]
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def interrupted_rank(rank: int, world_size: int, numel: int) -> dict[str, Any]:
+    """The last rank's all_reduce is interrupted (a signal handler raises) while
+    it waits for the others; it goes on with its next call, as an application
+    that caught the exception would. Nobody may return a wrong sum."""
+    import signal
+
+    from coordinator.errors import GroupCoordError
+
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"),
+                           unique_name=f"interrupt-{numel}", timeout=2.0,
+                           workspace_bytes=1 << 20)
+    total = sum(r + 1 for r in range(world_size))
+    out: dict[str, Any] = {"rank": rank, "calls": []}
+    saved = signal.getsignal(signal.SIGALRM)
+    try:
+        comm.all_reduce(torch.ones(4))
+        dist.barrier()
+        if rank == world_size - 1:
+            def _raise(*_: Any) -> None:
+                raise _Interrupted("interrupted by the application")
+            signal.signal(signal.SIGALRM, _raise)
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+        else:
+            time.sleep(0.5)
+        for scale in (1.0, 1000.0):
+            try:
+                got = comm.all_reduce(torch.full((numel,), scale * (rank + 1)))
+                ok = torch.equal(got, torch.full((numel,), scale * total))
+                out["calls"].append("ok" if ok else "WRONG")
+            except (GroupCoordError, _Interrupted) as e:
+                out["calls"].append(type(e).__name__)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, saved)
+        dist.barrier()
+        comm.destroy()
+    return out
+
+
+@pytest.mark.parametrize("numel", [8, 600_000], ids=["one-step", "pieces"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_interrupted_call_breaks_the_communicator_not_the_results(
+        dist_pool, world_size: int, numel: int) -> None:
+    outs = dist_pool(world_size).run(interrupted_rank, numel)
+    assert all("WRONG" not in o["calls"] for o in outs), outs
+    assert outs[-1]["calls"] == ["_Interrupted", "BrokenCommunicator"], outs

@@ -43,9 +43,10 @@ Per fault (``who`` below is the set the error's ``peers`` must equal):
     completes a recovery step with right answers;
   * the TP broadcaster (one-way: the writer returns before its readers read),
     culprit a reader: the writer and the other readers complete the
-    broadcast. ``skip``: the culprit's follow-up pairs with theirs, no error
-    in the step, and the culprit raises :class:`CollectiveMismatch` naming the
-    writer at its next broadcast (recovery step) instead of returning the
+    broadcast. ``skip``: the culprit is now one collective call behind the
+    group, so its follow-up (its call ``#n``) meets theirs (``#n+1``): every
+    rank raises :class:`CollectiveMismatch` there (partners name the culprit),
+    and the culprit's next broadcast raises too instead of returning the
     skipped call's message; ``other-op``: the culprit's other op meets their
     follow-up, every rank raises :class:`CollectiveMismatch` there, and the
     culprit's next broadcast raises too. Culprit the writer: the readers time
@@ -121,7 +122,7 @@ def expect(spec: dict[str, Any], rank: int) -> Expect:
     pair = frozenset({culprit} | ({partner} if partner is not None else set()))
     if role == "culprit":
         if op.route == "mq" and fault == "skip" and culprit != 0:
-            return Expect(None, recovery_raises="CollectiveMismatch")
+            return Expect("CollectiveMismatch", recovery_raises="CollectiveMismatch")
         return Expect("GroupCoordError",
                       recovery_raises="CollectiveMismatch" if op.route == "mq" and culprit != 0
                       else None)
@@ -133,8 +134,7 @@ def expect(spec: dict[str, Any], rank: int) -> Expect:
     if op.route == "mq":
         if culprit == op_writer(op):
             return Expect("CommTimeout", who=c)
-        return Expect(None if fault == "skip" else "CollectiveMismatch",
-                      who=None if fault == "skip" else c)
+        return Expect("CollectiveMismatch", who=c)
     if op.route == "barrier":
         return Expect("CommTimeout", must_name=c, who=c if rank == 0 else None)
     if op.name == "broadcast_object_list" and fault == "shape":
