@@ -186,19 +186,17 @@ from device_comms.errors import (  # BrokenCommunicator re-exported for older im
     BrokenCommunicator,
     CollectiveMismatch,
     CollectiveTimeout,
-    DecodeError,
     DeviceCommError,
     GroupCoordError,
     PeerDiedError,
     PeerRejectedError,
 )
-from device_comms import futex
+from device_comms import futex, step_errors
 from device_comms.shm_workspace import CALL, CLOSED, GEN, PARKED, SIG, ShmWorkspace
 from device_comms.step_signature import (  # re-exported: the step's signature words
     FAILED,
     KIND_NAMES,
     REJECTED,
-    describe_signature,
     dtype_code,
     dtype_of,
     op_of,
@@ -272,8 +270,6 @@ class StepSync:
         self._my_gen = self._my_line + GEN
         self._my_sig = (self._my_line + SIG[0], self._my_line + SIG[1])
         self._peer_sig = tuple([(r, ws.line(r) + SIG[p]) for r in self._peers] for p in (0, 1))
-        self._my_call = (self._my_line + CALL[0], self._my_line + CALL[1])
-        self._peer_call = tuple([ws.line(r) + CALL[p] for r in self._peers] for p in (0, 1))
         self._peer_parked = [ws.line(r) + PARKED for r in self._peers]
         self._peer_gen_addr = [(ws.line(r) + GEN, ws.hdr_address + 8 * (ws.line(r) + GEN)) for r in self._peers]
         self._my_parked = self._my_line + PARKED
@@ -329,7 +325,7 @@ class StepSync:
             hdr[w] = sig_a
             hdr[w + 1] = sig_b
             number = self.number
-            call = hdr[self._my_call[g & 1]] = 0 if number is None else number()
+            call = hdr[w + CALL] = 0 if number is None else number()
         fenced = not (plain_stores and _TSO)
         if fenced:
             _acquire()  # FENCE: data and signature before the generation
@@ -358,11 +354,8 @@ class StepSync:
             _release()
         if check:
             for r, w in self._peer_sig[g & 1]:
-                if hdr[w] != sig_a or hdr[w + 1] != sig_b:
+                if hdr[w] != sig_a or hdr[w + 1] != sig_b or hdr[w + CALL] != call:
                     self._disagree(op, g, sig_a, sig_b)
-                    break
-            for w in self._peer_call[g & 1]:
-                if hdr[w] != call:
                     self._out_of_step(op, g, sig_a, call)
                     break
         return g & 1
@@ -444,8 +437,11 @@ class StepSync:
         hdr, peers = self.hdr, self._peer_gen
         while True:
             next_health = self._wait_each(g, op, start, next_health)
-            if all(hdr[idx] >= g for idx in peers):
-                return  # a sweep after every peer was seen: see "Giving up on a step"
+            for idx in peers:  # a sweep after every peer was seen: see "Giving up on a step"
+                if hdr[idx] < g:
+                    break
+            else:
+                return
 
     def _wait_each(self, g: int, op: str, start: float, next_health: float) -> float:
         """Wait until each peer in turn is seen at generation ``g`` or later.
@@ -542,23 +538,11 @@ class StepSync:
     def _timeout_error(self, op: str, g: int, behind: list[int]) -> CollectiveTimeout:
         """This rank gives up on step ``g``: the ranks that never came, and those that
         gave up before it (their timeout ran out, or their call was interrupted)."""
-        line, hdr, me = self.ws.line, self.hdr, self.group_ranks[self.me]
-        quit_ = [self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] < 0]
-        missing = [self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] >= 0]
-        wait = "" if self.timeout is None else f" within {self.timeout:.1f}s"
-        parts = []
-        if missing:
-            parts.append(f"rank(s) {missing} did not reach step {g}{wait}")
-        if quit_:
-            parts.append(f"rank(s) {quit_} gave up on this call (step {g}): their timeout ran "
-                         f"out waiting for ranks that had not arrived, or their call was "
-                         f"interrupted")
-        return CollectiveTimeout(
-            f"group {self.name!r}, op {op}: {'; '.join(parts)} (this is rank {me}); check that "
-            f"every rank calls the same collectives in the same order, each within the "
-            f"group's timeout",
-            queue=self.name, peers=missing or quit_,
-        )
+        line, hdr = self.ws.line, self.hdr
+        return step_errors.timeout(
+            self.name, op, g, self.group_ranks[self.me], self.timeout,
+            missing=[self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] >= 0],
+            quit_=[self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] < 0])
 
     def _fail(self, e: DeviceCommError) -> None:
         self.broken = f"an earlier error left this communicator unusable: {e}"
@@ -587,17 +571,9 @@ class StepSync:
         if a == REJECTED or a == FAILED:
             return  # this rank raises its own error
         hdr, p = self.hdr, g & 1
-        others = sorted({(int(hdr[c]), self.group_ranks[r])
-                         for (r, _), c in zip(self._peer_sig[p], self._peer_call[p])
-                         if hdr[c] != call})
-        raise CollectiveMismatch(
-            f"group {self.name!r}, op {op}: this rank (rank {self.group_ranks[self.me]}) made "
-            f"it as the group's call #{call} but "
-            + ", ".join(f"rank {r} as call #{c}" for c, r in others)
-            + "; the ranks are out of step (a rank skipped or added a collective call, "
-            "or an earlier call failed on some ranks only)",
-            queue=self.name, peers=tuple(r for _, r in others),
-        )
+        others = sorted({(int(hdr[w + CALL]), self.group_ranks[r])
+                         for r, w in self._peer_sig[p] if hdr[w + CALL] != call})
+        raise step_errors.out_of_step(self.name, op, self.group_ranks[self.me], call, others)
 
     def _calls(self, p: int, a: int, b: int) -> list[tuple[int, int, list[int]]]:
         """Every local rank's signature of the step of parity ``p``, as ``(sig_a, sig_b,
@@ -610,36 +586,14 @@ class StepSync:
 
     def _relayed(self, op: str, r: int, raw: bytes) -> GroupCoordError:
         """The error local rank ``r`` relayed with :meth:`relay`, to raise here."""
-        try:
-            kind, culprit, text, peers = msgspec.msgpack.decode(
-                raw, type=tuple[str, int, str, list[int]])
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return DecodeError(
-                f"group {self.name!r}, op {op}: rank {self.group_ranks[r]} relayed an error "
-                f"that does not decode ({e})", queue=self.name, peers=(self.group_ranks[r],))
-        if kind == "rejected":
-            return PeerRejectedError(self.name, op, culprit, text)
-        if kind == "timeout":
-            return CollectiveTimeout(text, queue=self.name, peers=peers)
-        if kind == "closed":  # a connection closed: death suspected, not seen
-            died = PeerDiedError(text, queue=self.name, peers=peers)
-            died.suspected = True  # type: ignore[attr-defined]
-            return died
-        return CollectiveMismatch(text, queue=self.name, peers=tuple(peers) or (culprit,))
+        return step_errors.relayed(self.name, op, self.group_ranks[r], raw)
 
     def _mismatch(self, op: str, r: int, a: int, b: int, pa: int, pb: int,
                   calls: list[tuple[int, int, list[int]]]) -> None:
         """Raise the mismatch with local rank ``r``; ``calls`` (every local rank's call)
         goes with it as ``error.calls``, for a node leader to pass on."""
-        error = CollectiveMismatch(
-            f"group {self.name!r}, op {op}: rank {self.group_ranks[self.me]} called "
-            f"{describe_signature(a, b)} but rank {self.group_ranks[r]} called "
-            f"{describe_signature(pa, pb)} at the same point; every rank must call the same "
-            f"collective with the same dtype, size, op and root",
-            queue=self.name, peers=(self.group_ranks[r],),
-        )
-        error.calls = calls  # type: ignore[attr-defined]
-        raise error
+        raise step_errors.mismatch(self.name, op, self.group_ranks[self.me],
+                                   self.group_ranks[r], (a, b), (pa, pb), calls)
 
 
 def _process(pid: int) -> psutil.Process | None:

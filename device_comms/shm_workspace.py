@@ -56,9 +56,9 @@ __all__ = [
 
 SEGMENT_KIND = "cpucomm"
 LINE_WORDS = 16  # int64 words per rank line (128 bytes: two cache lines)
-GEN, CLOSED, PID, PARKED = 0, 1, 6, 7
-SIG = (2, 4)  # word of (sigA, sigB) for buffer parity 0 and 1
-CALL = (8, 9)  # word of the group's call number for buffer parity 0 and 1
+GEN, CLOSED, PID, PARKED = 0, 1, 8, 9
+SIG = (2, 5)  # word of (sigA, sigB, call number) for buffer parity 0 and 1
+CALL = 2  # offset of the group's call number from a parity's SIG word
 _PAGE = 4096
 
 
