@@ -55,6 +55,9 @@ __all__ = [
     "get_pipeline_model_parallel_rank",
     "destroy_model_parallel",
     "destroy_distributed_environment",
+    "cleanup_dist_env_and_memory",
+    "is_global_first_rank",
+    "is_local_first_rank",
     "graph_capture",
     "in_the_same_node_as",
     "patch_tensor_parallel_group",
@@ -380,6 +383,32 @@ def destroy_distributed_environment() -> None:
         dist.destroy_process_group()
 
 
+def cleanup_dist_env_and_memory() -> None:
+    """Tear everything down (as vLLM's function of this name): the model-parallel
+    groups, the world group and torch.distributed, then free cached memory."""
+    import gc
+
+    destroy_distributed_environment()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def is_global_first_rank() -> bool:
+    """Whether this process is rank 0 of the world (True before any initialisation)."""
+    world = REGISTRY.world
+    if world is not None:
+        return world.rank == 0
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def is_local_first_rank() -> bool:
+    """Whether this process is the first rank of its node (its ``local_rank`` is 0;
+    True before any initialisation)."""
+    world = REGISTRY.world
+    return world is None or world.local_rank == 0
+
+
 @contextlib.contextmanager
 def graph_capture(device: torch.device | str | None = None) -> Iterator[GraphCaptureContext]:
     """Enter graph-capture mode on the TP and PP groups (one shared stream).
@@ -455,5 +484,8 @@ def tensor_model_parallel_gather(
 
 
 def broadcast_tensor_dict(tensor_dict: dict[Any, Any] | None = None, src: int = 0) -> dict[Any, Any] | None:
-    """Broadcast a tensor dict over the TP group."""
+    """Broadcast a tensor dict over the TP group; without torch.distributed (one
+    process) the dict itself, as in vLLM."""
+    if REGISTRY.tp is None and not dist.is_initialized():
+        return tensor_dict
     return get_tp_group().broadcast_tensor_dict(tensor_dict, src)

@@ -112,7 +112,6 @@ _GETTERS = {
     "tp_all_gather": (lambda: ps.tensor_model_parallel_all_gather(torch.ones(1)), _MP),
     "tp_reduce_scatter": (lambda: ps.tensor_model_parallel_reduce_scatter(torch.ones(2)), _MP),
     "tp_gather": (lambda: ps.tensor_model_parallel_gather(torch.ones(1)), _MP),
-    "broadcast_tensor_dict": (lambda: ps.broadcast_tensor_dict({"a": 1}), _MP),
     "initialize_model_parallel": (lambda: ps.initialize_model_parallel(1, 1),
                                   "init_distributed_environment"),
     "ensure_model_parallel": (lambda: ps.ensure_model_parallel_initialized(1, 1),
@@ -388,3 +387,27 @@ def test_graph_capture_names_a_bad_device(device: object, error: type) -> None:
     with pytest.raises(error, match="device"):
         with ps.graph_capture(device):  # type: ignore[arg-type]
             pass
+
+
+def test_single_process_helpers_before_any_initialisation() -> None:
+    """vLLM's single-process shortcuts: first ranks, and a dict broadcast to nobody."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() or ps.model_parallel_is_initialized():
+        pytest.skip("this process already belongs to a group")
+    assert ps.is_global_first_rank() and ps.is_local_first_rank()
+    d = {"x": 1}
+    assert ps.broadcast_tensor_dict(d) is d
+    ps.cleanup_dist_env_and_memory()  # nothing to tear down: no error
+
+
+def first_ranks(rank: int, world_size: int) -> tuple[bool, bool, bool]:
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    out = (ps.is_global_first_rank(), ps.is_local_first_rank(), ps.model_parallel_is_initialized())
+    return out
+
+
+def test_first_ranks_across_processes(dist_pool) -> None:
+    outs = dist_pool(3).run(first_ranks)
+    assert [o[0] for o in outs] == [True, False, False], outs
+    assert all(o[2] for o in outs), outs
