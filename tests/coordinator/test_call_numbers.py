@@ -95,7 +95,7 @@ def routed_apart(rank: int, world_size: int, transport: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_rank_that_refused_a_broadcast_never_gets_a_sum_of_other_calls(
         dist_pool, world_size: int, transport: str) -> None:
     outs = dist_pool(world_size).run(bad_source_on_one_rank, transport)
@@ -105,7 +105,7 @@ def test_a_rank_that_refused_a_broadcast_never_gets_a_sum_of_other_calls(
 
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_broadcasts_routed_apart_never_give_a_wrong_sum(dist_pool, world_size: int,
                                                         transport: str) -> None:
     outs = dist_pool(world_size).run(routed_apart, transport)
