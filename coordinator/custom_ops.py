@@ -60,6 +60,8 @@ __all__ = [
     "traced_all_reduce",
     "traced_all_gather",
     "traced_reduce_scatter",
+    "traced_alone",
+    "tracing",
 ]
 
 
@@ -133,6 +135,19 @@ def _reduce_scatter_fake(
 def traced_all_reduce(group: Any, tensor: torch.Tensor) -> torch.Tensor:
     """Call ``groupcoord::all_reduce`` for ``group`` (anything with ``unique_name``)."""
     return torch.ops.groupcoord.all_reduce(tensor, group.unique_name)
+
+
+def tracing() -> bool:
+    """True while torch.compile traces: a group's collectives become these custom
+    ops, opaque graph nodes whose implementation calls back into the eager path."""
+    return torch.compiler.is_compiling()
+
+
+def traced_alone(input_: torch.Tensor, dim: int) -> torch.Tensor:
+    """A world-size-1 gather or scatter under torch.compile: this rank's data (a
+    new tensor, as in eager mode), with ``dim`` checked as in eager mode."""
+    norm_dim(dim, input_.dim())
+    return input_.clone()
 
 
 def traced_all_gather(group: Any, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

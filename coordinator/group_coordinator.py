@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from coordinator import async_p2p, custom_ops, link_tensors
 from coordinator.call_errors import WAIT_ERRORS, CallErrors, peer_rank
+from coordinator.custom_ops import traced_alone as _traced_alone, tracing as _tracing
 from coordinator import group_setup as setup
 from coordinator.async_p2p import RECV, SEND
 from coordinator.monitored_barrier import monitored_barrier
@@ -181,7 +182,7 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
             self.cpu_group, self.device, self.device_group, self.unique_name,
             timeout=None if timeout is None else self.timeout,
         )
-        self.comm.number_calls(self._call_number)
+        self.comm.number_calls(lambda: self.collectives)  # compared with the peers' numbers
         self._cpu_side: DeviceCommunicator | None = None
         #: Collective numbers whose queue message this rank must skip: it
         #: rejected its own arguments to those calls and read nothing.
@@ -561,10 +562,6 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         if r == self.rank_in_group:
             raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
 
-    def _call_number(self) -> int:
-        """This group's collective call number, which its communicators compare."""
-        return self.collectives
-
     def _check_live(self, op: str) -> None:
         if self._destroyed:
             raise NotInitializedError(setup.destroyed_msg(self.unique_name, op))
@@ -599,15 +596,3 @@ def side_stream(device: torch.device) -> Any:
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
 
-
-def _traced_alone(input_: torch.Tensor, dim: int) -> torch.Tensor:
-    """A world-size-1 gather or scatter under torch.compile: this rank's data (a
-    new tensor, as in eager mode), with ``dim`` checked as in eager mode."""
-    validation.norm_dim(dim, input_.dim())
-    return input_.clone()
-
-
-def _tracing() -> bool:
-    """True while torch.compile traces: collectives become ``groupcoord::`` custom ops,
-    opaque graph nodes whose implementation calls back into the eager path."""
-    return torch.compiler.is_compiling()

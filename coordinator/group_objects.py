@@ -175,7 +175,7 @@ class GroupObjectCalls:
             self._cpu_side = TorchDistributedCommunicator(
                 self.cpu_group, torch.device("cpu"), self.cpu_group, self.unique_name,
                 timeout=self.timeout)
-            self._cpu_side.number_calls(self._call_number)
+            self._cpu_side.number_calls(lambda: self.collectives)
         return self._cpu_side
 
     def broadcast_object_list(

@@ -71,14 +71,12 @@ valid ranks leave before any further step. A ``barrier`` (no signature)
 passes a rejected step silently: ranks calling different things at the same
 point is the caller's bug, as with any other mismatch.
 
-Call numbers. Beside the signature, the first step of a call carries the
-owning group's call number (``StepSync.number``, from
-``DeviceCommunicator.number_calls``; 0 on every rank when unset) in a word of
-the same parity, compared after the same wait. Equal signatures at different
-numbers mean the ranks are out of step -- one rank's earlier call never
-reached this engine -- and every rank raises ``CollectiveMismatch`` instead of
-combining one rank's call ``#n`` with another's ``#n+1``. The numbers are not
-realigned afterwards: nobody can tell which rank's sequence is the intended one.
+Call numbers. A call's first step also carries the owning group's call number
+(``StepSync.number``, from ``DeviceCommunicator.number_calls``; else 0) beside
+its signature. Different numbers mean the ranks are out of step (one rank's
+earlier call never reached this engine): every rank raises
+``CollectiveMismatch`` rather than combine one rank's call ``#n`` with
+another's ``#n+1``, and nothing realigns them (no rank knows whose sequence is right).
 
 Relayed errors. A step whose signature is :data:`FAILED` (kind 0xFE) carries
 an error found elsewhere -- a hierarchical communicator's node leader passing
@@ -104,14 +102,13 @@ barrier) are seen by every CPU in the same order (x86 stores are
 multi-copy atomic). The Dekker fence below (a store, then a load) stays on
 every machine. The flag is one aligned 8-byte store/load through a
 ``memoryview`` (a single instruction on x86-64 and ARM64), so it never tears.
-Rank ``r`` writes only its own 64-byte header line, so flags do not falsely
+Rank ``r`` writes only its own 128-byte header line, so flags do not falsely
 share cache lines.
 
-Giving up on a step. A rank whose timeout elapses at step ``g`` must not
-leave a late peer to complete the step without it (the late rank would
-return a result while this one raised). So it first *withdraws* its
-publication, and a step passes only on a sweep of the peers' generations
-that follows one in which every peer was already seen::
+Giving up on a step. A rank whose timeout runs out at step ``g`` must not let
+a late peer complete the step (it would return a result while this one
+raised): it first *withdraws* its publication, and a step passes only on a
+second sweep of the peers' generations after one that saw them all::
 
     rank t (timeout at step g, or it      rank p (late, or waiting)
     saw a peer behind with CLOSED < 0)    -------------------------
@@ -124,21 +121,17 @@ that follows one in which every peer was already seen::
       all >= g: gen_t := g, CLOSED_t := 0,      peer behind with CLOSED < 0
         wake the parked, wait on                makes p give up as t did)
 
-Why no rank passes a step that another gave up for good: say ``t`` gave up,
-having seen ``gen_y < g`` after its FENCE, and ``p`` passed. ``p``'s first
-sweep saw ``gen_y >= g``, so it read after ``y``'s publish, which follows
-``t``'s load (it saw the old value), which follows ``t``'s withdrawal (the
-FENCE). ``p``'s second sweep reads ``gen_t`` later still (loads are not
-reordered with loads), so it sees ``g-1``, which ``t`` never changes again:
-``p`` did not pass. When ``y`` is ``p`` itself, ``p``'s FENCE after its own
-publish gives the same order (a store is not delayed past that fence). When
-``t`` finds every peer arrived, the step stands for everyone: nobody raised,
-and peers that saw ``g-1`` in between wait until ``t`` restores ``g`` (one
-that saw ``CLOSED_t < 0`` meanwhile withdraws too, by the same rule, so it
-raises only if its own sweep finds a rank behind: then nobody passes). A rank
-reads a peer's generation before its ``CLOSED`` word and ``t`` writes them in
-the other order, so a withdrawal is always seen with its mark. A withdrawn
-rank's communicator is broken, so its slots are never written again.
+Why no rank passes a step that ``t`` gave up for good (it saw ``gen_y < g``
+after its FENCE): a passing ``p``'s first sweep saw ``gen_y >= g``, i.e. read
+after ``y``'s publish, which follows ``t``'s load, which follows ``t``'s
+withdrawal; its second sweep reads ``gen_t`` later still (loads keep their
+order), sees ``g-1`` for good, and does not pass. When ``y`` is ``p``, ``p``'s
+own FENCE after publishing gives the same order. When ``t`` finds everyone
+arrived, the step stands: peers that saw ``g-1`` wait until ``t`` restores
+``g``, and one that saw ``CLOSED_t < 0`` withdraws by the same rule (it raises
+only if its sweep finds a rank behind, and then nobody passes). Generations
+are read before ``CLOSED`` words, written after them: a withdrawal is seen
+with its mark. A withdrawn rank's communicator is broken for good.
 
 Waiting for a peer's generation to reach ``s``::
 
@@ -219,14 +212,12 @@ _TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _HEALTH_EVERY = 0.2  # seconds between liveness/timeout checks
 _NAP_AFTER = 0.002  # seconds of waiting after which we sleep instead of yielding
 _NAP = 50e-6
-# Seconds of pure polling before the first sched_yield. Measured on the
-# 2-vCPU development VM under load: every extra microsecond of spinning made
-# an all_reduce about two microseconds slower (the peer often shares the CPU),
-# while on an idle machine a yield with nothing else runnable returns at once.
+# Seconds of pure polling before the first sched_yield. On the 2-vCPU VM under
+# load each extra microsecond of spinning made an all_reduce ~2 us slower (the
+# peer often shares the CPU); on an idle machine a yield returns at once.
 _SPIN_S = 0.0
 _PARK_AFTER = 100e-6  # seconds of polling before sleeping on a futex
 _PARK_MAX = 0.05  # longest single futex sleep (health checks run in between)
-
 _REASON_MAX = 4096  # bytes of the rejection reason passed to the peers
 
 
@@ -377,16 +368,12 @@ class StepSync:
     def relay(self, op: str, error: GroupCoordError) -> None:
         """Take part in a step as a rank that passes on an error found elsewhere.
 
-        A node leader uses this when another node's ranks rejected or
-        mismatched a call its own local ranks agreed on, or when its exchange
-        with the other nodes' leaders failed (a timeout, a closed connection):
-        it writes ``error`` (its kind, culprit ranks and message, as msgpack)
-        into its slot and publishes the step with the :data:`FAILED`
-        signature; the local peers in the step raise the same kind of error
-        naming the same ranks (:class:`PeerRejectedError`,
-        :class:`CollectiveMismatch`, :class:`CollectiveTimeout` for an exchange
-        that timed out, or :class:`PeerDiedError` marked ``suspected`` for one
-        whose connection closed). Returns normally (the caller raises ``error`` itself).
+        A node leader uses this when other nodes' ranks rejected or mismatched
+        a call its own ranks agreed on, or its exchange with the other leaders
+        failed: it writes ``error`` (kind, culprits, message; msgpack) into its
+        slot under the :data:`FAILED` signature, and its local peers raise the
+        same kind of error naming the same ranks (:func:`step_errors.relayed`).
+        Returns normally (the caller raises ``error`` itself).
         """
         peers = [p for p in error.peers if isinstance(p, int) and not isinstance(p, bool)]
         culprit = peers[0] if peers else -1
@@ -604,10 +591,8 @@ def _process(pid: int) -> psutil.Process | None:
 
 
 def _alive(proc: psutil.Process | None) -> bool:
-    if proc is None:
-        return True
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return proc is None or (proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
     except psutil.Error:
