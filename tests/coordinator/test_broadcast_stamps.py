@@ -99,12 +99,12 @@ def late_writer(rank: int, world_size: int) -> list[str]:
     from coordinator.errors import GroupCoordError
 
     g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, True,
-                         group_name="late-writer", timeout=1.0)
+                         group_name="late-writer", timeout=1.5)
     out = []
     try:
         for step in range(4):
-            if rank == 0 and step == 1:
-                time.sleep(1.5)
+            if rank == 0 and step == 1:  # the readers' next all_reduce waits 0.5 s of 1.5
+                time.sleep(2.0)
             try:
                 got = g.broadcast_tensor_dict({"step": step} if rank == 0 else None, 0)
                 out.append("ok" if got == {"step": step} else f"WRONG {got}")
