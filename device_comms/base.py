@@ -563,17 +563,17 @@ class DeviceCommunicator(abc.ABC):
                 return fn(*args)
         except DeviceCommError:
             raise  # raised at a point the transport defines (a step, a header)
-        except RuntimeError as e:
-            self._interrupted(op, e)
+        except RuntimeError as e:  # a backend's failure: translated (the communicator stays as it is)
             raise self._translate(op, e) from e
         except BaseException as e:  # KeyboardInterrupt, a signal handler's exception...
             self._interrupted(op, e)
             raise
 
     def _interrupted(self, op: str, e: BaseException) -> None:
-        """``op`` stopped partway (``e`` escaped its hook). Transports whose peers
-        could otherwise take this rank's next call for the rest of this one
-        override this to break the communicator and tell the peers."""
+        """``op`` stopped partway: ``e`` (not a backend's error) escaped its hook.
+        Transports whose peers could otherwise take this rank's next call for
+        the rest of this one override this to break the communicator and tell
+        the peers."""
 
     def _translate(self, op: str, e: RuntimeError) -> BaseException:
         where = f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size}), op {op}"

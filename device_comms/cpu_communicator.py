@@ -256,7 +256,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         handler's) stopped ``op`` partway: the engine's steps are out of line
         with the peers', so break it and tell them (they raise instead of
         taking this rank's next call for the rest of this one)."""
-        if self._engine is not None and not isinstance(e, RuntimeError):
+        if self._engine is not None:
             self._engine.sync.abandon(op, f"{type(e).__name__}: {e}")
 
     @property
