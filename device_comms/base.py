@@ -563,7 +563,7 @@ class DeviceCommunicator(abc.ABC):
                 return fn(*args)
         except DeviceCommError:
             raise  # raised at a point the transport defines (a step, a header)
-        except RuntimeError as e:  # a backend's failure: translated (the communicator stays as it is)
+        except RuntimeError as e:  # a backend's failure: translated, nothing broken here
             raise self._translate(op, e) from e
         except BaseException as e:  # KeyboardInterrupt, a signal handler's exception...
             self._interrupted(op, e)
