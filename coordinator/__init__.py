@@ -30,11 +30,14 @@ from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
 from coordinator.group_registry import get_group_by_name
 from coordinator.parallel_state import (
     broadcast_tensor_dict,
+    cleanup_dist_env_and_memory,
     destroy_distributed_environment,
     destroy_model_parallel,
     ensure_model_parallel_initialized,
+    get_all_model_groups,
     get_dp_group,
     get_ep_group,
+    get_node_count,
     get_pipeline_model_parallel_rank,
     get_pipeline_model_parallel_world_size,
     get_pp_group,
@@ -45,15 +48,26 @@ from coordinator.parallel_state import (
     graph_capture,
     in_the_same_node_as,
     init_distributed_environment,
+    init_model_parallel_group,
+    init_world_group,
     initialize_model_parallel,
+    is_global_first_rank,
+    is_local_first_rank,
     model_parallel_is_initialized,
     patch_tensor_parallel_group,
+    prepare_communication_buffer_for_model,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
     tensor_model_parallel_gather,
     tensor_model_parallel_reduce_scatter,
 )
 from coordinator.stateless_group import StatelessProcessGroup
+from coordinator.tensor_split import (
+    divide,
+    ensure_divisibility,
+    get_pp_indices,
+    split_tensor_along_last_dim,
+)
 from device_comms import ReduceOp
 
 __all__ = [
@@ -104,4 +118,16 @@ __all__ = [
     "tensor_model_parallel_reduce_scatter",
     "tensor_model_parallel_gather",
     "broadcast_tensor_dict",
+    "cleanup_dist_env_and_memory",
+    "is_global_first_rank",
+    "is_local_first_rank",
+    "init_world_group",
+    "init_model_parallel_group",
+    "get_all_model_groups",
+    "prepare_communication_buffer_for_model",
+    "get_node_count",
+    "divide",
+    "ensure_divisibility",
+    "split_tensor_along_last_dim",
+    "get_pp_indices",
 ]

@@ -43,6 +43,8 @@ class GroupRegistry:
         #: The timeout given to ``init_distributed_environment`` (None: not
         #: given); the model-parallel groups inherit it.
         self.timeout: Any = None
+        #: How many nodes the world group spans (set with the world group).
+        self.node_count: int | None = None
 
     def unique_name(self, base: str) -> str:
         """Return ``base:<n>``, with ``n`` counting the groups created under ``base``."""

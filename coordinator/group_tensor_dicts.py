@@ -89,13 +89,16 @@ class GroupTensorDictCalls:
         dst: int | None = None,
         all_gather_group: "GroupCoordinator | None" = None,
         all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> None:
+    ) -> dict[Any, Any] | None:
         """Send a tensor dict to group rank ``dst`` (default: next rank).
 
         With ``all_gather_group`` (n ranks holding the same tensors), each rank
         sends only its 1/n slice of every tensor whose numel divides by n; the
         receivers rebuild it with an all-gather. ``all_gather_tensors`` maps keys
         to True/False to force or disable that per key.
+
+        Returns:
+            None; in a group of one rank, ``tensor_dict`` itself (as vLLM).
         """
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
@@ -103,11 +106,12 @@ class GroupTensorDictCalls:
         if self.world_size == 1:
             if not isinstance(tensor_dict, Mapping):
                 raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
-            return
+            return tensor_dict  # type: ignore[return-value]
         self._check_peer(dst, "dst")
         self._run("send_tensor_dict", async_p2p.ordered, self, SEND, dst, "send_tensor_dict",
                   tensor_dict_ops.send_tensor_dict, self, tensor_dict, dst,
                   _ag(all_gather_group), all_gather_tensors, partner=dst, p2p=True)
+        return None
 
     def recv_tensor_dict(
         self,

@@ -35,6 +35,14 @@ from coordinator.expert_parallel import ep_group_ranks
 from coordinator.group_setup import check_backend
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
 from coordinator.group_registry import REGISTRY
+from coordinator.model_groups import (
+    count_nodes,
+    get_all_model_groups,
+    get_node_count,
+    init_model_parallel_group,
+    init_world_group,
+    prepare_communication_buffer_for_model,
+)
 from device_comms import ReduceOp
 from shm_broadcast.checks import check_timeout
 from shm_broadcast.timeouts import default_timeout
@@ -66,6 +74,11 @@ __all__ = [
     "tensor_model_parallel_reduce_scatter",
     "tensor_model_parallel_gather",
     "broadcast_tensor_dict",
+    "init_world_group",
+    "init_model_parallel_group",
+    "get_all_model_groups",
+    "prepare_communication_buffer_for_model",
+    "get_node_count",
 ]
 
 
@@ -146,6 +159,7 @@ def init_distributed_environment(
             allow_pickle=allow_pickle,
         )
         REGISTRY.timeout = seconds  # None: each group resolves the default itself
+        REGISTRY.node_count = count_nodes(REGISTRY.world)
     return REGISTRY.world
 
 
@@ -376,22 +390,40 @@ def destroy_distributed_environment() -> None:
     """Destroy the world group and torch.distributed; the process may initialise again."""
     destroy_model_parallel()
     world, REGISTRY.world = REGISTRY.world, None
-    REGISTRY.timeout = None
+    REGISTRY.timeout = REGISTRY.node_count = None
     if world is not None:
         world.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def cleanup_dist_env_and_memory() -> None:
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
     """Tear everything down (as vLLM's function of this name): the model-parallel
-    groups, the world group and torch.distributed, then free cached memory."""
+    groups, the world group and torch.distributed, then free cached memory.
+
+    Args:
+        shutdown_ray: Also shut Ray down, when Ray is installed and running.
+    """
     import gc
+
+    if not isinstance(shutdown_ray, bool):
+        raise TypeError(f"shutdown_ray must be a bool, got {type(shutdown_ray).__name__}")
 
     destroy_distributed_environment()
     gc.collect()
+    if shutdown_ray:
+        _shutdown_ray()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def _shutdown_ray() -> None:
+    """``ray.shutdown()`` when Ray is imported here and running."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def is_global_first_rank() -> bool:
@@ -435,28 +467,28 @@ def graph_capture(device: torch.device | str | None = None) -> Iterator[GraphCap
         caller.wait_stream(stream)  # work queued inside lands before the caller's next
 
 
-def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:
+def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
     """For each rank of ``group``, whether it shares a node (``/dev/shm``) with ``source_rank``.
 
     Args:
-        group: A GroupCoordinator, a torch ProcessGroup or a StatelessProcessGroup.
+        pg: A GroupCoordinator, a torch ProcessGroup or a StatelessProcessGroup.
         source_rank: Group rank to compare with.
     """
     from shm_broadcast.topology import in_the_same_node_as as _same
 
-    if isinstance(group, GroupCoordinator):
-        group = group.cpu_group
-    return _same(group, source_rank)
+    if isinstance(pg, GroupCoordinator):
+        pg = pg.cpu_group
+    return _same(pg, source_rank)
 
 
 @contextlib.contextmanager
-def patch_tensor_parallel_group(group: GroupCoordinator) -> Iterator[GroupCoordinator]:
-    """Temporarily make ``group`` the TP group (e.g. for a draft model)."""
-    if not isinstance(group, GroupCoordinator):
-        raise TypeError(f"group must be a GroupCoordinator, got {type(group).__name__}")
-    old, REGISTRY.tp = REGISTRY.tp, group
+def patch_tensor_parallel_group(tp_group: GroupCoordinator) -> Iterator[GroupCoordinator]:
+    """Temporarily make ``tp_group`` the TP group (e.g. for a draft model)."""
+    if not isinstance(tp_group, GroupCoordinator):
+        raise TypeError(f"tp_group must be a GroupCoordinator, got {type(tp_group).__name__}")
+    old, REGISTRY.tp = REGISTRY.tp, tp_group
     try:
-        yield group
+        yield tp_group
     finally:
         REGISTRY.tp = old
 

@@ -679,7 +679,7 @@ def _single_rank(g: Any, tag: str) -> list[str]:
     d = {"t": x, "s": "str", "n": None}
     got = g.broadcast_tensor_dict(d, 0)
     assert got == d and got["t"] is x
-    assert g.send_tensor_dict(d) is None
+    assert g.send_tensor_dict(d) is d  # as vLLM: a one-rank group hands the dict back
     assert g.recv_tensor_dict() is None
     g.barrier()
     g.barrier(timeout=5.0)

@@ -49,6 +49,7 @@ from coordinator.engine.layers.weights import TPGroup, tp_size_and_rank
 from coordinator.engine.models import attention as _attention  # noqa: F401  (registers the op)
 from coordinator.engine.models.config import LlamaModelConfig
 from coordinator.engine.models.kv_cache import AttentionInputs, KVCache
+from coordinator.tensor_split import pp_layer_ranges
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "partition_layers"]
 
@@ -64,34 +65,15 @@ _STACKED = (
 
 
 def partition_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """``[start, end)`` layer ranges of the ``pp_size`` pipeline stages.
-
-    Same split as vLLM's ``get_pp_indices``: every stage gets
-    ``num_layers // pp_size`` layers and the ``num_layers % pp_size`` extra
-    layers go one each to the stages *before* the last, starting from the
-    second-to-last (the first stage carries the embedding and the last the LM
-    head, so they are kept light). Example: 6 layers over 4 stages is
-    ``1, 2, 2, 1``.
+    """``[start, end)`` layer ranges of the ``pp_size`` pipeline stages: vLLM's
+    ``get_pp_indices`` split (:func:`coordinator.tensor_split.pp_layer_ranges`).
 
     Raises:
         ValueError: Fewer layers than stages (vLLM would leave stages empty).
     """
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size <= 0:
         raise ValueError(f"pipeline-parallel size must be a positive int, got {pp_size!r}")
-    if num_layers < pp_size:
-        raise ValueError(
-            f"cannot split {num_layers} layers over {pp_size} pipeline stages; "
-            f"use a pipeline-parallel size <= num_hidden_layers"
-        )
-    base, extra = divmod(num_layers, pp_size)
-    sizes = [base] * pp_size
-    for i in range(2, extra + 2):
-        sizes[-i] += 1
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, start + size))
-        start += size
-    return out
+    return pp_layer_ranges(num_layers, pp_size)
 
 
 def _sp_pad(num_tokens: int, tp: int) -> int:
