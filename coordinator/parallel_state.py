@@ -104,7 +104,8 @@ def init_distributed_environment(
         world_size: Number of processes; -1 reads ``WORLD_SIZE`` (env://).
         rank: This process's global rank; -1 reads ``RANK`` (env://).
         distributed_init_method: ``env://`` or ``tcp://host:port``.
-        local_rank: Rank on this node; -1 reads ``LOCAL_RANK`` or uses ``rank``.
+        local_rank: Rank on this node; -1 reads ``LOCAL_RANK`` under env://, else
+            uses the global rank.
         backend: Backend of the world group (``gloo``; ``nccl`` for GPUs).
         timeout: Seconds (or a timedelta, ``> 0``) that bounds every wait of
             the world group and, through :func:`initialize_model_parallel`,
@@ -129,6 +130,7 @@ def init_distributed_environment(
     local_rank = _int_arg(local_rank, "local_rank")
     backend = check_backend(backend, "backend")
     _check_init_method(distributed_init_method)
+    env_local_rank = _env_local_rank(distributed_init_method) if local_rank == -1 else None
     seconds = check_timeout(timeout, positive=True)
     if not dist.is_initialized():
         wait_s = default_timeout() if seconds is None else seconds
@@ -147,7 +149,7 @@ def init_distributed_environment(
             f"first to change it"
         )
     if local_rank == -1:
-        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        local_rank = dist.get_rank() if env_local_rank is None else env_local_rank
     if REGISTRY.world is None:
         REGISTRY.world = GroupCoordinator(
             [list(range(dist.get_world_size()))],
@@ -162,6 +164,19 @@ def init_distributed_environment(
         REGISTRY.node_count = count_nodes(REGISTRY.world)
     return REGISTRY.world
 
+
+
+def _env_local_rank(method: str) -> int | None:
+    """``LOCAL_RANK`` under env:// (a launcher set it); None elsewhere, where the
+    global rank stands in (one node), as in vLLM."""
+    text = os.environ.get("LOCAL_RANK")
+    if not method.startswith("env://") or text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"the LOCAL_RANK environment variable must be an int, got "
+                         f"{text!r}") from None
 
 
 def _check_init_method(method: Any) -> None:

@@ -56,6 +56,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from types import FrameType
 
@@ -69,6 +70,7 @@ __all__ = ["EXIT_SIGNALS", "add_segment", "discard_segment", "add_dir", "discard
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 _REAPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 _SH = "/bin/sh"
+_FIND_S = 2.0  # how long reaper_pid() looks for a just-started detached reaper
 
 
 class _ReaperLink:
@@ -200,11 +202,23 @@ class ExitCleanup:
                 self.discard("d", p)
 
     def reaper_pid(self) -> int | None:
-        """Pid of this process's reaper (None before the first registration)."""
+        """Pid of this process's reaper (None before the first registration).
+
+        A detached reaper is found by its command line, which it has once its
+        shell's fork has exec'd Python: a moment after the start, so the search
+        retries for up to ``_FIND_S``.
+        """
         link = self._link
         if link is None:
             return None
-        return link.child_pid if link.child_pid is not None else _find_reaper(os.getpid())
+        if link.child_pid is not None:
+            return link.child_pid
+        deadline = time.monotonic() + _FIND_S
+        while True:
+            pid = _find_reaper(os.getpid())
+            if pid is not None or time.monotonic() > deadline:
+                return pid
+            time.sleep(0.005)
 
     # ------------------------------------------------------------ reaper
     def _tell(self, line: str) -> None:

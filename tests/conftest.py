@@ -20,6 +20,41 @@ from tests.faults.rig import live_rig_pids
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+#: The longest test files (measured on the 2-core CI machine, ~20-55 s each),
+#: collected first: xdist's ``loadfile`` hands out whole files in collection
+#: order, so long files started early keep the two workers finishing together.
+_LONG_FILES = (
+    "tests/faults/test_fault_matrix.py",
+    "tests/multihost/test_two_hosts.py",
+    "tests/coordinator/test_shm_links.py",
+    "tests/shm_broadcast/test_channel_security.py",
+    "tests/shm_broadcast/test_mq_processes.py",
+    "tests/coordinator/test_group_coordinator.py",
+    "tests/coordinator/test_testing_harness.py",
+    "tests/coordinator/test_errors_and_failures.py",
+    "tests/test_examples.py",
+    "tests/coordinator/test_stateless_security.py",
+    "tests/faults/test_bounded_waits.py",
+    "tests/coordinator/test_async_p2p.py",
+    "tests/shm_broadcast/test_predictive.py",
+    "tests/coordinator/test_demo_cli.py",
+)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two workers; one where a CUDA GPU is visible, so that two GPU
+    test files never share the device (their timings assume it is theirs)."""
+    import torch
+
+    return 1 if torch.cuda.is_available() else 2
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the long files first (a stable sort: the rest keep their order)."""
+    order = {name: i for i, name in enumerate(_LONG_FILES)}
+    items.sort(key=lambda item: order.get(item.nodeid.split("::", 1)[0], len(order)))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the project's sources once, before any rank starts.
 

@@ -160,6 +160,13 @@ def test_init_distributed_environment_bad_arguments(uninitialised, kwargs, exc, 
     assert not dist.is_initialized()
 
 
+def test_a_bad_local_rank_variable_is_named_before_any_setup(uninitialised, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "first")
+    with pytest.raises(ValueError, match="LOCAL_RANK.*'first'"):
+        ps.init_distributed_environment(1, 0, "env://")
+    assert not dist.is_initialized()
+
+
 # ---------------------------------------------------------------------- on the ranks
 _BAD_GROUP_ARGS = {
     "backend-unknown": ({"torch_distributed_backend": "nosuch"}, ValueError,
@@ -288,9 +295,19 @@ def run_reinit_world(rank: int, world_size: int) -> dict[str, Any]:
     expect_raises("world-after-destroy", NotInitializedError, ps.get_world_group,
                   "init_distributed_environment")
     ps.destroy_distributed_environment()  # idempotent
-    g = ps.init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", rank,
-                                        timeout=60.0)
+    # Under tcp:// a stray LOCAL_RANK is not this launch's: the global rank is used.
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "5"
+    try:
+        g = ps.init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}",
+                                            timeout=60.0)
+    finally:
+        if saved is None:
+            del os.environ["LOCAL_RANK"]
+        else:
+            os.environ["LOCAL_RANK"] = saved
     assert g is not old and g is ps.get_world_group() and g.world_size == world_size
+    assert g.local_rank == rank, g.local_rank
     assert g.unique_name != old.unique_name
     total = g.all_reduce(torch.tensor([rank + 1.0])).item()
     assert total == world_size * (world_size + 1) / 2
