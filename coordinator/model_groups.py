@@ -28,22 +28,26 @@ __all__ = [
 
 
 def init_world_group(ranks: Sequence[int], local_rank: int, backend: str, *,
-                     timeout: Any = None, allow_pickle: bool = False) -> GroupCoordinator:
+                     use_device_communicator: bool = False, timeout: Any = None,
+                     allow_pickle: bool = False) -> GroupCoordinator:
     """A group of every rank in ``ranks`` (collective over the default process group).
 
-    It is not registered as the world group: :func:`~coordinator.parallel_state.
-    init_distributed_environment` does that.
+    As vLLM's function of this name, it has no device communicator unless asked
+    (its collectives go through torch.distributed), and it is not registered as
+    the world group: :func:`~coordinator.parallel_state.init_distributed_environment`
+    builds and registers that one.
 
     Args:
         ranks: The global ranks of the group.
         local_rank: This process's rank on its node.
         backend: Backend of the device group.
+        use_device_communicator: Give it the registry's best communicator.
         timeout: Seconds bounding every wait (None: the default).
         allow_pickle: Opt the group in to pickle (trusted peers only).
     """
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
         raise TypeError(f"ranks must be a sequence of ints, got {type(ranks).__name__}")
-    return GroupCoordinator([list(ranks)], local_rank, backend, use_device_communicator=True,
+    return GroupCoordinator([list(ranks)], local_rank, backend, use_device_communicator,
                             group_name="world", timeout=timeout, allow_pickle=allow_pickle)
 
 

@@ -151,7 +151,7 @@ def init_distributed_environment(
     if local_rank == -1:
         local_rank = dist.get_rank() if env_local_rank is None else env_local_rank
     if REGISTRY.world is None:
-        REGISTRY.world = GroupCoordinator(
+        world = GroupCoordinator(
             [list(range(dist.get_world_size()))],
             local_rank,
             backend,
@@ -160,8 +160,13 @@ def init_distributed_environment(
             timeout=seconds,
             allow_pickle=allow_pickle,
         )
+        try:
+            nodes = count_nodes(world)
+        except BaseException:
+            world.destroy()  # registered only whole: a later call starts afresh
+            raise
+        REGISTRY.world, REGISTRY.node_count = world, nodes
         REGISTRY.timeout = seconds  # None: each group resolves the default itself
-        REGISTRY.node_count = count_nodes(REGISTRY.world)
     return REGISTRY.world
 
 
@@ -173,10 +178,13 @@ def _env_local_rank(method: str) -> int | None:
     if not method.startswith("env://") or text is None:
         return None
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise ValueError(f"the LOCAL_RANK environment variable must be an int, got "
-                         f"{text!r}") from None
+        value = -1
+    if value < 0:
+        raise ValueError(f"the LOCAL_RANK environment variable must be an int >= 0, got "
+                         f"{text!r}")
+    return value
 
 
 def _check_init_method(method: Any) -> None:

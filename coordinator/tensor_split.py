@@ -8,6 +8,7 @@ written against that module runs unchanged. Bad input raises ``TypeError`` or
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -16,30 +17,40 @@ __all__ = ["divide", "ensure_divisibility", "split_tensor_along_last_dim", "get_
 
 
 def _count(value: Any, name: str, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    """``value`` as an int (any integer type but bool), at least ``minimum``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:
-    """Check that ``denominator`` divides ``numerator``.
+    """Check that ``denominator`` divides ``numerator`` (a size: ``>= 0``).
 
     Raises:
         TypeError: An argument is not an int.
         ValueError: ``denominator`` is not positive or does not divide ``numerator``.
     """
-    _count(numerator, "numerator", 0)
-    _count(denominator, "denominator", 1)
-    if numerator % denominator:
-        raise ValueError(f"numerator {numerator} is not divisible by denominator {denominator}")
+    _divisible(numerator, denominator)
+
+
+def _divisible(numerator: Any, denominator: Any) -> tuple[int, int]:
+    num = _count(numerator, "numerator", 0)
+    den = _count(denominator, "denominator", 1)
+    if num % den:
+        raise ValueError(f"numerator {num} is not divisible by denominator {den}")
+    return num, den
 
 
 def divide(numerator: int, denominator: int) -> int:
     """``numerator // denominator``, after :func:`ensure_divisibility`."""
-    ensure_divisibility(numerator, denominator)
-    return numerator // denominator
+    num, den = _divisible(numerator, denominator)
+    return num // den
 
 
 def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
@@ -58,39 +69,46 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() == 0:
         raise ValueError("tensor must have at least one dimension, got a 0-d tensor")
-    _count(num_partitions, "num_partitions", 1)
-    last = tensor.size(-1)
-    if last % num_partitions:
-        raise ValueError(f"num_partitions={num_partitions} must divide the last dimension "
+    parts = _count(num_partitions, "num_partitions", 1)
+    if tensor.size(-1) % parts:
+        raise ValueError(f"num_partitions={parts} must divide the last dimension "
                          f"of tensor, got shape {tuple(tensor.shape)}")
-    pieces = torch.split(tensor, last // num_partitions, dim=-1)
+    pieces = torch.tensor_split(tensor, parts, dim=-1)  # ``parts`` pieces, even if empty
     if contiguous_split_chunks:
         return tuple(p.contiguous() for p in pieces)
     return pieces
 
 
-def pp_layer_ranges(num_hidden_layers: int, pp_size: int) -> list[tuple[int, int]]:
+def pp_layer_ranges(num_hidden_layers: int, pp_size: int,
+                    allow_empty: bool = False) -> list[tuple[int, int]]:
     """``[start, end)`` layer ranges of every pipeline stage.
 
     Every stage gets ``num_hidden_layers // pp_size`` layers; the remaining
     ``num_hidden_layers % pp_size`` go one each to the stages before the last,
     starting from the second-to-last (the first stage also carries the
     embedding and the last the LM head). Example: 6 layers over 4 stages are
-    ``1, 2, 2, 1``. This is vLLM's default split.
+    ``1, 2, 2, 1``. This is vLLM's default split (vLLM's
+    ``VLLM_PP_LAYER_PARTITION`` override is not read here).
+
+    Args:
+        num_hidden_layers: Layers of the model.
+        pp_size: Pipeline stages.
+        allow_empty: Give stages no layers when there are fewer layers than
+            stages (as vLLM does), instead of raising.
 
     Raises:
-        ValueError: Fewer layers than stages (a stage would be empty).
+        ValueError: Fewer layers than stages, unless ``allow_empty``.
     """
-    _count(num_hidden_layers, "num_hidden_layers", 0)
-    _count(pp_size, "pp_size", 1)
-    if num_hidden_layers < pp_size:
+    num_hidden_layers = _count(num_hidden_layers, "num_hidden_layers", 0)
+    pp_size = _count(pp_size, "pp_size", 1)
+    if num_hidden_layers < pp_size and not allow_empty:
         raise ValueError(
             f"cannot split {num_hidden_layers} layers over {pp_size} pipeline stages "
             f"(num_hidden_layers={num_hidden_layers}, pp_size={pp_size}); use a "
             f"pipeline-parallel size <= num_hidden_layers")
     base, extra = divmod(num_hidden_layers, pp_size)
     sizes = [base] * pp_size
-    for i in range(2, extra + 2):
+    for i in range(2, extra + 2):  # extra < pp_size: index -pp_size at most
         sizes[-i] += 1
     out, start = [], 0
     for size in sizes:
@@ -102,10 +120,11 @@ def pp_layer_ranges(num_hidden_layers: int, pp_size: int) -> list[tuple[int, int
 def get_pp_indices(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
     """The ``(start, end)`` layers (end exclusive) of pipeline stage ``pp_rank``.
 
-    See :func:`pp_layer_ranges` for the split.
+    See :func:`pp_layer_ranges` for the split; with fewer layers than stages
+    the last stages get none (``start == end``), as in vLLM.
     """
-    _count(pp_size, "pp_size", 1)
-    _count(pp_rank, "pp_rank", 0)
+    pp_size = _count(pp_size, "pp_size", 1)
+    pp_rank = _count(pp_rank, "pp_rank", 0)
     if pp_rank >= pp_size:
         raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}")
-    return pp_layer_ranges(num_hidden_layers, pp_size)[pp_rank]
+    return pp_layer_ranges(num_hidden_layers, pp_size, allow_empty=True)[pp_rank]

@@ -21,8 +21,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 #: The longest test files (measured on the 2-core CI machine, ~20-55 s each),
-#: collected first: xdist's ``loadfile`` hands out whole files in collection
-#: order, so long files started early keep the two workers finishing together.
+#: collected first: with ``--no-loadscope-reorder`` xdist's ``loadfile`` hands
+#: out whole files in collection order, so long files started early keep the
+#: two workers finishing together.
 _LONG_FILES = (
     "tests/faults/test_fault_matrix.py",
     "tests/multihost/test_two_hosts.py",
@@ -41,11 +42,16 @@ _LONG_FILES = (
 )
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist ignores it
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: two workers; one where a CUDA GPU is visible, so that two GPU
-    test files never share the device (their timings assume it is theirs)."""
+    """``-n auto``: ``PYTEST_XDIST_AUTO_NUM_WORKERS`` if set, else two workers; one
+    where a CUDA GPU is visible, so that two GPU test files never share the
+    device (their timings assume it is theirs)."""
     import torch
 
+    text = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if text:
+        return int(text)
     return 1 if torch.cuda.is_available() else 2
 
 

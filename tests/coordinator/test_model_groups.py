@@ -64,11 +64,12 @@ def run_world_and_model_groups(rank: int, world_size: int) -> dict[str, Any]:
     whole = init_world_group(list(range(world_size)), rank, "gloo")
     try:
         out["whole"] = whole.all_reduce(torch.ones(2)).tolist()
+        out["whole_comm"] = whole.device_communicator is None  # vLLM's: torch.distributed
     finally:
         whole.destroy()
     os.environ["GROUPCOORD_NODE_ID"] = f"node{rank // 2}"
-    try:
-        split = init_world_group(range(world_size), rank, "gloo")
+    try:  # the CPU communicator numbers the simulated nodes as it is built
+        split = init_world_group(range(world_size), rank, "gloo", use_device_communicator=True)
     finally:
         del os.environ["GROUPCOORD_NODE_ID"]
     try:
@@ -84,7 +85,7 @@ def test_world_and_model_groups(dist_pool) -> None:
     for out in outs:
         assert out["nodes"] == 1 and out["groups_before"] == [], out
         assert out["groups"] == ["tp", "pp", "dp"] and all(out["same"]), out
-        assert out["whole"] == [4.0, 4.0], out
+        assert out["whole"] == [4.0, 4.0] and out["whole_comm"], out
         assert out["split_nodes"] == 2, out
 
 

@@ -160,9 +160,10 @@ def test_init_distributed_environment_bad_arguments(uninitialised, kwargs, exc, 
     assert not dist.is_initialized()
 
 
-def test_a_bad_local_rank_variable_is_named_before_any_setup(uninitialised, monkeypatch):
-    monkeypatch.setenv("LOCAL_RANK", "first")
-    with pytest.raises(ValueError, match="LOCAL_RANK.*'first'"):
+@pytest.mark.parametrize("value", ["first", "-1", ""])
+def test_a_bad_local_rank_variable_is_named_before_any_setup(uninitialised, monkeypatch, value):
+    monkeypatch.setenv("LOCAL_RANK", value)
+    with pytest.raises(ValueError, match=f"LOCAL_RANK.*'{value}'"):
         ps.init_distributed_environment(1, 0, "env://")
     assert not dist.is_initialized()
 

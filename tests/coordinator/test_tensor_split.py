@@ -75,9 +75,33 @@ def test_pp_indices_documented_example() -> None:
 
 
 @pytest.mark.parametrize("args,error,word", [
-    ((2, 0, 3), ValueError, "cannot split 2 layers over 3"), ((8, 4, 4), ValueError, "pp_rank"),
+    ((8, 4, 4), ValueError, "pp_rank"),
     ((8, -1, 4), ValueError, "pp_rank"), ((8, 0, 0), ValueError, "pp_size"),
     ((8.0, 0, 2), TypeError, "num_hidden_layers"), ((8, "0", 2), TypeError, "pp_rank")])
 def test_pp_indices_bad_input(args: tuple, error: type, word: str) -> None:
     with pytest.raises(error, match=word):
         get_pp_indices(*args)
+
+
+@pytest.mark.parametrize("layers,stages,want", [(3, 4, [1, 1, 1, 0]), (2, 3, [1, 1, 0]),
+                                                (0, 2, [0, 0]), (1, 3, [0, 1, 0])])
+def test_fewer_layers_than_stages_leave_stages_empty_as_in_vllm(layers: int, stages: int,
+                                                               want: list[int]) -> None:
+    ranges = [get_pp_indices(layers, r, stages) for r in range(stages)]
+    assert [e - s for s, e in ranges] == want == _reference_split(layers, stages)
+    assert ranges[-1][1] == layers
+    with pytest.raises(ValueError, match=f"cannot split {layers} layers over {stages}"):
+        pp_layer_ranges(layers, stages)  # a model's own split refuses empty stages
+
+
+def test_integer_types_other_than_int_are_accepted() -> None:
+    import numpy as np
+
+    assert divide(np.int64(8), np.int32(2)) == 4
+    assert get_pp_indices(np.int64(6), 1, 4) == (1, 3)
+    assert len(split_tensor_along_last_dim(torch.zeros(4, 6), np.int64(3))) == 3
+
+
+def test_an_empty_last_dimension_still_gives_every_partition() -> None:
+    pieces = split_tensor_along_last_dim(torch.zeros(2, 0), 3)
+    assert len(pieces) == 3 and all(p.shape == (2, 0) for p in pieces)

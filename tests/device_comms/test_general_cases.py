@@ -22,6 +22,7 @@ from coordinator.testing import run_distributed
 from device_comms import CpuCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms.errors import BrokenCommunicator
 from tests.device_comms import general_cases
+from shm_broadcast.segment import list_segments
 
 
 def _same(a: object, b: object) -> bool:
@@ -192,7 +193,11 @@ def lifecycle(rank: int, n: int) -> dict[str, Any]:
         c.all_reduce(torch.ones(5))
         c.destroy()
     dist.barrier()
-    segs = [s for s in os.listdir("/dev/shm") if s.startswith("gc_cpucomm_")]
+    pids: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    # Only these ranks' segments: other processes (another test worker) may
+    # hold live communicators of their own meanwhile.
+    segs = [s.name for s in list_segments() if s.name.startswith("gc_cpucomm_") and s.pid in pids]
     fds1 = _fds()
     dist.destroy_process_group(pg_a)
     dist.destroy_process_group(pg_b)
