@@ -450,11 +450,13 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         exits: every rank must capture the same collectives). Capture with
         ``torch.cuda.graph(g, stream=ctx.stream)`` inside it.
 
-        On exit the caller's stream waits for the side stream. On CPU it
-        yields a context whose ``stream`` is None. Nests: pass the outer
-        context to reuse its stream.
+        On exit the caller's stream waits for the side stream. On CPU the
+        context's ``stream`` is None. Nests: pass the outer context to reuse it.
         """
         ctx = graph_capture_context
+        if ctx is not None and not isinstance(ctx, GraphCaptureContext):
+            raise TypeError(f"graph_capture_context must be a GraphCaptureContext or None, "
+                            f"got {type(ctx).__name__}")
         owner = ctx is None
         if ctx is None:
             ctx = GraphCaptureContext(side_stream(self.device))

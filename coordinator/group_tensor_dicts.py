@@ -106,11 +106,12 @@ class GroupTensorDictCalls:
         if self.world_size == 1:
             if not isinstance(tensor_dict, Mapping):
                 raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
+            tensor_dict_ops.check_all_gather_group(all_gather_group)
             return tensor_dict  # type: ignore[return-value]
         self._check_peer(dst, "dst")
         self._run("send_tensor_dict", async_p2p.ordered, self, SEND, dst, "send_tensor_dict",
                   tensor_dict_ops.send_tensor_dict, self, tensor_dict, dst,
-                  _ag(all_gather_group), all_gather_tensors, partner=dst, p2p=True)
+                  all_gather_group, all_gather_tensors, partner=dst, p2p=True)
         return None
 
     def recv_tensor_dict(
@@ -132,7 +133,8 @@ class GroupTensorDictCalls:
         self._check_peer(src, "src")
         return self._run("recv_tensor_dict", async_p2p.ordered, self, RECV, src,
                          "recv_tensor_dict", tensor_dict_ops.recv_tensor_dict, self, src,
-                         _ag(all_gather_group), partner=src, p2p=True)
+                         tensor_dict_ops.check_all_gather_group(all_gather_group),
+                         partner=src, p2p=True)
 
     # ------------------------------------------------------------------ asynchronous p2p
     # Handles with wait(timeout=None) / is_completed(); order, errors and closing:
@@ -156,11 +158,3 @@ class GroupTensorDictCalls:
         """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank);
         ``wait()`` returns the dict."""
         return async_p2p.irecv_tensor_dict(self, src)
-
-
-def _ag(group: Any) -> "GroupCoordinator | None":
-    from coordinator.group_coordinator import GroupCoordinator  # the coordinator mixes this in
-
-    if group is None or isinstance(group, GroupCoordinator):
-        return group
-    raise TypeError(f"all_gather_group must be a GroupCoordinator, got {type(group).__name__}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 from typing import Any, Iterator
 
 import torch
@@ -35,6 +34,13 @@ from coordinator.expert_parallel import ep_group_ranks
 from coordinator.group_setup import check_backend
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
 from coordinator.group_registry import REGISTRY
+from coordinator.world_init import (
+    check_init_method,
+    check_local_rank,
+    check_same_world,
+    env_local_rank_of,
+    init_torch_distributed,
+)
 from coordinator.model_groups import (
     count_nodes,
     get_all_model_groups,
@@ -129,25 +135,24 @@ def init_distributed_environment(
     rank = _int_arg(rank, "rank")
     local_rank = _int_arg(local_rank, "local_rank")
     backend = check_backend(backend, "backend")
-    _check_init_method(distributed_init_method)
-    env_local_rank = _env_local_rank(distributed_init_method) if local_rank == -1 else None
+    check_init_method(distributed_init_method)
+    check_local_rank(local_rank)
+    if not isinstance(allow_pickle, bool):
+        raise TypeError(f"allow_pickle must be a bool, got {type(allow_pickle).__name__}")
+    env_local_rank = env_local_rank_of(distributed_init_method) if local_rank == -1 else None
     seconds = check_timeout(timeout, positive=True)
     if not dist.is_initialized():
         wait_s = default_timeout() if seconds is None else seconds
-        _init_torch_distributed(world_size, rank, distributed_init_method, backend,
-                                datetime.timedelta(seconds=wait_s))
+        init_torch_distributed(world_size, rank, distributed_init_method, backend,
+                               datetime.timedelta(seconds=wait_s))
     elif world_size >= 1 and world_size != dist.get_world_size():
         raise ValueError(
             f"torch.distributed is already initialised with world size "
             f"{dist.get_world_size()}, but world_size={world_size} was requested"
         )
     world = REGISTRY.world
-    if world is not None and seconds is not None and seconds != world.timeout:
-        raise ValueError(
-            f"the world group already exists with timeout {world.timeout:g}s, but "
-            f"timeout={seconds:g}s was requested; call destroy_distributed_environment() "
-            f"first to change it"
-        )
+    if world is not None:
+        check_same_world(world, rank, local_rank, seconds, allow_pickle)
     if local_rank == -1:
         local_rank = dist.get_rank() if env_local_rank is None else env_local_rank
     if REGISTRY.world is None:
@@ -170,48 +175,6 @@ def init_distributed_environment(
     return REGISTRY.world
 
 
-
-def _env_local_rank(method: str) -> int | None:
-    """``LOCAL_RANK`` under env:// (a launcher set it); None elsewhere, where the
-    global rank stands in (one node), as in vLLM."""
-    text = os.environ.get("LOCAL_RANK")
-    if not method.startswith("env://") or text is None:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"the LOCAL_RANK environment variable must be an int >= 0, got "
-                         f"{text!r}")
-    return value
-
-
-def _check_init_method(method: Any) -> None:
-    if not isinstance(method, str):
-        raise TypeError(f"distributed_init_method must be a str, got {type(method).__name__}")
-    if "://" not in method:
-        raise ValueError(
-            f"distributed_init_method must be 'env://' or 'tcp://host:port', got {method!r}")
-
-
-def _init_torch_distributed(world_size: int, rank: int, method: str, backend: str,
-                            timeout: datetime.timedelta) -> None:
-    """dist.init_process_group with the arguments the caller gave and the timeout."""
-    if not method.startswith("env://") and (world_size < 1 or rank < 0):
-        raise ValueError(
-            f"{method.split('://')[0]}:// needs world_size >= 1 and "
-            f"rank >= 0, got world_size={world_size}, rank={rank}"
-        )
-    if world_size >= 1 and not 0 <= rank < world_size and rank != -1:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    kwargs: dict[str, Any] = {"backend": backend, "init_method": method}
-    if world_size >= 1:
-        kwargs["world_size"] = world_size
-    if rank >= 0:
-        kwargs["rank"] = rank
-    kwargs["timeout"] = timeout
-    dist.init_process_group(**kwargs)
 
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
@@ -301,11 +264,17 @@ def ensure_model_parallel_initialized(
         ValueError: Existing groups have other sizes, or do (not) have the EP
             group ``enable_expert_parallel`` asks for.
     """
+    sizes = (_int_arg(tensor_model_parallel_size, "tensor_model_parallel_size"),
+             _int_arg(pipeline_model_parallel_size, "pipeline_model_parallel_size"),
+             _int_arg(data_parallel_size, "data_parallel_size"))
+    if enable_expert_parallel is not None and not isinstance(enable_expert_parallel, bool):
+        raise TypeError("enable_expert_parallel must be a bool or None, got "
+                        f"{type(enable_expert_parallel).__name__}")
+    if backend is not None:
+        check_backend(backend, "backend")
     if not model_parallel_is_initialized():
-        initialize_model_parallel(
-            tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size, backend,
-            enable_expert_parallel=bool(enable_expert_parallel),
-        )
+        initialize_model_parallel(*sizes, backend,
+                                  enable_expert_parallel=bool(enable_expert_parallel))
         return
     if enable_expert_parallel is not None and enable_expert_parallel != (REGISTRY.ep is not None):
         have_ep = "has" if REGISTRY.ep is not None else "has no"
@@ -315,7 +284,7 @@ def ensure_model_parallel_initialized(
             f"destroy_model_parallel() first to change that"
         )
     have = (get_tp_group().world_size, get_pp_group().world_size, get_dp_group().world_size)
-    want = (tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size)
+    want = sizes
     if have != want:
         raise ValueError(
             f"model parallel groups exist with (tp, pp, dp) = {have}, but {want} was requested; "

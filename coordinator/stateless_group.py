@@ -224,9 +224,10 @@ class StatelessProcessGroup:
                 one this rank refuses (pickle without ``allow_pickle``).
         """
         self._check_peer(src, "src")
+        deadline = self._deadline(timeout)  # checked before the call takes its number
         key = self._key(f"p2p/{src}->{self.rank}/{self._recv_seq[src]}")
         self._recv_seq[src] += 1
-        data = self._get(key, self._deadline(timeout), "recv_obj", [src])
+        data = self._get(key, deadline, "recv_obj", [src])
         self._delete([key])
         return self._decode(data, src)
 
@@ -234,6 +235,7 @@ class StatelessProcessGroup:
     def broadcast_obj(self, obj: Any | None, src: int, timeout: float | None = None) -> Any:
         """Broadcast ``obj`` from rank ``src``; every rank returns it."""
         _check_in_range(src, self.world_size, "src")
+        deadline = self._deadline(timeout)  # checked (on every rank) before numbering
         seq = self._bcast_seq[src]
         self._bcast_seq[src] += 1
         key = self._key(f"bcast/{src}/{seq}")
@@ -243,7 +245,7 @@ class StatelessProcessGroup:
             else:
                 encode_object(obj, allow_pickle=self.allow_pickle)  # same TypeError as with peers
             return obj
-        data = self._get(key, self._deadline(timeout), "broadcast_obj", [src])
+        data = self._get(key, deadline, "broadcast_obj", [src])
         self._ack_and_clean(key + "/acks", self.world_size - 1, [key])
         return self._decode(data, src)
 

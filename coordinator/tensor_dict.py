@@ -354,6 +354,15 @@ def _bcast_tensor(
 
 
 # ---------------------------------------------------------------------- point to point
+def check_all_gather_group(group: Any) -> "GroupCoordinator | None":
+    """``all_gather_group``: None or a GroupCoordinator."""
+    from coordinator.group_coordinator import GroupCoordinator
+
+    if group is None or isinstance(group, GroupCoordinator):
+        return group
+    raise TypeError(f"all_gather_group must be a GroupCoordinator, got {type(group).__name__}")
+
+
 def send_tensor_dict(
     coord: "GroupCoordinator",
     tensor_dict: Mapping[Any, Any],
@@ -371,6 +380,7 @@ def send_tensor_dict(
     try:
         if not isinstance(tensor_dict, Mapping):
             raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
+        all_gather_group = check_all_gather_group(all_gather_group)
         n = all_gather_group.world_size if all_gather_group is not None else 1
         slicing = _slicing_plan(tensor_dict, n, all_gather_tensors)
         meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n,

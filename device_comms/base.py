@@ -166,6 +166,7 @@ class DeviceCommunicator(abc.ABC):
             except (TypeError, ValueError) as e:
                 self._reject("all_gatherv" if sizes is not None else "all_gather", e)
                 raise
+            self._same_count(len(input_))
             return [self.all_gatherv(x, dim, sizes) for x in input_]
         try:
             t, d, sz = self._check_gatherv(input_, dim, sizes, "input_")
@@ -177,6 +178,20 @@ class DeviceCommunicator(abc.ABC):
         if self.world_size == 1:
             return t.clone()
         return self._guard("all_gatherv", self._all_gatherv, validation.dense(t), d, sz)
+
+    def _same_count(self, n: int) -> None:
+        """Agree that every rank passed a list of ``n`` tensors (one all_gather),
+        so that no rank makes more per-tensor calls than another."""
+        if self.world_size == 1:
+            return
+        counts = self.all_gather(torch.tensor([n], dtype=torch.int64, device=self.device), 0)
+        got = [int(c) for c in counts.tolist()]
+        if len(set(got)) > 1:
+            odd = [r for r, c in enumerate(got) if c != n]
+            raise CollectiveMismatch(
+                f"group {self.unique_name!r}, op all_gatherv: ranks passed lists of {got} "
+                f"tensors (by rank); every rank must pass the same number",
+                queue=self.unique_name, peers=tuple(odd))
 
     def _check_gatherv(
         self, input_: Any, dim: int, sizes: Sequence[int] | None, arg: str

@@ -61,6 +61,11 @@ def check_rank(value: Any, world_size: int, arg: str) -> int:
     return value
 
 
+#: The longest timeout accepted: far beyond any wait, and within what
+#: ``datetime.timedelta`` and torch's millisecond timeouts can hold.
+MAX_TIMEOUT_S = 1e9
+
+
 def check_timeout(value: Any, arg: str = "timeout", default: float | None = None, *,
                   positive: bool = False) -> float | None:
     """Return a timeout in seconds: ``value``, or ``default`` when ``value`` is None.
@@ -71,7 +76,8 @@ def check_timeout(value: Any, arg: str = "timeout", default: float | None = None
 
     Raises:
         TypeError: ``value`` is neither None, a real number nor a timedelta.
-        ValueError: ``value`` is negative, NaN or infinite (or 0 with ``positive``).
+        ValueError: ``value`` is negative, NaN, infinite or above
+            :data:`MAX_TIMEOUT_S` (or 0 with ``positive``).
     """
     if value is None:
         return default
@@ -85,4 +91,7 @@ def check_timeout(value: Any, arg: str = "timeout", default: float | None = None
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         want = "> 0" if positive else ">= 0 (0 polls once)"
         raise ValueError(f"{arg} must be a finite number of seconds {want}, got {value!r}")
+    if value > MAX_TIMEOUT_S:
+        raise ValueError(f"{arg} must be at most {MAX_TIMEOUT_S:g} s (about 31 years; "
+                         f"timedelta and the backends' clocks overflow beyond), got {value!r}")
     return float(value)

@@ -126,6 +126,11 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
         if sends or n == 1 else
         ("send_tensor_dict/not-a-dict", V, lambda: g.recv_tensor_dict(other),
          ("rejected", "tensor_dict must be a dict")),
+        ("send_tensor_dict/all_gather_group", T,
+         lambda: g.send_tensor_dict({"a": x}, other, all_gather_group="tp"), ("all_gather_group",))
+        if sends or n == 1 else
+        ("send_tensor_dict/all_gather_group", V, lambda: g.recv_tensor_dict(other),
+         ("rejected", "all_gather_group must be a GroupCoordinator")),
         ("recv_tensor_dict/range", V, lambda: g.recv_tensor_dict(n), ("src",)),
         ("group_ranks/dup", V, lambda: GroupCoordinator([[0, 0]], 0, "gloo", True), ("group_ranks",)),
         ("group_ranks/range", V, lambda: GroupCoordinator([list(range(n + 1))], 0, "gloo", True), ("group_ranks",)),

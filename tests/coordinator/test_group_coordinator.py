@@ -683,6 +683,8 @@ def _single_rank(g: Any, tag: str) -> list[str]:
     assert g.recv_tensor_dict() is None
     g.barrier()
     g.barrier(timeout=5.0)
+    expect_raises(f"{tag}/graph_capture", TypeError,
+                  lambda: g.graph_capture("x").__enter__(), "graph_capture_context")
     for name, fn in (("send", lambda: g.send(x)), ("recv", lambda: g.recv((2,), torch.float32)),
                      ("send_object", lambda: g.send_object(1, 0)),
                      ("recv_object", lambda: g.recv_object(0))):

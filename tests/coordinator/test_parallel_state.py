@@ -151,12 +151,28 @@ def test_state_queries_and_teardown_before_init(uninitialised):
         ({"timeout": "soon"}, TypeError, "timeout"),
         ({"backend": "nosuch"}, ValueError, "backend must be one of"),
         ({"backend": 5}, TypeError, "backend must be a str"),
+        ({"distributed_init_method": "foo://x"}, ValueError, "distributed_init_method"),
+        ({"distributed_init_method": "file:///nonexistent-dir/x", "world_size": 1, "rank": 0},
+         ValueError, "not an existing directory"),
+        ({"local_rank": -5}, ValueError, "local_rank must be >= 0"),
+        ({"allow_pickle": "yes"}, TypeError, "allow_pickle"),
+        ({"timeout": 1e300}, ValueError, "timeout must be at most"),
     ],
 )
 def test_init_distributed_environment_bad_arguments(uninitialised, kwargs, exc, word):
     with pytest.raises(exc) as info:
         ps.init_distributed_environment(**kwargs)
     assert word in str(info.value)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("rank,size", [("5", "1"), ("-1", "2"), ("0", "zero")])
+def test_env_launcher_variables_out_of_range_are_named_at_once(uninitialised, monkeypatch,
+                                                              rank: str, size: str) -> None:
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", size)
+    with pytest.raises(ValueError, match="RANK|WORLD_SIZE"):
+        ps.init_distributed_environment(timeout=60.0)
     assert not dist.is_initialized()
 
 
@@ -254,6 +270,14 @@ def run_layouts(rank: int, world_size: int, configs: list[tuple[int, int, int]])
         other = (pp, tp, dp) if tp != pp else (tp * dp, pp, 1) if dp > 1 else (1, pp * tp, 1)
         expect_raises("ensure/other-sizes", ValueError,
                       lambda: ps.ensure_model_parallel_initialized(*other), "destroy_model_parallel")
+        for bad, word in (((float(tp), pp), "tensor_model_parallel_size"),
+                          ((tp, pp, dp, 5), "backend"),
+                          ((True, pp), "tensor_model_parallel_size")):
+            expect_raises(f"ensure/bad-{word}", TypeError,
+                          lambda: ps.ensure_model_parallel_initialized(*bad), word)
+        expect_raises("ensure/bad-ep", TypeError,
+                      lambda: ps.ensure_model_parallel_initialized(
+                          tp, pp, dp, enable_expert_parallel="no"), "enable_expert_parallel")
         expect_raises("init-twice", RuntimeError,
                       lambda: ps.initialize_model_parallel(tp, pp, dp), "already")
         ps.destroy_model_parallel()
@@ -316,6 +340,14 @@ def run_reinit_world(rank: int, world_size: int) -> dict[str, Any]:
     assert ps.init_distributed_environment() is g
     expect_raises("init/other-size", ValueError,
                   lambda: ps.init_distributed_environment(world_size + 1), "world_size")
+    # The existing world is handed back only for what it is.
+    expect_raises("init/other-rank", ValueError,
+                  lambda: ps.init_distributed_environment(rank=(rank + 1) % world_size), "rank=")
+    expect_raises("init/other-local-rank", ValueError,
+                  lambda: ps.init_distributed_environment(local_rank=rank + 1), "local_rank=")
+    expect_raises("init/pickle", ValueError,
+                  lambda: ps.init_distributed_environment(allow_pickle=True), "allow_pickle=")
+    assert ps.init_distributed_environment(world_size, rank, local_rank=rank) is g
     ps.initialize_model_parallel(1, world_size)
     assert ps.get_pipeline_model_parallel_world_size() == world_size
     assert ps.get_pipeline_model_parallel_rank() == rank

@@ -19,6 +19,7 @@ def test_stateless_group_collectives(dist_pool, world_size: int) -> None:
     res = dist_pool(world_size).run(exercise, free_port(), free_port(), timeout=90)
     for rank, r in enumerate(res):
         prev = (rank - 1) % world_size
+        assert r["refused"] == ["TypeError", "ValueError"], r["refused"]
         assert r["ring0"] == {"from": prev, "i": 0}
         assert r["ring1"] == {"from": prev, "i": 1}
         assert r["bcast"] == [f"x{s}" for s in range(world_size)]
@@ -68,6 +69,15 @@ def exercise(rank: int, world_size: int, port_a: int, port_b: int) -> dict:
     if rank < 2:
         b = StatelessProcessGroup.create("127.0.0.1", port_b, rank, 2, timeout=30, name="b")
     out: dict = {}
+    # A bad timeout is refused before the call takes a sequence number: the
+    # messages that follow still pair up in order (source and receivers alike).
+    out["refused"] = []
+    for call in (lambda: a.recv_obj(src=(rank - 1) % world_size, timeout="soon"),
+                 lambda: a.broadcast_obj("early" if rank == 0 else None, 0, timeout=-1)):
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            out["refused"].append(type(e).__name__)
     # p2p ring, twice, so sequence numbers advance.
     for i in range(2):
         a.send_obj({"from": rank, "i": i}, dst=(rank + 1) % world_size)

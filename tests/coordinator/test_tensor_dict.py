@@ -260,9 +260,9 @@ def run_send_recv_tensor_dict(rank: int, world_size: int) -> list[str]:
         got = pp.recv_tensor_dict(all_gather_group=tp)
         expect_same_dict("p2p/all-gather/back", got, expected(peer, [2, 3], True))
     done.append("all-gather-back")
-    # 4) forcing a non-divisible tensor, slicing without a group and a non-dict are
-    # refused on the sender, and the receiver is told (PeerRejectedError quoting
-    # the sender's error); a bad group object or dst raises before the call.
+    # 4) forcing a non-divisible tensor, slicing without a group, a bad group object
+    # and a non-dict are refused on the sender, and the receiver is told
+    # (PeerRejectedError quoting the sender's error); a bad dst raises before the call.
     if stage == 0:
         expect_raises("p2p/force-odd", ValueError,
                       lambda: pp.send_tensor_dict({"odd": torch.ones(7)}, 1, tp, {"odd": True}),
@@ -282,6 +282,7 @@ def run_send_recv_tensor_dict(rank: int, world_size: int) -> list[str]:
     else:
         for case, words in (("force-odd", ("rejected", "odd", "7")),
                             ("force-no-group", ("rejected", "no all_gather_group")),
+                            ("bad-group", ("rejected", "all_gather_group must be")),
                             ("not-a-dict", ("rejected", "tensor_dict"))):
             expect_raises(f"p2p/{case}/told", ValueError, lambda: pp.recv_tensor_dict(), *words)
         expect_raises("p2p/src-range", ValueError, lambda: pp.recv_tensor_dict(src=5), "src")

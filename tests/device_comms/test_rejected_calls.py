@@ -144,3 +144,49 @@ def rejected_calls(rank: int, world_size: int) -> dict[str, Any]:
     for comm in comms.values():
         comm.destroy()
     return out
+
+
+# ------------------------------------------- lists of different lengths (all_gatherv)
+def list_lengths(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank ``odd`` passes a shorter list (one tensor, or none); the others two.
+    Before the count was agreed, the short rank returned after its own calls
+    and the others waited for calls it never made."""
+    world = dist.group.WORLD
+    comms = {
+        "shm": CpuCommunicator(world, torch.device("cpu"), unique_name="len-shm"),
+        "gloo": TorchDistributedCommunicator(world, torch.device("cpu"), unique_name="len-gloo"),
+    }
+    out: dict[str, Any] = {}
+    for path, comm in comms.items():
+        for odd in range(world_size):
+            for short in (1, 0):
+                xs = [torch.full((2,), float(rank)) for _ in range(short if rank == odd else 2)]
+                t0 = time.monotonic()
+                try:
+                    comm.all_gatherv(xs, 0)
+                    got: tuple = ("none", "", 0.0)
+                except CollectiveMismatch as e:
+                    got = (type(e).__name__, str(e), time.monotonic() - t0)
+                total = comm.all_reduce(torch.ones(2)).tolist()
+                out[f"{path}|{odd}|{short}"] = (got, total)
+        same = comm.all_gatherv([torch.full((1,), float(rank))] * 2, 0)
+        out[f"{path}|same"] = [t.tolist() for t in same]
+    for comm in comms.values():
+        comm.destroy()
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_lists_of_different_lengths_raise_on_every_rank(dist_pool, world_size: int) -> None:
+    outs = dist_pool(world_size).run(list_lengths, timeout=75)
+    for rank, out in enumerate(outs):
+        for path in ("shm", "gloo"):
+            for odd in range(world_size):
+                for short in (1, 0):
+                    (kind, text, took), total = out[f"{path}|{odd}|{short}"]
+                    where = f"{path} odd rank {odd} short {short}, rank {rank}"
+                    assert kind == "CollectiveMismatch", f"{where}: {kind} {text}"
+                    assert "lists of" in text and took < 2.0, f"{where}: {text} {took:.2f}s"
+                    assert total == [float(world_size)] * 2, f"{where}: then {total}"
+            assert out[f"{path}|same"] == [[float(r) for r in range(world_size)]] * 2

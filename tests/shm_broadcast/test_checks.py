@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 
 import pytest
@@ -35,8 +36,9 @@ def test_check_rank_rejects(value, exc) -> None:
 
 
 @pytest.mark.parametrize("value, exc", [("soon", TypeError), (True, TypeError), (-0.5, ValueError),
-                                        (math.nan, ValueError), (math.inf, ValueError)],
-                         ids=["str", "bool", "negative", "nan", "inf"])
+                                        (math.nan, ValueError), (math.inf, ValueError),
+                                        (1e300, ValueError), (datetime.timedelta.max, ValueError)],
+                         ids=["str", "bool", "negative", "nan", "inf", "huge", "timedelta-max"])
 def test_check_timeout_rejects(value, exc) -> None:
     with pytest.raises(exc, match="timeout"):
         check_timeout(value)
@@ -44,6 +46,8 @@ def test_check_timeout_rejects(value, exc) -> None:
 
 def test_check_timeout_semantics() -> None:
     assert check_timeout(0) == 0.0  # poll once
+    assert check_timeout(1e9) == 1e9  # the longest: still a timedelta, and torch's milliseconds
+    datetime.timedelta(seconds=check_timeout(1e9))
     assert check_timeout(None, default=300.0) == 300.0
     assert check_timeout(None) is None
     assert check_timeout(2) == 2.0

@@ -1,0 +1,106 @@
+"""Starting torch.distributed for the world group: the checks, and the call.
+
+Everything :func:`coordinator.parallel_state.init_distributed_environment` can
+refuse is refused here before ``dist.init_process_group`` runs (a refused call
+leaves no half-initialised process group behind), or, when the world group
+already exists, before it is handed back for a request it does not match.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["check_init_method", "check_local_rank", "check_same_world", "env_local_rank_of",
+           "init_torch_distributed"]
+
+_SCHEMES = ("env", "tcp", "file")
+
+
+def check_init_method(method: Any) -> None:
+    """``env://``, ``tcp://host:port`` or ``file://<path in an existing directory>``."""
+    if not isinstance(method, str):
+        raise TypeError(f"distributed_init_method must be a str, got {type(method).__name__}")
+    scheme, sep, rest = method.partition("://")
+    if not sep or scheme not in _SCHEMES:
+        raise ValueError(f"distributed_init_method must be 'env://', 'tcp://host:port' or "
+                         f"'file:///path', got {method!r}")
+    if scheme == "file":
+        folder = os.path.dirname(rest) or "."
+        if not os.path.isdir(folder):
+            raise ValueError(f"distributed_init_method {method!r} names a file in {folder!r}, "
+                             f"which is not an existing directory")
+
+
+def check_local_rank(local_rank: int) -> None:
+    """``local_rank`` is -1 (find it) or a rank ``>= 0``."""
+    if local_rank < -1:
+        raise ValueError(f"local_rank must be >= 0, or -1 to take it from the launcher, got "
+                         f"{local_rank}")
+
+
+def _env_int(name: str) -> int | None:
+    """An int environment variable (None when unset)."""
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"the {name} environment variable must be an int >= 0, got {text!r}")
+    return value
+
+
+def env_local_rank_of(method: str) -> int | None:
+    """``LOCAL_RANK`` under env:// (a launcher set it); None elsewhere, where the
+    global rank stands in (one node), as in vLLM."""
+    return _env_int("LOCAL_RANK") if method.startswith("env://") else None
+
+
+def _rank_and_size(world_size: int, rank: int, method: str) -> tuple[int, int]:
+    """The rank and world size the call will use (-1: left to torch)."""
+    if method.startswith("env://"):
+        world_size = world_size if world_size >= 1 else (_env_int("WORLD_SIZE") or -1)
+        rank = rank if rank >= 0 else (_env_int("RANK") if "RANK" in os.environ else -1)
+    elif world_size < 1 or rank < 0:
+        raise ValueError(
+            f"{method.split('://')[0]}:// needs world_size >= 1 and "
+            f"rank >= 0, got world_size={world_size}, rank={rank}")
+    return world_size, rank  # type: ignore[return-value]
+
+
+def init_torch_distributed(world_size: int, rank: int, method: str, backend: str,
+                           timeout: datetime.timedelta) -> None:
+    """``dist.init_process_group`` with the caller's arguments and the timeout,
+    after checking the rank against the world size (env:// included: a launcher
+    variable out of range would otherwise wait for peers until the timeout)."""
+    size, me = _rank_and_size(world_size, rank, method)
+    if size >= 1 and me != -1 and not 0 <= me < size:
+        where = "" if rank >= 0 and world_size >= 1 else " (from RANK / WORLD_SIZE)"
+        raise ValueError(f"rank must be in [0, {size}), got {me}{where}")
+    kwargs: dict[str, Any] = {"backend": backend, "init_method": method, "timeout": timeout}
+    if world_size >= 1:
+        kwargs["world_size"] = world_size
+    if rank >= 0:
+        kwargs["rank"] = rank
+    dist.init_process_group(**kwargs)
+
+
+def check_same_world(world: Any, rank: int, local_rank: int, seconds: float | None,
+                     allow_pickle: bool) -> None:
+    """The existing world group is what this call asks for (else ValueError:
+    it is handed back only unchanged)."""
+    asked = [("rank", rank, world.rank, rank >= 0),
+             ("local_rank", local_rank, world.local_rank, local_rank >= 0),
+             ("timeout", seconds, world.timeout, seconds is not None),
+             ("allow_pickle", allow_pickle, world.allow_pickle, allow_pickle)]
+    for name, want, have, given in asked:
+        if given and want != have:
+            raise ValueError(
+                f"the world group already exists with {name}={have!r}, but {name}={want!r} "
+                f"was requested; call destroy_distributed_environment() first to change it")
