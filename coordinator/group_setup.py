@@ -76,7 +76,7 @@ def check_group_ranks(group_ranks: Any, world_size: int) -> None:
     ``dst``, sizes, result order) are that numbering.
 
     Raises:
-        TypeError: Not a list of non-empty lists.
+        TypeError: Not a list of non-empty lists of ints.
         ValueError: A rank is out of range or appears twice, or a list is not
             in ascending order.
     """
@@ -87,7 +87,9 @@ def check_group_ranks(group_ranks: Any, world_size: int) -> None:
         if not isinstance(ranks, (list, tuple)) or not ranks:
             raise TypeError(f"each entry of group_ranks must be a non-empty list of ints, got {ranks!r}")
         for r in ranks:
-            if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world_size:
+            if not isinstance(r, int) or isinstance(r, bool):
+                raise TypeError(f"group_ranks must hold int ranks, got {type(r).__name__} {r!r}")
+            if not 0 <= r < world_size:
                 raise ValueError(f"group_ranks holds {r!r}, not a global rank in [0, {world_size})")
             if r in seen:
                 raise ValueError(f"rank {r} appears in more than one group of group_ranks")

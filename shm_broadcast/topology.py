@@ -41,10 +41,13 @@ def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:
         ``result[i]`` is True when group rank ``i`` is on the source's node.
 
     Raises:
+        TypeError: ``source_rank`` is not an int.
         ValueError: ``source_rank`` is out of range.
     """
     og = object_group(group)
-    if not isinstance(source_rank, int) or not 0 <= source_rank < og.world_size:
+    if not isinstance(source_rank, int) or isinstance(source_rank, bool):
+        raise TypeError(f"source_rank must be an int, got {type(source_rank).__name__}")
+    if not 0 <= source_rank < og.world_size:
         raise ValueError(
             f"source_rank must be an int in [0, {og.world_size}), got {source_rank!r}"
         )

@@ -135,6 +135,8 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
         ("group_ranks/dup", V, lambda: GroupCoordinator([[0, 0]], 0, "gloo", True), ("group_ranks",)),
         ("group_ranks/range", V, lambda: GroupCoordinator([list(range(n + 1))], 0, "gloo", True), ("group_ranks",)),
         ("group_ranks/type", T, lambda: GroupCoordinator("01", 0, "gloo", True), ("group_ranks",)),
+        ("group_ranks/float", T, lambda: GroupCoordinator([[0.0]], 0, "gloo", True),
+         ("group_ranks", "float")),
     ]
     if n == 1:  # everything divides by 1; a send_tensor_dict to oneself is a no-op
         cases = [c for c in cases if "indivisible" not in c[0] and c[0] != "send_tensor_dict/self"]

@@ -361,6 +361,13 @@ def run_same_node(rank: int, world_size: int) -> dict[str, Any]:
     world = ps.get_world_group()
     out: dict[str, Any] = {"plain": ps.in_the_same_node_as(world),
                            "torch_group": ps.in_the_same_node_as(world.cpu_group, world_size - 1)}
+    # Refused before any exchange, on every rank alike.
+    expect_raises("same-node/str", TypeError, lambda: ps.in_the_same_node_as(world, "0"),
+                  "source_rank")
+    expect_raises("same-node/bool", TypeError, lambda: ps.in_the_same_node_as(world, True),
+                  "source_rank")
+    expect_raises("same-node/range", ValueError,
+                  lambda: ps.in_the_same_node_as(world, world_size), "source_rank")
     os.environ["GROUPCOORD_NODE_ID"] = f"node{rank // 2}"
     try:
         out["split_src0"] = ps.in_the_same_node_as(world, 0)
