@@ -36,8 +36,9 @@ def run_custom_groups(rank: int, world_size: int, allow_pickle: bool) -> dict[st
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size,allow_pickle", [(2, False), (3, True)],
-                         ids=["ws2-no-pickle", "ws3-pickle"])
+@pytest.mark.parametrize("world_size,allow_pickle", [
+    pytest.param(2, False, id="ws2-no-pickle"),
+    pytest.param(3, True, id="ws3-pickle", marks=pytest.mark.slow)])
 def test_init_model_parallel_group(dist_pool, world_size: int, allow_pickle: bool) -> None:
     outs = dist_pool(world_size).run(run_custom_groups, allow_pickle, timeout=90)
     for rank, out in enumerate(outs):

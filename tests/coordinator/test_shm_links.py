@@ -590,9 +590,10 @@ def peer_killed(rank: int, n: int, case: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case,victim,op", [
-    ("sender-after-a-dict", 0, "recv_tensor_dict"),
-    ("receiver-while-settling", 1, "send_tensor_dict"),
-], ids=["sender-after-a-dict", "receiver-while-settling"])
+    pytest.param("sender-after-a-dict", 0, "recv_tensor_dict", id="sender-after-a-dict"),
+    pytest.param("receiver-while-settling", 1, "send_tensor_dict", id="receiver-while-settling",
+                 marks=pytest.mark.slow),  # CI time: one death per run by default
+])
 def test_a_dead_peer_is_named(case, victim, op):
     outcomes = spawn_group(peer_killed, 2, (case,), timeout=90)
     assert outcomes[victim].exitcode == -signal.SIGKILL, outcomes[victim]

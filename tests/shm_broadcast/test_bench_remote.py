@@ -9,6 +9,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow  # CI time: `bench mq` covers the bench CLI, test_mq_processes remote readers
 @pytest.mark.timeout(150)
 def test_remote_bench_cli_measures_queue_and_baselines(tmp_path) -> None:
     out = tmp_path / "remote.json"
