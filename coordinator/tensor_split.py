@@ -13,20 +13,19 @@ from typing import Any, Sequence
 
 import torch
 
+from shm_broadcast.checks import check_int
+
 __all__ = ["divide", "ensure_divisibility", "split_tensor_along_last_dim", "get_pp_indices"]
 
 
 def _count(value: Any, name: str, minimum: int) -> int:
     """``value`` as an int (any integer type but bool), at least ``minimum``."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    if not isinstance(value, bool):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass  # check_int names what came
+    return check_int(value, name, minimum=minimum)
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:

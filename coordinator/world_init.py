@@ -56,6 +56,11 @@ def _env_int(name: str) -> int | None:
     return value
 
 
+def _or_unset(value: int | None) -> int:
+    """-1 (left to torch) for an unset variable."""
+    return -1 if value is None else value
+
+
 def env_local_rank_of(method: str) -> int | None:
     """``LOCAL_RANK`` under env:// (a launcher set it); None elsewhere, where the
     global rank stands in (one node), as in vLLM."""
@@ -65,8 +70,8 @@ def env_local_rank_of(method: str) -> int | None:
 def _rank_and_size(world_size: int, rank: int, method: str) -> tuple[int, int]:
     """The rank and world size the call will use (-1: left to torch)."""
     if method.startswith("env://"):
-        world_size = world_size if world_size >= 1 else (_env_int("WORLD_SIZE") or -1)
-        rank = rank if rank >= 0 else (_env_int("RANK") if "RANK" in os.environ else -1)
+        world_size = world_size if world_size >= 1 else _or_unset(_env_int("WORLD_SIZE"))
+        rank = rank if rank >= 0 else _or_unset(_env_int("RANK"))
     elif world_size < 1 or rank < 0:
         raise ValueError(
             f"{method.split('://')[0]}:// needs world_size >= 1 and "
