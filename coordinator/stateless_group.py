@@ -36,7 +36,7 @@ Protocol (all through the store, keys prefixed with the group's name)::
 
     session            rank 0 sets it (nonce + HMAC); others verify it
     send_obj(dst)      set  p2p/<src>-><dst>/<seq>             recv_obj deletes it
-    broadcast_obj(src) set  bcast/<src>/<seq>                  each reader adds 1 to
+    broadcast_obj(src) set  bcast/<seq>/<src>                  each reader adds 1 to
                                                                .../acks; the last
                                                                reader deletes both
     all_gather_obj     set  gather/<seq>/<rank>, read all;    last reader cleans up
@@ -44,8 +44,11 @@ Protocol (all through the store, keys prefixed with the group's name)::
                             barrier/<seq>/left/<rank>;         rank 0 deletes them in
                                                                barrier seq+1
 
-Sequence numbers are per peer (p2p) or per source (broadcast), so the store
-holds only messages not yet read. The ``acks``/``done`` counters decide only
+Sequence numbers are per peer (p2p) or one for all broadcasts, so the store
+holds only messages not yet read. Broadcasts share one sequence whatever
+their source: after a call in which ranks named different sources, the next
+broadcast still pairs every rank with the same call, never with a value left
+over from an earlier one. The ``acks``/``done`` counters decide only
 when keys are deleted, never what is read. Blocking calls take a timeout and
 raise :class:`~coordinator.errors.CommTimeout` naming the group, the operation
 and the peer(s) that did not answer.
@@ -132,7 +135,7 @@ class StatelessProcessGroup:
         self.rejected_values = 0
         self._send_seq: dict[int, int] = defaultdict(int)
         self._recv_seq: dict[int, int] = defaultdict(int)
-        self._bcast_seq: dict[int, int] = defaultdict(int)
+        self._bcast_seq = 0
         self._gather_seq = 0
         self._barrier_seq = 0
         self._key_file: str | None = None
@@ -236,9 +239,9 @@ class StatelessProcessGroup:
         """Broadcast ``obj`` from rank ``src``; every rank returns it."""
         _check_in_range(src, self.world_size, "src")
         deadline = self._deadline(timeout)  # checked (on every rank) before numbering
-        seq = self._bcast_seq[src]
-        self._bcast_seq[src] += 1
-        key = self._key(f"bcast/{src}/{seq}")
+        seq = self._bcast_seq
+        self._bcast_seq += 1
+        key = self._key(f"bcast/{seq}/{src}")
         if self.rank == src:
             if self.world_size > 1:
                 self._put_obj(key, obj)

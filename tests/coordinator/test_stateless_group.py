@@ -28,6 +28,8 @@ def test_stateless_group_collectives(dist_pool, world_size: int) -> None:
         assert r["world_unchanged"]
         if rank < 2:
             assert r["b_gather"] == [("b", 0), ("b", 1)]
+            assert r["b_self"] == ("self", rank)
+            assert r["b_next"] == "fresh", "a broadcast after one with disagreeing sources read a stale value"
     # Everything read was deleted; only barrier bookkeeping of the last barrier may remain.
     assert res[0]["keys_left"] <= world_size + 2
 
@@ -87,6 +89,10 @@ def exercise(rank: int, world_size: int, port_a: int, port_b: int) -> dict:
     a.barrier()
     if b is not None:
         out["b_gather"] = b.all_gather_obj(("b", rank))
+        # The ranks disagree on the source: each is its own source. The next
+        # broadcast must still pair with the same call on both ranks.
+        out["b_self"] = b.broadcast_obj(("self", rank), src=rank)
+        out["b_next"] = b.broadcast_obj("fresh" if rank == 0 else None, src=0)
         b.barrier()
     out["same_node"] = in_the_same_node_as(a, source_rank=0)
     a.barrier()
