@@ -129,12 +129,12 @@ class GroupTensorDictCalls:
             src = (self.rank_in_group - 1) % self.world_size
         validation.check_rank(src, self.world_size, "src")
         if self.world_size == 1:
+            tensor_dict_ops.check_all_gather_group(all_gather_group)
             return None
         self._check_peer(src, "src")
         return self._run("recv_tensor_dict", async_p2p.ordered, self, RECV, src,
                          "recv_tensor_dict", tensor_dict_ops.recv_tensor_dict, self, src,
-                         tensor_dict_ops.check_all_gather_group(all_gather_group),
-                         partner=src, p2p=True)
+                         all_gather_group, partner=src, p2p=True)
 
     # ------------------------------------------------------------------ asynchronous p2p
     # Handles with wait(timeout=None) / is_completed(); order, errors and closing:

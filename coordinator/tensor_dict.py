@@ -445,7 +445,17 @@ def recv_tensor_dict(
     src: int,
     all_gather_group: "GroupCoordinator | None",
 ) -> dict[Any, Any]:
-    """Implementation of :meth:`GroupCoordinator.recv_tensor_dict`."""
+    """Implementation of :meth:`GroupCoordinator.recv_tensor_dict`.
+
+    A bad ``all_gather_group`` (not a group, or not the sender's kind) is
+    raised after the dict has been received, so the sender's call completes
+    and the direction stays in step.
+    """
+    try:
+        all_gather_group = check_all_gather_group(all_gather_group)
+        bad_group: TypeError | None = None
+    except TypeError as e:
+        all_gather_group, bad_group = None, e
     link = coord._links.receiver(src)
     if link is None:
         meta = check_metadata(coord._recv_object(src, object_comm.DICT_META), coord.device.type)
@@ -483,6 +493,8 @@ def recv_tensor_dict(
             continue
         full = all_gather_group.all_gather(piece, dim=0)
         out[key] = full.reshape(value[2])
+    if bad_group is not None:
+        raise bad_group
     if problem:
         raise ValueError(problem)
     return out

@@ -48,7 +48,7 @@ def test_pipeline_send_recv_with_all_gather_group_at_tp2_pp2(dist_pool):
     results = dist_pool(4).run(run_send_recv_tensor_dict, timeout=150)
     assert all(r == results[0] for r in results)
     assert results[0] == ["plain", "all-gather", "all-gather-back", "errors",
-                          "missing-group", "wrong-size-group"]
+                          "missing-group", "wrong-size-group", "not-a-group"]
 
 
 # ---------------------------------------------------------------------- single process
@@ -290,14 +290,18 @@ def run_send_recv_tensor_dict(rank: int, world_size: int) -> list[str]:
     # 5) a receiver without the sender's all_gather_group (none, or one of another
     # size) gets a clear error after draining the message, so both sides stay in step.
     dp = ps.get_dp_group()  # size 1
-    for case, group, words in (("missing-group", None, ("no all_gather_group",)),
-                               ("wrong-size-group", dp, ("size 1", "2 parts"))):
+    # A receiver's all_gather_group that is not a group at all is a TypeError,
+    # raised after draining too: the sender's call returns normally.
+    for case, group, exc, words in (
+            ("missing-group", None, ValueError, ("no all_gather_group", "'rep'")),
+            ("wrong-size-group", dp, ValueError, ("size 1", "2 parts", "'rep'")),
+            ("not-a-group", tp.cpu_group, TypeError, ("all_gather_group", "ProcessGroup"))):
         if stage == 0:
             pp.send_tensor_dict({"rep": torch.ones(4), "s": "x", "w": torch.ones(3)},
                                 all_gather_group=tp)
         else:
-            expect_raises(f"p2p/{case}", ValueError,
-                          lambda: pp.recv_tensor_dict(all_gather_group=group), "'rep'", *words)
+            expect_raises(f"p2p/{case}", exc,
+                          lambda: pp.recv_tensor_dict(all_gather_group=group), *words)
         done.append(case)
     if stage == 0:
         pp.send_tensor_dict(sender_dict(rank), all_gather_group=tp, all_gather_tensors=flags)
