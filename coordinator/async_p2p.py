@@ -345,7 +345,8 @@ def _recv_target(x: Any, device: torch.device) -> tuple[torch.Tensor | None, tor
                                                         torch.dtype]:
     """``(buffer or None, shape, dtype)`` of an irecv's ``tensor_or_spec``."""
     if isinstance(x, torch.Tensor):
-        t = validation.check_tensor(x, "tensor_or_spec", device)
+        t = validation.check_writable(validation.check_tensor(x, "tensor_or_spec", device),
+                                      "tensor_or_spec")
         return t, t.shape, t.dtype
     if not isinstance(x, (tuple, list)) or len(x) != 2:
         raise TypeError(f"tensor_or_spec must be a torch.Tensor to fill or a (shape, dtype) "
@@ -369,7 +370,8 @@ def _recv_into(coord: "GroupCoordinator", buf: torch.Tensor | None, size: torch.
     out = link_tensors.recv(coord, size, dtype, src)
     if buf is None:
         return out
-    buf.copy_(out)
+    with torch.no_grad():  # a buffer that requires grad is filled as torch.distributed.recv would
+        buf.copy_(out)
     return buf
 
 

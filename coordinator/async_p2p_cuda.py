@@ -142,7 +142,8 @@ class CudaP2P:
         def run(s: Any) -> None:
             self._recv(target, src, s)
             if target is not out:
-                out.copy_(target)
+                with torch.no_grad():  # as for a CPU receive into a buffer that requires grad
+                    out.copy_(target)
 
         ev = self._enqueue(run, [target, out])
         return self._handle("irecv", src, seq, ev, out)

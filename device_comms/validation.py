@@ -43,6 +43,23 @@ def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.
     return t
 
 
+def check_writable(t: torch.Tensor, arg: str) -> torch.Tensor:
+    """Return ``t`` if data can be received into it: no two of its elements share
+    memory (an ``expand``-ed or stride-0 view cannot hold distinct values).
+
+    Raises:
+        ValueError: ``t`` has a dimension of size above 1 with stride 0.
+    """
+    shared = [d for d, (n, s) in enumerate(zip(t.shape, t.stride())) if s == 0 and n > 1]
+    if shared:
+        raise ValueError(
+            f"{arg} cannot receive data: it is an expanded view whose elements share memory "
+            f"(stride 0 in dim {shared[0]} of shape {tuple(t.shape)}); receive into a tensor "
+            f"that owns its elements, e.g. {arg}.clone()"
+        )
+    return t
+
+
 def resolved(t: torch.Tensor) -> torch.Tensor:
     """``t``, or its values materialised when it is a lazy conjugate or negative view.
 

@@ -135,6 +135,35 @@ def mixed_with_blocking(rank: int, n: int) -> list[Any]:
     return _with_group(rank, n, body)
 
 
+def into_buffers(rank: int, n: int) -> list[str]:
+    """irecv into caller-owned buffers of every writable kind: each is filled in
+    place and returned, small (inline) and large alike."""
+    kinds: dict[str, Callable[[int], torch.Tensor]] = {
+        "contiguous": lambda m: torch.zeros(m, 4),
+        "transposed": lambda m: torch.zeros(4, m).t(),
+        "sliced": lambda m: torch.zeros(m, 8)[:, ::2],
+        "leaf-requires-grad": lambda m: torch.zeros(m, 4, requires_grad=True),
+        "non-leaf-requires-grad": lambda m: torch.zeros(m, 4, requires_grad=True) * 1,
+    }
+
+    def body(g: Any) -> list[str]:
+        nxt, prv = (rank + 1) % n, (rank - 1) % n
+        done = []
+        for name, make_buf in kinds.items():
+            for m in (3, 20_000):
+                want = torch.arange(m * 4.0).reshape(m, 4) + prv
+                h = g.isend(torch.arange(m * 4.0).reshape(m, 4) + rank, nxt)
+                buf = make_buf(m)
+                got = g.irecv(buf, prv).wait()
+                h.wait()
+                assert got is buf, name
+                assert torch.equal(buf.detach(), want), name
+            done.append(name)
+        return done
+
+    return _with_group(rank, n, body)
+
+
 def _dict_for(src: int, i: int) -> dict[Any, Any]:
     g = torch.Generator().manual_seed(src * 31 + i)
     return {
@@ -348,6 +377,7 @@ BAD_CALLS: dict[str, tuple[type[Exception], str]] = {
     "irecv-spec-bad-dtype": (TypeError, "tensor_or_spec[1]"),
     "irecv-spec-negative": (ValueError, "tensor_or_spec[0]"),
     "irecv-src-self": (ValueError, "src"),
+    "irecv-expanded-buffer": (ValueError, "tensor_or_spec"),
     "isend_tensor_dict-not-a-dict": (TypeError, "tensor_dict"),
     "isend_tensor_dict-sparse": (TypeError, "tensor_dict['s']"),
     "irecv_tensor_dict-src-float": (TypeError, "src"),
@@ -368,6 +398,7 @@ def _bad_call(g: Any, rank: int, case: str) -> Any:
         "irecv-spec-bad-dtype": lambda: g.irecv(((2,), "float32"), peer),
         "irecv-spec-negative": lambda: g.irecv(((2, -1), torch.float32), peer),
         "irecv-src-self": lambda: g.irecv(((2,), torch.float32), rank),
+        "irecv-expanded-buffer": lambda: g.irecv(torch.zeros(1).expand(2), peer),
         "isend_tensor_dict-not-a-dict": lambda: g.isend_tensor_dict([torch.ones(1)], peer),
         "isend_tensor_dict-sparse": lambda: g.isend_tensor_dict(
             {"s": torch.eye(2).to_sparse()}, peer),
@@ -387,7 +418,8 @@ def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any
 
     exc_type, arg = BAD_CALLS[case]
     rejected_peer = case in ("isend-not-a-tensor", "isend-meta-tensor", "irecv-spec-not-a-pair",
-                             "irecv-spec-bad-dtype", "irecv-spec-negative")
+                             "irecv-spec-bad-dtype", "irecv-spec-negative",
+                             "irecv-expanded-buffer")
 
     def body(g: Any) -> dict[str, Any]:
         peer = rank ^ 1
@@ -543,6 +575,13 @@ def test_many_outstanding_handles_arrive_in_issue_order(dist_pool, world_size, p
 def test_blocking_calls_keep_their_place_among_async_ones(dist_pool, world_size) -> None:
     got = dist_pool(world_size).run(mixed_with_blocking, timeout=100)
     assert got == [[3, 4, 5, 6]] * world_size
+
+
+@pytest.mark.timeout(120)
+def test_irecv_fills_every_writable_buffer_in_place(dist_pool) -> None:
+    got = dist_pool(2).run(into_buffers, timeout=100)
+    assert got == [["contiguous", "transposed", "sliced", "leaf-requires-grad",
+                    "non-leaf-requires-grad"]] * 2
 
 
 @pytest.mark.timeout(120)
