@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from device_comms import alltoallv, validation
+from shm_broadcast import checks
 from shm_broadcast.checks import check_timeout
 from device_comms.errors import (
     CollectiveMismatch,
@@ -72,10 +73,11 @@ class DeviceCommunicator(abc.ABC):
         timeout: float | None = None,
     ) -> None:
         self.timeout: float | None = check_timeout(timeout)
-        self.cpu_group = cpu_group
-        self.device_group = device_group if device_group is not None else cpu_group
-        self.device = torch.device(device)
-        self.unique_name = unique_name or f"{self.name}-group"
+        self.cpu_group = validation.check_group(cpu_group, "cpu_group")
+        self.device_group = (cpu_group if device_group is None
+                             else validation.check_group(device_group, "device_group"))
+        self.device = validation.check_device(device)
+        self.unique_name = checks.check_str(unique_name, "unique_name") or f"{self.name}-group"
         self.rank_in_group: int = dist.get_rank(cpu_group)
         self.world_size: int = dist.get_world_size(cpu_group)
         self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)

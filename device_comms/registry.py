@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from device_comms import validation
 from device_comms.base import DeviceCommunicator
 from device_comms.errors import CommunicatorUnavailable
 
@@ -115,7 +116,7 @@ def select_device_communicator(device: torch.device | str) -> type[DeviceCommuni
     Raises:
         CommunicatorUnavailable: No registered, available class serves the device type.
     """
-    dev = torch.device(device)
+    dev = validation.check_device(device)
     candidates = [
         cls for _, cls in _REGISTRY.items() if cls.serves(dev) and _safe_available(cls)
     ]

@@ -9,7 +9,44 @@ import torch
 from shm_broadcast import checks
 from shm_broadcast.tensor_storage import check_storage, storage_covers
 
-__all__ = ["check_tensor", "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible"]
+__all__ = ["check_device", "check_group", "check_writable", "check_tensor", "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible"]
+
+
+def check_device(device: Any, arg: str = "device") -> torch.device:
+    """``device`` as a :class:`torch.device` (a device, a string such as ``"cuda:1"``,
+    or a CUDA index).
+
+    Raises:
+        TypeError: ``device`` is none of those.
+        ValueError: A string torch cannot parse as a device, or a negative index.
+    """
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise TypeError(f"{arg} must be a torch.device, a device string or an index, "
+                        f"got {type(device).__name__} ({device!r:.60})")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{arg} must name a device (e.g. 'cpu' or 'cuda:0'), "
+                         f"got {device!r:.60} ({e})") from None
+
+
+def check_group(group: Any, arg: str) -> Any:
+    """``group`` if it is a :class:`torch.distributed.ProcessGroup` this process belongs to.
+
+    Raises:
+        TypeError: ``group`` is not a ProcessGroup.
+        ValueError: This process is not a member of it.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{arg} must be a torch.distributed.ProcessGroup, "
+                        f"got {type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{arg}: this process (rank {dist.get_rank()}) is not a member")
+    return group
 
 
 def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import datetime
 import math
 from typing import Any
 
-__all__ = ["check_int", "check_rank", "check_timeout"]
+__all__ = ["check_int", "check_rank", "check_str", "check_timeout"]
 
 
 def check_int(value: Any, arg: str, *, minimum: int | None = None,
@@ -44,6 +44,17 @@ def check_int(value: Any, arg: str, *, minimum: int | None = None,
         else:
             want = f"in [{minimum}, {maximum}]"
         raise ValueError(f"{arg} must be an int {want}, got {value}")
+    return value
+
+
+def check_str(value: Any, arg: str) -> str:
+    """Return ``value`` if it is a str.
+
+    Raises:
+        TypeError: ``value`` is not a str.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{arg} must be a str, got {type(value).__name__} ({value!r:.60})")
     return value
 
 

@@ -34,7 +34,15 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 def test_registered_above_torch() -> None:
     assert select_device_communicator("cpu") is CpuCommunicator
+    assert select_device_communicator(torch.device("cpu")) is CpuCommunicator
     assert CpuCommunicator.priority > 0 and CpuCommunicator.device_types == {"cpu"}
+
+
+@pytest.mark.parametrize("device,exc", [(None, TypeError), (3.0, TypeError), (True, TypeError),
+                                        ("blah", ValueError), ("cpu:x", ValueError)])
+def test_select_refuses_what_is_not_a_device(device: Any, exc: type) -> None:
+    with pytest.raises(exc, match="device"):
+        select_device_communicator(device)
 
 
 @pytest.mark.timeout(180)
@@ -113,6 +121,18 @@ def test_bad_arguments(dist_pool) -> None:
     assert msgs[4].startswith("TypeError") and "node_id" in msgs[4]
     assert msgs[5].startswith("ValueError") and "oneshot_bytes" in msgs[5]
     assert "GROUPCOORD_CPU_SHM_BYTES" in msgs[6] and "'lots'" in msgs[6]
+    for msg, (exc, word) in zip(msgs[7:], BAD_POSITIONAL.values(), strict=True):
+        assert msg.startswith(exc) and word in msg, msg
+
+
+BAD_POSITIONAL = {  # constructor arguments before the keywords: (exception, name in the message)
+    "group-not-a-group": ("TypeError", "cpu_group"),
+    "device-group-not-a-group": ("TypeError", "device_group"),
+    "device-float": ("TypeError", "device"),
+    "device-unknown": ("ValueError", "device"),
+    "device-gpu": ("ValueError", "CPU device"),
+    "name-not-a-str": ("TypeError", "unique_name"),
+}
 
 
 def test_timeout_and_destroyed_peer(dist_pool) -> None:
@@ -466,6 +486,21 @@ def bad_arguments(rank: int, world_size: int) -> list[str]:
         msgs.append(f"ValueError: {e}")
     finally:
         del os.environ["GROUPCOORD_CPU_SHM_BYTES"]
+    world, cpu = dist.group.WORLD, torch.device("cpu")
+    calls = {
+        "group-not-a-group": lambda: CpuCommunicator("world", cpu),
+        "device-group-not-a-group": lambda: CpuCommunicator(world, cpu, "world"),
+        "device-float": lambda: CpuCommunicator(world, 0.5),
+        "device-unknown": lambda: CpuCommunicator(world, "gpu7"),
+        "device-gpu": lambda: CpuCommunicator(world, "cuda:0"),
+        "name-not-a-str": lambda: CpuCommunicator(world, cpu, None, 42),
+    }
+    for name in BAD_POSITIONAL:
+        try:
+            calls[name]()
+            msgs.append(f"{name}: no error")
+        except (TypeError, ValueError) as e:
+            msgs.append(f"{type(e).__name__}: {e}")
     return msgs
 
 
