@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -119,18 +119,43 @@ def _coerce(op: object, arg: str) -> ReduceOp:
 def reduce_local(tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     """Reduce ``tensors`` element-wise in list order (a fixed, rank-independent order).
 
-    Used as the arithmetic of shared-memory collectives and as a test reference.
-    Floating-point SUM/AVG accumulate left to right, so any rank that reduces the
-    same list gets a bitwise identical result.
+    The reference for the shared-memory collectives' arithmetic. Floating-point
+    SUM/AVG accumulate left to right, so any rank that reduces the same list
+    gets a bitwise identical result.
+
+    Raises:
+        TypeError: ``tensors`` is not a sequence of tensors, or ``op`` is not a
+            reduction valid for their dtype (see :func:`check_reduce_op`).
+        ValueError: ``tensors`` is empty, or its tensors differ in shape, dtype
+            or device.
     """
-    if not tensors:
-        raise ValueError("tensors must be a non-empty sequence")
+    op = check_reduce_op(op, _same_kind(tensors).dtype)
     acc = tensors[0].clone()
     for t in tensors[1:]:
         _accumulate_(acc, t, op)
     if op is ReduceOp.AVG:
         acc.div_(len(tensors))
     return acc
+
+
+def _same_kind(tensors: Any) -> torch.Tensor:
+    """The first of ``tensors`` once every one is a tensor of its shape, dtype and device."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"tensors must be a sequence of torch.Tensor, got {type(tensors).__name__}")
+    if not tensors:
+        raise ValueError("tensors must be a non-empty sequence")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    first = tensors[0]
+    for i, t in enumerate(tensors[1:], 1):
+        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+            raise ValueError(
+                f"tensors[{i}] must match tensors[0] in shape, dtype and device: got "
+                f"{tuple(t.shape)} {t.dtype} on {t.device}, tensors[0] is "
+                f"{tuple(first.shape)} {first.dtype} on {first.device}"
+            )
+    return first
 
 
 def _accumulate_(acc: torch.Tensor, t: torch.Tensor, op: ReduceOp) -> None:
