@@ -70,7 +70,7 @@ import torch.distributed as dist
 from coordinator.errors import AuthenticationError, CommTimeout, StoreConnectionError
 from coordinator.group_secret import SECRET_ENV, remove_quietly, secret_plan
 from coordinator.store_sealing import NONCE_BYTES, Sealer, session_tag
-from shm_broadcast.checks import check_int, check_rank, check_timeout
+from shm_broadcast.checks import check_bool, check_int, check_rank, check_timeout
 from shm_broadcast.group_adapter import (
     decode_object,
     encode_failure,
@@ -131,7 +131,7 @@ class StatelessProcessGroup:
         self.store = store
         self.name = name
         self.timeout: float = check_timeout(timeout, positive=True)  # type: ignore[assignment]
-        self.allow_pickle = _check_bool(allow_pickle, "allow_pickle")
+        self.allow_pickle = check_bool(allow_pickle, "allow_pickle")
         self.rejected_values = 0
         self._send_seq: dict[int, int] = defaultdict(int)
         self._recv_seq: dict[int, int] = defaultdict(int)
@@ -142,7 +142,7 @@ class StatelessProcessGroup:
         if _secret_source is None:
             host, port = (store.host, store.port) if isinstance(store, dist.TCPStore) else (None, 0)
             _secret_source, self._key_file = secret_plan(
-                rank, host, port, name, secret, _check_bool(insecure, "insecure"))
+                rank, host, port, name, secret, check_bool(insecure, "insecure"))
         if self._key_file is not None:
             weakref.finalize(self, remove_quietly, self._key_file)
         self._sealer = Sealer(name) if _secret_source is None else self._establish(_secret_source)
@@ -183,9 +183,9 @@ class StatelessProcessGroup:
             raise ValueError("host must be a non-empty str, got ''")
         t: float = check_timeout(timeout, positive=True)  # type: ignore[assignment]
         _check_name(name)
-        _check_bool(allow_pickle, "allow_pickle")
+        check_bool(allow_pickle, "allow_pickle")
         source, key_file = secret_plan(rank, host, port, name, secret,
-                                        _check_bool(insecure, "insecure"))
+                                        check_bool(insecure, "insecure"))
         try:
             store = _open_store(host, port, rank, world_size, t)
             group = cls(rank, world_size, store, name=name, timeout=t, insecure=source is None,
@@ -500,12 +500,6 @@ def _check_name(name: Any) -> None:
         raise TypeError(f"name must be a str, got {type(name).__name__} ({name!r:.60})")
     if not name or "/" in name:
         raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
-
-
-def _check_bool(value: Any, arg: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{arg} must be a bool, got {type(value).__name__} ({value!r:.60})")
-    return value
 
 
 def _check_in_range(r: Any, world_size: int, arg: str) -> None:

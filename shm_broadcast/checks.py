@@ -21,7 +21,7 @@ import datetime
 import math
 from typing import Any
 
-__all__ = ["check_int", "check_rank", "check_str", "check_timeout"]
+__all__ = ["check_bool", "check_int", "check_rank", "check_str", "check_timeout"]
 
 
 def check_int(value: Any, arg: str, *, minimum: int | None = None,
@@ -44,6 +44,17 @@ def check_int(value: Any, arg: str, *, minimum: int | None = None,
         else:
             want = f"in [{minimum}, {maximum}]"
         raise ValueError(f"{arg} must be an int {want}, got {value}")
+    return value
+
+
+def check_bool(value: Any, arg: str) -> bool:
+    """Return ``value`` if it is a bool.
+
+    Raises:
+        TypeError: ``value`` is not a bool (``0``/``1`` and strings included).
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {type(value).__name__} ({value!r:.60})")
     return value
 
 

@@ -45,7 +45,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from shm_broadcast.checks import check_int, check_timeout
+from shm_broadcast.checks import check_bool, check_int, check_timeout
 from shm_broadcast.codec import Codec
 from shm_broadcast.errors import QueueRoleError
 from shm_broadcast.handle import Handle
@@ -128,19 +128,14 @@ class MessageQueue:
         if n_local_reader > n_reader:
             raise ValueError(
                 f"n_local_reader must be <= n_reader ({n_reader}), got {n_local_reader}")
-        if local_reader_ranks is None:
-            ranks = tuple(range(n_local_reader))
-        else:
-            ranks = tuple(local_reader_ranks)
-            if len(ranks) != n_local_reader or len(set(ranks)) != len(ranks) or not all(
-                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
-            ):
-                raise ValueError(
-                    f"local_reader_ranks must be {n_local_reader} distinct ints >= 0, "
-                    f"got {local_reader_ranks!r}")
+        ranks = _local_ranks(local_reader_ranks, n_local_reader)
         check_ring_options(max_chunk_bytes, max_chunks, connect_ip)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
+        check_bool(allow_pickle, "allow_pickle")
+        check_bool(exact_types, "exact_types")
+        if writer_rank is not None:
+            check_int(writer_rank, "writer_rank", minimum=0)
         policy = _policy(wait_policy)
         self._impl: QueueWriter | LocalReader | RemoteReader = QueueWriter(
             name=name or f"mq-{os.getpid()}",
@@ -518,8 +513,32 @@ def check_ring_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any) -
     """
     check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
     check_int(max_chunks, "max_chunks", minimum=1)
-    if connect_ip is not None and (not isinstance(connect_ip, str) or not connect_ip):
-        raise ValueError(f"connect_ip must be None or an IP address string, got {connect_ip!r}")
+    if connect_ip is not None and not isinstance(connect_ip, str):
+        raise TypeError(f"connect_ip must be None or an IP address string, got "
+                        f"{type(connect_ip).__name__} ({connect_ip!r:.60})")
+    if connect_ip == "":
+        raise ValueError("connect_ip must be None or an IP address string, got ''")
+
+
+def _local_ranks(ranks: Any, n_local_reader: int) -> tuple[int, ...]:
+    """``local_reader_ranks`` checked: ``n_local_reader`` distinct ints >= 0
+    (default ``0 .. n_local_reader - 1``).
+
+    Raises:
+        TypeError: Not a sequence of ints.
+        ValueError: Wrong count, a duplicate or a negative rank.
+    """
+    if ranks is None:
+        return tuple(range(n_local_reader))
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (list, tuple, range)):
+        raise TypeError(f"local_reader_ranks must be a list of ints, got {type(ranks).__name__} "
+                        f"({ranks!r:.60})")
+    for i, r in enumerate(ranks):
+        check_int(r, f"local_reader_ranks[{i}]", minimum=0)
+    if len(ranks) != n_local_reader or len(set(ranks)) != len(ranks):
+        raise ValueError(f"local_reader_ranks must be {n_local_reader} distinct ints >= 0 "
+                         f"(n_local_reader), got {list(ranks)!r:.120}")
+    return tuple(ranks)
 
 
 def _policy(wait_policy: WaitPolicy | None) -> WaitPolicy:

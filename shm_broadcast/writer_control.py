@@ -28,7 +28,7 @@ ack, goodbye) must come over ``rank``'s own key.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import msgspec
 import zmq
@@ -280,14 +280,20 @@ def check_reader_keys(keys: Any, n_remote: int,
     """Validate ``remote_reader_keys``: one Z85 public key per remote rank.
 
     Raises:
+        TypeError: Not a dict of int ranks to bytes keys.
         ValueError: Wrong count, a local rank, or a key that is not 40 bytes.
     """
     if keys is None:
         return None
+    if not isinstance(keys, Mapping):
+        raise TypeError(f"remote_reader_keys must be a dict of reader rank -> public key, "
+                        f"got {type(keys).__name__}")
     keys = dict(keys)
-    bad = [r for r, k in keys.items()
-           if not isinstance(r, int) or r < 0 or r in local_ranks
-           or not isinstance(k, bytes) or len(k) != 40]
+    for r, k in keys.items():
+        if not isinstance(r, int) or isinstance(r, bool) or not isinstance(k, bytes):
+            raise TypeError(f"remote_reader_keys must map int ranks to bytes keys, got "
+                            f"{type(r).__name__} -> {type(k).__name__} (rank {r!r:.30})")
+    bad = [r for r, k in keys.items() if r < 0 or r in local_ranks or len(k) != 40]
     if len(keys) != n_remote or bad or len(set(keys.values())) != len(keys):
         raise ValueError(
             f"remote_reader_keys must map each of the {n_remote} remote reader ranks to its "

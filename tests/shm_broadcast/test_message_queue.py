@@ -244,6 +244,35 @@ def test_bad_arguments_raise_value_error(kwargs, match):
         MessageQueue(**kwargs)
 
 
+_WRONG_TYPES = {  # name: (keyword arguments for MessageQueue(2, 2, ...), argument named)
+    "local_reader_ranks-int": (dict(local_reader_ranks=5), "local_reader_ranks"),
+    "local_reader_ranks-str": (dict(local_reader_ranks="01"), "local_reader_ranks"),
+    "local_reader_ranks-floats": (dict(local_reader_ranks=[0.0, 1.0]), r"local_reader_ranks\[0\]"),
+    "allow_pickle-str": (dict(allow_pickle="yes"), "allow_pickle"),
+    "exact_types-int": (dict(exact_types=1), "exact_types"),
+    "writer_rank-str": (dict(writer_rank="0"), "writer_rank"),
+    "remote_reader_keys-list": (dict(remote_reader_keys=[b"k"]), "remote_reader_keys"),
+    "remote_reader_keys-str-rank": (dict(remote_reader_keys={"a": b"k"}), "remote_reader_keys"),
+    "remote_reader_keys-str-key": (dict(remote_reader_keys={0: "k"}), "remote_reader_keys"),
+    "connect_ip-int": (dict(connect_ip=5), "connect_ip"),
+    "name-int": (dict(name=3), "name"),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(_WRONG_TYPES))
+def test_arguments_of_the_wrong_type_raise_type_error(case):
+    kwargs, match = _WRONG_TYPES[case]
+    with pytest.raises(TypeError, match=match):
+        MessageQueue(2, 2, **kwargs)
+
+
+@pytest.mark.timeout(30)
+def test_a_negative_writer_rank_is_a_value_error():
+    with pytest.raises(ValueError, match="writer_rank"):
+        MessageQueue(1, 1, writer_rank=-1)
+
+
 @pytest.mark.timeout(30)
 def test_bad_call_arguments(queues):
     w, (r,) = queues(1, name="args")
