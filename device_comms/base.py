@@ -26,7 +26,7 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from device_comms import alltoallv, validation
+from device_comms import alltoallv, step_errors, validation
 from shm_broadcast import checks
 from shm_broadcast.checks import check_timeout
 from device_comms.errors import (
@@ -578,6 +578,8 @@ class DeviceCommunicator(abc.ABC):
         try:
             with torch.no_grad():  # collectives are not autograd ops (as in torch.distributed)
                 return fn(*args)
+        except CollectiveMismatch as e:  # the message names what this rank passed
+            raise step_errors.with_own_arguments(e, args)
         except DeviceCommError:
             raise  # raised at a point the transport defines (a step, a header)
         except RuntimeError as e:  # a backend's failure: translated, nothing broken here

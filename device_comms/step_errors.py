@@ -8,7 +8,10 @@ elsewhere (:func:`relayed`). Messages name the group, the op and the ranks.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
+import torch
 
 from device_comms.errors import (
     CollectiveMismatch,
@@ -20,7 +23,7 @@ from device_comms.errors import (
 )
 from device_comms.step_signature import describe_signature
 
-__all__ = ["mismatch", "out_of_step", "relayed", "timeout"]
+__all__ = ["mismatch", "out_of_step", "relayed", "timeout", "with_own_arguments"]
 
 
 def mismatch(name: str, op: str, me: int, other: int, mine: tuple[int, int],
@@ -37,6 +40,27 @@ def mismatch(name: str, op: str, me: int, other: int, mine: tuple[int, int],
     )
     error.calls = calls  # type: ignore[attr-defined]
     return error
+
+
+def with_own_arguments(error: CollectiveMismatch, args: tuple[object, ...]) -> CollectiveMismatch:
+    """``error`` with what this rank passed to the call appended to its message
+    (tensors as dtype and shape), so a digest of sizes in the message can be
+    read against the arguments; done once per error."""
+    if isinstance(error, PeerRejectedError) or getattr(error, "own_arguments", None):
+        return error
+    error.own_arguments = ", ".join(_describe(a) for a in args)  # type: ignore[attr-defined]
+    if error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} (this rank passed: {error.own_arguments})",
+                      *error.args[1:])
+    return error
+
+
+def _describe(arg: object) -> str:
+    if isinstance(arg, torch.Tensor):
+        return f"{str(arg.dtype).removeprefix('torch.')} tensor of shape {tuple(arg.shape)}"
+    if isinstance(arg, enum.Enum):
+        return arg.name
+    return f"{arg!r:.80}"
 
 
 def out_of_step(name: str, op: str, me: int, call: int,

@@ -94,7 +94,9 @@ def describe_signature(sig_a: int, sig_b: int) -> str:
     if kind in ("broadcast", "gather", "reduce"):
         parts.append(f"root={sig_a >> 24}")
     shape = shape_of_key(sig_b) if kind in SHAPE_KEYED_KINDS else None
-    parts.append(f"shape={shape}" if shape is not None else f"size-key={sig_b}")
+    # A key that is not a readable shape is a digest of the sizes and layout
+    # arguments; its last hex digits tell two calls apart in a message.
+    parts.append(f"shape={shape}" if shape is not None else f"sizes #{sig_b & 0xFFFFFF:06x}")
     return "(" + ", ".join(parts) + ")"
 
 

@@ -92,11 +92,15 @@ def test_world_group_uses_shm(dist_pool, world_size: int) -> None:
 def test_mismatched_calls_raise_on_every_rank(dist_pool, world_size: int) -> None:
     outs = dist_pool(world_size).run(mismatch)
     for out in outs:
-        size_err, dtype_err, op_err = out["errors"]
+        size_err, dtype_err, op_err, gather_err = out["errors"]
         assert size_err and "shape=(10,)" in size_err and "shape=(11,)" in size_err
         assert dtype_err and "torch.int32" in dtype_err and "torch.float32" in dtype_err
         assert op_err and "op=MAX" in op_err and "op=SUM" in op_err
         assert "group 't'" in size_err
+        # A layout digest ("sizes #...") comes with what this rank passed.
+        assert gather_err and "sizes #" in gather_err, gather_err
+        own = (3 if out["rank"] == 1 else 2, 5)
+        assert f"this rank passed: float32 tensor of shape {own}" in gather_err, gather_err
         assert out["after"] == [float(world_size)] * 3  # still usable afterwards
 
 
@@ -437,9 +441,14 @@ def mismatch(rank: int, world_size: int) -> dict[str, Any]:
         seen.append(None)
     except CollectiveMismatch as e:
         seen.append(str(e))
+    try:  # all_gather's sizes travel as a digest
+        comm.all_gather(torch.ones(3 if rank == 1 else 2, 5), 0)
+        seen.append(None)
+    except CollectiveMismatch as e:
+        seen.append(str(e))
     after = comm.all_reduce(torch.ones(3)).tolist()
     comm.destroy()
-    return {"errors": seen, "after": after}
+    return {"errors": seen, "after": after, "rank": rank}
 
 
 def fallbacks(rank: int, world_size: int) -> dict[str, Any]:
