@@ -16,20 +16,25 @@ Baselines:
   from rank 0; the ack comes back with ``broadcast_object_list`` from the
   reader (1 reader) or ``gather_object`` to rank 0 (several readers).
 * :class:`ZmqPickleDriver`: ``pickle.dumps`` over a pyzmq ``ipc://`` PUB/SUB,
-  acks over PUSH/PULL -- what a hand-rolled broadcaster usually does.
+  acks over PUSH/PULL -- what a hand-rolled broadcaster usually does. Its
+  sockets are files in a fresh private directory (``0700``, see
+  :mod:`shm_broadcast.channel_dirs`), so only this user's processes can
+  connect; commands and acks are raw bytes, and only the measured payloads
+  are pickled, between the bench's own processes.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import secrets
+import struct
 import time
 from datetime import timedelta
 from typing import Any
 
 import zmq
 
+from shm_broadcast.channel_dirs import new_channel_dir, remove_channel_dir
 from shm_broadcast.launcher import free_port, stop_ranks
 
 __all__ = ["GlooDriver", "ZmqPickleDriver"]
@@ -143,6 +148,9 @@ class GlooDriver:
 
 
 # ------------------------------------------------------------------------ zmq
+_CMD = struct.Struct("<4sq")  # command (b"sync", b"rt\0\0", b"strm", b"stop"), count
+
+
 def _zmq_reader(pub_addr: str, pull_addr: str, rank: int) -> None:
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -157,21 +165,20 @@ def _zmq_reader(pub_addr: str, pull_addr: str, rank: int) -> None:
     synced = False
     try:
         while True:
-            cmd = pickle.loads(sub.recv())
-            if cmd[0] == "sync":
+            cmd, n = _CMD.unpack(sub.recv())
+            if cmd == b"sync":
                 if not synced:
-                    push.send(pickle.dumps(("hello", rank)))
+                    push.send(struct.pack("<q", rank))
                     synced = True
                 continue
-            if cmd[0] == "stop":
+            if cmd == b"stop":
                 break
-            n = cmd[1]
             for _ in range(n):
-                pickle.loads(sub.recv())
-                if cmd[0] == "rt":
-                    push.send(pickle.dumps(1))
-            if cmd[0] == "stream":
-                push.send(pickle.dumps(1))
+                pickle.loads(sub.recv())  # the measured decode; the socket is private
+                if cmd == b"rt\0\0":
+                    push.send(b"1")
+            if cmd == b"strm":
+                push.send(b"1")
     finally:
         sub.close(0)
         push.close(0)
@@ -197,8 +204,9 @@ class ZmqPickleDriver:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.RCVHWM, 0)
-        tag = f"{os.getpid()}_{secrets.token_hex(4)}"
-        pub_addr, pull_addr = f"ipc://@gc_bench_{tag}_pub", f"ipc://@gc_bench_{tag}_pull"
+        self._dir = new_channel_dir()  # private: no other user reaches these sockets
+        pub_addr = f"ipc://{os.path.join(self._dir, 'w')}"
+        pull_addr = f"ipc://{os.path.join(self._dir, 'p')}"
         self._pull.setsockopt(zmq.RCVTIMEO, _ZMQ_RECV_TIMEOUT_MS)
         self._pub.bind(pub_addr)
         self._pull.bind(pull_addr)
@@ -212,48 +220,55 @@ class ZmqPickleDriver:
             self.close()
             raise
 
+    @property
+    def socket_dir(self) -> str:
+        """The private directory holding the driver's two sockets."""
+        return self._dir
+
     def _sync(self) -> None:
         seen: set[int] = set()
         deadline = time.monotonic() + 60
         while len(seen) < self._n:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"zmq baseline readers did not connect; seen {sorted(seen)}")
-            self._pub.send(pickle.dumps(("sync", 0)))
+            self._pub.send(_CMD.pack(b"sync", 0))
             if self._pull.poll(20):
-                seen.add(pickle.loads(self._pull.recv())[1])
+                (rank,) = struct.unpack("<q", self._pull.recv())
+                seen.add(rank)
 
     def rt(self, obj: Any, n: int) -> list[float]:
         """``n`` round trips of ``obj`` (seconds each)."""
         pub, pull, readers = self._pub, self._pull, self._n
-        pub.send(pickle.dumps(("rt", n)))
+        pub.send(_CMD.pack(b"rt\0\0", n))
         out = []
         for _ in range(n):
             t0 = time.perf_counter()
             pub.send(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
             for _ in range(readers):
-                pickle.loads(pull.recv())
+                pull.recv()
             out.append(time.perf_counter() - t0)
         return out
 
     def stream(self, obj: Any, n: int) -> float:
         """Seconds to deliver ``n`` messages to every reader."""
         pub, pull = self._pub, self._pull
-        pub.send(pickle.dumps(("stream", n)))
+        pub.send(_CMD.pack(b"strm", n))
         t0 = time.perf_counter()
         for _ in range(n):
             pub.send(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         for _ in range(self._n):
-            pickle.loads(pull.recv())
+            pull.recv()
         return time.perf_counter() - t0
 
     def close(self) -> None:
         """Stop the readers and close the sockets."""
         try:
             if not self._pub.closed:
-                self._pub.send(pickle.dumps(("stop", 0)))
+                self._pub.send(_CMD.pack(b"stop", 0))
                 time.sleep(0.05)
         finally:
             _reap(self._procs)
             self._pub.close(0)
             self._pull.close(0)
             self._ctx.term()
+            remove_channel_dir(self._dir)

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 import select
 import socket
 import struct
-import sys
-import tempfile
 import time
 from typing import Any
+
+from shm_broadcast.channel_dirs import new_channel_dir, remove_channel_dir
 
 __all__ = ["wake_gaps", "busy_wait", "bare_wake_latencies"]
 
@@ -49,11 +48,10 @@ def busy_wait(seconds: float) -> None:
         pass
 
 
-def _address() -> str:
-    name = f"gc_wake_{os.getpid()}_{secrets.token_hex(4)}"
-    if sys.platform.startswith("linux"):
-        return "\0" + name
-    return os.path.join(tempfile.gettempdir(), name)
+def _address(directory: str) -> str:
+    """The sleeper's socket: a file in a private (``0700``) channel directory,
+    which no other user can send to."""
+    return os.path.join(directory, "r0")
 
 
 def _sleeper(address: str, n: int, results: Any) -> None:
@@ -68,16 +66,14 @@ def _sleeper(address: str, n: int, results: Any) -> None:
         while len(out) < n:
             if poller.poll(1000):
                 now = clock()
-                (sent,) = _STAMP.unpack(sock.recv(64))
+                data = sock.recv(64)
+                if len(data) != _STAMP.size:  # not the bench's timestamp: ignored
+                    continue
+                (sent,) = _STAMP.unpack(data)
                 out.append(now - sent)
         results.put(out)
     finally:
         sock.close()
-        if not address.startswith("\0"):
-            try:
-                os.unlink(address)
-            except OSError:
-                pass
 
 
 def bare_wake_latencies(ctx: Any, gaps: list[float], busy: bool = True) -> list[float]:
@@ -92,7 +88,8 @@ def bare_wake_latencies(ctx: Any, gaps: list[float], busy: bool = True) -> list[
     Returns:
         Seconds from the sender's timestamp to the sleeper's ``poll`` return.
     """
-    address = _address()
+    directory = new_channel_dir()
+    address = _address(directory)
     results = ctx.Queue()
     proc = ctx.Process(target=_sleeper, args=(address, len(gaps), results), daemon=True)
     proc.start()
@@ -116,3 +113,4 @@ def bare_wake_latencies(ctx: Any, gaps: list[float], busy: bool = True) -> list[
             proc.join(5)
         results.close()
         results.join_thread()
+        remove_channel_dir(directory)

@@ -415,6 +415,38 @@ def test_another_user_cannot_reach_the_local_channels(procs):
         mq.close()
 
 
+def _abstract_gc_sockets() -> list[str]:
+    """Abstract Unix sockets named like ours (``@gc_...``) anywhere on the host."""
+    with open("/proc/net/unix") as f:
+        return [line.split()[-1] for line in f.read().splitlines()[1:]
+                if line.split()[-1].startswith("@gc")]
+
+
+@pytest.mark.timeout(120)
+def test_bench_baseline_sockets_are_files_only_this_user_reaches():
+    """``groupcoord bench mq``'s pickle + zmq baseline: its sockets are files in a
+    private directory, not abstract names any local user could connect to (and
+    push a pickle to), and they go away with the driver."""
+    import multiprocessing as mp
+
+    from shm_broadcast.bench.baselines import ZmqPickleDriver
+
+    drv = ZmqPickleDriver(1, mp.get_context("spawn"))
+    try:
+        directory = drv.socket_dir
+        st = os.lstat(directory)
+        assert st.st_mode & 0o777 == 0o700 and st.st_uid == os.geteuid()
+        assert {"p", "w"} <= set(os.listdir(directory))
+        assert _abstract_gc_sockets() == []
+        ids = _nobody()
+        if os.geteuid() == 0 and ids is not None:
+            assert _as_nobody(*ids, directory) == 0  # every attack: PermissionError
+        assert len(drv.rt({"step": 1}, 3)) == 3  # the baseline still measures
+    finally:
+        drv.close()
+    assert not os.path.exists(directory)
+
+
 @pytest.mark.timeout(60)
 def test_channel_directory_does_not_outlive_the_queue():
     mq = MessageQueue(2, 2, [1, 2], name="sec-dir")
