@@ -24,20 +24,25 @@ TP, PP, DP (world)     EP groups
 =====================  =========================================
 
 With DP = 1 the EP group has the TP group's ranks (a group of its own all the
-same: its calls are numbered and signed apart from the TP group's).
+same: its calls are numbered and signed apart from the TP group's). With
+prefill context parallelism the stage's PCP ranks join too (see
+:mod:`coordinator.rank_mesh`).
 """
 
 from __future__ import annotations
 
+from coordinator.rank_mesh import RankMesh
+
 __all__ = ["ep_group_ranks", "ep_rank"]
 
 
-def ep_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
-    """The EP groups (one per pipeline stage, in stage order) of a TP x PP x DP layout."""
-    return [[d * pp * tp + p * tp + t for d in range(dp) for t in range(tp)] for p in range(pp)]
+def ep_group_ranks(tp: int, pp: int, dp: int, pcp: int = 1) -> list[list[int]]:
+    """The EP groups (one per pipeline stage, in stage order) of a TP x PP x DP
+    layout (with prefill context parallelism, DP x PCP x TP ranks per stage)."""
+    return RankMesh(tp=tp, pp=pp, dp=dp, pcp=pcp).ep_groups()
 
 
-def ep_rank(rank: int, tp: int, pp: int) -> int:
-    """Global ``rank``'s rank within its EP group (``d * TP + t``)."""
-    d, t = rank // (pp * tp), rank % tp
-    return d * tp + t
+def ep_rank(rank: int, tp: int, pp: int, pcp: int = 1) -> int:
+    """Global ``rank``'s rank within its EP group (``(d * PCP + c) * TP + t``)."""
+    d, c, t = rank // (pp * pcp * tp), rank // tp % pcp, rank % tp
+    return (d * pcp + c) * tp + t

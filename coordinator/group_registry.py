@@ -19,13 +19,15 @@ __all__ = ["GroupRegistry", "REGISTRY", "get_group_by_name"]
 
 
 class GroupRegistry:
-    """Current world/TP/PP/DP/EP groups plus a name -> group lookup.
+    """Current world/TP/PP/DP/PCP/DCP/EP groups plus a name -> group lookup.
 
     Attributes:
         world: The world group, set by ``init_distributed_environment``.
         tp: The current tensor-parallel group.
         pp: The current pipeline-parallel group.
         dp: The current data-parallel group.
+        pcp: The current prefill-context-parallel group.
+        dcp: The current decode-context-parallel group.
         ep: The current expert-parallel group (None unless expert parallelism is on).
     """
 
@@ -39,6 +41,8 @@ class GroupRegistry:
         self.tp: GroupCoordinator | None = None
         self.pp: GroupCoordinator | None = None
         self.dp: GroupCoordinator | None = None
+        self.pcp: GroupCoordinator | None = None
+        self.dcp: GroupCoordinator | None = None
         self.ep: GroupCoordinator | None = None
         #: The timeout given to ``init_distributed_environment`` (None: not
         #: given); the model-parallel groups inherit it.

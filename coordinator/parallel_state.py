@@ -1,4 +1,4 @@
-"""Process-wide parallel state: the world, TP, PP, DP and EP groups, no config object.
+"""Process-wide parallel state: the world, TP, PP, DP, PCP, DCP and EP groups, no config object.
 
 Typical use in each of N processes (under ``torchrun`` or any spawner)::
 
@@ -17,7 +17,8 @@ groups are [0, 1] and [2, 3], the PP groups [0, 2] and [1, 3].
 
 With ``enable_expert_parallel=True`` an expert-parallel group spans the
 DP x TP ranks of each pipeline stage, ``ep_rank = dp * TP + tp`` (vLLM's
-layout; see :mod:`coordinator.expert_parallel`).
+layout; see :mod:`coordinator.expert_parallel`). Prefill and decode context
+parallelism (PCP, DCP) follow vLLM too: :mod:`coordinator.rank_mesh`.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from coordinator.errors import NotInitializedError
-from coordinator.expert_parallel import ep_group_ranks
 from coordinator.group_setup import check_backend
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
 from coordinator.group_registry import REGISTRY
+from coordinator.rank_mesh import RankMesh
 from coordinator.world_init import (
     check_init_method,
     check_local_rank,
@@ -63,6 +64,13 @@ __all__ = [
     "get_pp_group",
     "get_dp_group",
     "get_ep_group",
+    "get_pcp_group",
+    "get_dcp_group",
+    "get_context_model_parallel_group",
+    "get_decode_context_model_parallel_world_size",
+    "get_decode_context_model_parallel_rank",
+    "get_prefill_context_model_parallel_world_size",
+    "get_prefill_context_model_parallel_rank",
     "get_tensor_model_parallel_world_size",
     "get_tensor_model_parallel_rank",
     "get_pipeline_model_parallel_world_size",
@@ -184,8 +192,11 @@ def initialize_model_parallel(
     *,
     allow_pickle: bool | None = None,
     enable_expert_parallel: bool = False,
+    prefill_context_model_parallel_size: int = 1,
+    decode_context_model_parallel_size: int | None = 1,
 ) -> None:
-    """Create the TP, PP and DP groups, and the EP group when asked (collective over the world).
+    """Create the TP, PP, DP, PCP and DCP groups, and the EP group when asked
+    (collective over the world). The layout: :mod:`coordinator.rank_mesh`.
 
     Args:
         tensor_model_parallel_size: TP size.
@@ -198,30 +209,44 @@ def initialize_model_parallel(
         enable_expert_parallel: Also create the expert-parallel group: the
             DP x TP ranks of this rank's pipeline stage, ``ep_rank = dp * TP + tp``
             (:mod:`coordinator.expert_parallel`); :func:`get_ep_group` returns it.
+        prefill_context_model_parallel_size: PCP size (vLLM's prefill context
+            parallelism): PCP groups of ranks that differ only in their PCP
+            coordinate; it multiplies the world size like the others.
+        decode_context_model_parallel_size: DCP size (None: 1), which must
+            divide the TP size: each TP group splits into groups of this many
+            consecutive ranks, adding no processes.
 
     Raises:
-        TypeError: ``allow_pickle`` is not a bool or None, or
-            ``enable_expert_parallel`` is not a bool.
+        TypeError: A size is not an int, ``allow_pickle`` is not a bool or
+            None, or ``enable_expert_parallel`` is not a bool.
         NotInitializedError: :func:`init_distributed_environment` was not called.
-        ValueError: The sizes do not multiply to the world size.
+        ValueError: A size is below 1, the sizes do not multiply to the world
+            size, or the DCP size does not divide the TP size.
         RuntimeError: Model parallel groups already exist.
     """
     tp = _int_arg(tensor_model_parallel_size, "tensor_model_parallel_size")
     pp = _int_arg(pipeline_model_parallel_size, "pipeline_model_parallel_size")
     dp = _int_arg(data_parallel_size, "data_parallel_size")
+    pcp = _int_arg(prefill_context_model_parallel_size, "prefill_context_model_parallel_size")
+    dcp = _int_arg(1 if decode_context_model_parallel_size is None
+                   else decode_context_model_parallel_size, "decode_context_model_parallel_size")
     if allow_pickle is not None and not isinstance(allow_pickle, bool):
         raise TypeError(f"allow_pickle must be a bool or None, got {type(allow_pickle).__name__}")
     if not isinstance(enable_expert_parallel, bool):
         raise TypeError("enable_expert_parallel must be a bool, got "
                         f"{type(enable_expert_parallel).__name__}")
     world = get_world_group()
-    for name, size in (("tensor", tp), ("pipeline", pp), ("data", dp)):
+    for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                       ("data_parallel_size", dp), ("prefill_context_model_parallel_size", pcp),
+                       ("decode_context_model_parallel_size", dcp)):
         if size < 1:
-            raise ValueError(f"{name}_model_parallel_size must be >= 1, got {size}")
-    if tp * pp * dp != world.world_size:
+            raise ValueError(f"{name} must be >= 1, got {size}")
+    mesh = RankMesh(tp=tp, pp=pp, dp=dp, pcp=pcp, dcp=dcp)
+    if mesh.world_size != world.world_size:
+        context = f" x prefill context ({pcp})" if pcp > 1 else ""
         raise ValueError(
-            f"tensor ({tp}) x pipeline ({pp}) x data ({dp}) parallel sizes = {tp * pp * dp} "
-            f"must equal the world size {world.world_size}"
+            f"tensor ({tp}) x pipeline ({pp}){context} x data ({dp}) parallel sizes = "
+            f"{mesh.world_size} must equal the world size {world.world_size}"
         )
     if model_parallel_is_initialized():
         raise RuntimeError(
@@ -230,21 +255,30 @@ def initialize_model_parallel(
         )
     backend = (str(dist.get_backend(world.device_group)) if backend is None
                else check_backend(backend, "backend"))
-    local_rank = world.local_rank
-    tp_groups = [[d * pp * tp + p * tp + t for t in range(tp)] for d in range(dp) for p in range(pp)]
-    pp_groups = [[d * pp * tp + p * tp + t for p in range(pp)] for d in range(dp) for t in range(tp)]
-    dp_groups = [[d * pp * tp + p * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)]
-    kw = {"timeout": REGISTRY.timeout,
+    _create_groups(mesh, world, backend, allow_pickle, enable_expert_parallel)
+
+
+def _create_groups(mesh: RankMesh, world: GroupCoordinator, backend: str,
+                   allow_pickle: bool | None, enable_expert_parallel: bool) -> None:
+    """Create and register the model-parallel groups of ``mesh``, in one order on
+    every rank. If one fails, those already made are destroyed."""
+    kw = {"timeout": REGISTRY.timeout, "use_device_communicator": True,
           "allow_pickle": world.allow_pickle if allow_pickle is None else allow_pickle}
-    REGISTRY.tp = GroupCoordinator(tp_groups, local_rank, backend, use_device_communicator=True,
-                                   use_message_queue_broadcaster=True, group_name="tp", **kw)
-    REGISTRY.pp = GroupCoordinator(pp_groups, local_rank, backend, use_device_communicator=True,
-                                   group_name="pp", **kw)
-    REGISTRY.dp = GroupCoordinator(dp_groups, local_rank, backend, use_device_communicator=True,
-                                   group_name="dp", **kw)
+    plan: list[tuple[str, list[list[int]], dict[str, Any]]] = [
+        ("tp", mesh.tp_groups(), {"use_message_queue_broadcaster": True}),
+        ("pp", mesh.pp_groups(), {}), ("dp", mesh.dp_groups(), {}),
+        ("pcp", mesh.pcp_groups(), {}), ("dcp", mesh.dcp_groups(), {}),
+    ]
     if enable_expert_parallel:
-        REGISTRY.ep = GroupCoordinator(ep_group_ranks(tp, pp, dp), local_rank, backend,
-                                       use_device_communicator=True, group_name="ep", **kw)
+        plan.append(("ep", mesh.ep_groups(), {}))
+    try:
+        for attr, group_ranks, extra in plan:
+            group = GroupCoordinator(group_ranks, world.local_rank, backend,
+                                     group_name=attr, **kw, **extra)
+            setattr(REGISTRY, attr, group)
+    except BaseException:
+        destroy_model_parallel()
+        raise
 
 
 def ensure_model_parallel_initialized(
@@ -254,6 +288,8 @@ def ensure_model_parallel_initialized(
     backend: str | None = None,
     *,
     enable_expert_parallel: bool | None = None,
+    prefill_context_model_parallel_size: int = 1,
+    decode_context_model_parallel_size: int | None = 1,
 ) -> None:
     """Initialise model parallel groups unless they exist; if they do, check the sizes.
 
@@ -266,15 +302,21 @@ def ensure_model_parallel_initialized(
     """
     sizes = (_int_arg(tensor_model_parallel_size, "tensor_model_parallel_size"),
              _int_arg(pipeline_model_parallel_size, "pipeline_model_parallel_size"),
-             _int_arg(data_parallel_size, "data_parallel_size"))
+             _int_arg(data_parallel_size, "data_parallel_size"),
+             _int_arg(prefill_context_model_parallel_size, "prefill_context_model_parallel_size"),
+             _int_arg(1 if decode_context_model_parallel_size is None
+                      else decode_context_model_parallel_size,
+                      "decode_context_model_parallel_size"))
     if enable_expert_parallel is not None and not isinstance(enable_expert_parallel, bool):
         raise TypeError("enable_expert_parallel must be a bool or None, got "
                         f"{type(enable_expert_parallel).__name__}")
     if backend is not None:
         check_backend(backend, "backend")
     if not model_parallel_is_initialized():
-        initialize_model_parallel(*sizes, backend,
-                                  enable_expert_parallel=bool(enable_expert_parallel))
+        initialize_model_parallel(*sizes[:3], backend,
+                                  enable_expert_parallel=bool(enable_expert_parallel),
+                                  prefill_context_model_parallel_size=sizes[3],
+                                  decode_context_model_parallel_size=sizes[4])
         return
     if enable_expert_parallel is not None and enable_expert_parallel != (REGISTRY.ep is not None):
         have_ep = "has" if REGISTRY.ep is not None else "has no"
@@ -283,12 +325,12 @@ def ensure_model_parallel_initialized(
             f"enable_expert_parallel={enable_expert_parallel} was requested; call "
             f"destroy_model_parallel() first to change that"
         )
-    have = (get_tp_group().world_size, get_pp_group().world_size, get_dp_group().world_size)
-    want = sizes
-    if have != want:
+    have = tuple(g.world_size for g in (get_tp_group(), get_pp_group(), get_dp_group(),
+                                          get_pcp_group(), get_dcp_group()))
+    if have != sizes:
         raise ValueError(
-            f"model parallel groups exist with (tp, pp, dp) = {have}, but {want} was requested; "
-            f"call destroy_model_parallel() first to change them"
+            f"model parallel groups exist with (tp, pp, dp, pcp, dcp) = {have}, but {sizes} "
+            f"was requested; call destroy_model_parallel() first to change them"
         )
 
 
@@ -326,8 +368,23 @@ def get_dp_group() -> GroupCoordinator:
     return _need(REGISTRY.dp, "data parallel", _MP_HOW)
 
 
+def get_pcp_group() -> GroupCoordinator:
+    """The prefill-context-parallel group of this process (size 1 unless asked for)."""
+    return _need(REGISTRY.pcp, "prefill context parallel", _MP_HOW)
+
+
+def get_dcp_group() -> GroupCoordinator:
+    """The decode-context-parallel group of this process: consecutive ranks of its
+    TP group (size 1 unless asked for)."""
+    return _need(REGISTRY.dcp, "decode context model parallel", _MP_HOW)
+
+
+#: vLLM's older name of :func:`get_dcp_group`.
+get_context_model_parallel_group = get_dcp_group
+
+
 def get_ep_group() -> GroupCoordinator:
-    """The expert-parallel group of this process (the DP x TP ranks of its stage).
+    """The expert-parallel group of this process (the DP x PCP x TP ranks of its stage).
 
     Raises:
         NotInitializedError: Model parallel groups do not exist yet, or were
@@ -369,9 +426,29 @@ def get_pipeline_model_parallel_rank() -> int:
     return get_pp_group().rank_in_group
 
 
+def get_decode_context_model_parallel_world_size() -> int:
+    """Size of the DCP group."""
+    return get_dcp_group().world_size
+
+
+def get_decode_context_model_parallel_rank() -> int:
+    """This process's rank in its DCP group."""
+    return get_dcp_group().rank_in_group
+
+
+def get_prefill_context_model_parallel_world_size() -> int:
+    """Size of the PCP group."""
+    return get_pcp_group().world_size
+
+
+def get_prefill_context_model_parallel_rank() -> int:
+    """This process's rank in its PCP group."""
+    return get_pcp_group().rank_in_group
+
+
 def destroy_model_parallel() -> None:
-    """Destroy the TP, PP, DP and EP groups (no-op if absent)."""
-    for attr in ("tp", "pp", "dp", "ep"):
+    """Destroy the TP, PP, DP, PCP, DCP and EP groups (no-op if absent)."""
+    for attr in ("tp", "pp", "dp", "pcp", "dcp", "ep"):
         g = getattr(REGISTRY, attr)
         setattr(REGISTRY, attr, None)
         if g is not None:

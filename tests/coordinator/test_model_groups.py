@@ -60,7 +60,8 @@ def run_world_and_model_groups(rank: int, world_size: int) -> dict[str, Any]:
     groups = ps.get_all_model_groups()
     out["groups"] = [g.unique_name.split(":")[0] for g in groups]
     out["same"] = [a is b for a, b in zip(groups, (ps.get_tp_group(), ps.get_pp_group(),
-                                                   ps.get_dp_group()))]
+                                                   ps.get_dp_group(), ps.get_pcp_group(),
+                                                   ps.get_dcp_group()), strict=True)]
     ps.prepare_communication_buffer_for_model(torch.nn.Linear(4, 4))
     whole = init_world_group(list(range(world_size)), rank, "gloo")
     try:
@@ -85,7 +86,7 @@ def test_world_and_model_groups(dist_pool) -> None:
     outs = dist_pool(4).run(run_world_and_model_groups, timeout=90)
     for out in outs:
         assert out["nodes"] == 1 and out["groups_before"] == [], out
-        assert out["groups"] == ["tp", "pp", "dp"] and all(out["same"]), out
+        assert out["groups"] == ["tp", "pp", "dp", "pcp", "dcp"] and all(out["same"]), out
         assert out["whole"] == [4.0, 4.0] and out["whole_comm"], out
         assert out["split_nodes"] == 2, out
 

@@ -25,44 +25,83 @@ from tests.coordinator.rank_checks import (
     ref_reduce,
 )
 
-LAYOUTS = [(2, 2, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)]
+# (tp, pp, dp, pcp, dcp) at world size 4
+LAYOUTS = [(2, 2, 1, 1, 1), (4, 1, 1, 1, 1), (1, 4, 1, 1, 1), (2, 1, 2, 1, 1), (1, 2, 2, 1, 1),
+           (2, 1, 1, 2, 1), (4, 1, 1, 1, 2), (2, 1, 1, 2, 2)]
+KINDS = ("tp", "pp", "dp", "pcp", "dcp")
 
 
-def _expected_groups(tp: int, pp: int, dp: int) -> dict[str, list[list[int]]]:
-    """Groups of the DP x PP x TP layout (TP fastest), derived rank by rank."""
-    coords = {r: (r // (tp * pp), (r // tp) % pp, r % tp) for r in range(tp * pp * dp)}
+def _expected_groups(tp: int, pp: int, dp: int, pcp: int = 1,
+                     dcp: int = 1) -> dict[str, list[list[int]]]:
+    """Groups of the DP x PP x PCP x TP layout (TP fastest), derived rank by rank:
+    each group holds the ranks that share every other coordinate; DCP groups
+    share everything but a run of ``dcp`` consecutive TP coordinates."""
+    world = tp * pp * dp * pcp
+    coords = {r: (r // (tp * pcp * pp), r // (tp * pcp) % pp, r // tp % pcp, r % tp)
+              for r in range(world)}
 
     def groups(key) -> list[list[int]]:
         out: dict = {}
-        for r, c in coords.items():
-            out.setdefault(key(c), []).append(r)
+        for r, (d, p, c, t) in coords.items():
+            out.setdefault(key(d, p, c, t), []).append(r)
         return sorted(out.values())
 
     return {
-        "tp": groups(lambda c: (c[0], c[1])),  # same dp, pp
-        "pp": groups(lambda c: (c[0], c[2])),  # same dp, tp
-        "dp": groups(lambda c: (c[1], c[2])),  # same pp, tp
+        "tp": groups(lambda d, p, c, t: (d, p, c)),
+        "pp": groups(lambda d, p, c, t: (d, c, t)),
+        "dp": groups(lambda d, p, c, t: (p, c, t)),
+        "pcp": groups(lambda d, p, c, t: (d, p, t)),
+        "dcp": groups(lambda d, p, c, t: (d, p, c, t // dcp)),
+        "ep": groups(lambda d, p, c, t: p),
     }
 
 
 def test_expected_groups_helper_matches_the_documented_example():
     # parallel_state's docstring: TP=2, PP=2 -> TP [0,1],[2,3]; PP [0,2],[1,3].
-    assert _expected_groups(2, 2, 1) == {"tp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]],
-                                         "dp": [[0], [1], [2], [3]]}
+    want = _expected_groups(2, 2, 1)
+    assert (want["tp"], want["pp"], want["dp"]) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]],
+                                                    [[0], [1], [2], [3]])
+    # rank_mesh's table: TP=2, PCP=2 -> PCP [0, 2], [1, 3]; DCP=2 -> [0, 1], [2, 3].
+    assert _expected_groups(2, 1, 1, 2, 2)["pcp"] == [[0, 2], [1, 3]]
+    assert _expected_groups(2, 1, 1, 2, 2)["dcp"] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 2, 1, 1), (2, 1, 2, 2, 2), (4, 2, 1, 1, 2),
+                                    (3, 2, 2, 2, 3), (6, 1, 1, 2, 3), (1, 3, 1, 2, 1)],
+                         ids=lambda l: "tp{}-pp{}-dp{}-pcp{}-dcp{}".format(*l))
+def test_rank_mesh_matches_the_derived_groups(layout):
+    from coordinator.rank_mesh import RankMesh
+
+    tp, pp, dp, pcp, dcp = layout
+    mesh, want = RankMesh(tp=tp, pp=pp, dp=dp, pcp=pcp, dcp=dcp), _expected_groups(*layout)
+    for kind in (*KINDS, "ep"):
+        assert sorted(getattr(mesh, f"{kind}_groups")()) == want[kind], kind
+
+
+@pytest.mark.parametrize("sizes,words", [(dict(tp=4, dcp=3), "divide"), (dict(tp=0), "tp"),
+                                         (dict(pcp=2.0), "pcp"), (dict(dcp=True), "dcp")])
+def test_rank_mesh_refuses_bad_sizes(sizes, words):
+    from coordinator.rank_mesh import RankMesh
+
+    with pytest.raises(ValueError, match=words):
+        RankMesh(**sizes)
 
 
 @pytest.mark.timeout(180)
 def test_layouts_at_world_size_4(dist_pool):
     results = dist_pool(4).run(run_layouts, LAYOUTS, timeout=150)
-    for i, (tp, pp, dp) in enumerate(LAYOUTS):
-        want = _expected_groups(tp, pp, dp)
+    for i, layout in enumerate(LAYOUTS):
+        want = _expected_groups(*layout)
+        tp, pp, dp, pcp, dcp = layout
         for rank, per_rank in enumerate(results):
             rec = per_rank[i]
-            for kind in ("tp", "pp", "dp"):
+            for kind in KINDS:
                 mine = next(g for g in want[kind] if rank in g)
-                assert rec[kind] == mine, f"{(tp, pp, dp)} rank {rank} {kind}: {rec[kind]} != {mine}"
+                assert rec[kind] == mine, f"{layout} rank {rank} {kind}: {rec[kind]} != {mine}"
             my_pp = next(g for g in want["pp"] if rank in g)
-            assert rec["getters"] == (tp, rank % tp, pp, my_pp.index(rank)), rec
+            my_pcp = next(g for g in want["pcp"] if rank in g)
+            assert rec["getters"] == (tp, rank % tp, pp, my_pp.index(rank), pcp,
+                                      my_pcp.index(rank), dcp, rank % tp % dcp), rec
 
 
 @pytest.mark.timeout(120)
@@ -242,21 +281,32 @@ def test_group_coordinator_bad_arguments_name_them(dist_pool):
 
 
 # ---------------------------------------------------------------------- parallel state
-def run_layouts(rank: int, world_size: int, configs: list[tuple[int, int, int]]) -> list[dict]:
-    """Initialise, inspect, use and destroy model parallelism for each (tp, pp, dp)."""
+def run_layouts(rank: int, world_size: int,
+                configs: list[tuple[int, int, int, int, int]]) -> list[dict]:
+    """Initialise, inspect, use and destroy model parallelism for each
+    (tp, pp, dp, pcp, dcp)."""
     from coordinator import NotInitializedError
     from coordinator import parallel_state as ps
 
     out = []
-    for tp, pp, dp in configs:
+    for tp, pp, dp, pcp, dcp in configs:
         assert not ps.model_parallel_is_initialized()
-        ps.initialize_model_parallel(tp, pp, dp)
+        cp = {"prefill_context_model_parallel_size": pcp,
+              "decode_context_model_parallel_size": dcp}
+        ps.initialize_model_parallel(tp, pp, dp, **cp)
         assert ps.model_parallel_is_initialized()
-        groups = {"tp": ps.get_tp_group(), "pp": ps.get_pp_group(), "dp": ps.get_dp_group()}
+        groups = {"tp": ps.get_tp_group(), "pp": ps.get_pp_group(), "dp": ps.get_dp_group(),
+                  "pcp": ps.get_pcp_group(), "dcp": ps.get_dcp_group()}
+        assert ps.get_context_model_parallel_group() is groups["dcp"]
+        assert ps.get_all_model_groups() == list(groups.values())
         rec: dict[str, Any] = {k: list(g.ranks) for k, g in groups.items()}
         rec["getters"] = (
             ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
             ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+            ps.get_prefill_context_model_parallel_world_size(),
+            ps.get_prefill_context_model_parallel_rank(),
+            ps.get_decode_context_model_parallel_world_size(),
+            ps.get_decode_context_model_parallel_rank(),
         )
         # Each group really connects the ranks it lists.
         for k, g in groups.items():
@@ -265,11 +315,16 @@ def run_layouts(rank: int, world_size: int, configs: list[tuple[int, int, int]])
             gathered = g.all_gather(torch.tensor([rank]), 0)
             assert gathered.tolist() == list(g.ranks), f"{k}: gathered {gathered.tolist()}"
         # ensure_...: a no-op with the same sizes, an error with others.
-        ps.ensure_model_parallel_initialized(tp, pp, dp)
+        ps.ensure_model_parallel_initialized(tp, pp, dp, **cp)
         assert ps.get_tp_group() is groups["tp"], "ensure_model_parallel_initialized rebuilt groups"
         other = (pp, tp, dp) if tp != pp else (tp * dp, pp, 1) if dp > 1 else (1, pp * tp, 1)
         expect_raises("ensure/other-sizes", ValueError,
-                      lambda: ps.ensure_model_parallel_initialized(*other), "destroy_model_parallel")
+                      lambda: ps.ensure_model_parallel_initialized(*other, **cp),
+                      "destroy_model_parallel")
+        if pcp > 1 or dcp > 1:  # the context-parallel sizes count too
+            expect_raises("ensure/other-cp-sizes", ValueError,
+                          lambda: ps.ensure_model_parallel_initialized(tp, pp, dp),
+                          "destroy_model_parallel", "pcp, dcp")
         for bad, word in (((float(tp), pp), "tensor_model_parallel_size"),
                           ((tp, pp, dp, 5), "backend"),
                           ((True, pp), "tensor_model_parallel_size")):
@@ -279,7 +334,7 @@ def run_layouts(rank: int, world_size: int, configs: list[tuple[int, int, int]])
                       lambda: ps.ensure_model_parallel_initialized(
                           tp, pp, dp, enable_expert_parallel="no"), "enable_expert_parallel")
         expect_raises("init-twice", RuntimeError,
-                      lambda: ps.initialize_model_parallel(tp, pp, dp), "already")
+                      lambda: ps.initialize_model_parallel(tp, pp, dp, **cp), "already")
         ps.destroy_model_parallel()
         assert not ps.model_parallel_is_initialized()
         expect_raises("after-destroy", NotInitializedError, ps.get_tp_group, "initialize_model_parallel")
@@ -297,8 +352,17 @@ def run_layouts(rank: int, world_size: int, configs: list[tuple[int, int, int]])
         ((1, -1, 1), ValueError, ("pipeline_model_parallel_size",)),
         (("2", 1, 1), TypeError, ("tensor_model_parallel_size",)),
         ((1, 1, 2.0), TypeError, ("data_parallel_size",)),
+        ((world_size, 1, 1, {"prefill_context_model_parallel_size": 2}), ValueError,
+         ("world size", "prefill context")),  # PCP multiplies the world size
+        ((world_size, 1, 1, {"decode_context_model_parallel_size": 3}), ValueError, ("divide",)),
+        ((world_size, 1, 1, {"prefill_context_model_parallel_size": 0}), ValueError,
+         ("prefill_context_model_parallel_size",)),
+        ((world_size, 1, 1, {"decode_context_model_parallel_size": "2"}), TypeError,
+         ("decode_context_model_parallel_size",)),
     ):
-        expect_raises(f"sizes{args}", exc, lambda: ps.initialize_model_parallel(*args), *words)
+        kw = args[-1] if isinstance(args[-1], dict) else {}
+        pos = args[:-1] if kw else args
+        expect_raises(f"sizes{args}", exc, lambda: ps.initialize_model_parallel(*pos, **kw), *words)
         assert not ps.model_parallel_is_initialized()
     return out
 

@@ -1,0 +1,93 @@
+"""The rank layout of the model-parallel groups: DP x PP x PCP x TP, TP fastest.
+
+Global rank ``r`` of a world of ``DP * PP * PCP * TP`` processes sits at mesh
+coordinates ``(d, p, c, t)`` with::
+
+    r = ((d * PP + p) * PCP + c) * TP + t
+
+Each parallel dimension's groups hold the ranks that differ only in that
+coordinate (vLLM's layout: ``arange(world).reshape(DP, PP, PCP, TP)``):
+
+=====  ======================================  ==================================
+group  varies                                  example, TP=2 PCP=2 (world 4)
+=====  ======================================  ==================================
+TP     ``t``                                   [0, 1], [2, 3]
+PCP    ``c`` (prefill context parallel)        [0, 2], [1, 3]
+PP     ``p``                                   [0], [1], [2], [3]
+DP     ``d``                                   [0], [1], [2], [3]
+DCP    a run of ``DCP`` consecutive TP ranks   DCP=2: [0, 1], [2, 3]
+EP     ``d``, ``c`` and ``t`` (one per stage)  [0, 1, 2, 3]
+=====  ======================================  ==================================
+
+Decode context parallelism adds no processes: it splits each TP group into
+``TP / DCP`` groups of consecutive ranks, so ``DCP`` must divide ``TP``. The
+expert-parallel group of stage ``p`` lists its ``DP * PCP * TP`` ranks in
+global order (``ep_rank = (d * PCP + c) * TP + t``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+__all__ = ["RankMesh"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMesh:
+    """Sizes of the parallel dimensions; each ``*_groups`` lists that dimension's
+    groups (every rank in exactly one), each group in ascending rank order."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    pcp: int = 1
+    dcp: int = 1
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field.name} size must be an int >= 1, got {value!r}")
+        if self.tp % self.dcp:
+            raise ValueError(
+                f"the decode context parallel size ({self.dcp}) must divide the tensor "
+                f"parallel size ({self.tp}): DCP groups split each TP group")
+
+    @property
+    def world_size(self) -> int:
+        """Processes the layout needs (DCP adds none)."""
+        return self.dp * self.pp * self.pcp * self.tp
+
+    def rank(self, d: int, p: int, c: int, t: int) -> int:
+        """Global rank at mesh coordinates ``(d, p, c, t)``."""
+        return ((d * self.pp + p) * self.pcp + c) * self.tp + t
+
+    def tp_groups(self) -> list[list[int]]:
+        return self._along("t")
+
+    def pp_groups(self) -> list[list[int]]:
+        return self._along("p")
+
+    def dp_groups(self) -> list[list[int]]:
+        return self._along("d")
+
+    def pcp_groups(self) -> list[list[int]]:
+        return self._along("c")
+
+    def dcp_groups(self) -> list[list[int]]:
+        return [g[i:i + self.dcp] for g in self.tp_groups() for i in range(0, self.tp, self.dcp)]
+
+    def ep_groups(self) -> list[list[int]]:
+        """One group per pipeline stage: its DP x PCP x TP ranks."""
+        return [sorted(self.rank(d, p, c, t) for d, c, t in itertools.product(
+            range(self.dp), range(self.pcp), range(self.tp))) for p in range(self.pp)]
+
+    def _along(self, axis: str) -> list[list[int]]:
+        """The groups of ranks that differ only in coordinate ``axis`` (one of
+        ``"dpct"``), ordered by the other coordinates, outermost first."""
+        sizes = (self.dp, self.pp, self.pcp, self.tp)
+        k = "dpct".index(axis)
+        rest = (range(n) for i, n in enumerate(sizes) if i != k)
+        return [[self.rank(*fixed[:k], i, *fixed[k:]) for i in range(sizes[k])]
+                for fixed in itertools.product(*rest)]
