@@ -71,6 +71,7 @@ from coordinator.errors import AuthenticationError, CommTimeout, StoreConnection
 from coordinator.group_secret import SECRET_ENV, remove_quietly, secret_plan
 from coordinator.store_sealing import NONCE_BYTES, Sealer, session_tag
 from shm_broadcast.checks import check_bool, check_int, check_rank, check_timeout
+from shm_broadcast.tcp_store import client_store, master_store
 from shm_broadcast.group_adapter import (
     decode_object,
     encode_failure,
@@ -471,28 +472,14 @@ def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float
     """Rank 0: a TCPStore listening on ``host:port`` only; others: a client of it."""
     td = datetime.timedelta(seconds=timeout)
     if rank != 0:
-        return dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=False,
-                             timeout=td, wait_for_workers=False)
-    import socket
-
+        return client_store(host, port, world_size, td)
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.create_server((host, port), family=family, backlog=512)
+        return master_store(host, port, world_size, td)
     except OSError as e:
         raise StoreConnectionError(
             f"rank 0 cannot listen on {host}:{port} for its stateless group's store: "
             f"{e.strerror or e} (errno {e.errno}); pick a free port or an address of this host"
         ) from e
-    fd = sock.detach()  # the store owns (and closes) the listening socket from here
-    try:
-        return dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=True,
-                             timeout=td, wait_for_workers=False, master_listen_fd=fd)
-    except BaseException:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-        raise
 
 
 def _check_name(name: Any) -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import urllib.parse
 from typing import Any
 
 import torch.distributed as dist
+
+from shm_broadcast.tcp_store import client_store, master_store
 
 __all__ = ["check_init_method", "check_local_rank", "check_same_world", "env_local_rank_of",
            "init_torch_distributed"]
@@ -88,12 +91,53 @@ def init_torch_distributed(world_size: int, rank: int, method: str, backend: str
     if size >= 1 and me != -1 and not 0 <= me < size:
         where = "" if rank >= 0 and world_size >= 1 else " (from RANK / WORLD_SIZE)"
         raise ValueError(f"rank must be in [0, {size}), got {me}{where}")
-    kwargs: dict[str, Any] = {"backend": backend, "init_method": method, "timeout": timeout}
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    store = _rendezvous_store(method, size, me, timeout)
+    if store is not None:  # rank and size are known: tcp:// requires them, env:// set them
+        dist.init_process_group(**kwargs, store=store, world_size=size, rank=me)
+        return
+    kwargs["init_method"] = method
     if world_size >= 1:
         kwargs["world_size"] = world_size
     if rank >= 0:
         kwargs["rank"] = rank
     dist.init_process_group(**kwargs)
+
+
+def _rendezvous_store(method: str, size: int, me: int,
+                      timeout: datetime.timedelta) -> dist.Store | None:
+    """The rendezvous store of ``tcp://host:port`` or ``env://`` (``MASTER_ADDR``,
+    ``MASTER_PORT``), with rank 0's server listening on that address only (torch's
+    own would listen on every interface); None where torch should decide:
+    ``file://``, a launcher's agent store (torchrun), or settings torch
+    reports better itself (a missing variable).
+
+    Raises:
+        StoreConnectionError: Rank 0 cannot listen on the address.
+    """
+    from coordinator.errors import StoreConnectionError
+
+    if size < 1 or me < 0:
+        return None
+    if method.startswith("tcp://"):
+        parsed = urllib.parse.urlparse(method)
+        host, port = parsed.hostname, parsed.port
+    elif method.startswith("env://") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        host, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
+    else:
+        return None
+    if not host or port is None:
+        return None
+    if me != 0:
+        return dist.PrefixStore("default_pg", client_store(host, port, size, timeout))
+    try:
+        server = master_store(host, port, size, timeout)
+    except OSError as e:
+        raise StoreConnectionError(
+            f"rank 0 cannot listen on {host}:{port} (distributed_init_method {method!r}): "
+            f"{e.strerror or e} (errno {e.errno}); pick a free port or an address of this host"
+        ) from e
+    return dist.PrefixStore("default_pg", server)
 
 
 def check_same_world(world: Any, rank: int, local_rank: int, seconds: float | None,

@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
 from shm_broadcast.checks import check_int
+from shm_broadcast.tcp_store import client_store, master_store
 
 __all__ = [
     "RankOutcome",
@@ -253,12 +254,9 @@ def spawn_group(
     Returns:
         One :class:`RankOutcome` per rank, by rank.
     """
-    import torch.distributed as dist
-
     check_int(world_size, "world_size", minimum=1)
     envs = per_rank_env(env, world_size)
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                          wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+    store = master_store("127.0.0.1", 0, world_size + 1, datetime.timedelta(seconds=timeout))
     me = os.getpid()
     procs, conns = start_ranks(
         _spawn_child, world_size,
@@ -310,8 +308,8 @@ def _spawn_child(fn: Callable[..., Any], rank: int, world_size: int, port: int,
     import torch.distributed as dist
 
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout))
+        store = client_store("127.0.0.1", port, world_size + 1,
+                             datetime.timedelta(seconds=timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         msg: tuple[str, Any] = ("ok", fn(rank, world_size, *args))

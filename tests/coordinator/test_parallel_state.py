@@ -223,6 +223,38 @@ def test_a_bad_local_rank_variable_is_named_before_any_setup(uninitialised, monk
     assert not dist.is_initialized()
 
 
+def test_env_rendezvous_store_listens_on_master_addr_only(uninitialised, monkeypatch):
+    """torch's own env:// store would listen on every interface: anyone on the
+    network could delete or overwrite the world's rendezvous keys."""
+    from coordinator.testing import free_port
+    from tests.shm_broadcast.test_tcp_store import listening_on
+
+    port = free_port()
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                 "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    ps.init_distributed_environment(distributed_init_method="env://", timeout=60.0)
+    try:
+        assert listening_on(port) == {"127.0.0.1"}
+        assert ps.get_world_group().all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
+    finally:
+        ps.destroy_distributed_environment()
+
+
+@pytest.mark.timeout(120)
+def test_tcp_rendezvous_store_listens_on_the_given_host_only(dist_pool):
+    got = dist_pool(2).run(run_store_listeners, timeout=90)
+    assert got[0] == {"127.0.0.1"}, got
+
+
+def run_store_listeners(rank: int, world_size: int) -> set[str] | None:
+    """On rank 0 (the store's host; the pool used tcp://127.0.0.1:MASTER_PORT):
+    the addresses its store listens on."""
+    from tests.shm_broadcast.test_tcp_store import listening_on
+
+    return listening_on(int(os.environ["MASTER_PORT"])) if rank == 0 else None
+
+
 # ---------------------------------------------------------------------- on the ranks
 _BAD_GROUP_ARGS = {
     "backend-unknown": ({"torch_distributed_backend": "nosuch"}, ValueError,
