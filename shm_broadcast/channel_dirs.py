@@ -32,11 +32,13 @@ import tempfile
 from dataclasses import dataclass
 
 from shm_broadcast import exit_cleanup, leftovers
+from shm_broadcast.errors import SegmentError
 from shm_broadcast.owner_identity import (
     OwnerIdentity, judge_owner, read_owner_record, write_owner_record)
 
 __all__ = [
     "ChannelDirInfo",
+    "check_private_dir",
     "new_channel_dir",
     "remove_channel_dir",
     "remove_dead_channel_dir",
@@ -89,6 +91,26 @@ def new_channel_dir() -> str:
         remove_channel_dir(path)
         raise
     return path
+
+
+def check_private_dir(path: str) -> None:
+    """``path`` is a directory of this user that no one else may enter (``0700``),
+    not a link: a queue's channel directory, before a reader binds or connects in it.
+
+    Raises:
+        SegmentError: It is missing, or not such a directory (another user may
+            have re-created the name after its writer left).
+    """
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise SegmentError(f"channel directory {path!r} is unusable: {e.strerror}") from e
+    if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid()
+            or stat.S_IMODE(st.st_mode) != 0o700):
+        raise SegmentError(
+            f"channel directory {path!r} is not private to this user (owner uid {st.st_uid}, "
+            f"mode {stat.S_IMODE(st.st_mode):o}); refusing to use it: it is not the directory "
+            f"its queue's handle names (another user may have re-created the name)")
 
 
 def remove_channel_dir(path: str | None) -> None:

@@ -47,6 +47,7 @@ import msgspec
 import psutil
 import zmq
 
+from shm_broadcast.channel_dirs import check_private_dir
 from shm_broadcast.codec import Codec
 from shm_broadcast.doorbell import BellRinger, Doorbell, bell_address
 from shm_broadcast.errors import (
@@ -167,6 +168,7 @@ class LocalReader:
             self._chunk_bytes = ring.max_chunk_bytes
             ctime = psutil.Process(self._pid).create_time()
             self.ring.register_reader(index, self._pid, ctime)
+            check_private_dir(handle.bell_prefix.rstrip(os.sep))  # before any bind or connect
             self._doorbell = Doorbell(bell_address(handle.bell_prefix, f"r{index}"))
             self._ring_writer.connect()  # the writer's bell exists as long as its handle
             self._connect(handle, ctime)

@@ -127,6 +127,17 @@ def _shm_open(name: str, flags: int, mode: int = 0o600) -> int:
     return _posixshmem.shm_open("/" + name, flags, mode)
 
 
+def _check_private(name: str, st: os.stat_result) -> None:
+    """A segment to attach is a regular file of this user that nobody else may
+    open (segments are made ``0600``): anything else is not one of ours."""
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise SegmentError(
+            f"shared memory segment {name!r} is not private to this user (owner uid "
+            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); refusing to attach: it is not "
+            f"the segment its handle names (another user may have re-created the name)"
+        )
+
+
 class SharedSegment:
     """A mapped POSIX shared-memory segment.
 
@@ -212,7 +223,9 @@ class SharedSegment:
             A non-owning :class:`SharedSegment`.
 
         Raises:
-            SegmentError: The segment does not exist (its owner may have exited).
+            SegmentError: The segment does not exist (its owner may have exited),
+                or it is not private to this user: another user made it (a
+                name re-created after its owner left) or others may write it.
         """
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"name must be a segment name without '/', got {name!r}")
@@ -224,7 +237,9 @@ class SharedSegment:
                 f"exited or closed it"
             ) from e
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            _check_private(name, st)
+            size = st.st_size
             if size <= 0:
                 raise SegmentError(f"shared memory segment {name!r} is empty")
             mm = mmap.mmap(fd, size)

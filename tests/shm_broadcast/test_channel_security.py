@@ -415,6 +415,58 @@ def test_another_user_cannot_reach_the_local_channels(procs):
         mq.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("attacker", ["world-writable", "another-user"])
+def test_a_reader_refuses_a_segment_name_re_created_after_its_writer(attacker):
+    """The writer left; an attacker re-creates its segment name (mode 0666, or
+    owned by ``nobody``) and waits for a late reader to attach and trust it."""
+    from shm_broadcast.errors import SegmentError
+
+    ids = _nobody()
+    if attacker == "another-user" and (os.geteuid() != 0 or ids is None):
+        pytest.skip("needs root (to chown to 'nobody') and a 'nobody' user")
+    w = MessageQueue(1, 1, [1], name="sec-hijack")
+    h = w.export_handle()
+    w.close()
+    path = f"/dev/shm/{h.segment}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        if attacker == "another-user":
+            os.fchown(fd, *ids)
+        else:
+            os.fchmod(fd, 0o666)
+        os.close(fd)
+        with pytest.raises(SegmentError, match="not private"):
+            MessageQueue.create_from_handle(h, 1)
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("kind", ["open-mode", "symlink", "another-user"])
+def test_a_channel_directory_that_is_not_private_is_refused(tmp_path, kind):
+    from shm_broadcast.channel_dirs import check_private_dir
+    from shm_broadcast.errors import SegmentError
+
+    target = tmp_path / "gcabcdefgh"
+    target.mkdir(mode=0o700)
+    os.chmod(target, 0o700)
+    check_private_dir(str(target))  # ours and private: fine
+    if kind == "open-mode":
+        os.chmod(target, 0o755)
+    elif kind == "symlink":
+        link = tmp_path / "gclinklink"
+        link.symlink_to(target)
+        target = link
+    else:
+        ids = _nobody()
+        if os.geteuid() != 0 or ids is None:
+            pytest.skip("needs root (to chown to 'nobody') and a 'nobody' user")
+        os.chown(target, *ids)
+    with pytest.raises(SegmentError, match="not private"):
+        check_private_dir(str(target))
+
+
 def _abstract_gc_sockets() -> list[str]:
     """Abstract Unix sockets named like ours (``@gc_...``) anywhere on the host."""
     with open("/proc/net/unix") as f:
