@@ -91,10 +91,13 @@ def secret_plan(rank: int, host: str | None, port: int, name: str, secret: Any,
             f"secret=<the same >= {_MIN_SECRET} random bytes on every rank>, or set "
             f"{SECRET_ENV}=<hex> in every rank's environment (e.g. from secrets.token_hex(32) "
             f"in the launcher), or pass insecure=True")
-    path = _key_file_path(host, port, name)
     if rank == 0:
+        path = _key_file_path(host, port, name)
         return _write_key_file(path), path
-    return (lambda: _read_key_file(path)), None
+    # The directory is looked up on every read: another user may take the
+    # /dev/shm name between this rank's start and rank 0's write, which moves
+    # the key file to the home directory.
+    return (lambda: _read_key_file(_key_file_path(host, port, name))), None
 
 
 def _is_loopback(host: str) -> bool:

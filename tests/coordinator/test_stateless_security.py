@@ -416,6 +416,20 @@ if pid == 0:
         os._exit(3)
 _, status = os.waitpid(pid, 0)
 print("homeless", os.waitstatus_to_exitcode(status))
+# The name is taken only after rank 1 looked for the key (first use after boot):
+# rank 0 then writes in the home directory, and rank 1 must still find the key.
+from coordinator.group_secret import secret_plan, remove_quietly
+os.rmdir(taken)
+read, _ = secret_plan(1, "127.0.0.1", int(sys.argv[1]) + 2, "late", None, False)
+pid = os.fork()
+if pid == 0:
+    os.setgroups([]); os.setgid(nobody.pw_gid); os.setuid(nobody.pw_uid)
+    os.mkdir(taken, 0o700)
+    os._exit(0)
+os.waitpid(pid, 0)
+source, key_file = secret_plan(0, "127.0.0.1", int(sys.argv[1]) + 2, "late", None, False)
+print("late", read() == source(), key_file.startswith(taken))
+remove_quietly(key_file)
 """
 
 
@@ -443,3 +457,4 @@ def test_another_user_taking_the_key_directory_name_does_not_stop_the_group() ->
     assert f"[('{where}', 'formed'), ('{where}', 'formed')]" in proc.stdout, proc.stdout
     assert "left []" in proc.stdout, proc.stdout  # the key file was removed after setup
     assert "homeless 0" in proc.stdout, proc.stdout  # AuthenticationError saying why
+    assert "late True False" in proc.stdout, proc.stdout  # found where rank 0 wrote it
