@@ -362,6 +362,7 @@ def _recv_target(x: Any, device: torch.device) -> tuple[torch.Tensor | None, tor
     if any(s < 0 for s in shape):
         raise ValueError(f"tensor_or_spec[0] (the shape) must not have negative entries, got "
                          f"{tuple(shape)}")
+    validation.check_fits(shape, dtype, device, "tensor_or_spec")
     return None, torch.Size(shape), dtype
 
 

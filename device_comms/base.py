@@ -138,7 +138,7 @@ class DeviceCommunicator(abc.ABC):
         self._check_open()
         try:
             t = validation.check_tensor(input_, "input_", self.device)
-            d = validation.norm_dim(dim, t.dim())
+            d = validation.gather_dim(t, dim, self.world_size)
         except (TypeError, ValueError) as e:
             self._reject("all_gather", e)
             raise
@@ -203,6 +203,7 @@ class DeviceCommunicator(abc.ABC):
         if sizes is None:
             return t, d, None
         sz = validation.check_sizes(sizes, self.world_size)
+        validation.check_fits([*t.shape[:d], sum(sz), *t.shape[d + 1:]], t.dtype, t.device, "sizes")
         if t.shape[d] != sz[self.rank_in_group]:
             raise ValueError(
                 f"{arg}.shape[{dim}] is {t.shape[d]} on rank {self.rank_in_group} but "
@@ -258,7 +259,7 @@ class DeviceCommunicator(abc.ABC):
         try:
             t = validation.check_tensor(input_, "input_", self.device)
             validation.check_rank(dst, self.world_size, "dst")
-            d = validation.norm_dim(dim, t.dim())
+            d = validation.gather_dim(t, dim, self.world_size)
         except (TypeError, ValueError) as e:
             self._reject("gather", e)
             raise
@@ -407,7 +408,7 @@ class DeviceCommunicator(abc.ABC):
         """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``."""
         self._check_open()
         try:
-            shape = validation.check_spec(size, dtype)
+            shape = validation.check_spec(size, dtype, self.device)
         except (TypeError, ValueError) as e:
             if self._is_peer(src):  # the sender can be told
                 self._reject("recv", e, src)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any, Sequence
 
 import torch
@@ -9,7 +11,7 @@ import torch
 from shm_broadcast import checks
 from shm_broadcast.tensor_storage import check_storage, storage_covers
 
-__all__ = ["check_device", "check_group", "check_writable", "check_tensor", "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible"]
+__all__ = ["check_device", "check_group", "check_writable", "check_fits", "gather_dim", "check_tensor", "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible"]
 
 
 def check_device(device: Any, arg: str = "device") -> torch.device:
@@ -196,7 +198,50 @@ def norm_dim(dim: Any, ndim: int, arg: str = "dim") -> int:
     return dim % ndim
 
 
-def check_spec(size: Any, dtype: Any) -> torch.Size:
+_INT64_MAX = (1 << 63) - 1
+
+
+def _host_memory() -> int:
+    """Bytes of physical memory on this host (0: unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_fits(shape: Sequence[int], dtype: torch.dtype, device: torch.device | None,
+               arg: str) -> None:
+    """A tensor of ``shape`` and ``dtype`` that a call would allocate can exist: its
+    element count fits an int64 and, in host memory, its bytes fit this host's
+    memory. Checked before the call, so an impossible size is refused (and the
+    peers told) instead of failing the allocation partway.
+
+    Raises:
+        ValueError: The tensor is larger than that, naming ``arg``.
+    """
+    numel = math.prod(int(s) for s in shape)
+    nbytes = numel * (dtype.itemsize if hasattr(dtype, "itemsize") else 1)
+    limit = _host_memory() if device is None or device.type == "cpu" else 0
+    too_long = max(shape, default=0) > _INT64_MAX or numel > _INT64_MAX or nbytes > _INT64_MAX
+    if too_long or (limit and nbytes > limit):
+        where = "int64" if too_long else f"this host's memory ({limit} bytes)"
+        raise ValueError(
+            f"{arg}: the result would be a {dtype} tensor of shape {tuple(shape)} "
+            f"({numel} elements, {nbytes} bytes), more than {where} can hold"
+        )
+
+
+def gather_dim(t: torch.Tensor, dim: Any, world_size: int, arg: str = "input_") -> int:
+    """``dim`` normalised for ``t`` (:func:`norm_dim`), once the gathered result of
+    ``world_size`` such tensors along it can exist (:func:`check_fits`)."""
+    d = norm_dim(dim, t.dim())
+    shape = list(t.shape)
+    shape[d] *= world_size
+    check_fits(shape, t.dtype, t.device, arg)
+    return d
+
+
+def check_spec(size: Any, dtype: Any, device: torch.device | None = None) -> torch.Size:
     """The shape of a ``recv(size, dtype)`` call, checked with its dtype.
 
     Raises:
@@ -211,6 +256,7 @@ def check_spec(size: Any, dtype: Any) -> torch.Size:
         raise TypeError(f"size must be a shape (a sequence of ints), got {size!r}")
     if any(s < 0 for s in size):
         raise ValueError(f"size must not have negative entries, got {tuple(size)}")
+    check_fits(size, dtype, device, "size")
     return torch.Size(size)
 
 

@@ -378,6 +378,7 @@ BAD_CALLS: dict[str, tuple[type[Exception], str]] = {
     "irecv-spec-negative": (ValueError, "tensor_or_spec[0]"),
     "irecv-src-self": (ValueError, "src"),
     "irecv-expanded-buffer": (ValueError, "tensor_or_spec"),
+    "irecv-spec-too-big": (ValueError, "tensor_or_spec"),
     "isend_tensor_dict-not-a-dict": (TypeError, "tensor_dict"),
     "isend_tensor_dict-sparse": (TypeError, "tensor_dict['s']"),
     "irecv_tensor_dict-src-float": (TypeError, "src"),
@@ -399,6 +400,7 @@ def _bad_call(g: Any, rank: int, case: str) -> Any:
         "irecv-spec-negative": lambda: g.irecv(((2, -1), torch.float32), peer),
         "irecv-src-self": lambda: g.irecv(((2,), torch.float32), rank),
         "irecv-expanded-buffer": lambda: g.irecv(torch.zeros(1).expand(2), peer),
+        "irecv-spec-too-big": lambda: g.irecv(((1 << 40, 1 << 30), torch.float32), peer),
         "isend_tensor_dict-not-a-dict": lambda: g.isend_tensor_dict([torch.ones(1)], peer),
         "isend_tensor_dict-sparse": lambda: g.isend_tensor_dict(
             {"s": torch.eye(2).to_sparse()}, peer),
@@ -419,7 +421,7 @@ def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any
     exc_type, arg = BAD_CALLS[case]
     rejected_peer = case in ("isend-not-a-tensor", "isend-meta-tensor", "irecv-spec-not-a-pair",
                              "irecv-spec-bad-dtype", "irecv-spec-negative",
-                             "irecv-expanded-buffer")
+                             "irecv-expanded-buffer", "irecv-spec-too-big")
 
     def body(g: Any) -> dict[str, Any]:
         peer = rank ^ 1

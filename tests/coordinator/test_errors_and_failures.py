@@ -115,6 +115,16 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
         else ("recv/size-type", T, lambda: g.recv("ab", torch.float32, other), ("size",)),
         ("recv/size-neg", T, *bad_send) if sends
         else ("recv/size-neg", V, lambda: g.recv((2, -1), torch.float32, other), ("size",)),
+        # results no host can hold: refused before anything is allocated
+        ("recv/size-huge", T, *bad_send) if sends
+        else ("recv/size-huge", V, lambda: g.recv((1 << 40,), torch.float32, other),
+              ("size", "memory")),
+        ("all_gather/result-overflows", V, lambda: g.all_gather(torch.empty(0, 1 << 62), 1),
+         ("input_", "int64")),
+        ("gather/result-overflows", V, lambda: g.gather(torch.empty(0, 1 << 62), 0, 1),
+         ("input_", "int64")),
+        ("all_gatherv/sizes-huge", V, lambda: g.all_gatherv(x, 0, [2] * (n - 1) + [1 << 40]),
+         ("sizes", "memory")),
         ("send_object/self", V, lambda: g.send_object({}, me), ("dst",)),
         ("send_object/range", V, lambda: g.send_object({}, n), ("dst",)),
         ("recv_object/self", V, lambda: g.recv_object(me), ("src",)),
@@ -138,8 +148,10 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
         ("group_ranks/float", T, lambda: GroupCoordinator([[0.0]], 0, "gloo", True),
          ("group_ranks", "float")),
     ]
-    if n == 1:  # everything divides by 1; a send_tensor_dict to oneself is a no-op
-        cases = [c for c in cases if "indivisible" not in c[0] and c[0] != "send_tensor_dict/self"]
+    if n == 1:  # everything divides by 1, one copy overflows nothing; a send_tensor_dict
+        # to oneself is a no-op
+        cases = [c for c in cases if "indivisible" not in c[0] and "overflows" not in c[0]
+                 and c[0] != "send_tensor_dict/self"]
     return cases
 
 
