@@ -24,12 +24,20 @@ parallelism (PCP, DCP) follow vLLM too: :mod:`coordinator.rank_mesh`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
+from coordinator.communication_op import (
+    broadcast_tensor_dict,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+    tensor_model_parallel_gather,
+    tensor_model_parallel_reduce_scatter,
+)
 from coordinator.errors import NotInitializedError
 from coordinator.group_setup import check_backend
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
@@ -50,8 +58,9 @@ from coordinator.model_groups import (
     init_world_group,
     prepare_communication_buffer_for_model,
 )
-from device_comms import ReduceOp
+from shm_broadcast.agreement import agree
 from shm_broadcast.checks import check_timeout
+from shm_broadcast.group_adapter import object_group
 from shm_broadcast.timeouts import default_timeout
 
 __all__ = [
@@ -224,46 +233,68 @@ def initialize_model_parallel(
             size, or the DCP size does not divide the TP size.
         RuntimeError: Model parallel groups already exist.
     """
-    tp = _int_arg(tensor_model_parallel_size, "tensor_model_parallel_size")
-    pp = _int_arg(pipeline_model_parallel_size, "pipeline_model_parallel_size")
-    dp = _int_arg(data_parallel_size, "data_parallel_size")
-    pcp = _int_arg(prefill_context_model_parallel_size, "prefill_context_model_parallel_size")
-    dcp = _int_arg(1 if decode_context_model_parallel_size is None
-                   else decode_context_model_parallel_size, "decode_context_model_parallel_size")
-    if allow_pickle is not None and not isinstance(allow_pickle, bool):
-        raise TypeError(f"allow_pickle must be a bool or None, got {type(allow_pickle).__name__}")
-    if not isinstance(enable_expert_parallel, bool):
-        raise TypeError("enable_expert_parallel must be a bool, got "
-                        f"{type(enable_expert_parallel).__name__}")
-    world = get_world_group()
-    for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                       ("data_parallel_size", dp), ("prefill_context_model_parallel_size", pcp),
-                       ("decode_context_model_parallel_size", dcp)):
-        if size < 1:
-            raise ValueError(f"{name} must be >= 1, got {size}")
-    mesh = RankMesh(tp=tp, pp=pp, dp=dp, pcp=pcp, dcp=dcp)
-    if mesh.world_size != world.world_size:
-        context = f" x prefill context ({pcp})" if pcp > 1 else ""
-        raise ValueError(
-            f"tensor ({tp}) x pipeline ({pp}){context} x data ({dp}) parallel sizes = "
-            f"{mesh.world_size} must equal the world size {world.world_size}"
-        )
     if model_parallel_is_initialized():
         raise RuntimeError(
             "model parallel groups are already initialised; call destroy_model_parallel() "
             "first, or ensure_model_parallel_initialized(tp, pp) to check the sizes"
         )
-    backend = (str(dist.get_backend(world.device_group)) if backend is None
-               else check_backend(backend, "backend"))
-    _create_groups(mesh, world, backend, allow_pickle, enable_expert_parallel)
+    world = REGISTRY.world
+    sizes = (tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
+             prefill_context_model_parallel_size, decode_context_model_parallel_size)
+    try:
+        mesh = _checked_mesh(world, *sizes)
+        if allow_pickle is not None and not isinstance(allow_pickle, bool):
+            raise TypeError(f"allow_pickle must be a bool or None, got "
+                            f"{type(allow_pickle).__name__}")
+        if not isinstance(enable_expert_parallel, bool):
+            raise TypeError("enable_expert_parallel must be a bool, got "
+                            f"{type(enable_expert_parallel).__name__}")
+        if backend is not None:
+            check_backend(backend, "backend")
+    except (TypeError, ValueError) as e:
+        if world is not None:  # the peers are told instead of waiting in new_group
+            agree(object_group(world.cpu_group), e, _IMP, world.unique_name)
+        raise
+    world = get_world_group()
+    backend = str(dist.get_backend(world.device_group)) if backend is None else backend
+    pickle_ok = world.allow_pickle if allow_pickle is None else allow_pickle
+    agree(object_group(world.cpu_group), None, _IMP, world.unique_name,
+          [dataclasses.astuple(mesh), backend, pickle_ok, enable_expert_parallel])
+    _create_groups(mesh, world, backend, pickle_ok, enable_expert_parallel)
+
+
+_IMP = "initialize_model_parallel"
+
+
+def _checked_mesh(world: GroupCoordinator | None, tp: Any, pp: Any, dp: Any, pcp: Any,
+                  dcp: Any) -> RankMesh:
+    """The layout of these sizes, once each is an int >= 1 and (with a world
+    group) they multiply to its size."""
+    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+             "data_parallel_size", "prefill_context_model_parallel_size",
+             "decode_context_model_parallel_size")
+    values = [_int_arg(1 if v is None and n.startswith("decode") else v, n)
+              for n, v in zip(names, (tp, pp, dp, pcp, dcp))]
+    for name, size in zip(names, values):
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}")
+    tp, pp, dp, pcp, dcp = values
+    mesh = RankMesh(tp=tp, pp=pp, dp=dp, pcp=pcp, dcp=dcp)
+    if world is not None and mesh.world_size != world.world_size:
+        context = f" x prefill context ({pcp})" if pcp > 1 else ""
+        raise ValueError(
+            f"tensor ({tp}) x pipeline ({pp}){context} x data ({dp}) parallel sizes = "
+            f"{mesh.world_size} must equal the world size {world.world_size}"
+        )
+    return mesh
 
 
 def _create_groups(mesh: RankMesh, world: GroupCoordinator, backend: str,
-                   allow_pickle: bool | None, enable_expert_parallel: bool) -> None:
+                   allow_pickle: bool, enable_expert_parallel: bool) -> None:
     """Create and register the model-parallel groups of ``mesh``, in one order on
     every rank. If one fails, those already made are destroyed."""
     kw = {"timeout": REGISTRY.timeout, "use_device_communicator": True,
-          "allow_pickle": world.allow_pickle if allow_pickle is None else allow_pickle}
+          "allow_pickle": allow_pickle}
     plan: list[tuple[str, list[list[int]], dict[str, Any]]] = [
         ("tp", mesh.tp_groups(), {"use_message_queue_broadcaster": True}),
         ("pp", mesh.pp_groups(), {}), ("dp", mesh.dp_groups(), {}),
@@ -560,33 +591,3 @@ def patch_tensor_parallel_group(tp_group: GroupCoordinator) -> Iterator[GroupCoo
         yield tp_group
     finally:
         REGISTRY.tp = old
-
-
-def tensor_model_parallel_all_reduce(input_: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce over the TP group."""
-    return get_tp_group().all_reduce(input_, op)
-
-
-def tensor_model_parallel_all_gather(input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """All-gather over the TP group."""
-    return get_tp_group().all_gather(input_, dim)
-
-
-def tensor_model_parallel_reduce_scatter(input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Reduce-scatter over the TP group."""
-    return get_tp_group().reduce_scatter(input_, dim)
-
-
-def tensor_model_parallel_gather(
-    input_: torch.Tensor, dst: int = 0, dim: int = -1
-) -> torch.Tensor | None:
-    """Gather onto TP rank ``dst``."""
-    return get_tp_group().gather(input_, dst, dim)
-
-
-def broadcast_tensor_dict(tensor_dict: dict[Any, Any] | None = None, src: int = 0) -> dict[Any, Any] | None:
-    """Broadcast a tensor dict over the TP group; without torch.distributed (one
-    process) the dict itself, as in vLLM."""
-    if REGISTRY.tp is None and not dist.is_initialized():
-        return tensor_dict
-    return get_tp_group().broadcast_tensor_dict(tensor_dict, src)

@@ -242,6 +242,45 @@ def test_env_rendezvous_store_listens_on_master_addr_only(uninitialised, monkeyp
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_rank_with_other_sizes_is_told_to_every_rank(dist_pool, world_size):
+    """initialize_model_parallel agrees on its arguments before any group exists:
+    a rank whose sizes are wrong raises its ValueError, the others PeerRejectedError
+    naming it, at once (not after new_group's timeout); values that differ but are
+    each valid are a CollectiveMismatch everywhere."""
+    outs = dist_pool(world_size).run(run_disagreeing_sizes, timeout=90)
+    for rank, out in enumerate(outs):
+        name, seconds = out["bad-size"]
+        assert name == ("ValueError" if rank == world_size - 1 else "PeerRejectedError"), out
+        assert seconds < 5, out
+        name, seconds = out["ep-differs"]
+        assert name == "CollectiveMismatch" and seconds < 5, out
+        assert out["after"] == world_size, out
+
+
+def run_disagreeing_sizes(rank: int, world_size: int) -> dict[str, Any]:
+    import time
+
+    from coordinator import parallel_state as ps
+
+    last = rank == world_size - 1
+    out: dict[str, Any] = {}
+    for case, args, kw in (("bad-size", (world_size + last, 1), {}),
+                           ("ep-differs", (world_size, 1), {"enable_expert_parallel": last})):
+        t0 = time.monotonic()
+        try:
+            ps.initialize_model_parallel(*args, **kw)
+            out[case] = ("no error", 0.0)
+        except Exception as e:
+            out[case] = (type(e).__name__, time.monotonic() - t0)
+        assert not ps.model_parallel_is_initialized()
+    ps.initialize_model_parallel(world_size, 1)
+    out["after"] = int(ps.get_tp_group().all_reduce(torch.ones(1)).item())
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.timeout(120)
 def test_tcp_rendezvous_store_listens_on_the_given_host_only(dist_pool):
     got = dist_pool(2).run(run_store_listeners, timeout=90)
     assert got[0] == {"127.0.0.1"}, got
