@@ -86,7 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     module, fn = target
-    return int(_load(module, fn)(args) or 0)
+    from shm_broadcast.errors import GroupCoordError
+
+    try:
+        return int(_load(module, fn)(args) or 0)
+    except GroupCoordError as e:  # a failure this project names: its message, no traceback
+        print(f"groupcoord: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,6 +18,8 @@ import shlex
 import sys
 from typing import Sequence
 
+from shm_broadcast.cli_args import number
+
 __all__ = ["add_cleanup_args", "run_cleanup", "add_bench_args", "run_bench", "main"]
 
 
@@ -153,23 +155,26 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Benchmark the shared-memory MessageQueue (1 writer, N local reader processes) "
         "against gloo broadcast_object_list and pickle over zmq ipc PUB/SUB, in one run.")
-    parser.add_argument("--readers", type=int, nargs="+", default=[1, 3], metavar="N",
+    parser.add_argument("--readers", type=number(int, minimum=1), nargs="+", default=[1, 3],
+                        metavar="N",
                         help="reader process counts (default: 1 3)")
     parser.add_argument("--payloads", nargs="+", default=payload_names(),
                         choices=payload_names(), help="payloads (default: all)")
-    parser.add_argument("--seconds", type=float, default=1.0,
+    parser.add_argument("--seconds", type=number(float, minimum=0), default=1.0,
                         help="target seconds per measurement (default 1.0)")
-    parser.add_argument("--max-iters", type=int, default=5000,
+    parser.add_argument("--max-iters", type=number(int, minimum=5), default=5000,
                         help="cap on iterations per measurement (default 5000)")
-    parser.add_argument("--idle", type=float, default=5.0, metavar="SECONDS",
+    parser.add_argument("--idle", type=number(float, minimum=0), default=5.0, metavar="SECONDS",
                         help="idle period of the idle-CPU/wake-up test, 0 to skip (default 5)")
-    parser.add_argument("--wake-samples", type=int, default=20, metavar="N",
+    parser.add_argument("--wake-samples", type=number(int, minimum=1), default=20, metavar="N",
                         help="wake-up latency samples after the idle period (default 20)")
     parser.add_argument("--no-baselines", action="store_true",
                         help="measure only the MessageQueue")
-    parser.add_argument("--chunk-bytes", type=int, default=None, metavar="BYTES",
+    parser.add_argument("--chunk-bytes", type=number(int, minimum=128, maximum=1 << 30),
+                        default=None, metavar="BYTES",
                         help="ring chunk size of the measured queue (default: MessageQueue's)")
-    parser.add_argument("--chunks", type=int, default=None, metavar="N",
+    parser.add_argument("--chunks", type=number(int, minimum=1, maximum=1 << 16), default=None,
+                        metavar="N",
                         help="ring chunks of the measured queue (default: MessageQueue's)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
@@ -178,23 +183,10 @@ def run_bench(args: argparse.Namespace) -> int:
     """Run ``groupcoord bench mq``; prints the table, returns the exit status."""
     from shm_broadcast.bench.mq import BenchConfig, format_table, run_bench as _run
 
-    for name, value, low in (("--seconds", args.seconds, 0.0), ("--idle", args.idle, 0.0)):
-        if value < low:
-            raise SystemExit(f"{name} must be >= {low}, got {value}")
-    if any(n < 1 for n in args.readers):
-        raise SystemExit(f"--readers must be >= 1, got {args.readers}")
-    if args.wake_samples < 1:
-        raise SystemExit(f"--wake-samples must be >= 1, got {args.wake_samples}")
-    if args.max_iters < 5:
-        raise SystemExit(f"--max-iters must be >= 5, got {args.max_iters}")
-    ring = {}
+    ring = {}  # (the options' types checked their ranges)
     if getattr(args, "chunk_bytes", None) is not None:
-        if args.chunk_bytes < 128:
-            raise SystemExit(f"--chunk-bytes must be >= 128, got {args.chunk_bytes}")
         ring["chunk_bytes"] = args.chunk_bytes
     if getattr(args, "chunks", None) is not None:
-        if args.chunks < 1:
-            raise SystemExit(f"--chunks must be >= 1, got {args.chunks}")
         ring["chunks"] = args.chunks
     cfg = BenchConfig(readers=list(args.readers), payloads=list(args.payloads),
                       seconds=args.seconds, max_iters=args.max_iters,

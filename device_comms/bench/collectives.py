@@ -56,6 +56,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from shm_broadcast.cli_args import number
+
 __all__ = ["add_bench_args", "run_bench", "main"]
 
 _OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_allv")
@@ -115,7 +117,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-bytes", type=_parse_size, default=None, help="drop larger default sizes")
     parser.add_argument("--max-iters", type=int, default=400, help="samples per point, at most")
     parser.add_argument("--min-iters", type=int, default=16, help="samples per point, at least")
-    parser.add_argument("--budget-mb", type=float, default=1024.0,
+    parser.add_argument("--budget-mb", type=number(float, above=0), default=1024.0,
                         help="per point and implementation, about this many MB are moved (sets iterations)")
     parser.add_argument("--threads", type=_parse_threads, nargs="+", default=None,
                         help="torch threads per rank: 1, default (torch's own default, the "
@@ -126,7 +128,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
     parser.add_argument("--plot", dest="plot_path", default=None,
                         help="write a log-log PNG plot here (needs matplotlib: pip install groupcoord[plot])")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
+    parser.add_argument("--timeout", type=number(float, above=0), default=1800.0,
+                        help="seconds per world size")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: shared-memory collectives vs gloo over processes; cuda: custom "
                              "all-reduce at virtual ranks and NCCL at world size 1 on one GPU")

@@ -15,21 +15,14 @@ import sys
 import time
 from typing import Any
 
+from shm_broadcast.cli_args import number, size_bytes
+
 __all__ = ["add_args", "run", "parse_size", "parse_threads"]
 
 
 def parse_size(text: str) -> int:
     """``4096``, ``64K``, ``1M`` (binary units) -> bytes > 0."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    try:
-        value = int(float(t[:-1] if t[-1:] in "KMG" else t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size like 4096, 64K or 1M, got {text!r}") \
-            from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a size > 0, got {text!r}")
-    return value
+    return size_bytes(text)
 
 
 def parse_threads(text: str) -> int | str:
@@ -46,25 +39,11 @@ def parse_threads(text: str) -> int | str:
 
 
 def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {text!r}")
-        return value
-    return parse
+    """A finite ``kind`` > 0 (nan and inf refused)."""
+    return number(kind, above=0)
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
-    return value
+_non_negative_int = number(int, minimum=0)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any
 
+from shm_broadcast.cli_args import number
+
 __all__ = ["add_args", "run", "parse_prompt_ids", "default_requests"]
 
 
@@ -53,7 +55,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="write generated ids and timings as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress line while running")
-    p.add_argument("--timeout", type=float, default=600.0,
+    p.add_argument("--timeout", type=number(float, above=0), default=600.0,
                    help="seconds: with --launcher spawn, before the ranks are killed; with "
                         "--launcher env, the groups' timeout (bounds every wait) (default 600)")
     p.add_argument("--mlp", action="store_true", help="run the minimal tensor-parallel MLP demo instead")

@@ -1,0 +1,59 @@
+"""argparse types shared by the ``groupcoord`` subcommands.
+
+A bad value is an :class:`argparse.ArgumentTypeError`, which argparse turns
+into a usage error naming the option (exit status 2); ``nan`` and ``inf``
+are never numbers here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+__all__ = ["number", "size_bytes"]
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def number(kind: type = float, *, minimum: float | None = None, above: float | None = None,
+           maximum: float | None = None) -> Callable[[str], float]:
+    """A type function for a finite ``kind`` (int or float) within the bounds.
+
+    Args:
+        kind: ``int`` or ``float``.
+        minimum: Smallest allowed value.
+        above: Values must be greater than this.
+        maximum: Largest allowed value.
+    """
+    want = " and ".join(w for w in (
+        f">= {minimum}" if minimum is not None else "",
+        f"> {above}" if above is not None else "",
+        f"<= {maximum}" if maximum is not None else "") if w)
+    what = f"{'an int' if kind is int else 'a finite number'}{' ' + want if want else ''}"
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            value = None
+        if (value is None or not math.isfinite(value)
+                or (minimum is not None and value < minimum)
+                or (above is not None and value <= above)
+                or (maximum is not None and value > maximum)):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+def size_bytes(text: str) -> int:
+    """``4096``, ``64K``, ``1.5M``, ``1G`` (binary units) -> a whole number of bytes > 0."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = _UNITS.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if t[-1:] in _UNITS else t) * mult
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size > 0 like 4096, 64K or 1M, got {text!r}")
+    return int(value)
