@@ -108,6 +108,9 @@ def own_identity() -> list[Any]:
     return [socket.gethostname(), os.getpid(), ctime, me.boot_id, me.pidns]
 
 
+#: What gloo reports for a call on a group whose connections an earlier timeout closed.
+_PAIRS_CLOSED = "Application timeout caused pair closure"
+
 class CallErrors:
     """Explains failed waits of one group's calls (see the module docstring).
 
@@ -240,6 +243,10 @@ class CallErrors:
                 head += f"; stopped or gone among them: rank(s) {stuck}"
         else:
             missing, head = self._suspects()
+        if _PAIRS_CLOSED in detail:
+            head = ("could not run: an earlier timeout closed this group's connections (gloo "
+                    "closes all of a group's connections when one of its waits times out), so "
+                    "the group cannot be used any more; destroy it and create it again")
         gone = [r for r in missing if self._state(r) == "exited"]
         if gone:
             err: GroupCoordError = PeerDiedError(

@@ -307,6 +307,40 @@ def test_barrier_with_timeout_names_the_group_and_the_missing_rank(dist_pool):
     assert "Ranks 1 failed" in msgs[0] or "Rank 1 failed" in msgs[0], msgs[0]
 
 
+@pytest.mark.timeout(120)
+def test_a_call_after_a_timeout_says_the_group_is_closed(dist_pool):
+    """gloo closes all of a group's connections when one of its waits times out:
+    the next call fails at once, and says so instead of reporting a new timeout."""
+    msgs = dist_pool(2).run(call_after_timeout, timeout=90)
+    assert "timed out" in msgs[1]["first"], msgs[1]
+    later, seconds = msgs[1]["later"]
+    assert "earlier timeout closed this group's connections" in later, later
+    assert seconds < 2, msgs[1]
+
+
+def call_after_timeout(rank: int, world_size: int) -> dict[str, Any]:
+    from coordinator import GroupCoordinator
+    from coordinator.errors import CommTimeout
+    from coordinator.parallel_state import get_world_group
+
+    tmp = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="closing",
+                           timeout=1.5)
+    out: dict[str, Any] = {}
+    try:
+        if rank == 1:  # rank 0 never sends
+            with pytest.raises(CommTimeout) as first:
+                tmp.recv((2,), torch.float32, 0)
+            out["first"] = str(first.value)
+            t0 = time.monotonic()
+            with pytest.raises(CommTimeout) as later:
+                tmp.barrier()
+            out["later"] = (str(later.value), time.monotonic() - t0)
+        get_world_group().barrier()
+    finally:
+        tmp.destroy()
+    return out
+
+
 # Errors a rank may legitimately report for a broken collective; a hang
 # (DistributedTimeout) is the one outcome that is not acceptable.
 _REPORTED = (RankDiedError, PeerDiedError, CollectiveMismatch, CollectiveTimeout)
