@@ -331,6 +331,14 @@ def ensure_model_parallel_initialized(
         ValueError: Existing groups have other sizes, or do (not) have the EP
             group ``enable_expert_parallel`` asks for.
     """
+    if not model_parallel_is_initialized():  # every argument is checked in its agreement step
+        initialize_model_parallel(
+            tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
+            backend, enable_expert_parallel=(False if enable_expert_parallel is None
+                                             else enable_expert_parallel),
+            prefill_context_model_parallel_size=prefill_context_model_parallel_size,
+            decode_context_model_parallel_size=decode_context_model_parallel_size)
+        return
     sizes = (_int_arg(tensor_model_parallel_size, "tensor_model_parallel_size"),
              _int_arg(pipeline_model_parallel_size, "pipeline_model_parallel_size"),
              _int_arg(data_parallel_size, "data_parallel_size"),
@@ -343,12 +351,6 @@ def ensure_model_parallel_initialized(
                         f"{type(enable_expert_parallel).__name__}")
     if backend is not None:
         check_backend(backend, "backend")
-    if not model_parallel_is_initialized():
-        initialize_model_parallel(*sizes[:3], backend,
-                                  enable_expert_parallel=bool(enable_expert_parallel),
-                                  prefill_context_model_parallel_size=sizes[3],
-                                  decode_context_model_parallel_size=sizes[4])
-        return
     if enable_expert_parallel is not None and enable_expert_parallel != (REGISTRY.ep is not None):
         have_ep = "has" if REGISTRY.ep is not None else "has no"
         raise ValueError(

@@ -37,7 +37,7 @@ def number(kind: type = float, *, minimum: float | None = None, above: float | N
             value = kind(text)
         except (ValueError, OverflowError):
             value = None
-        if (value is None or not math.isfinite(value)
+        if (value is None or (kind is float and not math.isfinite(value))
                 or (minimum is not None and value < minimum)
                 or (above is not None and value <= above)
                 or (maximum is not None and value > maximum)):

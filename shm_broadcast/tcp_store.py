@@ -7,11 +7,22 @@ overwrite or delete the rendezvous keys of a group (and so block it). The
 store server made here binds ``host:port`` itself and hands the listening
 socket to the TCPStore (``master_listen_fd``), so it is reachable exactly
 where the caller asked: loopback stays loopback.
+
+Which address is bound:
+
+* an IP address (``127.0.0.1``, ``::1``, ``10.0.0.5``): exactly that one;
+* ``localhost``: the first of its loopback addresses this host can bind;
+* any other host name: every interface, as torch does. A node's own name
+  often resolves differently on the node itself (``/etc/hosts`` maps it to
+  ``127.0.1.1`` on many distributions) than on the other nodes (DNS), so
+  binding what it resolves to here could shut the other nodes out. Pass the
+  node's IP address to restrict the store to one interface.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
 from typing import Any
@@ -35,8 +46,10 @@ def master_store(host: str, port: int, world_size: int | None,
     """
     import torch.distributed as dist
 
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.create_server((host, port), family=family, backlog=512)
+    sock = _listen(host, port)
+    if sock is None:  # a host name: every interface (see the module docstring)
+        return dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=True,
+                             timeout=timeout, wait_for_workers=False)
     bound = sock.getsockname()[1]
     fd = sock.detach()  # the store owns (and closes) the listening socket from here
     try:
@@ -48,6 +61,31 @@ def master_store(host: str, port: int, world_size: int | None,
         except OSError:
             pass
         raise
+
+
+def _listen(host: str, port: int) -> socket.socket | None:
+    """A socket listening on ``host``'s address (None: ``host`` is a name other
+    than localhost, which gets every interface).
+
+    Raises:
+        OSError: No address of ``host`` can be bound.
+    """
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        candidates = [host.strip("[]")]
+    except ValueError:
+        if host.lower() != "localhost":
+            return None
+        candidates = [a for a in (info[4][0] for info in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM)) if ipaddress.ip_address(a).is_loopback]
+    error: OSError | None = None
+    for address in candidates:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            return socket.create_server((address, port), family=family, backlog=512)
+        except OSError as e:
+            error = error or e
+    raise error or OSError(f"no address to listen on for {host!r}")
 
 
 def client_store(host: str, port: int, world_size: int | None,

@@ -255,6 +255,9 @@ def test_one_rank_with_other_sizes_is_told_to_every_rank(dist_pool, world_size):
         assert seconds < 5, out
         name, seconds = out["ep-differs"]
         assert name == "CollectiveMismatch" and seconds < 5, out
+        name, seconds = out["ensure-bad-type"]  # ensure_... creating the groups: the same
+        assert name == ("TypeError" if rank == world_size - 1 else "PeerRejectedError"), out
+        assert seconds < 5, out
         assert out["after"] == world_size, out
 
 
@@ -266,10 +269,13 @@ def run_disagreeing_sizes(rank: int, world_size: int) -> dict[str, Any]:
     last = rank == world_size - 1
     out: dict[str, Any] = {}
     for case, args, kw in (("bad-size", (world_size + last, 1), {}),
-                           ("ep-differs", (world_size, 1), {"enable_expert_parallel": last})):
+                           ("ep-differs", (world_size, 1), {"enable_expert_parallel": last}),
+                           ("ensure-bad-type", (world_size, "1" if last else 1), {})):
+        call = (ps.ensure_model_parallel_initialized if case.startswith("ensure")
+                else ps.initialize_model_parallel)
         t0 = time.monotonic()
         try:
-            ps.initialize_model_parallel(*args, **kw)
+            call(*args, **kw)
             out[case] = ("no error", 0.0)
         except Exception as e:
             out[case] = (type(e).__name__, time.monotonic() - t0)

@@ -385,23 +385,20 @@ from coordinator.testing import run_distributed
 from tests.coordinator.test_stateless_security import _rank_squatted
 taken = f"/dev/shm/groupcoord-{os.geteuid()}"
 nobody = pwd.getpwnam("nobody")
-pid = os.fork()
-if pid == 0:
-    os.setgroups([]); os.setgid(nobody.pw_gid); os.setuid(nobody.pw_uid)
-    os.mkdir(taken, 0o700)
-    os._exit(0)
-os.waitpid(pid, 0)
+def squat(path):  # user nobody creates the directory ``path``
+    pid = os.fork()
+    if pid == 0:
+        os.setgroups([]); os.setgid(nobody.pw_gid); os.setuid(nobody.pw_uid)
+        os.mkdir(path, 0o700)
+        os._exit(0)
+    os.waitpid(pid, 0)
+squat(taken)
 assert os.lstat(taken).st_uid == nobody.pw_uid
 print(run_distributed(_rank_squatted, 2, int(sys.argv[1]), timeout=60))
 print("left", sorted(n for n in os.listdir(_key_dir()) if n.startswith("stateless-")))
 # A uid without a passwd entry (a container's arbitrary uid), its name taken too.
 homeless = 54321
-pid = os.fork()
-if pid == 0:
-    os.setgroups([]); os.setgid(nobody.pw_gid); os.setuid(nobody.pw_uid)
-    os.mkdir(f"/dev/shm/groupcoord-{homeless}", 0o700)
-    os._exit(0)
-os.waitpid(pid, 0)
+squat(f"/dev/shm/groupcoord-{homeless}")
 pid = os.fork()
 if pid == 0:
     os.setgroups([]); os.setgid(homeless); os.setuid(homeless)
@@ -421,12 +418,7 @@ print("homeless", os.waitstatus_to_exitcode(status))
 from coordinator.group_secret import secret_plan, remove_quietly
 os.rmdir(taken)
 read, _ = secret_plan(1, "127.0.0.1", int(sys.argv[1]) + 2, "late", None, False)
-pid = os.fork()
-if pid == 0:
-    os.setgroups([]); os.setgid(nobody.pw_gid); os.setuid(nobody.pw_uid)
-    os.mkdir(taken, 0o700)
-    os._exit(0)
-os.waitpid(pid, 0)
+squat(taken)
 source, key_file = secret_plan(0, "127.0.0.1", int(sys.argv[1]) + 2, "late", None, False)
 print("late", read() == source(), key_file.startswith(taken))
 remove_quietly(key_file)

@@ -31,6 +31,27 @@ def test_master_store_listens_on_loopback_only(port: str) -> None:
         del store
 
 
+def test_localhost_listens_on_loopback_only() -> None:
+    store = master_store("localhost", 0, 1, _T)
+    try:
+        got = listening_on(store.port)
+        assert got and all(ip in ("127.0.0.1", "::1") for ip in got), got
+    finally:
+        del store
+
+
+def test_a_host_name_listens_on_every_interface() -> None:
+    """A node's own name may resolve to a loopback address on the node and to
+    its network address elsewhere: binding it here could shut other nodes out."""
+    import socket
+
+    store = master_store(socket.gethostname(), 0, 1, _T)
+    try:
+        assert listening_on(store.port) - {"127.0.0.1", "::1"}, listening_on(store.port)
+    finally:
+        del store
+
+
 def test_torch_alone_would_listen_on_every_interface() -> None:
     """Why the module exists: the same request made to torch directly."""
     import torch.distributed as dist
