@@ -58,7 +58,7 @@ from shm_broadcast.predictive import STAMP, STAMP_OFFSET, ArrivalPredictor
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, REFUSED, TAKEN, ShmRingBuffer
 from shm_broadcast.transport import (
     CTL_HELLO, KIND_DATA, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
-    close_all, close_dealer, new_socket, remove_dead_channel_dir, say_goodbye,
+    close_all, close_dealer, guard_zmq, new_socket, remove_dead_channel_dir, say_goodbye,
 )
 from shm_broadcast.waiting import PARK, SLEEP, Backoff, PeerWatch, WaitPolicy, own_pid_space
 
@@ -146,6 +146,7 @@ class LocalReader:
         self._backoff = Backoff(policy, self._check_wait)
         self.ring: ShmRingBuffer | None = None
         self.ctx: zmq.Context | None = None
+        self._zmq_guard: Any = None
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self._ringer = BellRinger()
@@ -184,9 +185,10 @@ class LocalReader:
         """
         self.ctx = zmq.Context(io_threads=1)
         self.sub = new_socket(self.ctx, zmq.SUB)
+        self.dealer = new_socket(self.ctx, zmq.DEALER)
+        self._zmq_guard = guard_zmq(self, self.ctx, [self.sub, self.dealer])
         self.sub.connect(handle.local_pub)
         self.sub.subscribe(TOPIC_OVERFLOW)
-        self.dealer = new_socket(self.ctx, zmq.DEALER)
         self.dealer.setsockopt(zmq.ROUTING_ID, b"L%d" % self.index)
         self.dealer.connect(handle.local_ctl)
         self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
@@ -508,6 +510,8 @@ class LocalReader:
             self.shutdown()
         self._closed = True
         self._stash.clear()
+        if self._zmq_guard is not None:
+            self._zmq_guard.detach()  # released here, in order
         close_dealer(self.dealer)
         close_all(self.sub)
         if self.ctx is not None:

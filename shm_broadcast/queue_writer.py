@@ -52,8 +52,9 @@ from shm_broadcast.predictive import STAMP, STAMP_OFFSET
 from shm_broadcast.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
 from shm_broadcast.transport import (
     CONTROL_MAX_BYTES, HANDSHAKE_FAILED, KIND_DATA, KIND_OVERFLOW, KIND_SHUTDOWN, TOPIC_OVERFLOW,
-    TOPIC_REMOTE, WIRE, ReaderAuthenticator, bind, close_all, host_ip, local_bind_address,
-    make_curve_server, new_channel_dir, new_keypair, new_socket, remove_channel_dir,
+    TOPIC_REMOTE, WIRE, ReaderAuthenticator, bind, close_all, guard_zmq, host_ip,
+    local_bind_address, make_curve_server, new_channel_dir, new_keypair, new_socket,
+    remove_channel_dir,
 )
 from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy, own_pid_space
 from shm_broadcast.writer_control import WriterControl, check_reader_keys
@@ -160,6 +161,7 @@ class QueueWriter(WriterControl):
         self.ctx: zmq.Context | None = None
         self.pub: zmq.Socket | None = None
         self.ctl: zmq.Socket | None = None
+        self._zmq_guard: weakref.finalize | None = None
         self._mon: zmq.Socket | None = None
         self._pub_mon: zmq.Socket | None = None
         self._auth: ReaderAuthenticator | None = None
@@ -199,6 +201,8 @@ class QueueWriter(WriterControl):
         mechanism from the socket options at bind time.
         """
         self.ctx = zmq.Context(io_threads=1)
+        parts: list[Any] = []  # released by a finalizer if this writer is dropped unclosed
+        self._zmq_guard = guard_zmq(self, self.ctx, parts)
         remote = self.n_remote > 0
         self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote, reconnect=True,
                               max_in=CONTROL_MAX_BYTES, serve=True)
@@ -208,6 +212,7 @@ class QueueWriter(WriterControl):
         # A reader's new connection takes over its routing id even before the
         # writer saw the old one close (writer_control says why that is safe).
         self.ctl.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        parts += [self.pub, self.ctl]
         addrs: dict[str, str] = {}
         if self.n_local:
             addrs["local_pub"] = bind(self.pub, local_bind_address(self._channel_dir, "p"))
@@ -229,6 +234,7 @@ class QueueWriter(WriterControl):
                 ip = f"[{ip}]"
             self._mon = self.ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
             self._pub_mon = self.pub.get_monitor_socket(HANDSHAKE_FAILED)
+            parts[:0] = [self._auth, self._mon, self._pub_mon]
             addrs["remote_pub"] = bind(self.pub, f"tcp://{ip}:*")
             addrs["remote_ctl"] = bind(self.ctl, f"tcp://{ip}:*")
         return addrs
@@ -555,6 +561,8 @@ class QueueWriter(WriterControl):
             return
         self.shutdown()
         self._closed = True
+        if self._zmq_guard is not None:
+            self._zmq_guard.detach()  # released here, in order
         for sock, mon in ((self.ctl, self._mon), (self.pub, self._pub_mon)):
             if mon is not None:
                 try:

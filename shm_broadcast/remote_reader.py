@@ -53,7 +53,7 @@ from shm_broadcast.handle import Handle
 from shm_broadcast.transport import (
     ACK, CTL_ACK, CTL_HELLO, HANDSHAKE_FAILED, KIND_READY, KIND_SHUTDOWN, TOPIC_REMOTE, WIRE,
     joined_topic,
-    close_all, close_dealer, make_curve_client, new_socket, say_goodbye,
+    close_all, close_dealer, guard_zmq, make_curve_client, new_socket, say_goodbye,
 )
 from shm_broadcast.waiting import Backoff, PeerWatch, WaitPolicy, own_pid_space
 
@@ -106,6 +106,7 @@ class RemoteReader:
         self._wait_timeout: float | None = None
         self._backoff = Backoff(policy, self._check_wait)
         self.ctx: zmq.Context | None = None
+        self._zmq_guard: Any = None
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
         self._mon: zmq.Socket | None = None
@@ -137,6 +138,7 @@ class RemoteReader:
                 sock.setsockopt(zmq.IPV6, 1)
         self._mon = self.sub.get_monitor_socket(
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
+        self._zmq_guard = guard_zmq(self, self.ctx, [self._mon, self.sub, self.dealer])
         self.sub.connect(handle.remote_pub)
         self.sub.subscribe(TOPIC_REMOTE)
         self.sub.subscribe(joined_topic(rank))  # after TOPIC_REMOTE: see transport.TOPIC_JOINED
@@ -307,6 +309,8 @@ class RemoteReader:
             self.shutdown()
         self._closed = True
         self._peek = None
+        if self._zmq_guard is not None:
+            self._zmq_guard.detach()  # released here, in order
         close_dealer(self.dealer)
         if self._mon is not None and self.sub is not None:
             try:

@@ -87,6 +87,8 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import weakref
+from typing import Any
 
 import zmq
 from zmq.utils import z85
@@ -114,6 +116,7 @@ __all__ = [
     "local_bind_address",
     "host_ip",
     "close_all",
+    "guard_zmq",
     "new_channel_dir",
     "remove_channel_dir",
     "remove_dead_channel_dir",
@@ -385,3 +388,38 @@ def close_all(*socks: zmq.Socket | None) -> None:
     for s in socks:
         if s is not None and not s.closed:
             s.close(linger=0)
+
+
+def guard_zmq(owner: object, ctx: zmq.Context, parts: list[Any]) -> weakref.finalize:
+    """Release ``ctx`` and ``parts`` (its sockets, and objects with ``stop()`` such
+    as :class:`ReaderAuthenticator`) if ``owner`` is dropped without being closed.
+
+    Why it is needed: a context collected while its sockets are open blocks in
+    ``zmq_ctx_term`` forever. When an unclosed queue is part of a reference
+    cycle, the garbage collector clears pyzmq's weak references to the sockets
+    before the context's own finalizer runs, so that finalizer cannot close
+    them and the process hangs at the next collection. The finalizer returned
+    here holds the context and ``parts`` strongly, so it runs first (with the
+    owner's weak references) and finds them all open: it stops and closes
+    them with linger 0, then terminates the context. ``owner.close()`` should
+    call its ``detach()`` before releasing them itself. The list is read when
+    the finalizer runs, so parts appended later count too.
+    """
+    return weakref.finalize(owner, _release_zmq, ctx, parts, os.getpid())
+
+
+def _release_zmq(ctx: zmq.Context, parts: list[Any], pid: int) -> None:
+    if os.getpid() != pid:  # a forked child: the zmq state is the parent's
+        return
+    for part in parts:
+        try:
+            if isinstance(part, zmq.Socket):
+                close_all(part)
+            elif part is not None:
+                part.stop()
+        except (zmq.ZMQError, RuntimeError, OSError):
+            pass
+    try:
+        ctx.term()
+    except zmq.ZMQError:
+        pass

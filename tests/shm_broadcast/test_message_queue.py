@@ -6,6 +6,7 @@ same protocol as in another process; only the scheduling is simpler.
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -212,6 +213,37 @@ def test_lifecycle_handles_and_roles():
         w.enqueue(1)
     with pytest.raises(QueueClosedError):
         r.dequeue(timeout=0)
+
+
+# Queues, a local and a remote reader among them, dropped without close() inside
+# reference cycles (vLLM's callers drop queues): collecting them must not hang.
+_DROPPED = r"""
+import faulthandler, gc, sys
+faulthandler.dump_traceback_later(40, exit=True)
+from tests.shm_broadcast.test_message_queue import make_queue
+def drop(n_local, n_remote):
+    w, readers = make_queue(n_local, n_remote)
+    w.enqueue({"step": 1})
+    assert [r.dequeue(timeout=10) for r in readers] == [{"step": 1}] * len(readers)
+    for q in [w, *readers]:
+        q.cycle = [w, *readers]  # only the garbage collector can free them
+drop(1, 0)
+gc.collect()
+drop(1, 1)
+gc.collect()
+print("collected")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_queues_dropped_without_close_do_not_hang_the_garbage_collector():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _DROPPED], capture_output=True, text=True,
+                          timeout=80, cwd=root)
+    assert proc.returncode == 0 and "collected" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(60)
