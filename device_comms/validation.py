@@ -242,7 +242,8 @@ def gather_dim(t: torch.Tensor, dim: Any, world_size: int, arg: str = "input_") 
 
 
 def check_spec(size: Any, dtype: Any, device: torch.device | None = None) -> torch.Size:
-    """The shape of a ``recv(size, dtype)`` call, checked with its dtype.
+    """The shape of a ``recv(size, dtype)`` call (a shape, or an int for a 1-D
+    tensor), checked with its dtype.
 
     Raises:
         TypeError: ``dtype`` is not a ``torch.dtype`` or ``size`` not a sequence of ints.
@@ -250,6 +251,8 @@ def check_spec(size: Any, dtype: Any, device: torch.device | None = None) -> tor
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if isinstance(size, int) and not isinstance(size, bool):
+        size = (size,)  # a length, as torch.empty(n) takes it (vLLM's callers pass one)
     if not isinstance(size, (torch.Size, list, tuple)) or not all(
         isinstance(s, int) and not isinstance(s, bool) for s in size
     ):

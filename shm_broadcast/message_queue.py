@@ -223,6 +223,7 @@ class MessageQueue:
         wait_policy: WaitPolicy | None = None,
         timeout: float | None = DEFAULT_READY_TIMEOUT,
         allow_pickle: bool = False,
+        blocking: bool = True,
     ) -> "MessageQueue | None":
         """Build a connected queue collectively over ``group``.
 
@@ -238,7 +239,7 @@ class MessageQueue:
         return create_from_process_group(
             group, max_chunk_bytes, max_chunks, writer_rank, reader_ranks, name=name,
             connect_ip=connect_ip, wait_policy=wait_policy, timeout=timeout,
-            allow_pickle=allow_pickle)
+            allow_pickle=allow_pickle, blocking=blocking)
 
     # ---------------------------------------------------------- properties
     @property
@@ -389,7 +390,8 @@ class MessageQueue:
 
     # ------------------------------------------------------------ reader API
     def dequeue(self, timeout: float | None = None,
-                verdict: Callable[[Any], str | None] | None = None) -> Any:
+                verdict: Callable[[Any], str | None] | None = None, *,
+                indefinite: bool = False) -> Any:
         """Receive the next message (readers only).
 
         Args:
@@ -403,6 +405,9 @@ class MessageQueue:
                 ``verdict`` raises, is refused with the error's text and the
                 error propagates. The message is returned either way. Readers
                 on the writer's host only.
+            indefinite: Wait with no time limit, whatever ``timeout`` and
+                :attr:`default_timeout` say (vLLM's keyword: a worker's busy
+                loop between requests); the writer's death still ends the wait.
 
         Raises:
             QueueTimeout: Nothing arrived within ``timeout``.
@@ -415,7 +420,9 @@ class MessageQueue:
         if self._is_writer:
             raise QueueRoleError(f"queue {self.name!r}: dequeue() is for readers; "
                                  "this is the writer")
-        if timeout is None:
+        if check_bool(indefinite, "indefinite"):
+            timeout = None
+        elif timeout is None:
             timeout = self._default_timeout
         else:
             timeout = check_timeout(timeout)

@@ -29,7 +29,7 @@ import os
 from typing import Any
 
 from shm_broadcast.agreement import agree
-from shm_broadcast.checks import check_rank, check_timeout
+from shm_broadcast.checks import check_bool, check_rank, check_timeout
 from shm_broadcast.errors import CollectiveMismatch, DecodeError
 from shm_broadcast.group_adapter import object_group
 from shm_broadcast.handle import Handle
@@ -53,6 +53,7 @@ def create_from_process_group(
     wait_policy: WaitPolicy | None = None,
     timeout: float | None = 120.0,
     allow_pickle: bool = False,
+    blocking: bool = True,
 ) -> MessageQueue | None:
     """Create and connect a queue collectively; every rank of ``group`` calls it.
 
@@ -69,6 +70,9 @@ def create_from_process_group(
         timeout: Seconds every participant waits for the queue to connect.
         allow_pickle: Opt every side in to pickle (:mod:`shm_broadcast.codec`);
             off by default. Every rank must pass the same value.
+        blocking: Wait here until the queue is connected (default). False:
+            return at once; each side calls ``wait_until_ready()`` before its
+            first message (vLLM's keyword).
 
     Returns:
         The queue on the writer and the readers, ``None`` on other ranks.
@@ -88,6 +92,7 @@ def create_from_process_group(
         check_rank(writer_rank, og.world_size, "writer_rank")
         readers = _resolve_readers(reader_ranks, writer_rank, og.world_size)
         _check_options(max_chunk_bytes, max_chunks, connect_ip, wait_policy, timeout)
+        check_bool(blocking, "blocking")
     except (TypeError, ValueError) as e:
         agree(og, e, "create_from_process_group", qname)
         raise  # agree raised e already
@@ -103,7 +108,7 @@ def create_from_process_group(
         if og.rank in readers:
             mq = MessageQueue.create_from_handle(handle, og.rank, wait_policy=wait_policy,
                                                  allow_pickle=allow_pickle, curve_keypair=my_keys)
-        if mq is not None:
+        if mq is not None and blocking:
             mq.wait_until_ready(timeout)
     except BaseException:
         if mq is not None:
