@@ -207,6 +207,9 @@ def initialize_model_parallel(
     """Create the TP, PP, DP, PCP and DCP groups, and the EP group when asked
     (collective over the world). The layout: :mod:`coordinator.rank_mesh`.
 
+    The sizes' product must divide the world size; a larger world holds that
+    many replicas of the layout, as in vLLM (no group spans two replicas).
+
     Args:
         tensor_model_parallel_size: TP size.
         pipeline_model_parallel_size: PP size.
@@ -229,8 +232,8 @@ def initialize_model_parallel(
         TypeError: A size is not an int, ``allow_pickle`` is not a bool or
             None, or ``enable_expert_parallel`` is not a bool.
         NotInitializedError: :func:`init_distributed_environment` was not called.
-        ValueError: A size is below 1, the sizes do not multiply to the world
-            size, or the DCP size does not divide the TP size.
+        ValueError: A size is below 1, the sizes' product does not divide
+            the world size, or the DCP size does not divide the TP size.
         RuntimeError: Model parallel groups already exist.
     """
     if model_parallel_is_initialized():
@@ -269,7 +272,8 @@ _IMP = "initialize_model_parallel"
 def _checked_mesh(world: GroupCoordinator | None, tp: Any, pp: Any, dp: Any, pcp: Any,
                   dcp: Any) -> RankMesh:
     """The layout of these sizes, once each is an int >= 1 and (with a world
-    group) they multiply to its size."""
+    group) their product divides its size: a larger world holds several
+    replicas of the layout (vLLM's external data parallelism)."""
     names = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
              "data_parallel_size", "prefill_context_model_parallel_size",
              "decode_context_model_parallel_size")
@@ -279,14 +283,9 @@ def _checked_mesh(world: GroupCoordinator | None, tp: Any, pp: Any, dp: Any, pcp
         if size < 1:
             raise ValueError(f"{name} must be >= 1, got {size}")
     tp, pp, dp, pcp, dcp = values
-    mesh = RankMesh(tp=tp, pp=pp, dp=dp, pcp=pcp, dcp=dcp)
-    if world is not None and mesh.world_size != world.world_size:
-        context = f" x prefill context ({pcp})" if pcp > 1 else ""
-        raise ValueError(
-            f"tensor ({tp}) x pipeline ({pp}){context} x data ({dp}) parallel sizes = "
-            f"{mesh.world_size} must equal the world size {world.world_size}"
-        )
-    return mesh
+    if world is None:
+        return RankMesh(tp=tp, pp=pp, dp=dp, pcp=pcp, dcp=dcp)
+    return RankMesh.for_world(world.world_size, tp=tp, pp=pp, dp=dp, pcp=pcp, dcp=dcp)
 
 
 def _create_groups(mesh: RankMesh, world: GroupCoordinator, backend: str,
@@ -315,7 +314,7 @@ def _create_groups(mesh: RankMesh, world: GroupCoordinator, backend: str,
 def ensure_model_parallel_initialized(
     tensor_model_parallel_size: int,
     pipeline_model_parallel_size: int,
-    data_parallel_size: int = 1,
+    data_parallel_size: int | None = None,
     backend: str | None = None,
     *,
     enable_expert_parallel: bool | None = None,
@@ -324,8 +323,10 @@ def ensure_model_parallel_initialized(
 ) -> None:
     """Initialise model parallel groups unless they exist; if they do, check the sizes.
 
-    ``enable_expert_parallel`` None: create no EP group, and accept existing
-    groups with or without one; a bool: create or require that.
+    ``data_parallel_size`` None: 1 when creating, any when checking (vLLM's
+    workers pass no DP size). ``enable_expert_parallel`` None: create no EP
+    group, and accept existing groups with or without one; a bool: create or
+    require that.
 
     Raises:
         ValueError: Existing groups have other sizes, or do (not) have the EP
@@ -333,15 +334,17 @@ def ensure_model_parallel_initialized(
     """
     if not model_parallel_is_initialized():  # every argument is checked in its agreement step
         initialize_model_parallel(
-            tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
-            backend, enable_expert_parallel=(False if enable_expert_parallel is None
-                                             else enable_expert_parallel),
+            tensor_model_parallel_size, pipeline_model_parallel_size,
+            1 if data_parallel_size is None else data_parallel_size, backend,
+            enable_expert_parallel=(False if enable_expert_parallel is None
+                                    else enable_expert_parallel),
             prefill_context_model_parallel_size=prefill_context_model_parallel_size,
             decode_context_model_parallel_size=decode_context_model_parallel_size)
         return
     sizes = (_int_arg(tensor_model_parallel_size, "tensor_model_parallel_size"),
              _int_arg(pipeline_model_parallel_size, "pipeline_model_parallel_size"),
-             _int_arg(data_parallel_size, "data_parallel_size"),
+             None if data_parallel_size is None
+             else _int_arg(data_parallel_size, "data_parallel_size"),
              _int_arg(prefill_context_model_parallel_size, "prefill_context_model_parallel_size"),
              _int_arg(1 if decode_context_model_parallel_size is None
                       else decode_context_model_parallel_size,
@@ -360,7 +363,7 @@ def ensure_model_parallel_initialized(
         )
     have = tuple(g.world_size for g in (get_tp_group(), get_pp_group(), get_dp_group(),
                                           get_pcp_group(), get_dcp_group()))
-    if have != sizes:
+    if any(want is not None and want != got for want, got in zip(sizes, have)):
         raise ValueError(
             f"model parallel groups exist with (tp, pp, dp, pcp, dcp) = {have}, but {sizes} "
             f"was requested; call destroy_model_parallel() first to change them"

@@ -1,12 +1,15 @@
 """The rank layout of the model-parallel groups: DP x PP x PCP x TP, TP fastest.
 
-Global rank ``r`` of a world of ``DP * PP * PCP * TP`` processes sits at mesh
-coordinates ``(d, p, c, t)`` with::
+Global rank ``r`` of a world of ``EXT * DP * PP * PCP * TP`` processes sits at
+mesh coordinates ``(e, d, p, c, t)`` with::
 
-    r = ((d * PP + p) * PCP + c) * TP + t
+    r = (((e * DP + d) * PP + p) * PCP + c) * TP + t
 
-Each parallel dimension's groups hold the ranks that differ only in that
-coordinate (vLLM's layout: ``arange(world).reshape(DP, PP, PCP, TP)``):
+``EXT`` counts independent replicas of the whole model-parallel layout in one
+world (vLLM's "external DP", e.g. several engines of an RL trainer sharing a
+world); no group spans two replicas. Each parallel dimension's groups hold the
+ranks that differ only in that coordinate (vLLM's layout:
+``arange(world).reshape(-1, DP, PP, PCP, TP)``):
 
 =====  ======================================  ==================================
 group  varies                                  example, TP=2 PCP=2 (world 4)
@@ -43,6 +46,7 @@ class RankMesh:
     dp: int = 1
     pcp: int = 1
     dcp: int = 1
+    ext: int = 1
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -54,14 +58,32 @@ class RankMesh:
                 f"the decode context parallel size ({self.dcp}) must divide the tensor "
                 f"parallel size ({self.tp}): DCP groups split each TP group")
 
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int = 1, pcp: int = 1,
+                  dcp: int = 1) -> "RankMesh":
+        """The mesh of these sizes replicated over ``world_size`` processes.
+
+        Raises:
+            ValueError: A size is not an int >= 1, or their product does not
+                divide ``world_size``.
+        """
+        one = cls(tp=tp, pp=pp, dp=dp, pcp=pcp, dcp=dcp)
+        if world_size % one.world_size:
+            context = f" x prefill context ({pcp})" if pcp > 1 else ""
+            raise ValueError(
+                f"tensor ({tp}) x pipeline ({pp}){context} x data ({dp}) parallel sizes = "
+                f"{one.world_size} must divide the world size {world_size} (each group of "
+                f"that many ranks runs one copy of the model)")
+        return dataclasses.replace(one, ext=world_size // one.world_size)
+
     @property
     def world_size(self) -> int:
         """Processes the layout needs (DCP adds none)."""
-        return self.dp * self.pp * self.pcp * self.tp
+        return self.ext * self.dp * self.pp * self.pcp * self.tp
 
-    def rank(self, d: int, p: int, c: int, t: int) -> int:
-        """Global rank at mesh coordinates ``(d, p, c, t)``."""
-        return ((d * self.pp + p) * self.pcp + c) * self.tp + t
+    def rank(self, e: int, d: int, p: int, c: int, t: int) -> int:
+        """Global rank at mesh coordinates ``(e, d, p, c, t)``."""
+        return (((e * self.dp + d) * self.pp + p) * self.pcp + c) * self.tp + t
 
     def tp_groups(self) -> list[list[int]]:
         return self._along("t")
@@ -79,15 +101,16 @@ class RankMesh:
         return [g[i:i + self.dcp] for g in self.tp_groups() for i in range(0, self.tp, self.dcp)]
 
     def ep_groups(self) -> list[list[int]]:
-        """One group per pipeline stage: its DP x PCP x TP ranks."""
-        return [sorted(self.rank(d, p, c, t) for d, c, t in itertools.product(
-            range(self.dp), range(self.pcp), range(self.tp))) for p in range(self.pp)]
+        """One group per pipeline stage of each replica: its DP x PCP x TP ranks."""
+        return [sorted(self.rank(e, d, p, c, t) for d, c, t in itertools.product(
+            range(self.dp), range(self.pcp), range(self.tp)))
+            for e in range(self.ext) for p in range(self.pp)]
 
     def _along(self, axis: str) -> list[list[int]]:
         """The groups of ranks that differ only in coordinate ``axis`` (one of
         ``"dpct"``), ordered by the other coordinates, outermost first."""
-        sizes = (self.dp, self.pp, self.pcp, self.tp)
-        k = "dpct".index(axis)
+        sizes = (self.ext, self.dp, self.pp, self.pcp, self.tp)
+        k = "edpct".index(axis)
         rest = (range(n) for i, n in enumerate(sizes) if i != k)
         return [[self.rank(*fixed[:k], i, *fixed[k:]) for i in range(sizes[k])]
                 for fixed in itertools.product(*rest)]

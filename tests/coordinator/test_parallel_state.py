@@ -27,23 +27,26 @@ from tests.coordinator.rank_checks import (
 
 # (tp, pp, dp, pcp, dcp) at world size 4
 LAYOUTS = [(2, 2, 1, 1, 1), (4, 1, 1, 1, 1), (1, 4, 1, 1, 1), (2, 1, 2, 1, 1), (1, 2, 2, 1, 1),
-           (2, 1, 1, 2, 1), (4, 1, 1, 1, 2), (2, 1, 1, 2, 2)]
+           (2, 1, 1, 2, 1), (4, 1, 1, 1, 2), (2, 1, 1, 2, 2),
+           (2, 1, 1, 1, 1), (1, 2, 1, 1, 1)]  # the last two: two replicas (external DP)
 KINDS = ("tp", "pp", "dp", "pcp", "dcp")
 
 
-def _expected_groups(tp: int, pp: int, dp: int, pcp: int = 1,
-                     dcp: int = 1) -> dict[str, list[list[int]]]:
-    """Groups of the DP x PP x PCP x TP layout (TP fastest), derived rank by rank:
-    each group holds the ranks that share every other coordinate; DCP groups
-    share everything but a run of ``dcp`` consecutive TP coordinates."""
-    world = tp * pp * dp * pcp
-    coords = {r: (r // (tp * pcp * pp), r // (tp * pcp) % pp, r // tp % pcp, r % tp)
-              for r in range(world)}
+def _expected_groups(tp: int, pp: int, dp: int, pcp: int = 1, dcp: int = 1,
+                     world: int | None = None) -> dict[str, list[list[int]]]:
+    """Groups of the DP x PP x PCP x TP layout (TP fastest), replicated over
+    ``world`` ranks, derived rank by rank: each group holds the ranks of one
+    replica that share every other coordinate; DCP groups share everything but
+    a run of ``dcp`` consecutive TP coordinates."""
+    one = tp * pp * dp * pcp
+    world = one if world is None else world
+    coords = {r: (r // one, r // (tp * pcp * pp) % dp, r // (tp * pcp) % pp, r // tp % pcp,
+                  r % tp) for r in range(world)}
 
     def groups(key) -> list[list[int]]:
         out: dict = {}
-        for r, (d, p, c, t) in coords.items():
-            out.setdefault(key(d, p, c, t), []).append(r)
+        for r, (e, d, p, c, t) in coords.items():
+            out.setdefault((e, key(d, p, c, t)), []).append(r)
         return sorted(out.values())
 
     return {
@@ -66,32 +69,37 @@ def test_expected_groups_helper_matches_the_documented_example():
     assert _expected_groups(2, 1, 1, 2, 2)["dcp"] == [[0, 1], [2, 3]]
 
 
-@pytest.mark.parametrize("layout", [(2, 2, 2, 1, 1), (2, 1, 2, 2, 2), (4, 2, 1, 1, 2),
-                                    (3, 2, 2, 2, 3), (6, 1, 1, 2, 3), (1, 3, 1, 2, 1)],
-                         ids=lambda l: "tp{}-pp{}-dp{}-pcp{}-dcp{}".format(*l))
+@pytest.mark.parametrize("layout", [(2, 2, 2, 1, 1, 1), (2, 1, 2, 2, 2, 1), (4, 2, 1, 1, 2, 1),
+                                    (3, 2, 2, 2, 3, 1), (6, 1, 1, 2, 3, 1), (1, 3, 1, 2, 1, 1),
+                                    (2, 2, 1, 1, 2, 3), (1, 1, 2, 2, 1, 2)],
+                         ids=lambda l: "tp{}-pp{}-dp{}-pcp{}-dcp{}-ext{}".format(*l))
 def test_rank_mesh_matches_the_derived_groups(layout):
     from coordinator.rank_mesh import RankMesh
 
-    tp, pp, dp, pcp, dcp = layout
-    mesh, want = RankMesh(tp=tp, pp=pp, dp=dp, pcp=pcp, dcp=dcp), _expected_groups(*layout)
+    tp, pp, dp, pcp, dcp, ext = layout
+    world = ext * tp * pp * dp * pcp
+    mesh = RankMesh.for_world(world, tp=tp, pp=pp, dp=dp, pcp=pcp, dcp=dcp)
+    want = _expected_groups(tp, pp, dp, pcp, dcp, world=world)
+    assert mesh.ext == ext
     for kind in (*KINDS, "ep"):
         assert sorted(getattr(mesh, f"{kind}_groups")()) == want[kind], kind
 
 
 @pytest.mark.parametrize("sizes,words", [(dict(tp=4, dcp=3), "divide"), (dict(tp=0), "tp"),
-                                         (dict(pcp=2.0), "pcp"), (dict(dcp=True), "dcp")])
+                                         (dict(pcp=2.0), "pcp"), (dict(dcp=True), "dcp"),
+                                         (dict(tp=4, pp=2), "must divide the world size 12")])
 def test_rank_mesh_refuses_bad_sizes(sizes, words):
     from coordinator.rank_mesh import RankMesh
 
     with pytest.raises(ValueError, match=words):
-        RankMesh(**sizes)
+        RankMesh.for_world(12, **sizes)
 
 
 @pytest.mark.timeout(180)
 def test_layouts_at_world_size_4(dist_pool):
     results = dist_pool(4).run(run_layouts, LAYOUTS, timeout=150)
     for i, layout in enumerate(LAYOUTS):
-        want = _expected_groups(*layout)
+        want = _expected_groups(*layout, world=4)
         tp, pp, dp, pcp, dcp = layout
         for rank, per_rank in enumerate(results):
             rec = per_rank[i]
@@ -393,6 +401,7 @@ def run_layouts(rank: int, world_size: int,
             assert gathered.tolist() == list(g.ranks), f"{k}: gathered {gathered.tolist()}"
         # ensure_...: a no-op with the same sizes, an error with others.
         ps.ensure_model_parallel_initialized(tp, pp, dp, **cp)
+        ps.ensure_model_parallel_initialized(tp, pp, **cp)  # no DP size (vLLM's workers): any
         assert ps.get_tp_group() is groups["tp"], "ensure_model_parallel_initialized rebuilt groups"
         other = (pp, tp, dp) if tp != pp else (tp * dp, pp, 1) if dp > 1 else (1, pp * tp, 1)
         expect_raises("ensure/other-sizes", ValueError,
@@ -421,7 +430,7 @@ def run_layouts(rank: int, world_size: int,
     ps.ensure_model_parallel_initialized(world_size, 1)
     assert ps.get_tensor_model_parallel_world_size() == world_size
     ps.destroy_model_parallel()
-    # Sizes that do not multiply to the world size, or are not positive ints.
+    # Sizes whose product does not divide the world size, or are not positive ints.
     for args, exc, words in (
         ((3, 1, 1), ValueError, ("world size", str(world_size))),
         ((world_size, 2, 1), ValueError, ("world size",)),
