@@ -17,9 +17,12 @@ and authenticates every value (see :mod:`coordinator.stateless_group`).
 What :func:`encode_object` carries, exactly (same type back on every rank):
 ``None``, ``bool``, ``int`` (64-bit), ``float``, ``str``, ``bytes``, and
 ``list``, ``tuple``, ``dict``, ``set``, ``frozenset`` of these, nested at most
-:data:`MAX_DEPTH` levels. Any other type (subclasses included: a namedtuple,
-an enum, a dataclass, a tensor) raises ``TypeError`` on the sender naming the
-type. ``allow_pickle=True`` on both sides opts into pickle for such objects;
+:data:`MAX_DEPTH` levels. An object that also holds tensors or numpy arrays
+travels in the message queue's format (:class:`shm_broadcast.codec.Codec`:
+msgpack plus the arrays' raw bytes, each size checked before anything is
+allocated; the receiver gets private copies). Any other type (subclasses
+included: a namedtuple, an enum, a dataclass) raises ``TypeError`` on the
+sender naming the type. ``allow_pickle=True`` on both sides opts into pickle for such objects;
 it lets any peer that can reach the channel run code in this process, so use
 it only between processes that trust each other completely.
 
@@ -32,6 +35,7 @@ not encode its object sends a failure record instead, so its peers raise
 from __future__ import annotations
 
 import pickle
+import struct
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -58,6 +62,8 @@ MAX_DEPTH = 64
 _KIND_MSGPACK = 0x6D  # b"m"
 _KIND_PICKLE = 0x70  # b"p"
 _KIND_FAILURE = 0x65  # b"e"
+_KIND_CODEC = 0x63  # b"c": the message length (uint32), the msgpack, the arrays' bytes
+_CODEC_HEADER = struct.Struct("<I")
 _EXT_TUPLE, _EXT_SET, _EXT_FROZENSET, _EXT_PAIRS = 1, 2, 3, 4
 _SCALARS = (type(None), bool, int, float, str, bytes)
 _MAX_FAILURE_CHARS = 2000
@@ -84,14 +90,44 @@ def encode_object(obj: Any, *, allow_pickle: bool = False) -> bytes:
     try:
         out = bytes([_KIND_MSGPACK]) + msgspec.msgpack.encode(_prep(obj, 0))
     except TypeError:
-        if not allow_pickle:
-            raise
-        out = bytes([_KIND_PICKLE]) + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            out = _encode_with_arrays(obj)
+        except TypeError:  # it names the type neither format carries, and the opt-in
+            if not allow_pickle:
+                raise
+            out = bytes([_KIND_PICKLE]) + pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     if len(out) > MAX_OBJECT_BYTES:
         raise ValueError(
             f"obj encodes to {len(out)} bytes, more than the {MAX_OBJECT_BYTES} bytes an object "
             f"exchange carries; send large data as tensors")
     return out
+
+
+def _encode_with_arrays(obj: Any) -> bytes:
+    """``obj`` (holding tensors or arrays) in the queue codec's format, as one buffer.
+
+    Raises:
+        TypeError: ``obj`` holds a type that codec cannot carry either.
+    """
+    from shm_broadcast.codec import Codec
+
+    enc = Codec().encode(obj)
+    return (bytes([_KIND_CODEC]) + _CODEC_HEADER.pack(len(enc.msg)) + enc.msg
+            + bytes(enc.blob_bytes()))
+
+
+def _decode_with_arrays(view: memoryview, allow_pickle: bool) -> Any:
+    """The object of :func:`_encode_with_arrays` bytes (kind byte stripped)."""
+    from shm_broadcast.codec import Codec
+
+    if len(view) < _CODEC_HEADER.size:
+        raise ValueError(f"{len(view)} bytes, shorter than the header")
+    (mlen,) = _CODEC_HEADER.unpack(view[:_CODEC_HEADER.size])
+    start = _CODEC_HEADER.size + mlen
+    if start > len(view):
+        raise ValueError(f"a {mlen}-byte message in {len(view)} bytes")
+    return Codec(allow_pickle=allow_pickle).decode(view[_CODEC_HEADER.size:start], view, start,
+                                                   len(view) - start)
 
 
 def encode_failure(reason: str) -> bytes:
@@ -160,9 +196,11 @@ def decode_object(data: Any, *, allow_pickle: bool = False, source: str = "a pee
                 f"{source} sent a pickled object but this rank does not accept pickle "
                 "(allow_pickle=False); it was not unpickled")
         return pickle.loads(view[1:])
-    if kind != _KIND_MSGPACK:
+    if kind not in (_KIND_MSGPACK, _KIND_CODEC):
         raise CollectiveMismatch(f"object from {source} is malformed: unknown kind byte {kind}")
     try:
+        if kind == _KIND_CODEC:
+            return _decode_with_arrays(view[1:], allow_pickle)
         return _MsgpackReader().decode(view[1:])
     except (msgspec.MsgspecError, ValueError, TypeError, OverflowError, RecursionError) as e:
         raise CollectiveMismatch(

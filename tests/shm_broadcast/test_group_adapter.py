@@ -53,13 +53,29 @@ def test_every_carried_type_round_trips_exactly(obj: Any) -> None:
 
 
 @pytest.mark.parametrize("obj, named", [
-    (_CreateFile("/x"), "_CreateFile"), (torch.zeros(2), "Tensor"), (1 + 2j, "complex"),
-    ([{"k": object()}], "builtins.object"), (2**64, "beyond 64 bits"),
+    (_CreateFile("/x"), "_CreateFile"), (1 + 2j, "complex"),
+    ([{"k": object()}], "builtins.object"), ({"t": torch.zeros(2), "c": 1j}, "complex"),
 ])
 def test_uncarried_types_name_the_type_and_the_opt_in(obj: Any, named: str) -> None:
     with pytest.raises(TypeError, match=named) as e:
         encode_object(obj)
     assert "allow_pickle=True" in str(e.value)
+
+
+def test_tensors_arrays_and_big_ints_travel_in_the_queue_format() -> None:
+    import numpy as np
+
+    obj = {"t": torch.arange(6).reshape(2, 3).t(), "bf": torch.ones(2, dtype=torch.bfloat16),
+           "a": np.arange(4, dtype=np.int16), "big": 2**64, "k": ("x", [1.5, None])}
+    data = encode_object(obj)
+    back = decode_object(data)
+    assert back["t"].equal(obj["t"]) and back["bf"].dtype == torch.bfloat16
+    assert back["a"].dtype == np.int16 and back["a"].tolist() == [0, 1, 2, 3]
+    assert back["big"] == 2**64 and back["k"] == ("x", [1.5, None])
+    # Truncated or lying bytes are refused, never read past their end.
+    for bad in (data[:3], data[:20], data[:1] + b"\xff\xff\xff\x7f" + data[5:]):
+        with pytest.raises(CollectiveMismatch, match="malformed"):
+            decode_object(bad)
 
 
 def test_depth_and_size_limits() -> None:
