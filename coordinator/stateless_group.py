@@ -60,6 +60,7 @@ import datetime
 import hmac
 import os
 import secrets
+import socket
 import time
 import weakref
 from collections import defaultdict
@@ -152,7 +153,9 @@ class StatelessProcessGroup:
     def create(cls, host: str, port: int, rank: int, world_size: int,
                timeout: float = _DEFAULT_TIMEOUT, name: str = "stateless", *,
                secret: bytes | None = None, insecure: bool = False,
-               allow_pickle: bool = False) -> "StatelessProcessGroup":
+               allow_pickle: bool = False, store_timeout: float | None = None,
+               data_expiration_seconds: int | None = None,
+               listen_socket: socket.socket | None = None) -> "StatelessProcessGroup":
         """Create a group: rank 0 listens on ``host:port`` (that address only), others connect.
 
         Args:
@@ -167,6 +170,13 @@ class StatelessProcessGroup:
                 only) rank 0 makes one and shares it through a private file.
             insecure: Run without authentication (explicit opt-out).
             allow_pickle: See the class docstring.
+            store_timeout: vLLM's name for ``timeout``; when given, it wins.
+            data_expiration_seconds: vLLM's bound on how long a value stays in
+                the store: accepted for its callers (an int > 0); every value
+                here is deleted once read, so nothing accumulates.
+            listen_socket: Rank 0: a socket already listening on ``host:port``
+                for the store (vLLM's keyword; the store uses a duplicate of it,
+                the caller keeps and closes its own). Other ranks ignore it.
 
         Raises:
             TypeError: An argument has the wrong type.
@@ -182,13 +192,20 @@ class StatelessProcessGroup:
             raise TypeError(f"host must be a str, got {type(host).__name__} ({host!r:.60})")
         if not host:
             raise ValueError("host must be a non-empty str, got ''")
-        t: float = check_timeout(timeout, positive=True)  # type: ignore[assignment]
+        t: float = check_timeout(timeout if store_timeout is None else store_timeout,  # type: ignore[assignment]
+                                 "store_timeout" if store_timeout is not None else "timeout",
+                                 positive=True)
+        if data_expiration_seconds is not None:
+            check_int(data_expiration_seconds, "data_expiration_seconds", minimum=1)
+        if listen_socket is not None and not isinstance(listen_socket, socket.socket):
+            raise TypeError(f"listen_socket must be a socket.socket, got "
+                            f"{type(listen_socket).__name__}")
         _check_name(name)
         check_bool(allow_pickle, "allow_pickle")
         source, key_file = secret_plan(rank, host, port, name, secret,
                                         check_bool(insecure, "insecure"))
         try:
-            store = _open_store(host, port, rank, world_size, t)
+            store = _open_store(host, port, rank, world_size, t, listen_socket)
             group = cls(rank, world_size, store, name=name, timeout=t, insecure=source is None,
                         allow_pickle=allow_pickle, _secret_source=source)
         except BaseException:
@@ -468,13 +485,15 @@ class StatelessProcessGroup:
 
 
 # ---------------------------------------------------------------------- store and checks
-def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float) -> dist.Store:
-    """Rank 0: a TCPStore listening on ``host:port`` only; others: a client of it."""
+def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float,
+                listen_socket: socket.socket | None = None) -> dist.Store:
+    """Rank 0: a TCPStore listening on ``host:port`` only (or on the caller's
+    ``listen_socket``); others: a client of it."""
     td = datetime.timedelta(seconds=timeout)
     if rank != 0:
         return client_store(host, port, world_size, td)
     try:
-        return master_store(host, port, world_size, td)
+        return master_store(host, port, world_size, td, listen_socket=listen_socket)
     except OSError as e:
         raise StoreConnectionError(
             f"rank 0 cannot listen on {host}:{port} for its stateless group's store: "

@@ -31,7 +31,8 @@ __all__ = ["master_store", "client_store"]
 
 
 def master_store(host: str, port: int, world_size: int | None,
-                 timeout: datetime.timedelta) -> Any:
+                 timeout: datetime.timedelta, *,
+                 listen_socket: socket.socket | None = None) -> Any:
     """A TCPStore server listening on ``host:port`` only (``port=0``: a free port,
     which ``store.port`` gives).
 
@@ -40,13 +41,18 @@ def master_store(host: str, port: int, world_size: int | None,
         port: The port, or 0.
         world_size: Processes that will use the store (None: not counted).
         timeout: The store's default timeout for waits.
+        listen_socket: A socket the caller already made listen (its address
+            is then the caller's choice); the store uses a duplicate.
 
     Raises:
         OSError: ``host:port`` cannot be bound (taken, or not this host's address).
     """
     import torch.distributed as dist
 
-    sock = _listen(host, port)
+    if listen_socket is not None:
+        sock: socket.socket | None = listen_socket.dup()
+    else:
+        sock = _listen(host, port)
     if sock is None:  # a host name: every interface (see the module docstring)
         return dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=True,
                              timeout=timeout, wait_for_workers=False)

@@ -45,6 +45,17 @@ def test_stateless_barrier_timeout_names_missing_rank(dist_pool) -> None:
         assert "barrier" in r["msg"] and "'t'" in r["msg"]
 
 
+@pytest.mark.timeout(120)
+def test_vllm_style_group_of_tensors(dist_pool) -> None:
+    """vLLM's tests/distributed/test_utils.py cpu_worker: tensors broadcast from
+    every rank; create() with vLLM's keywords (store_timeout,
+    data_expiration_seconds, and rank 0's own listening socket)."""
+    res = dist_pool(2).run(vllm_tensors, free_port(), timeout=90)
+    for r in res:
+        assert r["bcast"] == [0, 1] and r["gather"] == [[0.0, 0.0], [1.0, 1.0]], r
+        assert r["p2p"] == [1, 2, 3], r
+
+
 def test_stateless_bad_arguments() -> None:
     with pytest.raises(ValueError, match="world_size"):
         StatelessProcessGroup.create("127.0.0.1", free_port(), 0, 0)
@@ -101,6 +112,33 @@ def exercise(rank: int, world_size: int, port_a: int, port_b: int) -> dict:
         out["keys_left"] = a.store.num_keys()
     a.barrier()
     out["world_unchanged"] = dist.get_world_size() == world_before
+    return out
+
+
+def vllm_tensors(rank: int, world_size: int, port: int) -> dict:
+    import socket
+
+    import torch
+
+    sock = None
+    if rank == 0:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+    g = StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, store_timeout=30,
+                                     data_expiration_seconds=3600, listen_socket=sock,
+                                     name="vllm")
+    out = {"bcast": [int(g.broadcast_obj(torch.tensor([rank]) if rank == src else None,
+                                         src).item()) for src in range(world_size)],
+           "gather": [t.tolist() for t in g.all_gather_obj(torch.full((2,), float(rank)))]}
+    peer = 1 - rank
+    g.send_obj(torch.tensor([1, 2, 3]), peer)
+    out["p2p"] = g.recv_obj(peer).tolist()
+    g.barrier()
+    g.close()
+    if sock is not None:
+        sock.close()
     return out
 
 
