@@ -56,7 +56,9 @@ from shm_broadcast.transport import (
     local_bind_address, make_curve_server, new_channel_dir, new_keypair, new_socket,
     remove_channel_dir,
 )
-from shm_broadcast.waiting import PARK, Backoff, PeerWatch, WaitPolicy, own_pid_space
+from shm_broadcast.waiting import (
+    PARK, Backoff, PeerWatch, WaitPolicy, own_pid_space, state_text,
+)
 from shm_broadcast.writer_control import WriterControl, check_reader_keys
 
 __all__ = ["QueueWriter"]
@@ -471,7 +473,7 @@ class QueueWriter(WriterControl):
             ranks = [self.local_ranks[i] for i in local] + remote
             states = [self._local_watch.get(i) for i in local] + [
                 self._local_watch.get(-1 - r) for r in remote]
-            who = ", ".join(f"rank {r}: {_state_text(w)}" for r, w in zip(ranks, states))
+            who = ", ".join(f"rank {r}: {state_text(w)}" for r, w in zip(ranks, states))
             full = (f"ring of {self.max_chunks} chunks full" if local else
                     f"{self.remote_window} messages unacknowledged")
             what = (f"to take message #{self._wait_seq} (a confirmed enqueue; {who})"
@@ -589,15 +591,3 @@ class QueueWriter(WriterControl):
 def _deadline(timeout: float | None) -> float | None:
     """The monotonic time a wait starting now ends at (None: no end)."""
     return None if timeout is None else time.monotonic() + timeout
-
-
-def _state_text(watch: PeerWatch | None) -> str:
-    """A lagging reader's process state for a timeout message."""
-    if watch is None:
-        return "process not identified"
-    state = watch.state()
-    if state == "stopped":
-        return f"{watch.describe()} is stopped (SIGSTOP, job control or a debugger)"
-    if state == "unknown":
-        return f"{watch.describe()}, not checkable from here"
-    return f"{watch.describe()} is {state}"

@@ -73,8 +73,8 @@ import psutil
 
 from shm_broadcast.predictive import PredictivePolicy, WaitPlan
 
-__all__ = ["WaitPolicy", "Backoff", "PeerWatch", "own_pid_space", "SPIN", "YIELD", "PARK",
-           "SLEEP"]
+__all__ = ["WaitPolicy", "Backoff", "PeerWatch", "own_pid_space", "state_text", "SPIN", "YIELD",
+           "PARK", "SLEEP"]
 
 SPIN = 0
 YIELD = 1
@@ -362,3 +362,15 @@ class Backoff:
         self._check(expired)
         nxt = now + self._policy.liveness_s
         self._next_check = nxt if deadline is None or deadline > nxt or expired else deadline
+
+
+def state_text(watch: PeerWatch | None) -> str:
+    """A peer's process state for a timeout message (``watch`` None: not identified)."""
+    if watch is None:
+        return "process not identified"
+    state = watch.state()
+    if state == "stopped":
+        return f"{watch.describe()} is stopped (SIGSTOP, job control or a debugger)"
+    if state == "unknown":
+        return f"{watch.describe()}, not checkable from here"
+    return f"{watch.describe()} is {state}"
