@@ -167,10 +167,15 @@ def create_single_reader_mq_broadcasters(
             allow_pickle=group.allow_pickle,
             remote_reader_keys=None if same_node[me] else {reader: reader_key},
         )
-    if writer is not None:
-        writer.default_timeout = group.timeout
-    handle = writer.export_handle().to_bytes() if writer is not None else None
-    handles: list[Any] = og.all_gather(handle)
+    try:
+        if writer is not None:
+            writer.default_timeout = group.timeout
+        handle = writer.export_handle().to_bytes() if writer is not None else None
+        handles: list[Any] = og.all_gather(handle)
+    except BaseException:  # a peer failed during the exchange: this rank's queue goes too
+        if writer is not None:
+            writer.close()
+        raise
     readers = _attach_readers(writer, handles, me, reader, blocking, group.allow_pickle, keypair,
                               group.timeout)
     return writer, readers

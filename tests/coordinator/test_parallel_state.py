@@ -250,7 +250,7 @@ def test_env_rendezvous_store_listens_on_master_addr_only(uninitialised, monkeyp
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_one_rank_with_other_sizes_is_told_to_every_rank(dist_pool, world_size):
     """initialize_model_parallel agrees on its arguments before any group exists:
     a rank whose sizes are wrong raises its ValueError, the others PeerRejectedError

@@ -95,3 +95,40 @@ def other_writer(rank: int, world_size: int) -> list[str]:
 def test_ranks_naming_different_writers_all_raise(dist_pool: Any, world_size: int) -> None:
     results = dist_pool(world_size).run(other_writer, timeout=100)
     assert results == [[]] * world_size, results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["initialize_model_parallel", "create_from_process_group"])
+def test_a_peer_dying_before_the_exchange_is_our_error_naming_the_op(op: str) -> None:
+    """gloo's own error (a closed connection, no group, op or rank in it) becomes
+    PeerDiedError naming the group and the set-up call, at once."""
+    from shm_broadcast.launcher import spawn_group
+
+    outcomes = spawn_group(dies_before_setup, 2, (op,), timeout=90)
+    assert outcomes[1].exitcode == 3, outcomes[1]
+    assert outcomes[0].ok, outcomes[0].error
+    name, text, seconds = outcomes[0].result
+    assert name == "PeerDiedError" and op in text and seconds < 20, outcomes[0].result
+
+
+def dies_before_setup(rank: int, world_size: int, op: str) -> tuple[str, str, float]:
+    import os
+
+    import torch.distributed as dist
+
+    from coordinator import parallel_state as ps
+    from shm_broadcast import MessageQueue
+
+    if op == "initialize_model_parallel":
+        ps.init_distributed_environment(world_size, rank, "env://", rank, timeout=_TIMEOUT)
+    if rank == 1:
+        os._exit(3)  # gone before the set-up call's exchange
+    t0 = time.monotonic()
+    try:
+        if op == "initialize_model_parallel":
+            ps.initialize_model_parallel(2, 1)
+        else:
+            MessageQueue.create_from_process_group(dist.group.WORLD, 1 << 16, 4, timeout=_TIMEOUT)
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
