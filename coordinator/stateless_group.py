@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import datetime
 import hmac
-import os
 import secrets
 import socket
 import time
