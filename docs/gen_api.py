@@ -8,6 +8,7 @@ and properties.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
 import os
@@ -108,7 +109,8 @@ def render() -> str:
             if inspect.isclass(obj):
                 bases = ", ".join(b.__name__ for b in obj.__bases__
                                   if b is not object and b not in _parts(obj))
-                out.append(f"### class `{name}{_sig(obj)}`" + (f" ({bases})" if bases else ""))
+                sig = "" if issubclass(obj, enum.Enum) else _sig(obj)  # Enum's varies by Python
+                out.append(f"### class `{name}{sig}`" + (f" ({bases})" if bases else ""))
                 out += ["", _first_paragraph(obj), ""]
                 members = _members(obj)
                 if members and not issubclass(obj, BaseException):

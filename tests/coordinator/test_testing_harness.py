@@ -171,7 +171,8 @@ def test_ranks_die_with_their_parent(tmp_path):
             print(" ".join(map(str, pids)), flush=True)
             time.sleep(120)
     """))
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    path = [os.getcwd(), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                              env=env, cwd=os.getcwd())
     try:

@@ -27,6 +27,9 @@ from shm_broadcast import leftovers
 from shm_broadcast.segment import SHM_DIR, OwnerIdentity
 from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix
 
+# `groupcoord cleanup --yes` here would take other tests' orphans, and theirs ours.
+pytestmark = pytest.mark.usefixtures("cleanup_serial")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

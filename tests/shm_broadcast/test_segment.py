@@ -16,6 +16,9 @@ from shm_broadcast import SharedSegment, ShmSpaceError, list_segments
 from shm_broadcast.segment import SHM_DIR, shm_free_bytes
 from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, wait_gone
 
+# `groupcoord cleanup --yes` here would take other tests' orphans, and theirs ours.
+pytestmark = pytest.mark.usefixtures("cleanup_serial")
+
 
 def _cleanup(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shm_broadcast.cli", "cleanup", *args],

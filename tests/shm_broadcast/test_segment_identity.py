@@ -17,7 +17,8 @@ from shm_broadcast import SharedSegment
 from shm_broadcast.segment import SHM_DIR, OwnerIdentity, list_segments
 from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this platform")
+pytestmark = [pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this platform"),
+              pytest.mark.usefixtures("cleanup_serial")]
 
 
 def _record(name: str) -> str:
