@@ -51,7 +51,11 @@ broadcast still pairs every rank with the same call, never with a value left
 over from an earlier one. The ``acks``/``done`` counters decide only
 when keys are deleted, never what is read. Blocking calls take a timeout and
 raise :class:`~coordinator.errors.CommTimeout` naming the group, the operation
-and the peer(s) that did not answer.
+and the peer(s) that did not answer. That holds also when the store itself does
+not answer (rank 0 stopped by SIGSTOP or a debugger, its host cut off): every
+store request runs through :class:`~shm_broadcast.store_calls.StoreCalls`,
+whose answer is awaited until the call's deadline plus a grace of
+``_ANSWER_GRACE_S``; once rank 0 runs again, the group carries on.
 """
 
 from __future__ import annotations
@@ -67,10 +71,11 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from coordinator.errors import AuthenticationError, CommTimeout, StoreConnectionError
+from coordinator.errors import AuthenticationError, ClosedError, CommTimeout, StoreConnectionError
 from coordinator.group_secret import SECRET_ENV, remove_quietly, secret_plan
 from coordinator.store_sealing import NONCE_BYTES, Sealer, session_tag
 from shm_broadcast.checks import check_bool, check_int, check_rank, check_timeout
+from shm_broadcast.store_calls import StoreCalls
 from shm_broadcast.tcp_store import client_store, master_store
 from shm_broadcast.group_adapter import (
     decode_object,
@@ -82,6 +87,10 @@ __all__ = ["SECRET_ENV", "StatelessProcessGroup"]
 
 _DEFAULT_TIMEOUT = 300.0
 _RETRY_S = 0.005
+# How much longer than a call's own deadline its store request may take to be
+# answered before the store counts as not answering (the store's own timeout
+# ends a healthy wait at the deadline; the answer then takes milliseconds).
+_ANSWER_GRACE_S = 0.5
 
 
 class StatelessProcessGroup:
@@ -140,6 +149,7 @@ class StatelessProcessGroup:
         self._gather_seq = 0
         self._barrier_seq = 0
         self._key_file: str | None = None
+        self._calls = StoreCalls(store, name, _describe(store, rank), [] if rank == 0 else [0])
         if _secret_source is None:
             host, port = (store.host, store.port) if isinstance(store, dist.TCPStore) else (None, 0)
             _secret_source, self._key_file = secret_plan(
@@ -232,7 +242,7 @@ class StatelessProcessGroup:
         self._check_peer(dst, "dst")
         key = self._key(f"p2p/{self.rank}->{dst}/{self._send_seq[dst]}")
         self._send_seq[dst] += 1
-        self._put_obj(key, obj)
+        self._put_obj(key, obj, "send_obj")
 
     def recv_obj(self, src: int, timeout: float | None = None) -> Any:
         """Receive the next object sent by rank ``src``.
@@ -248,7 +258,7 @@ class StatelessProcessGroup:
         key = self._key(f"p2p/{src}->{self.rank}/{self._recv_seq[src]}")
         self._recv_seq[src] += 1
         data = self._get(key, deadline, "recv_obj", [src])
-        self._delete([key])
+        self._delete([key], "recv_obj")
         return self._decode(data, src)
 
     # ------------------------------------------------------------------ collectives
@@ -261,12 +271,13 @@ class StatelessProcessGroup:
         key = self._key(f"bcast/{seq}/{src}")
         if self.rank == src:
             if self.world_size > 1:
-                self._put_obj(key, obj)
+                self._put_obj(key, obj, "broadcast_obj", deadline)
             else:
                 encode_object(obj, allow_pickle=self.allow_pickle)  # same TypeError as with peers
             return obj
         data = self._get(key, deadline, "broadcast_obj", [src])
-        self._ack_and_clean(key + "/acks", self.world_size - 1, [key])
+        self._ack_and_clean(key + "/acks", self.world_size - 1, [key], "broadcast_obj",
+                            deadline)
         return self._decode(data, src)
 
     def all_gather_obj(self, obj: Any, timeout: float | None = None) -> list[Any]:
@@ -275,12 +286,12 @@ class StatelessProcessGroup:
         seq = self._gather_seq
         self._gather_seq += 1
         base = self._key(f"gather/{seq}")
-        self._put_obj(f"{base}/{self.rank}", obj)
+        self._put_obj(f"{base}/{self.rank}", obj, "all_gather_obj", deadline)
         keys = [f"{base}/{r}" for r in range(self.world_size)]
         self._wait(keys, deadline, "all_gather_obj")
         raw = {r: self._get(k, deadline, "all_gather_obj", [r])
                for r, k in enumerate(keys) if r != self.rank}
-        self._ack_and_clean(f"{base}/done", self.world_size, keys)
+        self._ack_and_clean(f"{base}/done", self.world_size, keys, "all_gather_obj", deadline)
         return [obj if r == self.rank else self._decode(raw[r], r) for r in range(self.world_size)]
 
     def barrier(self, timeout: float | None = None) -> None:
@@ -301,7 +312,7 @@ class StatelessProcessGroup:
         seq = self._barrier_seq
         self._barrier_seq += 1
         arrive = [self._key(f"barrier/{seq}/{r}") for r in range(self.world_size)]
-        self._put(arrive[self.rank], b"")
+        self._put(arrive[self.rank], b"", "barrier", deadline)
         self._wait(arrive, deadline, "barrier")
         for r, k in enumerate(arrive):
             if r != self.rank:
@@ -311,19 +322,20 @@ class StatelessProcessGroup:
             # Tell the store's host that our wait has returned. Best effort: the
             # barrier is complete for us, and the host may leave once it sees us.
             try:
-                self._put(left[self.rank], b"")
-            except (RuntimeError, dist.DistError):
+                self._put(left[self.rank], b"", "barrier", deadline)
+            except (RuntimeError, dist.DistError, CommTimeout):
                 pass
             return
         # The host stays until every other rank's wait has returned, so its exit
         # (or close()) cannot cut off a rank that arrived last and is still waiting.
         for r in range(1, self.world_size):
             self._get(left[r], deadline, "barrier (leaving)", [r])
-        self._delete(left[1:])
+        self._delete(left[1:], "barrier")
         if seq > 0:  # everyone has left barrier seq-1
-            self._delete([self._key(f"barrier/{seq - 1}/{r}") for r in range(self.world_size)])
+            self._delete([self._key(f"barrier/{seq - 1}/{r}") for r in range(self.world_size)],
+                         "barrier")
         else:  # every rank has verified the session: its record and key file are done
-            self._delete([self._key("session")])
+            self._delete([self._key("session")], "barrier")
             if self._key_file is not None:
                 remove_quietly(self._key_file)
                 self._key_file = None
@@ -331,6 +343,7 @@ class StatelessProcessGroup:
     def close(self) -> None:
         """Drop the store connection (rank 0 stops serving the others, removes its key file)."""
         self.store = None  # type: ignore[assignment]
+        self._calls.close()
         if self._key_file is not None:
             remove_quietly(self._key_file)
             self._key_file = None
@@ -347,7 +360,8 @@ class StatelessProcessGroup:
             if secret is None:
                 raise AuthenticationError(f"stateless group {self.name!r}: rank 0 has no secret")
             session = secrets.token_bytes(NONCE_BYTES)
-            self.store.set(key, session + session_tag(secret, self.name, key, session))
+            self._call("set", key, session + session_tag(secret, self.name, key, session),
+                       op="create")
             return Sealer(self.name, secret, session)
         deadline = time.monotonic() + self.timeout
         why = "no session record from rank 0"
@@ -359,7 +373,7 @@ class StatelessProcessGroup:
                     f"not authenticate rank 0's session within {self.timeout:.1f}s ({why}). Every "
                     f"rank needs the same secret (argument, or {SECRET_ENV}).",
                     rejected=self.rejected_values, queue=self.name, peers=[0])
-            secret, record = source(), self._try_get(key, left)
+            secret, record = source(), self._try_get(key, left, deadline)
             if secret is None:
                 why = "the key file of rank 0 is missing or not private"
             elif record is not None:
@@ -370,17 +384,20 @@ class StatelessProcessGroup:
                 why = "the session record failed authentication"
             time.sleep(_RETRY_S)
 
-    def _put(self, key: str, plain: bytes) -> None:
-        self._store().set(key, self._sealer.seal(key, plain))
+    def _put(self, key: str, plain: bytes, op: str,
+             deadline: tuple[float, float] | None = None) -> None:
+        self._call("set", key, self._sealer.seal(key, plain), op=op, deadline=deadline)
 
-    def _put_obj(self, key: str, obj: Any) -> None:
+    def _put_obj(self, key: str, obj: Any, op: str,
+                 deadline: tuple[float, float] | None = None) -> None:
         """Store ``obj``; if it cannot be encoded, store a failure record and raise."""
         try:
             plain = encode_object(obj, allow_pickle=self.allow_pickle)
         except (TypeError, ValueError) as e:
-            self._put(key, encode_failure(f"rank {self.rank}: {type(e).__name__}: {e}"))
+            self._put(key, encode_failure(f"rank {self.rank}: {type(e).__name__}: {e}"), op,
+                      deadline)
             raise
-        self._put(key, plain)
+        self._put(key, plain, op, deadline)
 
     def _decode(self, plain: bytes, src: int) -> Any:
         return decode_object(plain, allow_pickle=self.allow_pickle,
@@ -399,10 +416,16 @@ class StatelessProcessGroup:
     def _key(self, suffix: str) -> str:
         return f"{self.name}/{suffix}"
 
-    def _store(self) -> dist.Store:
+    def _call(self, method: str, *args: Any, op: str,
+              deadline: tuple[float, float] | None = None) -> Any:
+        """``store.<method>(*args)``; its answer is awaited until the call's deadline
+        (the group's timeout without one) plus a grace, then ``CommTimeout``."""
         if self.store is None:
-            raise RuntimeError(f"stateless group {self.name!r} is closed")
-        return self.store
+            raise ClosedError(f"stateless group {self.name!r} is closed (op {op})",
+                              queue=self.name)
+        left = self.timeout if deadline is None else max(deadline[0] - time.monotonic(), 0.0)
+        return self._calls.call(method, *args, limit=left + _ANSWER_GRACE_S, op=op,
+                                side=f"rank {self.rank}/{self.world_size}")
 
     def _check_peer(self, r: Any, arg: str) -> None:
         _check_in_range(r, self.world_size, arg)
@@ -411,14 +434,14 @@ class StatelessProcessGroup:
 
     def _wait(self, keys: list[str], deadline: tuple[float, float], op: str,
               peers: list[int] | None = None) -> None:
-        store = self._store()
         left = deadline[0] - time.monotonic()
         try:
             # The store's wait times out at once below ~1 ms even when the keys
             # exist, so a (nearly) spent deadline checks them instead.
-            if left < 0.05 and store.check(keys):
+            if left < 0.05 and self._call("check", keys, op=op, deadline=deadline):
                 return
-            store.wait(keys, datetime.timedelta(seconds=max(left, 0.001)))
+            self._call("wait", keys, datetime.timedelta(seconds=max(left, 0.001)), op=op,
+                       deadline=deadline)
         except dist.DistNetworkError as e:
             raise StoreConnectionError(
                 f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
@@ -427,7 +450,7 @@ class StatelessProcessGroup:
             ) from e
         except (RuntimeError, dist.DistError) as e:
             missing = peers if peers is not None else [
-                i for i, k in enumerate(keys) if not self._exists(k)]
+                i for i, k in enumerate(keys) if not self._exists(k, op)]
             raise CommTimeout(
                 f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
                 f"rank(s) {missing} did not answer within {deadline[1]:.1f}s. Check that they "
@@ -440,7 +463,7 @@ class StatelessProcessGroup:
         while True:
             self._wait([key], deadline, op, peers)
             try:
-                return self._sealer.open(key, self._store().get(key))
+                return self._sealer.open(key, self._call("get", key, op=op, deadline=deadline))
             except AuthenticationError as e:
                 rejected += 1
                 self.rejected_values += 1
@@ -453,37 +476,47 @@ class StatelessProcessGroup:
                     rejected=rejected, queue=self.name, peers=peers)
             time.sleep(_RETRY_S)
 
-    def _try_get(self, key: str, timeout: float) -> bytes | None:
+    def _try_get(self, key: str, timeout: float, deadline: float) -> bytes | None:
+        """The value under ``key`` if it arrives within ``min(timeout, 0.5)`` seconds."""
         try:
-            self._store().wait([key], datetime.timedelta(seconds=min(timeout, 0.5)))
-            return bytes(self._store().get(key))
+            self._call("wait", [key], datetime.timedelta(seconds=min(timeout, 0.5)),
+                       op="create", deadline=(deadline, self.timeout))
+            return bytes(self._call("get", key, op="create", deadline=(deadline, self.timeout)))
         except (RuntimeError, dist.DistError):
             return None
 
-    def _ack_and_clean(self, counter: str, readers: int, keys: list[str]) -> None:
+    def _ack_and_clean(self, counter: str, readers: int, keys: list[str], op: str,
+                       deadline: tuple[float, float]) -> None:
         """Count this reader; the last one deletes ``keys``. Best effort: the store's
         host may already have left after its own last use of the group."""
         try:
-            if self._store().add(counter, 1) == readers:
-                self._delete(keys + [counter])
-        except (RuntimeError, dist.DistError):
+            if self._call("add", counter, 1, op=op, deadline=deadline) == readers:
+                self._delete(keys + [counter], op)
+        except (RuntimeError, dist.DistError, CommTimeout):
             pass
 
-    def _delete(self, keys: list[str]) -> None:
+    def _delete(self, keys: list[str], op: str) -> None:
+        """Delete ``keys``; best effort, each answer awaited for a grace period at most."""
         for k in keys:
             try:
-                self._store().delete_key(k)
-            except (RuntimeError, dist.DistError):
+                self._call("delete_key", k, op=op, deadline=(time.monotonic(), 0.0))
+            except (RuntimeError, dist.DistError, CommTimeout):
                 return
 
-    def _exists(self, key: str) -> bool:
+    def _exists(self, key: str, op: str) -> bool:
         try:
-            return bool(self._store().check([key]))
-        except (RuntimeError, dist.DistError):
+            return bool(self._call("check", [key], op=op, deadline=(time.monotonic(), 0.0)))
+        except (RuntimeError, dist.DistError, CommTimeout):
             return False
 
 
 # ---------------------------------------------------------------------- store and checks
+def _describe(store: dist.Store, rank: int) -> str:
+    """Where the group's store is, for messages."""
+    where = f" ({store.host}:{store.port})" if isinstance(store, dist.TCPStore) else ""
+    return f"this rank's store{where}" if rank == 0 else f"the store on rank 0{where}"
+
+
 def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float,
                 listen_socket: socket.socket | None = None) -> dist.Store:
     """Rank 0: a TCPStore listening on ``host:port`` only (or on the caller's

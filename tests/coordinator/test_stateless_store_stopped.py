@@ -1,0 +1,87 @@
+"""A StatelessProcessGroup whose store host is stopped (SIGSTOP) raises in time, then recovers.
+
+A TCPStore client waits for its server's answer without limit; these tests
+stop the process of rank 0 (which serves the store), check that every
+blocking call of rank 1 raises ``CommTimeout`` within its timeout plus the
+group's answer grace, and that once rank 0 runs again (SIGCONT) rank 1's group
+carries on: what it sends arrives, and it receives what rank 0 sends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import pytest
+
+from coordinator import StatelessProcessGroup
+from coordinator.errors import CommTimeout
+from coordinator.testing import free_port
+
+SECRET = b"stopped-store-test-secret-000000"
+TIMEOUT = 2.0
+GRACE = 0.5  # stateless_group._ANSWER_GRACE_S
+
+# Rank 0: serve the store, tell the test it is ready, receive one object from
+# rank 1, send two replies, and stay until the test says it is done.
+RANK0 = """
+import sys
+from coordinator import StatelessProcessGroup
+g = StatelessProcessGroup.create("127.0.0.1", {port}, 0, 2, timeout=60, secret={secret!r})
+g.barrier()
+print("ready", flush=True)
+print("got", g.recv_obj(1), flush=True)
+g.send_obj("r0", 1)
+g.send_obj("r1", 1)
+sys.stdin.readline()
+g.close()
+"""
+
+OPS: dict[str, Callable[[StatelessProcessGroup], Any]] = {
+    "recv_obj": lambda g: g.recv_obj(0),
+    "broadcast_obj": lambda g: g.broadcast_obj(None, src=0),
+    "all_gather_obj": lambda g: g.all_gather_obj(1),
+    "barrier": lambda g: g.barrier(),
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("op", list(OPS))
+def test_a_stopped_store_host_times_out_and_the_group_recovers(op: str) -> None:
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p))
+    host = subprocess.Popen([sys.executable, "-c", RANK0.format(port=port, secret=SECRET)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    g = None
+    try:
+        g = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=TIMEOUT, secret=SECRET)
+        g.barrier(timeout=60)
+        assert host.stdout.readline().strip() == "ready"
+        os.kill(host.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeout) as err:
+            OPS[op](g)
+        elapsed = time.monotonic() - t0
+        assert elapsed < TIMEOUT + GRACE + 1.0, f"{op} took {elapsed:.1f}s"
+        msg = str(err.value)
+        assert f"op {op}" in msg and "rank 1/2" in msg and f"127.0.0.1:{port}" in msg, msg
+        assert "did not answer" in msg and list(err.value.peers) == [0], msg
+
+        os.kill(host.pid, signal.SIGCONT)
+        g.send_obj("after", 0)
+        assert host.stdout.readline().split() == ["got", "after"]
+        # A timed-out recv_obj used up the first message's number, as it does
+        # when a live peer is late.
+        assert g.recv_obj(0, timeout=30) == ("r1" if op == "recv_obj" else "r0")
+        host.communicate("bye\n", timeout=30)
+        assert host.returncode == 0
+    finally:
+        if g is not None:
+            g.close()
+        host.kill()  # after a failure above, rank 0 may still wait for rank 1
+        host.wait(10)
