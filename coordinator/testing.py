@@ -16,7 +16,8 @@ way :mod:`concurrent.futures` does); a rank that dies without a result raises
 :class:`~coordinator.errors.RankDiedError`; running past ``timeout`` raises
 :class:`~coordinator.errors.DistributedTimeout` naming the ranks that did not
 finish. In every case all ranks are killed and reaped, so a broken collective
-never hangs a test run. Ranks also die with their parent (``PR_SET_PDEATHSIG``).
+never hangs a test run. Ranks also die with their parent process, whichever of its threads started
+them (:func:`shm_broadcast.launcher.die_with_parent`).
 
 Example (a pytest test)::
 

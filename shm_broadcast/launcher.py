@@ -15,8 +15,8 @@ Two ways to use it:
   test can kill a rank on purpose and check what the survivors saw.
 
 What holds for every rank started here: it is a ``spawn`` child (no inherited
-threads or CUDA state); it dies with its parent (``PR_SET_PDEATHSIG``, and a
-check that the parent did not die before that took effect); :func:`stop_ranks`
+threads or CUDA state); it dies with its parent process, whichever thread
+started it (:func:`die_with_parent`); :func:`stop_ranks`
 sends SIGTERM first (ranks unlink the shared memory they own on SIGTERM), then
 SIGKILL, reaps every process and unlinks the segments still owned by a dead
 rank.
@@ -29,9 +29,11 @@ import datetime
 import multiprocessing as mp
 import os
 import random
+import select
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -116,14 +118,41 @@ def describe_exit(code: int | None) -> str:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """In a child: be killed when the parent dies; exit now if it already has."""
-    if sys.platform.startswith("linux"):
+    """In a child: die when the parent *process* dies; exit now if it already has.
+
+    A ``multiprocessing`` child watches the pipe its parent keeps open until it
+    exits (``multiprocessing.parent_process().sentinel``) on a daemon thread:
+    at its end the child sends itself SIGTERM (ranks unlink the shared memory
+    they own on it), then SIGKILL after :data:`PARENT_GONE_GRACE_S`. This is
+    not ``PR_SET_PDEATHSIG``, which fires when the parent's *thread* that
+    started the child exits: ranks started from a short-lived thread would die
+    with it. Other children fall back to ``PR_SET_PDEATHSIG``.
+    """
+    parent = mp.parent_process()
+    if parent is not None and parent.pid == parent_pid and parent.sentinel is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent.sentinel,),
+                         name="die-with-parent", daemon=True).start()
+    elif sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != parent_pid:  # the parent died before the watch began
         os._exit(1)
+
+
+PARENT_GONE_GRACE_S = 2.0
+
+
+def _exit_with_parent(sentinel: int) -> None:
+    """Wait until the parent's end of the pipe closes (it exited), then end this process."""
+    poller = select.poll()
+    poller.register(sentinel, select.POLLIN | select.POLLHUP)
+    while not poller.poll():  # blocks; EINTR is retried by Python
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(PARENT_GONE_GRACE_S)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def pin_to_cpu(rank: int) -> None:

@@ -158,16 +158,28 @@ def test_startup_failure_is_reported():
 
 
 @pytest.mark.timeout(120)
-def test_ranks_die_with_their_parent(tmp_path):
-    """SIGKILL the process that owns a pool: its ranks must not outlive it."""
+@pytest.mark.parametrize("starter", ["main_thread", "short_lived_thread"])
+def test_ranks_die_with_their_parent(tmp_path, starter: str):
+    """SIGKILL the process that owns a pool: its ranks must not outlive it. A pool
+    started from a thread that has exited since keeps its ranks until then."""
     script = tmp_path / "owner.py"
-    script.write_text(textwrap.dedent("""
-        import os, sys, time
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, threading, time
         from coordinator.testing import DistributedPool
         from tests.coordinator.test_testing_harness import echo
         if __name__ == "__main__":
-            p = DistributedPool(2)
-            pids = [r[3] for r in p.run(echo)]
+            pools = []
+            if {starter!r} == "main_thread":
+                pools.append(DistributedPool(2))
+            else:
+                def start():  # the ranks start at a pool's first run
+                    pools.append(DistributedPool(2))
+                    pools[0].run(echo)
+                t = threading.Thread(target=start)
+                t.start()
+                t.join()
+                time.sleep(1.0)  # a rank tied to the thread would be dead by now
+            pids = [r[3] for r in pools[0].run(echo)]
             print(" ".join(map(str, pids)), flush=True)
             time.sleep(120)
     """))
