@@ -149,7 +149,8 @@ class StatelessProcessGroup:
         self._gather_seq = 0
         self._barrier_seq = 0
         self._key_file: str | None = None
-        self._calls = StoreCalls(store, name, _describe(store, rank), [] if rank == 0 else [0])
+        self._calls = StoreCalls(store, f"stateless group {name!r}", _describe(store, rank),
+                                 [] if rank == 0 else [0], queue_name=name)
         if _secret_source is None:
             host, port = (store.host, store.port) if isinstance(store, dist.TCPStore) else (None, 0)
             _secret_source, self._key_file = secret_plan(
@@ -191,9 +192,13 @@ class StatelessProcessGroup:
             TypeError: An argument has the wrong type.
             ValueError: Bad rank/world_size/port/host, or no secret for a
                 non-loopback ``host`` without ``insecure``.
-            AuthenticationError: The session could not be authenticated in time.
+            AuthenticationError: The session could not be authenticated in time
+                (the message says why: no record, a bad one, or rank 0's store
+                did not answer).
             StoreConnectionError: Rank 0 cannot listen on ``host:port`` (in
                 use, or not an address of this host).
+            CommTimeout: Rank 0's store accepted the connection but did not
+                answer within ``timeout`` plus a grace (its process stopped).
         """
         _check_rank_world(rank, world_size)
         check_int(port, "port", minimum=1, maximum=65535)
@@ -374,6 +379,8 @@ class StatelessProcessGroup:
                     f"rank needs the same secret (argument, or {SECRET_ENV}).",
                     rejected=self.rejected_values, queue=self.name, peers=[0])
             secret, record = source(), self._try_get(key, left, deadline)
+            if isinstance(record, CommTimeout):
+                why, record = "rank 0's store did not answer (is its process stopped?)", None
             if secret is None:
                 why = "the key file of rank 0 is missing or not private"
             elif record is not None:
@@ -418,8 +425,20 @@ class StatelessProcessGroup:
 
     def _call(self, method: str, *args: Any, op: str,
               deadline: tuple[float, float] | None = None) -> Any:
-        """``store.<method>(*args)``; its answer is awaited until the call's deadline
-        (the group's timeout without one) plus a grace, then ``CommTimeout``."""
+        """Run ``store.<method>(*args)``, bounded.
+
+        Args:
+            method: Store method name.
+            *args: Its arguments.
+            op: The group operation it serves, for messages.
+            deadline: The operation's ``(monotonic deadline, seconds)``; None
+                allows the group's timeout.
+
+        Raises:
+            ClosedError: The group was closed.
+            CommTimeout: The store did not answer by the deadline plus
+                ``_ANSWER_GRACE_S``.
+        """
         if self.store is None:
             raise ClosedError(f"stateless group {self.name!r} is closed (op {op})",
                               queue=self.name)
@@ -442,6 +461,8 @@ class StatelessProcessGroup:
                 return
             self._call("wait", keys, datetime.timedelta(seconds=max(left, 0.001)), op=op,
                        deadline=deadline)
+        except ClosedError:
+            raise  # a RuntimeError, but not a peer that failed to answer
         except dist.DistNetworkError as e:
             raise StoreConnectionError(
                 f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
@@ -476,12 +497,15 @@ class StatelessProcessGroup:
                     rejected=rejected, queue=self.name, peers=peers)
             time.sleep(_RETRY_S)
 
-    def _try_get(self, key: str, timeout: float, deadline: float) -> bytes | None:
-        """The value under ``key`` if it arrives within ``min(timeout, 0.5)`` seconds."""
+    def _try_get(self, key: str, timeout: float, deadline: float) -> bytes | CommTimeout | None:
+        """The value under ``key`` if it arrives within ``min(timeout, 0.5)`` seconds;
+        the error if the store did not answer; else None."""
         try:
             self._call("wait", [key], datetime.timedelta(seconds=min(timeout, 0.5)),
                        op="create", deadline=(deadline, self.timeout))
             return bytes(self._call("get", key, op="create", deadline=(deadline, self.timeout)))
+        except CommTimeout as e:
+            return e
         except (RuntimeError, dist.DistError):
             return None
 
@@ -523,7 +547,11 @@ def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float
     ``listen_socket``); others: a client of it."""
     td = datetime.timedelta(seconds=timeout)
     if rank != 0:
-        return client_store(host, port, world_size, td)
+        try:
+            return client_store(host, port, world_size, td)
+        except CommTimeout as e:
+            raise CommTimeout(f"stateless group (rank {rank}/{world_size}), op create: {e}",
+                              peers=[0]) from e
     try:
         return master_store(host, port, world_size, td, listen_socket=listen_socket)
     except OSError as e:

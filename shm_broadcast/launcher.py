@@ -24,7 +24,6 @@ rank.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import multiprocessing as mp
 import os
@@ -117,39 +116,46 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+# Seconds between the SIGTERM a rank sends itself when its parent is gone and the
+# SIGKILL: enough for its SIGTERM handler to unlink what it owns, short enough
+# that no rank lingers.
+PARENT_GONE_GRACE_S = 2.0
+
+
 def die_with_parent(parent_pid: int) -> None:
     """In a child: die when the parent *process* dies; exit now if it already has.
 
-    A ``multiprocessing`` child watches the pipe its parent keeps open until it
-    exits (``multiprocessing.parent_process().sentinel``) on a daemon thread:
-    at its end the child sends itself SIGTERM (ranks unlink the shared memory
-    they own on it), then SIGKILL after :data:`PARENT_GONE_GRACE_S`. This is
-    not ``PR_SET_PDEATHSIG``, which fires when the parent's *thread* that
-    started the child exits: ranks started from a short-lived thread would die
-    with it. Other children fall back to ``PR_SET_PDEATHSIG``.
+    A daemon thread watches, once a second and at once when it closes, the
+    pipe a ``multiprocessing`` parent keeps open until it exits
+    (``multiprocessing.parent_process().sentinel``), and the parent pid
+    (``getppid()`` changes when the parent dies, also while a forked copy of
+    the parent still holds the pipe). When the parent is gone the child sends
+    itself SIGTERM (ranks unlink the shared memory they own on it), then
+    SIGKILL after :data:`PARENT_GONE_GRACE_S`. ``PR_SET_PDEATHSIG`` is not
+    used: it fires when the parent's *thread* that started the child exits,
+    so ranks started from a short-lived thread would die with it.
     """
     parent = mp.parent_process()
-    if parent is not None and parent.pid == parent_pid and parent.sentinel is not None:
-        threading.Thread(target=_exit_with_parent, args=(parent.sentinel,),
-                         name="die-with-parent", daemon=True).start()
-    elif sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+    sentinel = parent.sentinel if parent is not None and parent.pid == parent_pid else None
+    threading.Thread(target=_exit_with_parent, args=(parent_pid, sentinel),
+                     name="die-with-parent", daemon=True).start()
     if os.getppid() != parent_pid:  # the parent died before the watch began
         os._exit(1)
 
 
-PARENT_GONE_GRACE_S = 2.0
-
-
-def _exit_with_parent(sentinel: int) -> None:
-    """Wait until the parent's end of the pipe closes (it exited), then end this process."""
+def _exit_with_parent(parent_pid: int, sentinel: int | None) -> None:
+    """Wait until the parent process is gone, then end this process."""
     poller = select.poll()
-    poller.register(sentinel, select.POLLIN | select.POLLHUP)
-    while not poller.poll():  # blocks; EINTR is retried by Python
-        pass
+    if sentinel is not None:
+        poller.register(sentinel, select.POLLIN | select.POLLHUP)
+    while os.getppid() == parent_pid:
+        events = [ev for _, ev in poller.poll(1000)]
+        if any(ev & select.POLLNVAL for ev in events):
+            poller.unregister(sentinel)  # closed here by mistake: watch the pid alone
+        elif any(ev & select.POLLHUP for ev in events):
+            break  # the parent's end closed: it exited
+        elif events and os.read(sentinel, 4096) == b"":  # type: ignore[arg-type]
+            break  # end of file: the same
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(PARENT_GONE_GRACE_S)
     os.kill(os.getpid(), signal.SIGKILL)

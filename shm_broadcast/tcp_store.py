@@ -25,9 +25,17 @@ import datetime
 import ipaddress
 import os
 import socket
+import threading
 from typing import Any
 
-__all__ = ["master_store", "client_store"]
+from shm_broadcast.errors import CommTimeout
+
+__all__ = ["master_store", "client_store", "CONNECT_GRACE_S"]
+
+# How much longer than its timeout a client may take to connect: the
+# constructor's own retries end by the timeout, and a live server answers the
+# connection in milliseconds.
+CONNECT_GRACE_S = 2.0
 
 
 def master_store(host: str, port: int, world_size: int | None,
@@ -96,8 +104,39 @@ def _listen(host: str, port: int) -> socket.socket | None:
 
 def client_store(host: str, port: int, world_size: int | None,
                  timeout: datetime.timedelta) -> Any:
-    """A client of the TCPStore at ``host:port`` (it retries until ``timeout``)."""
+    """A client of the TCPStore at ``host:port`` (it retries until ``timeout``).
+
+    The client's constructor waits without limit for the server to answer a
+    connection it accepted (a server process that is stopped still has its
+    connections accepted by the kernel), so it runs on a daemon thread that
+    is given up on after ``timeout`` plus :data:`CONNECT_GRACE_S`.
+
+    Raises:
+        CommTimeout: The server accepted the connection but did not answer in time.
+        torch.distributed.DistNetworkError: No server accepted the connection
+            within ``timeout`` (torch's error).
+    """
     import torch.distributed as dist
 
-    return dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=False,
-                         timeout=timeout, wait_for_workers=False)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(host_name=host, port=port, world_size=world_size,
+                                         is_master=False, timeout=timeout,
+                                         wait_for_workers=False)
+        except BaseException as e:  # re-raised by the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=connect, name=f"store-connect {host}:{port}", daemon=True).start()
+    limit = timeout.total_seconds() + CONNECT_GRACE_S
+    if not done.wait(limit):
+        raise CommTimeout(f"the TCPStore at {host}:{port} accepted the connection but did not "
+                          f"answer within {limit:.1f}s; the process serving it may be stopped "
+                          f"(SIGSTOP, a debugger) or overloaded", queue=f"{host}:{port}")
+    if "error" in box:
+        raise box["error"]
+    return box["store"]
