@@ -171,7 +171,8 @@ def create_single_reader_mq_broadcasters(
         if writer is not None:
             writer.default_timeout = group.timeout
         handle = writer.export_handle().to_bytes() if writer is not None else None
-        handles: list[Any] = og.all_gather(handle)
+        handles: list[Any] = og.all_gather(handle, op="create_single_reader_mq_broadcasters",
+                                           name=group.unique_name)
     except BaseException:  # a peer failed during the exchange: this rank's queue goes too
         if writer is not None:
             writer.close()
@@ -196,7 +197,8 @@ def _reader_keys(group: "GroupCoordinator", me: int, reader: int,
 
     keypair = new_keypair() if me == reader else None
     public = object_group(group.cpu_group).broadcast(
-        keypair[0] if keypair is not None else None, reader)
+        keypair[0] if keypair is not None else None, reader,
+        op="create_single_reader_mq_broadcasters (reader key)")
     if not isinstance(public, bytes) or len(public) != 40:
         raise DecodeError(f"group {group.unique_name!r}: the reader (rank {reader}) sent no "
                           f"valid CURVE public key ({type(public).__name__})", peers=(reader,))

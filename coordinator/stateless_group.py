@@ -91,6 +91,9 @@ _RETRY_S = 0.005
 # answered before the store counts as not answering (the store's own timeout
 # ends a healthy wait at the deadline; the answer then takes milliseconds).
 _ANSWER_GRACE_S = 0.5
+# What a best-effort store call (acks, deletes, a barrier's "left" record) may
+# meet when the store's host has left or stopped; the call is then skipped.
+_BEST_EFFORT = (RuntimeError, dist.DistError, CommTimeout, StoreConnectionError)
 
 
 class StatelessProcessGroup:
@@ -328,7 +331,7 @@ class StatelessProcessGroup:
             # barrier is complete for us, and the host may leave once it sees us.
             try:
                 self._put(left[self.rank], b"", "barrier", deadline)
-            except (RuntimeError, dist.DistError, CommTimeout):
+            except _BEST_EFFORT:
                 pass
             return
         # The host stays until every other rank's wait has returned, so its exit
@@ -393,7 +396,15 @@ class StatelessProcessGroup:
 
     def _put(self, key: str, plain: bytes, op: str,
              deadline: tuple[float, float] | None = None) -> None:
+        """Store a sealed value and confirm the store got it.
+
+        A TCPStore ``set`` has no answer: one sent after the store's host died
+        fails silently. The ``check`` after it is a round trip on the same
+        connection, so it fails instead (``StoreConnectionError``); what it
+        finds does not matter (a reader may already have taken the value).
+        """
         self._call("set", key, self._sealer.seal(key, plain), op=op, deadline=deadline)
+        self._call("check", [key], op=op, deadline=deadline)
 
     def _put_obj(self, key: str, obj: Any, op: str,
                  deadline: tuple[float, float] | None = None) -> None:
@@ -443,8 +454,15 @@ class StatelessProcessGroup:
             raise ClosedError(f"stateless group {self.name!r} is closed (op {op})",
                               queue=self.name)
         left = self.timeout if deadline is None else max(deadline[0] - time.monotonic(), 0.0)
-        return self._calls.call(method, *args, limit=left + _ANSWER_GRACE_S, op=op,
-                                side=f"rank {self.rank}/{self.world_size}")
+        try:
+            return self._calls.call(method, *args, limit=left + _ANSWER_GRACE_S, op=op,
+                                    side=f"rank {self.rank}/{self.world_size}")
+        except dist.DistNetworkError as e:
+            raise StoreConnectionError(
+                f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
+                f"lost the connection to the store on rank 0; rank 0 has probably exited or "
+                f"closed the group ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                queue=self.name, peers=[0] if self.rank else []) from e
 
     def _check_peer(self, r: Any, arg: str) -> None:
         _check_in_range(r, self.world_size, arg)
@@ -463,12 +481,6 @@ class StatelessProcessGroup:
                        deadline=deadline)
         except ClosedError:
             raise  # a RuntimeError, but not a peer that failed to answer
-        except dist.DistNetworkError as e:
-            raise StoreConnectionError(
-                f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
-                f"lost the connection to the store on rank 0; rank 0 has probably exited or "
-                f"closed the group ({str(e).splitlines()[0]})"
-            ) from e
         except (RuntimeError, dist.DistError) as e:
             missing = peers if peers is not None else [
                 i for i, k in enumerate(keys) if not self._exists(k, op)]
@@ -516,7 +528,7 @@ class StatelessProcessGroup:
         try:
             if self._call("add", counter, 1, op=op, deadline=deadline) == readers:
                 self._delete(keys + [counter], op)
-        except (RuntimeError, dist.DistError, CommTimeout):
+        except _BEST_EFFORT:
             pass
 
     def _delete(self, keys: list[str], op: str) -> None:
@@ -524,13 +536,13 @@ class StatelessProcessGroup:
         for k in keys:
             try:
                 self._call("delete_key", k, op=op, deadline=(time.monotonic(), 0.0))
-            except (RuntimeError, dist.DistError, CommTimeout):
+            except _BEST_EFFORT:
                 return
 
     def _exists(self, key: str, op: str) -> bool:
         try:
             return bool(self._call("check", [key], op=op, deadline=(time.monotonic(), 0.0)))
-        except (RuntimeError, dist.DistError, CommTimeout):
+        except _BEST_EFFORT:
             return False
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import urllib.parse
 from typing import Any
 
@@ -94,7 +95,10 @@ def init_torch_distributed(world_size: int, rank: int, method: str, backend: str
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     store = _rendezvous_store(method, size, me, timeout)
     if store is not None:  # rank and size are known: tcp:// requires them, env:// set them
-        dist.init_process_group(**kwargs, store=store, world_size=size, rank=me)
+        try:
+            dist.init_process_group(**kwargs, store=store, world_size=size, rank=me)
+        except RuntimeError as e:  # DistStoreError and gloo's errors are RuntimeErrors
+            raise _init_error(e, size, me, timeout) from e
         return
     kwargs["init_method"] = method
     if world_size >= 1:
@@ -115,7 +119,7 @@ def _rendezvous_store(method: str, size: int, me: int,
     Raises:
         StoreConnectionError: Rank 0 cannot listen on the address.
     """
-    from coordinator.errors import StoreConnectionError
+    from coordinator.errors import CommTimeout, StoreConnectionError
 
     if size < 1 or me < 0:
         return None
@@ -129,7 +133,15 @@ def _rendezvous_store(method: str, size: int, me: int,
     if not host or port is None:
         return None
     if me != 0:
-        return dist.PrefixStore("default_pg", client_store(host, port, size, timeout))
+        try:
+            return dist.PrefixStore("default_pg", client_store(host, port, size, timeout))
+        except (CommTimeout, dist.DistNetworkError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CommTimeout(
+                f"world group (rank {me}/{size}), op init_distributed_environment: rank 0's "
+                f"store at {host}:{port} did not answer within {timeout.total_seconds():g}s "
+                f"(rank 0 not started yet, stopped, or another address). Detail: {first}",
+                queue="world", peers=[0]) from e
     try:
         server = master_store(host, port, size, timeout)
     except OSError as e:
@@ -153,3 +165,39 @@ def check_same_world(world: Any, rank: int, local_rank: int, seconds: float | No
             raise ValueError(
                 f"the world group already exists with {name}={have!r}, but {name}={want!r} "
                 f"was requested; call destroy_distributed_environment() first to change it")
+
+
+def _init_error(e: RuntimeError, size: int, me: int, timeout: datetime.timedelta) -> Exception:
+    """Our error for ``init_process_group`` over our store that failed waiting for peers
+    (torch's store says only which key never came, not whose)."""
+    from coordinator.errors import CommTimeout, PeerDiedError
+
+    first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    others = [r for r in range(size) if r != me]
+    where = f"world group (rank {me}/{size}), op init_distributed_environment"
+    low = first.lower()
+    if isinstance(e, dist.DistNetworkError) and me != 0:
+        return PeerDiedError(f"{where}: rank 0's store closed the connection during the "
+                             f"rendezvous (rank 0 exited, or gave up waiting for another rank). "
+                             f"Detail: {first}", queue="world", peers=[0])
+    if any(w in low for w in ("reset by peer", "connection closed", "broken pipe", "eof")):
+        return PeerDiedError(f"{where}: a rank's connection closed during the rendezvous, so one "
+                             f"of ranks {others} exited. Detail: {first}",
+                             queue="world", peers=others)
+    if "timeout" in low or "timed out" in low:
+        missing = _ranks_in_keys(first, size, me)
+        who = (f"rank(s) {missing} did not arrive" if missing else
+               f"not every rank arrived; any of ranks {others} may be missing")
+        return CommTimeout(f"{where}: {who} within {timeout.total_seconds():g}s (each must call "
+                           f"it with the same world size and address). Detail: {first}",
+                           queue="world", peers=missing or others)
+    return e
+
+
+def _ranks_in_keys(text: str, size: int, me: int) -> list[int]:
+    """The ranks whose rendezvous keys a store timeout lists (``keys: /.../2``):
+    each key ends in the rank that should have written it; [] if none is listed."""
+    if "keys:" not in text:
+        return []
+    found = re.findall(r"/(\d+)(?=[\s,\]]|$)", text.split("keys:", 1)[1])
+    return sorted({int(r) for r in found if int(r) < size and int(r) != me})

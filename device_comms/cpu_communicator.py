@@ -195,7 +195,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
         threads: int | None,
     ) -> None:
         og = object_group(self.cpu_group)
-        votes = og.all_gather((enabled, node_id))
+        votes = og.all_gather((enabled, node_id), op="CpuCommunicator set-up",
+                              name=self.unique_name or None)
         if not all(e for e, _ in votes):
             off = [r for r, (e, _) in enumerate(votes) if not e]
             self.fallback_reason = f"shared memory disabled on rank(s) {off} ({ENABLE_ENV}=0 or use_shm=False)"

@@ -243,7 +243,7 @@ def open_workspace(
             offer = ("ok", seg.name, slot)
         except (ShmBroadcastError, OSError, ValueError) as e:
             offer = ("err", f"rank {og.rank} could not create the workspace: {e}", 0)
-    offers = og.all_gather(offer)
+    offers = og.all_gather(offer, op="open_workspace")
     ws: ShmWorkspace | None = None
     err: str | None = None
     if size > 1:
@@ -259,7 +259,7 @@ def open_workspace(
                 err = f"rank {og.rank} could not attach workspace {what!r}: {e}"
                 if seg is not None:
                     seg.close()
-    states = og.all_gather((err, os.getpid()))
+    states = og.all_gather((err, os.getpid()), op="open_workspace")
     if seg is not None:
         seg.unlink()  # every local rank has it mapped (or gave up): drop the name
     errors = [e for e, _ in states if e is not None]

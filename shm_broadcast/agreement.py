@@ -22,14 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from shm_broadcast.errors import (
-    CollectiveMismatch, CommTimeout, GroupCoordError, PeerDiedError, PeerRejectedError,
-)
+from shm_broadcast.errors import CollectiveMismatch, GroupCoordError, PeerRejectedError
+from shm_broadcast.group_adapter import exchange_failed
 
 __all__ = ["agree"]
-
-# What gloo says when a peer's connection went away (the peer died or left).
-_CLOSED_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 _MAX_REASON = 2000
 
@@ -53,11 +49,11 @@ def agree(og: Any, problem: BaseException | None, op: str, name: str,
     """
     reason = None if problem is None else f"{type(problem).__name__}: {problem}"[:_MAX_REASON]
     try:
-        verdicts = og.all_gather([reason, same])
+        verdicts = og.all_gather([reason, same], op=op, name=name)
     except RuntimeError as e:  # the backend's failure (gloo): ours, naming group and op
         if isinstance(e, GroupCoordError):
             raise
-        raise _exchange_failed(name, op, og, e) from e
+        raise exchange_failed(name, op, og.rank, og.world_size, e) from e
     if problem is not None:
         raise problem
     for rank, (their_reason, _) in enumerate(verdicts):
@@ -70,17 +66,3 @@ def agree(og: Any, problem: BaseException | None, op: str, name: str,
             f"group {name!r}, op {op}: rank(s) {differ} passed {verdicts[differ[0]][1]!r:.200} "
             f"where rank 0 passed {first!r:.200}; every rank must pass the same values",
             queue=name, peers=differ)
-
-
-def _exchange_failed(name: str, op: str, og: Any, e: RuntimeError) -> GroupCoordError:
-    """The error for an agreement exchange the backend failed: a peer's closed
-    connection (it died or left) or a wait that ran out."""
-    others = [r for r in range(og.world_size) if r != og.rank]
-    text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-    if any(w in str(e) for w in _CLOSED_WORDS):
-        return PeerDiedError(
-            f"group {name!r}, op {op}: a peer closed its connection during the set-up exchange "
-            f"(one of rank(s) {others} died or left); backend: {text}", queue=name, peers=others)
-    return CommTimeout(
-        f"group {name!r}, op {op}: the set-up exchange failed or timed out waiting for rank(s) "
-        f"{others} (every rank must make this call); backend: {text}", queue=name, peers=others)

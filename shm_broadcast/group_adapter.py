@@ -41,7 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from shm_broadcast.checks import check_rank
-from shm_broadcast.errors import CollectiveMismatch
+from shm_broadcast.errors import CollectiveMismatch, CommTimeout, GroupCoordError, PeerDiedError
 
 __all__ = [
     "MAX_DEPTH",
@@ -51,6 +51,7 @@ __all__ = [
     "decode_object",
     "encode_failure",
     "encode_object",
+    "exchange_failed",
     "object_group",
 ]
 
@@ -278,13 +279,22 @@ class ObjectGroup:
             if self.rank < 0:
                 raise ValueError("this process is not a member of the given process group")
 
-    def broadcast(self, obj: Any | None, src: int) -> Any:
+    def broadcast(self, obj: Any | None, src: int, op: str = "object broadcast",
+                  name: str | None = None) -> Any:
         """Broadcast ``obj`` from group rank ``src``; returns it on every rank.
+
+        Args:
+            obj: The object (used on ``src`` only).
+            src: Group rank of the source.
+            op: The caller's operation, named in errors.
+            name: The group's name in errors (default: the torch group's).
 
         Raises:
             TypeError: On ``src``: ``obj`` cannot be encoded (the others raise
                 ``CollectiveMismatch``).
             CollectiveMismatch: The source failed, or sent malformed bytes.
+            PeerDiedError: A peer's connection closed during the exchange.
+            CommTimeout: The exchange ran out of time waiting for a peer.
         """
         check_rank(src, self.world_size, "src")
         if self._stateless:
@@ -295,11 +305,11 @@ class ObjectGroup:
         gsrc, dev = dist.get_global_rank(self._group, src), _device_of(self._group)
         payload, error = self._encode(obj) if self.rank == src else (b"", None)
         size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
-        dist.broadcast(size, src=gsrc, group=self._group)
+        self._backend(op, name, dist.broadcast, size, src=gsrc, group=self._group)
         n = self._checked_size(int(size.item()), src)
         buf = (_bytes_tensor(payload).to(dev) if self.rank == src
                else torch.empty(n, dtype=torch.uint8, device=dev))
-        dist.broadcast(buf, src=gsrc, group=self._group)
+        self._backend(op, name, dist.broadcast, buf, src=gsrc, group=self._group)
         if error is not None:
             raise error
         if self.rank == src:
@@ -307,13 +317,21 @@ class ObjectGroup:
         return decode_object(buf.cpu().numpy(), allow_pickle=self._allow_pickle,
                              source=f"rank {src}")
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: Any, op: str = "object all-gather",
+                   name: str | None = None) -> list[Any]:
         """Gather ``obj`` from every rank; returns the list ordered by group rank.
+
+        Args:
+            obj: This rank's object.
+            op: The caller's operation, named in errors.
+            name: The group's name in errors (default: the torch group's).
 
         Raises:
             TypeError: ``obj`` cannot be encoded on this rank (the others raise
                 ``CollectiveMismatch`` naming it).
             CollectiveMismatch: A peer failed, or sent malformed bytes.
+            PeerDiedError: A peer's connection closed during the exchange.
+            CommTimeout: The exchange ran out of time waiting for a peer.
         """
         if self._stateless:
             return list(self._group.all_gather_obj(obj))
@@ -324,19 +342,30 @@ class ObjectGroup:
         dev, n = _device_of(self._group), self.world_size
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
         mine = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
-        dist.all_gather(sizes, mine, group=self._group)
+        self._backend(op, name, dist.all_gather, sizes, mine, group=self._group)
         lens = [self._checked_size(int(s.item()), r) for r, s in enumerate(sizes)]
         width = max(lens)
         data = torch.zeros(width, dtype=torch.uint8)
         data[: len(payload)] = _bytes_tensor(payload)
         bufs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(n)]
-        dist.all_gather(bufs, data.to(dev), group=self._group)
+        self._backend(op, name, dist.all_gather, bufs, data.to(dev), group=self._group)
         if error is not None:
             raise error
         return [obj if r == self.rank else
                 decode_object(bufs[r][: lens[r]].cpu().numpy(), allow_pickle=self._allow_pickle,
                               source=f"rank {r}")
                 for r in range(n)]
+
+    def _backend(self, op: str, name: str | None, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """A torch.distributed call whose backend failure (gloo's ``RuntimeError``)
+        becomes ours, naming the group, ``op`` and the peers."""
+        try:
+            fn(*args, **kwargs)
+        except RuntimeError as e:
+            if isinstance(e, GroupCoordError):
+                raise
+            name = name or getattr(self._group, "group_name", "") or "unnamed"
+            raise exchange_failed(name, op, self.rank, self.world_size, e) from e
 
     def _encode(self, obj: Any) -> tuple[bytes, BaseException | None]:
         """This rank's payload, or a failure record and the error to raise after sending it."""
@@ -396,3 +425,30 @@ def object_group(group: Any, *, allow_pickle: bool = False) -> ObjectGroup:
         "group must be a torch.distributed.ProcessGroup or a StatelessProcessGroup, "
         f"got {type(group).__name__}"
     )
+
+
+# What gloo says when a peer's connection went away (the peer died or left).
+_CLOSED_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def exchange_failed(name: str, op: str, rank: int, world_size: int,
+                    e: RuntimeError) -> GroupCoordError:
+    """Our error for an object exchange the backend failed: a peer's closed
+    connection (it died or left) or a wait that ran out.
+
+    Args:
+        name: The group's name.
+        op: The operation the exchange served.
+        rank: This rank in the group.
+        world_size: The group's size.
+        e: The backend's error.
+    """
+    others = [r for r in range(world_size) if r != rank]
+    text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    if any(w in str(e) for w in _CLOSED_WORDS):
+        return PeerDiedError(
+            f"group {name!r}, op {op}: a peer closed its connection during the set-up exchange "
+            f"(one of rank(s) {others} died or left); backend: {text}", queue=name, peers=others)
+    return CommTimeout(
+        f"group {name!r}, op {op}: the set-up exchange failed or timed out waiting for rank(s) "
+        f"{others} (every rank must make this call); backend: {text}", queue=name, peers=others)

@@ -155,7 +155,8 @@ def _exchange_reader_keys(og: Any, remote: list[int]
     if not remote:
         return None, None
     mine = new_keypair() if og.rank in remote else None
-    publics = og.all_gather(mine[0] if mine is not None else None)
+    publics = og.all_gather(mine[0] if mine is not None else None,
+                            op="create_from_process_group (reader keys)")
     keys: dict[int, bytes] = {}
     for r in remote:
         key = publics[r]
@@ -178,7 +179,8 @@ def _create_on_writer(og: Any, readers: list[int], local: list[int], max_chunk_b
                             writer_rank=writer_rank, allow_pickle=allow_pickle,
                             remote_reader_keys=reader_keys)
     except BaseException as e:
-        og.broadcast(("error", f"{type(e).__name__}: {e}"), src=writer_rank)
+        og.broadcast(("error", f"{type(e).__name__}: {e}"), src=writer_rank,
+                     op="create_from_process_group (handle)")
         raise
 
 
@@ -186,7 +188,8 @@ def _receive_handle(og: Any, mq: MessageQueue | None, writer_rank: int) -> Handl
     """Broadcast the writer's handle; a writer-side failure is a CollectiveMismatch here."""
     payload = ("ok", mq.export_handle().to_bytes()) if mq is not None else None
     try:
-        payload = og.broadcast(payload, src=writer_rank)
+        payload = og.broadcast(payload, src=writer_rank,
+                               op="create_from_process_group (handle)")
     except BaseException:
         if mq is not None:
             mq.close()

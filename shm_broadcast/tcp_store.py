@@ -112,7 +112,8 @@ def client_store(host: str, port: int, world_size: int | None,
     is given up on after ``timeout`` plus :data:`CONNECT_GRACE_S`.
 
     Raises:
-        CommTimeout: The server accepted the connection but did not answer in time.
+        CommTimeout: No answer within ``timeout`` plus the grace: nothing
+            listened, or the server accepted the connection and stayed silent.
         torch.distributed.DistNetworkError: No server accepted the connection
             within ``timeout`` (torch's error).
     """
@@ -134,9 +135,10 @@ def client_store(host: str, port: int, world_size: int | None,
     threading.Thread(target=connect, name=f"store-connect {host}:{port}", daemon=True).start()
     limit = timeout.total_seconds() + CONNECT_GRACE_S
     if not done.wait(limit):
-        raise CommTimeout(f"the TCPStore at {host}:{port} accepted the connection but did not "
-                          f"answer within {limit:.1f}s; the process serving it may be stopped "
-                          f"(SIGSTOP, a debugger) or overloaded", queue=f"{host}:{port}")
+        raise CommTimeout(f"could not connect to the TCPStore at {host}:{port} and get its "
+                          f"answer within {limit:.1f}s: nothing listens there (yet), or the "
+                          f"process serving it is stopped (SIGSTOP, a debugger) or overloaded",
+                          queue=f"{host}:{port}")
     if "error" in box:
         raise box["error"]
     return box["store"]

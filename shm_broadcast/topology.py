@@ -66,14 +66,14 @@ def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:
                 info = (None, magic, override)
         else:
             info = None
-        name, magic, src_override = og.broadcast(info, src=source_rank)
+        name, magic, src_override = og.broadcast(info, src=source_rank, op="in_the_same_node_as")
         if og.rank == source_rank:
             same = True
         elif override is not None or src_override is not None:
             same = override == src_override
         else:
             same = _sees_segment(name, magic)
-        flags = og.all_gather(same)
+        flags = og.all_gather(same, op="in_the_same_node_as")
     finally:
         if seg is not None:
             seg.close()

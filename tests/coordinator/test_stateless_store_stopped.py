@@ -1,4 +1,5 @@
-"""A StatelessProcessGroup whose store host is stopped (SIGSTOP) raises in time, then recovers.
+"""A StatelessProcessGroup whose store host is stopped (SIGSTOP) raises in time, then
+recovers; one whose store host died raises at the next write.
 
 A TCPStore client waits for its server's answer without limit; these tests
 stop the process of rank 0 (which serves the store), check that every
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import pytest
 
 from coordinator import StatelessProcessGroup
-from coordinator.errors import CommTimeout
+from coordinator.errors import CommTimeout, StoreConnectionError
 from coordinator.testing import free_port
 
 SECRET = b"stopped-store-test-secret-000000"
@@ -32,6 +33,7 @@ RANK0 = """
 import sys
 from coordinator import StatelessProcessGroup
 g = StatelessProcessGroup.create("127.0.0.1", {port}, 0, 2, timeout=60, secret={secret!r})
+print("created", flush=True)
 g.barrier()
 print("ready", flush=True)
 print("got", g.recv_obj(1), flush=True)
@@ -59,6 +61,7 @@ def test_a_stopped_store_host_times_out_and_the_group_recovers(op: str) -> None:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     g = None
     try:
+        assert host.stdout.readline().strip() == "created"  # its store listens
         g = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=TIMEOUT, secret=SECRET)
         g.barrier(timeout=60)
         assert host.stdout.readline().strip() == "ready"
@@ -123,4 +126,35 @@ def test_create_against_a_stopped_store_host_times_out_then_succeeds() -> None:
         assert host.wait(30) == 0
     finally:
         host.kill()  # SIGKILL ends a stopped process too
+        host.wait(10)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("op", ["send_obj", "broadcast_obj_from_self"])
+def test_a_write_after_the_store_host_died_raises_instead_of_returning(op: str) -> None:
+    """A TCPStore ``set`` has no answer: without a confirming round trip the first
+    write after rank 0 died returned as if stored."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p))
+    host = subprocess.Popen([sys.executable, "-c", RANK0_CREATE.format(port=port, secret=SECRET)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    g = None
+    try:
+        assert host.stdout.readline().strip() == "created"
+        g = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=TIMEOUT, secret=SECRET)
+        g.barrier(timeout=60)
+        host.kill()
+        host.wait(10)
+        for _ in range(2):  # the first write after the death, and the next
+            with pytest.raises(StoreConnectionError) as err:
+                if op == "send_obj":
+                    g.send_obj("lost", 0)
+                else:
+                    g.broadcast_obj("lost", src=1)
+            assert list(err.value.peers) == [0] and "rank 0" in str(err.value)
+    finally:
+        if g is not None:
+            g.close()
+        host.kill()
         host.wait(10)
