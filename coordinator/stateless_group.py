@@ -202,6 +202,8 @@ class StatelessProcessGroup:
                 use, or not an address of this host).
             CommTimeout: Rank 0's store accepted the connection but did not
                 answer within ``timeout`` plus a grace (its process stopped).
+            StoreConnectionError: The connection to rank 0's store was lost
+                while the session was set up (rank 0 exited).
         """
         _check_rank_world(rank, world_size)
         check_int(port, "port", minimum=1, maximum=65535)
@@ -241,11 +243,15 @@ class StatelessProcessGroup:
 
     # ------------------------------------------------------------------ p2p
     def send_obj(self, obj: Any, dst: int) -> None:
-        """Send ``obj`` to rank ``dst`` (returns once stored; does not wait for dst).
+        """Send ``obj`` to rank ``dst`` (returns once the store confirmed it; does not
+        wait for dst).
 
         Raises:
             TypeError: ``obj`` cannot be sent without pickle (``dst`` then
                 raises ``CollectiveMismatch`` instead of waiting).
+            StoreConnectionError: The store's host (rank 0) is gone. The value
+                may or may not have reached the store before it went.
+            CommTimeout: The store did not answer within the group's timeout.
         """
         self._check_peer(dst, "dst")
         key = self._key(f"p2p/{self.rank}->{dst}/{self._send_seq[dst]}")

@@ -98,7 +98,10 @@ def init_torch_distributed(world_size: int, rank: int, method: str, backend: str
         try:
             dist.init_process_group(**kwargs, store=store, world_size=size, rank=me)
         except RuntimeError as e:  # DistStoreError and gloo's errors are RuntimeErrors
-            raise _init_error(e, size, me, timeout) from e
+            ours = _init_error(e, size, me, timeout)
+            if ours is e:
+                raise
+            raise ours from e
         return
     kwargs["init_method"] = method
     if world_size >= 1:
@@ -186,7 +189,8 @@ def _init_error(e: RuntimeError, size: int, me: int, timeout: datetime.timedelta
                              queue="world", peers=others)
     if "timeout" in low or "timed out" in low:
         missing = _ranks_in_keys(first, size, me)
-        who = (f"rank(s) {missing} did not arrive" if missing else
+        who = (f"rank(s) {missing} did not arrive (the rendezvous waits for the ranks in "
+               f"order: later ones may be missing too)" if missing else
                f"not every rank arrived; any of ranks {others} may be missing")
         return CommTimeout(f"{where}: {who} within {timeout.total_seconds():g}s (each must call "
                            f"it with the same world size and address). Detail: {first}",

@@ -53,7 +53,10 @@ def agree(og: Any, problem: BaseException | None, op: str, name: str,
     except RuntimeError as e:  # the backend's failure (gloo): ours, naming group and op
         if isinstance(e, GroupCoordError):
             raise
-        raise exchange_failed(name, op, og.rank, og.world_size, e) from e
+        ours = exchange_failed(name, op, og.rank, og.world_size, e)
+        if ours is e:
+            raise
+        raise ours from e
     if problem is not None:
         raise problem
     for rank, (their_reason, _) in enumerate(verdicts):

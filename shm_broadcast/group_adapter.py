@@ -365,7 +365,10 @@ class ObjectGroup:
             if isinstance(e, GroupCoordError):
                 raise
             name = name or getattr(self._group, "group_name", "") or "unnamed"
-            raise exchange_failed(name, op, self.rank, self.world_size, e) from e
+            ours = exchange_failed(name, op, self.rank, self.world_size, e)
+            if ours is e:
+                raise
+            raise ours from e
 
     def _encode(self, obj: Any) -> tuple[bytes, BaseException | None]:
         """This rank's payload, or a failure record and the error to raise after sending it."""
@@ -427,14 +430,18 @@ def object_group(group: Any, *, allow_pickle: bool = False) -> ObjectGroup:
     )
 
 
-# What gloo says when a peer's connection went away (the peer died or left).
-_CLOSED_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# What gloo says when a peer's connection went away (the peer died or left),
+# and when a wait on a peer ran out; matched in lower case.
+_CLOSED_WORDS = ("connection closed", "connection reset", "broken pipe", "eof",
+                 "connection refused")
+_TIMEOUT_WORDS = ("timed out", "timeout")
 
 
 def exchange_failed(name: str, op: str, rank: int, world_size: int,
-                    e: RuntimeError) -> GroupCoordError:
+                    e: RuntimeError) -> BaseException:
     """Our error for an object exchange the backend failed: a peer's closed
-    connection (it died or left) or a wait that ran out.
+    connection (it died or left) or a wait that ran out; ``e`` itself for any
+    other failure (out of memory, a backend bug), which is re-raised as it is.
 
     Args:
         name: The group's name.
@@ -445,10 +452,15 @@ def exchange_failed(name: str, op: str, rank: int, world_size: int,
     """
     others = [r for r in range(world_size) if r != rank]
     text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-    if any(w in str(e) for w in _CLOSED_WORDS):
+    low = str(e).lower()
+    if any(w in low for w in _TIMEOUT_WORDS):
+        return CommTimeout(
+            f"group {name!r}, op {op}: the object exchange timed out waiting for rank(s) "
+            f"{others} (every rank must make this call); backend: {text}",
+            queue=name, peers=others)
+    if any(w in low for w in _CLOSED_WORDS):
         return PeerDiedError(
-            f"group {name!r}, op {op}: a peer closed its connection during the set-up exchange "
-            f"(one of rank(s) {others} died or left); backend: {text}", queue=name, peers=others)
-    return CommTimeout(
-        f"group {name!r}, op {op}: the set-up exchange failed or timed out waiting for rank(s) "
-        f"{others} (every rank must make this call); backend: {text}", queue=name, peers=others)
+            f"group {name!r}, op {op}: a peer closed its connection during the object "
+            f"exchange (one of rank(s) {others} died or left); backend: {text}",
+            queue=name, peers=others)
+    return e
