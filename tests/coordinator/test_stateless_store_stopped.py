@@ -52,7 +52,8 @@ OPS: dict[str, Callable[[StatelessProcessGroup], Any]] = {
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("op", [pytest.param(op, marks=[pytest.mark.slow] if op in (
+    "broadcast_obj", "all_gather_obj") else []) for op in OPS])
 def test_a_stopped_store_host_times_out_and_the_group_recovers(op: str) -> None:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -130,7 +131,8 @@ def test_create_against_a_stopped_store_host_times_out_then_succeeds() -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("op", ["send_obj", "broadcast_obj_from_self"])
+@pytest.mark.parametrize("op", ["send_obj", pytest.param("broadcast_obj_from_self",
+                                                         marks=pytest.mark.slow)])
 def test_a_write_after_the_store_host_died_raises_instead_of_returning(op: str) -> None:
     """A TCPStore ``set`` has no answer: without a confirming round trip the first
     write after rank 0 died returned as if stored."""

@@ -36,7 +36,9 @@ print(json.dumps(out), flush=True)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size,missing", [(2, 1), (3, 2), (2, 0), (3, 0)])
+@pytest.mark.parametrize("world_size,missing", [
+    pytest.param(2, 1, marks=pytest.mark.slow), (3, 2), (2, 0),
+    pytest.param(3, 0, marks=pytest.mark.slow)])
 def test_a_rank_that_never_arrives_is_named(world_size: int, missing: int) -> None:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
