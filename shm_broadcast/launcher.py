@@ -31,7 +31,6 @@ import random
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback

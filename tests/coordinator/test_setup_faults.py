@@ -12,14 +12,13 @@ within the timeout plus a margin, instead of gloo's bare ``RuntimeError``.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
 from coordinator.testing import free_port
+from tests.child_env import child_env
 
 TIMEOUT = 2.0
 
@@ -77,8 +76,7 @@ CASES = [
 def test_peers_of_a_rank_lost_in_set_up_raise_our_error_naming_it(
         call: str, point: str, fault: str, victim: int) -> None:
     ws, port = 2, free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p))
+    env = child_env(OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(ws), str(port), str(victim),
                                fault, call, point], stdout=subprocess.PIPE, text=True, env=env)
              for r in range(ws)]

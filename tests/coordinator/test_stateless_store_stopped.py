@@ -22,6 +22,7 @@ import pytest
 from coordinator import StatelessProcessGroup
 from coordinator.errors import CommTimeout, StoreConnectionError
 from coordinator.testing import free_port
+from tests.child_env import child_env
 
 SECRET = b"stopped-store-test-secret-000000"
 TIMEOUT = 2.0
@@ -56,8 +57,7 @@ OPS: dict[str, Callable[[StatelessProcessGroup], Any]] = {
     "broadcast_obj", "all_gather_obj") else []) for op in OPS])
 def test_a_stopped_store_host_times_out_and_the_group_recovers(op: str) -> None:
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p))
+    env = child_env()
     host = subprocess.Popen([sys.executable, "-c", RANK0.format(port=port, secret=SECRET)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     g = None
@@ -106,8 +106,7 @@ g.close()
 def test_create_against_a_stopped_store_host_times_out_then_succeeds() -> None:
     """The kernel accepts the connection of a stopped server, whose answer never comes."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p))
+    env = child_env()
     host = subprocess.Popen([sys.executable, "-c", RANK0_CREATE.format(port=port, secret=SECRET)],
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -137,8 +136,7 @@ def test_a_write_after_the_store_host_died_raises_instead_of_returning(op: str) 
     """A TCPStore ``set`` has no answer: without a confirming round trip the first
     write after rank 0 died returned as if stored."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p))
+    env = child_env()
     host = subprocess.Popen([sys.executable, "-c", RANK0_CREATE.format(port=port, secret=SECRET)],
                             stdout=subprocess.PIPE, text=True, env=env)
     g = None

@@ -29,6 +29,7 @@ from coordinator.errors import (
     RankFailedError,
 )
 from coordinator.testing import DistributedPool, live_pool_pids, run_distributed
+from tests.child_env import child_env
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +184,7 @@ def test_ranks_die_with_their_parent(tmp_path, starter: str):
             print(" ".join(map(str, pids)), flush=True)
             time.sleep(120)
     """))
-    path = [os.getcwd(), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+    env = child_env()
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                              env=env, cwd=os.getcwd())
     try:

@@ -9,13 +9,13 @@ went away) naming the rank they waited for, within the timeout plus a grace.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from coordinator.testing import free_port
+from tests.child_env import child_env
 
 TIMEOUT = 2.0
 
@@ -41,8 +41,7 @@ print(json.dumps(out), flush=True)
     pytest.param(3, 0, marks=pytest.mark.slow)])
 def test_a_rank_that_never_arrives_is_named(world_size: int, missing: int) -> None:
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p))
+    env = child_env()
     ranks = [r for r in range(world_size) if r != missing]
     procs = {r: subprocess.Popen([sys.executable, "-c", RANK, str(r), str(world_size), str(port)],
                                  stdout=subprocess.PIPE, text=True, env=env) for r in ranks}

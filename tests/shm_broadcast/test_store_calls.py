@@ -17,6 +17,7 @@ import torch.distributed as dist
 from shm_broadcast.errors import ClosedError, CommTimeout
 from shm_broadcast.store_calls import StoreCalls
 from shm_broadcast.tcp_store import client_store, master_store
+from tests.child_env import child_env
 
 SERVER = """
 import datetime, sys, time
@@ -33,8 +34,7 @@ def _calls(store: dist.Store) -> StoreCalls:
 
 @pytest.mark.timeout(90)
 def test_a_call_abandoned_before_it_was_sent_never_reaches_the_store() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p))
+    env = child_env()
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env)
     try:
