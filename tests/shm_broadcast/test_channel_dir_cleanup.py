@@ -27,9 +27,6 @@ from shm_broadcast import leftovers
 from shm_broadcast.segment import SHM_DIR, OwnerIdentity
 from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix
 
-# `groupcoord cleanup --yes` here would take other tests' orphans, and theirs ours.
-pytestmark = pytest.mark.usefixtures("cleanup_serial")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -67,6 +64,7 @@ def _remove_by_hand(info: dict[str, Any]) -> None:
     leftovers.unlink_segment(info["segment"])
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(90)
 def test_a_dead_writers_directory_is_listed_then_removed() -> None:
     proc, info = _start_writer()
@@ -93,6 +91,7 @@ def test_a_dead_writers_directory_is_listed_then_removed() -> None:
         _remove_by_hand(info)
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(120)
 def test_a_live_writer_in_another_pid_namespace_is_never_removed() -> None:
     prefix = unshare_prefix()
@@ -108,6 +107,7 @@ def test_a_live_writer_in_another_pid_namespace_is_never_removed() -> None:
         _remove_by_hand(info)
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(60)
 def test_an_orphan_owner_record_is_removed_and_nothing_else() -> None:
     proc, info = _start_writer()
@@ -193,6 +193,7 @@ def planted() -> Iterator[list[str]]:
             shutil.rmtree(p, ignore_errors=True)
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(60)
 def test_a_look_alike_planted_by_another_user_is_never_removed(planted: list[str]) -> None:
     ids = _nobody()
@@ -206,6 +207,7 @@ def test_a_look_alike_planted_by_another_user_is_never_removed(planted: list[str
     assert sorted(os.listdir(path)) == ["owner", "w"]
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("extra", ["file", "link", "subdir"])
 def test_our_directory_with_unexpected_contents_is_kept(extra: str, planted: list[str]) -> None:
@@ -223,6 +225,7 @@ def test_our_directory_with_unexpected_contents_is_kept(extra: str, planted: lis
         assert f.read() == "keep me"
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(60)
 def test_a_link_named_like_a_channel_directory_is_not_followed(planted: list[str]) -> None:
     base = leftovers.channel_dir_bases()[0]
@@ -236,6 +239,7 @@ def test_a_link_named_like_a_channel_directory_is_not_followed(planted: list[str
     assert os.path.islink(link) and sorted(os.listdir(target)) == ["owner", "w"]
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(60)
 def test_a_dead_owners_directory_without_anything_foreign_is_removed(planted: list[str]) -> None:
     """The positive control of the look-alike tests: the same planting, ours and

@@ -16,9 +16,6 @@ from shm_broadcast import SharedSegment, ShmSpaceError, list_segments
 from shm_broadcast.segment import SHM_DIR, shm_free_bytes
 from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, wait_gone
 
-# `groupcoord cleanup --yes` here would take other tests' orphans, and theirs ours.
-pytestmark = pytest.mark.usefixtures("cleanup_serial")
-
 
 def _cleanup(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shm_broadcast.cli", "cleanup", *args],
@@ -48,6 +45,7 @@ def test_sigterm_unlinks_before_death_and_sigkill_is_cleaned_by_the_reaper(procs
     assert not wait_gone(path, path + ".owner"), "the reaper must remove a SIGKILLed owner's segment"
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(90)
 def test_owner_killed_with_its_reaper_leaves_an_orphan_that_cleanup_removes(procs):
     owner = procs.start(segment_owner)
@@ -66,6 +64,7 @@ def test_owner_killed_with_its_reaper_leaves_an_orphan_that_cleanup_removes(proc
     assert name not in {s.name for s in list_segments()}
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(30)
 def test_cleanup_leaves_live_segments_alone():
     with SharedSegment.create("test", 4096) as seg:

@@ -17,8 +17,7 @@ from shm_broadcast import SharedSegment
 from shm_broadcast.segment import SHM_DIR, OwnerIdentity, list_segments
 from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix
 
-pytestmark = [pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this platform"),
-              pytest.mark.usefixtures("cleanup_serial")]
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this platform")
 
 
 def _record(name: str) -> str:
@@ -73,6 +72,7 @@ def test_pid_reuse_and_reboot_are_recognised_as_gone() -> None:
         assert info.status == "alive" and "not written privately" in info.reason, info
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 def test_cleanup_keeps_segments_it_cannot_judge_and_says_why(procs) -> None:
     owner = procs.start(segment_owner)
     _, name = procs.get()
@@ -90,6 +90,7 @@ def test_cleanup_keeps_segments_it_cannot_judge_and_says_why(procs) -> None:
         os.unlink(os.path.join(SHM_DIR, name))
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(120)
 def test_cleanup_from_another_pid_namespace_refuses_to_remove_a_live_segment(procs) -> None:
     prefix = unshare_prefix()
@@ -111,6 +112,7 @@ def test_cleanup_from_another_pid_namespace_refuses_to_remove_a_live_segment(pro
     assert not os.path.exists(_record(name))
 
 
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(90)
 def test_cleanup_in_the_same_namespace_removes_only_the_dead_owners_segment(procs) -> None:
     live = procs.start(segment_owner)

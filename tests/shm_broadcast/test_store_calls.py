@@ -84,8 +84,7 @@ def test_close_releases_the_store_so_its_server_stops_listening() -> None:
 
 @pytest.mark.parametrize("limit", [0, -1.0, float("nan"), "1"])
 def test_a_bad_limit_is_refused(limit: object) -> None:
-    master = master_store("127.0.0.1", 0, None, datetime.timedelta(seconds=10))
-    calls = _calls(master)
+    calls = _calls(dist.HashStore())  # refused before any request
     try:
         with pytest.raises(ValueError, match="limit must be a positive number"):
             calls.call("check", ["k"], limit=limit, op="check", side="server")  # type: ignore[arg-type]
