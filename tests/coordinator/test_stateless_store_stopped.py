@@ -54,7 +54,7 @@ OPS: dict[str, Callable[[StatelessProcessGroup], Any]] = {
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("op", [pytest.param(op, marks=[pytest.mark.slow] if op in (
-    "broadcast_obj", "all_gather_obj") else []) for op in OPS])
+    "broadcast_obj", "all_gather_obj", "barrier") else []) for op in OPS])
 def test_a_stopped_store_host_times_out_and_the_group_recovers(op: str) -> None:
     port = free_port()
     env = child_env()

@@ -159,7 +159,8 @@ def test_startup_failure_is_reported():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("starter", ["main_thread", "short_lived_thread"])
+@pytest.mark.parametrize("starter", [pytest.param("main_thread", marks=pytest.mark.slow),
+                                     "short_lived_thread"])
 def test_ranks_die_with_their_parent(tmp_path, starter: str):
     """SIGKILL the process that owns a pool: its ranks must not outlive it. A pool
     started from a thread that has exited since keeps its ranks until then."""
