@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shm_broadcast.group_adapter import CLOSED_WORDS, TIMEOUT_WORDS
 from shm_broadcast.tcp_store import client_store, master_store
 
 __all__ = ["check_init_method", "check_local_rank", "check_same_world", "env_local_rank_of",
@@ -183,11 +184,11 @@ def _init_error(e: RuntimeError, size: int, me: int, timeout: datetime.timedelta
         return PeerDiedError(f"{where}: rank 0's store closed the connection during the "
                              f"rendezvous (rank 0 exited, or gave up waiting for another rank). "
                              f"Detail: {first}", queue="world", peers=[0])
-    if any(w in low for w in ("reset by peer", "connection closed", "broken pipe", "eof")):
+    if any(w in low for w in CLOSED_WORDS):
         return PeerDiedError(f"{where}: a rank's connection closed during the rendezvous, so one "
                              f"of ranks {others} exited. Detail: {first}",
                              queue="world", peers=others)
-    if "timeout" in low or "timed out" in low:
+    if any(w in low for w in TIMEOUT_WORDS):
         missing = _ranks_in_keys(first, size, me)
         who = (f"rank(s) {missing} did not arrive (the rendezvous waits for the ranks in "
                f"order: later ones may be missing too)" if missing else

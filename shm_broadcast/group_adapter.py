@@ -51,6 +51,8 @@ __all__ = [
     "decode_object",
     "encode_failure",
     "encode_object",
+    "CLOSED_WORDS",
+    "TIMEOUT_WORDS",
     "exchange_failed",
     "object_group",
 ]
@@ -432,9 +434,9 @@ def object_group(group: Any, *, allow_pickle: bool = False) -> ObjectGroup:
 
 # What gloo says when a peer's connection went away (the peer died or left),
 # and when a wait on a peer ran out; matched in lower case.
-_CLOSED_WORDS = ("connection closed", "connection reset", "broken pipe", "eof",
+CLOSED_WORDS = ("connection closed", "connection reset", "broken pipe", "eof",
                  "connection refused")
-_TIMEOUT_WORDS = ("timed out", "timeout")
+TIMEOUT_WORDS = ("timed out", "timeout")
 
 
 def exchange_failed(name: str, op: str, rank: int, world_size: int,
@@ -453,12 +455,12 @@ def exchange_failed(name: str, op: str, rank: int, world_size: int,
     others = [r for r in range(world_size) if r != rank]
     text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
     low = str(e).lower()
-    if any(w in low for w in _TIMEOUT_WORDS):
+    if any(w in low for w in TIMEOUT_WORDS):
         return CommTimeout(
             f"group {name!r}, op {op}: the object exchange timed out waiting for rank(s) "
             f"{others} (every rank must make this call); backend: {text}",
             queue=name, peers=others)
-    if any(w in low for w in _CLOSED_WORDS):
+    if any(w in low for w in CLOSED_WORDS):
         return PeerDiedError(
             f"group {name!r}, op {op}: a peer closed its connection during the object "
             f"exchange (one of rank(s) {others} died or left); backend: {text}",
