@@ -99,7 +99,7 @@ def init_torch_distributed(world_size: int, rank: int, method: str, backend: str
         try:
             dist.init_process_group(**kwargs, store=store, world_size=size, rank=me)
         except RuntimeError as e:  # DistStoreError and gloo's errors are RuntimeErrors
-            ours = _init_error(e, size, me, timeout)
+            ours = _init_error(e, size, me, timeout, store)
             if ours is e:
                 raise
             raise ours from e
@@ -171,9 +171,11 @@ def check_same_world(world: Any, rank: int, local_rank: int, seconds: float | No
                 f"was requested; call destroy_distributed_environment() first to change it")
 
 
-def _init_error(e: RuntimeError, size: int, me: int, timeout: datetime.timedelta) -> Exception:
+def _init_error(e: RuntimeError, size: int, me: int, timeout: datetime.timedelta,
+                store: dist.Store | None = None) -> Exception:
     """Our error for ``init_process_group`` over our store that failed waiting for peers
-    (torch's store says only which key never came, not whose)."""
+    (torch's store names only the first key that never came; rank 0, which serves the
+    store, looks up every rank's key)."""
     from coordinator.errors import CommTimeout, PeerDiedError
 
     first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
@@ -190,13 +192,39 @@ def _init_error(e: RuntimeError, size: int, me: int, timeout: datetime.timedelta
                              queue="world", peers=others)
     if any(w in low for w in TIMEOUT_WORDS):
         missing = _ranks_in_keys(first, size, me)
-        who = (f"rank(s) {missing} did not arrive (the rendezvous waits for the ranks in "
-               f"order: later ones may be missing too)" if missing else
-               f"not every rank arrived; any of ranks {others} may be missing")
+        absent = _absent_in_store(store, first, size, me) if me == 0 and missing else None
+        if absent:
+            missing, who = absent, f"rank(s) {absent} did not arrive"
+        else:
+            who = (f"rank(s) {missing} did not arrive (the rendezvous waits for the ranks in "
+                   f"order: later ones may be missing too)" if missing else
+                   f"not every rank arrived; any of ranks {others} may be missing")
         return CommTimeout(f"{where}: {who} within {timeout.total_seconds():g}s (each must call "
                            f"it with the same world size and address). Detail: {first}",
                            queue="world", peers=missing or others)
     return e
+
+
+def _absent_in_store(store: dist.Store | None, text: str, size: int, me: int) -> list[int] | None:
+    """Every rank that wrote no rendezvous key to ``store``: the keys listed there whose
+    stem (the key less its trailing rank) ends the stem of the key the timeout ``text``
+    names (``keys: /<prefix>/<stem>/<rank>``); None when the store cannot list its keys
+    or this rank's own key is not among them (the form is then not the one assumed)."""
+    named = re.findall(r"keys:\s*(\S+?)/\d+(?=[\s,\]]|$)", text)
+    if store is None or not named:
+        return None
+    try:
+        listed = store.list_keys()
+    except (AttributeError, RuntimeError):  # torch without list_keys, or a store without it
+        return None
+    arrived = set()
+    for key in listed:
+        stem, _, tail = str(key).rpartition("/")
+        if stem and tail.isdigit() and named[0].endswith(stem):
+            arrived.add(int(tail))
+    if me not in arrived:
+        return None
+    return [r for r in range(size) if r not in arrived]
 
 
 def _ranks_in_keys(text: str, size: int, me: int) -> list[int]:
