@@ -49,6 +49,9 @@ class GroupRegistry:
         self.timeout: Any = None
         #: How many nodes the world group spans (set with the world group).
         self.node_count: int | None = None
+        #: The interface ``GLOO_SOCKET_IFNAME`` was set to for a loopback world
+        #: (:mod:`coordinator.gloo_interface`), restored when the world is destroyed.
+        self.gloo_pinned: str | None = None
 
     def unique_name(self, base: str) -> str:
         """Return ``base:<n>``, with ``n`` counting the groups created under ``base``."""

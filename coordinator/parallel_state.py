@@ -39,6 +39,7 @@ from coordinator.communication_op import (
     tensor_model_parallel_reduce_scatter,
 )
 from coordinator.errors import NotInitializedError
+from coordinator.gloo_interface import unpin_gloo
 from coordinator.group_setup import check_backend
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
 from coordinator.group_registry import REGISTRY
@@ -160,8 +161,8 @@ def init_distributed_environment(
     seconds = check_timeout(timeout, positive=True)
     if not dist.is_initialized():
         wait_s = default_timeout() if seconds is None else seconds
-        init_torch_distributed(world_size, rank, distributed_init_method, backend,
-                               datetime.timedelta(seconds=wait_s))
+        REGISTRY.gloo_pinned = init_torch_distributed(
+            world_size, rank, distributed_init_method, backend, datetime.timedelta(seconds=wait_s))
     elif world_size >= 1 and world_size != dist.get_world_size():
         raise ValueError(
             f"torch.distributed is already initialised with world size "
@@ -500,6 +501,8 @@ def destroy_distributed_environment() -> None:
         world.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
+    pinned, REGISTRY.gloo_pinned = REGISTRY.gloo_pinned, None
+    unpin_gloo(pinned)
 
 
 def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:

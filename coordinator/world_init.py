@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from coordinator.gloo_interface import pin_gloo_to_loopback, unpin_gloo
 from shm_broadcast.group_adapter import CLOSED_WORDS, TIMEOUT_WORDS
 from shm_broadcast.tcp_store import client_store, master_store
 
@@ -85,14 +86,31 @@ def _rank_and_size(world_size: int, rank: int, method: str) -> tuple[int, int]:
 
 
 def init_torch_distributed(world_size: int, rank: int, method: str, backend: str,
-                           timeout: datetime.timedelta) -> None:
+                           timeout: datetime.timedelta) -> str | None:
     """``dist.init_process_group`` with the caller's arguments and the timeout,
     after checking the rank against the world size (env:// included: a launcher
-    variable out of range would otherwise wait for peers until the timeout)."""
+    variable out of range would otherwise wait for peers until the timeout).
+
+    Returns:
+        The interface gloo was pinned to for a loopback rendezvous
+        (:func:`coordinator.gloo_interface.pin_gloo_to_loopback`; hand it to
+        ``unpin_gloo`` when the world is destroyed), or None.
+    """
     size, me = _rank_and_size(world_size, rank, method)
     if size >= 1 and me != -1 and not 0 <= me < size:
         where = "" if rank >= 0 and world_size >= 1 else " (from RANK / WORLD_SIZE)"
         raise ValueError(f"rank must be in [0, {size}), got {me}{where}")
+    pinned = pin_gloo_to_loopback(_rendezvous_host(method))
+    try:
+        _init_process_group(size, me, method, backend, timeout)
+    except BaseException:
+        unpin_gloo(pinned)
+        raise
+    return pinned
+
+
+def _init_process_group(size: int, me: int, method: str, backend: str,
+                        timeout: datetime.timedelta) -> None:
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     store = _rendezvous_store(method, size, me, timeout)
     if store is not None:  # rank and size are known: tcp:// requires them, env:// set them
@@ -105,11 +123,21 @@ def init_torch_distributed(world_size: int, rank: int, method: str, backend: str
             raise ours from e
         return
     kwargs["init_method"] = method
-    if world_size >= 1:
-        kwargs["world_size"] = world_size
-    if rank >= 0:
-        kwargs["rank"] = rank
+    if size >= 1:
+        kwargs["world_size"] = size
+    if me >= 0:
+        kwargs["rank"] = me
     dist.init_process_group(**kwargs)
+
+
+def _rendezvous_host(method: str) -> str | None:
+    """The rendezvous host of ``tcp://host:port`` or env:// (``MASTER_ADDR``); None
+    for ``file://``."""
+    if method.startswith("tcp://"):
+        return urllib.parse.urlparse(method).hostname
+    if method.startswith("env://"):
+        return os.environ.get("MASTER_ADDR")
+    return None
 
 
 def _rendezvous_store(method: str, size: int, me: int,
