@@ -131,10 +131,13 @@ def remove_channel_dir(path: str | None) -> None:
 def remove_dead_channel_dir(path: str, names: list[str] | None = None) -> None:
     """Remove a dead writer's channel directory (for a reader cleaning up after it).
 
-    Touches only what a queue puts there (sockets ``w``, ``p``, ``c``,
-    ``r<n>`` and the owner record) and only in a directory that looks exactly
-    like one of ours, so a wrong path in a handle cannot make it delete
-    anything else. Never raises.
+    Removes it only when its own owner record shows its owner provably gone
+    (judged as ``groupcoord cleanup`` does), whatever the handle said about the
+    writer, and touches only what a queue puts there (sockets ``w``, ``p``,
+    ``c``, ``r<n>`` and the owner record) in a directory that looks exactly
+    like one of ours: a wrong path in a handle, or a handle naming a dead
+    writer with a live queue's directory, cannot make it delete anything
+    else. Never raises.
 
     Args:
         path: The directory named by the writer's handle.
@@ -142,7 +145,12 @@ def remove_dead_channel_dir(path: str, names: list[str] | None = None) -> None:
             allowed contents are fixed by :mod:`shm_broadcast.leftovers`.
     """
     del names
-    leftovers.remove_channel_dir(path)
+    try:
+        info = _judge_dir(path, OwnerIdentity.of_self())
+    except (OSError, ValueError):
+        return
+    if info is not None and info.status == "gone":
+        leftovers.remove_channel_dir(path)
 
 
 @dataclass(frozen=True)

@@ -277,6 +277,63 @@ def _plant_as(ids: tuple[int, int], base: str, rec: dict[str, Any]) -> str:
     return out
 
 
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(30)
+    return child.pid
+
+
+@pytest.mark.usefixtures("cleanup_serial")  # leaves an orphan for a moment
+@pytest.mark.timeout(90)
+def test_a_reader_removes_the_directory_of_a_writer_killed_with_its_reaper() -> None:
+    from shm_broadcast import MessageQueue
+    from shm_broadcast.errors import GroupCoordError
+    from shm_broadcast.handle import Handle
+
+    proc, info = _start_writer()
+    try:
+        kill_with_reaper(proc.pid)
+        proc.wait(30)
+        handle = Handle.from_bytes(bytes.fromhex(info["handle"]))
+        with pytest.raises(GroupCoordError):
+            with MessageQueue.create_from_handle(handle, handle.local_reader_ranks[0]) as mq:
+                mq.wait_until_ready(timeout=5)
+        assert not os.path.lexists(info["dir"]), os.listdir(info["dir"])
+    finally:
+        _stop(proc)
+        _remove_by_hand(info)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("forged", ["dead_writer", "dead_writer_and_segment"])
+def test_a_handle_naming_a_dead_writer_cannot_remove_a_live_queues_directory(forged: str) -> None:
+    """A hostile (or stale) handle pairs a live queue's channel directory with a dead
+    writer pid: the reader's failed attach must not remove that directory."""
+    import msgspec
+
+    from shm_broadcast import MessageQueue
+    from shm_broadcast.errors import GroupCoordError
+    from shm_broadcast.handle import Handle
+
+    proc, info = _start_writer()
+    try:
+        real = Handle.from_bytes(bytes.fromhex(info["handle"]))
+        dead = _dead_pid()
+        changes: dict[str, Any] = {"writer_pid": dead, "writer_create_time": 1.0}
+        if forged == "dead_writer_and_segment":
+            changes["segment"] = f"gc_mq_{dead}_00000000"
+        evil = msgspec.structs.replace(real, **changes)
+        try:
+            with MessageQueue.create_from_handle(evil, real.local_reader_ranks[0]) as mq:
+                mq.wait_until_ready(timeout=3)
+        except GroupCoordError:
+            pass
+        assert sorted(os.listdir(info["dir"])) == ["c", "owner", "p", "w"]
+    finally:
+        _stop(proc)
+        _remove_by_hand(info)
+
+
 # ---------------------------------------------------------------------- child process
 def _writer() -> None:
     """A writer whose one local reader never attaches: its channel directory stays."""
@@ -284,7 +341,8 @@ def _writer() -> None:
 
     mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2)
     print(json.dumps({"pid": os.getpid(), "segment": mq._impl.ring.name,
-                      "dir": mq._impl._channel_dir}), flush=True)
+                      "dir": mq._impl._channel_dir,
+                      "handle": mq.export_handle().to_bytes().hex()}), flush=True)
     time.sleep(120)
 
 
