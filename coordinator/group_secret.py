@@ -94,10 +94,11 @@ def secret_plan(rank: int, host: str | None, port: int, name: str, secret: Any,
     if rank == 0:
         path = _key_file_path(host, port, name)
         return _write_key_file(path), path
-    # The directory is looked up on every read: another user may take the
-    # /dev/shm name between this rank's start and rank 0's write, which moves
-    # the key file to the home directory.
-    return (lambda: _read_key_file(_key_file_path(host, port, name))), None
+    # Rank 0 wrote to whichever directory was ours when it looked; another user
+    # may have taken the /dev/shm name, or let it go, since. So every read tries
+    # the directory that would be chosen now, then the other one: each is read
+    # only if private and ours.
+    return (lambda: _read_first(_key_file_paths(host, port, name))), None
 
 
 def _is_loopback(host: str) -> bool:
@@ -115,35 +116,69 @@ def _is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
+def _shared_key_dir() -> str:
+    """``/dev/shm/groupcoord-<uid>`` (the temporary directory without /dev/shm)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"groupcoord-{os.geteuid()}")
+
+
+def _home_key_dir() -> str | None:
+    """``~/.cache/groupcoord-keys``; None without a home directory."""
+    import pwd
+
+    try:
+        home = pwd.getpwuid(os.geteuid()).pw_dir
+    except KeyError:
+        return None
+    return os.path.join(home, ".cache", "groupcoord-keys") if home and os.path.isdir(home) else None
+
+
 def _key_dir() -> str:
     """``/dev/shm/groupcoord-<uid>``, unless another user holds that name: then a
     directory in this user's home (see the module docstring)."""
     uid = os.geteuid()
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    shared = os.path.join(base, f"groupcoord-{uid}")
+    shared = _shared_key_dir()
     try:
         st = os.lstat(shared)
     except FileNotFoundError:
         return shared
     if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
         return shared
-    import pwd
-
-    try:
-        home = pwd.getpwuid(uid).pw_dir
-    except KeyError:
-        home = ""
-    if not home or not os.path.isdir(home):
+    home = _home_key_dir()
+    if home is None:
         raise AuthenticationError(
             f"another user (uid {st.st_uid}) holds {shared!r}, and uid {uid} has no home "
             f"directory to keep the group's key file in instead; pass secret=<bytes> or set "
             f"{SECRET_ENV}=<hex> on every rank")
-    return os.path.join(home, ".cache", "groupcoord-keys")
+    return home
+
+
+def _key_file_name(host: str, port: int, name: str) -> str:
+    tag = hashlib.sha256(f"{host}\0{port}\0{name}".encode()).hexdigest()[:16]
+    return f"stateless-{port}-{tag}.key"
 
 
 def _key_file_path(host: str, port: int, name: str) -> str:
-    tag = hashlib.sha256(f"{host}\0{port}\0{name}".encode()).hexdigest()[:16]
-    return os.path.join(_key_dir(), f"stateless-{port}-{tag}.key")
+    return os.path.join(_key_dir(), _key_file_name(host, port, name))
+
+
+def _key_file_paths(host: str, port: int, name: str) -> list[str]:
+    """Where rank 0 may have written the key file: the directory chosen now first."""
+    try:
+        first = [_key_dir()]
+    except AuthenticationError:  # the /dev/shm name taken and no home: only /dev/shm's
+        first = []
+    dirs = first + [d for d in (_shared_key_dir(), _home_key_dir()) if d and d not in first]
+    return [os.path.join(d, _key_file_name(host, port, name)) for d in dirs]
+
+
+def _read_first(paths: list[str]) -> bytes | None:
+    """The secret in the first of ``paths`` that holds a private key file of ours."""
+    for path in paths:
+        secret = _read_key_file(path)
+        if secret is not None:
+            return secret
+    return None
 
 
 def _private_dir(path: str) -> None:

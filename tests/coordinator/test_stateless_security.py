@@ -422,6 +422,13 @@ squat(taken)
 source, key_file = secret_plan(0, "127.0.0.1", int(sys.argv[1]) + 2, "late", None, False)
 print("late", read() == source(), key_file.startswith(taken))
 remove_quietly(key_file)
+# The name is taken while rank 0 writes (the key goes to the home directory) and
+# let go before rank 1 reads: rank 1 must still find the key.
+source, key_file = secret_plan(0, "127.0.0.1", int(sys.argv[1]) + 3, "released", None, False)
+os.rmdir(taken)
+read, _ = secret_plan(1, "127.0.0.1", int(sys.argv[1]) + 3, "released", None, False)
+print("released", read() == source(), key_file.startswith(taken))
+remove_quietly(key_file)
 """
 
 
@@ -450,3 +457,4 @@ def test_another_user_taking_the_key_directory_name_does_not_stop_the_group() ->
     assert "left []" in proc.stdout, proc.stdout  # the key file was removed after setup
     assert "homeless 0" in proc.stdout, proc.stdout  # AuthenticationError saying why
     assert "late True False" in proc.stdout, proc.stdout  # found where rank 0 wrote it
+    assert "released True False" in proc.stdout, proc.stdout  # found after the name is let go
