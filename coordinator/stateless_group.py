@@ -374,7 +374,7 @@ class StatelessProcessGroup:
             if secret is None:
                 raise AuthenticationError(f"stateless group {self.name!r}: rank 0 has no secret")
             session = secrets.token_bytes(NONCE_BYTES)
-            self._call("set", key, session + session_tag(secret, self.name, key, session),
+            self._call("set", key, session + self._session_tag(secret, key, session),
                        op="create")
             return Sealer(self.name, secret, session)
         deadline = time.monotonic() + self.timeout
@@ -394,11 +394,16 @@ class StatelessProcessGroup:
                 why = "the key file of rank 0 is missing or not private"
             elif record is not None:
                 session, tag = record[:NONCE_BYTES], record[NONCE_BYTES:]
-                if hmac.compare_digest(tag, session_tag(secret, self.name, key, session)):
+                if hmac.compare_digest(tag, self._session_tag(secret, key, session)):
                     return Sealer(self.name, secret, session)
                 self.rejected_values += 1
                 why = "the session record failed authentication"
             time.sleep(_RETRY_S)
+
+    def _session_tag(self, secret: bytes, key: str, session: bytes) -> bytes:
+        """The session record's tag, bound to this group's name, size and store port."""
+        port = self.store.port if isinstance(self.store, dist.TCPStore) else 0
+        return session_tag(secret, self.name, key, session, port, self.world_size)
 
     def _put(self, key: str, plain: bytes, op: str,
              deadline: tuple[float, float] | None = None) -> None:

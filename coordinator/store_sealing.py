@@ -6,7 +6,7 @@ plaintext XOR a SHAKE-256 key stream of ``enc_key | nonce``, and
 value is bound to its group and to the key it was stored under (a value moved
 to another key fails). Both keys are HMAC-SHA256 of the secret with a label
 and the session nonce that rank 0 publishes, itself authenticated by
-:func:`session_tag`. Without a secret (``insecure=True``) values are only
+:func:`session_tag` (which binds it to the group's name, size and store port). Without a secret (``insecure=True``) values are only
 framed: ``GCS1 | 0x00 | plaintext``. Sizes are checked before anything is
 decoded, and anything that fails raises
 :class:`~coordinator.errors.AuthenticationError`.
@@ -95,8 +95,13 @@ def _xor(a: bytes, b: bytes) -> bytes:
     return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(n, "little")
 
 
-def session_tag(secret: bytes, name: str, key: str, session: bytes) -> bytes:
-    """The HMAC that authenticates session nonce ``session`` of group ``name`` stored under ``key``."""
+def session_tag(secret: bytes, name: str, key: str, session: bytes, port: int = 0,
+                world_size: int = 0) -> bytes:
+    """The HMAC that authenticates session nonce ``session`` of group ``name`` stored under
+    ``key``, for a group of ``world_size`` ranks whose store listens on ``port`` (0: not a
+    TCP store): a session record copied into another group's store (the same secret and
+    name, another port or size) fails."""
     nb, kb = name.encode(), key.encode()
-    msg = b"groupcoord-stateless-session\0" + struct.pack("<II", len(nb), len(kb)) + nb + kb
+    msg = (b"groupcoord-stateless-session\0" + struct.pack("<II", len(nb), len(kb)) + nb + kb
+           + struct.pack("<II", port, world_size))
     return hmac.new(secret, msg + session, hashlib.sha256).digest()

@@ -458,3 +458,38 @@ def test_another_user_taking_the_key_directory_name_does_not_stop_the_group() ->
     assert "homeless 0" in proc.stdout, proc.stdout  # AuthenticationError saying why
     assert "late True False" in proc.stdout, proc.stdout  # found where rank 0 wrote it
     assert "released True False" in proc.stdout, proc.stdout  # found after the name is let go
+
+
+def _outsider(port: int) -> Any:
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(HOST, port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("other", ["port", "world_size"])
+def test_a_session_record_relayed_from_another_group_fails(other: str) -> None:
+    """Two groups of one job share the secret and the default name; an outsider (no
+    secret, but reach to both stores) copies group A's session record into group B's
+    store: B's ranks must not adopt A's session (whose values the outsider could then
+    relay to them). ``port``: A runs beside B on another port; ``world_size``: A ran
+    earlier on B's port with another size, and the outsider replays its record."""
+    secret = StatelessProcessGroup.generate_secret()
+    pa = free_port()
+    pb = pa if other == "world_size" else free_port()
+    a = StatelessProcessGroup.create(HOST, pa, 0, 3 if other == "world_size" else 2,
+                                     timeout=5, secret=secret)
+    record = _outsider(pa).get("stateless/session")
+    if other == "world_size":
+        a.close()
+    b = StatelessProcessGroup.create(HOST, pb, 0, 2, timeout=5, secret=secret)
+    try:
+        _outsider(pb).set("stateless/session", record)
+        with pytest.raises(AuthenticationError, match="failed authentication"):
+            StatelessProcessGroup.create(HOST, pb, 1, 2, timeout=1.5, secret=secret)
+    finally:
+        a.close()
+        b.close()
