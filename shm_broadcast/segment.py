@@ -311,7 +311,8 @@ class SegmentInfo:
 
 
 def list_segments(pid_alive: Callable[[int], bool] | None = None) -> list[SegmentInfo]:
-    """List this project's segments in ``/dev/shm`` and judge whether their owners are gone.
+    """List this user's segments of this project in ``/dev/shm`` and judge whether their
+    owners are gone (other users' files of the same form are not listed: not ours to judge).
 
     Args:
         pid_alive: Predicate deciding whether a pid exists in this process's
@@ -334,8 +335,8 @@ def list_segments(pid_alive: Callable[[int], bool] | None = None) -> list[Segmen
             st = os.lstat(os.path.join(SHM_DIR, n))
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode):
-            continue  # a segment is a regular file; never follow a planted link
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            continue  # a segment is a regular file of ours: no planted link, no other user's
         pid = int(m.group("pid"))
         status, reason = _judge_owner(pid, read_owner_record(_record_path(n), st.st_uid), me,
                                       pid_alive or _pid_exists)

@@ -209,6 +209,24 @@ def test_a_look_alike_planted_by_another_user_is_never_removed(planted: list[str
 
 @pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
 @pytest.mark.timeout(60)
+def test_a_segment_planted_by_another_user_is_not_judged(planted: list[str]) -> None:
+    """Another user's file of our form is neither removed (root) nor reported as kept
+    (which would fail every cleanup of this user for good)."""
+    ids = _nobody()
+    if os.geteuid() != 0 or ids is None:
+        pytest.skip("needs root (to plant as 'nobody' in a forked child) and a 'nobody' user")
+    path = _plant_as(ids, SHM_DIR, {**_dead_identity(), "uid": ids[0]}, _plant_segment)
+    planted.extend([path, path + leftovers.RECORD_SUFFIX])
+    assert os.stat(path).st_uid == ids[0]
+    res = _cleanup("--yes", "--all")
+    name = os.path.basename(path)
+    assert name not in res.stdout, res.stdout  # not ours: not even listed
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert os.path.exists(path) and os.path.exists(path + leftovers.RECORD_SUFFIX)
+
+
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("extra", ["file", "link", "subdir"])
 def test_our_directory_with_unexpected_contents_is_kept(extra: str, planted: list[str]) -> None:
     with open(_VICTIM, "w") as f:
@@ -251,8 +269,19 @@ def test_a_dead_owners_directory_without_anything_foreign_is_removed(planted: li
     assert not os.path.lexists(path)
 
 
-def _plant_as(ids: tuple[int, int], base: str, rec: dict[str, Any]) -> str:
-    """:func:`_plant` in a forked child running as ``ids`` (uid, gid)."""
+def _plant_segment(base: str, rec: dict[str, Any]) -> str:
+    """A segment like a dead writer's, ``gc_mq_<pid>_<hex>``, with its owner record."""
+    path = os.path.join(SHM_DIR, f"gc_mq_{rec['pid']}_{os.urandom(4).hex()}")
+    for name, data in ((path, b"\0" * 4096), (path + leftovers.RECORD_SUFFIX,
+                                                json.dumps(rec).encode())):
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, data)
+        os.close(fd)
+    return path
+
+
+def _plant_as(ids: tuple[int, int], base: str, rec: dict[str, Any], plant: Any = None) -> str:
+    """``plant`` (:func:`_plant` by default) in a forked child running as ``ids`` (uid, gid)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: syscalls only, then _exit
@@ -261,7 +290,7 @@ def _plant_as(ids: tuple[int, int], base: str, rec: dict[str, Any]) -> str:
             os.setgroups([])
             os.setgid(ids[1])
             os.setuid(ids[0])
-            out = _plant(base, rec).encode()
+            out = (plant or _plant)(base, rec).encode()
         except BaseException as e:
             out = b"!" + repr(e).encode()
         os.write(w, struct.pack("<i", len(out)) + out)
