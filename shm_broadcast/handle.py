@@ -41,7 +41,7 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
         writer_pid: Writer process id (liveness checks).
         writer_create_time: Writer process start time (pid reuse check).
         writer_host: Writer hostname.
-        writer_rank: Writer's rank, for messages only.
+        writer_rank: Writer's rank, for messages and for the ``peers`` of readers' errors.
         remote_window: Messages a remote reader may lag before the writer waits.
         curve_server_key: Z85 CURVE public key of the writer's TCP endpoints
             (``None`` without remote readers).

@@ -121,6 +121,10 @@ class LocalReader:
                                  handle.writer_host, pid_space=handle.writer_pid_space)
         wr = "" if handle.writer_rank is None else f" rank {handle.writer_rank}"
         self._writer_desc = f"writer{wr} ({self._writer.describe()})"
+        #: What errors put in ``peers`` for the writer: its rank where the handle
+        #: has one (a group's queue), else the role.
+        self._writer_peer: int | str = ("writer" if handle.writer_rank is None
+                                        else handle.writer_rank)
         self._seq = 0
         #: Parks on the doorbell, those that ended by timeout rather than a ring,
         #: planned sleeps (predictive policy) and those a ring cut short.
@@ -324,20 +328,20 @@ class LocalReader:
             raise QueueClosedError(
                 f"queue {self.name!r}: the {self._writer_desc} shut the queue down; "
                 f"{self.side} waited for {self._wait_what}", queue=self.name, side=self.side,
-                peers=["writer"])
+                peers=[self._writer_peer])
         if not self._writer.alive():
             if self._cond():
                 return
             raise PeerDiedError(
                 f"queue {self.name!r}: the {self._writer_desc} died while {self.side} "
                 f"waited for {self._wait_what}", queue=self.name, side=self.side,
-                peers=["writer"])
+                peers=[self._writer_peer])
         if expired:
             raise QueueTimeout(
                 f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
                 f"waiting for {self._wait_what} (the {self._writer_desc} is "
                 f"{_WRITER_STATE[self._writer.state()]} but sent nothing)", queue=self.name,
-                side=self.side, peers=["writer"])
+                side=self.side, peers=[self._writer_peer])
 
     @property
     def predictor_stats(self) -> dict[str, int]:

@@ -89,6 +89,10 @@ class RemoteReader:
                                  handle.writer_host, pid_space=handle.writer_pid_space)
         wr = "" if handle.writer_rank is None else f" rank {handle.writer_rank}"
         self._writer_desc = f"writer{wr} ({self._writer.describe()})"
+        #: What errors put in ``peers`` for the writer: its rank where the handle
+        #: has one (a group's queue), else the role.
+        self._writer_peer: int | str = ("writer" if handle.writer_rank is None
+                                        else handle.writer_rank)
         self._ack_every = max(1, handle.remote_window // 4)
         self._seq = 0
         #: Same keys as a local reader's; a remote reader never parks on a doorbell.
@@ -197,7 +201,7 @@ class RemoteReader:
             self._peek = None
             raise PeerDiedError(
                 f"queue {self.name!r}: {self.side} lost the {self._writer_desc}: "
-                f"{self._untrusted}", queue=self.name, side=self.side, peers=["writer"])
+                f"{self._untrusted}", queue=self.name, side=self.side, peers=[self._writer_peer])
 
     def _check_wait(self, expired: bool) -> None:
         if self._closing:
@@ -213,7 +217,8 @@ class RemoteReader:
                 pass
             raise PeerDiedError(
                 f"queue {self.name!r}: lost the {self._writer_desc} while {self.side} waited "
-                f"for {self._wait_what}", queue=self.name, side=self.side, peers=["writer"])
+                f"for {self._wait_what}", queue=self.name, side=self.side,
+                peers=[self._writer_peer])
         if expired:
             state = self._writer.state()
             how = {"stopped": " (alive but stopped: SIGSTOP, job control or a debugger)",
@@ -221,7 +226,7 @@ class RemoteReader:
             raise QueueTimeout(
                 f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
                 f"waiting for {self._wait_what} from the {self._writer_desc}{how}; its "
-                f"connection is up", queue=self.name, side=self.side, peers=["writer"])
+                f"connection is up", queue=self.name, side=self.side, peers=[self._writer_peer])
 
     def wait_until_ready(self, timeout: float | None) -> None:
         """Block until the writer's READY marker arrives."""
@@ -278,7 +283,7 @@ class RemoteReader:
     def _raise_shutdown(self) -> None:
         raise QueueClosedError(
             f"queue {self.name!r}: the {self._writer_desc} shut the queue down; no message "
-            f"#{self._seq} will come", queue=self.name, side=self.side, peers=["writer"])
+            f"#{self._seq} will come", queue=self.name, side=self.side, peers=[self._writer_peer])
 
     # ----------------------------------------------------------- lifecycle
     def _check_open(self, op: str) -> None:

@@ -136,8 +136,9 @@ def test_killed_writer_makes_blocked_readers_raise_then_cleanup(procs):
     os.kill(writer.pid, signal.SIGKILL)
     writer.join(10)
     for _ in range(2):
-        kind, rank, t_raise, err, text = procs.get(timeout=30)
+        kind, rank, t_raise, err, text, peers = procs.get(timeout=30)
         assert (kind, err) == ("raised", "PeerDiedError"), (kind, err, text)
+        assert peers == [0], peers  # the writer's rank, as every group error names peers
         assert "died" in text and str(writer.pid) in text and "doomed-writer" in text
         assert t_raise - t_kill < KILL_BOUND_S, t_raise - t_kill
     # The SIGKILLed writer could not unlink its ring; its exit reaper does.
@@ -301,7 +302,8 @@ def blocked_reader(handle: Any, rank: int, out: Any) -> None:
             mq.dequeue()
             out.put(("returned", rank, time.time(), ""))
         except Exception as e:  # the point of the test: which error, and when
-            out.put(("raised", rank, time.time(), type(e).__name__, str(e)))
+            out.put(("raised", rank, time.time(), type(e).__name__, str(e),
+                     list(getattr(e, "peers", None) or [])))
         finally:
             mq.close()
     except BaseException:
@@ -312,7 +314,8 @@ def writer_then_hang(n_reader: int, out: Any) -> None:
     """Create a queue for local readers 1..n, send one message, then sleep (to be killed)."""
     try:
         mq = MessageQueue(n_reader, n_reader, list(range(1, n_reader + 1)),
-                          max_chunk_bytes=4096, max_chunks=4, name="doomed-writer")
+                          max_chunk_bytes=4096, max_chunks=4, name="doomed-writer",
+                          writer_rank=0)
         out.put(("handle", mq.export_handle()))
         mq.wait_until_ready(60)
         mq.enqueue("first")
