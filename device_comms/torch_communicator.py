@@ -91,6 +91,19 @@ def _wire_op(op: ReduceOp, dtype: torch.dtype) -> Any:
     return op.to_torch()
 
 
+def _drops_nan(op: ReduceOp, t: torch.Tensor) -> bool:
+    """Whether the backend's MIN/MAX may drop a NaN of ``t``: gloo's compare-and-keep
+    returns the other operand when the incoming one is NaN, so which NaNs survive
+    depends on the reduction's order; the engines (``torch.maximum`` semantics)
+    propagate every NaN."""
+    return (op is ReduceOp.MIN or op is ReduceOp.MAX) and t.dtype.is_floating_point \
+        and t.device.type == "cpu"
+
+
+def _nan_mask(t: torch.Tensor) -> torch.Tensor:
+    return torch.isnan(t).to(torch.uint8)
+
+
 def wire_view(t: torch.Tensor) -> torch.Tensor:
     """A same-memory view of contiguous ``t`` in a dtype every backend can move.
 
@@ -148,6 +161,10 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         wide = _REDUCE_AS.get(t.dtype)
         out = t.to(wide) if wide is not None else t.clone()
         dist.all_reduce(out, op=_wire_op(op, t.dtype), group=self.device_group)
+        if _drops_nan(op, t):
+            hit = _nan_mask(t)
+            dist.all_reduce(hit, op=ReduceOp.MAX.to_torch(), group=self.device_group)
+            out.masked_fill_(hit.bool(), float("nan"))
         if op is ReduceOp.AVG:
             out.div_(self.world_size)
         return out.to(t.dtype) if wide is not None else out
@@ -163,8 +180,13 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         wide = _REDUCE_AS.get(t.dtype)
         out = t.to(wide) if wide is not None else t.clone()
         dist.reduce(out, dst=self._g(dst), op=_wire_op(op, t.dtype), group=self.device_group)
+        hit = _nan_mask(t) if _drops_nan(op, t) else None
+        if hit is not None:
+            dist.reduce(hit, dst=self._g(dst), op=ReduceOp.MAX.to_torch(), group=self.device_group)
         if not me:
             return None
+        if hit is not None:
+            out.masked_fill_(hit.bool(), float("nan"))
         if op is ReduceOp.AVG:
             out.div_(self.world_size)
         return out.to(t.dtype) if wide is not None else out
@@ -181,9 +203,16 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
 
     def _plain_reduce_scatter(self, x: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor:
         """Reduce-scatter of ``x`` (the scattered dim moved to 0) through the backend."""
+        out = self._backend_reduce_scatter(x, dim, op)
+        if _drops_nan(op, x):
+            hit = self._backend_reduce_scatter(_nan_mask(x), dim, ReduceOp.MAX)
+            out.masked_fill_(hit.bool(), float("nan"))
+        return out
+
+    def _backend_reduce_scatter(self, x: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor:
         wide = _REDUCE_AS.get(x.dtype)
         if wide is not None:
-            return self._plain_reduce_scatter(x.to(wide), dim, op).to(x.dtype)
+            return self._backend_reduce_scatter(x.to(wide), dim, op).to(x.dtype)
         n = self.world_size
         out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=x.dtype, device=x.device)
         _reduce_scatter_flat(out.view(-1), x.view(-1), op=_wire_op(op, x.dtype), group=self.device_group)
@@ -228,9 +257,18 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         self, x: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
     ) -> torch.Tensor:
         """Uneven reduce-scatter through the backend: pieces padded to the largest."""
+        out = self._backend_reduce_scatterv(x, dim, sizes, op)
+        if _drops_nan(op, x):
+            hit = self._backend_reduce_scatterv(_nan_mask(x), dim, sizes, ReduceOp.MAX)
+            out.masked_fill_(hit.bool(), float("nan"))
+        return out
+
+    def _backend_reduce_scatterv(
+        self, x: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
+    ) -> torch.Tensor:
         wide = _REDUCE_AS.get(x.dtype)
         if wide is not None:
-            return self._plain_reduce_scatterv(x.to(wide), dim, sizes, op).to(x.dtype)
+            return self._backend_reduce_scatterv(x.to(wide), dim, sizes, op).to(x.dtype)
         n, m = self.world_size, max(sizes)
         padded = torch.zeros((n * m,) + x.shape[1:], dtype=x.dtype, device=x.device)
         off = 0
