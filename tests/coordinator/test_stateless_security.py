@@ -460,7 +460,7 @@ def test_another_user_taking_the_key_directory_name_does_not_stop_the_group() ->
     assert "released True False" in proc.stdout, proc.stdout  # found after the name is let go
 
 
-def _outsider(port: int) -> Any:
+def _store_client(port: int) -> Any:
     import datetime
 
     import torch.distributed as dist
@@ -482,12 +482,12 @@ def test_a_session_record_relayed_from_another_group_fails(other: str) -> None:
     pb = pa if other == "world_size" else free_port()
     a = StatelessProcessGroup.create(HOST, pa, 0, 3 if other == "world_size" else 2,
                                      timeout=5, secret=secret)
-    record = _outsider(pa).get("stateless/session")
+    record = _store_client(pa).get("stateless/session")
     if other == "world_size":
         a.close()
     b = StatelessProcessGroup.create(HOST, pb, 0, 2, timeout=5, secret=secret)
     try:
-        _outsider(pb).set("stateless/session", record)
+        _store_client(pb).set("stateless/session", record)
         with pytest.raises(AuthenticationError, match="failed authentication"):
             StatelessProcessGroup.create(HOST, pb, 1, 2, timeout=1.5, secret=secret)
     finally:
