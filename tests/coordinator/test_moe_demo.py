@@ -145,6 +145,7 @@ def test_moe_replica_without_requests_serves_its_experts(dist_pool: Any,
     assert r1["experts"] == [[4, 5, 6, 7]] and sum(map(sum, r1["expert_rows"])) > 0
 
 
+@pytest.mark.slow  # 13 s; the engine's EP over DP is matched in test_moe_engine_matches_hf
 @pytest.mark.timeout(180)
 def test_cli_moe_ep2_over_dp_matches_hf(tmp_path: Path, checkpoints: dict[str, Any]) -> None:
     """The real command, EP=2 over DP=2 (TP=1): HF's greedy ids, verified vs unsharded."""

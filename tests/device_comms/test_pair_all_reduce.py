@@ -91,7 +91,8 @@ def pair_rank(rank: int, world_size: int, piece: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("piece", [0, 4096, 12288 + 64, 200], ids=["default", "4KiB", "odd", "tiny"])
+@pytest.mark.parametrize("piece", [0, 4096, 12288 + 64, pytest.param(200, marks=pytest.mark.slow)],
+                         ids=["default", "4KiB", "odd", "tiny"])  # tiny: many steps, 13 s
 def test_pair_all_reduce_matches_reference(dist_pool: Any, piece: int) -> None:
     outs = dist_pool(2).run(pair_rank, piece, timeout=100)
     for rank, o in enumerate(outs):
