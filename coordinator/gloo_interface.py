@@ -21,23 +21,11 @@ import socket
 
 import psutil
 
+from shm_broadcast.host_address import is_loopback_host
+
 __all__ = ["GLOO_IFNAME_ENV", "loopback_interface", "pin_gloo_to_loopback", "unpin_gloo"]
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
-
-
-def _is_loopback(host: str) -> bool:
-    """``host`` is a loopback address, or a name that resolves only to loopback ones."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError):
-        return False
-    addrs = {info[4][0].split("%", 1)[0] for info in infos}
-    return bool(addrs) and all(ipaddress.ip_address(a).is_loopback for a in addrs)
 
 
 def loopback_interface() -> str | None:
@@ -58,7 +46,7 @@ def pin_gloo_to_loopback(host: str | None) -> str | None:
         The interface name this call set (hand it to :func:`unpin_gloo`), or None
         when it changed nothing.
     """
-    if not host or os.environ.get(GLOO_IFNAME_ENV) or not _is_loopback(host):
+    if not host or os.environ.get(GLOO_IFNAME_ENV) or not is_loopback_host(host):
         return None
     name = loopback_interface()
     if name is not None:

@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable
 
 from coordinator.errors import AuthenticationError
+from shm_broadcast.host_address import is_loopback_host
 
 __all__ = ["SECRET_ENV", "MIN_SECRET", "secret_plan", "remove_quietly"]
 
@@ -85,7 +86,7 @@ def secret_plan(rank: int, host: str | None, port: int, name: str, secret: Any,
     if fixed is not _AUTO:
         return (lambda: fixed), None
     host = str(host)  # set: _AUTO comes only with a host
-    if not _is_loopback(host):
+    if not is_loopback_host(host):
         raise ValueError(
             f"a stateless group on non-loopback host {host!r} needs a shared secret: pass "
             f"secret=<the same >= {_MIN_SECRET} random bytes on every rank>, or set "
@@ -99,21 +100,6 @@ def secret_plan(rank: int, host: str | None, port: int, name: str, secret: Any,
     # the directory that would be chosen now, then the other one: each is read
     # only if private and ours.
     return (lambda: _read_first(_key_file_paths(host, port, name))), None
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-    import socket
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
 def _shared_key_dir() -> str:

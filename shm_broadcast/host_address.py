@@ -26,7 +26,7 @@ import logging
 import os
 import socket
 
-__all__ = ["HOST_IP_ENV", "MASTER_ADDR_ENV", "host_ip"]
+__all__ = ["HOST_IP_ENV", "MASTER_ADDR_ENV", "host_ip", "is_loopback_host"]
 
 HOST_IP_ENV = "GROUPCOORD_HOST_IP"
 MASTER_ADDR_ENV = "MASTER_ADDR"
@@ -110,3 +110,18 @@ def _own_name_address() -> str | None:
             continue
         return str(ip)
     return None
+
+
+def is_loopback_host(host: str) -> bool:
+    """``host`` is a loopback address (``[::1]`` brackets and a ``%scope`` allowed), or
+    a name that resolves, here, to loopback addresses only."""
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    addrs = {info[4][0].split("%", 1)[0] for info in infos}
+    return bool(addrs) and all(ipaddress.ip_address(a).is_loopback for a in addrs)

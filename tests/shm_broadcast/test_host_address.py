@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from shm_broadcast import host_address
-from shm_broadcast.host_address import host_ip
+from shm_broadcast.host_address import host_ip, is_loopback_host
 
 
 @pytest.fixture
@@ -66,3 +66,10 @@ def test_loopback_is_the_last_resort_and_is_logged(clean_env: pytest.MonkeyPatch
                                        ("fe80::1%eth0", True), ("nonsense", False)])
 def test_usable_addresses(ip: str, usable: bool) -> None:
     assert host_address._usable(ip) is usable
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.9.9.9", True), ("::1", True), ("[::1]", True),
+    ("localhost", True), ("10.1.2.3", False), ("2001:db8::1", False), ("fe80::1%lo", False)])
+def test_loopback_hosts(host: str, loopback: bool) -> None:
+    assert is_loopback_host(host) is loopback
