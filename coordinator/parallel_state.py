@@ -193,7 +193,6 @@ def init_distributed_environment(
     return REGISTRY.world
 
 
-
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
