@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import psutil
 import torch
 
 from device_comms import validation
@@ -159,15 +160,24 @@ class SizeTable:
         return [row[rank] for row in self.send]
 
 
-def settle_sizes(table: SizeTable, name: str, op: str = "all_to_allv") -> None:
-    """Raise on every rank unless each given ``recv_sizes`` matches the senders.
+def settle_sizes(table: SizeTable, name: str, op: str = "all_to_allv",
+                 row: int | None = None) -> None:
+    """Raise on every rank unless each given ``recv_sizes`` matches the senders and
+    every rank can hold what the records say it receives.
 
     The table is the same on every rank, so the verdict is too.
 
+    Args:
+        row: Bytes per row (None where the caller does not know them: rows are
+            then bounded as if one byte each).
+
     Raises:
+        DecodeError: The records say some rank receives more bytes than this
+            host has memory (a corrupt or hostile record: nothing is allocated).
         CollectiveMismatch: Rank ``i``'s ``recv_sizes[j]`` differs from rank
             ``j``'s ``send_sizes[i]`` for some pair (both ranks are named).
     """
+    _check_receivable(table, name, op, max(row or 1, 1))
     bad: list[tuple[int, int, int, int]] = []
     for i, mine in enumerate(table.recv):
         if mine is None:
@@ -189,3 +199,19 @@ def settle_sizes(table: SizeTable, name: str, op: str = "all_to_allv") -> None:
         f"the group stays usable.",
         queue=name, peers=culprits,
     )
+
+
+def _check_receivable(table: SizeTable, name: str, op: str, row: int) -> None:
+    """DecodeError unless every rank's receive total fits in this host's memory."""
+    limit = psutil.virtual_memory().total
+    n = len(table.send)
+    for r in range(n):
+        claims = [table.send[i][r] for i in range(n)]
+        total = sum(claims) * row
+        if total > limit:
+            worst = max(range(n), key=claims.__getitem__)
+            raise DecodeError(
+                f"group {name!r}, op {op}: the size records say rank {r} receives "
+                f"{total} bytes, more than this host's memory ({limit}); rank {worst}'s "
+                f"record sends it {claims[worst]} row(s). Nothing was received.",
+                queue=name, peers=(worst,))

@@ -55,7 +55,7 @@ def signed_all_to_allv(
     h = comm._header("all_to_allv", t.dtype, None, 0, (tuple(t.shape[1:]), 0), t.shape)
     comm._call("all_to_allv", h, payload)
     table = _table(comm, rec, carried)
-    settle_sizes(table, comm.unique_name)
+    settle_sizes(table, comm.unique_name, row=row_bytes(t))
     got = table.received_by(me)
     out = torch.empty((sum(got),) + tuple(t.shape[1:]), dtype=t.dtype)
     row = row_bytes(t)

@@ -159,7 +159,7 @@ class ShmAllToAllvOps:
         sync.step(name, _signature(x.dtype), self.shape_key(x.shape[1:]), True)
         table = SizeTable.decode([self._words(p, q)[:words].tolist() for q in range(n)],
                                  sync.name, name)
-        settle_sizes(table, sync.name, name)
+        settle_sizes(table, sync.name, name, row)
         got = table.received_by(me)
         out = host_alloc.empty((sum(got),) + tuple(x.shape[1:]), x.dtype)
         ob = _flat_bytes(out)

@@ -159,6 +159,8 @@ def _judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity,
         return "unknown", f"cannot read the start time of process {pid}"
     if now != rec.start_ticks:
         return "gone", f"pid {pid} now belongs to another process (started at tick {now})"
+    if _is_zombie(pid):
+        return "gone", f"process {pid} has exited (a zombie its parent has not reaped yet)"
     return "alive", f"process {pid} (started at tick {now}) is running"
 
 
@@ -197,6 +199,16 @@ def _start_ticks(pid: int) -> int | None:
         return int(raw[raw.rindex(b")") + 2:].split()[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (it can run no code)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return raw[raw.rindex(b")") + 2 : raw.rindex(b")") + 3] in (b"Z", b"X")
+    except (OSError, ValueError):
+        return False
 
 
 def _boot_id() -> str:

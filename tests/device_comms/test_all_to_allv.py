@@ -292,3 +292,56 @@ def test_size_checks_and_the_size_table_verdict() -> None:
                                    record([3, 0], [2, 0]).tolist()], "g"), "g")
     with pytest.raises(DecodeError, match="rank 1's size record is malformed"):
         SizeTable.decode([rows[0], rows[1][:-1]], "g")
+    big = SizeTable.decode([record([0, 1 << 40], None).tolist(), record([1, 0], None).tolist()],
+                           "g")
+    with pytest.raises(DecodeError, match="rank 1 receives 4398046511104 bytes, more than this "
+                                          "host's memory") as err:
+        settle_sizes(big, "g", row=4)
+    assert list(err.value.peers) == [0]
+
+
+def hostile_record_rank(rank: int, n: int, transport: str, claim: int) -> list[str]:
+    """Rank 1 (a compromised peer) publishes a size record claiming ``claim`` rows for
+    rank 0; every rank must raise DecodeError before allocating, and go on."""
+    from device_comms import alltoallv, gloo_alltoallv, shm_alltoallv
+
+    pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
+    comm = _comm(transport, rank, n, pg)
+    hostile = [0, claim] + [0] * (n - 1) + [0] * n
+    shm_write = shm_alltoallv._write
+    if rank == 1 and transport == "gloo":
+        gloo_alltoallv.record = lambda send, recv: torch.tensor(hostile, dtype=torch.int64)
+    elif rank == 1:
+        def _write(slot: torch.Tensor, base: int, *rest: Any) -> None:
+            shm_write(slot, base, *rest)
+            if base:  # the record sits before the first window
+                slot[: 8 * len(hostile)].view(torch.int64)[:] = torch.tensor(hostile)
+
+        shm_alltoallv._write = _write
+    try:
+        x = torch.ones(n, 3)
+        try:
+            comm.all_to_allv(x, [1] * n)
+            seen = ["returned"]
+        except Exception as e:  # the point: which error
+            seen = [type(e).__name__, str(e)]
+        gloo_alltoallv.record, shm_alltoallv._write = alltoallv.record, shm_write
+        got = comm.all_to_allv(torch.full((n, 3), float(rank)), [1] * n)  # the group goes on
+        seen.append(str(got[:, 0].tolist()))
+        return seen
+    finally:
+        comm.destroy()
+        dist.destroy_process_group(pg)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("claim", [1 << 40, (1 << 63) - 1], ids=["1T-rows", "int64-max"])
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_a_size_record_claiming_more_than_memory_raises_before_allocating(
+        dist_pool: Any, transport: str, claim: int) -> None:
+    n = 2
+    for rank, seen in enumerate(dist_pool(n).run(hostile_record_rank, transport, claim,
+                                                  timeout=100)):
+        assert seen[0] == "DecodeError", (rank, seen)
+        assert "more than this host's memory" in seen[1] and "rank 1's record" in seen[1], seen
+        assert seen[2] == str([float(r) for r in range(n)]), (rank, seen)

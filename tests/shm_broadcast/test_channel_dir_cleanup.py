@@ -25,7 +25,7 @@ import pytest
 
 from shm_broadcast import leftovers
 from shm_broadcast.segment import SHM_DIR, OwnerIdentity
-from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix
+from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix, wait_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -314,7 +314,8 @@ def _dead_pid() -> int:
 
 @pytest.mark.usefixtures("cleanup_serial")  # leaves an orphan for a moment
 @pytest.mark.timeout(90)
-def test_a_reader_removes_the_directory_of_a_writer_killed_with_its_reaper() -> None:
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_a_reader_removes_the_directory_of_a_writer_killed_with_its_reaper(reaped: bool) -> None:
     from shm_broadcast import MessageQueue
     from shm_broadcast.errors import GroupCoordError
     from shm_broadcast.handle import Handle
@@ -322,7 +323,10 @@ def test_a_reader_removes_the_directory_of_a_writer_killed_with_its_reaper() -> 
     proc, info = _start_writer()
     try:
         kill_with_reaper(proc.pid)
-        proc.wait(30)
+        if reaped:
+            proc.wait(30)
+        else:  # its parent (this test) has not reaped it: a zombie, dead all the same
+            assert wait_exit(psutil.Process(proc.pid))
         handle = Handle.from_bytes(bytes.fromhex(info["handle"]))
         with pytest.raises(GroupCoordError):
             with MessageQueue.create_from_handle(handle, handle.local_reader_ranks[0]) as mq:
