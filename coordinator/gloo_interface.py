@@ -5,25 +5,30 @@ resolves to, unless ``GLOO_SOCKET_IFNAME`` names interfaces. On a server whose
 name resolves to a network address, a ``tcp://127.0.0.1:port`` world would then
 have every gloo pair listening on that network address, reachable by anyone on
 the network (gloo authenticates nobody), although its rendezvous store listens
-on loopback only. Every rank of a loopback rendezvous is on this host, so the
-pairs can listen on the loopback interface: :func:`pin_gloo_to_loopback` sets
-``GLOO_SOCKET_IFNAME`` to it for the world's life (torch reads the variable
-each time it builds a gloo group, the model-parallel groups included), and
-:func:`unpin_gloo` restores the variable when the world is destroyed. A
-variable the user set is never changed.
+on loopback only. Every rank of a loopback rendezvous is on this host, so its
+pairs can listen on the loopback interface.
+
+torch reads ``GLOO_SOCKET_IFNAME`` each time it builds a gloo group, so the
+variable is set only around the groups groupcoord builds
+(:func:`pinned_gloo`: the world group, then the model-parallel groups) and
+restored at once: processes started meanwhile and other gloo groups of the
+process (a cross-host group of the same engine, say) never see it. A variable
+the user set is never changed, and wins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
+from typing import Iterator
 
 import psutil
 
 from shm_broadcast.host_address import is_loopback_host
 
-__all__ = ["GLOO_IFNAME_ENV", "loopback_interface", "pin_gloo_to_loopback", "unpin_gloo"]
+__all__ = ["GLOO_IFNAME_ENV", "loopback_interface", "gloo_interface_for", "pinned_gloo"]
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 
@@ -38,24 +43,26 @@ def loopback_interface() -> str | None:
     return None
 
 
-def pin_gloo_to_loopback(host: str | None) -> str | None:
-    """Make gloo listen on the loopback interface when the rendezvous ``host`` is a
-    loopback address and ``GLOO_SOCKET_IFNAME`` is unset.
-
-    Returns:
-        The interface name this call set (hand it to :func:`unpin_gloo`), or None
-        when it changed nothing.
-    """
+def gloo_interface_for(host: str | None) -> str | None:
+    """The interface gloo should listen on for a world whose rendezvous is ``host``:
+    the loopback interface when ``host`` is a loopback address and the user has not
+    set ``GLOO_SOCKET_IFNAME``; None (gloo's own choice) otherwise."""
     if not host or os.environ.get(GLOO_IFNAME_ENV) or not is_loopback_host(host):
         return None
-    name = loopback_interface()
-    if name is not None:
-        os.environ[GLOO_IFNAME_ENV] = name
-    return name
+    return loopback_interface()
 
 
-def unpin_gloo(name: str | None) -> None:
-    """Undo :func:`pin_gloo_to_loopback` that returned ``name``, unless the variable
-    was changed since."""
-    if name is not None and os.environ.get(GLOO_IFNAME_ENV) == name:
-        del os.environ[GLOO_IFNAME_ENV]
+@contextlib.contextmanager
+def pinned_gloo(name: str | None) -> Iterator[None]:
+    """Build gloo groups inside this block with ``GLOO_SOCKET_IFNAME=name``; the
+    variable is restored on leaving. Nothing changes for ``name`` None or a
+    variable the user set."""
+    if name is None or os.environ.get(GLOO_IFNAME_ENV) is not None:
+        yield
+        return
+    os.environ[GLOO_IFNAME_ENV] = name
+    try:
+        yield
+    finally:
+        if os.environ.get(GLOO_IFNAME_ENV) == name:
+            del os.environ[GLOO_IFNAME_ENV]

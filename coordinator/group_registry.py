@@ -49,8 +49,8 @@ class GroupRegistry:
         self.timeout: Any = None
         #: How many nodes the world group spans (set with the world group).
         self.node_count: int | None = None
-        #: The interface ``GLOO_SOCKET_IFNAME`` was set to for a loopback world
-        #: (:mod:`coordinator.gloo_interface`), restored when the world is destroyed.
+        #: The interface the world's gloo groups listen on (a loopback world's;
+        #: :mod:`coordinator.gloo_interface`), or None for gloo's own choice.
         self.gloo_pinned: str | None = None
 
     def unique_name(self, base: str) -> str:

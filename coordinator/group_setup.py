@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from coordinator.errors import CommTimeout, NotInitializedError, PeerDiedError
+from coordinator.gloo_interface import pinned_gloo
+from coordinator.group_registry import REGISTRY
 from device_comms import DeviceCommunicator, get_device_communicator, select_device_communicator
 
 __all__ = [
@@ -121,7 +123,8 @@ def create_process_groups(
     for ranks in group_ranks:
         ranks = list(ranks)
         try:
-            cpu = dist.new_group(ranks, backend="gloo", **kw)
+            with pinned_gloo(REGISTRY.gloo_pinned):
+                cpu = dist.new_group(ranks, backend="gloo", **kw)
             dev = cpu if backend == "gloo" else dist.new_group(ranks, backend=backend, **kw)
         except RuntimeError as e:  # DistStoreError and gloo's errors are RuntimeErrors
             ours = _creation_error(name, ranks, rank, timeout, e)

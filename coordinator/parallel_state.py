@@ -39,7 +39,6 @@ from coordinator.communication_op import (
     tensor_model_parallel_reduce_scatter,
 )
 from coordinator.errors import NotInitializedError
-from coordinator.gloo_interface import unpin_gloo
 from coordinator.group_setup import check_backend
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
 from coordinator.group_registry import REGISTRY
@@ -500,8 +499,7 @@ def destroy_distributed_environment() -> None:
         world.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
-    pinned, REGISTRY.gloo_pinned = REGISTRY.gloo_pinned, None
-    unpin_gloo(pinned)
+    REGISTRY.gloo_pinned = None
 
 
 def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:

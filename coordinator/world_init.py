@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from coordinator.gloo_interface import pin_gloo_to_loopback, unpin_gloo
+from coordinator.gloo_interface import gloo_interface_for, pinned_gloo
 from shm_broadcast.group_adapter import CLOSED_WORDS, TIMEOUT_WORDS
 from shm_broadcast.tcp_store import client_store, master_store
 
@@ -92,20 +92,17 @@ def init_torch_distributed(world_size: int, rank: int, method: str, backend: str
     variable out of range would otherwise wait for peers until the timeout).
 
     Returns:
-        The interface gloo was pinned to for a loopback rendezvous
-        (:func:`coordinator.gloo_interface.pin_gloo_to_loopback`; hand it to
-        ``unpin_gloo`` when the world is destroyed), or None.
+        The interface gloo listens on for a loopback rendezvous
+        (:func:`coordinator.gloo_interface.gloo_interface_for`; the groups built
+        later for this world use it too), or None.
     """
     size, me = _rank_and_size(world_size, rank, method)
     if size >= 1 and me != -1 and not 0 <= me < size:
         where = "" if rank >= 0 and world_size >= 1 else " (from RANK / WORLD_SIZE)"
         raise ValueError(f"rank must be in [0, {size}), got {me}{where}")
-    pinned = pin_gloo_to_loopback(_rendezvous_host(method))
-    try:
+    pinned = gloo_interface_for(_rendezvous_host(method))
+    with pinned_gloo(pinned):
         _init_process_group(size, me, method, backend, timeout)
-    except BaseException:
-        unpin_gloo(pinned)
-        raise
     return pinned
 
 

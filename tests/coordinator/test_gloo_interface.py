@@ -3,7 +3,9 @@
 torch's gloo listens on the address the host's name resolves to. The
 namespace test gives the host a name that resolves to a network address
 (10.77.0.1 on a veth pair of a private network namespace, as on a server) and
-checks that a ``tcp://127.0.0.1`` world listens on loopback only, while a
+checks that a ``tcp://127.0.0.1`` world (its model-parallel groups included)
+listens on loopback only, that the variable is never left set (children and
+other groups of the process do not inherit the pin), and that a
 ``GLOO_SOCKET_IFNAME`` the user set is left as it is.
 """
 
@@ -50,24 +52,24 @@ def _world_rank(rank: int, world_size: int) -> dict:
 @pytest.mark.parametrize("host,loopback", [
     ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True),
     ("localhost", True), ("10.77.0.1", False), ("192.0.2.7", False), ("", False)])
-def test_loopback_hosts_are_recognised(host: str, loopback: bool,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_loopback_hosts_get_the_loopback_interface(host: str, loopback: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(gi.GLOO_IFNAME_ENV, raising=False)
-    name = gi.pin_gloo_to_loopback(host)
-    try:
-        assert (name is not None) == loopback
+    name = gi.gloo_interface_for(host)
+    assert (name is not None) == loopback
+    if loopback:
+        assert name == gi.loopback_interface()
+    with gi.pinned_gloo(name):
         assert os.environ.get(gi.GLOO_IFNAME_ENV) == name
-    finally:
-        gi.unpin_gloo(name)
     assert gi.GLOO_IFNAME_ENV not in os.environ
 
 
 @pytest.mark.parametrize("preset", ["lo", "eth-user-choice"])
 def test_a_variable_the_user_set_is_kept(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(gi.GLOO_IFNAME_ENV, preset)
-    pinned = gi.pin_gloo_to_loopback("127.0.0.1")
-    assert pinned is None
-    gi.unpin_gloo(pinned)
+    assert gi.gloo_interface_for("127.0.0.1") is None
+    with gi.pinned_gloo("lo"):
+        assert os.environ[gi.GLOO_IFNAME_ENV] == preset
     assert os.environ[gi.GLOO_IFNAME_ENV] == preset
 
 
@@ -76,10 +78,8 @@ def test_a_variable_the_user_set_is_kept(preset: str, monkeypatch: pytest.Monkey
 def test_a_loopback_world_pins_gloo_while_it_lives(world_size: int) -> None:
     if gi.GLOO_IFNAME_ENV in os.environ:
         pytest.skip(f"{gi.GLOO_IFNAME_ENV} is set here, and a set variable is kept")
-    lo = gi.loopback_interface()
-    assert lo is not None  # every Linux host has one
     for got in run_distributed(_world_rank, world_size):
-        assert got["during"] == lo and got["after"] is None, got
+        assert got["during"] is None and got["after"] is None, got  # never left set
         assert got["listening"], got
         assert all(ipaddress.ip_address(a).is_loopback for a in got["listening"]), got
 
@@ -129,7 +129,7 @@ def test_a_host_named_on_the_network_keeps_a_loopback_world_local(
         assert listens_on in got["listening"], got
         if preset is None:  # nothing listens on the network address
             assert got["listening"] == ["127.0.0.1"], got
-            assert got["during"] == "lo" and got["after"] is None, got
+            assert got["during"] is None and got["after"] is None, got
         else:
             assert got["during"] == got["after"] == preset, got
             assert gloo_pairs == [listens_on], got
