@@ -397,7 +397,9 @@ class StatelessProcessGroup:
                 if hmac.compare_digest(tag, self._session_tag(secret, key, session)):
                     return Sealer(self.name, secret, session)
                 self.rejected_values += 1
-                why = "the session record failed authentication"
+                why = ("the session record failed authentication: another secret, world "
+                       "size or group name than rank 0's, or the store reached on another "
+                       "port than the one rank 0 listens on, as through a port mapping")
             time.sleep(_RETRY_S)
 
     def _session_tag(self, secret: bytes, key: str, session: bytes) -> bytes:
