@@ -23,7 +23,7 @@ def _bench(*args: str, timeout: float = 200) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,policies,load,plot", [
-    (2, ["predictive", "plain"], "process", True),
+    pytest.param(2, ["predictive", "plain"], "process", True, marks=pytest.mark.slow),
     pytest.param(3, ["predictive", "spin"], "thread", False, marks=pytest.mark.slow),
 ], ids=["tp2-predictive-plain-process-load-plot", "tp3-predictive-spin-thread-load"])
 def test_bench_engine_reports_every_rank_and_policy(tmp_path: Path, tp: int, policies: list[str],

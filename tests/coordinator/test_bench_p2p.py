@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 
+@pytest.mark.slow  # an 11 s run of the CLI: CI time on the 2-core VM
 @pytest.mark.timeout(240)
 def test_bench_p2p_reports_every_transport_per_call_and_size(tmp_path: Path) -> None:
     out = tmp_path / "p2p.json"
