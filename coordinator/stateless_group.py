@@ -374,8 +374,7 @@ class StatelessProcessGroup:
             if secret is None:
                 raise AuthenticationError(f"stateless group {self.name!r}: rank 0 has no secret")
             session = secrets.token_bytes(NONCE_BYTES)
-            self._call("set", key, session + self._session_tag(secret, key, session),
-                       op="create")
+            self._call("set", key, session + self._session_tag(secret, key, session), op="create")
             return Sealer(self.name, secret, session)
         deadline = time.monotonic() + self.timeout
         why = "no session record from rank 0"
@@ -397,9 +396,8 @@ class StatelessProcessGroup:
                 if hmac.compare_digest(tag, self._session_tag(secret, key, session)):
                     return Sealer(self.name, secret, session)
                 self.rejected_values += 1
-                why = ("the session record failed authentication: another secret, world "
-                       "size or group name than rank 0's, or the store reached on another "
-                       "port than the one rank 0 listens on, as through a port mapping")
+                why = ("the session record failed authentication: another secret, world size "
+                       "or name than rank 0's, or the store reached via a port mapping")
             time.sleep(_RETRY_S)
 
     def _session_tag(self, secret: bytes, key: str, session: bytes) -> bytes:
