@@ -6,10 +6,10 @@ plaintext XOR a SHAKE-256 key stream of ``enc_key | nonce``, and
 value is bound to its group and to the key it was stored under (a value moved
 to another key fails). Both keys are HMAC-SHA256 of the secret with a label
 and the session nonce that rank 0 publishes, itself authenticated by
-:func:`session_tag` (which binds it to the group's name, size and store port). Without a secret (``insecure=True``) values are only
-framed: ``GCS1 | 0x00 | plaintext``. Sizes are checked before anything is
-decoded, and anything that fails raises
-:class:`~coordinator.errors.AuthenticationError`.
+:func:`session_tag` (which binds it to the group's name, size and store port).
+Without a secret (``insecure=True``) values are only framed: ``GCS1 | 0x00 |
+plaintext``. Sizes are checked before anything is decoded, and anything that
+fails raises :class:`~coordinator.errors.AuthenticationError`.
 """
 
 from __future__ import annotations

@@ -108,6 +108,8 @@ def init_torch_distributed(world_size: int, rank: int, method: str, backend: str
 
 def _init_process_group(size: int, me: int, method: str, backend: str,
                         timeout: datetime.timedelta) -> None:
+    """``dist.init_process_group`` over our rendezvous store where there is one
+    (its failures become our errors), else with torch's own ``init_method``."""
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     store = _rendezvous_store(method, size, me, timeout)
     if store is not None:  # rank and size are known: tcp:// requires them, env:// set them

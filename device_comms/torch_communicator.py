@@ -96,8 +96,8 @@ def _drops_nan(op: ReduceOp, t: torch.Tensor) -> bool:
     returns the other operand when the incoming one is NaN, so which NaNs survive
     depends on the reduction's order; the engines (``torch.maximum`` semantics)
     propagate every NaN."""
-    return (op is ReduceOp.MIN or op is ReduceOp.MAX) and t.dtype.is_floating_point \
-        and t.device.type == "cpu"
+    return ((op is ReduceOp.MIN or op is ReduceOp.MAX) and t.dtype.is_floating_point
+            and t.device.type == "cpu")
 
 
 def _nan_mask(t: torch.Tensor) -> torch.Tensor:
