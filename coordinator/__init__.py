@@ -25,9 +25,9 @@ from coordinator.errors import (
     SegmentError,
     StoreConnectionError,
 )
-from coordinator.async_p2p import P2PHandle
-from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
-from coordinator.group_registry import get_group_by_name
+from coordinator.p2p.async_p2p import P2PHandle
+from coordinator.group.group_coordinator import GraphCaptureContext, GroupCoordinator
+from coordinator.group.registry import get_group_by_name
 from coordinator.parallel_state import (
     broadcast_tensor_dict,
     cleanup_dist_env_and_memory,
@@ -68,8 +68,8 @@ from coordinator.parallel_state import (
     tensor_model_parallel_gather,
     tensor_model_parallel_reduce_scatter,
 )
-from coordinator.stateless_group import StatelessProcessGroup
-from coordinator.tensor_split import (
+from coordinator.stateless.stateless_group import StatelessProcessGroup
+from coordinator.parallel.tensor_split import (
     divide,
     ensure_divisibility,
     get_pp_indices,

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from coordinator.errors import NotInitializedError
-from coordinator.group_coordinator import GroupCoordinator
-from coordinator.group_registry import REGISTRY
+from coordinator.group.group_coordinator import GroupCoordinator
+from coordinator.group.registry import REGISTRY
 from device_comms import ReduceOp
 
 __all__ = [

@@ -6,12 +6,12 @@ would split the graph. Registering each collective as a torch custom op makes
 it one opaque node instead: Dynamo records the call, the *fake* implementation
 tells the compiler the output's shape and dtype without communicating, and at
 run time the *real* implementation looks up the
-:class:`~coordinator.group_coordinator.GroupCoordinator` by its unique name
+:class:`~coordinator.group.group_coordinator.GroupCoordinator` by its unique name
 and runs its ordinary (eager) collective.
 
 The group travels through the graph as a string (its ``unique_name``), since
 graph inputs must be tensors or plain values. Groups register themselves in
-:mod:`coordinator.group_registry`, a weak-value mapping, so a compiled graph
+:mod:`coordinator.group.registry`, a weak-value mapping, so a compiled graph
 never keeps a destroyed group alive.
 
 Eager code does not pay for any of this: ``GroupCoordinator.all_reduce`` calls
@@ -66,7 +66,7 @@ __all__ = [
 
 
 def _lookup(group_name: str) -> Any:
-    from coordinator.group_registry import get_group_by_name  # lazy: no import cycle
+    from coordinator.group.registry import get_group_by_name  # lazy: no import cycle
 
     return get_group_by_name(group_name)
 

@@ -37,7 +37,7 @@ def _version(mod: str) -> str:
 def _nccl_report() -> dict[str, Any]:
     """Which ``libnccl.so.2`` groupcoord loads, and its version (no GPU needed)."""
     from device_comms.errors import CommunicatorUnavailable
-    from device_comms.pynccl import library
+    from device_comms.cuda.pynccl import library
 
     try:
         path = library.find_library()
@@ -48,7 +48,7 @@ def _nccl_report() -> dict[str, Any]:
 
 def _nvrtc_report() -> dict[str, Any]:
     """The NVRTC that compiles the custom all-reduce kernels to PTX (no GPU needed)."""
-    from device_comms.custom_allreduce import nvrtc
+    from device_comms.cuda.custom_allreduce import nvrtc
     from device_comms.errors import CommunicatorUnavailable
 
     try:
@@ -78,8 +78,8 @@ def collect() -> dict[str, Any]:
     import torch.distributed as dist
 
     import device_comms
-    from shm_broadcast.segment import list_segments, shm_free_bytes
-    from shm_broadcast.topology import NODE_ID_ENV
+    from shm_broadcast.lifecycle.segment import list_segments, shm_free_bytes
+    from shm_broadcast.ranks.topology import NODE_ID_ENV
 
     segs = list_segments()
     boot_id = ""

@@ -103,7 +103,7 @@ class StoreConnectionError(GroupCoordError, ConnectionError):
 class AuthenticationError(GroupCoordError, PermissionError):
     """A value read from a shared channel failed authentication and was not decoded.
 
-    Raised by :class:`~coordinator.stateless_group.StatelessProcessGroup` when a
+    Raised by :class:`~coordinator.stateless.stateless_group.StatelessProcessGroup` when a
     value under one of its keys lacks a valid HMAC for the group's secret
     (written by a process that does not hold the secret, altered, or moved from
     another key), and when the group's secret cannot be established.

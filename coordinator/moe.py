@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
-from coordinator.group_coordinator import GroupCoordinator
+from coordinator.group.group_coordinator import GroupCoordinator
 
 __all__ = ["dispatch", "combine", "MoeRouting"]
 

@@ -17,8 +17,8 @@ groups are [0, 1] and [2, 3], the PP groups [0, 2] and [1, 3].
 
 With ``enable_expert_parallel=True`` an expert-parallel group spans the
 DP x TP ranks of each pipeline stage, ``ep_rank = dp * TP + tp`` (vLLM's
-layout; see :mod:`coordinator.expert_parallel`). Prefill and decode context
-parallelism (PCP, DCP) follow vLLM too: :mod:`coordinator.rank_mesh`.
+layout; see :mod:`coordinator.parallel.expert_parallel`). Prefill and decode context
+parallelism (PCP, DCP) follow vLLM too: :mod:`coordinator.parallel.rank_mesh`.
 """
 
 from __future__ import annotations
@@ -39,18 +39,18 @@ from coordinator.communication_op import (
     tensor_model_parallel_reduce_scatter,
 )
 from coordinator.errors import NotInitializedError
-from coordinator.group_setup import check_backend
-from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
-from coordinator.group_registry import REGISTRY
-from coordinator.rank_mesh import RankMesh
-from coordinator.world_init import (
+from coordinator.group.setup import check_backend
+from coordinator.group.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
+from coordinator.group.registry import REGISTRY
+from coordinator.parallel.rank_mesh import RankMesh
+from coordinator.parallel.world_init import (
     check_init_method,
     check_local_rank,
     check_same_world,
     env_local_rank_of,
     init_torch_distributed,
 )
-from coordinator.model_groups import (
+from coordinator.parallel.model_groups import (
     count_nodes,
     get_all_model_groups,
     get_node_count,
@@ -58,9 +58,9 @@ from coordinator.model_groups import (
     init_world_group,
     prepare_communication_buffer_for_model,
 )
-from shm_broadcast.agreement import agree
+from shm_broadcast.ranks.agreement import agree
 from shm_broadcast.checks import check_timeout
-from shm_broadcast.group_adapter import object_group
+from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.timeouts import default_timeout
 
 __all__ = [
@@ -204,7 +204,7 @@ def initialize_model_parallel(
     decode_context_model_parallel_size: int | None = 1,
 ) -> None:
     """Create the TP, PP, DP, PCP and DCP groups, and the EP group when asked
-    (collective over the world). The layout: :mod:`coordinator.rank_mesh`.
+    (collective over the world). The layout: :mod:`coordinator.parallel.rank_mesh`.
 
     The sizes' product must divide the world size; a larger world holds that
     many replicas of the layout, as in vLLM (no group spans two replicas).
@@ -219,7 +219,7 @@ def initialize_model_parallel(
             which is off unless ``init_distributed_environment`` opted in.
         enable_expert_parallel: Also create the expert-parallel group: the
             DP x TP ranks of this rank's pipeline stage, ``ep_rank = dp * TP + tp``
-            (:mod:`coordinator.expert_parallel`); :func:`get_ep_group` returns it.
+            (:mod:`coordinator.parallel.expert_parallel`); :func:`get_ep_group` returns it.
         prefill_context_model_parallel_size: PCP size (vLLM's prefill context
             parallelism): PCP groups of ranks that differ only in their PCP
             coordinate; it multiplies the world size like the others.
@@ -579,7 +579,7 @@ def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
         pg: A GroupCoordinator, a torch ProcessGroup or a StatelessProcessGroup.
         source_rank: Group rank to compare with.
     """
-    from shm_broadcast.topology import in_the_same_node_as as _same
+    from shm_broadcast.ranks.topology import in_the_same_node_as as _same
 
     if isinstance(pg, GroupCoordinator):
         pg = pg.cpu_group

@@ -17,7 +17,7 @@ way :mod:`concurrent.futures` does); a rank that dies without a result raises
 :class:`~coordinator.errors.DistributedTimeout` naming the ranks that did not
 finish. In every case all ranks are killed and reaped, so a broken collective
 never hangs a test run. Ranks also die with their parent process, whichever of its threads started
-them (:func:`shm_broadcast.launcher.die_with_parent`).
+them (:func:`shm_broadcast.ranks.launcher.die_with_parent`).
 
 Example (a pytest test)::
 
@@ -42,7 +42,7 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
-from shm_broadcast.launcher import (
+from shm_broadcast.ranks.launcher import (
     describe_exit, die_with_parent, free_port, per_rank_env, start_ranks, stop_ranks,
 )
 

@@ -30,9 +30,9 @@ from device_comms.registry import (
     select_device_communicator,
     unregister_device_communicator,
 )
-from device_comms.torch_communicator import TorchDistributedCommunicator
-from device_comms.cpu_communicator import CpuCommunicator
-from device_comms.cuda_communicator import CudaCommunicator
+from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
+from device_comms.cpu.communicator import CpuCommunicator
+from device_comms.cuda.communicator import CudaCommunicator
 
 register_device_communicator("torch", TorchDistributedCommunicator)
 register_device_communicator("cpu", CpuCommunicator)

@@ -26,7 +26,8 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from device_comms import alltoallv, step_errors, validation
+from device_comms import alltoallv, validation
+from device_comms.cpu_shm import step_errors
 from shm_broadcast import checks
 from shm_broadcast.checks import check_timeout
 from device_comms.errors import (

@@ -35,7 +35,7 @@ NUMPY_SUM = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 #: complete, an allocating one is redone by :func:`quiet_numpy_sum`.
 NUMPY_ERRORS = (RuntimeWarning, FloatingPointError)
 warnings.filterwarnings("ignore", category=RuntimeWarning,
-                        module=r"device_comms\.(shm_engine|shm_pair|shm_small)\Z")
+                        module=r"device_comms\.cpu_shm\.(engine|pair|small)\Z")
 
 
 def quiet_numpy_sum(views: Sequence[Any], out: Any = None) -> Any:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from shm_broadcast import checks
-from shm_broadcast.tensor_storage import check_storage, storage_covers
+from shm_broadcast.codec.tensor_storage import check_storage, storage_covers
 
 __all__ = ["check_device", "check_group", "check_writable", "check_fits", "gather_dim", "check_tensor", "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible"]
 

@@ -26,12 +26,12 @@ PACKAGES = [
     ("coordinator.engine.layers", "Tensor-parallel layers with checkpoint-sharding weight loaders."),
     ("coordinator.engine.models", "The Llama decoder, KV cache, runner and greedy generation."),
     ("device_comms", "DeviceCommunicator base, registry and transports."),
-    ("device_comms.pynccl", "NCCL through ctypes: library discovery, types, PyNcclCommunicator."),
-    ("device_comms.custom_allreduce", "One-node all-reduce over CUDA IPC with NVRTC-compiled kernels."),
+    ("device_comms.cuda.pynccl", "NCCL through ctypes: library discovery, types, PyNcclCommunicator."),
+    ("device_comms.cuda.custom_allreduce", "One-node all-reduce over CUDA IPC with NVRTC-compiled kernels."),
     ("shm_broadcast", "Shared-memory segments, message queue, topology."),
     ("shm_broadcast.checks", "Argument checks and the one timeout rule, shared by every layer."),
     ("shm_broadcast.timeouts", "The one default timeout (300 s) and the environment overrides."),
-    ("shm_broadcast.launcher", "Start, stop and reap local rank processes."),
+    ("shm_broadcast.ranks.launcher", "Start, stop and reap local rank processes."),
 ]
 
 

@@ -1,9 +1,9 @@
 """Shared-memory broadcast: one writer, many readers, microseconds per message.
 
 This package uses nothing else of groupcoord. Main entry point:
-:class:`MessageQueue` (see :mod:`shm_broadcast.message_queue`). It also hosts
-the shared-memory segment lifecycle (:mod:`shm_broadcast.segment`) and
-same-node detection (:mod:`shm_broadcast.topology`) that the higher layers
+:class:`MessageQueue` (see :mod:`shm_broadcast.queue.message_queue`). It also hosts
+the shared-memory segment lifecycle (:mod:`shm_broadcast.lifecycle.segment`) and
+same-node detection (:mod:`shm_broadcast.ranks.topology`) that the higher layers
 reuse.
 """
 
@@ -22,13 +22,13 @@ from shm_broadcast.errors import (
     ShmBroadcastError,
     ShmSpaceError,
 )
-from shm_broadcast.handle import Handle
-from shm_broadcast.message_queue import MessageQueue
-from shm_broadcast.predictive import PredictivePolicy
-from shm_broadcast.ring_buffer import ShmRingBuffer
-from shm_broadcast.segment import SharedSegment, list_segments, remove_orphans
-from shm_broadcast.topology import in_the_same_node_as, node_assignment
-from shm_broadcast.waiting import WaitPolicy
+from shm_broadcast.queue.handle import Handle
+from shm_broadcast.queue.message_queue import MessageQueue
+from shm_broadcast.waiting.predictive import PredictivePolicy
+from shm_broadcast.queue.ring_buffer import ShmRingBuffer
+from shm_broadcast.lifecycle.segment import SharedSegment, list_segments, remove_orphans
+from shm_broadcast.ranks.topology import in_the_same_node_as, node_assignment
+from shm_broadcast.waiting.policy import WaitPolicy
 
 __all__ = [
     "GroupCoordError",

@@ -45,8 +45,8 @@ def run_cleanup(args: argparse.Namespace) -> int:
         0 when nothing was left undone, 1 when a removal failed, 2 when ``--yes``
         kept something whose owner could not be judged (listed with the reason).
     """
-    from shm_broadcast.channel_dirs import list_channel_dirs
-    from shm_broadcast.segment import SHM_DIR, list_orphan_records, list_segments
+    from shm_broadcast.lifecycle.channel_dirs import list_channel_dirs
+    from shm_broadcast.lifecycle.segment import SHM_DIR, list_orphan_records, list_segments
 
     segs, dirs, records = list_segments(), list_channel_dirs(), list_orphan_records()
     if getattr(args, "all", False):
@@ -93,8 +93,8 @@ def _list_orphans(orphans: list, dead_dirs: list, records: list[str]) -> None:
 
 def _remove_orphans(orphans: list, dead_dirs: list, records: list[str]) -> int:
     """Remove (re-judging first); returns how many removals failed."""
-    from shm_broadcast.channel_dirs import remove_dead_channel_dirs
-    from shm_broadcast.segment import SHM_DIR, list_segments, remove_orphan_records, remove_orphans
+    from shm_broadcast.lifecycle.channel_dirs import remove_dead_channel_dirs
+    from shm_broadcast.lifecycle.segment import SHM_DIR, list_segments, remove_orphan_records, remove_orphans
 
     failed = 0
     removed = remove_orphans(dry_run=False)
@@ -129,7 +129,7 @@ def _pid_text(pid: int) -> str:
 
 
 def _bases() -> list[str]:
-    from shm_broadcast.leftovers import channel_dir_bases
+    from shm_broadcast.lifecycle.leftovers import channel_dir_bases
 
     return channel_dir_bases()
 

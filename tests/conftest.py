@@ -11,10 +11,10 @@ import psutil
 import pytest
 
 from coordinator.testing import DistributedPool, live_pool_pids
-from shm_broadcast import leftovers
-from shm_broadcast.channel_dirs import list_channel_dirs
-from shm_broadcast.reaper import MARKER as REAPER_MARKER
-from shm_broadcast.segment import SHM_DIR, _unlink_quietly, list_orphan_records, list_segments
+from shm_broadcast.lifecycle import leftovers
+from shm_broadcast.lifecycle.channel_dirs import list_channel_dirs
+from shm_broadcast.lifecycle.reaper import MARKER as REAPER_MARKER
+from shm_broadcast.lifecycle.segment import SHM_DIR, _unlink_quietly, list_orphan_records, list_segments
 from tests.faults.rig import live_rig_pids
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,18 +27,18 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LONG_FILES = (
     "tests/faults/test_fault_matrix.py",
     "tests/multihost/test_two_hosts.py",
-    "tests/coordinator/test_shm_links.py",
-    "tests/shm_broadcast/test_channel_security.py",
-    "tests/shm_broadcast/test_mq_processes.py",
+    "tests/coordinator/p2p/test_shm_links.py",
+    "tests/shm_broadcast/queue/test_channel_security.py",
+    "tests/shm_broadcast/queue/test_mq_processes.py",
     "tests/coordinator/test_group_coordinator.py",
     "tests/coordinator/test_testing_harness.py",
     "tests/coordinator/test_errors_and_failures.py",
     "tests/test_examples.py",
-    "tests/coordinator/test_stateless_security.py",
+    "tests/coordinator/stateless/test_stateless_security.py",
     "tests/faults/test_bounded_waits.py",
-    "tests/coordinator/test_async_p2p.py",
-    "tests/shm_broadcast/test_predictive.py",
-    "tests/coordinator/test_demo_cli.py",
+    "tests/coordinator/p2p/test_async_p2p.py",
+    "tests/shm_broadcast/waiting/test_predictive.py",
+    "tests/coordinator/engine/test_demo_cli.py",
 )
 
 

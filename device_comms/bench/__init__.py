@@ -8,5 +8,5 @@ Modules:
     cuda: the GPU all-reduce table (custom all-reduce, PyNccl, torch NCCL).
     report: tables and plots of the results.
 
-Ranks are started by :func:`shm_broadcast.launcher.spawn_group`.
+Ranks are started by :func:`shm_broadcast.ranks.launcher.spawn_group`.
 """

@@ -1,7 +1,7 @@
 """``groupcoord bench collectives``: CPU shared-memory collectives against raw gloo.
 
-For each world size, fresh ranks are started (:func:`shm_broadcast.launcher.spawn_group`);
-each builds a :class:`~device_comms.cpu_communicator.CpuCommunicator` over the
+For each world size, fresh ranks are started (:func:`shm_broadcast.ranks.launcher.spawn_group`);
+each builds a :class:`~device_comms.cpu.communicator.CpuCommunicator` over the
 world group and times, for every op, dtype and size, our call and the raw
 ``torch.distributed`` gloo call **in the same run, interleaved in blocks** (so
 machine noise hits both alike). A sample is one collective, started by all
@@ -31,7 +31,7 @@ preallocated; ours gets ``recv_sizes`` too, as gloo must.
 Torch threads per rank (``--threads``): ``1``; ``default``, torch's own default
 (the number of cores, what an engine that computes with every core has: each
 rank's kernels would then oversubscribe the CPUs, see
-:mod:`device_comms.engine_threads`); or a number ``N``. Several settings
+:mod:`device_comms.cpu_shm.engine_threads`); or a number ``N``. Several settings
 (``--threads 1 default``) are timed in the same processes, interleaved in
 blocks like ours and gloo. Without the option each rank uses
 ``max(1, cpus // world_size)`` (as the test harness does). The table headers
@@ -198,7 +198,7 @@ def _run_world_sizes(args: argparse.Namespace,
                      cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Fresh ranks per world size; rank 0's records, or None when a rank failed."""
     from device_comms.bench.report import format_table
-    from shm_broadcast.launcher import describe_exit, spawn_group
+    from shm_broadcast.ranks.launcher import describe_exit, spawn_group
 
     records: list[dict[str, Any]] = []
     for ws in args.world_sizes:
@@ -250,7 +250,7 @@ def _bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[st
     import torch
     import torch.distributed as dist
 
-    from device_comms.cpu_communicator import CpuCommunicator
+    from device_comms.cpu.communicator import CpuCommunicator
 
     default = torch.get_num_threads()  # torch's own default, before anything set it
     counts = [threads_for(t, world_size) or default for t in cfg["threads"]]
@@ -281,7 +281,7 @@ def _bench_point(
     import torch
     import torch.distributed as dist
 
-    from shm_broadcast.group_adapter import object_group
+    from shm_broadcast.ranks.group_adapter import object_group
 
     ours, raw, same, extra = _point_calls(comm, op, dtype, nbytes, rank, ws)
     iters = int(min(cfg["max_iters"], max(cfg["min_iters"], cfg["budget"] // max(1, nbytes))))

@@ -3,10 +3,10 @@
 On one GPU, three things are timed with CUDA events, per call:
 
 * the custom all-reduce's one-shot and two-shot kernels at 2/4/8 *virtual
-  ranks* (:class:`~device_comms.custom_allreduce.virtual.VirtualRanks`: every
+  ranks* (:class:`~device_comms.cuda.custom_allreduce.virtual.VirtualRanks`: every
   rank's kernel on its own stream, concurrently), replayed from a CUDA graph
   that holds ``--calls`` back-to-back all-reduces;
-* :class:`~device_comms.pynccl.PyNcclCommunicator` at world size 1, out of
+* :class:`~device_comms.cuda.pynccl.PyNcclCommunicator` at world size 1, out of
   place eager and graph-replayed (NCCL copies the input to the output), and
   in place eager (NCCL enqueues nothing then: the column prices the host path);
 * torch's NCCL all_reduce at world size 1, eager (the baseline engines know;
@@ -81,7 +81,7 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 def _bench_virtual(n: int, variant: str, nbytes: int, dtype: torch.dtype, calls: int,
                    reps: int) -> dict[str, float]:
-    from device_comms.custom_allreduce.virtual import VirtualRanks
+    from device_comms.cuda.custom_allreduce.virtual import VirtualRanks
 
     numel = nbytes // torch.tensor([], dtype=dtype).element_size()
     # A short kernel timeout: a point whose ranks cannot meet fails in seconds
@@ -106,7 +106,7 @@ def _bench_nccl(nbytes: int, dtype: torch.dtype, calls: int, reps: int,
                 nccl: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from device_comms.pynccl import PyNcclCommunicator
+    from device_comms.cuda.pynccl import PyNcclCommunicator
 
     numel = nbytes // torch.tensor([], dtype=dtype).element_size()
     x = torch.randn(numel, dtype=dtype, device="cuda")
@@ -160,7 +160,7 @@ def _virtual_row(nbytes: int, dtype: torch.dtype, args: argparse.Namespace,
     """The custom all-reduce's points of one size, each printed as it ends. A point that
     times out is recorded as its error and appended to ``failed``; once one has, the
     remaining points are skipped (they would mostly wait out their timeouts too)."""
-    from device_comms.custom_allreduce.eligibility import ALIGNMENT, call_eligible
+    from device_comms.cuda.custom_allreduce.eligibility import ALIGNMENT, call_eligible
 
     row: dict[str, Any] = {"bytes": nbytes, "dtype": str(dtype).removeprefix("torch.")}
     probe = torch.empty(nbytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype,

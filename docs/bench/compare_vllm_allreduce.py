@@ -10,7 +10,7 @@ same tensors: machine noise hits both alike.
 Timed per sample (all ranks start together after a barrier; a sample's latency
 is the slowest rank's):
 
-* ``ours``: :meth:`device_comms.cpu_communicator.CpuCommunicator.all_reduce`
+* ``ours``: :meth:`device_comms.cpu.communicator.CpuCommunicator.all_reduce`
   (returns a new tensor; argument checks included);
 * ``ours_inplace``: the same with ``out=x`` (the result written over the
   input, as vLLM's op does; checks included);
@@ -75,7 +75,7 @@ def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
     from vllm.platforms import current_platform  # the compiled ops live in vllm._C
 
     current_platform.import_kernels()
-    from device_comms.cpu_communicator import CpuCommunicator
+    from device_comms.cpu.communicator import CpuCommunicator
 
     comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="cmp")
     nt = torch.tensor([torch.get_num_threads()], dtype=torch.int64)

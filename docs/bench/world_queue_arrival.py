@@ -35,7 +35,7 @@ _STEP = {"req_ids": [1, 2, 3, 4, 5, 6], "token_ids": [[11], [12], [13], [14], [1
 
 def _rank(rank: int, world_size: int, policy: str, steps: int, step_s: float) -> dict[str, Any]:
     from coordinator import parallel_state as ps
-    from shm_broadcast.waiting import WaitPolicy
+    from shm_broadcast.waiting.policy import WaitPolicy
 
     ps.initialize_model_parallel(2, 2)
     world = ps.get_world_group()

@@ -18,7 +18,7 @@ Baselines:
 * :class:`ZmqPickleDriver`: ``pickle.dumps`` over a pyzmq ``ipc://`` PUB/SUB,
   acks over PUSH/PULL -- what a hand-rolled broadcaster usually does. Its
   sockets are files in a fresh private directory (``0700``, see
-  :mod:`shm_broadcast.channel_dirs`), so only this user's processes can
+  :mod:`shm_broadcast.lifecycle.channel_dirs`), so only this user's processes can
   connect; commands and acks are raw bytes, and only the measured payloads
   are pickled, between the bench's own processes.
 """
@@ -34,8 +34,8 @@ from typing import Any
 
 import zmq
 
-from shm_broadcast.channel_dirs import new_channel_dir, remove_channel_dir
-from shm_broadcast.launcher import free_port, stop_ranks
+from shm_broadcast.lifecycle.channel_dirs import new_channel_dir, remove_channel_dir
+from shm_broadcast.ranks.launcher import free_port, stop_ranks
 
 __all__ = ["GlooDriver", "ZmqPickleDriver"]
 

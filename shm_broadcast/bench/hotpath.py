@@ -32,7 +32,7 @@ _PAYLOADS: dict[str, Any] = {
 
 def measure(payload: Any, rounds: int = 400, chunks: int = 8) -> tuple[float, float]:
     """``(median, p99)`` microseconds per message over ``rounds`` fill-and-drain rounds."""
-    from shm_broadcast.message_queue import MessageQueue
+    from shm_broadcast.queue.message_queue import MessageQueue
 
     writer = MessageQueue(1, 1, [1], 1 << 20, chunks, name="hotpath")
     reader = MessageQueue.create_from_handle(writer.export_handle(), 1)

@@ -37,9 +37,9 @@ from typing import Any, Callable
 import zmq
 
 from shm_broadcast.bench.payloads import make_payload, payload_names
-from shm_broadcast.codec import Codec
-from shm_broadcast.launcher import stop_ranks
-from shm_broadcast.message_queue import MessageQueue
+from shm_broadcast.codec.message_codec import Codec
+from shm_broadcast.ranks.launcher import stop_ranks
+from shm_broadcast.queue.message_queue import MessageQueue
 
 __all__ = ["QueueEcho", "ZmqEcho", "measure_all", "add_args", "run"]
 

@@ -27,7 +27,7 @@ import struct
 import time
 from typing import Any
 
-from shm_broadcast.channel_dirs import new_channel_dir, remove_channel_dir
+from shm_broadcast.lifecycle.channel_dirs import new_channel_dir, remove_channel_dir
 
 __all__ = ["wake_gaps", "busy_wait", "bare_wake_latencies"]
 

@@ -52,7 +52,7 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
     # own (pairs 0-1, 2-3: the lower rank sends, the higher receives): a rejected
     # send/recv still meets its peer, as a valid one does. Two sends (or two
     # receives) between a pair never meet: each direction is a stream of its own
-    # (device_comms/p2p_envelopes.py), and gloo's send is a rendezvous.
+    # (device_comms/signatures/p2p_envelopes.py), and gloo's send is a rendezvous.
     other = me ^ 1 if me ^ 1 < n else (me + 1) % n
     sends = me <= other
     bad_send = (lambda: g.send("x", other), ("tensor",))

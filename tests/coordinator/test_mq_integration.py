@@ -139,7 +139,7 @@ def single_reader(rank: int, world_size: int, blocking: bool) -> dict:
 
 
 def external_writer(rank: int, world_size: int) -> dict:
-    from shm_broadcast.message_queue import MessageQueue
+    from shm_broadcast.queue.message_queue import MessageQueue
 
     # Rank 0 is outside the group [1, 2] and writes to it.
     gc = GroupCoordinator([[0], [1, 2]], rank, "gloo", use_device_communicator=False, group_name="ext")

@@ -12,7 +12,7 @@ call passes and no stand-in is reached.
 
 The block also covers *setup*: model-parallel groups (communicator
 workspaces), message queues and result queues exchange their handles through
-``shm_broadcast/group_adapter.py``, which moves msgpack bytes, not pickles.
+``shm_broadcast/ranks/group_adapter.py``, which moves msgpack bytes, not pickles.
 
 The pool's parent<->rank pipe (``multiprocessing``, the test harness's own
 channel to its children) is not a peer channel and keeps its pickle.
@@ -60,7 +60,7 @@ def pickle_blocked() -> Iterator[list[str]]:
     import torch._dynamo  # noqa: F401 -- imported lazily by custom ops; import it unblocked
     import torch.distributed.distributed_c10d as c10d
 
-    from shm_broadcast import codec_pickle
+    from shm_broadcast.codec import pickle_opt_in as codec_pickle
 
     patches = [(pickle, "loads", _refusing_loads), (pickle, "Unpickler", _RefusingUnpickler),
                (c10d, "_unpickler", _RefusingUnpickler),

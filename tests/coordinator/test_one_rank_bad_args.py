@@ -23,7 +23,7 @@ _TIMEOUT = 20.0  # the group's: a peer left waiting would take this long
 
 
 def _group(rank: int, world_size: int, name: str, mq: bool) -> Any:
-    from coordinator.group_coordinator import GroupCoordinator
+    from coordinator.group.group_coordinator import GroupCoordinator
 
     return GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name=name,
                             timeout=_TIMEOUT, use_message_queue_broadcaster=mq)
@@ -102,7 +102,7 @@ def test_bad_src_on_one_rank_over_the_queue(dist_pool: Any, op: str, bad_rank: i
 
 def unread_marker_rank(rank: int, world_size: int) -> list[str]:
     from coordinator.errors import CommTimeout
-    from coordinator.group_coordinator import GroupCoordinator
+    from coordinator.group.group_coordinator import GroupCoordinator
 
     g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="marker",
                          timeout=3.0, use_message_queue_broadcaster=True)
@@ -227,7 +227,7 @@ def bad_dict_rank(rank: int, world_size: int, case: str, links: bool,
     import os
 
     from coordinator.errors import CollectiveMismatch
-    from coordinator.shm_links import ENABLE_ENV
+    from coordinator.p2p.shm_links import ENABLE_ENV
 
     kept = os.environ.get(ENABLE_ENV)
     os.environ[ENABLE_ENV] = "1" if links else "0"  # pool workers live on: restored below

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from coordinator import NotInitializedError
 from coordinator import parallel_state as ps
-from coordinator.group_coordinator import GroupCoordinator
-from coordinator.group_registry import REGISTRY
+from coordinator.group.group_coordinator import GroupCoordinator
+from coordinator.group.registry import REGISTRY
 from device_comms import ReduceOp
 from tests.coordinator.rank_checks import (
     expect_equal,
@@ -74,7 +74,7 @@ def test_expected_groups_helper_matches_the_documented_example():
                                     (2, 2, 1, 1, 2, 3), (1, 1, 2, 2, 1, 2)],
                          ids=lambda l: "tp{}-pp{}-dp{}-pcp{}-dcp{}-ext{}".format(*l))
 def test_rank_mesh_matches_the_derived_groups(layout):
-    from coordinator.rank_mesh import RankMesh
+    from coordinator.parallel.rank_mesh import RankMesh
 
     tp, pp, dp, pcp, dcp, ext = layout
     world = ext * tp * pp * dp * pcp
@@ -89,7 +89,7 @@ def test_rank_mesh_matches_the_derived_groups(layout):
                                          (dict(pcp=2.0), "pcp"), (dict(dcp=True), "dcp"),
                                          (dict(tp=4, pp=2), "must divide the world size 12")])
 def test_rank_mesh_refuses_bad_sizes(sizes, words):
-    from coordinator.rank_mesh import RankMesh
+    from coordinator.parallel.rank_mesh import RankMesh
 
     with pytest.raises(ValueError, match=words):
         RankMesh.for_world(12, **sizes)
@@ -235,7 +235,7 @@ def test_env_rendezvous_store_listens_on_master_addr_only(uninitialised, monkeyp
     """torch's own env:// store would listen on every interface: anyone on the
     network could delete or overwrite the world's rendezvous keys."""
     from coordinator.testing import free_port
-    from tests.shm_broadcast.test_tcp_store import listening_on
+    from tests.shm_broadcast.ranks.test_tcp_store import listening_on
 
     port = free_port()
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
@@ -303,7 +303,7 @@ def test_tcp_rendezvous_store_listens_on_the_given_host_only(dist_pool):
 def run_store_listeners(rank: int, world_size: int) -> set[str] | None:
     """On rank 0 (the store's host; the pool used tcp://127.0.0.1:MASTER_PORT):
     the addresses its store listens on."""
-    from tests.shm_broadcast.test_tcp_store import listening_on
+    from tests.shm_broadcast.ranks.test_tcp_store import listening_on
 
     return listening_on(int(os.environ["MASTER_PORT"])) if rank == 0 else None
 

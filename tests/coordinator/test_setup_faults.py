@@ -57,16 +57,16 @@ os._exit(0)
 """ % TIMEOUT
 
 CASES = [
-    pytest.param("create_mq_broadcaster", "shm_broadcast.process_group:in_the_same_node_as",
+    pytest.param("create_mq_broadcaster", "shm_broadcast.queue.process_group:in_the_same_node_as",
                  "stop", 0, id="mq-stop"),
-    pytest.param("initialize_model_parallel", "device_comms.cpu_communicator:open_workspace",
+    pytest.param("initialize_model_parallel", "device_comms.cpu.communicator:open_workspace",
                  "kill", 1, id="initmp-workspace-kill"),
-    pytest.param("create_mq_broadcaster", "shm_broadcast.process_group:in_the_same_node_as",
+    pytest.param("create_mq_broadcaster", "shm_broadcast.queue.process_group:in_the_same_node_as",
                  "kill", 0, id="mq-kill", marks=pytest.mark.slow),
     pytest.param("create_single_reader_mq_broadcasters",
-                 "shm_broadcast.topology:in_the_same_node_as", "stop", 1, id="srmq-stop",
+                 "shm_broadcast.ranks.topology:in_the_same_node_as", "stop", 1, id="srmq-stop",
                  marks=pytest.mark.slow),
-    pytest.param("initialize_model_parallel", "device_comms.cpu_communicator:open_workspace",
+    pytest.param("initialize_model_parallel", "device_comms.cpu.communicator:open_workspace",
                  "stop", 1, id="initmp-workspace-stop", marks=pytest.mark.slow),
 ]
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(240)
 
 # ------------------------------------------------------------------ rank code
 def _group(rank: int, world_size: int, name: str, **kw: Any) -> Any:
-    from coordinator.group_coordinator import GroupCoordinator
+    from coordinator.group.group_coordinator import GroupCoordinator
 
     return GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name=name, **kw)
 
@@ -73,7 +73,7 @@ def _poll_once_in_a_collective(rank: int, world_size: int, late_s: float) -> tup
     import torch
 
     from coordinator.errors import CommTimeout, PeerDiedError
-    from device_comms.cpu_communicator import CpuCommunicator
+    from device_comms.cpu.communicator import CpuCommunicator
 
     g = _group(rank, world_size, "to-poll")
     comm = CpuCommunicator(g.cpu_group, torch.device("cpu"), unique_name="to-poll0", timeout=0)

@@ -2,7 +2,7 @@
 communicator runs a case, and the fixed-order reference.
 
 Shared by tests/device_comms/test_general_cases.py (shared memory and plain
-gloo) and tests/device_comms/pynccl/test_cuda_communicator.py (the CUDA
+gloo) and tests/device_comms/cuda/pynccl/test_cuda_communicator.py (the CUDA
 communicator). Cases are built identically on every rank and in the parent
 (seeded inputs), so the parent recomputes each expected result with the
 reference.

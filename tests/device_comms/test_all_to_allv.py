@@ -94,8 +94,8 @@ class _CpuCuda:
     @staticmethod
     def make(pg: Any) -> Any:
         from device_comms import CudaCommunicator
-        from device_comms.pynccl import PyNcclCommunicator
-        from tests.device_comms.pynccl._gloo_nccl import GlooNccl
+        from device_comms.cuda.pynccl import PyNcclCommunicator
+        from tests.device_comms.cuda.pynccl._gloo_nccl import GlooNccl
 
         class CpuCuda(CudaCommunicator):
             def _make_pynccl(self) -> PyNcclCommunicator:
@@ -235,7 +235,7 @@ def test_case_list_covers_the_edges() -> None:
 
 
 def test_pynccl_argument_checks_before_enqueueing() -> None:
-    from device_comms.pynccl.all_to_allv import check_arguments
+    from device_comms.cuda.pynccl.all_to_allv import check_arguments
 
     cpu = torch.device("cpu")
     x, out = torch.ones(3, 2), torch.ones(4, 2)
@@ -303,7 +303,9 @@ def test_size_checks_and_the_size_table_verdict() -> None:
 def hostile_record_rank(rank: int, n: int, transport: str, claim: int) -> list[str]:
     """Rank 1 (a compromised peer) publishes a size record claiming ``claim`` rows for
     rank 0; every rank must raise DecodeError before allocating, and go on."""
-    from device_comms import alltoallv, gloo_alltoallv, shm_alltoallv
+    from device_comms import alltoallv
+    from device_comms.torch_dist import gloo_alltoallv
+    from device_comms.cpu_shm import alltoallv as shm_alltoallv
 
     pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
     comm = _comm(transport, rank, n, pg)

@@ -22,7 +22,7 @@ from coordinator.testing import run_distributed
 from device_comms import CpuCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms.errors import BrokenCommunicator
 from tests.device_comms import general_cases
-from shm_broadcast.segment import list_segments
+from shm_broadcast.lifecycle.segment import list_segments
 
 
 def _same(a: object, b: object) -> bool:
@@ -45,7 +45,7 @@ def _close(a: object, b: object) -> bool:
 
 def test_broken_communicator_import_paths() -> None:
     from device_comms import BrokenCommunicator as top
-    from device_comms.shm_sync import BrokenCommunicator as old
+    from device_comms.cpu_shm.sync import BrokenCommunicator as old
 
     assert top is old is BrokenCommunicator
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from device_comms import CpuCommunicator, ReduceOp, reduce_local
-from device_comms.torch_communicator import TorchDistributedCommunicator
+from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
 
 #: inline in the signed call's block, then through the backend
 _SIZES = [96, 3000]

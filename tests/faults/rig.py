@@ -34,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from shm_broadcast.launcher import describe_exit, die_with_parent, stop_ranks
+from shm_broadcast.ranks.launcher import describe_exit, die_with_parent, stop_ranks
 from tests.faults.contract import DESTRUCTIVE
 
 __all__ = ["CaseRun", "FaultRig", "live_rig_pids"]
@@ -267,9 +267,9 @@ class FaultRig:
     def _check_files(self, pids: list[int], run: CaseRun) -> None:
         """Nothing of the case's processes in /dev/shm or channel directories, and
         no exit reaper of a dead one, within 5 s."""
-        from shm_broadcast.channel_dirs import list_channel_dirs
-        from shm_broadcast.reaper import MARKER
-        from shm_broadcast.segment import list_orphan_records, list_segments
+        from shm_broadcast.lifecycle.channel_dirs import list_channel_dirs
+        from shm_broadcast.lifecycle.reaper import MARKER
+        from shm_broadcast.lifecycle.segment import list_orphan_records, list_segments
 
         mine = set(pids)
         deadline = time.monotonic() + _CLEANUP_S

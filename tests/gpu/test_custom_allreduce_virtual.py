@@ -20,7 +20,7 @@ SIZES = [16, 1024, 64 * 1024 + 16, 1 << 20, 8 << 20]  # bytes
 
 
 def _virtual(n: int, **kw):
-    from device_comms.custom_allreduce.virtual import VirtualRanks
+    from device_comms.cuda.custom_allreduce.virtual import VirtualRanks
 
     return VirtualRanks(n, "cuda:0", **kw)
 

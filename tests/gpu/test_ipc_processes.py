@@ -28,8 +28,8 @@ def _view(ptr: int, nbytes: int) -> torch.Tensor:
 
 def _read_peer(rank: int, world_size: int) -> dict:
     from coordinator.parallel_state import get_world_group
-    from device_comms.custom_allreduce.device_memory import DeviceBuffer
-    from device_comms.custom_allreduce.handles import CudaIpcBackend, HandleBook, all_gather_handles
+    from device_comms.cuda.custom_allreduce.device_memory import DeviceBuffer
+    from device_comms.cuda.custom_allreduce.handles import CudaIpcBackend, HandleBook, all_gather_handles
 
     torch.cuda.set_device(0)
     group = get_world_group().cpu_group
@@ -69,7 +69,7 @@ def _custom_allreduce(rank: int, world_size: int) -> dict:
     import hashlib
 
     from coordinator.parallel_state import get_world_group
-    from device_comms.custom_allreduce.communicator import CustomAllreduce
+    from device_comms.cuda.custom_allreduce.communicator import CustomAllreduce
 
     torch.cuda.set_device(0)
     group = get_world_group().cpu_group
@@ -110,7 +110,7 @@ class _NoNcclCuda:
 
     @staticmethod
     def make(group, device):
-        from device_comms.cuda_communicator import CudaCommunicator
+        from device_comms.cuda.communicator import CudaCommunicator
 
         class _Comm(CudaCommunicator):
             def _make_pynccl(self):  # the custom all-reduce path needs no NCCL

@@ -80,7 +80,7 @@ def _compare(x: torch.Tensor, outs: dict[str, torch.Tensor]) -> list[str]:
 
 def _every_op(rank: int, world_size: int) -> dict:
     from coordinator.parallel_state import get_world_group
-    from device_comms.pynccl import PyNcclCommunicator
+    from device_comms.cuda.pynccl import PyNcclCommunicator
 
     torch.cuda.set_device(0)
     comm = PyNcclCommunicator(get_world_group().cpu_group, torch.device("cuda", 0))
@@ -119,7 +119,7 @@ def test_every_op_eager_and_graph_replayed() -> None:
 
 def _two_ranks_one_gpu(rank: int, world_size: int) -> str:
     from coordinator.parallel_state import get_world_group
-    from device_comms.pynccl import PyNcclCommunicator
+    from device_comms.cuda.pynccl import PyNcclCommunicator
 
     torch.cuda.set_device(0)
     try:
@@ -146,7 +146,7 @@ def _close_with_live_graph(rank: int, world_size: int) -> dict:
 
     from coordinator.parallel_state import get_world_group
     from device_comms.errors import CollectiveTimeout
-    from device_comms.pynccl import PyNcclCommunicator
+    from device_comms.cuda.pynccl import PyNcclCommunicator
 
     torch.cuda.set_device(0)
     comm = PyNcclCommunicator(get_world_group().cpu_group, torch.device("cuda", 0))

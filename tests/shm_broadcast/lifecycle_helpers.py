@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from shm_broadcast.reaper import MARKER as REAPER_MARKER
+from shm_broadcast.lifecycle.reaper import MARKER as REAPER_MARKER
 
 __all__ = ["reaper_of", "kill_with_reaper", "wait_exit", "wait_gone", "unshare_prefix",
            "small_shm_command"]

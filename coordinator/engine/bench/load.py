@@ -90,7 +90,7 @@ def start_load_processes(n: int, size: int, threads: int) -> tuple[list[Any], An
 
 def stop_load_processes(procs: list[Any], stop: Any) -> None:
     """Stop the load processes and reap them (killed if they do not exit)."""
-    from shm_broadcast.launcher import stop_ranks
+    from shm_broadcast.ranks.launcher import stop_ranks
 
     stop.set()
     stop_ranks(procs, wait_first=10.0)

@@ -12,7 +12,7 @@ is two hand-offs between stages (rank 0's clock). Two kinds of call
   the baseline: unsigned, unchecked).
 
 The same processes measure each transport in alternating blocks: a group
-whose directions settled on shared-memory links (:mod:`coordinator.shm_links`,
+whose directions settled on shared-memory links (:mod:`coordinator.p2p.shm_links`,
 the default between ranks of a host, settled by the first call each way; a
 tensor's send there meets its receiver) and one held to the CPU group (its
 first calls made with ``GROUPCOORD_P2P_SHM=0``: metadata over gloo, then a

@@ -13,7 +13,7 @@ decoding with continuous batching) and, each step::
     scheduler.update(tokens)
 
 ``meta_q`` is the world group's message queue (one writer, all ranks read;
-its readers wait predictively, see :mod:`shm_broadcast.predictive`, and time
+its readers wait predictively, see :mod:`shm_broadcast.waiting.predictive`, and time
 each step's arrival and the CPU their wait cost);
 ``result_q`` is a single-reader queue from the last pipeline stage to the
 driver (unused when the driver is itself the last stage, i.e. PP=1).

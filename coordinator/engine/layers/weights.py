@@ -34,7 +34,7 @@ __all__ = [
 class TPGroup(Protocol):
     """What the parallel layers need from a tensor-parallel group.
 
-    :class:`coordinator.group_coordinator.GroupCoordinator` satisfies it. ``None``
+    :class:`coordinator.group.group_coordinator.GroupCoordinator` satisfies it. ``None``
     in place of a group means "one process, no communication" (the reference path).
     """
 

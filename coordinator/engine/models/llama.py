@@ -49,7 +49,7 @@ from coordinator.engine.layers.weights import TPGroup, tp_size_and_rank
 from coordinator.engine.models import attention as _attention  # noqa: F401  (registers the op)
 from coordinator.engine.models.config import LlamaModelConfig
 from coordinator.engine.models.kv_cache import AttentionInputs, KVCache
-from coordinator.tensor_split import pp_layer_ranges
+from coordinator.parallel.tensor_split import pp_layer_ranges
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "partition_layers"]
 
@@ -66,7 +66,7 @@ _STACKED = (
 
 def partition_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     """``[start, end)`` layer ranges of the ``pp_size`` pipeline stages: vLLM's
-    ``get_pp_indices`` split (:func:`coordinator.tensor_split.pp_layer_ranges`).
+    ``get_pp_indices`` split (:func:`coordinator.parallel.tensor_split.pp_layer_ranges`).
 
     Raises:
         ValueError: Fewer layers than stages (vLLM would leave stages empty).

@@ -1,0 +1,1 @@
+"""GroupCoordinator and the parts it is built from: setup, registry, object calls, errors, broadcasters."""

@@ -1,0 +1,601 @@
+"""GroupCoordinator: every collective an engine needs, for one parallel dimension.
+
+A coordinator owns, for the ranks of one group (say one TP group):
+
+* a CPU ``gloo`` group for objects, metadata and barriers;
+* a device group (the same gloo group on CPU, NCCL on GPUs);
+* a device communicator picked through :mod:`device_comms`'s registry by the
+  group's device (the CPU shared-memory one on CPU), which carries tensors;
+* optionally a shared-memory message queue that broadcasts objects and tensor
+  dict metadata from one writer rank in microseconds.
+
+Ranks in arguments are ranks *within the group*. A group of one answers every
+call locally. Tensor results are new tensors; inputs are never modified except
+by :meth:`GroupCoordinator.broadcast` (receivers pass the buffer to fill).
+
+One timeout bounds every wait of a group (default 300 s; see
+:mod:`shm_broadcast.timeouts`): gloo calls, shared-memory collectives, message
+queue broadcasts, barriers and point-to-point calls. Each call has a sequence
+number, and a wait that runs out raises ``CommTimeout`` naming the group, the
+op, the call number and the ranks that did not arrive
+(:mod:`coordinator.group.call_errors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import time
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from coordinator import custom_ops
+from coordinator.p2p import async_p2p, link_tensors
+from coordinator.group.call_errors import WAIT_ERRORS, CallErrors, peer_rank
+from coordinator.custom_ops import traced_alone as _traced_alone, tracing as _tracing
+from coordinator.group import setup as setup
+from coordinator.p2p.async_p2p import RECV, SEND
+from coordinator.group.monitored_barrier import monitored_barrier
+from coordinator.errors import NotInitializedError
+from coordinator.group.object_calls import GroupObjectCalls
+from coordinator.group.registry import REGISTRY
+from coordinator.group.tensor_dict_calls import GroupTensorDictCalls
+from coordinator.p2p.shm_links import ShmLinks
+from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
+from device_comms import validation
+from device_comms.reduce_op import check_reduce_op
+from shm_broadcast.checks import check_timeout
+from shm_broadcast.timeouts import default_timeout
+from shm_broadcast.codec.message_codec import Codec
+
+__all__ = ["GroupCoordinator", "GraphCaptureContext", "side_stream"]
+
+
+@dataclasses.dataclass
+class GraphCaptureContext:
+    """What :meth:`GroupCoordinator.graph_capture` yields.
+
+    Attributes:
+        stream: The CUDA stream captured on, or None on CPU.
+    """
+
+    stream: Any = None
+
+
+
+class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
+    """Collectives for one group of ranks (one parallel dimension).
+
+    Every process calls the constructor with the same ``group_ranks`` (all
+    groups of this kind, e.g. every TP group); each process keeps the group it
+    belongs to.
+
+    Args:
+        group_ranks: Lists of global ranks, one list per group.
+        local_rank: This process's rank on its node (picks the GPU).
+        torch_distributed_backend: Backend of the device group (``"gloo"``, ``"nccl"``).
+        use_device_communicator: Use the registry's best communicator for the
+            device; else tensors go through plain torch.distributed.
+        use_message_queue_broadcaster: Broadcast objects and tensor-dict
+            metadata from rank 0 through a shared-memory message queue (the
+            TP group's, in ``parallel_state``), whose readers wait
+            predictively (:meth:`create_mq_broadcaster`).
+        group_name: Base name; the unique name is ``<group_name>:<n>``.
+        device_communicator: Registry name to force a specific communicator.
+        timeout: Seconds (or a timedelta, ``> 0``) that bound every wait of
+            this group: its gloo groups, its device communicator, its message
+            queues, barriers and point-to-point calls. None: the
+            ``GROUPCOORD_TIMEOUT`` environment variable, else 300 s (the
+            communicator may then take ``GROUPCOORD_CPU_SHM_TIMEOUT``; see
+            :mod:`shm_broadcast.timeouts`).
+        allow_pickle: Opt in to pickle for objects msgspec cannot carry
+            (dataclasses, enums, arbitrary classes) in object collectives,
+            tensor-dict values and the group's message queues. Off by
+            default: such objects raise ``TypeError`` on the sender (its peers
+            raise ``CollectiveMismatch``) and nothing received is unpickled.
+            Every rank must pass the same value; with it, any process that can
+            send to this group can run code in it, so only for trusted peers.
+
+    Attributes:
+        rank: Global rank of this process.
+        ranks: Global ranks of this group.
+        world_size: Size of this group.
+        rank_in_group: This process's rank within the group.
+        local_rank: Rank on the node.
+        cpu_group: The gloo group.
+        device_group: The group carrying device tensors.
+        device: This rank's device.
+        device_communicator: The registry-chosen communicator (None if disabled).
+        unique_name: Name unique within the process (``tp:0``).
+        allow_pickle: Whether this group opted in to pickle.
+        codec: The :class:`shm_broadcast.codec.message_codec.Codec` of the object collectives.
+        timeout: Seconds every wait of this group may last.
+        calls: Calls made so far on this rank; the next call is number
+            ``calls + 1`` (errors name it: ranks making the same calls agree).
+        collectives: Collective calls (all but point-to-point ones) made so
+            far on this rank: the same on every rank of a correct program,
+            so it stamps the message-queue broadcasts
+            (:mod:`coordinator.group.broadcast_stamps`).
+    """
+
+    def __init__(
+        self,
+        group_ranks: Sequence[Sequence[int]],
+        local_rank: int,
+        torch_distributed_backend: str | dist.Backend,
+        use_device_communicator: bool,
+        use_message_queue_broadcaster: bool = False,
+        group_name: str | None = None,
+        *,
+        device_communicator: str | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        if not isinstance(allow_pickle, bool):
+            raise TypeError(f"allow_pickle must be a bool, got {type(allow_pickle).__name__}")
+        backend = setup.check_backend(torch_distributed_backend, "torch_distributed_backend")
+        if not isinstance(local_rank, int) or isinstance(local_rank, bool):
+            raise TypeError(f"local_rank must be an int, got {type(local_rank).__name__}")
+        if local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0 (this process's rank on its node), "
+                             f"got {local_rank}")
+        if group_name is not None and (not isinstance(group_name, str) or not group_name):
+            raise TypeError(f"group_name must be a non-empty str or None, got "
+                            f"{type(group_name).__name__} {group_name!r:.40}")
+        if not dist.is_initialized():
+            raise NotInitializedError(
+                "torch.distributed is not initialised; call "
+                "coordinator.init_distributed_environment(...) first"
+            )
+        self.timeout: float = check_timeout(timeout, default=default_timeout(), positive=True)
+        self.calls = 0
+        self.collectives = 0
+        self.unique_name = REGISTRY.unique_name(group_name or "anonymous")
+        self.rank = dist.get_rank()
+        self.local_rank = local_rank
+        self.ranks, self.cpu_group, self.device_group = setup.create_process_groups(
+            group_ranks, backend, self.rank, datetime.timedelta(seconds=self.timeout),
+            self.unique_name,
+        )
+        self.world_size = len(self.ranks)
+        self.rank_in_group = self.ranks.index(self.rank)
+        self.device = setup.pick_device(backend, local_rank)
+        self.allow_pickle = allow_pickle
+        self.codec = Codec(allow_pickle=allow_pickle)
+        self._destroyed = False
+        self._p2p_channels: Any = None  # async point-to-point threads (coordinator.p2p.async_p2p)
+        self._p2p_cuda: Any = None
+        self._links = ShmLinks(self)  # tensor dicts with same-host peers (coordinator.p2p.shm_links)
+        self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size,
+                                  self.timeout)
+        if self.world_size > 1:
+            self._errors.learn_peers(self.cpu_group)
+        self.device_communicator: DeviceCommunicator | None = None
+        if use_device_communicator and self.world_size > 1:
+            self.device_communicator = setup.build_communicator(
+                device_communicator, self.cpu_group, self.device, self.device_group,
+                self.unique_name, None if timeout is None else self.timeout,
+            )
+        self.comm: DeviceCommunicator = self.device_communicator or TorchDistributedCommunicator(
+            self.cpu_group, self.device, self.device_group, self.unique_name,
+            timeout=None if timeout is None else self.timeout,
+        )
+        self.comm.number_calls(lambda: self.collectives)  # compared with the peers' numbers
+        self._cpu_side: DeviceCommunicator | None = None
+        #: Collective numbers whose queue message this rank must skip: it
+        #: rejected its own arguments to those calls and read nothing.
+        self._skipped_stamps: set[int] = set()
+        self.mq_broadcaster: Any = None
+        self.mq_writer_rank = 0
+        if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
+            self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)
+        REGISTRY.add(self)
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def first_rank(self) -> int:
+        """Global rank of the group's first member."""
+        return self.ranks[0]
+
+    @property
+    def last_rank(self) -> int:
+        """Global rank of the group's last member."""
+        return self.ranks[-1]
+
+    @property
+    def is_first_rank(self) -> bool:
+        """Whether this process is the group's first member."""
+        return self.rank == self.first_rank
+
+    @property
+    def is_last_rank(self) -> bool:
+        """Whether this process is the group's last member."""
+        return self.rank == self.last_rank
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next member (wrapping around)."""
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous member (wrapping around)."""
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    # ------------------------------------------------------------------ tensors
+    def all_reduce(
+        self,
+        input_: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Element-wise reduction across the group.
+
+        Args:
+            input_: Tensor on this group's device; same shape and dtype on every rank.
+            op: A :class:`ReduceOp`; bitwise ops need integer dtypes, AVG floating.
+            out: Where to write the result instead of a new tensor: contiguous,
+                ``input_``'s shape, dtype and device; ``input_`` itself reduces
+                in place (what vLLM's CPU path does), saving an allocation and,
+                on the shared-memory engine, a pass over the output.
+
+        Returns:
+            ``out`` when given, else a new tensor.
+        """
+        if _tracing() and (self.world_size == 1 or op is ReduceOp.SUM):
+            if out is not None:  # the result is a fresh tensor: only shape and kind matter
+                validation.check_out_meta(out, input_)
+            if self.world_size == 1:
+                check_reduce_op(op, input_.dtype)
+                res = input_.clone()
+            else:
+                res = custom_ops.traced_all_reduce(self, input_)
+            return res if out is None else out.copy_(res)
+        self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
+        try:
+            return self.comm.all_reduce(input_, op, out=out)
+        except WAIT_ERRORS as e:
+            self._errors.explain("all_reduce", seq, e, started=started)
+            raise
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``input_`` along ``dim`` (negative allowed)."""
+        if _tracing():
+            return _traced_alone(input_, dim) if self.world_size == 1 else \
+                custom_ops.traced_all_gather(self, input_, dim)
+        self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
+        try:
+            return self.comm.all_gather(input_, dim)
+        except WAIT_ERRORS as e:
+            self._errors.explain("all_gather", seq, e, started=started)
+            raise
+
+    def all_gatherv(
+        self,
+        input_: torch.Tensor | Sequence[torch.Tensor],
+        dim: int = 0,
+        sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """All-gather where rank ``i`` contributes ``sizes[i]`` rows along ``dim``.
+
+        ``input_`` may be a list of tensors; then a list comes back.
+        """
+        return self._run("all_gatherv", self.comm.all_gatherv, input_, dim, sizes)
+
+    def reduce_scatter(
+        self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor:
+        """Reduce, then keep this rank's equal slice along ``dim``."""
+        if _tracing() and (self.world_size == 1 or op is ReduceOp.SUM):
+            return _traced_alone(input_, dim) if self.world_size == 1 else \
+                custom_ops.traced_reduce_scatter(self, input_, dim)
+        self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
+        try:
+            return self.comm.reduce_scatter(input_, dim, op)
+        except WAIT_ERRORS as e:
+            self._errors.explain("reduce_scatter", seq, e, started=started)
+            raise
+
+    def reduce_scatterv(
+        self,
+        input_: torch.Tensor,
+        dim: int = -1,
+        sizes: Sequence[int] | None = None,
+        op: ReduceOp = ReduceOp.SUM,
+    ) -> torch.Tensor:
+        """Reduce, then keep ``sizes[rank]`` entries along ``dim`` (sizes sum to the dim)."""
+        return self._run("reduce_scatterv", self.comm.reduce_scatterv, input_, dim, sizes, op)
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
+        if _tracing() and self.world_size == 1:
+            validation.check_rank(dst, 1, "dst")
+            return _traced_alone(input_, dim)
+        return self._run("gather", self.comm.gather, input_, dst, dim)
+
+    def reduce(
+        self, input_: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor | None:
+        """Reduce onto ``dst`` (a new tensor there, None elsewhere)."""
+        return self._run("reduce", self.comm.reduce, input_, dst, op)
+
+    def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = 0) -> torch.Tensor:
+        """Split ``src``'s tensor into equal slices along ``dim``; rank ``i`` gets slice ``i``."""
+        return self._run("scatter", self.comm.scatter, input_, src, dim)
+
+    def all_to_all(
+        self, input_: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0
+    ) -> torch.Tensor:
+        """Slice ``j`` along ``scatter_dim`` goes to rank ``j``; received slices are
+        concatenated along ``gather_dim``."""
+        return self._run("all_to_all", self.comm.all_to_all, input_, scatter_dim, gather_dim)
+
+    def all_to_allv(
+        self,
+        input_: torch.Tensor,
+        send_sizes: Sequence[int] | torch.Tensor,
+        recv_sizes: Sequence[int] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rows ``send_sizes[j]`` of ``input_`` (dim 0, rank order) go to rank ``j``; returns
+        the rows received, concatenated in rank order (``recv_sizes=None``: exchanged first).
+
+        Mismatched sizes (rank ``i``'s ``recv_sizes[j]`` != rank ``j``'s ``send_sizes[i]``)
+        raise ``CollectiveMismatch`` on every rank; see :mod:`device_comms.alltoallv`.
+        """
+        return self._run("all_to_allv", self.comm.all_to_allv, input_, send_sizes, recv_sizes)
+
+    def reject_call(self, op: str, error: BaseException) -> None:
+        """Take this rank's part in the peers' collective ``op`` as a rejection of ``error``.
+
+        For code built on this group's collectives that checks its own arguments
+        (MoE dispatch/combine): the peers raise ``PeerRejectedError`` naming this
+        rank instead of waiting; the caller then raises ``error``. Counts as a call.
+        """
+        self._run(op, self.comm.reject, op, error)
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
+        self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
+        try:
+            return self.comm.broadcast(input_, src)
+        except WAIT_ERRORS as e:
+            self._errors.explain("broadcast", seq, e, started=started)
+            raise
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        """Send ``tensor`` to group rank ``dst`` (default: the next rank)."""
+        if dst is None:
+            dst = (self.rank_in_group + 1) % self.world_size
+        self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        try:
+            return async_p2p.ordered(self, SEND, dst, "send", link_tensors.send, self, tensor,
+                                     dst)
+        except WAIT_ERRORS as e:
+            self._errors.explain("send", seq, e, partner=peer_rank(dst), started=started)
+            raise
+
+    def recv(
+        self, size: torch.Size | Sequence[int], dtype: torch.dtype, src: int | None = None
+    ) -> torch.Tensor:
+        """Receive a tensor from group rank ``src`` (default: the previous rank)."""
+        if src is None:
+            src = (self.rank_in_group - 1) % self.world_size
+        self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        try:
+            return async_p2p.ordered(self, RECV, src, "recv", link_tensors.recv, self, size,
+                                     dtype, src)
+        except WAIT_ERRORS as e:
+            self._errors.explain("recv", seq, e, partner=peer_rank(src), started=started)
+            raise
+
+    # ------------------------------------------------------------------ control
+    def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
+        """Wait for every rank of the group (on the CPU group).
+
+        Args:
+            timeout: Seconds (or a ``timedelta``) to wait, ``> 0``: a barrier
+                has no poll-once form (every rank must answer rank 0, and an
+                answer that comes after rank 0 gave up would break the group's
+                connections). ``None`` means the group's timeout. A rank
+                missing after that long raises :class:`CommTimeout` naming the ranks.
+
+        Raises:
+            TypeError: ``timeout`` is not a number or a timedelta.
+            ValueError: ``timeout`` is not positive and finite. Either one is
+                raised after this rank took part in the barrier with the
+                group's timeout, so that its peers are not left waiting.
+        """
+        try:
+            wait_s, bad = check_timeout(timeout, default=self.timeout, positive=True), None
+        except (TypeError, ValueError) as e:  # still take part: the peers are not stranded
+            wait_s, bad = self.timeout, e
+        self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        self.collectives += 1
+        if self.world_size > 1:
+            self._check_live("barrier")
+            try:
+                monitored_barrier(self, wait_s)
+            except WAIT_ERRORS as e:
+                self._errors.explain("barrier", seq, e,
+                                     started=started if wait_s == self.timeout else None)
+                raise
+        if bad is not None:
+            raise bad
+
+    @contextlib.contextmanager
+    def graph_capture(
+        self, graph_capture_context: GraphCaptureContext | None = None
+    ) -> Iterator[GraphCaptureContext]:
+        """Context for capturing CUDA graphs around this group's collectives.
+
+        On a GPU it makes a side stream current (capture cannot run on the
+        default stream; the side stream first waits for the work already queued
+        on the current one) and enters the device communicator's capture
+        context, which registers what the captured collectives read (the custom
+        all-reduce exchanges its captured inputs' IPC handles when the context
+        exits: every rank must capture the same collectives). Capture with
+        ``torch.cuda.graph(g, stream=ctx.stream)`` inside it.
+
+        On exit the caller's stream waits for the side stream. On CPU the
+        context's ``stream`` is None. Nests: pass the outer context to reuse it.
+        """
+        ctx = graph_capture_context
+        if ctx is not None and not isinstance(ctx, GraphCaptureContext):
+            raise TypeError(f"graph_capture_context must be a GraphCaptureContext or None, "
+                            f"got {type(ctx).__name__}")
+        owner = ctx is None
+        if ctx is None:
+            ctx = GraphCaptureContext(side_stream(self.device))
+        caller = torch.cuda.current_stream(self.device) if ctx.stream is not None else None
+        with contextlib.ExitStack() as stack:
+            if ctx.stream is not None:
+                stack.enter_context(torch.cuda.stream(ctx.stream))
+            stack.enter_context(self.comm.graph_capture())
+            yield ctx
+        if owner and caller is not None:
+            caller.wait_stream(ctx.stream)  # work queued inside lands before the caller's next
+
+    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+        """Let the device communicator register buffers for ``model``."""
+        if self.device_communicator is not None:
+            self.device_communicator.prepare_communication_buffer_for_model(model)
+
+    def create_mq_broadcaster(
+        self,
+        writer_rank: int = 0,
+        external_writer_handle: Any = None,
+        blocking: bool = True,
+        **queue_options: Any,
+    ) -> Any:
+        """Create a message queue from group rank ``writer_rank`` to all others.
+
+        Collective over the CPU group (every rank calls it), unless
+        ``external_writer_handle`` is given: then this rank only connects, as a
+        reader, to a queue whose writer lives elsewhere.
+
+        Args:
+            writer_rank: Group rank of the writer.
+            external_writer_handle: A :class:`shm_broadcast.Handle` (or its bytes)
+                of an existing queue to read from.
+            blocking: Wait until every reader is connected (always done for
+                collective creation, so no message can be lost).
+            **queue_options: Passed on to the queue: ``max_chunk_bytes``,
+                ``max_chunks``, ``connect_ip``, ``wait_policy`` (a
+                :class:`shm_broadcast.WaitPolicy`; default
+                ``WaitPolicy.predictive()``: readers learn the step period and
+                sleep until shortly before each message, see
+                :mod:`shm_broadcast.waiting.predictive`); for an external handle only
+                ``wait_policy``.
+
+        Returns:
+            The writer's queue on ``writer_rank``, a reader's queue elsewhere.
+        """
+        from coordinator.group.mq_broadcasters import create_mq_broadcaster
+
+        return create_mq_broadcaster(self, writer_rank, external_writer_handle, blocking,
+                                     **queue_options)
+
+    def create_single_reader_mq_broadcasters(
+        self, reader_rank_in_group: int = 0, blocking: bool = False
+    ) -> tuple[Any, list[Any]]:
+        """Give every other rank a queue to ``reader_rank_in_group`` (e.g. results
+        from workers back to the driver). Collective.
+
+        Returns:
+            ``(my_writer, readers)``: a writer rank gets its queue and ``[]``; the
+            reader gets ``None`` and the queues indexed by group rank (``None`` at
+            its own index). With ``blocking=False`` call ``wait_until_ready()`` on
+            each queue, on both sides, before the first message.
+        """
+        from coordinator.group.mq_broadcasters import create_single_reader_mq_broadcasters
+
+        return create_single_reader_mq_broadcasters(self, reader_rank_in_group, blocking)
+
+    def destroy(self) -> None:
+        """Release communicators, queues and process groups. Idempotent."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._errors.destroyed = True  # calls still running on other threads: ClosedError
+        REGISTRY.remove(self)
+        self._links.shutdown()  # calls blocked on a link end with ClosedError
+        async_p2p.close(self)  # outstanding handles end (ClosedError), threads are joined
+        self._links.close()
+        if self.mq_broadcaster is not None:
+            self.mq_broadcaster.close()
+            self.mq_broadcaster = None
+        # Later calls must fail loudly: with cpu_group None, torch.distributed
+        # would silently fall back to the *world* group.
+        comm, self.comm = self.comm, setup.DestroyedComm(self.unique_name)  # type: ignore[assignment]
+        self.device_communicator = None
+        comm.destroy()
+        if self._cpu_side is not None:
+            self._cpu_side.destroy()
+            self._cpu_side = None
+        for pg in {id(self.cpu_group): self.cpu_group, id(self.device_group): self.device_group}.values():
+            if pg is not None and dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(pg)
+        self.cpu_group = self.device_group = None
+
+    def __repr__(self) -> str:
+        return (
+            f"GroupCoordinator({self.unique_name!r}, ranks={self.ranks}, "
+            f"rank_in_group={self.rank_in_group}, comm={type(self.comm).__name__})"
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _check_peer(self, r: Any, arg: str) -> None:
+        validation.check_rank(r, self.world_size, arg)
+        if r == self.rank_in_group:
+            raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
+
+    def _check_live(self, op: str) -> None:
+        if self._destroyed:
+            raise NotInitializedError(setup.destroyed_msg(self.unique_name, op))
+
+    def _run(self, op: str, fn: Any, *args: Any, partner: int | None = None,
+             p2p: bool = False) -> Any:
+        """Run ``fn(*args)`` as call ``op`` of this group: numbered (a collective
+        call, unless ``p2p``), and a failed wait explained (see
+        :mod:`coordinator.group.call_errors`). The busiest calls inline this."""
+        self.calls = seq = self.calls + 1
+        started = time.monotonic()
+        if not p2p:
+            self.collectives += 1
+        try:
+            return fn(*args)
+        except WAIT_ERRORS as e:
+            self._errors.explain(op, seq, e, partner=partner, started=started)
+            raise
+
+    def _cpu_call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a gloo call of this group (backend errors are translated by the
+        public method's :class:`~coordinator.group.call_errors.CallErrors`)."""
+        self._check_live(op)
+        return fn(*args, **kwargs)
+
+
+def side_stream(device: torch.device) -> Any:
+    """A new CUDA stream on ``device`` ordered after its current stream (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+

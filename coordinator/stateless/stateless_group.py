@@ -1,0 +1,600 @@
+"""An object-level process group over a TCPStore, outside torch.distributed's global state.
+
+:class:`StatelessProcessGroup` lets one process join several independent groups
+(say an engine's data-parallel coordinator group and a KV-transfer group)
+without ``torch.distributed.init_process_group``. It moves plain Python
+objects (see :func:`shm_broadcast.ranks.group_adapter.encode_object`: ``None``,
+numbers, str, bytes and lists/tuples/dicts/sets of them); it is meant for
+setup handshakes and control messages.
+
+Security (see ``docs/security-stateless.md``; the sealing itself is
+:mod:`coordinator.stateless.store_sealing`, where the secret comes from
+:mod:`coordinator.stateless.group_secret`):
+
+* **The store binds the address it was given.** Rank 0 binds a listening
+  socket to ``host:port`` itself and hands it to the TCPStore
+  (``master_listen_fd``); ``127.0.0.1`` is reachable from this host only.
+* **Every value is sealed.** Each value is encrypted (SHAKE-256 key stream,
+  a fresh 16-byte nonce per value) and authenticated with HMAC-SHA256 over
+  the group name, the key and the ciphertext, under keys derived from the
+  group's secret and a per-session nonce that rank 0 publishes (itself
+  authenticated). A value that fails authentication is never decoded: the
+  reader ignores it and waits for an authentic one until its timeout, then
+  raises :class:`~coordinator.errors.AuthenticationError`.
+* **No pickle.** Values are msgpack (msgspec). ``allow_pickle=True`` (on
+  every rank) opts into pickle for other objects; a received pickle is
+  otherwise refused without being read.
+* **The secret** is the ``secret`` argument, else the hex environment
+  variable :data:`SECRET_ENV` (set by the launcher for every rank), else, for
+  a loopback ``host`` only, a random secret that rank 0 writes to a file only
+  its user can read (``/dev/shm/groupcoord-<uid>/``, mode 0700/0600) and the
+  other ranks read (removed at the first barrier, on ``close()`` or at exit).
+  A group on a non-loopback address without a secret raises
+  ``ValueError``; ``insecure=True`` turns authentication off explicitly.
+
+Protocol (all through the store, keys prefixed with the group's name)::
+
+    session            rank 0 sets it (nonce + HMAC); others verify it
+    send_obj(dst)      set  p2p/<src>-><dst>/<seq>             recv_obj deletes it
+    broadcast_obj(src) set  bcast/<seq>/<src>                  each reader adds 1 to
+                                                               .../acks; the last
+                                                               reader deletes both
+    all_gather_obj     set  gather/<seq>/<rank>, read all;    last reader cleans up
+    barrier            set  barrier/<seq>/<rank>, wait all;   others set
+                            barrier/<seq>/left/<rank>;         rank 0 deletes them in
+                                                               barrier seq+1
+
+Sequence numbers are per peer (p2p) or one for all broadcasts, so the store
+holds only messages not yet read. Broadcasts share one sequence whatever
+their source: after a call in which ranks named different sources, the next
+broadcast still pairs every rank with the same call, never with a value left
+over from an earlier one. The ``acks``/``done`` counters decide only
+when keys are deleted, never what is read. Blocking calls take a timeout and
+raise :class:`~coordinator.errors.CommTimeout` naming the group, the operation
+and the peer(s) that did not answer. That holds also when the store itself does
+not answer (rank 0 stopped by SIGSTOP or a debugger, its host cut off): every
+store request runs through :class:`~shm_broadcast.ranks.store_calls.StoreCalls`,
+whose answer is awaited until the call's deadline plus a grace of
+``_ANSWER_GRACE_S``; once rank 0 runs again, the group carries on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hmac
+import secrets
+import socket
+import time
+import weakref
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from coordinator.errors import AuthenticationError, ClosedError, CommTimeout, StoreConnectionError
+from coordinator.stateless.group_secret import SECRET_ENV, remove_quietly, secret_plan
+from coordinator.stateless.store_sealing import NONCE_BYTES, Sealer, session_tag
+from shm_broadcast.checks import check_bool, check_int, check_rank, check_timeout
+from shm_broadcast.ranks.store_calls import StoreCalls
+from shm_broadcast.ranks.tcp_store import client_store, master_store
+from shm_broadcast.ranks.group_adapter import (
+    decode_object,
+    encode_failure,
+    encode_object,
+)
+
+__all__ = ["SECRET_ENV", "StatelessProcessGroup"]
+
+_DEFAULT_TIMEOUT = 300.0
+_RETRY_S = 0.005
+# How much longer than a call's own deadline its store request may take to be
+# answered before the store counts as not answering (the store's own timeout
+# ends a healthy wait at the deadline; the answer then takes milliseconds).
+_ANSWER_GRACE_S = 0.5
+# What a best-effort store call (acks, deletes, a barrier's "left" record) may
+# meet when the store's host has left or stopped; the call is then skipped.
+_BEST_EFFORT = (RuntimeError, dist.DistError, CommTimeout, StoreConnectionError)
+
+
+class StatelessProcessGroup:
+    """A group of ``world_size`` processes sharing a TCPStore.
+
+    Build with :meth:`create`. Ranks are ``0 .. world_size-1``; rank 0 hosts
+    the store and must outlive the others' use of the group.
+
+    Args:
+        rank: This process's rank.
+        world_size: Number of processes.
+        store: A store every rank reaches (rank 0's, usually from :meth:`create`).
+        name: Key prefix, also used in error messages.
+        timeout: Default seconds for blocking operations (> 0).
+        secret: The group's shared secret (>= 16 bytes); None reads
+            :data:`SECRET_ENV`, else, for a ``TCPStore`` on a loopback
+            address, rank 0 makes one and shares it through a private file.
+        insecure: No secret: values are neither authenticated nor encrypted
+            (still never unpickled unless ``allow_pickle``).
+        allow_pickle: Pickle objects msgpack cannot carry, and accept pickled
+            values from peers. Every rank must agree. Lets any holder of the
+            secret (with ``insecure``, anyone reaching the store) run code here.
+
+    Attributes:
+        rank: This process's rank.
+        world_size: Number of processes.
+        name: Key prefix, also used in error messages.
+        store: The underlying ``torch.distributed.Store``.
+        rejected_values: Values ignored so far because they failed authentication.
+
+    Raises:
+        TypeError: An argument has the wrong type.
+        ValueError: No secret is given or in the environment, the store is not
+            a loopback ``TCPStore`` and ``insecure`` is false; or the secret
+            is malformed.
+        AuthenticationError: No authentic session record from rank 0 arrived
+            within ``timeout``.
+    """
+
+    def __init__(self, rank: int, world_size: int, store: dist.Store, name: str = "stateless",
+                 timeout: float = _DEFAULT_TIMEOUT, *, secret: bytes | None = None,
+                 insecure: bool = False, allow_pickle: bool = False,
+                 _secret_source: Callable[[], bytes | None] | None = None) -> None:
+        _check_rank_world(rank, world_size)
+        _check_name(name)
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store
+        self.name = name
+        self.timeout: float = check_timeout(timeout, positive=True)  # type: ignore[assignment]
+        self.allow_pickle = check_bool(allow_pickle, "allow_pickle")
+        self.rejected_values = 0
+        self._send_seq: dict[int, int] = defaultdict(int)
+        self._recv_seq: dict[int, int] = defaultdict(int)
+        self._bcast_seq = 0
+        self._gather_seq = 0
+        self._barrier_seq = 0
+        self._key_file: str | None = None
+        self._calls = StoreCalls(store, f"stateless group {name!r}", _describe(store, rank),
+                                 [] if rank == 0 else [0], queue_name=name)
+        if _secret_source is None:
+            host, port = (store.host, store.port) if isinstance(store, dist.TCPStore) else (None, 0)
+            _secret_source, self._key_file = secret_plan(
+                rank, host, port, name, secret, check_bool(insecure, "insecure"))
+        if self._key_file is not None:
+            weakref.finalize(self, remove_quietly, self._key_file)
+        self._sealer = Sealer(name) if _secret_source is None else self._establish(_secret_source)
+
+    @classmethod
+    def create(cls, host: str, port: int, rank: int, world_size: int,
+               timeout: float = _DEFAULT_TIMEOUT, name: str = "stateless", *,
+               secret: bytes | None = None, insecure: bool = False,
+               allow_pickle: bool = False, store_timeout: float | None = None,
+               data_expiration_seconds: int | None = None,
+               listen_socket: socket.socket | None = None) -> "StatelessProcessGroup":
+        """Create a group: rank 0 listens on ``host:port`` (that address only), others connect.
+
+        Args:
+            host: Address of rank 0's store; rank 0 binds exactly this address.
+            port: Port of the store (rank 0 binds it).
+            rank: This process's rank.
+            world_size: Number of processes.
+            timeout: Default seconds for blocking operations.
+            name: Key prefix (groups sharing a store need distinct names).
+            secret: Shared secret of the group (>= 16 bytes, the same on every
+                rank); None reads :data:`SECRET_ENV`, else (loopback ``host``
+                only) rank 0 makes one and shares it through a private file.
+            insecure: Run without authentication (explicit opt-out).
+            allow_pickle: See the class docstring.
+            store_timeout: vLLM's name for ``timeout``; when given, it wins.
+            data_expiration_seconds: vLLM's bound on how long a value stays in
+                the store: accepted for its callers (an int > 0); every value
+                here is deleted once read, so nothing accumulates.
+            listen_socket: Rank 0: a socket already listening on ``host:port``
+                for the store (vLLM's keyword; the store uses a duplicate of it,
+                the caller keeps and closes its own). Other ranks ignore it.
+
+        Raises:
+            TypeError: An argument has the wrong type.
+            ValueError: Bad rank/world_size/port/host, or no secret for a
+                non-loopback ``host`` without ``insecure``.
+            AuthenticationError: The session could not be authenticated in time
+                (the message says why: no record, a bad one, or rank 0's store
+                did not answer).
+            StoreConnectionError: Rank 0 cannot listen on ``host:port`` (in
+                use, or not an address of this host).
+            CommTimeout: Rank 0's store accepted the connection but did not
+                answer within ``timeout`` plus a grace (its process stopped).
+            StoreConnectionError: The connection to rank 0's store was lost
+                while the session was set up (rank 0 exited).
+        """
+        _check_rank_world(rank, world_size)
+        check_int(port, "port", minimum=1, maximum=65535)
+        if not isinstance(host, str):
+            raise TypeError(f"host must be a str, got {type(host).__name__} ({host!r:.60})")
+        if not host:
+            raise ValueError("host must be a non-empty str, got ''")
+        t: float = check_timeout(timeout if store_timeout is None else store_timeout,  # type: ignore[assignment]
+                                 "store_timeout" if store_timeout is not None else "timeout",
+                                 positive=True)
+        if data_expiration_seconds is not None:
+            check_int(data_expiration_seconds, "data_expiration_seconds", minimum=1)
+        if listen_socket is not None and not isinstance(listen_socket, socket.socket):
+            raise TypeError(f"listen_socket must be a socket.socket, got "
+                            f"{type(listen_socket).__name__}")
+        _check_name(name)
+        check_bool(allow_pickle, "allow_pickle")
+        source, key_file = secret_plan(rank, host, port, name, secret,
+                                        check_bool(insecure, "insecure"))
+        try:
+            store = _open_store(host, port, rank, world_size, t, listen_socket)
+            group = cls(rank, world_size, store, name=name, timeout=t, insecure=source is None,
+                        allow_pickle=allow_pickle, _secret_source=source)
+        except BaseException:
+            if key_file is not None:
+                remove_quietly(key_file)
+            raise
+        if key_file is not None:
+            group._key_file = key_file
+            weakref.finalize(group, remove_quietly, key_file)
+        return group
+
+    @staticmethod
+    def generate_secret() -> bytes:
+        """A fresh random secret (32 bytes) for a launcher to hand to every rank."""
+        return secrets.token_bytes(32)
+
+    # ------------------------------------------------------------------ p2p
+    def send_obj(self, obj: Any, dst: int) -> None:
+        """Send ``obj`` to rank ``dst`` (returns once the store confirmed it; does not
+        wait for dst).
+
+        Raises:
+            TypeError: ``obj`` cannot be sent without pickle (``dst`` then
+                raises ``CollectiveMismatch`` instead of waiting).
+            StoreConnectionError: The store's host (rank 0) is gone. The value
+                may or may not have reached the store before it went.
+            CommTimeout: The store did not answer within the group's timeout.
+        """
+        self._check_peer(dst, "dst")
+        key = self._key(f"p2p/{self.rank}->{dst}/{self._send_seq[dst]}")
+        self._send_seq[dst] += 1
+        self._put_obj(key, obj, "send_obj")
+
+    def recv_obj(self, src: int, timeout: float | None = None) -> Any:
+        """Receive the next object sent by rank ``src``.
+
+        Raises:
+            CommTimeout: Nothing arrived within ``timeout``.
+            AuthenticationError: Only unauthentic values arrived within ``timeout``.
+            CollectiveMismatch: ``src`` could not encode its object, or sent
+                one this rank refuses (pickle without ``allow_pickle``).
+        """
+        self._check_peer(src, "src")
+        deadline = self._deadline(timeout)  # checked before the call takes its number
+        key = self._key(f"p2p/{src}->{self.rank}/{self._recv_seq[src]}")
+        self._recv_seq[src] += 1
+        data = self._get(key, deadline, "recv_obj", [src])
+        self._delete([key], "recv_obj")
+        return self._decode(data, src)
+
+    # ------------------------------------------------------------------ collectives
+    def broadcast_obj(self, obj: Any | None, src: int, timeout: float | None = None) -> Any:
+        """Broadcast ``obj`` from rank ``src``; every rank returns it."""
+        _check_in_range(src, self.world_size, "src")
+        deadline = self._deadline(timeout)  # checked (on every rank) before numbering
+        seq = self._bcast_seq
+        self._bcast_seq += 1
+        key = self._key(f"bcast/{seq}/{src}")
+        if self.rank == src:
+            if self.world_size > 1:
+                self._put_obj(key, obj, "broadcast_obj", deadline)
+            else:
+                encode_object(obj, allow_pickle=self.allow_pickle)  # same TypeError as with peers
+            return obj
+        data = self._get(key, deadline, "broadcast_obj", [src])
+        self._ack_and_clean(key + "/acks", self.world_size - 1, [key], "broadcast_obj",
+                            deadline)
+        return self._decode(data, src)
+
+    def all_gather_obj(self, obj: Any, timeout: float | None = None) -> list[Any]:
+        """Gather one object from every rank; returns the list ordered by rank."""
+        deadline = self._deadline(timeout)
+        seq = self._gather_seq
+        self._gather_seq += 1
+        base = self._key(f"gather/{seq}")
+        self._put_obj(f"{base}/{self.rank}", obj, "all_gather_obj", deadline)
+        keys = [f"{base}/{r}" for r in range(self.world_size)]
+        self._wait(keys, deadline, "all_gather_obj")
+        raw = {r: self._get(k, deadline, "all_gather_obj", [r])
+               for r, k in enumerate(keys) if r != self.rank}
+        self._ack_and_clean(f"{base}/done", self.world_size, keys, "all_gather_obj", deadline)
+        return [obj if r == self.rank else self._decode(raw[r], r) for r in range(self.world_size)]
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Block until every rank has entered the barrier.
+
+        Every rank may exit right after a final barrier: rank 0, which hosts
+        the store, returns only after every other rank's wait has returned
+        (each confirms with an authenticated ``left`` record). Rank 0 deletes
+        each barrier's keys during the next one, and the session record
+        during the first (every rank has verified it by then).
+
+        Raises:
+            CommTimeout: Some rank did not arrive within ``timeout`` seconds
+                (the message lists which).
+            AuthenticationError: A rank's arrival record was not authentic.
+        """
+        deadline = self._deadline(timeout)
+        seq = self._barrier_seq
+        self._barrier_seq += 1
+        arrive = [self._key(f"barrier/{seq}/{r}") for r in range(self.world_size)]
+        self._put(arrive[self.rank], b"", "barrier", deadline)
+        self._wait(arrive, deadline, "barrier")
+        for r, k in enumerate(arrive):
+            if r != self.rank:
+                self._get(k, deadline, "barrier", [r])
+        left = [self._key(f"barrier/{seq}/left/{r}") for r in range(self.world_size)]
+        if self.rank != 0:
+            # Tell the store's host that our wait has returned. Best effort: the
+            # barrier is complete for us, and the host may leave once it sees us.
+            try:
+                self._put(left[self.rank], b"", "barrier", deadline)
+            except _BEST_EFFORT:
+                pass
+            return
+        # The host stays until every other rank's wait has returned, so its exit
+        # (or close()) cannot cut off a rank that arrived last and is still waiting.
+        for r in range(1, self.world_size):
+            self._get(left[r], deadline, "barrier (leaving)", [r])
+        self._delete(left[1:], "barrier")
+        if seq > 0:  # everyone has left barrier seq-1
+            self._delete([self._key(f"barrier/{seq - 1}/{r}") for r in range(self.world_size)],
+                         "barrier")
+        else:  # every rank has verified the session: its record and key file are done
+            self._delete([self._key("session")], "barrier")
+            if self._key_file is not None:
+                remove_quietly(self._key_file)
+                self._key_file = None
+
+    def close(self) -> None:
+        """Drop the store connection (rank 0 stops serving the others, removes its key file)."""
+        self.store = None  # type: ignore[assignment]
+        self._calls.close()
+        if self._key_file is not None:
+            remove_quietly(self._key_file)
+            self._key_file = None
+
+    def __repr__(self) -> str:
+        return f"StatelessProcessGroup({self.name!r}, rank={self.rank}, world_size={self.world_size})"
+
+    # ------------------------------------------------------------------ sealing
+    def _establish(self, source: Callable[[], bytes | None]) -> "Sealer":
+        """Agree on the session: rank 0 publishes an authenticated nonce, others verify it."""
+        key = self._key("session")
+        if self.rank == 0:
+            secret = source()
+            if secret is None:
+                raise AuthenticationError(f"stateless group {self.name!r}: rank 0 has no secret")
+            session = secrets.token_bytes(NONCE_BYTES)
+            self._call("set", key, session + self._session_tag(secret, key, session), op="create")
+            return Sealer(self.name, secret, session)
+        deadline = time.monotonic() + self.timeout
+        why = "no session record from rank 0"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AuthenticationError(
+                    f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}): could "
+                    f"not authenticate rank 0's session within {self.timeout:.1f}s ({why}). Every "
+                    f"rank needs the same secret (argument, or {SECRET_ENV}).",
+                    rejected=self.rejected_values, queue=self.name, peers=[0])
+            secret, record = source(), self._try_get(key, left, deadline)
+            if isinstance(record, CommTimeout):
+                why, record = "rank 0's store did not answer (is its process stopped?)", None
+            if secret is None:
+                why = "the key file of rank 0 is missing or not private"
+            elif record is not None:
+                session, tag = record[:NONCE_BYTES], record[NONCE_BYTES:]
+                if hmac.compare_digest(tag, self._session_tag(secret, key, session)):
+                    return Sealer(self.name, secret, session)
+                self.rejected_values += 1
+                why = ("the session record failed authentication: another secret, world size "
+                       "or name than rank 0's, or the store reached via a port mapping")
+            time.sleep(_RETRY_S)
+
+    def _session_tag(self, secret: bytes, key: str, session: bytes) -> bytes:
+        """The session record's tag, bound to this group's name, size and store port."""
+        port = self.store.port if isinstance(self.store, dist.TCPStore) else 0
+        return session_tag(secret, self.name, key, session, port, self.world_size)
+
+    def _put(self, key: str, plain: bytes, op: str,
+             deadline: tuple[float, float] | None = None) -> None:
+        """Store a sealed value and confirm the store got it.
+
+        A TCPStore ``set`` has no answer: one sent after the store's host died
+        fails silently. The ``check`` after it is a round trip on the same
+        connection, so it fails instead (``StoreConnectionError``); what it
+        finds does not matter (a reader may already have taken the value).
+        """
+        self._call("set", key, self._sealer.seal(key, plain), op=op, deadline=deadline)
+        self._call("check", [key], op=op, deadline=deadline)
+
+    def _put_obj(self, key: str, obj: Any, op: str,
+                 deadline: tuple[float, float] | None = None) -> None:
+        """Store ``obj``; if it cannot be encoded, store a failure record and raise."""
+        try:
+            plain = encode_object(obj, allow_pickle=self.allow_pickle)
+        except (TypeError, ValueError) as e:
+            self._put(key, encode_failure(f"rank {self.rank}: {type(e).__name__}: {e}"), op,
+                      deadline)
+            raise
+        self._put(key, plain, op, deadline)
+
+    def _decode(self, plain: bytes, src: int) -> Any:
+        return decode_object(plain, allow_pickle=self.allow_pickle,
+                             source=f"rank {src} of stateless group {self.name!r}")
+
+    # ------------------------------------------------------------------ store access
+    def _seconds(self, timeout: Any) -> float:
+        """A call's timeout: its own (0 polls once) or the group's."""
+        return check_timeout(timeout, default=self.timeout)  # type: ignore[return-value]
+
+    def _deadline(self, timeout: Any) -> tuple[float, float]:
+        """``(monotonic deadline, seconds)`` of a call."""
+        t = self._seconds(timeout)
+        return time.monotonic() + t, t
+
+    def _key(self, suffix: str) -> str:
+        return f"{self.name}/{suffix}"
+
+    def _call(self, method: str, *args: Any, op: str,
+              deadline: tuple[float, float] | None = None) -> Any:
+        """Run ``store.<method>(*args)``, bounded.
+
+        Args:
+            method: Store method name.
+            *args: Its arguments.
+            op: The group operation it serves, for messages.
+            deadline: The operation's ``(monotonic deadline, seconds)``; None
+                allows the group's timeout.
+
+        Raises:
+            ClosedError: The group was closed.
+            CommTimeout: The store did not answer by the deadline plus
+                ``_ANSWER_GRACE_S``.
+        """
+        if self.store is None:
+            raise ClosedError(f"stateless group {self.name!r} is closed (op {op})",
+                              queue=self.name)
+        left = self.timeout if deadline is None else max(deadline[0] - time.monotonic(), 0.0)
+        try:
+            return self._calls.call(method, *args, limit=left + _ANSWER_GRACE_S, op=op,
+                                    side=f"rank {self.rank}/{self.world_size}")
+        except dist.DistNetworkError as e:
+            raise StoreConnectionError(
+                f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
+                f"lost the connection to the store on rank 0; rank 0 has probably exited or "
+                f"closed the group ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                queue=self.name, peers=[0] if self.rank else []) from e
+
+    def _check_peer(self, r: Any, arg: str) -> None:
+        _check_in_range(r, self.world_size, arg)
+        if r == self.rank:
+            raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
+
+    def _wait(self, keys: list[str], deadline: tuple[float, float], op: str,
+              peers: list[int] | None = None) -> None:
+        left = deadline[0] - time.monotonic()
+        try:
+            # The store's wait times out at once below ~1 ms even when the keys
+            # exist, so a (nearly) spent deadline checks them instead.
+            if left < 0.05 and self._call("check", keys, op=op, deadline=deadline):
+                return
+            self._call("wait", keys, datetime.timedelta(seconds=max(left, 0.001)), op=op,
+                       deadline=deadline)
+        except ClosedError:
+            raise  # a RuntimeError, but not a peer that failed to answer
+        except (RuntimeError, dist.DistError) as e:
+            missing = peers if peers is not None else [
+                i for i, k in enumerate(keys) if not self._exists(k, op)]
+            raise CommTimeout(
+                f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
+                f"rank(s) {missing} did not answer within {deadline[1]:.1f}s. Check that they "
+                f"are alive and call the matching operation.", queue=self.name, peers=missing,
+            ) from e
+
+    def _get(self, key: str, deadline: tuple[float, float], op: str, peers: list[int]) -> bytes:
+        """The authentic value under ``key``; unauthentic ones are skipped until ``deadline``."""
+        rejected, why = 0, ""
+        while True:
+            self._wait([key], deadline, op, peers)
+            try:
+                return self._sealer.open(key, self._call("get", key, op=op, deadline=deadline))
+            except AuthenticationError as e:
+                rejected += 1
+                self.rejected_values += 1
+                why = str(e)
+            if time.monotonic() >= deadline[0]:
+                raise AuthenticationError(
+                    f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op "
+                    f"{op}: {rejected} value(s) under {key!r} failed authentication and no "
+                    f"authentic one arrived within {deadline[1]:.1f}s; none was decoded ({why})",
+                    rejected=rejected, queue=self.name, peers=peers)
+            time.sleep(_RETRY_S)
+
+    def _try_get(self, key: str, timeout: float, deadline: float) -> bytes | CommTimeout | None:
+        """The value under ``key`` if it arrives within ``min(timeout, 0.5)`` seconds;
+        the error if the store did not answer; else None."""
+        try:
+            self._call("wait", [key], datetime.timedelta(seconds=min(timeout, 0.5)),
+                       op="create", deadline=(deadline, self.timeout))
+            return bytes(self._call("get", key, op="create", deadline=(deadline, self.timeout)))
+        except CommTimeout as e:
+            return e
+        except (RuntimeError, dist.DistError):
+            return None
+
+    def _ack_and_clean(self, counter: str, readers: int, keys: list[str], op: str,
+                       deadline: tuple[float, float]) -> None:
+        """Count this reader; the last one deletes ``keys``. Best effort: the store's
+        host may already have left after its own last use of the group."""
+        try:
+            if self._call("add", counter, 1, op=op, deadline=deadline) == readers:
+                self._delete(keys + [counter], op)
+        except _BEST_EFFORT:
+            pass
+
+    def _delete(self, keys: list[str], op: str) -> None:
+        """Delete ``keys``; best effort, each answer awaited for a grace period at most."""
+        for k in keys:
+            try:
+                self._call("delete_key", k, op=op, deadline=(time.monotonic(), 0.0))
+            except _BEST_EFFORT:
+                return
+
+    def _exists(self, key: str, op: str) -> bool:
+        try:
+            return bool(self._call("check", [key], op=op, deadline=(time.monotonic(), 0.0)))
+        except _BEST_EFFORT:
+            return False
+
+
+# ---------------------------------------------------------------------- store and checks
+def _describe(store: dist.Store, rank: int) -> str:
+    """Where the group's store is, for messages."""
+    where = f" ({store.host}:{store.port})" if isinstance(store, dist.TCPStore) else ""
+    return f"this rank's store{where}" if rank == 0 else f"the store on rank 0{where}"
+
+
+def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float,
+                listen_socket: socket.socket | None = None) -> dist.Store:
+    """Rank 0: a TCPStore listening on ``host:port`` only (or on the caller's
+    ``listen_socket``); others: a client of it."""
+    td = datetime.timedelta(seconds=timeout)
+    if rank != 0:
+        try:
+            return client_store(host, port, world_size, td)
+        except CommTimeout as e:
+            raise CommTimeout(f"stateless group (rank {rank}/{world_size}), op create: {e}",
+                              peers=[0]) from e
+    try:
+        return master_store(host, port, world_size, td, listen_socket=listen_socket)
+    except OSError as e:
+        raise StoreConnectionError(
+            f"rank 0 cannot listen on {host}:{port} for its stateless group's store: "
+            f"{e.strerror or e} (errno {e.errno}); pick a free port or an address of this host"
+        ) from e
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} ({name!r:.60})")
+    if not name or "/" in name:
+        raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
+
+
+def _check_in_range(r: Any, world_size: int, arg: str) -> None:
+    check_rank(r, world_size, arg)
+
+
+def _check_rank_world(rank: Any, world_size: Any) -> None:
+    check_int(world_size, "world_size", minimum=1)
+    check_rank(rank, world_size, "rank")

@@ -1,0 +1,596 @@
+"""``CpuCommunicator``: gloo for everything, shared memory for same-node ranks.
+
+Construction (collective over ``cpu_group``) finds which ranks share a node
+(:func:`shm_broadcast.ranks.topology.node_assignment`; ``GROUPCOORD_NODE_ID`` or the
+``node_id`` argument override it) and maps one shared-memory workspace per
+node. Then:
+
+* **one node** (the usual case): ``all_reduce``, ``reduce``, ``all_gather``,
+  ``all_gatherv``, ``reduce_scatter``, ``reduce_scatterv``, ``broadcast`` and
+  ``gather`` run in the :class:`~device_comms.cpu_shm.engine.ShmEngine`; large
+  messages go through the workspace in pieces;
+* **several nodes**: ``all_reduce`` is hierarchical
+  (:class:`~device_comms.cpu.hierarchical.HierarchicalAllReduce`: shared memory
+  within nodes, gloo between one leader per node); other ops use gloo;
+* **one rank per node**, shared memory disabled, or setup failed (e.g.
+  ``/dev/shm`` full): everything goes to gloo, as in
+  :class:`~device_comms.torch_dist.torch_communicator.TorchDistributedCommunicator`.
+
+``all_to_allv`` runs in the engine too (one copy in, one copy out: see
+:mod:`device_comms.cpu_shm.alltoallv`); ``scatter``, ``all_to_all``, ``send``
+and ``recv`` always use gloo.
+
+Every call is signed (op, dtype, shape, layout, root; the call number is the
+step generation in shared memory, a counter on gloo), so a rejected, skipped
+or mismatched call raises :class:`~device_comms.errors.PeerRejectedError` /
+:class:`~device_comms.errors.CollectiveMismatch` on every rank within
+milliseconds and the group stays usable:
+
+* shared-memory ops compare their first step's signature
+  (:mod:`device_comms.cpu_shm.sync`); a rank that rejects its arguments takes
+  that step with a "rejected" signature;
+* gloo ops exchange call headers first (:mod:`device_comms.torch_dist.torch_communicator`);
+  with one node, ``scatter`` and ``all_to_all`` first take a shared-memory step
+  with their signature, so a rank in one of them and a rank in a
+  shared-memory op meet there instead of waiting for each other;
+* with several nodes every collective first agrees through the node leaders
+  (:meth:`HierarchicalAllReduce.agree`; the all-reduce carries its signature
+  in its own steps and messages), which relay a node's rejection or mismatch
+  to the other nodes.
+
+``send``/``recv`` meet only their peer, so a rank in a send and its peer in
+a collective wait for the timeout (a ``CollectiveTimeout``), as do ranks that
+call collectives of different communicators.
+
+One collective at a time: while a thread is in a collective, another
+thread's collective on the same communicator raises
+:class:`~device_comms.errors.ConcurrentCallError` before touching anything
+(the engine's steps and slots are the rank's; two calls at once would mix
+their data). ``send``/``recv`` may run on other threads meanwhile.
+
+Configuration (arguments win over environment variables; the environment is
+read at construction):
+
+* ``workspace_bytes`` / ``GROUPCOORD_CPU_SHM_BYTES``: data bytes of a node's
+  workspace, split into 2 x local-ranks slots (default: 8 MiB in all, slots
+  of at most 2 MiB: 2 MiB for 2 ranks, 1 MiB for 4, 512 KiB for 8, so that a
+  host's workspaces fit a small ``/dev/shm``); larger messages go through in
+  slot-sized pieces;
+* ``GROUPCOORD_CPU_SHM_THREADS``: the intra-op threads the engine's own
+  copies and reductions use (default: the CPUs the node's ranks may run on,
+  divided among them; see :mod:`device_comms.cpu_shm.engine_threads`), more or fewer
+  than ``torch.get_num_threads()`` says; the caller's setting is restored
+  after each collective;
+* ``use_shm`` / ``GROUPCOORD_CPU_SHM=0``: disable the shared-memory path (if
+  any rank disables it, all do);
+* ``timeout`` / ``GROUPCOORD_CPU_SHM_TIMEOUT`` / ``GROUPCOORD_TIMEOUT``:
+  seconds a shared-memory step may wait for a peer before
+  :class:`~device_comms.errors.CollectiveTimeout` (``0`` polls once; default
+  :data:`~shm_broadcast.timeouts.DEFAULT_TIMEOUT_S`, 300 s; the precedence is
+  stated in :mod:`shm_broadcast.timeouts`). A ``GroupCoordinator`` given a
+  timeout passes it here, so it bounds these steps as it bounds the gloo calls.
+  A dead peer is reported as :class:`~device_comms.errors.PeerDiedError`
+  within about 0.2 s anyway; a stopped (paused) one is waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from device_comms.cpu_shm import host_alloc, alltoallv as shm_alltoallv
+from device_comms.cpu.config import (
+    BYTES_ENV, ENABLE_ENV, TIMEOUT_ENV, positive_bytes, step_timeout, use_shm_enabled,
+)
+from device_comms.cpu_shm.engine_threads import env_threads
+from device_comms.errors import DeviceCommError
+from device_comms.cpu.hierarchical import HierarchicalAllReduce
+from device_comms.cpu.one_call import OneCall
+from device_comms.reduce_op import ReduceOp
+from device_comms.cpu_shm.engine import ShmEngine
+from device_comms.cpu_shm.small import NotServed
+from device_comms.cpu_shm.sync import StepSync
+from device_comms.cpu_shm.workspace import WorkspacePlan, open_workspace
+from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
+from device_comms.validation import storage_covers
+from shm_broadcast.ranks.group_adapter import object_group
+from shm_broadcast.ranks.topology import node_assignment
+
+__all__ = ["CpuCommunicator", "BYTES_ENV", "ENABLE_ENV", "TIMEOUT_ENV"]
+
+logger = logging.getLogger(__name__)
+
+_TENSOR, _STRIDED = torch.Tensor, torch.strided
+_P2P_OPS = frozenset({"send", "recv"})  # not held by a collective (device_comms.cpu.one_call)
+_SHM_OPS = (
+    "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
+    "reduce_scatterv", "broadcast", "gather", "all_to_allv",
+)
+
+
+class CpuCommunicator(TorchDistributedCommunicator):
+    """CPU communicator: shared memory between same-node ranks, gloo otherwise.
+
+    Args:
+        cpu_group: Gloo group of the ranks (also carries the gloo fallbacks).
+        device: A CPU device.
+        device_group: Group for payloads (defaults to ``cpu_group``).
+        unique_name: The owning group's unique name (in errors).
+        workspace_bytes: Data bytes per node workspace (see module docstring).
+        use_shm: False forces gloo; None reads ``GROUPCOORD_CPU_SHM``.
+        timeout: Seconds a shared-memory step may wait; 0 polls once; None
+            reads ``GROUPCOORD_CPU_SHM_TIMEOUT``, then ``GROUPCOORD_TIMEOUT``,
+            else 300.
+        node_id: This rank's node identity (then every rank must pass one);
+            overrides the shared-memory probe, like ``GROUPCOORD_NODE_ID``.
+        oneshot_bytes: Largest all-reduce done in one shot (tuning knob).
+
+    Attributes:
+        mode: ``"shm"`` (one node), ``"hierarchical"`` (several nodes) or ``"gloo"``.
+        fallback_reason: Why ``mode`` is ``"gloo"`` (None otherwise).
+        nodes: Node index of every group rank (empty when shm is disabled).
+        shm_calls: Per op, how many calls the shared-memory engine served.
+    """
+
+    name = "cpu"
+    device_types = frozenset({"cpu"})
+    priority = 10
+
+    def __init__(
+        self,
+        cpu_group: dist.ProcessGroup,
+        device: torch.device,
+        device_group: dist.ProcessGroup | None = None,
+        unique_name: str = "",
+        *,
+        workspace_bytes: int | None = None,
+        use_shm: bool | None = None,
+        timeout: float | None = None,
+        node_id: str | None = None,
+        oneshot_bytes: int | None = None,
+    ) -> None:
+        wait_s = step_timeout(timeout)
+        #: Held by the thread in a collective; another thread's collective meanwhile
+        #: raises ConcurrentCallError.
+        self._one_call = OneCall(lambda: f"group {self.unique_name!r} "
+                                         f"(rank {self.rank_in_group}/{self.world_size})")
+        super().__init__(cpu_group, device, device_group, unique_name, timeout=wait_s)
+        if self.device.type != "cpu":
+            raise ValueError(f"device must be a CPU device for CpuCommunicator, got {self.device}")
+        ws_bytes = positive_bytes(workspace_bytes, "workspace_bytes", BYTES_ENV)
+        threads = env_threads()
+        enabled = use_shm_enabled(use_shm)
+        if node_id is not None and not isinstance(node_id, str):
+            raise TypeError(f"node_id must be a str or None, got {type(node_id).__name__}")
+        if oneshot_bytes is not None:
+            if not isinstance(oneshot_bytes, int) or isinstance(oneshot_bytes, bool):
+                raise TypeError(f"oneshot_bytes must be an int, got {type(oneshot_bytes).__name__}")
+            if oneshot_bytes < 0:
+                raise ValueError(f"oneshot_bytes must be >= 0, got {oneshot_bytes!r}")
+        self.mode = "gloo"
+        self.fallback_reason: str | None = None
+        self.nodes: list[int] = []
+        self.shm_calls: dict[str, int] = dict.fromkeys(_SHM_OPS, 0)
+        # dtype -> ops already validated for it; a list searched by identity, because
+        # hashing a ReduceOp (Enum.__hash__, Python code) costs as much as the check.
+        self._validated: dict[torch.dtype, list[ReduceOp]] = {}
+        self._engine: ShmEngine | None = None
+        self._flat: ShmEngine | None = None
+        self._hier: HierarchicalAllReduce | None = None
+        if self.world_size > 1:
+            self._setup(enabled, node_id, ws_bytes, wait_s, oneshot_bytes, threads)
+
+    # ------------------------------------------------------------------ setup
+    def _setup(
+        self,
+        enabled: bool,
+        node_id: str | None,
+        ws_bytes: int | None,
+        wait_s: float | None,
+        oneshot: int | None,
+        threads: int | None,
+    ) -> None:
+        og = object_group(self.cpu_group)
+        votes = og.all_gather((enabled, node_id), op="CpuCommunicator set-up",
+                              name=self.unique_name or None)
+        if not all(e for e, _ in votes):
+            off = [r for r, (e, _) in enumerate(votes) if not e]
+            self.fallback_reason = f"shared memory disabled on rank(s) {off} ({ENABLE_ENV}=0 or use_shm=False)"
+            return
+        ids = [n for _, n in votes]
+        if any(i is not None for i in ids):
+            if any(i is None for i in ids):
+                missing = [r for r, i in enumerate(ids) if i is None]
+                raise ValueError(
+                    f"node_id was given on some ranks but not on rank(s) {missing}; "
+                    f"pass it on every rank of group {self.unique_name!r} or on none"
+                )
+            order: dict[str, int] = {}
+            self.nodes = [order.setdefault(i, len(order)) for i in ids]
+        else:
+            self.nodes = node_assignment(self.cpu_group)
+        n_nodes = max(self.nodes) + 1
+        if n_nodes == self.world_size:
+            self.fallback_reason = "every rank is on a different node"
+            return
+        plan = WorkspacePlan.from_nodes(self.nodes, self.rank_in_group)
+        ws, pids, err = open_workspace(self.cpu_group, plan, ws_bytes)
+        if err is not None:
+            self.fallback_reason = f"shared-memory workspace unavailable: {err}"
+            logger.warning("group %r falls back to gloo: %s", self.unique_name, err)
+            return
+        if ws is not None:
+            sync = StepSync(
+                ws, self.unique_name, plan.local_ranks, [pids[r] for r in plan.local_ranks], wait_s
+            )
+            self._engine = ShmEngine(ws, sync, oneshot, threads)
+        if n_nodes == 1:
+            self._flat = self._engine
+            self.mode = "shm"
+            return
+        self._hier = HierarchicalAllReduce(
+            self._engine, self.cpu_group, self.nodes, self.rank_in_group, self.unique_name
+        )
+        self.mode = "hierarchical"
+
+    def shares_memory_with(self, peer: int) -> bool:
+        """Whether group rank ``peer`` opened this rank's node workspace."""
+        if self._engine is None or not 0 <= peer < len(self.nodes):
+            return False
+        return self.nodes[peer] == self.nodes[self.rank_in_group]
+
+    def number_calls(self, source: Any) -> None:
+        """Number the collectives (see the base class); the shared-memory steps
+        compare the numbers beside each call's signature."""
+        super().number_calls(source)
+        if self._engine is not None:
+            self._engine.sync.number = source
+        if self._hier is not None:
+            self._hier.number = source
+
+    def _interrupted(self, op: str, e: BaseException) -> None:
+        """An exception other than a backend error (an interrupt, a signal
+        handler's) stopped ``op`` partway: the engine's steps are out of line
+        with the peers', so break it and tell them (they raise instead of
+        taking this rank's next call for the rest of this one)."""
+        if self._engine is not None:
+            self._engine.sync.abandon(op, f"{type(e).__name__}: {e}")
+
+    @property
+    def hierarchical(self) -> HierarchicalAllReduce | None:
+        """The hierarchical all-reduce (several nodes), else None."""
+        return self._hier
+
+    def describe(self) -> dict[str, Any]:
+        """A summary for logs and bug reports."""
+        eng = self._engine
+        return {
+            "mode": self.mode,
+            "fallback_reason": self.fallback_reason,
+            "nodes": list(self.nodes),
+            "local_ranks": eng.size if eng is not None else 1,
+            "slot_bytes": eng.ws.slot_bytes if eng is not None else 0,
+            "oneshot_bytes": eng.oneshot_bytes if eng is not None else 0,
+            "engine_threads": eng.threads if eng is not None else 0,
+            "shm_calls": dict(self.shm_calls),
+        }
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group calls this (shared memory when one node)."""
+        if self.world_size == 1:
+            return
+        eng = self._flat
+        if eng is not None:
+            self._one_call.enter("barrier")
+            try:
+                eng.sync.step("barrier")
+            finally:
+                self._one_call.leave()
+        else:
+            self._guard("barrier", dist.barrier, self.cpu_group)
+
+    def destroy(self) -> None:
+        """Unmap the workspace (peers waiting on this rank get an error). Idempotent."""
+        eng, self._engine, self._flat, self._hier = self._engine, None, None, None
+        if eng is not None:
+            eng.close()
+        super().destroy()
+
+    # ------------------------------------------------------------------ reductions
+    def all_reduce(
+        self,
+        input_: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Reduce ``input_`` element-wise across ranks; ``out`` or a new tensor.
+
+        Same contract as :meth:`DeviceCommunicator.all_reduce`. Calls that the
+        base class already validated for this ``(op, dtype)`` -- a plain,
+        contiguous CPU tensor that does not require grad, with no ``out`` or
+        ``out=input_`` -- skip straight to the shared-memory engine: at 1 KiB
+        the generic checks and the ``no_grad`` context cost as much as the
+        collective itself.
+        """
+        eng = self._flat
+        if (
+            eng is not None
+            and (out is None or out is input_)
+            and type(input_) is _TENSOR
+            and input_.is_cpu
+            and input_.layout is _STRIDED  # before is_contiguous: sparse has none
+            and not input_.requires_grad
+            and input_.is_contiguous()
+            and not input_.is_neg()  # a lazily negated view: its bytes are not its values
+        ):
+            c = eng.last_small  # an (op, dtype) that passed the checks before, and a shape
+            if op is c.op and input_.dtype is c.dtype and c.plain and input_.shape == c.shape:
+                self._one_call.enter("all_reduce")
+                try:
+                    res = eng.small_all_reduce(c, input_, out)
+                except NotServed:
+                    res = None
+                except DeviceCommError:
+                    raise
+                except RuntimeError as e:
+                    raise self._translate("all_reduce", e) from e
+                except BaseException as e:  # an interrupt partway through
+                    self._interrupted("all_reduce", e)
+                    raise
+                finally:
+                    self._one_call.leave()
+                if res is None:
+                    return super().all_reduce(input_, op, out=out)
+                self.shm_calls["all_reduce"] += 1
+                return res
+            if (
+                type(op) is ReduceOp
+                and op in self._validated.get(input_.dtype, ())
+                and not input_._is_zerotensor()
+                and storage_covers(input_)  # not freed under it: the engine copies by address
+            ):
+                self._one_call.enter("all_reduce")
+                self.shm_calls["all_reduce"] += 1
+                try:
+                    return eng.all_reduce(input_, op, out)
+                except DeviceCommError:
+                    raise
+                except RuntimeError as e:
+                    raise self._translate("all_reduce", e) from e
+                except BaseException as e:  # an interrupt partway through
+                    self._interrupted("all_reduce", e)
+                    raise
+                finally:
+                    self._one_call.leave()
+        res = super().all_reduce(input_, op, out=out)
+        # Complex tensors can be lazy conjugate views, which only the checked path resolves.
+        if eng is not None and type(op) is ReduceOp and not input_.dtype.is_complex:
+            ops = self._validated.setdefault(input_.dtype, [])
+            if op not in ops:
+                ops.append(op)
+        return res
+
+    def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        eng = self._flat
+        if eng is not None:
+            self.shm_calls["all_reduce"] += 1
+            return eng.all_reduce(t, op)
+        if self._hier is not None:
+            h = self._header("all_reduce", t.dtype, op, 0, t.shape, t.shape)
+            return self._hier.all_reduce(t, op, h)
+        return super()._all_reduce(t, op)
+
+    def _all_reduce_into(self, t: torch.Tensor, op: ReduceOp, out: torch.Tensor) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._all_reduce_into(t, op, out)
+        self.shm_calls["all_reduce"] += 1
+        return eng.all_reduce(t, op, out=out)
+
+    def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
+        eng = self._flat
+        if eng is None:
+            return super()._reduce(t, dst, op)
+        self.shm_calls["reduce"] += 1
+        return eng.reduce(t, dst, op)
+
+    def _reduce_scatter(self, t: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._reduce_scatter(t, dim, op)
+        self.shm_calls["reduce_scatter"] += 1
+        n = self.world_size
+        key = _shape_key(t.shape, dim)
+        with eng.kernel_threads:  # the transposing copies run under the engine's thread limit too
+            x = _moved(t, dim, 0)
+            k = x.numel() // n
+            out = eng.reduce_scatter(x.view(-1), [k] * n, op, "reduce_scatter", key)
+            return _moved(out.view((x.shape[0] // n,) + x.shape[1:]), 0, dim)
+
+    def _reduce_scatterv(
+        self, t: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
+    ) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._reduce_scatterv(t, dim, sizes, op)
+        self.shm_calls["reduce_scatterv"] += 1
+        with eng.kernel_threads:
+            x = _moved(t, dim, 0)
+            inner = math.prod(x.shape[1:])
+            key = _size_key(sizes, x.shape[1:], dim)
+            out = eng.reduce_scatter(
+                x.view(-1), [s * inner for s in sizes], op, "reduce_scatterv", key
+            )
+            mine = sizes[self.rank_in_group]
+            return _moved(out.view((mine,) + x.shape[1:]), 0, dim)
+
+    # ------------------------------------------------------------------ data movement
+    def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._all_gather(t, dim)
+        self.shm_calls["all_gather"] += 1
+        key = _shape_key(t.shape, dim)
+        if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
+            return eng.all_gather_cat(t, dim, size_key=key)  # type: ignore[return-value]
+        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "all_gather", None, key)
+
+    def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._all_gatherv(t, dim, sizes)
+        self.shm_calls["all_gatherv"] += 1
+        inner = math.prod(t.shape[:dim]) * math.prod(t.shape[dim + 1 :])
+        key = _size_key(sizes, t.shape[:dim] + t.shape[dim + 1 :], dim)
+        if max(sizes) * inner * t.element_size() <= eng.ws.slot_bytes and (
+            sum(sizes) * inner * t.element_size() < host_alloc.HUGE_MIN_BYTES
+        ):
+            shapes = [torch.Size(t.shape[:dim] + (s,) + t.shape[dim + 1 :]) for s in sizes]
+            return eng.gatherv_cat(t, shapes, dim, key)
+        return self._gather_rows(eng, t, dim, sizes, "all_gatherv", None, key)  # type: ignore[return-value]
+
+    def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
+        eng = self._flat
+        if eng is None:
+            return super()._gather(t, dst, dim)
+        self.shm_calls["gather"] += 1
+        key = _shape_key(t.shape, dim)
+        if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
+            return eng.all_gather_cat(t, dim, "gather", dst, key)
+        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "gather", dst, key)
+
+    def _gather_rows(
+        self,
+        eng: ShmEngine,
+        t: torch.Tensor,
+        dim: int,
+        sizes: list[int],
+        kind: str,
+        dst: int | None,
+        key: int,
+    ) -> torch.Tensor | None:
+        """Gather along ``dim`` written straight into the output's final layout."""
+        rows = math.prod(t.shape[:dim])
+        inner = math.prod(t.shape[dim + 1 :])
+        widths = [s * inner for s in sizes]
+        reader = dst is None or dst == self.rank_in_group
+        out = None
+        if reader:
+            shape = list(t.shape)
+            shape[dim] = sum(sizes)
+            out = host_alloc.empty(shape, t.dtype)
+        eng.gather_rows(
+            t.view(rows, widths[self.rank_in_group]), widths,
+            None if out is None else out.view(rows, sum(widths)), kind, key, dst,
+        )
+        return out
+
+    def _all_to_allv(self, t: torch.Tensor, send: list[int], recv: list[int] | None) -> torch.Tensor:
+        eng = self._flat
+        if eng is None or not self._in_shm("all_to_allv"):
+            return super()._all_to_allv(t, send, recv)
+        self.shm_calls["all_to_allv"] += 1
+        return eng.all_to_allv(t, send, recv)
+
+    def _in_shm(self, op: str) -> bool:
+        """Whether ``op`` runs in the shared-memory engine (the same on every rank)."""
+        eng = self._flat
+        if eng is None or op not in _SHM_OPS:
+            return False
+        return op != "all_to_allv" or shm_alltoallv.fits(eng)
+
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._broadcast(t, src)
+        self.shm_calls["broadcast"] += 1
+        return eng.broadcast(t, src)
+
+    # ------------------------------------------------------------------ one call at a time
+    def _guard(self, op: str, fn: Any, *args: Any) -> Any:
+        """Run a hook as the base does, holding the communicator for a collective.
+
+        Point-to-point calls are not held (:mod:`device_comms.cpu.one_call`).
+        """
+        if op in _P2P_OPS:
+            return super()._guard(op, fn, *args)
+        self._one_call.enter(op)
+        try:
+            return super()._guard(op, fn, *args)
+        finally:
+            self._one_call.leave()
+
+    # ------------------------------------------------------------------ signatures
+    def _prologue(self, op: str, header: Any, reason: str | None) -> bool:
+        """Agree on a gloo-routed collective where the other ops meet, before its envelopes.
+
+        One node: a shared-memory step with the call's signature (scatter,
+        all_to_all), so a rank in one of them and a rank in a shared-memory
+        op raise at once instead of waiting for each other. Several nodes:
+        :meth:`HierarchicalAllReduce.agree` (every op but send/recv).
+        Returns True when the peers were told of this rank's rejection.
+        """
+        eng = self._flat
+        if eng is not None:
+            if self._in_shm(op):
+                return False
+            if reason is not None:
+                eng.sync.reject(op, reason)
+                return True
+            eng.sync.step(op, int(header[3]), int(header[4]), True)
+            return False
+        if self._hier is not None:
+            self._hier.agree(op, header, reason)
+            return reason is not None
+        return False
+
+    def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
+        """A rejected call is one shared-memory step with a "rejected" signature
+        (any op the engine runs; see :mod:`device_comms.cpu_shm.sync`); otherwise gloo's
+        (after :meth:`_prologue`, which tells the other ops' ranks)."""
+        eng = self._flat
+        if eng is not None and self._in_shm(op):
+            self._guard(op, eng.sync.reject, op, message)
+            return
+        super()._abort_collective(op, message, *meta)
+
+    def __repr__(self) -> str:
+        return (
+            f"CpuCommunicator({self.unique_name!r}, rank {self.rank_in_group}/{self.world_size}, "
+            f"mode={self.mode})"
+        )
+
+
+def _moved(t: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+    """``t.movedim(src, dst)`` made contiguous (large copies huge-page backed)."""
+    if src == dst:
+        return t
+    m = t.movedim(src, dst)
+    if m.is_contiguous():
+        return m
+    out = host_alloc.empty(m.shape, t.dtype)
+    out.copy_(m)
+    return out
+
+
+def _size_key(sizes: Sequence[int], others: Sequence[int], dim: int) -> int:
+    """A deterministic int64 key of an uneven layout (same on every rank).
+
+    Covers the per-rank sizes, the other dimensions and ``dim`` itself, so
+    ranks that disagree on any of them raise instead of mixing layouts.
+    """
+    return hash((tuple(sizes), tuple(others), dim)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _shape_key(shape: Sequence[int], dim: int) -> int:
+    """A deterministic int64 key of an even layout: the full shape and ``dim``.
+
+    The element count alone lets ranks with a (2, 3) and a (3, 2) input, or
+    different ``dim`` arguments, exchange bytes silently into a wrong result.
+    """
+    return hash((tuple(shape), dim)) & 0x7FFF_FFFF_FFFF_FFFF

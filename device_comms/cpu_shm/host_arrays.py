@@ -1,0 +1,69 @@
+"""numpy arrays over a CPU tensor's bytes that leave the tensor untouched.
+
+``Tensor.numpy()`` marks the tensor's storage as not resizable for the rest of
+its life (numpy holds a pointer into it), so a caller's ``x.resize_(n)`` or
+``x.untyped_storage().resize_(0)`` would fail after a collective touched
+``x``. The engine therefore never calls it on a caller's tensor: it maps the
+bytes by address instead, which costs the same (~0.5 us). The array owns
+nothing; it is valid while the tensor it was made for occupies those bytes, so
+callers use it within the call that made it, or -- like
+:meth:`~device_comms.cpu_shm.small.SmallAllReduce.held_at` -- only for a live
+tensor that starts at the same address and spans the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["bytes_at", "array_of", "numpy_dtype", "mark_written"]
+
+_NUMPY_DTYPES: dict[torch.dtype, Any] = {}
+
+
+def bytes_at(addr: int, nbytes: int) -> Any:
+    """The ``nbytes`` bytes at ``addr`` as a writable uint8 array (owning nothing)."""
+    if nbytes <= 0 or not addr:
+        return np.empty(0, dtype=np.uint8)
+    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=np.uint8)
+
+
+def numpy_dtype(dtype: torch.dtype) -> Any:
+    """numpy's dtype for a torch dtype numpy has (TypeError for bfloat16 and the like)."""
+    got = _NUMPY_DTYPES.get(dtype)
+    if got is None:
+        got = _NUMPY_DTYPES[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+    return got
+
+
+def array_of(t: torch.Tensor) -> Any:
+    """Contiguous CPU tensor ``t``'s elements as a numpy array of its shape (no copy)."""
+    flat = bytes_at(t.data_ptr(), t.nbytes).view(numpy_dtype(t.dtype))
+    return flat.reshape(tuple(t.shape))
+
+
+def _version_bumper() -> Any:
+    """torch's C entry that counts an in-place write into each tensor of a tuple, else
+    the public wrapper around it (0.1 us more per call)."""
+    bump = getattr(torch._C, "_increment_version", None)
+    probe = torch.empty(0)
+    try:
+        before = probe._version
+        bump((probe,))  # type: ignore[misc]
+        if probe._version == before + 1:
+            return bump
+    except (TypeError, RuntimeError):
+        pass
+    return torch.autograd.graph.increment_version
+
+
+_bump_versions = _version_bumper()
+
+
+def mark_written(t: torch.Tensor) -> None:
+    """Count a write into ``t`` that torch did not see (ctypes, numpy), as an in-place op
+    does, so autograd refuses a tensor it saved for backward instead of using new values."""
+    _bump_versions((t,))

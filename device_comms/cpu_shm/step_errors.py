@@ -1,0 +1,115 @@
+"""The errors of the shared-memory engine's steps (:mod:`device_comms.cpu_shm.sync`).
+
+Each function builds the exception a rank raises when a step goes wrong: the
+ranks' calls differ (:func:`mismatch`), they are out of step (:func:`out_of_step`),
+a wait gave up (:func:`timeout`), or a node leader relayed an error found
+elsewhere (:func:`relayed`). Messages name the group, the op and the ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+import torch
+
+from device_comms.errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    DecodeError,
+    GroupCoordError,
+    PeerDiedError,
+    PeerRejectedError,
+)
+from device_comms.signatures.step_signature import describe_signature
+
+__all__ = ["mismatch", "out_of_step", "relayed", "timeout", "with_own_arguments"]
+
+
+def mismatch(name: str, op: str, me: int, other: int, mine: tuple[int, int],
+             theirs: tuple[int, int],
+             calls: list[tuple[int, int, list[int]]]) -> CollectiveMismatch:
+    """Rank ``other`` signed the step ``theirs`` where this rank (``me``) signed ``mine``;
+    ``calls`` (every local rank's call) goes with the error as ``error.calls``, for a
+    node leader to pass on."""
+    error = CollectiveMismatch(
+        f"group {name!r}, op {op}: rank {me} called {describe_signature(*mine)} but rank "
+        f"{other} called {describe_signature(*theirs)} at the same point; every rank must "
+        f"call the same collective with the same dtype, size, op and root",
+        queue=name, peers=(other,),
+    )
+    error.calls = calls  # type: ignore[attr-defined]
+    return error
+
+
+def with_own_arguments(error: CollectiveMismatch, args: tuple[object, ...]) -> CollectiveMismatch:
+    """``error`` with what this rank passed to the call appended to its message
+    (tensors as dtype and shape), so a digest of sizes in the message can be
+    read against the arguments; done once per error."""
+    if isinstance(error, PeerRejectedError) or getattr(error, "own_arguments", None):
+        return error
+    error.own_arguments = ", ".join(_describe(a) for a in args)  # type: ignore[attr-defined]
+    if error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} (this rank passed: {error.own_arguments})",
+                      *error.args[1:])
+    return error
+
+
+def _describe(arg: object) -> str:
+    if isinstance(arg, torch.Tensor):
+        return f"{str(arg.dtype).removeprefix('torch.')} tensor of shape {tuple(arg.shape)}"
+    if isinstance(arg, enum.Enum):
+        return arg.name
+    return f"{arg!r:.80}"
+
+
+def out_of_step(name: str, op: str, me: int, call: int,
+                others: list[tuple[int, int]]) -> CollectiveMismatch:
+    """The same call, made as the group's call ``call`` here and as other numbers by
+    ``others`` (``(their number, their rank)`` pairs)."""
+    return CollectiveMismatch(
+        f"group {name!r}, op {op}: this rank (rank {me}) made it as the group's call #{call} "
+        f"but " + ", ".join(f"rank {r} as call #{c}" for c, r in others)
+        + "; the ranks are out of step (a rank skipped or added a collective call, or an "
+        "earlier call failed on some ranks only)",
+        queue=name, peers=tuple(r for _, r in others),
+    )
+
+
+def timeout(name: str, op: str, g: int, me: int, seconds: float | None, missing: list[int],
+            quit_: list[int]) -> CollectiveTimeout:
+    """This rank gives up on step ``g``: ``missing`` never came, ``quit_`` gave up
+    before it (their timeout ran out, or their call was interrupted)."""
+    wait = "" if seconds is None else f" within {seconds:.1f}s"
+    parts = []
+    if missing:
+        parts.append(f"rank(s) {missing} did not reach step {g}{wait}")
+    if quit_:
+        parts.append(f"rank(s) {quit_} gave up on this call (step {g}): their timeout ran out "
+                     f"waiting for ranks that had not arrived, or their call was interrupted")
+    return CollectiveTimeout(
+        f"group {name!r}, op {op}: {'; '.join(parts)} (this is rank {me}); check that every "
+        f"rank calls the same collectives in the same order, each within the group's timeout",
+        queue=name, peers=missing or quit_,
+    )
+
+
+def relayed(name: str, op: str, sender: int, raw: bytes) -> GroupCoordError:
+    """The error rank ``sender`` relayed (``StepSync.relay``: msgpack ``(kind, culprit,
+    message, peers)``), to raise here."""
+    try:
+        kind, culprit, text, peers = msgspec.msgpack.decode(
+            raw, type=tuple[str, int, str, list[int]])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return DecodeError(
+            f"group {name!r}, op {op}: rank {sender} relayed an error that does not decode "
+            f"({e})", queue=name, peers=(sender,))
+    if kind == "rejected":
+        return PeerRejectedError(name, op, culprit, text)
+    if kind == "timeout":
+        return CollectiveTimeout(text, queue=name, peers=peers)
+    if kind == "closed":  # a connection closed: death suspected, not seen
+        died = PeerDiedError(text, queue=name, peers=peers)
+        died.suspected = True  # type: ignore[attr-defined]
+        return died
+    return CollectiveMismatch(text, queue=name, peers=tuple(peers) or (culprit,))

@@ -1,0 +1,1 @@
+"""CUDA transports: the CUDA communicator, NCCL through ctypes, and the custom all-reduce over CUDA IPC."""

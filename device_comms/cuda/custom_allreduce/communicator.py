@@ -1,0 +1,275 @@
+"""``CustomAllreduce``: one-node all-reduce that reads peers' buffers over CUDA IPC.
+
+Life of a communicator (every step collective over the group's CPU side):
+
+1. **Agree**: ranks all-gather ``(enabled, device, node)``; the verdict (world
+   size 2/4/6/8, one node, P2P between every pair of devices, not disabled by
+   argument or ``GROUPCOORD_DISABLE_CUSTOM_ALLREDUCE`` on any rank) is the same
+   on every rank. A group that says no is ``disabled`` with a ``reason`` and
+   its :meth:`CustomAllreduce.should_use` is always False.
+2. **Allocate** one buffer per rank (signal | staging | tmp, see ``layout``),
+   zeroed before any handle leaves the process.
+3. **Exchange** IPC handles (72 bytes each, no pickle) and open the peers'.
+4. **Call**: an eager call copies its input into the staging area and launches
+   one kernel on the current stream; a call captured inside :meth:`capture`
+   launches on a fresh table entry that names the input itself, and the
+   entries are filled when the capture context exits (the graph then replays
+   without a copy).
+
+Every launch is a single kernel on the caller's current stream: calls of one
+communicator must be ordered on one stream (as a model's forward pass is).
+A kernel that waits longer than ``timeout`` for a peer gives up and records
+which peer in a host-mapped word; the next call raises
+:class:`~device_comms.errors.CollectiveTimeout` naming it and the
+communicator stays broken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from device_comms.cuda.custom_allreduce import eligibility as elig
+from device_comms.cuda.custom_allreduce import layout
+from device_comms.cuda.custom_allreduce.device_memory import DeviceBuffer, KernelFaultWords, decode_error
+from device_comms.cuda.custom_allreduce.handles import (
+    CudaIpcBackend,
+    HandleBook,
+    IpcBackend,
+    all_gather_handles,
+)
+from device_comms.cuda.custom_allreduce.kernels import choose_variant, kernel_set
+from device_comms.cuda.custom_allreduce.table import RankTables
+from shm_broadcast.ranks.topology import in_the_same_node_as
+from device_comms.errors import BrokenCommunicator, CollectiveTimeout, CommunicatorClosed
+
+__all__ = ["CustomAllreduce"]
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A captured call whose table entry is filled after the capture."""
+
+    index: int
+    ptr: int
+
+
+class CustomAllreduce:
+    """All-reduce (SUM) of float16/bfloat16/float32 over CUDA IPC within one node.
+
+    Args:
+        cpu_group: A gloo group over the ranks (setup exchanges only).
+        device: This rank's CUDA device.
+        max_size: Largest message in bytes (default 8 MiB); larger ones fall back.
+        enabled: False disables it on this rank (and so on every rank).
+        timeout: Seconds a kernel waits for a peer before giving up.
+        max_blocks: Most thread blocks per launch (at most 64).
+        max_graph_inputs: How many captured calls can be registered.
+        oneshot_limit: Bytes up to which the one-shot kernel is used (default
+            per world size); larger messages use the two-shot kernel.
+        ipc_backend: How handles are made and opened (default: CUDA IPC).
+        unique_name: Group name for messages.
+    """
+
+    def __init__(
+        self,
+        cpu_group: dist.ProcessGroup,
+        device: torch.device,
+        max_size: int = elig.DEFAULT_MAX_SIZE,
+        *,
+        enabled: bool = True,
+        timeout: float = 300.0,
+        max_blocks: int = 36,
+        max_graph_inputs: int = 4096,
+        oneshot_limit: int | None = None,
+        ipc_backend: IpcBackend | None = None,
+        unique_name: str = "custom-allreduce",
+    ) -> None:
+        self.max_size = elig.check_max_size(max_size)
+        self.max_blocks = _check_blocks(max_blocks)
+        self.cpu_group, self.device = cpu_group, torch.device(device)
+        self.unique_name = unique_name
+        self.rank = dist.get_rank(cpu_group)
+        self.world_size = dist.get_world_size(cpu_group)
+        self.timeout_ns = int(float(timeout) * 1e9)
+        self.oneshot_limit = oneshot_limit
+        self.disabled, self.reason = True, ""
+        self._closed = self._capturing = False
+        self._pending: list[_Pending] = []
+        self._broken: str | None = None
+        verdict = self._agree(enabled and not elig.disabled_by_env())
+        if not verdict.ok:
+            self.reason = verdict.reason
+            return
+        self._setup(ipc_backend or CudaIpcBackend(), max_graph_inputs)
+        self.disabled = False
+
+    # ------------------------------------------------------------------ setup
+    def _agree(self, enabled: bool) -> elig.GroupVerdict:
+        index = self.device.index
+        if index is None:
+            index = torch.cuda.current_device() if enabled else 0
+        self.device_index = index
+        facts = torch.tensor([int(enabled), index], dtype=torch.int64)
+        rows = [torch.empty_like(facts) for _ in range(self.world_size)]
+        dist.all_gather(rows, facts, group=self.cpu_group)
+        devices = [int(r[1]) for r in rows]
+        everyone = all(int(r[0]) for r in rows)
+        same_node = all(in_the_same_node_as(self.cpu_group, 0))
+        # Every rank sees the same rows, so every rank skips (or runs) the P2P check alike.
+        p2p = everyone and same_node and elig.P2P_CACHE.check(devices, _can_access_peer)
+        return elig.group_verdict(self.world_size, same_node, p2p, everyone)
+
+    def _setup(self, backend: IpcBackend, max_graph_inputs: int) -> None:
+        self._buffer = DeviceBuffer(layout.buffer_bytes(self.max_size), self.device_index)
+        self._staging = self._buffer.tensor(layout.staging_offset(), self.max_size)
+        self._errors = KernelFaultWords(1)
+        self._tables = RankTables(self.device_index, max_graph_inputs + 1)
+        self._book = HandleBook(backend, self.rank)
+        self._backend = backend
+        torch.cuda.synchronize(self.device)  # zeroed signals land before peers can see them
+        mine = [backend.handle_of(self._buffer.ptr)]
+        handles = all_gather_handles(self.cpu_group, mine, "custom all-reduce buffers")
+        self._bases = self._book.register([h[0] for h in handles], self._buffer.ptr)
+        self._sig = list(self._bases)
+        self._tmp = [b + layout.tmp_offset(self.max_size) for b in self._bases]
+        staging = [b + layout.staging_offset() for b in self._bases]
+        self._tables.fill(0, self._sig, staging, self._tmp)
+        self._kernels = kernel_set(self.device_index)
+
+    # ------------------------------------------------------------------ calls
+    def should_use(self, t: torch.Tensor) -> bool:
+        """Whether :meth:`all_reduce` handles ``t`` (cheap; same answer on every rank
+        for the same shape and dtype)."""
+        return not self.disabled and not self._closed and elig.call_eligible(t, self.max_size)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the group; returns a new tensor (bitwise equal on every rank).
+
+        ``t`` must satisfy :meth:`should_use`.
+
+        Raises:
+            CollectiveTimeout: An earlier kernel gave up waiting for a peer.
+            CommunicatorClosed: After :meth:`close`.
+        """
+        self._check_usable()
+        if not elig.call_eligible(t, self.max_size):
+            raise ValueError(
+                f"input_ is not eligible for the custom all-reduce of {self.unique_name!r} "
+                f"(dtype {t.dtype}, {t.nbytes} bytes, contiguous={t.is_contiguous()}); it needs "
+                f"float16/bfloat16/float32, contiguous, a multiple of 16 bytes up to {self.max_size}"
+            )
+        out = torch.empty_like(t)
+        stream = torch.cuda.current_stream(self.device)
+        if self._capturing and torch.cuda.is_current_stream_capturing():
+            if t.data_ptr() % layout.PACK_BYTES:  # kernels load 16-byte packs in place
+                t = t.clone()
+            index = self._tables.reserve()
+            self._pending.append(_Pending(index, t.data_ptr()))
+        else:
+            index = 0
+            self._staging[: t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+        self._kernels.launch(
+            choose_variant(t.nbytes, self.world_size, self.oneshot_limit), t.dtype,
+            self.world_size, table_ptr=self._tables.ptr(index), out_ptr=out.data_ptr(),
+            nbytes=t.nbytes, rank=self.rank, timeout_ns=self.timeout_ns,
+            err_ptr=self._errors.device_ptr, stream_ptr=stream.cuda_stream,
+            max_blocks=self.max_blocks,
+        )
+        return out
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Register the inputs of calls captured inside; collective on exit.
+
+        Every rank must capture the same sequence of all-reduces. On exit the
+        ranks exchange the inputs' handles and fill their table entries; a
+        replay then reads the inputs in place. If the body raises, nothing is
+        registered (the captured graph must not be replayed).
+        """
+        if self.disabled:
+            yield
+            return
+        self._capturing = True
+        try:
+            yield
+        except BaseException:
+            self._pending.clear()
+            raise
+        finally:
+            self._capturing = False
+        self.register_graph_buffers()
+
+    def register_graph_buffers(self) -> None:
+        """Exchange and register the inputs recorded during capture (collective)."""
+        pending, self._pending = self._pending, []
+        handles = [self._backend.handle_of(p.ptr) for p in pending]
+        gathered = all_gather_handles(self.cpu_group, handles, "captured all-reduce inputs")
+        entries = []
+        for i, p in enumerate(pending):
+            ptrs = self._book.register([gathered[r][i] for r in range(self.world_size)], p.ptr)
+            entries.append((p.index, layout.table_entry(self._sig, ptrs, self._tmp)))
+        self._tables.fill_many(entries)
+
+    # ------------------------------------------------------------------ state
+    def check_error(self) -> None:
+        """Raise if a kernel of this rank gave up waiting for a peer (no synchronisation)."""
+        if self.disabled or self._closed:
+            return
+        code = self._errors.read()
+        if code and self._broken is None:
+            phase, peer, _ = decode_error(code)
+            self._broken = (
+                f"group {self.unique_name!r} (rank {self.rank}/{self.world_size}), op "
+                f"all_reduce (custom): rank {peer} did not reach the {phase} barrier within "
+                f"{self.timeout_ns / 1e9:g}s; the result of that call is invalid"
+            )
+            raise CollectiveTimeout(self._broken)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise CommunicatorClosed(f"custom all-reduce of {self.unique_name!r} was closed")
+        self.check_error()
+        if self._broken is not None:
+            raise BrokenCommunicator(self._broken)
+
+    def close(self) -> None:
+        """Close peers' handles and free this rank's memory (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.disabled:
+            return
+        torch.cuda.synchronize(self.device)
+        self._book.close()
+        self._tables.close()
+        self._buffer.close()
+        self._errors.close()
+
+    def __enter__(self) -> "CustomAllreduce":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = f"disabled: {self.reason}" if self.disabled else f"max_size={self.max_size}"
+        return f"CustomAllreduce({self.unique_name!r}, rank {self.rank}/{self.world_size}, {state})"
+
+
+def _check_blocks(max_blocks: Any) -> int:
+    if not isinstance(max_blocks, int) or isinstance(max_blocks, bool):
+        raise TypeError(f"max_blocks must be an int, got {type(max_blocks).__name__}")
+    if not 1 <= max_blocks <= layout.MAX_BLOCKS:
+        raise ValueError(f"max_blocks must be in [1, {layout.MAX_BLOCKS}], got {max_blocks}")
+    return max_blocks
+
+
+def _can_access_peer(a: int, b: int) -> bool:
+    import cupy
+
+    return bool(cupy.cuda.runtime.deviceCanAccessPeer(a, b))

@@ -1,0 +1,1 @@
+"""Communicators over a torch.distributed group (gloo, or NCCL for CUDA tensors)."""

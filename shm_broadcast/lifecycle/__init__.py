@@ -1,0 +1,1 @@
+"""Files that are never lost: shared-memory segments, owner records, channel directories, exit cleanup and the reaper."""

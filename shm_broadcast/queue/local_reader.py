@@ -1,0 +1,551 @@
+"""LocalReader: a reader on the writer's node, served through the shared ring.
+
+Per message: wait until chunk ``seq % max_chunks`` is readable for this
+reader (``R_i == 0`` then ``W == 1``; see :mod:`shm_broadcast.queue.ring_buffer`),
+decode straight from the shared memory (arrays are copied out), set ``R_i``,
+and poke the writer if it declared itself parked on a full ring.
+
+Waiting follows :class:`~shm_broadcast.waiting.policy.Backoff`; with a predictive
+policy the wait for the next message is planned by an
+:class:`~shm_broadcast.waiting.predictive.ArrivalPredictor` (sleep parked until just
+before the expected publish, then poll; see :mod:`shm_broadcast.waiting.predictive`),
+which learns from the publish time the writer stamps into every chunk.
+Parking (planned sleeps included) is the only delicate part -- the
+lost-wakeup race::
+
+    reader                                   writer
+    ------                                   ------
+    parked[i] := 1                           W := 1            (publish)
+    full_fence()                             full_fence()
+    if readable: unpark, go                  if any parked[j]: ring doorbell j
+    poll(doorbell, <= park_poll_s)
+
+Because each side stores, fences, then loads the other's flag, at least one
+of them sees the other's store: either the reader finds the message before
+sleeping, or the writer sees ``parked`` and rings. Either way no wakeup is
+lost; and the bounded poll means even a bug here would cost latency, not a
+hang.
+
+Channels (see :mod:`shm_broadcast.queue.transport`): the reader binds its doorbell
+``r<index>`` in the writer's ``0700`` channel directory *before* it sends its
+hello, connects a line to the writer's doorbell and its zmq sockets to the
+``ipc://`` paths there, none of which ever reconnect. The writer removes the
+directory once every reader is attached, so closing must not need it; a
+reader that finds the writer dead on close removes what is left of it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import msgspec
+import psutil
+import zmq
+
+from shm_broadcast.lifecycle.channel_dirs import check_private_dir
+from shm_broadcast.codec.message_codec import Codec
+from shm_broadcast.waiting.doorbell import BellRinger, Doorbell, bell_address
+from shm_broadcast.errors import (
+    DecodeError, PeerDiedError, QueueClosedError, QueueTimeout, SegmentError, ShmBroadcastError,
+)
+from shm_broadcast.queue.handle import Handle
+from shm_broadcast.waiting.predictive import STAMP, STAMP_OFFSET, ArrivalPredictor
+from shm_broadcast.queue.ring_buffer import CHUNK_HEADER, READER_CLOSED, REFUSED, TAKEN, ShmRingBuffer
+from shm_broadcast.queue.transport import (
+    CTL_HELLO, KIND_DATA, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
+    close_all, close_dealer, guard_zmq, new_socket, remove_dead_channel_dir, say_goodbye,
+)
+from shm_broadcast.waiting.policy import PARK, SLEEP, Backoff, PeerWatch, WaitPolicy, own_pid_space
+
+__all__ = ["LocalReader"]
+
+#: An overflow message's payload is already in flight when its chunk is
+#: published; give it at least this long even under ``timeout=0``.
+_OVERFLOW_MIN_WAIT = 2.0
+
+#: Largest message kept for warming the decoder up (:meth:`LocalReader._warm_up`).
+_WARM_MAX = 64 << 10
+
+#: Where the msgpack bytes start in an overflow frame: topic byte + header.
+_HEAD = 1 + WIRE.size
+
+
+#: How a timeout message describes the writer's process (:meth:`PeerWatch.state`).
+_WRITER_STATE = {
+    "running": "alive",
+    "stopped": "alive but stopped (SIGSTOP, job control or a debugger)",
+    "exited": "gone",
+    "unknown": "on another host",
+}
+
+
+_unpack_stamp = STAMP.unpack_from
+
+
+def _never() -> bool:
+    return False
+
+
+def _no_ring() -> None:
+    return None
+
+
+class LocalReader:
+    """Reader side through shared memory; used through :class:`MessageQueue`.
+
+    Args:
+        handle: The writer's handle.
+        index: This reader's slot (position of its rank in
+            ``handle.local_reader_ranks``).
+        rank: This reader's rank (messages only).
+        policy: Waiting policy.
+        codec: Decoder.
+    """
+
+    def __init__(self, handle: Handle, index: int, rank: int, policy: WaitPolicy,
+                 codec: Codec) -> None:
+        self.name = handle.name
+        self.index = index
+        self.rank = rank
+        self.side = f"reader rank {rank}"
+        self.max_chunks = handle.max_chunks
+        self.codec = codec
+        self._pid = os.getpid()
+        self._owner_thread = threading.get_ident()
+        self._writer = PeerWatch(handle.writer_pid, handle.writer_create_time,
+                                 handle.writer_host, pid_space=handle.writer_pid_space)
+        wr = "" if handle.writer_rank is None else f" rank {handle.writer_rank}"
+        self._writer_desc = f"writer{wr} ({self._writer.describe()})"
+        #: What errors put in ``peers`` for the writer: its rank where the handle
+        #: has one (a group's queue), else the role.
+        self._writer_peer: int | str = ("writer" if handle.writer_rank is None
+                                        else handle.writer_rank)
+        self._seq = 0
+        #: Parks on the doorbell, those that ended by timeout rather than a ring,
+        #: planned sleeps (predictive policy) and those a ring cut short.
+        self.park_stats = {"parks": 0, "timeouts": 0, "sleeps": 0, "sleeps_rung": 0}
+        self._predictor = ArrivalPredictor(policy.predict) if policy.predict else None
+        #: What the predictor learns from the last message, handed over at the
+        #: next dequeue (off the message's path): its stamp, when the wait for
+        #: it began (None: it was there) and when the wait saw it.
+        self._learning: tuple[float, float | None, float | None] | None = None
+        #: A copy of the last plain message, decoded again when a planned
+        #: sleep ends (see :meth:`_warm_up`); never kept when pickle is allowed.
+        self._warm_msg: bytes | None = None
+        self._keep_warm = self._predictor is not None and not codec.allow_pickle
+        self._ready = False
+        self._closing = False
+        self._closed = False
+        self._stash: collections.deque = collections.deque()
+        #: While waiting for an overflow payload: until when it may still arrive.
+        self._in_flight_until: float | None = None
+        self._cond: Callable[[], bool] = _never
+        self._wait_what: str | None = ""
+        self._wait_timeout: float | None = None
+        self._backoff = Backoff(policy, self._check_wait)
+        self.ring: ShmRingBuffer | None = None
+        self.ctx: zmq.Context | None = None
+        self._zmq_guard: Any = None
+        self.sub: zmq.Socket | None = None
+        self.dealer: zmq.Socket | None = None
+        self._ringer = BellRinger()
+        self._doorbell: Doorbell | None = None
+        self._bell_prefix = handle.bell_prefix
+        self._ring_writer: Any = _no_ring
+        self._n_local = len(handle.local_reader_ranks)
+        try:
+            if (handle.segment is None or handle.local_pub is None or handle.local_ctl is None
+                    or handle.bell_prefix is None):
+                raise ValueError(f"handle of queue {handle.name!r} has no local readers")
+            self._ring_writer = self._ringer.line(bell_address(handle.bell_prefix, "w"))
+            self.ring = ShmRingBuffer.attach(handle.segment)
+            ring = self.ring
+            _check_geometry(ring, handle, self._n_local)
+            self._strong = ring.strongly_ordered
+            self._parked_at = ring.reader_parked_offset(index)
+            self._flag_at = [ring.flag_offsets(c, index) for c in range(ring.max_chunks)]
+            self._data_at = [ring.data_offset(c) for c in range(ring.max_chunks)]
+            self._chunk_bytes = ring.max_chunk_bytes
+            ctime = psutil.Process(self._pid).create_time()
+            self.ring.register_reader(index, self._pid, ctime)
+            check_private_dir(handle.bell_prefix.rstrip(os.sep))  # before any bind or connect
+            self._doorbell = Doorbell(bell_address(handle.bell_prefix, f"r{index}"))
+            self._ring_writer.connect()  # the writer's bell exists as long as its handle
+            self._connect(handle, ctime)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, handle: Handle, ctime: float) -> None:
+        """Connect the overflow SUB and the control DEALER (ipc), then say hello.
+
+        The hello goes last: the writer accepts it only from the process
+        registered in this reader's ring slot, with this doorbell bound.
+        """
+        self.ctx = zmq.Context(io_threads=1)
+        self.sub = new_socket(self.ctx, zmq.SUB)
+        self.dealer = new_socket(self.ctx, zmq.DEALER)
+        self._zmq_guard = guard_zmq(self, self.ctx, [self.sub, self.dealer])
+        self.sub.connect(handle.local_pub)
+        self.sub.subscribe(TOPIC_OVERFLOW)
+        self.dealer.setsockopt(zmq.ROUTING_ID, b"L%d" % self.index)
+        self.dealer.connect(handle.local_ctl)
+        self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
+            [self.rank, self._pid, ctime, socket.gethostname(), own_pid_space()]))
+
+    # ------------------------------------------------------------- waiting
+    def wait_until_ready(self, timeout: float | None) -> None:
+        """Block until the writer saw every reader connect."""
+        self._check_open("wait_until_ready")  # also once ready: a closed queue is unusable
+        if self._ready:
+            return
+        ring = self.ring
+        self._wait("the writer to see all readers connected", ring.is_ready, timeout)
+        self._ready = True
+
+    def _wait(self, what: str | None, cond: Callable[[], bool], timeout: float | None,
+              predict: bool = False) -> None:
+        """Wait until ``cond()``; ``what`` names it in errors (``None``: the next message).
+
+        With ``predict`` (the next message, predictive policy) the predictor
+        plans the wait; it learns later (:meth:`_learn`) from when the wait
+        began and when it saw the message.
+        """
+        self._cond, self._wait_what, self._wait_timeout = cond, what, timeout
+        b = self._backoff
+        now = time.monotonic()
+        plan = self._predictor.plan(now) if predict else None  # type: ignore[union-attr]
+        b.start(None if timeout is None else now + timeout, plan, now)
+        while not cond():
+            phase = b.step()
+            if phase >= PARK and self._park(cond, b.park_timeout(), phase == SLEEP):
+                break
+        if predict:
+            self._learning = (0.0, now, time.monotonic())
+
+    def _park(self, cond: Callable[[], bool], seconds: float, planned: bool = False) -> bool:
+        """Sleep on the doorbell; returns True when ``cond()`` held on waking.
+
+        ``planned``: a predictive sleep (to the microsecond; its oversleep is
+        learned) instead of a park. Both are the same handshake.
+
+        The path after a ring is deliberately short (raw flag bytes, no method
+        calls): a reader idle for a while wakes with cold caches, where each
+        Python call costs microseconds of the wake-up latency.
+        """
+        ring = self.ring
+        buf = ring.buf
+        flag = self._parked_at
+        self._doorbell.drain()  # rings from before this park are stale
+        ring.set_reader_parked(self.index, True)
+        ring.full_fence()
+        try:
+            if cond():
+                return True
+            if not (ring.is_shutdown() or self._closing):
+                stats = self.park_stats
+                stats["sleeps" if planned else "parks"] += 1
+                if (self._doorbell.sleep(seconds) if planned else self._doorbell.wait(seconds)):
+                    buf[flag] = 0
+                    if planned:
+                        stats["sleeps_rung"] += 1
+                    if cond():
+                        return True
+                    self._backoff.rearm()  # a message is on its way: poll, don't re-park
+                elif planned:
+                    self._learn_oversleep()
+                    self._warm_up()
+                else:
+                    stats["timeouts"] += 1
+        finally:
+            buf[flag] = 0
+        if (self._closing or ring.is_shutdown()) and not cond():
+            self._check_wait(False)
+        return False
+
+    def _learn(self) -> None:
+        """Hand the last message's timing to the predictor."""
+        stamp, began, seen = self._learning  # type: ignore[misc]
+        self._learning = None
+        self._predictor.observe(stamp, began, seen)  # type: ignore[union-attr]
+
+    def _warm_up(self) -> None:
+        """Decode the last message again, result discarded, as the window opens.
+
+        After a sleep of a whole step, other processes have evicted the
+        decoder's code and data from the caches: the first decode runs ~2x
+        slower than a warm one (35 vs 14 us for 3 KB on the development VM).
+        Doing one decode now, before the message is due, moves that cost off
+        the message's path. Only plain messages (no arrays, no pickle: decoding
+        has no side effects) are kept for this.
+        """
+        msg = self._warm_msg
+        if msg is not None:
+            try:
+                self.codec.decode(msg, b"", 0, 0)
+            except DecodeError:  # cannot happen (it decoded before); never keep trying
+                self._warm_msg = None
+
+    def _learn_oversleep(self) -> None:
+        """After a planned sleep's timer: how late did we get the CPU back?"""
+        late = time.monotonic() - self._backoff.sleep_until
+        if late >= 0.0:  # else the sleep was cut short by a liveness check
+            self._predictor.overslept(late)  # type: ignore[union-attr]
+
+    def _drain_sub(self) -> None:
+        sub = self.sub
+        try:
+            while True:
+                frames = sub.recv_multipart(zmq.NOBLOCK, copy=False)
+                self._stash.append(frames)  # overflow payload: keep it for its chunk
+        except zmq.Again:
+            pass
+
+    def _check_wait(self, expired: bool) -> None:
+        if self._wait_what is None:
+            self._wait_what = f"message #{self._seq}"
+        if self._closing:
+            raise QueueClosedError(
+                f"queue {self.name!r}: {self.side} was shut down while waiting for "
+                f"{self._wait_what}", queue=self.name, side=self.side)
+        if self._cond():
+            return
+        if self._in_flight_until is not None and (self.ring.is_shutdown()
+                                                  or not self._writer.alive()):
+            # A published overflow chunk's payload was sent before the chunk:
+            # it is in flight (zmq keeps what arrived before the connection
+            # dropped), so the writer's shutdown or exit is no reason to stop
+            # waiting for it -- for _OVERFLOW_MIN_WAIT at most.
+            self._drain_sub()
+            if self._cond() or time.monotonic() < self._in_flight_until:
+                return
+        if self.ring.is_shutdown():
+            raise QueueClosedError(
+                f"queue {self.name!r}: the {self._writer_desc} shut the queue down; "
+                f"{self.side} waited for {self._wait_what}", queue=self.name, side=self.side,
+                peers=[self._writer_peer])
+        if not self._writer.alive():
+            if self._cond():
+                return
+            raise PeerDiedError(
+                f"queue {self.name!r}: the {self._writer_desc} died while {self.side} "
+                f"waited for {self._wait_what}", queue=self.name, side=self.side,
+                peers=[self._writer_peer])
+        if expired:
+            raise QueueTimeout(
+                f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
+                f"waiting for {self._wait_what} (the {self._writer_desc} is "
+                f"{_WRITER_STATE[self._writer.state()]} but sent nothing)", queue=self.name,
+                side=self.side, peers=[self._writer_peer])
+
+    @property
+    def predictor_stats(self) -> dict[str, int]:
+        """The predictor's counters (see :class:`ArrivalPredictor`) and
+        ``contended`` (planned polls that parked because the CPU was shared);
+        empty without a predictor."""
+        if self._predictor is None:
+            return {}
+        return {**self._predictor.stats, "contended": self._backoff.contended}
+
+    # ------------------------------------------------------------- dequeue
+    def poll(self) -> bool:
+        """Whether :meth:`dequeue` would return without waiting for the writer."""
+        if self._closed:
+            return False
+        return self.ring.is_readable(self._seq % self.max_chunks, self.index)
+
+    def dequeue(self, timeout: float | None,
+                verdict: Callable[[Any], str | None] | None = None) -> Any:
+        """Receive the next message; ``verdict`` (see :meth:`MessageQueue.dequeue`)
+        judges it before its chunk is released."""
+        if self._closing or not self._ready:
+            self._check_open("dequeue")
+            if self._closing:
+                raise QueueClosedError(f"queue {self.name!r}: {self.side} was shut down",
+                                       queue=self.name, side=self.side)
+            self.wait_until_ready(timeout if timeout is not None else 120.0)
+        ring = self.ring
+        seq = self._seq
+        chunk = seq % self.max_chunks
+        buf = ring.buf
+        w_at, r_at = self._flag_at[chunk]
+        # Inlined ShmRingBuffer.is_readable: R_i first, then W.
+        pred = self._predictor
+        if pred is not None and self._learning is not None:
+            self._learn()  # the previous message, now that we are idle
+        if not (buf[r_at] == 0 and buf[w_at] == 1):
+            self._wait(None, lambda: buf[r_at] == 0 and buf[w_at] == 1, timeout,
+                       pred is not None)
+        elif pred is not None:
+            self._learning = (0.0, None, None)
+        if not self._strong:
+            ring.acquire_fence()
+        d = self._data_at[chunk]
+        if pred is not None:  # the stamp, like the payload, is ours until R_i := 1
+            self._learning = (_unpack_stamp(buf, d + STAMP_OFFSET)[0],
+                              *self._learning[1:])  # type: ignore[index]
+        wseq, kind, mlen, blen = WIRE.unpack_from(buf, d)
+        if wseq != seq:
+            raise DecodeError(
+                f"queue {self.name!r}: {self.side} expected message #{seq} but chunk "
+                f"{chunk} holds #{wseq}; the ring is corrupt")
+        if kind == KIND_OVERFLOW:
+            frames = self._recv_overflow(seq, timeout)
+            head = frames[0].buffer  # topic byte, header, msgpack
+            return self._judged(chunk, verdict, self.codec.decode,
+                                head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen)
+        boff = CHUNK_HEADER + (mlen + 63) // 64 * 64
+        if kind != KIND_DATA or (boff + blen if blen else CHUNK_HEADER + mlen) > self._chunk_bytes:
+            raise DecodeError(
+                f"queue {self.name!r}: {self.side} found message #{seq} in chunk {chunk} with "
+                f"kind {kind}, {mlen} + {blen} bytes, which a {self._chunk_bytes}-byte chunk "
+                f"cannot hold; the ring is corrupt")
+        m = d + CHUNK_HEADER
+        if verdict is not None:
+            return self._judged(chunk, verdict, self.codec.decode, buf[m : m + mlen], buf,
+                                d + boff, blen)
+        try:
+            obj = self.codec.decode(buf[m : m + mlen], buf, d + boff, blen)
+            if self._keep_warm and blen == 0 and mlen <= _WARM_MAX:
+                self._warm_msg = bytes(buf[m : m + mlen])
+            return obj
+        finally:
+            self._consume(chunk)
+
+    def _judged(self, chunk: int, verdict: Callable[[Any], str | None] | None,
+                decode: Callable[..., Any], *args: Any) -> Any:
+        """Decode, let ``verdict`` judge (a decode error or a raising verdict refuses
+        the message with its text, then propagates), then release the chunk."""
+        refusal: str | None = None
+        try:
+            obj = decode(*args)
+            if verdict is not None:
+                said = verdict(obj)
+                refusal = None if said is None else str(said)
+            return obj
+        except BaseException as e:
+            if verdict is not None:
+                refusal = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            self._consume(chunk, refusal)
+
+    def _consume(self, chunk: int, refusal: str | None = None) -> None:
+        """ShmRingBuffer.mark_read (or a refusal's verdict), then poke a parked
+        writer; the flag stores are inlined at the ring's own offsets (this runs
+        once per message)."""
+        ring = self.ring
+        if refusal is not None:
+            ring.write_refusal(self.index, refusal)
+        if not self._strong:
+            ring.release_fence()
+        ring.buf[self._flag_at[chunk][1]] = TAKEN if refusal is None else REFUSED
+        self._seq += 1
+        ring.full_fence()
+        if ring.buf[ring.writer_parked_offset] and ring.take_writer_parked():
+            self._ring_writer()
+
+    def _recv_overflow(self, seq: int, timeout: float | None) -> list:
+        def have() -> bool:
+            while self._stash:
+                (s,) = WIRE.unpack_from(self._stash[0][0].buffer, 1)[:1]
+                if s >= seq:
+                    return True
+                self._stash.popleft()  # stale: cannot happen, but never block on it
+            return False
+
+        wait = None if timeout is None else max(timeout, _OVERFLOW_MIN_WAIT)
+        self._cond, self._wait_what, self._wait_timeout = (
+            have, f"the payload of overflow message #{seq}", wait)
+        b = self._backoff
+        now = time.monotonic()
+        b.start(None if wait is None else now + wait)
+        self._in_flight_until = now + _OVERFLOW_MIN_WAIT
+        try:
+            while not have():
+                b.step()
+                if self.sub.poll(max(1, int(b.park_timeout() * 1000))):
+                    self._drain_sub()
+        finally:
+            self._in_flight_until = None
+        frames = self._stash.popleft()
+        (s,) = WIRE.unpack_from(frames[0].buffer, 1)[:1]
+        if s != seq:
+            raise ShmBroadcastError(
+                f"queue {self.name!r}: {self.side} expected overflow payload #{seq}, got #{s}")
+        return frames
+
+    # ----------------------------------------------------------- lifecycle
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise QueueClosedError(f"queue {self.name!r}: {op}() on a closed queue",
+                                   queue=self.name, side=self.side)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
+    def shutdown(self) -> None:
+        """Stop reading: blocked calls raise QueueClosedError; the writer is told."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.ring is not None and not self.ring.closed:
+            self.ring.set_reader_state(self.index, READER_CLOSED)
+            self._ring_writer()  # a writer waiting for us re-checks now
+        if self._doorbell is not None:
+            self._doorbell.ring_self()  # wake our own blocked call
+        say_goodbye(self.dealer, self._owner_thread)
+
+    def close(self) -> None:
+        """Leave the queue (the segment stays, the writer owns it). Idempotent."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
+        if self.dealer is not None:
+            self.shutdown()
+        self._closed = True
+        self._stash.clear()
+        if self._zmq_guard is not None:
+            self._zmq_guard.detach()  # released here, in order
+        close_dealer(self.dealer)
+        close_all(self.sub)
+        if self.ctx is not None:
+            self.ctx.term()
+        if self._doorbell is not None:
+            self._doorbell.close()
+        self._ringer.close()
+        if self._bell_prefix and not self._writer.alive():
+            # A writer killed before every reader attached left its directory.
+            names = ["w", "p", "c"] + [f"r{i}" for i in range(self._n_local)]
+            remove_dead_channel_dir(self._bell_prefix.rstrip(os.sep), names)
+        if self.ring is not None:
+            self.ring.close()
+
+
+def _check_geometry(ring: ShmRingBuffer, handle: Handle, n_local: int) -> None:
+    """Refuse a ring whose own header disagrees with the handle that named it.
+
+    A reader maps the ring as its header describes it, and the handle came
+    from elsewhere (a peer, a file): a mismatch means one of them is not what
+    the writer made, and reading by either would misplace chunks.
+
+    Raises:
+        SegmentError: The header's readers, chunks or chunk size differ from
+            the handle's.
+    """
+    have = (ring.n_reader, ring.max_chunks, ring.max_chunk_bytes)
+    want = (n_local, handle.max_chunks, handle.max_chunk_bytes)
+    if have != want:
+        raise SegmentError(
+            f"ring {ring.name!r} of queue {handle.name!r} holds {have[0]} readers x "
+            f"{have[1]} chunks of {have[2]} bytes, but its handle says {want[0]} x "
+            f"{want[1]} of {want[2]}: refusing to read it")

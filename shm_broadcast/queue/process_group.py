@@ -1,0 +1,201 @@
+"""Collective construction of a MessageQueue over a process group.
+
+:func:`create_from_process_group` works with a ``torch.distributed``
+ProcessGroup (a CPU-capable one, e.g. gloo) or a StatelessProcessGroup (see
+:mod:`shm_broadcast.ranks.group_adapter`):
+
+0. every rank checks its own arguments and the ranks agree on them
+   (:func:`~shm_broadcast.ranks.agreement.agree`: a rank with bad arguments raises
+   its own error, the others ``PeerRejectedError`` naming it, and a writer or
+   reader list that differs between ranks is a ``CollectiveMismatch``);
+1. every rank learns which ranks share the writer's node
+   (:func:`~shm_broadcast.ranks.topology.in_the_same_node_as`);
+2. the writer creates the queue with those readers local and the others
+   remote, and broadcasts its handle (or its creation error, so no rank is
+   left waiting);
+3. readers connect, and every participant waits until the queue is ready.
+
+Building blocks for a GroupCoordinator:
+
+* broadcaster from rank ``w``: ``create_from_process_group(g, writer_rank=w)``;
+* one reader, many writers (results back to a driver): for each writer
+  ``w != r``, ``create_from_process_group(g, writer_rank=w, reader_ranks=[r])``
+  -- each call is collective and returns ``None`` on uninvolved ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from shm_broadcast.ranks.agreement import agree
+from shm_broadcast.checks import check_bool, check_rank, check_timeout
+from shm_broadcast.errors import CollectiveMismatch, DecodeError
+from shm_broadcast.ranks.group_adapter import object_group
+from shm_broadcast.queue.handle import Handle
+from shm_broadcast.queue.message_queue import MessageQueue, check_ring_options
+from shm_broadcast.ranks.topology import in_the_same_node_as
+from shm_broadcast.queue.transport import new_keypair
+from shm_broadcast.waiting.policy import WaitPolicy
+
+__all__ = ["create_from_process_group"]
+
+
+def create_from_process_group(
+    group: Any,
+    max_chunk_bytes: int,
+    max_chunks: int,
+    writer_rank: int = 0,
+    reader_ranks: list[int] | None = None,
+    *,
+    name: str | None = None,
+    connect_ip: str | None = None,
+    wait_policy: WaitPolicy | None = None,
+    timeout: float | None = 120.0,
+    allow_pickle: bool = False,
+    blocking: bool = True,
+) -> MessageQueue | None:
+    """Create and connect a queue collectively; every rank of ``group`` calls it.
+
+    Args:
+        group: torch ProcessGroup (CPU-capable) or StatelessProcessGroup.
+        max_chunk_bytes: Ring chunk size.
+        max_chunks: Ring chunks.
+        writer_rank: Group rank of the writer.
+        reader_ranks: Group ranks that read; default every rank but the writer.
+            Ranks are group-local, and are the ranks in the queue's errors.
+        name: Queue name for errors (default ``mq-w<writer_rank>-<pid>``).
+        connect_ip: IP for the TCP endpoints if some readers are on other nodes.
+        wait_policy: Waiting policy for this rank's side.
+        timeout: Seconds every participant waits for the queue to connect.
+        allow_pickle: Opt every side in to pickle (:mod:`shm_broadcast.codec.message_codec`);
+            off by default. Every rank must pass the same value.
+        blocking: Wait here until the queue is connected (default). False:
+            return at once; each side calls ``wait_until_ready()`` before its
+            first message (vLLM's keyword).
+
+    Returns:
+        The queue on the writer and the readers, ``None`` on other ranks.
+
+    Raises:
+        TypeError, ValueError: This rank's arguments are invalid (every other
+            rank raises ``PeerRejectedError`` naming it).
+        PeerRejectedError: Another rank's arguments were invalid.
+        CollectiveMismatch: Ranks named different writers or readers, or the
+            writer failed to create the queue (on readers; the writer
+            re-raises its own error).
+        QueueTimeout: The queue did not connect within ``timeout``.
+    """
+    og = object_group(group)
+    qname = name or f"mq-w{writer_rank}-{os.getpid()}"
+    try:
+        check_rank(writer_rank, og.world_size, "writer_rank")
+        readers = _resolve_readers(reader_ranks, writer_rank, og.world_size)
+        _check_options(max_chunk_bytes, max_chunks, connect_ip, wait_policy, timeout)
+        check_bool(blocking, "blocking")
+    except (TypeError, ValueError) as e:
+        agree(og, e, "create_from_process_group", qname)
+        raise  # agree raised e already
+    agree(og, None, "create_from_process_group", qname, [writer_rank, readers])
+    same_node = in_the_same_node_as(og, source_rank=writer_rank)
+    local = [r for r in readers if same_node[r]]
+    my_keys, reader_keys = _exchange_reader_keys(og, [r for r in readers if r not in local])
+    mq = None if og.rank != writer_rank else _create_on_writer(
+        og, readers, local, max_chunk_bytes, max_chunks, connect_ip,
+        qname, wait_policy, allow_pickle, reader_keys)
+    handle = _receive_handle(og, mq, writer_rank)
+    try:
+        if og.rank in readers:
+            mq = MessageQueue.create_from_handle(handle, og.rank, wait_policy=wait_policy,
+                                                 allow_pickle=allow_pickle, curve_keypair=my_keys)
+        if mq is not None and blocking:
+            mq.wait_until_ready(timeout)
+    except BaseException:
+        if mq is not None:
+            mq.close()
+        raise
+    return mq
+
+
+def _check_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any,
+                   wait_policy: Any, timeout: Any) -> None:
+    """The queue's options, checked on every rank (the writer alone uses the sizes,
+    but a reader's bad value is the same mistake and must not pass silently)."""
+    check_ring_options(max_chunk_bytes, max_chunks, connect_ip)
+    if wait_policy is not None and not isinstance(wait_policy, WaitPolicy):
+        raise TypeError(f"wait_policy must be a WaitPolicy, got {type(wait_policy).__name__}")
+    check_timeout(timeout)
+
+
+def _resolve_readers(reader_ranks: list[int] | None, writer_rank: int, world: int) -> list[int]:
+    """The reader ranks: the given ones, checked, or every rank but the writer."""
+    if reader_ranks is None:
+        return [r for r in range(world) if r != writer_rank]
+    readers = list(reader_ranks)
+    if (
+        len(set(readers)) != len(readers)
+        or writer_rank in readers
+        or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world
+                   for r in readers)
+    ):
+        raise ValueError(
+            f"reader_ranks must be distinct group ranks in [0, {world}) other than the "
+            f"writer ({writer_rank}), got {reader_ranks!r}")
+    return readers
+
+
+def _exchange_reader_keys(og: Any, remote: list[int]
+                          ) -> tuple[tuple[bytes, bytes] | None, dict[int, bytes] | None]:
+    """Each remote reader makes its own CURVE keypair; every rank learns the public keys.
+
+    Only public keys travel (msgpack over the group), so the queue's handle
+    carries no secret. Returns this rank's keypair (remote readers only) and
+    ``{rank: public key}`` (None when no reader is remote: no exchange then).
+    """
+    if not remote:
+        return None, None
+    mine = new_keypair() if og.rank in remote else None
+    publics = og.all_gather(mine[0] if mine is not None else None,
+                            op="create_from_process_group (reader keys)")
+    keys: dict[int, bytes] = {}
+    for r in remote:
+        key = publics[r]
+        if not isinstance(key, bytes) or len(key) != 40:
+            raise DecodeError(f"rank {r} sent no valid CURVE public key for the queue "
+                              f"({type(key).__name__}); nothing was created", peers=(r,))
+        keys[r] = key
+    return mine, keys
+
+
+def _create_on_writer(og: Any, readers: list[int], local: list[int], max_chunk_bytes: int,
+                      max_chunks: int, connect_ip: str | None, name: str,
+                      wait_policy: WaitPolicy | None, allow_pickle: bool,
+                      reader_keys: dict[int, bytes] | None) -> MessageQueue:
+    """Create the writer's queue; on failure tell the readers why, then re-raise."""
+    writer_rank = og.rank
+    try:
+        return MessageQueue(len(readers), len(local), local, max_chunk_bytes, max_chunks,
+                            connect_ip, name=name, wait_policy=wait_policy,
+                            writer_rank=writer_rank, allow_pickle=allow_pickle,
+                            remote_reader_keys=reader_keys)
+    except BaseException as e:
+        og.broadcast(("error", f"{type(e).__name__}: {e}"), src=writer_rank,
+                     op="create_from_process_group (handle)")
+        raise
+
+
+def _receive_handle(og: Any, mq: MessageQueue | None, writer_rank: int) -> Handle:
+    """Broadcast the writer's handle; a writer-side failure is a CollectiveMismatch here."""
+    payload = ("ok", mq.export_handle().to_bytes()) if mq is not None else None
+    try:
+        payload = og.broadcast(payload, src=writer_rank,
+                               op="create_from_process_group (handle)")
+    except BaseException:
+        if mq is not None:
+            mq.close()
+        raise
+    if payload[0] != "ok":
+        raise CollectiveMismatch(
+            f"the writer (rank {writer_rank}) could not create the message queue: {payload[1]}",
+            peers=(writer_rank,))
+    return Handle.from_bytes(payload[1])

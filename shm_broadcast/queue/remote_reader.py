@@ -1,0 +1,343 @@
+"""RemoteReader: a reader on another node, served over zmq PUB/SUB on TCP.
+
+Every message arrives on the writer's ``m`` topic as one frame ``topic +
+header + msgpack + arrays`` when its arrays total under 64 KiB, else as two
+frames ``[topic + header + msgpack, arrays]`` (sent without copying). Flow control keeps the writer from running away from a slow remote
+reader: the reader acks its cumulative count every ``remote_window // 4``
+messages on its DEALER, and the writer waits once it is ``remote_window``
+messages ahead of the slowest remote reader.
+
+Liveness: a socket monitor reports the TCP connection to the writer dropping
+(a dead process's sockets are closed by its kernel; a vanished host is caught
+by kernel TCP keepalive); on the same host the writer's pid is also checked.
+A writer that is paused (``SIGSTOP``, a debugger) keeps its connection and is
+waited for: a timeout case, never ``PeerDiedError`` (see
+:mod:`shm_broadcast.queue.transport`).
+
+Authentication and no reconnection (protocol; what holds):
+
+* Both sockets are CURVE clients of the writer's key from the handle, with
+  the client keypair the handle carries; a handle without CURVE keys is
+  refused (``ValueError``): this reader never talks plain TCP. A frame can
+  therefore only come from a peer holding the writer's secret key.
+* No reconnection (``ZMQ_RECONNECT_IVL`` of 12.4 days; see
+  :mod:`shm_broadcast.queue.transport` for why not ``-1``): the SUB makes one
+  connection. When it drops, the reader delivers the frames that had already
+  arrived -- they came through the authenticated connection, from the writer
+  -- and then raises ``PeerDiedError``, as the queue's contract says.
+* Before using any frame the reader drains its monitor: a second successful
+  handshake (impossible by the above, checked anyway), or a failed handshake
+  before the first success (the peer at the address is not the writer), makes
+  it raise ``PeerDiedError`` and decode nothing. A failed handshake after the
+  first success means the writer is gone. A process that binds the writer's
+  old port after the writer died is never connected to, and could not
+  authenticate if it were.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+import psutil
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from shm_broadcast.codec.message_codec import Codec
+from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout, ShmBroadcastError
+from shm_broadcast.queue.handle import Handle
+from shm_broadcast.queue.transport import (
+    ACK, CTL_ACK, CTL_HELLO, HANDSHAKE_FAILED, KIND_READY, KIND_SHUTDOWN, TOPIC_REMOTE, WIRE,
+    joined_topic,
+    close_all, close_dealer, guard_zmq, make_curve_client, new_socket, say_goodbye,
+)
+from shm_broadcast.waiting.policy import Backoff, PeerWatch, WaitPolicy, own_pid_space
+
+__all__ = ["RemoteReader"]
+
+#: Where the msgpack bytes start in a frame: topic byte + header.
+_HEAD = 1 + WIRE.size
+
+
+class RemoteReader:
+    """Reader side over TCP; used through :class:`MessageQueue`.
+
+    Args:
+        handle: The writer's handle (must have ``remote_pub``).
+        rank: This reader's rank; must not be in ``handle.local_reader_ranks``.
+        policy: Waiting policy (liveness interval and park poll bound).
+        codec: Decoder.
+        client_keypair: This reader's own Z85 ``(public, secret)`` CURVE keys,
+            whose public half the writer was given (``remote_reader_keys``);
+            default: the keypair the handle carries.
+    """
+
+    def __init__(self, handle: Handle, rank: int, policy: WaitPolicy, codec: Codec,
+                 client_keypair: tuple[bytes, bytes] | None = None) -> None:
+        self.name = handle.name
+        self.rank = rank
+        self.side = f"remote reader rank {rank}"
+        self.codec = codec
+        self._pid = os.getpid()
+        self._owner_thread = threading.get_ident()
+        # checked by pid only from the writer's own pid space, whatever its hostname
+        self._writer = PeerWatch(handle.writer_pid, handle.writer_create_time,
+                                 handle.writer_host, pid_space=handle.writer_pid_space)
+        wr = "" if handle.writer_rank is None else f" rank {handle.writer_rank}"
+        self._writer_desc = f"writer{wr} ({self._writer.describe()})"
+        #: What errors put in ``peers`` for the writer: its rank where the handle
+        #: has one (a group's queue), else the role.
+        self._writer_peer: int | str = ("writer" if handle.writer_rank is None
+                                        else handle.writer_rank)
+        self._ack_every = max(1, handle.remote_window // 4)
+        self._seq = 0
+        #: Same keys as a local reader's; a remote reader never parks on a doorbell.
+        self.park_stats = {"parks": 0, "timeouts": 0}
+        self._ready = False
+        self._closing = False
+        self._closed = False
+        self._shutdown_seen = False
+        self._writer_lost = False
+        #: Why frames from the SUB connection can no longer be trusted, if so.
+        self._untrusted: str | None = None
+        self._handshakes = 0
+        self._peek: list | None = None
+        self._wait_what = ""
+        self._wait_timeout: float | None = None
+        self._backoff = Backoff(policy, self._check_wait)
+        self.ctx: zmq.Context | None = None
+        self._zmq_guard: Any = None
+        self.sub: zmq.Socket | None = None
+        self.dealer: zmq.Socket | None = None
+        self._mon: zmq.Socket | None = None
+        try:
+            if handle.remote_pub is None or handle.remote_ctl is None:
+                raise ValueError(
+                    f"rank {rank} is not a local reader of queue {handle.name!r} "
+                    f"(local ranks {list(handle.local_reader_ranks)}) and the queue has no "
+                    "remote endpoint; pass the right rank or create the queue with "
+                    "n_reader > n_local_reader")
+            self._connect(handle, rank, client_keypair)
+            self._poller = zmq.Poller()
+            self._poller.register(self.sub, zmq.POLLIN)
+            self._poller.register(self._mon, zmq.POLLIN)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, handle: Handle, rank: int,
+                 client_keypair: tuple[bytes, bytes] | None) -> None:
+        """Open the CURVE SUB (data) and DEALER (control) connections; say hello."""
+        keys = _client_keys(handle, client_keypair)
+        self.ctx = zmq.Context(io_threads=1)
+        self.sub = new_socket(self.ctx, zmq.SUB, tcp=True)
+        self.dealer = new_socket(self.ctx, zmq.DEALER, tcp=True)
+        for sock, addr in ((self.sub, handle.remote_pub), (self.dealer, handle.remote_ctl)):
+            make_curve_client(sock, *keys)
+            if "[" in addr:
+                sock.setsockopt(zmq.IPV6, 1)
+        self._mon = self.sub.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
+        self._zmq_guard = guard_zmq(self, self.ctx, [self._mon, self.sub, self.dealer])
+        self.sub.connect(handle.remote_pub)
+        self.sub.subscribe(TOPIC_REMOTE)
+        self.sub.subscribe(joined_topic(rank))  # after TOPIC_REMOTE: see transport.TOPIC_JOINED
+        self.dealer.setsockopt(zmq.ROUTING_ID, b"R%d" % rank)
+        self.dealer.connect(handle.remote_ctl)
+        ctime = psutil.Process(self._pid).create_time()
+        self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
+            [rank, self._pid, ctime, socket.gethostname(), own_pid_space()]))
+
+    # ------------------------------------------------------------- receive
+    def _next(self, what: str, timeout: float | None) -> list:
+        """Return the next frames on the subscription, waiting as needed."""
+        if self._peek is not None:
+            frames, self._peek = self._peek, None
+            return frames
+        try:
+            return self.sub.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass
+        self._wait_what, self._wait_timeout = what, timeout
+        b = self._backoff
+        b.start(None if timeout is None else time.monotonic() + timeout)
+        while True:
+            b.step()
+            events = dict(self._poller.poll(max(1, int(b.park_timeout() * 1000))))
+            if self._mon in events:
+                self._drain_monitor()
+            if self.sub in events:
+                return self.sub.recv_multipart(copy=False)
+
+    def _drain_monitor(self) -> None:
+        try:
+            while True:
+                ev = parse_monitor_message(self._mon.recv_multipart(zmq.NOBLOCK))
+                event = ev["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._writer_lost = True
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._handshakes += 1
+                    if self._handshakes > 1:
+                        self._untrusted = "the connection to the writer was re-established"
+                elif event & HANDSHAKE_FAILED:
+                    self._writer_lost = True
+                    if not self._handshakes:
+                        self._untrusted = (
+                            "the TCP handshake failed: the peer did not prove the writer's "
+                            "CURVE key, or the writer refused this reader's key")
+        except zmq.Again:
+            pass
+
+    def _vet(self) -> None:
+        """Called before any received frame is used: raise if it may not be the writer's."""
+        if self._mon.get(zmq.EVENTS) & zmq.POLLIN:
+            self._drain_monitor()
+        if self._untrusted is not None:
+            self._peek = None
+            raise PeerDiedError(
+                f"queue {self.name!r}: {self.side} lost the {self._writer_desc}: "
+                f"{self._untrusted}", queue=self.name, side=self.side, peers=[self._writer_peer])
+
+    def _check_wait(self, expired: bool) -> None:
+        if self._closing:
+            raise QueueClosedError(
+                f"queue {self.name!r}: {self.side} was shut down while waiting for "
+                f"{self._wait_what}", queue=self.name, side=self.side)
+        self._vet()
+        if self._writer_lost or not self._writer.alive():
+            try:  # deliver what arrived before the connection dropped
+                self._peek = self.sub.recv_multipart(zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            raise PeerDiedError(
+                f"queue {self.name!r}: lost the {self._writer_desc} while {self.side} waited "
+                f"for {self._wait_what}", queue=self.name, side=self.side,
+                peers=[self._writer_peer])
+        if expired:
+            state = self._writer.state()
+            how = {"stopped": " (alive but stopped: SIGSTOP, job control or a debugger)",
+                   "running": " (alive)"}.get(state, "")
+            raise QueueTimeout(
+                f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
+                f"waiting for {self._wait_what} from the {self._writer_desc}{how}; its "
+                f"connection is up", queue=self.name, side=self.side, peers=[self._writer_peer])
+
+    def wait_until_ready(self, timeout: float | None) -> None:
+        """Block until the writer's READY marker arrives."""
+        self._check_open("wait_until_ready")  # also once ready: a closed queue is unusable
+        if self._ready:
+            return
+        while True:
+            frames = self._next("the writer to see all readers connected", timeout)
+            self._vet()
+            seq, kind, _m, _b = WIRE.unpack_from(frames[0].buffer, 1)
+            if kind == KIND_READY:
+                self._ready = True
+                return
+            if kind == KIND_SHUTDOWN:
+                self._shutdown_seen = True
+                self._raise_shutdown()
+
+    def poll(self) -> bool:
+        """Whether a message (or the writer's shutdown marker) is waiting."""
+        if self._closed:
+            return False
+        return self._peek is not None or bool(self.sub.poll(0))
+
+    def dequeue(self, timeout: float | None) -> Any:
+        """Receive the next message."""
+        if self._closing or not self._ready:
+            self._check_open("dequeue")
+            if self._closing:
+                raise QueueClosedError(f"queue {self.name!r}: {self.side} was shut down",
+                                       queue=self.name, side=self.side)
+            self.wait_until_ready(timeout if timeout is not None else 120.0)
+        if self._shutdown_seen:
+            self._raise_shutdown()
+        frames = self._next(f"message #{self._seq}", timeout)
+        self._vet()
+        head = frames[0].buffer  # topic byte, header, msgpack
+        seq, kind, mlen, blen = WIRE.unpack_from(head, 1)
+        if kind == KIND_SHUTDOWN:
+            self._shutdown_seen = True
+            self._raise_shutdown()
+        if seq != self._seq:
+            raise ShmBroadcastError(
+                f"queue {self.name!r}: {self.side} expected message #{self._seq}, got #{seq}")
+        self._seq = seq + 1
+        if self._seq % self._ack_every == 0:
+            try:
+                self.dealer.send(CTL_ACK + ACK.pack(self._seq), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        if len(frames) == 1:  # small message: arrays follow the msgpack bytes
+            return self.codec.decode(head[_HEAD : _HEAD + mlen], head, _HEAD + mlen, blen)
+        return self.codec.decode(head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen)
+
+    def _raise_shutdown(self) -> None:
+        raise QueueClosedError(
+            f"queue {self.name!r}: the {self._writer_desc} shut the queue down; no message "
+            f"#{self._seq} will come", queue=self.name, side=self.side, peers=[self._writer_peer])
+
+    # ----------------------------------------------------------- lifecycle
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise QueueClosedError(f"queue {self.name!r}: {op}() on a closed queue",
+                                   queue=self.name, side=self.side)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
+    def shutdown(self) -> None:
+        """Stop reading: blocked calls raise QueueClosedError; the writer is told."""
+        if self._closing:
+            return
+        self._closing = True
+        say_goodbye(self.dealer, self._owner_thread)
+
+    def close(self) -> None:
+        """Disconnect. Idempotent."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
+        if self.dealer is not None:
+            self.shutdown()
+        self._closed = True
+        self._peek = None
+        if self._zmq_guard is not None:
+            self._zmq_guard.detach()  # released here, in order
+        close_dealer(self.dealer)
+        if self._mon is not None and self.sub is not None:
+            try:
+                self.sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        close_all(self._mon, self.sub)
+        if self.ctx is not None:
+            self.ctx.term()
+
+
+def _client_keys(handle: Handle, own: tuple[bytes, bytes] | None
+                 ) -> tuple[bytes, bytes, bytes]:
+    """``(server public, client public, client secret)``: the reader's own pair or the handle's.
+
+    Raises:
+        ValueError: A key is missing or malformed (this reader refuses plain TCP).
+    """
+    pair = own if own is not None else (handle.curve_client_key, handle.curve_client_secret)
+    keys = (handle.curve_server_key, *pair)
+    if any(not isinstance(k, bytes) or len(k) != 40 for k in keys):
+        raise ValueError(
+            f"the handle of queue {handle.name!r} carries no valid CURVE keys for remote "
+            "readers; a remote reader never connects without authentication")
+    return keys  # type: ignore[return-value]

@@ -1,0 +1,361 @@
+"""Local rank processes: start them, tie them to their parent, stop and reap them.
+
+The one process launcher of the project. :mod:`coordinator.testing` (tests and
+the demo) and the benchmarks build on it; it lives in the bottom package so
+that every layer may use it.
+
+Two ways to use it:
+
+* the primitives (:func:`start_ranks`, :func:`stop_ranks`,
+  :func:`die_with_parent`, ...), for a harness with its own message protocol
+  (``coordinator.testing.DistributedPool`` keeps its ranks between runs and
+  stops them all at the first failure);
+* :func:`spawn_group`, one-shot ranks with a gloo world group whose outcomes
+  are reported one by one: a rank that dies does **not** stop the others, so a
+  test can kill a rank on purpose and check what the survivors saw.
+
+What holds for every rank started here: it is a ``spawn`` child (no inherited
+threads or CUDA state); it dies with its parent process, whichever thread
+started it (:func:`die_with_parent`); :func:`stop_ranks`
+sends SIGTERM first (ranks unlink the shared memory they own on SIGTERM), then
+SIGKILL, reaps every process and unlinks the segments still owned by a dead
+rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import random
+import select
+import signal
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Mapping, Sequence
+
+from shm_broadcast.checks import check_int
+from shm_broadcast.ranks.tcp_store import client_store, master_store
+
+__all__ = [
+    "RankOutcome",
+    "describe_exit",
+    "die_with_parent",
+    "free_port",
+    "per_rank_env",
+    "pin_to_cpu",
+    "spawn_group",
+    "start_ranks",
+    "stop_ranks",
+]
+
+EnvArg = Mapping[str, str] | Sequence[Mapping[str, str]] | None
+
+
+# ---------------------------------------------------------------- primitives
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago.
+
+    Chosen below the kernel's ephemeral range when possible: a port from that
+    range (what ``bind(0)`` returns) may be taken by any outgoing connection of
+    another process (gloo opens many) before the caller binds it again.
+    """
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(_FIXED_LOW, low) if low > _FIXED_LOW + 64 else 0
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, port))
+                return int(s.getsockname()[1])
+        except OSError:
+            if port == 0:
+                raise
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+_FIXED_LOW = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def per_rank_env(env: EnvArg, n: int) -> list[dict[str, str]]:
+    """``env`` as one dict per rank: one mapping for all, or exactly ``n`` of them."""
+    if env is None:
+        return [{} for _ in range(n)]
+    if isinstance(env, Mapping):
+        return [dict(env) for _ in range(n)]
+    envs = [dict(e) for e in env]
+    if len(envs) != n:
+        raise ValueError(f"env must be one mapping or {n} mappings (one per rank), got {len(envs)}")
+    return envs
+
+
+def describe_exit(code: int | None) -> str:
+    """A process exit code in words (``killed by signal SIGKILL``, ``exit code 1``)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# Seconds between the SIGTERM a rank sends itself when its parent is gone and the
+# SIGKILL: enough for its SIGTERM handler to unlink what it owns, short enough
+# that no rank lingers.
+PARENT_GONE_GRACE_S = 2.0
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child: die when the parent *process* dies; exit now if it already has.
+
+    A daemon thread watches, once a second and at once when it closes, the
+    pipe a ``multiprocessing`` parent keeps open until it exits
+    (``multiprocessing.parent_process().sentinel``), and the parent pid
+    (``getppid()`` changes when the parent dies, also while a forked copy of
+    the parent still holds the pipe). When the parent is gone the child sends
+    itself SIGTERM (ranks unlink the shared memory they own on it), then
+    SIGKILL after :data:`PARENT_GONE_GRACE_S`. ``PR_SET_PDEATHSIG`` is not
+    used: it fires when the parent's *thread* that started the child exits,
+    so ranks started from a short-lived thread would die with it.
+    """
+    parent = mp.parent_process()
+    sentinel = parent.sentinel if parent is not None and parent.pid == parent_pid else None
+    threading.Thread(target=_exit_with_parent, args=(parent_pid, sentinel),
+                     name="die-with-parent", daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before the watch began
+        os._exit(1)
+
+
+def _exit_with_parent(parent_pid: int, sentinel: int | None) -> None:
+    """Wait until the parent process is gone, then end this process."""
+    poller = select.poll()
+    if sentinel is not None:
+        poller.register(sentinel, select.POLLIN | select.POLLHUP)
+    while os.getppid() == parent_pid:
+        events = [ev for _, ev in poller.poll(1000)]
+        if any(ev & select.POLLNVAL for ev in events):
+            poller.unregister(sentinel)  # closed here by mistake: watch the pid alone
+        elif any(ev & select.POLLHUP for ev in events):
+            break  # the parent's end closed: it exited
+        elif events and os.read(sentinel, 4096) == b"":  # type: ignore[arg-type]
+            break  # end of file: the same
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(PARENT_GONE_GRACE_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pin_to_cpu(rank: int) -> None:
+    """Bind this process (call before any thread starts) to the ``rank``-th allowed CPU."""
+    if hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+
+
+def start_ranks(
+    target: Callable[..., None],
+    world_size: int,
+    args_of: Callable[[int, Connection], tuple[Any, ...]],
+    *,
+    name: str,
+    duplex: bool,
+) -> tuple[list[Any], list[Connection]]:
+    """Start ``world_size`` spawn children running ``target(*args_of(rank, pipe_end))``.
+
+    Returns the processes and the parent's ends of their pipes, by rank. If a
+    start fails, the ranks already started are stopped before re-raising.
+    """
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    conns: list[Connection] = []
+    try:
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=duplex)
+            p = ctx.Process(target=target, args=args_of(rank, child),
+                            name=f"{name}{rank}", daemon=True)
+            conns.append(parent)
+            p.start()
+            child.close()
+            procs.append(p)
+    except BaseException:
+        stop_ranks(procs, conns)
+        raise
+    return procs, conns
+
+
+def _signal_all(procs: Sequence[Any], sig: int) -> None:
+    for p in procs:
+        try:
+            os.kill(p.pid, sig)
+        except (ProcessLookupError, TypeError):
+            pass
+
+
+def stop_ranks(procs: Sequence[Any], conns: Sequence[Connection] = (),
+               term_grace: float = 2.0, wait_first: float = 0.0) -> None:
+    """Stop and reap every process; close pipes; unlink segments orphaned by a dead rank.
+
+    Args:
+        procs: The processes (``multiprocessing.Process``).
+        conns: Pipe ends to close afterwards.
+        term_grace: Seconds between SIGTERM and SIGKILL.
+        wait_first: Seconds to let them exit by themselves (after a stop
+            command) before any signal.
+    """
+    from shm_broadcast.lifecycle.segment import list_segments, remove_segment
+
+    pids = {p.pid for p in procs if p.pid is not None}
+    deadline = time.monotonic() + wait_first
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    _signal_all([p for p in procs if p.is_alive()], signal.SIGTERM)
+    deadline = time.monotonic() + term_grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    _signal_all([p for p in procs if p.is_alive()], signal.SIGKILL)
+    for p in procs:
+        p.join(10.0)
+        try:
+            p.close()
+        except ValueError:  # still running after SIGKILL + 10 s: leave it to init
+            pass
+    for seg in list_segments():
+        if seg.pid in pids and not seg.owner_alive:
+            remove_segment(seg.name)
+    for c in conns:
+        c.close()
+
+
+# ---------------------------------------------------------------- spawn_group
+@dataclass
+class RankOutcome:
+    """What one rank of :func:`spawn_group` did.
+
+    Attributes:
+        rank: The rank.
+        ok: Whether ``fn`` returned.
+        result: Its return value (when ``ok``).
+        error: ``"<Type>: message"`` and traceback when ``fn`` raised.
+        exitcode: Process exit code (negative: killed by that signal; None: still
+            running when killed at the timeout).
+    """
+
+    rank: int
+    ok: bool = False
+    result: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+
+def spawn_group(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    env: EnvArg = None,
+    timeout: float = 300.0,
+    pin_cpus: bool = False,
+) -> list[RankOutcome]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
+
+    Each child initialises ``torch.distributed`` (gloo, world group) first. The
+    rendezvous store lives in the parent, so ranks keep working when any of
+    them dies. Every child is reaped before this returns.
+
+    Args:
+        fn: Module-level function; its result must be picklable.
+        world_size: Number of ranks (>= 1).
+        args: Extra arguments for ``fn``.
+        env: Extra environment variables, one mapping or one per rank.
+        timeout: Seconds before ranks still running are killed.
+        pin_cpus: Bind rank ``r`` (all its threads) to the ``r``-th allowed CPU
+            (round robin), as MPI launchers do by default for benchmarks.
+
+    Returns:
+        One :class:`RankOutcome` per rank, by rank.
+    """
+    check_int(world_size, "world_size", minimum=1)
+    envs = per_rank_env(env, world_size)
+    store = master_store("127.0.0.1", 0, world_size + 1, datetime.timedelta(seconds=timeout))
+    me = os.getpid()
+    procs, conns = start_ranks(
+        _spawn_child, world_size,
+        lambda r, child: (fn, r, world_size, store.port, tuple(args), envs[r], child, me,
+                          timeout, pin_cpus),
+        name="gc-rank", duplex=False)
+    try:
+        return _collect_outcomes(procs, conns, timeout)
+    finally:
+        stop_ranks(procs, conns, term_grace=0.0)
+        del store
+
+
+def _collect_outcomes(procs: list[Any], conns: list[Connection],
+                      timeout: float) -> list[RankOutcome]:
+    """Each rank's message (or its silence at the deadline), then the exit code of each
+    rank that reported, after a grace of up to 10 s."""
+    out = [RankOutcome(r) for r in range(len(procs))]
+    deadline = time.monotonic() + timeout
+    live = {c: r for r, c in enumerate(conns)}
+    while live and time.monotonic() < deadline:
+        for c in wait(list(live), timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+            r = live.pop(c)  # type: ignore[call-overload]
+            try:
+                kind, payload = c.recv()  # type: ignore[union-attr]
+            except (EOFError, OSError):
+                continue  # exited without a message
+            if kind == "ok":
+                out[r].ok, out[r].result = True, payload
+            else:
+                out[r].error = payload
+    # Ranks that reported (or closed their pipe) get a grace to exit; ranks still
+    # silent at the deadline are past the timeout and are killed by the caller.
+    grace = time.monotonic() + 10.0
+    for r, p in enumerate(procs):
+        if conns[r] not in live:
+            p.join(max(0.0, grace - time.monotonic()))
+        out[r].exitcode = p.exitcode
+    return out
+
+
+def _spawn_child(fn: Callable[..., Any], rank: int, world_size: int, port: int,
+                 args: tuple[Any, ...], env: dict[str, str], conn: Connection,
+                 parent_pid: int, timeout: float, pin_cpus: bool) -> None:
+    if pin_cpus:
+        pin_to_cpu(rank)  # before any thread starts
+    die_with_parent(parent_pid)
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    try:
+        store = client_store("127.0.0.1", port, world_size + 1,
+                             datetime.timedelta(seconds=timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        msg: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
+    except BaseException as e:  # report, do not hang the parent
+        msg = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    try:
+        conn.send(msg)
+    except (BrokenPipeError, OSError):
+        pass
+    conn.close()
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # a dead peer can make teardown fail; we are exiting anyway
+        pass

@@ -1,0 +1,376 @@
+"""How a blocked queue side waits: spin, then yield, then park; never forever.
+
+A side that finds nothing to do (a reader with no new message, a writer with a
+full ring) waits in three phases, driven by :class:`Backoff`::
+
+      start
+        |
+        v
+    +--------+  spin_s elapsed   +---------+  yield_s elapsed   +----------+
+    |  SPIN  | ----------------> |  YIELD  | -----------------> |   PARK   |
+    | (poll  |                   | (poll + |                    | (poll(2) |
+    |  flag) |                   |  sched_ |                    | doorbell,|
+    +--------+                   |  yield) |                    | <= park_ |
+        |                        +---------+                    | poll_s)  |
+        |                            |                          +----------+
+        |  condition true            |                              |
+        +----------------------------+------------------------------+--> done
+
+* **SPIN** re-reads the shared flag in a tight loop for ``spin_s`` (default
+  5 us): a peer answering on another core is seen within a microsecond or so.
+  Longer spins measured *worse* on the oversubscribed 2-core development
+  machine (4 KB round trip p50 ~50 us with 0-5 us, ~100 us with 20 us, ~400 us
+  with 200 us): spinning burns the time slice the peer may be waiting for.
+* **YIELD** keeps polling but calls ``sched_yield()`` between polls, so an
+  oversubscribed machine gives the core to whoever needs it (with nothing else
+  runnable the call returns at once: polling continues at ~1 us granularity).
+  It lasts ``yield_s`` (default 2 ms): back-to-back messages never leave this
+  phase, while a reader waiting for the next engine step (tens of ms) parks
+  instead of burning a core -- the 100%-CPU readers of polling-only queues are
+  exactly what this avoids. Raise it if you prefer CPU to wake-up latency.
+* **PARK** declares itself parked in shared memory and blocks in ``poll(2)``
+  on its doorbell (:mod:`shm_broadcast.waiting.doorbell`), which the peer rings only
+  when it sees the parked flag; an idle side costs ~0% CPU and wakes with a
+  single kernel wake-up. That wake-up has a platform floor the queue cannot
+  beat: ``groupcoord bench mq`` measures it in the same run (a bare process
+  sleeping in ``poll(2)``; 160-240 us p50 on the 2-vCPU development VM, where
+  the queue measured 1.5-1.8x that). Engines that cannot afford it between
+  steps raise ``yield_s`` to cover their step time, trading CPU for latency.
+
+A reader of step-periodic traffic (an engine's metadata queue) can do better
+than either polling or parking the whole gap: with ``WaitPolicy(predict=
+PredictivePolicy())`` (:mod:`shm_broadcast.waiting.predictive`) it learns when the
+next message is due, sleeps parked (the doorbell still wakes it) until just
+before that, and polls only around the expected time. :class:`Backoff` runs
+such a plan as one more phase, **SLEEP**, before SPIN; when the window passes
+without a message it continues with YIELD and PARK as above.
+
+Whatever the phase, :meth:`Backoff.step` runs the checks every ``liveness_s``
+(default 0.2 s) and at the deadline: the caller's timeout
+(:class:`~shm_broadcast.errors.QueueTimeout`), a ``shutdown()``
+(:class:`~shm_broadcast.errors.QueueClosedError`) and whether the peer process
+still lives (:class:`PeerWatch`, :class:`~shm_broadcast.errors.PeerDiedError`).
+That is why no wait can hang silently: without a timeout, a dead peer is
+noticed within ``liveness_s`` plus one park poll.
+
+A pause is not a death. A peer stopped by ``SIGSTOP``, job control, a
+debugger, swapping or a long GC pause is alive: :class:`PeerWatch` reports it
+alive (and :meth:`PeerWatch.state` says ``"stopped"``), so its peers keep
+waiting and raise ``QueueTimeout`` when their timeout runs out, never
+``PeerDiedError``. Death is declared only on evidence: the process is gone
+(same host: pid *and* start time), or the OS closed or reset its connection.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import psutil
+
+from shm_broadcast.waiting.predictive import PredictivePolicy, WaitPlan
+
+__all__ = ["WaitPolicy", "Backoff", "PeerWatch", "own_pid_space", "state_text", "SPIN", "YIELD",
+           "PARK", "SLEEP"]
+
+SPIN = 0
+YIELD = 1
+PARK = 2
+#: A planned sleep (parked, timed): see :mod:`shm_broadcast.waiting.predictive`.
+SLEEP = 3
+
+_monotonic = time.monotonic
+_sched_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """Timing knobs of the spin -> yield -> park waiting strategy.
+
+    Attributes:
+        spin_s: Seconds of pure busy polling before yielding (the spin window).
+            Keep it short: it burns a core. 0 disables spinning.
+        yield_s: Further seconds of polling with ``sched_yield()`` in between
+            before parking. A reader that waits longer parks.
+        park_poll_s: Upper bound of one parked ``zmq.poll``; the side re-checks
+            the flag, its deadline and the peer's liveness after each.
+        liveness_s: How often (seconds) a waiting side checks that its peer
+            process is alive.
+        predict: Shared-memory readers learn when messages are due and sleep
+            until shortly before (:class:`~shm_broadcast.waiting.predictive.PredictivePolicy`
+            holds the knobs); None (default): plain spin -> yield -> park.
+            :meth:`predictive` gives the policy of group broadcasters.
+    """
+
+    spin_s: float = 5e-6
+    yield_s: float = 0.002
+    park_poll_s: float = 0.1
+    liveness_s: float = 0.2
+    predict: PredictivePolicy | None = None
+
+    @classmethod
+    def predictive(cls, **knobs: float | int) -> "WaitPolicy":
+        """The default timings with predictive waiting on (what a
+        ``GroupCoordinator``'s broadcaster readers use).
+
+        Args:
+            **knobs: :class:`~shm_broadcast.waiting.predictive.PredictivePolicy` fields.
+        """
+        return cls(predict=PredictivePolicy(**knobs))  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        if self.predict is not None and not isinstance(self.predict, PredictivePolicy):
+            raise TypeError(f"WaitPolicy.predict must be a PredictivePolicy or None, got "
+                            f"{type(self.predict).__name__}")
+        for field in ("spin_s", "yield_s", "park_poll_s", "liveness_s"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"WaitPolicy.{field} must be a number >= 0 (seconds), got {value!r}")
+        if self.park_poll_s <= 0 or self.liveness_s <= 0:
+            raise ValueError(
+                "WaitPolicy.park_poll_s and liveness_s must be > 0, got "
+                f"{self.park_poll_s!r} and {self.liveness_s!r}"
+            )
+
+
+_PID_SPACE: tuple[int, str] | None = None  # (pid it was read in, value)
+
+
+def own_pid_space() -> str:
+    """Where this process's pid means something: ``"<boot id>/<pid namespace inode>"``.
+
+    Two processes can check each other's pids exactly when these are equal
+    (same running kernel, same pid namespace). ``""`` when it cannot be read
+    (no ``/proc`` of our own). Read once per process (a fork re-reads it).
+    """
+    global _PID_SPACE
+    pid = os.getpid()
+    if _PID_SPACE is None or _PID_SPACE[0] != pid:
+        from shm_broadcast.lifecycle.owner_identity import OwnerIdentity
+
+        me = OwnerIdentity.of_self()
+        _PID_SPACE = (pid, f"{me.boot_id}/{me.pidns}" if me.boot_id and me.pidns else "")
+    return _PID_SPACE[1]
+
+
+class PeerWatch:
+    """Tells whether a peer process (pid + creation time) is still alive.
+
+    A pid alone is not an identity: it can be reused after the process exits.
+    We also compare the creation time recorded when the peer registered, and
+    treat zombies (exited, not yet reaped by their parent) as dead.
+
+    Args:
+        pid: The peer's process id.
+        create_time: ``psutil.Process(pid).create_time()`` as the peer reported
+            it, or ``None`` to skip the reuse check.
+        host: Hostname of the peer, for messages (and the fallback below).
+        pid_space: The peer's :func:`own_pid_space`. Its pid is checked with
+            psutil only when that equals ours: hostnames cannot tell, since
+            hosts may share a name while their pids live in different pid
+            spaces (and containers on one kernel have pid spaces of their
+            own). Without it (``""``), a peer whose ``host`` differs from ours
+            is taken as remote. A remote peer is always reported alive.
+    """
+
+    def __init__(self, pid: int, create_time: float | None, host: str | None = None,
+                 *, pid_space: str = "") -> None:
+        self.pid = pid
+        self.create_time = create_time
+        self.host = host
+        mine = own_pid_space() if pid_space else ""
+        if pid_space and mine:
+            self._remote = pid_space != mine
+        else:
+            self._remote = host is not None and host != socket.gethostname()
+        self._proc: psutil.Process | None = None
+
+    def alive(self) -> bool:
+        """Return whether the peer process exists and is not a zombie."""
+        if self._remote or self.pid <= 0:
+            return True
+        try:
+            if self._proc is None:
+                self._proc = psutil.Process(self.pid)
+                if self.create_time is not None and abs(
+                    self._proc.create_time() - self.create_time
+                ) > 0.05:
+                    return False  # the pid was reused by another process
+            return self._proc.is_running() and self._proc.status() != psutil.STATUS_ZOMBIE
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            return False
+
+    def state(self) -> str:
+        """What can be told about the peer process, for error messages.
+
+        Returns:
+            ``"exited"`` (gone or a zombie), ``"stopped"`` (alive but paused:
+            ``SIGSTOP``, job control, a debugger), ``"running"`` (alive: on a
+            CPU, runnable or sleeping in a wait) or ``"unknown"`` (on another
+            host, where no check is possible).
+        """
+        if self._remote or self.pid <= 0:
+            return "unknown"
+        if not self.alive():
+            return "exited"
+        try:
+            status = self._proc.status()  # type: ignore[union-attr]  # set by alive()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            return "exited"
+        except psutil.Error:
+            return "unknown"
+        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            return "stopped"
+        return "running"
+
+    def describe(self) -> str:
+        """Return ``pid N`` or ``pid N on HOST`` for error messages."""
+        if self._remote:
+            return f"pid {self.pid} on {self.host}"
+        return f"pid {self.pid}"
+
+
+class Backoff:
+    """One wait: phases by elapsed time plus periodic checks.
+
+    Usage (the condition itself is checked by the caller, inline, for speed)::
+
+        b.start(deadline)
+        while not ready():
+            if b.step() == PARK:
+                park()
+
+    Args:
+        policy: The timing knobs.
+        check: Called at most every ``policy.liveness_s`` seconds and at the
+            deadline with ``expired`` telling whether the deadline has passed;
+            it raises to end the wait (timeout, dead peer, shutdown).
+    """
+
+    __slots__ = ("_policy", "_check", "_deadline", "_sleep_until", "_spin_until",
+                 "_yield_until", "_next_check", "_contended_s", "contended")
+
+    def __init__(self, policy: WaitPolicy, check: Callable[[bool], None]) -> None:
+        self._policy = policy
+        self._check = check
+        self._deadline: float | None = None
+        self._sleep_until = 0.0
+        self._spin_until = 0.0
+        self._yield_until = 0.0
+        self._next_check = 0.0
+        self._contended_s = 0.0
+        #: Planned polls cut short because a yield showed the CPU contended.
+        self.contended = 0
+
+    def start(self, deadline: float | None, plan: WaitPlan | None = None,
+              now: float | None = None) -> None:
+        """Begin a new wait that ends at ``deadline`` (monotonic) or never.
+
+        Args:
+            deadline: When the wait times out (monotonic seconds), or None.
+            plan: From :meth:`~shm_broadcast.waiting.predictive.ArrivalPredictor.plan`:
+                SLEEP until ``sleep_until``, poll until ``poll_until``, then
+                YIELD for ``fallback_yield_s`` more (``< 0``: ``yield_s``) and
+                PARK; polling stops early (PARK) when one ``sched_yield``
+                returned only after ``yield_contended_s`` (0: never). None:
+                SPIN -> YIELD -> PARK from now.
+            now: The current monotonic time, if the caller just read it.
+        """
+        if now is None:
+            now = _monotonic()
+        p = self._policy
+        self._deadline = deadline
+        if plan is None:
+            self._sleep_until = 0.0
+            self._spin_until = now + p.spin_s
+            self._yield_until = self._spin_until + p.yield_s
+            self._contended_s = 0.0
+        else:
+            self._sleep_until = plan.sleep_until
+            self._spin_until = max(now, plan.sleep_until) + p.spin_s
+            self._yield_until = max(self._spin_until, plan.poll_until) + (
+                p.yield_s if plan.fallback_yield_s < 0 else plan.fallback_yield_s)
+            self._contended_s = plan.yield_contended_s
+        nxt = now + p.liveness_s
+        self._next_check = nxt if deadline is None or deadline > nxt else deadline
+
+    def step(self) -> int:
+        """Advance the wait by one poll; returns the phase to wait in.
+
+        Returns:
+            :data:`SLEEP` (the caller should sleep parked for
+            :meth:`park_timeout` seconds: a planned sleep), :data:`SPIN` (poll
+            again now), :data:`YIELD` (after having yielded the CPU once) or
+            :data:`PARK` (the caller should block on its doorbell for
+            :meth:`park_timeout` seconds).
+        """
+        now = _monotonic()
+        if now >= self._next_check:
+            self._run_check(now)
+        if now < self._sleep_until:
+            return SLEEP
+        if now < self._spin_until:
+            return SPIN
+        if now < self._yield_until:
+            _sched_yield()
+            if self._contended_s and _monotonic() - now > self._contended_s:
+                # Another task held this CPU: polling here would wait out its
+                # time slices; parked, the writer's bell wakes us (with the
+                # scheduler's wake-up preemption) instead.
+                self._yield_until = now
+                self.contended += 1
+                return PARK
+            return YIELD
+        return PARK
+
+    @property
+    def sleep_until(self) -> float:
+        """End of the planned sleep (0.0 when none is planned or it was cut short)."""
+        return self._sleep_until
+
+    def rearm(self) -> None:
+        """Restart the spin and yield phases (keeping deadline, checks and the
+        contention limit).
+
+        Called after a doorbell woke a parked (or planned-sleeping) side: the
+        bell announces a message that may still be in the making, so poll
+        actively again.
+        """
+        now = _monotonic()
+        self._sleep_until = 0.0
+        self._spin_until = now + self._policy.spin_s
+        self._yield_until = self._spin_until + self._policy.yield_s
+
+    def park_timeout(self) -> float:
+        """Seconds the caller may block (parked or sleeping) before calling :meth:`step` again."""
+        now = _monotonic()
+        t = min(self._policy.park_poll_s, self._next_check - now)
+        if self._sleep_until > now:
+            t = min(t, self._sleep_until - now)
+        return t if t > 0 else 0.0
+
+    def check_now(self) -> None:
+        """Run the checks immediately (used right after a park)."""
+        self._run_check(_monotonic())
+
+    def _run_check(self, now: float) -> None:
+        deadline = self._deadline
+        expired = deadline is not None and now >= deadline
+        self._check(expired)
+        nxt = now + self._policy.liveness_s
+        self._next_check = nxt if deadline is None or deadline > nxt or expired else deadline
+
+
+def state_text(watch: PeerWatch | None) -> str:
+    """A peer's process state for a timeout message (``watch`` None: not identified)."""
+    if watch is None:
+        return "process not identified"
+    state = watch.state()
+    if state == "stopped":
+        return f"{watch.describe()} is stopped (SIGSTOP, job control or a debugger)"
+    if state == "unknown":
+        return f"{watch.describe()}, not checkable from here"
+    return f"{watch.describe()} is {state}"

@@ -1,0 +1,119 @@
+"""Custom groups (init_model_parallel_group, init_world_group), the model groups
+listed and prepared, and the node count, on pool ranks."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator import parallel_state as ps
+from coordinator.group.registry import get_group_by_name
+
+
+def run_custom_groups(rank: int, world_size: int, allow_pickle: bool) -> dict[str, Any]:
+    """Every rank builds the same split of the world into pairs (odd world: one
+    single), all_reduces over its pair and broadcasts a dict on the pair's queue."""
+    from coordinator.parallel.model_groups import init_model_parallel_group
+
+    pairs = [list(range(i, min(i + 2, world_size))) for i in range(0, world_size, 2)]
+    g = init_model_parallel_group(pairs, rank, "gloo", use_message_queue_broadcaster=True,
+                                  group_name="draft", allow_pickle=allow_pickle)
+    try:
+        mine = next(p for p in pairs if rank in p)
+        total = g.all_reduce(torch.full((5,), float(rank + 1)))
+        sent = {"step": rank // 2, "ids": torch.arange(3) + rank // 2 * 10}
+        got = g.broadcast_tensor_dict(sent if g.rank_in_group == 0 else None, src=0)
+        return {"ranks": g.ranks, "mine": mine, "sum": total.tolist(),
+                "got": {"step": got["step"], "ids": got["ids"].tolist()},
+                "found": get_group_by_name(g.unique_name) is g, "name": g.unique_name,
+                "timeout": g.timeout == ps.get_world_group().timeout,
+                "pickle": g.allow_pickle, "mq": g.mq_broadcaster is not None or len(mine) == 1}
+    finally:
+        g.destroy()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,allow_pickle", [
+    pytest.param(2, False, id="ws2-no-pickle"),
+    pytest.param(3, True, id="ws3-pickle", marks=pytest.mark.slow)])
+def test_init_model_parallel_group(dist_pool, world_size: int, allow_pickle: bool) -> None:
+    outs = dist_pool(world_size).run(run_custom_groups, allow_pickle, timeout=90)
+    for rank, out in enumerate(outs):
+        mine = out["mine"]
+        assert out["ranks"] == mine, out
+        assert out["sum"] == [float(sum(r + 1 for r in mine))] * 5, out
+        assert out["got"] == {"step": rank // 2, "ids": [rank // 2 * 10 + i for i in range(3)]}
+        assert out["found"] and out["name"].startswith("draft") and out["timeout"], out
+        assert out["pickle"] is allow_pickle and out["mq"], out
+
+
+def run_world_and_model_groups(rank: int, world_size: int) -> dict[str, Any]:
+    """init_world_group, get_all_model_groups, prepare_communication_buffer_for_model,
+    get_node_count, and a group building GROUPCOORD_NODE_ID's two simulated nodes."""
+    from coordinator.parallel.model_groups import count_nodes, init_world_group
+
+    out: dict[str, Any] = {"nodes": ps.get_node_count(), "groups_before": ps.get_all_model_groups()}
+    ps.initialize_model_parallel(2, world_size // 2)
+    groups = ps.get_all_model_groups()
+    out["groups"] = [g.unique_name.split(":")[0] for g in groups]
+    out["same"] = [a is b for a, b in zip(groups, (ps.get_tp_group(), ps.get_pp_group(),
+                                                   ps.get_dp_group(), ps.get_pcp_group(),
+                                                   ps.get_dcp_group()), strict=True)]
+    ps.prepare_communication_buffer_for_model(torch.nn.Linear(4, 4))
+    whole = init_world_group(list(range(world_size)), rank, "gloo")
+    try:
+        out["whole"] = whole.all_reduce(torch.ones(2)).tolist()
+        out["whole_comm"] = whole.device_communicator is None  # vLLM's: torch.distributed
+    finally:
+        whole.destroy()
+    os.environ["GROUPCOORD_NODE_ID"] = f"node{rank // 2}"
+    try:  # the CPU communicator numbers the simulated nodes as it is built
+        split = init_world_group(range(world_size), rank, "gloo", use_device_communicator=True)
+    finally:
+        del os.environ["GROUPCOORD_NODE_ID"]
+    try:
+        out["split_nodes"] = count_nodes(split)
+    finally:
+        split.destroy()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_world_and_model_groups(dist_pool) -> None:
+    outs = dist_pool(4).run(run_world_and_model_groups, timeout=90)
+    for out in outs:
+        assert out["nodes"] == 1 and out["groups_before"] == [], out
+        assert out["groups"] == ["tp", "pp", "dp", "pcp", "dcp"] and all(out["same"]), out
+        assert out["whole"] == [4.0, 4.0] and out["whole_comm"], out
+        assert out["split_nodes"] == 2, out
+
+
+def run_bad_groups(rank: int, world_size: int) -> list[str]:
+    from coordinator.parallel.model_groups import init_model_parallel_group, init_world_group
+
+    seen = []
+    for call in (lambda: init_model_parallel_group([[0, 1], [1]], rank, "gloo"),
+                 lambda: init_model_parallel_group([[0], [1]], rank, "carrier-pigeon"),
+                 lambda: init_world_group("01", rank, "gloo")):
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            seen.append(type(e).__name__)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_bad_group_arguments_raise_before_any_wait(dist_pool) -> None:
+    outs = dist_pool(2).run(run_bad_groups, timeout=60)
+    assert outs == [["ValueError", "ValueError", "TypeError"]] * 2, outs
+
+
+def test_node_count_without_torch_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("this process belongs to a group")
+    assert ps.get_node_count() == 1

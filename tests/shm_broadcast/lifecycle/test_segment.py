@@ -1,0 +1,100 @@
+"""SharedSegment lifecycle: SIGTERM unlinks, the reaper cleans after SIGKILL, cleanup removes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+import pytest
+
+from shm_broadcast import SharedSegment, ShmSpaceError, list_segments
+from shm_broadcast.lifecycle.segment import SHM_DIR, shm_free_bytes
+from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, wait_gone
+
+
+def _cleanup(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shm_broadcast.cli", "cleanup", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_unlinks_before_death_and_sigkill_is_cleaned_by_the_reaper(procs):
+    term = procs.start(segment_owner)
+    kill = procs.start(segment_owner)
+    names = {}
+    for _ in range(2):
+        _, name = procs.get()
+        names[int(name.split("_")[2])] = name
+    term_name, kill_name = names[term.pid], names[kill.pid]
+    assert os.path.exists(os.path.join(SHM_DIR, term_name))
+
+    os.kill(term.pid, signal.SIGTERM)
+    term.join(30)
+    assert term.exitcode == -signal.SIGTERM
+    assert not os.path.exists(os.path.join(SHM_DIR, term_name)), "SIGTERM must unlink"
+    assert not os.path.exists(os.path.join(SHM_DIR, term_name + ".owner"))
+
+    os.kill(kill.pid, signal.SIGKILL)
+    kill.join(30)
+    path = os.path.join(SHM_DIR, kill_name)
+    assert not wait_gone(path, path + ".owner"), "the reaper must remove a SIGKILLed owner's segment"
+
+
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
+@pytest.mark.timeout(90)
+def test_owner_killed_with_its_reaper_leaves_an_orphan_that_cleanup_removes(procs):
+    owner = procs.start(segment_owner)
+    _, name = procs.get()
+    kill_with_reaper(owner.pid)
+    owner.join(30)
+    time.sleep(0.2)
+    assert os.path.exists(os.path.join(SHM_DIR, name)), "nobody left to clean up"
+    listed = _cleanup()
+    assert listed.returncode == 0 and f"orphan   {name}" in listed.stdout, listed.stdout
+    assert os.path.exists(os.path.join(SHM_DIR, name)), "without --yes nothing is removed"
+    removed = _cleanup("--yes")
+    assert f"removed  {name}" in removed.stdout, removed.stdout + removed.stderr
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+    assert not os.path.exists(os.path.join(SHM_DIR, name + ".owner"))
+    assert name not in {s.name for s in list_segments()}
+
+
+@pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan
+@pytest.mark.timeout(30)
+def test_cleanup_leaves_live_segments_alone():
+    with SharedSegment.create("test", 4096) as seg:
+        out = _cleanup("--yes", "--all")
+        assert out.returncode == 0
+        assert f"in use   {seg.name}" in out.stdout
+        assert os.path.exists(os.path.join(SHM_DIR, seg.name))
+
+
+@pytest.mark.timeout(30)
+def test_creation_fails_cleanly_when_dev_shm_is_too_small():
+    free = shm_free_bytes()
+    if free < 0:
+        pytest.skip("no /dev/shm on this platform")
+    with pytest.raises(ShmSpaceError, match="groupcoord cleanup"):
+        SharedSegment.create("test", free + (1 << 30))
+    assert not any(s.pid == os.getpid() for s in list_segments())
+
+
+# ---------------------------------------------------------------------- child processes
+# Spawned by the ``procs`` fixture as ``fn(*args, out_queue)``; each reports through
+# the queue (``("ok", ...)`` or ``("error", traceback)``) and never fails silently.
+def segment_owner(out: Any) -> None:
+    """Create a segment and wait until killed, in slices: Python runs the signal
+    handler in the main thread between bytecodes, and the signal may be taken by
+    the queue's feeder thread (docs/lifecycle.md, "Limits")."""
+    try:
+        seg = SharedSegment.create("test", 4096)
+        out.put(("segment", seg.name))
+        for _ in range(6000):
+            time.sleep(0.1)
+    except BaseException:
+        out.put(("error", 0, traceback.format_exc()))

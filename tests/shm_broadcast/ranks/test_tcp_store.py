@@ -1,0 +1,72 @@
+"""Store servers listen where they are told, and nowhere else (no traffic leaves loopback)."""
+
+from __future__ import annotations
+
+import datetime
+
+import psutil
+import pytest
+
+from shm_broadcast.ranks.launcher import free_port
+from shm_broadcast.ranks.tcp_store import client_store, master_store
+
+_T = datetime.timedelta(seconds=10)
+
+
+def listening_on(port: int) -> set[str]:
+    """Local addresses of this process's TCP sockets listening on ``port``."""
+    return {c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+@pytest.mark.parametrize("port", ["free", "zero"])
+def test_master_store_listens_on_loopback_only(port: str) -> None:
+    store = master_store("127.0.0.1", free_port() if port == "free" else 0, 2, _T)
+    try:
+        assert listening_on(store.port) == {"127.0.0.1"}
+        client = client_store("127.0.0.1", store.port, 2, _T)
+        client.set("k", b"v")
+        assert store.get("k") == b"v"
+    finally:
+        del store
+
+
+def test_localhost_listens_on_loopback_only() -> None:
+    store = master_store("localhost", 0, 1, _T)
+    try:
+        got = listening_on(store.port)
+        assert got and all(ip in ("127.0.0.1", "::1") for ip in got), got
+    finally:
+        del store
+
+
+def test_a_host_name_listens_on_every_interface() -> None:
+    """A node's own name may resolve to a loopback address on the node and to
+    its network address elsewhere: binding it here could shut other nodes out."""
+    import socket
+
+    store = master_store(socket.gethostname(), 0, 1, _T)
+    try:
+        assert listening_on(store.port) - {"127.0.0.1", "::1"}, listening_on(store.port)
+    finally:
+        del store
+
+
+def test_torch_alone_would_listen_on_every_interface() -> None:
+    """Why the module exists: the same request made to torch directly."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=_T)
+    try:
+        assert listening_on(store.port) - {"127.0.0.1"}, listening_on(store.port)
+    finally:
+        del store
+
+
+def test_a_taken_port_is_an_os_error() -> None:
+    store = master_store("127.0.0.1", 0, 1, _T)
+    try:
+        with pytest.raises(OSError):
+            master_store("127.0.0.1", store.port, 1, _T)
+    finally:
+        del store
