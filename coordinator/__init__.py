@@ -14,8 +14,8 @@ from coordinator.errors import (
     CommunicatorUnavailable,
     ConcurrentCallError,
     DecodeError,
-    EncodeError,
     DistributedTimeout,
+    EncodeError,
     GroupCoordError,
     NotInitializedError,
     PeerDiedError,
@@ -25,9 +25,15 @@ from coordinator.errors import (
     SegmentError,
     StoreConnectionError,
 )
-from coordinator.p2p.async_p2p import P2PHandle
 from coordinator.group.group_coordinator import GraphCaptureContext, GroupCoordinator
 from coordinator.group.registry import get_group_by_name
+from coordinator.p2p.async_p2p import P2PHandle
+from coordinator.parallel.tensor_split import (
+    divide,
+    ensure_divisibility,
+    get_pp_indices,
+    split_tensor_along_last_dim,
+)
 from coordinator.parallel_state import (
     broadcast_tensor_dict,
     cleanup_dist_env_and_memory,
@@ -41,13 +47,13 @@ from coordinator.parallel_state import (
     get_decode_context_model_parallel_world_size,
     get_dp_group,
     get_ep_group,
-    get_pcp_group,
-    get_prefill_context_model_parallel_rank,
-    get_prefill_context_model_parallel_world_size,
     get_node_count,
+    get_pcp_group,
     get_pipeline_model_parallel_rank,
     get_pipeline_model_parallel_world_size,
     get_pp_group,
+    get_prefill_context_model_parallel_rank,
+    get_prefill_context_model_parallel_world_size,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     get_tp_group,
@@ -69,12 +75,6 @@ from coordinator.parallel_state import (
     tensor_model_parallel_reduce_scatter,
 )
 from coordinator.stateless.stateless_group import StatelessProcessGroup
-from coordinator.parallel.tensor_split import (
-    divide,
-    ensure_divisibility,
-    get_pp_indices,
-    split_tensor_along_last_dim,
-)
 from device_comms import ReduceOp
 
 __all__ = [

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -52,7 +52,7 @@ def _load(module: str, name: str) -> Callable[..., object]:
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
-def _add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]",
+def _add(sub: argparse._SubParsersAction[argparse.ArgumentParser],
          table: dict[str, tuple[str, str, str, str]], argv: Sequence[str]) -> None:
     for cmd, (module, add_fn, run_fn, help_text) in table.items():
         p = sub.add_parser(cmd, help=help_text, description=help_text)

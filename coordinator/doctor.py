@@ -36,8 +36,8 @@ def _version(mod: str) -> str:
 
 def _nccl_report() -> dict[str, Any]:
     """Which ``libnccl.so.2`` groupcoord loads, and its version (no GPU needed)."""
-    from device_comms.errors import CommunicatorUnavailable
     from device_comms.cuda.pynccl import library
+    from device_comms.errors import CommunicatorUnavailable
 
     try:
         path = library.find_library()

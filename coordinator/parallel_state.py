@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,17 +40,9 @@ from coordinator.communication_op import (
     tensor_model_parallel_reduce_scatter,
 )
 from coordinator.errors import NotInitializedError
-from coordinator.group.setup import check_backend
 from coordinator.group.group_coordinator import GraphCaptureContext, GroupCoordinator, side_stream
 from coordinator.group.registry import REGISTRY
-from coordinator.parallel.rank_mesh import RankMesh
-from coordinator.parallel.world_init import (
-    check_init_method,
-    check_local_rank,
-    check_same_world,
-    env_local_rank_of,
-    init_torch_distributed,
-)
+from coordinator.group.setup import check_backend
 from coordinator.parallel.model_groups import (
     count_nodes,
     get_all_model_groups,
@@ -58,8 +51,16 @@ from coordinator.parallel.model_groups import (
     init_world_group,
     prepare_communication_buffer_for_model,
 )
-from shm_broadcast.ranks.agreement import agree
+from coordinator.parallel.rank_mesh import RankMesh
+from coordinator.parallel.world_init import (
+    check_init_method,
+    check_local_rank,
+    check_same_world,
+    env_local_rank_of,
+    init_torch_distributed,
+)
 from shm_broadcast.checks import check_timeout
+from shm_broadcast.ranks.agreement import agree
 from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.timeouts import default_timeout
 

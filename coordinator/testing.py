@@ -39,21 +39,29 @@ import pickle
 import time
 import traceback
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Mapping, Sequence
-
-from shm_broadcast.ranks.launcher import (
-    describe_exit, die_with_parent, free_port, per_rank_env, start_ranks, stop_ranks,
-)
+from typing import Any
 
 from coordinator.errors import (
-    DistributedTimeout, GroupCoordError, RankDiedError, RankFailedError,
+    DistributedTimeout,
+    GroupCoordError,
+    RankDiedError,
+    RankFailedError,
+)
+from shm_broadcast.ranks.launcher import (
+    describe_exit,
+    die_with_parent,
+    free_port,
+    per_rank_env,
+    start_ranks,
+    stop_ranks,
 )
 
 __all__ = ["run_distributed", "DistributedPool", "free_port", "live_pool_pids"]
 
 DEFAULT_TIMEOUT = 120.0
-_POOLS: "weakref.WeakSet[DistributedPool]" = weakref.WeakSet()
+_POOLS: weakref.WeakSet[DistributedPool] = weakref.WeakSet()
 
 
 def live_pool_pids() -> set[int]:
@@ -167,7 +175,7 @@ class DistributedPool:
         self._shutdown(graceful=True)
         _POOLS.discard(self)
 
-    def __enter__(self) -> "DistributedPool":
+    def __enter__(self) -> DistributedPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -256,7 +264,7 @@ class DistributedPool:
         header = f"rank {rank} of {self.world_size} raised {type_name}"
         if isinstance(exc, BaseException):
             exc.__cause__ = _RemoteTraceback(f"\n{header}; remote traceback:\n{tb}")
-            setattr(exc, "groupcoord_rank", rank)
+            exc.groupcoord_rank = rank
             if hasattr(exc, "add_note"):
                 exc.add_note(f"(raised on {header.split(' raised')[0]})")
             raise exc

@@ -6,6 +6,8 @@ communicators register themselves here; CUDA ones register with a lazy
 """
 
 from device_comms.base import DeviceCommunicator
+from device_comms.cpu.communicator import CpuCommunicator
+from device_comms.cuda.communicator import CudaCommunicator
 from device_comms.errors import (
     BrokenCommunicator,
     ClosedError,
@@ -31,8 +33,6 @@ from device_comms.registry import (
     unregister_device_communicator,
 )
 from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
-from device_comms.cpu.communicator import CpuCommunicator
-from device_comms.cuda.communicator import CudaCommunicator
 
 register_device_communicator("torch", TorchDistributedCommunicator)
 register_device_communicator("cpu", CpuCommunicator)

@@ -30,7 +30,8 @@ A size record is ``2 * world_size + 1`` int64 words::
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import psutil
 import torch
@@ -136,7 +137,7 @@ class SizeTable:
         self.recv = recv
 
     @classmethod
-    def decode(cls, rows: list[list[int]], name: str, op: str = "all_to_allv") -> "SizeTable":
+    def decode(cls, rows: list[list[int]], name: str, op: str = "all_to_allv") -> SizeTable:
         """Build the table from every rank's record words (rank order).
 
         Raises:

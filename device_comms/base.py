@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from device_comms import alltoallv, validation
 from device_comms.cpu_shm import step_errors
-from shm_broadcast import checks
-from shm_broadcast.checks import check_timeout
 from device_comms.errors import (
     CollectiveMismatch,
     CommunicatorClosed,
@@ -37,6 +36,8 @@ from device_comms.errors import (
     translate_backend_error,
 )
 from device_comms.reduce_op import ReduceOp, check_reduce_op
+from shm_broadcast import checks
+from shm_broadcast.checks import check_timeout
 
 __all__ = ["DeviceCommunicator"]
 
@@ -472,7 +473,7 @@ class DeviceCommunicator(abc.ABC):
         """Whether :meth:`destroy`/:meth:`close` was called."""
         return self._closed
 
-    def __enter__(self) -> "DeviceCommunicator":
+    def __enter__(self) -> DeviceCommunicator:
         return self
 
     def __exit__(self, *exc: object) -> None:

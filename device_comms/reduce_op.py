@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ class ReduceOp(enum.Enum):
     BOR = "bor"
     BXOR = "bxor"
 
-    def to_torch(self) -> "torch.distributed.ReduceOp":
+    def to_torch(self) -> torch.distributed.ReduceOp:
         """The matching ``torch.distributed.ReduceOp`` (AVG maps to SUM; divide after)."""
         import torch.distributed as dist
 

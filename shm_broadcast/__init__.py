@@ -22,13 +22,13 @@ from shm_broadcast.errors import (
     ShmBroadcastError,
     ShmSpaceError,
 )
+from shm_broadcast.lifecycle.segment import SharedSegment, list_segments, remove_orphans
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.message_queue import MessageQueue
-from shm_broadcast.waiting.predictive import PredictivePolicy
 from shm_broadcast.queue.ring_buffer import ShmRingBuffer
-from shm_broadcast.lifecycle.segment import SharedSegment, list_segments, remove_orphans
 from shm_broadcast.ranks.topology import in_the_same_node_as, node_assignment
 from shm_broadcast.waiting.policy import WaitPolicy
+from shm_broadcast.waiting.predictive import PredictivePolicy
 
 __all__ = [
     "GroupCoordError",

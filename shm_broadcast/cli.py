@@ -16,7 +16,7 @@ import json
 import os
 import shlex
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from shm_broadcast.cli_args import number
 
@@ -94,7 +94,12 @@ def _list_orphans(orphans: list, dead_dirs: list, records: list[str]) -> None:
 def _remove_orphans(orphans: list, dead_dirs: list, records: list[str]) -> int:
     """Remove (re-judging first); returns how many removals failed."""
     from shm_broadcast.lifecycle.channel_dirs import remove_dead_channel_dirs
-    from shm_broadcast.lifecycle.segment import SHM_DIR, list_segments, remove_orphan_records, remove_orphans
+    from shm_broadcast.lifecycle.segment import (
+        SHM_DIR,
+        list_segments,
+        remove_orphan_records,
+        remove_orphans,
+    )
 
     failed = 0
     removed = remove_orphans(dry_run=False)
@@ -181,7 +186,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``groupcoord bench mq``; prints the table, returns the exit status."""
-    from shm_broadcast.bench.mq import BenchConfig, format_table, run_bench as _run
+    from shm_broadcast.bench.mq import BenchConfig, format_table
+    from shm_broadcast.bench.mq import run_bench as _run
 
     ring = {}  # (the options' types checked their ranges)
     if getattr(args, "chunk_bytes", None) is not None:

@@ -40,7 +40,7 @@ The older names stay as aliases of the same classes: ``ShmBroadcastError``
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = [
     "GroupCoordError",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -14,7 +15,12 @@ from coordinator.testing import DistributedPool, live_pool_pids
 from shm_broadcast.lifecycle import leftovers
 from shm_broadcast.lifecycle.channel_dirs import list_channel_dirs
 from shm_broadcast.lifecycle.reaper import MARKER as REAPER_MARKER
-from shm_broadcast.lifecycle.segment import SHM_DIR, _unlink_quietly, list_orphan_records, list_segments
+from shm_broadcast.lifecycle.segment import (
+    SHM_DIR,
+    _unlink_quietly,
+    list_orphan_records,
+    list_segments,
+)
 from tests.faults.rig import live_rig_pids
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -57,17 +57,22 @@ import os
 import re
 import socket
 import time
-from typing import Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import psutil
 
 from coordinator.errors import NotInitializedError
 from device_comms.errors import translate_backend_error
 from shm_broadcast.errors import (
-    ClosedError, CollectiveMismatch, CommTimeout, GroupCoordError, PeerDiedError,
+    ClosedError,
+    CollectiveMismatch,
+    CommTimeout,
+    GroupCoordError,
+    PeerDiedError,
 )
-from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.lifecycle.segment import OwnerIdentity
+from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.waiting.policy import PeerWatch
 
 __all__ = ["CallErrors", "WAIT_ERRORS", "own_identity", "peer_rank"]

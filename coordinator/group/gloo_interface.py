@@ -22,7 +22,7 @@ import contextlib
 import ipaddress
 import os
 import socket
-from typing import Iterator
+from collections.abc import Iterator
 
 import psutil
 

@@ -27,29 +27,30 @@ import contextlib
 import dataclasses
 import datetime
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from coordinator import custom_ops
-from coordinator.p2p import async_p2p, link_tensors
-from coordinator.group.call_errors import WAIT_ERRORS, CallErrors, peer_rank
-from coordinator.custom_ops import traced_alone as _traced_alone, tracing as _tracing
-from coordinator.group import setup as setup
-from coordinator.p2p.async_p2p import RECV, SEND
-from coordinator.group.monitored_barrier import monitored_barrier
+from coordinator.custom_ops import traced_alone as _traced_alone
+from coordinator.custom_ops import tracing as _tracing
 from coordinator.errors import NotInitializedError
+from coordinator.group import setup as setup
+from coordinator.group.call_errors import WAIT_ERRORS, CallErrors, peer_rank
+from coordinator.group.monitored_barrier import monitored_barrier
 from coordinator.group.object_calls import GroupObjectCalls
 from coordinator.group.registry import REGISTRY
 from coordinator.group.tensor_dict_calls import GroupTensorDictCalls
+from coordinator.p2p import async_p2p, link_tensors
+from coordinator.p2p.async_p2p import RECV, SEND
 from coordinator.p2p.shm_links import ShmLinks
-from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator
-from device_comms import validation
+from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator, validation
 from device_comms.reduce_op import check_reduce_op
 from shm_broadcast.checks import check_timeout
-from shm_broadcast.timeouts import default_timeout
 from shm_broadcast.codec.message_codec import Codec
+from shm_broadcast.timeouts import default_timeout
 
 __all__ = ["GroupCoordinator", "GraphCaptureContext", "side_stream"]
 

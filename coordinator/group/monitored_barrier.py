@@ -25,7 +25,7 @@ __all__ = ["monitored_barrier"]
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
-def monitored_barrier(coord: "GroupCoordinator", wait_s: float) -> None:
+def monitored_barrier(coord: GroupCoordinator, wait_s: float) -> None:
     """Wait for every rank of ``coord``'s CPU group, at most ``wait_s`` seconds.
 
     Raises:

@@ -37,14 +37,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from device_comms import validation
-from shm_broadcast.ranks.agreement import agree
 from shm_broadcast.checks import check_int
+from shm_broadcast.ranks.agreement import agree
 from shm_broadcast.ranks.group_adapter import object_group
 
 if TYPE_CHECKING:
-    from shm_broadcast.queue.message_queue import MessageQueue
-
     from coordinator.group.group_coordinator import GroupCoordinator
+    from shm_broadcast.queue.message_queue import MessageQueue
 
 __all__ = [
     "create_mq_broadcaster",
@@ -65,15 +64,14 @@ _HANDLE_OPTIONS = frozenset({"wait_policy"})
 
 
 def create_mq_broadcaster(
-    group: "GroupCoordinator",
+    group: GroupCoordinator,
     writer_rank: int = 0,
     external_writer_handle: Any = None,
     blocking: bool = True,
     **queue_options: Any,
-) -> "MessageQueue | None":
+) -> MessageQueue | None:
     """Implementation of :meth:`GroupCoordinator.create_mq_broadcaster` (see there)."""
     from shm_broadcast.queue.message_queue import MessageQueue
-
     from shm_broadcast.waiting.policy import WaitPolicy
 
     group._check_live("create_mq_broadcaster")
@@ -110,12 +108,12 @@ def create_mq_broadcaster(
 
 
 def create_single_reader_mq_broadcasters(
-    group: "GroupCoordinator",
+    group: GroupCoordinator,
     reader_rank_in_group: int = 0,
     blocking: bool = False,
     max_chunk_bytes: int = SINGLE_READER_CHUNK_BYTES,
     max_chunks: int = SINGLE_READER_CHUNKS,
-) -> tuple["MessageQueue | None", list["MessageQueue | None"]]:
+) -> tuple[MessageQueue | None, list[MessageQueue | None]]:
     """Create one queue per non-reader rank, all read by ``reader_rank_in_group``.
 
     Args:
@@ -182,7 +180,7 @@ def create_single_reader_mq_broadcasters(
     return writer, readers
 
 
-def _reader_keys(group: "GroupCoordinator", me: int, reader: int,
+def _reader_keys(group: GroupCoordinator, me: int, reader: int,
                  all_local: bool) -> tuple[tuple[bytes, bytes] | None, Any]:
     """The reader's own CURVE keypair (for writers on other nodes) and its public key.
 
@@ -205,9 +203,9 @@ def _reader_keys(group: "GroupCoordinator", me: int, reader: int,
     return keypair, public
 
 
-def _attach_readers(writer: "MessageQueue | None", handles: list[Any], me: int, reader: int,
+def _attach_readers(writer: MessageQueue | None, handles: list[Any], me: int, reader: int,
                     blocking: bool, allow_pickle: bool, keypair: tuple[bytes, bytes] | None,
-                    timeout: float) -> list["MessageQueue | None"]:
+                    timeout: float) -> list[MessageQueue | None]:
     """On the reader, open every writer's queue (each with ``timeout`` as its
     default); optionally wait, at most ``timeout``, for all to connect.
 

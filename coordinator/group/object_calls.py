@@ -16,15 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coordinator.errors import CollectiveMismatch, CommTimeout
 from coordinator.group import broadcast_stamps as stamps
 from coordinator.group import object_comm
 from coordinator.group.call_errors import WAIT_ERRORS, CallErrors, peer_rank
-from coordinator.errors import CollectiveMismatch, CommTimeout
 from coordinator.group.object_comm import SERIALIZE_ERRORS, SourceFailure
 from coordinator.p2p import async_p2p
 from coordinator.p2p.async_p2p import RECV, SEND
-from device_comms import DeviceCommunicator, TorchDistributedCommunicator
-from device_comms import validation
+from device_comms import DeviceCommunicator, TorchDistributedCommunicator, validation
 from shm_broadcast.codec.message_codec import Codec
 
 __all__ = ["GroupObjectCalls"]

@@ -48,7 +48,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import pickle
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist

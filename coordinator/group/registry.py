@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from coordinator.group.group_coordinator import GroupCoordinator
@@ -33,7 +33,7 @@ class GroupRegistry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_name: "weakref.WeakValueDictionary[str, GroupCoordinator]" = (
+        self._by_name: weakref.WeakValueDictionary[str, GroupCoordinator] = (
             weakref.WeakValueDictionary()
         )
         self._counts: dict[str, int] = {}
@@ -60,18 +60,18 @@ class GroupRegistry:
             self._counts[base] = n + 1
         return f"{base}:{n}"
 
-    def add(self, group: "GroupCoordinator") -> None:
+    def add(self, group: GroupCoordinator) -> None:
         """Make ``group`` findable by its ``unique_name``."""
         with self._lock:
             self._by_name[group.unique_name] = group
 
-    def remove(self, group: "GroupCoordinator") -> None:
+    def remove(self, group: GroupCoordinator) -> None:
         """Forget ``group`` (called by ``GroupCoordinator.destroy``)."""
         with self._lock:
             if self._by_name.get(group.unique_name) is group:
                 del self._by_name[group.unique_name]
 
-    def get(self, name: str) -> "GroupCoordinator":
+    def get(self, name: str) -> GroupCoordinator:
         """Return the live group named ``name``.
 
         Raises:
@@ -88,6 +88,6 @@ class GroupRegistry:
 REGISTRY = GroupRegistry()
 
 
-def get_group_by_name(name: str) -> "GroupCoordinator":
+def get_group_by_name(name: str) -> GroupCoordinator:
     """Return the live :class:`GroupCoordinator` whose ``unique_name`` is ``name``."""
     return REGISTRY.get(name)

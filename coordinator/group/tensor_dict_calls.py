@@ -11,15 +11,16 @@ group state and the call machinery.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from coordinator.group.call_errors import WAIT_ERRORS, CallErrors
 from coordinator.p2p import async_p2p
 from coordinator.p2p import tensor_dict as tensor_dict_ops
 from coordinator.p2p.async_p2p import RECV, SEND, P2PHandle
-from coordinator.group.call_errors import WAIT_ERRORS, CallErrors
 from device_comms import validation
 from shm_broadcast.codec.message_codec import Codec
 
@@ -87,7 +88,7 @@ class GroupTensorDictCalls:
         self,
         tensor_dict: Mapping[Any, Any],
         dst: int | None = None,
-        all_gather_group: "GroupCoordinator | None" = None,
+        all_gather_group: GroupCoordinator | None = None,
         all_gather_tensors: Mapping[Any, bool] | None = None,
     ) -> dict[Any, Any] | None:
         """Send a tensor dict to group rank ``dst`` (default: next rank).
@@ -117,7 +118,7 @@ class GroupTensorDictCalls:
     def recv_tensor_dict(
         self,
         src: int | None = None,
-        all_gather_group: "GroupCoordinator | None" = None,
+        all_gather_group: GroupCoordinator | None = None,
         all_gather_tensors: Mapping[Any, bool] | None = None,
     ) -> dict[Any, Any] | None:
         """Receive a dict sent by :meth:`send_tensor_dict` from group rank ``src``.

@@ -63,13 +63,14 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from coordinator.errors import CommTimeout
 from coordinator.p2p import link_tensors
 from coordinator.p2p import tensor_dict as tensor_dict_ops
-from coordinator.errors import CommTimeout
 from coordinator.p2p.channels import LIVENESS_S, RECV, SEND, Channels, Work, warn_unobserved
 from device_comms import validation
 from shm_broadcast.checks import check_timeout
@@ -196,7 +197,7 @@ class P2PHandle:
 
 
 # ---------------------------------------------------------------------- the four calls
-def isend(coord: "GroupCoordinator", tensor: torch.Tensor, dst: int | None) -> P2PHandle:
+def isend(coord: GroupCoordinator, tensor: torch.Tensor, dst: int | None) -> P2PHandle:
     """Implementation of :meth:`GroupCoordinator.isend`."""
     dst, seq = _begin(coord, "isend", dst, "dst", +1)
     try:
@@ -209,7 +210,7 @@ def isend(coord: "GroupCoordinator", tensor: torch.Tensor, dst: int | None) -> P
     return _submit(coord, SEND, dst, "isend", seq, link_tensors.send, coord, t, dst)
 
 
-def irecv(coord: "GroupCoordinator", tensor_or_spec: Any, src: int | None) -> P2PHandle:
+def irecv(coord: GroupCoordinator, tensor_or_spec: Any, src: int | None) -> P2PHandle:
     """Implementation of :meth:`GroupCoordinator.irecv`."""
     src, seq = _begin(coord, "irecv", src, "src", -1)
     try:
@@ -222,7 +223,7 @@ def irecv(coord: "GroupCoordinator", tensor_or_spec: Any, src: int | None) -> P2
     return _submit(coord, RECV, src, "irecv", seq, _recv_into, coord, buf, size, dtype, src)
 
 
-def isend_tensor_dict(coord: "GroupCoordinator", tensor_dict: Mapping[Any, Any],
+def isend_tensor_dict(coord: GroupCoordinator, tensor_dict: Mapping[Any, Any],
                       dst: int | None) -> P2PHandle:
     """Implementation of :meth:`GroupCoordinator.isend_tensor_dict`."""
     dst, seq = _begin(coord, "isend_tensor_dict", dst, "dst", +1, allow_alone=True)
@@ -245,7 +246,7 @@ def isend_tensor_dict(coord: "GroupCoordinator", tensor_dict: Mapping[Any, Any],
                    coord, snapshot, dst, None, None)
 
 
-def irecv_tensor_dict(coord: "GroupCoordinator", src: int | None) -> P2PHandle:
+def irecv_tensor_dict(coord: GroupCoordinator, src: int | None) -> P2PHandle:
     """Implementation of :meth:`GroupCoordinator.irecv_tensor_dict`."""
     src, seq = _begin(coord, "irecv_tensor_dict", src, "src", -1, allow_alone=True)
     if coord.world_size == 1:
@@ -257,7 +258,7 @@ def irecv_tensor_dict(coord: "GroupCoordinator", src: int | None) -> P2PHandle:
 
 
 # ---------------------------------------------------------------------- blocking calls, closing
-def ordered(coord: "GroupCoordinator", direction: str, peer: Any, op: str,
+def ordered(coord: GroupCoordinator, direction: str, peer: Any, op: str,
             fn: Callable[..., Any], *args: Any) -> Any:
     """Run blocking call ``fn(*args)`` after this direction's outstanding asynchronous calls.
 
@@ -280,7 +281,7 @@ def ordered(coord: "GroupCoordinator", direction: str, peer: Any, op: str,
         return fn(*args)
 
 
-def close(coord: "GroupCoordinator") -> None:
+def close(coord: GroupCoordinator) -> None:
     """End every asynchronous call of ``coord`` and join its threads (see the module docstring)."""
     chs: Channels | None = getattr(coord, "_p2p_channels", None)
     cuda = getattr(coord, "_p2p_cuda", None)
@@ -291,7 +292,7 @@ def close(coord: "GroupCoordinator") -> None:
         chs.close(CLOSE_GRACE_S)
 
 
-def submit(coord: "GroupCoordinator", direction: str, peer: int, op: str, seq: int,
+def submit(coord: GroupCoordinator, direction: str, peer: int, op: str, seq: int,
            fn: Callable[..., Any], *args: Any, quiet: bool = False) -> Work:
     """Queue ``fn(*args)`` as call ``seq`` on the channel of ``direction`` with ``peer``."""
     work = Work(op, peer, seq, fn, args, coord._errors, quiet=quiet)
@@ -300,7 +301,7 @@ def submit(coord: "GroupCoordinator", direction: str, peer: int, op: str, seq: i
 
 
 # ---------------------------------------------------------------------- helpers
-def _begin(coord: "GroupCoordinator", op: str, peer: Any, arg: str, step: int,
+def _begin(coord: GroupCoordinator, op: str, peer: Any, arg: str, step: int,
            allow_alone: bool = False) -> tuple[int, int]:
     """Check the group and the peer (default: next / previous rank); number the call."""
     coord._check_live(op)
@@ -314,19 +315,19 @@ def _begin(coord: "GroupCoordinator", op: str, peer: Any, arg: str, step: int,
     return peer, seq
 
 
-def _submit(coord: "GroupCoordinator", direction: str, peer: int, op: str, seq: int,
+def _submit(coord: GroupCoordinator, direction: str, peer: int, op: str, seq: int,
             fn: Callable[..., Any], *args: Any) -> P2PHandle:
     return P2PHandle(submit(coord, direction, peer, op, seq, fn, *args), coord.timeout)
 
 
-def _done(coord: "GroupCoordinator", op: str, peer: int, seq: int, result: Any) -> P2PHandle:
+def _done(coord: GroupCoordinator, op: str, peer: int, seq: int, result: Any) -> P2PHandle:
     """A handle of a call that needs no communication (a group of one)."""
     work = Work(op, peer, seq, lambda: result, (), coord._errors)
     work.run()
     return P2PHandle(work, coord.timeout)
 
 
-def _tell_peer(coord: "GroupCoordinator", direction: str, peer: int, op: str, seq: int,
+def _tell_peer(coord: GroupCoordinator, direction: str, peer: int, op: str, seq: int,
                e: BaseException) -> None:
     """In this direction's order, take part in the call as a rank that rejected its
     arguments, so the peer raises ``PeerRejectedError`` instead of waiting
@@ -366,7 +367,7 @@ def _recv_target(x: Any, device: torch.device) -> tuple[torch.Tensor | None, tor
     return None, torch.Size(shape), dtype
 
 
-def _recv_into(coord: "GroupCoordinator", buf: torch.Tensor | None, size: torch.Size,
+def _recv_into(coord: GroupCoordinator, buf: torch.Tensor | None, size: torch.Size,
                dtype: torch.dtype, src: int) -> torch.Tensor:
     out = link_tensors.recv(coord, size, dtype, src)
     if buf is None:
@@ -376,7 +377,7 @@ def _recv_into(coord: "GroupCoordinator", buf: torch.Tensor | None, size: torch.
     return buf
 
 
-def _channels(coord: "GroupCoordinator") -> Channels:
+def _channels(coord: GroupCoordinator) -> Channels:
     chs: Channels | None = getattr(coord, "_p2p_channels", None)
     if chs is None:
         group, me, n = coord.cpu_group, coord.rank_in_group, coord.world_size
@@ -395,7 +396,7 @@ def _break_connections(group: Any, peer: int) -> None:
         pass
 
 
-def _cuda(coord: "GroupCoordinator") -> Any:
+def _cuda(coord: GroupCoordinator) -> Any:
     cuda = getattr(coord, "_p2p_cuda", None)
     if cuda is None:
         from coordinator.p2p.async_p2p_cuda import CudaP2P

@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from coordinator.errors import ClosedError
 from coordinator.group import object_comm
+from coordinator.group.call_errors import WAIT_ERRORS
 from coordinator.p2p import tensor_dict as tensor_dict_ops
 from coordinator.p2p.async_p2p import SEND, P2PHandle, ordered, submit
-from coordinator.group.call_errors import WAIT_ERRORS
-from coordinator.errors import ClosedError
 from coordinator.p2p.channels import Work
 from device_comms.torch_dist.torch_communicator import wire_view
 
@@ -123,7 +123,7 @@ class CudaP2P:
             without one, ``torch.distributed`` on the device group does).
     """
 
-    def __init__(self, coord: "GroupCoordinator") -> None:
+    def __init__(self, coord: GroupCoordinator) -> None:
         self.coord = coord
         self.stream = torch.cuda.Stream(device=coord.device)
         self._pending: list[EventWork] = []
@@ -214,7 +214,7 @@ class CudaP2P:
         return P2PHandle(w, self.coord.timeout)
 
 
-def _send_meta(coord: "GroupCoordinator", meta: list[Any], cpu: list[torch.Tensor],
+def _send_meta(coord: GroupCoordinator, meta: list[Any], cpu: list[torch.Tensor],
                dst: int) -> None:
     """The gloo part of a CUDA group's tensor dict: metadata, then its CPU tensors."""
     coord._send_object(meta, dst, object_comm.DICT_META)
@@ -222,7 +222,7 @@ def _send_meta(coord: "GroupCoordinator", meta: list[Any], cpu: list[torch.Tenso
         dist.send(wire_view(t), dst=coord.ranks[dst], group=coord.cpu_group)
 
 
-def _recv_meta(coord: "GroupCoordinator", src: int) -> tuple[dict[Any, Any], list[torch.Tensor]]:
+def _recv_meta(coord: GroupCoordinator, src: int) -> tuple[dict[Any, Any], list[torch.Tensor]]:
     """Receive the gloo part; returns the dict (CUDA tensors allocated, not yet filled)
     and those CUDA tensors in order."""
     meta = tensor_dict_ops.check_metadata(coord._recv_object(src, object_comm.DICT_META), coord.device.type)

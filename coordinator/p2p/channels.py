@@ -35,10 +35,11 @@ import contextlib
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from coordinator.group.call_errors import WAIT_ERRORS
 from coordinator.errors import ClosedError, CommTimeout
+from coordinator.group.call_errors import WAIT_ERRORS
 
 __all__ = ["Work", "Channel", "Channels", "SEND", "RECV", "LIVENESS_S"]
 

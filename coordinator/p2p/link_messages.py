@@ -51,7 +51,8 @@ part) leaves the link out of order: both sides then close that direction
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -159,7 +160,7 @@ def tag_of(msg: Any) -> Any:
 def receive(link: Any, src: int, broken: Callable[[BaseException], None], tag: str,
             group: str, device_type: str,
             check: Callable[[torch.Size, torch.dtype], None] | None = None,
-            rejected: str = "") -> "torch.Tensor | Pieces | None":
+            rejected: str = "") -> torch.Tensor | Pieces | None:
     """Take the next message of a call waiting for ``tag``, judged before its slot
     is released (its sender waits for the verdict).
 

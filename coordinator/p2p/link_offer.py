@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING, Any
 from coordinator.errors import DecodeError
 
 if TYPE_CHECKING:
-    from shm_broadcast.queue.handle import Handle
-
     from coordinator.group.group_coordinator import GroupCoordinator
+    from shm_broadcast.queue.handle import Handle
 
 __all__ = ["MAGIC", "MAX_HANDLE_BYTES", "offer", "check_offer"]
 
@@ -51,7 +50,7 @@ def offer(handle: bytes | None) -> list[Any]:
     return [MAGIC, handle]
 
 
-def check_offer(got: Any, coord: "GroupCoordinator", src: int) -> "Handle | None":
+def check_offer(got: Any, coord: GroupCoordinator, src: int) -> Handle | None:
     """The handle of an acceptable offer from group rank ``src`` (None: the CPU group).
 
     Raises:
@@ -80,7 +79,7 @@ def check_offer(got: Any, coord: "GroupCoordinator", src: int) -> "Handle | None
     return handle
 
 
-def _problem(h: "Handle", coord: "GroupCoordinator", src: int) -> str:
+def _problem(h: Handle, coord: GroupCoordinator, src: int) -> str:
     """Why ``h`` is not a link an honest rank ``src`` makes for this rank ("": it is)."""
     from coordinator.p2p.shm_links import CHUNK_BYTES, CHUNKS
 
@@ -104,7 +103,7 @@ def _problem(h: "Handle", coord: "GroupCoordinator", src: int) -> str:
     return _foreign(h)
 
 
-def _foreign(h: "Handle") -> str:
+def _foreign(h: Handle) -> str:
     """Why ``h``'s segment or channel directory belongs to a process other than its
     writer ("": both are the writer's), so that a sender cannot make this rank
     attach to, or connect into, another process's queue."""

@@ -38,12 +38,13 @@ where ``recv_tensor_dict`` waits, is refused and both ranks raise.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coordinator.p2p import link_messages
 from coordinator.errors import CollectiveMismatch, DecodeError, GroupCoordError
+from coordinator.p2p import link_messages
 from coordinator.p2p.channels import RECV, SEND
 from coordinator.p2p.tensor_dict import _dtype, _numels, flatten_tensor_dict
 from device_comms import validation
@@ -56,7 +57,7 @@ __all__ = ["send", "recv", "reject"]
 _KEY = "tensor"
 
 
-def send(coord: "GroupCoordinator", tensor: torch.Tensor, dst: int) -> None:
+def send(coord: GroupCoordinator, tensor: torch.Tensor, dst: int) -> None:
     """Send ``tensor`` to group rank ``dst``: on the direction's link if it has one
     (settling it at the first call), else through the communicator."""
     if not _on_host(coord, dst):
@@ -90,7 +91,7 @@ def send(coord: "GroupCoordinator", tensor: torch.Tensor, dst: int) -> None:
     _raise_if_refused(coord, refusal, dst)
 
 
-def recv(coord: "GroupCoordinator", size: torch.Size | Sequence[int], dtype: torch.dtype,
+def recv(coord: GroupCoordinator, size: torch.Size | Sequence[int], dtype: torch.dtype,
          src: int) -> torch.Tensor:
     """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``: from the
     direction's link if it has one (settling it at the first call), else through
@@ -117,7 +118,7 @@ def recv(coord: "GroupCoordinator", size: torch.Size | Sequence[int], dtype: tor
     return got.detach() if got.requires_grad else got  # a peer's codec may set the flag
 
 
-def reject(coord: "GroupCoordinator", direction: str, peer: int, e: BaseException) -> None:
+def reject(coord: GroupCoordinator, direction: str, peer: int, e: BaseException) -> None:
     """Take part in a ``send``/``recv`` whose arguments failed as the rejected call it
     is (an ``isend``/``irecv``'s, in the direction's order), so that the peer
     raises ``PeerRejectedError`` instead of waiting: on the direction's link
@@ -143,7 +144,7 @@ def reject(coord: "GroupCoordinator", direction: str, peer: int, e: BaseExceptio
         coord.comm._reject(kind, e, peer)
 
 
-def _take(coord: "GroupCoordinator", link: Any, src: int,
+def _take(coord: GroupCoordinator, link: Any, src: int,
           check: Callable[[torch.Size, torch.dtype], None] | None,
           rejected: str = "") -> torch.Tensor:
     """The next tensor from ``src`` (see :func:`coordinator.p2p.link_messages.receive`);
@@ -160,12 +161,12 @@ def _take(coord: "GroupCoordinator", link: Any, src: int,
     return taken[0].reshape(descs[0][2])
 
 
-def _on_host(coord: "GroupCoordinator", r: Any) -> bool:
+def _on_host(coord: GroupCoordinator, r: Any) -> bool:
     """Whether ``r`` is another rank of a CPU group (a peer a link may reach)."""
     return (coord.device.type == "cpu" and isinstance(r, int) and not isinstance(r, bool)
             and 0 <= r < coord.world_size and r != coord.rank_in_group)
 
 
-def _raise_if_refused(coord: "GroupCoordinator", refusal: str | None, dst: int) -> None:
+def _raise_if_refused(coord: GroupCoordinator, refusal: str | None, dst: int) -> None:
     if refusal is not None:
         raise link_messages.refused(coord.unique_name, "send", refusal, dst)

@@ -60,17 +60,20 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from coordinator.p2p import link_offer
-from coordinator.group.object_comm import LINK_OFFER
 from coordinator.errors import (
-    ClosedError, CommTimeout, DecodeError, GroupCoordError, PeerDiedError,
+    ClosedError,
+    CommTimeout,
+    DecodeError,
+    GroupCoordError,
+    PeerDiedError,
 )
+from coordinator.group.object_comm import LINK_OFFER
+from coordinator.p2p import link_offer
 from coordinator.p2p.channels import LIVENESS_S, RECV, SEND
 
 if TYPE_CHECKING:
-    from shm_broadcast.queue.message_queue import MessageQueue
-
     from coordinator.group.group_coordinator import GroupCoordinator
+    from shm_broadcast.queue.message_queue import MessageQueue
 
 __all__ = ["ShmLinks", "ENABLE_ENV", "CHUNK_BYTES", "CHUNKS"]
 
@@ -93,25 +96,25 @@ class ShmLinks:
         coord: The group (its CPU group carries the offers).
     """
 
-    def __init__(self, coord: "GroupCoordinator") -> None:
+    def __init__(self, coord: GroupCoordinator) -> None:
         self._coord = coord
         self._lock = threading.Lock()
         self._settled: dict[tuple[str, int], Any] = {}
-        self._queues: list["MessageQueue"] = []  # settled or settling: shutdown reaches both
+        self._queues: list[MessageQueue] = []  # settled or settling: shutdown reaches both
         self._broken: dict[tuple[str, int], tuple[str, bool]] = {}
         self._closed = False
 
-    def sender(self, dst: int, op: str = "send_tensor_dict") -> "MessageQueue | None":
+    def sender(self, dst: int, op: str = "send_tensor_dict") -> MessageQueue | None:
         """The link to group rank ``dst``, or None for the CPU group (settles on first
         use; ``op``, the call settling it, is named in errors)."""
         return self._link(SEND, dst, op)
 
-    def receiver(self, src: int, op: str = "recv_tensor_dict") -> "MessageQueue | None":
+    def receiver(self, src: int, op: str = "recv_tensor_dict") -> MessageQueue | None:
         """The link from group rank ``src``, or None for the CPU group (settles on
         first use; ``op``, the call settling it, is named in errors)."""
         return self._link(RECV, src, op)
 
-    def settled(self, direction: str, peer: int) -> "MessageQueue | None":
+    def settled(self, direction: str, peer: int) -> MessageQueue | None:
         """The link of one direction if it has settled on one, else None (unsettled
         or on the CPU group); never settles (:mod:`coordinator.p2p.link_tensors`).
 
@@ -125,7 +128,7 @@ class ShmLinks:
             self._check_broken(direction, peer)
         return got
 
-    def _link(self, direction: str, peer: int, op: str) -> "MessageQueue | None":
+    def _link(self, direction: str, peer: int, op: str) -> MessageQueue | None:
         if self._coord.device.type != "cpu":
             return None
         got = self._settled.get((direction, peer))
@@ -198,7 +201,7 @@ class ShmLinks:
             raise self._unopened(src, e, op) from e
         return self._keep(RECV, src, q)
 
-    def _attach(self, handle: Any, src: int, op: str) -> "MessageQueue":
+    def _attach(self, handle: Any, src: int, op: str) -> MessageQueue:
         """The reader of the link ``handle`` (an accepted offer) describes.
 
         Raises:
@@ -223,7 +226,7 @@ class ShmLinks:
                            f"{src}: its link does not open ({type(e).__name__}: {e})",
                            peers=(src,))
 
-    def _wait_ready(self, q: "MessageQueue", peer: int, op: str) -> None:
+    def _wait_ready(self, q: MessageQueue, peer: int, op: str) -> None:
         """``q.wait_until_ready`` within the group's timeout, in slices between
         which a peer whose process is gone ends the wait (``PeerDiedError``)."""
         coord = self._coord
@@ -265,7 +268,7 @@ class ShmLinks:
                 f"when an earlier call failed partway or timed out ({why}); destroy the group",
                 peers=(peer,))
 
-    def _open_writer(self, dst: int) -> "MessageQueue | None":
+    def _open_writer(self, dst: int) -> MessageQueue | None:
         """A new link's writer, or None where the CPU group must carry the dicts."""
         coord = self._coord
         if os.environ.get(ENABLE_ENV, "1").strip() == "0":
@@ -290,7 +293,7 @@ class ShmLinks:
         self._register(q)
         return q
 
-    def _register(self, q: "MessageQueue") -> None:
+    def _register(self, q: MessageQueue) -> None:
         with self._lock:
             closed = self._closed
             if not closed:
@@ -299,7 +302,7 @@ class ShmLinks:
             q.close()
             raise self._closed_error()
 
-    def _keep(self, direction: str, peer: int, q: "MessageQueue | None") -> Any:
+    def _keep(self, direction: str, peer: int, q: MessageQueue | None) -> Any:
         with self._lock:
             closed = self._closed
             if not closed:
@@ -309,7 +312,7 @@ class ShmLinks:
             raise self._closed_error()
         return q if q is not None else _CPU_GROUP
 
-    def _drop(self, q: "MessageQueue | None") -> None:
+    def _drop(self, q: MessageQueue | None) -> None:
         if q is None:
             return
         with self._lock:

@@ -42,16 +42,18 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from coordinator.p2p import link_messages
-from coordinator.group import object_comm
 from coordinator.errors import CollectiveMismatch, DecodeError, GroupCoordError
-from coordinator.p2p.channels import RECV as RECV_SIDE, SEND as SEND_SIDE
+from coordinator.group import object_comm
 from coordinator.group.object_comm import SERIALIZE_ERRORS, SourceFailure
+from coordinator.p2p import link_messages
+from coordinator.p2p.channels import RECV as RECV_SIDE
+from coordinator.p2p.channels import SEND as SEND_SIDE
 from device_comms.torch_dist.torch_communicator import wire_view
 from device_comms.validation import dense
 
@@ -257,7 +259,7 @@ def _check_host_bytes(nbytes: int) -> None:
 
 # ---------------------------------------------------------------------- broadcast
 def broadcast_tensor_dict(
-    coord: "GroupCoordinator",
+    coord: GroupCoordinator,
     tensor_dict: Mapping[Any, Any] | None,
     src: int,
     group: dist.ProcessGroup | None,
@@ -308,7 +310,7 @@ def broadcast_tensor_dict(
 
 
 def abort_broadcast(
-    coord: "GroupCoordinator",
+    coord: GroupCoordinator,
     src: int,
     group: dist.ProcessGroup | None,
     metadata_group: dist.ProcessGroup | None,
@@ -320,7 +322,7 @@ def abort_broadcast(
 
 
 def _bcast_meta(
-    coord: "GroupCoordinator",
+    coord: GroupCoordinator,
     obj: Any,
     src: int,
     group: dist.ProcessGroup | None,
@@ -338,7 +340,7 @@ def _bcast_meta(
 
 
 def _bcast_tensor(
-    coord: "GroupCoordinator",
+    coord: GroupCoordinator,
     t: torch.Tensor,
     src: int,
     group: dist.ProcessGroup | None,
@@ -355,7 +357,7 @@ def _bcast_tensor(
 
 
 # ---------------------------------------------------------------------- point to point
-def check_all_gather_group(group: Any) -> "GroupCoordinator | None":
+def check_all_gather_group(group: Any) -> GroupCoordinator | None:
     """``all_gather_group``: None or a GroupCoordinator."""
     from coordinator.group.group_coordinator import GroupCoordinator
 
@@ -365,10 +367,10 @@ def check_all_gather_group(group: Any) -> "GroupCoordinator | None":
 
 
 def send_tensor_dict(
-    coord: "GroupCoordinator",
+    coord: GroupCoordinator,
     tensor_dict: Mapping[Any, Any],
     dst: int,
-    all_gather_group: "GroupCoordinator | None",
+    all_gather_group: GroupCoordinator | None,
     all_gather_tensors: Mapping[Any, bool] | None,
 ) -> None:
     """Implementation of :meth:`GroupCoordinator.send_tensor_dict`.
@@ -408,7 +410,7 @@ def send_tensor_dict(
             _send(coord, dense(t), dst)
 
 
-def reject_send(coord: "GroupCoordinator", dst: int, e: BaseException) -> None:
+def reject_send(coord: GroupCoordinator, dst: int, e: BaseException) -> None:
     """Send, in place of the dict ``dst`` waits for, why this rank's call failed:
     on the direction's link (settling it if this is its first call) the
     receiver raises ``PeerRejectedError``; on the CPU group, ``CollectiveMismatch``
@@ -425,7 +427,7 @@ def reject_send(coord: "GroupCoordinator", dst: int, e: BaseException) -> None:
         e.add_note(f"telling rank {dst} of group {coord.unique_name!r} failed: {notify}")
 
 
-def _send_on_link(coord: "GroupCoordinator", link: Any, meta: list[list[Any]],
+def _send_on_link(coord: GroupCoordinator, link: Any, meta: list[list[Any]],
                   payload: list[torch.Tensor], dst: int) -> None:
     """The dict on its link; a value the codec refuses is reported to the receiver."""
     try:
@@ -442,9 +444,9 @@ def _send_on_link(coord: "GroupCoordinator", link: Any, meta: list[list[Any]],
 
 
 def recv_tensor_dict(
-    coord: "GroupCoordinator",
+    coord: GroupCoordinator,
     src: int,
-    all_gather_group: "GroupCoordinator | None",
+    all_gather_group: GroupCoordinator | None,
 ) -> dict[Any, Any]:
     """Implementation of :meth:`GroupCoordinator.recv_tensor_dict`.
 
@@ -533,14 +535,14 @@ def _slicing_plan(
     return plan
 
 
-def _send(coord: "GroupCoordinator", t: torch.Tensor, dst: int) -> None:
+def _send(coord: GroupCoordinator, t: torch.Tensor, dst: int) -> None:
     if t.device.type == coord.device.type:
         coord.comm.send(t, dst=dst)
     else:  # CPU tensor in a GPU group: over the CPU group
         dist.send(wire_view(t), dst=coord.ranks[dst], group=coord.cpu_group)
 
 
-def _recv_into(coord: "GroupCoordinator", buf: torch.Tensor, src: int) -> torch.Tensor:
+def _recv_into(coord: GroupCoordinator, buf: torch.Tensor, src: int) -> torch.Tensor:
     """Receive into a tensor shaped like ``buf`` (returns the filled tensor)."""
     if not buf.numel():
         return buf

@@ -9,7 +9,8 @@ that name takes and gives the group the world's timeout and pickle setting.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 

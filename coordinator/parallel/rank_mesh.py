@@ -60,7 +60,7 @@ class RankMesh:
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int = 1, pcp: int = 1,
-                  dcp: int = 1) -> "RankMesh":
+                  dcp: int = 1) -> RankMesh:
         """The mesh of these sizes replicated over ``world_size`` processes.
 
         Raises:

@@ -9,7 +9,8 @@ written against that module runs unchanged. Bad input raises ``TypeError`` or
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -23,7 +23,8 @@ import secrets
 import stat
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from coordinator.errors import AuthenticationError
 from shm_broadcast.ranks.host_address import is_loopback_host

@@ -67,7 +67,8 @@ import socket
 import time
 import weakref
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -75,13 +76,13 @@ from coordinator.errors import AuthenticationError, ClosedError, CommTimeout, St
 from coordinator.stateless.group_secret import SECRET_ENV, remove_quietly, secret_plan
 from coordinator.stateless.store_sealing import NONCE_BYTES, Sealer, session_tag
 from shm_broadcast.checks import check_bool, check_int, check_rank, check_timeout
-from shm_broadcast.ranks.store_calls import StoreCalls
-from shm_broadcast.ranks.tcp_store import client_store, master_store
 from shm_broadcast.ranks.group_adapter import (
     decode_object,
     encode_failure,
     encode_object,
 )
+from shm_broadcast.ranks.store_calls import StoreCalls
+from shm_broadcast.ranks.tcp_store import client_store, master_store
 
 __all__ = ["SECRET_ENV", "StatelessProcessGroup"]
 
@@ -168,7 +169,7 @@ class StatelessProcessGroup:
                secret: bytes | None = None, insecure: bool = False,
                allow_pickle: bool = False, store_timeout: float | None = None,
                data_expiration_seconds: int | None = None,
-               listen_socket: socket.socket | None = None) -> "StatelessProcessGroup":
+               listen_socket: socket.socket | None = None) -> StatelessProcessGroup:
         """Create a group: rank 0 listens on ``host:port`` (that address only), others connect.
 
         Args:
@@ -366,7 +367,7 @@ class StatelessProcessGroup:
         return f"StatelessProcessGroup({self.name!r}, rank={self.rank}, world_size={self.world_size})"
 
     # ------------------------------------------------------------------ sealing
-    def _establish(self, source: Callable[[], bytes | None]) -> "Sealer":
+    def _establish(self, source: Callable[[], bytes | None]) -> Sealer:
         """Agree on the session: rank 0 publishes an authenticated nonce, others verify it."""
         key = self._key("session")
         if self.rank == 0:

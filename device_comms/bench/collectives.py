@@ -54,7 +54,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from shm_broadcast.cli_args import number
 

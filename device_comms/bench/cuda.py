@@ -30,7 +30,8 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -113,15 +114,15 @@ def _bench_nccl(nbytes: int, dtype: torch.dtype, calls: int, reps: int,
     out: dict[str, Any] = {}
     with PyNcclCommunicator(dist.group.WORLD, torch.device("cuda", 0)) as comm:
         y = torch.empty_like(x)
-        eager = lambda: [comm.all_reduce(x, y) for _ in range(calls)]  # noqa: E731
+        eager = lambda: [comm.all_reduce(x, y) for _ in range(calls)]
         out["pynccl_eager"], out["pynccl_graph"] = _eager_and_graph(eager, reps, calls)
         # In place, as torch's all_reduce below. NCCL at one rank then enqueues no GPU
         # work, so only the eager call is timed (a graph of it would be empty).
-        inplace = lambda: [comm.all_reduce(y, y) for _ in range(calls)]  # noqa: E731
+        inplace = lambda: [comm.all_reduce(y, y) for _ in range(calls)]
         inplace()
         out["pynccl_eager_inplace"] = _stats(_event_time(inplace, reps, calls))
     z = x.clone()
-    torch_eager = lambda: [dist.all_reduce(z, group=nccl) for _ in range(calls)]  # noqa: E731
+    torch_eager = lambda: [dist.all_reduce(z, group=nccl) for _ in range(calls)]
     torch_eager()
     out["torch_nccl_eager"] = _stats(_event_time(torch_eager, reps, calls))
     return out

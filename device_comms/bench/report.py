@@ -8,7 +8,8 @@ latency in microseconds of our communicator (``shm_*``) and of raw gloo
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = ["format_table", "format_markdown", "write_json", "write_plot", "human_bytes"]
 

@@ -77,24 +77,31 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from device_comms.cpu_shm import host_alloc, alltoallv as shm_alltoallv
 from device_comms.cpu.config import (
-    BYTES_ENV, ENABLE_ENV, TIMEOUT_ENV, positive_bytes, step_timeout, use_shm_enabled,
+    BYTES_ENV,
+    ENABLE_ENV,
+    TIMEOUT_ENV,
+    positive_bytes,
+    step_timeout,
+    use_shm_enabled,
 )
-from device_comms.cpu_shm.engine_threads import env_threads
-from device_comms.errors import DeviceCommError
 from device_comms.cpu.hierarchical import HierarchicalAllReduce
 from device_comms.cpu.one_call import OneCall
-from device_comms.reduce_op import ReduceOp
+from device_comms.cpu_shm import alltoallv as shm_alltoallv
+from device_comms.cpu_shm import host_alloc
 from device_comms.cpu_shm.engine import ShmEngine
+from device_comms.cpu_shm.engine_threads import env_threads
 from device_comms.cpu_shm.small import NotServed
 from device_comms.cpu_shm.sync import StepSync
 from device_comms.cpu_shm.workspace import WorkspacePlan, open_workspace
+from device_comms.errors import DeviceCommError
+from device_comms.reduce_op import ReduceOp
 from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
 from device_comms.validation import storage_covers
 from shm_broadcast.ranks.group_adapter import object_group

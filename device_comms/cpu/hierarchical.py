@@ -64,24 +64,42 @@ on its node, and its leader passes it on.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from device_comms.cpu_shm import host_alloc
-from device_comms.signatures.call_signature import (
-    FAILED, REJECTED, SPLIT, decode_calls, encode_calls, group_id, settle, template,
-)
-from device_comms.signatures.envelopes import INLINE_MAX, Envelopes, as_bytes, failure_header, reason_bytes
+from device_comms.cpu_shm.engine import ShmEngine
 from device_comms.errors import (
-    CollectiveMismatch, CollectiveTimeout, DecodeError, GroupCoordError, PeerDiedError,
-    PeerRejectedError, translate_backend_error,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    DecodeError,
+    GroupCoordError,
+    PeerDiedError,
+    PeerRejectedError,
+    translate_backend_error,
 )
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
-from device_comms.cpu_shm.engine import ShmEngine
+from device_comms.signatures.call_signature import (
+    FAILED,
+    REJECTED,
+    SPLIT,
+    decode_calls,
+    encode_calls,
+    group_id,
+    settle,
+    template,
+)
+from device_comms.signatures.envelopes import (
+    INLINE_MAX,
+    Envelopes,
+    as_bytes,
+    failure_header,
+    reason_bytes,
+)
 
 __all__ = ["HierarchicalAllReduce", "LEADER_TAG"]
 

@@ -18,7 +18,7 @@ on worker threads while collectives run.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from device_comms.errors import ConcurrentCallError
 

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from device_comms.cpu_shm import host_alloc
 from device_comms.alltoallv import SizeTable, offsets, record_words, row_bytes, settle_sizes
+from device_comms.cpu_shm import host_alloc
 from device_comms.cpu_shm.engine_threads import GRAIN, KernelThreads
 from device_comms.signatures.step_signature import signature
 
@@ -64,7 +64,7 @@ def record_bytes(world_size: int) -> int:
     return (raw + _LINE - 1) // _LINE * _LINE
 
 
-def fits(eng: "ShmEngine") -> bool:
+def fits(eng: ShmEngine) -> bool:
     """Whether the engine's slots hold a size record with room to spare.
 
     The same on every rank of a node (same slot size and rank count), so
@@ -97,8 +97,8 @@ class ShmAllToAllvOps:
     """The uneven all-to-all of :class:`~device_comms.cpu_shm.engine.ShmEngine` (a mixin:
     the engine provides the workspace, the synchroniser and the caches below)."""
 
-    ws: "ShmWorkspace"
-    sync: "StepSync"
+    ws: ShmWorkspace
+    sync: StepSync
     size: int
     me: int
     _views: dict[Any, Any]  # the engine's view cache (cleared when it closes)

@@ -66,22 +66,23 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from device_comms.cpu_shm import host_alloc
-from device_comms.cpu_shm.engine_threads import GRAIN, KernelThreads, engine_threads, threaded
-from device_comms.fixed_reduce import reduce_views
-from device_comms.cpu_shm.host_arrays import mark_written
-from device_comms.reduce_op import ReduceOp
 from device_comms.cpu_shm.alltoallv import ShmAllToAllvOps
+from device_comms.cpu_shm.engine_threads import GRAIN, KernelThreads, engine_threads, threaded
 from device_comms.cpu_shm.gather import ShmGatherOps
+from device_comms.cpu_shm.host_arrays import mark_written
 from device_comms.cpu_shm.pair import DEFAULT_PAIR_PIECE_BYTES, PAIR_SMALL_MIN_BYTES, ShmPairOps
 from device_comms.cpu_shm.small import ShmSmallOps, SmallAllReduce
 from device_comms.cpu_shm.sync import StepSync
-from device_comms.signatures.step_signature import shape_key, signature
 from device_comms.cpu_shm.workspace import ShmWorkspace
+from device_comms.fixed_reduce import reduce_views
+from device_comms.reduce_op import ReduceOp
+from device_comms.signatures.step_signature import shape_key, signature
 
 __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
 

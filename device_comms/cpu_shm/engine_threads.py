@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -138,7 +139,7 @@ class KernelThreads:
         self._saved = 0  # torch's setting to restore on leaving (0: nothing to restore)
         self._depth = 0
 
-    def __enter__(self) -> "KernelThreads":
+    def __enter__(self) -> KernelThreads:
         if not self._active:
             return self
         self._depth += 1

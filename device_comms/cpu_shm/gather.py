@@ -12,7 +12,8 @@ double buffer makes the next op's writes safe (see :mod:`device_comms.cpu_shm.sy
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -42,8 +43,8 @@ class ShmGatherOps:
     """The gathers of :class:`~device_comms.cpu_shm.engine.ShmEngine` (a mixin: the
     engine provides the workspace, the synchroniser and the helpers below)."""
 
-    ws: "ShmWorkspace"
-    sync: "StepSync"
+    ws: ShmWorkspace
+    sync: StepSync
     size: int
     me: int
 
@@ -136,7 +137,7 @@ class ShmGatherOps:
             else:
                 self._gather_column_piece(step, i, a, chunk, first=n == 0)
 
-    def _gather_row_block(self, step: "_GatherStep", i: int, nrows: int, first: bool) -> None:
+    def _gather_row_block(self, step: _GatherStep, i: int, nrows: int, first: bool) -> None:
         """Rows ``i : i + nrows`` of every rank's piece through one round of slots."""
         ws, me, dt, widths = self.ws, self.me, step.x2.dtype, step.widths
         p = self.sync.next_parity
@@ -152,7 +153,7 @@ class ShmGatherOps:
                        else ws.slot(p, r, dt)[: nrows * w].view(nrows, w))
                 step.out2[i : i + nrows, step.offs[r] : step.offs[r] + w].copy_(src)
 
-    def _gather_column_piece(self, step: "_GatherStep", i: int, a: int, chunk: int,
+    def _gather_column_piece(self, step: _GatherStep, i: int, a: int, chunk: int,
                              first: bool) -> None:
         """Columns ``a : a + chunk`` of row ``i`` of every rank's piece (rows wider than a slot)."""
         ws, me, dt, widths = self.ws, self.me, step.x2.dtype, step.widths

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

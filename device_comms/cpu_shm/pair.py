@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from device_comms.cpu_shm import host_alloc
-from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn
 from device_comms.cpu_shm.host_arrays import array_of
+from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn
 from device_comms.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
@@ -85,8 +85,8 @@ class ShmPairOps:
     """The two-rank all-reduce of :class:`~device_comms.cpu_shm.engine.ShmEngine` (a
     mixin: the engine provides the workspace, the synchroniser and the state below)."""
 
-    ws: "ShmWorkspace"
-    sync: "StepSync"
+    ws: ShmWorkspace
+    sync: StepSync
     size: int
     me: int
     pair_piece_bytes: int

@@ -27,13 +27,14 @@ in Python decides its speed, and the path is kept to a few calls:
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn, quiet_numpy_sum
 from device_comms.cpu_shm.host_arrays import array_of, bytes_at, mark_written
+from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn, quiet_numpy_sum
 from device_comms.reduce_op import ReduceOp
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class SmallAllReduce:
                  "numpy", "pair", "scratch", "scratch_addr", "plain", "more", "mine", "held",
                  "sighted")
 
-    def __init__(self, eng: "ShmEngine | None", t: torch.Tensor | None, op: ReduceOp | None) -> None:
+    def __init__(self, eng: ShmEngine | None, t: torch.Tensor | None, op: ReduceOp | None) -> None:
         self.op, self.dtype, self.shape, self.nbytes = op, None, None, 0
         #: Real dtype (no lazy conjugation to resolve): a caller that checked
         #: a tensor's dtype, shape, device, layout, strides and grad against
@@ -132,7 +133,7 @@ class ShmSmallOps:
     """The one-step all_reduce of :class:`~device_comms.cpu_shm.engine.ShmEngine` (a
     mixin: the engine provides the synchroniser and the state below)."""
 
-    sync: "StepSync"
+    sync: StepSync
     size: int
     me: int
     _my_addr: tuple[int, int]

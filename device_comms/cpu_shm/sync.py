@@ -169,12 +169,14 @@ import os
 import platform
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import psutil
 import torch
 
+from device_comms.cpu_shm import futex, step_errors
+from device_comms.cpu_shm.workspace import CALL, CLOSED, GEN, PARKED, SIG, ShmWorkspace
 from device_comms.errors import (  # BrokenCommunicator re-exported for older imports
     BrokenCommunicator,
     CollectiveMismatch,
@@ -184,8 +186,6 @@ from device_comms.errors import (  # BrokenCommunicator re-exported for older im
     PeerDiedError,
     PeerRejectedError,
 )
-from device_comms.cpu_shm import futex, step_errors
-from device_comms.cpu_shm.workspace import CALL, CLOSED, GEN, PARKED, SIG, ShmWorkspace
 from device_comms.signatures.step_signature import (  # re-exported: the step's signature words
     FAILED,
     KIND_NAMES,

@@ -27,15 +27,16 @@ boundaries, so a typed view of a whole slot is aligned for every dtype.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from device_comms.cpu_shm import futex
 from shm_broadcast.errors import ShmBroadcastError
-from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.lifecycle.segment import SharedSegment
+from shm_broadcast.ranks.group_adapter import object_group
 
 __all__ = [
     "LINE_WORDS",
@@ -204,7 +205,7 @@ class WorkspacePlan:
     local_rank: int
 
     @classmethod
-    def from_nodes(cls, nodes: Sequence[int], group_rank: int) -> "WorkspacePlan":
+    def from_nodes(cls, nodes: Sequence[int], group_rank: int) -> WorkspacePlan:
         """Build the plan of ``group_rank`` from a node index per group rank."""
         mine = nodes[group_rank]
         local = tuple(r for r, n in enumerate(nodes) if n == mine)

@@ -18,14 +18,15 @@ peers are not told (as for every GPU transport, see
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from device_comms.torch_dist import gloo_alltoallv
 from device_comms.cuda.pynccl.communicator import PyNcclCommunicator
 from device_comms.reduce_op import ReduceOp
+from device_comms.torch_dist import gloo_alltoallv
 from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
 from shm_broadcast.checks import check_timeout
 from shm_broadcast.timeouts import default_timeout

@@ -53,7 +53,7 @@ class across the group is still clear.
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 import numpy as np
@@ -62,7 +62,13 @@ import torch
 from device_comms.errors import CollectiveMismatch, DecodeError, PeerRejectedError
 from device_comms.reduce_op import ReduceOp
 from device_comms.signatures.step_signature import (
-    KIND_NAMES, SHAPE_KEYED_KINDS, dtype_code, dtype_of, op_of, shape_key, shape_of_key,
+    KIND_NAMES,
+    SHAPE_KEYED_KINDS,
+    dtype_code,
+    dtype_of,
+    op_of,
+    shape_key,
+    shape_of_key,
     signature,
 )
 

@@ -26,16 +26,17 @@ stay equal across ranks after any of those.
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Sequence
+from collections.abc import Sequence
+from typing import Any, ContextManager
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from device_comms.reduce_op import ReduceOp
 from device_comms.signatures.call_signature import REJECTED, group_id, layout_key, settle, template
 from device_comms.signatures.envelopes import Blocks, failure_header, reason_bytes
 from device_comms.signatures.p2p_envelopes import RECV, SEND, P2PSide, P2PSides
-from device_comms.reduce_op import ReduceOp
 
 __all__ = ["SignedCalls"]
 

@@ -12,7 +12,7 @@ processes and torch versions (new dtypes are appended).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

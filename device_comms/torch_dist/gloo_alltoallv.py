@@ -26,10 +26,15 @@ import torch
 import torch.distributed as dist
 
 from device_comms.alltoallv import (
-    SizeTable, offsets, record, record_words, row_bytes, settle_sizes,
+    SizeTable,
+    offsets,
+    record,
+    record_words,
+    row_bytes,
+    settle_sizes,
 )
-from device_comms.signatures.envelopes import BLOCK_INLINE, as_bytes
 from device_comms.errors import DecodeError, PeerRejectedError
+from device_comms.signatures.envelopes import BLOCK_INLINE, as_bytes
 from shm_broadcast.ranks.group_adapter import object_group
 
 __all__ = ["signed_all_to_allv", "plain_all_to_allv", "exchange_sizes", "reject_exchange"]

@@ -52,14 +52,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from device_comms.torch_dist import gloo_alltoallv
 from device_comms.base import DeviceCommunicator
-from device_comms.signatures.call_signature import data_shape
 from device_comms.errors import CollectiveMismatch, DecodeError
-from device_comms.signatures.envelopes import BLOCK_INLINE, INLINE_MAX, as_bytes
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
+from device_comms.signatures.call_signature import data_shape
+from device_comms.signatures.envelopes import BLOCK_INLINE, INLINE_MAX, as_bytes
 from device_comms.signatures.signed_calls import SignedCalls
+from device_comms.torch_dist import gloo_alltoallv
 from shm_broadcast.ranks.group_adapter import object_group
 
 __all__ = ["TorchDistributedCommunicator", "wire_view"]

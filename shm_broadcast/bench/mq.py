@@ -30,17 +30,22 @@ import platform
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
 from shm_broadcast.bench.baselines import GlooDriver, ZmqPickleDriver
-from shm_broadcast.ranks.launcher import stop_ranks
 from shm_broadcast.bench.payloads import make_payload, payload_names
 from shm_broadcast.bench.wake import bare_wake_latencies, busy_wait, wake_gaps
 from shm_broadcast.codec.message_codec import Codec
-from shm_broadcast.queue.message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, MessageQueue
+from shm_broadcast.queue.message_queue import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_CHUNKS,
+    MessageQueue,
+)
+from shm_broadcast.ranks.launcher import stop_ranks
 
 __all__ = ["BenchConfig", "MqDriver", "run_bench", "format_table"]
 

@@ -14,7 +14,8 @@ Each payload imitates what an engine's driver broadcasts per step:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["PAYLOADS", "make_payload", "payload_names"]
 

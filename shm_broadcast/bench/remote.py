@@ -32,14 +32,15 @@ import os
 import pickle
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
 from shm_broadcast.bench.payloads import make_payload, payload_names
 from shm_broadcast.codec.message_codec import Codec
-from shm_broadcast.ranks.launcher import stop_ranks
 from shm_broadcast.queue.message_queue import MessageQueue
+from shm_broadcast.ranks.launcher import stop_ranks
 
 __all__ = ["QueueEcho", "ZmqEcho", "measure_all", "add_args", "run"]
 
@@ -113,7 +114,7 @@ class QueueEcho:
         try:
             if not self._ping.closed and self._pong is not None:
                 self._ping.enqueue("stop", timeout=5)
-        except Exception:  # noqa: BLE001 - the echo may be gone already; reaped below
+        except Exception:
             pass
         finally:
             stop_ranks([self._proc], wait_first=10)

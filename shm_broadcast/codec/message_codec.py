@@ -88,7 +88,6 @@ import numpy as np
 
 from shm_broadcast.codec.boxing import Box, prep, prep_full
 from shm_broadcast.codec.pickle_opt_in import pickle_oob, unpickle_oob
-from shm_broadcast.errors import DecodeError, EncodeError
 from shm_broadcast.codec.tensor_storage import check_storage
 from shm_broadcast.codec.wire_format import (
     ALIGN,
@@ -124,6 +123,7 @@ from shm_broadcast.codec.wire_format import (
     torch_leaf_bytes,
     torch_leaf_from,
 )
+from shm_broadcast.errors import DecodeError, EncodeError
 
 __all__ = ["Codec", "Encoded", "SourceFailure", "PICKLE_OPT_IN", "carries_dtype"]
 

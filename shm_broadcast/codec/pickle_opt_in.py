@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from shm_broadcast.errors import DecodeError
 from shm_broadcast.codec.wire_format import (
     EXT_NDARRAY,
     EXT_TENSOR,
@@ -30,6 +30,7 @@ from shm_broadcast.codec.wire_format import (
     memoryview_state,
     rebuild_memoryview,
 )
+from shm_broadcast.errors import DecodeError
 
 __all__ = ["OobPickler", "OobUnpickler", "pickle_oob", "unpickle_oob"]
 

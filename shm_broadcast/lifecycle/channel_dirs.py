@@ -31,10 +31,14 @@ import stat
 import tempfile
 from dataclasses import dataclass
 
-from shm_broadcast.lifecycle import exit_cleanup, leftovers
 from shm_broadcast.errors import SegmentError
+from shm_broadcast.lifecycle import exit_cleanup, leftovers
 from shm_broadcast.lifecycle.owner_identity import (
-    OwnerIdentity, judge_owner, read_owner_record, write_owner_record)
+    OwnerIdentity,
+    judge_owner,
+    read_owner_record,
+    write_owner_record,
+)
 
 __all__ = [
     "ChannelDirInfo",

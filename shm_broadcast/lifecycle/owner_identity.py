@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 __all__ = ["OwnerIdentity", "write_owner_record", "read_owner_record", "judge_owner"]
 
@@ -51,7 +51,7 @@ class OwnerIdentity:
     timens: int = 0
 
     @classmethod
-    def of_self(cls) -> "OwnerIdentity":
+    def of_self(cls) -> OwnerIdentity:
         """This process's identity (fields it cannot read are 0 or '')."""
         pid = os.getpid()
         own_proc = _proc_is_ours()

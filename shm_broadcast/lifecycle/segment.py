@@ -34,12 +34,12 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from shm_broadcast.lifecycle import exit_cleanup, leftovers
 from shm_broadcast.checks import check_int
 from shm_broadcast.errors import SegmentError, ShmSpaceError
+from shm_broadcast.lifecycle import exit_cleanup, leftovers
 from shm_broadcast.lifecycle.owner_identity import (  # re-exported: the segment API names them
     OwnerIdentity,
     _judge_owner,
@@ -160,7 +160,7 @@ class SharedSegment:
         self._owner_pid = os.getpid()
 
     @classmethod
-    def create(cls, kind: str, size: int) -> "SharedSegment":
+    def create(cls, kind: str, size: int) -> SharedSegment:
         """Create and map a new segment owned by this process.
 
         Args:
@@ -213,7 +213,7 @@ class SharedSegment:
         return cls(name, size, mm, is_owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> "SharedSegment":
+    def attach(cls, name: str) -> SharedSegment:
         """Map an existing segment created by another process.
 
         Args:
@@ -275,7 +275,7 @@ class SharedSegment:
             # is freed with the last reference. The name is already gone.
             pass
 
-    def __enter__(self) -> "SharedSegment":
+    def __enter__(self) -> SharedSegment:
         return self
 
     def __exit__(self, *exc: object) -> None:

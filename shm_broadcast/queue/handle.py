@@ -88,7 +88,7 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.msgpack.encode(self)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Handle":
+    def from_bytes(cls, data: bytes) -> Handle:
         """Inverse of :meth:`to_bytes`.
 
         Raises:

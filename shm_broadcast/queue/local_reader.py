@@ -41,26 +41,47 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import psutil
 import zmq
 
-from shm_broadcast.lifecycle.channel_dirs import check_private_dir
 from shm_broadcast.codec.message_codec import Codec
-from shm_broadcast.waiting.doorbell import BellRinger, Doorbell, bell_address
 from shm_broadcast.errors import (
-    DecodeError, PeerDiedError, QueueClosedError, QueueTimeout, SegmentError, ShmBroadcastError,
+    DecodeError,
+    PeerDiedError,
+    QueueClosedError,
+    QueueTimeout,
+    SegmentError,
+    ShmBroadcastError,
 )
+from shm_broadcast.lifecycle.channel_dirs import check_private_dir
 from shm_broadcast.queue.handle import Handle
-from shm_broadcast.waiting.predictive import STAMP, STAMP_OFFSET, ArrivalPredictor
-from shm_broadcast.queue.ring_buffer import CHUNK_HEADER, READER_CLOSED, REFUSED, TAKEN, ShmRingBuffer
-from shm_broadcast.queue.transport import (
-    CTL_HELLO, KIND_DATA, KIND_OVERFLOW, TOPIC_OVERFLOW, WIRE,
-    close_all, close_dealer, guard_zmq, new_socket, remove_dead_channel_dir, say_goodbye,
+from shm_broadcast.queue.ring_buffer import (
+    CHUNK_HEADER,
+    READER_CLOSED,
+    REFUSED,
+    TAKEN,
+    ShmRingBuffer,
 )
+from shm_broadcast.queue.transport import (
+    CTL_HELLO,
+    KIND_DATA,
+    KIND_OVERFLOW,
+    TOPIC_OVERFLOW,
+    WIRE,
+    close_all,
+    close_dealer,
+    guard_zmq,
+    new_socket,
+    remove_dead_channel_dir,
+    say_goodbye,
+)
+from shm_broadcast.waiting.doorbell import BellRinger, Doorbell, bell_address
 from shm_broadcast.waiting.policy import PARK, SLEEP, Backoff, PeerWatch, WaitPolicy, own_pid_space
+from shm_broadcast.waiting.predictive import STAMP, STAMP_OFFSET, ArrivalPredictor
 
 __all__ = ["LocalReader"]
 

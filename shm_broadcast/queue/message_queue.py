@@ -43,15 +43,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from shm_broadcast.checks import check_bool, check_int, check_timeout
 from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.errors import QueueRoleError
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.local_reader import LocalReader
-from shm_broadcast.queue.writer import QueueWriter
 from shm_broadcast.queue.remote_reader import RemoteReader
+from shm_broadcast.queue.writer import QueueWriter
 from shm_broadcast.waiting.policy import WaitPolicy
 
 __all__ = ["MessageQueue", "Handle", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS",
@@ -168,7 +169,7 @@ class MessageQueue:
         allow_pickle: bool = False,
         curve_keypair: tuple[bytes, bytes] | None = None,
         resizable_tensors: bool = False,
-    ) -> "MessageQueue":
+    ) -> MessageQueue:
         """Connect a reader to the writer described by ``handle``.
 
         Args:
@@ -224,7 +225,7 @@ class MessageQueue:
         timeout: float | None = DEFAULT_READY_TIMEOUT,
         allow_pickle: bool = False,
         blocking: bool = True,
-    ) -> "MessageQueue | None":
+    ) -> MessageQueue | None:
         """Build a connected queue collectively over ``group``.
 
         Every rank of ``group`` must call it. See
@@ -495,7 +496,7 @@ class MessageQueue:
                     time.sleep(0.005)
             self._impl.close()
 
-    def __enter__(self) -> "MessageQueue":
+    def __enter__(self) -> MessageQueue:
         return self
 
     def __exit__(self, *exc: object) -> None:

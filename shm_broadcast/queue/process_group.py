@@ -28,14 +28,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shm_broadcast.ranks.agreement import agree
 from shm_broadcast.checks import check_bool, check_rank, check_timeout
 from shm_broadcast.errors import CollectiveMismatch, DecodeError
-from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.message_queue import MessageQueue, check_ring_options
-from shm_broadcast.ranks.topology import in_the_same_node_as
 from shm_broadcast.queue.transport import new_keypair
+from shm_broadcast.ranks.agreement import agree
+from shm_broadcast.ranks.group_adapter import object_group
+from shm_broadcast.ranks.topology import in_the_same_node_as
 from shm_broadcast.waiting.policy import WaitPolicy
 
 __all__ = ["create_from_process_group"]

@@ -51,9 +51,21 @@ from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout, ShmBroadcastError
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.transport import (
-    ACK, CTL_ACK, CTL_HELLO, HANDSHAKE_FAILED, KIND_READY, KIND_SHUTDOWN, TOPIC_REMOTE, WIRE,
+    ACK,
+    CTL_ACK,
+    CTL_HELLO,
+    HANDSHAKE_FAILED,
+    KIND_READY,
+    KIND_SHUTDOWN,
+    TOPIC_REMOTE,
+    WIRE,
+    close_all,
+    close_dealer,
+    guard_zmq,
     joined_topic,
-    close_all, close_dealer, guard_zmq, make_curve_client, new_socket, say_goodbye,
+    make_curve_client,
+    new_socket,
+    say_goodbye,
 )
 from shm_broadcast.waiting.policy import Backoff, PeerWatch, WaitPolicy, own_pid_space
 

@@ -208,7 +208,7 @@ class ShmRingBuffer:
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
-    def create(cls, n_reader: int, max_chunk_bytes: int, max_chunks: int) -> "ShmRingBuffer":
+    def create(cls, n_reader: int, max_chunk_bytes: int, max_chunks: int) -> ShmRingBuffer:
         """Create the segment (owned by this process) and initialise the header.
 
         Args:
@@ -229,7 +229,7 @@ class ShmRingBuffer:
         return cls(seg, g)
 
     @classmethod
-    def attach(cls, name: str) -> "ShmRingBuffer":
+    def attach(cls, name: str) -> ShmRingBuffer:
         """Map an existing ring created by a writer.
 
         Raises:

@@ -93,7 +93,11 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from shm_broadcast.lifecycle.channel_dirs import new_channel_dir, remove_channel_dir, remove_dead_channel_dir
+from shm_broadcast.lifecycle.channel_dirs import (
+    new_channel_dir,
+    remove_channel_dir,
+    remove_dead_channel_dir,
+)
 from shm_broadcast.ranks.host_address import host_ip
 
 __all__ = [

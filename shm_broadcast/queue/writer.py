@@ -45,21 +45,41 @@ import psutil
 import zmq
 
 from shm_broadcast.codec.message_codec import Codec, Encoded
-from shm_broadcast.waiting.doorbell import BellRinger, Doorbell, bell_address
 from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueRoleError, QueueTimeout
 from shm_broadcast.queue.handle import Handle
-from shm_broadcast.waiting.predictive import STAMP, STAMP_OFFSET
 from shm_broadcast.queue.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
 from shm_broadcast.queue.transport import (
-    CONTROL_MAX_BYTES, HANDSHAKE_FAILED, KIND_DATA, KIND_OVERFLOW, KIND_SHUTDOWN, TOPIC_OVERFLOW,
-    TOPIC_REMOTE, WIRE, ReaderAuthenticator, bind, close_all, guard_zmq, host_ip,
-    local_bind_address, make_curve_server, new_channel_dir, new_keypair, new_socket,
+    CONTROL_MAX_BYTES,
+    HANDSHAKE_FAILED,
+    KIND_DATA,
+    KIND_OVERFLOW,
+    KIND_SHUTDOWN,
+    TOPIC_OVERFLOW,
+    TOPIC_REMOTE,
+    WIRE,
+    ReaderAuthenticator,
+    bind,
+    close_all,
+    guard_zmq,
+    host_ip,
+    local_bind_address,
+    make_curve_server,
+    new_channel_dir,
+    new_keypair,
+    new_socket,
     remove_channel_dir,
 )
-from shm_broadcast.waiting.policy import (
-    PARK, Backoff, PeerWatch, WaitPolicy, own_pid_space, state_text,
-)
 from shm_broadcast.queue.writer_control import WriterControl, check_reader_keys
+from shm_broadcast.waiting.doorbell import BellRinger, Doorbell, bell_address
+from shm_broadcast.waiting.policy import (
+    PARK,
+    Backoff,
+    PeerWatch,
+    WaitPolicy,
+    own_pid_space,
+    state_text,
+)
+from shm_broadcast.waiting.predictive import STAMP, STAMP_OFFSET
 
 __all__ = ["QueueWriter"]
 

@@ -28,7 +28,8 @@ ack, goodbye) must come over ``rank``'s own key.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -36,8 +37,18 @@ import zmq
 from shm_broadcast.errors import QueueClosedError, QueueTimeout
 from shm_broadcast.queue.ring_buffer import READER_EMPTY
 from shm_broadcast.queue.transport import (
-    ACK, CTL_ACK, CTL_CLOSED, CTL_HELLO, KIND_READY, TOPIC_OVERFLOW, TOPIC_REMOTE, WIRE,
-    ReaderAuthenticator, count_failed_handshakes, joined_rank, remove_channel_dir,
+    ACK,
+    CTL_ACK,
+    CTL_CLOSED,
+    CTL_HELLO,
+    KIND_READY,
+    TOPIC_OVERFLOW,
+    TOPIC_REMOTE,
+    WIRE,
+    ReaderAuthenticator,
+    count_failed_handshakes,
+    joined_rank,
+    remove_channel_dir,
 )
 from shm_broadcast.waiting.policy import PeerWatch
 
@@ -60,11 +71,11 @@ class WriterControl:
     n_local: int
     n_remote: int
     local_ranks: tuple[int, ...]
-    ring: "ShmRingBuffer | None"
-    pub: "zmq.Socket | None"
-    ctl: "zmq.Socket | None"
-    _mon: "zmq.Socket | None"
-    _pub_mon: "zmq.Socket | None"
+    ring: ShmRingBuffer | None
+    pub: zmq.Socket | None
+    ctl: zmq.Socket | None
+    _mon: zmq.Socket | None
+    _pub_mon: zmq.Socket | None
     _auth: ReaderAuthenticator | None
     _closed: bool
     _closing: bool

@@ -34,9 +34,10 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from shm_broadcast.checks import check_int
 from shm_broadcast.ranks.tcp_store import client_store, master_store

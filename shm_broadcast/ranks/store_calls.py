@@ -37,7 +37,8 @@ import os
 import queue
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from shm_broadcast.errors import ClosedError, CommTimeout
 
@@ -123,7 +124,7 @@ class StoreCalls:
     def _fresh_worker_state(self) -> None:
         """A queue and no worker yet (at creation, and in a forked child)."""
         self._pid = os.getpid()
-        self._requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._running: list[_Call | None] = [None]  # the call the worker is in
         self._worker: threading.Thread | None = None
         # A StoreCalls dropped without close() still lets its worker go.
@@ -162,7 +163,7 @@ class StoreCalls:
             queue=self._queue_name, side=side, peers=self._peers)
 
 
-def _serve(requests: "queue.SimpleQueue[Any]", running: list[_Call | None],
+def _serve(requests: queue.SimpleQueue[Any], running: list[_Call | None],
            lock: threading.Lock) -> None:
     """The worker: run calls in order, skipping abandoned ones, until told to stop."""
     while True:

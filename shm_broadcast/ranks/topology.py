@@ -19,8 +19,8 @@ import secrets
 from typing import Any
 
 from shm_broadcast.errors import SegmentError
-from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.lifecycle.segment import SharedSegment
+from shm_broadcast.ranks.group_adapter import object_group
 
 __all__ = ["NODE_ID_ENV", "in_the_same_node_as", "node_assignment"]
 

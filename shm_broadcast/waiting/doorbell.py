@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 import select
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["Doorbell", "BellRinger", "bell_address"]
 

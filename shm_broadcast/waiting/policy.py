@@ -66,8 +66,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import psutil
 
@@ -112,7 +112,7 @@ class WaitPolicy:
     predict: PredictivePolicy | None = None
 
     @classmethod
-    def predictive(cls, **knobs: float | int) -> "WaitPolicy":
+    def predictive(cls, **knobs: float | int) -> WaitPolicy:
         """The default timings with predictive waiting on (what a
         ``GroupCoordinator``'s broadcaster readers use).
 

@@ -113,7 +113,7 @@ import collections
 import math
 import struct
 from dataclasses import dataclass
-from typing import Deque, NamedTuple
+from typing import NamedTuple
 
 __all__ = ["PredictivePolicy", "ArrivalPredictor", "WaitPlan", "STAMP", "STAMP_OFFSET"]
 
@@ -256,18 +256,18 @@ class ArrivalPredictor:
     def __init__(self, policy: PredictivePolicy) -> None:
         self.policy = policy
         n = policy.history
-        self._intervals: Deque[float] = collections.deque(maxlen=n)
-        self._gaps: Deque[float] = collections.deque(maxlen=n)
-        self._errors: tuple[Deque[float], ...] = tuple(
+        self._intervals: collections.deque[float] = collections.deque(maxlen=n)
+        self._gaps: collections.deque[float] = collections.deque(maxlen=n)
+        self._errors: tuple[collections.deque[float], ...] = tuple(
             collections.deque(maxlen=n) for _ in _MODELS)
-        self._oversleep: Deque[float] = collections.deque(maxlen=n)
+        self._oversleep: collections.deque[float] = collections.deque(maxlen=n)
         self._last_pub: float | None = None
         self._grid: float | None = None  # grid point of the last message
         self._period: float | None = None  # median interval, as of the last plan
         self._preds: list[float | None] = [None, None, None]
         self._window: tuple[float, float] | None = None
         #: Recent detection lags (publish -> seen) of windows spent polling / parked.
-        self._lags: tuple[Deque[float], Deque[float]] = (
+        self._lags: tuple[collections.deque[float], collections.deque[float]] = (
             collections.deque(maxlen=8), collections.deque(maxlen=8))
         self._mode: int | None = None  # the mode of the current window
         self.stats = {"planned": 0, "unplanned": 0, "early": 0, "on_time": 0, "late": 0,

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -30,11 +31,10 @@ from device_comms import (
     PeerDiedError,
     PeerRejectedError,
     ReduceOp,
+    validation,
 )
-from device_comms import validation
 from device_comms.reduce_op import check_reduce_op
 from tests.coordinator.rank_checks import expect_equal, expect_raises, make
-
 
 # ---------------------------------------------------------------------- bad arguments
 # One test id per bad argument and world size, each run on the shared pool
@@ -557,7 +557,7 @@ def mismatch_then_recover(rank: int, world_size: int) -> dict[str, Any]:
         try:
             call()
             out[name] = ("no error", None)
-        except Exception as e:  # noqa: BLE001 - the type is the result
+        except Exception as e:
             out[name] = (type(e).__name__, round(time.monotonic() - t0, 2))
         expect_equal(f"recovered after {name}", g.all_reduce(torch.ones(3)),
                      torch.full((3,), float(world_size)))
@@ -588,7 +588,7 @@ def survivor_main(rank: int, world_size: int, port: int, conn: Any) -> None:
             g = default if i % 2 == 0 else gloo
             try:
                 g.all_reduce(x)
-            except Exception as e:  # noqa: BLE001 - reported to the test
+            except Exception as e:
                 report["first"] = (g.unique_name, type(e).__name__, time.time(), str(e)[:300])
                 break
         # The other group must fail as well (not hang) now that the peer is gone.
@@ -596,10 +596,10 @@ def survivor_main(rank: int, world_size: int, port: int, conn: Any) -> None:
         try:
             other.all_reduce(x)
             report["second"] = (other.unique_name, "no error", time.time(), "")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             report["second"] = (other.unique_name, type(e).__name__, time.time(), str(e)[:300])
         conn.send(("report", report))
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         conn.send(("crash", repr(e)))
     finally:
         conn.close()
@@ -640,7 +640,7 @@ def _destroyed_under_a_call(rank: int, world_size: int, op: str) -> dict[str, An
             out["error"] = "none"
         except ClosedError as e:
             out["error"], out["text"] = "ClosedError", str(e)
-        except Exception as e:  # noqa: BLE001 -- the class is the result
+        except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
         out["s"] = time.monotonic() - t0
 

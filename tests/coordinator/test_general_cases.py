@@ -69,7 +69,7 @@ def test_source_side_failures_raise_on_every_rank_and_barrier_timeouts(dist_pool
 
 def _expected(tp: int, pp: int, dp: int, rank: int) -> dict:
     def group(same) -> list[int]:
-        coord = lambda r: (r // (tp * pp), (r // tp) % pp, r % tp)  # noqa: E731
+        coord = lambda r: (r // (tp * pp), (r // tp) % pp, r % tp)
         return [r for r in range(tp * pp * dp) if same(coord(r), coord(rank))]
 
     out = {}
@@ -170,7 +170,7 @@ def collectives(rank: int, world_size: int) -> list[str]:
     def chk(case, fn):
         try:
             fn()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             fails.append(f"{case}: {type(e).__name__}: {str(e)[:300]}")
 
     for tag, g in groups:
@@ -292,7 +292,7 @@ def objects(rank: int, world_size: int, tp: int, allow_pickle: bool = False) -> 
     def chk(case, fn):
         try:
             fn()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             fails.append(f"{case}: {type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-600:]}")
 
     ps.initialize_model_parallel(tp, world_size // tp, allow_pickle=allow_pickle)
@@ -415,7 +415,7 @@ def tensors_and_barrier(rank: int, world_size: int, tp: int) -> list[str]:
     def chk(case, fn):
         try:
             fn()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             fails.append(f"{case}: {type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-800:]}")
 
     ps.initialize_model_parallel(tp, world_size // tp)
@@ -485,7 +485,7 @@ def source_failures(rank: int, world_size: int, tp: int) -> list[str]:
     fails: list[str] = []
     meta_t = torch.empty(2, device="meta")
     sparse = torch.eye(2).to_sparse()
-    lam = lambda: 1  # noqa: E731 -- a local lambda does not pickle
+    lam = lambda: 1
     for tag, g in (("world", ps.get_world_group()), ("tp", ps.get_tp_group())):
         n, me = g.world_size, g.rank_in_group
         src, dst = n - 1, 0
@@ -554,7 +554,7 @@ def source_failures(rank: int, world_size: int, tp: int) -> list[str]:
 def _collect(fails: list[str], case: str, fn: Any) -> None:
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 -- report every failed case at once
+    except Exception as e:
         fails.append(f"{case}: {type(e).__name__}: {str(e)[:400]}")
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest

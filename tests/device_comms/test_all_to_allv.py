@@ -304,8 +304,8 @@ def hostile_record_rank(rank: int, n: int, transport: str, claim: int) -> list[s
     """Rank 1 (a compromised peer) publishes a size record claiming ``claim`` rows for
     rank 0; every rank must raise DecodeError before allocating, and go on."""
     from device_comms import alltoallv
-    from device_comms.torch_dist import gloo_alltoallv
     from device_comms.cpu_shm import alltoallv as shm_alltoallv
+    from device_comms.torch_dist import gloo_alltoallv
 
     pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
     comm = _comm(transport, rank, n, pg)

@@ -18,7 +18,8 @@ with a storage offset, and every other op the engine runs.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from coordinator.testing import run_distributed
 from device_comms import CpuCommunicator, ReduceOp, TorchDistributedCommunicator
 from device_comms.errors import BrokenCommunicator
-from tests.device_comms import general_cases
 from shm_broadcast.lifecycle.segment import list_segments
+from tests.device_comms import general_cases
 
 
 def _same(a: object, b: object) -> bool:

@@ -11,7 +11,8 @@ ValueError naming the argument (an in-place broadcast into a lazy view).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

@@ -10,7 +10,8 @@ second or two, and the group keeps working. Shared memory and plain gloo,
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

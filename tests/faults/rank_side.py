@@ -36,8 +36,6 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
-
 from tests.faults.contract import DESTRUCTIVE
 from tests.faults.ops import FOLLOW_UP, OPS, Op, other_op, same_result
 
@@ -96,7 +94,7 @@ def _outcome(g: Any, op: Op, rank: int, world_size: int, bad: str | None,
     """Make one call; what it returned (checked against ``want``) or raised."""
     try:
         got = op.call(g, rank, world_size, bad)
-    except Exception as e:  # noqa: BLE001 - what it raised is the result
+    except Exception as e:
         t = time.monotonic()
         return {"call": op.name, "ok": False, "t": t, "error": type(e).__name__,
                 "classes": [c.__name__ for c in type(e).__mro__],

@@ -39,7 +39,7 @@ from tests.faults.contract import DESTRUCTIVE
 
 __all__ = ["CaseRun", "FaultRig", "live_rig_pids"]
 
-_RIGS: "weakref.WeakSet[FaultRig]" = weakref.WeakSet()
+_RIGS: weakref.WeakSet[FaultRig] = weakref.WeakSet()
 _START_S = 60.0  # a worker's start (imports) on a loaded machine
 _TEARDOWN_S = 15.0  # a survivor's teardown after a case
 _CLEANUP_S = 5.0  # reapers and owners removing files asynchronously
@@ -330,7 +330,7 @@ def _worker_main(conn: Connection, parent_pid: int) -> None:
                 rank_side.run_case(conn, spec, rank, world_size, port)
             except rank_side.InjectedFault:
                 raise  # out of the process, as an uncaught exception
-            except Exception as e:  # noqa: BLE001 - reported to the rig
+            except Exception as e:
                 import traceback
 
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

@@ -29,7 +29,11 @@ def _view(ptr: int, nbytes: int) -> torch.Tensor:
 def _read_peer(rank: int, world_size: int) -> dict:
     from coordinator.parallel_state import get_world_group
     from device_comms.cuda.custom_allreduce.device_memory import DeviceBuffer
-    from device_comms.cuda.custom_allreduce.handles import CudaIpcBackend, HandleBook, all_gather_handles
+    from device_comms.cuda.custom_allreduce.handles import (
+        CudaIpcBackend,
+        HandleBook,
+        all_gather_handles,
+    )
 
     torch.cuda.set_device(0)
     group = get_world_group().cpu_group

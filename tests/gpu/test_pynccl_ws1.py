@@ -145,8 +145,8 @@ def _close_with_live_graph(rank: int, world_size: int) -> dict:
     import time
 
     from coordinator.parallel_state import get_world_group
-    from device_comms.errors import CollectiveTimeout
     from device_comms.cuda.pynccl import PyNcclCommunicator
+    from device_comms.errors import CollectiveTimeout
 
     torch.cuda.set_device(0)
     comm = PyNcclCommunicator(get_world_group().cpu_group, torch.device("cuda", 0))

@@ -50,9 +50,10 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Mapping, Sequence
+from typing import IO
 
 __all__ = ["HOST_NAMES", "Host", "LaunchedHost", "TwoHosts", "unavailable_reason", "sweep_stale",
            "work_dir"]
@@ -305,7 +306,7 @@ class TwoHosts:
             self.close()
             raise
 
-    def __enter__(self) -> "TwoHosts":
+    def __enter__(self) -> TwoHosts:
         return self
 
     def __exit__(self, *exc: object) -> None:

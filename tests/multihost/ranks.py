@@ -37,8 +37,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -96,8 +97,8 @@ def _identity() -> dict[str, Any]:
 # ---------------------------------------------------------------- case: tp
 def case_tp(args: argparse.Namespace) -> dict[str, Any]:
     """One TP group spanning both hosts."""
-    from shm_broadcast.ranks.topology import node_assignment
     from shm_broadcast.queue.transport import host_ip
+    from shm_broadcast.ranks.topology import node_assignment
 
     ps.initialize_model_parallel(tensor_model_parallel_size=4)
     tp = ps.get_tp_group()

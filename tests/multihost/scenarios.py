@@ -30,12 +30,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tests.multihost.netns import (
-    LaunchedHost, TwoHosts, sweep_stale, unavailable_reason, work_dir,
+    LaunchedHost,
+    TwoHosts,
+    sweep_stale,
+    unavailable_reason,
+    work_dir,
 )
 
 REPO = Path(__file__).resolve().parents[2]

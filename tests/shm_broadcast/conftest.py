@@ -8,10 +8,10 @@ import multiprocessing as mp
 import os
 import queue
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
-
 
 
 class Procs:

@@ -161,10 +161,10 @@ def _row(samples: list[float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 on success, 1 when a rank failed."""
+    import torch
+
     from coordinator.errors import DistributedTimeout, RankFailedError
     from coordinator.testing import run_distributed
-
-    import torch
 
     report: list[dict[str, Any]] = []
     print(f"groupcoord bench p2p: 2 ranks, {args.dtype}, {args.rounds} x {args.iters} round "

@@ -12,7 +12,8 @@ queue (:meth:`shm_broadcast.MessageQueue.park_stats`).
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["summarize", "format_table", "write_json", "write_plot", "distribution"]
 

@@ -19,7 +19,7 @@ matrices; their weight loaders take the shard id of the checkpoint tensor.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

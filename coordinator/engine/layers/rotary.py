@@ -20,7 +20,8 @@ so only an unchunked prefill reproduces Hugging Face's numbers exactly.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn

@@ -14,7 +14,8 @@ tested without processes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -115,7 +116,7 @@ WeightLoader = Callable[..., None]
 
 def set_weight_loader(param: torch.nn.Parameter, loader: WeightLoader) -> None:
     """Attach ``loader`` to ``param`` as ``param.weight_loader``."""
-    setattr(param, "weight_loader", loader)
+    param.weight_loader = loader
 
 
 def default_weight_loader(param: torch.nn.Parameter, loaded: torch.Tensor, *_: Any) -> None:

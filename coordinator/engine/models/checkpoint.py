@@ -16,7 +16,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -106,7 +107,7 @@ class LlamaModelConfig:
 
     # ------------------------------------------------------------------ HF dialect
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> "LlamaModelConfig":
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> LlamaModelConfig:
         """Build from a parsed Hugging Face ``config.json``.
 
         Raises:
@@ -159,7 +160,7 @@ class LlamaModelConfig:
         )
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike[str]) -> "LlamaModelConfig":
+    def from_json(cls, path: str | os.PathLike[str]) -> LlamaModelConfig:
         """Read ``path`` (a ``config.json`` file or the directory holding one).
 
         When a ``generation_config.json`` sits next to it and names an
@@ -276,7 +277,7 @@ def _read_json(path: str, required: bool) -> Any:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
-def resolve_dtype(dtype: "torch.dtype | str | None", config: "LlamaModelConfig") -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str | None, config: LlamaModelConfig) -> torch.dtype:
     """The compute dtype for ``dtype``: ``None``/``"float32"`` -> float32 (the default),
     ``"auto"`` -> the checkpoint's dtype, a name from :data:`DTYPES`, or a floating ``torch.dtype``.
 

@@ -12,7 +12,7 @@ on the unsharded reference.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from coordinator.engine.models.runner import StepInput
 

@@ -15,7 +15,8 @@ slots hold its whole context (``context_slots``).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -163,7 +164,7 @@ class KVCache:
             context.extend(self._slot(req, p) for p in range(done + new))
             qsl.append(qsl[-1] + new)
             csl.append(csl[-1] + done + new)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)
         return AttentionInputs(
             positions=as_long(positions),
             slot_mapping=as_long(slot_mapping),

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -434,7 +435,7 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {target!r}")
-            loader = getattr(param, "weight_loader")
+            loader = param.weight_loader
             if shard is None:
                 loader(param, tensor)
             else:
@@ -485,7 +486,7 @@ class LlamaForCausalLM(nn.Module):
         pp_group: Any | None = None,
         dtype: torch.dtype | str | None = None,
         sequence_parallel: bool = False,
-    ) -> "LlamaForCausalLM":
+    ) -> LlamaForCausalLM:
         """Build this rank's shard from a Hugging Face checkpoint directory.
 
         The default compute dtype is float32 whatever the checkpoint's
@@ -523,7 +524,7 @@ class LlamaForCausalLM(nn.Module):
         pp_group: Any | None = None,
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
-    ) -> "LlamaForCausalLM":
+    ) -> LlamaForCausalLM:
         """Build this rank's shard of a random model (``default_config()`` unless given).
 
         Every rank draws the same full weights from ``seed`` and keeps its shard.

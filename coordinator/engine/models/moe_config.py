@@ -19,7 +19,8 @@ each token uses ``num_experts_per_tok``:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from coordinator.engine.models.config import LlamaModelConfig
 
@@ -71,7 +72,7 @@ class MoeModelConfig(LlamaModelConfig):
             raise ValueError(f"sparse layer indices {bad} are outside [0, {self.num_hidden_layers})")
 
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> "MoeModelConfig":
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> MoeModelConfig:
         """Build from a parsed Mixtral or Qwen2-MoE ``config.json``.
 
         Raises:
@@ -145,7 +146,7 @@ class MoeModelConfig(LlamaModelConfig):
                              f"({self.shared_expert_intermediate_size}) must be divisible by the "
                              f"tensor-parallel size (tp={tp})")
 
-    def attention_skeleton(self, tp: int) -> "MoeModelConfig":
+    def attention_skeleton(self, tp: int) -> MoeModelConfig:
         """This config with ``intermediate_size`` set so the Llama base builds only tiny
         placeholder MLPs (the MoE model replaces every layer's MLP)."""
         return dataclasses.replace(self, intermediate_size=max(tp, 1))

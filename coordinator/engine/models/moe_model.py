@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -154,7 +155,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike[str], tp_group: TPGroup | None = None,
                         pp_group: Any | None = None, ep_group: Any | None = None,
-                        dtype: torch.dtype | str | None = None) -> "MoeForCausalLM":  # type: ignore[override]
+                        dtype: torch.dtype | str | None = None) -> MoeForCausalLM:  # type: ignore[override]
         """Build this rank's shard from a Mixtral or Qwen2-MoE checkpoint directory
         (float32 compute by default, as :meth:`LlamaForCausalLM.from_pretrained`)."""
         from coordinator.engine.models.checkpoint import iter_checkpoint
@@ -170,7 +171,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def from_seed(cls, config: MoeModelConfig | None = None, seed: int = 0,  # type: ignore[override]
                   tp_group: TPGroup | None = None, pp_group: Any | None = None,
                   ep_group: Any | None = None, dtype: torch.dtype = torch.float32
-                  ) -> "MoeForCausalLM":
+                  ) -> MoeForCausalLM:
         """This rank's shard of a random Mixtral-style model (``default_moe_config()``)."""
         from coordinator.engine.models.moe_checkpoint import random_moe_state_dict
         from coordinator.engine.models.moe_config import default_moe_config

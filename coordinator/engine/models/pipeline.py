@@ -24,7 +24,8 @@ the unsplit step (up to the float rounding of batched matrix products).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

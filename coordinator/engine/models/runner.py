@@ -26,7 +26,8 @@ pipeline group so the first stage (the driver's) has them.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch

@@ -28,14 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from device_comms.cuda.custom_allreduce import eligibility as elig
 from device_comms.cuda.custom_allreduce import layout
-from device_comms.cuda.custom_allreduce.device_memory import DeviceBuffer, KernelFaultWords, decode_error
+from device_comms.cuda.custom_allreduce.device_memory import (
+    DeviceBuffer,
+    KernelFaultWords,
+    decode_error,
+)
 from device_comms.cuda.custom_allreduce.handles import (
     CudaIpcBackend,
     HandleBook,
@@ -44,8 +49,8 @@ from device_comms.cuda.custom_allreduce.handles import (
 )
 from device_comms.cuda.custom_allreduce.kernels import choose_variant, kernel_set
 from device_comms.cuda.custom_allreduce.table import RankTables
-from shm_broadcast.ranks.topology import in_the_same_node_as
 from device_comms.errors import BrokenCommunicator, CollectiveTimeout, CommunicatorClosed
+from shm_broadcast.ranks.topology import in_the_same_node_as
 
 __all__ = ["CustomAllreduce"]
 
@@ -250,7 +255,7 @@ class CustomAllreduce:
         self._buffer.close()
         self._errors.close()
 
-    def __enter__(self) -> "CustomAllreduce":
+    def __enter__(self) -> CustomAllreduce:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -17,7 +17,8 @@ import dataclasses
 import operator
 import os
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 

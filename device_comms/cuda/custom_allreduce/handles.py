@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -73,7 +74,7 @@ class IpcHandle(msgspec.Struct, frozen=True):
         return self.handle + self.offset.to_bytes(8, "little")
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "IpcHandle":
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> IpcHandle:
         """Parse the wire form written by :meth:`to_bytes`.
 
         Raises:
@@ -308,12 +309,12 @@ class HandleBook:
         for base in opened.values():
             try:
                 self._backend.close(base)
-            except Exception as e:  # noqa: BLE001 - close the rest, then report
+            except Exception as e:
                 first = first or e
         if first is not None:
             raise first
 
-    def __enter__(self) -> "HandleBook":
+    def __enter__(self) -> HandleBook:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,7 +18,7 @@ entry naming the peers' copies of that input.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -23,7 +23,8 @@ import functools
 import importlib.util
 import os
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from device_comms.errors import CommunicatorUnavailable, KernelCompileError
 
@@ -91,7 +92,7 @@ def _open_first(candidates: Sequence[str]) -> tuple[ctypes.CDLL, str]:
             continue
         try:
             lib = ctypes.CDLL(path)
-            lib.nvrtcVersion  # noqa: B018 - a library without it is not NVRTC
+            lib.nvrtcVersion
         except (OSError, AttributeError) as e:
             tried.append(f"{path} ({e})")
             continue

@@ -9,7 +9,7 @@ graph then reads the registered inputs directly.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -16,13 +16,17 @@ ranks on any recent GPU).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from device_comms.cuda.custom_allreduce import eligibility as elig
 from device_comms.cuda.custom_allreduce import layout
-from device_comms.cuda.custom_allreduce.device_memory import DeviceBuffer, KernelFaultWords, decode_error
+from device_comms.cuda.custom_allreduce.device_memory import (
+    DeviceBuffer,
+    KernelFaultWords,
+    decode_error,
+)
 from device_comms.cuda.custom_allreduce.kernels import choose_variant, kernel_set
 from device_comms.cuda.custom_allreduce.table import RankTables
 from device_comms.errors import CollectiveTimeout
@@ -173,7 +177,7 @@ class VirtualRanks:
         self._tables.close()
         self._errors.close()
 
-    def __enter__(self) -> "VirtualRanks":
+    def __enter__(self) -> VirtualRanks:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,7 +15,8 @@ agrees on them over the CPU group first.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

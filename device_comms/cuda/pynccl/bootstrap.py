@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from device_comms.errors import CommunicatorUnavailable
 from device_comms.cuda.pynccl.library import UNIQUE_ID_BYTES
+from device_comms.errors import CommunicatorUnavailable
 
 __all__ = ["exchange_unique_id", "group_rank_and_size", "ranks_failed", "UnusableLibrary"]
 

@@ -37,17 +37,12 @@ import contextlib
 import gc
 import math
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from device_comms import validation
-from device_comms.errors import (
-    CollectiveTimeout,
-    CommunicatorClosed,
-    CommunicatorUnavailable,
-    NcclError,
-)
 from device_comms.cuda.pynccl import all_to_allv as a2av
 from device_comms.cuda.pynccl import bootstrap
 from device_comms.cuda.pynccl.arguments import (
@@ -57,7 +52,13 @@ from device_comms.cuda.pynccl.arguments import (
     check_rows,
     check_same,
 )
-from device_comms.cuda.pynccl.library import NCCL_IN_PROGRESS, NCCL_SUCCESS, format_version, load_library
+from device_comms.cuda.pynccl.library import (
+    NCCL_IN_PROGRESS,
+    NCCL_SUCCESS,
+    format_version,
+    load_library,
+)
+from device_comms.cuda.pynccl.streams import device_context, on_stream
 from device_comms.cuda.pynccl.types import (
     DATATYPE_CODES,
     ReducePlan,
@@ -65,7 +66,12 @@ from device_comms.cuda.pynccl.types import (
     bytes_view,
     reduction_plan,
 )
-from device_comms.cuda.pynccl.streams import device_context, on_stream
+from device_comms.errors import (
+    CollectiveTimeout,
+    CommunicatorClosed,
+    CommunicatorUnavailable,
+    NcclError,
+)
 from device_comms.reduce_op import ReduceOp
 
 __all__ = ["PyNcclCommunicator"]
@@ -456,7 +462,7 @@ class PyNcclCommunicator:
         """Same as :meth:`close` with ``abort=None``."""
         self.close()
 
-    def __enter__(self) -> "PyNcclCommunicator":
+    def __enter__(self) -> PyNcclCommunicator:
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:

@@ -27,7 +27,8 @@ import importlib.util
 import logging
 import os
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from device_comms.errors import CommunicatorUnavailable, NcclError
 
@@ -233,7 +234,7 @@ class _LoadedLibraries:
         self._lock = threading.Lock()
         self._by_path: dict[str, NcclLibrary] = {}
 
-    def get(self, path: str) -> "NcclLibrary":
+    def get(self, path: str) -> NcclLibrary:
         key = os.path.realpath(path) if os.sep in path else path
         with self._lock:
             lib = self._by_path.get(key)
@@ -251,7 +252,7 @@ class _LoadedLibraries:
 _LOADED = _LoadedLibraries()
 
 
-def load_library(path: str | None = None) -> "NcclLibrary":
+def load_library(path: str | None = None) -> NcclLibrary:
     """The cached :class:`NcclLibrary` for ``path`` (discovered when None).
 
     Raises:
@@ -273,13 +274,13 @@ class NcclLibrary:
 
     path: str
 
-    def __new__(cls, path: str) -> "NcclLibrary":
+    def __new__(cls, path: str) -> NcclLibrary:
         if not isinstance(path, str) or not path:
             raise TypeError(f"path must be a non-empty str naming the NCCL library, got {path!r}")
         return _LOADED.get(path)
 
     @classmethod
-    def _open(cls, path: str) -> "NcclLibrary":
+    def _open(cls, path: str) -> NcclLibrary:
         self = object.__new__(cls)
         try:
             self._lib = ctypes.CDLL(path)

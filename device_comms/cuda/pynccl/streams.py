@@ -12,7 +12,8 @@ captured on that stream is recorded into it) depends on that. A CPU device
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -21,8 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from coordinator.engine.demo.moe_engine import MoeEngineConfig, moe_engine_rank  # noqa: E402
-from coordinator.engine.models.moe_config import MoeModelConfig  # noqa: E402
+from coordinator.engine.demo.moe_engine import MoeEngineConfig, moe_engine_rank
+from coordinator.engine.models.moe_config import MoeModelConfig
 
 # 5 prompts over 2 replicas (ids 0, 2, 4 | 1, 3); different lengths and max_new_tokens
 # so replicas go idle while the other still runs (their experts keep serving).

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from coordinator.group.broadcast_stamps import stamp, unstamp
 from coordinator.errors import CollectiveMismatch, DecodeError, GroupCoordError
+from coordinator.group.broadcast_stamps import stamp, unstamp
 
 
 def test_a_message_of_this_call_is_returned() -> None:

@@ -23,9 +23,7 @@ import pytest
 
 from coordinator.group import gloo_interface as gi
 from coordinator.testing import run_distributed
-from tests.child_env import child_env
-from tests.child_env import ROOT
-
+from tests.child_env import ROOT, child_env
 
 
 def _listening() -> list[str]:

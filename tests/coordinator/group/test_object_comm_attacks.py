@@ -73,11 +73,9 @@ class _Evil:
 def hostile_peer(rank: int, world_size: int) -> list[str]:
     """Rank 0 attacks, rank 1 must refuse every message and stay usable."""
     from coordinator.errors import DecodeError
-
     from coordinator.group.group_coordinator import GroupCoordinator
-
-    from coordinator.p2p.link_offer import MAGIC
     from coordinator.group.object_comm import DICT_META, LINK_OFFER, OBJECT
+    from coordinator.p2p.link_offer import MAGIC
 
     # A fresh group: the first recv_tensor_dict of a direction reads the sender's
     # link offer over the CPU group (coordinator.p2p.link_offer); the attacker offers none.
@@ -105,7 +103,7 @@ def hostile_peer(rank: int, world_size: int) -> list[str]:
                     fails.append(f"{name}: decoded {got!r:.100}")
                 except DecodeError:
                     pass
-                except Exception as e:  # noqa: BLE001 -- report what escaped
+                except Exception as e:
                     fails.append(f"{name}: {type(e).__name__}: {e}")
                 _, peak = tracemalloc.get_traced_memory()
                 tracemalloc.stop()
@@ -162,7 +160,7 @@ def claim_without_bytes(rank: int, world_size: int) -> list[Any]:
             try:
                 world.recv_object(0)
                 out.append("returned")
-            except Exception as e:  # noqa: BLE001 -- the kind is checked by the test
+            except Exception as e:
                 out.append(type(e).__name__)
             finally:
                 done.set()

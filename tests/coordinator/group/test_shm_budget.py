@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.shm_broadcast.lifecycle_helpers import small_shm_command
 from tests.child_env import ROOT
+from tests.shm_broadcast.lifecycle_helpers import small_shm_command
 
 DOCKER_SHM_MIB = 64
 #: What must stay free for everything else on the host (a quarter of it).
@@ -60,8 +60,8 @@ def _allocate() -> dict[str, Any]:
     from coordinator.group.mq_broadcasters import SINGLE_READER_CHUNK_BYTES, SINGLE_READER_CHUNKS
     from device_comms.cpu_shm.workspace import workspace_segment_bytes
     from shm_broadcast import SharedSegment, ShmRingBuffer, ShmSpaceError
-    from shm_broadcast.queue.message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
     from shm_broadcast.lifecycle.segment import shm_free_bytes
+    from shm_broadcast.queue.message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
 
     made: list[Any] = []
     error = None

@@ -14,7 +14,8 @@ import signal
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -267,8 +268,8 @@ def send_timeout(rank: int, n: int) -> dict[str, Any]:
 def destroy_with_outstanding(rank: int, n: int) -> dict[str, Any]:
     """Handles outstanding at destroy() (one running, one queued, one dropped) end
     with ClosedError; nobody deadlocks; the threads are joined."""
-    from coordinator.p2p.async_p2p import CLOSE_GRACE_S
     from coordinator.errors import ClosedError
+    from coordinator.p2p.async_p2p import CLOSE_GRACE_S
     from coordinator.parallel_state import get_world_group
 
     g = _group(rank, n)
@@ -297,7 +298,7 @@ def destroy_with_outstanding(rank: int, n: int) -> dict[str, Any]:
     try:
         g.isend(torch.ones(1), peer)
         out["after"] = "no error"
-    except Exception as e:  # noqa: BLE001 - the type is the result
+    except Exception as e:
         out["after"] = type(e).__name__
     get_world_group().barrier()
     return out
@@ -539,7 +540,7 @@ def killed_peer(rank: int, n: int) -> dict[str, Any]:
             out["results"].append(("ok", bool(torch.equal(got[:3], got[-3:]))))
         except PeerDiedError as e:
             out["results"].append(("PeerDiedError", list(e.peers), str(e)[:300]))
-        except Exception as e:  # noqa: BLE001 - the type is the result
+        except Exception as e:
             out["results"].append((type(e).__name__, str(e)[:300]))
     out["s"] = time.monotonic() - issued
     return out

@@ -217,7 +217,7 @@ def _refused(g: Any, expected: type, name: str) -> list[str]:
         return [f"{name}: decoded {got!r:.100}"]
     except expected:
         return []
-    except Exception as e:  # noqa: BLE001 -- report what escaped
+    except Exception as e:
         return [f"{name}: {type(e).__name__} (expected {expected.__name__}): {e}"]
 
 
@@ -389,8 +389,8 @@ def foreign_offer(rank: int, n: int, case: str) -> list[str]:
     """Rank 0 offers ``case``; rank 1 must refuse it with DecodeError at once,
     leave the victim queue untouched, and take rank 0's honest link next."""
     from coordinator.errors import DecodeError
-    from coordinator.p2p.link_offer import MAGIC
     from coordinator.p2p.channels import SEND
+    from coordinator.p2p.link_offer import MAGIC
     from coordinator.p2p.shm_links import CHUNK_BYTES, CHUNKS
     from shm_broadcast.queue.handle import Handle
     from shm_broadcast.queue.message_queue import MessageQueue
@@ -497,7 +497,7 @@ def destroyed_while_waiting(rank: int, n: int) -> dict[str, Any]:
         out["error"] = "none"
     except ClosedError:
         out["error"] = "ClosedError"
-    except Exception as e:  # noqa: BLE001 -- the type is the result
+    except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["s"] = time.monotonic() - t0
     killer.join()
@@ -559,7 +559,7 @@ def _death_outcome(call: Any) -> dict[str, Any]:
         out: dict[str, Any] = {"error": "none"}
     except PeerDiedError as e:
         out = {"error": "PeerDiedError", "peers": list(e.peers), "msg": str(e)}
-    except Exception as e:  # noqa: BLE001 -- the type is the result
+    except Exception as e:
         out = {"error": f"{type(e).__name__}: {e}"}
     out["s"] = time.monotonic() - t0
     return out
@@ -644,7 +644,7 @@ def late_receiver_mid_stream(rank: int, n: int) -> list[str]:
             out.append(f"{what}: returned {got!r:.60}")
         except kind:
             pass
-        except Exception as e:  # noqa: BLE001 -- the type is the result
+        except Exception as e:
             out.append(f"{what}: {type(e).__name__} (expected {kind.__name__}): {e}")
 
     try:

@@ -22,7 +22,8 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -154,7 +155,7 @@ def _diff(got: Any, want: dict[Any, Any]) -> list[str]:
 def _record(results: dict[str, list[str]], case: str, fn: Callable[[], list[str]]) -> None:
     try:
         results[case] += fn()
-    except Exception as e:  # noqa: BLE001 -- the error is the result
+    except Exception as e:
         results[case].append(f"{type(e).__name__}: {e}"[:400] + traceback.format_exc()[-600:])
 
 
@@ -308,7 +309,7 @@ def _run(dist_pool: Any, run: str) -> list[dict[str, list[str]]]:
         t0 = time.monotonic()
         try:
             _results[run] = dist_pool(n).run(pipeline, off, timeout=300)
-        except Exception as e:  # noqa: BLE001 -- reported by every case of the run
+        except Exception as e:
             _results[run] = e
         print(f"run {run}: {time.monotonic() - t0:.1f} s")
     got = _results[run]
@@ -421,7 +422,7 @@ def killed_mid_dict(rank: int, n: int, victim: int) -> dict[str, Any]:
                 g.recv_tensor_dict(0)
     except PeerDiedError as e:
         out: dict[str, Any] = {"error": "PeerDiedError", "peers": list(e.peers)}
-    except Exception as e:  # noqa: BLE001 -- the type is the result
+    except Exception as e:
         out = {"error": f"{type(e).__name__}: {e}"}
     out["s"] = time.monotonic() - t0
     g.destroy()

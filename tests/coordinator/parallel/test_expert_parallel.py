@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from coordinator import NotInitializedError
 from coordinator import parallel_state as ps
-from coordinator.parallel.expert_parallel import ep_group_ranks, ep_rank
 from coordinator.group.registry import REGISTRY
+from coordinator.parallel.expert_parallel import ep_group_ranks, ep_rank
 
 # (tp, pp, dp) -> EP groups, in stage order.
 EXPECTED = {

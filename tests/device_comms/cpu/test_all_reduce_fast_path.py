@@ -13,7 +13,8 @@ with the reduction of all ranks' inputs computed locally.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

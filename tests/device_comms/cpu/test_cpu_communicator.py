@@ -22,8 +22,8 @@ from device_comms import (
     reduce_local,
     select_device_communicator,
 )
-from shm_broadcast.ranks.launcher import spawn_group
 from shm_broadcast.lifecycle.segment import list_segments
+from shm_broadcast.ranks.launcher import spawn_group
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

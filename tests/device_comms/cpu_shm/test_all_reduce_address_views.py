@@ -15,7 +15,8 @@ ranks reduce into each other's slots.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from device_comms import CpuCommunicator, ReduceOp, reduce_local
-from device_comms.cpu_shm.engine_threads import GRAIN
 from device_comms.cpu_shm.engine import DEFAULT_ONESHOT_BYTES
+from device_comms.cpu_shm.engine_threads import GRAIN
 from device_comms.cpu_shm.pair import DEFAULT_PAIR_PIECE_BYTES, PAIR_SMALL_MIN_BYTES
 
 _DTYPES = ("int8", "uint8", "bool", "complex64", "float16", "bfloat16", "float64", "float32",

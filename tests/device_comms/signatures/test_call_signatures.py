@@ -21,7 +21,8 @@ selection covering every op, fault, path and world size.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -606,8 +607,8 @@ def test_split_nodes_are_settled_by_counting_ranks(nodes: list[dict[int, str]],
 ], ids=["empty", "wrong-shape", "not-msgpack", "rank-twice", "foreign-rank", "one-call",
         "same-call-twice", "too-large"])
 def test_a_split_call_list_that_is_not_valid_is_refused(calls: Any, why: str) -> None:
-    from device_comms.signatures.call_signature import decode_calls, encode_calls
     from device_comms.errors import DecodeError
+    from device_comms.signatures.call_signature import decode_calls, encode_calls
 
     raw = calls if isinstance(calls, bytes) else encode_calls(calls)
     with pytest.raises(DecodeError, match=f"rank 2 sent a split-call list that .*{why}"):
@@ -618,8 +619,8 @@ def test_a_split_call_list_that_is_not_valid_is_refused(calls: Any, why: str) ->
 
 def test_a_split_header_where_no_participant_speaks_for_others_is_refused() -> None:
     """The flat signed path passes no call lists: a SPLIT header there is not ours."""
-    from device_comms.signatures.call_signature import settle
     from device_comms.errors import DecodeError
+    from device_comms.signatures.call_signature import settle
 
     heads = _headers({0: "a", 1: "a"})
     heads[1], _ = _split_node({1: "a", 2: "b"})

@@ -24,7 +24,8 @@ import random
 import resource
 import struct
 import tracemalloc
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -33,7 +34,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shm_broadcast.codec import pickle_opt_in as codec_pickle, wire_format
+from shm_broadcast.codec import pickle_opt_in as codec_pickle
+from shm_broadcast.codec import wire_format
 from shm_broadcast.codec.message_codec import Codec, SourceFailure
 from shm_broadcast.errors import DecodeError, GroupCoordError
 
@@ -101,7 +103,7 @@ def check_decode(fn: Callable[[], Any], what: str) -> None:
         fn()
     except DecodeError:
         pass
-    except Exception as e:  # noqa: BLE001 -- the point: nothing else may escape
+    except Exception as e:
         raise AssertionError(f"{what}: {type(e).__name__}: {e}") from e
 
 

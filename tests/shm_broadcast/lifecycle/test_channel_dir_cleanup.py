@@ -18,16 +18,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
 
 from shm_broadcast.lifecycle import leftovers
 from shm_broadcast.lifecycle.segment import SHM_DIR, OwnerIdentity
-from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix, wait_exit
 from tests.child_env import ROOT
-
+from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix, wait_exit
 
 
 def _cleanup(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

@@ -26,8 +26,8 @@ import pytest
 
 from shm_broadcast.lifecycle import leftovers
 from shm_broadcast.lifecycle.segment import SHM_DIR
-from tests.shm_broadcast.lifecycle_helpers import reaper_of, unshare_prefix, wait_exit, wait_gone
 from tests.child_env import ROOT
+from tests.shm_broadcast.lifecycle_helpers import reaper_of, unshare_prefix, wait_exit, wait_gone
 
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGHUP": signal.SIGHUP, "SIGINT": signal.SIGINT}
 

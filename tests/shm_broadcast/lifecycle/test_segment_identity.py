@@ -15,8 +15,8 @@ import pytest
 
 from shm_broadcast import SharedSegment
 from shm_broadcast.lifecycle.segment import SHM_DIR, OwnerIdentity, list_segments
-from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix
 from tests.child_env import ROOT as REPO_ROOT
+from tests.shm_broadcast.lifecycle_helpers import kill_with_reaper, unshare_prefix
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this platform")
 

@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.shm_broadcast.lifecycle_helpers import small_shm_command
 from tests.child_env import ROOT
-
+from tests.shm_broadcast.lifecycle_helpers import small_shm_command
 
 
 def _run_child(size_mib: int, case: str) -> dict[str, Any]:

@@ -245,7 +245,7 @@ def _dropped(c: socket.socket) -> bool:
         while c.recv(4096):
             pass
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
     except OSError:
         return True
@@ -445,8 +445,8 @@ def test_a_reader_refuses_a_segment_name_re_created_after_its_writer(attacker):
 
 @pytest.mark.parametrize("kind", ["open-mode", "symlink", "another-user"])
 def test_a_channel_directory_that_is_not_private_is_refused(tmp_path, kind):
-    from shm_broadcast.lifecycle.channel_dirs import check_private_dir
     from shm_broadcast.errors import SegmentError
+    from shm_broadcast.lifecycle.channel_dirs import check_private_dir
 
     target = tmp_path / "gcabcdefgh"
     target.mkdir(mode=0o700)
@@ -526,9 +526,9 @@ def test_per_reader_keys_admit_each_reader_only_under_its_own_rank():
     # The planned mode (needs MessageQueue/process_group plumbing): every remote
     # reader brings its own keypair; only public keys reach the writer.
     from shm_broadcast.codec.message_codec import Codec
-    from shm_broadcast.queue.writer import QueueWriter
     from shm_broadcast.queue.remote_reader import RemoteReader
     from shm_broadcast.queue.transport import new_keypair
+    from shm_broadcast.queue.writer import QueueWriter
     from shm_broadcast.waiting.policy import WaitPolicy
 
     k1, k2, k9 = new_keypair(), new_keypair(), new_keypair()
@@ -576,9 +576,9 @@ def test_a_reader_that_reconnects_under_an_attached_id_is_admitted():
     connects under the same routing id: it takes the id over and is admitted
     (without the takeover the writer would refuse it until its timeout)."""
     from shm_broadcast.codec.message_codec import Codec
-    from shm_broadcast.queue.writer import QueueWriter
     from shm_broadcast.queue.remote_reader import RemoteReader
     from shm_broadcast.queue.transport import new_keypair
+    from shm_broadcast.queue.writer import QueueWriter
     from shm_broadcast.waiting.policy import WaitPolicy
 
     k1, k2 = new_keypair(), new_keypair()
@@ -610,9 +610,9 @@ def test_an_extra_subscription_does_not_make_the_writer_ready_early():
     wait for rank 2's subscription, not count the extra one, or its READY and
     first messages would be lost to rank 2."""
     from shm_broadcast.codec.message_codec import Codec
-    from shm_broadcast.queue.writer import QueueWriter
     from shm_broadcast.queue.remote_reader import RemoteReader
     from shm_broadcast.queue.transport import KIND_READY, joined_topic, new_keypair
+    from shm_broadcast.queue.writer import QueueWriter
     from shm_broadcast.waiting.policy import WaitPolicy
 
     k1, k2 = new_keypair(), new_keypair()

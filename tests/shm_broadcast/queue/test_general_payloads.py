@@ -24,7 +24,11 @@ import pytest
 import torch
 
 from shm_broadcast import (
-    MessageQueue, QueueClosedError, QueueRoleError, QueueTimeout, list_segments,
+    MessageQueue,
+    QueueClosedError,
+    QueueRoleError,
+    QueueTimeout,
+    list_segments,
 )
 from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.queue.ring_buffer import CHUNK_HEADER

@@ -6,7 +6,6 @@ same protocol as in another process; only the scheduling is simpler.
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import time
@@ -15,7 +14,12 @@ import msgspec
 import pytest
 
 from shm_broadcast import (
-    Handle, MessageQueue, QueueClosedError, QueueRoleError, QueueTimeout, SegmentError,
+    Handle,
+    MessageQueue,
+    QueueClosedError,
+    QueueRoleError,
+    QueueTimeout,
+    SegmentError,
     WaitPolicy,
 )
 from tests.child_env import ROOT as REPO_ROOT

@@ -18,7 +18,6 @@ from shm_broadcast import MessageQueue, PeerDiedError, QueueClosedError, list_se
 from shm_broadcast.lifecycle.segment import SHM_DIR
 from tests.shm_broadcast.lifecycle_helpers import wait_gone
 
-
 KILL_BOUND_S = 2.0
 
 

@@ -8,8 +8,13 @@ import stat
 import pytest
 
 from shm_broadcast import SegmentError, SharedSegment, ShmRingBuffer
-from shm_broadcast.queue.ring_buffer import CHUNK_HEADER, READER_ATTACHED, READER_CLOSED, READER_EMPTY
 from shm_broadcast.lifecycle.segment import SHM_DIR
+from shm_broadcast.queue.ring_buffer import (
+    CHUNK_HEADER,
+    READER_ATTACHED,
+    READER_CLOSED,
+    READER_EMPTY,
+)
 
 
 @pytest.mark.timeout(30)

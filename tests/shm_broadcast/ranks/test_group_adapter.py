@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import pickle
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.distributed as dist
 
 from coordinator.testing import free_port
 from shm_broadcast.errors import CollectiveMismatch

@@ -10,7 +10,11 @@ import psutil
 import pytest
 
 from shm_broadcast.ranks.launcher import (
-    describe_exit, per_rank_env, spawn_group, start_ranks, stop_ranks,
+    describe_exit,
+    per_rank_env,
+    spawn_group,
+    start_ranks,
+    stop_ranks,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,7 +39,7 @@ def _env_value(rank: int, world_size: int) -> str | None:
     return os.environ.get("GC_LAUNCHER_PROBE")
 
 
-def _idle_child(conn) -> None:  # noqa: ANN001 - a multiprocessing Connection
+def _idle_child(conn) -> None:
     conn.recv()
 
 

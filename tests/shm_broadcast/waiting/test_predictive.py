@@ -21,9 +21,9 @@ import psutil
 import pytest
 
 from shm_broadcast import MessageQueue, QueueClosedError, QueueTimeout, WaitPolicy
-from shm_broadcast.waiting.predictive import STAMP_OFFSET, ArrivalPredictor, PredictivePolicy
 from shm_broadcast.queue.ring_buffer import CHUNK_HEADER
 from shm_broadcast.queue.transport import WIRE
+from shm_broadcast.waiting.predictive import STAMP_OFFSET, ArrivalPredictor, PredictivePolicy
 
 #: Bounded parks (1 s) and rare liveness checks: a lost bell would show as ~1 s.
 #: Three calibration samples (instead of four) make the tests learn a step sooner.
@@ -55,7 +55,7 @@ def test_wait_policy_takes_only_a_predictive_policy() -> None:
 
 
 def test_the_stamp_fits_in_the_chunk_header_after_the_wire_fields() -> None:
-    assert STAMP_OFFSET == WIRE.size and STAMP_OFFSET + 8 <= CHUNK_HEADER
+    assert WIRE.size == STAMP_OFFSET and STAMP_OFFSET + 8 <= CHUNK_HEADER
 
 
 # -------------------------------------------------------------- the predictor

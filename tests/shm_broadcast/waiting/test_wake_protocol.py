@@ -25,7 +25,6 @@ import pytest
 
 from shm_broadcast import MessageQueue, WaitPolicy
 
-
 # Park almost at once (no spin, 0.2 ms of yielding); polls bounded by 1 s.
 POLICY = WaitPolicy(spin_s=0.0, yield_s=0.0002, park_poll_s=1.0, liveness_s=1.0)
 MAX_GAP_S = 0.005

@@ -78,7 +78,10 @@ def test_table_entry_packs_pointers_by_rank() -> None:
 
 
 def test_name_expressions_cover_supported_dtypes() -> None:
-    from device_comms.cuda.custom_allreduce.eligibility import SUPPORTED_DTYPES, SUPPORTED_WORLD_SIZES
+    from device_comms.cuda.custom_allreduce.eligibility import (
+        SUPPORTED_DTYPES,
+        SUPPORTED_WORLD_SIZES,
+    )
 
     assert set(kernels.DTYPE_TAGS) == set(SUPPORTED_DTYPES)
     assert tuple(kernels.WORLD_SIZES) == tuple(SUPPORTED_WORLD_SIZES)

@@ -47,4 +47,4 @@ def test_every_export_resolves(name: str) -> None:
 
 def test_unknown_attribute() -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
-        ca.no_such_name  # noqa: B018
+        ca.no_such_name

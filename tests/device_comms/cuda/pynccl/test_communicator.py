@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from device_comms.errors import CommunicatorClosed, CommunicatorUnavailable, NcclError
 from device_comms.cuda.pynccl import PyNcclCommunicator
+from device_comms.errors import CommunicatorClosed, CommunicatorUnavailable, NcclError
 from device_comms.reduce_op import ReduceOp, reduce_local
 from tests.device_comms.cuda.pynccl._gloo_nccl import GlooNccl
 

@@ -9,7 +9,8 @@ through a test-only subclass on CPU tensors whose NCCL is the gloo stand-in of
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -17,8 +17,8 @@ import textwrap
 
 import pytest
 
-from device_comms.errors import CommunicatorUnavailable, DeviceCommError, NcclError
 from device_comms.cuda.pynccl import library as L
+from device_comms.errors import CommunicatorUnavailable, DeviceCommError, NcclError
 from tests.device_comms.cuda.pynccl import _nccl_header as header
 
 
@@ -184,7 +184,7 @@ def test_nccl_error_pickles() -> None:
 
     e = pickle.loads(pickle.dumps(NcclError("ncclSend", 6, "remote process exited")))
     assert (e.call, e.code, e.detail) == ("ncclSend", 6, "remote process exited")
-    assert "ncclSend failed with NCCL error 6: remote process exited" == str(e)
+    assert str(e) == "ncclSend failed with NCCL error 6: remote process exited"
 
 
 def test_comm_init_rank_checks_the_id(nccl_lib) -> None:
