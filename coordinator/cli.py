@@ -40,10 +40,10 @@ _BENCHES: dict[str, tuple[str, str, str, str]] = {
                   "round trips over the queue's TCP path (CURVE) vs plain zmq, pickle and raw"),
     "collectives": ("device_comms.bench.collectives", "add_bench_args", "run_bench",
                     "CPU shared-memory collectives vs gloo"),
-    "engine": ("coordinator.engine.bench.cli", "add_args", "run",
+    "engine": ("coordinator.bench.cli", "add_args", "run",
                "the demo's step loop without the model: periodic metadata through the TP "
                "broadcaster plus a TP all_reduce per layer; latency and CPU per rank"),
-    "p2p": ("coordinator.engine.bench.p2p", "add_args", "run",
+    "p2p": ("coordinator.bench.p2p", "add_args", "run",
             "tensor dicts between two pipeline stages: shared-memory links vs the CPU group"),
 }
 

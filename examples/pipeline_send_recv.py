@@ -128,8 +128,10 @@ def main() -> int:
     print(f"pipeline_send_recv: all_gather_group=tp: each stage-0 rank sends {sliced_bytes} "
           f"tensor bytes")
     # pipeline peers: stage-0 TP rank t sends to stage-1 TP rank t
-    plain_ok = all(same(s["sent"], r["received"][0]) for s, r in zip(stage[0], stage[1]))
-    gather_ok = all(same(s["sent"], r["received"][1]) for s, r in zip(stage[0], stage[1]))
+    pairs = list(zip(stage[0], stage[1], strict=True))
+    plain_ok = all(same(s["sent"], r["received"][0]) for s, r in pairs)
+    gather_ok = all(same(s["sent"], r["received"][1]) for s, r in pairs)
+
     print(f"pipeline_send_recv: received dicts identical to the sent ones: {plain_ok} (plain), "
           f"{gather_ok} (all-gather)")
     w = weights()

@@ -91,7 +91,7 @@ def rank_main(rank: int, world_size: int, steps: int) -> dict[str, Any]:
             bad += sum(
                 r["step"] != step or r["worker"] != w["worker"] or r["top_ids"] != w["top_ids"]
                 or not torch.allclose(r["partial"], w["partial"], atol=1e-4)
-                for r, w in zip(results, want)
+                for r, w in zip(results, want, strict=True)
             )
         tasks.enqueue({"kind": "stop"})
         return {"round_trip_ns": round_trip_ns, "bad": bad, "checked": steps * (world_size - 1)}

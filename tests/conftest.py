@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -98,10 +99,8 @@ def _pool_family() -> set[int]:
     """Pids of pool workers and their descendants (allowed to outlive a test)."""
     pids = set(live_pool_pids())
     for pid in list(pids):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
     return pids
 
 
@@ -193,10 +192,8 @@ class _Leaks:
         for name in segs:
             _unlink_quietly(name)
         for r in records:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(SHM_DIR, r))
-            except OSError:
-                pass
         for d in dirs:
             leftovers.remove_channel_dir(d)
 
@@ -236,10 +233,8 @@ def no_leaks() -> Iterator[None]:
     if kids:
         problems.append(f"leaked processes {[(k.pid, k.name()) for k in kids]}")
         for k in kids:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 k.kill()
-            except psutil.NoSuchProcess:
-                pass
     if files:
         problems.extend(files)
         leaks.remove()

@@ -175,7 +175,7 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             slow: list[float] = []
             for r in rounds:
                 per_rank = [r[k]["points"][i]["times"][impl] for k in r]
-                slow += [max(v) for v in zip(*per_rank)]
+                slow += [max(v) for v in zip(*per_rank, strict=True)]
             row[f"{impl}_p50"] = statistics.median(slow)
             row[f"{impl}_p99"] = _pct(slow, 99)
         row["faults_per_call"] = {impl: max(r[k]["points"][i]["faults_per_call"][impl]
@@ -187,7 +187,7 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             p50 = {}
             for impl in pt["times"]:
                 per_rank = [r[k]["points"][i]["times"][impl] for k in r]
-                p50[impl] = statistics.median(max(v) for v in zip(*per_rank))
+                p50[impl] = statistics.median(max(v) for v in zip(*per_rank, strict=True))
             per_round.append((p50["vllm_op"] / p50["ours"], p50["vllm_op"] / p50["ours_inplace"]))
             row.setdefault("p50_per_round", []).append(p50)
         row["speed_per_round"] = per_round
@@ -236,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu",
-               PYTHONPATH=os.pathsep.join([REPO] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
+               PYTHONPATH=os.pathsep.join(
+                   [REPO] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
+
     rounds = []
     for i in range(a.rounds):
         cfg = {"world_size": a.world_size, "threads": a.threads, "dtypes": a.dtypes,

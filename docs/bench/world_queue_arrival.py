@@ -80,7 +80,9 @@ def main() -> None:
     got = run_distributed(_rank, 4, a.policy, a.steps, a.step_ms / 1e3, timeout=a.steps * 0.1 + 120)
     enq = got[0]["enqueue_ns"][a.warmup:]
     e50 = statistics.median(enq) / 1e3
-    print(f"policy {a.policy}, {len(enq)} steps every {a.step_ms} ms, load average {os.getloadavg()}")
+    print(f"policy {a.policy}, {len(enq)} steps every {a.step_ms} ms, "
+          f"load average {os.getloadavg()}")
+
     print(f"driver enqueue   p50 {e50:7.1f} us  p99 {_p(enq, 0.99):7.1f} us")
     for r in (1, 2, 3):
         arr = got[r]["arrival_ns"][a.warmup:]

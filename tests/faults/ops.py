@@ -270,5 +270,5 @@ def same_result(got: Any, want: Any) -> bool:
                 and all(same_result(got[k], want[k]) for k in want))
     if isinstance(want, (list, tuple)):
         return (type(got) is type(want) and len(got) == len(want)
-                and all(same_result(a, b) for a, b in zip(got, want)))
+                and all(same_result(a, b) for a, b in zip(got, want, strict=True)))
     return type(got) is type(want) and got == want

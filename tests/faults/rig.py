@@ -22,6 +22,7 @@ time a survivor raised are directly comparable.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -139,10 +140,8 @@ class FaultRig:
     def close(self) -> None:
         """Stop and reap every worker."""
         for w in list(self.workers):
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 w.conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
         stop_ranks([w.proc for w in self.workers], [w.conn for w in self.workers],
                    wait_first=5.0)
         self.workers = []
@@ -253,10 +252,8 @@ class FaultRig:
                 else:
                     run.recovered[r] = msg[1]
         for r in live:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 ranks[r].conn.send(("teardown",))
-            except (BrokenPipeError, OSError):
-                pass
         deadline = time.monotonic() + _TEARDOWN_S
         for r in live:
             if not ranks[r].wait_idle(deadline):

@@ -164,8 +164,10 @@ def test_fault_case(fault_rig, world_size: int, transport: str, fault: str, op: 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport,culprit,over_gloo", [("hier", 0, [2, 3]), ("gloo", 3, [0, 1, 2])],
+@pytest.mark.parametrize("transport,culprit,over_gloo",
+                         [("hier", 0, [2, 3]), ("gloo", 3, [0, 1, 2])],
                          ids=["hier-leader", "gloo"])
+
 def test_a_peer_that_closes_its_connections_then_exits_is_reported_dead(
         fault_rig, transport: str, culprit: int, over_gloo: list[int]) -> None:
     """The culprit tears its groups down (closing its connections) and exits 0.5 s

@@ -2,7 +2,9 @@
 
 Usage::
 
-    GROUPCOORD_FAULT_TIMES=/tmp/times.jsonl python -m pytest -m slow tests/faults/test_fault_matrix.py
+    GROUPCOORD_FAULT_TIMES=/tmp/times.jsonl \
+        python -m pytest -m slow tests/faults/test_fault_matrix.py
+
     python -m tests.faults.times /tmp/times.jsonl
 
 Each line of the file is one case: its spec and, per rank that raised in its

@@ -19,4 +19,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif item.get_closest_marker("cupy") is None:
             continue
         elif importlib.util.find_spec("cupy") is None:
-            item.add_marker(pytest.mark.skip(reason="needs CuPy (pip install 'groupcoord[cuda13]')"))
+            item.add_marker(
+                pytest.mark.skip(reason="needs CuPy (pip install 'groupcoord[cuda13]')"))
+

@@ -58,10 +58,9 @@ def test_graph_replay_reads_registered_inputs(n: int) -> None:
         bufs = {nb: _inputs(n, nb, torch.bfloat16) for nb in (4096, 512 << 10, 4 << 20)}
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with vr.capture():
-            with torch.cuda.graph(g):
-                outs = {nb: vr.all_reduce(xs) for nb, xs in bufs.items()}
-                chained = vr.all_reduce([o * 2 for o in outs[4096]])
+        with vr.capture(), torch.cuda.graph(g):
+            outs = {nb: vr.all_reduce(xs) for nb, xs in bufs.items()}
+            chained = vr.all_reduce([o * 2 for o in outs[4096]])
         for _ in range(5):
             for xs in bufs.values():
                 for x in xs:

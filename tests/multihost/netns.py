@@ -42,6 +42,7 @@ driver that was SIGKILLed (their name carries its pid).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -130,10 +131,8 @@ def unavailable_reason() -> str | None:
         _ip("netns", "add", probe)
     except RuntimeError as e:
         return f"`ip netns add` does not work here: {e}"
-    try:
+    with contextlib.suppress(RuntimeError):
         _ip("netns", "del", probe)
-    except RuntimeError:
-        pass
     out = subprocess.run(["unshare", "--mount", "--uts", "--ipc", "--pid", "--fork",
                           "--mount-proc", "true"], capture_output=True, text=True, timeout=30)
     if out.returncode != 0:
@@ -341,7 +340,8 @@ class TwoHosts:
         h = self.hosts[key]
         log_path = self.workdir / f"{key}.log"
         read_end, lifeline = os.pipe()  # both close-on-exec; the child gets read_end as fd 3
-        log = open(log_path, "ab")
+        log = open(log_path, "ab")  # noqa: SIM115 (the launch owns it and closes it)
+
         cmd = ["nsenter", f"--net={NETNS_DIR / h.netns}", "--",
                "unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "--mount-proc",
                "--kill-child=SIGKILL", "--propagation", "private", "--",
@@ -380,14 +380,10 @@ class TwoHosts:
     def close(self) -> None:
         """Kill every launch still running and delete both namespaces (idempotent)."""
         for launched in self.launched:
-            try:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 launched.kill()
-            except (OSError, subprocess.TimeoutExpired):
-                pass
         self.launched.clear()
         while self._made:
             name = self._made.pop()
-            try:
+            with contextlib.suppress(RuntimeError):
                 _ip("netns", "del", name)
-            except RuntimeError:
-                pass

@@ -22,6 +22,7 @@ passed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -385,10 +386,8 @@ def run_fault(workdir: Path, fault: Fault, timeout: float = 5.0) -> Run:
     run = launch_two_hosts(workdir, prog, limit_s=timeout * 6 + 60,
                            done=_files_present(names), tick=tick, grace_s=3.0)
     if fault.kind == "kill":
-        try:
+        with contextlib.suppress(OSError, ValueError):
             run.events["t_fault"] = json.loads((victim_out / "kill").read_text())["t"]
-        except (OSError, ValueError):
-            pass
     return run
 
 

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import math
 import sys
 import time
 from typing import Any
 
-from shm_broadcast.cli_args import number
+from coordinator.engine.demo.requests import (
+    default_requests,
+    parse_prompt_ids,
+    requests_from_args,
+)
 
 __all__ = ["add_args", "run", "parse_prompt_ids", "default_requests"]
 
@@ -45,20 +49,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="run the model under torch.compile(fullgraph=True)")
     p.add_argument("--compile-backend", default="aot_eager",
-                   help="torch.compile backend for --compile (default aot_eager; inductor works too)")
+                   help="torch.compile backend for --compile (default aot_eager; inductor "
+                        "works too)")
     p.add_argument("--dtype", default="float32",
                    choices=("float32", "auto", "bfloat16", "float16"),
                    help="compute dtype (default float32: bf16/fp16 checkpoints are upcast, which "
                         "reproduces transformers' float32 forward; auto = the checkpoint's dtype)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at end-of-sequence tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded model (default 0)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="write generated ids and timings as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress line while running")
-    p.add_argument("--timeout", type=number(float, above=0), default=600.0,
+    p.add_argument("--timeout", type=_seconds, default=600.0,
                    help="seconds: with --launcher spawn, before the ranks are killed; with "
                         "--launcher env, the groups' timeout (bounds every wait) (default 600)")
-    p.add_argument("--mlp", action="store_true", help="run the minimal tensor-parallel MLP demo instead")
+    p.add_argument("--mlp", action="store_true",
+                   help="run the minimal tensor-parallel MLP demo instead")
     p.add_argument("--launcher", choices=("spawn", "env"), default="spawn",
                    help="spawn: start the tp*pp ranks here (default); env: this process is one "
                         "rank started by an external launcher such as torchrun, which sets "
@@ -66,44 +73,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "global rank 0 prints the report")
 
 
-def parse_prompt_ids(text: str) -> list[list[int]]:
-    """Parse ``"1,2,3;4,5"`` into ``[[1, 2, 3], [4, 5]]``.
-
-    Raises:
-        ValueError: Empty prompts or non-integer ids (the message shows which).
-    """
-    prompts = []
-    for i, part in enumerate(text.split(";")):
-        part = part.strip()
-        if not part:
-            raise ValueError(f"--prompt-ids: prompt {i} is empty in {text!r}")
-        try:
-            prompts.append([int(x) for x in part.split(",")])
-        except ValueError:
-            raise ValueError(f"--prompt-ids: prompt {i} ({part!r}) must be comma-separated ints") from None
-    return prompts
-
-
-def default_requests(vocab: int, max_new: int, seed: int = 0) -> list[tuple[tuple[int, ...], int, int]]:
-    """Built-in workload: prompts of different lengths arriving over time, with
-    different output lengths, so batches change every few steps."""
-    rng = random.Random(seed)
-    shape = [(5, 0, 0), (9, -4, 0), (3, 4, 1), (12, -8, 3), (7, 0, 5), (4, -2, 8)]
-    return [
-        (tuple(rng.randrange(vocab) for _ in range(n)), max(1, max_new + dn), arrival)
-        for n, dn, arrival in shape
-    ]
-
-
-def _requests(args: argparse.Namespace, vocab: int) -> list[tuple[tuple[int, ...], int, int]]:
-    if args.prompt_ids is None:
-        return default_requests(vocab, args.max_new_tokens, args.seed)
-    prompts = parse_prompt_ids(args.prompt_ids)
-    for i, p in enumerate(prompts):
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"--prompt-ids: prompt {i} has ids {bad} outside the vocabulary [0, {vocab})")
-    return [(tuple(p), args.max_new_tokens, 0) for p in prompts]
+def _seconds(text: str) -> float:
+    """argparse type of ``--timeout``: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -156,7 +134,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     mcfg.check_parallel(args.tp, args.pp)
     cfg = EngineConfig(
         tp=args.tp, pp=args.pp, model_dir=args.model_dir, seed=args.seed,
-        requests=tuple(_requests(args, mcfg.vocab_size)), compile=args.compile,
+        requests=tuple(requests_from_args(args, mcfg.vocab_size)), compile=args.compile,
         compile_backend=args.compile_backend, ignore_eos=args.ignore_eos,
         progress=not args.no_progress, dtype=args.dtype,
     )
@@ -200,12 +178,13 @@ def _report(args: argparse.Namespace, cfg: Any, src: str, drv: dict[str, Any],
     ref_tokens, same, diff, ok = _check_against_reference(cfg, drv, build_model)
 
     print("  generated token ids (new tokens per prompt):")
-    for i, (gen, (prompt, _, _)) in enumerate(zip(drv["generated"], cfg.requests)):
+    for i, (gen, (prompt, _, _)) in enumerate(zip(drv["generated"], cfg.requests, strict=True)):
         print(f"    prompt {i} ({len(prompt)} tokens): {gen}")
     mb, comp = drv["metadata_broadcast_us"], drv["step_compute_us"]
     print(f"  throughput: {drv['tokens_per_s']:.1f} tokens/s ({drv['new_tokens']} tokens, "
           f"{drv['steps']} steps, {drv['seconds']:.2f} s; warm-up {drv['warmup_seconds']:.2f} s; "
-          f"{wall:.1f} s with {'process start-up' if args.launcher == 'spawn' else 'group set-up'})")
+          f"{wall:.1f} s with "
+          f"{'process start-up' if args.launcher == 'spawn' else 'group set-up'})")
     print(f"  time per step (p50 / p99): metadata broadcast {mb['p50']:.1f} / {mb['p99']:.1f} us "
           f"(driver enqueue); compute {comp['p50'] / 1e3:.2f} / {comp['p99'] / 1e3:.2f} ms")
     _print_arrivals(workers, mb)
@@ -230,8 +209,8 @@ def _print_arrivals(workers: list[dict[str, Any]], enqueue: dict[str, float]) ->
     for w in workers:
         a = w["arrival_us"]
         ratio = a["p50"] / enqueue["p50"] if enqueue["p50"] > 0 else float("nan")
-        print(f"    rank {w['rank']}: {a['p50']:.1f} / {a['p99']:.1f} us ({ratio:.2f}x the driver's "
-              f"enqueue p50); waiting CPU {w['wait_cpu_us_per_step']:.0f} us per step = "
+        print(f"    rank {w['rank']}: {a['p50']:.1f} / {a['p99']:.1f} us ({ratio:.2f}x the "
+              f"driver's enqueue p50); waiting CPU {w['wait_cpu_us_per_step']:.0f} us per step = "
               f"{w['wait_cpu_percent']:.1f}% of a core over {w['wait_ms_per_step']:.2f} ms waited")
 
 

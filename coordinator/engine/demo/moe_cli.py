@@ -20,11 +20,11 @@ def refuse_moe_checkpoint(model_dir: str) -> None:
     """Raise ValueError when the dense demo is pointed at a MoE checkpoint."""
     import os
 
-    from coordinator.engine.models.config import _read_json
+    from coordinator.engine.models.config import read_json
     from coordinator.engine.models.moe_config import MOE_MODEL_TYPES
 
     path = os.path.join(model_dir, "config.json") if os.path.isdir(model_dir) else model_dir
-    data = _read_json(path, required=False)
+    data = read_json(path, required=False)
     model_type = data.get("model_type") if isinstance(data, dict) else None
     if model_type in MOE_MODEL_TYPES:
         raise ValueError(f"--model-dir {model_dir} is a {model_type} (mixture-of-experts) "
@@ -33,7 +33,8 @@ def refuse_moe_checkpoint(model_dir: str) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     if args.launcher != "spawn":
-        raise ValueError(f"--model moe runs with --launcher spawn only, got --launcher {args.launcher}")
+        raise ValueError(f"--model moe runs with --launcher spawn only, got --launcher "
+                         f"{args.launcher}")
     if args.compile:
         raise ValueError("--model moe does not support --compile (routing makes shapes "
                          "data-dependent)")
@@ -41,8 +42,8 @@ def _check(args: argparse.Namespace) -> None:
 
 def run_moe(args: argparse.Namespace) -> int:
     """Run the MoE demo; 0 when the sharded run matches the unsharded reference."""
-    from coordinator.engine.demo.cli import _requests
     from coordinator.engine.demo.moe_engine import MoeEngineConfig, moe_engine_rank
+    from coordinator.engine.demo.requests import requests_from_args
     from coordinator.engine.models.moe_config import MoeModelConfig, default_moe_config
     from coordinator.testing import run_distributed
 
@@ -50,7 +51,7 @@ def run_moe(args: argparse.Namespace) -> int:
     mcfg = MoeModelConfig.from_json(args.model_dir) if args.model_dir else default_moe_config()
     mcfg.check_parallel(args.tp, args.pp, args.dp * args.tp)
     cfg = MoeEngineConfig(tp=args.tp, pp=args.pp, dp=args.dp, model_dir=args.model_dir,
-                          seed=args.seed, requests=tuple(_requests(args, mcfg.vocab_size)),
+                          seed=args.seed, requests=tuple(requests_from_args(args, mcfg.vocab_size)),
                           ignore_eos=args.ignore_eos, dtype=args.dtype)
     world = args.tp * args.pp * args.dp
     t0 = time.perf_counter()
@@ -79,7 +80,7 @@ def _sharded_logits(cfg: Any, results: list[dict[str, Any]]) -> Any:
         if r["logits"] is None:
             continue
         lens = [max(1, len(r["sequences"][i]) - 1) for i in r["verify_indices"]]
-        for i, chunk in zip(r["verify_indices"], r["logits"].split(lens)):
+        for i, chunk in zip(r["verify_indices"], r["logits"].split(lens), strict=True):
             per_seq[i] = chunk
     return torch.cat([per_seq[i] for i in sorted(per_seq)])
 
@@ -100,7 +101,7 @@ def _report(args: argparse.Namespace, cfg: Any, mcfg: Any, results: list[dict[st
     scale = max(1.0, float(ref_logits.abs().max())) if ref_logits.numel() else 1.0
     ok = same and diff < (1e-3 if logits.dtype == torch.float32 else 5e-2) * scale
     print("  generated token ids (new tokens per prompt):")
-    for i, (gen, (prompt, _, _)) in enumerate(zip(drv["generated"], cfg.requests)):
+    for i, (gen, (prompt, _, _)) in enumerate(zip(drv["generated"], cfg.requests, strict=True)):
         print(f"    prompt {i} ({len(prompt)} tokens, replica {i % cfg.dp}): {gen}")
     new = sum(len(g) for g in drv["generated"])
     secs = max(r["seconds"] for r in results)
@@ -109,11 +110,13 @@ def _report(args: argparse.Namespace, cfg: Any, mcfg: Any, results: list[dict[st
           f"{secs:.2f} s; warm-up {drv['warmup_seconds']:.2f} s; {wall:.1f} s with process "
           f"start-up); time per step p50 / p99: {step['p50'] / 1e3:.2f} / "
           f"{step['p99'] / 1e3:.2f} ms (rank 0)")
-    print("  expert load (rows routed to each expert, generation and verification; per stage, by EP rank):")
+    print("  expert load (rows routed to each expert, generation and verification; per stage, "
+          "by EP rank):")
+
     for p in range(cfg.pp):
         stage = sorted((r for r in results if r["stage"] == p), key=lambda r: r["ep_rank"])
         cells = [f"ep{r['ep_rank']} (rank {r['rank']}) experts {r['experts'][0][0]}-"
-                 f"{r['experts'][0][-1]}: {[sum(c) for c in zip(*r['expert_rows'])]}"
+                 f"{r['experts'][0][-1]}: {[sum(c) for c in zip(*r['expert_rows'], strict=True)]}"
                  for r in stage if r["experts"]]
         print(f"    stage {p}: " + "; ".join(cells))
     verdict = "PASS" if ok else "FAIL"

@@ -1,4 +1,6 @@
-"""The MoE demo engine: DP replicas of a TP x PP decoder whose experts span each stage's DP x TP ranks.
+"""The MoE demo engine: DP replicas of a TP x PP decoder whose experts span each stage's
+DP x TP ranks.
+
 
 World layout (:mod:`coordinator.parallel_state`): ``r = d * PP * TP + p * TP + t``.
 Replica ``d`` (its TP x PP ranks) serves the requests with ``req_id % DP == d``

@@ -41,6 +41,9 @@ def reference_run(
             [0] * len(sequences),
         )
         logits = runner.run(verify, all_logits=True)
+        if logits is None:  # one process is its own last stage: run() returns the logits
+            raise RuntimeError("the unsharded reference run returned no logits")
+
     finally:
         runner.close()
     return [out[r.req_id] for r in reqs], logits

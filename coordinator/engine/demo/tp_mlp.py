@@ -17,7 +17,9 @@ import torch
 __all__ = ["tp_mlp_rank", "run_tp_mlp"]
 
 
-def _full_weights(d_model: int, d_ff: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _full_weights(d_model: int, d_ff: int,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(8, d_model, generator=g)
     w1 = torch.randn(d_ff, d_model, generator=g) / d_model**0.5

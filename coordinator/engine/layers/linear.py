@@ -258,7 +258,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split this layer's output into local ``q``, ``k``, ``v``."""
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # type: ignore[return-value]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
 
 
 class RowParallelLinear(_ParallelLinearBase):

@@ -149,7 +149,9 @@ class RotaryEmbedding(nn.Module):
         """
         if self.dynamic:
             if seq_lens is None:
-                raise ValueError("dynamic rotary embeddings need the sequence length of every token")
+                raise ValueError(
+                    "dynamic rotary embeddings need the sequence length of every token")
+
             inv_freq = self._dynamic_inv_freq(seq_lens)
         else:
             inv_freq = self.inv_freq[None, :]

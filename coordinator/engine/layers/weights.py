@@ -26,6 +26,8 @@ __all__ = [
     "shard_bounds",
     "pad_to_multiple",
     "set_weight_loader",
+    "weight_loader_of",
+
     "default_weight_loader",
     "copy_checked",
     "narrow_for_rank",
@@ -114,9 +116,25 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 WeightLoader = Callable[..., None]
 
 
+#: The attribute of a parameter that holds its loader (vLLM's name).
+_LOADER_ATTR = "weight_loader"
+
+
 def set_weight_loader(param: torch.nn.Parameter, loader: WeightLoader) -> None:
     """Attach ``loader`` to ``param`` as ``param.weight_loader``."""
-    param.weight_loader = loader
+    setattr(param, _LOADER_ATTR, loader)
+
+
+def weight_loader_of(param: torch.nn.Parameter) -> WeightLoader:
+    """The loader :func:`set_weight_loader` attached to ``param``.
+
+    Raises:
+        ValueError: ``param`` has none (the layer that owns it did not set one).
+    """
+    loader: WeightLoader | None = getattr(param, _LOADER_ATTR, None)
+    if loader is None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} has no weight loader")
+    return loader
 
 
 def default_weight_loader(param: torch.nn.Parameter, loaded: torch.Tensor, *_: Any) -> None:

@@ -66,7 +66,7 @@ def iter_checkpoint(
 
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if want is None or want(name):
                     yield name, f.get_tensor(name)
 

@@ -17,7 +17,9 @@ import torch
 
 from coordinator.engine.layers.rotary import SUPPORTED_ROPE_TYPES
 
-__all__ = ["LlamaModelConfig", "default_config", "DTYPES", "resolve_dtype"]
+__all__ = ["LlamaModelConfig", "default_config", "DTYPES", "resolve_dtype", "read_json",
+           "read_hf_config"]
+
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -161,20 +163,9 @@ class LlamaModelConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> LlamaModelConfig:
-        """Read ``path`` (a ``config.json`` file or the directory holding one).
-
-        When a ``generation_config.json`` sits next to it and names an
-        ``eos_token_id``, that one wins: it is what ``transformers``'
-        ``generate`` stops on.
-        """
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        data = _read_json(p, required=True)
-        gen = _read_json(os.path.join(os.path.dirname(p), "generation_config.json"), False)
-        if isinstance(gen, Mapping) and gen.get("eos_token_id") is not None:
-            data = {**data, "eos_token_id": gen["eos_token_id"]}
-        return cls.from_hf_dict(data)
+        """Read ``path`` (a ``config.json`` file or the directory holding one); see
+        :func:`read_hf_config`."""
+        return cls.from_hf_dict(read_hf_config(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face style ``config.json`` dict describing this architecture."""
@@ -264,7 +255,29 @@ class LlamaModelConfig:
         return DTYPES[self.dtype]
 
 
-def _read_json(path: str, required: bool) -> Any:
+def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed ``config.json`` at ``path`` (the file, or the directory holding it).
+
+    When a ``generation_config.json`` sits next to it and names an
+    ``eos_token_id``, that one wins: it is what ``transformers``' ``generate``
+    stops on.
+
+    Raises:
+        ValueError: No ``config.json`` there, or it is not a JSON object.
+    """
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    data = read_json(p, required=True)
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{p} must hold a JSON object, got {type(data).__name__}")
+    gen = read_json(os.path.join(os.path.dirname(p), "generation_config.json"), False)
+    if isinstance(gen, Mapping) and gen.get("eos_token_id") is not None:
+        return {**data, "eos_token_id": gen["eos_token_id"]}
+    return dict(data)
+
+
+def read_json(path: str, required: bool) -> Any:
     """Parsed JSON at ``path``; ``None`` when absent and not ``required``."""
     if not os.path.isfile(path):
         if not required:

@@ -132,7 +132,7 @@ def _take_tokens(running: list[_Live], next_tokens: list[int], sampling: list[bo
     """
     still: list[_Live] = []
     finished: list[int] = []
-    for live, tok, sample in zip(running, next_tokens, sampling):
+    for live, tok, sample in zip(running, next_tokens, sampling, strict=True):
         if sample:
             live.output.append(int(tok))
         if sample and (len(live.output) >= live.req.max_new_tokens or int(tok) in eos):

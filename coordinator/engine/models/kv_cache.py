@@ -153,7 +153,7 @@ class KVCache:
         context: list[int] = []
         token_seq_lens: list[int] = []
         qsl, csl = [0], [0]
-        for req, done, new in zip(req_ids, num_computed, num_new):
+        for req, done, new in zip(req_ids, num_computed, num_new, strict=True):
             table = self._tables.setdefault(req, [])
             for _ in range(self.blocks_needed(req, new)):
                 table.append(self._free.pop())
@@ -164,8 +164,11 @@ class KVCache:
             context.extend(self._slot(req, p) for p in range(done + new))
             qsl.append(qsl[-1] + new)
             csl.append(csl[-1] + done + new)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)
+        def as_long(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long)
+
         return AttentionInputs(
+
             positions=as_long(positions),
             slot_mapping=as_long(slot_mapping),
             query_start_loc=as_long(qsl),
@@ -187,7 +190,7 @@ class KVCache:
         if len(set(req_ids)) != n:
             raise ValueError(f"req_ids must be distinct within a step, got {list(req_ids)}")
         needed = 0
-        for req, done, new in zip(req_ids, num_computed, num_new):
+        for req, done, new in zip(req_ids, num_computed, num_new, strict=True):
             if new <= 0:
                 raise ValueError(
                     f"request {req} has {new} new tokens; every scheduled request needs >= 1"

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coordinator import get_pp_indices
 from coordinator.engine.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -46,11 +47,10 @@ from coordinator.engine.layers import (
     VocabParallelEmbedding,
     tp_all_gather,
 )
-from coordinator.engine.layers.weights import TPGroup, tp_size_and_rank
+from coordinator.engine.layers.weights import TPGroup, tp_size_and_rank, weight_loader_of
 from coordinator.engine.models import attention as _attention  # noqa: F401  (registers the op)
 from coordinator.engine.models.config import LlamaModelConfig
 from coordinator.engine.models.kv_cache import AttentionInputs, KVCache
-from coordinator.parallel.tensor_split import pp_layer_ranges
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "partition_layers"]
 
@@ -67,14 +67,19 @@ _STACKED = (
 
 def partition_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     """``[start, end)`` layer ranges of the ``pp_size`` pipeline stages: vLLM's
-    ``get_pp_indices`` split (:func:`coordinator.parallel.tensor_split.pp_layer_ranges`).
+    ``get_pp_indices`` split (:func:`coordinator.get_pp_indices`).
 
     Raises:
         ValueError: Fewer layers than stages (vLLM would leave stages empty).
     """
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size <= 0:
         raise ValueError(f"pipeline-parallel size must be a positive int, got {pp_size!r}")
-    return pp_layer_ranges(num_layers, pp_size)
+    if num_layers < pp_size:
+        raise ValueError(
+            f"cannot split {num_layers} layers over {pp_size} pipeline stages "
+            f"(num_hidden_layers={num_layers}, pp_size={pp_size}); use a "
+            f"pipeline-parallel size <= num_hidden_layers")
+    return [get_pp_indices(num_layers, stage, pp_size) for stage in range(pp_size)]
 
 
 def _sp_pad(num_tokens: int, tp: int) -> int:
@@ -200,7 +205,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(c, tp_group, dtype, sp, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(c, tp_group, dtype, sp, f"{prefix}.mlp")
+        self.mlp: nn.Module = LlamaMLP(c, tp_group, dtype, sp, f"{prefix}.mlp")
 
     def forward(
         self, x: torch.Tensor, attn: AttentionInputs, kv_cache: torch.Tensor
@@ -435,7 +440,7 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {target!r}")
-            loader = param.weight_loader
+            loader = weight_loader_of(param)
             if shard is None:
                 loader(param, tensor)
             else:

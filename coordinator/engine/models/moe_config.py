@@ -19,10 +19,11 @@ each token uses ``num_experts_per_tok``:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.engine.models.config import LlamaModelConfig
+from coordinator.engine.models.config import LlamaModelConfig, read_hf_config
 
 __all__ = ["MoeModelConfig", "default_moe_config", "MOE_MODEL_TYPES"]
 
@@ -56,7 +57,8 @@ class MoeModelConfig(LlamaModelConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.model_type not in MOE_MODEL_TYPES:
-            raise ValueError(f"model_type must be one of {MOE_MODEL_TYPES}, got {self.model_type!r}")
+            raise ValueError(
+                f"model_type must be one of {MOE_MODEL_TYPES}, got {self.model_type!r}")
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -69,7 +71,14 @@ class MoeModelConfig(LlamaModelConfig):
                              f"{self.shared_expert_intermediate_size}")
         bad = [i for i in self.sparse_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
-            raise ValueError(f"sparse layer indices {bad} are outside [0, {self.num_hidden_layers})")
+            raise ValueError(
+                f"sparse layer indices {bad} are outside [0, {self.num_hidden_layers})")
+
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> MoeModelConfig:
+        """Read a Mixtral or Qwen2-MoE ``config.json`` (the file, or its directory)."""
+        return cls.from_hf_dict(read_hf_config(path))
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> MoeModelConfig:
@@ -105,12 +114,15 @@ class MoeModelConfig(LlamaModelConfig):
             sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         else:
             sparse = tuple(range(layers))
+        # None when a Qwen2-MoE config lacks it: __post_init__ names the field
+        expert_size: Any = d.get("moe_intermediate_size") if qwen else d["intermediate_size"]
         return cls(
             **{f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaModelConfig)},
             model_type=mt,
             num_experts=d[key],
             num_experts_per_tok=d["num_experts_per_tok"],
-            moe_intermediate_size=d.get("moe_intermediate_size") if qwen else d["intermediate_size"],
+            moe_intermediate_size=expert_size,
+
             norm_topk_prob=bool(d.get("norm_topk_prob", False)) if qwen else True,
             shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0)
             if qwen else 0,
@@ -123,7 +135,7 @@ class MoeModelConfig(LlamaModelConfig):
         """Some layer has a dense (TP-sharded) MLP."""
         return len(self.sparse_layers) < self.num_hidden_layers
 
-    def check_parallel(self, tp: int, pp: int, ep: int = 1) -> None:  # type: ignore[override]
+    def check_parallel(self, tp: int, pp: int, ep: int = 1) -> None:
         """Check that this model shards over ``tp`` x ``pp`` ranks with ``ep`` expert ranks.
 
         Attention splits as for Llama; routed experts are whole on their EP rank

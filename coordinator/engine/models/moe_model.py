@@ -7,7 +7,9 @@ whose layers' feed-forward halves are :class:`~coordinator.engine.models.moe_blo
 pipeline hand-off are the Llama ones. Checkpoint names (Hugging Face)::
 
     Mixtral    model.layers.{i}.block_sparse_moe.gate.weight             -> mlp.gate
-               model.layers.{i}.block_sparse_moe.experts.{e}.w1/w3/w2    -> mlp.w13 (gate, up) / mlp.w2
+               model.layers.{i}.block_sparse_moe.experts.{e}.w1/w3/w2    -> mlp.w13 (gate, up)
+                                                                            / mlp.w2
+
     Qwen2-MoE  model.layers.{i}.mlp.gate.weight                          -> mlp.gate
                model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj
                model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj    -> TP-sharded MLP
@@ -28,7 +30,7 @@ from torch import nn
 
 from coordinator.engine.layers import RowParallelLinear
 from coordinator.engine.layers.weights import TPGroup, tp_size_and_rank
-from coordinator.engine.models.llama import LlamaForCausalLM, LlamaMLP
+from coordinator.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from coordinator.engine.models.moe_block import SparseMoeBlock
 from coordinator.engine.models.moe_config import MoeModelConfig
 
@@ -70,6 +72,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         self.ep_group = ep_group
         for i in range(self.model.start_layer, self.model.end_layer):
             layer = self.model.layers[i]
+            if not isinstance(layer, LlamaDecoderLayer):
+                raise TypeError(f"layer {i} is a {type(layer).__name__}, not a decoder layer")
+
             prefix = f"model.layers.{i}"
             if i in config.sparse_layers:
                 layer.mlp = SparseMoeBlock(config, tp_group, ep_group, dtype, f"{prefix}.mlp")

@@ -91,15 +91,18 @@ def run_stage(
         request order; elsewhere None.
     """
     bounds = split_bounds(len(token_ids), micro_batches)
-    pending = None if first_stage else pp.irecv_tensor_dict()
+    # the next micro-batch's receive is posted before this one's compute starts
+    receives = [] if first_stage else [pp.irecv_tensor_dict()]
     sends, outs = [], []
     for j, (r0, r1) in enumerate(bounds):
         hidden = ids = None
         if first_stage:
             ids = torch.tensor([t for toks in token_ids[r0:r1] for t in toks], dtype=torch.long)
         else:
-            hidden = _hidden_states(pending.wait(), pp.rank_in_group)
-            pending = pp.irecv_tensor_dict() if j + 1 < len(bounds) else None
+            hidden = _hidden_states(receives.pop().wait(), pp.rank_in_group)
+            if j + 1 < len(bounds):
+                receives.append(pp.irecv_tensor_dict())
+
         out = forward(ids, slice_attention(attn, r0, r1), hidden)
         if last_stage:
             outs.append(out)

@@ -35,7 +35,6 @@ import torch
 from coordinator.engine.models.kv_cache import AttentionInputs
 from coordinator.engine.models.llama import LlamaForCausalLM
 from coordinator.engine.models.pipeline import run_stage
-from shm_broadcast.checks import check_int
 
 __all__ = ["StepInput", "ModelRunner"]
 
@@ -83,7 +82,11 @@ class ModelRunner:
     ) -> None:
         if not isinstance(model, LlamaForCausalLM):
             raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
-        self.micro_batches = check_int(micro_batches, "micro_batches", minimum=1)
+        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool):
+            raise TypeError(f"micro_batches must be an int, got {type(micro_batches).__name__}")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.micro_batches = micro_batches
         self.model = model
         self.kv_cache = model.make_kv_cache(num_kv_blocks, block_size)
         self.pp_group = model.pp_group
@@ -111,7 +114,7 @@ class ModelRunner:
                 f"{n}, {len(step.token_ids)}, {len(step.num_computed)}"
             )
         vocab = self.model.config.vocab_size
-        for req, toks in zip(step.req_ids, step.token_ids):
+        for req, toks in zip(step.req_ids, step.token_ids, strict=True):
             bad = [t for t in toks if not 0 <= t < vocab]
             if bad:
                 raise ValueError(

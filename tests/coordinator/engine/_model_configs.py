@@ -27,7 +27,8 @@ BASE: dict[str, Any] = dict(
 )
 
 # prompt lengths 1, 2, 4, 13: a length-1 prefill, and several requests in one batch
-PROMPTS: list[list[int]] = [[7], [88, 3], [5, 17, 42, 9], [100, 7, 64, 21, 33, 2, 90, 11, 4, 58, 6, 77, 12]]
+PROMPTS: list[list[int]] = [[7], [88, 3], [5, 17, 42, 9],
+                            [100, 7, 64, 21, 33, 2, 90, 11, 4, 58, 6, 77, 12]]
 MAX_NEW: list[int] = [6, 1, 9, 5]  # max_new_tokens 1 included
 
 CASES: dict[str, dict[str, Any]] = {
@@ -53,8 +54,9 @@ CASES: dict[str, dict[str, Any]] = {
     ),
     # pipeline family: more layers, uneven splits
     "layers3_tied": dict(num_hidden_layers=3, tie_word_embeddings=True, vocab_size=131),
-    "layers5_bias": dict(num_hidden_layers=5, attention_bias=True, head_dim=8, num_attention_heads=8,
-                         num_key_value_heads=2),
+    "layers5_bias": dict(num_hidden_layers=5, attention_bias=True, head_dim=8,
+                         num_attention_heads=8, num_key_value_heads=2),
+
 }
 
 
@@ -68,7 +70,7 @@ def _hf_config(overrides: dict[str, Any]) -> Any:
 def _greedy(hf: Any, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
     out = []
     with torch.no_grad():
-        for p, n in zip(prompts, max_new):
+        for p, n in zip(prompts, max_new, strict=True):
             ids = torch.tensor([p])
             gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                               do_sample=False, pad_token_id=0)

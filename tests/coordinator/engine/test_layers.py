@@ -237,7 +237,10 @@ def _tp_layers(rank: int, world_size: int) -> dict[str, float]:
     try:
         tp = ps.get_tp_group()
         g = torch.Generator().manual_seed(123)  # same full tensors on every rank
-        rn = lambda *s: torch.randn(*s, generator=g)
+        def rn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g)
+
+
         diffs: dict[str, float] = {}
 
         def diff(name: str, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -251,7 +251,7 @@ def test_tied_embeddings_and_biases_match_transformers(
     from safetensors import safe_open
 
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        assert "lm_head.weight" not in f.keys()
+        assert "lm_head.weight" not in f.keys()  # noqa: SIM118 (safe_open is not iterable)
     model = LlamaForCausalLM.from_pretrained(path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     runner = ModelRunner(model, num_kv_blocks=32, block_size=4)
@@ -304,7 +304,7 @@ def test_default_model_is_deterministic() -> None:
     a = LlamaForCausalLM.from_seed(seed=3)
     b = LlamaForCausalLM.from_seed(default_config(), seed=3)
     assert a.config == default_config() and a.num_local_layers == 4
-    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert na == nb and torch.equal(pa, pb)
     out = generate_greedy(ModelRunner(a, 16).step, [GenerationRequest(0, [1, 2, 3], 4)])
     assert len(out[0]) == 4

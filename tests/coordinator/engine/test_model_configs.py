@@ -41,7 +41,7 @@ def _check(results: list[list[dict[str, Any]]], names: list[str], ckpts: dict[st
            tp: int, pp: int) -> None:
     last_stage_ranks = range((pp - 1) * tp, pp * tp)
     for rank, per_rank in enumerate(results):
-        for name, res in zip(names, per_rank):
+        for name, res in zip(names, per_rank, strict=True):
             exp = ckpts[name]
             assert res["ids"] == exp["ids"], (name, tp, pp, rank)
             if rank in last_stage_ranks:
@@ -145,7 +145,9 @@ def test_rope_config_errors() -> None:
             "num_hidden_layers": 1, "num_attention_heads": 2}
     for bad in ("yarn", "longrope", "su"):
         with pytest.raises(ValueError, match=f"rope type '{bad}' is not supported.*dynamic"):
-            LlamaModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": bad, "factor": 2.0}})
+            LlamaModelConfig.from_hf_dict(
+                {**base, "rope_scaling": {"rope_type": bad, "factor": 2.0}})
+
     with pytest.raises(ValueError, match="'linear' needs a positive numeric 'factor'"):
         LlamaModelConfig.from_hf_dict({**base, "rope_scaling": {"type": "linear"}})
     cfg = LlamaModelConfig.from_hf_dict(
@@ -202,7 +204,7 @@ def test_cli_tp2_pp2_bf16_gqa_tied_matches_hf(tmp_path: Path, checkpoints: dict[
     report = json.loads(out.read_text())
     ids = [e[:5] for e in exp["ids"]]  # the CLI uses one max_new_tokens for all prompts
     # (only prefixes can be compared where HF generated fewer tokens)
-    for got, want, n in zip(report["generated"], ids, exp["max_new"]):
+    for got, want, n in zip(report["generated"], ids, exp["max_new"], strict=True):
         assert got[: min(n, 5)] == want[: min(n, 5)]
     assert report["verified"] and report["tokens_identical"]
 
@@ -276,7 +278,7 @@ def sharded_cases(
             runner = ModelRunner(model, num_kv_blocks=64, block_size=4)
             eos = model.config.eos_token_ids
             reqs = [GenerationRequest(i, p, n, arrival_step=i % 2)
-                    for i, (p, n) in enumerate(zip(PROMPTS, max_new))]
+                    for i, (p, n) in enumerate(zip(PROMPTS, max_new, strict=True))]
             # dynamic NTK depends on the sequence length at each step, so a chunked
             # prefill legitimately differs from HF's one-shot prefill: no chunks there
             chunk = None if model.config.rope_type == "dynamic" else 5

@@ -21,8 +21,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from coordinator.engine.demo.moe_engine import MoeEngineConfig, moe_engine_rank
-from coordinator.engine.models.moe_config import MoeModelConfig
+# after the skips above: these import transformers-backed code
+from coordinator.engine.demo.moe_engine import MoeEngineConfig, moe_engine_rank  # noqa: E402
+from coordinator.engine.models.moe_config import MoeModelConfig  # noqa: E402
 
 # 5 prompts over 2 replicas (ids 0, 2, 4 | 1, 3); different lengths and max_new_tokens
 # so replicas go idle while the other still runs (their experts keep serving).
@@ -60,7 +61,7 @@ def _build(root: Path, kind: str) -> dict[str, Any]:
     hf.save_pretrained(path, safe_serialization=True)
     ids, logits = [], []
     with torch.no_grad():
-        for p, n in zip(PROMPTS, MAX_NEW):
+        for p, n in zip(PROMPTS, MAX_NEW, strict=True):
             x = torch.tensor([p])
             gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                               do_sample=False, pad_token_id=0)[0]
@@ -88,7 +89,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
 
 
 def _engine_cfg(path: str, tp: int, pp: int, dp: int) -> MoeEngineConfig:
-    reqs = tuple((tuple(p), n, i % 2) for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW)))
+    pairs = enumerate(zip(PROMPTS, MAX_NEW, strict=True))
+    reqs = tuple((tuple(p), n, i % 2) for i, (p, n) in pairs)
     return MoeEngineConfig(tp=tp, pp=pp, dp=dp, model_dir=path, seed=0, requests=reqs,
                            kv_blocks=64)
 
@@ -101,7 +103,7 @@ def _check_ranks(results: list[dict[str, Any]], exp: dict[str, Any], tp: int, pp
     for d in range(dp):
         last = results[d * pp * tp + (pp - 1) * tp]
         lens = [max(1, len(last["sequences"][i]) - 1) for i in last["verify_indices"]]
-        for i, got in zip(last["verify_indices"], last["logits"].split(lens)):
+        for i, got in zip(last["verify_indices"], last["logits"].split(lens), strict=True):
             assert (got - exp["logits"][i]).abs().max().item() < 1e-4, (i, d)
             seen.add(i)
     assert seen == set(range(len(PROMPTS)))
@@ -161,7 +163,7 @@ def test_cli_moe_ep2_over_dp_matches_hf(tmp_path: Path, checkpoints: dict[str, A
     assert "PASS" in proc.stdout and "EP=2 per stage" in proc.stdout
     report = json.loads(out.read_text())
     # one --max-new-tokens for every prompt: compare with HF's ids as far as both go
-    for got, want in zip(report["generated"], exp["ids"]):
+    for got, want in zip(report["generated"], exp["ids"], strict=True):
         n = min(len(got), len(want))
         assert n >= 1 and got[:n] == want[:n]
     assert report["generated"] == report["reference_generated"]
@@ -193,7 +195,8 @@ def test_cli_dense_demo_points_to_model_moe(tmp_path: Path,
 
     _hf_model_config("mixtral").save_pretrained(tmp_path)
     assert main(["demo", "--model-dir", str(tmp_path), "--no-progress"]) == 2
-    assert "is a mixtral (mixture-of-experts) checkpoint: pass --model moe" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is a mixtral (mixture-of-experts) checkpoint: pass --model moe" in err
 
 
 def test_moe_config_from_hf_and_checks(tmp_path: Path) -> None:
@@ -204,7 +207,9 @@ def test_moe_config_from_hf_and_checks(tmp_path: Path) -> None:
     assert mix.sparse_layers == (0, 1) and mix.norm_topk_prob and mix.moe_intermediate_size == 48
     qwen = MoeModelConfig.from_json(tmp_path / "qwen")
     assert qwen.sparse_layers == (0, 2) and not qwen.norm_topk_prob
-    assert qwen.attention_bias and not qwen.o_proj_bias and qwen.shared_expert_intermediate_size == 48
+    assert qwen.attention_bias and not qwen.o_proj_bias
+    assert qwen.shared_expert_intermediate_size == 48
+
     qwen.check_parallel(2, 3, 8)
     with pytest.raises(ValueError, match=r"num_experts \(8\) must be divisible.*ep = dp x tp = 3"):
         qwen.check_parallel(1, 1, 3)

@@ -99,7 +99,7 @@ def test_pp2_in_micro_batches_matches_the_unsharded_model(dist_pool, micro_batch
     want, want_all = _reference()
     first, last = dist_pool(2).run(pp_run, micro_batches, timeout=150)
     assert first["logits"] == [None, None] and first["all"] is None
-    for got, ref in zip(last["logits"], want):
+    for got, ref in zip(last["logits"], want, strict=True):
         assert got.shape == ref.shape
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.engine.bench.report import distribution, summarize
+from coordinator.bench.report import distribution, summarize
 
 _SHORT = ["--steps", "12", "--warmup-steps", "4", "--step-ms", "3", "--layers", "2",
           "--allreduce-bytes", "4K", "--meta-bytes", "600"]

@@ -94,7 +94,7 @@ def bench_rank(rank: int, world_size: int, cfg: EngineBenchConfig) -> dict[str, 
     import torch
 
     from coordinator import parallel_state as ps
-    from coordinator.engine.bench.load import LoadThread
+    from coordinator.bench.load import LoadThread
 
     torch.set_num_threads(cfg.threads)
     ps.initialize_model_parallel(cfg.tp, 1)

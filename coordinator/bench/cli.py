@@ -48,7 +48,7 @@ _non_negative_int = number(int, minimum=0)
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``p``."""
-    from coordinator.engine.bench.loop import POLICY_NAMES
+    from coordinator.bench.loop import POLICY_NAMES
 
     p.description = ("The demo's step loop without the model: the driver broadcasts metadata "
                      "through the TP broadcaster on a fixed clock, every rank runs one TP "
@@ -102,7 +102,7 @@ def _check(args: argparse.Namespace) -> str | None:
 def _config(args: argparse.Namespace) -> Any:
     import torch
 
-    from coordinator.engine.bench.loop import EngineBenchConfig
+    from coordinator.bench.loop import EngineBenchConfig
 
     threads = torch.get_num_threads() if args.threads == "default" else args.threads
     return EngineBenchConfig(
@@ -131,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_ranks(cfg: Any, timeout: float) -> list[dict[str, Any]]:
-    from coordinator.engine.bench.load import start_load_processes, stop_load_processes
-    from coordinator.engine.bench.loop import bench_rank
+    from coordinator.bench.load import start_load_processes, stop_load_processes
+    from coordinator.bench.loop import bench_rank
     from coordinator.testing import run_distributed
     from device_comms.bench.report import human_bytes
 
@@ -153,7 +153,7 @@ def _run_ranks(cfg: Any, timeout: float) -> list[dict[str, Any]]:
 def _report(args: argparse.Namespace, cfg: Any, per_rank: list[dict[str, Any]]) -> None:
     import dataclasses
 
-    from coordinator.engine.bench.report import format_table, summarize, write_json, write_plot
+    from coordinator.bench.report import format_table, summarize, write_json, write_plot
 
     rows = summarize(per_rank)
     print(format_table(rows))

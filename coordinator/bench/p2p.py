@@ -41,7 +41,7 @@ _TRANSPORTS = {"dict": _GROUPS, "tensor": (*_GROUPS, "gloo")}
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """Options of ``groupcoord bench p2p``."""
-    from coordinator.engine.bench.cli import _positive, parse_size, parse_threads
+    from coordinator.bench.cli import _positive, parse_size, parse_threads
 
     p.add_argument("--calls", nargs="+", choices=list(_TRANSPORTS), default=["dict", "tensor"],
                    help="dict: send/recv_tensor_dict; tensor: send/recv of one tensor, with "
@@ -53,8 +53,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", nargs="+", type=parse_threads, default=[1, "default"],
                    help="torch threads per rank: 1, default (torch's default in this "
                         "process) or N (default: 1 default)")
-    p.add_argument("--iters", type=_positive(int), default=200, help="round trips per block (default 200)")
-    p.add_argument("--rounds", type=_positive(int), default=3, help="blocks per transport (default 3)")
+    p.add_argument("--iters", type=_positive(int), default=200,
+                   help="round trips per block (default 200)")
+    p.add_argument("--rounds", type=_positive(int), default=3,
+                   help="blocks per transport (default 3)")
+
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     p.add_argument("--timeout", type=_positive(float), default=900.0,
                    help="seconds before the ranks are killed (default 900)")
