@@ -29,7 +29,8 @@ def test_stateless_group_collectives(dist_pool, world_size: int) -> None:
         if rank < 2:
             assert r["b_gather"] == [("b", 0), ("b", 1)]
             assert r["b_self"] == ("self", rank)
-            assert r["b_next"] == "fresh", "a broadcast after one with disagreeing sources read a stale value"
+            assert r["b_next"] == "fresh", \
+                "a broadcast after one with disagreeing sources read a stale value"
     # Everything read was deleted; only barrier bookkeeping of the last barrier may remain.
     assert res[0]["keys_left"] <= world_size + 2
 
@@ -95,7 +96,8 @@ def exercise(rank: int, world_size: int, port_a: int, port_b: int) -> dict:
     for i in range(2):
         a.send_obj({"from": rank, "i": i}, dst=(rank + 1) % world_size)
         out[f"ring{i}"] = a.recv_obj(src=(rank - 1) % world_size)
-    out["bcast"] = [a.broadcast_obj(f"x{src}" if rank == src else None, src=src) for src in range(world_size)]
+    out["bcast"] = [a.broadcast_obj(f"x{src}" if rank == src else None, src=src)
+                    for src in range(world_size)]
     out["gather"] = a.all_gather_obj(rank * 10)
     a.barrier()
     if b is not None:
@@ -153,7 +155,8 @@ def barrier_timeout(rank: int, world_size: int, port: int) -> dict:
     try:
         g.barrier(timeout=2.0)
     except CommTimeout as e:
-        out = {"elapsed": time.monotonic() - t0, "msg": str(e), "is_timeout": isinstance(e, TimeoutError)}
+        out = {"elapsed": time.monotonic() - t0, "msg": str(e),
+               "is_timeout": isinstance(e, TimeoutError)}
     if rank == 0:  # rank 0 hosts the store: outlive the other ranks' timed-out waits
         time.sleep(1.5)
     return out
