@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -72,6 +73,33 @@ def test_stateless_bad_arguments() -> None:
     with pytest.raises(TypeError, match="dst"):
         g.send_obj(1, dst="1")  # type: ignore[arg-type]
     g.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_value_as_large_as_the_store_carries_round_trips() -> None:
+    """torch's (libuv) TCPStore carries values up to 8 MiB; the largest object whose
+    sealed value fills that exactly goes from rank 0 to rank 1 intact."""
+    from coordinator.stateless.store_sealing import MIN_SEALED_BYTES
+    from shm_broadcast.ranks.group_adapter import encode_object
+
+    store_cap = 8 << 20
+    framing = len(encode_object(bytes(1 << 20))) - (1 << 20)  # of a bytes object this large
+    payload = os.urandom(store_cap - MIN_SEALED_BYTES - framing)
+    assert MIN_SEALED_BYTES + len(encode_object(payload)) == store_cap
+    port, secret = free_port(), StatelessProcessGroup.generate_secret()
+    g0 = StatelessProcessGroup.create("127.0.0.1", port, 0, 2, timeout=30, name="big",
+                                      secret=secret)
+    g1 = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=30, name="big",
+                                      secret=secret)
+    try:
+        g0.send_obj(payload, dst=1)
+        assert len(g0.store.get("big/p2p/0->1/0")) == store_cap
+        assert g1.recv_obj(src=0) == payload
+        g1.send_obj(b"", dst=0)  # and the smallest
+        assert g0.recv_obj(src=1) == b""
+    finally:
+        g1.close()
+        g0.close()
 
 
 # ---------------------------------------------------------------------- on the ranks
