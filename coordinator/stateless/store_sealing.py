@@ -11,10 +11,10 @@ A sealed value (format version 1)::
 * **Key**: ``HKDF-SHA256(ikm=secret, salt=session, info=VALUE_KEY_INFO)``, 32
   bytes: one key per session of a group. ``session`` is the random nonce
   (:data:`SESSION_BYTES`) that rank 0 publishes for the session.
-* **Nonce**: 12 fresh random bytes per value. A session seals few values (control
-  messages), far below the 2**32 values per key at which random 96-bit nonces
-  would risk a repeat; random nonces need no counter shared between the ranks
-  that seal under the same key.
+* **Nonce**: 12 fresh random bytes per value. Values are control messages: a
+  session seals far fewer than the 2**32 values per key up to which random
+  96-bit nonces keep the chance of a repeat below 2**-32. Random nonces need no
+  counter shared between the ranks that seal under the same key.
 * **Associated data**: ``version | u32 len | name | u64 port | u64 world_size |
   u32 len | session | u32 len | key`` (little-endian lengths, UTF-8 strings),
   so a value is bound to its format version, its group (name, store port,
