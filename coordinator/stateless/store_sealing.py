@@ -1,8 +1,9 @@
 """Sealing the values a stateless group puts in its store: ChaCha20-Poly1305 under the secret.
 
-The cryptography is the ``cryptography`` package's: ChaCha20-Poly1305
-(RFC 8439) as the AEAD, HKDF-SHA256 (RFC 5869) to derive keys, HMAC-SHA256 for
-the session record. This module only lays out bytes around them.
+The primitives are vetted implementations: ChaCha20-Poly1305 (RFC 8439) as the
+AEAD and HKDF-SHA256 (RFC 5869) to derive keys, both from the ``cryptography``
+package, and the standard library's HMAC-SHA256 for the session record. This
+module only lays out bytes around them.
 
 A sealed value (format version 1)::
 
