@@ -1,4 +1,4 @@
-"""Where a stateless group's secret comes from: the argument, the launcher's environment, or a private key file.
+"""Where a stateless group's secret comes from: the argument, the environment, or a key file.
 
 In order: the ``secret`` argument (>= 16 bytes); the hex environment variable
 :data:`SECRET_ENV` that a launcher sets for every rank; for a store on a
@@ -17,6 +17,7 @@ non-loopback store without a secret is refused unless ``insecure=True``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -171,10 +172,8 @@ def _read_first(paths: list[str]) -> bytes | None:
 def _private_dir(path: str) -> None:
     """Make sure ``path`` is a directory of ours that nobody else can enter."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise AuthenticationError(
@@ -232,7 +231,5 @@ def _read_key_file(path: str) -> bytes | None:
 
 def remove_quietly(path: str) -> None:
     """Remove the file ``path`` if it is there."""
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass

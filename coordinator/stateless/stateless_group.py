@@ -14,13 +14,14 @@ Security (see ``docs/security-stateless.md``; the sealing itself is
 * **The store binds the address it was given.** Rank 0 binds a listening
   socket to ``host:port`` itself and hands it to the TCPStore
   (``master_listen_fd``); ``127.0.0.1`` is reachable from this host only.
-* **Every value is sealed.** Each value is encrypted (SHAKE-256 key stream,
-  a fresh 16-byte nonce per value) and authenticated with HMAC-SHA256 over
-  the group name, the key and the ciphertext, under keys derived from the
-  group's secret and a per-session nonce that rank 0 publishes (itself
-  authenticated). A value that fails authentication is never decoded: the
-  reader ignores it and waits for an authentic one until its timeout, then
-  raises :class:`~coordinator.errors.AuthenticationError`.
+* **Every value is sealed.** Each value is encrypted and authenticated with
+  ChaCha20-Poly1305 (a fresh 12-byte random nonce per value) under a key
+  derived with HKDF-SHA256 from the group's secret and a per-session nonce
+  that rank 0 publishes (itself authenticated); the associated data binds the
+  group (name, store port, size, session) and the key the value is stored
+  under. A value that fails authentication is never decoded: the reader
+  ignores it and waits for an authentic one until its timeout, then raises
+  :class:`~coordinator.errors.AuthenticationError`.
 * **No pickle.** Values are msgpack (msgspec). ``allow_pickle=True`` (on
   every rank) opts into pickle for other objects; a received pickle is
   otherwise refused without being read.
@@ -60,6 +61,7 @@ whose answer is awaited until the call's deadline plus a grace of
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hmac
 import secrets
@@ -74,7 +76,7 @@ import torch.distributed as dist
 
 from coordinator.errors import AuthenticationError, ClosedError, CommTimeout, StoreConnectionError
 from coordinator.stateless.group_secret import SECRET_ENV, remove_quietly, secret_plan
-from coordinator.stateless.store_sealing import NONCE_BYTES, Sealer, session_tag
+from coordinator.stateless.store_sealing import SESSION_BYTES, Sealer, session_tag
 from shm_broadcast.checks import check_bool, check_int, check_rank, check_timeout
 from shm_broadcast.ranks.group_adapter import (
     decode_object,
@@ -336,10 +338,8 @@ class StatelessProcessGroup:
         if self.rank != 0:
             # Tell the store's host that our wait has returned. Best effort: the
             # barrier is complete for us, and the host may leave once it sees us.
-            try:
+            with contextlib.suppress(*_BEST_EFFORT):
                 self._put(left[self.rank], b"", "barrier", deadline)
-            except _BEST_EFFORT:
-                pass
             return
         # The host stays until every other rank's wait has returned, so its exit
         # (or close()) cannot cut off a rank that arrived last and is still waiting.
@@ -364,7 +364,8 @@ class StatelessProcessGroup:
             self._key_file = None
 
     def __repr__(self) -> str:
-        return f"StatelessProcessGroup({self.name!r}, rank={self.rank}, world_size={self.world_size})"
+        return (f"StatelessProcessGroup({self.name!r}, rank={self.rank}, "
+                f"world_size={self.world_size})")
 
     # ------------------------------------------------------------------ sealing
     def _establish(self, source: Callable[[], bytes | None]) -> Sealer:
@@ -374,9 +375,9 @@ class StatelessProcessGroup:
             secret = source()
             if secret is None:
                 raise AuthenticationError(f"stateless group {self.name!r}: rank 0 has no secret")
-            session = secrets.token_bytes(NONCE_BYTES)
+            session = secrets.token_bytes(SESSION_BYTES)
             self._call("set", key, session + self._session_tag(secret, key, session), op="create")
-            return Sealer(self.name, secret, session)
+            return self._sealer_for(secret, session)
         deadline = time.monotonic() + self.timeout
         why = "no session record from rank 0"
         while True:
@@ -393,9 +394,9 @@ class StatelessProcessGroup:
             if secret is None:
                 why = "the key file of rank 0 is missing or not private"
             elif record is not None:
-                session, tag = record[:NONCE_BYTES], record[NONCE_BYTES:]
+                session, tag = record[:SESSION_BYTES], record[SESSION_BYTES:]
                 if hmac.compare_digest(tag, self._session_tag(secret, key, session)):
-                    return Sealer(self.name, secret, session)
+                    return self._sealer_for(secret, session)
                 self.rejected_values += 1
                 why = ("the session record failed authentication: another secret, world size "
                        "or name than rank 0's, or the store reached via a port mapping")
@@ -403,8 +404,16 @@ class StatelessProcessGroup:
 
     def _session_tag(self, secret: bytes, key: str, session: bytes) -> bytes:
         """The session record's tag, bound to this group's name, size and store port."""
-        port = self.store.port if isinstance(self.store, dist.TCPStore) else 0
-        return session_tag(secret, self.name, key, session, port, self.world_size)
+        return session_tag(secret, self.name, key, session, self._store_port(), self.world_size)
+
+    def _sealer_for(self, secret: bytes, session: bytes) -> Sealer:
+        """The sealer of this session, bound to this group's name, size and store port."""
+        return Sealer(self.name, secret, session, port=self._store_port(),
+                      world_size=self.world_size)
+
+    def _store_port(self) -> int:
+        """The store's port (0: not a TCP store)."""
+        return self.store.port if isinstance(self.store, dist.TCPStore) else 0
 
     def _put(self, key: str, plain: bytes, op: str,
              deadline: tuple[float, float] | None = None) -> None:

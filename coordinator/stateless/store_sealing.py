@@ -1,107 +1,177 @@
-"""Sealing the values a stateless group puts in its store: encrypt-then-MAC under the group's secret.
+"""Sealing the values a stateless group puts in its store: ChaCha20-Poly1305 under the secret.
 
-A sealed value is ``GCS1 | 0x01 | nonce(16) | ciphertext | tag(32)``: the
-plaintext XOR a SHAKE-256 key stream of ``enc_key | nonce``, and
-``tag = HMAC-SHA256(mac_key, len|name | len|key | header | ciphertext)``, so a
-value is bound to its group and to the key it was stored under (a value moved
-to another key fails). Both keys are HMAC-SHA256 of the secret with a label
-and the session nonce that rank 0 publishes, itself authenticated by
-:func:`session_tag` (which binds it to the group's name, size and store port).
+The primitives are vetted implementations: ChaCha20-Poly1305 (RFC 8439) as the
+AEAD and HKDF-SHA256 (RFC 5869) to derive keys, both from the ``cryptography``
+package, and the standard library's HMAC-SHA256 for the session record. This
+module only lays out bytes around them.
+
+A sealed value (format version 1)::
+
+    version (1 byte: 0x01) | nonce (12 bytes) | ciphertext (len(plaintext) bytes) | tag (16)
+
+* **Key**: ``HKDF-SHA256(ikm=secret, salt=session, info=VALUE_KEY_INFO)``, 32
+  bytes: one key per session of a group. ``session`` is the random nonce
+  (:data:`SESSION_BYTES`) that rank 0 publishes for the session.
+* **Nonce**: 12 fresh random bytes per value. Values are control messages: a
+  session seals far fewer than the 2**32 values per key up to which random
+  96-bit nonces keep the chance of a repeat below 2**-32. Random nonces need no
+  counter shared between the ranks that seal under the same key.
+* **Associated data**: ``version | u32 len | name | u64 port | u64 world_size |
+  u32 len | session | u32 len | key`` (little-endian lengths, UTF-8 strings),
+  so a value is bound to its format version, its group (name, store port,
+  size, session) and the store key it was put under.
+
+A value is checked in this order, before any byte of it is decrypted: its
+length (:data:`MIN_SEALED_BYTES` to ``MIN_SEALED_BYTES + MAX_OBJECT_BYTES``),
+its version byte, then its tag. Every failure raises
+:class:`~coordinator.errors.AuthenticationError` naming the likely cause.
+
+The session record rank 0 publishes is ``session | HMAC-SHA256(k, message)``
+(:func:`session_tag`) with ``k = HKDF-SHA256(ikm=secret, info=SESSION_KEY_INFO)``
+and the message binding the group's name, the record's key, the store port,
+the world size and the session: a record copied into another group's store
+(the same secret and name, another port or size) fails.
+
 Without a secret (``insecure=True``) values are only framed: ``GCS1 | 0x00 |
-plaintext``. Sizes are checked before anything is decoded, and anything that
-fails raises :class:`~coordinator.errors.AuthenticationError`.
+plaintext``, neither authenticated nor encrypted.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 import struct
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from coordinator.errors import AuthenticationError
 from shm_broadcast.ranks.group_adapter import MAX_OBJECT_BYTES
 
-__all__ = ["NONCE_BYTES", "Sealer", "session_tag"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MIN_SEALED_BYTES",
+    "NONCE_BYTES",
+    "SESSION_BYTES",
+    "SESSION_KEY_INFO",
+    "TAG_BYTES",
+    "VALUE_KEY_INFO",
+    "Sealer",
+    "session_tag",
+]
 
-_MAGIC = b"GCS1"
-_SEALED, _PLAIN = 1, 0
-#: Bytes of a value's (and of the session's) random nonce.
-NONCE_BYTES = 16
-_NONCE = NONCE_BYTES
-_TAG = 32
+#: First byte of every sealed value: the layout described in the module docstring.
+FORMAT_VERSION = 1
+#: Bytes of a value's random nonce (ChaCha20-Poly1305's 96-bit nonce).
+NONCE_BYTES = 12
+#: Bytes of a value's Poly1305 tag.
+TAG_BYTES = 16
+#: Bytes of the random session nonce rank 0 publishes.
+SESSION_BYTES = 16
+#: Length of a sealed empty value: the shortest a sealed value can be.
+MIN_SEALED_BYTES = 1 + NONCE_BYTES + TAG_BYTES
+#: HKDF ``info`` of the value key (format version 1).
+VALUE_KEY_INFO = b"groupcoord stateless-group value key v1"
+#: HKDF ``info`` of the session record's HMAC key (format version 1).
+SESSION_KEY_INFO = b"groupcoord stateless-group session-record key v1"
+
+_KEY_BYTES = 32
+_MAX_SEALED = MIN_SEALED_BYTES + MAX_OBJECT_BYTES
+_VERSION_BYTE = bytes([FORMAT_VERSION])
+_PLAIN_FRAME = b"GCS1\x00"
+_HEAD = 1 + NONCE_BYTES
 
 
 class Sealer:
-    """Seals values (encrypt-then-MAC) for one group and session, or frames them in clear.
+    """Seals values for one session of one group, or frames them in clear.
 
-    Layout of a sealed value: ``GCS1 | 0x01 | nonce(16) | ciphertext | tag(32)``,
-    ``tag = HMAC-SHA256(mac_key, len|name | len|key | header | ciphertext)``. The
-    ciphertext is the plaintext XOR ``SHAKE-256(enc_key | nonce)``. Both keys
-    are HMAC-SHA256(secret, label | session).
+    Args:
+        name: The group's name.
+        secret: The group's secret; None frames values in clear (insecure).
+        session: The session nonce rank 0 published (the HKDF salt).
+        port: The store's port (0: not a TCP store).
+        world_size: The group's size.
     """
 
-    def __init__(self, name: str, secret: bytes | None = None, session: bytes = b"") -> None:
-        self._name = name.encode()
-        self._mac_key = self._enc_key = b""
+    def __init__(self, name: str, secret: bytes | None = None, session: bytes = b"", *,
+                 port: int = 0, world_size: int = 0) -> None:
+        self._aead: ChaCha20Poly1305 | None = None
+        self._ad_head = b""
         if secret is not None:
-            self._mac_key = hmac.new(secret, b"groupcoord-stateless-mac\0" + session,
-                                     hashlib.sha256).digest()
-            self._enc_key = hmac.new(secret, b"groupcoord-stateless-enc\0" + session,
-                                     hashlib.sha256).digest()
+            self._aead = ChaCha20Poly1305(_derive_key(secret, session, VALUE_KEY_INFO))
+            self._ad_head = (_VERSION_BYTE + _prefixed(name.encode())
+                             + struct.pack("<QQ", port, world_size) + _prefixed(session))
 
     def seal(self, key: str, plain: bytes) -> bytes:
-        """The value to store under ``key`` for ``plain`` (sealed, or framed when insecure)."""
-        if not self._mac_key:
-            return _MAGIC + bytes([_PLAIN]) + plain
-        nonce = secrets.token_bytes(_NONCE)
-        head = _MAGIC + bytes([_SEALED]) + nonce
-        body = _xor(plain, hashlib.shake_256(self._enc_key + nonce).digest(len(plain)))
-        return head + body + self._tag(key, head, body)
+        """The value to store under ``key`` for ``plain`` (sealed, or framed when insecure).
+
+        Raises:
+            ValueError: ``plain`` is longer than ``MAX_OBJECT_BYTES`` (sealed mode).
+        """
+        if self._aead is None:
+            return _PLAIN_FRAME + plain
+        if len(plain) > MAX_OBJECT_BYTES:
+            raise ValueError(f"plain must hold at most {MAX_OBJECT_BYTES} bytes, got {len(plain)}")
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        return _VERSION_BYTE + nonce + self._aead.encrypt(nonce, plain, self._ad(key))
 
     def open(self, key: str, data: bytes) -> bytes:
         """The plaintext of ``data`` read under ``key``.
 
         Raises:
-            AuthenticationError: Wrong size, framing, mode or tag (nothing decoded).
+            AuthenticationError: Wrong size, framing, version or tag (nothing decrypted
+                or decoded); the message names the likely causes.
         """
         n = len(data)
-        mode = data[len(_MAGIC)] if n > len(_MAGIC) and data[: len(_MAGIC)] == _MAGIC else -1
-        if not self._mac_key:
-            if mode != _PLAIN or n > MAX_OBJECT_BYTES + 5:
+        if self._aead is None:
+            if n > MAX_OBJECT_BYTES + len(_PLAIN_FRAME) or data[:len(_PLAIN_FRAME)] != _PLAIN_FRAME:
                 raise AuthenticationError(f"value of {n} bytes is not a plain groupcoord value")
-            return data[len(_MAGIC) + 1:]
-        head_len = len(_MAGIC) + 1 + _NONCE
-        if mode != _SEALED or not head_len + _TAG <= n <= head_len + _TAG + MAX_OBJECT_BYTES:
+            return data[len(_PLAIN_FRAME):]
+        if not MIN_SEALED_BYTES <= n <= _MAX_SEALED:
             raise AuthenticationError(
-                f"value of {n} bytes is not sealed with this group's secret (wrong framing)")
-        head, body, tag = data[:head_len], data[head_len:n - _TAG], data[n - _TAG:]
-        if not hmac.compare_digest(tag, self._tag(key, head, body)):
-            raise AuthenticationError("value has a wrong HMAC (forged, altered or moved)")
-        return _xor(body, hashlib.shake_256(self._enc_key + head[-_NONCE:]).digest(len(body)))
+                f"value of {n} bytes is not sealed with this group's secret (a sealed value "
+                f"has {MIN_SEALED_BYTES} to {_MAX_SEALED} bytes): truncated, or written by a "
+                f"process without the secret")
+        if data[0] != FORMAT_VERSION:
+            raise AuthenticationError(
+                f"value has sealing format version {data[0]}, this rank reads version "
+                f"{FORMAT_VERSION}: written by another groupcoord release, or not a sealed value")
+        view = memoryview(data)
+        try:
+            return self._aead.decrypt(view[1:_HEAD], view[_HEAD:], self._ad(key))
+        except InvalidTag:
+            raise AuthenticationError(
+                "value has a wrong authentication tag: forged or altered, moved from another "
+                "key, or sealed for another group or session (another secret, name, size, "
+                "store port or run)") from None
 
-    def _tag(self, key: str, head: bytes, body: bytes) -> bytes:
-        k = key.encode()
-        mac = hmac.new(self._mac_key, struct.pack("<I", len(self._name)) + self._name,
-                       hashlib.sha256)
-        mac.update(struct.pack("<I", len(k)) + k)
-        mac.update(head)
-        mac.update(body)
-        return mac.digest()
-
-
-def _xor(a: bytes, b: bytes) -> bytes:
-    n = len(a)
-    return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(n, "little")
+    def _ad(self, key: str) -> bytes:
+        """The associated data of a value stored under ``key``."""
+        return self._ad_head + _prefixed(key.encode())
 
 
 def session_tag(secret: bytes, name: str, key: str, session: bytes, port: int = 0,
                 world_size: int = 0) -> bytes:
-    """The HMAC that authenticates session nonce ``session`` of group ``name`` stored under
-    ``key``, for a group of ``world_size`` ranks whose store listens on ``port`` (0: not a
-    TCP store): a session record copied into another group's store (the same secret and
-    name, another port or size) fails."""
-    nb, kb = name.encode(), key.encode()
-    msg = (b"groupcoord-stateless-session\0" + struct.pack("<II", len(nb), len(kb)) + nb + kb
-           + struct.pack("<II", port, world_size))
-    return hmac.new(secret, msg + session, hashlib.sha256).digest()
+    """The HMAC-SHA256 that authenticates session nonce ``session`` of group ``name``.
+
+    The record is stored under ``key``, for a group of ``world_size`` ranks whose
+    store listens on ``port`` (0: not a TCP store): a session record copied into
+    another group's store (the same secret and name, another port or size) fails.
+    """
+    message = (_prefixed(name.encode()) + _prefixed(key.encode())
+               + struct.pack("<QQ", port, world_size) + _prefixed(session))
+    mac_key = _derive_key(secret, b"", SESSION_KEY_INFO)
+    return hmac.digest(mac_key, message, "sha256")
+
+
+def _derive_key(secret: bytes, salt: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256 of ``secret``: a 32-byte key for ``info`` (an empty salt: none)."""
+    return HKDF(algorithm=hashes.SHA256(), length=_KEY_BYTES, salt=salt or None,
+                info=info).derive(secret)
+
+
+def _prefixed(field: bytes) -> bytes:
+    """``field`` preceded by its length (u32, little-endian), so fields cannot run together."""
+    return struct.pack("<I", len(field)) + field

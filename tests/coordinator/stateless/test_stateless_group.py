@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -29,7 +30,8 @@ def test_stateless_group_collectives(dist_pool, world_size: int) -> None:
         if rank < 2:
             assert r["b_gather"] == [("b", 0), ("b", 1)]
             assert r["b_self"] == ("self", rank)
-            assert r["b_next"] == "fresh", "a broadcast after one with disagreeing sources read a stale value"
+            assert r["b_next"] == "fresh", \
+                "a broadcast after one with disagreeing sources read a stale value"
     # Everything read was deleted; only barrier bookkeeping of the last barrier may remain.
     assert res[0]["keys_left"] <= world_size + 2
 
@@ -73,6 +75,33 @@ def test_stateless_bad_arguments() -> None:
     g.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_value_as_large_as_the_store_carries_round_trips() -> None:
+    """torch's (libuv) TCPStore carries values up to 8 MiB; the largest object whose
+    sealed value fills that exactly goes from rank 0 to rank 1 intact."""
+    from coordinator.stateless.store_sealing import MIN_SEALED_BYTES
+    from shm_broadcast.ranks.group_adapter import encode_object
+
+    store_cap = 8 << 20
+    framing = len(encode_object(bytes(1 << 20))) - (1 << 20)  # of a bytes object this large
+    payload = os.urandom(store_cap - MIN_SEALED_BYTES - framing)
+    assert MIN_SEALED_BYTES + len(encode_object(payload)) == store_cap
+    port, secret = free_port(), StatelessProcessGroup.generate_secret()
+    g0 = StatelessProcessGroup.create("127.0.0.1", port, 0, 2, timeout=30, name="big",
+                                      secret=secret)
+    g1 = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=30, name="big",
+                                      secret=secret)
+    try:
+        g0.send_obj(payload, dst=1)
+        assert len(g0.store.get("big/p2p/0->1/0")) == store_cap
+        assert g1.recv_obj(src=0) == payload
+        g1.send_obj(b"", dst=0)  # and the smallest
+        assert g0.recv_obj(src=1) == b""
+    finally:
+        g1.close()
+        g0.close()
+
+
 # ---------------------------------------------------------------------- on the ranks
 def exercise(rank: int, world_size: int, port_a: int, port_b: int) -> dict:
     world_before = dist.get_world_size()
@@ -95,7 +124,8 @@ def exercise(rank: int, world_size: int, port_a: int, port_b: int) -> dict:
     for i in range(2):
         a.send_obj({"from": rank, "i": i}, dst=(rank + 1) % world_size)
         out[f"ring{i}"] = a.recv_obj(src=(rank - 1) % world_size)
-    out["bcast"] = [a.broadcast_obj(f"x{src}" if rank == src else None, src=src) for src in range(world_size)]
+    out["bcast"] = [a.broadcast_obj(f"x{src}" if rank == src else None, src=src)
+                    for src in range(world_size)]
     out["gather"] = a.all_gather_obj(rank * 10)
     a.barrier()
     if b is not None:
@@ -153,7 +183,8 @@ def barrier_timeout(rank: int, world_size: int, port: int) -> dict:
     try:
         g.barrier(timeout=2.0)
     except CommTimeout as e:
-        out = {"elapsed": time.monotonic() - t0, "msg": str(e), "is_timeout": isinstance(e, TimeoutError)}
+        out = {"elapsed": time.monotonic() - t0, "msg": str(e),
+               "is_timeout": isinstance(e, TimeoutError)}
     if rank == 0:  # rank 0 hosts the store: outlive the other ranks' timed-out waits
         time.sleep(1.5)
     return out

@@ -118,8 +118,9 @@ def test_forged_moved_and_read_values_are_useless_to_an_outsider(dist_pool) -> N
     res = dist_pool(2).run(_rank_forgery, free_port(), timeout=120)
     r1 = res[1]
     assert r1["first"] == "TOPSECRET-1"
-    assert r1["moved"].startswith("AuthenticationError") and "wrong HMAC" in r1["moved"], r1
-    assert r1["forged"].startswith("AuthenticationError") and "wrong HMAC" in r1["forged"], r1
+    for what in ("moved", "forged"):
+        assert r1[what].startswith("AuthenticationError"), r1
+        assert "wrong authentication tag" in r1[what], r1
     assert r1["raw_pickle"].startswith("AuthenticationError"), r1
     assert not res[0]["plaintext_visible"]  # the outsider read only ciphertext
 
@@ -219,7 +220,7 @@ def test_every_altered_sealed_value_fails_authentication(n: int) -> None:
             continue
         with pytest.raises(AuthenticationError):
             sealer.open(key, bytes(data))
-    with pytest.raises(AuthenticationError, match="wrong HMAC"):
+    with pytest.raises(AuthenticationError, match="wrong authentication tag"):
         sealer.open("g/p2p/0->1/1", sealed)  # moved to another key
 
 
@@ -269,7 +270,7 @@ def _rank_forgery(rank: int, world_size: int, port: int) -> dict:
         seen = bytes.fromhex(_outsider(port, "read", "f/p2p/0->1/0"))
         out["plaintext_visible"] = b"TOPSECRET" in seen
         forged = bytearray(seen)
-        forged[-40] ^= 1  # one ciphertext bit flipped
+        forged[-17] ^= 1  # one ciphertext bit flipped (the byte before the 16-byte tag)
         _outsiders(port, [
             ("copy", "f/p2p/0->1/0", "f/p2p/0->1/1"),  # a valid value, moved
             ("set", "f/p2p/0->1/2", bytes(forged).hex()),
@@ -494,3 +495,34 @@ def test_a_session_record_relayed_from_another_group_fails(other: str) -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("source", ["another-group", "an-earlier-run"])
+def test_a_value_relayed_from_another_session_fails(source: str) -> None:
+    """An outsider (no secret, reach to both stores) copies a sealed value of group A
+    into group B's store under the very key B's rank 1 reads next. A and B share the
+    secret, the name and the size; ``another-group``: A runs beside B on another
+    port; ``an-earlier-run``: A ran earlier on B's port. Only the session differs,
+    and the value fails authentication."""
+    secret = StatelessProcessGroup.generate_secret()
+    pa = free_port()
+    pb = pa if source == "an-earlier-run" else free_port()
+    a0 = StatelessProcessGroup.create(HOST, pa, 0, 2, timeout=10, secret=secret)
+    a1 = StatelessProcessGroup.create(HOST, pa, 1, 2, timeout=10, secret=secret)
+    a0.send_obj("from A", dst=1)
+    relayed = _store_client(pa).get("stateless/p2p/0->1/0")
+    assert a1.recv_obj(src=0) == "from A"  # the value is authentic in its own group
+    if source == "an-earlier-run":
+        a1.close()
+        a0.close()
+    b0 = StatelessProcessGroup.create(HOST, pb, 0, 2, timeout=10, secret=secret)
+    b1 = StatelessProcessGroup.create(HOST, pb, 1, 2, timeout=10, secret=secret)
+    try:
+        _store_client(pb).set("stateless/p2p/0->1/0", relayed)
+        with pytest.raises(AuthenticationError, match="wrong authentication tag"):
+            b1.recv_obj(src=0, timeout=1.0)
+        assert b1.rejected_values >= 1
+    finally:
+        for g in (b1, b0, a1, a0):
+            g.close()

@@ -117,7 +117,8 @@ def test_create_against_a_stopped_store_host_times_out_then_succeeds() -> None:
         with pytest.raises(CommTimeout) as err:
             StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=TIMEOUT, secret=SECRET)
         elapsed = time.monotonic() - t0
-        assert elapsed < TIMEOUT + 2.0 + 2.0, f"create took {elapsed:.1f}s"  # + CONNECT_GRACE_S + load
+        # the timeout, plus CONNECT_GRACE_S, plus slack for load
+        assert elapsed < TIMEOUT + 2.0 + 2.0, f"create took {elapsed:.1f}s"
         assert "op create" in str(err.value) and f"127.0.0.1:{port}" in str(err.value)
         os.kill(host.pid, signal.SIGCONT)
         g = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=30, secret=SECRET)
