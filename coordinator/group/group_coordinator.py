@@ -423,135 +423,6 @@ class GroupCoordinator:
             src = (self.rank_in_group - 1) % self.world_size
         return self._p2p.recv(size, dtype, src)
 
-    # ------------------------------------------------------------------ objects
-    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        """Broadcast a Python object from ``src``; returns it on every rank.
-
-        Uses the message queue when the group has one and ``src`` is its
-        writer, else broadcasts of the group's CPU communicator (signed calls:
-        a rank making another call there raises ``CollectiveMismatch`` on
-        every rank). Either way the object travels as msgspec
-        msgpack with tensors and arrays out of band (see
-        :mod:`shm_broadcast.codec.message_codec` for what is carried exactly); nothing is
-        pickled unless the group was created with ``allow_pickle=True``.
-
-        Raises:
-            TypeError: On ``src``: ``obj`` cannot be encoded (the message names
-                the type and the ``allow_pickle`` opt-in). The other ranks are
-                told and raise ``CollectiveMismatch`` instead of waiting forever.
-            DecodeError: On a receiver: the bytes received are malformed.
-        """
-        return self._objects.broadcast_object(obj, src)
-
-    def broadcast_object_list(
-        self, obj_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None
-    ) -> list[Any]:
-        """Broadcast a list of objects in place (like ``torch.distributed``, without pickle).
-
-        The list travels as one message through the group's CPU communicator
-        (signed calls, as :meth:`broadcast_object`), or as plain gloo
-        broadcasts over ``group`` when given; receivers pass a list of the
-        same length, whose items are replaced.
-
-        Raises:
-            TypeError: On ``src``: an entry cannot be encoded (receivers raise
-                ``CollectiveMismatch``); ``obj_list`` is not a list.
-            CollectiveMismatch: On a receiver: the source failed, or sent a
-                list of another length.
-        """
-        return self._objects.broadcast_object_list(obj_list, src, group)
-
-    def send_object(self, obj: Any, dst: int) -> None:
-        """Send a Python object to group rank ``dst`` over the CPU group (no pickle
-        unless the group opted in; see :meth:`broadcast_object`).
-
-        Raises:
-            TypeError: ``obj`` cannot be encoded; the receiver is told and raises
-                ``CollectiveMismatch``.
-        """
-        self._p2p.send_object(obj, dst)
-
-    def recv_object(self, src: int) -> Any:
-        """Receive a Python object from group rank ``src``.
-
-        Raises:
-            CollectiveMismatch: The sender could not encode its object.
-            DecodeError: The bytes received are malformed.
-        """
-        return self._p2p.recv_object(src)
-
-    # ------------------------------------------------------------------ tensor dicts
-    def broadcast_tensor_dict(
-        self,
-        tensor_dict: Mapping[Any, Any] | None = None,
-        src: int = 0,
-        group: dist.ProcessGroup | None = None,
-        metadata_group: dist.ProcessGroup | None = None,
-    ) -> dict[Any, Any] | None:
-        """Broadcast a dict of tensors / None / plain data from ``src``.
-
-        Metadata travels once (message queue or CPU group); tensors follow over
-        the device communicator (CPU tensors of a GPU group over the CPU group).
-        Receivers allocate and get a new dict.
-        """
-        return self._dicts.broadcast_tensor_dict(tensor_dict, src, group, metadata_group)
-
-    def send_tensor_dict(
-        self,
-        tensor_dict: Mapping[Any, Any],
-        dst: int | None = None,
-        all_gather_group: GroupCoordinator | None = None,
-        all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> dict[Any, Any] | None:
-        """Send a tensor dict to group rank ``dst`` (default: next rank).
-
-        With ``all_gather_group`` (n ranks holding the same tensors), each rank
-        sends only its 1/n slice of every tensor whose numel divides by n; the
-        receivers rebuild it with an all-gather. ``all_gather_tensors`` maps keys
-        to True/False to force or disable that per key.
-
-        Returns:
-            None; in a group of one rank, ``tensor_dict`` itself (as vLLM).
-        """
-        return self._dicts.send_tensor_dict(tensor_dict, dst, all_gather_group,
-                                            all_gather_tensors)
-
-    def recv_tensor_dict(
-        self,
-        src: int | None = None,
-        all_gather_group: GroupCoordinator | None = None,
-        all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> dict[Any, Any] | None:
-        """Receive a dict sent by :meth:`send_tensor_dict` from group rank ``src``.
-
-        Slicing is decided by the sender (recorded in the metadata);
-        ``all_gather_tensors`` is accepted for symmetry with the sender.
-        """
-        return self._dicts.recv_tensor_dict(src, all_gather_group)
-
-    # ------------------------------------------------------------------ asynchronous p2p
-    # Handles with wait(timeout=None) / is_completed(); order, errors and closing:
-    # see coordinator.p2p.point_to_point.
-    def isend(self, tensor: torch.Tensor, dst: int | None = None) -> P2PHandle:
-        """Start sending ``tensor`` to group rank ``dst`` (default: the next rank)."""
-        return self._p2p.isend(tensor, dst)
-
-    def irecv(self, tensor_or_spec: torch.Tensor | tuple[Sequence[int], torch.dtype],
-              src: int | None = None) -> P2PHandle:
-        """Start receiving from ``src`` (default: the previous rank) into a tensor, or
-        a new one of ``(shape, dtype)``; ``wait()`` returns it."""
-        return self._p2p.irecv(tensor_or_spec, src)
-
-    def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any],
-                          dst: int | None = None) -> P2PHandle:
-        """Start :meth:`send_tensor_dict` to ``dst`` (default: the next rank)."""
-        return self._dicts.isend_tensor_dict(tensor_dict, dst)
-
-    def irecv_tensor_dict(self, src: int | None = None) -> P2PHandle:
-        """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank);
-        ``wait()`` returns the dict."""
-        return self._dicts.irecv_tensor_dict(src)
-
     # ------------------------------------------------------------------ control
     def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
         """Wait for every rank of the group (on the CPU group).
@@ -709,6 +580,135 @@ class GroupCoordinator:
             f"GroupCoordinator({self.unique_name!r}, ranks={self.ranks}, "
             f"rank_in_group={self.rank_in_group}, comm={type(self.comm).__name__})"
         )
+
+    # ------------------------------------------------------------------ objects
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """Broadcast a Python object from ``src``; returns it on every rank.
+
+        Uses the message queue when the group has one and ``src`` is its
+        writer, else broadcasts of the group's CPU communicator (signed calls:
+        a rank making another call there raises ``CollectiveMismatch`` on
+        every rank). Either way the object travels as msgspec
+        msgpack with tensors and arrays out of band (see
+        :mod:`shm_broadcast.codec.message_codec` for what is carried exactly); nothing is
+        pickled unless the group was created with ``allow_pickle=True``.
+
+        Raises:
+            TypeError: On ``src``: ``obj`` cannot be encoded (the message names
+                the type and the ``allow_pickle`` opt-in). The other ranks are
+                told and raise ``CollectiveMismatch`` instead of waiting forever.
+            DecodeError: On a receiver: the bytes received are malformed.
+        """
+        return self._objects.broadcast_object(obj, src)
+
+    def broadcast_object_list(
+        self, obj_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None
+    ) -> list[Any]:
+        """Broadcast a list of objects in place (like ``torch.distributed``, without pickle).
+
+        The list travels as one message through the group's CPU communicator
+        (signed calls, as :meth:`broadcast_object`), or as plain gloo
+        broadcasts over ``group`` when given; receivers pass a list of the
+        same length, whose items are replaced.
+
+        Raises:
+            TypeError: On ``src``: an entry cannot be encoded (receivers raise
+                ``CollectiveMismatch``); ``obj_list`` is not a list.
+            CollectiveMismatch: On a receiver: the source failed, or sent a
+                list of another length.
+        """
+        return self._objects.broadcast_object_list(obj_list, src, group)
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        """Send a Python object to group rank ``dst`` over the CPU group (no pickle
+        unless the group opted in; see :meth:`broadcast_object`).
+
+        Raises:
+            TypeError: ``obj`` cannot be encoded; the receiver is told and raises
+                ``CollectiveMismatch``.
+        """
+        self._p2p.send_object(obj, dst)
+
+    def recv_object(self, src: int) -> Any:
+        """Receive a Python object from group rank ``src``.
+
+        Raises:
+            CollectiveMismatch: The sender could not encode its object.
+            DecodeError: The bytes received are malformed.
+        """
+        return self._p2p.recv_object(src)
+
+    # ------------------------------------------------------------------ tensor dicts
+    def broadcast_tensor_dict(
+        self,
+        tensor_dict: Mapping[Any, Any] | None = None,
+        src: int = 0,
+        group: dist.ProcessGroup | None = None,
+        metadata_group: dist.ProcessGroup | None = None,
+    ) -> dict[Any, Any] | None:
+        """Broadcast a dict of tensors / None / plain data from ``src``.
+
+        Metadata travels once (message queue or CPU group); tensors follow over
+        the device communicator (CPU tensors of a GPU group over the CPU group).
+        Receivers allocate and get a new dict.
+        """
+        return self._dicts.broadcast_tensor_dict(tensor_dict, src, group, metadata_group)
+
+    def send_tensor_dict(
+        self,
+        tensor_dict: Mapping[Any, Any],
+        dst: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[Any, bool] | None = None,
+    ) -> dict[Any, Any] | None:
+        """Send a tensor dict to group rank ``dst`` (default: next rank).
+
+        With ``all_gather_group`` (n ranks holding the same tensors), each rank
+        sends only its 1/n slice of every tensor whose numel divides by n; the
+        receivers rebuild it with an all-gather. ``all_gather_tensors`` maps keys
+        to True/False to force or disable that per key.
+
+        Returns:
+            None; in a group of one rank, ``tensor_dict`` itself (as vLLM).
+        """
+        return self._dicts.send_tensor_dict(tensor_dict, dst, all_gather_group,
+                                            all_gather_tensors)
+
+    def recv_tensor_dict(
+        self,
+        src: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[Any, bool] | None = None,
+    ) -> dict[Any, Any] | None:
+        """Receive a dict sent by :meth:`send_tensor_dict` from group rank ``src``.
+
+        Slicing is decided by the sender (recorded in the metadata);
+        ``all_gather_tensors`` is accepted for symmetry with the sender.
+        """
+        return self._dicts.recv_tensor_dict(src, all_gather_group)
+
+    # ------------------------------------------------------------------ asynchronous p2p
+    # Handles with wait(timeout=None) / is_completed(); order, errors and closing:
+    # see coordinator.p2p.point_to_point.
+    def isend(self, tensor: torch.Tensor, dst: int | None = None) -> P2PHandle:
+        """Start sending ``tensor`` to group rank ``dst`` (default: the next rank)."""
+        return self._p2p.isend(tensor, dst)
+
+    def irecv(self, tensor_or_spec: torch.Tensor | tuple[Sequence[int], torch.dtype],
+              src: int | None = None) -> P2PHandle:
+        """Start receiving from ``src`` (default: the previous rank) into a tensor, or
+        a new one of ``(shape, dtype)``; ``wait()`` returns it."""
+        return self._p2p.irecv(tensor_or_spec, src)
+
+    def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any],
+                          dst: int | None = None) -> P2PHandle:
+        """Start :meth:`send_tensor_dict` to ``dst`` (default: the next rank)."""
+        return self._dicts.isend_tensor_dict(tensor_dict, dst)
+
+    def irecv_tensor_dict(self, src: int | None = None) -> P2PHandle:
+        """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank);
+        ``wait()`` returns the dict."""
+        return self._dicts.irecv_tensor_dict(src)
 
 
 def side_stream(device: torch.device) -> Any:
