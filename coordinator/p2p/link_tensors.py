@@ -4,8 +4,8 @@ Between two ranks of a host a direction settles at its first call of either
 kind, a tensor or a tensor dict (:mod:`coordinator.p2p.shm_links`); once on a
 link, a plain tensor travels there as a one-entry message tagged
 :data:`~coordinator.p2p.link_messages.TENSOR_ONLY`: one copy into the ring and
-one out, instead of the CPU group's header exchange and socket transfer
-(hundreds of microseconds per call between two local processes). A direction
+one out, instead of the CPU group's header exchange and socket transfer, each
+a round trip through the kernel (docs/performance.md has the figures). A direction
 settled on the CPU group keeps using the communicator's ``send``/``recv``.
 
 A tensor's send meets its receiver, as gloo's and the CPU group's do. The

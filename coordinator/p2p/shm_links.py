@@ -7,7 +7,7 @@ move each dict as *one* message of a one-reader
 *link*: the metadata and every tensor's bytes together, copied once into the
 ring and once out. Over the CPU group the same dict costs the metadata plus
 one gloo send per tensor, each a socket round trip and a kernel wake-up
-(hundreds of microseconds each between two local processes). Single
+(docs/performance.md has the figures). Single
 tensors of ``send`` / ``recv`` take the link too, each meeting its receiver
 (:mod:`coordinator.p2p.link_tensors`).
 
