@@ -182,7 +182,7 @@ class ObjectCalls:
         if queue and group is None and mq is not None and src == g.mq_writer_rank:
             return self._queue_broadcast(mq, obj, src, op)
         if group is None:
-            bcast = object_comm.comm_broadcast(self.cpu_comm(), src)
+            bcast = object_comm.comm_broadcast(self._cpu_comm(), src)
         else:
             bcast = object_comm.gloo_broadcast(g.ranks[src], group)
         is_src = g.rank_in_group == src
@@ -227,7 +227,7 @@ class ObjectCalls:
             else:
                 self._skipped_stamps.add(self._book.collectives)
             return
-        self.cpu_comm().reject("broadcast", error)
+        self._cpu_comm().reject("broadcast", error)
 
     def _stale(self, msg: Any) -> bool:
         """Whether a queue message belongs to an earlier call nobody here reads:
@@ -241,7 +241,7 @@ class ObjectCalls:
             return True
         return n < self._book.collectives and isinstance(msg[2], SourceFailure)
 
-    def cpu_comm(self) -> DeviceCommunicator:
+    def _cpu_comm(self) -> DeviceCommunicator:
         """The communicator that carries this group's CPU bytes (objects, metadata):
         the device communicator on a CPU group, else a signed gloo one over
         ``cpu_group``, built at first use."""

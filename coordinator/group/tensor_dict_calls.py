@@ -242,7 +242,7 @@ class TensorDictCalls:
         if g.world_size == 1:
             if not isinstance(tensor_dict, Mapping):
                 raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
-            self.check_all_gather_group(all_gather_group)
+            self._check_all_gather_group(all_gather_group)
             return tensor_dict  # type: ignore[return-value]  # vLLM returns the dict itself
         check_peer(dst, "dst", g.world_size, g.rank_in_group)
         p2p = self._p2p
@@ -258,14 +258,14 @@ class TensorDictCalls:
             src = (g.rank_in_group - 1) % g.world_size
         validation.check_rank(src, g.world_size, "src")
         if g.world_size == 1:
-            self.check_all_gather_group(all_gather_group)
+            self._check_all_gather_group(all_gather_group)
             return None
         check_peer(src, "src", g.world_size, g.rank_in_group)
         p2p = self._p2p
         return self._book.run("recv_tensor_dict", p2p.ordered, RECV, src, "recv_tensor_dict",
                               self._recv, src, all_gather_group, partner=src, p2p=True)
 
-    def check_all_gather_group(self, group: Any) -> AllGatherGroup | None:
+    def _check_all_gather_group(self, group: Any) -> AllGatherGroup | None:
         """``all_gather_group``: None or a group of this group's class.
 
         Raises:
@@ -289,13 +289,13 @@ class TensorDictCalls:
         try:
             if not isinstance(tensor_dict, Mapping):
                 raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
-            gather = self.check_all_gather_group(all_gather_group)
+            gather = self._check_all_gather_group(all_gather_group)
             n = gather.world_size if gather is not None else 1
             slicing = slicing_plan(tensor_dict, n, all_gather_tensors)
             meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n,
                                                 device=g.device)
         except (TypeError, ValueError) as e:
-            self.reject_send(dst, e)
+            self._reject_send(dst, e)
             raise
         if gather is not None:  # sliced: send only this rank's 1/n
             descs = [desc for _, kind, desc in meta if kind == TENSOR]
@@ -316,7 +316,7 @@ class TensorDictCalls:
             if t.numel():
                 self._send_tensor(dense(t), dst)
 
-    def reject_send(self, dst: int, e: BaseException) -> None:
+    def _reject_send(self, dst: int, e: BaseException) -> None:
         """Send, in place of the dict ``dst`` waits for, why this rank's call failed:
         on the direction's link (settling it if this is its first call) the
         receiver raises ``PeerRejectedError``; on the CPU group, ``CollectiveMismatch``
@@ -356,7 +356,7 @@ class TensorDictCalls:
         and the direction stays in step.
         """
         try:
-            gather = self.check_all_gather_group(all_gather_group)
+            gather = self._check_all_gather_group(all_gather_group)
             bad_group: TypeError | None = None
         except TypeError as e:
             gather, bad_group = None, e
@@ -445,7 +445,7 @@ class TensorDictCalls:
             flatten_tensor_dict(tensor_dict, device=g.device)
         except (TypeError, ValueError) as e:
             if g.world_size > 1 and g.device.type == "cpu":  # the receiver is told, in order
-                p2p.submit(SEND, dst, "isend_tensor_dict", seq, self.reject_send, dst, e,
+                p2p.submit(SEND, dst, "isend_tensor_dict", seq, self._reject_send, dst, e,
                            quiet=True)
             raise
         if g.world_size == 1:
