@@ -27,7 +27,7 @@ from coordinator.errors import (
 )
 from coordinator.group.group_coordinator import GraphCaptureContext, GroupCoordinator
 from coordinator.group.registry import get_group_by_name
-from coordinator.p2p.async_p2p import P2PHandle
+from coordinator.p2p.handle import P2PHandle
 from coordinator.parallel.tensor_split import (
     divide,
     ensure_divisibility,

@@ -20,6 +20,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = ["main", "build_parser"]
 
@@ -48,8 +49,9 @@ _BENCHES: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def _load(module: str, name: str) -> Callable[..., object]:
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+def _load(module: str, name: str) -> Callable[..., Any]:
+    fn: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return fn
 
 
 def _add(sub: argparse._SubParsersAction[argparse.ArgumentParser],

@@ -32,7 +32,8 @@ def _tp() -> GroupCoordinator:
     return group
 
 
-def tensor_model_parallel_all_reduce(input_: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+def tensor_model_parallel_all_reduce(input_: torch.Tensor,
+                                     op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
     """All-reduce over the TP group."""
     return _tp().all_reduce(input_, op)
 
@@ -54,7 +55,8 @@ def tensor_model_parallel_gather(
     return _tp().gather(input_, dst, dim)
 
 
-def broadcast_tensor_dict(tensor_dict: dict[Any, Any] | None = None, src: int = 0) -> dict[Any, Any] | None:
+def broadcast_tensor_dict(tensor_dict: dict[Any, Any] | None = None,
+                          src: int = 0) -> dict[Any, Any] | None:
     """Broadcast a tensor dict over the TP group; without torch.distributed (one
     process) the dict itself, as in vLLM."""
     if REGISTRY.tp is None and not dist.is_initialized():

@@ -84,7 +84,7 @@ def _scaled_shape(t: torch.Tensor, dim: int, world_size: int, grow: bool) -> lis
     if grow:
         shape[d] = shape[d] * world_size
     else:
-        torch._check(
+        torch._check(  # noqa: SLF001 - torch's own shape check, understood by the compiler
             shape[d] % world_size == 0,
             lambda: f"reduce_scatter: size {shape[d]} of dim {d} is not divisible by {world_size}",
         )

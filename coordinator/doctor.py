@@ -66,7 +66,8 @@ def _cupy_report() -> dict[str, Any] | str:
         import cupy
 
         runtime = cupy.cuda.runtime.runtimeGetVersion()
-        return {"version": cupy.__version__, "cuda_runtime": f"{runtime // 1000}.{runtime % 1000 // 10}"}
+        return {"version": cupy.__version__,
+                "cuda_runtime": f"{runtime // 1000}.{runtime % 1000 // 10}"}
     except Exception as e:  # a broken CuPy install is what the report must show
         return {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
 

@@ -206,7 +206,8 @@ def _check_dispatch(
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)}")
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+    ids_type = topk_ids.dtype
+    if ids_type.is_floating_point or ids_type.is_complex or ids_type == torch.bool:
         raise TypeError(f"topk_ids must hold integers, got {topk_ids.dtype}")
     if not topk_weights.dtype.is_floating_point:
         raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
@@ -217,7 +218,8 @@ def _check_dispatch(
             raise ValueError(f"topk_ids must be in [0, num_experts={num_experts}), got {bad}")
 
 
-def _stacked(expert_out: Sequence[torch.Tensor] | torch.Tensor, routing: MoeRouting) -> torch.Tensor:
+def _stacked(expert_out: Sequence[torch.Tensor] | torch.Tensor,
+             routing: MoeRouting) -> torch.Tensor:
     """``expert_out`` as one tensor of every local expert's rows, checked."""
     counts = routing.expert_counts
     if isinstance(expert_out, torch.Tensor):

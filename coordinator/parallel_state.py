@@ -278,8 +278,8 @@ def _checked_mesh(world: GroupCoordinator | None, tp: Any, pp: Any, dp: Any, pcp
              "data_parallel_size", "prefill_context_model_parallel_size",
              "decode_context_model_parallel_size")
     values = [_int_arg(1 if v is None and n.startswith("decode") else v, n)
-              for n, v in zip(names, (tp, pp, dp, pcp, dcp))]
-    for name, size in zip(names, values):
+              for n, v in zip(names, (tp, pp, dp, pcp, dcp), strict=True)]
+    for name, size in zip(names, values, strict=True):
         if size < 1:
             raise ValueError(f"{name} must be >= 1, got {size}")
     tp, pp, dp, pcp, dcp = values
@@ -363,7 +363,7 @@ def ensure_model_parallel_initialized(
         )
     have = tuple(g.world_size for g in (get_tp_group(), get_pp_group(), get_dp_group(),
                                           get_pcp_group(), get_dcp_group()))
-    if any(want is not None and want != got for want, got in zip(sizes, have)):
+    if any(want is not None and want != got for want, got in zip(sizes, have, strict=True)):
         raise ValueError(
             f"model parallel groups exist with (tp, pp, dp, pcp, dcp) = {have}, but {sizes} "
             f"was requested; call destroy_model_parallel() first to change them"
@@ -386,7 +386,8 @@ _MP_HOW = "coordinator.parallel_state.initialize_model_parallel(...)"
 
 def get_world_group() -> GroupCoordinator:
     """The world group. Raises NotInitializedError before init_distributed_environment."""
-    return _need(REGISTRY.world, "world", "coordinator.parallel_state.init_distributed_environment(...)")
+    return _need(REGISTRY.world, "world",
+                 "coordinator.parallel_state.init_distributed_environment(...)")
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -563,13 +564,15 @@ def graph_capture(device: torch.device | str | None = None) -> Iterator[GraphCap
             torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"device must name a device, got {device!r} ({e})") from None
+    caller = None
     if device is not None and torch.device(device).type == "cuda":
-        stream = side_stream(torch.device(device))
-    caller = torch.cuda.current_stream(torch.device(device)) if stream is not None else None
+        on = torch.device(device)
+        stream = side_stream(on)
+        caller = torch.cuda.current_stream(on)
     ctx = GraphCaptureContext(stream)
     with get_tp_group().graph_capture(ctx), get_pp_group().graph_capture(ctx):
         yield ctx
-    if caller is not None:
+    if caller is not None and stream is not None:
         caller.wait_stream(stream)  # work queued inside lands before the caller's next
 
 

@@ -34,6 +34,7 @@ Example (a pytest test)::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
@@ -152,7 +153,8 @@ class DistributedPool:
         """Pids of the live ranks (empty when not started)."""
         return [p.pid for p in self._procs if p.pid is not None]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any,
+            timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
         """Run ``fn(rank, world_size, *args)`` on every rank; see :func:`run_distributed`."""
         if self._closed:
             raise RuntimeError("this DistributedPool is closed; create a new one")
@@ -240,8 +242,8 @@ class DistributedPool:
                             self._procs[r].join(1.0)
                             code = self._procs[r].exitcode
                             raise RankDiedError(
-                                f"{what}: rank {r} of {n} exited without a result ({describe_exit(code)}); "
-                                f"all ranks were killed.",
+                                f"{what}: rank {r} of {n} exited without a result "
+                                f"({describe_exit(code)}); all ranks were killed.",
                                 r,
                             )
         except BaseException:
@@ -264,7 +266,7 @@ class DistributedPool:
         header = f"rank {rank} of {self.world_size} raised {type_name}"
         if isinstance(exc, BaseException):
             exc.__cause__ = _RemoteTraceback(f"\n{header}; remote traceback:\n{tb}")
-            exc.groupcoord_rank = rank
+            exc.groupcoord_rank = rank  # type: ignore[attr-defined]  # read by the caller
             if hasattr(exc, "add_note"):
                 exc.add_note(f"(raised on {header.split(' raised')[0]})")
             raise exc
@@ -275,10 +277,8 @@ class DistributedPool:
         self._procs, self._conns = [], []
         if graceful:
             for c in conns:
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     c.send(("stop",))
-                except (BrokenPipeError, OSError):
-                    pass
         # SIGTERM before SIGKILL: ranks unlink the memory they own on SIGTERM.
         stop_ranks(procs, conns, wait_first=10.0 if graceful else 0.0)
 
@@ -372,7 +372,5 @@ def _send_error(conn: Connection, e: BaseException) -> None:
         blob: bytes | None = pickle.dumps(e)
     except Exception:  # the exception itself does not pickle
         blob = None
-    try:
+    with contextlib.suppress(BrokenPipeError, OSError):
         conn.send(("err", blob, type(e).__name__, str(e), tb))
-    except (BrokenPipeError, OSError):
-        pass

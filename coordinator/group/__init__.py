@@ -1,1 +1,4 @@
-"""GroupCoordinator and the parts it is built from: setup, registry, object calls, errors, broadcasters."""
+"""GroupCoordinator and the parts it is built from.
+
+Setup and registry, the call book, object and tensor-dict calls, queues and barriers.
+"""

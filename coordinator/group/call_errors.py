@@ -75,7 +75,7 @@ from shm_broadcast.lifecycle.segment import OwnerIdentity
 from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.waiting.policy import PeerWatch
 
-__all__ = ["CallErrors", "WAIT_ERRORS", "own_identity", "peer_rank"]
+__all__ = ["CallErrors", "WAIT_ERRORS", "own_identity"]
 
 #: Seconds to keep looking at peers' processes before reporting a closed
 #: connection from a live peer: an exiting process closes its sockets before it
@@ -141,8 +141,9 @@ class CallErrors:
         self.watches: list[PeerWatch | None] = [None] * world_size
         self.hosts: list[str] = [""] * world_size
         self.pids: list[int] = [0] * world_size
-        #: Set by ``GroupCoordinator.destroy``: a call that fails from then on
-        #: failed because its group went away under it.
+        #: Set when the group is destroyed (:meth:`CallBook.close
+        #: <coordinator.group.call_book.CallBook.close>`): a call that fails
+        #: from then on failed because its group went away under it.
         self.destroyed = False
 
     def learn_peers(self, cpu_group: Any) -> None:
@@ -200,7 +201,7 @@ class CallErrors:
             ranks = [p for p in e.peers if isinstance(p, int) and not isinstance(p, bool)]
             self._raise(self._closed_by_peer(op, seq, _first_line(e), partner, started,
                                              ranks or None), cause)
-        if e is not cause:
+        if e is not cause or not isinstance(e, GroupCoordError):
             self._raise(e, cause)
         # Raised by a lower layer for a call of its own (the header broadcast of
         # broadcast_object, the tensors of a tensor dict): say which call of this
@@ -413,7 +414,3 @@ def _is_backend_error(e: BaseException | None) -> bool:
     """Whether ``e`` is a backend's own error (gloo's RuntimeError), not one of ours."""
     return isinstance(e, RuntimeError) and not isinstance(e, GroupCoordError)
 
-
-def peer_rank(rank: Any) -> int | None:
-    """A point-to-point call's peer rank, when it is one (for error messages)."""
-    return rank if type(rank) is int else None

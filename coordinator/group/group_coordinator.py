@@ -19,6 +19,22 @@ queue broadcasts, barriers and point-to-point calls. Each call has a sequence
 number, and a wait that runs out raises ``CommTimeout`` naming the group, the
 op, the call number and the ranks that did not arrive
 (:mod:`coordinator.group.call_errors`).
+
+A coordinator is built from parts that own their state, each typed against a
+small protocol of what it uses of the group:
+
+* :class:`~coordinator.group.call_book.CallBook`: call numbers, the closed
+  state, the explanation of failed waits;
+* :class:`~coordinator.group.object_calls.ObjectCalls`: object broadcasts and
+  objects point to point;
+* :class:`~coordinator.p2p.point_to_point.PointToPoint`: tensors and objects
+  point to point, blocking and asynchronous, in issue order (links, channels,
+  a CUDA group's side stream);
+* :class:`~coordinator.group.tensor_dict_calls.TensorDictCalls`: tensor dicts,
+  broadcast and point to point.
+
+The tensor collectives go straight to the device communicator (``comm``) and
+number themselves inline (:mod:`coordinator.group.call_book`).
 """
 
 from __future__ import annotations
@@ -26,8 +42,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from time import monotonic
 from typing import Any
 
 import torch
@@ -38,14 +54,15 @@ from coordinator.custom_ops import traced_alone as _traced_alone
 from coordinator.custom_ops import tracing as _tracing
 from coordinator.errors import NotInitializedError
 from coordinator.group import setup as setup
-from coordinator.group.call_errors import WAIT_ERRORS, CallErrors, peer_rank
+from coordinator.group.call_book import CallBook
+from coordinator.group.call_errors import WAIT_ERRORS
 from coordinator.group.monitored_barrier import monitored_barrier
-from coordinator.group.object_calls import GroupObjectCalls
+from coordinator.group.object_calls import ObjectCalls
+from coordinator.group.object_comm import ObjectCodec
 from coordinator.group.registry import REGISTRY
-from coordinator.group.tensor_dict_calls import GroupTensorDictCalls
-from coordinator.p2p import async_p2p, link_tensors
-from coordinator.p2p.async_p2p import RECV, SEND
-from coordinator.p2p.shm_links import ShmLinks
+from coordinator.group.tensor_dict_calls import TensorDictCalls
+from coordinator.p2p.handle import P2PHandle
+from coordinator.p2p.point_to_point import PointToPoint
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator, validation
 from device_comms.reduce_op import check_reduce_op
 from shm_broadcast.checks import check_timeout
@@ -66,8 +83,7 @@ class GraphCaptureContext:
     stream: Any = None
 
 
-
-class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
+class GroupCoordinator:
     """Collectives for one group of ranks (one parallel dimension).
 
     Every process calls the constructor with the same ``group_ranks`` (all
@@ -151,49 +167,58 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
                 "torch.distributed is not initialised; call "
                 "coordinator.init_distributed_environment(...) first"
             )
-        self.timeout: float = check_timeout(timeout, default=default_timeout(), positive=True)
-        self.calls = 0
-        self.collectives = 0
+        default = default_timeout()
+        seconds = check_timeout(timeout, default=default, positive=True)
+        self.timeout: float = default if seconds is None else seconds
         self.unique_name = REGISTRY.unique_name(group_name or "anonymous")
         self.rank = dist.get_rank()
         self.local_rank = local_rank
-        self.ranks, self.cpu_group, self.device_group = setup.create_process_groups(
+        self.ranks, cpu_group, device_group = setup.create_process_groups(
             group_ranks, backend, self.rank, datetime.timedelta(seconds=self.timeout),
             self.unique_name,
         )
+        self.cpu_group: dist.ProcessGroup | None = cpu_group  # None once destroyed
+        self.device_group: dist.ProcessGroup | None = device_group
         self.world_size = len(self.ranks)
         self.rank_in_group = self.ranks.index(self.rank)
         self.device = setup.pick_device(backend, local_rank)
         self.allow_pickle = allow_pickle
-        self.codec = Codec(allow_pickle=allow_pickle)
-        self._destroyed = False
-        self._p2p_channels: Any = None  # async point-to-point threads (coordinator.p2p.async_p2p)
-        self._p2p_cuda: Any = None
-        self._links = ShmLinks(self)  # tensor dicts with same-host peers (coordinator.p2p.shm_links)
-        self._errors = CallErrors(self.unique_name, self.rank_in_group, self.world_size,
-                                  self.timeout)
+        self.codec: Codec | ObjectCodec = Codec(allow_pickle=allow_pickle)
+        self._book = CallBook(self.unique_name, self.rank_in_group, self.world_size,
+                              self.timeout)
         if self.world_size > 1:
-            self._errors.learn_peers(self.cpu_group)
+            self._book.learn_peers(cpu_group)
         self.device_communicator: DeviceCommunicator | None = None
         if use_device_communicator and self.world_size > 1:
             self.device_communicator = setup.build_communicator(
-                device_communicator, self.cpu_group, self.device, self.device_group,
+                device_communicator, cpu_group, self.device, device_group,
                 self.unique_name, None if timeout is None else self.timeout,
             )
         self.comm: DeviceCommunicator = self.device_communicator or TorchDistributedCommunicator(
-            self.cpu_group, self.device, self.device_group, self.unique_name,
+            cpu_group, self.device, device_group, self.unique_name,
             timeout=None if timeout is None else self.timeout,
         )
-        self.comm.number_calls(lambda: self.collectives)  # compared with the peers' numbers
-        self._cpu_side: DeviceCommunicator | None = None
-        #: Collective numbers whose queue message this rank must skip: it
-        #: rejected its own arguments to those calls and read nothing.
-        self._skipped_stamps: set[int] = set()
+        book = self._book
+        self.comm.number_calls(lambda: book.collectives)  # compared with the peers' numbers
         self.mq_broadcaster: Any = None
         self.mq_writer_rank = 0
+        self._objects = ObjectCalls(self, book)
+        self._p2p = PointToPoint(self, book, self._objects)
+        self._dicts = TensorDictCalls(self, book, self._objects, self._p2p, GroupCoordinator)
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
             self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)
         REGISTRY.add(self)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def calls(self) -> int:
+        """Calls made so far on this rank; the next call is number ``calls + 1``."""
+        return self._book.calls
+
+    @property
+    def collectives(self) -> int:
+        """Collective calls (all but point-to-point ones) made so far on this rank."""
+        return self._book.collectives
 
     # ------------------------------------------------------------------ topology
     @property
@@ -248,35 +273,42 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
             ``out`` when given, else a new tensor.
         """
         if _tracing() and (self.world_size == 1 or op is ReduceOp.SUM):
-            if out is not None:  # the result is a fresh tensor: only shape and kind matter
-                validation.check_out_meta(out, input_)
-            if self.world_size == 1:
-                check_reduce_op(op, input_.dtype)
-                res = input_.clone()
-            else:
-                res = custom_ops.traced_all_reduce(self, input_)
-            return res if out is None else out.copy_(res)
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        self.collectives += 1
+            return self._traced_all_reduce(input_, op, out)
+        book = self._book  # number the call
+        book.collectives = n = book.collectives + 1
+        seq = n + book.p2p_calls
+        started = monotonic()
         try:
             return self.comm.all_reduce(input_, op, out=out)
         except WAIT_ERRORS as e:
-            self._errors.explain("all_reduce", seq, e, started=started)
+            book.explain("all_reduce", seq, e, started=started)  # name what went wrong
             raise
+
+    def _traced_all_reduce(self, input_: torch.Tensor, op: ReduceOp,
+                           out: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`all_reduce` while torch.compile traces: the custom op (alone: a copy)."""
+        if out is not None:  # the result is a fresh tensor: only shape and kind matter
+            validation.check_out_meta(out, input_)
+        if self.world_size == 1:
+            check_reduce_op(op, input_.dtype)
+            res = input_.clone()
+        else:
+            res = custom_ops.traced_all_reduce(self, input_)
+        return res if out is None else out.copy_(res)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``input_`` along ``dim`` (negative allowed)."""
         if _tracing():
             return _traced_alone(input_, dim) if self.world_size == 1 else \
                 custom_ops.traced_all_gather(self, input_, dim)
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        self.collectives += 1
+        book = self._book  # number the call
+        book.collectives = n = book.collectives + 1
+        seq = n + book.p2p_calls
+        started = monotonic()
         try:
             return self.comm.all_gather(input_, dim)
         except WAIT_ERRORS as e:
-            self._errors.explain("all_gather", seq, e, started=started)
+            book.explain("all_gather", seq, e, started=started)  # name what went wrong
             raise
 
     def all_gatherv(
@@ -289,7 +321,7 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
 
         ``input_`` may be a list of tensors; then a list comes back.
         """
-        return self._run("all_gatherv", self.comm.all_gatherv, input_, dim, sizes)
+        return self._book.run("all_gatherv", self.comm.all_gatherv, input_, dim, sizes)
 
     def reduce_scatter(
         self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
@@ -298,13 +330,14 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         if _tracing() and (self.world_size == 1 or op is ReduceOp.SUM):
             return _traced_alone(input_, dim) if self.world_size == 1 else \
                 custom_ops.traced_reduce_scatter(self, input_, dim)
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        self.collectives += 1
+        book = self._book  # number the call
+        book.collectives = n = book.collectives + 1
+        seq = n + book.p2p_calls
+        started = monotonic()
         try:
             return self.comm.reduce_scatter(input_, dim, op)
         except WAIT_ERRORS as e:
-            self._errors.explain("reduce_scatter", seq, e, started=started)
+            book.explain("reduce_scatter", seq, e, started=started)  # name what went wrong
             raise
 
     def reduce_scatterv(
@@ -315,31 +348,31 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         op: ReduceOp = ReduceOp.SUM,
     ) -> torch.Tensor:
         """Reduce, then keep ``sizes[rank]`` entries along ``dim`` (sizes sum to the dim)."""
-        return self._run("reduce_scatterv", self.comm.reduce_scatterv, input_, dim, sizes, op)
+        return self._book.run("reduce_scatterv", self.comm.reduce_scatterv, input_, dim, sizes, op)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
         if _tracing() and self.world_size == 1:
             validation.check_rank(dst, 1, "dst")
             return _traced_alone(input_, dim)
-        return self._run("gather", self.comm.gather, input_, dst, dim)
+        return self._book.run("gather", self.comm.gather, input_, dst, dim)
 
     def reduce(
         self, input_: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor | None:
         """Reduce onto ``dst`` (a new tensor there, None elsewhere)."""
-        return self._run("reduce", self.comm.reduce, input_, dst, op)
+        return self._book.run("reduce", self.comm.reduce, input_, dst, op)
 
     def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = 0) -> torch.Tensor:
         """Split ``src``'s tensor into equal slices along ``dim``; rank ``i`` gets slice ``i``."""
-        return self._run("scatter", self.comm.scatter, input_, src, dim)
+        return self._book.run("scatter", self.comm.scatter, input_, src, dim)
 
     def all_to_all(
         self, input_: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0
     ) -> torch.Tensor:
         """Slice ``j`` along ``scatter_dim`` goes to rank ``j``; received slices are
         concatenated along ``gather_dim``."""
-        return self._run("all_to_all", self.comm.all_to_all, input_, scatter_dim, gather_dim)
+        return self._book.run("all_to_all", self.comm.all_to_all, input_, scatter_dim, gather_dim)
 
     def all_to_allv(
         self,
@@ -353,7 +386,7 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         Mismatched sizes (rank ``i``'s ``recv_sizes[j]`` != rank ``j``'s ``send_sizes[i]``)
         raise ``CollectiveMismatch`` on every rank; see :mod:`device_comms.alltoallv`.
         """
-        return self._run("all_to_allv", self.comm.all_to_allv, input_, send_sizes, recv_sizes)
+        return self._book.run("all_to_allv", self.comm.all_to_allv, input_, send_sizes, recv_sizes)
 
     def reject_call(self, op: str, error: BaseException) -> None:
         """Take this rank's part in the peers' collective ``op`` as a rejection of ``error``.
@@ -362,31 +395,25 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         (MoE dispatch/combine): the peers raise ``PeerRejectedError`` naming this
         rank instead of waiting; the caller then raises ``error``. Counts as a call.
         """
-        self._run(op, self.comm.reject, op, error)
+        self._book.run(op, self.comm.reject, op, error)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        self.collectives += 1
+        book = self._book  # number the call
+        book.collectives = n = book.collectives + 1
+        seq = n + book.p2p_calls
+        started = monotonic()
         try:
             return self.comm.broadcast(input_, src)
         except WAIT_ERRORS as e:
-            self._errors.explain("broadcast", seq, e, started=started)
+            book.explain("broadcast", seq, e, started=started)  # name what went wrong
             raise
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to group rank ``dst`` (default: the next rank)."""
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        try:
-            return async_p2p.ordered(self, SEND, dst, "send", link_tensors.send, self, tensor,
-                                     dst)
-        except WAIT_ERRORS as e:
-            self._errors.explain("send", seq, e, partner=peer_rank(dst), started=started)
-            raise
+        return self._p2p.send(tensor, dst)
 
     def recv(
         self, size: torch.Size | Sequence[int], dtype: torch.dtype, src: int | None = None
@@ -394,14 +421,7 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         """Receive a tensor from group rank ``src`` (default: the previous rank)."""
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        try:
-            return async_p2p.ordered(self, RECV, src, "recv", link_tensors.recv, self, size,
-                                     dtype, src)
-        except WAIT_ERRORS as e:
-            self._errors.explain("recv", seq, e, partner=peer_rank(src), started=started)
-            raise
+        return self._p2p.recv(size, dtype, src)
 
     # ------------------------------------------------------------------ control
     def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
@@ -421,19 +441,22 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
                 group's timeout, so that its peers are not left waiting.
         """
         try:
-            wait_s, bad = check_timeout(timeout, default=self.timeout, positive=True), None
+            got = check_timeout(timeout, default=self.timeout, positive=True)
+            wait_s, bad = (self.timeout if got is None else got), None
         except (TypeError, ValueError) as e:  # still take part: the peers are not stranded
             wait_s, bad = self.timeout, e
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        self.collectives += 1
+        book = self._book
+        book.collectives = n = book.collectives + 1
+        seq = n + book.p2p_calls
+        started = monotonic()
         if self.world_size > 1:
-            self._check_live("barrier")
+            book.check_live("barrier")
             try:
-                monitored_barrier(self, wait_s)
+                monitored_barrier(self.cpu_group, self.unique_name, wait_s,
+                                  book.errors.await_exit)
             except WAIT_ERRORS as e:
-                self._errors.explain("barrier", seq, e,
-                                     started=started if wait_s == self.timeout else None)
+                book.explain("barrier", seq, e,
+                             started=started if wait_s == self.timeout else None)
                 raise
         if bad is not None:
             raise bad
@@ -508,6 +531,7 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         """
         from coordinator.group.mq_broadcasters import create_mq_broadcaster
 
+        self._book.check_live("create_mq_broadcaster")
         return create_mq_broadcaster(self, writer_rank, external_writer_handle, blocking,
                                      **queue_options)
 
@@ -525,18 +549,16 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         """
         from coordinator.group.mq_broadcasters import create_single_reader_mq_broadcasters
 
+        self._book.check_live("create_single_reader_mq_broadcasters")
         return create_single_reader_mq_broadcasters(self, reader_rank_in_group, blocking)
 
     def destroy(self) -> None:
         """Release communicators, queues and process groups. Idempotent."""
-        if self._destroyed:
+        if self._book.closed:
             return
-        self._destroyed = True
-        self._errors.destroyed = True  # calls still running on other threads: ClosedError
+        self._book.close()  # calls still running on other threads: ClosedError
         REGISTRY.remove(self)
-        self._links.shutdown()  # calls blocked on a link end with ClosedError
-        async_p2p.close(self)  # outstanding handles end (ClosedError), threads are joined
-        self._links.close()
+        self._p2p.close()  # links and outstanding handles end (ClosedError), threads joined
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.close()
             self.mq_broadcaster = None
@@ -545,10 +567,9 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
         comm, self.comm = self.comm, setup.DestroyedComm(self.unique_name)  # type: ignore[assignment]
         self.device_communicator = None
         comm.destroy()
-        if self._cpu_side is not None:
-            self._cpu_side.destroy()
-            self._cpu_side = None
-        for pg in {id(self.cpu_group): self.cpu_group, id(self.device_group): self.device_group}.values():
+        self._objects.close()
+        groups = {id(self.cpu_group): self.cpu_group, id(self.device_group): self.device_group}
+        for pg in groups.values():
             if pg is not None and dist.is_initialized():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(pg)
@@ -560,36 +581,134 @@ class GroupCoordinator(GroupObjectCalls, GroupTensorDictCalls):
             f"rank_in_group={self.rank_in_group}, comm={type(self.comm).__name__})"
         )
 
-    # ------------------------------------------------------------------ helpers
-    def _check_peer(self, r: Any, arg: str) -> None:
-        validation.check_rank(r, self.world_size, arg)
-        if r == self.rank_in_group:
-            raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
+    # ------------------------------------------------------------------ objects
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """Broadcast a Python object from ``src``; returns it on every rank.
 
-    def _check_live(self, op: str) -> None:
-        if self._destroyed:
-            raise NotInitializedError(setup.destroyed_msg(self.unique_name, op))
+        Uses the message queue when the group has one and ``src`` is its
+        writer, else broadcasts of the group's CPU communicator (signed calls:
+        a rank making another call there raises ``CollectiveMismatch`` on
+        every rank). Either way the object travels as msgspec
+        msgpack with tensors and arrays out of band (see
+        :mod:`shm_broadcast.codec.message_codec` for what is carried exactly); nothing is
+        pickled unless the group was created with ``allow_pickle=True``.
 
-    def _run(self, op: str, fn: Any, *args: Any, partner: int | None = None,
-             p2p: bool = False) -> Any:
-        """Run ``fn(*args)`` as call ``op`` of this group: numbered (a collective
-        call, unless ``p2p``), and a failed wait explained (see
-        :mod:`coordinator.group.call_errors`). The busiest calls inline this."""
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        if not p2p:
-            self.collectives += 1
-        try:
-            return fn(*args)
-        except WAIT_ERRORS as e:
-            self._errors.explain(op, seq, e, partner=partner, started=started)
-            raise
+        Raises:
+            TypeError: On ``src``: ``obj`` cannot be encoded (the message names
+                the type and the ``allow_pickle`` opt-in). The other ranks are
+                told and raise ``CollectiveMismatch`` instead of waiting forever.
+            DecodeError: On a receiver: the bytes received are malformed.
+        """
+        return self._objects.broadcast_object(obj, src)
 
-    def _cpu_call(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run a gloo call of this group (backend errors are translated by the
-        public method's :class:`~coordinator.group.call_errors.CallErrors`)."""
-        self._check_live(op)
-        return fn(*args, **kwargs)
+    def broadcast_object_list(
+        self, obj_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None
+    ) -> list[Any]:
+        """Broadcast a list of objects in place (like ``torch.distributed``, without pickle).
+
+        The list travels as one message through the group's CPU communicator
+        (signed calls, as :meth:`broadcast_object`), or as plain gloo
+        broadcasts over ``group`` when given; receivers pass a list of the
+        same length, whose items are replaced.
+
+        Raises:
+            TypeError: On ``src``: an entry cannot be encoded (receivers raise
+                ``CollectiveMismatch``); ``obj_list`` is not a list.
+            CollectiveMismatch: On a receiver: the source failed, or sent a
+                list of another length.
+        """
+        return self._objects.broadcast_object_list(obj_list, src, group)
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        """Send a Python object to group rank ``dst`` over the CPU group (no pickle
+        unless the group opted in; see :meth:`broadcast_object`).
+
+        Raises:
+            TypeError: ``obj`` cannot be encoded; the receiver is told and raises
+                ``CollectiveMismatch``.
+        """
+        self._p2p.send_object(obj, dst)
+
+    def recv_object(self, src: int) -> Any:
+        """Receive a Python object from group rank ``src``.
+
+        Raises:
+            CollectiveMismatch: The sender could not encode its object.
+            DecodeError: The bytes received are malformed.
+        """
+        return self._p2p.recv_object(src)
+
+    # ------------------------------------------------------------------ tensor dicts
+    def broadcast_tensor_dict(
+        self,
+        tensor_dict: Mapping[Any, Any] | None = None,
+        src: int = 0,
+        group: dist.ProcessGroup | None = None,
+        metadata_group: dist.ProcessGroup | None = None,
+    ) -> dict[Any, Any] | None:
+        """Broadcast a dict of tensors / None / plain data from ``src``.
+
+        Metadata travels once (message queue or CPU group); tensors follow over
+        the device communicator (CPU tensors of a GPU group over the CPU group).
+        Receivers allocate and get a new dict.
+        """
+        return self._dicts.broadcast_tensor_dict(tensor_dict, src, group, metadata_group)
+
+    def send_tensor_dict(
+        self,
+        tensor_dict: Mapping[Any, Any],
+        dst: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[Any, bool] | None = None,
+    ) -> dict[Any, Any] | None:
+        """Send a tensor dict to group rank ``dst`` (default: next rank).
+
+        With ``all_gather_group`` (n ranks holding the same tensors), each rank
+        sends only its 1/n slice of every tensor whose numel divides by n; the
+        receivers rebuild it with an all-gather. ``all_gather_tensors`` maps keys
+        to True/False to force or disable that per key.
+
+        Returns:
+            None; in a group of one rank, ``tensor_dict`` itself (as vLLM).
+        """
+        return self._dicts.send_tensor_dict(tensor_dict, dst, all_gather_group,
+                                            all_gather_tensors)
+
+    def recv_tensor_dict(
+        self,
+        src: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[Any, bool] | None = None,
+    ) -> dict[Any, Any] | None:
+        """Receive a dict sent by :meth:`send_tensor_dict` from group rank ``src``.
+
+        Slicing is decided by the sender (recorded in the metadata);
+        ``all_gather_tensors`` is accepted for symmetry with the sender.
+        """
+        return self._dicts.recv_tensor_dict(src, all_gather_group)
+
+    # ------------------------------------------------------------------ asynchronous p2p
+    # Handles with wait(timeout=None) / is_completed(); order, errors and closing:
+    # see coordinator.p2p.point_to_point.
+    def isend(self, tensor: torch.Tensor, dst: int | None = None) -> P2PHandle:
+        """Start sending ``tensor`` to group rank ``dst`` (default: the next rank)."""
+        return self._p2p.isend(tensor, dst)
+
+    def irecv(self, tensor_or_spec: torch.Tensor | tuple[Sequence[int], torch.dtype],
+              src: int | None = None) -> P2PHandle:
+        """Start receiving from ``src`` (default: the previous rank) into a tensor, or
+        a new one of ``(shape, dtype)``; ``wait()`` returns it."""
+        return self._p2p.irecv(tensor_or_spec, src)
+
+    def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any],
+                          dst: int | None = None) -> P2PHandle:
+        """Start :meth:`send_tensor_dict` to ``dst`` (default: the next rank)."""
+        return self._dicts.isend_tensor_dict(tensor_dict, dst)
+
+    def irecv_tensor_dict(self, src: int | None = None) -> P2PHandle:
+        """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank);
+        ``wait()`` returns the dict."""
+        return self._dicts.irecv_tensor_dict(src)
 
 
 def side_stream(device: torch.device) -> Any:

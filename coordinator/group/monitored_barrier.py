@@ -11,29 +11,33 @@ from __future__ import annotations
 import datetime
 import re
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
 from coordinator.errors import CommTimeout
-
-if TYPE_CHECKING:
-    from coordinator.group.group_coordinator import GroupCoordinator
 
 __all__ = ["monitored_barrier"]
 
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
-def monitored_barrier(coord: GroupCoordinator, wait_s: float) -> None:
-    """Wait for every rank of ``coord``'s CPU group, at most ``wait_s`` seconds.
+def monitored_barrier(cpu_group: Any, name: str, wait_s: float,
+                      await_exit: Callable[[Sequence[int]], None]) -> None:
+    """Wait for every rank of ``cpu_group`` (the CPU group of group ``name``), at most
+    ``wait_s`` seconds.
+
+    ``await_exit(ranks)`` is called, before raising, with missing ranks whose
+    connection broke before the timeout (they are probably exiting; see
+    :meth:`~coordinator.group.call_errors.CallErrors.await_exit`).
 
     Raises:
         CommTimeout: Ranks did not arrive in time (named).
     """
     start = time.monotonic()
     try:
-        dist.monitored_barrier(group=coord.cpu_group,
+        dist.monitored_barrier(group=cpu_group,
                                timeout=datetime.timedelta(seconds=wait_s),
                                wait_all_ranks=True)
     except RuntimeError as e:
@@ -44,8 +48,8 @@ def monitored_barrier(coord: GroupCoordinator, wait_s: float) -> None:
         if time.monotonic() - start < 0.9 * wait_s:
             # Failed before the timeout: their connection broke, so they are
             # probably exiting; let the explanation see them gone.
-            coord._errors.await_exit(missing)
+            await_exit(missing)
         raise CommTimeout(
-            f"group {coord.unique_name!r}, op barrier: rank(s) {missing} did not arrive "
+            f"group {name!r}, op barrier: rank(s) {missing} did not arrive "
             f"within {wait_s:g}s ({str(e).splitlines()[0]})",
-            queue=coord.unique_name, peers=missing) from e
+            queue=name, peers=missing) from e

@@ -34,7 +34,7 @@ lives.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from device_comms import validation
 from shm_broadcast.checks import check_int
@@ -42,10 +42,10 @@ from shm_broadcast.ranks.agreement import agree
 from shm_broadcast.ranks.group_adapter import object_group
 
 if TYPE_CHECKING:
-    from coordinator.group.group_coordinator import GroupCoordinator
     from shm_broadcast.queue.message_queue import MessageQueue
 
 __all__ = [
+    "QueueGroup",
     "create_mq_broadcaster",
     "create_single_reader_mq_broadcasters",
     "SINGLE_READER_CHUNK_BYTES",
@@ -59,12 +59,29 @@ SINGLE_READER_CHUNK_BYTES = 256 << 10
 SINGLE_READER_CHUNKS = 4
 
 
+class QueueGroup(Protocol):
+    """What building a group's queues uses of the group."""
+
+    @property
+    def unique_name(self) -> str: ...
+    @property
+    def rank_in_group(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def cpu_group(self) -> Any: ...
+    @property
+    def allow_pickle(self) -> bool: ...
+    @property
+    def timeout(self) -> float: ...
+
+
 _COLLECTIVE_OPTIONS = frozenset({"max_chunk_bytes", "max_chunks", "connect_ip", "wait_policy"})
 _HANDLE_OPTIONS = frozenset({"wait_policy"})
 
 
 def create_mq_broadcaster(
-    group: GroupCoordinator,
+    group: QueueGroup,
     writer_rank: int = 0,
     external_writer_handle: Any = None,
     blocking: bool = True,
@@ -74,7 +91,6 @@ def create_mq_broadcaster(
     from shm_broadcast.queue.message_queue import MessageQueue
     from shm_broadcast.waiting.policy import WaitPolicy
 
-    group._check_live("create_mq_broadcaster")
     allowed = _HANDLE_OPTIONS if external_writer_handle is not None else _COLLECTIVE_OPTIONS
     try:
         validation.check_rank(writer_rank, group.world_size, "writer_rank")
@@ -99,16 +115,16 @@ def create_mq_broadcaster(
                 mq.close()
                 raise
         return mq
-    mq = MessageQueue.create_from_process_group(
+    made = MessageQueue.create_from_process_group(
         group.cpu_group, writer_rank=writer_rank, name=f"{group.unique_name}-mq",
         timeout=group.timeout, allow_pickle=group.allow_pickle, **queue_options)
-    if mq is not None:
-        mq.default_timeout = group.timeout
-    return mq
+    if made is not None:
+        made.default_timeout = group.timeout
+    return made
 
 
 def create_single_reader_mq_broadcasters(
-    group: GroupCoordinator,
+    group: QueueGroup,
     reader_rank_in_group: int = 0,
     blocking: bool = False,
     max_chunk_bytes: int = SINGLE_READER_CHUNK_BYTES,
@@ -133,7 +149,6 @@ def create_single_reader_mq_broadcasters(
     from shm_broadcast.queue.message_queue import MessageQueue
     from shm_broadcast.ranks.topology import in_the_same_node_as
 
-    group._check_live("create_single_reader_mq_broadcasters")
     og = object_group(group.cpu_group)
     op = "create_single_reader_mq_broadcasters"
     try:
@@ -180,7 +195,7 @@ def create_single_reader_mq_broadcasters(
     return writer, readers
 
 
-def _reader_keys(group: GroupCoordinator, me: int, reader: int,
+def _reader_keys(group: QueueGroup, me: int, reader: int,
                  all_local: bool) -> tuple[tuple[bytes, bytes] | None, Any]:
     """The reader's own CURVE keypair (for writers on other nodes) and its public key.
 

@@ -1,17 +1,24 @@
-"""Object calls of :class:`~coordinator.group.group_coordinator.GroupCoordinator`:
-``broadcast_object(_list)``, ``send_object``, ``recv_object``.
+"""A group's object calls: ``broadcast_object(_list)``, and objects point to point.
 
 Objects travel as msgspec (pickle only where the group opted in) through the
 group's signed CPU communicator, so a rejected, skipped or mismatched call
-raises on every rank (:mod:`coordinator.group.object_comm`,
-:mod:`coordinator.group.broadcast_stamps`). A mixin: the coordinator provides the
-group state and the call machinery (``_run``, ``_cpu_call``, ``_check_peer``).
+raises on every rank (:mod:`coordinator.group.object_comm`); a broadcast from
+the writer of the group's message queue goes through the queue, each message
+stamped with its collective call's number
+(:mod:`coordinator.group.broadcast_stamps`).
+
+:class:`ObjectCalls` owns what these calls keep between calls: the stamps of
+queue messages this rank must skip, and the signed CPU communicator of a GPU
+group (built at first use). It serves the other parts of the group too:
+:meth:`ObjectCalls.broadcast_raw` carries a tensor dict's metadata,
+:meth:`ObjectCalls.send` / :meth:`ObjectCalls.recv` a link offer or a dict's
+metadata point to point.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any
+from time import monotonic
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,85 +26,149 @@ import torch.distributed as dist
 from coordinator.errors import CollectiveMismatch, CommTimeout
 from coordinator.group import broadcast_stamps as stamps
 from coordinator.group import object_comm
-from coordinator.group.call_errors import WAIT_ERRORS, CallErrors, peer_rank
+from coordinator.group.call_book import CallBook
+from coordinator.group.call_errors import WAIT_ERRORS
 from coordinator.group.object_comm import SERIALIZE_ERRORS, SourceFailure
-from coordinator.p2p import async_p2p
-from coordinator.p2p.async_p2p import RECV, SEND
+from coordinator.p2p.peers import check_peer
 from device_comms import DeviceCommunicator, TorchDistributedCommunicator, validation
 from shm_broadcast.codec.message_codec import Codec
 
-__all__ = ["GroupObjectCalls"]
+__all__ = ["ObjectCalls", "ObjectGroup"]
 
 
-class GroupObjectCalls:
-    """The object calls of a group (mixed into ``GroupCoordinator``)."""
+class ObjectGroup(Protocol):
+    """What the object calls use of their group."""
 
-    unique_name: str
-    rank_in_group: int
-    world_size: int
-    ranks: list[int]
-    timeout: float
-    codec: Codec
-    cpu_group: Any
-    calls: int
-    _errors: CallErrors
+    @property
+    def unique_name(self) -> str: ...
+    @property
+    def rank_in_group(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def ranks(self) -> list[int]: ...
+    @property
+    def cpu_group(self) -> Any: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def comm(self) -> DeviceCommunicator: ...
+    @property
+    def codec(self) -> Codec | object_comm.ObjectCodec: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def mq_broadcaster(self) -> Any: ...
+    @property
+    def mq_writer_rank(self) -> int: ...
 
-    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        """Broadcast a Python object from ``src``; returns it on every rank.
 
-        Uses the message queue when the group has one and ``src`` is its
-        writer, else broadcasts of the group's CPU communicator (signed calls:
-        a rank making another call there raises ``CollectiveMismatch`` on
-        every rank). Either way the object travels as msgspec
-        msgpack with tensors and arrays out of band (see
-        :mod:`shm_broadcast.codec.message_codec` for what is carried exactly); nothing is
-        pickled unless the group was created with ``allow_pickle=True``.
+class ObjectCalls:
+    """The object calls of one group (see the module docstring).
 
-        Raises:
-            TypeError: On ``src``: ``obj`` cannot be encoded (the message names
-                the type and the ``allow_pickle`` opt-in). The other ranks are
-                told and raise ``CollectiveMismatch`` instead of waiting forever.
-            DecodeError: On a receiver: the bytes received are malformed.
-        """
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        self.collectives += 1
+    Args:
+        group: The group.
+        book: The group's call bookkeeping (numbers, closed state, explanations).
+    """
+
+    def __init__(self, group: ObjectGroup, book: CallBook) -> None:
+        self._group = group
+        self._book = book
+        #: Collective numbers whose queue message this rank must skip: it
+        #: rejected its own arguments to those calls and read nothing.
+        self._skipped_stamps: set[int] = set()
+        self._cpu_side: DeviceCommunicator | None = None
+
+    # ------------------------------------------------------------------ broadcasts
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """``GroupCoordinator.broadcast_object``: ``obj`` from ``src`` to every rank."""
+        book = self._book
+        book.collectives = n = book.collectives + 1
+        seq = n + book.p2p_calls
+        started = monotonic()
         try:
             return self._broadcast_object(obj, src)
         except WAIT_ERRORS as e:
-            self._errors.explain("broadcast_object", seq, e, writer=self.mq_writer_rank,
-                                 started=started)
+            book.explain("broadcast_object", seq, e, writer=self._group.mq_writer_rank,
+                         started=started)
             raise
 
     def _broadcast_object(self, obj: Any, src: int) -> Any:
+        g = self._group
         try:
-            validation.check_rank(src, self.world_size, "src")
+            validation.check_rank(src, g.world_size, "src")
         except (TypeError, ValueError) as e:
-            self._reject_broadcast("broadcast_object", e)
+            self.reject_broadcast("broadcast_object", e)
             raise
-        if self.world_size == 1:
+        if g.world_size == 1:
             return obj
-        if self.rank_in_group == src:
+        if g.rank_in_group == src:
             try:
-                return self._broadcast_raw(obj, src)
+                return self.broadcast_raw(obj, src)
             except SERIALIZE_ERRORS as e:
-                self._broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src)
+                self.broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src)
                 raise TypeError(
-                    f"broadcast_object on group {self.unique_name!r}: obj of type "
+                    f"broadcast_object on group {g.unique_name!r}: obj of type "
                     f"{type(obj).__name__} cannot be serialised ({type(e).__name__}: {e})"
                 ) from e
-        got = self._broadcast_raw(None, src)
+        got = self.broadcast_raw(None, src)
         if isinstance(got, SourceFailure):
             raise CollectiveMismatch(
-                f"broadcast_object on group {self.unique_name!r}: the source rank {src} could "
+                f"broadcast_object on group {g.unique_name!r}: the source rank {src} could "
                 f"not send its object ({got.message}); fix the call on rank {src}",
-                queue=self.unique_name, peers=(src,),
+                queue=g.unique_name, peers=(src,),
             )
         return got
 
-    def _broadcast_raw(self, obj: Any, src: int, group: dist.ProcessGroup | None = None,
-                       op: str = "broadcast_object", queue: bool = True) -> Any:
-        """One object from ``src`` to all, unchecked.
+    def broadcast_object_list(self, obj_list: list[Any], src: int,
+                              group: dist.ProcessGroup | None) -> list[Any]:
+        """``GroupCoordinator.broadcast_object_list``: ``obj_list`` filled in place from ``src``."""
+        return self._book.run("broadcast_object_list", self._broadcast_object_list, obj_list,
+                              src, group)
+
+    def _broadcast_object_list(self, obj_list: list[Any], src: int,
+                               group: dist.ProcessGroup | None) -> list[Any]:
+        g, op = self._group, "broadcast_object_list"
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch ProcessGroup or None, got "
+                            f"{type(group).__name__}")
+        try:
+            if not isinstance(obj_list, list):
+                raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
+            validation.check_rank(src, g.world_size, "src")
+        except (TypeError, ValueError) as e:
+            if group is None:  # plain gloo broadcasts over a group cannot carry the news
+                self.reject_broadcast(op, e, queue=False)
+            raise
+        if g.world_size == 1:
+            return obj_list
+        if g.rank_in_group == src:
+            try:
+                self.broadcast_raw(list(obj_list), src, group, op, queue=False)
+            except SERIALIZE_ERRORS as e:  # nothing was sent: tell the receivers instead
+                self.broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src, group, op,
+                                   queue=False)
+                raise TypeError(
+                    f"broadcast_object_list on group {g.unique_name!r}: an entry of "
+                    f"obj_list cannot be serialised ({type(e).__name__}: {e})"
+                ) from e
+            return obj_list
+        got = self.broadcast_raw(None, src, group, op, queue=False)
+        why = _list_mismatch(got, len(obj_list))
+        if why is not None:
+            whose = (f"the source rank {src} could not send its objects ({why}); fix the call "
+                     f"on rank {src}" if isinstance(got, SourceFailure) else
+                     f"the lists differ ({why}); pass obj_list of the same length on every rank")
+            raise CollectiveMismatch(
+                f"broadcast_object_list on group {g.unique_name!r}: {whose}",
+                queue=g.unique_name, peers=(src,),
+            )
+        obj_list[:] = got
+        return obj_list
+
+    def broadcast_raw(self, obj: Any, src: int, group: dist.ProcessGroup | None = None,
+                      op: str = "broadcast_object", queue: bool = True) -> Any:
+        """One object from ``src`` to all, unchecked (not a call of its own).
 
         Through the message queue when ``queue``, ``group`` is None and ``src``
         is its writer (the message carries this collective call's number, see
@@ -105,31 +176,35 @@ class GroupObjectCalls:
         group's signed CPU communicator (``group`` None), or as plain gloo
         broadcasts over ``group``.
         """
-        if (queue and group is None and self.mq_broadcaster is not None
-                and src == self.mq_writer_rank):
-            self._check_live(op)
-            mq = self.mq_broadcaster  # the group's timeout is its default
-            if self.rank_in_group == src:
-                mq.broadcast_object(stamps.stamp(obj, self.collectives, op))
-                return obj
-            try:
-                msg = mq.broadcast_object(None)
-                while self._stale(msg):
-                    msg = mq.broadcast_object(None)
-            except CommTimeout:  # this call's message, if it comes, is read by nobody
-                self._skipped_stamps.add(self.collectives)
-                raise
-            return stamps.unstamp(msg, self.collectives, op, self.unique_name, src, self.calls)
-        self._check_live(op)
+        g = self._group
+        self._book.check_live(op)
+        mq = g.mq_broadcaster  # the group's timeout is its default
+        if queue and group is None and mq is not None and src == g.mq_writer_rank:
+            return self._queue_broadcast(mq, obj, src, op)
         if group is None:
             bcast = object_comm.comm_broadcast(self._cpu_comm(), src)
         else:
-            bcast = object_comm.gloo_broadcast(self.ranks[src], group)
-        is_src = self.rank_in_group == src
+            bcast = object_comm.gloo_broadcast(g.ranks[src], group)
+        is_src = g.rank_in_group == src
         return object_comm.broadcast_object(obj if is_src else None, src, bcast,
-                                            self.codec, is_src, op)
+                                            g.codec, is_src, op)
 
-    def _reject_broadcast(self, op: str, error: BaseException, queue: bool = True) -> None:
+    def _queue_broadcast(self, mq: Any, obj: Any, src: int, op: str) -> Any:
+        """The queue's side of :meth:`broadcast_raw`: a stamped message."""
+        g, book = self._group, self._book
+        if g.rank_in_group == src:
+            mq.broadcast_object(stamps.stamp(obj, book.collectives, op))
+            return obj
+        try:
+            msg = mq.broadcast_object(None)
+            while self._stale(msg):
+                msg = mq.broadcast_object(None)
+        except CommTimeout:  # this call's message, if it comes, is read by nobody
+            self._skipped_stamps.add(book.collectives)
+            raise
+        return stamps.unstamp(msg, book.collectives, op, g.unique_name, src, book.calls)
+
+    def reject_broadcast(self, op: str, error: BaseException, queue: bool = True) -> None:
         """This rank rejected its own arguments to broadcast ``op``: let the peers know.
 
         The peers broadcast either through the group's message queue (their
@@ -141,134 +216,87 @@ class GroupObjectCalls:
         know which way its peers went: if they used the communicator while the
         group has a queue, they wait for this rank until the group's timeout.
         """
-        if self.world_size == 1:
+        g = self._group
+        if g.world_size == 1:
             return
-        if queue and self.mq_broadcaster is not None:
-            if self.rank_in_group == self.mq_writer_rank:
-                self.mq_broadcaster.broadcast_object(stamps.stamp(
-                    SourceFailure(f"{type(error).__name__}: {error}"), self.collectives, op))
+        if queue and g.mq_broadcaster is not None:
+            if g.rank_in_group == g.mq_writer_rank:
+                g.mq_broadcaster.broadcast_object(stamps.stamp(
+                    SourceFailure(f"{type(error).__name__}: {error}"), self._book.collectives,
+                    op))
             else:
-                self._skipped_stamps.add(self.collectives)
+                self._skipped_stamps.add(self._book.collectives)
             return
         self._cpu_comm().reject("broadcast", error)
 
     def _stale(self, msg: Any) -> bool:
         """Whether a queue message belongs to an earlier call nobody here reads:
         one this rank rejected, or a writer's failure marker for a call this rank
-        made through the communicator (see :meth:`_reject_broadcast`)."""
+        made through the communicator (see :meth:`reject_broadcast`)."""
         n = stamps.number_of(msg)
         if n is None:
             return False
         if n in self._skipped_stamps:
             self._skipped_stamps.discard(n)
             return True
-        return n < self.collectives and isinstance(msg[2], SourceFailure)
+        return n < self._book.collectives and isinstance(msg[2], SourceFailure)
 
     def _cpu_comm(self) -> DeviceCommunicator:
         """The communicator that carries this group's CPU bytes (objects, metadata):
         the device communicator on a CPU group, else a signed gloo one over
         ``cpu_group``, built at first use."""
-        if self.device.type == "cpu":
-            return self.comm
+        g = self._group
+        if g.device.type == "cpu":
+            return g.comm
         if self._cpu_side is None:
-            self._cpu_side = TorchDistributedCommunicator(
-                self.cpu_group, torch.device("cpu"), self.cpu_group, self.unique_name,
-                timeout=self.timeout)
-            self._cpu_side.number_calls(lambda: self.collectives)
+            side = TorchDistributedCommunicator(g.cpu_group, torch.device("cpu"), g.cpu_group,
+                                                g.unique_name, timeout=g.timeout)
+            book = self._book
+            side.number_calls(lambda: book.collectives)
+            self._cpu_side = side
         return self._cpu_side
 
-    def broadcast_object_list(
-        self, obj_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None
-    ) -> list[Any]:
-        """Broadcast a list of objects in place (like ``torch.distributed``, without pickle).
-
-        The list travels as one message through the group's CPU communicator
-        (signed calls, as :meth:`broadcast_object`), or as plain gloo
-        broadcasts over ``group`` when given; receivers pass a list of the
-        same length, whose items are replaced.
-
-        Raises:
-            TypeError: On ``src``: an entry cannot be encoded (receivers raise
-                ``CollectiveMismatch``); ``obj_list`` is not a list.
-            CollectiveMismatch: On a receiver: the source failed, or sent a
-                list of another length.
-        """
-        return self._run("broadcast_object_list", self._broadcast_object_list, obj_list, src,
-                         group)
-
-    def _broadcast_object_list(self, obj_list: list[Any], src: int,
-                               group: dist.ProcessGroup | None) -> list[Any]:
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a torch ProcessGroup or None, got {type(group).__name__}")
-        try:
-            if not isinstance(obj_list, list):
-                raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
-            validation.check_rank(src, self.world_size, "src")
-        except (TypeError, ValueError) as e:
-            if group is None:  # plain gloo broadcasts over a group cannot carry the news
-                self._reject_broadcast("broadcast_object_list", e, queue=False)
-            raise
-        if self.world_size == 1:
-            return obj_list
-        op = "broadcast_object_list"
-        if self.rank_in_group == src:
-            try:
-                self._broadcast_raw(list(obj_list), src, group, op, queue=False)
-            except SERIALIZE_ERRORS as e:  # nothing was sent: tell the receivers instead
-                self._broadcast_raw(SourceFailure(f"{type(e).__name__}: {e}"), src, group, op,
-                                    queue=False)
-                raise TypeError(
-                    f"broadcast_object_list on group {self.unique_name!r}: an entry of "
-                    f"obj_list cannot be serialised ({type(e).__name__}: {e})"
-                ) from e
-            return obj_list
-        got = self._broadcast_raw(None, src, group, op, queue=False)
-        why = _list_mismatch(got, len(obj_list))
-        if why is not None:
-            whose = (f"the source rank {src} could not send its objects ({why}); fix the call "
-                     f"on rank {src}" if isinstance(got, SourceFailure) else
-                     f"the lists differ ({why}); pass obj_list of the same length on every rank")
-            raise CollectiveMismatch(
-                f"broadcast_object_list on group {self.unique_name!r}: {whose}",
-                queue=self.unique_name, peers=(src,),
-            )
-        obj_list[:] = got
-        return obj_list
-
-    def send_object(self, obj: Any, dst: int) -> None:
-        """Send a Python object to group rank ``dst`` over the CPU group (no pickle
-        unless the group opted in; see :meth:`broadcast_object`).
+    # ------------------------------------------------------------------ point to point
+    def send(self, obj: Any, dst: int, kind: int = object_comm.OBJECT) -> None:
+        """Send ``obj`` to group rank ``dst``, not counted as a call (``send_object``
+        and the calls built on it count themselves; ``kind``: see
+        :mod:`coordinator.group.object_comm`).
 
         Raises:
             TypeError: ``obj`` cannot be encoded; the receiver is told and raises
                 ``CollectiveMismatch``.
         """
-        self._run("send_object", async_p2p.ordered, self, SEND, dst, "send_object",
-                  self._send_object, obj, dst, partner=peer_rank(dst), p2p=True)
+        g = self._group
+        check_peer(dst, "dst", g.world_size, g.rank_in_group)
+        self._book.check_live("send_object")
+        object_comm.send_object(obj, g.ranks[dst], g.cpu_group, g.codec, kind)
 
-    def _send_object(self, obj: Any, dst: int, kind: int = object_comm.OBJECT) -> None:
-        """:meth:`send_object` without counting a call (for calls built on it; ``kind``:
-        see :mod:`coordinator.group.object_comm`)."""
-        self._check_peer(dst, "dst")
-        self._cpu_call("send_object", object_comm.send_object, obj, self.ranks[dst],
-                       self.cpu_group, self.codec, kind)
-
-    def recv_object(self, src: int) -> Any:
-        """Receive a Python object from group rank ``src``.
+    def recv(self, src: int, kind: int = object_comm.OBJECT) -> Any:
+        """Receive an object from group rank ``src``, not counted as a call (see :meth:`send`).
 
         Raises:
-            CollectiveMismatch: The sender could not encode its object.
+            CollectiveMismatch: The sender could not encode its object, or sent
+                another kind.
             DecodeError: The bytes received are malformed.
         """
-        return self._run("recv_object", async_p2p.ordered, self, RECV, src, "recv_object",
-                         self._recv_object, src, partner=peer_rank(src), p2p=True)
+        g = self._group
+        check_peer(src, "src", g.world_size, g.rank_in_group)
+        self._book.check_live("recv_object")
+        return object_comm.recv_object(g.ranks[src], g.cpu_group, g.codec, kind, src)
 
-    def _recv_object(self, src: int, kind: int = object_comm.OBJECT) -> Any:
-        """:meth:`recv_object` without counting a call (for calls built on it; ``kind``:
-        see :mod:`coordinator.group.object_comm`)."""
-        self._check_peer(src, "src")
-        return self._cpu_call("recv_object", object_comm.recv_object, self.ranks[src],
-                              self.cpu_group, self.codec, kind, src)
+    def send_failure(self, op: str, reason: str, dst: int, kind: int) -> None:
+        """Send ``reason`` where group rank ``dst`` waits for an object of ``kind`` (its
+        receive raises ``CollectiveMismatch`` quoting it); ``op``: the call failing."""
+        g = self._group
+        self._book.check_live(op)
+        object_comm.send_failure(reason, g.ranks[dst], g.cpu_group, kind)
+
+    # ------------------------------------------------------------------ closing
+    def close(self) -> None:
+        """Release the CPU-side communicator, if one was built."""
+        side, self._cpu_side = self._cpu_side, None
+        if side is not None:
+            side.destroy()
 
 
 def _list_mismatch(got: Any, n: int) -> str | None:

@@ -45,6 +45,7 @@ into ``GroupCoordinator.codec``; its bytes then travel as the msgpack part.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import pickle
@@ -201,18 +202,21 @@ def _receive_payload(nbytes: int, move: Callable[[torch.Tensor], Any]) -> torch.
     after the one before it arrived. The whole buffer is allocated once every
     piece is here, and each piece is freed as it is copied in, so the pages in
     use peak at the payload plus one piece."""
-    pieces: list[torch.Tensor | None] = []
+    pieces: collections.deque[torch.Tensor] = collections.deque()
     for start in range(0, nbytes, PIECE_BYTES):
         piece = torch.empty(min(PIECE_BYTES, nbytes - start), dtype=torch.uint8)
         got = move(piece)
         pieces.append(got if isinstance(got, torch.Tensor) else piece)
     if len(pieces) == 1:
-        return pieces[0]  # type: ignore[return-value]
+        return pieces[0]
     whole = torch.empty(nbytes, dtype=torch.uint8)
-    for i, start in enumerate(range(0, nbytes, PIECE_BYTES)):
-        piece = pieces[i]
-        whole[start:start + piece.numel()].copy_(piece)  # type: ignore[union-attr]
-        pieces[i] = piece = None  # its pages go back before the next piece's are touched
+    start = 0
+    while pieces:
+        # Taking the next piece drops the last one: its pages go back before the
+        # next piece's part of ``whole`` is touched.
+        piece = pieces.popleft()
+        whole[start:start + piece.numel()].copy_(piece)
+        start += piece.numel()
     return whole
 
 
@@ -220,7 +224,7 @@ def _unpack(mlen: int, blen: int, payload: torch.Tensor, codec: Codec | ObjectCo
     arr = payload.numpy()
     if not isinstance(codec, Codec):
         return codec.loads(arr.tobytes())
-    return codec.decode(memoryview(arr)[:mlen], arr, mlen, blen)
+    return codec.decode(arr.data[:mlen], arr, mlen, blen)
 
 
 def _raise_if_failure(got: Any, what: str, peer: int) -> Any:

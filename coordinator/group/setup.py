@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from coordinator.errors import CommTimeout, NotInitializedError, PeerDiedError
+from coordinator.group.call_book import destroyed_msg
 from coordinator.group.gloo_interface import pinned_gloo
 from coordinator.group.registry import REGISTRY
 from device_comms import DeviceCommunicator, get_device_communicator, select_device_communicator
@@ -35,7 +36,6 @@ __all__ = [
     "build_communicator",
     "mq_available",
     "DestroyedComm",
-    "destroyed_msg",
 ]
 
 
@@ -88,7 +88,8 @@ def check_group_ranks(group_ranks: Any, world_size: int) -> None:
     seen: set[int] = set()
     for ranks in group_ranks:
         if not isinstance(ranks, (list, tuple)) or not ranks:
-            raise TypeError(f"each entry of group_ranks must be a non-empty list of ints, got {ranks!r}")
+            raise TypeError(f"each entry of group_ranks must be a non-empty list of ints, "
+                            f"got {ranks!r}")
         for r in ranks:
             if not isinstance(r, int) or isinstance(r, bool):
                 raise TypeError(f"group_ranks must hold int ranks, got {type(r).__name__} {r!r}")
@@ -192,11 +193,6 @@ def mq_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def destroyed_msg(name: str, op: str) -> str:
-    """The error message for using a destroyed group."""
-    return f"GroupCoordinator {name!r} was destroyed; {op} needs a live group (create a new one)"
 
 
 class DestroyedComm:

@@ -1,161 +1,507 @@
-"""Tensor-dict calls and asynchronous point-to-point of
-:class:`~coordinator.group.group_coordinator.GroupCoordinator`.
+"""A group's tensor-dict calls: ``broadcast_tensor_dict``, ``send/recv_tensor_dict`` and
+their asynchronous forms.
 
-``broadcast_tensor_dict``, ``send/recv_tensor_dict`` (see
-:mod:`coordinator.p2p.tensor_dict` for the wire protocol) and the handles of
-``isend``/``irecv``/``isend_tensor_dict``/``irecv_tensor_dict`` (ordering and
-closing: :mod:`coordinator.p2p.async_p2p`). A mixin: the coordinator provides the
-group state and the call machinery.
+A dict travels as its metadata and payload
+(:mod:`coordinator.group.tensor_dict_format`). Payload routing:
+
+* the message queue (when the group has one and ``src`` is its writer) carries
+  the metadata, and CPU tensors travel inside the same message, out of band;
+* ``send_tensor_dict`` between two ranks of a host on a CPU group: the
+  direction's shared-memory link carries metadata and tensors as one message
+  (:mod:`coordinator.p2p.shm_links`, :mod:`coordinator.p2p.link_messages`);
+* otherwise metadata travels once over the CPU group, and each non-empty
+  tensor follows: tensors on the group's device through the device
+  communicator, CPU tensors (on a GPU group) over the CPU group.
+
+Receivers allocate their own tensors. Empty tensors send no payload.
+
+Pipeline sends can use the all-gather optimisation: when the tensor is
+replicated across an ``all_gather_group`` (say the TP group) of ``n`` ranks, each
+sender sends only its ``1/n`` slice and the receiving TP ranks rebuild the
+whole tensor with one all-gather among themselves.
+
+Point-to-point dicts keep the group's point-to-point order and run
+asynchronously on its channels (:mod:`coordinator.p2p.point_to_point`).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+import math
+from collections.abc import Callable, Mapping
+from time import monotonic
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from coordinator.group.call_errors import WAIT_ERRORS, CallErrors
-from coordinator.p2p import async_p2p
-from coordinator.p2p import tensor_dict as tensor_dict_ops
-from coordinator.p2p.async_p2p import RECV, SEND, P2PHandle
-from device_comms import validation
-from shm_broadcast.codec.message_codec import Codec
+from coordinator.errors import CollectiveMismatch, GroupCoordError
+from coordinator.group import object_comm
+from coordinator.group.call_book import CallBook
+from coordinator.group.call_errors import WAIT_ERRORS
+from coordinator.group.object_calls import ObjectCalls
+from coordinator.group.object_comm import SERIALIZE_ERRORS, SourceFailure
+from coordinator.group.tensor_dict_format import (
+    TENSOR,
+    alloc,
+    check_metadata,
+    dtype_of,
+    flatten_tensor_dict,
+)
+from coordinator.p2p import link_messages
+from coordinator.p2p.channels import RECV, SEND
+from coordinator.p2p.handle import P2PHandle
+from coordinator.p2p.peers import check_peer, note_untold
+from coordinator.p2p.point_to_point import PointToPoint
+from device_comms import DeviceCommunicator, validation
+from device_comms.torch_dist.torch_communicator import wire_view
+from device_comms.validation import dense
 
-if TYPE_CHECKING:
-    from coordinator.group.group_coordinator import GroupCoordinator
-
-__all__ = ["GroupTensorDictCalls"]
+__all__ = ["TensorDictCalls", "DictGroup", "AllGatherGroup", "slicing_plan"]
 
 
-class GroupTensorDictCalls:
-    """The tensor-dict and asynchronous point-to-point calls of a group."""
+class DictGroup(Protocol):
+    """What the tensor-dict calls use of their group."""
 
-    unique_name: str
-    rank_in_group: int
-    world_size: int
-    ranks: list[int]
-    timeout: float
-    codec: Codec
-    cpu_group: Any
-    calls: int
-    _errors: CallErrors
+    @property
+    def unique_name(self) -> str: ...
+    @property
+    def rank_in_group(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def ranks(self) -> list[int]: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def comm(self) -> DeviceCommunicator: ...
+    @property
+    def cpu_group(self) -> Any: ...
+    @property
+    def device_group(self) -> Any: ...
+    @property
+    def mq_broadcaster(self) -> Any: ...
+    @property
+    def mq_writer_rank(self) -> int: ...
 
-    def broadcast_tensor_dict(
-        self,
-        tensor_dict: Mapping[Any, Any] | None = None,
-        src: int = 0,
-        group: dist.ProcessGroup | None = None,
-        metadata_group: dist.ProcessGroup | None = None,
-    ) -> dict[Any, Any] | None:
-        """Broadcast a dict of tensors / None / plain data from ``src``.
 
-        Metadata travels once (message queue or CPU group); tensors follow over
-        the device communicator (CPU tensors of a GPU group over the CPU group).
-        Receivers allocate and get a new dict.
-        """
-        self.calls = seq = self.calls + 1
-        started = time.monotonic()
-        self.collectives += 1
+class AllGatherGroup(Protocol):
+    """What a send or receive uses of its ``all_gather_group``."""
+
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def rank_in_group(self) -> int: ...
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+
+class TensorDictCalls:
+    """The tensor-dict calls of one group (see the module docstring).
+
+    Args:
+        group: The group.
+        book: The group's call bookkeeping (numbers, closed state, explanations).
+        objects: The group's object calls (metadata broadcasts, metadata point to point).
+        p2p: The group's point-to-point calls (order, channels, links).
+        group_class: The class an ``all_gather_group`` must be an instance of
+            (the group's own class).
+    """
+
+    def __init__(self, group: DictGroup, book: CallBook, objects: ObjectCalls,
+                 p2p: PointToPoint, group_class: type[AllGatherGroup]) -> None:
+        self._group = group
+        self._book = book
+        self._objects = objects
+        self._p2p = p2p
+        self._group_class = group_class
+
+    # ------------------------------------------------------------------ broadcast
+    def broadcast_tensor_dict(self, tensor_dict: Mapping[Any, Any] | None, src: int,
+                              group: dist.ProcessGroup | None,
+                              metadata_group: dist.ProcessGroup | None) -> dict[Any, Any] | None:
+        """``GroupCoordinator.broadcast_tensor_dict``: ``src``'s dict to every rank."""
+        book = self._book
+        book.collectives = n = book.collectives + 1
+        seq = n + book.p2p_calls
+        started = monotonic()
         try:
-            return self._broadcast_tensor_dict(tensor_dict, src, group, metadata_group)
+            return self._broadcast_checked(tensor_dict, src, group, metadata_group)
         except WAIT_ERRORS as e:
-            self._errors.explain("broadcast_tensor_dict", seq, e, writer=self.mq_writer_rank,
-                                 started=started)
+            book.explain("broadcast_tensor_dict", seq, e, writer=self._group.mq_writer_rank,
+                         started=started)
             raise
 
-    def _broadcast_tensor_dict(self, tensor_dict: Mapping[Any, Any] | None, src: int,
-                               group: dist.ProcessGroup | None,
-                               metadata_group: dist.ProcessGroup | None) -> dict[Any, Any] | None:
+    def _broadcast_checked(self, tensor_dict: Mapping[Any, Any] | None, src: int,
+                           group: dist.ProcessGroup | None,
+                           metadata_group: dist.ProcessGroup | None) -> dict[Any, Any] | None:
+        g = self._group
         try:
-            validation.check_rank(src, self.world_size, "src")
+            validation.check_rank(src, g.world_size, "src")
         except (TypeError, ValueError) as e:
             if group is None and metadata_group is None:  # plain gloo cannot carry the news
-                self._reject_broadcast("broadcast_tensor_dict", e)
+                self._objects.reject_broadcast("broadcast_tensor_dict", e)
             raise
-        if self.rank_in_group == src and not isinstance(tensor_dict, Mapping):
+        if g.rank_in_group != src:
+            return self._broadcast_received(src, group, metadata_group)
+        if not isinstance(tensor_dict, Mapping):
             err = TypeError(f"tensor_dict must be a dict on src, got {type(tensor_dict).__name__}")
-            if self.world_size > 1:  # the receivers are waiting: make them raise too
-                tensor_dict_ops.abort_broadcast(self, src, group, metadata_group, str(err))
+            if g.world_size > 1:  # the receivers are waiting: make them raise too
+                self._abort_broadcast(src, group, metadata_group, str(err))
             raise err
-        if self.world_size == 1:
-            return dict(tensor_dict)  # type: ignore[arg-type]
-        return tensor_dict_ops.broadcast_tensor_dict(self, tensor_dict, src, group, metadata_group)
+        if g.world_size == 1:
+            return dict(tensor_dict)
+        return self._broadcast_from_here(tensor_dict, src, group, metadata_group)
 
-    def send_tensor_dict(
-        self,
-        tensor_dict: Mapping[Any, Any],
-        dst: int | None = None,
-        all_gather_group: GroupCoordinator | None = None,
-        all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> dict[Any, Any] | None:
-        """Send a tensor dict to group rank ``dst`` (default: next rank).
+    def _broadcast_from_here(self, tensor_dict: Mapping[Any, Any], src: int,
+                             group: dist.ProcessGroup | None,
+                             metadata_group: dist.ProcessGroup | None) -> dict[Any, Any]:
+        """The source's side: metadata, then each non-empty tensor."""
+        g = self._group
+        overrides = group is not None or metadata_group is not None
+        use_mq = not overrides and g.mq_broadcaster is not None and src == g.mq_writer_rank
+        try:
+            meta, payload = flatten_tensor_dict(tensor_dict, inline_cpu=use_mq, device=g.device)
+        except (TypeError, ValueError) as e:
+            self._abort_broadcast(src, group, metadata_group, str(e))
+            raise
+        try:
+            self._broadcast_meta(meta, src, group, metadata_group)
+        except SERIALIZE_ERRORS as e:
+            self._abort_broadcast(src, group, metadata_group, f"{type(e).__name__}: {e}")
+            raise TypeError(
+                f"broadcast_tensor_dict on group {g.unique_name!r}: tensor_dict holds a value "
+                f"that cannot be serialised ({type(e).__name__}: {e})"
+            ) from e
+        for t in payload:
+            if t.numel():
+                self._broadcast_tensor(dense(t), src, group, metadata_group)
+        return dict(tensor_dict)
 
-        With ``all_gather_group`` (n ranks holding the same tensors), each rank
-        sends only its 1/n slice of every tensor whose numel divides by n; the
-        receivers rebuild it with an all-gather. ``all_gather_tensors`` maps keys
-        to True/False to force or disable that per key.
+    def _broadcast_received(self, src: int, group: dist.ProcessGroup | None,
+                            metadata_group: dist.ProcessGroup | None) -> dict[Any, Any]:
+        """A receiver's side: the metadata, checked, then a new tensor per entry."""
+        g = self._group
+        meta = self._broadcast_meta(None, src, group, metadata_group)
+        if isinstance(meta, SourceFailure):
+            raise CollectiveMismatch(
+                f"broadcast_tensor_dict on group {g.unique_name!r}: the source rank {src} "
+                f"rejected its input ({meta.message}); fix the call on rank {src}",
+                queue=g.unique_name, peers=(src,),
+            )
+        check_metadata(meta, g.device.type)
+        out: dict[Any, Any] = {}
+        for key, kind, value in meta:
+            if kind == TENSOR:
+                t = alloc(value, g.device)
+                if t.numel():
+                    self._broadcast_tensor(t, src, group, metadata_group)
+                out[key] = t
+            else:
+                out[key] = value
+        return out
 
-        Returns:
-            None; in a group of one rank, ``tensor_dict`` itself (as vLLM).
+    def _abort_broadcast(self, src: int, group: dist.ProcessGroup | None,
+                         metadata_group: dist.ProcessGroup | None, message: str) -> None:
+        """On ``src``: send an error marker where receivers expect metadata, so they
+        raise instead of waiting for a broadcast that will never come."""
+        self._broadcast_meta(SourceFailure(message), src, group, metadata_group)
+
+    def _broadcast_meta(self, obj: Any, src: int, group: dist.ProcessGroup | None,
+                        metadata_group: dist.ProcessGroup | None) -> Any:
+        """Broadcast the metadata object (no failure checks; callers do them).
+
+        Through the group's message queue or as codec bytes over the CPU group
+        (``metadata_group`` when given); never pickled unless the group opted in.
         """
+        if group is not None or metadata_group is not None:
+            return self._objects.broadcast_raw(obj, src, metadata_group or self._group.cpu_group,
+                                               op="broadcast_tensor_dict")
+        return self._objects.broadcast_raw(obj, src, op="broadcast_tensor_dict")
+
+    def _broadcast_tensor(self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None,
+                          metadata_group: dist.ProcessGroup | None) -> None:
+        g = self._group
+        on_cpu = t.device.type == "cpu"
+        if group is not None or metadata_group is not None:
+            pg = (metadata_group or g.cpu_group) if on_cpu else (group or g.device_group)
+            dist.broadcast(wire_view(t), src=g.ranks[src], group=pg)
+        elif t.device.type == g.device.type:
+            g.comm.broadcast(t, src=src)
+        else:  # CPU tensor in a GPU group: over the CPU group
+            dist.broadcast(wire_view(t), src=g.ranks[src], group=g.cpu_group)
+
+    # ------------------------------------------------------------------ point to point
+    def send_tensor_dict(self, tensor_dict: Mapping[Any, Any], dst: int | None,
+                         all_gather_group: Any, all_gather_tensors: Mapping[Any, bool] | None,
+                         ) -> dict[Any, Any] | None:
+        """``GroupCoordinator.send_tensor_dict``: ``tensor_dict`` to ``dst``, in its turn."""
+        g = self._group
         if dst is None:
-            dst = (self.rank_in_group + 1) % self.world_size
-        validation.check_rank(dst, self.world_size, "dst")
-        if self.world_size == 1:
+            dst = (g.rank_in_group + 1) % g.world_size
+        validation.check_rank(dst, g.world_size, "dst")
+        if g.world_size == 1:
             if not isinstance(tensor_dict, Mapping):
                 raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
-            tensor_dict_ops.check_all_gather_group(all_gather_group)
-            return tensor_dict  # type: ignore[return-value]
-        self._check_peer(dst, "dst")
-        self._run("send_tensor_dict", async_p2p.ordered, self, SEND, dst, "send_tensor_dict",
-                  tensor_dict_ops.send_tensor_dict, self, tensor_dict, dst,
-                  all_gather_group, all_gather_tensors, partner=dst, p2p=True)
+            self._check_all_gather_group(all_gather_group)
+            return tensor_dict  # type: ignore[return-value]  # vLLM returns the dict itself
+        check_peer(dst, "dst", g.world_size, g.rank_in_group)
+        p2p = self._p2p
+        self._book.run("send_tensor_dict", p2p.ordered, SEND, dst, "send_tensor_dict",
+                       self._send, tensor_dict, dst, all_gather_group, all_gather_tensors,
+                       partner=dst, p2p=True)
         return None
 
-    def recv_tensor_dict(
-        self,
-        src: int | None = None,
-        all_gather_group: GroupCoordinator | None = None,
-        all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> dict[Any, Any] | None:
-        """Receive a dict sent by :meth:`send_tensor_dict` from group rank ``src``.
-
-        Slicing is decided by the sender (recorded in the metadata);
-        ``all_gather_tensors`` is accepted for symmetry with the sender.
-        """
+    def recv_tensor_dict(self, src: int | None, all_gather_group: Any) -> dict[Any, Any] | None:
+        """``GroupCoordinator.recv_tensor_dict``: a dict from ``src``, in its turn."""
+        g = self._group
         if src is None:
-            src = (self.rank_in_group - 1) % self.world_size
-        validation.check_rank(src, self.world_size, "src")
-        if self.world_size == 1:
-            tensor_dict_ops.check_all_gather_group(all_gather_group)
+            src = (g.rank_in_group - 1) % g.world_size
+        validation.check_rank(src, g.world_size, "src")
+        if g.world_size == 1:
+            self._check_all_gather_group(all_gather_group)
             return None
-        self._check_peer(src, "src")
-        return self._run("recv_tensor_dict", async_p2p.ordered, self, RECV, src,
-                         "recv_tensor_dict", tensor_dict_ops.recv_tensor_dict, self, src,
-                         all_gather_group, partner=src, p2p=True)
+        check_peer(src, "src", g.world_size, g.rank_in_group)
+        p2p = self._p2p
+        return self._book.run("recv_tensor_dict", p2p.ordered, RECV, src, "recv_tensor_dict",
+                              self._recv, src, all_gather_group, partner=src, p2p=True)
 
-    # ------------------------------------------------------------------ asynchronous p2p
-    # Handles with wait(timeout=None) / is_completed(); order, errors and closing:
-    # see coordinator.p2p.async_p2p.
-    def isend(self, tensor: torch.Tensor, dst: int | None = None) -> P2PHandle:
-        """Start sending ``tensor`` to group rank ``dst`` (default: the next rank)."""
-        return async_p2p.isend(self, tensor, dst)
+    def _check_all_gather_group(self, group: Any) -> AllGatherGroup | None:
+        """``all_gather_group``: None or a group of this group's class.
 
-    def irecv(self, tensor_or_spec: torch.Tensor | tuple[Sequence[int], torch.dtype],
-              src: int | None = None) -> P2PHandle:
-        """Start receiving from ``src`` (default: the previous rank) into a tensor, or
-        a new one of ``(shape, dtype)``; ``wait()`` returns it."""
-        return async_p2p.irecv(self, tensor_or_spec, src)
+        Raises:
+            TypeError: Anything else.
+        """
+        if group is None or isinstance(group, self._group_class):
+            return group
+        raise TypeError(f"all_gather_group must be a {self._group_class.__name__}, got "
+                        f"{type(group).__name__}")
 
-    def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any],
-                          dst: int | None = None) -> P2PHandle:
-        """Start :meth:`send_tensor_dict` to ``dst`` (default: the next rank)."""
-        return async_p2p.isend_tensor_dict(self, tensor_dict, dst)
+    def _send(self, tensor_dict: Mapping[Any, Any], dst: int, all_gather_group: Any,
+              all_gather_tensors: Mapping[Any, bool] | None) -> None:
+        """Send a dict (not a call of its own: the caller numbers and orders it).
 
-    def irecv_tensor_dict(self, src: int | None = None) -> P2PHandle:
-        """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank);
-        ``wait()`` returns the dict."""
-        return async_p2p.irecv_tensor_dict(self, src)
+        A ``tensor_dict`` this rank cannot send (not a mapping, a meta or sparse
+        tensor, a value the codec refuses) is reported to the receiver in place of
+        the dict, as ``send`` reports its bad arguments: it raises instead of
+        waiting for its timeout.
+        """
+        g = self._group
+        try:
+            if not isinstance(tensor_dict, Mapping):
+                raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
+            gather = self._check_all_gather_group(all_gather_group)
+            n = gather.world_size if gather is not None else 1
+            slicing = slicing_plan(tensor_dict, n, all_gather_tensors)
+            meta, payload = flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n,
+                                                device=g.device)
+        except (TypeError, ValueError) as e:
+            self._reject_send(dst, e)
+            raise
+        if gather is not None:  # sliced: send only this rank's 1/n
+            descs = [desc for _, kind, desc in meta if kind == TENSOR]
+            payload = [t.reshape(n, -1)[gather.rank_in_group] if desc[3] else t
+                       for desc, t in zip(descs, payload, strict=True)]
+        link = self._p2p.links.sender(dst)
+        if link is not None:
+            self._send_on_link(link, meta, payload, dst)
+            return
+        try:
+            self._objects.send(meta, dst, object_comm.DICT_META)
+        except TypeError as e:  # the receiver was told by the object send
+            raise TypeError(
+                f"send_tensor_dict on group {g.unique_name!r}: tensor_dict holds a value that "
+                f"cannot be serialised ({e.__cause__ or e})"
+            ) from e
+        for t in payload:
+            if t.numel():
+                self._send_tensor(dense(t), dst)
+
+    def _reject_send(self, dst: int, e: BaseException) -> None:
+        """Send, in place of the dict ``dst`` waits for, why this rank's call failed:
+        on the direction's link (settling it if this is its first call) the
+        receiver raises ``PeerRejectedError``; on the CPU group, ``CollectiveMismatch``
+        naming this rank. Failing to tell is noted on ``e``."""
+        reason = f"{type(e).__name__}: {e}"
+        try:
+            link = self._p2p.links.sender(dst)
+            if link is not None:
+                link.enqueue(link_messages.rejection(reason))
+            else:
+                self._objects.send_failure("send_tensor_dict", reason, dst,
+                                           object_comm.DICT_META)
+        except (GroupCoordError, RuntimeError) as notify:
+            note_untold(e, dst, self._group.unique_name, notify)
+
+    def _send_on_link(self, link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
+                      dst: int) -> None:
+        """The dict on its link; a value the codec refuses is reported to the receiver."""
+        name, links = self._group.unique_name, self._p2p.links
+        try:
+            refusal = link_messages.send(link, meta, payload,
+                                         lambda e: links.break_direction(SEND, dst, e))
+        except SERIALIZE_ERRORS as e:  # encoding comes first: nothing was published
+            link.enqueue(link_messages.failure(f"{type(e).__name__}: {e}"))
+            raise TypeError(
+                f"send_tensor_dict on group {name!r}: tensor_dict holds a value that "
+                f"cannot be serialised ({type(e).__name__}: {e})"
+            ) from e
+        if refusal is not None:
+            raise link_messages.refused(name, "send_tensor_dict", refusal, dst)
+
+    def _recv(self, src: int, all_gather_group: Any) -> dict[Any, Any]:
+        """Receive a dict (not a call of its own: the caller numbers and orders it).
+
+        A bad ``all_gather_group`` (not a group, or not the sender's kind) is
+        raised after the dict has been received, so the sender's call completes
+        and the direction stays in step.
+        """
+        try:
+            gather = self._check_all_gather_group(all_gather_group)
+            bad_group: TypeError | None = None
+        except TypeError as e:
+            gather, bad_group = None, e
+        meta, fill = self._recv_meta(src)
+        out: dict[Any, Any] = {}
+        problem = ""
+        have = gather.world_size if gather is not None else None
+        for key, kind, value in meta:
+            if kind != TENSOR:
+                out[key] = value
+                continue
+            parts = int(value[3])
+            if not parts:
+                out[key] = fill(value, 0, key)
+                continue
+            piece = fill(value, parts, key)
+            if gather is None or have != parts:
+                # Keep receiving (the sender is blocked on its sends), report at the end.
+                given = ("no all_gather_group" if have is None
+                         else f"an all_gather_group of size {have}")
+                problem = problem or (
+                    f"the sender sliced tensor {key!r} into {parts} parts for an all-gather, "
+                    f"but recv_tensor_dict was called with {given}; pass the same kind of "
+                    f"all_gather_group on both sides"
+                )
+                continue
+            out[key] = gather.all_gather(piece, dim=0).reshape(value[2])
+        if bad_group is not None:
+            raise bad_group
+        if problem:
+            raise ValueError(problem)
+        return out
+
+    def _recv_meta(self, src: int) -> tuple[list[list[Any]], Filler]:
+        """The dict's checked metadata, and how to fill each of its tensors: from the
+        direction's link, or from the CPU group and the communicator."""
+        g = self._group
+        links = self._p2p.links
+        link = links.receiver(src)
+        if link is None:
+            meta = check_metadata(self._objects.recv(src, object_comm.DICT_META), g.device.type)
+
+            def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
+                return self._recv_tensor(alloc(desc, g.device, parts or 1), src)
+
+            return meta, fill
+        pieces = link_messages.receive(
+            link, src, lambda e: links.break_direction(RECV, src, e),
+            link_messages.DICT, g.unique_name, g.device.type)
+        if not isinstance(pieces, link_messages.Pieces):  # (receive refuses a lone tensor here)
+            raise TypeError(f"internal: a dict's link message gave {type(pieces).__name__}")
+
+        def take(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
+            numel = math.prod(desc[2]) // (parts or 1)
+            flat = pieces.take(dtype_of(desc[1]), numel, key)
+            return flat if parts else flat.reshape(desc[2])
+
+        return pieces.meta, take
+
+    def _send_tensor(self, t: torch.Tensor, dst: int) -> None:
+        g = self._group
+        if t.device.type == g.device.type:
+            g.comm.send(t, dst=dst)
+        else:  # CPU tensor in a GPU group: over the CPU group
+            dist.send(wire_view(t), dst=g.ranks[dst], group=g.cpu_group)
+
+    def _recv_tensor(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into a tensor shaped like ``buf`` (returns the filled tensor)."""
+        g = self._group
+        if not buf.numel():
+            return buf
+        if buf.device.type == g.device.type:
+            return g.comm.recv(buf.shape, buf.dtype, src=src)
+        dist.recv(wire_view(buf), src=g.ranks[src], group=g.cpu_group)
+        return buf
+
+    # ------------------------------------------------------------------ asynchronous
+    def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any], dst: int | None) -> P2PHandle:
+        """``GroupCoordinator.isend_tensor_dict``: start sending ``tensor_dict`` to ``dst``."""
+        g, p2p = self._group, self._p2p
+        dst, seq = p2p.begin("isend_tensor_dict", dst, "dst", +1, allow_alone=True)
+        try:
+            if not isinstance(tensor_dict, Mapping):
+                raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
+            # Same checks as the blocking call (sparse tensors, devices), before anything is queued.
+            flatten_tensor_dict(tensor_dict, device=g.device)
+        except (TypeError, ValueError) as e:
+            if g.world_size > 1 and g.device.type == "cpu":  # the receiver is told, in order
+                p2p.submit(SEND, dst, "isend_tensor_dict", seq, self._reject_send, dst, e,
+                           quiet=True)
+            raise
+        if g.world_size == 1:
+            return p2p.done("isend_tensor_dict", dst, seq, None)
+        snapshot = dict(tensor_dict)  # later changes to the caller's dict do not travel
+        if g.device.type == "cuda":
+            return p2p.cuda().isend_tensor_dict(snapshot, dst, seq)
+        return p2p.handle(p2p.submit(SEND, dst, "isend_tensor_dict", seq, self._send, snapshot,
+                                     dst, None, None))
+
+    def irecv_tensor_dict(self, src: int | None) -> P2PHandle:
+        """``GroupCoordinator.irecv_tensor_dict``: start receiving a dict from ``src``."""
+        g, p2p = self._group, self._p2p
+        src, seq = p2p.begin("irecv_tensor_dict", src, "src", -1, allow_alone=True)
+        if g.world_size == 1:
+            return p2p.done("irecv_tensor_dict", src, seq, None)
+        if g.device.type == "cuda":
+            return p2p.cuda().irecv_tensor_dict(src, seq)
+        return p2p.handle(p2p.submit(RECV, src, "irecv_tensor_dict", seq, self._recv, src,
+                                     None))
+
+
+#: Fills a received dict's tensor: ``fill(descriptor, parts, key)``.
+Filler = Callable[[list[Any], int, Any], torch.Tensor]
+
+
+def slicing_plan(tensor_dict: Mapping[Any, Any], n: int,
+                 overrides: Mapping[Any, bool] | None) -> dict[Any, bool]:
+    """Which tensors of ``tensor_dict`` travel as ``1/n`` slices for an all-gather
+    group of ``n`` ranks: those whose size divides by ``n``, unless ``overrides``
+    (``all_gather_tensors``) says otherwise per key.
+
+    Raises:
+        TypeError: ``overrides`` is not a mapping.
+        ValueError: ``overrides`` forces a slice where there is no group of more
+            than one rank, or of a tensor whose size does not divide by ``n``.
+    """
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(
+            f"all_gather_tensors must be a dict of key -> bool, got {type(overrides).__name__}"
+        )
+    plan: dict[Any, bool] = {}
+    for key, t in tensor_dict.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        divisible = n > 1 and t.numel() > 0 and t.numel() % n == 0
+        want = overrides.get(key, divisible) if overrides else divisible
+        if want and n == 1:
+            raise ValueError(
+                f"all_gather_tensors[{key!r}] is True but no all_gather_group of more than "
+                f"one rank was given; pass all_gather_group to slice tensors"
+            )
+        if want and not divisible:
+            raise ValueError(
+                f"all_gather_tensors[{key!r}] is True but tensor {key!r} has {t.numel()} "
+                f"elements, not divisible by the all_gather_group size {n}"
+            )
+        plan[key] = bool(want)
+    return plan

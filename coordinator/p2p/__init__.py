@@ -1,1 +1,1 @@
-"""Point-to-point: shared-memory links, tensor dicts on the wire, issue-ordered channels, async p2p."""
+"""Point to point: the ordered calls, their channels and handles, shared-memory links, CUDA."""

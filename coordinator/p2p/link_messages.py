@@ -1,6 +1,6 @@
 """What a tensor dict becomes on a shared-memory link (:mod:`coordinator.p2p.shm_links`).
 
-A dict is its metadata (:func:`coordinator.p2p.tensor_dict.flatten_tensor_dict`:
+A dict is its metadata (:func:`coordinator.group.tensor_dict_format.flatten_tensor_dict`:
 plain values, and a ``[device, dtype, shape, parts]`` descriptor per tensor)
 and its *pieces*, the non-empty payload tensors in order, contiguous: as
 themselves where the codec carries their dtype, else as flat ``uint8`` bytes
@@ -42,7 +42,7 @@ lacks: :class:`Pieces`); anything else is
 :class:`~coordinator.errors.DecodeError`. A streamed piece's buffer is
 allocated when its first part arrived, not on the header's claim, and the
 dict's metadata cannot claim more bytes than the host has
-(:func:`coordinator.p2p.tensor_dict.check_metadata`).
+(:func:`coordinator.group.tensor_dict_format.check_metadata`).
 A dict that fails partway through its parts (a timeout, a dead peer, a bad
 part) leaves the link out of order: both sides then close that direction
 (:meth:`coordinator.p2p.shm_links.ShmLinks.break_direction`).
@@ -57,7 +57,8 @@ from typing import Any
 import torch
 
 from coordinator.errors import CollectiveMismatch, CommTimeout, DecodeError, PeerRejectedError
-from coordinator.p2p.shm_links import CHUNK_BYTES
+from coordinator.group.tensor_dict_format import check_metadata, dtype_of, sent_numels
+from coordinator.p2p.link_offer import CHUNK_BYTES
 
 __all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "confirmed", "plain_piece",
            "failure",
@@ -100,11 +101,12 @@ def send(link: Any, meta: list[list[Any]], payload: list[torch.Tensor],
     """
     pieces = [plain_piece(t) for t in payload if t.numel()]
     flags = streamed([p.numel() * p.element_size() for p in pieces])
-    refusal = confirmed(link, [tag, meta, [p for p, f in zip(pieces, flags) if not f]], broken)
+    inline = [p for p, f in zip(pieces, flags, strict=True) if not f]
+    refusal = confirmed(link, [tag, meta, inline], broken)
     if refusal is not None:
         return refusal
     try:
-        for p, f in zip(pieces, flags):
+        for p, f in zip(pieces, flags, strict=True):
             if f:
                 flat = p.reshape(-1).view(torch.uint8)
                 for a in range(0, flat.numel(), PART_BYTES):
@@ -194,17 +196,15 @@ def receive(link: Any, src: int, broken: Callable[[BaseException], None], tag: s
             got.append(one)
             return None
         pieces = Pieces(link, msg, src, broken, tag, group)
-        from coordinator.p2p.tensor_dict import _dtype, _numels, check_metadata
-
         pieces.meta = check_metadata(pieces.meta, device_type)
-        numels = _numels(pieces.meta)
+        numels = sent_numels(pieces.meta)
         if check is not None:  # a tensor's message: one whole tensor, as sent
             descs = [d for _, d in numels]
             if len(descs) != 1 or descs[0][3]:
                 raise DecodeError(f"recv: the link message from rank {src} "
                                   f"holds {len(descs)} tensors, not one whole tensor")
-            check(torch.Size(descs[0][2]), _dtype(descs[0][1]))
-        pieces.expect([n * _dtype(d[1]).itemsize for n, d in numels if n])
+            check(torch.Size(descs[0][2]), dtype_of(descs[0][1]))
+        pieces.expect([n * dtype_of(d[1]).itemsize for n, d in numels if n])
         got.append(pieces)
         return None
 

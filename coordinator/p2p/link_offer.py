@@ -10,8 +10,8 @@ shape):
 
 * this receiver's communicator shares memory with the sender;
 * one reader, this rank, served through shared memory; no TCP endpoints;
-* the ring's shape is the library's (:data:`~coordinator.p2p.shm_links.CHUNK_BYTES`,
-  :data:`~coordinator.p2p.shm_links.CHUNKS`) and it has a segment name;
+* the ring's shape is the library's (:data:`CHUNK_BYTES`, :data:`CHUNKS`) and
+  it has a segment name;
 * both ``ipc://`` endpoints lie in the handle's channel directory;
 * the writer is the sender's process: its pid as gathered when the group was
   built, on this host;
@@ -29,20 +29,37 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.errors import DecodeError
+from device_comms import DeviceCommunicator
 
 if TYPE_CHECKING:
-    from coordinator.group.group_coordinator import GroupCoordinator
     from shm_broadcast.queue.handle import Handle
 
-__all__ = ["MAGIC", "MAX_HANDLE_BYTES", "offer", "check_offer"]
+__all__ = ["MAGIC", "MAX_HANDLE_BYTES", "CHUNK_BYTES", "CHUNKS", "OfferTaker", "offer",
+           "check_offer"]
 
 #: First element of every offer (and the link protocol's version).
 MAGIC = "groupcoord-p2p-link/1"
 #: Largest handle accepted (an honest one is a few hundred bytes).
 MAX_HANDLE_BYTES = 1 << 16
+#: Ring chunk of a link: a dict's message, or one part of its large tensors
+#: (:mod:`coordinator.p2p.link_messages`), fits in one.
+CHUNK_BYTES = 2 << 20
+#: Chunks per link: how many dicts a sender may run ahead of its receiver.
+CHUNKS = 2
+
+
+class OfferTaker(Protocol):
+    """What judging an offer uses of the receiving group."""
+
+    @property
+    def unique_name(self) -> str: ...
+    @property
+    def rank_in_group(self) -> int: ...
+    @property
+    def comm(self) -> DeviceCommunicator: ...
 
 
 def offer(handle: bytes | None) -> list[Any]:
@@ -50,14 +67,17 @@ def offer(handle: bytes | None) -> list[Any]:
     return [MAGIC, handle]
 
 
-def check_offer(got: Any, coord: GroupCoordinator, src: int) -> Handle | None:
+def check_offer(got: Any, taker: OfferTaker, src: int, pid: int) -> Handle | None:
     """The handle of an acceptable offer from group rank ``src`` (None: the CPU group).
+
+    ``pid``: the sender's process id as gathered when the group was built (0:
+    unknown).
 
     Raises:
         DecodeError: ``got`` is not an offer, or its handle is not a link this
             library would make for this rank (see the module docstring).
     """
-    where = f"group {coord.unique_name!r}: the first receive from rank {src}"
+    where = f"group {taker.unique_name!r}: the first receive from rank {src}"
     if (type(got) is not list or len(got) != 2 or type(got[0]) is not str or got[0] != MAGIC
             or not (got[1] is None or type(got[1]) is bytes)):
         raise DecodeError(f"{where}: the first call of a direction begins with a link "
@@ -73,19 +93,17 @@ def check_offer(got: Any, coord: GroupCoordinator, src: int) -> Handle | None:
         handle = Handle.from_bytes(got[1])
     except ValueError as e:
         raise DecodeError(f"{where}: a malformed link handle ({e})", peers=(src,)) from None
-    problem = _problem(handle, coord, src)
+    problem = _problem(handle, taker, src, pid)
     if problem:
         raise DecodeError(f"{where}: refused its link offer: {problem}", peers=(src,))
     return handle
 
 
-def _problem(h: Handle, coord: GroupCoordinator, src: int) -> str:
+def _problem(h: Handle, taker: OfferTaker, src: int, pid: int) -> str:
     """Why ``h`` is not a link an honest rank ``src`` makes for this rank ("": it is)."""
-    from coordinator.p2p.shm_links import CHUNK_BYTES, CHUNKS
-
-    if not coord.comm.shares_memory_with(src):
+    if not taker.comm.shares_memory_with(src):
         return "this rank does not share memory with it"
-    if h.n_reader != 1 or tuple(h.local_reader_ranks) != (coord.rank_in_group,):
+    if h.n_reader != 1 or tuple(h.local_reader_ranks) != (taker.rank_in_group,):
         return f"readers {h.n_reader} / {tuple(h.local_reader_ranks)}, not this rank alone"
     if h.remote_pub is not None or h.remote_ctl is not None:
         return "it has TCP endpoints"
@@ -96,7 +114,6 @@ def _problem(h: Handle, coord: GroupCoordinator, src: int) -> str:
             type(e) is str and e.startswith("ipc://" + prefix) and ".." not in e
             for e in (h.local_pub, h.local_ctl)):
         return f"endpoints {h.local_pub!r:.80} / {h.local_ctl!r:.80} outside its channel directory"
-    pid = coord._errors.pids[src]
     if h.writer_host != socket.gethostname() or (pid and h.writer_pid != pid):
         return (f"writer {h.writer_host!r:.60} pid {h.writer_pid}, not rank {src}'s process "
                 f"(pid {pid or 'unknown'}) on this host")

@@ -4,8 +4,8 @@ Between two ranks of a host a direction settles at its first call of either
 kind, a tensor or a tensor dict (:mod:`coordinator.p2p.shm_links`); once on a
 link, a plain tensor travels there as a one-entry message tagged
 :data:`~coordinator.p2p.link_messages.TENSOR_ONLY`: one copy into the ring and
-one out, instead of the CPU group's header exchange and socket transfer
-(hundreds of microseconds per call between two local processes). A direction
+one out, instead of the CPU group's header exchange and socket transfer, each
+a round trip through the kernel (docs/performance.md has the figures). A direction
 settled on the CPU group keeps using the communicator's ``send``/``recv``.
 
 A tensor's send meets its receiver, as gloo's and the CPU group's do. The
@@ -29,8 +29,9 @@ reads). A tensor larger than one part (:data:`~coordinator.p2p.link_messages.PAR
 sends its header confirmed, then its parts: refused, no part follows.
 
 Why both sides agree without a word. Calls of one direction with one peer
-run one at a time in issue order (:func:`coordinator.p2p.async_p2p.ordered`),
-and a link is FIFO, so a rank's ``k``-th message to ``p`` is ``p``'s ``k``-th
+run one at a time in issue order
+(:meth:`coordinator.p2p.point_to_point.PointToPoint.ordered`), and a link is
+FIFO, so a rank's ``k``-th message to ``p`` is ``p``'s ``k``-th
 from it. Tensor dicts are confirmed the same way
 (:mod:`coordinator.p2p.link_messages`): a dict where ``recv`` waits, or a tensor
 where ``recv_tensor_dict`` waits, is refused and both ranks raise.
@@ -39,46 +40,60 @@ where ``recv_tensor_dict`` waits, is refused and both ranks raise.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from coordinator.errors import CollectiveMismatch, DecodeError, GroupCoordError
+from coordinator.group.tensor_dict_format import dtype_of, flatten_tensor_dict, sent_numels
 from coordinator.p2p import link_messages
 from coordinator.p2p.channels import RECV, SEND
-from coordinator.p2p.tensor_dict import _dtype, _numels, flatten_tensor_dict
-from device_comms import validation
+from coordinator.p2p.peers import note_untold
+from coordinator.p2p.shm_links import ShmLinks
+from device_comms import DeviceCommunicator, validation
 
-if TYPE_CHECKING:
-    from coordinator.group.group_coordinator import GroupCoordinator
-
-__all__ = ["send", "recv", "reject"]
+__all__ = ["TensorGroup", "send", "recv", "reject", "reject_through_comm"]
 
 _KEY = "tensor"
 
 
-def send(coord: GroupCoordinator, tensor: torch.Tensor, dst: int) -> None:
+class TensorGroup(Protocol):
+    """What single tensors point to point use of their group."""
+
+    @property
+    def unique_name(self) -> str: ...
+    @property
+    def rank_in_group(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def comm(self) -> DeviceCommunicator: ...
+
+
+def send(group: TensorGroup, links: ShmLinks, tensor: torch.Tensor, dst: int) -> None:
     """Send ``tensor`` to group rank ``dst``: on the direction's link if it has one
     (settling it at the first call), else through the communicator."""
-    if not _on_host(coord, dst):
-        return coord.comm.send(tensor, dst)
+    if not _on_host(group, dst):
+        return group.comm.send(tensor, dst)
     try:
-        t = validation.check_tensor(tensor, "tensor", coord.device)
+        t = validation.check_tensor(tensor, "tensor", group.device)
     except (TypeError, ValueError) as e:
-        reject(coord, SEND, dst, e)
+        reject(group, links, SEND, dst, e)
         raise
-    link = coord._links.sender(dst, "send")
+    link = links.sender(dst, "send")
     if link is None:
-        return coord.comm.send(t, dst)
+        return group.comm.send(t, dst)
     try:
         piece = link_messages.plain_piece(t)
         whole = piece.dtype == t.dtype and piece.nbytes <= link_messages.PART_BYTES
         if whole:  # the common case in one message the codec checks itself: [tag, tensor]
             refusal = link_messages.confirmed(
                 link, [link_messages.TENSOR_ONLY, piece],
-                lambda e: coord._links.break_direction(SEND, dst, e))
+                lambda e: links.break_direction(SEND, dst, e))
         else:
-            meta, payload = flatten_tensor_dict({_KEY: t}, device=coord.device)
+            meta, payload = flatten_tensor_dict({_KEY: t}, device=group.device)
     except (TypeError, ValueError) as e:
         if isinstance(e, (CollectiveMismatch, DecodeError)):
             raise
@@ -86,39 +101,41 @@ def send(coord: GroupCoordinator, tensor: torch.Tensor, dst: int) -> None:
         raise
     if not whole:
         refusal = link_messages.send(link, meta, payload,
-                                     lambda e: coord._links.break_direction(SEND, dst, e),
+                                     lambda e: links.break_direction(SEND, dst, e),
                                      tag=link_messages.TENSOR_ONLY)
-    _raise_if_refused(coord, refusal, dst)
+    if refusal is not None:
+        raise link_messages.refused(group.unique_name, "send", refusal, dst)
 
 
-def recv(coord: GroupCoordinator, size: torch.Size | Sequence[int], dtype: torch.dtype,
-         src: int) -> torch.Tensor:
+def recv(group: TensorGroup, links: ShmLinks, size: torch.Size | Sequence[int],
+         dtype: torch.dtype, src: int) -> torch.Tensor:
     """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``: from the
     direction's link if it has one (settling it at the first call), else through
     the communicator."""
-    if not _on_host(coord, src):
-        return coord.comm.recv(size, dtype, src)
+    if not _on_host(group, src):
+        return group.comm.recv(size, dtype, src)
     try:
         shape = validation.check_spec(size, dtype)
     except (TypeError, ValueError) as e:
-        reject(coord, RECV, src, e)
+        reject(group, links, RECV, src, e)
         raise
-    link = coord._links.receiver(src, "recv")
+    link = links.receiver(src, "recv")
     if link is None:
-        return coord.comm.recv(shape, dtype, src)
+        return group.comm.recv(shape, dtype, src)
 
     def check(sent: torch.Size, sent_dtype: torch.dtype) -> None:
         if sent != shape or sent_dtype != dtype:
             raise CollectiveMismatch(
-                f"recv on group {coord.unique_name!r}: expected a tensor of shape "
+                f"recv on group {group.unique_name!r}: expected a tensor of shape "
                 f"{tuple(shape)} and {dtype} from rank {src}, which sent {tuple(sent)} and "
                 f"{sent_dtype}", peers=(src,))
 
-    got = _take(coord, link, src, check)
+    got = _take(group, links, link, src, check)
     return got.detach() if got.requires_grad else got  # a peer's codec may set the flag
 
 
-def reject(coord: GroupCoordinator, direction: str, peer: int, e: BaseException) -> None:
+def reject(group: TensorGroup, links: ShmLinks, direction: str, peer: int,
+           e: BaseException) -> None:
     """Take part in a ``send``/``recv`` whose arguments failed as the rejected call it
     is (an ``isend``/``irecv``'s, in the direction's order), so that the peer
     raises ``PeerRejectedError`` instead of waiting: on the direction's link
@@ -128,45 +145,47 @@ def reject(coord: GroupCoordinator, direction: str, peer: int, e: BaseException)
     reason = f"{type(e).__name__}: {e}"
     try:
         if direction == SEND:
-            link = coord._links.sender(peer, kind)
+            link = links.sender(peer, kind)
             if link is not None:
                 link.enqueue(link_messages.rejection(reason))
         else:
-            link = coord._links.receiver(peer, kind)
+            link = links.receiver(peer, kind)
             if link is not None:
-                _take(coord, link, peer, None, rejected=reason)
+                _take(group, links, link, peer, None, rejected=reason)
     except (CollectiveMismatch, DecodeError):
         return  # the peer's own call was wrong too: taken; this rank raises its own error
     except (GroupCoordError, RuntimeError) as notify:  # RuntimeError: gloo, settling the link
-        e.add_note(f"telling rank {peer} of group {coord.unique_name!r} failed: {notify}")
+        note_untold(e, peer, group.unique_name, notify)
         return
     if link is None:
-        coord.comm._reject(kind, e, peer)
+        reject_through_comm(group.comm, kind, e, peer)
 
 
-def _take(coord: GroupCoordinator, link: Any, src: int,
+def reject_through_comm(comm: DeviceCommunicator, kind: str, e: BaseException,
+                        peer: int) -> None:
+    """Take part in a ``send``/``recv`` (``kind``) of the communicator as a rank whose
+    arguments failed with ``e``, so that ``peer`` raises ``PeerRejectedError``."""
+    # The communicator's point-to-point rejection has no public method yet.
+    comm._reject(kind, e, peer)  # noqa: SLF001 - device_comms lacks a public p2p reject
+
+
+def _take(group: TensorGroup, links: ShmLinks, link: Any, src: int,
           check: Callable[[torch.Size, torch.dtype], None] | None,
           rejected: str = "") -> torch.Tensor:
     """The next tensor from ``src`` (see :func:`coordinator.p2p.link_messages.receive`);
     a timeout closes the direction (a late message would pair with a later call)."""
-    got = link_messages.receive(link, src,
-                                lambda e: coord._links.break_direction(RECV, src, e),
-                                link_messages.TENSOR_ONLY, coord.unique_name,
-                                coord.device.type, check, rejected)
+    got = link_messages.receive(link, src, lambda e: links.break_direction(RECV, src, e),
+                                link_messages.TENSOR_ONLY, group.unique_name,
+                                group.device.type, check, rejected)
     if got is None or isinstance(got, torch.Tensor):
-        return got  # type: ignore[return-value]
-    numels = _numels(got.meta)
+        return got  # type: ignore[return-value]  # None: refused as rejected, nobody reads it
+    numels = sent_numels(got.meta)
     descs = [d for _, d in numels]
-    taken = [got.take(_dtype(d[1]), n, _KEY) for n, d in numels]
+    taken = [got.take(dtype_of(d[1]), n, _KEY) for n, d in numels]
     return taken[0].reshape(descs[0][2])
 
 
-def _on_host(coord: GroupCoordinator, r: Any) -> bool:
+def _on_host(group: TensorGroup, r: Any) -> bool:
     """Whether ``r`` is another rank of a CPU group (a peer a link may reach)."""
-    return (coord.device.type == "cpu" and isinstance(r, int) and not isinstance(r, bool)
-            and 0 <= r < coord.world_size and r != coord.rank_in_group)
-
-
-def _raise_if_refused(coord: GroupCoordinator, refusal: str | None, dst: int) -> None:
-    if refusal is not None:
-        raise link_messages.refused(coord.unique_name, "send", refusal, dst)
+    return (group.device.type == "cpu" and isinstance(r, int) and not isinstance(r, bool)
+            and 0 <= r < group.world_size and r != group.rank_in_group)

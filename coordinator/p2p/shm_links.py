@@ -7,7 +7,7 @@ move each dict as *one* message of a one-reader
 *link*: the metadata and every tensor's bytes together, copied once into the
 ring and once out. Over the CPU group the same dict costs the metadata plus
 one gloo send per tensor, each a socket round trip and a kernel wake-up
-(hundreds of microseconds each between two local processes). Single
+(docs/performance.md has the figures). Single
 tensors of ``send`` / ``recv`` take the link too, each meeting its receiver
 (:mod:`coordinator.p2p.link_tensors`).
 
@@ -30,8 +30,8 @@ group's life::
 GPU groups never offer: their tensors go through the device communicator.
 
 Order. Calls of one direction with one peer run one at a time in issue order
-(:func:`coordinator.p2p.async_p2p.ordered` and the channel threads), and a link is
-FIFO, so a rank's ``n``-th dict to ``p`` is ``p``'s ``n``-th dict from it.
+(:meth:`coordinator.p2p.point_to_point.PointToPoint.ordered` and the channel
+threads), and a link is FIFO, so a rank's ``n``-th dict to ``p`` is ``p``'s ``n``-th dict from it.
 
 Meeting. A send on a link returns once its receiver took the message (a
 dict larger than a chunk: its first message; the parts then stream through
@@ -58,7 +58,9 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
 
 from coordinator.errors import (
     ClosedError,
@@ -67,37 +69,56 @@ from coordinator.errors import (
     GroupCoordError,
     PeerDiedError,
 )
+from coordinator.group.call_book import CallBook
+from coordinator.group.object_calls import ObjectCalls
 from coordinator.group.object_comm import LINK_OFFER
 from coordinator.p2p import link_offer
 from coordinator.p2p.channels import LIVENESS_S, RECV, SEND
+from coordinator.p2p.link_offer import CHUNK_BYTES, CHUNKS
+from device_comms import DeviceCommunicator
 
 if TYPE_CHECKING:
-    from coordinator.group.group_coordinator import GroupCoordinator
     from shm_broadcast.queue.message_queue import MessageQueue
 
-__all__ = ["ShmLinks", "ENABLE_ENV", "CHUNK_BYTES", "CHUNKS"]
+__all__ = ["ShmLinks", "LinkGroup", "ENABLE_ENV", "CHUNK_BYTES", "CHUNKS"]
 
 logger = logging.getLogger(__name__)
 
 #: ``0`` on a sending rank: its tensor dicts keep to the CPU group.
 ENABLE_ENV = "GROUPCOORD_P2P_SHM"
-#: Ring chunk of a link: a dict's message, or one part of its large tensors
-#: (:mod:`coordinator.p2p.link_messages`), fits in one.
-CHUNK_BYTES = 2 << 20
-#: Chunks per link: how many dicts a sender may run ahead of its receiver.
-CHUNKS = 2
 _CPU_GROUP = "cpu-group"  # a settled direction without a link
+
+
+class LinkGroup(Protocol):
+    """What a group's links use of the group."""
+
+    @property
+    def unique_name(self) -> str: ...
+    @property
+    def rank_in_group(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def comm(self) -> DeviceCommunicator: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def allow_pickle(self) -> bool: ...
 
 
 class ShmLinks:
     """A group's links, one per direction and peer, opened at first use.
 
     Args:
-        coord: The group (its CPU group carries the offers).
+        group: The group.
+        objects: The group's object calls, which carry the offers over its CPU group.
+        book: The group's call bookkeeping (whether a waited-for peer is gone).
     """
 
-    def __init__(self, coord: GroupCoordinator) -> None:
-        self._coord = coord
+    def __init__(self, group: LinkGroup, objects: ObjectCalls, book: CallBook) -> None:
+        self._group = group
+        self._objects = objects
+        self._book = book
         self._lock = threading.Lock()
         self._settled: dict[tuple[str, int], Any] = {}
         self._queues: list[MessageQueue] = []  # settled or settling: shutdown reaches both
@@ -129,7 +150,7 @@ class ShmLinks:
         return got
 
     def _link(self, direction: str, peer: int, op: str) -> MessageQueue | None:
-        if self._coord.device.type != "cpu":
+        if self._group.device.type != "cpu":
             return None
         got = self._settled.get((direction, peer))
         if self._broken:
@@ -157,12 +178,10 @@ class ShmLinks:
 
     # ------------------------------------------------------------------ settling
     def _offer(self, dst: int, op: str) -> Any:
-        coord = self._coord
         q = self._open_writer(dst)
         try:
-            coord._send_object(link_offer.offer(
-                q.export_handle().to_bytes() if q is not None else None), dst,
-                LINK_OFFER)
+            self._objects.send(link_offer.offer(
+                q.export_handle().to_bytes() if q is not None else None), dst, LINK_OFFER)
             if q is not None:
                 self._wait_ready(q, dst, op)
         except Exception:
@@ -176,19 +195,18 @@ class ShmLinks:
         return self._keep(SEND, dst, q)
 
     def _accept(self, src: int, op: str) -> Any:
-        coord = self._coord
         try:
-            got = coord._recv_object(src, LINK_OFFER)
+            got = self._objects.recv(src, LINK_OFFER)
         except Exception:
             if self._closed:  # the group was destroyed while this call waited (gloo's error)
                 raise self._closed_error() from None
             raise
-        handle = link_offer.check_offer(got, coord, src)
+        handle = link_offer.check_offer(got, self._group, src, self._book.errors.pids[src])
         if handle is None:
             return self._keep(RECV, src, None)
         q = self._attach(handle, src, op)
         try:
-            q.default_timeout = coord.timeout
+            q.default_timeout = self._group.timeout
             self._register(q)
             self._wait_ready(q, src, op)
         except GroupCoordError:
@@ -212,31 +230,30 @@ class ShmLinks:
         """
         from shm_broadcast.queue.message_queue import MessageQueue
 
-        coord = self._coord
+        g = self._group
         try:
-            return MessageQueue.create_from_handle(handle, coord.rank_in_group,
-                                                   allow_pickle=coord.allow_pickle,
+            return MessageQueue.create_from_handle(handle, g.rank_in_group,
+                                                   allow_pickle=g.allow_pickle,
                                                    resizable_tensors=True)
         except Exception as e:
-            dead = coord._errors.dead_partner(op, coord.calls, src)
+            dead = self._book.dead_partner(op, src)
             raise (dead or self._unopened(src, e, op)) from e
 
     def _unopened(self, src: int, e: BaseException, op: str) -> DecodeError:
-        return DecodeError(f"group {self._coord.unique_name!r}: {op} from rank "
+        return DecodeError(f"group {self._group.unique_name!r}: {op} from rank "
                            f"{src}: its link does not open ({type(e).__name__}: {e})",
                            peers=(src,))
 
     def _wait_ready(self, q: MessageQueue, peer: int, op: str) -> None:
         """``q.wait_until_ready`` within the group's timeout, in slices between
         which a peer whose process is gone ends the wait (``PeerDiedError``)."""
-        coord = self._coord
-        end = time.monotonic() + coord.timeout
+        end = time.monotonic() + self._group.timeout
         while True:
             try:
                 q.wait_until_ready(max(0.0, min(LIVENESS_S, end - time.monotonic())))
                 return
             except CommTimeout:
-                dead = coord._errors.dead_partner(op, coord.calls, peer)
+                dead = self._book.dead_partner(op, peer)
                 if dead is not None:
                     raise dead from None
                 if time.monotonic() >= end:
@@ -261,19 +278,19 @@ class ShmLinks:
             side = "to" if direction == SEND else "from"
             if died:  # the same condition raises the same class: the peer is gone
                 raise PeerDiedError(
-                    f"group {self._coord.unique_name!r}: the link {side} rank {peer} was "
+                    f"group {self._group.unique_name!r}: the link {side} rank {peer} was "
                     f"closed when its peer died ({why})", peers=(peer,))
             raise ClosedError(
-                f"group {self._coord.unique_name!r}: the link {side} rank {peer} was closed "
+                f"group {self._group.unique_name!r}: the link {side} rank {peer} was closed "
                 f"when an earlier call failed partway or timed out ({why}); destroy the group",
                 peers=(peer,))
 
     def _open_writer(self, dst: int) -> MessageQueue | None:
         """A new link's writer, or None where the CPU group must carry the dicts."""
-        coord = self._coord
+        g = self._group
         if os.environ.get(ENABLE_ENV, "1").strip() == "0":
             return None
-        if not coord.comm.shares_memory_with(dst):
+        if not g.comm.shares_memory_with(dst):
             return None
         from shm_broadcast.errors import SegmentError
         from shm_broadcast.queue.message_queue import MessageQueue
@@ -282,14 +299,14 @@ class ShmLinks:
             q = MessageQueue(
                 n_reader=1, n_local_reader=1, local_reader_ranks=[dst],
                 max_chunk_bytes=CHUNK_BYTES, max_chunks=CHUNKS,
-                name=f"{coord.unique_name}-p2p-{coord.rank_in_group}to{dst}",
-                writer_rank=coord.rank_in_group, allow_pickle=coord.allow_pickle,
+                name=f"{g.unique_name}-p2p-{g.rank_in_group}to{dst}",
+                writer_rank=g.rank_in_group, allow_pickle=g.allow_pickle,
             )
         except SegmentError as e:  # /dev/shm full or unusable: the CPU group still works
             logger.warning("group %r: tensor dicts to rank %d go over the CPU group: %s",
-                           coord.unique_name, dst, e)
+                           g.unique_name, dst, e)
             return None
-        q.default_timeout = coord.timeout
+        q.default_timeout = g.timeout
         self._register(q)
         return q
 
@@ -321,4 +338,4 @@ class ShmLinks:
         q.close()
 
     def _closed_error(self) -> ClosedError:
-        return ClosedError(f"group {self._coord.unique_name!r} was destroyed")
+        return ClosedError(f"group {self._group.unique_name!r} was destroyed")

@@ -1,1 +1,4 @@
-"""The model-parallel layout: world start-up, rank mesh, extra groups, expert parallelism, sharding arithmetic."""
+"""The model-parallel layout.
+
+World start-up, rank mesh, extra groups, expert parallelism, sharding arithmetic.
+"""

@@ -112,5 +112,10 @@ class RankMesh:
         sizes = (self.ext, self.dp, self.pp, self.pcp, self.tp)
         k = "edpct".index(axis)
         rest = (range(n) for i, n in enumerate(sizes) if i != k)
-        return [[self.rank(*fixed[:k], i, *fixed[k:]) for i in range(sizes[k])]
+        return [[self._rank_at((*fixed[:k], i, *fixed[k:])) for i in range(sizes[k])]
                 for fixed in itertools.product(*rest)]
+
+    def _rank_at(self, coords: tuple[int, ...]) -> int:
+        """:meth:`rank` of the coordinates ``(e, d, p, c, t)``."""
+        e, d, p, c, t = coords
+        return self.rank(e, d, p, c, t)

@@ -8,6 +8,7 @@ written against that module runs unchanged. Bad input raises ``TypeError`` or
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -22,10 +23,8 @@ __all__ = ["divide", "ensure_divisibility", "split_tensor_along_last_dim", "get_
 def _count(value: Any, name: str, minimum: int) -> int:
     """``value`` as an int (any integer type but bool), at least ``minimum``."""
     if not isinstance(value, bool):
-        try:
+        with contextlib.suppress(TypeError):  # check_int names what came
             value = operator.index(value)
-        except TypeError:
-            pass  # check_int names what came
     return check_int(value, name, minimum=minimum)
 
 

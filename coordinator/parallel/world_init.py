@@ -82,7 +82,7 @@ def _rank_and_size(world_size: int, rank: int, method: str) -> tuple[int, int]:
         raise ValueError(
             f"{method.split('://')[0]}:// needs world_size >= 1 and "
             f"rank >= 0, got world_size={world_size}, rank={rank}")
-    return world_size, rank  # type: ignore[return-value]
+    return world_size, rank
 
 
 def init_torch_distributed(world_size: int, rank: int, method: str, backend: str,

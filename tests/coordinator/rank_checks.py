@@ -3,11 +3,11 @@
 Used by the coordinator test modules whose module-level functions run on the
 ranks as ``fn(rank, world_size, *args)`` (the pool pickles them by reference:
 test_group_coordinator, test_errors_and_failures, test_parallel_state,
-test_tensor_dict, test_general_cases). The checks compute their reference results locally: every rank can
-build every other rank's input (inputs are a deterministic function of the
-group rank and a case tag), so no reference data has to travel. A failed check
-raises ``AssertionError`` on the rank, which the pool re-raises in the test
-with the remote traceback.
+test_tensor_dict, test_general_cases). The checks compute their reference
+results locally: every rank can build every other rank's input (inputs are a
+deterministic function of the group rank and a case tag), so no reference data
+has to travel. A failed check raises ``AssertionError`` on the rank, which the
+pool re-raises in the test with the remote traceback.
 
 Inputs are small integers stored in the tested dtype, so sums, products and
 averages of up to four ranks are exact in float32 *and* bfloat16: results are

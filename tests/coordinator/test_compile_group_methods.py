@@ -1,4 +1,5 @@
-"""GroupCoordinator.all_reduce/all_gather/reduce_scatter trace under torch.compile(fullgraph=True)."""
+"""GroupCoordinator.all_reduce/all_gather/reduce_scatter trace under
+torch.compile(fullgraph=True)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def compiled_matches_eager(rank: int, world_size: int) -> dict:
 def test_all_reduce_out_under_compile(dist_pool) -> None:
     for r in dist_pool(2).run(compiled_out, timeout=280):
         assert r["graph_breaks"] == 0 and r["in_place"], r
-        assert r["bad_shape"].startswith("ValueError") and "out must have shape" in r["bad_shape"], r
+        assert r["bad_shape"].startswith("ValueError"), r
+        assert "out must have shape" in r["bad_shape"], r
         assert r["bad_dtype"].startswith("TypeError") and "out must have dtype" in r["bad_dtype"], r
 
 
@@ -83,7 +85,8 @@ def compiled_out(rank: int, world_size: int) -> dict:
     want = 2.0 * sum(range(1, world_size + 1))
     res = {"graph_breaks": explain.graph_break_count,
            "in_place": got is buf and torch.equal(buf, torch.full((4, 8), want))}
-    for key, bad in (("bad_shape", torch.empty(3, 4, 8)), ("bad_dtype", torch.empty(4, 8, dtype=torch.float64))):
+    for key, bad in (("bad_shape", torch.empty(3, 4, 8)),
+                     ("bad_dtype", torch.empty(4, 8, dtype=torch.float64))):
         torch._dynamo.reset()
         try:
             torch.compile(step, backend="aot_eager")(x, bad)

@@ -67,7 +67,7 @@ def _expected_grads(rank: int, ws: int) -> list[torch.Tensor]:
 def _grads_of(fn: Any, rank: int, ws: int, name: str) -> list[torch.Tensor]:
     leaves = [t.requires_grad_() for t in _inputs(rank, ws)]
     outs = fn(*leaves, ws, name)
-    loss = sum((o * w).sum() for o, w in zip(outs, _weights(rank, ws)))
+    loss = sum((o * w).sum() for o, w in zip(outs, _weights(rank, ws), strict=False))
     loss.backward()
     return [t.grad for t in leaves]  # type: ignore[misc]
 
@@ -125,14 +125,15 @@ def _autograd_checks(rank: int, world_size: int) -> dict[str, Any]:
 
         # eager: the ops called directly
         eager = _grads_of(_three_ops, rank, ws, name)
-        out["eager_err"] = [float((g - w).abs().max()) for g, w in zip(eager, want)]
+        out["eager_err"] = [float((g - w).abs().max()) for g, w in zip(eager, want, strict=False)]
 
         # compiled, aot_eager: one graph, same gradients
         torch._dynamo.reset()
         counters.clear()
         fn = torch.compile(_three_ops, fullgraph=True, backend="aot_eager")
         compiled = _grads_of(fn, rank, ws, name)
-        out["compiled_err"] = [float((g - w).abs().max()) for g, w in zip(compiled, want)]
+        out["compiled_err"] = [float((g - w).abs().max())
+                               for g, w in zip(compiled, want, strict=False)]
         out["compiled_breaks"] = sum(counters["graph_break"].values())
 
         # the backward graph is made of the adjoint collectives
@@ -140,7 +141,8 @@ def _autograd_checks(rank: int, world_size: int) -> dict[str, Any]:
         rec = _Recorder()
         fn = torch.compile(_three_ops, fullgraph=True, backend=rec.backend)
         recorded = _grads_of(fn, rank, ws, name)
-        out["recorded_err"] = [float((g - w).abs().max()) for g, w in zip(recorded, want)]
+        out["recorded_err"] = [float((g - w).abs().max())
+                               for g, w in zip(recorded, want, strict=False)]
         out["fw_ops"], out["bw_ops"] = sorted(rec.graphs["fw"]), sorted(rec.graphs["bw"])
 
         # GroupCoordinator.all_reduce in a compiled module with a Parameter

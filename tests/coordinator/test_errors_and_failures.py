@@ -62,15 +62,17 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
     meta = torch.empty(2, 4, device="meta")
     T, V = TypeError, ValueError
     cases: list[BadArgument] = [
-        ("all_reduce/band-float", T, lambda: g.all_reduce(x, ReduceOp.BAND), ("op", "BAND", "float32")),
-        ("all_reduce/bxor-bf16", T, lambda: g.all_reduce(x.bfloat16(), ReduceOp.BXOR), ("op", "bfloat16")),
+        ("all_reduce/band-float", T, lambda: g.all_reduce(x, ReduceOp.BAND),
+         ("op", "BAND", "float32")),
+        ("all_reduce/bxor-bf16", T, lambda: g.all_reduce(x.bfloat16(), ReduceOp.BXOR),
+         ("op", "bfloat16")),
         ("all_reduce/avg-int", T, lambda: g.all_reduce(xi, ReduceOp.AVG), ("op", "AVG", "int64")),
         ("all_reduce/bad-op", T, lambda: g.all_reduce(x, "median"), ("op",)),
         ("all_reduce/uint16", T, lambda: g.all_reduce(x.to(torch.uint16)), ("op", "uint16")),
         ("reduce/float8", T, lambda: g.reduce(x.to(torch.float8_e4m3fn), 0, ReduceOp.MAX),
          ("op", "float8")),
-        ("reduce_scatter/uint32", T, lambda: g.reduce_scatter(torch.zeros(n, dtype=torch.uint32), 0),
-         ("uint32",)),
+        ("reduce_scatter/uint32", T,
+         lambda: g.reduce_scatter(torch.zeros(n, dtype=torch.uint32), 0), ("uint32",)),
         ("all_reduce/not-tensor", T, lambda: g.all_reduce([1.0, 2.0]), ("input_", "list")),
         ("all_reduce/meta-device", V, lambda: g.all_reduce(meta), ("input_", "cpu")),
         ("all_gather/dim-range", V, lambda: g.all_gather(x, 2), ("dim", "[-2, 2)")),
@@ -79,15 +81,21 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
         ("all_gather/0-dim", V, lambda: g.all_gather(torch.tensor(1.0), 0), ("dim", "0-dim")),
         ("all_gather/not-tensor", T, lambda: g.all_gather(None), ("input_",)),
         ("all_gatherv/sizes-len", V, lambda: g.all_gatherv(x, 0, [2] * (n + 1)), ("sizes", str(n))),
-        ("all_gatherv/sizes-neg", V, lambda: g.all_gatherv(x, 0, [2] * (n - 1) + [-1]), ("sizes[",)),
+        ("all_gatherv/sizes-neg", V, lambda: g.all_gatherv(x, 0, [2] * (n - 1) + [-1]),
+         ("sizes[",)),
         ("all_gatherv/sizes-type", T, lambda: g.all_gatherv(x, 0, "22"), ("sizes",)),
         ("all_gatherv/dim", V, lambda: g.all_gatherv(x, 5, [2] * n), ("dim",)),
-        ("reduce_scatter/indivisible", V, lambda: g.reduce_scatter(torch.ones(2, n + 1)), ("divisible", "input_.shape")),
+        ("reduce_scatter/indivisible", V, lambda: g.reduce_scatter(torch.ones(2, n + 1)),
+         ("divisible", "input_.shape")),
         ("reduce_scatter/dim", V, lambda: g.reduce_scatter(x, 3), ("dim",)),
-        ("reduce_scatter/band-float", T, lambda: g.reduce_scatter(torch.ones(n), 0, ReduceOp.BAND), ("op",)),
-        ("reduce_scatterv/sum", V, lambda: g.reduce_scatterv(torch.ones(n + 2), 0, [1] * n), ("sizes", "sum")),
-        ("reduce_scatterv/len", V, lambda: g.reduce_scatterv(torch.ones(4), 0, [4] + [0] * n), ("sizes",)),
-        ("reduce_scatterv/avg-int", T, lambda: g.reduce_scatterv(xi, 0, [2] + [0] * (n - 1), ReduceOp.AVG), ("op",)),
+        ("reduce_scatter/band-float", T, lambda: g.reduce_scatter(torch.ones(n), 0, ReduceOp.BAND),
+         ("op",)),
+        ("reduce_scatterv/sum", V, lambda: g.reduce_scatterv(torch.ones(n + 2), 0, [1] * n),
+         ("sizes", "sum")),
+        ("reduce_scatterv/len", V, lambda: g.reduce_scatterv(torch.ones(4), 0, [4] + [0] * n),
+         ("sizes",)),
+        ("reduce_scatterv/avg-int", T,
+         lambda: g.reduce_scatterv(xi, 0, [2] + [0] * (n - 1), ReduceOp.AVG), ("op",)),
         ("gather/dst-range", V, lambda: g.gather(x, n), ("dst", f"[0, {n})")),
         ("gather/dst-neg", V, lambda: g.gather(x, -1), ("dst",)),
         ("gather/dst-type", T, lambda: g.gather(x, "0"), ("dst",)),
@@ -97,13 +105,15 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
         ("scatter/src", V, lambda: g.scatter(x, n), ("src",)),
         ("scatter/dim-type", T, lambda: g.scatter(x, 0, "0"), ("dim",)),
         ("all_to_all/scatter_dim", V, lambda: g.all_to_all(x, 2, 0), ("scatter_dim",)),
-        ("all_to_all/gather_dim", V, lambda: g.all_to_all(torch.ones(n, 2), 0, -3), ("gather_dim",)),
+        ("all_to_all/gather_dim", V, lambda: g.all_to_all(torch.ones(n, 2), 0, -3),
+         ("gather_dim",)),
         ("broadcast/src", V, lambda: g.broadcast(x, n), ("src",)),
         ("broadcast/src-bool", T, lambda: g.broadcast(x, True), ("src",)),
         ("broadcast/not-tensor", T, lambda: g.broadcast(3.0, 0), ("input_",)),
         ("broadcast_object/src", V, lambda: g.broadcast_object(1, n), ("src",)),
         ("broadcast_object_list/src", V, lambda: g.broadcast_object_list([1], -1), ("src",)),
-        ("broadcast_object_list/type", T, lambda: g.broadcast_object_list((1, 2), 0), ("obj_list", "tuple")),
+        ("broadcast_object_list/type", T, lambda: g.broadcast_object_list((1, 2), 0),
+         ("obj_list", "tuple")),
         ("broadcast_tensor_dict/src", V, lambda: g.broadcast_tensor_dict({"a": x}, n), ("src",)),
         ("send/self", V, lambda: g.send(x, me), ("dst", "this rank")),
         ("send/range", V, lambda: g.send(x, n), ("dst",)),
@@ -142,8 +152,10 @@ def _bad_arguments(g: Any, n: int, me: int) -> list[BadArgument]:
         ("send_tensor_dict/all_gather_group", V, lambda: g.recv_tensor_dict(other),
          ("rejected", "all_gather_group must be a GroupCoordinator")),
         ("recv_tensor_dict/range", V, lambda: g.recv_tensor_dict(n), ("src",)),
-        ("group_ranks/dup", V, lambda: GroupCoordinator([[0, 0]], 0, "gloo", True), ("group_ranks",)),
-        ("group_ranks/range", V, lambda: GroupCoordinator([list(range(n + 1))], 0, "gloo", True), ("group_ranks",)),
+        ("group_ranks/dup", V, lambda: GroupCoordinator([[0, 0]], 0, "gloo", True),
+         ("group_ranks",)),
+        ("group_ranks/range", V, lambda: GroupCoordinator([list(range(n + 1))], 0, "gloo", True),
+         ("group_ranks",)),
         ("group_ranks/type", T, lambda: GroupCoordinator("01", 0, "gloo", True), ("group_ranks",)),
         ("group_ranks/float", T, lambda: GroupCoordinator([[0.0]], 0, "gloo", True),
          ("group_ranks", "float")),
@@ -181,7 +193,8 @@ def _offenders(n: int) -> list[int]:
 
 
 def _source_bad_arguments(g: Any, n: int) -> list[tuple[str, type, Callable[[], Any], str]]:
-    """``(name, exception, call on the source, word)`` for arguments only the source can get wrong."""
+    """``(name, exception, call on the source, word)`` for arguments only the source can get
+    wrong."""
     x = make(0, (2, 4), torch.float32, "bad")
     cases = [
         ("scatter/src-dim", ValueError, lambda: g.scatter(x, 0, 2), "dim"),
@@ -226,7 +239,7 @@ def _one_rank_bad_argument(rank: int, world_size: int, name: str, bad: int) -> s
             fn()
             raise AssertionError(f"{name}: rank {me} passed a bad argument, no error")
         except PeerRejectedError as e:
-            raise AssertionError(f"{name}: the offender got its peers' error: {e}")
+            raise AssertionError(f"{name}: the offender got its peers' error: {e}") from e
         except ValueError as e:
             assert all(w in str(e) for w in words), f"{name}: {e}"
     else:
@@ -277,7 +290,8 @@ def test_bad_argument_raises_on_the_caller(dist_pool, world_size, name):
     for ws in BAD_WORLD_SIZES for bad in _offenders(ws)
     for c in _one_rank_bad_arguments(None, ws, 0, bad)
 ])
-def test_argument_only_one_rank_gets_wrong_fails_its_peers_promptly(dist_pool, world_size, name, bad):
+def test_argument_only_one_rank_gets_wrong_fails_its_peers_promptly(dist_pool, world_size,
+    name, bad):
     got = dist_pool(world_size).run(_one_rank_bad_argument, name, bad, timeout=60)
     assert got == [f"{name}@{bad}"] * world_size
 

@@ -69,11 +69,14 @@ def test_source_side_failures_raise_on_every_rank_and_barrier_timeouts(dist_pool
 
 def _expected(tp: int, pp: int, dp: int, rank: int) -> dict:
     def group(same) -> list[int]:
-        coord = lambda r: (r // (tp * pp), (r // tp) % pp, r % tp)
+        def coord(r: int) -> tuple[int, int, int]:
+            return (r // (tp * pp), (r // tp) % pp, r % tp)
+
         return [r for r in range(tp * pp * dp) if same(coord(r), coord(rank))]
 
     out = {}
-    for k, same in (("tp", lambda a, b: a[:2] == b[:2]), ("pp", lambda a, b: (a[0], a[2]) == (b[0], b[2])),
+    for k, same in (("tp", lambda a, b: a[:2] == b[:2]),
+                    ("pp", lambda a, b: (a[0], a[2]) == (b[0], b[2])),
                     ("dp", lambda a, b: a[1:] == b[1:])):
         ranks = group(same)
         i = ranks.index(rank)
@@ -89,10 +92,11 @@ LAYOUTS_3 = [(3, 1, 1), (1, 3, 1), (1, 1, 3)]
 def test_layouts_and_reinit_at_world_size_3(dist_pool):
     results = dist_pool(3).run(layouts, LAYOUTS_3, timeout=100)
     for rank, recs in enumerate(results):
-        for (tp, pp, dp), rec in zip(LAYOUTS_3, recs):
+        for (tp, pp, dp), rec in zip(LAYOUTS_3, recs, strict=False):
             want = _expected(tp, pp, dp, rank)
             for k in ("tp", "pp", "dp"):
-                assert tuple(rec[k]) == want[k], f"{(tp, pp, dp)} rank {rank} {k}: {rec[k]} != {want[k]}"
+                assert tuple(rec[k]) == want[k], (
+                    f"{(tp, pp, dp)} rank {rank} {k}: {rec[k]} != {want[k]}")
             assert rec["getters"] == (tp, want["tp"][1], pp, want["pp"][1])
 
 
@@ -106,10 +110,11 @@ def test_layouts_and_reinit_at_world_size_6():
 
     results = run_distributed(layouts, 6, LAYOUTS_6, timeout=120)
     for rank, recs in enumerate(results):
-        for (tp, pp, dp), rec in zip(LAYOUTS_6, recs):
+        for (tp, pp, dp), rec in zip(LAYOUTS_6, recs, strict=False):
             want = _expected(tp, pp, dp, rank)
             for k in ("tp", "pp", "dp"):
-                assert tuple(rec[k]) == want[k], f"{(tp, pp, dp)} rank {rank} {k}: {rec[k]} != {want[k]}"
+                assert tuple(rec[k]) == want[k], (
+                    f"{(tp, pp, dp)} rank {rank} {k}: {rec[k]} != {want[k]}")
             assert rec["getters"] == (tp, want["tp"][1], pp, want["pp"][1])
 
 
@@ -188,7 +193,8 @@ def collectives(rank: int, world_size: int) -> list[str]:
             # 0-dim all_reduce
             def f0(dt=dt):
                 xs = [_mk(r, (), dt, f"{tag}0{dt}") for r in range(n)]
-                expect_equal(f"{tag}/ar0/{dt}", g.all_reduce(xs[me], ReduceOp.MAX), _ref(xs, ReduceOp.MAX, dt))
+                expect_equal(f"{tag}/ar0/{dt}", g.all_reduce(xs[me], ReduceOp.MAX),
+                             _ref(xs, ReduceOp.MAX, dt))
             chk(f"{tag}/ar0/{dt}", f0)
             # reduce dst n-1
             def fr(dt=dt):
@@ -201,7 +207,8 @@ def collectives(rank: int, world_size: int) -> list[str]:
             for dim in (0, 1, 2, 3, -2, -3, -4):
                 def fg(dt=dt, dim=dim):
                     shp = (2, 3, 2 * n, 4)
-                    xs = [_mk(r, (4, 2 * n, 3, 2), dt, f"{tag}g{dt}{dim}").permute(3, 2, 1, 0) for r in range(n)]
+                    xs = [_mk(r, (4, 2 * n, 3, 2), dt, f"{tag}g{dt}{dim}").permute(3, 2, 1, 0)
+                          for r in range(n)]
                     # non-contiguous (2, 3, 2n, 4)
                     assert xs[me].shape == torch.Size(shp)
                     expect_equal("ag", g.all_gather(xs[me], dim), torch.cat(xs, dim))
@@ -219,7 +226,8 @@ def collectives(rank: int, world_size: int) -> list[str]:
                     xs = [_mk(r, shp, dt, f"{tag}rs{dt}{dim}").transpose(0, 2) for r in range(n)]
                     op = ReduceOp.MAX
                     full = _ref(xs, op, dt)
-                    expect_equal("rs", g.reduce_scatter(xs[me], dim, op), full.chunk(n, dim)[me].contiguous())
+                    expect_equal("rs", g.reduce_scatter(xs[me], dim, op),
+                                 full.chunk(n, dim)[me].contiguous())
                     # scatter from n-1, non-contig input
                     got = g.scatter(xs[n - 1] if me == n - 1 else None, n - 1, dim)
                     expect_equal("scatter", got, xs[n - 1].chunk(n, dim)[me].contiguous())
@@ -242,7 +250,8 @@ def collectives(rank: int, world_size: int) -> list[str]:
                     tot = sum(sizes)
                     ys = [_mk(r, shp(tot), dt, f"{tag}rsv{dt}{dim}") for r in range(n)]
                     op = ReduceOp.MAX
-                    expect_equal("rsv", g.reduce_scatterv(ys[me].transpose(0, 1).contiguous().transpose(0, 1), dim, sizes, op),
+                    strided = ys[me].transpose(0, 1).contiguous().transpose(0, 1)
+                    expect_equal("rsv", g.reduce_scatterv(strided, dim, sizes, op),
                                  _ref(ys, op, dt).split(sizes, dim)[me].contiguous())
                 chk(f"{tag}/v/{dt}/{dim}", fv)
             # broadcast from n-1 incl. 0-dim and empty
@@ -293,7 +302,8 @@ def objects(rank: int, world_size: int, tp: int, allow_pickle: bool = False) -> 
         try:
             fn()
         except Exception as e:
-            fails.append(f"{case}: {type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-600:]}")
+            fails.append(f"{case}: {type(e).__name__}: {str(e)[:300]}\n"
+                         f"{traceback.format_exc()[-600:]}")
 
     ps.initialize_model_parallel(tp, world_size // tp, allow_pickle=allow_pickle)
     world = ps.get_world_group()
@@ -328,7 +338,7 @@ def objects(rank: int, world_size: int, tp: int, allow_pickle: bool = False) -> 
             def fl(src=src):
                 lst = list(objs.values()) if me == src else [None] * len(objs)
                 g.broadcast_object_list(lst, src)
-                for (k, o), got in zip(objs.items(), lst):
+                for (k, o), got in zip(objs.items(), lst, strict=False):
                     _same(got, o, k)
             chk(f"{tag}/bobjlist/{src}", fl)
             # tensor dicts with odd values
@@ -391,17 +401,18 @@ def _same(got: Any, want: Any, case: str) -> None:
         expect_equal(case, got, want)
         return
     if isinstance(want, np.ndarray):
-        assert isinstance(got, np.ndarray) and got.dtype == want.dtype and np.array_equal(got, want), (
-            f"{case}: {got!r}")
+        assert (isinstance(got, np.ndarray) and got.dtype == want.dtype
+                and np.array_equal(got, want)), f"{case}: {got!r}"
         return
-    assert type(got) is type(want), f"{case}: type {type(got).__name__} != {type(want).__name__}: {got!r}"
+    assert type(got) is type(want), (
+        f"{case}: type {type(got).__name__} != {type(want).__name__}: {got!r}")
     if isinstance(want, dict):
         assert list(got) == list(want), f"{case}: keys {list(got)} != {list(want)}"
         for k in want:
             _same(got[k], want[k], f"{case}[{k!r}]")
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), case
-        for i, (a, b) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(got, want, strict=False)):
             _same(a, b, f"{case}[{i}]")
     else:
         assert got == want, f"{case}: {got!r} != {want!r}"
@@ -416,7 +427,8 @@ def tensors_and_barrier(rank: int, world_size: int, tp: int) -> list[str]:
         try:
             fn()
         except Exception as e:
-            fails.append(f"{case}: {type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-800:]}")
+            fails.append(f"{case}: {type(e).__name__}: {str(e)[:300]}\n"
+                         f"{traceback.format_exc()[-800:]}")
 
     ps.initialize_model_parallel(tp, world_size // tp)
     for tag, g in (("world", ps.get_world_group()), ("tp", ps.get_tp_group())):
@@ -424,7 +436,8 @@ def tensors_and_barrier(rank: int, world_size: int, tp: int) -> list[str]:
         w = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4))
         ex = torch.ones(1, 4).expand(3, 4)
         big = torch.arange((24 << 20) // 4, dtype=torch.float32)
-        td = {"w": w, "wt": w.t(), "ex": ex, "big": big, "grad": torch.ones(2, requires_grad=True) * 2}
+        td = {"w": w, "wt": w.t(), "ex": ex, "big": big,
+              "grad": torch.ones(2, requires_grad=True) * 2}
         def f1():
             got = g.broadcast_tensor_dict(td if me == 0 else None, 0)
             for k in td:
@@ -444,7 +457,8 @@ def tensors_and_barrier(rank: int, world_size: int, tp: int) -> list[str]:
         def f4():
             a = g.broadcast_tensor_dict({"x": torch.full((4,), 1.0)} if me == 0 else None, 0)
             for i in range(20):
-                g.broadcast_tensor_dict({"x": torch.full((4,), float(i + 2))} if me == 0 else None, 0)
+                g.broadcast_tensor_dict({"x": torch.full((4,), float(i + 2))} if me == 0 else None,
+                                        0)
             expect_equal("stable", a["x"], torch.full((4,), 1.0))
             a["x"].add_(1)
             o = g.broadcast_object(np.zeros(3) if me == 0 else None, 0)
@@ -463,9 +477,11 @@ def tensors_and_barrier(rank: int, world_size: int, tp: int) -> list[str]:
         # (a non-positive one used to reach gloo and break the group's pairs).
         def fb():
             for bad, exc in (("5", TypeError), (True, TypeError), (None, None), (-1, ValueError),
-                             (0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError)):
+                             (0, ValueError), (float("nan"), ValueError),
+                             (float("inf"), ValueError)):
                 if exc is not None:
-                    expect_raises(f"barrier({bad!r})", exc, lambda: g.barrier(timeout=bad), "timeout")
+                    expect_raises(f"barrier({bad!r})", exc, lambda: g.barrier(timeout=bad),
+                                  "timeout")
             g.barrier(timeout=datetime.timedelta(seconds=60))
             g.barrier(timeout=60)
             expect_equal("after-barriers", g.all_reduce(torch.ones(2)), torch.full((2,), float(n)))
@@ -485,7 +501,9 @@ def source_failures(rank: int, world_size: int, tp: int) -> list[str]:
     fails: list[str] = []
     meta_t = torch.empty(2, device="meta")
     sparse = torch.eye(2).to_sparse()
-    lam = lambda: 1
+    def lam() -> int:
+        return 1
+
     for tag, g in (("world", ps.get_world_group()), ("tp", ps.get_tp_group())):
         n, me = g.world_size, g.rank_in_group
         src, dst = n - 1, 0
@@ -495,7 +513,8 @@ def source_failures(rank: int, world_size: int, tp: int) -> list[str]:
              lambda: g.broadcast_tensor_dict(None, src), ValueError, ("'a'", "meta")),
             ("btd/sparse", lambda: g.broadcast_tensor_dict({"s": sparse}, src),
              lambda: g.broadcast_tensor_dict(None, src), TypeError, ("'s'", "sparse")),
-            ("btd/unpicklable", lambda: g.broadcast_tensor_dict({"f": lam, "t": torch.ones(3)}, src),
+            ("btd/unpicklable",
+             lambda: g.broadcast_tensor_dict({"f": lam, "t": torch.ones(3)}, src),
              lambda: g.broadcast_tensor_dict(None, src), TypeError, ("tensor_dict", "serialised")),
             ("btd/unpicklable-explicit-groups",
              lambda: g.broadcast_tensor_dict({"f": lam}, src, g.device_group, g.cpu_group),
@@ -547,7 +566,8 @@ def source_failures(rank: int, world_size: int, tp: int) -> list[str]:
         _collect(fails, f"{tag}/still-works", lambda: expect_equal(
             "still-works", g.all_reduce(torch.ones(2)), torch.full((2,), float(n))))
         got = g.broadcast_tensor_dict({"x": torch.arange(3)} if me == src else None, src)
-        _collect(fails, f"{tag}/btd-after", lambda: expect_equal("btd-after", got["x"], torch.arange(3)))
+        _collect(fails, f"{tag}/btd-after",
+                 lambda: expect_equal("btd-after", got["x"], torch.arange(3)))
     return fails
 
 
@@ -567,7 +587,8 @@ def layouts(rank: int, world_size: int, configs: list[tuple[int, int, int]]) -> 
     for tp, pp, dp in configs:
         ps.initialize_model_parallel(tp, pp, dp)
         rec: dict[str, Any] = {}
-        for k, g in (("tp", ps.get_tp_group()), ("pp", ps.get_pp_group()), ("dp", ps.get_dp_group())):
+        for k, g in (("tp", ps.get_tp_group()), ("pp", ps.get_pp_group()),
+                     ("dp", ps.get_dp_group())):
             rec[k] = (list(g.ranks), g.rank_in_group, g.next_rank, g.prev_rank, g.is_first_rank,
                       g.is_last_rank)
             xs = [_mk(r, (2, 3), torch.bfloat16, f"{tp}{pp}{dp}{k}") for r in g.ranks]
@@ -575,7 +596,8 @@ def layouts(rank: int, world_size: int, configs: list[tuple[int, int, int]]) -> 
             expect_equal(f"{k}/ar", g.all_reduce(xs[me]), ref_reduce(xs, ReduceOp.SUM))
             expect_equal(f"{k}/ag", g.all_gather(xs[me], -2), torch.cat(xs, 0))
             want = {"k": xs[-1], "s": (k, tp)}
-            got = g.broadcast_tensor_dict(want if me == g.world_size - 1 else None, g.world_size - 1)
+            last = g.world_size - 1
+            got = g.broadcast_tensor_dict(want if me == last else None, last)
             expect_equal(f"{k}/btd", got["k"], xs[-1])
             assert got["s"] == (k, tp), got["s"]
         # pipeline hand-off from each stage to the next, TP-sliced
@@ -588,8 +610,10 @@ def layouts(rank: int, world_size: int, configs: list[tuple[int, int, int]]) -> 
                 expect_equal("pipe", got["h"], prev)
             if not pg.is_last_rank:
                 pg.send_tensor_dict({"h": x}, all_gather_group=tpg)
-        rec["getters"] = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-                          ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())
+        rec["getters"] = (ps.get_tensor_model_parallel_world_size(),
+                          ps.get_tensor_model_parallel_rank(),
+                          ps.get_pipeline_model_parallel_world_size(),
+                          ps.get_pipeline_model_parallel_rank())
         ps.destroy_model_parallel()
         out.append(rec)
     return out

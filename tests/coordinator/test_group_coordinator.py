@@ -184,7 +184,8 @@ def _world_topology_and_destroyed_group(rank: int, world_size: int) -> dict[str,
 
     tmp = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="tmpgroup")
     assert get_group_by_name(tmp.unique_name) is tmp
-    expect_equal("tmp/all_reduce", tmp.all_reduce(torch.ones(3)), torch.full((3,), float(world_size)))
+    expect_equal("tmp/all_reduce", tmp.all_reduce(torch.ones(3)),
+                 torch.full((3,), float(world_size)))
     tmp.destroy()
     tmp.destroy()
     expect_raises("tmp/after-destroy", ValueError, lambda: get_group_by_name(tmp.unique_name),
@@ -299,7 +300,8 @@ def _reduce_scatterv_large(g: Any, tag: str) -> list[str]:
     case = f"{tag}/reduce_scatterv/large"
     rows = [(1 << 20) + 1, 7, 0, 5][:n] if n > 1 else [(1 << 20) + 1]
     x = make(me, (sum(rows), 3), torch.float32, case)
-    full = ref_reduce([make(r, (sum(rows), 3), torch.float32, case) for r in range(n)], ReduceOp.SUM)
+    full = ref_reduce([make(r, (sum(rows), 3), torch.float32, case) for r in range(n)],
+                      ReduceOp.SUM)
     expect_equal(case, g.reduce_scatterv(x, 0, rows), full.split(rows, 0)[me])
     return [case]
 
@@ -328,7 +330,8 @@ def _all_gatherv_list_input(g: Any, tag: str) -> list[str]:
     n, me = g.world_size, g.rank_in_group
     sizes = _gatherv_sizes(n)
     case = f"{tag}/all_gatherv/list-input"
-    xs = [make(me, (sizes[me], 2), torch.float32, case), make(me, (sizes[me],), torch.int64, case + "i")]
+    xs = [make(me, (sizes[me], 2), torch.float32, case),
+          make(me, (sizes[me],), torch.int64, case + "i")]
     got = g.all_gatherv(xs, 0, sizes)
     assert isinstance(got, list) and len(got) == 2, f"{case}: got {type(got).__name__}"
     expect_equal(case + "[0]", got[0],
@@ -395,7 +398,8 @@ def _gather(g: Any, tag: str, dst: int) -> list[str]:
         x = make(me, (2, 3, 4), dt, case)
         got = g.gather(x, dst, dim)
         if me == dst:
-            expect_equal(case, got, torch.cat([make(r, (2, 3, 4), dt, case) for r in range(n)], dim))
+            expect_equal(case, got,
+                         torch.cat([make(r, (2, 3, 4), dt, case) for r in range(n)], dim))
         else:
             assert got is None, f"{case}: non-dst rank got {type(got).__name__}, want None"
         done.append(case)
@@ -414,7 +418,8 @@ def _reduce(g: Any, tag: str, dst: int) -> list[str]:
             x0 = x.clone()
             got = g.reduce(x, dst, op)
             if me == dst:
-                expect_equal(case, got, ref_reduce([make(r, (3, 4), dt, case) for r in range(n)], op))
+                expect_equal(case, got,
+                             ref_reduce([make(r, (3, 4), dt, case) for r in range(n)], op))
             else:
                 assert got is None, f"{case}: non-dst rank got {type(got).__name__}"
             expect_equal(case + "/input-untouched", x, x0)
@@ -456,7 +461,8 @@ def _all_to_allv(g: Any, tag: str, dt: torch.dtype) -> list[str]:
     done = []
     for k, row in enumerate(((), (3,), (2, 1, 4))):
         case = f"{tag}/all_to_allv/{dt}/{k}"
-        sizes = [[(3 * i + 5 * j + k) % 4 for j in range(n)] for i in range(n)]  # sizes[i][j]: i -> j
+        # sizes[i][j]: rows from rank i to rank j
+        sizes = [[(3 * i + 5 * j + k) % 4 for j in range(n)] for i in range(n)]
         x = make(me, (sum(sizes[me]),) + row, dt, case)
         want = torch.cat([make(r, (sum(sizes[r]),) + row, dt, case).split(sizes[r])[me]
                           for r in range(n)])

@@ -36,13 +36,16 @@ RUNS = [
 def _cases(p: int) -> list[dict[str, Any]]:
     """Cases for an EP group of ``p`` ranks (the same on every rank)."""
     return [
-        dict(experts=2 * p, k=2, tokens=[7, 0, 5, 3], row=(16,), dtype=torch.float32, route="random"),
+        dict(experts=2 * p, k=2, tokens=[7, 0, 5, 3], row=(16,), dtype=torch.float32,
+             route="random"),
         dict(experts=2 * p, k=1, tokens=[4, 6, 1, 2], row=(8,), dtype=torch.float32, route="hot"),
-        dict(experts=8 * p, k=3, tokens=[2, 3, 0, 1], row=(8,), dtype=torch.bfloat16, route="random"),
+        dict(experts=8 * p, k=3, tokens=[2, 3, 0, 1], row=(8,), dtype=torch.bfloat16,
+             route="random"),
         dict(experts=p, k=4, tokens=[5, 5, 5, 5], row=(2, 4), dtype=torch.float32, route="random"),
         dict(experts=4 * p, k=2, tokens=[6, 2, 9, 0], row=(12,), dtype=torch.float32,
              route="repeat", stacked=True),
-        dict(experts=2 * p, k=0, tokens=[3, 1, 0, 2], row=(4,), dtype=torch.float32, route="random"),
+        dict(experts=2 * p, k=0, tokens=[3, 1, 0, 2], row=(4,), dtype=torch.float32,
+             route="random"),
         dict(experts=4 * p, k=2, tokens=[9, 4, 7, 3], row=(16,), dtype=torch.float32,
              route="random", linear=True),
     ]
@@ -57,7 +60,8 @@ def _expert(e: int, x: torch.Tensor, linear: bool) -> torch.Tensor:
     return (torch.tanh(x.float() * (0.5 + 0.1 * e)) + e).to(x.dtype)
 
 
-def _routing(case: dict[str, Any], seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _routing(case: dict[str, Any], seed: int,
+             n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     E, k = case["experts"], case["k"]
     hidden = torch.randn((n,) + case["row"], generator=g).to(case["dtype"])
@@ -82,7 +86,7 @@ def reference(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
         if not len(tok):
             continue
         y = _expert(e, hidden[tok], linear)
-        for i, (t, s) in enumerate(zip(tok.tolist(), slot.tolist())):
+        for i, (t, s) in enumerate(zip(tok.tolist(), slot.tolist(), strict=False)):
             per_slot[t][s] = y[i]
     out = torch.zeros(hidden.shape, dtype=hidden.dtype)
     for t in range(n):
@@ -133,7 +137,7 @@ def _run_cases(ep: Any) -> list[dict[str, Any]]:
         hidden, ids, weights = _routing(case, 1000 * i + ep.rank, n)
         inputs, routing = moe.dispatch(hidden, ids, weights, ep, case["experts"])
         outs = [_expert(e, x, case.get("linear", False))
-                for e, x in zip(routing.local_experts, inputs)]
+                for e, x in zip(routing.local_experts, inputs, strict=False)]
         got = moe.combine(torch.cat(outs) if case.get("stacked") else outs, routing)
         want = reference(hidden, ids, weights, case["experts"], case.get("linear", False))
         results.append({
@@ -204,7 +208,7 @@ def test_dispatch_combine_against_dense_reference(dist_pool: Any, layout: tuple[
 
 
 def _check_errors(errors: list[dict[str, Any]], ep_ranks: list[int], p: int) -> None:
-    for e, me in zip(errors, ep_ranks):
+    for e, me in zip(errors, ep_ranks, strict=False):
         name, msg = e["not_divisible"]  # every rank's own check fails: each raises its own
         assert name == "ValueError" and "multiple of the EP group's size" in msg, msg
         for key, culprit, own, words in (("bad_id", p - 1, "ValueError", "topk_ids must be in"),

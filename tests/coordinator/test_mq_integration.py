@@ -60,7 +60,8 @@ def test_src_only_argument_errors_raise_everywhere(dist_pool, world_size: int) -
 
 # ---------------------------------------------------------------------- on the ranks
 def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=world_size // tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                 pipeline_model_parallel_size=world_size // tp)
     g = ps.get_tp_group()
     out: dict = {"has_mq": g.mq_broadcaster is not None, "rank_in_group": g.rank_in_group,
                  "predictive": "planned" in g.mq_broadcaster.park_stats()}
@@ -104,7 +105,8 @@ def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
 def single_reader(rank: int, world_size: int, blocking: bool) -> dict:
     g = ps.get_world_group()
     reader = world_size - 1
-    writer, readers = g.create_single_reader_mq_broadcasters(reader_rank_in_group=reader, blocking=blocking)
+    writer, readers = g.create_single_reader_mq_broadcasters(reader_rank_in_group=reader,
+                                                             blocking=blocking)
     if not blocking:
         for q in [writer, *readers]:
             if q is not None:
@@ -114,13 +116,14 @@ def single_reader(rank: int, world_size: int, blocking: bool) -> dict:
         if g.rank_in_group == reader:
             assert writer is None and readers[reader] is None
             got = {}
-            for step in range(20):
+            for _step in range(20):
                 for r, q in enumerate(readers):
                     if q is not None:
                         msg = q.dequeue(timeout=30)
                         got.setdefault(r, []).append(msg)
             out["ok"] = all(
-                m["rank"] == r and m["step"] == i and torch.equal(m["t"], torch.full((3,), float(r * 100 + i)))
+                m["rank"] == r and m["step"] == i
+                and torch.equal(m["t"], torch.full((3,), float(r * 100 + i)))
                 for r, msgs in got.items()
                 for i, m in enumerate(msgs)
             )
@@ -142,7 +145,8 @@ def external_writer(rank: int, world_size: int) -> dict:
     from shm_broadcast.queue.message_queue import MessageQueue
 
     # Rank 0 is outside the group [1, 2] and writes to it.
-    gc = GroupCoordinator([[0], [1, 2]], rank, "gloo", use_device_communicator=False, group_name="ext")
+    gc = GroupCoordinator([[0], [1, 2]], rank, "gloo", use_device_communicator=False,
+                          group_name="ext")
     mq = None
     box = [None]
     if rank == 0:

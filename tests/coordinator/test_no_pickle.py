@@ -98,7 +98,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(b, dict):
         return list(a) == list(b) and all(_same(a[k], b[k]) for k in b)
     if isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=False))
     return a == b
 
 

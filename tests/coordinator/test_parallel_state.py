@@ -72,7 +72,7 @@ def test_expected_groups_helper_matches_the_documented_example():
 @pytest.mark.parametrize("layout", [(2, 2, 2, 1, 1, 1), (2, 1, 2, 2, 2, 1), (4, 2, 1, 1, 2, 1),
                                     (3, 2, 2, 2, 3, 1), (6, 1, 1, 2, 3, 1), (1, 3, 1, 2, 1, 1),
                                     (2, 2, 1, 1, 2, 3), (1, 1, 2, 2, 1, 2)],
-                         ids=lambda l: "tp{}-pp{}-dp{}-pcp{}-dcp{}-ext{}".format(*l))
+                         ids=lambda sizes: "tp{}-pp{}-dp{}-pcp{}-dcp{}-ext{}".format(*sizes))
 def test_rank_mesh_matches_the_derived_groups(layout):
     from coordinator.parallel.rank_mesh import RankMesh
 
@@ -423,7 +423,8 @@ def run_layouts(rank: int, world_size: int,
                       lambda: ps.initialize_model_parallel(tp, pp, dp, **cp), "already")
         ps.destroy_model_parallel()
         assert not ps.model_parallel_is_initialized()
-        expect_raises("after-destroy", NotInitializedError, ps.get_tp_group, "initialize_model_parallel")
+        expect_raises("after-destroy", NotInitializedError, ps.get_tp_group,
+                      "initialize_model_parallel")
         out.append(rec)
     ps.destroy_model_parallel()  # no-op when absent
     # ensure_... initialises when nothing exists.
@@ -535,20 +536,25 @@ def run_wrappers(rank: int, world_size: int) -> list[str]:
     ps.initialize_model_parallel(2, 2)
     tp = ps.get_tp_group()
     t = tp.rank_in_group
-    assert (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()) == (2, rank % 2)
-    assert (ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()) == (2, rank // 2)
+    assert (ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank()) == (2, rank % 2)
+    assert (ps.get_pipeline_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank()) == (2, rank // 2)
 
-    def inputs(tag: str, shape: tuple[int, ...], dt: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    def inputs(tag: str, shape: tuple[int, ...],
+               dt: torch.dtype = torch.float32) -> list[torch.Tensor]:
         return [make(r, shape, dt, tag) for r in tp.ranks]
 
     xs = inputs("w-ar", (3, 4))
-    expect_equal("wrap/all_reduce", ps.tensor_model_parallel_all_reduce(xs[t]), ref_reduce(xs, ReduceOp.SUM))
+    expect_equal("wrap/all_reduce", ps.tensor_model_parallel_all_reduce(xs[t]),
+                 ref_reduce(xs, ReduceOp.SUM))
     xs = inputs("w-ar-max", (3,), torch.int64)
     expect_equal("wrap/all_reduce/max", ps.tensor_model_parallel_all_reduce(xs[t], ReduceOp.MAX),
                  ref_reduce(xs, ReduceOp.MAX))
     xs = inputs("w-ag", (2, 3, 2), torch.bfloat16)
     expect_equal("wrap/all_gather", ps.tensor_model_parallel_all_gather(xs[t]), torch.cat(xs, -1))
-    expect_equal("wrap/all_gather/0", ps.tensor_model_parallel_all_gather(xs[t], 0), torch.cat(xs, 0))
+    expect_equal("wrap/all_gather/0", ps.tensor_model_parallel_all_gather(xs[t], 0),
+                 torch.cat(xs, 0))
     xs = inputs("w-rs", (2, 4))
     expect_equal("wrap/reduce_scatter", ps.tensor_model_parallel_reduce_scatter(xs[t]),
                  ref_reduce(xs, ReduceOp.SUM).chunk(2, -1)[t])
@@ -591,9 +597,8 @@ def run_wrappers(rank: int, world_size: int) -> list[str]:
 @pytest.mark.parametrize("device,error", [("nonsense", ValueError), (3.5, TypeError),
                                           (["cpu"], TypeError)])
 def test_graph_capture_names_a_bad_device(device: object, error: type) -> None:
-    with pytest.raises(error, match="device"):
-        with ps.graph_capture(device):  # type: ignore[arg-type]
-            pass
+    with pytest.raises(error, match="device"), ps.graph_capture(device):  # type: ignore[arg-type]
+        pass
 
 
 def test_single_process_helpers_before_any_initialisation() -> None:

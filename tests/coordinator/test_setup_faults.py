@@ -22,12 +22,12 @@ from tests.child_env import child_env
 
 TIMEOUT = 2.0
 
-RANK = """
+RANK = f"TIMEOUT = {TIMEOUT!r}\n" + """
 import importlib, json, os, signal, sys, time
 rank, ws, port, victim, fault, call, point = (int(sys.argv[1]), int(sys.argv[2]),
     int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7])
 from coordinator import parallel_state as ps
-ps.init_distributed_environment(ws, rank, f"tcp://127.0.0.1:{port}", rank, timeout=%r)
+ps.init_distributed_environment(ws, rank, f"tcp://127.0.0.1:{port}", rank, timeout=TIMEOUT)
 if call != "initialize_model_parallel":
     ps.initialize_model_parallel(ws)
 if rank == victim:
@@ -54,7 +54,7 @@ except Exception as e:
 out["t"] = time.monotonic() - t0
 print(json.dumps(out), flush=True)
 os._exit(0)
-""" % TIMEOUT
+"""
 
 CASES = [
     pytest.param("create_mq_broadcaster", "shm_broadcast.queue.process_group:in_the_same_node_as",

@@ -30,8 +30,9 @@ def test_a_message_of_another_call_raises_naming_both_calls(theirs: int, mine: i
         unstamp(msg, mine, "broadcast_tensor_dict", "tp:0", 0, 30)
     text = str(info.value)
     assert info.value.peers == (0,)
-    for part in ("group 'tp:0'", "op broadcast_tensor_dict", "call #30", "rank 0's broadcast_object",
-                 f"collective call {theirs}", f"collective call {mine}"):
+    for part in ("group 'tp:0'", "op broadcast_tensor_dict", "call #30",
+                 "rank 0's broadcast_object", f"collective call {theirs}",
+                 f"collective call {mine}"):
         assert part in text, (part, text)
 
 

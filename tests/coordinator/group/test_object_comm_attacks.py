@@ -90,13 +90,14 @@ def hostile_peer(rank: int, world_size: int) -> list[str]:
                 if name.startswith("tensor-dict") and not offered:
                     # Settle the direction on the CPU group, so the attack meets
                     # the metadata checks of that path (not the offer's).
-                    world._send_object([MAGIC, None], 1, LINK_OFFER)
+                    world._objects.send([MAGIC, None], 1, LINK_OFFER)
                     offered = True
                 kind = DICT_META if name.startswith("tensor-dict") else OBJECT
                 _send_raw(header if len(header) == 3 else [*header, kind], payload, dst=1,
                           group=world.cpu_group)
             else:
-                recv = world.recv_tensor_dict if name.startswith("tensor-dict") else world.recv_object
+                recv = (world.recv_tensor_dict if name.startswith("tensor-dict")
+                        else world.recv_object)
                 tracemalloc.start()
                 try:
                     got = recv(0)
@@ -146,7 +147,7 @@ def claim_without_bytes(rank: int, world_size: int) -> list[Any]:
     try:
         if rank == 0:
             _send_raw([16 * _GIB, 0, OBJECT], bytes(PIECE_BYTES), dst=1, group=world.cpu_group)
-            world._send_object("go", 1)  # a later call of the peer: never read as the object
+            world._objects.send("go", 1)  # a later call of the peer: never read as the object
         else:
             proc, peak, done = psutil.Process(), [0], threading.Event()
             before = proc.memory_info().vms

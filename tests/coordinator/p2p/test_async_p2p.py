@@ -87,7 +87,7 @@ def many_outstanding(rank: int, n: int, pattern: str, k: int) -> int:
                 assert got is target  # filled in place
         calls = [h.call for _, _, h in sends]
         assert calls == sorted(calls) and len(set(calls)) == len(calls)
-        for d, i, h in reversed(sends):
+        for _d, _i, h in reversed(sends):
             assert h.wait() is None and h.is_completed()
         return len(recvs)
 
@@ -269,7 +269,7 @@ def destroy_with_outstanding(rank: int, n: int) -> dict[str, Any]:
     """Handles outstanding at destroy() (one running, one queued, one dropped) end
     with ClosedError; nobody deadlocks; the threads are joined."""
     from coordinator.errors import ClosedError
-    from coordinator.p2p.async_p2p import CLOSE_GRACE_S
+    from coordinator.p2p.point_to_point import CLOSE_GRACE_S
     from coordinator.parallel_state import get_world_group
 
     g = _group(rank, n)
@@ -442,9 +442,8 @@ def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any
             with pytest.raises(CollectiveMismatch) as told:
                 g.irecv_tensor_dict(peer).wait(10)
             out["peer_told"] = str(told.value)
-        if case.startswith("wait-"):  # the sends themselves were valid: receive them
-            if rank % 2:
-                g.irecv(((2,), torch.float32), peer).wait()
+        if case.startswith("wait-") and rank % 2:  # the sends were valid: receive them
+            g.irecv(((2,), torch.float32), peer).wait()
         # The pair still works afterwards, in both directions.
         h = g.isend(torch.full((3,), float(rank)), peer)
         got = g.irecv(((3,), torch.float32), peer).wait()
@@ -565,7 +564,8 @@ def alone(rank: int, n: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- tests
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size,pattern", [(2, "ring"), pytest.param(4, "ring", marks=pytest.mark.slow),
+@pytest.mark.parametrize("world_size,pattern", [(2, "ring"),
+                                                pytest.param(4, "ring", marks=pytest.mark.slow),
                                                 (4, "pairs")])
 def test_many_outstanding_handles_arrive_in_issue_order(dist_pool, world_size, pattern) -> None:
     k = 12
@@ -699,9 +699,9 @@ def test_cuda_half_imports_lazily_and_without_touching_cuda() -> None:
     code = (
         "import sys, torch\n"
         "import coordinator\n"
-        "assert 'coordinator.p2p.async_p2p' in sys.modules\n"
-        "assert 'coordinator.p2p.async_p2p_cuda' not in sys.modules\n"
-        "import coordinator.p2p.async_p2p_cuda as m\n"
+        "assert 'coordinator.p2p.point_to_point' in sys.modules\n"
+        "assert 'coordinator.p2p.cuda_p2p' not in sys.modules\n"
+        "import coordinator.p2p.cuda_p2p as m\n"
         "assert not torch.cuda.is_initialized()\n"
         "assert hasattr(m, 'CudaP2P') and hasattr(m, 'EventWork')\n"
         "print('ok')\n"

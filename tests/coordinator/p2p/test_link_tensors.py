@@ -40,7 +40,7 @@ def _messages(g: Any, peer: int) -> int:
     """Messages the link to ``peer`` has carried (its writer's sequence number)."""
     from coordinator.p2p.channels import SEND
 
-    link = g._links.settled(SEND, peer)
+    link = g._p2p.links.settled(SEND, peer)
     return -1 if link is None else link._impl._seq
 
 
@@ -68,7 +68,7 @@ def pairs(rank: int, world_size: int, first: str) -> list[str]:
                 continue
             if step == "tensors":
                 before = _messages(g, nxt)
-                for i, (t, want) in enumerate(zip(mine, theirs)):
+                for i, (t, want) in enumerate(zip(mine, theirs, strict=False)):
                     if rank % 2 == 0:
                         g.send(t, nxt)
                         got = g.recv(want.shape, want.dtype, prv)
@@ -201,13 +201,13 @@ def plain_only(rank: int, world_size: int) -> list[str]:
     nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
     bad: list[str] = []
     try:
-        for i, (t, want) in enumerate(zip(_tensors(rank)[:4], _tensors(prv)[:4])):
+        for i, (t, want) in enumerate(zip(_tensors(rank)[:4], _tensors(prv)[:4], strict=False)):
             h = g.isend(t, nxt)
             got = g.recv(want.shape, want.dtype, prv)
             h.wait(20)
             if got.dtype != want.dtype or not torch.equal(got, want):
                 bad.append(f"tensor {i}")
-        if g._links.settled(SEND, nxt) is None or g._links.settled(RECV, prv) is None:
+        if g._p2p.links.settled(SEND, nxt) is None or g._p2p.links.settled(RECV, prv) is None:
             bad.append("single tensors did not settle their directions on links")
         elif _messages(g, nxt) != 4:
             bad.append(f"{_messages(g, nxt)} messages on the link, not 4")
@@ -331,8 +331,9 @@ def subgroup_peers(rank: int, world_size: int) -> list[Any]:
             out.append(("PeerRejectedError", rejected.value.rank, list(rejected.value.peers)))
             with pytest.raises(CollectiveMismatch) as wrong_kind:
                 g.recv((2,), torch.float32, 0)
+            said = str(wrong_kind.value)
             out.append(("CollectiveMismatch", list(wrong_kind.value.peers),
-                        "rank 0" in str(wrong_kind.value) and g.unique_name in str(wrong_kind.value)))
+                        "rank 0" in said and g.unique_name in said))
     finally:
         g.destroy()
     return out

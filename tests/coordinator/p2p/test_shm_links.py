@@ -126,7 +126,7 @@ def every_pair(rank: int, n: int, transport: str, big: bool) -> dict[str, Any]:
                 else:
                     bad += _differences(g.recv_tensor_dict(src), _dict(src, dst, big))
                     bad += _differences(g.irecv_tensor_dict(src).wait(), _dict(src, dst, False))
-        used = {dst: type(g._links._settled[(SEND, dst)]).__name__
+        used = {dst: type(g._p2p.links._settled[(SEND, dst)]).__name__
                 for dst in range(n) if dst != rank}
     finally:
         os.environ.pop("GROUPCOORD_P2P_SHM", None)
@@ -244,8 +244,8 @@ def hostile_link(rank: int, n: int) -> list[str]:
         if rank == 0:
             q = _attacker_queue(1)
             for offer in _crafted_offers(q):
-                g._send_object(offer, 1, LINK_OFFER)
-            g._send_object([MAGIC, q.export_handle().to_bytes()], 1, LINK_OFFER)
+                g._objects.send(offer, 1, LINK_OFFER)
+            g._objects.send([MAGIC, q.export_handle().to_bytes()], 1, LINK_OFFER)
             q.wait_until_ready(30)
             for _, msg in _hostile_messages():
                 q.enqueue(msg)
@@ -291,7 +291,7 @@ def hostile_stream(rank: int, n: int, bad: str) -> list[str]:
     try:
         if rank == 0:
             q = _attacker_queue(1)
-            g._send_object([MAGIC, q.export_handle().to_bytes()], 1, LINK_OFFER)
+            g._objects.send([MAGIC, q.export_handle().to_bytes()], 1, LINK_OFFER)
             q.wait_until_ready(30)
             q.enqueue(_BIG)
             q.enqueue(_BAD_PARTS[bad])
@@ -332,7 +332,7 @@ def hostile_claim(rank: int, n: int, case: str) -> list[str]:
     try:
         if rank == 0:
             q = _attacker_queue(1)
-            g._send_object([MAGIC, q.export_handle().to_bytes()], 1, LINK_OFFER)
+            g._objects.send([MAGIC, q.export_handle().to_bytes()], 1, LINK_OFFER)
             q.wait_until_ready(30)
             q.enqueue(["td", [[f"x{i}", 1, ["cpu", "uint8", [c], 0]]
                               for i, c in enumerate(_CLAIMS[case])], []])
@@ -404,7 +404,7 @@ def foreign_offer(rank: int, n: int, case: str) -> list[str]:
             q = None
             if case == "replayed-offer":  # rank 0's honest link of the other group
                 other.send_tensor_dict({"settle": 1}, 1)
-                offer = other._links._settled[(SEND, 1)].export_handle()
+                offer = other._p2p.links._settled[(SEND, 1)].export_handle()
             elif case.startswith("ring-of"):
                 shape = ({"max_chunk_bytes": CHUNK_BYTES * 4} if case == "ring-of-larger-chunks"
                          else {"max_chunks": CHUNKS * 2})
@@ -415,7 +415,7 @@ def foreign_offer(rank: int, n: int, case: str) -> list[str]:
                 victim = Handle.from_bytes(g.recv_object(1))
                 q = _attacker_queue(1)
                 offer = _foreign_handle(case, q.export_handle(), victim)
-            g._send_object([MAGIC, offer.to_bytes()], 1, LINK_OFFER)
+            g._objects.send([MAGIC, offer.to_bytes()], 1, LINK_OFFER)
             g.barrier()
             g.send_tensor_dict({"honest": torch.arange(3)}, 1)
             if other is not None:
@@ -581,7 +581,7 @@ def peer_killed(rank: int, n: int, case: str) -> dict[str, Any]:
         out = _death_outcome(lambda: g.recv_tensor_dict(0))
     else:
         if rank == 1:
-            g._recv_object(0, LINK_OFFER)
+            g._objects.recv(0, LINK_OFFER)
             os.kill(os.getpid(), signal.SIGKILL)
         out = _death_outcome(lambda: g.send_tensor_dict({"x": torch.ones(3)}, 1))
     g.destroy()

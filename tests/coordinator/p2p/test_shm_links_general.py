@@ -36,11 +36,11 @@ _PART = _RING - (64 << 10)  # bytes a dict's message carries (link_messages.PART
 
 def _every_dtype(src: int) -> dict[str, torch.Tensor]:
     """A small tensor of every dtype a receiver can allocate, with known bytes."""
-    from coordinator.p2p.tensor_dict import _DTYPES
+    from coordinator.group.tensor_dict_format import DTYPES
 
     out = {}
     base = torch.arange(12).reshape(3, 4) % 7 + src
-    for name, dt in sorted(_DTYPES.items()):
+    for name, dt in sorted(DTYPES.items()):
         if dt.is_complex:
             out[name] = torch.complex(base.float(), -base.float()).to(dt)
         elif dt == torch.bool:
@@ -142,7 +142,7 @@ def _same(got: Any, want: Any) -> bool:
                 and all(_same(got[k], want[k]) for k in want))
     if isinstance(want, (list, tuple)):
         return (type(got) is type(want) and len(got) == len(want)
-                and all(_same(g, w) for g, w in zip(got, want)))
+                and all(_same(g, w) for g, w in zip(got, want, strict=False)))
     return type(got) is type(want) and got == want
 
 

@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.p2p import tensor_dict as td
+from coordinator.group import tensor_dict_format as td
+from coordinator.group.tensor_dict_calls import slicing_plan
 from tests.coordinator.rank_checks import (
     expect_equal,
     expect_raises,
@@ -80,15 +81,16 @@ _values = st.one_of(st.none(), st.integers(), st.text(max_size=5),
        st.integers(1, 4))
 def test_flatten_and_slicing_plan_properties(d, n):
     """One metadata entry per key, in order; payload = the tensors; slicing only when divisible."""
-    plan = td._slicing_plan(d, n, None)
+    plan = slicing_plan(d, n, None)
     meta, payload = td.flatten_tensor_dict(d, slicing=plan, parts=n)
     assert [m[0] for m in meta] == list(d)
     tensors = [v for v in d.values() if isinstance(v, torch.Tensor)]
-    assert len(payload) == len(tensors) and all(a is b for a, b in zip(payload, tensors))
-    for (key, kind, desc), v in zip(meta, d.values()):
+    assert len(payload) == len(tensors)
+    assert all(a is b for a, b in zip(payload, tensors, strict=True))
+    for (_key, kind, desc), v in zip(meta, d.values(), strict=False):
         if isinstance(v, torch.Tensor):
             assert kind == td.TENSOR and desc[2] == list(v.shape)
-            assert td._dtype(desc[1]) == v.dtype
+            assert td.dtype_of(desc[1]) == v.dtype
             sliced = n > 1 and v.numel() > 0 and v.numel() % n == 0
             assert desc[3] == (n if sliced else 0)
         else:
@@ -97,16 +99,16 @@ def test_flatten_and_slicing_plan_properties(d, n):
 
 def test_slicing_plan_overrides():
     d = {"even": torch.zeros(4), "odd": torch.zeros(3), "s": "x"}
-    assert td._slicing_plan(d, 2, None) == {"even": True, "odd": False}
-    assert td._slicing_plan(d, 2, {"even": False}) == {"even": False, "odd": False}
+    assert slicing_plan(d, 2, None) == {"even": True, "odd": False}
+    assert slicing_plan(d, 2, {"even": False}) == {"even": False, "odd": False}
     with pytest.raises(ValueError, match=r"all_gather_tensors\['odd'\].*3 elements"):
-        td._slicing_plan(d, 2, {"odd": True})
+        slicing_plan(d, 2, {"odd": True})
     with pytest.raises(ValueError, match="no all_gather_group"):
-        td._slicing_plan(d, 1, {"even": True})
+        slicing_plan(d, 1, {"even": True})
     with pytest.raises(TypeError, match="all_gather_tensors"):
-        td._slicing_plan(d, 2, ["even"])
+        slicing_plan(d, 2, ["even"])
     with pytest.raises(ValueError, match="unknown dtype"):
-        td._dtype("float33")
+        td.dtype_of("float33")
 
 
 # ---------------------------------------------------------------------- on the ranks
@@ -207,7 +209,7 @@ def run_send_recv_tensor_dict(rank: int, world_size: int) -> list[str]:
 
     ps.initialize_model_parallel(2, 2)
     tp, pp = ps.get_tp_group(), ps.get_pp_group()
-    t_rank, stage = tp.rank_in_group, pp.rank_in_group
+    stage = pp.rank_in_group
     done = []
 
     def sender_dict(sender_global: int) -> dict[Any, Any]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.p2p.tensor_dict import _DTYPES, TENSOR, check_metadata, flatten_tensor_dict
+from coordinator.group.tensor_dict_format import DTYPES, TENSOR, check_metadata, flatten_tensor_dict
 from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.errors import DecodeError
 from tests.shm_broadcast.codec.test_codec_fuzz import check_decode, mutate
@@ -43,7 +43,7 @@ def _decode_and_check(c: Codec, msg: bytes, blob: bytes) -> None:
     for _, kind, value in meta:  # what was accepted is well formed
         if kind == TENSOR:
             dev, dtype, shape, parts = value
-            assert dev == "cpu" and dtype in _DTYPES and all(n >= 0 for n in shape)
+            assert dev == "cpu" and dtype in DTYPES and all(n >= 0 for n in shape)
             assert parts == 0 or int(np.prod(shape, dtype=object)) % parts == 0
 
 
@@ -84,8 +84,8 @@ def test_mutated_metadata_slow_100k():
     [["k", TENSOR, ["cpu", "float32", [2]]]],
     [["k", TENSOR, ["cpu", "float32", [2.5], 0]]],
     [["k", 2, "inline without a tensor"]],
-], ids=["not-list", "kind", "key", "negative", "huge", "empty-huge-strides", "getattr", "quantized", "device",
-        "parts", "short", "float-dim", "inline"])
+], ids=["not-list", "kind", "key", "negative", "huge", "empty-huge-strides", "getattr",
+        "quantized", "device", "parts", "short", "float-dim", "inline"])
 def test_bad_metadata_is_refused(meta):
     with pytest.raises(DecodeError):
         check_metadata(meta, "cpu")

@@ -47,11 +47,13 @@ LAYOUTS = {
 def _derived(tp: int, pp: int, dp: int) -> list[list[int]]:
     """Same pipeline stage -> same EP group; members ordered by (dp, tp)."""
     coord = {r: (r // (tp * pp), (r // tp) % pp, r % tp) for r in range(tp * pp * dp)}
-    return [sorted((r for r, c in coord.items() if c[1] == p), key=lambda r: (coord[r][0], coord[r][2]))
+    return [sorted((r for r, c in coord.items() if c[1] == p),
+                   key=lambda r: (coord[r][0], coord[r][2]))
             for p in range(pp)]
 
 
-@pytest.mark.parametrize("layout", list(EXPECTED), ids=[f"tp{a}-pp{b}-dp{c}" for a, b, c in EXPECTED])
+@pytest.mark.parametrize("layout", list(EXPECTED),
+                         ids=[f"tp{a}-pp{b}-dp{c}" for a, b, c in EXPECTED])
 def test_formula_matches_the_written_out_groups(layout: tuple[int, int, int]) -> None:
     tp, pp, dp = layout
     assert ep_group_ranks(tp, pp, dp) == EXPECTED[layout] == _derived(tp, pp, dp)
@@ -123,7 +125,8 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int]])
             inputs, routing = moe.dispatch(torch.ones(2, 3), torch.tensor([[0], [1]]),
                                            torch.ones(2, 1), ep, 2)
             assert [x.shape[0] for x in inputs] == [1, 1]
-            assert torch.equal(moe.combine([x * 3 for x in inputs], routing), torch.full((2, 3), 3.0))
+            assert torch.equal(moe.combine([x * 3 for x in inputs], routing),
+                               torch.full((2, 3), 3.0))
         out.append({"ranks": list(ep.ranks), "rank_in_group": ep.rank_in_group,
                     "world_size": n, "name": ep.unique_name, "sum": total, "a2av": rows,
                     "tp_in_ep": set(ps.get_tp_group().ranks) <= set(ep.ranks)})

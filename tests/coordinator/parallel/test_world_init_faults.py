@@ -19,20 +19,20 @@ from tests.child_env import child_env
 
 TIMEOUT = 2.0
 
-RANK = """
+RANK = f"TIMEOUT = {TIMEOUT!r}\n" + """
 import json, sys, time
 from coordinator import parallel_state as ps
 rank, ws, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 t0 = time.monotonic()
 try:
-    ps.init_distributed_environment(ws, rank, f"tcp://127.0.0.1:{port}", rank, timeout=%r)
+    ps.init_distributed_environment(ws, rank, f"tcp://127.0.0.1:{port}", rank, timeout=TIMEOUT)
     out = {"cls": None}
 except Exception as e:
     out = {"cls": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
            "msg": str(e), "peers": list(getattr(e, "peers", None) or [])}
 out["t"] = time.monotonic() - t0
 print(json.dumps(out), flush=True)
-""" % TIMEOUT
+"""
 
 
 @pytest.mark.timeout(120)

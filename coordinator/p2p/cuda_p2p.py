@@ -1,7 +1,7 @@
 """Asynchronous point-to-point calls of a CUDA group: NCCL on a side stream, with events.
 
-Imported by :mod:`coordinator.p2p.async_p2p` at a CUDA group's first asynchronous
-call (never at module load). Not exercised in CI (no GPU there): only its
+Imported by :mod:`coordinator.p2p.point_to_point` at a CUDA group's first
+asynchronous call (never at module load). Not exercised in CI (no GPU there): only its
 dispatch and argument paths are.
 
 Why no thread: NCCL calls return as soon as their kernels are enqueued, and
@@ -20,7 +20,7 @@ thread, at the call*, on one side stream per group, and records a CUDA event:
   received tensor is ready for the kernels that follow.
 
 Calls of one group run on its side stream in issue order, which is the
-ordering rule of :mod:`coordinator.p2p.async_p2p`. NCCL matches a send only with
+ordering rule of :mod:`coordinator.p2p.point_to_point`. NCCL matches a send only with
 a receive posted by its peer; as for NCCL's own blocking send/recv, two ranks
 that each issue ``isend`` before ``irecv`` to one another need the peer to
 post its receive (NCCL buffers small messages; large ones may wait): order
@@ -28,7 +28,7 @@ such exchanges by rank parity, or receive first on one side.
 
 Tensor dicts: the metadata (and any CPU tensors of the dict) travel over the
 group's gloo side exactly as in the blocking calls. ``isend_tensor_dict``
-queues that part on the sending thread of :mod:`coordinator.p2p.async_p2p` and
+queues that part on the sending thread of :mod:`coordinator.p2p.point_to_point` and
 enqueues the CUDA tensors' sends at once; ``irecv_tensor_dict`` must know the
 shapes before it can enqueue receives in issue order, so it receives the
 metadata (and CPU tensors) on the caller's thread, in its turn, and only the
@@ -38,23 +38,53 @@ CUDA payload is asynchronous.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from coordinator.errors import ClosedError
 from coordinator.group import object_comm
-from coordinator.group.call_errors import WAIT_ERRORS
-from coordinator.p2p import tensor_dict as tensor_dict_ops
-from coordinator.p2p.async_p2p import SEND, P2PHandle, ordered, submit
-from coordinator.p2p.channels import Work
+from coordinator.group.call_errors import WAIT_ERRORS, CallErrors
+from coordinator.group.object_calls import ObjectCalls
+from coordinator.group.tensor_dict_format import TENSOR, alloc, check_metadata, flatten_tensor_dict
+from coordinator.p2p.channels import RECV, SEND, Work
+from coordinator.p2p.handle import P2PHandle
+from device_comms import DeviceCommunicator
 from device_comms.torch_dist.torch_communicator import wire_view
 
-if TYPE_CHECKING:
-    from coordinator.group.group_coordinator import GroupCoordinator
+__all__ = ["CudaP2P", "CudaGroup", "Ordering", "EventWork"]
 
-__all__ = ["CudaP2P", "EventWork"]
+
+class CudaGroup(Protocol):
+    """What a CUDA group's asynchronous calls use of the group."""
+
+    @property
+    def unique_name(self) -> str: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def comm(self) -> DeviceCommunicator: ...
+    @property
+    def ranks(self) -> list[int]: ...
+    @property
+    def cpu_group(self) -> Any: ...
+    @property
+    def device_group(self) -> Any: ...
+    @property
+    def timeout(self) -> float: ...
+
+
+class Ordering(Protocol):
+    """The group's point-to-point order, which the gloo side of a tensor dict keeps
+    (:class:`~coordinator.p2p.point_to_point.PointToPoint`)."""
+
+    def ordered(self, direction: str, peer: Any, op: str, fn: Callable[..., Any],
+                *args: Any) -> Any: ...
+
+    def submit(self, direction: str, peer: int, op: str, seq: int, fn: Callable[..., Any],
+               *args: Any, quiet: bool = False) -> Work: ...
 
 _POLL_S = 50e-6  # first poll interval of wait(); doubles up to _POLL_MAX_S
 _POLL_MAX_S = 1e-3
@@ -119,13 +149,20 @@ class CudaP2P:
     """A CUDA group's asynchronous calls (see the module docstring).
 
     Args:
-        coord: The group (its communicator's ``pynccl`` carries the tensors;
+        group: The group (its communicator's ``pynccl`` carries the tensors;
             without one, ``torch.distributed`` on the device group does).
+        errors: The group's explanation of failed waits.
+        objects: The group's object calls (a tensor dict's metadata).
+        order: The group's point-to-point order.
     """
 
-    def __init__(self, coord: GroupCoordinator) -> None:
-        self.coord = coord
-        self.stream = torch.cuda.Stream(device=coord.device)
+    def __init__(self, group: CudaGroup, errors: CallErrors, objects: ObjectCalls,
+                 order: Ordering) -> None:
+        self._group = group
+        self._errors = errors
+        self._objects = objects
+        self._order = order
+        self.stream = torch.cuda.Stream(device=group.device)
         self._pending: list[EventWork] = []
 
     # ------------------------------------------------------------------ tensors
@@ -135,7 +172,7 @@ class CudaP2P:
 
     def irecv(self, buf: torch.Tensor | None, size: torch.Size, dtype: torch.dtype, src: int,
               seq: int) -> P2PHandle:
-        out = torch.empty(size, dtype=dtype, device=self.coord.device) if buf is None else buf
+        out = torch.empty(size, dtype=dtype, device=self._group.device) if buf is None else buf
         target = out if out.is_contiguous() else torch.empty_like(
             out, memory_format=torch.contiguous_format)
 
@@ -150,23 +187,22 @@ class CudaP2P:
 
     # ------------------------------------------------------------------ tensor dicts
     def isend_tensor_dict(self, d: dict[Any, Any], dst: int, seq: int) -> P2PHandle:
-        coord = self.coord
-        meta, payload = tensor_dict_ops.flatten_tensor_dict(d, device=coord.device)
+        meta, payload = flatten_tensor_dict(d, device=self._group.device)
         on_gpu = [t.contiguous() for t in payload if t.numel() and t.device.type == "cuda"]
         on_cpu = [t.contiguous() for t in payload if t.numel() and t.device.type == "cpu"]
-        cpu = submit(coord, SEND, dst, "isend_tensor_dict", seq, _send_meta, coord, meta,
-                     on_cpu, dst)
-        ev = self._enqueue(lambda s: [self._send(t, dst, s) for t in on_gpu], on_gpu)
+        cpu = self._order.submit(SEND, dst, "isend_tensor_dict", seq, self._send_meta, meta,
+                                 on_cpu, dst)
+        ev = self._enqueue(lambda s: self._send_all(on_gpu, dst, s), on_gpu)
         return self._handle("isend_tensor_dict", dst, seq, ev, None, cpu)
 
     def irecv_tensor_dict(self, src: int, seq: int) -> P2PHandle:
-        coord = self.coord
         try:
-            out, on_gpu = ordered(coord, "recv", src, "irecv_tensor_dict", _recv_meta, coord, src)
+            out, on_gpu = self._order.ordered(RECV, src, "irecv_tensor_dict", self._recv_meta,
+                                              src)
         except WAIT_ERRORS as e:  # a failed wait: translated like every other call's
-            coord._errors.explain("irecv_tensor_dict", seq, e, partner=src)
+            self._errors.explain("irecv_tensor_dict", seq, e, partner=src)
             raise
-        ev = self._enqueue(lambda s: [self._recv(t, src, s) for t in on_gpu], on_gpu)
+        ev = self._enqueue(lambda s: self._recv_all(on_gpu, src, s), on_gpu)
         return self._handle("irecv_tensor_dict", src, seq, ev, out)
 
     # ------------------------------------------------------------------ closing
@@ -176,15 +212,15 @@ class CudaP2P:
         deadline = time.monotonic() + grace
         for w in self._pending:
             if not w.block(max(0.0, deadline - time.monotonic())) and w.error is None:
-                w.error = ClosedError(f"group {self.coord.unique_name!r} was destroyed while "
-                                      f"{w.describe()} was still running on the GPU",
-                                      queue=self.coord.unique_name, peers=(w.peer,))
+                name = self._group.unique_name
+                w.error = ClosedError(f"group {name!r} was destroyed while {w.describe()} was "
+                                      f"still running on the GPU", queue=name, peers=(w.peer,))
         self._pending.clear()
 
     # ------------------------------------------------------------------ helpers
     def _enqueue(self, fn: Any, tensors: list[torch.Tensor]) -> Any:
         s = self.stream
-        s.wait_stream(torch.cuda.current_stream(self.coord.device))
+        s.wait_stream(torch.cuda.current_stream(self._group.device))
         with torch.cuda.stream(s):
             fn(s)
             for t in tensors:
@@ -194,52 +230,63 @@ class CudaP2P:
         return ev
 
     def _send(self, t: torch.Tensor, dst: int, s: Any) -> None:
-        nccl = getattr(self.coord.comm, "pynccl", None)
+        g = self._group
+        nccl = getattr(g.comm, "pynccl", None)
         if nccl is not None:
             nccl.send(t, dst, stream=s)
         else:
-            dist.send(wire_view(t), dst=self.coord.ranks[dst], group=self.coord.device_group)
+            dist.send(wire_view(t), dst=g.ranks[dst], group=g.device_group)
 
     def _recv(self, t: torch.Tensor, src: int, s: Any) -> None:
-        nccl = getattr(self.coord.comm, "pynccl", None)
+        g = self._group
+        nccl = getattr(g.comm, "pynccl", None)
         if nccl is not None:
             nccl.recv(t, src, stream=s)
         else:
-            dist.recv(wire_view(t), src=self.coord.ranks[src], group=self.coord.device_group)
+            dist.recv(wire_view(t), src=g.ranks[src], group=g.device_group)
+
+    def _send_all(self, tensors: list[torch.Tensor], dst: int, s: Any) -> None:
+        for t in tensors:
+            self._send(t, dst, s)
+
+    def _recv_all(self, tensors: list[torch.Tensor], src: int, s: Any) -> None:
+        for t in tensors:
+            self._recv(t, src, s)
 
     def _handle(self, op: str, peer: int, seq: int, ev: Any, result: Any,
                 cpu: Work | None = None) -> P2PHandle:
-        w = EventWork(op, peer, seq, ev, self.coord.device, result, self.coord._errors, cpu)
+        g = self._group
+        w = EventWork(op, peer, seq, ev, g.device, result, self._errors, cpu)
         self._pending = [p for p in self._pending if not p.done()] + [w]
-        return P2PHandle(w, self.coord.timeout)
+        return P2PHandle(w, g.timeout)
 
+    # ------------------------------------------------------------------ the gloo side of a dict
+    def _send_meta(self, meta: list[Any], cpu: list[torch.Tensor], dst: int) -> None:
+        """The gloo part of a CUDA group's tensor dict: metadata, then its CPU tensors."""
+        g = self._group
+        self._objects.send(meta, dst, object_comm.DICT_META)
+        for t in cpu:
+            dist.send(wire_view(t), dst=g.ranks[dst], group=g.cpu_group)
 
-def _send_meta(coord: GroupCoordinator, meta: list[Any], cpu: list[torch.Tensor],
-               dst: int) -> None:
-    """The gloo part of a CUDA group's tensor dict: metadata, then its CPU tensors."""
-    coord._send_object(meta, dst, object_comm.DICT_META)
-    for t in cpu:
-        dist.send(wire_view(t), dst=coord.ranks[dst], group=coord.cpu_group)
-
-
-def _recv_meta(coord: GroupCoordinator, src: int) -> tuple[dict[Any, Any], list[torch.Tensor]]:
-    """Receive the gloo part; returns the dict (CUDA tensors allocated, not yet filled)
-    and those CUDA tensors in order."""
-    meta = tensor_dict_ops.check_metadata(coord._recv_object(src, object_comm.DICT_META), coord.device.type)
-    out: dict[Any, Any] = {}
-    on_gpu: list[torch.Tensor] = []
-    for key, kind, value in meta:
-        if kind != tensor_dict_ops.TENSOR:
-            out[key] = value
-            continue
-        if value[3]:
-            raise ValueError(f"irecv_tensor_dict: the sender sliced tensor {key!r} for an "
-                             f"all-gather, which asynchronous receives do not do")
-        t = out[key] = tensor_dict_ops._alloc(value, coord.device)
-        if not t.numel():
-            continue
-        if t.device.type == "cpu":
-            dist.recv(wire_view(t), src=coord.ranks[src], group=coord.cpu_group)
-        else:
-            on_gpu.append(t)
-    return out, on_gpu
+    def _recv_meta(self, src: int) -> tuple[dict[Any, Any], list[torch.Tensor]]:
+        """Receive the gloo part; returns the dict (CUDA tensors allocated, not yet
+        filled) and those CUDA tensors in order."""
+        g = self._group
+        meta = check_metadata(self._objects.recv(src, object_comm.DICT_META), g.device.type)
+        out: dict[Any, Any] = {}
+        on_gpu: list[torch.Tensor] = []
+        for key, kind, value in meta:
+            if kind != TENSOR:
+                out[key] = value
+                continue
+            if value[3]:
+                raise ValueError(f"irecv_tensor_dict: the sender sliced tensor {key!r} for an "
+                                 f"all-gather, which asynchronous receives do not do")
+            t = out[key] = alloc(value, g.device)
+            if not t.numel():
+                continue
+            if t.device.type == "cpu":
+                dist.recv(wire_view(t), src=g.ranks[src], group=g.cpu_group)
+            else:
+                on_gpu.append(t)
+        return out, on_gpu

@@ -1,0 +1,248 @@
+"""What a dict of tensors and plain values becomes on the wire: metadata and payload.
+
+A tensor dict is flattened into *metadata* (one entry per key, in order) and a
+list of *payload* tensors. Metadata is plain data, so the message queue's
+msgspec codec carries it without pickling, on every path (queue, CPU group or
+shared-memory link)::
+
+    entry = [key, VALUE, value]                       # plain Python value
+          | [key, TENSOR, [device_type, dtype, shape, parts]]
+          | [key, INLINE, tensor]                     # a CPU tensor inside the message
+
+``parts`` is 0 for a tensor sent whole, or ``n`` when it travels as ``1/n``
+slices (the all-gather optimisation of
+:mod:`coordinator.group.tensor_dict_calls`); receivers check it against their
+own group. Receivers allocate their own tensors (:func:`alloc`).
+
+Received metadata is checked before anything is allocated for it
+(:func:`check_metadata`): entries of the right form, a known kind, a known
+dtype, a device the group moves, non-negative dimensions whose byte size fits
+in 64 bits, slicing that divides the tensor. Anything else raises
+:class:`~shm_broadcast.errors.DecodeError`. Values other than tensors go
+through the codec's rules: types msgspec cannot carry are refused on the
+source unless the group opted in with ``allow_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from coordinator.errors import DecodeError
+from coordinator.group import object_comm
+
+__all__ = [
+    "VALUE",
+    "TENSOR",
+    "INLINE",
+    "DTYPES",
+    "dtype_of",
+    "flatten_tensor_dict",
+    "check_metadata",
+    "alloc",
+    "sent_numels",
+]
+
+#: The kinds of metadata entries.
+VALUE, TENSOR, INLINE = 0, 1, 2
+
+
+_MAX_NDIM = 64
+_MAX_TENSOR_BYTES = 1 << 62
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _known_dtypes() -> dict[str, torch.dtype]:
+    """Canonical names of the dtypes a receiver may allocate (no quantized ones)."""
+    out: dict[str, torch.dtype] = {}
+    for value in vars(torch).values():
+        if isinstance(value, torch.dtype) and not _dtype_name(value).startswith("q"):
+            try:
+                with warnings.catch_warnings():  # complex32 warns that it is experimental
+                    warnings.simplefilter("ignore")
+                    torch.empty(0, dtype=value)
+            except (RuntimeError, TypeError):
+                continue
+            out[_dtype_name(value)] = value
+    return out
+
+
+#: Canonical names of the dtypes a receiver may allocate.
+DTYPES = _known_dtypes()
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The dtype a metadata entry names.
+
+    Raises:
+        DecodeError: Not the name of a dtype a receiver allocates.
+    """
+    dt = DTYPES.get(name) if type(name) is str else None
+    if dt is None:
+        raise DecodeError(f"unknown dtype {name!r} in tensor-dict metadata")
+    return dt
+
+
+def flatten_tensor_dict(
+    tensor_dict: Mapping[Any, Any],
+    inline_cpu: bool = False,
+    slicing: Mapping[Any, bool] | None = None,
+    parts: int = 1,
+    device: torch.device | None = None,
+) -> tuple[list[list[Any]], list[torch.Tensor]]:
+    """Split a dict into metadata entries and payload tensors.
+
+    Args:
+        tensor_dict: Mapping of keys to tensors, None or plain data.
+        inline_cpu: Keep CPU tensors inside the metadata (for the message queue,
+            which encodes them out of band).
+        slicing: Keys whose tensors are sent as slices (see module docstring).
+        parts: Number of slices of a sliced tensor (the all-gather group size).
+        device: The group's device; when given, every tensor must be on the CPU
+            or on a device of that type.
+
+    Raises:
+        TypeError: ``tensor_dict`` is not a mapping, or holds a sparse or
+            quantized tensor.
+        ValueError: A tensor is on a device the group cannot move.
+    """
+    if not isinstance(tensor_dict, Mapping):
+        raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
+    meta: list[list[Any]] = []
+    payload: list[torch.Tensor] = []
+    for key, value in tensor_dict.items():
+        if isinstance(value, torch.Tensor):
+            _check_sendable(key, value)
+            if device is not None and value.device.type not in ("cpu", device.type):
+                where = "cpu" if device.type == "cpu" else f"cpu or {device.type}"
+                raise ValueError(
+                    f"tensor_dict[{key!r}] is on {value.device}, but this group moves tensors "
+                    f"on {where}; move it with .to({str(device)!r})"
+                )
+            if inline_cpu and value.device.type == "cpu":
+                meta.append([key, INLINE, value])
+                continue
+            n = parts if slicing and slicing.get(key, False) else 0
+            meta.append(
+                [key, TENSOR, [value.device.type, _dtype_name(value.dtype), list(value.shape), n]]
+            )
+            payload.append(value)
+        else:
+            meta.append([key, VALUE, value])
+    return meta, payload
+
+
+def _check_sendable(key: Any, value: torch.Tensor) -> None:
+    """Refuse, before anything is sent, a tensor no receiver could rebuild.
+
+    Raises:
+        TypeError: ``value`` is not dense (strided), or its dtype is one a
+            receiver does not allocate (quantized dtypes).
+    """
+    if value.layout != torch.strided or value.is_nested:
+        kind = "nested" if value.is_nested else str(value.layout)
+        raise TypeError(
+            f"tensor_dict[{key!r}] is a {kind} tensor; only dense (strided) "
+            f"tensors can be sent (.to_dense(), or .unbind() a nested one)"
+        )
+    if _dtype_name(value.dtype) not in DTYPES:
+        raise TypeError(
+            f"tensor_dict[{key!r}] has dtype {value.dtype}, which cannot be sent "
+            f"(quantized tensors do not travel); send .int_repr() with its scale and "
+            f"zero point, or .dequantize()"
+        )
+
+
+def alloc(desc: list[Any], device: torch.device, numel_div: int = 1) -> torch.Tensor:
+    """A tensor for a descriptor :func:`check_metadata` accepted."""
+    dev_type, dtype_name, shape, _ = desc
+    dev = torch.device("cpu") if dev_type == "cpu" else device
+    if numel_div == 1:
+        return torch.empty(shape, dtype=dtype_of(dtype_name), device=dev)
+    numel = 1
+    for s in shape:
+        numel *= s
+    return torch.empty(numel // numel_div, dtype=dtype_of(dtype_name), device=dev)
+
+
+def check_metadata(meta: Any, device_type: str) -> list[list[Any]]:
+    """Check received tensor-dict metadata before anything is allocated for it.
+
+    Args:
+        meta: What the codec decoded (a list of ``[key, kind, value]``).
+        device_type: The receiving group's device type (``"cpu"``, ``"cuda"``).
+
+    Returns:
+        ``meta`` itself, every entry known to be well formed: keys hashable,
+        kinds known, tensor descriptors ``[device, dtype, shape, parts]`` with a
+        device of ``"cpu"`` or ``device_type``, a known dtype, at most 64
+        non-negative dimensions whose byte size fits in 62 bits, and ``parts``
+        (``0`` or a slice count) dividing the element count; the CPU tensors
+        together no larger than this host's memory and swap (the receiver
+        must hold them all, so a larger claim is a lie).
+
+    Raises:
+        DecodeError: Any entry is malformed.
+    """
+    if type(meta) is not list:
+        raise DecodeError(f"tensor-dict metadata must be a list, got {type(meta).__name__}")
+    cpu_bytes = 0
+    for i, entry in enumerate(meta):
+        if type(entry) is not list or len(entry) != 3 or entry[1] not in (VALUE, TENSOR, INLINE):
+            raise DecodeError(f"tensor-dict metadata entry {i} is malformed: {entry!r:.200}")
+        try:
+            hash(entry[0])
+        except TypeError:
+            raise DecodeError(f"tensor-dict metadata entry {i} has an unhashable key") from None
+        if entry[1] == TENSOR:
+            nbytes = _check_desc(entry[2], device_type, i)
+            if entry[2][0] == "cpu":
+                cpu_bytes += nbytes
+        elif entry[1] == INLINE and not isinstance(entry[2], torch.Tensor):
+            raise DecodeError(f"tensor-dict metadata entry {i} is an inline tensor without one")
+    _check_host_bytes(cpu_bytes)
+    return meta
+
+
+def _check_desc(desc: Any, device_type: str, i: int) -> int:
+    """Check one tensor descriptor; returns the bytes of its whole tensor."""
+    if type(desc) is not list or len(desc) != 4:
+        raise DecodeError(f"tensor-dict metadata entry {i}: bad tensor descriptor {desc!r:.200}")
+    dev_type, dtype_name, shape, parts = desc
+    if dev_type not in ("cpu", device_type):
+        raise DecodeError(f"tensor-dict metadata entry {i}: device {dev_type!r:.40} is not "
+                          f"'cpu' or this group's {device_type!r}")
+    itemsize = dtype_of(dtype_name).itemsize
+    if (type(shape) is not list or len(shape) > _MAX_NDIM
+            or not all(type(n) is int and n >= 0 for n in shape)):
+        raise DecodeError(f"tensor-dict metadata entry {i}: bad shape {shape!r:.200}")
+    numel, span = 1, 1
+    for n in shape:
+        numel *= n
+        span *= max(n, 1)  # an empty tensor's strides still multiply its other sizes
+    if span * itemsize > _MAX_TENSOR_BYTES:
+        raise DecodeError(f"tensor-dict metadata entry {i}: shape {shape} is too large")
+    if type(parts) is not int or parts < 0 or (parts and numel % parts):
+        raise DecodeError(f"tensor-dict metadata entry {i}: bad slice count {parts!r:.40} "
+                          f"for {numel} elements")
+    return numel * itemsize
+
+
+def _check_host_bytes(nbytes: int) -> None:
+    """Refuse metadata whose CPU tensors could not fit in this host's memory."""
+    if nbytes > object_comm.host_memory():
+        raise DecodeError(f"tensor-dict metadata describes {nbytes} bytes of CPU tensors, more "
+                          f"than this host's memory and swap ({object_comm.host_memory()} bytes)")
+
+
+def sent_numels(meta: list[list[Any]]) -> list[tuple[int, list[Any]]]:
+    """``(elements sent, descriptor)`` of every tensor entry of checked metadata (a
+    sliced tensor sends ``1/parts`` of its elements)."""
+    return [(math.prod(v[2]) // (v[3] or 1), v) for _, kind, v in meta if kind == TENSOR]

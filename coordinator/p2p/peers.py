@@ -1,0 +1,36 @@
+"""The peer of a point-to-point call: the check of its rank, its rank for error
+messages, and the note on an error the peer could not be told of."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from device_comms import validation
+
+__all__ = ["check_peer", "peer_rank", "note_untold"]
+
+
+def check_peer(r: Any, arg: str, world_size: int, me: int) -> None:
+    """Refuse ``r`` as the peer of a point-to-point call of group rank ``me``.
+
+    Raises:
+        TypeError: ``r`` is not an int.
+        ValueError: ``r`` is outside ``[0, world_size)`` or is ``me`` (point to
+            point needs another rank).
+    """
+    validation.check_rank(r, world_size, arg)
+    if r == me:
+        raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
+
+
+def peer_rank(rank: Any) -> int | None:
+    """A point-to-point call's peer rank, when it is one (for error messages)."""
+    return rank if type(rank) is int else None
+
+
+def note_untold(e: BaseException, peer: int, group: str, why: BaseException) -> None:
+    """Note on ``e`` (this rank's own error) that telling group rank ``peer`` of it
+    failed with ``why``; on Python 3.10, which has no exception notes, nothing."""
+    add_note = getattr(e, "add_note", None)
+    if add_note is not None:
+        add_note(f"telling rank {peer} of group {group!r} failed: {why}")

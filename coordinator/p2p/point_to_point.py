@@ -1,0 +1,352 @@
+"""A group's point-to-point calls, blocking and asynchronous, and the order they keep.
+
+:class:`PointToPoint` runs ``send``/``recv`` (tensors), ``send_object`` /
+``recv_object`` and ``isend``/``irecv``, and gives every point-to-point call
+of the group (tensor dicts too: :mod:`coordinator.group.tensor_dict_calls`) its
+place in the order below. It owns what they keep between calls: the group's
+shared-memory links (:mod:`coordinator.p2p.shm_links`), the worker threads of
+the asynchronous calls (:mod:`coordinator.p2p.channels`) and a CUDA group's
+side stream (:mod:`coordinator.p2p.cuda_p2p`).
+
+Asynchronous calls return a :class:`~coordinator.p2p.handle.P2PHandle` at once.
+
+Design (CPU groups, gloo). One worker thread per peer and direction of the
+group, started at the first asynchronous call in that direction, runs the
+group's *blocking* calls (the link or ``comm.send``/``comm.recv``, a tensor
+dict's ``send``/``recv``) in issue order, and the handle waits for it. Why
+threads rather than torch's gloo ``isend``/``irecv`` works: every CPU call is
+signed. A send and its receive first exchange headers (in both directions),
+the payload follows only after both agreed, and a tensor dict's metadata must
+be received and checked before its tensors' buffers can be posted; those are
+chains of dependent steps, which a thread runs with exactly the code of the
+blocking calls (same checks, same error translation, same wire format: an
+``isend`` pairs with a blocking ``recv`` and the other way round), waiting in
+gloo with the GIL released. One thread per *direction*, not one per group:
+each rank of a pair (or a ring) must have a send to and a receive from its
+peers in flight at once, which a single queue per group would deadlock; the
+signed send/recv gives each direction its own tags
+(:mod:`device_comms.signatures.p2p_envelopes`), so the two directions never
+mix. Cost: one thread hand-off per call and at most ``2 * (world_size - 1)``
+threads per group.
+
+Ordering rule. Calls of one direction with one peer run in the order they
+were issued, asynchronous or blocking alike: a blocking send
+(``send``, ``send_object``, ``send_tensor_dict``) to rank ``p`` first waits
+until every earlier ``isend``/``isend_tensor_dict`` to ``p`` finished (at most
+the group's timeout), then runs on the caller's thread before any later one;
+receives from ``p`` likewise (:meth:`PointToPoint.ordered`). The peer must
+receive them in the same order with calls of the same kind (a tensor by
+``recv``/``irecv``, a dict by ``recv_tensor_dict``/``irecv_tensor_dict``).
+Calls in the other direction, with other peers, and collectives are not
+ordered against outstanding handles, and may run meanwhile (collectives use
+other gloo tags).
+
+Buffers. ``isend`` does not copy: do not modify a tensor (or a dict's
+tensors) until its handle completed. ``irecv`` into a tensor fills it in
+place (the receive lands in a new tensor that is then copied in) and returns
+it; ``irecv((shape, dtype))`` returns a new tensor.
+
+Closing (:meth:`PointToPoint.close`, at ``GroupCoordinator.destroy()``):
+calls blocked on a link end with ``ClosedError``; queued asynchronous calls
+fail with ``ClosedError``, running ones get :data:`CLOSE_GRACE_S` to finish,
+then the group's gloo connections are closed so that those waiting for a peer
+end at once (with ``ClosedError``; gloo cannot cancel one wait, but a wait
+that times out closes every connection of its group); the threads are joined
+and the links closed.
+
+CUDA groups go through :mod:`coordinator.p2p.cuda_p2p` (NCCL on a side
+stream, imported at the first CUDA call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Callable, Sequence
+from time import monotonic
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from coordinator.group.call_book import CallBook
+from coordinator.group.call_errors import WAIT_ERRORS
+from coordinator.group.object_calls import ObjectCalls
+from coordinator.p2p import link_tensors
+from coordinator.p2p.channels import RECV, SEND, Channels, Work
+from coordinator.p2p.handle import P2PHandle
+from coordinator.p2p.peers import check_peer, peer_rank
+from coordinator.p2p.shm_links import ShmLinks
+from device_comms import DeviceCommunicator, validation
+
+if TYPE_CHECKING:
+    from coordinator.p2p.cuda_p2p import CudaP2P
+
+__all__ = ["PointToPoint", "P2PGroup", "CLOSE_GRACE_S"]
+
+#: Seconds ``destroy()`` lets running point-to-point calls finish before ending them.
+CLOSE_GRACE_S = 1.0
+_BREAK_TAG = 0x6770  # never sent: the expired wait on it closes the group's connections
+
+
+class P2PGroup(Protocol):
+    """What point-to-point calls use of their group."""
+
+    @property
+    def unique_name(self) -> str: ...
+    @property
+    def rank_in_group(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def ranks(self) -> list[int]: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def comm(self) -> DeviceCommunicator: ...
+    @property
+    def cpu_group(self) -> Any: ...
+    @property
+    def device_group(self) -> Any: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def allow_pickle(self) -> bool: ...
+
+
+class PointToPoint:
+    """The point-to-point calls of one group (see the module docstring).
+
+    Args:
+        group: The group.
+        book: The group's call bookkeeping (numbers, closed state, explanations).
+        objects: The group's object calls (objects, link offers, a CUDA dict's metadata).
+
+    Attributes:
+        links: The group's shared-memory links.
+    """
+
+    def __init__(self, group: P2PGroup, book: CallBook, objects: ObjectCalls) -> None:
+        self._group = group
+        self._book = book
+        self._objects = objects
+        self.links = ShmLinks(group, objects, book)
+        self._channels: Channels | None = None  # the asynchronous calls' threads, at first use
+        self._cuda: CudaP2P | None = None  # a CUDA group's side stream, at first use
+
+    # ------------------------------------------------------------------ blocking calls
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """``GroupCoordinator.send``: ``tensor`` to group rank ``dst``, in its turn."""
+        book = self._book
+        book.p2p_calls = n = book.p2p_calls + 1
+        seq = n + book.collectives
+        started = monotonic()
+        try:
+            if self._channels is None:  # no asynchronous call ever: nothing to wait for
+                return link_tensors.send(self._group, self.links, tensor, dst)
+            return self.ordered(SEND, dst, "send", link_tensors.send, self._group, self.links,
+                                tensor, dst)
+        except WAIT_ERRORS as e:
+            book.explain("send", seq, e, partner=peer_rank(dst), started=started)
+            raise
+
+    def recv(self, size: torch.Size | Sequence[int], dtype: torch.dtype,
+             src: int) -> torch.Tensor:
+        """``GroupCoordinator.recv``: a tensor from group rank ``src``, in its turn."""
+        book = self._book
+        book.p2p_calls = n = book.p2p_calls + 1
+        seq = n + book.collectives
+        started = monotonic()
+        try:
+            if self._channels is None:  # no asynchronous call ever: nothing to wait for
+                return link_tensors.recv(self._group, self.links, size, dtype, src)
+            return self.ordered(RECV, src, "recv", link_tensors.recv, self._group, self.links,
+                                size, dtype, src)
+        except WAIT_ERRORS as e:
+            book.explain("recv", seq, e, partner=peer_rank(src), started=started)
+            raise
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        """``GroupCoordinator.send_object``: ``obj`` to group rank ``dst``, in its turn."""
+        self._book.run("send_object", self.ordered, SEND, dst, "send_object",
+                       self._objects.send, obj, dst, partner=peer_rank(dst), p2p=True)
+
+    def recv_object(self, src: int) -> Any:
+        """``GroupCoordinator.recv_object``: an object from group rank ``src``, in its turn."""
+        return self._book.run("recv_object", self.ordered, RECV, src, "recv_object",
+                              self._objects.recv, src, partner=peer_rank(src), p2p=True)
+
+    def ordered(self, direction: str, peer: Any, op: str, fn: Callable[..., Any],
+                *args: Any) -> Any:
+        """Run blocking call ``fn(*args)`` after this direction's outstanding asynchronous calls.
+
+        Runs on the caller's thread; costs one dictionary lookup when no
+        asynchronous call was ever made in that direction.
+
+        Raises:
+            CommTimeout: The earlier calls did not finish within the group's timeout.
+        """
+        chs = self._channels
+        ch = chs.find(direction, peer) if chs is not None else None
+        if ch is None:
+            return fn(*args)
+        book = self._book
+
+        def check() -> None:
+            dead = book.dead_partner(op, peer)
+            if dead is not None:
+                raise dead
+
+        with ch.turn(self._group.timeout, lambda: f"{op} with rank {peer}", check):
+            return fn(*args)
+
+    # ------------------------------------------------------------------ asynchronous calls
+    def isend(self, tensor: torch.Tensor, dst: int | None) -> P2PHandle:
+        """``GroupCoordinator.isend``: start sending ``tensor`` to ``dst`` (default: next rank)."""
+        g = self._group
+        dst, seq = self.begin("isend", dst, "dst", +1)
+        try:
+            t = validation.check_tensor(tensor, "tensor", g.device)
+        except (TypeError, ValueError) as e:
+            self._tell_peer(SEND, dst, "isend", seq, e)
+            raise
+        if g.device.type == "cuda":
+            return self.cuda().isend(t, dst, seq)
+        return self.handle(self.submit(SEND, dst, "isend", seq, link_tensors.send, g,
+                                       self.links, t, dst))
+
+    def irecv(self, tensor_or_spec: Any, src: int | None) -> P2PHandle:
+        """``GroupCoordinator.irecv``: start receiving from ``src`` (default: previous rank)."""
+        g = self._group
+        src, seq = self.begin("irecv", src, "src", -1)
+        try:
+            buf, size, dtype = _recv_target(tensor_or_spec, g.device)
+        except (TypeError, ValueError) as e:
+            self._tell_peer(RECV, src, "irecv", seq, e)
+            raise
+        if g.device.type == "cuda":
+            return self.cuda().irecv(buf, size, dtype, src, seq)
+        return self.handle(self.submit(RECV, src, "irecv", seq, self._recv_into, buf, size,
+                                       dtype, src))
+
+    def begin(self, op: str, peer: Any, arg: str, step: int,
+              allow_alone: bool = False) -> tuple[int, int]:
+        """Start asynchronous call ``op``: check the group and the peer (None: the
+        next rank for ``step`` +1, the previous for -1); number the call.
+
+        Returns:
+            ``(peer, call number)``.
+        """
+        g = self._group
+        self._book.check_live(op)
+        seq = self._book.number_p2p()
+        if peer is None:
+            peer = (g.rank_in_group + step) % g.world_size
+        if allow_alone and g.world_size == 1:
+            validation.check_rank(peer, 1, arg)
+        else:
+            check_peer(peer, arg, g.world_size, g.rank_in_group)
+        return peer, seq
+
+    def submit(self, direction: str, peer: int, op: str, seq: int, fn: Callable[..., Any],
+               *args: Any, quiet: bool = False) -> Work:
+        """Queue ``fn(*args)`` as call ``seq`` on the channel of ``direction`` with ``peer``
+        (``quiet``: nobody waits for it, its failure is not reported)."""
+        work = Work(op, peer, seq, fn, args, self._book.errors, quiet=quiet)
+        self._channels_at_first_use().get(direction, peer).submit(work)
+        return work
+
+    def handle(self, work: Work) -> P2PHandle:
+        """The handle of a submitted call."""
+        return P2PHandle(work, self._group.timeout)
+
+    def done(self, op: str, peer: int, seq: int, result: Any) -> P2PHandle:
+        """A handle of a call that needs no communication (a group of one)."""
+        work = Work(op, peer, seq, lambda: result, (), self._book.errors)
+        work.run()
+        return P2PHandle(work, self._group.timeout)
+
+    def cuda(self) -> CudaP2P:
+        """The asynchronous calls of a CUDA group (created, and imported, at first use)."""
+        if self._cuda is None:
+            from coordinator.p2p.cuda_p2p import CudaP2P
+
+            self._cuda = CudaP2P(self._group, self._book.errors, self._objects, self)
+        return self._cuda
+
+    def _tell_peer(self, direction: str, peer: int, op: str, seq: int,
+                   e: BaseException) -> None:
+        """In this direction's order, take part in the call as a rank that rejected its
+        arguments, so the peer raises ``PeerRejectedError`` instead of waiting
+        (:func:`coordinator.p2p.link_tensors.reject`: on the direction's link, or
+        through the communicator)."""
+        g = self._group
+        if g.device.type != "cpu":
+            submit_kind = "send" if direction == SEND else "recv"
+            self.submit(direction, peer, op, seq, link_tensors.reject_through_comm, g.comm,
+                        submit_kind, e, peer, quiet=True)
+            return
+        self.submit(direction, peer, op, seq, link_tensors.reject, g, self.links, direction,
+                    peer, e, quiet=True)
+
+    def _recv_into(self, buf: torch.Tensor | None, size: torch.Size, dtype: torch.dtype,
+                   src: int) -> torch.Tensor:
+        out = link_tensors.recv(self._group, self.links, size, dtype, src)
+        if buf is None:
+            return out
+        with torch.no_grad():  # a buffer that requires grad is filled as torch.distributed.recv
+            buf.copy_(out)
+        return buf
+
+    def _channels_at_first_use(self) -> Channels:
+        chs = self._channels
+        if chs is None:
+            g = self._group
+            group, peer = g.cpu_group, (g.rank_in_group + 1) % g.world_size
+            chs = self._channels = Channels(g.unique_name,
+                                            lambda: _break_connections(group, peer))
+        return chs
+
+    # ------------------------------------------------------------------ closing
+    def close(self) -> None:
+        """End every point-to-point call of the group (see the module docstring)."""
+        self.links.shutdown()  # calls blocked on a link end with ClosedError
+        chs, cuda = self._channels, self._cuda
+        self._channels = self._cuda = None
+        if cuda is not None:
+            cuda.close(CLOSE_GRACE_S)
+        if chs is not None:
+            chs.close(CLOSE_GRACE_S)  # outstanding handles end (ClosedError), threads joined
+        self.links.close()
+
+
+def _recv_target(x: Any, device: torch.device) -> tuple[torch.Tensor | None, torch.Size,
+                                                        torch.dtype]:
+    """``(buffer or None, shape, dtype)`` of an irecv's ``tensor_or_spec``."""
+    if isinstance(x, torch.Tensor):
+        t = validation.check_writable(validation.check_tensor(x, "tensor_or_spec", device),
+                                      "tensor_or_spec")
+        return t, t.shape, t.dtype
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        raise TypeError(f"tensor_or_spec must be a torch.Tensor to fill or a (shape, dtype) "
+                        f"pair, got {type(x).__name__} ({x!r:.80})")
+    shape, dtype = x
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"tensor_or_spec[1] (the dtype) must be a torch.dtype, got "
+                        f"{type(dtype).__name__} ({dtype!r:.60})")
+    if not isinstance(shape, (torch.Size, tuple, list)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in shape):
+        raise TypeError(f"tensor_or_spec[0] (the shape) must be a sequence of ints, got "
+                        f"{shape!r:.80}")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"tensor_or_spec[0] (the shape) must not have negative entries, got "
+                         f"{tuple(shape)}")
+    validation.check_fits(shape, dtype, device, "tensor_or_spec")
+    return None, torch.Size(shape), dtype
+
+
+def _break_connections(group: Any, peer: int) -> None:
+    """Close every gloo connection of ``group``: a wait that expires makes gloo close
+    the group's pairs, which ends every pending operation of the group at once."""
+    buf = torch.empty(1, dtype=torch.uint8)
+    with contextlib.suppress(RuntimeError):
+        group.recv([buf], peer, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
