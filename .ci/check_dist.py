@@ -65,7 +65,8 @@ def source_files() -> set[str]:
 
 def build(out: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """The sdist and the wheel built from the checkout into ``out``."""
-    subprocess.run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out),
+    # no --sdist/--wheel: the wheel is built from the sdist, as an installer from PyPI would
+    subprocess.run([sys.executable, "-m", "build", "--outdir", str(out),
                     str(ROOT)], check=True, stdout=subprocess.DEVNULL)
     sdist = next(out.glob("groupcoord-*.tar.gz"))
     wheel = next(out.glob("groupcoord-*.whl"))

@@ -65,8 +65,9 @@ def _sig(obj: Any) -> str:
 
 
 def _parts(cls: type) -> list[type]:
-    """``cls`` and the mixins it is assembled from (our own classes that no
-    package exports: their methods are ``cls``'s API)."""
+    """``cls`` and the base classes it inherits from that no package exports
+    (our own: their public methods are ``cls``'s API)."""
+
     ours = tuple(f"{m.split('.')[0]}." for m, _ in PACKAGES)
     return [c for c in cls.__mro__
             if c is cls or (c.__module__.startswith(ours) and c not in _exported())]

@@ -13,7 +13,7 @@ the same split from the same step. On one stage::
 
 So stage ``i`` sends micro-batch ``j`` while it computes ``j + 1``, and stage
 ``i + 1`` computes ``j`` while ``j + 1`` arrives. The handles come from
-:mod:`coordinator.p2p.async_p2p`: sends and receives of one direction run in
+:mod:`coordinator.p2p.point_to_point`: sends and receives of one direction run in
 issue order, so micro-batch ``j`` of one stage meets micro-batch ``j`` of the
 next.
 
