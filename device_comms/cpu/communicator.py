@@ -93,7 +93,6 @@ from device_comms.cpu.config import (
 )
 from device_comms.cpu.hierarchical import HierarchicalAllReduce
 from device_comms.cpu.one_call import OneCall
-from device_comms.cpu_shm import alltoallv as shm_alltoallv
 from device_comms.cpu_shm import host_alloc
 from device_comms.cpu_shm.engine import ShmEngine
 from device_comms.cpu_shm.engine_threads import env_threads
@@ -335,11 +334,11 @@ class CpuCommunicator(TorchDistributedCommunicator):
             and input_.is_contiguous()
             and not input_.is_neg()  # a lazily negated view: its bytes are not its values
         ):
-            c = eng.last_small  # an (op, dtype) that passed the checks before, and a shape
+            c = eng.small.last  # an (op, dtype) that passed the checks before, and a shape
             if op is c.op and input_.dtype is c.dtype and c.plain and input_.shape == c.shape:
                 self._one_call.enter("all_reduce")
                 try:
-                    res = eng.small_all_reduce(c, input_, out)
+                    res = eng.small.run(input_, c, out)
                 except NotServed:
                     res = None
                 except DeviceCommError:
@@ -509,7 +508,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         eng = self._flat
         if eng is None or op not in _SHM_OPS:
             return False
-        return op != "all_to_allv" or shm_alltoallv.fits(eng)
+        return op != "all_to_allv" or eng.alltoallv.fits
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         eng = self._flat

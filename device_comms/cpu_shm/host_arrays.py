@@ -7,7 +7,7 @@ its life (numpy holds a pointer into it), so a caller's ``x.resize_(n)`` or
 bytes by address instead, which costs the same (~0.5 us). The array owns
 nothing; it is valid while the tensor it was made for occupies those bytes, so
 callers use it within the call that made it, or -- like
-:meth:`~device_comms.cpu_shm.small.SmallAllReduce.held_at` -- only for a live
+:class:`~device_comms.cpu_shm.address_views.AddressViews` -- only for a live
 tensor that starts at the same address and spans the same bytes.
 """
 

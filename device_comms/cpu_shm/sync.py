@@ -40,11 +40,11 @@ which are checked before a rank publishes its next step.
 
 Writing a peer's slot. With two local ranks the engine's all_reduce lets the
 peer ``q`` *modify* ``r``'s slot of parity ``s%2`` after step ``s``
-(``ShmEngine._pair_small``), while ``r`` no longer reads it. The argument
-above covers it unchanged: ``q`` publishes ``s+1`` only after it finished with
-step ``s``'s slots, so ``r``'s rewrite at step ``s+2`` cannot overlap ``q``'s
-writes, and ``q``'s writes before its ``FENCE`` + publish are visible to ``r``
-when ``r`` sees ``gen_q >= s+1``.
+(the two-rank one-step scheme of :mod:`device_comms.cpu_shm.small`), while ``r``
+no longer reads it. The argument above covers it unchanged: ``q`` publishes
+``s+1`` only after it finished with step ``s``'s slots, so ``r``'s rewrite at
+step ``s+2`` cannot overlap ``q``'s writes, and ``q``'s writes before its
+``FENCE`` + publish are visible to ``r`` when ``r`` sees ``gen_q >= s+1``.
 
 Rejected calls. A rank whose own arguments fail validation still takes
 part in the collective's *first* step, so every generation stays in step::

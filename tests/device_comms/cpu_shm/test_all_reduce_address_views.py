@@ -2,7 +2,7 @@
 
 From the second call at an address, the engine copies a small all_reduce's
 input (and writes an ``out``) through numpy views of that address instead of
-``ctypes.memmove`` (``SmallAllReduce.held_at``). The views own nothing, so
+``ctypes.memmove`` (``AddressViews``). The views own nothing, so
 every pattern below reuses addresses under changing contents and owners:
 fresh tensors whose freed blocks the allocator hands back, one tensor reduced
 in place again and again, a persistent ``out`` buffer, rows of one buffer at
@@ -101,7 +101,7 @@ def address_rank(rank: int, world_size: int, pattern: str, dname: str, nbytes: i
             if not torch.equal(got, ref):
                 wrong = (got != ref).nonzero().flatten()[:3].tolist()
                 bad.append(f"call {i}: wrong at {wrong}")
-        views = len(comm._flat.last_small.held) if comm._flat is not None else 0
+        views = len(comm._flat.small.last.by_address) if comm._flat is not None else 0
     finally:
         comm.destroy()
     return bad, views
