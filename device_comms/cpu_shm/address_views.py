@@ -48,8 +48,7 @@ class AddressViews:
       remembered as seen once (either set is dropped whole when full).
 
     Args:
-        shape: The tensors' shape.
-        dtype: Their dtype.
+        like: A tensor of the shape and dtype (only those are kept).
         numpy_dtype: numpy's dtype for ``dtype`` when a typed view is wanted too
             (the one-step sum runs in numpy), else None.
         limit: Most addresses with views (and most remembered as seen once).
@@ -66,12 +65,10 @@ class AddressViews:
 
     __slots__ = ("get", "shape", "dtype", "nbytes", "_numpy_dtype", "_limit", "_views", "_seen")
 
-    def __init__(
-        self, shape: torch.Size, dtype: torch.dtype, numpy_dtype: Any = None, limit: int = 16
-    ) -> None:
-        self.shape = shape
-        self.dtype = dtype
-        self.nbytes = shape.numel() * dtype.itemsize
+    def __init__(self, like: torch.Tensor, numpy_dtype: Any = None, limit: int = 16) -> None:
+        self.shape = like.shape
+        self.dtype = like.dtype
+        self.nbytes = like.nbytes
         self._numpy_dtype = numpy_dtype
         self._limit = limit
         self._views: dict[int, tuple[Any, Any]] = {}

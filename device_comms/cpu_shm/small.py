@@ -109,44 +109,42 @@ class SmallEntry:
         op: ReduceOp | None = None,
         into_peer: bool = False,
     ) -> None:
-        self.op = op
-        self.dtype: torch.dtype | None = None
-        self.shape: torch.Size | None = None
-        self.nbytes = 0
-        self.plain = False
-        self.sig = self.size_key = 0
-        self.fn: Any = torch.add
-        self.numpy = self.avg = False
-        self.into_peer = into_peer
-        self.parities: tuple[tuple[Any, list[Any], list[Any]], ...] = ((None, [], []),) * 2
         self.scratch: Any = None
         self.scratch_address = 0
-        self.by_address = AddressViews(torch.Size([0]), torch.uint8)
-        if ctx is None or tensor is None or op is None:
-            self.op = None
+        if ctx is None or tensor is None or op is None:  # the entry no call matches
+            self.op, self.dtype, self.shape, self.nbytes = None, None, None, 0
+            self.plain = self.numpy = self.avg = self.into_peer = False
+            self.sig = self.size_key = 0
+            self.fn: Any = torch.add
+            self.parities: tuple[tuple[Any, list[Any], list[Any]], ...] = ((None, [], []),) * 2
+            self.by_address = AddressViews(torch.empty(0))
             return
-        self.dtype, self.shape, self.nbytes = tensor.dtype, tensor.shape, tensor.nbytes
-        self.plain = not tensor.dtype.is_complex
-        self.sig = signature("all_reduce", tensor.dtype, op)
-        self.size_key = shape_key(tensor.shape)
-        self.fn = binary_fn(op, tensor.dtype)
+        dtype, shape = tensor.dtype, tensor.shape
+        self.op, self.dtype, self.shape, self.nbytes = op, dtype, shape, tensor.nbytes
+        self.plain = not dtype.is_complex
+        self.sig = signature("all_reduce", dtype, op)
+        self.size_key = shape_key(shape)
         self.avg = op is ReduceOp.AVG
-        operands: list[list[Any]] = [ctx.shaped(parity, tensor) for parity in (0, 1)]
+        self.into_peer = into_peer
+        operands: list[list[Any]] = [ctx.shaped(0, tensor), ctx.shaped(1, tensor)]
         # 0-d: numpy's ufuncs return scalars, not arrays
-        self.numpy = op is ReduceOp.SUM and tensor.dtype in NUMPY_SUM and tensor.dim() > 0
+        self.numpy = op is ReduceOp.SUM and dtype in NUMPY_SUM and tensor.dim() > 0
         if self.numpy:
             self.fn = np.add
-            operands = [[view.numpy() for view in views] for views in operands]
+            operands = [[view.numpy() for view in operands[0]],
+                        [view.numpy() for view in operands[1]]]
             if not into_peer:  # a reduction into out= goes here when out has no view
-                self.scratch = np.empty(tuple(tensor.shape), dtype=numpy_dtype(tensor.dtype))
+                self.scratch = np.empty(tuple(shape), dtype=numpy_dtype(dtype))
                 self.scratch_address = self.scratch.ctypes.data
-        mine = [ctx.ws.slot(parity, ctx.me, torch.uint8)[: tensor.nbytes].numpy()
-                for parity in (0, 1)]
-        self.parities = tuple((mine[parity], operands[parity], operands[parity][2:])
-                              for parity in (0, 1))
+        else:
+            self.fn = binary_fn(op, dtype)
+        nbytes, me, slot = tensor.nbytes, ctx.me, ctx.ws.slot
+        self.parities = (
+            (slot(0, me, torch.uint8)[:nbytes].numpy(), operands[0], operands[0][2:]),
+            (slot(1, me, torch.uint8)[:nbytes].numpy(), operands[1], operands[1][2:]),
+        )
         self.by_address = AddressViews(
-            tensor.shape, tensor.dtype, numpy_dtype(tensor.dtype) if self.numpy else None,
-            _ADDRESSES_MAX,
+            tensor, numpy_dtype(dtype) if self.numpy else None, _ADDRESSES_MAX
         )
 
 

@@ -187,7 +187,7 @@ def test_alltoallv_part_alone(dist_pool: Any, world_size: int) -> None:
 
 def test_address_views_made_on_the_second_sighting_only_for_matching_tensors() -> None:
     x = torch.arange(8, dtype=torch.float32)
-    views = AddressViews(x.shape, x.dtype, np.dtype(np.float32), limit=2)
+    views = AddressViews(x, np.dtype(np.float32), limit=2)
     address = x.data_ptr()
     assert views.get(address) is None
     assert views.sight(x, address) is None  # first sighting: nothing made
