@@ -109,14 +109,14 @@ class ShmAllToAllv:
         self._words_views.clear()
 
     def all_to_allv(
-        self, x: torch.Tensor, send: list[int], recv: list[int] | None,
+        self, tensor: torch.Tensor, send: list[int], recv: list[int] | None,
         name: str = "all_to_allv",
     ) -> torch.Tensor:
-        """Uneven all-to-all of contiguous ``x`` among the engine's ranks (group ranks).
+        """Uneven all-to-all of contiguous ``tensor`` among the engine's ranks (group ranks).
 
         Args:
-            x: This rank's rows, at least 1-D and contiguous.
-            send: Rows of ``x`` for each rank (sum: ``x.shape[0]``).
+            tensor: This rank's rows, at least 1-D and contiguous.
+            send: Rows of ``tensor`` for each rank (sum: ``tensor.shape[0]``).
             recv: Rows expected from each rank, or None (taken from the senders).
             name: The op named in errors.
 
@@ -125,8 +125,8 @@ class ShmAllToAllv:
                 row shape), or the size records disagree (every rank raises).
             PeerRejectedError: A peer rejected its arguments.
         """
-        with self._threaded(x.nbytes):
-            return self._all_to_allv(x, send, recv, name)
+        with self._threaded(tensor.nbytes):
+            return self._all_to_allv(tensor, send, recv, name)
 
     def _threaded(self, nbytes: int) -> Any:
         """The engine's thread count when a copy of ``nbytes`` may run in parallel."""
@@ -143,11 +143,11 @@ class ShmAllToAllv:
         return views[rank]
 
     def _all_to_allv(
-        self, x: torch.Tensor, send: list[int], recv: list[int] | None, name: str,
+        self, tensor: torch.Tensor, send: list[int], recv: list[int] | None, name: str,
     ) -> torch.Tensor:
         ws, sync, me, size = self._ws, self._sync, self._me, self._size
         slot_bytes, head = ws.slot_bytes, record_bytes(size)
-        row, x_bytes = row_bytes(x), _flat_bytes(x)
+        row, in_bytes = row_bytes(tensor), _flat_bytes(tensor)
         send_offsets = offsets(send)
         # my stream skips [cut, cut + own): the rows I keep
         cut, own = send_offsets[me] * row, send[me] * row
@@ -156,26 +156,27 @@ class ShmAllToAllv:
         words = record_words(size)
         self._words(parity, me)[:words] = ([1 if recv is not None else 0] + send
                                            + (recv or [0] * size))
-        _write(ws.slot(parity, me, torch.uint8), head, x_bytes, cut, own, length, 0,
+        _write(ws.slot(parity, me, torch.uint8), head, in_bytes, cut, own, length, 0,
                slot_bytes - head)
-        sync.step(name, signature("all_to_allv", x.dtype), shape_key(x.shape[1:]), True)
+        sync.step(name, signature("all_to_allv", tensor.dtype), shape_key(tensor.shape[1:]),
+                  True)
         table = SizeTable.decode([self._words(parity, peer)[:words].tolist()
                                   for peer in range(size)], sync.name, name)
         settle_sizes(table, sync.name, name, row)
         got = table.received_by(me)
-        out = host_alloc.empty((sum(got),) + tuple(x.shape[1:]), x.dtype)
+        out = host_alloc.empty((sum(got),) + tuple(tensor.shape[1:]), tensor.dtype)
         out_bytes = _flat_bytes(out)
         recv_offsets = offsets(got)
         with self._threaded(out.nbytes):
             if own:
                 start = recv_offsets[me] * row
-                _copy(out_bytes[start : start + own], x_bytes[cut : cut + own])
+                _copy(out_bytes[start : start + own], in_bytes[cut : cut + own])
             pieces, longest = _pieces(table, me, row, recv_offsets)
             _read(ws, parity, pieces, out_bytes, 0, slot_bytes - head, head)
             window = slot_bytes - head
             while window < longest:  # further windows, as long as the longest stream needs
                 parity = sync.next_parity
-                _write(ws.slot(parity, me, torch.uint8), 0, x_bytes, cut, own, length, window,
+                _write(ws.slot(parity, me, torch.uint8), 0, in_bytes, cut, own, length, window,
                        window + slot_bytes)
                 sync.step(name)
                 _read(ws, parity, pieces, out_bytes, window, window + slot_bytes, 0)
@@ -202,7 +203,7 @@ def _pieces(
 
 
 def _write(
-    slot: torch.Tensor, base: int, x_bytes: torch.Tensor, cut: int, own: int, length: int,
+    slot: torch.Tensor, base: int, in_bytes: torch.Tensor, cut: int, own: int, length: int,
     start: int, end: int,
 ) -> None:
     """Copy my stream's bytes ``[start, end)`` (clipped to its ``length``) to ``slot[base:]``.
@@ -213,10 +214,10 @@ def _write(
     end = min(end, length)
     lo, hi = start, min(end, cut)
     if hi > lo:
-        _copy(slot[base + lo - start : base + hi - start], x_bytes[lo:hi])
+        _copy(slot[base + lo - start : base + hi - start], in_bytes[lo:hi])
     lo, hi = max(start, cut), end
     if hi > lo:
-        _copy(slot[base + lo - start : base + hi - start], x_bytes[lo + own : hi + own])
+        _copy(slot[base + lo - start : base + hi - start], in_bytes[lo + own : hi + own])
 
 
 def _read(

@@ -340,31 +340,32 @@ class ShmEngine:
                         result[start + lo : start + hi].copy_(
                             ws.slot(reduced_parity, region, dtype)[lo:hi])
 
-    @threaded(lambda self, x, *_: x.numel())
+    @threaded(lambda self, flat, *_: flat.numel())
     def reduce_scatter(
-        self, x: torch.Tensor, counts: Sequence[int], op: ReduceOp, kind: str, size_key: int
+        self, flat: torch.Tensor, counts: Sequence[int], op: ReduceOp, kind: str, size_key: int
     ) -> torch.Tensor:
-        """Reduce flat ``x`` across ranks; return this rank's region (``counts[me]`` elements).
+        """Reduce 1-D ``flat`` across ranks; return this rank's region (``counts[me]`` elements).
 
-        Region ``j`` of ``x`` is ``counts[j]`` elements, regions back to back in rank order.
+        Region ``j`` of ``flat`` is ``counts[j]`` elements, regions back to back in rank order.
         """
         ws, sync, me, size = self.ws, self.sync, self.me, self.size
-        dtype = x.dtype
+        dtype = flat.dtype
         sig = signature(kind, dtype, op)
         offsets = [0]
         for count in counts:
             offsets.append(offsets[-1] + count)
         mine_count = counts[me]
         out = host_alloc.empty(mine_count, dtype)
-        if x.nbytes <= self._one_step_bytes:  # one step: the slot holds all of x
+        if flat.nbytes <= self._one_step_bytes:  # one step: the slot holds all of the input
             parity = sync.next_parity
-            views = self._one_step_scatter_views(parity, dtype, x.numel(), offsets[me], mine_count)
-            views[0].copy_(x)
+            views = self._one_step_scatter_views(parity, dtype, flat.numel(), offsets[me],
+                                                 mine_count)
+            views[0].copy_(flat)
             sync.step(kind, sig, size_key, True)
             if mine_count:
                 reduce_views(views[1:], op, out=out)
             return out
-        align = max(1, _ALIGN_BYTES // x.element_size())
+        align = max(1, _ALIGN_BYTES // flat.element_size())
         chunk = max(align, ws.slot_elems(dtype) // size // align * align)
         first = True
         for start in range(0, max(counts), chunk):
@@ -379,14 +380,14 @@ class ShmEngine:
                 if region != me and length:
                     src = offsets[region] + start
                     slot[slot_offsets[region] : slot_offsets[region] + length].copy_(
-                        x[src : src + length])
+                        flat[src : src + length])
             sync.step(kind, sig, size_key, first)
             first = False
             length = lengths[me]
             if length:
                 mine_at, src = slot_offsets[me], offsets[me] + start
                 srcs = [
-                    x[src : src + length] if rank == me
+                    flat[src : src + length] if rank == me
                     else ws.slot(parity, rank, dtype)[mine_at : mine_at + length]
                     for rank in range(size)
                 ]

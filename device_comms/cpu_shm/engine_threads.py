@@ -79,8 +79,8 @@ def cores_per_rank(pids: Sequence[int], me: int) -> int:
     """
     own = _affinity(0) or set(range(os.cpu_count() or 1))
     union = set(own)
-    for i, pid in enumerate(pids):
-        if i != me:
+    for rank, pid in enumerate(pids):
+        if rank != me:
             union |= _affinity(pid) or own
     return max(1, min(len(own), len(union) // max(1, len(pids))))
 
@@ -144,10 +144,10 @@ class KernelThreads:
             return self
         self._depth += 1
         if self._depth == 1:
-            n = torch.get_num_threads()
-            if n != self.limit:
+            current = torch.get_num_threads()
+            if current != self.limit:
                 torch.set_num_threads(self.limit)
-                self._saved = n
+                self._saved = current
         return self
 
     def __exit__(

@@ -42,10 +42,10 @@ AVAILABLE = _syscall is not None
 
 def address_of(buf: memoryview) -> int:
     """Address of the first byte of writable ``buf`` (valid while its memory is mapped)."""
-    c = ctypes.c_char.from_buffer(buf)
-    addr = ctypes.addressof(c)
-    del c  # drop the export at once so the memoryview can be released later
-    return addr
+    first = ctypes.c_char.from_buffer(buf)
+    address = ctypes.addressof(first)
+    del first  # drop the export at once so the memoryview can be released later
+    return address
 
 
 def futex_wait(addr: int, expected: int, timeout_s: float) -> None:

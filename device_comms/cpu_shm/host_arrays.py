@@ -39,10 +39,10 @@ def numpy_dtype(dtype: torch.dtype) -> Any:
     return got
 
 
-def array_of(t: torch.Tensor) -> Any:
-    """Contiguous CPU tensor ``t``'s elements as a numpy array of its shape (no copy)."""
-    flat = bytes_at(t.data_ptr(), t.nbytes).view(numpy_dtype(t.dtype))
-    return flat.reshape(tuple(t.shape))
+def array_of(tensor: torch.Tensor) -> Any:
+    """Contiguous CPU ``tensor``'s elements as a numpy array of its shape (no copy)."""
+    flat = bytes_at(tensor.data_ptr(), tensor.nbytes).view(numpy_dtype(tensor.dtype))
+    return flat.reshape(tuple(tensor.shape))
 
 
 def _version_bumper() -> Any:
@@ -63,7 +63,7 @@ def _version_bumper() -> Any:
 _bump_versions = _version_bumper()
 
 
-def mark_written(t: torch.Tensor) -> None:
-    """Count a write into ``t`` that torch did not see (ctypes, numpy), as an in-place op
-    does, so autograd refuses a tensor it saved for backward instead of using new values."""
-    _bump_versions((t,))
+def mark_written(tensor: torch.Tensor) -> None:
+    """Count a write into ``tensor`` that torch did not see (ctypes, numpy), as an in-place
+    op does, so autograd refuses a tensor it saved for backward instead of using new values."""
+    _bump_versions((tensor,))
