@@ -4,7 +4,8 @@
 its life (numpy holds a pointer into it), so a caller's ``x.resize_(n)`` or
 ``x.untyped_storage().resize_(0)`` would fail after a collective touched
 ``x``. The engine therefore never calls it on a caller's tensor: it maps the
-bytes by address instead, which costs the same (~0.5 us). The array owns
+bytes by address instead, which is no dearer (a few Python-level calls either
+way). The array owns
 nothing; it is valid while the tensor it was made for occupies those bytes, so
 callers use it within the call that made it, or -- like
 :class:`~device_comms.cpu_shm.address_views.AddressViews` -- only for a live
@@ -47,7 +48,7 @@ def array_of(tensor: torch.Tensor) -> Any:
 
 def _version_bumper() -> Any:
     """torch's C entry that counts an in-place write into each tensor of a tuple, else
-    the public wrapper around it (0.1 us more per call)."""
+    the public wrapper around it (a Python function around the same entry)."""
     bump = getattr(torch._C, "_increment_version", None)
     probe = torch.empty(0)
     try:

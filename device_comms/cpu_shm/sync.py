@@ -212,9 +212,9 @@ _TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _HEALTH_EVERY = 0.2  # seconds between liveness/timeout checks
 _NAP_AFTER = 0.002  # seconds of waiting after which we sleep instead of yielding
 _NAP = 50e-6
-# Seconds of pure polling before the first sched_yield. On the 2-vCPU VM under
-# load each extra microsecond of spinning made an all_reduce ~2 us slower (the
-# peer often shares the CPU); on an idle machine a yield returns at once.
+# Seconds of pure polling before the first sched_yield: none. When the peer
+# shares this CPU, every moment spent spinning is a moment the peer cannot run
+# to publish what we wait for; on an idle machine a yield returns at once.
 _SPIN_S = 0.0
 _PARK_AFTER = 100e-6  # seconds of polling before sleeping on a futex
 _PARK_MAX = 0.05  # longest single futex sleep (health checks run in between)

@@ -67,9 +67,9 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-# Largest slot: large messages go through in pieces of this size. Measured on
-# the development VM, 2 MiB pieces beat 8 MiB ones by 10-30% at 4-64 MiB (the
-# pieces stay in cache between the writer's copy and the readers' reduction).
+# Largest slot: large messages go through in pieces of this size. A piece must
+# stay in cache between the writer's copy and the readers' reduction, so larger
+# slots make large messages slower, not faster (measured in docs/performance.md).
 DEFAULT_SLOT_BYTES = 2 << 20
 # Default data bytes of one workspace, whatever the number of local ranks: a
 # host holds one workspace per communicator (world, TP, PP, DP groups), all in
