@@ -210,7 +210,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
                               name=self.unique_name or None)
         if not all(e for e, _ in votes):
             off = [r for r, (e, _) in enumerate(votes) if not e]
-            self.fallback_reason = f"shared memory disabled on rank(s) {off} ({ENABLE_ENV}=0 or use_shm=False)"
+            self.fallback_reason = (f"shared memory disabled on rank(s) {off} "
+                                    f"({ENABLE_ENV}=0 or use_shm=False)")
             return
         ids = [n for _, n in votes]
         if any(i is not None for i in ids):
@@ -471,8 +472,12 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self.shm_calls["all_gather"] += 1
         key = _shape_key(t.shape, dim)
         if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
-            return eng.all_gather_cat(t, dim, size_key=key)  # type: ignore[return-value]
-        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "all_gather", None, key)
+            return eng.all_gather_cat(  # type: ignore[return-value]  # no dst: every rank gets it
+                t, dim, size_key=key)
+        sizes = [t.shape[dim]] * self.world_size
+        out = _gathered(t, dim, sizes)
+        self._gather_rows(eng, t, dim, sizes, "all_gather", None, key, out)
+        return out
 
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         eng = self._flat
@@ -486,7 +491,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         ):
             shapes = [torch.Size(t.shape[:dim] + (s,) + t.shape[dim + 1 :]) for s in sizes]
             return eng.gatherv_cat(t, shapes, dim, key)
-        return self._gather_rows(eng, t, dim, sizes, "all_gatherv", None, key)  # type: ignore[return-value]
+        out = _gathered(t, dim, sizes)
+        self._gather_rows(eng, t, dim, sizes, "all_gatherv", None, key, out)
+        return out
 
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         eng = self._flat
@@ -496,7 +503,10 @@ class CpuCommunicator(TorchDistributedCommunicator):
         key = _shape_key(t.shape, dim)
         if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
             return eng.all_gather_cat(t, dim, "gather", dst, key)
-        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "gather", dst, key)
+        sizes = [t.shape[dim]] * self.world_size
+        out = _gathered(t, dim, sizes) if dst == self.rank_in_group else None
+        self._gather_rows(eng, t, dim, sizes, "gather", dst, key, out)
+        return out
 
     def _gather_rows(
         self,
@@ -507,24 +517,21 @@ class CpuCommunicator(TorchDistributedCommunicator):
         kind: str,
         dst: int | None,
         key: int,
-    ) -> torch.Tensor | None:
-        """Gather along ``dim`` written straight into the output's final layout."""
+        out: torch.Tensor | None,
+    ) -> None:
+        """Gather along ``dim`` straight into ``out``, the output in its final layout
+        (:func:`_gathered`; None on a rank that gets nothing)."""
         rows = math.prod(t.shape[:dim])
         inner = math.prod(t.shape[dim + 1 :])
         widths = [s * inner for s in sizes]
-        reader = dst is None or dst == self.rank_in_group
-        out = None
-        if reader:
-            shape = list(t.shape)
-            shape[dim] = sum(sizes)
-            out = host_alloc.empty(shape, t.dtype)
         eng.gather_rows(
             t.view(rows, widths[self.rank_in_group]), widths,
             None if out is None else out.view(rows, sum(widths)), kind, key, dst,
         )
-        return out
 
-    def _all_to_allv(self, t: torch.Tensor, send: list[int], recv: list[int] | None) -> torch.Tensor:
+    def _all_to_allv(
+        self, t: torch.Tensor, send: list[int], recv: list[int] | None
+    ) -> torch.Tensor:
         eng = self._flat
         if eng is None or not self._in_shm("all_to_allv"):
             return super()._all_to_allv(t, send, recv)
@@ -598,6 +605,14 @@ class CpuCommunicator(TorchDistributedCommunicator):
             f"CpuCommunicator({self.unique_name!r}, rank {self.rank_in_group}/{self.world_size}, "
             f"mode={self.mode})"
         )
+
+
+def _gathered(t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+    """A new tensor for every rank's ``t`` (``sizes[r]`` along ``dim``) concatenated along
+    ``dim`` (large ones huge-page backed)."""
+    shape = list(t.shape)
+    shape[dim] = sum(sizes)
+    return host_alloc.empty(shape, t.dtype)
 
 
 def _moved(t: torch.Tensor, src: int, dst: int) -> torch.Tensor:

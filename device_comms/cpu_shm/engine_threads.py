@@ -178,6 +178,6 @@ def threaded(elems: Callable[..., int]) -> Callable[[_F], _F]:
             with self.kernel_threads:
                 return method(self, *args, **kw)
 
-        return run  # type: ignore[return-value]
+        return run  # type: ignore[return-value]  # run has the method's signature
 
     return wrap

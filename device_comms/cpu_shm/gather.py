@@ -83,7 +83,8 @@ class ShmGathers:
     def gatherv_cat(
         self, tensor: torch.Tensor, shapes: Sequence[torch.Size], dim: int, size_key: int
     ) -> torch.Tensor:
-        """All-gather of per-rank shapes ``shapes`` (each fits a slot), concatenated along ``dim``."""
+        """All-gather of per-rank shapes ``shapes`` (each fits a slot), concatenated along
+        ``dim``."""
         sync, dtype = self._sync, tensor.dtype
         slots = self._ws.slots(sync.next_parity, dtype)
         views = [slot[: math.prod(shape)].view(shape)
@@ -136,12 +137,14 @@ class ShmGathers:
 
     def _gather_row_block(self, step: _GatherStep, first_row: int, rows: int,
                           first: bool) -> None:
-        """Rows ``first_row : first_row + rows`` of every rank's piece through one round of slots."""
+        """Rows ``first_row : first_row + rows`` of every rank's piece through one round of
+        slots."""
         ws, me, dtype, widths = self._ws, self._me, step.x2.dtype, step.widths
         end = first_row + rows
         parity = self._sync.next_parity
         if step.writes and widths[me]:
-            ws.slot(parity, me, dtype)[: rows * widths[me]].copy_(step.x2[first_row:end].reshape(-1))
+            mine = ws.slot(parity, me, dtype)[: rows * widths[me]]
+            mine.copy_(step.x2[first_row:end].reshape(-1))
         self._sync.step(step.kind, step.sig, step.size_key, first)
         if step.out2 is None:
             return

@@ -16,6 +16,7 @@ CPU tensor.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from collections.abc import Sequence
@@ -37,8 +38,6 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
     if nbytes < HUGE_MIN_BYTES or _MADV_HUGEPAGE is None or not _FLAGS:
         return torch.empty(shape_t, dtype=dtype)
     mm = mmap.mmap(-1, nbytes, flags=_FLAGS)
-    try:
+    with contextlib.suppress(OSError):  # THP disabled: still correct, just 4 KiB pages
         mm.madvise(_MADV_HUGEPAGE)
-    except OSError:  # THP disabled: still correct, just 4 KiB pages
-        pass
     return torch.frombuffer(mm, dtype=dtype, count=numel).view(shape_t)

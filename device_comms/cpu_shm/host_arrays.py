@@ -29,7 +29,8 @@ def bytes_at(addr: int, nbytes: int) -> Any:
     """The ``nbytes`` bytes at ``addr`` as a writable uint8 array (owning nothing)."""
     if nbytes <= 0 or not addr:
         return np.empty(0, dtype=np.uint8)
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=np.uint8)
+    raw = (ctypes.c_uint8 * nbytes).from_address(addr)
+    return np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]  # ctypes: a buffer
 
 
 def numpy_dtype(dtype: torch.dtype) -> Any:
@@ -49,12 +50,15 @@ def array_of(tensor: torch.Tensor) -> Any:
 def _version_bumper() -> Any:
     """torch's C entry that counts an in-place write into each tensor of a tuple, else
     the public wrapper around it (a Python function around the same entry)."""
-    bump = getattr(torch._C, "_increment_version", None)
+    # torch's own private API: the C entry and the version counter have no public names
+    bump = getattr(torch._C, "_increment_version", None)  # noqa: SLF001 - torch's own
+    if bump is None:
+        return torch.autograd.graph.increment_version
     probe = torch.empty(0)
     try:
-        before = probe._version
-        bump((probe,))  # type: ignore[misc]
-        if probe._version == before + 1:
+        before = probe._version  # noqa: SLF001 - torch's own
+        bump((probe,))
+        if probe._version == before + 1:  # noqa: SLF001 - torch's own
             return bump
     except (TypeError, RuntimeError):
         pass

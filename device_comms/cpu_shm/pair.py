@@ -145,7 +145,7 @@ class PairAllReduce:
         signed: tuple[int, int],
         out: torch.Tensor | None,
     ) -> torch.Tensor:
-        """All-reduce contiguous ``tensor``: reduce-scatter and all-gather fused, one step per piece.
+        """All-reduce contiguous ``tensor``: reduce-scatter and all-gather fused, a step a piece.
 
         Piece ``k`` (at most half a slot per rank) is cut in two halves; rank
         ``i`` reduces half ``i``. Before step ``s`` a rank writes into its slot

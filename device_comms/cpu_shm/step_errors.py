@@ -38,7 +38,7 @@ def mismatch(name: str, op: str, me: int, other: int, mine: tuple[int, int],
         f"call the same collective with the same dtype, size, op and root",
         queue=name, peers=(other,),
     )
-    error.calls = calls  # type: ignore[attr-defined]
+    error.calls = calls  # type: ignore[attr-defined]  # an extra the leaders read
     return error
 
 
@@ -48,11 +48,10 @@ def with_own_arguments(error: CollectiveMismatch, args: tuple[object, ...]) -> C
     read against the arguments; done once per error."""
     if isinstance(error, PeerRejectedError) or getattr(error, "own_arguments", None):
         return error
-    # errors carry such extras as attributes: read back above and by the caller
-    error.own_arguments = ", ".join(_describe(arg) for arg in args)  # type: ignore[attr-defined]
+    own = ", ".join(_describe(arg) for arg in args)
+    error.own_arguments = own  # type: ignore[attr-defined]  # an extra, read back above
     if error.args and isinstance(error.args[0], str):
-        error.args = (f"{error.args[0]} (this rank passed: {error.own_arguments})",
-                      *error.args[1:])
+        error.args = (f"{error.args[0]} (this rank passed: {own})", *error.args[1:])
     return error
 
 
@@ -111,6 +110,6 @@ def relayed(name: str, op: str, sender: int, raw: bytes) -> GroupCoordError:
         return CollectiveTimeout(text, queue=name, peers=peers)
     if kind == "closed":  # a connection closed: death suspected, not seen
         died = PeerDiedError(text, queue=name, peers=peers)
-        died.suspected = True  # type: ignore[attr-defined]
+        died.suspected = True  # type: ignore[attr-defined]  # an extra: suspected, not seen
         return died
     return CollectiveMismatch(text, queue=name, peers=tuple(peers) or (culprit,))

@@ -165,6 +165,7 @@ workspace, and applies the optional timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import threading
@@ -404,21 +405,17 @@ class StepSync:
         if self.broken is None:
             self.broken = (f"an earlier call ({op}) was interrupted partway ({why}); this "
                            f"communicator cannot be used any more")
-        try:
+        with contextlib.suppress(ValueError, TypeError):  # already released
             self.hdr[self._my_line + CLOSED] = -(self.gen + 1)
-        except (ValueError, TypeError):  # already released
-            pass
 
     def close(self) -> None:
         """Tell peers this rank left (they stop waiting on it with an error).
 
         A rank that gave up on a step keeps that record (a negative ``CLOSED``
         word), so peers arriving later still learn the cause: a timeout."""
-        try:
+        with contextlib.suppress(ValueError, TypeError):  # already released
             if self.hdr[self._my_line + CLOSED] >= 0:
                 self.hdr[self._my_line + CLOSED] = 1
-        except (ValueError, TypeError):  # already released
-            pass
 
     # ------------------------------------------------------------------ slow path
     def _wait_slow(self, gen: int, op: str) -> None:

@@ -33,23 +33,31 @@ def _inputs(i: int, world_size: int, numel: int, dtype: torch.dtype) -> list[tor
             for r in range(world_size)]
 
 
-def _fresh(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _fresh(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     return comm.all_reduce(mine.clone(), op)  # the clone dies after the call: its block returns
 
 
-def _in_place(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _in_place(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     x = held.setdefault("x", torch.empty_like(mine))
     x.copy_(mine)
     got = comm.all_reduce(x, op, out=x)
     return got.clone()
 
 
-def _persistent_out(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _persistent_out(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     dst = held.setdefault("out", torch.empty_like(mine))
     return comm.all_reduce(mine.clone(), op, out=dst).clone()
 
 
-def _rows(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _rows(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     buf = held.setdefault("rows", torch.zeros(3, mine.numel(), dtype=mine.dtype))
     row = buf[i % 3]
     row.copy_(mine)
@@ -58,14 +66,18 @@ def _rows(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, A
     return comm.all_reduce(row, op)
 
 
-def _many(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _many(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     bufs = held.setdefault("bufs", [torch.empty_like(mine) for _ in range(20)])
     b = bufs[i % len(bufs)]
     b.copy_(mine)
     return comm.all_reduce(b, op, out=b if i % 3 == 0 else None).clone()
 
 
-def _swapped(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _swapped(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     x = held.setdefault("x", torch.empty_like(mine))
     if i % 2:
         x.set_(torch.empty_like(mine))  # new storage, maybe at a freed block's address

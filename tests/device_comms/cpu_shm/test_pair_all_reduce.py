@@ -77,7 +77,7 @@ def pair_rank(rank: int, world_size: int, piece: int) -> dict[str, Any]:
     aliased = [i for i, g in enumerate(got) if lo <= g.data_ptr() < hi]
     comm.destroy()
     bad = []
-    for i, ((dtype, n, op), g) in enumerate(zip(cases, got)):
+    for i, ((dtype, n, op), g) in enumerate(zip(cases, got, strict=True)):
         want = reduce_local([_input(i, r, n, dtype) for r in range(world_size)], op)
         if op in (ReduceOp.MAX, ReduceOp.MIN) and dtype.is_floating_point:
             same = torch.equal(g, want)  # values; the sign of a zero may differ (see above)
