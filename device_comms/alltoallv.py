@@ -64,7 +64,8 @@ def check_sizes(sizes: Any, world_size: int, arg: str, total: int | None = None)
                 f"reading it would synchronise the device (call .tolist() where that is fine)"
             )
         if sizes.dim() != 1:
-            raise ValueError(f"{arg} must be 1-D (one entry per rank), got shape {tuple(sizes.shape)}")
+            raise ValueError(
+                f"{arg} must be 1-D (one entry per rank), got shape {tuple(sizes.shape)}")
         sizes = sizes.tolist()
     out = validation.check_sizes(sizes, world_size, arg)
     if total is not None and sum(out) != total:
@@ -120,7 +121,8 @@ def record_words(world_size: int) -> int:
 def record(send: Sequence[int], recv: Sequence[int] | None) -> torch.Tensor:
     """This rank's size record (see the module docstring) as an int64 tensor."""
     n = len(send)
-    words = [1 if recv is not None else 0] + list(send) + (list(recv) if recv is not None else [0] * n)
+    given = [1 if recv is not None else 0]
+    words = given + list(send) + (list(recv) if recv is not None else [0] * n)
     return torch.tensor(words, dtype=torch.int64)
 
 

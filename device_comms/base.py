@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from device_comms.errors import (
     CollectiveMismatch,
     CommunicatorClosed,
     DeviceCommError,
+    add_note,
     translate_backend_error,
 )
 from device_comms.reduce_op import ReduceOp, check_reduce_op
@@ -171,7 +172,8 @@ class DeviceCommunicator(abc.ABC):
                 self._reject("all_gatherv" if sizes is not None else "all_gather", e)
                 raise
             self._same_count(len(input_))
-            return [self.all_gatherv(x, dim, sizes) for x in input_]
+            # one tensor in, one out (a subclass's own all_gatherv serves each tensor)
+            return [cast(torch.Tensor, self.all_gatherv(x, dim, sizes)) for x in input_]
         try:
             t, d, sz = self._check_gatherv(input_, dim, sizes, "input_")
         except (TypeError, ValueError) as e:
@@ -253,7 +255,8 @@ class DeviceCommunicator(abc.ABC):
             return self.reduce_scatter(t, d, op)
         if self.world_size == 1:
             return t.clone()
-        return self._guard("reduce_scatterv", self._reduce_scatterv, validation.dense(t), d, sz, rop)
+        return self._guard(
+            "reduce_scatterv", self._reduce_scatterv, validation.dense(t), d, sz, rop)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
@@ -435,7 +438,9 @@ class DeviceCommunicator(abc.ABC):
         """
         return False
 
-    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+    def prepare_communication_buffer_for_model(  # noqa: B027 - optional hook, a no-op here
+        self, model: torch.nn.Module
+    ) -> None:
         """Register model buffers with the transport (no-op unless overridden)."""
 
     def number_calls(self, source: Callable[[], int] | None) -> None:
@@ -502,9 +507,11 @@ class DeviceCommunicator(abc.ABC):
             try:
                 self._abort_collective(op, f"{type(e).__name__}: {e}", *meta)
             except (DeviceCommError, RuntimeError) as notify:
-                e.add_note(f"telling the peers of group {self.unique_name!r} failed: {notify}")
+                add_note(e, f"telling the peers of group {self.unique_name!r} failed: {notify}")
 
-    def _abort_collective(self, op: str, message: str, *meta: Any) -> None:
+    def _abort_collective(  # noqa: B027 - optional hook, a no-op here
+        self, op: str, message: str, *meta: Any
+    ) -> None:
         """Take part in ``op`` as a rank that rejected its arguments (``message`` says why).
 
         Transports whose ``op`` can carry a "rejected" mark override this; the
@@ -552,7 +559,9 @@ class DeviceCommunicator(abc.ABC):
     @abc.abstractmethod
     def _scatter(self, t: torch.Tensor | None, src: int, dim: int) -> torch.Tensor: ...
 
-    def _scatter_abort(self, src: int, message: str) -> None:
+    def _scatter_abort(  # noqa: B027 - optional hook, a no-op here
+        self, src: int, message: str
+    ) -> None:
         """On ``src`` after its input failed validation: tell the receivers of
         :meth:`_scatter` to raise. Override when ``_scatter`` sends metadata first."""
 
@@ -582,7 +591,8 @@ class DeviceCommunicator(abc.ABC):
             with torch.no_grad():  # collectives are not autograd ops (as in torch.distributed)
                 return fn(*args)
         except CollectiveMismatch as e:  # the message names what this rank passed
-            raise step_errors.with_own_arguments(e, args)
+            step_errors.with_own_arguments(e, args)
+            raise
         except DeviceCommError:
             raise  # raised at a point the transport defines (a step, a header)
         except RuntimeError as e:  # a backend's failure: translated, nothing broken here
@@ -591,7 +601,9 @@ class DeviceCommunicator(abc.ABC):
             self._interrupted(op, e)
             raise
 
-    def _interrupted(self, op: str, e: BaseException) -> None:
+    def _interrupted(  # noqa: B027 - optional hook, a no-op here
+        self, op: str, e: BaseException
+    ) -> None:
         """``op`` stopped partway: ``e`` (not a backend's error) escaped its hook.
         Transports whose peers could otherwise take this rank's next call for
         the rest of this one override this to break the communicator and tell

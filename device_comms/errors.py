@@ -36,6 +36,7 @@ __all__ = [
     "ConcurrentCallError",
     "NcclError",
     "KernelCompileError",
+    "add_note",
 ]
 
 # The family is defined once, in the bottom package; these are the same classes.
@@ -77,6 +78,16 @@ class NcclError(GroupCoordError, RuntimeError):
         return (type(self), (self.call, self.code, self.detail))
 
 
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` where Python has it (3.11 on); on 3.10 the note goes
+    into the same ``__notes__`` list, which that version's tracebacks do not print."""
+    adder = getattr(error, "add_note", None)
+    if adder is not None:
+        adder(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]  # 3.10
+
+
 def translate_backend_error(e: BaseException, where: str) -> BaseException:
     """Turn a torch.distributed backend failure into this family's error.
 
@@ -98,10 +109,8 @@ def translate_backend_error(e: BaseException, where: str) -> BaseException:
             f"{where}: a peer did not answer in time ({first}). Check that every rank of "
             f"the group calls the same collectives in the same order, and that no rank died."
         )
-    if any(
-        k in low
-        for k in ("connection closed", "connection reset", "broken pipe", "eof", "connection refused")
-    ):
+    closed = ("connection closed", "connection reset", "broken pipe", "eof", "connection refused")
+    if any(marker in low for marker in closed):
         return PeerDiedError(
             f"{where}: a peer closed its connection, most likely it exited or crashed "
             f"({first}). Check the other ranks' logs."

@@ -27,7 +27,7 @@ class ReduceOp(enum.Enum):
         """The matching ``torch.distributed.ReduceOp`` (AVG maps to SUM; divide after)."""
         import torch.distributed as dist
 
-        return {
+        return {  # type: ignore[return-value]  # torch's stubs type the members as RedOpType
             ReduceOp.SUM: dist.ReduceOp.SUM,
             ReduceOp.AVG: dist.ReduceOp.SUM,
             ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,

@@ -1,4 +1,5 @@
-"""Registry of device communicators, in the spirit of ``torch.distributed.Backend.register_backend``.
+"""Registry of device communicators, in the spirit of
+``torch.distributed.Backend.register_backend``.
 
 Communicator classes register under a name. :func:`select_device_communicator`
 picks, for a device, the highest-priority registered class that serves that

@@ -12,7 +12,11 @@ import torch
 from shm_broadcast import checks
 from shm_broadcast.codec.tensor_storage import check_storage, storage_covers
 
-__all__ = ["check_device", "check_group", "check_writable", "check_fits", "gather_dim", "check_tensor", "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta", "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible"]
+__all__ = [
+    "check_device", "check_group", "check_writable", "check_fits", "gather_dim", "check_tensor",
+    "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta",
+    "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible",
+]
 
 
 def check_device(device: Any, arg: str = "device") -> torch.device:
@@ -90,7 +94,8 @@ def check_writable(t: torch.Tensor, arg: str) -> torch.Tensor:
     Raises:
         ValueError: ``t`` has a dimension of size above 1 with stride 0.
     """
-    shared = [d for d, (n, s) in enumerate(zip(t.shape, t.stride())) if s == 0 and n > 1]
+    shared = [d for d, (n, s) in enumerate(zip(t.shape, t.stride(), strict=True))
+              if s == 0 and n > 1]
     if shared:
         raise ValueError(
             f"{arg} cannot receive data: it is an expanded view whose elements share memory "
@@ -110,7 +115,8 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
     """
     if t.is_conj() or t.is_neg():
         return t.resolve_conj().resolve_neg()
-    if t._is_zerotensor():  # autograd's storage-less zeros: data_ptr() is 0
+    # autograd's storage-less zeros: data_ptr() is 0 (torch has no public test for them)
+    if t._is_zerotensor():  # noqa: SLF001 - torch's own API
         return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     return t
 
@@ -143,7 +149,8 @@ def check_out(out: Any, like: torch.Tensor, device: torch.device | None = None) 
     """
     check_tensor(out, "out", device)
     check_out_meta(out, like)
-    if out._is_zerotensor():  # data_ptr() is 0: there is nowhere to write
+    # data_ptr() is 0: there is nowhere to write (torch has no public test for it)
+    if out._is_zerotensor():  # noqa: SLF001 - torch's own API
         raise ValueError(
             "out must have memory to write into, got a storage-less zero tensor "
             "(autograd's efficient zeros); pass torch.zeros_like(out)"
@@ -171,9 +178,11 @@ def check_out_meta(out: Any, like: torch.Tensor) -> torch.Tensor:
     if out.dtype != like.dtype:
         raise TypeError(f"out must have dtype {like.dtype} (input_'s), got {out.dtype}")
     if out.shape != like.shape:
-        raise ValueError(f"out must have shape {tuple(like.shape)} (input_'s), got {tuple(out.shape)}")
+        raise ValueError(
+            f"out must have shape {tuple(like.shape)} (input_'s), got {tuple(out.shape)}")
     if not out.is_contiguous():
-        raise ValueError(f"out must be contiguous, got strides {out.stride()} for shape {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be contiguous, got strides {out.stride()} for shape {tuple(out.shape)}")
     return out
 
 
@@ -182,7 +191,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
     def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if st > 0)
         return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1

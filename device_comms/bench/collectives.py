@@ -74,7 +74,8 @@ def _parse_size(text: str) -> int:
     try:
         value = int(float(num) * mult)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"size must look like 4096, 64K or 16M, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"size must look like 4096, 64K or 16M, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
     return value
@@ -114,12 +115,15 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="dtypes (default: float32 bfloat16)")
     parser.add_argument("--sizes", type=_parse_size, nargs="+", default=None,
                         help="buffer sizes (e.g. 1K 64K 1M); default 1K..64M in powers of 4")
-    parser.add_argument("--min-bytes", type=_parse_size, default=None, help="drop smaller default sizes")
-    parser.add_argument("--max-bytes", type=_parse_size, default=None, help="drop larger default sizes")
+    parser.add_argument("--min-bytes", type=_parse_size, default=None,
+                        help="drop smaller default sizes")
+    parser.add_argument("--max-bytes", type=_parse_size, default=None,
+                        help="drop larger default sizes")
     parser.add_argument("--max-iters", type=int, default=400, help="samples per point, at most")
     parser.add_argument("--min-iters", type=int, default=16, help="samples per point, at least")
     parser.add_argument("--budget-mb", type=number(float, above=0), default=1024.0,
-                        help="per point and implementation, about this many MB are moved (sets iterations)")
+                        help="per point and implementation, about this many MB are moved "
+                             "(sets iterations)")
     parser.add_argument("--threads", type=_parse_threads, nargs="+", default=None,
                         help="torch threads per rank: 1, default (torch's own default, the "
                              "core count) or N; several settings are timed interleaved in one "
@@ -128,7 +132,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="CpuCommunicator workspace (default: its own default)")
     parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
     parser.add_argument("--plot", dest="plot_path", default=None,
-                        help="write a log-log PNG plot here (needs matplotlib: pip install groupcoord[plot])")
+                        help="write a log-log PNG plot here (needs matplotlib: "
+                             "pip install groupcoord[plot])")
     parser.add_argument("--timeout", type=number(float, above=0), default=1800.0,
                         help="seconds per world size")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -184,7 +189,8 @@ def _rank_config(args: argparse.Namespace) -> dict[str, Any]:
     """What every rank needs to know: ops, dtypes, sizes, iteration budget."""
     sizes = args.sizes or [
         s for s in _DEFAULT_SIZES
-        if (args.min_bytes is None or s >= args.min_bytes) and (args.max_bytes is None or s <= args.max_bytes)
+        if (args.min_bytes is None or s >= args.min_bytes)
+        and (args.max_bytes is None or s <= args.max_bytes)
     ]
     return {
         "ops": list(args.ops), "dtypes": list(args.dtypes), "sizes": sizes,
@@ -205,7 +211,7 @@ def _run_world_sizes(args: argparse.Namespace,
     for ws in args.world_sizes:
         print(f"# world size {ws}: starting {ws} ranks ...", flush=True)
         # Resolve through the package so children can import it under `python -m` too.
-        rank_fn = importlib.import_module("device_comms.bench.collectives")._bench_rank
+        rank_fn = importlib.import_module("device_comms.bench.collectives").bench_rank
         outcomes = spawn_group(rank_fn, ws, (cfg,), timeout=args.timeout, pin_cpus=args.pin)
         bad = [o for o in outcomes if not o.ok]
         if bad:
@@ -247,7 +253,7 @@ def _loadavg() -> list[float] | None:
 
 
 # ---------------------------------------------------------------------- per rank
-def _bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
+def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
     import torch
     import torch.distributed as dist
 
@@ -256,9 +262,11 @@ def _bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[st
     default = torch.get_num_threads()  # torch's own default, before anything set it
     counts = [threads_for(t, world_size) or default for t in cfg["threads"]]
     torch.set_num_threads(counts[0])
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("torch.distributed is not initialised")
     comm = CpuCommunicator(
-        dist.group.WORLD, torch.device("cpu"), unique_name="bench",
-        workspace_bytes=cfg["workspace_bytes"],
+        world, torch.device("cpu"), unique_name="bench", workspace_bytes=cfg["workspace_bytes"],
     )
     records: list[dict[str, Any]] = []
     try:
@@ -305,8 +313,8 @@ def _bench_point(
     everyone = object_group(dist.group.WORLD).all_gather((t_ours, t_raw, same))
     recs = []
     for i, n in enumerate(counts):
-        slow_ours = [max(v[0][i][j] for v in everyone) for j in range(iters)]  # type: ignore[index]
-        slow_raw = [max(v[1][i][j] for v in everyone) for j in range(iters)]  # type: ignore[index]
+        slow_ours = [max(v[0][i][j] for v in everyone) for j in range(iters)]
+        slow_raw = [max(v[1][i][j] for v in everyone) for j in range(iters)]
         setting = cfg["threads"][i]
         recs.append({
             "world_size": ws, "op": op, "dtype": str(dtype).removeprefix("torch."),
@@ -316,7 +324,7 @@ def _bench_point(
             "engine_threads": comm.describe()["engine_threads"],
             "shm_p50_us": _pct(slow_ours, 50), "shm_p99_us": _pct(slow_ours, 99),
             "gloo_p50_us": _pct(slow_raw, 50), "gloo_p99_us": _pct(slow_raw, 99),
-            "results_match": all(v[2] for v in everyone),  # type: ignore[index]
+            "results_match": all(v[2] for v in everyone),
             **extra,
         })
     return recs
@@ -341,23 +349,38 @@ def _point_calls(
     extra: dict[str, Any] = {}
     if op == "all_reduce":
         x, y = full, full.clone()
-        ours: Callable[[], Any] = lambda: comm.all_reduce(x)
-        raw: Callable[[], Any] = lambda: dist.all_reduce(y)
+
+        def ours() -> Any:
+            return comm.all_reduce(x)
+
+        def raw() -> Any:
+            return dist.all_reduce(y)
+
         check = (comm.all_reduce(x), _gloo_copy(dist.all_reduce, full))
     elif op == "all_to_allv":
         ours, raw, check, extra = _all_to_allv_point(comm, full, rank, ws)
     elif op == "all_gather":
         x = full[: numel // ws].clone()
         out = torch.empty(numel, dtype=dtype)
-        ours = lambda: comm.all_gather(x, 0)
-        raw = lambda: ag(out, x)
+
+        def ours() -> Any:
+            return comm.all_gather(x, 0)
+
+        def raw() -> Any:
+            return ag(out, x)
+
         raw()
         check = (comm.all_gather(x, 0), out.clone())
     else:
         x = full
         out = torch.empty(numel // ws, dtype=dtype)
-        ours = lambda: comm.reduce_scatter(x, 0)
-        raw = lambda: rs(out, x)
+
+        def ours() -> Any:
+            return comm.reduce_scatter(x, 0)
+
+        def raw() -> Any:
+            return rs(out, x)
+
         raw()
         check = (comm.reduce_scatter(x, 0), out.clone())
     exact = op in ("all_gather", "all_to_allv") or not dtype.is_floating_point

@@ -69,9 +69,9 @@ def _graph(body: Callable[[], Any], capture_ctx: Any = None) -> torch.cuda.CUDAG
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with capture_ctx if capture_ctx is not None else contextlib.nullcontext():
-        with torch.cuda.graph(g):
-            body()
+    with (capture_ctx if capture_ctx is not None else contextlib.nullcontext(),
+          torch.cuda.graph(g)):
+        body()
     return g
 
 
@@ -114,15 +114,24 @@ def _bench_nccl(nbytes: int, dtype: torch.dtype, calls: int, reps: int,
     out: dict[str, Any] = {}
     with PyNcclCommunicator(dist.group.WORLD, torch.device("cuda", 0)) as comm:
         y = torch.empty_like(x)
-        eager = lambda: [comm.all_reduce(x, y) for _ in range(calls)]
+
+        def eager() -> list[Any]:
+            return [comm.all_reduce(x, y) for _ in range(calls)]
+
         out["pynccl_eager"], out["pynccl_graph"] = _eager_and_graph(eager, reps, calls)
+
         # In place, as torch's all_reduce below. NCCL at one rank then enqueues no GPU
         # work, so only the eager call is timed (a graph of it would be empty).
-        inplace = lambda: [comm.all_reduce(y, y) for _ in range(calls)]
+        def inplace() -> list[Any]:
+            return [comm.all_reduce(y, y) for _ in range(calls)]
+
         inplace()
         out["pynccl_eager_inplace"] = _stats(_event_time(inplace, reps, calls))
     z = x.clone()
-    torch_eager = lambda: [dist.all_reduce(z, group=nccl) for _ in range(calls)]
+
+    def torch_eager() -> list[Any]:
+        return [dist.all_reduce(z, group=nccl) for _ in range(calls)]
+
     torch_eager()
     out["torch_nccl_eager"] = _stats(_event_time(torch_eager, reps, calls))
     return out
@@ -241,7 +250,7 @@ def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = [_virtual_row(nbytes, dtype, args, failed) for nbytes, dtype in points]
     print("# custom all-reduce points done", flush=True)
     nccl = dist.new_group([0], backend="nccl")
-    for row, (nbytes, dtype) in zip(rows, points):
+    for row, (nbytes, dtype) in zip(rows, points, strict=True):
         row.update(_bench_nccl(nbytes, dtype, args.calls, args.reps, nccl))
         print(f"# {row['dtype']} {nbytes} B NCCL: "
               + ", ".join(f"{k} {row[k]['p50_us']:.1f}" for k in row if "nccl" in k), flush=True)

@@ -33,7 +33,9 @@ def _threads(r: dict[str, Any]) -> str:
     return f"  torch threads per rank: {r['threads']} (--threads {r.get('threads_setting', '?')})"
 
 
-def _groups(records: Sequence[dict[str, Any]]) -> Iterable[tuple[tuple[Any, ...], list[dict[str, Any]]]]:
+def _groups(
+    records: Sequence[dict[str, Any]],
+) -> Iterable[tuple[tuple[Any, ...], list[dict[str, Any]]]]:
     """Records by (world size, op, dtype, thread setting), in order of first appearance."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in records:
@@ -49,13 +51,14 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     for (ws, op, dtype), grp in _groups(records):
         lines.append(f"\nworld_size={ws}  op={op}  dtype={dtype}{_threads(grp[0])}"
                      "  (latency in us; speedup = gloo p50 / shm p50)")
-        lines.append(f"{'size':>9} {'shm p50':>10} {'shm p99':>10} {'gloo p50':>10} {'gloo p99':>10} "
-                     f"{'speedup':>8} {'iters':>6} {'ok':>3}")
+        lines.append(f"{'size':>9} {'shm p50':>10} {'shm p99':>10} {'gloo p50':>10} "
+                     f"{'gloo p99':>10} {'speedup':>8} {'iters':>6} {'ok':>3}")
         for r in grp:
             ratio = r["gloo_p50_us"] / r["shm_p50_us"]
             lines.append(
-                f"{human_bytes(r['bytes']):>9} {_us(r['shm_p50_us']):>10} {_us(r['shm_p99_us']):>10} "
-                f"{_us(r['gloo_p50_us']):>10} {_us(r['gloo_p99_us']):>10} {ratio:>7.1f}x "
+                f"{human_bytes(r['bytes']):>9} {_us(r['shm_p50_us']):>10} "
+                f"{_us(r['shm_p99_us']):>10} {_us(r['gloo_p50_us']):>10} "
+                f"{_us(r['gloo_p99_us']):>10} {ratio:>7.1f}x "
                 f"{r['iters']:>6} {'yes' if r['results_match'] else 'NO':>3}"
             )
     return "\n".join(lines)

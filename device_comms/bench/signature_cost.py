@@ -57,6 +57,8 @@ def _job_rank(rank: int, world: int, port: int, path: str, iters: int, out: Any)
     from device_comms import CpuCommunicator, TorchDistributedCommunicator
 
     cpu, group = torch.device("cpu"), dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torch.distributed is not initialised")
     if path == "gloo":
         comm: Any = TorchDistributedCommunicator(group, cpu, unique_name="bench")
     elif path == "shm":
@@ -94,6 +96,8 @@ def _inprocess_rank(rank: int, world: int, port: int, iters: int, rounds: int, o
         _checks_calls = False  # the unsigned path (what GPU tensors keep)
 
     cpu, group = torch.device("cpu"), dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torch.distributed is not initialised")
     comms = {"signed": TorchDistributedCommunicator(group, cpu, unique_name="signed"),
              "unsigned": Unsigned(group, cpu, unique_name="unsigned")}
     x = torch.ones(_ELEMS)

@@ -1,1 +1,2 @@
-"""The CPU communicator: shared memory among a node's ranks, gloo or a hierarchical path across nodes."""
+"""The CPU communicator: shared memory among a node's ranks, gloo or a hierarchical path
+across nodes."""

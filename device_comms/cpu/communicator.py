@@ -78,7 +78,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -93,11 +93,10 @@ from device_comms.cpu.config import (
 )
 from device_comms.cpu.hierarchical import HierarchicalAllReduce
 from device_comms.cpu.one_call import OneCall
-from device_comms.cpu_shm import alltoallv as shm_alltoallv
 from device_comms.cpu_shm import host_alloc
 from device_comms.cpu_shm.engine import ShmEngine
 from device_comms.cpu_shm.engine_threads import env_threads
-from device_comms.cpu_shm.small import NotServed
+from device_comms.cpu_shm.small import NotServed, SmallAllReduce
 from device_comms.cpu_shm.sync import StepSync
 from device_comms.cpu_shm.workspace import WorkspacePlan, open_workspace
 from device_comms.errors import DeviceCommError
@@ -111,7 +110,10 @@ __all__ = ["CpuCommunicator", "BYTES_ENV", "ENABLE_ENV", "TIMEOUT_ENV"]
 
 logger = logging.getLogger(__name__)
 
-_TENSOR, _STRIDED = torch.Tensor, torch.strided
+# What all_reduce's check compares against on every call (a module constant: one
+# lookup where torch's attribute takes two).
+_PLAIN_TENSOR = torch.Tensor  # exactly this type: no subclass (Parameter, FakeTensor)
+_STRIDED = torch.strided
 _P2P_OPS = frozenset({"send", "recv"})  # not held by a collective (device_comms.cpu.one_call)
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
@@ -187,6 +189,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self._validated: dict[torch.dtype, list[ReduceOp]] = {}
         self._engine: ShmEngine | None = None
         self._flat: ShmEngine | None = None
+        #: The one-step all_reduce of the engine (one node), for all_reduce's fast path.
+        self._small: SmallAllReduce | None = None
         self._hier: HierarchicalAllReduce | None = None
         if self.world_size > 1:
             self._setup(enabled, node_id, ws_bytes, wait_s, oneshot_bytes, threads)
@@ -206,7 +210,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
                               name=self.unique_name or None)
         if not all(e for e, _ in votes):
             off = [r for r, (e, _) in enumerate(votes) if not e]
-            self.fallback_reason = f"shared memory disabled on rank(s) {off} ({ENABLE_ENV}=0 or use_shm=False)"
+            self.fallback_reason = (f"shared memory disabled on rank(s) {off} "
+                                    f"({ENABLE_ENV}=0 or use_shm=False)")
             return
         ids = [n for _, n in votes]
         if any(i is not None for i in ids):
@@ -237,6 +242,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
             self._engine = ShmEngine(ws, sync, oneshot, threads)
         if n_nodes == 1:
             self._flat = self._engine
+            self._small = self._engine.small if self._engine is not None else None
             self.mode = "shm"
             return
         self._hier = HierarchicalAllReduce(
@@ -303,6 +309,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
     def destroy(self) -> None:
         """Unmap the workspace (peers waiting on this rank get an error). Idempotent."""
         eng, self._engine, self._flat, self._hier = self._engine, None, None, None
+        self._small = None
         if eng is not None:
             eng.close()
         super().destroy()
@@ -317,70 +324,91 @@ class CpuCommunicator(TorchDistributedCommunicator):
     ) -> torch.Tensor:
         """Reduce ``input_`` element-wise across ranks; ``out`` or a new tensor.
 
-        Same contract as :meth:`DeviceCommunicator.all_reduce`. Calls that the
-        base class already validated for this ``(op, dtype)`` -- a plain,
-        contiguous CPU tensor that does not require grad, with no ``out`` or
-        ``out=input_`` -- skip straight to the shared-memory engine: at 1 KiB
-        the generic checks and the ``no_grad`` context cost as much as the
-        collective itself.
+        Same contract as :meth:`DeviceCommunicator.all_reduce`, which checks
+        every call. At 1 KiB those checks and the ``no_grad`` context cost as
+        much as the collective itself, so a call of a kind the shared-memory
+        engine took before skips them, in four steps:
+
+        1. **check** what the engine reads by address: a plain, contiguous CPU
+           tensor that does not require grad and whose bytes are its values
+           (not a lazily negated view), with no ``out`` but ``input_`` itself;
+        2. **choose** the path: the engine's one-step entry when the op, dtype
+           and shape are the entry's (they passed the checks when it was made);
+           else the engine's all_reduce when this (op, dtype) passed them before
+           and the tensor has memory; else the checked path;
+        3. **run** it holding the one-call token, with the errors of the base
+           class's ``_guard`` (:meth:`_engine_failed`; a call the entry cannot
+           serve takes the checked path instead);
+        4. **finish**: count the call; the checked path remembers the (op,
+           dtype) it validated.
         """
-        eng = self._flat
+        small = self._small
+        # 1. check (inline: it runs on every call)
         if (
-            eng is not None
+            small is not None
             and (out is None or out is input_)
-            and type(input_) is _TENSOR
+            and type(input_) is _PLAIN_TENSOR
             and input_.is_cpu
             and input_.layout is _STRIDED  # before is_contiguous: sparse has none
             and not input_.requires_grad
             and input_.is_contiguous()
             and not input_.is_neg()  # a lazily negated view: its bytes are not its values
         ):
-            c = eng.last_small  # an (op, dtype) that passed the checks before, and a shape
-            if op is c.op and input_.dtype is c.dtype and c.plain and input_.shape == c.shape:
+            # 2. choose
+            entry = small.last
+            if (op is entry.op and input_.dtype is entry.dtype and entry.plain
+                    and input_.shape == entry.shape):
+                # 3. run the one-step entry
                 self._one_call.enter("all_reduce")
                 try:
-                    res = eng.small_all_reduce(c, input_, out)
-                except NotServed:
-                    res = None
-                except DeviceCommError:
-                    raise
-                except RuntimeError as e:
-                    raise self._translate("all_reduce", e) from e
-                except BaseException as e:  # an interrupt partway through
-                    self._interrupted("all_reduce", e)
-                    raise
+                    result = small.run(input_, entry, out)
+                except NotServed:  # no memory behind input_: the checked path says why
+                    result = None
+                except BaseException as e:
+                    self._engine_failed("all_reduce", e)
                 finally:
                     self._one_call.leave()
-                if res is None:
-                    return super().all_reduce(input_, op, out=out)
-                self.shm_calls["all_reduce"] += 1
-                return res
-            if (
+                # 4. finish
+                if result is not None:
+                    self.shm_calls["all_reduce"] += 1
+                    return result
+            elif (
                 type(op) is ReduceOp
                 and op in self._validated.get(input_.dtype, ())
-                and not input_._is_zerotensor()
+                and not input_._is_zerotensor()  # noqa: SLF001 - torch's own API, no public one
                 and storage_covers(input_)  # not freed under it: the engine copies by address
             ):
+                # 3. run the engine's all_reduce (4. counted first, as the hooks count)
                 self._one_call.enter("all_reduce")
                 self.shm_calls["all_reduce"] += 1
                 try:
-                    return eng.all_reduce(input_, op, out)
-                except DeviceCommError:
-                    raise
-                except RuntimeError as e:
-                    raise self._translate("all_reduce", e) from e
-                except BaseException as e:  # an interrupt partway through
-                    self._interrupted("all_reduce", e)
-                    raise
+                    return self._flat.all_reduce(  # type: ignore[union-attr]  # set with _small
+                        input_, op, out)
+                except BaseException as e:
+                    self._engine_failed("all_reduce", e)
                 finally:
                     self._one_call.leave()
-        res = super().all_reduce(input_, op, out=out)
-        # Complex tensors can be lazy conjugate views, which only the checked path resolves.
-        if eng is not None and type(op) is ReduceOp and not input_.dtype.is_complex:
+        # The checked path. 4. finish: complex tensors can be lazy conjugate views,
+        # which only the checked path resolves.
+        result = super().all_reduce(input_, op, out=out)
+        if small is not None and type(op) is ReduceOp and not input_.dtype.is_complex:
             ops = self._validated.setdefault(input_.dtype, [])
             if op not in ops:
                 ops.append(op)
-        return res
+        return result
+
+    def _engine_failed(self, op: str, e: BaseException) -> NoReturn:
+        """Raise for ``e``, which escaped the engine during ``op`` on the path that
+        skips :meth:`_guard`, as ``_guard`` does: this package's errors as they are
+        (a mismatch without this rank's arguments appended), a backend's
+        ``RuntimeError`` translated, anything else (an interrupt partway through)
+        after breaking the engine for the peers."""
+        if isinstance(e, DeviceCommError):
+            raise e
+        if isinstance(e, RuntimeError):
+            raise self._translate(op, e) from e
+        self._interrupted(op, e)
+        raise e
 
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         eng = self._flat
@@ -444,8 +472,12 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self.shm_calls["all_gather"] += 1
         key = _shape_key(t.shape, dim)
         if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
-            return eng.all_gather_cat(t, dim, size_key=key)  # type: ignore[return-value]
-        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "all_gather", None, key)
+            return eng.all_gather_cat(  # type: ignore[return-value]  # no dst: every rank gets it
+                t, dim, size_key=key)
+        sizes = [t.shape[dim]] * self.world_size
+        out = _gathered(t, dim, sizes)
+        self._gather_rows(eng, t, dim, sizes, "all_gather", None, key, out)
+        return out
 
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         eng = self._flat
@@ -459,7 +491,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         ):
             shapes = [torch.Size(t.shape[:dim] + (s,) + t.shape[dim + 1 :]) for s in sizes]
             return eng.gatherv_cat(t, shapes, dim, key)
-        return self._gather_rows(eng, t, dim, sizes, "all_gatherv", None, key)  # type: ignore[return-value]
+        out = _gathered(t, dim, sizes)
+        self._gather_rows(eng, t, dim, sizes, "all_gatherv", None, key, out)
+        return out
 
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         eng = self._flat
@@ -469,7 +503,10 @@ class CpuCommunicator(TorchDistributedCommunicator):
         key = _shape_key(t.shape, dim)
         if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
             return eng.all_gather_cat(t, dim, "gather", dst, key)
-        return self._gather_rows(eng, t, dim, [t.shape[dim]] * self.world_size, "gather", dst, key)
+        sizes = [t.shape[dim]] * self.world_size
+        out = _gathered(t, dim, sizes) if dst == self.rank_in_group else None
+        self._gather_rows(eng, t, dim, sizes, "gather", dst, key, out)
+        return out
 
     def _gather_rows(
         self,
@@ -480,24 +517,21 @@ class CpuCommunicator(TorchDistributedCommunicator):
         kind: str,
         dst: int | None,
         key: int,
-    ) -> torch.Tensor | None:
-        """Gather along ``dim`` written straight into the output's final layout."""
+        out: torch.Tensor | None,
+    ) -> None:
+        """Gather along ``dim`` straight into ``out``, the output in its final layout
+        (:func:`_gathered`; None on a rank that gets nothing)."""
         rows = math.prod(t.shape[:dim])
         inner = math.prod(t.shape[dim + 1 :])
         widths = [s * inner for s in sizes]
-        reader = dst is None or dst == self.rank_in_group
-        out = None
-        if reader:
-            shape = list(t.shape)
-            shape[dim] = sum(sizes)
-            out = host_alloc.empty(shape, t.dtype)
         eng.gather_rows(
             t.view(rows, widths[self.rank_in_group]), widths,
             None if out is None else out.view(rows, sum(widths)), kind, key, dst,
         )
-        return out
 
-    def _all_to_allv(self, t: torch.Tensor, send: list[int], recv: list[int] | None) -> torch.Tensor:
+    def _all_to_allv(
+        self, t: torch.Tensor, send: list[int], recv: list[int] | None
+    ) -> torch.Tensor:
         eng = self._flat
         if eng is None or not self._in_shm("all_to_allv"):
             return super()._all_to_allv(t, send, recv)
@@ -509,7 +543,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         eng = self._flat
         if eng is None or op not in _SHM_OPS:
             return False
-        return op != "all_to_allv" or shm_alltoallv.fits(eng)
+        return op != "all_to_allv" or eng.alltoallv.fits
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         eng = self._flat
@@ -571,6 +605,14 @@ class CpuCommunicator(TorchDistributedCommunicator):
             f"CpuCommunicator({self.unique_name!r}, rank {self.rank_in_group}/{self.world_size}, "
             f"mode={self.mode})"
         )
+
+
+def _gathered(t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+    """A new tensor for every rank's ``t`` (``sizes[r]`` along ``dim``) concatenated along
+    ``dim`` (large ones huge-page backed)."""
+    shape = list(t.shape)
+    shape[dim] = sum(sizes)
+    return host_alloc.empty(shape, t.dtype)
 
 
 def _moved(t: torch.Tensor, src: int, dst: int) -> torch.Tensor:

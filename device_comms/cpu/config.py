@@ -77,6 +77,7 @@ def step_timeout(timeout: float | None) -> float:
     """The step timeout: ``timeout``, else ``GROUPCOORD_CPU_SHM_TIMEOUT``, else
     ``GROUPCOORD_TIMEOUT``, else 300 s (see :mod:`shm_broadcast.timeouts`)."""
     if timeout is not None:
-        return check_timeout(timeout)
-    seconds = env_timeout(TIMEOUT_ENV, positive=False)
+        seconds = check_timeout(timeout)
+    else:
+        seconds = env_timeout(TIMEOUT_ENV, positive=False)
     return default_timeout() if seconds is None else seconds

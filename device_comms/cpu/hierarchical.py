@@ -210,7 +210,7 @@ class HierarchicalAllReduce:
         """On a non-leader: wait for the leader's verdict up to :data:`VERDICT_GRACE_S`
         beyond the timeout (the engine runs one call at a time, so the
         synchroniser's timeout may be lengthened for this one step)."""
-        sync = self.engine.sync  # type: ignore[union-attr]
+        sync = self.engine.sync  # type: ignore[union-attr]  # non-leaders have a node engine
         saved = sync.timeout
         if saved is not None:
             sync.timeout = saved + VERDICT_GRACE_S
@@ -239,7 +239,7 @@ class HierarchicalAllReduce:
             lost: GroupCoordError
             if closed:
                 lost = PeerDiedError(text, queue=self.name, peers=remote)
-                lost.suspected = True  # type: ignore[attr-defined]
+                lost.suspected = True  # type: ignore[attr-defined]  # an extra: suspected
             else:
                 lost = CollectiveTimeout(text, queue=self.name, peers=remote)
             with contextlib.suppress(GroupCoordError):  # a local rank gone too: it is reported
@@ -274,7 +274,8 @@ class HierarchicalAllReduce:
         if not self.is_leader:
             result = host_alloc.empty(t.shape, t.dtype)
             with self._awaiting_verdict():
-                eng.broadcast(result, 0, signed=signed, name="all_reduce")  # type: ignore[union-attr]
+                eng.broadcast(  # type: ignore[union-attr]  # non-leaders have a node engine
+                    result, 0, signed=signed, name="all_reduce")
             self.intra_node_shm_steps += 1
         else:
             with self._relaying_failures("all_reduce", local_err is None):
@@ -311,7 +312,7 @@ class HierarchicalAllReduce:
         env = self._env
         srcs = [
             partial if j == self.node else
-            env.payload(r).view(t.dtype).view(t.shape)  # type: ignore[union-attr]
+            env.payload(r).view(t.dtype).view(t.shape)  # type: ignore[union-attr]  # a leader's
             for j, r in enumerate(self.leaders)
         ]
         return reduce_views(srcs, op)
@@ -379,7 +380,8 @@ class HierarchicalAllReduce:
             status, culprit, text = REJECTED, local_err.rank, local_err.reason
         else:
             who = local_err.peers[0] if local_err.peers else self.me
-            status, culprit, text = FAILED, int(who), str(local_err)  # type: ignore[call-overload]
+            rank: int = int(who)  # type: ignore[call-overload]  # peers hold ranks here
+            status, culprit, text = FAILED, rank, str(local_err)
         h = failure_header(self._blank, status, culprit)
         h[2] = self._word
         return h, text

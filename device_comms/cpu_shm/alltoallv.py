@@ -35,23 +35,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from device_comms.alltoallv import SizeTable, offsets, record_words, row_bytes, settle_sizes
 from device_comms.cpu_shm import host_alloc
-from device_comms.cpu_shm.engine_threads import GRAIN, KernelThreads
-from device_comms.signatures.step_signature import signature
+from device_comms.cpu_shm.context import EngineContext, shape_key, signature
+from device_comms.cpu_shm.engine_threads import GRAIN
+from device_comms.cpu_shm.workspace import ShmWorkspace
 
-if TYPE_CHECKING:
-    from device_comms.cpu_shm.engine import ShmEngine
-    from device_comms.cpu_shm.sync import StepSync
-    from device_comms.cpu_shm.workspace import ShmWorkspace
-
-__all__ = ["ShmAllToAllvOps", "fits", "record_bytes"]
+__all__ = ["ShmAllToAllv", "fits", "record_bytes"]
 
 _LINE = 64  # the stream starts on a cache line after the size record
 _MEMMOVE_MAX = 256 << 10  # larger copies go through torch (parallel with the engine's thread count)
@@ -64,61 +59,64 @@ def record_bytes(world_size: int) -> int:
     return (raw + _LINE - 1) // _LINE * _LINE
 
 
-def fits(eng: ShmEngine) -> bool:
-    """Whether the engine's slots hold a size record with room to spare.
+def fits(local_size: int, slot_bytes: int) -> bool:
+    """Whether slots of ``slot_bytes`` hold the size record of ``local_size`` ranks
+    with room to spare.
 
     The same on every rank of a node (same slot size and rank count), so
     every rank routes a call the same way.
     """
-    return 2 * record_bytes(eng.size) <= eng.ws.slot_bytes
+    return 2 * record_bytes(local_size) <= slot_bytes
 
 
-@functools.lru_cache(maxsize=64)
-def _signature(dtype: torch.dtype) -> int:
-    return signature("all_to_allv", dtype)
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` of contiguous uint8 tensors of equal length."""
-    n = dst.numel()
-    if not n:
+    nbytes = dst.numel()
+    if not nbytes:
         return
-    if n <= _MEMMOVE_MAX:
-        _memmove(dst.data_ptr(), src.data_ptr(), n)
+    if nbytes <= _MEMMOVE_MAX:
+        _memmove(dst.data_ptr(), src.data_ptr(), nbytes)
     else:
         dst.copy_(src)
 
 
-class ShmAllToAllvOps:
-    """The uneven all-to-all of :class:`~device_comms.cpu_shm.engine.ShmEngine` (a mixin:
-    the engine provides the workspace, the synchroniser and the caches below)."""
+class ShmAllToAllv:
+    """The uneven all-to-all over an engine context.
 
-    ws: ShmWorkspace
-    sync: StepSync
-    size: int
-    me: int
-    _views: dict[Any, Any]  # the engine's view cache (cleared when it closes)
+    Args:
+        ctx: The engine's context.
 
-    @property
-    def kernel_threads(self) -> KernelThreads:  # provided by the engine
-        raise NotImplementedError
+    Attributes:
+        fits: Whether the slots hold the size record with room to spare
+            (:func:`fits`); the engine runs :meth:`all_to_allv` only then.
+    """
 
-    def shape_key(self, shape: torch.Size) -> int:  # provided by the engine
-        raise NotImplementedError
+    def __init__(self, ctx: EngineContext) -> None:
+        self._ws = ctx.ws
+        self._sync = ctx.sync
+        self._me = ctx.me
+        self._size = ctx.size
+        self._kernel_threads = ctx.kernel_threads
+        self._words_views: dict[int, list[np.ndarray]] = {}
+        self.fits = fits(ctx.size, ctx.ws.slot_bytes)
+
+    def close(self) -> None:
+        """Drop the cached views (they map the workspace)."""
+        self._words_views.clear()
 
     def all_to_allv(
-        self, x: torch.Tensor, send: list[int], recv: list[int] | None,
+        self, tensor: torch.Tensor, send: list[int], recv: list[int] | None,
         name: str = "all_to_allv",
     ) -> torch.Tensor:
-        """Uneven all-to-all of contiguous ``x`` among the engine's ranks (group ranks).
+        """Uneven all-to-all of contiguous ``tensor`` among the engine's ranks (group ranks).
 
         Args:
-            x: This rank's rows, at least 1-D and contiguous.
-            send: Rows of ``x`` for each rank (sum: ``x.shape[0]``).
+            tensor: This rank's rows, at least 1-D and contiguous.
+            send: Rows of ``tensor`` for each rank (sum: ``tensor.shape[0]``).
             recv: Rows expected from each rank, or None (taken from the senders).
             name: The op named in errors.
 
@@ -127,60 +125,67 @@ class ShmAllToAllvOps:
                 row shape), or the size records disagree (every rank raises).
             PeerRejectedError: A peer rejected its arguments.
         """
-        with self._threaded(x.nbytes):
-            return self._all_to_allv(x, send, recv, name)
+        with self._threaded(tensor.nbytes):
+            return self._all_to_allv(tensor, send, recv, name)
 
     def _threaded(self, nbytes: int) -> Any:
         """The engine's thread count when a copy of ``nbytes`` may run in parallel."""
-        return self.kernel_threads if nbytes > GRAIN else contextlib.nullcontext()
+        return self._kernel_threads if nbytes > GRAIN else contextlib.nullcontext()
 
     def _words(self, parity: int, rank: int) -> np.ndarray:
         """Local ``rank``'s slot of ``parity`` as int64 words (a cached numpy view)."""
-        key = ("all_to_allv", parity)
-        views = self._views.get(key)
+        views = self._words_views.get(parity)
         if views is None:
-            views = self._views[key] = [self.ws.slot(parity, r, torch.int64).numpy()
-                                        for r in range(self.size)]
+            views = self._words_views[parity] = [
+                self._ws.slot(parity, local_rank, torch.int64).numpy()
+                for local_rank in range(self._size)
+            ]
         return views[rank]
 
     def _all_to_allv(
-        self, x: torch.Tensor, send: list[int], recv: list[int] | None, name: str,
+        self, tensor: torch.Tensor, send: list[int], recv: list[int] | None, name: str,
     ) -> torch.Tensor:
-        ws, sync, me, n = self.ws, self.sync, self.me, self.size
-        slot_b, head = ws.slot_bytes, record_bytes(n)
-        row, xb = row_bytes(x), _flat_bytes(x)
-        off = offsets(send)
-        cut, own = off[me] * row, send[me] * row  # my stream skips [cut, cut + own)
-        length = (off[n] - send[me]) * row
-        p = sync.next_parity
-        words = record_words(n)
-        self._words(p, me)[:words] = [1 if recv is not None else 0] + send + (recv or [0] * n)
-        _write(ws.slot(p, me, torch.uint8), head, xb, cut, own, length, 0, slot_b - head)
-        sync.step(name, _signature(x.dtype), self.shape_key(x.shape[1:]), True)
-        table = SizeTable.decode([self._words(p, q)[:words].tolist() for q in range(n)],
-                                 sync.name, name)
+        ws, sync, me, size = self._ws, self._sync, self._me, self._size
+        slot_bytes, head = ws.slot_bytes, record_bytes(size)
+        row, in_bytes = row_bytes(tensor), _flat_bytes(tensor)
+        send_offsets = offsets(send)
+        # my stream skips [cut, cut + own): the rows I keep
+        cut, own = send_offsets[me] * row, send[me] * row
+        length = (send_offsets[size] - send[me]) * row
+        parity = sync.next_parity
+        words = record_words(size)
+        self._words(parity, me)[:words] = ([1 if recv is not None else 0] + send
+                                           + (recv or [0] * size))
+        _write(ws.slot(parity, me, torch.uint8), head, in_bytes, cut, own, length, 0,
+               slot_bytes - head)
+        sync.step(name, signature("all_to_allv", tensor.dtype), shape_key(tensor.shape[1:]),
+                  True)
+        table = SizeTable.decode([self._words(parity, peer)[:words].tolist()
+                                  for peer in range(size)], sync.name, name)
         settle_sizes(table, sync.name, name, row)
         got = table.received_by(me)
-        out = host_alloc.empty((sum(got),) + tuple(x.shape[1:]), x.dtype)
-        ob = _flat_bytes(out)
-        roff = offsets(got)
+        out = host_alloc.empty((sum(got),) + tuple(tensor.shape[1:]), tensor.dtype)
+        out_bytes = _flat_bytes(out)
+        recv_offsets = offsets(got)
         with self._threaded(out.nbytes):
             if own:
-                _copy(ob[roff[me] * row : roff[me] * row + own], xb[cut : cut + own])
-            pieces, longest = _pieces(table, me, row, roff)
-            _read(ws, p, pieces, ob, 0, slot_b - head, head)
-            a = slot_b - head
-            while a < longest:  # further windows, as long as the longest stream needs
-                p = sync.next_parity
-                _write(ws.slot(p, me, torch.uint8), 0, xb, cut, own, length, a, a + slot_b)
+                start = recv_offsets[me] * row
+                _copy(out_bytes[start : start + own], in_bytes[cut : cut + own])
+            pieces, longest = _pieces(table, me, row, recv_offsets)
+            _read(ws, parity, pieces, out_bytes, 0, slot_bytes - head, head)
+            window = slot_bytes - head
+            while window < longest:  # further windows, as long as the longest stream needs
+                parity = sync.next_parity
+                _write(ws.slot(parity, me, torch.uint8), 0, in_bytes, cut, own, length, window,
+                       window + slot_bytes)
                 sync.step(name)
-                _read(ws, p, pieces, ob, a, a + slot_b, 0)
-                a += slot_b
+                _read(ws, parity, pieces, out_bytes, window, window + slot_bytes, 0)
+                window += slot_bytes
         return out
 
 
 def _pieces(
-    table: SizeTable, me: int, row: int, roff: list[int]
+    table: SizeTable, me: int, row: int, recv_offsets: list[int]
 ) -> tuple[list[tuple[int, int, int, int]], int]:
     """Where this rank's rows sit in each peer's stream, and the longest stream.
 
@@ -188,40 +193,42 @@ def _pieces(
     """
     pieces = []
     longest = 0
-    for q, sq in enumerate(table.send):
-        longest = max(longest, (sum(sq) - sq[q]) * row)
-        if q == me or not sq[me] or not row:
+    for peer, sends in enumerate(table.send):
+        longest = max(longest, (sum(sends) - sends[peer]) * row)
+        if peer == me or not sends[me] or not row:
             continue
-        start = (sum(sq[:me]) - (sq[q] if q < me else 0)) * row
-        pieces.append((q, start, sq[me] * row, roff[q] * row))
+        start = (sum(sends[:me]) - (sends[peer] if peer < me else 0)) * row
+        pieces.append((peer, start, sends[me] * row, recv_offsets[peer] * row))
     return pieces, longest
 
 
 def _write(
-    slot: torch.Tensor, base: int, xb: torch.Tensor, cut: int, own: int, length: int,
-    a: int, b: int,
+    slot: torch.Tensor, base: int, in_bytes: torch.Tensor, cut: int, own: int, length: int,
+    start: int, end: int,
 ) -> None:
-    """Copy my stream's bytes ``[a, b)`` (clipped to its ``length``) to ``slot[base:]``.
+    """Copy my stream's bytes ``[start, end)`` (clipped to its ``length``) to ``slot[base:]``.
 
     Stream bytes below ``cut`` are input bytes at the same offset; from
     ``cut`` on they are ``own`` bytes further (past the rows kept here).
     """
-    b = min(b, length)
-    lo, hi = a, min(b, cut)
+    end = min(end, length)
+    lo, hi = start, min(end, cut)
     if hi > lo:
-        _copy(slot[base + lo - a : base + hi - a], xb[lo:hi])
-    lo, hi = max(a, cut), b
+        _copy(slot[base + lo - start : base + hi - start], in_bytes[lo:hi])
+    lo, hi = max(start, cut), end
     if hi > lo:
-        _copy(slot[base + lo - a : base + hi - a], xb[lo + own : hi + own])
+        _copy(slot[base + lo - start : base + hi - start], in_bytes[lo + own : hi + own])
 
 
 def _read(
-    ws: object, p: int, pieces: list[tuple[int, int, int, int]], ob: torch.Tensor,
-    a: int, b: int, base: int,
+    ws: ShmWorkspace, parity: int, pieces: list[tuple[int, int, int, int]],
+    out_bytes: torch.Tensor, start: int, end: int, base: int,
 ) -> None:
-    """Copy the part of each peer's window ``[a, b)`` (at ``base`` in its slot) meant for me."""
-    for q, start, nbytes, dst in pieces:
-        lo, hi = max(a, start), min(b, start + nbytes)
+    """Copy the part of each peer's window ``[start, end)`` (at ``base`` in its slot)
+    meant for me."""
+    for peer, stream_start, nbytes, dst in pieces:
+        lo, hi = max(start, stream_start), min(end, stream_start + nbytes)
         if hi > lo:
-            src = ws.slot(p, q, torch.uint8)  # type: ignore[attr-defined]
-            _copy(ob[dst + lo - start : dst + hi - start], src[base + lo - a : base + hi - a])
+            src = ws.slot(parity, peer, torch.uint8)
+            _copy(out_bytes[dst + lo - stream_start : dst + hi - stream_start],
+                  src[base + lo - start : base + hi - start])

@@ -9,21 +9,19 @@ cores`` threads onto ``cores`` CPUs. A parallel region ends only when *all* of
 its threads have run, and libgomp's workers busy-wait for their next region
 (``GOMP_SPINCOUNT``, by default hundreds of thousands of pauses) before they
 sleep: each rank's team spins on the CPUs its peers need to finish their
-part. Measured on the 2-vCPU development VM (2 ranks, torch's default of 2
-threads each, float32 all-reduce): 1 MiB took 5-50 ms instead of 0.2 ms,
-16 MiB 0.1-0.7 s instead of 4 ms; with ``GOMP_SPINCOUNT=0`` it was 0.2 ms and
-6 ms again, which names the cause.
+part, and a collective takes many times as long (the spinning is the cause:
+with ``GOMP_SPINCOUNT=0`` the time comes back; measured in docs/performance.md).
 
 The rule. The engine runs its kernels with exactly :func:`engine_threads`
 threads: the CPUs the node's local ranks may run on (the union of their
 affinity masks), divided by the number of local ranks, at least one, and never
-more than this rank's own mask. On the development VM (2 CPUs, 2 or 4 ranks)
-that is one thread per rank; on a 16-core host with 4 ranks it is four. This
-is the engine's share of the node whatever torch's own setting is: an engine
-that gives each rank one torch thread on a many-core host would otherwise
-move a 16 MiB all-reduce's ~76 MiB of copies and reductions on one core per
-rank (measured on a 16-core host, world size 4: 9.6 ms, no faster than gloo,
-whose socket transfers run in its own threads and the kernel). Ranks pinned
+more than this rank's own mask: on 2 CPUs with 2 or 4 ranks that is one
+thread per rank, on 16 cores with 4 ranks it is four. This is the engine's
+share of the node whatever torch's own setting is: with one torch thread per
+rank on a many-core host, a large collective's copies and reductions (several
+times the message's bytes per rank) would run on one core per rank and leave
+the node's memory bandwidth idle, while gloo's socket transfers run in its own
+threads and the kernel, on the idle cores. Ranks pinned
 to one CPU each (``taskset``, ``VLLM_CPU_OMP_THREADS_BIND``) get one thread.
 ``GROUPCOORD_CPU_SHM_THREADS`` (a positive int) replaces the rule; set it to
 1 to keep the engine on each rank's calling thread. The user's own setting is
@@ -79,8 +77,8 @@ def cores_per_rank(pids: Sequence[int], me: int) -> int:
     """
     own = _affinity(0) or set(range(os.cpu_count() or 1))
     union = set(own)
-    for i, pid in enumerate(pids):
-        if i != me:
+    for rank, pid in enumerate(pids):
+        if rank != me:
             union |= _affinity(pid) or own
     return max(1, min(len(own), len(union) // max(1, len(pids))))
 
@@ -144,10 +142,10 @@ class KernelThreads:
             return self
         self._depth += 1
         if self._depth == 1:
-            n = torch.get_num_threads()
-            if n != self.limit:
+            current = torch.get_num_threads()
+            if current != self.limit:
                 torch.set_num_threads(self.limit)
-                self._saved = n
+                self._saved = current
         return self
 
     def __exit__(
@@ -180,6 +178,6 @@ def threaded(elems: Callable[..., int]) -> Callable[[_F], _F]:
             with self.kernel_threads:
                 return method(self, *args, **kw)
 
-        return run  # type: ignore[return-value]
+        return run  # type: ignore[return-value]  # run has the method's signature
 
     return wrap

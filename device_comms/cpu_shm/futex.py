@@ -20,7 +20,9 @@ import sys
 
 __all__ = ["AVAILABLE", "futex_wait", "futex_wake", "address_of"]
 
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}.get(os.uname().machine if hasattr(os, "uname") else "")
+# The futex syscall's number on this architecture (0: unknown here, no futexes).
+_MACHINE = os.uname().machine if hasattr(os, "uname") else ""
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}.get(_MACHINE, 0)
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _INT_MAX = 0x7FFFFFFF
 
@@ -30,7 +32,7 @@ class _Timespec(ctypes.Structure):
 
 
 _syscall = None
-if sys.platform.startswith("linux") and _SYS_FUTEX is not None:
+if sys.platform.startswith("linux") and _SYS_FUTEX:
     try:
         _syscall = ctypes.CDLL(None, use_errno=True).syscall
         _syscall.restype = ctypes.c_long
@@ -42,10 +44,10 @@ AVAILABLE = _syscall is not None
 
 def address_of(buf: memoryview) -> int:
     """Address of the first byte of writable ``buf`` (valid while its memory is mapped)."""
-    c = ctypes.c_char.from_buffer(buf)
-    addr = ctypes.addressof(c)
-    del c  # drop the export at once so the memoryview can be released later
-    return addr
+    first = ctypes.c_char.from_buffer(buf)
+    address = ctypes.addressof(first)
+    del first  # drop the export at once so the memoryview can be released later
+    return address
 
 
 def futex_wait(addr: int, expected: int, timeout_s: float) -> None:

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from device_comms.cpu_shm.engine_threads import KernelThreads, threaded
+from device_comms.cpu_shm.context import EngineContext, signature
+from device_comms.cpu_shm.engine_threads import threaded
 
-if TYPE_CHECKING:
-    from device_comms.cpu_shm.sync import StepSync
-    from device_comms.cpu_shm.workspace import ShmWorkspace
-
-__all__ = ["ShmGatherOps"]
+__all__ = ["ShmGathers"]
 
 
 class _GatherStep(NamedTuple):
@@ -32,66 +29,68 @@ class _GatherStep(NamedTuple):
     x2: torch.Tensor
     out2: torch.Tensor | None
     widths: Sequence[int]
-    offs: list[int]
+    offsets: list[int]
     writes: bool
     kind: str
-    sig: Any
+    sig: int
     size_key: int
 
 
-class ShmGatherOps:
-    """The gathers of :class:`~device_comms.cpu_shm.engine.ShmEngine` (a mixin: the
-    engine provides the workspace, the synchroniser and the helpers below)."""
+class ShmGathers:
+    """all_gather(v) and gather over an engine context.
 
-    ws: ShmWorkspace
-    sync: StepSync
-    size: int
-    me: int
+    Args:
+        ctx: The engine's context.
 
-    @property
-    def kernel_threads(self) -> KernelThreads:  # provided by the engine
-        raise NotImplementedError
+    Attributes:
+        size: Number of local ranks.
+        kernel_threads: The context's thread cap (kernels over more than
+            :data:`~device_comms.cpu_shm.engine_threads.GRAIN` elements run under it).
+    """
 
-    def _shaped(self, parity: int, t: torch.Tensor) -> list[torch.Tensor]:
-        raise NotImplementedError
+    def __init__(self, ctx: EngineContext) -> None:
+        self._ws = ctx.ws
+        self._sync = ctx.sync
+        self._me = ctx.me
+        self._shaped = ctx.shaped
+        self.size = ctx.size
+        self.kernel_threads = ctx.kernel_threads
 
-    def _sig(self, kind: str, dtype: torch.dtype, op: Any = None, root: int = 0) -> int:
-        raise NotImplementedError
-
-    @threaded(lambda self, t, *_: t.numel() * self.size)
+    @threaded(lambda self, tensor, *_: tensor.numel() * self.size)
     def all_gather_cat(
         self,
-        t: torch.Tensor,
+        tensor: torch.Tensor,
         dim: int,
         kind: str = "all_gather",
         dst: int | None = None,
         size_key: int | None = None,
     ) -> torch.Tensor | None:
-        """Every rank's ``t`` (same shape, fits a slot) concatenated along ``dim``.
+        """Every rank's ``tensor`` (same shape, fits a slot) concatenated along ``dim``.
 
         Every rank gets it when ``dst`` is None, else only local rank ``dst``.
         ``size_key`` (default: the element count) must agree on every rank.
         """
-        views = self._shaped(self.sync.next_parity, t)
-        views[self.me].copy_(t)
-        sig = self._sig(kind, t.dtype, None, 0 if dst is None else dst)
-        self.sync.step(kind, sig, t.numel() if size_key is None else size_key, True)
-        if dst is None or dst == self.me:
+        sync = self._sync
+        views = self._shaped(sync.next_parity, tensor)
+        views[self._me].copy_(tensor)
+        sig = signature(kind, tensor.dtype, None, 0 if dst is None else dst)
+        sync.step(kind, sig, tensor.numel() if size_key is None else size_key, True)
+        if dst is None or dst == self._me:
             return torch.cat(views, dim)
         return None
 
-    @threaded(lambda self, t, shapes, *_: sum(math.prod(s) for s in shapes))
+    @threaded(lambda self, tensor, shapes, *_: sum(math.prod(shape) for shape in shapes))
     def gatherv_cat(
-        self, t: torch.Tensor, shapes: Sequence[torch.Size], dim: int, size_key: int
+        self, tensor: torch.Tensor, shapes: Sequence[torch.Size], dim: int, size_key: int
     ) -> torch.Tensor:
-        """All-gather of per-rank shapes ``shapes`` (each fits a slot), concatenated along ``dim``."""
-        p, dt = self.sync.next_parity, t.dtype
-        views = [
-            s[: math.prod(shape)].view(shape)
-            for s, shape in zip(self.ws.slots(p, dt), shapes)
-        ]
-        views[self.me].copy_(t)
-        self.sync.step("all_gatherv", self._sig("all_gatherv", dt), size_key, True)
+        """All-gather of per-rank shapes ``shapes`` (each fits a slot), concatenated along
+        ``dim``."""
+        sync, dtype = self._sync, tensor.dtype
+        slots = self._ws.slots(sync.next_parity, dtype)
+        views = [slot[: math.prod(shape)].view(shape)
+                 for slot, shape in zip(slots, shapes, strict=True)]
+        views[self._me].copy_(tensor)
+        sync.step("all_gatherv", signature("all_gatherv", dtype), size_key, True)
         return torch.cat(views, dim)
 
     @threaded(lambda self, x2, widths, *_: x2.shape[0] * sum(widths))
@@ -112,60 +111,66 @@ class ShmGatherOps:
         slots a block of whole rows at a time, or a row in column pieces when a
         row is larger than a slot, so the output is written in its final layout.
         """
-        ws, sync, me = self.ws, self.sync, self.me
-        dt = x2.dtype
-        sig = self._sig(kind, dt, None, 0 if dst is None else dst)
-        rows_n = x2.shape[0]
-        offs = [0]
-        for w in widths:
-            offs.append(offs[-1] + w)
+        me, dtype = self._me, x2.dtype
+        sig = signature(kind, dtype, None, 0 if dst is None else dst)
+        rows = x2.shape[0]
+        offsets = [0]
+        for width in widths:
+            offsets.append(offsets[-1] + width)
         writes = dst is None or dst != me  # a root reads its own part from x2
-        chunk = ws.slot_elems(dt)
-        wmax = max(widths) if widths else 0
-        if wmax == 0 or rows_n == 0:
-            sync.step(kind, sig, size_key, True)  # nothing to move; still agree on the call
+        chunk = self._ws.slot_elems(dtype)
+        widest = max(widths) if widths else 0
+        if widest == 0 or rows == 0:
+            self._sync.step(kind, sig, size_key, True)  # nothing to move; still agree on the call
             return
-        if wmax <= chunk:  # blocks of whole rows
-            per = max(1, chunk // wmax)
-            pieces = [(i, min(per, rows_n - i), None) for i in range(0, rows_n, per)]
+        step = _GatherStep(x2, out2, widths, offsets, writes, kind, sig, size_key)
+        if widest <= chunk:  # blocks of whole rows
+            per_block = max(1, chunk // widest)
+            for first_row in range(0, rows, per_block):
+                self._gather_row_block(step, first_row, min(per_block, rows - first_row),
+                                       first=first_row == 0)
         else:  # each row in column pieces
-            pieces = [(i, 1, a) for i in range(rows_n) for a in range(0, wmax, chunk)]
-        step = _GatherStep(x2, out2, widths, offs, writes, kind, sig, size_key)
-        for n, (i, nrows, a) in enumerate(pieces):
-            if a is None:
-                self._gather_row_block(step, i, nrows, first=n == 0)
-            else:
-                self._gather_column_piece(step, i, a, chunk, first=n == 0)
+            for row in range(rows):
+                for column in range(0, widest, chunk):
+                    self._gather_column_piece(step, row, column, chunk,
+                                              first=row == 0 and column == 0)
 
-    def _gather_row_block(self, step: _GatherStep, i: int, nrows: int, first: bool) -> None:
-        """Rows ``i : i + nrows`` of every rank's piece through one round of slots."""
-        ws, me, dt, widths = self.ws, self.me, step.x2.dtype, step.widths
-        p = self.sync.next_parity
+    def _gather_row_block(self, step: _GatherStep, first_row: int, rows: int,
+                          first: bool) -> None:
+        """Rows ``first_row : first_row + rows`` of every rank's piece through one round of
+        slots."""
+        ws, me, dtype, widths = self._ws, self._me, step.x2.dtype, step.widths
+        end = first_row + rows
+        parity = self._sync.next_parity
         if step.writes and widths[me]:
-            ws.slot(p, me, dt)[: nrows * widths[me]].copy_(step.x2[i : i + nrows].reshape(-1))
-        self.sync.step(step.kind, step.sig, step.size_key, first)
+            mine = ws.slot(parity, me, dtype)[: rows * widths[me]]
+            mine.copy_(step.x2[first_row:end].reshape(-1))
+        self._sync.step(step.kind, step.sig, step.size_key, first)
         if step.out2 is None:
             return
-        for r in range(self.size):
-            w = widths[r]
-            if w:
-                src = (step.x2[i : i + nrows] if r == me
-                       else ws.slot(p, r, dt)[: nrows * w].view(nrows, w))
-                step.out2[i : i + nrows, step.offs[r] : step.offs[r] + w].copy_(src)
+        for rank in range(self.size):
+            width = widths[rank]
+            if width:
+                src = (step.x2[first_row:end] if rank == me
+                       else ws.slot(parity, rank, dtype)[: rows * width].view(rows, width))
+                step.out2[first_row:end, step.offsets[rank] : step.offsets[rank] + width].copy_(src)
 
-    def _gather_column_piece(self, step: _GatherStep, i: int, a: int, chunk: int,
+    def _gather_column_piece(self, step: _GatherStep, row: int, column: int, chunk: int,
                              first: bool) -> None:
-        """Columns ``a : a + chunk`` of row ``i`` of every rank's piece (rows wider than a slot)."""
-        ws, me, dt, widths = self.ws, self.me, step.x2.dtype, step.widths
-        p = self.sync.next_parity
-        ln = max(0, min(chunk, widths[me] - a))
-        if step.writes and ln:
-            ws.slot(p, me, dt)[:ln].copy_(step.x2[i, a : a + ln])
-        self.sync.step(step.kind, step.sig, step.size_key, first)
+        """Columns ``column : column + chunk`` of row ``row`` of every rank's piece (rows
+        wider than a slot)."""
+        ws, me, dtype, widths = self._ws, self._me, step.x2.dtype, step.widths
+        parity = self._sync.next_parity
+        length = max(0, min(chunk, widths[me] - column))
+        if step.writes and length:
+            ws.slot(parity, me, dtype)[:length].copy_(step.x2[row, column : column + length])
+        self._sync.step(step.kind, step.sig, step.size_key, first)
         if step.out2 is None:
             return
-        for r in range(self.size):
-            lr = max(0, min(chunk, widths[r] - a))
-            if lr:
-                src = step.x2[i, a : a + lr] if r == me else ws.slot(p, r, dt)[:lr]
-                step.out2[i, step.offs[r] + a : step.offs[r] + a + lr].copy_(src)
+        for rank in range(self.size):
+            rank_length = max(0, min(chunk, widths[rank] - column))
+            if rank_length:
+                src = (step.x2[row, column : column + rank_length] if rank == me
+                       else ws.slot(parity, rank, dtype)[:rank_length])
+                start = step.offsets[rank] + column
+                step.out2[row, start : start + rank_length].copy_(src)

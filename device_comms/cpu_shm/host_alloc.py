@@ -2,9 +2,9 @@
 
 glibc serves requests of 32 MiB and more (its largest dynamic mmap threshold)
 with a fresh ``mmap`` every time, so a new 64 MiB tensor costs 16,384 page
-faults when first written; in a virtual machine that is tens of milliseconds,
-more than the collective itself (measured here: a 64 MiB ``torch.empty`` +
-copy took ~57 ms, the copy alone ~4-8 ms). For such sizes :func:`empty` maps
+faults when first written, one per 4 KiB page; where page faults are expensive
+(in a virtual machine) they can cost more than the collective that fills the
+tensor (measured in docs/performance.md). For such sizes :func:`empty` maps
 anonymous memory itself and advises transparent huge pages
 (``MADV_HUGEPAGE``), so the kernel faults it in 2 MiB pages. Smaller tensors
 come from ``torch.empty`` (the malloc heap reuses them without faults).
@@ -16,6 +16,7 @@ CPU tensor.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from collections.abc import Sequence
@@ -37,8 +38,6 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
     if nbytes < HUGE_MIN_BYTES or _MADV_HUGEPAGE is None or not _FLAGS:
         return torch.empty(shape_t, dtype=dtype)
     mm = mmap.mmap(-1, nbytes, flags=_FLAGS)
-    try:
+    with contextlib.suppress(OSError):  # THP disabled: still correct, just 4 KiB pages
         mm.madvise(_MADV_HUGEPAGE)
-    except OSError:  # THP disabled: still correct, just 4 KiB pages
-        pass
     return torch.frombuffer(mm, dtype=dtype, count=numel).view(shape_t)

@@ -4,10 +4,11 @@
 its life (numpy holds a pointer into it), so a caller's ``x.resize_(n)`` or
 ``x.untyped_storage().resize_(0)`` would fail after a collective touched
 ``x``. The engine therefore never calls it on a caller's tensor: it maps the
-bytes by address instead, which costs the same (~0.5 us). The array owns
+bytes by address instead, which is no dearer (a few Python-level calls either
+way). The array owns
 nothing; it is valid while the tensor it was made for occupies those bytes, so
 callers use it within the call that made it, or -- like
-:meth:`~device_comms.cpu_shm.small.SmallAllReduce.held_at` -- only for a live
+:class:`~device_comms.cpu_shm.address_views.AddressViews` -- only for a live
 tensor that starts at the same address and spans the same bytes.
 """
 
@@ -28,7 +29,8 @@ def bytes_at(addr: int, nbytes: int) -> Any:
     """The ``nbytes`` bytes at ``addr`` as a writable uint8 array (owning nothing)."""
     if nbytes <= 0 or not addr:
         return np.empty(0, dtype=np.uint8)
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=np.uint8)
+    raw = (ctypes.c_uint8 * nbytes).from_address(addr)
+    return np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]  # ctypes: a buffer
 
 
 def numpy_dtype(dtype: torch.dtype) -> Any:
@@ -39,21 +41,24 @@ def numpy_dtype(dtype: torch.dtype) -> Any:
     return got
 
 
-def array_of(t: torch.Tensor) -> Any:
-    """Contiguous CPU tensor ``t``'s elements as a numpy array of its shape (no copy)."""
-    flat = bytes_at(t.data_ptr(), t.nbytes).view(numpy_dtype(t.dtype))
-    return flat.reshape(tuple(t.shape))
+def array_of(tensor: torch.Tensor) -> Any:
+    """Contiguous CPU ``tensor``'s elements as a numpy array of its shape (no copy)."""
+    flat = bytes_at(tensor.data_ptr(), tensor.nbytes).view(numpy_dtype(tensor.dtype))
+    return flat.reshape(tuple(tensor.shape))
 
 
 def _version_bumper() -> Any:
     """torch's C entry that counts an in-place write into each tensor of a tuple, else
-    the public wrapper around it (0.1 us more per call)."""
-    bump = getattr(torch._C, "_increment_version", None)
+    the public wrapper around it (a Python function around the same entry)."""
+    # torch's own private API: the C entry and the version counter have no public names
+    bump = getattr(torch._C, "_increment_version", None)  # noqa: SLF001 - torch's own
+    if bump is None:
+        return torch.autograd.graph.increment_version
     probe = torch.empty(0)
     try:
-        before = probe._version
-        bump((probe,))  # type: ignore[misc]
-        if probe._version == before + 1:
+        before = probe._version  # noqa: SLF001 - torch's own
+        bump((probe,))
+        if probe._version == before + 1:  # noqa: SLF001 - torch's own
             return bump
     except (TypeError, RuntimeError):
         pass
@@ -63,7 +68,7 @@ def _version_bumper() -> Any:
 _bump_versions = _version_bumper()
 
 
-def mark_written(t: torch.Tensor) -> None:
-    """Count a write into ``t`` that torch did not see (ctypes, numpy), as an in-place op
-    does, so autograd refuses a tensor it saved for backward instead of using new values."""
-    _bump_versions((t,))
+def mark_written(tensor: torch.Tensor) -> None:
+    """Count a write into ``tensor`` that torch did not see (ctypes, numpy), as an in-place
+    op does, so autograd refuses a tensor it saved for backward instead of using new values."""
+    _bump_versions((tensor,))

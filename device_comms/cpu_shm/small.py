@@ -2,234 +2,303 @@
 
 An all_reduce of at most a slot and :data:`~device_comms.cpu_shm.engine_threads.GRAIN`
 elements is one step of :class:`~device_comms.cpu_shm.sync.StepSync`: every rank
-copies its input into its slot, publishes, and reduces all slots in rank order
-(with two ranks from :data:`~device_comms.cpu_shm.pair.PAIR_SMALL_MIN_BYTES` on,
-into the peer's slot: :meth:`~device_comms.cpu_shm.pair.ShmPairOps._pair_small`).
-At 1 KiB the collective itself is a few microseconds, so what each call costs
-in Python decides its speed, and the path is kept to a few calls:
+copies its input into its slot, publishes, and reduces all slots in rank order.
+For such a call the collective's own work is a few small copies and one
+element-wise op, so the Python calls around it decide its speed, and
+:class:`SmallAllReduce` keeps them few:
 
-* :class:`SmallAllReduce`, the engine's entry for the last (op, dtype, shape)
-  (``ShmEngine.last_small``, matched by identity: hashing a ``ReduceOp`` runs
-  Python code), holds the step's signature, the slot views and the reduction;
-  a caller that checked a tensor against it may call
-  :meth:`ShmSmallOps.small_all_reduce` directly.
-* The input goes into the slot with ``ctypes.memmove`` the first time an
+* a :class:`SmallEntry` holds what one (op, dtype, shape) needs -- the step's
+  signature, the slot views, the reduction -- and :attr:`SmallAllReduce.last`
+  keeps the last one, matched by identity (hashing a ``ReduceOp`` runs Python
+  code); a caller that checked a tensor against it may call
+  :meth:`SmallAllReduce.run` directly;
+* the input goes into the slot with one ``ctypes.memmove`` the first time an
   address is seen and, from its second call on, through a numpy view of that
-  address (a third of the cost; an in-place result is written through it too):
-  :meth:`SmallAllReduce.held_at` says why a view that owns nothing is safe.
-* The step skips the ordering fences a TSO machine does not need
+  address (an in-place result is written through it too): one numpy copy has
+  no foreign-call overhead (:class:`~device_comms.cpu_shm.address_views.AddressViews`
+  says when such a view is right);
+* the step skips the ordering fences a TSO machine does not need
   (``StepSync.step(plain_stores=True)``; the argument is in
-  :mod:`device_comms.cpu_shm.sync`).
-* float32/float64/int32/int64 sums are ``numpy.add`` (bitwise the same sum,
-  ~0.25 us less dispatch than ``torch.add``), wrapped with ``torch.from_numpy``.
+  :mod:`device_comms.cpu_shm.sync`);
+* float32/float64/int32/int64 sums are ``numpy.add`` (bitwise the same sum with
+  less dispatch than ``torch.add``; :data:`~device_comms.fixed_reduce.NUMPY_SUM`),
+  wrapped with ``torch.from_numpy``.
+
+**Two ranks, into the peer's slot** (from :data:`PAIR_SMALL_MIN_BYTES`): each
+rank copies its tensor into its slot, steps, reduces into the *peer's* slot in
+rank order (``fn(x0, x1)`` on both, so the bits agree) and copies that out. A
+shared line is then written by its owner and read-and-written by the peer, so
+it moves between the caches in the modified state (when the peer only reads
+it, the owner's next write must first invalidate the peer's copy). The rank's
+own slot belongs to the peer from the step until the next one: the peer writes
+a rank's slot only between the step and its next one, which the double-buffer
+argument of :mod:`device_comms.cpu_shm.sync` covers ("Writing a peer's slot").
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from device_comms.cpu_shm.host_arrays import array_of, bytes_at, mark_written
+from device_comms.cpu_shm.address_views import NULL_PAGE, AddressViews
+from device_comms.cpu_shm.context import EngineContext, shape_key, signature
+from device_comms.cpu_shm.host_arrays import array_of, mark_written, numpy_dtype
 from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn, quiet_numpy_sum
 from device_comms.reduce_op import ReduceOp
 
-if TYPE_CHECKING:
-    from device_comms.cpu_shm.engine import ShmEngine
-    from device_comms.cpu_shm.sync import StepSync
+__all__ = ["SmallAllReduce", "SmallEntry", "NotServed", "PAIR_SMALL_MIN_BYTES"]
 
-__all__ = ["SmallAllReduce", "ShmSmallOps", "NotServed"]
-
-_HELD_MAX = 16  # caller addresses with a byte view, per entry
-# No mapping starts in the first page: an address below it is data_ptr() of a tensor
-# without memory (autograd's zeros: 0; a view of a storage resized to 0: its offset).
-_NULL_PAGE = 4096
+#: Two ranks: the smallest one-step all_reduce that reduces into the peer's slot. Its
+#: extra copy out of the slot is a fixed cost per call; what it saves (lines that move
+#: once, in the modified state) grows with the message, and outweighs the copy from
+#: here on (the crossover is measured in docs/performance.md).
+PAIR_SMALL_MIN_BYTES = 32 << 10
+_ADDRESSES_MAX = 16  # caller addresses with views, per entry
 _memmove = ctypes.memmove
 _from_numpy = torch.from_numpy
 
 
 class NotServed(Exception):
-    """:meth:`ShmSmallOps.small_all_reduce` cannot serve this call as it stands (raised
-    before any step); the caller takes its checked path, which says why."""
+    """:meth:`SmallAllReduce.run` cannot serve this call as it stands (raised before
+    any step); the caller takes its checked path, which says why."""
+
+
+class SmallEntry:
+    """What a one-step all_reduce of one (op, dtype, shape) needs, kept for the next call.
+
+    Without arguments: the entry no call matches.
+
+    Args:
+        ctx: The engine's context (its slots are viewed).
+        tensor: A contiguous tensor of the shape and dtype (it fits a slot).
+        op: The reduction.
+        into_peer: Two ranks reduce into each other's slot.
+
+    Attributes:
+        op: The reduction (None: the entry no call matches).
+        dtype: The tensors' dtype.
+        shape: Their shape.
+        nbytes: Their bytes.
+        plain: Real dtype (no lazy conjugation to resolve): a caller that checked
+            a tensor's dtype, shape, device, layout, strides and grad against
+            this entry may call :meth:`SmallAllReduce.run` directly.
+        sig: The step's signature word.
+        size_key: The step's size key.
+        fn: ``fn(a, b, out=...)``: the reduction of two operands.
+        numpy: The operands are numpy arrays (a sum ``numpy.add`` runs).
+        avg: Divide by the number of ranks at the end.
+        into_peer: Two ranks reduce into each other's slot.
+        parities: Per buffer parity: this rank's slot as ``nbytes`` numpy bytes,
+            every rank's slot as an operand, and the operands past the first two.
+        scratch: A numpy sum with ``out`` and without ``into_peer``: the array it
+            reduces into when ``out`` has no view, then copied into ``out``.
+        scratch_address: ``scratch``'s address.
+        by_address: Views of caller memory by address (input and ``out``).
+    """
+
+    __slots__ = ("op", "dtype", "shape", "nbytes", "plain", "sig", "size_key", "fn", "numpy",
+                 "avg", "into_peer", "parities", "scratch", "scratch_address", "by_address")
+
+    def __init__(
+        self,
+        ctx: EngineContext | None = None,
+        tensor: torch.Tensor | None = None,
+        op: ReduceOp | None = None,
+        into_peer: bool = False,
+    ) -> None:
+        self.scratch: Any = None
+        self.scratch_address = 0
+        if ctx is None or tensor is None or op is None:  # the entry no call matches
+            self.op, self.dtype, self.shape, self.nbytes = None, None, None, 0
+            self.plain = self.numpy = self.avg = self.into_peer = False
+            self.sig = self.size_key = 0
+            self.fn: Any = torch.add
+            self.parities: tuple[tuple[Any, list[Any], list[Any]], ...] = ((None, [], []),) * 2
+            self.by_address = AddressViews(torch.empty(0))
+            return
+        dtype, shape = tensor.dtype, tensor.shape
+        self.op, self.dtype, self.shape, self.nbytes = op, dtype, shape, tensor.nbytes
+        self.plain = not dtype.is_complex
+        self.sig = signature("all_reduce", dtype, op)
+        self.size_key = shape_key(shape)
+        self.avg = op is ReduceOp.AVG
+        self.into_peer = into_peer
+        operands: list[list[Any]] = [ctx.shaped(0, tensor), ctx.shaped(1, tensor)]
+        # 0-d: numpy's ufuncs return scalars, not arrays
+        self.numpy = op is ReduceOp.SUM and dtype in NUMPY_SUM and tensor.dim() > 0
+        if self.numpy:
+            self.fn = np.add
+            operands = [[view.numpy() for view in operands[0]],
+                        [view.numpy() for view in operands[1]]]
+            if not into_peer:  # a reduction into out= goes here when out has no view
+                self.scratch = np.empty(tuple(shape), dtype=numpy_dtype(dtype))
+                self.scratch_address = self.scratch.ctypes.data
+        else:
+            self.fn = binary_fn(op, dtype)
+        nbytes, me, slot = tensor.nbytes, ctx.me, ctx.ws.slot
+        self.parities = (
+            (slot(0, me, torch.uint8)[:nbytes].numpy(), operands[0], operands[0][2:]),
+            (slot(1, me, torch.uint8)[:nbytes].numpy(), operands[1], operands[1][2:]),
+        )
+        self.by_address = AddressViews(
+            tensor, numpy_dtype(dtype) if self.numpy else None, _ADDRESSES_MAX
+        )
 
 
 class SmallAllReduce:
-    """What a one-step all_reduce of one (op, dtype, shape) needs, kept for the next call."""
+    """The one-step all_reduce over an engine context: entries by (op, dtype, shape), the call.
 
-    __slots__ = ("op", "dtype", "shape", "nbytes", "sig", "size_key", "fn", "avg", "views",
-                 "numpy", "pair", "scratch", "scratch_addr", "plain", "more", "mine", "held",
-                 "sighted")
+    Args:
+        ctx: The engine's context.
+        into_peer_min_bytes: Two ranks: one-step all_reduces of at least this many
+            bytes reduce into the peer's slot; smaller ones read both slots.
 
-    def __init__(self, eng: ShmEngine | None, t: torch.Tensor | None, op: ReduceOp | None) -> None:
-        self.op, self.dtype, self.shape, self.nbytes = op, None, None, 0
-        #: Real dtype (no lazy conjugation to resolve): a caller that checked
-        #: a tensor's dtype, shape, device, layout, strides and grad against
-        #: this entry may call :meth:`ShmSmallOps.small_all_reduce` directly.
-        self.plain = False
-        self.sig, self.size_key, self.fn, self.avg = 0, 0, torch.add, False
-        self.views: tuple[list[Any], ...] = ([], [])
-        self.numpy = self.pair = False
-        self.scratch: Any = None
-        self.scratch_addr = 0
-        #: More than two ranks: the slots past the first two, by parity.
-        self.more: tuple[list[Any], ...] = ([], [])
-        #: This rank's slot of each parity as ``nbytes`` numpy bytes.
-        self.mine: tuple[Any, ...] = ()
-        #: Caller memory by address: ``nbytes`` numpy bytes and, for numpy sums,
-        #: the same bytes as a typed array of the entry's shape (see :meth:`held_at`).
-        self.held: dict[int, tuple[Any, Any]] = {}
-        self.sighted: set[int] = set()
-        if eng is None or t is None or op is None:
-            return  # the empty entry no call matches
-        self.pair = eng.size == 2 and t.nbytes >= eng.pair_small_min_bytes
-        self.dtype, self.shape, self.nbytes = t.dtype, t.shape, t.nbytes
-        self.plain = not t.dtype.is_complex
-        self.sig = eng._sig("all_reduce", t.dtype, op)
-        self.size_key = eng.shape_key(t.shape)
-        self.fn = binary_fn(op, t.dtype)
-        self.avg = op is ReduceOp.AVG
-        self.views = (eng._shaped(0, t), eng._shaped(1, t))
-        self.mine = tuple(eng.ws.slot(p, eng.me, torch.uint8)[: t.nbytes].numpy() for p in (0, 1))
-        if op is ReduceOp.SUM and t.dtype in NUMPY_SUM and t.dim() > 0:  # 0-d: ufuncs give scalars
-            self.numpy = True
-            self.fn = np.add
-            self.views = tuple([v.numpy() for v in vs] for vs in self.views)
-            if not self.pair:  # out= reduces here, then one copy (see ShmSmallOps._small_into)
-                self.scratch = np.empty(tuple(t.shape), dtype=self.views[0][0].dtype)
-                self.scratch_addr = self.scratch.ctypes.data
-        self.more = (self.views[0][2:], self.views[1][2:])
+    Attributes:
+        last: The entry of the last one-step all_reduce (see :meth:`remember`).
+        into_peer_min_bytes: As the argument (read when an entry is made).
+    """
 
-    def held_at(self, addr: int) -> tuple[Any, Any] | None:
-        """Numpy views of the ``nbytes`` bytes at ``addr``, from the second call there on.
+    def __init__(self, ctx: EngineContext, into_peer_min_bytes: int = PAIR_SMALL_MIN_BYTES) -> None:
+        self._ctx = ctx
+        self._sync = ctx.sync
+        self._size = ctx.size
+        self._me = ctx.me
+        self._my_slot = (ctx.slot_addresses[0][ctx.me], ctx.slot_addresses[1][ctx.me])
+        self.into_peer_min_bytes = into_peer_min_bytes
+        self.last = SmallEntry()
 
-        Only for the memory of a live contiguous tensor of this entry's shape and
-        dtype that starts at ``addr``: those are exactly the bytes the views
-        cover, whichever allocation they belong to now, and they are mapped
-        while that tensor lives. The views own nothing (a freed tensor's
-        address may come back, as allocators reuse blocks, and then they serve
-        the new tensor). A copy through them costs a third of a
-        ``ctypes.memmove`` call; making them costs about 1.5 calls, so an address
-        gets views only when it comes back.
-        """
-        if not addr or not self.nbytes:
-            return None
-        if addr not in self.sighted:
-            if len(self.sighted) >= _HELD_MAX:
-                self.sighted.clear()
-            self.sighted.add(addr)
-            return None
-        raw = bytes_at(addr, self.nbytes)
-        typed = raw.view(self.views[0][0].dtype).reshape(tuple(self.shape)) if self.numpy else None
-        if len(self.held) >= _HELD_MAX:
-            self.held.clear()
-        v = self.held[addr] = (raw, typed)
-        return v
+    def remember(self, tensor: torch.Tensor, op: ReduceOp) -> SmallEntry:
+        """A new entry for ``tensor``'s shape and dtype (contiguous, fits a slot) and
+        ``op``, kept as :attr:`last` in place of the previous one."""
+        into_peer = self._size == 2 and tensor.nbytes >= self.into_peer_min_bytes
+        entry = self.last = SmallEntry(self._ctx, tensor, op, into_peer)
+        return entry
 
+    def close(self) -> None:
+        """Drop the last entry (its views map the workspace)."""
+        self.last = SmallEntry()
 
-class ShmSmallOps:
-    """The one-step all_reduce of :class:`~device_comms.cpu_shm.engine.ShmEngine` (a
-    mixin: the engine provides the synchroniser and the state below)."""
-
-    sync: StepSync
-    size: int
-    me: int
-    _my_addr: tuple[int, int]
-    _pair_small: Callable[..., torch.Tensor]  # ShmPairOps's
-
-    def small_all_reduce(
-        self, c: SmallAllReduce, t: torch.Tensor, out: torch.Tensor | None = None
+    def run(
+        self, tensor: torch.Tensor, entry: SmallEntry, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The one-step all_reduce of ``t``, which matches entry ``c`` (op, dtype, shape).
+        """The one-step all_reduce of ``tensor``, which matches ``entry`` (op, dtype, shape).
 
-        ``c`` must be the engine's ``last_small`` and match ``t``; ``t`` is contiguous.
+        ``entry`` comes from :meth:`remember` (its views map this workspace);
+        ``tensor`` is contiguous. Returns ``out`` (``tensor`` itself or disjoint
+        from it) when given, else a new tensor.
+
+        Raises:
+            NotServed: ``tensor`` has no memory (before any step).
         """
-        sync = self.sync
-        p = (sync.gen + 1) & 1
-        src = t.data_ptr()
-        held = c.held.get(src)
+        sync = self._sync
+        parity = (sync.gen + 1) & 1  # sync.next_parity, without the property call
+        mine, operands, more = entry.parities[parity]
+        src = tensor.data_ptr()
+        held = entry.by_address.get(src)
         if held is not None:
-            c.mine[p][...] = held[0]
+            mine[...] = held[0]
         else:
-            if src < _NULL_PAGE and c.nbytes:  # storage-less zeros or a freed storage
+            if src < NULL_PAGE and entry.nbytes:  # storage-less zeros or a freed storage
                 raise NotServed("input_ has no memory")  # the caller's checks say which
-            _memmove(self._my_addr[p], src, c.nbytes)
-            held = c.held_at(src)
-        sync.step("all_reduce", c.sig, c.size_key, True, True)  # glibc / numpy stores
-        views = c.views[p]
-        if out is not None:  # the operands are slot views: out may be t
-            return self._small_into(t, views, c.more[p], c, out, held)
-        if c.pair:
-            return self._pair_small(t, views[1 - self.me], c, held)
-        fn = c.fn
+            _memmove(self._my_slot[parity], src, entry.nbytes)
+            held = entry.by_address.sight(tensor, src)
+        sync.step("all_reduce", entry.sig, entry.size_key, True, True)  # glibc / numpy stores
+        if out is not None:  # the operands are slot views: out may be tensor
+            return self._into(tensor, operands, more, entry, out, held)
+        if entry.into_peer:
+            return self._into_peer(tensor, operands[1 - self._me], entry, held)
+        fn = entry.fn
         try:
-            acc = fn(views[0], views[1])
-            for v in c.more[p]:
-                fn(acc, v, out=acc)
+            acc = fn(operands[0], operands[1])
+            for operand in more:
+                fn(acc, operand, out=acc)
         except NUMPY_ERRORS:  # an overflow report turned into an error: redo it quietly
-            if not c.numpy:
+            if not entry.numpy:
                 raise
-            acc = quiet_numpy_sum(views)
-        if c.numpy:
+            acc = quiet_numpy_sum(operands)
+        if entry.numpy:
             return _from_numpy(acc)
-        if c.avg:
-            acc.div_(self.size)
+        if entry.avg:
+            acc.div_(self._size)
         return acc
 
-    def _small_into(
+    def _into(
         self,
-        t: torch.Tensor,
-        views: list[Any],
+        tensor: torch.Tensor,
+        operands: list[Any],
         more: list[Any],
-        c: SmallAllReduce,
+        entry: SmallEntry,
         out: torch.Tensor,
-        held_t: tuple[Any, Any] | None,
+        held_input: tuple[Any, Any] | None,
     ) -> torch.Tensor:
-        """The one-step all_reduce's reduction straight into ``out`` (which may be ``t``).
+        """The one-step all_reduce's reduction straight into ``out`` (which may be ``tensor``).
 
-        Operands are the slot ``views`` (``more``: those past the first two),
-        except with two ranks from :data:`PAIR_SMALL_MIN_BYTES` on, where the
-        peer may be reducing into this rank's slot (:meth:`_pair_small`) and
-        the rank's own operand is ``t``: reading and writing the same element
-        in one element-wise op is safe. ``held_t``: the entry's views of ``t``'s
-        bytes (:meth:`SmallAllReduce.held_at`), if it has them.
+        Operands are the slot views ``operands`` (``more``: those past the first
+        two), except into the peer's slot, where the peer may be reducing into
+        this rank's slot and the rank's own operand is ``tensor``: reading and
+        writing the same element in one element-wise op is safe.
+        ``held_input``: the entry's views of ``tensor``'s bytes, if it has them.
         """
-        fn = c.fn
-        held = held_t  # views of out's bytes
-        if out is not t:
-            addr = out.data_ptr()
-            held = c.held.get(addr) or c.held_at(addr)
-        if c.scratch is not None:
+        fn = entry.fn
+        held = held_input  # views of out's bytes
+        if out is not tensor:
+            address = out.data_ptr()
+            held = entry.by_address.get(address) or entry.by_address.sight(out, address)
+        if entry.scratch is not None:
             # Into out's own view if the entry has one, else a private array and one
             # memmove into out: cheaper than making an array view of out.
-            acc = c.scratch if held is None else held[1]
+            acc = entry.scratch if held is None else held[1]
             try:
-                fn(views[0], views[1], out=acc)
-                for v in more:
-                    fn(acc, v, out=acc)
+                fn(operands[0], operands[1], out=acc)
+                for operand in more:
+                    fn(acc, operand, out=acc)
             except NUMPY_ERRORS:  # an overflow report turned into an error: redo it quietly
-                quiet_numpy_sum(views, acc)
+                quiet_numpy_sum(operands, acc)
             if held is None:
-                _memmove(out.data_ptr(), c.scratch_addr, out.nbytes)
+                _memmove(out.data_ptr(), entry.scratch_address, out.nbytes)
             mark_written(out)
             return out
         acc = out
-        if c.numpy:
+        if entry.numpy:
             acc = held[1] if held is not None else array_of(out)
-        if c.pair:
-            own: Any = t
-            if c.numpy:
-                own = held_t[1] if held_t is not None else array_of(t)
-            views = [own, views[1]] if self.me == 0 else [views[0], own]
-        try:  # numpy here only with two ranks (c.pair): this is its one call
-            fn(views[0], views[1], out=acc)
-        except NUMPY_ERRORS:  # reported after acc was written: the IEEE result stands
+        if entry.into_peer:
+            own: Any = tensor
+            if entry.numpy:
+                own = held_input[1] if held_input is not None else array_of(tensor)
+            operands = [own, operands[1]] if self._me == 0 else [operands[0], own]
+        # numpy here only into the peer's slot: this is its one call. A report comes
+        # after acc was written: the IEEE result stands.
+        try:  # noqa: SIM105 - suppress() would add a context manager to every call
+            fn(operands[0], operands[1], out=acc)
+        except NUMPY_ERRORS:
             pass
-        for v in more:
-            fn(acc, v, out=acc)
-        if c.avg:
-            out.div_(self.size)
+        for operand in more:
+            fn(acc, operand, out=acc)
+        if entry.avg:
+            out.div_(self._size)
         mark_written(out)
         return out
+
+    def _into_peer(
+        self, tensor: torch.Tensor, peer: Any, entry: SmallEntry, held: tuple[Any, Any] | None
+    ) -> torch.Tensor:
+        """Two ranks: reduce into the peer's slot view ``peer`` in rank order and copy it
+        out (the module docstring says why); this rank's own slot is the peer's to
+        modify. ``held``: the entry's views of ``tensor``'s bytes, if it has them."""
+        fn = entry.fn
+        own: Any = tensor
+        if entry.numpy:
+            own = held[1] if held is not None else array_of(tensor)
+        try:
+            if self._me == 0:
+                fn(own, peer, out=peer)
+            else:
+                fn(peer, own, out=peer)
+        except NUMPY_ERRORS:  # reported after peer was written: the IEEE result stands
+            pass
+        if entry.numpy:
+            return _from_numpy(peer.copy())
+        return torch.div(peer, 2) if entry.avg else peer.clone()

@@ -38,7 +38,7 @@ def mismatch(name: str, op: str, me: int, other: int, mine: tuple[int, int],
         f"call the same collective with the same dtype, size, op and root",
         queue=name, peers=(other,),
     )
-    error.calls = calls  # type: ignore[attr-defined]
+    error.calls = calls  # type: ignore[attr-defined]  # an extra the leaders read
     return error
 
 
@@ -48,10 +48,10 @@ def with_own_arguments(error: CollectiveMismatch, args: tuple[object, ...]) -> C
     read against the arguments; done once per error."""
     if isinstance(error, PeerRejectedError) or getattr(error, "own_arguments", None):
         return error
-    error.own_arguments = ", ".join(_describe(a) for a in args)  # type: ignore[attr-defined]
+    own = ", ".join(_describe(arg) for arg in args)
+    error.own_arguments = own  # type: ignore[attr-defined]  # an extra, read back above
     if error.args and isinstance(error.args[0], str):
-        error.args = (f"{error.args[0]} (this rank passed: {error.own_arguments})",
-                      *error.args[1:])
+        error.args = (f"{error.args[0]} (this rank passed: {own})", *error.args[1:])
     return error
 
 
@@ -69,23 +69,23 @@ def out_of_step(name: str, op: str, me: int, call: int,
     ``others`` (``(their number, their rank)`` pairs)."""
     return CollectiveMismatch(
         f"group {name!r}, op {op}: this rank (rank {me}) made it as the group's call #{call} "
-        f"but " + ", ".join(f"rank {r} as call #{c}" for c, r in others)
+        f"but " + ", ".join(f"rank {rank} as call #{number}" for number, rank in others)
         + "; the ranks are out of step (a rank skipped or added a collective call, or an "
         "earlier call failed on some ranks only)",
-        queue=name, peers=tuple(r for _, r in others),
+        queue=name, peers=tuple(rank for _, rank in others),
     )
 
 
-def timeout(name: str, op: str, g: int, me: int, seconds: float | None, missing: list[int],
+def timeout(name: str, op: str, step: int, me: int, seconds: float | None, missing: list[int],
             quit_: list[int]) -> CollectiveTimeout:
-    """This rank gives up on step ``g``: ``missing`` never came, ``quit_`` gave up
+    """This rank gives up on step ``step``: ``missing`` never came, ``quit_`` gave up
     before it (their timeout ran out, or their call was interrupted)."""
     wait = "" if seconds is None else f" within {seconds:.1f}s"
     parts = []
     if missing:
-        parts.append(f"rank(s) {missing} did not reach step {g}{wait}")
+        parts.append(f"rank(s) {missing} did not reach step {step}{wait}")
     if quit_:
-        parts.append(f"rank(s) {quit_} gave up on this call (step {g}): their timeout ran out "
+        parts.append(f"rank(s) {quit_} gave up on this call (step {step}): their timeout ran out "
                      f"waiting for ranks that had not arrived, or their call was interrupted")
     return CollectiveTimeout(
         f"group {name!r}, op {op}: {'; '.join(parts)} (this is rank {me}); check that every "
@@ -100,16 +100,16 @@ def relayed(name: str, op: str, sender: int, raw: bytes) -> GroupCoordError:
     try:
         kind, culprit, text, peers = msgspec.msgpack.decode(
             raw, type=tuple[str, int, str, list[int]])
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
         return DecodeError(
             f"group {name!r}, op {op}: rank {sender} relayed an error that does not decode "
-            f"({e})", queue=name, peers=(sender,))
+            f"({err})", queue=name, peers=(sender,))
     if kind == "rejected":
         return PeerRejectedError(name, op, culprit, text)
     if kind == "timeout":
         return CollectiveTimeout(text, queue=name, peers=peers)
     if kind == "closed":  # a connection closed: death suspected, not seen
         died = PeerDiedError(text, queue=name, peers=peers)
-        died.suspected = True  # type: ignore[attr-defined]
+        died.suspected = True  # type: ignore[attr-defined]  # an extra: suspected, not seen
         return died
     return CollectiveMismatch(text, queue=name, peers=tuple(peers) or (culprit,))

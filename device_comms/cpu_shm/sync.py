@@ -40,11 +40,11 @@ which are checked before a rank publishes its next step.
 
 Writing a peer's slot. With two local ranks the engine's all_reduce lets the
 peer ``q`` *modify* ``r``'s slot of parity ``s%2`` after step ``s``
-(``ShmEngine._pair_small``), while ``r`` no longer reads it. The argument
-above covers it unchanged: ``q`` publishes ``s+1`` only after it finished with
-step ``s``'s slots, so ``r``'s rewrite at step ``s+2`` cannot overlap ``q``'s
-writes, and ``q``'s writes before its ``FENCE`` + publish are visible to ``r``
-when ``r`` sees ``gen_q >= s+1``.
+(the two-rank one-step scheme of :mod:`device_comms.cpu_shm.small`), while ``r``
+no longer reads it. The argument above covers it unchanged: ``q`` publishes
+``s+1`` only after it finished with step ``s``'s slots, so ``r``'s rewrite at
+step ``s+2`` cannot overlap ``q``'s writes, and ``q``'s writes before its
+``FENCE`` + publish are visible to ``r`` when ``r`` sees ``gen_q >= s+1``.
 
 Rejected calls. A rank whose own arguments fail validation still takes
 part in the collective's *first* step, so every generation stays in step::
@@ -165,6 +165,7 @@ workspace, and applies the optional timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import threading
@@ -212,9 +213,9 @@ _TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _HEALTH_EVERY = 0.2  # seconds between liveness/timeout checks
 _NAP_AFTER = 0.002  # seconds of waiting after which we sleep instead of yielding
 _NAP = 50e-6
-# Seconds of pure polling before the first sched_yield. On the 2-vCPU VM under
-# load each extra microsecond of spinning made an all_reduce ~2 us slower (the
-# peer often shares the CPU); on an idle machine a yield returns at once.
+# Seconds of pure polling before the first sched_yield: none. When the peer
+# shares this CPU, every moment spent spinning is a moment the peer cannot run
+# to publish what we wait for; on an idle machine a yield returns at once.
 _SPIN_S = 0.0
 _PARK_AFTER = 100e-6  # seconds of polling before sleeping on a futex
 _PARK_MAX = 0.05  # longest single futex sleep (health checks run in between)
@@ -256,19 +257,22 @@ class StepSync:
         #: The owning group's call counter (see "Call numbers"); None: every call is 0.
         self.number: Callable[[], int] | None = None
         self._my_line = ws.line(self.me)
-        self._peers = [r for r in range(self.size) if r != self.me]
-        self._peer_gen = [ws.line(r) + GEN for r in self._peers]
+        self._peers = [peer for peer in range(self.size) if peer != self.me]
+        self._peer_gen = [ws.line(peer) + GEN for peer in self._peers]
         self._my_gen = self._my_line + GEN
         self._my_sig = (self._my_line + SIG[0], self._my_line + SIG[1])
-        self._peer_sig = tuple([(r, ws.line(r) + SIG[p]) for r in self._peers] for p in (0, 1))
-        self._peer_parked = [ws.line(r) + PARKED for r in self._peers]
-        self._peer_gen_addr = [(ws.line(r) + GEN, ws.hdr_address + 8 * (ws.line(r) + GEN)) for r in self._peers]
+        #: Per parity: (peer, its signature's first word) for every peer.
+        self._peer_sig = tuple([(peer, ws.line(peer) + SIG[parity]) for peer in self._peers]
+                               for parity in (0, 1))
+        self._peer_parked = [ws.line(peer) + PARKED for peer in self._peers]
+        #: (word index, address) of every peer's generation word.
+        self._peer_gen_addr = [(word, ws.hdr_address + 8 * word) for word in self._peer_gen]
         self._my_parked = self._my_line + PARKED
         self._my_gen_addr = ws.hdr_address + 8 * (self._my_line + GEN)
         self._parking = futex.AVAILABLE
         # Seconds of waiting after which a rank sleeps in the kernel (None: never).
         self.park_after: float | None = _PARK_AFTER if futex.AVAILABLE else None
-        self._procs = {r: _process(self.pids[r]) for r in self._peers}
+        self._procs = {peer: _process(self.pids[peer]) for peer in self._peers}
         try:
             cpus = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):  # pragma: no cover - non-Linux
@@ -309,47 +313,47 @@ class StepSync:
         """
         if self.broken is not None:
             raise BrokenCommunicator(self.broken)
-        g = self.gen + 1
+        gen = self.gen + 1  # the step this call publishes
         hdr = self.hdr
         if check:
-            w = self._my_sig[g & 1]
-            hdr[w] = sig_a
-            hdr[w + 1] = sig_b
+            word = self._my_sig[gen & 1]
+            hdr[word] = sig_a
+            hdr[word + 1] = sig_b
             number = self.number
-            call = hdr[w + CALL] = 0 if number is None else number()
+            call = hdr[word + CALL] = 0 if number is None else number()
         fenced = not (plain_stores and _TSO)
         if fenced:
             _acquire()  # FENCE: data and signature before the generation
             _release()
-        hdr[self._my_gen] = g
-        self.gen = g
+        hdr[self._my_gen] = gen
+        self.gen = gen
         _acquire()  # FENCE: store the generation before loading "parked" and the
         _release()  # peers' generations (both Dekker pairs)
         if self._parking:
-            for w in self._peer_parked:
-                if hdr[w]:
+            for word in self._peer_parked:
+                if hdr[word]:
                     futex.futex_wake(self._my_gen_addr)
                     break
         peers = self._peer_gen
-        for idx in peers:
-            if hdr[idx] < g:
-                self._wait_slow(g, op)
+        for word in peers:
+            if hdr[word] < gen:
+                self._wait_slow(gen, op)
                 break
         else:  # a second sweep confirms (see "Giving up on a step")
-            for idx in peers:
-                if hdr[idx] < g:
-                    self._wait_slow(g, op)
+            for word in peers:
+                if hdr[word] < gen:
+                    self._wait_slow(gen, op)
                     break
         if fenced:
             _acquire()  # FENCE: generations before the data
             _release()
         if check:
-            for r, w in self._peer_sig[g & 1]:
-                if hdr[w] != sig_a or hdr[w + 1] != sig_b or hdr[w + CALL] != call:
-                    self._disagree(op, g, sig_a, sig_b)
-                    self._out_of_step(op, g, sig_a, call)
+            for _peer, word in self._peer_sig[gen & 1]:
+                if hdr[word] != sig_a or hdr[word + 1] != sig_b or hdr[word + CALL] != call:
+                    self._disagree(op, gen, sig_a, sig_b)
+                    self._out_of_step(op, gen, sig_a, call)
                     break
-        return g & 1
+        return gen & 1
 
     def reject(self, op: str, reason: str) -> None:
         """Take part in ``op``'s first step as a rank that rejected its arguments.
@@ -375,7 +379,8 @@ class StepSync:
         same kind of error naming the same ranks (:func:`step_errors.relayed`).
         Returns normally (the caller raises ``error`` itself).
         """
-        peers = [p for p in error.peers if isinstance(p, int) and not isinstance(p, bool)]
+        peers = [peer for peer in error.peers
+                 if isinstance(peer, int) and not isinstance(peer, bool)]
         culprit = peers[0] if peers else -1
         if isinstance(error, PeerRejectedError):
             kind, text = "rejected", error.reason
@@ -400,49 +405,45 @@ class StepSync:
         if self.broken is None:
             self.broken = (f"an earlier call ({op}) was interrupted partway ({why}); this "
                            f"communicator cannot be used any more")
-        try:
+        with contextlib.suppress(ValueError, TypeError):  # already released
             self.hdr[self._my_line + CLOSED] = -(self.gen + 1)
-        except (ValueError, TypeError):  # already released
-            pass
 
     def close(self) -> None:
         """Tell peers this rank left (they stop waiting on it with an error).
 
         A rank that gave up on a step keeps that record (a negative ``CLOSED``
         word), so peers arriving later still learn the cause: a timeout."""
-        try:
+        with contextlib.suppress(ValueError, TypeError):  # already released
             if self.hdr[self._my_line + CLOSED] >= 0:
                 self.hdr[self._my_line + CLOSED] = 1
-        except (ValueError, TypeError):  # already released
-            pass
 
     # ------------------------------------------------------------------ slow path
-    def _wait_slow(self, g: int, op: str) -> None:
-        """Wait until every peer published step ``g``, confirmed by one more sweep."""
+    def _wait_slow(self, gen: int, op: str) -> None:
+        """Wait until every peer published step ``gen``, confirmed by one more sweep."""
         start = time.perf_counter()
         next_health = start + _HEALTH_EVERY
         hdr, peers = self.hdr, self._peer_gen
         while True:
-            next_health = self._wait_each(g, op, start, next_health)
-            for idx in peers:  # a sweep after every peer was seen: see "Giving up on a step"
-                if hdr[idx] < g:
+            next_health = self._wait_each(gen, op, start, next_health)
+            for word in peers:  # a sweep after every peer was seen: see "Giving up on a step"
+                if hdr[word] < gen:
                     break
             else:
                 return
 
-    def _wait_each(self, g: int, op: str, start: float, next_health: float) -> float:
-        """Wait until each peer in turn is seen at generation ``g`` or later.
+    def _wait_each(self, gen: int, op: str, start: float, next_health: float) -> float:
+        """Wait until each peer in turn is seen at generation ``gen`` or later.
 
         Returns:
             When the next health check is due.
         """
         hdr, spin_s, park_after = self.hdr, self.spin_s, self.park_after
         clock = time.perf_counter
-        n = 0
-        for idx, addr in self._peer_gen_addr:
-            while hdr[idx] < g:
-                n += 1
-                if n & 15:  # read the clock every 16 polls only
+        polls = 0
+        for word, address in self._peer_gen_addr:
+            while hdr[word] < gen:
+                polls += 1
+                if polls & 15:  # read the clock every 16 polls only
                     continue
                 now = clock()
                 waited = now - start
@@ -450,57 +451,59 @@ class StepSync:
                     continue
                 if now >= next_health:
                     next_health = now + _HEALTH_EVERY
-                    self._check_health(g, op, waited)
+                    self._check_health(gen, op, waited)
                 if park_after is not None and waited >= park_after:
-                    self._park(idx, addr, g, next_health - now)
+                    self._park(word, address, gen, next_health - now)
                 elif park_after is None and waited > _NAP_AFTER:
                     time.sleep(_NAP)
                 else:
                     os.sched_yield()
         return next_health
 
-    def _park(self, idx: int, addr: int, g: int, limit: float) -> None:
-        """Sleep on a peer's generation word until it moves (or ``limit`` seconds)."""
+    def _park(self, word: int, address: int, gen: int, limit: float) -> None:
+        """Sleep on a peer's generation word (index ``word``, at ``address``) until it
+        moves from below ``gen`` (or ``limit`` seconds)."""
         hdr = self.hdr
         hdr[self._my_parked] = 1
         _FENCE.acquire()  # store "parked" before loading the generation (Dekker)
         _FENCE.release()
-        seen = hdr[idx]
-        if seen < g:
-            futex.futex_wait(addr, seen, max(1e-4, min(_PARK_MAX, limit)))
+        seen = hdr[word]
+        if seen < gen:
+            futex.futex_wait(address, seen, max(1e-4, min(_PARK_MAX, limit)))
         hdr[self._my_parked] = 0
 
-    def _behind(self, g: int) -> list[int]:
-        return [r for r in self._peers if self.hdr[self.ws.line(r) + GEN] < g]
+    def _behind(self, gen: int) -> list[int]:
+        """The local ranks whose generation is below ``gen``."""
+        return [peer for peer in self._peers if self.hdr[self.ws.line(peer) + GEN] < gen]
 
-    def _check_health(self, g: int, op: str, waited: float) -> None:
-        behind = self._behind(g)
+    def _check_health(self, gen: int, op: str, waited: float) -> None:
+        behind = self._behind(gen)
         line = self.ws.line
-        for r in behind:
-            rank, pid = self.group_ranks[r], self.pids[r]
-            if self.hdr[line(r) + CLOSED] > 0:
+        for peer in behind:
+            rank, pid = self.group_ranks[peer], self.pids[peer]
+            if self.hdr[line(peer) + CLOSED] > 0:
                 self._fail(PeerDiedError(
                     f"group {self.name!r}, op {op}: peer rank {rank} (pid {pid}) destroyed its "
                     f"communicator while this rank (rank {self.group_ranks[self.me]}) waited "
                     f"for it; every rank must call the same collectives before destroy()",
                     queue=self.name, peers=(rank,),
                 ))
-            if not _alive(self._procs.get(r)):
+            if not _alive(self._procs.get(peer)):
                 self._fail(PeerDiedError(
                     f"group {self.name!r}, op {op}: peer rank {rank} (pid {pid}) died while "
                     f"this rank (rank {self.group_ranks[self.me]}) waited for it in the "
                     f"shared-memory engine; the communicator cannot be used any more",
                     queue=self.name, peers=(rank,),
                 ))
-        gave_up = any(self.hdr[line(r) + CLOSED] < 0 for r in behind)
+        gave_up = any(self.hdr[line(peer) + CLOSED] < 0 for peer in behind)
         if gave_up or (self.timeout is not None and waited > self.timeout):
-            behind = self._give_up(g)
+            behind = self._give_up(gen)
             if behind:
-                self._fail(self._timeout_error(op, g, behind))
+                self._fail(self._timeout_error(op, gen, behind))
             # else every peer arrived at the deadline: the step stands, the wait goes on
 
-    def _give_up(self, g: int) -> list[int]:
-        """Withdraw this rank's step ``g`` (see "Giving up on a step").
+    def _give_up(self, gen: int) -> list[int]:
+        """Withdraw this rank's step ``gen`` (see "Giving up on a step").
 
         Returns:
             The local ranks still behind after the withdrawal: then it stands.
@@ -508,79 +511,82 @@ class StepSync:
             wait goes on.
         """
         hdr, closed = self.hdr, self._my_line + CLOSED
-        hdr[closed] = -g  # before the withdrawal: who sees the one sees the other
-        hdr[self._my_gen] = g - 1
+        hdr[closed] = -gen  # before the withdrawal: who sees the one sees the other
+        hdr[self._my_gen] = gen - 1
         _acquire()  # FENCE: the withdrawal before loading the peers' generations (Dekker)
         _release()
-        behind = self._behind(g)
+        behind = self._behind(gen)
         if behind:
-            self.gen = g - 1
+            self.gen = gen - 1
             return behind
-        hdr[self._my_gen] = g
+        hdr[self._my_gen] = gen
         hdr[closed] = 0
         if self._parking:
             futex.futex_wake(self._my_gen_addr)
         return []
 
-    def _timeout_error(self, op: str, g: int, behind: list[int]) -> CollectiveTimeout:
-        """This rank gives up on step ``g``: the ranks that never came, and those that
+    def _timeout_error(self, op: str, gen: int, behind: list[int]) -> CollectiveTimeout:
+        """This rank gives up on step ``gen``: the ranks that never came, and those that
         gave up before it (their timeout ran out, or their call was interrupted)."""
-        line, hdr = self.ws.line, self.hdr
+        line, hdr, ranks = self.ws.line, self.hdr, self.group_ranks
         return step_errors.timeout(
-            self.name, op, g, self.group_ranks[self.me], self.timeout,
-            missing=[self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] >= 0],
-            quit_=[self.group_ranks[r] for r in behind if hdr[line(r) + CLOSED] < 0])
+            self.name, op, gen, ranks[self.me], self.timeout,
+            missing=[ranks[peer] for peer in behind if hdr[line(peer) + CLOSED] >= 0],
+            quit_=[ranks[peer] for peer in behind if hdr[line(peer) + CLOSED] < 0])
 
-    def _fail(self, e: DeviceCommError) -> None:
-        self.broken = f"an earlier error left this communicator unusable: {e}"
-        raise e
+    def _fail(self, error: DeviceCommError) -> None:
+        self.broken = f"an earlier error left this communicator unusable: {error}"
+        raise error
 
-    def _disagree(self, op: str, g: int, a: int, b: int) -> None:
-        """Some peer's signature of step ``g`` differs from ours: raise, or not if we rejected."""
-        if a == REJECTED or a == FAILED:
+    def _disagree(self, op: str, gen: int, sig_a: int, sig_b: int) -> None:
+        """Some peer's signature of step ``gen`` differs from ours (``sig_a``, ``sig_b``):
+        raise, or not if we rejected."""
+        if sig_a in (REJECTED, FAILED):
             return  # this rank raises its own error
-        hdr, p = self.hdr, g & 1
-        for r, w in self._peer_sig[p]:  # peers in rank order: name the lowest rejecter
-            if hdr[w] == REJECTED or hdr[w] == FAILED:
-                n = max(0, min(int(hdr[w + 1]), _REASON_MAX + 64, self.ws.slot_bytes))
-                raw = self.ws.slot(p, r, torch.uint8)[:n].numpy().tobytes()
-                if hdr[w] == FAILED:
-                    raise self._relayed(op, r, raw)
+        hdr, parity = self.hdr, gen & 1
+        for peer, word in self._peer_sig[parity]:  # in rank order: name the lowest rejecter
+            if hdr[word] in (REJECTED, FAILED):
+                length = max(0, min(int(hdr[word + 1]), _REASON_MAX + 64, self.ws.slot_bytes))
+                raw = self.ws.slot(parity, peer, torch.uint8)[:length].numpy().tobytes()
+                if hdr[word] == FAILED:
+                    raise self._relayed(op, peer, raw)
                 raise PeerRejectedError(
-                    self.name, op, self.group_ranks[r], raw.decode("utf-8", "replace")
+                    self.name, op, self.group_ranks[peer], raw.decode("utf-8", "replace")
                 )
-        for r, w in self._peer_sig[p]:
-            if hdr[w] != a or hdr[w + 1] != b:
-                self._mismatch(op, r, a, b, hdr[w], hdr[w + 1], self._calls(p, a, b))
+        for peer, word in self._peer_sig[parity]:
+            if hdr[word] != sig_a or hdr[word + 1] != sig_b:
+                self._mismatch(op, peer, (sig_a, sig_b), (hdr[word], hdr[word + 1]),
+                               self._calls(parity, sig_a, sig_b))
 
-    def _out_of_step(self, op: str, g: int, a: int, call: int) -> None:
+    def _out_of_step(self, op: str, gen: int, sig_a: int, call: int) -> None:
         """Same call, but some peer made it as another of the group's calls: raise."""
-        if a == REJECTED or a == FAILED:
+        if sig_a in (REJECTED, FAILED):
             return  # this rank raises its own error
-        hdr, p = self.hdr, g & 1
-        others = sorted({(int(hdr[w + CALL]), self.group_ranks[r])
-                         for r, w in self._peer_sig[p] if hdr[w + CALL] != call})
+        hdr, parity = self.hdr, gen & 1
+        others = sorted({(int(hdr[word + CALL]), self.group_ranks[peer])
+                         for peer, word in self._peer_sig[parity] if hdr[word + CALL] != call})
         raise step_errors.out_of_step(self.name, op, self.group_ranks[self.me], call, others)
 
-    def _calls(self, p: int, a: int, b: int) -> list[tuple[int, int, list[int]]]:
-        """Every local rank's signature of the step of parity ``p``, as ``(sig_a, sig_b,
-        group ranks that signed it)``; this rank signed ``(a, b)``."""
-        classes: dict[tuple[int, int], list[int]] = {(a, b): [self.group_ranks[self.me]]}
-        for r, w in self._peer_sig[p]:
-            key = (int(self.hdr[w]), int(self.hdr[w + 1]))
-            classes.setdefault(key, []).append(self.group_ranks[r])
-        return [(x, y, ranks) for (x, y), ranks in classes.items()]
+    def _calls(self, parity: int, sig_a: int, sig_b: int) -> list[tuple[int, int, list[int]]]:
+        """Every local rank's signature of the step of ``parity``, as ``(sig_a, sig_b,
+        group ranks that signed it)``; this rank signed ``(sig_a, sig_b)``."""
+        classes: dict[tuple[int, int], list[int]] = {(sig_a, sig_b): [self.group_ranks[self.me]]}
+        for peer, word in self._peer_sig[parity]:
+            key = (int(self.hdr[word]), int(self.hdr[word + 1]))
+            classes.setdefault(key, []).append(self.group_ranks[peer])
+        return [(words[0], words[1], ranks) for words, ranks in classes.items()]
 
-    def _relayed(self, op: str, r: int, raw: bytes) -> GroupCoordError:
-        """The error local rank ``r`` relayed with :meth:`relay`, to raise here."""
-        return step_errors.relayed(self.name, op, self.group_ranks[r], raw)
+    def _relayed(self, op: str, peer: int, raw: bytes) -> GroupCoordError:
+        """The error local rank ``peer`` relayed with :meth:`relay`, to raise here."""
+        return step_errors.relayed(self.name, op, self.group_ranks[peer], raw)
 
-    def _mismatch(self, op: str, r: int, a: int, b: int, pa: int, pb: int,
+    def _mismatch(self, op: str, peer: int, ours: tuple[int, int], theirs: tuple[int, int],
                   calls: list[tuple[int, int, list[int]]]) -> None:
-        """Raise the mismatch with local rank ``r``; ``calls`` (every local rank's call)
-        goes with it as ``error.calls``, for a node leader to pass on."""
+        """Raise the mismatch with local rank ``peer`` (signatures ``ours`` and ``theirs``);
+        ``calls`` (every local rank's call) goes with it as ``error.calls``, for a node
+        leader to pass on."""
         raise step_errors.mismatch(self.name, op, self.group_ranks[self.me],
-                                   self.group_ranks[r], (a, b), (pa, pb), calls)
+                                   self.group_ranks[peer], ours, theirs, calls)
 
 
 def _process(pid: int) -> psutil.Process | None:

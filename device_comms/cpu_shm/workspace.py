@@ -11,13 +11,13 @@ the segment should a rank die inside the short setup window.
 
 Layout (``L`` local ranks, ``S`` = slot bytes)::
 
-    offset 0        header: one 64-byte line per local rank (no false sharing)
-                    +------+--------+-------+-------+-------+-------+-----+--------+
-       line of r:   | gen  | closed | sigA0 | sigB0 | sigA1 | sigB1 | pid | parked |
-                    +------+--------+-------+-------+-------+-------+-----+--------+
-                    (int64 each; only rank r writes its line; padded to 4 KiB)
-    H               data, buffer parity 0: slot rank 0 | slot rank 1 | ... (L x S)
-    H + L*S         data, buffer parity 1: slot rank 0 | slot rank 1 | ... (L x S)
+    offset 0     header: one 128-byte line per local rank (no false sharing)
+                 +-----+--------+-------+-------+-------+-------+-------+-------+-----+--------+
+    line of r:   | gen | closed | sigA0 | sigB0 | call0 | sigA1 | sigB1 | call1 | pid | parked |
+                 +-----+--------+-------+-------+-------+-------+-------+-------+-----+--------+
+                 (int64 words 0-9 of 16; only rank r writes its line; padded to 4 KiB)
+    H            data, buffer parity 0: slot rank 0 | slot rank 1 | ... (L x S)
+    H + L*S      data, buffer parity 1: slot rank 0 | slot rank 1 | ... (L x S)
 
 Step ``s`` of the protocol (see :mod:`device_comms.cpu_shm.sync`) writes slots of
 parity ``s % 2``; a rank writes only its own slot. Slots start on 4 KiB
@@ -63,13 +63,13 @@ CALL = 2  # offset of the group's call number from a parity's SIG word
 _PAGE = 4096
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
 
 
-# Largest slot: large messages go through in pieces of this size. Measured on
-# the development VM, 2 MiB pieces beat 8 MiB ones by 10-30% at 4-64 MiB (the
-# pieces stay in cache between the writer's copy and the readers' reduction).
+# Largest slot: large messages go through in pieces of this size. A piece must
+# stay in cache between the writer's copy and the readers' reduction, so larger
+# slots make large messages slower, not faster (measured in docs/performance.md).
 DEFAULT_SLOT_BYTES = 2 << 20
 # Default data bytes of one workspace, whatever the number of local ranks: a
 # host holds one workspace per communicator (world, TP, PP, DP groups), all in
@@ -135,21 +135,18 @@ class ShmWorkspace:
         self._data_address = self.hdr_address + hdr_bytes
         self._data_mv: memoryview | None = self._mv[hdr_bytes:need]
         data = torch.frombuffer(self._data_mv, dtype=torch.uint8)
-        self._raw = [
-            [data[(p * local_size + r) * slot_bytes : (p * local_size + r + 1) * slot_bytes]
-             for r in range(local_size)]
-            for p in (0, 1)
-        ]
+        starts = [[(parity * local_size + rank) * slot_bytes for rank in range(local_size)]
+                  for parity in (0, 1)]
+        self._raw = [[data[start : start + slot_bytes] for start in row] for row in starts]
         self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def slot(self, parity: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
         """The whole slot of local ``rank`` in buffer ``parity`` as a flat ``dtype`` tensor."""
         key = (parity, rank, dtype)
-        v = self._typed.get(key)
-        if v is None:
-            v = self._raw[parity][rank].view(dtype)
-            self._typed[key] = v
-        return v
+        view = self._typed.get(key)
+        if view is None:
+            view = self._typed[key] = self._raw[parity][rank].view(dtype)
+        return view
 
     def slot_address(self, parity: int, rank: int) -> int:
         """Address of the first byte of local ``rank``'s slot in buffer ``parity``.
@@ -160,7 +157,7 @@ class ShmWorkspace:
 
     def slots(self, parity: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """Every rank's slot in buffer ``parity`` (flat ``dtype`` tensors, by local rank)."""
-        return [self.slot(parity, r, dtype) for r in range(self.local_size)]
+        return [self.slot(parity, rank, dtype) for rank in range(self.local_size)]
 
     def slot_elems(self, dtype: torch.dtype) -> int:
         """Elements of ``dtype`` one slot holds."""
@@ -208,7 +205,7 @@ class WorkspacePlan:
     def from_nodes(cls, nodes: Sequence[int], group_rank: int) -> WorkspacePlan:
         """Build the plan of ``group_rank`` from a node index per group rank."""
         mine = nodes[group_rank]
-        local = tuple(r for r, n in enumerate(nodes) if n == mine)
+        local = tuple(rank for rank, node in enumerate(nodes) if node == mine)
         return cls(tuple(nodes), local, local.index(group_rank))
 
 
@@ -242,8 +239,8 @@ def open_workspace(
         try:
             seg = SharedSegment.create(SEGMENT_KIND, need)
             offer = ("ok", seg.name, slot)
-        except (ShmBroadcastError, OSError, ValueError) as e:
-            offer = ("err", f"rank {og.rank} could not create the workspace: {e}", 0)
+        except (ShmBroadcastError, OSError, ValueError) as error:
+            offer = ("err", f"rank {og.rank} could not create the workspace: {error}", 0)
     offers = og.all_gather(offer, op="open_workspace")
     ws: ShmWorkspace | None = None
     err: str | None = None
@@ -253,18 +250,18 @@ def open_workspace(
             err = what
         else:
             try:
-                s = seg if seg is not None else SharedSegment.attach(what)
-                ws = ShmWorkspace(s, size, plan.local_rank, slot)
+                mapped = seg if seg is not None else SharedSegment.attach(what)
+                ws = ShmWorkspace(mapped, size, plan.local_rank, slot)
                 ws.hdr[ws.line(plan.local_rank) + PID] = os.getpid()
-            except (ShmBroadcastError, OSError, ValueError) as e:
-                err = f"rank {og.rank} could not attach workspace {what!r}: {e}"
+            except (ShmBroadcastError, OSError, ValueError) as error:
+                err = f"rank {og.rank} could not attach workspace {what!r}: {error}"
                 if seg is not None:
                     seg.close()
     states = og.all_gather((err, os.getpid()), op="open_workspace")
     if seg is not None:
         seg.unlink()  # every local rank has it mapped (or gave up): drop the name
-    errors = [e for e, _ in states if e is not None]
-    pids = [int(p) for _, p in states]
+    errors = [error for error, _ in states if error is not None]
+    pids = [int(pid) for _, pid in states]
     if errors:
         if ws is not None:
             ws.close()

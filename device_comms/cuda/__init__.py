@@ -1,1 +1,2 @@
-"""CUDA transports: the CUDA communicator, NCCL through ctypes, and the custom all-reduce over CUDA IPC."""
+"""CUDA transports: the CUDA communicator, NCCL through ctypes, and the custom all-reduce
+over CUDA IPC."""

@@ -47,7 +47,8 @@ class CudaCommunicator(TorchDistributedCommunicator):
             is set. Either way every rank agrees on the outcome.
         custom_allreduce_max_size: Largest message for the custom all-reduce
             in bytes (default 8 MiB).
-        timeout: Seconds a custom all-reduce kernel waits for a peer (default: ``GROUPCOORD_TIMEOUT``, else 300; 0 polls once).
+        timeout: Seconds a custom all-reduce kernel waits for a peer (default:
+            ``GROUPCOORD_TIMEOUT``, else 300; 0 polls once).
 
     Attributes:
         pynccl: The NCCL communicator (None for a group of one, which never communicates).
@@ -101,7 +102,8 @@ class CudaCommunicator(TorchDistributedCommunicator):
         if self.world_size not in elig.SUPPORTED_WORLD_SIZES:
             self.custom_ar_reason = f"world size {self.world_size} is not one of 2, 4, 6, 8"
             return  # every rank sees the same world size: no exchange needed
-        wait_s = check_timeout(timeout, default=default_timeout())
+        checked = check_timeout(timeout)
+        wait_s = default_timeout() if checked is None else checked
         size = elig.DEFAULT_MAX_SIZE if max_size is None else elig.check_max_size(max_size)
         cupy_ok = _cupy_imports()
         enabled = use is not False and cupy_ok
@@ -187,7 +189,9 @@ class CudaCommunicator(TorchDistributedCommunicator):
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         return self._nccl.broadcast(t, src)
 
-    def _all_to_allv(self, t: torch.Tensor, send: list[int], recv: list[int] | None) -> torch.Tensor:
+    def _all_to_allv(
+        self, t: torch.Tensor, send: list[int], recv: list[int] | None
+    ) -> torch.Tensor:
         # The sizes are agreed over the CPU group first (host-side msgpack, no stream
         # synchronisation): NCCL pairs a send only with a receive of the same size.
         got = gloo_alltoallv.exchange_sizes(self, send, recv)

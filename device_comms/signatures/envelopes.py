@@ -142,7 +142,8 @@ class Blocks:
             if dst is None:
                 n = payload.nbytes
                 if n > BLOCK_INLINE:
-                    raise RuntimeError(f"internal: a block payload of {n} bytes exceeds {BLOCK_INLINE}")
+                    raise RuntimeError(
+                        f"internal: a block payload of {n} bytes exceeds {BLOCK_INLINE}")
                 if len(self._send_views) >= _VIEW_CACHE_MAX:
                     self._send_views.clear()
                 dst = self._send_views[key] = self._send_data[:n].view(payload.dtype).view(
@@ -267,5 +268,7 @@ def failure_header(header: np.ndarray, status: int, culprit: int) -> np.ndarray:
 def reason_bytes(reason: str) -> torch.Tensor:
     """``reason`` as UTF-8 bytes, truncated to fit an envelope."""
     data = reason.encode("utf-8", "replace")[:_REASON_MAX]
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 

@@ -27,7 +27,8 @@ stay equal across ranks after any of those.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,7 +95,7 @@ class SignedCalls:
             b = self._blocks = Blocks(self.device_group, self.world_size, self.rank_in_group)
         return b
 
-    def _p2p_side(self, op: str, peer: int) -> ContextManager[P2PSide]:
+    def _p2p_side(self, op: str, peer: int) -> AbstractContextManager[P2PSide]:
         """This rank's side of ``op`` (``"send"`` or ``"recv"``) with ``peer``, its lock
         held for the ``with`` block (the whole call: envelopes and payload)."""
         return self._p2p_sides.hold(peer, SEND if op == "send" else RECV)

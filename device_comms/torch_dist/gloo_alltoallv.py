@@ -20,8 +20,11 @@ rejecting rank's reason; then the device group moves the rows.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -41,9 +44,20 @@ __all__ = ["signed_all_to_allv", "plain_all_to_allv", "exchange_sizes", "reject_
 
 
 def signed_all_to_allv(
-    comm: Any, t: torch.Tensor, send: list[int], recv: list[int] | None
+    comm: Any,
+    t: torch.Tensor,
+    send: list[int],
+    recv: list[int] | None,
+    *,
+    header: Callable[..., np.ndarray],
+    call: Callable[[str, np.ndarray, torch.Tensor | None], None],
+    payload: Callable[[int], torch.Tensor],
 ) -> torch.Tensor:
     """All-to-allv of contiguous CPU ``t`` on a :class:`TorchDistributedCommunicator`.
+
+    ``header``, ``call`` and ``payload`` are the communicator's signed-call steps
+    (:class:`~device_comms.signatures.signed_calls.SignedCalls`): a call's header, the
+    exchange that agrees on it, and the bytes each rank sent along.
 
     Raises:
         CollectiveMismatch: Peers called something else, or the sizes disagree.
@@ -54,30 +68,33 @@ def signed_all_to_allv(
     rec_b = rec.view(torch.uint8)
     carried = rec_b.numel() <= BLOCK_INLINE  # the record rides in the block
     whole = carried and rec_b.numel() + t.nbytes <= BLOCK_INLINE
-    payload = None
+    sent = None
     if carried:
-        payload = torch.cat([rec_b, as_bytes(t)]) if whole and t.numel() else rec_b
-    h = comm._header("all_to_allv", t.dtype, None, 0, (tuple(t.shape[1:]), 0), t.shape)
-    comm._call("all_to_allv", h, payload)
-    table = _table(comm, rec, carried)
+        sent = torch.cat([rec_b, as_bytes(t)]) if whole and t.numel() else rec_b
+    call("all_to_allv", header("all_to_allv", t.dtype, None, 0, (tuple(t.shape[1:]), 0),
+                               t.shape), sent)
+    table = _table(comm, payload, rec, carried)
     settle_sizes(table, comm.unique_name, row=row_bytes(t))
     got = table.received_by(me)
     out = torch.empty((sum(got),) + tuple(t.shape[1:]), dtype=t.dtype)
     row = row_bytes(t)
     limit = BLOCK_INLINE - rec_b.numel()
     if carried and all(sum(s) * row <= limit for s in table.send):
-        _from_blocks(comm, t, table, got, out, rec_b.numel())
+        _from_blocks(comm, payload, t, table, got, out, rec_b.numel())
         return out
     return plain_all_to_allv(comm.device_group, t, send, got, out)
 
 
-def _table(comm: Any, rec: torch.Tensor, carried: bool) -> SizeTable:
-    """Every rank's size record of the call just agreed on."""
+def _table(
+    comm: Any, payload: Callable[[int], torch.Tensor], rec: torch.Tensor, carried: bool
+) -> SizeTable:
+    """Every rank's size record of the call just agreed on (``payload(rank)``: the bytes
+    ``rank`` sent along)."""
     n, words = comm.world_size, rec.numel()
     if carried:
         rows = []
         for q in range(n):
-            raw = comm._payload(q)
+            raw = payload(q)
             if raw.numel() < 8 * words:
                 raise DecodeError(
                     f"group {comm.unique_name!r}, op all_to_allv: rank {q}'s block holds "
@@ -92,7 +109,8 @@ def _table(comm: Any, rec: torch.Tensor, carried: bool) -> SizeTable:
 
 
 def _from_blocks(
-    comm: Any, t: torch.Tensor, table: SizeTable, got: list[int], out: torch.Tensor, skip: int
+    comm: Any, payload: Callable[[int], torch.Tensor], t: torch.Tensor, table: SizeTable,
+    got: list[int], out: torch.Tensor, skip: int,
 ) -> None:
     """Cut this rank's rows out of every rank's block (each input rode along whole)."""
     me, row = comm.rank_in_group, row_bytes(t)
@@ -104,7 +122,7 @@ def _from_blocks(
         if not nbytes:
             continue
         start = offsets(sq)[me] * row
-        src = as_bytes(t) if q == me else comm._payload(q)[skip:]
+        src = as_bytes(t) if q == me else payload(q)[skip:]
         ob[roff[q] * row : roff[q] * row + nbytes].copy_(src[start : start + nbytes])
 
 
@@ -138,10 +156,9 @@ def exchange_sizes(comm: Any, send: list[int], recv: list[int] | None) -> list[i
 def reject_exchange(comm: Any, reason: str) -> None:
     """Take part in :func:`exchange_sizes` as a rank that rejected its arguments."""
     everyone = object_group(comm.cpu_group).all_gather(["rejected", reason[:4000]])
-    try:
+    # this rank raises its own error; lower rejecters are named by their peers
+    with contextlib.suppress(PeerRejectedError):
         _settle(comm, everyone)
-    except PeerRejectedError:
-        pass  # this rank raises its own error; lower rejecters are named by their peers
 
 
 def _settle(comm: Any, everyone: list[Any]) -> SizeTable:

@@ -70,7 +70,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 # Types every backend moves natively; all others (bfloat16, float16, bool,
 # int16, uint16/32/64, float8, complex...) move as raw bytes.
-_NATIVE = frozenset({torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64})
+_NATIVE = frozenset(
+    {torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64})
 # Integer types gloo (and NCCL) cannot reduce: reduced in a wider type and cast
 # back. Two's complement arithmetic is modular, so wrap-around and bitwise ops
 # give exactly the narrow type's results.
@@ -215,7 +216,8 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
             return self._backend_reduce_scatter(x.to(wide), dim, op).to(x.dtype)
         n = self.world_size
         out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=x.dtype, device=x.device)
-        _reduce_scatter_flat(out.view(-1), x.view(-1), op=_wire_op(op, x.dtype), group=self.device_group)
+        _reduce_scatter_flat(out.view(-1), x.view(-1), op=_wire_op(op, x.dtype),
+                             group=self.device_group)
         if op is ReduceOp.AVG:
             out.div_(n)
         return out.movedim(0, dim).contiguous()
@@ -276,7 +278,8 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
             padded[i * m : i * m + s] = x[off : off + s]
             off += s
         out = torch.empty((m,) + x.shape[1:], dtype=x.dtype, device=x.device)
-        _reduce_scatter_flat(out.view(-1), padded.view(-1), op=_wire_op(op, x.dtype), group=self.device_group)
+        _reduce_scatter_flat(out.view(-1), padded.view(-1), op=_wire_op(op, x.dtype),
+                             group=self.device_group)
         if op is ReduceOp.AVG:
             out.div_(n)
         return out[: sizes[self.rank_in_group]].movedim(0, dim).contiguous()
@@ -394,7 +397,8 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
             self._call("scatter", h, payload)
             self._check_scatter_dims(src, h)
             if small:
-                return torch.tensor_split(t, n, dim)[me].clone(memory_format=torch.contiguous_format)
+                mine = torch.tensor_split(t, n, dim)[me]
+                return mine.clone(memory_format=torch.contiguous_format)
             return self._plain_scatter(t, src, list(t.shape), t.dtype, dim)
         h = self._header("scatter", None, None, src, (), None, extra=dim)
         self._call("scatter", h)
@@ -481,9 +485,12 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         pieces = [p.movedim(0, scatter_dim) for p in out.chunk(n, 0)]
         return torch.cat(pieces, gather_dim).contiguous()
 
-    def _all_to_allv(self, t: torch.Tensor, send: list[int], recv: list[int] | None) -> torch.Tensor:
+    def _all_to_allv(
+        self, t: torch.Tensor, send: list[int], recv: list[int] | None
+    ) -> torch.Tensor:
         if self._checks_calls:
-            return gloo_alltoallv.signed_all_to_allv(self, t, send, recv)
+            return gloo_alltoallv.signed_all_to_allv(
+                self, t, send, recv, header=self._header, call=self._call, payload=self._payload)
         got = gloo_alltoallv.exchange_sizes(self, send, recv)
         out = torch.empty((sum(got),) + t.shape[1:], dtype=t.dtype, device=t.device)
         return gloo_alltoallv.plain_all_to_allv(self.device_group, t, send, got, out)
@@ -503,7 +510,8 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         out = torch.empty(size, dtype=dtype, device=self.device)
         if self._checks_calls:
             with self._p2p_side("recv", src) as side:
-                self._p2p_call("recv", side, self._header("send/recv", dtype, None, src, size, size))
+                header = self._header("send/recv", dtype, None, src, size, size)
+                self._p2p_call("recv", side, header)
                 if out.nbytes <= INLINE_MAX:
                     as_bytes(out).copy_(side.payload())
                 else:

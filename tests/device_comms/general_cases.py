@@ -62,7 +62,8 @@ def cases(n: int) -> list[tuple[Any, ...]]:
             add("all_gather", dt, shape, dim=dim)
             add("all_to_all", dt, shape, sdim=dim, gdim=0)
             add("scatter", dt, shape, dim=dim, src=n - 1)
-        add("reduce_scatter", dt, (n * 2, 3), ReduceOp.MAX if not dt.is_complex else ReduceOp.AVG, dim=0)
+        add("reduce_scatter", dt, (n * 2, 3),
+            ReduceOp.MAX if not dt.is_complex else ReduceOp.AVG, dim=0)
         add("reduce_scatterv", dt, (sum(sizes), 3), ReduceOp.SUM, dim=0, sizes=sizes)
         add("reduce_scatterv", dt, (2, sum(sizes)), valid_ops(dt)[-1], dim=-1, sizes=sizes)
         add("all_gatherv", dt, (3, 2), dim=0, sizes=sizes)

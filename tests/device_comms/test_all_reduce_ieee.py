@@ -1,4 +1,5 @@
-"""Sums that overflow or are invalid give torch's IEEE results, silently, whatever the warnings filter.
+"""Sums that overflow or are invalid give torch's IEEE results, silently, whatever the
+warnings filter.
 
 The shared-memory engine adds float32/float64 with numpy, which reports
 overflow (``3e38 + 3e38``) and invalid operations (``inf + -inf``) as a

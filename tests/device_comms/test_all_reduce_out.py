@@ -10,8 +10,9 @@ reduction in rank order), ``out`` is what comes back, a separate ``out`` leaves
 the input untouched, and ranks may mix the two forms in one call.
 ``GroupCoordinator.all_reduce`` passes ``out`` through (also at one rank and
 for an ``out`` that requires grad), and a write into ``out`` counts as an
-in-place op for autograd. Bad ``out`` arguments raise the documented error on the rank that passed them and a
-:class:`PeerRejectedError` on the others, after which the group still works.
+in-place op for autograd. Bad ``out`` arguments raise the documented error on the
+rank that passed them and a :class:`PeerRejectedError` on the others, after which the
+group still works.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def out_rank(rank: int, world_size: int, mode: str) -> dict[str, Any]:
         for shape in [(0,), (3, 0), ()]:  # empty and 0-d
             x = torch.full(shape, float(rank + 1))
             got = comm.all_reduce(x, out=x)
-            if got is not x or not torch.equal(x, torch.full(shape, float(sum(range(1, world_size + 1))))):
+            total = float(sum(range(1, world_size + 1)))
+            if got is not x or not torch.equal(x, torch.full(shape, total)):
                 bad.append(f"shape {shape}")
     finally:
         comm.destroy()
@@ -163,7 +165,8 @@ def test_bad_out_is_rejected_everywhere(dist_pool: Any, case: str, world_size: i
     assert outs[1]["err"] is not None and outs[1]["err"].startswith(kind), outs[1]["err"]
     assert "out" in outs[1]["err"]
     for r in (0, 2):
-        assert outs[r]["err"] is not None and outs[r]["err"].startswith("PeerRejectedError"), outs[r]
+        assert outs[r]["err"] is not None, outs[r]
+        assert outs[r]["err"].startswith("PeerRejectedError"), outs[r]
     for o in outs[:world_size]:
         assert o["after"] == [float(sum(range(world_size)))] * 8  # the group is still in step
 
@@ -181,7 +184,8 @@ def coordinator_rank(rank: int, world_size: int) -> dict[str, Any]:
                 bad.append(f"in place n={n}")
             x = torch.full((n,), float(rank + 1))
             alias = x.view(x.shape)  # the same memory, another tensor object: in place too
-            if g.all_reduce(x, out=alias) is not alias or not torch.equal(x, torch.full((n,), total)):
+            got = g.all_reduce(x, out=alias)
+            if got is not alias or not torch.equal(x, torch.full((n,), total)):
                 bad.append(f"alias n={n}")
         x = torch.full((4,), float(rank + 1), requires_grad=True)
         leaf = torch.zeros(4, requires_grad=True)  # filled without autograd, at any world size

@@ -64,9 +64,9 @@ def test_general_cases(world_size: int) -> None:
                 want = general_cases.expected(c, n, r)
                 if not cmp(got[r], want):
                     failures.append(f"{key} {c[:5]} {c[5]} rank {r}")
-            if c[1] in ("all_reduce", "all_gather", "all_gatherv", "broadcast"):
-                if not all(_same(g, got[0]) for g in got):
-                    failures.append(f"{key} ranks disagree on {c[:5]}")
+            same_everywhere = c[1] in ("all_reduce", "all_gather", "all_gatherv", "broadcast")
+            if same_everywhere and not all(_same(g, got[0]) for g in got):
+                failures.append(f"{key} ranks disagree on {c[:5]}")
     assert not failures, f"{len(failures)} failures, first: {failures[:5]}"
     assert outs[0]["sizes_differ_gloo"][0] == "CollectiveMismatch"
     # Rank 0's sizes list is the odd one: the headers name it, on every rank.
@@ -130,7 +130,8 @@ def general(rank: int, n: int) -> dict[str, Any]:
     """Every case through shared memory and through plain gloo, plus error paths."""
     pg = _group()
     out: dict[str, Any] = {}
-    shm = CpuCommunicator(pg, torch.device("cpu"), unique_name="gen", workspace_bytes=SMALL_WS, timeout=20)
+    shm = CpuCommunicator(pg, torch.device("cpu"), unique_name="gen", workspace_bytes=SMALL_WS,
+                          timeout=20)
     gloo = TorchDistributedCommunicator(pg, torch.device("cpu"), unique_name="gen-gloo")
     out["mode"] = shm.mode
     out["shm"] = [general_cases.run_case(shm, c, rank, n) for c in general_cases.cases(n)]
@@ -147,7 +148,8 @@ def general(rank: int, n: int) -> dict[str, Any]:
         _attempt(lambda: shm.all_gather(x, 0 if rank else 1)),
         _attempt(lambda: shm.gather(x if rank else x.reshape(3, 2), n - 1, 0)),
         _attempt(lambda: shm.reduce_scatter(torch.ones(n, n), 0 if rank else 1)),
-        _attempt(lambda: shm.all_gatherv(torch.ones(2, 3) if rank else torch.ones(2, 3, 1), 0, [2] * n)),
+        _attempt(lambda: shm.all_gatherv(
+            torch.ones(2, 3) if rank else torch.ones(2, 3, 1), 0, [2] * n)),
     ]
     out["after_mismatch"] = shm.all_reduce(torch.ones(3)).tolist()
     # A peer whose sizes list disagrees (not only its own input) is caught by
@@ -164,7 +166,8 @@ def general(rank: int, n: int) -> dict[str, Any]:
     gloo.close()
     out["closed"] = [
         _attempt(lambda c=c: c.all_reduce(torch.ones(2))) for c in (shm, gloo)
-    ] + [_attempt(lambda: shm.all_gather(torch.ones(2))), _attempt(lambda: shm.send(torch.ones(1), 0 if rank else 1))]
+    ] + [_attempt(lambda: shm.all_gather(torch.ones(2))),
+         _attempt(lambda: shm.send(torch.ones(1), 0 if rank else 1))]
     dist.destroy_process_group(pg)
     return out
 
@@ -176,7 +179,8 @@ def _fds() -> int:
 def lifecycle(rank: int, n: int) -> dict[str, Any]:
     """Two communicators interleaved, then many create/destroy cycles."""
     pg_a, pg_b = _group(), _group()
-    a = CpuCommunicator(pg_a, torch.device("cpu"), unique_name="a", workspace_bytes=SMALL_WS, timeout=20)
+    a = CpuCommunicator(pg_a, torch.device("cpu"), unique_name="a", workspace_bytes=SMALL_WS,
+                        timeout=20)
     b = CpuCommunicator(pg_b, torch.device("cpu"), unique_name="b", timeout=20)
     inter = []
     for i in range(6):  # changing shapes/dtypes, interleaving two groups and ops

@@ -26,7 +26,9 @@ def _bad_tensor(kind: str) -> Any:
     return torch.quantize_per_tensor(torch.ones(8), 0.1, 0, torch.qint8)
 
 
-def _one_rank_passes(rank: int, world_size: int, kind: str, op: str) -> tuple[str, float, str, bool]:
+def _one_rank_passes(
+    rank: int, world_size: int, kind: str, op: str
+) -> tuple[str, float, str, bool]:
     import warnings
 
     import torch
@@ -47,7 +49,8 @@ def _one_rank_passes(rank: int, world_size: int, kind: str, op: str) -> tuple[st
         outcome = (type(e).__name__, str(e))
     elapsed = time.monotonic() - t0
     after = g.all_reduce(torch.ones(2))
-    return outcome[0], elapsed, outcome[1], bool(torch.equal(after, torch.full((2,), float(world_size))))
+    agreed = bool(torch.equal(after, torch.full((2,), float(world_size))))
+    return outcome[0], elapsed, outcome[1], agreed
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather"])

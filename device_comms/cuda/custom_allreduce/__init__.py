@@ -47,7 +47,14 @@ _EXPORTS: dict[str, str] = {
     "all_gather_handles": "handles",
 }
 
-__all__ = sorted(_EXPORTS)
+# The names of _EXPORTS, spelled out so that tools see the re-exports.
+__all__ = [
+    "ALIGNMENT", "CompiledPtx", "CudaIpcBackend", "CustomAllreduce", "DEFAULT_MAX_SIZE",
+    "ENV_DISABLE", "GroupVerdict", "HandleBook", "IpcBackend", "IpcHandle", "P2PCache",
+    "P2P_CACHE", "SUPPORTED_DTYPES", "SUPPORTED_WORLD_SIZES", "VirtualRanks",
+    "all_gather_handles", "call_eligible", "check_max_size", "compile_to_ptx",
+    "disabled_by_env", "group_verdict", "nvrtc_version", "supported_archs",
+]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from device_comms.cuda.custom_allreduce.communicator import CustomAllreduce

@@ -166,7 +166,8 @@ class CustomAllreduce:
             raise ValueError(
                 f"input_ is not eligible for the custom all-reduce of {self.unique_name!r} "
                 f"(dtype {t.dtype}, {t.nbytes} bytes, contiguous={t.is_contiguous()}); it needs "
-                f"float16/bfloat16/float32, contiguous, a multiple of 16 bytes up to {self.max_size}"
+                f"float16/bfloat16/float32, contiguous, a multiple of 16 bytes up to "
+                f"{self.max_size}"
             )
         out = torch.empty_like(t)
         stream = torch.cuda.current_stream(self.device)

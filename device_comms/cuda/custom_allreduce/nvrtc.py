@@ -92,7 +92,7 @@ def _open_first(candidates: Sequence[str]) -> tuple[ctypes.CDLL, str]:
             continue
         try:
             lib = ctypes.CDLL(path)
-            lib.nvrtcVersion
+            _ = lib.nvrtcVersion  # a library without the symbol raises AttributeError
         except (OSError, AttributeError) as e:
             tried.append(f"{path} ({e})")
             continue

@@ -83,7 +83,9 @@ class VirtualRanks:
         self._pending: list[tuple[int, list[int]]] = []
         torch.cuda.synchronize(self.device)
 
-    def all_reduce(self, inputs: Sequence[torch.Tensor], variant: str | None = None) -> list[torch.Tensor]:
+    def all_reduce(
+        self, inputs: Sequence[torch.Tensor], variant: str | None = None
+    ) -> list[torch.Tensor]:
         """Every virtual rank's result of summing ``inputs`` (one tensor per rank).
 
         Args:
@@ -135,7 +137,8 @@ class VirtualRanks:
 
     def _check_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
         if not isinstance(inputs, (list, tuple)) or len(inputs) != self.world_size:
-            raise ValueError(f"inputs must be a list of {self.world_size} tensors, got {inputs!r:.80}")
+            raise ValueError(
+                f"inputs must be a list of {self.world_size} tensors, got {inputs!r:.80}")
         first = inputs[0]
         for i, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor) or x.shape != first.shape or x.dtype != first.dtype:

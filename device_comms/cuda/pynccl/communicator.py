@@ -71,6 +71,7 @@ from device_comms.errors import (
     CommunicatorClosed,
     CommunicatorUnavailable,
     NcclError,
+    add_note,
 )
 from device_comms.reduce_op import ReduceOp
 
@@ -373,7 +374,7 @@ class PyNcclCommunicator:
             try:
                 self.lib.group_end()
             except NcclError as end_error:
-                e.add_note(f"ncclGroupEnd after the failure also failed: {end_error}")
+                add_note(e, f"ncclGroupEnd after the failure also failed: {end_error}")
             if self._group_depth == 0:
                 self._after_group.clear()
             raise
@@ -456,7 +457,8 @@ class PyNcclCommunicator:
                 abort = True
         release = self.lib.comm_abort if abort else self.lib.comm_destroy
         gc.collect()  # graphs that are only garbage let go of the communicator now
-        _release_bounded(release, comm, timeout, f"rank {self.rank}/{self.world_size} ({self.device})")
+        who = f"rank {self.rank}/{self.world_size} ({self.device})"
+        _release_bounded(release, comm, timeout, who)
 
     def destroy(self) -> None:
         """Same as :meth:`close` with ``abort=None``."""
@@ -498,8 +500,8 @@ class PyNcclCommunicator:
         send = x.reshape(-1).to(plan.wide)
         recv = None if out is None else torch.empty(out.numel(), dtype=plan.wide, device=out.device)
         issue(send, recv)
-        if out is not None:
-            self._then(lambda: out.copy_(recv.view(out.shape)))  # type: ignore[union-attr]
+        if out is not None and recv is not None:  # recv is a tensor whenever out is
+            self._then(lambda: out.copy_(recv.view(out.shape)))
 
     def _then(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` now, or after the outermost :meth:`grouped` launched the NCCL work."""

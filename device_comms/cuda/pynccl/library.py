@@ -234,13 +234,13 @@ class _LoadedLibraries:
         self._lock = threading.Lock()
         self._by_path: dict[str, NcclLibrary] = {}
 
-    def get(self, path: str) -> NcclLibrary:
+    def get(self, path: str, opener: Callable[[str], NcclLibrary]) -> NcclLibrary:
+        """The library loaded from ``path``; ``opener(path)`` loads it the first time."""
         key = os.path.realpath(path) if os.sep in path else path
         with self._lock:
             lib = self._by_path.get(key)
             if lib is None:
-                lib = NcclLibrary._open(path)
-                self._by_path[key] = lib
+                lib = self._by_path[key] = opener(path)
             return lib
 
     def paths(self) -> list[str]:
@@ -273,21 +273,28 @@ class NcclLibrary:
     """
 
     path: str
+    _lib: ctypes.CDLL
+    _fns: dict[str, Callable[..., Any]]
 
     def __new__(cls, path: str) -> NcclLibrary:
         if not isinstance(path, str) or not path:
             raise TypeError(f"path must be a non-empty str naming the NCCL library, got {path!r}")
-        return _LOADED.get(path)
+        return _LOADED.get(path, cls._open)
 
     @classmethod
     def _open(cls, path: str) -> NcclLibrary:
-        self = object.__new__(cls)
+        """Load ``path`` into a new instance (once per path: :data:`_LOADED` keeps it)."""
+        lib = object.__new__(cls)
+        lib._bind(path)
+        return lib
+
+    def _bind(self, path: str) -> None:
         try:
             self._lib = ctypes.CDLL(path)
         except OSError as e:
             raise CommunicatorUnavailable(f"cannot load the NCCL library {path!r}: {e}") from e
         self.path = path
-        self._fns: dict[str, Callable[..., Any]] = {}
+        self._fns = {}
         for name, (restype, argtypes) in SIGNATURES.items():
             try:
                 fn = getattr(self._lib, name)
@@ -297,7 +304,6 @@ class NcclLibrary:
                 ) from e
             fn.restype, fn.argtypes = restype, list(argtypes)
             self._fns[name] = fn
-        return self
 
     def __repr__(self) -> str:
         return f"NcclLibrary({self.path!r}, version {self.version_string()})"

@@ -50,7 +50,7 @@ def test_select_refuses_what_is_not_a_device(device: Any, exc: type) -> None:
 def test_every_op_matches_reference(dist_pool, world_size: int) -> None:
     outs = dist_pool(world_size).run(all_cases)
     cases = build_cases(world_size)
-    for rank, out in enumerate(outs):
+    for out in outs:
         assert out["mode"] == "shm"
         assert out["leftover"] == [], "workspace name must be unlinked once every rank attached"
         assert out["mapped_before"] and not out["mapped_after"], "destroy() must unmap"
@@ -383,7 +383,7 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         "grad": [comm.all_reduce(g) for _ in range(2)],
         "noncontig": [comm.all_reduce(nc) for _ in range(2)],
         "str_op": comm.all_reduce(torch.ones(2), "max"),
-        # one row to every rank through the engine (tests/device_comms/test_all_to_allv.py has the rest)
+        # one row to every rank through the engine (test_all_to_allv.py has the rest)
         "a2av": comm.all_to_allv(torch.full((world_size, 2), float(rank)), [1] * world_size),
     }
     try:
@@ -562,7 +562,9 @@ def killed_peer(rank: int, world_size: int, victim: int) -> dict[str, Any]:
         comm.destroy()
 
 
-def hierarchical(rank: int, world_size: int, layouts: list[list[str] | None]) -> list[dict[str, Any]]:
+def hierarchical(
+    rank: int, world_size: int, layouts: list[list[str] | None]
+) -> list[dict[str, Any]]:
     """All-reduce cases through hierarchical communicators (env or ``node_id`` layouts)."""
     out = []
     for layout in layouts:

@@ -2,7 +2,7 @@
 
 From the second call at an address, the engine copies a small all_reduce's
 input (and writes an ``out``) through numpy views of that address instead of
-``ctypes.memmove`` (``SmallAllReduce.held_at``). The views own nothing, so
+``ctypes.memmove`` (``AddressViews``). The views own nothing, so
 every pattern below reuses addresses under changing contents and owners:
 fresh tensors whose freed blocks the allocator hands back, one tensor reduced
 in place again and again, a persistent ``out`` buffer, rows of one buffer at
@@ -33,23 +33,31 @@ def _inputs(i: int, world_size: int, numel: int, dtype: torch.dtype) -> list[tor
             for r in range(world_size)]
 
 
-def _fresh(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _fresh(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     return comm.all_reduce(mine.clone(), op)  # the clone dies after the call: its block returns
 
 
-def _in_place(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _in_place(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     x = held.setdefault("x", torch.empty_like(mine))
     x.copy_(mine)
     got = comm.all_reduce(x, op, out=x)
     return got.clone()
 
 
-def _persistent_out(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _persistent_out(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     dst = held.setdefault("out", torch.empty_like(mine))
     return comm.all_reduce(mine.clone(), op, out=dst).clone()
 
 
-def _rows(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _rows(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     buf = held.setdefault("rows", torch.zeros(3, mine.numel(), dtype=mine.dtype))
     row = buf[i % 3]
     row.copy_(mine)
@@ -58,14 +66,18 @@ def _rows(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, A
     return comm.all_reduce(row, op)
 
 
-def _many(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _many(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     bufs = held.setdefault("bufs", [torch.empty_like(mine) for _ in range(20)])
     b = bufs[i % len(bufs)]
     b.copy_(mine)
     return comm.all_reduce(b, op, out=b if i % 3 == 0 else None).clone()
 
 
-def _swapped(comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]) -> torch.Tensor:
+def _swapped(
+    comm: Any, i: int, mine: torch.Tensor, op: ReduceOp, held: dict[str, Any]
+) -> torch.Tensor:
     x = held.setdefault("x", torch.empty_like(mine))
     if i % 2:
         x.set_(torch.empty_like(mine))  # new storage, maybe at a freed block's address
@@ -101,7 +113,7 @@ def address_rank(rank: int, world_size: int, pattern: str, dname: str, nbytes: i
             if not torch.equal(got, ref):
                 wrong = (got != ref).nonzero().flatten()[:3].tolist()
                 bad.append(f"call {i}: wrong at {wrong}")
-        views = len(comm._flat.last_small.held) if comm._flat is not None else 0
+        views = len(comm._flat.small.last.by_address) if comm._flat is not None else 0
     finally:
         comm.destroy()
     return bad, views

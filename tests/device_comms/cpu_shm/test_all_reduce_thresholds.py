@@ -2,7 +2,7 @@
 
 The engine picks its scheme by size: the one-step path up to
 :data:`~device_comms.cpu_shm.engine_threads.GRAIN` elements (two ranks: into the
-peer's slot from :data:`~device_comms.cpu_shm.pair.PAIR_SMALL_MIN_BYTES`), then
+peer's slot from :data:`~device_comms.cpu_shm.small.PAIR_SMALL_MIN_BYTES`), then
 one step per slot, one shot in slot-sized pieces up to the one-shot bytes,
 the pipelined pair scheme (pieces of :data:`DEFAULT_PAIR_PIECE_BYTES`) or
 reduce-scatter + all-gather. Each size below is ``threshold - 1``,
@@ -24,7 +24,8 @@ import torch.distributed as dist
 from device_comms import CpuCommunicator, ReduceOp, reduce_local
 from device_comms.cpu_shm.engine import DEFAULT_ONESHOT_BYTES
 from device_comms.cpu_shm.engine_threads import GRAIN
-from device_comms.cpu_shm.pair import DEFAULT_PAIR_PIECE_BYTES, PAIR_SMALL_MIN_BYTES
+from device_comms.cpu_shm.pair import DEFAULT_PAIR_PIECE_BYTES
+from device_comms.cpu_shm.small import PAIR_SMALL_MIN_BYTES
 
 _DTYPES = ("int8", "uint8", "bool", "complex64", "float16", "bfloat16", "float64", "float32",
            "int32", "int64")

@@ -1,5 +1,6 @@
 """The shared-memory engine's thread count: the sizing rule, the setting (lowered and
-raised), and collectives run with more torch threads than the node has CPUs (torch's default on a busy host)."""
+raised), and collectives run with more torch threads than the node has CPUs (torch's
+default on a busy host)."""
 
 from __future__ import annotations
 
@@ -98,9 +99,8 @@ def test_setting_applies_and_restores(four_threads: None) -> None:
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == 4
-    with pytest.raises(RuntimeError, match="boom"):
-        with cap:
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), cap:
+        raise RuntimeError("boom")
     assert torch.get_num_threads() == 4
     with KernelThreads(6):  # above torch's setting: raised for the block
         assert torch.get_num_threads() == 6
@@ -180,7 +180,8 @@ def default_threads_rank(rank: int, world_size: int, threads: int) -> dict[str, 
     finally:
         del os.environ[THREADS_ENV]
     workers = _tids() - {threading.get_native_id()}
-    cases = [(dtype, shape, op) for dtype in _DTYPES for shape in _sizes(comm) for op in _ops(dtype)]
+    cases = [(dtype, shape, op)
+             for dtype in _DTYPES for shape in _sizes(comm) for op in _ops(dtype)]
     inputs = [_input(i, rank, shape, dtype) for i, (dtype, shape, op) in enumerate(cases)]
     big = torch.full((world_size << 18,), float(rank))
     copies = [big.clone() for _ in range(10)]
@@ -188,7 +189,8 @@ def default_threads_rank(rank: int, world_size: int, threads: int) -> dict[str, 
     time.sleep(0.2)  # the team's workers stop spinning and sleep
     before = _thread_cpu_ns(workers)
     got, restored = [], True
-    for x, (_, _, op) in zip(inputs, cases):  # only collectives while the workers are watched
+    # only collectives while the workers are watched
+    for x, (_, _, op) in zip(inputs, cases, strict=True):
         got.append(comm.all_reduce(x, op))
         restored &= torch.get_num_threads() == threads
     for c in copies:
@@ -206,7 +208,7 @@ def default_threads_rank(rank: int, world_size: int, threads: int) -> dict[str, 
     info = comm.describe()
     comm.destroy()
     bad = []
-    for i, ((dtype, shape, op), res) in enumerate(zip(cases, got)):
+    for i, ((dtype, shape, op), res) in enumerate(zip(cases, got, strict=True)):
         want = reduce_local([_input(i, r, shape, dtype) for r in range(world_size)], op)
         if res.dtype != want.dtype or res.shape != want.shape or not torch.equal(res, want):
             bad.append(f"{dtype} {shape} {op.name}")

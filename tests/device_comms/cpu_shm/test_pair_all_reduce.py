@@ -1,5 +1,5 @@
-"""Two ranks: the one-step all_reduce into the peer's slot (``ShmEngine._pair_small``)
-and the pipelined reduce-scatter + all-gather (``ShmEngine._pair_all_reduce``).
+"""Two ranks: the one-step all_reduce into the peer's slot (``SmallAllReduce._into_peer``)
+and the pipelined reduce-scatter + all-gather (``PairAllReduce.all_reduce``).
 
 Every dtype, odd sizes and piece counts (one piece, several, a last half piece,
 halves that are not whole cache lines); results bitwise equal on both ranks
@@ -64,7 +64,7 @@ def pair_rank(rank: int, world_size: int, piece: int) -> dict[str, Any]:
     eng = comm._engine
     assert eng is not None
     if piece:
-        eng.pair_piece_bytes = piece
+        eng.pair.piece_bytes = piece
     lo, hi = eng.ws.slot_address(0, 0), eng.ws.slot_address(1, 1) + eng.ws.slot_bytes
     # One step in place (>= 32 KiB and within a 64 KiB slot for 2- and 4-byte types),
     # then pieces (beyond the slot or the torch grain).
@@ -77,7 +77,7 @@ def pair_rank(rank: int, world_size: int, piece: int) -> dict[str, Any]:
     aliased = [i for i, g in enumerate(got) if lo <= g.data_ptr() < hi]
     comm.destroy()
     bad = []
-    for i, ((dtype, n, op), g) in enumerate(zip(cases, got)):
+    for i, ((dtype, n, op), g) in enumerate(zip(cases, got, strict=True)):
         want = reduce_local([_input(i, r, n, dtype) for r in range(world_size)], op)
         if op in (ReduceOp.MAX, ReduceOp.MIN) and dtype.is_floating_point:
             same = torch.equal(g, want)  # values; the sign of a zero may differ (see above)

@@ -334,7 +334,8 @@ def large_calls(rank: int, world_size: int) -> dict[str, Any]:
     sc = comm.scatter(xs[0] if rank == 0 else None, 0, 0)
     res["scatter"] = torch.equal(sc, xs[0][rank * m:(rank + 1) * m])
     a2a = comm.all_to_all(x, 0, 1)
-    res["all_to_all"] = torch.equal(a2a, torch.cat([xs[r][rank * m:(rank + 1) * m] for r in range(n)], 1))
+    res["all_to_all"] = torch.equal(
+        a2a, torch.cat([xs[r][rank * m:(rank + 1) * m] for r in range(n)], 1))
     big = _x(0, (70000,))  # above a point-to-point envelope too
     if rank == 0:
         comm.send(big, n - 1)

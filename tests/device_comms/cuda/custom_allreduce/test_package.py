@@ -45,6 +45,10 @@ def test_every_export_resolves(name: str) -> None:
     assert name in dir(ca)
 
 
+def test_all_lists_every_lazy_export() -> None:
+    assert sorted(ca.__all__) == sorted(ca._EXPORTS)
+
+
 def test_unknown_attribute() -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
-        ca.no_such_name
+        _ = ca.no_such_name

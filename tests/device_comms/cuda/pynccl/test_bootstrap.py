@@ -137,7 +137,8 @@ def test_received_id_is_validated() -> None:
         def broadcast_obj(self, obj: Any, src: int) -> Any:
             return self.payload
 
-    with pytest.raises(CommunicatorUnavailable, match="expected a 128-byte NCCL unique id .* got 127"):
+    with pytest.raises(CommunicatorUnavailable,
+                       match="expected a 128-byte NCCL unique id .* got 127"):
         exchange_unique_id(Group(b"x" * 127), None)
     with pytest.raises(CommunicatorUnavailable, match="as bytes .* got str"):
         exchange_unique_id(Group("x" * 128), None)

@@ -52,10 +52,12 @@ def _comm(lib: GlooNccl | None = None) -> tuple[PyNcclCommunicator, GlooNccl]:
 # ---------------------------------------------------------------------- rank functions
 def _reductions(rank: int, n: int) -> bytes:
     comm, lib = _comm()
-    cases = [(torch.float32, ReduceOp.SUM), (torch.float32, ReduceOp.AVG), (torch.bfloat16, ReduceOp.MAX),
-             (torch.int32, ReduceOp.PRODUCT), (torch.int16, ReduceOp.SUM), (torch.int16, ReduceOp.PRODUCT),
+    cases = [(torch.float32, ReduceOp.SUM), (torch.float32, ReduceOp.AVG),
+             (torch.bfloat16, ReduceOp.MAX), (torch.int32, ReduceOp.PRODUCT),
+             (torch.int16, ReduceOp.SUM), (torch.int16, ReduceOp.PRODUCT),
              (torch.bool, ReduceOp.SUM), (torch.bool, ReduceOp.MIN), (torch.bool, ReduceOp.BOR),
-             (torch.complex64, ReduceOp.SUM), (torch.complex128, ReduceOp.AVG), (torch.float64, ReduceOp.MIN)]
+             (torch.complex64, ReduceOp.SUM), (torch.complex128, ReduceOp.AVG),
+             (torch.float64, ReduceOp.MIN)]
     for i, (dt, op) in enumerate(cases):
         xs = _all(i, n, (3, 5), dt)
         want = reduce_local(xs, op)
@@ -162,7 +164,8 @@ def _checks(rank: int, n: int) -> list[str]:
         (TypeError, lambda: comm.all_reduce(x, op="median")),
         (ValueError, lambda: comm.all_gather(torch.empty(4 * n + 1, 3), x)),
         (ValueError, lambda: comm.reduce_scatter(torch.empty(1), torch.ones(n * 2 + 1))),
-        (ValueError, lambda: comm.reduce(x, None, 0)) if rank == 0 else (ValueError, lambda: comm.reduce(x, x, n)),
+        (ValueError, lambda: comm.reduce(x, None, 0)) if rank == 0
+        else (ValueError, lambda: comm.reduce(x, x, n)),
         (ValueError, lambda: comm.all_gatherv(torch.empty(3, 3), x, [4] * n)),
         (ValueError, lambda: comm.all_gatherv(torch.empty(4 * n, 2), x, [4] * n)),
         (ValueError, lambda: comm.all_gatherv(torch.empty(4 * n, 3), x, [4] * (n + 1))),
@@ -191,8 +194,10 @@ def _states(rank: int, n: int) -> dict[str, Any]:
     x = torch.ones(2)
     out: dict[str, Any] = {}
     comm.disable()
-    for name, fn in (("all_reduce", lambda: comm.all_reduce(x)), ("broadcast", lambda: comm.broadcast(x, 0)),
-                     ("send", lambda: comm.send(x, (rank + 1) % n)), ("grouped", lambda: comm.grouped().__enter__())):
+    for name, fn in (("all_reduce", lambda: comm.all_reduce(x)),
+                     ("broadcast", lambda: comm.broadcast(x, 0)),
+                     ("send", lambda: comm.send(x, (rank + 1) % n)),
+                     ("grouped", lambda: comm.grouped().__enter__())):
         try:
             fn()
             out[name] = "no error"
@@ -277,7 +282,8 @@ def test_arguments_are_checked_before_communicating(dist_pool) -> None:
     assert "ReduceOp.BXOR is not supported by NCCL" in msgs[5]
     assert "op=ReduceOp.AVG" in msgs[7] and "torch.bool" in msgs[7]
     assert "torch.float8_e4m3fnuz" in msgs[9]
-    assert "root must be a rank in [0, 2)" in msgs[13] or "out must be a tensor on the root rank 0" in msgs[13]
+    assert ("root must be a rank in [0, 2)" in msgs[13]
+            or "out must be a tensor on the root rank 0" in msgs[13])
     assert "out.shape[0] must be sum(sizes) = 8, got 3" in msgs[14]
     assert "must match beyond dim 0" in msgs[15]
     assert "sizes must have 2 entries" in msgs[16]
@@ -301,9 +307,11 @@ def test_disabled_closed_and_abort(dist_pool) -> None:
 
 def test_setup_failure_reaches_every_rank(dist_pool) -> None:
     outs = dist_pool(3).run(_setup_failure)
-    assert outs[1][0] == "ValueError" and "device must be a CUDA device for NCCL, got cpu" in outs[1][1]
+    assert outs[1][0] == "ValueError"
+    assert "device must be a CUDA device for NCCL, got cpu" in outs[1][1]
     for kind, msg in (outs[0], outs[2]):
-        assert kind == "CommunicatorUnavailable" and "group rank(s) [1] could not set up NCCL" in msg
+        assert kind == "CommunicatorUnavailable"
+        assert "group rank(s) [1] could not set up NCCL" in msg
 
 
 def test_constructor_argument_types() -> None:

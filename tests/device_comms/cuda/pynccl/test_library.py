@@ -74,7 +74,8 @@ def test_failure_names_every_place(tmp_path) -> None:
 
 
 def test_failure_without_namespace_or_env(monkeypatch) -> None:
-    cands = L.default_candidates(environ={}, nvidia_dirs=[], soname="libnccl-groupcoord-test-missing.so.2")
+    cands = L.default_candidates(environ={}, nvidia_dirs=[],
+                                 soname="libnccl-groupcoord-test-missing.so.2")
     with pytest.raises(CommunicatorUnavailable) as info:
         L.find_library(cands)
     msg = str(info.value)
@@ -93,14 +94,16 @@ def test_bad_env_path_falls_through_with_a_warning(nccl_lib, monkeypatch, caplog
     with caplog.at_level("WARNING", logger=L.__name__):
         found = L.find_library()
     assert found != "/does/not/exist/libnccl.so.2"
-    assert "ignoring $GROUPCOORD_NCCL_SO_PATH=/does/not/exist/libnccl.so.2: no such file" in caplog.text
+    ignored = "ignoring $GROUPCOORD_NCCL_SO_PATH=/does/not/exist/libnccl.so.2: no such file"
+    assert ignored in caplog.text
 
 
 # ---------------------------------------------------------------------- calls without a GPU
 def test_version(nccl_lib, nccl_header) -> None:
     code = nccl_lib.version()
     assert code == L.version() == header.define(nccl_header, "NCCL_VERSION_CODE")
-    major, minor, patch = (header.define(nccl_header, f"NCCL_{k}") for k in ("MAJOR", "MINOR", "PATCH"))
+    major, minor, patch = (header.define(nccl_header, f"NCCL_{k}")
+                           for k in ("MAJOR", "MINOR", "PATCH"))
     assert nccl_lib.version_string() == L.version_string() == f"{major}.{minor}.{patch}"
     wheels = [w for w in L.WHEELS if _installed(w)]
     if wheels:
@@ -137,8 +140,9 @@ def test_signature_matches_header(name: str, nccl_header, nccl_lib) -> None:
     want_res, want_args = protos[name]
     got_res, got_args = L.SIGNATURES[name]
     assert got_res is want_res, f"{name} restype: table {got_res}, nccl.h {want_res}"
-    assert len(got_args) == len(want_args), f"{name}: {len(got_args)} args, nccl.h has {len(want_args)}"
-    for i, (g, w) in enumerate(zip(got_args, want_args)):
+    assert len(got_args) == len(want_args), (
+        f"{name}: {len(got_args)} args, nccl.h has {len(want_args)}")
+    for i, (g, w) in enumerate(zip(got_args, want_args, strict=True)):
         assert g is w, f"{name} argument {i}: table {g}, nccl.h {w}"
     fn = nccl_lib._fns[name]
     assert fn.restype is got_res and tuple(fn.argtypes) == got_args

@@ -79,7 +79,8 @@ def _expected_kind(dtype: torch.dtype) -> str:
 
 
 def _type_error_expected(dtype: torch.dtype, op: ReduceOp) -> bool:
-    if op is ReduceOp.AVG and (dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)):
+    if op is ReduceOp.AVG and (
+            dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)):
         return True
     if dtype in COMPLEX:
         return op not in (ReduceOp.SUM, ReduceOp.AVG)
@@ -122,7 +123,8 @@ def test_bad_op_type() -> None:
 
 
 def test_fp8_gate() -> None:
-    for dt, name in ((torch.float8_e4m3fn, "ncclFloat8e4m3"), (torch.float8_e5m2, "ncclFloat8e5m2")):
+    for dt, name in ((torch.float8_e4m3fn, "ncclFloat8e4m3"),
+                     (torch.float8_e5m2, "ncclFloat8e5m2")):
         assert T.native_dtype(dt, T.FP8_MIN_VERSION) == T.DATATYPE_CODES[name]
         assert T.native_dtype(dt, T.FP8_MIN_VERSION - 1) is None
         with pytest.raises(TypeError, match=r"NCCL 2\.23\.4 cannot reduce .*need NCCL >= 2\.24\.0"):
@@ -136,7 +138,8 @@ def _inputs(dtype: torch.dtype, n: int = 3) -> list[torch.Tensor]:
     if dtype == torch.bool:
         return [torch.randint(0, 2, (64,), generator=g).bool() for _ in range(n)]
     lo, hi = {torch.int16: (-2**15, 2**15), torch.uint16: (0, 2**16)}[dtype]
-    return [torch.randint(lo, hi, (64,), generator=g, dtype=torch.int64).to(dtype) for _ in range(n)]
+    return [torch.randint(lo, hi, (64,), generator=g, dtype=torch.int64).to(dtype)
+            for _ in range(n)]
 
 
 def _wire_reduce(dtype: torch.dtype, op: ReduceOp, xs: list[torch.Tensor]) -> torch.Tensor:
