@@ -51,6 +51,14 @@ from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.errors import QueueRoleError
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.local_reader import LocalReader
+from shm_broadcast.queue.options import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_CHUNKS,
+    DEFAULT_READY_TIMEOUT,
+    check_ring_options,
+    check_wait_policy,
+)
+from shm_broadcast.queue.process_group import create_from_process_group
 from shm_broadcast.queue.remote_reader import RemoteReader
 from shm_broadcast.queue.writer import QueueWriter
 from shm_broadcast.waiting.policy import WaitPolicy
@@ -58,15 +66,6 @@ from shm_broadcast.waiting.policy import WaitPolicy
 __all__ = ["MessageQueue", "Handle", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS",
            "DEFAULT_READY_TIMEOUT", "check_ring_options"]
 
-#: Ring defaults: 4 chunks of 2 MiB (8 MiB per queue). A message up to 2 MiB
-#: (the 1 MiB tensors of ``groupcoord bench mq`` included) goes through the
-#: ring; larger ones take the overflow path (zmq ``ipc://``, no size limit).
-#: Sized so that a TP=8 host's segments (this ring, the CPU communicator
-#: workspaces) fit Docker's default 64 MiB ``/dev/shm`` with room to spare;
-#: see docs/troubleshooting.md, "How much /dev/shm".
-DEFAULT_MAX_CHUNK_BYTES = 2 << 20
-DEFAULT_MAX_CHUNKS = 4
-DEFAULT_READY_TIMEOUT = 120.0
 
 
 class MessageQueue:
@@ -235,10 +234,8 @@ class MessageQueue:
             The writer's queue on ``writer_rank``, a reader's queue on each of
             ``reader_ranks`` (default: every other rank), ``None`` elsewhere.
         """
-        from shm_broadcast.queue.process_group import create_from_process_group
-
         return create_from_process_group(
-            group, max_chunk_bytes, max_chunks, writer_rank, reader_ranks, name=name,
+            cls, group, max_chunk_bytes, max_chunks, writer_rank, reader_ranks, name=name,
             connect_ip=connect_ip, wait_policy=wait_policy, timeout=timeout,
             allow_pickle=allow_pickle, blocking=blocking)
 
@@ -511,23 +508,6 @@ class MessageQueue:
         return f"MessageQueue({self.name!r}, {side}, {state})"
 
 
-def check_ring_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any) -> None:
-    """Check a writer's ring sizes and TCP address (:class:`MessageQueue`'s arguments).
-
-    Raises:
-        TypeError: A size is not an int.
-        ValueError: A size is too small, or ``connect_ip`` is not None or a
-            non-empty str.
-    """
-    check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
-    check_int(max_chunks, "max_chunks", minimum=1)
-    if connect_ip is not None and not isinstance(connect_ip, str):
-        raise TypeError(f"connect_ip must be None or an IP address string, got "
-                        f"{type(connect_ip).__name__} ({connect_ip!r:.60})")
-    if connect_ip == "":
-        raise ValueError("connect_ip must be None or an IP address string, got ''")
-
-
 def _local_ranks(ranks: Any, n_local_reader: int) -> tuple[int, ...]:
     """``local_reader_ranks`` checked: ``n_local_reader`` distinct ints >= 0
     (default ``0 .. n_local_reader - 1``).
@@ -550,8 +530,5 @@ def _local_ranks(ranks: Any, n_local_reader: int) -> tuple[int, ...]:
 
 
 def _policy(wait_policy: WaitPolicy | None) -> WaitPolicy:
-    if wait_policy is None:
-        return WaitPolicy()
-    if not isinstance(wait_policy, WaitPolicy):
-        raise TypeError(f"wait_policy must be a WaitPolicy, got {type(wait_policy).__name__}")
-    return wait_policy
+    """``wait_policy`` checked, or the default policy for None."""
+    return check_wait_policy(wait_policy) or WaitPolicy()

@@ -226,8 +226,10 @@ def _rank_without_pickle(rank: int, world_size: int, port: int) -> dict:
 def _exchanges(rank: int, world_size: int, port: int) -> dict:
     from coordinator.stateless.stateless_group import StatelessProcessGroup
     from device_comms.cpu.communicator import CpuCommunicator
-    from shm_broadcast.queue.process_group import create_from_process_group
+    from shm_broadcast.queue.message_queue import MessageQueue
     from shm_broadcast.ranks.topology import in_the_same_node_as
+
+    create_from_process_group = MessageQueue.create_from_process_group
 
     out: dict[str, Any] = {}
     world = dist.group.WORLD
