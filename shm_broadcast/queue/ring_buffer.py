@@ -3,13 +3,13 @@
 One writer and ``n_reader`` readers on the same node share one segment
 (:class:`~shm_broadcast.lifecycle.segment.SharedSegment`, kind ``"mq"``)::
 
-    +----------------+--------------------------+-------------------+--------------+-------------------+
-    | header (64 B)  | reader table             | chunk flags       | refusals     | chunk data        |
-    | magic, geometry| pid u64 x n, ctime f64 x n| per chunk:        | per reader:  | max_chunks x      |
-    | writer pid,    | state u8 x n             |  W u8, R_0..R_n-1 |  1 KiB slot  |  max_chunk_bytes  |
-    | ready/shutdown/| parked u8 x n            |  (8-byte stride)  |              |  (64-byte aligned)|
-    | writer_parked  |                          |                   |              |                   |
-    +----------------+--------------------------+-------------------+--------------+-------------------+
+    +------------------+---------------+-------------------+-------------+------------------+
+    | header (64 B)    | reader table  | chunk flags       | refusals    | chunk data       |
+    | magic, geometry, | pid u64 x n   | per chunk:        | per reader: | max_chunks x     |
+    | writer pid,      | ctime f64 x n |  W u8, R_0..R_n-1 |  1 KiB slot |  max_chunk_bytes |
+    | ready, shutdown, | state u8 x n  |  (8-byte stride)  |             |  (64-byte        |
+    | writer_parked    | parked u8 x n |                   |             |   aligned)       |
+    +------------------+---------------+-------------------+-------------+------------------+
 
 Message ``k`` goes to chunk ``k % max_chunks``; writer and readers each keep
 their own counter, so the flags alone say whose turn it is.
