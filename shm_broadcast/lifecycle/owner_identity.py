@@ -24,7 +24,8 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["OwnerIdentity", "write_owner_record", "read_owner_record", "judge_owner"]
+__all__ = ["OwnerIdentity", "write_owner_record", "read_owner_record", "judge_owner",
+           "own_start_ticks"]
 
 
 @dataclass(frozen=True)
@@ -130,12 +131,10 @@ def judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity | None = N
     Returns:
         ``("gone" | "alive" | "unknown", reason)``; only ``"gone"`` may be removed.
     """
-    return _judge_owner(pid, rec, me or OwnerIdentity.of_self(), exists or _pid_exists)
-
-
-def _judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity,
-                 exists: Callable[[int], bool]) -> tuple[str, str]:
-    """``(status, reason)`` of a segment's owner, seen from this process."""
+    if me is None:
+        me = OwnerIdentity.of_self()
+    if exists is None:
+        exists = _pid_exists
     if isinstance(rec, OwnerIdentity) and rec.pid != pid:
         rec = f"owner record names pid {rec.pid}, the segment name pid {pid}"
     if isinstance(rec, str):
@@ -162,6 +161,12 @@ def _judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity,
     if _is_zombie(pid):
         return "gone", f"process {pid} has exited (a zombie its parent has not reaped yet)"
     return "alive", f"process {pid} (started at tick {now}) is running"
+
+
+def own_start_ticks() -> int | None:
+    """This process's start time in clock ticks since boot, or None without a
+    ``/proc`` of this process's own pid namespace."""
+    return _start_ticks(os.getpid()) if _proc_is_ours() else None
 
 
 def _pid_exists(pid: int) -> bool:

@@ -68,6 +68,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -112,14 +113,14 @@ class WaitPolicy:
     predict: PredictivePolicy | None = None
 
     @classmethod
-    def predictive(cls, **knobs: float | int) -> WaitPolicy:
+    def predictive(cls, **knobs: Any) -> WaitPolicy:
         """The default timings with predictive waiting on (what a
         ``GroupCoordinator``'s broadcaster readers use).
 
         Args:
             **knobs: :class:`~shm_broadcast.waiting.predictive.PredictivePolicy` fields.
         """
-        return cls(predict=PredictivePolicy(**knobs))  # type: ignore[arg-type]
+        return cls(predict=PredictivePolicy(**knobs))
 
     def __post_init__(self) -> None:
         if self.predict is not None and not isinstance(self.predict, PredictivePolicy):
@@ -128,7 +129,8 @@ class WaitPolicy:
         for field in ("spin_s", "yield_s", "park_poll_s", "liveness_s"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"WaitPolicy.{field} must be a number >= 0 (seconds), got {value!r}")
+                raise ValueError(
+                    f"WaitPolicy.{field} must be a number >= 0 (seconds), got {value!r}")
         if self.park_poll_s <= 0 or self.liveness_s <= 0:
             raise ValueError(
                 "WaitPolicy.park_poll_s and liveness_s must be > 0, got "
@@ -216,8 +218,11 @@ class PeerWatch:
             return "unknown"
         if not self.alive():
             return "exited"
+        proc = self._proc  # set by alive() for a peer on this host
+        if proc is None:
+            return "unknown"
         try:
-            status = self._proc.status()  # type: ignore[union-attr]  # set by alive()
+            status = proc.status()
         except (psutil.NoSuchProcess, ProcessLookupError):
             return "exited"
         except psutil.Error:

@@ -301,7 +301,8 @@ class ArrivalPredictor:
                 best = (lo, hi, m)
         stats = self.stats
         if best is None or best[1] + p.lead_s <= now:
-            return self._unplanned()  # nothing learned yet, or the message is overdue
+            self._unplanned()  # nothing learned yet, or the message is overdue
+            return None
         opens, closes = best[0] - p.lead_s, best[1] + p.lead_s
         fallback = -1.0 if p.fallback_yield_s is None else p.fallback_yield_s
         if closes - opens > p.max_window_s:
@@ -339,10 +340,10 @@ class ArrivalPredictor:
         return best
 
     def _unplanned(self) -> None:
+        """No plan for this wait: it runs the plain way."""
         self._window = None
         self._mode = None
         self.stats["unplanned"] += 1
-        return None
 
     def _predict(self, now: float) -> None:
         """Each model's point prediction of the next publish (None: not yet)."""

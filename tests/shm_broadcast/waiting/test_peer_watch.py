@@ -25,7 +25,8 @@ def _dead_pid() -> tuple[int, float]:
 
 def test_own_pid_space_names_boot_and_pid_namespace() -> None:
     space = own_pid_space()
-    boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
     assert space == f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
 
 
