@@ -315,11 +315,10 @@ class LocalReader:
         """Decode the last message again, result discarded, as the window opens.
 
         After a sleep of a whole step, other processes have evicted the
-        decoder's code and data from the caches: the first decode runs ~2x
-        slower than a warm one (35 vs 14 us for 3 KB on the development VM).
-        Doing one decode now, before the message is due, moves that cost off
-        the message's path. Only plain messages (no arrays, no pickle: decoding
-        has no side effects) are kept for this.
+        decoder's code and data from the caches, so the first decode after it
+        is slower than a warm one. Doing one decode now, before the message is
+        due, moves that cost off the message's path. Only plain messages (no
+        arrays, no pickle: decoding has no side effects) are kept for this.
         """
         msg = self._warm_msg
         if msg is not None:

@@ -76,7 +76,8 @@ Who can reach these sockets (see ``docs/security-channels.md``):
   writer's last messages before it exited, an overflow payload in flight);
   with a huge interval the session and those messages survive, and no
   reconnection is attempted within any realistic lifetime of the reader,
-  which raises ``PeerDiedError`` within ~0.3 s of the drop. Over TCP a
+  which raises ``PeerDiedError`` within ``WaitPolicy.liveness_s +
+  park_poll_s`` of the drop. Over TCP a
   reconnection could not succeed anyway: nobody else holds the writer's
   per-queue secret key. The remote reader also checks, before using any
   frame, that its monitor saw exactly one successful handshake.

@@ -25,13 +25,12 @@ Protocol changes for private channels (what holds):
   from another thread) through a socket connected at bind time, so it too
   works after the path is gone.
 
-Why not a zmq socket? The first version rang the readers through the writer's
-zmq PUB socket. A zmq message crosses two I/O threads before it reaches the
-application (writer app -> writer I/O thread -> reader I/O thread -> reader
-app), i.e. three sleeping threads to wake; on the 2-vCPU development VM that
-measured 225-380 us one-way after an idle period, against ~150 us for a
-datagram that wakes the sleeper directly. zmq still carries everything that
-has a payload (overflow messages, remote readers, control).
+Why not a zmq socket? A zmq message crosses two I/O threads before it reaches
+the application (writer app -> writer I/O thread -> reader I/O thread ->
+reader app), i.e. three sleeping threads to wake where a datagram wakes the
+sleeper itself, once (docs/performance.md compares the two). zmq still
+carries everything that has a payload (overflow messages, remote readers,
+control).
 
 Ringing is idempotent and lossy by design: a full socket buffer means the
 sleeper has unread bells and will wake anyway; a dead sleeper is noticed by
@@ -110,9 +109,10 @@ class Doorbell:
         """Like :meth:`wait`, but to the microsecond (a planned sleep).
 
         ``poll(2)`` takes whole milliseconds; ``select(2)`` takes microseconds
-        (the kernel adds its timer slack, ~50 us). A descriptor beyond
-        ``select``'s limit falls back to ``poll`` rounded *down* to whole
-        milliseconds: the caller's loop polls the rest, never oversleeps.
+        (the kernel adds the thread's timer slack, 50 us unless changed). A
+        descriptor beyond ``select``'s limit falls back to ``poll`` rounded
+        *down* to whole milliseconds: the caller's loop polls the rest, never
+        oversleeps.
 
         Returns:
             Whether the bell was rung (not yet drained).

@@ -17,25 +17,26 @@ full ring) waits in three phases, driven by :class:`Backoff`::
         +----------------------------+------------------------------+--> done
 
 * **SPIN** re-reads the shared flag in a tight loop for ``spin_s`` (default
-  5 us): a peer answering on another core is seen within a microsecond or so.
-  Longer spins measured *worse* on the oversubscribed 2-core development
-  machine (4 KB round trip p50 ~50 us with 0-5 us, ~100 us with 20 us, ~400 us
-  with 200 us): spinning burns the time slice the peer may be waiting for.
+  5 us): a peer answering on another core is seen at its next store. Keep it
+  short: where the peer shares this core (an oversubscribed machine), every
+  microsecond spent spinning is one the peer cannot run in, so longer spins
+  make round trips slower, not faster (docs/performance.md).
 * **YIELD** keeps polling but calls ``sched_yield()`` between polls, so an
   oversubscribed machine gives the core to whoever needs it (with nothing else
-  runnable the call returns at once: polling continues at ~1 us granularity).
+  runnable the call returns at once, and polling goes on at the speed of one
+  system call per poll).
   It lasts ``yield_s`` (default 2 ms): back-to-back messages never leave this
   phase, while a reader waiting for the next engine step (tens of ms) parks
   instead of burning a core -- the 100%-CPU readers of polling-only queues are
   exactly what this avoids. Raise it if you prefer CPU to wake-up latency.
 * **PARK** declares itself parked in shared memory and blocks in ``poll(2)``
   on its doorbell (:mod:`shm_broadcast.waiting.doorbell`), which the peer rings only
-  when it sees the parked flag; an idle side costs ~0% CPU and wakes with a
+  when it sees the parked flag; an idle side uses no CPU and wakes with a
   single kernel wake-up. That wake-up has a platform floor the queue cannot
   beat: ``groupcoord bench mq`` measures it in the same run (a bare process
-  sleeping in ``poll(2)``; 160-240 us p50 on the 2-vCPU development VM, where
-  the queue measured 1.5-1.8x that). Engines that cannot afford it between
-  steps raise ``yield_s`` to cover their step time, trading CPU for latency.
+  sleeping in ``poll(2)``), next to the queue's own. Engines that cannot
+  afford it between steps raise ``yield_s`` to cover their step time, trading
+  CPU for latency.
 
 A reader of step-periodic traffic (an engine's metadata queue) can do better
 than either polling or parking the whole gap: with ``WaitPolicy(predict=

@@ -4,7 +4,7 @@ An engine's driver broadcasts one metadata message per step, and steps are
 periodic (every ~10 ms, say). A reader that waits with the plain
 :class:`~shm_broadcast.waiting.policy.Backoff` either polls the whole gap (a core
 burnt: what spinning queues do) or parks and pays a kernel wake-up on every
-step (~200-800 us on a 2-vCPU VM). A reader with a :class:`PredictivePolicy`
+step, after the message is there. A reader with a :class:`PredictivePolicy`
 learns *when* the next message will be published and plans each wait::
 
              dequeue(): no message yet
@@ -160,8 +160,9 @@ class PredictivePolicy:
             park) whose recent detection lag is worse, to keep measuring it;
             0 never switches modes (always poll).
         park_penalty_s: Added to park mode's lag when the modes are compared:
-            what the writer's bell costs it (a ``sendto`` that wakes a sleeper,
-            ~20 us on the 2-vCPU development VM), which the reader cannot see.
+            what the writer's bell costs it (a ``sendto`` that wakes a
+            sleeper), which the reader cannot see; the default is about what
+            docs/performance.md measured for that ``sendto``.
     """
 
     history: int = 16
