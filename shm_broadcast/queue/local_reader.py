@@ -80,7 +80,8 @@ from shm_broadcast.queue.transport import (
     say_goodbye,
 )
 from shm_broadcast.waiting.doorbell import BellRinger, Doorbell, bell_address
-from shm_broadcast.waiting.policy import PARK, SLEEP, Backoff, PeerWatch, WaitPolicy, own_pid_space
+from shm_broadcast.waiting.peer_watch import PeerWatch, own_pid_space
+from shm_broadcast.waiting.policy import PARK, SLEEP, Backoff, WaitPolicy
 from shm_broadcast.waiting.predictive import STAMP, STAMP_OFFSET, ArrivalPredictor
 
 __all__ = ["LocalReader"]

@@ -70,7 +70,8 @@ from shm_broadcast.queue.transport import (
     say_goodbye,
     stop_monitor,
 )
-from shm_broadcast.waiting.policy import Backoff, PeerWatch, WaitPolicy, own_pid_space
+from shm_broadcast.waiting.peer_watch import PeerWatch, own_pid_space
+from shm_broadcast.waiting.policy import Backoff, WaitPolicy
 
 __all__ = ["RemoteReader"]
 

@@ -78,14 +78,8 @@ from shm_broadcast.queue.transport import (
 from shm_broadcast.queue.writer_control import WriterControl, check_reader_keys
 from shm_broadcast.ranks.host_address import host_ip
 from shm_broadcast.waiting.doorbell import BellLine, BellRinger, Doorbell, bell_address
-from shm_broadcast.waiting.policy import (
-    PARK,
-    Backoff,
-    PeerWatch,
-    WaitPolicy,
-    own_pid_space,
-    state_text,
-)
+from shm_broadcast.waiting.peer_watch import PeerWatch, own_pid_space, state_text
+from shm_broadcast.waiting.policy import PARK, Backoff, WaitPolicy
 from shm_broadcast.waiting.predictive import STAMP, STAMP_OFFSET
 
 __all__ = ["QueueWriter"]

@@ -45,7 +45,7 @@ from shm_broadcast.queue.transport import (
     count_failed_handshakes,
     joined_rank,
 )
-from shm_broadcast.waiting.policy import PeerWatch
+from shm_broadcast.waiting.peer_watch import PeerWatch
 
 __all__ = ["WriterControl", "check_reader_keys"]
 
