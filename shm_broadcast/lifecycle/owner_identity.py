@@ -153,12 +153,13 @@ def judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity | None = N
     if rec.timens != me.timens:
         return "unknown", (f"pid {pid} exists, but its start time cannot be compared from "
                            f"another time namespace (time:[{rec.timens}], ours time:[{me.timens}])")
-    now = _start_ticks(pid)
-    if now is None:
+    stat = _state_and_ticks(pid)
+    if stat is None:
         return "unknown", f"cannot read the start time of process {pid}"
+    state, now = stat
     if now != rec.start_ticks:
         return "gone", f"pid {pid} now belongs to another process (started at tick {now})"
-    if _is_zombie(pid):
+    if state in (b"Z", b"X"):  # exited, waiting to be reaped: it can run no code
         return "gone", f"process {pid} has exited (a zombie its parent has not reaped yet)"
     return "alive", f"process {pid} (started at tick {now}) is running"
 
@@ -197,23 +198,21 @@ def _ns_inode(kind: str) -> int:
         return 0
 
 
-def _start_ticks(pid: int) -> int | None:
+def _state_and_ticks(pid: int) -> tuple[bytes, int] | None:
+    """``(state letter, start ticks since boot)`` of process ``pid`` from
+    ``/proc/<pid>/stat``, or None if there is no such process to read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
-        return int(raw[raw.rindex(b")") + 2:].split()[19])
+        fields = raw[raw.rindex(b")") + 2:].split()
+        return fields[0], int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
 
 
-def _is_zombie(pid: int) -> bool:
-    """Whether ``pid`` has exited and waits to be reaped (it can run no code)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        return raw[raw.rindex(b")") + 2 : raw.rindex(b")") + 3] in (b"Z", b"X")
-    except (OSError, ValueError):
-        return False
+def _start_ticks(pid: int) -> int | None:
+    stat = _state_and_ticks(pid)
+    return None if stat is None else stat[1]
 
 
 def _boot_id() -> str:

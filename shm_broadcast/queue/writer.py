@@ -440,7 +440,7 @@ class QueueWriter:
         ring.begin_write(chunk)
         d = ring.data_offset(chunk)
         if overflow:
-            frames = self._frames(seq, enc, None)
+            frames = self._frames(seq, enc)
             self._sockets().pub.send_multipart([TOPIC_OVERFLOW + frames[0], frames[1]],
                                                copy=blen < _ZERO_COPY_MIN)
             WIRE.pack_into(ring.buf, d, seq, KIND_OVERFLOW, mlen, blen)
@@ -500,11 +500,10 @@ class QueueWriter:
             rings[i]()
 
     @staticmethod
-    def _frames(seq: int, enc: Encoded, blob: Any) -> list[Any]:
-        head = WIRE.pack(seq, KIND_DATA, len(enc.msg), enc.blob_len) + enc.msg
-        if blob is None:
-            blob = enc.blob_bytes()
-        return [head, blob]
+    def _frames(seq: int, enc: Encoded) -> list[Any]:
+        """The message as two frames, header + msgpack and the arrays (overflow path)."""
+        return [WIRE.pack(seq, KIND_DATA, len(enc.msg), enc.blob_len) + enc.msg,
+                enc.blob_bytes()]
 
     def _wait_free(self, ring: ShmRingBuffer, chunk: int, seq: int, deadline: float | None,
                    timeout: float | None) -> None:

@@ -253,10 +253,6 @@ class Backoff:
             t = min(t, self._sleep_until - now)
         return t if t > 0 else 0.0
 
-    def check_now(self) -> None:
-        """Run the checks immediately (used right after a park)."""
-        self._run_check(_monotonic())
-
     def _run_check(self, now: float) -> None:
         deadline = self._deadline
         expired = deadline is not None and now >= deadline
