@@ -52,7 +52,8 @@ def run_cleanup(args: argparse.Namespace) -> int:
     if getattr(args, "all", False):
         for s in segs:
             if s.status == "alive":
-                print(f"in use   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: {s.reason})")
+                print(f"in use   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: "
+                      f"{s.reason})")
         for d in dirs:
             if d.status == "alive":
                 print(f"in use   {d.path}  (channel directory, owner pid {d.pid}: {d.reason})")

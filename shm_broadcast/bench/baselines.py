@@ -65,7 +65,7 @@ def _gloo_reader(port: int, rank: int, world: int) -> None:
                             world_size=world, timeout=timedelta(seconds=_GLOO_TIMEOUT_S))
     try:
         while True:
-            box = [None]
+            box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)
             cmd, n = box[0]
             if cmd == "stop":

@@ -192,7 +192,7 @@ class MqDriver:
         elapsed = time.monotonic() - t0
         after = [p.cpu_times() for p in procs]
         cpu = [100.0 * ((a.user + a.system) - (b.user + b.system)) / elapsed
-               for a, b in zip(after, before)]
+               for a, b in zip(after, before, strict=True)]
         gaps = wake_gaps(samples + 1, gap_s)
         warm = self._wake(gaps, busy=True)
         first = max(warm[: len(self._back)])
@@ -300,7 +300,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str,
                 drivers.append(ZmqPickleDriver(n_readers, ctx))
             for name in cfg.payloads:
                 obj = make_payload(name, 0)
-                for d, r in zip(drivers, _measure(drivers, obj, sizes[name], cfg)):
+                for d, r in zip(drivers, _measure(drivers, obj, sizes[name], cfg), strict=True):
                     row = {"readers": n_readers, "payload": name, "payload_bytes": sizes[name],
                            "method": d.label, **r}
                     rows.append(row)

@@ -40,6 +40,7 @@ import zmq
 from shm_broadcast.bench.payloads import make_payload, payload_names
 from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.queue.message_queue import MessageQueue
+from shm_broadcast.queue.transport import bind
 from shm_broadcast.ranks.launcher import stop_ranks
 
 __all__ = ["QueueEcho", "ZmqEcho", "measure_all", "add_args", "run"]
@@ -102,6 +103,8 @@ class QueueEcho:
     def rt(self, obj: Any, n: int) -> list[float]:
         """``n`` round trips of ``obj``, seconds each."""
         ping, pong, out = self._ping, self._pong, []
+        if pong is None:
+            raise RuntimeError("the echo queue is closed")
         for _ in range(n):
             t0 = time.perf_counter()
             ping.enqueue(obj, timeout=_READY_S)
@@ -142,8 +145,7 @@ def _zmq_echo(a_pub: str, conn: Any, use_pickle: bool, threads: int) -> None:
     pub, sub = _pub_sub(ctx)
     try:
         sub.connect(a_pub)
-        pub.bind("tcp://127.0.0.1:*")
-        conn.send(pub.getsockopt(zmq.LAST_ENDPOINT).decode())
+        conn.send(bind(pub, "tcp://127.0.0.1:*"))
         while True:
             frame = sub.recv()
             if frame == b"stop":
@@ -165,10 +167,10 @@ class ZmqEcho:
         self._pickle = use_pickle
         self._zctx = zmq.Context()
         self._pub, self._sub = _pub_sub(self._zctx)
-        self._pub.bind("tcp://127.0.0.1:*")
+        endpoint = bind(self._pub, "tcp://127.0.0.1:*")
         parent, child = ctx.Pipe()
         self._proc = ctx.Process(target=_zmq_echo, daemon=True, args=(
-            self._pub.getsockopt(zmq.LAST_ENDPOINT).decode(), child, use_pickle, threads))
+            endpoint, child, use_pickle, threads))
         self._proc.start()
         try:
             if not parent.poll(_READY_S):
@@ -224,15 +226,16 @@ def _pct(values: list[float], p: float) -> float:
 def _measure(drivers: list[Any], objs: list[Any], iters: int) -> list[dict[str, Any]]:
     """Round trips of every driver, interleaved in rounds; ``objs[k]`` goes to driver ``k``."""
     lat: list[list[float]] = [[] for _ in drivers]
-    for d, obj in zip(drivers, objs):
+    for d, obj in zip(drivers, objs, strict=True):
         d.rt(obj, max(10, iters // 10))  # warm up caches, allocators, the cipher
     for _ in range(_ROUNDS):
-        for k, (d, obj) in enumerate(zip(drivers, objs)):
+        for k, (d, obj) in enumerate(zip(drivers, objs, strict=True)):
             lat[k].extend(d.rt(obj, -(-iters // _ROUNDS)))
     return [{"method": d.label, "rt_iters": len(ls),
              "rt_p50_us": round(_pct(ls, 50) * 1e6, 1),
              "rt_p99_us": round(_pct(ls, 99) * 1e6, 1),
-             "rt_mean_us": round(statistics.fmean(ls) * 1e6, 1)} for d, ls in zip(drivers, lat)]
+             "rt_mean_us": round(statistics.fmean(ls) * 1e6, 1)}
+            for d, ls in zip(drivers, lat, strict=True)]
 
 
 def measure_all(payloads: list[str], iters: int, threads: int = 0, baselines: bool = True,

@@ -1,1 +1,4 @@
-"""How messages become bytes and back: msgpack structure, raw array payloads, exact types, and the pickle opt-in."""
+"""How messages become bytes and back.
+
+msgpack for the structure, raw bytes for arrays, exact types, and the pickle opt-in.
+"""

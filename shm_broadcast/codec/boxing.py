@@ -46,12 +46,14 @@ __all__ = ["Box", "prep", "prep_full"]
 _PLAIN_KEYS = frozenset({str, int})
 _LIST_ONLY = frozenset({list})
 _DICT_ONLY = frozenset({dict})
+#: The ext code of each container msgpack would turn into a list.
+_CONTAINER_CODE: dict[type, int] = {tuple: EXT_TUPLE, set: EXT_SET, frozenset: EXT_FROZENSET}
 _chain = itertools.chain.from_iterable
 # The registry's containers under names of this module (TORCH.load() fills them
 # in place, so they stay current): prep looks them up once per container, and a
 # name bound here by assignment, not by import, compiles ``_PASS.issuperset(...)``
-# as a method call (CPython 3.11 builds a bound method per call, about 20 ns,
-# for ``name.method(...)`` on a name bound by an import).
+# as a method call (CPython 3.11 builds a bound method object per call for
+# ``name.method(...)`` on a name bound by an import; this is on every message).
 _PASS = TORCH.pass_types
 _TORCH_LEAVES = TORCH.leaves
 
@@ -79,7 +81,7 @@ def prep(obj: Any) -> Any:
             return Box(EXT_DICT_PAIRS, [[prep(k), prep(v)] for k, v in obj.items()])
         if _PASS.issuperset(map(type, obj.values())):
             return obj
-        new = None
+        new: dict[Any, Any] | None = None
         for k, v in obj.items():
             if type(v) in _PASS:
                 continue
@@ -92,16 +94,16 @@ def prep(obj: Any) -> Any:
     if t is list:
         if _PASS.issuperset(map(type, obj)) or _plain_rows(obj):
             return obj
-        new = None
+        new_list: list[Any] | None = None
         for i, v in enumerate(obj):
             if type(v) in _PASS:
                 continue
             pv = prep(v)
             if pv is not v:
-                if new is None:
-                    new = list(obj)
-                new[i] = pv
-        return obj if new is None else new
+                if new_list is None:
+                    new_list = list(obj)
+                new_list[i] = pv
+        return obj if new_list is None else new_list
     if t in _PASS:
         return obj
     if t is tuple:
@@ -166,6 +168,5 @@ def prep_full(obj: Any, exact: bool) -> Any:
     if t is list or (not exact and t is tuple):
         return [prep_full(v, exact) for v in obj]
     if exact and t in (tuple, set, frozenset):
-        code = {tuple: EXT_TUPLE, set: EXT_SET, frozenset: EXT_FROZENSET}[t]
-        return Box(code, [prep_full(v, exact) for v in obj])
+        return Box(_CONTAINER_CODE[t], [prep_full(v, exact) for v in obj])
     return prep(obj) if exact else obj

@@ -56,9 +56,10 @@ receiving side with ``allow_pickle=True`` unpickles them, which runs whatever
 code the sender chose: only for peers you trust as much as your own process.
 A side without the opt-in refuses a pickled value with :class:`DecodeError`
 and never unpickles it. With ``exact=False`` the structure is handed to
-msgspec as is, which is faster for huge lists (no per-element type scan, ~13
-ns per element) but lossy where msgpack is: tuples and sets come back as
-lists, dataclasses/Structs as dicts, enums as their values.
+msgspec as is, which is faster for huge lists (no per-element type scan: the
+exact-type scan's cost grows with the number of elements) but lossy where
+msgpack is: tuples and sets come back as lists, dataclasses/Structs as dicts,
+enums as their values.
 
 Decoding trusts nothing it receives (see ``docs/security-codec.md``): every
 declared size is checked against the bytes present before anything is
@@ -129,9 +130,9 @@ __all__ = ["Codec", "Encoded", "SourceFailure", "PICKLE_OPT_IN", "carries_dtype"
 
 # Per-array names bound in this module by assignment. CPython 3.11 compiles
 # ``name.method(...)`` on a name bound by an import as an attribute load that
-# builds a bound method per call (about 20 ns), not as a method call; and the
-# dtype tables (filled in place by TORCH.load(), so these stay current) skip
-# a registry attribute load.
+# builds a bound method object per call, not as a method call (this runs per
+# array); and the dtype tables (filled in place by TORCH.load(), so these stay
+# current) skip a registry attribute load.
 _TENSOR_HEAD, _ARRAY_HEAD = TENSOR_HEAD, ARRAY_HEAD
 _DTYPE_TO_CODE, _CODE_TO_DTYPE = TORCH.dtype_to_code, TORCH.code_to_dtype
 #: Depth hint for the error raised on messages nested too deeply.
@@ -197,8 +198,9 @@ class Codec:
             enums...). See the module docstring.
         resizable: Decode tensors into storage torch allocates (resizable,
             like ``torch.empty``'s), not into a NumPy copy wrapped by
-            ``torch.from_numpy`` (fixed size): ~3 us more per tensor under
-            64 KiB, less above (torch's copy is the faster one there).
+            ``torch.from_numpy`` (fixed size). It adds a ``torch.empty`` per
+            tensor, which small tensors feel and large ones do not (there
+            torch's copy is the faster one).
 
     Raises:
         TypeError: ``allow_pickle``, ``exact`` or ``resizable`` is not a bool.

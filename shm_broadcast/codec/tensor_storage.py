@@ -18,7 +18,7 @@ __all__ = ["storage_covers", "check_storage"]
 
 def _extent_bytes(t: Any) -> int:
     """Bytes of ``t``'s storage that its elements reach (from the storage's start)."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
     return (t.storage_offset() + last + 1) * t.element_size()
 
 
@@ -35,7 +35,8 @@ def storage_covers(t: Any) -> bool:
     # Contiguous (the common case): the elements end at offset + nbytes.
     if t.is_contiguous() and have >= t.storage_offset() * t.element_size() + nbytes:
         return True
-    return have >= _extent_bytes(t) or t._is_zerotensor()
+    # torch's own test for its storage-less zero tensors (no public equivalent)
+    return have >= _extent_bytes(t) or t._is_zerotensor()  # noqa: SLF001 - torch's API
 
 
 def check_storage(t: Any, arg: str) -> None:

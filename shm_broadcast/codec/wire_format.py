@@ -37,6 +37,7 @@ from __future__ import annotations
 import re
 import struct
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -308,6 +309,11 @@ def memoryview_fields(fields: Any) -> tuple[bytes, str, list[int], bool]:
     return fields[0], fields[1], fields[2], fields[3]
 
 
+#: ``memoryview.cast`` with a format known only at run time (typeshed lists the
+#: literal formats only).
+_cast: Callable[..., memoryview[Any]] = memoryview.cast
+
+
 def rebuild_memoryview(data: bytes, fmt: str, shape: list[int], readonly: bool) -> memoryview:
     """A memoryview equal to the one :func:`memoryview_state` described, over fresh memory.
 
@@ -318,6 +324,6 @@ def rebuild_memoryview(data: bytes, fmt: str, shape: list[int], readonly: bool) 
     if fmt == "B" and len(shape) == 1:
         return mv
     try:
-        return mv.cast("B").cast(fmt, shape)
+        return _cast(mv.cast("B"), fmt, shape)
     except (TypeError, ValueError):
         return mv

@@ -1,1 +1,4 @@
-"""Files that are never lost: shared-memory segments, owner records, channel directories, exit cleanup and the reaper."""
+"""Files that are never lost.
+
+Shared-memory segments, owner records, channel directories, exit cleanup and the reaper.
+"""

@@ -132,7 +132,7 @@ def remove_channel_dir(path: str | None) -> None:
         exit_cleanup.discard_dir(path)
 
 
-def remove_dead_channel_dir(path: str, names: list[str] | None = None) -> None:
+def remove_dead_channel_dir(path: str) -> None:
     """Remove a dead writer's channel directory (for a reader cleaning up after it).
 
     Removes it only when its own owner record shows its owner provably gone
@@ -145,10 +145,7 @@ def remove_dead_channel_dir(path: str, names: list[str] | None = None) -> None:
 
     Args:
         path: The directory named by the writer's handle.
-        names: Kept for callers that list the sockets they expect; the
-            allowed contents are fixed by :mod:`shm_broadcast.lifecycle.leftovers`.
     """
-    del names
     try:
         info = _judge_dir(path, OwnerIdentity.of_self())
     except (OSError, ValueError):

@@ -30,8 +30,9 @@ them), and the three paths that remove it:
 3. **After the process is gone, however it ended** -- ``SIGKILL``, the OOM
    killer, ``os._exit``, a crash, a signal whose handler was replaced by the
    application after ours, a process whose main thread ran no Python code
-   between a registration in another thread and the signal: the *reaper* (:mod:`shm_broadcast.lifecycle.reaper`), a small
-   standard-library-only process started with the first registration, learns
+   between a registration in another thread and the signal: the *reaper*
+   (:mod:`shm_broadcast.lifecycle.reaper`), a small standard-library-only
+   process started with the first registration, learns
    every registration and removal over a pipe and removes what is left when
    its owner exits (it waits on a pidfd; typically within milliseconds, not
    before the owner's exit).
@@ -52,6 +53,7 @@ empty, and its copy of the reaper pipe is closed). Removal goes through
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -61,6 +63,7 @@ import warnings
 from types import FrameType
 
 from shm_broadcast.lifecycle import leftovers
+from shm_broadcast.lifecycle.owner_identity import own_start_ticks
 from shm_broadcast.lifecycle.reaper import MARKER
 
 __all__ = ["EXIT_SIGNALS", "add_segment", "discard_segment", "add_dir", "discard_dir",
@@ -85,7 +88,7 @@ class _ReaperLink:
     def __init__(self, owner: int) -> None:
         r, w = os.pipe()
         reaper = [sys.executable, "-I", "-S", _REAPER_PATH, MARKER, str(owner)]
-        ticks = _own_start_ticks()
+        ticks = own_start_ticks()
         detached = ticks is not None and os.access(_SH, os.X_OK)
         if detached:  # $0 "$@" = the reaper's command; fd 3 becomes its stdin
             argv = [_SH, "-c", 'exec "$0" "$@" <&3 3<&- &', *reaper, str(ticks)]
@@ -120,31 +123,15 @@ class _ReaperLink:
 
     def close(self) -> None:
         """Close our end (the reaper keeps waiting for the owner's exit)."""
-        try:
+        with contextlib.suppress(OSError):
             os.close(self.fd)
-        except OSError:
-            pass
 
     def reap(self) -> None:
         """Collect the exit status of a reaper child that died while we live."""
         if self.child_pid is None:
             return
-        try:
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(self.child_pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-
-
-def _own_start_ticks() -> int | None:
-    """This process's start time in clock ticks since boot, or None without ``/proc``."""
-    try:
-        if os.readlink("/proc/self") != str(os.getpid()):
-            return None  # /proc of another pid namespace
-        with open("/proc/self/stat", "rb") as f:
-            raw = f.read()
-        return int(raw[raw.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class ExitCleanup:
@@ -235,19 +222,21 @@ class ExitCleanup:
         me = os.getpid()
         lines = [f"+s {n}\n" for n, pid in self._segments.items() if pid == me]
         lines += [f"+d {p}\n" for p, pid in self._dirs.items() if pid == me]
-        if not lines or not self._start_reaper():
+        link = self._start_reaper() if lines else None
+        if link is None:
             return  # nothing left to watch (a removal at exit needs no new reaper)
         for ln in lines:
-            self._link.send(os.fsencode(ln))  # type: ignore[union-attr]
+            link.send(os.fsencode(ln))
 
-    def _start_reaper(self) -> bool:
+    def _start_reaper(self) -> _ReaperLink | None:
+        """Start a reaper and link to it; None if that failed (now or before)."""
         if self._reaper_failed:
-            return False
+            return None
         try:
             if not sys.executable:
                 raise OSError("sys.executable is empty")
             self._link = _ReaperLink(os.getpid())
-            return True
+            return self._link
         except (OSError, NotImplementedError, ValueError) as e:
             self._reaper_failed = True
             warnings.warn(
@@ -255,7 +244,7 @@ class ExitCleanup:
                 f"and channel directories are removed at exit and on default fatal signals, "
                 f"but not after SIGKILL or os._exit (run `groupcoord cleanup --yes`)",
                 RuntimeWarning, stacklevel=3)
-            return False
+            return None
 
     def after_fork_in_child(self) -> None:
         """A forked child owns nothing yet; the parent's reaper is not its own."""

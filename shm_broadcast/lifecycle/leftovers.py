@@ -27,6 +27,7 @@ What a removal touches, and what it never touches:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -151,10 +152,8 @@ def remove_channel_dir(path: str | None) -> str | None:
             if reason is not None:
                 return reason
             for e in entries:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(e, dir_fd=dir_fd)
-                except FileNotFoundError:
-                    pass
             try:
                 os.rmdir(os.path.basename(path), dir_fd=base_fd)
                 return None

@@ -24,7 +24,8 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["OwnerIdentity", "write_owner_record", "read_owner_record", "judge_owner"]
+__all__ = ["OwnerIdentity", "write_owner_record", "read_owner_record", "judge_owner",
+           "own_start_ticks"]
 
 
 @dataclass(frozen=True)
@@ -130,12 +131,10 @@ def judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity | None = N
     Returns:
         ``("gone" | "alive" | "unknown", reason)``; only ``"gone"`` may be removed.
     """
-    return _judge_owner(pid, rec, me or OwnerIdentity.of_self(), exists or _pid_exists)
-
-
-def _judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity,
-                 exists: Callable[[int], bool]) -> tuple[str, str]:
-    """``(status, reason)`` of a segment's owner, seen from this process."""
+    if me is None:
+        me = OwnerIdentity.of_self()
+    if exists is None:
+        exists = _pid_exists
     if isinstance(rec, OwnerIdentity) and rec.pid != pid:
         rec = f"owner record names pid {rec.pid}, the segment name pid {pid}"
     if isinstance(rec, str):
@@ -154,14 +153,21 @@ def _judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity,
     if rec.timens != me.timens:
         return "unknown", (f"pid {pid} exists, but its start time cannot be compared from "
                            f"another time namespace (time:[{rec.timens}], ours time:[{me.timens}])")
-    now = _start_ticks(pid)
-    if now is None:
+    stat = _state_and_ticks(pid)
+    if stat is None:
         return "unknown", f"cannot read the start time of process {pid}"
+    state, now = stat
     if now != rec.start_ticks:
         return "gone", f"pid {pid} now belongs to another process (started at tick {now})"
-    if _is_zombie(pid):
+    if state in (b"Z", b"X"):  # exited, waiting to be reaped: it can run no code
         return "gone", f"process {pid} has exited (a zombie its parent has not reaped yet)"
     return "alive", f"process {pid} (started at tick {now}) is running"
+
+
+def own_start_ticks() -> int | None:
+    """This process's start time in clock ticks since boot, or None without a
+    ``/proc`` of this process's own pid namespace."""
+    return _start_ticks(os.getpid()) if _proc_is_ours() else None
 
 
 def _pid_exists(pid: int) -> bool:
@@ -192,23 +198,21 @@ def _ns_inode(kind: str) -> int:
         return 0
 
 
-def _start_ticks(pid: int) -> int | None:
+def _state_and_ticks(pid: int) -> tuple[bytes, int] | None:
+    """``(state letter, start ticks since boot)`` of process ``pid`` from
+    ``/proc/<pid>/stat``, or None if there is no such process to read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
-        return int(raw[raw.rindex(b")") + 2:].split()[19])
+        fields = raw[raw.rindex(b")") + 2:].split()
+        return fields[0], int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
 
 
-def _is_zombie(pid: int) -> bool:
-    """Whether ``pid`` has exited and waits to be reaped (it can run no code)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        return raw[raw.rindex(b")") + 2 : raw.rindex(b")") + 3] in (b"Z", b"X")
-    except (OSError, ValueError):
-        return False
+def _start_ticks(pid: int) -> int | None:
+    stat = _state_and_ticks(pid)
+    return None if stat is None else stat[1]
 
 
 def _boot_id() -> str:

@@ -49,6 +49,7 @@ What holds:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import select
@@ -72,8 +73,10 @@ def _load_leftovers() -> ModuleType:
         return leftovers
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "leftovers.py")
     spec = importlib.util.spec_from_file_location("_groupcoord_leftovers", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    spec.loader.exec_module(mod)
     return mod
 
 
@@ -231,10 +234,8 @@ def main(argv: list[str]) -> int:
         os.closerange(3, 65536)  # inherited descriptors are not ours to hold
     else:
         _close_all_but(watch.fd)
-    try:
+    with contextlib.suppress(OSError):
         os.chdir("/")  # hold no directory busy
-    except OSError:
-        pass
     run(watch)
     return 0
 

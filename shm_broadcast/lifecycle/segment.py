@@ -29,6 +29,7 @@ gives the guarantees the rest of the code relies on:
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -42,8 +43,6 @@ from shm_broadcast.errors import SegmentError, ShmSpaceError
 from shm_broadcast.lifecycle import exit_cleanup, leftovers
 from shm_broadcast.lifecycle.owner_identity import (  # re-exported: the segment API names them
     OwnerIdentity,
-    _judge_owner,
-    _pid_exists,
     judge_owner,
     read_owner_record,
     write_owner_record,
@@ -52,7 +51,7 @@ from shm_broadcast.lifecycle.owner_identity import (  # re-exported: the segment
 try:  # CPython's own binding of shm_open/shm_unlink (POSIX only).
     import _posixshmem
 except ImportError:  # pragma: no cover - non-POSIX platforms
-    _posixshmem = None  # type: ignore[assignment]
+    _posixshmem = None
 
 __all__ = [
     "PREFIX",
@@ -268,12 +267,10 @@ class SharedSegment:
         self.unlink()
         mm, self._mmap = self._mmap, None
         self.buf.release()
-        try:
+        # Someone may still hold a view (a tensor over the buffer): the mapping
+        # is then freed with the last reference. The name is already gone.
+        with contextlib.suppress(BufferError):
             mm.close()
-        except BufferError:
-            # Someone still holds a view (a tensor over the buffer); the mapping
-            # is freed with the last reference. The name is already gone.
-            pass
 
     def __enter__(self) -> SharedSegment:
         return self
@@ -338,8 +335,8 @@ def list_segments(pid_alive: Callable[[int], bool] | None = None) -> list[Segmen
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             continue  # a segment is a regular file of ours: no planted link, no other user's
         pid = int(m.group("pid"))
-        status, reason = _judge_owner(pid, read_owner_record(_record_path(n), st.st_uid), me,
-                                      pid_alive or _pid_exists)
+        status, reason = judge_owner(pid, read_owner_record(_record_path(n), st.st_uid), me,
+                                     pid_alive)
         out.append(SegmentInfo(n, m.group("kind"), pid, st.st_size, status != "gone",
                                status, reason))
     return out
@@ -352,7 +349,8 @@ def remove_segment(name: str) -> None:
         ValueError: ``name`` is not a groupcoord segment name.
     """
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"name must be a groupcoord segment name (gc_<kind>_<pid>_<hex>), got {name!r}")
+        raise ValueError(
+            f"name must be a groupcoord segment name (gc_<kind>_<pid>_<hex>), got {name!r}")
     _unlink_quietly(name)
 
 
@@ -421,10 +419,8 @@ def remove_orphan_records(dry_run: bool = False) -> list[str]:
     found = list_orphan_records()
     if not dry_run:
         for n in found:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(SHM_DIR, n))
-            except OSError:
-                pass
     return found
 
 

@@ -1,1 +1,4 @@
-"""The message queue: one writer, local readers over a shared ring, remote readers over CURVE zmq."""
+"""The message queue.
+
+One writer; local readers over a shared ring, remote readers over CURVE zmq.
+"""

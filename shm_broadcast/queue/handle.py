@@ -49,7 +49,7 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
         curve_client_secret: Z85 secret of that key, for the remote readers
             (secret: see the module docstring).
         writer_pid_space: The writer's
-            :func:`~shm_broadcast.waiting.policy.own_pid_space`: readers check its
+            :func:`~shm_broadcast.waiting.peer_watch.own_pid_space`: readers check its
             pid only from the same pid space.
     """
 

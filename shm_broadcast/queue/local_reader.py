@@ -37,6 +37,7 @@ reader that finds the writer dead on close removes what is left of it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import socket
 import threading
@@ -57,7 +58,7 @@ from shm_broadcast.errors import (
     SegmentError,
     ShmBroadcastError,
 )
-from shm_broadcast.lifecycle.channel_dirs import check_private_dir
+from shm_broadcast.lifecycle.channel_dirs import check_private_dir, remove_dead_channel_dir
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.ring_buffer import (
     CHUNK_HEADER,
@@ -76,11 +77,11 @@ from shm_broadcast.queue.transport import (
     close_dealer,
     guard_zmq,
     new_socket,
-    remove_dead_channel_dir,
     say_goodbye,
 )
 from shm_broadcast.waiting.doorbell import BellRinger, Doorbell, bell_address
-from shm_broadcast.waiting.policy import PARK, SLEEP, Backoff, PeerWatch, WaitPolicy, own_pid_space
+from shm_broadcast.waiting.peer_watch import PeerWatch, own_pid_space
+from shm_broadcast.waiting.policy import PARK, SLEEP, Backoff, WaitPolicy
 from shm_broadcast.waiting.predictive import STAMP, STAMP_OFFSET, ArrivalPredictor
 
 __all__ = ["LocalReader"]
@@ -107,13 +108,14 @@ _WRITER_STATE = {
 
 _unpack_stamp = STAMP.unpack_from
 
+#: When a wait for a message began and when it saw the message (monotonic);
+#: both None when the message was there (or no predictor asked).
+_Waited = tuple[float | None, float | None]
+_NOT_WAITED: _Waited = (None, None)
+
 
 def _never() -> bool:
     return False
-
-
-def _no_ring() -> None:
-    return None
 
 
 class LocalReader:
@@ -152,9 +154,9 @@ class LocalReader:
         self.park_stats = {"parks": 0, "timeouts": 0, "sleeps": 0, "sleeps_rung": 0}
         self._predictor = ArrivalPredictor(policy.predict) if policy.predict else None
         #: What the predictor learns from the last message, handed over at the
-        #: next dequeue (off the message's path): its stamp, when the wait for
-        #: it began (None: it was there) and when the wait saw it.
-        self._learning: tuple[float, float | None, float | None] | None = None
+        #: next dequeue (off the message's path): its stamp, and when the wait
+        #: for it began and saw it (both None: it was there).
+        self._learning: tuple[float, _Waited] | None = None
         #: A copy of the last plain message, decoded again when a planned
         #: sleep ends (see :meth:`_warm_up`); never kept when pickle is allowed.
         self._warm_msg: bytes | None = None
@@ -169,55 +171,71 @@ class LocalReader:
         self._wait_what: str | None = ""
         self._wait_timeout: float | None = None
         self._backoff = Backoff(policy, self._check_wait)
-        self.ring: ShmRingBuffer | None = None
-        self.ctx: zmq.Context | None = None
-        self._zmq_guard: Any = None
-        self.sub: zmq.Socket | None = None
-        self.dealer: zmq.Socket | None = None
-        self._ringer = BellRinger()
-        self._doorbell: Doorbell | None = None
-        self._bell_prefix = handle.bell_prefix
-        self._ring_writer: Any = _no_ring
-        self._n_local = len(handle.local_reader_ranks)
+        #: Everything this reader holds (ring, doorbell, lines, sockets), released
+        #: in reverse order of creation by :meth:`close` or by a failed construction.
+        self._resources = contextlib.ExitStack()
         try:
-            if (handle.segment is None or handle.local_pub is None or handle.local_ctl is None
-                    or handle.bell_prefix is None):
-                raise ValueError(f"handle of queue {handle.name!r} has no local readers")
-            self._ring_writer = self._ringer.line(bell_address(handle.bell_prefix, "w"))
-            self.ring = ShmRingBuffer.attach(handle.segment)
-            ring = self.ring
-            _check_geometry(ring, handle, self._n_local)
-            self._strong = ring.strongly_ordered
-            self._parked_at = ring.reader_parked_offset(index)
-            self._flag_at = [ring.flag_offsets(c, index) for c in range(ring.max_chunks)]
-            self._data_at = [ring.data_offset(c) for c in range(ring.max_chunks)]
-            self._chunk_bytes = ring.max_chunk_bytes
-            ctime = psutil.Process(self._pid).create_time()
-            self.ring.register_reader(index, self._pid, ctime)
-            check_private_dir(handle.bell_prefix.rstrip(os.sep))  # before any bind or connect
-            self._doorbell = Doorbell(bell_address(handle.bell_prefix, f"r{index}"))
-            self._ring_writer.connect()  # the writer's bell exists as long as its handle
-            self._connect(handle, ctime)
+            self._attach(handle, index)
         except BaseException:
-            self.close()
+            self._closed = True
+            self._resources.close()
             raise
 
-    def _connect(self, handle: Handle, ctime: float) -> None:
+    def _attach(self, handle: Handle, index: int) -> None:
+        """Map the ring, take slot ``index``, bind the doorbell, connect, say hello.
+
+        Each resource's release is registered as soon as it exists.
+        """
+        res = self._resources
+        prefix = handle.bell_prefix
+        if prefix is not None:  # released last: what a writer killed early left behind
+            res.callback(_remove_if_writer_dead, prefix.rstrip(os.sep), self._writer)
+        if (handle.segment is None or handle.local_pub is None or handle.local_ctl is None
+                or prefix is None):
+            raise ValueError(f"handle of queue {handle.name!r} has no local readers")
+        ringer = BellRinger()
+        res.callback(ringer.close)
+        self._ring_writer = ringer.line(bell_address(prefix, "w"))
+        self.ring = ring = ShmRingBuffer.attach(handle.segment)
+        res.callback(ring.close)
+        _check_geometry(ring, handle, len(handle.local_reader_ranks))
+        self._strong = ring.strongly_ordered
+        self._parked_at = ring.reader_parked_offset(index)
+        self._flag_at = [ring.flag_offsets(c, index) for c in range(ring.max_chunks)]
+        self._data_at = [ring.data_offset(c) for c in range(ring.max_chunks)]
+        self._chunk_bytes = ring.max_chunk_bytes
+        ctime = psutil.Process(self._pid).create_time()
+        ring.register_reader(index, self._pid, ctime)
+        check_private_dir(prefix.rstrip(os.sep))  # before any bind or connect
+        self._doorbell = Doorbell(bell_address(prefix, f"r{index}"))
+        res.callback(self._doorbell.close)
+        self._ring_writer.connect()  # the writer's bell exists as long as its handle
+        self._connect(handle.local_pub, handle.local_ctl, ctime)
+
+    def _connect(self, local_pub: str, local_ctl: str, ctime: float) -> None:
         """Connect the overflow SUB and the control DEALER (ipc), then say hello.
 
         The hello goes last: the writer accepts it only from the process
         registered in this reader's ring slot, with this doorbell bound.
         """
-        self.ctx = zmq.Context(io_threads=1)
-        self.sub = new_socket(self.ctx, zmq.SUB)
-        self.dealer = new_socket(self.ctx, zmq.DEALER)
-        self._zmq_guard = guard_zmq(self, self.ctx, [self.sub, self.dealer])
-        self.sub.connect(handle.local_pub)
-        self.sub.subscribe(TOPIC_OVERFLOW)
-        self.dealer.setsockopt(zmq.ROUTING_ID, b"L%d" % self.index)
-        self.dealer.connect(handle.local_ctl)
-        self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
-            [self.rank, self._pid, ctime, socket.gethostname(), own_pid_space()]))
+        res = self._resources
+        ctx = zmq.Context(io_threads=1)
+        res.callback(ctx.term)
+        self.sub = sub = new_socket(ctx, zmq.SUB)
+        res.callback(close_all, sub)
+        self.dealer = dealer = new_socket(ctx, zmq.DEALER)
+        res.callback(close_dealer, dealer)
+        res.callback(guard_zmq(self, ctx, [sub, dealer]).detach)
+        try:
+            sub.connect(local_pub)
+            sub.subscribe(TOPIC_OVERFLOW)
+            dealer.setsockopt(zmq.ROUTING_ID, b"L%d" % self.index)
+            dealer.connect(local_ctl)
+            dealer.send(CTL_HELLO + msgspec.msgpack.encode(
+                [self.rank, self._pid, ctime, socket.gethostname(), own_pid_space()]))
+        except BaseException:
+            _leave(self.ring, self.index, self._ring_writer, dealer, self._owner_thread)
+            raise
 
     # ------------------------------------------------------------- waiting
     def wait_until_ready(self, timeout: float | None) -> None:
@@ -230,24 +248,23 @@ class LocalReader:
         self._ready = True
 
     def _wait(self, what: str | None, cond: Callable[[], bool], timeout: float | None,
-              predict: bool = False) -> None:
+              predictor: ArrivalPredictor | None = None) -> _Waited:
         """Wait until ``cond()``; ``what`` names it in errors (``None``: the next message).
 
-        With ``predict`` (the next message, predictive policy) the predictor
-        plans the wait; it learns later (:meth:`_learn`) from when the wait
-        began and when it saw the message.
+        With a ``predictor`` (the next message, predictive policy) the wait is
+        planned by it, and the wait's start and the moment it saw the message
+        are returned for it to learn from later (:meth:`_learn`).
         """
         self._cond, self._wait_what, self._wait_timeout = cond, what, timeout
         b = self._backoff
         now = time.monotonic()
-        plan = self._predictor.plan(now) if predict else None  # type: ignore[union-attr]
+        plan = predictor.plan(now) if predictor is not None else None
         b.start(None if timeout is None else now + timeout, plan, now)
         while not cond():
             phase = b.step()
             if phase >= PARK and self._park(cond, b.park_timeout(), phase == SLEEP):
                 break
-        if predict:
-            self._learning = (0.0, now, time.monotonic())
+        return _NOT_WAITED if predictor is None else (now, time.monotonic())
 
     def _park(self, cond: Callable[[], bool], seconds: float, planned: bool = False) -> bool:
         """Sleep on the doorbell; returns True when ``cond()`` held on waking.
@@ -289,21 +306,20 @@ class LocalReader:
             self._check_wait(False)
         return False
 
-    def _learn(self) -> None:
+    def _learn(self, predictor: ArrivalPredictor, learning: tuple[float, _Waited]) -> None:
         """Hand the last message's timing to the predictor."""
-        stamp, began, seen = self._learning  # type: ignore[misc]
+        stamp, (began, seen) = learning
         self._learning = None
-        self._predictor.observe(stamp, began, seen)  # type: ignore[union-attr]
+        predictor.observe(stamp, began, seen)
 
     def _warm_up(self) -> None:
         """Decode the last message again, result discarded, as the window opens.
 
         After a sleep of a whole step, other processes have evicted the
-        decoder's code and data from the caches: the first decode runs ~2x
-        slower than a warm one (35 vs 14 us for 3 KB on the development VM).
-        Doing one decode now, before the message is due, moves that cost off
-        the message's path. Only plain messages (no arrays, no pickle: decoding
-        has no side effects) are kept for this.
+        decoder's code and data from the caches, so the first decode after it
+        is slower than a warm one. Doing one decode now, before the message is
+        due, moves that cost off the message's path. Only plain messages (no
+        arrays, no pickle: decoding has no side effects) are kept for this.
         """
         msg = self._warm_msg
         if msg is not None:
@@ -315,8 +331,9 @@ class LocalReader:
     def _learn_oversleep(self) -> None:
         """After a planned sleep's timer: how late did we get the CPU back?"""
         late = time.monotonic() - self._backoff.sleep_until
-        if late >= 0.0:  # else the sleep was cut short by a liveness check
-            self._predictor.overslept(late)  # type: ignore[union-attr]
+        predictor = self._predictor
+        if late >= 0.0 and predictor is not None:  # else cut short by a liveness check
+            predictor.overslept(late)
 
     def _drain_sub(self) -> None:
         sub = self.sub
@@ -398,18 +415,15 @@ class LocalReader:
         # Inlined ShmRingBuffer.is_readable: R_i first, then W.
         pred = self._predictor
         if pred is not None and self._learning is not None:
-            self._learn()  # the previous message, now that we are idle
+            self._learn(pred, self._learning)  # the previous message, now that we are idle
+        waited = _NOT_WAITED
         if not (buf[r_at] == 0 and buf[w_at] == 1):
-            self._wait(None, lambda: buf[r_at] == 0 and buf[w_at] == 1, timeout,
-                       pred is not None)
-        elif pred is not None:
-            self._learning = (0.0, None, None)
+            waited = self._wait(None, lambda: buf[r_at] == 0 and buf[w_at] == 1, timeout, pred)
         if not self._strong:
             ring.acquire_fence()
         d = self._data_at[chunk]
         if pred is not None:  # the stamp, like the payload, is ours until R_i := 1
-            self._learning = (_unpack_stamp(buf, d + STAMP_OFFSET)[0],
-                              *self._learning[1:])  # type: ignore[index]
+            self._learning = (_unpack_stamp(buf, d + STAMP_OFFSET)[0], waited)
         wseq, kind, mlen, blen = WIRE.unpack_from(buf, d)
         if wseq != seq:
             raise DecodeError(
@@ -517,12 +531,8 @@ class LocalReader:
         if self._closing:
             return
         self._closing = True
-        if self.ring is not None and not self.ring.closed:
-            self.ring.set_reader_state(self.index, READER_CLOSED)
-            self._ring_writer()  # a writer waiting for us re-checks now
-        if self._doorbell is not None:
-            self._doorbell.ring_self()  # wake our own blocked call
-        say_goodbye(self.dealer, self._owner_thread)
+        self._doorbell.ring_self()  # wake our own blocked call
+        _leave(self.ring, self.index, self._ring_writer, self.dealer, self._owner_thread)
 
     def close(self) -> None:
         """Leave the queue (the segment stays, the writer owns it). Idempotent."""
@@ -531,25 +541,27 @@ class LocalReader:
         if os.getpid() != self._pid:
             self._closed = True
             return
-        if self.dealer is not None:
-            self.shutdown()
+        self.shutdown()
         self._closed = True
         self._stash.clear()
-        if self._zmq_guard is not None:
-            self._zmq_guard.detach()  # released here, in order
-        close_dealer(self.dealer)
-        close_all(self.sub)
-        if self.ctx is not None:
-            self.ctx.term()
-        if self._doorbell is not None:
-            self._doorbell.close()
-        self._ringer.close()
-        if self._bell_prefix and not self._writer.alive():
-            # A writer killed before every reader attached left its directory.
-            names = ["w", "p", "c"] + [f"r{i}" for i in range(self._n_local)]
-            remove_dead_channel_dir(self._bell_prefix.rstrip(os.sep), names)
-        if self.ring is not None:
-            self.ring.close()
+        self._resources.close()
+
+
+def _leave(ring: ShmRingBuffer, index: int, ring_writer: Callable[[], None],
+           dealer: zmq.Socket, owner_thread: int) -> None:
+    """Tell the writer reader ``index`` leaves: its slot says closed (a writer waiting
+    for it re-checks at once) and, from the owning thread, a goodbye on ``dealer``."""
+    if not ring.closed:
+        ring.set_reader_state(index, READER_CLOSED)
+        ring_writer()
+    say_goodbye(dealer, owner_thread)
+
+
+def _remove_if_writer_dead(channel_dir: str, writer: PeerWatch) -> None:
+    """A writer killed before every reader attached left its channel directory:
+    the reader removes it on leaving (only if its owner record says so too)."""
+    if not writer.alive():
+        remove_dead_channel_dir(channel_dir)
 
 
 def _check_geometry(ring: ShmRingBuffer, handle: Handle, n_local: int) -> None:

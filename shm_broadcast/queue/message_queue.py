@@ -51,6 +51,14 @@ from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.errors import QueueRoleError
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.local_reader import LocalReader
+from shm_broadcast.queue.options import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_CHUNKS,
+    DEFAULT_READY_TIMEOUT,
+    check_ring_options,
+    check_wait_policy,
+)
+from shm_broadcast.queue.process_group import create_from_process_group
 from shm_broadcast.queue.remote_reader import RemoteReader
 from shm_broadcast.queue.writer import QueueWriter
 from shm_broadcast.waiting.policy import WaitPolicy
@@ -58,15 +66,6 @@ from shm_broadcast.waiting.policy import WaitPolicy
 __all__ = ["MessageQueue", "Handle", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS",
            "DEFAULT_READY_TIMEOUT", "check_ring_options"]
 
-#: Ring defaults: 4 chunks of 2 MiB (8 MiB per queue). A message up to 2 MiB
-#: (the 1 MiB tensors of ``groupcoord bench mq`` included) goes through the
-#: ring; larger ones take the overflow path (zmq ``ipc://``, no size limit).
-#: Sized so that a TP=8 host's segments (this ring, the CPU communicator
-#: workspaces) fit Docker's default 64 MiB ``/dev/shm`` with room to spare;
-#: see docs/troubleshooting.md, "How much /dev/shm".
-DEFAULT_MAX_CHUNK_BYTES = 2 << 20
-DEFAULT_MAX_CHUNKS = 4
-DEFAULT_READY_TIMEOUT = 120.0
 
 
 class MessageQueue:
@@ -138,7 +137,7 @@ class MessageQueue:
         if writer_rank is not None:
             check_int(writer_rank, "writer_rank", minimum=0)
         policy = _policy(wait_policy)
-        self._impl: QueueWriter | LocalReader | RemoteReader = QueueWriter(
+        writer = QueueWriter(
             name=name or f"mq-{os.getpid()}",
             n_reader=n_reader,
             local_reader_ranks=ranks,
@@ -150,10 +149,15 @@ class MessageQueue:
             writer_rank=writer_rank,
             remote_reader_keys=remote_reader_keys,
         )
-        self._init_common(True, writer_rank)
+        self._init_common(writer, writer_rank)
 
-    def _init_common(self, is_writer: bool, rank: int | None) -> None:
-        self._is_writer = is_writer
+    def _init_common(self, impl: QueueWriter | LocalReader | RemoteReader,
+                     rank: int | None) -> None:
+        self._impl = impl
+        #: ``_impl`` again, typed by side: exactly one of the two is set.
+        self._writer: QueueWriter | None = impl if isinstance(impl, QueueWriter) else None
+        self._reader: LocalReader | RemoteReader | None = (
+            None if isinstance(impl, QueueWriter) else impl)
         self._rank = rank
         self._busy = 0
         self._close_lock = threading.Lock()
@@ -202,12 +206,13 @@ class MessageQueue:
         policy = _policy(wait_policy)
         codec = Codec(allow_pickle=allow_pickle, resizable=resizable_tensors)
         self = cls.__new__(cls)
+        reader: LocalReader | RemoteReader
         if rank in handle.local_reader_ranks:
             index = handle.local_reader_ranks.index(rank)
-            self._impl = LocalReader(handle, index, rank, policy, codec)
+            reader = LocalReader(handle, index, rank, policy, codec)
         else:
-            self._impl = RemoteReader(handle, rank, policy, codec, client_keypair=curve_keypair)
-        self._init_common(False, rank)
+            reader = RemoteReader(handle, rank, policy, codec, client_keypair=curve_keypair)
+        self._init_common(reader, rank)
         return self
 
     @classmethod
@@ -235,10 +240,8 @@ class MessageQueue:
             The writer's queue on ``writer_rank``, a reader's queue on each of
             ``reader_ranks`` (default: every other rank), ``None`` elsewhere.
         """
-        from shm_broadcast.queue.process_group import create_from_process_group
-
         return create_from_process_group(
-            group, max_chunk_bytes, max_chunks, writer_rank, reader_ranks, name=name,
+            cls, group, max_chunk_bytes, max_chunks, writer_rank, reader_ranks, name=name,
             connect_ip=connect_ip, wait_policy=wait_policy, timeout=timeout,
             allow_pickle=allow_pickle, blocking=blocking)
 
@@ -246,7 +249,7 @@ class MessageQueue:
     @property
     def is_writer(self) -> bool:
         """Whether this object is the writer side."""
-        return self._is_writer
+        return self._writer is not None
 
     @property
     def rank(self) -> int | None:
@@ -257,7 +260,7 @@ class MessageQueue:
     def transport(self) -> str:
         """``"writer"``, ``"shm"`` (a reader on the writer's node, through the
         ring) or ``"tcp"`` (a reader on another node, through zmq)."""
-        if self._is_writer:
+        if self._writer is not None:
             return "writer"
         return "tcp" if isinstance(self._impl, RemoteReader) else "shm"
 
@@ -291,9 +294,9 @@ class MessageQueue:
     def security_stats(self) -> dict[str, int]:
         """Writer only: frames refused by authentication, failed handshakes and
         malformed control messages seen so far (each dropped, never decoded)."""
-        if not self._is_writer:
+        if not self._writer:
             raise QueueRoleError(f"queue {self.name!r}: security_stats() is for the writer")
-        return dict(self._impl.security_stats())  # type: ignore[union-attr]
+        return dict(self._writer.security_stats())
 
     @property
     def closed(self) -> bool:
@@ -320,10 +323,10 @@ class MessageQueue:
     # ------------------------------------------------------------ writer API
     def export_handle(self) -> Handle:
         """Return the :class:`Handle` readers connect with (writer only)."""
-        if not self._is_writer:
+        if not self._writer:
             raise QueueRoleError(f"queue {self.name!r}: export_handle() is for the writer; "
                                  f"this is reader rank {self._rank}")
-        return self._impl.handle
+        return self._writer.handle
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
         """Broadcast ``obj`` to every reader (writer only).
@@ -343,16 +346,13 @@ class MessageQueue:
             QueueClosedError: The queue was shut down or a reader closed it.
             TypeError: ``obj`` holds a value that cannot be sent.
         """
-        if not self._is_writer:
+        if not self._writer:
             raise QueueRoleError(f"queue {self.name!r}: enqueue() is for the writer; "
                                  f"this is reader rank {self._rank}")
-        if timeout is None:
-            timeout = self._default_timeout
-        else:
-            timeout = check_timeout(timeout)
+        timeout = self._default_timeout if timeout is None else check_timeout(timeout)
         self._busy += 1
         try:
-            self._impl.enqueue(obj, timeout)
+            self._writer.enqueue(obj, timeout)
         finally:
             self._busy -= 1
 
@@ -379,13 +379,13 @@ class MessageQueue:
             QueueRoleError: A reader is remote (verdicts travel in the ring).
             PeerDiedError, QueueClosedError, TypeError: As for :meth:`enqueue`.
         """
-        if not self._is_writer:
+        if not self._writer:
             raise QueueRoleError(f"queue {self.name!r}: enqueue_confirmed() is for the writer; "
                                  f"this is reader rank {self._rank}")
         timeout = self._default_timeout if timeout is None else check_timeout(timeout)
         self._busy += 1
         try:
-            return self._impl.enqueue_confirmed(obj, timeout)  # type: ignore[union-attr]
+            return self._writer.enqueue_confirmed(obj, timeout)
         finally:
             self._busy -= 1
 
@@ -418,7 +418,7 @@ class MessageQueue:
             QueueClosedError: The writer shut the queue down (after every
                 earlier message was read) or this side was shut down.
         """
-        if self._is_writer:
+        if not self._reader:
             raise QueueRoleError(f"queue {self.name!r}: dequeue() is for readers; "
                                  "this is the writer")
         if check_bool(indefinite, "indefinite"):
@@ -432,23 +432,23 @@ class MessageQueue:
         self._busy += 1
         try:
             if verdict is None:
-                return self._impl.dequeue(timeout)
-            if not isinstance(self._impl, LocalReader):
+                return self._reader.dequeue(timeout)
+            if not isinstance(self._reader, LocalReader):
                 raise QueueRoleError(f"queue {self.name!r}: a verdict needs a reader on the "
                                      f"writer's host; this reader is remote")
-            return self._impl.dequeue(timeout, verdict)
+            return self._reader.dequeue(timeout, verdict)
         finally:
             self._busy -= 1
 
     def poll(self) -> bool:
         """Whether :meth:`dequeue` has a message ready now (readers only)."""
-        if self._is_writer:
+        if not self._reader:
             raise QueueRoleError(f"queue {self.name!r}: poll() is for readers")
-        return self._impl.poll()
+        return self._reader.poll()
 
     def broadcast_object(self, obj: Any = None, timeout: float | None = None) -> Any:
         """Writer: enqueue ``obj`` and return it. Reader: return the next message."""
-        if self._is_writer:
+        if self._writer:
             self.enqueue(obj, timeout)
             return obj
         return self.dequeue(timeout)
@@ -506,26 +506,9 @@ class MessageQueue:
         raise TypeError("a MessageQueue cannot be pickled; send its export_handle() instead")
 
     def __repr__(self) -> str:
-        side = "writer" if self._is_writer else f"reader rank {self._rank}"
+        side = "writer" if self._writer is not None else f"reader rank {self._rank}"
         state = "closed" if self.closed else "open"
         return f"MessageQueue({self.name!r}, {side}, {state})"
-
-
-def check_ring_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any) -> None:
-    """Check a writer's ring sizes and TCP address (:class:`MessageQueue`'s arguments).
-
-    Raises:
-        TypeError: A size is not an int.
-        ValueError: A size is too small, or ``connect_ip`` is not None or a
-            non-empty str.
-    """
-    check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
-    check_int(max_chunks, "max_chunks", minimum=1)
-    if connect_ip is not None and not isinstance(connect_ip, str):
-        raise TypeError(f"connect_ip must be None or an IP address string, got "
-                        f"{type(connect_ip).__name__} ({connect_ip!r:.60})")
-    if connect_ip == "":
-        raise ValueError("connect_ip must be None or an IP address string, got ''")
 
 
 def _local_ranks(ranks: Any, n_local_reader: int) -> tuple[int, ...]:
@@ -550,8 +533,5 @@ def _local_ranks(ranks: Any, n_local_reader: int) -> tuple[int, ...]:
 
 
 def _policy(wait_policy: WaitPolicy | None) -> WaitPolicy:
-    if wait_policy is None:
-        return WaitPolicy()
-    if not isinstance(wait_policy, WaitPolicy):
-        raise TypeError(f"wait_policy must be a WaitPolicy, got {type(wait_policy).__name__}")
-    return wait_policy
+    """``wait_policy`` checked, or the default policy for None."""
+    return check_wait_policy(wait_policy) or WaitPolicy()

@@ -15,33 +15,77 @@ ProcessGroup (a CPU-capable one, e.g. gloo) or a StatelessProcessGroup (see
    left waiting);
 3. readers connect, and every participant waits until the queue is ready.
 
+The queue class comes in as an argument (:class:`QueueClass`, what
+:meth:`MessageQueue.create_from_process_group
+<shm_broadcast.queue.message_queue.MessageQueue.create_from_process_group>` passes:
+itself), so this module depends on the queue's interface only and the
+dependency runs one way, from ``message_queue`` to here.
+
 Building blocks for a GroupCoordinator:
 
-* broadcaster from rank ``w``: ``create_from_process_group(g, writer_rank=w)``;
+* broadcaster from rank ``w``: ``MessageQueue.create_from_process_group(g, writer_rank=w)``;
 * one reader, many writers (results back to a driver): for each writer
-  ``w != r``, ``create_from_process_group(g, writer_rank=w, reader_ranks=[r])``
-  -- each call is collective and returns ``None`` on uninvolved ranks.
+  ``w != r``, ``MessageQueue.create_from_process_group(g, writer_rank=w,
+  reader_ranks=[r])`` -- each call is collective and returns ``None`` on
+  uninvolved ranks.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from shm_broadcast.checks import check_bool, check_rank, check_timeout
 from shm_broadcast.errors import CollectiveMismatch, DecodeError
 from shm_broadcast.queue.handle import Handle
-from shm_broadcast.queue.message_queue import MessageQueue, check_ring_options
+from shm_broadcast.queue.options import (
+    DEFAULT_READY_TIMEOUT,
+    check_ring_options,
+    check_wait_policy,
+)
 from shm_broadcast.queue.transport import new_keypair
 from shm_broadcast.ranks.agreement import agree
 from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.ranks.topology import in_the_same_node_as
 from shm_broadcast.waiting.policy import WaitPolicy
 
-__all__ = ["create_from_process_group"]
+__all__ = ["create_from_process_group", "ConnectedQueue", "QueueClass"]
+
+
+class ConnectedQueue(Protocol):
+    """What this module does with a queue once it exists."""
+
+    def export_handle(self) -> Handle:
+        """The writer's handle, for the readers."""
+
+    def wait_until_ready(self, timeout: float | None = ...) -> None:
+        """Block until every side is connected."""
+
+    def close(self) -> None:
+        """Release the queue (on a failure of the collective)."""
+
+
+Q = TypeVar("Q", bound=ConnectedQueue, covariant=True)
+
+
+class QueueClass(Protocol[Q]):
+    """How this module makes a queue: the writer's constructor and the readers'
+    ``create_from_handle`` (:class:`~shm_broadcast.queue.message_queue.MessageQueue`'s)."""
+
+    def __call__(self, n_reader: int, n_local_reader: int,
+                 local_reader_ranks: list[int] | None, max_chunk_bytes: int, max_chunks: int,
+                 connect_ip: str | None, *, name: str | None, wait_policy: WaitPolicy | None,
+                 allow_pickle: bool, writer_rank: int | None,
+                 remote_reader_keys: dict[int, bytes] | None) -> Q:
+        """Create the writer's queue."""
+
+    def create_from_handle(self, handle: Handle, rank: int, *, wait_policy: WaitPolicy | None,
+                           allow_pickle: bool, curve_keypair: tuple[bytes, bytes] | None) -> Q:
+        """Connect a reader to the writer ``handle`` describes."""
 
 
 def create_from_process_group(
+    queue_cls: QueueClass[Q],
     group: Any,
     max_chunk_bytes: int,
     max_chunks: int,
@@ -51,13 +95,14 @@ def create_from_process_group(
     name: str | None = None,
     connect_ip: str | None = None,
     wait_policy: WaitPolicy | None = None,
-    timeout: float | None = 120.0,
+    timeout: float | None = DEFAULT_READY_TIMEOUT,
     allow_pickle: bool = False,
     blocking: bool = True,
-) -> MessageQueue | None:
+) -> Q | None:
     """Create and connect a queue collectively; every rank of ``group`` calls it.
 
     Args:
+        queue_cls: The queue class (:class:`QueueClass`).
         group: torch ProcessGroup (CPU-capable) or StatelessProcessGroup.
         max_chunk_bytes: Ring chunk size.
         max_chunks: Ring chunks.
@@ -101,13 +146,13 @@ def create_from_process_group(
     local = [r for r in readers if same_node[r]]
     my_keys, reader_keys = _exchange_reader_keys(og, [r for r in readers if r not in local])
     mq = None if og.rank != writer_rank else _create_on_writer(
-        og, readers, local, max_chunk_bytes, max_chunks, connect_ip,
+        queue_cls, og, readers, local, max_chunk_bytes, max_chunks, connect_ip,
         qname, wait_policy, allow_pickle, reader_keys)
     handle = _receive_handle(og, mq, writer_rank)
     try:
         if og.rank in readers:
-            mq = MessageQueue.create_from_handle(handle, og.rank, wait_policy=wait_policy,
-                                                 allow_pickle=allow_pickle, curve_keypair=my_keys)
+            mq = queue_cls.create_from_handle(handle, og.rank, wait_policy=wait_policy,
+                                              allow_pickle=allow_pickle, curve_keypair=my_keys)
         if mq is not None and blocking:
             mq.wait_until_ready(timeout)
     except BaseException:
@@ -122,8 +167,7 @@ def _check_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any,
     """The queue's options, checked on every rank (the writer alone uses the sizes,
     but a reader's bad value is the same mistake and must not pass silently)."""
     check_ring_options(max_chunk_bytes, max_chunks, connect_ip)
-    if wait_policy is not None and not isinstance(wait_policy, WaitPolicy):
-        raise TypeError(f"wait_policy must be a WaitPolicy, got {type(wait_policy).__name__}")
+    check_wait_policy(wait_policy)
     check_timeout(timeout)
 
 
@@ -167,24 +211,24 @@ def _exchange_reader_keys(og: Any, remote: list[int]
     return mine, keys
 
 
-def _create_on_writer(og: Any, readers: list[int], local: list[int], max_chunk_bytes: int,
-                      max_chunks: int, connect_ip: str | None, name: str,
+def _create_on_writer(queue_cls: QueueClass[Q], og: Any, readers: list[int], local: list[int],
+                      max_chunk_bytes: int, max_chunks: int, connect_ip: str | None, name: str,
                       wait_policy: WaitPolicy | None, allow_pickle: bool,
-                      reader_keys: dict[int, bytes] | None) -> MessageQueue:
+                      reader_keys: dict[int, bytes] | None) -> Q:
     """Create the writer's queue; on failure tell the readers why, then re-raise."""
     writer_rank = og.rank
     try:
-        return MessageQueue(len(readers), len(local), local, max_chunk_bytes, max_chunks,
-                            connect_ip, name=name, wait_policy=wait_policy,
-                            writer_rank=writer_rank, allow_pickle=allow_pickle,
-                            remote_reader_keys=reader_keys)
+        return queue_cls(len(readers), len(local), local, max_chunk_bytes, max_chunks,
+                         connect_ip, name=name, wait_policy=wait_policy,
+                         writer_rank=writer_rank, allow_pickle=allow_pickle,
+                         remote_reader_keys=reader_keys)
     except BaseException as e:
         og.broadcast(("error", f"{type(e).__name__}: {e}"), src=writer_rank,
                      op="create_from_process_group (handle)")
         raise
 
 
-def _receive_handle(og: Any, mq: MessageQueue | None, writer_rank: int) -> Handle:
+def _receive_handle(og: Any, mq: ConnectedQueue | None, writer_rank: int) -> Handle:
     """Broadcast the writer's handle; a writer-side failure is a CollectiveMismatch here."""
     payload = ("ok", mq.export_handle().to_bytes()) if mq is not None else None
     try:

@@ -2,10 +2,11 @@
 
 Every message arrives on the writer's ``m`` topic as one frame ``topic +
 header + msgpack + arrays`` when its arrays total under 64 KiB, else as two
-frames ``[topic + header + msgpack, arrays]`` (sent without copying). Flow control keeps the writer from running away from a slow remote
-reader: the reader acks its cumulative count every ``remote_window // 4``
-messages on its DEALER, and the writer waits once it is ``remote_window``
-messages ahead of the slowest remote reader.
+frames ``[topic + header + msgpack, arrays]`` (sent without copying). Flow
+control keeps the writer from running away from a slow remote reader: the
+reader acks its cumulative count every ``remote_window // 4`` messages on
+its DEALER, and the writer waits once it is ``remote_window`` messages ahead
+of the slowest remote reader.
 
 Liveness: a socket monitor reports the TCP connection to the writer dropping
 (a dead process's sockets are closed by its kernel; a vanished host is caught
@@ -36,6 +37,7 @@ Authentication and no reconnection (protocol; what holds):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -66,8 +68,10 @@ from shm_broadcast.queue.transport import (
     make_curve_client,
     new_socket,
     say_goodbye,
+    stop_monitor,
 )
-from shm_broadcast.waiting.policy import Backoff, PeerWatch, WaitPolicy, own_pid_space
+from shm_broadcast.waiting.peer_watch import PeerWatch, own_pid_space
+from shm_broadcast.waiting.policy import Backoff, WaitPolicy
 
 __all__ = ["RemoteReader"]
 
@@ -121,11 +125,9 @@ class RemoteReader:
         self._wait_what = ""
         self._wait_timeout: float | None = None
         self._backoff = Backoff(policy, self._check_wait)
-        self.ctx: zmq.Context | None = None
-        self._zmq_guard: Any = None
-        self.sub: zmq.Socket | None = None
-        self.dealer: zmq.Socket | None = None
-        self._mon: zmq.Socket | None = None
+        #: The context and sockets, released in reverse order of creation by
+        #: :meth:`close` or by a failed construction.
+        self._resources = contextlib.ExitStack()
         try:
             if handle.remote_pub is None or handle.remote_ctl is None:
                 raise ValueError(
@@ -133,36 +135,42 @@ class RemoteReader:
                     f"(local ranks {list(handle.local_reader_ranks)}) and the queue has no "
                     "remote endpoint; pass the right rank or create the queue with "
                     "n_reader > n_local_reader")
-            self._connect(handle, rank, client_keypair)
-            self._poller = zmq.Poller()
-            self._poller.register(self.sub, zmq.POLLIN)
-            self._poller.register(self._mon, zmq.POLLIN)
+            self._connect(handle, handle.remote_pub, handle.remote_ctl, rank, client_keypair)
         except BaseException:
-            self.close()
+            self._closed = True
+            self._resources.close()
             raise
 
-    def _connect(self, handle: Handle, rank: int,
+    def _connect(self, handle: Handle, remote_pub: str, remote_ctl: str, rank: int,
                  client_keypair: tuple[bytes, bytes] | None) -> None:
         """Open the CURVE SUB (data) and DEALER (control) connections; say hello."""
         keys = _client_keys(handle, client_keypair)
-        self.ctx = zmq.Context(io_threads=1)
-        self.sub = new_socket(self.ctx, zmq.SUB, tcp=True)
-        self.dealer = new_socket(self.ctx, zmq.DEALER, tcp=True)
-        for sock, addr in ((self.sub, handle.remote_pub), (self.dealer, handle.remote_ctl)):
+        res = self._resources
+        ctx = zmq.Context(io_threads=1)
+        res.callback(ctx.term)
+        self.sub = sub = new_socket(ctx, zmq.SUB, tcp=True)
+        res.callback(close_all, sub)
+        self.dealer = dealer = new_socket(ctx, zmq.DEALER, tcp=True)
+        res.callback(close_dealer, dealer)
+        for sock, addr in ((sub, remote_pub), (dealer, remote_ctl)):
             make_curve_client(sock, *keys)
             if "[" in addr:
                 sock.setsockopt(zmq.IPV6, 1)
-        self._mon = self.sub.get_monitor_socket(
+        self._mon = mon = sub.get_monitor_socket(
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
-        self._zmq_guard = guard_zmq(self, self.ctx, [self._mon, self.sub, self.dealer])
-        self.sub.connect(handle.remote_pub)
-        self.sub.subscribe(TOPIC_REMOTE)
-        self.sub.subscribe(joined_topic(rank))  # after TOPIC_REMOTE: see transport.TOPIC_JOINED
-        self.dealer.setsockopt(zmq.ROUTING_ID, b"R%d" % rank)
-        self.dealer.connect(handle.remote_ctl)
+        res.callback(stop_monitor, sub, mon)
+        res.callback(guard_zmq(self, ctx, [mon, sub, dealer]).detach)
+        sub.connect(remote_pub)
+        sub.subscribe(TOPIC_REMOTE)
+        sub.subscribe(joined_topic(rank))  # after TOPIC_REMOTE: see transport.TOPIC_JOINED
+        dealer.setsockopt(zmq.ROUTING_ID, b"R%d" % rank)
+        dealer.connect(remote_ctl)
         ctime = psutil.Process(self._pid).create_time()
-        self.dealer.send(CTL_HELLO + msgspec.msgpack.encode(
+        dealer.send(CTL_HELLO + msgspec.msgpack.encode(
             [rank, self._pid, ctime, socket.gethostname(), own_pid_space()]))
+        self._poller = zmq.Poller()
+        self._poller.register(sub, zmq.POLLIN)
+        self._poller.register(mon, zmq.POLLIN)
 
     # ------------------------------------------------------------- receive
     def _next(self, what: str, timeout: float | None) -> list:
@@ -207,7 +215,7 @@ class RemoteReader:
 
     def _vet(self) -> None:
         """Called before any received frame is used: raise if it may not be the writer's."""
-        if self._mon.get(zmq.EVENTS) & zmq.POLLIN:
+        if self._mon.get(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]  # EVENTS is an int
             self._drain_monitor()
         if self._untrusted is not None:
             self._peek = None
@@ -284,7 +292,7 @@ class RemoteReader:
                 f"queue {self.name!r}: {self.side} expected message #{self._seq}, got #{seq}")
         self._seq = seq + 1
         if self._seq % self._ack_every == 0:
-            try:
+            try:  # noqa: SIM105 - the receive path: no context manager per ack
                 self.dealer.send(CTL_ACK + ACK.pack(self._seq), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
@@ -322,21 +330,10 @@ class RemoteReader:
         if os.getpid() != self._pid:
             self._closed = True
             return
-        if self.dealer is not None:
-            self.shutdown()
+        self.shutdown()
         self._closed = True
         self._peek = None
-        if self._zmq_guard is not None:
-            self._zmq_guard.detach()  # released here, in order
-        close_dealer(self.dealer)
-        if self._mon is not None and self.sub is not None:
-            try:
-                self.sub.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        close_all(self._mon, self.sub)
-        if self.ctx is not None:
-            self.ctx.term()
+        self._resources.close()
 
 
 def _client_keys(handle: Handle, own: tuple[bytes, bytes] | None
@@ -346,10 +343,12 @@ def _client_keys(handle: Handle, own: tuple[bytes, bytes] | None
     Raises:
         ValueError: A key is missing or malformed (this reader refuses plain TCP).
     """
-    pair = own if own is not None else (handle.curve_client_key, handle.curve_client_secret)
-    keys = (handle.curve_server_key, *pair)
-    if any(not isinstance(k, bytes) or len(k) != 40 for k in keys):
+    server = handle.curve_server_key
+    public, secret = own if own is not None else (handle.curve_client_key,
+                                                  handle.curve_client_secret)
+    if not (isinstance(server, bytes) and isinstance(public, bytes)
+            and isinstance(secret, bytes) and len(server) == len(public) == len(secret) == 40):
         raise ValueError(
             f"the handle of queue {handle.name!r} carries no valid CURVE keys for remote "
             "readers; a remote reader never connects without authentication")
-    return keys  # type: ignore[return-value]
+    return server, public, secret

@@ -3,13 +3,13 @@
 One writer and ``n_reader`` readers on the same node share one segment
 (:class:`~shm_broadcast.lifecycle.segment.SharedSegment`, kind ``"mq"``)::
 
-    +----------------+--------------------------+-------------------+--------------+-------------------+
-    | header (64 B)  | reader table             | chunk flags       | refusals     | chunk data        |
-    | magic, geometry| pid u64 x n, ctime f64 x n| per chunk:        | per reader:  | max_chunks x      |
-    | writer pid,    | state u8 x n             |  W u8, R_0..R_n-1 |  1 KiB slot  |  max_chunk_bytes  |
-    | ready/shutdown/| parked u8 x n            |  (8-byte stride)  |              |  (64-byte aligned)|
-    | writer_parked  |                          |                   |              |                   |
-    +----------------+--------------------------+-------------------+--------------+-------------------+
+    +------------------+---------------+-------------------+-------------+------------------+
+    | header (64 B)    | reader table  | chunk flags       | refusals    | chunk data       |
+    | magic, geometry, | pid u64 x n   | per chunk:        | per reader: | max_chunks x     |
+    | writer pid,      | ctime f64 x n |  W u8, R_0..R_n-1 |  1 KiB slot |  max_chunk_bytes |
+    | ready, shutdown, | state u8 x n  |  (8-byte stride)  |             |  (64-byte        |
+    | writer_parked    | parked u8 x n |                   |             |   aligned)       |
+    +------------------+---------------+-------------------+-------------+------------------+
 
 Message ``k`` goes to chunk ``k % max_chunks``; writer and readers each keep
 their own counter, so the flags alone say whose turn it is.
@@ -85,10 +85,10 @@ The same handshake runs in reverse when the ring is full: the writer sets
 Who clears a parked flag. The side that rings also clears the flag, just
 before its ``sendto`` (:meth:`take_parked_readers`, :meth:`take_writer_parked`);
 the sleeper clears its own flag again when it wakes. Ringing is the costly
-part on a VM (the ``sendto`` that wakes an idle vCPU took ~100 us of the
-ringer's time on the development machine), and a sleeper needs ~200 us to get
-a CPU back, so without this the writer's early bell (before encoding) and its
-bell after publishing would both ring one sleeper. A plain load + store is
+part (a ``sendto`` that wakes an idle CPU runs the wake-up in the ringer's
+time), and a sleeper takes a kernel wake-up and a scheduling delay to run
+again, so without this the writer's early bell (before encoding) and its bell
+after publishing would both ring one sleeper that is still on its way back. A plain load + store is
 enough, no atomic exchange: the ringer's ``parked := 0`` can only overwrite a
 *newer* ``parked := 1`` of the sleeper if that newer store came between the
 ringer's load and its store; the sleeper's park starts by draining its

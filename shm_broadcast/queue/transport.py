@@ -76,7 +76,8 @@ Who can reach these sockets (see ``docs/security-channels.md``):
   writer's last messages before it exited, an overflow payload in flight);
   with a huge interval the session and those messages survive, and no
   reconnection is attempted within any realistic lifetime of the reader,
-  which raises ``PeerDiedError`` within ~0.3 s of the drop. Over TCP a
+  which raises ``PeerDiedError`` within ``WaitPolicy.liveness_s +
+  park_poll_s`` of the drop. Over TCP a
   reconnection could not succeed anyway: nobody else holds the writer's
   per-queue secret key. The remote reader also checks, before using any
   frame, that its monitor saw exactly one successful handshake.
@@ -84,21 +85,22 @@ Who can reach these sockets (see ``docs/security-channels.md``):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import struct
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.utils import z85
 
-from shm_broadcast.lifecycle.channel_dirs import (
-    new_channel_dir,
-    remove_channel_dir,
-    remove_dead_channel_dir,
-)
-from shm_broadcast.ranks.host_address import host_ip
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
+
+from shm_broadcast.ranks.host_address import host_ip  # re-exported: callers find it here
 
 __all__ = [
     "WIRE",
@@ -120,10 +122,10 @@ __all__ = [
     "local_bind_address",
     "host_ip",
     "close_all",
+    "close_dealer",
+    "stop_monitor",
+    "say_goodbye",
     "guard_zmq",
-    "new_channel_dir",
-    "remove_channel_dir",
-    "remove_dead_channel_dir",
     "new_keypair",
     "make_curve_server",
     "make_curve_client",
@@ -258,7 +260,10 @@ def bind(sock: zmq.Socket, address: str) -> str:
         The endpoint actually bound, to hand to peers.
     """
     sock.bind(address)
-    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    if not isinstance(endpoint, bytes):
+        raise TypeError(f"zmq gave a bound endpoint of type {type(endpoint).__name__}")
+    return endpoint.decode()
 
 
 def local_bind_address(channel_dir: str, tag: str) -> str:
@@ -319,15 +324,13 @@ class ReaderAuthenticator:
     """
 
     def __init__(self, ctx: zmq.Context, allowed: dict[bytes, str]) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
-
         self.allowed = dict(allowed)
         #: ZAP requests refused (unknown client key).
         self.denied = 0
-        self._auth = ThreadAuthenticator(ctx)
-        self._auth.curve_user_id = self._user_id  # instance attribute shadows the method
-        self._auth.start()
-        self._auth.configure_curve_callback(ZAP_DOMAIN, self)
+        auth = _labelling_authenticator()(ctx, self.allowed)
+        self._auth: ThreadAuthenticator | None = auth  # None once stopped
+        auth.start()
+        auth.configure_curve_callback(ZAP_DOMAIN, self)
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP decision for a Z85 client key (called on the handler thread)."""
@@ -336,14 +339,33 @@ class ReaderAuthenticator:
         self.denied += 1  # one writer thread of the GIL-protected int: no lock needed
         return False
 
-    def _user_id(self, raw_key: bytes) -> str:
-        return self.allowed.get(z85.encode(raw_key), "")
-
     def stop(self) -> None:
         """Stop the handler thread (before the context is terminated). Idempotent."""
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+
+
+@functools.cache
+def _labelling_authenticator() -> Callable[[zmq.Context, dict[bytes, str]], ThreadAuthenticator]:
+    """pyzmq's ZAP thread, whose ``User-Id`` for an admitted key is the key's label.
+
+    Built at the first use: ``zmq.auth.thread`` imports asyncio, which a
+    process without remote readers never needs.
+    """
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class LabellingAuthenticator(ThreadAuthenticator):
+        """Reports each admitted key's label (``labels``) as its ``User-Id``."""
+
+        def __init__(self, ctx: zmq.Context, labels: dict[bytes, str]) -> None:
+            super().__init__(ctx)
+            self.labels = labels
+
+        def curve_user_id(self, client_public_key: bytes) -> str:
+            return self.labels.get(z85.encode(client_public_key), "")
+
+    return LabellingAuthenticator
 
 
 def count_failed_handshakes(mon: zmq.Socket | None) -> tuple[int, list[int]]:
@@ -354,7 +376,8 @@ def count_failed_handshakes(mon: zmq.Socket | None) -> tuple[int, list[int]]:
     """
     from zmq.utils.monitor import parse_monitor_message
 
-    failed, gone = 0, []
+    failed = 0
+    gone: list[int] = []
     if mon is None:
         return failed, gone
     try:
@@ -374,10 +397,8 @@ def say_goodbye(dealer: zmq.Socket | None, owner_thread: int) -> None:
     thread-safe, so only the thread that owns ``dealer`` may send)."""
     if dealer is None or threading.get_ident() != owner_thread:
         return
-    try:
+    with contextlib.suppress(zmq.ZMQError):
         dealer.send(CTL_CLOSED, zmq.NOBLOCK)
-    except zmq.ZMQError:
-        pass
 
 
 def close_dealer(dealer: zmq.Socket | None) -> None:
@@ -385,6 +406,13 @@ def close_dealer(dealer: zmq.Socket | None) -> None:
     if dealer is not None and not dealer.closed:
         dealer.setsockopt(zmq.LINGER, 200)
         dealer.close()
+
+
+def stop_monitor(sock: zmq.Socket, mon: zmq.Socket) -> None:
+    """Stop ``sock``'s monitor and close its monitor socket ``mon``."""
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    close_all(mon)
 
 
 def close_all(*socks: zmq.Socket | None) -> None:
@@ -423,7 +451,5 @@ def _release_zmq(ctx: zmq.Context, parts: list[Any], pid: int) -> None:
                 part.stop()
         except (zmq.ZMQError, RuntimeError, OSError):
             pass
-    try:
+    with contextlib.suppress(zmq.ZMQError):
         ctx.term()
-    except zmq.ZMQError:
-        pass

@@ -34,6 +34,7 @@ Channel security (protocol, see :mod:`shm_broadcast.queue.transport` and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -45,7 +46,13 @@ import psutil
 import zmq
 
 from shm_broadcast.codec.message_codec import Codec, Encoded
-from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueRoleError, QueueTimeout
+from shm_broadcast.errors import (
+    PeerDiedError,
+    QueueClosedError,
+    QueueRoleError,
+    QueueTimeout,
+)
+from shm_broadcast.lifecycle.channel_dirs import new_channel_dir, remove_channel_dir
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
 from shm_broadcast.queue.transport import (
@@ -53,6 +60,7 @@ from shm_broadcast.queue.transport import (
     HANDSHAKE_FAILED,
     KIND_DATA,
     KIND_OVERFLOW,
+    KIND_READY,
     KIND_SHUTDOWN,
     TOPIC_OVERFLOW,
     TOPIC_REMOTE,
@@ -61,24 +69,17 @@ from shm_broadcast.queue.transport import (
     bind,
     close_all,
     guard_zmq,
-    host_ip,
     local_bind_address,
     make_curve_server,
-    new_channel_dir,
     new_keypair,
     new_socket,
-    remove_channel_dir,
+    stop_monitor,
 )
 from shm_broadcast.queue.writer_control import WriterControl, check_reader_keys
-from shm_broadcast.waiting.doorbell import BellRinger, Doorbell, bell_address
-from shm_broadcast.waiting.policy import (
-    PARK,
-    Backoff,
-    PeerWatch,
-    WaitPolicy,
-    own_pid_space,
-    state_text,
-)
+from shm_broadcast.ranks.host_address import host_ip
+from shm_broadcast.waiting.doorbell import BellLine, BellRinger, Doorbell, bell_address
+from shm_broadcast.waiting.peer_watch import PeerWatch, own_pid_space, state_text
+from shm_broadcast.waiting.policy import PARK, Backoff, WaitPolicy
 from shm_broadcast.waiting.predictive import STAMP, STAMP_OFFSET
 
 __all__ = ["QueueWriter"]
@@ -87,7 +88,8 @@ _ZERO_COPY_MIN = 1 << 16
 _monotonic = time.monotonic
 _pack_stamp = STAMP.pack_into
 
-class QueueWriter(WriterControl):
+
+class QueueWriter:
     """Writer side; used through :class:`shm_broadcast.MessageQueue`.
 
     Args:
@@ -141,33 +143,41 @@ class QueueWriter(WriterControl):
         self._reader_keys = check_reader_keys(remote_reader_keys, self.n_remote,
                                                local_reader_ranks)
         self._init_protocol_state()
-        self._init_resources()
+        #: The ring, the writer's doorbell and the lines to the readers' bells
+        #: (none without local readers).
+        self.ring: ShmRingBuffer | None = None
+        self._doorbell: Doorbell | None = None
+        self._channel_dir: str | None = None
+        self._reader_rings: list[BellLine] = []
+        #: The zmq side (none without readers), and the same object when some
+        #: readers are remote (what the publish path asks).
+        self._control: WriterControl | None = None
+        self._remote: WriterControl | None = None
+        self._server_keys: tuple[bytes, bytes] | None = None
+        self._client_keys: tuple[bytes, bytes] | None = None
+        #: Everything this writer holds, released in reverse order of creation
+        #: by :meth:`close` or by a failed construction.
+        self._resources = contextlib.ExitStack()
         try:
+            addrs: dict[str, str] = {}
             if self.n_local:
-                self._open_channel_dir()
-                self._create_ring()
-            addrs = self._bind_sockets(connect_ip) if n_reader else {}
+                prefix = self._open_channel_dir()
+                self._create_ring(prefix)
+            if n_reader:
+                addrs = self._bind_sockets(connect_ip, self._channel_dir)
         except BaseException:
-            self.close()
+            self._closed = True
+            self._resources.close()
             raise
         self.handle = self._make_handle(addrs)
 
     def _init_protocol_state(self) -> None:
-        """Sequence number, handshake bookkeeping and remote flow control."""
+        """Sequence number, readiness and the current wait."""
         self._seq = 0
         self._ready = self.n_reader == 0
         self._closing = False
         self._closed = False
-        self._subs = {TOPIC_OVERFLOW: 0, TOPIC_REMOTE: 0}
-        self._joined: dict[int, int] = {}  # remote rank -> its joined-topic subscriptions
-        self._hello: dict[bytes, tuple[int, int, float, str]] = {}
-        self._remote_fd: dict[int, int] = {}
-        self._remote_acked: dict[int, int] = {}
-        self._remote_min_acked = 0
-        self._dead_remote: dict[int, str] = {}
-        self._bad_control = 0
-        self._failed_handshakes = 0
-        self._said_goodbye: set[int] = set()
+        #: Watches on the local readers' processes, by slot (made when first needed).
         self._local_watch: dict[int, PeerWatch] = {}
         self._wait_seq = 0
         #: Parks on the doorbell, and those that ended by timeout rather than a ring.
@@ -177,43 +187,33 @@ class QueueWriter(WriterControl):
         self._wait_timeout: float | None = None
         self._backoff = Backoff(self.policy, self._check_wait)
 
-    def _init_resources(self) -> None:
-        """Every resource starts as None so that close() works at any point of setup."""
-        self.ring: ShmRingBuffer | None = None
-        self.ctx: zmq.Context | None = None
-        self.pub: zmq.Socket | None = None
-        self.ctl: zmq.Socket | None = None
-        self._zmq_guard: weakref.finalize | None = None
-        self._mon: zmq.Socket | None = None
-        self._pub_mon: zmq.Socket | None = None
-        self._auth: ReaderAuthenticator | None = None
-        self._server_keys: tuple[bytes, bytes] | None = None
-        self._client_keys: tuple[bytes, bytes] | None = None
-        self._ringer = BellRinger()
-        self._doorbell: Doorbell | None = None
-        self._channel_dir: str | None = None
-        self._bell_prefix: str | None = None
-        self._reader_rings: list[Any] = []
-        self._dir_finalizer: weakref.finalize | None = None
-
-    def _open_channel_dir(self) -> None:
-        """The private directory of the local sockets, and a line to each reader's bell."""
-        self._channel_dir = new_channel_dir()
+    def _open_channel_dir(self) -> str:
+        """The private directory of the local sockets, and a line to each reader's
+        bell; returns the bells' prefix (the directory and a separator)."""
+        res = self._resources
+        ringer = BellRinger()
+        res.callback(ringer.close)
+        self._channel_dir = channel_dir = new_channel_dir()
         # Removed at exit even if close() never runs (not after SIGKILL: see close()).
-        self._dir_finalizer = weakref.finalize(self, remove_channel_dir, self._channel_dir)
-        self._bell_prefix = self._channel_dir + os.sep
-        self._reader_rings = [self._ringer.line(bell_address(self._bell_prefix, f"r{i}"))
+        res.callback(weakref.finalize(self, remove_channel_dir, channel_dir))
+        prefix = channel_dir + os.sep
+        self._reader_rings = [ringer.line(bell_address(prefix, f"r{i}"))
                               for i in range(self.n_local)]
+        return prefix
 
-    def _create_ring(self) -> None:
+    def _create_ring(self, bell_prefix: str) -> None:
         """The shared-memory ring for local readers, and the writer's doorbell."""
-        self.ring = ShmRingBuffer.create(self.n_local, self.max_chunk_bytes, self.max_chunks)
-        self._parked_lo, self._parked_hi = self.ring.parked_span()
+        res = self._resources
+        self.ring = ring = ShmRingBuffer.create(self.n_local, self.max_chunk_bytes,
+                                                self.max_chunks)
+        res.callback(ring.close)
+        self._parked_lo, self._parked_hi = ring.parked_span()
         self._no_parked = bytes(self.n_local)
-        self.ring.set_writer(self._pid, self._ctime)
-        self._doorbell = Doorbell(bell_address(self._bell_prefix, "w"))
+        ring.set_writer(self._pid, self._ctime)
+        self._doorbell = Doorbell(bell_address(bell_prefix, "w"))
+        res.callback(self._doorbell.close)
 
-    def _bind_sockets(self, connect_ip: str | None) -> dict[str, str]:
+    def _bind_sockets(self, connect_ip: str | None, channel_dir: str | None) -> dict[str, str]:
         """Bind the XPUB (data) and ROUTER (control) sockets; returns their addresses.
 
         Local readers connect over ``ipc://`` paths in the channel directory
@@ -222,23 +222,28 @@ class QueueWriter(WriterControl):
         this host's address). The ipc binds come first: zmq takes a listener's
         mechanism from the socket options at bind time.
         """
-        self.ctx = zmq.Context(io_threads=1)
+        res = self._resources
+        ctx = zmq.Context(io_threads=1)
+        res.callback(ctx.term)
         parts: list[Any] = []  # released by a finalizer if this writer is dropped unclosed
-        self._zmq_guard = guard_zmq(self, self.ctx, parts)
+        res.callback(guard_zmq(self, ctx, parts).detach)
         remote = self.n_remote > 0
-        self.pub = new_socket(self.ctx, zmq.XPUB, tcp=remote, reconnect=True,
-                              max_in=CONTROL_MAX_BYTES, serve=True)
-        self.pub.setsockopt(zmq.XPUB_VERBOSER, 1)
-        self.ctl = new_socket(self.ctx, zmq.ROUTER, tcp=remote, reconnect=True,
-                              max_in=CONTROL_MAX_BYTES, serve=True)
+        pub = new_socket(ctx, zmq.XPUB, tcp=remote, reconnect=True, max_in=CONTROL_MAX_BYTES,
+                         serve=True)
+        res.callback(_close_publisher, pub)
+        pub.setsockopt(zmq.XPUB_VERBOSER, 1)
+        ctl = new_socket(ctx, zmq.ROUTER, tcp=remote, reconnect=True, max_in=CONTROL_MAX_BYTES,
+                         serve=True)
+        res.callback(close_all, ctl)
         # A reader's new connection takes over its routing id even before the
         # writer saw the old one close (writer_control says why that is safe).
-        self.ctl.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        parts += [self.pub, self.ctl]
+        ctl.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        parts += [pub, ctl]
         addrs: dict[str, str] = {}
-        if self.n_local:
-            addrs["local_pub"] = bind(self.pub, local_bind_address(self._channel_dir, "p"))
-            addrs["local_ctl"] = bind(self.ctl, local_bind_address(self._channel_dir, "c"))
+        if channel_dir is not None:
+            addrs["local_pub"] = bind(pub, local_bind_address(channel_dir, "p"))
+            addrs["local_ctl"] = bind(ctl, local_bind_address(channel_dir, "c"))
+        mon = pub_mon = auth = None
         if remote:
             self._server_keys = new_keypair()
             if self._reader_keys is None:
@@ -246,19 +251,26 @@ class QueueWriter(WriterControl):
                 allowed = {self._client_keys[0]: "reader"}
             else:
                 allowed = {key: f"R{rank}" for rank, key in self._reader_keys.items()}
-            self._auth = ReaderAuthenticator(self.ctx, allowed)
+            auth = ReaderAuthenticator(ctx, allowed)
+            res.callback(auth.stop)  # its socket lives on ctx: stopped before term()
             ip = connect_ip or host_ip()
-            for sock in (self.pub, self.ctl):
+            for sock in (pub, ctl):
                 make_curve_server(sock, self._server_keys[1])
                 if ":" in ip:
                     sock.setsockopt(zmq.IPV6, 1)
             if ":" in ip:
                 ip = f"[{ip}]"
-            self._mon = self.ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-            self._pub_mon = self.pub.get_monitor_socket(HANDSHAKE_FAILED)
-            parts[:0] = [self._auth, self._mon, self._pub_mon]
-            addrs["remote_pub"] = bind(self.pub, f"tcp://{ip}:*")
-            addrs["remote_ctl"] = bind(self.ctl, f"tcp://{ip}:*")
+            mon = ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+            res.callback(stop_monitor, ctl, mon)
+            pub_mon = pub.get_monitor_socket(HANDSHAKE_FAILED)
+            res.callback(stop_monitor, pub, pub_mon)
+            parts[:0] = [auth, mon, pub_mon]
+            addrs["remote_pub"] = bind(pub, f"tcp://{ip}:*")
+            addrs["remote_ctl"] = bind(ctl, f"tcp://{ip}:*")
+        self._control = WriterControl(
+            local_ranks=self.local_ranks, n_remote=self.n_remote, reader_keys=self._reader_keys,
+            ring=self.ring, pub=pub, ctl=ctl, mon=mon, pub_mon=pub_mon, auth=auth)
+        self._remote = self._control if remote else None
         return addrs
 
     def _make_handle(self, addrs: dict[str, str]) -> Handle:
@@ -270,7 +282,7 @@ class QueueWriter(WriterControl):
             max_chunk_bytes=self.max_chunk_bytes,
             max_chunks=self.max_chunks,
             segment=self.ring.name if self.ring is not None else None,
-            bell_prefix=self._bell_prefix,
+            bell_prefix=None if self._channel_dir is None else self._channel_dir + os.sep,
             writer_pid=self._pid,
             writer_create_time=self._ctime,
             writer_host=socket.gethostname(),
@@ -287,19 +299,70 @@ class QueueWriter(WriterControl):
         )
 
     # ------------------------------------------------------------ handshake
+    def wait_until_ready(self, timeout: float | None) -> None:
+        """Block until every reader is attached and subscribed."""
+        self._check_open("wait_until_ready")  # also once ready: a closed queue is unusable
+        if self._ready:
+            return
+        control = self._sockets()
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        poller = zmq.Poller()
+        poller.register(control.pub, zmq.POLLIN)
+        poller.register(control.ctl, zmq.POLLIN)
+        while True:
+            control.drain_subscriptions()
+            control.drain(self._seq)
+            missing = control.missing_readers()
+            if not missing:
+                break
+            if self._closing:
+                raise QueueClosedError(
+                    f"queue {self.name!r}: shut down while the writer waited for readers",
+                    queue=self.name, side=self.side)
+            self._raise_if_reader_dead(list(range(self.n_local)), list(control.acked))
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise QueueTimeout(
+                    f"queue {self.name!r}: {self.side} waited {timeout:g} s for its readers "
+                    f"to connect; still missing: {', '.join(missing)}",
+                    queue=self.name, side=self.side, peers=missing)
+            wait = 0.1 if deadline is None else min(0.1, deadline - now)
+            poller.poll(max(1, int(wait * 1000)))
+        self._ready = True
+        if self.ring is not None:
+            self._seal_channel_dir()
+            self.ring.set_ready()
+            self._ring_readers(range(self.n_local))
+        if self.n_remote:
+            control.pub.send(TOPIC_REMOTE + WIRE.pack(0, KIND_READY, 0, 0))
+
+    def _seal_channel_dir(self) -> None:
+        """Every local reader is connected: drop the paths nobody needs any more.
+
+        Each reader bound its doorbell before its hello, so every line
+        connects now; zmq's ipc connections are established (hellos and
+        subscriptions came through them) and never reconnect. After this no
+        path into the queue exists, and a crash cannot leak the directory.
+        """
+        for ring in self._reader_rings:
+            ring.connect()
+        remove_channel_dir(self._channel_dir)
+
     # ------------------------------------------------------------- enqueue
     def enqueue(self, obj: Any, timeout: float | None) -> None:
         """Send ``obj`` to every reader (see the module docstring)."""
         ring = self.ring
         if (ring is not None and not self._closing
                 and ring.buf[self._parked_lo : self._parked_hi] != self._no_parked and self._ready):
-            # Early doorbell, first thing: a parked reader takes ~200 us to get
-            # a CPU back; let that overlap with encoding and copying. It then
-            # polls (see Backoff.rearm); the bell after publishing below still
-            # guarantees the wake-up if it parked again meanwhile. The check is
-            # inlined (ShmRingBuffer.take_parked_readers + BellRinger.ring):
-            # after an idle spell caches are cold and each Python call before
-            # the sendto adds microseconds to the wake-up.
+            # Early doorbell, first thing: a parked reader needs a kernel
+            # wake-up and a CPU before it runs again; let that overlap with
+            # encoding and copying. It then polls (see Backoff.rearm); the bell
+            # after publishing below still guarantees the wake-up if it parked
+            # again meanwhile. The check is inlined (ShmRingBuffer.
+            # take_parked_readers + BellRinger.ring): after an idle spell the
+            # caches are cold and every Python call before the sendto delays
+            # the wake-up.
             buf, lo = ring.buf, self._parked_lo
             for i, ring_reader in enumerate(self._reader_rings):
                 if buf[lo + i]:
@@ -316,14 +379,15 @@ class QueueWriter(WriterControl):
             chunk = seq % self.max_chunks
             if not ring.is_free(chunk):
                 deadline = _deadline(timeout)
-                self._wait_free(chunk, seq, deadline, timeout)
-        if self.n_remote and seq + 1 - self.remote_window > self._remote_min_acked:
-            self._wait_credit(seq, deadline or _deadline(timeout), timeout)
-        frames = None
+                self._wait_free(ring, chunk, seq, deadline, timeout)
+        if self._remote and seq + 1 - self.remote_window > self._remote.min_acked:
+            self._wait_credit(self._remote, seq, deadline or _deadline(timeout), timeout)
         if ring is not None:
             frames = self._write_local(ring, chunk, seq, enc)
-        if self.n_remote:
-            self._send_remote(seq, enc, frames, chunk if ring is not None else None)
+            if self._remote:
+                self._send_remote(self._remote.pub, seq, enc, frames, ring, chunk)
+        elif self._remote:
+            self._send_remote(self._remote.pub, seq, enc, None, None, 0)
         self._seq = seq + 1
 
     def enqueue_confirmed(self, obj: Any, timeout: float | None) -> list[str | None]:
@@ -337,14 +401,14 @@ class QueueWriter(WriterControl):
         seq = self._seq
         deadline = _deadline(timeout)
         self.enqueue(obj, timeout)
-        if not self.n_reader:
-            return []
         ring = self.ring
+        if ring is None:  # no local reader, so (none being remote) no reader at all
+            return []
         chunk = seq % self.max_chunks
         if not ring.is_free(chunk):
             self._confirming = True
             try:
-                self._wait_free(chunk, seq, deadline, timeout)
+                self._wait_free(ring, chunk, seq, deadline, timeout)
             finally:
                 self._confirming = False
         return ring.verdicts(chunk)
@@ -357,11 +421,6 @@ class QueueWriter(WriterControl):
         if self._closing:
             self._check_open("enqueue")
             self._raise_closed("enqueue")
-
-    @staticmethod
-    def _blob_offset(mlen: int) -> int:
-        """Arrays start 64-byte aligned after the header and the msgpack bytes."""
-        return CHUNK_HEADER + (mlen + 63) // 64 * 64
 
     def _write_local(self, ring: ShmRingBuffer, chunk: int, seq: int,
                      enc: Encoded) -> list[Any] | None:
@@ -381,9 +440,9 @@ class QueueWriter(WriterControl):
         ring.begin_write(chunk)
         d = ring.data_offset(chunk)
         if overflow:
-            frames = self._frames(seq, enc, None)
-            self.pub.send_multipart([TOPIC_OVERFLOW + frames[0], frames[1]],
-                                    copy=blen < _ZERO_COPY_MIN)
+            frames = self._frames(seq, enc)
+            self._sockets().pub.send_multipart([TOPIC_OVERFLOW + frames[0], frames[1]],
+                                               copy=blen < _ZERO_COPY_MIN)
             WIRE.pack_into(ring.buf, d, seq, KIND_OVERFLOW, mlen, blen)
         else:
             buf = ring.buf
@@ -399,32 +458,41 @@ class QueueWriter(WriterControl):
             self._ring_readers(parked)
         return frames
 
-    def _send_remote(self, seq: int, enc: Encoded, frames: list[Any] | None,
-                     chunk: int | None) -> None:
+    def _send_remote(self, pub: zmq.Socket, seq: int, enc: Encoded, frames: list[Any] | None,
+                     ring: ShmRingBuffer | None, chunk: int) -> None:
         """Publish the message to remote readers, reusing the overflow frames if any.
 
         A message whose arrays total less than ``_ZERO_COPY_MIN`` bytes goes
         as one frame (topic, header, msgpack, arrays): CURVE seals every frame
         in its own box, so the copy is cheaper than the second box.
+
+        Args:
+            pub: The data socket.
+            seq: The message's number.
+            enc: The encoded message.
+            frames: Its overflow frames, when it went out on the overflow topic.
+            ring: The ring whose ``chunk`` holds the message's arrays (None:
+                no local readers).
+            chunk: That chunk.
         """
         if frames is not None:
-            self.pub.send_multipart([TOPIC_REMOTE + frames[0], frames[1]],
-                                    copy=enc.blob_len < _ZERO_COPY_MIN)
+            pub.send_multipart([TOPIC_REMOTE + frames[0], frames[1]],
+                               copy=enc.blob_len < _ZERO_COPY_MIN)
             return
         blob: Any = None
-        if chunk is not None and enc.blob_len:
+        if ring is not None and enc.blob_len:
             # The chunk already holds the arrays; it is reused once the local
             # readers are done, so whatever is sent is a copy.
-            d = self.ring.data_offset(chunk) + self._blob_offset(len(enc.msg))
-            blob = self.ring.buf[d : d + enc.blob_len]
+            d = ring.data_offset(chunk) + _blob_offset(len(enc.msg))
+            blob = ring.buf[d : d + enc.blob_len]
         head = TOPIC_REMOTE + WIRE.pack(seq, KIND_DATA, len(enc.msg), enc.blob_len)
         if enc.blob_len < _ZERO_COPY_MIN:
             if blob is None:
                 blob = enc.blob_bytes() if enc.blob_len else b""
-            self.pub.send(b"".join((head, enc.msg, blob)))
+            pub.send(b"".join((head, enc.msg, blob)))
         else:
-            self.pub.send_multipart([head + enc.msg, enc.blob_bytes() if blob is None
-                                     else bytes(blob)], copy=False)
+            pub.send_multipart([head + enc.msg, enc.blob_bytes() if blob is None
+                                else bytes(blob)], copy=False)
 
     def _ring_readers(self, readers: Any) -> None:
         rings = self._reader_rings
@@ -432,15 +500,14 @@ class QueueWriter(WriterControl):
             rings[i]()
 
     @staticmethod
-    def _frames(seq: int, enc: Encoded, blob: Any) -> list[Any]:
-        head = WIRE.pack(seq, KIND_DATA, len(enc.msg), enc.blob_len) + enc.msg
-        if blob is None:
-            blob = enc.blob_bytes()
-        return [head, blob]
+    def _frames(seq: int, enc: Encoded) -> list[Any]:
+        """The message as two frames, header + msgpack and the arrays (overflow path)."""
+        return [WIRE.pack(seq, KIND_DATA, len(enc.msg), enc.blob_len) + enc.msg,
+                enc.blob_bytes()]
 
-    def _wait_free(self, chunk: int, seq: int, deadline: float | None,
+    def _wait_free(self, ring: ShmRingBuffer, chunk: int, seq: int, deadline: float | None,
                    timeout: float | None) -> None:
-        ring = self.ring
+        doorbell = self._own_doorbell()
         self._wait_seq, self._wait_chunk, self._wait_timeout = seq, chunk, timeout
         b = self._backoff
         b.start(deadline)
@@ -448,29 +515,31 @@ class QueueWriter(WriterControl):
             if b.step() == PARK:
                 if self._closing:
                     self._raise_closed("enqueue")
-                self._doorbell.drain()  # rings from before this park are stale
+                doorbell.drain()  # rings from before this park are stale
                 ring.set_writer_parked(True)
                 ring.full_fence()
                 if not ring.is_free(chunk):
                     stats = self.park_stats
                     stats["parks"] += 1
-                    if not self._doorbell.wait(b.park_timeout()):
+                    if not doorbell.wait(b.park_timeout()):
                         stats["timeouts"] += 1
                 ring.set_writer_parked(False)
 
-    def _wait_credit(self, seq: int, deadline: float | None, timeout: float | None) -> None:
+    def _wait_credit(self, remote: WriterControl, seq: int, deadline: float | None,
+                     timeout: float | None) -> None:
         need = seq + 1 - self.remote_window
         self._wait_seq, self._wait_chunk, self._wait_timeout = seq, None, timeout
         poller = zmq.Poller()
-        poller.register(self.ctl, zmq.POLLIN)
-        poller.register(self._mon, zmq.POLLIN)
+        poller.register(remote.ctl, zmq.POLLIN)
+        if remote.mon is not None:
+            poller.register(remote.mon, zmq.POLLIN)
         b = self._backoff
         b.start(deadline)
-        self._drain_ctl()
-        while self._remote_min_acked < need:
+        remote.drain(self._seq)
+        while remote.min_acked < need:
             b.step()
             poller.poll(max(1, int(b.park_timeout() * 1000)))
-            self._drain_ctl()
+            remote.drain(self._seq)
 
     def _lagging(self) -> tuple[list[int], list[int]]:
         """Local reader slots and remote ranks holding up the current wait."""
@@ -478,22 +547,25 @@ class QueueWriter(WriterControl):
         if self._wait_chunk is not None and self.ring is not None:
             local = self.ring.lagging_readers(self._wait_chunk)
         need = self._wait_seq + 1 - self.remote_window
-        remote = [r for r, n in self._remote_acked.items() if n < need]
+        remote = self._remote.lagging(need) if self._remote else []
         return local, remote
 
     def _check_wait(self, expired: bool) -> None:
         if self._closing:
             self._raise_closed("enqueue")
-        self._drain_ctl()
+        if self._control:
+            self._control.drain(self._seq)
         local, remote = self._lagging()
         if not local and not remote:
             return
         self._raise_if_reader_dead(local, remote)
         if expired:
             ranks = [self.local_ranks[i] for i in local] + remote
+            watches = self._remote.remote_watch if self._remote else {}
             states = [self._local_watch.get(i) for i in local] + [
-                self._local_watch.get(-1 - r) for r in remote]
-            who = ", ".join(f"rank {r}: {state_text(w)}" for r, w in zip(ranks, states))
+                watches.get(r) for r in remote]
+            who = ", ".join(f"rank {r}: {state_text(w)}"
+                            for r, w in zip(ranks, states, strict=True))
             full = (f"ring of {self.max_chunks} chunks full" if local else
                     f"{self.remote_window} messages unacknowledged")
             what = (f"to take message #{self._wait_seq} (a confirmed enqueue; {who})"
@@ -505,7 +577,12 @@ class QueueWriter(WriterControl):
                 queue=self.name, side=self.side, peers=ranks)
 
     def _raise_if_reader_dead(self, local: list[int], remote: list[int]) -> None:
-        ring = self.ring
+        if local:
+            self._raise_if_local_reader_dead(self._own_ring(), local)
+        if remote and self._remote:
+            self._raise_if_remote_reader_dead(self._remote, remote)
+
+    def _raise_if_local_reader_dead(self, ring: ShmRingBuffer, local: list[int]) -> None:
         for i in local:
             rank = self.local_ranks[i]
             state = ring.reader_state(i)
@@ -524,13 +601,15 @@ class QueueWriter(WriterControl):
                     f"queue {self.name!r}: reader rank {rank} ({watch.describe()}) died; "
                     f"the {self.side} cannot deliver message #{self._wait_seq}",
                     queue=self.name, side=self.side, peers=[rank])
+
+    def _raise_if_remote_reader_dead(self, control: WriterControl, remote: list[int]) -> None:
         for rank in remote:
-            if rank in self._said_goodbye:
+            if rank in control.said_goodbye:
                 raise QueueClosedError(
                     f"queue {self.name!r}: remote reader rank {rank} closed the queue",
                     queue=self.name, side=self.side, peers=[rank])
-            watch = self._local_watch.get(-1 - rank)
-            why = self._dead_remote.get(rank)
+            watch = control.remote_watch.get(rank)
+            why = control.dead_remote.get(rank)
             if why is None and watch is not None and not watch.alive():
                 why = "its process exited"
             if why is not None:
@@ -538,6 +617,31 @@ class QueueWriter(WriterControl):
                 raise PeerDiedError(
                     f"queue {self.name!r}: remote reader rank {rank} ({who}) is gone: {why}",
                     queue=self.name, side=self.side, peers=[rank])
+
+    # ------------------------------------------------- what only some writers have
+    def _own_ring(self) -> ShmRingBuffer:
+        """The ring (only a writer without local readers has none, and never asks)."""
+        if self.ring is None:
+            raise QueueRoleError(f"queue {self.name!r} has no local readers, hence no ring")
+        return self.ring
+
+    def _own_doorbell(self) -> Doorbell:
+        """The writer's doorbell (made with the ring)."""
+        if self._doorbell is None:
+            raise QueueRoleError(f"queue {self.name!r} has no local readers, hence no doorbell")
+        return self._doorbell
+
+    def _sockets(self) -> WriterControl:
+        """The zmq side (only a writer without readers has none, and never sends)."""
+        if self._control is None:
+            raise QueueRoleError(f"queue {self.name!r} has no readers, hence no sockets")
+        return self._control
+
+    def security_stats(self) -> dict[str, int]:
+        """Counters of what the writer refused (see :meth:`WriterControl.security_stats`)."""
+        if self._control is None:
+            return {"auth_denied": 0, "handshake_failed": 0, "bad_control": 0}
+        return self._control.security_stats(not self._closed, self._seq)
 
     # ------------------------------------------------------------ lifecycle
     def _check_open(self, op: str) -> None:
@@ -566,13 +670,11 @@ class QueueWriter(WriterControl):
             self._ring_readers(range(self.n_local))  # thread-safe: plain sendto
             if self._doorbell is not None:
                 self._doorbell.ring_self()  # wake our own blocked call
-        if threading.get_ident() == self._owner_thread and not self._closed and self.pub is not None:
-            try:
-                if self.n_remote:
-                    self.pub.send(
-                        TOPIC_REMOTE + WIRE.pack(self._seq, KIND_SHUTDOWN, 0, 0), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        if (self._remote and not self._closed
+                and threading.get_ident() == self._owner_thread):
+            with contextlib.suppress(zmq.ZMQError):
+                self._remote.pub.send(
+                    TOPIC_REMOTE + WIRE.pack(self._seq, KIND_SHUTDOWN, 0, 0), zmq.NOBLOCK)
 
     def close(self) -> None:
         """Shut down, close sockets and unlink the segment. Idempotent."""
@@ -583,29 +685,19 @@ class QueueWriter(WriterControl):
             return
         self.shutdown()
         self._closed = True
-        if self._zmq_guard is not None:
-            self._zmq_guard.detach()  # released here, in order
-        for sock, mon in ((self.ctl, self._mon), (self.pub, self._pub_mon)):
-            if mon is not None:
-                try:
-                    sock.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-        if self.pub is not None and not self.pub.closed:
-            self.pub.setsockopt(zmq.LINGER, 500)  # let SHUTDOWN / overflow frames out
-            self.pub.close()
-        close_all(self._mon, self._pub_mon, self.ctl)
-        if self._auth is not None:
-            self._auth.stop()  # its socket lives on ctx: stop it before term()
-        if self.ctx is not None:
-            self.ctx.term()
-        if self._doorbell is not None:
-            self._doorbell.close()
-        self._ringer.close()
-        if self._dir_finalizer is not None:
-            self._dir_finalizer()  # removes the channel directory (if not sealed yet)
-        if self.ring is not None:
-            self.ring.close()
+        self._resources.close()
+
+
+def _blob_offset(mlen: int) -> int:
+    """Arrays start 64-byte aligned after the header and the msgpack bytes."""
+    return CHUNK_HEADER + (mlen + 63) // 64 * 64
+
+
+def _close_publisher(pub: zmq.Socket) -> None:
+    """Close the data socket, letting the SHUTDOWN marker and overflow frames out first."""
+    if not pub.closed:
+        pub.setsockopt(zmq.LINGER, 500)
+        pub.close()
 
 
 def _deadline(timeout: float | None) -> float | None:

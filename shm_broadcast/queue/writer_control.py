@@ -1,5 +1,5 @@
 """The writer's control channel: reader hellos, acks, goodbyes and subscriptions,
-and the wait until every reader is attached.
+and who is still missing before the queue is ready.
 
 What holds (see ``docs/security-channels.md``): control frames are validated
 before they change any state. A hello counts only if it decodes as ``[rank,
@@ -27,33 +27,25 @@ ack, goodbye) must come over ``rank``'s own key.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
 
-from shm_broadcast.errors import QueueClosedError, QueueTimeout
-from shm_broadcast.queue.ring_buffer import READER_EMPTY
+from shm_broadcast.queue.ring_buffer import READER_EMPTY, ShmRingBuffer
 from shm_broadcast.queue.transport import (
     ACK,
     CTL_ACK,
     CTL_CLOSED,
     CTL_HELLO,
-    KIND_READY,
     TOPIC_OVERFLOW,
     TOPIC_REMOTE,
-    WIRE,
     ReaderAuthenticator,
     count_failed_handshakes,
     joined_rank,
-    remove_channel_dir,
 )
-from shm_broadcast.waiting.policy import PeerWatch
-
-if TYPE_CHECKING:
-    from shm_broadcast.queue.ring_buffer import ShmRingBuffer
+from shm_broadcast.waiting.peer_watch import PeerWatch
 
 __all__ = ["WriterControl", "check_reader_keys"]
 
@@ -63,89 +55,60 @@ _HELLO_DECODER = msgspec.msgpack.Decoder(_Hello)
 
 
 class WriterControl:
-    """The control-channel half of :class:`~shm_broadcast.queue.writer.QueueWriter`
-    (a mixin: the writer owns the sockets and the bookkeeping it reads here)."""
+    """What the writer learns from its readers over zmq: hellos, subscriptions,
+    acks, goodbyes, dropped connections, and what it refused.
 
-    name: str
-    side: str
-    n_local: int
-    n_remote: int
-    local_ranks: tuple[int, ...]
-    ring: ShmRingBuffer | None
-    pub: zmq.Socket | None
-    ctl: zmq.Socket | None
-    _mon: zmq.Socket | None
-    _pub_mon: zmq.Socket | None
-    _auth: ReaderAuthenticator | None
-    _closed: bool
-    _closing: bool
-    _ready: bool
-    _channel_dir: str | None
-    _reader_rings: list[Any]
-    _seq: int
-    _subs: dict[bytes, int]
-    _joined: dict[int, int]
-    _hello: dict[bytes, tuple[int, int, float, str]]
-    _remote_fd: dict[int, int]
-    _remote_acked: dict[int, int]
-    _remote_min_acked: int
-    _dead_remote: dict[int, str]
-    _bad_control: int
-    _failed_handshakes: int
-    _said_goodbye: set[int]
-    _local_watch: dict[int, PeerWatch]
-    _reader_keys: dict[int, bytes] | None
+    Owned by :class:`~shm_broadcast.queue.writer.QueueWriter` (one per writer
+    with readers), which made the sockets; this object reads them and keeps
+    the bookkeeping, and the writer decides from it.
 
-    def wait_until_ready(self, timeout: float | None) -> None:
-        """Block until every reader is attached and subscribed."""
-        self._check_open("wait_until_ready")  # also once ready: a closed queue is unusable
-        if self._ready:
-            return
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        poller = zmq.Poller()
-        poller.register(self.pub, zmq.POLLIN)
-        poller.register(self.ctl, zmq.POLLIN)
-        while True:
-            self._drain_pub()
-            self._drain_ctl()
-            missing = self._missing_readers()
-            if not missing:
-                break
-            if self._closing:
-                raise QueueClosedError(
-                    f"queue {self.name!r}: shut down while the writer waited for readers",
-                    queue=self.name, side=self.side)
-            self._raise_if_reader_dead(list(range(self.n_local)), list(self._remote_acked))
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise QueueTimeout(
-                    f"queue {self.name!r}: {self.side} waited {timeout:g} s for its readers "
-                    f"to connect; still missing: {', '.join(missing)}",
-                    queue=self.name, side=self.side, peers=missing)
-            wait = 0.1 if deadline is None else min(0.1, deadline - now)
-            poller.poll(max(1, int(wait * 1000)))
-        self._ready = True
-        if self.ring is not None:
-            self._seal_channel_dir()
-            self.ring.set_ready()
-            self._ring_readers(range(self.n_local))
-        if self.n_remote:
-            self.pub.send(TOPIC_REMOTE + WIRE.pack(0, KIND_READY, 0, 0))
+    Args:
+        local_ranks: Ranks of the local readers, in slot order.
+        n_remote: How many readers are remote.
+        reader_keys: Per-reader CURVE public keys (:func:`check_reader_keys`),
+            or None (one client keypair shared by the remote readers).
+        ring: The shared ring (None without local readers): a local hello
+            must come from the process registered in its slot.
+        pub: The writer's XPUB data socket (subscriptions arrive on it).
+        ctl: The writer's ROUTER control socket.
+        mon: Monitor of ``ctl``'s TCP connections (None without remote readers).
+        pub_mon: Monitor of ``pub``'s TCP handshakes (likewise).
+        auth: The ZAP handler (likewise).
 
-    def _seal_channel_dir(self) -> None:
-        """Every local reader is connected: drop the paths nobody needs any more.
+    Attributes:
+        acked: Remote rank -> messages it acknowledged (every rank that said hello).
+        min_acked: The least of ``acked`` (0 before any ack).
+        said_goodbye: Ranks whose goodbye (``CTL_CLOSED``) arrived.
+        dead_remote: Remote rank -> why its connection is known gone.
+        remote_watch: Remote rank -> a watch on the process its hello named.
+    """
 
-        Each reader bound its doorbell before its hello, so every line
-        connects now; zmq's ipc connections are established (hellos and
-        subscriptions came through them) and never reconnect. After this no
-        path into the queue exists, and a crash cannot leak the directory.
-        """
-        for ring in self._reader_rings:
-            ring.connect()
-        remove_channel_dir(self._channel_dir)
+    def __init__(self, *, local_ranks: tuple[int, ...], n_remote: int,
+                 reader_keys: dict[int, bytes] | None, ring: ShmRingBuffer | None,
+                 pub: zmq.Socket, ctl: zmq.Socket, mon: zmq.Socket | None,
+                 pub_mon: zmq.Socket | None, auth: ReaderAuthenticator | None) -> None:
+        self.local_ranks = local_ranks
+        self.n_local = len(local_ranks)
+        self.n_remote = n_remote
+        self.pub, self.ctl, self.mon = pub, ctl, mon
+        self._reader_keys = reader_keys
+        self._ring = ring
+        self._pub_mon = pub_mon
+        self._auth = auth
+        self._subs = {TOPIC_OVERFLOW: 0, TOPIC_REMOTE: 0}
+        self._joined: dict[int, int] = {}  # remote rank -> its joined-topic subscriptions
+        self._hello: dict[bytes, tuple[int, int, float, str]] = {}
+        self._remote_fd: dict[int, int] = {}
+        self.acked: dict[int, int] = {}
+        self.min_acked = 0
+        self.dead_remote: dict[int, str] = {}
+        self.said_goodbye: set[int] = set()
+        self.remote_watch: dict[int, PeerWatch] = {}
+        self._bad_control = 0
+        self._failed_handshakes = 0
 
-    def _missing_readers(self) -> list[str]:
+    def missing_readers(self) -> list[str]:
+        """Who the writer still waits for before it is ready (module docstring)."""
         missing = [f"local reader rank {r}" for i, r in enumerate(self.local_ranks)
                    if b"L%d" % i not in self._hello]
         remote = [info[0] for k, info in self._hello.items() if k[:1] == b"R"]
@@ -157,7 +120,12 @@ class WriterControl:
             missing.append("subscriptions still in flight")
         return missing
 
-    def _drain_pub(self) -> None:
+    def lagging(self, need: int) -> list[int]:
+        """Remote ranks that acknowledged fewer than ``need`` messages."""
+        return [r for r, n in self.acked.items() if n < need]
+
+    def drain_subscriptions(self) -> None:
+        """Count the (un)subscriptions that arrived on the XPUB socket."""
         pub = self.pub
         try:
             while True:
@@ -173,28 +141,31 @@ class WriterControl:
         except zmq.Again:
             pass
 
-    def _drain_ctl(self) -> None:
+    def drain(self, sent: int) -> None:
+        """Apply the control frames that arrived and note dropped TCP connections.
+
+        Args:
+            sent: Messages the writer has sent (an ack beyond it is forged).
+        """
         ctl = self.ctl
-        if ctl is None:
-            return
         try:
             while True:
                 frames = ctl.recv_multipart(zmq.NOBLOCK, copy=False)
                 if len(frames) == 2:
-                    self._on_ctl(frames[0].bytes, frames[1])
+                    self._on_ctl(frames[0].bytes, frames[1], sent)
                 else:
                     self._bad_control += 1
         except zmq.Again:
             pass
-        if self._mon is not None:
-            failed, gone = count_failed_handshakes(self._mon)
+        if self.mon is not None:
+            failed, gone = count_failed_handshakes(self.mon)
             self._failed_handshakes += failed
             for fd in gone:
                 rank = self._remote_fd.pop(fd, None)
-                if rank is not None and rank not in self._said_goodbye:
-                    self._dead_remote[rank] = "its connection to the writer dropped"
+                if rank is not None and rank not in self.said_goodbye:
+                    self.dead_remote[rank] = "its connection to the writer dropped"
 
-    def _on_ctl(self, ident: bytes, frame: zmq.Frame) -> None:
+    def _on_ctl(self, ident: bytes, frame: zmq.Frame, sent: int) -> None:
         """Apply one control frame if it is valid (module docstring); else count it."""
         body = frame.bytes
         kind = body[:1]
@@ -207,16 +178,16 @@ class WriterControl:
             ok = info is None and self._accept_hello(ident, frame, body)
         elif kind == CTL_ACK:
             ok = info is not None and ident[:1] == b"R" and len(body) == 1 + ACK.size
-            if ok:
+            if ok and info is not None:
                 n = ACK.unpack_from(body, 1)[0]
-                ok = n <= self._seq  # an ack for messages never sent is forged
+                ok = n <= sent  # an ack for messages never sent is forged
                 if ok:
-                    self._remote_acked[info[0]] = max(n, self._remote_acked[info[0]])
-                    self._remote_min_acked = min(self._remote_acked.values())
+                    self.acked[info[0]] = max(n, self.acked[info[0]])
+                    self.min_acked = min(self.acked.values())
         elif kind == CTL_CLOSED:
             ok = info is not None and len(body) == 1
-            if ok:
-                self._said_goodbye.add(info[0])
+            if ok and info is not None:
+                self.said_goodbye.add(info[0])
         else:
             ok = False
         if not ok:
@@ -232,10 +203,11 @@ class WriterControl:
         if slot is None or rank < 0 or pid <= 0:
             return False
         if ident[:1] == b"L":
+            ring = self._ring
             if not (slot < self.n_local and self.local_ranks[slot] == rank
-                    and self.ring is not None and self.ring.reader_state(slot) != READER_EMPTY):
+                    and ring is not None and ring.reader_state(slot) != READER_EMPTY):
                 return False
-            rpid, rctime = self.ring.reader_identity(slot)
+            rpid, rctime = ring.reader_identity(slot)
             if rpid != pid or abs(rctime - ctime) > 1e-3:
                 return False  # not the process registered in the ring for this slot
             self._hello[ident] = (rank, pid, ctime, host)
@@ -247,13 +219,17 @@ class WriterControl:
             return False  # per-reader keys: R<rank> must speak with rank's own key
         self._hello[ident] = (rank, pid, ctime, host)
         self._remote_fd[frame.get(zmq.SRCFD)] = rank
-        self._remote_acked.setdefault(rank, 0)
+        self.acked.setdefault(rank, 0)
         # checked by pid only from the reader's own pid space, whatever its hostname
-        self._local_watch[-1 - rank] = PeerWatch(pid, ctime, host, pid_space=pid_space)
+        self.remote_watch[rank] = PeerWatch(pid, ctime, host, pid_space=pid_space)
         return True
 
-    def security_stats(self) -> dict[str, int]:
+    def security_stats(self, drain: bool, sent: int) -> dict[str, int]:
         """Counters of what the writer refused (diagnostics; cheap).
+
+        Args:
+            drain: Take in what arrived first (False once the sockets are closed).
+            sent: As for :meth:`drain`.
 
         Returns:
             ``{"auth_denied": ZAP refusals of an unknown client key,
@@ -261,8 +237,8 @@ class WriterControl:
             wrong keys, another mechanism, ZAP refusal), "bad_control":
             control frames ignored as malformed, forged or out of place}``.
         """
-        if not self._closed:
-            self._drain_ctl()
+        if drain:
+            self.drain(sent)
             failed, _ = count_failed_handshakes(self._pub_mon)
             self._failed_handshakes += failed
         return {"auth_denied": self._auth.denied if self._auth is not None else 0,
@@ -281,9 +257,10 @@ def _user_id(frame: zmq.Frame) -> str:
     """The ZAP User-Id of ``frame``'s connection; ``""`` if ZAP did not admit it
     (ipc connections have none)."""
     try:
-        return frame.get("User-Id") or ""
+        user = frame.get("User-Id")
     except (zmq.ZMQError, UnicodeDecodeError):
         return ""
+    return user if isinstance(user, str) else ""
 
 
 def check_reader_keys(keys: Any, n_remote: int,

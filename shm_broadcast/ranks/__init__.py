@@ -1,1 +1,4 @@
-"""Rank plumbing: local launcher, TCP stores, object exchanges over groups, argument agreement, node topology."""
+"""Rank plumbing.
+
+Local launcher, TCP stores, object exchanges over groups, argument agreement, node topology.
+"""

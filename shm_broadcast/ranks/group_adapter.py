@@ -68,6 +68,7 @@ _KIND_FAILURE = 0x65  # b"e"
 _KIND_CODEC = 0x63  # b"c": the message length (uint32), the msgpack, the arrays' bytes
 _CODEC_HEADER = struct.Struct("<I")
 _EXT_TUPLE, _EXT_SET, _EXT_FROZENSET, _EXT_PAIRS = 1, 2, 3, 4
+_CONTAINER_EXT: dict[type, int] = {tuple: _EXT_TUPLE, set: _EXT_SET, frozenset: _EXT_FROZENSET}
 _SCALARS = (type(None), bool, int, float, str, bytes)
 _MAX_FAILURE_CHARS = 2000
 
@@ -156,7 +157,7 @@ def _prep(obj: Any, depth: int) -> Any:
             return {k: _prep(v, depth + 1) for k, v in obj.items()}
         pairs = [[_prep(k, depth + 1), _prep(v, depth + 1)] for k, v in obj.items()]
         return msgspec.msgpack.Ext(_EXT_PAIRS, msgspec.msgpack.encode(pairs))
-    code = {tuple: _EXT_TUPLE, set: _EXT_SET, frozenset: _EXT_FROZENSET}.get(t)
+    code = _CONTAINER_EXT.get(t)
     if code is None:
         raise TypeError(
             f"cannot send an object of type {t.__module__}.{t.__qualname__} without pickle: "

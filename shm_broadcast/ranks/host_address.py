@@ -100,7 +100,7 @@ def _own_name_address() -> str | None:
     except (OSError, UnicodeError):
         return None
     for family, _, _, _, sockaddr in infos:
-        ip = sockaddr[0]
+        ip = str(sockaddr[0])
         if not _usable(ip):
             continue
         try:  # assigned here iff we can bind it
@@ -123,5 +123,5 @@ def is_loopback_host(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
         return False
-    addrs = {info[4][0].split("%", 1)[0] for info in infos}
+    addrs = {str(info[4][0]).split("%", 1)[0] for info in infos}
     return bool(addrs) and all(ipaddress.ip_address(a).is_loopback for a in addrs)

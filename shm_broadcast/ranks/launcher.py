@@ -24,6 +24,7 @@ rank.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -150,11 +151,13 @@ def _exit_with_parent(parent_pid: int, sentinel: int | None) -> None:
         poller.register(sentinel, select.POLLIN | select.POLLHUP)
     while os.getppid() == parent_pid:
         events = [ev for _, ev in poller.poll(1000)]
+        if not events or sentinel is None:  # events come from the sentinel only
+            continue
         if any(ev & select.POLLNVAL for ev in events):
             poller.unregister(sentinel)  # closed here by mistake: watch the pid alone
         elif any(ev & select.POLLHUP for ev in events):
             break  # the parent's end closed: it exited
-        elif events and os.read(sentinel, 4096) == b"":  # type: ignore[arg-type]
+        elif os.read(sentinel, 4096) == b"":
             break  # end of file: the same
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(PARENT_GONE_GRACE_S)
@@ -201,10 +204,8 @@ def start_ranks(
 
 def _signal_all(procs: Sequence[Any], sig: int) -> None:
     for p in procs:
-        try:
+        with contextlib.suppress(ProcessLookupError, TypeError):
             os.kill(p.pid, sig)
-        except (ProcessLookupError, TypeError):
-            pass
 
 
 def stop_ranks(procs: Sequence[Any], conns: Sequence[Connection] = (),
@@ -231,10 +232,8 @@ def stop_ranks(procs: Sequence[Any], conns: Sequence[Connection] = (),
     _signal_all([p for p in procs if p.is_alive()], signal.SIGKILL)
     for p in procs:
         p.join(10.0)
-        try:
+        with contextlib.suppress(ValueError):  # still running after SIGKILL + 10 s: init's
             p.close()
-        except ValueError:  # still running after SIGKILL + 10 s: leave it to init
-            pass
     for seg in list_segments():
         if seg.pid in pids and not seg.owner_alive:
             remove_segment(seg.name)
@@ -291,17 +290,24 @@ def spawn_group(
     """
     check_int(world_size, "world_size", minimum=1)
     envs = per_rank_env(env, world_size)
-    store = master_store("127.0.0.1", 0, world_size + 1, datetime.timedelta(seconds=timeout))
     me = os.getpid()
-    procs, conns = start_ranks(
-        _spawn_child, world_size,
-        lambda r, child: (fn, r, world_size, store.port, tuple(args), envs[r], child, me,
-                          timeout, pin_cpus),
-        name="gc-rank", duplex=False)
+    # The rendezvous store serves the ranks until they have all ended.
+    store = master_store("127.0.0.1", 0, world_size + 1, datetime.timedelta(seconds=timeout))
+    port = store.port
     try:
-        return _collect_outcomes(procs, conns, timeout)
+        procs, conns = start_ranks(
+            _spawn_child, world_size,
+            lambda r, child: (fn, r, world_size, port, tuple(args), envs[r], child, me,
+                              timeout, pin_cpus),
+            name="gc-rank", duplex=False)
+        try:
+            return _collect_outcomes(procs, conns, timeout)
+        finally:
+            stop_ranks(procs, conns, term_grace=0.0)
     finally:
-        stop_ranks(procs, conns, term_grace=0.0)
+        # The ranks have ended: stop serving now (a store has no close(); its
+        # server stops with the last reference), also when a traceback keeps
+        # this frame alive.
         del store
 
 
@@ -314,9 +320,11 @@ def _collect_outcomes(procs: list[Any], conns: list[Connection],
     live = {c: r for r, c in enumerate(conns)}
     while live and time.monotonic() < deadline:
         for c in wait(list(live), timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
-            r = live.pop(c)  # type: ignore[call-overload]
+            if not isinstance(c, Connection):  # wait() returns what it was given
+                continue
+            r = live.pop(c)
             try:
-                kind, payload = c.recv()  # type: ignore[union-attr]
+                kind, payload = c.recv()
             except (EOFError, OSError):
                 continue  # exited without a message
             if kind == "ok":
@@ -350,10 +358,8 @@ def _spawn_child(fn: Callable[..., Any], rank: int, world_size: int, port: int,
         msg: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
     except BaseException as e:  # report, do not hang the parent
         msg = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    try:
+    with contextlib.suppress(OSError):  # the parent is gone
         conn.send(msg)
-    except (BrokenPipeError, OSError):
-        pass
     conn.close()
     try:
         if dist.is_initialized():

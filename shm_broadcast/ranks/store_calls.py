@@ -73,6 +73,12 @@ class StoreCalls:
         queue_name: ``queue`` attribute of the errors raised.
     """
 
+    # The worker's side (set by _fresh_worker_state, again in a forked child).
+    _pid: int
+    _requests: queue.SimpleQueue[Any]
+    _running: list[_Call | None]  # the call the worker is in
+    _worker: threading.Thread | None
+
     def __init__(self, store: Any, label: str, describe: str, peers: list[int],
                  queue_name: str | None = None) -> None:
         self.store: Any = store
@@ -124,9 +130,9 @@ class StoreCalls:
     def _fresh_worker_state(self) -> None:
         """A queue and no worker yet (at creation, and in a forked child)."""
         self._pid = os.getpid()
-        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._running: list[_Call | None] = [None]  # the call the worker is in
-        self._worker: threading.Thread | None = None
+        self._requests = queue.SimpleQueue()
+        self._running = [None]
+        self._worker = None
         # A StoreCalls dropped without close() still lets its worker go.
         weakref.finalize(self, self._requests.put, _STOP)
 
@@ -138,10 +144,11 @@ class StoreCalls:
                 self._fresh_worker_state()
             req = _Call(method, getattr(self.store, method), args)
             if self._worker is None:
-                self._worker = threading.Thread(
+                worker = threading.Thread(
                     target=_serve, args=(self._requests, self._running, self._lock),
                     name=f"store-calls {self._label}", daemon=True)
-                self._worker.start()
+                self._worker = worker
+                worker.start()
             self._requests.put(req)
         return req
 

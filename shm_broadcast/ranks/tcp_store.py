@@ -21,6 +21,7 @@ Which address is bound:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -70,10 +71,8 @@ def master_store(host: str, port: int, world_size: int | None,
         return dist.TCPStore(host_name=host, port=bound, world_size=world_size, is_master=True,
                              timeout=timeout, wait_for_workers=False, master_listen_fd=fd)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
         raise
 
 
@@ -90,7 +89,7 @@ def _listen(host: str, port: int) -> socket.socket | None:
     except ValueError:
         if host.lower() != "localhost":
             return None
-        candidates = [a for a in (info[4][0] for info in socket.getaddrinfo(
+        candidates = [a for a in (str(info[4][0]) for info in socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM)) if ipaddress.ip_address(a).is_loopback]
     error: OSError | None = None
     for address in candidates:

@@ -55,6 +55,7 @@ def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:
         return [True]
     override = os.environ.get(NODE_ID_ENV) or None
     seg: SharedSegment | None = None
+    info: tuple[str | None, bytes, str | None] | None
     try:
         if og.rank == source_rank:
             magic = secrets.token_bytes(_MAGIC_LEN)

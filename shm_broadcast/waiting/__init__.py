@@ -1,1 +1,4 @@
-"""How a blocked queue side waits: spin-yield-park backoff, peer liveness, predictive sleeps and doorbells."""
+"""How a blocked queue side waits.
+
+Spin-yield-park backoff, peer liveness, predictive sleeps and doorbells.
+"""

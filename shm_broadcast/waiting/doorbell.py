@@ -25,13 +25,12 @@ Protocol changes for private channels (what holds):
   from another thread) through a socket connected at bind time, so it too
   works after the path is gone.
 
-Why not a zmq socket? The first version rang the readers through the writer's
-zmq PUB socket. A zmq message crosses two I/O threads before it reaches the
-application (writer app -> writer I/O thread -> reader I/O thread -> reader
-app), i.e. three sleeping threads to wake; on the 2-vCPU development VM that
-measured 225-380 us one-way after an idle period, against ~150 us for a
-datagram that wakes the sleeper directly. zmq still carries everything that
-has a payload (overflow messages, remote readers, control).
+Why not a zmq socket? A zmq message crosses two I/O threads before it reaches
+the application (writer app -> writer I/O thread -> reader I/O thread ->
+reader app), i.e. three sleeping threads to wake where a datagram wakes the
+sleeper itself, once (docs/performance.md compares the two). zmq still
+carries everything that has a payload (overflow messages, remote readers,
+control).
 
 Ringing is idempotent and lossy by design: a full socket buffer means the
 sleeper has unread bells and will wake anyway; a dead sleeper is noticed by
@@ -41,12 +40,14 @@ the liveness checks, not here. Every park is bounded by
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
 from collections.abc import Callable
+from typing import Protocol, cast
 
-__all__ = ["Doorbell", "BellRinger", "bell_address"]
+__all__ = ["Doorbell", "BellRinger", "BellLine", "bell_address"]
 
 _BELL = b"!"
 #: ``select(2)`` handles descriptors below this (glibc's FD_SETSIZE).
@@ -108,9 +109,10 @@ class Doorbell:
         """Like :meth:`wait`, but to the microsecond (a planned sleep).
 
         ``poll(2)`` takes whole milliseconds; ``select(2)`` takes microseconds
-        (the kernel adds its timer slack, ~50 us). A descriptor beyond
-        ``select``'s limit falls back to ``poll`` rounded *down* to whole
-        milliseconds: the caller's loop polls the rest, never oversleeps.
+        (the kernel adds the thread's timer slack, 50 us unless changed). A
+        descriptor beyond ``select``'s limit falls back to ``poll`` rounded
+        *down* to whole milliseconds: the caller's loop polls the rest, never
+        oversleeps.
 
         Returns:
             Whether the bell was rung (not yet drained).
@@ -134,10 +136,8 @@ class Doorbell:
         """Wake this doorbell's sleeper (any thread; never blocks, never raises)."""
         line = self._self_line
         if line is not None:
-            try:
+            with contextlib.suppress(OSError):  # full (already rung) or closed
                 line.send(_BELL)
-            except OSError:  # full (already rung) or closed
-                pass
 
     def close(self) -> None:
         """Close the socket and unlink its path (if still there). Idempotent.
@@ -151,10 +151,18 @@ class Doorbell:
         if self._sock.fileno() < 0:
             return
         self._sock.close()
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.address)
-        except OSError:
-            pass
+
+
+class BellLine(Protocol):
+    """A line to one doorbell (:meth:`BellRinger.line`): call it to ring."""
+
+    #: Connect now if not yet connected; returns whether the line is connected.
+    connect: Callable[[], bool]
+
+    def __call__(self) -> None:
+        """Ring (a no-op until the doorbell is bound); never blocks, never raises."""
 
 
 class BellRinger:
@@ -163,12 +171,14 @@ class BellRinger:
     def __init__(self) -> None:
         self._socks: list[socket.socket] = []
 
-    def line(self, address: str) -> Callable[[], None]:
+    def line(self, address: str) -> BellLine:
         """Return a function that rings the doorbell at ``address``.
 
         The function connects on its first call that finds the doorbell bound
         (earlier calls are no-ops) and from then on only sends; its attribute
-        ``connect()`` connects now and says whether the line is connected.
+        ``connect()`` connects now and says whether the line is connected. A
+        plain closure, not an object with ``__call__``: ringing is on the
+        writer's publish path, where a closure call is the cheapest call.
         """
         sock = _dgram()
         self._socks.append(sock)
@@ -186,13 +196,14 @@ class BellRinger:
 
         def ring() -> None:
             if connected[0] or connect():
-                try:
+                try:  # noqa: SIM105 - the publish path: no context manager per ring
                     send(_BELL)
                 except OSError:  # buffer full (already rung), peer closed, ringer closed
                     pass
 
-        ring.connect = connect  # type: ignore[attr-defined]
-        return ring
+        line = cast(BellLine, ring)
+        line.connect = connect
+        return line
 
     def close(self) -> None:
         """Close every line. Idempotent; rings after this are no-ops."""

@@ -17,25 +17,26 @@ full ring) waits in three phases, driven by :class:`Backoff`::
         +----------------------------+------------------------------+--> done
 
 * **SPIN** re-reads the shared flag in a tight loop for ``spin_s`` (default
-  5 us): a peer answering on another core is seen within a microsecond or so.
-  Longer spins measured *worse* on the oversubscribed 2-core development
-  machine (4 KB round trip p50 ~50 us with 0-5 us, ~100 us with 20 us, ~400 us
-  with 200 us): spinning burns the time slice the peer may be waiting for.
+  5 us): a peer answering on another core is seen at its next store. Keep it
+  short: where the peer shares this core (an oversubscribed machine), every
+  microsecond spent spinning is one the peer cannot run in, so longer spins
+  make round trips slower, not faster (docs/performance.md).
 * **YIELD** keeps polling but calls ``sched_yield()`` between polls, so an
   oversubscribed machine gives the core to whoever needs it (with nothing else
-  runnable the call returns at once: polling continues at ~1 us granularity).
+  runnable the call returns at once, and polling goes on at the speed of one
+  system call per poll).
   It lasts ``yield_s`` (default 2 ms): back-to-back messages never leave this
   phase, while a reader waiting for the next engine step (tens of ms) parks
   instead of burning a core -- the 100%-CPU readers of polling-only queues are
   exactly what this avoids. Raise it if you prefer CPU to wake-up latency.
 * **PARK** declares itself parked in shared memory and blocks in ``poll(2)``
   on its doorbell (:mod:`shm_broadcast.waiting.doorbell`), which the peer rings only
-  when it sees the parked flag; an idle side costs ~0% CPU and wakes with a
+  when it sees the parked flag; an idle side uses no CPU and wakes with a
   single kernel wake-up. That wake-up has a platform floor the queue cannot
   beat: ``groupcoord bench mq`` measures it in the same run (a bare process
-  sleeping in ``poll(2)``; 160-240 us p50 on the 2-vCPU development VM, where
-  the queue measured 1.5-1.8x that). Engines that cannot afford it between
-  steps raise ``yield_s`` to cover their step time, trading CPU for latency.
+  sleeping in ``poll(2)``), next to the queue's own. Engines that cannot
+  afford it between steps raise ``yield_s`` to cover their step time, trading
+  CPU for latency.
 
 A reader of step-periodic traffic (an engine's metadata queue) can do better
 than either polling or parking the whole gap: with ``WaitPolicy(predict=
@@ -49,30 +50,26 @@ Whatever the phase, :meth:`Backoff.step` runs the checks every ``liveness_s``
 (default 0.2 s) and at the deadline: the caller's timeout
 (:class:`~shm_broadcast.errors.QueueTimeout`), a ``shutdown()``
 (:class:`~shm_broadcast.errors.QueueClosedError`) and whether the peer process
-still lives (:class:`PeerWatch`, :class:`~shm_broadcast.errors.PeerDiedError`).
-That is why no wait can hang silently: without a timeout, a dead peer is
-noticed within ``liveness_s`` plus one park poll.
-
-A pause is not a death. A peer stopped by ``SIGSTOP``, job control, a
-debugger, swapping or a long GC pause is alive: :class:`PeerWatch` reports it
-alive (and :meth:`PeerWatch.state` says ``"stopped"``), so its peers keep
-waiting and raise ``QueueTimeout`` when their timeout runs out, never
-``PeerDiedError``. Death is declared only on evidence: the process is gone
-(same host: pid *and* start time), or the OS closed or reset its connection.
+still lives (:class:`~shm_broadcast.waiting.peer_watch.PeerWatch`,
+:class:`~shm_broadcast.errors.PeerDiedError`). That is why no wait can hang
+silently: without a timeout, a dead peer is noticed within ``liveness_s``
+plus one park poll; a paused peer is waited for, up to the timeout
+(:mod:`shm_broadcast.waiting.peer_watch`).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-import psutil
-
+from shm_broadcast.waiting.peer_watch import PeerWatch, own_pid_space, state_text
 from shm_broadcast.waiting.predictive import PredictivePolicy, WaitPlan
 
+# PeerWatch, own_pid_space and state_text moved to peer_watch; re-exported here
+# for callers that still import them from this module.
 __all__ = ["WaitPolicy", "Backoff", "PeerWatch", "own_pid_space", "state_text", "SPIN", "YIELD",
            "PARK", "SLEEP"]
 
@@ -112,14 +109,14 @@ class WaitPolicy:
     predict: PredictivePolicy | None = None
 
     @classmethod
-    def predictive(cls, **knobs: float | int) -> WaitPolicy:
+    def predictive(cls, **knobs: Any) -> WaitPolicy:
         """The default timings with predictive waiting on (what a
         ``GroupCoordinator``'s broadcaster readers use).
 
         Args:
             **knobs: :class:`~shm_broadcast.waiting.predictive.PredictivePolicy` fields.
         """
-        return cls(predict=PredictivePolicy(**knobs))  # type: ignore[arg-type]
+        return cls(predict=PredictivePolicy(**knobs))
 
     def __post_init__(self) -> None:
         if self.predict is not None and not isinstance(self.predict, PredictivePolicy):
@@ -128,109 +125,13 @@ class WaitPolicy:
         for field in ("spin_s", "yield_s", "park_poll_s", "liveness_s"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"WaitPolicy.{field} must be a number >= 0 (seconds), got {value!r}")
+                raise ValueError(
+                    f"WaitPolicy.{field} must be a number >= 0 (seconds), got {value!r}")
         if self.park_poll_s <= 0 or self.liveness_s <= 0:
             raise ValueError(
                 "WaitPolicy.park_poll_s and liveness_s must be > 0, got "
                 f"{self.park_poll_s!r} and {self.liveness_s!r}"
             )
-
-
-_PID_SPACE: tuple[int, str] | None = None  # (pid it was read in, value)
-
-
-def own_pid_space() -> str:
-    """Where this process's pid means something: ``"<boot id>/<pid namespace inode>"``.
-
-    Two processes can check each other's pids exactly when these are equal
-    (same running kernel, same pid namespace). ``""`` when it cannot be read
-    (no ``/proc`` of our own). Read once per process (a fork re-reads it).
-    """
-    global _PID_SPACE
-    pid = os.getpid()
-    if _PID_SPACE is None or _PID_SPACE[0] != pid:
-        from shm_broadcast.lifecycle.owner_identity import OwnerIdentity
-
-        me = OwnerIdentity.of_self()
-        _PID_SPACE = (pid, f"{me.boot_id}/{me.pidns}" if me.boot_id and me.pidns else "")
-    return _PID_SPACE[1]
-
-
-class PeerWatch:
-    """Tells whether a peer process (pid + creation time) is still alive.
-
-    A pid alone is not an identity: it can be reused after the process exits.
-    We also compare the creation time recorded when the peer registered, and
-    treat zombies (exited, not yet reaped by their parent) as dead.
-
-    Args:
-        pid: The peer's process id.
-        create_time: ``psutil.Process(pid).create_time()`` as the peer reported
-            it, or ``None`` to skip the reuse check.
-        host: Hostname of the peer, for messages (and the fallback below).
-        pid_space: The peer's :func:`own_pid_space`. Its pid is checked with
-            psutil only when that equals ours: hostnames cannot tell, since
-            hosts may share a name while their pids live in different pid
-            spaces (and containers on one kernel have pid spaces of their
-            own). Without it (``""``), a peer whose ``host`` differs from ours
-            is taken as remote. A remote peer is always reported alive.
-    """
-
-    def __init__(self, pid: int, create_time: float | None, host: str | None = None,
-                 *, pid_space: str = "") -> None:
-        self.pid = pid
-        self.create_time = create_time
-        self.host = host
-        mine = own_pid_space() if pid_space else ""
-        if pid_space and mine:
-            self._remote = pid_space != mine
-        else:
-            self._remote = host is not None and host != socket.gethostname()
-        self._proc: psutil.Process | None = None
-
-    def alive(self) -> bool:
-        """Return whether the peer process exists and is not a zombie."""
-        if self._remote or self.pid <= 0:
-            return True
-        try:
-            if self._proc is None:
-                self._proc = psutil.Process(self.pid)
-                if self.create_time is not None and abs(
-                    self._proc.create_time() - self.create_time
-                ) > 0.05:
-                    return False  # the pid was reused by another process
-            return self._proc.is_running() and self._proc.status() != psutil.STATUS_ZOMBIE
-        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
-            return False
-
-    def state(self) -> str:
-        """What can be told about the peer process, for error messages.
-
-        Returns:
-            ``"exited"`` (gone or a zombie), ``"stopped"`` (alive but paused:
-            ``SIGSTOP``, job control, a debugger), ``"running"`` (alive: on a
-            CPU, runnable or sleeping in a wait) or ``"unknown"`` (on another
-            host, where no check is possible).
-        """
-        if self._remote or self.pid <= 0:
-            return "unknown"
-        if not self.alive():
-            return "exited"
-        try:
-            status = self._proc.status()  # type: ignore[union-attr]  # set by alive()
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            return "exited"
-        except psutil.Error:
-            return "unknown"
-        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-            return "stopped"
-        return "running"
-
-    def describe(self) -> str:
-        """Return ``pid N`` or ``pid N on HOST`` for error messages."""
-        if self._remote:
-            return f"pid {self.pid} on {self.host}"
-        return f"pid {self.pid}"
 
 
 class Backoff:
@@ -352,25 +253,9 @@ class Backoff:
             t = min(t, self._sleep_until - now)
         return t if t > 0 else 0.0
 
-    def check_now(self) -> None:
-        """Run the checks immediately (used right after a park)."""
-        self._run_check(_monotonic())
-
     def _run_check(self, now: float) -> None:
         deadline = self._deadline
         expired = deadline is not None and now >= deadline
         self._check(expired)
         nxt = now + self._policy.liveness_s
         self._next_check = nxt if deadline is None or deadline > nxt or expired else deadline
-
-
-def state_text(watch: PeerWatch | None) -> str:
-    """A peer's process state for a timeout message (``watch`` None: not identified)."""
-    if watch is None:
-        return "process not identified"
-    state = watch.state()
-    if state == "stopped":
-        return f"{watch.describe()} is stopped (SIGSTOP, job control or a debugger)"
-    if state == "unknown":
-        return f"{watch.describe()}, not checkable from here"
-    return f"{watch.describe()} is {state}"

@@ -4,7 +4,7 @@ An engine's driver broadcasts one metadata message per step, and steps are
 periodic (every ~10 ms, say). A reader that waits with the plain
 :class:`~shm_broadcast.waiting.policy.Backoff` either polls the whole gap (a core
 burnt: what spinning queues do) or parks and pays a kernel wake-up on every
-step (~200-800 us on a 2-vCPU VM). A reader with a :class:`PredictivePolicy`
+step, after the message is there. A reader with a :class:`PredictivePolicy`
 learns *when* the next message will be published and plans each wait::
 
              dequeue(): no message yet
@@ -160,8 +160,9 @@ class PredictivePolicy:
             park) whose recent detection lag is worse, to keep measuring it;
             0 never switches modes (always poll).
         park_penalty_s: Added to park mode's lag when the modes are compared:
-            what the writer's bell costs it (a ``sendto`` that wakes a sleeper,
-            ~20 us on the 2-vCPU development VM), which the reader cannot see.
+            what the writer's bell costs it (a ``sendto`` that wakes a
+            sleeper), which the reader cannot see; the default is about what
+            docs/performance.md measured for that ``sendto``.
     """
 
     history: int = 16
@@ -301,7 +302,8 @@ class ArrivalPredictor:
                 best = (lo, hi, m)
         stats = self.stats
         if best is None or best[1] + p.lead_s <= now:
-            return self._unplanned()  # nothing learned yet, or the message is overdue
+            self._unplanned()  # nothing learned yet, or the message is overdue
+            return None
         opens, closes = best[0] - p.lead_s, best[1] + p.lead_s
         fallback = -1.0 if p.fallback_yield_s is None else p.fallback_yield_s
         if closes - opens > p.max_window_s:
@@ -339,10 +341,10 @@ class ArrivalPredictor:
         return best
 
     def _unplanned(self) -> None:
+        """No plan for this wait: it runs the plain way."""
         self._window = None
         self._mode = None
         self.stats["unplanned"] += 1
-        return None
 
     def _predict(self, now: float) -> None:
         """Each model's point prediction of the next publish (None: not yet)."""

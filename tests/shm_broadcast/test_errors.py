@@ -68,5 +68,6 @@ def test_context_survives_and_builtins_catch() -> None:
         raise e
     rejected = shm_errors.PeerRejectedError("tp:0", "all_reduce", 2, "bad dtype")
     back = pickle.loads(pickle.dumps(rejected))
-    assert isinstance(back, ValueError) and (back.rank, back.op, back.peers) == (2, "all_reduce", (2,))
+    assert isinstance(back, ValueError)
+    assert (back.rank, back.op, back.peers) == (2, "all_reduce", (2,))
     assert str(back) == str(rejected)

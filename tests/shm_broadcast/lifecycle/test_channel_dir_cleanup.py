@@ -38,7 +38,8 @@ def _cleanup(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedPr
 def _start_writer(prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "tests.shm_broadcast.lifecycle.test_channel_dir_cleanup", "writer"],
+        [*prefix, sys.executable, "-m", "tests.shm_broadcast.lifecycle.test_channel_dir_cleanup",
+         "writer"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line:
@@ -328,9 +329,9 @@ def test_a_reader_removes_the_directory_of_a_writer_killed_with_its_reaper(reape
         else:  # its parent (this test) has not reaped it: a zombie, dead all the same
             assert wait_exit(psutil.Process(proc.pid))
         handle = Handle.from_bytes(bytes.fromhex(info["handle"]))
-        with pytest.raises(GroupCoordError):
-            with MessageQueue.create_from_handle(handle, handle.local_reader_ranks[0]) as mq:
-                mq.wait_until_ready(timeout=5)
+        with pytest.raises(GroupCoordError), \
+                MessageQueue.create_from_handle(handle, handle.local_reader_ranks[0]) as mq:
+            mq.wait_until_ready(timeout=5)
         assert not os.path.lexists(info["dir"]), os.listdir(info["dir"])
     finally:
         _stop(proc)

@@ -49,12 +49,11 @@ class Case:
         """Whether the files are gone before the process is (no reaper needed)."""
         if self.handler == "before-exit":
             return True  # sys.exit in the handler: atexit
-        if self.handler == "none":
-            # SIGINT: KeyboardInterrupt, then atexit. SIGTERM/SIGHUP: our handler,
-            # installed by the main thread (for a queue made in another thread:
-            # at the main thread's next bytecode, before the child reports).
-            return True
-        return False  # the handler ends the process without atexit: the reaper cleans
+        # "none": SIGINT is KeyboardInterrupt, then atexit; SIGTERM/SIGHUP: our
+        # handler, installed by the main thread (for a queue made in another
+        # thread: at the main thread's next bytecode, before the child reports).
+        # Otherwise the handler ends the process without atexit: the reaper cleans.
+        return self.handler == "none"
 
 
 CASES = [Case(h, w) for h in ("none", "before-exit", "after-reraise", "after-osexit")

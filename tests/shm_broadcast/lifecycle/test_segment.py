@@ -42,7 +42,8 @@ def test_sigterm_unlinks_before_death_and_sigkill_is_cleaned_by_the_reaper(procs
     os.kill(kill.pid, signal.SIGKILL)
     kill.join(30)
     path = os.path.join(SHM_DIR, kill_name)
-    assert not wait_gone(path, path + ".owner"), "the reaper must remove a SIGKILLed owner's segment"
+    assert not wait_gone(path, path + ".owner"), \
+        "the reaper must remove a SIGKILLed owner's segment"
 
 
 @pytest.mark.usefixtures("cleanup_serial")  # cleanup --yes takes any orphan

@@ -20,8 +20,8 @@ from tests.shm_broadcast.lifecycle_helpers import small_shm_command
 
 
 def _run_child(size_mib: int, case: str) -> dict[str, Any]:
-    cmd = small_shm_command(size_mib, [sys.executable, "-m", "tests.shm_broadcast.lifecycle.test_small_shm",
-                                       case])
+    cmd = small_shm_command(size_mib, [sys.executable, "-m",
+                                       "tests.shm_broadcast.lifecycle.test_small_shm", case])
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert res.returncode == 0, f"child failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"

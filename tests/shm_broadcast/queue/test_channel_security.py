@@ -33,7 +33,7 @@ import zmq
 from shm_broadcast import MessageQueue, PeerDiedError, QueueTimeout
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.transport import CTL_ACK, CTL_HELLO, KIND_DATA, TOPIC_REMOTE, WIRE
-from shm_broadcast.waiting.policy import own_pid_space
+from shm_broadcast.waiting.peer_watch import own_pid_space
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 

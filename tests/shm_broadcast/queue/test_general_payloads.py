@@ -8,6 +8,7 @@ the sender's memory.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import math
@@ -206,8 +207,8 @@ def test_closed_queue_and_wrong_role_raise_clear_errors():
     finally:
         for q in (r, rr, w):
             q.close()
-    for q, op in ((w, lambda: w.enqueue(1)), (r, lambda: r.dequeue(timeout=0)),
-                  (rr, lambda: rr.dequeue(timeout=0)), (r, lambda: r.wait_until_ready(1))):
+    for _q, op in ((w, lambda: w.enqueue(1)), (r, lambda: r.dequeue(timeout=0)),
+                   (rr, lambda: rr.dequeue(timeout=0)), (r, lambda: r.wait_until_ready(1))):
         with pytest.raises(QueueClosedError, match="roles"):
             op()
     assert w.closed and r.closed and not r.poll()
@@ -272,7 +273,7 @@ def test_dequeue_order_with_overflow_interleaved_and_slow_start():
             q.close()
 
 
-# ---------------------------------------------------------------------- payloads and reader processes
+# ------------------------------------------------------------ payloads and reader processes
 # Both the test (writer) and the reader processes build the same payloads with
 # payloads(), so a reader can check each message without it being sent twice.
 # Module-level classes keep pickled values importable in the children.
@@ -405,7 +406,8 @@ def payloads(max_chunk_bytes: int, with_torch: bool = True) -> list[tuple[str, A
         out.append(("parameter", torch.nn.Parameter(torch.arange(4.0))))
         out.append(("torch_meta", [torch.Size([2, 3]), torch.float16, torch.bfloat16,
                                    torch.device("cpu"), (torch.int8,)]))
-        out.append(("tensor_tuple", (torch.ones(2, dtype=torch.bfloat16), Point(0, (torch.zeros(1),)))))
+        out.append(("tensor_tuple", (torch.ones(2, dtype=torch.bfloat16),
+                                     Point(0, (torch.zeros(1),)))))
         big = max_chunk_bytes // 4 + 64
         out.append(("tensor_overflow", {"t": torch.arange(big, dtype=torch.int32), "i": 1}))
         out.append(("after_tensor_overflow", torch.full((2,), 7, dtype=torch.int8)))
@@ -426,14 +428,16 @@ def mismatch(a: Any, b: Any, path: str = "$") -> str | None:
     if type(a).__module__.startswith("torch"):
         return _torch_mismatch(a, b, path)
     if isinstance(a, float):
-        same = (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+        same = (math.isnan(a) and math.isnan(b)) or (
+            a == b and math.copysign(1, a) == math.copysign(1, b))
         return None if same else f"{path}: {b!r} != {a!r}"
     if isinstance(a, np.generic):
-        return None if a.tobytes() == b.tobytes() and a.dtype == b.dtype else f"{path}: {b!r} != {a!r}"
+        same = a.tobytes() == b.tobytes() and a.dtype == b.dtype
+        return None if same else f"{path}: {b!r} != {a!r}"
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             return f"{path}: length {len(b)} != {len(a)}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             m = mismatch(x, y, f"{path}[{i}]")
             if m:
                 return m
@@ -451,7 +455,8 @@ def mismatch(a: Any, b: Any, path: str = "$") -> str | None:
     if isinstance(a, msgspec.Struct):
         return mismatch(msgspec.structs.astuple(a), msgspec.structs.astuple(b), path)
     if isinstance(a, memoryview):
-        ok = (a.tobytes(), a.format, a.shape, a.readonly) == (b.tobytes(), b.format, b.shape, b.readonly)
+        ok = ((a.tobytes(), a.format, a.shape, a.readonly)
+              == (b.tobytes(), b.format, b.shape, b.readonly))
         return None if ok else f"{path}: memoryview differs"
     return None if a == b else f"{path}: {b!r} != {a!r}"
 
@@ -487,7 +492,7 @@ def payload_reader(handles: list, rank: int, chunk_sizes: list[int], out: Any) -
         import torch
 
         errors: list[str] = []
-        for handle, mcb in zip(handles, chunk_sizes):
+        for handle, mcb in zip(handles, chunk_sizes, strict=True):
             expected = payloads(mcb)
             with MessageQueue.create_from_handle(handle, rank, allow_pickle=True) as mq:
                 mq.wait_until_ready(60)
@@ -530,10 +535,8 @@ def numpy_reader(handle: Any, rank: int, n: int, out: Any) -> None:
                 if m:
                     errors.append(f"#{i}: {m}")
             t0 = time.monotonic()
-            try:
+            with contextlib.suppress(QueueClosedError):
                 mq.dequeue(timeout=60)
-            except QueueClosedError:
-                pass
             closed_after = time.monotonic() - t0
         out.put(("ok", rank, errors, closed_after < 30))
     except BaseException:

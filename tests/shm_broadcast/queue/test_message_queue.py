@@ -257,10 +257,9 @@ def test_zero_reader_queue_and_bytes_handle():
         w.wait_until_ready(1)
         w.enqueue({"nobody": "listens"})
     w, (r,) = make_queue(1, name="bytes")
-    with w, r:
-        # A handle may travel as bytes; a second process claiming the same slot fails.
-        with pytest.raises(Exception, match="already taken"):
-            MessageQueue.create_from_handle(w.export_handle().to_bytes(), 1)
+    # A handle may travel as bytes; a second process claiming the same slot fails.
+    with w, r, pytest.raises(Exception, match="already taken"):
+        MessageQueue.create_from_handle(w.export_handle().to_bytes(), 1)
 
 
 @pytest.mark.timeout(30)

@@ -94,7 +94,7 @@ def test_header_fields_and_reader_table():
             # Chunk data regions are disjoint, aligned and large enough.
             offs = [ring.data_offset(c) for c in range(4)]
             assert all(o % 64 == 0 for o in offs)
-            assert all(b - a >= 1024 for a, b in zip(offs, offs[1:]))
+            assert all(b - a >= 1024 for a, b in zip(offs, offs[1:], strict=False))
         finally:
             other.close()
     finally:
@@ -126,6 +126,6 @@ def test_bad_arguments_and_foreign_segments():
         ShmRingBuffer.create(1, 4096, 0)
     with pytest.raises(SegmentError, match="does not exist"):
         ShmRingBuffer.attach("gc_mq_1_deadbeef")
-    with SharedSegment.create("test", 4096) as seg:
-        with pytest.raises(SegmentError, match="bad magic"):
-            ShmRingBuffer.attach(seg.name)
+    with SharedSegment.create("test", 4096) as seg, \
+            pytest.raises(SegmentError, match="bad magic"):
+        ShmRingBuffer.attach(seg.name)

@@ -31,7 +31,9 @@ def one_bad_rank(rank: int, world_size: int, case: str, bad: int) -> list[str]:
     import torch.distributed as dist
 
     from shm_broadcast.errors import PeerRejectedError
-    from shm_broadcast.queue.process_group import create_from_process_group
+    from shm_broadcast.queue.message_queue import MessageQueue
+
+    create_from_process_group = MessageQueue.create_from_process_group
 
     group = dist.group.WORLD
     args: dict[str, Any] = {"writer_rank": 0, "timeout": _TIMEOUT}
@@ -78,7 +80,9 @@ def other_writer(rank: int, world_size: int) -> list[str]:
     import torch.distributed as dist
 
     from shm_broadcast.errors import CollectiveMismatch, PeerRejectedError
-    from shm_broadcast.queue.process_group import create_from_process_group
+    from shm_broadcast.queue.message_queue import MessageQueue
+
+    create_from_process_group = MessageQueue.create_from_process_group
 
     try:
         create_from_process_group(dist.group.WORLD, 1 << 16, 4,

@@ -13,7 +13,7 @@ import sys
 import psutil
 import pytest
 
-from shm_broadcast.waiting.policy import PeerWatch, own_pid_space
+from shm_broadcast.waiting.peer_watch import PeerWatch, own_pid_space
 
 
 def _dead_pid() -> tuple[int, float]:
@@ -25,7 +25,8 @@ def _dead_pid() -> tuple[int, float]:
 
 def test_own_pid_space_names_boot_and_pid_namespace() -> None:
     space = own_pid_space()
-    boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
     assert space == f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
 
 
@@ -58,7 +59,7 @@ def test_a_process_in_another_pid_namespace_has_another_pid_space() -> None:
     """A child that unshared its pid namespace has another pid space than its parent."""
     if os.geteuid() != 0:
         pytest.skip("needs root (unshare --pid)")
-    code = "from shm_broadcast.waiting.policy import own_pid_space; print(own_pid_space())"
+    code = "from shm_broadcast.waiting.peer_watch import own_pid_space; print(own_pid_space())"
     out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
                           code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
