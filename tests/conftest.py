@@ -18,7 +18,6 @@ from shm_broadcast.lifecycle.channel_dirs import list_channel_dirs
 from shm_broadcast.lifecycle.reaper import MARKER as REAPER_MARKER
 from shm_broadcast.lifecycle.segment import (
     SHM_DIR,
-    _unlink_quietly,
     list_orphan_records,
     list_segments,
 )
@@ -190,7 +189,7 @@ class _Leaks:
         """Remove what the last :meth:`find` reported (so later tests start clean)."""
         segs, records, dirs = self._found
         for name in segs:
-            _unlink_quietly(name)
+            leftovers.unlink_segment(name)
         for r in records:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(SHM_DIR, r))

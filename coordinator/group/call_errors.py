@@ -73,7 +73,7 @@ from shm_broadcast.errors import (
 )
 from shm_broadcast.lifecycle.segment import OwnerIdentity
 from shm_broadcast.ranks.group_adapter import object_group
-from shm_broadcast.waiting.policy import PeerWatch
+from shm_broadcast.waiting.peer_watch import PeerWatch
 
 __all__ = ["CallErrors", "WAIT_ERRORS", "own_identity"]
 

@@ -112,14 +112,6 @@ def _space_error(kind: str, size: int, free: int, cause: str = "") -> ShmSpaceEr
         f"(`groupcoord cleanup --yes` removes segments of dead processes).")
 
 
-def _unlink_quietly(name: str) -> None:
-    """Unlink segment ``name`` and its owner record; no error if either is gone.
-
-    (``shm_unlink("/name")`` is ``unlink("/dev/shm/name")`` on Linux.)
-    """
-    leftovers.unlink_segment(name)
-
-
 def _shm_open(name: str, flags: int, mode: int = 0o600) -> int:
     if _posixshmem is None:  # pragma: no cover
         raise SegmentError("POSIX shared memory is not available on this platform")
@@ -204,7 +196,7 @@ class SharedSegment:
                                    f" (reserving the pages failed: {e.strerror})") from e
             mm = mmap.mmap(fd, size)
         except BaseException:
-            _unlink_quietly(name)
+            leftovers.unlink_segment(name)
             exit_cleanup.discard_segment(name)
             raise
         finally:
@@ -257,7 +249,7 @@ class SharedSegment:
         The mapping stays valid for processes that already attached.
         """
         if self.is_owner and os.getpid() == self._owner_pid:
-            _unlink_quietly(self.name)
+            leftovers.unlink_segment(self.name)
             exit_cleanup.discard_segment(self.name)
 
     def close(self) -> None:
@@ -351,7 +343,7 @@ def remove_segment(name: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(
             f"name must be a groupcoord segment name (gc_<kind>_<pid>_<hex>), got {name!r}")
-    _unlink_quietly(name)
+    leftovers.unlink_segment(name)
 
 
 def remove_orphans(dry_run: bool = False) -> list[SegmentInfo]:
@@ -369,7 +361,7 @@ def remove_orphans(dry_run: bool = False) -> list[SegmentInfo]:
     orphans = [s for s in list_segments() if s.status == "gone"]
     if not dry_run:
         for s in orphans:
-            _unlink_quietly(s.name)
+            leftovers.unlink_segment(s.name)
     return orphans
 
 

@@ -83,7 +83,7 @@ class MessageQueue:
         max_chunks: Chunks in the ring: how far the writer may run ahead of
             the slowest local reader.
         connect_ip: IP address to bind the TCP endpoints on (only used with
-            remote readers); default :func:`shm_broadcast.queue.transport.host_ip`
+            remote readers); default :func:`shm_broadcast.ranks.host_address.host_ip`
             (``$GROUPCOORD_HOST_IP``, else the source address of the route to
             ``$MASTER_ADDR``, else of the default route).
         name: Name used in errors (default ``mq-<pid>``).

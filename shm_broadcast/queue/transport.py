@@ -100,7 +100,6 @@ from zmq.utils import z85
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
 
-from shm_broadcast.ranks.host_address import host_ip  # re-exported: callers find it here
 
 __all__ = [
     "WIRE",
@@ -120,7 +119,6 @@ __all__ = [
     "new_socket",
     "bind",
     "local_bind_address",
-    "host_ip",
     "close_all",
     "close_dealer",
     "stop_monitor",

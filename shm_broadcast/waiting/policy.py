@@ -65,13 +65,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shm_broadcast.waiting.peer_watch import PeerWatch, own_pid_space, state_text
 from shm_broadcast.waiting.predictive import PredictivePolicy, WaitPlan
 
-# PeerWatch, own_pid_space and state_text moved to peer_watch; re-exported here
-# for callers that still import them from this module.
-__all__ = ["WaitPolicy", "Backoff", "PeerWatch", "own_pid_space", "state_text", "SPIN", "YIELD",
-           "PARK", "SLEEP"]
+__all__ = ["WaitPolicy", "Backoff", "SPIN", "YIELD", "PARK", "SLEEP"]
 
 SPIN = 0
 YIELD = 1

@@ -97,7 +97,7 @@ def _identity() -> dict[str, Any]:
 # ---------------------------------------------------------------- case: tp
 def case_tp(args: argparse.Namespace) -> dict[str, Any]:
     """One TP group spanning both hosts."""
-    from shm_broadcast.queue.transport import host_ip
+    from shm_broadcast.ranks.host_address import host_ip
     from shm_broadcast.ranks.topology import node_assignment
 
     ps.initialize_model_parallel(tensor_model_parallel_size=4)

@@ -92,7 +92,7 @@ def test_host_ip_without_default_route(tmp_path: Path, env: dict[str, str],
     """Host b has no default route: the queue's TCP endpoints must still bind on
     its veth address (from the route to MASTER_ADDR, else its resolved hostname),
     not on 127.0.0.1, which host a cannot reach; GROUPCOORD_HOST_IP overrides."""
-    code = "from shm_broadcast.queue.transport import host_ip; print('HOST_IP=' + host_ip())"
+    code = "from shm_broadcast.ranks.host_address import host_ip; print('HOST_IP=' + host_ip())"
     with TwoHosts(tmp_path) as hosts:
         launched = hosts.launch("b", [sys.executable, "-c", code], sc.host_env(env), 60,
                                 cwd=str(sc.REPO))
