@@ -18,12 +18,12 @@ One timeout bounds every wait of a group (default 300 s; see
 queue broadcasts, barriers and point-to-point calls. Each call has a sequence
 number, and a wait that runs out raises ``CommTimeout`` naming the group, the
 op, the call number and the ranks that did not arrive
-(:mod:`coordinator.group.call_errors`).
+(:mod:`coordinator.calls.call_errors`).
 
 A coordinator is built from parts that own their state, each typed against a
 small protocol of what it uses of the group:
 
-* :class:`~coordinator.group.call_book.CallBook`: call numbers, the closed
+* :class:`~coordinator.calls.call_book.CallBook`: call numbers, the closed
   state, the explanation of failed waits;
 * :class:`~coordinator.group.object_calls.ObjectCalls`: object broadcasts and
   objects point to point;
@@ -34,7 +34,7 @@ small protocol of what it uses of the group:
   broadcast and point to point.
 
 The tensor collectives go straight to the device communicator (``comm``) and
-number themselves inline (:mod:`coordinator.group.call_book`).
+number themselves inline (:mod:`coordinator.calls.call_book`).
 """
 
 from __future__ import annotations
@@ -50,19 +50,19 @@ import torch
 import torch.distributed as dist
 
 from coordinator import custom_ops
+from coordinator.calls.call_book import CallBook
+from coordinator.calls.call_errors import WAIT_ERRORS
 from coordinator.custom_ops import traced_alone as _traced_alone
 from coordinator.custom_ops import tracing as _tracing
 from coordinator.errors import NotInitializedError
 from coordinator.group import setup as setup
-from coordinator.group.call_book import CallBook
-from coordinator.group.call_errors import WAIT_ERRORS
 from coordinator.group.monitored_barrier import monitored_barrier
 from coordinator.group.object_calls import ObjectCalls
-from coordinator.group.object_comm import ObjectCodec
 from coordinator.group.registry import REGISTRY
 from coordinator.group.tensor_dict_calls import TensorDictCalls
 from coordinator.p2p.handle import P2PHandle
 from coordinator.p2p.point_to_point import PointToPoint
+from coordinator.wire.object_comm import ObjectCodec
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator, validation
 from device_comms.reduce_op import check_reduce_op
 from shm_broadcast.checks import check_timeout

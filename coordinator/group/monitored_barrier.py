@@ -30,7 +30,7 @@ def monitored_barrier(cpu_group: Any, name: str, wait_s: float,
 
     ``await_exit(ranks)`` is called, before raising, with missing ranks whose
     connection broke before the timeout (they are probably exiting; see
-    :meth:`~coordinator.group.call_errors.CallErrors.await_exit`).
+    :meth:`~coordinator.calls.call_errors.CallErrors.await_exit`).
 
     Raises:
         CommTimeout: Ranks did not arrive in time (named).

@@ -2,7 +2,7 @@
 
 Objects travel as msgspec (pickle only where the group opted in) through the
 group's signed CPU communicator, so a rejected, skipped or mismatched call
-raises on every rank (:mod:`coordinator.group.object_comm`); a broadcast from
+raises on every rank (:mod:`coordinator.wire.object_comm`); a broadcast from
 the writer of the group's message queue goes through the queue, each message
 stamped with its collective call's number
 (:mod:`coordinator.group.broadcast_stamps`).
@@ -23,13 +23,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from coordinator.calls.call_book import CallBook
+from coordinator.calls.call_errors import WAIT_ERRORS
+from coordinator.calls.peers import check_peer
 from coordinator.errors import CollectiveMismatch, CommTimeout
 from coordinator.group import broadcast_stamps as stamps
-from coordinator.group import object_comm
-from coordinator.group.call_book import CallBook
-from coordinator.group.call_errors import WAIT_ERRORS
-from coordinator.group.object_comm import SERIALIZE_ERRORS, SourceFailure
-from coordinator.p2p.peers import check_peer
+from coordinator.wire import object_comm
+from coordinator.wire.object_comm import SERIALIZE_ERRORS, SourceFailure
 from device_comms import DeviceCommunicator, TorchDistributedCommunicator, validation
 from shm_broadcast.codec.message_codec import Codec
 
@@ -260,7 +260,7 @@ class ObjectCalls:
     def send(self, obj: Any, dst: int, kind: int = object_comm.OBJECT) -> None:
         """Send ``obj`` to group rank ``dst``, not counted as a call (``send_object``
         and the calls built on it count themselves; ``kind``: see
-        :mod:`coordinator.group.object_comm`).
+        :mod:`coordinator.wire.object_comm`).
 
         Raises:
             TypeError: ``obj`` cannot be encoded; the receiver is told and raises

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coordinator.calls.call_book import destroyed_msg
 from coordinator.errors import CommTimeout, NotInitializedError, PeerDiedError
-from coordinator.group.call_book import destroyed_msg
 from coordinator.group.gloo_interface import pinned_gloo
 from coordinator.group.registry import REGISTRY
 from device_comms import DeviceCommunicator, get_device_communicator, select_device_communicator

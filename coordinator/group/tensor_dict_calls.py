@@ -2,7 +2,7 @@
 their asynchronous forms.
 
 A dict travels as its metadata and payload
-(:mod:`coordinator.group.tensor_dict_format`). Payload routing:
+(:mod:`coordinator.wire.tensor_dict_format`). Payload routing:
 
 * the message queue (when the group has one and ``src`` is its writer) carries
   the metadata, and CPU tensors travel inside the same message, out of band;
@@ -34,24 +34,24 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from coordinator.calls.call_book import CallBook
+from coordinator.calls.call_errors import WAIT_ERRORS
+from coordinator.calls.peers import check_peer, note_untold
 from coordinator.errors import CollectiveMismatch, GroupCoordError
-from coordinator.group import object_comm
-from coordinator.group.call_book import CallBook
-from coordinator.group.call_errors import WAIT_ERRORS
 from coordinator.group.object_calls import ObjectCalls
-from coordinator.group.object_comm import SERIALIZE_ERRORS, SourceFailure
-from coordinator.group.tensor_dict_format import (
+from coordinator.p2p import link_messages
+from coordinator.p2p.channels import RECV, SEND
+from coordinator.p2p.handle import P2PHandle
+from coordinator.p2p.point_to_point import PointToPoint
+from coordinator.wire import object_comm
+from coordinator.wire.object_comm import SERIALIZE_ERRORS, SourceFailure
+from coordinator.wire.tensor_dict_format import (
     TENSOR,
     alloc,
     check_metadata,
     dtype_of,
     flatten_tensor_dict,
 )
-from coordinator.p2p import link_messages
-from coordinator.p2p.channels import RECV, SEND
-from coordinator.p2p.handle import P2PHandle
-from coordinator.p2p.peers import check_peer, note_untold
-from coordinator.p2p.point_to_point import PointToPoint
 from device_comms import DeviceCommunicator, validation
 from device_comms.torch_dist.torch_communicator import wire_view
 from device_comms.validation import dense

@@ -38,8 +38,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from coordinator.calls.call_errors import WAIT_ERRORS
 from coordinator.errors import ClosedError, CommTimeout
-from coordinator.group.call_errors import WAIT_ERRORS
 
 __all__ = ["Work", "Channel", "Channels", "SEND", "RECV", "LIVENESS_S"]
 
@@ -58,7 +58,7 @@ class Work:
         call: The call's number in its group.
         fn: What runs it (a blocking call); its return value is the result.
         args: Arguments of ``fn``.
-        errors: The group's :class:`~coordinator.group.call_errors.CallErrors`, which
+        errors: The group's :class:`~coordinator.calls.call_errors.CallErrors`, which
             turns a failed wait into the error the call raises and tells
             whether the peer's process is gone.
         quiet: Nobody waits for this item (it only tells the peer that this

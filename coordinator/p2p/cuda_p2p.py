@@ -44,13 +44,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from coordinator.calls.call_errors import WAIT_ERRORS, CallErrors
 from coordinator.errors import ClosedError
-from coordinator.group import object_comm
-from coordinator.group.call_errors import WAIT_ERRORS, CallErrors
-from coordinator.group.object_calls import ObjectCalls
-from coordinator.group.tensor_dict_format import TENSOR, alloc, check_metadata, flatten_tensor_dict
 from coordinator.p2p.channels import RECV, SEND, Work
 from coordinator.p2p.handle import P2PHandle
+from coordinator.wire import object_comm
+from coordinator.wire.object_comm import ObjectChannel
+from coordinator.wire.tensor_dict_format import TENSOR, alloc, check_metadata, flatten_tensor_dict
 from device_comms import DeviceCommunicator
 from device_comms.torch_dist.torch_communicator import wire_view
 
@@ -156,7 +156,7 @@ class CudaP2P:
         order: The group's point-to-point order.
     """
 
-    def __init__(self, group: CudaGroup, errors: CallErrors, objects: ObjectCalls,
+    def __init__(self, group: CudaGroup, errors: CallErrors, objects: ObjectChannel,
                  order: Ordering) -> None:
         self._group = group
         self._errors = errors

@@ -1,6 +1,6 @@
 """What a tensor dict becomes on a shared-memory link (:mod:`coordinator.p2p.shm_links`).
 
-A dict is its metadata (:func:`coordinator.group.tensor_dict_format.flatten_tensor_dict`:
+A dict is its metadata (:func:`coordinator.wire.tensor_dict_format.flatten_tensor_dict`:
 plain values, and a ``[device, dtype, shape, parts]`` descriptor per tensor)
 and its *pieces*, the non-empty payload tensors in order, contiguous: as
 themselves where the codec carries their dtype, else as flat ``uint8`` bytes
@@ -42,7 +42,7 @@ lacks: :class:`Pieces`); anything else is
 :class:`~coordinator.errors.DecodeError`. A streamed piece's buffer is
 allocated when its first part arrived, not on the header's claim, and the
 dict's metadata cannot claim more bytes than the host has
-(:func:`coordinator.group.tensor_dict_format.check_metadata`).
+(:func:`coordinator.wire.tensor_dict_format.check_metadata`).
 A dict that fails partway through its parts (a timeout, a dead peer, a bad
 part) leaves the link out of order: both sides then close that direction
 (:meth:`coordinator.p2p.shm_links.ShmLinks.break_direction`).
@@ -57,8 +57,8 @@ from typing import Any
 import torch
 
 from coordinator.errors import CollectiveMismatch, CommTimeout, DecodeError, PeerRejectedError
-from coordinator.group.tensor_dict_format import check_metadata, dtype_of, sent_numels
 from coordinator.p2p.link_offer import CHUNK_BYTES
+from coordinator.wire.tensor_dict_format import check_metadata, dtype_of, sent_numels
 
 __all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "confirmed", "plain_piece",
            "failure",

@@ -44,12 +44,12 @@ from typing import Any, Protocol
 
 import torch
 
+from coordinator.calls.peers import note_untold
 from coordinator.errors import CollectiveMismatch, DecodeError, GroupCoordError
-from coordinator.group.tensor_dict_format import dtype_of, flatten_tensor_dict, sent_numels
 from coordinator.p2p import link_messages
 from coordinator.p2p.channels import RECV, SEND
-from coordinator.p2p.peers import note_untold
 from coordinator.p2p.shm_links import ShmLinks
+from coordinator.wire.tensor_dict_format import dtype_of, flatten_tensor_dict, sent_numels
 from device_comms import DeviceCommunicator, validation
 
 __all__ = ["TensorGroup", "send", "recv", "reject", "reject_through_comm"]

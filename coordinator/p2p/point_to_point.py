@@ -68,14 +68,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from coordinator.group.call_book import CallBook
-from coordinator.group.call_errors import WAIT_ERRORS
-from coordinator.group.object_calls import ObjectCalls
+from coordinator.calls.call_book import CallBook
+from coordinator.calls.call_errors import WAIT_ERRORS
+from coordinator.calls.peers import check_peer, peer_rank
 from coordinator.p2p import link_tensors
 from coordinator.p2p.channels import RECV, SEND, Channels, Work
 from coordinator.p2p.handle import P2PHandle
-from coordinator.p2p.peers import check_peer, peer_rank
 from coordinator.p2p.shm_links import ShmLinks
+from coordinator.wire.object_comm import ObjectChannel
 from device_comms import DeviceCommunicator, validation
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class PointToPoint:
         links: The group's shared-memory links.
     """
 
-    def __init__(self, group: P2PGroup, book: CallBook, objects: ObjectCalls) -> None:
+    def __init__(self, group: P2PGroup, book: CallBook, objects: ObjectChannel) -> None:
         self._group = group
         self._book = book
         self._objects = objects

@@ -13,7 +13,7 @@ tensors of ``send`` / ``recv`` take the link too, each meeting its receiver
 
 Settling a direction. The first call a rank makes toward ``dst`` (a tensor
 dict or a tensor) begins with an *offer* over the CPU group (an object of
-kind :data:`~coordinator.group.object_comm.LINK_OFFER`): ``[MAGIC, handle]`` when
+kind :data:`~coordinator.wire.object_comm.LINK_OFFER`): ``[MAGIC, handle]`` when
 the sender opened a link (its communicator shares memory with ``dst``,
 ``GROUPCOORD_P2P_SHM`` is not ``0``, ``/dev/shm`` had room), else
 ``[MAGIC, None]``. The receiver's first ``recv_tensor_dict`` or ``recv`` from
@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from coordinator.calls.call_book import CallBook
 from coordinator.errors import (
     ClosedError,
     CommTimeout,
@@ -69,12 +70,10 @@ from coordinator.errors import (
     GroupCoordError,
     PeerDiedError,
 )
-from coordinator.group.call_book import CallBook
-from coordinator.group.object_calls import ObjectCalls
-from coordinator.group.object_comm import LINK_OFFER
 from coordinator.p2p import link_offer
 from coordinator.p2p.channels import LIVENESS_S, RECV, SEND
 from coordinator.p2p.link_offer import CHUNK_BYTES, CHUNKS
+from coordinator.wire.object_comm import LINK_OFFER, ObjectChannel
 from device_comms import DeviceCommunicator
 
 if TYPE_CHECKING:
@@ -115,7 +114,7 @@ class ShmLinks:
         book: The group's call bookkeeping (whether a waited-for peer is gone).
     """
 
-    def __init__(self, group: LinkGroup, objects: ObjectCalls, book: CallBook) -> None:
+    def __init__(self, group: LinkGroup, objects: ObjectChannel, book: CallBook) -> None:
         self._group = group
         self._objects = objects
         self._book = book

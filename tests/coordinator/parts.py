@@ -57,7 +57,7 @@ def bare_group(rank: int, world_size: int, name: str, timeout: float = 30.0,
 
 def bare_parts(group: BareGroup) -> tuple[Any, Any, Any, Any]:
     """``(book, objects, p2p, dicts)`` on ``group``, built as ``GroupCoordinator`` builds them."""
-    from coordinator.group.call_book import CallBook
+    from coordinator.calls.call_book import CallBook
     from coordinator.group.object_calls import ObjectCalls
     from coordinator.group.tensor_dict_calls import TensorDictCalls
     from coordinator.p2p.point_to_point import PointToPoint

@@ -13,10 +13,10 @@ import pytest
 def objects_alone(rank: int, world_size: int) -> dict[str, Any]:
     import torch
 
+    from coordinator.calls.call_book import CallBook
     from coordinator.errors import CollectiveMismatch, PeerRejectedError
-    from coordinator.group.call_book import CallBook
     from coordinator.group.object_calls import ObjectCalls
-    from coordinator.group.object_comm import DICT_META, OBJECT
+    from coordinator.wire.object_comm import DICT_META, OBJECT
     from tests.coordinator.parts import bare_group
 
     g = bare_group(rank, world_size, "objects-alone:0")

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.group.object_comm import LINK_OFFER
+from coordinator.wire.object_comm import LINK_OFFER
 from shm_broadcast.ranks.launcher import spawn_group
 
 # ---------------------------------------------------------------------- rank side

@@ -36,7 +36,7 @@ _PART = _RING - (64 << 10)  # bytes a dict's message carries (link_messages.PART
 
 def _every_dtype(src: int) -> dict[str, torch.Tensor]:
     """A small tensor of every dtype a receiver can allocate, with known bytes."""
-    from coordinator.group.tensor_dict_format import DTYPES
+    from coordinator.wire.tensor_dict_format import DTYPES
 
     out = {}
     base = torch.arange(12).reshape(3, 4) % 7 + src

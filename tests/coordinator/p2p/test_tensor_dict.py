@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.group import tensor_dict_format as td
 from coordinator.group.tensor_dict_calls import slicing_plan
+from coordinator.wire import tensor_dict_format as td
 from tests.coordinator.rank_checks import (
     expect_equal,
     expect_raises,

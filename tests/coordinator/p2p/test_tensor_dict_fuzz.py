@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.group.tensor_dict_format import DTYPES, TENSOR, check_metadata, flatten_tensor_dict
+from coordinator.wire.tensor_dict_format import DTYPES, TENSOR, check_metadata, flatten_tensor_dict
 from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.errors import DecodeError
 from tests.shm_broadcast.codec.test_codec_fuzz import check_decode, mutate

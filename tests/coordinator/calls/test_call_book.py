@@ -1,4 +1,4 @@
-"""The call book alone (``coordinator.group.call_book.CallBook``): numbering, the
+"""The call book alone (``coordinator.calls.call_book.CallBook``): numbering, the
 closed state, and the explanation of failed waits; the peers' identities over a
 real gloo group."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from coordinator.calls.call_book import CallBook
 from coordinator.errors import ClosedError, CommTimeout, NotInitializedError
-from coordinator.group.call_book import CallBook
 
 
 def test_collective_and_point_to_point_calls_are_counted_apart() -> None:

@@ -142,7 +142,7 @@ class CallErrors:
         self.hosts: list[str] = [""] * world_size
         self.pids: list[int] = [0] * world_size
         #: Set when the group is destroyed (:meth:`CallBook.close
-        #: <coordinator.group.call_book.CallBook.close>`): a call that fails
+        #: <coordinator.calls.call_book.CallBook.close>`): a call that fails
         #: from then on failed because its group went away under it.
         self.destroyed = False
 

@@ -59,6 +59,7 @@ from coordinator.errors import CollectiveMismatch, DecodeError
 from shm_broadcast.codec.message_codec import Codec, SourceFailure
 
 __all__ = [
+    "ObjectChannel",
     "ObjectCodec",
     "PickleCodec",
     "SourceFailure",
@@ -108,6 +109,17 @@ SERIALIZE_ERRORS: tuple[type[BaseException], ...] = (
     TypeError,
     RecursionError,
 )
+
+
+class ObjectChannel(Protocol):
+    """Who carries single objects between two ranks of a group, uncounted (the
+    group's object calls): what links and tensor dicts send their offers and
+    metadata through. ``kind`` is one of :data:`OBJECT`, :data:`LINK_OFFER`,
+    :data:`DICT_META`."""
+
+    def send(self, obj: Any, dst: int, kind: int = OBJECT) -> None: ...
+
+    def recv(self, src: int, kind: int = OBJECT) -> Any: ...
 
 
 class ObjectCodec(Protocol):

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from coordinator.errors import DecodeError
-from coordinator.group import object_comm
+from coordinator.wire import object_comm
 
 __all__ = [
     "VALUE",

@@ -1,4 +1,4 @@
-"""Objects through the CPU group in pieces (``coordinator.group.object_comm``):
+"""Objects through the CPU group in pieces (``coordinator.wire.object_comm``):
 point to point, broadcast through the group's communicator and plain gloo
 broadcasts over a named group, at sizes around the piece boundary and above
 one real piece."""
@@ -38,8 +38,8 @@ def pieces(rank: int, world_size: int, piece: int, big: bool) -> list[str]:
     """Every path moves each payload intact; ``piece`` bytes per piece."""
     import torch.distributed as dist
 
-    from coordinator.group import object_comm
     from coordinator.group.group_coordinator import GroupCoordinator
+    from coordinator.wire import object_comm
 
     kept, object_comm.PIECE_BYTES = object_comm.PIECE_BYTES, piece  # pool workers live on
     world = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
@@ -83,7 +83,7 @@ def test_objects_cross_piece_boundaries_intact(dist_pool, world_size):
 
 @pytest.mark.timeout(120)
 def test_an_object_larger_than_one_real_piece(dist_pool):
-    from coordinator.group.object_comm import PIECE_BYTES
+    from coordinator.wire.object_comm import PIECE_BYTES
 
     results = dist_pool(2).run(pieces, PIECE_BYTES, True, timeout=100)
     assert results == [[], []], results

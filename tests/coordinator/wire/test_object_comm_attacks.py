@@ -74,8 +74,8 @@ def hostile_peer(rank: int, world_size: int) -> list[str]:
     """Rank 0 attacks, rank 1 must refuse every message and stay usable."""
     from coordinator.errors import DecodeError
     from coordinator.group.group_coordinator import GroupCoordinator
-    from coordinator.group.object_comm import DICT_META, LINK_OFFER, OBJECT
     from coordinator.p2p.link_offer import MAGIC
+    from coordinator.wire.object_comm import DICT_META, LINK_OFFER, OBJECT
 
     # A fresh group: the first recv_tensor_dict of a direction reads the sender's
     # link offer over the CPU group (coordinator.p2p.link_offer); the attacker offers none.
@@ -139,7 +139,7 @@ def claim_without_bytes(rank: int, world_size: int) -> list[Any]:
     import psutil
 
     from coordinator.group.group_coordinator import GroupCoordinator
-    from coordinator.group.object_comm import OBJECT, PIECE_BYTES
+    from coordinator.wire.object_comm import OBJECT, PIECE_BYTES
 
     world = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
                              group_name="claim", timeout=4)

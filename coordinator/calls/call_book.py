@@ -8,7 +8,7 @@ message-queue broadcasts, :mod:`coordinator.group.broadcast_stamps`, and
 numbers the communicator's calls) and point-to-point calls (``p2p_calls``;
 which ranks make them differs). A call's number is their sum when it begins
 (``calls``). A call whose wait fails is explained by
-the book's :class:`~coordinator.group.call_errors.CallErrors` (group, op, call
+the book's :class:`~coordinator.calls.call_errors.CallErrors` (group, op, call
 number, the ranks that did not arrive). Once the group is closed, a call that
 begins raises :class:`~coordinator.errors.NotInitializedError` and one still
 running fails with :class:`~coordinator.errors.ClosedError`.
@@ -28,8 +28,8 @@ from collections.abc import Callable
 from time import monotonic
 from typing import Any
 
+from coordinator.calls.call_errors import WAIT_ERRORS, CallErrors
 from coordinator.errors import NotInitializedError, PeerDiedError
-from coordinator.group.call_errors import WAIT_ERRORS, CallErrors
 
 __all__ = ["CallBook", "destroyed_msg"]
 
@@ -111,7 +111,7 @@ class CallBook:
                 writer: int | None = None, started: float | None = None) -> None:
         """Raise the error call ``seq`` (``op``) should raise for ``e``, or return to
         let the caller re-raise ``e`` (see :meth:`CallErrors.explain
-        <coordinator.group.call_errors.CallErrors.explain>`)."""
+        <coordinator.calls.call_errors.CallErrors.explain>`)."""
         self.errors.explain(op, seq, e, partner=partner, writer=writer, started=started)
 
     def dead_partner(self, op: str, partner: int) -> PeerDiedError | None:
