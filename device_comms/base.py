@@ -503,7 +503,12 @@ class DeviceCommunicator(abc.ABC):
         :class:`~device_comms.errors.CollectiveMismatch` instead of pairing
         one rank's call ``#n`` with another's ``#n+1`` of the same kind.
         None: the communicator numbers its own calls.
+
+        Raises:
+            TypeError: ``source`` is neither callable nor None.
         """
+        if source is not None and not callable(source):
+            raise TypeError(f"source must be callable or None, got {type(source).__name__}")
         self._call_number = source
 
     @contextlib.contextmanager

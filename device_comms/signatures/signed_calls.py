@@ -101,13 +101,15 @@ class SignedCalls:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if not callable(prologue):
             raise TypeError(f"prologue must be callable, got {type(prologue).__name__}")
+        if call_number is not None and not callable(call_number):
+            raise TypeError(
+                f"call_number must be callable or None, got {type(call_number).__name__}")
         self.group = group
         self.unique_name = unique_name
         self.rank = rank
         self.world_size = world_size
         self._prologue = prologue
-        self._number: Callable[[], int] | None = None
-        self.number_calls(call_number)
+        self._number = call_number
         self._blocks: Blocks | None = None
         self._p2p_sides = P2PSides(group)
         self._headers: dict[tuple[Any, ...], np.ndarray] = {}

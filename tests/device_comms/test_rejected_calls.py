@@ -247,6 +247,11 @@ def public_p2p_reject(rank: int, world_size: int) -> dict[str, Any]:
                 refused[name] = "none"
             except (TypeError, ValueError) as e:
                 refused[name] = f"{type(e).__name__}: {e}"
+        try:
+            comm.number_calls(5)
+            refused["number_calls"] = "none"
+        except TypeError as e:
+            refused["number_calls"] = f"TypeError: {e}"
         out[f"{path}|refused"] = refused
         comm.destroy()
         try:
@@ -287,6 +292,7 @@ def test_public_reject_of_a_send_or_recv_makes_the_peer_raise(dist_pool) -> None
                 "peer-outside": ("ValueError", "peer"),
                 "peer-type": ("TypeError", "peer"),
                 "peer-on-collective": ("ValueError", "peer is only for"),
+                "number_calls": ("TypeError", "source must be callable"),
             }
             for name, (kind, word) in want.items():
                 assert refused[name].startswith(kind) and word in refused[name], (
