@@ -58,7 +58,7 @@ from device_comms.errors import CollectiveMismatch, DecodeError
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.signatures.call_signature import data_shape
-from device_comms.signatures.envelopes import BLOCK_INLINE, INLINE_MAX, as_bytes
+from device_comms.signatures.envelopes import BLOCK_INLINE, INLINE_MAX, Blocks, as_bytes
 from device_comms.signatures.signed_calls import SignedCalls
 from device_comms.torch_dist import gloo_alltoallv
 from shm_broadcast.ranks.group_adapter import object_group
@@ -420,25 +420,26 @@ class TorchDistributedCommunicator(DeviceCommunicator):
             h = signed.header("scatter", None, None, src, (), t.shape, data_dtype=t.dtype,
                               extra=dim)
             signed.call("scatter", h, payload)
-            self._check_scatter_dims(src, h)
+            self._check_scatter_dims(src, h, signed.blocks())
             if small:
                 mine = torch.tensor_split(t, n, dim)[me]
                 return mine.clone(memory_format=torch.contiguous_format)
             return self._plain_scatter(t, src, list(t.shape), t.dtype, dim)
         h = signed.header("scatter", None, None, src, (), None, extra=dim)
         signed.call("scatter", h)
-        d = self._check_scatter_dims(src, h)
-        shape, dtype = self._scatter_source(src)
+        env = signed.blocks()
+        d = self._check_scatter_dims(src, h, env)
+        shape, dtype = self._scatter_source(src, env)
         skip = 16 * ((len(shape) + 1) // 2)
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         if skip + nbytes <= BLOCK_INLINE:
-            whole = signed.payload(src)[skip : skip + nbytes].view(dtype).view(shape)
+            whole = env.payload(src)[skip : skip + nbytes].view(dtype).view(shape)
             return torch.tensor_split(whole, n, d)[me].clone(memory_format=torch.contiguous_format)
         return self._plain_scatter(None, src, shape, dtype, d)
 
-    def _check_scatter_dims(self, src: int, mine: np.ndarray) -> int:
-        """The source's scatter dim; raises on every rank unless every rank's ``dim`` names it."""
-        env = self._signed.blocks()
+    def _check_scatter_dims(self, src: int, mine: np.ndarray, env: Blocks) -> int:
+        """The source's scatter dim (``env``: the exchange of the call, ``mine``: this rank's
+        header); raises on every rank unless every rank's ``dim`` names it."""
         me = self.rank_in_group
         words = [mine if r == me else env.words[r] for r in range(self.world_size)]
         ndim, src_d = int(words[src][9]), int(words[src][10])
@@ -454,9 +455,9 @@ class TorchDistributedCommunicator(DeviceCommunicator):
             )
         return src_d
 
-    def _scatter_source(self, src: int) -> tuple[list[int], torch.dtype]:
-        """Shape and dtype of the source's tensor, from its block (checked before allocating)."""
-        env = self._signed.blocks()
+    def _scatter_source(self, src: int, env: Blocks) -> tuple[list[int], torch.dtype]:
+        """Shape and dtype of the source's tensor, from its block in ``env`` (checked before
+        allocating)."""
         words = env.words[src]
         ndim = int(words[9])
         raw = env.payload(src)
