@@ -42,6 +42,14 @@ from shm_broadcast.checks import check_timeout
 
 __all__ = ["DeviceCommunicator"]
 
+#: The collectives a rank may reject (:meth:`DeviceCommunicator.reject`), and the
+#: point-to-point ops, which need the peer.
+_COLLECTIVES = frozenset({
+    "all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv",
+    "gather", "reduce", "broadcast", "scatter", "all_to_all", "all_to_allv",
+})
+_P2P_OPS = frozenset({"send", "recv"})
+
 
 class DeviceCommunicator(abc.ABC):
     """Abstract base of all device communicators.
@@ -384,15 +392,56 @@ class DeviceCommunicator(abc.ABC):
             return t.clone()
         return self._guard("all_to_allv", self._all_to_allv, validation.dense(t), send, recv)
 
-    def reject(self, op: str, error: BaseException) -> None:
-        """Take part in collective ``op`` as a rank whose caller rejected its arguments.
+    def reject(self, op: str, error: BaseException, peer: int | None = None) -> None:
+        """Take part in ``op`` as a rank whose caller rejected its arguments.
 
-        For layers built on a collective that check more than the collective
-        can (MoE dispatch/combine): the peers, already in ``op``, raise
+        For layers built on an op that check more than the op can (MoE
+        dispatch/combine over a collective, point-to-point layers over
+        ``send``/``recv``): the peers, already in ``op``, raise
         :class:`~device_comms.errors.PeerRejectedError` naming this rank and
-        ``error`` instead of waiting. The caller raises ``error`` itself.
+        ``error`` instead of waiting. The caller raises ``error`` itself; if
+        telling the peers fails (a dead peer, a timeout), that is noted on
+        ``error``. A collective tells every rank of the group; ``"send"`` /
+        ``"recv"`` tell ``peer`` only, the rank this rank's send would go to
+        (whose ``recv`` raises) or its receive would come from (whose ``send``
+        raises). Transports whose ops carry no "rejected" mark (GPU ones) tell
+        nobody; see their docstrings.
+
+        Args:
+            op: The op the peers are in: a collective's name (``"all_reduce"``,
+                ``"broadcast"``...), ``"send"`` or ``"recv"``.
+            error: Why this rank rejected its arguments (its type and text
+                reach the peers).
+            peer: For ``"send"``/``"recv"`` only: the other side's group rank.
+
+        Raises:
+            TypeError: ``op`` is not a str, ``error`` not an exception, or
+                ``peer`` not an int.
+            ValueError: ``op`` is not an op of a communicator, ``peer`` is
+                missing for ``"send"``/``"recv"``, given for a collective, or
+                not another rank of the group.
+            CommunicatorClosed: The communicator was destroyed.
         """
         self._check_open()
+        checks.check_str(op, "op")
+        if not isinstance(error, BaseException):
+            raise TypeError(f"error must be an exception, got {type(error).__name__}")
+        if op in _P2P_OPS:
+            if peer is None:
+                raise ValueError(f"peer is required for op {op!r}: the group rank that "
+                                 f"this rank's {op} would pair with")
+            validation.check_rank(peer, self.world_size, "peer")
+            if peer == self.rank_in_group:
+                raise ValueError(f"peer={peer} is this rank; {op} pairs with another rank "
+                                 f"of the group")
+            self._reject(op, error, peer)
+            return
+        if op not in _COLLECTIVES:
+            raise ValueError(f"op must be a collective ({', '.join(sorted(_COLLECTIVES))}), "
+                             f"'send' or 'recv', got {op!r}")
+        if peer is not None:
+            raise ValueError(f"peer is only for 'send'/'recv'; collective {op!r} tells "
+                             f"every rank of the group, got peer={peer!r}")
         self._reject(op, error)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -454,7 +503,12 @@ class DeviceCommunicator(abc.ABC):
         :class:`~device_comms.errors.CollectiveMismatch` instead of pairing
         one rank's call ``#n`` with another's ``#n+1`` of the same kind.
         None: the communicator numbers its own calls.
+
+        Raises:
+            TypeError: ``source`` is neither callable nor None.
         """
+        if source is not None and not callable(source):
+            raise TypeError(f"source must be callable or None, got {type(source).__name__}")
         self._call_number = source
 
     @contextlib.contextmanager

@@ -165,8 +165,7 @@ def reject_through_comm(comm: DeviceCommunicator, kind: str, e: BaseException,
                         peer: int) -> None:
     """Take part in a ``send``/``recv`` (``kind``) of the communicator as a rank whose
     arguments failed with ``e``, so that ``peer`` raises ``PeerRejectedError``."""
-    # The communicator's point-to-point rejection has no public method yet.
-    comm._reject(kind, e, peer)  # noqa: SLF001 - device_comms lacks a public p2p reject
+    comm.reject(kind, e, peer)
 
 
 def _take(group: TensorGroup, links: ShmLinks, link: Any, src: int,

@@ -416,7 +416,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
             self.shm_calls["all_reduce"] += 1
             return eng.all_reduce(t, op)
         if self._hier is not None:
-            h = self._header("all_reduce", t.dtype, op, 0, t.shape, t.shape)
+            h = self._signed.header("all_reduce", t.dtype, op, 0, t.shape, t.shape)
             return self._hier.all_reduce(t, op, h)
         return super()._all_reduce(t, op)
 

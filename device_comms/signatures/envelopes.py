@@ -18,10 +18,9 @@ done (each rank computes its result from the payloads: an all-reduce reduces
 them in rank order, so every rank gets bitwise identical values), larger ones
 run the gloo collective next, with sizes every rank agreed on. A collective
 rather than point-to-point messages, because gloo's point-to-point path is a
-rendezvous of several thread hand-offs: on a loaded 2-core machine one
-exchange of two messages took 3-4 times as long as a 1 KiB all-reduce, while
-an all-gather of 4 KiB blocks took the same time as the all-reduce (see
-docs/performance.md).
+rendezvous of several thread hand-offs, so an exchange of two messages costs
+more than one all-gather of small blocks, which costs about what a small
+all-reduce does (figures in docs/performance.md).
 
 Each call contributes exactly one block whatever happens (valid, rejected,
 mismatched), so the next call pairs with the peers' next call: after a

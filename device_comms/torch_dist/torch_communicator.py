@@ -46,6 +46,7 @@ the stream every call and break CUDA graph capture, so they keep
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,7 @@ from device_comms.errors import CollectiveMismatch, DecodeError
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 from device_comms.signatures.call_signature import data_shape
-from device_comms.signatures.envelopes import BLOCK_INLINE, INLINE_MAX, as_bytes
+from device_comms.signatures.envelopes import BLOCK_INLINE, INLINE_MAX, Blocks, as_bytes
 from device_comms.signatures.signed_calls import SignedCalls
 from device_comms.torch_dist import gloo_alltoallv
 from shm_broadcast.ranks.group_adapter import object_group
@@ -116,7 +117,7 @@ def wire_view(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
+class TorchDistributedCommunicator(DeviceCommunicator):
     """Every op through ``torch.distributed`` on ``device_group`` (any device type).
 
     Same arguments as :class:`~device_comms.base.DeviceCommunicator`.
@@ -136,29 +137,47 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         timeout: float | None = None,
     ) -> None:
         super().__init__(cpu_group, device, device_group, unique_name, timeout=timeout)
-        self._init_signed_calls()
+        #: Whether calls are signed (an envelope exchange first; see the module
+        #: docstring): only for CPU tensors, since on a GPU the exchange would
+        #: synchronise the stream every call and could not run inside CUDA graph
+        #: capture, so GPU calls keep torch.distributed's behaviour.
+        self._checks_calls: bool = self.device.type == "cpu"
+        #: The signed calls' state and steps (used only when ``_checks_calls``).
+        self._signed = SignedCalls(
+            self.device_group, self.unique_name, self.rank_in_group, self.world_size,
+            prologue=self._prologue, call_number=self._call_number,
+        )
 
     def _g(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
-    @property
-    def _checks_calls(self) -> bool:
-        """Whether calls are signed (an envelope exchange first; see the module docstring).
+    def number_calls(self, source: Callable[[], int] | None) -> None:
+        """Number the collectives (see the base class); the signed calls' headers
+        carry the numbers."""
+        super().number_calls(source)
+        self._signed.number_calls(source)
 
-        Only for CPU tensors: on a GPU the exchange would synchronise the
-        stream every call and could not run inside CUDA graph capture, so GPU
-        calls keep torch.distributed's behaviour.
+    def _prologue(self, op: str, header: np.ndarray | None, reason: str | None) -> bool:
+        """Agree on a signed collective by a cheaper or wider means first (none here).
+
+        :class:`~device_comms.signatures.signed_calls.SignedCalls` calls it
+        before every collective's envelopes. Subclasses whose ranks also meet
+        elsewhere (the shared-memory engine, the hierarchical leaders) override
+        this so that a call there and a call here are compared too. Returns
+        True when it already told the peers about this rank's rejection
+        (``reason``).
         """
-        return self.device.type == "cpu"
+        return False
 
     # --- reductions -----------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         if self._checks_calls:
+            signed = self._signed
             small = t.nbytes <= BLOCK_INLINE
-            h = self._header("all_reduce", t.dtype, op, 0, t.shape, t.shape)
-            self._call("all_reduce", h, t if small else None)
+            h = signed.header("all_reduce", t.dtype, op, 0, t.shape, t.shape)
+            signed.call("all_reduce", h, t if small else None)
             if small:
-                return reduce_views(self._received(t), op)
+                return reduce_views(signed.received(t), op)
         wide = _REDUCE_AS.get(t.dtype)
         out = t.to(wide) if wide is not None else t.clone()
         dist.all_reduce(out, op=_wire_op(op, t.dtype), group=self.device_group)
@@ -173,11 +192,12 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
     def _reduce(self, t: torch.Tensor, dst: int, op: ReduceOp) -> torch.Tensor | None:
         me = self.rank_in_group == dst
         if self._checks_calls:
+            signed = self._signed
             small = t.nbytes <= BLOCK_INLINE
-            h = self._header("reduce", t.dtype, op, dst, t.shape, t.shape)
-            self._call("reduce", h, t if small and not me else None)
+            h = signed.header("reduce", t.dtype, op, dst, t.shape, t.shape)
+            signed.call("reduce", h, t if small and not me else None)
             if small:
-                return reduce_views(self._received(t), op) if me else None
+                return reduce_views(signed.received(t), op) if me else None
         wide = _REDUCE_AS.get(t.dtype)
         out = t.to(wide) if wide is not None else t.clone()
         dist.reduce(out, dst=self._g(dst), op=_wire_op(op, t.dtype), group=self.device_group)
@@ -241,10 +261,10 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         Every rank's block then holds its whole input; this rank reduces its
         region of each, in rank order.
         """
-        me, inner = self.rank_in_group, x.shape[1:]
+        me, inner, signed = self.rank_in_group, x.shape[1:], self._signed
         small = x.nbytes <= BLOCK_INLINE
-        h = self._header(kind, t.dtype, op, 0, layout, t.shape)
-        self._call(kind, h, x if small else None)
+        h = signed.header(kind, t.dtype, op, 0, layout, t.shape)
+        signed.call(kind, h, x if small else None)
         if not small:
             if kind == "reduce_scatter":
                 return self._plain_reduce_scatter(x, dim, op)
@@ -252,7 +272,7 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         start = sum(sizes[:me])
         mine = x[start : start + sizes[me]]
         at = [start * math.prod(inner)] * self.world_size
-        got = self._received(mine, [mine.shape] * self.world_size, at)
+        got = signed.received(mine, [mine.shape] * self.world_size, at)
         return reduce_views(got, op).movedim(0, dim).contiguous()
 
     def _plain_reduce_scatterv(
@@ -287,11 +307,12 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
     # --- data movement ----------------------------------------------------------
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if self._checks_calls:
+            signed = self._signed
             small = t.nbytes <= BLOCK_INLINE
-            h = self._header("all_gather", t.dtype, None, 0, (t.shape, dim), t.shape)
-            self._call("all_gather", h, t if small else None)
+            h = signed.header("all_gather", t.dtype, None, 0, (t.shape, dim), t.shape)
+            signed.call("all_gather", h, t if small else None)
             if small:
-                return torch.cat(self._received(t), dim)
+                return torch.cat(signed.received(t), dim)
         n = self.world_size
         out = torch.empty((n,) + t.shape, dtype=t.dtype, device=t.device)
         _all_gather_flat(wire_view(out).view(-1), wire_view(t).view(-1), group=self.device_group)
@@ -300,12 +321,13 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         inner = t.shape[:dim] + t.shape[dim + 1 :]
         if self._checks_calls:
+            signed = self._signed
             small = max(sizes) * math.prod(inner) * t.element_size() <= BLOCK_INLINE
-            h = self._header("all_gatherv", t.dtype, None, 0, (tuple(sizes), inner, dim), t.shape)
-            self._call("all_gatherv", h, t if small else None)
+            h = signed.header("all_gatherv", t.dtype, None, 0, (tuple(sizes), inner, dim), t.shape)
+            signed.call("all_gatherv", h, t if small else None)
             if small:
                 shapes = [t.shape[:dim] + (s,) + t.shape[dim + 1 :] for s in sizes]
-                return torch.cat(self._received(t, shapes), dim)
+                return torch.cat(signed.received(t, shapes), dim)
         return self._plain_gatherv(t, dim, sizes)
 
     def _plain_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
@@ -326,11 +348,12 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         me = self.rank_in_group == dst
         if self._checks_calls:
+            signed = self._signed
             small = t.nbytes <= BLOCK_INLINE
-            h = self._header("gather", t.dtype, None, dst, (t.shape, dim), t.shape)
-            self._call("gather", h, t if small and not me else None)
+            h = signed.header("gather", t.dtype, None, dst, (t.shape, dim), t.shape)
+            signed.call("gather", h, t if small and not me else None)
             if small:
-                return torch.cat(self._received(t), dim) if me else None
+                return torch.cat(signed.received(t), dim) if me else None
         bufs = [torch.empty_like(t) for _ in range(self.world_size)] if me else None
         dist.gather(
             wire_view(t),
@@ -342,13 +365,14 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if self._checks_calls:
+            signed = self._signed
             small = t.nbytes <= BLOCK_INLINE
             me = self.rank_in_group == src
-            h = self._header("broadcast", t.dtype, None, src, t.shape, t.shape)
-            self._call("broadcast", h, t if small and me else None)
+            h = signed.header("broadcast", t.dtype, None, src, t.shape, t.shape)
+            signed.call("broadcast", h, t if small and me else None)
             if small:
                 if not me:
-                    t.copy_(self._envelopes().views(t.dtype, t.shape)[src])
+                    t.copy_(signed.blocks().views(t.dtype, t.shape)[src])
                 return t
         dist.broadcast(wire_view(t), src=self._g(src), group=self.device_group)
         return t
@@ -388,32 +412,34 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         open; every rank's ``dim`` travels in word 10 and is checked against
         the source's tensor after the exchange.
         """
-        n, me = self.world_size, self.rank_in_group
+        n, me, signed = self.world_size, self.rank_in_group, self._signed
         if t is not None:
             prefix = _shape_prefix(t.shape)
             small = prefix.numel() + t.nbytes <= BLOCK_INLINE
             payload = torch.cat([prefix, as_bytes(t)]) if small else prefix
-            h = self._header("scatter", None, None, src, (), t.shape, data_dtype=t.dtype, extra=dim)
-            self._call("scatter", h, payload)
-            self._check_scatter_dims(src, h)
+            h = signed.header("scatter", None, None, src, (), t.shape, data_dtype=t.dtype,
+                              extra=dim)
+            signed.call("scatter", h, payload)
+            self._check_scatter_dims(src, h, signed.blocks())
             if small:
                 mine = torch.tensor_split(t, n, dim)[me]
                 return mine.clone(memory_format=torch.contiguous_format)
             return self._plain_scatter(t, src, list(t.shape), t.dtype, dim)
-        h = self._header("scatter", None, None, src, (), None, extra=dim)
-        self._call("scatter", h)
-        d = self._check_scatter_dims(src, h)
-        shape, dtype = self._scatter_source(src)
+        h = signed.header("scatter", None, None, src, (), None, extra=dim)
+        signed.call("scatter", h)
+        env = signed.blocks()
+        d = self._check_scatter_dims(src, h, env)
+        shape, dtype = self._scatter_source(src, env)
         skip = 16 * ((len(shape) + 1) // 2)
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         if skip + nbytes <= BLOCK_INLINE:
-            whole = self._payload(src)[skip : skip + nbytes].view(dtype).view(shape)
+            whole = env.payload(src)[skip : skip + nbytes].view(dtype).view(shape)
             return torch.tensor_split(whole, n, d)[me].clone(memory_format=torch.contiguous_format)
         return self._plain_scatter(None, src, shape, dtype, d)
 
-    def _check_scatter_dims(self, src: int, mine: np.ndarray) -> int:
-        """The source's scatter dim; raises on every rank unless every rank's ``dim`` names it."""
-        env = self._envelopes()
+    def _check_scatter_dims(self, src: int, mine: np.ndarray, env: Blocks) -> int:
+        """The source's scatter dim (``env``: the exchange of the call, ``mine``: this rank's
+        header); raises on every rank unless every rank's ``dim`` names it."""
         me = self.rank_in_group
         words = [mine if r == me else env.words[r] for r in range(self.world_size)]
         ndim, src_d = int(words[src][9]), int(words[src][10])
@@ -429,11 +455,12 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
             )
         return src_d
 
-    def _scatter_source(self, src: int) -> tuple[list[int], torch.dtype]:
-        """Shape and dtype of the source's tensor, from its block (checked before allocating)."""
-        words = self._envelopes().words[src]
+    def _scatter_source(self, src: int, env: Blocks) -> tuple[list[int], torch.dtype]:
+        """Shape and dtype of the source's tensor, from its block in ``env`` (checked before
+        allocating)."""
+        words = env.words[src]
         ndim = int(words[9])
-        raw = self._payload(src)
+        raw = env.payload(src)
         _, dtype = data_shape(words)
         shape = None
         if 0 < ndim <= _MAX_DIMS and raw.numel() >= 8 * ndim:
@@ -471,13 +498,14 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         n, me = self.world_size, self.rank_in_group
         x = t.movedim(scatter_dim, 0).contiguous()
         if self._checks_calls:
+            signed = self._signed
             small = x.nbytes <= BLOCK_INLINE
-            h = self._header("all_to_all", t.dtype, None, 0, (t.shape, scatter_dim, gather_dim),
-                             t.shape)
-            self._call("all_to_all", h, x if small else None)
+            h = signed.header("all_to_all", t.dtype, None, 0, (t.shape, scatter_dim, gather_dim),
+                              t.shape)
+            signed.call("all_to_all", h, x if small else None)
             if small:  # piece ``me`` of every rank's whole input
                 mine = torch.tensor_split(x, n, 0)[me]
-                got = self._received(mine, [mine.shape] * n, [me * mine.numel()] * n)
+                got = signed.received(mine, [mine.shape] * n, [me * mine.numel()] * n)
                 return torch.cat([p.movedim(0, scatter_dim) for p in got], gather_dim).contiguous()
         out = torch.empty_like(x)
         dist.all_to_all_single(wire_view(out), wire_view(x), group=self.device_group)
@@ -489,18 +517,21 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
         self, t: torch.Tensor, send: list[int], recv: list[int] | None
     ) -> torch.Tensor:
         if self._checks_calls:
+            signed = self._signed
             return gloo_alltoallv.signed_all_to_allv(
-                self, t, send, recv, header=self._header, call=self._call, payload=self._payload)
+                self, t, send, recv, header=signed.header, call=signed.call,
+                payload=signed.payload)
         got = gloo_alltoallv.exchange_sizes(self, send, recv)
         out = torch.empty((sum(got),) + t.shape[1:], dtype=t.dtype, device=t.device)
         return gloo_alltoallv.plain_all_to_allv(self.device_group, t, send, got, out)
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
         if self._checks_calls:
+            signed = self._signed
             small = t.nbytes <= INLINE_MAX
-            h = self._header("send/recv", t.dtype, None, self.rank_in_group, t.shape, t.shape)
-            with self._p2p_side("send", dst) as side:
-                self._p2p_call("send", side, h, as_bytes(t) if small else None)
+            h = signed.header("send/recv", t.dtype, None, self.rank_in_group, t.shape, t.shape)
+            with signed.p2p_side("send", dst) as side:
+                signed.p2p_call("send", side, h, as_bytes(t) if small else None)
                 if not small:
                     side.send_raw(as_bytes(t)).wait()
             return
@@ -509,9 +540,10 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
     def _recv(self, size: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(size, dtype=dtype, device=self.device)
         if self._checks_calls:
-            with self._p2p_side("recv", src) as side:
-                header = self._header("send/recv", dtype, None, src, size, size)
-                self._p2p_call("recv", side, header)
+            signed = self._signed
+            with signed.p2p_side("recv", src) as side:
+                header = signed.header("send/recv", dtype, None, src, size, size)
+                signed.p2p_call("recv", side, header)
                 if out.nbytes <= INLINE_MAX:
                     as_bytes(out).copy_(side.payload())
                 else:
@@ -530,12 +562,13 @@ class TorchDistributedCommunicator(SignedCalls, DeviceCommunicator):
             if op == "all_to_allv":  # its sizes travel over the CPU group anyway
                 self._guard(op, gloo_alltoallv.reject_exchange, self, message)
             return  # other GPU calls exchange no headers: peers cannot be told (see _checks_calls)
+        signed = self._signed
         if op in ("send", "recv"):
             if meta:
-                with self._p2p_side(op, meta[0]) as side:
-                    self._guard(op, self._p2p_call, op, side, None, None, message)
+                with signed.p2p_side(op, meta[0]) as side:
+                    self._guard(op, signed.p2p_call, op, side, None, None, message)
             return
-        self._guard(op, self._reject_call, op, message)
+        self._guard(op, signed.reject, op, message)
 
 
 _MAX_DIMS = 64  # dims a tensor may have (torch's limit)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from device_comms import (
     CollectiveMismatch,
+    CommunicatorClosed,
     CpuCommunicator,
     DeviceCommError,
     DeviceCommunicator,
@@ -192,3 +193,108 @@ def test_lists_of_different_lengths_raise_on_every_rank(dist_pool, world_size: i
                     assert "lists of" in text and took < 2.0, f"{where}: {text} {took:.2f}s"
                     assert total == [float(world_size)] * 2, f"{where}: then {total}"
             assert out[f"{path}|same"] == [[float(r) for r in range(world_size)]] * 2
+
+
+# -------------------------------- the public reject of a send/recv (DeviceCommunicator.reject)
+def public_p2p_reject(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 0 rejects its send to 1 while 1 receives; then rank 1 rejects its receive
+    from 0 while 0 sends. Then a good transfer each way, the arguments ``reject``
+    refuses, and a closed communicator."""
+    world = dist.group.WORLD
+    comms = {
+        "shm": CpuCommunicator(world, torch.device("cpu"), unique_name="prej-shm"),
+        "gloo": TorchDistributedCommunicator(world, torch.device("cpu"), unique_name="prej-gloo"),
+    }
+    out: dict[str, Any] = {"mode": comms["shm"].mode}
+    peer = 1 - rank
+    for path, comm in comms.items():
+        for rejecter, op in ((0, "send"), (1, "recv")):
+            t0 = time.monotonic()
+            try:
+                if rank == rejecter:
+                    err = ValueError(f"{op} argument bad on purpose")
+                    comm.reject(op, err, peer)
+                    got: tuple = ("told", getattr(err, "__notes__", []))
+                elif op == "send":
+                    comm.recv((2,), torch.float32, rejecter)
+                    got = ("none",)
+                else:
+                    comm.send(torch.ones(2), rejecter)
+                    got = ("none",)
+            except PeerRejectedError as e:
+                got = ("PeerRejectedError", str(e), e.rank, time.monotonic() - t0)
+            out[f"{path}|{op}"] = got
+        # The pair still works, both ways.
+        for src in (0, 1):
+            if rank == src:
+                comm.send(torch.arange(3.0) + src, 1 - src)
+            else:
+                out[f"{path}|after|{src}"] = comm.recv((3,), torch.float32, src).tolist()
+        err = ValueError("x")
+        refused: dict[str, str] = {}
+        for name, args in {
+            "op-type": (1, err),
+            "op-unknown": ("all_reducee", err),
+            "error-type": ("send", "not an exception", peer),
+            "peer-missing": ("recv", err),
+            "peer-self": ("send", err, rank),
+            "peer-outside": ("send", err, 2),
+            "peer-type": ("recv", err, True),
+            "peer-on-collective": ("all_reduce", err, peer),
+        }.items():
+            try:
+                comm.reject(*args)
+                refused[name] = "none"
+            except (TypeError, ValueError) as e:
+                refused[name] = f"{type(e).__name__}: {e}"
+        try:
+            comm.number_calls(5)
+            refused["number_calls"] = "none"
+        except TypeError as e:
+            refused["number_calls"] = f"TypeError: {e}"
+        out[f"{path}|refused"] = refused
+        comm.destroy()
+        try:
+            comm.reject("send", err, peer)
+            out[f"{path}|closed"] = "none"
+        except CommunicatorClosed as e:
+            out[f"{path}|closed"] = f"closed: {e}"
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_public_reject_of_a_send_or_recv_makes_the_peer_raise(dist_pool) -> None:
+    outs = dist_pool(2).run(public_p2p_reject, timeout=75)
+    for rank, out in enumerate(outs):
+        assert out["mode"] == "shm"
+        for path in ("shm", "gloo"):
+            for rejecter, op in ((0, "send"), (1, "recv")):
+                got = out[f"{path}|{op}"]
+                where = f"{path} {op} rejected by rank {rejecter}, rank {rank}"
+                if rank == rejecter:
+                    assert got == ("told", []), f"{where}: {got}"
+                else:
+                    assert got[0] == "PeerRejectedError", f"{where}: {got}"
+                    assert got[2] == rejecter and f"rank {rejecter}" in got[1], f"{where}: {got}"
+                    assert f"{op} argument bad on purpose" in got[1], f"{where}: {got[1]}"
+                    assert got[3] < 5.0, f"{where}: took {got[3]:.2f}s"
+            if rank == 1:
+                assert out[f"{path}|after|0"] == [0.0, 1.0, 2.0]
+            else:
+                assert out[f"{path}|after|1"] == [1.0, 2.0, 3.0]
+            refused = out[f"{path}|refused"]
+            want = {
+                "op-type": ("TypeError", "op"),
+                "op-unknown": ("ValueError", "'all_reducee'"),
+                "error-type": ("TypeError", "error must be an exception"),
+                "peer-missing": ("ValueError", "peer is required"),
+                "peer-self": ("ValueError", "is this rank"),
+                "peer-outside": ("ValueError", "peer"),
+                "peer-type": ("TypeError", "peer"),
+                "peer-on-collective": ("ValueError", "peer is only for"),
+                "number_calls": ("TypeError", "source must be callable"),
+            }
+            for name, (kind, word) in want.items():
+                assert refused[name].startswith(kind) and word in refused[name], (
+                    f"{path} {name}, rank {rank}: {refused[name]}")
+            assert out[f"{path}|closed"].startswith("closed: "), out[f"{path}|closed"]
