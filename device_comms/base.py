@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from device_comms import alltoallv, validation
-from device_comms.cpu_shm import step_errors
 from device_comms.errors import (
     CollectiveMismatch,
     CommunicatorClosed,
     DeviceCommError,
     add_note,
     translate_backend_error,
+    with_own_arguments,
 )
 from device_comms.reduce_op import ReduceOp, check_reduce_op
 from shm_broadcast import checks
@@ -645,7 +645,7 @@ class DeviceCommunicator(abc.ABC):
             with torch.no_grad():  # collectives are not autograd ops (as in torch.distributed)
                 return fn(*args)
         except CollectiveMismatch as e:  # the message names what this rank passed
-            step_errors.with_own_arguments(e, args)
+            with_own_arguments(e, args)
             raise
         except DeviceCommError:
             raise  # raised at a point the transport defines (a step, a header)

@@ -8,6 +8,10 @@ The family (root, timeout, dead peer, closed, mismatch) is defined once in
 
 from __future__ import annotations
 
+import enum
+
+import torch
+
 from shm_broadcast.errors import (
     ClosedError,
     CollectiveMismatch,
@@ -37,6 +41,7 @@ __all__ = [
     "NcclError",
     "KernelCompileError",
     "add_note",
+    "with_own_arguments",
 ]
 
 # The family is defined once, in the bottom package; these are the same classes.
@@ -126,3 +131,24 @@ class KernelCompileError(GroupCoordError, RuntimeError):
     """
 
     log: str = ""
+
+
+def with_own_arguments(error: CollectiveMismatch, args: tuple[object, ...]) -> CollectiveMismatch:
+    """``error`` with what this rank passed to the call appended to its message
+    (tensors as dtype and shape), so a digest of sizes in the message can be
+    read against the arguments; done once per error."""
+    if isinstance(error, PeerRejectedError) or getattr(error, "own_arguments", None):
+        return error
+    own = ", ".join(_describe(arg) for arg in args)
+    error.own_arguments = own  # type: ignore[attr-defined]  # an extra, read back above
+    if error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} (this rank passed: {own})", *error.args[1:])
+    return error
+
+
+def _describe(arg: object) -> str:
+    if isinstance(arg, torch.Tensor):
+        return f"{str(arg.dtype).removeprefix('torch.')} tensor of shape {tuple(arg.shape)}"
+    if isinstance(arg, enum.Enum):
+        return arg.name
+    return f"{arg!r:.80}"

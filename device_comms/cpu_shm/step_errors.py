@@ -8,10 +8,7 @@ elsewhere (:func:`relayed`). Messages name the group, the op and the ranks.
 
 from __future__ import annotations
 
-import enum
-
 import msgspec
-import torch
 
 from device_comms.errors import (
     CollectiveMismatch,
@@ -23,7 +20,7 @@ from device_comms.errors import (
 )
 from device_comms.signatures.step_signature import describe_signature
 
-__all__ = ["mismatch", "out_of_step", "relayed", "timeout", "with_own_arguments"]
+__all__ = ["mismatch", "out_of_step", "relayed", "timeout"]
 
 
 def mismatch(name: str, op: str, me: int, other: int, mine: tuple[int, int],
@@ -40,27 +37,6 @@ def mismatch(name: str, op: str, me: int, other: int, mine: tuple[int, int],
     )
     error.calls = calls  # type: ignore[attr-defined]  # an extra the leaders read
     return error
-
-
-def with_own_arguments(error: CollectiveMismatch, args: tuple[object, ...]) -> CollectiveMismatch:
-    """``error`` with what this rank passed to the call appended to its message
-    (tensors as dtype and shape), so a digest of sizes in the message can be
-    read against the arguments; done once per error."""
-    if isinstance(error, PeerRejectedError) or getattr(error, "own_arguments", None):
-        return error
-    own = ", ".join(_describe(arg) for arg in args)
-    error.own_arguments = own  # type: ignore[attr-defined]  # an extra, read back above
-    if error.args and isinstance(error.args[0], str):
-        error.args = (f"{error.args[0]} (this rank passed: {own})", *error.args[1:])
-    return error
-
-
-def _describe(arg: object) -> str:
-    if isinstance(arg, torch.Tensor):
-        return f"{str(arg.dtype).removeprefix('torch.')} tensor of shape {tuple(arg.shape)}"
-    if isinstance(arg, enum.Enum):
-        return arg.name
-    return f"{arg!r:.80}"
 
 
 def out_of_step(name: str, op: str, me: int, call: int,
