@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,8 @@ from shm_broadcast import checks
 from shm_broadcast.checks import check_timeout
 
 __all__ = ["DeviceCommunicator"]
+
+_R = TypeVar("_R")  # what a guarded hook returns
 
 
 class DeviceCommunicator(abc.ABC):
@@ -585,7 +587,7 @@ class DeviceCommunicator(abc.ABC):
     def _recv(self, size: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor: ...
 
     # ------------------------------------------------------------------ errors
-    def _guard(self, op: str, fn: Any, *args: Any) -> Any:
+    def _guard(self, op: str, fn: Callable[..., _R], *args: Any) -> _R:
         """Run a hook, turning backend failures into this package's errors."""
         try:
             with torch.no_grad():  # collectives are not autograd ops (as in torch.distributed)
