@@ -134,7 +134,8 @@ def _reduce_scatter_fake(
 # --------------------------------------------------------------------------- helpers
 def traced_all_reduce(group: Any, tensor: torch.Tensor) -> torch.Tensor:
     """Call ``groupcoord::all_reduce`` for ``group`` (anything with ``unique_name``)."""
-    return torch.ops.groupcoord.all_reduce(tensor, group.unique_name)
+    out: torch.Tensor = torch.ops.groupcoord.all_reduce(tensor, group.unique_name)
+    return out
 
 
 def tracing() -> bool:
@@ -152,16 +153,18 @@ def traced_alone(input_: torch.Tensor, dim: int) -> torch.Tensor:
 
 def traced_all_gather(group: Any, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Call ``groupcoord::all_gather`` for ``group`` (needs ``unique_name``, ``world_size``)."""
-    return torch.ops.groupcoord.all_gather(
+    out: torch.Tensor = torch.ops.groupcoord.all_gather(
         tensor, norm_dim(dim, tensor.dim()), group.world_size, group.unique_name
     )
+    return out
 
 
 def traced_reduce_scatter(group: Any, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Call ``groupcoord::reduce_scatter`` for ``group`` (needs ``unique_name``, ``world_size``)."""
-    return torch.ops.groupcoord.reduce_scatter(
+    out: torch.Tensor = torch.ops.groupcoord.reduce_scatter(
         tensor, norm_dim(dim, tensor.dim()), group.world_size, group.unique_name
     )
+    return out
 
 
 # --------------------------------------------------------------------------- autograd

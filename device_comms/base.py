@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ _COLLECTIVES = frozenset({
     "gather", "reduce", "broadcast", "scatter", "all_to_all", "all_to_allv",
 })
 _P2P_OPS = frozenset({"send", "recv"})
+_R = TypeVar("_R")  # what a guarded hook returns
 
 
 class DeviceCommunicator(abc.ABC):
@@ -639,7 +640,7 @@ class DeviceCommunicator(abc.ABC):
     def _recv(self, size: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor: ...
 
     # ------------------------------------------------------------------ errors
-    def _guard(self, op: str, fn: Any, *args: Any) -> Any:
+    def _guard(self, op: str, fn: Callable[..., _R], *args: Any) -> _R:
         """Run a hook, turning backend failures into this package's errors."""
         try:
             with torch.no_grad():  # collectives are not autograd ops (as in torch.distributed)

@@ -9,6 +9,7 @@ The family (root, timeout, dead peer, closed, mismatch) is defined once in
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 
@@ -79,7 +80,7 @@ class NcclError(GroupCoordError, RuntimeError):
         super().__init__(f"{call} failed with NCCL error {code}: {detail or 'no description'}")
         self.call, self.code, self.detail = call, code, detail
 
-    def __reduce__(self) -> tuple:  # keeps the custom __init__ picklable across processes
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps the custom __init__ picklable across processes
         return (type(self), (self.call, self.code, self.detail))
 
 

@@ -148,7 +148,7 @@ def _same_kind(tensors: Any) -> torch.Tensor:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
-    first = tensors[0]
+    first: torch.Tensor = tensors[0]
     for i, t in enumerate(tensors[1:], 1):
         if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
             raise ValueError(

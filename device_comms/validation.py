@@ -168,7 +168,8 @@ def check_out(out: Any, like: torch.Tensor, device: torch.device | None = None) 
             f"{out.data_ptr():#x}, input_'s at {like.data_ptr():#x}); pass input_ itself "
             "(in place) or a separate tensor"
         )
-    return out
+    checked: torch.Tensor = out  # a tensor since check_tensor(out) returned
+    return checked
 
 
 def check_out_meta(out: Any, like: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,13 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shm_broadcast.cli_args import number
+
+if TYPE_CHECKING:
+    from shm_broadcast.lifecycle.channel_dirs import ChannelDirInfo
+    from shm_broadcast.lifecycle.segment import SegmentInfo
 
 __all__ = ["add_cleanup_args", "run_cleanup", "add_bench_args", "run_bench", "main"]
 
@@ -80,7 +85,8 @@ def run_cleanup(args: argparse.Namespace) -> int:
     return 1 if failed else _unknown_status(unknown, args.yes)
 
 
-def _list_orphans(orphans: list, dead_dirs: list, records: list[str]) -> None:
+def _list_orphans(orphans: list[SegmentInfo], dead_dirs: list[ChannelDirInfo],
+                  records: list[str]) -> None:
     for s in orphans:
         print(f"orphan   {s.name}  ({s.kind}, {_size(s.size)}, owner pid {s.pid}: {s.reason})")
     for r in records:
@@ -92,7 +98,8 @@ def _list_orphans(orphans: list, dead_dirs: list, records: list[str]) -> None:
           f"{len(dead_dirs)} channel directory(ies); run `groupcoord cleanup --yes` to remove them")
 
 
-def _remove_orphans(orphans: list, dead_dirs: list, records: list[str]) -> int:
+def _remove_orphans(orphans: list[SegmentInfo], dead_dirs: list[ChannelDirInfo],
+                    records: list[str]) -> int:
     """Remove (re-judging first); returns how many removals failed."""
     from shm_broadcast.lifecycle.channel_dirs import remove_dead_channel_dirs
     from shm_broadcast.lifecycle.segment import (
@@ -140,7 +147,7 @@ def _bases() -> list[str]:
     return channel_dir_bases()
 
 
-def _unknown_status(unknown: list, yes: bool) -> int:
+def _unknown_status(unknown: list[str], yes: bool) -> int:
     """Exit status for items kept undecided: 2 with ``--yes`` (the caller asked to clean)."""
     if not unknown:
         return 0

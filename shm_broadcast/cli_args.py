@@ -34,7 +34,7 @@ def number(kind: type = float, *, minimum: float | None = None, above: float | N
 
     def parse(text: str) -> float:
         try:
-            value = kind(text)
+            value: float | None = kind(text)
         except (ValueError, OverflowError):
             value = None
         if (value is None or (kind is float and not math.isfinite(value))

@@ -41,6 +41,7 @@ The older names stay as aliases of the same classes: ``ShmBroadcastError``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "GroupCoordError",
@@ -130,7 +131,7 @@ class PeerRejectedError(CollectiveMismatch):
         )
         self.rank, self.op, self.reason = rank, op, reason
 
-    def __reduce__(self) -> tuple:  # keeps the custom __init__ picklable across processes
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps the custom __init__ picklable across processes
         return (_rebuild_rejected, (str(self), self.rank, self.op, self.reason))
 
 

@@ -135,7 +135,7 @@ def _new_block(name: str) -> dict[str, Any]:
             "wait_cpu_ns": 0, "wait_wall_ns": 0, "late_starts": 0}
 
 
-def _drive(tp: Any, queues: dict[str, Any], x: Any, cfg: EngineBenchConfig) -> list[dict]:
+def _drive(tp: Any, queues: dict[str, Any], x: Any, cfg: EngineBenchConfig) -> list[dict[str, Any]]:
     """The driver: every block's steps on a fixed clock, then the switch message."""
     schedule = _schedule(cfg)
     blocks = []
@@ -170,7 +170,7 @@ def _drive_block(tp: Any, q: Any, x: Any, msg: dict[str, Any], block: dict[str, 
         nxt = max(nxt + step_s, clock())
 
 
-def _serve(tp: Any, queues: dict[str, Any], x: Any, cfg: EngineBenchConfig) -> list[dict]:
+def _serve(tp: Any, queues: dict[str, Any], x: Any, cfg: EngineBenchConfig) -> list[dict[str, Any]]:
     """A worker: dequeue, time the arrival and the wait's CPU, run the layers."""
     blocks = []
     name: str | None = cfg.policies[0]

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from time import monotonic
-from typing import Any
+from typing import Any, TypeVar
 
 from coordinator.calls.call_errors import WAIT_ERRORS, CallErrors
 from coordinator.errors import NotInitializedError, PeerDiedError
 
 __all__ = ["CallBook", "destroyed_msg"]
+
+_R = TypeVar("_R")  # what a numbered call returns
 
 
 def destroyed_msg(name: str, op: str) -> str:
@@ -84,8 +86,8 @@ class CallBook:
         if self.errors.destroyed:
             raise NotInitializedError(destroyed_msg(self.name, op))
 
-    def run(self, op: str, fn: Callable[..., Any], *args: Any, partner: int | None = None,
-            p2p: bool = False) -> Any:
+    def run(self, op: str, fn: Callable[..., _R], *args: Any, partner: int | None = None,
+            p2p: bool = False) -> _R:
         """Run ``fn(*args)`` as call ``op``: numbered (a collective call unless
         ``p2p``), and a failed wait explained (``partner``: the peer of a
         point-to-point call)."""

@@ -36,6 +36,7 @@ GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 def loopback_interface() -> str | None:
     """The name of this host's interface that holds an IPv4 loopback address
     (``lo`` on Linux); None when there is none (gloo then keeps its default)."""
+    name: str  # psutil is untyped: its interface names are str
     for name, addrs in psutil.net_if_addrs().items():
         for addr in addrs:
             if addr.family == socket.AF_INET and ipaddress.ip_address(addr.address).is_loopback:

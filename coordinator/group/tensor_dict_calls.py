@@ -262,8 +262,10 @@ class TensorDictCalls:
             return None
         check_peer(src, "src", g.world_size, g.rank_in_group)
         p2p = self._p2p
-        return self._book.run("recv_tensor_dict", p2p.ordered, RECV, src, "recv_tensor_dict",
-                              self._recv, src, all_gather_group, partner=src, p2p=True)
+        got: dict[Any, Any] = self._book.run(  # what self._recv returns
+            "recv_tensor_dict", p2p.ordered, RECV, src, "recv_tensor_dict",
+            self._recv, src, all_gather_group, partner=src, p2p=True)
+        return got
 
     def _check_all_gather_group(self, group: Any) -> AllGatherGroup | None:
         """``all_gather_group``: None or a group of this group's class.

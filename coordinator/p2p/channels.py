@@ -38,7 +38,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from coordinator.calls.call_errors import WAIT_ERRORS
+from coordinator.calls.call_errors import WAIT_ERRORS, CallErrors
 from coordinator.errors import ClosedError, CommTimeout
 
 __all__ = ["Work", "Channel", "Channels", "SEND", "RECV", "LIVENESS_S"]
@@ -69,7 +69,7 @@ class Work:
                  "observed", "dropped", "cancel", "_done", "_settle")
 
     def __init__(self, op: str, peer: int, call: int, fn: Callable[..., Any],
-                 args: tuple[Any, ...], errors: Any, quiet: bool = False) -> None:
+                 args: tuple[Any, ...], errors: CallErrors, quiet: bool = False) -> None:
         self.op, self.peer, self.call = op, peer, call
         self._fn: Callable[..., Any] | None = fn
         self._args: tuple[Any, ...] | None = args

@@ -53,17 +53,20 @@ class P2PHandle:
     def op(self) -> str:
         """The call: ``"isend"``, ``"irecv"``, ``"isend_tensor_dict"`` or
         ``"irecv_tensor_dict"``."""
-        return self._work.op
+        op: str = self._work.op
+        return op
 
     @property
     def peer(self) -> int:
         """The other group rank."""
-        return self._work.peer
+        peer: int = self._work.peer
+        return peer
 
     @property
     def call(self) -> int:
         """The call's number in its group (errors name it)."""
-        return self._work.call
+        call: int = self._work.call
+        return call
 
     def is_completed(self) -> bool:
         """Whether the call finished, successfully or not (``wait()`` then returns at once).
@@ -78,7 +81,8 @@ class P2PHandle:
         if now >= self._next_check:
             self._next_check = now + LIVENESS_S
             self._check_peer()
-        return w.done()
+        done: bool = w.done()
+        return done
 
     def wait(self, timeout: float | datetime.timedelta | None = None) -> Any:
         """Wait for the call; return its result (a receive's tensor or dict, None for sends).

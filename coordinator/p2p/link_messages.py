@@ -123,7 +123,8 @@ def confirmed(link: Any, msg: list[Any], broken: Callable[[BaseException], None]
     message stays in the ring, where a late receiver would pair it with a
     later call), then propagates."""
     try:
-        return link.enqueue_confirmed(msg)[0]
+        verdict: str | None = link.enqueue_confirmed(msg)[0]  # the verdict of its one reader
+        return verdict
     except CommTimeout as e:
         broken(e)
         raise

@@ -64,7 +64,7 @@ import contextlib
 import datetime
 from collections.abc import Callable, Sequence
 from time import monotonic
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -86,6 +86,7 @@ __all__ = ["PointToPoint", "P2PGroup", "CLOSE_GRACE_S"]
 #: Seconds ``destroy()`` lets running point-to-point calls finish before ending them.
 CLOSE_GRACE_S = 1.0
 _BREAK_TAG = 0x6770  # never sent: the expired wait on it closes the group's connections
+_R = TypeVar("_R")  # what a blocking call run in its turn returns
 
 
 class P2PGroup(Protocol):
@@ -175,8 +176,8 @@ class PointToPoint:
         return self._book.run("recv_object", self.ordered, RECV, src, "recv_object",
                               self._objects.recv, src, partner=peer_rank(src), p2p=True)
 
-    def ordered(self, direction: str, peer: Any, op: str, fn: Callable[..., Any],
-                *args: Any) -> Any:
+    def ordered(self, direction: str, peer: Any, op: str, fn: Callable[..., _R],
+                *args: Any) -> _R:
         """Run blocking call ``fn(*args)`` after this direction's outstanding asynchronous calls.
 
         Runs on the caller's thread; costs one dictionary lookup when no

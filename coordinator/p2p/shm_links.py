@@ -146,7 +146,8 @@ class ShmLinks:
             return None
         if self._broken:
             self._check_broken(direction, peer)
-        return got
+        link: MessageQueue = got  # neither unsettled nor _CPU_GROUP
+        return link
 
     def _link(self, direction: str, peer: int, op: str) -> MessageQueue | None:
         if self._group.device.type != "cpu":

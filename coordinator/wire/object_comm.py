@@ -50,13 +50,16 @@ import ctypes
 import functools
 import pickle
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from coordinator.errors import CollectiveMismatch, DecodeError
 from shm_broadcast.codec.message_codec import Codec, SourceFailure
+
+if TYPE_CHECKING:
+    from device_comms.base import DeviceCommunicator
 
 __all__ = [
     "ObjectChannel",
@@ -181,7 +184,8 @@ def host_memory() -> int:
     """Bytes of this host's memory and swap: nothing received can be larger."""
     import psutil
 
-    return psutil.virtual_memory().total + psutil.swap_memory().total
+    total: int = psutil.virtual_memory().total + psutil.swap_memory().total
+    return total
 
 
 def _checked_header(header: torch.Tensor, peer: int) -> tuple[int, int]:
@@ -324,7 +328,7 @@ def gloo_broadcast(src_global: int, group: dist.ProcessGroup) -> Broadcast:
     return bcast
 
 
-def comm_broadcast(comm: Any, src: int) -> Broadcast:
+def comm_broadcast(comm: DeviceCommunicator, src: int) -> Broadcast:
     """Broadcasts through a device communicator serving CPU tensors: signed calls,
     so a rank that called something else makes every rank raise
     ``CollectiveMismatch`` instead of pairing bytes with another call."""

@@ -137,7 +137,8 @@ def _bench_nccl(nbytes: int, dtype: torch.dtype, calls: int, reps: int,
     return out
 
 
-def _eager_and_graph(eager: Callable[[], Any], reps: int, calls: int) -> tuple[dict, dict]:
+def _eager_and_graph(eager: Callable[[], Any], reps: int, calls: int,
+                     ) -> tuple[dict[str, float], dict[str, float]]:
     """Stats of ``eager`` run directly, then replayed from a graph (destroyed before return:
     NCCL keeps a communicator alive while a graph that captured it exists)."""
     eager()

@@ -136,7 +136,8 @@ def _inprocess(iters: int, rounds: int) -> dict[str, list[float]]:
     for p in procs:
         p.start()
     try:
-        return out.get(timeout=1800)
+        stats: dict[str, list[float]] = out.get(timeout=1800)
+        return stats
     finally:
         for p in procs:
             p.join(60)
@@ -175,7 +176,8 @@ def _run(tree: str, path: str, iters: int) -> dict[str, Any]:
                           cwd=os.path.abspath(tree))
     if done.returncode != 0:
         raise RuntimeError(f"job {path} on {tree} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,8 +77,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,8 @@ from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.ranks.topology import node_assignment
 
 __all__ = ["CpuCommunicator", "BYTES_ENV", "ENABLE_ENV", "TIMEOUT_ENV"]
+
+_R = TypeVar("_R")  # what a guarded hook returns
 
 logger = logging.getLogger(__name__)
 
@@ -553,7 +555,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         return eng.broadcast(t, src)
 
     # ------------------------------------------------------------------ one call at a time
-    def _guard(self, op: str, fn: Any, *args: Any) -> Any:
+    def _guard(self, op: str, fn: Callable[..., _R], *args: Any) -> _R:
         """Run a hook as the base does, holding the communicator for a collective.
 
         Point-to-point calls are not held (:mod:`device_comms.cpu.one_call`).

@@ -221,9 +221,10 @@ class SmallAllReduce:
             acc = quiet_numpy_sum(operands)
         if entry.numpy:
             return _from_numpy(acc)
+        reduced: torch.Tensor = acc  # the reduction was torch's, not numpy's
         if entry.avg:
-            acc.div_(self._size)
-        return acc
+            reduced.div_(self._size)
+        return reduced
 
     def _into(
         self,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from device_comms.torch_dist import gloo_alltoallv
 from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
 from shm_broadcast.checks import check_timeout
 from shm_broadcast.timeouts import default_timeout
+
+if TYPE_CHECKING:
+    from device_comms.cuda.custom_allreduce.communicator import CustomAllreduce
 
 __all__ = ["CudaCommunicator"]
 
@@ -78,7 +81,7 @@ class CudaCommunicator(TorchDistributedCommunicator):
                 "use_custom_allreduce must be a bool or None, got "
                 f"{type(use_custom_allreduce).__name__}"
             )
-        self.custom_ar: Any = None
+        self.custom_ar: CustomAllreduce | None = None
         self.custom_ar_reason = "world size 1" if self.world_size == 1 else ""
         self.pynccl: PyNcclCommunicator | None = (
             self._make_pynccl() if self.world_size > 1 else None

@@ -305,7 +305,7 @@ def _calls_of(
 def _call_header(head: np.ndarray, a: int, b: int) -> np.ndarray:
     """A header describing the call signed ``(a, b)`` (words 3-4 of a shared-memory
     step): the dtype comes from the signature, the shape from a shape key."""
-    h = head.copy()
+    h: np.ndarray = head.copy()
     h[3], h[4], h[5], h[6], h[7] = a, b, OK, -1, -1
     h[8], h[9] = (a >> 8) & 0xFF, -1
     shape = shape_of_key(b) if KIND_NAMES.get(a & 0xFF) in SHAPE_KEYED_KINDS else None

@@ -259,7 +259,7 @@ def failure_header(header: np.ndarray, status: int, culprit: int) -> np.ndarray:
     """A copy of ``header`` with a REJECTED/FAILED/SPLIT status naming ``culprit``."""
     if status not in (REJECTED, FAILED, SPLIT):
         raise ValueError(f"status must be REJECTED, FAILED or SPLIT, got {status}")
-    h = header.copy()
+    h: np.ndarray = header.copy()
     h[5], h[6] = status, culprit
     return h
 

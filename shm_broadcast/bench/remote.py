@@ -127,7 +127,7 @@ class QueueEcho:
 
 
 # --------------------------------------------------------------------- zmq
-def _pub_sub(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+def _pub_sub(ctx: zmq.SyncContext) -> tuple[zmq.SyncSocket, zmq.SyncSocket]:
     pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
     for s in (pub, sub):
         s.setsockopt(zmq.LINGER, 0)

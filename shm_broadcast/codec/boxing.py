@@ -115,7 +115,7 @@ def prep(obj: Any) -> Any:
     return _prep_leaf(obj, t)
 
 
-def _plain_rows(obj: list) -> bool:
+def _plain_rows(obj: list[Any]) -> bool:
     """Whether ``obj`` is a list of plain lists, or of plain str-/int-keyed dicts
     (token ids per request, block tables, per-request records): checked with
     one C-level scan over all the rows' items instead of a call per row."""

@@ -158,7 +158,8 @@ class Encoded:
 
     __slots__ = ("msg", "blob_len", "copies", "keep")
 
-    def __init__(self, msg: bytes, blob_len: int, copies: list, keep: list) -> None:
+    def __init__(self, msg: bytes, blob_len: int, copies: list[tuple[int, int, int]],
+                 keep: list[Any]) -> None:
         self.msg = msg
         self.blob_len = blob_len
         self.copies = copies
@@ -298,7 +299,7 @@ class Codec:
             a = np.ascontiguousarray(a)
         dt = a.dtype
         if dt.fields is None and dt.subdtype is None:
-            descr = dt.str.encode()
+            descr: bytes = dt.str.encode()
         else:
             descr = b"\x00" + msgspec.msgpack.encode(np.lib.format.dtype_to_descr(dt))
         nbytes = a.nbytes
@@ -404,17 +405,18 @@ class Codec:
             self._src = b""
 
     def _slice(self, off: int, nbytes: int, dtype: np.dtype, itemsize: int,
-               shape: tuple) -> np.ndarray:
+               shape: tuple[int, ...]) -> np.ndarray:
         """A copy of the message's array at ``off`` (see :meth:`_bytes`)."""
         raw = self._bytes(off, nbytes, dtype, itemsize, shape)
         if raw is None:
             return np.empty(shape, dtype)
         # Copy as raw bytes: a structured dtype's copy() skips its padding bytes
         # (left uninitialised), a byte copy is exact and a plain memcpy.
-        return raw.copy().view(dtype).reshape(shape)
+        out: np.ndarray = raw.copy().view(dtype).reshape(shape)
+        return out
 
     def _plain_copy(self, off: int, nbytes: int, dtype: np.dtype, itemsize: int,
-                    shape: tuple) -> np.ndarray:
+                    shape: tuple[int, ...]) -> np.ndarray:
         """A copy of the message's array of plain (unstructured) ``dtype`` at ``off``.
 
         Plain dtypes have no padding, so numpy's copy of a contiguous array is
@@ -429,10 +431,11 @@ class Codec:
             raise DecodeError(
                 f"corrupt message: array of {nbytes} bytes at offset {off} extends beyond "
                 f"the bytes received") from None
-        return raw.reshape(shape).copy()
+        out: np.ndarray = raw.reshape(shape).copy()
+        return out
 
     def _owned_tensor(self, off: int, nbytes: int, np_dtype: np.dtype, itemsize: int,
-                      shape: tuple, dtype: Any, torch: Any) -> Any:
+                      shape: tuple[int, ...], dtype: Any, torch: Any) -> Any:
         """The message's tensor at ``off`` in storage torch allocated (resizable)."""
         if self._in_area(off, nbytes, np_dtype, itemsize, shape):
             if self._src_span is None:  # once per message: its buffer's address and size
@@ -449,7 +452,7 @@ class Codec:
         return torch.empty(shape, dtype=dtype)
 
     def _bytes(self, off: int, nbytes: int, dtype: np.dtype, itemsize: int,
-               shape: tuple) -> np.ndarray | None:
+               shape: tuple[int, ...]) -> np.ndarray | None:
         """The message's ``nbytes`` at ``off`` as uint8, uncopied (None when empty)."""
         if not self._in_area(off, nbytes, dtype, itemsize, shape):
             return None
@@ -460,7 +463,8 @@ class Codec:
                 f"corrupt message: array of {nbytes} bytes at offset {off} extends beyond "
                 f"the bytes received") from None
 
-    def _in_area(self, off: int, nbytes: int, dtype: Any, itemsize: int, shape: tuple) -> bool:
+    def _in_area(self, off: int, nbytes: int, dtype: Any, itemsize: int,
+                 shape: tuple[int, ...]) -> bool:
         """Whether the array is non-empty; raises unless 0 <= dims, prod(shape) *
         itemsize == nbytes and the bytes lie inside the declared data area."""
         ndim = len(shape)
@@ -558,7 +562,7 @@ class Codec:
             return unpickle_oob(data, self._tensor_from, self._array_from)
         raise DecodeError(f"corrupt or incompatible message: unknown ext code {code}")
 
-    def _items(self, data: memoryview, code: int) -> list:
+    def _items(self, data: memoryview, code: int) -> list[Any]:
         items = self._decoder.decode(data)
         if type(items) is not list:
             raise DecodeError(
@@ -576,7 +580,7 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-def _pairs_to_dict(pairs: list) -> dict:
+def _pairs_to_dict(pairs: list[Any]) -> dict[Any, Any]:
     if not all(type(p) is list and len(p) == 2 for p in pairs):
         raise DecodeError("corrupt message: a dict's items must be [key, value] pairs")
     return dict(pairs)

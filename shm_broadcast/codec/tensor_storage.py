@@ -19,7 +19,8 @@ __all__ = ["storage_covers", "check_storage"]
 def _extent_bytes(t: Any) -> int:
     """Bytes of ``t``'s storage that its elements reach (from the storage's start)."""
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    return (t.storage_offset() + last + 1) * t.element_size()
+    extent: int = (t.storage_offset() + last + 1) * t.element_size()
+    return extent
 
 
 def storage_covers(t: Any) -> bool:
@@ -29,7 +30,7 @@ def storage_covers(t: Any) -> bool:
     if nbytes == 0:
         return True
     try:
-        have = t.untyped_storage().nbytes()
+        have: int = t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):  # a wrapper without a storage of its own
         return True
     # Contiguous (the common case): the elements end at offset + nbytes.

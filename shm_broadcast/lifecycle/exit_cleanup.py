@@ -60,7 +60,9 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from shm_broadcast.lifecycle import leftovers
 from shm_broadcast.lifecycle.owner_identity import own_start_ticks
@@ -145,7 +147,8 @@ class ExitCleanup:
         self._link: _ReaperLink | None = None
         self._reaper_failed = False
         self._pending = False  # a main-thread call is queued
-        self._main_call: tuple | None = None
+        # (Py_AddPendingCall, the C callback that runs _pending_call)
+        self._main_call: tuple[Callable[..., Any], object] | None = None
 
     # ------------------------------------------------------------ registry
     def add(self, kind: str, item: str) -> None:
@@ -299,8 +302,8 @@ class ExitCleanup:
                     add.restype = ctypes.c_int
                     # Kept for the life of the process: the C side calls it later.
                     self._main_call = (add, proto(self._pending_call))
-                add, callback = self._main_call
-                self._pending = add(callback, None) == 0
+                add_pending, callback = self._main_call
+                self._pending = add_pending(callback, None) == 0
             except (ImportError, AttributeError, OSError, TypeError):
                 self._pending = False
 

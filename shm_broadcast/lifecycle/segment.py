@@ -115,7 +115,8 @@ def _space_error(kind: str, size: int, free: int, cause: str = "") -> ShmSpaceEr
 def _shm_open(name: str, flags: int, mode: int = 0o600) -> int:
     if _posixshmem is None:  # pragma: no cover
         raise SegmentError("POSIX shared memory is not available on this platform")
-    return _posixshmem.shm_open("/" + name, flags, mode)
+    fd: int = _posixshmem.shm_open("/" + name, flags, mode)
+    return fd
 
 
 def _check_private(name: str, st: os.stat_result) -> None:

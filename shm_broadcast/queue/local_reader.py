@@ -164,7 +164,7 @@ class LocalReader:
         self._ready = False
         self._closing = False
         self._closed = False
-        self._stash: collections.deque = collections.deque()
+        self._stash: collections.deque[list[zmq.Frame]] = collections.deque()
         #: While waiting for an overflow payload: until when it may still arrive.
         self._in_flight_until: float | None = None
         self._cond: Callable[[], bool] = _never
@@ -485,7 +485,7 @@ class LocalReader:
         if ring.buf[ring.writer_parked_offset] and ring.take_writer_parked():
             self._ring_writer()
 
-    def _recv_overflow(self, seq: int, timeout: float | None) -> list:
+    def _recv_overflow(self, seq: int, timeout: float | None) -> list[zmq.Frame]:
         def have() -> bool:
             while self._stash:
                 (s,) = WIRE.unpack_from(self._stash[0][0].buffer, 1)[:1]
@@ -548,7 +548,7 @@ class LocalReader:
 
 
 def _leave(ring: ShmRingBuffer, index: int, ring_writer: Callable[[], None],
-           dealer: zmq.Socket, owner_thread: int) -> None:
+           dealer: zmq.SyncSocket, owner_thread: int) -> None:
     """Tell the writer reader ``index`` leaves: its slot says closed (a writer waiting
     for it re-checks at once) and, from the owning thread, a goodbye on ``dealer``."""
     if not ring.closed:

@@ -121,7 +121,7 @@ class RemoteReader:
         #: Why frames from the SUB connection can no longer be trusted, if so.
         self._untrusted: str | None = None
         self._handshakes = 0
-        self._peek: list | None = None
+        self._peek: list[zmq.Frame] | None = None
         self._wait_what = ""
         self._wait_timeout: float | None = None
         self._backoff = Backoff(policy, self._check_wait)
@@ -173,7 +173,7 @@ class RemoteReader:
         self._poller.register(mon, zmq.POLLIN)
 
     # ------------------------------------------------------------- receive
-    def _next(self, what: str, timeout: float | None) -> list:
+    def _next(self, what: str, timeout: float | None) -> list[zmq.Frame]:
         """Return the next frames on the subscription, waiting as needed."""
         if self._peek is not None:
             frames, self._peek = self._peek, None

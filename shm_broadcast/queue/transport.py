@@ -207,9 +207,9 @@ KEEPALIVE_INTERVAL_S = 2
 KEEPALIVE_PROBES = 5
 
 
-def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
+def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
                reconnect: bool = False, max_in: int | None = None,
-               serve: bool = False) -> zmq.Socket:
+               serve: bool = False) -> zmq.SyncSocket:
     """Create a socket with our defaults: no linger, unbounded queues.
 
     Queues are unbounded because flow control is ours (the ring for local
@@ -251,7 +251,7 @@ def new_socket(ctx: zmq.Context, kind: int, *, tcp: bool = False,
     return s
 
 
-def bind(sock: zmq.Socket, address: str) -> str:
+def bind(sock: zmq.SyncSocket, address: str) -> str:
     """Bind ``sock`` to ``address`` (``tcp://ip:*`` picks a free port).
 
     Returns:
@@ -287,7 +287,7 @@ def new_keypair() -> tuple[bytes, bytes]:
     return zmq.curve_keypair()
 
 
-def make_curve_server(sock: zmq.Socket, secret: bytes) -> None:
+def make_curve_server(sock: zmq.SyncSocket, secret: bytes) -> None:
     """Make every *later* bind of ``sock`` a CURVE server checked by ZAP.
 
     ``ZAP_ENFORCE_DOMAIN`` fails closed: without a running ZAP handler no
@@ -299,7 +299,7 @@ def make_curve_server(sock: zmq.Socket, secret: bytes) -> None:
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
-def make_curve_client(sock: zmq.Socket, server_public: bytes, public: bytes,
+def make_curve_client(sock: zmq.SyncSocket, server_public: bytes, public: bytes,
                       secret: bytes) -> None:
     """Make ``sock``'s connections CURVE clients of the server ``server_public``."""
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
@@ -321,7 +321,7 @@ class ReaderAuthenticator:
         allowed: Z85 client public key -> label (``"reader"``, ``"R3"``...).
     """
 
-    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, str]) -> None:
+    def __init__(self, ctx: zmq.SyncContext, allowed: dict[bytes, str]) -> None:
         self.allowed = dict(allowed)
         #: ZAP requests refused (unknown client key).
         self.denied = 0
@@ -345,7 +345,8 @@ class ReaderAuthenticator:
 
 
 @functools.cache
-def _labelling_authenticator() -> Callable[[zmq.Context, dict[bytes, str]], ThreadAuthenticator]:
+def _labelling_authenticator(
+) -> Callable[[zmq.SyncContext, dict[bytes, str]], ThreadAuthenticator]:
     """pyzmq's ZAP thread, whose ``User-Id`` for an admitted key is the key's label.
 
     Built at the first use: ``zmq.auth.thread`` imports asyncio, which a
@@ -356,7 +357,7 @@ def _labelling_authenticator() -> Callable[[zmq.Context, dict[bytes, str]], Thre
     class LabellingAuthenticator(ThreadAuthenticator):
         """Reports each admitted key's label (``labels``) as its ``User-Id``."""
 
-        def __init__(self, ctx: zmq.Context, labels: dict[bytes, str]) -> None:
+        def __init__(self, ctx: zmq.SyncContext, labels: dict[bytes, str]) -> None:
             super().__init__(ctx)
             self.labels = labels
 
@@ -366,7 +367,7 @@ def _labelling_authenticator() -> Callable[[zmq.Context, dict[bytes, str]], Thre
     return LabellingAuthenticator
 
 
-def count_failed_handshakes(mon: zmq.Socket | None) -> tuple[int, list[int]]:
+def count_failed_handshakes(mon: zmq.SyncSocket | None) -> tuple[int, list[int]]:
     """Drain a monitor socket: count failed handshakes, collect disconnected fds.
 
     Returns:
@@ -390,7 +391,7 @@ def count_failed_handshakes(mon: zmq.Socket | None) -> tuple[int, list[int]]:
     return failed, gone
 
 
-def say_goodbye(dealer: zmq.Socket | None, owner_thread: int) -> None:
+def say_goodbye(dealer: zmq.SyncSocket | None, owner_thread: int) -> None:
     """Tell the writer this reader leaves (best effort; zmq sockets are not
     thread-safe, so only the thread that owns ``dealer`` may send)."""
     if dealer is None or threading.get_ident() != owner_thread:
@@ -399,28 +400,29 @@ def say_goodbye(dealer: zmq.Socket | None, owner_thread: int) -> None:
         dealer.send(CTL_CLOSED, zmq.NOBLOCK)
 
 
-def close_dealer(dealer: zmq.Socket | None) -> None:
+def close_dealer(dealer: zmq.SyncSocket | None) -> None:
     """Close a reader's control socket, giving its goodbye 200 ms to leave."""
     if dealer is not None and not dealer.closed:
         dealer.setsockopt(zmq.LINGER, 200)
         dealer.close()
 
 
-def stop_monitor(sock: zmq.Socket, mon: zmq.Socket) -> None:
+def stop_monitor(sock: zmq.SyncSocket, mon: zmq.SyncSocket) -> None:
     """Stop ``sock``'s monitor and close its monitor socket ``mon``."""
     with contextlib.suppress(zmq.ZMQError):
         sock.disable_monitor()
     close_all(mon)
 
 
-def close_all(*socks: zmq.Socket | None) -> None:
+def close_all(*socks: zmq.SyncSocket | None) -> None:
     """Close sockets with linger 0, ignoring ones already closed."""
     for s in socks:
         if s is not None and not s.closed:
             s.close(linger=0)
 
 
-def guard_zmq(owner: object, ctx: zmq.Context, parts: list[Any]) -> weakref.finalize:
+def guard_zmq(owner: object, ctx: zmq.SyncContext, parts: list[Any],
+              ) -> weakref.finalize[[zmq.SyncContext, list[Any], int], object]:
     """Release ``ctx`` and ``parts`` (its sockets, and objects with ``stop()`` such
     as :class:`ReaderAuthenticator`) if ``owner`` is dropped without being closed.
 
@@ -438,7 +440,7 @@ def guard_zmq(owner: object, ctx: zmq.Context, parts: list[Any]) -> weakref.fina
     return weakref.finalize(owner, _release_zmq, ctx, parts, os.getpid())
 
 
-def _release_zmq(ctx: zmq.Context, parts: list[Any], pid: int) -> None:
+def _release_zmq(ctx: zmq.SyncContext, parts: list[Any], pid: int) -> None:
     if os.getpid() != pid:  # a forked child: the zmq state is the parent's
         return
     for part in parts:

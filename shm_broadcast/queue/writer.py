@@ -458,7 +458,7 @@ class QueueWriter:
             self._ring_readers(parked)
         return frames
 
-    def _send_remote(self, pub: zmq.Socket, seq: int, enc: Encoded, frames: list[Any] | None,
+    def _send_remote(self, pub: zmq.SyncSocket, seq: int, enc: Encoded, frames: list[Any] | None,
                      ring: ShmRingBuffer | None, chunk: int) -> None:
         """Publish the message to remote readers, reusing the overflow frames if any.
 
@@ -693,7 +693,7 @@ def _blob_offset(mlen: int) -> int:
     return CHUNK_HEADER + (mlen + 63) // 64 * 64
 
 
-def _close_publisher(pub: zmq.Socket) -> None:
+def _close_publisher(pub: zmq.SyncSocket) -> None:
     """Close the data socket, letting the SHUTDOWN marker and overflow frames out first."""
     if not pub.closed:
         pub.setsockopt(zmq.LINGER, 500)

@@ -85,8 +85,8 @@ class WriterControl:
 
     def __init__(self, *, local_ranks: tuple[int, ...], n_remote: int,
                  reader_keys: dict[int, bytes] | None, ring: ShmRingBuffer | None,
-                 pub: zmq.Socket, ctl: zmq.Socket, mon: zmq.Socket | None,
-                 pub_mon: zmq.Socket | None, auth: ReaderAuthenticator | None) -> None:
+                 pub: zmq.SyncSocket, ctl: zmq.SyncSocket, mon: zmq.SyncSocket | None,
+                 pub_mon: zmq.SyncSocket | None, auth: ReaderAuthenticator | None) -> None:
         self.local_ranks = local_ranks
         self.n_local = len(local_ranks)
         self.n_remote = n_remote
@@ -286,4 +286,5 @@ def check_reader_keys(keys: Any, n_remote: int,
         raise ValueError(
             f"remote_reader_keys must map each of the {n_remote} remote reader ranks to its "
             f"own 40-byte Z85 CURVE public key; got ranks {sorted(keys)} (invalid: {bad})")
-    return keys
+    checked: dict[int, bytes] = keys  # every item's types were checked above
+    return checked

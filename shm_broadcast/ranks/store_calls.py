@@ -52,7 +52,7 @@ class _Call:
 
     __slots__ = ("method", "fn", "args", "done", "value", "error", "state")
 
-    def __init__(self, method: str, fn: Callable[..., Any], args: tuple) -> None:
+    def __init__(self, method: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         self.method, self.fn, self.args = method, fn, args
         self.done = threading.Event()
         self.value: Any = None
@@ -136,7 +136,7 @@ class StoreCalls:
         # A StoreCalls dropped without close() still lets its worker go.
         weakref.finalize(self, self._requests.put, _STOP)
 
-    def _submit(self, method: str, args: tuple, op: str) -> _Call:
+    def _submit(self, method: str, args: tuple[Any, ...], op: str) -> _Call:
         with self._lock:
             if self.store is None:
                 raise ClosedError(f"{self._label} is closed (op {op})", queue=self._queue_name)

@@ -27,9 +27,12 @@ import ipaddress
 import os
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shm_broadcast.errors import CommTimeout
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 __all__ = ["master_store", "client_store", "CONNECT_GRACE_S"]
 
@@ -41,7 +44,7 @@ CONNECT_GRACE_S = 2.0
 
 def master_store(host: str, port: int, world_size: int | None,
                  timeout: datetime.timedelta, *,
-                 listen_socket: socket.socket | None = None) -> Any:
+                 listen_socket: socket.socket | None = None) -> TCPStore:
     """A TCPStore server listening on ``host:port`` only (``port=0``: a free port,
     which ``store.port`` gives).
 
@@ -102,7 +105,7 @@ def _listen(host: str, port: int) -> socket.socket | None:
 
 
 def client_store(host: str, port: int, world_size: int | None,
-                 timeout: datetime.timedelta) -> Any:
+                 timeout: datetime.timedelta) -> TCPStore:
     """A client of the TCPStore at ``host:port`` (it retries until ``timeout``).
 
     The client's constructor waits without limit for the server to answer a
@@ -140,4 +143,5 @@ def client_store(host: str, port: int, world_size: int | None,
                           queue=f"{host}:{port}")
     if "error" in box:
         raise box["error"]
-    return box["store"]
+    store: TCPStore = box["store"]
+    return store

@@ -89,7 +89,9 @@ class PeerWatch:
                     self._proc.create_time() - self.create_time
                 ) > 0.05:
                     return False  # the pid was reused by another process
-            return self._proc.is_running() and self._proc.status() != psutil.STATUS_ZOMBIE
+            running: bool = (self._proc.is_running()
+                             and self._proc.status() != psutil.STATUS_ZOMBIE)
+            return running
         except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
             return False
 

@@ -260,7 +260,7 @@ class _Driver:
         """One timed decoding step (the callback of generate_greedy)."""
         self.send("step", step)
         t0 = time.perf_counter_ns()
-        tokens = self.result(self.runner.execute(step))
+        tokens: list[int] = self.result(self.runner.execute(step))
         self.compute_ns.append(time.perf_counter_ns() - t0)
         self.counters["steps"] += 1
         self.counters["tokens"] += sum(1 for _ in step.req_ids)

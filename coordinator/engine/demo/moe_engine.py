@@ -103,7 +103,7 @@ class _ReplicaStepper:
         """The step's next tokens (every request, in order), on every rank."""
         mine = self._mine(step)
         if mine.req_ids:
-            tokens = self.runner.step(mine)
+            tokens: list[int] = self.runner.step(mine)
         else:
             self.runner.run(mine)  # frees finished requests' KV blocks
             self.model.idle()

@@ -150,7 +150,8 @@ class LlamaAttention(nn.Module):
         o = o.reshape(t, self.num_heads * self.head_dim)
         if self.sp:
             o = F.pad(o, (0, 0, 0, _sp_pad(t, self.tp_size)))
-        return self.o_proj(o)
+        out: torch.Tensor = self.o_proj(o)
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -185,7 +186,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -211,14 +213,15 @@ class LlamaDecoderLayer(nn.Module):
         self, x: torch.Tensor, attn: AttentionInputs, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         """``x``: ``[T, H]``, or with sequence parallelism this rank's ``[ceil(T/tp), H]`` slice."""
-        h = self.input_layernorm(x)
+        h: torch.Tensor = self.input_layernorm(x)
         if self.sp:
             h = tp_all_gather(self.tp_group, h, 0)[: attn.positions.shape[0]]
         h = x + self.self_attn(h, attn, kv_cache)
         m = self.post_attention_layernorm(h)
         if self.sp:
             m = tp_all_gather(self.tp_group, m, 0)
-        return h + self.mlp(m)
+        out: torch.Tensor = h + self.mlp(m)
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -281,7 +284,7 @@ class LlamaModel(nn.Module):
                 if self.sp
                 else input_ids
             )
-            h = self.embed_tokens(ids)
+            h: torch.Tensor = self.embed_tokens(ids)
         else:
             if hidden_states is None:
                 raise ValueError("a later pipeline stage needs the previous stage's hidden_states")
@@ -390,12 +393,13 @@ class LlamaForCausalLM(nn.Module):
             On the last stage, logits ``[R, vocab]`` (``[T, vocab]`` with
             ``all_logits``); elsewhere the hidden states to send on.
         """
-        h = self.model(input_ids, attn, kv_caches, hidden_states)
+        h: torch.Tensor = self.model(input_ids, attn, kv_caches, hidden_states)
         if not self.is_last_stage:
             return h
         if not all_logits:
             h = h.index_select(0, attn.logits_indices)
-        return self.lm_head(h)
+        logits: torch.Tensor = self.lm_head(h)
+        return logits
 
     # ------------------------------------------------------------------ weights
     def _layer_of(self, name: str) -> int | None:

@@ -119,4 +119,5 @@ def _hidden_states(received: Any, stage: int) -> torch.Tensor:
             f"pipeline stage {stage} expected hidden_states from the previous stage, got "
             f"{sorted(received) if received else received!r}"
         )
-    return received["hidden_states"]
+    hidden: torch.Tensor = received["hidden_states"]
+    return hidden
