@@ -34,8 +34,9 @@ lives.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from coordinator.calls.group_view import GroupView
 from device_comms import validation
 from shm_broadcast.checks import check_int
 from shm_broadcast.ranks.agreement import agree
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from shm_broadcast.queue.message_queue import MessageQueue
 
 __all__ = [
-    "QueueGroup",
     "create_mq_broadcaster",
     "create_single_reader_mq_broadcasters",
     "SINGLE_READER_CHUNK_BYTES",
@@ -59,29 +59,12 @@ SINGLE_READER_CHUNK_BYTES = 256 << 10
 SINGLE_READER_CHUNKS = 4
 
 
-class QueueGroup(Protocol):
-    """What building a group's queues uses of the group."""
-
-    @property
-    def unique_name(self) -> str: ...
-    @property
-    def rank_in_group(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def cpu_group(self) -> Any: ...
-    @property
-    def allow_pickle(self) -> bool: ...
-    @property
-    def timeout(self) -> float: ...
-
-
 _COLLECTIVE_OPTIONS = frozenset({"max_chunk_bytes", "max_chunks", "connect_ip", "wait_policy"})
 _HANDLE_OPTIONS = frozenset({"wait_policy"})
 
 
 def create_mq_broadcaster(
-    group: QueueGroup,
+    group: GroupView,
     writer_rank: int = 0,
     external_writer_handle: Any = None,
     blocking: bool = True,
@@ -124,7 +107,7 @@ def create_mq_broadcaster(
 
 
 def create_single_reader_mq_broadcasters(
-    group: QueueGroup,
+    group: GroupView,
     reader_rank_in_group: int = 0,
     blocking: bool = False,
     max_chunk_bytes: int = SINGLE_READER_CHUNK_BYTES,
@@ -195,7 +178,7 @@ def create_single_reader_mq_broadcasters(
     return writer, readers
 
 
-def _reader_keys(group: QueueGroup, me: int, reader: int,
+def _reader_keys(group: GroupView, me: int, reader: int,
                  all_local: bool) -> tuple[tuple[bytes, bytes] | None, Any]:
     """The reader's own CURVE keypair (for writers on other nodes) and its public key.
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from coordinator.calls.call_book import CallBook
 from coordinator.calls.call_errors import WAIT_ERRORS
+from coordinator.calls.group_view import GroupView
 from coordinator.calls.peers import check_peer
 from coordinator.errors import CollectiveMismatch, CommTimeout
 from coordinator.group import broadcast_stamps as stamps
@@ -36,27 +37,11 @@ from shm_broadcast.codec.message_codec import Codec
 __all__ = ["ObjectCalls", "ObjectGroup"]
 
 
-class ObjectGroup(Protocol):
+class ObjectGroup(GroupView, Protocol):
     """What the object calls use of their group."""
 
     @property
-    def unique_name(self) -> str: ...
-    @property
-    def rank_in_group(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def ranks(self) -> list[int]: ...
-    @property
-    def cpu_group(self) -> Any: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def comm(self) -> DeviceCommunicator: ...
-    @property
     def codec(self) -> Codec | object_comm.ObjectCodec: ...
-    @property
-    def timeout(self) -> float: ...
     @property
     def mq_broadcaster(self) -> Any: ...
     @property

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from coordinator.calls.call_book import CallBook
 from coordinator.calls.call_errors import WAIT_ERRORS
+from coordinator.calls.group_view import GroupView
 from coordinator.calls.peers import check_peer, note_untold
 from coordinator.errors import CollectiveMismatch, GroupCoordError
 from coordinator.group.object_calls import ObjectCalls
@@ -52,32 +53,16 @@ from coordinator.wire.tensor_dict_format import (
     dtype_of,
     flatten_tensor_dict,
 )
-from device_comms import DeviceCommunicator, validation
+from device_comms import validation
 from device_comms.torch_dist.torch_communicator import wire_view
 from device_comms.validation import dense
 
 __all__ = ["TensorDictCalls", "DictGroup", "AllGatherGroup", "slicing_plan"]
 
 
-class DictGroup(Protocol):
+class DictGroup(GroupView, Protocol):
     """What the tensor-dict calls use of their group."""
 
-    @property
-    def unique_name(self) -> str: ...
-    @property
-    def rank_in_group(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def ranks(self) -> list[int]: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def comm(self) -> DeviceCommunicator: ...
-    @property
-    def cpu_group(self) -> Any: ...
-    @property
-    def device_group(self) -> Any: ...
     @property
     def mq_broadcaster(self) -> Any: ...
     @property

@@ -45,35 +45,16 @@ import torch
 import torch.distributed as dist
 
 from coordinator.calls.call_errors import WAIT_ERRORS, CallErrors
+from coordinator.calls.group_view import GroupView
 from coordinator.errors import ClosedError
 from coordinator.p2p.channels import RECV, SEND, Work
 from coordinator.p2p.handle import P2PHandle
 from coordinator.wire import object_comm
 from coordinator.wire.object_comm import ObjectChannel
 from coordinator.wire.tensor_dict_format import TENSOR, alloc, check_metadata, flatten_tensor_dict
-from device_comms import DeviceCommunicator
 from device_comms.torch_dist.torch_communicator import wire_view
 
-__all__ = ["CudaP2P", "CudaGroup", "Ordering", "EventWork"]
-
-
-class CudaGroup(Protocol):
-    """What a CUDA group's asynchronous calls use of the group."""
-
-    @property
-    def unique_name(self) -> str: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def comm(self) -> DeviceCommunicator: ...
-    @property
-    def ranks(self) -> list[int]: ...
-    @property
-    def cpu_group(self) -> Any: ...
-    @property
-    def device_group(self) -> Any: ...
-    @property
-    def timeout(self) -> float: ...
+__all__ = ["CudaP2P", "Ordering", "EventWork"]
 
 
 class Ordering(Protocol):
@@ -156,7 +137,7 @@ class CudaP2P:
         order: The group's point-to-point order.
     """
 
-    def __init__(self, group: CudaGroup, errors: CallErrors, objects: ObjectChannel,
+    def __init__(self, group: GroupView, errors: CallErrors, objects: ObjectChannel,
                  order: Ordering) -> None:
         self._group = group
         self._errors = errors

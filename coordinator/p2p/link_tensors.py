@@ -40,10 +40,11 @@ where ``recv_tensor_dict`` waits, is refused and both ranks raise.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from coordinator.calls.group_view import GroupView
 from coordinator.calls.peers import note_untold
 from coordinator.errors import CollectiveMismatch, DecodeError, GroupCoordError
 from coordinator.p2p import link_messages
@@ -52,27 +53,12 @@ from coordinator.p2p.shm_links import ShmLinks
 from coordinator.wire.tensor_dict_format import dtype_of, flatten_tensor_dict, sent_numels
 from device_comms import DeviceCommunicator, validation
 
-__all__ = ["TensorGroup", "send", "recv", "reject", "reject_through_comm"]
+__all__ = ["send", "recv", "reject", "reject_through_comm"]
 
 _KEY = "tensor"
 
 
-class TensorGroup(Protocol):
-    """What single tensors point to point use of their group."""
-
-    @property
-    def unique_name(self) -> str: ...
-    @property
-    def rank_in_group(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def comm(self) -> DeviceCommunicator: ...
-
-
-def send(group: TensorGroup, links: ShmLinks, tensor: torch.Tensor, dst: int) -> None:
+def send(group: GroupView, links: ShmLinks, tensor: torch.Tensor, dst: int) -> None:
     """Send ``tensor`` to group rank ``dst``: on the direction's link if it has one
     (settling it at the first call), else through the communicator."""
     if not _on_host(group, dst):
@@ -107,7 +93,7 @@ def send(group: TensorGroup, links: ShmLinks, tensor: torch.Tensor, dst: int) ->
         raise link_messages.refused(group.unique_name, "send", refusal, dst)
 
 
-def recv(group: TensorGroup, links: ShmLinks, size: torch.Size | Sequence[int],
+def recv(group: GroupView, links: ShmLinks, size: torch.Size | Sequence[int],
          dtype: torch.dtype, src: int) -> torch.Tensor:
     """Receive a tensor of ``size`` and ``dtype`` from group rank ``src``: from the
     direction's link if it has one (settling it at the first call), else through
@@ -134,7 +120,7 @@ def recv(group: TensorGroup, links: ShmLinks, size: torch.Size | Sequence[int],
     return got.detach() if got.requires_grad else got  # a peer's codec may set the flag
 
 
-def reject(group: TensorGroup, links: ShmLinks, direction: str, peer: int,
+def reject(group: GroupView, links: ShmLinks, direction: str, peer: int,
            e: BaseException) -> None:
     """Take part in a ``send``/``recv`` whose arguments failed as the rejected call it
     is (an ``isend``/``irecv``'s, in the direction's order), so that the peer
@@ -168,7 +154,7 @@ def reject_through_comm(comm: DeviceCommunicator, kind: str, e: BaseException,
     comm.reject(kind, e, peer)
 
 
-def _take(group: TensorGroup, links: ShmLinks, link: Any, src: int,
+def _take(group: GroupView, links: ShmLinks, link: Any, src: int,
           check: Callable[[torch.Size, torch.dtype], None] | None,
           rejected: str = "") -> torch.Tensor:
     """The next tensor from ``src`` (see :func:`coordinator.p2p.link_messages.receive`);
@@ -184,7 +170,7 @@ def _take(group: TensorGroup, links: ShmLinks, link: Any, src: int,
     return taken[0].reshape(descs[0][2])
 
 
-def _on_host(group: TensorGroup, r: Any) -> bool:
+def _on_host(group: GroupView, r: Any) -> bool:
     """Whether ``r`` is another rank of a CPU group (a peer a link may reach)."""
     return (group.device.type == "cpu" and isinstance(r, int) and not isinstance(r, bool)
             and 0 <= r < group.world_size and r != group.rank_in_group)

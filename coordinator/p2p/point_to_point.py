@@ -64,54 +64,30 @@ import contextlib
 import datetime
 from collections.abc import Callable, Sequence
 from time import monotonic
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from coordinator.calls.call_book import CallBook
 from coordinator.calls.call_errors import WAIT_ERRORS
+from coordinator.calls.group_view import GroupView
 from coordinator.calls.peers import check_peer, peer_rank
 from coordinator.p2p import link_tensors
 from coordinator.p2p.channels import RECV, SEND, Channels, Work
 from coordinator.p2p.handle import P2PHandle
 from coordinator.p2p.shm_links import ShmLinks
 from coordinator.wire.object_comm import ObjectChannel
-from device_comms import DeviceCommunicator, validation
+from device_comms import validation
 
 if TYPE_CHECKING:
     from coordinator.p2p.cuda_p2p import CudaP2P
 
-__all__ = ["PointToPoint", "P2PGroup", "CLOSE_GRACE_S"]
+__all__ = ["PointToPoint", "CLOSE_GRACE_S"]
 
 #: Seconds ``destroy()`` lets running point-to-point calls finish before ending them.
 CLOSE_GRACE_S = 1.0
 _BREAK_TAG = 0x6770  # never sent: the expired wait on it closes the group's connections
 _R = TypeVar("_R")  # what a blocking call run in its turn returns
-
-
-class P2PGroup(Protocol):
-    """What point-to-point calls use of their group."""
-
-    @property
-    def unique_name(self) -> str: ...
-    @property
-    def rank_in_group(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def ranks(self) -> list[int]: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def comm(self) -> DeviceCommunicator: ...
-    @property
-    def cpu_group(self) -> Any: ...
-    @property
-    def device_group(self) -> Any: ...
-    @property
-    def timeout(self) -> float: ...
-    @property
-    def allow_pickle(self) -> bool: ...
 
 
 class PointToPoint:
@@ -126,7 +102,7 @@ class PointToPoint:
         links: The group's shared-memory links.
     """
 
-    def __init__(self, group: P2PGroup, book: CallBook, objects: ObjectChannel) -> None:
+    def __init__(self, group: GroupView, book: CallBook, objects: ObjectChannel) -> None:
         self._group = group
         self._book = book
         self._objects = objects

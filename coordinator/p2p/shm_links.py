@@ -58,11 +58,10 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from coordinator.calls.call_book import CallBook
+from coordinator.calls.group_view import GroupView
 from coordinator.errors import (
     ClosedError,
     CommTimeout,
@@ -74,35 +73,17 @@ from coordinator.p2p import link_offer
 from coordinator.p2p.channels import LIVENESS_S, RECV, SEND
 from coordinator.p2p.link_offer import CHUNK_BYTES, CHUNKS
 from coordinator.wire.object_comm import LINK_OFFER, ObjectChannel
-from device_comms import DeviceCommunicator
 
 if TYPE_CHECKING:
     from shm_broadcast.queue.message_queue import MessageQueue
 
-__all__ = ["ShmLinks", "LinkGroup", "ENABLE_ENV", "CHUNK_BYTES", "CHUNKS"]
+__all__ = ["ShmLinks", "ENABLE_ENV", "CHUNK_BYTES", "CHUNKS"]
 
 logger = logging.getLogger(__name__)
 
 #: ``0`` on a sending rank: its tensor dicts keep to the CPU group.
 ENABLE_ENV = "GROUPCOORD_P2P_SHM"
 _CPU_GROUP = "cpu-group"  # a settled direction without a link
-
-
-class LinkGroup(Protocol):
-    """What a group's links use of the group."""
-
-    @property
-    def unique_name(self) -> str: ...
-    @property
-    def rank_in_group(self) -> int: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def comm(self) -> DeviceCommunicator: ...
-    @property
-    def timeout(self) -> float: ...
-    @property
-    def allow_pickle(self) -> bool: ...
 
 
 class ShmLinks:
@@ -114,7 +95,7 @@ class ShmLinks:
         book: The group's call bookkeeping (whether a waited-for peer is gone).
     """
 
-    def __init__(self, group: LinkGroup, objects: ObjectChannel, book: CallBook) -> None:
+    def __init__(self, group: GroupView, objects: ObjectChannel, book: CallBook) -> None:
         self._group = group
         self._objects = objects
         self._book = book

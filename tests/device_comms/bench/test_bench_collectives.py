@@ -74,8 +74,10 @@ def test_routing_splits_are_uneven_skewed_and_sum_to_the_rows() -> None:
             assert all(splits[r][(r + 1) % ws] == 0 for r in range(ws))
 
 
+@pytest.mark.slow  # the CLI itself runs in test_small_run_writes_json_and_plot
 @pytest.mark.timeout(120)
 def test_all_to_allv_run(tmp_path) -> None:
+
     out = tmp_path / "a2av.json"
     rc = bench.main([
         "--world-sizes", "3", "--ops", "all_to_allv", "--dtypes", "bfloat16", "float32",

@@ -13,7 +13,9 @@ from shm_broadcast.bench.wake import bare_wake_latencies, wake_gaps
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow  # a 15 s CLI run; the queue's paths are covered by tests/shm_broadcast/queue
 def test_bench_mq_cli_writes_a_consistent_report(tmp_path):
+
     out = tmp_path / "mq.json"
     proc = subprocess.run(
         [sys.executable, "-m", "coordinator", "bench", "mq", "--readers", "1",
