@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from coordinator.calls.group_view import GroupView
 from coordinator.errors import DecodeError
-from device_comms import DeviceCommunicator
 
 if TYPE_CHECKING:
     from shm_broadcast.queue.handle import Handle
 
-__all__ = ["MAGIC", "MAX_HANDLE_BYTES", "CHUNK_BYTES", "CHUNKS", "OfferTaker", "offer",
+__all__ = ["MAGIC", "MAX_HANDLE_BYTES", "CHUNK_BYTES", "CHUNKS", "offer",
            "check_offer"]
 
 #: First element of every offer (and the link protocol's version).
@@ -51,23 +51,12 @@ CHUNK_BYTES = 2 << 20
 CHUNKS = 2
 
 
-class OfferTaker(Protocol):
-    """What judging an offer uses of the receiving group."""
-
-    @property
-    def unique_name(self) -> str: ...
-    @property
-    def rank_in_group(self) -> int: ...
-    @property
-    def comm(self) -> DeviceCommunicator: ...
-
-
 def offer(handle: bytes | None) -> list[Any]:
     """The offer message: a link's handle bytes, or None for the CPU group."""
     return [MAGIC, handle]
 
 
-def check_offer(got: Any, taker: OfferTaker, src: int, pid: int) -> Handle | None:
+def check_offer(got: Any, taker: GroupView, src: int, pid: int) -> Handle | None:
     """The handle of an acceptable offer from group rank ``src`` (None: the CPU group).
 
     ``pid``: the sender's process id as gathered when the group was built (0:
@@ -99,7 +88,7 @@ def check_offer(got: Any, taker: OfferTaker, src: int, pid: int) -> Handle | Non
     return handle
 
 
-def _problem(h: Handle, taker: OfferTaker, src: int, pid: int) -> str:
+def _problem(h: Handle, taker: GroupView, src: int, pid: int) -> str:
     """Why ``h`` is not a link an honest rank ``src`` makes for this rank ("": it is)."""
     if not taker.comm.shares_memory_with(src):
         return "this rank does not share memory with it"
