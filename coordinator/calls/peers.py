@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from device_comms import validation
+from device_comms.errors import add_note
 
 __all__ = ["check_peer", "peer_rank", "note_untold"]
 
@@ -30,7 +31,6 @@ def peer_rank(rank: Any) -> int | None:
 
 def note_untold(e: BaseException, peer: int, group: str, why: BaseException) -> None:
     """Note on ``e`` (this rank's own error) that telling group rank ``peer`` of it
-    failed with ``why``; on Python 3.10, which has no exception notes, nothing."""
-    add_note = getattr(e, "add_note", None)
-    if add_note is not None:
-        add_note(f"telling rank {peer} of group {group!r} failed: {why}")
+    failed with ``why`` (:func:`device_comms.errors.add_note`, which Python 3.10 has too)."""
+    add_note(e, f"telling rank {peer} of group {group!r} failed: {why}")
+
