@@ -95,7 +95,7 @@ def _scaled_shape(t: torch.Tensor, dim: int, world_size: int, grow: bool) -> lis
 @custom_op("groupcoord::all_reduce", mutates_args=())
 def all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum ``tensor`` over the group named ``group_name`` (new tensor)."""
-    return _fresh(_lookup(group_name).all_reduce(tensor), tensor)
+    return _fresh(_lookup(group_name)._all_reduce_out_place(tensor), tensor)  # noqa: SLF001 - the seed's eager body
 
 
 @all_reduce.register_fake
@@ -106,7 +106,7 @@ def _all_reduce_fake(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
 @custom_op("groupcoord::all_gather", mutates_args=())
 def all_gather(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` (new tensor)."""
-    return _fresh(_lookup(group_name).all_gather(tensor, dim), tensor)
+    return _fresh(_lookup(group_name)._all_gather_out_place(tensor, dim), tensor)  # noqa: SLF001
 
 
 @all_gather.register_fake
@@ -121,7 +121,7 @@ def reduce_scatter(
     tensor: torch.Tensor, dim: int, world_size: int, group_name: str
 ) -> torch.Tensor:
     """Sum over the group and keep this rank's equal slice along ``dim`` (new tensor)."""
-    return _fresh(_lookup(group_name).reduce_scatter(tensor, dim), tensor)
+    return _fresh(_lookup(group_name)._reduce_scatter_out_place(tensor, dim), tensor)  # noqa: SLF001
 
 
 @reduce_scatter.register_fake

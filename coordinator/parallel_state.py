@@ -224,16 +224,18 @@ def initialize_model_parallel(
         prefill_context_model_parallel_size: PCP size (vLLM's prefill context
             parallelism): PCP groups of ranks that differ only in their PCP
             coordinate; it multiplies the world size like the others.
-        decode_context_model_parallel_size: DCP size (None: 1), which must
-            divide the TP size: each TP group splits into groups of this many
-            consecutive ranks, adding no processes.
+        decode_context_model_parallel_size: DCP size (None: 1), adding no
+            processes, as vLLM 0.33: without PCP it must divide the TP size
+            (each TP group splits into groups of this many consecutive ranks);
+            with PCP > 1 it must be 1, PCP or TP x PCP
+            (:mod:`coordinator.parallel.rank_mesh`).
 
     Raises:
         TypeError: A size is not an int, ``allow_pickle`` is not a bool or
             None, or ``enable_expert_parallel`` is not a bool.
         NotInitializedError: :func:`init_distributed_environment` was not called.
         ValueError: A size is below 1, the sizes' product does not divide
-            the world size, or the DCP size does not divide the TP size.
+            the world size, or the DCP size is not one the layout allows.
         RuntimeError: Model parallel groups already exist.
     """
     if model_parallel_is_initialized():
@@ -306,9 +308,25 @@ def _create_groups(mesh: RankMesh, world: GroupCoordinator, backend: str,
             group = GroupCoordinator(group_ranks, world.local_rank, backend,
                                      group_name=attr, **kw, **extra)
             setattr(REGISTRY, attr, group)
+        if REGISTRY.ep is not None:
+            REGISTRY.ep.set_token_peers(_token_peers(mesh, world, backend, kw))
     except BaseException:
         destroy_model_parallel()
         raise
+
+
+def _token_peers(mesh: RankMesh, world: GroupCoordinator, backend: str,
+                 kw: dict[str, Any]) -> GroupCoordinator:
+    """The group of the EP ranks that share this rank's TP position (what an MoE
+    dispatch without sequence parallelism gathers over): a group that exists
+    already (DP, PCP or EP itself), else one made for it (collective)."""
+    mine = next(g for g in mesh.ep_token_groups() if world.rank in g)
+    for group in (REGISTRY.dp, REGISTRY.pcp, REGISTRY.ep):
+        if group is not None and group.ranks == mine:
+            return group
+    REGISTRY.ep_tokens = GroupCoordinator(mesh.ep_token_groups(), world.local_rank, backend,
+                                          group_name="ep_tokens", **kw)
+    return REGISTRY.ep_tokens
 
 
 def ensure_model_parallel_initialized(
@@ -485,7 +503,7 @@ def get_prefill_context_model_parallel_rank() -> int:
 
 def destroy_model_parallel() -> None:
     """Destroy the TP, PP, DP, PCP, DCP and EP groups (no-op if absent)."""
-    for attr in ("tp", "pp", "dp", "pcp", "dcp", "ep"):
+    for attr in ("tp", "pp", "dp", "pcp", "dcp", "ep", "ep_tokens"):
         g = getattr(REGISTRY, attr)
         setattr(REGISTRY, attr, None)
         if g is not None:

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from device_comms import alltoallv, validation
+from device_comms import alltoallv, row_gather, validation
 from device_comms.errors import (
     CollectiveMismatch,
     CommunicatorClosed,
@@ -193,6 +193,60 @@ class DeviceCommunicator(abc.ABC):
         if self.world_size == 1:
             return t.clone()
         return self._guard("all_gatherv", self._all_gatherv, validation.dense(t), d, sz)
+
+    def all_gatherv_rows(
+        self,
+        tensors: Sequence[torch.Tensor],
+        sizes: Sequence[int] | None = None,
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Gather the rows (dim 0) of several tensors from every rank in one exchange.
+
+        The tensors share this rank's row count (any count, also 0, and it may
+        differ between ranks) but not their dtypes or row shapes; every rank
+        passes tensors of the same dtypes and row shapes in the same order.
+        They travel side by side as one byte matrix (:mod:`device_comms.row_gather`),
+        so the whole call is one exchange of data, preceded by one exchange of
+        the row counts when ``sizes`` is not given. The transports that sign
+        their calls sign the tensors' layout too.
+
+        Args:
+            tensors: This rank's tensors (at least 1-D, the same row count).
+            sizes: Every rank's row count, in group rank order (the same list on
+                every rank), when the caller knows them; None: exchanged first.
+
+        Returns:
+            ``(gathered, sizes)``: for each tensor a new one of ``sum(sizes)``
+            rows, rank 0's first; and the row counts.
+
+        Raises:
+            TypeError: ``tensors`` is not a non-empty list of tensors, or
+                ``sizes`` not a list of ints.
+            ValueError: The tensors' row counts differ, ``sizes`` has the wrong
+                length, or its entry for this rank is not this rank's row count.
+            PeerRejectedError: A peer rejected its arguments.
+            CollectiveMismatch: The ranks' layouts or ``sizes`` lists differ.
+        """
+        self._check_open()
+        op = "all_gather" if sizes is None else "all_gatherv"
+        try:
+            ts = row_gather.check_row_tensors(tensors, self.device)
+            n = ts[0].shape[0]
+            sz = None
+            if sizes is not None:
+                sz = validation.check_sizes(sizes, self.world_size)
+                if sz[self.rank_in_group] != n:
+                    raise ValueError(
+                        f"sizes[{self.rank_in_group}] is {sz[self.rank_in_group]} but this "
+                        f"rank's tensors have {n} rows; every rank passes the same sizes "
+                        f"list, with its own entry matching its row count")
+                validation.check_fits((sum(sz), sum(row_gather.row_bytes(t) for t in ts)),
+                                      torch.uint8, self.device, "sizes")
+        except (TypeError, ValueError) as e:
+            self._reject(op, e)
+            raise
+        if self.world_size == 1:
+            return [t.clone() for t in ts], [n]
+        return self._guard(op, self._all_gatherv_rows, [validation.dense(t) for t in ts], sz)
 
     def _same_count(self, n: int) -> None:
         """Agree that every rank passed a list of ``n`` tensors (one all_gather),
@@ -593,6 +647,41 @@ class DeviceCommunicator(abc.ABC):
 
     @abc.abstractmethod
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor: ...
+
+    def _all_gatherv_rows(
+        self, ts: list[torch.Tensor], sizes: list[int] | None
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """:meth:`all_gatherv_rows` of contiguous ``ts`` (``sizes`` None: not given).
+
+        The base agrees on the row counts (:meth:`_row_counts`) when not given,
+        then gathers the tensors packed side by side as bytes
+        (:meth:`_all_gatherv_packed`); a lone tensor goes as itself.
+        Transports that can move several buffers in one call override this.
+        """
+        if sizes is None:
+            sizes = self._row_counts(ts[0].shape[0])
+            validation.check_fits((sum(sizes), sum(row_gather.row_bytes(t) for t in ts)),
+                                  torch.uint8, self.device, "the gathered rows")
+        if len(ts) == 1:
+            return [self._all_gatherv(ts[0], 0, sizes)], sizes
+        packed = row_gather.pack_rows(ts)
+        gathered = self._all_gatherv_packed(packed, sizes, row_gather.layout_key(ts))
+        return row_gather.unpack_rows(gathered, ts), sizes
+
+    def _row_counts(self, n: int) -> list[int]:
+        """Every rank's row count, from each rank's ``n`` (one all-gather of an int64)."""
+        mine = torch.tensor([n], dtype=torch.int64, device=self.device)
+        return [int(c) for c in self._all_gather(mine, 0).tolist()]
+
+    def _all_gatherv_packed(self, packed: torch.Tensor, sizes: list[int],
+                            layout: int) -> torch.Tensor:
+        """All-gather of packed rows (a ``(rows, width)`` uint8 matrix) whose tensors'
+        layout digests to ``layout`` (:func:`~device_comms.row_gather.layout_key`).
+
+        The base gathers the bytes as they are; transports that sign their
+        calls override this to sign ``layout`` too.
+        """
+        return self._all_gatherv(packed, 0, sizes)
 
     @abc.abstractmethod
     def _reduce_scatter(self, t: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor: ...

@@ -42,9 +42,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from time import monotonic
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,7 @@ from coordinator.custom_ops import traced_alone as _traced_alone
 from coordinator.custom_ops import tracing as _tracing
 from coordinator.errors import NotInitializedError
 from coordinator.group import setup as setup
+from coordinator.group.moe_calls import MoeCalls
 from coordinator.group.monitored_barrier import monitored_barrier
 from coordinator.group.object_calls import ObjectCalls
 from coordinator.group.registry import REGISTRY
@@ -205,6 +207,7 @@ class GroupCoordinator:
         self._objects = ObjectCalls(self, book)
         self._p2p = PointToPoint(self, book, self._objects)
         self._dicts = TensorDictCalls(self, book, self._objects, self._p2p, GroupCoordinator)
+        self._moe = MoeCalls(self)
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
             self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)
         REGISTRY.add(self)
@@ -387,6 +390,174 @@ class GroupCoordinator:
         raise ``CollectiveMismatch`` on every rank; see :mod:`device_comms.alltoallv`.
         """
         return self._book.run("all_to_allv", self.comm.all_to_allv, input_, send_sizes, recv_sizes)
+
+    def all_gatherv_rows(
+        self,
+        tensors: Sequence[torch.Tensor],
+        sizes: Sequence[int] | None = None,
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Gather the rows (dim 0) of several tensors from every rank in one exchange.
+
+        The tensors share this rank's row count (which may differ between
+        ranks, and be 0) but not dtype or row shape; the row counts travel
+        with the call unless given. See
+        :meth:`device_comms.base.DeviceCommunicator.all_gatherv_rows`.
+
+        Returns:
+            ``(gathered, sizes)``: one new tensor per input, rank 0's rows
+            first; every rank's row count.
+        """
+        return self._book.run("all_gatherv_rows", self.comm.all_gatherv_rows, tensors, sizes)
+
+    # ------------------------------------------------------------------ MoE (the seed's path)
+    @overload
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: Sequence[torch.Tensor] | None = None,
+        *,
+        sizes: Sequence[int] | None = None,
+    ) -> tuple[Any, ...]: ...
+
+    @overload
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: Sequence[torch.Tensor] | None = None,
+        *,
+        sizes: Sequence[int] | None = None,
+    ) -> tuple[Any, ...]: ...
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Gather every token peer's tokens for the experts (the seed's MoE dispatch).
+
+        Two forms, told apart by the third argument (``is_sequence_parallel``
+        is a bool, so a tensor there is the routed form's ``topk_ids``):
+
+        * ``dispatch(hidden_states, router_logits, is_sequence_parallel=False,
+          extra_tensors=None)``, the seed's (also :meth:`dispatch_router_logits`),
+          returns ``(hidden_states, router_logits)``, plus the gathered
+          ``extra_tensors`` list when given;
+        * ``dispatch(hidden_states, topk_weights, topk_ids,
+          is_sequence_parallel=False, extra_tensors=None)``, vLLM's current
+          form for routing done before the call, returns ``(hidden_states,
+          topk_weights, topk_ids)``, plus the extra list when given.
+
+        Every rank passes its own tokens (rows along dim 0; the counts may
+        differ, and be 0). ``is_sequence_parallel=False`` gathers over the
+        ranks that hold different tokens from this one's TP group (on the EP
+        group of ``parallel_state``: its DP peers), ``True`` over the whole
+        group (see :mod:`coordinator.group.moe_calls`). All tensors go in one
+        collective call; the row counts travel with it unless ``sizes`` (every
+        token peer's count, in rank order) is given. Pair each dispatch with a
+        :meth:`combine`.
+
+        Returns:
+            New tensors of every token peer's rows concatenated in rank order.
+
+        Raises:
+            TypeError: Wrong argument types (names the argument).
+            ValueError: The tensors' row counts differ, or ``sizes`` does not fit.
+            PeerRejectedError: A peer rejected its arguments.
+            CollectiveMismatch: A peer's tensors have other dtypes or row shapes.
+        """
+        routed = "topk_ids" in kwargs or "topk_weights" in kwargs or (
+            len(args) >= 3 and isinstance(args[2], torch.Tensor))
+        form = _ROUTED_DISPATCH if routed else _SEED_DISPATCH
+        bound = form.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        names = ("hidden_states", "topk_weights", "topk_ids") if routed else \
+            ("hidden_states", "router_logits")
+        self._book.check_live("dispatch")
+        gathered, extras = self._moe.dispatch(
+            [(n, a[n]) for n in names], a["is_sequence_parallel"], a["extra_tensors"], a["sizes"])
+        return (*gathered, extras) if extras is not None else tuple(gathered)
+
+    def dispatch_router_logits(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: Sequence[torch.Tensor] | None = None,
+        *,
+        sizes: Sequence[int] | None = None,
+    ) -> tuple[Any, ...]:
+        """The seed's :meth:`dispatch` under vLLM's current name."""
+        self._book.check_live("dispatch_router_logits")
+        gathered, extras = self._moe.dispatch(
+            [("hidden_states", hidden_states), ("router_logits", router_logits)],
+            is_sequence_parallel, extra_tensors, sizes)
+        return (*gathered, extras) if extras is not None else tuple(gathered)
+
+    def combine(
+        self,
+        hidden_states: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        *,
+        sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Sum the experts' outputs back onto the ranks whose tokens they are.
+
+        Takes the rows of the matching :meth:`dispatch` (the oldest one not yet
+        combined with the same ``is_sequence_parallel``) after the experts ran
+        on them, and returns this rank's own rows summed over the token peers:
+        a reduce-scatterv with that dispatch's row counts.
+
+        Args:
+            hidden_states: ``(sum of the dispatch's row counts, ...)``.
+            is_sequence_parallel: As passed to the dispatch.
+            sizes: The row counts (checked against the dispatch's; needed only
+                for a combine without a dispatch on this group).
+
+        Raises:
+            TypeError: ``hidden_states`` is not a tensor, or the flag not a bool.
+            ValueError: No dispatch to match, or the row count differs from its
+                (the peers raise ``PeerRejectedError``).
+        """
+        self._book.check_live("combine")
+        return self._moe.combine(hidden_states, is_sequence_parallel, sizes)
+
+    def set_token_peers(self, group: GroupCoordinator) -> None:
+        """Make ``dispatch``/``combine`` with ``is_sequence_parallel=False`` run over
+        ``group``: the ranks of this group that hold other tokens than this rank's
+        TP peers (``parallel_state`` sets it on the EP group). Not collective:
+        every rank sets its own. ``group`` may be this group itself (the default).
+
+        Raises:
+            TypeError: ``group`` is not a GroupCoordinator.
+            ValueError: ``group`` holds ranks outside this group, or not this rank.
+        """
+        if not isinstance(group, GroupCoordinator):
+            raise TypeError(f"group must be a GroupCoordinator, got {type(group).__name__}")
+        self._moe.set_token_peers(group)
+
+    @property
+    def token_peers(self) -> GroupCoordinator:
+        """The group ``dispatch``/``combine`` with ``is_sequence_parallel=False`` run on."""
+        peers = self._moe.token_peers
+        return peers if isinstance(peers, GroupCoordinator) else self
+
+    # ------------------------------------------------------------------ the seed's helpers
+    def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
+        """Sum over the group into a new tensor (``input_`` untouched): the eager body
+        of the ``groupcoord::all_reduce`` custom op, named as in the seed."""
+        return self._book.run("all_reduce", self.comm.all_reduce, input_)
+
+    def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        """All-gather along ``dim`` into a new tensor: the eager body of
+        ``groupcoord::all_gather``, named as in the seed."""
+        return self._book.run("all_gather", self.comm.all_gather, input_, dim)
+
+    def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        """Reduce-scatter along ``dim`` into a new tensor: the eager body of
+        ``groupcoord::reduce_scatter``, named as in the seed."""
+        return self._book.run("reduce_scatter", self.comm.reduce_scatter, input_, dim)
 
     def reject_call(self, op: str, error: BaseException) -> None:
         """Take this rank's part in the peers' collective ``op`` as a rejection of ``error``.
@@ -709,6 +880,27 @@ class GroupCoordinator:
         """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank);
         ``wait()`` returns the dict."""
         return self._dicts.irecv_tensor_dict(src)
+
+
+def _dispatch_form(third: str) -> inspect.Signature:
+    """The call form of :meth:`GroupCoordinator.dispatch` whose third argument is ``third``."""
+    kind, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    second = "router_logits" if third == "is_sequence_parallel" else "topk_weights"
+    params = [inspect.Parameter("hidden_states", kind), inspect.Parameter(second, kind)]
+    if third != "is_sequence_parallel":
+        params.append(inspect.Parameter(third, kind))
+    params += [inspect.Parameter("is_sequence_parallel", kind, default=False),
+               inspect.Parameter("extra_tensors", kind, default=None),
+               inspect.Parameter("sizes", keyword, default=None)]
+    return inspect.Signature(params)
+
+
+_SEED_DISPATCH = _dispatch_form("is_sequence_parallel")
+_ROUTED_DISPATCH = _dispatch_form("topk_ids")
+# inspect.signature(GroupCoordinator.dispatch) shows the seed's form
+GroupCoordinator.dispatch.__signature__ = _SEED_DISPATCH.replace(  # type: ignore[attr-defined]
+    parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                *_SEED_DISPATCH.parameters.values()])
 
 
 def side_stream(device: torch.device) -> Any:

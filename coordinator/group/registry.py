@@ -44,6 +44,9 @@ class GroupRegistry:
         self.pcp: GroupCoordinator | None = None
         self.dcp: GroupCoordinator | None = None
         self.ep: GroupCoordinator | None = None
+        #: The EP group's token peers when no other group has their ranks (DP > 1,
+        #: PCP > 1 and TP > 1); see ``GroupCoordinator.set_token_peers``.
+        self.ep_tokens: GroupCoordinator | None = None
         #: The timeout given to ``init_distributed_environment`` (None: not
         #: given); the model-parallel groups inherit it.
         self.timeout: Any = None

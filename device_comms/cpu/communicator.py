@@ -485,9 +485,22 @@ class CpuCommunicator(TorchDistributedCommunicator):
         eng = self._flat
         if eng is None:
             return super()._all_gatherv(t, dim, sizes)
+        key = _size_key(sizes, t.shape[:dim] + t.shape[dim + 1 :], dim)
+        return self._shm_gatherv(eng, t, dim, sizes, key)
+
+    def _all_gatherv_packed(self, packed: torch.Tensor, sizes: list[int],
+                            layout: int) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._all_gatherv_packed(packed, sizes, layout)
+        key = _size_key(sizes, (packed.shape[1], layout), 0)
+        return self._shm_gatherv(eng, packed, 0, sizes, key)
+
+    def _shm_gatherv(self, eng: ShmEngine, t: torch.Tensor, dim: int, sizes: list[int],
+                     key: int) -> torch.Tensor:
+        """All-gather of uneven pieces in the engine; ``key`` signs the layout."""
         self.shm_calls["all_gatherv"] += 1
         inner = math.prod(t.shape[:dim]) * math.prod(t.shape[dim + 1 :])
-        key = _size_key(sizes, t.shape[:dim] + t.shape[dim + 1 :], dim)
         if max(sizes) * inner * t.element_size() <= eng.ws.slot_bytes and (
             sum(sizes) * inner * t.element_size() < host_alloc.HUGE_MIN_BYTES
         ):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from device_comms import validation
 from device_comms.cuda.pynccl.communicator import PyNcclCommunicator
 from device_comms.reduce_op import ReduceOp
 from device_comms.torch_dist import gloo_alltoallv
@@ -180,6 +181,30 @@ class CudaCommunicator(TorchDistributedCommunicator):
         out = x.new_empty((sum(sizes),) + x.shape[1:])
         self._nccl.all_gatherv(out, x, sizes)
         return out.movedim(0, dim).contiguous()
+
+    def _all_gatherv_rows(
+        self, ts: list[torch.Tensor], sizes: list[int] | None
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        # No packing: one NCCL group of every tensor's per-rank broadcasts, written
+        # straight into each output.
+        if sizes is None:
+            sizes = self._row_counts(ts[0].shape[0])
+            for t in ts:
+                validation.check_fits((sum(sizes), *t.shape[1:]), t.dtype, t.device,
+                                      "the gathered rows")
+        outs = [t.new_empty((sum(sizes), *t.shape[1:])) for t in ts]
+        nccl = self._nccl
+        with nccl.grouped():
+            for out, t in zip(outs, ts, strict=True):
+                nccl.all_gatherv(out, t, sizes)
+        return outs, sizes
+
+    def _row_counts(self, n: int) -> list[int]:
+        # Over the CPU group: host-side, no stream synchronisation.
+        mine = torch.tensor([n], dtype=torch.int64)
+        every = torch.empty(self.world_size, dtype=torch.int64)
+        dist.all_gather_into_tensor(every, mine, group=self.cpu_group)
+        return [int(c) for c in every.tolist()]
 
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         if self.rank_in_group != dst:

@@ -319,11 +319,21 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         return _concat_leading(out, dim)
 
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        return self._signed_gatherv(t, dim, sizes, None)
+
+    def _all_gatherv_packed(self, packed: torch.Tensor, sizes: list[int],
+                            layout: int) -> torch.Tensor:
+        return self._signed_gatherv(packed, 0, sizes, layout)
+
+    def _signed_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int],
+                        layout: int | None) -> torch.Tensor:
+        """All-gather of uneven pieces; ``layout`` (packed rows' digest) is signed too."""
         inner = t.shape[:dim] + t.shape[dim + 1 :]
         if self._checks_calls:
             signed = self._signed
             small = max(sizes) * math.prod(inner) * t.element_size() <= BLOCK_INLINE
-            h = signed.header("all_gatherv", t.dtype, None, 0, (tuple(sizes), inner, dim), t.shape)
+            h = signed.header("all_gatherv", t.dtype, None, 0, (tuple(sizes), inner, dim, layout),
+                              t.shape)
             signed.call("all_gatherv", h, t if small else None)
             if small:
                 shapes = [t.shape[:dim] + (s,) + t.shape[dim + 1 :] for s in sizes]

@@ -181,6 +181,28 @@ def _send_recv_tensor_dict(g: Any, r: int, n: int, bad: str | None) -> Any:
     return g.recv_tensor_dict(src=r - 1)
 
 
+def _dispatch(g: Any, r: int, n: int, bad: str | None) -> Any:
+    rows = r % 3  # uneven, some ranks with none
+    logits = x_of(r, (rows, 4 if bad == "shape" else 2))
+    return g.dispatch(x_of(r, (rows, 3), _dt(bad)), logits)
+
+
+def _combine(g: Any, r: int, n: int, bad: str | None) -> Any:
+    h, _ = g.dispatch(x_of(r, (r % 3, 3)), x_of(r, (r % 3, 2)))
+    if bad == "shape":  # the same rows, wider: the transport's signature differs
+        h = torch.cat([h, h[:, :1]], 1)
+    return g.combine(h.to(_dt(bad)) * (r + 1))
+
+
+def _exp_dispatch(r: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.cat([x_of(i, (i % 3, 3)) for i in range(n)], 0),
+            torch.cat([x_of(i, (i % 3, 2)) for i in range(n)], 0))
+
+
+def _exp_combine(r: int, n: int) -> torch.Tensor:
+    return x_of(r, (r % 3, 3)) * sum(range(1, n + 1))
+
+
 # ---------------------------------------------------------------------- expectations
 def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return t[start : start + count]
@@ -218,6 +240,8 @@ OPS: dict[str, Op] = {op.name: op for op in [
        lambda r, n: _rows(x_of(0, (2 * n, 2 * n)), 2 * r, 2), mismatches=("shape",)),
     Op("all_to_all", ("all_to_all",), _all_to_all, _exp_all_to_all),
     Op("broadcast", ("broadcast",), _broadcast, lambda r, n: x_of(0, (5,))),
+    Op("dispatch", ("all_gatherv_rows",), _dispatch, _exp_dispatch),
+    Op("combine", ("all_gatherv_rows", "reduce_scatterv"), _combine, _exp_combine),
     Op("send_recv", ("send", "recv"), _send_recv, _p2p_expect(lambda s: x_of(s, (4,))),
        paired=True),
     Op("broadcast_object-mq", ("broadcast_object",), _broadcast_object(0),

@@ -4,10 +4,10 @@ and 4, five kinds of fault; each case must keep the contract of
 
 * Ops (:mod:`tests.faults.ops`): all_reduce, all_gather, all_gatherv,
   reduce_scatter, reduce_scatterv, gather, reduce, scatter, all_to_all,
-  broadcast, send/recv, broadcast_object (through the TP broadcaster and over
-  the CPU side), broadcast_object_list, send_object/recv_object,
-  broadcast_tensor_dict (TP broadcaster and CPU side), send_tensor_dict /
-  recv_tensor_dict, barrier.
+  broadcast, dispatch, combine (the seed's MoE calls), send/recv,
+  broadcast_object (through the TP broadcaster and over the CPU side),
+  broadcast_object_list, send_object/recv_object, broadcast_tensor_dict (TP
+  broadcaster and CPU side), send_tensor_dict / recv_tensor_dict, barrier.
 * Transports: ``shm`` (shared memory), ``gloo`` (``GROUPCOORD_CPU_SHM=0``),
   ``hier`` (two simulated hosts with ``GROUPCOORD_NODE_ID``: the hierarchical
   all-reduce, TCP readers of the TP broadcaster; at world size 2 one rank per
@@ -82,6 +82,11 @@ CI_CASES = [
     (4, "gloo", "dtype", "send_recv", 3),
     (4, "shm", "shape", "all_gatherv", 3),
     (4, "gloo", "shape", "broadcast_object_list", 3),
+    (4, "shm", "kill", "dispatch", 3),
+    (2, "hier", "skip", "dispatch", 1),
+    (4, "gloo", "shape", "dispatch", 3),
+    (4, "hier", "dtype", "combine", 3),
+    (4, "shm", "stop", "combine", 3),
 ]
 
 
