@@ -46,7 +46,7 @@ __all__ = ["DeviceCommunicator"]
 #: point-to-point ops, which need the peer.
 _COLLECTIVES = frozenset({
     "all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv",
-    "gather", "reduce", "broadcast", "scatter", "all_to_all", "all_to_allv",
+    "gather", "reduce", "broadcast", "scatter", "all_to_all", "all_to_allv", "all_gatherv_rows",
 })
 _P2P_OPS = frozenset({"send", "recv"})
 _R = TypeVar("_R")  # what a guarded hook returns
@@ -227,7 +227,7 @@ class DeviceCommunicator(abc.ABC):
             CollectiveMismatch: The ranks' layouts or ``sizes`` lists differ.
         """
         self._check_open()
-        op = "all_gather" if sizes is None else "all_gatherv"
+        op = "all_gatherv_rows" if sizes is None else "all_gatherv"
         try:
             ts = row_gather.check_row_tensors(tensors, self.device)
             n = ts[0].shape[0]

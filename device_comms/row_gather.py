@@ -48,9 +48,12 @@ def check_row_tensors(tensors: Any, device: torch.device, arg: str = "tensors"
         ValueError: An entry has no row dimension, is on another device, or its
             row count differs from the first entry's.
     """
-    if not isinstance(tensors, (list, tuple)) or not tensors:
+    if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{arg} must be a non-empty list of tensors, got "
-                        f"{type(tensors).__name__}{'' if tensors else ' (empty)'}")
+                        f"{type(tensors).__name__}")
+    if not tensors:
+        raise TypeError(f"{arg} must be a non-empty list of tensors, got an empty "
+                        f"{type(tensors).__name__}")
     out: list[torch.Tensor] = []
     for i, t in enumerate(tensors):
         x = validation.check_tensor(t, f"{arg}[{i}]", device)

@@ -162,7 +162,7 @@ class MoeCalls:
             CollectiveMismatch: The peers' tensors are laid out differently.
         """
         group = self.group_for(is_sequence_parallel)
-        op = "all_gather" if sizes is None else "all_gatherv"
+        op = "all_gatherv_rows" if sizes is None else "all_gatherv"
         try:
             tensors = _check_named(named, extra_tensors)
         except (TypeError, ValueError) as e:

@@ -119,7 +119,7 @@ _STRIDED = torch.strided
 _P2P_OPS = frozenset({"send", "recv"})  # not held by a collective (device_comms.cpu.one_call)
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
-    "reduce_scatterv", "broadcast", "gather", "all_to_allv",
+    "reduce_scatterv", "broadcast", "gather", "all_to_allv", "all_gatherv_rows",
 )
 
 

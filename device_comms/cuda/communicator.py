@@ -9,9 +9,13 @@ not used. ``scatter`` and ``all_to_all`` keep the ``torch.distributed``
 implementation over ``device_group``. ``all_to_allv`` agrees on every rank's
 sizes over the CPU group (a host-side exchange; mismatched sizes and rejected
 arguments raise on every rank), then runs as grouped NCCL send/recv.
+``all_gatherv_rows`` exchanges the row counts the same way when the caller
+does not give them, then gathers every tensor in one NCCL group of
+broadcasts straight into the outputs (no packing).
 
 Rejected calls: a rank whose own arguments fail validation raises locally; its
-peers are not told (as for every GPU transport, see
+peers are not told (except where sizes are exchanged over the CPU group first:
+``all_to_allv``, and ``all_gatherv_rows`` without ``sizes``) (as for every GPU transport, see
 :meth:`DeviceCommunicator._reject`) and wait as NCCL does.
 """
 
@@ -26,10 +30,12 @@ import torch.distributed as dist
 
 from device_comms import validation
 from device_comms.cuda.pynccl.communicator import PyNcclCommunicator
+from device_comms.errors import DecodeError, PeerRejectedError
 from device_comms.reduce_op import ReduceOp
 from device_comms.torch_dist import gloo_alltoallv
 from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
 from shm_broadcast.checks import check_timeout
+from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.timeouts import default_timeout
 
 if TYPE_CHECKING:
@@ -200,11 +206,9 @@ class CudaCommunicator(TorchDistributedCommunicator):
         return outs, sizes
 
     def _row_counts(self, n: int) -> list[int]:
-        # Over the CPU group: host-side, no stream synchronisation.
-        mine = torch.tensor([n], dtype=torch.int64)
-        every = torch.empty(self.world_size, dtype=torch.int64)
-        dist.all_gather_into_tensor(every, mine, group=self.cpu_group)
-        return [int(c) for c in every.tolist()]
+        # Over the CPU group (host-side, no stream synchronisation), where a rank
+        # that rejected its arguments says so (:meth:`_abort_collective`).
+        return _settle_counts(self, object_group(self.cpu_group).all_gather(["ok", n]))
 
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         if self.rank_in_group != dst:
@@ -238,6 +242,10 @@ class CudaCommunicator(TorchDistributedCommunicator):
         except in ``all_to_allv``, whose sizes are agreed over the CPU group first."""
         if op == "all_to_allv":
             self._guard(op, gloo_alltoallv.reject_exchange, self, message)
+        elif op == "all_gatherv_rows":  # the row counts are exchanged over the CPU group first
+            everyone = object_group(self.cpu_group).all_gather(["rejected", message[:4000]])
+            with contextlib.suppress(PeerRejectedError):  # this rank raises its own error
+                _settle_counts(self, everyone)
 
     # --- lifecycle ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -262,6 +270,31 @@ class CudaCommunicator(TorchDistributedCommunicator):
                     nccl.close()
             finally:
                 super().destroy()
+
+
+def _settle_counts(comm: CudaCommunicator, everyone: list[Any]) -> list[int]:
+    """Every rank's row count from the CPU-group exchange of ``["ok", n]`` /
+    ``["rejected", reason]`` records.
+
+    Raises:
+        PeerRejectedError: Another rank rejected its arguments.
+        DecodeError: A record is malformed.
+    """
+    name, counts = comm.unique_name, []
+    for q, item in enumerate(everyone):
+        ok = isinstance(item, list) and len(item) == 2 and item[0] in ("ok", "rejected")
+        if ok and item[0] == "ok" and not (type(item[1]) is int and item[1] >= 0):
+            ok = False
+        if not ok:
+            raise DecodeError(f"group {name!r}, op all_gatherv_rows: rank {q} sent "
+                              f"{item!r:.80}", queue=name, peers=(q,))
+        if item[0] == "rejected":
+            if q != comm.rank_in_group:
+                raise PeerRejectedError(name, "all_gatherv_rows", q, str(item[1]))
+            counts.append(0)
+        else:
+            counts.append(item[1])
+    return counts
 
 
 def _cupy_imports() -> bool:

@@ -332,7 +332,8 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         if self._checks_calls:
             signed = self._signed
             small = max(sizes) * math.prod(inner) * t.element_size() <= BLOCK_INLINE
-            h = signed.header("all_gatherv", t.dtype, None, 0, (tuple(sizes), inner, dim, layout),
+            packed = -1 if layout is None else layout  # hash(None) differs between processes
+            h = signed.header("all_gatherv", t.dtype, None, 0, (tuple(sizes), inner, dim, packed),
                               t.shape)
             signed.call("all_gatherv", h, t if small else None)
             if small:

@@ -27,7 +27,7 @@ from tests.coordinator.rank_checks import (
 
 # (tp, pp, dp, pcp, dcp) at world size 4
 LAYOUTS = [(2, 2, 1, 1, 1), (4, 1, 1, 1, 1), (1, 4, 1, 1, 1), (2, 1, 2, 1, 1), (1, 2, 2, 1, 1),
-           (2, 1, 1, 2, 1), (4, 1, 1, 1, 2), (2, 1, 1, 2, 2),
+           (2, 1, 1, 2, 1), (4, 1, 1, 1, 2), (2, 1, 1, 2, 2), (2, 1, 1, 2, 4),
            (2, 1, 1, 1, 1), (1, 2, 1, 1, 1)]  # the last two: two replicas (external DP)
 KINDS = ("tp", "pp", "dp", "pcp", "dcp")
 
@@ -37,7 +37,8 @@ def _expected_groups(tp: int, pp: int, dp: int, pcp: int = 1, dcp: int = 1,
     """Groups of the DP x PP x PCP x TP layout (TP fastest), replicated over
     ``world`` ranks, derived rank by rank: each group holds the ranks of one
     replica that share every other coordinate; DCP groups share everything but
-    a run of ``dcp`` consecutive TP coordinates."""
+    a run of ``dcp`` consecutive TP coordinates without PCP, and with PCP the PCP
+    group (``dcp == pcp``) or the whole TP x PCP block (``dcp == tp * pcp``)."""
     one = tp * pp * dp * pcp
     world = one if world is None else world
     coords = {r: (r // one, r // (tp * pcp * pp) % dp, r // (tp * pcp) % pp, r // tp % pcp,
@@ -54,7 +55,9 @@ def _expected_groups(tp: int, pp: int, dp: int, pcp: int = 1, dcp: int = 1,
         "pp": groups(lambda d, p, c, t: (d, c, t)),
         "dp": groups(lambda d, p, c, t: (p, c, t)),
         "pcp": groups(lambda d, p, c, t: (d, p, t)),
-        "dcp": groups(lambda d, p, c, t: (d, p, c, t // dcp)),
+        "dcp": groups(lambda d, p, c, t: (d, p, c, t) if dcp == 1 else
+                      (d, p, c, t // dcp) if pcp == 1 else
+                      (d, p, t) if dcp == pcp else (d, p)),
         "ep": groups(lambda d, p, c, t: p),
     }
 
@@ -64,14 +67,16 @@ def test_expected_groups_helper_matches_the_documented_example():
     want = _expected_groups(2, 2, 1)
     assert (want["tp"], want["pp"], want["dp"]) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]],
                                                     [[0], [1], [2], [3]])
-    # rank_mesh's table: TP=2, PCP=2 -> PCP [0, 2], [1, 3]; DCP=2 -> [0, 1], [2, 3].
+    # rank_mesh's table: TP=2, PCP=2 -> PCP [0, 2], [1, 3]; DCP=2 spans PCP: [0, 2], [1, 3].
     assert _expected_groups(2, 1, 1, 2, 2)["pcp"] == [[0, 2], [1, 3]]
-    assert _expected_groups(2, 1, 1, 2, 2)["dcp"] == [[0, 1], [2, 3]]
+    assert _expected_groups(2, 1, 1, 2, 2)["dcp"] == [[0, 2], [1, 3]]
+    assert _expected_groups(2, 1, 1, 2, 4)["dcp"] == [[0, 1, 2, 3]]
+    assert _expected_groups(4, 1, 1, 1, 2)["dcp"] == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("layout", [(2, 2, 2, 1, 1, 1), (2, 1, 2, 2, 2, 1), (4, 2, 1, 1, 2, 1),
-                                    (3, 2, 2, 2, 3, 1), (6, 1, 1, 2, 3, 1), (1, 3, 1, 2, 1, 1),
-                                    (2, 2, 1, 1, 2, 3), (1, 1, 2, 2, 1, 2)],
+                                    (3, 2, 2, 2, 6, 1), (6, 1, 1, 2, 2, 1), (1, 3, 1, 2, 1, 1),
+                                    (2, 2, 1, 1, 2, 3), (1, 1, 2, 2, 1, 2), (3, 1, 1, 1, 3, 1)],
                          ids=lambda sizes: "tp{}-pp{}-dp{}-pcp{}-dcp{}-ext{}".format(*sizes))
 def test_rank_mesh_matches_the_derived_groups(layout):
     from coordinator.parallel.rank_mesh import RankMesh
@@ -86,6 +91,8 @@ def test_rank_mesh_matches_the_derived_groups(layout):
 
 
 @pytest.mark.parametrize("sizes,words", [(dict(tp=4, dcp=3), "divide"), (dict(tp=0), "tp"),
+                                         (dict(tp=2, pcp=2, dcp=3), r"valid sizes are \[1, 2, 4\]"),
+                                         (dict(tp=3, pcp=2, dcp=3), r"valid sizes are \[1, 2, 6\]"),
                                          (dict(pcp=2.0), "pcp"), (dict(dcp=True), "dcp"),
                                          (dict(tp=4, pp=2), "must divide the world size 12")])
 def test_rank_mesh_refuses_bad_sizes(sizes, words):
@@ -108,8 +115,9 @@ def test_layouts_at_world_size_4(dist_pool):
                 assert rec[kind] == mine, f"{layout} rank {rank} {kind}: {rec[kind]} != {mine}"
             my_pp = next(g for g in want["pp"] if rank in g)
             my_pcp = next(g for g in want["pcp"] if rank in g)
+            my_dcp = next(g for g in want["dcp"] if rank in g)
             assert rec["getters"] == (tp, rank % tp, pp, my_pp.index(rank), pcp,
-                                      my_pcp.index(rank), dcp, rank % tp % dcp), rec
+                                      my_pcp.index(rank), dcp, my_dcp.index(rank)), rec
 
 
 @pytest.mark.timeout(120)
