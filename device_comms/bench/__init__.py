@@ -5,6 +5,7 @@ package imports it.
 
 Modules:
     collectives: CPU shared-memory collectives vs gloo, over real processes.
+    dispatch_combine: one MoE layer's traffic (the ``dispatch_combine`` op of collectives).
     cuda: the GPU all-reduce table (custom all-reduce, PyNccl, torch NCCL).
     report: tables and plots of the results.
 

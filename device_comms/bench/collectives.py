@@ -28,6 +28,16 @@ hidden state of 2048 bf16). Raw gloo is ``dist.all_to_all_single`` with the
 same splits on byte views (moving rows needs no arithmetic), output
 preallocated; ours gets ``recv_sizes`` too, as gloo must.
 
+``dispatch_combine`` is one MoE layer's traffic
+(:mod:`device_comms.bench.dispatch_combine`): our all-gather path
+(``all_gatherv_rows`` of hidden states and router logits, then
+``reduce_scatterv``) against two baselines in the same interleaved blocks, the
+token all-to-all path on our communicator (``a2a_*``: counts all-gather, then
+``all_to_allv`` there and back) and raw gloo doing the all-gather path with
+padded calls. Its size is the bytes of all ranks' hidden states
+(``tokens = size // (--hidden * element size)``); every variant's result is
+checked once (``checks`` in the record).
+
 Torch threads per rank (``--threads``): ``1``; ``default``, torch's own default
 (the number of cores, what an engine that computes with every core has: each
 rank's kernels would then oversubscribe the CPUs, see
@@ -61,7 +71,7 @@ from shm_broadcast.cli_args import number
 
 __all__ = ["add_bench_args", "run_bench", "main"]
 
-_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_allv")
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_allv", "dispatch_combine")
 _DEFAULT_OPS = _OPS[:3]
 _DTYPES = ("float32", "bfloat16", "float16", "int32", "int64")
 _DEFAULT_SIZES = [1 << s for s in range(10, 27, 2)]  # 1 KiB .. 64 MiB, powers of 4
@@ -110,7 +120,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4],
                         help="world sizes to run (default: 2 4)")
     parser.add_argument("--ops", nargs="+", choices=_OPS, default=list(_DEFAULT_OPS),
-                        help="collectives to time (default: all_reduce all_gather reduce_scatter)")
+                        help="collectives to time (default: all_reduce all_gather "
+                             "reduce_scatter); dispatch_combine: one MoE layer's traffic, the "
+                             "all-gather path vs the token all-to-all path vs raw gloo")
     parser.add_argument("--dtypes", nargs="+", choices=_DTYPES, default=["float32", "bfloat16"],
                         help="dtypes (default: float32 bfloat16)")
     parser.add_argument("--sizes", type=_parse_size, nargs="+", default=None,
@@ -119,6 +131,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="drop smaller default sizes")
     parser.add_argument("--max-bytes", type=_parse_size, default=None,
                         help="drop larger default sizes")
+    parser.add_argument("--hidden", type=number(int, above=0), default=4096,
+                        help="dispatch_combine: hidden width in elements; a size is the bytes "
+                             "of all ranks' hidden states, tokens = size // (hidden * element "
+                             "size) (default: 4096)")
+    parser.add_argument("--experts", type=number(int, above=0), default=64,
+                        help="dispatch_combine: experts (router logits per token), a multiple "
+                             "of every world size (default: 64)")
+    parser.add_argument("--topk", type=number(int, above=0), default=2,
+                        help="dispatch_combine: experts per token on the all-to-all path "
+                             "(default: 2)")
     parser.add_argument("--max-iters", type=int, default=400, help="samples per point, at most")
     parser.add_argument("--min-iters", type=int, default=16, help="samples per point, at least")
     parser.add_argument("--budget-mb", type=number(float, above=0), default=1024.0,
@@ -177,6 +199,14 @@ def _check_cpu_args(args: argparse.Namespace) -> str | None:
             return f"--world-sizes: every world size must be >= 2, got {ws}"
     if args.min_iters < 1 or args.max_iters < args.min_iters:
         return "--min-iters must be >= 1 and <= --max-iters"
+    if "dispatch_combine" in args.ops:
+        odd = [ws for ws in args.world_sizes if args.experts % ws]
+        if odd:
+            return (f"--experts: dispatch_combine shards the experts evenly over the ranks, so "
+                    f"--experts must be a multiple of every world size, got {args.experts} "
+                    f"for world sizes {odd}")
+        if args.topk > args.experts:
+            return f"--topk must be <= --experts ({args.experts}), got {args.topk}"
     if args.plot_path:
         try:
             import matplotlib  # noqa: F401
@@ -198,6 +228,7 @@ def _rank_config(args: argparse.Namespace) -> dict[str, Any]:
         "budget": int(args.budget_mb * (1 << 20)),
         "threads": list(args.threads) if args.threads else [None],
         "workspace_bytes": args.workspace_bytes,
+        "moe_shape": {"hidden": args.hidden, "experts": args.experts, "topk": args.topk},
     }
 
 
@@ -292,45 +323,62 @@ def _bench_point(
 
     from shm_broadcast.ranks.group_adapter import object_group
 
-    ours, raw, same, extra = _point_calls(comm, op, dtype, nbytes, rank, ws)
+    calls, checks, extra = _point_calls(comm, op, dtype, nbytes, cfg, rank, ws)
     iters = int(min(cfg["max_iters"], max(cfg["min_iters"], cfg["budget"] // max(1, nbytes))))
     block = max(1, min(20, iters // 4))
     for n in counts:
         torch.set_num_threads(n)
         for _ in range(3):
-            ours()
-            raw()
-    t_ours: list[list[float]] = [[] for _ in counts]
-    t_raw: list[list[float]] = [[] for _ in counts]
-    while len(t_ours[0]) < iters:
-        k = min(block, iters - len(t_ours[0]))
+            for call in calls.values():
+                call()
+    # times[name][i]: the samples of variant `name` at thread setting i
+    times: dict[str, list[list[float]]] = {name: [[] for _ in counts] for name in calls}
+    while len(times["shm"][0]) < iters:
+        k = min(block, iters - len(times["shm"][0]))
         for i, n in enumerate(counts):
             torch.set_num_threads(n)
-            _time(ours, k, t_ours[i], comm.barrier)
-            _time(raw, k, t_raw[i], comm.barrier)
+            for name, call in calls.items():
+                _time(call, k, times[name][i], comm.barrier)
     torch.set_num_threads(counts[0])
     # msgpack over gloo (never pickle): the same path as the library's setup exchanges
-    everyone = object_group(dist.group.WORLD).all_gather((t_ours, t_raw, same))
+    everyone = object_group(dist.group.WORLD).all_gather((times, checks))
+    passed = {name: all(v[1][name] for v in everyone) for name in checks}
     recs = []
     for i, n in enumerate(counts):
-        slow_ours = [max(v[0][i][j] for v in everyone) for j in range(iters)]
-        slow_raw = [max(v[1][i][j] for v in everyone) for j in range(iters)]
         setting = cfg["threads"][i]
-        recs.append({
+        rec: dict[str, Any] = {
             "world_size": ws, "op": op, "dtype": str(dtype).removeprefix("torch."),
             "bytes": nbytes, "iters": iters, "mode": comm.mode,
             "threads": n,
             "threads_setting": "cpus/world_size" if setting is None else str(setting),
             "engine_threads": comm.describe()["engine_threads"],
-            "shm_p50_us": _pct(slow_ours, 50), "shm_p99_us": _pct(slow_ours, 99),
-            "gloo_p50_us": _pct(slow_raw, 50), "gloo_p99_us": _pct(slow_raw, 99),
-            "results_match": all(v[2] for v in everyone),
-            **extra,
-        })
+        }
+        for name in calls:
+            slowest = [max(v[0][name][i][j] for v in everyone) for j in range(iters)]
+            rec[f"{name}_p50_us"] = _pct(slowest, 50)
+            rec[f"{name}_p99_us"] = _pct(slowest, 99)
+        rec["results_match"] = all(passed.values())
+        if len(passed) > 1:
+            rec["checks"] = passed
+        recs.append({**rec, **extra})
     return recs
 
 
 def _point_calls(
+    comm: Any, op: str, dtype: Any, nbytes: int, cfg: dict[str, Any], rank: int, ws: int
+) -> tuple[dict[str, Callable[[], Any]], dict[str, bool], dict[str, Any]]:
+    """The calls to time by variant (ours, ``shm``, first), whether each variant's
+    result checked out on this rank, and record extras."""
+    if op == "dispatch_combine":
+        from device_comms.bench import dispatch_combine
+
+        shape = dispatch_combine.Shape(**cfg["moe_shape"])
+        return dispatch_combine.point_calls(comm, dtype, nbytes, rank, ws, shape)
+    ours, raw, same, extra = _paired_calls(comm, op, dtype, nbytes, rank, ws)
+    return {"shm": ours, "gloo": raw}, {"shm_vs_gloo": same}, extra
+
+
+def _paired_calls(
     comm: Any, op: str, dtype: Any, nbytes: int, rank: int, ws: int
 ) -> tuple[Callable[[], Any], Callable[[], Any], bool, dict[str, Any]]:
     """Our call, the raw gloo call, whether their results agree, and record extras."""

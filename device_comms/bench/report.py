@@ -2,7 +2,9 @@
 
 A record is one (world size, op, dtype, size) point with the median and p99
 latency in microseconds of our communicator (``shm_*``) and of raw gloo
-(``gloo_*``), as produced by :mod:`device_comms.bench.collectives`.
+(``gloo_*``), as produced by :mod:`device_comms.bench.collectives`;
+``dispatch_combine`` records add the token all-to-all path (``a2a_*``), the
+token count and the layer shape (:mod:`device_comms.bench.dispatch_combine`).
 """
 
 from __future__ import annotations
@@ -45,22 +47,51 @@ def _groups(
         yield k[:3], sorted(grp, key=lambda r: r["bytes"])
 
 
+def _baselines(r: dict[str, Any]) -> list[str]:
+    """The variants a record compares ours (``shm``) with: ``gloo``, and ``a2a`` first
+    for ``dispatch_combine``."""
+    return [name for name in ("a2a", "gloo") if f"{name}_p50_us" in r]
+
+
+def _moe_note(r: dict[str, Any]) -> list[str]:
+    """The layer shape and what each variant runs (``dispatch_combine`` records)."""
+    return [f"hidden={r['hidden']} experts={r['experts']} topk={r['topk']}",
+            "shm: all_gatherv_rows([hidden, logits]) + reduce_scatterv; a2a: counts "
+            "all_gather + all_to_allv there and back; gloo: padded all_gather x2 + "
+            "reduce_scatter"]
+
+
+def _ratio_names(bases: list[str]) -> list[str]:
+    return ["speedup"] if bases == ["gloo"] else [f"vs {b}" for b in bases]
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
     """Plain-text tables, one per (world size, op, dtype)."""
     lines = []
     for (ws, op, dtype), grp in _groups(records):
+        bases = _baselines(grp[0])
+        moe = "tokens" in grp[0]
+        ratios = _ratio_names(bases)
+        what = ", ".join(f"{n} = {b} p50 / shm p50" for n, b in zip(ratios, bases, strict=True))
         lines.append(f"\nworld_size={ws}  op={op}  dtype={dtype}{_threads(grp[0])}"
-                     "  (latency in us; speedup = gloo p50 / shm p50)")
-        lines.append(f"{'size':>9} {'shm p50':>10} {'shm p99':>10} {'gloo p50':>10} "
-                     f"{'gloo p99':>10} {'speedup':>8} {'iters':>6} {'ok':>3}")
+                     f"  (latency in us; {what})")
+        if moe:
+            lines.extend("  " + note for note in _moe_note(grp[0]))
+        head = f"{'size':>9} " + (f"{'tokens':>6} " if moe else "")
+        for name in ("shm", *bases):
+            head += f"{name + ' p50':>10} {name + ' p99':>10} "
+        head += " ".join(f"{n:>8}" for n in ratios)
+        head += f" {'iters':>6} {'ok':>3}" + ("  tokens per rank" if moe else "")
+        lines.append(head)
         for r in grp:
-            ratio = r["gloo_p50_us"] / r["shm_p50_us"]
-            lines.append(
-                f"{human_bytes(r['bytes']):>9} {_us(r['shm_p50_us']):>10} "
-                f"{_us(r['shm_p99_us']):>10} {_us(r['gloo_p50_us']):>10} "
-                f"{_us(r['gloo_p99_us']):>10} {ratio:>7.1f}x "
-                f"{r['iters']:>6} {'yes' if r['results_match'] else 'NO':>3}"
-            )
+            row = f"{human_bytes(r['bytes']):>9} " + (f"{r['tokens']:>6} " if moe else "")
+            for name in ("shm", *bases):
+                row += f"{_us(r[name + '_p50_us']):>10} {_us(r[name + '_p99_us']):>10} "
+            row += " ".join(f"{r[b + '_p50_us'] / r['shm_p50_us']:>7.1f}x" for b in bases)
+            row += f" {r['iters']:>6} {'yes' if r['results_match'] else 'NO':>3}"
+            if moe:
+                row += "  " + "/".join(str(c) for c in r["token_counts"])
+            lines.append(row)
     return "\n".join(lines)
 
 
@@ -68,15 +99,25 @@ def format_markdown(records: Sequence[dict[str, Any]]) -> str:
     """Markdown tables, one per (world size, op, dtype)."""
     out = []
     for (ws, op, dtype), grp in _groups(records):
+        bases = _baselines(grp[0])
+        moe = "tokens" in grp[0]
         out.append(f"\n**world size {ws}, {op}, {dtype}** (microseconds){_threads(grp[0])}\n")
-        out.append("| size | shm p50 | shm p99 | gloo p50 | gloo p99 | speedup (p50) |")
-        out.append("|---:|---:|---:|---:|---:|---:|")
+        if moe:
+            out.append("; ".join(_moe_note(grp[0])) + "\n")
+        cols = ["size", *(["tokens"] if moe else [])]
+        for name in ("shm", *bases):
+            cols += [f"{name} p50", f"{name} p99"]
+        cols += [f"{n} (p50)" for n in _ratio_names(bases)]
+        cols += ["tokens per rank"] if moe else []
+        out.append("| " + " | ".join(cols) + " |")
+        out.append("|" + "---:|" * len(cols))
         for r in grp:
-            ratio = r["gloo_p50_us"] / r["shm_p50_us"]
-            out.append(
-                f"| {human_bytes(r['bytes'])} | {_us(r['shm_p50_us'])} | {_us(r['shm_p99_us'])} | "
-                f"{_us(r['gloo_p50_us'])} | {_us(r['gloo_p99_us'])} | {ratio:.1f}x |"
-            )
+            cells = [human_bytes(r["bytes"]), *([str(r["tokens"])] if moe else [])]
+            for name in ("shm", *bases):
+                cells += [_us(r[name + "_p50_us"]), _us(r[name + "_p99_us"])]
+            cells += [f"{r[b + '_p50_us'] / r['shm_p50_us']:.1f}x" for b in bases]
+            cells += ["/".join(str(c) for c in r["token_counts"])] if moe else []
+            out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -114,7 +155,10 @@ def write_plot(path: str, records: Sequence[dict[str, Any]]) -> None:
                 if len(settings) > 1:
                     tag += f", {pts[0]['threads']} thr"
                 ax.plot(xs, [r["shm_p50_us"] for r in pts], "o-", label=f"shm {tag}")
-                ax.plot(xs, [r["gloo_p50_us"] for r in pts], "s--", label=f"gloo {tag}")
+                for name, style in (("a2a", "^-."), ("gloo", "s--")):
+                    if f"{name}_p50_us" in pts[0]:
+                        ax.plot(xs, [r[f"{name}_p50_us"] for r in pts], style,
+                                label=f"{name} {tag}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{op}, world size {ws}")
