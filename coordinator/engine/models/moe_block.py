@@ -41,7 +41,7 @@ seed's ``GroupCoordinator.dispatch`` / ``combine``)::
 
 Sequence parallelism needs TP > 1: with one TP rank the token peers are the
 whole EP group and there is nothing to slice, so the two settings make the
-same calls (the block runs the non-sequence-parallel form, as vLLM does).
+same calls (the block runs the form without sequence parallelism).
 
 So with sequence parallelism each token is routed once per stage (not once
 per TP rank). A rank with no tokens of its own still serves its experts:
