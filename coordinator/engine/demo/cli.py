@@ -39,6 +39,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(coordinator.engine.demo.moe_cli)")
     p.add_argument("--dp", type=int, default=1,
                    help="data-parallel replicas (--model moe only; default 1)")
+    p.add_argument("--moe-comm", choices=("all2all", "allgather"), default=None,
+                   help="--model moe only: how tokens reach the experts on other EP ranks; "
+                        "all2all (default): each token to its experts' ranks and back; "
+                        "allgather: every rank gathers its peers' tokens, runs its own experts "
+                        "on all of them, and a reduce-scatter sums the outputs back")
+    p.add_argument("--moe-sp", choices=("on", "off"), default=None,
+                   help="--model moe only: sequence-parallel MoE, each TP rank routes its own "
+                        "slice of the tokens (on, default); off (--moe-comm allgather only): "
+                        "every TP rank routes all tokens and an all-reduce over TP adds the "
+                        "other TP ranks' experts. No effect at --tp 1")
     p.add_argument("--model-dir", default=None,
                    help="Hugging Face checkpoint dir (config.json + *.safetensors): Llama, or "
                         "with --model moe Mixtral / Qwen2-MoE; "
@@ -94,6 +104,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--dp {args.dp} needs --model moe (the dense demo has no DP replicas)")
     if args.mlp and args.model == "moe":
         raise ValueError("--mlp and --model moe are different demos; pass one")
+    for name in ("moe_comm", "moe_sp"):
+        if getattr(args, name) is not None and args.model != "moe":
+            raise ValueError(f"--{name.replace('_', '-')} needs --model moe")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
 

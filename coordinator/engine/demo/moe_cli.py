@@ -38,6 +38,20 @@ def _check(args: argparse.Namespace) -> None:
     if args.compile:
         raise ValueError("--model moe does not support --compile (routing makes shapes "
                          "data-dependent)")
+    if args.moe_sp == "off" and args.moe_comm != "allgather":
+        raise ValueError("--moe-sp off needs --moe-comm allgather (the all2all path always "
+                         "gives each TP rank its own slice of the tokens)")
+
+
+def _comm_text(cfg: Any) -> str:
+    """The MoE path as the report's first line names it."""
+    if cfg.tp == 1:
+        sp = "TP=1: sequence parallelism does not apply"
+    elif cfg.moe_sp:
+        sp = "sequence parallel: each TP rank routes its own tokens"
+    else:
+        sp = "no sequence parallelism: all_reduce over TP"
+    return f"MoE comm {cfg.moe_comm} ({sp})"
 
 
 def run_moe(args: argparse.Namespace) -> int:
@@ -52,7 +66,8 @@ def run_moe(args: argparse.Namespace) -> int:
     mcfg.check_parallel(args.tp, args.pp, args.dp * args.tp)
     cfg = MoeEngineConfig(tp=args.tp, pp=args.pp, dp=args.dp, model_dir=args.model_dir,
                           seed=args.seed, requests=tuple(requests_from_args(args, mcfg.vocab_size)),
-                          ignore_eos=args.ignore_eos, dtype=args.dtype)
+                          ignore_eos=args.ignore_eos, dtype=args.dtype,
+                          moe_comm=args.moe_comm or "all2all", moe_sp=args.moe_sp != "off")
     world = args.tp * args.pp * args.dp
     t0 = time.perf_counter()
     results = run_distributed(moe_engine_rank, world, cfg, timeout=args.timeout)
@@ -65,7 +80,7 @@ def run_moe(args: argparse.Namespace) -> int:
           f"{mcfg.num_key_value_heads} kv, {mcfg.num_experts} experts top-"
           f"{mcfg.num_experts_per_tok}{shared}, vocab {mcfg.vocab_size}] on TP={args.tp} x "
           f"PP={args.pp} x DP={args.dp} = {world} CPU processes, EP={args.dp * args.tp} per "
-          f"stage, {len(cfg.requests)} requests")
+          f"stage, {len(cfg.requests)} requests; {_comm_text(cfg)}")
     return _report(args, cfg, mcfg, results, wall)
 
 
@@ -125,6 +140,7 @@ def _report(args: argparse.Namespace, cfg: Any, mcfg: Any, results: list[dict[st
     if args.json_path:
         out = {"model": src_name(args), "model_type": mcfg.model_type, "tp": args.tp,
                "pp": args.pp, "dp": args.dp, "ep": args.dp * args.tp,
+               "moe_comm": cfg.moe_comm, "moe_sp": cfg.sequence_parallel(),
                "generated": drv["generated"], "reference_generated": ref_tokens,
                "tokens_identical": same, "max_logit_diff": diff, "verified": ok,
                "steps": drv["steps"], "seconds": secs, "new_tokens": new,

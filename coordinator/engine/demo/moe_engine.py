@@ -7,7 +7,8 @@ Replica ``d`` (its TP x PP ranks) serves the requests with ``req_id % DP == d``
 with its own KV cache; attention is sharded by TP inside the replica, the
 experts of stage ``p`` over the EP group of that stage (all DP x TP ranks,
 ``ep_rank = d * TP + t``), so every MoE layer's dispatch/combine crosses the
-replicas.
+replicas: a token all-to-all (``moe_comm="all2all"``) or the seed's all-gather /
+reduce-scatter (``"allgather"``), see :mod:`coordinator.engine.models.moe_block`.
 
 Every rank runs the same deterministic scheduler (:func:`generate_greedy`) in
 lockstep; per step, on every rank::
@@ -33,9 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from coordinator.engine.models.moe_block import MoeComm
 
 __all__ = ["MoeEngineConfig", "build_moe_model", "moe_engine_rank"]
 
@@ -54,6 +58,13 @@ class MoeEngineConfig:
         ignore_eos: Do not stop at end-of-sequence ids.
         kv_blocks: KV cache capacity in blocks of 16 tokens (per replica).
         dtype: Compute dtype name (``float32``, ``auto``, ``bfloat16``, ``float16``).
+        moe_comm: ``all2all`` or ``allgather``
+            (:class:`~coordinator.engine.models.moe_block.MoeComm`).
+        moe_sp: Sequence-parallel MoE: each TP rank routes its own token slice
+            (False needs ``allgather``; no effect at TP = 1).
+
+    Raises:
+        ValueError: ``moe_comm`` is unknown, or ``moe_sp`` is False with ``all2all``.
     """
 
     tp: int
@@ -65,6 +76,21 @@ class MoeEngineConfig:
     ignore_eos: bool = False
     kv_blocks: int = 512
     dtype: str = "float32"
+    moe_comm: str = "all2all"
+    moe_sp: bool = True
+
+    def __post_init__(self) -> None:
+        self.comm()  # refuse a bad moe_comm / moe_sp here, not on every rank
+
+    def comm(self) -> MoeComm:
+        """The sparse blocks' :class:`~coordinator.engine.models.moe_block.MoeComm`."""
+        from coordinator.engine.models.moe_block import MoeComm
+
+        return MoeComm(self.moe_comm, self.moe_sp)
+
+    def sequence_parallel(self) -> bool:
+        """Whether the MoE blocks split the tokens over TP (never with one TP rank)."""
+        return self.moe_sp and self.tp > 1
 
 
 def build_moe_model(cfg: MoeEngineConfig, tp_group: Any, pp_group: Any,
@@ -76,10 +102,11 @@ def build_moe_model(cfg: MoeEngineConfig, tp_group: Any, pp_group: Any,
 
     if cfg.model_dir:
         return MoeForCausalLM.from_pretrained(cfg.model_dir, tp_group, pp_group, ep_group,
-                                              cfg.dtype)
+                                              cfg.dtype, cfg.comm())
     return MoeForCausalLM.from_seed(seed=cfg.seed, tp_group=tp_group, pp_group=pp_group,
                                     ep_group=ep_group,
-                                    dtype=resolve_dtype(cfg.dtype, default_moe_config()))
+                                    dtype=resolve_dtype(cfg.dtype, default_moe_config()),
+                                    comm=cfg.comm())
 
 
 class _ReplicaStepper:
@@ -195,6 +222,7 @@ def moe_engine_rank(rank: int, world_size: int, cfg: MoeEngineConfig) -> dict[st
         return {
             "rank": rank, "replica": dp.rank_in_group, "stage": pp.rank_in_group,
             "tp_rank": tp.rank_in_group, "ep_rank": ep.rank_in_group, "ep_size": ep.world_size,
+            "moe_comm": cfg.moe_comm, "moe_sp": cfg.sequence_parallel(),
             "generated": [generated[r.req_id] for r in reqs], "sequences": seqs,
             "verify_indices": idx, "logits": logits if tp.rank_in_group == 0 else None,
             "steps": len(step_ns), "seconds": seconds, "step_us": _stats_us(step_ns),

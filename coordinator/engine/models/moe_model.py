@@ -31,7 +31,7 @@ from torch import nn
 from coordinator.engine.layers import RowParallelLinear
 from coordinator.engine.layers.weights import TPGroup, tp_size_and_rank
 from coordinator.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from coordinator.engine.models.moe_block import SparseMoeBlock
+from coordinator.engine.models.moe_block import MoeComm, SparseMoeBlock
 from coordinator.engine.models.moe_config import MoeModelConfig
 
 __all__ = ["MoeForCausalLM"]
@@ -58,11 +58,14 @@ class MoeForCausalLM(LlamaForCausalLM):
         pp_group: Pipeline-parallel group or ``None``.
         ep_group: Expert-parallel group (the DP x TP ranks of this stage) or ``None``.
         dtype: Parameter and activation dtype.
+        comm: How the sparse blocks' rows reach the experts on other EP ranks
+            (:class:`~coordinator.engine.models.moe_block.MoeComm`; default
+            all2all, sequence parallel).
     """
 
     def __init__(self, config: MoeModelConfig, tp_group: TPGroup | None = None,
                  pp_group: Any | None = None, ep_group: Any | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, comm: MoeComm | None = None) -> None:
         if not isinstance(config, MoeModelConfig):
             raise TypeError(f"config must be a MoeModelConfig, got {type(config).__name__}")
         tp = tp_size_and_rank(tp_group)[0]
@@ -77,7 +80,8 @@ class MoeForCausalLM(LlamaForCausalLM):
 
             prefix = f"model.layers.{i}"
             if i in config.sparse_layers:
-                layer.mlp = SparseMoeBlock(config, tp_group, ep_group, dtype, f"{prefix}.mlp")
+                layer.mlp = SparseMoeBlock(config, tp_group, ep_group, dtype, f"{prefix}.mlp",
+                                           comm)
             else:
                 layer.mlp = LlamaMLP(config, tp_group, dtype, False, f"{prefix}.mlp")
             if config.attention_bias and not config.o_proj_bias:
@@ -158,30 +162,34 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike[str], tp_group: TPGroup | None = None,
-                        pp_group: Any | None = None, ep_group: Any | None = None,
-                        dtype: torch.dtype | str | None = None) -> MoeForCausalLM:  # type: ignore[override]
+    def from_pretrained(  # type: ignore[override]  # adds ep_group, comm; no sequence_parallel
+        cls, model_dir: str | os.PathLike[str], tp_group: TPGroup | None = None,
+        pp_group: Any | None = None, ep_group: Any | None = None,
+        dtype: torch.dtype | str | None = None, comm: MoeComm | None = None,
+    ) -> MoeForCausalLM:
         """Build this rank's shard from a Mixtral or Qwen2-MoE checkpoint directory
         (float32 compute by default, as :meth:`LlamaForCausalLM.from_pretrained`)."""
         from coordinator.engine.models.checkpoint import iter_checkpoint
         from coordinator.engine.models.config import resolve_dtype
 
         config = MoeModelConfig.from_json(model_dir)
-        model = cls(config, tp_group, pp_group, ep_group, resolve_dtype(dtype, config))
+        model = cls(config, tp_group, pp_group, ep_group, resolve_dtype(dtype, config), comm)
         model.load_weights(
             iter_checkpoint(model_dir, lambda n: model.wants(n) or not model._known(n)))
         return model.eval()
 
     @classmethod
-    def from_seed(cls, config: MoeModelConfig | None = None, seed: int = 0,  # type: ignore[override]
-                  tp_group: TPGroup | None = None, pp_group: Any | None = None,
-                  ep_group: Any | None = None, dtype: torch.dtype = torch.float32
-                  ) -> MoeForCausalLM:
+    def from_seed(  # type: ignore[override]  # adds ep_group, comm; no sequence_parallel
+        cls, config: MoeModelConfig | None = None, seed: int = 0,
+        tp_group: TPGroup | None = None, pp_group: Any | None = None,
+        ep_group: Any | None = None, dtype: torch.dtype = torch.float32,
+        comm: MoeComm | None = None,
+    ) -> MoeForCausalLM:
         """This rank's shard of a random Mixtral-style model (``default_moe_config()``)."""
         from coordinator.engine.models.moe_checkpoint import random_moe_state_dict
         from coordinator.engine.models.moe_config import default_moe_config
 
         config = config or default_moe_config()
-        model = cls(config, tp_group, pp_group, ep_group, dtype)
+        model = cls(config, tp_group, pp_group, ep_group, dtype, comm)
         model.load_weights(random_moe_state_dict(config, seed).items())
         return model.eval()

@@ -4,7 +4,9 @@ Tiny random Mixtral and Qwen2-MoE checkpoints (2-3 layers, hidden 64, 8 experts,
 top-2) are saved by ``transformers``; the demo engine serves them with attention
 sharded by TP and experts by EP over each stage's DP x TP ranks, on real gloo /
 shared-memory groups, and must generate HF's greedy ids (and HF's logits for the
-generated sequences, within float32 rounding).
+generated sequences, within float32 rounding), with either MoE path (``--moe-comm
+all2all``: token all-to-all; ``allgather``: the seed's GroupCoordinator
+dispatch/combine, with and without sequence parallelism).
 """
 
 from __future__ import annotations
@@ -88,17 +90,20 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     return _Checkpoints(tmp_path_factory.mktemp("moe_ckpts"))
 
 
-def _engine_cfg(path: str, tp: int, pp: int, dp: int) -> MoeEngineConfig:
+def _engine_cfg(path: str, tp: int, pp: int, dp: int, comm: str = "all2all",
+                sp: bool = True) -> MoeEngineConfig:
     pairs = enumerate(zip(PROMPTS, MAX_NEW, strict=True))
     reqs = tuple((tuple(p), n, i % 2) for i, (p, n) in pairs)
     return MoeEngineConfig(tp=tp, pp=pp, dp=dp, model_dir=path, seed=0, requests=reqs,
-                           kv_blocks=64)
+                           kv_blocks=64, moe_comm=comm, moe_sp=sp)
 
 
 def _check_ranks(results: list[dict[str, Any]], exp: dict[str, Any], tp: int, pp: int,
-                 dp: int) -> None:
+                 dp: int, comm: str = "all2all", sp: bool = True) -> None:
     assert all(r["generated"] == exp["ids"] for r in results)  # every rank, HF's ids
     assert {r["ep_size"] for r in results} == {dp * tp}
+    # the path asked for, and sequence parallelism only where there is a TP split
+    assert {(r["moe_comm"], r["moe_sp"]) for r in results} == {(comm, sp and tp > 1)}
     seen = set()
     for d in range(dp):
         last = results[d * pp * tp + (pp - 1) * tp]
@@ -116,29 +121,46 @@ def _check_ranks(results: list[dict[str, Any]], exp: dict[str, Any], tp: int, pp
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind,tp,pp,dp", [
-    ("mixtral", 2, 1, 2),   # EP=4: TP=2 x EP over DP=2
-    ("qwen2_moe", 2, 1, 1),  # EP=2 over TP: shared expert and a dense layer
-    # (mlp_only_layers) TP-sharded, q/k/v biases
-    ("mixtral", 1, 2, 2),   # EP=2 per stage, PP=2: one EP group per stage
-], ids=["mixtral-tp2-dp2-ep4", "qwen2moe-tp2-ep2", "mixtral-pp2-dp2-ep2"])
-def test_moe_engine_matches_hf(dist_pool: Any, checkpoints: dict[str, Any], kind: str,
-                               tp: int, pp: int, dp: int) -> None:
+@pytest.mark.parametrize("comm,sp,kind,tp,pp,dp", [
+    ("all2all", True, "mixtral", 2, 1, 2),    # EP=4: TP=2 x EP over DP=2
+    ("all2all", True, "qwen2_moe", 2, 1, 1),  # EP=2 over TP: shared expert and a dense
+    # layer (mlp_only_layers) TP-sharded, q/k/v biases
+    ("all2all", True, "mixtral", 1, 2, 2),    # EP=2 per stage, PP=2: one EP group per stage
+    # allgather: GroupCoordinator.dispatch/combine
+    ("allgather", True, "mixtral", 1, 1, 2),     # EP=2 over DP: the token peers are all of EP
+    ("allgather", True, "qwen2_moe", 2, 1, 1),   # EP=2 over TP, each TP rank its own slice
+    ("allgather", False, "qwen2_moe", 2, 1, 1),  # token peers: one rank; TP all_reduce
+    ("allgather", True, "mixtral", 2, 1, 2),     # EP=4: gather over all 4 ranks
+    ("allgather", False, "mixtral", 2, 1, 2),    # EP=4: gather over DP, then TP all_reduce
+    pytest.param("allgather", False, "qwen2_moe", 2, 2, 2, marks=pytest.mark.slow),
+    pytest.param("allgather", True, "qwen2_moe", 2, 2, 2, marks=pytest.mark.slow),
+], ids=["all2all-mixtral-tp2-dp2-ep4", "all2all-qwen2moe-tp2-ep2", "all2all-mixtral-pp2-dp2-ep2",
+        "allgather-mixtral-tp1-dp2-ep2", "allgather-sp-qwen2moe-tp2-ep2",
+        "allgather-nosp-qwen2moe-tp2-ep2", "allgather-sp-mixtral-tp2-dp2-ep4",
+        "allgather-nosp-mixtral-tp2-dp2-ep4", "allgather-nosp-qwen2moe-tp2-pp2-dp2-ep4",
+        "allgather-sp-qwen2moe-tp2-pp2-dp2-ep4"])
+def test_moe_engine_matches_hf(dist_pool: Any, checkpoints: dict[str, Any], comm: str, sp: bool,
+                               kind: str, tp: int, pp: int, dp: int) -> None:
     exp = checkpoints[kind]
-    results = dist_pool(tp * pp * dp).run(moe_engine_rank, _engine_cfg(exp["path"], tp, pp, dp),
-                                          timeout=150)
-    _check_ranks(results, exp, tp, pp, dp)
+    results = dist_pool(tp * pp * dp).run(
+        moe_engine_rank, _engine_cfg(exp["path"], tp, pp, dp, comm, sp), timeout=150)
+    _check_ranks(results, exp, tp, pp, dp, comm, sp)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("comm,sp", [("all2all", True), ("allgather", False)],
+                         ids=["all2all", "allgather-tp1-sp-off"])
 def test_moe_replica_without_requests_serves_its_experts(dist_pool: Any,
-                                                         checkpoints: dict[str, Any]) -> None:
+                                                         checkpoints: dict[str, Any], comm: str,
+                                                         sp: bool) -> None:
     """One request over DP=2: replica 1 never has a request, yet holds experts 4-7, so
-    every step (and the verification pass) it only serves the other replica's tokens."""
+    every step (and the verification pass) it only serves the other replica's tokens
+    (with zero rows of its own in each dispatch/combine)."""
     exp = checkpoints["mixtral"]
-    cfg = dataclasses.replace(_engine_cfg(exp["path"], 1, 1, 2),
+    cfg = dataclasses.replace(_engine_cfg(exp["path"], 1, 1, 2, comm, sp),
                               requests=((tuple(PROMPTS[0]), MAX_NEW[0], 0),))
     r0, r1 = dist_pool(2).run(moe_engine_rank, cfg, timeout=100)
+    assert r0["moe_comm"] == comm and not r0["moe_sp"]  # TP=1: no token split either way
     assert r0["generated"] == r1["generated"] == [exp["ids"][0]]
     # every step that schedules the request (the last step only releases its KV blocks)
     assert r1["idle_steps"] == MAX_NEW[0] == r1["steps"] - 1 and r0["idle_steps"] == 0
@@ -147,9 +169,92 @@ def test_moe_replica_without_requests_serves_its_experts(dist_pool: Any,
     assert r1["experts"] == [[4, 5, 6, 7]] and sum(map(sum, r1["expert_rows"])) > 0
 
 
-@pytest.mark.slow  # 13 s; the engine's EP over DP is matched in test_moe_engine_matches_hf
+def _block_rank(rank: int, world_size: int, layouts: list[list[int]]) -> list[dict[str, Any]]:
+    """TP=2 x DP=2, one sparse layer: per layout, each replica's rows (``layout[replica]``
+    of them, 0: the replica is idle) through the block with every MoE path, against the
+    unsharded block on the same rows. Per layout and path: the largest difference,
+    whether the block gathers, and the rows its experts ran."""
+    from coordinator import parallel_state as ps
+    from coordinator.engine.models.moe_block import MoeComm, SparseMoeBlock
+    from coordinator.engine.models.moe_config import default_moe_config
+
+    torch.set_num_threads(1)
+    config = default_moe_config()
+    ps.initialize_model_parallel(2, 1, 2, enable_expert_parallel=True)
+    try:
+        tp, dp, ep = ps.get_tp_group(), ps.get_dp_group(), ps.get_ep_group()
+        torch.manual_seed(0)
+        ref = SparseMoeBlock(config, None, None, torch.float32, "mlp")
+        for param in ref.parameters():
+            param.data.normal_(0.0, 0.1)
+        blocks = {}
+        for comm in (MoeComm("all2all"), MoeComm("allgather", True),
+                     MoeComm("allgather", False)):
+            block = SparseMoeBlock(config, tp, ep, torch.float32, "mlp", comm)
+            lo = block.first_expert
+            block.gate.data.copy_(ref.gate.data)
+            block.w13.data.copy_(ref.w13.data[lo:lo + block.num_local])
+            block.w2.data.copy_(ref.w2.data[lo:lo + block.num_local])
+            blocks[f"{comm.kind}-{'sp' if comm.sequence_parallel else 'nosp'}"] = block
+        replica = dp.rank_in_group
+        out = []
+        for layout in layouts:
+            x = torch.randn(layout[replica], config.hidden_size,
+                            generator=torch.Generator().manual_seed(10 + replica))
+            want = ref(x)
+            seen: dict[str, Any] = {}
+            for key, block in blocks.items():
+                block.expert_rows.zero_()
+                if x.shape[0]:
+                    diff = (block(x) - want).abs().max().item()
+                else:
+                    block.idle()
+                    diff = 0.0
+                seen[key] = (diff, block.gathers, int(block.expert_rows.sum()))
+            out.append(seen)
+        return out
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.timeout(120)
+def test_moe_block_paths_match_unsharded(dist_pool: Any) -> None:
+    """The block alone, EP=4 (TP=2 x DP=2): every path gives the unsharded block's rows,
+    with uneven replicas (5 and 2 tokens: TP slices of 3, 2, 1 and 1 rows) and with one
+    replica idle (it still serves its experts)."""
+    layouts = [[5, 2], [3, 0]]
+    per_rank = dist_pool(4).run(_block_rank, layouts, timeout=100)
+    for i, tokens in enumerate(layouts):
+        results = [r[i] for r in per_rank]
+        for r in results:
+            assert set(r) == {"all2all-sp", "allgather-sp", "allgather-nosp"}
+            for key, (diff, gathers, _) in r.items():
+                assert diff < 1e-5, (tokens, key, diff)
+                assert gathers == key.startswith("allgather")
+        # each token's top-2 slots ran once in all (TP=2: the TP ranks of a replica
+        # hold the same tokens; the paths must not run them once per TP rank)
+        for key in results[0]:
+            assert sum(r[key][2] for r in results) == 2 * sum(tokens), (tokens, key)
+
+
+def test_moe_comm_refuses_bad_settings() -> None:
+    from coordinator.engine.models.moe_block import MoeComm
+
+    with pytest.raises(ValueError, match="moe comm must be one of all2all, allgather"):
+        MoeComm("alltoall")
+    with pytest.raises(ValueError, match="sequence_parallel=False needs the allgather path"):
+        MoeComm("all2all", False)
+    with pytest.raises(TypeError, match="sequence_parallel must be a bool, got str"):
+        MoeComm("allgather", "off")  # type: ignore[arg-type]  # the wrong type under test
+    with pytest.raises(ValueError, match="sequence_parallel=False needs the allgather path"):
+        _engine_cfg("unused", 2, 1, 1, "all2all", False)
+
+
+@pytest.mark.slow  # 13 s each; the engine's EP over DP is matched in test_moe_engine_matches_hf
 @pytest.mark.timeout(180)
-def test_cli_moe_ep2_over_dp_matches_hf(tmp_path: Path, checkpoints: dict[str, Any]) -> None:
+@pytest.mark.parametrize("comm", ["all2all", "allgather"])
+def test_cli_moe_ep2_over_dp_matches_hf(tmp_path: Path, checkpoints: dict[str, Any],
+                                        comm: str) -> None:
     """The real command, EP=2 over DP=2 (TP=1): HF's greedy ids, verified vs unsharded."""
     exp = checkpoints["mixtral"]
     out = tmp_path / "moe.json"
@@ -157,11 +262,14 @@ def test_cli_moe_ep2_over_dp_matches_hf(tmp_path: Path, checkpoints: dict[str, A
     proc = subprocess.run(
         [sys.executable, "-m", "coordinator", "demo", "--model", "moe", "--model-dir",
          exp["path"], "--tp", "1", "--pp", "1", "--dp", "2", "--prompt-ids", prompt_ids,
-         "--max-new-tokens", "4", "--no-progress", "--timeout", "150", "--json", str(out)],
+         "--max-new-tokens", "4", "--no-progress", "--timeout", "150", "--json", str(out),
+         "--moe-comm", comm],
         capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout and "EP=2 per stage" in proc.stdout
+    assert f"MoE comm {comm} (TP=1: sequence parallelism does not apply)" in proc.stdout
     report = json.loads(out.read_text())
+    assert report["moe_comm"] == comm and report["moe_sp"] is False
     # one --max-new-tokens for every prompt: compare with HF's ids as far as both go
     for got, want in zip(report["generated"], exp["ids"], strict=True):
         n = min(len(got), len(want))
@@ -178,7 +286,11 @@ def test_cli_moe_ep2_over_dp_matches_hf(tmp_path: Path, checkpoints: dict[str, A
     (["--model", "moe", "--compile"], "--model moe does not support --compile"),
     (["--model", "moe", "--launcher", "env"], "--model moe runs with --launcher spawn only"),
     (["--model", "moe", "--dp", "0"], "--dp must be >= 1, got 0"),
-], ids=["dp-without-moe", "experts-not-divisible", "compile", "launcher-env", "dp-zero"])
+    (["--moe-comm", "allgather"], "--moe-comm needs --model moe"),
+    (["--moe-sp", "off"], "--moe-sp needs --model moe"),
+    (["--model", "moe", "--moe-sp", "off"], "--moe-sp off needs --moe-comm allgather"),
+], ids=["dp-without-moe", "experts-not-divisible", "compile", "launcher-env", "dp-zero",
+        "moe-comm-without-moe", "moe-sp-without-moe", "moe-sp-off-all2all"])
 def test_cli_moe_refuses_bad_layouts(argv: list[str], needle: str,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI's entry point, in-process: exit status 2 and the reason, before any rank starts."""
