@@ -83,6 +83,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
+from device_comms import row_gather, validation
 from device_comms.cpu.config import (
     BYTES_ENV,
     ENABLE_ENV,
@@ -487,6 +488,26 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return super()._all_gatherv(t, dim, sizes)
         key = _size_key(sizes, t.shape[:dim] + t.shape[dim + 1 :], dim)
         return self._shm_gatherv(eng, t, dim, sizes, key)
+
+    def _all_gatherv_rows(
+        self, ts: list[torch.Tensor], sizes: list[int] | None
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        # One engine step carries every rank's row count and, when every rank's
+        # rows fit its slot, the rows themselves (ShmGathers.rows_exchange); else
+        # the packed rows follow in a second call with the counts now known.
+        eng = self._flat
+        if eng is None:
+            return super()._all_gatherv_rows(ts, sizes)
+        self.shm_calls["all_gatherv_rows"] += 1
+        widths = [row_gather.row_bytes(t) for t in ts]
+        key = _size_key(widths, (row_gather.layout_key(ts),), 0)
+        with eng.kernel_threads:
+            counts, gathered = eng.gathers.rows_exchange(ts, widths, key, sizes)
+            validation.check_fits((sum(counts), sum(widths)), torch.uint8, self.device,
+                                  "the gathered rows")
+            if gathered is not None:
+                return gathered, counts
+            return super()._all_gatherv_rows(ts, counts)
 
     def _all_gatherv_packed(self, packed: torch.Tensor, sizes: list[int],
                             layout: int) -> torch.Tensor:

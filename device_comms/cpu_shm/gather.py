@@ -1,4 +1,5 @@
-"""Gathers of the shared-memory engine: all_gather(v) and gather.
+"""Gathers of the shared-memory engine: all_gather(v), gather, and the rows of
+several tensors with their row counts in one step.
 
 Every rank copies its tensor into its slot of the next parity; after the step
 (:class:`~device_comms.cpu_shm.sync.StepSync`) the readers copy every rank's slot
@@ -7,6 +8,20 @@ blocks of whole rows (or, for rows wider than a slot, a row in column pieces)
 written into the output's final layout, one step per block. A root that
 gathers reads its own part from its input, so it writes nothing. The slot
 double buffer makes the next op's writes safe (see :mod:`device_comms.cpu_shm.sync`).
+
+:meth:`ShmGathers.rows_exchange` gathers several tensors' rows when no rank
+knows the others' row counts: each rank writes a header (its row count, and
+whether its rows follow) and, when they fit its slot, its rows, each
+tensor's rows as one block::
+
+    slot of rank r:  | n_r | fits | sizes | pad | tensor 0 rows | pad | tensor 1 rows | ...
+                       (64-byte header; every block starts on a 64-byte boundary)
+
+After the one step every rank reads every header; if every rank's rows were
+there, each output tensor is the concatenation of that tensor's block from
+every slot (one copy per tensor), else the caller gathers again with the
+counts it now knows. The decision is the same on every rank, since every
+rank reads the same headers.
 """
 
 from __future__ import annotations
@@ -19,8 +34,13 @@ import torch
 
 from device_comms.cpu_shm.context import EngineContext, signature
 from device_comms.cpu_shm.engine_threads import threaded
+from device_comms.errors import CollectiveMismatch
 
-__all__ = ["ShmGathers"]
+__all__ = ["ShmGathers", "ROWS_HEADER"]
+
+#: Bytes before a rank's rows in :meth:`ShmGathers.rows_exchange` (and the alignment
+#: of each tensor's block after it).
+ROWS_HEADER = 64
 
 
 class _GatherStep(NamedTuple):
@@ -174,3 +194,90 @@ class ShmGathers:
                        else ws.slot(parity, rank, dtype)[:rank_length])
                 start = step.offsets[rank] + column
                 step.out2[row, start : start + rank_length].copy_(src)
+
+    def rows_exchange(self, tensors: Sequence[torch.Tensor], widths: Sequence[int],
+                      size_key: int, claimed: Sequence[int] | None = None
+                      ) -> tuple[list[int], list[torch.Tensor] | None]:
+        """One step: every rank's row count and, when every rank's rows fit its
+        slot, every tensor's rows gathered in rank order (see the module docstring).
+
+        Args:
+            tensors: This rank's contiguous tensors (the same row count).
+            widths: Bytes per row of each tensor (the same on every rank).
+            size_key: Signs the tensors' layout (must agree on every rank).
+            claimed: The row counts this rank's caller passed, if any: every
+                rank checks every rank's claim against the counts.
+
+        Returns:
+            ``(counts, gathered)``; ``gathered`` is None when some rank's rows
+            did not fit its slot (the counts are known all the same).
+
+        Raises:
+            CollectiveMismatch: On every rank: a rank claimed other row counts
+                than the ranks have, or a header is malformed.
+        """
+        sync, me, ws = self._sync, self._me, self._ws
+        n = tensors[0].shape[0]
+        slots = ws.slots(sync.next_parity, torch.uint8)
+        offsets = _block_offsets(n, widths)
+        fits = offsets[-1] <= ws.slot_bytes
+        mine = slots[me]
+        claim = -1 if claimed is None else _counts_digest(claimed)
+        mine[:24].view(torch.int64).copy_(torch.tensor([n, int(fits), claim], dtype=torch.int64))
+        if fits:
+            for t, at, width in zip(tensors, offsets, widths, strict=False):
+                if n and width:
+                    mine[at:at + n * width].copy_(t.reshape(-1).view(torch.uint8))
+        sync.step("all_gatherv_rows", signature("all_gatherv_rows", torch.uint8), size_key, True)
+        heads = [slot[:24].view(torch.int64).tolist() for slot in slots]
+        counts = [int(h[0]) for h in heads]
+        if any(c < 0 for c in counts):
+            raise CollectiveMismatch(
+                f"op all_gatherv_rows: rank {next(r for r, c in enumerate(counts) if c < 0)} "
+                f"wrote a negative row count ({counts})", peers=tuple(
+                    r for r, c in enumerate(counts) if c < 0))
+        wrong = [r for r, h in enumerate(heads) if h[2] not in (-1, _counts_digest(counts))]
+        if wrong:
+            raise CollectiveMismatch(
+                f"op all_gatherv: ranks {wrong} passed sizes that are not the ranks' row "
+                f"counts {counts}; every rank passes the same sizes list", peers=tuple(wrong))
+        if not all(h[1] for h in heads):
+            return counts, None
+        over = [r for r, c in enumerate(counts) if _block_offsets(c, widths)[-1] > ws.slot_bytes]
+        if over:
+            raise CollectiveMismatch(
+                f"op all_gatherv_rows: ranks {over} claim rows that do not fit a slot "
+                f"(row counts {counts})", peers=tuple(over))
+        return counts, self._rows_out(tensors, widths, slots, counts)
+
+    @threaded(lambda self, tensors, widths, slots, counts: sum(counts) * sum(widths))
+    def _rows_out(self, tensors: Sequence[torch.Tensor], widths: Sequence[int],
+                  slots: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
+        """Each tensor's block from every slot, concatenated in rank order."""
+        blocks = [_block_offsets(c, widths) for c in counts]
+        out = []
+        for j, (t, width) in enumerate(zip(tensors, widths, strict=True)):
+            row_shape = tuple(t.shape[1:])
+            pieces = []
+            for rank, (slot, c) in enumerate(zip(slots, counts, strict=True)):
+                if rank == self._me:
+                    pieces.append(t)
+                    continue
+                at = blocks[rank][j]
+                pieces.append(slot[at:at + c * width].view(t.dtype).view((c, *row_shape)))
+            out.append(torch.cat(pieces))
+        return out
+
+
+def _counts_digest(counts: Sequence[int]) -> int:
+    """A non-negative int64 of a row-count list (the same in every process)."""
+    return hash(tuple(counts)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _block_offsets(n: int, widths: Sequence[int]) -> list[int]:
+    """Where each tensor's ``n`` rows start in a slot, and (last) the end of the last."""
+    offsets, at = [], ROWS_HEADER
+    for width in widths:
+        offsets.append(at)
+        at += -(-n * width // ROWS_HEADER) * ROWS_HEADER
+    return [*offsets, at]

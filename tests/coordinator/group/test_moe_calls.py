@@ -11,7 +11,9 @@ Layouts: the EP group of ``parallel_state`` at EP = DP = 2, 3 and 4 (every
 rank holds other tokens), and EP 4 over TP = 2 x DP = 2 with both
 ``is_sequence_parallel`` values (False gathers over the DP peers, True over
 the whole EP group); on shared memory and plain gloo, and over two simulated
-hosts (the hierarchical communicator) at world 4.
+hosts (the hierarchical communicator) at world 4. Then layouts whose token
+peers are another group: two pipeline stages, PCP with and without DP and
+TP (the PCP group, the EP group itself, a group made for them).
 """
 
 from __future__ import annotations
@@ -23,16 +25,20 @@ from typing import Any
 import pytest
 import torch
 
-# (id, (tp, pp, dp), transport)
+# (id, (tp, pp, dp, pcp), transport)
 RUNS = [
-    ("ep2-dp2-shm", (1, 1, 2), "shm"),
-    ("ep2-dp2-gloo", (1, 1, 2), "gloo"),
-    ("ep3-dp3-shm", (1, 1, 3), "shm"),
-    ("ep3-dp3-gloo", (1, 1, 3), "gloo"),
-    ("ep4-dp4-shm", (1, 1, 4), "shm"),
-    ("ep4-tp2-dp2-shm", (2, 1, 2), "shm"),
-    ("ep4-tp2-dp2-gloo", (2, 1, 2), "gloo"),
-    ("ep4-tp2-dp2-hier", (2, 1, 2), "hier"),
+    ("ep2-dp2-shm", (1, 1, 2, 1), "shm"),
+    ("ep2-dp2-gloo", (1, 1, 2, 1), "gloo"),
+    ("ep3-dp3-shm", (1, 1, 3, 1), "shm"),
+    ("ep3-dp3-gloo", (1, 1, 3, 1), "gloo"),
+    ("ep4-dp4-shm", (1, 1, 4, 1), "shm"),
+    ("ep4-tp2-dp2-shm", (2, 1, 2, 1), "shm"),
+    ("ep4-tp2-dp2-gloo", (2, 1, 2, 1), "gloo"),
+    ("ep4-tp2-dp2-hier", (2, 1, 2, 1), "hier"),
+    ("ep2x2-pp2-dp2-shm", (1, 2, 2, 1), "shm"),  # two EP groups, one per stage
+    ("ep4-tp2-pcp2-shm", (2, 1, 1, 2), "shm"),  # token peers: the PCP group
+    ("ep4-dp2-pcp2-shm", (1, 1, 2, 2), "shm"),  # token peers: the EP group itself
+    ("ep8-tp2-dp2-pcp2-shm", (2, 1, 2, 2), "shm"),  # a group of their own (slow: 8 ranks)
 ]
 
 #: Row counts by rank position (uneven, with zeros).
@@ -83,13 +89,15 @@ def _restore(saved: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
-def run_moe_calls(rank: int, world_size: int, layout: tuple[int, int, int],
+def run_moe_calls(rank: int, world_size: int, layout: tuple[int, int, int, int],
                   transport: str) -> dict[str, Any]:
     from coordinator import parallel_state as ps
 
     saved = _set_transport(transport, rank, world_size)
+    tp, pp, dp, pcp = layout
     try:
-        ps.initialize_model_parallel(*layout, enable_expert_parallel=True)
+        ps.initialize_model_parallel(tp, pp, dp, enable_expert_parallel=True,
+                                     prefill_context_model_parallel_size=pcp)
         ep = ps.get_ep_group()
         try:
             return {"mode": getattr(ep.comm, "mode", None),
@@ -195,12 +203,18 @@ def _faults(ep: Any) -> dict[str, tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------- in the parent
+def _param(run: tuple[str, tuple[int, int, int, int], str]) -> Any:
+    name, layout, transport = run
+    slow = [pytest.mark.slow] if layout[0] * layout[1] * layout[2] * layout[3] > 4 else []
+    return pytest.param(layout, transport, id=name, marks=slow)
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,transport", [(r[1], r[2]) for r in RUNS], ids=[r[0] for r in RUNS])
-def test_dispatch_and_combine(dist_pool: Any, layout: tuple[int, int, int],
+@pytest.mark.parametrize("layout,transport", [_param(r) for r in RUNS])
+def test_dispatch_and_combine(dist_pool: Any, layout: tuple[int, int, int, int],
                               transport: str) -> None:
-    tp, pp, dp = layout
-    world = tp * pp * dp
+    tp, pp, dp, pcp = layout
+    world = tp * pp * dp * pcp
     results = dist_pool(world).run(run_moe_calls, layout, transport, timeout=220)
     want_mode = {"shm": "shm", "gloo": "gloo", "hier": "hierarchical"}[transport]
     for rank, res in enumerate(results):
