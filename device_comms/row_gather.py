@@ -75,8 +75,20 @@ def row_bytes(t: torch.Tensor) -> int:
 def layout_key(tensors: Sequence[torch.Tensor]) -> int:
     """A deterministic 63-bit digest of the tensors' dtypes and row shapes, in order
     (the same on every rank whose tensors are laid out alike)."""
-    text = ";".join(f"{t.dtype}{tuple(t.shape[1:])}" for t in tensors)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    layout = tuple((t.dtype, t.shape[1:]) for t in tensors)
+    key = _LAYOUT_KEYS.get(layout)
+    if key is None:
+        if len(_LAYOUT_KEYS) >= _LAYOUT_KEYS_MAX:
+            _LAYOUT_KEYS.clear()
+        text = ";".join(f"{dtype}{tuple(row)}" for dtype, row in layout)
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+        key = _LAYOUT_KEYS[layout] = int.from_bytes(digest, "little") >> 1
+    return key
+
+
+#: layout -> key; a program's MoE layers use a handful of layouts
+_LAYOUT_KEYS: dict[tuple[tuple[torch.dtype, torch.Size], ...], int] = {}
+_LAYOUT_KEYS_MAX = 256
 
 
 def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

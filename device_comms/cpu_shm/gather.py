@@ -30,10 +30,12 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from device_comms.cpu_shm.context import EngineContext, signature
 from device_comms.cpu_shm.engine_threads import threaded
+from device_comms.cpu_shm.host_arrays import bytes_at
 from device_comms.errors import CollectiveMismatch
 
 __all__ = ["ShmGathers", "ROWS_HEADER"]
@@ -75,6 +77,9 @@ class ShmGathers:
         self._shaped = ctx.shaped
         self.size = ctx.size
         self.kernel_threads = ctx.kernel_threads
+        # rows_exchange's headers (three int64 words at the start of each slot), by parity
+        self._heads = [[bytes_at(addr, 24).view(np.int64) for addr in row]
+                       for row in ctx.slot_addresses]
 
     @threaded(lambda self, tensor, *_: tensor.numel() * self.size)
     def all_gather_cat(
@@ -218,18 +223,20 @@ class ShmGathers:
         """
         sync, me, ws = self._sync, self._me, self._ws
         n = tensors[0].shape[0]
-        slots = ws.slots(sync.next_parity, torch.uint8)
+        slots = ws.slots(sync.next_parity, torch.uint8)  # the parity this step writes
         offsets = _block_offsets(n, widths)
         fits = offsets[-1] <= ws.slot_bytes
         mine = slots[me]
-        claim = -1 if claimed is None else _counts_digest(claimed)
-        mine[:24].view(torch.int64).copy_(torch.tensor([n, int(fits), claim], dtype=torch.int64))
+        parity = sync.next_parity
+        head = self._heads[parity][me]
+        head[0], head[1] = n, fits
+        head[2] = -1 if claimed is None else _counts_digest(claimed)
         if fits:
             for t, at, width in zip(tensors, offsets, widths, strict=False):
                 if n and width:
                     mine[at:at + n * width].copy_(t.reshape(-1).view(torch.uint8))
         sync.step("all_gatherv_rows", signature("all_gatherv_rows", torch.uint8), size_key, True)
-        heads = [slot[:24].view(torch.int64).tolist() for slot in slots]
+        heads = [h.tolist() for h in self._heads[parity]]
         counts = [int(h[0]) for h in heads]
         if any(c < 0 for c in counts):
             raise CollectiveMismatch(
@@ -243,18 +250,20 @@ class ShmGathers:
                 f"counts {counts}; every rank passes the same sizes list", peers=tuple(wrong))
         if not all(h[1] for h in heads):
             return counts, None
-        over = [r for r, c in enumerate(counts) if _block_offsets(c, widths)[-1] > ws.slot_bytes]
+        blocks = [_block_offsets(c, widths) for c in counts]
+        over = [r for r, b in enumerate(blocks) if b[-1] > ws.slot_bytes]
         if over:
             raise CollectiveMismatch(
                 f"op all_gatherv_rows: ranks {over} claim rows that do not fit a slot "
                 f"(row counts {counts})", peers=tuple(over))
-        return counts, self._rows_out(tensors, widths, slots, counts)
+        return counts, self._rows_out(tensors, widths, slots, counts, blocks)
 
-    @threaded(lambda self, tensors, widths, slots, counts: sum(counts) * sum(widths))
+    @threaded(lambda self, tensors, widths, slots, counts, blocks: sum(counts) * sum(widths))
     def _rows_out(self, tensors: Sequence[torch.Tensor], widths: Sequence[int],
-                  slots: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
-        """Each tensor's block from every slot, concatenated in rank order."""
-        blocks = [_block_offsets(c, widths) for c in counts]
+                  slots: list[torch.Tensor], counts: list[int],
+                  blocks: list[list[int]]) -> list[torch.Tensor]:
+        """Each tensor's block (at ``blocks[rank][j]``) from every slot, concatenated
+        in rank order."""
         out = []
         for j, (t, width) in enumerate(zip(tensors, widths, strict=True)):
             row_shape = tuple(t.shape[1:])

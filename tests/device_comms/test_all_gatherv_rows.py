@@ -31,7 +31,7 @@ LAYOUTS = [
     [(torch.float16, (4, 1, 2))],
     [(torch.float64, (7,)), (torch.int32, (1,)), (torch.int8, (5,))],
 ]
-ROWS = ["uneven", "one-empty", "all-empty", "large"]
+ROWS = ["uneven", "one-empty", "all-empty", "large", "mixed"]
 
 
 def row_counts(kind: str, n: int) -> list[int]:
@@ -41,6 +41,8 @@ def row_counts(kind: str, n: int) -> list[int]:
         return [0 if r == n - 1 else r + 1 for r in range(n)]
     if kind == "all-empty":
         return [0] * n
+    if kind == "mixed":  # with tiny slots some ranks' rows fit one and others' do not
+        return [1 if r % 2 == 0 else 250 for r in range(n)]
     return [200 + 37 * r for r in range(n)]
 
 
