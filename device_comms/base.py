@@ -206,8 +206,10 @@ class DeviceCommunicator(abc.ABC):
         passes tensors of the same dtypes and row shapes in the same order.
         They travel side by side as one byte matrix (:mod:`device_comms.row_gather`),
         so the whole call is one exchange of data, preceded by one exchange of
-        the row counts when ``sizes`` is not given. The transports that sign
-        their calls sign the tensors' layout too.
+        the row counts when ``sizes`` is not given (the shared-memory engine
+        carries counts and rows in one step, and checks given ``sizes``
+        against the counts). The transports that sign their calls sign the
+        tensors' layout too.
 
         Args:
             tensors: This rank's tensors (at least 1-D, the same row count).
