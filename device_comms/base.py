@@ -225,8 +225,11 @@ class DeviceCommunicator(abc.ABC):
                 ``sizes`` not a list of ints.
             ValueError: The tensors' row counts differ, ``sizes`` has the wrong
                 length, or its entry for this rank is not this rank's row count.
-            PeerRejectedError: A peer rejected its arguments.
-            CollectiveMismatch: The ranks' layouts or ``sizes`` lists differ.
+            PeerRejectedError: A peer rejected its arguments (on CUDA only
+                without ``sizes``: the counts' exchange carries the rejection).
+            CollectiveMismatch: The ranks' layouts or ``sizes`` lists differ (on
+                the CPU transports, which sign their calls; CUDA signs nothing),
+                or their row counts make a result too large to hold.
         """
         self._check_open()
         op = "all_gatherv_rows" if sizes is None else "all_gatherv"
@@ -662,8 +665,7 @@ class DeviceCommunicator(abc.ABC):
         """
         if sizes is None:
             sizes = self._row_counts(ts[0].shape[0])
-            validation.check_fits((sum(sizes), sum(row_gather.row_bytes(t) for t in ts)),
-                                  torch.uint8, self.device, "the gathered rows")
+            row_gather.check_counts_fit(sizes, ts, self.unique_name)
         if len(ts) == 1:
             return [self._all_gatherv(ts[0], 0, sizes)], sizes
         packed = row_gather.pack_rows(ts)

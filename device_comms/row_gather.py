@@ -34,8 +34,10 @@ from typing import Any
 import torch
 
 from device_comms import validation
+from device_comms.errors import CollectiveMismatch
 
-__all__ = ["check_row_tensors", "layout_key", "pack_rows", "unpack_rows", "row_bytes"]
+__all__ = ["check_row_tensors", "check_counts_fit", "layout_key", "pack_rows", "unpack_rows",
+           "row_bytes"]
 
 
 def check_row_tensors(tensors: Any, device: torch.device, arg: str = "tensors"
@@ -45,8 +47,9 @@ def check_row_tensors(tensors: Any, device: torch.device, arg: str = "tensors"
 
     Raises:
         TypeError: ``tensors`` is not a non-empty list or tuple of tensors.
-        ValueError: An entry has no row dimension, is on another device, or its
-            row count differs from the first entry's.
+        ValueError: An entry has no row dimension, is on another device (another
+            index, when ``device`` has one), or its row count differs from the
+            first entry's.
     """
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{arg} must be a non-empty list of tensors, got "
@@ -57,6 +60,8 @@ def check_row_tensors(tensors: Any, device: torch.device, arg: str = "tensors"
     out: list[torch.Tensor] = []
     for i, t in enumerate(tensors):
         x = validation.check_tensor(t, f"{arg}[{i}]", device)
+        if device.index is not None and x.device != device:
+            raise ValueError(f"{arg}[{i}] is on {x.device}, the communicator on {device}")
         if x.dim() < 1:
             raise ValueError(f"{arg}[{i}] must have a row dimension (dim 0), got a 0-dim tensor")
         if out and x.shape[0] != out[0].shape[0]:
@@ -65,6 +70,23 @@ def check_row_tensors(tensors: Any, device: torch.device, arg: str = "tensors"
                              f"row count (one row per token)")
         out.append(x)
     return out
+
+
+def check_counts_fit(counts: Sequence[int], tensors: Sequence[torch.Tensor], group: str) -> None:
+    """Raise unless the gathered rows of ``counts`` (every rank's, learnt from the
+    exchange) can exist: every rank reads the same counts, so every rank raises.
+
+    Raises:
+        CollectiveMismatch: The peers' row counts make a result larger than
+            this host (or int64) can hold.
+    """
+    try:
+        validation.check_fits((sum(counts), sum(row_bytes(t) for t in tensors)), torch.uint8,
+                              tensors[0].device, "the gathered rows")
+    except ValueError as e:
+        raise CollectiveMismatch(f"group {group!r}, op all_gatherv_rows: the ranks' row "
+                                 f"counts {counts} are too large: {e}", queue=group,
+                                 peers=tuple(range(len(counts)))) from None
 
 
 def row_bytes(t: torch.Tensor) -> int:

@@ -455,7 +455,10 @@ class GroupCoordinator:
         group (see :mod:`coordinator.group.moe_calls`). All tensors go in one
         collective call; the row counts travel with it unless ``sizes`` (every
         token peer's count, in rank order) is given. Pair each dispatch with a
-        :meth:`combine`.
+        :meth:`combine` (to gather tokens for another use, call
+        :meth:`all_gatherv_rows`). A third argument that is neither a bool nor a
+        tensor, or arguments that bind to neither form, raise here before any
+        collective (the peers wait until the group's timeout).
 
         Returns:
             New tensors of every token peer's rows concatenated in rank order.
@@ -518,7 +521,8 @@ class GroupCoordinator:
         Raises:
             TypeError: ``hidden_states`` is not a tensor, or the flag not a bool.
             ValueError: No dispatch to match, or the row count differs from its
-                (the peers raise ``PeerRejectedError``).
+                (on CPU transports the peers raise ``PeerRejectedError``; NCCL's
+                peers wait, bounded by the group's timeout).
         """
         self._book.check_live("combine")
         return self._moe.combine(hidden_states, is_sequence_parallel, sizes)

@@ -31,11 +31,18 @@ one TP position). A group that was never told gathers over all its ranks.
 Each ``dispatch`` leaves a record of the group it ran on and its row counts;
 ``combine`` takes the oldest record of the same ``is_sequence_parallel``
 (first in, first out, so two micro-batches in flight pair up in order).
-A ``combine`` with no record, or whose rows do not add up to the record's,
-raises ``ValueError`` on that rank and ``PeerRejectedError`` on its peers.
-At most :data:`MAX_PENDING` records are kept per flag: a program that
-dispatches without ever combining (gathering tokens for another use) does
-not grow without bound.
+Every dispatch must be combined: to gather tokens for another use, call
+``all_gatherv_rows``, which leaves no record. A ``combine`` with no record,
+or whose rows do not add up to the record's, raises ``ValueError`` on that
+rank and, on the CPU transports, ``PeerRejectedError`` on its peers (NCCL
+calls carry no "rejected" mark: there the peers wait, bounded by the
+group's timeout). At most :data:`MAX_PENDING` records are kept per flag, so
+a program that forgets its combines does not grow without bound.
+
+Arguments whose group is unknown (an ``is_sequence_parallel`` that is not a
+bool, a call that does not bind to either form of ``dispatch``) raise on
+this rank before any collective; the peers then wait until the group's
+timeout names this rank as missing.
 """
 
 from __future__ import annotations

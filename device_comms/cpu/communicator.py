@@ -83,7 +83,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from device_comms import row_gather, validation
+from device_comms import row_gather
 from device_comms.cpu.config import (
     BYTES_ENV,
     ENABLE_ENV,
@@ -503,8 +503,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         key = _size_key(widths, (row_gather.layout_key(ts),), 0)
         with eng.kernel_threads:
             counts, gathered = eng.gathers.rows_exchange(ts, widths, key, sizes)
-            validation.check_fits((sum(counts), sum(widths)), torch.uint8, self.device,
-                                  "the gathered rows")
+            row_gather.check_counts_fit(counts, ts, self.unique_name)
             if gathered is not None:
                 return gathered, counts
             return super()._all_gatherv_rows(ts, counts)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from device_comms import validation
+from device_comms import row_gather
 from device_comms.cuda.pynccl.communicator import PyNcclCommunicator
 from device_comms.errors import DecodeError, PeerRejectedError
 from device_comms.reduce_op import ReduceOp
@@ -195,9 +195,7 @@ class CudaCommunicator(TorchDistributedCommunicator):
         # straight into each output.
         if sizes is None:
             sizes = self._row_counts(ts[0].shape[0])
-            for t in ts:
-                validation.check_fits((sum(sizes), *t.shape[1:]), t.dtype, t.device,
-                                      "the gathered rows")
+            row_gather.check_counts_fit(sizes, ts, self.unique_name)
         outs = [t.new_empty((sum(sizes), *t.shape[1:])) for t in ts]
         nccl = self._nccl
         with nccl.grouped():

@@ -325,6 +325,17 @@ class TorchDistributedCommunicator(DeviceCommunicator):
                             layout: int) -> torch.Tensor:
         return self._signed_gatherv(packed, 0, sizes, layout)
 
+    def _row_counts(self, n: int) -> list[int]:
+        # Signed as all_gatherv_rows (not a plain all_gather of one int64, which a
+        # peer's unrelated all_gather could pair with); the counts ride in the envelope.
+        if not self._checks_calls:
+            return super()._row_counts(n)
+        signed = self._signed
+        mine = torch.tensor([n], dtype=torch.int64)
+        h = signed.header("all_gatherv_rows", torch.int64, None, 0, (1,), (1,))
+        signed.call("all_gatherv_rows", h, mine)
+        return [int(t) for t in torch.cat(signed.received(mine)).tolist()]
+
     def _signed_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int],
                         layout: int | None) -> torch.Tensor:
         """All-gather of uneven pieces; ``layout`` (packed rows' digest) is signed too."""

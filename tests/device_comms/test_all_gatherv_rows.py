@@ -141,6 +141,9 @@ def _errors(comm: Any, rank: int, n: int, transport: str) -> dict[str, Any]:
             [a, b[:, :2].to(torch.int64) if not last else a.clone()]))
         out["sizes_differ"] = _attempt(lambda: comm.all_gatherv_rows(
             [a, b], [3] * n if not last or n == 1 else [3] * (n - 2) + [4, 3]))
+        # a peer's all_gather of one int64 looks like the row-count exchange: told apart
+        out["other_op"] = _attempt(lambda: comm.all_gather(torch.tensor([3]), 0) if last
+                                   else comm.all_gatherv_rows([a, b]))
         out["after3"] = good()
     return out
 
@@ -178,7 +181,7 @@ def test_all_gatherv_rows(dist_pool: Any, transport: str, world_size: int) -> No
         for key in ("after1", "after2", "after3"):
             if key in e:
                 assert e[key] == good, (key, e[key])
-        for key in ("layout_differs", "sizes_differ"):
+        for key in ("layout_differs", "sizes_differ", "other_op"):
             if key in e:
                 assert e[key][0] == "CollectiveMismatch", (key, e[key])
     if transport == "cuda-standin":  # grouped broadcasts straight into each output

@@ -62,6 +62,7 @@ def test_every_op_matches_reference(dist_pool, world_size: int) -> None:
             assert torch.equal(r, torch.arange(12.0).reshape(3, 4).t() * total)
         assert out["extras"]["str_op"].tolist() == [1.0, 1.0]
         assert out["extras"]["a2av"].tolist() == [[float(q)] * 2 for q in range(world_size)]
+        assert out["extras"]["rows"] == list(range(world_size))
         assert "AVG" in out["extras"]["bad_op"]
     failures = []
     for key in ("results", "results_big", "results_pieces"):
@@ -385,6 +386,9 @@ def all_cases(rank: int, world_size: int) -> dict[str, Any]:
         "str_op": comm.all_reduce(torch.ones(2), "max"),
         # one row to every rank through the engine (test_all_to_allv.py has the rest)
         "a2av": comm.all_to_allv(torch.full((world_size, 2), float(rank)), [1] * world_size),
+        # rows of two tensors in one step (test_all_gatherv_rows.py has the rest)
+        "rows": comm.all_gatherv_rows([torch.full((rank, 2), float(rank)),
+                                       torch.ones(rank, dtype=torch.int64)])[1],
     }
     try:
         comm.all_reduce(torch.ones(2, dtype=torch.int32), ReduceOp.AVG)
