@@ -294,6 +294,10 @@ def _child_fork() -> None:
 
 
 if __name__ == "__main__":
+    # A process started in the background of a non-interactive shell (a CI script's
+    # `cmd &`) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+    # handler. The cases model a process started normally: Python's own SIGINT handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     what, args = sys.argv[1], sys.argv[2:]
     if what == "signal":
         _child_signal(args[0], args[1], int(args[2]), args[3])
