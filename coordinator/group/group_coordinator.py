@@ -477,10 +477,8 @@ class GroupCoordinator:
         a = bound.arguments
         names = ("hidden_states", "topk_weights", "topk_ids") if routed else \
             ("hidden_states", "router_logits")
-        self._book.check_live("dispatch")
-        gathered, extras = self._moe.dispatch(
-            [(n, a[n]) for n in names], a["is_sequence_parallel"], a["extra_tensors"], a["sizes"])
-        return (*gathered, extras) if extras is not None else tuple(gathered)
+        return self._dispatch("dispatch", [(n, a[n]) for n in names], a["is_sequence_parallel"],
+                              a["extra_tensors"], a["sizes"])
 
     def dispatch_router_logits(
         self,
@@ -492,10 +490,16 @@ class GroupCoordinator:
         sizes: Sequence[int] | None = None,
     ) -> tuple[Any, ...]:
         """The seed's :meth:`dispatch` under vLLM's current name."""
-        self._book.check_live("dispatch_router_logits")
-        gathered, extras = self._moe.dispatch(
-            [("hidden_states", hidden_states), ("router_logits", router_logits)],
-            is_sequence_parallel, extra_tensors, sizes)
+        return self._dispatch("dispatch_router_logits",
+                              [("hidden_states", hidden_states), ("router_logits", router_logits)],
+                              is_sequence_parallel, extra_tensors, sizes)
+
+    def _dispatch(self, op: str, named: list[tuple[str, Any]], is_sequence_parallel: Any,
+                  extra_tensors: Any, sizes: Any) -> tuple[Any, ...]:
+        """Run a dispatch of the ``named`` tensors; its result as the caller's form returns it:
+        the gathered tensors, then the gathered extra list when ``extra_tensors`` was given."""
+        self._book.check_live(op)
+        gathered, extras = self._moe.dispatch(named, is_sequence_parallel, extra_tensors, sizes)
         return (*gathered, extras) if extras is not None else tuple(gathered)
 
     def combine(
