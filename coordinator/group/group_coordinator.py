@@ -45,7 +45,7 @@ import datetime
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from time import monotonic
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -548,8 +548,7 @@ class GroupCoordinator:
     @property
     def token_peers(self) -> GroupCoordinator:
         """The group ``dispatch``/``combine`` with ``is_sequence_parallel=False`` run on."""
-        peers = self._moe.token_peers
-        return peers if isinstance(peers, GroupCoordinator) else self
+        return cast(GroupCoordinator, self._moe.token_peers)  # set_token_peers takes only these
 
     # ------------------------------------------------------------------ the seed's helpers
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from device_comms import CpuCommunicator, TorchDistributedCommunicator, row_gather
+from device_comms import row_gather
 from tests.device_comms.general_cases import make
+from tests.device_comms.transports import make_comm
 
-TINY_WS = 4 << 10
 LAYOUTS = [
     [(torch.float32, (3,)), (torch.bfloat16, (2, 5))],
     [(torch.int64, ()), (torch.bool, (3,)), (torch.complex64, (2,)), (torch.uint8, (0,))],
@@ -69,19 +69,7 @@ def expected(case: tuple[int, int, str, bool], n: int) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------------- on the ranks
 def _comm(transport: str, rank: int, n: int, pg: Any) -> Any:
-    cpu = torch.device("cpu")
-    if transport == "shm":
-        return CpuCommunicator(pg, cpu, unique_name="rows", timeout=20)
-    if transport == "shm-pieces":
-        return CpuCommunicator(pg, cpu, unique_name="rows", workspace_bytes=TINY_WS, timeout=20)
-    if transport == "hier":
-        return CpuCommunicator(pg, cpu, unique_name="rows", node_id=f"h{rank * 2 // n}",
-                               workspace_bytes=TINY_WS, timeout=20)
-    if transport == "gloo":
-        return TorchDistributedCommunicator(pg, cpu, unique_name="rows")
-    from tests.device_comms.test_all_to_allv import _CpuCuda
-
-    return _CpuCuda.make(pg)
+    return make_comm(transport, rank, n, pg, "rows")
 
 
 def _attempt(fn: Any) -> tuple[str, str]:

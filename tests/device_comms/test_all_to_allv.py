@@ -27,13 +27,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from device_comms import CpuCommunicator, TorchDistributedCommunicator
 from tests.device_comms.general_cases import make
+from tests.device_comms.transports import make_comm
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64)
 TRAILING = ((), (3,), (2, 5), (0,), (4, 1, 2))
-TINY_WS = 4 << 10  # slots of a few hundred bytes: "shm-pieces"
 
 
 def matrix(kind: str, n: int, seed: int) -> list[list[int]]:
@@ -88,35 +87,8 @@ def expected(case: tuple[Any, ...], rank: int, n: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- on the ranks
-class _CpuCuda:
-    """Built lazily: CudaCommunicator over the gloo stand-in for NCCL (see pynccl tests)."""
-
-    @staticmethod
-    def make(pg: Any) -> Any:
-        from device_comms import CudaCommunicator
-        from device_comms.cuda.pynccl import PyNcclCommunicator
-        from tests.device_comms.cuda.pynccl._gloo_nccl import GlooNccl
-
-        class CpuCuda(CudaCommunicator):
-            def _make_pynccl(self) -> PyNcclCommunicator:
-                self.fake = GlooNccl(self.cpu_group)
-                return PyNcclCommunicator(self.cpu_group, self.device, library=self.fake)
-
-        return CpuCuda(pg, torch.device("cpu"), unique_name="a2av-cuda", use_custom_allreduce=False)
-
-
 def _comm(transport: str, rank: int, n: int, pg: Any) -> Any:
-    cpu = torch.device("cpu")
-    if transport == "shm":
-        return CpuCommunicator(pg, cpu, unique_name="a2av", timeout=20)
-    if transport == "shm-pieces":
-        return CpuCommunicator(pg, cpu, unique_name="a2av", workspace_bytes=TINY_WS, timeout=20)
-    if transport == "hier":
-        return CpuCommunicator(pg, cpu, unique_name="a2av", node_id=f"h{rank * 2 // n}",
-                               workspace_bytes=TINY_WS, timeout=20)
-    if transport == "gloo":
-        return TorchDistributedCommunicator(pg, cpu, unique_name="a2av")
-    return _CpuCuda.make(pg)
+    return make_comm(transport, rank, n, pg, "a2av")
 
 
 def _attempt(fn: Any) -> tuple[str, str, float]:
