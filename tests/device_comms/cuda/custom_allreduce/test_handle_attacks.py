@@ -264,3 +264,41 @@ def test_book_refuses_an_allocation_smaller_than_the_buffer() -> None:
     backend = FakeIpcBackend(sizes={rows[1].handle: BUFFER_BYTES // 2})
     with HandleBook(backend, 0) as book, pytest.raises(DecodeError, match="rank 1 .*0x800 bytes"):
         book.register(rows, LOCAL_PTR, nbytes=BUFFER_BYTES)
+
+
+# ---------------------------------------------------------------------- the agreement step
+def _agree_with_facts(rank: int, world_size: int, liar: int, facts: list[int]) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    from coordinator.parallel_state import get_world_group
+    from device_comms.cuda.custom_allreduce import eligibility as elig
+    from device_comms.cuda.custom_allreduce.communicator import CustomAllreduce
+    from shm_broadcast.ranks.topology import in_the_same_node_as
+
+    class Liar(CustomAllreduce):
+        """Sends ``facts`` in the agreement step (the peer's misbehaviour), nothing else."""
+
+        def _agree(self, enabled: bool) -> elig.GroupVerdict:
+            rows = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(rows, torch.tensor(facts, dtype=torch.int64), group=self.cpu_group)
+            if facts == [0, 3]:  # sane: the honest rank goes on to the node check
+                in_the_same_node_as(self.cpu_group, 0)
+            return elig.GroupVerdict(False, "lying")
+
+    group = get_world_group().cpu_group
+    cls = Liar if rank == liar else CustomAllreduce
+    return _outcome(lambda: cls(group, torch.device("cuda", 0), enabled=False))
+
+
+@pytest.mark.parametrize("facts", [[0, 1 << 20], [0, -1], [7, 0]],
+                         ids=["huge-device", "negative-device", "flag-7"])
+def test_agreement_refuses_garbage_facts(dist_pool: Any, facts: list[int]) -> None:
+    """A peer's device index and flag reach the peer-access probe only when they are sane."""
+    out = dist_pool(2).run(_agree_with_facts, 1, facts, timeout=60)[0]
+    assert out is not None and out["type"] == "DecodeError", out
+    assert out["peers"] == [1] and f"(enabled {facts[0]}, device {facts[1]})" in out["msg"]
+
+
+def test_agreement_accepts_sane_facts(dist_pool: Any) -> None:
+    assert dist_pool(2).run(_agree_with_facts, 1, [0, 3], timeout=60)[0] is None
