@@ -293,39 +293,48 @@ def register_buffers(
     Raises:
         DecodeError: This rank refused a peer's handle (:meth:`HandleBook.register`),
             or an announcement was malformed.
-        CollectiveMismatch: Another rank refused a handle (the message names
-            that rank and the peer it refused).
+        CollectiveMismatch: Another rank refused a handle or failed to open one
+            (the message names that rank and the peer it refused).
+        Exception: What opening a handle raised here (the backend's error).
     """
     mine = [backend.handle_of(ptr) for ptr, _ in buffers]
     gathered = all_gather_handles(cpu_group, mine, what, group_name=group_name)
     ptrs: list[list[int]] = []
-    refusal: DecodeError | None = None
+    failure: Exception | None = None
     try:
         for i, (ptr, nbytes) in enumerate(buffers):
             row = [gathered[r][i] for r in range(len(gathered))]
             ptrs.append(book.register(row, ptr, nbytes=nbytes, align=align))
-    except DecodeError as e:
-        refusal = e
-    _agree_on_registration(cpu_group, refusal, what, group_name)
+    except Exception as e:  # a refused handle, or a failed open: the peers are told below
+        failure = e
+    _agree_on_registration(cpu_group, failure, what, group_name)
     return ptrs
 
 
-def _agree_on_registration(cpu_group: dist.ProcessGroup, refusal: DecodeError | None,
+def _agree_on_registration(cpu_group: dist.ProcessGroup, failure: Exception | None,
                            what: str, group_name: str) -> None:
     where = f"group {group_name!r}: registration of IPC handles ({what})"
-    peers = refusal.peers if refusal is not None else ()
-    culprit = next((p for p in peers if isinstance(p, int)), -1)
-    word = torch.tensor([_READY if refusal is None else _REFUSED, culprit, 0], dtype=torch.int64)
-    table = [[int(w) for w in a] for a in _gather(cpu_group, word, where)]
-    if refusal is not None:
-        raise refusal
+    blamed = failure.peers if isinstance(failure, DecodeError) else ()
+    culprit = next((p for p in blamed if isinstance(p, int)), -1)
+    word = torch.tensor([_READY if failure is None else _REFUSED, culprit, 0], dtype=torch.int64)
+    try:
+        table = [[int(w) for w in a] for a in _gather(cpu_group, word, where)]
+    except (GroupCoordError, RuntimeError) as e:
+        if failure is None:
+            raise
+        add_note(failure, f"the peers could not be told of this failure ({e})")
+        raise failure from None
+    if failure is not None:
+        raise failure
     me = dist.get_rank(cpu_group)
     for r, (mark, peer, _) in enumerate(table):
         if mark == _REFUSED:
+            what_failed = (f"refused the IPC handle of rank {peer}" if peer >= 0
+                           else "could not open a peer's IPC handle")
             raise CollectiveMismatch(
-                f"{where}: rank {r} refused the IPC handle of rank {peer} (see rank {r}'s "
-                f"error); every rank abandons the setup", queue=group_name, side=f"rank {me}",
-                peers=(r, peer))
+                f"{where}: rank {r} {what_failed} (see rank {r}'s error); every rank "
+                f"abandons the registration", queue=group_name, side=f"rank {me}",
+                peers=(r, peer) if peer >= 0 else (r,))
         if mark != _READY:
             raise DecodeError(
                 f"{where}: rank {r} sent a malformed verdict (marker {mark:#x})",

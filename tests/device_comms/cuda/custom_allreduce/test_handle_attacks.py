@@ -97,6 +97,21 @@ def _offset_outside(rank: int, world_size: int, liar: int, offset: int) -> dict:
     return {"error": error, "again": again, "opened": len(backend.opened)}
 
 
+def _open_fails_on_rank0(rank: int, world_size: int) -> dict:
+    from coordinator.parallel_state import get_world_group
+
+    group = get_world_group().cpu_group
+    ptr = LOCAL_PTR + 0x1000 * rank
+    peer = FakeIpcBackend(rank=1).handle_of(LOCAL_PTR + 0x1000).handle
+    backend = FakeIpcBackend(rank=rank, fail_open=peer if rank == 0 else None)
+    with HandleBook(backend, rank) as book:
+        try:
+            register_buffers(group, book, backend, [(ptr, BUFFER_BYTES)], "buffers", align=16)
+        except (RuntimeError, CollectiveMismatch) as e:
+            return {"type": type(e).__name__, "msg": str(e)}
+    return {}
+
+
 # ---------------------------------------------------------------------- wrong-sized rows
 @pytest.mark.parametrize(
     "world_size, liar", [(2, 1), (3, 0), (3, 2)], ids=["ws2-rank1", "ws3-rank0", "ws3-rank2"])
@@ -143,6 +158,13 @@ def test_offset_outside_allocation_raises_on_every_rank(dist_pool: Any, offset: 
     assert "refused the IPC handle of rank 2" in liar["msg"]
     for rank, out in enumerate(outs):
         assert len(out["again"]) == 1 and len(out["again"][0]) == 3, rank
+
+
+def test_failed_open_on_one_rank_raises_on_every_rank(dist_pool: Any) -> None:
+    outs = dist_pool(3).run(_open_fails_on_rank0, timeout=60)
+    assert outs[0] == {"type": "RuntimeError", "msg": "cudaIpcOpenMemHandle failed (fake)"}
+    for out in outs[1:]:
+        assert out["type"] == "CollectiveMismatch" and "rank 0 could not open" in out["msg"]
 
 
 # ---------------------------------------------------------------------- HandleBook checks
