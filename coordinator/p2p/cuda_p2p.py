@@ -178,12 +178,14 @@ class CudaP2P:
 
     def irecv_tensor_dict(self, src: int, seq: int) -> P2PHandle:
         try:
-            out, on_gpu = self._order.ordered(RECV, src, "irecv_tensor_dict", self._recv_meta,
-                                              src)
+            out, on_gpu, problem = self._order.ordered(RECV, src, "irecv_tensor_dict",
+                                                       self._recv_meta, src)
         except WAIT_ERRORS as e:  # a failed wait: translated like every other call's
             self._errors.explain("irecv_tensor_dict", seq, e, partner=src)
             raise
         ev = self._enqueue(lambda s: self._recv_all(on_gpu, src, s), on_gpu)
+        if problem:  # raised once every piece the sender sends has a receive posted
+            raise ValueError(problem)
         return self._handle("irecv_tensor_dict", src, seq, ev, out)
 
     # ------------------------------------------------------------------ closing
@@ -249,25 +251,39 @@ class CudaP2P:
         for t in cpu:
             dist.send(wire_view(t), dst=g.ranks[dst], group=g.cpu_group)
 
-    def _recv_meta(self, src: int) -> tuple[dict[Any, Any], list[torch.Tensor]]:
+    def _recv_meta(self, src: int) -> tuple[dict[Any, Any], list[torch.Tensor], str]:
         """Receive the gloo part; returns the dict (CUDA tensors allocated, not yet
-        filled) and those CUDA tensors in order."""
+        filled), those CUDA tensors in order, and what is wrong with the dict ("" when
+        nothing).
+
+        A tensor the sender sliced for an all-gather (which an asynchronous
+        receive cannot rebuild) is received all the same, as the slice the sender
+        sends, and reported afterwards: a receive left unposted would leave its
+        bytes on the gloo pair, where the next receive from ``src`` would take
+        them (gloo aborts the process when they are longer than that receive).
+        """
         g = self._group
         meta = check_metadata(self._objects.recv(src, object_comm.DICT_META), g.device.type)
         out: dict[Any, Any] = {}
         on_gpu: list[torch.Tensor] = []
+        problem = ""
         for key, kind, value in meta:
             if kind != TENSOR:
                 out[key] = value
                 continue
-            if value[3]:
-                raise ValueError(f"irecv_tensor_dict: the sender sliced tensor {key!r} for an "
-                                 f"all-gather, which asynchronous receives do not do")
-            t = out[key] = alloc(value, g.device)
+            parts = int(value[3])
+            if parts:
+                problem = problem or (
+                    f"irecv_tensor_dict: the sender sliced tensor {key!r} for an all-gather, "
+                    f"which asynchronous receives do not do; use recv_tensor_dict with the "
+                    f"same kind of all_gather_group")
+            t = alloc(value, g.device, parts or 1)
+            if not parts:
+                out[key] = t
             if not t.numel():
                 continue
             if t.device.type == "cpu":
                 dist.recv(wire_view(t), src=g.ranks[src], group=g.cpu_group)
             else:
                 on_gpu.append(t)
-        return out, on_gpu
+        return out, on_gpu, problem

@@ -10,6 +10,14 @@ Life of a communicator (every step collective over the group's CPU side):
 2. **Allocate** one buffer per rank (signal | staging | tmp, see ``layout``),
    zeroed before any handle leaves the process.
 3. **Exchange** IPC handles (72 bytes each, no pickle) and open the peers'.
+   Every peer pointer is checked before it reaches a pointer table (see
+   :mod:`~device_comms.cuda.custom_allreduce.handles`): its offset plus the
+   bytes the kernels use through it (the whole buffer; a registered input's
+   bytes) must lie inside the allocation the driver mapped, 16-byte aligned,
+   and it must name an allocation of that peer alone. Then the ranks agree on
+   the outcome (one all-gather of a word), so a handle one rank refuses makes
+   every rank raise instead of leaving its peers launching kernels it will
+   never join.
 4. **Call**: an eager call copies its input into the staging area and launches
    one kernel on the current stream; a call captured inside :meth:`capture`
    launches on a fresh table entry that names the input itself, and the
@@ -45,14 +53,22 @@ from device_comms.cuda.custom_allreduce.handles import (
     CudaIpcBackend,
     HandleBook,
     IpcBackend,
-    all_gather_handles,
+    register_buffers,
 )
 from device_comms.cuda.custom_allreduce.kernels import choose_variant, kernel_set
 from device_comms.cuda.custom_allreduce.table import RankTables
-from device_comms.errors import BrokenCommunicator, CollectiveTimeout, CommunicatorClosed
+from device_comms.errors import (
+    BrokenCommunicator,
+    CollectiveTimeout,
+    CommunicatorClosed,
+    DecodeError,
+    GroupCoordError,
+)
 from shm_broadcast.ranks.topology import in_the_same_node_as
 
 __all__ = ["CustomAllreduce"]
+
+_MAX_DEVICE_INDEX = 1 << 16  # far above any device count; a larger index is garbage
 
 
 @dataclasses.dataclass
@@ -61,6 +77,7 @@ class _Pending:
 
     index: int
     ptr: int
+    nbytes: int
 
 
 class CustomAllreduce:
@@ -120,26 +137,39 @@ class CustomAllreduce:
             index = torch.cuda.current_device() if enabled else 0
         self.device_index = index
         facts = torch.tensor([int(enabled), index], dtype=torch.int64)
-        rows = [torch.empty_like(facts) for _ in range(self.world_size)]
+        rows = [torch.zeros_like(facts) for _ in range(self.world_size)]
         dist.all_gather(rows, facts, group=self.cpu_group)
         devices = [int(r[1]) for r in rows]
         everyone = all(int(r[0]) for r in rows)
+        for r, row in enumerate(rows):
+            flag, device = (int(v) for v in row)
+            if flag not in (0, 1) or not 0 <= device < _MAX_DEVICE_INDEX:
+                # Every rank sees the same rows: every rank raises.
+                raise DecodeError(
+                    f"custom all-reduce of {self.unique_name!r}: rank {r} sent (enabled "
+                    f"{flag}, device {device}); expected 0 or 1 and a device index in "
+                    f"[0, {_MAX_DEVICE_INDEX})", queue=self.unique_name,
+                    side=f"rank {self.rank}", peers=(r,))
         same_node = all(in_the_same_node_as(self.cpu_group, 0))
         # Every rank sees the same rows, so every rank skips (or runs) the P2P check alike.
         p2p = everyone and same_node and elig.P2P_CACHE.check(devices, _can_access_peer)
         return elig.group_verdict(self.world_size, same_node, p2p, everyone)
 
     def _setup(self, backend: IpcBackend, max_graph_inputs: int) -> None:
-        self._buffer = DeviceBuffer(layout.buffer_bytes(self.max_size), self.device_index)
+        nbytes = layout.buffer_bytes(self.max_size)
+        self._buffer = DeviceBuffer(nbytes, self.device_index)
         self._staging = self._buffer.tensor(layout.staging_offset(), self.max_size)
         self._errors = KernelFaultWords(1)
         self._tables = RankTables(self.device_index, max_graph_inputs + 1)
         self._book = HandleBook(backend, self.rank)
         self._backend = backend
-        torch.cuda.synchronize(self.device)  # zeroed signals land before peers can see them
-        mine = [backend.handle_of(self._buffer.ptr)]
-        handles = all_gather_handles(self.cpu_group, mine, "custom all-reduce buffers")
-        self._bases = self._book.register([h[0] for h in handles], self._buffer.ptr)
+        try:
+            torch.cuda.synchronize(self.device)  # zeroed signals land before peers can see them
+            own = [(self._buffer.ptr, nbytes)]
+            self._bases = self._exchange(own, "custom all-reduce buffers")[0]
+        except BaseException:
+            self._free()
+            raise
         self._sig = list(self._bases)
         self._tmp = [b + layout.tmp_offset(self.max_size) for b in self._bases]
         staging = [b + layout.staging_offset() for b in self._bases]
@@ -175,7 +205,7 @@ class CustomAllreduce:
             if t.data_ptr() % layout.PACK_BYTES:  # kernels load 16-byte packs in place
                 t = t.clone()
             index = self._tables.reserve()
-            self._pending.append(_Pending(index, t.data_ptr()))
+            self._pending.append(_Pending(index, t.data_ptr(), t.nbytes))
         else:
             index = 0
             self._staging[: t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
@@ -211,15 +241,31 @@ class CustomAllreduce:
         self.register_graph_buffers()
 
     def register_graph_buffers(self) -> None:
-        """Exchange and register the inputs recorded during capture (collective)."""
+        """Exchange and register the inputs recorded during capture (collective).
+
+        Raises:
+            DecodeError: A peer's handle failed a check (every rank raises; the
+                communicator is broken and the captured graph must not be replayed).
+        """
         pending, self._pending = self._pending, []
-        handles = [self._backend.handle_of(p.ptr) for p in pending]
-        gathered = all_gather_handles(self.cpu_group, handles, "captured all-reduce inputs")
-        entries = []
-        for i, p in enumerate(pending):
-            ptrs = self._book.register([gathered[r][i] for r in range(self.world_size)], p.ptr)
-            entries.append((p.index, layout.table_entry(self._sig, ptrs, self._tmp)))
-        self._tables.fill_many(entries)
+        try:
+            ptrs = self._exchange([(p.ptr, p.nbytes) for p in pending],
+                                  "captured all-reduce inputs")
+        except GroupCoordError as e:
+            self._broken = self._broken or (
+                f"custom all-reduce of {self.unique_name!r}: registering captured inputs "
+                f"failed ({e}); the captured graph must not be replayed")
+            raise
+        self._tables.fill_many([
+            (p.index, layout.table_entry(self._sig, got, self._tmp))
+            for p, got in zip(pending, ptrs, strict=True)
+        ])
+
+    def _exchange(self, buffers: list[tuple[int, int]], what: str) -> list[list[int]]:
+        """Exchange and register ``(pointer, bytes used)`` buffers (every rank raises
+        when any rank refused a peer's handle)."""
+        return register_buffers(self.cpu_group, self._book, self._backend, buffers, what,
+                                align=layout.PACK_BYTES, group_name=self.unique_name)
 
     # ------------------------------------------------------------------ state
     def check_error(self) -> None:
@@ -251,6 +297,10 @@ class CustomAllreduce:
         if self.disabled:
             return
         torch.cuda.synchronize(self.device)
+        self._free()
+
+    def _free(self) -> None:
+        """Close peers' handles, free the tables and this rank's memory (idempotent)."""
         self._book.close()
         self._tables.close()
         self._buffer.close()

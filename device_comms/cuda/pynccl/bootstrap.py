@@ -77,10 +77,18 @@ def exchange_unique_id(group: Any, lib: Any) -> bytes:
 
 
 def _make_id(lib: Any) -> tuple[bytes, BaseException | None]:
+    """Rank 0's id, or the failure marker and why; never bytes of another length
+    (gloo would abort every receiver of a longer broadcast)."""
     try:
-        return lib.unique_id(), None
+        uid = lib.unique_id()
     except Exception as e:  # still take part in the broadcast, then raise
         return _FAILED, e
+    if not isinstance(uid, (bytes, bytearray)) or len(uid) != UNIQUE_ID_BYTES:
+        size = f"{len(uid)} bytes" if isinstance(uid, (bytes, bytearray)) else type(uid).__name__
+        return _FAILED, CommunicatorUnavailable(
+            f"ncclGetUniqueId gave {size}, not a {UNIQUE_ID_BYTES}-byte id; nothing of it was "
+            f"sent")
+    return bytes(uid), None
 
 
 def _check_cpu_group(group: dist.ProcessGroup) -> None:

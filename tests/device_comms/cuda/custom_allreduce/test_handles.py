@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import random
 from typing import Any
 
 import pytest
@@ -17,38 +16,9 @@ from device_comms.cuda.custom_allreduce.handles import (
     all_gather_handles,
 )
 from device_comms.errors import CollectiveMismatch, CommunicatorClosed
+from tests.device_comms.cuda.custom_allreduce.fakes import FakeIpcBackend, fake_handles
 
 LOCAL_PTR = 0x5000_0000
-
-
-def fake_handles(rank: int, count: int) -> list[IpcHandle]:
-    """``count`` handles of ``rank``: random bytes (seeded by rank) and distinct offsets."""
-    rng = random.Random(1000 + rank)
-    return [IpcHandle(rng.randbytes(HANDLE_BYTES), 256 * i + rank) for i in range(count)]
-
-
-class FakeIpcBackend:
-    """Maps handle bytes to fake base addresses and records every open and close."""
-
-    def __init__(self, fail_open: bytes | None = None, fail_close: int | None = None) -> None:
-        self.bases: dict[bytes, int] = {}
-        self.opened: list[bytes] = []
-        self.closed: list[int] = []
-        self.fail_open, self.fail_close = fail_open, fail_close
-
-    def handle_of(self, ptr: int) -> IpcHandle:
-        return IpcHandle(ptr.to_bytes(HANDLE_BYTES, "little"), 0)
-
-    def open(self, handle: bytes) -> int:
-        if handle == self.fail_open:
-            raise RuntimeError("cudaIpcOpenMemHandle failed (fake)")
-        self.opened.append(handle)
-        return self.bases.setdefault(handle, 0x7F00_0000_0000 + 0x1000_0000 * len(self.bases))
-
-    def close(self, base_ptr: int) -> None:
-        self.closed.append(base_ptr)
-        if base_ptr == self.fail_close:
-            raise RuntimeError("cudaIpcCloseMemHandle failed (fake)")
 
 
 # ---------------------------------------------------------------------- rank functions

@@ -69,6 +69,26 @@ def _root_fails(rank: int, n: int) -> tuple[str, str]:
     return "", ""
 
 
+class _WrongLengthLib:
+    """A library whose id is not 128 bytes (a broken or hostile binding on rank 0)."""
+
+    def __init__(self, made: Any) -> None:
+        self.made = made
+
+    def unique_id(self) -> Any:
+        return self.made
+
+
+def _root_makes(rank: int, n: int, made: Any) -> tuple[str, str]:
+    from device_comms.cuda.pynccl.bootstrap import exchange_unique_id
+
+    try:
+        exchange_unique_id(dist.group.WORLD, _WrongLengthLib(made))
+    except CommunicatorUnavailable as e:
+        return type(e).__name__, str(e)
+    return "", ""
+
+
 def _nccl_group_rejected(rank: int, n: int) -> str:
     from device_comms.cuda.pynccl import bootstrap
 
@@ -108,6 +128,17 @@ def test_unique_id_over_stateless_group(dist_pool, nccl_lib, world_size: int) ->
 def test_failure_on_rank0_reaches_every_rank(dist_pool, nccl_lib) -> None:
     outs = dist_pool(3).run(_root_fails)
     assert outs[0][0] == "NcclError" and "injected" in outs[0][1]
+    for kind, msg in outs[1:]:
+        assert kind == "CommunicatorUnavailable" and "group rank 0 could not create" in msg
+
+
+@pytest.mark.parametrize("made", [b"\x01" * 200, b"\x01" * 100, "x" * 128],
+                         ids=["200-bytes", "100-bytes", "str"])
+def test_id_of_another_length_on_rank0_reaches_every_rank(dist_pool, made: Any) -> None:
+    """Old code broadcast whatever rank 0 got: 200 bytes made gloo abort the receivers
+    (SIGABRT, posted 128). Now rank 0 sends the failure marker; nobody dies."""
+    outs = dist_pool(3).run(_root_makes, made, timeout=60)
+    assert outs[0][0] == "CommunicatorUnavailable" and "not a 128-byte id" in outs[0][1]
     for kind, msg in outs[1:]:
         assert kind == "CommunicatorUnavailable" and "group rank 0 could not create" in msg
 
