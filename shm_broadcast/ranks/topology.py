@@ -18,7 +18,8 @@ import os
 import secrets
 from typing import Any
 
-from shm_broadcast.errors import SegmentError
+from shm_broadcast.errors import DecodeError, SegmentError
+from shm_broadcast.lifecycle.leftovers import SEGMENT_RE
 from shm_broadcast.lifecycle.segment import SharedSegment
 from shm_broadcast.ranks.group_adapter import object_group
 
@@ -26,6 +27,10 @@ __all__ = ["NODE_ID_ENV", "in_the_same_node_as", "node_assignment"]
 
 NODE_ID_ENV = "GROUPCOORD_NODE_ID"
 _MAGIC_LEN = 16
+#: Longest node identity (``GROUPCOORD_NODE_ID``) a source may announce.
+_MAX_NODE_ID = 256
+#: What a rank contributes to the verdict when it could not read the source's record.
+_UNREADABLE = "unreadable"
 
 
 def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:
@@ -67,18 +72,65 @@ def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:
                 info = (None, magic, override)
         else:
             info = None
-        name, magic, src_override = og.broadcast(info, src=source_rank, op="in_the_same_node_as")
+        record = _checked_record(og.broadcast(info, src=source_rank, op="in_the_same_node_as"))
+        same: bool | str
         if og.rank == source_rank:
             same = True
-        elif override is not None or src_override is not None:
-            same = override == src_override
+        elif record is None:
+            same = _UNREADABLE  # every rank learns it from the verdict below
         else:
-            same = _sees_segment(name, magic)
+            name, magic, src_override = record
+            if override is not None or src_override is not None:
+                same = override == src_override
+            else:
+                same = _sees_segment(name, magic)
         flags = og.all_gather(same, op="in_the_same_node_as")
     finally:
         if seg is not None:
             seg.close()
-    return [bool(f) for f in flags]
+    return _checked_flags(flags, source_rank)
+
+
+def _checked_record(info: Any) -> tuple[str | None, bytes, str | None] | None:
+    """The source's ``(segment name, magic, node id)``, or None when it is malformed.
+
+    A name must be one of our segment names (so a peer cannot point
+    :meth:`SharedSegment.attach` anywhere else), the magic exactly
+    ``_MAGIC_LEN`` bytes, and a node id a str of at most ``_MAX_NODE_ID``
+    characters.
+    """
+    if type(info) is not tuple or len(info) != 3:
+        return None
+    name, magic, node_id = info
+    if name is not None and not (isinstance(name, str) and SEGMENT_RE.match(name)):
+        return None
+    if type(magic) is not bytes or len(magic) != _MAGIC_LEN:
+        return None
+    if node_id is not None and not (isinstance(node_id, str) and len(node_id) <= _MAX_NODE_ID):
+        return None
+    if (name is None) == (node_id is None):
+        return None
+    return name, magic, node_id
+
+
+def _checked_flags(flags: list[Any], source_rank: int) -> list[bool]:
+    """Every rank's verdict as bools; raises on every rank when one is not a bool.
+
+    Raises:
+        DecodeError: A rank could not read the source's record (the source
+            sent a malformed one), or a rank's verdict is not a bool.
+    """
+    if all(type(f) is bool for f in flags):
+        return list(flags)
+    if any(f == _UNREADABLE for f in flags):
+        raise DecodeError(
+            f"in_the_same_node_as: the node record of source rank {source_rank} is malformed "
+            f"(expected (segment name, {_MAGIC_LEN} random bytes, None) or (None, "
+            f"{_MAGIC_LEN} random bytes, node id)); no rank used it")
+    bad = [r for r, f in enumerate(flags) if type(f) is not bool]
+    raise DecodeError(
+        f"in_the_same_node_as: rank(s) {bad} answered something other than True/False "
+        f"({', '.join(type(flags[r]).__name__ for r in bad)}); no rank used the answers")
 
 
 def _sees_segment(name: str | None, magic: bytes) -> bool:

@@ -1,0 +1,90 @@
+"""Node detection (shm_broadcast.ranks.topology) against a source that sends a malformed record.
+
+The source rank of ``in_the_same_node_as`` announces ``(segment name, magic,
+node id)``; the other ranks attach the named segment. A record that is not
+one (another shape, a name that is not one of our segments, magic of another
+length, a huge node id) must make every rank raise ``DecodeError`` naming the
+source, and nothing may be attached by a name the peer chose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shm_broadcast.errors import DecodeError
+from shm_broadcast.ranks.group_adapter import object_group
+from shm_broadcast.ranks.topology import in_the_same_node_as
+
+BAD_RECORDS = {
+    "not-a-tuple": "gc_node_1_ab",
+    "two-fields": ("gc_node_1_ab", b"x" * 16),
+    "foreign-name": ("../../etc/passwd", b"x" * 16, None),
+    "other-prefix": ("psm_deadbeef", b"x" * 16, None),
+    "short-magic": ("gc_node_1_ab", b"x" * 3, None),
+    "huge-node-id": (None, b"x" * 16, "n" * 100_000),
+    "name-and-node-id": ("gc_node_1_ab", b"x" * 16, "nodeA"),
+    "magic-not-bytes": (None, "x" * 16, "nodeA"),
+}
+
+
+def _malformed_source(rank: int, world_size: int, record_id: str) -> dict[str, Any]:
+    from coordinator.parallel_state import get_world_group
+
+    group = get_world_group().cpu_group
+    if rank == 0:  # the attacker speaks the protocol with a record of its own making
+        og = object_group(group)
+        og.broadcast(BAD_RECORDS[record_id], src=0, op="in_the_same_node_as")
+        flags = og.all_gather(True, op="in_the_same_node_as")
+        in_the_same_node_as(group, source_rank=1)
+        return {"flags": [repr(f) for f in flags]}
+    try:
+        in_the_same_node_as(group, source_rank=0)
+    except DecodeError as e:
+        error: dict[str, Any] | None = {"type": type(e).__name__, "msg": str(e)}
+    else:
+        error = None
+    again = in_the_same_node_as(group, source_rank=1)  # the group is still usable
+    return {"error": error, "again": again}
+
+
+def _lying_verdict(rank: int, world_size: int) -> dict[str, Any]:
+    from coordinator.parallel_state import get_world_group
+
+    group = get_world_group().cpu_group
+    if rank == world_size - 1:  # answers with something that is not a bool
+        og = object_group(group)
+        og.broadcast(None, src=0, op="in_the_same_node_as")
+        og.all_gather(["yes"], op="in_the_same_node_as")
+        return {}
+    try:
+        in_the_same_node_as(group, source_rank=0)
+    except DecodeError as e:
+        return {"msg": str(e)}
+    return {"msg": None}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [3])
+@pytest.mark.parametrize("record_id", sorted(BAD_RECORDS))
+def test_malformed_source_record_raises_on_every_rank(dist_pool: Any, world_size: int,
+                                                      record_id: str) -> None:
+    outs = dist_pool(world_size).run(_malformed_source, record_id, timeout=30)
+    assert outs[0]["flags"][0] == "True"
+    assert all(f == "'unreadable'" for f in outs[0]["flags"][1:])
+    for r in range(1, world_size):
+        error = outs[r]["error"]
+        assert error is not None and error["type"] == "DecodeError", outs[r]
+        assert "source rank 0" in error["msg"] and "malformed" in error["msg"]
+        assert all(outs[r]["again"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_verdict_that_is_not_a_bool_raises_naming_its_rank(dist_pool: Any,
+                                                           world_size: int) -> None:
+    outs = dist_pool(world_size).run(_lying_verdict, timeout=30)
+    liar = world_size - 1
+    for r in range(liar):
+        assert outs[r]["msg"] is not None and f"rank(s) [{liar}]" in outs[r]["msg"], outs[r]
