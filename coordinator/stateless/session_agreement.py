@@ -308,8 +308,12 @@ class SessionAgreement:
 
     def _refusal(self, refused: dict[int, str], deadline: tuple[float, float],
                  op: str) -> AuthenticationError:
-        what = "; ".join(f"{self.record_key(s)!r} (rank {s}'s record) {why}"
-                         for s, why in sorted(refused.items()))
+        by_reason: dict[str, list[int]] = {}
+        for s, why in sorted(refused.items()):
+            by_reason.setdefault(why, []).append(s)
+        what = "; ".join(
+            f"{', '.join(repr(self.record_key(s)) for s in ranks)} (the record of rank(s) "
+            f"{ranks}) {why}" for why, ranks in by_reason.items())
         return AuthenticationError(
             f"{self._label}, op {op}: refused {len(refused)} session record(s) for "
             f"{deadline[1]:.1f}s: {what}.{self._own_record_note(op)} No value sealed in "
@@ -348,15 +352,15 @@ class SessionAgreement:
         payload, tag = record[:2 * SESSION_BYTES], record[2 * SESSION_BYTES:]
         if len(record) != _ANSWER_RECORD or not hmac.compare_digest(
                 tag, self._tag(self._secret, key, payload)):
-            return (f"failed authentication ({len(record)} bytes): forged, or written for "
-                    f"another secret, name, size or store port")
+            return ("failed authentication: forged, or written for another secret, name, "
+                    "size or store port")
         if payload[SESSION_BYTES:] != self._rank0_nonce:
             if self._rank == 0:
-                return (f"answers a nonce of rank 0 that is not this rank's: a record of an "
+                return (f"answer(s) a nonce of rank 0 that is not this rank's: a record of an "
                         f"earlier incarnation of this group (the same secret, name, size and "
-                        f"port) replayed under that key, or rank {rank} verified a replayed "
+                        f"port) replayed under that key, or that rank verified a replayed "
                         f"{self.record_key(0)!r} (written over this rank's) when it joined")
-            return (f"answers another nonce of rank 0 than the one this rank verified when it "
+            return (f"answer(s) another nonce of rank 0 than the one this rank verified when it "
                     f"joined: a record of an earlier incarnation of this group (the same "
                     f"secret, name, size and port) replayed under that key, or one of the two "
                     f"ranks verified a replayed {self.record_key(0)!r} when it joined")

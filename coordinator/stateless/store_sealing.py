@@ -144,8 +144,8 @@ class Sealer:
         except InvalidTag:
             raise AuthenticationError(
                 "value has a wrong authentication tag: forged or altered, moved from another "
-                "key, or sealed for another group or session (another secret, name, size, "
-                "store port or run)") from None
+                "key, or sealed for another group or session (another secret, name, size or "
+                "store port, or an earlier incarnation of this group: a replay)") from None
 
     def _ad(self, key: str) -> bytes:
         """The associated data of a value stored under ``key``."""
