@@ -150,7 +150,10 @@ class StatelessProcessGroup:
     The constructor never waits for the other ranks: the session is agreed in
     each rank's first call that sends or receives a value, within that call's
     timeout, once every rank has been constructed (see
-    :mod:`coordinator.stateless.session_agreement`).
+    :mod:`coordinator.stateless.session_agreement`). That call raises
+    ``CommTimeout`` naming the ranks that were not constructed in time, or
+    ``AuthenticationError`` naming the session records it refused (replayed
+    from an earlier incarnation of the group, or forged).
     """
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, name: str = "stateless",
