@@ -99,7 +99,7 @@ __all__ = ["SECRET_ENV", "StatelessProcessGroup"]
 
 _DEFAULT_TIMEOUT = 300.0
 # What a reader writes over a value it refused (with compare_set, so only over
-# that value): no sealed or framed value is empty, and fetching it costs nothing.
+# that value): no sealed or framed value is empty, and fetching it moves no bytes.
 _REFUSED = b""
 # How much longer than a call's own deadline its store request may take to be
 # answered before the store counts as not answering (the store's own timeout
