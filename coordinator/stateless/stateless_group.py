@@ -16,11 +16,16 @@ Security (see ``docs/security-stateless.md``; the sealing itself is
   (``master_listen_fd``); ``127.0.0.1`` is reachable from this host only.
 * **Every value is sealed.** Each value is encrypted and authenticated with
   ChaCha20-Poly1305 (a fresh 12-byte random nonce per value) under a key
-  derived with HKDF-SHA256 from the group's secret and a per-session nonce
-  that rank 0 publishes (itself authenticated); the associated data binds the
-  group (name, store port, size, session) and the key the value is stored
-  under. A value that fails authentication is never decoded: the reader
-  ignores it and waits for an authentic one until its timeout, then raises
+  derived with HKDF-SHA256 from the group's secret and the session, which
+  hashes a fresh random nonce of *every* rank
+  (:mod:`coordinator.stateless.session_agreement`: nothing recorded in an
+  earlier incarnation of the group authenticates in this one); the associated
+  data binds the group (name, store port, size, session) and the key the value
+  is stored under. A value that fails authentication is never decoded: the
+  reader replaces it by an empty marker (only if it is still the value it
+  refused: ``compare_set``), looks again with a back-off
+  (:mod:`coordinator.stateless.retry_delay`) and fetches a value again only
+  once a writer replaced the marker; at its timeout it raises
   :class:`~coordinator.errors.AuthenticationError`.
 * **No pickle.** Values are msgpack (msgspec). ``allow_pickle=True`` (on
   every rank) opts into pickle for other objects; a received pickle is
@@ -35,7 +40,10 @@ Security (see ``docs/security-stateless.md``; the sealing itself is
 
 Protocol (all through the store, keys prefixed with the group's name)::
 
-    session            rank 0 sets it (nonce + HMAC); others verify it
+    session, session/<r>, session/writes, session/done
+                       see coordinator.stateless.session_agreement: written when a
+                       rank joins, read in its first call; the last rank to agree
+                       deletes them
     send_obj(dst)      set  p2p/<src>-><dst>/<seq>             recv_obj deletes it
     broadcast_obj(src) set  bcast/<seq>/<src>                  each reader adds 1 to
                                                                .../acks; the last
@@ -63,7 +71,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hmac
 import secrets
 import socket
 import time
@@ -76,7 +83,9 @@ import torch.distributed as dist
 
 from coordinator.errors import AuthenticationError, ClosedError, CommTimeout, StoreConnectionError
 from coordinator.stateless.group_secret import SECRET_ENV, remove_quietly, secret_plan
-from coordinator.stateless.store_sealing import SESSION_BYTES, Sealer, session_tag
+from coordinator.stateless.retry_delay import RetryDelay
+from coordinator.stateless.session_agreement import SessionAgreement
+from coordinator.stateless.store_sealing import Sealer
 from shm_broadcast.checks import check_bool, check_int, check_rank, check_timeout
 from shm_broadcast.ranks.group_adapter import (
     decode_object,
@@ -89,7 +98,9 @@ from shm_broadcast.ranks.tcp_store import client_store, master_store
 __all__ = ["SECRET_ENV", "StatelessProcessGroup"]
 
 _DEFAULT_TIMEOUT = 300.0
-_RETRY_S = 0.005
+# What a reader writes over a value it refused (with compare_set, so only over
+# that value): no sealed or framed value is empty, and fetching it moves no bytes.
+_REFUSED = b""
 # How much longer than a call's own deadline its store request may take to be
 # answered before the store counts as not answering (the store's own timeout
 # ends a healthy wait at the deadline; the answer then takes milliseconds).
@@ -125,7 +136,8 @@ class StatelessProcessGroup:
         world_size: Number of processes.
         name: Key prefix, also used in error messages.
         store: The underlying ``torch.distributed.Store``.
-        rejected_values: Values ignored so far because they failed authentication.
+        rejected_values: Values and session records ignored so far because they
+            failed authentication (or answered another session).
 
     Raises:
         TypeError: An argument has the wrong type.
@@ -134,6 +146,14 @@ class StatelessProcessGroup:
             is malformed.
         AuthenticationError: No authentic session record from rank 0 arrived
             within ``timeout``.
+
+    The constructor never waits for the other ranks: the session is agreed in
+    each rank's first call that sends or receives a value, within that call's
+    timeout, once every rank has been constructed (see
+    :mod:`coordinator.stateless.session_agreement`). That call raises
+    ``CommTimeout`` naming the ranks that were not constructed in time, or
+    ``AuthenticationError`` naming the session records it refused (replayed
+    from an earlier incarnation of the group, or forged).
     """
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, name: str = "stateless",
@@ -148,7 +168,7 @@ class StatelessProcessGroup:
         self.name = name
         self.timeout: float = check_timeout(timeout, positive=True)  # type: ignore[assignment]
         self.allow_pickle = check_bool(allow_pickle, "allow_pickle")
-        self.rejected_values = 0
+        self._rejected = 0
         self._send_seq: dict[int, int] = defaultdict(int)
         self._recv_seq: dict[int, int] = defaultdict(int)
         self._bcast_seq = 0
@@ -163,7 +183,16 @@ class StatelessProcessGroup:
                 rank, host, port, name, secret, check_bool(insecure, "insecure"))
         if self._key_file is not None:
             weakref.finalize(self, remove_quietly, self._key_file)
-        self._sealer = Sealer(name) if _secret_source is None else self._establish(_secret_source)
+        self._sealer: Sealer | None = None
+        self._agreement: SessionAgreement | None = None
+        if _secret_source is None:
+            self._sealer = Sealer(name)
+        else:
+            self._agreement = SessionAgreement(
+                name, rank, world_size, self._store_port(),
+                label=f"stateless group {name!r} (rank {rank}/{world_size})",
+                call=self._call, wait=self._wait)
+            self._agreement.join(_secret_source, self.timeout)
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int,
@@ -317,8 +346,8 @@ class StatelessProcessGroup:
         Every rank may exit right after a final barrier: rank 0, which hosts
         the store, returns only after every other rank's wait has returned
         (each confirms with an authenticated ``left`` record). Rank 0 deletes
-        each barrier's keys during the next one, and the session record
-        during the first (every rank has verified it by then).
+        each barrier's keys during the next one, and its key file (the
+        loopback default) during the first (every rank has read it by then).
 
         Raises:
             CommTimeout: Some rank did not arrive within ``timeout`` seconds
@@ -349,11 +378,9 @@ class StatelessProcessGroup:
         if seq > 0:  # everyone has left barrier seq-1
             self._delete([self._key(f"barrier/{seq - 1}/{r}") for r in range(self.world_size)],
                          "barrier")
-        else:  # every rank has verified the session: its record and key file are done
-            self._delete([self._key("session")], "barrier")
-            if self._key_file is not None:
-                remove_quietly(self._key_file)
-                self._key_file = None
+        elif self._key_file is not None:  # every rank has joined: the key file is done
+            remove_quietly(self._key_file)
+            self._key_file = None
 
     def close(self) -> None:
         """Drop the store connection (rank 0 stops serving the others, removes its key file)."""
@@ -367,49 +394,29 @@ class StatelessProcessGroup:
         return (f"StatelessProcessGroup({self.name!r}, rank={self.rank}, "
                 f"world_size={self.world_size})")
 
+    @property
+    def rejected_values(self) -> int:
+        """Values and session records ignored so far because they failed authentication."""
+        return self._rejected + (self._agreement.rejected if self._agreement is not None else 0)
+
     # ------------------------------------------------------------------ sealing
-    def _establish(self, source: Callable[[], bytes | None]) -> Sealer:
-        """Agree on the session: rank 0 publishes an authenticated nonce, others verify it."""
-        key = self._key("session")
-        if self.rank == 0:
-            secret = source()
-            if secret is None:
-                raise AuthenticationError(f"stateless group {self.name!r}: rank 0 has no secret")
-            session = secrets.token_bytes(SESSION_BYTES)
-            self._call("set", key, session + self._session_tag(secret, key, session), op="create")
-            return self._sealer_for(secret, session)
-        deadline = time.monotonic() + self.timeout
-        why = "no session record from rank 0"
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AuthenticationError(
-                    f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}): could "
-                    f"not authenticate rank 0's session within {self.timeout:.1f}s ({why}). Every "
-                    f"rank needs the same secret (argument, or {SECRET_ENV}).",
-                    rejected=self.rejected_values, queue=self.name, peers=[0])
-            secret, record = source(), self._try_get(key, left, deadline)
-            if isinstance(record, CommTimeout):
-                why, record = "rank 0's store did not answer (is its process stopped?)", None
-            if secret is None:
-                why = "the key file of rank 0 is missing or not private"
-            elif record is not None:
-                session, tag = record[:SESSION_BYTES], record[SESSION_BYTES:]
-                if hmac.compare_digest(tag, self._session_tag(secret, key, session)):
-                    return self._sealer_for(secret, session)
-                self.rejected_values += 1
-                why = ("the session record failed authentication: another secret, world size "
-                       "or name than rank 0's, or the store reached via a port mapping")
-            time.sleep(_RETRY_S)
+    def _agreed_sealer(self, deadline: tuple[float, float] | None, op: str) -> Sealer:
+        """The session's sealer, agreed now (the rank's first call that seals or opens).
 
-    def _session_tag(self, secret: bytes, key: str, session: bytes) -> bytes:
-        """The session record's tag, bound to this group's name, size and store port."""
-        return session_tag(secret, self.name, key, session, self._store_port(), self.world_size)
-
-    def _sealer_for(self, secret: bytes, session: bytes) -> Sealer:
-        """The sealer of this session, bound to this group's name, size and store port."""
-        return Sealer(self.name, secret, session, port=self._store_port(),
-                      world_size=self.world_size)
+        Raises:
+            CommTimeout: Some rank has not joined by the deadline.
+            AuthenticationError: Some rank's session record was refused until the deadline.
+        """
+        agreement = self._agreement
+        assert agreement is not None  # no sealer yet only while a session is to be agreed
+        if deadline is None:
+            deadline = self._deadline(None)
+        sealer = agreement.agree(deadline, op)
+        self._sealer = sealer
+        if self.world_size > 1:
+            self._ack_and_clean(agreement.done_key, self.world_size, agreement.keys_to_clean(),
+                                op, deadline)
+        return sealer
 
     def _store_port(self) -> int:
         """The store's port (0: not a TCP store)."""
@@ -424,7 +431,8 @@ class StatelessProcessGroup:
         connection, so it fails instead (``StoreConnectionError``); what it
         finds does not matter (a reader may already have taken the value).
         """
-        self._call("set", key, self._sealer.seal(key, plain), op=op, deadline=deadline)
+        sealer = self._sealer or self._agreed_sealer(deadline, op)
+        self._call("set", key, sealer.seal(key, plain), op=op, deadline=deadline)
         self._call("check", [key], op=op, deadline=deadline)
 
     def _put_obj(self, key: str, obj: Any, op: str,
@@ -491,7 +499,13 @@ class StatelessProcessGroup:
             raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
 
     def _wait(self, keys: list[str], deadline: tuple[float, float], op: str,
-              peers: list[int] | None = None) -> None:
+              peers: list[int] | None = None, ranks: list[int] | None = None) -> None:
+        """Wait until ``keys`` exist.
+
+        Raises:
+            CommTimeout: Not by the deadline; it names ``peers``, else the ranks
+                (``ranks[i]``, by default ``i``) whose ``keys[i]`` is missing.
+        """
         left = deadline[0] - time.monotonic()
         try:
             # The store's wait times out at once below ~1 ms even when the keys
@@ -503,8 +517,9 @@ class StatelessProcessGroup:
         except ClosedError:
             raise  # a RuntimeError, but not a peer that failed to answer
         except (RuntimeError, dist.DistError) as e:
+            owners = ranks if ranks is not None else list(range(len(keys)))
             missing = peers if peers is not None else [
-                i for i, k in enumerate(keys) if not self._exists(k, op)]
+                owners[i] for i, k in enumerate(keys) if not self._exists(k, op)]
             raise CommTimeout(
                 f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
                 f"rank(s) {missing} did not answer within {deadline[1]:.1f}s. Check that they "
@@ -512,35 +527,57 @@ class StatelessProcessGroup:
             ) from e
 
     def _get(self, key: str, deadline: tuple[float, float], op: str, peers: list[int]) -> bytes:
-        """The authentic value under ``key``; unauthentic ones are skipped until ``deadline``."""
-        rejected, why = 0, ""
+        """The authentic value under ``key``; others are refused until ``deadline``."""
+        sealer = self._sealer or self._agreed_sealer(deadline, op)
+        self._wait([key], deadline, op, peers)
+        data = self._call("get", key, op=op, deadline=deadline)
+        try:
+            return sealer.open(key, data)
+        except AuthenticationError as e:
+            return self._get_after_refusal(sealer, key, data, str(e), deadline, op, peers)
+
+    def _get_after_refusal(self, sealer: Sealer, key: str, refused: bytes, why: str,
+                           deadline: tuple[float, float], op: str, peers: list[int]) -> bytes:
+        """Wait for an authentic value under ``key``, whose value ``refused`` failed.
+
+        The refused value is replaced by the empty marker, atomically and only if it
+        is still there (``compare_set``: a writer's value that replaced it meanwhile is
+        returned instead). Until a writer replaces the marker, the reader looks at the
+        key no more often than :class:`RetryDelay` allows, fetching the empty marker; a
+        value is fetched (and authenticated) again only once it changed.
+        """
+        count = 0
+        delay = RetryDelay(deadline[0])
+        value = refused  # the value last fetched, refused
         while True:
-            self._wait([key], deadline, op, peers)
-            try:
-                return self._sealer.open(key, self._call("get", key, op=op, deadline=deadline))
-            except AuthenticationError as e:
-                rejected += 1
-                self.rejected_values += 1
-                why = str(e)
-            if time.monotonic() >= deadline[0]:
+            if value != _REFUSED:
+                count += 1
+                self._rejected += 1
+                # The marker; or what a writer put there since (or `value`: key deleted).
+                now = self._call("compare_set", key, value, _REFUSED, op=op, deadline=deadline)
+                if now not in (value, _REFUSED):
+                    value = now
+                    try:
+                        return sealer.open(key, value)
+                    except AuthenticationError as e:
+                        why = str(e)
+                        continue
+            elif count == 0:
+                why = "another reader refused the value there and left the empty marker"
+            if not delay.sleep():
                 raise AuthenticationError(
                     f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op "
-                    f"{op}: {rejected} value(s) under {key!r} failed authentication and no "
+                    f"{op}: {count} value(s) under {key!r} failed authentication and no "
                     f"authentic one arrived within {deadline[1]:.1f}s; none was decoded ({why})",
-                    rejected=rejected, queue=self.name, peers=peers)
-            time.sleep(_RETRY_S)
-
-    def _try_get(self, key: str, timeout: float, deadline: float) -> bytes | CommTimeout | None:
-        """The value under ``key`` if it arrives within ``min(timeout, 0.5)`` seconds;
-        the error if the store did not answer; else None."""
-        try:
-            self._call("wait", [key], datetime.timedelta(seconds=min(timeout, 0.5)),
-                       op="create", deadline=(deadline, self.timeout))
-            return bytes(self._call("get", key, op="create", deadline=(deadline, self.timeout)))
-        except CommTimeout as e:
-            return e
-        except (RuntimeError, dist.DistError):
-            return None
+                    rejected=count, queue=self.name, peers=peers)
+            self._wait([key], deadline, op, peers)  # an outsider may have deleted it
+            value = self._call("get", key, op=op, deadline=deadline)
+            if value == _REFUSED:
+                continue
+            try:
+                return sealer.open(key, value)
+            except AuthenticationError as e:
+                why = str(e)
 
     def _ack_and_clean(self, counter: str, readers: int, keys: list[str], op: str,
                        deadline: tuple[float, float]) -> None:

@@ -10,8 +10,9 @@ A sealed value (format version 1)::
     version (1 byte: 0x01) | nonce (12 bytes) | ciphertext (len(plaintext) bytes) | tag (16)
 
 * **Key**: ``HKDF-SHA256(ikm=secret, salt=session, info=VALUE_KEY_INFO)``, 32
-  bytes: one key per session of a group. ``session`` is the random nonce
-  (:data:`SESSION_BYTES`) that rank 0 publishes for the session.
+  bytes: one key per session of a group. ``session`` is what the ranks agreed
+  on (:mod:`coordinator.stateless.session_agreement`: a hash of a fresh random
+  nonce of :data:`SESSION_BYTES` from every rank).
 * **Nonce**: 12 fresh random bytes per value. Values are control messages: a
   session seals far fewer than the 2**32 values per key up to which random
   96-bit nonces keep the chance of a repeat below 2**-32. Random nonces need no
@@ -26,11 +27,13 @@ length (:data:`MIN_SEALED_BYTES` to ``MIN_SEALED_BYTES + MAX_OBJECT_BYTES``),
 its version byte, then its tag. Every failure raises
 :class:`~coordinator.errors.AuthenticationError` naming the likely cause.
 
-The session record rank 0 publishes is ``session | HMAC-SHA256(k, message)``
-(:func:`session_tag`) with ``k = HKDF-SHA256(ikm=secret, info=SESSION_KEY_INFO)``
-and the message binding the group's name, the record's key, the store port,
-the world size and the session: a record copied into another group's store
-(the same secret and name, another port or size) fails.
+A session record (each rank publishes one, see
+:mod:`coordinator.stateless.session_agreement`) is ``payload |
+HMAC-SHA256(k, message)`` (:func:`session_tag`) with ``k = HKDF-SHA256(ikm=secret,
+info=SESSION_KEY_INFO)`` and the message binding the group's name, the
+record's key (hence its rank), the store port, the world size and the payload:
+a record copied into another group's store (the same secret and name, another
+port or size) or under another rank's key fails.
 
 Without a secret (``insecure=True``) values are only framed: ``GCS1 | 0x00 |
 plaintext``, neither authenticated nor encrypted.
@@ -68,7 +71,7 @@ FORMAT_VERSION = 1
 NONCE_BYTES = 12
 #: Bytes of a value's Poly1305 tag.
 TAG_BYTES = 16
-#: Bytes of the random session nonce rank 0 publishes.
+#: Bytes of the random nonce each rank contributes to its group's session.
 SESSION_BYTES = 16
 #: Length of a sealed empty value: the shortest a sealed value can be.
 MIN_SEALED_BYTES = 1 + NONCE_BYTES + TAG_BYTES
@@ -90,7 +93,7 @@ class Sealer:
     Args:
         name: The group's name.
         secret: The group's secret; None frames values in clear (insecure).
-        session: The session nonce rank 0 published (the HKDF salt).
+        session: The session the ranks agreed on (the HKDF salt).
         port: The store's port (0: not a TCP store).
         world_size: The group's size.
     """
@@ -144,8 +147,8 @@ class Sealer:
         except InvalidTag:
             raise AuthenticationError(
                 "value has a wrong authentication tag: forged or altered, moved from another "
-                "key, or sealed for another group or session (another secret, name, size, "
-                "store port or run)") from None
+                "key, or sealed for another group or session (another secret, name, size or "
+                "store port, or an earlier incarnation of this group: a replay)") from None
 
     def _ad(self, key: str) -> bytes:
         """The associated data of a value stored under ``key``."""
@@ -154,11 +157,13 @@ class Sealer:
 
 def session_tag(secret: bytes, name: str, key: str, session: bytes, port: int = 0,
                 world_size: int = 0) -> bytes:
-    """The HMAC-SHA256 that authenticates session nonce ``session`` of group ``name``.
+    """The HMAC-SHA256 that authenticates the session record payload ``session`` of
+    group ``name`` (a rank's nonce, and for ranks > 0 rank 0's nonce it answers).
 
     The record is stored under ``key``, for a group of ``world_size`` ranks whose
     store listens on ``port`` (0: not a TCP store): a session record copied into
-    another group's store (the same secret and name, another port or size) fails.
+    another group's store (the same secret and name, another port or size) or
+    under another key fails.
     """
     message = (_prefixed(name.encode()) + _prefixed(key.encode())
                + struct.pack("<QQ", port, world_size) + _prefixed(session))

@@ -1,0 +1,181 @@
+"""SessionAgreement and RetryDelay on their own, over a real TCPStore.
+
+Each rank's agreement gets its own store client and plain store calls (what the
+group's bounded calls do when the store answers); the group-level attacks run in
+test_stateless_replay.py and test_stateless_security.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import struct
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from coordinator.errors import AuthenticationError, CommTimeout
+from coordinator.stateless.retry_delay import RetryDelay
+from coordinator.stateless.session_agreement import SessionAgreement, session_of
+from coordinator.stateless.store_sealing import Sealer, session_tag
+
+HOST = "127.0.0.1"
+NAME = "g"
+SECRET = bytes(range(32))
+
+
+def _client(port: int) -> Any:
+    return dist.TCPStore(HOST, port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+
+
+@pytest.fixture
+def server() -> Any:
+    store = dist.TCPStore(HOST, 0, None, True, datetime.timedelta(seconds=10),
+                          wait_for_workers=False)
+    yield store
+    del store
+
+
+def _agreement(port: int, rank: int, world_size: int) -> SessionAgreement:
+    """Rank ``rank``'s agreement over a store client of its own."""
+    store = _client(port)
+
+    def call(method: str, *args: Any, op: str, deadline: tuple[float, float] | None = None) -> Any:
+        return getattr(store, method)(*args)
+
+    def wait(keys: list[str], deadline: tuple[float, float], op: str,
+             peers: list[int] | None = None, ranks: list[int] | None = None) -> None:
+        left = max(deadline[0] - time.monotonic(), 0.001)
+        try:
+            store.wait(keys, datetime.timedelta(seconds=left))
+        except (RuntimeError, dist.DistError) as e:
+            owners = ranks if ranks is not None else list(range(len(keys)))
+            missing = [owners[i] for i, k in enumerate(keys) if not store.check([k])]
+            raise CommTimeout(f"rank(s) {missing} did not answer", peers=missing) from e
+
+    return SessionAgreement(NAME, rank, world_size, port, label=f"rank {rank}", call=call,
+                            wait=wait)
+
+
+def _deadline(seconds: float) -> tuple[float, float]:
+    return time.monotonic() + seconds, seconds
+
+
+def _answer(port: int, rank: int, world_size: int, nonce: bytes, rank0_nonce: bytes) -> bytes:
+    """A record of rank ``rank`` answering ``rank0_nonce``, as a secret holder writes it."""
+    key = f"{NAME}/session/{rank}"
+    payload = nonce + rank0_nonce
+    return payload + session_tag(SECRET, NAME, key, payload, port, world_size)
+
+
+def test_the_session_is_the_documented_hash_of_every_nonce() -> None:
+    nonces = [os.urandom(16) for _ in range(3)]
+    expected = hashlib.sha256(b"groupcoord stateless-group session v2" + struct.pack("<I", 3)
+                              + b"".join(nonces)).digest()
+    assert session_of(nonces) == expected
+    for i in range(3):  # every rank's nonce counts
+        changed = list(nonces)
+        changed[i] = os.urandom(16)
+        assert session_of(changed) != expected
+    assert session_of(nonces[:2]) != session_of(nonces[:2] + [b""])
+
+
+def test_every_rank_contributes_and_the_ranks_agree(server: Any) -> None:
+    """Three ranks join one after another (a join never waits), then agree: their
+    sealers are the one of the session of the three nonces in the records."""
+    port = server.port
+    ranks = [_agreement(port, r, 3) for r in range(3)]
+    for a in ranks:
+        a.join(lambda: SECRET, 5.0)
+    records = [server.get(a.record_key(r)) for r, a in enumerate(ranks)]
+    sealers = [a.agree(_deadline(5.0), "test") for a in ranks]
+    nonces = [rec[:16] for rec in records]
+    assert all(rec[16:32] == nonces[0] for rec in records[1:])  # each answers rank 0's nonce
+    reference = Sealer(NAME, SECRET, session_of(nonces), port=port, world_size=3)
+    sealed = sealers[1].seal("g/k", b"hello")
+    assert [s.open("g/k", sealed) for s in (sealers[0], sealers[2], reference)] == [b"hello"] * 3
+    stale = Sealer(NAME, SECRET, session_of([nonces[0], os.urandom(16), nonces[2]]), port=port,
+                   world_size=3)
+    with pytest.raises(AuthenticationError):
+        stale.open("g/k", sealed)  # one nonce other: another session
+    assert all(a.rejected == 0 for a in ranks)
+
+
+def test_world_size_one_writes_nothing(server: Any) -> None:
+    a = _agreement(server.port, 0, 1)
+    a.join(lambda: SECRET, 5.0)
+    sealer = a.agree(_deadline(1.0), "test")
+    assert sealer.open("g/k", sealer.seal("g/k", b"x")) == b"x"
+    assert server.num_keys() == 0
+
+
+def test_a_planted_answer_is_refused_until_the_ranks_own_replaces_it(server: Any) -> None:
+    """A record of rank 1 answering another rank-0 nonce (an earlier incarnation's) is
+    in the store before rank 1 joins: rank 0 refuses it, and accepts rank 1's own
+    record once rank 1 joins."""
+    port = server.port
+    r0, r1 = _agreement(port, 0, 2), _agreement(port, 1, 2)
+    r0.join(lambda: SECRET, 5.0)
+    server.set("g/session/1", _answer(port, 1, 2, os.urandom(16), os.urandom(16)))
+    got: dict[str, Any] = {}
+    agree = threading.Thread(target=lambda: got.update(s=r0.agree(_deadline(10.0), "test")))
+    agree.start()
+    time.sleep(0.3)
+    r1.join(lambda: SECRET, 5.0)
+    agree.join(15)
+    sealer1 = r1.agree(_deadline(5.0), "test")
+    assert got["s"].open("g/k", sealer1.seal("g/k", b"ok")) == b"ok"
+    assert r0.rejected >= 1
+
+
+@pytest.mark.parametrize("planted", ["stale", "forged"])
+def test_a_refused_answer_is_named_at_the_deadline(server: Any, planted: str) -> None:
+    port = server.port
+    r0 = _agreement(port, 0, 2)
+    r0.join(lambda: SECRET, 5.0)
+    record = (_answer(port, 1, 2, os.urandom(16), os.urandom(16)) if planted == "stale"
+              else os.urandom(64))
+    server.set("g/session/1", record)
+    t0 = time.monotonic()
+    with pytest.raises(AuthenticationError) as err:
+        r0.agree(_deadline(0.5), "send_obj")
+    assert time.monotonic() - t0 < 5.0
+    msg = str(err.value)
+    assert "'g/session/1' (the record of rank(s) [1])" in msg, msg
+    assert ("answer(s) a nonce of rank 0 that is not this rank's" if planted == "stale"
+            else "failed authentication") in msg, msg
+    assert list(err.value.peers) == [1] and err.value.rejected >= 1
+
+
+def test_a_rank_that_never_joined_is_a_comm_timeout(server: Any) -> None:
+    r0 = _agreement(server.port, 0, 3)
+    r0.join(lambda: SECRET, 5.0)
+    _agreement(server.port, 1, 3).join(lambda: SECRET, 5.0)
+    with pytest.raises(CommTimeout) as err:
+        r0.agree(_deadline(0.3), "test")
+    assert list(err.value.peers) == [2], err.value
+
+
+def test_a_wrong_secret_fails_when_joining(server: Any) -> None:
+    _agreement(server.port, 0, 2).join(lambda: SECRET, 5.0)
+    with pytest.raises(AuthenticationError, match="failed authentication"):
+        _agreement(server.port, 1, 2).join(lambda: bytes(32), 0.3)
+
+
+def test_retry_delay_doubles_to_its_cap_and_stops_at_the_deadline() -> None:
+    t0 = time.monotonic()
+    delay = RetryDelay(t0 + 0.4, first=0.01, most=0.08)
+    sleeps = 0
+    while delay.sleep():
+        sleeps += 1
+    elapsed = time.monotonic() - t0
+    # 10, 20, 40, 80, 80, 80, 80 ms (390 ms), then the last 10 ms: 8 sleeps at most
+    # (fewer on a busy machine, where sleeps overrun)
+    assert 1 <= sleeps <= 8, sleeps
+    assert elapsed >= 0.4
+    assert not delay.sleep()  # past the deadline: no sleep at all
