@@ -28,7 +28,7 @@ __all__ = ["NODE_ID_ENV", "in_the_same_node_as", "node_assignment"]
 NODE_ID_ENV = "GROUPCOORD_NODE_ID"
 _MAGIC_LEN = 16
 #: Longest node identity (``GROUPCOORD_NODE_ID``) a source may announce.
-_MAX_NODE_ID = 256
+_MAX_NODE_ID = 4096
 #: What a rank contributes to the verdict when it could not read the source's record.
 _UNREADABLE = "unreadable"
 
@@ -102,7 +102,7 @@ def _checked_record(info: Any) -> tuple[str | None, bytes, str | None] | None:
     if type(info) is not tuple or len(info) != 3:
         return None
     name, magic, node_id = info
-    if name is not None and not (isinstance(name, str) and SEGMENT_RE.match(name)):
+    if name is not None and not (isinstance(name, str) and SEGMENT_RE.fullmatch(name)):
         return None
     if type(magic) is not bytes or len(magic) != _MAGIC_LEN:
         return None
@@ -126,7 +126,8 @@ def _checked_flags(flags: list[Any], source_rank: int) -> list[bool]:
         raise DecodeError(
             f"in_the_same_node_as: the node record of source rank {source_rank} is malformed "
             f"(expected (segment name, {_MAGIC_LEN} random bytes, None) or (None, "
-            f"{_MAGIC_LEN} random bytes, node id)); no rank used it")
+            f"{_MAGIC_LEN} random bytes, node id), a node id of at most {_MAX_NODE_ID} "
+            f"characters: check {NODE_ID_ENV} on that rank); no rank used it")
     bad = [r for r, f in enumerate(flags) if type(f) is not bool]
     raise DecodeError(
         f"in_the_same_node_as: rank(s) {bad} answered something other than True/False "

@@ -22,6 +22,7 @@ BAD_RECORDS = {
     "two-fields": ("gc_node_1_ab", b"x" * 16),
     "foreign-name": ("../../etc/passwd", b"x" * 16, None),
     "other-prefix": ("psm_deadbeef", b"x" * 16, None),
+    "name-then-newline": ("gc_node_1_ab\n", b"x" * 16, None),
     "short-magic": ("gc_node_1_ab", b"x" * 3, None),
     "huge-node-id": (None, b"x" * 16, "n" * 100_000),
     "name-and-node-id": ("gc_node_1_ab", b"x" * 16, "nodeA"),
