@@ -8,8 +8,19 @@ pid, create_time, host, pid_space]``, comes from a routing id the queue expects
 start time; ``R<rank>``: a rank that is not local, over a ZAP-authenticated
 connection, at most ``n_remote`` of them), and is the first for that id. Acks
 must be 8 bytes from a known remote reader and never beyond the messages sent.
-Anything else is ignored and counted as ``bad_control``; nothing a peer sends
-raises a decoder's exception in the writer.
+Acks must also strictly increase (a reader acks each count once). Anything
+else is ignored and counted as ``bad_control``; nothing a peer sends raises a
+decoder's exception in the writer. How much each peer may send, and how much
+one call takes in, is :mod:`shm_broadcast.queue.inbound_limits`'s: a
+connection's frames beyond its invalid-frame budget are dropped unparsed, a
+key's subscriptions beyond its budget cut that key off (``cut_off``: the
+writer then ends the queue).
+
+Subscriptions count only from the peer they belong to: the overflow topic
+from a local (ipc) reader, the data topic and ``TOPIC_JOINED + rank`` from a
+ZAP-admitted TCP connection, and with per-reader keys the joined topic of
+``rank`` only over ``rank``'s own key. Any other subscription is dropped and
+counted (``subscriptions_dropped``), never stored by this object.
 
 The writer is ready when every reader has said hello and each one's data
 subscription is in place: for a remote rank, its ``TOPIC_JOINED`` subscription
@@ -23,6 +34,9 @@ connection close can still say hello. The takeover gains nothing: an id whose
 hello was accepted never counts a second one, only ZAP-admitted keys reach the
 socket at all, and with per-reader keys every frame from ``R<rank>`` (hello,
 ack, goodbye) must come over ``rank``'s own key.
+
+Unsubscriptions libzmq generates itself when a connection ends carry no
+key; they are applied to the counts they undo and charged to nobody.
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from shm_broadcast.queue.inbound_limits import DRAIN_FRAMES, SUBSCRIPTIONS_PER_KEY, PeerBudgets
 from shm_broadcast.queue.ring_buffer import READER_EMPTY, ShmRingBuffer
 from shm_broadcast.queue.transport import (
     ACK,
@@ -50,8 +65,8 @@ from shm_broadcast.waiting.peer_watch import PeerWatch
 __all__ = ["WriterControl", "check_reader_keys"]
 
 _Hello = tuple[int, int, float, str, str]  # rank, pid, start time, host, pid space
-_MAX_JOINED = 4096  # joined-topic ranks tracked; more come only from a hostile client
 _HELLO_DECODER = msgspec.msgpack.Decoder(_Hello)
+_STEP = {1: 1, 0: -1}  # first byte of an XPUB notification: subscribe, unsubscribe
 
 
 class WriterControl:
@@ -65,8 +80,9 @@ class WriterControl:
     Args:
         local_ranks: Ranks of the local readers, in slot order.
         n_remote: How many readers are remote.
-        reader_keys: Per-reader CURVE public keys (:func:`check_reader_keys`),
-            or None (one client keypair shared by the remote readers).
+        per_reader_keys: Whether every remote reader has a key of its own
+            (labelled ``R<rank>``); False: one client keypair shared by the
+            remote readers (an explicit opt-in).
         ring: The shared ring (None without local readers): a local hello
             must come from the process registered in its slot.
         pub: The writer's XPUB data socket (subscriptions arrive on it).
@@ -81,17 +97,21 @@ class WriterControl:
         said_goodbye: Ranks whose goodbye (``CTL_CLOSED``) arrived.
         dead_remote: Remote rank -> why its connection is known gone.
         remote_watch: Remote rank -> a watch on the process its hello named.
+        budgets: What each peer may still send, and what was dropped
+            (:class:`~shm_broadcast.queue.inbound_limits.PeerBudgets`); its
+            ``cut_off`` names the keys that sent more subscriptions than a
+            reader does.
     """
 
-    def __init__(self, *, local_ranks: tuple[int, ...], n_remote: int,
-                 reader_keys: dict[int, bytes] | None, ring: ShmRingBuffer | None,
-                 pub: zmq.SyncSocket, ctl: zmq.SyncSocket, mon: zmq.SyncSocket | None,
-                 pub_mon: zmq.SyncSocket | None, auth: ReaderAuthenticator | None) -> None:
+    def __init__(self, *, local_ranks: tuple[int, ...], n_remote: int, per_reader_keys: bool,
+                 ring: ShmRingBuffer | None, pub: zmq.SyncSocket, ctl: zmq.SyncSocket,
+                 mon: zmq.SyncSocket | None, pub_mon: zmq.SyncSocket | None,
+                 auth: ReaderAuthenticator | None) -> None:
         self.local_ranks = local_ranks
         self.n_local = len(local_ranks)
         self.n_remote = n_remote
         self.pub, self.ctl, self.mon = pub, ctl, mon
-        self._reader_keys = reader_keys
+        self._per_reader_keys = per_reader_keys
         self._ring = ring
         self._pub_mon = pub_mon
         self._auth = auth
@@ -104,7 +124,8 @@ class WriterControl:
         self.dead_remote: dict[int, str] = {}
         self.said_goodbye: set[int] = set()
         self.remote_watch: dict[int, PeerWatch] = {}
-        self._bad_control = 0
+        self.budgets = PeerBudgets(SUBSCRIPTIONS_PER_KEY if per_reader_keys
+                                   else SUBSCRIPTIONS_PER_KEY * max(1, n_remote))
         self._failed_handshakes = 0
 
     def missing_readers(self) -> list[str]:
@@ -125,38 +146,74 @@ class WriterControl:
         return [r for r, n in self.acked.items() if n < need]
 
     def drain_subscriptions(self) -> None:
-        """Count the (un)subscriptions that arrived on the XPUB socket."""
+        """Apply the (un)subscriptions that arrived on the XPUB socket (at most
+        :data:`~shm_broadcast.queue.inbound_limits.DRAIN_FRAMES` per call)."""
         pub = self.pub
-        try:
-            while True:
-                msg = pub.recv(zmq.NOBLOCK)
-                # VERBOSER: every (un)subscription, also one of a peer that left
-                step = {b"\x01": 1, b"\x00": -1}.get(msg[:1], 0)
-                if msg[1:] in self._subs:
-                    self._subs[msg[1:]] += step
-                    continue
-                rank = joined_rank(msg[1:])
-                if rank is not None and (rank in self._joined or len(self._joined) < _MAX_JOINED):
-                    self._joined[rank] = self._joined.get(rank, 0) + step
-        except zmq.Again:
-            pass
+        if not pub.get(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]  # EVENTS is an int
+            return
+        budgets = self.budgets
+        for _ in range(DRAIN_FRAMES):
+            try:
+                frame = pub.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            # VERBOSER: every (un)subscription, also one of a peer that left
+            msg = frame.bytes
+            step = _STEP.get(msg[0], 0) if msg else 0
+            label = _user_id(frame)
+            if label and not budgets.take_subscription(label):
+                continue
+            if not (step and self._apply_subscription(msg[1:], step, label)):
+                budgets.drop_subscription()
+
+    def _apply_subscription(self, topic: bytes, step: int, label: str) -> bool:
+        """Count one (un)subscription from key ``label`` (``""``: an ipc peer, or
+        libzmq's own unsubscription of a peer that left) if it is the queue's
+        and that peer's (module docstring); returns whether it was."""
+        if step < 0 and not label:  # libzmq undoes what a departed peer had
+            if topic in self._subs:
+                self._subs[topic] -= 1
+                return True
+            rank = joined_rank(topic)
+            if rank is not None and rank in self._joined:
+                self._joined[rank] -= 1
+                return True
+            return False
+        if topic == TOPIC_OVERFLOW:
+            ok = not label  # the local readers' topic
+        elif topic == TOPIC_REMOTE:
+            ok = bool(label)
+        else:
+            rank = joined_rank(topic)
+            ok = (rank is not None and bool(label) and rank not in self.local_ranks
+                  and (not self._per_reader_keys or label == f"R{rank}"))
+            if ok and rank is not None:
+                self._joined[rank] = self._joined.get(rank, 0) + step
+            return ok
+        if ok:
+            self._subs[topic] += step
+        return ok
 
     def drain(self, sent: int) -> None:
-        """Apply the control frames that arrived and note dropped TCP connections.
+        """Apply the control frames that arrived (at most
+        :data:`~shm_broadcast.queue.inbound_limits.DRAIN_FRAMES` per call) and
+        note dropped TCP connections.
 
         Args:
             sent: Messages the writer has sent (an ack beyond it is forged).
         """
         ctl = self.ctl
-        try:
-            while True:
+        budgets = self.budgets
+        for _ in range(DRAIN_FRAMES):
+            try:
                 frames = ctl.recv_multipart(zmq.NOBLOCK, copy=False)
-                if len(frames) == 2:
-                    self._on_ctl(frames[0].bytes, frames[1], sent)
-                else:
-                    self._bad_control += 1
-        except zmq.Again:
-            pass
+            except zmq.Again:
+                break
+            ident = frames[0].bytes
+            if budgets.muted(ident):
+                continue
+            if len(frames) != 2 or not self._on_ctl(ident, frames[1], sent):
+                budgets.refuse(ident)
         if self.mon is not None:
             failed, gone = count_failed_handshakes(self.mon)
             self._failed_handshakes += failed
@@ -165,33 +222,32 @@ class WriterControl:
                 if rank is not None and rank not in self.said_goodbye:
                     self.dead_remote[rank] = "its connection to the writer dropped"
 
-    def _on_ctl(self, ident: bytes, frame: zmq.Frame, sent: int) -> None:
-        """Apply one control frame if it is valid (module docstring); else count it."""
+    def _on_ctl(self, ident: bytes, frame: zmq.Frame, sent: int) -> bool:
+        """Apply one control frame if it is valid (module docstring); returns whether it was."""
         body = frame.bytes
         kind = body[:1]
         info = self._hello.get(ident)
-        if (self._reader_keys is not None and ident[:1] == b"R"
+        if (self._per_reader_keys and ident[:1] == b"R"
                 and _user_id(frame) != ident.decode("ascii", "replace")):
-            self._bad_control += 1  # per-reader keys: R<rank> speaks only with rank's key
-            return
+            return False  # per-reader keys: R<rank> speaks only with rank's key
         if kind == CTL_HELLO:
-            ok = info is None and self._accept_hello(ident, frame, body)
-        elif kind == CTL_ACK:
-            ok = info is not None and ident[:1] == b"R" and len(body) == 1 + ACK.size
-            if ok and info is not None:
-                n = ACK.unpack_from(body, 1)[0]
-                ok = n <= sent  # an ack for messages never sent is forged
-                if ok:
-                    self.acked[info[0]] = max(n, self.acked[info[0]])
-                    self.min_acked = min(self.acked.values())
-        elif kind == CTL_CLOSED:
-            ok = info is not None and len(body) == 1
-            if ok and info is not None:
-                self.said_goodbye.add(info[0])
-        else:
-            ok = False
-        if not ok:
-            self._bad_control += 1
+            return info is None and self._accept_hello(ident, frame, body)
+        if kind == CTL_ACK:
+            if info is None or ident[:1] != b"R" or len(body) != 1 + ACK.size:
+                return False
+            n = ACK.unpack_from(body, 1)[0]
+            rank = info[0]
+            if not self.acked[rank] < n <= sent:
+                return False  # acks strictly increase; one for messages never sent is forged
+            self.acked[rank] = n
+            self.min_acked = min(self.acked.values())
+            return True
+        if kind == CTL_CLOSED:
+            if info is None or len(body) != 1:
+                return False
+            self.said_goodbye.add(info[0])
+            return True
+        return False
 
     def _accept_hello(self, ident: bytes, frame: zmq.Frame, body: bytes) -> bool:
         """Record a reader's first hello if it is consistent; returns whether it was."""
@@ -215,7 +271,7 @@ class WriterControl:
         n_remote_seen = sum(1 for k in self._hello if k[:1] == b"R")
         user = _user_id(frame)
         if (slot != rank or rank in self.local_ranks or n_remote_seen >= self.n_remote
-                or not user or (self._reader_keys is not None and user != f"R{rank}")):
+                or not user or (self._per_reader_keys and user != f"R{rank}")):
             return False  # per-reader keys: R<rank> must speak with rank's own key
         self._hello[ident] = (rank, pid, ctime, host)
         self._remote_fd[frame.get(zmq.SRCFD)] = rank
@@ -233,17 +289,27 @@ class WriterControl:
 
         Returns:
             ``{"auth_denied": ZAP refusals of an unknown client key,
-            "handshake_failed": TCP handshakes that did not complete (no or
-            wrong keys, another mechanism, ZAP refusal), "bad_control":
-            control frames ignored as malformed, forged or out of place}``.
+            "auth_over_limit": ZAP refusals of a known key that used up its
+            connections, "handshake_failed": TCP handshakes that did not
+            complete (no or wrong keys, another mechanism, ZAP refusal),
+            "bad_control": control frames ignored as malformed, forged or out
+            of place, "control_dropped": frames of a connection that used up
+            its invalid frames, dropped unparsed, "subscriptions_dropped":
+            subscriptions not applied (not the queue's topics, the wrong key,
+            or beyond the key's budget)}``.
         """
         if drain:
             self.drain(sent)
+            self.drain_subscriptions()
             failed, _ = count_failed_handshakes(self._pub_mon)
             self._failed_handshakes += failed
-        return {"auth_denied": self._auth.denied if self._auth is not None else 0,
+        auth, budgets = self._auth, self.budgets
+        return {"auth_denied": auth.denied if auth is not None else 0,
+                "auth_over_limit": auth.over_limit if auth is not None else 0,
                 "handshake_failed": self._failed_handshakes,
-                "bad_control": self._bad_control}
+                "bad_control": budgets.bad_control,
+                "control_dropped": budgets.control_dropped,
+                "subscriptions_dropped": budgets.subscriptions_dropped}
 
 
 def _slot_of(ident: bytes) -> int | None:

@@ -136,7 +136,7 @@ def _queue_with_readers(n_local: int, n_remote: int, **kw) -> tuple[MessageQueue
     remote = list(range(n_local + 1, n_local + n_remote + 1))
     w = MessageQueue(n_local + n_remote, n_local, local,
                      connect_ip="127.0.0.1" if n_remote else None, **kw)
-    readers = [MessageQueue.create_from_handle(w.export_handle(), r) for r in local + remote]
+    readers = [MessageQueue.create_from_handle(w.export_handle(r), r) for r in local + remote]
     w.wait_until_ready(20)
     for r in readers:
         r.wait_until_ready(20)
