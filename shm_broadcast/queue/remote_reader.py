@@ -69,6 +69,7 @@ from shm_broadcast.queue.transport import (
     joined_topic,
     make_curve_client,
     new_socket,
+    reader_routing_id,
     say_goodbye,
     stop_monitor,
 )
@@ -165,7 +166,7 @@ class RemoteReader:
         sub.connect(remote_pub)
         sub.subscribe(TOPIC_REMOTE)
         sub.subscribe(joined_topic(rank))  # after TOPIC_REMOTE: see transport.TOPIC_JOINED
-        dealer.setsockopt(zmq.ROUTING_ID, b"R%d" % rank)
+        dealer.setsockopt(zmq.ROUTING_ID, reader_routing_id(b"R", rank))
         dealer.connect(remote_ctl)
         ctime = psutil.Process(self._pid).create_time()
         dealer.send(CTL_HELLO + msgspec.msgpack.encode(

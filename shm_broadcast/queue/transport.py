@@ -19,7 +19,8 @@ writer, which is how ``wait_until_ready`` knows that no message can be lost
 to the PUB/SUB "slow joiner" effect.
 
 ``ctl`` (ROUTER, readers -> writer): each reader connects a DEALER whose
-routing id names it (``L<index>`` local, ``R<rank>`` remote) and sends a hello
+routing id names it (``L<index>`` local, ``R<rank>`` remote, each followed by a
+random part: :func:`reader_routing_id`) and sends a hello
 (pid, process start time, host, pid space), remote readers' cumulative acks (flow
 control), and a goodbye on close.
 
@@ -62,13 +63,18 @@ Who can reach these sockets (see ``docs/security-channels.md``):
 * **TCP endpoints** use CURVE (Curve25519 + XSalsa20-Poly1305, from libsodium
   through libzmq): the writer is the CURVE server with a fresh keypair per
   queue, and a ZAP handler (:class:`ReaderAuthenticator`) admits only the
-  client public keys of the queue's own readers. The writer's public key and
-  the readers' client keypair travel in the :class:`~shm_broadcast.queue.handle.Handle`,
-  which is exchanged over the group's own channel. A peer without the keys
-  completes no handshake: it can neither read a frame nor send one, and every
-  refused handshake is counted. The local ``ipc://`` listeners are bound
-  before the CURVE options are set, so they stay on the NULL mechanism (zmq
-  snapshots mechanism options per bind).
+  client public keys of the queue's own readers, each at most
+  :data:`CONNECTIONS_PER_KEY` times per socket. Each remote reader has a key
+  of its own (see :mod:`shm_broadcast.queue.handle` for how it gets it; one
+  shared key is an opt-in). A peer without a key completes no handshake: it
+  can neither read a frame nor send one, and every refused handshake is
+  counted. The local ``ipc://`` listeners are bound before the CURVE options
+  are set, so they stay on the NULL mechanism (zmq snapshots mechanism
+  options per bind).
+* **Inbound limits**: the writer's two sockets take frames of at most
+  :data:`CONTROL_MAX_BYTES` and hold at most :data:`CONTROL_QUEUE_FRAMES` per
+  connection; what each peer may send beyond that is
+  :mod:`shm_broadcast.queue.inbound_limits`'s.
 * **No reconnection**: a reader's sockets connect once. Their
   ``ZMQ_RECONNECT_IVL`` is :data:`NO_RECONNECT_MS` (12.4 days) rather than
   ``-1``: with ``-1`` libzmq ends the connection's pipe the moment it drops
@@ -88,6 +94,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import secrets
 import struct
 import threading
 import weakref
@@ -112,6 +119,8 @@ __all__ = [
     "CONTROL_MAX_BYTES",
     "joined_topic",
     "joined_rank",
+    "reader_routing_id",
+    "parse_routing_id",
     "CTL_HELLO",
     "CTL_ACK",
     "CTL_CLOSED",
@@ -200,6 +209,25 @@ def joined_rank(topic: bytes) -> int | None:
 CTL_HELLO = b"h"
 CTL_ACK = b"a"
 CTL_CLOSED = b"c"
+
+
+def reader_routing_id(kind: bytes, n: int) -> bytes:
+    """A reader's control routing id: ``L<slot>`` or ``R<rank>``, ``-`` and 16
+    random hex digits. The writer's ROUTER lets a new connection take over an
+    attached id (``ROUTER_HANDOVER``) and refuses nothing else by id, so an id
+    another peer can guess could be taken from the reader; nobody can guess
+    this one."""
+    return b"%s%d-%s" % (kind, n, secrets.token_hex(8).encode())
+
+
+def parse_routing_id(ident: bytes) -> tuple[bytes, int] | None:
+    """``(b"L" or b"R", number)`` of a reader routing id (with or without its
+    random part), or None if ``ident`` is not one."""
+    head = ident.partition(b"-")[0]
+    if not 2 <= len(head) <= 1 + _JOINED_DIGITS or head[:1] not in (b"L", b"R") \
+            or not head[1:].isdigit():
+        return None
+    return head[:1], int(head[1:])
 
 #: ZAP domains of the writer's TCP listeners, control and data (the
 #: authenticator serves only these; a domain per socket lets it count each

@@ -4,23 +4,28 @@ and who is still missing before the queue is ready.
 What holds (see ``docs/security-channels.md``): control frames are validated
 before they change any state. A hello counts only if it decodes as ``[rank,
 pid, create_time, host, pid_space]``, comes from a routing id the queue expects
-(``L<i>``: the local slot whose shared-memory registration has the same pid and
-start time; ``R<rank>``: a rank that is not local, over a ZAP-authenticated
-connection, at most ``n_remote`` of them), and is the first for that id. Acks
-must be 8 bytes from a known remote reader and never beyond the messages sent.
-Acks must also strictly increase (a reader acks each count once). Anything
-else is ignored and counted as ``bad_control``; nothing a peer sends raises a
-decoder's exception in the writer. How much each peer may send, and how much
-one call takes in, is :mod:`shm_broadcast.queue.inbound_limits`'s: a
-connection's frames beyond its invalid-frame budget are dropped unparsed, a
-key's subscriptions beyond its budget cut that key off (``cut_off``: the
-writer then ends the queue).
+(``L<i>``: over ipc, the local slot whose shared-memory registration has the
+same pid and start time; ``R<rank>``: a rank that is not local, over a
+ZAP-authenticated connection, at most ``n_remote`` of them), and is the first
+for that slot or rank. Acks
+must be 8 bytes from a known remote reader, strictly increase (a reader acks
+each count once) and never go beyond the messages sent. Anything else is
+ignored and counted as ``bad_control``; nothing a peer sends raises a
+decoder's exception in the writer.
 
 Subscriptions count only from the peer they belong to: the overflow topic
 from a local (ipc) reader, the data topic and ``TOPIC_JOINED + rank`` from a
 ZAP-admitted TCP connection, and with per-reader keys the joined topic of
 ``rank`` only over ``rank``'s own key. Any other subscription is dropped and
 counted (``subscriptions_dropped``), never stored by this object.
+Unsubscriptions libzmq makes itself when a connection ends carry no key;
+they undo the counts they name and are charged to nobody.
+
+How much each peer may send, and how much one call takes in, is
+:mod:`shm_broadcast.queue.inbound_limits`'s: a connection's frames beyond its
+invalid-frame budget are dropped unparsed, and a key's subscriptions beyond
+its budget cut that key off (``budgets.cut_off``; the writer then ends the
+queue).
 
 The writer is ready when every reader has said hello and each one's data
 subscription is in place: for a remote rank, its ``TOPIC_JOINED`` subscription
@@ -28,15 +33,16 @@ subscription is in place: for a remote rank, its ``TOPIC_JOINED`` subscription
 data-topic subscriptions alone would also count an extra connection with an
 admitted key, and READY would go out before a real reader could receive it.
 
-A new connection under a routing id that is still attached takes the id over
-(``ROUTER_HANDOVER``): a reader that reconnects before the writer saw its old
-connection close can still say hello. The takeover gains nothing: an id whose
-hello was accepted never counts a second one, only ZAP-admitted keys reach the
-socket at all, and with per-reader keys every frame from ``R<rank>`` (hello,
-ack, goodbye) must come over ``rank``'s own key.
-
-Unsubscriptions libzmq generates itself when a connection ends carry no
-key; they are applied to the counts they undo and charged to nobody.
+A reader's routing id is ``L<slot>`` or ``R<rank>`` followed by a random part
+(:func:`~shm_broadcast.queue.transport.reader_routing_id`); the writer reads
+the slot or rank from it and accepts one hello per slot or rank. A new
+connection under an attached id takes the id over (``ROUTER_HANDOVER``) and
+closes the earlier connection, so ids must not be guessable: a peer that
+claims a slot or rank first, under an id of its own, gains nothing either
+(the real reader's id differs, and its hello is judged on its own). Only
+ZAP-admitted keys reach the TCP socket at all, and with per-reader keys every
+frame of a remote reader (hello, ack, goodbye) must come over its rank's own
+key.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from shm_broadcast.queue.transport import (
     ReaderAuthenticator,
     count_failed_handshakes,
     joined_rank,
+    parse_routing_id,
 )
 from shm_broadcast.waiting.peer_watch import PeerWatch
 
@@ -117,7 +124,10 @@ class WriterControl:
         self._auth = auth
         self._subs = {TOPIC_OVERFLOW: 0, TOPIC_REMOTE: 0}
         self._joined: dict[int, int] = {}  # remote rank -> its joined-topic subscriptions
-        self._hello: dict[bytes, tuple[int, int, float, str]] = {}
+        #: Routing id -> (rank, ZAP label; "" over ipc) of each accepted hello.
+        self._hello: dict[bytes, tuple[int, str]] = {}
+        self._local_seen: set[int] = set()  # slots whose hello was accepted
+        self._remote_seen: set[int] = set()  # remote ranks whose hello was accepted
         self._remote_fd: dict[int, int] = {}
         self.acked: dict[int, int] = {}
         self.min_acked = 0
@@ -131,8 +141,8 @@ class WriterControl:
     def missing_readers(self) -> list[str]:
         """Who the writer still waits for before it is ready (module docstring)."""
         missing = [f"local reader rank {r}" for i, r in enumerate(self.local_ranks)
-                   if b"L%d" % i not in self._hello]
-        remote = [info[0] for k, info in self._hello.items() if k[:1] == b"R"]
+                   if i not in self._local_seen]
+        remote = self._remote_seen
         if len(remote) < self.n_remote:
             missing.append(f"{self.n_remote - len(remote)} remote reader(s)")
         if not missing and (self._subs[TOPIC_OVERFLOW] < self.n_local
@@ -227,25 +237,24 @@ class WriterControl:
         body = frame.bytes
         kind = body[:1]
         info = self._hello.get(ident)
-        if (self._per_reader_keys and ident[:1] == b"R"
-                and _user_id(frame) != ident.decode("ascii", "replace")):
-            return False  # per-reader keys: R<rank> speaks only with rank's key
         if kind == CTL_HELLO:
             return info is None and self._accept_hello(ident, frame, body)
+        if info is None:
+            return False
+        rank, label = info
+        if label and _user_id(frame) != label:
+            return False  # a remote reader speaks only with the key it said hello with
         if kind == CTL_ACK:
-            if info is None or ident[:1] != b"R" or len(body) != 1 + ACK.size:
-                return False
+            if not label or len(body) != 1 + ACK.size:
+                return False  # acks are for remote readers
             n = ACK.unpack_from(body, 1)[0]
-            rank = info[0]
             if not self.acked[rank] < n <= sent:
                 return False  # acks strictly increase; one for messages never sent is forged
             self.acked[rank] = n
             self.min_acked = min(self.acked.values())
             return True
-        if kind == CTL_CLOSED:
-            if info is None or len(body) != 1:
-                return False
-            self.said_goodbye.add(info[0])
+        if kind == CTL_CLOSED and len(body) == 1:
+            self.said_goodbye.add(rank)
             return True
         return False
 
@@ -255,25 +264,29 @@ class WriterControl:
             rank, pid, ctime, host, pid_space = _HELLO_DECODER.decode(body[1:])
         except (msgspec.DecodeError, msgspec.ValidationError):
             return False
-        slot = _slot_of(ident)
-        if slot is None or rank < 0 or pid <= 0:
+        named = parse_routing_id(ident)
+        if named is None or rank < 0 or pid <= 0:
             return False
-        if ident[:1] == b"L":
+        side, slot = named
+        user = _user_id(frame)
+        if side == b"L":
             ring = self._ring
-            if not (slot < self.n_local and self.local_ranks[slot] == rank
+            if not (not user and slot < self.n_local and self.local_ranks[slot] == rank
+                    and slot not in self._local_seen
                     and ring is not None and ring.reader_state(slot) != READER_EMPTY):
                 return False
             rpid, rctime = ring.reader_identity(slot)
             if rpid != pid or abs(rctime - ctime) > 1e-3:
                 return False  # not the process registered in the ring for this slot
-            self._hello[ident] = (rank, pid, ctime, host)
+            self._hello[ident] = (rank, "")
+            self._local_seen.add(slot)
             return True
-        n_remote_seen = sum(1 for k in self._hello if k[:1] == b"R")
-        user = _user_id(frame)
-        if (slot != rank or rank in self.local_ranks or n_remote_seen >= self.n_remote
+        if (slot != rank or rank in self.local_ranks or rank in self._remote_seen
+                or len(self._remote_seen) >= self.n_remote
                 or not user or (self._per_reader_keys and user != f"R{rank}")):
             return False  # per-reader keys: R<rank> must speak with rank's own key
-        self._hello[ident] = (rank, pid, ctime, host)
+        self._hello[ident] = (rank, user)
+        self._remote_seen.add(rank)
         self._remote_fd[frame.get(zmq.SRCFD)] = rank
         self.acked.setdefault(rank, 0)
         # checked by pid only from the reader's own pid space, whatever its hostname
@@ -310,13 +323,6 @@ class WriterControl:
                 "bad_control": budgets.bad_control,
                 "control_dropped": budgets.control_dropped,
                 "subscriptions_dropped": budgets.subscriptions_dropped}
-
-
-def _slot_of(ident: bytes) -> int | None:
-    """The number in a routing id ``L<n>`` / ``R<n>``, or None if it is not one."""
-    if len(ident) < 2 or ident[:1] not in (b"L", b"R") or not ident[1:].isdigit():
-        return None
-    return int(ident[1:])
 
 
 def _user_id(frame: zmq.Frame) -> str:

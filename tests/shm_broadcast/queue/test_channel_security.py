@@ -184,13 +184,16 @@ def impostor(pub_port: int, ctl_port: int, curve: bool, seconds: float, out: Any
         out.put(("error", -2, traceback.format_exc()))
 
 
-def _curve_client(ctx: zmq.Context, kind: int, handle: Any, addr: str) -> zmq.Socket:
+def _curve_client(ctx: zmq.Context, kind: int, handle: Any, addr: str,
+                  routing_id: bytes | None = None) -> zmq.Socket:
     """A raw socket with the client keypair ``handle`` carries (a reader key's holder)."""
     s = ctx.socket(kind)
     s.linger = 0
     s.sndhwm = 0  # queue everything it is told to send: the writer must cope
     s.curve_serverkey = handle.curve_server_key
     s.curve_publickey, s.curve_secretkey = handle.curve_client_key, handle.curve_client_secret
+    if routing_id is not None:
+        s.setsockopt(zmq.ROUTING_ID, routing_id)
     s.connect(addr)
     return s
 
@@ -647,10 +650,59 @@ def test_per_reader_keys_admit_each_reader_only_under_its_own_rank():
         w.close()
 
 
-# -m slow: the writer cannot tell whose subscription to rank 1's JOINED topic it saw
-# (XPUB passes a topic's first subscription only, here the impostor's), so READY can go
-# out before the real rank 1's subscription is in place: rank 1 then times out (seen
-# once in CI under load). A key holder posing as another rank can stall that rank.
+def _read_one_each(w: MessageQueue, readers: list[MessageQueue]) -> None:
+    w.wait_until_ready(30)
+    w.enqueue({"secret": _SECRET}, timeout=10)
+    for r in readers:
+        r.wait_until_ready(10)
+        assert r.dequeue(10) == {"secret": _SECRET}
+
+
+@pytest.mark.timeout(60)
+def test_each_remote_reader_gets_its_own_key_unless_the_queue_opts_in_to_share_one():
+    """Issue 37: no key usable by every reader travels in the handle by default.
+    ``export_handle()`` carries no secret; ``export_handle(r)`` carries a
+    keypair for rank ``r`` alone. One shared key is an explicit opt-in."""
+    from shm_broadcast.queue.transport import new_keypair
+
+    readers: list[MessageQueue] = []
+    with MessageQueue(2, 0, connect_ip="127.0.0.1", name="own-keys") as w:
+        public, h1, h2 = w.export_handle(), w.export_handle(1), w.export_handle(2)
+        assert public.curve_client_key is None and public.curve_client_secret is None
+        assert (h1.curve_client_rank, h2.curve_client_rank) == (1, 2)
+        assert h1.curve_client_key != h2.curve_client_key and w.export_handle(1) == h1
+        with pytest.raises(ValueError, match="already made keys"):
+            w.export_handle(3)  # two remote readers, both ranks taken
+        with pytest.raises(ValueError, match=r"export_handle\(rank=1\)"):
+            MessageQueue.create_from_handle(public, 1)
+        with pytest.raises(ValueError, match="rank 2, not of rank 1"):
+            MessageQueue.create_from_handle(h2, 1)
+        try:
+            readers = [MessageQueue.create_from_handle(h1, 1),
+                       MessageQueue.create_from_handle(h2, 2)]
+            _read_one_each(w, readers)
+        finally:
+            for r in readers:
+                r.close()
+    with MessageQueue(2, 0, connect_ip="127.0.0.1", name="shared-key",
+                      shared_reader_key=True) as w:
+        h = w.export_handle()
+        assert h.curve_client_secret is not None and h.curve_client_rank is None
+        assert w.export_handle(1) == h
+        try:
+            readers = [MessageQueue.create_from_handle(h, r) for r in (1, 2)]
+            _read_one_each(w, readers)
+        finally:
+            for r in readers:
+                r.close()
+    with pytest.raises(ValueError, match="shared_reader_key"):
+        MessageQueue(1, 0, connect_ip="127.0.0.1", shared_reader_key=True,
+                     remote_reader_keys={1: new_keypair()[0]})
+
+
+# -m slow (a few seconds). With per-reader keys the writer counts rank 1's JOINED
+# subscription only from rank 1's key, so the impostor's (over rank 2's key) cannot make
+# READY go out before the real rank 1's subscription is in place.
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_reader_that_reconnects_under_an_attached_id_is_admitted():
@@ -865,3 +917,30 @@ def test_a_control_frame_flood_is_cut_by_size_and_budget(procs):
         assert mq.security_stats()["auth_over_limit"] >= 1  # the third connection
     finally:
         mq.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_key_holder_cannot_take_over_another_readers_control_connection(procs):
+    """A holder of reader 2's key connects to the control port under routing id
+    ``R1``, the id reader 1 used to have: with the writer's ROUTER_HANDOVER that
+    closed reader 1's connection and every ack after it was lost (the writer
+    timed out naming rank 1). Readers' ids now carry a random part."""
+    n = 40  # several remote windows: the writer needs rank 1's acks throughout
+    mq = MessageQueue(2, 0, connect_ip="127.0.0.1", name="sec-takeover")
+    ctx = zmq.Context()
+    try:
+        for r in (1, 2):
+            procs.start(legit_reader, mq.export_handle(r), r, n)
+        mq.wait_until_ready(60)
+        h2 = mq.export_handle(2)
+        thief = _curve_client(ctx, zmq.DEALER, h2, h2.remote_ctl, routing_id=b"R1")
+        thief.send(_hello(1))
+        thief.send(CTL_ACK + struct.pack("<Q", 1))
+        for i in range(n):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        reports = sorted(procs.get(60) for _ in range(2))
+        assert reports == [("ok", r, list(range(n))) for r in (1, 2)]
+        assert mq.security_stats()["bad_control"] >= 2
+    finally:
+        mq.close()
+        ctx.destroy(linger=0)
