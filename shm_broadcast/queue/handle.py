@@ -1,22 +1,27 @@
 """Handle: everything a reader needs to connect to a MessageQueue's writer.
 
 The handle every reader gets (:meth:`MessageQueue.export_handle()
-<shm_broadcast.queue.message_queue.MessageQueue.export_handle>`) carries no
-secret: the writer's CURVE *public* key, endpoints, sizes and the writer's
-identity. A remote reader also needs a client keypair the writer admits, and
-has one of its own by default:
+<shm_broadcast.queue.message_queue.MessageQueue.export_handle>`) carries the
+writer's CURVE *public* key, endpoints, sizes and the writer's identity. A
+remote reader also needs a client keypair the writer admits, and has one of
+its own by default:
 
 * one it made itself, whose public half the writer was given
   (``create_from_process_group`` does this), passed to ``create_from_handle``
-  as ``curve_keypair``; or
-* one the writer made for that rank alone, in the handle
-  ``export_handle(rank=r)`` returns: ``curve_client_key`` /
-  ``curve_client_secret`` with ``curve_client_rank == r``. That handle is a
-  credential of rank ``r`` only: send it to that reader only.
+  as ``curve_keypair``;
+* with a single remote reader, the one keypair the writer made, which the
+  handle carries (``curve_client_key`` / ``curve_client_secret``,
+  ``curve_client_rank`` None): every other holder of the handle is a local
+  reader, which only the writer's own user can be;
+* with several, one the writer made for that rank alone, in the handle
+  ``export_handle(rank=r)`` returns (``curve_client_rank == r``); the handle
+  without a rank then carries no secret. Rank ``r``'s handle is a credential
+  of rank ``r`` only: send it to that reader only.
 
 With ``shared_reader_key=True`` (an explicit opt-in) every handle carries one
-client keypair that admits any remote reader (``curve_client_rank`` None):
-every handle is then a credential of every remote reader. Send a handle with
+client keypair that admits any of several remote readers
+(``curve_client_rank`` None): every handle is then a credential of every
+remote reader. Send a handle with
 a secret only over the group's own channel, never through a shared store or a
 log; its ``repr`` hides the secret. Local endpoints and doorbells are paths in
 the writer's ``0700`` channel directory, which the handle names

@@ -57,9 +57,9 @@ def test_every_payload_kind_round_trips_exactly(procs):
     qb = MessageQueue(3, 3, [3, 1, 2], max_chunk_bytes=128, max_chunks=1, name="payloads-b",
                       allow_pickle=True)
     try:
-        handles = [qa.export_handle(), qb.export_handle()]
         for r in (1, 2, 3):
-            procs.start(payload_reader, handles, r, [4096, 128])
+            procs.start(payload_reader, [qa.export_handle(r), qb.export_handle(r)], r,
+                        [4096, 128])
         qa.wait_until_ready(50)
         _send_payloads(qa, 4096)
         qa.close()
