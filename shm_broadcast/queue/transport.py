@@ -175,8 +175,9 @@ CONTROL_MAX_BYTES = 1 << 10
 #: dropped). Between two drains a reader has at most a hello, two
 #: subscriptions, a few acks (one per ``remote_window // 4`` messages, and the
 #: writer drains at least once per ``remote_window`` messages) and a goodbye
-#: in flight. It also bounds the subscriptions libzmq applies per call on the
-#: data socket: it takes them in whenever the writer sends.
+#: in flight. It does not bound what libzmq takes in during one call on the
+#: data socket while a peer keeps sending: see ``docs/security-channels.md``,
+#: "Limits that remain".
 CONTROL_QUEUE_FRAMES = 16
 #: TCP connections ZAP admits per reader key and socket, over the queue's
 #: life (a shared key: that many per remote reader). A reader opens one per
@@ -190,7 +191,7 @@ CONNECTIONS_PER_KEY = 2
 #: extra connection (a reader's stale one, a second client with an admitted
 #: key) and let the writer publish READY before a real reader subscribed.
 TOPIC_JOINED = b"j"
-_JOINED_DIGITS = 9  # ranks below 10**9; longer subscriptions are not ours
+_RANK_DIGITS = 9  # ranks below 10**9; longer subscriptions and routing ids are not ours
 
 
 def joined_topic(rank: int) -> bytes:
@@ -201,7 +202,7 @@ def joined_topic(rank: int) -> bytes:
 def joined_rank(topic: bytes) -> int | None:
     """The rank a :func:`joined_topic` subscription names, or None if it is not one."""
     digits = topic[1:]
-    if (topic[:1] != TOPIC_JOINED or not digits or len(digits) > _JOINED_DIGITS
+    if (topic[:1] != TOPIC_JOINED or not digits or len(digits) > _RANK_DIGITS
             or not digits.isdigit()):
         return None
     return int(digits)
@@ -224,18 +225,20 @@ def parse_routing_id(ident: bytes) -> tuple[bytes, int] | None:
     """``(b"L" or b"R", number)`` of a reader routing id (with or without its
     random part), or None if ``ident`` is not one."""
     head = ident.partition(b"-")[0]
-    if not 2 <= len(head) <= 1 + _JOINED_DIGITS or head[:1] not in (b"L", b"R") \
-            or not head[1:].isdigit():
+    if (not 2 <= len(head) <= 1 + _RANK_DIGITS or head[:1] not in (b"L", b"R")
+            or not head[1:].isdigit()):
         return None
     return head[:1], int(head[1:])
+
 
 #: ZAP domains of the writer's TCP listeners, control and data (the
 #: authenticator serves only these; a domain per socket lets it count each
 #: key's connections per socket).
 ZAP_DOMAIN = "groupcoord"
 ZAP_DOMAIN_DATA = "groupcoord-data"
-#: ZAP label (``User-Id``) of the one client key every remote reader shares
-#: when a queue opts in to a shared key; per-reader keys are labelled ``R<rank>``.
+#: ZAP label (``User-Id``) of the one client key a queue's handle carries (a
+#: single remote reader's, or one shared by opt-in); per-reader keys are
+#: labelled ``R<rank>``.
 SHARED_KEY_LABEL = "reader"
 
 #: Monitor events of a handshake that did not complete (wrong or missing keys,

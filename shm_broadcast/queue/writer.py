@@ -40,8 +40,8 @@ Channel security (protocol, see :mod:`shm_broadcast.queue.transport` and
   frames of at most ``transport.CONTROL_MAX_BYTES`` and hold at most
   ``transport.CONTROL_QUEUE_FRAMES`` per connection; each drain takes a
   bounded number of frames (:mod:`shm_broadcast.queue.inbound_limits`).
-* The enqueue path reads no inbound traffic itself. A writer with remote
-  readers drains both sockets whenever it checks its credit (at least once
+* Per message, the enqueue path reads no inbound traffic. A writer with
+  remote readers drains both sockets whenever it checks its credit (at least once
   per ``remote_window`` messages, since the credit it knows of only moves
   when it drains) and in every step of a wait; a key that sent more
   subscriptions than a reader does ends the queue there
@@ -196,7 +196,8 @@ class QueueWriter:
         self._control: WriterControl | None = None
         self._remote: WriterControl | None = None
         self._server_keys: tuple[bytes, bytes] | None = None
-        self._client_keys: tuple[bytes, bytes] | None = None  # the shared key, if opted in
+        #: The client keypair the handle carries (one remote reader, or opted in).
+        self._client_keys: tuple[bytes, bytes] | None = None
         self._auth: ReaderAuthenticator | None = None
         #: Everything this writer holds, released in reverse order of creation
         #: by :meth:`close` or by a failed construction.

@@ -7,11 +7,11 @@ pid, create_time, host, pid_space]``, comes from a routing id the queue expects
 (``L<i>``: over ipc, the local slot whose shared-memory registration has the
 same pid and start time; ``R<rank>``: a rank that is not local, over a
 ZAP-authenticated connection, at most ``n_remote`` of them), and is the first
-for that slot or rank. Acks
-must be 8 bytes from a known remote reader, strictly increase (a reader acks
-each count once) and never go beyond the messages sent. Anything else is
-ignored and counted as ``bad_control``; nothing a peer sends raises a
-decoder's exception in the writer.
+for that slot or rank. Acks must be 8 bytes from a known remote reader over
+the key it said hello with, strictly increase (a reader acks each count once)
+and never go beyond the messages sent. Anything else is ignored and counted
+as ``bad_control``; nothing a peer sends raises a decoder's exception in the
+writer.
 
 Subscriptions count only from the peer they belong to: the overflow topic
 from a local (ipc) reader, the data topic and ``TOPIC_JOINED + rank`` from a
@@ -88,8 +88,8 @@ class WriterControl:
         local_ranks: Ranks of the local readers, in slot order.
         n_remote: How many readers are remote.
         per_reader_keys: Whether every remote reader has a key of its own
-            (labelled ``R<rank>``); False: one client keypair shared by the
-            remote readers (an explicit opt-in).
+            (labelled ``R<rank>``); False: the one client keypair the handle
+            carries (a single remote reader's, or shared by opt-in).
         ring: The shared ring (None without local readers): a local hello
             must come from the process registered in its slot.
         pub: The writer's XPUB data socket (subscriptions arrive on it).
