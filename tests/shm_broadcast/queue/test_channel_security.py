@@ -711,8 +711,9 @@ def test_each_remote_reader_gets_its_own_key_unless_the_queue_opts_in_to_share_o
 @pytest.mark.timeout(60)
 def test_a_reader_that_reconnects_under_an_attached_id_is_admitted():
     """rank 2's key claims rank 1 and stays connected; the real rank 1 then
-    connects under the same routing id: it takes the id over and is admitted
-    (without the takeover the writer would refuse it until its timeout)."""
+    connects and is admitted. (Readers' routing ids carry a random part, so
+    the two never share one; with bare ``R1`` ids the real reader relied on
+    taking the id over, and a key holder could take it back the same way.)"""
     from shm_broadcast.codec.message_codec import Codec
     from shm_broadcast.queue.remote_reader import RemoteReader
     from shm_broadcast.queue.transport import new_keypair
