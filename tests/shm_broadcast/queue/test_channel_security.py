@@ -213,15 +213,18 @@ def reader_until_the_end(handle: Any, rank: int, out: Any) -> None:
     out.put(("ended", rank, n, why))
 
 
-def subscription_flooder(handle: Any, n: int, out: Any) -> None:
-    """With a reader's key: ``n`` distinct subscriptions on the writer's data port."""
+def subscription_flooder(handle: Any, n: int, done: Any, out: Any) -> None:
+    """With a reader's key: ``n`` distinct subscriptions on the writer's data port;
+    stay connected until ``done``."""
     try:
         ctx = zmq.Context()
         s = _curve_client(ctx, zmq.XSUB, handle, handle.remote_pub)
         for i in range(n):
             s.send(b"\x01" + (b"flood-%08d" % i).ljust(48, b"."))
         out.put(("flooded", -1))
-        time.sleep(60)  # stay connected (reaped at the end of the test)
+        done.wait(60)
+        s.close()
+        ctx.term()
     except BaseException:
         out.put(("error", -1, traceback.format_exc()))
 
@@ -852,6 +855,7 @@ def test_a_subscription_flood_cuts_the_key_off_before_the_writer_grows(procs):
     the flood and the writer's memory stays put (before, one enqueue took all
     20,000 in, the writer grew by tens of MB and the queue went on)."""
     mq = MessageQueue(2, 0, connect_ip="127.0.0.1", name="sec-subflood")
+    done = procs.ctx.Event()
     try:
         for r in (1, 2):
             procs.start(reader_until_the_end, mq.export_handle(r), r)
@@ -860,7 +864,7 @@ def test_a_subscription_flood_cuts_the_key_off_before_the_writer_grows(procs):
         for i in range(3):
             mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
         before = _rss()
-        procs.start(subscription_flooder, mq.export_handle(2), 20_000)
+        procs.start(subscription_flooder, mq.export_handle(2), 20_000, done)
         assert procs.get(60)[0] == "flooded"
         time.sleep(1.0)  # the flood is in the writer's socket buffers
         slowest = 0.0
@@ -872,6 +876,7 @@ def test_a_subscription_flood_cuts_the_key_off_before_the_writer_grows(procs):
         grown = _rss() - before
         stats = mq.security_stats()
     finally:
+        done.set()
         mq.close()
     assert info.value.peers == (2,)
     assert grown < 16 << 20, f"the writer grew by {grown >> 20} MiB"
