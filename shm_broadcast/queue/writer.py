@@ -44,9 +44,9 @@ Channel security (protocol, see :mod:`shm_broadcast.queue.transport` and
   remote readers drains both sockets whenever it checks its credit (at least once
   per ``remote_window`` messages, since the credit it knows of only moves
   when it drains) and in every step of a wait; a key that sent more
-  subscriptions than a reader does ends the queue there
-  (``PeerDiedError`` naming its rank), since libzmq keeps a connected
-  peer's subscriptions and cannot drop one peer.
+  subscriptions than a reader does ends the queue there (it is shut down and
+  the call raises ``PeerDiedError`` naming the key's rank), since libzmq
+  keeps a connected peer's subscriptions and cannot drop one peer.
 """
 
 from __future__ import annotations
@@ -668,10 +668,13 @@ class QueueWriter:
 
     def _raise_if_cut_off(self, control: WriterControl) -> None:
         """End the queue if a reader key sent more subscriptions than a reader does
-        (see :mod:`shm_broadcast.queue.inbound_limits`)."""
+        (see :mod:`shm_broadcast.queue.inbound_limits`): shut it down (readers get
+        what was sent, then QueueClosedError; later calls here raise it too) and
+        raise PeerDiedError naming the key's rank(s)."""
         cut = control.budgets.cut_off
         if not cut:
             return
+        self.shutdown()
         if SHARED_KEY_LABEL in cut:
             ranks = sorted(control.acked)
             who = f"a holder of the client key in the queue's handle (remote ranks {ranks})"

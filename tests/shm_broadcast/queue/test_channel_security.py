@@ -35,7 +35,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from shm_broadcast import MessageQueue, PeerDiedError, QueueTimeout
+from shm_broadcast import MessageQueue, PeerDiedError, QueueClosedError, QueueTimeout
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.transport import CTL_ACK, CTL_HELLO, KIND_DATA, TOPIC_REMOTE, WIRE
 from shm_broadcast.waiting.peer_watch import own_pid_space
@@ -850,8 +850,8 @@ def _rss() -> int:
 def test_a_subscription_flood_cuts_the_key_off_before_the_writer_grows(procs):
     """Issue 37: a holder of reader 2's key subscribes to 20,000 distinct topics
     on the data port. The writer applies none of them (counted as dropped),
-    cuts the key off at its budget and ends the queue with PeerDiedError
-    naming rank 2 within a window of messages; meanwhile no enqueue stalls on
+    cuts the key off at its budget and ends the queue (shut down, PeerDiedError
+    naming rank 2) within a window of messages; meanwhile no enqueue stalls on
     the flood and the writer's memory stays put (before, one enqueue took all
     20,000 in, the writer grew by tens of MB and the queue went on)."""
     mq = MessageQueue(2, 0, connect_ip="127.0.0.1", name="sec-subflood")
@@ -875,6 +875,8 @@ def test_a_subscription_flood_cuts_the_key_off_before_the_writer_grows(procs):
                 slowest = max(slowest, time.perf_counter() - t0)
         grown = _rss() - before
         stats = mq.security_stats()
+        with pytest.raises(QueueClosedError, match="shut down"):  # the queue ended
+            mq.enqueue({"i": -1, "secret": _SECRET}, timeout=5)
     finally:
         done.set()
         mq.close()
@@ -884,6 +886,7 @@ def test_a_subscription_flood_cuts_the_key_off_before_the_writer_grows(procs):
     assert stats["subscriptions_dropped"] >= 6, stats
     ended = sorted(procs.get(60) for _ in range(2))
     assert [e[1] for e in ended] == [1, 2] and all(e[2] >= 3 for e in ended), ended
+    assert ended[0][3] in ("QueueClosedError", "ClosedError"), ended  # told, not left waiting
 
 
 @pytest.mark.timeout(120)
