@@ -203,7 +203,8 @@ class MessageQueue:
                 keys, whose public half the writer was given
                 (``remote_reader_keys``); without it the handle must carry a
                 client keypair: this rank's (``export_handle(rank=rank)``), or
-                the one every remote reader shares (``shared_reader_key``).
+                the queue's one key (a single remote reader's, or shared by
+                opt-in: ``shared_reader_key``).
             resizable_tensors: Decode tensors into storage torch allocates
                 (resizable, like ``torch.empty``'s) instead of a NumPy copy
                 (see :class:`~shm_broadcast.codec.message_codec.Codec`'s ``resizable``).
