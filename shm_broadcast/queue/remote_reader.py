@@ -21,9 +21,9 @@ Authentication and no reconnection (protocol; what holds):
   this reader's own client keypair (``curve_keypair``) or the one its handle
   carries (made for this rank, or the queue's one key: a single remote
   reader's, or shared by opt-in); a handle without CURVE keys, or with
-  another rank's, is
-  refused (``ValueError``): this reader never talks plain TCP. A frame can
-  therefore only come from a peer holding the writer's secret key.
+  another rank's, is refused (``ValueError``): this reader never talks plain
+  TCP. A frame can therefore only come from a peer holding the writer's
+  secret key.
 * No reconnection (``ZMQ_RECONNECT_IVL`` of 12.4 days; see
   :mod:`shm_broadcast.queue.transport` for why not ``-1``): the SUB makes one
   connection. When it drops, the reader delivers the frames that had already
