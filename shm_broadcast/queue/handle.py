@@ -1,13 +1,31 @@
 """Handle: everything a reader needs to connect to a MessageQueue's writer.
 
-A handle with remote readers is a *credential*: besides the writer's CURVE
-public key it carries the client keypair the writer generated for its remote
-readers, whose secret lets a process pass the writer's ZAP check. Send it only
-over the group's own channel (``create_from_process_group`` broadcasts it over
-the group's CPU group), never through a shared store or a log; its ``repr``
-hides the secret. Local endpoints and doorbells are paths in the writer's
-``0700`` channel directory, which the handle names (``bell_prefix``) but which
-only the writer's user can enter.
+The handle every reader gets (:meth:`MessageQueue.export_handle()
+<shm_broadcast.queue.message_queue.MessageQueue.export_handle>`) carries the
+writer's CURVE *public* key, endpoints, sizes and the writer's identity. A
+remote reader also needs a client keypair the writer admits, and has one of
+its own by default:
+
+* one it made itself, whose public half the writer was given
+  (``create_from_process_group`` does this), passed to ``create_from_handle``
+  as ``curve_keypair``;
+* with a single remote reader, the one keypair the writer made, which the
+  handle carries (``curve_client_key`` / ``curve_client_secret``,
+  ``curve_client_rank`` None): every other holder of the handle is a local
+  reader, which only the writer's own user can be;
+* with several, one the writer made for that rank alone, in the handle
+  ``export_handle(rank=r)`` returns (``curve_client_rank == r``); the handle
+  without a rank then carries no secret. Rank ``r``'s handle is a credential
+  of rank ``r`` only: send it to that reader only.
+
+With ``shared_reader_key=True`` (an explicit opt-in) every handle carries one
+client keypair that admits any of several remote readers
+(``curve_client_rank`` None): every handle is then a credential of every
+remote reader. Send a handle with
+a secret only over the group's own channel, never through a shared store or a
+log; its ``repr`` hides the secret. Local endpoints and doorbells are paths in
+the writer's ``0700`` channel directory, which the handle names
+(``bell_prefix``) but which only the writer's user can enter.
 """
 
 from __future__ import annotations
@@ -45,9 +63,12 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
         remote_window: Messages a remote reader may lag before the writer waits.
         curve_server_key: Z85 CURVE public key of the writer's TCP endpoints
             (``None`` without remote readers).
-        curve_client_key: Z85 public key the writer's ZAP handler admits.
-        curve_client_secret: Z85 secret of that key, for the remote readers
-            (secret: see the module docstring).
+        curve_client_key: Z85 public key the writer's ZAP handler admits, when
+            the handle carries a client keypair (module docstring).
+        curve_client_secret: Z85 secret of that key (secret: see the module
+            docstring).
+        curve_client_rank: The one remote rank that keypair is for (None: a
+            key every remote reader shares, or no keypair).
         writer_pid_space: The writer's
             :func:`~shm_broadcast.waiting.peer_watch.own_pid_space`: readers check its
             pid only from the same pid space.
@@ -73,6 +94,7 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
     curve_client_key: bytes | None = None
     curve_client_secret: bytes | None = None
     writer_pid_space: str = ""
+    curve_client_rank: int | None = None
 
     def __repr__(self) -> str:
         fields = []

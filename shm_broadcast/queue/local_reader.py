@@ -77,6 +77,7 @@ from shm_broadcast.queue.transport import (
     close_dealer,
     guard_zmq,
     new_socket,
+    reader_routing_id,
     say_goodbye,
 )
 from shm_broadcast.waiting.doorbell import BellRinger, Doorbell, bell_address
@@ -229,7 +230,7 @@ class LocalReader:
         try:
             sub.connect(local_pub)
             sub.subscribe(TOPIC_OVERFLOW)
-            dealer.setsockopt(zmq.ROUTING_ID, b"L%d" % self.index)
+            dealer.setsockopt(zmq.ROUTING_ID, reader_routing_id(b"L", self.index))
             dealer.connect(local_ctl)
             dealer.send(CTL_HELLO + msgspec.msgpack.encode(
                 [self.rank, self._pid, ctime, socket.gethostname(), own_pid_space()]))

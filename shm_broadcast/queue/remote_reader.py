@@ -18,9 +18,12 @@ waited for: a timeout case, never ``PeerDiedError`` (see
 Authentication and no reconnection (protocol; what holds):
 
 * Both sockets are CURVE clients of the writer's key from the handle, with
-  the client keypair the handle carries; a handle without CURVE keys is
-  refused (``ValueError``): this reader never talks plain TCP. A frame can
-  therefore only come from a peer holding the writer's secret key.
+  this reader's own client keypair (``curve_keypair``) or the one its handle
+  carries (made for this rank, or the queue's one key: a single remote
+  reader's, or shared by opt-in); a handle without CURVE keys, or with
+  another rank's, is refused (``ValueError``): this reader never talks plain
+  TCP. A frame can therefore only come from a peer holding the writer's
+  secret key.
 * No reconnection (``ZMQ_RECONNECT_IVL`` of 12.4 days; see
   :mod:`shm_broadcast.queue.transport` for why not ``-1``): the SUB makes one
   connection. When it drops, the reader delivers the frames that had already
@@ -67,6 +70,7 @@ from shm_broadcast.queue.transport import (
     joined_topic,
     make_curve_client,
     new_socket,
+    reader_routing_id,
     say_goodbye,
     stop_monitor,
 )
@@ -89,7 +93,7 @@ class RemoteReader:
         codec: Decoder.
         client_keypair: This reader's own Z85 ``(public, secret)`` CURVE keys,
             whose public half the writer was given (``remote_reader_keys``);
-            default: the keypair the handle carries.
+            default: the keypair the handle carries (``export_handle(rank)``'s).
     """
 
     def __init__(self, handle: Handle, rank: int, policy: WaitPolicy, codec: Codec,
@@ -144,7 +148,7 @@ class RemoteReader:
     def _connect(self, handle: Handle, remote_pub: str, remote_ctl: str, rank: int,
                  client_keypair: tuple[bytes, bytes] | None) -> None:
         """Open the CURVE SUB (data) and DEALER (control) connections; say hello."""
-        keys = _client_keys(handle, client_keypair)
+        keys = _client_keys(handle, rank, client_keypair)
         res = self._resources
         ctx = zmq.Context(io_threads=1)
         res.callback(ctx.term)
@@ -163,7 +167,7 @@ class RemoteReader:
         sub.connect(remote_pub)
         sub.subscribe(TOPIC_REMOTE)
         sub.subscribe(joined_topic(rank))  # after TOPIC_REMOTE: see transport.TOPIC_JOINED
-        dealer.setsockopt(zmq.ROUTING_ID, b"R%d" % rank)
+        dealer.setsockopt(zmq.ROUTING_ID, reader_routing_id(b"R", rank))
         dealer.connect(remote_ctl)
         ctime = psutil.Process(self._pid).create_time()
         dealer.send(CTL_HELLO + msgspec.msgpack.encode(
@@ -336,19 +340,32 @@ class RemoteReader:
         self._resources.close()
 
 
-def _client_keys(handle: Handle, own: tuple[bytes, bytes] | None
+def _client_keys(handle: Handle, rank: int, own: tuple[bytes, bytes] | None
                  ) -> tuple[bytes, bytes, bytes]:
-    """``(server public, client public, client secret)``: the reader's own pair or the handle's.
+    """``(server public, client public, client secret)``: the reader's own pair or
+    the handle's (which must be this rank's, or shared).
 
     Raises:
-        ValueError: A key is missing or malformed (this reader refuses plain TCP).
+        ValueError: A key is missing or malformed, or the handle's keypair is
+            another rank's (this reader refuses plain TCP).
     """
     server = handle.curve_server_key
+    if own is None and handle.curve_client_rank not in (None, rank):
+        raise ValueError(
+            f"the handle of queue {handle.name!r} carries the CURVE keys of remote reader "
+            f"rank {handle.curve_client_rank}, not of rank {rank}; ask the writer for rank "
+            f"{rank}'s handle (export_handle(rank={rank}))")
     public, secret = own if own is not None else (handle.curve_client_key,
                                                   handle.curve_client_secret)
-    if not (isinstance(server, bytes) and isinstance(public, bytes)
-            and isinstance(secret, bytes) and len(server) == len(public) == len(secret) == 40):
+    if not isinstance(server, bytes) or len(server) != 40:
         raise ValueError(
-            f"the handle of queue {handle.name!r} carries no valid CURVE keys for remote "
-            "readers; a remote reader never connects without authentication")
+            f"the handle of queue {handle.name!r} carries no valid CURVE server key for "
+            "remote readers; a remote reader never connects without authentication")
+    if not (isinstance(public, bytes) and isinstance(secret, bytes)
+            and len(public) == len(secret) == 40):
+        raise ValueError(
+            f"the handle of queue {handle.name!r} carries no CURVE client keys for remote "
+            f"reader rank {rank}: pass the handle the writer made for this rank "
+            f"(export_handle(rank={rank})), or this reader's own curve_keypair whose public "
+            "key the writer was given (remote_reader_keys)")
     return server, public, secret

@@ -19,7 +19,8 @@ writer, which is how ``wait_until_ready`` knows that no message can be lost
 to the PUB/SUB "slow joiner" effect.
 
 ``ctl`` (ROUTER, readers -> writer): each reader connects a DEALER whose
-routing id names it (``L<index>`` local, ``R<rank>`` remote) and sends a hello
+routing id names it (``L<index>`` local, ``R<rank>`` remote, each followed by a
+random part: :func:`reader_routing_id`) and sends a hello
 (pid, process start time, host, pid space), remote readers' cumulative acks (flow
 control), and a goodbye on close.
 
@@ -62,13 +63,18 @@ Who can reach these sockets (see ``docs/security-channels.md``):
 * **TCP endpoints** use CURVE (Curve25519 + XSalsa20-Poly1305, from libsodium
   through libzmq): the writer is the CURVE server with a fresh keypair per
   queue, and a ZAP handler (:class:`ReaderAuthenticator`) admits only the
-  client public keys of the queue's own readers. The writer's public key and
-  the readers' client keypair travel in the :class:`~shm_broadcast.queue.handle.Handle`,
-  which is exchanged over the group's own channel. A peer without the keys
-  completes no handshake: it can neither read a frame nor send one, and every
-  refused handshake is counted. The local ``ipc://`` listeners are bound
-  before the CURVE options are set, so they stay on the NULL mechanism (zmq
-  snapshots mechanism options per bind).
+  client public keys of the queue's own readers, each at most
+  :data:`CONNECTIONS_PER_KEY` times per socket. Each remote reader has a key
+  of its own (see :mod:`shm_broadcast.queue.handle` for how it gets it; one
+  shared key is an opt-in). A peer without a key completes no handshake: it
+  can neither read a frame nor send one, and every refused handshake is
+  counted. The local ``ipc://`` listeners are bound before the CURVE options
+  are set, so they stay on the NULL mechanism (zmq snapshots mechanism
+  options per bind).
+* **Inbound limits**: the writer's two sockets take frames of at most
+  :data:`CONTROL_MAX_BYTES` and hold at most :data:`CONTROL_QUEUE_FRAMES` per
+  connection; what each peer may send beyond that is
+  :mod:`shm_broadcast.queue.inbound_limits`'s.
 * **No reconnection**: a reader's sockets connect once. Their
   ``ZMQ_RECONNECT_IVL`` is :data:`NO_RECONNECT_MS` (12.4 days) rather than
   ``-1``: with ``-1`` libzmq ends the connection's pipe the moment it drops
@@ -88,6 +94,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import secrets
 import struct
 import threading
 import weakref
@@ -112,6 +119,8 @@ __all__ = [
     "CONTROL_MAX_BYTES",
     "joined_topic",
     "joined_rank",
+    "reader_routing_id",
+    "parse_routing_id",
     "CTL_HELLO",
     "CTL_ACK",
     "CTL_CLOSED",
@@ -130,6 +139,10 @@ __all__ = [
     "ReaderAuthenticator",
     "HANDSHAKE_FAILED",
     "ZAP_DOMAIN",
+    "ZAP_DOMAIN_DATA",
+    "SHARED_KEY_LABEL",
+    "CONTROL_QUEUE_FRAMES",
+    "CONNECTIONS_PER_KEY",
     "count_failed_handshakes",
     "NO_RECONNECT_MS",
     "KEEPALIVE_IDLE_S",
@@ -148,9 +161,28 @@ KIND_SHUTDOWN = 3
 
 TOPIC_OVERFLOW = b"o"
 TOPIC_REMOTE = b"m"
-#: The most bytes a frame to the writer may have: its sockets receive only
-#: subscriptions, hellos (~100 bytes), acks and goodbyes.
-CONTROL_MAX_BYTES = 64 << 10
+#: The most bytes a frame to the writer may have (``ZMQ_MAXMSGSIZE`` of its
+#: two sockets, counted on the wire, where CURVE adds 33 bytes around each
+#: frame). The writer receives only the handshake's commands (CURVE HELLO
+#: 200 bytes, INITIATE about 300 with a reader's metadata), subscriptions (a
+#: flag, a topic byte and at most 9 digits), hellos (about 150 bytes: four
+#: numbers, a host name of at most 64 bytes and a pid space of about 50),
+#: acks (9 bytes) and goodbyes (1 byte). A peer that sends a longer frame is
+#: disconnected before its bytes are buffered.
+CONTROL_MAX_BYTES = 1 << 10
+#: Frames each of the writer's sockets holds per connection before zmq stops
+#: reading that connection (``ZMQ_RCVHWM``; the peer then waits, nothing is
+#: dropped). Between two drains a reader has at most a hello, two
+#: subscriptions, a few acks (one per ``remote_window // 4`` messages, and the
+#: writer drains at least once per ``remote_window`` messages) and a goodbye
+#: in flight. It does not bound what libzmq takes in during one call on the
+#: data socket while a peer keeps sending: see ``docs/security-channels.md``,
+#: "Limits that remain".
+CONTROL_QUEUE_FRAMES = 16
+#: TCP connections ZAP admits per reader key and socket, over the queue's
+#: life (a shared key: that many per remote reader). A reader opens one per
+#: socket and never reconnects.
+CONNECTIONS_PER_KEY = 2
 #: A remote reader subscribes to ``TOPIC_JOINED + b"<rank>"`` right after
 #: ``TOPIC_REMOTE``: nothing is ever published under it, but the writer's XPUB
 #: reports it, and since one connection's subscriptions arrive in order, seeing
@@ -159,7 +191,7 @@ CONTROL_MAX_BYTES = 64 << 10
 #: extra connection (a reader's stale one, a second client with an admitted
 #: key) and let the writer publish READY before a real reader subscribed.
 TOPIC_JOINED = b"j"
-_JOINED_DIGITS = 9  # ranks below 10**9; longer subscriptions are not ours
+_RANK_DIGITS = 9  # ranks below 10**9; longer subscriptions and routing ids are not ours
 
 
 def joined_topic(rank: int) -> bytes:
@@ -170,7 +202,7 @@ def joined_topic(rank: int) -> bytes:
 def joined_rank(topic: bytes) -> int | None:
     """The rank a :func:`joined_topic` subscription names, or None if it is not one."""
     digits = topic[1:]
-    if (topic[:1] != TOPIC_JOINED or not digits or len(digits) > _JOINED_DIGITS
+    if (topic[:1] != TOPIC_JOINED or not digits or len(digits) > _RANK_DIGITS
             or not digits.isdigit()):
         return None
     return int(digits)
@@ -179,8 +211,35 @@ CTL_HELLO = b"h"
 CTL_ACK = b"a"
 CTL_CLOSED = b"c"
 
-#: ZAP domain of the writer's TCP listeners (the authenticator serves only it).
+
+def reader_routing_id(kind: bytes, n: int) -> bytes:
+    """A reader's control routing id: ``L<slot>`` or ``R<rank>``, ``-`` and 16
+    random hex digits. The writer's ROUTER lets a new connection take over an
+    attached id (``ROUTER_HANDOVER``) and refuses nothing else by id, so an id
+    another peer can guess could be taken from the reader; nobody can guess
+    this one."""
+    return b"%s%d-%s" % (kind, n, secrets.token_hex(8).encode())
+
+
+def parse_routing_id(ident: bytes) -> tuple[bytes, int] | None:
+    """``(b"L" or b"R", number)`` of a reader routing id (with or without its
+    random part), or None if ``ident`` is not one."""
+    head = ident.partition(b"-")[0]
+    if (not 2 <= len(head) <= 1 + _RANK_DIGITS or head[:1] not in (b"L", b"R")
+            or not head[1:].isdigit()):
+        return None
+    return head[:1], int(head[1:])
+
+
+#: ZAP domains of the writer's TCP listeners, control and data (the
+#: authenticator serves only these; a domain per socket lets it count each
+#: key's connections per socket).
 ZAP_DOMAIN = "groupcoord"
+ZAP_DOMAIN_DATA = "groupcoord-data"
+#: ZAP label (``User-Id``) of the one client key a queue's handle carries (a
+#: single remote reader's, or one shared by opt-in); per-reader keys are
+#: labelled ``R<rank>``.
+SHARED_KEY_LABEL = "reader"
 
 #: Monitor events of a handshake that did not complete (wrong or missing keys,
 #: a peer speaking another mechanism, a ZAP denial).
@@ -209,12 +268,12 @@ KEEPALIVE_PROBES = 5
 
 def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
                reconnect: bool = False, max_in: int | None = None,
-               serve: bool = False) -> zmq.SyncSocket:
-    """Create a socket with our defaults: no linger, unbounded queues.
+               queued_in: int = 0, serve: bool = False) -> zmq.SyncSocket:
+    """Create a socket with our defaults: no linger, unbounded outbound queues.
 
-    Queues are unbounded because flow control is ours (the ring for local
-    readers, acks for remote ones): zmq's high-water mark would silently drop
-    PUB messages instead.
+    Outbound queues are unbounded because flow control is ours (the ring for
+    local readers, acks for remote ones): zmq's high-water mark would silently
+    drop PUB messages instead.
 
     Args:
         ctx: The queue side's context.
@@ -228,6 +287,9 @@ def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
             buffered, also during the CURVE handshake, so a client without keys
             cannot make the process hold memory. None: unbounded (for sockets
             that receive message payloads).
+        queued_in: Frames held per connection before zmq stops reading it
+            (``zmq.RCVHWM``; the peer waits, nothing is dropped); 0: unbounded
+            (for sockets that receive message payloads).
         serve: A socket that binds for clients (the writer's): a connection
             that has not completed its handshake within
             :data:`SERVE_HANDSHAKE_MS` is dropped, so silent clients cannot
@@ -240,7 +302,7 @@ def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
     if not reconnect:
         s.setsockopt(zmq.RECONNECT_IVL, NO_RECONNECT_MS)  # see the module docstring
     s.setsockopt(zmq.SNDHWM, 0)
-    s.setsockopt(zmq.RCVHWM, 0)
+    s.setsockopt(zmq.RCVHWM, queued_in)
     if serve:
         s.setsockopt(zmq.HANDSHAKE_IVL, SERVE_HANDSHAKE_MS)
     if tcp:
@@ -287,15 +349,15 @@ def new_keypair() -> tuple[bytes, bytes]:
     return zmq.curve_keypair()
 
 
-def make_curve_server(sock: zmq.SyncSocket, secret: bytes) -> None:
-    """Make every *later* bind of ``sock`` a CURVE server checked by ZAP.
+def make_curve_server(sock: zmq.SyncSocket, secret: bytes, domain: str = ZAP_DOMAIN) -> None:
+    """Make every *later* bind of ``sock`` a CURVE server checked by ZAP in ``domain``.
 
     ``ZAP_ENFORCE_DOMAIN`` fails closed: without a running ZAP handler no
     client is admitted (libzmq would otherwise accept any client key).
     """
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
@@ -312,30 +374,49 @@ class ReaderAuthenticator:
 
     It runs pyzmq's :class:`~zmq.auth.thread.ThreadAuthenticator` (a thread
     answering libzmq's ZAP requests on the context) with a callback that looks
-    the client's public key up in ``allowed`` and counts refusals. Each
-    admitted connection gets the key's label as its ZAP ``User-Id``, which the
-    writer reads on control frames to know they came through CURVE.
+    the client's public key up in ``allowed``, admits each key at most
+    ``connections`` times per ZAP domain (one domain per socket), and counts
+    refusals. Each admitted connection gets the key's label as its ZAP
+    ``User-Id``, which the writer reads on every frame to know which key sent
+    it.
 
     Args:
         ctx: The writer's context (the handler serves every socket on it).
         allowed: Z85 client public key -> label (``"reader"``, ``"R3"``...).
+        connections: Connections one key may open per domain, over the
+            handler's life.
     """
 
-    def __init__(self, ctx: zmq.SyncContext, allowed: dict[bytes, str]) -> None:
+    def __init__(self, ctx: zmq.SyncContext, allowed: dict[bytes, str],
+                 connections: int = CONNECTIONS_PER_KEY) -> None:
         self.allowed = dict(allowed)
-        #: ZAP requests refused (unknown client key).
+        self.connections = connections
+        #: ZAP requests refused: an unknown client key.
         self.denied = 0
+        #: ZAP requests refused: a known key that used up its connections.
+        self.over_limit = 0
+        self._admitted: dict[tuple[str, bytes], int] = {}  # only the handler thread writes
         auth = _labelling_authenticator()(ctx, self.allowed)
         self._auth: ThreadAuthenticator | None = auth  # None once stopped
         auth.start()
-        auth.configure_curve_callback(ZAP_DOMAIN, self)
+        for domain in (ZAP_DOMAIN, ZAP_DOMAIN_DATA):
+            auth.configure_curve_callback(domain, self)
+
+    def admit(self, key: bytes, label: str) -> None:
+        """Allow one more client key (a single dict store: safe while the handler runs)."""
+        self.allowed[key] = label
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP decision for a Z85 client key (called on the handler thread)."""
-        if key in self.allowed:
-            return True
-        self.denied += 1  # one writer thread of the GIL-protected int: no lock needed
-        return False
+        if key not in self.allowed:
+            self.denied += 1  # one writer thread of the GIL-protected int: no lock needed
+            return False
+        n = self._admitted.get((domain, key), 0)
+        if n >= self.connections:
+            self.over_limit += 1
+            return False
+        self._admitted[(domain, key)] = n + 1
+        return True
 
     def stop(self) -> None:
         """Stop the handler thread (before the context is terminated). Idempotent."""

@@ -4,12 +4,28 @@ and who is still missing before the queue is ready.
 What holds (see ``docs/security-channels.md``): control frames are validated
 before they change any state. A hello counts only if it decodes as ``[rank,
 pid, create_time, host, pid_space]``, comes from a routing id the queue expects
-(``L<i>``: the local slot whose shared-memory registration has the same pid and
-start time; ``R<rank>``: a rank that is not local, over a ZAP-authenticated
-connection, at most ``n_remote`` of them), and is the first for that id. Acks
-must be 8 bytes from a known remote reader and never beyond the messages sent.
-Anything else is ignored and counted as ``bad_control``; nothing a peer sends
-raises a decoder's exception in the writer.
+(``L<i>``: over ipc, the local slot whose shared-memory registration has the
+same pid and start time; ``R<rank>``: a rank that is not local, over a
+ZAP-authenticated connection, at most ``n_remote`` of them), and is the first
+for that slot or rank. Acks must be 8 bytes from a known remote reader over
+the key it said hello with, strictly increase (a reader acks each count once)
+and never go beyond the messages sent. Anything else is ignored and counted
+as ``bad_control``; nothing a peer sends raises a decoder's exception in the
+writer.
+
+Subscriptions count only from the peer they belong to: the overflow topic
+from a local (ipc) reader, the data topic and ``TOPIC_JOINED + rank`` from a
+ZAP-admitted TCP connection, and with per-reader keys the joined topic of
+``rank`` only over ``rank``'s own key. Any other subscription is dropped and
+counted (``subscriptions_dropped``), never stored by this object.
+Unsubscriptions libzmq makes itself when a connection ends carry no key;
+they undo the counts they name and are charged to nobody.
+
+How much each peer may send, and how much one call takes in, is
+:mod:`shm_broadcast.queue.inbound_limits`'s: a connection's frames beyond its
+invalid-frame budget are dropped unparsed, and a key's subscriptions beyond
+its budget cut that key off (``budgets.cut_off``; the writer then ends the
+queue).
 
 The writer is ready when every reader has said hello and each one's data
 subscription is in place: for a remote rank, its ``TOPIC_JOINED`` subscription
@@ -17,12 +33,16 @@ subscription is in place: for a remote rank, its ``TOPIC_JOINED`` subscription
 data-topic subscriptions alone would also count an extra connection with an
 admitted key, and READY would go out before a real reader could receive it.
 
-A new connection under a routing id that is still attached takes the id over
-(``ROUTER_HANDOVER``): a reader that reconnects before the writer saw its old
-connection close can still say hello. The takeover gains nothing: an id whose
-hello was accepted never counts a second one, only ZAP-admitted keys reach the
-socket at all, and with per-reader keys every frame from ``R<rank>`` (hello,
-ack, goodbye) must come over ``rank``'s own key.
+A reader's routing id is ``L<slot>`` or ``R<rank>`` followed by a random part
+(:func:`~shm_broadcast.queue.transport.reader_routing_id`); the writer reads
+the slot or rank from it and accepts one hello per slot or rank. A new
+connection under an attached id takes the id over (``ROUTER_HANDOVER``) and
+closes the earlier connection, so ids must not be guessable: a peer that
+claims a slot or rank first, under an id of its own, gains nothing either
+(the real reader's id differs, and its hello is judged on its own). Only
+ZAP-admitted keys reach the TCP socket at all, and with per-reader keys every
+frame of a remote reader (hello, ack, goodbye) must come over its rank's own
+key.
 """
 
 from __future__ import annotations
@@ -33,6 +53,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from shm_broadcast.queue.inbound_limits import DRAIN_FRAMES, SUBSCRIPTIONS_PER_KEY, PeerBudgets
 from shm_broadcast.queue.ring_buffer import READER_EMPTY, ShmRingBuffer
 from shm_broadcast.queue.transport import (
     ACK,
@@ -44,14 +65,15 @@ from shm_broadcast.queue.transport import (
     ReaderAuthenticator,
     count_failed_handshakes,
     joined_rank,
+    parse_routing_id,
 )
 from shm_broadcast.waiting.peer_watch import PeerWatch
 
 __all__ = ["WriterControl", "check_reader_keys"]
 
 _Hello = tuple[int, int, float, str, str]  # rank, pid, start time, host, pid space
-_MAX_JOINED = 4096  # joined-topic ranks tracked; more come only from a hostile client
 _HELLO_DECODER = msgspec.msgpack.Decoder(_Hello)
+_STEP = {1: 1, 0: -1}  # first byte of an XPUB notification: subscribe, unsubscribe
 
 
 class WriterControl:
@@ -65,8 +87,9 @@ class WriterControl:
     Args:
         local_ranks: Ranks of the local readers, in slot order.
         n_remote: How many readers are remote.
-        reader_keys: Per-reader CURVE public keys (:func:`check_reader_keys`),
-            or None (one client keypair shared by the remote readers).
+        per_reader_keys: Whether every remote reader has a key of its own
+            (labelled ``R<rank>``); False: the one client keypair the handle
+            carries (a single remote reader's, or shared by opt-in).
         ring: The shared ring (None without local readers): a local hello
             must come from the process registered in its slot.
         pub: The writer's XPUB data socket (subscriptions arrive on it).
@@ -81,37 +104,45 @@ class WriterControl:
         said_goodbye: Ranks whose goodbye (``CTL_CLOSED``) arrived.
         dead_remote: Remote rank -> why its connection is known gone.
         remote_watch: Remote rank -> a watch on the process its hello named.
+        budgets: What each peer may still send, and what was dropped
+            (:class:`~shm_broadcast.queue.inbound_limits.PeerBudgets`); its
+            ``cut_off`` names the keys that sent more subscriptions than a
+            reader does.
     """
 
-    def __init__(self, *, local_ranks: tuple[int, ...], n_remote: int,
-                 reader_keys: dict[int, bytes] | None, ring: ShmRingBuffer | None,
-                 pub: zmq.SyncSocket, ctl: zmq.SyncSocket, mon: zmq.SyncSocket | None,
-                 pub_mon: zmq.SyncSocket | None, auth: ReaderAuthenticator | None) -> None:
+    def __init__(self, *, local_ranks: tuple[int, ...], n_remote: int, per_reader_keys: bool,
+                 ring: ShmRingBuffer | None, pub: zmq.SyncSocket, ctl: zmq.SyncSocket,
+                 mon: zmq.SyncSocket | None, pub_mon: zmq.SyncSocket | None,
+                 auth: ReaderAuthenticator | None) -> None:
         self.local_ranks = local_ranks
         self.n_local = len(local_ranks)
         self.n_remote = n_remote
         self.pub, self.ctl, self.mon = pub, ctl, mon
-        self._reader_keys = reader_keys
+        self._per_reader_keys = per_reader_keys
         self._ring = ring
         self._pub_mon = pub_mon
         self._auth = auth
         self._subs = {TOPIC_OVERFLOW: 0, TOPIC_REMOTE: 0}
         self._joined: dict[int, int] = {}  # remote rank -> its joined-topic subscriptions
-        self._hello: dict[bytes, tuple[int, int, float, str]] = {}
+        #: Routing id -> (rank, ZAP label; "" over ipc) of each accepted hello.
+        self._hello: dict[bytes, tuple[int, str]] = {}
+        self._local_seen: set[int] = set()  # slots whose hello was accepted
+        self._remote_seen: set[int] = set()  # remote ranks whose hello was accepted
         self._remote_fd: dict[int, int] = {}
         self.acked: dict[int, int] = {}
         self.min_acked = 0
         self.dead_remote: dict[int, str] = {}
         self.said_goodbye: set[int] = set()
         self.remote_watch: dict[int, PeerWatch] = {}
-        self._bad_control = 0
+        self.budgets = PeerBudgets(SUBSCRIPTIONS_PER_KEY if per_reader_keys
+                                   else SUBSCRIPTIONS_PER_KEY * max(1, n_remote))
         self._failed_handshakes = 0
 
     def missing_readers(self) -> list[str]:
         """Who the writer still waits for before it is ready (module docstring)."""
         missing = [f"local reader rank {r}" for i, r in enumerate(self.local_ranks)
-                   if b"L%d" % i not in self._hello]
-        remote = [info[0] for k, info in self._hello.items() if k[:1] == b"R"]
+                   if i not in self._local_seen]
+        remote = self._remote_seen
         if len(remote) < self.n_remote:
             missing.append(f"{self.n_remote - len(remote)} remote reader(s)")
         if not missing and (self._subs[TOPIC_OVERFLOW] < self.n_local
@@ -125,38 +156,74 @@ class WriterControl:
         return [r for r, n in self.acked.items() if n < need]
 
     def drain_subscriptions(self) -> None:
-        """Count the (un)subscriptions that arrived on the XPUB socket."""
+        """Apply the (un)subscriptions that arrived on the XPUB socket (at most
+        :data:`~shm_broadcast.queue.inbound_limits.DRAIN_FRAMES` per call)."""
         pub = self.pub
-        try:
-            while True:
-                msg = pub.recv(zmq.NOBLOCK)
-                # VERBOSER: every (un)subscription, also one of a peer that left
-                step = {b"\x01": 1, b"\x00": -1}.get(msg[:1], 0)
-                if msg[1:] in self._subs:
-                    self._subs[msg[1:]] += step
-                    continue
-                rank = joined_rank(msg[1:])
-                if rank is not None and (rank in self._joined or len(self._joined) < _MAX_JOINED):
-                    self._joined[rank] = self._joined.get(rank, 0) + step
-        except zmq.Again:
-            pass
+        if not pub.get(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]  # EVENTS is an int
+            return
+        budgets = self.budgets
+        for _ in range(DRAIN_FRAMES):
+            try:
+                frame = pub.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            # VERBOSER: every (un)subscription, also one of a peer that left
+            msg = frame.bytes
+            step = _STEP.get(msg[0], 0) if msg else 0
+            label = _user_id(frame)
+            if label and not budgets.take_subscription(label):
+                continue
+            if not (step and self._apply_subscription(msg[1:], step, label)):
+                budgets.drop_subscription()
+
+    def _apply_subscription(self, topic: bytes, step: int, label: str) -> bool:
+        """Count one (un)subscription from key ``label`` (``""``: an ipc peer, or
+        libzmq's own unsubscription of a peer that left) if it is the queue's
+        and that peer's (module docstring); returns whether it was."""
+        if step < 0 and not label:  # libzmq undoes what a departed peer had
+            if topic in self._subs:
+                self._subs[topic] -= 1
+                return True
+            rank = joined_rank(topic)
+            if rank is not None and rank in self._joined:
+                self._joined[rank] -= 1
+                return True
+            return False
+        if topic == TOPIC_OVERFLOW:
+            ok = not label  # the local readers' topic
+        elif topic == TOPIC_REMOTE:
+            ok = bool(label)
+        else:
+            rank = joined_rank(topic)
+            ok = (rank is not None and bool(label) and rank not in self.local_ranks
+                  and (not self._per_reader_keys or label == f"R{rank}"))
+            if ok and rank is not None:
+                self._joined[rank] = self._joined.get(rank, 0) + step
+            return ok
+        if ok:
+            self._subs[topic] += step
+        return ok
 
     def drain(self, sent: int) -> None:
-        """Apply the control frames that arrived and note dropped TCP connections.
+        """Apply the control frames that arrived (at most
+        :data:`~shm_broadcast.queue.inbound_limits.DRAIN_FRAMES` per call) and
+        note dropped TCP connections.
 
         Args:
             sent: Messages the writer has sent (an ack beyond it is forged).
         """
         ctl = self.ctl
-        try:
-            while True:
+        budgets = self.budgets
+        for _ in range(DRAIN_FRAMES):
+            try:
                 frames = ctl.recv_multipart(zmq.NOBLOCK, copy=False)
-                if len(frames) == 2:
-                    self._on_ctl(frames[0].bytes, frames[1], sent)
-                else:
-                    self._bad_control += 1
-        except zmq.Again:
-            pass
+            except zmq.Again:
+                break
+            ident = frames[0].bytes
+            if budgets.muted(ident):
+                continue
+            if len(frames) != 2 or not self._on_ctl(ident, frames[1], sent):
+                budgets.refuse(ident)
         if self.mon is not None:
             failed, gone = count_failed_handshakes(self.mon)
             self._failed_handshakes += failed
@@ -165,33 +232,31 @@ class WriterControl:
                 if rank is not None and rank not in self.said_goodbye:
                     self.dead_remote[rank] = "its connection to the writer dropped"
 
-    def _on_ctl(self, ident: bytes, frame: zmq.Frame, sent: int) -> None:
-        """Apply one control frame if it is valid (module docstring); else count it."""
+    def _on_ctl(self, ident: bytes, frame: zmq.Frame, sent: int) -> bool:
+        """Apply one control frame if it is valid (module docstring); returns whether it was."""
         body = frame.bytes
         kind = body[:1]
         info = self._hello.get(ident)
-        if (self._reader_keys is not None and ident[:1] == b"R"
-                and _user_id(frame) != ident.decode("ascii", "replace")):
-            self._bad_control += 1  # per-reader keys: R<rank> speaks only with rank's key
-            return
         if kind == CTL_HELLO:
-            ok = info is None and self._accept_hello(ident, frame, body)
-        elif kind == CTL_ACK:
-            ok = info is not None and ident[:1] == b"R" and len(body) == 1 + ACK.size
-            if ok and info is not None:
-                n = ACK.unpack_from(body, 1)[0]
-                ok = n <= sent  # an ack for messages never sent is forged
-                if ok:
-                    self.acked[info[0]] = max(n, self.acked[info[0]])
-                    self.min_acked = min(self.acked.values())
-        elif kind == CTL_CLOSED:
-            ok = info is not None and len(body) == 1
-            if ok and info is not None:
-                self.said_goodbye.add(info[0])
-        else:
-            ok = False
-        if not ok:
-            self._bad_control += 1
+            return info is None and self._accept_hello(ident, frame, body)
+        if info is None:
+            return False
+        rank, label = info
+        if label and _user_id(frame) != label:
+            return False  # a remote reader speaks only with the key it said hello with
+        if kind == CTL_ACK:
+            if not label or len(body) != 1 + ACK.size:
+                return False  # acks are for remote readers
+            n = ACK.unpack_from(body, 1)[0]
+            if not self.acked[rank] < n <= sent:
+                return False  # acks strictly increase; one for messages never sent is forged
+            self.acked[rank] = n
+            self.min_acked = min(self.acked.values())
+            return True
+        if kind == CTL_CLOSED and len(body) == 1:
+            self.said_goodbye.add(rank)
+            return True
+        return False
 
     def _accept_hello(self, ident: bytes, frame: zmq.Frame, body: bytes) -> bool:
         """Record a reader's first hello if it is consistent; returns whether it was."""
@@ -199,25 +264,29 @@ class WriterControl:
             rank, pid, ctime, host, pid_space = _HELLO_DECODER.decode(body[1:])
         except (msgspec.DecodeError, msgspec.ValidationError):
             return False
-        slot = _slot_of(ident)
-        if slot is None or rank < 0 or pid <= 0:
+        named = parse_routing_id(ident)
+        if named is None or rank < 0 or pid <= 0:
             return False
-        if ident[:1] == b"L":
+        side, slot = named
+        user = _user_id(frame)
+        if side == b"L":
             ring = self._ring
-            if not (slot < self.n_local and self.local_ranks[slot] == rank
+            if not (not user and slot < self.n_local and self.local_ranks[slot] == rank
+                    and slot not in self._local_seen
                     and ring is not None and ring.reader_state(slot) != READER_EMPTY):
                 return False
             rpid, rctime = ring.reader_identity(slot)
             if rpid != pid or abs(rctime - ctime) > 1e-3:
                 return False  # not the process registered in the ring for this slot
-            self._hello[ident] = (rank, pid, ctime, host)
+            self._hello[ident] = (rank, "")
+            self._local_seen.add(slot)
             return True
-        n_remote_seen = sum(1 for k in self._hello if k[:1] == b"R")
-        user = _user_id(frame)
-        if (slot != rank or rank in self.local_ranks or n_remote_seen >= self.n_remote
-                or not user or (self._reader_keys is not None and user != f"R{rank}")):
+        if (slot != rank or rank in self.local_ranks or rank in self._remote_seen
+                or len(self._remote_seen) >= self.n_remote
+                or not user or (self._per_reader_keys and user != f"R{rank}")):
             return False  # per-reader keys: R<rank> must speak with rank's own key
-        self._hello[ident] = (rank, pid, ctime, host)
+        self._hello[ident] = (rank, user)
+        self._remote_seen.add(rank)
         self._remote_fd[frame.get(zmq.SRCFD)] = rank
         self.acked.setdefault(rank, 0)
         # checked by pid only from the reader's own pid space, whatever its hostname
@@ -233,24 +302,27 @@ class WriterControl:
 
         Returns:
             ``{"auth_denied": ZAP refusals of an unknown client key,
-            "handshake_failed": TCP handshakes that did not complete (no or
-            wrong keys, another mechanism, ZAP refusal), "bad_control":
-            control frames ignored as malformed, forged or out of place}``.
+            "auth_over_limit": ZAP refusals of a known key that used up its
+            connections, "handshake_failed": TCP handshakes that did not
+            complete (no or wrong keys, another mechanism, ZAP refusal),
+            "bad_control": control frames ignored as malformed, forged or out
+            of place, "control_dropped": frames of a connection that used up
+            its invalid frames, dropped unparsed, "subscriptions_dropped":
+            subscriptions not applied (not the queue's topics, the wrong key,
+            or beyond the key's budget)}``.
         """
         if drain:
             self.drain(sent)
+            self.drain_subscriptions()
             failed, _ = count_failed_handshakes(self._pub_mon)
             self._failed_handshakes += failed
-        return {"auth_denied": self._auth.denied if self._auth is not None else 0,
+        auth, budgets = self._auth, self.budgets
+        return {"auth_denied": auth.denied if auth is not None else 0,
+                "auth_over_limit": auth.over_limit if auth is not None else 0,
                 "handshake_failed": self._failed_handshakes,
-                "bad_control": self._bad_control}
-
-
-def _slot_of(ident: bytes) -> int | None:
-    """The number in a routing id ``L<n>`` / ``R<n>``, or None if it is not one."""
-    if len(ident) < 2 or ident[:1] not in (b"L", b"R") or not ident[1:].isdigit():
-        return None
-    return int(ident[1:])
+                "bad_control": budgets.bad_control,
+                "control_dropped": budgets.control_dropped,
+                "subscriptions_dropped": budgets.subscriptions_dropped}
 
 
 def _user_id(frame: zmq.Frame) -> str:

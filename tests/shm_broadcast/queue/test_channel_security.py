@@ -11,7 +11,11 @@ attack fails while the legitimate peers carry on (or raise a clear error):
   the reader raises ``PeerDiedError`` and decodes nothing;
 * another user (``nobody``) can neither connect to nor bind in the local
   channel directory;
-* the channel directory does not outlive the queue.
+* the channel directory does not outlive the queue;
+* a holder of a reader key cannot grow the writer: a subscription flood cuts
+  its key off and ends the queue, over-long control frames end its connection,
+  invalid ones beyond a small budget are dropped unparsed, and a third
+  connection with its key is refused.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import msgspec
 import psutil
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from shm_broadcast import MessageQueue, PeerDiedError, QueueTimeout
+from shm_broadcast import MessageQueue, PeerDiedError, QueueClosedError, QueueTimeout
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.transport import CTL_ACK, CTL_HELLO, KIND_DATA, TOPIC_REMOTE, WIRE
 from shm_broadcast.waiting.peer_watch import own_pid_space
@@ -135,7 +140,7 @@ def doomed_writer(n: int, sent: Any, out: Any) -> None:
     """
     try:
         mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="doomed")
-        out.put(("handle", 0, mq.export_handle()))
+        out.put(("handle", 0, mq.export_handle(1)))
         mq.wait_until_ready(60)
         for i in range(n):
             mq.enqueue({"i": i, "secret": _SECRET}, timeout=60)
@@ -179,6 +184,88 @@ def impostor(pub_port: int, ctl_port: int, curve: bool, seconds: float, out: Any
         out.put(("error", -2, traceback.format_exc()))
 
 
+def _curve_client(ctx: zmq.Context, kind: int, handle: Any, addr: str,
+                  routing_id: bytes | None = None) -> zmq.Socket:
+    """A raw socket with the client keypair ``handle`` carries (a reader key's holder)."""
+    s = ctx.socket(kind)
+    s.linger = 0
+    s.sndhwm = 0  # queue everything it is told to send: the writer must cope
+    s.curve_serverkey = handle.curve_server_key
+    s.curve_publickey, s.curve_secretkey = handle.curve_client_key, handle.curve_client_secret
+    if routing_id is not None:
+        s.setsockopt(zmq.ROUTING_ID, routing_id)
+    s.connect(addr)
+    return s
+
+
+def reader_until_the_end(handle: Any, rank: int, out: Any) -> None:
+    """Read until the queue ends; report how many messages came and how it ended."""
+    n, why = 0, "?"
+    try:
+        with MessageQueue.create_from_handle(handle, rank) as mq:
+            mq.wait_until_ready(60)
+            out.put(("ready", rank))
+            while True:
+                mq.dequeue(timeout=60)
+                n += 1
+    except Exception as e:
+        why = type(e).__name__
+    out.put(("ended", rank, n, why))
+
+
+def subscription_flooder(handle: Any, n: int, done: Any, out: Any) -> None:
+    """With a reader's key: ``n`` distinct subscriptions on the writer's data port;
+    stay connected until ``done``."""
+    try:
+        ctx = zmq.Context()
+        s = _curve_client(ctx, zmq.XSUB, handle, handle.remote_pub)
+        for i in range(n):
+            s.send(b"\x01" + (b"flood-%08d" % i).ljust(48, b"."))
+        out.put(("flooded", -1))
+        done.wait(60)
+        s.close()
+        ctx.term()
+    except BaseException:
+        out.put(("error", -1, traceback.format_exc()))
+
+
+def control_flooder(handle: Any, n: int, go: Any, out: Any) -> None:
+    """With a reader's key, on the writer's control port: ``n`` small invalid
+    frames, then (after ``go``) up to ``n`` frames of 60 KiB, then one more
+    connection with the same key."""
+    try:
+        ctx = zmq.Context()
+        s = _curve_client(ctx, zmq.DEALER, handle, handle.remote_ctl)
+        s.setsockopt(zmq.RECONNECT_IVL, -1)
+        mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        for _ in range(n):
+            s.send(b"zz-garbage")
+        out.put(("small-sent", -1))
+        if not go.wait(60):
+            raise TimeoutError("no go for the long frames")
+        big, sent = b"L" * (60 << 10), 0
+        for _ in range(n):
+            try:
+                s.send(big, zmq.NOBLOCK)
+            except zmq.Again:  # the writer dropped the connection: nowhere to queue it
+                break
+            sent += 1
+        events, end = set(), time.monotonic() + 20
+        while zmq.EVENT_DISCONNECTED not in events and time.monotonic() < end:
+            if mon.poll(100):
+                events.add(recv_monitor_message(mon)["event"])
+        third = _curve_client(ctx, zmq.DEALER, handle, handle.remote_ctl)
+        third.send(b"zz-third")
+        time.sleep(1.0)  # its handshake is refused by ZAP
+        out.put(("big-sent", -1, sent, zmq.EVENT_DISCONNECTED in events))
+        s.disable_monitor()
+        for sock in (mon, s, third):
+            sock.close()
+        ctx.term()
+    except BaseException:
+        out.put(("error", -1, traceback.format_exc()))
+
+
 # --------------------------------------------------------------------- tests
 def _real_reader_still_gets_in(procs: Any, mq: MessageQueue, h: Any) -> None:
     """After an attack: a real reader attaches and reads three messages."""
@@ -194,7 +281,7 @@ def test_outsider_sub_on_the_tcp_port_receives_nothing(procs):
     n = 50
     mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-pub")
     try:
-        h = mq.export_handle()
+        h = mq.export_handle(1)
         procs.start(outsider_sub, h, 6.0)
         assert procs.get(60)[0] == "listening"
         procs.start(legit_reader, h, 1, n)
@@ -216,7 +303,7 @@ def test_outsider_sub_on_the_tcp_port_receives_nothing(procs):
 def test_outsider_hello_does_not_complete_the_handshake(procs):
     mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-hello")
     try:
-        h = mq.export_handle()
+        h = mq.export_handle(1)
         procs.start(outsider_hello, h)
         assert procs.get(60)[0] == "sent"
         with pytest.raises(QueueTimeout, match="1 remote reader"):
@@ -259,7 +346,7 @@ def test_silent_connections_are_dropped_and_do_not_hold_the_writers_descriptors(
     mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-silent")
     socks: list[socket.socket] = []
     try:
-        h = mq.export_handle()
+        h = mq.export_handle(1)
         me = psutil.Process()
         fds = me.num_fds()
         for endpoint in (h.remote_pub, h.remote_ctl):
@@ -511,7 +598,7 @@ def test_channel_directory_does_not_outlive_the_queue():
 def test_handle_hides_the_client_secret_and_readers_refuse_plain_tcp():
     mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-handle")
     try:
-        h = mq.export_handle()
+        h = mq.export_handle(1)
         assert h.curve_client_secret is not None and h.curve_client_secret.decode() not in repr(h)
         assert Handle.from_bytes(h.to_bytes()) == h
         bare = msgspec.structs.replace(h, curve_server_key=None)
@@ -565,16 +652,71 @@ def test_per_reader_keys_admit_each_reader_only_under_its_own_rank():
         w.close()
 
 
-# -m slow: the writer cannot tell whose subscription to rank 1's JOINED topic it saw
-# (XPUB passes a topic's first subscription only, here the impostor's), so READY can go
-# out before the real rank 1's subscription is in place: rank 1 then times out (seen
-# once in CI under load). A key holder posing as another rank can stall that rank.
+def _read_one_each(w: MessageQueue, readers: list[MessageQueue]) -> None:
+    w.wait_until_ready(30)
+    w.enqueue({"secret": _SECRET}, timeout=10)
+    for r in readers:
+        r.wait_until_ready(10)
+        assert r.dequeue(10) == {"secret": _SECRET}
+
+
+@pytest.mark.timeout(60)
+def test_each_remote_reader_gets_its_own_key_unless_the_queue_opts_in_to_share_one():
+    """Issue 37: no key usable by several remote readers travels in the handle by
+    default. With two remote readers ``export_handle()`` carries no secret and
+    ``export_handle(r)`` a keypair for rank ``r`` alone; one shared key is an
+    explicit opt-in."""
+    from shm_broadcast.queue.transport import new_keypair
+
+    readers: list[MessageQueue] = []
+    with MessageQueue(2, 0, connect_ip="127.0.0.1", name="own-keys") as w:
+        public, h1, h2 = w.export_handle(), w.export_handle(1), w.export_handle(2)
+        assert public.curve_client_key is None and public.curve_client_secret is None
+        assert (h1.curve_client_rank, h2.curve_client_rank) == (1, 2)
+        assert h1.curve_client_key != h2.curve_client_key and w.export_handle(1) == h1
+        with pytest.raises(ValueError, match="already made keys"):
+            w.export_handle(3)  # two remote readers, both ranks taken
+        with pytest.raises(ValueError, match=r"export_handle\(rank=1\)"):
+            MessageQueue.create_from_handle(public, 1)
+        with pytest.raises(ValueError, match="rank 2, not of rank 1"):
+            MessageQueue.create_from_handle(h2, 1)
+        try:
+            readers = [MessageQueue.create_from_handle(h1, 1),
+                       MessageQueue.create_from_handle(h2, 2)]
+            _read_one_each(w, readers)
+        finally:
+            for r in readers:
+                r.close()
+    with MessageQueue(2, 1, [1], connect_ip="127.0.0.1", name="one-remote") as w:
+        h = w.export_handle()  # its only other holders are local readers (this user)
+        assert h.curve_client_secret is not None and h.curve_client_rank is None
+        assert w.export_handle(2) == w.export_handle(1) == h
+    with MessageQueue(2, 0, connect_ip="127.0.0.1", name="shared-key",
+                      shared_reader_key=True) as w:
+        h = w.export_handle()
+        assert h.curve_client_secret is not None and h.curve_client_rank is None
+        assert w.export_handle(1) == h
+        try:
+            readers = [MessageQueue.create_from_handle(h, r) for r in (1, 2)]
+            _read_one_each(w, readers)
+        finally:
+            for r in readers:
+                r.close()
+    with pytest.raises(ValueError, match="shared_reader_key"):
+        MessageQueue(1, 0, connect_ip="127.0.0.1", shared_reader_key=True,
+                     remote_reader_keys={1: new_keypair()[0]})
+
+
+# -m slow (a few seconds). With per-reader keys the writer counts rank 1's JOINED
+# subscription only from rank 1's key, so the impostor's (over rank 2's key) cannot make
+# READY go out before the real rank 1's subscription is in place.
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_reader_that_reconnects_under_an_attached_id_is_admitted():
     """rank 2's key claims rank 1 and stays connected; the real rank 1 then
-    connects under the same routing id: it takes the id over and is admitted
-    (without the takeover the writer would refuse it until its timeout)."""
+    connects and is admitted. (Readers' routing ids carry a random part, so
+    the two never share one; with bare ``R1`` ids the real reader relied on
+    taking the id over, and a key holder could take it back the same way.)"""
     from shm_broadcast.codec.message_codec import Codec
     from shm_broadcast.queue.remote_reader import RemoteReader
     from shm_broadcast.queue.transport import new_keypair
@@ -698,3 +840,120 @@ def test_a_client_without_keys_cannot_make_the_writer_buffer_a_long_frame(port):
         grown = me.memory_info().rss - before
         assert cut, f"the writer kept a {sent >> 20} MiB unauthenticated frame's connection"
         assert grown < 16 << 20, f"the writer buffered {grown >> 20} MiB for a client without keys"
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+@pytest.mark.timeout(120)
+def test_a_subscription_flood_cuts_the_key_off_before_the_writer_grows(procs):
+    """Issue 37: a holder of reader 2's key subscribes to 20,000 distinct topics
+    on the data port. The writer applies none of them (counted as dropped),
+    cuts the key off at its budget and ends the queue (shut down, PeerDiedError
+    naming rank 2) within a window of messages; meanwhile no enqueue stalls on
+    the flood and the writer's memory stays put (before, one enqueue took all
+    20,000 in, the writer grew by tens of MB and the queue went on)."""
+    mq = MessageQueue(2, 0, connect_ip="127.0.0.1", name="sec-subflood")
+    done = procs.ctx.Event()
+    try:
+        for r in (1, 2):
+            procs.start(reader_until_the_end, mq.export_handle(r), r)
+        mq.wait_until_ready(60)
+        assert sorted(procs.get(60)[:2] for _ in range(2)) == [("ready", 1), ("ready", 2)]
+        for i in range(3):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        before = _rss()
+        procs.start(subscription_flooder, mq.export_handle(2), 20_000, done)
+        assert procs.get(60)[0] == "flooded"
+        time.sleep(1.0)  # the flood is in the writer's socket buffers
+        slowest = 0.0
+        with pytest.raises(PeerDiedError, match="subscriptions") as info:
+            for i in range(3, 60):
+                t0 = time.perf_counter()
+                mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+                slowest = max(slowest, time.perf_counter() - t0)
+        grown = _rss() - before
+        stats = mq.security_stats()
+        with pytest.raises(QueueClosedError, match="shut down"):  # the queue ended
+            mq.enqueue({"i": -1, "secret": _SECRET}, timeout=5)
+    finally:
+        done.set()
+        mq.close()
+    assert info.value.peers == (2,)
+    assert grown < 16 << 20, f"the writer grew by {grown >> 20} MiB"
+    assert slowest < 0.5, f"an enqueue took {slowest * 1e3:.0f} ms"
+    assert stats["subscriptions_dropped"] >= 6, stats
+    ended = sorted(procs.get(60) for _ in range(2))
+    assert [e[1] for e in ended] == [1, 2] and all(e[2] >= 3 for e in ended), ended
+    assert ended[0][3] in ("QueueClosedError", "ClosedError"), ended  # told, not left waiting
+
+
+@pytest.mark.timeout(120)
+def test_a_control_frame_flood_is_cut_by_size_and_budget(procs):
+    """Issue 37: a holder of reader 2's key floods the control port with 2,000
+    small invalid frames, then 60 KiB frames, then opens a third connection.
+    The small ones beyond the invalid-frame budget are dropped unparsed and
+    counted, the first long frame ends the connection (before, every one was
+    queued in the writer), the third connection is refused, and both real
+    readers keep reading throughout."""
+    from shm_broadcast.queue.inbound_limits import BAD_FRAMES_PER_PEER
+
+    n, n1, n2 = 2000, 40, 10
+    mq = MessageQueue(2, 0, connect_ip="127.0.0.1", name="sec-ctlflood")
+    try:
+        for r in (1, 2):
+            procs.start(legit_reader, mq.export_handle(r), r, n1 + n2)
+        mq.wait_until_ready(60)
+        go = procs.ctx.Event()
+        procs.start(control_flooder, mq.export_handle(2), n, go)
+        assert procs.get(60)[0] == "small-sent"
+        for i in range(n1):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        end = time.monotonic() + 30
+        stats = mq.security_stats()
+        while stats["bad_control"] + stats["control_dropped"] < n and time.monotonic() < end:
+            time.sleep(0.05)
+            stats = mq.security_stats()
+        assert stats["bad_control"] == BAD_FRAMES_PER_PEER, stats
+        assert stats["control_dropped"] == n - BAD_FRAMES_PER_PEER, stats
+        before = _rss()
+        go.set()
+        kind, _, sent, cut = procs.get(60)
+        assert kind == "big-sent" and cut, (sent, cut)
+        grown = _rss() - before
+        assert grown < 16 << 20, f"the writer grew by {grown >> 20} MiB ({sent} long frames)"
+        for i in range(n1, n1 + n2):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        reports = sorted(procs.get(60) for _ in range(2))
+        assert reports == [("ok", r, list(range(n1 + n2))) for r in (1, 2)]
+        assert mq.security_stats()["auth_over_limit"] >= 1  # the third connection
+    finally:
+        mq.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_key_holder_cannot_take_over_another_readers_control_connection(procs):
+    """A holder of reader 2's key connects to the control port under routing id
+    ``R1``, the id reader 1 used to have: with the writer's ROUTER_HANDOVER that
+    closed reader 1's connection and every ack after it was lost (the writer
+    timed out naming rank 1). Readers' ids now carry a random part."""
+    n = 40  # several remote windows: the writer needs rank 1's acks throughout
+    mq = MessageQueue(2, 0, connect_ip="127.0.0.1", name="sec-takeover")
+    ctx = zmq.Context()
+    try:
+        for r in (1, 2):
+            procs.start(legit_reader, mq.export_handle(r), r, n)
+        mq.wait_until_ready(60)
+        h2 = mq.export_handle(2)
+        thief = _curve_client(ctx, zmq.DEALER, h2, h2.remote_ctl, routing_id=b"R1")
+        thief.send(_hello(1))
+        thief.send(CTL_ACK + struct.pack("<Q", 1))
+        for i in range(n):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        reports = sorted(procs.get(60) for _ in range(2))
+        assert reports == [("ok", r, list(range(n))) for r in (1, 2)]
+        assert mq.security_stats()["bad_control"] >= 2
+    finally:
+        mq.close()
+        ctx.destroy(linger=0)

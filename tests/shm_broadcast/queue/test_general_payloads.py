@@ -57,9 +57,9 @@ def test_every_payload_kind_round_trips_exactly(procs):
     qb = MessageQueue(3, 3, [3, 1, 2], max_chunk_bytes=128, max_chunks=1, name="payloads-b",
                       allow_pickle=True)
     try:
-        handles = [qa.export_handle(), qb.export_handle()]
         for r in (1, 2, 3):
-            procs.start(payload_reader, handles, r, [4096, 128])
+            procs.start(payload_reader, [qa.export_handle(r), qb.export_handle(r)], r,
+                        [4096, 128])
         qa.wait_until_ready(50)
         _send_payloads(qa, 4096)
         qa.close()
@@ -136,7 +136,7 @@ def _queue_with_readers(n_local: int, n_remote: int, **kw) -> tuple[MessageQueue
     remote = list(range(n_local + 1, n_local + n_remote + 1))
     w = MessageQueue(n_local + n_remote, n_local, local,
                      connect_ip="127.0.0.1" if n_remote else None, **kw)
-    readers = [MessageQueue.create_from_handle(w.export_handle(), r) for r in local + remote]
+    readers = [MessageQueue.create_from_handle(w.export_handle(r), r) for r in local + remote]
     w.wait_until_ready(20)
     for r in readers:
         r.wait_until_ready(20)

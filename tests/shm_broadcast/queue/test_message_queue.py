@@ -33,7 +33,7 @@ def make_queue(n_local: int, n_remote: int = 0, **kw):
                      connect_ip="127.0.0.1" if n_remote else None, **kw)
     readers = []
     try:
-        readers = [MessageQueue.create_from_handle(w.export_handle(), r) for r in local + remote]
+        readers = [MessageQueue.create_from_handle(w.export_handle(r), r) for r in local + remote]
         w.wait_until_ready(30)
         for r in readers:
             r.wait_until_ready(30)

@@ -61,7 +61,7 @@ def test_remote_readers_over_tcp_loopback(procs):
         h = mq.export_handle()
         assert h.remote_pub.startswith("tcp://127.0.0.1:")
         for r in (1, 2, 3):
-            procs.start(ordered_reader, h, r, n, False)
+            procs.start(ordered_reader, mq.export_handle(r), r, n, False)
         mq.wait_until_ready(90)
         _send_all(mq, n, False)  # includes an overflow message (#5)
     finally:
@@ -161,7 +161,7 @@ def test_killed_reader_makes_blocked_writer_raise(procs):
     remote = MessageQueue(1, 0, connect_ip="127.0.0.1", max_chunks=2, name="remote-victim")
     try:
         p_local = procs.start(reader_then_hang, local.export_handle(), 1)
-        p_remote = procs.start(reader_then_hang, remote.export_handle(), 1)
+        p_remote = procs.start(reader_then_hang, remote.export_handle(1), 1)
         local.wait_until_ready(90)
         remote.wait_until_ready(90)
         for _ in range(2):
