@@ -261,8 +261,8 @@ def _settle_announcements(table: list[list[int]], me: int, where: str, group_nam
         if mark == _REJECTED:
             if r == me:
                 continue  # raised its own error already
-            raise PeerRejectedError(group_name, f"exchange of IPC handles ({what})", r,
-                                    _WHY_TEXT.get(count, "it gave up before the exchange"))
+            why = _WHY_TEXT.get(count, "it gave up before the exchange")  # 2nd word: why
+            raise PeerRejectedError(group_name, f"exchange of IPC handles ({what})", r, why)
         if mark != _READY:
             raise DecodeError(
                 f"{where}: rank {r} sent a malformed announcement (marker {mark:#x}); it is not "
