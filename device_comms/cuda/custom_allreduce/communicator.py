@@ -2,11 +2,16 @@
 
 Life of a communicator (every step collective over the group's CPU side):
 
-1. **Agree**: ranks all-gather ``(enabled, device, node)``; the verdict (world
-   size 2/4/6/8, one node, P2P between every pair of devices, not disabled by
-   argument or ``GROUPCOORD_DISABLE_CUSTOM_ALLREDUCE`` on any rank) is the same
-   on every rank. A group that says no is ``disabled`` with a ``reason`` and
-   its :meth:`CustomAllreduce.should_use` is always False.
+1. **Agree**: ranks all-gather ``(enabled, device, node)``, then (when every
+   rank is enabled and on one node) each rank's answer on peer access between
+   those devices (a device index that is not a device of a rank, or a probe
+   that raises there, is that rank's "no", never an error that only it
+   raises); the verdict (world size 2/4/6/8, one node, P2P between every pair
+   of devices on every rank, not disabled by argument or
+   ``GROUPCOORD_DISABLE_CUSTOM_ALLREDUCE`` on any rank) is computed from the
+   gathered words only, so it is the same on every rank. A group that says no
+   is ``disabled`` with a ``reason`` and its
+   :meth:`CustomAllreduce.should_use` is always False.
 2. **Allocate** one buffer per rank (signal | staging | tmp, see ``layout``),
    zeroed before any handle leaves the process.
 3. **Exchange** IPC handles (72 bytes each, no pickle) and open the peers'.
@@ -62,7 +67,6 @@ from device_comms.errors import (
     CollectiveTimeout,
     CommunicatorClosed,
     DecodeError,
-    GroupCoordError,
 )
 from shm_broadcast.ranks.topology import in_the_same_node_as
 
@@ -151,9 +155,22 @@ class CustomAllreduce:
                     f"[0, {_MAX_DEVICE_INDEX})", queue=self.unique_name,
                     side=f"rank {self.rank}", peers=(r,))
         same_node = all(in_the_same_node_as(self.cpu_group, 0))
-        # Every rank sees the same rows, so every rank skips (or runs) the P2P check alike.
-        p2p = everyone and same_node and elig.P2P_CACHE.check(devices, _can_access_peer)
-        return elig.group_verdict(self.world_size, same_node, p2p, everyone)
+        # Every rank sees the same rows, so every rank skips (or runs) the P2P step alike.
+        p2p, why = self._agree_on_peer_access(devices) if everyone and same_node else (False, "")
+        return elig.group_verdict(self.world_size, same_node, p2p, everyone, p2p_reason=why)
+
+    def _agree_on_peer_access(self, devices: list[int]) -> tuple[bool, str]:
+        """Every rank's peer-access answer, gathered; the verdict comes from the gathered
+        words alone, so a rank whose driver answers otherwise (another device count,
+        a probe that raises) cannot split the group (collective)."""
+        count = _device_count()
+        answer, detail = elig.local_peer_access(devices, count, _can_access_peer)
+        word = torch.tensor([int(answer), count], dtype=torch.int64)
+        rows = [torch.zeros_like(word) for _ in range(self.world_size)]
+        dist.all_gather(rows, word, group=self.cpu_group)
+        answers = [[int(v) for v in row] for row in rows]
+        return elig.peer_access_verdict(answers, devices, group=self.unique_name, me=self.rank,
+                                        detail=detail)
 
     def _setup(self, backend: IpcBackend, max_graph_inputs: int) -> None:
         nbytes = layout.buffer_bytes(self.max_size)
@@ -243,18 +260,28 @@ class CustomAllreduce:
     def register_graph_buffers(self) -> None:
         """Exchange and register the inputs recorded during capture (collective).
 
+        Whatever fails, on whichever rank, every rank raises and every rank's
+        communicator is broken afterwards (later calls raise
+        :class:`~device_comms.errors.BrokenCommunicator`): the captured graph
+        must not be replayed, and no rank launches an eager kernel that a peer
+        which gave up will never join.
+
         Raises:
-            DecodeError: A peer's handle failed a check (every rank raises; the
-                communicator is broken and the captured graph must not be replayed).
+            DecodeError: A peer's handle failed a check here.
+            CollectiveMismatch: Another rank refused a handle or could not open
+                one (:class:`~device_comms.errors.PeerRejectedError`: another
+                rank could not make its handles).
+            Exception: What making this rank's handles or opening a peer's
+                raised here (the backend's error).
         """
         pending, self._pending = self._pending, []
         try:
             ptrs = self._exchange([(p.ptr, p.nbytes) for p in pending],
                                   "captured all-reduce inputs")
-        except GroupCoordError as e:
+        except Exception as e:  # a backend's error breaks it as much as a peer's refusal
             self._broken = self._broken or (
                 f"custom all-reduce of {self.unique_name!r}: registering captured inputs "
-                f"failed ({e}); the captured graph must not be replayed")
+                f"failed ({type(e).__name__}: {e}); the captured graph must not be replayed")
             raise
         self._tables.fill_many([
             (p.index, layout.table_entry(self._sig, got, self._tmp))
@@ -323,6 +350,14 @@ def _check_blocks(max_blocks: Any) -> int:
     if not 1 <= max_blocks <= layout.MAX_BLOCKS:
         raise ValueError(f"max_blocks must be in [1, {layout.MAX_BLOCKS}], got {max_blocks}")
     return max_blocks
+
+
+def _device_count() -> int:
+    """How many CUDA devices this process sees (0 when CUDA cannot say)."""
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:  # no usable CUDA here: no device of the group is visible
+        return 0
 
 
 def _can_access_peer(a: int, b: int) -> bool:

@@ -2,8 +2,14 @@
 
 * Per group (once, at construction): :func:`group_verdict` from the world
   size, whether every rank is on one node, whether every pair of devices has
-  peer access (:class:`P2PCache`) and whether it is enabled
-  (:func:`disabled_by_env`).
+  peer access and whether it is enabled (:func:`disabled_by_env`).
+* Peer access is a fact each rank finds out alone (its own driver, its own
+  visible devices), so the ranks exchange their answers before deciding:
+  :func:`local_peer_access` is one rank's :class:`PeerAccess` answer (probed
+  once per device set through :class:`P2PCache`; a device index that is not a
+  device of this process is never probed, and a probe that raises is an
+  answer, not an error), and :func:`peer_access_verdict` turns every rank's
+  gathered answer into the one verdict every rank reaches.
 * Per call (every all-reduce): :func:`call_eligible`, a handful of attribute
   reads with no exceptions.
 
@@ -14,6 +20,7 @@ the peer-access probe is passed in.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import operator
 import os
 import threading
@@ -21,6 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from device_comms.errors import DecodeError
 
 __all__ = [
     "SUPPORTED_WORLD_SIZES",
@@ -34,6 +43,9 @@ __all__ = [
     "group_verdict",
     "P2PCache",
     "P2P_CACHE",
+    "PeerAccess",
+    "local_peer_access",
+    "peer_access_verdict",
     "call_eligible",
 ]
 
@@ -97,7 +109,8 @@ class GroupVerdict:
     reason: str
 
 
-def group_verdict(world_size: int, same_node: bool, p2p_ok: bool, enabled: bool) -> GroupVerdict:
+def group_verdict(world_size: int, same_node: bool, p2p_ok: bool, enabled: bool, *,
+                  p2p_reason: str = "") -> GroupVerdict:
     """Decide, from facts every rank agrees on, whether the group uses the custom all-reduce.
 
     Args:
@@ -105,6 +118,9 @@ def group_verdict(world_size: int, same_node: bool, p2p_ok: bool, enabled: bool)
         same_node: Whether every rank runs on one node.
         p2p_ok: Whether every pair of the ranks' devices has peer access.
         enabled: Whether every rank enabled it (argument and environment).
+        p2p_reason: Why there is no peer access, when known (see
+            :func:`peer_access_verdict`); the reason of a verdict that fails
+            on peer access.
 
     Returns:
         The verdict; the first failing rule names the reason.
@@ -123,9 +139,8 @@ def group_verdict(world_size: int, same_node: bool, p2p_ok: bool, enabled: bool)
     if not same_node:
         return GroupVerdict(False, "the ranks span more than one node (CUDA IPC works within one)")
     if not p2p_ok:
-        return GroupVerdict(
-            False, "some pair of the group's GPUs has no peer-to-peer access (CUDA IPC needs it)"
-        )
+        return GroupVerdict(False, p2p_reason or (
+            "some pair of the group's GPUs has no peer-to-peer access (CUDA IPC needs it)"))
     return GroupVerdict(True, "")
 
 
@@ -190,6 +205,103 @@ class P2PCache:
 
 
 P2P_CACHE = P2PCache()
+
+
+class PeerAccess(enum.IntEnum):
+    """One rank's answer on peer access between the group's devices (a word on the wire)."""
+
+    YES = 0  #: every pair of distinct devices has peer access
+    NO = 1  #: some pair has none
+    NOT_VISIBLE = 2  #: some rank's device index is not a device of this process
+    PROBE_FAILED = 3  #: the driver's probe raised (the error stays on that rank)
+
+
+def local_peer_access(
+    devices: Sequence[int], device_count: int, can_access_peer: Callable[[int, int], bool],
+    cache: P2PCache | None = None,
+) -> tuple[PeerAccess, str]:
+    """This process's answer on peer access between ``devices``; never raises for
+    what the driver says.
+
+    An index that is not below ``device_count`` is not a device of this
+    process: the answer is :attr:`PeerAccess.NOT_VISIBLE`, with no probe (the
+    driver would raise for it). Otherwise ``cache`` probes the set once; a
+    probe that raises (any exception: the binding's own error type is not
+    this project's) is :attr:`PeerAccess.PROBE_FAILED`.
+
+    Args:
+        devices: Device index of each rank (as gathered; already range-checked).
+        device_count: How many devices this process sees.
+        can_access_peer: The driver's probe, ``can_access_peer(a, b)``.
+        cache: Verdicts per device set (default :data:`P2P_CACHE`).
+
+    Returns:
+        ``(answer, detail)``: ``detail`` says what went wrong here ("" for
+        :attr:`PeerAccess.YES`).
+
+    Raises:
+        ValueError, TypeError: ``devices`` is not a non-empty sequence of
+            non-negative ints.
+    """
+    key = _check_devices(devices)
+    unseen = [d for d in key if d >= device_count]
+    if unseen:
+        return PeerAccess.NOT_VISIBLE, (
+            f"device {unseen[0]} is not a device of this process (it sees {device_count})")
+    try:
+        ok = (P2P_CACHE if cache is None else cache).check(key, can_access_peer)
+    except Exception as e:  # the driver's answer, whatever its type: reported, not raised
+        return PeerAccess.PROBE_FAILED, f"the peer-access probe raised {type(e).__name__}: {e}"
+    return (PeerAccess.YES, "") if ok else (PeerAccess.NO, "")
+
+
+def peer_access_verdict(
+    answers: Sequence[Sequence[int]], devices: Sequence[int], *, group: str = "custom-allreduce",
+    me: int = -1, detail: str = "",
+) -> tuple[bool, str]:
+    """The group's peer-access verdict from every rank's gathered answer.
+
+    Computed from gathered words only, so every rank that passes the same
+    ``answers`` and ``devices`` reaches the same verdict (the reason differs
+    only by ``detail``, this rank's own account of its answer).
+
+    Args:
+        answers: ``answers[r] = (PeerAccess value, device count of rank r)``.
+        devices: Device index of each rank.
+        group: The group's name, for messages.
+        me: This process's rank (its ``detail`` is added to a reason naming it).
+        detail: What :func:`local_peer_access` said here.
+
+    Returns:
+        ``(ok, reason)``: ``ok`` when every rank answered
+        :attr:`PeerAccess.YES`; else the reason names the first rank that did not.
+
+    Raises:
+        DecodeError: A rank's answer is not a :class:`PeerAccess` value (on
+            every rank alike, naming it).
+    """
+    codes = []
+    for r, (code, _) in enumerate(answers):
+        try:
+            codes.append(PeerAccess(code))
+        except ValueError:
+            raise DecodeError(
+                f"custom all-reduce of {group!r}: rank {r} sent peer-access answer {code}; "
+                f"expected one of {[int(a) for a in PeerAccess]}", queue=group,
+                side=f"rank {me}", peers=(r,)) from None
+    for r, (code, (_, count)) in enumerate(zip(codes, answers, strict=True)):
+        if code is PeerAccess.YES:
+            continue
+        if code is PeerAccess.NOT_VISIBLE:
+            why = (f"rank {r} sees {count} CUDA devices, and the group's device indices "
+                   f"{sorted(set(devices))} are not all among them")
+        elif code is PeerAccess.PROBE_FAILED:
+            why = f"rank {r} could not probe peer access between the group's devices"
+        else:
+            why = (f"rank {r} found a pair of the group's GPUs without peer-to-peer access "
+                   f"(CUDA IPC needs it)")
+        return False, why + (f" ({detail})" if r == me and detail else "")
+    return True, ""
 
 
 def call_eligible(t: torch.Tensor, max_size: int) -> bool:

@@ -25,8 +25,12 @@ What a peer sends is checked before it is used:
   and, on any fault, every rank raises (:class:`~device_comms.errors.DecodeError`,
   :class:`~device_comms.errors.PeerRejectedError` or
   :class:`~device_comms.errors.CollectiveMismatch`, naming the rank) before
-  the rows are exchanged. A rank whose own handles cannot be encoded (a wrong
-  type, a wire form of another length) is caught the same way.
+  the rows are exchanged. A rank whose own handles cannot be made
+  (:meth:`IpcBackend.handle_of` raised) or encoded (a wrong type, a wire form
+  of another length) is caught the same way: it announces a rejection in place
+  of its count, raises its own error, and every peer raises
+  :class:`~device_comms.errors.PeerRejectedError` naming it, at once rather
+  than at the group's timeout.
 * **Pointers.** :meth:`HandleBook.register` turns a peer's handle into a
   pointer only when ``offset + nbytes`` (the bytes the kernel uses through it)
   lies inside the allocation the driver mapped, the offset is aligned, the
@@ -46,7 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -87,6 +91,12 @@ _CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
 ANNOUNCE_WORDS = 3
 _MARK = 0x4950_4348_4E44_0000  # "IPCHND" in the high bytes: not what a stray message holds
 _READY, _REJECTED, _REFUSED = _MARK | 1, _MARK | 2, _MARK | 3
+# Why a rank rejected the exchange: the second word of its rejection.
+_WHY_MAKE, _WHY_ENCODE = 1, 2
+_WHY_TEXT = {
+    _WHY_MAKE: "it could not make the IPC handle of one of its buffers; see its error",
+    _WHY_ENCODE: "its handles could not be encoded",
+}
 
 
 class IpcHandle(msgspec.Struct, frozen=True):
@@ -190,25 +200,36 @@ def all_gather_handles(
         ``result[r][i]``: the ``i``-th handle of group rank ``r``.
 
     Raises:
-        TypeError: ``mine`` holds something other than handles, or a handle
-            whose wire form is not bytes (its peers raise
+        TypeError: ``what`` is not a str, ``mine`` holds something other than
+            handles, or a handle's wire form is not bytes (its peers raise
             :class:`PeerRejectedError` naming this rank).
         DecodeError: On every rank, when a rank announced a row whose length
             is not its count times :data:`WIRE_BYTES` (a handle with a wire
             form of another length), or an announcement is malformed.
-        PeerRejectedError: A peer could not encode its handles.
+        PeerRejectedError: A peer could not make or encode its handles.
         CollectiveMismatch: On every rank, when ranks pass different counts.
     """
-    if not isinstance(what, str):
-        raise TypeError(f"what must be a str, got {type(what).__name__}")
+    return _exchange_rows(cpu_group, lambda: mine, what, group_name)
+
+
+def _exchange_rows(cpu_group: dist.ProcessGroup, make: Callable[[], Sequence[IpcHandle]],
+                   what: str, group_name: str) -> list[list[IpcHandle]]:
+    """:func:`all_gather_handles` with this rank's handles made by ``make`` inside
+    the announced step: whatever ``make`` raises is announced as a rejection, so
+    the peers raise at once instead of waiting for this rank's announcement."""
     where = f"group {group_name!r}: exchange of IPC handles ({what})"
+    stage = _WHY_MAKE
     try:
-        handles = _check_handles(mine)
+        if not isinstance(what, str):
+            raise TypeError(f"what must be a str, got {type(what).__name__}")
+        made = make()
+        stage = _WHY_ENCODE
+        handles = _check_handles(made)
         row = _wire_row(handles)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # a backend's error too: the peers are told, then it propagates
         if not isinstance(cpu_group, dist.ProcessGroup):
             raise  # no group to tell the peers through
-        _tell_rejection(cpu_group, where, e)
+        _tell_rejection(cpu_group, where, e, stage)
         raise
     announced = torch.tensor([_READY, len(handles), len(row)], dtype=torch.int64)
     table = [[int(w) for w in a] for a in _gather(cpu_group, announced, where)]
@@ -219,10 +240,11 @@ def all_gather_handles(
     return [_unpack(r.numpy().tobytes()) for r in rows]
 
 
-def _tell_rejection(cpu_group: dist.ProcessGroup, where: str, error: BaseException) -> None:
+def _tell_rejection(cpu_group: dist.ProcessGroup, where: str, error: BaseException,
+                    why: int) -> None:
     """Announce a rejection, so the peers raise instead of waiting for this rank's row."""
     try:
-        _gather(cpu_group, torch.tensor([_REJECTED, 0, 0], dtype=torch.int64), where)
+        _gather(cpu_group, torch.tensor([_REJECTED, why, 0], dtype=torch.int64), where)
     except (GroupCoordError, RuntimeError) as e:
         add_note(error, f"the peers could not be told of this rejection ({e})")
 
@@ -239,8 +261,8 @@ def _settle_announcements(table: list[list[int]], me: int, where: str, group_nam
         if mark == _REJECTED:
             if r == me:
                 continue  # raised its own error already
-            raise PeerRejectedError(group_name, f"exchange of IPC handles ({what})", r,
-                                    "its handles could not be encoded")
+            why = _WHY_TEXT.get(count, "it gave up before the exchange")  # 2nd word: why
+            raise PeerRejectedError(group_name, f"exchange of IPC handles ({what})", r, why)
         if mark != _READY:
             raise DecodeError(
                 f"{where}: rank {r} sent a malformed announcement (marker {mark:#x}); it is not "
@@ -295,10 +317,14 @@ def register_buffers(
             or an announcement was malformed.
         CollectiveMismatch: Another rank refused a handle or failed to open one
             (the message names that rank and the peer it refused).
-        Exception: What opening a handle raised here (the backend's error).
+        PeerRejectedError: Another rank could not make or encode its handles
+            (nothing was exchanged).
+        Exception: What making this rank's handles (:meth:`IpcBackend.handle_of`)
+            or opening a peer's handle raised here (the backend's error); the
+            peers were told, and raise one of the errors above.
     """
-    mine = [backend.handle_of(ptr) for ptr, _ in buffers]
-    gathered = all_gather_handles(cpu_group, mine, what, group_name=group_name)
+    gathered = _exchange_rows(
+        cpu_group, lambda: [backend.handle_of(ptr) for ptr, _ in buffers], what, group_name)
     ptrs: list[list[int]] = []
     failure: Exception | None = None
     try:

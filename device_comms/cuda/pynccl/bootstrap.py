@@ -4,7 +4,12 @@ Group rank 0 asks NCCL for the id (``ncclGetUniqueId``); the 128 bytes then
 travel over the group's CPU side:
 
 * a ``torch.distributed.ProcessGroup`` (a CPU group, e.g. gloo) broadcasts a
-  ``uint8`` CPU tensor of 128 bytes from the global rank of its rank 0;
+  ``uint8`` CPU tensor from the global rank of its rank 0: the 128 bytes and
+  an 8-byte end mark. Gloo delivers a shorter message than a receiver posted
+  without a word (a longer one aborts the receiver, so rank 0 never sends
+  one): the receivers post a zero-filled buffer, and a message that stopped
+  short leaves the end mark zero, which they refuse instead of taking the
+  first bytes of an id with zeros (or, unfilled, old memory) after them;
 * a stateless group (anything with ``rank``, ``world_size`` and
   ``broadcast_obj``, like :class:`coordinator.stateless.stateless_group.StatelessProcessGroup`)
   broadcasts the ``bytes`` object.
@@ -29,6 +34,10 @@ from device_comms.errors import CommunicatorUnavailable
 __all__ = ["exchange_unique_id", "group_rank_and_size", "ranks_failed", "UnusableLibrary"]
 
 _FAILED = bytes(UNIQUE_ID_BYTES)  # what rank 0 sends when it has no id
+# Ends a gloo broadcast of an id: a zero-filled receive buffer holds it only when the whole
+# message came.
+_END_MARK = b"NCCLUID\x01"
+_MESSAGE_BYTES = UNIQUE_ID_BYTES + len(_END_MARK)
 
 
 def group_rank_and_size(group: Any) -> tuple[int, int]:
@@ -102,13 +111,21 @@ def _check_cpu_group(group: dist.ProcessGroup) -> None:
 
 
 def _broadcast_tensor(group: dist.ProcessGroup, uid: bytes | None) -> bytes:
+    """Rank 0's id (``uid`` there) on every rank; raises where the message stopped short."""
     if uid is not None:
-        buf = torch.frombuffer(bytearray(uid), dtype=torch.uint8)
+        buf = torch.frombuffer(bytearray(uid + _END_MARK), dtype=torch.uint8)
     else:
-        buf = torch.empty(UNIQUE_ID_BYTES, dtype=torch.uint8)
+        # Zero-filled: what a shorter message does not overwrite stays zero, end mark included.
+        buf = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
     src = dist.get_process_group_ranks(group)[0]  # global rank of group rank 0
     dist.broadcast(buf, src=src, group=group)
-    return buf.numpy().tobytes()
+    got = buf.numpy().tobytes()
+    if got[UNIQUE_ID_BYTES:] != _END_MARK:
+        raise CommunicatorUnavailable(
+            f"rank {dist.get_rank(group)}: the NCCL unique id from group rank 0 stopped short "
+            f"of its end mark (a message shorter than the {_MESSAGE_BYTES} bytes an id takes "
+            f"here, or not from this code); refused rather than used with a zero tail")
+    return got[:UNIQUE_ID_BYTES]
 
 
 def _check_received(got: Any, rank: int) -> bytes:

@@ -233,3 +233,74 @@ def test_p2p_bad_arguments(
 
 def test_module_cache_is_a_p2p_cache() -> None:
     assert isinstance(elig.P2P_CACHE, elig.P2PCache)
+
+
+# ---------------------------------------------------------------------- peer-access agreement
+def _probe(answer: bool = True, calls: list | None = None) -> Callable[[int, int], bool]:
+    def probe(a: int, b: int) -> bool:
+        if calls is not None:
+            calls.append((a, b))
+        return answer
+    return probe
+
+
+def test_local_answer_never_probes_a_device_this_process_does_not_see() -> None:
+    calls: list = []
+    answer, detail = elig.local_peer_access([0, 5], 2, _probe(calls=calls), elig.P2PCache())
+    assert answer is elig.PeerAccess.NOT_VISIBLE and calls == []
+    assert detail == "device 5 is not a device of this process (it sees 2)"
+
+
+def test_local_answer_of_a_probe_that_raises_is_probe_failed() -> None:
+    class BindingError(RuntimeError):  # a CUDA binding's own error type
+        pass
+
+    def probe(a: int, b: int) -> bool:
+        raise BindingError("cudaErrorInvalidDevice")
+
+    cache = elig.P2PCache()
+    answer, detail = elig.local_peer_access([0, 1], 2, probe, cache)
+    assert answer is elig.PeerAccess.PROBE_FAILED and len(cache) == 0
+    assert detail == "the peer-access probe raised BindingError: cudaErrorInvalidDevice"
+
+
+@pytest.mark.parametrize("access, expected", [(True, elig.PeerAccess.YES),
+                                              (False, elig.PeerAccess.NO)], ids=["yes", "no"])
+def test_local_answer_of_a_probe(access: bool, expected: elig.PeerAccess) -> None:
+    assert elig.local_peer_access([1, 0], 2, _probe(access), elig.P2PCache()) == (expected, "")
+
+
+def test_local_answer_checks_devices() -> None:
+    with pytest.raises(ValueError, match="devices"):
+        elig.local_peer_access([0, -1], 2, _probe(), elig.P2PCache())
+
+
+@pytest.mark.parametrize(
+    "answers, reason",
+    [([[0, 2], [0, 2]], ""),
+     ([[0, 2], [2, 1]], "rank 1 sees 1 CUDA devices, and the group's device indices [0, 1] "
+                        "are not all among them"),
+     ([[3, 2], [1, 2]], "rank 0 could not probe peer access between the group's devices"),
+     ([[0, 2], [1, 2]], "rank 1 found a pair of the group's GPUs without peer-to-peer access")],
+    ids=["yes", "not-visible", "probe-failed-first", "no"])
+def test_verdict_from_gathered_answers(answers: list, reason: str) -> None:
+    ok, why = elig.peer_access_verdict(answers, [0, 1])
+    assert ok is (reason == "") and why.startswith(reason) and (reason or why == "")
+
+
+def test_verdict_adds_this_ranks_detail_only_to_its_own_failure() -> None:
+    answers = [[0, 2], [2, 1]]
+    _, mine = elig.peer_access_verdict(answers, [0, 1], me=1, detail="device 1 is not here")
+    _, theirs = elig.peer_access_verdict(answers, [0, 1], me=0, detail="irrelevant")
+    assert mine == f"{theirs} (device 1 is not here)" and "irrelevant" not in theirs
+    verdict = elig.group_verdict(2, True, False, True, p2p_reason=mine)
+    assert not verdict.ok and verdict.reason == mine
+
+
+@pytest.mark.parametrize("code", [7, -1, 2**40], ids=str)
+def test_verdict_refuses_an_answer_that_is_none(code: int) -> None:
+    from device_comms.errors import DecodeError
+
+    with pytest.raises(DecodeError, match=f"rank 1 sent peer-access answer {code}") as info:
+        elig.peer_access_verdict([[0, 2], [code, 2]], [0, 1], group="g", me=0)
+    assert info.value.peers == (1,)

@@ -15,6 +15,11 @@
   allocation another rank sent before. The fake backend stands in for the
   CUDA driver (which allocation is mapped where, and its size); the checks
   are the real ones.
+* A rank whose backend cannot make its handle (``handle_of`` raises, as
+  ``cudaIpcGetMemHandle`` does for memory it cannot export) used to leave
+  before the announcement, and its peers waited in the gather until the
+  group's timeout. Now it announces a rejection: it raises its own error and
+  every peer raises :class:`PeerRejectedError` naming it, at once.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ pytestmark = pytest.mark.timeout(120)
 
 LOCAL_PTR = 0x5000_0000
 BUFFER_BYTES = 0x1000  # what the kernels use through each rank's pointer in these tests
+GROUP_TIMEOUT_S = 20  # the timeout of a group a test makes, where a hang would wait it out
 
 
 class LongWireHandle(IpcHandle):
@@ -95,6 +101,33 @@ def _offset_outside(rank: int, world_size: int, liar: int, offset: int) -> dict:
         again = register_buffers(group, book, backend, [(ptr + 0x10_0000, BUFFER_BYTES)],
                                  "after the attack", align=16)
     return {"error": error, "again": again, "opened": len(backend.opened)}
+
+
+def _handle_of_fails(rank: int, world_size: int, failing: int) -> dict:
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    # A group of its own with a short timeout: what the peers would wait out otherwise.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    ptr = LOCAL_PTR + 0x1000 * rank
+    backend = FakeIpcBackend(rank=rank, fail_handle_of=ptr if rank == failing else None)
+    with HandleBook(backend, rank) as book:
+        start = time.monotonic()
+        try:
+            register_buffers(group, book, backend, [(ptr, BUFFER_BYTES)], "buffers", align=16)
+        except Exception as e:
+            error: dict | None = {"type": type(e).__name__, "msg": str(e),
+                                  "peers": list(getattr(e, "peers", ()))}
+        else:
+            error = None
+        elapsed = time.monotonic() - start
+        # Nothing was exchanged: the group is in step, and the next registration works.
+        backend.fail_handle_of = None
+        again = register_buffers(group, book, backend, [(ptr + 0x10_0000, BUFFER_BYTES)],
+                                 "after the failure", align=16)
+    return {"error": error, "elapsed": elapsed, "again": again}
 
 
 def _open_fails_on_rank0(rank: int, world_size: int) -> dict:
@@ -165,6 +198,28 @@ def test_failed_open_on_one_rank_raises_on_every_rank(dist_pool: Any) -> None:
     assert outs[0] == {"type": "RuntimeError", "msg": "cudaIpcOpenMemHandle failed (fake)"}
     for out in outs[1:]:
         assert out["type"] == "CollectiveMismatch" and "rank 0 could not open" in out["msg"]
+
+
+@pytest.mark.parametrize("world_size, failing", [(3, 1), (2, 0)], ids=["ws3-rank1", "ws2-rank0"])
+def test_failed_handle_of_is_a_rejection_on_every_peer(dist_pool: Any, world_size: int,
+                                                       failing: int) -> None:
+    """A rank whose backend cannot make its handle (cudaIpcGetMemHandle fails) raises its
+    own error; its peers raise PeerRejectedError naming it at once. Old code: the failing
+    rank left before the announcement, and its peers waited in the gather until the
+    group's timeout (CommTimeout after GROUP_TIMEOUT_S here)."""
+    outs = dist_pool(world_size).run(_handle_of_fails, failing, timeout=90)
+    own = outs[failing]["error"]
+    assert own is not None and own["type"] == "RuntimeError", own
+    assert "cudaIpcGetMemHandle failed" in own["msg"]
+    for rank, out in enumerate(outs):
+        assert len(out["again"]) == 1 and len(out["again"][0]) == world_size, rank
+        if rank == failing:
+            continue
+        err = out["error"]
+        assert err is not None and err["type"] == "PeerRejectedError", (rank, err)
+        assert err["peers"] == [failing] and f"rank {failing} rejected" in err["msg"]
+        assert "could not make the IPC handle" in err["msg"], err
+        assert out["elapsed"] < GROUP_TIMEOUT_S / 2, (rank, out["elapsed"])
 
 
 # ---------------------------------------------------------------------- HandleBook checks

@@ -89,6 +89,23 @@ def _root_makes(rank: int, n: int, made: Any) -> tuple[str, str]:
     return "", ""
 
 
+def _root_sends_short(rank: int, n: int, sent: bytes) -> tuple[str, str]:
+    """Rank 0 broadcasts ``sent`` (fewer bytes than the receivers post: gloo delivers it
+    without a word); the other ranks take part in the exchange as usual."""
+    import torch
+
+    from device_comms.cuda.pynccl.bootstrap import exchange_unique_id
+
+    if rank == 0:
+        dist.broadcast(torch.frombuffer(bytearray(sent), dtype=torch.uint8), src=0)
+        return "", ""
+    try:
+        got = exchange_unique_id(dist.group.WORLD, None)
+    except CommunicatorUnavailable as e:
+        return type(e).__name__, str(e)
+    return "accepted", got.hex()
+
+
 def _nccl_group_rejected(rank: int, n: int) -> str:
     from device_comms.cuda.pynccl import bootstrap
 
@@ -141,6 +158,19 @@ def test_id_of_another_length_on_rank0_reaches_every_rank(dist_pool, made: Any) 
     assert outs[0][0] == "CommunicatorUnavailable" and "not a 128-byte id" in outs[0][1]
     for kind, msg in outs[1:]:
         assert kind == "CommunicatorUnavailable" and "group rank 0 could not create" in msg
+
+
+@pytest.mark.parametrize("sent", [b"\x01" * 100, bytes(16), b"\x02" * 128],
+                         ids=["100-bytes", "16-zeros", "128-bytes-no-end-mark"])
+def test_short_message_from_rank0_is_refused(dist_pool, sent: bytes) -> None:
+    """Old code posted an unfilled buffer of 128 bytes and took whatever gloo left in it:
+    the first bytes of the message and old memory (or zeros) after them, as an id. Now
+    the receivers post a zero-filled buffer with an end mark after the id, and refuse a
+    message that stopped short of it."""
+    outs = dist_pool(3).run(_root_sends_short, sent, timeout=60)
+    for kind, msg in outs[1:]:
+        assert kind == "CommunicatorUnavailable", (kind, msg)
+        assert "stopped short of its end mark" in msg
 
 
 def test_nccl_process_group_is_rejected(dist_pool) -> None:

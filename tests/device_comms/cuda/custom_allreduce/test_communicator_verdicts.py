@@ -1,0 +1,181 @@
+"""Every rank of a custom all-reduce reaches the same verdict, whatever fails on one rank.
+
+* **Peer access.** Each rank used to probe peer access between every rank's
+  device on its own and act on its own answer: a device index that is not a
+  device of that process made the probe raise there (a CUDA binding's error,
+  outside this project's family) while the other ranks went on to the handle
+  exchange. Now the ranks gather their answers and decide from the gathered
+  words only: the group is disabled on every rank alike, with a reason naming
+  the rank.
+* **Registration of captured inputs.** The rank whose own backend failed
+  (making a handle, opening a peer's) used to stay usable, launching eager
+  kernels its peers would never join. Now every rank is broken afterwards.
+
+Real processes and gloo groups; the fakes stand in for the CUDA driver and
+the device memory (buffers, tables, fault words) only.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+import torch
+
+from device_comms.cuda.custom_allreduce.communicator import CustomAllreduce, _Pending
+from device_comms.cuda.custom_allreduce.handles import HandleBook, IpcBackend
+from tests.device_comms.cuda.custom_allreduce.fakes import (
+    FakeIpcBackend,
+    HostFaultWords,
+    HostTables,
+    fake_driver,
+    fake_peer_probe,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+GROUP_TIMEOUT_S = 20  # the timeout of the group each test makes, where a hang would wait it out
+LOCAL_PTR = 0x5000_0000
+INPUT_BYTES = 4096
+
+
+class HostOnlyAllreduce(CustomAllreduce):
+    """The real agreement and registration; the device memory kept on the host."""
+
+    def _setup(self, backend: IpcBackend, max_graph_inputs: int) -> None:
+        self._backend, self._book = backend, HandleBook(backend, self.rank)
+        self._errors, self._tables = HostFaultWords(), HostTables(max_graph_inputs + 1)
+        self._sig = self._tmp = [0x7000_0000 + 0x10_0000 * r for r in range(self.world_size)]
+
+    def close(self) -> None:
+        if not self.disabled:
+            self._book.close()
+        self._closed = True
+
+
+def _short_group() -> Any:
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+
+
+def _described(e: BaseException) -> dict:
+    return {"type": type(e).__name__, "msg": str(e), "peers": list(getattr(e, "peers", ()))}
+
+
+# ---------------------------------------------------------------------- peer access
+def _construct(rank: int, world_size: int, devices: list[int], counts: list[int],
+               broken_probe: int | None = None) -> dict:
+    group = _short_group()
+    probe = fake_peer_probe(counts[rank], broken=rank == broken_probe)
+    try:
+        with fake_driver(counts[rank], probe):
+            car = HostOnlyAllreduce(group, torch.device("cuda", devices[rank]),
+                                    ipc_backend=FakeIpcBackend(rank=rank), unique_name="agree")
+    except Exception as e:
+        return {"error": _described(e)}
+    car.close()
+    return {"disabled": car.disabled, "reason": car.reason}
+
+
+def test_device_another_rank_does_not_see_disables_every_rank(dist_pool: Any) -> None:
+    """Rank 1 sees 2 devices, and rank 0's device index is 3. Old code: rank 1's probe
+    raised the binding's error there, and rank 0 went on to the handle exchange."""
+    outs = dist_pool(2).run(_construct, [3, 0], [8, 2], timeout=60)
+    for rank, out in enumerate(outs):
+        assert out.get("disabled") is True, (rank, out)
+        assert "rank 1 sees 2 CUDA devices" in out["reason"] and "[0, 3]" in out["reason"]
+    assert outs[0]["reason"] == outs[1]["reason"].split(" (device 3")[0], outs
+
+
+def test_probe_that_raises_on_one_rank_disables_every_rank(dist_pool: Any) -> None:
+    """The driver's probe raises on rank 2 only: no error of a foreign type escapes, and
+    no rank goes on alone."""
+    outs = dist_pool(4).run(_construct, [0, 1, 2, 3], [4, 4, 4, 4], 2, timeout=60)
+    for rank, out in enumerate(outs):
+        assert out.get("disabled") is True, (rank, out)
+        assert "rank 2 could not probe peer access" in out["reason"], (rank, out)
+    assert "FakeCudaRuntimeError: cudaErrorInvalidDevice" in outs[2]["reason"]
+    assert "FakeCudaRuntimeError" not in outs[0]["reason"]
+
+
+def test_devices_every_rank_sees_enable_every_rank(dist_pool: Any) -> None:
+    outs = dist_pool(2).run(_construct, [1, 0], [2, 2], timeout=60)
+    assert outs == [{"disabled": False, "reason": ""}] * 2
+
+
+def _garbage_answer(rank: int, world_size: int, liar: int) -> dict:
+    import torch.distributed as dist
+
+    class Liar(HostOnlyAllreduce):
+        """Sends peer-access answer 7, which is none (the peer's misbehaviour)."""
+
+        def _agree_on_peer_access(self, devices: list[int]) -> tuple[bool, str]:
+            rows = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(rows, torch.tensor([7, 2], dtype=torch.int64), group=self.cpu_group)
+            return True, ""
+
+    group = _short_group()
+    cls = Liar if rank == liar else HostOnlyAllreduce
+    try:
+        with fake_driver(2):
+            car = cls(group, torch.device("cuda", rank), ipc_backend=FakeIpcBackend(rank=rank))
+    except Exception as e:
+        return {"error": _described(e)}
+    car.close()
+    return {"disabled": car.disabled}
+
+
+def test_garbage_peer_access_answer_is_a_decode_error(dist_pool: Any) -> None:
+    out = dist_pool(2).run(_garbage_answer, 1, timeout=60)[0]
+    assert out["error"]["type"] == "DecodeError", out
+    assert out["error"]["peers"] == [1] and "sent peer-access answer 7" in out["error"]["msg"]
+
+
+# ---------------------------------------------------------------------- registration
+def _registration_fails(rank: int, world_size: int, failing: int, how: str) -> dict:
+    group = _short_group()
+    backend = FakeIpcBackend(rank=rank)
+    with fake_driver(world_size):
+        car = HostOnlyAllreduce(group, torch.device("cuda", rank), ipc_backend=backend,
+                                unique_name="captured")
+    assert not car.disabled, car.reason
+    ptr = LOCAL_PTR + 0x1000 * rank
+    if rank == failing and how == "handle_of":
+        backend.fail_handle_of = ptr
+    elif rank == failing:  # the next rank's input cannot be opened here
+        peer = (rank + 1) % world_size
+        backend.fail_open = FakeIpcBackend(rank=peer).handle_of(LOCAL_PTR + 0x1000 * peer).handle
+    car._pending.append(_Pending(1, ptr, INPUT_BYTES))  # a call captured on every rank
+    try:
+        car.register_graph_buffers()
+    except Exception as e:
+        error: dict | None = _described(e)
+    else:
+        error = None
+    try:  # an eager call afterwards must not reach a kernel launch on any rank
+        car.all_reduce(torch.zeros(INPUT_BYTES // 4, dtype=torch.float32))
+    except Exception as e:
+        after = _described(e)
+    else:
+        after = {"type": "nothing"}
+    car.close()
+    return {"error": error, "after": after}
+
+
+@pytest.mark.parametrize("how", ["handle_of", "open"])
+def test_failed_registration_breaks_every_rank(dist_pool: Any, how: str) -> None:
+    """Old code: the failing rank's backend error left its communicator usable (its next
+    all_reduce went on to launch); with a failing handle_of its peers also waited out
+    the group's timeout."""
+    outs = dist_pool(4).run(_registration_fails, 1, how, timeout=90)
+    assert outs[1]["error"]["type"] == "RuntimeError", outs[1]
+    expected = "PeerRejectedError" if how == "handle_of" else "CollectiveMismatch"
+    for rank in (0, 2, 3):
+        assert outs[rank]["error"]["type"] == expected, (rank, outs[rank])
+        assert 1 in outs[rank]["error"]["peers"], (rank, outs[rank])
+    for rank, out in enumerate(outs):
+        assert out["after"]["type"] == "BrokenCommunicator", (rank, out)
+        assert "the captured graph must not be replayed" in out["after"]["msg"]
+
