@@ -41,6 +41,7 @@ import datetime
 import functools
 import struct
 from collections.abc import Callable
+from types import GenericAlias
 from typing import Any
 
 import msgspec
@@ -100,7 +101,7 @@ class SafeDecoder:
 
 
 @functools.cache
-def _validator() -> msgspec.msgpack.Decoder:
+def _validator() -> msgspec.msgpack.Decoder[Any]:
     """A typed decoder that accepts a frame exactly when every map in it (down to
     :data:`CHECKED_DEPTH` levels) has str or int keys and no value is bytes.
 
@@ -110,8 +111,8 @@ def _validator() -> msgspec.msgpack.Decoder:
     """
     scalar: Any = None | bool | int | float | str | msgspec.msgpack.Ext
     node = scalar
-    for _ in range(CHECKED_DEPTH):
-        node = scalar | list[node] | dict[str | int, node]
+    for _ in range(CHECKED_DEPTH):  # the types are built at run time: no annotations
+        node = scalar | GenericAlias(list, (node,)) | GenericAlias(dict, (str | int, node))
     return msgspec.msgpack.Decoder(node)
 
 
