@@ -295,12 +295,16 @@ class _Reader:
         return str(self._buf[start:start + n], "utf-8")
 
     def _array(self, n: int, key: bool) -> Any:
+        if not n:
+            return () if key else []
         items = []
         for _ in range(n):  # each item takes a byte at least: truncation ends it
             items.append(self._value(key))
         return tuple(items) if key else items
 
     def _map(self, n: int) -> dict[Any, Any]:
+        if not n:
+            return {}
         keys, values, plain = [], [], True
         for _ in range(n):
             if plain and self._pos < self._end:
