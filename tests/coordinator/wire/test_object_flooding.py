@@ -3,7 +3,8 @@
 Rank 0 sends a set of 60,000 tuples sharing one hash (about 30 s to build on
 the receiver before the fix) in place of an object, point to point (raw gloo
 sends) and as the source of ``broadcast_object`` (through the group's own
-signed CPU communicator, with a codec that hands over the crafted bytes).
+signed CPU communicator, with a codec that hands over the crafted bytes), and
+a tensor dict whose 60,000 keys share one hash (the receiver builds the dict).
 Rank 1 must raise :class:`DecodeError` naming rank 0 within a few seconds, and
 the group keeps working.
 """
@@ -47,14 +48,17 @@ def flooding_peer(rank: int, world_size: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from coordinator.group.group_coordinator import GroupCoordinator
-    from coordinator.wire.object_comm import OBJECT
+    from coordinator.p2p.link_offer import MAGIC
+    from coordinator.wire.object_comm import DICT_META, LINK_OFFER, OBJECT
+    from coordinator.wire.tensor_dict_format import VALUE
     from tests.shm_broadcast.codec.flooding import codec_set_frame, colliding_pairs, tuple_key
 
     world = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
                              group_name="flood", timeout=60)
     out: dict[str, Any] = {}
     try:
-        frame = codec_set_frame([tuple_key(p) for p in colliding_pairs(N)]) if rank == 0 else b""
+        pairs = colliding_pairs(N) if rank == 0 else []
+        frame = codec_set_frame([tuple_key(p) for p in pairs]) if rank == 0 else b""
         if rank == 0:
             dist.send(torch.tensor([len(frame), 0, OBJECT], dtype=torch.int64), dst=1,
                       group=world.cpu_group)
@@ -69,6 +73,11 @@ def flooding_peer(rank: int, world_size: int) -> dict[str, Any]:
             world.codec = honest
         else:
             out["bcast"] = _timed(lambda: world.broadcast_object(None, 0))
+        if rank == 0:  # no shared-memory link for this direction, then the metadata
+            world._objects.send([MAGIC, None], 1, LINK_OFFER)
+            world._objects.send([[p, VALUE, 0] for p in pairs], 1, DICT_META)
+        else:
+            out["tensor-dict"] = _timed(lambda: world.recv_tensor_dict(0))
         out["after"] = world.broadcast_object({"ok": (1, 2)} if rank == 0 else None, 0)
     finally:
         world.destroy()
@@ -82,4 +91,6 @@ def test_attack_a_flooded_object_is_refused_naming_the_sender(dist_pool):
         kind, text, peers, took = res[1][op]
         assert kind == "DecodeError" and "object from rank 0: " in text, res[1]
         assert "share one hash" in text and peers == (0,) and took < BOUND_S, res[1]
+    kind, text, _, took = res[1]["tensor-dict"]
+    assert kind == "DecodeError" and "share one hash" in text and took < BOUND_S, res[1]
     assert res[0]["after"] == res[1]["after"] == {"ok": (1, 2)}
