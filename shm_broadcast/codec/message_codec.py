@@ -568,7 +568,8 @@ class Codec:
         raise DecodeError(f"corrupt or incompatible message: unknown ext code {code}")
 
     def _items(self, data: memoryview, code: int) -> list[Any]:
-        items = self._safe.decode(data)
+        items = (self._decoder.decode(data) if len(data) <= SMALL_FRAME
+                 else self._safe.decode_large(data))
         if type(items) is not list:
             raise DecodeError(
                 f"corrupt message: ext {code} must hold a list, got {type(items).__name__}")

@@ -5,38 +5,43 @@ map's keys may be arrays (read as tuples), exts (whatever the ext hook
 returns: tuples, frozensets, ints beyond 64 bits) or floats: a peer can make
 any number of those share one hash (:mod:`shm_broadcast.codec.hash_flooding`),
 and then building the dict takes time quadratic in its size, inside msgspec,
-with no hook to stop it. Maps of str and int keys cannot be flooded, nor can a
-map of at most 15 keys (a *fixmap*) be flooded far. So
-:class:`SafeDecoder` hands msgspec only what provably holds no floodable map:
+with no hook to stop it. Maps of str, bytes and int keys (ints of 64 bits, as
+msgpack carries them) cannot be flooded, nor can a map of at most 15 keys (a
+*fixmap*) be flooded far. So :class:`SafeDecoder` hands msgspec a frame only
+once it is known to hold no large map with other keys:
 
-1. a frame of at most :data:`SMALL_FRAME` bytes (the cost of its worst map is
-   bounded by its size; see the bound below);
-2. a frame without a byte ``0xde``/``0xdf`` anywhere: it holds no map of more
-   than 15 keys (those are the only headers of larger maps);
-3. a frame that a typed msgspec pass (:func:`_validator`) reads without finding
-   a map key other than a str or an int, down to :data:`CHECKED_DEPTH` levels
-   of containers (exts are opaque to it: their payloads are decoded, and
-   checked, when the ext hook reads them).
+1. a frame of at most :data:`SMALL_FRAME` bytes goes to msgspec directly (the
+   cost of its worst map is bounded by its size; see the bound below);
+2. :func:`_scan` walks the frame's structure (in Python, skipping the bytes of
+   strings and exts) for up to :data:`_QUICK_VALUES` values: a frame whose bulk
+   is a few large strings, bytes or arrays is settled in a few steps;
+3. a typed msgspec pass (:func:`_validator`) accepts a frame exactly when its
+   maps (down to :data:`CHECKED_DEPTH` levels of containers) have str or int
+   keys and its values are not both str and bytes (a msgspec union cannot hold
+   both: one pass allows str values, the other bytes); exts are opaque to it,
+   their payloads are decoded, and checked, when the ext hook reads them;
+4. else :func:`_scan` walks the whole frame, checking the keys of every map of
+   more than 15 keys.
 
-Anything else (a frame holding a bytes value, nested deeper, or holding a map
-with other keys, which a writer with ``exact=False`` sends and an attacker
-crafts) is read by :class:`_Reader`, in Python: a map whose keys are not all
-str, int, bytes, bool or None is built by
-:func:`~shm_broadcast.codec.hash_flooding.check_spread` rules, so more than
+A frame with such a map (which a writer with ``exact=False`` sends, and an
+attacker crafts) is read by :class:`_Reader`, in Python: it builds a map whose
+keys are not all str, int, bytes, bool or None under
+:func:`~shm_broadcast.codec.hash_flooding.check_spread`, so more than
 :data:`~shm_broadcast.codec.hash_flooding.MAX_SHARED_HASH` keys on one hash raise
-:class:`DecodeError`. It returns what msgspec would (same types, tuples for
-array keys, ``datetime`` for the timestamp ext), at Python speed.
+:class:`~shm_broadcast.errors.DecodeError`. It returns what msgspec would (same
+types, tuples for array keys, ``datetime`` for the timestamp ext).
 
-Cost bound: a frame read by msgspec directly holds at most ``SMALL_FRAME / 12``
-keys of one hash in one map (a colliding key takes at least 11 bytes and its
-value one), hence at most about ``(SMALL_FRAME / 12) ** 2 / 2`` key comparisons,
-the same per byte as the Python reader's own cost; every other frame costs one
-linear pass more (the byte search, the typed pass) or the Python reader's
-linear pass.
+Cost bound: a frame read by msgspec directly holds fewer than
+``SMALL_FRAME / 12`` keys of one hash in one map (a colliding key takes at
+least 11 bytes and its value one), hence at most about
+``(SMALL_FRAME / 12) ** 2 / 2`` key comparisons, less per byte than the Python
+reader's own cost; any other frame costs at most two typed passes, a walk and
+the Python reader, each linear in its bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import struct
@@ -51,12 +56,12 @@ from shm_broadcast.codec.hash_flooding import check_spread
 __all__ = ["SMALL_FRAME", "CHECKED_DEPTH", "SafeDecoder"]
 
 #: Frames up to this many bytes go to msgspec unchecked (their worst map is bounded).
-SMALL_FRAME = 4096
+SMALL_FRAME = 8192
 #: Levels of nested containers the typed pass checks; deeper frames are read in Python.
 CHECKED_DEPTH = 6
 
-#: Values :func:`_few_values_no_large_map` reads before leaving a frame to the typed pass.
-_SCAN_VALUES = 32
+#: Values the first :func:`_scan` reads before leaving a frame to the typed passes.
+_QUICK_VALUES = 32
 
 _Hook = Callable[[int, memoryview], Any]
 
@@ -91,118 +96,156 @@ class SafeDecoder:
             msgspec.DecodeError: ``data`` is malformed.
             DecodeError: A map's keys share hashes beyond the bound.
         """
-        if _few_values_no_large_map(data):
-            return self.fast.decode(data)
-        try:
-            _validator().decode(data)
-        except msgspec.ValidationError:  # other keys, bytes, or deeper: read in Python
+        verdict, exts = _scan(data, _QUICK_VALUES)
+        if verdict is _UNSETTLED:
+            if not exts:  # likely none at all: then the typed pass's result is the value
+                with contextlib.suppress(msgspec.ValidationError):
+                    return _validator(str, False).decode(data)
+            if _passes(_validator(str, True), data) or _passes(_validator(bytes, True), data):
+                return self.fast.decode(data)
+            verdict, _ = _scan(data, None)
+        if verdict is _FLOODABLE:
             return _Reader(data, self._hook).read()
-        return self.fast.decode(data)
+        return self.fast.decode(data)  # a malformed frame raises here
+
+
+def _passes(validator: msgspec.msgpack.Decoder[Any], data: Any) -> bool:
+    try:
+        validator.decode(data)
+    except msgspec.ValidationError:
+        return False
+    except msgspec.DecodeError:  # malformed: the plain decoder reports it
+        return True
+    return True
 
 
 @functools.cache
-def _validator() -> msgspec.msgpack.Decoder[Any]:
+def _validator(text: type, exts: bool) -> msgspec.msgpack.Decoder[Any]:
     """A typed decoder that accepts a frame exactly when every map in it (down to
-    :data:`CHECKED_DEPTH` levels) has str or int keys and no value is bytes.
+    :data:`CHECKED_DEPTH` levels) has str or int keys, every string value is of
+    type ``text`` (``str`` or ``bytes``: a msgspec union cannot hold both) and,
+    unless ``exts``, no value is an ext. Without exts, what it returns is what
+    the untyped decoder returns (the same types: a union's ``int`` takes the
+    ints, ``float`` the floats).
 
-    msgspec supports no recursive types, so the type is unrolled; a union
-    cannot hold both ``str`` and ``bytes`` (frames with bytes go to the Python
-    reader). Built on first use (about a millisecond).
+    msgspec supports no recursive types, so the type is unrolled. Built on
+    first use (about a millisecond).
     """
-    scalar: Any = None | bool | int | float | str | msgspec.msgpack.Ext
+    scalar: Any = None | bool | int | float | text
+    if exts:
+        scalar = scalar | msgspec.msgpack.Ext
     node = scalar
     for _ in range(CHECKED_DEPTH):  # the types are built at run time: no annotations
         node = scalar | GenericAlias(list, (node,)) | GenericAlias(dict, (str | int, node))
     return msgspec.msgpack.Decoder(node)
 
 
-# ---------------------------------------------------------------- the quick walk
+# ---------------------------------------------------------------- the walk
 _FIXED, _SIZED, _EXT, _ARRAY, _MAP, _STOP = range(6)
-_WIDTHS = {1: struct.Struct(">B").unpack_from, 2: struct.Struct(">H").unpack_from,
-           4: struct.Struct(">I").unpack_from}
+#: Key type bytes whose keys cannot be flooded: fixint, fixstr, nil, bools,
+#: bin, ints of 8-64 bits, str8-32, negative fixint.
+_PLAIN_KEY_OPS = frozenset(
+    [*range(0x00, 0x80), *range(0xa0, 0xc0), 0xc0, 0xc2, 0xc3, 0xc4, 0xc5, 0xc6,
+     *range(0xcc, 0xd4), 0xd9, 0xda, 0xdb, *range(0xe0, 0x100)])
+_Count = Callable[[Any, int], tuple[int]]
+_COUNTS: dict[int, _Count] = {1: struct.Struct(">B").unpack_from,
+                              2: struct.Struct(">H").unpack_from,
+                              4: struct.Struct(">I").unpack_from}
 
 
-def _op_table() -> list[tuple[int, int, int]]:
-    """``(kind, n, width)`` per type byte: a value of ``n`` bytes (``_FIXED``); a
-    length of ``width`` bytes then that many (``_SIZED``; ``_EXT``: plus the type
-    byte); a container of ``n`` items or of a count of ``width`` bytes."""
-    table = [(_STOP, 0, 0)] * 256
-    for op in [*range(0x00, 0x80), *range(0xe0, 0x100), 0xc0, 0xc2, 0xc3]:
-        table[op] = (_FIXED, 1, 0)
-    for ops, n in (((0xcc, 0xd0), 2), ((0xcd, 0xd1), 3), ((0xce, 0xd2, 0xca), 5),
-                   ((0xcf, 0xd3, 0xcb), 9)):
+def _op_table() -> list[tuple[int, int, int, _Count | None]]:
+    """``(kind, n, width, read)`` per type byte: a value of ``n`` bytes
+    (``_FIXED``); a length (read by ``read`` from ``width`` bytes, or ``n`` when
+    there are none) then that many bytes (``_SIZED``; ``_EXT``: plus the type
+    byte); a container of ``n`` items or of a count read from ``width`` bytes."""
+    table: list[tuple[int, int, int, _Count | None]] = [(_STOP, 0, 0, None)] * 256
+
+    def put(ops: Any, kind: int, n: int, width: int = 0) -> None:
         for op in ops:
-            table[op] = (_FIXED, n, 0)
+            table[op] = (kind, n, width, _COUNTS.get(width))
+
+    put([*range(0x00, 0x80), *range(0xe0, 0x100), 0xc0, 0xc2, 0xc3], _FIXED, 1)
+    put((0xcc, 0xd0), _FIXED, 2)
+    put((0xcd, 0xd1), _FIXED, 3)
+    put((0xce, 0xd2, 0xca), _FIXED, 5)
+    put((0xcf, 0xd3, 0xcb), _FIXED, 9)
     for op in range(0xa0, 0xc0):
-        table[op] = (_FIXED, 1 + (op & 0x1f), 0)
+        put((op,), _FIXED, 1 + (op & 0x1f))
     for op, n in zip(range(0xd4, 0xd9), (1, 2, 4, 8, 16), strict=True):
-        table[op] = (_FIXED, 2 + n, 0)
+        put((op,), _EXT, n)
     for ops, width in (((0xc4, 0xd9), 1), ((0xc5, 0xda), 2), ((0xc6, 0xdb), 4)):
-        for op in ops:
-            table[op] = (_SIZED, 0, width)
+        put(ops, _SIZED, 0, width)
     for op, width in ((0xc7, 1), (0xc8, 2), (0xc9, 4)):
-        table[op] = (_EXT, 0, width)
+        put((op,), _EXT, 0, width)
     for op in range(0x90, 0xa0):
-        table[op] = (_ARRAY, op & 0x0f, 0)
-    table[0xdc], table[0xdd] = (_ARRAY, 0, 2), (_ARRAY, 0, 4)
+        put((op,), _ARRAY, op & 0x0f)
     for op in range(0x80, 0x90):
-        table[op] = (_MAP, op & 0x0f, 0)
-    return table  # map16/map32 (0xde, 0xdf) and 0xc1 stay _STOP
+        put((op,), _MAP, op & 0x0f)
+    put((0xdc,), _ARRAY, 0, 2)
+    put((0xdd,), _ARRAY, 0, 4)
+    put((0xde,), _MAP, 0, 2)
+    put((0xdf,), _MAP, 0, 4)
+    return table  # 0xc1 (never used) stays _STOP
 
 
 _OPS = _op_table()
 
 
-def _few_values_no_large_map(data: Any) -> bool:
-    """Whether ``data`` is one well-formed msgpack value of at most
-    :data:`_SCAN_VALUES` values (a container counts one, an ext's or a string's
-    bytes are skipped) without a map of more than 15 keys.
+#: What :func:`_scan` finds.
+_CLEAN, _FLOODABLE, _UNSETTLED = "clean", "floodable", "unsettled"
 
-    Such a frame holds nothing to flood, and a frame whose bulk is a few large
-    strings, bytes or arrays is recognised after a few steps instead of a pass
-    over its bytes. Anything else (more values, a large map, malformed bytes)
-    answers False and goes to the typed pass.
+
+def _scan(data: Any, budget: int | None) -> tuple[str, bool]:
+    """Walk the structure of msgpack ``data`` (the bytes of strings and exts skipped).
+
+    Returns:
+        The verdict: ``_CLEAN``: the frame is one well-formed value, and every
+        map of more than 15 keys in it has keys of :data:`_PLAIN_KEY_OPS`
+        types; ``_FLOODABLE``: a larger map has another key, or the frame is
+        malformed (the Python reader then reads it, or reports where it
+        fails); ``_UNSETTLED``: ``budget`` values were read before either was
+        known. And whether an ext was among the values read.
     """
-    end, pos, left = len(data), 0, 1
-    stack: list[int] = []
-    for _ in range(_SCAN_VALUES):
+    end, pos, left, keys, exts = len(data), 0, 1, False, False
+    stack: list[tuple[int, bool]] = []
+    steps, ops, plain_keys = 0, _OPS, _PLAIN_KEY_OPS
+    while True:
         while not left:
             if not stack:
-                return pos == end
-            left = stack.pop()
+                return (_CLEAN if pos == end else _FLOODABLE), exts
+            left, keys = stack.pop()
+        if steps == budget:
+            return _UNSETTLED, exts
+        steps += 1
         if pos >= end:
-            return False
-        kind, n, width = _OPS[data[pos]]
+            return _FLOODABLE, exts
+        op = data[pos]
+        if keys and not left & 1 and op not in plain_keys:
+            return _FLOODABLE, exts
+        kind, n, width, read = ops[op]
         left -= 1
-        if kind == _FIXED:
+        if not kind:  # _FIXED
             pos += n
             continue
         if kind == _STOP or pos + 1 + width > end:
-            return False
-        if width:
-            n = _WIDTHS[width](data, pos + 1)[0]
+            return _FLOODABLE, exts
+        if read is not None:
+            n = read(data, pos + 1)[0]
         pos += 1 + width
         if kind == _SIZED:
             pos += n
         elif kind == _EXT:
             pos += 1 + n
+            exts = True
         else:
-            stack.append(left)
-            left = 2 * n if kind == _MAP else n
-    while not left and stack:
-        left = stack.pop()
-    return not left and not stack and pos == end
+            stack.append((left, keys))
+            left, keys = (2 * n, n > 15) if kind == _MAP else (n, False)
 
 
 # ---------------------------------------------------------------- the Python reader
 _B1, _B2, _B4, _B8 = (struct.Struct(f">{c}").unpack_from for c in "BHIQ")
 _I1, _I2, _I4, _I8 = (struct.Struct(f">{c}").unpack_from for c in "bhiq")
 _F4, _F8 = struct.Struct(">f").unpack_from, struct.Struct(">d").unpack_from
-#: Key type bytes whose keys cannot be flooded: fixint, fixstr, nil, bools,
-#: bin, ints of 8-64 bits, str8-32, negative fixint.
-_PLAIN_KEY_OPS = frozenset(
-    [*range(0x00, 0x80), *range(0xa0, 0xc0), 0xc0, 0xc2, 0xc3, 0xc4, 0xc5, 0xc6,
-     *range(0xcc, 0xd4), 0xd9, 0xda, 0xdb, *range(0xe0, 0x100)])
 #: Sizes of the fixed-length ext payloads (fixext 1, 2, 4, 8, 16).
 _FIXEXT = {0xd4: 1, 0xd5: 2, 0xd6: 4, 0xd7: 8, 0xd8: 16}
 

@@ -37,6 +37,13 @@ def _values() -> list[Any]:
         datetime.datetime(2024, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc),
         [[[[[[[[[1, "deep"]]]]]]]]],
         {"big": [{"k": i, "v": b"b", "t": (i, i)} for i in range(300)]},
+        # larger than SMALL_FRAME, one per route: the no-ext typed pass (its result is
+        # returned), the typed passes with exts or bytes, the full walk, the reader
+        list(range(5000)), [i / 3 for i in range(2000)],
+        {f"k{i}": [i, "v", None, True, -i, 2**40] for i in range(800)},
+        [list(range(10))] * 1000 + [Ext(3, b"x")], [b"x" * 10] * 1000,
+        [["s", b"b"]] * 2000, [[[[[[[[[i]]]]]]]] for i in range(1000)],
+        {(i, i): i for i in range(1000)}, {i + 0.5: i for i in range(1000)},
     ]
 
 
@@ -89,25 +96,40 @@ def test_malformed_frames_fail_in_the_reader_as_in_msgspec():
         assert repr(got) == repr(want), bytes(data)  # repr: NaN equals itself
 
 
-def test_the_quick_walk_answers_only_for_small_well_formed_frames():
-    walk = safe_msgpack._few_values_no_large_map
-    assert walk(enc(b"x" * 70000))
-    assert walk(memoryview(enc({"data": b"x" * 9000, "meta": {"n": [1, 2]}, "t": Ext(3, b"")})))
-    assert not walk(enc(list(range(100))))  # more values than it reads
-    assert not walk(enc({str(i): 0 for i in range(16)}))  # a map of more than 15 keys
+def test_the_walk_settles_frames_of_few_values_and_finds_floodable_maps():
+    def quick(data: Any) -> str:
+        return safe_msgpack._scan(data, safe_msgpack._QUICK_VALUES)[0]
+
+    clean, floodable, unsettled = (safe_msgpack._CLEAN, safe_msgpack._FLOODABLE,
+                                   safe_msgpack._UNSETTLED)
+    assert quick(enc(b"x" * 70000)) == clean
+    assert quick(memoryview(enc({"data": b"x" * 9000, "m": {"n": [1]}, "t": Ext(3, b"")}))) == clean
+    assert quick(enc(list(range(100)))) == unsettled  # more values than it reads
+    assert quick(enc({str(i): 0 for i in range(15)})) == clean
+    assert quick(enc({(i,): 0 for i in range(5)})) == clean  # a fixmap: bounded anyway
+    assert quick(enc({(i,): 0 for i in range(16)})) == floodable
+    assert quick(enc({1.5 + i: 0 for i in range(16)})) == floodable
+    assert safe_msgpack._scan(enc([{str(i): [i] for i in range(99)}] * 30), None)[0] == clean
+    late = enc([list(range(3000)), {(i,): 0 for i in range(16)}])
+    assert quick(late) == unsettled and safe_msgpack._scan(late, None)[0] == floodable
+    assert safe_msgpack._scan(enc([Ext(3, b"x"), Ext(4, b"y" * 40)]), None) == (clean, True)
+    assert safe_msgpack._scan(enc(["x", b"y"]), None) == (clean, False)
     frame = enc({"data": b"x" * 9000})
-    assert not walk(frame[:-1]) and not walk(frame + b"\x00") and not walk(b"\xc1")
-    assert not walk(b"\xdd\xff\xff\xff\xff")  # a count with nothing behind it
+    for bad in (frame[:-1], frame + b"\x00", b"\xc1", b"\xdd\xff\xff\xff\xff"):
+        assert quick(bad) == floodable  # malformed: the reader says where
 
 
 def test_every_route_of_a_large_frame_refuses_a_colliding_map():
     pairs = colliding_pairs(MAX_SHARED_HASH + 1)
     colliding = native_map_frame([array_key(p) for p in pairs])
     pad = enc("p" * SMALL_FRAME)
+    mixed = enc([["s", b"b"]] * 2000)  # str and bytes values: both typed passes refuse
     frames = {
-        "alone": colliding + b"",  # read by the Python reader (map keys are arrays)
+        "alone": colliding,
         "beside-bytes": b"\x92" + enc(b"b" * SMALL_FRAME) + colliding,
         "deep": b"\x91" * (safe_msgpack.CHECKED_DEPTH + 2) + b"\x92" + pad + colliding,
+        "after-many-values": b"\x92" + enc(list(range(SMALL_FRAME))) + colliding,
+        "after-mixed-values": b"\x92" + mixed + colliding,
     }
     for name, data in frames.items():
         if len(data) <= SMALL_FRAME:
