@@ -26,10 +26,11 @@ The receiver checks the header (non-negative sizes, at most
 :data:`MAX_OBJECT_BYTES` and at most this host's memory and swap) before it
 allocates, and allocates a piece only when the piece before it arrived: its
 memory grows with the bytes a peer sent, never with what the peer claimed. It
-decodes with the same
-checks every queue reader makes: malformed bytes raise
-:class:`~shm_broadcast.errors.DecodeError`, and nothing received is ever
-unpickled unless the group opted in with ``allow_pickle=True``.
+decodes with the same checks every queue reader makes (in time linear in the
+bytes: see :mod:`shm_broadcast.codec.hash_flooding`): malformed bytes raise
+:class:`~shm_broadcast.errors.DecodeError` naming the sender (``object from
+rank N: ...``, ``peers=(N,)``), and nothing received is ever unpickled unless
+the group opted in with ``allow_pickle=True``.
 
 A sender that cannot encode its object (a type msgspec cannot carry, say)
 must not leave the receivers waiting for bytes that never come. Point to

@@ -17,7 +17,9 @@ own group. Receivers allocate their own tensors (:func:`alloc`).
 Received metadata is checked before anything is allocated for it
 (:func:`check_metadata`): entries of the right form, a known kind, a known
 dtype, a device the group moves, non-negative dimensions whose byte size fits
-in 64 bits, slicing that divides the tensor. Anything else raises
+in 64 bits, slicing that divides the tensor, keys of which at most
+:data:`~shm_broadcast.codec.hash_flooding.MAX_SHARED_HASH` share a hash (the
+receiver builds a dict of them). Anything else raises
 :class:`~shm_broadcast.errors.DecodeError`. Values other than tensors go
 through the codec's rules: types msgspec cannot carry are refused on the
 source unless the group opted in with ``allow_pickle=True``.

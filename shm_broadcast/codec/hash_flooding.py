@@ -3,15 +3,16 @@
 A set or dict finds an item's slot from its hash: items whose hashes differ
 cost a few probes each, but every item that shares its hash with earlier ones
 is compared with each of them, so ``n`` items of one hash cost ``n**2 / 2``
-comparisons (a megabyte of them: half a minute). What a peer can aim at:
+comparisons (60,000 of them, about a megabyte: half a minute). What a peer
+can aim at:
 
 * ``str`` and ``bytes`` hash with a key drawn at interpreter start (SipHash):
   a peer cannot make them collide;
-* an ``int`` hashes to its value modulo ``2**61 - 1``, so at most 14 ints of
+* an ``int`` hashes to its value modulo ``2**61 - 1``, so at most 13 ints of
   the 64 bits msgpack carries share a hash; bools and None are few;
 * tuples and frozensets combine their items' hashes, floats hash as the
-  rational they are, ints beyond 64 bits freely: a peer can make any number of
-  them share one hash.
+  rational they are, ints beyond 64 bits as above: a peer can make any
+  number of tuples, frozensets and big ints share one hash, and many floats.
 
 So before a set, frozenset or dict is built from decoded items,
 :func:`check_spread` counts the items per hash in one pass and refuses more

@@ -68,6 +68,12 @@ the data area), shapes must be non-negative with at most 64 dimensions,
 dtypes must be known plain (non-object) ones, and any malformed input raises
 :class:`~shm_broadcast.errors.DecodeError`, never ``IndexError``,
 ``struct.error``, ``MemoryError``, ``UnicodeDecodeError`` or msgspec's errors.
+Its cost is linear in the bytes whatever they hold: sets, frozensets and dicts
+are built only when at most
+:data:`~shm_broadcast.codec.hash_flooding.MAX_SHARED_HASH` of their items share
+a hash (:mod:`shm_broadcast.codec.hash_flooding`), and msgpack maps are read
+by :mod:`shm_broadcast.codec.safe_msgpack`, which keeps the same rule for the
+maps msgspec would build itself.
 
 This module holds :class:`Codec` and :class:`Encoded`; the byte layout (ext
 codes, descriptors, leaf values, the torch tables) is

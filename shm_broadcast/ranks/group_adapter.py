@@ -27,8 +27,12 @@ it lets any peer that can reach the channel run code in this process, so use
 it only between processes that trust each other completely.
 
 Malformed bytes from a peer raise :class:`~shm_broadcast.errors.CollectiveMismatch`
-(never ``IndexError``, ``msgspec.DecodeError`` or the like); a sender that could
-not encode its object sends a failure record instead, so its peers raise
+naming it (never ``IndexError``, ``msgspec.DecodeError`` or the like), and so
+do sets, frozensets and dicts (keyed ones and msgpack maps) with more than
+:data:`~shm_broadcast.codec.hash_flooding.MAX_SHARED_HASH` items on one hash,
+which would take time quadratic in their size to build: decoding is linear in
+the bytes (:mod:`shm_broadcast.codec.safe_msgpack`). A sender that could not
+encode its object sends a failure record instead, so its peers raise
 ``CollectiveMismatch`` naming it instead of waiting.
 """
 
