@@ -71,13 +71,15 @@ def check_spread(items: Iterable[Any], count: int, what: str) -> None:
 
 def set_from(items: list[Any]) -> set[Any]:
     """``set(items)``, refused when too many items share a hash (:func:`check_spread`)."""
-    check_spread(items, len(items), "a set")
+    if len(items) > MAX_SHARED_HASH:  # a smaller set cannot exceed the bound
+        check_spread(items, len(items), "a set")
     return set(items)
 
 
 def frozenset_from(items: list[Any]) -> frozenset[Any]:
     """``frozenset(items)``, refused like :func:`set_from`."""
-    check_spread(items, len(items), "a frozenset")
+    if len(items) > MAX_SHARED_HASH:
+        check_spread(items, len(items), "a frozenset")
     return frozenset(items)
 
 
