@@ -3,8 +3,8 @@
 A set or dict finds an item's slot from its hash: items whose hashes differ
 cost a few probes each, but every item that shares its hash with earlier ones
 is compared with each of them, so ``n`` items of one hash cost ``n**2 / 2``
-comparisons (60,000 of them, about a megabyte: half a minute). What a peer
-can aim at:
+comparisons (see ``docs/security-codec.md`` for what a megabyte of them
+costs). What a peer can aim at:
 
 * ``str`` and ``bytes`` hash with a key drawn at interpreter start (SipHash):
   a peer cannot make them collide;

@@ -193,10 +193,10 @@ class SourceFailure:
 # ---------------------------------------------------------------- dtypes
 #: Accepted descriptors and their dtypes, kept for the process's lifetime: at
 #: most :data:`DTYPE_CACHE_ENTRIES` of them, together at most
-#: :data:`DTYPE_CACHE_BYTES` of descriptor bytes (a structured dtype takes about
-#: a dozen times its descriptor's size), so a peer sending endless or huge new
-#: dtypes cannot make the receiver keep more. Descriptors beyond it are parsed
-#: for each array that carries them.
+#: :data:`DTYPE_CACHE_BYTES` of descriptor bytes (a structured dtype takes a
+#: small multiple of its descriptor's size, see ``docs/security-codec.md``), so
+#: a peer sending endless or huge new dtypes cannot make the receiver keep
+#: more. Descriptors beyond it are parsed for each array that carries them.
 _DTYPE_CACHE: dict[bytes, np.dtype] = {}
 DTYPE_CACHE_ENTRIES = 256
 DTYPE_CACHE_BYTES = 64 << 10
