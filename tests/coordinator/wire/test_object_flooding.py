@@ -1,7 +1,7 @@
 """Issue 37: a member of the CPU group floods GroupCoordinator's object paths.
 
-Rank 0 sends a set of 60,000 tuples sharing one hash (about 30 s to build on
-the receiver before the fix) in place of an object, point to point (raw gloo
+Rank 0 sends a set of 60,000 tuples sharing one hash (tens of seconds to build
+on the receiver before the fix) in place of an object, point to point (raw gloo
 sends) and as the source of ``broadcast_object`` (through the group's own
 signed CPU communicator, with a codec that hands over the crafted bytes), and
 a tensor dict whose 60,000 keys share one hash (the receiver builds the dict).

@@ -22,9 +22,9 @@ import pytest
 from shm_broadcast.codec import wire_format as wf
 from shm_broadcast.codec.message_codec import Codec
 
-#: The bound docs/security-codec.md states for any frame (measured worst: 82x).
+#: The bound docs/security-codec.md states for any frame (its table: at most 82x).
 STATED_BOUND = 84
-#: What arrays take at most (measured: 10x plain, 24x structured with 2-char names).
+#: What arrays take at most (docs/security-codec.md: structured dtypes are the most).
 ARRAY_BOUND = 32
 
 

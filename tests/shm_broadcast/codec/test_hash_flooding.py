@@ -1,7 +1,8 @@
 """Issue 37: the codec's decoder against hash flooding.
 
 A set, frozenset or dict whose items share one hash costs time quadratic in
-their number to build (60,000 crafted items: about 30 s before the fix). Each
+their number to build (60,000 crafted items: tens of seconds before the fix,
+see docs/security-codec.md). Each
 attack below decodes a real crafted frame through ``Codec.decode`` and must be
 refused with :class:`DecodeError` within a few seconds; legitimate data that
 shares hashes a little (``hash(-1) == hash(-2)``) still decodes.
@@ -31,9 +32,9 @@ from tests.shm_broadcast.codec.flooding import (
     tuple_key,
 )
 
-#: Items per attack: enough that building the container took ~30 s before the fix.
+#: Items per attack: enough that building the container took tens of seconds before the fix.
 N = 60_000
-#: What a refusal may take (it takes about 0.1 s; the quadratic build took 10-40 s).
+#: What a refusal may take: a generous bound, far below the quadratic build's time.
 BOUND_S = 5.0
 
 

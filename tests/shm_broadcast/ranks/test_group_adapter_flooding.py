@@ -2,8 +2,8 @@
 the stateless group's store values) against hash flooding, alone and over a
 real gloo group.
 
-A peer's set of 60,000 tuples sharing one hash used to take about 30 s to
-build on the receiver; now the receiver raises ``CollectiveMismatch`` (this
+A peer's set of 60,000 tuples sharing one hash used to take tens of seconds
+to build on the receiver; now the receiver raises ``CollectiveMismatch`` (this
 module's error for anything malformed from a peer) naming the sender within a
 few seconds, and the group keeps working.
 """
@@ -33,7 +33,7 @@ from tests.shm_broadcast.codec.flooding import (
 )
 
 N = 60_000
-#: What a refusal may take (it takes well under a second; the build took ~30 s).
+#: What a refusal may take: a generous bound, far below the quadratic build's time.
 BOUND_S = 5.0
 
 
