@@ -393,7 +393,9 @@ class Codec:
         Raises:
             DecodeError: The bytes are malformed (sizes that do not match the
                 bytes present, bad shapes, unknown dtypes or codes, bad UTF-8,
-                nesting too deep) or hold a pickled value while
+                nesting too deep), hold a set, frozenset or dict with more
+                than :data:`~shm_broadcast.codec.hash_flooding.MAX_SHARED_HASH`
+                items on one hash, or hold a pickled value while
                 ``allow_pickle`` is off. Nothing is allocated for a claimed
                 size before it is checked.
         """
