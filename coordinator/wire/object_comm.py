@@ -26,10 +26,11 @@ The receiver checks the header (non-negative sizes, at most
 :data:`MAX_OBJECT_BYTES` and at most this host's memory and swap) before it
 allocates, and allocates a piece only when the piece before it arrived: its
 memory grows with the bytes a peer sent, never with what the peer claimed. It
-decodes with the same
-checks every queue reader makes: malformed bytes raise
-:class:`~shm_broadcast.errors.DecodeError`, and nothing received is ever
-unpickled unless the group opted in with ``allow_pickle=True``.
+decodes with the same checks every queue reader makes (in time linear in the
+bytes: see :mod:`shm_broadcast.codec.hash_flooding`): malformed bytes raise
+:class:`~shm_broadcast.errors.DecodeError` naming the sender (``object from
+rank N: ...``, ``peers=(N,)``), and nothing received is ever unpickled unless
+the group opted in with ``allow_pickle=True``.
 
 A sender that cannot encode its object (a type msgspec cannot carry, say)
 must not leave the receivers waiting for bytes that never come. Point to
@@ -236,11 +237,16 @@ def _receive_payload(nbytes: int, move: Callable[[torch.Tensor], Any]) -> torch.
     return whole
 
 
-def _unpack(mlen: int, blen: int, payload: torch.Tensor, codec: Codec | ObjectCodec) -> Any:
+def _unpack(mlen: int, blen: int, payload: torch.Tensor, codec: Codec | ObjectCodec,
+            peer: int) -> Any:
+    """The object in ``payload``; a malformed one raises :class:`DecodeError` naming ``peer``."""
     arr = payload.numpy()
     if not isinstance(codec, Codec):
         return codec.loads(arr.tobytes())
-    return codec.decode(arr.data[:mlen], arr, mlen, blen)
+    try:
+        return codec.decode(arr.data[:mlen], arr, mlen, blen)
+    except DecodeError as e:
+        raise DecodeError(f"object from rank {peer}: {e}", peers=(peer,)) from None
 
 
 def _raise_if_failure(got: Any, what: str, peer: int) -> Any:
@@ -313,7 +319,7 @@ def recv_object(src_global: int, group: dist.ProcessGroup, codec: Codec | Object
     if blen == -1:
         text = payload.numpy().tobytes().decode("utf-8", "replace")
         _raise_if_failure(SourceFailure(text), _WAITED_BY[kind], who)
-    return _unpack(mlen, blen, payload, codec)
+    return _unpack(mlen, blen, payload, codec, who)
 
 
 #: Broadcasts a tensor in place from the source (returns the filled tensor).
@@ -374,4 +380,4 @@ def broadcast_object(obj: Any, src: int, bcast: Broadcast,
             f"{op}: the source (rank {src}) called {_BROADCAST_BY.get(sent, _SENT_BY[sent])} "
             f"where this rank called {op}; make the same collective calls in the same order "
             f"on every rank (what it sent was taken)", peers=(src,))
-    return _unpack(mlen, blen, payload, codec)
+    return _unpack(mlen, blen, payload, codec, src)

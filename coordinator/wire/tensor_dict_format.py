@@ -17,7 +17,9 @@ own group. Receivers allocate their own tensors (:func:`alloc`).
 Received metadata is checked before anything is allocated for it
 (:func:`check_metadata`): entries of the right form, a known kind, a known
 dtype, a device the group moves, non-negative dimensions whose byte size fits
-in 64 bits, slicing that divides the tensor. Anything else raises
+in 64 bits, slicing that divides the tensor, keys of which at most
+:data:`~shm_broadcast.codec.hash_flooding.MAX_SHARED_HASH` share a hash (the
+receiver builds a dict of them). Anything else raises
 :class:`~shm_broadcast.errors.DecodeError`. Values other than tensors go
 through the codec's rules: types msgspec cannot carry are refused on the
 source unless the group opted in with ``allow_pickle=True``.
@@ -34,6 +36,7 @@ import torch
 
 from coordinator.errors import DecodeError
 from coordinator.wire import object_comm
+from shm_broadcast.codec.hash_flooding import check_spread
 
 __all__ = [
     "VALUE",
@@ -186,10 +189,13 @@ def check_metadata(meta: Any, device_type: str) -> list[list[Any]]:
         non-negative dimensions whose byte size fits in 62 bits, and ``parts``
         (``0`` or a slice count) dividing the element count; the CPU tensors
         together no larger than this host's memory and swap (the receiver
-        must hold them all, so a larger claim is a lie).
+        must hold them all, so a larger claim is a lie); at most
+        :data:`~shm_broadcast.codec.hash_flooding.MAX_SHARED_HASH` keys on one hash
+        (the receiver builds a dict of them, which would take time quadratic in
+        the number of keys sharing a hash).
 
     Raises:
-        DecodeError: Any entry is malformed.
+        DecodeError: Any entry is malformed, or too many keys share a hash.
     """
     if type(meta) is not list:
         raise DecodeError(f"tensor-dict metadata must be a list, got {type(meta).__name__}")
@@ -208,6 +214,7 @@ def check_metadata(meta: Any, device_type: str) -> list[list[Any]]:
         elif entry[1] == INLINE and not isinstance(entry[2], torch.Tensor):
             raise DecodeError(f"tensor-dict metadata entry {i} is an inline tensor without one")
     _check_host_bytes(cpu_bytes)
+    check_spread((entry[0] for entry in meta), len(meta), "tensor-dict metadata")
     return meta
 
 

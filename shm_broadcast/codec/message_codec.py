@@ -68,6 +68,12 @@ the data area), shapes must be non-negative with at most 64 dimensions,
 dtypes must be known plain (non-object) ones, and any malformed input raises
 :class:`~shm_broadcast.errors.DecodeError`, never ``IndexError``,
 ``struct.error``, ``MemoryError``, ``UnicodeDecodeError`` or msgspec's errors.
+Its cost is linear in the bytes whatever they hold: sets, frozensets and dicts
+are built only when at most
+:data:`~shm_broadcast.codec.hash_flooding.MAX_SHARED_HASH` of their items share
+a hash (:mod:`shm_broadcast.codec.hash_flooding`), and msgpack maps are read
+by :mod:`shm_broadcast.codec.safe_msgpack`, which keeps the same rule for the
+maps msgspec would build itself.
 
 This module holds :class:`Codec` and :class:`Encoded`; the byte layout (ext
 codes, descriptors, leaf values, the torch tables) is
@@ -88,7 +94,9 @@ import msgspec
 import numpy as np
 
 from shm_broadcast.codec.boxing import Box, prep, prep_full
+from shm_broadcast.codec.hash_flooding import dict_from_pairs, frozenset_from, set_from
 from shm_broadcast.codec.pickle_opt_in import pickle_oob, unpickle_oob
+from shm_broadcast.codec.safe_msgpack import SMALL_FRAME, SafeDecoder
 from shm_broadcast.codec.tensor_storage import check_storage
 from shm_broadcast.codec.wire_format import (
     ALIGN,
@@ -217,7 +225,8 @@ class Codec:
         self.exact = exact
         self.resizable = resizable
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._decoder = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
+        self._safe = SafeDecoder(self._ext_hook)
+        self._decoder = self._safe.fast
         self._copies: list[tuple[int, int, int]] = []
         self._keep: list[Any] = []
         self._cursor = 0
@@ -384,7 +393,9 @@ class Codec:
         Raises:
             DecodeError: The bytes are malformed (sizes that do not match the
                 bytes present, bad shapes, unknown dtypes or codes, bad UTF-8,
-                nesting too deep) or hold a pickled value while
+                nesting too deep), hold a set, frozenset or dict with more
+                than :data:`~shm_broadcast.codec.hash_flooding.MAX_SHARED_HASH`
+                items on one hash, or hold a pickled value while
                 ``allow_pickle`` is off. Nothing is allocated for a claimed
                 size before it is checked.
         """
@@ -393,7 +404,9 @@ class Codec:
         self._src_len = blob_len
         self._src_span: tuple[int, int] | None = None  # (address, size), once needed
         try:
-            return self._decoder.decode(msg)
+            if len(msg) <= SMALL_FRAME:
+                return self._decoder.decode(msg)
+            return self._safe.decode_large(msg)
         except DecodeError:
             raise
         except RecursionError:
@@ -534,11 +547,11 @@ class Codec:
         if code == EXT_TUPLE:
             return tuple(self._items(data, code))
         if code == EXT_DICT_PAIRS:
-            return _pairs_to_dict(self._items(data, code))
+            return dict_from_pairs(self._items(data, code))
         if code == EXT_SET:
-            return set(self._items(data, code))
+            return set_from(self._items(data, code))
         if code == EXT_FROZENSET:
-            return frozenset(self._items(data, code))
+            return frozenset_from(self._items(data, code))
         if code == EXT_MEMORYVIEW:
             return rebuild_memoryview(*memoryview_fields(msgspec.msgpack.decode(data)))
         if code == EXT_NPSCALAR:
@@ -563,7 +576,8 @@ class Codec:
         raise DecodeError(f"corrupt or incompatible message: unknown ext code {code}")
 
     def _items(self, data: memoryview, code: int) -> list[Any]:
-        items = self._decoder.decode(data)
+        items = (self._decoder.decode(data) if len(data) <= SMALL_FRAME
+                 else self._safe.decode_large(data))
         if type(items) is not list:
             raise DecodeError(
                 f"corrupt message: ext {code} must hold a list, got {type(items).__name__}")
@@ -579,8 +593,3 @@ def _too_deep(op: str) -> ValueError:
 def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
-
-def _pairs_to_dict(pairs: list[Any]) -> dict[Any, Any]:
-    if not all(type(p) is list and len(p) == 2 for p in pairs):
-        raise DecodeError("corrupt message: a dict's items must be [key, value] pairs")
-    return dict(pairs)

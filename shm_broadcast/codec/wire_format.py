@@ -50,6 +50,7 @@ __all__ = [
     "EXT_PICKLE", "EXT_MEMORYVIEW", "EXT_NPSCALAR", "EXT_BIGINT", "EXT_SURROGATE_STR",
     "EXT_FAILURE", "EXT_BYTEARRAY", "EXT_TORCH_SIZE", "EXT_TORCH_DTYPE", "EXT_TORCH_DEVICE",
     "ALIGN", "MAX_NDIM", "TENSOR_HEAD", "ARRAY_HEAD", "SHAPES",
+    "DTYPE_CACHE_ENTRIES", "DTYPE_CACHE_BYTES",
     "FLAG_REQUIRES_GRAD", "FLAG_PARAMETER", "INT64_MIN", "UINT64_END",
     "TorchTypes", "TORCH", "SourceFailure",
     "dtype_from", "torch_leaf_bytes", "torch_leaf_from",
@@ -190,7 +191,16 @@ class SourceFailure:
 
 
 # ---------------------------------------------------------------- dtypes
-_DTYPE_CACHE: dict[bytes, np.dtype] = {}  # accepted descriptors (bounded, see below)
+#: Accepted descriptors and their dtypes, kept for the process's lifetime: at
+#: most :data:`DTYPE_CACHE_ENTRIES` of them, together at most
+#: :data:`DTYPE_CACHE_BYTES` of descriptor bytes (a structured dtype takes a
+#: small multiple of its descriptor's size, see ``docs/security-codec.md``), so
+#: a peer sending endless or huge new dtypes cannot make the receiver keep
+#: more. Descriptors beyond it are parsed for each array that carries them.
+_DTYPE_CACHE: dict[bytes, np.dtype] = {}
+DTYPE_CACHE_ENTRIES = 256
+DTYPE_CACHE_BYTES = 64 << 10
+_dtype_cache_bytes = 0
 
 
 def dtype_from(descr: bytes) -> np.dtype:
@@ -224,9 +234,17 @@ def dtype_from(descr: bytes) -> np.dtype:
         # array would not (S0/U0 arrays do not exist: numpy makes them S1/U1;
         # V0 and empty structured arrays are sent in-band with allow_pickle only).
         raise DecodeError(f"corrupt message: array dtype {descr!r} has no item size")
-    if len(_DTYPE_CACHE) < 256:  # a peer sending endless new dtypes cannot grow it
-        _DTYPE_CACHE[descr] = dt
+    _remember(descr, dt)
     return dt
+
+
+def _remember(descr: bytes, dt: np.dtype) -> None:
+    """Cache ``dt`` under ``descr`` while the cache's bounds allow."""
+    global _dtype_cache_bytes
+    size = _dtype_cache_bytes + len(descr)
+    if len(_DTYPE_CACHE) < DTYPE_CACHE_ENTRIES and size <= DTYPE_CACHE_BYTES:
+        _DTYPE_CACHE[descr] = dt
+        _dtype_cache_bytes = size
 
 
 def _tuplify(descr: Any) -> Any:

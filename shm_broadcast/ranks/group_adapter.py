@@ -27,8 +27,12 @@ it lets any peer that can reach the channel run code in this process, so use
 it only between processes that trust each other completely.
 
 Malformed bytes from a peer raise :class:`~shm_broadcast.errors.CollectiveMismatch`
-(never ``IndexError``, ``msgspec.DecodeError`` or the like); a sender that could
-not encode its object sends a failure record instead, so its peers raise
+naming it (never ``IndexError``, ``msgspec.DecodeError`` or the like), and so
+do sets, frozensets and dicts (keyed ones and msgpack maps) with more than
+:data:`~shm_broadcast.codec.hash_flooding.MAX_SHARED_HASH` items on one hash,
+which would take time quadratic in their size to build: decoding is linear in
+the bytes (:mod:`shm_broadcast.codec.safe_msgpack`). A sender that could not
+encode its object sends a failure record instead, so its peers raise
 ``CollectiveMismatch`` naming it instead of waiting.
 """
 
@@ -41,6 +45,8 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from shm_broadcast.checks import check_rank
+from shm_broadcast.codec.hash_flooding import dict_from_pairs, frozenset_from, set_from
+from shm_broadcast.codec.safe_msgpack import SafeDecoder
 from shm_broadcast.errors import CollectiveMismatch, CommTimeout, GroupCoordError, PeerDiedError
 
 __all__ = [
@@ -212,11 +218,13 @@ def decode_object(data: Any, *, allow_pickle: bool = False, source: str = "a pee
 
 
 class _MsgpackReader:
-    """A msgspec decoder whose ext hook rebuilds tuples, sets and keyed dicts, depth-bounded."""
+    """A msgspec decoder whose ext hook rebuilds tuples, sets and keyed dicts,
+    depth-bounded, in time linear in the bytes (:mod:`shm_broadcast.codec.safe_msgpack`
+    reads the maps, :mod:`shm_broadcast.codec.hash_flooding` builds the sets and dicts)."""
 
     def __init__(self) -> None:
         self._depth = 0
-        self._decoder = msgspec.msgpack.Decoder(ext_hook=self._ext)
+        self._decoder = SafeDecoder(self._ext)
 
     def decode(self, data: Any) -> Any:
         return self._decoder.decode(data)
@@ -234,13 +242,11 @@ class _MsgpackReader:
         if code == _EXT_TUPLE:
             return tuple(items)
         if code == _EXT_SET:
-            return set(items)
+            return set_from(items)
         if code == _EXT_FROZENSET:
-            return frozenset(items)
+            return frozenset_from(items)
         if code == _EXT_PAIRS:
-            if not all(isinstance(p, list) and len(p) == 2 for p in items):
-                raise ValueError("a keyed dict's entries are not pairs")
-            return dict(items)
+            return dict_from_pairs(items)
         raise ValueError(f"unknown ext code {code}")
 
 
