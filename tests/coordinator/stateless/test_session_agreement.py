@@ -2,7 +2,9 @@
 
 Each rank's agreement gets its own store client and plain store calls (what the
 group's bounded calls do when the store answers); the group-level attacks run in
-test_stateless_replay.py and test_stateless_security.py.
+test_stateless_replay.py and test_stateless_security.py. Where a rank other than 0
+agrees, rank 0 agrees first (or in a thread): a rank other than 0 waits for rank 0's
+confirmation.
 """
 
 from __future__ import annotations
@@ -48,27 +50,15 @@ def _agreement(port: int, rank: int, world_size: int) -> SessionAgreement:
     def call(method: str, *args: Any, op: str, deadline: tuple[float, float] | None = None) -> Any:
         return getattr(store, method)(*args)
 
-    def wait(keys: list[str], deadline: tuple[float, float], op: str,
-             peers: list[int] | None = None, ranks: list[int] | None = None) -> None:
-        left = max(deadline[0] - time.monotonic(), 0.001)
-        try:
-            store.wait(keys, datetime.timedelta(seconds=left))
-        except (RuntimeError, dist.DistError) as e:
-            owners = ranks if ranks is not None else list(range(len(keys)))
-            missing = [owners[i] for i, k in enumerate(keys) if not store.check([k])]
-            raise CommTimeout(f"rank(s) {missing} did not answer", peers=missing) from e
-
-    return SessionAgreement(NAME, rank, world_size, port, label=f"rank {rank}", call=call,
-                            wait=wait)
+    return SessionAgreement(NAME, rank, world_size, port, label=f"rank {rank}", call=call)
 
 
 def _deadline(seconds: float) -> tuple[float, float]:
     return time.monotonic() + seconds, seconds
 
 
-def _answer(port: int, rank: int, world_size: int, nonce: bytes, rank0_nonce: bytes) -> bytes:
-    """A record of rank ``rank`` answering ``rank0_nonce``, as a secret holder writes it."""
-    key = f"{NAME}/session/{rank}"
+def _answer(port: int, key: str, world_size: int, nonce: bytes, rank0_nonce: bytes) -> bytes:
+    """A record under ``key`` answering ``rank0_nonce``, as a secret holder writes it."""
     payload = nonce + rank0_nonce
     return payload + session_tag(SECRET, NAME, key, payload, port, world_size)
 
@@ -86,8 +76,10 @@ def test_the_session_is_the_documented_hash_of_every_nonce() -> None:
 
 
 def test_every_rank_contributes_and_the_ranks_agree(server: Any) -> None:
-    """Three ranks join one after another (a join never waits), then agree: their
-    sealers are the one of the session of the three nonces in the records."""
+    """Three ranks join one after another (rank 0 first: the others wait for its
+    record), then agree (rank 0 first: the others wait for its confirmation): their
+    sealers are the one of the session of the three nonces in the records, and the
+    last to agree deleted every session key."""
     port = server.port
     ranks = [_agreement(port, r, 3) for r in range(3)]
     for a in ranks:
@@ -104,6 +96,7 @@ def test_every_rank_contributes_and_the_ranks_agree(server: Any) -> None:
     with pytest.raises(AuthenticationError):
         stale.open("g/k", sealed)  # one nonce other: another session
     assert all(a.rejected == 0 for a in ranks)
+    assert server.num_keys() == 0
 
 
 def test_world_size_one_writes_nothing(server: Any) -> None:
@@ -121,7 +114,8 @@ def test_a_planted_answer_is_refused_until_the_ranks_own_replaces_it(server: Any
     port = server.port
     r0, r1 = _agreement(port, 0, 2), _agreement(port, 1, 2)
     r0.join(lambda: SECRET, 5.0)
-    server.set("g/session/1", _answer(port, 1, 2, os.urandom(16), os.urandom(16)))
+    server.set(r0.record_key(1), _answer(port, r0.record_key(1), 2, os.urandom(16),
+                                         os.urandom(16)))
     got: dict[str, Any] = {}
     agree = threading.Thread(target=lambda: got.update(s=r0.agree(_deadline(10.0), "test")))
     agree.start()
@@ -138,15 +132,16 @@ def test_a_refused_answer_is_named_at_the_deadline(server: Any, planted: str) ->
     port = server.port
     r0 = _agreement(port, 0, 2)
     r0.join(lambda: SECRET, 5.0)
-    record = (_answer(port, 1, 2, os.urandom(16), os.urandom(16)) if planted == "stale"
+    key = r0.record_key(1)
+    record = (_answer(port, key, 2, os.urandom(16), os.urandom(16)) if planted == "stale"
               else os.urandom(64))
-    server.set("g/session/1", record)
+    server.set(key, record)
     t0 = time.monotonic()
     with pytest.raises(AuthenticationError) as err:
         r0.agree(_deadline(0.5), "send_obj")
     assert time.monotonic() - t0 < 5.0
     msg = str(err.value)
-    assert "'g/session/1' (the record of rank(s) [1])" in msg, msg
+    assert f"'{key}' (the answer of rank(s) [1])" in msg, msg
     assert ("answer(s) a nonce of rank 0 that is not this rank's" if planted == "stale"
             else "failed authentication") in msg, msg
     assert list(err.value.peers) == [1] and err.value.rejected >= 1
