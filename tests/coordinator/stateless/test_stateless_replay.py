@@ -8,9 +8,15 @@ processes. No rank
 of incarnation 2 may ever return an incarnation-1 value: the ranks either carry on with
 their own values, or raise AuthenticationError naming the replayed record.
 
+Every rank of incarnation 2 is told about a replayed record of rank 0, also when every
+rank but 0 verified it (they wait for rank 0's confirmation), and what an unfinished
+incarnation left in a shared store does not disturb the next one (each counts under keys
+of its own rank-0 nonce).
+
 A reader that refused a value fetches it again only once it changed, and looks no more
-often than an exponential back-off: a planted 8 MiB value is fetched once, where a reader
-used to fetch (and authenticate) it every 5 ms.
+often than an exponential back-off, also while an outsider floods the key with new values:
+a planted 8 MiB value is fetched once, where a reader used to fetch (and authenticate) it
+every 5 ms.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from coordinator.errors import GroupCoordError
+from coordinator.errors import AuthenticationError, CommTimeout, GroupCoordError
 from coordinator.stateless.stateless_group import StatelessProcessGroup
 from coordinator.testing import free_port
 
@@ -267,3 +273,161 @@ def test_a_value_replaced_again_and_again_is_fetched_with_back_off() -> None:
         outsider.join(10)
         g1.close()
         g0.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_flooded_with_new_values_keeps_its_timeout_and_back_off() -> None:
+    """An outsider writes a new small garbage value under the key rank 1 reads next as
+    fast as it can, so nearly every ``compare_set`` of the reader finds a newer value
+    than the one it refused. The reader still looks no more often than the back-off (its
+    first fetch, 7 looks in the first second and one at the deadline: at most one get
+    and one compare_set each) and raises at its timeout. It used to go straight back to
+    compare_set after each newer value, without back-off or deadline check (5,740
+    compare_set calls in one recv_obj(timeout=1.0); one with timeout 0.5 returned after
+    5 s)."""
+    port, secret = free_port(), StatelessProcessGroup.generate_secret()
+    g0 = StatelessProcessGroup.create(HOST, port, 0, 2, timeout=10, name="flood", secret=secret)
+    store = _counting_client(port)
+    g1 = StatelessProcessGroup(1, 2, store, name="flood", timeout=10, secret=secret)
+    g0.send_obj("first", 1)  # the ranks agree on the session
+    assert g1.recv_obj(0) == "first"
+    key = "flood/p2p/0->1/1"
+    stop = threading.Event()
+
+    def flood() -> None:  # stops by itself, for the old code that ignored its deadline
+        outsider = _store_client(port)
+        i, end = 0, time.monotonic() + 6.0
+        while not stop.is_set() and time.monotonic() < end:
+            outsider.set(key, os.urandom(64) + i.to_bytes(8, "little"))  # no answer awaited
+            i += 1
+        outsider.check([key])
+
+    _plant(_store_client(port), key, os.urandom(72))
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    del store.fetched[:]
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(AuthenticationError):
+            g1.recv_obj(0, timeout=1.0)
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        flooder.join(30)
+        g1.close()
+        g0.close()
+    swaps = [f for f in store.fetched if f[0] == "compare_set"]
+    gets = [f for f in store.fetched if f[0] == "get" and f[1] == key]
+    assert len(swaps) <= 9 and len(gets) <= 9, (len(swaps), len(gets), elapsed)
+    assert elapsed < 3.0, elapsed
+
+
+@pytest.mark.timeout(60)
+def test_a_key_found_empty_is_reported_as_such() -> None:
+    """The key rank 1 reads next holds the empty marker (what a reader that refused a
+    value leaves; a key deleted between the reader's wait and its get reads the same).
+    The reader used to say that 0 values failed authentication because another reader
+    refused one."""
+    port, secret = free_port(), StatelessProcessGroup.generate_secret()
+    g0 = StatelessProcessGroup.create(HOST, port, 0, 2, timeout=10, name="empty", secret=secret)
+    g1 = StatelessProcessGroup.create(HOST, port, 1, 2, timeout=10, name="empty", secret=secret)
+    try:
+        g0.send_obj("first", 1)  # the ranks agree on the session
+        assert g1.recv_obj(0) == "first"
+        _plant(_store_client(port), "empty/p2p/0->1/1", b"")
+        with pytest.raises(AuthenticationError) as err:
+            g1.recv_obj(0, timeout=0.3)
+        msg = str(err.value)
+        assert "0 value(s)" not in msg, msg
+        assert "every fetch found it empty" in msg and "deleted between" in msg, msg
+        assert err.value.rejected == 0
+    finally:
+        g1.close()
+        g0.close()
+
+
+def _external_group(port: int, rank: int, world_size: int, secret: bytes, name: str,
+                    timeout: float) -> StatelessProcessGroup:
+    return StatelessProcessGroup(rank, world_size, _store_client(port), name=name,
+                                 timeout=timeout, secret=secret)
+
+
+def _external_store(port: int) -> Any:
+    import datetime
+
+    return dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=30))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_replay_verified_by_every_other_rank_is_reported_on_every_rank(
+        world_size: int) -> None:
+    """Incarnation 1 ran to the end (its session keys are gone); the attacker recorded its
+    record of rank 0 and writes it over incarnation 2's before the other ranks join, so
+    every rank but 0 verifies it. Those ranks used to agree among themselves and exchange
+    values, and only rank 0 reported the replay (with two ranks, rank 1 only ever got a
+    plain CommTimeout). Now they wait for rank 0's confirmation: without it they send
+    nothing; rank 0 finds the replayed record over its own and the answers to it, and
+    raises AuthenticationError naming them; then they raise AuthenticationError too."""
+    port, secret = free_port(), StatelessProcessGroup.generate_secret()
+    master = _external_store(port)  # a shared store: a group does not own it
+    old = [_external_group(port, r, world_size, secret, "ra", 5.0) for r in range(world_size)]
+    recorded = master.get("ra/session")
+    assert old[0].broadcast_obj("incarnation 1", src=0) == "incarnation 1"
+    assert [g.broadcast_obj(None, src=0) for g in old[1:]] == ["incarnation 1"] * (world_size - 1)
+    for g in old:
+        g.close()
+    assert not [k for k in master.list_keys() if k.startswith("ra/session")]  # cleaned up
+    new0 = _external_group(port, 0, world_size, secret, "ra", 1.0)
+    master.set("ra/session", recorded)  # the replay
+    others = [_external_group(port, r, world_size, secret, "ra", 1.0)
+              for r in range(1, world_size)]
+    try:
+        if world_size == 3:  # the ranks that verified the replay cannot talk among themselves
+            with pytest.raises(CommTimeout) as timeout:
+                others[0].send_obj("between 1 and 2", 2)
+            assert list(timeout.value.peers) == [0], timeout.value
+            assert "replayed" in str(timeout.value), timeout.value
+        t0 = time.monotonic()
+        with pytest.raises(AuthenticationError) as err:
+            new0.send_obj("incarnation 2", 1)
+        assert list(err.value.peers) == list(range(1, world_size)), err.value
+        assert "own record 'ra/session' was replaced" in str(err.value), err.value
+        for g in others:
+            with pytest.raises(AuthenticationError, match="earlier incarnation") as err:
+                g.recv_obj(0)
+            assert list(err.value.peers) == [0], err.value
+        assert time.monotonic() - t0 < 1.0 + 0.5 * world_size  # rank 0 told them at once
+    finally:
+        for g in [*others, new0]:
+            g.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_leftover_of_an_unfinished_incarnation_does_not_disturb_the_next() -> None:
+    """On a shared store, incarnation 1 of a group of three stops before rank 2 made a
+    call, so its session keys stay. Incarnation 2 (the same secret, name and size) used
+    to count on from incarnation 1's ``session/done``: its first rank to agree deleted
+    every session record, and the others failed with CommTimeout naming ranks that had
+    joined. Now each incarnation counts under keys of its own rank-0 nonce, and the last
+    rank of incarnation 2 to agree deletes incarnation 2's keys only."""
+    port, secret = free_port(), StatelessProcessGroup.generate_secret()
+    master = _external_store(port)
+    a = [_external_group(port, r, 3, secret, "sd", 2.0) for r in range(3)]
+    first = master.get("sd/session")[:16].hex()
+    a[0].send_obj("x", 1)
+    assert a[1].recv_obj(0) == "x"  # rank 2 never calls
+    for g in a:
+        g.close()
+    b = [_external_group(port, r, 3, secret, "sd", 2.0) for r in range(3)]
+    try:
+        b[0].send_obj("y", 1)
+        assert b[1].recv_obj(0) == "y"
+        b[2].send_obj("z", 0)
+        assert b[0].recv_obj(2) == "z"
+        left = [k for k in master.list_keys() if k.startswith("sd/session")]
+        assert left and all(k.startswith(f"sd/session/{first}/") for k in left), left
+    finally:
+        for g in b:
+            g.close()
