@@ -4,10 +4,11 @@ A stateless group's reader that refused a value (or a session record) does not
 fetch it again at once: it waits :data:`FIRST_S`, then twice as long before each
 later check, up to :data:`MOST_S`, and never past the call's deadline. So however
 often a value is replaced, a reader looks at the key at most 7 times in the
-first second after its first fetch (after 5, 15, 35, 75, 155, 315 and 635 ms)
-and twice a second after that; what a look costs is up to the caller (a reader
-makes at most one fetch and one ``compare_set`` per look, or checks a small
-counter, and fetches a value only when it changed).
+first second after its first fetch (after 5, 15, 35, 75, 155, 315 and 635 ms),
+twice a second after that, and once more at the deadline (the last delay ends
+there); what a look costs is up to the caller (a reader makes at most one fetch
+and one ``compare_set`` per look, or checks a small counter, and fetches a value
+only when it changed).
 
 :meth:`RetryDelay.next` gives the same delays without sleeping, for a caller
 that spends them in a blocking store ``wait`` (which returns as soon as the

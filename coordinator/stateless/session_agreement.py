@@ -49,8 +49,8 @@ sends or receives a value, within that call's timeout)::
               |  another authentic rank-0 record there: a refusal under its I/confirm;
               |  some rank answered such a record (its answer exists there): a refusal under
               |  this rank's I/confirm, and AuthenticationError (in every later call too)
-              +--deadline--> AuthenticationError if P held an authentic record of another
-                             rank 0, else CommTimeout naming the ranks whose answer is missing
+              +--deadline--> the same if some rank answered such a record, else CommTimeout
+                             naming the ranks whose answer is missing
 
     rank t   waiting for I/confirm --exists--> reading --it lists N_0 and N_t--> +1 done: agreed
               |                                  |--a refusal, or a confirmation listing another
@@ -73,17 +73,18 @@ planted. A replay can keep ranks from agreeing, never make a rank accept a value
 sealed in another session.
 
 **Ranks that agree hold the same list.** Rank ``t`` accepts only a confirmation
-tagged under ``I/confirm`` for the ``N_0`` it verified that lists that ``N_0`` and
-its own fresh ``N_t``. ``I`` is derived from rank 0's fresh nonce, so no earlier
-incarnation wrote under it, and within this incarnation only rank 0 writes
-``I/confirm``, once, after it accepted an answer tagged under ``I/<s>`` for every
-``s`` (written by rank ``s`` of this incarnation, the only holder of the secret
-that saw ``N_0`` and writes that key). So every rank that agrees holds rank 0's
-list, which holds each rank's own nonce. A rank that verified an earlier
-incarnation's ``P`` waits under that incarnation's ``I``, where the only
-confirmation an earlier rank 0 wrote lists another ``N_t``: it never agrees.
-Records of earlier incarnations lie under other ``I``: nobody reads them, and
-their leftover counters cannot make a rank clean up this incarnation's keys.
+tagged under ``I/confirm`` (for the ``N_0`` it verified) that lists that ``N_0``
+and its own fresh ``N_t``. ``I`` is derived from rank 0's fresh nonce, so no
+earlier incarnation wrote under it; within this incarnation only rank 0 writes an
+authentic record there: one confirmation, after it accepted an authentic answer
+under ``I/<s>`` for every ``s`` (only rank ``s`` of this incarnation writes one,
+with its own nonce), or a refusal. So every rank that agrees holds rank 0's list,
+and the list holds each rank's own nonce. A rank that verified an earlier
+incarnation's ``P`` waits under that incarnation's ``I``, where an authentic
+record is that incarnation's confirmation (it lists another ``N_t``) or a refusal
+of a later rank 0: it never agrees. Records of earlier incarnations lie under
+other ``I``: nobody reads them, and their leftover counters cannot make a rank
+delete this incarnation's keys.
 
 **What fails, and says so.** A rank that verified an earlier record of rank 0
 (replayed over rank 0's before that rank read it, or left in a shared store by
