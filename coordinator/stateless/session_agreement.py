@@ -360,9 +360,10 @@ class SessionAgreement:
         if self._failure is not None:
             raise self._fail(*self._failure)
         step = f"{op} (session set-up)"
-        if self._world_size == 1:
-            nonces = [self._nonce]
-        elif self._rank == 0:
+        if self._world_size == 1:  # no store access at all
+            return Sealer(self._name, self._secret, session_of([self._nonce]), port=self._port,
+                          world_size=1)
+        if self._rank == 0:
             nonces = self._confirm(deadline, step)
         else:
             nonces = self._confirmed(deadline, step)

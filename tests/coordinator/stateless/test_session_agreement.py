@@ -100,11 +100,17 @@ def test_every_rank_contributes_and_the_ranks_agree(server: Any) -> None:
 
 
 def test_world_size_one_writes_nothing(server: Any) -> None:
-    a = _agreement(server.port, 0, 1)
+    calls: list[str] = []
+
+    def call(method: str, *args: Any, op: str, deadline: tuple[float, float] | None = None) -> Any:
+        calls.append(method)
+        return getattr(server, method)(*args)
+
+    a = SessionAgreement(NAME, 0, 1, server.port, label="rank 0", call=call)
     a.join(lambda: SECRET, 5.0)
     sealer = a.agree(_deadline(1.0), "test")
     assert sealer.open("g/k", sealer.seal("g/k", b"x")) == b"x"
-    assert server.num_keys() == 0
+    assert calls == [] and server.num_keys() == 0  # no store access at all
 
 
 def test_a_planted_answer_is_refused_until_the_ranks_own_replaces_it(server: Any) -> None:
