@@ -103,10 +103,13 @@ class StoreConnectionError(GroupCoordError, ConnectionError):
 class AuthenticationError(GroupCoordError, PermissionError):
     """A value read from a shared channel failed authentication and was not decoded.
 
-    Raised by :class:`~coordinator.stateless.stateless_group.StatelessProcessGroup` when a
-    value under one of its keys lacks a valid HMAC for the group's secret
-    (written by a process that does not hold the secret, altered, or moved from
-    another key), and when the group's secret cannot be established.
+    Raised by :class:`~coordinator.stateless.stateless_group.StatelessProcessGroup` when
+    no authentic value arrived under one of its keys in time (a value there failed
+    authentication under the group's secret and session: written by a process that
+    does not hold the secret, altered, moved from another key, or sealed in another
+    session), when the group's secret cannot be established, and when the ranks
+    cannot agree on a session: a session record was refused, or some rank verified a
+    record of rank 0 replayed from (or left by) an earlier incarnation of the group.
 
     Attributes:
         rejected: How many values were rejected before this error was raised.

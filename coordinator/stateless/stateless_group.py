@@ -24,8 +24,9 @@ Security (see ``docs/security-stateless.md``; the sealing itself is
   is stored under. A value that fails authentication is never decoded: the
   reader replaces it by an empty marker (only if it is still the value it
   refused: ``compare_set``), looks again with a back-off
-  (:mod:`coordinator.stateless.retry_delay`) and fetches a value again only
-  once a writer replaced the marker; at its timeout it raises
+  (:mod:`coordinator.stateless.retry_delay`: each look at most one fetch and
+  one ``compare_set``) and fetches a value again only once a writer replaced
+  the marker; at its timeout it raises
   :class:`~coordinator.errors.AuthenticationError`.
 * **No pickle.** Values are msgpack (msgspec). ``allow_pickle=True`` (on
   every rank) opts into pickle for other objects; a received pickle is
@@ -40,10 +41,10 @@ Security (see ``docs/security-stateless.md``; the sealing itself is
 
 Protocol (all through the store, keys prefixed with the group's name)::
 
-    session, session/<r>, session/writes, session/done
+    session, session/writes, session/<N_0 hex>/...
                        see coordinator.stateless.session_agreement: written when a
-                       rank joins, read in its first call; the last rank to agree
-                       deletes them
+                       rank joins, read in its first call (before that call takes
+                       a sequence number); the last rank to agree deletes them
     send_obj(dst)      set  p2p/<src>-><dst>/<seq>             recv_obj deletes it
     broadcast_obj(src) set  bcast/<seq>/<src>                  each reader adds 1 to
                                                                .../acks; the last
@@ -101,6 +102,10 @@ _DEFAULT_TIMEOUT = 300.0
 # What a reader writes over a value it refused (with compare_set, so only over
 # that value): no sealed or framed value is empty, and fetching it moves no bytes.
 _REFUSED = b""
+# Why a reader that only ever found the key empty waited in vain.
+_EMPTY_LOOK = ("every fetch found it empty: the empty marker a reader leaves over a value it "
+               "refused (another reader of this key refused one), or the key deleted between "
+               "the reader's wait and its get (by a process without the secret)")
 # How much longer than a call's own deadline its store request may take to be
 # answered before the store counts as not answering (the store's own timeout
 # ends a healthy wait at the deadline; the answer then takes milliseconds).
@@ -147,13 +152,18 @@ class StatelessProcessGroup:
         AuthenticationError: No authentic session record from rank 0 arrived
             within ``timeout``.
 
-    The constructor never waits for the other ranks: the session is agreed in
-    each rank's first call that sends or receives a value, within that call's
-    timeout, once every rank has been constructed (see
-    :mod:`coordinator.stateless.session_agreement`). That call raises
-    ``CommTimeout`` naming the ranks that were not constructed in time, or
-    ``AuthenticationError`` naming the session records it refused (replayed
-    from an earlier incarnation of the group, or forged).
+    Rank 0's constructor waits for no other rank; another rank's constructor
+    waits (up to ``timeout``) for rank 0's session record, so rank 0 must be
+    constructed by then, and for no other rank. The session is agreed in each
+    rank's first call that sends or receives a value, within that call's
+    timeout (see :mod:`coordinator.stateless.session_agreement`): on rank 0
+    once every rank has been constructed, on another rank once rank 0's first
+    such call has confirmed the session. That call raises ``CommTimeout``
+    naming the ranks that were not constructed in time (or rank 0, if it made
+    no such call in time), or ``AuthenticationError`` naming the session
+    records it refused (replayed from an earlier incarnation of the group, or
+    forged). A call that raised took no sequence number: calling it again
+    pairs with the peers' same call.
     """
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, name: str = "stateless",
@@ -190,8 +200,7 @@ class StatelessProcessGroup:
         else:
             self._agreement = SessionAgreement(
                 name, rank, world_size, self._store_port(),
-                label=f"stateless group {name!r} (rank {rank}/{world_size})",
-                call=self._call, wait=self._wait)
+                label=f"stateless group {name!r} (rank {rank}/{world_size})", call=self._call)
             self._agreement.join(_secret_source, self.timeout)
 
     @classmethod
@@ -278,14 +287,26 @@ class StatelessProcessGroup:
         """Send ``obj`` to rank ``dst`` (returns once the store confirmed it; does not
         wait for dst).
 
+        The rank's first call that sends or receives agrees on the session first,
+        within the group's timeout: it waits until every rank has been constructed
+        and, on a rank other than 0, until rank 0 made its own first such call.
+
         Raises:
             TypeError: ``obj`` cannot be sent without pickle (``dst`` then
                 raises ``CollectiveMismatch`` instead of waiting).
             StoreConnectionError: The store's host (rank 0) is gone. The value
                 may or may not have reached the store before it went.
-            CommTimeout: The store did not answer within the group's timeout.
+            CommTimeout: The store did not answer within the group's timeout;
+                or (first call) the session was not agreed by then: the message
+                names the ranks not constructed yet, or rank 0. Nothing was sent
+                and no sequence number taken: the call may be repeated.
+            AuthenticationError: (First call) the session could not be agreed:
+                a session record was refused, or replayed from an earlier
+                incarnation of the group (the message names it).
         """
         self._check_peer(dst, "dst")
+        if self._sealer is None:
+            self._agreed_sealer(None, "send_obj")
         key = self._key(f"p2p/{self.rank}->{dst}/{self._send_seq[dst]}")
         self._send_seq[dst] += 1
         self._put_obj(key, obj, "send_obj")
@@ -301,6 +322,8 @@ class StatelessProcessGroup:
         """
         self._check_peer(src, "src")
         deadline = self._deadline(timeout)  # checked before the call takes its number
+        if self._sealer is None:
+            self._agreed_sealer(deadline, "recv_obj")
         key = self._key(f"p2p/{src}->{self.rank}/{self._recv_seq[src]}")
         self._recv_seq[src] += 1
         data = self._get(key, deadline, "recv_obj", [src])
@@ -309,9 +332,16 @@ class StatelessProcessGroup:
 
     # ------------------------------------------------------------------ collectives
     def broadcast_obj(self, obj: Any | None, src: int, timeout: float | None = None) -> Any:
-        """Broadcast ``obj`` from rank ``src``; every rank returns it."""
+        """Broadcast ``obj`` from rank ``src``; every rank returns it.
+
+        The rank's first call that sends or receives agrees on the session first,
+        within ``timeout`` (see :meth:`send_obj`); if that fails, the call takes no
+        sequence number and may be repeated.
+        """
         _check_in_range(src, self.world_size, "src")
         deadline = self._deadline(timeout)  # checked (on every rank) before numbering
+        if self._sealer is None:
+            self._agreed_sealer(deadline, "broadcast_obj")
         seq = self._bcast_seq
         self._bcast_seq += 1
         key = self._key(f"bcast/{seq}/{src}")
@@ -329,6 +359,8 @@ class StatelessProcessGroup:
     def all_gather_obj(self, obj: Any, timeout: float | None = None) -> list[Any]:
         """Gather one object from every rank; returns the list ordered by rank."""
         deadline = self._deadline(timeout)
+        if self._sealer is None:
+            self._agreed_sealer(deadline, "all_gather_obj")
         seq = self._gather_seq
         self._gather_seq += 1
         base = self._key(f"gather/{seq}")
@@ -355,6 +387,8 @@ class StatelessProcessGroup:
             AuthenticationError: A rank's arrival record was not authentic.
         """
         deadline = self._deadline(timeout)
+        if self._sealer is None:
+            self._agreed_sealer(deadline, "barrier")
         seq = self._barrier_seq
         self._barrier_seq += 1
         arrive = [self._key(f"barrier/{seq}/{r}") for r in range(self.world_size)]
@@ -401,21 +435,19 @@ class StatelessProcessGroup:
 
     # ------------------------------------------------------------------ sealing
     def _agreed_sealer(self, deadline: tuple[float, float] | None, op: str) -> Sealer:
-        """The session's sealer, agreed now (the rank's first call that seals or opens).
+        """The session's sealer, agreed now (the rank's first call that seals or opens,
+        before it takes a sequence number).
 
         Raises:
-            CommTimeout: Some rank has not joined by the deadline.
-            AuthenticationError: Some rank's session record was refused until the deadline.
+            CommTimeout: Some rank has not joined (or rank 0 confirmed nothing) by the
+                deadline.
+            AuthenticationError: Some session record was refused until the deadline, or
+                was replayed from an earlier incarnation.
         """
         agreement = self._agreement
         assert agreement is not None  # no sealer yet only while a session is to be agreed
-        if deadline is None:
-            deadline = self._deadline(None)
-        sealer = agreement.agree(deadline, op)
+        sealer = agreement.agree(self._deadline(None) if deadline is None else deadline, op)
         self._sealer = sealer
-        if self.world_size > 1:
-            self._ack_and_clean(agreement.done_key, self.world_size, agreement.keys_to_clean(),
-                                op, deadline)
         return sealer
 
     def _store_port(self) -> int:
@@ -538,46 +570,66 @@ class StatelessProcessGroup:
 
     def _get_after_refusal(self, sealer: Sealer, key: str, refused: bytes, why: str,
                            deadline: tuple[float, float], op: str, peers: list[int]) -> bytes:
-        """Wait for an authentic value under ``key``, whose value ``refused`` failed.
+        """Wait for an authentic value under ``key``, whose value ``refused`` failed
+        (``refused`` empty: the key held the empty marker, or was deleted after the wait).
 
-        The refused value is replaced by the empty marker, atomically and only if it
-        is still there (``compare_set``: a writer's value that replaced it meanwhile is
-        returned instead). Until a writer replaces the marker, the reader looks at the
-        key no more often than :class:`RetryDelay` allows, fetching the empty marker; a
-        value is fetched (and authenticated) again only once it changed.
+        A refused value is replaced by the empty marker, atomically and only if it is
+        still there (``compare_set``: a value a writer put there meanwhile comes back
+        instead, and is opened). Every later look at the key comes after the next
+        :class:`RetryDelay` (whose deadline ends the wait) and makes at most one fetch
+        (``wait`` and ``get``, only when no refused value is known to be there) and one
+        ``compare_set`` (of the value refused last). A value is fetched again only once
+        it changed.
         """
-        count = 0
+        rejected = 0
         delay = RetryDelay(deadline[0])
-        value = refused  # the value last fetched, refused
+        if refused == _REFUSED:
+            why = _EMPTY_LOOK
+            pending: bytes | None = None  # a refused value that may still be under the key
+        else:
+            rejected, pending = 1, refused
+            self._rejected += 1
         while True:
-            if value != _REFUSED:
-                count += 1
-                self._rejected += 1
-                # The marker; or what a writer put there since (or `value`: key deleted).
-                now = self._call("compare_set", key, value, _REFUSED, op=op, deadline=deadline)
-                if now not in (value, _REFUSED):
-                    value = now
+            if pending is not None:
+                # The marker; or what a writer put there since (`pending`: key deleted).
+                now = self._call("compare_set", key, pending, _REFUSED, op=op, deadline=deadline)
+                last, pending = pending, None
+                if now not in (last, _REFUSED):
                     try:
-                        return sealer.open(key, value)
-                    except AuthenticationError as e:
-                        why = str(e)
-                        continue
-            elif count == 0:
-                why = "another reader refused the value there and left the empty marker"
+                        return sealer.open(key, now)
+                    except AuthenticationError as e:  # replaced by the marker at the next look
+                        why, pending = str(e), now
+                        rejected += 1
+                        self._rejected += 1
             if not delay.sleep():
-                raise AuthenticationError(
-                    f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op "
-                    f"{op}: {count} value(s) under {key!r} failed authentication and no "
-                    f"authentic one arrived within {deadline[1]:.1f}s; none was decoded ({why})",
-                    rejected=count, queue=self.name, peers=peers)
-            self._wait([key], deadline, op, peers)  # an outsider may have deleted it
-            value = self._call("get", key, op=op, deadline=deadline)
-            if value == _REFUSED:
-                continue
-            try:
-                return sealer.open(key, value)
-            except AuthenticationError as e:
-                why = str(e)
+                raise self._refused_until_deadline(key, rejected, why, deadline, op, peers)
+            if pending is None:
+                self._wait([key], deadline, op, peers)  # an outsider may have deleted it
+                value = self._call("get", key, op=op, deadline=deadline)
+                if value == _REFUSED:
+                    if not rejected:
+                        why = _EMPTY_LOOK
+                    continue
+                try:
+                    return sealer.open(key, value)
+                except AuthenticationError as e:
+                    why, pending = str(e), value
+                    rejected += 1
+                    self._rejected += 1
+
+    def _refused_until_deadline(self, key: str, rejected: int, why: str,
+                                deadline: tuple[float, float], op: str,
+                                peers: list[int]) -> AuthenticationError:
+        """The error of a reader that found no authentic value under ``key`` in time."""
+        head = f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
+        if rejected:
+            what = (f"{rejected} value(s) under {key!r} failed authentication and no "
+                    f"authentic one arrived within {deadline[1]:.1f}s; none was decoded "
+                    f"(last: {why})")
+        else:
+            what = (f"no value under {key!r} could be read within {deadline[1]:.1f}s and none "
+                    f"failed authentication here: {why}")
+        return AuthenticationError(head + what, rejected=rejected, queue=self.name, peers=peers)
 
     def _ack_and_clean(self, counter: str, readers: int, keys: list[str], op: str,
                        deadline: tuple[float, float]) -> None:

@@ -76,6 +76,42 @@ def test_stateless_bad_arguments() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_first_call_that_fails_to_agree_takes_no_sequence_number() -> None:
+    """Rank 2 of three is not constructed yet: rank 0's first send_obj, and a first
+    broadcast, fail with CommTimeout naming it. Once rank 2 joins, the repeated calls
+    pair with rank 1's (and rank 2's) first calls. The failed calls used to take their
+    sequence numbers: the repeated value went under the next one, and rank 1 waited
+    for the first in vain."""
+    import datetime
+
+    port, secret = free_port(), StatelessProcessGroup.generate_secret()
+
+    def client() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10))
+
+    g0 = StatelessProcessGroup.create("127.0.0.1", port, 0, 3, timeout=0.5, name="sq",
+                                      secret=secret)
+    g1 = StatelessProcessGroup(1, 3, client(), name="sq", timeout=5, secret=secret)
+    g2 = None
+    try:
+        with pytest.raises(CommTimeout) as err:
+            g0.send_obj("hello", 1)
+        assert list(err.value.peers) == [2], err.value
+        with pytest.raises(CommTimeout):
+            g0.broadcast_obj("to all", src=0)
+        g2 = StatelessProcessGroup(2, 3, client(), name="sq", timeout=5, secret=secret)
+        g0.send_obj("hello again", 1)
+        assert g1.recv_obj(0) == "hello again"
+        assert g0.broadcast_obj("to all again", src=0) == "to all again"
+        assert [g.broadcast_obj(None, src=0) for g in (g1, g2)] == ["to all again"] * 2
+    finally:
+        for g in (g2, g1, g0):
+            if g is not None:
+                g.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_value_as_large_as_the_store_carries_round_trips() -> None:
     """torch's (libuv) TCPStore carries values up to 8 MiB; the largest object whose
     sealed value fills that exactly goes from rank 0 to rank 1 intact."""

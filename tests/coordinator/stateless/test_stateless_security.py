@@ -519,6 +519,9 @@ def test_a_value_relayed_from_another_session_fails(source: str) -> None:
     b0 = StatelessProcessGroup.create(HOST, pb, 0, 2, timeout=10, secret=secret)
     b1 = StatelessProcessGroup.create(HOST, pb, 1, 2, timeout=10, secret=secret)
     try:
+        # Rank 0 sends (it agrees on the session, which rank 1's first call waits
+        # for); the outsider writes the relayed value over it before rank 1 reads.
+        b0.send_obj("from B", dst=1)
         _store_client(pb).set("stateless/p2p/0->1/0", relayed)
         with pytest.raises(AuthenticationError, match="wrong authentication tag"):
             b1.recv_obj(src=0, timeout=1.0)
