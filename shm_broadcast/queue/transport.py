@@ -143,6 +143,8 @@ __all__ = [
     "SHARED_KEY_LABEL",
     "CONTROL_QUEUE_FRAMES",
     "CONNECTIONS_PER_KEY",
+    "MAX_RANK",
+    "outbound_queue_messages",
     "count_failed_handshakes",
     "NO_RECONNECT_MS",
     "KEEPALIVE_IDLE_S",
@@ -183,6 +185,26 @@ CONTROL_QUEUE_FRAMES = 16
 #: life (a shared key: that many per remote reader). A reader opens one per
 #: socket and never reconnects.
 CONNECTIONS_PER_KEY = 2
+
+
+def outbound_queue_messages(remote_window: int) -> int:
+    """Messages the writer's data socket queues per connection (``ZMQ_SNDHWM``);
+    beyond it XPUB drops that connection's messages.
+
+    An honest reader never reaches it: the writer sends message ``n`` only once
+    every remote reader acknowledged ``n - remote_window``, and a reader
+    acknowledges only messages it has taken off its socket, so at most
+    ``remote_window`` messages and a READY or SHUTDOWN marker of a remote
+    reader's are anywhere between the two sockets (a local reader's overflow
+    payloads: at most ``max_chunks``, less than the window). libzmq learns of
+    the messages its I/O thread took off the queue in steps of half the limit,
+    so the queue may look up to that many messages fuller than it is; twice
+    the window and a margin covers both. A peer that acks without reading (or
+    an extra connection that never reads) therefore makes the writer hold at
+    most this many messages for it, and loses the rest; a reader that lost one
+    sees a gap in the sequence numbers and raises.
+    """
+    return 2 * remote_window + 8
 #: A remote reader subscribes to ``TOPIC_JOINED + b"<rank>"`` right after
 #: ``TOPIC_REMOTE``: nothing is ever published under it, but the writer's XPUB
 #: reports it, and since one connection's subscriptions arrive in order, seeing
@@ -192,6 +214,9 @@ CONNECTIONS_PER_KEY = 2
 #: key) and let the writer publish READY before a real reader subscribed.
 TOPIC_JOINED = b"j"
 _RANK_DIGITS = 9  # ranks below 10**9; longer subscriptions and routing ids are not ours
+#: The largest rank a remote reader can have: its routing id and joined topic
+#: carry at most nine digits.
+MAX_RANK = 10**_RANK_DIGITS - 1
 
 
 def joined_topic(rank: int) -> bytes:
@@ -268,12 +293,14 @@ KEEPALIVE_PROBES = 5
 
 def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
                reconnect: bool = False, max_in: int | None = None,
-               queued_in: int = 0, serve: bool = False) -> zmq.SyncSocket:
-    """Create a socket with our defaults: no linger, unbounded outbound queues.
+               queued_in: int = 0, queued_out: int = 0,
+               serve: bool = False) -> zmq.SyncSocket:
+    """Create a socket with our defaults: no linger, outbound queues unbounded
+    unless ``queued_out`` says otherwise.
 
-    Outbound queues are unbounded because flow control is ours (the ring for
-    local readers, acks for remote ones): zmq's high-water mark would silently
-    drop PUB messages instead.
+    Flow control is ours (the ring for local readers, acks for remote ones):
+    zmq's high-water mark drops PUB messages, so a finite one is set only where
+    flow control keeps every honest peer below it (:func:`outbound_queue_messages`).
 
     Args:
         ctx: The queue side's context.
@@ -290,6 +317,9 @@ def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
         queued_in: Frames held per connection before zmq stops reading it
             (``zmq.RCVHWM``; the peer waits, nothing is dropped); 0: unbounded
             (for sockets that receive message payloads).
+        queued_out: Messages queued per connection before zmq drops (PUB)
+            or holds back (others) what is sent to it (``zmq.SNDHWM``); 0:
+            unbounded.
         serve: A socket that binds for clients (the writer's): a connection
             that has not completed its handshake within
             :data:`SERVE_HANDSHAKE_MS` is dropped, so silent clients cannot
@@ -301,7 +331,7 @@ def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
     s.setsockopt(zmq.LINGER, 0)
     if not reconnect:
         s.setsockopt(zmq.RECONNECT_IVL, NO_RECONNECT_MS)  # see the module docstring
-    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.SNDHWM, queued_out)
     s.setsockopt(zmq.RCVHWM, queued_in)
     if serve:
         s.setsockopt(zmq.HANDSHAKE_IVL, SERVE_HANDSHAKE_MS)
@@ -452,7 +482,7 @@ def count_failed_handshakes(mon: zmq.SyncSocket | None) -> tuple[int, list[int]]
     """Drain a monitor socket: count failed handshakes, collect disconnected fds.
 
     Returns:
-        ``(failed, disconnected_fds)``.
+        ``(failed, disconnected_fds)``, the fds in the order libzmq reported them.
     """
     from zmq.utils.monitor import parse_monitor_message
 

@@ -82,6 +82,7 @@ from shm_broadcast.queue.transport import (
     KIND_OVERFLOW,
     KIND_READY,
     KIND_SHUTDOWN,
+    MAX_RANK,
     SHARED_KEY_LABEL,
     TOPIC_OVERFLOW,
     TOPIC_REMOTE,
@@ -95,6 +96,7 @@ from shm_broadcast.queue.transport import (
     make_curve_server,
     new_keypair,
     new_socket,
+    outbound_queue_messages,
     stop_monitor,
 )
 from shm_broadcast.queue.writer_control import WriterControl, check_reader_keys
@@ -273,7 +275,8 @@ class QueueWriter:
         res.callback(guard_zmq(self, ctx, parts).detach)
         remote = self.n_remote > 0
         pub = new_socket(ctx, zmq.XPUB, tcp=remote, reconnect=True, max_in=CONTROL_MAX_BYTES,
-                         queued_in=CONTROL_QUEUE_FRAMES, serve=True)
+                         queued_in=CONTROL_QUEUE_FRAMES,
+                         queued_out=outbound_queue_messages(self.remote_window), serve=True)
         res.callback(_close_publisher, pub)
         pub.setsockopt(zmq.XPUB_VERBOSER, 1)
         ctl = new_socket(ctx, zmq.ROUTER, tcp=remote, reconnect=True, max_in=CONTROL_MAX_BYTES,
@@ -358,11 +361,19 @@ class QueueWriter:
         client keypair only for a single remote reader or a shared key.
 
         Raises:
-            ValueError: Keys were already made for as many ranks as the queue
-                has remote readers, none of them ``rank``.
+            ValueError: ``rank`` is the writer's own rank or beyond
+                :data:`~shm_broadcast.queue.transport.MAX_RANK` (no reader can
+                have it), or keys were already made for as many ranks as the
+                queue has remote readers, none of them ``rank``.
         """
+        if rank is None or rank in self.local_ranks:
+            return self.handle
+        if rank == self.writer_rank or not 0 <= rank <= MAX_RANK:
+            raise ValueError(
+                f"rank must be a reader's rank: an int in [0, {MAX_RANK}] other than the "
+                f"writer's own rank {self.writer_rank}, got {rank}")
         issued = self._issued
-        if rank is None or issued is None or rank in self.local_ranks:
+        if issued is None:
             return self.handle
         keys = issued.get(rank)
         if keys is None:
@@ -667,8 +678,8 @@ class QueueWriter:
             self._raise_if_remote_reader_dead(self._remote, remote)
 
     def _raise_if_cut_off(self, control: WriterControl) -> None:
-        """End the queue if a reader key sent more subscriptions than a reader does
-        (see :mod:`shm_broadcast.queue.inbound_limits`): shut it down (readers get
+        """End the queue if a reader key sent more subscriptions than a reader does,
+        or a message of more parts (see :mod:`shm_broadcast.queue.inbound_limits`): shut it down (readers get
         what was sent, then QueueClosedError; later calls here raise it too) and
         raise PeerDiedError naming the key's rank(s)."""
         cut = control.budgets.cut_off
@@ -683,8 +694,9 @@ class QueueWriter:
             who = f"the key of remote reader rank(s) {ranks}"
         raise PeerDiedError(
             f"queue {self.name!r}: {who} {next(iter(cut.values()))}; the {self.side} cut it "
-            f"off and stops here (its data socket keeps a connected peer's subscriptions "
-            f"until the queue is closed)", queue=self.name, side=self.side, peers=ranks)
+            f"off and stops here (libzmq keeps what a connected peer sent, such as its "
+            f"subscriptions, until the queue is closed)", queue=self.name, side=self.side,
+            peers=ranks)
 
     def _raise_if_local_reader_dead(self, ring: ShmRingBuffer, local: list[int]) -> None:
         for i in local:
