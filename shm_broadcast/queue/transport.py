@@ -188,23 +188,28 @@ CONNECTIONS_PER_KEY = 2
 
 
 def outbound_queue_messages(remote_window: int) -> int:
-    """Messages the writer's data socket queues per connection (``ZMQ_SNDHWM``);
-    beyond it XPUB drops that connection's messages.
+    """Messages the writer's data socket queues per TCP connection
+    (``ZMQ_SNDHWM`` of its TCP listener); beyond it XPUB drops that
+    connection's messages.
 
-    An honest reader never reaches it: the writer sends message ``n`` only once
-    every remote reader acknowledged ``n - remote_window``, and a reader
-    acknowledges only messages it has taken off its socket, so at most
-    ``remote_window`` messages and a READY or SHUTDOWN marker of a remote
-    reader's are anywhere between the two sockets (a local reader's overflow
-    payloads: at most ``max_chunks``, less than the window). libzmq learns of
-    the messages its I/O thread took off the queue in steps of half the limit,
-    so the queue may look up to that many messages fuller than it is; twice
-    the window and a margin covers both. A peer that acks without reading (or
-    an extra connection that never reads) therefore makes the writer hold at
-    most this many messages for it, and loses the rest; a reader that lost one
-    sees a gap in the sequence numbers and raises.
+    An honest reader never reaches it. The writer sends message ``n`` only once
+    every remote reader acknowledged ``n + 1 - remote_window`` messages, and a
+    reader acknowledges only messages it took off its socket, which libzmq's
+    I/O thread took off the writer's queue before. libzmq counts what left the
+    queue in steps of ``(limit + 1) // 2`` messages, reported to the socket as
+    commands; the writer has the data socket take its commands in
+    (``ZMQ_EVENTS``) each time it applied acks, so when it sends, the queue
+    looks at most ``remote_window`` messages (with a READY or SHUTDOWN marker)
+    plus one step short of that fuller than the acks allow: under
+    ``2 * remote_window + 8``. A peer that acks without reading, or a second
+    connection that never reads, therefore makes the writer hold at most this
+    many messages for it and loses the rest; a reader that lost one sees a gap
+    in the sequence numbers and raises. The ipc listener stays unbounded:
+    local readers are paced by the ring, not by acks.
     """
     return 2 * remote_window + 8
+
+
 #: A remote reader subscribes to ``TOPIC_JOINED + b"<rank>"`` right after
 #: ``TOPIC_REMOTE``: nothing is ever published under it, but the writer's XPUB
 #: reports it, and since one connection's subscriptions arrive in order, seeing
@@ -293,14 +298,13 @@ KEEPALIVE_PROBES = 5
 
 def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
                reconnect: bool = False, max_in: int | None = None,
-               queued_in: int = 0, queued_out: int = 0,
-               serve: bool = False) -> zmq.SyncSocket:
-    """Create a socket with our defaults: no linger, outbound queues unbounded
-    unless ``queued_out`` says otherwise.
+               queued_in: int = 0, serve: bool = False) -> zmq.SyncSocket:
+    """Create a socket with our defaults: no linger, unbounded outbound queues.
 
-    Flow control is ours (the ring for local readers, acks for remote ones):
-    zmq's high-water mark drops PUB messages, so a finite one is set only where
-    flow control keeps every honest peer below it (:func:`outbound_queue_messages`).
+    Outbound queues are unbounded because flow control is ours (the ring for
+    local readers, acks for remote ones): zmq's high-water mark would silently
+    drop PUB messages instead. The writer's TCP data listener is the exception
+    (:func:`outbound_queue_messages`).
 
     Args:
         ctx: The queue side's context.
@@ -317,9 +321,6 @@ def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
         queued_in: Frames held per connection before zmq stops reading it
             (``zmq.RCVHWM``; the peer waits, nothing is dropped); 0: unbounded
             (for sockets that receive message payloads).
-        queued_out: Messages queued per connection before zmq drops (PUB)
-            or holds back (others) what is sent to it (``zmq.SNDHWM``); 0:
-            unbounded.
         serve: A socket that binds for clients (the writer's): a connection
             that has not completed its handshake within
             :data:`SERVE_HANDSHAKE_MS` is dropped, so silent clients cannot
@@ -331,7 +332,7 @@ def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
     s.setsockopt(zmq.LINGER, 0)
     if not reconnect:
         s.setsockopt(zmq.RECONNECT_IVL, NO_RECONNECT_MS)  # see the module docstring
-    s.setsockopt(zmq.SNDHWM, queued_out)
+    s.setsockopt(zmq.SNDHWM, 0)
     s.setsockopt(zmq.RCVHWM, queued_in)
     if serve:
         s.setsockopt(zmq.HANDSHAKE_IVL, SERVE_HANDSHAKE_MS)

@@ -275,8 +275,7 @@ class QueueWriter:
         res.callback(guard_zmq(self, ctx, parts).detach)
         remote = self.n_remote > 0
         pub = new_socket(ctx, zmq.XPUB, tcp=remote, reconnect=True, max_in=CONTROL_MAX_BYTES,
-                         queued_in=CONTROL_QUEUE_FRAMES,
-                         queued_out=outbound_queue_messages(self.remote_window), serve=True)
+                         queued_in=CONTROL_QUEUE_FRAMES, serve=True)
         res.callback(_close_publisher, pub)
         pub.setsockopt(zmq.XPUB_VERBOSER, 1)
         ctl = new_socket(ctx, zmq.ROUTER, tcp=remote, reconnect=True, max_in=CONTROL_MAX_BYTES,
@@ -304,6 +303,8 @@ class QueueWriter:
             res.callback(auth.stop)  # its socket lives on ctx: stopped before term()
             ip = connect_ip or host_ip()
             make_curve_server(pub, self._server_keys[1], ZAP_DOMAIN_DATA)
+            # Like the mechanism, taken per listener at bind: TCP connections only.
+            pub.setsockopt(zmq.SNDHWM, outbound_queue_messages(self.remote_window))
             make_curve_server(ctl, self._server_keys[1])
             for sock in (pub, ctl):
                 if ":" in ip:
@@ -679,9 +680,9 @@ class QueueWriter:
 
     def _raise_if_cut_off(self, control: WriterControl) -> None:
         """End the queue if a reader key sent more subscriptions than a reader does,
-        or a message of more parts (see :mod:`shm_broadcast.queue.inbound_limits`): shut it down (readers get
-        what was sent, then QueueClosedError; later calls here raise it too) and
-        raise PeerDiedError naming the key's rank(s)."""
+        or a message of more parts (see :mod:`shm_broadcast.queue.inbound_limits`):
+        shut it down (readers get what was sent, then QueueClosedError; later
+        calls here raise it too) and raise PeerDiedError naming the key's rank(s)."""
         cut = control.budgets.cut_off
         if not cut:
             return

@@ -284,6 +284,7 @@ class WriterControl:
         """
         ctl = self.ctl
         budgets = self.budgets
+        acked = self.min_acked
         left = DRAIN_FRAMES
         if self._skipping["ctl"]:
             left = self._skip_parts("ctl", ctl, left)
@@ -307,6 +308,11 @@ class WriterControl:
                 continue
             if not self._on_ctl(ident, body, sent):
                 budgets.refuse(ident)
+        if self.min_acked != acked:
+            # The credit grew: have the data socket take in libzmq's reports of
+            # what left its queues before anything is sent against that credit
+            # (transport.outbound_queue_messages).
+            self.pub.get(zmq.EVENTS)
         self._take_monitor()
 
     def _take_monitor(self) -> None:
