@@ -40,6 +40,10 @@ Channel security (protocol, see :mod:`shm_broadcast.queue.transport` and
   frames of at most ``transport.CONTROL_MAX_BYTES`` and hold at most
   ``transport.CONTROL_QUEUE_FRAMES`` per connection; each drain takes a
   bounded number of frames (:mod:`shm_broadcast.queue.inbound_limits`).
+* The data socket queues at most
+  :func:`~shm_broadcast.queue.transport.outbound_queue_messages` messages per
+  TCP connection (flow control keeps every reader that acks what it read
+  below it; a connection that does not read loses the rest).
 * Per message, the enqueue path reads no inbound traffic. A writer with
   remote readers drains both sockets whenever it checks its credit (at least once
   per ``remote_window`` messages, since the credit it knows of only moves
