@@ -16,9 +16,14 @@ hello, acks and goodbye. What holds, per peer:
 * **Invalid control frames, per connection** (its routing id): a reader
   never sends one. After :data:`BAD_FRAMES_PER_PEER` of them every later
   frame of that connection is read and dropped unparsed.
-* **Work per call**: a drain takes at most :data:`DRAIN_FRAMES` frames off a
-  socket; the rest wait in zmq's bounded queue (``transport.CONTROL_QUEUE_FRAMES``
-  per connection) and the peer's kernel buffers.
+* **Messages of more parts than the protocol's, per client key.** A
+  subscription is one frame, a control message one frame after the routing
+  id; the first message with more parts cuts its key off as above (over ipc
+  it counts as an invalid frame), and its parts are dropped unread.
+* **Work per call**: a drain takes at most :data:`DRAIN_FRAMES` messages, or
+  dropped parts of a too-long one, off a socket; the rest wait in zmq's
+  bounded queue (``transport.CONTROL_QUEUE_FRAMES`` messages per connection)
+  and the peer's kernel buffers.
 
 Valid control frames need no budget of their own: a reader sends one hello,
 one goodbye, and acks whose counts strictly increase up to the messages sent,
@@ -77,12 +82,14 @@ class PeerBudgets:
         n = self._subscriptions.get(label, 0) + 1
         self._subscriptions[label] = n
         if n > self.subscriptions_per_key:
-            if label not in self.cut_off:
-                self.cut_off[label] = (f"sent more than {self.subscriptions_per_key} "
-                                       "subscriptions")
+            self.cut(label, f"sent more than {self.subscriptions_per_key} subscriptions")
             self.subscriptions_dropped += 1
             return False
         return True
+
+    def cut(self, label: str, why: str) -> None:
+        """Cut key ``label`` off (the first reason given stays)."""
+        self.cut_off.setdefault(label, why)
 
     def drop_subscription(self) -> None:
         """Count a subscription that is not applied (not the queue's, or wrong key)."""

@@ -61,6 +61,7 @@ from shm_broadcast.queue.options import (
 )
 from shm_broadcast.queue.process_group import create_from_process_group
 from shm_broadcast.queue.remote_reader import RemoteReader
+from shm_broadcast.queue.transport import MAX_RANK
 from shm_broadcast.queue.writer import QueueWriter
 from shm_broadcast.waiting.policy import WaitPolicy
 
@@ -228,6 +229,7 @@ class MessageQueue:
             index = handle.local_reader_ranks.index(rank)
             reader = LocalReader(handle, index, rank, policy, codec)
         else:
+            check_int(rank, "rank (of a remote reader)", maximum=MAX_RANK)
             reader = RemoteReader(handle, rank, policy, codec, client_keypair=curve_keypair)
         self._init_common(reader, rank)
         return self
@@ -361,8 +363,9 @@ class MessageQueue:
                 rank): send it to that reader only.
 
         Raises:
-            TypeError, ValueError: ``rank`` is not a rank, or a remote rank
-                beyond the queue's number of remote readers.
+            TypeError, ValueError: ``rank`` is not a rank, is the writer's own,
+                is beyond :data:`~shm_broadcast.queue.transport.MAX_RANK`, or is
+                a remote rank beyond the queue's number of remote readers.
         """
         if not self._writer:
             raise QueueRoleError(f"queue {self.name!r}: export_handle() is for the writer; "

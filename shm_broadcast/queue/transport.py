@@ -143,6 +143,8 @@ __all__ = [
     "SHARED_KEY_LABEL",
     "CONTROL_QUEUE_FRAMES",
     "CONNECTIONS_PER_KEY",
+    "MAX_RANK",
+    "outbound_queue_messages",
     "count_failed_handshakes",
     "NO_RECONNECT_MS",
     "KEEPALIVE_IDLE_S",
@@ -183,6 +185,31 @@ CONTROL_QUEUE_FRAMES = 16
 #: life (a shared key: that many per remote reader). A reader opens one per
 #: socket and never reconnects.
 CONNECTIONS_PER_KEY = 2
+
+
+def outbound_queue_messages(remote_window: int) -> int:
+    """Messages the writer's data socket queues per TCP connection
+    (``ZMQ_SNDHWM`` of its TCP listener); beyond it XPUB drops that
+    connection's messages.
+
+    An honest reader never reaches it. The writer sends message ``n`` only once
+    every remote reader acknowledged ``n + 1 - remote_window`` messages, and a
+    reader acknowledges only messages it took off its socket, which libzmq's
+    I/O thread took off the writer's queue before. libzmq counts what left the
+    queue in steps of ``(limit + 1) // 2`` messages, reported to the socket as
+    commands; the writer has the data socket take its commands in
+    (``ZMQ_EVENTS``) each time it applied acks, so when it sends, the queue
+    looks at most ``remote_window`` messages (with a READY or SHUTDOWN marker)
+    plus one step short of that fuller than the acks allow: under
+    ``2 * remote_window + 8``. A peer that acks without reading, or a second
+    connection that never reads, therefore makes the writer hold at most this
+    many messages for it and loses the rest; a reader that lost one sees a gap
+    in the sequence numbers and raises. The ipc listener stays unbounded:
+    local readers are paced by the ring, not by acks.
+    """
+    return 2 * remote_window + 8
+
+
 #: A remote reader subscribes to ``TOPIC_JOINED + b"<rank>"`` right after
 #: ``TOPIC_REMOTE``: nothing is ever published under it, but the writer's XPUB
 #: reports it, and since one connection's subscriptions arrive in order, seeing
@@ -192,6 +219,9 @@ CONNECTIONS_PER_KEY = 2
 #: key) and let the writer publish READY before a real reader subscribed.
 TOPIC_JOINED = b"j"
 _RANK_DIGITS = 9  # ranks below 10**9; longer subscriptions and routing ids are not ours
+#: The largest rank a remote reader can have: its routing id and joined topic
+#: carry at most nine digits.
+MAX_RANK = 10**_RANK_DIGITS - 1
 
 
 def joined_topic(rank: int) -> bytes:
@@ -273,7 +303,8 @@ def new_socket(ctx: zmq.SyncContext, kind: int, *, tcp: bool = False,
 
     Outbound queues are unbounded because flow control is ours (the ring for
     local readers, acks for remote ones): zmq's high-water mark would silently
-    drop PUB messages instead.
+    drop PUB messages instead. The writer's TCP data listener is the exception
+    (:func:`outbound_queue_messages`).
 
     Args:
         ctx: The queue side's context.
@@ -452,7 +483,7 @@ def count_failed_handshakes(mon: zmq.SyncSocket | None) -> tuple[int, list[int]]
     """Drain a monitor socket: count failed handshakes, collect disconnected fds.
 
     Returns:
-        ``(failed, disconnected_fds)``.
+        ``(failed, disconnected_fds)``, the fds in the order libzmq reported them.
     """
     from zmq.utils.monitor import parse_monitor_message
 

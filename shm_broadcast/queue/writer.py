@@ -40,6 +40,10 @@ Channel security (protocol, see :mod:`shm_broadcast.queue.transport` and
   frames of at most ``transport.CONTROL_MAX_BYTES`` and hold at most
   ``transport.CONTROL_QUEUE_FRAMES`` per connection; each drain takes a
   bounded number of frames (:mod:`shm_broadcast.queue.inbound_limits`).
+* The data socket queues at most
+  :func:`~shm_broadcast.queue.transport.outbound_queue_messages` messages per
+  TCP connection (flow control keeps every reader that acks what it read
+  below it; a connection that does not read loses the rest).
 * Per message, the enqueue path reads no inbound traffic. A writer with
   remote readers drains both sockets whenever it checks its credit (at least once
   per ``remote_window`` messages, since the credit it knows of only moves
@@ -82,6 +86,7 @@ from shm_broadcast.queue.transport import (
     KIND_OVERFLOW,
     KIND_READY,
     KIND_SHUTDOWN,
+    MAX_RANK,
     SHARED_KEY_LABEL,
     TOPIC_OVERFLOW,
     TOPIC_REMOTE,
@@ -95,6 +100,7 @@ from shm_broadcast.queue.transport import (
     make_curve_server,
     new_keypair,
     new_socket,
+    outbound_queue_messages,
     stop_monitor,
 )
 from shm_broadcast.queue.writer_control import WriterControl, check_reader_keys
@@ -301,6 +307,8 @@ class QueueWriter:
             res.callback(auth.stop)  # its socket lives on ctx: stopped before term()
             ip = connect_ip or host_ip()
             make_curve_server(pub, self._server_keys[1], ZAP_DOMAIN_DATA)
+            # Like the mechanism, taken per listener at bind: TCP connections only.
+            pub.setsockopt(zmq.SNDHWM, outbound_queue_messages(self.remote_window))
             make_curve_server(ctl, self._server_keys[1])
             for sock in (pub, ctl):
                 if ":" in ip:
@@ -358,11 +366,19 @@ class QueueWriter:
         client keypair only for a single remote reader or a shared key.
 
         Raises:
-            ValueError: Keys were already made for as many ranks as the queue
-                has remote readers, none of them ``rank``.
+            ValueError: ``rank`` is the writer's own rank or beyond
+                :data:`~shm_broadcast.queue.transport.MAX_RANK` (no reader can
+                have it), or keys were already made for as many ranks as the
+                queue has remote readers, none of them ``rank``.
         """
+        if rank is None or rank in self.local_ranks:
+            return self.handle
+        if rank == self.writer_rank or not 0 <= rank <= MAX_RANK:
+            raise ValueError(
+                f"rank must be a reader's rank: an int in [0, {MAX_RANK}] other than the "
+                f"writer's own rank {self.writer_rank}, got {rank}")
         issued = self._issued
-        if rank is None or issued is None or rank in self.local_ranks:
+        if issued is None:
             return self.handle
         keys = issued.get(rank)
         if keys is None:
@@ -667,10 +683,10 @@ class QueueWriter:
             self._raise_if_remote_reader_dead(self._remote, remote)
 
     def _raise_if_cut_off(self, control: WriterControl) -> None:
-        """End the queue if a reader key sent more subscriptions than a reader does
-        (see :mod:`shm_broadcast.queue.inbound_limits`): shut it down (readers get
-        what was sent, then QueueClosedError; later calls here raise it too) and
-        raise PeerDiedError naming the key's rank(s)."""
+        """End the queue if a reader key sent more subscriptions than a reader does,
+        or a message of more parts (see :mod:`shm_broadcast.queue.inbound_limits`):
+        shut it down (readers get what was sent, then QueueClosedError; later
+        calls here raise it too) and raise PeerDiedError naming the key's rank(s)."""
         cut = control.budgets.cut_off
         if not cut:
             return
@@ -683,8 +699,9 @@ class QueueWriter:
             who = f"the key of remote reader rank(s) {ranks}"
         raise PeerDiedError(
             f"queue {self.name!r}: {who} {next(iter(cut.values()))}; the {self.side} cut it "
-            f"off and stops here (its data socket keeps a connected peer's subscriptions "
-            f"until the queue is closed)", queue=self.name, side=self.side, peers=ranks)
+            f"off and stops here (libzmq keeps what a connected peer sent, such as its "
+            f"subscriptions, until the queue is closed)", queue=self.name, side=self.side,
+            peers=ranks)
 
     def _raise_if_local_reader_dead(self, ring: ShmRingBuffer, local: list[int]) -> None:
         for i in local:

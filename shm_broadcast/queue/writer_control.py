@@ -17,9 +17,29 @@ Subscriptions count only from the peer they belong to: the overflow topic
 from a local (ipc) reader, the data topic and ``TOPIC_JOINED + rank`` from a
 ZAP-admitted TCP connection, and with per-reader keys the joined topic of
 ``rank`` only over ``rank``'s own key. Any other subscription is dropped and
-counted (``subscriptions_dropped``), never stored by this object.
-Unsubscriptions libzmq makes itself when a connection ends carry no key;
-they undo the counts they name and are charged to nobody.
+counted (``subscriptions_dropped``), never stored by this object. An
+unsubscription undoes only a subscription the writer accepted from the same
+key. Unsubscriptions libzmq makes itself when a connection ends carry no key
+and name every topic that connection had, also the ones the writer dropped
+(libzmq's XPUB records every subscription it receives, even with
+``XPUB_MANUAL``): they cannot be told apart from a departed reader's, so they
+change no count and are charged to nobody. No reader unsubscribes or
+reconnects, and a reader whose connection ended is noticed by its control
+connection and its liveness watch, not by its subscriptions.
+
+Messages come in whole (libzmq delivers every part of a message or none) and
+are read frame by frame: a control message is a routing id and one frame, a
+subscription one frame. The first message with more parts cuts its key off
+(over ipc: counts as invalid) and its remaining parts are read and dropped
+within each drain's frame budget, never built into one list.
+
+A remote reader's control connection ending (the monitor's ``DISCONNECTED``
+event for its file descriptor) means the reader is gone. The descriptor is
+noted at the hello, after the monitor's events so far were taken in: every
+event of a connection that used the same descriptor before the reader's was
+reported before the reader's connection was accepted, hence before its
+hello arrived, and is taken in (and ignored) first; a disconnect counts only
+when it is read after the hello.
 
 How much each peer may send, and how much one call takes in, is
 :mod:`shm_broadcast.queue.inbound_limits`'s: a connection's frames beyond its
@@ -128,7 +148,11 @@ class WriterControl:
         self._hello: dict[bytes, tuple[int, str]] = {}
         self._local_seen: set[int] = set()  # slots whose hello was accepted
         self._remote_seen: set[int] = set()  # remote ranks whose hello was accepted
-        self._remote_fd: dict[int, int] = {}
+        self._remote_fd: dict[int, int] = {}  # control connection's fd -> remote rank
+        #: (key label, topic) -> subscriptions accepted from that key and not undone.
+        self._accepted: dict[tuple[str, bytes], int] = {}
+        #: Whether a message with too many parts is still being dropped, per socket.
+        self._skipping = {"ctl": False, "pub": False}
         self.acked: dict[int, int] = {}
         self.min_acked = 0
         self.dead_remote: dict[int, str] = {}
@@ -157,20 +181,29 @@ class WriterControl:
 
     def drain_subscriptions(self) -> None:
         """Apply the (un)subscriptions that arrived on the XPUB socket (at most
-        :data:`~shm_broadcast.queue.inbound_limits.DRAIN_FRAMES` per call)."""
+        :data:`~shm_broadcast.queue.inbound_limits.DRAIN_FRAMES` frames per call)."""
         pub = self.pub
         if not pub.get(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[arg-type, operator]  # EVENTS is an int
             return
         budgets = self.budgets
-        for _ in range(DRAIN_FRAMES):
+        left = DRAIN_FRAMES
+        if self._skipping["pub"]:
+            left = self._skip_parts("pub", pub, left)
+        while left > 0:
             try:
                 frame = pub.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            left -= 1
             # VERBOSER: every (un)subscription, also one of a peer that left
+            label = _user_id(frame)
+            if frame.more:  # a subscription is one frame
+                self._refuse_long_message(label, b"")
+                self._skipping["pub"] = True
+                left = self._skip_parts("pub", pub, left)
+                continue
             msg = frame.bytes
             step = _STEP.get(msg[0], 0) if msg else 0
-            label = _user_id(frame)
             if label and not budgets.take_subscription(label):
                 continue
             if not (step and self._apply_subscription(msg[1:], step, label)):
@@ -180,15 +213,10 @@ class WriterControl:
         """Count one (un)subscription from key ``label`` (``""``: an ipc peer, or
         libzmq's own unsubscription of a peer that left) if it is the queue's
         and that peer's (module docstring); returns whether it was."""
-        if step < 0 and not label:  # libzmq undoes what a departed peer had
-            if topic in self._subs:
-                self._subs[topic] -= 1
-                return True
-            rank = joined_rank(topic)
-            if rank is not None and rank in self._joined:
-                self._joined[rank] -= 1
-                return True
-            return False
+        if step < 0:
+            if not label:
+                return True  # libzmq's, or a local peer's: changes nothing (module docstring)
+            return self._undo_subscription(topic, label)
         if topic == TOPIC_OVERFLOW:
             ok = not label  # the local readers' topic
         elif topic == TOPIC_REMOTE:
@@ -198,39 +226,106 @@ class WriterControl:
             ok = (rank is not None and bool(label) and rank not in self.local_ranks
                   and (not self._per_reader_keys or label == f"R{rank}"))
             if ok and rank is not None:
-                self._joined[rank] = self._joined.get(rank, 0) + step
-            return ok
-        if ok:
-            self._subs[topic] += step
-        return ok
+                self._joined[rank] = self._joined.get(rank, 0) + 1
+        if not ok:
+            return False
+        if topic in self._subs:
+            self._subs[topic] += 1
+        if label:
+            key = (label, topic)
+            self._accepted[key] = self._accepted.get(key, 0) + 1
+        return True
+
+    def _undo_subscription(self, topic: bytes, label: str) -> bool:
+        """Undo one subscription key ``label`` had made to ``topic``, if it had."""
+        key = (label, topic)
+        n = self._accepted.get(key, 0)
+        if n <= 0:
+            return False
+        self._accepted[key] = n - 1
+        if topic in self._subs:
+            self._subs[topic] -= 1
+        else:
+            rank = joined_rank(topic)
+            if rank is not None:
+                self._joined[rank] -= 1
+        return True
+
+    def _refuse_long_message(self, label: str, ident: bytes) -> None:
+        """A message with more parts than the protocol's: cut its key off (over
+        ipc, where no key exists, count it as an invalid frame of ``ident``)."""
+        if label:
+            self.budgets.cut(label, "sent a message of more parts than a reader's")
+        else:
+            self.budgets.refuse(ident)
+
+    def _skip_parts(self, which: str, sock: zmq.SyncSocket, left: int) -> int:
+        """Drop the rest of a message with too many parts, at most ``left``
+        frames of it; returns the frames left of this drain's budget."""
+        while left > 0:
+            try:
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # cannot happen: messages come in whole
+                self._skipping[which] = False
+                return left
+            left -= 1
+            if not frame.more:
+                self._skipping[which] = False
+                return left
+        return 0
 
     def drain(self, sent: int) -> None:
         """Apply the control frames that arrived (at most
-        :data:`~shm_broadcast.queue.inbound_limits.DRAIN_FRAMES` per call) and
-        note dropped TCP connections.
+        :data:`~shm_broadcast.queue.inbound_limits.DRAIN_FRAMES` messages or
+        dropped parts per call) and note dropped TCP connections.
 
         Args:
             sent: Messages the writer has sent (an ack beyond it is forged).
         """
         ctl = self.ctl
         budgets = self.budgets
-        for _ in range(DRAIN_FRAMES):
+        acked = self.min_acked
+        left = DRAIN_FRAMES
+        if self._skipping["ctl"]:
+            left = self._skip_parts("ctl", ctl, left)
+        while left > 0:
             try:
-                frames = ctl.recv_multipart(zmq.NOBLOCK, copy=False)
+                head = ctl.recv(zmq.NOBLOCK, copy=False)  # the routing id
             except zmq.Again:
                 break
-            ident = frames[0].bytes
+            left -= 1
+            ident = head.bytes
+            if not head.more:  # cannot happen: a ROUTER adds the id to every message
+                budgets.refuse(ident)
+                continue
+            body = ctl.recv(zmq.NOBLOCK, copy=False)  # there: messages come in whole
+            if body.more:
+                self._refuse_long_message(_user_id(body), ident)
+                self._skipping["ctl"] = True
+                left = self._skip_parts("ctl", ctl, left)
+                continue
             if budgets.muted(ident):
                 continue
-            if len(frames) != 2 or not self._on_ctl(ident, frames[1], sent):
+            if not self._on_ctl(ident, body, sent):
                 budgets.refuse(ident)
-        if self.mon is not None:
-            failed, gone = count_failed_handshakes(self.mon)
-            self._failed_handshakes += failed
-            for fd in gone:
-                rank = self._remote_fd.pop(fd, None)
-                if rank is not None and rank not in self.said_goodbye:
-                    self.dead_remote[rank] = "its connection to the writer dropped"
+        if self.min_acked != acked:
+            # The credit grew: have the data socket take in libzmq's reports of
+            # what left its queues before anything is sent against that credit
+            # (transport.outbound_queue_messages).
+            self.pub.get(zmq.EVENTS)
+        self._take_monitor()
+
+    def _take_monitor(self) -> None:
+        """Count failed handshakes; a disconnect of a remote reader's control
+        connection marks it dead (unless it said goodbye)."""
+        if self.mon is None:
+            return
+        failed, gone = count_failed_handshakes(self.mon)
+        self._failed_handshakes += failed
+        for fd in gone:
+            rank = self._remote_fd.pop(fd, None)
+            if rank is not None and rank not in self.said_goodbye:
+                self.dead_remote[rank] = "its connection to the writer dropped"
 
     def _on_ctl(self, ident: bytes, frame: zmq.Frame, sent: int) -> bool:
         """Apply one control frame if it is valid (module docstring); returns whether it was."""
@@ -287,6 +382,9 @@ class WriterControl:
             return False  # per-reader keys: R<rank> must speak with rank's own key
         self._hello[ident] = (rank, user)
         self._remote_seen.add(rank)
+        # Take in the monitor's events first: those of earlier connections on
+        # the same descriptor (module docstring).
+        self._take_monitor()
         self._remote_fd[frame.get(zmq.SRCFD)] = rank
         self.acked.setdefault(rank, 0)
         # checked by pid only from the reader's own pid space, whatever its hostname

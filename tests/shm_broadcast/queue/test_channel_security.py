@@ -957,3 +957,251 @@ def test_a_key_holder_cannot_take_over_another_readers_control_connection(procs)
     finally:
         mq.close()
         ctx.destroy(linger=0)
+
+
+# ------------------------------------------------- review of issue 37, item 5
+def never_reading_sink(handle: Any, done: Any, out: Any) -> None:
+    """With a reader's key: a second data connection that subscribes to the data
+    topic and never reads (its receive buffers as small as it can make them)."""
+    try:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.SUB)
+        s.linger = 0
+        s.rcvhwm = 1
+        s.setsockopt(zmq.RCVBUF, 4096)
+        s.curve_serverkey = handle.curve_server_key
+        s.curve_publickey, s.curve_secretkey = (handle.curve_client_key,
+                                                handle.curve_client_secret)
+        s.connect(handle.remote_pub)
+        s.subscribe(TOPIC_REMOTE)
+        out.put(("sink", -1))
+        done.wait(60)
+        s.close()
+        ctx.term()
+    except BaseException:
+        out.put(("error", -1, traceback.format_exc()))
+
+
+@pytest.mark.timeout(120)
+def test_a_connection_that_never_reads_holds_at_most_a_window_in_the_writer(procs):
+    """A holder of reader 2's key opens a second data connection, subscribes to
+    the data topic and never reads, while both readers read and ack, so flow
+    control never holds the writer. The writer's queue for that connection is
+    bounded (``outbound_queue_messages``): it holds a few windows of messages,
+    not every message sent (before: +74 MiB for 300 x 256 KiB), and the real
+    readers lose nothing."""
+    import numpy as np
+
+    n, warm = 160, 8
+    payload = np.ones(256 << 10, dtype=np.uint8)
+    mq = MessageQueue(2, 0, max_chunks=4, connect_ip="127.0.0.1", name="sec-outbound")
+    done = procs.ctx.Event()
+    try:
+        for r in (1, 2):
+            procs.start(legit_reader, mq.export_handle(r), r, n)
+        mq.wait_until_ready(60)
+        procs.start(never_reading_sink, mq.export_handle(2), done)
+        assert procs.get(60)[0] == "sink"
+        time.sleep(0.5)  # its subscription is in
+        for i in range(warm):
+            mq.enqueue({"i": i, "secret": _SECRET, "a": payload}, timeout=30)
+        before = _rss()
+        for i in range(warm, n):
+            mq.enqueue({"i": i, "secret": _SECRET, "a": payload}, timeout=30)
+        grown = _rss() - before
+        reports = sorted(procs.get(60)[:3] for _ in range(2))
+    finally:
+        done.set()
+        mq.close()
+    assert reports == [("ok", r, list(range(n))) for r in (1, 2)]
+    sent = (n - warm) * payload.nbytes
+    assert grown < 20 << 20, (f"the writer grew by {grown >> 20} MiB for a connection that "
+                              f"never reads ({sent >> 20} MiB sent)")
+
+
+@pytest.mark.timeout(120)
+def test_readers_that_ack_what_they_read_lose_nothing_to_the_outbound_bound(procs):
+    """The data socket drops what a TCP connection's queue cannot take
+    (``outbound_queue_messages``); flow control must keep every reader below it
+    even when the writer runs at full speed on a small window (without the
+    writer's taking in libzmq's reports of what left its queues after each ack,
+    readers lost a message within the first few hundred)."""
+    n = 1500
+    mq = MessageQueue(2, 0, max_chunks=4, connect_ip="127.0.0.1", name="sec-nodrop")
+    try:
+        for r in (1, 2):
+            procs.start(reader_until_the_end, mq.export_handle(r), r)
+        mq.wait_until_ready(60)
+        assert sorted(procs.get(60)[:2] for _ in range(2)) == [("ready", 1), ("ready", 2)]
+        for i in range(n):
+            mq.enqueue(i, timeout=30)
+        mq.shutdown()
+        ended = sorted(procs.get(60) for _ in range(2))
+    finally:
+        mq.close()
+    assert ended == [("ended", r, n, "ClosedError") for r in (1, 2)], ended
+
+
+def long_message_sender(handle: Any, parts: int, done: Any, out: Any) -> None:
+    """With a reader's key, on the control port: one message of ``parts`` 1-byte parts."""
+    try:
+        ctx = zmq.Context()
+        s = _curve_client(ctx, zmq.DEALER, handle, handle.remote_ctl)
+        for _ in range(parts - 1):
+            s.send(b"x", zmq.SNDMORE)
+        s.send(b"x")
+        out.put(("sent", -1))
+        done.wait(60)
+        s.close()
+        ctx.term()
+    except BaseException:
+        out.put(("error", -1, traceback.format_exc()))
+
+
+@pytest.mark.timeout(120)
+def test_a_message_of_many_parts_cuts_the_key_off_without_stalling_an_enqueue(procs):
+    """A holder of reader 2's key sends one control message of 100,000 one-byte
+    parts (each part is within the frame size, and the per-connection queue
+    counts whole messages). The writer reads it frame by frame: the key is cut
+    off (PeerDiedError naming rank 2) and no enqueue builds the parts into a
+    list (before: every part became a Python object in one drain, an enqueue
+    stalled for seconds, and the queue went on)."""
+    mq = MessageQueue(2, 0, connect_ip="127.0.0.1", name="sec-multipart")
+    done = procs.ctx.Event()
+    try:
+        for r in (1, 2):
+            procs.start(reader_until_the_end, mq.export_handle(r), r)
+        mq.wait_until_ready(60)
+        assert sorted(procs.get(60)[:2] for _ in range(2)) == [("ready", 1), ("ready", 2)]
+        procs.start(long_message_sender, mq.export_handle(2), 100_000, done)
+        assert procs.get(60)[0] == "sent"
+        slowest, end, i = 0.0, time.monotonic() + 20, 0
+        with pytest.raises(PeerDiedError, match="more parts") as info:
+            while time.monotonic() < end:
+                t0 = time.perf_counter()
+                mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+                slowest = max(slowest, time.perf_counter() - t0)
+                i += 1
+                time.sleep(0.001)
+        t0 = time.perf_counter()
+        mq.security_stats()  # goes on dropping the parts, a bounded number per call
+        stats_s = time.perf_counter() - t0
+    finally:
+        done.set()
+        mq.close()
+    assert info.value.peers == (2,)
+    assert slowest < 1.0, f"an enqueue took {slowest * 1e3:.0f} ms"
+    assert stats_s < 1.0, f"security_stats() took {stats_s * 1e3:.0f} ms"
+    ended = sorted(procs.get(60) for _ in range(2))
+    assert [e[1] for e in ended] == [1, 2], ended
+
+
+def connect_and_close(endpoint: str, n: int, out: Any) -> None:
+    """Without any key: ``n`` plain TCP connections to ``endpoint``, then close them."""
+    try:
+        conns = [socket.create_connection(("127.0.0.1", _port(endpoint)), timeout=10)
+                 for _ in range(n)]
+        time.sleep(0.2)
+        for c in conns:
+            c.close()
+        out.put(("closed", -1))
+    except BaseException:
+        out.put(("error", -1, traceback.format_exc()))
+
+
+def reader_reports_attached(handle: Any, rank: int, n: int, out: Any) -> None:
+    """Attach (which sends the hello), report it, then read ``n`` messages."""
+    try:
+        with MessageQueue.create_from_handle(handle, rank) as mq:
+            out.put(("attached", rank))
+            mq.wait_until_ready(60)
+            got = [mq.dequeue(timeout=60)["i"] for _ in range(n)]
+        out.put(("ok", rank, got))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+
+
+@pytest.mark.timeout(120)
+def test_a_closed_outsider_connection_does_not_make_a_live_reader_dead(procs):
+    """An outsider without keys opens and closes plain connections to the control
+    port just before the real reader connects. The writer's monitor reports each
+    one's disconnect by file descriptor, and the reader's connection reuses one
+    of those descriptors: the outsider's stale disconnect must not count as the
+    reader's (before: read after the hello, it marked reader 1 dead and the
+    writer raised PeerDiedError)."""
+    n = 40
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-fdreuse")
+    try:
+        h = mq.export_handle()
+        procs.start(connect_and_close, h.remote_ctl, 8)
+        assert procs.get(60)[0] == "closed"
+        time.sleep(0.5)  # the writer saw them close: their descriptors are free
+        procs.start(reader_reports_attached, h, 1, n)
+        assert procs.get(60)[0] == "attached"
+        time.sleep(0.5)  # its hello is in the writer's socket
+        mq.wait_until_ready(60)
+        dead = dict(mq._writer._control.dead_remote)
+        for i in range(n):
+            mq.enqueue({"i": i, "secret": _SECRET}, timeout=30)
+        assert procs.get(60) == ("ok", 1, list(range(n)))
+    finally:
+        mq.close()
+    assert dead == {}
+
+
+@pytest.mark.timeout(60)
+def test_libzmqs_unsubscription_of_a_dropped_subscription_undoes_nothing():
+    """A holder of reader 2's key subscribes to rank 1's joined topic on a second
+    data connection (the writer drops it: not its key; libzmq still records it)
+    and disconnects. libzmq's unsubscription then names rank 1's joined topic:
+    it must not undo reader 1's real subscription (before: the writer never got
+    ready)."""
+    w = MessageQueue(2, 0, connect_ip="127.0.0.1", name="sec-unsub")
+    h1, h2 = w.export_handle(1), w.export_handle(2)
+    readers = [MessageQueue.create_from_handle(h1, 1)]
+    ctx = zmq.Context()
+    try:
+        end = time.monotonic() + 10
+        while w._writer._control.missing_readers() != ["1 remote reader(s)"]:
+            assert time.monotonic() < end, w._writer._control.missing_readers()
+            w.security_stats()
+            time.sleep(0.02)
+        s = _curve_client(ctx, zmq.XSUB, h2, h2.remote_pub)
+        s.send(b"\x01j1")
+        time.sleep(0.3)
+        dropped = w.security_stats()["subscriptions_dropped"]
+        s.close()
+        time.sleep(0.3)  # libzmq's unsubscription is in
+        w.security_stats()
+        readers.append(MessageQueue.create_from_handle(h2, 2))
+        w.wait_until_ready(10)
+        w.enqueue({"secret": _SECRET}, timeout=10)
+        for r in readers:
+            assert r.dequeue(timeout=10) == {"secret": _SECRET}
+    finally:
+        for r in readers:
+            r.close()
+        w.close()
+        ctx.term()
+    assert dropped >= 1
+
+
+def test_export_handle_refuses_a_rank_no_reader_can_have():
+    """The writer's own rank and ranks beyond MAX_RANK are refused, and use up no
+    key slot; create_from_handle refuses a remote rank beyond MAX_RANK."""
+    from shm_broadcast.queue.transport import MAX_RANK
+
+    with MessageQueue(2, 0, connect_ip="127.0.0.1", writer_rank=0, name="sec-rank") as w:
+        with pytest.raises(ValueError, match=r"rank must be a reader's rank.*writer's own "
+                                             r"rank 0, got 0"):
+            w.export_handle(0)
+        with pytest.raises(ValueError, match=f"got {MAX_RANK + 1}"):
+            w.export_handle(MAX_RANK + 1)
+        with pytest.raises(TypeError, match="rank must be an int"):
+            w.export_handle("1")  # type: ignore[arg-type]  # the wrong type on purpose
+        assert w.export_handle(1).curve_client_rank == 1  # both slots still free
+        h = w.export_handle(2)
+        assert h.curve_client_rank == 2
+        with pytest.raises(ValueError, match=r"rank \(of a remote reader\) must be an int "
+                                             f"<= {MAX_RANK}"):
+            MessageQueue.create_from_handle(h, MAX_RANK + 1)

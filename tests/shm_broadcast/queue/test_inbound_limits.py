@@ -46,3 +46,13 @@ def test_zap_admits_a_key_a_bounded_number_of_times_per_domain() -> None:
     finally:
         auth.stop()
         ctx.term()
+
+
+def test_a_key_can_be_cut_off_for_another_reason_and_the_first_reason_stays() -> None:
+    b = PeerBudgets(2)
+    b.cut("R3", "sent a message of more parts than a reader's")
+    assert b.take_subscription("R4")  # another key is untouched
+    b.take_subscription("R3")
+    b.take_subscription("R3")
+    b.take_subscription("R3")  # beyond the budget too: the first reason stays
+    assert b.cut_off == {"R3": "sent a message of more parts than a reader's"}

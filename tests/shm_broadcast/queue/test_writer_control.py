@@ -105,3 +105,30 @@ def test_forged_and_out_of_place_frames_are_counted_not_applied(channel: dict) -
     _settle(control, 0, lambda: 3 in control.said_goodbye)
     assert control.said_goodbye == {3}
     assert control.security_stats(False, 0)["bad_control"] == 6
+
+
+def test_a_message_of_more_parts_is_dropped_part_by_part_within_the_budget(
+        channel: dict) -> None:
+    """A local peer's control message of many parts counts as one invalid frame;
+    its parts are dropped at most DRAIN_FRAMES per drain, never built into one
+    list, and the frames after it are read as usual."""
+    from shm_broadcast.queue.inbound_limits import DRAIN_FRAMES
+
+    control: WriterControl = channel["control"]
+    dealer = channel["dealer"]
+    parts = 3 * DRAIN_FRAMES
+    dealer.send_multipart([b"x"] * parts)
+    dealer.send(_hello(3, os.getpid(), channel["ctime"]))
+    end = time.monotonic() + 10
+    while control.security_stats(False, 0)["bad_control"] == 0:
+        assert time.monotonic() < end, "the long message never came in"
+        control.drain(0)
+        time.sleep(0.01)
+    assert "local reader rank 3" in control.missing_readers()  # parts still being dropped
+    drains = 1
+    while "local reader rank 3" in control.missing_readers():
+        assert drains <= parts // DRAIN_FRAMES + 2, drains
+        control.drain(0)
+        drains += 1
+    assert drains >= parts // DRAIN_FRAMES  # bounded work per drain
+    assert control.security_stats(False, 0)["bad_control"] == 1
