@@ -99,7 +99,7 @@ def test_a_replayed_incarnation_is_refused(dist_pool, world_size: int, replayed:
     no rank of incarnation 2 reads. ``rank0``: the attacker also writes incarnation
     1's record of rank 0 over rank 0's before the other ranks join (they verify it:
     it is authentic), and rank 0 sends half a second later, so the receivers meet the
-    planted values first (the attack of issue 37: they returned incarnation 1's).
+    planted values first (without every rank's nonce they returned incarnation 1's).
     Every rank then raises AuthenticationError: rank 0 finds the replayed record over
     its own, and the others find rank 0's refusal (or incarnation 1's confirmation,
     which lists other nonces) where they wait for rank 0's confirmation."""

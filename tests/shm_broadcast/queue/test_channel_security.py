@@ -959,7 +959,7 @@ def test_a_key_holder_cannot_take_over_another_readers_control_connection(procs)
         ctx.destroy(linger=0)
 
 
-# ------------------------------------------------- review of issue 37, item 5
+# ------------------------------------- a key holder: idle connections, long messages, ids
 def never_reading_sink(handle: Any, done: Any, out: Any) -> None:
     """With a reader's key: a second data connection that subscribes to the data
     topic and never reads (its receive buffers as small as it can make them)."""
