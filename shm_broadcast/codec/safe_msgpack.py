@@ -57,7 +57,9 @@ __all__ = ["SMALL_FRAME", "CHECKED_DEPTH", "SafeDecoder"]
 
 #: Frames up to this many bytes go to msgspec unchecked (their worst map is bounded).
 SMALL_FRAME = 8192
-#: Levels of nested containers the typed pass checks; deeper frames are read in Python.
+#: Levels of nested containers the typed pass checks; a frame nested deeper fails
+#: it and is walked in full (:func:`_scan`), then decoded by msgspec unless the
+#: walk finds a map of more than 15 keys of other types.
 CHECKED_DEPTH = 6
 
 #: Values the first :func:`_scan` reads before leaving a frame to the typed passes.
