@@ -252,7 +252,10 @@ def test_collision_budget_alone():
 @pytest.mark.timeout(60)
 def test_str_keys_are_counted_without_hash_randomisation():
     code = ("import sys; from shm_broadcast.codec import hash_flooding as h; "
-            "assert sys.flags.hash_randomization == 0 and not h.HASH_RANDOMISED")
+            "assert sys.flags.hash_randomization == 0 and not h.HASH_RANDOMISED; "
+            "from shm_broadcast.codec.message_codec import Codec; c = Codec(); "
+            "v = [{str(i): i for i in range(3000)}, {b'%d' % i for i in range(3000)}]; "
+            "e = c.encode(v); assert c.decode(e.msg, b'', 0, 0) == v")
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=30)
     assert bool(sys.flags.hash_randomization) == HASH_RANDOMISED
