@@ -211,8 +211,8 @@ def test_fixed_layout_payloads_still_round_trip():
 @pytest.mark.timeout(60)
 def test_attack_nested_colliding_frozensets_are_refused():
     # Each frozenset is within the bound per container, but every level
-    # multiplies the cost of comparing them (depth 4: 1.5 MB, seconds to build;
-    # depth 5: about a minute). The message-wide collision budget refuses it.
+    # multiplies the cost of comparing them (quadratic in the frame; see
+    # docs/security-codec.md). The message-wide collision budget refuses it.
     msg = nested_frozensets_frame(4)
     _refused_within_bound(msg, f"more than {MAX_COLLISIONS}")
 

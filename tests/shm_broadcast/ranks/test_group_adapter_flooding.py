@@ -74,7 +74,7 @@ def test_attack_colliding_items_are_refused_naming_the_sender(frames, name):
 @pytest.mark.parametrize("route", ["own-format", "with-arrays"])
 def test_attack_nested_colliding_frozensets_are_refused_naming_the_sender(route):
     # Each frozenset within the bound per container; every level multiplies the
-    # cost of comparing them (depth 4: seconds; 5: about a minute).
+    # cost of comparing them (quadratic in the frame; see docs/security-codec.md).
     if route == "own-format":
         data = adapter_frame(nested_frozensets_frame(4, ADAPTER_TUPLE, ADAPTER_FROZENSET))
     else:
