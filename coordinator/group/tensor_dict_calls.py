@@ -173,7 +173,7 @@ class TensorDictCalls:
                 f"rejected its input ({meta.message}); fix the call on rank {src}",
                 queue=g.unique_name, peers=(src,),
             )
-        check_metadata(meta, g.device.type)
+        check_metadata(meta, g.device.type, src)
         out: dict[Any, Any] = {}
         for key, kind, value in meta:
             if kind == TENSOR:
@@ -384,7 +384,8 @@ class TensorDictCalls:
         links = self._p2p.links
         link = links.receiver(src)
         if link is None:
-            meta = check_metadata(self._objects.recv(src, object_comm.DICT_META), g.device.type)
+            meta = check_metadata(self._objects.recv(src, object_comm.DICT_META), g.device.type,
+                                  src)
 
             def fill(desc: list[Any], parts: int, key: Any) -> torch.Tensor:
                 return self._recv_tensor(alloc(desc, g.device, parts or 1), src)

@@ -263,7 +263,7 @@ class CudaP2P:
         them (gloo aborts the process when they are longer than that receive).
         """
         g = self._group
-        meta = check_metadata(self._objects.recv(src, object_comm.DICT_META), g.device.type)
+        meta = check_metadata(self._objects.recv(src, object_comm.DICT_META), g.device.type, src)
         out: dict[Any, Any] = {}
         on_gpu: list[torch.Tensor] = []
         problem = ""

@@ -197,7 +197,7 @@ def receive(link: Any, src: int, broken: Callable[[BaseException], None], tag: s
             got.append(one)
             return None
         pieces = Pieces(link, msg, src, broken, tag, group)
-        pieces.meta = check_metadata(pieces.meta, device_type)
+        pieces.meta = check_metadata(pieces.meta, device_type, src)
         numels = sent_numels(pieces.meta)
         if check is not None:  # a tensor's message: one whole tensor, as sent
             descs = [d for _, d in numels]

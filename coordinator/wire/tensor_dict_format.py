@@ -175,12 +175,13 @@ def alloc(desc: list[Any], device: torch.device, numel_div: int = 1) -> torch.Te
     return torch.empty(numel // numel_div, dtype=dtype_of(dtype_name), device=dev)
 
 
-def check_metadata(meta: Any, device_type: str) -> list[list[Any]]:
+def check_metadata(meta: Any, device_type: str, source: int | None = None) -> list[list[Any]]:
     """Check received tensor-dict metadata before anything is allocated for it.
 
     Args:
         meta: What the codec decoded (a list of ``[key, kind, value]``).
         device_type: The receiving group's device type (``"cpu"``, ``"cuda"``).
+        source: The sending rank, named by the error (``from rank N``, ``peers=(N,)``).
 
     Returns:
         ``meta`` itself, every entry known to be well formed: keys hashable,
@@ -197,6 +198,16 @@ def check_metadata(meta: Any, device_type: str) -> list[list[Any]]:
     Raises:
         DecodeError: Any entry is malformed, or too many keys share a hash.
     """
+    try:
+        return _checked(meta, device_type)
+    except DecodeError as e:
+        if source is None:
+            raise
+        raise DecodeError(f"from rank {source}: {e}", peers=(source,)) from None
+
+
+def _checked(meta: Any, device_type: str) -> list[list[Any]]:
+    """:func:`check_metadata` without the sender's name."""
     if type(meta) is not list:
         raise DecodeError(f"tensor-dict metadata must be a list, got {type(meta).__name__}")
     cpu_bytes = 0

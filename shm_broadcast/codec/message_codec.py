@@ -94,7 +94,12 @@ import msgspec
 import numpy as np
 
 from shm_broadcast.codec.boxing import Box, prep, prep_full
-from shm_broadcast.codec.hash_flooding import dict_from_pairs, frozenset_from, set_from
+from shm_broadcast.codec.hash_flooding import (
+    CollisionBudget,
+    dict_from_pairs,
+    frozenset_from,
+    set_from,
+)
 from shm_broadcast.codec.pickle_opt_in import pickle_oob, unpickle_oob
 from shm_broadcast.codec.safe_msgpack import SMALL_FRAME, SafeDecoder
 from shm_broadcast.codec.tensor_storage import check_storage
@@ -225,6 +230,7 @@ class Codec:
         self.exact = exact
         self.resizable = resizable
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._budget = CollisionBudget()
         self._safe = SafeDecoder(self._ext_hook)
         self._decoder = self._safe.fast
         self._copies: list[tuple[int, int, int]] = []
@@ -403,6 +409,7 @@ class Codec:
         self._src_start = blob_start
         self._src_len = blob_len
         self._src_span: tuple[int, int] | None = None  # (address, size), once needed
+        self._budget.reset()
         try:
             if len(msg) <= SMALL_FRAME:
                 return self._decoder.decode(msg)
@@ -551,9 +558,9 @@ class Codec:
         if code == EXT_SET:
             return set_from(self._items(data, code))
         if code == EXT_FROZENSET:
-            return frozenset_from(self._items(data, code))
+            return frozenset_from(self._items(data, code), self._budget)
         if code == EXT_MEMORYVIEW:
-            return rebuild_memoryview(*memoryview_fields(msgspec.msgpack.decode(data)))
+            return rebuild_memoryview(*memoryview_fields(data))
         if code == EXT_NPSCALAR:
             return npscalar_from(data)
         if code == EXT_BIGINT:

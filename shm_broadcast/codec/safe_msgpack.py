@@ -6,7 +6,8 @@ returns: tuples, frozensets, ints beyond 64 bits) or floats: a peer can make
 any number of those share one hash (:mod:`shm_broadcast.codec.hash_flooding`),
 and then building the dict takes time quadratic in its size, inside msgspec,
 with no hook to stop it. Maps of str, bytes and int keys (ints of 64 bits, as
-msgpack carries them) cannot be flooded, nor can a map of at most 15 keys (a
+msgpack carries them; str and bytes only under hash randomisation, else
+they count as other keys) cannot be flooded, nor can a map of at most 15 keys (a
 *fixmap*) be flooded far. So :class:`SafeDecoder` hands msgspec a frame only
 once it is known to hold no large map with other keys:
 
@@ -51,19 +52,23 @@ from typing import Any
 
 import msgspec
 
-from shm_broadcast.codec.hash_flooding import check_spread
+from shm_broadcast.codec.hash_flooding import HASH_RANDOMISED, check_spread
 
 __all__ = ["SMALL_FRAME", "CHECKED_DEPTH", "SafeDecoder"]
 
 #: Frames up to this many bytes go to msgspec unchecked (their worst map is bounded).
 SMALL_FRAME = 8192
-#: Levels of nested containers the typed pass checks; deeper frames are read in Python.
+#: Levels of nested containers the typed pass checks; a frame nested deeper fails
+#: it and is walked in full (:func:`_scan`), then decoded by msgspec unless the
+#: walk finds a map of more than 15 keys of other types.
 CHECKED_DEPTH = 6
 
 #: Values the first :func:`_scan` reads before leaving a frame to the typed passes.
 _QUICK_VALUES = 32
 
 _Hook = Callable[[int, memoryview], Any]
+#: Map keys the typed pass accepts: str ones only while their hashes are keyed.
+_KEY: Any = str | int if HASH_RANDOMISED else int
 
 
 class SafeDecoder:
@@ -136,17 +141,18 @@ def _validator(text: type, exts: bool) -> msgspec.msgpack.Decoder[Any]:
         scalar = scalar | msgspec.msgpack.Ext
     node = scalar
     for _ in range(CHECKED_DEPTH):  # the types are built at run time: no annotations
-        node = scalar | GenericAlias(list, (node,)) | GenericAlias(dict, (str | int, node))
+        node = scalar | GenericAlias(list, (node,)) | GenericAlias(dict, (_KEY, node))
     return msgspec.msgpack.Decoder(node)
 
 
 # ---------------------------------------------------------------- the walk
 _FIXED, _SIZED, _EXT, _ARRAY, _MAP, _STOP = range(6)
-#: Key type bytes whose keys cannot be flooded: fixint, fixstr, nil, bools,
-#: bin, ints of 8-64 bits, str8-32, negative fixint.
+#: Key type bytes whose keys cannot be flooded: fixint, nil, bools, ints of
+#: 8-64 bits, negative fixint; and str and bin (fixstr, str8-32, bin8-32) while
+#: their hashes are keyed (:data:`~shm_broadcast.codec.hash_flooding.HASH_RANDOMISED`).
 _PLAIN_KEY_OPS = frozenset(
-    [*range(0x00, 0x80), *range(0xa0, 0xc0), 0xc0, 0xc2, 0xc3, 0xc4, 0xc5, 0xc6,
-     *range(0xcc, 0xd4), 0xd9, 0xda, 0xdb, *range(0xe0, 0x100)])
+    [*range(0x00, 0x80), 0xc0, 0xc2, 0xc3, *range(0xcc, 0xd4), *range(0xe0, 0x100)]
+    + ([*range(0xa0, 0xc0), 0xc4, 0xc5, 0xc6, 0xd9, 0xda, 0xdb] if HASH_RANDOMISED else []))
 _Count = Callable[[Any, int], tuple[int]]
 _COUNTS: dict[int, _Count] = {1: struct.Struct(">B").unpack_from,
                               2: struct.Struct(">H").unpack_from,

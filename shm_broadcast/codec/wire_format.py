@@ -38,6 +38,7 @@ import re
 import struct
 import warnings
 from collections.abc import Callable
+from types import GenericAlias
 from typing import Any
 
 import msgspec
@@ -217,7 +218,7 @@ def dtype_from(descr: bytes) -> np.dtype:
         with warnings.catch_warnings():  # deprecated aliases ('a') warn; accept quietly
             warnings.simplefilter("ignore")
             if descr[:1] == b"\x00":
-                dt = np.lib.format.descr_to_dtype(_tuplify(msgspec.msgpack.decode(descr[1:])))
+                dt = np.lib.format.descr_to_dtype(_tuplify(_DESCR_DECODER.decode(descr[1:])))
             else:
                 text = descr.decode("ascii")
                 if not _DTYPE_STR.fullmatch(text):
@@ -245,6 +246,21 @@ def _remember(descr: bytes, dt: np.dtype) -> None:
     if len(_DTYPE_CACHE) < DTYPE_CACHE_ENTRIES and size <= DTYPE_CACHE_BYTES:
         _DTYPE_CACHE[descr] = dt
         _dtype_cache_bytes = size
+
+
+def _descr_type(levels: int) -> Any:
+    """The type of a structured dtype's msgpack descriptor: scalars and lists
+    nested up to ``levels`` deep, no maps (numpy's descr format has none, and a
+    map's keys would be built from the peer's bytes before the format is checked)."""
+    scalar: Any = None | bool | int | float | str
+    node = scalar
+    for _ in range(levels):  # msgspec takes no recursive types: unrolled
+        node = scalar | GenericAlias(list, (node,))
+    return node
+
+
+#: Decodes a structured dtype's descriptor (32 levels: 16 nested structures).
+_DESCR_DECODER: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(_descr_type(32))
 
 
 def _tuplify(descr: Any) -> Any:
@@ -298,12 +314,15 @@ def npscalar_state(obj: Any) -> bytes:
     return msgspec.msgpack.encode([obj.dtype.str, obj.tobytes()])
 
 
+_NPSCALAR_DECODER = msgspec.msgpack.Decoder(tuple[str, bytes])
+
+
 def npscalar_from(data: memoryview) -> Any:
     """The numpy scalar of a received :func:`npscalar_state` payload (checked)."""
-    fields = msgspec.msgpack.decode(data)
-    if (type(fields) is not list or len(fields) != 2 or type(fields[0]) is not str
-            or type(fields[1]) is not bytes):
-        raise DecodeError("corrupt message: a numpy scalar must be [dtype, bytes]")
+    try:  # typed: the peer's bytes build no map
+        fields = _NPSCALAR_DECODER.decode(data)
+    except msgspec.DecodeError:  # ValidationError included
+        raise DecodeError("corrupt message: a numpy scalar must be [dtype, bytes]") from None
     dt = dtype_from(fields[0].encode())
     if dt.fields is not None or dt.kind == "V" or dt.itemsize != len(fields[1]):
         raise DecodeError(
@@ -312,19 +331,23 @@ def npscalar_from(data: memoryview) -> Any:
 
 
 # ---------------------------------------------------------------- memoryviews
+_MEMORYVIEW_DECODER = msgspec.msgpack.Decoder(tuple[bytes, str, list[int], bool])
+
 def memoryview_state(mv: memoryview) -> tuple[bytes, str, list[int], bool]:
     """``(C-order bytes, format, shape, readonly)`` of a memoryview (any layout)."""
     return mv.tobytes(), mv.format, list(mv.shape or ()), bool(mv.readonly)
 
 
-def memoryview_fields(fields: Any) -> tuple[bytes, str, list[int], bool]:
-    """Check a received memoryview state; the shape's product is not trusted (cast checks)."""
-    if (type(fields) is not list or len(fields) != 4 or type(fields[0]) is not bytes
-            or type(fields[1]) is not str or type(fields[2]) is not list
-            or type(fields[3]) is not bool or len(fields[2]) > MAX_NDIM
-            or not all(type(n) is int and n >= 0 for n in fields[2])):
+def memoryview_fields(data: memoryview) -> tuple[bytes, str, list[int], bool]:
+    """Decode and check a received memoryview state (typed: the peer's bytes build
+    no map); the shape's product is not trusted (cast checks)."""
+    try:
+        fields = _MEMORYVIEW_DECODER.decode(data)
+    except msgspec.DecodeError:  # ValidationError included
+        fields = None
+    if fields is None or len(fields[2]) > MAX_NDIM or not all(n >= 0 for n in fields[2]):
         raise DecodeError("corrupt message: a memoryview must be [bytes, format, shape, readonly]")
-    return fields[0], fields[1], fields[2], fields[3]
+    return fields
 
 
 #: ``memoryview.cast`` with a format known only at run time (typeshed lists the

@@ -45,7 +45,12 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from shm_broadcast.checks import check_rank
-from shm_broadcast.codec.hash_flooding import dict_from_pairs, frozenset_from, set_from
+from shm_broadcast.codec.hash_flooding import (
+    CollisionBudget,
+    dict_from_pairs,
+    frozenset_from,
+    set_from,
+)
 from shm_broadcast.codec.safe_msgpack import SafeDecoder
 from shm_broadcast.errors import CollectiveMismatch, CommTimeout, GroupCoordError, PeerDiedError
 
@@ -224,6 +229,7 @@ class _MsgpackReader:
 
     def __init__(self) -> None:
         self._depth = 0
+        self._budget = CollisionBudget()  # one reader per message
         self._decoder = SafeDecoder(self._ext)
 
     def decode(self, data: Any) -> Any:
@@ -244,7 +250,7 @@ class _MsgpackReader:
         if code == _EXT_SET:
             return set_from(items)
         if code == _EXT_FROZENSET:
-            return frozenset_from(items)
+            return frozenset_from(items, self._budget)
         if code == _EXT_PAIRS:
             return dict_from_pairs(items)
         raise ValueError(f"unknown ext code {code}")

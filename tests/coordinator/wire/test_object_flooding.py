@@ -91,6 +91,20 @@ def test_attack_a_flooded_object_is_refused_naming_the_sender(dist_pool):
         kind, text, peers, took = res[1][op]
         assert kind == "DecodeError" and "object from rank 0: " in text, res[1]
         assert "share one hash" in text and peers == (0,) and took < BOUND_S, res[1]
-    kind, text, _, took = res[1]["tensor-dict"]
+    kind, text, peers, took = res[1]["tensor-dict"]
     assert kind == "DecodeError" and "share one hash" in text and took < BOUND_S, res[1]
+    assert "from rank 0: " in text and peers == (0,), res[1]
     assert res[0]["after"] == res[1]["after"] == {"ok": (1, 2)}
+
+
+def test_refused_metadata_names_the_sender():
+    from coordinator.errors import DecodeError
+    from coordinator.wire.tensor_dict_format import TENSOR, check_metadata
+
+    bad = [["k", TENSOR, ["cpu", "float32", [-1], 0]]]
+    with pytest.raises(DecodeError, match="from rank 3: ") as info:
+        check_metadata(bad, "cpu", 3)
+    assert info.value.peers == (3,)
+    with pytest.raises(DecodeError) as info:
+        check_metadata(bad, "cpu")
+    assert info.value.peers == () and "from rank" not in str(info.value)

@@ -29,14 +29,15 @@ from shm_broadcast.codec import wire_format as wf
 
 __all__ = ["colliding_pairs", "colliding_bigints", "codec_set_frame", "codec_pairs_frame",
            "native_map_frame", "array_key", "tuple_key", "bigint_key", "adapter_frame",
-           "ADAPTER_TUPLE", "ADAPTER_SET", "ADAPTER_PAIRS"]
+           "ADAPTER_TUPLE", "ADAPTER_SET", "ADAPTER_PAIRS", "ADAPTER_FROZENSET",
+           "nested_frozensets_frame", "ext_frame"]
 
 _MASK = (1 << 64) - 1
 _P1, _P2, _P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
 _MODULUS = (1 << 61) - 1
 _INV_P2 = pow(_P2, -1, 1 << 64)
 #: The ext codes of shm_broadcast.ranks.group_adapter's own format.
-ADAPTER_TUPLE, ADAPTER_SET, ADAPTER_PAIRS = 1, 2, 4
+ADAPTER_TUPLE, ADAPTER_SET, ADAPTER_FROZENSET, ADAPTER_PAIRS = 1, 2, 3, 4
 
 
 def _rotl(x: int, r: int) -> int:
@@ -114,3 +115,25 @@ def native_map_frame(keys: list[bytes]) -> bytes:
 def adapter_frame(msgpack: bytes) -> bytes:
     """The bytes :func:`shm_broadcast.ranks.group_adapter.decode_object` reads."""
     return b"m" + msgpack
+
+
+def ext_frame(code: int, payload: bytes) -> bytes:
+    """A message that is one ext of ``code`` holding ``payload``."""
+    return _ext(code, payload)
+
+
+def nested_frozensets_frame(depth: int, tuple_code: int = wf.EXT_TUPLE,
+                            frozenset_code: int = wf.EXT_FROZENSET, width: int = 16) -> bytes:
+    """A frozenset of ``width`` frozensets of ... (``depth`` levels) of colliding tuples.
+
+    Every frozenset holds ``width`` items of one hash (within the bound per
+    container), and as ``width`` is even the frozensets of one level share one
+    hash too (xor of an even number of equal item hashes cancels): comparing two
+    of them compares their items pairwise, so each level multiplies the cost of
+    building the outermost one (``width ** (2 * depth)`` comparisons).
+    """
+    pool = [tuple_key(p, tuple_code) for p in colliding_pairs(width + 1)]
+    for _ in range(depth - 1):
+        pool = [_ext(frozenset_code, _array([x for j, x in enumerate(pool) if j != i]))
+                for i in range(width + 1)]
+    return _ext(frozenset_code, _array(pool[:width]))

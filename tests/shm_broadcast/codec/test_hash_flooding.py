@@ -10,14 +10,25 @@ shares hashes a little (``hash(-1) == hash(-2)``) still decodes.
 
 from __future__ import annotations
 
+import os
+import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
 import msgspec
+import numpy as np
 import pytest
 
 from shm_broadcast.codec import wire_format as wf
-from shm_broadcast.codec.hash_flooding import MAX_SHARED_HASH, check_spread
+from shm_broadcast.codec.hash_flooding import (
+    HASH_RANDOMISED,
+    MAX_COLLISIONS,
+    MAX_SHARED_HASH,
+    CollisionBudget,
+    check_spread,
+)
 from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.codec.safe_msgpack import SMALL_FRAME
 from shm_broadcast.errors import DecodeError
@@ -28,7 +39,9 @@ from tests.shm_broadcast.codec.flooding import (
     codec_set_frame,
     colliding_bigints,
     colliding_pairs,
+    ext_frame,
     native_map_frame,
+    nested_frozensets_frame,
     tuple_key,
 )
 
@@ -147,3 +160,102 @@ def test_unhashable_items_are_still_malformed():
     msg = codec_set_frame([msgspec.msgpack.encode([1]) for _ in range(MAX_SHARED_HASH + 1)])
     with pytest.raises(DecodeError, match="unhashable"):
         Codec().decode(msg, b"", 0, 0)
+
+
+# ------------------------------------------------- payloads decoded on their own
+def _refused_within_bound(msg: bytes, match: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(DecodeError, match=match):
+        Codec().decode(msg, b"", 0, 0)
+    took = time.monotonic() - start
+    assert took < BOUND_S, f"refusing took {took:.1f} s"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("code", "match"), [
+    (wf.EXT_MEMORYVIEW, "a memoryview must be"),
+    (wf.EXT_NPSCALAR, "a numpy scalar must be"),
+], ids=["memoryview", "npscalar"])
+def test_attack_a_colliding_map_in_a_fixed_layout_payload_is_refused_unbuilt(pairs, code, match):
+    # These payloads have a fixed layout, decoded with a typed decoder: a map in
+    # them is refused at its first byte (the untyped decode built all of it first).
+    _refused_within_bound(ext_frame(code, native_map_frame([array_key(p) for p in pairs])),
+                          match)
+
+
+@pytest.mark.timeout(60)
+def test_attack_a_colliding_map_in_a_structured_dtype_descriptor_is_refused_unbuilt(pairs):
+    # The descriptor length is 16 bits: at most ~3,300 colliding keys fit, so
+    # the old cost per array was bounded; what shows the map is not built is
+    # that the typed decode refuses it (the untyped one returned a dict, which
+    # numpy then refused).
+    keys = [array_key(p) for p in pairs[:3000]]
+    descr = b"\x00" + native_map_frame(keys)
+    head = wf.ARRAY_HEAD.pack(0, 0, 1, len(descr)) + struct.pack("<q", 0)
+    msg = ext_frame(wf.EXT_NDARRAY, head + descr)
+    _refused_within_bound(msg, "bad array dtype \\(ValidationError")
+
+
+def test_fixed_layout_payloads_still_round_trip():
+    codec = Codec()
+    value = [memoryview(b"abcdef").cast("B", (2, 3)), np.float32(1.5),
+             np.zeros(2, dtype=[("a", "<i4"), ("b", [("c", "<f8", (2,))])])]
+    enc = codec.encode(value)
+    blob = enc.blob_bytes()
+    got = codec.decode(enc.msg, blob, 0, enc.blob_len)
+    assert got[0].tolist() == value[0].tolist() and got[1] == value[1]
+    assert got[2].dtype == value[2].dtype
+
+
+# ------------------------------------------------- nested colliding frozensets
+@pytest.mark.timeout(60)
+def test_attack_nested_colliding_frozensets_are_refused():
+    # Each frozenset is within the bound per container, but every level
+    # multiplies the cost of comparing them (quadratic in the frame; see
+    # docs/security-codec.md). The message-wide collision budget refuses it.
+    msg = nested_frozensets_frame(4)
+    _refused_within_bound(msg, f"more than {MAX_COLLISIONS}")
+
+
+def test_the_collision_budget_is_per_message():
+    # hash(-1) == hash(-2): each frozenset holds one collision among tuples.
+    value = [frozenset({(-1,), (-2,)}) for _ in range(MAX_COLLISIONS * 3 // 4)]
+    codec = Codec()
+    for _ in range(3):  # the same Codec: the budget starts afresh for each message
+        enc = codec.encode(value)
+        assert codec.decode(enc.msg, b"", 0, 0) == value
+    enc = codec.encode(value * 2)
+    with pytest.raises(DecodeError, match=f"more than {MAX_COLLISIONS}"):
+        codec.decode(enc.msg, b"", 0, 0)
+
+
+def test_frozensets_of_scalars_do_not_draw_on_the_budget():
+    value = [frozenset({-1, -2, 5}) for _ in range(MAX_COLLISIONS * 4)]
+    codec = Codec()
+    enc = codec.encode(value)
+    assert codec.decode(enc.msg, b"", 0, 0) == value
+
+
+def test_collision_budget_alone():
+    budget = CollisionBudget()
+    budget.take(MAX_COLLISIONS, "a frozenset")
+    with pytest.raises(DecodeError, match="a frozenset"):
+        budget.take(1, "a frozenset")
+    budget.reset()
+    budget.take(MAX_COLLISIONS, "a frozenset")
+    items = [(-1,), (-2,), (-1, 0), (-2, 0)]
+    budget.reset()
+    check_spread(items, len(items), "a frozenset", budget)
+    assert budget.left == MAX_COLLISIONS - 2
+
+
+@pytest.mark.timeout(60)
+def test_str_keys_are_counted_without_hash_randomisation():
+    code = ("import sys; from shm_broadcast.codec import hash_flooding as h; "
+            "assert sys.flags.hash_randomization == 0 and not h.HASH_RANDOMISED; "
+            "from shm_broadcast.codec.message_codec import Codec; c = Codec(); "
+            "v = [{str(i): i for i in range(3000)}, {b'%d' % i for i in range(3000)}]; "
+            "e = c.encode(v); assert c.decode(e.msg, b'', 0, 0) == v")
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=30)
+    assert bool(sys.flags.hash_randomization) == HASH_RANDOMISED

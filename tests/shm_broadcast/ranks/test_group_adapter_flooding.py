@@ -18,9 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shm_broadcast.codec.hash_flooding import MAX_COLLISIONS
+from shm_broadcast.codec.wire_format import EXT_MEMORYVIEW
 from shm_broadcast.errors import CollectiveMismatch
 from shm_broadcast.ranks.group_adapter import decode_object, encode_object, object_group
 from tests.shm_broadcast.codec.flooding import (
+    ADAPTER_FROZENSET,
     ADAPTER_PAIRS,
     ADAPTER_SET,
     ADAPTER_TUPLE,
@@ -28,7 +31,9 @@ from tests.shm_broadcast.codec.flooding import (
     array_key,
     codec_set_frame,
     colliding_pairs,
+    ext_frame,
     native_map_frame,
+    nested_frozensets_frame,
     tuple_key,
 )
 
@@ -61,6 +66,33 @@ def test_attack_colliding_items_are_refused_naming_the_sender(frames, name):
     start = time.monotonic()
     with pytest.raises(CollectiveMismatch, match="rank 3 of group 'g'.*share one hash"):
         decode_object(frames[name], source="rank 3 of group 'g'")
+    assert time.monotonic() - start < BOUND_S
+
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("route", ["own-format", "with-arrays"])
+def test_attack_nested_colliding_frozensets_are_refused_naming_the_sender(route):
+    # Each frozenset within the bound per container; every level multiplies the
+    # cost of comparing them (quadratic in the frame; see docs/security-codec.md).
+    if route == "own-format":
+        data = adapter_frame(nested_frozensets_frame(4, ADAPTER_TUPLE, ADAPTER_FROZENSET))
+    else:
+        msg = nested_frozensets_frame(4)
+        data = b"c" + struct.pack("<I", len(msg)) + msg
+    start = time.monotonic()
+    refused = f"rank 3 of group 'g'.*more than {MAX_COLLISIONS}"
+    with pytest.raises(CollectiveMismatch, match=refused):
+        decode_object(data, source="rank 3 of group 'g'")
+    assert time.monotonic() - start < BOUND_S
+
+
+@pytest.mark.timeout(60)
+def test_attack_a_colliding_map_in_a_memoryview_payload_is_refused():
+    msg = ext_frame(EXT_MEMORYVIEW, native_map_frame([array_key(p) for p in colliding_pairs(N)]))
+    start = time.monotonic()
+    with pytest.raises(CollectiveMismatch, match="rank 3 of group 'g'.*memoryview"):
+        decode_object(b"c" + struct.pack("<I", len(msg)) + msg, source="rank 3 of group 'g'")
     assert time.monotonic() - start < BOUND_S
 
 
