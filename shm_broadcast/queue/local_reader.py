@@ -433,7 +433,7 @@ class LocalReader:
         if kind == KIND_OVERFLOW:
             frames = self._recv_overflow(seq, timeout)
             head = frames[0].buffer  # topic byte, header, msgpack
-            return self._judged(chunk, verdict, self.codec.decode,
+            return self._judged(chunk, seq, verdict, self.codec.decode,
                                 head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen)
         boff = CHUNK_HEADER + (mlen + 63) // 64 * 64
         if kind != KIND_DATA or (boff + blen if blen else CHUNK_HEADER + mlen) > self._chunk_bytes:
@@ -443,23 +443,36 @@ class LocalReader:
                 f"cannot hold; the ring is corrupt")
         m = d + CHUNK_HEADER
         if verdict is not None:
-            return self._judged(chunk, verdict, self.codec.decode, buf[m : m + mlen], buf,
+            return self._judged(chunk, seq, verdict, self.codec.decode, buf[m : m + mlen], buf,
                                 d + boff, blen)
         try:
             obj = self.codec.decode(buf[m : m + mlen], buf, d + boff, blen)
             if self._keep_warm and blen == 0 and mlen <= _WARM_MAX:
                 self._warm_msg = bytes(buf[m : m + mlen])
             return obj
+        except DecodeError as e:
+            raise self._refused(seq, e) from None
         finally:
             self._consume(chunk)
 
-    def _judged(self, chunk: int, verdict: Callable[[Any], str | None] | None,
+    def _refused(self, seq: int, e: DecodeError) -> DecodeError:
+        """The codec's refusal of message ``seq``, naming the queue and its writer."""
+        return DecodeError(
+            f"queue {self.name!r}: {self.side} refused message #{seq} from the "
+            f"{self._writer_desc}: {e}", queue=self.name, side=self.side,
+            peers=[self._writer_peer])
+
+    def _judged(self, chunk: int, seq: int, verdict: Callable[[Any], str | None] | None,
                 decode: Callable[..., Any], *args: Any) -> Any:
-        """Decode, let ``verdict`` judge (a decode error or a raising verdict refuses
-        the message with its text, then propagates), then release the chunk."""
+        """Decode message ``seq``, let ``verdict`` judge (a decode error or a raising
+        verdict refuses the message with its text, then propagates), then release
+        the chunk."""
         refusal: str | None = None
         try:
-            obj = decode(*args)
+            try:
+                obj = decode(*args)
+            except DecodeError as e:
+                raise self._refused(seq, e) from None
             if verdict is not None:
                 said = verdict(obj)
                 refusal = None if said is None else str(said)

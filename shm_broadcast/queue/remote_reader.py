@@ -53,7 +53,13 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from shm_broadcast.codec.message_codec import Codec
-from shm_broadcast.errors import PeerDiedError, QueueClosedError, QueueTimeout, ShmBroadcastError
+from shm_broadcast.errors import (
+    DecodeError,
+    PeerDiedError,
+    QueueClosedError,
+    QueueTimeout,
+    ShmBroadcastError,
+)
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.transport import (
     ACK,
@@ -300,9 +306,15 @@ class RemoteReader:
                 self.dealer.send(CTL_ACK + ACK.pack(self._seq), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        if len(frames) == 1:  # small message: arrays follow the msgpack bytes
-            return self.codec.decode(head[_HEAD : _HEAD + mlen], head, _HEAD + mlen, blen)
-        return self.codec.decode(head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen)
+        try:
+            if len(frames) == 1:  # small message: arrays follow the msgpack bytes
+                return self.codec.decode(head[_HEAD : _HEAD + mlen], head, _HEAD + mlen, blen)
+            return self.codec.decode(head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen)
+        except DecodeError as e:
+            raise DecodeError(
+                f"queue {self.name!r}: {self.side} refused message #{seq} from the "
+                f"{self._writer_desc}: {e}", queue=self.name, side=self.side,
+                peers=[self._writer_peer]) from None
 
     def _raise_shutdown(self) -> None:
         raise QueueClosedError(

@@ -381,3 +381,24 @@ def test_a_corrupt_chunk_header_is_refused_not_read(queues, corruption):
     WIRE.pack_into(ring.buf, d, *forged)
     with pytest.raises(DecodeError, match="the ring is corrupt"):
         r.dequeue(timeout=5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("big", [False, True], ids=["in-ring", "overflow"])
+def test_a_hash_flooding_message_is_refused_naming_the_writer(queues, big):
+    """A writer (a peer a reader does not have to trust) sends a set whose items
+    all share one hash: every reader, local and remote, refuses it with a
+    ``DecodeError`` that names the queue and the writer, and reads on."""
+    from shm_broadcast import DecodeError
+    from tests.shm_broadcast.codec.flooding import colliding_pairs
+
+    w, readers = queues(1, 1, max_chunk_bytes=4096, max_chunks=4, name="flood")
+    flood = set(colliding_pairs(64))
+    w.enqueue({"pad": "x" * (8000 if big else 0), "flood": flood}, timeout=10)
+    w.enqueue("after", timeout=10)
+    for r in readers:
+        with pytest.raises(DecodeError, match=r"queue 'flood': .*reader.* refused message #0 "
+                                              r"from the writer.*share") as got:
+            r.dequeue(timeout=10)
+        assert got.value.peers and got.value.queue == "flood"
+        assert r.dequeue(timeout=10) == "after"
