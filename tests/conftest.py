@@ -45,6 +45,9 @@ _LONG_FILES = (
     "tests/coordinator/p2p/test_async_p2p.py",
     "tests/shm_broadcast/waiting/test_predictive.py",
     "tests/coordinator/engine/test_demo_cli.py",
+    "tests/coordinator/stateless/test_stateless_replay.py",
+    "tests/device_comms/cuda/custom_allreduce/test_handle_attacks.py",
+    "tests/shm_broadcast/codec/test_decoded_size.py",
 )
 
 

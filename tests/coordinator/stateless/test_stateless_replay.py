@@ -90,8 +90,11 @@ def _record_incarnation_1(port: int, secret: bytes, world_size: int) -> dict[str
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("replayed", ["others", "rank0"])
+@pytest.mark.parametrize("world_size, replayed", [
+    (2, "rank0"), (3, "others"),
+    pytest.param(2, "others", marks=pytest.mark.slow),
+    pytest.param(3, "rank0", marks=pytest.mark.slow),
+])
 def test_a_replayed_incarnation_is_refused(dist_pool, world_size: int, replayed: str) -> None:
     """``others``: the attacker plants incarnation 1's records of ranks 1.., its
     confirmation and its sealed values before those ranks join; the last rank joins a
