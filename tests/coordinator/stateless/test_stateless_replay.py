@@ -362,7 +362,7 @@ def _external_store(port: int) -> Any:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_a_replay_verified_by_every_other_rank_is_reported_on_every_rank(
         world_size: int) -> None:
     """Incarnation 1 ran to the end (its session keys are gone); the attacker recorded its

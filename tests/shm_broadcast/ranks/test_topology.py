@@ -66,9 +66,15 @@ def _lying_verdict(rank: int, world_size: int) -> dict[str, Any]:
     return {"msg": None}
 
 
+#: The records every default run sends; the others run with ``-m slow``.
+_CI_RECORDS = ("foreign-name", "huge-node-id", "two-fields")
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [3])
-@pytest.mark.parametrize("record_id", sorted(BAD_RECORDS))
+@pytest.mark.parametrize("record_id", [
+    r if r in _CI_RECORDS else pytest.param(r, marks=pytest.mark.slow)
+    for r in sorted(BAD_RECORDS)])
 def test_malformed_source_record_raises_on_every_rank(dist_pool: Any, world_size: int,
                                                       record_id: str) -> None:
     outs = dist_pool(world_size).run(_malformed_source, record_id, timeout=30)
