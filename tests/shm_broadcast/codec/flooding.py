@@ -1,4 +1,4 @@
-"""Crafted hash collisions and the frames that carry them (issue 37's attacks).
+"""Crafted hash collisions, the frames that carry them, and the attacks' sizes.
 
 Python's hashes of tuples and ints are not keyed, so a peer can compute values
 that all share one hash:
@@ -30,7 +30,12 @@ from shm_broadcast.codec import wire_format as wf
 __all__ = ["colliding_pairs", "colliding_bigints", "codec_set_frame", "codec_pairs_frame",
            "native_map_frame", "array_key", "tuple_key", "bigint_key", "adapter_frame",
            "ADAPTER_TUPLE", "ADAPTER_SET", "ADAPTER_PAIRS", "ADAPTER_FROZENSET",
-           "nested_frozensets_frame", "ext_frame"]
+           "nested_frozensets_frame", "ext_frame", "N", "BOUND_S"]
+
+#: Items per attack: enough that building the container took tens of seconds before the fix.
+N = 60_000
+#: What a refusal may take: a generous bound, far below the quadratic build's time.
+BOUND_S = 5.0
 
 _MASK = (1 << 64) - 1
 _P1, _P2, _P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261

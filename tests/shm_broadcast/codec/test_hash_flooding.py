@@ -33,6 +33,8 @@ from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.codec.safe_msgpack import SMALL_FRAME
 from shm_broadcast.errors import DecodeError
 from tests.shm_broadcast.codec.flooding import (
+    BOUND_S,
+    N,
     array_key,
     bigint_key,
     codec_pairs_frame,
@@ -44,11 +46,6 @@ from tests.shm_broadcast.codec.flooding import (
     nested_frozensets_frame,
     tuple_key,
 )
-
-#: Items per attack: enough that building the container took tens of seconds before the fix.
-N = 60_000
-#: What a refusal may take: a generous bound, far below the quadratic build's time.
-BOUND_S = 5.0
 
 
 @pytest.fixture(scope="module")

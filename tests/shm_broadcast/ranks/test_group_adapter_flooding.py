@@ -27,6 +27,8 @@ from tests.shm_broadcast.codec.flooding import (
     ADAPTER_PAIRS,
     ADAPTER_SET,
     ADAPTER_TUPLE,
+    BOUND_S,
+    N,
     adapter_frame,
     array_key,
     codec_set_frame,
@@ -36,10 +38,6 @@ from tests.shm_broadcast.codec.flooding import (
     nested_frozensets_frame,
     tuple_key,
 )
-
-N = 60_000
-#: What a refusal may take: a generous bound, far below the quadratic build's time.
-BOUND_S = 5.0
 
 
 def _frames(pairs: list[tuple[int, int]]) -> dict[str, bytes]:
