@@ -1,0 +1,336 @@
+"""Dumps of the flight recorder in PyTorch's flight-recorder format.
+
+A dump is one pickle per process, named ``<prefix><global rank>``, holding
+only dicts, lists, tuples, strings, numbers, booleans and None, so that
+PyTorch's analyzer (``torchfrtrace DIR``) loads a directory of them without
+groupcoord installed. The top level follows PyTorch's dump (version ``2.10``):
+
+* ``version``: ``"2.10"``;
+* ``pg_config``: per group name, ``{"name", "desc", "ranks"}`` with ``ranks``
+  the members' global ranks written as a list literal (``"[0, 1]"``);
+* ``pg_status``: per group name, the last enqueued, started and completed
+  collective sequence numbers;
+* ``entries``: the calls, oldest first, each with PyTorch's fields:
+  ``record_id``, ``pg_id``, ``process_group`` (name, desc),
+  ``collective_seq_id``, ``p2p_seq_id``, ``op_id``, ``profiling_name``
+  (``gloo:all_reduce``, ``nccl:send 0->1``), ``time_created_ns`` (wall
+  clock), ``duration_ms``, ``is_p2p``, ``input_sizes``, ``input_dtypes``,
+  ``output_sizes``, ``output_dtypes``, ``state`` (``scheduled``,
+  ``started``, ``completed``, or ``failed``), ``time_discovered_started_ns``,
+  ``time_discovered_completed_ns``, ``retired``, ``timeout_ms``, ``frames``;
+  plus groupcoord's own: ``op`` (the public method), ``transport``
+  (``shm``, ``gloo``, ``hierarchical``, ``pynccl``, ``custom_allreduce``,
+  ``queue``...), ``error`` (the class of the error a failed call raised),
+  ``peer``, ``time_created_monotonic_ns``, ``true_input_sizes`` /
+  ``true_output_sizes``, ``replays``;
+* ``comm_lib_version``, and ``groupcoord``: rank, host, pid, why the dump was
+  written, the monotonic and wall clocks at the dump.
+
+**The analyzer's view of variable-size calls.** PyTorch's analyzer compares
+input and output sizes across ranks by op type. Calls whose row counts
+legitimately differ between ranks (``all_gatherv``, ``reduce_scatterv``,
+``all_to_allv``, ``all_gatherv_rows``, MoE ``dispatch``/``combine``) show
+their per-rank dimension as ``-1`` in ``input_sizes``/``output_sizes``, so the
+analyzer compares what must agree (dtypes, row shapes) and not the counts;
+the real sizes are in ``true_input_sizes``/``true_output_sizes``. Calls that
+carry objects (object broadcasts, tensor-dict metadata, queue broadcasts)
+have no sizes. A missing side of a rooted call (``gather``'s output off the
+root, ``scatter``'s input off the source) shows the other side's sizes, as
+the analyzer expects of PyTorch's in-place calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import tempfile
+import time
+from collections.abc import Iterable
+from time import monotonic_ns
+from typing import Any
+
+import torch
+
+from coordinator.trace import recorder as rec_mod
+from coordinator.trace.recorder import (
+    CREATED,
+    DEVICE,
+    DONE,
+    ERROR,
+    FRAMES,
+    GROUP,
+    IN_DTYPES,
+    IN_SIZES,
+    OP,
+    OUT_DTYPES,
+    OUT_SIZES,
+    P2P_SEQ,
+    PEER,
+    RID,
+    SEQ,
+    FlightRecorder,
+    GroupTrace,
+)
+
+__all__ = ["FR_VERSION", "OPS", "snapshot", "write_dump", "dump_path", "global_rank"]
+
+#: The PyTorch flight-recorder dump version these dumps follow.
+FR_VERSION = "2.10"
+
+#: Transports whose calls PyTorch's analyzer should read as NCCL's.
+_DEVICE_TRANSPORTS = frozenset({"pynccl", "nccl", "custom_allreduce", "cuda_p2p", "cuda"})
+
+# op -> (PyTorch's op type, is_p2p, input rows vary by rank, output rows vary, has tensors)
+OPS: dict[str, tuple[str, bool, bool, bool, bool]] = {
+    "all_reduce": ("all_reduce", False, False, False, True),
+    "all_gather": ("all_gather", False, False, False, True),
+    "all_gatherv": ("all_gather_v", False, True, False, True),
+    "all_gatherv_rows": ("all_gather_v", False, True, False, True),
+    "dispatch": ("all_gather_v", False, True, False, True),
+    "dispatch_router_logits": ("all_gather_v", False, True, False, True),
+    "reduce_scatter": ("reduce_scatter", False, False, False, True),
+    "reduce_scatterv": ("reduce_scatter_v", False, False, True, True),
+    "combine": ("reduce_scatter_v", False, False, True, True),
+    "gather": ("gather", False, False, False, True),
+    "reduce": ("reduce", False, False, False, True),
+    "scatter": ("scatter", False, False, False, True),
+    "broadcast": ("broadcast", False, False, False, True),
+    "all_to_all": ("all_to_all", False, False, False, True),
+    "all_to_allv": ("all_to_all", False, True, True, True),
+    "barrier": ("barrier", False, False, False, False),
+    "broadcast_object": ("broadcast", False, False, False, False),
+    "broadcast_object_list": ("broadcast", False, False, False, False),
+    "broadcast_tensor_dict": ("broadcast", False, False, False, False),
+    "queue_broadcast": ("broadcast", False, False, False, False),
+    "send": ("send", True, False, False, True),
+    "recv": ("recv", True, False, False, True),
+    "isend": ("send", True, False, False, True),
+    "irecv": ("recv", True, False, False, True),
+    "send_object": ("send", True, False, False, False),
+    "recv_object": ("recv", True, False, False, False),
+    "send_tensor_dict": ("send", True, False, False, False),
+    "recv_tensor_dict": ("recv", True, False, False, False),
+    "isend_tensor_dict": ("send", True, False, False, False),
+    "irecv_tensor_dict": ("recv", True, False, False, False),
+}
+#: An op missing from :data:`OPS` reads as a barrier (no sizes compared).
+_UNKNOWN = ("barrier", False, False, False, False)
+
+# c10's scalar type names, which PyTorch's dumps use for dtypes.
+_DTYPE_NAMES = {
+    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
+    torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int",
+    torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
+    torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+}
+for _name, _c10 in (("float8_e4m3fn", "Float8_e4m3fn"), ("float8_e5m2", "Float8_e5m2"),
+                    ("uint16", "UInt16"), ("uint32", "UInt32"), ("uint64", "UInt64")):
+    if hasattr(torch, _name):
+        _DTYPE_NAMES[getattr(torch, _name)] = _c10
+
+
+def global_rank() -> int:
+    """This process's global rank: torch.distributed's, else ``RANK``, else 0."""
+    with contextlib.suppress(Exception):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return int(torch.distributed.get_rank())
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def dump_path(prefix: str, rank: int | None = None) -> str:
+    """``<prefix><rank>``, the file a process's dump goes to."""
+    return f"{prefix}{global_rank() if rank is None else rank}"
+
+
+def _sizes(value: Any) -> list[list[int]]:
+    """Shapes as PyTorch's dumps write them: a list of int lists."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Size | tuple):
+        return [[int(d) for d in value]]
+    return [[int(d) for d in s] for s in value]
+
+
+def _dtypes(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, torch.dtype):
+        return [_DTYPE_NAMES.get(value, str(value).removeprefix("torch."))]
+    return [_DTYPE_NAMES.get(d, str(d).removeprefix("torch.")) for d in value]
+
+
+def _varying(sizes: list[list[int]]) -> list[list[int]]:
+    """``sizes`` with each tensor's first dimension (its rows) shown as -1."""
+    return [[-1, *s[1:]] if s else s for s in sizes]
+
+
+def _state(entry: list[Any]) -> tuple[str, int | None, int | None, int | None]:
+    """(state, started, completed, replays) of ``entry``; times monotonic ns."""
+    marks = entry[DEVICE]
+    replays = None
+    if marks is not None:
+        started, done = marks.started_ns(), marks.completed_ns()
+        replays = marks.replays()
+    else:
+        started, done = entry[CREATED], (entry[DONE] or None)
+    if entry[ERROR] is not None:
+        return "failed", started, done, replays
+    if done is not None:
+        return "completed", started, done, replays
+    return ("started" if started is not None else "scheduled"), started, None, replays
+
+
+def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
+    """One entry as a plain dict in PyTorch's layout (see the module docstring)."""
+    group: GroupTrace = entry[GROUP]
+    op: str = entry[OP]
+    fr_type, is_p2p, vary_in, vary_out, tensors = OPS.get(op, _UNKNOWN)
+    transport = "gloo"
+    if group.transport_of is not None:
+        with contextlib.suppress(Exception):
+            transport = str(group.transport_of(op, entry))
+    backend = "nccl" if transport in _DEVICE_TRANSPORTS else "gloo"
+    in_sizes, out_sizes = _sizes(entry[IN_SIZES]), _sizes(entry[OUT_SIZES])
+    in_dtypes, out_dtypes = _dtypes(entry[IN_DTYPES]), _dtypes(entry[OUT_DTYPES])
+    if tensors:  # a missing side reads as the other one (see the module docstring)
+        if entry[OUT_SIZES] is None:
+            out_sizes, out_dtypes = in_sizes, in_dtypes
+        if entry[IN_SIZES] is None:
+            in_sizes, in_dtypes = out_sizes, out_dtypes
+    else:
+        in_sizes = out_sizes = []
+        in_dtypes = out_dtypes = []
+    name = f"{backend}:{fr_type}"
+    me, peer = group.rank_in_group, entry[PEER]
+    if is_p2p:
+        name += f" {me}->{peer}" if fr_type == "send" else f" {me}<-{peer}"
+    state, started, done, replays = _state(entry)
+    created = entry[CREATED]
+    return {
+        "record_id": entry[RID],
+        "pg_id": group.pg_id,
+        "process_group": (group.name, group.desc),
+        "collective_seq_id": entry[SEQ],
+        "p2p_seq_id": entry[P2P_SEQ],
+        "op_id": entry[P2P_SEQ] if is_p2p else entry[SEQ],
+        "profiling_name": name,
+        "time_created_ns": created + wall_offset,
+        "duration_ms": None if done is None else (done - created) / 1e6,
+        "is_p2p": is_p2p,
+        "input_sizes": _varying(in_sizes) if vary_in else in_sizes,
+        "input_dtypes": in_dtypes,
+        "output_sizes": _varying(out_sizes) if vary_out else out_sizes,
+        "output_dtypes": out_dtypes,
+        "state": state,
+        "time_discovered_started_ns": None if started is None else started + wall_offset,
+        "time_discovered_completed_ns": None if done is None else done + wall_offset,
+        "retired": done is not None or state == "failed",
+        "timeout_ms": None,
+        "frames": list(entry[FRAMES] or []),
+        "op": op,
+        "transport": transport,
+        "error": entry[ERROR],
+        "peer": peer if is_p2p else None,
+        "time_created_monotonic_ns": created,
+        "true_input_sizes": _sizes(entry[IN_SIZES]),
+        "true_output_sizes": _sizes(entry[OUT_SIZES]) if entry[OUT_SIZES] is not None
+        else _sizes(entry[IN_SIZES]),
+        "replays": replays,
+    }
+
+
+def _pg_status(groups: Iterable[GroupTrace], entries: list[dict[str, Any]]) -> dict[str, Any]:
+    status: dict[str, dict[str, int]] = {}
+    for g in groups:
+        status[g.name] = {"last_enqueued_collective": -1, "last_started_collective": -1,
+                          "last_completed_collective": -1}
+    for e in entries:
+        if e["is_p2p"]:
+            continue
+        s = status.get(e["process_group"][0])
+        if s is None:
+            continue
+        seq = e["collective_seq_id"]
+        s["last_enqueued_collective"] = max(s["last_enqueued_collective"], seq)
+        if e["state"] in ("started", "completed", "failed"):
+            s["last_started_collective"] = max(s["last_started_collective"], seq)
+        if e["state"] == "completed":
+            s["last_completed_collective"] = max(s["last_completed_collective"], seq)
+    return status
+
+
+def snapshot(rec: FlightRecorder | None = None, reason: str = "on demand",
+             rank: int | None = None) -> dict[str, Any]:
+    """The recorder's content as a PyTorch flight-recorder dump (plain data only).
+
+    Args:
+        rec: The recorder; None: the process's.
+        reason: Why the dump is taken (kept under ``groupcoord``).
+        rank: The global rank to name; None: this process's.
+    """
+    rec = rec if rec is not None else rec_mod.recorder()
+    wall_offset = time.time_ns() - monotonic_ns()
+    raw = rec.entries()
+    entries = [_entry(e, wall_offset) for e in raw]
+    groups = rec.groups()
+    pg_config = {g.name: {"name": g.name, "desc": g.desc, "ranks": str(list(g.ranks))}
+                 for g in groups}
+    return {
+        "version": FR_VERSION,
+        "comm_lib_version": f"groupcoord {_version()}",
+        "pg_config": pg_config,
+        "pg_status": _pg_status(groups, entries),
+        "entries": entries,
+        "groupcoord": {
+            "rank": global_rank() if rank is None else rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "reason": str(reason),
+            "capacity": rec.capacity,
+            "monotonic_ns": monotonic_ns(),
+            "wall_ns": time.time_ns(),
+        },
+    }
+
+
+def write_dump(rec: FlightRecorder | None = None, path: str | None = None,
+               reason: str = "on demand", rank: int | None = None) -> str:
+    """Write :func:`snapshot` to ``path`` (default ``<prefix><global rank>``), owner-only.
+
+    The file is written under a temporary name in the same directory, created
+    with mode 0600 (never following a link), then renamed into place, so a
+    reader never sees half a dump. A missing directory is created with mode 0700.
+
+    Returns:
+        The path written.
+    """
+    rec = rec if rec is not None else rec_mod.recorder()
+    if path is None:
+        path = dump_path(rec.dump_prefix, rank)
+    data = pickle.dumps(snapshot(rec, reason, rank), protocol=4)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".groupcoord_trace.", dir=directory)  # 0600, O_EXCL
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("groupcoord")
+    except Exception:
+        return "unknown"

@@ -1,0 +1,304 @@
+"""The flight recorder: a fixed-size ring of every group call this process made.
+
+One :class:`FlightRecorder` per process (:func:`recorder`) keeps the last
+``capacity`` calls of every :class:`~coordinator.GroupCoordinator` in this
+process; each coordinator writes through its own :class:`GroupTrace`, which
+holds the group's identity (name, description, member ranks) and its
+sequence numbers' meaning.
+
+An entry is a Python list laid out by the index constants below (``RID``,
+``OP``, ...), created when a call begins and updated in place as it moves on:
+
+* **begin** (:meth:`GroupTrace.begin`): record id, group, op, the group's
+  collective and point-to-point sequence numbers, the peer of a
+  point-to-point call, the input's shape and dtype (never its data), the
+  monotonic creation time, and the Python stack when
+  ``GROUPCOORD_TRACE_STACKS=1``;
+* **completion**: the caller stores ``monotonic_ns()`` at ``DONE`` (and the
+  output's shape and dtype at ``OUT_SIZES``/``OUT_DTYPES`` when they differ
+  from the input's);
+* **failure** (:meth:`GroupTrace.fail`): the error's class name at ``ERROR``.
+
+Calls on CPU transports run synchronously, so an entry is *started* when
+created. A device call hands its entry a :class:`DeviceMarks` (CUDA events
+recorded around the kernel, read lazily: never a synchronisation on the hot
+path); its state is then what the events say when someone looks.
+
+Entries are plain lists owned by the ring: a writer replaces a slot and later
+stores into the list it created, so a call that outlives ``capacity`` newer
+calls updates an entry no longer in the ring, which is harmless. Record ids
+come from :func:`itertools.count`, whose ``next`` is atomic under the GIL, so
+threads never share an id.
+
+Configuration (read when the process's recorder is first created):
+
+* ``GROUPCOORD_TRACE_BUFFER``: ring entries (default 4096; ``0`` turns the
+  recorder off: :meth:`GroupTrace.begin` is then never called);
+* ``GROUPCOORD_TRACE_STACKS=1``: record each call's Python stack;
+* ``GROUPCOORD_TRACE_DUMP``: prefix of dump files, ``<prefix><global rank>``
+  (default ``<tempdir>/groupcoord_trace_rank_``);
+* ``GROUPCOORD_TRACE_SIGNAL``: see :mod:`coordinator.trace.signals`.
+
+The dump format is described in :mod:`coordinator.trace.dump`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from time import monotonic_ns
+from typing import Any, Protocol
+
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "DeviceMarks",
+    "FlightRecorder",
+    "GroupTrace",
+    "recorder",
+    "reset_recorder",
+    "RID", "GROUP", "OP", "SEQ", "P2P_SEQ", "PEER", "IN_SIZES", "IN_DTYPES",
+    "OUT_SIZES", "OUT_DTYPES", "CREATED", "DONE", "ERROR", "FRAMES", "DEVICE", "ENTRY_LEN",
+]
+
+#: Ring entries unless ``GROUPCOORD_TRACE_BUFFER`` says otherwise.
+DEFAULT_CAPACITY = 4096
+#: Deepest Python stack recorded with ``GROUPCOORD_TRACE_STACKS=1``.
+_STACK_LIMIT = 32
+
+# The layout of an entry (a list, so that completion is one item store).
+RID = 0  # record id, increasing per process
+GROUP = 1  # the GroupTrace
+OP = 2  # the public method, e.g. "all_reduce"
+SEQ = 3  # the group's collective calls so far, this one included if collective
+P2P_SEQ = 4  # the group's point-to-point calls so far, this one included if p2p
+PEER = 5  # group rank of a point-to-point call's peer, else -1
+IN_SIZES = 6  # a torch.Size, a list of them, or None (objects)
+IN_DTYPES = 7  # a torch.dtype, a list of them, or None
+OUT_SIZES = 8  # as IN_SIZES; None: as the input
+OUT_DTYPES = 9  # as IN_DTYPES; None: as the input
+CREATED = 10  # monotonic_ns() at begin
+DONE = 11  # monotonic_ns() at completion, 0 until then
+ERROR = 12  # the error's class name, None unless the call failed
+FRAMES = 13  # [{"name", "filename", "line"}] or None
+DEVICE = 14  # DeviceMarks of a device call, else None
+ENTRY_LEN = 15
+
+
+class DeviceMarks(Protocol):
+    """When a device call started and completed, as its CUDA events tell (lazily)."""
+
+    def started_ns(self) -> int | None:
+        """Monotonic ns when the call was first seen started, None if not yet."""
+
+    def completed_ns(self) -> int | None:
+        """Monotonic ns when the call was first seen completed, None if not yet."""
+
+    def replays(self) -> int | None:
+        """How often a captured call ran in graph replays, None if not captured."""
+
+
+class FlightRecorder:
+    """The process's ring of group calls (see the module docstring).
+
+    Args:
+        capacity: Ring entries; ``0`` records nothing.
+        stacks: Record each call's Python stack.
+        dump_prefix: Prefix of this process's dump file names.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, stacks: bool = False,
+                 dump_prefix: str | None = None) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+        self.capacity = capacity
+        self.stacks = bool(stacks)
+        self.dump_prefix = dump_prefix if dump_prefix is not None else default_dump_prefix()
+        #: The ring; a slot holds the latest entry whose record id maps to it.
+        self.ring: list[list[Any] | None] = [None] * capacity
+        #: Record ids (``next`` is atomic under the GIL).
+        self.ids = itertools.count()
+        self._groups: list[GroupTrace] = []
+        self._lock = threading.Lock()  # guards _groups, not the ring
+
+    @property
+    def enabled(self) -> bool:
+        """Whether calls are recorded (``capacity > 0``)."""
+        return self.capacity > 0
+
+    def group(self, name: str, desc: str, ranks: Sequence[int], rank_in_group: int,
+              transport_of: Callable[[str, list[Any]], str] | None = None) -> GroupTrace | None:
+        """The :class:`GroupTrace` a new group writes through; None when disabled.
+
+        Args:
+            name: The group's unique name (``tp:0``).
+            desc: What the group is for (its base name, ``tp``).
+            ranks: Its members' global ranks.
+            rank_in_group: This process's rank in it.
+            transport_of: Names the transport of an entry (``op``, entry), read
+                at dump time; None: ``"gloo"``.
+        """
+        if not self.enabled:
+            return None
+        trace = GroupTrace(self, len(self._groups), name, desc, list(ranks), rank_in_group,
+                           transport_of)
+        with self._lock:
+            trace.pg_id = len(self._groups)
+            self._groups.append(trace)
+        return trace
+
+    def groups(self) -> list[GroupTrace]:
+        """Every group recorded so far, in creation order (closed ones included)."""
+        with self._lock:
+            return list(self._groups)
+
+    def entries(self) -> list[list[Any]]:
+        """The entries in the ring, oldest first (the lists themselves, not copies)."""
+        ring = list(self.ring)  # a consistent view: later writes replace slots
+        live = [e for e in ring if e is not None]
+        live.sort(key=lambda e: e[RID])
+        return live
+
+    def next_id(self) -> int:
+        """Take the next record id."""
+        return next(self.ids)
+
+    def store(self, entry: list[Any]) -> None:
+        """Put ``entry`` in its ring slot."""
+        self.ring[entry[RID] % self.capacity] = entry
+
+
+class GroupTrace:
+    """One group's writer into the process's :class:`FlightRecorder`.
+
+    Attributes:
+        name: The group's unique name.
+        desc: Its description (base name).
+        ranks: Its members' global ranks.
+        rank_in_group: This process's rank in it.
+        pg_id: Its index among the recorder's groups.
+        transport_of: Names an entry's transport at dump time.
+        closed: Set when the group is destroyed.
+    """
+
+    __slots__ = ("recorder", "pg_id", "name", "desc", "ranks", "rank_in_group",
+                 "transport_of", "closed", "_ring", "_capacity", "_ids", "_stacks")
+
+    def __init__(self, rec: FlightRecorder, pg_id: int, name: str, desc: str, ranks: list[int],
+                 rank_in_group: int,
+                 transport_of: Callable[[str, list[Any]], str] | None) -> None:
+        self.recorder = rec
+        self.pg_id = pg_id
+        self.name = name
+        self.desc = desc
+        self.ranks = ranks
+        self.rank_in_group = rank_in_group
+        self.transport_of = transport_of
+        self.closed = False
+        self._ring = rec.ring
+        self._capacity = rec.capacity
+        self._ids = rec.ids
+        self._stacks = rec.stacks
+
+    def begin(self, op: str, seq: int, p2p_seq: int, sizes: Any = None, dtypes: Any = None,
+              peer: int = -1) -> list[Any]:
+        """Record that call ``op`` begins; returns its entry (see the module docstring).
+
+        Args:
+            op: The public method.
+            seq: The group's collective calls so far (this one included if collective).
+            p2p_seq: Its point-to-point calls so far (this one included if p2p).
+            sizes: The input's shape(s): a ``torch.Size`` or a list of them; None
+                for calls without tensors.
+            dtypes: The input's dtype(s), matching ``sizes``.
+            peer: The group rank of a point-to-point call's peer.
+        """
+        rid = next(self._ids)
+        entry = [rid, self, op, seq, p2p_seq, peer, sizes, dtypes, None, None, monotonic_ns(),
+                 0, None, None, None]
+        if self._stacks:
+            entry[FRAMES] = _frames()
+        self._ring[rid % self._capacity] = entry
+        return entry
+
+    @staticmethod
+    def fail(entry: list[Any], error: BaseException) -> None:
+        """Mark ``entry``'s call failed with ``error`` (its class name is kept)."""
+        if entry[ERROR] is None:
+            entry[ERROR] = type(error).__name__
+
+    @staticmethod
+    def complete(entry: list[Any], sizes: Any = None, dtypes: Any = None) -> None:
+        """Mark ``entry``'s call completed, with its output's shape(s) and dtype(s)
+        when they differ from the input's."""
+        if sizes is not None:
+            entry[OUT_SIZES] = sizes
+            entry[OUT_DTYPES] = dtypes
+        entry[DONE] = monotonic_ns()
+
+
+def _frames() -> list[dict[str, Any]]:
+    """The caller's Python stack, innermost last, without the recorder's own frames."""
+    stack = traceback.extract_stack(limit=_STACK_LIMIT)[:-2]
+    return [{"name": f.name, "filename": f.filename, "line": f.lineno or 0} for f in stack]
+
+
+def default_dump_prefix() -> str:
+    """``GROUPCOORD_TRACE_DUMP``, else ``<tempdir>/groupcoord_trace_rank_``."""
+    env = os.environ.get("GROUPCOORD_TRACE_DUMP")
+    if env:
+        return env
+    return os.path.join(tempfile.gettempdir(), "groupcoord_trace_rank_")
+
+
+def _capacity_from_env() -> int:
+    raw = os.environ.get("GROUPCOORD_TRACE_BUFFER")
+    if raw is None or raw.strip() == "":
+        return DEFAULT_CAPACITY
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"GROUPCOORD_TRACE_BUFFER must be an int >= 0 (ring entries; "
+                         f"0 turns the recorder off), got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"GROUPCOORD_TRACE_BUFFER must be an int >= 0 (ring entries; "
+                         f"0 turns the recorder off), got {raw!r}")
+    return value
+
+
+def _stacks_from_env() -> bool:
+    raw = os.environ.get("GROUPCOORD_TRACE_STACKS", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"GROUPCOORD_TRACE_STACKS must be 0 or 1, got {raw!r}")
+
+
+_RECORDER: FlightRecorder | None = None
+_RECORDER_LOCK = threading.Lock()
+
+
+def recorder() -> FlightRecorder:
+    """The process's recorder, created from the environment on first use."""
+    global _RECORDER
+    rec = _RECORDER
+    if rec is None:
+        with _RECORDER_LOCK:
+            if _RECORDER is None:
+                _RECORDER = FlightRecorder(_capacity_from_env(), _stacks_from_env())
+            rec = _RECORDER
+    return rec
+
+
+def reset_recorder(rec: FlightRecorder | None = None) -> FlightRecorder | None:
+    """Replace the process's recorder (None: the next :func:`recorder` call reads the
+    environment again); returns the previous one. For tests and benchmarks: groups
+    created before keep writing to the recorder they were created with."""
+    global _RECORDER
+    with _RECORDER_LOCK:
+        old, _RECORDER = _RECORDER, rec
+    return old
