@@ -100,8 +100,9 @@ Diagnostics. Two reads outside the protocol serve only the queue's warnings
 and statistics (:mod:`shm_broadcast.queue.laggards`); neither stores
 anything, so the protocol above holds unchanged. The writer counts each
 reader's unread chunks from the flags (:meth:`ShmRingBuffer.unread_counts`),
-loads of bytes the readers store concurrently: a count may be one
-message stale, as any reading of a moving reader is. A reader waiting long
+loads of bytes the readers store concurrently: a reader that reads
+meanwhile may be counted short of what it has read by then, as any reading
+of a moving reader is. A reader waiting long
 for message ``k`` reads the writer's header and publish stamp in the chunk
 of message ``k - 1``, which it has released: the stamp first, then the
 header's message number, and it trusts the stamp only if that number is

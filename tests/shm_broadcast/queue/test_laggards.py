@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from shm_broadcast import MessageQueue, QueueRoleError, QueueTimeout, WaitPolicy
+from shm_broadcast import MessageQueue, QueueRoleError, QueueTimeout, ShmRingBuffer, WaitPolicy
+from shm_broadcast.queue.laggards import WaitWarnings
 from shm_broadcast.queue.options import (
     DEFAULT_WARN_INTERVAL,
     WARN_INTERVAL_ENV,
@@ -66,6 +67,36 @@ def queues():
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == "shm_broadcast.queue" and r.levelno == logging.WARNING]
+
+
+def test_wait_warnings_fall_due_once_per_interval():
+    w = WaitWarnings(2.0)
+    assert not w.due(100.0)  # no wait started
+    w.start(100.0)
+    assert w.began == 100.0
+    assert not w.due(101.9) and w.due(102.0) and not w.due(103.9) and w.due(104.5)
+    assert not w.due(106.4) and w.due(106.5)  # an interval after the last warning
+    w.stop()
+    assert not w.due(1e9)
+
+
+@pytest.mark.timeout(30)
+def test_ring_counts_each_readers_unread_messages():
+    ring = ShmRingBuffer.create(2, 256, 3)
+    try:
+        assert ring.unread_counts() == [0, 0]  # nothing written
+        for chunk in (0, 1, 2):  # messages #0..#2
+            ring.begin_write(chunk)
+            ring.publish(chunk)
+        ring.mark_read(0, 0)  # reader 0 read #0; reader 1 nothing
+        assert ring.unread_counts() == [2, 3]
+        ring.mark_read(1, 0)
+        ring.mark_read(0, 1)
+        ring.begin_write(0)  # #3 into the freed chunk 0
+        ring.publish(0)
+        assert ring.unread_counts() == [2, 3]  # reader 0: #2, #3; reader 1: #1..#3
+    finally:
+        ring.close()
 
 
 @pytest.mark.timeout(60)
