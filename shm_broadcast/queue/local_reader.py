@@ -10,6 +10,11 @@ policy the wait for the next message is planned by an
 :class:`~shm_broadcast.waiting.predictive.ArrivalPredictor` (sleep parked until just
 before the expected publish, then poll; see :mod:`shm_broadcast.waiting.predictive`),
 which learns from the publish time the writer stamps into every chunk.
+A wait for a message that lasts is logged with the writer and how long ago
+the last message arrived (:mod:`shm_broadcast.queue.laggards`; that age
+comes from the writer's stamp in the released chunk of the last message,
+read only when a warning is due, see "Diagnostics" in
+:mod:`shm_broadcast.queue.ring_buffer`).
 Parking (planned sleeps included) is the only delicate part -- the
 lost-wakeup race::
 
@@ -60,6 +65,14 @@ from shm_broadcast.errors import (
 )
 from shm_broadcast.lifecycle.channel_dirs import check_private_dir, remove_dead_channel_dir
 from shm_broadcast.queue.handle import Handle
+from shm_broadcast.queue.laggards import (
+    WRITER_STATE,
+    LastMessage,
+    WaitWarnings,
+    logger,
+    reader_warning,
+)
+from shm_broadcast.queue.options import DEFAULT_WARN_INTERVAL
 from shm_broadcast.queue.ring_buffer import (
     CHUNK_HEADER,
     READER_CLOSED,
@@ -98,15 +111,6 @@ _WARM_MAX = 64 << 10
 _HEAD = 1 + WIRE.size
 
 
-#: How a timeout message describes the writer's process (:meth:`PeerWatch.state`).
-_WRITER_STATE = {
-    "running": "alive",
-    "stopped": "alive but stopped (SIGSTOP, job control or a debugger)",
-    "exited": "gone",
-    "unknown": "on another host",
-}
-
-
 _unpack_stamp = STAMP.unpack_from
 
 #: When a wait for a message began and when it saw the message (monotonic);
@@ -129,10 +133,13 @@ class LocalReader:
         rank: This reader's rank (messages only).
         policy: Waiting policy.
         codec: Decoder.
+        warn_interval: Seconds a wait for a message lasts before it is logged
+            (with the writer and the last message's age), and between such
+            warnings (> 0).
     """
 
     def __init__(self, handle: Handle, index: int, rank: int, policy: WaitPolicy,
-                 codec: Codec) -> None:
+                 codec: Codec, warn_interval: float = DEFAULT_WARN_INTERVAL) -> None:
         self.name = handle.name
         self.index = index
         self.rank = rank
@@ -172,9 +179,12 @@ class LocalReader:
         self._wait_what: str | None = ""
         self._wait_timeout: float | None = None
         self._backoff = Backoff(policy, self._check_wait)
+        self._warnings = WaitWarnings(warn_interval)
         #: Everything this reader holds (ring, doorbell, lines, sockets), released
         #: in reverse order of creation by :meth:`close` or by a failed construction.
         self._resources = contextlib.ExitStack()
+        #: When this reader connected (its warnings count from it before any message).
+        self._connected_at = time.monotonic()
         try:
             self._attach(handle, index)
         except BaseException:
@@ -259,6 +269,10 @@ class LocalReader:
         self._cond, self._wait_what, self._wait_timeout = cond, what, timeout
         b = self._backoff
         now = time.monotonic()
+        if what is None:
+            self._warnings.start(now)
+        else:
+            self._warnings.stop()
         plan = predictor.plan(now) if predictor is not None else None
         b.start(None if timeout is None else now + timeout, plan, now)
         while not cond():
@@ -379,8 +393,35 @@ class LocalReader:
             raise QueueTimeout(
                 f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
                 f"waiting for {self._wait_what} (the {self._writer_desc} is "
-                f"{_WRITER_STATE[self._writer.state()]} but sent nothing)", queue=self.name,
+                f"{WRITER_STATE[self._writer.state()]} but sent nothing)", queue=self.name,
                 side=self.side, peers=[self._writer_peer])
+        now = time.monotonic()
+        if self._warnings.due(now):
+            logger.warning(reader_warning(
+                self.name, self.side, now - self._warnings.began, self._seq, self._writer_desc,
+                self._writer.state(), self._last_message(now)))
+
+    def _last_message(self, now: float) -> LastMessage:
+        """How long ago message ``seq - 1`` arrived (for a warning of the wait for ``seq``).
+
+        Its publish stamp is read from its chunk, which this reader released:
+        the stamp first, then the chunk's message number, and the stamp is
+        trusted only if that number is still ``seq - 1`` (the writer stores
+        the number first; see "Diagnostics" in
+        :mod:`shm_broadcast.queue.ring_buffer`). A chunk already reused, or a
+        stamp from a clock this process does not share, gives the wait's
+        length as a lower bound instead.
+        """
+        seq = self._seq
+        if seq == 0:
+            return LastMessage("none", now - self._connected_at)
+        buf = self.ring.buf
+        d = self._data_at[(seq - 1) % self.max_chunks]
+        (stamp,) = _unpack_stamp(buf, d + STAMP_OFFSET)
+        self.ring.acquire_fence()  # the stamp's load before the number's (no-op on x86)
+        if WIRE.unpack_from(buf, d)[0] == seq - 1 and self._connected_at <= stamp <= now:
+            return LastMessage("arrived", now - stamp)
+        return LastMessage("before", now - self._warnings.began)
 
     @property
     def predictor_stats(self) -> dict[str, int]:
@@ -511,6 +552,7 @@ class LocalReader:
         wait = None if timeout is None else max(timeout, _OVERFLOW_MIN_WAIT)
         self._cond, self._wait_what, self._wait_timeout = (
             have, f"the payload of overflow message #{seq}", wait)
+        self._warnings.stop()
         b = self._backoff
         now = time.monotonic()
         b.start(None if wait is None else now + wait)

@@ -32,6 +32,13 @@ A paused peer (``SIGSTOP``, a debugger, swapping) is not a dead one: it is
 waited for, up to the timeout (see :mod:`shm_broadcast.waiting.policy`). A call
 without a ``timeout`` uses :attr:`MessageQueue.default_timeout`, which a
 ``GroupCoordinator`` sets to its group's timeout on the queues it creates.
+A wait that lasts longer than ``warn_interval`` (10 s unless
+``$GROUPCOORD_MQ_WARN_INTERVAL`` or the argument says otherwise) is logged
+on the ``shm_broadcast.queue`` logger, naming who holds it up: the writer
+names each reader behind with its outstanding messages, a reader names the
+writer and how long ago its last message arrived
+(:mod:`shm_broadcast.queue.laggards`); :meth:`MessageQueue.lag_stats` gives
+the writer's per-reader lag at any time.
 
 Threading: a queue object belongs to the thread that uses it; only
 :meth:`shutdown` may be called from another thread (the blocked call notices
@@ -58,6 +65,7 @@ from shm_broadcast.queue.options import (
     DEFAULT_READY_TIMEOUT,
     check_ring_options,
     check_wait_policy,
+    check_warn_interval,
 )
 from shm_broadcast.queue.process_group import create_from_process_group
 from shm_broadcast.queue.remote_reader import RemoteReader
@@ -113,9 +121,15 @@ class MessageQueue:
             then a credential of every remote reader, and the writer can tell
             its remote readers' frames apart only by connection. Excludes
             ``remote_reader_keys``.
+        warn_interval: Seconds a wait for room lasts before the writer logs
+            which readers are behind (slot, rank, messages outstanding), and
+            between such warnings; a positive finite number. Default:
+            ``$GROUPCOORD_MQ_WARN_INTERVAL``, else 10 s.
 
     Raises:
-        ValueError: An argument is out of range.
+        TypeError: An argument has the wrong type.
+        ValueError: An argument is out of range (or
+            ``$GROUPCOORD_MQ_WARN_INTERVAL`` is not a positive number).
         ShmSpaceError: ``/dev/shm`` cannot hold the ring.
     """
 
@@ -135,6 +149,7 @@ class MessageQueue:
         writer_rank: int | None = None,
         remote_reader_keys: dict[int, bytes] | None = None,
         shared_reader_key: bool = False,
+        warn_interval: float | None = None,
     ) -> None:
         check_int(n_reader, "n_reader", minimum=0)
         check_int(n_local_reader, "n_local_reader", minimum=0)
@@ -150,6 +165,7 @@ class MessageQueue:
         check_bool(shared_reader_key, "shared_reader_key")
         if writer_rank is not None:
             check_int(writer_rank, "writer_rank", minimum=0)
+        warn = check_warn_interval(warn_interval)
         policy = _policy(wait_policy)
         writer = QueueWriter(
             name=name or f"mq-{os.getpid()}",
@@ -163,6 +179,7 @@ class MessageQueue:
             writer_rank=writer_rank,
             remote_reader_keys=remote_reader_keys,
             shared_reader_key=shared_reader_key,
+            warn_interval=warn,
         )
         self._init_common(writer, writer_rank)
 
@@ -188,6 +205,7 @@ class MessageQueue:
         allow_pickle: bool = False,
         curve_keypair: tuple[bytes, bytes] | None = None,
         resizable_tensors: bool = False,
+        warn_interval: float | None = None,
     ) -> MessageQueue:
         """Connect a reader to the writer described by ``handle``.
 
@@ -209,11 +227,18 @@ class MessageQueue:
             resizable_tensors: Decode tensors into storage torch allocates
                 (resizable, like ``torch.empty``'s) instead of a NumPy copy
                 (see :class:`~shm_broadcast.codec.message_codec.Codec`'s ``resizable``).
+            warn_interval: Seconds a wait for a message lasts before this
+                reader logs it (naming the writer and how long ago the last
+                message arrived), and between such warnings; a positive
+                finite number. Default: ``$GROUPCOORD_MQ_WARN_INTERVAL``,
+                else 10 s.
 
         Raises:
-            TypeError: ``handle`` is not a :class:`Handle`.
-            ValueError: ``rank`` is invalid, or a remote ``rank`` has no CURVE
-                keys (none given, none in the handle, or another rank's).
+            TypeError: ``handle`` is not a :class:`Handle`, or
+                ``warn_interval`` is not a number.
+            ValueError: ``rank`` is invalid, a remote ``rank`` has no CURVE
+                keys (none given, none in the handle, or another rank's), or
+                ``warn_interval`` is not a positive finite number.
             SegmentError: The ring is gone (writer exited) or the slot is taken.
         """
         if isinstance(handle, (bytes, bytearray, memoryview)):
@@ -221,16 +246,18 @@ class MessageQueue:
         if not isinstance(handle, Handle):
             raise TypeError(f"handle must be a shm_broadcast.Handle, got {type(handle).__name__}")
         check_int(rank, "rank", minimum=0)
+        warn = check_warn_interval(warn_interval)
         policy = _policy(wait_policy)
         codec = Codec(allow_pickle=allow_pickle, resizable=resizable_tensors)
         self = cls.__new__(cls)
         reader: LocalReader | RemoteReader
         if rank in handle.local_reader_ranks:
             index = handle.local_reader_ranks.index(rank)
-            reader = LocalReader(handle, index, rank, policy, codec)
+            reader = LocalReader(handle, index, rank, policy, codec, warn)
         else:
             check_int(rank, "rank (of a remote reader)", maximum=MAX_RANK)
-            reader = RemoteReader(handle, rank, policy, codec, client_keypair=curve_keypair)
+            reader = RemoteReader(handle, rank, policy, codec, client_keypair=curve_keypair,
+                                  warn_interval=warn)
         self._init_common(reader, rank)
         return self
 
@@ -249,6 +276,7 @@ class MessageQueue:
         timeout: float | None = DEFAULT_READY_TIMEOUT,
         allow_pickle: bool = False,
         blocking: bool = True,
+        warn_interval: float | None = None,
     ) -> MessageQueue | None:
         """Build a connected queue collectively over ``group``.
 
@@ -262,7 +290,7 @@ class MessageQueue:
         return create_from_process_group(
             cls, group, max_chunk_bytes, max_chunks, writer_rank, reader_ranks, name=name,
             connect_ip=connect_ip, wait_policy=wait_policy, timeout=timeout,
-            allow_pickle=allow_pickle, blocking=blocking)
+            allow_pickle=allow_pickle, blocking=blocking, warn_interval=warn_interval)
 
     # ---------------------------------------------------------- properties
     @property
@@ -309,6 +337,30 @@ class MessageQueue:
         out = dict(self._impl.park_stats)
         out.update(getattr(self._impl, "predictor_stats", {}))
         return out
+
+    def lag_stats(self) -> dict[str, Any]:
+        """Writer only: how far behind each reader is, computed when asked (the
+        message path keeps no extra count).
+
+        Returns:
+            ``{"written": n, "readers": [{"reader": slot, "rank": r, "remote":
+            bool, "outstanding": k}, ...]}``: the messages sent so far and,
+            per reader (local readers in slot order, then remote readers by
+            rank, once connected), its ring slot (None for a remote reader),
+            its rank, whether it is remote, and ``written`` minus what it has
+            read. A local reader's count comes from the ring's flags (at most
+            ``max_chunks``); a remote reader's from its acknowledgements,
+            which it sends every ``remote_window // 4`` messages, so its
+            count may run that many ahead of its reading.
+
+        Raises:
+            QueueRoleError: This is a reader.
+            QueueClosedError: The queue is closed.
+        """
+        if not self._writer:
+            raise QueueRoleError(f"queue {self.name!r}: lag_stats() is for the writer; "
+                                 f"this is reader rank {self._rank}")
+        return self._writer.lag_stats()
 
     def security_stats(self) -> dict[str, int]:
         """Writer only: what the writer refused so far (each dropped, never applied).

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from shm_broadcast.checks import check_int
+from shm_broadcast.checks import check_int, check_timeout
+from shm_broadcast.timeouts import env_timeout
 from shm_broadcast.waiting.policy import WaitPolicy
 
 __all__ = ["DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS", "DEFAULT_READY_TIMEOUT",
-           "check_ring_options", "check_wait_policy"]
+           "DEFAULT_WARN_INTERVAL", "WARN_INTERVAL_ENV", "check_ring_options",
+           "check_wait_policy", "check_warn_interval"]
 
 #: Ring defaults: 4 chunks of 2 MiB (8 MiB per queue). A message up to 2 MiB
 #: (the 1 MiB tensors of ``groupcoord bench mq`` included) goes through the
@@ -26,6 +28,12 @@ DEFAULT_MAX_CHUNK_BYTES = 2 << 20
 DEFAULT_MAX_CHUNKS = 4
 #: Seconds every side waits for the queue to connect, unless told otherwise.
 DEFAULT_READY_TIMEOUT = 120.0
+#: Seconds a side waits before it logs who holds it up, and then again every
+#: as many seconds while the wait lasts (:mod:`shm_broadcast.queue.laggards`).
+DEFAULT_WARN_INTERVAL = 10.0
+#: Environment variable overriding :data:`DEFAULT_WARN_INTERVAL` (seconds, > 0);
+#: a queue's ``warn_interval`` argument overrides both.
+WARN_INTERVAL_ENV = "GROUPCOORD_MQ_WARN_INTERVAL"
 
 
 def check_ring_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any) -> None:
@@ -54,3 +62,21 @@ def check_wait_policy(wait_policy: Any) -> WaitPolicy | None:
     if wait_policy is not None and not isinstance(wait_policy, WaitPolicy):
         raise TypeError(f"wait_policy must be a WaitPolicy, got {type(wait_policy).__name__}")
     return wait_policy
+
+
+def check_warn_interval(warn_interval: Any) -> float:
+    """Return the seconds between a waiting side's warnings.
+
+    Args:
+        warn_interval: A positive finite number of seconds (or a
+            ``datetime.timedelta``); None: ``$GROUPCOORD_MQ_WARN_INTERVAL``
+            if set, else :data:`DEFAULT_WARN_INTERVAL`.
+
+    Raises:
+        TypeError: ``warn_interval`` is not a number of seconds.
+        ValueError: ``warn_interval`` (or the environment variable) is not a
+            finite number of seconds > 0; the message names it.
+    """
+    seconds = (env_timeout(WARN_INTERVAL_ENV) if warn_interval is None
+               else check_timeout(warn_interval, "warn_interval", positive=True))
+    return DEFAULT_WARN_INTERVAL if seconds is None else seconds

@@ -42,6 +42,7 @@ from shm_broadcast.queue.options import (
     DEFAULT_READY_TIMEOUT,
     check_ring_options,
     check_wait_policy,
+    check_warn_interval,
 )
 from shm_broadcast.queue.transport import new_keypair
 from shm_broadcast.ranks.agreement import agree
@@ -76,11 +77,13 @@ class QueueClass(Protocol[Q]):
                  local_reader_ranks: list[int] | None, max_chunk_bytes: int, max_chunks: int,
                  connect_ip: str | None, *, name: str | None, wait_policy: WaitPolicy | None,
                  allow_pickle: bool, writer_rank: int | None,
-                 remote_reader_keys: dict[int, bytes] | None) -> Q:
+                 remote_reader_keys: dict[int, bytes] | None,
+                 warn_interval: float | None) -> Q:
         """Create the writer's queue."""
 
     def create_from_handle(self, handle: Handle, rank: int, *, wait_policy: WaitPolicy | None,
-                           allow_pickle: bool, curve_keypair: tuple[bytes, bytes] | None) -> Q:
+                           allow_pickle: bool, curve_keypair: tuple[bytes, bytes] | None,
+                           warn_interval: float | None) -> Q:
         """Connect a reader to the writer ``handle`` describes."""
 
 
@@ -98,6 +101,7 @@ def create_from_process_group(
     timeout: float | None = DEFAULT_READY_TIMEOUT,
     allow_pickle: bool = False,
     blocking: bool = True,
+    warn_interval: float | None = None,
 ) -> Q | None:
     """Create and connect a queue collectively; every rank of ``group`` calls it.
 
@@ -118,6 +122,10 @@ def create_from_process_group(
         blocking: Wait here until the queue is connected (default). False:
             return at once; each side calls ``wait_until_ready()`` before its
             first message (vLLM's keyword).
+        warn_interval: Seconds a side waits before it logs who holds it up
+            (see :mod:`shm_broadcast.queue.laggards`); default
+            ``$GROUPCOORD_MQ_WARN_INTERVAL``, else 10 s. Checked on every
+            rank; each side uses its own.
 
     Returns:
         The queue on the writer and the readers, ``None`` on other ranks.
@@ -136,7 +144,8 @@ def create_from_process_group(
     try:
         check_rank(writer_rank, og.world_size, "writer_rank")
         readers = _resolve_readers(reader_ranks, writer_rank, og.world_size)
-        _check_options(max_chunk_bytes, max_chunks, connect_ip, wait_policy, timeout)
+        _check_options(max_chunk_bytes, max_chunks, connect_ip, wait_policy, timeout,
+                       warn_interval)
         check_bool(blocking, "blocking")
     except (TypeError, ValueError) as e:
         agree(og, e, "create_from_process_group", qname)
@@ -147,12 +156,13 @@ def create_from_process_group(
     my_keys, reader_keys = _exchange_reader_keys(og, [r for r in readers if r not in local])
     mq = None if og.rank != writer_rank else _create_on_writer(
         queue_cls, og, readers, local, max_chunk_bytes, max_chunks, connect_ip,
-        qname, wait_policy, allow_pickle, reader_keys)
+        qname, wait_policy, allow_pickle, reader_keys, warn_interval)
     handle = _receive_handle(og, mq, writer_rank)
     try:
         if og.rank in readers:
             mq = queue_cls.create_from_handle(handle, og.rank, wait_policy=wait_policy,
-                                              allow_pickle=allow_pickle, curve_keypair=my_keys)
+                                              allow_pickle=allow_pickle, curve_keypair=my_keys,
+                                              warn_interval=warn_interval)
         if mq is not None and blocking:
             mq.wait_until_ready(timeout)
     except BaseException:
@@ -163,12 +173,13 @@ def create_from_process_group(
 
 
 def _check_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any,
-                   wait_policy: Any, timeout: Any) -> None:
+                   wait_policy: Any, timeout: Any, warn_interval: Any) -> None:
     """The queue's options, checked on every rank (the writer alone uses the sizes,
     but a reader's bad value is the same mistake and must not pass silently)."""
     check_ring_options(max_chunk_bytes, max_chunks, connect_ip)
     check_wait_policy(wait_policy)
     check_timeout(timeout)
+    check_warn_interval(warn_interval)
 
 
 def _resolve_readers(reader_ranks: list[int] | None, writer_rank: int, world: int) -> list[int]:
@@ -214,14 +225,14 @@ def _exchange_reader_keys(og: Any, remote: list[int]
 def _create_on_writer(queue_cls: QueueClass[Q], og: Any, readers: list[int], local: list[int],
                       max_chunk_bytes: int, max_chunks: int, connect_ip: str | None, name: str,
                       wait_policy: WaitPolicy | None, allow_pickle: bool,
-                      reader_keys: dict[int, bytes] | None) -> Q:
+                      reader_keys: dict[int, bytes] | None, warn_interval: float | None) -> Q:
     """Create the writer's queue; on failure tell the readers why, then re-raise."""
     writer_rank = og.rank
     try:
         return queue_cls(len(readers), len(local), local, max_chunk_bytes, max_chunks,
                          connect_ip, name=name, wait_policy=wait_policy,
                          writer_rank=writer_rank, allow_pickle=allow_pickle,
-                         remote_reader_keys=reader_keys)
+                         remote_reader_keys=reader_keys, warn_interval=warn_interval)
     except BaseException as e:
         og.broadcast(("error", f"{type(e).__name__}: {e}"), src=writer_rank,
                      op="create_from_process_group (handle)")

@@ -8,6 +8,12 @@ reader acks its cumulative count every ``remote_window // 4`` messages on
 its DEALER, and the writer waits once it is ``remote_window`` messages ahead
 of the slowest remote reader.
 
+A wait for a message that lasts is logged with the writer and how long ago
+the last message arrived (:mod:`shm_broadcast.queue.laggards`): known exactly
+when that message ended a wait (the common case of an idle reader), else the
+wait's own length is given as a lower bound; messages that were there when
+asked for are not timed.
+
 Liveness: a socket monitor reports the TCP connection to the writer dropping
 (a dead process's sockets are closed by its kernel; a vanished host is caught
 by kernel TCP keepalive); on the same host the writer's pid is also checked.
@@ -61,6 +67,8 @@ from shm_broadcast.errors import (
     ShmBroadcastError,
 )
 from shm_broadcast.queue.handle import Handle
+from shm_broadcast.queue.laggards import LastMessage, WaitWarnings, logger, reader_warning
+from shm_broadcast.queue.options import DEFAULT_WARN_INTERVAL
 from shm_broadcast.queue.transport import (
     ACK,
     CTL_ACK,
@@ -100,10 +108,14 @@ class RemoteReader:
         client_keypair: This reader's own Z85 ``(public, secret)`` CURVE keys,
             whose public half the writer was given (``remote_reader_keys``);
             default: the keypair the handle carries (``export_handle(rank)``'s).
+        warn_interval: Seconds a wait for a message lasts before it is logged
+            (with the writer and the last message's age), and between such
+            warnings (> 0).
     """
 
     def __init__(self, handle: Handle, rank: int, policy: WaitPolicy, codec: Codec,
-                 client_keypair: tuple[bytes, bytes] | None = None) -> None:
+                 client_keypair: tuple[bytes, bytes] | None = None,
+                 warn_interval: float = DEFAULT_WARN_INTERVAL) -> None:
         self.name = handle.name
         self.rank = rank
         self.side = f"remote reader rank {rank}"
@@ -135,6 +147,12 @@ class RemoteReader:
         self._wait_what = ""
         self._wait_timeout: float | None = None
         self._backoff = Backoff(policy, self._check_wait)
+        self._warnings = WaitWarnings(warn_interval)
+        #: When this reader connected (its warnings count from it before any message).
+        self._connected_at = time.monotonic()
+        #: ``(n, when)``: message ``n`` ended a wait at ``when`` (monotonic), the
+        #: last such message (-1: none yet).
+        self._arrived: tuple[int, float] = (-1, 0.0)
         #: The context and sockets, released in reverse order of creation by
         #: :meth:`close` or by a failed construction.
         self._resources = contextlib.ExitStack()
@@ -194,14 +212,22 @@ class RemoteReader:
             pass
         self._wait_what, self._wait_timeout = what, timeout
         b = self._backoff
-        b.start(None if timeout is None else time.monotonic() + timeout)
+        now = time.monotonic()
+        b.start(None if timeout is None else now + timeout)
+        if self._ready:  # a wait for a message
+            self._warnings.start(now)
+        else:
+            self._warnings.stop()
         while True:
             b.step()
             events = dict(self._poller.poll(max(1, int(b.park_timeout() * 1000))))
             if self._mon in events:
                 self._drain_monitor()
             if self.sub in events:
-                return self.sub.recv_multipart(copy=False)
+                frames = self.sub.recv_multipart(copy=False)
+                if self._ready:
+                    self._arrived = (self._seq, time.monotonic())
+                return frames
 
     def _drain_monitor(self) -> None:
         try:
@@ -257,6 +283,22 @@ class RemoteReader:
                 f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
                 f"waiting for {self._wait_what} from the {self._writer_desc}{how}; its "
                 f"connection is up", queue=self.name, side=self.side, peers=[self._writer_peer])
+        now = time.monotonic()
+        if self._warnings.due(now):
+            logger.warning(reader_warning(
+                self.name, self.side, now - self._warnings.began, self._seq, self._writer_desc,
+                self._writer.state(), self._last_message(now)))
+
+    def _last_message(self, now: float) -> LastMessage:
+        """How long ago message ``seq - 1`` arrived (for a warning of the wait for ``seq``):
+        exact if it ended a wait, else at least as long as the current wait."""
+        seq = self._seq
+        if seq == 0:
+            return LastMessage("none", now - self._connected_at)
+        n, when = self._arrived
+        if n == seq - 1:
+            return LastMessage("arrived", now - when)
+        return LastMessage("before", now - self._warnings.began)
 
     def wait_until_ready(self, timeout: float | None) -> None:
         """Block until the writer's READY marker arrives."""

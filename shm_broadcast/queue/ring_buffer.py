@@ -95,6 +95,22 @@ ringer's load and its store; the sleeper's park starts by draining its
 doorbell, then stores 1, so the ringer's ``sendto`` -- issued after its store
 -- lands in the doorbell after that drain and wakes the newer park. The worst
 case is one spurious wake-up, never a lost one.
+
+Diagnostics. Two reads outside the protocol serve only the queue's warnings
+and statistics (:mod:`shm_broadcast.queue.laggards`); neither stores
+anything, so the protocol above holds unchanged. The writer counts each
+reader's unread chunks from the flags (:meth:`ShmRingBuffer.unread_counts`),
+loads of bytes the readers store concurrently: a reader that reads
+meanwhile may be counted short of what it has read by then, as any reading
+of a moving reader is. A reader waiting long
+for message ``k`` reads the writer's header and publish stamp in the chunk
+of message ``k - 1``, which it has released: the stamp first, then the
+header's message number, and it trusts the stamp only if that number is
+still ``k - 1``. The writer stores a chunk's header before its stamp, so on
+x86-64 (stores seen in order, loads not reordered) a stamp of a newer
+message comes with a newer header and is discarded; on weaker models a
+message published during those two loads can slip through, which makes a
+warning's age wrong, never a message.
 """
 
 from __future__ import annotations
@@ -308,6 +324,27 @@ class ShmRingBuffer:
         if self.buf[off] == 0:
             return []
         return [r for r in range(self.n_reader) if self.buf[off + 1 + r] == 0]
+
+    def unread_counts(self) -> list[int]:
+        """For each reader, how many published messages it has not read yet.
+
+        For the writer, between its writes (no chunk is WRITING then): every
+        published chunk (``W == 1``) holds one of the last ``max_chunks``
+        messages and a reader reads in order, so reader ``i``'s published
+        chunks with ``R_i == 0`` number exactly the messages written minus
+        those it has read. Plain loads of flags the readers may be setting
+        meanwhile: each count is right for the moment its flags were loaded
+        (see "Diagnostics" in the module docstring).
+        """
+        buf = self.buf
+        n = self.n_reader
+        counts = [0] * n
+        for off in self._w_at:
+            if buf[off] == 1:
+                for r, flag in enumerate(buf[off + 1 : off + 1 + n]):
+                    if flag == 0:
+                        counts[r] += 1
+        return counts
 
     def begin_write(self, chunk: int) -> None:
         """FREE -> WRITING: clear ``W`` before touching the payload."""

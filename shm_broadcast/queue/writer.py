@@ -14,7 +14,10 @@ Per message (see :mod:`shm_broadcast.queue.ring_buffer` for the flag protocol):
 
 A writer blocked on a full ring uses the same spin/yield/park policy as the
 readers, parks on its doorbell (readers ring it after freeing a chunk if it
-declared itself parked) and checks the lagging readers' liveness.
+declared itself parked) and checks the lagging readers' liveness; a wait that
+lasts is logged with the readers behind and their outstanding messages
+(:mod:`shm_broadcast.queue.laggards`; :meth:`QueueWriter.lag_stats` gives
+the same figures on demand).
 
 Channel security (protocol, see :mod:`shm_broadcast.queue.transport` and
 ``docs/security-channels.md``); what holds:
@@ -76,6 +79,8 @@ from shm_broadcast.errors import (
 )
 from shm_broadcast.lifecycle.channel_dirs import new_channel_dir, remove_channel_dir
 from shm_broadcast.queue.handle import Handle
+from shm_broadcast.queue.laggards import Laggard, WaitWarnings, logger, writer_warning
+from shm_broadcast.queue.options import DEFAULT_WARN_INTERVAL
 from shm_broadcast.queue.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
 from shm_broadcast.queue.transport import (
     CONNECTIONS_PER_KEY,
@@ -143,6 +148,8 @@ class QueueWriter:
             readers, carried by the handle every reader gets (then the handle
             is a credential of every remote reader, and the writer can tell
             its remote readers' frames apart only by connection).
+        warn_interval: Seconds a wait for room lasts before it is logged with
+            the readers behind, and between such warnings (> 0).
     """
 
     def __init__(
@@ -159,6 +166,7 @@ class QueueWriter:
         writer_rank: int | None,
         remote_reader_keys: dict[int, bytes] | None = None,
         shared_reader_key: bool = False,
+        warn_interval: float = DEFAULT_WARN_INTERVAL,
     ) -> None:
         self.name = name
         self.n_reader = n_reader
@@ -172,6 +180,7 @@ class QueueWriter:
         self.side = "writer" if writer_rank is None else f"writer (rank {writer_rank})"
         self.writer_rank = writer_rank
         self.remote_window = max(8, 2 * max_chunks)
+        self._warnings = WaitWarnings(warn_interval)
         self._pid = os.getpid()
         self._ctime = psutil.Process(self._pid).create_time()
         self._owner_thread = threading.get_ident()
@@ -233,6 +242,9 @@ class QueueWriter:
         #: Parks on the doorbell, and those that ended by timeout rather than a ring.
         self.park_stats = {"parks": 0, "timeouts": 0}
         self._wait_chunk: int | None = None
+        #: The message whose wait for a free chunk ended last (-1: none, or
+        #: consumed by the wait for credit that followed it).
+        self._chunk_waited = -1
         self._confirming = False  # the wait is for a confirmed message's verdicts
         self._wait_timeout: float | None = None
         self._backoff = Backoff(self.policy, self._check_wait)
@@ -605,6 +617,7 @@ class QueueWriter:
                    timeout: float | None) -> None:
         doorbell = self._own_doorbell()
         self._wait_seq, self._wait_chunk, self._wait_timeout = seq, chunk, timeout
+        self._warnings.start(_monotonic())
         b = self._backoff
         b.start(deadline)
         while not ring.is_free(chunk):
@@ -620,10 +633,13 @@ class QueueWriter:
                     if not doorbell.wait(b.park_timeout()):
                         stats["timeouts"] += 1
                 ring.set_writer_parked(False)
+        self._chunk_waited = seq
 
     def _wait_credit(self, remote: WriterControl, seq: int, deadline: float | None,
                      timeout: float | None) -> None:
         need = seq + 1 - self.remote_window
+        # A wait for credit right after this message's wait for a chunk goes on with it.
+        fresh, self._chunk_waited = self._chunk_waited != seq, -1
         self._wait_seq, self._wait_chunk, self._wait_timeout = seq, None, timeout
         poller = zmq.Poller()
         poller.register(remote.ctl, zmq.POLLIN)
@@ -634,6 +650,8 @@ class QueueWriter:
         remote.drain(self._seq)
         remote.drain_subscriptions()
         self._raise_if_cut_off(remote)
+        if fresh and remote.min_acked < need:
+            self._warnings.start(_monotonic())
         while remote.min_acked < need:
             b.step()
             poller.poll(max(1, int(b.park_timeout() * 1000)))
@@ -675,6 +693,31 @@ class QueueWriter:
                 f"{self._wait_timeout:g} s; the {self.side} is waiting for reader rank(s) "
                 f"{ranks} {what}",
                 queue=self.name, side=self.side, peers=ranks)
+        now = _monotonic()
+        if self._warnings.due(now):
+            self._warn_laggards(now - self._warnings.began, local, remote)
+
+    def _warn_laggards(self, waited: float, local: list[int], remote: list[int]) -> None:
+        """Log the current wait with the readers holding it up (local slots
+        ``local``, remote ranks ``remote``), each with its outstanding messages."""
+        behind: list[Laggard] = []
+        if local:
+            unread = self._own_ring().unread_counts()
+            behind += [Laggard(f"local reader {i} (rank {self.local_ranks[i]})", unread[i],
+                               False, state_text(self._local_watch.get(i))) for i in local]
+        if remote and self._remote:
+            acked, watches = self._remote.acked, self._remote.remote_watch
+            behind += [Laggard(f"remote reader rank {r}", self._seq - acked.get(r, 0), True,
+                               state_text(watches.get(r))) for r in remote]
+        seq = self._wait_seq
+        if self._confirming:
+            what = f"its readers to take message #{seq} (a confirmed enqueue)"
+        elif local:
+            what = f"room for message #{seq} (ring of {self.max_chunks} chunks full)"
+        else:
+            what = (f"room for message #{seq} ({self.remote_window} messages "
+                    f"unacknowledged)")
+        logger.warning(writer_warning(self.name, self.side, waited, what, behind))
 
     def _raise_if_reader_dead(self, local: list[int], remote: list[int]) -> None:
         if local:
@@ -757,6 +800,28 @@ class QueueWriter:
         if self._control is None:
             raise QueueRoleError(f"queue {self.name!r} has no readers, hence no sockets")
         return self._control
+
+    def lag_stats(self) -> dict[str, Any]:
+        """How far behind each reader is, computed now (see
+        :meth:`~shm_broadcast.queue.message_queue.MessageQueue.lag_stats`).
+
+        Local readers' counts come from the ring's flags
+        (:meth:`ShmRingBuffer.unread_counts`), remote readers' from their
+        acknowledgements, taken in first.
+        """
+        self._check_open("lag_stats")
+        seq = self._seq
+        readers: list[dict[str, Any]] = []
+        if self.ring is not None:
+            unread = self.ring.unread_counts()
+            readers += [{"reader": i, "rank": rank, "remote": False, "outstanding": unread[i]}
+                        for i, rank in enumerate(self.local_ranks)]
+        if self._remote is not None:
+            self._remote.drain(seq)
+            acked = self._remote.acked
+            readers += [{"reader": None, "rank": rank, "remote": True,
+                         "outstanding": seq - acked[rank]} for rank in sorted(acked)]
+        return {"written": seq, "readers": readers}
 
     def security_stats(self) -> dict[str, int]:
         """Counters of what the writer refused (see :meth:`WriterControl.security_stats`)."""
