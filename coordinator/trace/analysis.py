@@ -407,6 +407,7 @@ class _Fields:
         return ranks
 
 
+_DIGITS = "0123456789"
 _RANKS_LITERAL = re.compile(r"\s*\[\s*(?:\d{1,18}\s*(?:,\s*\d{1,18}\s*)*)?\]\s*")
 _P2P_NAME = re.compile(r"(\d{1,18})(->|<-)(\d{1,18})")
 
@@ -424,6 +425,7 @@ def _parse(path: str, rank: int, raw: Any, budget: int) -> Dump:
     pg_config = f.dict_(top.get("pg_config", {}), "pg_config")
     for name, cfg in pg_config.items():
         where = f"pg_config[{_short(name)!r}]"
+        f.str_(name, f"{where} (its name)")
         cfg = f.dict_(cfg, where)
         desc = f.str_(cfg.get("desc", ""), f"{where}.desc")
         members = f.ranks(cfg.get("ranks", "[]"), f"{where}.ranks")
@@ -544,7 +546,7 @@ def find_dumps(directory: str, prefix: str | None = None) -> tuple[str, dict[int
     if prefix is not None:
         prefix = os.path.basename(prefix)
     else:
-        candidates = {n.rstrip("0123456789") for n in names if n[-1:].isdigit()}
+        candidates = {n.rstrip(_DIGITS) for n in names if n[-1:] and n[-1] in _DIGITS}
         if len(candidates) != 1:
             found = ", ".join(repr(c) for c in sorted(candidates)[:8]) or "none"
             raise ValueError(f"cannot infer the dump files' prefix in {directory!r} (names "
@@ -553,7 +555,7 @@ def find_dumps(directory: str, prefix: str | None = None) -> tuple[str, dict[int
     files: dict[int, str] = {}
     for n in names:
         digits = n[len(prefix):]
-        if not n.startswith(prefix) or not digits.isdigit() or not digits.isascii():
+        if not n.startswith(prefix) or not digits or digits.strip(_DIGITS):
             continue
         rank = int(digits)
         path = os.path.join(directory, n)
