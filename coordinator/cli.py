@@ -12,6 +12,8 @@ Subcommands (each module is imported only when its command runs)::
                                         arrival, all_reduce latency and CPU per rank
     groupcoord cleanup [--yes]          list / remove segments and channel dirs of dead processes
     groupcoord doctor [--json]          environment report for bug reports
+    groupcoord trace DIR [--json]       read flight-recorder dumps: who is behind, where
+                                        the ranks first disagreed, and the culprits
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ _COMMANDS: dict[str, tuple[str, str, str, str]] = {
                 "list (and with --yes remove) segments, owner records and channel "
                 "directories whose owner died"),
     "doctor": ("coordinator.doctor", "add_args", "run", "print an environment report"),
+    "trace": ("coordinator.trace.cli", "add_args", "run",
+              "read a directory of flight-recorder dumps: who is behind, where the ranks "
+              "first disagreed and which ranks differ (exit 1 if so, 2 if unreadable)"),
 }
 _BENCHES: dict[str, tuple[str, str, str, str]] = {
     "mq": ("shm_broadcast.cli", "add_bench_args", "run_bench",
