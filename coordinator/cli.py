@@ -8,6 +8,7 @@ Subcommands (each module is imported only when its command runs)::
     groupcoord bench mq-remote [...]    the queue's TCP path (CURVE) vs plain zmq
     groupcoord bench collectives [...]  CPU shared-memory collectives vs gloo
     groupcoord bench p2p [...]          tensor dicts between stages: links vs the CPU group
+    groupcoord bench trace [...]        the flight recorder's cost per call, on vs off
     groupcoord bench engine [...]       the demo's step loop without the model: metadata
                                         arrival, all_reduce latency and CPU per rank
     groupcoord cleanup [--yes]          list / remove segments and channel dirs of dead processes
@@ -49,6 +50,9 @@ _BENCHES: dict[str, tuple[str, str, str, str]] = {
     "engine": ("coordinator.bench.cli", "add_args", "run",
                "the demo's step loop without the model: periodic metadata through the TP "
                "broadcaster plus a TP all_reduce per layer; latency and CPU per rank"),
+    "trace": ("coordinator.bench.trace_overhead", "add_args", "run",
+              "the flight recorder's cost per call: all_reduce and the queue round trip "
+              "with the recorder on and off, interleaved"),
     "p2p": ("coordinator.bench.p2p", "add_args", "run",
             "tensor dicts between two pipeline stages: shared-memory links vs the CPU group"),
 }
