@@ -52,7 +52,8 @@ import contextlib
 import dataclasses
 import datetime
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from time import monotonic, monotonic_ns
 from typing import Any, cast, overload
 
@@ -228,7 +229,7 @@ class GroupCoordinator:
             self.unique_name, group_name or "anonymous", self.ranks, self.rank_in_group,
             TransportNamer(self.comm, self.device, _link_lookup(self._p2p.links)))
         book.trace = self._trace
-        self._marks: Any = None  # device_marks of a communicator that has them
+        self._marks: Callable[[], Any] | None = None
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
             self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)
         REGISTRY.add(self)
@@ -1011,12 +1012,18 @@ GroupCoordinator.dispatch.__signature__ = _SEED_DISPATCH.replace(  # type: ignor
                 *_SEED_DISPATCH.parameters.values()])
 
 
-def _link_lookup(links: ShmLinks) -> Any:
+def _link_lookup(links: ShmLinks) -> Callable[[str, int], bool]:
     """``linked(op, peer)`` of the group's :class:`TransportNamer`: whether the
-    direction of point-to-point call ``op`` with ``peer`` settled on a link."""
+    direction of point-to-point call ``op`` with ``peer`` settled on a link.
+
+    The recorder keeps a group's namer for the process's life: it holds the
+    links weakly, so that a destroyed group can go (its later dumps then name
+    its point-to-point calls by the communicator)."""
+    ref = weakref.ref(links)
 
     def linked(op: str, peer: int) -> bool:
-        return links.settled(SEND if "send" in op else RECV, peer) is not None
+        got = ref()
+        return got is not None and got.settled(SEND if "send" in op else RECV, peer) is not None
 
     return linked
 

@@ -53,7 +53,6 @@ from typing import Any
 
 import torch
 
-from coordinator.trace import recorder as rec_mod
 from coordinator.trace.recorder import (
     CREATED,
     DEVICE,
@@ -73,6 +72,7 @@ from coordinator.trace.recorder import (
     TRANSPORT,
     FlightRecorder,
     GroupTrace,
+    recorder,
 )
 
 __all__ = ["FR_VERSION", "OPS", "snapshot", "write_dump", "dump_path", "global_rank"]
@@ -290,7 +290,7 @@ def snapshot(rec: FlightRecorder | None = None, reason: str = "on demand",
         reason: Why the dump is taken (kept under ``groupcoord``).
         rank: The global rank to name; None: this process's.
     """
-    rec = rec if rec is not None else rec_mod.recorder()
+    rec = rec if rec is not None else recorder()
     wall_offset = time.time_ns() - monotonic_ns()
     raw = rec.entries()
     entries = [_entry(e, wall_offset) for e in raw]
@@ -326,7 +326,7 @@ def write_dump(rec: FlightRecorder | None = None, path: str | None = None,
     Returns:
         The path written.
     """
-    rec = rec if rec is not None else rec_mod.recorder()
+    rec = rec if rec is not None else recorder()
     if path is None:
         path = dump_path(rec.dump_prefix, rank)
     data = pickle.dumps(snapshot(rec, reason, rank), protocol=4)

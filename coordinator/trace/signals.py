@@ -3,7 +3,7 @@
 With ``GROUPCOORD_TRACE_SIGNAL`` set (a name, ``SIGUSR1`` or ``USR1``, or a
 number), the first ``GroupCoordinator`` created on the main thread installs a
 handler for that signal that writes this process's flight-recorder dump
-(:func:`coordinator.trace.auto_dump.dump_trace`, to
+(as :func:`coordinator.dump_trace` does, to
 ``<GROUPCOORD_TRACE_DUMP prefix><global rank>``), so a hung job can be dumped
 from outside, rank by rank, without stopping it.
 
@@ -30,7 +30,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from coordinator.trace.auto_dump import dump_trace
+from coordinator.trace.dump import write_dump
 
 __all__ = ["SIGNAL_ENV", "signal_from_env", "install_from_env", "install", "uninstall",
            "installed"]
@@ -134,7 +134,7 @@ def uninstall() -> None:
 def _handler(signum: int, frame: FrameType | None) -> None:
     """Dump, then call the handler installed before when it is a callable."""
     try:
-        path = dump_trace()
+        path = write_dump(reason=f"signal {_name(signum)}")
         logger.warning("flight recorder: signal %s, dump written to %s", _name(signum), path)
     except Exception as e:  # a dump that fails must not kill the process
         logger.warning("flight recorder: signal %s, the dump failed (%s: %s)", _name(signum),
