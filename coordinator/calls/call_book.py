@@ -28,11 +28,12 @@ function layer for it::
 
     book.collectives = n = book.collectives + 1     # a point-to-point call: p2p_calls
     seq = n + book.p2p_calls                        # ... + book.collectives
-    trace = ...                                     # the group's GroupTrace or None
-    if trace is None:                               # not recorded: as before
-        started = monotonic()                       # ... book.explain(...) on a failure
+    trace = self._trace                             # the group's GroupTrace; None: off
+    if trace is None:                               # a failure: book.explain(op, seq, e,
+        started = monotonic()                       #   started=started)
+        ...
     entry = trace.begin_tensor(op, n, book.p2p_calls, input_)
-    ...                                             # book.failed(op, seq, e, entry) on one
+    ...                                             # a failure: book.failed(op, seq, e, entry)
     entry[DONE] = monotonic_ns()
 """
 

@@ -229,3 +229,62 @@ def test_transports_of_a_cuda_group() -> None:
     entry = _entry("all_gather", small, torch.float16)
     assert entry[IN_SIZES] == small and entry[IN_DTYPES] is torch.float16
     assert namer("all_gather", entry) == "pynccl"
+
+
+def record_a_step(rank: int, world_size: int, capacity: int) -> dict[str, Any]:
+    """A mix of a group's calls on 2 ranks; the snapshot of what they recorded."""
+    from coordinator import GroupCoordinator
+
+    rec = FlightRecorder(capacity=capacity)
+    previous = reset_recorder(rec)
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="wired")
+    try:
+        other = 1 - rank
+        g.all_reduce(torch.ones(4))
+        g.all_gather(torch.ones(2, 3), dim=0)
+        g.gather(torch.ones(3), dst=0)
+        g.all_gatherv_rows([torch.ones(rank + 1, 2)])
+        g.broadcast_tensor_dict({"x": torch.ones(2)} if rank == 0 else None)
+        if rank == 0:
+            g.send(torch.ones(5), 1)
+            g.send_tensor_dict({"y": torch.ones(3)})
+            g.isend(torch.ones(6), other).wait()
+        else:
+            g.recv(torch.Size([5]), torch.float32, 0)
+            g.recv_tensor_dict(0)
+            g.irecv((torch.Size([6]), torch.float32), other).wait()
+        g.barrier()
+        dump = snapshot(rec, rank=rank)
+        return {"entries": [{k: e[k] for k in ("op", "collective_seq_id", "p2p_seq_id",
+                                               "state", "input_sizes", "output_sizes",
+                                               "transport", "peer")}
+                            for e in dump["entries"]], "trace": g._trace is not None}
+    finally:
+        g.destroy()
+        reset_recorder(previous)
+
+
+def test_a_groups_calls_are_recorded_in_order(dist_pool) -> None:
+    outs = dist_pool(2).run(record_a_step, 64, timeout=60)
+    for rank, out in enumerate(outs):
+        got = [(e["op"], e["collective_seq_id"], e["p2p_seq_id"], e["state"])
+               for e in out["entries"]]
+        sends = ("send", "send_tensor_dict", "isend") if rank == 0 else (
+            "recv", "recv_tensor_dict", "irecv")
+        assert got == [("all_reduce", 1, 0, "completed"), ("all_gather", 2, 0, "completed"),
+                       ("gather", 3, 0, "completed"), ("all_gatherv_rows", 4, 0, "completed"),
+                       ("broadcast_tensor_dict", 5, 0, "completed"),
+                       (sends[0], 5, 1, "completed"), (sends[1], 5, 2, "completed"),
+                       (sends[2], 5, 3, "completed"), ("barrier", 6, 3, "completed")], got
+        by_op = {e["op"]: e for e in out["entries"]}
+        assert by_op["all_gather"]["output_sizes"] == [[4, 3]]
+        assert by_op["all_gatherv_rows"]["output_sizes"] == [[3, 2]]
+        assert by_op["all_reduce"]["transport"] == "shm"
+        assert by_op[sends[2]]["output_sizes"] == [[6]] and by_op[sends[2]]["peer"] == 1 - rank
+        assert by_op[sends[0]]["transport"] == "shm"  # the direction's shared-memory link
+        assert by_op["barrier"]["transport"] == "gloo"
+
+
+def test_a_recorder_turned_off_records_nothing(dist_pool) -> None:
+    outs = dist_pool(2).run(record_a_step, 0, timeout=60)
+    assert all(o["entries"] == [] and not o["trace"] for o in outs), outs
