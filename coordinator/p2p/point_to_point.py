@@ -56,6 +56,17 @@ and the links closed.
 
 CUDA groups go through :mod:`coordinator.p2p.cuda_p2p` (NCCL on a side
 stream, imported at the first CUDA call).
+
+Recording (:mod:`coordinator.trace`). Every call enters the group's flight
+recorder when it is numbered. A blocking call completes or fails its entry
+on the caller's thread, as the collectives do. An asynchronous call on a CPU
+group completes its entry on the channel's thread when the call ran, whoever
+waits; a failure is recorded there by the class of the error the call
+raised, a gloo error by the class it translates to (a timeout, a closed
+connection), before the handle's explanation (which, checking the peers'
+processes, may name it otherwise: a closed connection from a peer that is
+alive is a ``ClosedError``). A CUDA group's asynchronous entries stay
+``started``: completion there is the device's to tell.
 """
 
 from __future__ import annotations
@@ -77,6 +88,7 @@ from coordinator.p2p.handle import P2PHandle
 from coordinator.p2p.shm_links import ShmLinks
 from coordinator.wire.object_comm import ObjectChannel
 from device_comms import validation
+from device_comms.errors import translate_backend_error
 
 if TYPE_CHECKING:
     from coordinator.p2p.cuda_p2p import CudaP2P
@@ -352,8 +364,9 @@ def _recording(book: CallBook, op: str, seq: int, entry: list[Any],
     def run(*args: Any) -> _R:
         try:
             result = fn(*args)
-        except BaseException as e:
-            book.note_failure(op, seq, e, entry)
+        except BaseException as e:  # named by its class (the handle explains it further)
+            book.note_failure(op, seq, translate_backend_error(
+                e, f"group {book.name!r}, op {op}, call #{seq}"), entry)
             raise
         book.completed(entry, result)
         return result
