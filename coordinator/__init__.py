@@ -75,6 +75,7 @@ from coordinator.parallel_state import (
     tensor_model_parallel_reduce_scatter,
 )
 from coordinator.stateless.stateless_group import StatelessProcessGroup
+from coordinator.trace.auto_dump import dump_trace
 from device_comms import ReduceOp
 
 __all__ = [
@@ -102,6 +103,7 @@ __all__ = [
     "RankDiedError",
     "DistributedTimeout",
     "get_group_by_name",
+    "dump_trace",
     "init_distributed_environment",
     "initialize_model_parallel",
     "ensure_model_parallel_initialized",

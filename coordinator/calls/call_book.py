@@ -13,23 +13,48 @@ number, the ranks that did not arrive). Once the group is closed, a call that
 begins raises :class:`~coordinator.errors.NotInitializedError` and one still
 running fails with :class:`~coordinator.errors.ClosedError`.
 
-The busiest calls (``all_reduce`` and friends) number themselves inline with
-the statements :meth:`CallBook.run` runs, so that they pay no function layer
-for it::
+The book also writes the group's calls into the flight recorder
+(:mod:`coordinator.trace.recorder`) through its ``trace`` (None when the
+recorder is off): each call begins an entry once numbered, with the
+collective and point-to-point counts as they then are and its input's
+shapes; completes it with its output's shapes when they differ; and on an
+exception marks it failed with the error the call raises, explained, which
+for a timeout, a dead peer, a mismatch or a broken communicator also writes
+this process's dump (:mod:`coordinator.trace.auto_dump`).
+
+The busiest calls (``all_reduce`` and friends) number and record themselves
+inline with the statements :meth:`CallBook.run` runs, so that they pay no
+function layer for it::
 
     book.collectives = n = book.collectives + 1     # a point-to-point call: p2p_calls
     seq = n + book.p2p_calls                        # ... + book.collectives
-    started = monotonic()
+    trace = self._trace                             # the group's GroupTrace; None: off
+    if trace is None:                               # a failure: book.explain(op, seq, e,
+        started = monotonic()                       #   started=started)
+        ...
+    entry = trace.begin_tensor(op, n, book.p2p_calls, input_)
+    ...                                             # a failure: book.failed(op, seq, e, entry)
+    entry[DONE] = monotonic_ns()
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from time import monotonic
+from time import monotonic, monotonic_ns
 from typing import Any, TypeVar
 
 from coordinator.calls.call_errors import WAIT_ERRORS, CallErrors
 from coordinator.errors import NotInitializedError, PeerDiedError
+from coordinator.trace import auto_dump
+from coordinator.trace.recorder import (
+    CREATED,
+    DONE,
+    OUT_DTYPES,
+    OUT_SIZES,
+    TRANSPORT,
+    GroupTrace,
+    shapes_of,
+)
 
 __all__ = ["CallBook", "destroyed_msg"]
 
@@ -50,18 +75,23 @@ class CallBook:
         world_size: The group's size.
         timeout: The group's timeout in seconds.
 
+        trace: The group's flight-recorder writer; None: calls are not recorded.
+
     Attributes:
         collectives: Collective calls made so far on this rank.
         p2p_calls: Point-to-point calls made so far on this rank.
         errors: Explains failed waits; learns the peers' processes at
             :meth:`learn_peers`.
+        trace: The group's flight-recorder writer, or None.
     """
 
-    def __init__(self, name: str, rank: int, world_size: int, timeout: float) -> None:
+    def __init__(self, name: str, rank: int, world_size: int, timeout: float,
+                 trace: GroupTrace | None = None) -> None:
         self.name = name
         self.collectives = 0
         self.p2p_calls = 0
         self.errors = CallErrors(name, rank, world_size, timeout)
+        self.trace = trace
 
     @property
     def calls(self) -> int:
@@ -87,22 +117,91 @@ class CallBook:
             raise NotInitializedError(destroyed_msg(self.name, op))
 
     def run(self, op: str, fn: Callable[..., _R], *args: Any, partner: int | None = None,
-            p2p: bool = False) -> _R:
+            p2p: bool = False, data: Any = None, transport: str | None = None) -> _R:
         """Run ``fn(*args)`` as call ``op``: numbered (a collective call unless
-        ``p2p``), and a failed wait explained (``partner``: the peer of a
-        point-to-point call)."""
+        ``p2p``), recorded (``data``: the input whose shapes the entry keeps;
+        ``transport``: see :meth:`record`) and a failed wait explained
+        (``partner``: the peer of a point-to-point call)."""
         if p2p:
             self.p2p_calls = n = self.p2p_calls + 1
             seq = n + self.collectives
         else:
             self.collectives = n = self.collectives + 1
             seq = n + self.p2p_calls
+        entry = self.record(op, data, -1 if partner is None else partner, transport)
         started = monotonic()
         try:
-            return fn(*args)
-        except WAIT_ERRORS as e:
-            self.errors.explain(op, seq, e, partner=partner, started=started)
+            result = fn(*args)
+        except BaseException as e:
+            self.failed(op, seq, e, entry, partner=partner, started=started)
             raise
+        self.completed(entry, result, data)
+        return result
+
+    def record(self, op: str, data: Any = None, peer: int = -1,
+               transport: str | None = None) -> list[Any] | None:
+        """Begin the recorder's entry of call ``op``, numbered just now: the
+        counts as they are, ``data``'s shapes, ``peer`` (a point-to-point call's
+        group rank), ``transport`` when the call names its own. None when the
+        recorder is off."""
+        trace = self.trace
+        if trace is None:
+            return None
+        sizes, dtypes = shapes_of(data)
+        entry = trace.begin(op, self.collectives, self.p2p_calls, sizes, dtypes, peer)
+        if transport is not None:
+            entry[TRANSPORT] = transport
+        return entry
+
+    @staticmethod
+    def completed(entry: list[Any] | None, result: Any = None, data: Any = None) -> None:
+        """Mark ``entry`` (if any) completed; ``result``'s shapes are kept when they
+        differ from ``data``'s (the input's)."""
+        if entry is None:
+            return
+        if result is not None:
+            out = shapes_of(result)
+            if out[0] is not None and out != shapes_of(data):
+                entry[OUT_SIZES], entry[OUT_DTYPES] = out
+        entry[DONE] = monotonic_ns()
+
+    def failed(self, op: str, seq: int, e: BaseException, entry: list[Any] | None, *,
+               partner: int | None = None, writer: int | None = None,
+               started: float | None = None, group_timeout: bool = True) -> None:
+        """Call ``seq`` (``op``) raised ``e``: raise the error it should raise
+        (:meth:`explain`), or return to let the caller re-raise ``e``; either way
+        the error is first recorded in ``entry`` (if any) and, when it is worth
+        a post-mortem, this process's dump written (once per error).
+
+        Args:
+            started: When the call began (``time.monotonic()``); None: the
+                entry's creation.
+            group_timeout: Whether the call waited with the group's timeout
+                (else how long it lasted says nothing of a peer's timeout,
+                and is not given to the explanation).
+        """
+        if not group_timeout:
+            started = None
+        elif started is None and entry is not None:
+            started = entry[CREATED] / 1e9  # the same clock as time.monotonic()
+        try:
+            if isinstance(e, WAIT_ERRORS):
+                self.errors.explain(op, seq, e, partner=partner, writer=writer,
+                                    started=started)
+        except BaseException as explained:
+            self.note_failure(op, seq, explained, entry)
+            raise
+        self.note_failure(op, seq, e, entry)
+
+    def note_failure(self, op: str, seq: int, error: BaseException,
+                     entry: list[Any] | None) -> None:
+        """Record that call ``seq`` (``op``) fails with ``error`` (already the error it
+        raises), and write the dump it deserves (never raises)."""
+        trace = self.trace
+        if entry is None or trace is None:
+            return
+        GroupTrace.fail(entry, error)
+        auto_dump.dump_for_error(trace, op, seq, error)
 
     def number_p2p(self) -> int:
         """Number a point-to-point call made outside :meth:`run`; returns its number."""

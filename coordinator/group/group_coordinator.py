@@ -34,7 +34,16 @@ small protocol of what it uses of the group:
   broadcast and point to point.
 
 The tensor collectives go straight to the device communicator (``comm``) and
-number themselves inline (:mod:`coordinator.calls.call_book`).
+number and record themselves inline (:mod:`coordinator.calls.call_book`).
+
+Every call is written into the process's flight recorder
+(:mod:`coordinator.trace`): the op, its call numbers, its tensors' shapes and
+dtypes, when it began and completed, or the error it raised. A call that
+raises a timeout, a dead peer, a mismatch between ranks or a broken
+communicator writes this process's dump (:mod:`coordinator.trace.auto_dump`);
+``coordinator.dump_trace()`` and ``GROUPCOORD_TRACE_SIGNAL`` write one on
+demand. ``GROUPCOORD_TRACE_BUFFER=0`` turns the recorder off: the calls then
+pay one attribute load and one test for it.
 """
 
 from __future__ import annotations
@@ -43,8 +52,9 @@ import contextlib
 import dataclasses
 import datetime
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
-from time import monotonic
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from time import monotonic, monotonic_ns
 from typing import Any, cast, overload
 
 import torch
@@ -62,8 +72,13 @@ from coordinator.group.monitored_barrier import monitored_barrier
 from coordinator.group.object_calls import ObjectCalls
 from coordinator.group.registry import REGISTRY
 from coordinator.group.tensor_dict_calls import TensorDictCalls
+from coordinator.p2p.channels import RECV, SEND
 from coordinator.p2p.handle import P2PHandle
 from coordinator.p2p.point_to_point import PointToPoint
+from coordinator.p2p.shm_links import ShmLinks
+from coordinator.trace import signals as trace_signals
+from coordinator.trace.recorder import DEVICE, DONE, OUT_SIZES, GroupTrace, recorder
+from coordinator.trace.transports import TransportNamer
 from coordinator.wire.object_comm import ObjectCodec
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator, validation
 from device_comms.reduce_op import check_reduce_op
@@ -169,6 +184,8 @@ class GroupCoordinator:
                 "torch.distributed is not initialised; call "
                 "coordinator.init_distributed_environment(...) first"
             )
+        rec = recorder()  # the GROUPCOORD_TRACE_* settings checked before any collective
+        trace_signals.install_from_env()
         default = default_timeout()
         seconds = check_timeout(timeout, default=default, positive=True)
         self.timeout: float = default if seconds is None else seconds
@@ -208,6 +225,11 @@ class GroupCoordinator:
         self._p2p = PointToPoint(self, book, self._objects)
         self._dicts = TensorDictCalls(self, book, self._objects, self._p2p, GroupCoordinator)
         self._moe = MoeCalls(self)
+        self._trace: GroupTrace | None = rec.group(
+            self.unique_name, group_name or "anonymous", self.ranks, self.rank_in_group,
+            TransportNamer(self.comm, self.device, _link_lookup(self._p2p.links)))
+        book.trace = self._trace
+        self._marks: Callable[[], Any] | None = None
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
             self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)
         REGISTRY.add(self)
@@ -280,12 +302,26 @@ class GroupCoordinator:
         book = self._book  # number the call
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        started = monotonic()
+        trace = self._trace
+        if trace is None:  # the flight recorder is off
+            started = monotonic()
+            try:
+                return self.comm.all_reduce(input_, op, out=out)
+            except WAIT_ERRORS as e:
+                book.explain("all_reduce", seq, e, started=started)  # name what went wrong
+                raise
+        entry = trace.begin_tensor("all_reduce", n, book.p2p_calls, input_)  # record it
+        marks = self._marks() if self._marks is not None else None
         try:
-            return self.comm.all_reduce(input_, op, out=out)
-        except WAIT_ERRORS as e:
-            book.explain("all_reduce", seq, e, started=started)  # name what went wrong
+            result = self.comm.all_reduce(input_, op, out=out)
+        except BaseException as e:
+            book.failed("all_reduce", seq, e, entry)  # name what went wrong, record it
             raise
+        if marks is not None:
+            marks.finish()
+            entry[DEVICE] = marks
+        entry[DONE] = monotonic_ns()
+        return result
 
     def _traced_all_reduce(self, input_: torch.Tensor, op: ReduceOp,
                            out: torch.Tensor | None) -> torch.Tensor:
@@ -307,12 +343,27 @@ class GroupCoordinator:
         book = self._book  # number the call
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        started = monotonic()
+        trace = self._trace
+        if trace is None:  # the flight recorder is off
+            started = monotonic()
+            try:
+                return self.comm.all_gather(input_, dim)
+            except WAIT_ERRORS as e:
+                book.explain("all_gather", seq, e, started=started)  # name what went wrong
+                raise
+        entry = trace.begin_tensor("all_gather", n, book.p2p_calls, input_)  # record it
+        marks = self._marks() if self._marks is not None else None
         try:
-            return self.comm.all_gather(input_, dim)
-        except WAIT_ERRORS as e:
-            book.explain("all_gather", seq, e, started=started)  # name what went wrong
+            result = self.comm.all_gather(input_, dim)
+        except BaseException as e:
+            book.failed("all_gather", seq, e, entry)  # name what went wrong, record it
             raise
+        if marks is not None:
+            marks.finish()
+            entry[DEVICE] = marks
+        entry[OUT_SIZES] = result.shape
+        entry[DONE] = monotonic_ns()
+        return result
 
     def all_gatherv(
         self,
@@ -324,7 +375,8 @@ class GroupCoordinator:
 
         ``input_`` may be a list of tensors; then a list comes back.
         """
-        return self._book.run("all_gatherv", self.comm.all_gatherv, input_, dim, sizes)
+        return self._book.run("all_gatherv", self.comm.all_gatherv, input_, dim, sizes,
+                              data=input_)
 
     def reduce_scatter(
         self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
@@ -336,12 +388,27 @@ class GroupCoordinator:
         book = self._book  # number the call
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        started = monotonic()
+        trace = self._trace
+        if trace is None:  # the flight recorder is off
+            started = monotonic()
+            try:
+                return self.comm.reduce_scatter(input_, dim, op)
+            except WAIT_ERRORS as e:
+                book.explain("reduce_scatter", seq, e, started=started)  # name what went wrong
+                raise
+        entry = trace.begin_tensor("reduce_scatter", n, book.p2p_calls, input_)  # record it
+        marks = self._marks() if self._marks is not None else None
         try:
-            return self.comm.reduce_scatter(input_, dim, op)
-        except WAIT_ERRORS as e:
-            book.explain("reduce_scatter", seq, e, started=started)  # name what went wrong
+            result = self.comm.reduce_scatter(input_, dim, op)
+        except BaseException as e:
+            book.failed("reduce_scatter", seq, e, entry)  # name what went wrong, record it
             raise
+        if marks is not None:
+            marks.finish()
+            entry[DEVICE] = marks
+        entry[OUT_SIZES] = result.shape
+        entry[DONE] = monotonic_ns()
+        return result
 
     def reduce_scatterv(
         self,
@@ -351,31 +418,33 @@ class GroupCoordinator:
         op: ReduceOp = ReduceOp.SUM,
     ) -> torch.Tensor:
         """Reduce, then keep ``sizes[rank]`` entries along ``dim`` (sizes sum to the dim)."""
-        return self._book.run("reduce_scatterv", self.comm.reduce_scatterv, input_, dim, sizes, op)
+        return self._book.run("reduce_scatterv", self.comm.reduce_scatterv, input_, dim, sizes,
+                              op, data=input_)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
         if _tracing() and self.world_size == 1:
             validation.check_rank(dst, 1, "dst")
             return _traced_alone(input_, dim)
-        return self._book.run("gather", self.comm.gather, input_, dst, dim)
+        return self._book.run("gather", self.comm.gather, input_, dst, dim, data=input_)
 
     def reduce(
         self, input_: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor | None:
         """Reduce onto ``dst`` (a new tensor there, None elsewhere)."""
-        return self._book.run("reduce", self.comm.reduce, input_, dst, op)
+        return self._book.run("reduce", self.comm.reduce, input_, dst, op, data=input_)
 
     def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = 0) -> torch.Tensor:
         """Split ``src``'s tensor into equal slices along ``dim``; rank ``i`` gets slice ``i``."""
-        return self._book.run("scatter", self.comm.scatter, input_, src, dim)
+        return self._book.run("scatter", self.comm.scatter, input_, src, dim, data=input_)
 
     def all_to_all(
         self, input_: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0
     ) -> torch.Tensor:
         """Slice ``j`` along ``scatter_dim`` goes to rank ``j``; received slices are
         concatenated along ``gather_dim``."""
-        return self._book.run("all_to_all", self.comm.all_to_all, input_, scatter_dim, gather_dim)
+        return self._book.run("all_to_all", self.comm.all_to_all, input_, scatter_dim,
+                              gather_dim, data=input_)
 
     def all_to_allv(
         self,
@@ -389,7 +458,8 @@ class GroupCoordinator:
         Mismatched sizes (rank ``i``'s ``recv_sizes[j]`` != rank ``j``'s ``send_sizes[i]``)
         raise ``CollectiveMismatch`` on every rank; see :mod:`device_comms.alltoallv`.
         """
-        return self._book.run("all_to_allv", self.comm.all_to_allv, input_, send_sizes, recv_sizes)
+        return self._book.run("all_to_allv", self.comm.all_to_allv, input_, send_sizes,
+                              recv_sizes, data=input_)
 
     def all_gatherv_rows(
         self,
@@ -407,7 +477,8 @@ class GroupCoordinator:
             ``(gathered, sizes)``: one new tensor per input, rank 0's rows
             first; every rank's row count.
         """
-        return self._book.run("all_gatherv_rows", self.comm.all_gatherv_rows, tensors, sizes)
+        return self._book.run("all_gatherv_rows", self.comm.all_gatherv_rows, tensors, sizes,
+                              data=tensors)
 
     # ------------------------------------------------------------------ MoE (the seed's path)
     @overload
@@ -554,38 +625,65 @@ class GroupCoordinator:
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
         """Sum over the group into a new tensor (``input_`` untouched): the eager body
         of the ``groupcoord::all_reduce`` custom op, named as in the seed."""
-        return self._book.run("all_reduce", self.comm.all_reduce, input_)
+        return self._book.run("all_reduce", self.comm.all_reduce, input_, data=input_)
 
     def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         """All-gather along ``dim`` into a new tensor: the eager body of
         ``groupcoord::all_gather``, named as in the seed."""
-        return self._book.run("all_gather", self.comm.all_gather, input_, dim)
+        return self._book.run("all_gather", self.comm.all_gather, input_, dim, data=input_)
 
     def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         """Reduce-scatter along ``dim`` into a new tensor: the eager body of
         ``groupcoord::reduce_scatter``, named as in the seed."""
-        return self._book.run("reduce_scatter", self.comm.reduce_scatter, input_, dim)
+        return self._book.run("reduce_scatter", self.comm.reduce_scatter, input_, dim,
+                              data=input_)
 
     def reject_call(self, op: str, error: BaseException) -> None:
         """Take this rank's part in the peers' collective ``op`` as a rejection of ``error``.
 
         For code built on this group's collectives that checks its own arguments
         (MoE dispatch/combine): the peers raise ``PeerRejectedError`` naming this
-        rank instead of waiting; the caller then raises ``error``. Counts as a call.
+        rank instead of waiting; the caller then raises ``error``. Counts as a call,
+        recorded as call ``op`` failed with ``error``.
         """
-        self._book.run(op, self.comm.reject, op, error)
+        book = self._book
+        book.collectives = n = book.collectives + 1
+        seq = n + book.p2p_calls
+        entry = book.record(op)
+        started = monotonic()
+        try:
+            self.comm.reject(op, error)
+        except BaseException as e:
+            book.failed(op, seq, e, entry, started=started)
+            raise
+        book.completed(entry)
+        book.note_failure(op, seq, error, entry)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
         book = self._book  # number the call
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        started = monotonic()
+        trace = self._trace
+        if trace is None:  # the flight recorder is off
+            started = monotonic()
+            try:
+                return self.comm.broadcast(input_, src)
+            except WAIT_ERRORS as e:
+                book.explain("broadcast", seq, e, started=started)  # name what went wrong
+                raise
+        entry = trace.begin_tensor("broadcast", n, book.p2p_calls, input_)  # record it
+        marks = self._marks() if self._marks is not None else None
         try:
-            return self.comm.broadcast(input_, src)
-        except WAIT_ERRORS as e:
-            book.explain("broadcast", seq, e, started=started)  # name what went wrong
+            result = self.comm.broadcast(input_, src)
+        except BaseException as e:
+            book.failed("broadcast", seq, e, entry)  # name what went wrong, record it
             raise
+        if marks is not None:
+            marks.finish()
+            entry[DEVICE] = marks
+        entry[DONE] = monotonic_ns()
+        return result
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to group rank ``dst`` (default: the next rank)."""
@@ -626,17 +724,19 @@ class GroupCoordinator:
         book = self._book
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        started = monotonic()
         if self.world_size > 1:
             book.check_live("barrier")
+        entry = book.record("barrier")
+        if self.world_size > 1:
             try:
                 monitored_barrier(self.cpu_group, self.unique_name, wait_s,
                                   book.errors.await_exit)
-            except WAIT_ERRORS as e:
-                book.explain("barrier", seq, e,
-                             started=started if wait_s == self.timeout else None)
+            except BaseException as e:
+                book.failed("barrier", seq, e, entry, group_timeout=wait_s == self.timeout)
                 raise
+        book.completed(entry)
         if bad is not None:
+            book.note_failure("barrier", seq, bad, entry)
             raise bad
 
     @contextlib.contextmanager
@@ -735,6 +835,8 @@ class GroupCoordinator:
         if self._book.closed:
             return
         self._book.close()  # calls still running on other threads: ClosedError
+        if self._trace is not None:
+            self._trace.closed = True
         REGISTRY.remove(self)
         self._p2p.close()  # links and outstanding handles end (ClosedError), threads joined
         if self.mq_broadcaster is not None:
@@ -908,6 +1010,22 @@ _ROUTED_DISPATCH = _dispatch_form("topk_ids")
 GroupCoordinator.dispatch.__signature__ = _SEED_DISPATCH.replace(  # type: ignore[attr-defined]
     parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
                 *_SEED_DISPATCH.parameters.values()])
+
+
+def _link_lookup(links: ShmLinks) -> Callable[[str, int], bool]:
+    """``linked(op, peer)`` of the group's :class:`TransportNamer`: whether the
+    direction of point-to-point call ``op`` with ``peer`` settled on a link.
+
+    The recorder keeps a group's namer for the process's life: it holds the
+    links weakly, so that a destroyed group can go (its later dumps then name
+    its point-to-point calls by the communicator)."""
+    ref = weakref.ref(links)
+
+    def linked(op: str, peer: int) -> bool:
+        got = ref()
+        return got is not None and got.settled(SEND if "send" in op else RECV, peer) is not None
+
+    return linked
 
 
 def side_stream(device: torch.device) -> Any:

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from coordinator.calls.call_book import CallBook
-from coordinator.calls.call_errors import WAIT_ERRORS
 from coordinator.calls.group_view import GroupView
 from coordinator.calls.peers import check_peer
 from coordinator.errors import CollectiveMismatch, CommTimeout
@@ -67,16 +66,20 @@ class ObjectCalls:
     # ------------------------------------------------------------------ broadcasts
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """``GroupCoordinator.broadcast_object``: ``obj`` from ``src`` to every rank."""
-        book = self._book
+        book, g = self._book, self._group
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
+        entry = book.record("broadcast_object", transport=(
+            "queue" if g.mq_broadcaster is not None and src == g.mq_writer_rank else None))
         started = monotonic()
         try:
-            return self._broadcast_object(obj, src)
-        except WAIT_ERRORS as e:
-            book.explain("broadcast_object", seq, e, writer=self._group.mq_writer_rank,
-                         started=started)
+            got = self._broadcast_object(obj, src)
+        except BaseException as e:
+            book.failed("broadcast_object", seq, e, entry, writer=g.mq_writer_rank,
+                        started=started)
             raise
+        book.completed(entry)
+        return got
 
     def _broadcast_object(self, obj: Any, src: int) -> Any:
         g = self._group
@@ -109,7 +112,7 @@ class ObjectCalls:
                               group: dist.ProcessGroup | None) -> list[Any]:
         """``GroupCoordinator.broadcast_object_list``: ``obj_list`` filled in place from ``src``."""
         return self._book.run("broadcast_object_list", self._broadcast_object_list, obj_list,
-                              src, group)
+                              src, group, transport=None if group is None else "gloo")
 
     def _broadcast_object_list(self, obj_list: list[Any], src: int,
                                group: dist.ProcessGroup | None) -> list[Any]:

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from coordinator.calls.call_book import CallBook
-from coordinator.calls.call_errors import WAIT_ERRORS
 from coordinator.calls.group_view import GroupView
 from coordinator.calls.peers import check_peer, note_untold
 from coordinator.errors import CollectiveMismatch, GroupCoordError
@@ -105,16 +104,20 @@ class TensorDictCalls:
                               group: dist.ProcessGroup | None,
                               metadata_group: dist.ProcessGroup | None) -> dict[Any, Any] | None:
         """``GroupCoordinator.broadcast_tensor_dict``: ``src``'s dict to every rank."""
-        book = self._book
+        book, g = self._book, self._group
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
+        entry = book.record("broadcast_tensor_dict",
+                            transport=_broadcast_transport(g, src, group, metadata_group))
         started = monotonic()
         try:
-            return self._broadcast_checked(tensor_dict, src, group, metadata_group)
-        except WAIT_ERRORS as e:
-            book.explain("broadcast_tensor_dict", seq, e, writer=self._group.mq_writer_rank,
-                         started=started)
+            got = self._broadcast_checked(tensor_dict, src, group, metadata_group)
+        except BaseException as e:
+            book.failed("broadcast_tensor_dict", seq, e, entry, writer=g.mq_writer_rank,
+                        started=started)
             raise
+        book.completed(entry)
+        return got
 
     def _broadcast_checked(self, tensor_dict: Mapping[Any, Any] | None, src: int,
                            group: dist.ProcessGroup | None,
@@ -425,7 +428,7 @@ class TensorDictCalls:
     def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any], dst: int | None) -> P2PHandle:
         """``GroupCoordinator.isend_tensor_dict``: start sending ``tensor_dict`` to ``dst``."""
         g, p2p = self._group, self._p2p
-        dst, seq = p2p.begin("isend_tensor_dict", dst, "dst", +1, allow_alone=True)
+        dst, seq, entry = p2p.begin("isend_tensor_dict", dst, "dst", +1, allow_alone=True)
         try:
             if not isinstance(tensor_dict, Mapping):
                 raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
@@ -435,25 +438,37 @@ class TensorDictCalls:
             if g.world_size > 1 and g.device.type == "cpu":  # the receiver is told, in order
                 p2p.submit(SEND, dst, "isend_tensor_dict", seq, self._reject_send, dst, e,
                            quiet=True)
+            self._book.note_failure("isend_tensor_dict", seq, e, entry)
             raise
         if g.world_size == 1:
-            return p2p.done("isend_tensor_dict", dst, seq, None)
+            return p2p.done("isend_tensor_dict", dst, seq, None, entry)
         snapshot = dict(tensor_dict)  # later changes to the caller's dict do not travel
         if g.device.type == "cuda":
             return p2p.cuda().isend_tensor_dict(snapshot, dst, seq)
         return p2p.handle(p2p.submit(SEND, dst, "isend_tensor_dict", seq, self._send, snapshot,
-                                     dst, None, None))
+                                     dst, None, None, entry=entry))
 
     def irecv_tensor_dict(self, src: int | None) -> P2PHandle:
         """``GroupCoordinator.irecv_tensor_dict``: start receiving a dict from ``src``."""
         g, p2p = self._group, self._p2p
-        src, seq = p2p.begin("irecv_tensor_dict", src, "src", -1, allow_alone=True)
+        src, seq, entry = p2p.begin("irecv_tensor_dict", src, "src", -1, allow_alone=True)
         if g.world_size == 1:
-            return p2p.done("irecv_tensor_dict", src, seq, None)
+            return p2p.done("irecv_tensor_dict", src, seq, None, entry)
         if g.device.type == "cuda":
             return p2p.cuda().irecv_tensor_dict(src, seq)
         return p2p.handle(p2p.submit(RECV, src, "irecv_tensor_dict", seq, self._recv, src,
-                                     None))
+                                     None, entry=entry))
+
+
+def _broadcast_transport(g: DictGroup, src: Any, group: Any, metadata_group: Any) -> str | None:
+    """The transport a dict broadcast names in the recorder: ``queue`` through the
+    group's message queue, torch.distributed over the caller's groups, else
+    None (the group's communicator, named at dump time)."""
+    if group is not None or metadata_group is not None:
+        return "gloo" if g.device.type == "cpu" else "torch"
+    if g.mq_broadcaster is not None and src == g.mq_writer_rank:
+        return "queue"
+    return None
 
 
 #: Fills a received dict's tensor: ``fill(descriptor, parts, key)``.

@@ -56,6 +56,17 @@ and the links closed.
 
 CUDA groups go through :mod:`coordinator.p2p.cuda_p2p` (NCCL on a side
 stream, imported at the first CUDA call).
+
+Recording (:mod:`coordinator.trace`). Every call enters the group's flight
+recorder when it is numbered. A blocking call completes or fails its entry
+on the caller's thread, as the collectives do. An asynchronous call on a CPU
+group completes its entry on the channel's thread when the call ran, whoever
+waits; a failure is recorded there by the class of the error the call
+raised, a gloo error by the class it translates to (a timeout, a closed
+connection), before the handle's explanation (which, checking the peers'
+processes, may name it otherwise: a closed connection from a peer that is
+alive is a ``ClosedError``). A CUDA group's asynchronous entries stay
+``started``: completion there is the device's to tell.
 """
 
 from __future__ import annotations
@@ -69,7 +80,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from coordinator.calls.call_book import CallBook
-from coordinator.calls.call_errors import WAIT_ERRORS
 from coordinator.calls.group_view import GroupView
 from coordinator.calls.peers import check_peer, peer_rank
 from coordinator.p2p import link_tensors
@@ -78,6 +88,7 @@ from coordinator.p2p.handle import P2PHandle
 from coordinator.p2p.shm_links import ShmLinks
 from coordinator.wire.object_comm import ObjectChannel
 from device_comms import validation
+from device_comms.errors import translate_backend_error
 
 if TYPE_CHECKING:
     from coordinator.p2p.cuda_p2p import CudaP2P
@@ -116,15 +127,19 @@ class PointToPoint:
         book = self._book
         book.p2p_calls = n = book.p2p_calls + 1
         seq = n + book.collectives
+        partner = peer_rank(dst)
+        entry = book.record("send", tensor, -1 if partner is None else partner)
         started = monotonic()
         try:
             if self._channels is None:  # no asynchronous call ever: nothing to wait for
-                return link_tensors.send(self._group, self.links, tensor, dst)
-            return self.ordered(SEND, dst, "send", link_tensors.send, self._group, self.links,
-                                tensor, dst)
-        except WAIT_ERRORS as e:
-            book.explain("send", seq, e, partner=peer_rank(dst), started=started)
+                link_tensors.send(self._group, self.links, tensor, dst)
+            else:
+                self.ordered(SEND, dst, "send", link_tensors.send, self._group, self.links,
+                             tensor, dst)
+        except BaseException as e:
+            book.failed("send", seq, e, entry, partner=partner, started=started)
             raise
+        book.completed(entry)
 
     def recv(self, size: torch.Size | Sequence[int], dtype: torch.dtype,
              src: int) -> torch.Tensor:
@@ -132,15 +147,20 @@ class PointToPoint:
         book = self._book
         book.p2p_calls = n = book.p2p_calls + 1
         seq = n + book.collectives
+        partner = peer_rank(src)
+        entry = book.record("recv", None, -1 if partner is None else partner)
         started = monotonic()
         try:
             if self._channels is None:  # no asynchronous call ever: nothing to wait for
-                return link_tensors.recv(self._group, self.links, size, dtype, src)
-            return self.ordered(RECV, src, "recv", link_tensors.recv, self._group, self.links,
-                                size, dtype, src)
-        except WAIT_ERRORS as e:
-            book.explain("recv", seq, e, partner=peer_rank(src), started=started)
+                got = link_tensors.recv(self._group, self.links, size, dtype, src)
+            else:
+                got = self.ordered(RECV, src, "recv", link_tensors.recv, self._group,
+                                   self.links, size, dtype, src)
+        except BaseException as e:
+            book.failed("recv", seq, e, entry, partner=partner, started=started)
             raise
+        book.completed(entry, got)
+        return got
 
     def send_object(self, obj: Any, dst: int) -> None:
         """``GroupCoordinator.send_object``: ``obj`` to group rank ``dst``, in its turn."""
@@ -180,54 +200,66 @@ class PointToPoint:
     def isend(self, tensor: torch.Tensor, dst: int | None) -> P2PHandle:
         """``GroupCoordinator.isend``: start sending ``tensor`` to ``dst`` (default: next rank)."""
         g = self._group
-        dst, seq = self.begin("isend", dst, "dst", +1)
+        dst, seq, entry = self.begin("isend", dst, "dst", +1, data=tensor)
         try:
             t = validation.check_tensor(tensor, "tensor", g.device)
         except (TypeError, ValueError) as e:
             self._tell_peer(SEND, dst, "isend", seq, e)
+            self._book.note_failure("isend", seq, e, entry)
             raise
         if g.device.type == "cuda":
             return self.cuda().isend(t, dst, seq)
         return self.handle(self.submit(SEND, dst, "isend", seq, link_tensors.send, g,
-                                       self.links, t, dst))
+                                       self.links, t, dst, entry=entry))
 
     def irecv(self, tensor_or_spec: Any, src: int | None) -> P2PHandle:
         """``GroupCoordinator.irecv``: start receiving from ``src`` (default: previous rank)."""
         g = self._group
-        src, seq = self.begin("irecv", src, "src", -1)
+        src, seq, entry = self.begin("irecv", src, "src", -1)
         try:
             buf, size, dtype = _recv_target(tensor_or_spec, g.device)
         except (TypeError, ValueError) as e:
             self._tell_peer(RECV, src, "irecv", seq, e)
+            self._book.note_failure("irecv", seq, e, entry)
             raise
         if g.device.type == "cuda":
             return self.cuda().irecv(buf, size, dtype, src, seq)
         return self.handle(self.submit(RECV, src, "irecv", seq, self._recv_into, buf, size,
-                                       dtype, src))
+                                       dtype, src, entry=entry))
 
-    def begin(self, op: str, peer: Any, arg: str, step: int,
-              allow_alone: bool = False) -> tuple[int, int]:
+    def begin(self, op: str, peer: Any, arg: str, step: int, allow_alone: bool = False,
+              data: Any = None) -> tuple[int, int, list[Any] | None]:
         """Start asynchronous call ``op``: check the group and the peer (None: the
-        next rank for ``step`` +1, the previous for -1); number the call.
+        next rank for ``step`` +1, the previous for -1); number and record the
+        call (``data``: the input whose shapes the entry keeps).
 
         Returns:
-            ``(peer, call number)``.
+            ``(peer, call number, the recorder's entry or None)``.
         """
-        g = self._group
-        self._book.check_live(op)
-        seq = self._book.number_p2p()
+        g, book = self._group, self._book
+        book.check_live(op)
+        seq = book.number_p2p()
         if peer is None:
             peer = (g.rank_in_group + step) % g.world_size
-        if allow_alone and g.world_size == 1:
-            validation.check_rank(peer, 1, arg)
-        else:
-            check_peer(peer, arg, g.world_size, g.rank_in_group)
-        return peer, seq
+        partner = peer_rank(peer)
+        entry = book.record(op, data, -1 if partner is None else partner)
+        try:
+            if allow_alone and g.world_size == 1:
+                validation.check_rank(peer, 1, arg)
+            else:
+                check_peer(peer, arg, g.world_size, g.rank_in_group)
+        except BaseException as e:
+            book.note_failure(op, seq, e, entry)
+            raise
+        return peer, seq, entry
 
     def submit(self, direction: str, peer: int, op: str, seq: int, fn: Callable[..., Any],
-               *args: Any, quiet: bool = False) -> Work:
+               *args: Any, quiet: bool = False, entry: list[Any] | None = None) -> Work:
         """Queue ``fn(*args)`` as call ``seq`` on the channel of ``direction`` with ``peer``
-        (``quiet``: nobody waits for it, its failure is not reported)."""
+        (``quiet``: nobody waits for it, its failure is not reported; ``entry``:
+        the call's recorder entry, completed or failed when it ran)."""
+        if entry is not None:
+            fn = _recording(self._book, op, seq, entry, fn)
         work = Work(op, peer, seq, fn, args, self._book.errors, quiet=quiet)
         self._channels_at_first_use().get(direction, peer).submit(work)
         return work
@@ -236,8 +268,10 @@ class PointToPoint:
         """The handle of a submitted call."""
         return P2PHandle(work, self._group.timeout)
 
-    def done(self, op: str, peer: int, seq: int, result: Any) -> P2PHandle:
+    def done(self, op: str, peer: int, seq: int, result: Any,
+             entry: list[Any] | None = None) -> P2PHandle:
         """A handle of a call that needs no communication (a group of one)."""
+        self._book.completed(entry)
         work = Work(op, peer, seq, lambda: result, (), self._book.errors)
         work.run()
         return P2PHandle(work, self._group.timeout)
@@ -319,6 +353,25 @@ def _recv_target(x: Any, device: torch.device) -> tuple[torch.Tensor | None, tor
                          f"{tuple(shape)}")
     validation.check_fits(shape, dtype, device, "tensor_or_spec")
     return None, torch.Size(shape), dtype
+
+
+def _recording(book: CallBook, op: str, seq: int, entry: list[Any],
+               fn: Callable[..., _R]) -> Callable[..., _R]:
+    """``fn`` that completes the recorder's ``entry`` when it returns, or marks it
+    failed (and dumps, see :mod:`coordinator.trace.auto_dump`) with what it
+    raised, on the channel's thread, when the call finishes, whoever waits."""
+
+    def run(*args: Any) -> _R:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # named by its class (the handle explains it further)
+            book.note_failure(op, seq, translate_backend_error(
+                e, f"group {book.name!r}, op {op}, call #{seq}"), entry)
+            raise
+        book.completed(entry, result)
+        return result
+
+    return run
 
 
 def _break_connections(group: Any, peer: int) -> None:

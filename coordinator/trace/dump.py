@@ -53,7 +53,6 @@ from typing import Any
 
 import torch
 
-from coordinator.trace import recorder as rec_mod
 from coordinator.trace.recorder import (
     CREATED,
     DEVICE,
@@ -70,8 +69,10 @@ from coordinator.trace.recorder import (
     PEER,
     RID,
     SEQ,
+    TRANSPORT,
     FlightRecorder,
     GroupTrace,
+    recorder,
 )
 
 __all__ = ["FR_VERSION", "OPS", "snapshot", "write_dump", "dump_path", "global_rank"]
@@ -148,20 +149,34 @@ def dump_path(prefix: str, rank: int | None = None) -> str:
 
 
 def _sizes(value: Any) -> list[list[int]]:
-    """Shapes as PyTorch's dumps write them: a list of int lists."""
+    """Shapes as PyTorch's dumps write them: a list of int lists (``[]`` for none)."""
     if value is None:
         return []
-    if isinstance(value, torch.Size | tuple):
+    if _is_shape(value):
         return [[int(d) for d in value]]
-    return [[int(d) for d in s] for s in value]
+    if isinstance(value, (list, tuple)) and all(_is_shape(s) for s in value):
+        return [[int(d) for d in s] for s in value]
+    return []
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, (torch.Size, tuple, list)) and all(
+        isinstance(d, int) for d in value)
 
 
 def _dtypes(value: Any) -> list[str]:
+    """Dtypes as PyTorch's dumps write them: c10's names (``Float``)."""
     if value is None:
         return []
-    if isinstance(value, torch.dtype):
-        return [_DTYPE_NAMES.get(value, str(value).removeprefix("torch."))]
-    return [_DTYPE_NAMES.get(d, str(d).removeprefix("torch.")) for d in value]
+    if isinstance(value, (list, tuple)):
+        return [_dtype_name(d) for d in value]
+    return [_dtype_name(value)]
+
+
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, torch.dtype):
+        return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    return str(dtype)
 
 
 def _varying(sizes: list[list[int]]) -> list[list[int]]:
@@ -190,13 +205,15 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
     group: GroupTrace = entry[GROUP]
     op: str = entry[OP]
     fr_type, is_p2p, vary_in, vary_out, tensors = OPS.get(op, _UNKNOWN)
-    transport = "gloo"
-    if group.transport_of is not None:
+    transport = entry[TRANSPORT] or "gloo"
+    if entry[TRANSPORT] is None and group.transport_of is not None:
         with contextlib.suppress(Exception):
             transport = str(group.transport_of(op, entry))
     backend = "nccl" if transport in _DEVICE_TRANSPORTS else "gloo"
     in_sizes, out_sizes = _sizes(entry[IN_SIZES]), _sizes(entry[OUT_SIZES])
     in_dtypes, out_dtypes = _dtypes(entry[IN_DTYPES]), _dtypes(entry[OUT_DTYPES])
+    if entry[OUT_SIZES] is not None and entry[OUT_DTYPES] is None:
+        out_dtypes = in_dtypes  # only the shape changed (all_gather, reduce_scatter)
     if tensors:  # a missing side reads as the other one (see the module docstring)
         if entry[OUT_SIZES] is None:
             out_sizes, out_dtypes = in_sizes, in_dtypes
@@ -273,7 +290,7 @@ def snapshot(rec: FlightRecorder | None = None, reason: str = "on demand",
         reason: Why the dump is taken (kept under ``groupcoord``).
         rank: The global rank to name; None: this process's.
     """
-    rec = rec if rec is not None else rec_mod.recorder()
+    rec = rec if rec is not None else recorder()
     wall_offset = time.time_ns() - monotonic_ns()
     raw = rec.entries()
     entries = [_entry(e, wall_offset) for e in raw]
@@ -309,7 +326,7 @@ def write_dump(rec: FlightRecorder | None = None, path: str | None = None,
     Returns:
         The path written.
     """
-    rec = rec if rec is not None else rec_mod.recorder()
+    rec = rec if rec is not None else recorder()
     if path is None:
         path = dump_path(rec.dump_prefix, rank)
     data = pickle.dumps(snapshot(rec, reason, rank), protocol=4)

@@ -19,6 +19,11 @@ An entry is a Python list laid out by the index constants below (``RID``,
   from the input's);
 * **failure** (:meth:`GroupTrace.fail`): the error's class name at ``ERROR``.
 
+A call that picks its transport itself (a broadcast through the group's
+message queue) names it at ``TRANSPORT``; otherwise the group's
+``transport_of`` names it when a dump is written, so the hot calls pay nothing
+for it.
+
 Calls on CPU transports run synchronously, so an entry is *started* when
 created. A device call hands its entry a :class:`DeviceMarks` (CUDA events
 recorded around the kernel, read lazily: never a synchronisation on the hot
@@ -53,6 +58,8 @@ from collections.abc import Callable, Sequence
 from time import monotonic_ns
 from typing import Any, Protocol
 
+import torch
+
 __all__ = [
     "DEFAULT_CAPACITY",
     "DeviceMarks",
@@ -61,7 +68,8 @@ __all__ = [
     "recorder",
     "reset_recorder",
     "RID", "GROUP", "OP", "SEQ", "P2P_SEQ", "PEER", "IN_SIZES", "IN_DTYPES",
-    "OUT_SIZES", "OUT_DTYPES", "CREATED", "DONE", "ERROR", "FRAMES", "DEVICE", "ENTRY_LEN",
+    "OUT_SIZES", "OUT_DTYPES", "CREATED", "DONE", "ERROR", "FRAMES", "DEVICE", "TRANSPORT",
+    "ENTRY_LEN", "shapes_of",
 ]
 
 #: Ring entries unless ``GROUPCOORD_TRACE_BUFFER`` says otherwise.
@@ -85,7 +93,8 @@ DONE = 11  # monotonic_ns() at completion, 0 until then
 ERROR = 12  # the error's class name, None unless the call failed
 FRAMES = 13  # [{"name", "filename", "line"}] or None
 DEVICE = 14  # DeviceMarks of a device call, else None
-ENTRY_LEN = 15
+TRANSPORT = 15  # the transport when the call named it (queue broadcasts), else None
+ENTRY_LEN = 16
 
 
 class DeviceMarks(Protocol):
@@ -122,7 +131,9 @@ class FlightRecorder:
         #: Record ids (``next`` is atomic under the GIL).
         self.ids = itertools.count()
         self._groups: list[GroupTrace] = []
-        self._lock = threading.Lock()  # guards _groups, not the ring
+        # Guards _groups, not the ring; reentrant because a signal handler that dumps
+        # runs on the main thread, possibly while that thread holds it.
+        self._lock = threading.RLock()
 
     @property
     def enabled(self) -> bool:
@@ -218,7 +229,25 @@ class GroupTrace:
         """
         rid = next(self._ids)
         entry = [rid, self, op, seq, p2p_seq, peer, sizes, dtypes, None, None, monotonic_ns(),
-                 0, None, None, None]
+                 0, None, None, None, None]
+        if self._stacks:
+            entry[FRAMES] = _frames()
+        self._ring[rid % self._capacity] = entry
+        return entry
+
+    def begin_tensor(self, op: str, seq: int, p2p_seq: int, tensor: Any,
+                     peer: int = -1) -> list[Any]:
+        """:meth:`begin` for a call on one tensor: keeps its shape and dtype (never
+        the tensor). Anything without them records none: the call's own checks
+        then say what is wrong with it. The hot calls' form, one call layer only.
+        """
+        try:
+            sizes, dtypes = tensor.shape, tensor.dtype
+        except AttributeError:
+            sizes = dtypes = None
+        rid = next(self._ids)
+        entry = [rid, self, op, seq, p2p_seq, peer, sizes, dtypes, None, None, monotonic_ns(),
+                 0, None, None, None, None]
         if self._stacks:
             entry[FRAMES] = _frames()
         self._ring[rid % self._capacity] = entry
@@ -238,6 +267,26 @@ class GroupTrace:
             entry[OUT_SIZES] = sizes
             entry[OUT_DTYPES] = dtypes
         entry[DONE] = monotonic_ns()
+
+
+def shapes_of(data: Any) -> tuple[Any, Any]:
+    """``(sizes, dtypes)`` of a call's tensors as an entry keeps them (never the data).
+
+    A tensor gives its ``torch.Size`` and dtype; a list or tuple gives the lists
+    of the tensors in it, one level of nesting included (``all_gatherv_rows``
+    returns ``(tensors, counts)``); anything else (objects, dicts, None) gives
+    ``(None, None)``.
+    """
+    if isinstance(data, torch.Tensor):
+        return data.shape, data.dtype
+    if not isinstance(data, (list, tuple)):
+        return None, None
+    found = [t for x in data
+             for t in (x if isinstance(x, (list, tuple)) else (x,))
+             if isinstance(t, torch.Tensor)]
+    if not found:
+        return None, None
+    return [t.shape for t in found], [t.dtype for t in found]
 
 
 def _frames() -> list[dict[str, Any]]:

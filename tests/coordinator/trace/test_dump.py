@@ -1,0 +1,290 @@
+"""Dumps: plain data only, owner-only files replaced atomically, PyTorch's fields (its own
+analyzer parses every entry), the transports named, and the dumps a failed call writes."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import stat
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.flight_recorder.components.types import Op
+
+from coordinator import dump_trace
+from coordinator.errors import CollectiveMismatch, CommTimeout
+from coordinator.trace import auto_dump
+from coordinator.trace.dump import OPS, snapshot, write_dump
+from coordinator.trace.recorder import (
+    DONE,
+    IN_DTYPES,
+    IN_SIZES,
+    OUT_SIZES,
+    TRANSPORT,
+    FlightRecorder,
+    GroupTrace,
+    reset_recorder,
+)
+from coordinator.trace.transports import TransportNamer
+
+#: The fields of an entry in PyTorch's dump (version 2.10).
+_FR_FIELDS = {
+    "record_id", "pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "op_id",
+    "profiling_name", "time_created_ns", "duration_ms", "is_p2p", "input_sizes",
+    "input_dtypes", "output_sizes", "output_dtypes", "state", "time_discovered_started_ns",
+    "time_discovered_completed_ns", "retired", "timeout_ms", "frames",
+}
+
+
+class _PlainOnly(pickle.Unpickler):
+    """Loads builtins only: any class reference in the pickle raises."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"the dump references {module}.{name}")
+
+
+def _load(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        data: dict[str, Any] = _PlainOnly(io.BytesIO(f.read())).load()
+    return data
+
+
+def _recorder(tmp_path: Any) -> FlightRecorder:
+    """A recorder holding one call of every kind of state and shape."""
+    rec = FlightRecorder(capacity=64, stacks=True, dump_prefix=str(tmp_path / "rank_"))
+    names = {"all_reduce": "shm", "send": "gloo"}
+    trace = rec.group("tp:0", "tp", [2, 3], 0, lambda op, entry: names.get(op, "gloo"))
+    assert trace is not None
+    GroupTrace.complete(trace.begin_tensor("all_reduce", 1, 0, torch.ones(4)))
+    gather = trace.begin_tensor("all_gather", 2, 0, torch.ones(2, 3, dtype=torch.bfloat16))
+    gather[OUT_SIZES] = torch.Size([4, 3])
+    gather[DONE] = gather[10] + 1000
+    GroupTrace.complete(trace.begin("all_gatherv_rows", 3, 0, [torch.Size([1, 2])],
+                                    [torch.int64]), [torch.Size([3, 2])], [torch.int64])
+    obj = trace.begin("broadcast_object", 4, 0)
+    obj[TRANSPORT] = "queue"
+    GroupTrace.complete(obj)
+    GroupTrace.complete(trace.begin_tensor("send", 4, 1, torch.ones(5), peer=1))
+    recv = trace.begin("recv", 4, 2, peer=1)
+    GroupTrace.complete(recv, torch.Size([5]), torch.float32)
+    GroupTrace.fail(trace.begin_tensor("all_reduce", 5, 2, torch.ones(4)),
+                    CommTimeout("late"))
+    trace.begin("barrier", 6, 2)  # still running
+    return rec
+
+
+def test_a_dump_holds_plain_data_only_and_is_owner_only(tmp_path) -> None:
+    rec = _recorder(tmp_path)
+    path = write_dump(rec, rank=3)
+    assert path == str(tmp_path / "rank_3")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    dump = _load(path)  # no class is needed to read it back
+    assert dump["version"] == "2.10"
+    assert dump["pg_config"] == {"tp:0": {"name": "tp:0", "desc": "tp", "ranks": "[2, 3]"}}
+    assert dump["pg_status"]["tp:0"] == {"last_enqueued_collective": 6,
+                                         "last_started_collective": 6,
+                                         "last_completed_collective": 4}
+    assert dump["groupcoord"]["rank"] == 3 and dump["groupcoord"]["pid"] == os.getpid()
+    for e in dump["entries"]:
+        assert set(e) >= _FR_FIELDS, sorted(_FR_FIELDS - set(e))
+
+
+def test_each_entry_reads_as_pytorch_writes_it(tmp_path) -> None:
+    entries = snapshot(_recorder(tmp_path), rank=2)["entries"]
+    by_op = {}
+    for e in entries:
+        by_op.setdefault(e["op"], []).append(e)
+    reduce_ok, reduce_failed = by_op["all_reduce"]
+    assert (reduce_ok["profiling_name"], reduce_ok["transport"], reduce_ok["state"]) == (
+        "gloo:all_reduce", "shm", "completed")
+    assert reduce_ok["input_sizes"] == reduce_ok["output_sizes"] == [[4]]
+    assert reduce_ok["input_dtypes"] == reduce_ok["output_dtypes"] == ["Float"]
+    assert (reduce_failed["state"], reduce_failed["error"]) == ("failed", "CommTimeout")
+    gather = by_op["all_gather"][0]
+    assert (gather["input_sizes"], gather["output_sizes"]) == ([[2, 3]], [[4, 3]])
+    assert gather["output_dtypes"] == ["BFloat16"] and gather["duration_ms"] == 0.001
+    rows = by_op["all_gatherv_rows"][0]  # the per-rank dimension is not compared
+    assert (rows["input_sizes"], rows["true_input_sizes"]) == ([[-1, 2]], [[1, 2]])
+    obj = by_op["broadcast_object"][0]
+    assert (obj["transport"], obj["input_sizes"], obj["profiling_name"]) == (
+        "queue", [], "gloo:broadcast")
+    send, recv = by_op["send"][0], by_op["recv"][0]
+    assert (send["profiling_name"], send["is_p2p"], send["peer"]) == ("gloo:send 0->1", True, 1)
+    assert (recv["profiling_name"], recv["input_sizes"]) == ("gloo:recv 0<-1", [[5]])
+    assert by_op["barrier"][0]["state"] == "started"
+    memberships = {"tp:0": {2, 3}}
+    for e in entries:  # PyTorch's analyzer parses each one
+        op = Op(e, memberships, "tp:0")
+        assert op.type == OPS[e["op"]][0]
+
+
+def test_a_dump_replaces_the_file_atomically_and_never_follows_a_link(tmp_path) -> None:
+    rec = _recorder(tmp_path)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"keep")
+    path = tmp_path / "rank_0"
+    path.symlink_to(target)
+    write_dump(rec, rank=0)
+    write_dump(rec, rank=0)
+    assert not path.is_symlink() and target.read_bytes() == b"keep"
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "rank_0"]  # no temporary left
+
+
+def test_dump_trace_writes_the_process_recorder(tmp_path) -> None:
+    previous = reset_recorder(_recorder(tmp_path))
+    try:
+        path = dump_trace(str(tmp_path / "mine"))
+        assert _load(path)["groupcoord"]["reason"].startswith("on demand")
+        with pytest.raises(TypeError, match="path"):
+            dump_trace(7)  # type: ignore[arg-type]
+    finally:
+        reset_recorder(previous)
+
+
+def test_a_failed_call_dumps_once_per_error(tmp_path, caplog) -> None:
+    rec = _recorder(tmp_path)
+    trace = rec.groups()[0]
+    err = CollectiveMismatch("peers called all_gather")
+    path = auto_dump.dump_for_error(trace, "all_reduce", 7, err)
+    assert path == str(tmp_path / f"rank_{_rank()}")
+    assert err.trace_dump == path and path in err.__notes__[-1]  # type: ignore[attr-defined]
+    assert "op all_reduce, call #7: CollectiveMismatch" in _load(path)["groupcoord"]["reason"]
+    os.unlink(path)
+    assert auto_dump.dump_for_error(trace, "all_reduce", 7, err) is None  # the same error
+    try:
+        raise CommTimeout("explained") from err
+    except CommTimeout as wrapped:  # the same failure, passed up
+        assert auto_dump.dump_for_error(trace, "dispatch", 8, wrapped) is None
+    assert auto_dump.dump_for_error(trace, "all_reduce", 9, ValueError("bad dim")) is None
+    assert not os.path.exists(path)
+
+    (tmp_path / "file").write_bytes(b"")
+    broken = FlightRecorder(capacity=4, dump_prefix=str(tmp_path / "file" / "rank_"))
+    other = broken.group("g:0", "g", [0], 0)
+    assert other is not None
+    with caplog.at_level(logging.WARNING, logger="coordinator.trace.auto_dump"):
+        assert auto_dump.dump_for_error(other, "barrier", 1, CommTimeout("t")) is None
+    assert "could not write the dump" in caplog.text
+
+
+def _rank() -> int:
+    from coordinator.trace.dump import global_rank
+
+    return global_rank()
+
+
+class _Comm:
+    """Public facts of a communicator, as the namer reads them."""
+
+    def __init__(self, name: str, mode: str = "", custom_ar: Any = None) -> None:
+        self.name, self.mode, self.custom_ar = name, mode, custom_ar
+        self.device_group = None
+
+
+class _CustomAr:
+    max_size = 1024
+
+
+def _entry(op: str, size: Any = None, dtype: Any = None, peer: int = -1) -> list[Any]:
+    trace = FlightRecorder(capacity=4).group("g:0", "g", [0, 1], 0)
+    assert trace is not None
+    return trace.begin(op, 1, 0, size, dtype, peer)
+
+
+@pytest.mark.parametrize(("comm", "op", "want"), [
+    (_Comm("cpu", "shm"), "all_reduce", "shm"),
+    (_Comm("cpu", "shm"), "scatter", "gloo"),
+    (_Comm("cpu", "shm"), "broadcast_object", "shm"),
+    (_Comm("cpu", "shm"), "barrier", "gloo"),
+    (_Comm("cpu", "shm"), "send_object", "gloo"),
+    (_Comm("cpu", "hierarchical"), "all_reduce", "hierarchical"),
+    (_Comm("cpu", "hierarchical"), "all_gather", "gloo"),
+    (_Comm("cpu", "gloo"), "all_reduce", "gloo"),
+    (_Comm("torch"), "all_reduce", "gloo"),
+    (_Comm("other"), "all_reduce", "torch"),
+])
+def test_transports_on_cpu(comm: _Comm, op: str, want: str) -> None:
+    namer = TransportNamer(comm, torch.device("cpu"))
+    assert namer(op, _entry(op, torch.Size([4]), torch.float32)) == want
+
+
+def test_point_to_point_takes_the_link_it_settled_on() -> None:
+    namer = TransportNamer(_Comm("cpu", "shm"), torch.device("cpu"),
+                           lambda op, peer: peer == 1)
+    assert namer("send", _entry("send", peer=1)) == "shm"
+    assert namer("irecv_tensor_dict", _entry("irecv_tensor_dict", peer=2)) == "gloo"
+
+
+def test_transports_of_a_cuda_group() -> None:
+    namer = TransportNamer(_Comm("cuda", custom_ar=_CustomAr()), torch.device("cuda", 0))
+    small, big = torch.Size([64]), torch.Size([4096])
+    assert namer("all_reduce", _entry("all_reduce", small, torch.float16)) == "custom_allreduce"
+    assert namer("all_reduce", _entry("all_reduce", big, torch.float16)) == "pynccl"
+    assert namer("all_reduce", _entry("all_reduce", small, torch.int64)) == "pynccl"
+    assert namer("all_to_all", _entry("all_to_all", small, torch.float16)) == "torch"
+    assert namer("broadcast_object", _entry("broadcast_object")) == "gloo"
+    entry = _entry("all_gather", small, torch.float16)
+    assert entry[IN_SIZES] == small and entry[IN_DTYPES] is torch.float16
+    assert namer("all_gather", entry) == "pynccl"
+
+
+def record_a_step(rank: int, world_size: int, capacity: int) -> dict[str, Any]:
+    """A mix of a group's calls on 2 ranks; the snapshot of what they recorded."""
+    from coordinator import GroupCoordinator
+
+    rec = FlightRecorder(capacity=capacity)
+    previous = reset_recorder(rec)
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="wired")
+    try:
+        other = 1 - rank
+        g.all_reduce(torch.ones(4))
+        g.all_gather(torch.ones(2, 3), dim=0)
+        g.gather(torch.ones(3), dst=0)
+        g.all_gatherv_rows([torch.ones(rank + 1, 2)])
+        g.broadcast_tensor_dict({"x": torch.ones(2)} if rank == 0 else None)
+        if rank == 0:
+            g.send(torch.ones(5), 1)
+            g.send_tensor_dict({"y": torch.ones(3)})
+            g.isend(torch.ones(6), other).wait()
+        else:
+            g.recv(torch.Size([5]), torch.float32, 0)
+            g.recv_tensor_dict(0)
+            g.irecv((torch.Size([6]), torch.float32), other).wait()
+        g.barrier()
+        dump = snapshot(rec, rank=rank)
+        return {"entries": [{k: e[k] for k in ("op", "collective_seq_id", "p2p_seq_id",
+                                               "state", "input_sizes", "output_sizes",
+                                               "transport", "peer")}
+                            for e in dump["entries"]], "trace": g._trace is not None}
+    finally:
+        g.destroy()
+        reset_recorder(previous)
+
+
+def test_a_groups_calls_are_recorded_in_order(dist_pool) -> None:
+    outs = dist_pool(2).run(record_a_step, 64, timeout=60)
+    for rank, out in enumerate(outs):
+        got = [(e["op"], e["collective_seq_id"], e["p2p_seq_id"], e["state"])
+               for e in out["entries"]]
+        sends = ("send", "send_tensor_dict", "isend") if rank == 0 else (
+            "recv", "recv_tensor_dict", "irecv")
+        assert got == [("all_reduce", 1, 0, "completed"), ("all_gather", 2, 0, "completed"),
+                       ("gather", 3, 0, "completed"), ("all_gatherv_rows", 4, 0, "completed"),
+                       ("broadcast_tensor_dict", 5, 0, "completed"),
+                       (sends[0], 5, 1, "completed"), (sends[1], 5, 2, "completed"),
+                       (sends[2], 5, 3, "completed"), ("barrier", 6, 3, "completed")], got
+        by_op = {e["op"]: e for e in out["entries"]}
+        assert by_op["all_gather"]["output_sizes"] == [[4, 3]]
+        assert by_op["all_gatherv_rows"]["output_sizes"] == [[3, 2]]
+        assert by_op["all_reduce"]["transport"] == "shm"
+        assert by_op[sends[2]]["output_sizes"] == [[6]] and by_op[sends[2]]["peer"] == 1 - rank
+        assert by_op[sends[0]]["transport"] == "shm"  # the direction's shared-memory link
+        assert by_op["barrier"]["transport"] == "gloo"
+
+
+def test_a_recorder_turned_off_records_nothing(dist_pool) -> None:
+    outs = dist_pool(2).run(record_a_step, 0, timeout=60)
+    assert all(o["entries"] == [] and not o["trace"] for o in outs), outs
