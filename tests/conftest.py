@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +27,14 @@ from shm_broadcast.lifecycle.segment import (
 from tests.faults.rig import live_rig_pids
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: The flight-recorder dumps that failing calls write during the tests go to a
+#: directory of this test process (its ranks inherit the variable), removed at
+#: exit, instead of the temp directory's default prefix. Tests that read dumps
+#: set their own prefix.
+_TRACE_DIR = tempfile.mkdtemp(prefix="groupcoord-test-traces-")
+os.environ.setdefault("GROUPCOORD_TRACE_DUMP", os.path.join(_TRACE_DIR, "rank_"))
+atexit.register(shutil.rmtree, _TRACE_DIR, True)
 
 
 #: The longest test files (measured on the 2-core CI machine, ~20-55 s each),

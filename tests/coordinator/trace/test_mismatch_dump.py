@@ -124,9 +124,13 @@ def _dumps(dist_pool: Any, directory: str, transport: str) -> list[dict[str, Any
 
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
-def test_torchfrtrace_finds_the_skipped_all_reduce(dist_pool, tmp_path, transport: str) -> None:
+def test_torchfrtrace_and_groupcoord_trace_find_the_skipped_all_reduce(
+        dist_pool, tmp_path, transport: str, capsys: pytest.CaptureFixture) -> None:
+    from coordinator.cli import main as cli_main
+    from coordinator.trace import analysis
+
     directory = str(tmp_path / "dumps")
-    _dumps(dist_pool, directory, transport)
+    outs = _dumps(dist_pool, directory, transport)
 
     with open(os.path.join(directory, f"{_PREFIX}0"), "rb") as f:
         dump = pickle.load(f)
@@ -134,6 +138,7 @@ def test_torchfrtrace_finds_the_skipped_all_reduce(dist_pool, tmp_path, transpor
     assert {e["transport"] for e in reduces} == {transport}  # the transport the calls took
     assert reduces[-1]["state"] == "failed" and reduces[-1]["error"] == "CollectiveMismatch"
 
+    # PyTorch's analyzer, as a subprocess on the directory
     report = _torchfrtrace(directory)
     assert f"Collective sequence number: {_SEQ} has errors" in report, report
     blamed = {int(r) for r in re.findall(r"Culprit rank (\d+)", report)}
@@ -144,16 +149,14 @@ def test_torchfrtrace_finds_the_skipped_all_reduce(dist_pool, tmp_path, transpor
         assert blamed == {0, 1, 3}, report
         assert "Expected collective type: 'all_gather'" in report, report
 
-
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
-def test_groupcoord_trace_names_rank_2_whatever_the_file_order(dist_pool, tmp_path,
-                                                               transport: str) -> None:
-    analysis = pytest.importorskip("coordinator.trace.analysis")
-    directory = str(tmp_path / "dumps")
-    outs = _dumps(dist_pool, directory, transport)
-
+    # groupcoord trace: the majority names rank 2 whatever the file order
     result = analysis.analyze(directory)
-    per_group = result.get("groups", result)
-    mismatch = per_group[outs[0]["group"]]["first_mismatch"]
-    assert mismatch["seq"] == _SEQ, result
-    assert mismatch["culprits"] == [_SKIPPER], result
+    (group,) = [g for g in result["groups"] if g["name"] == outs[0]["group"]]
+    mismatch = group["first_mismatch"]
+    assert mismatch["seq"] == _SEQ and mismatch["culprits"] == [_SKIPPER], result
+    assert not mismatch["tie"]
+    ops = {c["rank"]: c["op"] for c in mismatch["calls"]}
+    assert ops == {0: "all_reduce", 1: "all_reduce", 2: "all_gather", 3: "all_reduce"}, ops
+    assert cli_main(["trace", directory]) == 1  # the table; exit 1: a mismatch
+    table = capsys.readouterr().out
+    assert "all_reduce" in table and "culprit" in table.lower(), table
