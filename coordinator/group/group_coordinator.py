@@ -43,7 +43,7 @@ import contextlib
 import dataclasses
 import datetime
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from time import monotonic
 from typing import Any, cast, overload
 
@@ -64,6 +64,7 @@ from coordinator.group.registry import REGISTRY
 from coordinator.group.tensor_dict_calls import TensorDictCalls
 from coordinator.p2p.handle import P2PHandle
 from coordinator.p2p.point_to_point import PointToPoint
+from coordinator.trace import watchdog
 from coordinator.wire.object_comm import ObjectCodec
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator, validation
 from device_comms.reduce_op import check_reduce_op
@@ -202,6 +203,8 @@ class GroupCoordinator:
         )
         book = self._book
         self.comm.number_calls(lambda: book.collectives)  # compared with the peers' numbers
+        self._watch: watchdog.GroupWatch | None = None
+        self._marks: Callable[[], Any] | None = None  # marks a device call (see below)
         self.mq_broadcaster: Any = None
         self.mq_writer_rank = 0
         self._objects = ObjectCalls(self, book)
@@ -210,6 +213,14 @@ class GroupCoordinator:
         self._moe = MoeCalls(self)
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
             self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)
+        # Device calls are marked where the communicator's work outlives its calls
+        # (CUDA) or it tells its own progress, and watched (coordinator.trace.watchdog).
+        marker = watchdog.device_marker(self.comm, self.device) if self.world_size > 1 else None
+        if marker is not None:
+            self._watch = watchdog.watch_group(
+                self.unique_name, self.ranks, self.rank_in_group, self.timeout, self.comm,
+                cpu_group, book, marker)
+            self._marks = marker if self._watch is None else self._watch.marks
         REGISTRY.add(self)
 
     # ------------------------------------------------------------------ state
@@ -281,11 +292,15 @@ class GroupCoordinator:
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
         started = monotonic()
+        marks = self._marks() if self._marks is not None else None
         try:
             return self.comm.all_reduce(input_, op, out=out)
         except WAIT_ERRORS as e:
             book.explain("all_reduce", seq, e, started=started)  # name what went wrong
             raise
+        finally:
+            if marks is not None:
+                marks.finish()
 
     def _traced_all_reduce(self, input_: torch.Tensor, op: ReduceOp,
                            out: torch.Tensor | None) -> torch.Tensor:
@@ -736,6 +751,9 @@ class GroupCoordinator:
             return
         self._book.close()  # calls still running on other threads: ClosedError
         REGISTRY.remove(self)
+        watch, self._watch, self._marks = self._watch, None, None
+        if watch is not None:  # before the communicator goes: no abort during its destroy
+            watch.close()
         self._p2p.close()  # links and outstanding handles end (ClosedError), threads joined
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.close()
