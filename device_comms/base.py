@@ -679,7 +679,8 @@ class DeviceCommunicator(abc.ABC):
 
     def _abort(self) -> None:  # noqa: B027 - optional hook, a no-op here
         """End what this communicator waits for, after :meth:`abort` marked it broken
-        (called once, on the aborting thread).
+        (on the aborting thread; two threads aborting at once may both run it, so
+        it must be idempotent).
 
         Transports that can stop their work in flight override this (NCCL:
         ``ncclCommAbort``); a call blocked in a hook then fails and raises the
