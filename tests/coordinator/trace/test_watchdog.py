@@ -10,10 +10,11 @@ registered in the pool ranks' registry and forced by name, as a transport is.
 On four ranks with a 1.5 s group timeout, rank 2 skips an ``all_reduce``:
 the others' call raises ``CommTimeout`` naming rank 2 within the timeout plus
 a second, each of them dumped, and the group's next call raises
-``BrokenCommunicator`` saying why. With ``GROUPCOORD_WATCHDOG_ABORT=0`` rank 2
-arrives late instead: the watchdog only dumps and logs, and the call
-completes. The watchdog thread, the progress board and the bisection run
-alone in this process too; CUDA marks run where a GPU is visible.
+``BrokenCommunicator`` saying why. With ``GROUPCOORD_WATCHDOG_ABORT=0`` (and a
+1 s timeout) rank 2 arrives late instead, once the others' watchdogs reported
+it: they only dumped and logged, and the call completes. The watchdog thread,
+the progress board and the bisection run alone in this process too; CUDA
+marks run where a GPU is visible.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from device_comms import DeviceCommunicator, ReduceOp
 from shm_broadcast.errors import CommTimeout
 
 TIMEOUT_S = 1.5
+LATE_TIMEOUT_S = 1.0  # the late rank's scenario waits it out: a shorter one
 NAME = "watchdog-standin"
 _TOKEN = "GROUPCOORD_TEST_STANDIN_TOKEN"  # keys of one test run in the job's store
 _SAFETY_S = 20.0  # the stand-in's work never waits longer (a failing test ends)
@@ -118,7 +120,8 @@ class StandIn(DeviceCommunicator):
 
 
 # ---------------------------------------------------------------------- on the ranks
-def _group(rank: int, world_size: int, token: str, dump_dir: str) -> tuple[Any, Any]:
+def _group(rank: int, world_size: int, token: str, dump_dir: str,
+           timeout: float = TIMEOUT_S) -> tuple[Any, Any]:
     from coordinator import GroupCoordinator
     from device_comms import register_device_communicator
 
@@ -126,7 +129,7 @@ def _group(rank: int, world_size: int, token: str, dump_dir: str) -> tuple[Any, 
     register_device_communicator(NAME, StandIn, override=True)
     old = reset_recorder(FlightRecorder(64, dump_prefix=os.path.join(dump_dir, "rank_")))
     g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="wd",
-                         device_communicator=NAME, timeout=TIMEOUT_S)
+                         device_communicator=NAME, timeout=timeout)
     assert isinstance(g.comm, StandIn) and wd.watchdog().running
     return g, old
 
@@ -182,21 +185,33 @@ def stuck_call(rank: int, world_size: int, token: str, dump_dir: str) -> dict[st
 
 
 def late_rank(rank: int, world_size: int, token: str, dump_dir: str) -> dict[str, Any]:
-    """Rank 2 comes late to the second all_reduce; the watchdog only dumps and logs."""
+    """Rank 2 comes to the second all_reduce only once the others' watchdogs reported
+    it (they say so in the store); the watchdog only dumps and logs."""
     os.environ[wd.ENV_ABORT] = "0"
+    store = dist.distributed_c10d._get_default_store()
+    told = [f"standin/{token}/reported/{r}" for r in range(world_size) if r != 2]
     records: list[str] = []
+
+    def seen(record: logging.LogRecord) -> None:
+        records.append(record.getMessage())
+        store.set(f"standin/{token}/reported/{rank}", b"1")
+
     handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    handler.emit = seen  # type: ignore[method-assign]
     logger = logging.getLogger(wd.__name__)
     logger.addHandler(handler)
-    g, old = _group(rank, world_size, token, dump_dir)
+    g, old = _group(rank, world_size, token, dump_dir, LATE_TIMEOUT_S)
     out: dict[str, Any] = {}
     try:
         x = torch.ones(4)
         g.all_reduce(x)
+        t0 = monotonic()
         if rank == 2:
-            time.sleep(TIMEOUT_S + 0.8)
+            deadline = t0 + 10 * LATE_TIMEOUT_S
+            while not store.check(told) and monotonic() < deadline:
+                time.sleep(0.01)
         out["second"] = g.all_reduce(x).tolist()
+        out["waited"] = monotonic() - t0
         out["third"] = g.all_reduce(x).tolist()  # the group is not broken
         out["broken"] = g.comm.broken
         path = os.path.join(dump_dir, f"rank_{rank}")
@@ -248,6 +263,17 @@ def _run(dist_pool: Any, fn: Any, tmp_path: Any) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(90)
+def test_abort_breaks_the_communicator_until_destroy(dist_pool: Any, tmp_path: Any) -> None:
+    for r in _run(dist_pool, abort_directly, tmp_path):
+        assert "error must be an exception" in r["type_error"], r
+        assert r["broken"] == "first reason" and not r["closed_after_abort"], r
+        assert "was aborted" in r["next"]["text"] and "first reason" in r["next"]["text"], r
+        assert r["next"]["peers"] == [3]
+        assert r["closed"] and r["after_destroy"] == "ClosedError", r
+        assert r["broken_after_destroy"] == "first reason", r
+
+
+@pytest.mark.timeout(90)
 def test_stuck_call_raises_comm_timeout_naming_the_rank_behind(dist_pool: Any,
                                                                tmp_path: Any) -> None:
     results = _run(dist_pool, stuck_call, tmp_path)
@@ -283,22 +309,12 @@ def test_without_abort_it_dumps_and_logs_and_the_call_completes(dist_pool: Any,
         if rank == 2:
             assert r["dump"] is None and r["logged"] == [], r
             continue
+        assert LATE_TIMEOUT_S <= r["waited"] <= LATE_TIMEOUT_S + 1.0, r["waited"]
         assert len(r["logged"]) == 1, r["logged"]  # reported once
         text = r["logged"][0]
         assert "rank(s) [2] have not reached collective #2" in text, text
         assert "aborted" not in text, text
         assert r["dump"] is not None and "rank(s) [2]" in r["dump"]["reason"], r["dump"]
-
-
-@pytest.mark.timeout(90)
-def test_abort_breaks_the_communicator_until_destroy(dist_pool: Any, tmp_path: Any) -> None:
-    for r in _run(dist_pool, abort_directly, tmp_path):
-        assert "error must be an exception" in r["type_error"], r
-        assert r["broken"] == "first reason" and not r["closed_after_abort"], r
-        assert "was aborted" in r["next"]["text"] and "first reason" in r["next"]["text"], r
-        assert r["next"]["peers"] == [3]
-        assert r["closed"] and r["after_destroy"] == "ClosedError", r
-        assert r["broken_after_destroy"] == "first reason", r
 
 
 # ---------------------------------------------------------------------- the parts alone
