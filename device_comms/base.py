@@ -15,12 +15,21 @@ Conventions for every operation:
   :meth:`broadcast`, whose receivers pass the buffer to fill (as in
   ``torch.distributed``) and by :meth:`recv` callers' nothing (it allocates);
 * every rank gets a bitwise identical result from reductions.
+
+**Device marks and aborts.** A group that watches its device calls (the
+watchdog of :mod:`coordinator.trace.watchdog`) asks :meth:`DeviceCommunicator.device_marks`
+before each call for an object that tells, when asked later, whether the call's
+device work started and completed; the base has none (its calls are complete
+when they return). :meth:`DeviceCommunicator.abort` breaks a communicator from
+any thread: calls blocked inside it raise the error given, later calls raise
+:class:`~device_comms.errors.BrokenCommunicator` saying why.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar, cast
 
@@ -29,6 +38,7 @@ import torch.distributed as dist
 
 from device_comms import alltoallv, row_gather, validation
 from device_comms.errors import (
+    BrokenCommunicator,
     CollectiveMismatch,
     CommunicatorClosed,
     DeviceCommError,
@@ -59,6 +69,8 @@ class DeviceCommunicator(abc.ABC):
         name: Registry name (``"cpu"``, ``"torch"``, later ``"pynccl"``...).
         device_types: Device types served (``{"cpu"}``, ``{"cuda"}``).
         priority: Higher wins when several available communicators serve a device.
+        provides_device_marks: Whether :meth:`device_marks` returns marks (the
+            base returns None).
 
     Args:
         cpu_group: A gloo group over the same ranks (handshakes, metadata).
@@ -74,6 +86,7 @@ class DeviceCommunicator(abc.ABC):
     name: ClassVar[str] = ""
     device_types: ClassVar[frozenset[str]] = frozenset()
     priority: ClassVar[int] = 0
+    provides_device_marks: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -94,7 +107,9 @@ class DeviceCommunicator(abc.ABC):
         self.world_size: int = dist.get_world_size(cpu_group)
         self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
         self.rank: int = self.ranks[self.rank_in_group]
-        self._closed = False
+        self._closed = False  # calls refused: destroyed, or aborted (_check_open says which)
+        self._destroyed = False
+        self._broken: BaseException | None = None  # why abort() broke it
         self._call_number: Callable[[], int] | None = None
 
     # ------------------------------------------------------------------ registry
@@ -576,11 +591,60 @@ class DeviceCommunicator(abc.ABC):
         """Context entered around CUDA graph capture (no-op unless overridden)."""
         yield
 
+    def device_marks(self) -> Any:
+        """Marks of the device call about to be issued, or None (the base: none).
+
+        The owning group calls it after numbering a device call and before
+        issuing it, and calls the marks' ``finish()`` once the call returned
+        or raised (the work is then enqueued, or nothing more will be); the
+        marks then tell, lazily and from any thread, when the work started
+        and completed (:class:`coordinator.trace.recorder.DeviceMarks`). They
+        must complete once the work ended however it ended: a watchdog takes
+        marks that never complete for a call that is stuck.
+        Communicators whose calls return before their device work completes,
+        or that know better than the host when it did, set
+        ``provides_device_marks`` and override this; the base's calls are
+        complete when they return. (A group on a CUDA device that gets None
+        here marks its calls with CUDA events itself.)
+        """
+        return None
+
+    def abort(self, error: BaseException) -> None:
+        """Break this communicator because of ``error``; callable from any thread.
+
+        A call blocked inside the communicator when it is aborted raises
+        ``error`` (a copy of it), once the transport's :meth:`_abort` hook has
+        ended its wait; every later call raises
+        :class:`~device_comms.errors.BrokenCommunicator` saying why, until
+        :meth:`destroy`. The first abort's error is kept; later aborts, and
+        aborts after :meth:`destroy`, do nothing.
+
+        Args:
+            error: Why (a watchdog passes the ``CommTimeout`` naming the call
+                that did not complete and the ranks behind).
+
+        Raises:
+            TypeError: ``error`` is not an exception.
+        """
+        if not isinstance(error, BaseException):
+            raise TypeError(f"error must be an exception, got {type(error).__name__}")
+        if self._broken is not None or self._destroyed:
+            return
+        self._broken = error
+        self._closed = True  # the one flag every call checks; _check_open tells why
+        self._abort()
+
+    @property
+    def broken(self) -> BaseException | None:
+        """Why :meth:`abort` broke this communicator (None while it is not broken)."""
+        return self._broken
+
     def destroy(self) -> None:
         """Release every resource; idempotent. Subclasses extend and call super().
 
         Afterwards every collective raises :class:`~device_comms.errors.CommunicatorClosed`.
         """
+        self._destroyed = True
         self._closed = True
 
     def close(self) -> None:
@@ -590,7 +654,7 @@ class DeviceCommunicator(abc.ABC):
     @property
     def closed(self) -> bool:
         """Whether :meth:`destroy`/:meth:`close` was called."""
-        return self._closed
+        return self._destroyed
 
     def __enter__(self) -> DeviceCommunicator:
         return self
@@ -600,10 +664,29 @@ class DeviceCommunicator(abc.ABC):
 
     def _check_open(self) -> None:
         if self._closed:
+            why = self._broken
+            if why is not None and not self._destroyed:
+                raise BrokenCommunicator(
+                    f"communicator of group {self.unique_name!r} (rank {self.rank_in_group}/"
+                    f"{self.world_size}) was aborted and cannot be used: {type(why).__name__}: "
+                    f"{why}. Destroy the group and create it again",
+                    queue=self.unique_name, side=f"rank {self.rank_in_group}",
+                    peers=getattr(why, "peers", None))
             raise CommunicatorClosed(
                 f"communicator of group {self.unique_name!r} (rank {self.rank_in_group}/"
                 f"{self.world_size}) was destroyed; create a new one to communicate again"
             )
+
+    def _abort(self) -> None:  # noqa: B027 - optional hook, a no-op here
+        """End what this communicator waits for, after :meth:`abort` marked it broken
+        (on the aborting thread; two threads aborting at once may both run it, so
+        it must be idempotent).
+
+        Transports that can stop their work in flight override this (NCCL:
+        ``ncclCommAbort``); a call blocked in a hook then fails and raises the
+        abort's error. The base stops nothing: work in flight runs on, and a
+        call blocked inside waits as before (bounded by its own timeout).
+        """
 
     def _reject(self, op: str, e: BaseException, *meta: Any) -> None:
         """This rank's arguments of ``op`` failed validation (``e`` is re-raised by the caller).
@@ -738,15 +821,18 @@ class DeviceCommunicator(abc.ABC):
         try:
             with torch.no_grad():  # collectives are not autograd ops (as in torch.distributed)
                 return fn(*args)
-        except CollectiveMismatch as e:  # the message names what this rank passed
-            with_own_arguments(e, args)
-            raise
-        except DeviceCommError:
-            raise  # raised at a point the transport defines (a step, a header)
-        except RuntimeError as e:  # a backend's failure: translated, nothing broken here
-            raise self._translate(op, e) from e
-        except BaseException as e:  # KeyboardInterrupt, a signal handler's exception...
-            self._interrupted(op, e)
+        except BaseException as e:
+            why = self._broken
+            if why is not None:  # aborted (abort(), another thread) while this call ran
+                raise copy.copy(why) from e
+            if isinstance(e, CollectiveMismatch):  # the message names what this rank passed
+                with_own_arguments(e, args)
+                raise
+            if isinstance(e, DeviceCommError):
+                raise  # raised at a point the transport defines (a step, a header)
+            if isinstance(e, RuntimeError):  # a backend's failure: translated, nothing broken
+                raise self._translate(op, e) from e
+            self._interrupted(op, e)  # KeyboardInterrupt, a signal handler's exception...
             raise
 
     def _interrupted(  # noqa: B027 - optional hook, a no-op here

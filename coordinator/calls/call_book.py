@@ -48,6 +48,7 @@ from coordinator.errors import NotInitializedError, PeerDiedError
 from coordinator.trace import auto_dump
 from coordinator.trace.recorder import (
     CREATED,
+    DEVICE,
     DONE,
     OUT_DTYPES,
     OUT_SIZES,
@@ -83,6 +84,8 @@ class CallBook:
         errors: Explains failed waits; learns the peers' processes at
             :meth:`learn_peers`.
         trace: The group's flight-recorder writer, or None.
+        marks: Takes the marks of a device collective (the group's watchdog
+            follows them; :mod:`coordinator.trace.watchdog`), or None.
     """
 
     def __init__(self, name: str, rank: int, world_size: int, timeout: float,
@@ -92,6 +95,7 @@ class CallBook:
         self.p2p_calls = 0
         self.errors = CallErrors(name, rank, world_size, timeout)
         self.trace = trace
+        self.marks: Callable[[], Any] | None = None
 
     @property
     def calls(self) -> int:
@@ -129,13 +133,16 @@ class CallBook:
             self.collectives = n = self.collectives + 1
             seq = n + self.p2p_calls
         entry = self.record(op, data, -1 if partner is None else partner, transport)
+        marks = None if p2p or self.marks is None else self.marks()
         started = monotonic()
         try:
             result = fn(*args)
         except BaseException as e:
-            self.failed(op, seq, e, entry, partner=partner, started=started)
+            self.failed(op, seq, e, entry, marks, partner=partner, started=started)
             raise
-        self.completed(entry, result, data)
+        if marks is not None:
+            self.finished(None, marks)
+        self.completed(entry, result, data, marks)
         return result
 
     def record(self, op: str, data: Any = None, peer: int = -1,
@@ -154,19 +161,34 @@ class CallBook:
         return entry
 
     @staticmethod
-    def completed(entry: list[Any] | None, result: Any = None, data: Any = None) -> None:
+    def completed(entry: list[Any] | None, result: Any = None, data: Any = None,
+                  marks: Any = None) -> None:
         """Mark ``entry`` (if any) completed; ``result``'s shapes are kept when they
-        differ from ``data``'s (the input's)."""
+        differ from ``data``'s (the input's); ``marks``, the device call's marks
+        (finished by the caller), go with it."""
         if entry is None:
             return
         if result is not None:
             out = shapes_of(result)
             if out[0] is not None and out != shapes_of(data):
                 entry[OUT_SIZES], entry[OUT_DTYPES] = out
+        if marks is not None:
+            entry[DEVICE] = marks
         entry[DONE] = monotonic_ns()
 
-    def failed(self, op: str, seq: int, e: BaseException, entry: list[Any] | None, *,
-               partner: int | None = None, writer: int | None = None,
+    @staticmethod
+    def finished(entry: list[Any] | None, marks: Any) -> None:
+        """A call returned: its device marks (if any) end after the work it queued,
+        and go with ``entry`` (if any), which completes now. The hot calls' form."""
+        if marks is not None:
+            marks.finish()
+            if entry is not None:
+                entry[DEVICE] = marks
+        if entry is not None:
+            entry[DONE] = monotonic_ns()
+
+    def failed(self, op: str, seq: int, e: BaseException, entry: list[Any] | None,
+               marks: Any = None, *, partner: int | None = None, writer: int | None = None,
                started: float | None = None, group_timeout: bool = True) -> None:
         """Call ``seq`` (``op``) raised ``e``: raise the error it should raise
         (:meth:`explain`), or return to let the caller re-raise ``e``; either way
@@ -180,6 +202,10 @@ class CallBook:
                 (else how long it lasted says nothing of a peer's timeout,
                 and is not given to the explanation).
         """
+        if marks is not None:  # the work queued before the failure ends the marks
+            marks.finish()
+            if entry is not None:
+                entry[DEVICE] = marks
         if not group_timeout:
             started = None
         elif started is None and entry is not None:

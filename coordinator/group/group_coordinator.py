@@ -54,7 +54,7 @@ import datetime
 import inspect
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from time import monotonic, monotonic_ns
+from time import monotonic
 from typing import Any, cast, overload
 
 import torch
@@ -77,7 +77,8 @@ from coordinator.p2p.handle import P2PHandle
 from coordinator.p2p.point_to_point import PointToPoint
 from coordinator.p2p.shm_links import ShmLinks
 from coordinator.trace import signals as trace_signals
-from coordinator.trace.recorder import DEVICE, DONE, OUT_SIZES, GroupTrace, recorder
+from coordinator.trace import watchdog
+from coordinator.trace.recorder import OUT_SIZES, GroupTrace, recorder
 from coordinator.trace.transports import TransportNamer
 from coordinator.wire.object_comm import ObjectCodec
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator, validation
@@ -219,6 +220,8 @@ class GroupCoordinator:
         )
         book = self._book
         self.comm.number_calls(lambda: book.collectives)  # compared with the peers' numbers
+        self._watch: watchdog.GroupWatch | None = None
+        self._marks: Callable[[], Any] | None = None  # marks a device call (see below)
         self.mq_broadcaster: Any = None
         self.mq_writer_rank = 0
         self._objects = ObjectCalls(self, book)
@@ -229,9 +232,16 @@ class GroupCoordinator:
             self.unique_name, group_name or "anonymous", self.ranks, self.rank_in_group,
             TransportNamer(self.comm, self.device, _link_lookup(self._p2p.links)))
         book.trace = self._trace
-        self._marks: Callable[[], Any] | None = None
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
             self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)
+        # Device calls are marked where the communicator's work outlives its calls
+        # (CUDA) or it tells its own progress, and watched (coordinator.trace.watchdog).
+        marker = watchdog.device_marker(self.comm, self.device) if self.world_size > 1 else None
+        if marker is not None:
+            self._watch = watchdog.watch_group(
+                self.unique_name, self.ranks, self.rank_in_group, self.timeout, self.comm,
+                cpu_group, book, marker)
+            self._marks = book.marks = marker if self._watch is None else self._watch.marks
         REGISTRY.add(self)
 
     # ------------------------------------------------------------------ state
@@ -302,25 +312,23 @@ class GroupCoordinator:
         book = self._book  # number the call
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        trace = self._trace
-        if trace is None:  # the flight recorder is off
+        trace, mark = self._trace, self._marks
+        if trace is None and mark is None:  # nothing records this call
             started = monotonic()
             try:
                 return self.comm.all_reduce(input_, op, out=out)
             except WAIT_ERRORS as e:
                 book.explain("all_reduce", seq, e, started=started)  # name what went wrong
                 raise
-        entry = trace.begin_tensor("all_reduce", n, book.p2p_calls, input_)  # record it
-        marks = self._marks() if self._marks is not None else None
+        entry = None if trace is None else trace.begin_tensor("all_reduce", n, book.p2p_calls,
+                                                              input_)  # record it
+        marks = None if mark is None else mark()  # follow the device's work
         try:
             result = self.comm.all_reduce(input_, op, out=out)
         except BaseException as e:
-            book.failed("all_reduce", seq, e, entry)  # name what went wrong, record it
+            book.failed("all_reduce", seq, e, entry, marks)  # name what went wrong, record it
             raise
-        if marks is not None:
-            marks.finish()
-            entry[DEVICE] = marks
-        entry[DONE] = monotonic_ns()
+        book.finished(entry, marks)
         return result
 
     def _traced_all_reduce(self, input_: torch.Tensor, op: ReduceOp,
@@ -343,26 +351,25 @@ class GroupCoordinator:
         book = self._book  # number the call
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        trace = self._trace
-        if trace is None:  # the flight recorder is off
+        trace, mark = self._trace, self._marks
+        if trace is None and mark is None:  # nothing records this call
             started = monotonic()
             try:
                 return self.comm.all_gather(input_, dim)
             except WAIT_ERRORS as e:
                 book.explain("all_gather", seq, e, started=started)  # name what went wrong
                 raise
-        entry = trace.begin_tensor("all_gather", n, book.p2p_calls, input_)  # record it
-        marks = self._marks() if self._marks is not None else None
+        entry = None if trace is None else trace.begin_tensor("all_gather", n, book.p2p_calls,
+                                                              input_)  # record it
+        marks = None if mark is None else mark()  # follow the device's work
         try:
             result = self.comm.all_gather(input_, dim)
         except BaseException as e:
-            book.failed("all_gather", seq, e, entry)  # name what went wrong, record it
+            book.failed("all_gather", seq, e, entry, marks)  # name what went wrong, record it
             raise
-        if marks is not None:
-            marks.finish()
-            entry[DEVICE] = marks
-        entry[OUT_SIZES] = result.shape
-        entry[DONE] = monotonic_ns()
+        if entry is not None:
+            entry[OUT_SIZES] = result.shape
+        book.finished(entry, marks)
         return result
 
     def all_gatherv(
@@ -388,26 +395,25 @@ class GroupCoordinator:
         book = self._book  # number the call
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        trace = self._trace
-        if trace is None:  # the flight recorder is off
+        trace, mark = self._trace, self._marks
+        if trace is None and mark is None:  # nothing records this call
             started = monotonic()
             try:
                 return self.comm.reduce_scatter(input_, dim, op)
             except WAIT_ERRORS as e:
                 book.explain("reduce_scatter", seq, e, started=started)  # name what went wrong
                 raise
-        entry = trace.begin_tensor("reduce_scatter", n, book.p2p_calls, input_)  # record it
-        marks = self._marks() if self._marks is not None else None
+        entry = None if trace is None else trace.begin_tensor("reduce_scatter", n, book.p2p_calls,
+                                                              input_)  # record it
+        marks = None if mark is None else mark()  # follow the device's work
         try:
             result = self.comm.reduce_scatter(input_, dim, op)
         except BaseException as e:
-            book.failed("reduce_scatter", seq, e, entry)  # name what went wrong, record it
+            book.failed("reduce_scatter", seq, e, entry, marks)  # name what went wrong, record it
             raise
-        if marks is not None:
-            marks.finish()
-            entry[DEVICE] = marks
-        entry[OUT_SIZES] = result.shape
-        entry[DONE] = monotonic_ns()
+        if entry is not None:
+            entry[OUT_SIZES] = result.shape
+        book.finished(entry, marks)
         return result
 
     def reduce_scatterv(
@@ -664,25 +670,23 @@ class GroupCoordinator:
         book = self._book  # number the call
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        trace = self._trace
-        if trace is None:  # the flight recorder is off
+        trace, mark = self._trace, self._marks
+        if trace is None and mark is None:  # nothing records this call
             started = monotonic()
             try:
                 return self.comm.broadcast(input_, src)
             except WAIT_ERRORS as e:
                 book.explain("broadcast", seq, e, started=started)  # name what went wrong
                 raise
-        entry = trace.begin_tensor("broadcast", n, book.p2p_calls, input_)  # record it
-        marks = self._marks() if self._marks is not None else None
+        entry = None if trace is None else trace.begin_tensor("broadcast", n, book.p2p_calls,
+                                                              input_)  # record it
+        marks = None if mark is None else mark()  # follow the device's work
         try:
             result = self.comm.broadcast(input_, src)
         except BaseException as e:
-            book.failed("broadcast", seq, e, entry)  # name what went wrong, record it
+            book.failed("broadcast", seq, e, entry, marks)  # name what went wrong, record it
             raise
-        if marks is not None:
-            marks.finish()
-            entry[DEVICE] = marks
-        entry[DONE] = monotonic_ns()
+        book.finished(entry, marks)
         return result
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
@@ -838,6 +842,10 @@ class GroupCoordinator:
         if self._trace is not None:
             self._trace.closed = True
         REGISTRY.remove(self)
+        watch, self._watch, self._marks = self._watch, None, None
+        self._book.marks = None
+        if watch is not None:  # before the communicator goes: no abort during its destroy
+            watch.close()
         self._p2p.close()  # links and outstanding handles end (ClosedError), threads joined
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.close()

@@ -25,7 +25,7 @@ import logging
 
 from coordinator.trace.dump import write_dump
 from coordinator.trace.recorder import GroupTrace
-from device_comms.errors import BrokenCommunicator, add_note
+from device_comms.errors import add_note
 from shm_broadcast.errors import CollectiveMismatch, CommTimeout, PeerDiedError
 
 __all__ = ["DUMPED_ERRORS", "DUMP_ATTR", "dump_for_error", "dump_trace"]
@@ -33,7 +33,10 @@ __all__ = ["DUMPED_ERRORS", "DUMP_ATTR", "dump_for_error", "dump_trace"]
 logger = logging.getLogger(__name__)
 
 #: The errors whose call writes a dump (``PeerRejectedError`` is a ``CollectiveMismatch``).
-DUMPED_ERRORS = (CommTimeout, PeerDiedError, CollectiveMismatch, BrokenCommunicator)
+#: ``BrokenCommunicator`` is not one of them: it repeats, on every later call, a
+#: failure whose own call dumped already (a timeout, a peer's death, the
+#: watchdog's abort), and a dump per later call would replace that dump.
+DUMPED_ERRORS = (CommTimeout, PeerDiedError, CollectiveMismatch)
 #: The attribute a dumped error carries: the dump's path ("" when writing it failed).
 DUMP_ATTR = "trace_dump"
 #: Causes followed when looking for an earlier dump of the same failure.

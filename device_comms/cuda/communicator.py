@@ -13,6 +13,11 @@ arguments raise on every rank), then runs as grouped NCCL send/recv.
 does not give them, then gathers every tensor in one NCCL group of
 broadcasts straight into the outputs (no packing).
 
+Aborts (:meth:`~device_comms.base.DeviceCommunicator.abort`, a watchdog's):
+the NCCL communicator is aborted from the aborting thread (``ncclCommAbort``,
+see :mod:`device_comms.cuda.pynccl.communicator`), which ends the NCCL work in
+flight, and the custom all-reduce is marked broken. Not verified on a GPU yet.
+
 Rejected calls: a rank whose own arguments fail validation raises locally; its
 peers are not told (except where sizes are exchanged over the CPU group first:
 ``all_to_allv``, and ``all_gatherv_rows`` without ``sizes``) (as for every GPU transport, see
@@ -42,6 +47,10 @@ if TYPE_CHECKING:
     from device_comms.cuda.custom_allreduce.communicator import CustomAllreduce
 
 __all__ = ["CudaCommunicator"]
+
+#: Seconds an abort waits for NCCL to release the communicator (the release
+#: goes on by itself after that; the aborting thread has other groups to watch).
+_ABORT_WAIT_S = 10.0
 
 
 class CudaCommunicator(TorchDistributedCommunicator):
@@ -246,6 +255,18 @@ class CudaCommunicator(TorchDistributedCommunicator):
                 _settle_counts(self, everyone)
 
     # --- lifecycle ----------------------------------------------------------------
+    def _abort(self) -> None:
+        """Break the custom all-reduce and ``ncclCommAbort`` the NCCL communicator
+        (from the aborting thread; see :meth:`PyNcclCommunicator.abort`). NCCL ends
+        its work in flight; a custom all-reduce kernel in flight ends at its own
+        timeout. ``scatter``/``all_to_all`` of ``device_group`` are not stopped."""
+        car, nccl = self.custom_ar, self.pynccl
+        why = f"{type(self.broken).__name__}: {self.broken}"
+        if car is not None:
+            car.abort(why)
+        if nccl is not None:
+            nccl.abort(timeout=_ABORT_WAIT_S)
+
     @contextlib.contextmanager
     def graph_capture(self) -> Iterator[None]:
         """Enter ``custom_ar.capture()`` around the capture when a custom all-reduce is set."""

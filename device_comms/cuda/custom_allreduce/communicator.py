@@ -309,6 +309,15 @@ class CustomAllreduce:
             )
             raise CollectiveTimeout(self._broken)
 
+    def abort(self, reason: str) -> None:
+        """Break this all-reduce because of ``reason`` (from any thread): later calls
+        raise :class:`~device_comms.errors.BrokenCommunicator` saying it. A kernel in
+        flight is not stopped; it ends by itself at its own timeout. The first
+        reason is kept."""
+        if self._broken is None:
+            self._broken = (f"custom all-reduce of {self.unique_name!r} (rank {self.rank}/"
+                            f"{self.world_size}) was aborted: {reason}")
+
     def _check_usable(self) -> None:
         if self._closed:
             raise CommunicatorClosed(f"custom all-reduce of {self.unique_name!r} was closed")

@@ -29,6 +29,25 @@ Ranks are ranks within the group (``0 .. world_size-1``). As with NCCL itself,
 every rank must issue the same operations in the same order with matching
 sizes; a mismatch is not detected and hangs or corrupts. A rank that fails
 inside ``ncclCommInitRank`` leaves its peers waiting in NCCL's bootstrap.
+
+**Aborting.** :meth:`PyNcclCommunicator.abort` may be called from any thread
+(a watchdog's) while the owner's thread uses the communicator. NCCL's calls
+on one communicator are not thread-safe, so every operation holds a lock
+(re-entrant: :meth:`~PyNcclCommunicator.grouped` holds it from
+``ncclGroupStart`` to ``ncclGroupEnd`` and the operations inside take it
+again) while it reads the communicator handle and launches; ``abort`` takes
+the lock, swaps the handle for None and releases the lock, then calls
+``ncclCommAbort``. An operation that checks afterwards raises
+:class:`~device_comms.errors.CommunicatorClosed`; one that checked before but
+takes the lock after the swap hands NCCL a NULL communicator, which NCCL
+refuses (:class:`~device_comms.errors.NcclError`); one that read the handle
+finished its launch before the swap. The one exception: a launch
+that holds the lock longer than :data:`LAUNCH_WAIT_S` is blocked inside
+NCCL (a blocking communicator waiting for a peer to connect), and
+``ncclCommAbort`` is called anyway, concurrently with it, because NCCL's
+abort is how such a wait ends and the alternative is to wait forever. Work
+already on the stream is ended by NCCL's abort: its results are invalid.
+This path is not verified on a GPU yet.
 """
 
 from __future__ import annotations
@@ -75,8 +94,12 @@ from device_comms.errors import (
 )
 from device_comms.reduce_op import ReduceOp
 
-__all__ = ["PyNcclCommunicator"]
+__all__ = ["PyNcclCommunicator", "LAUNCH_WAIT_S"]
 
+#: Seconds :meth:`PyNcclCommunicator.abort` waits for a launch in progress on
+#: another thread before it aborts anyway (a launch takes microseconds; one
+#: that holds on this long is blocked inside NCCL, waiting for a peer).
+LAUNCH_WAIT_S = 1.0
 _UINT8 = DATATYPE_CODES["ncclUint8"]
 
 
@@ -96,6 +119,8 @@ class PyNcclCommunicator:
     """
 
     def __init__(self, group: Any, device: torch.device | str | int, library: Any = None) -> None:
+        # Held while operations are launched; abort() takes it (see "Aborting").
+        self._launch = threading.RLock()
         self.rank, self.world_size = bootstrap.group_rank_and_size(group)
         self.group = group
         self._comm: Any = None
@@ -144,7 +169,7 @@ class PyNcclCommunicator:
         plan = self._plan(x.dtype, op)
         if out is not None:
             check_same(check_operand(out, "out", self.device), x, "out", "in_", x.numel())
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
             out = torch.empty_like(x) if out is None else out
 
             def issue(send: torch.Tensor, recv: torch.Tensor) -> None:
@@ -164,7 +189,7 @@ class PyNcclCommunicator:
         validation.check_divisible(x.numel(), self.world_size, "in_.numel()")
         check_same(o, x, "out", "in_", x.numel() // self.world_size,
                    what="in_.numel() / world_size")
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
 
             def issue(send: torch.Tensor, recv: torch.Tensor) -> None:
                 self.lib.reduce_scatter(send.data_ptr(), recv.data_ptr(), recv.numel(), plan.dtype,
@@ -194,7 +219,7 @@ class PyNcclCommunicator:
             raise ValueError(f"out must be a tensor on the root rank {root}, got None")
         if out is not None:
             check_same(check_operand(out, "out", self.device), x, "out", "in_", x.numel())
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
 
             def issue(send: torch.Tensor, recv: torch.Tensor | None) -> None:
                 self.lib.reduce(send.data_ptr(), None if recv is None else recv.data_ptr(),
@@ -222,7 +247,7 @@ class PyNcclCommunicator:
         sz = check_rows(o, x, sizes, "out", "in_", gathered="in_", rank=self.rank,
                         world_size=self.world_size)
         inner = math.prod(x.shape[1:]) * plan.factor
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
 
             def issue(send: torch.Tensor, recv: torch.Tensor) -> None:
                 step = send.element_size() * inner
@@ -244,7 +269,7 @@ class PyNcclCommunicator:
         self._check_usable("all_gather")
         x, o = check_operand(in_, "in_", self.device), check_operand(out, "out", self.device)
         check_same(o, x, "out", "in_", x.numel() * self.world_size, what="in_.numel() * world_size")
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
             src, dst = bytes_view(x, "in_"), bytes_view(o, "out")
             if src.numel():
                 self.lib.all_gather(src.data_ptr(), dst.data_ptr(), src.numel(), _UINT8,
@@ -263,7 +288,7 @@ class PyNcclCommunicator:
         sz = check_rows(x, o, sizes, "in_", "out", gathered="out", rank=self.rank,
                         world_size=self.world_size)
         row = math.prod(o.shape[1:]) * o.element_size()
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
             src, dst = bytes_view(x, "in_"), bytes_view(o, "out")
             with self.grouped():
                 off = dst.data_ptr()
@@ -279,7 +304,7 @@ class PyNcclCommunicator:
         self._check_usable("broadcast")
         t = check_operand(tensor, "tensor", self.device)
         validation.check_rank(src, self.world_size, "src")
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
             if buf.numel():
                 self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), _UINT8, src,
@@ -291,7 +316,7 @@ class PyNcclCommunicator:
         self._check_usable("send")
         t = check_operand(tensor, "tensor", self.device)
         check_peer(dst, "dst", self.rank, self.world_size)
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
             if buf.numel():
                 self.lib.send(buf.data_ptr(), buf.numel(), _UINT8, dst, self._comm, s)
@@ -301,7 +326,7 @@ class PyNcclCommunicator:
         self._check_usable("recv")
         t = check_operand(tensor, "tensor", self.device)
         check_peer(src, "src", self.rank, self.world_size)
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
             if buf.numel():
                 self.lib.recv(buf.data_ptr(), buf.numel(), _UINT8, src, self._comm, s)
@@ -322,7 +347,7 @@ class PyNcclCommunicator:
                 raise ValueError(f"out must be a tensor on the destination rank {dst}, got None")
             check_same(check_operand(out, "out", self.device), x, "out", "in_",
                        x.numel() * self.world_size, what="in_.numel() * world_size")
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
             src = bytes_view(x, "in_")
             if out is not None and self.rank == dst:
                 self._gather_into(bytes_view(out, "out"), src, dst, s)
@@ -352,7 +377,7 @@ class PyNcclCommunicator:
         self._check_usable("all_to_allv")
         o, x, send, recv = a2av.check_arguments(out, in_, send_sizes, recv_sizes, self.rank,
                                                 self.world_size, self.device)
-        with on_stream(stream, self.device) as s:
+        with self._launch, on_stream(stream, self.device) as s:
             a2av.all_to_allv(self.lib, self._comm, self.grouped, o, x, send, recv, self.rank, s)
         return o
 
@@ -365,24 +390,25 @@ class PyNcclCommunicator:
         a dtype conversion back (``int16`` reductions) runs after that.
         """
         self._check_usable("grouped")
-        self.lib.group_start()
-        self._group_depth += 1
-        try:
-            yield
-        except BaseException as e:
-            self._group_depth -= 1
+        with self._launch:  # the group's operations launch at its end: abort() waits for it
+            self.lib.group_start()
+            self._group_depth += 1
             try:
-                self.lib.group_end()
-            except NcclError as end_error:
-                add_note(e, f"ncclGroupEnd after the failure also failed: {end_error}")
+                yield
+            except BaseException as e:
+                self._group_depth -= 1
+                try:
+                    self.lib.group_end()
+                except NcclError as end_error:
+                    add_note(e, f"ncclGroupEnd after the failure also failed: {end_error}")
+                if self._group_depth == 0:
+                    self._after_group.clear()
+                raise
+            self._group_depth -= 1
+            pending: list[Callable[[], Any]] = []
             if self._group_depth == 0:
-                self._after_group.clear()
-            raise
-        self._group_depth -= 1
-        pending: list[Callable[[], Any]] = []
-        if self._group_depth == 0:
-            pending, self._after_group = self._after_group, []
-        self.lib.group_end()  # on failure the pending conversions are dropped with it
+                pending, self._after_group = self._after_group, []
+            self.lib.group_end()  # on failure the pending conversions are dropped with it
         for fn in pending:
             fn()
 
@@ -459,6 +485,35 @@ class PyNcclCommunicator:
         gc.collect()  # graphs that are only garbage let go of the communicator now
         who = f"rank {self.rank}/{self.world_size} ({self.device})"
         _release_bounded(release, comm, timeout, who)
+
+    def abort(self, timeout: float = 60.0) -> bool:
+        """``ncclCommAbort`` from any thread: NCCL ends the work in flight, which
+        then never completes correctly (see "Aborting" in the module docstring).
+
+        Afterwards the communicator is closed (every operation raises
+        :class:`~device_comms.errors.CommunicatorClosed`). Waits at most
+        :data:`LAUNCH_WAIT_S` for a launch in progress on another thread, then
+        at most ``timeout`` for NCCL to release the communicator.
+
+        Returns:
+            Whether there was a communicator to abort (False once closed).
+
+        Raises:
+            CollectiveTimeout: NCCL did not release it within ``timeout``.
+        """
+        if self._comm is None:
+            return False
+        held = self._launch.acquire(timeout=LAUNCH_WAIT_S)
+        try:
+            comm, self._comm = self._comm, None
+        finally:
+            if held:
+                self._launch.release()
+        if comm is None:
+            return False
+        who = f"rank {self.rank}/{self.world_size} ({self.device})"
+        _release_bounded(self.lib.comm_abort, comm, timeout, who)
+        return True
 
     def destroy(self) -> None:
         """Same as :meth:`close` with ``abort=None``."""
