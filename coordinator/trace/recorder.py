@@ -154,8 +154,9 @@ class FlightRecorder:
         """
         if not self.enabled:
             return None
-        trace = GroupTrace(self, len(self._groups), name, desc, list(ranks), rank_in_group,
-                           transport_of)
+        kind = StackedGroupTrace if self.stacks else GroupTrace
+        trace = kind(self, len(self._groups), name, desc, list(ranks), rank_in_group,
+                     transport_of)
         with self._lock:
             trace.pg_id = len(self._groups)
             self._groups.append(trace)
@@ -196,7 +197,7 @@ class GroupTrace:
     """
 
     __slots__ = ("recorder", "pg_id", "name", "desc", "ranks", "rank_in_group",
-                 "transport_of", "closed", "_ring", "_capacity", "_ids", "_stacks")
+                 "transport_of", "closed", "_ring", "_capacity", "_ids")
 
     def __init__(self, rec: FlightRecorder, pg_id: int, name: str, desc: str, ranks: list[int],
                  rank_in_group: int,
@@ -212,7 +213,6 @@ class GroupTrace:
         self._ring = rec.ring
         self._capacity = rec.capacity
         self._ids = rec.ids
-        self._stacks = rec.stacks
 
     def begin(self, op: str, seq: int, p2p_seq: int, sizes: Any = None, dtypes: Any = None,
               peer: int = -1) -> list[Any]:
@@ -230,8 +230,6 @@ class GroupTrace:
         rid = next(self._ids)
         entry = [rid, self, op, seq, p2p_seq, peer, sizes, dtypes, None, None, monotonic_ns(),
                  0, None, None, None, None]
-        if self._stacks:
-            entry[FRAMES] = _frames()
         self._ring[rid % self._capacity] = entry
         return entry
 
@@ -248,8 +246,6 @@ class GroupTrace:
         rid = next(self._ids)
         entry = [rid, self, op, seq, p2p_seq, peer, sizes, dtypes, None, None, monotonic_ns(),
                  0, None, None, None, None]
-        if self._stacks:
-            entry[FRAMES] = _frames()
         self._ring[rid % self._capacity] = entry
         return entry
 
@@ -288,6 +284,28 @@ def shapes_of(data: Any) -> tuple[Any, Any]:
         return None, None
     return [t.shape for t in found], [t.dtype for t in found]
 
+
+
+class StackedGroupTrace(GroupTrace):
+    """A :class:`GroupTrace` that also keeps each call's Python stack
+    (``GROUPCOORD_TRACE_STACKS=1``); a class of its own so that the plain one
+    tests nothing for it per call."""
+
+    __slots__ = ()
+
+    def begin(self, op: str, seq: int, p2p_seq: int, sizes: Any = None, dtypes: Any = None,
+              peer: int = -1) -> list[Any]:
+        """:meth:`GroupTrace.begin`, with the caller's stack in ``FRAMES``."""
+        entry = super().begin(op, seq, p2p_seq, sizes, dtypes, peer)
+        entry[FRAMES] = _frames()
+        return entry
+
+    def begin_tensor(self, op: str, seq: int, p2p_seq: int, tensor: Any,
+                     peer: int = -1) -> list[Any]:
+        """:meth:`GroupTrace.begin_tensor`, with the caller's stack in ``FRAMES``."""
+        entry = super().begin_tensor(op, seq, p2p_seq, tensor, peer)
+        entry[FRAMES] = _frames()
+        return entry
 
 def _frames() -> list[dict[str, Any]]:
     """The caller's Python stack, innermost last, without the recorder's own frames."""
