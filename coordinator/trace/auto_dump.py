@@ -71,7 +71,7 @@ def dump_trace(path: str | None = None) -> str:
 
     Args:
         path: Where to write it; None: ``<GROUPCOORD_TRACE_DUMP prefix><global rank>``
-            (default prefix ``<tempdir>/groupcoord_trace_rank_``).
+            (default prefix ``<tempdir>/groupcoord-trace-<uid>/rank_``).
 
     The file is PyTorch's flight-recorder format (``torchfrtrace DIR`` reads a
     directory of them), owner-only, replaced atomically.

@@ -45,6 +45,7 @@ import contextlib
 import os
 import pickle
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterable
@@ -55,6 +56,7 @@ import torch
 
 from coordinator.trace.recorder import (
     CREATED,
+    DEFAULT_DUMP_DIR,
     DEVICE,
     DONE,
     ERROR,
@@ -332,6 +334,8 @@ def write_dump(rec: FlightRecorder | None = None, path: str | None = None,
     data = pickle.dumps(snapshot(rec, reason, rank), protocol=4)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, mode=0o700, exist_ok=True)
+    if os.path.abspath(path).startswith(_default_dir() + os.sep):
+        _check_private(directory)
     fd, tmp = tempfile.mkstemp(prefix=".groupcoord_trace.", dir=directory)  # 0600, O_EXCL
     try:
         with os.fdopen(fd, "wb") as f:
@@ -343,6 +347,23 @@ def write_dump(rec: FlightRecorder | None = None, path: str | None = None,
             os.unlink(tmp)
         raise
     return path
+
+
+def _default_dir() -> str:
+    """The default dump directory (see :func:`coordinator.trace.recorder.default_dump_prefix`)."""
+    return os.path.join(tempfile.gettempdir(), DEFAULT_DUMP_DIR.format(uid=os.geteuid()))
+
+
+def _check_private(directory: str) -> None:
+    """Refuse the shared temp directory's default dump directory unless it is this
+    user's own and nobody else may write there (someone else may have made it
+    first, to read or to replace the dumps)."""
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(
+            f"the default dump directory {directory} is not a directory of this user's "
+            f"own that only it may write (owner uid {st.st_uid}, mode "
+            f"{oct(stat.S_IMODE(st.st_mode))}); remove it, or set GROUPCOORD_TRACE_DUMP")
 
 
 def _version() -> str:

@@ -41,7 +41,8 @@ Configuration (read when the process's recorder is first created):
   recorder off: :meth:`GroupTrace.begin` is then never called);
 * ``GROUPCOORD_TRACE_STACKS=1``: record each call's Python stack;
 * ``GROUPCOORD_TRACE_DUMP``: prefix of dump files, ``<prefix><global rank>``
-  (default ``<tempdir>/groupcoord_trace_rank_``);
+  (default ``<tempdir>/groupcoord-trace-<uid>/rank_``: a directory of this
+  user's own, mode 0700, which holds nothing but dumps);
 * ``GROUPCOORD_TRACE_SIGNAL``: see :mod:`coordinator.trace.signals`.
 
 The dump format is described in :mod:`coordinator.trace.dump`.
@@ -313,12 +314,17 @@ def _frames() -> list[dict[str, Any]]:
     return [{"name": f.name, "filename": f.filename, "line": f.lineno or 0} for f in stack]
 
 
+#: The default dump directory's name in the temp directory (``{uid}``: the user's).
+DEFAULT_DUMP_DIR = "groupcoord-trace-{uid}"
+
+
 def default_dump_prefix() -> str:
-    """``GROUPCOORD_TRACE_DUMP``, else ``<tempdir>/groupcoord_trace_rank_``."""
+    """``GROUPCOORD_TRACE_DUMP``, else ``<tempdir>/groupcoord-trace-<uid>/rank_``."""
     env = os.environ.get("GROUPCOORD_TRACE_DUMP")
     if env:
         return env
-    return os.path.join(tempfile.gettempdir(), "groupcoord_trace_rank_")
+    return os.path.join(tempfile.gettempdir(), DEFAULT_DUMP_DIR.format(uid=os.geteuid()),
+                        "rank_")
 
 
 def _capacity_from_env() -> int:

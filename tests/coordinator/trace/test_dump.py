@@ -133,6 +133,27 @@ def test_a_dump_replaces_the_file_atomically_and_never_follows_a_link(tmp_path) 
     assert sorted(os.listdir(tmp_path)) == ["elsewhere", "rank_0"]  # no temporary left
 
 
+@pytest.mark.parametrize("mode", [0o777, 0o770], ids=["world-writable", "group-writable"])
+def test_the_default_directory_must_be_private(tmp_path, monkeypatch, mode: int) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv("GROUPCOORD_TRACE_DUMP", raising=False)
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    from coordinator.trace.recorder import default_dump_prefix
+
+    prefix = default_dump_prefix()
+    assert prefix == str(tmp_path / f"groupcoord-trace-{os.geteuid()}" / "rank_")
+    rec = FlightRecorder(8)
+    path = write_dump(rec, rank=3)
+    assert path == prefix + "3"
+    directory = os.path.dirname(prefix)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    os.chmod(directory, mode)  # as someone preparing the directory for the dumps would
+    with pytest.raises(PermissionError, match="GROUPCOORD_TRACE_DUMP"):
+        write_dump(rec, rank=3)
+
+
 def test_dump_trace_writes_the_process_recorder(tmp_path) -> None:
     previous = reset_recorder(_recorder(tmp_path))
     try:
