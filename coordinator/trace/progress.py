@@ -122,8 +122,13 @@ class ProgressBoard:
             self.store.delete_key(key)
 
 
+#: The longest value a rank publishes ("<issued> <completed>"); anything longer,
+#: or not two integers, reads as nothing published.
+_MAX_VALUE_BYTES = 48
+
+
 def _parse(raw: bytes | None) -> tuple[int, int] | None:
-    if raw is None:
+    if raw is None or len(raw) > _MAX_VALUE_BYTES:
         return None
     try:
         issued, completed = (int(v) for v in bytes(raw).decode("ascii").split())
