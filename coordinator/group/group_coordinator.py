@@ -805,8 +805,10 @@ class GroupCoordinator:
                 :class:`shm_broadcast.WaitPolicy`; default
                 ``WaitPolicy.predictive()``: readers learn the step period and
                 sleep until shortly before each message, see
-                :mod:`shm_broadcast.waiting.predictive`); for an external handle only
-                ``wait_policy``.
+                :mod:`shm_broadcast.waiting.predictive`), ``warn_interval``
+                (seconds a wait lasts before it logs who is behind; default 10,
+                or ``GROUPCOORD_MQ_WARN_INTERVAL``); for an external handle only
+                ``wait_policy`` and ``warn_interval``.
 
         Returns:
             The writer's queue on ``writer_rank``, a reader's queue elsewhere.

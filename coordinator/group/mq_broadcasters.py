@@ -59,8 +59,9 @@ SINGLE_READER_CHUNK_BYTES = 256 << 10
 SINGLE_READER_CHUNKS = 4
 
 
-_COLLECTIVE_OPTIONS = frozenset({"max_chunk_bytes", "max_chunks", "connect_ip", "wait_policy"})
-_HANDLE_OPTIONS = frozenset({"wait_policy"})
+_COLLECTIVE_OPTIONS = frozenset({"max_chunk_bytes", "max_chunks", "connect_ip", "wait_policy",
+                                 "warn_interval"})
+_HANDLE_OPTIONS = frozenset({"wait_policy", "warn_interval"})
 
 
 def create_mq_broadcaster(

@@ -90,7 +90,8 @@ def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
     except TypeError as e:
         out["bad_option"] = "max_chunk" in str(e)
     mq = g.create_mq_broadcaster(writer_rank=g.world_size - 1, max_chunk_bytes=1 << 12,
-                                 max_chunks=2, wait_policy=WaitPolicy(yield_s=0.005))
+                                 max_chunks=2, wait_policy=WaitPolicy(yield_s=0.005),
+                                 warn_interval=30.0)
     last = g.rank_in_group == g.world_size - 1
     out["explicit_plain"] = "planned" not in mq.park_stats()
     got = mq.broadcast_object({"from": "last"} if last else None)
