@@ -167,7 +167,7 @@ def combine(expert_out: Sequence[torch.Tensor] | torch.Tensor, routing: MoeRouti
     try:
         y = _stacked(expert_out, routing)
     except (TypeError, ValueError) as e:
-        group.reject_call("all_to_allv", e)
+        group.reject_call("all_to_allv", e, expert_out)
         raise
     arrived = torch.empty_like(y)
     arrived[routing.perm] = y  # back to arrival order

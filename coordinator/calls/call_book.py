@@ -28,13 +28,19 @@ function layer for it::
 
     book.collectives = n = book.collectives + 1     # a point-to-point call: p2p_calls
     seq = n + book.p2p_calls                        # ... + book.collectives
-    trace = self._trace                             # the group's GroupTrace; None: off
-    if trace is None:                               # a failure: book.explain(op, seq, e,
+    trace, mark = self._trace, self._marks          # the group's GroupTrace; marks
+    if trace is None and mark is None:              # a failure: book.explain(op, seq, e,
         started = monotonic()                       #   started=started)
         ...
-    entry = trace.begin_tensor(op, n, book.p2p_calls, input_)
-    ...                                             # a failure: book.failed(op, seq, e, entry)
-    entry[DONE] = monotonic_ns()
+    entry = None if trace is None else trace.begin_tensor(op, n, book.p2p_calls, input_)
+    marks = None if mark is None else mark()
+    ...                                             # a failure: book.failed(op, seq, e,
+    book.finished(entry, marks)                     #   entry, marks)
+
+A group whose device calls are marked while the recorder is off gives those
+calls a :class:`~coordinator.trace.recorder.StartOnly` as ``trace``: its
+entries are in no ring and keep the call's start, which :meth:`CallBook.failed`
+reads to tell a peer that gave up at its timeout.
 """
 
 from __future__ import annotations
@@ -146,15 +152,17 @@ class CallBook:
         return result
 
     def record(self, op: str, data: Any = None, peer: int = -1,
-               transport: str | None = None) -> list[Any] | None:
+               transport: str | None = None,
+               shapes: tuple[Any, Any] | None = None) -> list[Any] | None:
         """Begin the recorder's entry of call ``op``, numbered just now: the
-        counts as they are, ``data``'s shapes, ``peer`` (a point-to-point call's
-        group rank), ``transport`` when the call names its own. None when the
-        recorder is off."""
+        counts as they are, ``data``'s shapes (or ``shapes``, ``(sizes,
+        dtypes)``, for a call that has no tensor yet: a receive), ``peer`` (a
+        point-to-point call's group rank), ``transport`` when the call names its
+        own. None when the recorder is off."""
         trace = self.trace
         if trace is None:
             return None
-        sizes, dtypes = shapes_of(data)
+        sizes, dtypes = shapes_of(data) if shapes is None else shapes
         entry = trace.begin(op, self.collectives, self.p2p_calls, sizes, dtypes, peer)
         if transport is not None:
             entry[TRANSPORT] = transport
@@ -197,7 +205,9 @@ class CallBook:
 
         Args:
             started: When the call began (``time.monotonic()``); None: the
-                entry's creation.
+                entry's creation (a call without an entry passes it: with the
+                recorder off, a peer that gave up at its timeout is told from
+                one that failed early only by it).
             group_timeout: Whether the call waited with the group's timeout
                 (else how long it lasted says nothing of a peer's timeout,
                 and is not given to the explanation).

@@ -42,8 +42,13 @@ dtypes, when it began and completed, or the error it raised. A call that
 raises a timeout, a dead peer, a mismatch between ranks or a broken
 communicator writes this process's dump (:mod:`coordinator.trace.auto_dump`);
 ``coordinator.dump_trace()`` and ``GROUPCOORD_TRACE_SIGNAL`` write one on
-demand. ``GROUPCOORD_TRACE_BUFFER=0`` turns the recorder off: the calls then
-pay one attribute load and one test for it.
+demand. ``GROUPCOORD_TRACE_BUFFER=0`` turns the recorder off: the busiest
+calls (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``) then
+pay two attribute loads and one combined test for the recorder and the
+device marks together. A group whose device calls are watched
+(:mod:`coordinator.trace.watchdog`) marks them whether the recorder is on or
+off (its calls then also keep their start, for the explanation of a failed
+wait); with both off, nothing is marked.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ from coordinator.p2p.point_to_point import PointToPoint
 from coordinator.p2p.shm_links import ShmLinks
 from coordinator.trace import signals as trace_signals
 from coordinator.trace import watchdog
-from coordinator.trace.recorder import OUT_SIZES, GroupTrace, recorder
+from coordinator.trace.recorder import OUT_SIZES, GroupTrace, StartOnly, recorder
 from coordinator.trace.transports import TransportNamer
 from coordinator.wire.object_comm import ObjectCodec
 from device_comms import DeviceCommunicator, ReduceOp, TorchDistributedCommunicator, validation
@@ -185,8 +190,11 @@ class GroupCoordinator:
                 "torch.distributed is not initialised; call "
                 "coordinator.init_distributed_environment(...) first"
             )
-        rec = recorder()  # the GROUPCOORD_TRACE_* settings checked before any collective
-        trace_signals.install_from_env()
+        # The settings from the environment, checked before anything is made (a bad
+        # value then leaves no process group, communicator or queue behind).
+        rec = recorder()  # GROUPCOORD_TRACE_BUFFER / _STACKS
+        watch_settings = watchdog.settings_from_env()  # GROUPCOORD_WATCHDOG / _ABORT
+        trace_signals.install_from_env()  # GROUPCOORD_TRACE_SIGNAL
         default = default_timeout()
         seconds = check_timeout(timeout, default=default, positive=True)
         self.timeout: float = default if seconds is None else seconds
@@ -228,20 +236,25 @@ class GroupCoordinator:
         self._p2p = PointToPoint(self, book, self._objects)
         self._dicts = TensorDictCalls(self, book, self._objects, self._p2p, GroupCoordinator)
         self._moe = MoeCalls(self)
-        self._trace: GroupTrace | None = rec.group(
+        self._trace: GroupTrace | StartOnly | None = rec.group(
             self.unique_name, group_name or "anonymous", self.ranks, self.rank_in_group,
             TransportNamer(self.comm, self.device, _link_lookup(self._p2p.links)))
         book.trace = self._trace
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
             self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)
         # Device calls are marked where the communicator's work outlives its calls
-        # (CUDA) or it tells its own progress, and watched (coordinator.trace.watchdog).
-        marker = watchdog.device_marker(self.comm, self.device) if self.world_size > 1 else None
+        # (CUDA) or it tells its own progress, for the recorder and the watchdog
+        # (coordinator.trace.watchdog); with neither, nothing is marked.
+        traced = self._trace is not None
+        marker = (watchdog.device_marker(self.comm, self.device, count_replays=traced)
+                  if self.world_size > 1 and (traced or watch_settings.watch) else None)
         if marker is not None:
             self._watch = watchdog.watch_group(
                 self.unique_name, self.ranks, self.rank_in_group, self.timeout, self.comm,
-                cpu_group, book, marker)
+                cpu_group, book, marker, watch_settings)
             self._marks = book.marks = marker if self._watch is None else self._watch.marks
+            if not traced:  # watched, recorder off: the calls keep their start (StartOnly)
+                self._trace = StartOnly()
         REGISTRY.add(self)
 
     # ------------------------------------------------------------------ state
@@ -644,18 +657,25 @@ class GroupCoordinator:
         return self._book.run("reduce_scatter", self.comm.reduce_scatter, input_, dim,
                               data=input_)
 
-    def reject_call(self, op: str, error: BaseException) -> None:
+    def reject_call(self, op: str, error: BaseException, data: Any = None) -> None:
         """Take this rank's part in the peers' collective ``op`` as a rejection of ``error``.
 
         For code built on this group's collectives that checks its own arguments
         (MoE dispatch/combine): the peers raise ``PeerRejectedError`` naming this
         rank instead of waiting; the caller then raises ``error``. Counts as a call,
         recorded as call ``op`` failed with ``error``.
+
+        Args:
+            op: The collective the peers make.
+            error: Why this rank rejects its arguments.
+            data: The tensor (or list of tensors) this rank would have passed to
+                ``op``, whose shapes the recorder keeps as the peers' calls do
+                (anything else: none kept).
         """
         book = self._book
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        entry = book.record(op)
+        entry = book.record(op, data)
         started = monotonic()
         try:
             self.comm.reject(op, error)
@@ -732,11 +752,13 @@ class GroupCoordinator:
             book.check_live("barrier")
         entry = book.record("barrier")
         if self.world_size > 1:
+            started = monotonic()
             try:
                 monitored_barrier(self.cpu_group, self.unique_name, wait_s,
                                   book.errors.await_exit)
             except BaseException as e:
-                book.failed("barrier", seq, e, entry, group_timeout=wait_s == self.timeout)
+                book.failed("barrier", seq, e, entry, started=started,
+                            group_timeout=wait_s == self.timeout)
                 raise
         book.completed(entry)
         if bad is not None:
@@ -841,10 +863,11 @@ class GroupCoordinator:
         if self._book.closed:
             return
         self._book.close()  # calls still running on other threads: ClosedError
-        if self._trace is not None:
-            self._trace.closed = True
+        trace = self._book.trace
+        if trace is not None:
+            trace.closed = True
         REGISTRY.remove(self)
-        watch, self._watch, self._marks = self._watch, None, None
+        watch, self._watch, self._marks, self._trace = self._watch, None, None, trace
         self._book.marks = None
         if watch is not None:  # before the communicator goes: no abort during its destroy
             watch.close()

@@ -84,7 +84,7 @@ class TokenGroup(Protocol):
                         sizes: Sequence[int] | None = None,
                         op: ReduceOp = ReduceOp.SUM) -> torch.Tensor: ...
 
-    def reject_call(self, op: str, error: BaseException) -> None: ...
+    def reject_call(self, op: str, error: BaseException, data: Any = None) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +173,10 @@ class MoeCalls:
         try:
             tensors = _check_named(named, extra_tensors)
         except (TypeError, ValueError) as e:
-            group.reject_call(op, e)
+            given = [t for _, t in named]
+            if isinstance(extra_tensors, (list, tuple)):
+                given += list(extra_tensors)
+            group.reject_call(op, e, given)
             raise
         gathered, counts = group.all_gatherv_rows(tensors, sizes)
         self._pending[is_sequence_parallel].append(_Dispatched(group, counts))
@@ -198,7 +201,7 @@ class MoeCalls:
         try:
             counts = _combine_sizes(hidden_states, record, sizes, group)
         except (TypeError, ValueError) as e:
-            group.reject_call("reduce_scatterv", e)
+            group.reject_call("reduce_scatterv", e, hidden_states)
             raise
         return group.reduce_scatterv(hidden_states, 0, counts)
 

@@ -49,6 +49,8 @@ from coordinator.calls.group_view import GroupView
 from coordinator.errors import ClosedError
 from coordinator.p2p.channels import RECV, SEND, Work
 from coordinator.p2p.handle import P2PHandle
+from coordinator.trace.cuda_marks import CudaMarks
+from coordinator.trace.recorder import DEVICE
 from coordinator.wire import object_comm
 from coordinator.wire.object_comm import ObjectChannel
 from coordinator.wire.tensor_dict_format import TENSOR, alloc, check_metadata, flatten_tensor_dict
@@ -147,12 +149,17 @@ class CudaP2P:
         self._pending: list[EventWork] = []
 
     # ------------------------------------------------------------------ tensors
-    def isend(self, t: torch.Tensor, dst: int, seq: int) -> P2PHandle:
-        ev = self._enqueue(lambda s: self._send(t, dst, s), [t])
+    def isend(self, t: torch.Tensor, dst: int, seq: int,
+              entry: list[Any] | None = None) -> P2PHandle:
+        """Enqueue sending ``t`` to ``dst`` (call ``seq``; ``entry``: its recorder
+        entry, which gets the transfer's marks)."""
+        ev = self._enqueue(lambda s: self._send(t, dst, s), [t], entry)
         return self._handle("isend", dst, seq, ev, None)
 
     def irecv(self, buf: torch.Tensor | None, size: torch.Size, dtype: torch.dtype, src: int,
-              seq: int) -> P2PHandle:
+              seq: int, entry: list[Any] | None = None) -> P2PHandle:
+        """Enqueue receiving from ``src`` into ``buf`` or a new tensor (call ``seq``;
+        ``entry``: its recorder entry, which gets the transfer's marks)."""
         out = torch.empty(size, dtype=dtype, device=self._group.device) if buf is None else buf
         target = out if out.is_contiguous() else torch.empty_like(
             out, memory_format=torch.contiguous_format)
@@ -163,7 +170,7 @@ class CudaP2P:
                 with torch.no_grad():  # as for a CPU receive into a buffer that requires grad
                     out.copy_(target)
 
-        ev = self._enqueue(run, [target, out])
+        ev = self._enqueue(run, [target, out], entry)
         return self._handle("irecv", src, seq, ev, out)
 
     # ------------------------------------------------------------------ tensor dicts
@@ -201,15 +208,23 @@ class CudaP2P:
         self._pending.clear()
 
     # ------------------------------------------------------------------ helpers
-    def _enqueue(self, fn: Any, tensors: list[torch.Tensor]) -> Any:
+    def _enqueue(self, fn: Any, tensors: list[torch.Tensor],
+                 entry: list[Any] | None = None) -> Any:
+        """Run ``fn(stream)`` on the side stream after the current stream's work;
+        returns the event recorded after it. ``entry`` (a recorder entry) gets
+        CUDA-event marks of the transfer (:mod:`coordinator.trace.cuda_marks`)."""
         s = self.stream
         s.wait_stream(torch.cuda.current_stream(self._group.device))
         with torch.cuda.stream(s):
+            marks = None if entry is None else CudaMarks(None, s, None)
             fn(s)
             for t in tensors:
                 t.record_stream(s)
             ev = torch.cuda.Event()
             ev.record(s)
+            if marks is not None and entry is not None:
+                marks.finish()
+                entry[DEVICE] = marks
         return ev
 
     def _send(self, t: torch.Tensor, dst: int, s: Any) -> None:

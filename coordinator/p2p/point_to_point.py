@@ -65,8 +65,14 @@ waits; a failure is recorded there by the class of the error the call
 raised, a gloo error by the class it translates to (a timeout, a closed
 connection), before the handle's explanation (which, checking the peers'
 processes, may name it otherwise: a closed connection from a peer that is
-alive is a ``ClosedError``). A CUDA group's asynchronous entries stay
-``started``: completion there is the device's to tell.
+alive is a ``ClosedError``). A CUDA group's ``isend``/``irecv`` entries carry
+CUDA-event marks around the transfer on the side stream
+(:class:`~coordinator.trace.cuda_marks.CudaMarks`, read when a dump is
+written), so a dump shows them started and completed as the device does;
+``isend_tensor_dict``/``irecv_tensor_dict`` entries of a CUDA group stay
+``started``. A receive records the shape and dtype it receives (a blocking
+``recv`` at its start, an ``irecv`` once its target is checked), so that a
+receive still waiting compares with its send.
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ from coordinator.p2p import link_tensors
 from coordinator.p2p.channels import RECV, SEND, Channels, Work
 from coordinator.p2p.handle import P2PHandle
 from coordinator.p2p.shm_links import ShmLinks
+from coordinator.trace.recorder import IN_DTYPES, IN_SIZES
 from coordinator.wire.object_comm import ObjectChannel
 from device_comms import validation
 from device_comms.errors import translate_backend_error
@@ -148,7 +155,8 @@ class PointToPoint:
         book.p2p_calls = n = book.p2p_calls + 1
         seq = n + book.collectives
         partner = peer_rank(src)
-        entry = book.record("recv", None, -1 if partner is None else partner)
+        entry = book.record("recv", None, -1 if partner is None else partner,
+                            shapes=_spec_shapes(size, dtype))
         started = monotonic()
         try:
             if self._channels is None:  # no asynchronous call ever: nothing to wait for
@@ -208,7 +216,7 @@ class PointToPoint:
             self._book.note_failure("isend", seq, e, entry)
             raise
         if g.device.type == "cuda":
-            return self.cuda().isend(t, dst, seq)
+            return self.cuda().isend(t, dst, seq, entry)
         return self.handle(self.submit(SEND, dst, "isend", seq, link_tensors.send, g,
                                        self.links, t, dst, entry=entry))
 
@@ -222,8 +230,10 @@ class PointToPoint:
             self._tell_peer(RECV, src, "irecv", seq, e)
             self._book.note_failure("irecv", seq, e, entry)
             raise
+        if entry is not None:  # what it receives, known now (a send's sizes, as the peer's)
+            entry[IN_SIZES], entry[IN_DTYPES] = size, dtype
         if g.device.type == "cuda":
-            return self.cuda().irecv(buf, size, dtype, src, seq)
+            return self.cuda().irecv(buf, size, dtype, src, seq, entry)
         return self.handle(self.submit(RECV, src, "irecv", seq, self._recv_into, buf, size,
                                        dtype, src, entry=entry))
 
@@ -353,6 +363,19 @@ def _recv_target(x: Any, device: torch.device) -> tuple[torch.Tensor | None, tor
                          f"{tuple(shape)}")
     validation.check_fits(shape, dtype, device, "tensor_or_spec")
     return None, torch.Size(shape), dtype
+
+
+def _spec_shapes(size: Any, dtype: Any) -> tuple[torch.Size | None, torch.dtype | None]:
+    """``(shape, dtype)`` a receive of ``size`` and ``dtype`` records, as a send of
+    that tensor does; ``(None, None)`` where they are not a shape and a dtype
+    (the receive's own checks then say what is wrong)."""
+    try:
+        shape = torch.Size(size)
+    except (TypeError, ValueError, RuntimeError):
+        return None, None
+    if not isinstance(dtype, torch.dtype):
+        return None, None
+    return shape, dtype
 
 
 def _recording(book: CallBook, op: str, seq: int, entry: list[Any],

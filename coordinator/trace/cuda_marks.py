@@ -23,7 +23,12 @@ watchdog (:mod:`coordinator.trace.watchdog`) reads:
   has :data:`COUNTER_SLOTS` slots per group, allocated with the marker
   (outside any capture: an allocation inside one would belong to the graph);
   calls captured after the slots ran out report ``replays`` None (unknown).
-  A replayed call is not watched: its state stays what capture made it.
+  Only the recorder's dumps read the counts: a marker made with
+  ``count_replays=False`` (the recorder is off) has no block and captures no
+  increment. A replayed call is not watched: its state stays what capture made it.
+  A read of the block that finds another read in progress (a dump on a
+  signal that interrupted one on the same thread, or another thread's) does not
+  wait for it: it reports the counts unknown (None).
 
 **Capture on another thread.** A query from the watchdog's thread while
 another thread captures in CUDA's default (``global``) mode would invalidate
@@ -67,13 +72,16 @@ class CudaMarker:
 
     Args:
         device: The group's CUDA device.
+        count_replays: Count the replays of captured calls (see the module docstring).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, count_replays: bool = True) -> None:
         self.device = torch.device(device)
-        self._counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int64, device=self.device)
+        self._counters: torch.Tensor | None = (
+            torch.zeros(COUNTER_SLOTS, dtype=torch.int64, device=self.device)
+            if count_replays else None)
         self._next_slot = 0
-        self._lock = threading.Lock()  # guards the counter block's reads
+        self._lock = threading.Lock()  # guards the counter block's reads (never waited for)
         self._host: torch.Tensor | None = None
         self._stream: Any = None
         self._read_at = 0
@@ -83,6 +91,8 @@ class CudaMarker:
         """Marks for the device call about to be issued on the current stream."""
         stream = torch.cuda.current_stream(self.device)
         if torch.cuda.is_current_stream_capturing():
+            if self._counters is None:
+                return CudaMarks(self, stream, -1)
             slot = self._next_slot
             self._next_slot = slot + 1
             return CudaMarks(self, stream, slot if slot < COUNTER_SLOTS else -1)
@@ -90,12 +100,16 @@ class CudaMarker:
 
     def increment(self, slot: int) -> None:
         """Add one to counter ``slot`` on the current stream (captured: at each replay)."""
-        self._counters[slot].add_(1)
+        if self._counters is not None:
+            self._counters[slot].add_(1)
 
     def counts(self) -> list[int] | None:
         """The counter block as last read (a fresh read when older than half a
-        second); None when the copy did not land within :data:`READ_WAIT_S`."""
-        with self._lock:
+        second); None when there is no block, another read is in progress, or
+        the copy did not land within :data:`READ_WAIT_S`."""
+        if self._counters is None or not self._lock.acquire(blocking=False):
+            return None
+        try:
             now = monotonic_ns()
             if self._read is not None and now - self._read_at < _READ_FRESH_NS:
                 return self._read
@@ -113,18 +127,22 @@ class CudaMarker:
                 sleep(0.001)
             self._read, self._read_at = self._host.tolist(), now
             return self._read
+        finally:
+            self._lock.release()
 
 
 class CudaMarks:
     """When one device call's work started and completed (see the module docstring).
 
     Made by :class:`CudaMarker`; ``slot`` is None for an eager call, the
-    counter slot of a captured one (-1: none left).
+    counter slot of a captured one (-1: none left, or none counted).
+    ``marker`` may be None for marks of eager work only (a CUDA group's
+    asynchronous point-to-point calls, :mod:`coordinator.p2p.cuda_p2p`).
     """
 
     __slots__ = ("_marker", "_stream", "_slot", "_start", "_end", "_started", "_done")
 
-    def __init__(self, marker: CudaMarker, stream: Any, slot: int | None) -> None:
+    def __init__(self, marker: CudaMarker | None, stream: Any, slot: int | None) -> None:
         self._marker = marker
         self._stream = stream
         self._slot = slot
@@ -150,7 +168,7 @@ class CudaMarks:
             end.record(self._stream)
             self._end = end
             return
-        if self._slot >= 0:
+        if self._slot >= 0 and self._marker is not None:
             self._marker.increment(self._slot)
         self._started = self._done = monotonic_ns()
 
@@ -172,7 +190,7 @@ class CudaMarks:
         """How often the captured call ran in graph replays; None for an eager
         call, a call without a counter slot, or a counter block that could not
         be read in time."""
-        if self._slot is None or self._slot < 0:
+        if self._slot is None or self._slot < 0 or self._marker is None:
             return None
         counts = self._marker.counts()
         return None if counts is None else counts[self._slot]

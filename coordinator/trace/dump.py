@@ -34,9 +34,15 @@ their per-rank dimension as ``-1`` in ``input_sizes``/``output_sizes``, so the
 analyzer compares what must agree (dtypes, row shapes) and not the counts;
 the real sizes are in ``true_input_sizes``/``true_output_sizes``. Calls that
 carry objects (object broadcasts, tensor-dict metadata, queue broadcasts)
-have no sizes. A missing side of a rooted call (``gather``'s output off the
-root, ``scatter``'s input off the source) shows the other side's sizes, as
-the analyzer expects of PyTorch's in-place calls.
+have no sizes. A tensor call that recorded no shape at all (a rank that
+rejected its arguments without knowing the tensor its peers pass) shows
+``[[]]`` sizes and no dtypes on both sides: PyTorch's analyzer reads
+``input_sizes[0]`` and ``output_sizes[0]`` of every tensor call it compares,
+and an empty first shape makes its dtype checks skip the call (its size
+checks still compare it: where an op's sizes are compared, the call shows as
+differing from its peers'). A missing side of a rooted call (``gather``'s
+output off the root, ``scatter``'s input off the source) shows the other
+side's sizes, as the analyzer expects of PyTorch's in-place calls.
 """
 
 from __future__ import annotations
@@ -187,12 +193,22 @@ def _varying(sizes: list[list[int]]) -> list[list[int]]:
 
 
 def _state(entry: list[Any]) -> tuple[str, int | None, int | None, int | None]:
-    """(state, started, completed, replays) of ``entry``; times monotonic ns."""
+    """(state, started, completed, replays) of ``entry``; times monotonic ns.
+
+    A device call's marks that cannot be read (a sticky CUDA error makes every
+    event query raise) leave the call ``started`` with no times (or ``failed``
+    when it raised): the dump of everything else is what matters then.
+    """
     marks = entry[DEVICE]
     replays = None
     if marks is not None:
-        started, done = marks.started_ns(), marks.completed_ns()
-        replays = marks.replays()
+        try:
+            started, done = marks.started_ns(), marks.completed_ns()
+            replays = marks.replays()
+        except Exception:
+            started = done = replays = None
+            if entry[ERROR] is None:
+                return "started", None, None, None
     else:
         started, done = entry[CREATED], (entry[DONE] or None)
     if entry[ERROR] is not None:
@@ -221,6 +237,8 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
             out_sizes, out_dtypes = in_sizes, in_dtypes
         if entry[IN_SIZES] is None:
             in_sizes, in_dtypes = out_sizes, out_dtypes
+        if not in_sizes and not out_sizes:  # nothing known: see the module docstring
+            in_sizes, out_sizes, in_dtypes, out_dtypes = [[]], [[]], [], []
     else:
         in_sizes = out_sizes = []
         in_dtypes = out_dtypes = []
@@ -297,6 +315,12 @@ def snapshot(rec: FlightRecorder | None = None, reason: str = "on demand",
     raw = rec.entries()
     entries = [_entry(e, wall_offset) for e in raw]
     groups = rec.groups()
+    listed = {id(g) for g in groups}
+    for e in raw:  # a group forgotten since its entries were read is still described
+        g = e[GROUP]
+        if id(g) not in listed:
+            listed.add(id(g))
+            groups.append(g)
     pg_config = {g.name: {"name": g.name, "desc": g.desc, "ranks": str(list(g.ranks))}
                  for g in groups}
     return {
@@ -356,14 +380,15 @@ def _default_dir() -> str:
 
 def _check_private(directory: str) -> None:
     """Refuse the shared temp directory's default dump directory unless it is this
-    user's own and nobody else may write there (someone else may have made it
-    first, to read or to replace the dumps)."""
+    user's own and nobody else may use it at all (mode 0700 or stricter: someone
+    else may have made it first, to read or to replace the dumps)."""
     st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise PermissionError(
             f"the default dump directory {directory} is not a directory of this user's "
-            f"own that only it may write (owner uid {st.st_uid}, mode "
-            f"{oct(stat.S_IMODE(st.st_mode))}); remove it, or set GROUPCOORD_TRACE_DUMP")
+            f"own that only it may use (owner uid {st.st_uid}, mode "
+            f"{oct(stat.S_IMODE(st.st_mode))}, expected 0700); remove it, or set "
+            f"GROUPCOORD_TRACE_DUMP")
 
 
 def _version() -> str:

@@ -66,6 +66,7 @@ __all__ = [
     "DeviceMarks",
     "FlightRecorder",
     "GroupTrace",
+    "StartOnly",
     "recorder",
     "reset_recorder",
     "RID", "GROUP", "OP", "SEQ", "P2P_SEQ", "PEER", "IN_SIZES", "IN_DTYPES",
@@ -132,6 +133,7 @@ class FlightRecorder:
         #: Record ids (``next`` is atomic under the GIL).
         self.ids = itertools.count()
         self._groups: list[GroupTrace] = []
+        self._pg_ids = itertools.count()  # pg_id of each group made, never reused
         # Guards _groups, not the ring; reentrant because a signal handler that dumps
         # runs on the main thread, possibly while that thread holds it.
         self._lock = threading.RLock()
@@ -156,17 +158,28 @@ class FlightRecorder:
         if not self.enabled:
             return None
         kind = StackedGroupTrace if self.stacks else GroupTrace
-        trace = kind(self, len(self._groups), name, desc, list(ranks), rank_in_group,
-                     transport_of)
+        trace = kind(self, -1, name, desc, list(ranks), rank_in_group, transport_of)
         with self._lock:
-            trace.pg_id = len(self._groups)
+            self._prune()
+            trace.pg_id = next(self._pg_ids)
             self._groups.append(trace)
         return trace
 
     def groups(self) -> list[GroupTrace]:
-        """Every group recorded so far, in creation order (closed ones included)."""
+        """The groups recorded, in creation order: the live ones, and the closed ones
+        that still have entries in the ring (the others are forgotten here, and at
+        the next group's creation, so that the list stays bounded)."""
         with self._lock:
+            self._prune()
             return list(self._groups)
+
+    def _prune(self) -> None:
+        """Forget the closed groups without entries left in the ring (lock held)."""
+        if not any(g.closed for g in self._groups):
+            return
+        ring = list(self.ring)  # a consistent view: later writes replace slots
+        present = {id(e[GROUP]) for e in ring if e is not None}
+        self._groups = [g for g in self._groups if not g.closed or id(g) in present]
 
     def entries(self) -> list[list[Any]]:
         """The entries in the ring, oldest first (the lists themselves, not copies)."""
@@ -192,7 +205,7 @@ class GroupTrace:
         desc: Its description (base name).
         ranks: Its members' global ranks.
         rank_in_group: This process's rank in it.
-        pg_id: Its index among the recorder's groups.
+        pg_id: Its number among the recorder's groups, in creation order (never reused).
         transport_of: Names an entry's transport at dump time.
         closed: Set when the group is destroyed.
     """
@@ -308,6 +321,25 @@ class StackedGroupTrace(GroupTrace):
         entry[FRAMES] = _frames()
         return entry
 
+class StartOnly:
+    """What a group's busiest calls begin their entry with when the recorder is off
+    but the group's device calls are marked (its watchdog follows them): an entry
+    in no ring, holding only what the call's own bookkeeping reads: the call's
+    start (``CREATED``), which explains a failed wait (a peer that closed its
+    connections after most of the timeout gave up at its own timeout), and the
+    slots the call stores into. Same call form as :meth:`GroupTrace.begin_tensor`,
+    so those calls test nothing more for it."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def begin_tensor(op: str, seq: int, p2p_seq: int, tensor: Any,
+                     peer: int = -1) -> list[Any]:
+        """An unrecorded entry of call ``op`` that begins now (``tensor`` unread)."""
+        return [-1, None, op, seq, p2p_seq, peer, None, None, None, None, monotonic_ns(),
+                0, None, None, None, None]
+
+
 def _frames() -> list[dict[str, Any]]:
     """The caller's Python stack, innermost last, without the recorder's own frames."""
     stack = traceback.extract_stack(limit=_STACK_LIMIT)[:-2]
@@ -352,7 +384,9 @@ def _stacks_from_env() -> bool:
 
 
 _RECORDER: FlightRecorder | None = None
-_RECORDER_LOCK = threading.Lock()
+# Reentrant: a signal handler that dumps (coordinator.trace.signals) runs on the
+# main thread, possibly while that thread holds it.
+_RECORDER_LOCK = threading.RLock()
 
 
 def recorder() -> FlightRecorder:

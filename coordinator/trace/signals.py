@@ -17,8 +17,14 @@ later replaces this one (Python keeps one per signal).
 Python runs signal handlers on the main thread only, and only the main thread
 may install one: a group created on another thread installs nothing and logs
 a warning (once); the next group created on the main thread installs it. An
-unknown signal name or number raises ``ValueError`` naming
-``GROUPCOORD_TRACE_SIGNAL`` when a group is created.
+unknown signal name or number, or a signal no handler can catch (``SIGKILL``,
+``SIGSTOP``), raises ``ValueError`` naming ``GROUPCOORD_TRACE_SIGNAL`` when a
+group is created, before it makes anything.
+
+The handler never chains to itself: when the handler found at install time is
+this module's own (installed again after an :func:`uninstall` that could not
+put the previous one back), only the dump happens. :func:`uninstall`, like
+:func:`install`, changes handlers on the main thread only.
 """
 
 from __future__ import annotations
@@ -57,21 +63,33 @@ def signal_from_env() -> int | None:
     return _parse(raw)
 
 
+#: Signals no handler can catch.
+_UNCATCHABLE = frozenset(int(getattr(signal, n)) for n in ("SIGKILL", "SIGSTOP")
+                         if hasattr(signal, n))
+
+
 def _parse(raw: str) -> int:
     valid = signal.valid_signals()
+    found: int | None = None
     if raw.lstrip("-").isdigit():
         num = int(raw)
         if num in valid and num != 0:
-            return num
+            found = num
     else:
         name = raw.upper()
         if not name.startswith("SIG"):
             name = "SIG" + name
         sig = getattr(signal.Signals, name, None) if name.isidentifier() else None
         if isinstance(sig, signal.Signals) and sig in valid:
-            return int(sig)
-    raise ValueError(f"{SIGNAL_ENV} must name a signal (SIGUSR1, USR1 or its number), "
-                     f"got {raw!r}")
+            found = int(sig)
+    if found is None:
+        raise ValueError(f"{SIGNAL_ENV} must name a signal (SIGUSR1, USR1 or its number), "
+                         f"got {raw!r}")
+    if found in _UNCATCHABLE:
+        raise ValueError(f"{SIGNAL_ENV} must name a signal a handler can catch (SIGUSR1, "
+                         f"USR1 or its number), got {raw!r} ({_name(found)}, which cannot "
+                         f"be caught)")
+    return found
 
 
 def installed() -> int | None:
@@ -117,18 +135,31 @@ def install(signum: int) -> int | None:
                                SIGNAL_ENV)
             return None
         previous = signal.getsignal(signum)
+        if previous is _handler:  # never chain to itself
+            previous = None
         signal.signal(signum, _handler)
         _installed = (signum, previous)
         return signum
 
 
-def uninstall() -> None:
-    """Put back the handler the signal had before :func:`install` (for tests)."""
+def uninstall() -> bool:
+    """Put back the handler the signal had before :func:`install` (for tests).
+
+    Only the main thread may change handlers: elsewhere this does nothing.
+
+    Returns:
+        Whether the handler was put back (False: nothing installed, or not on
+        the main thread).
+    """
     global _installed
+    if threading.current_thread() is not threading.main_thread():
+        return False
     with _lock:
         got, _installed = _installed, None
-        if got is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(got[0], got[1] if got[1] is not None else signal.SIG_DFL)
+        if got is None:
+            return False
+        signal.signal(got[0], got[1] if got[1] is not None else signal.SIG_DFL)
+        return True
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
@@ -141,7 +172,7 @@ def _handler(signum: int, frame: FrameType | None) -> None:
                        type(e).__name__, e)
     got = _installed
     previous = got[1] if got is not None else None
-    if callable(previous):
+    if callable(previous) and previous is not _handler:
         previous(signum, frame)
 
 

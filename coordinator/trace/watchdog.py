@@ -73,11 +73,24 @@ nothing are named as unknown.
   watch's lock) and makes later ticks skip it: no abort runs during or after
   the communicator's own destroy;
 * the watchdog makes no call that blocks without a bound: store waits end
-  after :data:`~coordinator.trace.progress.STORE_TIMEOUT_S`, NCCL's release
-  is waited for at most a minute, the thread is joined with a bound.
+  after :data:`~coordinator.trace.progress.STORE_TIMEOUT_S`; an abort waits
+  at most a second for a launch in progress on another thread, then at most
+  ten seconds for NCCL to release the communicator (an abort that does not
+  finish in time is logged and the group counts as aborted all the same: its
+  communicator refuses every call from the start of the abort); the thread
+  is joined with a bound.
 
-Configuration (read when a group is created): ``GROUPCOORD_WATCHDOG=0``
-watches nothing (CUDA calls are still marked for the recorder);
+**Removed groups' progress keys.** :meth:`Watchdog.remove` queues the key of
+the group it removes (a deque: ``append`` and ``popleft`` are atomic); the
+thread deletes the queued keys from the store at each tick, and once more
+when it stops, so a key queued while it stopped is not left behind. Two
+threads may drain the queue at once (one stopping, its successor started):
+each ``popleft`` hands a key to one of them, an empty queue ends the drain.
+Without a store nothing is published and the queue is cleared.
+
+Configuration (read and checked first thing when a group is created,
+:func:`settings_from_env`): ``GROUPCOORD_WATCHDOG=0`` watches nothing (CUDA
+calls are still marked for the recorder while it is on);
 ``GROUPCOORD_WATCHDOG_ABORT=0`` dumps and logs without aborting.
 
 The CUDA side (events, ``ncclCommAbort`` from this thread, graph capture) is
@@ -102,10 +115,11 @@ from coordinator.trace import progress
 from coordinator.trace.auto_dump import DUMP_ATTR
 from coordinator.trace.dump import write_dump
 from coordinator.trace.recorder import DEVICE, GROUP, OP, P2P_SEQ, SEQ, recorder
+from device_comms.errors import add_note
 from shm_broadcast.errors import CommTimeout
 
-__all__ = ["ENV_WATCHDOG", "ENV_ABORT", "GroupWatch", "MarkLog", "Watchdog", "device_marker",
-           "watch_group", "watchdog"]
+__all__ = ["ENV_WATCHDOG", "ENV_ABORT", "GroupWatch", "MarkLog", "Watchdog", "WatchSettings",
+           "device_marker", "settings_from_env", "watch_group", "watchdog"]
 
 ENV_WATCHDOG = "GROUPCOORD_WATCHDOG"
 ENV_ABORT = "GROUPCOORD_WATCHDOG_ABORT"
@@ -260,27 +274,47 @@ class Watchdog:
     def _run(self, stop: threading.Event) -> None:
         board: progress.ProgressBoard | None = None
         board_tried = False
+        failed = False  # a tick raised (logged once)
         while True:
-            with self._lock:
-                groups = list(self._groups)
-            if not board_tried:
-                board_tried = True
-                board = progress.ProgressBoard.of_default_store()
-            if board is not None:
-                while self._gone:
-                    board.forget(self._gone.popleft())
-            if stop.is_set():
-                return
-            for watch in groups:
-                try:
-                    self._check(watch, board)
-                except Exception:  # a bug or a broken device: say so once, watch the rest
-                    if not watch.failed:
-                        watch.failed = True
-                        logger.exception("groupcoord watchdog: checking group %r failed",
-                                         watch.name)
-            tick = min((w.timeout_s for w in groups), default=_MAX_TICK_S * 10) / 10
+            tick = _MAX_TICK_S
+            try:
+                with self._lock:
+                    groups = list(self._groups)
+                if not board_tried:
+                    board_tried = True
+                    board = progress.ProgressBoard.of_default_store()
+                self._forget_gone(board)
+                if stop.is_set():
+                    self._forget_gone(board)  # keys queued while it stopped
+                    return
+                for watch in groups:
+                    try:
+                        self._check(watch, board)
+                    except Exception:  # a bug or a broken device: say so once, watch the rest
+                        if not watch.failed:
+                            watch.failed = True
+                            logger.exception("groupcoord watchdog: checking group %r failed",
+                                             watch.name)
+                tick = min((w.timeout_s for w in groups), default=_MAX_TICK_S * 10) / 10
+            except Exception:  # the thread goes on: later ticks may work again
+                if not failed:
+                    failed = True
+                    logger.exception("groupcoord watchdog: a tick failed")
             stop.wait(min(_MAX_TICK_S, max(_MIN_TICK_S, tick)))
+
+    def _forget_gone(self, board: progress.ProgressBoard | None) -> None:
+        """Delete the queued keys of removed groups from the store (see the module
+        docstring); without a store, drop them."""
+        gone = self._gone
+        if board is None:
+            gone.clear()
+            return
+        while True:
+            try:
+                key = gone.popleft()
+            except IndexError:  # empty, or another thread took the last key
+                return
+            board.forget(key)
 
     def _check(self, watch: GroupWatch, board: progress.ProgressBoard | None) -> None:
         with watch.lock:
@@ -331,7 +365,13 @@ class Watchdog:
         logger.error("groupcoord watchdog: %s", message)
         if not watch.abort:
             return False
-        watch.comm.abort(err)
+        try:
+            watch.comm.abort(err)
+        except Exception as e:  # NCCL did not release the communicator in time
+            note = (f"the abort did not finish ({type(e).__name__}: {e}); the communicator "
+                    f"refuses every call all the same")
+            add_note(err, note)
+            logger.error("groupcoord watchdog: group %r: %s", watch.name, note)
         return True
 
 
@@ -398,21 +438,43 @@ def watchdog() -> Watchdog:
     return _WATCHDOG
 
 
-def device_marker(comm: _Comm, device: torch.device) -> Callable[[], Any] | None:
+class WatchSettings(NamedTuple):
+    """The watchdog's configuration (:func:`settings_from_env`)."""
+
+    watch: bool  # GROUPCOORD_WATCHDOG
+    abort: bool  # GROUPCOORD_WATCHDOG_ABORT
+
+
+def settings_from_env() -> WatchSettings:
+    """``GROUPCOORD_WATCHDOG`` and ``GROUPCOORD_WATCHDOG_ABORT`` (default: both on).
+
+    Raises:
+        ValueError: Either is neither 0 nor 1 (naming it).
+    """
+    return WatchSettings(_flag(ENV_WATCHDOG), _flag(ENV_ABORT))
+
+
+def device_marker(comm: _Comm, device: torch.device,
+                  count_replays: bool = True) -> Callable[[], Any] | None:
     """What marks a group's device calls: the communicator's own marks when it
-    provides them, CUDA-event marks on a CUDA device, else None (host calls)."""
+    provides them, CUDA-event marks on a CUDA device, else None (host calls).
+
+    Args:
+        count_replays: Count the graph replays of captured CUDA calls (a device
+            counter; only the recorder's dumps read it, never the watchdog).
+    """
     if comm.provides_device_marks:
         return comm.device_marks
     if device.type == "cuda":
         from coordinator.trace.cuda_marks import CudaMarker
 
-        return CudaMarker(device)
+        return CudaMarker(device, count_replays=count_replays)
     return None
 
 
 def watch_group(name: str, ranks: list[int], rank: int, timeout_s: float, comm: _Comm,
-                cpu_group: Any, counts: _Counts, marker: Callable[[], Any]
-                ) -> GroupWatch | None:
+                cpu_group: Any, counts: _Counts, marker: Callable[[], Any],
+                settings: WatchSettings | None = None) -> GroupWatch | None:
     """Watch a group's device calls marked by ``marker`` (see the module docstring).
 
     Args:
@@ -424,20 +486,25 @@ def watch_group(name: str, ranks: list[int], rank: int, timeout_s: float, comm: 
         cpu_group: Its CPU process group (torch's name of it keys the progress).
         counts: Its call numbers.
         marker: Makes the marks of one call (:func:`device_marker`).
+        settings: The configuration; None: :func:`settings_from_env` now (a
+            group reads it before it makes anything, so that a bad value leaves
+            nothing behind).
 
     Returns:
         The watch, whose ``marks`` the group calls before each device call and
         which it closes when it goes; None with ``GROUPCOORD_WATCHDOG=0``.
 
     Raises:
-        ValueError: ``GROUPCOORD_WATCHDOG`` or ``GROUPCOORD_WATCHDOG_ABORT`` is
-            neither 0 nor 1.
+        ValueError: ``settings`` is None and ``GROUPCOORD_WATCHDOG`` or
+            ``GROUPCOORD_WATCHDOG_ABORT`` is neither 0 nor 1.
     """
-    if not _flag(ENV_WATCHDOG):
+    if settings is None:
+        settings = settings_from_env()
+    if not settings.watch:
         return None
     pg_name = progress.group_name(cpu_group)
     watch = GroupWatch(_WATCHDOG, name, list(ranks), rank, timeout_s, comm, pg_name, counts,
-                       MarkLog(marker, counts), _flag(ENV_ABORT))
+                       MarkLog(marker, counts), settings.abort)
     _WATCHDOG.add(watch)
     return watch
 

@@ -3,6 +3,7 @@ analyzer parses every entry), the transports named, and the dumps a failed call 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -19,6 +20,7 @@ from coordinator.errors import CollectiveMismatch, CommTimeout
 from coordinator.trace import auto_dump
 from coordinator.trace.dump import OPS, snapshot, write_dump
 from coordinator.trace.recorder import (
+    DEVICE,
     DONE,
     IN_DTYPES,
     IN_SIZES,
@@ -27,6 +29,7 @@ from coordinator.trace.recorder import (
     FlightRecorder,
     GroupTrace,
     reset_recorder,
+    shapes_of,
 )
 from coordinator.trace.transports import TransportNamer
 
@@ -133,7 +136,8 @@ def test_a_dump_replaces_the_file_atomically_and_never_follows_a_link(tmp_path) 
     assert sorted(os.listdir(tmp_path)) == ["elsewhere", "rank_0"]  # no temporary left
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o770], ids=["world-writable", "group-writable"])
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o755, 0o704],
+                         ids=["world-writable", "group-writable", "readable", "other-readable"])
 def test_the_default_directory_must_be_private(tmp_path, monkeypatch, mode: int) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.delenv("GROUPCOORD_TRACE_DUMP", raising=False)
@@ -309,3 +313,137 @@ def test_a_groups_calls_are_recorded_in_order(dist_pool) -> None:
 def test_a_recorder_turned_off_records_nothing(dist_pool) -> None:
     outs = dist_pool(2).run(record_a_step, 0, timeout=60)
     assert all(o["entries"] == [] and not o["trace"] for o in outs), outs
+
+
+# ---------------------------------------------------------------------- what the analyzer reads
+class _Raising:
+    """Device marks whose every query raises (a sticky CUDA error)."""
+
+    def started_ns(self) -> int | None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    completed_ns = replays = started_ns
+
+
+def test_marks_that_cannot_be_read_leave_the_call_started_and_the_dump_whole(tmp_path) -> None:
+    rec = _recorder(tmp_path)
+    trace = rec.groups()[0]
+    stuck = trace.begin_tensor("all_reduce", 7, 2, torch.ones(4))
+    stuck[DEVICE] = _Raising()
+    failed = trace.begin_tensor("all_reduce", 8, 2, torch.ones(4))
+    failed[DEVICE] = _Raising()
+    GroupTrace.fail(failed, CommTimeout("late"))
+    entries = snapshot(rec, rank=0)["entries"]
+    assert len(entries) == 10  # every entry, the unreadable ones included
+    got = {e["collective_seq_id"]: e for e in entries if e["collective_seq_id"] in (7, 8)}
+    assert (got[7]["state"], got[7]["time_discovered_started_ns"], got[7]["replays"]) == (
+        "started", None, None)
+    assert (got[8]["state"], got[8]["error"]) == ("failed", "CommTimeout")
+
+
+def _two_ranks(directory: Any, rejecter: Any) -> None:
+    """Rank 0's all_to_allv that rank 1 rejected, recorded by rank 1 with ``rejecter``."""
+    x = torch.zeros(4, 2)
+    for rank in range(2):
+        rec = FlightRecorder(capacity=8, dump_prefix=str(directory / "rank_"))
+        trace = rec.group("ep:0", "ep", [0, 1], rank)
+        assert trace is not None
+        entry = trace.begin("all_to_allv", 1, 0, *(shapes_of(x) if rank == 0 else rejecter))
+        GroupTrace.fail(entry, CollectiveMismatch("rejected") if rank == 0 else ValueError("bad"))
+        write_dump(rec, rank=rank)
+
+
+@pytest.mark.parametrize("rejecter", [(torch.Size([3, 2]), torch.float32), (None, None)],
+                         ids=["its-tensor", "nothing"])
+def test_a_rejected_all_to_allv_reads_in_pytorchs_analyzer(tmp_path, capsys,
+                                                          rejecter: Any) -> None:
+    """The rejecting rank records its tensor's shape (``reject_call(op, e, data)``);
+    one that recorded nothing shows ``[[]]``: PyTorch's analyzer indexes
+    ``input_sizes[0]`` of both sides of every tensor call it compares."""
+    from torch.distributed.flight_recorder.fr_trace import main
+
+    _two_ranks(tmp_path, rejecter)
+    mine = _load(str(tmp_path / "rank_1"))["entries"][0]
+    want = [[-1, 2]] if rejecter[0] is not None else [[]]
+    assert mine["input_sizes"] == mine["output_sizes"] == want
+    assert mine["input_dtypes"] == mine["output_dtypes"] == (
+        ["Float"] if rejecter[0] is not None else [])
+    main([str(tmp_path)])  # raised IndexError in Op.dtype_mismatch on an empty size list
+    capsys.readouterr()
+    memberships = {"ep:0": {0, 1}}
+    peer = Op(_load(str(tmp_path / "rank_0"))["entries"][0], memberships, "ep:0")
+    empty = Op(snapshot_entry("all_gather"), memberships, "ep:0")
+    for a, b in ((peer, empty), (empty, peer)):  # dtype_mismatch's three clauses, both ways
+        a.dtype_mismatch(b)
+        a.match(b)
+
+
+def snapshot_entry(op: str) -> dict[str, Any]:
+    """The dump entry of tensor call ``op`` that recorded no shape."""
+    rec = FlightRecorder(capacity=4)
+    trace = rec.group("ep:0", "ep", [0, 1], 1)
+    assert trace is not None
+    trace.begin(op, 1, 0)
+    entry: dict[str, Any] = snapshot(rec, rank=1)["entries"][0]
+    assert entry["input_sizes"] == entry["output_sizes"] == [[]]
+    return entry
+
+
+def reject_and_receive(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """A real rejected all_to_allv (rank 1 rejects, as moe.combine does), then a
+    blocking recv and an irecv seen in flight: their entries hold what they receive."""
+    import threading
+    import time
+
+    from coordinator import GroupCoordinator
+    from coordinator.errors import PeerRejectedError
+
+    rec = FlightRecorder(capacity=64, dump_prefix=os.path.join(directory, "rank_"))
+    previous = reset_recorder(rec)
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="rejects")
+    out: dict[str, Any] = {}
+    try:
+        x = torch.ones(3, 2)
+        if rank == 1:
+            g.reject_call("all_to_allv", ValueError("expert_out is bad"), [x, x])
+        else:
+            with contextlib.suppress(PeerRejectedError):
+                g.all_to_allv(x, [1, 2], [1, 2])
+        write_dump(rec, rank=rank)
+        if rank == 1:
+            seen: list[dict[str, Any]] = []
+            timer = threading.Timer(0.2, lambda: seen.append(snapshot(rec, rank=1)))
+            timer.start()
+            g.recv(torch.Size([5]), torch.float32, 0)
+            timer.join()
+            h = g.irecv((torch.Size([6]), torch.float64), 0)
+            seen.append(snapshot(rec, rank=1))
+            h.wait()
+            out["in_flight"] = [[(e["op"], e["state"], e["input_sizes"], e["input_dtypes"])
+                                 for e in s["entries"] if "recv" in e["op"]] for s in seen]
+        else:
+            time.sleep(0.5)  # the receiver's recv waits meanwhile
+            g.send(torch.ones(5), 1)
+            time.sleep(0.3)  # and its irecv
+            g.send(torch.ones(6, dtype=torch.float64), 1)
+        g.barrier()
+    finally:
+        g.destroy()
+        reset_recorder(previous)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_real_rejection_and_receives_in_flight_read_in_pytorchs_analyzer(
+        dist_pool, tmp_path, capsys) -> None:
+    from torch.distributed.flight_recorder.fr_trace import main
+
+    outs = dist_pool(2).run(reject_and_receive, str(tmp_path), timeout=45)
+    rejected = _load(str(tmp_path / "rank_1"))["entries"][-1]
+    assert (rejected["op"], rejected["state"], rejected["input_sizes"]) == (
+        "all_to_allv", "failed", [[-1, 2], [-1, 2]])
+    main([str(tmp_path)])
+    capsys.readouterr()
+    recv, irecv = outs[1]["in_flight"]
+    assert recv == [("recv", "started", [[5]], ["Float"])], recv
+    assert irecv[-1] == ("irecv", "started", [[6]], ["Double"]), irecv

@@ -165,3 +165,41 @@ def test_groups_are_listed_in_creation_order() -> None:
     rec = FlightRecorder(capacity=8)
     first, second = _trace(rec), rec.group("pp:0", "pp", [0, 4], 1)
     assert rec.groups() == [first, second] and (first.pg_id, second.pg_id) == (0, 1)  # type: ignore[union-attr]
+
+
+def test_closed_groups_without_entries_are_forgotten() -> None:
+    rec = FlightRecorder(capacity=4)
+    first, second = _trace(rec), rec.group("pp:0", "pp", [0, 4], 1)
+    assert second is not None
+    first.begin("barrier", 1, 0)
+    first.closed = second.closed = True
+    assert rec.groups() == [first]  # still has an entry in the ring
+    third = rec.group("dp:0", "dp", [0, 1], 0)
+    assert third is not None and third.pg_id == 2  # ids are never reused
+    for i in range(4):  # the ring forgets the closed group's call
+        third.begin("barrier", i + 1, 0)
+    fourth = rec.group("ep:0", "ep", [0, 1], 0)  # creation forgets it too
+    assert rec.groups() == [third, fourth]
+    for _ in range(100):  # bounded however many groups come and go
+        g = rec.group("tmp:0", "tmp", [0], 0)
+        assert g is not None
+        g.closed = True
+    assert len(rec.groups()) == 2
+
+
+def test_start_only_keeps_the_start_of_an_unrecorded_call() -> None:
+    from coordinator.calls.call_book import CallBook
+    from coordinator.trace.recorder import CREATED, StartOnly
+
+    rec = FlightRecorder(capacity=4)
+    entry = StartOnly().begin_tensor("all_reduce", 3, 1, torch.ones(2))
+    assert len(entry) == len(_trace(rec).begin("x", 0, 0)) and entry[CREATED] > 0
+    assert rec.entries()[0][OP] == "x"  # it went into no ring
+    # A peer closed its connections after most of the timeout: with the start
+    # known, the call is the timeout the peer had, not a closed connection.
+    from coordinator.errors import CommTimeout
+
+    book = CallBook("g:0", 0, 2, timeout=1.0)  # the recorder is off: trace None
+    entry[CREATED] -= 2 * 10**9
+    with pytest.raises(CommTimeout, match="gave up waiting"):
+        book.failed("all_reduce", 4, RuntimeError("Connection closed by peer [::1]:1"), entry)

@@ -93,3 +93,31 @@ def test_a_signal_dumps_and_the_application_handler_still_runs(dist_pool, tmp_pa
     assert out["ops"] == ["all_reduce"]
     assert out["reason"] == "signal SIGUSR1"
     assert out["seen"] == ([int(signal.SIGUSR1)] if app_handler else [])
+
+
+@pytest.mark.parametrize("value", ["SIGKILL", "kill", str(int(signal.SIGKILL)), "SIGSTOP",
+                                   str(int(signal.SIGSTOP))])
+def test_an_uncatchable_signal_raises_naming_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                          value: str) -> None:
+    monkeypatch.setenv(signals.SIGNAL_ENV, value)
+    with pytest.raises(ValueError, match=f"{signals.SIGNAL_ENV}.*cannot be caught"):
+        signals.signal_from_env()
+
+
+def test_install_never_chains_to_itself_and_uninstall_stays_on_the_main_thread() -> None:
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        assert signals.install(signal.SIGUSR2) == signal.SIGUSR2
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(signals.uninstall()))
+        t.start()
+        t.join()
+        assert got == [False] and signals.installed() == signal.SIGUSR2  # left as it was
+        assert signal.getsignal(signal.SIGUSR2) is signals._handler
+        signals._installed = None  # as an uninstall that could not restore it left it
+        assert signals.install(signal.SIGUSR2) == signal.SIGUSR2
+        assert signals._installed is not None and signals._installed[1] is None
+    finally:
+        assert signals.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    signal.signal(signal.SIGUSR2, before)

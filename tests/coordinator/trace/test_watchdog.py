@@ -440,3 +440,153 @@ def test_cuda_marks_follow_events_and_count_replays() -> None:  # pragma: no cov
     torch.cuda.synchronize()
     assert captured.completed_ns() is not None and z.sum().item() == 2 * (1 << 20)
     assert captured.replays() == 3
+
+
+# ---------------------------------------------------------------------- review fixes
+def test_two_threads_drain_the_removed_keys_once_each() -> None:
+    store = dist.HashStore()
+    board = ProgressBoard(store)
+    dog = wd.Watchdog()
+    keys = [progress_key("9", r) for r in range(2000)]
+    for k in keys:
+        store.set(k, b"1 1")
+    dog._gone.extend(keys)
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        try:
+            dog._forget_gone(board)
+        except BaseException as e:  # an IndexError when both saw one key left
+            errors.append(e)
+
+    threads = [threading.Thread(target=drain) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not dog._gone and store.num_keys() == 0
+    dog._gone.extend(keys)
+    dog._forget_gone(None)  # no store: nothing is published, nothing kept
+    assert not dog._gone
+
+
+def test_a_key_removed_as_the_thread_stops_is_deleted(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = dist.HashStore()
+    monkeypatch.setattr(ProgressBoard, "of_default_store",
+                        classmethod(lambda cls, timeout_s=2.0: cls(store)))
+    dog = wd.Watchdog()
+    counts = _Counts()
+    watch = wd.GroupWatch(dog, "gone:0", [0, 1], 0, 5.0, _Comm(), "z", counts,
+                          wd.MarkLog(lambda: _Done(True, []), counts), True)
+    dog.add(watch)
+    deadline = monotonic() + 5.0
+    while not store.check([watch.keys[0]]) and monotonic() < deadline:
+        time.sleep(0.01)  # the thread published this rank's progress
+    assert store.check([watch.keys[0]])
+    watch.close()  # the last group: the thread stops, after deleting the key
+    assert not dog.running and not store.check([watch.keys[0]]) and not dog._gone
+
+
+class _AbortTimesOut(_Comm):
+    def abort(self, error: BaseException) -> None:
+        super().abort(error)
+        raise CommTimeout("releasing the NCCL communicator did not finish within 10s")
+
+
+def test_an_abort_that_times_out_still_counts_as_aborted(tmp_path: Any) -> None:
+    old = reset_recorder(FlightRecorder(8, dump_prefix=str(tmp_path / "rank_")))
+    try:
+        dog, counts, comm = wd.Watchdog(), _Counts(), _AbortTimesOut()
+        watch = wd.GroupWatch(dog, "nccl:0", [0, 1], 0, 0.1, comm, "n", counts,
+                              wd.MarkLog(lambda: _Done(False, []), counts), True)
+        assert dog._fire(watch, wd.Pending(1, 1, 0, _Done(False, [])), None) is True
+        notes = getattr(comm.aborted[0], "__notes__", [])
+        assert any("the abort did not finish (CommTimeout" in n for n in notes), notes
+    finally:
+        reset_recorder(old)
+
+
+@pytest.mark.parametrize("var", [wd.ENV_WATCHDOG, wd.ENV_ABORT])
+def test_bad_watchdog_settings_raise_naming_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                         var: str) -> None:
+    monkeypatch.setenv(var, "maybe")
+    with pytest.raises(ValueError, match=var):
+        wd.settings_from_env()
+    monkeypatch.setenv(var, "0")
+    assert wd.settings_from_env() == (var != wd.ENV_WATCHDOG, var != wd.ENV_ABORT)
+
+
+def test_a_busy_counter_read_reports_unknown_at_once() -> None:
+    from coordinator.trace.cuda_marks import CudaMarker
+
+    marker = CudaMarker(torch.device("cuda", 0), count_replays=False)  # touches no GPU
+    assert marker._counters is None and marker.counts() is None
+    marker._counters = torch.zeros(4, dtype=torch.int64)  # a block, and a read in progress
+    with marker._lock:
+        t0 = monotonic()
+        assert marker.counts() is None and monotonic() - t0 < 0.01  # as a signal's dump
+
+
+def bad_settings_leave_nothing(rank: int, world_size: int) -> list[tuple[str, str, bool]]:
+    """A bad setting raises before the group makes a process group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from coordinator import GroupCoordinator
+
+    out = []
+    for var, value in ((wd.ENV_WATCHDOG, "maybe"), (wd.ENV_ABORT, "2"),
+                       ("GROUPCOORD_TRACE_SIGNAL", "SIGKILL")):
+        before = len(c10d._world.pg_map)
+        os.environ[var] = value
+        try:
+            GroupCoordinator([[0]], rank, "gloo", True, group_name="bad-env")
+            out.append((var, "created", False))
+        except ValueError as e:
+            out.append((var, str(e), len(c10d._world.pg_map) == before))
+        finally:
+            os.environ.pop(var)
+    return out
+
+
+def test_a_bad_setting_raises_before_the_group_makes_anything(dist_pool: Any) -> None:
+    for var, text, nothing_made in dist_pool(1).run(bad_settings_leave_nothing, timeout=30)[0]:
+        assert var in text and nothing_made, (var, text)
+
+
+def marks_by_setting(rank: int, world_size: int, token: str, dump_dir: str
+                     ) -> list[tuple[bool, str, bool]]:
+    """Whether the group marks its device calls, what its calls record, whether it is
+    watched: recorder on/off x watchdog on/off."""
+    from coordinator import GroupCoordinator
+    from device_comms import register_device_communicator, unregister_device_communicator
+
+    os.environ[_TOKEN] = token
+    register_device_communicator(NAME, StandIn, override=True)
+    out = []
+    try:
+        for capacity, watch in ((64, "1"), (0, "1"), (64, "0"), (0, "0")):
+            os.environ[wd.ENV_WATCHDOG] = watch
+            old = reset_recorder(FlightRecorder(capacity, dump_prefix=dump_dir + "/rank_"))
+            g = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
+                                 group_name="marks", device_communicator=NAME)
+            try:
+                g.all_reduce(torch.ones(2))
+                out.append((g._marks is not None, type(g._trace).__name__,
+                            g._watch is not None))
+            finally:
+                g.destroy()
+                reset_recorder(old)
+    finally:
+        os.environ.pop(wd.ENV_WATCHDOG, None)
+        unregister_device_communicator(NAME)
+        os.environ.pop(_TOKEN, None)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_calls_are_marked_only_for_the_recorder_or_the_watchdog(dist_pool: Any,
+                                                                tmp_path: Any) -> None:
+    token = f"{os.getpid()}-{time.monotonic_ns()}"
+    for got in dist_pool(2).run(marks_by_setting, token, str(tmp_path), timeout=45):
+        assert got == [(True, "GroupTrace", True), (True, "StartOnly", True),
+                       (True, "GroupTrace", False), (False, "NoneType", False)], got
