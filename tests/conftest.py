@@ -89,6 +89,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 _IGNORED_CHILDREN = ("resource_tracker", "forkserver", REAPER_MARKER)
 
 
+def _processes(pids: set[int]) -> list[psutil.Process]:
+    """The processes of ``pids`` that still exist."""
+    out = []
+    for pid in sorted(pids):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out.append(psutil.Process(pid))
+    return out
+
+
 def _is_ignored(p: psutil.Process) -> bool:
     try:
         cmd = " ".join(p.cmdline())
@@ -97,13 +106,47 @@ def _is_ignored(p: psutil.Process) -> bool:
         return True
 
 
-def _pool_family() -> set[int]:
+def _ppid_map() -> dict[int, int]:
+    """``{pid: parent pid}`` of every process on the machine, from one pass over /proc.
+
+    The leak check needs several process trees (this process's, each pool
+    worker's) at every test's end; building them all from one pass costs one
+    read per process instead of one per process and tree (psutil's
+    ``children(recursive=True)`` reads the whole of /proc on every call).
+    """
+    out: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        out[int(name)] = int(stat.rsplit(b")", 1)[1].split()[1])
+    return out
+
+
+def _descendants(roots: set[int], ppids: dict[int, int]) -> set[int]:
+    """Pids below ``roots`` (not the roots themselves) in the tree ``ppids``."""
+    kids: dict[int, list[int]] = {}
+    for pid, ppid in ppids.items():
+        kids.setdefault(ppid, []).append(pid)
+    out: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for child in kids.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _pool_family(ppids: dict[int, int]) -> set[int]:
     """Pids of pool workers and their descendants (allowed to outlive a test)."""
     pids = set(live_pool_pids())
-    for pid in list(pids):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
-    return pids
+    return pids | _descendants(pids, ppids)
 
 
 @pytest.fixture(scope="session")
@@ -136,11 +179,9 @@ class _TreeWatch:
         self._thread = threading.Thread(target=self._run, name="no-leaks-watch", daemon=True)
         self._thread.start()
 
-    def sample(self) -> set[int]:
-        try:
-            now = {c.pid for c in self.me.children(recursive=True)}
-        except psutil.Error:
-            now = set()
+    def sample(self, ppids: dict[int, int] | None = None) -> set[int]:
+        """This process and its descendants now (from ``ppids`` when given)."""
+        now = _descendants({self.me.pid}, _ppid_map() if ppids is None else ppids)
         self.seen |= now
         return now | {self.me.pid}
 
@@ -211,7 +252,7 @@ def no_leaks() -> Iterator[None]:
     """
     me = psutil.Process(os.getpid())
     leaks = _Leaks()
-    kids_before = {c.pid for c in me.children(recursive=True)}
+    kids_before = _descendants({me.pid}, _ppid_map())
     watch = _TreeWatch(me)
     try:
         yield
@@ -219,15 +260,17 @@ def no_leaks() -> Iterator[None]:
         watch.stop()
     deadline = time.monotonic() + 5.0
     while True:
-        allowed = _pool_family()
+        ppids = _ppid_map()  # one snapshot for every tree below
+        allowed = _pool_family(ppids)
         # Idle fault-rig workers outlive a test as pool workers do; their files
         # are still checked (the rig also checks each case's files itself).
         idle = allowed | live_rig_pids()
+        tree = watch.sample(ppids)
         kids = [
-            c for c in me.children(recursive=True)
-            if c.pid not in kids_before and c.pid not in idle and not _is_ignored(c)
+            c for c in _processes(tree - {me.pid} - kids_before - idle)
+            if not _is_ignored(c)
         ]
-        files = leaks.find(watch.sample() | watch.seen, allowed)
+        files = leaks.find(tree | watch.seen, allowed)
         if (not kids and not files) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
