@@ -106,26 +106,44 @@ def _is_ignored(p: psutil.Process) -> bool:
         return True
 
 
-def _ppid_map() -> dict[int, int]:
-    """``{pid: parent pid}`` of every process on the machine, from one pass over /proc.
+class _ProcessTable:
+    """``{pid: parent pid}`` of every process on the machine, kept by :meth:`snapshot`.
 
-    The leak check needs several process trees (this process's, each pool
-    worker's) at every test's end; building them all from one pass costs one
-    read per process instead of one per process and tree (psutil's
-    ``children(recursive=True)`` reads the whole of /proc on every call).
+    The leak check needs this process's tree and every pool worker's at each
+    test's end, and samples its own tree every 50 ms while a test runs. Reading
+    every ``/proc/<pid>/stat`` each time (what psutil's ``children(recursive=True)``
+    does, once per tree) costs milliseconds; a process's parent does not change
+    while that parent lives, so a snapshot lists ``/proc`` and reads ``stat``
+    only for pids it has not seen, forgetting those that are gone. An orphan
+    keeps its dead parent's pid here, and that pid is gone from the table, so
+    the orphan leaves every tree, as it does in ``/proc`` (where init adopts
+    it). A pid that ended and was handed out again between two snapshots would
+    keep its first parent: the kernel hands out every other free pid first,
+    which no test does in 50 ms.
     """
-    out: dict[int, int] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # exited meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        out[int(name)] = int(stat.rsplit(b")", 1)[1].split()[1])
-    return out
+
+    def __init__(self) -> None:
+        self._ppids: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def snapshot(self) -> dict[int, int]:
+        """The table now (a copy)."""
+        with self._lock:
+            live = {int(n) for n in os.listdir("/proc") if n.isdigit()}
+            for pid in self._ppids.keys() - live:
+                del self._ppids[pid]
+            for pid in live - self._ppids.keys():
+                try:
+                    with open(f"/proc/{pid}/stat", "rb") as f:
+                        stat = f.read()
+                except OSError:  # exited meanwhile
+                    continue
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+                self._ppids[pid] = int(stat.rsplit(b")", 1)[1].split()[1])
+            return dict(self._ppids)
+
+
+_PROCESSES = _ProcessTable()
 
 
 def _descendants(roots: set[int], ppids: dict[int, int]) -> set[int]:
@@ -181,7 +199,7 @@ class _TreeWatch:
 
     def sample(self, ppids: dict[int, int] | None = None) -> set[int]:
         """This process and its descendants now (from ``ppids`` when given)."""
-        now = _descendants({self.me.pid}, _ppid_map() if ppids is None else ppids)
+        now = _descendants({self.me.pid}, _PROCESSES.snapshot() if ppids is None else ppids)
         self.seen |= now
         return now | {self.me.pid}
 
@@ -252,7 +270,7 @@ def no_leaks() -> Iterator[None]:
     """
     me = psutil.Process(os.getpid())
     leaks = _Leaks()
-    kids_before = _descendants({me.pid}, _ppid_map())
+    kids_before = _descendants({me.pid}, _PROCESSES.snapshot())
     watch = _TreeWatch(me)
     try:
         yield
@@ -260,7 +278,7 @@ def no_leaks() -> Iterator[None]:
         watch.stop()
     deadline = time.monotonic() + 5.0
     while True:
-        ppids = _ppid_map()  # one snapshot for every tree below
+        ppids = _PROCESSES.snapshot()  # one for every tree below
         allowed = _pool_family(ppids)
         # Idle fault-rig workers outlive a test as pool workers do; their files
         # are still checked (the rig also checks each case's files itself).
