@@ -106,41 +106,63 @@ def _is_ignored(p: psutil.Process) -> bool:
         return True
 
 
-class _ProcessTable:
-    """``{pid: parent pid}`` of every process on the machine, kept by :meth:`snapshot`.
+def _read_ppid(pid: int) -> int | None:
+    """``pid``'s parent pid now, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+    return int(stat.rsplit(b")", 1)[1].split()[1])
 
-    The leak check needs this process's tree and every pool worker's at each
-    test's end, and samples its own tree every 50 ms while a test runs. Reading
-    every ``/proc/<pid>/stat`` each time (what psutil's ``children(recursive=True)``
-    does, once per tree) costs milliseconds; a process's parent does not change
-    while that parent lives, so a snapshot lists ``/proc`` and reads ``stat``
-    only for pids it has not seen, forgetting those that are gone. An orphan
-    keeps its dead parent's pid here, and that pid is gone from the table, so
-    the orphan leaves every tree, as it does in ``/proc`` (where init adopts
-    it). A pid that ended and was handed out again between two snapshots would
-    keep its first parent: the kernel hands out every other free pid first,
-    which no test does in 50 ms.
+
+class _ProcessTable:
+    """The processes below this one, from a table of parent pids kept up to date cheaply.
+
+    The leak check needs this process's tree (and the pool workers' within it)
+    at each test's start and end, and samples it every 50 ms while a test runs.
+    Reading every ``/proc/<pid>/stat`` each time (what psutil's
+    ``children(recursive=True)`` does, once per tree) costs milliseconds.
+    Instead the table keeps each pid's parent as last read. A process's parent
+    changes only when that parent dies (the orphan is adopted by init or a
+    subreaper), so a look lists ``/proc``, forgets the pids that are gone, and
+    reads ``stat`` only for new pids, for pids whose parent is gone, and for
+    the few the table puts below ``root`` (an orphan whose dead parent
+    lingers as a zombie is among them): the tree it returns is the one
+    ``/proc`` holds. A pid that ended and was handed out again between two
+    looks would be missed: the kernel hands out every other free pid first,
+    which no test does between two looks.
     """
 
     def __init__(self) -> None:
         self._ppids: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def snapshot(self) -> dict[int, int]:
-        """The table now (a copy)."""
+    def below(self, root: int) -> dict[int, int]:
+        """``{pid: parent pid}`` of every process below ``root`` now."""
         with self._lock:
             live = {int(n) for n in os.listdir("/proc") if n.isdigit()}
             for pid in self._ppids.keys() - live:
                 del self._ppids[pid]
-            for pid in live - self._ppids.keys():
-                try:
-                    with open(f"/proc/{pid}/stat", "rb") as f:
-                        stat = f.read()
-                except OSError:  # exited meanwhile
-                    continue
-                # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-                self._ppids[pid] = int(stat.rsplit(b")", 1)[1].split()[1])
-            return dict(self._ppids)
+            # New pids, and orphans whose parent is gone (adopted by init or a
+            # subreaper, such as a pid namespace's init)
+            stale = {pid for pid, ppid in self._ppids.items() if ppid not in live}
+            for pid in (live - self._ppids.keys()) | stale:
+                ppid = _read_ppid(pid)
+                if ppid is None:
+                    self._ppids.pop(pid, None)
+                else:
+                    self._ppids[pid] = ppid
+            # An orphan of a parent that lingers as a zombie was below it when
+            # the parent lived: re-read what the table has below root.
+            for pid in _descendants({root}, self._ppids):
+                ppid = _read_ppid(pid)
+                if ppid is None:
+                    del self._ppids[pid]
+                else:
+                    self._ppids[pid] = ppid
+            return {pid: self._ppids[pid] for pid in _descendants({root}, self._ppids)}
 
 
 _PROCESSES = _ProcessTable()
@@ -161,10 +183,11 @@ def _descendants(roots: set[int], ppids: dict[int, int]) -> set[int]:
     return out
 
 
-def _pool_family(ppids: dict[int, int]) -> set[int]:
-    """Pids of pool workers and their descendants (allowed to outlive a test)."""
+def _pool_family(tree: dict[int, int]) -> set[int]:
+    """Pids of pool workers and their descendants (allowed to outlive a test); the
+    workers are this process's children, so ``tree`` (this process's) holds them."""
     pids = set(live_pool_pids())
-    return pids | _descendants(pids, ppids)
+    return pids | _descendants(pids, tree)
 
 
 @pytest.fixture(scope="session")
@@ -197,9 +220,9 @@ class _TreeWatch:
         self._thread = threading.Thread(target=self._run, name="no-leaks-watch", daemon=True)
         self._thread.start()
 
-    def sample(self, ppids: dict[int, int] | None = None) -> set[int]:
-        """This process and its descendants now (from ``ppids`` when given)."""
-        now = _descendants({self.me.pid}, _PROCESSES.snapshot() if ppids is None else ppids)
+    def sample(self, tree: dict[int, int] | None = None) -> set[int]:
+        """This process and its descendants now (``tree``: as just read)."""
+        now = set(_PROCESSES.below(self.me.pid) if tree is None else tree)
         self.seen |= now
         return now | {self.me.pid}
 
@@ -270,7 +293,7 @@ def no_leaks() -> Iterator[None]:
     """
     me = psutil.Process(os.getpid())
     leaks = _Leaks()
-    kids_before = _descendants({me.pid}, _PROCESSES.snapshot())
+    kids_before = set(_PROCESSES.below(me.pid))
     watch = _TreeWatch(me)
     try:
         yield
@@ -278,12 +301,12 @@ def no_leaks() -> Iterator[None]:
         watch.stop()
     deadline = time.monotonic() + 5.0
     while True:
-        ppids = _PROCESSES.snapshot()  # one for every tree below
-        allowed = _pool_family(ppids)
+        below = _PROCESSES.below(me.pid)  # one look for every tree below
+        allowed = _pool_family(below)
         # Idle fault-rig workers outlive a test as pool workers do; their files
         # are still checked (the rig also checks each case's files itself).
         idle = allowed | live_rig_pids()
-        tree = watch.sample(ppids)
+        tree = watch.sample(below)
         kids = [
             c for c in _processes(tree - {me.pid} - kids_before - idle)
             if not _is_ignored(c)
