@@ -100,6 +100,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 _IGNORED_CHILDREN = ("resource_tracker", "forkserver", REAPER_MARKER)
 
 
+def _processes(pids: set[int]) -> list[psutil.Process]:
+    """The processes of ``pids`` that still exist."""
+    out = []
+    for pid in sorted(pids):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out.append(psutil.Process(pid))
+    return out
+
+
 def _is_ignored(p: psutil.Process) -> bool:
     try:
         cmd = " ".join(p.cmdline())
@@ -108,13 +117,88 @@ def _is_ignored(p: psutil.Process) -> bool:
         return True
 
 
-def _pool_family() -> set[int]:
-    """Pids of pool workers and their descendants (allowed to outlive a test)."""
+def _read_ppid(pid: int) -> int | None:
+    """``pid``'s parent pid now, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+    return int(stat.rsplit(b")", 1)[1].split()[1])
+
+
+class _ProcessTable:
+    """The processes below this one, from a table of parent pids kept up to date cheaply.
+
+    The leak check needs this process's tree (and the pool workers' within it)
+    at each test's start and end, and samples it every 50 ms while a test runs.
+    Reading every ``/proc/<pid>/stat`` each time (what psutil's
+    ``children(recursive=True)`` does, once per tree) costs milliseconds.
+    Instead the table keeps each pid's parent as last read. A process's parent
+    changes only when that parent dies (the orphan is adopted by init or a
+    subreaper), so a look lists ``/proc``, forgets the pids that are gone, and
+    reads ``stat`` only for new pids, for pids whose parent is gone, and for
+    the few the table puts below ``root`` (an orphan whose dead parent
+    lingers as a zombie is among them): the tree it returns is the one
+    ``/proc`` holds. A pid that ended and was handed out again between two
+    looks would be missed: the kernel hands out every other free pid first,
+    which no test does between two looks.
+    """
+
+    def __init__(self) -> None:
+        self._ppids: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def below(self, root: int) -> dict[int, int]:
+        """``{pid: parent pid}`` of every process below ``root`` now."""
+        with self._lock:
+            live = {int(n) for n in os.listdir("/proc") if n.isdigit()}
+            for pid in self._ppids.keys() - live:
+                del self._ppids[pid]
+            # New pids, and orphans whose parent is gone (adopted by init or a
+            # subreaper, such as a pid namespace's init)
+            stale = {pid for pid, ppid in self._ppids.items() if ppid not in live}
+            for pid in (live - self._ppids.keys()) | stale:
+                ppid = _read_ppid(pid)
+                if ppid is None:
+                    self._ppids.pop(pid, None)
+                else:
+                    self._ppids[pid] = ppid
+            # An orphan of a parent that lingers as a zombie was below it when
+            # the parent lived: re-read what the table has below root.
+            for pid in _descendants({root}, self._ppids):
+                ppid = _read_ppid(pid)
+                if ppid is None:
+                    del self._ppids[pid]
+                else:
+                    self._ppids[pid] = ppid
+            return {pid: self._ppids[pid] for pid in _descendants({root}, self._ppids)}
+
+
+_PROCESSES = _ProcessTable()
+
+
+def _descendants(roots: set[int], ppids: dict[int, int]) -> set[int]:
+    """Pids below ``roots`` (not the roots themselves) in the tree ``ppids``."""
+    kids: dict[int, list[int]] = {}
+    for pid, ppid in ppids.items():
+        kids.setdefault(ppid, []).append(pid)
+    out: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for child in kids.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _pool_family(tree: dict[int, int]) -> set[int]:
+    """Pids of pool workers and their descendants (allowed to outlive a test); the
+    workers are this process's children, so ``tree`` (this process's) holds them."""
     pids = set(live_pool_pids())
-    for pid in list(pids):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            pids.update(c.pid for c in psutil.Process(pid).children(recursive=True))
-    return pids
+    return pids | _descendants(pids, tree)
 
 
 @pytest.fixture(scope="session")
@@ -147,11 +231,9 @@ class _TreeWatch:
         self._thread = threading.Thread(target=self._run, name="no-leaks-watch", daemon=True)
         self._thread.start()
 
-    def sample(self) -> set[int]:
-        try:
-            now = {c.pid for c in self.me.children(recursive=True)}
-        except psutil.Error:
-            now = set()
+    def sample(self, tree: dict[int, int] | None = None) -> set[int]:
+        """This process and its descendants now (``tree``: as just read)."""
+        now = set(_PROCESSES.below(self.me.pid) if tree is None else tree)
         self.seen |= now
         return now | {self.me.pid}
 
@@ -222,7 +304,7 @@ def no_leaks() -> Iterator[None]:
     """
     me = psutil.Process(os.getpid())
     leaks = _Leaks()
-    kids_before = {c.pid for c in me.children(recursive=True)}
+    kids_before = set(_PROCESSES.below(me.pid))
     watch = _TreeWatch(me)
     try:
         yield
@@ -230,15 +312,17 @@ def no_leaks() -> Iterator[None]:
         watch.stop()
     deadline = time.monotonic() + 5.0
     while True:
-        allowed = _pool_family()
+        below = _PROCESSES.below(me.pid)  # one look for every tree below
+        allowed = _pool_family(below)
         # Idle fault-rig workers outlive a test as pool workers do; their files
         # are still checked (the rig also checks each case's files itself).
         idle = allowed | live_rig_pids()
+        tree = watch.sample(below)
         kids = [
-            c for c in me.children(recursive=True)
-            if c.pid not in kids_before and c.pid not in idle and not _is_ignored(c)
+            c for c in _processes(tree - {me.pid} - kids_before - idle)
+            if not _is_ignored(c)
         ]
-        files = leaks.find(watch.sample() | watch.seen, allowed)
+        files = leaks.find(tree | watch.seen, allowed)
         if (not kids and not files) or time.monotonic() > deadline:
             break
         time.sleep(0.05)

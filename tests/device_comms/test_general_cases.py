@@ -52,16 +52,16 @@ def test_broken_communicator_import_paths() -> None:
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world_size", [3, pytest.param(5, marks=pytest.mark.slow)])
-def test_general_cases(world_size: int) -> None:
+def test_general_cases(dist_pool, world_size: int) -> None:
     n = world_size
-    outs = run_distributed(general, n, timeout=140)
+    outs = dist_pool(n).run(general, timeout=140)
     cases = general_cases.cases(n)
     failures = []
     for c in cases:
+        wants = [general_cases.expected(c, n, r) for r in range(n)]
         for key, cmp in (("shm", _same), ("gloo", _close)):
             got = [o[key][c[0]] for o in outs]
-            for r in range(n):
-                want = general_cases.expected(c, n, r)
+            for r, want in enumerate(wants):
                 if not cmp(got[r], want):
                     failures.append(f"{key} {c[:5]} {c[5]} rank {r}")
             same_everywhere = c[1] in ("all_reduce", "all_gather", "all_gatherv", "broadcast")

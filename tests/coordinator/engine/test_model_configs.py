@@ -181,13 +181,18 @@ def test_dynamic_rope_matches_hf_frequencies() -> None:
 
 
 # ---------------------------------------------------------------------- the real CLI
+def _cli_argv(ckpt: str, tp: int, pp: int, max_new: int, *extra: str) -> list[str]:
+    """``groupcoord demo ...`` arguments for ``ckpt`` over TP x PP."""
+    prompt_ids = ";".join(",".join(map(str, p)) for p in PROMPTS)
+    return ["demo", "--tp", str(tp), "--pp", str(pp), "--model-dir", ckpt,
+            "--prompt-ids", prompt_ids, "--max-new-tokens", str(max_new), "--no-progress",
+            "--timeout", "200", *extra]
+
+
 def _cli(tmp_path: Path, ckpt: str, tp: int, pp: int, max_new: int, *extra: str
          ) -> subprocess.CompletedProcess[str]:
-    prompt_ids = ";".join(",".join(map(str, p)) for p in PROMPTS)
     return subprocess.run(
-        [sys.executable, "-m", "coordinator", "demo", "--tp", str(tp), "--pp", str(pp),
-         "--model-dir", ckpt, "--prompt-ids", prompt_ids, "--max-new-tokens", str(max_new),
-         "--no-progress", "--timeout", "200", *extra],
+        [sys.executable, "-m", "coordinator", *_cli_argv(ckpt, tp, pp, max_new, *extra)],
         capture_output=True, text=True, timeout=240,
     )
 
@@ -211,15 +216,17 @@ def test_cli_tp2_pp2_bf16_gqa_tied_matches_hf(tmp_path: Path, checkpoints: dict[
 
 @pytest.mark.timeout(120)
 def test_cli_rejects_unshardable_layouts_before_starting(checkpoints: dict[str, Any],
-                                                         tmp_path: Path) -> None:
+                                                         run_cli: Any) -> None:
+    """In this process (``run_cli``): refused before any rank starts, so nothing
+    starts here either; an exception other than the refusal would propagate."""
     ckpt = checkpoints["mqa_headdim"]["path"]  # 2 layers, 4 heads
-    proc = _cli(tmp_path, ckpt, 1, 3, 2)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "cannot split 2 layers over 3 pipeline stages" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    proc = _cli(tmp_path, ckpt, 3, 1, 2)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "num_attention_heads (4)" in proc.stderr and "tp=3" in proc.stderr
+    code, out, err = run_cli(_cli_argv(ckpt, 1, 3, 2))
+    assert code == 2, out + err
+    assert "cannot split 2 layers over 3 pipeline stages" in err
+    assert "Traceback" not in err
+    code, out, err = run_cli(_cli_argv(ckpt, 3, 1, 2))
+    assert code == 2, out + err
+    assert "num_attention_heads (4)" in err and "tp=3" in err
 
 
 def test_dtype_choice_and_generation_config_eos(checkpoints: dict[str, Any], tmp_path: Path

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from coordinator.testing import run_distributed
 from device_comms import CpuCommunicator, ReduceOp
 from device_comms.cpu_shm.engine_threads import GRAIN
 
@@ -54,7 +54,7 @@ def _calls(comm: Any, n: int) -> dict[str, Callable[[], Any]]:
     }
 
 
-def concurrent_rank(rank: int, world_size: int) -> dict[str, Any]:
+def concurrent_rank(rank: int, world_size: int, done_key: str) -> dict[str, Any]:
     comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="two-threads",
                            timeout=20)
     store = dist.distributed_c10d._get_default_store()
@@ -85,10 +85,10 @@ def concurrent_rank(rank: int, world_size: int) -> dict[str, Any]:
                 except Exception as e:  # the parent checks the class
                     got = f"{type(e).__name__}: {str(e)[:200]}"
                 out["refused"][name] = (got, time.monotonic() - t0)
-            store.set("two-threads-done", "1")
+            store.set(done_key, "1")
             worker.join()
         else:
-            store.wait(["two-threads-done"])
+            store.wait([done_key])
             first["got"] = comm.all_reduce(torch.full((_N,), 2.0))
         out["first"] = first["got"]
         out["after"] = comm.all_reduce(torch.full((7,), float(rank + 1))).tolist()
@@ -99,8 +99,10 @@ def concurrent_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_second_thread_is_refused_and_first_call_completes(world_size: int) -> None:
-    outs = run_distributed(concurrent_rank, world_size, timeout=110)
+def test_second_thread_is_refused_and_first_call_completes(dist_pool, world_size: int) -> None:
+    # The pool's store outlives the run: a key of this run's own, never set before.
+    outs = dist_pool(world_size).run(concurrent_rank, f"two-threads-done-{uuid.uuid4().hex}",
+                                     timeout=110)
     want = torch.full((_N,), 2.0 * world_size)
     for rank, o in enumerate(outs):
         assert isinstance(o["first"], torch.Tensor) and torch.equal(o["first"], want), (
