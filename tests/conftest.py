@@ -37,10 +37,11 @@ os.environ.setdefault("GROUPCOORD_TRACE_DUMP", os.path.join(_TRACE_DIR, "rank_")
 atexit.register(shutil.rmtree, _TRACE_DIR, True)
 
 
-#: The longest test files (measured on the 2-core CI machine, ~20-55 s each),
-#: collected first: with ``--no-loadscope-reorder`` xdist's ``loadfile`` hands
-#: out whole files in collection order, so long files started early keep the
-#: two workers finishing together.
+#: The longest test files (measured on the 2-core CI machine, ~20-55 s each;
+#: then the shm_broadcast files of ~10-20 s, which collection order would put
+#: last), collected first: with ``--no-loadscope-reorder`` xdist's ``loadfile``
+#: hands out whole files in collection order, so long files started early keep
+#: the two workers finishing together.
 _LONG_FILES = (
     "tests/faults/test_fault_matrix.py",
     "tests/multihost/test_two_hosts.py",
@@ -59,6 +60,13 @@ _LONG_FILES = (
     "tests/coordinator/stateless/test_stateless_replay.py",
     "tests/device_comms/cuda/custom_allreduce/test_handle_attacks.py",
     "tests/shm_broadcast/codec/test_decoded_size.py",
+    "tests/shm_broadcast/lifecycle/test_channel_dir_cleanup.py",
+    "tests/shm_broadcast/queue/test_confirmed_enqueue.py",
+    "tests/shm_broadcast/waiting/test_pauses.py",
+    "tests/shm_broadcast/queue/test_general_payloads.py",
+    "tests/shm_broadcast/ranks/test_launcher.py",
+    "tests/shm_broadcast/ranks/test_agreement.py",
+    "tests/shm_broadcast/lifecycle/test_exit_cleanup.py",
 )
 
 

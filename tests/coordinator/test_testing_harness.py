@@ -105,13 +105,13 @@ def test_rank_that_dies_raises_rank_died_error(pool, how, words):
 def test_timeout_raises_distributed_timeout_naming_pending_ranks(pool):
     t0 = time.monotonic()
     with pytest.raises(DistributedTimeout) as info:
-        pool.run(sleep_then, 60.0, None, timeout=2.0)
+        pool.run(sleep_then, 60.0, None, timeout=1.0)
     elapsed = time.monotonic() - t0
-    assert 2.0 <= elapsed < 20, elapsed
+    assert 1.0 <= elapsed < 20, elapsed
     e = info.value
     assert isinstance(e, CommTimeout) and isinstance(e, TimeoutError)
     assert e.pending_ranks == [0, 1]
-    assert "[0, 1]" in str(e) and "sleep_then" in str(e) and "2.0s" in str(e)
+    assert "[0, 1]" in str(e) and "sleep_then" in str(e) and "1.0s" in str(e)
 
 
 @pytest.mark.timeout(120)
