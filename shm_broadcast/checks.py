@@ -19,9 +19,30 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from typing import Any
 
-__all__ = ["check_bool", "check_int", "check_rank", "check_str", "check_timeout"]
+__all__ = ["check_bool", "check_int", "check_rank", "check_str", "check_timeout", "env_flag"]
+
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"0", "false", "no", "off"})
+
+
+def env_flag(var: str, default: bool) -> bool:
+    """The on/off environment variable ``var`` (``1``/``true``/``yes``/``on`` or
+    ``0``/``false``/``no``/``off``, any case; unset or empty: ``default``).
+
+    Raises:
+        ValueError: Any other value (names the variable and the value).
+    """
+    raw = os.environ.get(var, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in _ON:
+        return True
+    if raw in _OFF:
+        return False
+    raise ValueError(f"{var} must be 0 or 1, got {raw!r}")
 
 
 def check_int(value: Any, arg: str, *, minimum: int | None = None,

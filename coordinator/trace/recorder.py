@@ -61,6 +61,8 @@ from typing import Any, Protocol
 
 import torch
 
+from shm_broadcast.checks import env_flag
+
 __all__ = [
     "DEFAULT_CAPACITY",
     "DeviceMarks",
@@ -375,12 +377,7 @@ def _capacity_from_env() -> int:
 
 
 def _stacks_from_env() -> bool:
-    raw = os.environ.get("GROUPCOORD_TRACE_STACKS", "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"GROUPCOORD_TRACE_STACKS must be 0 or 1, got {raw!r}")
+    return env_flag("GROUPCOORD_TRACE_STACKS", False)
 
 
 _RECORDER: FlightRecorder | None = None

@@ -103,7 +103,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 from time import monotonic_ns
@@ -116,6 +115,7 @@ from coordinator.trace.auto_dump import DUMP_ATTR
 from coordinator.trace.dump import write_dump
 from coordinator.trace.recorder import DEVICE, GROUP, OP, P2P_SEQ, SEQ, recorder
 from device_comms.errors import add_note
+from shm_broadcast.checks import env_flag
 from shm_broadcast.errors import CommTimeout
 
 __all__ = ["ENV_WATCHDOG", "ENV_ABORT", "GroupWatch", "MarkLog", "Watchdog", "WatchSettings",
@@ -510,9 +510,4 @@ def watch_group(name: str, ranks: list[int], rank: int, timeout_s: float, comm: 
 
 
 def _flag(var: str) -> bool:
-    raw = os.environ.get(var, "").strip().lower()
-    if raw in ("", "1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{var} must be 0 or 1, got {raw!r}")
+    return env_flag(var, True)

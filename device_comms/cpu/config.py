@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shm_broadcast.checks import check_timeout
+from shm_broadcast.checks import check_timeout, env_flag
 from shm_broadcast.timeouts import DEFAULT_TIMEOUT_S, default_timeout, env_timeout
 
 __all__ = ["BYTES_ENV", "ENABLE_ENV", "TIMEOUT_ENV", "DEFAULT_TIMEOUT", "positive_bytes",
@@ -65,12 +65,7 @@ def use_shm_enabled(use_shm: bool | None) -> bool:
         if not isinstance(use_shm, bool):
             raise TypeError(f"use_shm must be a bool or None, got {type(use_shm).__name__}")
         return use_shm
-    raw = os.environ.get(ENABLE_ENV, "1").strip().lower()
-    if raw in ("1", "true", "yes", "on", ""):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{ENABLE_ENV} must be 0 or 1, got {raw!r}")
+    return env_flag(ENABLE_ENV, True)
 
 
 def step_timeout(timeout: float | None) -> float:
