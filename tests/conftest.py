@@ -38,7 +38,7 @@ atexit.register(shutil.rmtree, _TRACE_DIR, True)
 
 
 #: The longest test files (measured on the 2-core CI machine, ~20-55 s each;
-#: then the shm_broadcast files of ~10-20 s, which collection order would put
+#: then the longest shm_broadcast files, which collection order would put
 #: last), collected first: with ``--no-loadscope-reorder`` xdist's ``loadfile``
 #: hands out whole files in collection order, so long files started early keep
 #: the two workers finishing together.
