@@ -24,6 +24,10 @@ alternating blocks of ``--block`` calls.
 Torch threads per rank (``--threads``): ``default`` (torch's own default) and
 ``1`` run as separate rank sets, one after the other.
 
+``--control`` builds both copies with the recorder off, so that the
+difference column shows what the harness itself reads between two identical
+groups (each copy has its own shared-memory workspace).
+
 Run: ``groupcoord bench trace --world-size 2 --rounds 5 --json trace.json``.
 """
 
@@ -61,6 +65,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads per rank: 'default' and/or numbers (default: default 1)")
     p.add_argument("--timeout", type=number(float, above=0), default=600.0,
                    help="seconds before the ranks are killed (default 600)")
+    p.add_argument("--control", action="store_true",
+                   help="build both copies with the recorder off: the 'on - off' column is "
+                        "then the harness's own bias between two identical groups")
     p.add_argument("--json", dest="json_path", default=None, help="write the records here")
 
 
@@ -76,8 +83,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
         cfg = {"sizes": list(args.sizes), "queue_bytes": args.queue_bytes,
                "rounds": args.rounds, "blocks": args.blocks, "block": args.block,
-               "threads": threads}
-        print(f"# world size {args.world_size}, torch threads per rank: {threads}", flush=True)
+               "threads": threads, "control": bool(args.control)}
+        print(f"# world size {args.world_size}, torch threads per rank: {threads}"
+              + (" (control: both copies unrecorded)" if args.control else ""), flush=True)
         results = run_distributed(bench_rank, args.world_size, cfg, timeout=args.timeout)
         rows = results[0]
         records.extend(rows)
@@ -132,7 +140,14 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         back = g.create_mq_broadcaster(writer_rank=1)
         return g, back
 
-    on = build("trace_on")
+    if cfg.get("control"):  # the "on" copy records nothing either
+        previous = reset_recorder(FlightRecorder(0))
+        try:
+            on = build("trace_on")
+        finally:
+            reset_recorder(previous)
+    else:
+        on = build("trace_on")
     previous = reset_recorder(FlightRecorder(0))
     try:
         off = build("trace_off")
@@ -140,6 +155,10 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         reset_recorder(previous)
     try:
         rows = _measure(rank, on, off, cfg, threads)
+        # whether the "on" copy wrote to the recorder (not with --control)
+        recorded = any(t.desc == "trace_on" for t in recorder().groups())
+        for row in rows:
+            row["on_recorded"] = recorded
     finally:
         for g, back in (on, off):
             back.close()

@@ -29,11 +29,13 @@ created. A device call hands its entry a :class:`DeviceMarks` (CUDA events
 recorded around the kernel, read lazily: never a synchronisation on the hot
 path); its state is then what the events say when someone looks.
 
-Entries are plain lists owned by the ring: a writer replaces a slot and later
-stores into the list it created, so a call that outlives ``capacity`` newer
-calls updates an entry no longer in the ring, which is harmless. Record ids
-come from :func:`itertools.count`, whose ``next`` is atomic under the GIL, so
-threads never share an id.
+The ring is a :class:`collections.deque` bounded at ``capacity``: an append
+(atomic under the GIL) drops the oldest entry. Entries are plain lists: a
+writer appends the list it created and later stores into it, so a call that
+outlives ``capacity`` newer calls updates an entry no longer in the ring,
+which is harmless. Record ids come from :func:`itertools.count`, whose
+``next`` is atomic under the GIL, so threads never share an id; two threads
+may append in the other order than their ids, so readers sort by id.
 
 Configuration (read when the process's recorder is first created):
 
@@ -55,6 +57,7 @@ import os
 import tempfile
 import threading
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from time import monotonic_ns
 from typing import Any, Protocol
@@ -130,8 +133,8 @@ class FlightRecorder:
         self.capacity = capacity
         self.stacks = bool(stacks)
         self.dump_prefix = dump_prefix if dump_prefix is not None else default_dump_prefix()
-        #: The ring; a slot holds the latest entry whose record id maps to it.
-        self.ring: list[list[Any] | None] = [None] * capacity
+        #: The ring: the last ``capacity`` entries, in the order they were appended.
+        self.ring: deque[list[Any]] = deque(maxlen=capacity)
         #: Record ids (``next`` is atomic under the GIL).
         self.ids = itertools.count()
         self._groups: list[GroupTrace] = []
@@ -179,24 +182,25 @@ class FlightRecorder:
         """Forget the closed groups without entries left in the ring (lock held)."""
         if not any(g.closed for g in self._groups):
             return
-        ring = list(self.ring)  # a consistent view: later writes replace slots
-        present = {id(e[GROUP]) for e in ring if e is not None}
+        present = {id(e[GROUP]) for e in self._snapshot()}
         self._groups = [g for g in self._groups if not g.closed or id(g) in present]
 
     def entries(self) -> list[list[Any]]:
         """The entries in the ring, oldest first (the lists themselves, not copies)."""
-        ring = list(self.ring)  # a consistent view: later writes replace slots
-        live = [e for e in ring if e is not None]
+        live = self._snapshot()
         live.sort(key=lambda e: e[RID])
         return live
 
-    def next_id(self) -> int:
-        """Take the next record id."""
-        return next(self.ids)
-
-    def store(self, entry: list[Any]) -> None:
-        """Put ``entry`` in its ring slot."""
-        self.ring[entry[RID] % self.capacity] = entry
+    def _snapshot(self) -> list[list[Any]]:
+        """The ring's entries now. Copying a deque runs no Python code, so no other
+        thread appends meanwhile under the GIL; a runtime without one may report
+        the deque changed during the copy, which a retry outlasts."""
+        for _ in range(100):
+            try:
+                return list(self.ring)
+            except RuntimeError:  # appended during the copy
+                continue
+        return list(self.ring)
 
 
 class GroupTrace:
@@ -213,7 +217,7 @@ class GroupTrace:
     """
 
     __slots__ = ("recorder", "pg_id", "name", "desc", "ranks", "rank_in_group",
-                 "transport_of", "closed", "_ring", "_capacity", "_ids")
+                 "transport_of", "closed", "_append", "_ids")
 
     def __init__(self, rec: FlightRecorder, pg_id: int, name: str, desc: str, ranks: list[int],
                  rank_in_group: int,
@@ -226,8 +230,7 @@ class GroupTrace:
         self.rank_in_group = rank_in_group
         self.transport_of = transport_of
         self.closed = False
-        self._ring = rec.ring
-        self._capacity = rec.capacity
+        self._append = rec.ring.append
         self._ids = rec.ids
 
     def begin(self, op: str, seq: int, p2p_seq: int, sizes: Any = None, dtypes: Any = None,
@@ -243,10 +246,9 @@ class GroupTrace:
             dtypes: The input's dtype(s), matching ``sizes``.
             peer: The group rank of a point-to-point call's peer.
         """
-        rid = next(self._ids)
-        entry = [rid, self, op, seq, p2p_seq, peer, sizes, dtypes, None, None, monotonic_ns(),
-                 0, None, None, None, None]
-        self._ring[rid % self._capacity] = entry
+        entry = [next(self._ids), self, op, seq, p2p_seq, peer, sizes, dtypes, None, None,
+                 monotonic_ns(), 0, None, None, None, None]
+        self._append(entry)
         return entry
 
     def begin_tensor(self, op: str, seq: int, p2p_seq: int, tensor: Any,
@@ -259,10 +261,9 @@ class GroupTrace:
             sizes, dtypes = tensor.shape, tensor.dtype
         except AttributeError:
             sizes = dtypes = None
-        rid = next(self._ids)
-        entry = [rid, self, op, seq, p2p_seq, peer, sizes, dtypes, None, None, monotonic_ns(),
-                 0, None, None, None, None]
-        self._ring[rid % self._capacity] = entry
+        entry = [next(self._ids), self, op, seq, p2p_seq, peer, sizes, dtypes, None, None,
+                 monotonic_ns(), 0, None, None, None, None]
+        self._append(entry)
         return entry
 
     @staticmethod

@@ -13,17 +13,19 @@ import pytest
 
 @pytest.mark.slow  # a few seconds of ranks per thread setting: CI time on the 2-core VM
 @pytest.mark.timeout(240)
-def test_bench_trace_reports_each_case_on_and_off(tmp_path: Path) -> None:
+@pytest.mark.parametrize("control", [False, True], ids=["on-vs-off", "control"])
+def test_bench_trace_reports_each_case_on_and_off(tmp_path: Path, control: bool) -> None:
     out = tmp_path / "trace.json"
     proc = subprocess.run(
         [sys.executable, "-m", "coordinator", "bench", "trace", "--sizes", "1K",
          "--rounds", "2", "--blocks", "2", "--block", "5", "--threads", "1",
-         "--json", str(out)],
+         "--json", str(out), *(["--control"] if control else [])],
         capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["records"]
     assert [r["case"] for r in rows] == ["all_reduce 1 KiB", "queue round trip 4 KiB"]
     for r in rows:
+        assert r["on_recorded"] is not control, r  # --control: neither copy records
         assert r["threads"] == 1 and r["rounds"] == 2 and r["samples_per_setting"] == 20
         assert 0 < r["off_median_us"] <= r["off_p99_us"], r
         assert 0 < r["on_median_us"] <= r["on_p99_us"], r
