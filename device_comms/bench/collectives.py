@@ -75,6 +75,11 @@ _OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_allv", "dispatch_c
 _DEFAULT_OPS = _OPS[:3]
 _DTYPES = ("float32", "bfloat16", "float16", "int32", "int64")
 _DEFAULT_SIZES = [1 << s for s in range(10, 27, 2)]  # 1 KiB .. 64 MiB, powers of 4
+#: ``--decode``: what a tensor-parallel decode step all-reduces per layer (one hidden row of
+#: 4,096-8,192 values per sequence, 1-16 sequences, bfloat16 or float32: 8-512 KiB), with
+#: 1 and 4 KiB below and 1 and 16 MiB above for the slopes around it.
+DECODE_SIZES = [1 << 10, 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10,
+                256 << 10, 512 << 10, 1 << 20, 16 << 20]
 
 
 def _parse_size(text: str) -> int:
@@ -125,8 +130,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "all-gather path vs the token all-to-all path vs raw gloo")
     parser.add_argument("--dtypes", nargs="+", choices=_DTYPES, default=["float32", "bfloat16"],
                         help="dtypes (default: float32 bfloat16)")
-    parser.add_argument("--sizes", type=_parse_size, nargs="+", default=None,
-                        help="buffer sizes (e.g. 1K 64K 1M); default 1K..64M in powers of 4")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--sizes", type=_parse_size, nargs="+", default=None,
+                       help="buffer sizes (e.g. 1K 64K 1M); default 1K..64M in powers of 4")
+    which.add_argument("--decode", action="store_true",
+                       help="decode-step sizes: 1K 4K 8K 16K 32K 64K 128K 256K 512K 1M 16M "
+                            "(--min-bytes/--max-bytes still apply)")
     parser.add_argument("--min-bytes", type=_parse_size, default=None,
                         help="drop smaller default sizes")
     parser.add_argument("--max-bytes", type=_parse_size, default=None,
@@ -218,7 +227,7 @@ def _check_cpu_args(args: argparse.Namespace) -> str | None:
 def _rank_config(args: argparse.Namespace) -> dict[str, Any]:
     """What every rank needs to know: ops, dtypes, sizes, iteration budget."""
     sizes = args.sizes or [
-        s for s in _DEFAULT_SIZES
+        s for s in (DECODE_SIZES if args.decode else _DEFAULT_SIZES)
         if (args.min_bytes is None or s >= args.min_bytes)
         and (args.max_bytes is None or s <= args.max_bytes)
     ]

@@ -114,3 +114,24 @@ def test_cuda_bench_plans_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> N
                                   world_sizes=[2, 4], sizes=None, json_path=None)
         assert bench.run_bench(args) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,sizes", [
+    (["--decode"], bench.DECODE_SIZES),
+    (["--decode", "--min-bytes", "4K", "--max-bytes", "512K"],
+     [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10]),
+    (["--sizes", "3K"], [3 << 10]),
+], ids=["decode", "decode-bounded", "sizes"])
+def test_decode_preset_picks_decode_step_sizes(argv: list[str], sizes: list[int]) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_bench_args(parser)
+    assert bench._rank_config(parser.parse_args(argv))["sizes"] == sizes
+
+
+def test_decode_and_sizes_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_bench_args(parser)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--decode", "--sizes", "1K"])
+    assert e.value.code == 2
+    assert "--decode" in capsys.readouterr().err
