@@ -90,6 +90,15 @@ def _argnames(item: pytest.Function) -> list[str]:
     return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
 
 
+def _pickle_problem(value: Any) -> str | None:
+    """Why ``value`` does not pickle; None when it does."""
+    try:
+        pickle.dumps(value)
+    except Exception as e:
+        return str(e)
+    return None
+
+
 def call_arguments(item: pytest.Function) -> bytes:
     """The test function's arguments, pickled for the ranks.
 
@@ -105,12 +114,11 @@ def call_arguments(item: pytest.Function) -> bytes:
                         f"the ranks a distributed test runs on; use it in a test without "
                         f"@pytest.mark.{MARKER}, or pass what the ranks need as a plain value",
                         pytrace=False)
-        try:
-            pickle.dumps(value)
-        except Exception as e:
+        problem = _pickle_problem(value)
+        if problem is not None:
             pytest.fail(f"{item.nodeid}: argument {name!r} (a fixture or parameter) cannot be "
                         f"sent to the ranks: its value, a {type(value).__name__}, does not "
-                        f"pickle ({e}); a distributed test may request the rank fixtures, "
+                        f"pickle ({problem}); a distributed test may request the rank fixtures, "
                         f"parameters and fixtures whose values pickle", pytrace=False)
         kwargs[name] = value
     return pickle.dumps(kwargs)

@@ -56,7 +56,8 @@ def _options(item: pytest.Item) -> MarkerOptions | None:
     try:
         return parse_marker(mark.args, mark.kwargs)
     except ValueError as e:
-        pytest.fail(f"{item.nodeid}: {e}", pytrace=False)
+        problem = str(e)
+    pytest.fail(f"{item.nodeid}: {problem}", pytrace=False)  # outside: no chained error
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

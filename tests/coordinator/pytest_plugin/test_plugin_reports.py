@@ -102,3 +102,149 @@ def test_pass_params_failure_and_timeout(pytester: pytest.Pytester,
     ])
     assert "rank 0 says hello" not in out  # a passing test's output stays captured
     assert "run_call" not in out  # the plugin's own frames are left out
+
+
+_LAYOUTS = """
+    import os
+
+    import pytest
+    import torch
+
+    from coordinator import parallel_state as ps
+
+    PIDS = os.environ["PLUGIN_TEST_PIDS"]
+
+
+    @pytest.mark.distributed(world_size=4, timeout=60, tp=2, pp=2)
+    def test_tp_pp(rank, tp_group, pp_group, dp_group):
+        assert tp_group.ranks == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert pp_group.ranks == [rank % 2, rank % 2 + 2]
+        assert dp_group.world_size == 1
+        assert tp_group.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
+        with open(os.path.join(PIDS, f"rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        os.environ["LEFT_BEHIND"] = "1"
+
+
+    @pytest.mark.distributed(world_size=4, timeout=60, tp=2, pp=2)
+    def test_same_ranks_next_time(rank, tp_group):
+        with open(os.path.join(PIDS, f"rank{rank}")) as f:
+            assert int(f.read()) == os.getpid()  # the pool's rank, not a new one
+        assert "LEFT_BEHIND" not in os.environ  # the environment was put back
+        assert ps.get_tp_group() is tp_group
+
+
+    @pytest.mark.distributed(world_size=4, timeout=60, hosts=2)
+    def test_two_hosts(rank, local_rank, group):
+        assert local_rank == rank % 2
+        assert os.environ["GROUPCOORD_NODE_ID"] == f"host{rank // 2}"
+        assert ps.get_node_count() == 2
+        assert group.all_reduce(torch.ones(1)).item() == 4
+
+
+    @pytest.mark.parametrize("n", [
+        pytest.param(2, marks=pytest.mark.distributed(world_size=2)),
+        pytest.param(3, marks=pytest.mark.distributed(world_size=3)),
+    ])
+    def test_world_size_per_param(n, world_size, tmp_path):
+        assert world_size == n and tmp_path.is_dir()
+
+
+    class TestInAClass:
+        @pytest.mark.distributed(world_size=2)
+        def test_method(self, rank):
+            assert self.seven() == 7
+
+        def seven(self):
+            return 7
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_skipped_everywhere(rank):
+        pytest.skip("not on this machine")
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_rank_dies(rank):
+        if rank == 1:
+            os._exit(3)
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_process_local_fixture(rank, monkeypatch):
+        pass
+
+
+    @pytest.fixture
+    def lock():
+        import threading
+
+        return threading.Lock()
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_value_that_does_not_pickle(rank, lock):
+        pass
+
+
+    def test_rank_without_the_marker(rank):
+        pass
+
+
+    @pytest.mark.distributed(world_size=3, tp=2)
+    def test_bad_layout():
+        pass
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_layouts_hosts_reuse_and_refusals(pytester: pytest.Pytester,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    pids = pytester.mkdir("pids")
+    monkeypatch.setenv("PLUGIN_TEST_PIDS", str(pids))
+    res = _run(pytester, monkeypatch, _LAYOUTS)
+    res.assert_outcomes(passed=6, skipped=1, failed=3, errors=2)
+    res.stdout.fnmatch_lines([
+        "*::test_tp_pp PASSED*",
+        "*::test_same_ranks_next_time PASSED*",
+        "*::test_two_hosts PASSED*",
+        "*::test_world_size_per_param[[]2[]] PASSED*",
+        "*::test_world_size_per_param[[]3[]] PASSED*",
+        "*::TestInAClass::test_method PASSED*",
+        "*::test_skipped_everywhere SKIPPED*",
+        "*::test_rank_dies FAILED*",
+        "*::test_process_local_fixture FAILED*",
+        "*::test_value_that_does_not_pickle FAILED*",
+        "*::test_rank_without_the_marker ERROR*",
+        "*::test_bad_layout ERROR*",
+    ])
+    res.stdout.fnmatch_lines_random([
+        "*died: rank(s) [[]1[]] of 2*",
+        "*rank 1: died (exit code 3)*",
+        "*fixture 'monkeypatch' acts on the pytest process, not on the ranks*",
+        "*argument 'lock' (a fixture or parameter) cannot be sent to the ranks*",
+        "*fixture 'rank' exists only in tests marked @pytest.mark.distributed*",
+        "*tp * pp * dp = 2 must divide world_size=3*",
+        "*SKIPPED*not on this machine*",
+    ])
+
+
+_XDIST = """
+    import pytest
+    import torch
+
+
+    @pytest.mark.distributed(world_size=2, timeout=60)
+    @pytest.mark.parametrize("k", [1, 2])
+    def test_in_a_worker(rank, group, k):
+        assert group.all_reduce(torch.full((2,), float(k))).tolist() == [2.0 * k] * 2
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_under_xdist(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile(test_other=textwrap.dedent(_XDIST))
+    res = _run(pytester, monkeypatch, _XDIST, "-n", "2", "--dist", "loadfile")
+    res.assert_outcomes(passed=4)
