@@ -111,7 +111,7 @@ class RankPool:
             rank_main, n,
             lambda r, child: (r, self.layout, port, child, me, dumps[r]),
             name="groupcoord-test-rank", duplex=True)
-        results = self._collect(self._start_timeout, grace=0.0)
+        results = self._collect(self._start_timeout, grace=FAILURE_GRACE_S)
         bad = [r for r in results if r.status != PASSED]
         if bad:
             self.stop()

@@ -23,3 +23,22 @@ def sleeps_on_rank_0(rank: int) -> None:
 def fails_on_rank_1_before_a_barrier(rank: int, group: object) -> None:
     assert rank != 1, "rank 1 refuses"
     group.barrier()  # type: ignore[attr-defined]  # rank 0 waits here for rank 1
+
+
+def prints(rank: int) -> None:
+    import os
+
+    # file descriptors: in a rank print() writes there too; in a test's own
+    # process sys.stdout is pytest's
+    os.write(1, f"stdout of rank {rank}\n".encode())
+    os.write(2, b"raw stderr\n")
+
+
+def skips(rank: int) -> None:
+    import pytest
+
+    pytest.skip(f"not on rank {rank}")
+
+
+def wants_the_tp_group(tp_group: object) -> None:
+    raise AssertionError("never called: no model-parallel groups here")
