@@ -151,6 +151,16 @@ _LAYOUTS = """
 
 
     @pytest.mark.distributed(world_size=2)
+    def test_destroys_the_world(rank):
+        ps.destroy_distributed_environment()
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_after_the_world_was_destroyed(group):
+        assert group.all_reduce(torch.ones(1)).item() == 2  # a fresh pool
+
+
+    @pytest.mark.distributed(world_size=2)
     def test_skipped_everywhere(rank):
         pytest.skip("not on this machine")
 
@@ -201,7 +211,7 @@ def test_layouts_hosts_reuse_and_refusals(pytester: pytest.Pytester,
     pids = pytester.mkdir("pids")
     monkeypatch.setenv("PLUGIN_TEST_PIDS", str(pids))
     res = _run(pytester, monkeypatch, _LAYOUTS)
-    res.assert_outcomes(passed=6, skipped=1, failed=4, errors=2)
+    res.assert_outcomes(passed=8, skipped=1, failed=4, errors=2)
     res.stdout.fnmatch_lines([
         "*::test_tp_pp PASSED*",
         "*::test_same_ranks_next_time PASSED*",
@@ -209,6 +219,8 @@ def test_layouts_hosts_reuse_and_refusals(pytester: pytest.Pytester,
         "*::test_world_size_per_param[[]2[]] PASSED*",
         "*::test_world_size_per_param[[]3[]] PASSED*",
         "*::TestInAClass::test_method PASSED*",
+        "*::test_destroys_the_world PASSED*",
+        "*::test_after_the_world_was_destroyed PASSED*",
         "*::test_skipped_everywhere SKIPPED*",
         "*::test_rank_dies FAILED*",
         "*::test_process_local_fixture FAILED*",
