@@ -14,6 +14,7 @@ import ast
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import os
 import pickle
 import sys
@@ -52,7 +53,7 @@ def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> Ran
             fn = _test_function(call)
             kwargs = {k: _rank_value(v, rank, world_size, local_rank)
                       for k, v in pickle.loads(call.kwargs).items()}
-            fn(**kwargs)
+            _check_returned(fn(**kwargs), call)
             result = RankResult(rank, PASSED)
         except pytest.skip.Exception as e:
             result = RankResult(rank, SKIPPED, summary=str(e.msg or ""))
@@ -63,6 +64,18 @@ def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> Ran
                                 traceback=format_failure(e, call.tb_style))
     result.output = output[0][-_MAX_OUTPUT:] if output else ""
     return result
+
+
+def _check_returned(out: Any, call: TestCall) -> None:
+    """Refuse a body that did not run: a coroutine or generator the call only made."""
+    __tracebackhide__ = True
+    if inspect.isawaitable(out) or inspect.isgenerator(out):
+        close = getattr(out, "close", None)
+        if close is not None:
+            close()  # never started: nothing of the test ran
+        raise TypeError(f"{call.nodeid}: the test function returned a "
+                        f"{type(out).__name__}; async and generator test functions cannot "
+                        f"run as distributed tests (the body would never run)")
 
 
 def _summary(e: BaseException) -> str:

@@ -42,3 +42,7 @@ def skips(rank: int) -> None:
 
 def wants_the_tp_group(tp_group: object) -> None:
     raise AssertionError("never called: no model-parallel groups here")
+
+
+async def is_a_coroutine(rank: int) -> None:
+    raise AssertionError("never awaited")

@@ -43,3 +43,6 @@ def test_what_cannot_run_is_named() -> None:
     no_tp = run_call(_call("wants_the_tp_group", tp_group=RankFixture("tp_group")), 0, 1, 0)
     assert no_tp.status == FAILED
     assert "fixture 'tp_group' needs model-parallel groups" in no_tp.summary
+    coroutine = run_call(_call("is_a_coroutine", rank=0), 0, 1, 0)
+    assert coroutine.status == FAILED and "async and generator test functions" in \
+        coroutine.summary
