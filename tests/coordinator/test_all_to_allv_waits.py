@@ -18,40 +18,35 @@ import torch
 TIMEOUT_S = 2.0
 
 
-def skip_one(rank: int, world_size: int, transport: str) -> dict[str, Any]:
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport,world_size", [
+    pytest.param("shm", 3, marks=pytest.mark.distributed(world_size=3, timeout=80)),
+    pytest.param("gloo", 2, marks=pytest.mark.distributed(world_size=2, timeout=80)),
+])
+def test_a_missing_rank_times_out_naming_it(rank: int, group: Any, transport: str,
+                                            world_size: int) -> None:
     from coordinator import GroupCoordinator
     from coordinator.errors import CommTimeout
-    from coordinator.parallel_state import get_world_group
 
     g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="a2av-wait",
                          device_communicator="torch" if transport == "gloo" else None,
                          timeout=TIMEOUT_S)
     x = torch.ones(world_size, 2)
     g.all_to_allv(x, [1] * world_size)  # call 1: everyone
-    rec: dict[str, Any] = {"error": None}
-    if rank != world_size - 1:
-        t0 = time.monotonic()
-        try:
-            g.all_to_allv(x, [1] * world_size)  # call 2: the last rank is not there
-        except CommTimeout as e:
-            rec = {"error": type(e).__name__, "elapsed": time.monotonic() - t0, "text": str(e),
-                   "peers": list(e.peers), "op": getattr(e, "op", None),
-                   "call": getattr(e, "call", None)}
-    get_world_group().barrier(timeout=30)  # the skipper leaves only once the others gave up
-    g.destroy()
-    return rec
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("transport,world_size", [("shm", 3), ("gloo", 2)])
-def test_a_missing_rank_times_out_naming_it(dist_pool: Any, transport: str,
-                                            world_size: int) -> None:
-    results = dist_pool(world_size).run(skip_one, transport, timeout=80)
     last = world_size - 1
-    for rank, r in enumerate(results[:-1]):
-        assert r["error"] == "CommTimeout", (rank, r)
-        assert TIMEOUT_S - 0.1 <= r["elapsed"] <= TIMEOUT_S + 2.0, r["elapsed"]
-        assert r["op"] == "all_to_allv" and r["call"] == 2, r
-        assert "a2av-wait" in r["text"] and "all_to_allv" in r["text"], r["text"]
-        assert last in r["peers"], r["peers"]
-    assert results[-1]["error"] is None
+    error = None
+    if rank != last:
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeout) as caught:
+            g.all_to_allv(x, [1] * world_size)  # call 2: the last rank is not there
+        elapsed, error = time.monotonic() - t0, caught.value
+    group.barrier(timeout=30)  # the skipper leaves only once the others gave up
+    g.destroy()
+    if rank == last:
+        assert error is None
+        return
+    assert type(error).__name__ == "CommTimeout", error
+    assert TIMEOUT_S - 0.1 <= elapsed <= TIMEOUT_S + 2.0, elapsed
+    assert getattr(error, "op", None) == "all_to_allv" and getattr(error, "call", None) == 2
+    assert "a2av-wait" in str(error) and "all_to_allv" in str(error), str(error)
+    assert last in list(error.peers), list(error.peers)

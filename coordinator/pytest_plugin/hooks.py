@@ -1,0 +1,106 @@
+"""The plugin's pytest hooks: register the marker, start a test's pool before its
+fixtures, run the marked test's body on the ranks instead of here, close the pools.
+
+The pool is started in ``pytest_runtest_setup``, before any fixture of the test
+is set up, so that fixtures that look at this process's children around each
+test (a leak check) find the ranks already there; ranks that stay up between
+tests are the pool's, not the test's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from coordinator.pytest_plugin.fixtures import call_arguments
+from coordinator.pytest_plugin.marker import MARKER, MARKER_HELP, MarkerOptions, parse_marker
+from coordinator.pytest_plugin.pool import START_TIMEOUT_S, PoolSet, PoolStartError
+from coordinator.pytest_plugin.protocol import TestCall
+from coordinator.pytest_plugin.report import failure_report, print_output, raise_outcome
+
+__all__ = ["pytest_configure", "pytest_unconfigure", "pytest_runtest_setup",
+           "pytest_pyfunc_call", "live_rank_pids"]
+
+_POOLS = pytest.StashKey[PoolSet]()
+_OPTIONS = pytest.StashKey[MarkerOptions]()
+_CONFIGS: list[pytest.Config] = []
+
+
+def live_rank_pids() -> list[int]:
+    """Pids of the ranks of every open pool of this process (they outlive tests)."""
+    return [pid for c in _CONFIGS if _POOLS in c.stash for pid in c.stash[_POOLS].worker_pids]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``distributed`` marker and the session's pools."""
+    config.addinivalue_line("markers", MARKER_HELP)
+    config.stash[_POOLS] = PoolSet()
+    _CONFIGS.append(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop every rank of the session."""
+    if _POOLS in config.stash:
+        config.stash[_POOLS].close()
+        del config.stash[_POOLS]
+    if config in _CONFIGS:
+        _CONFIGS.remove(config)
+
+
+def _options(item: pytest.Item) -> MarkerOptions | None:
+    mark = item.get_closest_marker(MARKER)
+    if mark is None or not isinstance(item, pytest.Function):
+        return None
+    try:
+        return parse_marker(mark.args, mark.kwargs)
+    except ValueError as e:
+        problem = str(e)
+    pytest.fail(f"{item.nodeid}: {problem}", pytrace=False)  # outside: no chained error
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Check a marked test's options and start its pool (before its fixtures)."""
+    options = _options(item)
+    if options is None:
+        return
+    item.stash[_OPTIONS] = options
+    pool = item.config.stash[_POOLS].get(options.layout)
+    try:
+        pool.start()
+    except PoolStartError as e:
+        pytest.fail(failure_report(e.results, f"starting {options.layout.describe()}",
+                                   START_TIMEOUT_S), pytrace=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run a marked test's body on its ranks; other tests run here as usual."""
+    options = pyfuncitem.stash.get(_OPTIONS, None)
+    if options is None:
+        return None
+    call = TestCall(
+        nodeid=pyfuncitem.nodeid,
+        module_name=pyfuncitem.module.__name__ if pyfuncitem.module else "",
+        path=os.fspath(pyfuncitem.path),
+        qualname=_qualname(pyfuncitem),
+        kwargs=call_arguments(pyfuncitem),
+        sys_path=list(sys.path),
+        tb_style=_tb_style(pyfuncitem.config),
+    )
+    pool = pyfuncitem.config.stash[_POOLS].get(options.layout)
+    results = pool.run(call, options.timeout)
+    print_output(results)
+    raise_outcome(results, options.layout.describe(), options.timeout)
+    return True
+
+
+def _qualname(item: pytest.Function) -> str:
+    name = item.originalname
+    return f"{item.cls.__qualname__}.{name}" if item.cls is not None else name
+
+
+def _tb_style(config: pytest.Config) -> str:
+    style = str(config.getoption("tbstyle", "auto"))
+    return {"auto": "long", "line": "short", "no": "short"}.get(style, style)

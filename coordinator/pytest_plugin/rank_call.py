@@ -1,0 +1,214 @@
+"""In a rank: import a test's module, run the test function, say how it went.
+
+The module is imported the way pytest imported it in the parent (same name, the
+parent's ``sys.path``), with pytest's assertion rewriting when the module is
+loaded here for the first time, so a failing ``assert`` reports its values. The
+function's arguments arrive as values, except :class:`RankFixture` stand-ins,
+which become this rank's ``rank``, ``world_size``, groups. What the test writes
+to file descriptors 1 and 2 is captured and sent back with the result.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import os
+import pickle
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from coordinator.pytest_plugin.protocol import (
+    FAILED,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+    RankFixture,
+    RankResult,
+    TestCall,
+)
+
+__all__ = ["RANK_FIXTURES", "run_call"]
+
+#: The rank's fixtures, by name: what each is in a rank.
+RANK_FIXTURES = ("rank", "world_size", "local_rank", "group", "tp_group", "pp_group", "dp_group")
+
+#: The most output of one rank sent back (its end is kept).
+_MAX_OUTPUT = 20_000
+
+
+def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> RankResult:
+    """Run ``call`` here; never raises (a failure is in the result)."""
+    __tracebackhide__ = True  # pytest: the report starts at the test function
+    import pytest
+
+    with _captured_fds() as output:
+        try:
+            fn = _test_function(call)
+            kwargs = {k: _rank_value(v, rank, world_size, local_rank)
+                      for k, v in pickle.loads(call.kwargs).items()}
+            _check_returned(fn(**kwargs), call)
+            result = RankResult(rank, PASSED)
+        except pytest.skip.Exception as e:
+            result = RankResult(rank, SKIPPED, summary=str(e.msg or ""))
+        except pytest.xfail.Exception as e:  # before fail.Exception: XFailed is a Failed
+            result = RankResult(rank, XFAILED, summary=str(e.msg or ""))
+        except BaseException as e:
+            result = RankResult(rank, FAILED, summary=_summary(e),
+                                traceback=format_failure(e, call.tb_style))
+    result.output = output[0][-_MAX_OUTPUT:] if output else ""
+    return result
+
+
+def _check_returned(out: Any, call: TestCall) -> None:
+    """Refuse a body that did not run: a coroutine or generator the call only made."""
+    __tracebackhide__ = True
+    if inspect.isawaitable(out) or inspect.isgenerator(out):
+        close = getattr(out, "close", None)
+        if close is not None:
+            close()  # never started: nothing of the test ran
+        raise TypeError(f"{call.nodeid}: the test function returned a "
+                        f"{type(out).__name__}; async and generator test functions cannot "
+                        f"run as distributed tests (the body would never run)")
+
+
+def _summary(e: BaseException) -> str:
+    import pytest
+
+    if isinstance(e, pytest.fail.Exception):
+        return f"Failed: {e.msg}"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def format_failure(e: BaseException, tb_style: str) -> str:
+    """``e`` as pytest prints a failure (``tb_style``: ``long``, ``short``, ``native``),
+    without this module's frames."""
+    import pytest
+
+    try:
+        info = pytest.ExceptionInfo.from_exception(e)
+        style: Any = tb_style if tb_style in ("long", "short", "native") else "long"
+        return str(info.getrepr(style=style, tbfilter=True))
+    except Exception:  # pytest could not format it: Python's own format still tells
+        return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def _rank_value(value: Any, rank: int, world_size: int, local_rank: int) -> Any:
+    __tracebackhide__ = True  # pytest: a failure here is reported from the test's view
+    if not isinstance(value, RankFixture):
+        return value
+    from coordinator import parallel_state as ps
+
+    getters: dict[str, Callable[[], Any]] = {
+        "rank": lambda: rank, "world_size": lambda: world_size,
+        "local_rank": lambda: local_rank, "group": ps.get_world_group,
+        "tp_group": ps.get_tp_group, "pp_group": ps.get_pp_group, "dp_group": ps.get_dp_group,
+    }
+    if value.name not in getters:
+        raise ValueError(f"fixture {value.name!r} has no value in a rank; the rank "
+                         f"fixtures are {list(RANK_FIXTURES)}")
+    model_groups = ("tp_group", "pp_group", "dp_group")
+    if value.name in model_groups and not ps.model_parallel_is_initialized():
+        raise ValueError(f"fixture {value.name!r} needs model-parallel groups: give tp=, pp= "
+                         f"or dp= in the distributed marker")
+    return getters[value.name]()
+
+
+def _test_function(call: TestCall) -> Callable[..., Any]:
+    """The test function of ``call``; a method of a test class is bound to a new instance."""
+    __tracebackhide__ = True
+    for entry in reversed(call.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    obj: Any = _test_module(call.module_name, call.path)
+    parts = call.qualname.split(".")
+    for i, name in enumerate(parts):
+        try:
+            obj = getattr(obj, name)
+        except AttributeError:
+            raise LookupError(f"{call.nodeid}: {'.'.join(parts[:i + 1])} is not in module "
+                              f"{call.module_name} ({call.path}) as imported in the rank"
+                              ) from None
+        if isinstance(obj, type) and i < len(parts) - 1:
+            obj = obj()  # pytest runs each test method on a new instance of its class
+    if not callable(obj):
+        raise TypeError(f"{call.nodeid}: {call.qualname} is not callable in the rank")
+    return obj  # type: ignore[no-any-return]  # checked callable just above
+
+
+def _test_module(name: str, path: str) -> ModuleType:
+    """The module ``name`` from file ``path``: already imported, else loaded from the file."""
+    mod = sys.modules.get(name)
+    if mod is not None and _same_file(getattr(mod, "__file__", None), path):
+        return mod
+    package = name.rpartition(".")[0]
+    if package:
+        with contextlib.suppress(ImportError):  # a rootdir-relative name may have none
+            importlib.import_module(package)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None:
+        raise ImportError(f"cannot import the test module {name} from {path} in the rank")
+    mod = importlib.util.module_from_spec(spec)
+    code = _compile_with_rewritten_asserts(path)
+    sys.modules[name] = mod
+    try:
+        exec(code, mod.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return mod
+
+
+def _compile_with_rewritten_asserts(path: str) -> Any:
+    with open(path, "rb") as f:
+        source = f.read()
+    tree = ast.parse(source, filename=path)
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        rewrite_asserts(tree, source, path, None)
+    except Exception:  # another pytest: plain asserts still fail, with less detail
+        tree = ast.parse(source, filename=path)
+    return compile(tree, path, "exec", dont_inherit=True)
+
+
+def _same_file(a: str | None, b: str) -> bool:
+    if a is None:
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _captured_fds() -> Iterator[list[str]]:
+    """Send file descriptors 1 and 2 to a temporary file; yields a list that holds
+    the text written once the block ends."""
+    out: list[str] = []
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with tempfile.TemporaryFile() as tmp:
+        saved = (os.dup(1), os.dup(2))
+        os.dup2(tmp.fileno(), 1)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            tmp.seek(0)
+            out.append(tmp.read().decode("utf-8", errors="replace"))

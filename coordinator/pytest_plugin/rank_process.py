@@ -1,0 +1,158 @@
+"""A rank process of the plugin's pool: start, run tests until told to stop, reset between.
+
+Start: the environment of its :class:`~coordinator.pytest_plugin.marker.Layout`
+(simulated host's node id, ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``), torch's thread
+count, the world group (gloo, and our communicators), then the model-parallel
+groups when the layout has them. Answers ``("ready",)``.
+
+Each test: run it (:func:`coordinator.pytest_plugin.rank_call.run_call`), then put
+back what a test may change in the process: the environment variables and the
+working directory; model-parallel groups a layout-less test created are destroyed
+(as :class:`coordinator.testing.DistributedPool` does). A rank whose world group,
+or whose layout's groups, are no longer the ones it started with reports itself
+not reusable, and the parent starts a fresh pool for the next test.
+
+On ``SIGUSR2`` (from the parent, when the rank is stopped or timed out) the rank
+writes every thread's Python stack to its dump file (:mod:`faulthandler`, which
+works while the main thread waits inside a C call).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+from multiprocessing.connection import Connection
+from typing import IO, Any
+
+from coordinator.pytest_plugin.marker import Layout
+from coordinator.pytest_plugin.protocol import (
+    FAILED,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+    RankResult,
+    TestCall,
+)
+from shm_broadcast.ranks.launcher import die_with_parent
+
+__all__ = ["STACK_SIGNAL", "rank_main"]
+
+#: The signal that makes a rank write its Python stacks to its dump file.
+STACK_SIGNAL = signal.SIGUSR2
+
+_dump_file: IO[str] | None = None  # open for the process's life: faulthandler writes to it
+
+
+def rank_main(rank: int, layout: Layout, port: int, conn: Connection, parent_pid: int,
+              dump_path: str) -> None:
+    """The rank process: start, then serve tests until ``("stop",)`` or EOF."""
+    global _dump_file
+    die_with_parent(parent_pid)
+    _dump_file = open(dump_path, "w")  # noqa: SIM115  # kept open until the process exits
+    faulthandler.register(STACK_SIGNAL, file=_dump_file, all_threads=True, chain=False)
+    try:
+        state = _RankState(rank, layout, port)
+    except BaseException as e:
+        from coordinator.pytest_plugin.rank_call import format_failure
+
+        conn.send(RankResult(rank, FAILED, summary=f"{type(e).__name__}: {e}",
+                             traceback=format_failure(e, "native"), reusable=False))
+        return
+    conn.send(("ready",))
+    try:
+        _serve(conn, state)
+    finally:
+        state.close()
+        conn.close()
+
+
+def _serve(conn: Connection, state: _RankState) -> None:
+    from coordinator.pytest_plugin.rank_call import run_call
+
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "stop":
+            return
+        call: TestCall = msg[1]
+        env, cwd = dict(os.environ), os.getcwd()
+        result = run_call(call, state.rank, state.layout.world_size, state.local_rank)
+        # After a failure peers may wait in a collective (and the reset's own
+        # collectives with them): the parent replaces the whole pool instead.
+        result.reusable = result.status in (PASSED, SKIPPED, XFAILED)
+        try:
+            _put_back(env, cwd)
+            if result.reusable:
+                result.reusable = state.reset()
+        except BaseException as e:  # the next test needs a fresh rank
+            result.reusable = False
+            result.output += f"\n[groupcoord pytest plugin] reset after the test failed: {e!r}"
+        conn.send(result)
+
+
+def _put_back(env: dict[str, str], cwd: str) -> None:
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)
+    if os.getcwd() != cwd:
+        os.chdir(cwd)
+
+
+class _RankState:
+    """This rank's place in the layout, and the groups it started with."""
+
+    def __init__(self, rank: int, layout: Layout, port: int) -> None:
+        self.rank, self.layout = rank, layout
+        self.local_rank = layout.local_rank(rank)
+        os.environ.update(layout.rank_env(rank))
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(self.local_rank),
+                           "WORLD_SIZE": str(layout.world_size),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        import torch
+
+        from coordinator import parallel_state as ps
+
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
+        self.world = ps.init_distributed_environment(
+            world_size=layout.world_size, rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=self.local_rank)
+        self.groups: tuple[Any, ...] = ()
+        if layout.model_parallel:
+            tp, pp, dp = layout.model_parallel_sizes()
+            ps.initialize_model_parallel(tp, pp, dp)
+            self.groups = self._model_groups()
+
+    @staticmethod
+    def _model_groups() -> tuple[Any, ...]:
+        from coordinator import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return ()
+        return (ps.get_tp_group(), ps.get_pp_group(), ps.get_dp_group())
+
+    def reset(self) -> bool:
+        """Put the groups back as the layout has them; False when only a fresh rank can."""
+        from coordinator import parallel_state as ps
+
+        if ps.get_world_group() is not self.world:
+            return False
+        if not self.layout.model_parallel:
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            return True
+        now = self._model_groups()
+        return len(now) == len(self.groups) and all(
+            a is b for a, b in zip(now, self.groups, strict=True))
+
+    def close(self) -> None:
+        from coordinator import parallel_state as ps
+
+        try:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+        except BaseException:  # exiting anyway; the parent reaps what is left
+            pass

@@ -1,0 +1,48 @@
+"""Functions the pool tests send to ranks as tests (by module and name)."""
+
+from __future__ import annotations
+
+import time
+
+
+def passes(rank: int, group: object) -> None:
+    import torch
+
+    assert group.all_reduce(torch.ones(1)).item() == 2  # type: ignore[attr-defined]
+
+
+def fails_on_rank_1(rank: int) -> None:
+    assert rank != 1, "rank 1 refuses"
+
+
+def sleeps_on_rank_0(rank: int) -> None:
+    if rank == 0:
+        time.sleep(60)
+
+
+def fails_on_rank_1_before_a_barrier(rank: int, group: object) -> None:
+    assert rank != 1, "rank 1 refuses"
+    group.barrier()  # type: ignore[attr-defined]  # rank 0 waits here for rank 1
+
+
+def prints(rank: int) -> None:
+    import os
+
+    # file descriptors: in a rank print() writes there too; in a test's own
+    # process sys.stdout is pytest's
+    os.write(1, f"stdout of rank {rank}\n".encode())
+    os.write(2, b"raw stderr\n")
+
+
+def skips(rank: int) -> None:
+    import pytest
+
+    pytest.skip(f"not on rank {rank}")
+
+
+def wants_the_tp_group(tp_group: object) -> None:
+    raise AssertionError("never called: no model-parallel groups here")
+
+
+async def is_a_coroutine(rank: int) -> None:
+    raise AssertionError("never awaited")

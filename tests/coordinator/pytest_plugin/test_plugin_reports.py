@@ -1,0 +1,266 @@
+"""The plugin seen from pytest: generated test files run in a pytest subprocess
+(``pytester``), and what its report says.
+
+One run covers the fast cases: a passing test, parametrize ids, a rank that
+fails (its traceback and the ranks' output in the report). The others (a rank
+that hangs past the timeout, layouts, simulated hosts, a rank that dies, test
+classes, fixtures that cannot reach the ranks, skips, xdist) are ``slow``.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+import coordinator
+
+pytest_plugins = ["pytester"]
+
+#: The checkout whose ``coordinator`` this process imported: the subprocess uses it too.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(coordinator.__file__)))
+
+_FAST = """
+    import pytest
+    import torch
+
+
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_sum(rank, world_size, group):
+        out = group.all_reduce(torch.tensor([rank + 1.0]))
+        print(f"rank {rank} says hello")
+        assert out.item() == world_size * (world_size + 1) / 2
+
+
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    @pytest.mark.parametrize("scale", [2, 3], ids=["double", "triple"])
+    def test_scaled(rank, scale):
+        assert torch.tensor([rank]).mul(scale).item() == rank * scale
+
+
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_one_rank_fails(rank):
+        print(f"rank {rank} was here")
+        values = [rank, rank * 10]
+        assert values[1] == 0, "only rank 0 gets here"
+
+"""
+
+
+def _line(source: str, text: str) -> int:
+    """The line number of the first line of ``source`` (dedented) holding ``text``."""
+    lines = textwrap.dedent(source).splitlines()
+    return next(i for i, ln in enumerate(lines, 1) if text in ln)
+
+
+def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, source: str,
+         *args: str) -> pytest.RunResult:
+    monkeypatch.setenv("PYTHONPATH", _ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    (pytester.path / "test_generated.py").write_text(textwrap.dedent(source))
+    return pytester.runpytest_subprocess(
+        "-p", "coordinator.pytest_plugin", "-p", "no:cacheprovider", "-v",
+        *args, timeout=240)
+
+
+@pytest.mark.timeout(240)
+def test_pass_params_and_a_failing_rank(pytester: pytest.Pytester,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    res = _run(pytester, monkeypatch, _FAST)
+    out = res.stdout.str()
+    res.assert_outcomes(passed=3, failed=1)
+    res.stdout.fnmatch_lines([
+        "*test_generated.py::test_sum PASSED*",
+        "*test_generated.py::test_scaled[[]double[]] PASSED*",
+        "*test_generated.py::test_scaled[[]triple[]] PASSED*",
+        "*test_generated.py::test_one_rank_fails FAILED*",
+    ])
+    # the failing rank's own traceback, in pytest's format, under its rank
+    res.stdout.fnmatch_lines([
+        "*distributed test (world_size=2) did not pass on every rank:",
+        "*raised: rank(s) [[]1[]] of 2",
+        "*passed: rank(s) [[]0[]] of 2",
+        "*rank 1: AssertionError: only rank 0 gets here*",
+        ">*assert values[[]1[]] == 0, \"only rank 0 gets here\"",
+        "E*AssertionError: only rank 0 gets here",
+        "E*assert 10 == 0",
+        f"*test_generated.py:{_line(_FAST, 'assert values[1] == 0')}: AssertionError",
+    ])
+    res.stdout.fnmatch_lines([  # what the ranks printed, in the failed test's output
+        "*Captured stdout call*", "----- rank 0 -----", "rank 0 was here",
+        "----- rank 1 -----", "rank 1 was here",
+    ])
+    assert "rank 0 says hello" not in out  # a passing test's output stays captured
+    assert "run_call" not in out  # the plugin's own frames are left out
+
+
+_LAYOUTS = """
+    import os
+    import time
+
+    import pytest
+    import torch
+
+    from coordinator import parallel_state as ps
+
+    PIDS = os.environ["PLUGIN_TEST_PIDS"]
+
+
+    @pytest.mark.distributed(world_size=4, timeout=60, tp=2, pp=2)
+    def test_tp_pp(rank, tp_group, pp_group, dp_group):
+        assert tp_group.ranks == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert pp_group.ranks == [rank % 2, rank % 2 + 2]
+        assert dp_group.world_size == 1
+        assert tp_group.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
+        with open(os.path.join(PIDS, f"rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        os.environ["LEFT_BEHIND"] = "1"
+
+
+    @pytest.mark.distributed(world_size=4, timeout=60, tp=2, pp=2)
+    def test_same_ranks_next_time(rank, tp_group):
+        with open(os.path.join(PIDS, f"rank{rank}")) as f:
+            assert int(f.read()) == os.getpid()  # the pool's rank, not a new one
+        assert "LEFT_BEHIND" not in os.environ  # the environment was put back
+        assert ps.get_tp_group() is tp_group
+
+
+    @pytest.mark.distributed(world_size=4, timeout=60, hosts=2)
+    def test_two_hosts(rank, local_rank, group):
+        assert local_rank == rank % 2
+        assert os.environ["GROUPCOORD_NODE_ID"] == f"host{rank // 2}"
+        assert ps.get_node_count() == 2
+        assert group.all_reduce(torch.ones(1)).item() == 4
+
+
+    @pytest.mark.parametrize("n", [
+        pytest.param(2, marks=pytest.mark.distributed(world_size=2)),
+        pytest.param(3, marks=pytest.mark.distributed(world_size=3)),
+    ])
+    def test_world_size_per_param(n, world_size, tmp_path):
+        assert world_size == n and tmp_path.is_dir()
+
+
+    class TestInAClass:
+        @pytest.mark.distributed(world_size=2)
+        def test_method(self, rank):
+            assert self.seven() == 7
+
+        def seven(self):
+            return 7
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_destroys_the_world(rank):
+        ps.destroy_distributed_environment()
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_after_the_world_was_destroyed(group):
+        assert group.all_reduce(torch.ones(1)).item() == 2  # a fresh pool
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_skipped_everywhere(rank):
+        pytest.skip("not on this machine")
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_rank_dies(rank):
+        if rank == 1:
+            os._exit(3)
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_process_local_fixture(rank, monkeypatch):
+        pass
+
+
+    @pytest.fixture
+    def lock():
+        import threading
+
+        return threading.Lock()
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_value_that_does_not_pickle(rank, lock):
+        pass
+
+
+    def test_rank_without_the_marker(rank):
+        pass
+
+
+    @pytest.mark.distributed(world_size=3, tp=2)
+    def test_bad_layout():
+        pass
+
+
+    @pytest.mark.distributed(world_size=2, timeout=2)
+    def test_one_rank_hangs(rank):
+        if rank == 0:
+            time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_layouts_hosts_reuse_and_refusals(pytester: pytest.Pytester,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    pids = pytester.mkdir("pids")
+    monkeypatch.setenv("PLUGIN_TEST_PIDS", str(pids))
+    res = _run(pytester, monkeypatch, _LAYOUTS)
+    res.assert_outcomes(passed=8, skipped=1, failed=4, errors=2)
+    res.stdout.fnmatch_lines([
+        "*::test_tp_pp PASSED*",
+        "*::test_same_ranks_next_time PASSED*",
+        "*::test_two_hosts PASSED*",
+        "*::test_world_size_per_param[[]2[]] PASSED*",
+        "*::test_world_size_per_param[[]3[]] PASSED*",
+        "*::TestInAClass::test_method PASSED*",
+        "*::test_destroys_the_world PASSED*",
+        "*::test_after_the_world_was_destroyed PASSED*",
+        "*::test_skipped_everywhere SKIPPED*",
+        "*::test_rank_dies FAILED*",
+        "*::test_process_local_fixture FAILED*",
+        "*::test_value_that_does_not_pickle FAILED*",
+        "*::test_rank_without_the_marker ERROR*",
+        "*::test_bad_layout ERROR*",
+    ])
+    res.stdout.fnmatch_lines_random([
+        "*died: rank(s) [[]1[]] of 2*",
+        "*rank 1: died (exit code 3)*",
+        "*fixture 'monkeypatch' acts on the pytest process, not on the ranks*",
+        "*argument 'lock' (a fixture or parameter) cannot be sent to the ranks*",
+        "*fixture 'rank' exists only in tests marked @pytest.mark.distributed*",
+        "*tp * pp * dp = 2 must divide world_size=3*",
+        "*SKIPPED*not on this machine*",
+    ])
+    # the hanging rank: named, killed, with where it was
+    res.stdout.fnmatch_lines([
+        "*timed out: rank(s) [[]0[]] of 2 did not finish within 2 s*",
+        "*every rank was killed and reaped*",
+        "*rank 0: timed out; its Python stacks*",
+        f'*test_generated.py", line {_line(_LAYOUTS, "time.sleep(60)")} in test_one_rank_hangs',
+    ])
+
+
+_XDIST = """
+    import pytest
+    import torch
+
+
+    @pytest.mark.distributed(world_size=2, timeout=60)
+    @pytest.mark.parametrize("k", [1, 2])
+    def test_in_a_worker(rank, group, k):
+        assert group.all_reduce(torch.full((2,), float(k))).tolist() == [2.0 * k] * 2
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_under_xdist(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile(test_other=textwrap.dedent(_XDIST))
+    res = _run(pytester, monkeypatch, _XDIST, "-n", "2", "--dist", "loadfile")
+    res.assert_outcomes(passed=4)

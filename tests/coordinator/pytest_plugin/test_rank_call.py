@@ -1,0 +1,48 @@
+"""What a rank does with one test (``run_call``), here in the test's own process: the
+function found by name, rank fixtures filled in, output captured, outcomes told apart."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+from coordinator.pytest_plugin.protocol import (
+    FAILED,
+    PASSED,
+    SKIPPED,
+    RankFixture,
+    TestCall,
+)
+from coordinator.pytest_plugin.rank_call import run_call
+from tests.coordinator.pytest_plugin import rank_functions
+
+
+def _call(name: str, **kwargs: Any) -> TestCall:
+    return TestCall(f"rank_functions::{name}", rank_functions.__name__,
+                    os.path.abspath(rank_functions.__file__), name, pickle.dumps(kwargs), [])
+
+
+def test_output_of_the_test_is_captured_and_returned() -> None:
+    r = run_call(_call("prints", rank=RankFixture("rank")), 3, 4, 1)
+    assert r.status == PASSED and r.rank == 3
+    assert "stdout of rank 3" in r.output and "raw stderr" in r.output
+
+
+def test_outcomes_are_told_apart() -> None:
+    skipped = run_call(_call("skips", rank=RankFixture("rank")), 1, 2, 1)
+    assert (skipped.status, skipped.summary) == (SKIPPED, "not on rank 1")
+    failed = run_call(_call("fails_on_rank_1", rank=1), 1, 2, 1)
+    assert failed.status == FAILED and failed.summary == "AssertionError: rank 1 refuses"
+    assert "rank_functions.py" in failed.traceback and "run_call" not in failed.traceback
+
+
+def test_what_cannot_run_is_named() -> None:
+    missing = run_call(_call("no_such_test"), 0, 1, 0)
+    assert missing.status == FAILED and "no_such_test is not in module" in missing.summary
+    no_tp = run_call(_call("wants_the_tp_group", tp_group=RankFixture("tp_group")), 0, 1, 0)
+    assert no_tp.status == FAILED
+    assert "fixture 'tp_group' needs model-parallel groups" in no_tp.summary
+    coroutine = run_call(_call("is_a_coroutine", rank=0), 0, 1, 0)
+    assert coroutine.status == FAILED and "async and generator test functions" in \
+        coroutine.summary
