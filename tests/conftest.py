@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
+from coordinator.pytest_plugin import live_rank_pids
 from coordinator.testing import DistributedPool, live_pool_pids
 from shm_broadcast.lifecycle import leftovers
 from shm_broadcast.lifecycle.channel_dirs import list_channel_dirs
@@ -203,9 +204,10 @@ def _descendants(roots: set[int], ppids: dict[int, int]) -> set[int]:
 
 
 def _pool_family(tree: dict[int, int]) -> set[int]:
-    """Pids of pool workers and their descendants (allowed to outlive a test); the
-    workers are this process's children, so ``tree`` (this process's) holds them."""
-    pids = set(live_pool_pids())
+    """Pids of pool workers (``dist_pool``'s and the pytest plugin's ranks) and their
+    descendants (allowed to outlive a test); the workers are this process's children,
+    so ``tree`` (this process's) holds them."""
+    pids = set(live_pool_pids()) | set(live_rank_pids())
     return pids | _descendants(pids, tree)
 
 
