@@ -129,7 +129,8 @@ _BITWISE = ("band", "bor", "bxor")
 
 def _all_reduce(op: str) -> Callable[[int, int], list[Case]]:
     def cases(rank: int, world: int) -> list[Case]:
-        dtypes = (*INTS, torch.bool) if op in _BITWISE else (*FLOATS, *INTS)
+        dtypes = (*INTS, torch.bool) if op in _BITWISE else (*FLOATS, *INTS, torch.bool,
+                                                              torch.complex64)
         out: list[Case] = []
         for name, dt, shape, nc in _variants(dtypes):
             def run(pg: Any, dt: torch.dtype = dt, shape: tuple[int, ...] = shape,
@@ -387,6 +388,21 @@ def _functional(rank: int, world: int) -> list[Case]:
             ("all_to_all_single", all_to_all)]
 
 
+def _autograd(rank: int, world: int) -> list[Case]:
+    """Leaves that require grad, written in place as torch's backends do (no history)."""
+    def all_reduce(pg: Any) -> list[torch.Tensor]:
+        t = inp((3, 4), torch.float32, rank, noncontig=_nc(pg, True)).requires_grad_()
+        dist.all_reduce(t, group=pg)
+        assert t.grad_fn is None
+        return [t.detach()]
+
+    def all_gather(pg: Any) -> list[torch.Tensor]:
+        outs = [torch.zeros(2) for _ in range(world)]  # gloo refuses outputs that require grad
+        dist.all_gather(outs, inp((2,), torch.float32, rank).requires_grad_(), group=pg)
+        return [o.detach() for o in outs]
+    return [("all_reduce", all_reduce), ("all_gather", all_gather)]
+
+
 CASES: dict[str, Callable[[int, int], list[Case]]] = {
     **{f"all_reduce-{op}": _all_reduce(op) for op in _RED},
     "all_reduce-avg": _avg,
@@ -403,4 +419,5 @@ CASES: dict[str, Callable[[int, int], list[Case]]] = {
     "all_to_all_single": _all_to_all_single,
     "all_to_all": _all_to_all,
     "functional": _functional,
+    "autograd": _autograd,
 }

@@ -40,7 +40,7 @@ def _world_is_ours(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def _check(results: list[dict[str, Any]], world: int, backend: str) -> None:
+def _check(results: list[dict[str, Any]], world: int, backend: str, mode: str = "shm") -> None:
     total = float(sum(range(1, world + 1)))
     for rank, r in enumerate(results):
         assert r["type"] == "GroupcoordProcessGroup"
@@ -49,7 +49,9 @@ def _check(results: list[dict[str, Any]], world: int, backend: str) -> None:
         assert r["gathered"] == [[float(i)] * 2 for i in range(world)]
         base = float(sum(range(world)))
         assert r["rs"] == [world * (2 * rank + j) + base for j in range(2)]
-        assert r["mode"] == "shm" and r["served"] == 3  # the barrier is not counted
+        assert r["mode"] == mode
+        if mode == "shm":
+            assert r["served"] == 3  # the barrier is not counted
         assert r["sub"] == [float(world)] * 2
 
 
@@ -61,3 +63,11 @@ def test_init_process_group_groupcoord() -> None:
 def test_init_process_group_cpu_device_string_world_4() -> None:
     _check(run_distributed(_world_is_ours, 4, backend="cpu:groupcoord", timeout=180), 4,
            "cpu:groupcoord")
+
+
+@pytest.mark.slow
+def test_init_process_group_simulated_hosts_world_4() -> None:
+    """Two simulated hosts of two ranks: all-reduce runs hierarchically, the rest on gloo."""
+    env = [{"GROUPCOORD_NODE_ID": f"host{r // 2}"} for r in range(4)]
+    _check(run_distributed(_world_is_ours, 4, backend="groupcoord", timeout=180, env=env), 4,
+           "groupcoord", mode="hierarchical")

@@ -163,3 +163,25 @@ def test_destroy_frees_shared_memory(pool: Any) -> None:
         assert r["mapped"] > 0 and r["left"] == 0
         assert r["closed"] and r["served"] == 1
         assert r["fds"] <= 0
+
+
+def _ddp_step(rank: int, world: int) -> dict[str, Any]:
+    """One DDP step on groupcoord and on gloo: the same gradients (DDP's reducer
+    all-reduces through C++ and reads the works' futures)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    grads = {}
+    for name, pg in (("gloo", dist.group.WORLD), ("groupcoord", cases.group())):
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(4, 3), process_group=pg)
+        x = cases.inp((5, 4), torch.float32, rank)
+        model(x).square().sum().backward()
+        grads[name] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return {"equal": all(torch.equal(a, b) for a, b in
+                         zip(grads["gloo"], grads["groupcoord"], strict=True)),
+            "n": len(grads["groupcoord"])}
+
+
+def test_ddp_step_equals_gloo(pool: Any) -> None:
+    for res in pool.run(_ddp_step, timeout=60):
+        assert res == {"equal": True, "n": 2}
