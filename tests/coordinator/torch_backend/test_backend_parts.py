@@ -104,3 +104,23 @@ def test_failed_work_raises_on_every_wait_and_in_its_future() -> None:
     assert w.is_completed() and not w.is_success() and w.exception() is err
     with pytest.raises(CommTimeout, match="late"):
         w.get_future().wait()
+
+
+@pytest.mark.parametrize("spec", ["groupcoord", "cpu:groupcoord", "cpu:groupcoord,cuda:gloo",
+                                  "cuda:gloo,cpu:groupcoord"])
+def test_backend_strings_give_our_group(spec: str) -> None:
+    """torch takes a Python group as the whole group, whatever the other devices say
+    (a one-rank world in this process: nothing to share, nothing started)."""
+    from coordinator.torch_backend import GroupcoordProcessGroup
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a default group")
+    dist.init_process_group(spec, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert isinstance(dist.group.WORLD, GroupcoordProcessGroup)
+        assert dist.get_backend() == spec
+        t = torch.ones(2)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
