@@ -55,9 +55,10 @@ from coordinator.torch_backend.translate import (
 )
 from coordinator.torch_backend.work import GroupcoordWork
 from device_comms.cpu.communicator import CpuCommunicator
-from device_comms.errors import CommunicatorClosed
+from device_comms.errors import CommunicatorClosed, add_note
 from device_comms.reduce_op import ReduceOp
 from device_comms.validation import check_tensor
+from shm_broadcast.errors import GroupCoordError
 
 __all__ = ["BACKEND_NAME", "GroupcoordProcessGroup"]
 
@@ -145,7 +146,10 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         try:
             return check()
         except (TypeError, ValueError) as e:
-            self.communicator.reject(op, e)
+            try:
+                self.communicator.reject(op, e)
+            except GroupCoordError as notify:  # closed, broken: this rank's error still raises
+                add_note(e, f"telling the peers of group {self._name!r} failed: {notify}")
             raise
 
     # ------------------------------------------------------------------ reductions
