@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from coordinator.pytest_plugin.assertions import assertion_options
 from coordinator.pytest_plugin.fixtures import call_arguments
 from coordinator.pytest_plugin.marker import MARKER, MARKER_HELP, MarkerOptions, parse_marker
 from coordinator.pytest_plugin.pool import START_TIMEOUT_S, PoolSet, PoolStartError
@@ -88,6 +89,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         kwargs=call_arguments(pyfuncitem),
         sys_path=list(sys.path),
         tb_style=_tb_style(pyfuncitem.config),
+        showlocals=bool(pyfuncitem.config.getoption("showlocals", False)),
+        assertion_options=assertion_options(pyfuncitem.config),
     )
     pool = pyfuncitem.config.stash[_POOLS].get(options.layout)
     results = pool.run(call, options.timeout)

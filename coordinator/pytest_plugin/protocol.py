@@ -8,7 +8,8 @@ with one :class:`RankResult`, and its start with ``("ready",)`` or a failed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["RankFixture", "TestCall", "RankResult", "PASSED", "FAILED", "SKIPPED", "XFAILED",
            "DIED", "STOPPED", "TIMED_OUT"]
@@ -49,6 +50,9 @@ class TestCall:
             and :class:`RankFixture` stand-ins.
         sys_path: The pytest process's ``sys.path`` (what makes the module importable).
         tb_style: pytest's ``--tb`` style for the ranks' tracebacks.
+        showlocals: pytest's ``--showlocals``: tracebacks with local variables.
+        assertion_options: What the ranks' failed asserts are explained with
+            (:func:`coordinator.pytest_plugin.assertions.assertion_options`).
     """
 
     __test__ = False  # not a test class, whatever pytest collects it with
@@ -60,6 +64,8 @@ class TestCall:
     kwargs: bytes
     sys_path: list[str]
     tb_style: str = "long"
+    showlocals: bool = False
+    assertion_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -10,11 +10,11 @@ to file descriptors 1 and 2 is captured and sent back with the result.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import importlib
 import importlib.util
 import inspect
+import io
 import os
 import pickle
 import sys
@@ -24,6 +24,10 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+from coordinator.pytest_plugin.assertions import (
+    assertion_explanations,
+    compile_with_rewritten_asserts,
+)
 from coordinator.pytest_plugin.protocol import (
     FAILED,
     PASSED,
@@ -48,7 +52,7 @@ def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> Ran
     __tracebackhide__ = True  # pytest: the report starts at the test function
     import pytest
 
-    with _captured_fds() as output:
+    with _captured_fds() as output, assertion_explanations(call.assertion_options):
         try:
             fn = _test_function(call)
             kwargs = {k: _rank_value(v, rank, world_size, local_rank)
@@ -61,7 +65,7 @@ def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> Ran
             result = RankResult(rank, XFAILED, summary=str(e.msg or ""))
         except BaseException as e:
             result = RankResult(rank, FAILED, summary=_summary(e),
-                                traceback=format_failure(e, call.tb_style))
+                                traceback=format_failure(e, call.tb_style, call.showlocals))
     result.output = output[0][-_MAX_OUTPUT:] if output else ""
     return result
 
@@ -87,17 +91,27 @@ def _summary(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def format_failure(e: BaseException, tb_style: str) -> str:
-    """``e`` as pytest prints a failure (``tb_style``: ``long``, ``short``, ``native``),
-    without this module's frames."""
+def format_failure(e: BaseException, tb_style: str, showlocals: bool = False) -> str:
+    """``e`` as pytest prints a failure (``tb_style``: ``long``, ``short``, ``native``;
+    ``showlocals``: with each frame's local variables), without this module's frames."""
     import pytest
 
     try:
         info = pytest.ExceptionInfo.from_exception(e)
         style: Any = tb_style if tb_style in ("long", "short", "native") else "long"
-        return str(info.getrepr(style=style, tbfilter=True))
+        return _render(info.getrepr(style=style, tbfilter=True, showlocals=showlocals))
     except Exception:  # pytest could not format it: Python's own format still tells
         return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def _render(repr_: Any) -> str:
+    """A pytest ``TerminalRepr`` as text, each line as pytest prints it (its ``str()``
+    strips the first line's indentation), without blank lines around it."""
+    from _pytest._io import TerminalWriter
+
+    out = io.StringIO()
+    repr_.toterminal(TerminalWriter(file=out))
+    return out.getvalue().lstrip("\n").rstrip()
 
 
 def _rank_value(value: Any, rank: int, world_size: int, local_rank: int) -> Any:
@@ -156,7 +170,7 @@ def _test_module(name: str, path: str) -> ModuleType:
     if spec is None:
         raise ImportError(f"cannot import the test module {name} from {path} in the rank")
     mod = importlib.util.module_from_spec(spec)
-    code = _compile_with_rewritten_asserts(path)
+    code = compile_with_rewritten_asserts(path)
     sys.modules[name] = mod
     try:
         exec(code, mod.__dict__)
@@ -164,19 +178,6 @@ def _test_module(name: str, path: str) -> ModuleType:
         sys.modules.pop(name, None)
         raise
     return mod
-
-
-def _compile_with_rewritten_asserts(path: str) -> Any:
-    with open(path, "rb") as f:
-        source = f.read()
-    tree = ast.parse(source, filename=path)
-    try:
-        from _pytest.assertion.rewrite import rewrite_asserts
-
-        rewrite_asserts(tree, source, path, None)
-    except Exception:  # another pytest: plain asserts still fail, with less detail
-        tree = ast.parse(source, filename=path)
-    return compile(tree, path, "exec", dont_inherit=True)
 
 
 def _same_file(a: str | None, b: str) -> bool:

@@ -7,6 +7,9 @@ import os
 import pickle
 from typing import Any
 
+import pytest
+
+from coordinator.pytest_plugin.assertions import assertion_options
 from coordinator.pytest_plugin.protocol import (
     FAILED,
     PASSED,
@@ -15,7 +18,7 @@ from coordinator.pytest_plugin.protocol import (
     TestCall,
 )
 from coordinator.pytest_plugin.rank_call import run_call
-from tests.coordinator.pytest_plugin import rank_functions
+from tests.coordinator.pytest_plugin import rank_asserts, rank_functions
 
 
 def _call(name: str, **kwargs: Any) -> TestCall:
@@ -46,3 +49,20 @@ def test_what_cannot_run_is_named() -> None:
     coroutine = run_call(_call("is_a_coroutine", rank=0), 0, 1, 0)
     assert coroutine.status == FAILED and "async and generator test functions" in \
         coroutine.summary
+
+
+def test_failed_asserts_are_explained_as_pytest_does(pytestconfig: pytest.Config) -> None:
+    # Under a module name not imported yet: run_call loads the file with its
+    # asserts rewritten, as in a rank; explained with this session's options.
+    options = assertion_options(pytestconfig)
+    call = TestCall("rank_asserts::lists_differ", "plugin_rank_asserts_fresh",
+                    os.path.abspath(rank_asserts.__file__), "lists_differ",
+                    pickle.dumps({"rank": 1}), [], assertion_options=options)
+    r = run_call(call, 1, 2, 1)
+    assert r.status == FAILED and r.summary.startswith("AssertionError: assert [1, 2, 3, 4]")
+    assert "At index 2 diff: 3 != 4" in r.traceback, r.traceback
+    assert r.traceback.startswith("    def lists_differ"), r.traceback  # indented as pytest
+    text = run_call(TestCall("rank_asserts::texts_differ", "plugin_rank_asserts_fresh",
+                             call.path, "texts_differ", pickle.dumps({"rank": 1}), [],
+                             assertion_options=options), 1, 2, 1)
+    assert "+ rank 1" in text.traceback and "- another" in text.traceback, text.traceback
