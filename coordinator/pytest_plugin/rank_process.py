@@ -12,6 +12,13 @@ working directory; model-parallel groups a layout-less test created are destroye
 or whose layout's groups, are no longer the ones it started with reports itself
 not reusable, and the parent starts a fresh pool for the next test.
 
+Each rank leads a process group of its own, which the processes a test starts
+join: when the parent stops the ranks it kills these groups too, so a child a
+test left running (or one that outlived a rank that died) is not left behind; a
+child that starts a session of its own (``start_new_session=True``) escapes
+this. Being outside the terminal's foreground group, ranks do not get the
+terminal's Ctrl-C: the parent, interrupted, kills them.
+
 On ``SIGUSR2`` (from the parent, when the rank is stopped or timed out) the rank
 writes every thread's Python stack to its dump file (:mod:`faulthandler`, which
 works while the main thread waits inside a C call).
@@ -48,6 +55,7 @@ def rank_main(rank: int, layout: Layout, port: int, conn: Connection, parent_pid
               dump_path: str) -> None:
     """The rank process: start, then serve tests until ``("stop",)`` or EOF."""
     global _dump_file
+    os.setpgid(0, 0)  # a group of its own: the parent ends what the rank leaves running
     die_with_parent(parent_pid)
     _dump_file = open(dump_path, "w")  # noqa: SIM115  # kept open until the process exits
     faulthandler.register(STACK_SIGNAL, file=_dump_file, all_threads=True, chain=False)

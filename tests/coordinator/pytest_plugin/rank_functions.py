@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -46,3 +47,14 @@ def wants_the_tp_group(tp_group: object) -> None:
 
 async def is_a_coroutine(rank: int) -> None:
     raise AssertionError("never awaited")
+
+
+def starts_a_child_then_waits(rank: int, pid_file: str) -> None:
+    import subprocess
+
+    if rank == 0:
+        child = subprocess.Popen(["sleep", "60"])  # left running, in the rank's group
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(child.pid))
+        os.rename(pid_file + ".tmp", pid_file)
+    time.sleep(60)

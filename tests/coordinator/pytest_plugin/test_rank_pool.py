@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,8 +34,29 @@ def _call(name: str, **kwargs: Any) -> TestCall:
                     pickle.dumps(args), [])
 
 
+class _Interrupted(Exception):
+    """What the test's signal handler raises, standing for Ctrl-C's KeyboardInterrupt."""
+
+
+def _interrupt_when(path: str) -> threading.Thread:
+    """A thread that signals this process (SIGUSR1) once ``path`` exists."""
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted
+
+
 @pytest.mark.timeout(120)
-def test_the_same_ranks_run_test_after_test() -> None:
+def test_the_same_ranks_run_test_after_test_until_interrupted(tmp_path: Path) -> None:
     pool = RankPool(Layout(2))
     try:
         pool.start()
@@ -40,9 +65,33 @@ def test_the_same_ranks_run_test_after_test() -> None:
             results = pool.run(_call("passes", group=RankFixture("group")), timeout=60)
             assert [r.status for r in results] == [PASSED, PASSED], results
             assert pool.worker_pids == pids
+        # Interrupted while rank 0's test has a child running (as by Ctrl-C): the
+        # ranks and the child are ended before the interruption goes on.
+        pid_file = str(tmp_path / "child")
+        saved = signal.signal(signal.SIGUSR1, _raise_interrupted)
+        try:
+            thread = _interrupt_when(pid_file)
+            with pytest.raises(_Interrupted):
+                pool.run(_call("starts_a_child_then_waits", pid_file=pid_file), timeout=60)
+        finally:
+            signal.signal(signal.SIGUSR1, saved)
+        thread.join()
+        assert not pool.started
+        with open(pid_file) as f:
+            child = int(f.read())
+        assert not any(_alive(pid) for pid in [*pids, child])
     finally:
         pool.stop(graceful=True)
     assert not pool.started
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: the child's parent, gone, reaps it later)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow
