@@ -58,3 +58,46 @@ def starts_a_child_then_waits(rank: int, pid_file: str) -> None:
             f.write(str(child.pid))
         os.rename(pid_file + ".tmp", pid_file)
     time.sleep(60)
+
+
+def changes_process_state(rank: int, tmp: str) -> None:
+    import random
+    import signal
+    import sys
+    import types
+
+    import torch
+
+    with open(os.path.join(tmp, f"draw{rank}"), "w") as f:
+        f.write(repr((torch.rand(1).item(), random.random())))
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(torch.get_num_threads() + 1)
+    signal.signal(signal.SIGUSR1, lambda *_: None)
+    sys.modules["plugin_test_stand_in"] = types.ModuleType("plugin_test_stand_in")
+    sys.path.append("/plugin-test-path")
+    os.environ["PLUGIN_TEST_LEFT"] = "1"
+    os.chdir("/")
+
+
+def sees_the_process_state_as_before(rank: int, tmp: str, threads: int) -> None:
+    import random
+    import signal
+    import sys
+
+    import torch
+
+    with open(os.path.join(tmp, f"draw{rank}")) as f:
+        assert (torch.rand(1).item(), random.random()) == eval(f.read())  # the same draws
+    assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+    assert torch.get_num_threads() == threads
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    assert "plugin_test_stand_in" not in sys.modules and "/plugin-test-path" not in sys.path
+    assert "PLUGIN_TEST_LEFT" not in os.environ and os.getcwd() != "/"
+
+
+def thread_count(rank: int, tmp: str) -> None:
+    import torch
+
+    with open(os.path.join(tmp, f"threads{rank}"), "w") as f:
+        f.write(str(torch.get_num_threads()))

@@ -21,6 +21,7 @@ from coordinator.pytest_plugin.protocol import (
     STOPPED,
     TIMED_OUT,
     RankFixture,
+    RankResult,
     TestCall,
 )
 from tests.coordinator.pytest_plugin import rank_functions
@@ -65,6 +66,15 @@ def test_the_same_ranks_run_test_after_test_until_interrupted(tmp_path: Path) ->
             results = pool.run(_call("passes", group=RankFixture("group")), timeout=60)
             assert [r.status for r in results] == [PASSED, PASSED], results
             assert pool.worker_pids == pids
+        # What a test changes in the process is put back for the next one
+        tmp = str(tmp_path)
+        assert _statuses(pool.run(_call("thread_count", tmp=tmp), timeout=60)) == [PASSED] * 2
+        threads = int((tmp_path / "threads0").read_text())
+        for name in ("changes_process_state", "sees_the_process_state_as_before"):
+            results = pool.run(_call(name, tmp=tmp, threads=threads)
+                               if name.startswith("sees") else _call(name, tmp=tmp), timeout=60)
+            assert _statuses(results) == [PASSED] * 2, results
+        assert pool.worker_pids == pids
         # Interrupted while rank 0's test has a child running (as by Ctrl-C): the
         # ranks and the child are ended before the interruption goes on.
         pid_file = str(tmp_path / "child")
@@ -83,6 +93,10 @@ def test_the_same_ranks_run_test_after_test_until_interrupted(tmp_path: Path) ->
     finally:
         pool.stop(graceful=True)
     assert not pool.started
+
+
+def _statuses(results: list[RankResult]) -> list[str]:
+    return [r.status for r in results]
 
 
 def _alive(pid: int) -> bool:
