@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -20,12 +21,14 @@ from coordinator.pytest_plugin.marker import MARKER, MARKER_HELP, MarkerOptions,
 from coordinator.pytest_plugin.pool import START_TIMEOUT_S, PoolSet, PoolStartError
 from coordinator.pytest_plugin.protocol import TestCall
 from coordinator.pytest_plugin.report import failure_report, print_output, raise_outcome
+from coordinator.pytest_plugin.time_limit import pytest_timeout_of, time_limit
 
 __all__ = ["pytest_configure", "pytest_unconfigure", "pytest_runtest_setup",
            "pytest_pyfunc_call", "live_rank_pids"]
 
 _POOLS = pytest.StashKey[PoolSet]()
 _OPTIONS = pytest.StashKey[MarkerOptions]()
+_STARTED = pytest.StashKey[float]()
 _CONFIGS: list[pytest.Config] = []
 
 
@@ -63,16 +66,18 @@ def _options(item: pytest.Item) -> MarkerOptions | None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Check a marked test's options and start its pool (before its fixtures)."""
+    started = time.monotonic()  # about when pytest-timeout's clock started
     options = _options(item)
     if options is None:
         return
     item.stash[_OPTIONS] = options
+    item.stash[_STARTED] = started
     pool = item.config.stash[_POOLS].get(options.layout)
     try:
         pool.start()
     except PoolStartError as e:
         pytest.fail(failure_report(e.results, f"starting {options.layout.describe()}",
-                                   START_TIMEOUT_S), pytrace=False)
+                                   START_TIMEOUT_S, "the limit of a start"), pytrace=False)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -92,10 +97,13 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         showlocals=bool(pyfuncitem.config.getoption("showlocals", False)),
         assertion_options=assertion_options(pyfuncitem.config),
     )
+    pytest_timeout, body_only = pytest_timeout_of(pyfuncitem)
+    elapsed = 0.0 if body_only else time.monotonic() - pyfuncitem.stash[_STARTED]
+    limit = time_limit(options.timeout, pytest_timeout, elapsed)
     pool = pyfuncitem.config.stash[_POOLS].get(options.layout)
-    results = pool.run(call, options.timeout)
+    results = pool.run(call, limit.seconds)
     print_output(results)
-    raise_outcome(results, options.layout.describe(), options.timeout)
+    raise_outcome(results, options.layout.describe(), limit.seconds, limit.source)
     return True
 
 
