@@ -54,10 +54,11 @@ def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> Ran
 
     with _captured_fds() as output, assertion_explanations(call.assertion_options):
         try:
-            fn = _test_function(call)
+            owner, fn = _test_function(call)
             kwargs = {k: _rank_value(v, rank, world_size, local_rank)
                       for k, v in pickle.loads(call.kwargs).items()}
-            _check_returned(fn(**kwargs), call)
+            with _xunit_setup(owner, fn):
+                _check_returned(fn(**kwargs), call)
             result = RankResult(rank, PASSED)
         except pytest.skip.Exception as e:
             result = RankResult(rank, SKIPPED, summary=str(e.msg or ""))
@@ -135,15 +136,18 @@ def _rank_value(value: Any, rank: int, world_size: int, local_rank: int) -> Any:
     return getters[value.name]()
 
 
-def _test_function(call: TestCall) -> Callable[..., Any]:
-    """The test function of ``call``; a method of a test class is bound to a new instance."""
+def _test_function(call: TestCall) -> tuple[Any, Callable[..., Any]]:
+    """The test function of ``call`` and what holds it (its module, or a new instance
+    of its test class, to which a method is bound)."""
     __tracebackhide__ = True
     for entry in reversed(call.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
     obj: Any = _test_module(call.module_name, call.path)
+    owner = obj
     parts = call.qualname.split(".")
     for i, name in enumerate(parts):
+        owner = obj
         try:
             obj = getattr(obj, name)
         except AttributeError:
@@ -154,7 +158,26 @@ def _test_function(call: TestCall) -> Callable[..., Any]:
             obj = obj()  # pytest runs each test method on a new instance of its class
     if not callable(obj):
         raise TypeError(f"{call.nodeid}: {call.qualname} is not callable in the rank")
-    return obj  # type: ignore[no-any-return]  # checked callable just above
+    return owner, obj
+
+
+@contextlib.contextmanager
+def _xunit_setup(owner: Any, fn: Callable[..., Any]) -> Iterator[None]:
+    """pytest's xunit-style setup and teardown of one test, in the rank: the test
+    class's ``setup_method``/``teardown_method``, or the module's
+    ``setup_function``/``teardown_function`` (teardown only after a setup that
+    returned, as pytest does)."""
+    __tracebackhide__ = True
+    kind = "function" if isinstance(owner, ModuleType) else "method"
+    setup = getattr(owner, f"setup_{kind}", None)
+    teardown = getattr(owner, f"teardown_{kind}", None)
+    if setup is not None:
+        setup(fn)
+    try:
+        yield
+    finally:
+        if teardown is not None:
+            teardown(fn)
 
 
 def _test_module(name: str, path: str) -> ModuleType:

@@ -101,3 +101,16 @@ def thread_count(rank: int, tmp: str) -> None:
 
     with open(os.path.join(tmp, f"threads{rank}"), "w") as f:
         f.write(str(torch.get_num_threads()))
+
+
+class WithSetup:
+    """A test class with xunit-style setup (pytest makes one instance per test)."""
+
+    def setup_method(self, method: object) -> None:
+        self.ready = getattr(method, "__name__", "")
+
+    def teardown_method(self, method: object) -> None:
+        os.write(1, f"teardown_method after {getattr(method, '__name__', '')}\n".encode())
+
+    def test_uses_setup(self, rank: int) -> None:
+        assert self.ready == "test_uses_setup"

@@ -62,7 +62,14 @@ def test_failed_asserts_are_explained_as_pytest_does(pytestconfig: pytest.Config
     assert r.status == FAILED and r.summary.startswith("AssertionError: assert [1, 2, 3, 4]")
     assert "At index 2 diff: 3 != 4" in r.traceback, r.traceback
     assert r.traceback.startswith("    def lists_differ"), r.traceback  # indented as pytest
+    assert "setup_function before lists_differ" in r.output  # the module's xunit setup
     text = run_call(TestCall("rank_asserts::texts_differ", "plugin_rank_asserts_fresh",
                              call.path, "texts_differ", pickle.dumps({"rank": 1}), [],
                              assertion_options=options), 1, 2, 1)
     assert "+ rank 1" in text.traceback and "- another" in text.traceback, text.traceback
+
+
+def test_xunit_setup_and_teardown_of_a_method_run_in_the_rank() -> None:
+    r = run_call(_call("WithSetup.test_uses_setup", rank=RankFixture("rank")), 0, 2, 0)
+    assert r.status == PASSED, r.traceback
+    assert "teardown_method after test_uses_setup" in r.output
