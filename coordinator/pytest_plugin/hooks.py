@@ -17,7 +17,13 @@ import pytest
 
 from coordinator.pytest_plugin.assertions import assertion_options
 from coordinator.pytest_plugin.fixtures import call_arguments
-from coordinator.pytest_plugin.marker import MARKER, MARKER_HELP, MarkerOptions, parse_marker
+from coordinator.pytest_plugin.marker import (
+    MARKER,
+    MARKER_HELP,
+    MarkerOptions,
+    is_ours,
+    parse_marker,
+)
 from coordinator.pytest_plugin.pool import START_TIMEOUT_S, PoolSet, PoolStartError
 from coordinator.pytest_plugin.protocol import TestCall
 from coordinator.pytest_plugin.report import failure_report, print_output, raise_outcome
@@ -56,6 +62,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def _options(item: pytest.Item) -> MarkerOptions | None:
     mark = item.get_closest_marker(MARKER)
     if mark is None or not isinstance(item, pytest.Function):
+        return None
+    if not is_ours(mark.args, mark.kwargs):  # another project's marker of the same name
         return None
     try:
         return parse_marker(mark.args, mark.kwargs)

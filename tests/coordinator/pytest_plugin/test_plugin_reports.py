@@ -279,6 +279,7 @@ _ROBUST = """
     import pytest
 
     CHILD = os.environ["PLUGIN_TEST_CHILD"]
+    PYTEST_PID = os.getpid()
 
 
     @pytest.mark.distributed(world_size=2, timeout=30)
@@ -312,6 +313,11 @@ _ROBUST = """
             pass
 
 
+    @pytest.mark.distributed(num_gpus=2)  # another project's marker of the same name
+    def test_another_projects_marker():
+        assert os.getpid() == PYTEST_PID  # runs in the pytest process, as usual
+
+
     @pytest.mark.timeout(25)
     @pytest.mark.distributed(world_size=2, timeout=60)
     def test_hangs_past_pytest_timeout(rank, group):
@@ -328,14 +334,15 @@ def test_asserts_deaths_children_and_pytest_timeout(pytester: pytest.Pytester,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PLUGIN_TEST_CHILD", str(pytester.path / "child"))
     res = _run(pytester, monkeypatch, _ROBUST)
-    res.assert_outcomes(passed=1, failed=4)
+    res.assert_outcomes(passed=2, failed=4)
     res.stdout.fnmatch_lines([  # pytest's explanation of the comparison, from the rank
         "*rank 1: AssertionError: assert [[]1, 2, 3[]] == [[]1, 2, 4[]]*",
         "E*At index 2 diff: 3 != 4",
     ])
     res.stdout.fnmatch_lines(["*died: rank(s) [[]1[]] of 2*",
                               "*rank 1: died (killed by signal SIGSEGV)*"])
-    res.stdout.fnmatch_lines(["*::test_the_child_was_ended PASSED*"])
+    res.stdout.fnmatch_lines(["*::test_the_child_was_ended PASSED*",
+                              "*::test_another_projects_marker PASSED*"])
     res.stdout.fnmatch_lines([  # the plugin reports before pytest-timeout ends the test
         "*timed out: rank(s) [[]0, 1[]] of 2 did not finish within * s (what "
         "pytest-timeout's 25 s left, less 5 s for this report)",
