@@ -25,7 +25,7 @@ from coordinator.pytest_plugin.marker import (
     parse_marker,
 )
 from coordinator.pytest_plugin.pool import START_TIMEOUT_S, PoolSet, PoolStartError
-from coordinator.pytest_plugin.protocol import TestCall
+from coordinator.pytest_plugin.protocol import TestCall, type_names
 from coordinator.pytest_plugin.report import failure_report, print_output, raise_outcome
 from coordinator.pytest_plugin.time_limit import pytest_timeout_of, time_limit
 
@@ -111,8 +111,26 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     pool = pyfuncitem.config.stash[_POOLS].get(options.layout)
     results = pool.run(call, limit.seconds)
     print_output(results)
-    raise_outcome(results, options.layout.describe(), limit.seconds, limit.source)
+    raise_outcome(results, options.layout.describe(), limit.seconds, limit.source,
+                  _expected_exceptions(pyfuncitem))
     return True
+
+
+def _expected_exceptions(item: pytest.Function) -> tuple[str, tuple[str, ...]] | None:
+    """The reason of the test's ``xfail(raises=...)`` marker (as pytest evaluated it)
+    and the names of the exception classes it names; None without one."""
+    try:
+        from _pytest.skipping import xfailed_key
+    except ImportError:  # another pytest: xfail(raises=...) sees the plugin's failure
+        return None
+    xfailed = item.stash.get(xfailed_key, None)
+    if xfailed is None or xfailed.raises is None or item.config.option.runxfail:
+        return None
+    raises = xfailed.raises if isinstance(xfailed.raises, tuple) else (xfailed.raises,)
+    classes = [c for c in raises if isinstance(c, type)]
+    if len(classes) < len(raises):  # a matcher (pytest.RaisesExc): only pytest applies it
+        return None
+    return xfailed.reason, tuple(type_names(c)[0] for c in classes)
 
 
 def _qualname(item: pytest.Function) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["RankFixture", "TestCall", "RankResult", "PASSED", "FAILED", "SKIPPED", "XFAILED",
-           "DIED", "STOPPED", "TIMED_OUT"]
+           "DIED", "STOPPED", "TIMED_OUT", "type_names"]
 
 # What a rank reports.
 PASSED = "passed"
@@ -80,6 +80,8 @@ class RankResult:
             rank's Python stack when it was stopped or timed out.
         output: What the rank wrote to stdout and stderr during the test.
         reusable: Whether the rank's state is fit for the next test.
+        exception_types: ``module.qualname`` of the raised exception's class and of
+            its bases (a failure), for ``xfail(raises=...)`` in the pytest process.
     """
 
     rank: int
@@ -88,3 +90,10 @@ class RankResult:
     traceback: str = ""
     output: str = ""
     reusable: bool = True
+    exception_types: tuple[str, ...] = ()
+
+
+def type_names(cls: type) -> tuple[str, ...]:
+    """``module.qualname`` of ``cls`` and of each of its bases (how a class is known
+    across processes)."""
+    return tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__)

@@ -36,6 +36,7 @@ from coordinator.pytest_plugin.protocol import (
     RankFixture,
     RankResult,
     TestCall,
+    type_names,
 )
 
 __all__ = ["RANK_FIXTURES", "run_call"]
@@ -66,7 +67,8 @@ def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> Ran
             result = RankResult(rank, XFAILED, summary=str(e.msg or ""))
         except BaseException as e:
             result = RankResult(rank, FAILED, summary=_summary(e),
-                                traceback=format_failure(e, call.tb_style, call.showlocals))
+                                traceback=format_failure(e, call.tb_style, call.showlocals),
+                                exception_types=type_names(type(e)))
     result.output = output[0][-_MAX_OUTPUT:] if output else ""
     return result
 

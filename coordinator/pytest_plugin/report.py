@@ -35,7 +35,8 @@ def print_output(results: list[RankResult]) -> None:
 
 
 def raise_outcome(results: list[RankResult], what: str, timeout: float,
-                  limit: str = "the marker's timeout") -> None:
+                  limit: str = "the marker's timeout",
+                  expected: tuple[str, tuple[str, ...]] | None = None) -> None:
     """Return when every rank passed; else fail, skip or xfail the running test.
 
     Args:
@@ -43,6 +44,10 @@ def raise_outcome(results: list[RankResult], what: str, timeout: float,
         what: The layout, in words (for the report's headline).
         timeout: The ranks' time limit (for the report).
         limit: Where that limit came from, in words.
+        expected: The test's ``xfail(raises=...)`` marker, as its reason and the
+            :func:`~coordinator.pytest_plugin.protocol.type_names` of the classes
+            it names: the test xfails when every rank that did not pass raised
+            one of them (the exception here is the plugin's, not the rank's).
     """
     import pytest
 
@@ -53,6 +58,10 @@ def raise_outcome(results: list[RankResult], what: str, timeout: float,
         pytest.skip(results[0].summary or "skipped on every rank")
     if statuses == {XFAILED}:
         pytest.xfail(results[0].summary or "xfailed on every rank")
+    bad = [r for r in results if r.status != PASSED]
+    if expected is not None and all(
+            r.status == FAILED and set(r.exception_types) & set(expected[1]) for r in bad):
+        pytest.xfail(expected[0])
     pytest.fail(failure_report(results, what, timeout, limit), pytrace=False)
 
 

@@ -313,6 +313,12 @@ _ROBUST = """
             pass
 
 
+    @pytest.mark.xfail(raises=LookupError, reason="ranks raise KeyError")
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_expected_exception(rank):
+        raise KeyError(rank)
+
+
     @pytest.mark.distributed(num_gpus=2)  # another project's marker of the same name
     def test_another_projects_marker():
         assert os.getpid() == PYTEST_PID  # runs in the pytest process, as usual
@@ -334,7 +340,7 @@ def test_asserts_deaths_children_and_pytest_timeout(pytester: pytest.Pytester,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PLUGIN_TEST_CHILD", str(pytester.path / "child"))
     res = _run(pytester, monkeypatch, _ROBUST)
-    res.assert_outcomes(passed=2, failed=4)
+    res.assert_outcomes(passed=2, failed=4, xfailed=1)
     res.stdout.fnmatch_lines([  # pytest's explanation of the comparison, from the rank
         "*rank 1: AssertionError: assert [[]1, 2, 3[]] == [[]1, 2, 4[]]*",
         "E*At index 2 diff: 3 != 4",
@@ -342,6 +348,7 @@ def test_asserts_deaths_children_and_pytest_timeout(pytester: pytest.Pytester,
     res.stdout.fnmatch_lines(["*died: rank(s) [[]1[]] of 2*",
                               "*rank 1: died (killed by signal SIGSEGV)*"])
     res.stdout.fnmatch_lines(["*::test_the_child_was_ended PASSED*",
+                              "*::test_expected_exception XFAIL*",
                               "*::test_another_projects_marker PASSED*"])
     res.stdout.fnmatch_lines([  # the plugin reports before pytest-timeout ends the test
         "*timed out: rank(s) [[]0, 1[]] of 2 did not finish within * s (what "

@@ -37,6 +37,7 @@ def test_outcomes_are_told_apart() -> None:
     assert (skipped.status, skipped.summary) == (SKIPPED, "not on rank 1")
     failed = run_call(_call("fails_on_rank_1", rank=1), 1, 2, 1)
     assert failed.status == FAILED and failed.summary == "AssertionError: rank 1 refuses"
+    assert failed.exception_types[:2] == ("builtins.AssertionError", "builtins.Exception")
     assert "rank_functions.py" in failed.traceback and "run_call" not in failed.traceback
 
 
