@@ -3,7 +3,8 @@ back after it, so that the next test on the rank starts as on a fresh one.
 
 Put back: the environment variables, the working directory, ``sys.path``,
 ``sys.modules`` entries the test replaced or removed (and entries it added that
-are not imported modules, such as a stand-in module a test put there), the
+are not modules at all, such as a mock a test put there: a module object it added
+stays, as libraries add lazily loaded modules of their own), the
 warnings filters, handlers the test set on signals (except the library's own
 exit handlers, which it installs when a rank first creates shared memory), and
 torch's default dtype and device, grad mode, deterministic-algorithms flag,
@@ -23,6 +24,7 @@ import random
 import signal
 import sys
 import warnings
+from types import ModuleType
 from typing import Any
 
 __all__ = ["ProcessState"]
@@ -78,7 +80,7 @@ class ProcessState:
         for name, mod in self.modules.items():
             if now.get(name) is not mod:
                 now[name] = mod
-        for name in [n for n, m in now.items() if n not in self.modules and not _imported(m)]:
+        for name in [n for n, m in now.items() if n not in self.modules and not _is_module(m)]:
             del now[name]
 
     def _restore_handlers(self) -> None:
@@ -91,9 +93,9 @@ class ProcessState:
             signal.signal(sig, before)
 
 
-def _imported(mod: Any) -> bool:
-    """Whether ``mod`` is a module an import made (it has a spec); stand-ins have none."""
-    return getattr(mod, "__spec__", None) is not None and hasattr(mod, "__name__")
+def _is_module(value: Any) -> bool:
+    """Whether ``value`` is a module object (imported, or made by a library or a test)."""
+    return isinstance(value, ModuleType)
 
 
 def _library_handler(handler: Any) -> bool:

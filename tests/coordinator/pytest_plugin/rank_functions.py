@@ -64,7 +64,6 @@ def changes_process_state(rank: int, tmp: str) -> None:
     import random
     import signal
     import sys
-    import types
 
     import torch
 
@@ -74,7 +73,7 @@ def changes_process_state(rank: int, tmp: str) -> None:
     torch.set_grad_enabled(False)
     torch.set_num_threads(torch.get_num_threads() + 1)
     signal.signal(signal.SIGUSR1, lambda *_: None)
-    sys.modules["plugin_test_stand_in"] = types.ModuleType("plugin_test_stand_in")
+    sys.modules["plugin_test_stand_in"] = object()  # a mock, say: not a module
     sys.path.append("/plugin-test-path")
     os.environ["PLUGIN_TEST_LEFT"] = "1"
     os.chdir("/")

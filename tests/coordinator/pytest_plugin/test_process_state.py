@@ -24,7 +24,7 @@ def test_what_a_test_changes_is_put_back() -> None:
         torch.set_grad_enabled(False)
         signal.signal(signal.SIGUSR1, lambda *_: None)
         sys.modules["json"] = types.ModuleType("json")  # a stand-in over a real module
-        sys.modules["process_state_stand_in"] = types.ModuleType("process_state_stand_in")
+        sys.modules["process_state_stand_in"] = object()  # a mock, say: not a module
         warnings.simplefilter("error")
         os.environ["PROCESS_STATE_TEST"] = "1"
     finally:
