@@ -17,10 +17,15 @@ only sends the test and reports how each rank did::
 
 Modules: :mod:`~coordinator.pytest_plugin.marker` (the marker's options and the
 rank layout), :mod:`~coordinator.pytest_plugin.hooks` (the pytest hooks),
+:mod:`~coordinator.pytest_plugin.time_limit` (the ranks' time limit next to
+pytest-timeout's),
 :mod:`~coordinator.pytest_plugin.fixtures` (``rank``, ``world_size``, groups, and
 what other arguments the ranks get), :mod:`~coordinator.pytest_plugin.pool` (rank
 processes kept across tests), :mod:`~coordinator.pytest_plugin.rank_process` and
 :mod:`~coordinator.pytest_plugin.rank_call` (what runs in a rank),
+:mod:`~coordinator.pytest_plugin.assertions` (pytest's assert rewriting and
+explanations in a rank), :mod:`~coordinator.pytest_plugin.process_state` (what a
+reused rank puts back after a test),
 :mod:`~coordinator.pytest_plugin.report` (the ranks' results as one outcome).
 See docs/pytest_plugin.md.
 """

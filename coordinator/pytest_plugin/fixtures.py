@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.pytest_plugin.marker import MARKER
+from coordinator.pytest_plugin.marker import MARKER, is_ours
 from coordinator.pytest_plugin.protocol import RankFixture
 
 __all__ = ["PROCESS_LOCAL_FIXTURES", "call_arguments", "rank", "world_size", "local_rank",
@@ -34,7 +34,8 @@ PROCESS_LOCAL_FIXTURES = frozenset({
 
 
 def _stand_in(request: pytest.FixtureRequest, name: str) -> RankFixture:
-    if request.node.get_closest_marker(MARKER) is None:
+    mark = request.node.get_closest_marker(MARKER)
+    if mark is None or not is_ours(mark.args, mark.kwargs):
         pytest.fail(f"fixture {name!r} exists only in tests marked "
                     f"@pytest.mark.{MARKER}(world_size=...) (it is the rank's value)",
                     pytrace=False)

@@ -11,20 +11,30 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
+from coordinator.pytest_plugin.assertions import assertion_options
 from coordinator.pytest_plugin.fixtures import call_arguments
-from coordinator.pytest_plugin.marker import MARKER, MARKER_HELP, MarkerOptions, parse_marker
+from coordinator.pytest_plugin.marker import (
+    MARKER,
+    MARKER_HELP,
+    MarkerOptions,
+    is_ours,
+    parse_marker,
+)
 from coordinator.pytest_plugin.pool import START_TIMEOUT_S, PoolSet, PoolStartError
-from coordinator.pytest_plugin.protocol import TestCall
+from coordinator.pytest_plugin.protocol import TestCall, type_names
 from coordinator.pytest_plugin.report import failure_report, print_output, raise_outcome
+from coordinator.pytest_plugin.time_limit import pytest_timeout_of, time_limit
 
 __all__ = ["pytest_configure", "pytest_unconfigure", "pytest_runtest_setup",
            "pytest_pyfunc_call", "live_rank_pids"]
 
 _POOLS = pytest.StashKey[PoolSet]()
 _OPTIONS = pytest.StashKey[MarkerOptions]()
+_STARTED = pytest.StashKey[float]()
 _CONFIGS: list[pytest.Config] = []
 
 
@@ -53,6 +63,8 @@ def _options(item: pytest.Item) -> MarkerOptions | None:
     mark = item.get_closest_marker(MARKER)
     if mark is None or not isinstance(item, pytest.Function):
         return None
+    if not is_ours(mark.args, mark.kwargs):  # another project's marker of the same name
+        return None
     try:
         return parse_marker(mark.args, mark.kwargs)
     except ValueError as e:
@@ -62,16 +74,18 @@ def _options(item: pytest.Item) -> MarkerOptions | None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Check a marked test's options and start its pool (before its fixtures)."""
+    started = time.monotonic()  # about when pytest-timeout's clock started
     options = _options(item)
     if options is None:
         return
     item.stash[_OPTIONS] = options
+    item.stash[_STARTED] = started
     pool = item.config.stash[_POOLS].get(options.layout)
     try:
         pool.start()
     except PoolStartError as e:
         pytest.fail(failure_report(e.results, f"starting {options.layout.describe()}",
-                                   START_TIMEOUT_S), pytrace=False)
+                                   START_TIMEOUT_S, "the limit of a start"), pytrace=False)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -88,12 +102,35 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         kwargs=call_arguments(pyfuncitem),
         sys_path=list(sys.path),
         tb_style=_tb_style(pyfuncitem.config),
+        showlocals=bool(pyfuncitem.config.getoption("showlocals", False)),
+        assertion_options=assertion_options(pyfuncitem.config),
     )
+    pytest_timeout, body_only = pytest_timeout_of(pyfuncitem)
+    elapsed = 0.0 if body_only else time.monotonic() - pyfuncitem.stash[_STARTED]
+    limit = time_limit(options.timeout, pytest_timeout, elapsed)
     pool = pyfuncitem.config.stash[_POOLS].get(options.layout)
-    results = pool.run(call, options.timeout)
+    results = pool.run(call, limit.seconds)
     print_output(results)
-    raise_outcome(results, options.layout.describe(), options.timeout)
+    raise_outcome(results, options.layout.describe(), limit.seconds, limit.source,
+                  _expected_exceptions(pyfuncitem))
     return True
+
+
+def _expected_exceptions(item: pytest.Function) -> tuple[str, tuple[str, ...]] | None:
+    """The reason of the test's ``xfail(raises=...)`` marker (as pytest evaluated it)
+    and the names of the exception classes it names; None without one."""
+    try:
+        from _pytest.skipping import xfailed_key
+    except ImportError:  # another pytest: xfail(raises=...) sees the plugin's failure
+        return None
+    xfailed = item.stash.get(xfailed_key, None)
+    if xfailed is None or xfailed.raises is None or item.config.option.runxfail:
+        return None
+    raises = xfailed.raises if isinstance(xfailed.raises, tuple) else (xfailed.raises,)
+    classes = [c for c in raises if isinstance(c, type)]
+    if len(classes) < len(raises):  # a matcher (pytest.RaisesExc): only pytest applies it
+        return None
+    return xfailed.reason, tuple(type_names(c)[0] for c in classes)
 
 
 def _qualname(item: pytest.Function) -> str:

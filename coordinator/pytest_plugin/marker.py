@@ -1,7 +1,8 @@
 """The ``distributed`` marker: its options, checked, and the rank layout they ask for.
 
 ``@pytest.mark.distributed(world_size=4, timeout=60, tp=2, pp=2, hosts=2, env={...})``;
-``world_size`` may also come as the one positional argument. A :class:`Layout` is
+``world_size`` may also come as the one positional argument. A ``distributed``
+marker with neither is another project's (:func:`is_ours`). A :class:`Layout` is
 everything that is fixed when a rank process starts (and so keys the pool of rank
 processes that can run the test); the timeout belongs to each test alone.
 """
@@ -14,7 +15,8 @@ from typing import Any
 
 from shm_broadcast.ranks.topology import NODE_ID_ENV
 
-__all__ = ["MARKER", "MARKER_HELP", "DEFAULT_TIMEOUT", "Layout", "MarkerOptions", "parse_marker"]
+__all__ = ["MARKER", "MARKER_HELP", "DEFAULT_TIMEOUT", "Layout", "MarkerOptions", "is_ours",
+           "parse_marker"]
 
 MARKER = "distributed"
 MARKER_HELP = (
@@ -107,6 +109,17 @@ def _positive_int(value: Any, name: str, *, optional: bool = False) -> Any:
         want = "an int >= 1 or None" if optional else "an int >= 1"
         raise ValueError(f"distributed marker: {name} must be {want}, got {value!r}")
     return value
+
+
+def is_ours(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``@pytest.mark.distributed(*args, **kwargs)`` asks for this plugin.
+
+    Other projects use a ``distributed`` marker of their own, e.g. vLLM's
+    ``distributed(num_gpus=2)`` (a CI shard selector) or a bare
+    ``@pytest.mark.distributed`` label: a marker with no positional argument and
+    none of this marker's options is theirs, and its test runs as usual.
+    """
+    return bool(args) or any(k in _OPTIONS for k in kwargs)
 
 
 def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> MarkerOptions:

@@ -17,7 +17,10 @@ Before a rank still running is killed it is asked for its Python stacks
 result. Unless every rank passed (or skipped) and reset itself, every rank is
 then stopped and reaped (SIGTERM, so that ranks unlink their shared memory, then
 SIGKILL; :func:`~shm_broadcast.ranks.launcher.stop_ranks`), and the next test
-starts a fresh pool: a failure never leaks into the next test.
+starts a fresh pool: a failure never leaks into the next test. Stopping the
+ranks also kills their process groups (what their tests started). A run or a
+start that is interrupted (Ctrl-C, pytest-timeout's signal) stops its ranks
+before the interruption goes on.
 
 A :class:`PoolSet` keeps the pools of a pytest session by layout, and closes the
 least recently used ones when more than :data:`MAX_IDLE_RANKS` ranks would wait.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections import OrderedDict
@@ -111,7 +115,7 @@ class RankPool:
             rank_main, n,
             lambda r, child: (r, self.layout, port, child, me, dumps[r]),
             name="groupcoord-test-rank", duplex=True)
-        results = self._collect(self._start_timeout, grace=FAILURE_GRACE_S)
+        results = self._collect_or_stop(self._start_timeout)
         bad = [r for r in results if r.status != PASSED]
         if bad:
             self.stop()
@@ -131,7 +135,7 @@ class RankPool:
         for conn in self._conns:
             with contextlib.suppress(BrokenPipeError, OSError):  # _collect reports a dead rank
                 conn.send(("run", call))
-        results = self._collect(timeout, grace=FAILURE_GRACE_S)
+        results = self._collect_or_stop(timeout)
         if not all(r.reusable and r.status in (PASSED, SKIPPED, XFAILED) for r in results):
             self.stop()
         return results
@@ -148,12 +152,25 @@ class RankPool:
             self.ask_to_stop()
         procs, conns = self._procs, self._conns
         self._procs, self._conns = [], []
+        groups = [p.pid for p in procs if p.pid is not None]  # each rank leads its own
         stop_ranks(procs, conns, wait_first=10.0 if graceful else 0.0)
+        for pgid in groups:  # what the ranks' tests started and left running
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
         if self._dump_dir is not None:
             shutil.rmtree(self._dump_dir, ignore_errors=True)
             self._dump_dir = None
 
     # ------------------------------------------------------------------ internals
+    def _collect_or_stop(self, timeout: float) -> list[RankResult]:
+        """:meth:`_collect`; interrupted (Ctrl-C, pytest-timeout's signal), the ranks
+        are stopped and reaped before the interruption goes on."""
+        try:
+            return self._collect(timeout, grace=FAILURE_GRACE_S)
+        except BaseException:
+            self.stop()
+            raise
+
     def _collect(self, timeout: float, grace: float) -> list[RankResult]:
         """Each rank's result (``("ready",)`` counts as passed) until the timeout, or
         ``grace`` after the first rank that did not pass; the rest stopped or timed out."""

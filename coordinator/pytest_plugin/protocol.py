@@ -8,10 +8,11 @@ with one :class:`RankResult`, and its start with ``("ready",)`` or a failed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["RankFixture", "TestCall", "RankResult", "PASSED", "FAILED", "SKIPPED", "XFAILED",
-           "DIED", "STOPPED", "TIMED_OUT"]
+           "DIED", "STOPPED", "TIMED_OUT", "type_names"]
 
 # What a rank reports.
 PASSED = "passed"
@@ -49,6 +50,9 @@ class TestCall:
             and :class:`RankFixture` stand-ins.
         sys_path: The pytest process's ``sys.path`` (what makes the module importable).
         tb_style: pytest's ``--tb`` style for the ranks' tracebacks.
+        showlocals: pytest's ``--showlocals``: tracebacks with local variables.
+        assertion_options: What the ranks' failed asserts are explained with
+            (:func:`coordinator.pytest_plugin.assertions.assertion_options`).
     """
 
     __test__ = False  # not a test class, whatever pytest collects it with
@@ -60,6 +64,8 @@ class TestCall:
     kwargs: bytes
     sys_path: list[str]
     tb_style: str = "long"
+    showlocals: bool = False
+    assertion_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +80,8 @@ class RankResult:
             rank's Python stack when it was stopped or timed out.
         output: What the rank wrote to stdout and stderr during the test.
         reusable: Whether the rank's state is fit for the next test.
+        exception_types: ``module.qualname`` of the raised exception's class and of
+            its bases (a failure), for ``xfail(raises=...)`` in the pytest process.
     """
 
     rank: int
@@ -82,3 +90,10 @@ class RankResult:
     traceback: str = ""
     output: str = ""
     reusable: bool = True
+    exception_types: tuple[str, ...] = ()
+
+
+def type_names(cls: type) -> tuple[str, ...]:
+    """``module.qualname`` of ``cls`` and of each of its bases (how a class is known
+    across processes)."""
+    return tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__)

@@ -10,11 +10,11 @@ to file descriptors 1 and 2 is captured and sent back with the result.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import importlib
 import importlib.util
 import inspect
+import io
 import os
 import pickle
 import sys
@@ -24,6 +24,10 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+from coordinator.pytest_plugin.assertions import (
+    assertion_explanations,
+    compile_with_rewritten_asserts,
+)
 from coordinator.pytest_plugin.protocol import (
     FAILED,
     PASSED,
@@ -32,6 +36,7 @@ from coordinator.pytest_plugin.protocol import (
     RankFixture,
     RankResult,
     TestCall,
+    type_names,
 )
 
 __all__ = ["RANK_FIXTURES", "run_call"]
@@ -48,12 +53,13 @@ def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> Ran
     __tracebackhide__ = True  # pytest: the report starts at the test function
     import pytest
 
-    with _captured_fds() as output:
+    with _captured_fds() as output, assertion_explanations(call.assertion_options):
         try:
-            fn = _test_function(call)
+            owner, fn = _test_function(call)
             kwargs = {k: _rank_value(v, rank, world_size, local_rank)
                       for k, v in pickle.loads(call.kwargs).items()}
-            _check_returned(fn(**kwargs), call)
+            with _xunit_setup(owner, fn):
+                _check_returned(fn(**kwargs), call)
             result = RankResult(rank, PASSED)
         except pytest.skip.Exception as e:
             result = RankResult(rank, SKIPPED, summary=str(e.msg or ""))
@@ -61,7 +67,8 @@ def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> Ran
             result = RankResult(rank, XFAILED, summary=str(e.msg or ""))
         except BaseException as e:
             result = RankResult(rank, FAILED, summary=_summary(e),
-                                traceback=format_failure(e, call.tb_style))
+                                traceback=format_failure(e, call.tb_style, call.showlocals),
+                                exception_types=type_names(type(e)))
     result.output = output[0][-_MAX_OUTPUT:] if output else ""
     return result
 
@@ -87,17 +94,27 @@ def _summary(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-def format_failure(e: BaseException, tb_style: str) -> str:
-    """``e`` as pytest prints a failure (``tb_style``: ``long``, ``short``, ``native``),
-    without this module's frames."""
+def format_failure(e: BaseException, tb_style: str, showlocals: bool = False) -> str:
+    """``e`` as pytest prints a failure (``tb_style``: ``long``, ``short``, ``native``;
+    ``showlocals``: with each frame's local variables), without this module's frames."""
     import pytest
 
     try:
         info = pytest.ExceptionInfo.from_exception(e)
         style: Any = tb_style if tb_style in ("long", "short", "native") else "long"
-        return str(info.getrepr(style=style, tbfilter=True))
+        return _render(info.getrepr(style=style, tbfilter=True, showlocals=showlocals))
     except Exception:  # pytest could not format it: Python's own format still tells
         return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def _render(repr_: Any) -> str:
+    """A pytest ``TerminalRepr`` as text, each line as pytest prints it (its ``str()``
+    strips the first line's indentation), without blank lines around it."""
+    from _pytest._io import TerminalWriter
+
+    out = io.StringIO()
+    repr_.toterminal(TerminalWriter(file=out))
+    return out.getvalue().lstrip("\n").rstrip()
 
 
 def _rank_value(value: Any, rank: int, world_size: int, local_rank: int) -> Any:
@@ -121,15 +138,18 @@ def _rank_value(value: Any, rank: int, world_size: int, local_rank: int) -> Any:
     return getters[value.name]()
 
 
-def _test_function(call: TestCall) -> Callable[..., Any]:
-    """The test function of ``call``; a method of a test class is bound to a new instance."""
+def _test_function(call: TestCall) -> tuple[Any, Callable[..., Any]]:
+    """The test function of ``call`` and what holds it (its module, or a new instance
+    of its test class, to which a method is bound)."""
     __tracebackhide__ = True
     for entry in reversed(call.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
     obj: Any = _test_module(call.module_name, call.path)
+    owner = obj
     parts = call.qualname.split(".")
     for i, name in enumerate(parts):
+        owner = obj
         try:
             obj = getattr(obj, name)
         except AttributeError:
@@ -140,7 +160,26 @@ def _test_function(call: TestCall) -> Callable[..., Any]:
             obj = obj()  # pytest runs each test method on a new instance of its class
     if not callable(obj):
         raise TypeError(f"{call.nodeid}: {call.qualname} is not callable in the rank")
-    return obj  # type: ignore[no-any-return]  # checked callable just above
+    return owner, obj
+
+
+@contextlib.contextmanager
+def _xunit_setup(owner: Any, fn: Callable[..., Any]) -> Iterator[None]:
+    """pytest's xunit-style setup and teardown of one test, in the rank: the test
+    class's ``setup_method``/``teardown_method``, or the module's
+    ``setup_function``/``teardown_function`` (teardown only after a setup that
+    returned, as pytest does)."""
+    __tracebackhide__ = True
+    kind = "function" if isinstance(owner, ModuleType) else "method"
+    setup = getattr(owner, f"setup_{kind}", None)
+    teardown = getattr(owner, f"teardown_{kind}", None)
+    if setup is not None:
+        setup(fn)
+    try:
+        yield
+    finally:
+        if teardown is not None:
+            teardown(fn)
 
 
 def _test_module(name: str, path: str) -> ModuleType:
@@ -156,7 +195,7 @@ def _test_module(name: str, path: str) -> ModuleType:
     if spec is None:
         raise ImportError(f"cannot import the test module {name} from {path} in the rank")
     mod = importlib.util.module_from_spec(spec)
-    code = _compile_with_rewritten_asserts(path)
+    code = compile_with_rewritten_asserts(path)
     sys.modules[name] = mod
     try:
         exec(code, mod.__dict__)
@@ -164,19 +203,6 @@ def _test_module(name: str, path: str) -> ModuleType:
         sys.modules.pop(name, None)
         raise
     return mod
-
-
-def _compile_with_rewritten_asserts(path: str) -> Any:
-    with open(path, "rb") as f:
-        source = f.read()
-    tree = ast.parse(source, filename=path)
-    try:
-        from _pytest.assertion.rewrite import rewrite_asserts
-
-        rewrite_asserts(tree, source, path, None)
-    except Exception:  # another pytest: plain asserts still fail, with less detail
-        tree = ast.parse(source, filename=path)
-    return compile(tree, path, "exec", dont_inherit=True)
 
 
 def _same_file(a: str | None, b: str) -> bool:

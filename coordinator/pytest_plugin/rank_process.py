@@ -6,11 +6,20 @@ count, the world group (gloo, and our communicators), then the model-parallel
 groups when the layout has them. Answers ``("ready",)``.
 
 Each test: run it (:func:`coordinator.pytest_plugin.rank_call.run_call`), then put
-back what a test may change in the process: the environment variables and the
-working directory; model-parallel groups a layout-less test created are destroyed
-(as :class:`coordinator.testing.DistributedPool` does). A rank whose world group,
-or whose layout's groups, are no longer the ones it started with reports itself
-not reusable, and the parent starts a fresh pool for the next test.
+back what a test may change in the process
+(:class:`~coordinator.pytest_plugin.process_state.ProcessState`: environment,
+working directory, torch's settings, random states, ...); model-parallel groups
+a layout-less test created are destroyed (as
+:class:`coordinator.testing.DistributedPool` does). A rank whose world group, or
+whose layout's groups, are no longer the ones it started with reports itself not
+reusable, and the parent starts a fresh pool for the next test.
+
+Each rank leads a process group of its own, which the processes a test starts
+join: when the parent stops the ranks it kills these groups too, so a child a
+test left running (or one that outlived a rank that died) is not left behind; a
+child that starts a session of its own (``start_new_session=True``) escapes
+this. Being outside the terminal's foreground group, ranks do not get the
+terminal's Ctrl-C: the parent, interrupted, kills them.
 
 On ``SIGUSR2`` (from the parent, when the rank is stopped or timed out) the rank
 writes every thread's Python stack to its dump file (:mod:`faulthandler`, which
@@ -26,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import IO, Any
 
 from coordinator.pytest_plugin.marker import Layout
+from coordinator.pytest_plugin.process_state import ProcessState
 from coordinator.pytest_plugin.protocol import (
     FAILED,
     PASSED,
@@ -48,6 +58,7 @@ def rank_main(rank: int, layout: Layout, port: int, conn: Connection, parent_pid
               dump_path: str) -> None:
     """The rank process: start, then serve tests until ``("stop",)`` or EOF."""
     global _dump_file
+    os.setpgid(0, 0)  # a group of its own: the parent ends what the rank leaves running
     die_with_parent(parent_pid)
     _dump_file = open(dump_path, "w")  # noqa: SIM115  # kept open until the process exits
     faulthandler.register(STACK_SIGNAL, file=_dump_file, all_threads=True, chain=False)
@@ -78,27 +89,19 @@ def _serve(conn: Connection, state: _RankState) -> None:
         if msg[0] == "stop":
             return
         call: TestCall = msg[1]
-        env, cwd = dict(os.environ), os.getcwd()
+        saved = ProcessState.save()
         result = run_call(call, state.rank, state.layout.world_size, state.local_rank)
         # After a failure peers may wait in a collective (and the reset's own
         # collectives with them): the parent replaces the whole pool instead.
         result.reusable = result.status in (PASSED, SKIPPED, XFAILED)
         try:
-            _put_back(env, cwd)
+            saved.restore()
             if result.reusable:
                 result.reusable = state.reset()
         except BaseException as e:  # the next test needs a fresh rank
             result.reusable = False
             result.output += f"\n[groupcoord pytest plugin] reset after the test failed: {e!r}"
         conn.send(result)
-
-
-def _put_back(env: dict[str, str], cwd: str) -> None:
-    if dict(os.environ) != env:
-        os.environ.clear()
-        os.environ.update(env)
-    if os.getcwd() != cwd:
-        os.chdir(cwd)
 
 
 class _RankState:

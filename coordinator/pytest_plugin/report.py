@@ -34,13 +34,20 @@ def print_output(results: list[RankResult]) -> None:
             sys.stdout.write(f"----- rank {r.rank} -----\n{r.output.rstrip()}\n")
 
 
-def raise_outcome(results: list[RankResult], what: str, timeout: float) -> None:
+def raise_outcome(results: list[RankResult], what: str, timeout: float,
+                  limit: str = "the marker's timeout",
+                  expected: tuple[str, tuple[str, ...]] | None = None) -> None:
     """Return when every rank passed; else fail, skip or xfail the running test.
 
     Args:
         results: One per rank, by rank.
         what: The layout, in words (for the report's headline).
-        timeout: The test's timeout (for the report).
+        timeout: The ranks' time limit (for the report).
+        limit: Where that limit came from, in words.
+        expected: The test's ``xfail(raises=...)`` marker, as its reason and the
+            :func:`~coordinator.pytest_plugin.protocol.type_names` of the classes
+            it names: the test xfails when every rank that did not pass raised
+            one of them (the exception here is the plugin's, not the rank's).
     """
     import pytest
 
@@ -51,11 +58,17 @@ def raise_outcome(results: list[RankResult], what: str, timeout: float) -> None:
         pytest.skip(results[0].summary or "skipped on every rank")
     if statuses == {XFAILED}:
         pytest.xfail(results[0].summary or "xfailed on every rank")
-    pytest.fail(failure_report(results, what, timeout), pytrace=False)
+    bad = [r for r in results if r.status != PASSED]
+    if expected is not None and all(
+            r.status == FAILED and set(r.exception_types) & set(expected[1]) for r in bad):
+        pytest.xfail(expected[0])
+    pytest.fail(failure_report(results, what, timeout, limit), pytrace=False)
 
 
-def failure_report(results: list[RankResult], what: str, timeout: float) -> str:
-    """The report of a run where some rank did not pass."""
+def failure_report(results: list[RankResult], what: str, timeout: float,
+                   limit: str = "the marker's timeout") -> str:
+    """The report of a run where some rank did not pass (``limit``: where the time
+    limit ``timeout`` came from, in words)."""
     n = len(results)
     by = {s: [r.rank for r in results if r.status == s]
           for s in (FAILED, DIED, TIMED_OUT, STOPPED, SKIPPED, XFAILED, PASSED)}
@@ -66,7 +79,7 @@ def failure_report(results: list[RankResult], what: str, timeout: float) -> str:
         lines.append(f"  died: rank(s) {by[DIED]} of {n}")
     if by[TIMED_OUT]:
         lines.append(f"  timed out: rank(s) {by[TIMED_OUT]} of {n} did not finish within "
-                     f"{timeout:g} s (the marker's timeout)")
+                     f"{timeout:g} s ({limit})")
     if by[STOPPED]:
         lines.append(f"  stopped: rank(s) {by[STOPPED]} of {n} were still running after "
                      f"another rank failed (most likely waiting for it in a collective)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -46,3 +47,69 @@ def wants_the_tp_group(tp_group: object) -> None:
 
 async def is_a_coroutine(rank: int) -> None:
     raise AssertionError("never awaited")
+
+
+def starts_a_child_then_waits(rank: int, pid_file: str) -> None:
+    import subprocess
+
+    if rank == 0:
+        child = subprocess.Popen(["sleep", "60"])  # left running, in the rank's group
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(child.pid))
+        os.rename(pid_file + ".tmp", pid_file)
+    time.sleep(60)
+
+
+def changes_process_state(rank: int, tmp: str) -> None:
+    import random
+    import signal
+    import sys
+
+    import torch
+
+    with open(os.path.join(tmp, f"draw{rank}"), "w") as f:
+        f.write(repr((torch.rand(1).item(), random.random())))
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(torch.get_num_threads() + 1)
+    signal.signal(signal.SIGUSR1, lambda *_: None)
+    sys.modules["plugin_test_stand_in"] = object()  # a mock, say: not a module
+    sys.path.append("/plugin-test-path")
+    os.environ["PLUGIN_TEST_LEFT"] = "1"
+    os.chdir("/")
+
+
+def sees_the_process_state_as_before(rank: int, tmp: str, threads: int) -> None:
+    import random
+    import signal
+    import sys
+
+    import torch
+
+    with open(os.path.join(tmp, f"draw{rank}")) as f:
+        assert (torch.rand(1).item(), random.random()) == eval(f.read())  # the same draws
+    assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+    assert torch.get_num_threads() == threads
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    assert "plugin_test_stand_in" not in sys.modules and "/plugin-test-path" not in sys.path
+    assert "PLUGIN_TEST_LEFT" not in os.environ and os.getcwd() != "/"
+
+
+def thread_count(rank: int, tmp: str) -> None:
+    import torch
+
+    with open(os.path.join(tmp, f"threads{rank}"), "w") as f:
+        f.write(str(torch.get_num_threads()))
+
+
+class WithSetup:
+    """A test class with xunit-style setup (pytest makes one instance per test)."""
+
+    def setup_method(self, method: object) -> None:
+        self.ready = getattr(method, "__name__", "")
+
+    def teardown_method(self, method: object) -> None:
+        os.write(1, f"teardown_method after {getattr(method, '__name__', '')}\n".encode())
+
+    def test_uses_setup(self, rank: int) -> None:
+        assert self.ready == "test_uses_setup"

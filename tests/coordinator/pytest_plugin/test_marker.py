@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.pytest_plugin.marker import DEFAULT_TIMEOUT, Layout, parse_marker
+from coordinator.pytest_plugin.marker import DEFAULT_TIMEOUT, Layout, is_ours, parse_marker
 
 
 def test_options_and_defaults() -> None:
@@ -45,3 +45,10 @@ def test_bad_options_are_named(args: tuple, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match="distributed marker: ") as e:
         parse_marker(args, kwargs)
     assert message in str(e.value)
+
+
+def test_other_projects_distributed_markers_are_left_alone() -> None:
+    assert not is_ours((), {"num_gpus": 2})  # vLLM's CI shard selector
+    assert not is_ours((), {})  # a bare @pytest.mark.distributed label
+    assert is_ours((2,), {}) and is_ours((), {"world_size": 2})
+    assert is_ours((), {"timeout": 5, "num_gpus": 2})  # ours, and refused by parse_marker

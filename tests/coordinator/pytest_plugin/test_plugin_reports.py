@@ -10,7 +10,11 @@ classes, fixtures that cannot reach the ranks, skips, xdist) are ``slow``.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 
@@ -264,3 +268,138 @@ def test_under_xdist(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch)
     pytester.makepyfile(test_other=textwrap.dedent(_XDIST))
     res = _run(pytester, monkeypatch, _XDIST, "-n", "2", "--dist", "loadfile")
     res.assert_outcomes(passed=4)
+
+
+_ROBUST = """
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import pytest
+
+    CHILD = os.environ["PLUGIN_TEST_CHILD"]
+    PYTEST_PID = os.getpid()
+
+
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_lists_differ(rank):
+        assert [1, 2, 3] == [1, 2, 3 + rank]
+
+
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_segfault(rank, group):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        group.barrier()
+
+
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_child_outlives_its_rank(rank):
+        if rank == 1:
+            child = subprocess.Popen(["sleep", "120"])
+            with open(CHILD, "w") as f:
+                f.write(str(child.pid))
+            os._exit(1)
+
+
+    def test_the_child_was_ended():
+        with open(CHILD) as f:
+            pid = int(f.read())
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            pass
+
+
+    @pytest.mark.xfail(raises=LookupError, reason="ranks raise KeyError")
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_expected_exception(rank):
+        raise KeyError(rank)
+
+
+    @pytest.mark.distributed(num_gpus=2)  # another project's marker of the same name
+    def test_another_projects_marker():
+        assert os.getpid() == PYTEST_PID  # runs in the pytest process, as usual
+
+
+    @pytest.mark.timeout(25)
+    @pytest.mark.distributed(world_size=2, timeout=60)
+    def test_hangs_past_pytest_timeout(rank, group):
+        if rank == 0:
+            group.barrier()
+        else:
+            time.sleep(100)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_asserts_deaths_children_and_pytest_timeout(pytester: pytest.Pytester,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PLUGIN_TEST_CHILD", str(pytester.path / "child"))
+    res = _run(pytester, monkeypatch, _ROBUST)
+    res.assert_outcomes(passed=2, failed=4, xfailed=1)
+    res.stdout.fnmatch_lines([  # pytest's explanation of the comparison, from the rank
+        "*rank 1: AssertionError: assert [[]1, 2, 3[]] == [[]1, 2, 4[]]*",
+        "E*At index 2 diff: 3 != 4",
+    ])
+    res.stdout.fnmatch_lines(["*died: rank(s) [[]1[]] of 2*",
+                              "*rank 1: died (killed by signal SIGSEGV)*"])
+    res.stdout.fnmatch_lines(["*::test_the_child_was_ended PASSED*",
+                              "*::test_expected_exception XFAIL*",
+                              "*::test_another_projects_marker PASSED*"])
+    res.stdout.fnmatch_lines([  # the plugin reports before pytest-timeout ends the test
+        "*timed out: rank(s) [[]0, 1[]] of 2 did not finish within * s (what "
+        "pytest-timeout's 25 s left, less 5 s for this report)",
+        "*rank 1: timed out; its Python stacks*",
+        f'*test_generated.py", line {_line(_ROBUST, "time.sleep(100)")} in '
+        f"test_hangs_past_pytest_timeout",
+    ])
+    assert "Timeout (0:00:25)" not in res.stdout.str()
+
+
+_INTERRUPTED = """
+    import os
+    import time
+
+    import pytest
+
+
+    @pytest.mark.distributed(world_size=2, timeout=120)
+    def test_waits(rank):
+        with open(os.path.join(os.environ["PLUGIN_TEST_PIDS"], f"rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(100)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_ends_the_ranks(pytester: pytest.Pytester) -> None:
+    pids = pytester.mkdir("pids")
+    (pytester.path / "test_generated.py").write_text(textwrap.dedent(_INTERRUPTED))
+    env = {**os.environ, "PLUGIN_TEST_PIDS": str(pids),
+           "PYTHONPATH": _ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "coordinator.pytest_plugin", "-p",
+         "no:cacheprovider", "-q", "test_generated.py"],
+        cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while len(os.listdir(pids)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.2)  # the files are written
+        ranks = [int((pids / name).read_text()) for name in os.listdir(pids)]
+        assert len(ranks) == 2
+        interrupted = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # as Ctrl-C does (the ranks have their own group)
+        out, _ = proc.communicate(timeout=60)
+        assert time.monotonic() - interrupted < 9, out  # not the 10 s of a graceful stop
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"KeyboardInterrupt" in out, out
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks), out

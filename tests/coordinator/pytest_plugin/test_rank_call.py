@@ -7,6 +7,9 @@ import os
 import pickle
 from typing import Any
 
+import pytest
+
+from coordinator.pytest_plugin.assertions import assertion_options
 from coordinator.pytest_plugin.protocol import (
     FAILED,
     PASSED,
@@ -15,7 +18,7 @@ from coordinator.pytest_plugin.protocol import (
     TestCall,
 )
 from coordinator.pytest_plugin.rank_call import run_call
-from tests.coordinator.pytest_plugin import rank_functions
+from tests.coordinator.pytest_plugin import rank_asserts, rank_functions
 
 
 def _call(name: str, **kwargs: Any) -> TestCall:
@@ -34,6 +37,7 @@ def test_outcomes_are_told_apart() -> None:
     assert (skipped.status, skipped.summary) == (SKIPPED, "not on rank 1")
     failed = run_call(_call("fails_on_rank_1", rank=1), 1, 2, 1)
     assert failed.status == FAILED and failed.summary == "AssertionError: rank 1 refuses"
+    assert failed.exception_types[:2] == ("builtins.AssertionError", "builtins.Exception")
     assert "rank_functions.py" in failed.traceback and "run_call" not in failed.traceback
 
 
@@ -46,3 +50,27 @@ def test_what_cannot_run_is_named() -> None:
     coroutine = run_call(_call("is_a_coroutine", rank=0), 0, 1, 0)
     assert coroutine.status == FAILED and "async and generator test functions" in \
         coroutine.summary
+
+
+def test_failed_asserts_are_explained_as_pytest_does(pytestconfig: pytest.Config) -> None:
+    # Under a module name not imported yet: run_call loads the file with its
+    # asserts rewritten, as in a rank; explained with this session's options.
+    options = assertion_options(pytestconfig)
+    call = TestCall("rank_asserts::lists_differ", "plugin_rank_asserts_fresh",
+                    os.path.abspath(rank_asserts.__file__), "lists_differ",
+                    pickle.dumps({"rank": 1}), [], assertion_options=options)
+    r = run_call(call, 1, 2, 1)
+    assert r.status == FAILED and r.summary.startswith("AssertionError: assert [1, 2, 3, 4]")
+    assert "At index 2 diff: 3 != 4" in r.traceback, r.traceback
+    assert r.traceback.startswith("    def lists_differ"), r.traceback  # indented as pytest
+    assert "setup_function before lists_differ" in r.output  # the module's xunit setup
+    text = run_call(TestCall("rank_asserts::texts_differ", "plugin_rank_asserts_fresh",
+                             call.path, "texts_differ", pickle.dumps({"rank": 1}), [],
+                             assertion_options=options), 1, 2, 1)
+    assert "+ rank 1" in text.traceback and "- another" in text.traceback, text.traceback
+
+
+def test_xunit_setup_and_teardown_of_a_method_run_in_the_rank() -> None:
+    r = run_call(_call("WithSetup.test_uses_setup", rank=RankFixture("rank")), 0, 2, 0)
+    assert r.status == PASSED, r.traceback
+    assert "teardown_method after test_uses_setup" in r.output

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +21,7 @@ from coordinator.pytest_plugin.protocol import (
     STOPPED,
     TIMED_OUT,
     RankFixture,
+    RankResult,
     TestCall,
 )
 from tests.coordinator.pytest_plugin import rank_functions
@@ -30,8 +35,29 @@ def _call(name: str, **kwargs: Any) -> TestCall:
                     pickle.dumps(args), [])
 
 
+class _Interrupted(Exception):
+    """What the test's signal handler raises, standing for Ctrl-C's KeyboardInterrupt."""
+
+
+def _interrupt_when(path: str) -> threading.Thread:
+    """A thread that signals this process (SIGUSR1) once ``path`` exists."""
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted
+
+
 @pytest.mark.timeout(120)
-def test_the_same_ranks_run_test_after_test() -> None:
+def test_the_same_ranks_run_test_after_test_until_interrupted(tmp_path: Path) -> None:
     pool = RankPool(Layout(2))
     try:
         pool.start()
@@ -40,9 +66,46 @@ def test_the_same_ranks_run_test_after_test() -> None:
             results = pool.run(_call("passes", group=RankFixture("group")), timeout=60)
             assert [r.status for r in results] == [PASSED, PASSED], results
             assert pool.worker_pids == pids
+        # What a test changes in the process is put back for the next one
+        tmp = str(tmp_path)
+        assert _statuses(pool.run(_call("thread_count", tmp=tmp), timeout=60)) == [PASSED] * 2
+        threads = int((tmp_path / "threads0").read_text())
+        for name in ("changes_process_state", "sees_the_process_state_as_before"):
+            results = pool.run(_call(name, tmp=tmp, threads=threads)
+                               if name.startswith("sees") else _call(name, tmp=tmp), timeout=60)
+            assert _statuses(results) == [PASSED] * 2, results
+        assert pool.worker_pids == pids
+        # Interrupted while rank 0's test has a child running (as by Ctrl-C): the
+        # ranks and the child are ended before the interruption goes on.
+        pid_file = str(tmp_path / "child")
+        saved = signal.signal(signal.SIGUSR1, _raise_interrupted)
+        try:
+            thread = _interrupt_when(pid_file)
+            with pytest.raises(_Interrupted):
+                pool.run(_call("starts_a_child_then_waits", pid_file=pid_file), timeout=60)
+        finally:
+            signal.signal(signal.SIGUSR1, saved)
+        thread.join()
+        assert not pool.started
+        with open(pid_file) as f:
+            child = int(f.read())
+        assert not any(_alive(pid) for pid in [*pids, child])
     finally:
         pool.stop(graceful=True)
     assert not pool.started
+
+
+def _statuses(results: list[RankResult]) -> list[str]:
+    return [r.status for r in results]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: the child's parent, gone, reaps it later)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow

@@ -62,3 +62,15 @@ def test_outcomes() -> None:
         raise_outcome([RankResult(0, SKIPPED, summary="not here")] * 2, "w", 1)
     with pytest.raises(pytest.fail.Exception, match=r"skipped: rank\(s\) \[0\] of 2"):
         raise_outcome([RankResult(0, SKIPPED), RankResult(1, PASSED)], "w", 1)
+
+
+def test_xfail_raises_matches_the_ranks_exceptions() -> None:
+    value_error = RankResult(1, FAILED, summary="ValueError: x",
+                             exception_types=("builtins.ValueError", "builtins.Exception"))
+    expected = ("known bug", ("builtins.Exception",))
+    with pytest.raises(pytest.xfail.Exception, match="known bug"):
+        raise_outcome([RankResult(0, PASSED), value_error], "w", 1, expected=expected)
+    with pytest.raises(pytest.fail.Exception):  # another exception than the one expected
+        raise_outcome([value_error], "w", 1, expected=("b", ("builtins.KeyError",)))
+    with pytest.raises(pytest.fail.Exception):  # a rank that died did not raise it
+        raise_outcome([value_error, RankResult(0, DIED)], "w", 1, expected=expected)
