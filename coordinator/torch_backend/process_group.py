@@ -55,8 +55,9 @@ from coordinator.torch_backend.translate import (
 )
 from coordinator.torch_backend.work import GroupcoordWork
 from device_comms.cpu.communicator import CpuCommunicator
-from device_comms.errors import CommunicatorClosed, add_note
+from device_comms.errors import CollectiveMismatch, CommunicatorClosed, add_note
 from device_comms.reduce_op import ReduceOp
+from device_comms.row_gather import layout_key
 from device_comms.validation import check_tensor
 from shm_broadcast.errors import GroupCoordError
 
@@ -152,6 +153,30 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
                 add_note(e, f"telling the peers of group {self._name!r} failed: {notify}")
             raise
 
+    def _agree(self, comm: CpuCommunicator, op: str, what: str,
+               rows: Sequence[torch.Tensor]) -> None:
+        """Raise on every rank unless every rank's ``rows`` have the same dtypes and row
+        shapes, in order: one small all-gather of a digest
+        (:func:`~device_comms.row_gather.layout_key`).
+
+        For the calls whose one exchange signs less than their layout: a coalesced
+        call's flat buffer signs only the total element count (pieces of 2 and 3
+        elements against 3 and 2 would mix), and scatter's receivers are told the
+        root's dtype rather than compared with it.
+
+        Raises:
+            CollectiveMismatch: The ranks' layouts differ (on every rank; the
+                group stays usable).
+        """
+        keys = comm.all_gather(torch.tensor([layout_key(rows)], dtype=torch.int64), 0)
+        mine = keys[self.rank()]
+        if bool((keys != mine).any()):
+            others = [r for r in range(self.size()) if keys[r] != mine]
+            layout = [(str(t.dtype)[6:], tuple(t.shape[1:])) for t in rows]
+            raise CollectiveMismatch(
+                f"{self._where(op)}: the ranks passed different {what}: this rank's are "
+                f"{layout}, rank(s) {others} passed others")
+
     # ------------------------------------------------------------------ reductions
     def allreduce(self, tensors: list[torch.Tensor],  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
                   opts: Any = None) -> GroupcoordWork:
@@ -182,6 +207,9 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             return ts, to_reduce_op(opts.reduceOp)
 
         ts, op = self._checked("all_reduce", check)
+        if len(ts) > 1:
+            self._agree(comm, "all_reduce_coalesced", "tensors (dtype, shape)",
+                        [t.unsqueeze(0) for t in ts])
         flat = torch.cat([t.reshape(-1) for t in ts])
         comm.all_reduce(flat, op, out=flat)
         copy_pieces(flat, ts)
@@ -279,6 +307,9 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             return outs, ins, to_reduce_op(opts.reduceOp)
 
         outs, ins, op = self._checked("reduce_scatter", check)
+        if len(outs) > 1:
+            self._agree(comm, "reduce_scatter_tensor_coalesced", "outputs (dtype, numel)",
+                        [o.reshape(1, -1) for o in outs])
         if outs and len({x.dtype for x in ins}) == 1:
             rows = torch.cat([x.reshape(world, -1) for x in ins], dim=1)
             got = comm.reduce_scatter(rows, 0, op).reshape(-1)
@@ -483,6 +514,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             return out, torch.stack([t.reshape(-1) for t in ins])
 
         out, rows = self._checked("scatter", check)
+        self._agree(comm, "scatter", "outputs (dtype, numel)", [out.reshape(1, -1)])
         got = comm.scatter(rows, root, 0)
         out.copy_(got.view(out.shape))
         return self._done([out])
