@@ -55,7 +55,12 @@ from coordinator.torch_backend.translate import (
 )
 from coordinator.torch_backend.work import GroupcoordWork
 from device_comms.cpu.communicator import CpuCommunicator
-from device_comms.errors import CollectiveMismatch, CommunicatorClosed, add_note
+from device_comms.errors import (
+    CollectiveMismatch,
+    CommunicatorClosed,
+    add_note,
+    translate_backend_error,
+)
 from device_comms.reduce_op import ReduceOp
 from device_comms.row_gather import layout_key
 from device_comms.validation import check_tensor
@@ -168,7 +173,11 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             CollectiveMismatch: The ranks' layouts differ (on every rank; the
                 group stays usable).
         """
-        keys = comm.all_gather(torch.tensor([layout_key(rows)], dtype=torch.int64), 0)
+        try:
+            keys = comm.all_gather(torch.tensor([layout_key(rows)], dtype=torch.int64), 0)
+        except GroupCoordError as e:
+            add_note(e, f"{self._where(op)}: raised by the check that the ranks' layouts agree")
+            raise
         mine = keys[self.rank()]
         if bool((keys != mine).any()):
             others = [r for r in range(self.size()) if keys[r] != mine]
@@ -594,13 +603,14 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         """``dist.send``/``isend`` (gloo): the work completes once gloo sent it."""
         t = single(tensors, "tensors")
         buf = t.resolve_conj().resolve_neg().contiguous()
-        w = self.gloo.send([buf], dstRank, tag)
-        return GroupcoordWork([t], pending=w, timeout=self._timeout_s,
-                              where=self._where("send"))
+        where = self._where(f"send to rank {dstRank}")
+        w = self._start(lambda: self.gloo.send([buf], dstRank, tag), where)
+        return GroupcoordWork([t], pending=w, timeout=self._timeout_s, where=where)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> GroupcoordWork:
         """``dist.recv``/``irecv`` (gloo): the tensor is filled once the work completed."""
-        return self._receive(tensors, lambda bufs: self.gloo.recv(bufs, srcRank, tag), "recv")
+        return self._receive(tensors, lambda bufs: self.gloo.recv(bufs, srcRank, tag),
+                             f"recv from rank {srcRank}")
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> GroupcoordWork:
         """``dist.recv`` without ``src`` (gloo); the work's ``_source_rank()`` names it."""
@@ -610,12 +620,26 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
     def _receive(self, tensors: list[torch.Tensor],
                  start: Callable[[list[torch.Tensor]], dist.Work], op: str) -> GroupcoordWork:
         t = single(tensors, "tensors")
+        where = self._where(op)
         if t.is_contiguous():
-            return GroupcoordWork([t], pending=start([t]), timeout=self._timeout_s,
-                                  where=self._where(op))
+            return GroupcoordWork([t], pending=self._start(lambda: start([t]), where),
+                                  timeout=self._timeout_s, where=where)
         buf = torch.empty(t.shape, dtype=t.dtype)
-        return GroupcoordWork([t], pending=start([buf]), finish=lambda: _no_grad(t.copy_)(buf),
-                              timeout=self._timeout_s, where=self._where(op))
+        return GroupcoordWork([t], pending=self._start(lambda: start([buf]), where),
+                              finish=lambda: _no_grad(t.copy_)(buf),
+                              timeout=self._timeout_s, where=where)
+
+    @staticmethod
+    def _start(start: Callable[[], dist.Work], where: str) -> dist.Work:
+        """``start()``'s gloo work; gloo's errors at the start (a pair it closed when an
+        earlier wait timed out, a peer that died) as this family's."""
+        try:
+            return start()
+        except RuntimeError as e:
+            err = translate_backend_error(e, where)
+            if err is e:
+                raise
+            raise err from e
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:

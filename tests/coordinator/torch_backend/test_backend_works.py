@@ -108,6 +108,13 @@ def _recv_times_out(rank: int, world: int) -> dict[str, Any]:
             w.get_future().wait()
         except CommTimeout as e:
             out["future_error"] = type(e).__name__
+            out["names_peer"] = "recv from rank 0" in str(e)
+        for key, call in (("recv_after", dist.irecv), ("send_after", dist.isend)):
+            try:  # gloo closed the pair: the next call on it fails at its start
+                call(torch.zeros(1), 0, group=pg, tag=8).wait()
+                out[key] = None
+            except Exception as e:
+                out[key] = type(e).__name__
     dist.barrier()
     dist.destroy_process_group(pg)
     return out
@@ -118,6 +125,9 @@ def test_recv_wait_is_bounded(pool: Any) -> None:
     assert res["first"] == res["again"] == "CommTimeout"
     assert res["took"] < 5.0
     assert res["completed"] is True and res["future_error"] == "CommTimeout"
+    assert res["names_peer"] is True
+    # not gloo's bare RuntimeError: the family's, naming the group, the op and the peer
+    assert res["recv_after"] == res["send_after"] == "CommTimeout"
 
 
 def _batch_and_monitored(rank: int, world: int) -> dict[str, Any]:
