@@ -184,6 +184,23 @@ def _exact(rank: int, world: int) -> dict[str, tuple[Any, Any]]:
     res["all_to_all_single-noncontig"] = (
         out.tolist(), [[10.0 * r + rank, 10.0 * r + rank + world] for r in range(world)])
 
+    x = torch.arange(world, dtype=torch.float32) + 10 * rank
+    dist.all_to_all_single(x, x, group=pg)  # in place: the output is the input
+    res["all_to_all_single-in-place"] = (x.tolist(), [10.0 * r + rank for r in range(world)])
+
+    x = torch.full((2,), float(rank))
+    outs = [torch.empty(2) for _ in range(world)]
+    outs[rank] = x  # the input is one of the outputs
+    dist.all_gather(outs, x, group=pg)
+    res["all_gather-input-in-outputs"] = (
+        [o.tolist() for o in outs], [[float(r)] * 2 for r in range(world)])
+
+    x = torch.arange(3 * world, dtype=torch.float32).reshape(world, 3)
+    out = x[rank]  # reduce_scatter into a row of its own input list
+    dist.reduce_scatter(out, list(x.unbind(0)), group=pg)
+    res["reduce_scatter-output-in-inputs"] = (
+        out.tolist(), [float(world * (3 * rank + j)) for j in range(3)])
+
     ts = [torch.full((2, 3), 1.0).t(), torch.full((5,), 2.0)[::2]]  # non-contiguous pieces
     dist.all_reduce_coalesced(ts, group=pg)
     res["all_reduce_coalesced-noncontig"] = (

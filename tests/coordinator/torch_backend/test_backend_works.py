@@ -208,3 +208,49 @@ def _ddp_step(rank: int, world: int) -> dict[str, Any]:
 def test_ddp_step_equals_gloo(pool: Any) -> None:
     for res in pool.run(_ddp_step, timeout=60):
         assert res == {"builtin": True, "allreduce_hook": True, "fp16_compress_hook": True}
+
+
+def _threads(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0: a second thread's collective while one is in a barrier (its peer comes
+    0.5 s late) raises ConcurrentCallError and touches nothing; two threads wait on
+    one receive (into a non-contiguous tensor) at once."""
+    import time
+
+    pg = cases.group()
+    dist.barrier(group=pg)  # the communicator is built (its set-up is a collective too)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        th = threading.Thread(target=dist.barrier, kwargs={"group": pg})
+        th.start()
+        time.sleep(0.1)
+        try:
+            dist.all_reduce(torch.ones(3), group=pg)
+            out["second"] = None
+        except Exception as e:
+            out["second"] = type(e).__name__
+        th.join(10)
+        time.sleep(0.3)  # both of rank 1's threads are waiting when the data comes
+        dist.send(torch.arange(4.0), 1, group=pg, tag=11)
+    else:
+        time.sleep(0.5)
+        dist.barrier(group=pg)
+        got = torch.zeros(2, 2).t()
+        w = dist.irecv(got, 0, group=pg, tag=11)
+        seen: list[Any] = []
+        waiters = [threading.Thread(target=lambda: seen.append(w.wait())) for _ in range(2)]
+        for t in waiters:
+            t.start()
+        for t in waiters:
+            t.join(5)
+        out["waits"], out["got"] = seen, got.tolist()
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, group=pg)
+    out["after"] = t.tolist()
+    return out
+
+
+def test_threads_on_one_group(pool: Any) -> None:
+    res = pool.run(_threads, timeout=60)
+    assert res[0]["second"] == "ConcurrentCallError"
+    assert res[1]["waits"] == [True, True] and res[1]["got"] == [[0.0, 1.0], [2.0, 3.0]]
+    assert res[0]["after"] == res[1]["after"] == [1.0] * 3
