@@ -151,34 +151,44 @@ def _destroy_frees(rank: int, world: int) -> dict[str, Any]:
     import gc
     import os
 
+    from torch.distributed import distributed_c10d as c10d
+
     import coordinator  # noqa: F401 - registers the backend
 
-    def maps() -> int:  # our shared memory mapped in this process (names are unlinked early)
+    def ours() -> list[str]:  # our shared memory mapped in this process
         with open("/proc/self/maps") as f:
-            return sum("/gc_" in line for line in f)
+            return [line for line in f if "/gc_" in line]
 
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
-    before, fds_before = maps(), fds()
+    def books() -> tuple[int, int]:  # torch's private maps the gloo group beneath enters
+        return len(c10d._world.pg_map), len(c10d._world.pg_group_ranks)
+
+    before, fds_before, books_before = len(ours()), fds(), books()
+    threads_before = {t.ident for t in threading.enumerate()}
     pg = dist.new_group(backend="groupcoord")
     dist.all_reduce(torch.ones(2), group=pg)
-    mapped = maps() - before
+    mapped = ours()[before:]
+    # unlinked once mapped: a process that exits without destroying leaves no name
+    unlinked = bool(mapped) and all(line.rstrip().endswith("(deleted)") for line in mapped)
     comm = pg.communicator
     served = comm.shm_calls["all_reduce"]
     dist.destroy_process_group(pg)
     closed = comm.closed
     del pg, comm
     gc.collect()  # the group's sockets close with the last reference to it
-    return {"mapped": mapped, "left": maps() - before, "closed": closed,
-            "served": served, "fds": fds() - fds_before}
+    return {"mapped": len(mapped), "unlinked": unlinked, "left": len(ours()) - before,
+            "closed": closed, "served": served, "fds": fds() - fds_before,
+            "books": books() == books_before,
+            "threads": [t.name for t in threading.enumerate() if t.ident not in threads_before]}
 
 
 def test_destroy_frees_shared_memory(pool: Any) -> None:
     for r in pool.run(_destroy_frees, timeout=60):
-        assert r["mapped"] > 0 and r["left"] == 0
+        assert r["mapped"] > 0 and r["unlinked"] and r["left"] == 0
         assert r["closed"] and r["served"] == 1
-        assert r["fds"] <= 0
+        assert r["fds"] <= 0 and r["books"] and r["threads"] == []
 
 
 def _ddp_step(rank: int, world: int) -> dict[str, Any]:
