@@ -25,6 +25,10 @@ gloo (see its module docstring). A gloo backend is also registered on this
 group for CPU, so a C++ caller reaching an op this class does not define gets
 gloo's, and torch's per-group name lives there.
 
+The coalesced all-reduce and reduce-scatter and ``scatter`` first agree on
+the ranks' layouts (:meth:`GroupcoordProcessGroup._agree`): their one
+exchange alone would not tell ranks with different pieces apart.
+
 Collectives run to completion on the calling thread, bounded by the group's
 timeout, and return a finished :class:`~coordinator.torch_backend.work.GroupcoordWork`;
 their errors raise at the call (with ``async_op=True`` too). The communicator
@@ -46,6 +50,7 @@ import torch.distributed as dist
 
 from coordinator.torch_backend import gloo_group
 from coordinator.torch_backend.translate import (
+    check_writable,
     copy_pieces,
     same_dtype,
     single,
@@ -197,6 +202,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             comm.all_reduce(t, op, out=t)
         else:
+            self._checked("all_reduce", lambda: check_writable(t, "tensors[0]"))
             with torch.no_grad():
                 t.copy_(comm.all_reduce(t, op))
         return self._done([t])
@@ -229,8 +235,14 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         """``dist.reduce``: the reduction lands in ``tensors[0]`` on the root only."""
         opts = opts if opts is not None else dist.ReduceOptions()
         comm = self.communicator
-        t, op = self._checked("reduce", lambda: (
-            single(tensors, "tensors"), to_reduce_op(opts.reduceOp)))
+
+        def check() -> tuple[torch.Tensor, ReduceOp]:
+            t = single(tensors, "tensors")
+            if self.rank() == opts.rootRank and not t.is_contiguous():
+                check_writable(t, "tensors[0]")
+            return t, to_reduce_op(opts.reduceOp)
+
+        t, op = self._checked("reduce", check)
         out = comm.reduce(t, opts.rootRank, op)
         if out is not None:
             t.copy_(out)
@@ -346,12 +358,16 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         t = self._checked("broadcast", check)
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             comm.broadcast(t, opts.rootRank)
-        else:
+        else:  # the root only reads its tensor
+            receives = self.rank() != opts.rootRank
+            if receives:
+                self._checked("broadcast", lambda: check_writable(t, "tensors[0]"))
             buf = t.resolve_conj().resolve_neg().contiguous()
             if buf is t:
                 buf = t.clone()
             comm.broadcast(buf, opts.rootRank)
-            t.copy_(buf)
+            if receives:
+                t.copy_(buf)
         return self._done([t])
 
     @_no_grad

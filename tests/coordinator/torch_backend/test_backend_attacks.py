@@ -134,6 +134,24 @@ def _ag_into_tensor_dtype(pg: Any, rank: int, world: int) -> Any:
     return out.tolist()
 
 
+def _all_reduce_expanded(pg: Any, rank: int, world: int) -> Any:
+    t = torch.ones(1).expand(4) if rank == 0 else torch.ones(4)  # rank 0's cannot be written
+    dist.all_reduce(t, group=pg)
+    return t.tolist()
+
+
+def _broadcast_expanded(pg: Any, rank: int, world: int) -> Any:
+    t = torch.zeros(1).expand(4) if rank == 1 else torch.ones(4)  # a receiver's
+    dist.broadcast(t, 0, group=pg)
+    return t.tolist()
+
+
+def _reduce_expanded(pg: Any, rank: int, world: int) -> Any:
+    t = torch.ones(1).expand(4) if rank == 0 else torch.ones(4)  # the root's
+    dist.reduce(t, 0, group=pg)
+    return t.tolist()
+
+
 #: calls that must raise on every rank
 MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "all_reduce_coalesced-split": _coalesced_split,
@@ -151,7 +169,13 @@ MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "all_to_all_single-row-shape": _a2a_single_rows,
     "all_to_all_single-dtype": _a2a_single_dtype,
     "all_gather_into_tensor-dtype": _ag_into_tensor_dtype,
+    "all_reduce-expanded": _all_reduce_expanded,
+    "broadcast-expanded": _broadcast_expanded,
+    "reduce-expanded": _reduce_expanded,
 }
+#: (attack, rank) whose own arguments are wrong: ValueError there, PeerRejectedError elsewhere
+_OWN_FAULT = {("scatter-root-rejects", 0), ("all_reduce-expanded", 0),
+              ("broadcast-expanded", 1), ("reduce-expanded", 0)}
 
 
 def _exact(rank: int, world: int) -> dict[str, tuple[Any, Any]]:
@@ -201,6 +225,11 @@ def _exact(rank: int, world: int) -> dict[str, tuple[Any, Any]]:
     res["reduce_scatter-output-in-inputs"] = (
         out.tolist(), [float(world * (3 * rank + j)) for j in range(3)])
 
+    src = torch.full((1,), 7.0).expand(3)  # a root reads an expanded tensor
+    got = src if rank == 0 else torch.empty(3)
+    dist.broadcast(got, 0, group=pg)
+    res["broadcast-expanded-root"] = (got.tolist(), [7.0] * 3)
+
     ts = [torch.full((2, 3), 1.0).t(), torch.full((5,), 2.0)[::2]]  # non-contiguous pieces
     dist.all_reduce_coalesced(ts, group=pg)
     res["all_reduce_coalesced-noncontig"] = (
@@ -249,10 +278,10 @@ def test_disagreeing_layouts_raise_on_every_rank(pools: Callable[[int], Any],
     bad = []
     for rank, res in enumerate(results):
         for name, (kind, text, usable) in res.items():
-            if kind not in ("CollectiveMismatch", "PeerRejectedError", "ValueError"):
+            want = ({"ValueError"} if (name, rank) in _OWN_FAULT
+                    else {"CollectiveMismatch", "PeerRejectedError"})
+            if kind not in want:
                 bad.append(f"rank {rank} {name}: {kind}: {text}")
-            elif kind == "ValueError" and not (name == "scatter-root-rejects" and rank == 0):
-                bad.append(f"rank {rank} {name}: ValueError: {text}")
             if not usable:
                 bad.append(f"rank {rank} {name}: the group gave a wrong all_reduce afterwards")
     assert bad == [], "\n".join(bad)
