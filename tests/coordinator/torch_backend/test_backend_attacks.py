@@ -83,6 +83,14 @@ def _scatter_root_rejects(pg: Any, rank: int, world: int) -> Any:
     return out.tolist()
 
 
+def _scatter_receiver_rejects(pg: Any, rank: int, world: int) -> Any:
+    out = [torch.empty(4), torch.empty(4)] if rank == 1 else [torch.empty(4)]
+    src = [[torch.ones(4) for _ in range(world)]] if rank == 0 else []
+    # the group's own method: torch's dist.scatter would check the arguments itself
+    pg.scatter(out, src, dist.ScatterOptions()).wait()
+    return out[0].tolist()
+
+
 def _ag_list_uneven_disagree(pg: Any, rank: int, world: int) -> Any:
     sizes = [2 + (r + rank) % 2 for r in range(world)]
     outs = [torch.empty(s) for s in sizes]
@@ -162,6 +170,7 @@ MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "scatter-dtype": _scatter_dtype,
     "scatter-numel": _scatter_numel,
     "scatter-root-rejects": _scatter_root_rejects,
+    "scatter-receiver-rejects": _scatter_receiver_rejects,
     "all_gather-uneven-disagree": _ag_list_uneven_disagree,
     "reduce_scatter-uneven-disagree": _rs_list_uneven_disagree,
     "all_to_all-splits-disagree": _a2a_list_disagree,
@@ -174,8 +183,8 @@ MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "reduce-expanded": _reduce_expanded,
 }
 #: (attack, rank) whose own arguments are wrong: ValueError there, PeerRejectedError elsewhere
-_OWN_FAULT = {("scatter-root-rejects", 0), ("all_reduce-expanded", 0),
-              ("broadcast-expanded", 1), ("reduce-expanded", 0)}
+_OWN_FAULT = {("scatter-root-rejects", 0), ("scatter-receiver-rejects", 1),
+              ("all_reduce-expanded", 0), ("broadcast-expanded", 1), ("reduce-expanded", 0)}
 
 
 def _exact(rank: int, world: int) -> dict[str, tuple[Any, Any]]:
