@@ -10,7 +10,9 @@ on it. Every work offers what torch's callers use:
   :class:`~shm_broadcast.errors.CommTimeout` (final: gloo closes the
   connection of the two ranks when a wait times out), a dead peer
   :class:`~shm_broadcast.errors.PeerDiedError`; a failed work raises its
-  error on every ``wait`` (from any thread);
+  error on every ``wait`` (from any thread). One thread at a time waits on
+  gloo's work (gloo wakes only one waiter of a receive); the others wait for
+  it, each within its own bound;
 * ``is_completed()``, ``is_success()``, ``exception()``, ``result()``;
 * ``get_future()``: a ``torch.futures.Future`` whose value is the call's
   output tensors (DDP's communication hooks read ``fut.value()[0]``), or
