@@ -674,5 +674,6 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         """Break the communicator (calls in flight raise), then shut down."""
         comm = self._comm
         if comm is not None:
-            comm.abort(RuntimeError(f"process group {self._name!r} (groupcoord) was aborted"))
+            comm.abort(CommunicatorClosed(f"process group {self._name!r} (groupcoord) was "
+                                          "aborted"))
         self.shutdown()

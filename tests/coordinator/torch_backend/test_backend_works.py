@@ -264,3 +264,43 @@ def test_threads_on_one_group(pool: Any) -> None:
     assert res[0]["second"] == "ConcurrentCallError"
     assert res[1]["waits"] == [True, True] and res[1]["got"] == [[0.0, 1.0], [2.0, 3.0]]
     assert res[0]["after"] == res[1]["after"] == [1.0] * 3
+
+
+def _abort(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 aborts its group while a thread of it waits in an all_reduce that
+    rank 1 never makes (on a group of its own, with a 10 s timeout)."""
+    import time
+
+    import coordinator  # noqa: F401 - registers the backend
+
+    pg = dist.new_group(backend="groupcoord", timeout=datetime.timedelta(seconds=10))
+    dist.barrier(group=pg)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        def waiter() -> None:
+            t0 = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(4), group=pg)
+                out["thread"] = None
+            except Exception as e:
+                out["thread"], out["took"] = type(e).__name__, time.monotonic() - t0
+
+        th = threading.Thread(target=waiter)
+        th.start()
+        time.sleep(0.2)
+        pg.abort()
+        th.join(15)
+        try:
+            dist.all_reduce(torch.ones(4), group=pg)
+            out["after"] = None
+        except Exception as e:
+            out["after"] = type(e).__name__
+    dist.barrier()
+    dist.destroy_process_group(pg)  # after abort too
+    return out
+
+
+def test_abort_breaks_a_call_in_flight(pool: Any) -> None:
+    res = pool.run(_abort, timeout=60)[0]
+    assert res["thread"] == "ClosedError" and res["took"] < 5.0, res
+    assert res["after"] == "ClosedError"
