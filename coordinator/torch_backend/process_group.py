@@ -25,6 +25,10 @@ gloo (see its module docstring). A gloo backend is also registered on this
 group for CPU, so a C++ caller reaching an op this class does not define gets
 gloo's, and torch's per-group name lives there.
 
+The coalesced all-reduce and reduce-scatter and ``scatter`` first agree on
+the ranks' layouts (:meth:`GroupcoordProcessGroup._agree`): their one
+exchange alone would not tell ranks with different pieces apart.
+
 Collectives run to completion on the calling thread, bounded by the group's
 timeout, and return a finished :class:`~coordinator.torch_backend.work.GroupcoordWork`;
 their errors raise at the call (with ``async_op=True`` too). The communicator
@@ -46,6 +50,7 @@ import torch.distributed as dist
 
 from coordinator.torch_backend import gloo_group
 from coordinator.torch_backend.translate import (
+    check_writable,
     copy_pieces,
     same_dtype,
     single,
@@ -55,8 +60,14 @@ from coordinator.torch_backend.translate import (
 )
 from coordinator.torch_backend.work import GroupcoordWork
 from device_comms.cpu.communicator import CpuCommunicator
-from device_comms.errors import CommunicatorClosed, add_note
+from device_comms.errors import (
+    CollectiveMismatch,
+    CommunicatorClosed,
+    add_note,
+    translate_backend_error,
+)
 from device_comms.reduce_op import ReduceOp
+from device_comms.row_gather import layout_key
 from device_comms.validation import check_tensor
 from shm_broadcast.errors import GroupCoordError
 
@@ -152,6 +163,34 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
                 add_note(e, f"telling the peers of group {self._name!r} failed: {notify}")
             raise
 
+    def _agree(self, comm: CpuCommunicator, op: str, what: str,
+               rows: Sequence[torch.Tensor]) -> None:
+        """Raise on every rank unless every rank's ``rows`` have the same dtypes and row
+        shapes, in order: one small all-gather of a digest
+        (:func:`~device_comms.row_gather.layout_key`).
+
+        For the calls whose one exchange signs less than their layout: a coalesced
+        call's flat buffer signs only the total element count (pieces of 2 and 3
+        elements against 3 and 2 would mix), and scatter's receivers are told the
+        root's dtype rather than compared with it.
+
+        Raises:
+            CollectiveMismatch: The ranks' layouts differ (on every rank; the
+                group stays usable).
+        """
+        try:
+            keys = comm.all_gather(torch.tensor([layout_key(rows)], dtype=torch.int64), 0)
+        except GroupCoordError as e:
+            add_note(e, f"{self._where(op)}: raised by the check that the ranks' layouts agree")
+            raise
+        mine = keys[self.rank()]
+        if bool((keys != mine).any()):
+            others = [r for r in range(self.size()) if keys[r] != mine]
+            layout = [(str(t.dtype)[6:], tuple(t.shape[1:])) for t in rows]
+            raise CollectiveMismatch(
+                f"{self._where(op)}: the ranks passed different {what}: this rank's are "
+                f"{layout}, rank(s) {others} passed others")
+
     # ------------------------------------------------------------------ reductions
     def allreduce(self, tensors: list[torch.Tensor],  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
                   opts: Any = None) -> GroupcoordWork:
@@ -163,6 +202,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             comm.all_reduce(t, op, out=t)
         else:
+            self._checked("all_reduce", lambda: check_writable(t, "tensors[0]"))
             with torch.no_grad():
                 t.copy_(comm.all_reduce(t, op))
         return self._done([t])
@@ -182,6 +222,9 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             return ts, to_reduce_op(opts.reduceOp)
 
         ts, op = self._checked("all_reduce", check)
+        if len(ts) > 1:
+            self._agree(comm, "all_reduce_coalesced", "tensors (dtype, shape)",
+                        [t.unsqueeze(0) for t in ts])
         flat = torch.cat([t.reshape(-1) for t in ts])
         comm.all_reduce(flat, op, out=flat)
         copy_pieces(flat, ts)
@@ -192,8 +235,14 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         """``dist.reduce``: the reduction lands in ``tensors[0]`` on the root only."""
         opts = opts if opts is not None else dist.ReduceOptions()
         comm = self.communicator
-        t, op = self._checked("reduce", lambda: (
-            single(tensors, "tensors"), to_reduce_op(opts.reduceOp)))
+
+        def check() -> tuple[torch.Tensor, ReduceOp]:
+            t = single(tensors, "tensors")
+            if self.rank() == opts.rootRank and not t.is_contiguous():
+                check_writable(t, "tensors[0]")
+            return t, to_reduce_op(opts.reduceOp)
+
+        t, op = self._checked("reduce", check)
         out = comm.reduce(t, opts.rootRank, op)
         if out is not None:
             t.copy_(out)
@@ -279,6 +328,9 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             return outs, ins, to_reduce_op(opts.reduceOp)
 
         outs, ins, op = self._checked("reduce_scatter", check)
+        if len(outs) > 1:
+            self._agree(comm, "reduce_scatter_tensor_coalesced", "outputs (dtype, numel)",
+                        [o.reshape(1, -1) for o in outs])
         if outs and len({x.dtype for x in ins}) == 1:
             rows = torch.cat([x.reshape(world, -1) for x in ins], dim=1)
             got = comm.reduce_scatter(rows, 0, op).reshape(-1)
@@ -306,12 +358,16 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         t = self._checked("broadcast", check)
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             comm.broadcast(t, opts.rootRank)
-        else:
+        else:  # the root only reads its tensor
+            receives = self.rank() != opts.rootRank
+            if receives:
+                self._checked("broadcast", lambda: check_writable(t, "tensors[0]"))
             buf = t.resolve_conj().resolve_neg().contiguous()
             if buf is t:
                 buf = t.clone()
             comm.broadcast(buf, opts.rootRank)
-            t.copy_(buf)
+            if receives:
+                t.copy_(buf)
         return self._done([t])
 
     @_no_grad
@@ -483,6 +539,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             return out, torch.stack([t.reshape(-1) for t in ins])
 
         out, rows = self._checked("scatter", check)
+        self._agree(comm, "scatter", "outputs (dtype, numel)", [out.reshape(1, -1)])
         got = comm.scatter(rows, root, 0)
         out.copy_(got.view(out.shape))
         return self._done([out])
@@ -562,13 +619,14 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         """``dist.send``/``isend`` (gloo): the work completes once gloo sent it."""
         t = single(tensors, "tensors")
         buf = t.resolve_conj().resolve_neg().contiguous()
-        w = self.gloo.send([buf], dstRank, tag)
-        return GroupcoordWork([t], pending=w, timeout=self._timeout_s,
-                              where=self._where("send"))
+        where = self._where(f"send to rank {dstRank}")
+        w = self._start(lambda: self.gloo.send([buf], dstRank, tag), where)
+        return GroupcoordWork([t], pending=w, timeout=self._timeout_s, where=where)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> GroupcoordWork:
         """``dist.recv``/``irecv`` (gloo): the tensor is filled once the work completed."""
-        return self._receive(tensors, lambda bufs: self.gloo.recv(bufs, srcRank, tag), "recv")
+        return self._receive(tensors, lambda bufs: self.gloo.recv(bufs, srcRank, tag),
+                             f"recv from rank {srcRank}")
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> GroupcoordWork:
         """``dist.recv`` without ``src`` (gloo); the work's ``_source_rank()`` names it."""
@@ -578,12 +636,26 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
     def _receive(self, tensors: list[torch.Tensor],
                  start: Callable[[list[torch.Tensor]], dist.Work], op: str) -> GroupcoordWork:
         t = single(tensors, "tensors")
+        where = self._where(op)
         if t.is_contiguous():
-            return GroupcoordWork([t], pending=start([t]), timeout=self._timeout_s,
-                                  where=self._where(op))
+            return GroupcoordWork([t], pending=self._start(lambda: start([t]), where),
+                                  timeout=self._timeout_s, where=where)
         buf = torch.empty(t.shape, dtype=t.dtype)
-        return GroupcoordWork([t], pending=start([buf]), finish=lambda: _no_grad(t.copy_)(buf),
-                              timeout=self._timeout_s, where=self._where(op))
+        return GroupcoordWork([t], pending=self._start(lambda: start([buf]), where),
+                              finish=lambda: _no_grad(t.copy_)(buf),
+                              timeout=self._timeout_s, where=where)
+
+    @staticmethod
+    def _start(start: Callable[[], dist.Work], where: str) -> dist.Work:
+        """``start()``'s gloo work; gloo's errors at the start (a pair it closed when an
+        earlier wait timed out, a peer that died) as this family's."""
+        try:
+            return start()
+        except RuntimeError as e:
+            err = translate_backend_error(e, where)
+            if err is e:
+                raise
+            raise err from e
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
@@ -602,5 +674,6 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         """Break the communicator (calls in flight raise), then shut down."""
         comm = self._comm
         if comm is not None:
-            comm.abort(RuntimeError(f"process group {self._name!r} (groupcoord) was aborted"))
+            comm.abort(CommunicatorClosed(f"process group {self._name!r} (groupcoord) was "
+                                          "aborted"))
         self.shutdown()

@@ -10,7 +10,9 @@ on it. Every work offers what torch's callers use:
   :class:`~shm_broadcast.errors.CommTimeout` (final: gloo closes the
   connection of the two ranks when a wait times out), a dead peer
   :class:`~shm_broadcast.errors.PeerDiedError`; a failed work raises its
-  error on every ``wait`` (from any thread);
+  error on every ``wait`` (from any thread). One thread at a time waits on
+  gloo's work (gloo wakes only one waiter of a receive); the others wait for
+  it, each within its own bound;
 * ``is_completed()``, ``is_success()``, ``exception()``, ``result()``;
 * ``get_future()``: a ``torch.futures.Future`` whose value is the call's
   output tensors (DDP's communication hooks read ``fut.value()[0]``), or
@@ -30,13 +32,12 @@ import contextlib
 import datetime
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from device_comms.errors import translate_backend_error
+from device_comms.errors import CommTimeout, translate_backend_error
 
 __all__ = ["GroupcoordWork"]
 
@@ -72,14 +73,15 @@ class GroupcoordWork(dist.Work):
         self._finish = finish
         self._timeout = timeout
         self._where = where
-        #: guards the end of a gloo work (a finished collective has nothing to guard)
-        self._lock: contextlib.AbstractContextManager[Any] = (
-            threading.Lock() if pending is not None else contextlib.nullcontext())
+        #: held by the one thread that waits on gloo's work: gloo wakes only one waiter
+        #: of a receive, so a second thread waiting on it too would sleep out its timeout
+        self._waiter = threading.Lock()
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Wait until the call completed; raise its error if it failed.
 
-        Safe from any thread, and more than once.
+        Safe from any thread, and more than once: one thread at a time waits on
+        gloo's work, the others for that thread, each within its own bound.
 
         Args:
             timeout: The longest wait (None or zero: the group's timeout).
@@ -88,32 +90,35 @@ class GroupcoordWork(dist.Work):
             CommTimeout: The call did not complete in time.
             Exception: The call's own error (every ``wait`` raises it again).
         """
-        if not self._done and self._gloo is not None:
+        if not self._done:
             seconds = timeout.total_seconds() if timeout else 0.0
-            limit = datetime.timedelta(seconds=seconds if seconds > 0 else self._timeout)
+            limit = seconds if seconds > 0 else self._timeout
+            if not self._waiter.acquire(timeout=limit):
+                raise CommTimeout(f"{self._where}: not complete within {limit:g} s (another "
+                                  "thread is waiting for it too)")
             try:
-                self._gloo.wait(limit)
-            except RuntimeError as e:
-                err = translate_backend_error(e, self._where)
-                self._settle_once(err)
-                if err is e:
-                    raise
-                raise err from e
-            self._settle_once(None)
+                self._settle(limit)
+            finally:
+                self._waiter.release()
         if self._error is not None:
             raise self._error
         return True
 
-    def _settle_once(self, error: BaseException | None) -> None:
-        """Record the gloo work's end and run ``finish`` (once, on the first thread)."""
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-            finish, self._finish = self._finish, None
-            if error is not None:
-                self._error = error
-                return
+    def _settle(self, limit: float) -> None:
+        """Wait up to ``limit`` seconds on gloo's work, then record its end and run
+        ``finish`` (the caller holds ``_waiter``; nothing to do once done)."""
+        if self._done or self._gloo is None:
+            return
+        try:
+            self._gloo.wait(datetime.timedelta(seconds=limit))
+        except RuntimeError as e:
+            err = translate_backend_error(e, self._where)
+            self._error, self._done = err, True
+            if err is e:
+                raise
+            raise err from e
+        self._done = True
+        finish, self._finish = self._finish, None
         if finish is not None:
             try:
                 finish()
@@ -123,9 +128,15 @@ class GroupcoordWork(dist.Work):
 
     def is_completed(self) -> bool:
         """Whether the call finished (successfully or not)."""
-        if not self._done and self._gloo is not None and self._gloo.is_completed():
-            with contextlib.suppress(Exception):  # kept on the work: wait() raises it
-                self.wait()
+        gloo = self._gloo
+        # a thread that finds _waiter taken leaves the end to the waiting thread
+        if not self._done and gloo is not None and gloo.is_completed() and (
+                self._waiter.acquire(False)):
+            try:
+                with contextlib.suppress(Exception):  # kept on the work: wait() raises it
+                    self._settle(self._timeout)
+            finally:
+                self._waiter.release()
         return self._done
 
     def is_success(self) -> bool:
@@ -144,7 +155,7 @@ class GroupcoordWork(dist.Work):
     def get_future(self) -> Future[list[torch.Tensor]]:
         """A future completed with the output tensors, or with the call's error."""
         fut: Future[list[torch.Tensor]] = Future()
-        if self._done or self._gloo is None:
+        if self._done:
             self._fill(fut)
             return fut
 

@@ -125,3 +125,45 @@ def test_absent_rank_times_out(dist_pool: Callable[[int], Any]) -> None:
     results = dist_pool(2).run(_one_rank_absent, timeout=60)
     assert results[0]["raised"] == "CommTimeout", results
     assert results[0]["took"] < 10.0
+
+
+def _peer_killed(rank: int, world: int, op: str) -> dict[str, Any]:
+    """Rank 1 SIGKILLs itself while rank 0 waits for it in ``op`` on a group of a
+    20 s timeout: rank 0 must raise PeerDiedError promptly, naming the group."""
+    import os
+    import signal
+    import time
+
+    import coordinator  # noqa: F401 - registers the backend
+
+    pg = dist.new_group(backend="groupcoord", timeout=datetime.timedelta(seconds=20))
+    dist.all_reduce(torch.ones(4), group=pg)
+    if rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        if op == "all_reduce":
+            dist.all_reduce(torch.ones(4), group=pg)
+        elif op == "scatter":  # on gloo, after a shared-memory agreement step
+            dist.scatter(torch.empty(4), [torch.ones(4)] * world, src=0, group=pg)
+        elif op == "recv":
+            dist.recv(torch.empty(4), src=1, group=pg)
+        else:
+            dist.barrier(group=pg)
+        return {"raised": None}
+    except Exception as e:
+        return {"raised": type(e).__name__, "text": str(e), "took": time.monotonic() - t0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["all_reduce", "scatter", "recv", "barrier"])
+def test_dead_peer_raises_promptly(op: str) -> None:
+    from shm_broadcast.ranks.launcher import spawn_group
+
+    outs = spawn_group(_peer_killed, 2, (op,), timeout=60)
+    assert outs[0].ok, outs[0].error
+    res = outs[0].result
+    assert res["raised"] == "PeerDiedError", res
+    assert res["took"] < 5.0, res
+    assert "group '" in res["text"], res

@@ -108,6 +108,13 @@ def _recv_times_out(rank: int, world: int) -> dict[str, Any]:
             w.get_future().wait()
         except CommTimeout as e:
             out["future_error"] = type(e).__name__
+            out["names_peer"] = "recv from rank 0" in str(e)
+        for key, call in (("recv_after", dist.irecv), ("send_after", dist.isend)):
+            try:  # gloo closed the pair: the next call on it fails at its start
+                call(torch.zeros(1), 0, group=pg, tag=8).wait()
+                out[key] = None
+            except Exception as e:
+                out[key] = type(e).__name__
     dist.barrier()
     dist.destroy_process_group(pg)
     return out
@@ -118,6 +125,9 @@ def test_recv_wait_is_bounded(pool: Any) -> None:
     assert res["first"] == res["again"] == "CommTimeout"
     assert res["took"] < 5.0
     assert res["completed"] is True and res["future_error"] == "CommTimeout"
+    assert res["names_peer"] is True
+    # not gloo's bare RuntimeError: the family's, naming the group, the op and the peer
+    assert res["recv_after"] == res["send_after"] == "CommTimeout"
 
 
 def _batch_and_monitored(rank: int, world: int) -> dict[str, Any]:
@@ -141,34 +151,44 @@ def _destroy_frees(rank: int, world: int) -> dict[str, Any]:
     import gc
     import os
 
+    from torch.distributed import distributed_c10d as c10d
+
     import coordinator  # noqa: F401 - registers the backend
 
-    def maps() -> int:  # our shared memory mapped in this process (names are unlinked early)
+    def ours() -> list[str]:  # our shared memory mapped in this process
         with open("/proc/self/maps") as f:
-            return sum("/gc_" in line for line in f)
+            return [line for line in f if "/gc_" in line]
 
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
-    before, fds_before = maps(), fds()
+    def books() -> tuple[int, int]:  # torch's private maps the gloo group beneath enters
+        return len(c10d._world.pg_map), len(c10d._world.pg_group_ranks)
+
+    before, fds_before, books_before = len(ours()), fds(), books()
+    threads_before = {t.ident for t in threading.enumerate()}
     pg = dist.new_group(backend="groupcoord")
     dist.all_reduce(torch.ones(2), group=pg)
-    mapped = maps() - before
+    mapped = ours()[before:]
+    # unlinked once mapped: a process that exits without destroying leaves no name
+    unlinked = bool(mapped) and all(line.rstrip().endswith("(deleted)") for line in mapped)
     comm = pg.communicator
     served = comm.shm_calls["all_reduce"]
     dist.destroy_process_group(pg)
     closed = comm.closed
     del pg, comm
     gc.collect()  # the group's sockets close with the last reference to it
-    return {"mapped": mapped, "left": maps() - before, "closed": closed,
-            "served": served, "fds": fds() - fds_before}
+    return {"mapped": len(mapped), "unlinked": unlinked, "left": len(ours()) - before,
+            "closed": closed, "served": served, "fds": fds() - fds_before,
+            "books": books() == books_before,
+            "threads": [t.name for t in threading.enumerate() if t.ident not in threads_before]}
 
 
 def test_destroy_frees_shared_memory(pool: Any) -> None:
     for r in pool.run(_destroy_frees, timeout=60):
-        assert r["mapped"] > 0 and r["left"] == 0
+        assert r["mapped"] > 0 and r["unlinked"] and r["left"] == 0
         assert r["closed"] and r["served"] == 1
-        assert r["fds"] <= 0
+        assert r["fds"] <= 0 and r["books"] and r["threads"] == []
 
 
 def _ddp_step(rank: int, world: int) -> dict[str, Any]:
@@ -198,3 +218,89 @@ def _ddp_step(rank: int, world: int) -> dict[str, Any]:
 def test_ddp_step_equals_gloo(pool: Any) -> None:
     for res in pool.run(_ddp_step, timeout=60):
         assert res == {"builtin": True, "allreduce_hook": True, "fp16_compress_hook": True}
+
+
+def _threads(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0: a second thread's collective while one is in a barrier (its peer comes
+    0.5 s late) raises ConcurrentCallError and touches nothing; two threads wait on
+    one receive (into a non-contiguous tensor) at once."""
+    import time
+
+    pg = cases.group()
+    dist.barrier(group=pg)  # the communicator is built (its set-up is a collective too)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        th = threading.Thread(target=dist.barrier, kwargs={"group": pg})
+        th.start()
+        time.sleep(0.1)
+        try:
+            dist.all_reduce(torch.ones(3), group=pg)
+            out["second"] = None
+        except Exception as e:
+            out["second"] = type(e).__name__
+        th.join(10)
+        time.sleep(0.3)  # both of rank 1's threads are waiting when the data comes
+        dist.send(torch.arange(4.0), 1, group=pg, tag=11)
+    else:
+        time.sleep(0.5)
+        dist.barrier(group=pg)
+        got = torch.zeros(2, 2).t()
+        w = dist.irecv(got, 0, group=pg, tag=11)
+        seen: list[Any] = []
+        waiters = [threading.Thread(target=lambda: seen.append(w.wait())) for _ in range(2)]
+        for t in waiters:
+            t.start()
+        for t in waiters:
+            t.join(5)
+        out["waits"], out["got"] = seen, got.tolist()
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t, group=pg)
+    out["after"] = t.tolist()
+    return out
+
+
+def test_threads_on_one_group(pool: Any) -> None:
+    res = pool.run(_threads, timeout=60)
+    assert res[0]["second"] == "ConcurrentCallError"
+    assert res[1]["waits"] == [True, True] and res[1]["got"] == [[0.0, 1.0], [2.0, 3.0]]
+    assert res[0]["after"] == res[1]["after"] == [1.0] * 3
+
+
+def _abort(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 aborts its group while a thread of it waits in an all_reduce that
+    rank 1 never makes (on a group of its own, with a 10 s timeout)."""
+    import time
+
+    import coordinator  # noqa: F401 - registers the backend
+
+    pg = dist.new_group(backend="groupcoord", timeout=datetime.timedelta(seconds=10))
+    dist.barrier(group=pg)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        def waiter() -> None:
+            t0 = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(4), group=pg)
+                out["thread"] = None
+            except Exception as e:
+                out["thread"], out["took"] = type(e).__name__, time.monotonic() - t0
+
+        th = threading.Thread(target=waiter)
+        th.start()
+        time.sleep(0.2)
+        pg.abort()
+        th.join(15)
+        try:
+            dist.all_reduce(torch.ones(4), group=pg)
+            out["after"] = None
+        except Exception as e:
+            out["after"] = type(e).__name__
+    dist.barrier()
+    dist.destroy_process_group(pg)  # after abort too
+    return out
+
+
+def test_abort_breaks_a_call_in_flight(pool: Any) -> None:
+    res = pool.run(_abort, timeout=60)[0]
+    assert res["thread"] == "ClosedError" and res["took"] < 5.0, res
+    assert res["after"] == "ClosedError"
