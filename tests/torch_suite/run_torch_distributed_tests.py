@@ -48,6 +48,7 @@ Exit status: 0 when nothing failed, 1 otherwise, 2 for bad options.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "import-time skips: gloo's (default) or the backend's own")
     p.add_argument("--timeout", type=int, default=60,
                    help="seconds per test before its ranks are killed (default: 60)")
+    p.add_argument("--reuse", action="store_true",
+                   help="run every test on the same rank processes (fast; torch's way, the "
+                        "default, starts fresh ranks for each test)")
     p.add_argument("--list", action="store_true", help="print the selection and exit")
     p.add_argument("--json", dest="json_path", default=None, help="write outcomes here")
     p.add_argument("-v", "--verbose", action="store_true", help="unittest's verbose output")
@@ -250,15 +254,191 @@ def main(argv: list[str] | None = None) -> int:
         for name, reason in left_out.items():
             print(f"{name}  (left out: {reason})")
         return 0
-    suite = unittest.TestSuite(cls(name) for name in run)
-    runner = unittest.TextTestRunner(resultclass=_Result, verbosity=2 if args.verbose else 1,
-                                     stream=sys.stderr)
     started = time.monotonic()
-    result = runner.run(suite)
-    assert isinstance(result, _Result)
-    elapsed = time.monotonic() - started
-    temp.cleanup()
-    return _report(args, result.outcomes, left_out, elapsed)
+    try:
+        if args.reuse:
+            outcomes = _run_reusing_ranks(run, args.world_size, temp.name, args.timeout)
+        else:
+            suite = unittest.TestSuite(cls(name) for name in run)
+            runner = unittest.TextTestRunner(
+                resultclass=_Result, verbosity=2 if args.verbose else 1, stream=sys.stderr)
+            result = runner.run(suite)
+            if not isinstance(result, _Result):  # pragma: no cover - resultclass above
+                raise TypeError(f"unexpected unittest result {type(result).__name__}")
+            outcomes = result.outcomes
+    finally:
+        temp.cleanup()
+    return _report(args, outcomes, left_out, time.monotonic() - started)
+
+
+# ------------------------------------------------------------------ --reuse: one set of ranks
+def _run_reusing_ranks(names: list[str], world_size: int, temp_dir: str,
+                       timeout: float) -> dict[str, dict[str, Any]]:
+    """Run ``names`` one after the other on the same ``world_size`` rank processes.
+
+    Each test gets what ``TestDistBackend._run`` gives it in a fresh process: a
+    new file store (``init_process_group`` with the backend), the file barrier
+    reset, torch's test seed, a barrier before and after, and the process group
+    destroyed afterwards. A test that fails or hangs on any rank is reported
+    with that rank's traceback and the ranks are replaced, so the next test
+    starts clean.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    ranks: list[tuple[Any, Any]] = []
+    outcomes: dict[str, dict[str, Any]] = {}
+    try:
+        for i, name in enumerate(names):
+            if not ranks:
+                ranks = _start_ranks(ctx, world_size)
+            started = time.monotonic()
+            _reset_barrier_dir(temp_dir)
+            init_file = os.path.join(temp_dir, f"init_{i}")
+            for _, conn in ranks:
+                conn.send((name, init_file))
+            results, healthy = _collect(ranks, timeout)
+            if not healthy:
+                _stop_ranks(ranks, kill=True)
+                ranks = []
+            outcome, detail = _combine(results)
+            outcomes[name] = {"outcome": outcome, "detail": detail,
+                              "seconds": round(time.monotonic() - started, 2)}
+            print(f"{name} ... {outcome}" + (f" ({detail})" if outcome == "skipped" else ""),
+                  file=sys.stderr, flush=True)
+    finally:
+        _stop_ranks(ranks, kill=False)
+    return outcomes
+
+
+def _start_ranks(ctx: Any, world_size: int) -> list[tuple[Any, Any]]:
+    ranks = []
+    for rank in range(world_size):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_rank_loop, args=(rank, world_size, child), daemon=True)
+        proc.start()
+        child.close()
+        ranks.append((proc, parent))
+    return ranks
+
+
+def _stop_ranks(ranks: list[tuple[Any, Any]], kill: bool) -> None:
+    for proc, conn in ranks:
+        if not kill:
+            try:
+                conn.send(None)
+            except OSError:
+                kill = True
+        proc.join(timeout=0 if kill else 10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+        conn.close()
+
+
+def _reset_barrier_dir(temp_dir: str) -> None:
+    """What ``Barrier.init`` does in torch's parent: no rank's barrier file left."""
+    barrier_dir = os.path.join(temp_dir, "barrier")
+    os.makedirs(barrier_dir, exist_ok=True)
+    for f in os.listdir(barrier_dir):
+        os.unlink(os.path.join(barrier_dir, f))
+    os.makedirs(os.path.join(temp_dir, "test_dir"), exist_ok=True)
+
+
+def _collect(ranks: list[tuple[Any, Any]],
+             timeout: float) -> tuple[list[tuple[str, str] | None], bool]:
+    """Each rank's ``(outcome, detail)`` (None: none came), and whether every rank
+    answered without a failure (otherwise the ranks are replaced).
+
+    Once a rank reports a failure the others get a few seconds more: they are
+    likely waiting in a collective the failed rank will never join.
+    """
+    from multiprocessing.connection import wait
+
+    results: list[tuple[str, str] | None] = [None] * len(ranks)
+    deadline = time.monotonic() + timeout
+    pending = {conn: i for i, (_, conn) in enumerate(ranks)}
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for conn in wait(list(pending), timeout=left):
+            i = pending.pop(conn)  # type: ignore[call-overload]  wait() returns our conns
+            try:
+                results[i] = conn.recv()  # type: ignore[union-attr]  a Connection
+            except EOFError:
+                results[i] = ("failed", f"rank {i} exited (code {ranks[i][0].exitcode})")
+                deadline = min(deadline, time.monotonic() + 5)
+                continue
+            if results[i][0] == "failed":  # type: ignore[index]  set just above
+                deadline = min(deadline, time.monotonic() + 5)
+    for i in pending.values():
+        results[i] = None
+    return results, all(r is not None and r[0] != "failed" for r in results)
+
+
+def _combine(results: list[tuple[str, str] | None]) -> tuple[str, str]:
+    """One outcome from the ranks', as ``MultiProcessTestCase`` decides: a failure or a
+    missing answer on any rank fails the test; otherwise rank 0's skip skips it."""
+    for i, r in enumerate(results):
+        if r is None:
+            return "failed", f"rank {i} did not finish in time"
+        if r[0] == "failed":
+            return "failed", f"rank {i}:\n{r[1]}"
+    first = results[0]
+    if first is not None and first[0] == "skipped":
+        return "skipped", first[1]
+    return "passed", ""
+
+
+def _rank_loop(rank: int, world_size: int, conn: Any) -> None:
+    """A rank of ``--reuse``: run each test name received until ``None``."""
+    cls = TestDistBackendWithSpawn
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        name, init_file = msg
+        conn.send(_run_in_rank(cls, name, rank, world_size, init_file))
+
+
+def _run_in_rank(cls: Any, name: str, rank: int, world_size: int,
+                 init_file: str) -> tuple[str, str]:
+    """``TestDistBackend._run`` and ``MultiProcessTestCase.run_test`` for one test, here."""
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.testing._internal import common_utils
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+    from torch.testing._internal.distributed import distributed_test as suite
+
+    test = cls(name)
+    test.rank = rank
+    test.file_name = init_file
+    suite.Barrier.barrier_id = 0
+    try:
+        dist.init_process_group(
+            init_method=f"file://{init_file}", backend=suite.BACKEND, world_size=world_size,
+            rank=rank,
+            timeout=timedelta(seconds=suite.CUSTOM_PG_TIMEOUT.get(name, suite.default_pg_timeout)))
+        test._barrier()
+        common_utils.set_rng_seed()
+        getattr(test, name)()
+        test._barrier()
+        return "passed", ""
+    except unittest.SkipTest as e:
+        return "skipped", str(e)
+    except SystemExit as e:  # torch's skip decorators exit with a code naming the reason
+        reason = next((s.message for s in TEST_SKIPS.values() if s.exit_code == e.code), None)
+        return ("skipped", reason) if reason else ("failed", f"sys.exit({e.code!r})")
+    except BaseException:
+        return "failed", traceback.format_exc()
+    finally:
+        if dist.is_initialized():
+            # the test may have broken the group; the next test makes its own
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
 
 def _report(args: argparse.Namespace, outcomes: dict[str, dict[str, Any]],
