@@ -290,6 +290,12 @@ def _run_reusing_ranks(names: list[str], world_size: int, temp_dir: str,
     outcomes: dict[str, dict[str, Any]] = {}
     try:
         for i, name in enumerate(names):
+            method = getattr(TestDistBackendWithSpawn, name)
+            if getattr(method, "__unittest_skip__", False):  # unittest skips before setUp
+                why = getattr(method, "__unittest_skip_why__", "")
+                outcomes[name] = {"outcome": "skipped", "detail": why, "seconds": 0.0}
+                print(f"{name} ... skipped ({why})", file=sys.stderr, flush=True)
+                continue
             if not ranks:
                 ranks = _start_ranks(ctx, world_size)
             started = time.monotonic()
@@ -315,7 +321,8 @@ def _start_ranks(ctx: Any, world_size: int) -> list[tuple[Any, Any]]:
     ranks = []
     for rank in range(world_size):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_rank_loop, args=(rank, world_size, child), daemon=True)
+        proc = ctx.Process(target=_rank_loop, args=(rank, world_size, child, os.getpid()),
+                           daemon=True)
         proc.start()
         child.close()
         ranks.append((proc, parent))
@@ -391,8 +398,11 @@ def _combine(results: list[tuple[str, str] | None]) -> tuple[str, str]:
     return "passed", ""
 
 
-def _rank_loop(rank: int, world_size: int, conn: Any) -> None:
+def _rank_loop(rank: int, world_size: int, conn: Any, parent_pid: int) -> None:
     """A rank of ``--reuse``: run each test name received until ``None``."""
+    from shm_broadcast.ranks.launcher import die_with_parent
+
+    die_with_parent(parent_pid)  # a killed runner leaves no rank waiting in a collective
     cls = TestDistBackendWithSpawn
     while True:
         msg = conn.recv()
