@@ -5,6 +5,7 @@ Start here::
     from coordinator import init_distributed_environment, initialize_model_parallel, get_tp_group
 """
 
+from coordinator import torch_backend  # noqa: F401 - importing it registers the "groupcoord" backend
 from coordinator.errors import (
     AuthenticationError,
     BrokenCommunicator,

@@ -1,0 +1,127 @@
+"""Translation of torch.distributed's call arguments into the communicator's.
+
+A :class:`~coordinator.torch_backend.process_group.GroupcoordProcessGroup`
+receives what torch's ``ProcessGroup`` methods receive: lists of tensors
+(one per device, a relic of multi-GPU processes) and options objects. The
+helpers here check those arguments (``TypeError``/``ValueError`` naming the
+argument) and turn them into what a
+:class:`~device_comms.base.DeviceCommunicator` takes: one tensor, a
+:class:`~device_comms.reduce_op.ReduceOp`, split sizes as ints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from device_comms.reduce_op import ReduceOp
+
+__all__ = [
+    "to_reduce_op", "single", "tensor_list", "same_dtype", "split_sizes", "copy_pieces",
+]
+
+_RED = dist.ReduceOp.RedOpType
+#: torch's op kinds by our ops (every one of ours has torch's name; PREMUL_SUM is torch's only).
+_OPS: dict[Any, ReduceOp] = {_RED.__members__[op.name]: op for op in ReduceOp}
+_PREMUL_SUM: Any = _RED.__members__["PREMUL_SUM"]
+
+
+def to_reduce_op(op: Any, arg: str = "op") -> ReduceOp:
+    """Our :class:`ReduceOp` for a ``torch.distributed.ReduceOp`` (or its ``RedOpType``).
+
+    Raises:
+        TypeError: ``op`` is not a reduction we carry: ``PREMUL_SUM`` (an NCCL
+            op whose factor torch keeps in C++; gloo rejects it too) or not a
+            ``ReduceOp`` at all.
+    """
+    kind = cast(Any, op).op if isinstance(op, dist.ReduceOp) else op
+    rop = _OPS.get(kind) if isinstance(kind, _RED) else None
+    if rop is None:
+        if kind is _PREMUL_SUM:
+            raise TypeError(f"{arg}=ReduceOp.PREMUL_SUM is not supported by the groupcoord "
+                            "backend (nor by gloo); scale the tensor and use SUM")
+        raise TypeError(f"{arg} must be a torch.distributed.ReduceOp, got {op!r}")
+    return rop
+
+
+def single(tensors: Any, arg: str) -> torch.Tensor:
+    """The one tensor of ``tensors`` (torch passes one tensor per process, in a list).
+
+    Raises:
+        TypeError: ``tensors`` is not a list of one tensor.
+        ValueError: It holds more than one (a multi-device call).
+    """
+    ts = tensor_list(tensors, arg)
+    if len(ts) != 1:
+        raise ValueError(f"{arg} must hold exactly one tensor (one CPU tensor per process), "
+                         f"got {len(ts)}")
+    return ts[0]
+
+
+def tensor_list(tensors: Any, arg: str, length: int | None = None) -> list[torch.Tensor]:
+    """``tensors`` as a list of tensors (of ``length`` when given).
+
+    Raises:
+        TypeError: ``tensors`` is not a sequence of tensors.
+        ValueError: It has the wrong length.
+    """
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{arg} must be a list of torch.Tensor, got {type(tensors).__name__}")
+    out = list(tensors)
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    if length is not None and len(out) != length:
+        raise ValueError(f"{arg} must hold {length} tensors (one per rank of the group), "
+                         f"got {len(out)}")
+    return out
+
+
+def same_dtype(tensors: Sequence[torch.Tensor], dtype: torch.dtype, arg: str) -> None:
+    """Check every tensor of ``tensors`` has ``dtype``.
+
+    Raises:
+        TypeError: One does not (naming ``arg[i]``).
+    """
+    for i, t in enumerate(tensors):
+        if t.dtype != dtype:
+            raise TypeError(f"{arg}[{i}] must have dtype {dtype}, got {t.dtype}")
+
+
+def split_sizes(sizes: Any, rows: int, world_size: int, arg: str) -> list[int]:
+    """Split sizes along dim 0: ``sizes`` as ints, or equal splits of ``rows`` when empty.
+
+    Raises:
+        TypeError: ``sizes`` is not a list of ints.
+        ValueError: It has the wrong length, a negative entry or does not sum to
+            ``rows``; or, when empty, ``rows`` does not divide by ``world_size``.
+    """
+    if sizes is None or len(sizes) == 0:
+        if rows % world_size:
+            raise ValueError(f"{arg} is empty, so dim 0 ({rows}) must divide by the group "
+                             f"size {world_size}")
+        return [rows // world_size] * world_size
+    out = []
+    for i, s in enumerate(sizes):
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"{arg}[{i}] must be an int, got {type(s).__name__}")
+        if s < 0:
+            raise ValueError(f"{arg}[{i}] must be >= 0, got {s}")
+        out.append(s)
+    if len(out) != world_size:
+        raise ValueError(f"{arg} must have {world_size} entries (one per rank), got {len(out)}")
+    if sum(out) != rows:
+        raise ValueError(f"{arg} sums to {sum(out)} but dim 0 of the tensor is {rows}")
+    return out
+
+
+def copy_pieces(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of 1-D ``flat`` into ``outputs`` (each its numel, reshaped)."""
+    offset = 0
+    for o in outputs:
+        n = o.numel()
+        o.copy_(flat[offset:offset + n].view(o.shape))
+        offset += n
