@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 #: The backend the CLI run compares with gloo.
-UNDER_TEST = "gloo"
+UNDER_TEST = "groupcoord"
 
 
 @pytest.mark.slow  # two ranks start and build three groups: seconds of CI time on 2 cores

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 #: The backend whose results are compared with gloo's.
-UNDER_TEST = "gloo"
+UNDER_TEST = "groupcoord"
 
 _STEPS = 3
 

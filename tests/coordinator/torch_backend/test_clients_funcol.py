@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 #: The backend whose results are compared with gloo's.
-UNDER_TEST = "gloo"
+UNDER_TEST = "groupcoord"
 
 
 def _splits(world_size: int, rank: int) -> tuple[list[int], list[int]]:
