@@ -55,6 +55,7 @@ from coordinator.torch_backend.translate import (
 )
 from coordinator.torch_backend.work import GroupcoordWork
 from device_comms.cpu.communicator import CpuCommunicator
+from device_comms.errors import CommunicatorClosed
 from device_comms.reduce_op import ReduceOp
 from device_comms.validation import check_tensor
 
@@ -64,6 +65,9 @@ BACKEND_NAME = "groupcoord"
 _CPU = torch.device("cpu")
 _GLOO = dist.ProcessGroup.BackendType.GLOO
 _T = TypeVar("_T")
+#: Collectives are not autograd ops (as in torch's C++ backends): the copies into
+#: the caller's tensors are neither recorded nor refused on tensors that require grad.
+_no_grad = torch.no_grad()
 
 
 class GroupcoordProcessGroup(dist.ProcessGroup):
@@ -121,7 +125,8 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             return comm
         with self._comm_lock:
             if self._shut:
-                raise RuntimeError(f"process group {self._name!r} (groupcoord) was destroyed")
+                raise CommunicatorClosed(f"process group {self._name!r} (groupcoord) was "
+                                         "destroyed; create a new one to communicate again")
             if self._comm is None:
                 self._comm = CpuCommunicator(self._cpu_group, _CPU,
                                              unique_name=f"groupcoord:{self._name}",
@@ -154,9 +159,11 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             comm.all_reduce(t, op, out=t)
         else:
-            t.copy_(comm.all_reduce(t, op))
+            with torch.no_grad():
+                t.copy_(comm.all_reduce(t, op))
         return self._done([t])
 
+    @_no_grad
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: Any = None) -> GroupcoordWork:
         """``dist.all_reduce_coalesced``: several tensors of one dtype, in one call."""
@@ -176,6 +183,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         copy_pieces(flat, ts)
         return self._done(ts)
 
+    @_no_grad
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupcoordWork:  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
         """``dist.reduce``: the reduction lands in ``tensors[0]`` on the root only."""
         opts = opts if opts is not None else dist.ReduceOptions()
@@ -187,6 +195,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             t.copy_(out)
         return self._done([t])
 
+    @_no_grad
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
                        input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> GroupcoordWork:
@@ -216,6 +225,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         out.copy_(got.view(out.shape))
         return self._done([out])
 
+    @_no_grad
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
                              opts: Any = None) -> GroupcoordWork:
         """``dist.reduce_scatter_tensor``: rank ``i`` gets slice ``i`` of the reduced input."""
@@ -239,6 +249,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
     reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]  # as above
 
+    @_no_grad
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor],
                                         opts: Any = None) -> GroupcoordWork:
@@ -276,6 +287,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]  # as above
 
     # ------------------------------------------------------------------ moves
+    @_no_grad
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupcoordWork:  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
         """``dist.broadcast``: ``tensors[0]`` of the root, into every rank's ``tensors[0]``."""
         opts = opts if opts is not None else dist.BroadcastOptions()
@@ -298,6 +310,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             t.copy_(buf)
         return self._done([t])
 
+    @_no_grad
     def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
                   input_tensors: list[torch.Tensor], opts: Any = None) -> GroupcoordWork:
         """``dist.all_gather``: every rank's input into ``output_tensors[0][rank]``.
@@ -328,6 +341,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         copy_pieces(got, outs)
         return self._done(outs)
 
+    @_no_grad
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> GroupcoordWork:
         """``dist.all_gather_into_tensor``: every rank's input, in rank order, into ``output``."""
@@ -349,6 +363,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
     all_gather_single = _allgather_base  # torch's newer name
 
+    @_no_grad
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts: Any = None) -> GroupcoordWork:
         """``dist.all_gather_coalesced``: ``output_lists[r][i]`` receives rank ``r``'s
@@ -380,6 +395,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
                     outs[r][i].copy_(g[r].view(outs[r][i].shape))
         return self._done([t for o in outs for t in o])
 
+    @_no_grad
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor],
                                         opts: Any = None) -> GroupcoordWork:
@@ -410,6 +426,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]  # as above
 
+    @_no_grad
     def gather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
                input_tensors: list[torch.Tensor], opts: Any = None) -> GroupcoordWork:
         """``dist.gather``: every rank's input into the root's ``output_tensors[0]``."""
@@ -438,6 +455,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             copy_pieces(got, outs)
         return self._done(outs)
 
+    @_no_grad
     def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
                 input_tensors: list[list[torch.Tensor]], opts: Any = None) -> GroupcoordWork:
         """``dist.scatter``: the root's ``input_tensors[0][i]`` into rank ``i``'s output."""
@@ -465,6 +483,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         out.copy_(got.view(out.shape))
         return self._done([out])
 
+    @_no_grad
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       opts: Any = None) -> GroupcoordWork:
@@ -503,6 +522,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]  # as above
 
+    @_no_grad
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> GroupcoordWork:
         """``dist.all_to_all``: ``input_tensors[j]`` to rank ``j``, whose ``output_tensors[i]``
@@ -564,7 +584,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             return GroupcoordWork([t], pending=start([t]), timeout=self._timeout_s,
                                   where=self._where(op))
         buf = torch.empty(t.shape, dtype=t.dtype)
-        return GroupcoordWork([t], pending=start([buf]), finish=lambda: t.copy_(buf),
+        return GroupcoordWork([t], pending=start([buf]), finish=lambda: _no_grad(t.copy_)(buf),
                               timeout=self._timeout_s, where=self._where(op))
 
     # ------------------------------------------------------------------ lifecycle

@@ -40,7 +40,7 @@ def to_reduce_op(op: Any, arg: str = "op") -> ReduceOp:
     kind = cast(Any, op).op if isinstance(op, dist.ReduceOp) else op
     rop = _OPS.get(kind) if isinstance(kind, _RED) else None
     if rop is None:
-        if kind is _PREMUL_SUM:
+        if kind == _PREMUL_SUM:
             raise TypeError(f"{arg}=ReduceOp.PREMUL_SUM is not supported by the groupcoord "
                             "backend (nor by gloo); scale the tensor and use SUM")
         raise TypeError(f"{arg} must be a torch.distributed.ReduceOp, got {op!r}")

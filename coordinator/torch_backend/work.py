@@ -7,8 +7,8 @@ on it. Every work offers what torch's callers use:
 
 * ``wait(timeout)``: bounded by ``timeout`` or, when none is given (torch
   passes 0 for "none"), by the group's timeout; gloo's timeout error becomes
-  :class:`~shm_broadcast.errors.CommTimeout` (the call stays in flight: a
-  later ``wait`` may still see it complete), a dead peer
+  :class:`~shm_broadcast.errors.CommTimeout` (final: gloo closes the
+  connection of the two ranks when a wait times out), a dead peer
   :class:`~shm_broadcast.errors.PeerDiedError`; a failed work raises its
   error on every ``wait`` (from any thread);
 * ``is_completed()``, ``is_success()``, ``exception()``, ``result()``;
@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from device_comms.errors import translate_backend_error
-from shm_broadcast.errors import CommTimeout
 
 __all__ = ["GroupcoordWork"]
 
@@ -93,8 +92,7 @@ class GroupcoordWork(dist.Work):
                 self._gloo.wait(limit)
             except RuntimeError as e:
                 err = translate_backend_error(e, self._where)
-                if not isinstance(err, CommTimeout):  # a timed-out wait may be waited again
-                    self._settle_once(err)
+                self._settle_once(err)
                 if err is e:
                     raise
                 raise err from e

@@ -129,7 +129,8 @@ _BITWISE = ("band", "bor", "bxor")
 
 def _all_reduce(op: str) -> Callable[[int, int], list[Case]]:
     def cases(rank: int, world: int) -> list[Case]:
-        dtypes = (*INTS, torch.bool) if op in _BITWISE else (*FLOATS, *INTS)
+        dtypes = (*INTS, torch.bool) if op in _BITWISE else (*FLOATS, *INTS, torch.bool,
+                                                              torch.complex64)
         out: list[Case] = []
         for name, dt, shape, nc in _variants(dtypes):
             def run(pg: Any, dt: torch.dtype = dt, shape: tuple[int, ...] = shape,
@@ -207,6 +208,8 @@ def _all_gather(rank: int, world: int) -> list[Case]:
         out.append((name, run))
 
     def uneven(pg: Any) -> list[torch.Tensor]:
+        if pg is dist.group.WORLD:  # gloo gathers equal sizes only: the expected result
+            return [inp((r + 1,), torch.float32, r) for r in range(world)]
         outs = [torch.zeros(r + 1) for r in range(world)]
         dist.all_gather(outs, inp((rank + 1,), torch.float32, rank), group=pg)
         return outs
@@ -220,7 +223,10 @@ def _all_gather_into_tensor(rank: int, world: int) -> list[Case]:
         def run(pg: Any, dt: torch.dtype = dt, shape: tuple[int, ...] = shape,
                 nc: bool = nc) -> list[torch.Tensor]:
             o = torch.zeros((world * shape[0], *shape[1:]) if shape else (world,), dtype=dt)
-            dist.all_gather_into_tensor(o, inp(shape, dt, rank, noncontig=_nc(pg, nc)), group=pg)
+            x = inp(shape, dt, rank, noncontig=_nc(pg, nc))
+            if pg is dist.group.WORLD and not shape:  # gloo wants the input 1-D
+                x = x.reshape(1)
+            dist.all_gather_into_tensor(o, x, group=pg)
             return [o]
         out.append((name, run))
     return out
@@ -313,24 +319,31 @@ def _all_to_all_single(rank: int, world: int) -> list[Case]:
             continue
 
         def even(pg: Any, dt: torch.dtype = dt) -> list[torch.Tensor]:
-            x = inp((world * 2, 3), dt, rank)
+            x = _wire(pg, inp((world * 2, 3), dt, rank))
             o = torch.zeros_like(x)
             dist.all_to_all_single(o, x, group=pg)
-            return [o]
+            return [o.to(dt)]
 
         def splits(pg: Any, dt: torch.dtype = dt) -> list[torch.Tensor]:
             send = [(rank + j) % 3 for j in range(world)]  # rows to rank j
             recv = [(i + rank) % 3 for i in range(world)]  # rows from rank i
-            x = inp((sum(send), 2), dt, rank)
-            o = torch.zeros((sum(recv), 2), dtype=dt)
+            x = _wire(pg, inp((sum(send), 2), dt, rank))
+            o = torch.zeros((sum(recv), 2), dtype=x.dtype)
             dist.all_to_all_single(o, x, recv, send, group=pg)
-            return [o]
+            return [o.to(dt)]
         out += [(f"even-{name}", even), (f"splits-{name}", splits)]
     return out
 
 
+def _wire(pg: Any, x: torch.Tensor) -> torch.Tensor:
+    """``x``, widened to int32 for gloo where it is int16 (gloo's all-to-all has no int16)."""
+    return x.to(torch.int32) if pg is dist.group.WORLD and x.dtype == torch.int16 else x
+
+
 def _all_to_all(rank: int, world: int) -> list[Case]:
     def run(pg: Any) -> list[torch.Tensor]:
+        if pg is dist.group.WORLD:  # gloo moves equal sizes only: the expected result
+            return [inp((i + rank + 1,), torch.float32, i, rank) for i in range(world)]
         ins = [inp((rank + j + 1,), torch.float32, rank, j) for j in range(world)]
         outs = [torch.zeros(i + rank + 1) for i in range(world)]
         dist.all_to_all(outs, ins, group=pg)
@@ -375,6 +388,21 @@ def _functional(rank: int, world: int) -> list[Case]:
             ("all_to_all_single", all_to_all)]
 
 
+def _autograd(rank: int, world: int) -> list[Case]:
+    """Leaves that require grad, written in place as torch's backends do (no history)."""
+    def all_reduce(pg: Any) -> list[torch.Tensor]:
+        t = inp((3, 4), torch.float32, rank, noncontig=_nc(pg, True)).requires_grad_()
+        dist.all_reduce(t, group=pg)
+        assert t.grad_fn is None
+        return [t.detach()]
+
+    def all_gather(pg: Any) -> list[torch.Tensor]:
+        outs = [torch.zeros(2) for _ in range(world)]  # gloo refuses outputs that require grad
+        dist.all_gather(outs, inp((2,), torch.float32, rank).requires_grad_(), group=pg)
+        return [o.detach() for o in outs]
+    return [("all_reduce", all_reduce), ("all_gather", all_gather)]
+
+
 CASES: dict[str, Callable[[int, int], list[Case]]] = {
     **{f"all_reduce-{op}": _all_reduce(op) for op in _RED},
     "all_reduce-avg": _avg,
@@ -391,4 +419,5 @@ CASES: dict[str, Callable[[int, int], list[Case]]] = {
     "all_to_all_single": _all_to_all_single,
     "all_to_all": _all_to_all,
     "functional": _functional,
+    "autograd": _autograd,
 }
