@@ -451,6 +451,12 @@ def _run_in_rank(cls: Any, name: str, rank: int, world_size: int,
                 dist.destroy_process_group()
 
 
+def _error_line(detail: str) -> str:
+    """The exception line of a failure's text (torch appends a repro hint after it)."""
+    text = detail.split("To execute this test, run", 1)[0].strip()
+    return text.splitlines()[-1] if text else detail.strip()[:200]
+
+
 def _report(args: argparse.Namespace, outcomes: dict[str, dict[str, Any]],
             left_out: dict[str, str], elapsed: float) -> int:
     counts = {k: sum(o["outcome"] == k for o in outcomes.values())
@@ -466,7 +472,7 @@ def _report(args: argparse.Namespace, outcomes: dict[str, dict[str, Any]],
         print(f"  skipped ({reason}): {', '.join(sorted(tests))}")
     for name, o in sorted(outcomes.items()):
         if o["outcome"] == "failed":
-            print(f"  FAILED {name}: {o['detail'].strip().splitlines()[-1:]}")
+            print(f"  FAILED {name}: {_error_line(o['detail'])}")
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump({"backend": args.backend, "world_size": args.world_size,
