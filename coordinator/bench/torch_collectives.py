@@ -4,7 +4,9 @@ What a library written against plain ``torch.distributed`` gets: every rank
 builds a process group of the backend under test (``--backend``, default
 ``groupcoord``) and a gloo group over the same ranks, and times
 ``dist.all_reduce`` (in place), ``dist.all_gather_into_tensor`` and
-``dist.reduce_scatter_tensor`` (outputs preallocated) on each. A third variant,
+``dist.reduce_scatter_tensor`` (outputs preallocated; called by their newer
+names ``all_gather_single`` / ``reduce_scatter_single`` where torch has them)
+on each. A third variant,
 ``direct``, is the same op on a
 :class:`~device_comms.cpu.communicator.CpuCommunicator` called directly (our
 engine without torch.distributed in between); ``ours median - direct
@@ -297,15 +299,18 @@ def _torch_call(op: str, group: Any, full: Any, ws: int) -> Callable[[], Any]:
         return all_reduce
     if op == "all_gather":
         part, gathered = full[: full.numel() // ws].clone(), torch.empty_like(full)
+        # newer torch calls all_gather_into_tensor all_gather_single (the old name warns)
+        gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
         def all_gather() -> Any:
-            dist.all_gather_into_tensor(gathered, part, group=group)
+            gather_into(gathered, part, group=group)
             return gathered
         return all_gather
     scattered = torch.empty(full.numel() // ws, dtype=full.dtype)
+    scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def reduce_scatter() -> Any:
-        dist.reduce_scatter_tensor(scattered, full, group=group)
+        scatter_into(scattered, full, group=group)
         return scattered
     return reduce_scatter
 
