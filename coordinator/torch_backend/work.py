@@ -71,7 +71,9 @@ class GroupcoordWork(dist.Work):
         self._finish = finish
         self._timeout = timeout
         self._where = where
-        self._lock = threading.Lock()
+        #: guards the end of a gloo work (a finished collective has nothing to guard)
+        self._lock: contextlib.AbstractContextManager[Any] = (
+            threading.Lock() if pending is not None else contextlib.nullcontext())
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Wait until the call completed; raise its error if it failed.

@@ -16,6 +16,8 @@ from coordinator.testing import run_distributed
 
 
 def _world_is_ours(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
     from coordinator.torch_backend import GroupcoordProcessGroup
 
     pg = dist.group.WORLD
@@ -28,6 +30,12 @@ def _world_is_ours(rank: int, world: int) -> dict[str, Any]:
     dist.reduce_scatter_tensor(o, x)
     dist.barrier()
     comm = pg.communicator
+    served = sum(comm.shm_calls.values())  # the three calls above
+    objs: list[Any] = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    sent = [{"from": rank}]
+    dist.broadcast_object_list(sent, src=world - 1)
+    mesh_group = init_device_mesh("cpu", (world,)).get_group()
     sub = dist.new_group(list(range(world)), backend="cpu:groupcoord")
     s = torch.ones(2)
     dist.all_reduce(s, group=sub)
@@ -35,8 +43,9 @@ def _world_is_ours(rank: int, world: int) -> dict[str, Any]:
         "type": type(pg).__name__ if isinstance(pg, GroupcoordProcessGroup) else "not ours",
         "backend": dist.get_backend(), "sub_backend": dist.get_backend(sub),
         "sum": t.flatten().tolist(), "gathered": [v.tolist() for v in outs],
-        "rs": o.tolist(), "mode": comm.mode, "served": sum(comm.shm_calls.values()),
-        "sub": s.tolist(),
+        "rs": o.tolist(), "mode": comm.mode, "served": served,
+        "sub": s.tolist(), "objs": objs, "sent": sent,
+        "mesh": isinstance(mesh_group, GroupcoordProcessGroup),
     }
 
 
@@ -53,6 +62,8 @@ def _check(results: list[dict[str, Any]], world: int, backend: str, mode: str = 
         if mode == "shm":
             assert r["served"] == 3  # the barrier is not counted
         assert r["sub"] == [float(world)] * 2
+        assert r["objs"] == [{"rank": i} for i in range(world)]
+        assert r["sent"] == [{"from": world - 1}] and r["mesh"]
 
 
 def test_init_process_group_groupcoord() -> None:
