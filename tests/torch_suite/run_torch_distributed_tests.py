@@ -16,11 +16,12 @@ Usage::
         --world-size 2 [-k PATTERN ...] [--json out.json] [--list]
 
 What runs (the *selection*): the test names of ``_DistTestBase`` that match
-:data:`COLLECTIVE_TESTS` (the CPU collectives, point-to-point, barriers,
-groups and object collectives; DDP, model averaging and profiler tests are
-out), minus those that ``skips.txt`` beside this file lists with a reason,
-narrowed further by ``-k`` (regular expressions searched in the name; any
-may match). ``--all`` starts from every test name instead.
+:data:`COLLECTIVE_TESTS` (the CPU collectives, point-to-point with and
+without the profilers, barriers, groups and object collectives; DDP and model
+averaging are out), minus those that ``skips.txt`` beside this file lists for
+the backend with a reason, narrowed further by ``-k`` (regular expressions
+searched in the name; any may match). ``--all`` starts from every test name
+instead.
 
 How ``groupcoord`` is made to look like ``gloo`` to the suite:
 
@@ -134,18 +135,26 @@ def _set_up_process() -> Any:
 TestDistBackendWithSpawn = _set_up_process()
 
 
-def read_skips(path: str = SKIPS_FILE) -> list[tuple[re.Pattern[str], str]]:
-    """``skips.txt``: lines ``REGEX | reason`` (``#`` starts a comment line)."""
+def read_skips(backend: str, path: str = SKIPS_FILE) -> list[tuple[re.Pattern[str], str]]:
+    """The entries of ``skips.txt`` for ``backend``.
+
+    Lines are ``BACKENDS | REGEX | reason``: ``BACKENDS`` is ``*`` or a comma
+    list of backend names, ``REGEX`` must match a whole test name; ``#`` starts a
+    comment line.
+    """
     out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             text = line.strip()
             if not text or text.startswith("#"):
                 continue
-            pattern, sep, reason = text.partition("|")
-            if not sep or not reason.strip():
-                raise ValueError(f"{path}:{n}: expected 'REGEX | reason', got {text!r}")
-            out.append((re.compile(pattern.strip()), reason.strip()))
+            fields = [x.strip() for x in text.split("|", 2)]
+            if len(fields) != 3 or not all(fields):
+                raise ValueError(f"{path}:{n}: expected 'BACKENDS | REGEX | reason', "
+                                 f"got {text!r}")
+            backends, pattern, reason = fields
+            if backends == "*" or backend in [b.strip() for b in backends.split(",")]:
+                out.append((re.compile(pattern), reason))
     return out
 
 
@@ -247,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     cls = TestDistBackendWithSpawn = _set_up_process()
 
     names = sorted(n for n in dir(cls) if n.startswith("test_") and callable(getattr(cls, n)))
-    run, left_out = select(names, args.patterns, args.everything, read_skips())
+    run, left_out = select(names, args.patterns, args.everything, read_skips(args.backend))
     if args.list:
         for name in run:
             print(name)

