@@ -37,8 +37,14 @@ def to_reduce_op(op: Any, arg: str = "op") -> ReduceOp:
             op whose factor torch keeps in C++; gloo rejects it too) or not a
             ``ReduceOp`` at all.
     """
-    kind = cast(Any, op).op if isinstance(op, dist.ReduceOp) else op
-    rop = _OPS.get(kind) if isinstance(kind, _RED) else None
+    # dist.ReduceOp.SUM and friends are RedOpType members, which also pass
+    # isinstance(op, dist.ReduceOp); torch's functions put a ReduceOp in the options.
+    kind: Any = None
+    if isinstance(op, _RED):
+        kind = op
+    elif isinstance(op, dist.ReduceOp):
+        kind = cast(Any, op).op
+    rop = _OPS.get(kind) if kind is not None else None
     if rop is None:
         if kind == _PREMUL_SUM:
             raise TypeError(f"{arg}=ReduceOp.PREMUL_SUM is not supported by the groupcoord "

@@ -168,20 +168,27 @@ def test_destroy_frees_shared_memory(pool: Any) -> None:
 def _ddp_step(rank: int, world: int) -> dict[str, Any]:
     """One DDP step on groupcoord and on gloo: the same gradients (DDP's reducer
     all-reduces through C++ and reads the works' futures)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    grads = {}
-    for name, pg in (("gloo", dist.group.WORLD), ("groupcoord", cases.group())):
-        torch.manual_seed(0)
-        model = DDP(torch.nn.Linear(4, 3), process_group=pg)
-        x = cases.inp((5, 4), torch.float32, rank)
-        model(x).square().sum().backward()
-        grads[name] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    return {"equal": all(torch.equal(a, b) for a, b in
-                         zip(grads["gloo"], grads["groupcoord"], strict=True)),
-            "n": len(grads["groupcoord"])}
+    out = {}
+    for hook in (None, default_hooks.allreduce_hook, default_hooks.fp16_compress_hook):
+        grads = {}
+        for name, pg in (("gloo", dist.group.WORLD), ("groupcoord", cases.group())):
+            torch.manual_seed(0)
+            model = DDP(torch.nn.Linear(4, 3), process_group=pg)
+            if hook is not None:  # hooks read the works' futures
+                model.register_comm_hook(pg, hook)
+            x = cases.inp((5, 4), torch.float32, rank)
+            model(x).square().sum().backward()
+            grads[name] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        out[getattr(hook, "__name__", "builtin")] = (
+            len(grads["groupcoord"]) == 2
+            and all(torch.equal(a, b) for a, b in
+                    zip(grads["gloo"], grads["groupcoord"], strict=True)))
+    return out
 
 
 def test_ddp_step_equals_gloo(pool: Any) -> None:
     for res in pool.run(_ddp_step, timeout=60):
-        assert res == {"equal": True, "n": 2}
+        assert res == {"builtin": True, "allreduce_hook": True, "fp16_compress_hook": True}
