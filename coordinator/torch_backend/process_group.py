@@ -14,9 +14,9 @@ through torch's trampoline); each translates the call
   ReduceOp but PREMUL_SUM) and ``allreduce_coalesced``, ``broadcast``,
   ``reduce``, ``allgather`` and its tensor and coalesced forms, ``gather``,
   ``reduce_scatter`` and its tensor and coalesced forms, ``alltoall`` and
-  ``alltoall_base`` with split sizes, ``barrier``;
+  ``alltoall_base`` (with or without split sizes), ``barrier``;
 * on gloo, through the communicator (which still checks the ranks' calls
-  agree): ``scatter``, ``alltoall_base`` without split sizes;
+  agree): ``scatter``;
 * on gloo directly: ``send``/``recv``/``recv_anysource`` (tags, works that
   complete later) and ``monitored_barrier``.
 
@@ -55,9 +55,10 @@ from coordinator.torch_backend.translate import (
 )
 from coordinator.torch_backend.work import GroupcoordWork
 from device_comms.cpu.communicator import CpuCommunicator
-from device_comms.errors import CommunicatorClosed
+from device_comms.errors import CommunicatorClosed, add_note
 from device_comms.reduce_op import ReduceOp
 from device_comms.validation import check_tensor
+from shm_broadcast.errors import GroupCoordError
 
 __all__ = ["BACKEND_NAME", "GroupcoordProcessGroup"]
 
@@ -145,7 +146,10 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         try:
             return check()
         except (TypeError, ValueError) as e:
-            self.communicator.reject(op, e)
+            try:
+                self.communicator.reject(op, e)
+            except GroupCoordError as notify:  # closed, broken: this rank's error still raises
+                add_note(e, f"telling the peers of group {self._name!r} failed: {notify}")
             raise
 
     # ------------------------------------------------------------------ reductions
@@ -491,7 +495,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         comm = self.communicator
         world = self.size()
 
-        def check() -> tuple[list[int], list[int]] | None:
+        def check() -> tuple[list[int], list[int]]:
             check_tensor(output, "output", _CPU)
             check_tensor(input, "input", _CPU)
             if output.dtype != input.dtype:
@@ -499,25 +503,19 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
                                 f"got {output.dtype}")
             if input.dim() == 0 or output.dim() == 0:
                 raise ValueError("input and output must have at least one dimension")
-            if not input_split_sizes and not output_split_sizes:
-                if input.shape != output.shape:
-                    raise ValueError(f"output must have input's shape {tuple(input.shape)} "
-                                     f"without split sizes, got {tuple(output.shape)}")
-                split_sizes(None, input.shape[0], world, "input_split_sizes")
-                return None
+            if input.shape[1:] != output.shape[1:]:
+                raise ValueError(f"output's rows must have input's shape "
+                                 f"{tuple(input.shape[1:])}, got {tuple(output.shape[1:])}")
+            if not input_split_sizes and not output_split_sizes and input.shape != output.shape:
+                raise ValueError(f"output must have input's shape {tuple(input.shape)} "
+                                 f"without split sizes, got {tuple(output.shape)}")
             return (split_sizes(input_split_sizes, input.shape[0], world, "input_split_sizes"),
                     split_sizes(output_split_sizes, output.shape[0], world,
                                 "output_split_sizes"))
 
-        splits = self._checked("all_to_allv", check)
-        if splits is None:
-            output.copy_(comm.all_to_all(input, 0, 0))
-        else:
-            send, recv = splits
-            if input.shape[1:] != output.shape[1:]:
-                raise ValueError(f"output's rows must have input's shape "
-                                 f"{tuple(input.shape[1:])}, got {tuple(output.shape[1:])}")
-            output.copy_(comm.all_to_allv(input, send, recv))
+        # equal splits too: all_to_allv runs in shared memory, all_to_all on gloo
+        send, recv = self._checked("all_to_allv", check)
+        output.copy_(comm.all_to_allv(input, send, recv))
         return self._done([output])
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]  # as above

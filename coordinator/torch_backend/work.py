@@ -14,7 +14,8 @@ on it. Every work offers what torch's callers use:
 * ``is_completed()``, ``is_success()``, ``exception()``, ``result()``;
 * ``get_future()``: a ``torch.futures.Future`` whose value is the call's
   output tensors (DDP's communication hooks read ``fut.value()[0]``), or
-  which raises the call's error;
+  which raises the call's error; for a call still in flight a daemon thread
+  waits for it (gloo's point-to-point works have no future);
 * ``_source_rank()`` for ``recv`` from any source.
 
 Lifetime: when C++ (DDP's reducer, functional collectives) receives this
@@ -147,12 +148,14 @@ class GroupcoordWork(dist.Work):
             self._fill(fut)
             return fut
 
-        def done(_: Any) -> None:
+        def settle() -> None:
             with contextlib.suppress(BaseException):  # handed to the future below
                 self.wait()
             self._fill(fut)
 
-        self._gloo.get_future().add_done_callback(done)
+        # gloo's point-to-point works have no future of their own: a thread waits
+        # (bounded by the group's timeout) and settles this one
+        threading.Thread(target=settle, name="groupcoord-work-future", daemon=True).start()
         return fut
 
     def _fill(self, fut: Future[list[torch.Tensor]]) -> None:

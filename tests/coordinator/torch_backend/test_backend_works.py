@@ -54,6 +54,8 @@ def _p2p(rank: int, world: int) -> dict[str, Any]:
         for w in works:
             w.wait()
         dist.send(torch.tensor([5.0]), 1, group=pg, tag=0)
+        dist.barrier(group=pg)  # rank 1 asked for a future before this send
+        dist.send(torch.tensor([3.0]), 1, group=pg, tag=3)
     else:
         got_b = torch.zeros(2, 2).t()  # filled through a contiguous buffer
         got_a = torch.zeros(3)
@@ -66,6 +68,9 @@ def _p2p(rank: int, world: int) -> dict[str, Any]:
         anyone = torch.zeros(1)
         out["source"] = dist.recv(anyone, group=pg)
         out["any"] = anyone.tolist()
+        fut = dist.irecv(torch.zeros(1), 0, group=pg, tag=3).get_future()  # before the send
+        dist.barrier(group=pg)
+        out["future"] = fut.wait()[0].tolist()
     return out
 
 
@@ -75,6 +80,7 @@ def test_point_to_point(pool: Any) -> None:
     assert res["b"] == [[0.0, 2.0], [1.0, 3.0]]
     assert res["future_done"] is True
     assert res["source"] == 0 and res["any"] == [5.0]
+    assert res["future"] == [3.0]
 
 
 def _recv_times_out(rank: int, world: int) -> dict[str, Any]:
