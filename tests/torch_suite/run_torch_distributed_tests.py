@@ -138,9 +138,10 @@ TestDistBackendWithSpawn = _set_up_process()
 def read_skips(backend: str, path: str = SKIPS_FILE) -> list[tuple[re.Pattern[str], str]]:
     """The entries of ``skips.txt`` for ``backend``.
 
-    Lines are ``BACKENDS | REGEX | reason``: ``BACKENDS`` is ``*`` or a comma
-    list of backend names, ``REGEX`` must match a whole test name; ``#`` starts a
-    comment line.
+    Lines are ``BACKENDS REGEX reason`` separated by whitespace: ``BACKENDS`` is
+    ``*`` or a comma list of backend names, ``REGEX`` (no spaces) must match a
+    whole test name, the reason is the rest of the line; ``#`` starts a comment
+    line.
     """
     out = []
     with open(path, encoding="utf-8") as f:
@@ -148,12 +149,11 @@ def read_skips(backend: str, path: str = SKIPS_FILE) -> list[tuple[re.Pattern[st
             text = line.strip()
             if not text or text.startswith("#"):
                 continue
-            fields = [x.strip() for x in text.split("|", 2)]
-            if len(fields) != 3 or not all(fields):
-                raise ValueError(f"{path}:{n}: expected 'BACKENDS | REGEX | reason', "
-                                 f"got {text!r}")
+            fields = text.split(None, 2)
+            if len(fields) != 3:
+                raise ValueError(f"{path}:{n}: expected 'BACKENDS REGEX reason', got {text!r}")
             backends, pattern, reason = fields
-            if backends == "*" or backend in [b.strip() for b in backends.split(",")]:
+            if backends == "*" or backend in backends.split(","):
                 out.append((re.compile(pattern), reason))
     return out
 
