@@ -45,7 +45,7 @@ _BENCHES: dict[str, tuple[str, str, str, str]] = {
                    "the queue's CPU cost per message, writer and reader in one process"),
     "mq-remote": ("shm_broadcast.bench.remote", "add_args", "run",
                   "round trips over the queue's TCP path (CURVE) vs plain zmq, pickle and raw"),
-    "collectives": ("device_comms.bench.collectives", "add_bench_args", "run_bench",
+    "collectives": ("coordinator.bench.torch_collectives", "add_args", "run",
                     "CPU shared-memory collectives vs gloo"),
     "engine": ("coordinator.bench.cli", "add_args", "run",
                "the demo's step loop without the model: periodic metadata through the TP "
