@@ -9,9 +9,10 @@ inside one, on the member ranks only, and before the default group exists
 when it serves ``init_process_group``), so :func:`build` makes the group the
 way ``_new_process_group_helper`` does, from the creator's store under its
 own key prefix, and enters it in torch's ``_world`` maps that those functions
-read; :func:`forget` takes it out again. The group is not in
-``_world.pg_names``, so torch never lists it among the user's groups (nor
-shuts it down before our communicator).
+(and ``torch.profiler``, which reads every group's backend config) read;
+:func:`forget` takes it out again. The group is not in ``_world.pg_names``, so
+torch never lists it among the user's groups (nor shuts it down before our
+communicator).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def build(
     world = c10d._world  # noqa: SLF001 - torch keeps group ranks and backends only there
     world.pg_map[pg] = (dist.Backend.GLOO, prefixed)
     world.pg_group_ranks[pg] = {g: r for r, g in enumerate(global_ranks)}
+    # every group in pg_map has a backend config (torch.profiler reads each one's)
+    world.pg_backend_config[pg] = "cpu:gloo"
     return pg, gloo
 
 
@@ -72,3 +75,4 @@ def forget(pg: dist.ProcessGroup) -> None:
     world = c10d._world  # noqa: SLF001 - see build()
     world.pg_map.pop(pg, None)
     world.pg_group_ranks.pop(pg, None)
+    world.pg_backend_config.pop(pg, None)

@@ -199,6 +199,8 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         comm = self.communicator
         t, op = self._checked("all_reduce", lambda: (
             single(tensors, "tensors"), to_reduce_op(opts.reduceOp)))
+        if t.layout is not torch.strided:
+            return self._sparse_all_reduce(comm, t, op, opts)
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             comm.all_reduce(t, op, out=t)
         else:
@@ -206,6 +208,27 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             with torch.no_grad():
                 t.copy_(comm.all_reduce(t, op))
         return self._done([t])
+
+    def _sparse_all_reduce(self, comm: CpuCommunicator, t: torch.Tensor, op: ReduceOp,
+                           opts: Any) -> GroupcoordWork:
+        """A sparse ``all_reduce`` (SUM of COO tensors, as gloo offers it) on the gloo
+        group, once the ranks agree on the dense shape and dtype: gloo's sparse path
+        does not compare them."""
+        def check() -> None:
+            if t.layout is not torch.sparse_coo:
+                raise TypeError(f"tensors[0] must be a dense or sparse COO tensor, got a "
+                                f"{t.layout} tensor")
+            if op is not ReduceOp.SUM:
+                raise ValueError(f"opts.reduceOp must be SUM for a sparse tensor (gloo "
+                                 f"reduces only that), got {op.name}")
+
+        self._checked("all_reduce", check)
+        # layout_key compares row shapes: a leading 1 makes the whole shape a row
+        self._agree(comm, "all_reduce", "sparse tensor shapes or dtypes",
+                    [torch.empty((1, *t.shape), dtype=t.dtype, device="meta")])
+        where = self._where("all_reduce (sparse, gloo)")
+        w = self._start(lambda: self.gloo.allreduce([t], opts), where)
+        return GroupcoordWork([t], pending=w, timeout=self._timeout_s, where=where)
 
     @_no_grad
     def allreduce_coalesced(self, tensors: list[torch.Tensor],

@@ -48,25 +48,11 @@ CI_SUBSET = (
 )
 
 
-_PROFILER_GAP = (
-    "torch.profiler's distributed info calls get_backend_config() on every group in "
-    "_world.pg_map; the gloo group beneath a groupcoord group "
-    "(coordinator/torch_backend/gloo_group.py build()) is entered in pg_map without a "
-    "_world.pg_backend_config entry: TypeError: Invariant encountered: value was None"
-)
-
 #: Tests of the selection that fail on groupcoord because of the backend (to be fixed
 #: there), with the cause. The slow tests expect exactly these failures, so a fix shows.
-KNOWN_BACKEND_FAILURES = {
-    "test_sparse_all_reduce_sum": (
-        "dist.all_reduce of a sparse COO tensor: the backend hands it to "
-        "CpuCommunicator.all_reduce, which takes dense tensors only (TypeError: input_ must "
-        "be a dense (torch.strided) tensor); gloo reduces sparse tensors"),
-    "test_isend_torch_profiler": _PROFILER_GAP,
-    "test_send_recv_torch_profiler": _PROFILER_GAP,
-    "test_send_recv_any_source_torch_profiler": _PROFILER_GAP,
-    "test_send_recv_with_tag_torch_profiler": _PROFILER_GAP,
-}
+#: (Sparse all_reduce and the profiler's p2p tests failed here until the backend sent
+#: sparse tensors to gloo and gave its gloo group a backend config.)
+KNOWN_BACKEND_FAILURES: dict[str, str] = {}
 
 
 def _run_suite(tmp_path: Path, world_size: int, patterns: list[str],

@@ -160,6 +160,27 @@ def _reduce_expanded(pg: Any, rank: int, world: int) -> Any:
     return t.tolist()
 
 
+def _sparse_shape(pg: Any, rank: int, world: int) -> Any:
+    n = 4 if rank == 0 else 5  # the dense shapes differ: gloo's sparse path would mix them
+    t = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (n,))
+    dist.all_reduce(t, group=pg)
+    return t.to_dense().tolist()
+
+
+def _sparse_dtype(pg: Any, rank: int, world: int) -> Any:
+    dt = torch.float32 if rank == 0 else torch.float64
+    t = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0], dtype=dt), (4,))
+    dist.all_reduce(t, group=pg)
+    return t.to_dense().tolist()
+
+
+def _sparse_max(pg: Any, rank: int, world: int) -> Any:
+    op = dist.ReduceOp.MAX if rank == 0 else dist.ReduceOp.SUM  # gloo sums sparse tensors only
+    t = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (4,))
+    dist.all_reduce(t, op=op, group=pg)
+    return t.to_dense().tolist()
+
+
 #: calls that must raise on every rank
 MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "all_reduce_coalesced-split": _coalesced_split,
@@ -181,10 +202,14 @@ MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "all_reduce-expanded": _all_reduce_expanded,
     "broadcast-expanded": _broadcast_expanded,
     "reduce-expanded": _reduce_expanded,
+    "all_reduce-sparse-shape": _sparse_shape,
+    "all_reduce-sparse-dtype": _sparse_dtype,
+    "all_reduce-sparse-max": _sparse_max,
 }
 #: (attack, rank) whose own arguments are wrong: ValueError there, PeerRejectedError elsewhere
 _OWN_FAULT = {("scatter-root-rejects", 0), ("scatter-receiver-rejects", 1),
-              ("all_reduce-expanded", 0), ("broadcast-expanded", 1), ("reduce-expanded", 0)}
+              ("all_reduce-expanded", 0), ("broadcast-expanded", 1), ("reduce-expanded", 0),
+              ("all_reduce-sparse-max", 0)}
 
 
 def _exact(rank: int, world: int) -> dict[str, tuple[Any, Any]]:
@@ -248,6 +273,16 @@ def _exact(rank: int, world: int) -> dict[str, tuple[Any, Any]]:
     src = ([torch.full((2, 3), float(r)) for r in range(world)] if rank == 0 else None)
     dist.scatter(out, src, src=0, group=pg)
     res["scatter-noncontig"] = (out.tolist(), [[float(rank)] * 3] * 2)
+
+    # a sparse COO tensor (gloo sums those): rank r adds r + 1 at index r % 4 and 1 at 3
+    t = torch.sparse_coo_tensor(torch.tensor([[rank % 4, 3]]), torch.tensor([rank + 1.0, 1.0]),
+                                (4,))
+    dist.all_reduce(t, group=pg)
+    want = [0.0] * 4
+    for r in range(world):
+        want[r % 4] += r + 1.0
+    want[3] += world
+    res["all_reduce-sparse"] = (t.to_dense().tolist(), want)
     return res
 
 
