@@ -41,6 +41,7 @@ torch about its gloo group.
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -80,6 +81,20 @@ _T = TypeVar("_T")
 #: Collectives are not autograd ops (as in torch's C++ backends): the copies into
 #: the caller's tensors are neither recorded nor refused on tensors that require grad.
 _no_grad = torch.no_grad()
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def _host_kernels(method: _M) -> _M:
+    """Run a collective of the group under ``torch.no_grad()`` and its communicator's
+    kernel-thread limit (:meth:`CpuCommunicator.kernel_threads`): the copies into
+    the caller's outputs are element-wise torch kernels like the engine's own,
+    and with torch's default threads on every rank they would otherwise run as
+    OpenMP teams spinning on the CPUs the peers need."""
+    @functools.wraps(method)
+    def run(self: GroupcoordProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad(), self.communicator.kernel_threads():
+            return method(self, *args, **kwargs)
+    return cast(_M, run)
 
 
 class GroupcoordProcessGroup(dist.ProcessGroup):
@@ -205,7 +220,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             comm.all_reduce(t, op, out=t)
         else:
             self._checked("all_reduce", lambda: check_writable(t, "tensors[0]"))
-            with torch.no_grad():
+            with torch.no_grad(), comm.kernel_threads():
                 t.copy_(comm.all_reduce(t, op))
         return self._done([t])
 
@@ -230,7 +245,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         w = self._start(lambda: self.gloo.allreduce([t], opts), where)
         return GroupcoordWork([t], pending=w, timeout=self._timeout_s, where=where)
 
-    @_no_grad
+    @_host_kernels
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: Any = None) -> GroupcoordWork:
         """``dist.all_reduce_coalesced``: several tensors of one dtype, in one call."""
@@ -253,7 +268,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         copy_pieces(flat, ts)
         return self._done(ts)
 
-    @_no_grad
+    @_host_kernels
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupcoordWork:  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
         """``dist.reduce``: the reduction lands in ``tensors[0]`` on the root only."""
         opts = opts if opts is not None else dist.ReduceOptions()
@@ -271,7 +286,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             t.copy_(out)
         return self._done([t])
 
-    @_no_grad
+    @_host_kernels
     def reduce_scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
                        input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> GroupcoordWork:
@@ -301,7 +316,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         out.copy_(got.view(out.shape))
         return self._done([out])
 
-    @_no_grad
+    @_host_kernels
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
                              opts: Any = None) -> GroupcoordWork:
         """``dist.reduce_scatter_tensor``: rank ``i`` gets slice ``i`` of the reduced input."""
@@ -325,7 +340,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
     reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]  # as above
 
-    @_no_grad
+    @_host_kernels
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor],
                                         opts: Any = None) -> GroupcoordWork:
@@ -366,7 +381,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]  # as above
 
     # ------------------------------------------------------------------ moves
-    @_no_grad
+    @_host_kernels
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> GroupcoordWork:  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
         """``dist.broadcast``: ``tensors[0]`` of the root, into every rank's ``tensors[0]``."""
         opts = opts if opts is not None else dist.BroadcastOptions()
@@ -393,7 +408,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
                 t.copy_(buf)
         return self._done([t])
 
-    @_no_grad
+    @_host_kernels
     def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
                   input_tensors: list[torch.Tensor], opts: Any = None) -> GroupcoordWork:
         """``dist.all_gather``: every rank's input into ``output_tensors[0][rank]``.
@@ -424,7 +439,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         copy_pieces(got, outs)
         return self._done(outs)
 
-    @_no_grad
+    @_host_kernels
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> GroupcoordWork:
         """``dist.all_gather_into_tensor``: every rank's input, in rank order, into ``output``."""
@@ -446,7 +461,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
     all_gather_single = _allgather_base  # torch's newer name
 
-    @_no_grad
+    @_host_kernels
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts: Any = None) -> GroupcoordWork:
         """``dist.all_gather_coalesced``: ``output_lists[r][i]`` receives rank ``r``'s
@@ -478,7 +493,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
                     outs[r][i].copy_(g[r].view(outs[r][i].shape))
         return self._done([t for o in outs for t in o])
 
-    @_no_grad
+    @_host_kernels
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor],
                                         opts: Any = None) -> GroupcoordWork:
@@ -509,7 +524,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]  # as above
 
-    @_no_grad
+    @_host_kernels
     def gather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
                input_tensors: list[torch.Tensor], opts: Any = None) -> GroupcoordWork:
         """``dist.gather``: every rank's input into the root's ``output_tensors[0]``."""
@@ -538,7 +553,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             copy_pieces(got, outs)
         return self._done(outs)
 
-    @_no_grad
+    @_host_kernels
     def scatter(self, output_tensors: list[torch.Tensor],  # type: ignore[override]  # torch's stub adds overloads no caller of a group uses
                 input_tensors: list[list[torch.Tensor]], opts: Any = None) -> GroupcoordWork:
         """``dist.scatter``: the root's ``input_tensors[0][i]`` into rank ``i``'s output."""
@@ -567,7 +582,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         out.copy_(got.view(out.shape))
         return self._done([out])
 
-    @_no_grad
+    @_host_kernels
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
                       opts: Any = None) -> GroupcoordWork:
@@ -600,7 +615,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]  # as above
 
-    @_no_grad
+    @_host_kernels
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> GroupcoordWork:
         """``dist.all_to_all``: ``input_tensors[j]`` to rank ``j``, whose ``output_tensors[i]``

@@ -75,6 +75,7 @@ read at construction):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -280,6 +281,16 @@ class CpuCommunicator(TorchDistributedCommunicator):
     def hierarchical(self) -> HierarchicalAllReduce | None:
         """The hierarchical all-reduce (several nodes), else None."""
         return self._hier
+
+    def kernel_threads(self) -> contextlib.AbstractContextManager[Any]:
+        """A context in which torch's kernels run with the shared-memory engine's share
+        of the node's CPUs (:mod:`device_comms.cpu_shm.engine_threads`), as the
+        engine's own copies do; a no-op without the engine. For a caller's copies
+        into and out of a collective's tensors: with torch's default threads on
+        every rank of a node, each rank's OpenMP team would spin on the CPUs its
+        peers need to finish their part."""
+        eng = self._engine
+        return eng.kernel_threads if eng is not None else contextlib.nullcontext()
 
     def describe(self) -> dict[str, Any]:
         """A summary for logs and bug reports."""

@@ -294,3 +294,32 @@ def test_engine_raises_one_torch_thread(world_size: int) -> None:
 def test_communicator_rejects_bad_environment() -> None:
     for msg in run_distributed(bad_env_rank, 2, timeout=50):
         assert THREADS_ENV in msg and "'none'" in msg, msg
+
+
+def kernel_threads_rank(rank: int, world_size: int, engine: int) -> tuple[int, int, int]:
+    """Torch's threads inside ``CpuCommunicator.kernel_threads()`` (the engine's share,
+    set by ``GROUPCOORD_CPU_SHM_THREADS``), and before and after (the caller's)."""
+    torch.set_num_threads(3)
+    os.environ[THREADS_ENV] = str(engine)
+    try:
+        comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="kt",
+                               workspace_bytes=1 << 20)
+    finally:
+        del os.environ[THREADS_ENV]
+    try:
+        before = torch.get_num_threads()
+        with comm.kernel_threads():
+            inside = torch.get_num_threads()
+        return before, inside, torch.get_num_threads()
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not openmp_backend(), reason="the setting acts on torch's OpenMP backend only")
+@pytest.mark.parametrize("engine", [1, 2])
+def test_callers_copies_run_on_the_engines_threads(dist_pool: Any, engine: int) -> None:
+    """What the torch backend wraps its copies in: the engine's thread share inside,
+    the caller's setting restored after."""
+    for rank, got in enumerate(dist_pool(2).run(kernel_threads_rank, engine, timeout=50)):
+        assert got == (3, engine, 3), f"rank {rank}: (before, inside, after) = {got}"
