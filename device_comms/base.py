@@ -160,18 +160,34 @@ class DeviceCommunicator(abc.ABC):
             return self._guard("all_reduce", self._all_reduce, t, rop)
         return self._guard("all_reduce", self._all_reduce_into, t, rop, out)
 
-    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's ``input_`` along ``dim`` (same shape on all ranks)."""
+    def all_gather(self, input_: torch.Tensor, dim: int = -1, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``input_`` along ``dim`` (same shape on all ranks).
+
+        Args:
+            input_: The local piece.
+            dim: The dimension to concatenate along (negative allowed).
+            out: Where to write the result instead of a new tensor: contiguous,
+                ``input_``'s dtype and device, ``input_``'s shape with ``dim``
+                world-size times as long, sharing no memory with ``input_``.
+
+        Returns:
+            ``out`` when given, else a new tensor.
+        """
         self._check_open()
         try:
             t = validation.check_tensor(input_, "input_", self.device)
             d = validation.gather_dim(t, dim, self.world_size)
+            if out is not None:
+                validation.check_gather_out(out, t, d, self.world_size, self.device)
         except (TypeError, ValueError) as e:
             self._reject("all_gather", e)
             raise
         if self.world_size == 1:
-            return t.clone()
-        return self._guard("all_gather", self._all_gather, validation.dense(t), d)
+            return t.clone() if out is None else out.copy_(t)
+        if out is None:
+            return self._guard("all_gather", self._all_gather, validation.dense(t), d)
+        return self._guard("all_gather", self._all_gather_into, validation.dense(t), d, out)
 
     def all_gatherv(
         self,
@@ -732,6 +748,15 @@ class DeviceCommunicator(abc.ABC):
 
     @abc.abstractmethod
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def _all_gather_into(self, t: torch.Tensor, dim: int, out: torch.Tensor) -> torch.Tensor:
+        """All-gather contiguous ``t`` into ``out`` (validated: the gathered shape,
+        contiguous, disjoint from ``t``).
+
+        The base gathers into a new tensor and copies it; transports that can
+        write the result in place override this.
+        """
+        return out.copy_(self._all_gather(t, dim))
 
     @abc.abstractmethod
     def _all_gatherv(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor: ...

@@ -14,7 +14,8 @@ from shm_broadcast.codec.tensor_storage import check_storage, storage_covers
 
 __all__ = [
     "check_device", "check_group", "check_writable", "check_fits", "gather_dim", "check_tensor",
-    "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_out_meta",
+    "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_gather_out",
+    "check_out_meta",
     "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible",
 ]
 
@@ -169,6 +170,43 @@ def check_out(out: Any, like: torch.Tensor, device: torch.device | None = None) 
             "(in place) or a separate tensor"
         )
     checked: torch.Tensor = out  # a tensor since check_tensor(out) returned
+    return checked
+
+
+def check_gather_out(out: Any, like: torch.Tensor, dim: int, world_size: int,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """Return ``out`` if it can take the all-gather of ``like`` along ``dim`` over
+    ``world_size`` ranks: a dense, contiguous tensor of ``like``'s dtype and
+    device with ``like``'s shape but ``world_size`` times as long along ``dim``,
+    not a lazy conjugate or negative view, sharing no memory with ``like``.
+
+    Raises:
+        TypeError: ``out`` is not a dense tensor, or its dtype differs.
+        ValueError: its device, shape or layout is wrong, it is a storage-less
+            zero tensor, or it overlaps ``like``.
+    """
+    check_tensor(out, "out", device)
+    if out.dtype != like.dtype:
+        raise TypeError(f"out must have dtype {like.dtype} (input_'s), got {out.dtype}")
+    want = like.shape[:dim] + (like.shape[dim] * world_size,) + like.shape[dim + 1:]
+    if out.shape != want:
+        raise ValueError(f"out must have shape {tuple(want)} (input_'s, {world_size} times "
+                         f"as long along dim {dim}), got {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError(
+            f"out must be contiguous, got strides {out.stride()} for shape {tuple(out.shape)}")
+    if out.device != like.device:
+        raise ValueError(f"out must be on {like.device} (input_'s device), got {out.device}")
+    if out.is_conj() or out.is_neg():
+        raise ValueError(
+            f"out must not be a lazy view (is_conj()={out.is_conj()}, is_neg()={out.is_neg()}): "
+            "results are written as raw elements; pass out.resolve_conj().resolve_neg()")
+    if out._is_zerotensor():  # noqa: SLF001 - torch's own API
+        raise ValueError("out must have memory to write into, got a storage-less zero tensor")
+    if _overlap(out, like):
+        raise ValueError("out must not share memory with input_ (the gathered result is "
+                         "written while input_ may still be read); pass a separate tensor")
+    checked: torch.Tensor = out
     return checked
 
 

@@ -84,6 +84,25 @@ _no_grad = torch.no_grad()
 _M = TypeVar("_M", bound=Callable[..., Any])
 
 
+def _apart(output: torch.Tensor, input: torch.Tensor) -> bool:
+    """Whether contiguous ``output`` and contiguous ``input`` span disjoint bytes
+    (False when either is not contiguous: the caller then copies)."""
+    if not (output.is_contiguous() and input.is_contiguous()):
+        return False
+    o, i = output.data_ptr(), input.data_ptr()
+    return o + output.nbytes <= i or i + input.nbytes <= o
+
+
+def _gather_into(comm: CpuCommunicator, output: torch.Tensor, input: torch.Tensor) -> None:
+    """Every rank's ``input``, flattened, in rank order into ``output`` (checked: its
+    element count is the group's size times ``input``'s)."""
+    flat = input if input.dim() == 1 else input.reshape(-1)
+    if _apart(output, input):  # the communicator writes into the output itself
+        comm.all_gather(flat, 0, out=output if output.dim() == 1 else output.view(-1))
+    else:  # a non-contiguous output, or the input is part of it (torch allows that)
+        output.copy_(comm.all_gather(flat, 0).view(output.shape))
+
+
 def _host_kernels(method: _M) -> _M:
     """Run a collective of the group under ``torch.no_grad()`` and its communicator's
     kernel-thread limit (:meth:`CpuCommunicator.kernel_threads`): the copies into
@@ -456,7 +475,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
                                  f"{input.numel()} elements, got {output.numel()}")
 
         self._checked("all_gather", check)
-        output.copy_(comm.all_gather(input.reshape(-1), 0).view(output.shape))
+        _gather_into(comm, output, input)
         return self._done([output])
 
     all_gather_single = _allgather_base  # torch's newer name
@@ -515,7 +534,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
         outs, ins = self._checked("all_gatherv", check)
         if len(ins) == 1:
-            outs[0].copy_(comm.all_gather(ins[0].reshape(-1), 0).view(outs[0].shape))
+            _gather_into(comm, outs[0], ins[0])
         elif ins:
             got, _ = comm.all_gatherv_rows([x.reshape(1, -1) for x in ins], [1] * world)
             for o, g in zip(outs, got, strict=True):

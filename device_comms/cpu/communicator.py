@@ -483,13 +483,25 @@ class CpuCommunicator(TorchDistributedCommunicator):
         eng = self._flat
         if eng is None:
             return super()._all_gather(t, dim)
+        return self._shm_all_gather(eng, t, dim, None)
+
+    def _all_gather_into(self, t: torch.Tensor, dim: int, out: torch.Tensor) -> torch.Tensor:
+        eng = self._flat
+        if eng is None:
+            return super()._all_gather_into(t, dim, out)
+        return self._shm_all_gather(eng, t, dim, out)
+
+    def _shm_all_gather(self, eng: ShmEngine, t: torch.Tensor, dim: int,
+                        out: torch.Tensor | None) -> torch.Tensor:
+        """All-gather in the engine, into ``out`` (None: a new tensor)."""
         self.shm_calls["all_gather"] += 1
         key = _shape_key(t.shape, dim)
         if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
             return eng.all_gather_cat(  # type: ignore[return-value]  # no dst: every rank gets it
-                t, dim, size_key=key)
+                t, dim, size_key=key, out=out)
         sizes = [t.shape[dim]] * self.world_size
-        out = _gathered(t, dim, sizes)
+        if out is None:
+            out = _gathered(t, dim, sizes)
         self._gather_rows(eng, t, dim, sizes, "all_gather", None, key, out)
         return out
 

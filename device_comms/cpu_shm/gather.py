@@ -89,11 +89,13 @@ class ShmGathers:
         kind: str = "all_gather",
         dst: int | None = None,
         size_key: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Every rank's ``tensor`` (same shape, fits a slot) concatenated along ``dim``.
 
         Every rank gets it when ``dst`` is None, else only local rank ``dst``.
         ``size_key`` (default: the element count) must agree on every rank.
+        ``out`` (contiguous, the concatenated shape): written instead of a new tensor.
         """
         sync = self._sync
         views = self._shaped(sync.next_parity, tensor)
@@ -101,7 +103,7 @@ class ShmGathers:
         sig = signature(kind, tensor.dtype, None, 0 if dst is None else dst)
         sync.step(kind, sig, tensor.numel() if size_key is None else size_key, True)
         if dst is None or dst == self._me:
-            return torch.cat(views, dim)
+            return torch.cat(views, dim) if out is None else torch.cat(views, dim, out=out)
         return None
 
     @threaded(lambda self, tensor, shapes, *_: sum(math.prod(shape) for shape in shapes))
