@@ -140,19 +140,17 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         back = g.create_mq_broadcaster(writer_rank=1)
         return g, back
 
-    if cfg.get("control"):  # the "on" copy records nothing either
+    def unrecorded(name: str) -> tuple[Any, Any]:
+        """A copy built while a disabled recorder is current (it records nothing)."""
         previous = reset_recorder(FlightRecorder(0))
         try:
-            on = build("trace_on")
+            return build(name)
         finally:
             reset_recorder(previous)
-    else:
-        on = build("trace_on")
-    previous = reset_recorder(FlightRecorder(0))
-    try:
-        off = build("trace_off")
-    finally:
-        reset_recorder(previous)
+
+    # with --control the "on" copy records nothing either
+    on = unrecorded("trace_on") if cfg.get("control") else build("trace_on")
+    off = unrecorded("trace_off")
     try:
         rows = _measure(rank, on, off, cfg, threads)
         # whether the "on" copy wrote to the recorder (not with --control)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from coordinator.torch_backend import gloo_group
 from coordinator.torch_backend.translate import (
+    check_whole_and_piece,
     check_writable,
     copy_pieces,
     same_dtype,
@@ -345,12 +346,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         def check() -> ReduceOp:
             check_tensor(output, "output", _CPU)
             check_tensor(input, "input", _CPU)
-            if output.dtype != input.dtype:
-                raise TypeError(f"output must have input's dtype {input.dtype}, "
-                                f"got {output.dtype}")
-            if input.numel() != output.numel() * self.size():
-                raise ValueError(f"input must have group size ({self.size()}) x output's "
-                                 f"{output.numel()} elements, got {input.numel()}")
+            check_whole_and_piece(input, "input", output, "output", self.size())
             return to_reduce_op(opts.reduceOp)
 
         op = self._checked("reduce_scatter", check)
@@ -376,12 +372,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             outs = tensor_list(outputs, "outputs")
             ins = tensor_list(inputs, "inputs", len(outs))
             for i, (o, x) in enumerate(zip(outs, ins, strict=True)):
-                if o.dtype != x.dtype:
-                    raise TypeError(f"outputs[{i}] must have inputs[{i}]'s dtype {x.dtype}, "
-                                    f"got {o.dtype}")
-                if x.numel() != o.numel() * world:
-                    raise ValueError(f"inputs[{i}] must have group size ({world}) x "
-                                     f"outputs[{i}]'s {o.numel()} elements, got {x.numel()}")
+                check_whole_and_piece(x, f"inputs[{i}]", o, f"outputs[{i}]", world)
             return outs, ins, to_reduce_op(opts.reduceOp)
 
         outs, ins, op = self._checked("reduce_scatter", check)
@@ -467,12 +458,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         def check() -> None:
             check_tensor(output, "output", _CPU)
             check_tensor(input, "input", _CPU)
-            if output.dtype != input.dtype:
-                raise TypeError(f"output must have input's dtype {input.dtype}, "
-                                f"got {output.dtype}")
-            if output.numel() != input.numel() * self.size():
-                raise ValueError(f"output must have group size ({self.size()}) x input's "
-                                 f"{input.numel()} elements, got {output.numel()}")
+            check_whole_and_piece(output, "output", input, "input", self.size())
 
         self._checked("all_gather", check)
         _gather_into(comm, output, input)
@@ -524,12 +510,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             outs = tensor_list(outputs, "outputs")
             ins = tensor_list(inputs, "inputs", len(outs))
             for i, (o, x) in enumerate(zip(outs, ins, strict=True)):
-                if o.dtype != x.dtype:
-                    raise TypeError(f"outputs[{i}] must have inputs[{i}]'s dtype {x.dtype}, "
-                                    f"got {o.dtype}")
-                if o.numel() != x.numel() * world:
-                    raise ValueError(f"outputs[{i}] must have group size ({world}) x "
-                                     f"inputs[{i}]'s {x.numel()} elements, got {o.numel()}")
+                check_whole_and_piece(o, f"outputs[{i}]", x, f"inputs[{i}]", world)
             return outs, ins
 
         outs, ins = self._checked("all_gatherv", check)

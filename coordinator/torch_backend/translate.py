@@ -21,7 +21,7 @@ from device_comms.reduce_op import ReduceOp
 
 __all__ = [
     "to_reduce_op", "single", "tensor_list", "same_dtype", "split_sizes", "copy_pieces",
-    "check_writable",
+    "check_writable", "check_whole_and_piece",
 ]
 
 _RED = dist.ReduceOp.RedOpType
@@ -147,3 +147,21 @@ def check_writable(t: torch.Tensor, arg: str) -> None:
             raise ValueError(f"{arg} is an expanded view (dimension {d} has {size} elements "
                              f"but stride 0), which an in-place collective cannot write; "
                              f"pass {arg}.clone()")
+
+
+def check_whole_and_piece(whole: torch.Tensor, whole_arg: str, piece: torch.Tensor,
+                          piece_arg: str, world_size: int) -> None:
+    """Check a gathered or scattered pair: ``whole`` (an all-gather's output, a
+    reduce-scatter's input) holds ``world_size`` times ``piece``'s elements, of
+    ``piece``'s dtype (both already checked to be tensors).
+
+    Raises:
+        TypeError: The dtypes differ.
+        ValueError: The element counts do not fit.
+    """
+    if whole.dtype != piece.dtype:
+        raise TypeError(f"{whole_arg} must have {piece_arg}'s dtype {piece.dtype}, "
+                        f"got {whole.dtype}")
+    if whole.numel() != piece.numel() * world_size:
+        raise ValueError(f"{whole_arg} must have group size ({world_size}) x {piece_arg}'s "
+                         f"{piece.numel()} elements, got {whole.numel()}")

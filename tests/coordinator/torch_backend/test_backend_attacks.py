@@ -14,7 +14,7 @@ All attacks of a world size run in one pool call (one group, reused).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -300,19 +300,6 @@ def _attack(rank: int, world: int) -> dict[str, Any]:
         dist.all_reduce(t, group=pg)
         out[name] = (kind, raised, t.tolist() == [float(sum(range(world)))] * 3)
     return out
-
-
-@pytest.fixture(scope="module")
-def pools(dist_pool: Callable[[int], Any]) -> Iterator[Callable[[int], Any]]:
-    used: set[int] = set()
-
-    def get(world: int) -> Any:
-        used.add(world)
-        return dist_pool(world)
-
-    yield get
-    for w in used:
-        dist_pool(w).run(cases.drop_groups, timeout=60)
 
 
 @pytest.mark.parametrize("world", WORLDS)

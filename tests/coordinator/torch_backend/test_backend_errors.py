@@ -8,7 +8,7 @@ reused (it stays usable after a mismatch), the timeout case gets its own.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -68,19 +68,6 @@ _KINDS = ["shape", "dtype", "reduce_op", "op", "root", "skipped", "bad_list", "b
 #: what the rank with the bad arguments raises, and what names the argument
 _OWN = {"bad_list": ("ValueError", "output_tensor_list"), "bad_op": ("TypeError", "BAND"),
         "premul_sum": ("TypeError", "PREMUL_SUM")}
-
-
-@pytest.fixture(scope="module")
-def pools(dist_pool: Callable[[int], Any]) -> Iterator[Callable[[int], Any]]:
-    used: set[int] = set()
-
-    def get(world: int) -> Any:
-        used.add(world)
-        return dist_pool(world)
-
-    yield get
-    for w in used:
-        dist_pool(w).run(cases.drop_groups, timeout=60)
 
 
 @pytest.mark.parametrize("world", WORLDS)

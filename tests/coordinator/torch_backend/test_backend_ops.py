@@ -8,7 +8,7 @@ compares them bitwise with gloo's results.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,19 +18,6 @@ from tests.coordinator.torch_backend import cases
 WORLDS = (2, 3)
 #: ops that the shared-memory engine serves on one host (the test fails if they went to gloo)
 _ON_SHM = {op for op in cases.CASES if op not in ("scatter", "functional")}
-
-
-@pytest.fixture(scope="module")
-def pools(dist_pool: Callable[[int], Any]) -> Iterator[Callable[[int], Any]]:
-    used: set[int] = set()
-
-    def get(world: int) -> Any:
-        used.add(world)
-        return dist_pool(world)
-
-    yield get
-    for w in used:
-        dist_pool(w).run(cases.drop_groups, timeout=60)
 
 
 @pytest.mark.parametrize("world", WORLDS)
