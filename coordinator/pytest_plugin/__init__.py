@@ -1,7 +1,7 @@
 """A pytest plugin for multi-rank tests: ``@pytest.mark.distributed(world_size=4)``.
 
 Installing groupcoord registers it (the ``pytest11`` entry point
-``groupcoord``); without the installed package, load it with
+``coordinator.pytest_plugin``); without the installed package, load it with
 ``-p coordinator.pytest_plugin``. A marked test's body runs on ``world_size``
 real rank processes with the world group initialised (gloo, and our
 communicators through :mod:`coordinator.parallel_state`); the pytest process
