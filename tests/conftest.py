@@ -68,11 +68,6 @@ _LONG_FILES = (
     "tests/shm_broadcast/ranks/test_launcher.py",
     "tests/shm_broadcast/ranks/test_agreement.py",
     "tests/shm_broadcast/lifecycle/test_exit_cleanup.py",
-    "tests/torch_suite/test_torch_suite.py",
-    "tests/coordinator/torch_backend/test_clients_funcol.py",
-    "tests/coordinator/torch_backend/test_clients_ddp.py",
-    "tests/coordinator/pytest_plugin/test_plugin_reports.py",
-    "tests/coordinator/torch_backend/test_backend_errors.py",
 )
 
 

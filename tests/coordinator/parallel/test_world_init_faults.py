@@ -37,8 +37,11 @@ print(json.dumps(out), flush=True)
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size,missing", [
-    pytest.param(2, (1,), marks=pytest.mark.slow), pytest.param(3, (2,), marks=pytest.mark.slow),
-    (4, (1, 3)),
+    # ranks that do come must reach rank 0's store within its 2 s connect timeout: three
+    # rank processes starting on a loaded 2-core CI machine sometimes do not, so the
+    # four-rank case is slow-marked and CI names a missing rank at world size 3
+    pytest.param(2, (1,), marks=pytest.mark.slow), (3, (2,)),
+    pytest.param(4, (1, 3), marks=pytest.mark.slow),
     pytest.param(2, (0,), marks=pytest.mark.slow), (3, (0,))], ids=str)
 def test_ranks_that_never_arrive_are_named(world_size: int, missing: tuple[int, ...]) -> None:
     port = free_port()
