@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from device_comms.bench.report import load_average
 from shm_broadcast.cli_args import number
 
 __all__ = ["add_args", "run", "bench_rank", "format_table"]
@@ -130,7 +131,7 @@ def _run_torch(args: argparse.Namespace) -> int:
     cfg = _config(args)
     # torch's own default, read here: the rank harness sets its ranks' thread count
     cfg["default_threads"] = torch.get_num_threads()
-    load_before = _loadavg()
+    load_before = load_average()
     print(f"# load average before: {load_before} (timings are noisy on a busy machine)",
           flush=True)
     records: list[dict[str, Any]] = []
@@ -142,7 +143,7 @@ def _run_torch(args: argparse.Namespace) -> int:
     if args.json_path:
         meta = {"command": " ".join(["groupcoord", *sys.argv[1:]]),
                 "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "loadavg_before": load_before, "loadavg_after": _loadavg(),
+                "loadavg_before": load_before, "loadavg_after": load_average(),
                 "backend": cfg["backend"]}
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump({"meta": meta, "records": records}, f, indent=1)
@@ -165,13 +166,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['direct_median_us']:>9.1f}{r['gloo_over_ours']:>10.1f}"
             f"{r['pg_overhead_us']:>10.1f}{'y' if r['results_match'] else 'N':>4}")
     return "\n".join(lines)
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:  # pragma: no cover - not available
-        return None
 
 
 # ---------------------------------------------------------------------- per rank

@@ -42,6 +42,7 @@ import time
 from time import perf_counter_ns
 from typing import Any
 
+from device_comms.bench.report import load_average
 from shm_broadcast.cli_args import number, size_bytes
 
 __all__ = ["add_args", "run", "bench_rank"]
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json_path:
         meta = {"command": " ".join(["groupcoord bench trace", *sys.argv[1:]]),
                 "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "loadavg": _loadavg()}
+                "loadavg": load_average()}
         with open(args.json_path, "w") as f:
             json.dump({"meta": meta, "records": records}, f, indent=1)
         print(f"wrote {args.json_path}")
@@ -109,13 +110,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                      f"{r['on_median_us']:>12.2f}{r['delta_us']:>11.2f}"
                      f"{r['off_p99_us']:>10.1f}{r['on_p99_us']:>10.1f}{r['rounds']:>8}")
     return "\n".join(lines)
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:  # pragma: no cover - not available
-        return None
 
 
 # ---------------------------------------------------------------------- per rank

@@ -67,6 +67,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from device_comms.bench.report import load_average
 from shm_broadcast.cli_args import number
 
 __all__ = ["add_bench_args", "run_bench", "main"]
@@ -192,7 +193,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 2
-    load_before = _loadavg()
+    load_before = load_average()
     print(f"# load average before: {load_before} (timings are noisy on a busy machine)", flush=True)
     records = _run_world_sizes(args, _rank_config(args))
     if records is None:
@@ -273,7 +274,7 @@ def _write_outputs(args: argparse.Namespace, records: list[dict[str, Any]],
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "loadavg_before": load_before,
-        "loadavg_after": _loadavg(),
+        "loadavg_after": load_average(),
         "pinned": args.pin,
         "threads": ["cpus/world_size"] if not args.threads else [str(t) for t in args.threads],
     }
@@ -283,13 +284,6 @@ def _write_outputs(args: argparse.Namespace, records: list[dict[str, Any]],
     if args.plot_path:
         write_plot(args.plot_path, records)
         print(f"wrote {args.plot_path}")
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:  # pragma: no cover - not available
-        return None
 
 
 # ---------------------------------------------------------------------- per rank

@@ -10,10 +10,21 @@ token count and the layer shape (:mod:`device_comms.bench.dispatch_combine`).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["format_table", "format_markdown", "write_json", "write_plot", "human_bytes"]
+__all__ = ["format_table", "format_markdown", "write_json", "write_plot", "human_bytes",
+           "load_average"]
+
+
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages, rounded (None where the
+    platform has none): what benchmark reports record beside their numbers."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover - not available
+        return None
 
 
 def human_bytes(n: int) -> str:
