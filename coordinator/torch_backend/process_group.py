@@ -54,6 +54,7 @@ from coordinator.torch_backend.translate import (
     check_whole_and_piece,
     check_writable,
     copy_pieces,
+    root_list,
     same_dtype,
     single,
     split_sizes,
@@ -536,16 +537,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             x = single(input_tensors, "input_tensors")
             if self.rank() != root:
                 return [], x
-            if not isinstance(output_tensors, Sequence) or len(output_tensors) != 1:
-                raise ValueError("output_tensors must be a list holding one list of tensors "
-                                 "on the root")
-            outs = tensor_list(output_tensors[0], "gather_list", world)
-            same_dtype(outs, x.dtype, "gather_list")
-            for j, t in enumerate(outs):
-                if t.numel() != x.numel():
-                    raise ValueError(f"gather_list[{j}] must have {x.numel()} elements, "
-                                     f"got {t.numel()}")
-            return outs, x
+            return root_list(output_tensors, "output_tensors", "gather_list", world, x), x
 
         outs, x = self._checked("gather", check)
         got = comm.gather(x.reshape(-1), root, 0)
@@ -565,15 +557,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             out = single(output_tensors, "output_tensors")
             if self.rank() != root:
                 return out, None
-            if not isinstance(input_tensors, Sequence) or len(input_tensors) != 1:
-                raise ValueError("input_tensors must be a list holding one list of tensors "
-                                 "on the root")
-            ins = tensor_list(input_tensors[0], "scatter_list", world)
-            same_dtype(ins, out.dtype, "scatter_list")
-            for j, t in enumerate(ins):
-                if t.numel() != out.numel():
-                    raise ValueError(f"scatter_list[{j}] must have {out.numel()} elements "
-                                     f"(the output's), got {t.numel()}")
+            ins = root_list(input_tensors, "input_tensors", "scatter_list", world, out)
             return out, torch.stack([t.reshape(-1) for t in ins])
 
         out, rows = self._checked("scatter", check)

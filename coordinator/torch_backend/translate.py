@@ -21,7 +21,7 @@ from device_comms.reduce_op import ReduceOp
 
 __all__ = [
     "to_reduce_op", "single", "tensor_list", "same_dtype", "split_sizes", "copy_pieces",
-    "check_writable", "check_whole_and_piece",
+    "check_writable", "check_whole_and_piece", "root_list",
 ]
 
 _RED = dist.ReduceOp.RedOpType
@@ -165,3 +165,23 @@ def check_whole_and_piece(whole: torch.Tensor, whole_arg: str, piece: torch.Tens
     if whole.numel() != piece.numel() * world_size:
         raise ValueError(f"{whole_arg} must have group size ({world_size}) x {piece_arg}'s "
                          f"{piece.numel()} elements, got {whole.numel()}")
+
+
+def root_list(lists: Any, outer_arg: str, inner_arg: str, world_size: int,
+              like: torch.Tensor) -> list[torch.Tensor]:
+    """The root's tensors of a gather or scatter: ``lists`` must hold one list of
+    ``world_size`` tensors, each of ``like``'s dtype and element count.
+
+    Raises:
+        TypeError: Not a list of tensors, or a dtype differs.
+        ValueError: The wrong number of lists or tensors, or an element count differs.
+    """
+    if not isinstance(lists, Sequence) or len(lists) != 1:
+        raise ValueError(f"{outer_arg} must be a list holding one list of tensors on the root")
+    ts = tensor_list(lists[0], inner_arg, world_size)
+    same_dtype(ts, like.dtype, inner_arg)
+    for j, t in enumerate(ts):
+        if t.numel() != like.numel():
+            raise ValueError(f"{inner_arg}[{j}] must have {like.numel()} elements, "
+                             f"got {t.numel()}")
+    return ts
