@@ -54,6 +54,7 @@ from coordinator.torch_backend.translate import (
     check_whole_and_piece,
     check_writable,
     copy_pieces,
+    known_reduce_op,
     root_list,
     same_dtype,
     single,
@@ -63,6 +64,7 @@ from coordinator.torch_backend.translate import (
 )
 from coordinator.torch_backend.work import GroupcoordWork
 from device_comms.cpu.communicator import CpuCommunicator
+from device_comms.cpu.repeat_calls import apart, plain
 from device_comms.errors import (
     CollectiveMismatch,
     CommunicatorClosed,
@@ -149,6 +151,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the only constructor a subclass may use
         ranks = list(global_ranks) or list(range(size))
+        self._size = size  # size() is a call into C++; the fast paths read this
         self._name = name or BACKEND_NAME
         self._timeout_s = timeout.total_seconds()
         self._cpu_group, gloo = gloo_group.build(store, rank, size, timeout, ranks, self._name)
@@ -337,10 +340,31 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         out.copy_(got.view(out.shape))
         return self._done([out])
 
-    @_host_kernels
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
                              opts: Any = None) -> GroupcoordWork:
-        """``dist.reduce_scatter_tensor``: rank ``i`` gets slice ``i`` of the reduced input."""
+        """``dist.reduce_scatter_tensor``: rank ``i`` gets slice ``i`` of the reduced input.
+
+        Plain tensors (:func:`~device_comms.cpu.repeat_calls.plain`) of one dtype,
+        the input ``size()`` times the output's elements, skip this group's checks
+        (the communicator checks its own arguments) and the contexts of the
+        checked path; the flat input's reduced slice is copied into ``output``.
+        """
+        comm = self._comm
+        if (comm is not None and plain(output) and plain(input)
+                and output.dtype is input.dtype and input.numel() == output.numel() * self._size
+                and opts is not None and apart(output, input)):
+            rop = known_reduce_op(opts.reduceOp)
+            if rop is not None:
+                got = comm.reduce_scatter(input if input.dim() == 1 else input.view(-1), 0, rop)
+                output.copy_(got if output.dim() == 1 else got.view(output.shape))
+                return self._done([output])
+        return self._checked_reduce_scatter_base(output, input, opts)
+
+    @_host_kernels
+    def _checked_reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                                     opts: Any) -> GroupcoordWork:
+        """``_reduce_scatter_base`` with every check of this group (which names torch's
+        arguments in its errors and tells the peers)."""
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         comm = self.communicator
 
@@ -450,10 +474,33 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         copy_pieces(got, outs)
         return self._done(outs)
 
-    @_host_kernels
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> GroupcoordWork:
-        """``dist.all_gather_into_tensor``: every rank's input, in rank order, into ``output``."""
+        """``dist.all_gather_into_tensor``: every rank's input, in rank order, into ``output``.
+
+        Plain tensors (:func:`~device_comms.cpu.repeat_calls.plain`) of one dtype,
+        apart, the output ``size()`` times the input's elements, skip this group's
+        checks (the communicator checks its own arguments) and the contexts of the
+        checked path: the communicator gathers straight into ``output``, along
+        dim 0 when ``output`` is ``input`` stacked along it, else flat.
+        """
+        comm = self._comm
+        if (comm is not None and plain(output) and plain(input)
+                and output.dtype is input.dtype and output.numel() == input.numel() * self._size
+                and apart(output, input)):
+            shape = input.shape
+            if input.dim() and output.shape == (shape[0] * self._size,) + shape[1:]:
+                comm.all_gather(input, 0, out=output)
+            else:
+                comm.all_gather(input.view(-1), 0, out=output.view(-1))
+            return self._done([output])
+        return self._checked_allgather_base(output, input)
+
+    @_host_kernels
+    def _checked_allgather_base(self, output: torch.Tensor,
+                                input: torch.Tensor) -> GroupcoordWork:
+        """``_allgather_base`` with every check of this group (which names torch's
+        arguments in its errors and tells the peers)."""
         comm = self.communicator
 
         def check() -> None:

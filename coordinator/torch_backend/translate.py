@@ -20,7 +20,8 @@ import torch.distributed as dist
 from device_comms.reduce_op import ReduceOp
 
 __all__ = [
-    "to_reduce_op", "single", "tensor_list", "same_dtype", "split_sizes", "copy_pieces",
+    "known_reduce_op", "to_reduce_op",
+    "single", "tensor_list", "same_dtype", "split_sizes", "copy_pieces",
     "check_writable", "check_whole_and_piece", "root_list",
 ]
 
@@ -28,6 +29,24 @@ _RED = dist.ReduceOp.RedOpType
 #: torch's op kinds by our ops (every one of ours has torch's name; PREMUL_SUM is torch's only).
 _OPS: dict[Any, ReduceOp] = {_RED.__members__[op.name]: op for op in ReduceOp}
 _PREMUL_SUM: Any = _RED.__members__["PREMUL_SUM"]
+
+
+def _kind(op: Any) -> Any:
+    """The ``RedOpType`` of a ``torch.distributed.ReduceOp`` or ``RedOpType`` (else None)."""
+    # dist.ReduceOp.SUM and friends are RedOpType members, which also pass
+    # isinstance(op, dist.ReduceOp); torch's functions put a ReduceOp in the options.
+    if isinstance(op, _RED):
+        return op
+    if isinstance(op, dist.ReduceOp):
+        return cast(Any, op).op
+    return None
+
+
+def known_reduce_op(op: Any) -> ReduceOp | None:
+    """Our :class:`ReduceOp` for a ``torch.distributed.ReduceOp`` (or its
+    ``RedOpType``) that we carry; None for any other value."""
+    kind = _kind(op)
+    return _OPS.get(kind) if kind is not None else None
 
 
 def to_reduce_op(op: Any, arg: str = "op") -> ReduceOp:
@@ -38,16 +57,9 @@ def to_reduce_op(op: Any, arg: str = "op") -> ReduceOp:
             op whose factor torch keeps in C++; gloo rejects it too) or not a
             ``ReduceOp`` at all.
     """
-    # dist.ReduceOp.SUM and friends are RedOpType members, which also pass
-    # isinstance(op, dist.ReduceOp); torch's functions put a ReduceOp in the options.
-    kind: Any = None
-    if isinstance(op, _RED):
-        kind = op
-    elif isinstance(op, dist.ReduceOp):
-        kind = cast(Any, op).op
-    rop = _OPS.get(kind) if kind is not None else None
+    rop = known_reduce_op(op)
     if rop is None:
-        if kind == _PREMUL_SUM:
+        if _kind(op) == _PREMUL_SUM:
             raise TypeError(f"{arg}=ReduceOp.PREMUL_SUM is not supported by the groupcoord "
                             "backend (nor by gloo); scale the tensor and use SUM")
         raise TypeError(f"{arg} must be a torch.distributed.ReduceOp, got {op!r}")

@@ -76,6 +76,7 @@ read at construction):
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -95,13 +96,14 @@ from device_comms.cpu.config import (
 )
 from device_comms.cpu.hierarchical import HierarchicalAllReduce
 from device_comms.cpu.one_call import OneCall
+from device_comms.cpu.repeat_calls import LayoutPlan, LayoutPlans, plain, takes_out
 from device_comms.cpu_shm import host_alloc
 from device_comms.cpu_shm.engine import ShmEngine
 from device_comms.cpu_shm.engine_threads import env_threads
 from device_comms.cpu_shm.small import NotServed, SmallAllReduce
 from device_comms.cpu_shm.sync import StepSync
 from device_comms.cpu_shm.workspace import WorkspacePlan, open_workspace
-from device_comms.errors import DeviceCommError
+from device_comms.errors import CollectiveMismatch, DeviceCommError, with_own_arguments
 from device_comms.reduce_op import ReduceOp
 from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
 from device_comms.validation import storage_covers
@@ -191,6 +193,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         # dtype -> ops already validated for it; a list searched by identity, because
         # hashing a ReduceOp (Enum.__hash__, Python code) costs as much as the check.
         self._validated: dict[torch.dtype, list[ReduceOp]] = {}
+        #: What the checked path concluded about the layouts of all_gather and
+        #: reduce_scatter calls the engine served (their fast paths).
+        self._plans = LayoutPlans()
         self._engine: ShmEngine | None = None
         self._flat: ShmEngine | None = None
         #: The one-step all_reduce of the engine (one node), for all_reduce's fast path.
@@ -277,6 +282,15 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if self._engine is not None:
             self._engine.sync.abandon(op, f"{type(e).__name__}: {e}")
 
+    def _abort(self) -> None:
+        """Break the engine (the peers raise instead of waiting for this rank's next
+        step) and end a wait another thread of this rank is in (at its next health
+        check, :mod:`device_comms.cpu_shm.sync`)."""
+        eng = self._engine
+        if eng is not None:
+            why = self.broken
+            eng.sync.abandon("abort", f"aborted: {type(why).__name__}: {why}")
+
     @property
     def hierarchical(self) -> HierarchicalAllReduce | None:
         """The hierarchical all-reduce (several nodes), else None."""
@@ -324,6 +338,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         """Unmap the workspace (peers waiting on this rank get an error). Idempotent."""
         eng, self._engine, self._flat, self._hier = self._engine, None, None, None
         self._small = None
+        self._plans.clear()
         if eng is not None:
             eng.close()
         super().destroy()
@@ -360,6 +375,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         # 1. check (inline: it runs on every call)
         if (
             small is not None
+            and not self._closed  # aborted: the checked path says why
             and (out is None or out is input_)
             and type(input_) is _PLAIN_TENSOR
             and input_.is_cpu
@@ -393,30 +409,51 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 and storage_covers(input_)  # not freed under it: the engine copies by address
             ):
                 # 3. run the engine's all_reduce (4. counted first, as the hooks count)
-                self._one_call.enter("all_reduce")
                 self.shm_calls["all_reduce"] += 1
-                try:
-                    return self._flat.all_reduce(  # type: ignore[union-attr]  # set with _small
-                        input_, op, out)
-                except BaseException as e:
-                    self._engine_failed("all_reduce", e)
-                finally:
-                    self._one_call.leave()
+                eng: ShmEngine = self._flat  # type: ignore[assignment]  # set with _small
+                return self._engine_call("all_reduce", eng.all_reduce, input_, op, out)
         # The checked path. 4. finish: complex tensors can be lazy conjugate views,
         # which only the checked path resolves.
         result = super().all_reduce(input_, op, out=out)
-        if small is not None and type(op) is ReduceOp and not input_.dtype.is_complex:
-            ops = self._validated.setdefault(input_.dtype, [])
-            if op not in ops:
-                ops.append(op)
+        if small is not None and type(op) is ReduceOp:
+            self._validated_op(input_.dtype, op)
         return result
 
-    def _engine_failed(self, op: str, e: BaseException) -> NoReturn:
-        """Raise for ``e``, which escaped the engine during ``op`` on the path that
-        skips :meth:`_guard`, as ``_guard`` does: this package's errors as they are
-        (a mismatch without this rank's arguments appended), a backend's
-        ``RuntimeError`` translated, anything else (an interrupt partway through)
-        after breaking the engine for the peers."""
+    def _validated_op(self, dtype: torch.dtype, op: ReduceOp) -> None:
+        """Remember that the checked path accepted reduction ``op`` on ``dtype``
+        (complex dtypes excepted: their lazy conjugate views only the checked path
+        resolves)."""
+        if dtype.is_complex:
+            return
+        ops = self._validated.setdefault(dtype, [])
+        if op not in ops:
+            ops.append(op)
+
+    def _engine_call(self, op: str, fn: Callable[..., _R], *args: Any) -> _R:
+        """``fn(*args)`` (an engine call of collective ``op`` whose arguments a fast
+        path checked) holding the one-call token, its errors raised as :meth:`_guard`
+        raises them (:meth:`_engine_failed`)."""
+        self._one_call.enter(op)
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self._engine_failed(op, e, args)
+        finally:
+            self._one_call.leave()
+
+    def _engine_failed(self, op: str, e: BaseException, args: tuple[Any, ...] = ()) -> NoReturn:
+        """Raise for ``e``, which escaped the engine during ``op`` on a path that
+        skips :meth:`_guard`, as ``_guard`` does: the abort's error when the
+        communicator was aborted meanwhile; this package's errors as they are (a
+        mismatch naming this rank's ``args``); a backend's ``RuntimeError``
+        translated; anything else (an interrupt partway through) after breaking
+        the engine for the peers."""
+        why = self.broken
+        if why is not None:
+            raise copy.copy(why) from e
+        if isinstance(e, CollectiveMismatch):
+            with_own_arguments(e, args)
+            raise e
         if isinstance(e, DeviceCommError):
             raise e
         if isinstance(e, RuntimeError):
@@ -448,13 +485,49 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self.shm_calls["reduce"] += 1
         return eng.reduce(t, dst, op)
 
+    def reduce_scatter(
+        self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
+    ) -> torch.Tensor:
+        """Reduce across ranks, then give rank ``i`` the ``i``-th equal slice along ``dim``.
+
+        Same contract as :meth:`DeviceCommunicator.reduce_scatter`. A call of a
+        layout (dtype, shape, ``dim``) and op the engine took before skips the
+        checks of the layout (:mod:`device_comms.cpu.repeat_calls`): **check**
+        the tensor object, **look up** the layout's plan, **run** the engine's
+        reduce-scatter; the checked path **keeps** a plan for the next call.
+        """
+        eng = self._flat
+        # check
+        if eng is not None and not self._closed and type(dim) is int and plain(input_):
+            # look up
+            plan = self._plans.get("reduce_scatter", input_, dim)
+            if plan is not None and type(op) is ReduceOp and op in self._validated.get(
+                    input_.dtype, ()):
+                # run
+                return self._engine_call("reduce_scatter", self._shm_reduce_scatter, eng,
+                                         input_, plan.dim, op, plan.size_key)
+        result = super().reduce_scatter(input_, dim, op)
+        # keep
+        if eng is not None and type(dim) is int and plain(input_) and type(op) is ReduceOp:
+            d = dim % input_.dim()
+            self._plans.keep("reduce_scatter", input_, dim,
+                             LayoutPlan(d, _shape_key(input_.shape, d), result.shape))
+            self._validated_op(input_.dtype, op)
+        return result
+
     def _reduce_scatter(self, t: torch.Tensor, dim: int, op: ReduceOp) -> torch.Tensor:
         eng = self._flat
         if eng is None:
             return super()._reduce_scatter(t, dim, op)
+        return self._shm_reduce_scatter(eng, t, dim, op, _shape_key(t.shape, dim))
+
+    def _shm_reduce_scatter(self, eng: ShmEngine, t: torch.Tensor, dim: int, op: ReduceOp,
+                            key: int) -> torch.Tensor:
+        """Reduce-scatter in the engine; ``key`` signs the layout."""
         self.shm_calls["reduce_scatter"] += 1
         n = self.world_size
-        key = _shape_key(t.shape, dim)
+        if t.dim() == 1:  # nothing to move or view: the engine's own kernels are threaded
+            return eng.reduce_scatter(t, [t.numel() // n] * n, op, "reduce_scatter", key)
         with eng.kernel_threads:  # the transposing copies run under the engine's thread limit too
             x = _moved(t, dim, 0)
             k = x.numel() // n
@@ -479,23 +552,50 @@ class CpuCommunicator(TorchDistributedCommunicator):
             return _moved(out.view((mine,) + x.shape[1:]), 0, dim)
 
     # ------------------------------------------------------------------ data movement
+    def all_gather(self, input_: torch.Tensor, dim: int = -1, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``input_`` along ``dim``; ``out`` or a new tensor.
+
+        Same contract as :meth:`DeviceCommunicator.all_gather`. A call of a
+        layout (dtype, shape, ``dim``) the engine took before skips the checks
+        of the layout (:mod:`device_comms.cpu.repeat_calls`): **check** the
+        tensor objects, **look up** the layout's plan, **run** the engine's
+        all-gather; the checked path **keeps** a plan for the next call.
+        """
+        eng = self._flat
+        # check
+        if eng is not None and not self._closed and type(dim) is int and plain(input_):
+            # look up
+            plan = self._plans.get("all_gather", input_, dim)
+            if plan is not None and (out is None or takes_out(out, input_, plan.result_shape)):
+                # run
+                return self._engine_call("all_gather", self._shm_all_gather, eng, input_,
+                                         plan.dim, plan.size_key, out)
+        result = super().all_gather(input_, dim, out=out)
+        # keep
+        if eng is not None and type(dim) is int and plain(input_):
+            d = dim % input_.dim()
+            self._plans.keep("all_gather", input_, dim,
+                             LayoutPlan(d, _shape_key(input_.shape, d), result.shape))
+        return result
+
     def _all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         eng = self._flat
         if eng is None:
             return super()._all_gather(t, dim)
-        return self._shm_all_gather(eng, t, dim, None)
+        return self._shm_all_gather(eng, t, dim, _shape_key(t.shape, dim), None)
 
     def _all_gather_into(self, t: torch.Tensor, dim: int, out: torch.Tensor) -> torch.Tensor:
         eng = self._flat
         if eng is None:
             return super()._all_gather_into(t, dim, out)
-        return self._shm_all_gather(eng, t, dim, out)
+        return self._shm_all_gather(eng, t, dim, _shape_key(t.shape, dim), out)
 
-    def _shm_all_gather(self, eng: ShmEngine, t: torch.Tensor, dim: int,
+    def _shm_all_gather(self, eng: ShmEngine, t: torch.Tensor, dim: int, key: int,
                         out: torch.Tensor | None) -> torch.Tensor:
-        """All-gather in the engine, into ``out`` (None: a new tensor)."""
+        """All-gather in the engine, into ``out`` (None: a new tensor); ``key`` signs
+        the layout."""
         self.shm_calls["all_gather"] += 1
-        key = _shape_key(t.shape, dim)
         if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
             return eng.all_gather_cat(  # type: ignore[return-value]  # no dst: every rank gets it
                 t, dim, size_key=key, out=out)

@@ -165,7 +165,9 @@ class ShmEngine:
         self._my_slot = (ctx.slot_addresses[0][ctx.me], ctx.slot_addresses[1][ctx.me])
         #: reduce_scatter's one-step views: my slot for the input, every rank's copy
         #: of my region.
-        self._scatter_views: dict[tuple[int, torch.dtype, int, int, int], list[torch.Tensor]] = {}
+        self._scatter_views: dict[
+            tuple[int, torch.dtype, int, int, int], tuple[torch.Tensor, list[torch.Tensor]]
+        ] = {}
 
     def close(self) -> None:
         """Mark this rank closed for its peers and unmap. Idempotent."""
@@ -351,20 +353,20 @@ class ShmEngine:
         ws, sync, me, size = self.ws, self.sync, self.me, self.size
         dtype = flat.dtype
         sig = signature(kind, dtype, op)
-        offsets = [0]
-        for count in counts:
-            offsets.append(offsets[-1] + count)
         mine_count = counts[me]
         out = host_alloc.empty(mine_count, dtype)
         if flat.nbytes <= self._one_step_bytes:  # one step: the slot holds all of the input
-            parity = sync.next_parity
-            views = self._one_step_scatter_views(parity, dtype, flat.numel(), offsets[me],
-                                                 mine_count)
-            views[0].copy_(flat)
+            parity = (sync.gen + 1) & 1  # sync.next_parity, without the property call
+            mine, regions = self._one_step_scatter_views(
+                parity, dtype, flat.numel(), sum(counts[:me]), mine_count)
+            mine.copy_(flat)
             sync.step(kind, sig, size_key, True)
             if mine_count:
-                reduce_views(views[1:], op, out=out)
+                reduce_views(regions, op, out=out)
             return out
+        offsets = [0]
+        for count in counts:
+            offsets.append(offsets[-1] + count)
         align = max(1, _ALIGN_BYTES // flat.element_size())
         chunk = max(align, ws.slot_elems(dtype) // size // align * align)
         first = True
@@ -398,8 +400,8 @@ class ShmEngine:
 
     def _one_step_scatter_views(
         self, parity: int, dtype: torch.dtype, count: int, mine_at: int, mine_count: int
-    ) -> list[torch.Tensor]:
-        """reduce_scatter in one step: my slot for the ``count`` input elements, then every
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """reduce_scatter in one step: my slot for the ``count`` input elements, and every
         rank's copy of my region (``mine_count`` elements from ``mine_at``). Cached."""
         key = (parity, dtype, count, mine_at, mine_count)
         views = self._scatter_views.get(key)
@@ -407,10 +409,10 @@ class ShmEngine:
             if len(self._scatter_views) >= _VIEW_CACHE_MAX:
                 self._scatter_views.clear()
             ws = self.ws
-            views = self._scatter_views[key] = [ws.slot(parity, self.me, dtype)[:count]] + [
+            views = self._scatter_views[key] = (ws.slot(parity, self.me, dtype)[:count], [
                 ws.slot(parity, rank, dtype)[mine_at : mine_at + mine_count]
                 for rank in range(self.size)
-            ]
+            ])
         return views
 
     # ------------------------------------------------------------------ data movement

@@ -26,6 +26,7 @@ rank reads the same headers.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -33,9 +34,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from device_comms.cpu_shm.address_views import NULL_PAGE
 from device_comms.cpu_shm.context import EngineContext, signature
 from device_comms.cpu_shm.engine_threads import threaded
-from device_comms.cpu_shm.host_arrays import bytes_at
+from device_comms.cpu_shm.host_arrays import bytes_at, mark_written
 from device_comms.errors import CollectiveMismatch
 
 __all__ = ["ShmGathers", "ROWS_HEADER"]
@@ -43,6 +45,10 @@ __all__ = ["ShmGathers", "ROWS_HEADER"]
 #: Bytes before a rank's rows in :meth:`ShmGathers.rows_exchange` (and the alignment
 #: of each tensor's block after it).
 ROWS_HEADER = 64
+#: Largest piece all_gather_cat copies with ``memmove`` (larger ones: torch copies,
+#: parallel with the engine's thread count).
+_MEMMOVE_MAX = 256 << 10
+_memmove = ctypes.memmove
 
 
 class _GatherStep(NamedTuple):
@@ -77,6 +83,7 @@ class ShmGathers:
         self._shaped = ctx.shaped
         self.size = ctx.size
         self.kernel_threads = ctx.kernel_threads
+        self._slot_addresses = ctx.slot_addresses
         # rows_exchange's headers (three int64 words at the start of each slot), by parity
         self._heads = [[bytes_at(addr, 24).view(np.int64) for addr in row]
                        for row in ctx.slot_addresses]
@@ -98,13 +105,41 @@ class ShmGathers:
         ``out`` (contiguous, the concatenated shape): written instead of a new tensor.
         """
         sync = self._sync
-        views = self._shaped(sync.next_parity, tensor)
-        views[self._me].copy_(tensor)
+        parity = (sync.gen + 1) & 1  # sync.next_parity, without the property call
+        nbytes = tensor.nbytes
+        # small and contiguous: this thread's memmove, no torch dispatch (plain stores)
+        by_address = nbytes <= _MEMMOVE_MAX and tensor.is_contiguous() and (
+            tensor.data_ptr() >= NULL_PAGE)
+        if by_address:
+            _memmove(self._slot_addresses[parity][self._me], tensor.data_ptr(), nbytes)
+        else:
+            self._shaped(parity, tensor)[self._me].copy_(tensor)
         sig = signature(kind, tensor.dtype, None, 0 if dst is None else dst)
-        sync.step(kind, sig, tensor.numel() if size_key is None else size_key, True)
-        if dst is None or dst == self._me:
-            return torch.cat(views, dim) if out is None else torch.cat(views, dim, out=out)
-        return None
+        sync.step(kind, sig, tensor.numel() if size_key is None else size_key, True, by_address)
+        if dst is not None and dst != self._me:
+            return None
+        if by_address and math.prod(tensor.shape[:dim]) == 1:
+            # each rank's piece is one block of the result, in rank order
+            return self._blocks_into(tensor, dim, parity, nbytes, out)
+        views = self._shaped(parity, tensor)
+        return torch.cat(views, dim) if out is None else torch.cat(views, dim, out=out)
+
+    def _blocks_into(self, tensor: torch.Tensor, dim: int, parity: int, nbytes: int,
+                     out: torch.Tensor | None) -> torch.Tensor:
+        """Every rank's slot of ``parity`` (``nbytes`` each), back to back into ``out`` (a
+        new tensor when None): the all-gather along ``dim`` of pieces shaped like
+        ``tensor`` when no dimension before ``dim`` is longer than 1."""
+        if out is None:
+            shape = list(tensor.shape)
+            shape[dim] *= self.size
+            out = tensor.new_empty(*shape)  # ints, not a tuple: torch parses them faster
+        else:
+            mark_written(out)  # torch did not see the write
+        address = out.data_ptr()
+        for slot in self._slot_addresses[parity]:
+            _memmove(address, slot, nbytes)
+            address += nbytes
+        return out
 
     @threaded(lambda self, tensor, shapes, *_: sum(math.prod(shape) for shape in shapes))
     def gatherv_cat(

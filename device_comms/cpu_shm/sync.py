@@ -477,6 +477,8 @@ class StepSync:
         return [peer for peer in self._peers if self.hdr[self.ws.line(peer) + GEN] < gen]
 
     def _check_health(self, gen: int, op: str, waited: float) -> None:
+        if self.broken is not None:  # another thread abandoned the engine (an abort)
+            raise BrokenCommunicator(self.broken)
         behind = self._behind(gen)
         line = self.ws.line
         for peer in behind:
