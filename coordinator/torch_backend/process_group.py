@@ -65,6 +65,7 @@ from coordinator.torch_backend.translate import (
 from coordinator.torch_backend.work import GroupcoordWork
 from device_comms.cpu.communicator import CpuCommunicator
 from device_comms.cpu.repeat_calls import apart, plain
+from device_comms.cpu_shm.engine_threads import GRAIN
 from device_comms.errors import (
     CollectiveMismatch,
     CommunicatorClosed,
@@ -356,7 +357,12 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             rop = known_reduce_op(opts.reduceOp)
             if rop is not None:
                 got = comm.reduce_scatter(input if input.dim() == 1 else input.view(-1), 0, rop)
-                output.copy_(got if output.dim() == 1 else got.view(output.shape))
+                got = got if output.dim() == 1 else got.view(output.shape)
+                if output.numel() <= GRAIN:  # torch copies this serially anyway
+                    output.copy_(got)
+                else:  # an OpenMP team per rank would spin on the CPUs the peers need
+                    with comm.kernel_threads():
+                        output.copy_(got)
                 return self._done([output])
         return self._checked_reduce_scatter_base(output, input, opts)
 
