@@ -317,6 +317,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
             "slot_bytes": eng.ws.slot_bytes if eng is not None else 0,
             "oneshot_bytes": eng.oneshot_bytes if eng is not None else 0,
             "engine_threads": eng.threads if eng is not None else 0,
+            "cpu_moves": eng.sync.spread.moves if eng is not None else 0,
             "shm_calls": dict(self.shm_calls),
         }
 

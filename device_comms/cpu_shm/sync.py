@@ -146,7 +146,9 @@ Waiting for a peer's generation to reach ``s``::
                                                               PARK again
 
 Waiting: a few polls of the flag, then polls with ``sched_yield`` in between
-(no spinning at all when the node's ranks outnumber its CPUs), and after
+(no spinning at all when the node's ranks outnumber its CPUs; at the first
+yield a rank that shares its CPU with a peer moves to another,
+:mod:`device_comms.cpu_shm.placement`), and after
 :data:`_PARK_AFTER` the waiter *parks*: it sets ``parked`` in its own line and
 sleeps in ``FUTEX_WAIT`` on the generation word it waits for
 (:mod:`device_comms.cpu_shm.futex`). A rank that publishes a generation then checks the
@@ -177,7 +179,8 @@ import psutil
 import torch
 
 from device_comms.cpu_shm import futex, step_errors
-from device_comms.cpu_shm.workspace import CALL, CLOSED, GEN, PARKED, SIG, ShmWorkspace
+from device_comms.cpu_shm.placement import CpuSpread
+from device_comms.cpu_shm.workspace import CALL, CLOSED, GEN, PARKED, PLACED, SIG, ShmWorkspace
 from device_comms.errors import (  # BrokenCommunicator re-exported for older imports
     BrokenCommunicator,
     CollectiveMismatch,
@@ -231,6 +234,8 @@ class StepSync:
         group_ranks: Group rank of every local rank (for errors).
         pids: Pid of every local rank.
         timeout: Seconds a step may wait before :class:`CollectiveTimeout` (None: forever).
+        spread: Whether a waiting rank moves off a CPU its peers wait on
+            (:mod:`device_comms.cpu_shm.placement`); None reads ``GROUPCOORD_CPU_SPREAD``.
 
     Attributes:
         gen: Last step this rank published.
@@ -243,6 +248,7 @@ class StepSync:
         group_ranks: Sequence[int],
         pids: Sequence[int],
         timeout: float | None,
+        spread: bool | None = None,
     ) -> None:
         self.ws = ws
         self.hdr = ws.hdr
@@ -279,6 +285,10 @@ class StepSync:
             cpus = os.cpu_count() or 1
         # Seconds of pure polling before yielding (never when oversubscribed).
         self.spin_s = _SPIN_S if self.size <= cpus else 0.0
+        #: Moves this rank off a CPU a peer waits on (device_comms.cpu_shm.placement).
+        self.spread = CpuSpread(self.hdr, self._my_line + PLACED,
+                                [ws.line(peer) + PLACED for peer in self._peers],
+                                self.me, self.size, spread)
 
     @property
     def next_parity(self) -> int:
@@ -440,6 +450,7 @@ class StepSync:
         hdr, spin_s, park_after = self.hdr, self.spin_s, self.park_after
         clock = time.perf_counter
         polls = 0
+        placed = False  # whether this wait recorded its CPU (at its first yield)
         for word, address in self._peer_gen_addr:
             while hdr[word] < gen:
                 polls += 1
@@ -457,6 +468,9 @@ class StepSync:
                 elif park_after is None and waited > _NAP_AFTER:
                     time.sleep(_NAP)
                 else:
+                    if not placed:
+                        placed = True
+                        self.spread.waiting(gen)
                     os.sched_yield()
         return next_health
 

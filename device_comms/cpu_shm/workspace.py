@@ -46,6 +46,7 @@ __all__ = [
     "PID",
     "PARKED",
     "CALL",
+    "PLACED",
     "ShmWorkspace",
     "WorkspacePlan",
     "open_workspace",
@@ -58,6 +59,7 @@ __all__ = [
 SEGMENT_KIND = "cpucomm"
 LINE_WORDS = 16  # int64 words per rank line (128 bytes: two cache lines)
 GEN, CLOSED, PID, PARKED = 0, 1, 8, 9
+PLACED = 10  # the CPU a rank waited on, and the step (device_comms.cpu_shm.placement)
 SIG = (2, 5)  # word of (sigA, sigB, call number) for buffer parity 0 and 1
 CALL = 2  # offset of the group's call number from a parity's SIG word
 _PAGE = 4096

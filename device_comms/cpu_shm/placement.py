@@ -1,0 +1,166 @@
+"""Keeping a node's ranks on different CPUs while they wait for each other's steps.
+
+Ranks wait for a step by polling the peers' generation words with
+``sched_yield`` in between (:mod:`device_comms.cpu_shm.sync`). That is fast
+only when the ranks run on different CPUs: on one CPU every step waits for a
+context switch. Measured on the 2-vCPU development VM (world size 2, 4 KiB
+all_reduce, 400 back-to-back calls per fresh run): 4.4-6.6 us with the ranks
+on different CPUs, 18-22 us with both on one, and both on one in most fresh
+runs (``docs/performance.md``, "Placement of the ranks").
+
+Linux does not separate them by itself. Two tasks that hand one CPU to each
+other every few microseconds always look cache-hot to the load balancer,
+which then leaves them where they are; and they come together after waits
+that sleep (the store's and gloo's at start-up, a gloo collective between
+ours), when a wake-up puts the woken task on its waker's CPU.
+
+What a rank does (:class:`CpuSpread`): at the first ``sched_yield`` of a wait
+it records its CPU and the step in its header line (:data:`PLACED`, one
+8-byte word, so never torn). If a peer recorded the same CPU for this step or
+the one before, the two share a CPU, and the rank moves to *its* CPU of the
+node's spread: local rank ``i`` of ``n`` takes the ``(i * m // n)``-th of the
+``m`` CPUs its thread may run on. It moves by narrowing its thread's affinity
+to that CPU (the kernel migrates the thread before the call returns) and at
+once restoring the affinity it had, so nothing stays pinned: the kernel may
+place the thread anywhere afterwards, as before. A rank already on its own
+CPU of the spread never moves, so of two ranks on one CPU at most one moves
+unless neither is on its CPU, and then each goes to a different one.
+
+The record is advisory: a stale or missed one costs at most a move that was
+not needed, or one made a step later. A move costs about 40 us (the
+migration; 2-vCPU VM). Moves of one rank are at least :data:`MOVE_EVERY`
+apart, and when the kernel keeps undoing them (more runnable threads than
+CPUs) the spacing doubles up to :data:`MOVE_MAX`, so such ranks pay at most
+0.04% of a CPU for them. It
+is off where no spread exists (a rank may run on fewer CPUs than its node
+has ranks), where the platform lacks ``sched_getcpu`` or thread affinity,
+and with ``GROUPCOORD_CPU_SPREAD=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["CpuSpread", "SPREAD_ENV", "MOVE_EVERY", "UNDONE_WITHIN", "MOVE_MAX", "current_cpu"]
+
+#: ``0`` turns the moves off (read when a communicator is built).
+SPREAD_ENV = "GROUPCOORD_CPU_SPREAD"
+#: Shortest time between two moves of one rank, in seconds.
+MOVE_EVERY = 0.001
+#: A move needed again within this many seconds of the last one doubles the spacing ...
+UNDONE_WITHIN = 0.05
+#: ... up to this many seconds.
+MOVE_MAX = 0.1
+_CPU_BITS = 16  # a record is step << 16 | (cpu + 1); 0 is "no record"
+_CPU_MASK = (1 << _CPU_BITS) - 1
+
+
+def _libc_getcpu() -> Any:
+    if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):  # pragma: no cover - a libc without it
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = []
+    return fn
+
+
+_getcpu = _libc_getcpu()
+
+
+def current_cpu() -> int:
+    """The CPU the calling thread runs on (-1 where the platform cannot say)."""
+    return int(_getcpu()) if _getcpu is not None else -1
+
+
+class CpuSpread:
+    """One rank's moves off CPUs its peers wait on (see the module docstring).
+
+    Args:
+        hdr: The workspace header as int64 words.
+        my_word: Index of this rank's :data:`PLACED` word.
+        peer_words: Indices of the peers' :data:`PLACED` words.
+        local_rank: This rank's index among the node's ranks.
+        local_size: Number of the node's ranks.
+        enabled: False turns the moves off; None reads :data:`SPREAD_ENV`.
+
+    Attributes:
+        target: This rank's CPU of the spread (None: no spread, never moves).
+        moves: How many times this rank moved.
+    """
+
+    def __init__(
+        self,
+        hdr: Any,
+        my_word: int,
+        peer_words: Sequence[int],
+        local_rank: int,
+        local_size: int,
+        enabled: bool | None = None,
+    ) -> None:
+        self._hdr = hdr
+        self._my_word = my_word
+        self._peer_words = list(peer_words)
+        if enabled is None:
+            enabled = os.environ.get(SPREAD_ENV, "1").strip() != "0"
+        self.target: int | None = None
+        if enabled and _getcpu is not None and local_size > 1:
+            try:
+                allowed = sorted(os.sched_getaffinity(0))
+            except OSError:  # pragma: no cover - affinity unavailable
+                allowed = []
+            if len(allowed) >= local_size:
+                self.target = allowed[local_rank * len(allowed) // local_size]
+        self.moves = 0
+        self._last_move = -math.inf
+        self._spacing = 0.0  # seconds the next move waits after the last one
+
+    def waiting(self, gen: int) -> None:
+        """This rank is about to yield in step ``gen``'s wait: record where it
+        runs, and move to :attr:`target` when a peer recently waited on the same CPU."""
+        target = self.target
+        if target is None:
+            return
+        cpu = _getcpu()
+        mine = (cpu + 1) | (gen << _CPU_BITS)
+        hdr = self._hdr
+        hdr[self._my_word] = mine
+        if cpu == target:
+            return
+        recent = (gen - 1) << _CPU_BITS
+        for word in self._peer_words:
+            seen = hdr[word]
+            if seen >= recent and seen & _CPU_MASK == cpu + 1:
+                self._move()
+                return
+
+    def _move(self) -> None:
+        now = time.monotonic()
+        since = now - self._last_move
+        if since < self._spacing:
+            return
+        # Needed again soon after the last move: the kernel keeps undoing them (more
+        # runnable threads than CPUs), so space them out; else back to the shortest.
+        undone = since < UNDONE_WITHIN
+        self._spacing = min(MOVE_MAX, max(MOVE_EVERY, 2 * self._spacing)) if undone else MOVE_EVERY
+        self._last_move = now
+        target = self.target
+        try:
+            allowed = os.sched_getaffinity(0)
+            if target not in allowed:  # the caller narrowed the affinity since
+                self.target = None
+                return
+            os.sched_setaffinity(0, {target})  # migrates this thread before returning
+            os.sched_setaffinity(0, allowed)
+        except OSError:  # pragma: no cover - refused (a seccomp policy)
+            self.target = None
+            return
+        self.moves += 1
