@@ -63,6 +63,8 @@ read at construction):
   after each collective;
 * ``use_shm`` / ``GROUPCOORD_CPU_SHM=0``: disable the shared-memory path (if
   any rank disables it, all do);
+* ``GROUPCOORD_CPU_SPREAD=0``: a waiting rank does not move off a CPU a peer
+  waits on (:mod:`device_comms.cpu_shm.placement`);
 * ``timeout`` / ``GROUPCOORD_CPU_SHM_TIMEOUT`` / ``GROUPCOORD_TIMEOUT``:
   seconds a shared-memory step may wait for a peer before
   :class:`~device_comms.errors.CollectiveTimeout` (``0`` polls once; default
