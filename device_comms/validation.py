@@ -136,6 +136,23 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def check_receivable(t: torch.Tensor, arg: str) -> torch.Tensor:
+    """Return ``t`` if a call may write into it here: not an inference tensor
+    outside ``torch.inference_mode()`` (torch refuses every in-place write into
+    one there, and a write refused after the call's step would fail this rank
+    alone).
+
+    Raises:
+        ValueError: ``t`` is such an inference tensor.
+    """
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            f"{arg} is an inference tensor (made under torch.inference_mode()), which "
+            f"cannot be written outside inference mode; make the call inside "
+            f"torch.inference_mode() or pass a tensor made outside it")
+    return t
+
+
 def check_out(out: Any, like: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """Return ``out`` if it can take a result shaped like ``like``, written element-wise.
 
@@ -150,6 +167,7 @@ def check_out(out: Any, like: torch.Tensor, device: torch.device | None = None) 
     """
     check_tensor(out, "out", device)
     check_out_meta(out, like)
+    check_receivable(out, "out")
     # data_ptr() is 0: there is nowhere to write (torch has no public test for it)
     if out._is_zerotensor():  # noqa: SLF001 - torch's own API
         raise ValueError(
@@ -186,6 +204,7 @@ def check_gather_out(out: Any, like: torch.Tensor, dim: int, world_size: int,
             zero tensor, or it overlaps ``like``.
     """
     check_tensor(out, "out", device)
+    check_receivable(out, "out")
     if out.dtype != like.dtype:
         raise TypeError(f"out must have dtype {like.dtype} (input_'s), got {out.dtype}")
     want = like.shape[:dim] + (like.shape[dim] * world_size,) + like.shape[dim + 1:]

@@ -64,7 +64,7 @@ from coordinator.torch_backend.translate import (
 )
 from coordinator.torch_backend.work import GroupcoordWork
 from device_comms.cpu.communicator import CpuCommunicator
-from device_comms.cpu.repeat_calls import apart, plain
+from device_comms.cpu.repeat_calls import apart, plain, writable
 from device_comms.cpu_shm.engine_threads import GRAIN
 from device_comms.errors import (
     CollectiveMismatch,
@@ -74,7 +74,7 @@ from device_comms.errors import (
 )
 from device_comms.reduce_op import ReduceOp
 from device_comms.row_gather import layout_key
-from device_comms.validation import check_tensor
+from device_comms.validation import check_receivable, check_tensor
 from shm_broadcast.errors import GroupCoordError
 
 __all__ = ["BACKEND_NAME", "GroupcoordProcessGroup"]
@@ -241,6 +241,8 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             single(tensors, "tensors"), to_reduce_op(opts.reduceOp)))
         if t.layout is not torch.strided:
             return self._sparse_all_reduce(comm, t, op, opts)
+        if t.is_inference():  # written in place: refused outside inference mode
+            self._checked("all_reduce", lambda: check_receivable(t, "tensors[0]"))
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             comm.all_reduce(t, op, out=t)
         else:
@@ -351,7 +353,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         checked path; the flat input's reduced slice is copied into ``output``.
         """
         comm = self._comm
-        if (comm is not None and plain(output) and plain(input)
+        if (comm is not None and plain(output) and plain(input) and writable(output)
                 and output.dtype is input.dtype and input.numel() == output.numel() * self._size
                 and opts is not None and apart(output, input)):
             rop = known_reduce_op(opts.reduceOp)
@@ -376,6 +378,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
         def check() -> ReduceOp:
             check_tensor(output, "output", _CPU)
+            check_receivable(output, "output")
             check_tensor(input, "input", _CPU)
             check_whole_and_piece(input, "input", output, "output", self.size())
             return to_reduce_op(opts.reduceOp)
@@ -487,18 +490,16 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         Plain tensors (:func:`~device_comms.cpu.repeat_calls.plain`) of one dtype,
         apart, the output ``size()`` times the input's elements, skip this group's
         checks (the communicator checks its own arguments) and the contexts of the
-        checked path: the communicator gathers straight into ``output``, along
-        dim 0 when ``output`` is ``input`` stacked along it, else flat.
+        checked path: the communicator gathers the flat input straight into the
+        flat output.
         """
         comm = self._comm
-        if (comm is not None and plain(output) and plain(input)
+        if (comm is not None and plain(output) and plain(input) and writable(output)
                 and output.dtype is input.dtype and output.numel() == input.numel() * self._size
                 and apart(output, input)):
-            shape = input.shape
-            if input.dim() and output.shape == (shape[0] * self._size,) + shape[1:]:
-                comm.all_gather(input, 0, out=output)
-            else:
-                comm.all_gather(input.view(-1), 0, out=output.view(-1))
+            # flat, as the checked path gathers: the ranks' steps compare the shapes
+            comm.all_gather(input if input.dim() == 1 else input.view(-1), 0,
+                            out=output if output.dim() == 1 else output.view(-1))
             return self._done([output])
         return self._checked_allgather_base(output, input)
 
@@ -511,6 +512,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
         def check() -> None:
             check_tensor(output, "output", _CPU)
+            check_receivable(output, "output")
             check_tensor(input, "input", _CPU)
             check_whole_and_piece(output, "output", input, "input", self.size())
 

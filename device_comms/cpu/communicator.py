@@ -98,7 +98,7 @@ from device_comms.cpu.config import (
 )
 from device_comms.cpu.hierarchical import HierarchicalAllReduce
 from device_comms.cpu.one_call import OneCall
-from device_comms.cpu.repeat_calls import LayoutPlan, LayoutPlans, plain, takes_out
+from device_comms.cpu.repeat_calls import LayoutPlan, LayoutPlans, plain, takes_out, writable
 from device_comms.cpu_shm import host_alloc
 from device_comms.cpu_shm.engine import ShmEngine
 from device_comms.cpu_shm.engine_threads import env_threads
@@ -291,7 +291,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         eng = self._engine
         if eng is not None:
             why = self.broken
-            eng.sync.abandon("abort", f"aborted: {type(why).__name__}: {why}")
+            eng.sync.abort(f"{type(why).__name__}: {why}")
 
     @property
     def hierarchical(self) -> HierarchicalAllReduce | None:
@@ -379,7 +379,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if (
             small is not None
             and not self._closed  # aborted: the checked path says why
-            and (out is None or out is input_)
+            and (out is None or (out is input_ and writable(input_)))
             and type(input_) is _PLAIN_TENSOR
             and input_.is_cpu
             and input_.layout is _STRIDED  # before is_contiguous: sparse has none
@@ -398,7 +398,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 except NotServed:  # no memory behind input_: the checked path says why
                     result = None
                 except BaseException as e:
-                    self._engine_failed("all_reduce", e)
+                    self._engine_failed("all_reduce", e, (input_, op))
                 finally:
                     self._one_call.leave()
                 # 4. finish
@@ -414,7 +414,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 # 3. run the engine's all_reduce (4. counted first, as the hooks count)
                 self.shm_calls["all_reduce"] += 1
                 eng: ShmEngine = self._flat  # type: ignore[assignment]  # set with _small
-                return self._engine_call("all_reduce", eng.all_reduce, input_, op, out)
+                return self._engine_call("all_reduce", (input_, op), eng.all_reduce,
+                                         input_, op, out)
         # The checked path. 4. finish: complex tensors can be lazy conjugate views,
         # which only the checked path resolves.
         result = super().all_reduce(input_, op, out=out)
@@ -432,15 +433,17 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if op not in ops:
             ops.append(op)
 
-    def _engine_call(self, op: str, fn: Callable[..., _R], *args: Any) -> _R:
+    def _engine_call(self, op: str, shown: tuple[Any, ...], fn: Callable[..., _R],
+                     *args: Any) -> _R:
         """``fn(*args)`` (an engine call of collective ``op`` whose arguments a fast
         path checked) holding the one-call token, its errors raised as :meth:`_guard`
-        raises them (:meth:`_engine_failed`)."""
+        raises them (:meth:`_engine_failed`; a mismatch names ``shown``, the
+        arguments as the checked path's hook would have received them)."""
         self._one_call.enter(op)
         try:
             return fn(*args)
         except BaseException as e:
-            self._engine_failed(op, e, args)
+            self._engine_failed(op, e, shown)
         finally:
             self._one_call.leave()
 
@@ -507,8 +510,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
             if plan is not None and type(op) is ReduceOp and op in self._validated.get(
                     input_.dtype, ()):
                 # run
-                return self._engine_call("reduce_scatter", self._shm_reduce_scatter, eng,
-                                         input_, plan.dim, op, plan.size_key)
+                return self._engine_call("reduce_scatter", (input_, plan.dim, op),
+                                         self._shm_reduce_scatter, eng, input_, plan.dim, op,
+                                         plan.size_key)
         result = super().reduce_scatter(input_, dim, op)
         # keep
         if eng is not None and type(dim) is int and plain(input_) and type(op) is ReduceOp:
@@ -572,8 +576,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
             plan = self._plans.get("all_gather", input_, dim)
             if plan is not None and (out is None or takes_out(out, input_, plan.result_shape)):
                 # run
-                return self._engine_call("all_gather", self._shm_all_gather, eng, input_,
-                                         plan.dim, plan.size_key, out)
+                shown = (input_, plan.dim) if out is None else (input_, plan.dim, out)
+                return self._engine_call("all_gather", shown, self._shm_all_gather, eng,
+                                         input_, plan.dim, plan.size_key, out)
         result = super().all_gather(input_, dim, out=out)
         # keep
         if eng is not None and type(dim) is int and plain(input_):

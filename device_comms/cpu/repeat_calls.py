@@ -26,7 +26,7 @@ import torch
 
 from device_comms.validation import storage_covers
 
-__all__ = ["LayoutPlan", "LayoutPlans", "plain", "takes_out", "apart"]
+__all__ = ["LayoutPlan", "LayoutPlans", "plain", "takes_out", "apart", "writable"]
 
 _PLAIN_TENSOR = torch.Tensor  # exactly this type: no subclass (Parameter, FakeTensor)
 _STRIDED = torch.strided
@@ -97,12 +97,19 @@ def apart(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 + a.nbytes <= b0 or b0 + b.nbytes <= a0
 
 
+def writable(t: torch.Tensor) -> bool:
+    """Whether torch lets a call write into ``t`` here: not an inference tensor
+    outside ``torch.inference_mode()``."""
+    return not t.is_inference() or torch.is_inference_mode_enabled()
+
+
 def takes_out(out: Any, input_: torch.Tensor, shape: torch.Size) -> bool:
-    """Whether ``out`` may take a result of ``shape`` computed from ``input_``
-    (:func:`plain` already holds for it) without further checks: :func:`plain`,
-    ``input_``'s dtype, ``shape``, and no byte shared with ``input_``."""
+    """Whether ``out`` may take a result of ``shape`` computed from ``input_`` (for
+    which :func:`plain` already holds) without further checks: :func:`plain`,
+    :func:`writable`, ``input_``'s dtype, ``shape``, and no byte shared with ``input_``."""
     return (
         plain(out)
+        and writable(out)
         and out.dtype is input_.dtype
         and out.shape == shape
         and apart(out, input_)

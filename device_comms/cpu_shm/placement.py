@@ -16,25 +16,25 @@ ours), when a wake-up puts the woken task on its waker's CPU.
 
 What a rank does (:class:`CpuSpread`): at the first ``sched_yield`` of a wait
 it records its CPU and the step in its header line (:data:`PLACED`, one
-8-byte word, so never torn). If a peer recorded the same CPU for this step or
-the one before, the two share a CPU, and the rank moves to *its* CPU of the
-node's spread: local rank ``i`` of ``n`` takes the ``(i * m // n)``-th of the
-``m`` CPUs its thread may run on. It moves by narrowing its thread's affinity
-to that CPU (the kernel migrates the thread before the call returns) and at
-once restoring the affinity it had, so nothing stays pinned: the kernel may
-place the thread anywhere afterwards, as before. A rank already on its own
-CPU of the spread never moves, so of two ranks on one CPU at most one moves
-unless neither is on its CPU, and then each goes to a different one.
+8-byte word, so never torn). If a peer with a lower local index recorded
+the same CPU for this step or the one before, the two share a CPU, and the
+rank moves: it narrows its thread's affinity to the CPUs it may run on less
+this one and those its peers recorded lately (the kernel migrates the thread
+before the call returns) and at once restores the affinity it had, so
+nothing stays pinned and the kernel may place the thread anywhere
+afterwards. Only the higher index of a pair moves, so two ranks never swap
+places; there are no fixed targets, so a process in several groups (each
+with its own workspace and indices) is not pulled two ways.
 
 The record is advisory: a stale or missed one costs at most a move that was
 not needed, or one made a step later. A move costs about 40 us (the
 migration; 2-vCPU VM). Moves of one rank are at least :data:`MOVE_EVERY`
-apart, and when the kernel keeps undoing them (more runnable threads than
-CPUs) the spacing doubles up to :data:`MOVE_MAX`, so such ranks pay at most
-0.04% of a CPU for them. It
-is off where no spread exists (a rank may run on fewer CPUs than its node
-has ranks), where the platform lacks ``sched_getcpu`` or thread affinity,
-and with ``GROUPCOORD_CPU_SPREAD=0``.
+apart; a move needed again within :data:`UNDONE_WITHIN` of the spacing's end
+doubles the spacing, up to :data:`MOVE_MAX`, so ranks whose moves the kernel
+keeps undoing (more runnable threads than CPUs) pay at most about 0.04% of a
+CPU for them. It is off where no spread exists (a rank may run on fewer CPUs
+than its node has ranks), where the platform lacks ``sched_getcpu`` or
+thread affinity, and with ``GROUPCOORD_CPU_SPREAD=0``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ __all__ = ["CpuSpread", "SPREAD_ENV", "MOVE_EVERY", "UNDONE_WITHIN", "MOVE_MAX",
 SPREAD_ENV = "GROUPCOORD_CPU_SPREAD"
 #: Shortest time between two moves of one rank, in seconds.
 MOVE_EVERY = 0.001
-#: A move needed again within this many seconds of the last one doubles the spacing ...
+#: A move needed again within this many seconds after the spacing allowed it doubles
+#: the spacing ...
 UNDONE_WITHIN = 0.05
 #: ... up to this many seconds.
 MOVE_MAX = 0.1
@@ -62,6 +63,8 @@ _CPU_MASK = (1 << _CPU_BITS) - 1
 
 
 def _libc_getcpu() -> Any:
+    """glibc's ``sched_getcpu`` through ctypes, or None where it or thread affinity
+    is missing."""
     if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
         return None
     try:
@@ -87,13 +90,13 @@ class CpuSpread:
     Args:
         hdr: The workspace header as int64 words.
         my_word: Index of this rank's :data:`PLACED` word.
-        peer_words: Indices of the peers' :data:`PLACED` words.
+        peer_words: ``(local index, index of its PLACED word)`` of every peer.
         local_rank: This rank's index among the node's ranks.
         local_size: Number of the node's ranks.
         enabled: False turns the moves off; None reads :data:`SPREAD_ENV`.
 
     Attributes:
-        target: This rank's CPU of the spread (None: no spread, never moves).
+        active: Whether this rank records its CPU and may move.
         moves: How many times this rank moved.
     """
 
@@ -101,66 +104,73 @@ class CpuSpread:
         self,
         hdr: Any,
         my_word: int,
-        peer_words: Sequence[int],
+        peer_words: Sequence[tuple[int, int]],
         local_rank: int,
         local_size: int,
         enabled: bool | None = None,
     ) -> None:
         self._hdr = hdr
         self._my_word = my_word
-        self._peer_words = list(peer_words)
+        self._peer_words = [word for _, word in peer_words]
+        #: the peers a shared CPU makes this rank leave (those with lower indices)
+        self._yield_to = [word for peer, word in peer_words if peer < local_rank]
         if enabled is None:
             enabled = os.environ.get(SPREAD_ENV, "1").strip() != "0"
-        self.target: int | None = None
+        self.active = False
         if enabled and _getcpu is not None and local_size > 1:
             try:
-                allowed = sorted(os.sched_getaffinity(0))
+                self.active = len(os.sched_getaffinity(0)) >= local_size
             except OSError:  # pragma: no cover - affinity unavailable
-                allowed = []
-            if len(allowed) >= local_size:
-                self.target = allowed[local_rank * len(allowed) // local_size]
+                self.active = False
         self.moves = 0
         self._last_move = -math.inf
         self._spacing = 0.0  # seconds the next move waits after the last one
 
     def waiting(self, gen: int) -> None:
-        """This rank is about to yield in step ``gen``'s wait: record where it
-        runs, and move to :attr:`target` when a peer recently waited on the same CPU."""
-        target = self.target
-        if target is None:
+        """Record that this rank waits in step ``gen`` on its CPU, and move when a peer
+        with a lower index recorded the same CPU for this step or the one before.
+
+        Args:
+            gen: The step the caller waits for.
+        """
+        if not self.active:
             return
         cpu = _getcpu()
-        mine = (cpu + 1) | (gen << _CPU_BITS)
         hdr = self._hdr
-        hdr[self._my_word] = mine
-        if cpu == target:
-            return
+        hdr[self._my_word] = (cpu + 1) | (gen << _CPU_BITS)
         recent = (gen - 1) << _CPU_BITS
-        for word in self._peer_words:
+        for word in self._yield_to:
             seen = hdr[word]
             if seen >= recent and seen & _CPU_MASK == cpu + 1:
-                self._move()
+                self._move(cpu, recent)
                 return
 
-    def _move(self) -> None:
+    def _move(self, cpu: int, recent: int) -> None:
+        """Leave ``cpu`` for one no peer recorded since ``recent`` (spaced, see the
+        module docstring); the thread's affinity is what it was afterwards."""
         now = time.monotonic()
         since = now - self._last_move
         if since < self._spacing:
             return
-        # Needed again soon after the last move: the kernel keeps undoing them (more
-        # runnable threads than CPUs), so space them out; else back to the shortest.
-        undone = since < UNDONE_WITHIN
+        undone = since < self._spacing + UNDONE_WITHIN  # the kernel undid the last one
         self._spacing = min(MOVE_MAX, max(MOVE_EVERY, 2 * self._spacing)) if undone else MOVE_EVERY
         self._last_move = now
-        target = self.target
+        hdr = self._hdr
+        taken = {cpu}
+        for word in self._peer_words:
+            seen = hdr[word]
+            if seen >= recent:
+                taken.add((seen & _CPU_MASK) - 1)
         try:
             allowed = os.sched_getaffinity(0)
-            if target not in allowed:  # the caller narrowed the affinity since
-                self.target = None
+            free = allowed - taken
+            if not free:
                 return
-            os.sched_setaffinity(0, {target})  # migrates this thread before returning
-            os.sched_setaffinity(0, allowed)
+            try:
+                os.sched_setaffinity(0, free)  # migrates this thread before returning
+            finally:
+                os.sched_setaffinity(0, allowed)
         except OSError:  # pragma: no cover - refused (a seccomp policy)
-            self.target = None
+            self.active = False
             return
         self.moves += 1

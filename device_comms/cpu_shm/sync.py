@@ -287,7 +287,7 @@ class StepSync:
         self.spin_s = _SPIN_S if self.size <= cpus else 0.0
         #: Moves this rank off a CPU a peer waits on (device_comms.cpu_shm.placement).
         self.spread = CpuSpread(self.hdr, self._my_line + PLACED,
-                                [ws.line(peer) + PLACED for peer in self._peers],
+                                [(peer, ws.line(peer) + PLACED) for peer in self._peers],
                                 self.me, self.size, spread)
 
     @property
@@ -412,9 +412,18 @@ class StepSync:
         Peers waiting for this rank's next step find ``CLOSED < 0`` and raise
         (as for a rank that gave up after its timeout), instead of taking its
         next call's steps for the rest of this one."""
+        self._break_off(f"an earlier call ({op}) was interrupted partway ({why}); this "
+                        f"communicator cannot be used any more")
+
+    def abort(self, why: str) -> None:
+        """The communicator was aborted (``why``), maybe from another thread: break
+        and tell the peers as :meth:`abandon` does; a wait in progress raises
+        :class:`BrokenCommunicator` at its next health check."""
+        self._break_off(f"the communicator was aborted: {why}")
+
+    def _break_off(self, reason: str) -> None:
         if self.broken is None:
-            self.broken = (f"an earlier call ({op}) was interrupted partway ({why}); this "
-                           f"communicator cannot be used any more")
+            self.broken = reason
         with contextlib.suppress(ValueError, TypeError):  # already released
             self.hdr[self._my_line + CLOSED] = -(self.gen + 1)
 
@@ -491,7 +500,9 @@ class StepSync:
         return [peer for peer in self._peers if self.hdr[self.ws.line(peer) + GEN] < gen]
 
     def _check_health(self, gen: int, op: str, waited: float) -> None:
-        if self.broken is not None:  # another thread abandoned the engine (an abort)
+        if self.broken is not None:  # another thread broke the engine (an abort)
+            # again, in case this wait's give-up (below, last time) reset the mark
+            self.hdr[self._my_line + CLOSED] = -(self.gen + 1)
             raise BrokenCommunicator(self.broken)
         behind = self._behind(gen)
         line = self.ws.line

@@ -181,6 +181,33 @@ def _sparse_max(pg: Any, rank: int, world: int) -> Any:
     return t.to_dense().tolist()
 
 
+def _inference(make: Callable[[], torch.Tensor], rank: int) -> torch.Tensor:
+    """``make()`` on rank 0 under ``torch.inference_mode()`` (an inference tensor),
+    elsewhere as it is."""
+    if rank != 0:
+        return make()
+    with torch.inference_mode():
+        return make()
+
+
+def _ag_inference_out(pg: Any, rank: int, world: int) -> Any:
+    out = _inference(lambda: torch.empty(4 * world), rank)  # cannot be written out here
+    dist.all_gather_into_tensor(out, torch.ones(4), group=pg)
+    return out.tolist()
+
+
+def _rs_inference_out(pg: Any, rank: int, world: int) -> Any:
+    out = _inference(lambda: torch.empty(4), rank)
+    dist.reduce_scatter_tensor(out, torch.ones(4 * world), group=pg)
+    return out.tolist()
+
+
+def _all_reduce_inference(pg: Any, rank: int, world: int) -> Any:
+    t = _inference(lambda: torch.ones(4), rank)
+    dist.all_reduce(t, group=pg)
+    return t.tolist()
+
+
 #: calls that must raise on every rank
 MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "all_reduce_coalesced-split": _coalesced_split,
@@ -205,11 +232,15 @@ MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "all_reduce-sparse-shape": _sparse_shape,
     "all_reduce-sparse-dtype": _sparse_dtype,
     "all_reduce-sparse-max": _sparse_max,
+    "all_gather_into_tensor-inference-out": _ag_inference_out,
+    "reduce_scatter_tensor-inference-out": _rs_inference_out,
+    "all_reduce-inference-in-place": _all_reduce_inference,
 }
 #: (attack, rank) whose own arguments are wrong: ValueError there, PeerRejectedError elsewhere
 _OWN_FAULT = {("scatter-root-rejects", 0), ("scatter-receiver-rejects", 1),
               ("all_reduce-expanded", 0), ("broadcast-expanded", 1), ("reduce-expanded", 0),
-              ("all_reduce-sparse-max", 0)}
+              ("all_reduce-sparse-max", 0), ("all_gather_into_tensor-inference-out", 0),
+              ("reduce_scatter_tensor-inference-out", 0), ("all_reduce-inference-in-place", 0)}
 
 
 def _exact(rank: int, world: int) -> dict[str, tuple[Any, Any]]:
@@ -273,6 +304,34 @@ def _exact(rank: int, world: int) -> dict[str, tuple[Any, Any]]:
     src = ([torch.full((2, 3), float(r)) for r in range(world)] if rank == 0 else None)
     dist.scatter(out, src, src=0, group=pg)
     res["scatter-noncontig"] = (out.tolist(), [[float(rank)] * 3] * 2)
+
+    # one call, ranks on different paths (plain tensors, a stacked or non-contiguous
+    # output, an aliased input); repeated so the communicator's plans are in use
+    for i in range(3):
+        x = torch.full((2, 3), float(rank + i))
+        if rank == 0:
+            out = torch.empty(2 * world, 3)
+        elif rank == 1:
+            out = torch.empty(world, 2, 3)  # stacked: torch allows any shape of the count
+        else:
+            out = torch.empty(3, 2 * world).t()  # not contiguous
+        dist.all_gather_into_tensor(out, x, group=pg)
+        res[f"all_gather_into_tensor-mixed-outputs-{i}"] = (
+            out.reshape(-1).tolist(), [float(r + i) for r in range(world) for _ in range(6)])
+        x = torch.arange(4 * world, dtype=torch.float32) + i
+        got = torch.empty(4) if rank != 1 else torch.empty(8)[::2]  # rank 1: not contiguous
+        dist.reduce_scatter_tensor(got, x, group=pg)
+        res[f"reduce_scatter_tensor-mixed-outputs-{i}"] = (
+            got.tolist(), [world * (4.0 * rank + j + i) for j in range(4)])
+
+    with torch.inference_mode():  # inference tensors are written inside inference mode
+        out = torch.empty(2 * world)
+        dist.all_gather_into_tensor(out, torch.full((2,), float(rank)), group=pg)
+        t = torch.ones(3)
+        dist.all_reduce(t, group=pg)
+    res["inference-mode"] = ([out.tolist(), t.tolist()],
+                             [[float(r) for r in range(world) for _ in range(2)],
+                              [float(world)] * 3])
 
     # a sparse COO tensor (gloo sums those): rank r adds r + 1 at index r % 4 and 1 at 3
     t = torch.sparse_coo_tensor(torch.tensor([[rank % 4, 3]]), torch.tensor([rank + 1.0, 1.0]),

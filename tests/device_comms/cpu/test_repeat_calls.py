@@ -62,6 +62,8 @@ def _warm(comm: CpuCommunicator, rank: int) -> None:
         comm.all_gather(_x(rank), 0, out=torch.empty(_SHAPE[0] * comm.world_size, _SHAPE[1]))
         comm.all_gather(_x(rank), 1)
         comm.reduce_scatter(_x(rank), 0)
+        x = _x(rank)
+        comm.all_reduce(x, out=x)
 
 
 # ---------------------------------------------------------------- inputs that must be read right
@@ -170,6 +172,19 @@ def _op_for_ints(rank: int, world_size: int) -> tuple[str, Callable[[CpuCommunic
     return "reduce_scatter", lambda comm: comm.reduce_scatter(_x(rank), 0, op=ReduceOp.BAND)
 
 
+def _out_inference(rank: int, world_size: int) -> tuple[str, Callable[[CpuCommunicator], Any]]:
+    with torch.inference_mode():  # written outside inference mode below: torch refuses
+        out = torch.empty(_SHAPE[0] * world_size, _SHAPE[1])
+    return "all_gather", lambda comm: comm.all_gather(_x(rank), 0, out=out)
+
+
+def _in_place_inference(rank: int,
+                        world_size: int) -> tuple[str, Callable[[CpuCommunicator], Any]]:
+    with torch.inference_mode():
+        x = _x(rank)
+    return "all_reduce", lambda comm: comm.all_reduce(x, out=x)
+
+
 _REFUSED: dict[str, tuple[Callable[[int, int], tuple[str, Callable[[CpuCommunicator], Any]]],
                           type[Exception]]] = {
     "freed-storage": (_freed, ValueError),
@@ -179,6 +194,8 @@ _REFUSED: dict[str, tuple[Callable[[int, int], tuple[str, Callable[[CpuCommunica
     "out-strided": (_out_strided, ValueError),
     "op-not-a-reduce-op": (_bad_op, TypeError),
     "op-bitwise-on-floats": (_op_for_ints, TypeError),
+    "out-inference-tensor": (_out_inference, ValueError),
+    "in-place-inference-tensor": (_in_place_inference, ValueError),
 }
 
 
@@ -194,6 +211,10 @@ def refused_rank(rank: int, world_size: int, case: str) -> list[str]:
             if op == "all_gather":
                 def call(comm: CpuCommunicator) -> Any:
                     return comm.all_gather(_x(rank), 0)
+            elif op == "all_reduce":
+                def call(comm: CpuCommunicator) -> Any:
+                    x = _x(rank)
+                    return comm.all_reduce(x, out=x)
             else:
                 def call(comm: CpuCommunicator) -> Any:
                     return comm.reduce_scatter(_x(rank), 0)

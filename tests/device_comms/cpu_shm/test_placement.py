@@ -1,4 +1,4 @@
-"""A waiting rank moves off a CPU a peer waits on, to its own CPU of the spread.
+"""A waiting rank moves off a CPU a peer with a lower index waits on, to another CPU.
 
 :class:`CpuSpread` runs here on this process's real thread, with the real
 ``sched_getcpu`` and affinity calls, over a header of int64 words like the
@@ -22,14 +22,20 @@ import torch.distributed as dist
 
 from device_comms import CpuCommunicator
 from device_comms.cpu_shm import placement
-from device_comms.cpu_shm.placement import MOVE_EVERY, SPREAD_ENV, CpuSpread, current_cpu
+from device_comms.cpu_shm.placement import (
+    MOVE_EVERY,
+    MOVE_MAX,
+    SPREAD_ENV,
+    CpuSpread,
+    current_cpu,
+)
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
     reason="needs Linux and at least two CPUs this process may run on",
 )
 
-_MINE, _PEER = 10, 26  # the words of two ranks' records (lines of 16 words)
+_MINE, _PEER, _THIRD = 10, 26, 42  # the words of three ranks' records (lines of 16 words)
 
 
 def _record(gen: int, cpu: int) -> int:
@@ -53,42 +59,57 @@ def _on(cpu: int, allowed: list[int]) -> None:
 
 
 def _spread(local_rank: int = 1, local_size: int = 2, **kw: Any) -> tuple[CpuSpread, Any]:
-    hdr = np.zeros(32, dtype=np.int64)
-    return CpuSpread(hdr, _MINE, [_PEER], local_rank, local_size, **kw), hdr
+    """A spread of local rank ``local_rank`` whose peer of the other index records in
+    ``_PEER`` (and, with three ranks, the third in ``_THIRD``)."""
+    hdr = np.zeros(64, dtype=np.int64)
+    others = [r for r in range(local_size) if r != local_rank][:2]
+    peers = list(zip(others, [_PEER, _THIRD], strict=False))
+    return CpuSpread(hdr, _MINE, peers, local_rank, local_size, **kw), hdr
 
 
-def test_targets_spread_the_allowed_cpus(allowed: list[int]) -> None:
-    n = len(allowed)
-    targets = [_spread(rank, n)[0].target for rank in range(n)]
-    assert targets == allowed  # one CPU each when there are as many ranks as CPUs
-    assert [_spread(rank, 2)[0].target for rank in range(2)] == [allowed[0], allowed[n // 2]]
+class _Clock:
+    """A monotonic clock the test advances (the spacing of moves is in seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
 
 
 @pytest.mark.parametrize("peer_age", [0, 1], ids=["same-step", "step-before"])
-def test_moves_to_its_cpu_when_a_peer_waits_on_this_one(allowed: list[int],
-                                                        peer_age: int) -> None:
+def test_leaves_a_cpu_a_lower_peer_waits_on(allowed: list[int], peer_age: int) -> None:
     spread, hdr = _spread()
-    other = allowed[0]
-    assert spread.target != other
-    _on(other, allowed)
+    shared = allowed[0]
+    _on(shared, allowed)
     hdr[_PEER] = _record(7 - peer_age, current_cpu())
     spread.waiting(7)
     assert spread.moves == 1
-    assert current_cpu() == spread.target
+    assert current_cpu() != shared
     assert sorted(os.sched_getaffinity(0)) == allowed  # nothing stays pinned
-    assert hdr[_MINE] == _record(7, other)  # where it waited
+    assert hdr[_MINE] == _record(7, shared)  # where it waited
 
 
-@pytest.mark.parametrize("case", ["stale-peer", "peer-elsewhere", "no-peer-record",
-                                  "already-on-target", "disabled", "disabled-by-env"])
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 3, reason="needs three CPUs")
+def test_avoids_the_cpus_other_peers_wait_on(allowed: list[int]) -> None:
+    spread, hdr = _spread(local_rank=2, local_size=3)
+    _on(allowed[0], allowed)
+    hdr[_PEER] = _record(5, allowed[0])  # rank 0 shares this CPU
+    hdr[_THIRD] = _record(5, allowed[1])  # rank 1 waits on another
+    spread.waiting(5)
+    assert spread.moves == 1
+    assert current_cpu() not in (allowed[0], allowed[1])
+
+
+@pytest.mark.parametrize("case", ["lower-index", "stale-peer", "peer-elsewhere",
+                                  "no-peer-record", "disabled", "disabled-by-env"])
 def test_stays_where_it_is(allowed: list[int], case: str,
                            monkeypatch: pytest.MonkeyPatch) -> None:
     if case == "disabled-by-env":
         monkeypatch.setenv(SPREAD_ENV, "0")
-    spread, hdr = _spread(enabled=False if case == "disabled" else None)
-    here = spread.target if case == "already-on-target" else allowed[0]
-    assert here is not None or case.startswith("disabled")
-    _on(here if here is not None else allowed[0], allowed)
+    spread, hdr = _spread(local_rank=0 if case == "lower-index" else 1,
+                          enabled=False if case == "disabled" else None)
+    _on(allowed[0], allowed)
     cpu = current_cpu()
     if case == "stale-peer":
         hdr[_PEER] = _record(5, cpu)
@@ -99,25 +120,41 @@ def test_stays_where_it_is(allowed: list[int], case: str,
     spread.waiting(7)
     assert spread.moves == 0
     if case.startswith("disabled"):
-        assert spread.target is None and hdr[_MINE] == 0  # no record either
+        assert not spread.active and hdr[_MINE] == 0  # no record either
     else:
         assert hdr[_MINE] == _record(7, cpu)
 
 
-def test_one_move_per_interval(allowed: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    assert MOVE_EVERY <= 0.01  # short enough to leave a shared CPU within a few steps
-    monkeypatch.setattr(placement, "MOVE_EVERY", 60.0)  # the second wait comes within it
+def test_moves_are_spaced_and_back_off(allowed: list[int],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(placement, "time", clock)
     spread, hdr = _spread()
-    for gen in (3, 4):
+    moved_at: list[float] = []
+    for gen in range(2, 402):  # a shared CPU every 2.5 ms for 1 s: the kernel undoes each move
+        clock.now += 0.0025
         _on(allowed[0], allowed)
         hdr[_PEER] = _record(gen, current_cpu())
+        before = spread.moves
         spread.waiting(gen)
-    assert spread.moves == 1
+        if spread.moves > before:
+            moved_at.append(clock.now)
+    gaps = [b - a for a, b in zip(moved_at, moved_at[1:], strict=False)]
+    assert gaps and gaps[0] >= MOVE_EVERY
+    assert all(b >= a - 1e-9 for a, b in zip(gaps, gaps[1:], strict=False))  # never closer
+    assert gaps[-1] >= MOVE_MAX - 0.003  # spaced out to the longest
+    assert len(moved_at) <= 20  # about 8 while backing off, then one per MOVE_MAX
+    clock.now += 10 * MOVE_MAX  # quiet for a while: the next move comes at once again
+    _on(allowed[0], allowed)
+    hdr[_PEER] = _record(500, current_cpu())
+    before = spread.moves
+    spread.waiting(500)
+    assert spread.moves == before + 1
 
 
 def test_no_spread_when_ranks_outnumber_cpus(allowed: list[int]) -> None:
-    spread, hdr = _spread(local_rank=0, local_size=len(allowed) + 1)
-    assert spread.target is None
+    spread, hdr = _spread(local_rank=1, local_size=len(allowed) + 1)
+    assert not spread.active
     hdr[_PEER] = _record(2, current_cpu())
     spread.waiting(2)
     assert spread.moves == 0
@@ -126,11 +163,10 @@ def test_no_spread_when_ranks_outnumber_cpus(allowed: list[int]) -> None:
 def test_a_narrowed_affinity_is_respected(allowed: list[int]) -> None:
     spread, hdr = _spread()
     narrowed = {allowed[0]}
-    assert spread.target not in narrowed
     os.sched_setaffinity(0, narrowed)  # the caller pins the thread after set-up
     hdr[_PEER] = _record(4, current_cpu())
     spread.waiting(4)
-    assert spread.moves == 0 and spread.target is None
+    assert spread.moves == 0
     assert os.sched_getaffinity(0) == narrowed
 
 
