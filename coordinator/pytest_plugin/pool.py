@@ -64,6 +64,8 @@ START_TIMEOUT_S = 90.0
 MAX_IDLE_RANKS = 8
 #: Seconds a rank gets to write its stacks after being asked.
 _STACK_WAIT_S = 1.0
+#: Longest wait for what a stopped pool's ranks started to end after SIGKILL (seconds).
+_GROUP_EXIT_S = 5.0
 
 
 class PoolStartError(RuntimeError):
@@ -157,6 +159,7 @@ class RankPool:
         for pgid in groups:  # what the ranks' tests started and left running
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
+        _wait_for_groups(groups, _GROUP_EXIT_S)
         if self._dump_dir is not None:
             shutil.rmtree(self._dump_dir, ignore_errors=True)
             self._dump_dir = None
@@ -302,3 +305,32 @@ class PoolSet:
         for pool in self._pools.values():
             pool.stop(graceful=True)
         self._pools.clear()
+
+
+def _wait_for_groups(pgids: list[int], limit: float) -> None:
+    """Wait, at most ``limit`` seconds, until no process of the process groups
+    ``pgids`` runs: a killed process may still run when ``killpg`` returns (the
+    signal is delivered asynchronously). A zombie runs nothing: its reaper, the
+    init process for an orphan, removes it later."""
+    wanted = set(pgids)
+    deadline = time.monotonic() + limit
+    while wanted and _live_members(wanted) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _live_members(pgids: set[int]) -> bool:
+    """Whether a process that is not a zombie belongs to one of the groups ``pgids``
+    (False where ``/proc`` cannot say)."""
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return False
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _ppid, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if state != "Z" and int(pgrp) in pgids:
+            return True
+    return False
