@@ -29,8 +29,6 @@ _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 #: all_to_all on CPU only for MPI: every all_to_all test skips on gloo).
 CI_SUBSET = (
     "test_all_reduce_sum",
-    "test_all_reduce_sum_async",
-    "test_all_reduce_max",
     "test_all_reduce_coalesced_sum",
     "test_broadcast",
     "test_reduce_sum",
@@ -42,8 +40,6 @@ CI_SUBSET = (
     "test_send_recv_any_source",
     "test_barrier",
     "test_send_recv_with_tag",
-    "test_isend",
-    "test_irecv",
     "test_batch_isend_irecv_gloo",
 )
 

@@ -180,7 +180,7 @@ def co_located_rank(rank: int, world_size: int) -> tuple[int, int, int]:
         comm.barrier()
         os.sched_setaffinity(0, allowed)  # ... and are free to leave it
         x = torch.ones(1024)
-        for _ in range(2000):
+        for _ in range(800):
             comm.all_reduce(x)
         moves = int(comm.describe()["cpu_moves"])
         comm.barrier()
