@@ -10,9 +10,11 @@ slot-sized pieces, two steps apart in the double buffer):
   copy, ``L-1`` element-wise ops. Used up to :data:`DEFAULT_ONESHOT_BYTES`
   (configurable; beyond a slot it goes in pieces).
 * **all_reduce, two ranks**: one step into the peer's slot from
-  :data:`~device_comms.cpu_shm.small.PAIR_SMALL_MIN_BYTES`, and beyond one step a
-  pipelined reduce-scatter + all-gather in which each rank reduces half of
-  every piece (:mod:`device_comms.cpu_shm.pair`).
+  :data:`~device_comms.cpu_shm.small.PAIR_SMALL_MIN_BYTES` (up to :data:`GRAIN`
+  elements, or :data:`PAIR_ONE_STEP_MAX_BYTES` when the ranks run their kernels
+  on one thread each), and beyond one step a pipelined reduce-scatter +
+  all-gather in which each rank reduces half of every piece
+  (:mod:`device_comms.cpu_shm.pair`).
 * **all_reduce, large** (reduce-scatter + all-gather, two steps
   per piece): the piece is cut into ``L`` regions; rank ``i`` copies the
   regions *other* ranks own into its slot, reduces region ``i`` (its own input
@@ -35,7 +37,8 @@ Composition: the engine is built over one
 :class:`~device_comms.cpu_shm.context.EngineContext` (workspace, step
 synchroniser, thread cap, slot views) and owns one part per scheme that has its
 own state: :class:`~device_comms.cpu_shm.small.SmallAllReduce` (the one-step
-all_reduce, at most a slot and :data:`GRAIN` elements: the latency-bound case),
+all_reduce, at most a slot and :data:`GRAIN` elements: the latency-bound case;
+two ranks at one thread each up to :data:`PAIR_ONE_STEP_MAX_BYTES`),
 :class:`~device_comms.cpu_shm.pair.PairAllReduce` (two ranks, beyond one step),
 :class:`~device_comms.cpu_shm.gather.ShmGathers` and
 :class:`~device_comms.cpu_shm.alltoallv.ShmAllToAllv`. It runs the reductions
@@ -90,7 +93,7 @@ from device_comms.cpu_shm.workspace import ShmWorkspace
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 
-__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
+__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES", "PAIR_ONE_STEP_MAX_BYTES"]
 
 #: Largest all_reduce done in one shot; above it, reduce-scatter + all-gather. One
 #: shot takes one synchronisation per piece where the two-phase scheme takes two,
@@ -98,6 +101,14 @@ __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES"]
 #: shot wins while synchronisation dominates, two-phase once memory bandwidth does
 #: (the crossover is measured in docs/performance.md).
 DEFAULT_ONESHOT_BYTES = 2 << 20
+#: Two ranks that run their kernels on one thread each: the largest all_reduce done
+#: in one step into the peer's slot, past :data:`GRAIN` elements. Lines of the
+#: slots then move between the two caches in the modified state; the pipelined
+#: scheme's peer only reads them, and the next write to a line the peer holds
+#: waits for its copy to be invalidated: 4.5x the cost of writing a line the peer
+#: never touched, 17x on a host in a slow state (docs/performance.md, "Lines the
+#: peer has read"). Ranks with more threads keep the pipelined scheme past the grain.
+PAIR_ONE_STEP_MAX_BYTES = 512 << 10
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
@@ -161,6 +172,10 @@ class ShmEngine:
         self.gather_rows = self.gathers.gather_rows
         self.all_to_allv = self.alltoallv.all_to_allv
         self._one_step_bytes = min(ws.slot_bytes, self.oneshot_bytes)
+        #: Two ranks at one thread each: one step into the peer's slot up to here.
+        self._pair_one_step_bytes = (
+            PAIR_ONE_STEP_MAX_BYTES if self.size == 2 and self.threads == 1 else 0
+        )
         self._shaped = ctx.shaped
         self._my_slot = (ctx.slot_addresses[0][ctx.me], ctx.slot_addresses[1][ctx.me])
         #: reduce_scatter's one-step views: my slot for the input, every rank's copy
@@ -193,7 +208,10 @@ class ShmEngine:
         Returns ``out`` (contiguous, ``tensor``'s shape and dtype; ``tensor`` itself
         or disjoint from it) when given, else a new tensor.
         """
-        if tensor.nbytes <= self._one_step_bytes and tensor.numel() <= GRAIN:
+        nbytes = tensor.nbytes
+        if nbytes <= self._one_step_bytes and (
+            tensor.numel() <= GRAIN or nbytes <= self._pair_one_step_bytes
+        ):
             small = self.small  # one step; torch runs its kernels serially
             entry = small.last
             # Identity checks, not a dict keyed by the enum: ReduceOp.__hash__ runs in Python.

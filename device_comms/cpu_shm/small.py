@@ -1,8 +1,12 @@
 """The one-step all_reduce of the shared-memory engine: the latency-bound case.
 
 An all_reduce of at most a slot and :data:`~device_comms.cpu_shm.engine_threads.GRAIN`
-elements is one step of :class:`~device_comms.cpu_shm.sync.StepSync`: every rank
-copies its input into its slot, publishes, and reduces all slots in rank order.
+elements (two ranks that run their kernels on one thread each: up to
+:data:`~device_comms.cpu_shm.engine.PAIR_ONE_STEP_MAX_BYTES`) is one step of
+:class:`~device_comms.cpu_shm.sync.StepSync`: every rank copies its input into
+its slot, publishes, and reduces all slots in rank order. Past the grain torch
+would run a kernel on its own thread count, so such an entry's call runs under
+the engine's thread limit (:attr:`SmallEntry.threaded`).
 For such a call the collective's own work is a few small copies and one
 element-wise op, so the Python calls around it decide its speed, and
 :class:`SmallAllReduce` keeps them few:
@@ -26,10 +30,11 @@ element-wise op, so the Python calls around it decide its speed, and
 
 **Two ranks, into the peer's slot** (from :data:`PAIR_SMALL_MIN_BYTES`): each
 rank copies its tensor into its slot, steps, reduces into the *peer's* slot in
-rank order (``fn(x0, x1)`` on both, so the bits agree) and copies that out. A
-shared line is then written by its owner and read-and-written by the peer, so
-it moves between the caches in the modified state (when the peer only reads
-it, the owner's next write must first invalidate the peer's copy). The rank's
+rank order (``fn(x0, x1)`` on both, so the bits agree) and copies that out
+(into ``out`` when given). A shared line is then written by its owner and
+read-and-written by the peer, so it moves between the caches in the modified
+state (when the peer only reads it, the owner's next write must first
+invalidate the peer's copy: docs/performance.md, "Lines the peer has read"). The rank's
 own slot belongs to the peer from the step until the next one: the peer writes
 a rank's slot only between the step and its next one, which the double-buffer
 argument of :mod:`device_comms.cpu_shm.sync` covers ("Writing a peer's slot").
@@ -45,6 +50,7 @@ import torch
 
 from device_comms.cpu_shm.address_views import NULL_PAGE, AddressViews
 from device_comms.cpu_shm.context import EngineContext, shape_key, signature
+from device_comms.cpu_shm.engine_threads import GRAIN
 from device_comms.cpu_shm.host_arrays import array_of, mark_written, numpy_dtype
 from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn, quiet_numpy_sum
 from device_comms.reduce_op import ReduceOp
@@ -91,6 +97,8 @@ class SmallEntry:
         numpy: The operands are numpy arrays (a sum ``numpy.add`` runs).
         avg: Divide by the number of ranks at the end.
         into_peer: Two ranks reduce into each other's slot.
+        threaded: torch runs this entry's kernels (more than ``GRAIN`` elements,
+            not a numpy sum): they run under the engine's thread limit.
         parities: Per buffer parity: this rank's slot as ``nbytes`` numpy bytes,
             every rank's slot as an operand, and the operands past the first two.
         scratch: A numpy sum with ``out`` and without ``into_peer``: the array it
@@ -100,7 +108,8 @@ class SmallEntry:
     """
 
     __slots__ = ("op", "dtype", "shape", "nbytes", "plain", "sig", "size_key", "fn", "numpy",
-                 "avg", "into_peer", "parities", "scratch", "scratch_address", "by_address")
+                 "avg", "into_peer", "threaded", "parities", "scratch", "scratch_address",
+                 "by_address")
 
     def __init__(
         self,
@@ -113,7 +122,7 @@ class SmallEntry:
         self.scratch_address = 0
         if ctx is None or tensor is None or op is None:  # the entry no call matches
             self.op, self.dtype, self.shape, self.nbytes = None, None, None, 0
-            self.plain = self.numpy = self.avg = self.into_peer = False
+            self.plain = self.numpy = self.avg = self.into_peer = self.threaded = False
             self.sig = self.size_key = 0
             self.fn: Any = torch.add
             self.parities: tuple[tuple[Any, list[Any], list[Any]], ...] = ((None, [], []),) * 2
@@ -138,6 +147,7 @@ class SmallEntry:
                 self.scratch_address = self.scratch.ctypes.data
         else:
             self.fn = binary_fn(op, dtype)
+        self.threaded = not self.numpy and tensor.numel() > GRAIN
         nbytes, me, slot = tensor.nbytes, ctx.me, ctx.ws.slot
         self.parities = (
             (slot(0, me, torch.uint8)[:nbytes].numpy(), operands[0], operands[0][2:]),
@@ -168,6 +178,7 @@ class SmallAllReduce:
         self._me = ctx.me
         self._my_slot = (ctx.slot_addresses[0][ctx.me], ctx.slot_addresses[1][ctx.me])
         self.into_peer_min_bytes = into_peer_min_bytes
+        self._kernel_threads = ctx.kernel_threads
         self.last = SmallEntry()
 
     def remember(self, tensor: torch.Tensor, op: ReduceOp) -> SmallEntry:
@@ -193,6 +204,15 @@ class SmallAllReduce:
         Raises:
             NotServed: ``tensor`` has no memory (before any step).
         """
+        if entry.threaded:
+            with self._kernel_threads:
+                return self._run(tensor, entry, out)
+        return self._run(tensor, entry, out)
+
+    def _run(
+        self, tensor: torch.Tensor, entry: SmallEntry, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`run`, under the engine's thread limit where the entry needs it."""
         sync = self._sync
         parity = (sync.gen + 1) & 1  # sync.next_parity, without the property call
         mine, operands, more = entry.parities[parity]
@@ -265,16 +285,19 @@ class SmallAllReduce:
         acc = out
         if entry.numpy:
             acc = held[1] if held is not None else array_of(out)
-        if entry.into_peer:
-            own: Any = tensor
+        if entry.into_peer:  # into the peer's slot first (the module docstring says why)
+            reduced = self._reduce_into_peer(tensor, operands[1 - self._me], entry, held_input)
             if entry.numpy:
-                own = held_input[1] if held_input is not None else array_of(tensor)
-            operands = [own, operands[1]] if self._me == 0 else [operands[0], own]
-        # numpy here only into the peer's slot: this is its one call. A report comes
-        # after acc was written: the IEEE result stands.
+                acc[...] = reduced
+            elif entry.avg:
+                torch.div(reduced, 2, out=out)
+            else:
+                out.copy_(reduced)
+            mark_written(out)
+            return out
         try:  # noqa: SIM105 - suppress() would add a context manager to every call
             fn(operands[0], operands[1], out=acc)
-        except NUMPY_ERRORS:
+        except NUMPY_ERRORS:  # a report comes after acc was written: the IEEE result stands
             pass
         for operand in more:
             fn(acc, operand, out=acc)
@@ -289,6 +312,17 @@ class SmallAllReduce:
         """Two ranks: reduce into the peer's slot view ``peer`` in rank order and copy it
         out (the module docstring says why); this rank's own slot is the peer's to
         modify. ``held``: the entry's views of ``tensor``'s bytes, if it has them."""
+        peer = self._reduce_into_peer(tensor, peer, entry, held)
+        if entry.numpy:
+            return _from_numpy(peer.copy())
+        return torch.div(peer, 2) if entry.avg else peer.clone()
+
+    def _reduce_into_peer(
+        self, tensor: torch.Tensor, peer: Any, entry: SmallEntry, held: tuple[Any, Any] | None
+    ) -> Any:
+        """Two ranks: reduce ``tensor`` and the peer's slot view ``peer`` in rank order
+        into ``peer`` and return it. ``held``: the entry's views of ``tensor``'s bytes,
+        if it has them."""
         fn = entry.fn
         own: Any = tensor
         if entry.numpy:
@@ -300,6 +334,4 @@ class SmallAllReduce:
                 fn(peer, own, out=peer)
         except NUMPY_ERRORS:  # reported after peer was written: the IEEE result stands
             pass
-        if entry.numpy:
-            return _from_numpy(peer.copy())
-        return torch.div(peer, 2) if entry.avg else peer.clone()
+        return peer

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from device_comms import CpuCommunicator, ReduceOp, reduce_local
+from device_comms.cpu_shm.engine import PAIR_ONE_STEP_MAX_BYTES
 from device_comms.cpu_shm.engine_threads import GRAIN
 from device_comms.errors import CollectiveMismatch, PeerDiedError
 from shm_broadcast.ranks.launcher import spawn_group
@@ -212,3 +213,41 @@ def test_mismatched_sizes_raise_on_both_ranks_and_the_group_goes_on(dist_pool: A
     for rank, o in enumerate(dist_pool(2).run(mismatched_large, timeout=50)):
         assert o["err"] is not None and "all_reduce" in o["err"], (rank, o)
         assert o["after"] == 1.0
+
+
+def one_step_range_rank(rank: int, world_size: int, threads: int) -> dict[str, Any]:
+    """Past the torch grain and up to ``PAIR_ONE_STEP_MAX_BYTES``: one step into the
+    peer's slot at one engine thread per rank, the pipelined scheme at more."""
+    os.environ["GROUPCOORD_CPU_SHM_THREADS"] = str(threads)
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="pairone")
+    eng = comm._engine
+    assert eng is not None and eng.threads == threads
+    bad, routes = [], []
+    cases = [(dtype, n, op, into)
+             for dtype in (torch.float32, torch.bfloat16, torch.int64)
+             for n in (GRAIN + 1, 50_001, PAIR_ONE_STEP_MAX_BYTES // dtype.itemsize)
+             for op in _ops(dtype)[:2]
+             for into in ("new", "in place", "other")]
+    try:
+        for i, (dtype, n, op, into) in enumerate(cases):
+            xs = [_input(i, r, n, dtype) for r in range(world_size)]
+            x = xs[rank].clone()
+            out = {"new": None, "in place": x, "other": torch.empty_like(x)}[into]
+            got = comm.all_reduce(x, op, out=out)
+            routes.append(eng.small.last.shape == x.shape)
+            want = reduce_local(xs, op)
+            if not _same_bits(got, want) or (out is not None and got is not out):
+                bad.append(f"{dtype} n={n} {op.name} {into}")
+    finally:
+        comm.destroy()
+    return {"bad": bad, "one_step": routes}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [1, 2], ids=["one-thread", "two-threads"])
+def test_two_ranks_one_step_range_follows_the_threads(dist_pool: Any, threads: int) -> None:
+    outs = dist_pool(2).run(one_step_range_rank, threads, timeout=110)
+    for rank, o in enumerate(outs):
+        assert o["bad"] == [], f"rank {rank}: {o['bad'][:5]}"
+        assert all(o["one_step"]) if threads == 1 else not any(o["one_step"]), (
+            rank, [i for i, s in enumerate(o["one_step"]) if s != (threads == 1)])
