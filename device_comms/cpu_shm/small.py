@@ -61,7 +61,7 @@ __all__ = ["SmallAllReduce", "SmallEntry", "NotServed", "PAIR_SMALL_MIN_BYTES"]
 #: extra copy out of the slot is a fixed cost per call; what it saves (lines that move
 #: once, in the modified state) grows with the message, and outweighs the copy from
 #: here on (the crossover is measured in docs/performance.md).
-PAIR_SMALL_MIN_BYTES = 32 << 10
+PAIR_SMALL_MIN_BYTES = 4 << 10
 _ADDRESSES_MAX = 16  # caller addresses with views, per entry
 _memmove = ctypes.memmove
 _from_numpy = torch.from_numpy

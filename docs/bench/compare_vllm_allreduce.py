@@ -17,6 +17,14 @@ is the slowest rank's):
 * ``vllm_op``: ``torch.ops._C.shm_allreduce(handle, x)`` (in place), what
   vLLM's ``CpuCommunicator.all_reduce`` calls for a TP group.
 
+Reported per size: p50 and p99 pooled over the rounds; the speed (vLLM's p50
+over ours) as the median of the rounds' own ratios and the lowest round, since
+a fresh round can land the machine in another state; and the **floor**: one
+thread's time for the all_reduce's least memory traffic (copy the input in,
+read the peers' parts of the region it reduces, write the result), from a
+``memmove`` of the message between two private buffers timed in the same rank
+processes (:func:`floor_us`), with each engine's p50 as a multiple of it.
+
 vLLM's manager is created with ``init_shm_manager``/``join_shm_manager`` with
 the thread count vLLM would pass (the group's minimum of
 ``torch.get_num_threads()``). Its segments are named ``<prefix>_<n>`` in
@@ -132,7 +140,46 @@ def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
                 times[k].append((clock() - t0) * 1e6)
                 faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     return {"dtype": str(dtype).removeprefix("torch."), "bytes": nbytes, "same": same,
-            "times": times, "faults_per_call": {k: v / len(times[k]) for k, v in faults.items()}}
+            "times": times, "faults_per_call": {k: v / len(times[k]) for k, v in faults.items()},
+            "copy_us": _copy_us(nbytes)}
+
+
+def _copy_us(nbytes: int) -> float:
+    """One thread's ``memmove`` of ``nbytes`` between two private buffers, median us.
+
+    The buffers are written first and reused, so a size that fits the caches is
+    timed in them, as the collective's own copies are. The cost of the call and
+    the clock (a zero-byte ``memmove`` timed the same way) is subtracted.
+    """
+    import ctypes
+
+    src, dst = ctypes.create_string_buffer(nbytes), ctypes.create_string_buffer(nbytes)
+    ctypes.memset(src, 1, nbytes)
+    ctypes.memset(dst, 2, nbytes)
+    reps = max(9, min(1000, (64 << 20) // max(1, nbytes)))
+    clock, move = time.perf_counter, ctypes.memmove
+
+    def timed(n: int) -> float:
+        samples = []
+        for _ in range(reps):
+            t0 = clock()
+            move(dst, src, n)
+            samples.append((clock() - t0) * 1e6)
+        return statistics.median(samples)
+
+    return max(0.001, timed(nbytes) - timed(0))
+
+
+def floor_us(copy_us: float, world_size: int) -> float:
+    """The all_reduce's memory floor for one rank, from the time of one copy of the message.
+
+    The least traffic a rank's all_reduce of ``N`` bytes makes through shared memory:
+    copy its input in (``N`` read, ``N`` written), read the peers' parts of the
+    region it reduces (``N (W-1)/W``) and write the result (``N``); a copy of ``N``
+    bytes is ``2N`` of traffic, so the floor is ``copy_us (3 + (W-1)/W) / 2``
+    (1.75 copies at ``W = 2``).
+    """
+    return copy_us * (3 + (world_size - 1) / world_size) / 2
 
 
 def _driver(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -191,13 +238,25 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             per_round.append((p50["vllm_op"] / p50["ours"], p50["vllm_op"] / p50["ours_inplace"]))
             row.setdefault("p50_per_round", []).append(p50)
         row["speed_per_round"] = per_round
+        ratios = [a for a, _ in per_round]
+        row["speed_median_of_rounds"] = statistics.median(ratios)
+        row["speed_min_round"] = min(ratios)
+        row["inplace_speed_median_of_rounds"] = statistics.median(b for _, b in per_round)
+        copy = statistics.median(r[k]["points"][i]["copy_us"] for r in rounds for k in r)
+        row["copy_us"] = copy
+        row["floor_us"] = floor_us(copy, len(rounds[0]))
+        row["ours_x_floor"] = statistics.median(p["ours"] for p in row["p50_per_round"]) / row[
+            "floor_us"]
+        row["vllm_x_floor"] = statistics.median(p["vllm_op"] for p in row["p50_per_round"]) / row[
+            "floor_us"]
         rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'dtype':>9} {'size':>8} {'ours p50':>9} {'ours p99':>9} {'in-pl p50':>9} "
-            f"{'in-pl p99':>9} {'vllm p50':>9} {'vllm p99':>9} {'speed':>6} {'in-pl':>6}  ok"
+            f"{'in-pl p99':>9} {'vllm p50':>9} {'vllm p99':>9} {'speed':>6} {'in-pl':>6} "
+            f"{'min':>6} {'floor':>7} {'ours/fl':>7} {'vllm/fl':>7}  ok"
             "  speed per round (new tensor/in place)")
     lines = [head]
     for r in rows:
@@ -206,10 +265,21 @@ def _table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{r['dtype']:>9} {size:>8} {r['ours_p50']:9.1f} {r['ours_p99']:9.1f} "
                      f"{r['ours_inplace_p50']:9.1f} {r['ours_inplace_p99']:9.1f} "
                      f"{r['vllm_op_p50']:9.1f} {r['vllm_op_p99']:9.1f} "
-                     f"{r['speed_vs_vllm_op']:5.2f}x {r['inplace_speed_vs_vllm_op']:5.2f}x "
+                     f"{r['speed_median_of_rounds']:5.2f}x "
+                     f"{r['inplace_speed_median_of_rounds']:5.2f}x "
+                     f"{r['speed_min_round']:5.2f}x {r['floor_us']:7.1f} "
+                     f"{r['ours_x_floor']:6.1f}x {r['vllm_x_floor']:6.1f}x "
                      f"{'yes' if r['same'] else 'NO':>3}  "
                      + " ".join(f"{a:.2f}/{b:.2f}" for a, b in r["speed_per_round"]))
     return "\n".join(lines)
+
+
+LEGEND = ("p50/p99: pooled over the rounds (a sample is the slowest rank's call); speed, "
+          "in-pl: vLLM p50 / ours p50, median of the rounds' own ratios (new tensor, in "
+          "place); min: the lowest round (new tensor); floor: one thread's time for the "
+          "all_reduce's least memory traffic, from a copy of the message timed in the same "
+          "ranks (copy in, read the peers' parts, write the result); ours/fl, vllm/fl: "
+          "p50 (median of rounds) over the floor")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1", help="torch threads per rank: N or 'default'")
     p.add_argument("--dtypes", nargs="+", default=["float32"])
     p.add_argument("--sizes", nargs="+", type=_size, default=[1 << 10, 64 << 10, 1 << 20, 16 << 20])
-    p.add_argument("--rounds", type=int, default=3, help="fresh process groups, results pooled")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="fresh process groups; p50/p99 pooled, speed the median of the rounds'")
     p.add_argument("--min-iters", type=int, default=30)
     p.add_argument("--max-iters", type=int, default=2000)
     p.add_argument("--budget-mb", type=float, default=512.0)
@@ -240,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                    [REPO] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
 
     rounds = []
+    load0 = os.getloadavg()
     for i in range(a.rounds):
         cfg = {"world_size": a.world_size, "threads": a.threads, "dtypes": a.dtypes,
                "sizes": a.sizes, "min_iters": a.min_iters, "max_iters": a.max_iters,
@@ -256,11 +328,14 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     rows = _summarise(rounds)
     print(f"# world size {a.world_size}, torch threads per rank: {a.threads}, pinned: {a.pin}, "
-          f"load average {os.getloadavg()}; latency in us, speed = vllm p50 / ours p50")
+          f"load average before {load0}, after {os.getloadavg()}; latency in us")
     print(_table(rows))
+    print("# " + LEGEND)
     if a.json_path:
         with open(a.json_path, "w") as f:
-            json.dump({"command": " ".join([sys.executable] + sys.argv), "rows": rows}, f, indent=1)
+            json.dump({"command": " ".join([sys.executable] + sys.argv), "world_size": a.world_size,
+                       "threads": a.threads, "load_before": load0, "load_after": os.getloadavg(),
+                       "rows": rows}, f, indent=1)
     return 0
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from device_comms import CpuCommunicator, ReduceOp, reduce_local
-from device_comms.cpu_shm.engine import DEFAULT_ONESHOT_BYTES
+from device_comms.cpu_shm.engine import DEFAULT_ONESHOT_BYTES, PAIR_ONE_STEP_MAX_BYTES
 from device_comms.cpu_shm.engine_threads import GRAIN
 from device_comms.cpu_shm.pair import DEFAULT_PAIR_PIECE_BYTES
 from device_comms.cpu_shm.small import PAIR_SMALL_MIN_BYTES
@@ -57,7 +57,7 @@ def _sizes(dt: torch.dtype, slot: int, world_size: int) -> list[int]:
     isz = dt.itemsize
     edges = [GRAIN * isz, slot, DEFAULT_ONESHOT_BYTES, DEFAULT_PAIR_PIECE_BYTES]
     if world_size == 2:
-        edges.append(PAIR_SMALL_MIN_BYTES)
+        edges += [PAIR_SMALL_MIN_BYTES, PAIR_ONE_STEP_MAX_BYTES]
     counts = {1, 7, 1001}
     for e in edges:
         counts |= {e // isz - 1, e // isz, e // isz + 1}

@@ -67,7 +67,7 @@ def pair_rank(rank: int, world_size: int, piece: int) -> dict[str, Any]:
     if piece:
         eng.pair.piece_bytes = piece
     lo, hi = eng.ws.slot_address(0, 0), eng.ws.slot_address(1, 1) + eng.ws.slot_bytes
-    # One step in place (>= 32 KiB and within a 64 KiB slot for 2- and 4-byte types),
+    # One step into the peer's slot (>= 4 KiB and within a 64 KiB slot for 2- and 4-byte types),
     # then pieces (beyond the slot or the torch grain).
     lengths = [9001, 16000, 16400, GRAIN + 1, GRAIN + 333, (eng.ws.slot_bytes // 2) + 1,
                3 * eng.ws.slot_bytes // 4 + 17, 2 * eng.ws.slot_bytes + 5]
