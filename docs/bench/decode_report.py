@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--threads", nargs="+", default=["1", "default"],
                    help="torch threads per rank for the all_reduce part")
+    p.add_argument("--default-rounds", type=int, default=3,
+                   help="rounds at torch's default threads, where vLLM's op takes milliseconds "
+                        "a call (default 3)")
+    p.add_argument("--default-iters", type=int, default=20,
+                   help="most calls per point at torch's default threads (default 20)")
     p.add_argument("--sizes", nargs="+", default=DECODE_SIZES)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--payloads", nargs="+", default=QUEUE_PAYLOADS)
@@ -75,10 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         if "allreduce" in a.parts:
             for ws in a.world_sizes:
                 for threads in a.threads:
+                    extra = ["--rounds", str(a.rounds)]
+                    if threads == "default":
+                        extra = ["--rounds", str(a.default_rounds), "--min-iters",
+                                 str(min(10, a.default_iters)), "--max-iters",
+                                 str(a.default_iters)]
                     got = _run(f"all_reduce, world size {ws}, threads {threads}",
                                [py, os.path.join(HERE, "compare_vllm_allreduce.py"),
                                 "--python", a.vllm_cpu_python, "--world-size", str(ws),
-                                "--threads", threads, "--rounds", str(a.rounds),
+                                "--threads", threads, *extra,
                                 "--sizes", *a.sizes, "--dtypes", *a.dtypes],
                                os.path.join(tmp, f"ar-{ws}-{threads}.json"))
                     report["allreduce"].append(got)
