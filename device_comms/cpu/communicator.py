@@ -251,6 +251,12 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 ws, self.unique_name, plan.local_ranks, [pids[r] for r in plan.local_ranks], wait_s
             )
             self._engine = ShmEngine(ws, sync, oneshot, threads)
+        # Which two-rank scheme serves a size must agree between the ranks, and each
+        # rank's thread count is its own (affinity mask, environment).
+        all_threads = og.all_gather(self._engine.threads if self._engine is not None else 0,
+                                    op="CpuCommunicator set-up")
+        if self._engine is not None:
+            self._engine.agree_pair_one_step([t for t in all_threads if t])
         if n_nodes == 1:
             self._flat = self._engine
             self._small = self._engine.small if self._engine is not None else None

@@ -11,8 +11,9 @@ slot-sized pieces, two steps apart in the double buffer):
   (configurable; beyond a slot it goes in pieces).
 * **all_reduce, two ranks**: one step into the peer's slot from
   :data:`~device_comms.cpu_shm.small.PAIR_SMALL_MIN_BYTES` (up to :data:`GRAIN`
-  elements, or :data:`PAIR_ONE_STEP_MAX_BYTES` when the ranks run their kernels
-  on one thread each), and beyond one step a pipelined reduce-scatter +
+  elements, or :data:`PAIR_ONE_STEP_MAX_BYTES` when both ranks run their kernels
+  on one thread: :meth:`ShmEngine.agree_pair_one_step`), and beyond one step a
+  pipelined reduce-scatter +
   all-gather in which each rank reduces half of every piece
   (:mod:`device_comms.cpu_shm.pair`).
 * **all_reduce, large** (reduce-scatter + all-gather, two steps
@@ -101,8 +102,9 @@ __all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES", "PAIR_ONE_STEP_MAX_BYTES"]
 #: shot wins while synchronisation dominates, two-phase once memory bandwidth does
 #: (the crossover is measured in docs/performance.md).
 DEFAULT_ONESHOT_BYTES = 2 << 20
-#: Two ranks that run their kernels on one thread each: the largest all_reduce done
-#: in one step into the peer's slot, past :data:`GRAIN` elements. Lines of the
+#: Two ranks that both run their kernels on one thread: the largest all_reduce done
+#: in one step into the peer's slot, past :data:`GRAIN` elements (the ranks agree on
+#: it: :meth:`ShmEngine.agree_pair_one_step`). Lines of the
 #: slots then move between the two caches in the modified state; the pipelined
 #: scheme's peer only reads them, and the next write to a line the peer holds
 #: waits for its copy to be invalidated: 4.5x the cost of writing a line the peer
@@ -139,6 +141,11 @@ class ShmEngine:
         small: The one-step all_reduce.
         pair: Two ranks: the all_reduce beyond one step (used while its
             ``piece_bytes`` is not 0); None with more ranks.
+        pair_one_step_bytes: Two ranks: all_reduces past :data:`GRAIN` elements
+            and up to this many bytes (at most a slot) take one step into the
+            peer's slot; 0 (the default): none do. It decides how many steps a
+            call takes, so it must be the same on both ranks: set it with
+            :meth:`agree_pair_one_step`.
         gathers: all_gather(v) and gather.
         alltoallv: The uneven all-to-all.
         all_gather_cat: :meth:`ShmGathers.all_gather_cat` of :attr:`gathers`.
@@ -172,10 +179,7 @@ class ShmEngine:
         self.gather_rows = self.gathers.gather_rows
         self.all_to_allv = self.alltoallv.all_to_allv
         self._one_step_bytes = min(ws.slot_bytes, self.oneshot_bytes)
-        #: Two ranks at one thread each: one step into the peer's slot up to here.
-        self._pair_one_step_bytes = (
-            PAIR_ONE_STEP_MAX_BYTES if self.size == 2 and self.threads == 1 else 0
-        )
+        self.pair_one_step_bytes = 0
         self._shaped = ctx.shaped
         self._my_slot = (ctx.slot_addresses[0][ctx.me], ctx.slot_addresses[1][ctx.me])
         #: reduce_scatter's one-step views: my slot for the input, every rank's copy
@@ -200,6 +204,23 @@ class ShmEngine:
         return [min(count, region * step) for region in range(self.size + 1)]
 
     # ------------------------------------------------------------------ reductions
+    def agree_pair_one_step(self, threads: Sequence[int]) -> int:
+        """Set :attr:`pair_one_step_bytes` from every rank's engine threads and return it.
+
+        Two ranks that both run their kernels on one thread take one step up to
+        :data:`PAIR_ONE_STEP_MAX_BYTES`; otherwise the pipelined scheme serves
+        everything past :data:`GRAIN` elements. Every rank of the workspace must
+        call this with the same ``threads`` (each rank's :attr:`threads`, as an
+        all-gather returns them) before its first all_reduce past the grain.
+
+        Args:
+            threads: The :attr:`threads` of every rank (any order; ranks on other
+                nodes may be included: one above 1 anywhere keeps the scheme off).
+        """
+        one = self.size == 2 and len(threads) > 0 and max(threads) == 1
+        self.pair_one_step_bytes = PAIR_ONE_STEP_MAX_BYTES if one else 0
+        return self.pair_one_step_bytes
+
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -210,7 +231,7 @@ class ShmEngine:
         """
         nbytes = tensor.nbytes
         if nbytes <= self._one_step_bytes and (
-            tensor.numel() <= GRAIN or nbytes <= self._pair_one_step_bytes
+            tensor.numel() <= GRAIN or nbytes <= self.pair_one_step_bytes
         ):
             small = self.small  # one step; torch runs its kernels serially
             entry = small.last

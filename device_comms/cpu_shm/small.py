@@ -1,8 +1,9 @@
 """The one-step all_reduce of the shared-memory engine: the latency-bound case.
 
 An all_reduce of at most a slot and :data:`~device_comms.cpu_shm.engine_threads.GRAIN`
-elements (two ranks that run their kernels on one thread each: up to
-:data:`~device_comms.cpu_shm.engine.PAIR_ONE_STEP_MAX_BYTES`) is one step of
+elements (two ranks that both run their kernels on one thread: up to
+:data:`~device_comms.cpu_shm.engine.PAIR_ONE_STEP_MAX_BYTES`, as
+:meth:`~device_comms.cpu_shm.engine.ShmEngine.agree_pair_one_step` sets it) is one step of
 :class:`~device_comms.cpu_shm.sync.StepSync`: every rank copies its input into
 its slot, publishes, and reduces all slots in rank order. Past the grain torch
 would run a kernel on its own thread count, so such an entry's call runs under
@@ -255,12 +256,13 @@ class SmallAllReduce:
         out: torch.Tensor,
         held_input: tuple[Any, Any] | None,
     ) -> torch.Tensor:
-        """The one-step all_reduce's reduction straight into ``out`` (which may be ``tensor``).
+        """The one-step all_reduce's result in ``out`` (which may be ``tensor``).
 
-        Operands are the slot views ``operands`` (``more``: those past the first
-        two), except into the peer's slot, where the peer may be reducing into
-        this rank's slot and the rank's own operand is ``tensor``: reading and
-        writing the same element in one element-wise op is safe.
+        Reading every slot, the reduction of the slot views ``operands``
+        (``more``: those past the first two) goes straight into ``out``. Into
+        the peer's slot, the rank's own operand is ``tensor`` (the peer may be
+        reducing into this rank's slot), the reduction goes into the peer's slot
+        and is copied into ``out``: ``tensor`` is read before ``out`` is written.
         ``held_input``: the entry's views of ``tensor``'s bytes, if it has them.
         """
         fn = entry.fn

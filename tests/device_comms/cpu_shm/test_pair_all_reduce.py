@@ -215,17 +215,28 @@ def test_mismatched_sizes_raise_on_both_ranks_and_the_group_goes_on(dist_pool: A
         assert o["after"] == 1.0
 
 
-def one_step_range_rank(rank: int, world_size: int, threads: int) -> dict[str, Any]:
+def one_step_range_rank(rank: int, world_size: int, threads: tuple[int, int]) -> dict[str, Any]:
     """Past the torch grain and up to ``PAIR_ONE_STEP_MAX_BYTES``: one step into the
-    peer's slot at one engine thread per rank, the pipelined scheme at more."""
-    os.environ["GROUPCOORD_CPU_SHM_THREADS"] = str(threads)
-    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="pairone")
+    peer's slot when both ranks' engines run one thread, the pipelined scheme when
+    either runs more (the ranks must agree, or their steps would not pair up)."""
+    saved = os.environ.get("GROUPCOORD_CPU_SHM_THREADS")
+    os.environ["GROUPCOORD_CPU_SHM_THREADS"] = str(threads[rank])
+    try:
+        comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"),
+                               unique_name=f"pairone{threads[0]}{threads[1]}")
+    finally:
+        if saved is None:
+            del os.environ["GROUPCOORD_CPU_SHM_THREADS"]
+        else:
+            os.environ["GROUPCOORD_CPU_SHM_THREADS"] = saved
     eng = comm._engine
-    assert eng is not None and eng.threads == threads
+    assert eng is not None and eng.threads == threads[rank]
+    torch_threads = torch.get_num_threads()
     bad, routes = [], []
     cases = [(dtype, n, op, into)
-             for dtype in (torch.float32, torch.bfloat16, torch.int64)
-             for n in (GRAIN + 1, 50_001, PAIR_ONE_STEP_MAX_BYTES // dtype.itemsize)
+             for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool)
+             for n in (GRAIN + 1, 50_001, PAIR_ONE_STEP_MAX_BYTES // dtype.itemsize,
+                       PAIR_ONE_STEP_MAX_BYTES // dtype.itemsize + 1)
              for op in _ops(dtype)[:2]
              for into in ("new", "in place", "other")]
     try:
@@ -234,20 +245,30 @@ def one_step_range_rank(rank: int, world_size: int, threads: int) -> dict[str, A
             x = xs[rank].clone()
             out = {"new": None, "in place": x, "other": torch.empty_like(x)}[into]
             got = comm.all_reduce(x, op, out=out)
-            routes.append(eng.small.last.shape == x.shape)
+            last = eng.small.last
+            routes.append(last.op is op and last.dtype is dtype and last.shape == x.shape)
             want = reduce_local(xs, op)
             if not _same_bits(got, want) or (out is not None and got is not out):
                 bad.append(f"{dtype} n={n} {op.name} {into}")
+            if torch.get_num_threads() != torch_threads:
+                bad.append(f"{dtype} n={n} {op.name} {into}: torch threads "
+                           f"{torch.get_num_threads()}, was {torch_threads}")
+            eng.small.close()  # the next case's route shows in a fresh entry
     finally:
         comm.destroy()
-    return {"bad": bad, "one_step": routes}
+    return {"bad": bad, "one_step": routes,
+            "fits": [n * dtype.itemsize <= PAIR_ONE_STEP_MAX_BYTES for dtype, n, _, _ in cases]}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("threads", [1, 2], ids=["one-thread", "two-threads"])
-def test_two_ranks_one_step_range_follows_the_threads(dist_pool: Any, threads: int) -> None:
+@pytest.mark.parametrize("threads", [(1, 1), (2, 2), (1, 2)],
+                         ids=["one-thread", "two-threads", "mixed"])
+def test_two_ranks_one_step_range_follows_the_threads(dist_pool: Any,
+                                                      threads: tuple[int, int]) -> None:
     outs = dist_pool(2).run(one_step_range_rank, threads, timeout=110)
+    one_step = threads == (1, 1)
     for rank, o in enumerate(outs):
         assert o["bad"] == [], f"rank {rank}: {o['bad'][:5]}"
-        assert all(o["one_step"]) if threads == 1 else not any(o["one_step"]), (
-            rank, [i for i, s in enumerate(o["one_step"]) if s != (threads == 1)])
+        want = [one_step and fits for fits in o["fits"]]
+        wrong = [i for i, (got, w) in enumerate(zip(o["one_step"], want, strict=True)) if got != w]
+        assert wrong == [], (rank, wrong)
