@@ -254,7 +254,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         # Which two-rank scheme serves a size must agree between the ranks, and each
         # rank's thread count is its own (affinity mask, environment).
         all_threads = og.all_gather(self._engine.threads if self._engine is not None else 0,
-                                    op="CpuCommunicator set-up")
+                                    op="CpuCommunicator set-up", name=self.unique_name or None)
         if self._engine is not None:
             self._engine.agree_pair_one_step([t for t in all_threads if t])
         if n_nodes == 1:

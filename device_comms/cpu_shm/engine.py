@@ -13,9 +13,8 @@ slot-sized pieces, two steps apart in the double buffer):
   :data:`~device_comms.cpu_shm.small.PAIR_SMALL_MIN_BYTES` (up to :data:`GRAIN`
   elements, or :data:`PAIR_ONE_STEP_MAX_BYTES` when both ranks run their kernels
   on one thread: :meth:`ShmEngine.agree_pair_one_step`), and beyond one step a
-  pipelined reduce-scatter +
-  all-gather in which each rank reduces half of every piece
-  (:mod:`device_comms.cpu_shm.pair`).
+  pipelined reduce-scatter + all-gather in which each rank reduces half of
+  every piece (:mod:`device_comms.cpu_shm.pair`).
 * **all_reduce, large** (reduce-scatter + all-gather, two steps
   per piece): the piece is cut into ``L`` regions; rank ``i`` copies the
   regions *other* ranks own into its slot, reduces region ``i`` (its own input

@@ -35,10 +35,11 @@ rank order (``fn(x0, x1)`` on both, so the bits agree) and copies that out
 (into ``out`` when given). A shared line is then written by its owner and
 read-and-written by the peer, so it moves between the caches in the modified
 state (when the peer only reads it, the owner's next write must first
-invalidate the peer's copy: docs/performance.md, "Lines the peer has read"). The rank's
-own slot belongs to the peer from the step until the next one: the peer writes
-a rank's slot only between the step and its next one, which the double-buffer
-argument of :mod:`device_comms.cpu_shm.sync` covers ("Writing a peer's slot").
+invalidate the peer's copy: docs/performance.md, "Lines the peer has read").
+The rank's own slot belongs to the peer from the step until the next one: the
+peer writes a rank's slot only between the step and its next one, which the
+double-buffer argument of :mod:`device_comms.cpu_shm.sync` covers ("Writing a
+peer's slot").
 """
 
 from __future__ import annotations
