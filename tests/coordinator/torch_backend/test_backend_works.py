@@ -165,11 +165,12 @@ def _destroy_frees(rank: int, world: int) -> dict[str, Any]:
     def books() -> tuple[int, int]:  # torch's private maps the gloo group beneath enters
         return len(c10d._world.pg_map), len(c10d._world.pg_group_ranks)
 
-    before, fds_before, books_before = len(ours()), fds(), books()
+    gc.collect()  # an earlier test's garbage would otherwise unmap its memory mid-test
+    before, fds_before, books_before = set(ours()), fds(), books()
     threads_before = {t.ident for t in threading.enumerate()}
     pg = dist.new_group(backend="groupcoord")
     dist.all_reduce(torch.ones(2), group=pg)
-    mapped = ours()[before:]
+    mapped = [line for line in ours() if line not in before]
     # unlinked once mapped: a process that exits without destroying leaves no name
     unlinked = bool(mapped) and all(line.rstrip().endswith("(deleted)") for line in mapped)
     comm = pg.communicator
@@ -178,7 +179,8 @@ def _destroy_frees(rank: int, world: int) -> dict[str, Any]:
     closed = comm.closed
     del pg, comm
     gc.collect()  # the group's sockets close with the last reference to it
-    return {"mapped": len(mapped), "unlinked": unlinked, "left": len(ours()) - before,
+    return {"mapped": len(mapped), "unlinked": unlinked,
+            "left": len([line for line in ours() if line in mapped]),
             "closed": closed, "served": served, "fds": fds() - fds_before,
             "books": books() == books_before,
             "threads": [t.name for t in threading.enumerate() if t.ident not in threads_before]}
