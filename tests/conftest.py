@@ -222,8 +222,13 @@ def dist_pool() -> Iterator[Callable[..., DistributedPool]]:
         return pools[world_size]
 
     yield get
-    for p in pools.values():
-        p.close()
+    # Each pool waits for its ranks to leave their groups: close them side by side.
+    closers = [threading.Thread(target=p.close, name=f"close-pool-{ws}")
+               for ws, p in pools.items()]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join()
 
 
 class _TreeWatch:
