@@ -223,12 +223,22 @@ def dist_pool() -> Iterator[Callable[..., DistributedPool]]:
 
     yield get
     # Each pool waits for its ranks to leave their groups: close them side by side.
-    closers = [threading.Thread(target=p.close, name=f"close-pool-{ws}")
+    errors: list[BaseException] = []
+
+    def close(pool: DistributedPool) -> None:
+        try:
+            pool.close()
+        except BaseException as e:  # re-raised below, in the fixture's own thread
+            errors.append(e)
+
+    closers = [threading.Thread(target=close, args=(p,), name=f"close-pool-{ws}")
                for ws, p in pools.items()]
     for t in closers:
         t.start()
     for t in closers:
         t.join()
+    if errors:
+        raise errors[0]
 
 
 class _TreeWatch:
