@@ -5,7 +5,7 @@ the heap handed out memory it had returned to the kernel: glibc serves
 requests of 32 MiB and more (its largest dynamic mmap threshold) with a fresh
 ``mmap`` every time, and below that, whether a freed block is reused or
 unmapped and trimmed depends on the order of allocations and frees. A plain
-process that makes a new 1 MiB or 4 MiB result in a loop, rebinding it,
+process that makes a new 1 MiB or 3 MiB result in a loop, rebinding it,
 faulted on 34 of 49 calls; where page faults are expensive (in a virtual
 machine, 1.5-2 us each) that costs more than the collective that fills the
 tensor (docs/performance.md, "Page faults on a new result").
