@@ -52,11 +52,10 @@ says why: with torch's default thread count every rank's OpenMP team spins on
 the CPUs its peers need, and one thread per rank leaves a many-core node's
 memory bandwidth idle). Smaller kernels never start a parallel region.
 
-Results of :data:`~device_comms.cpu_shm.host_alloc.POOL_MIN_BYTES` and more are
-allocated with :func:`device_comms.cpu_shm.host_alloc.empty`, from a pool of
-mappings reused once no tensor holds them (a new tensor from the heap may
-fault in 4 KiB at a time, which can cost more than the collective;
-:mod:`device_comms.cpu_shm.host_alloc` says when and why).
+Results of :data:`~device_comms.cpu_shm.host_alloc.HUGE_MIN_BYTES` and more are
+allocated with :func:`device_comms.cpu_shm.host_alloc.empty` (huge pages: a
+fresh mapping of that size would otherwise fault in 4 KiB at a time, which can
+cost more than the collective; :mod:`device_comms.cpu_shm.host_alloc` says why).
 
 Each op's first step carries a signature (op kind, dtype, reduce op, root,
 and a size key covering the shape and layout arguments; see
