@@ -44,9 +44,10 @@ members differ). Per group, :func:`analyze_dumps` reports:
   even created its next call (then it may just have dumped early);
 * **first mismatch**: the lowest sequence number, among those every rank still
   holds, at which ranks' calls differ in op, sizes or dtypes. Sizes are the
-  true ones (``true_input_sizes``), except for calls whose sizes legitimately
-  differ by rank (PyTorch's view shows those rows as ``-1``; that view is
-  compared); rooted calls compare only what all ranks share (``scatter``: the
+  true ones (``true_input_sizes``), except on the side of a call whose rows
+  legitimately differ by rank (``rows_vary``; in a dump without it, any call
+  that shows ``-1`` rows): there PyTorch's view, rows as ``-1``, is
+  compared; rooted calls compare only what all ranks share (``scatter``: the
   output, ``gather``: the input). The **culprits** are the ranks whose call
   differs from the most common one; on a tie there is no majority and every
   rank at that sequence number is named (``tie``). A rank without a call at
@@ -276,6 +277,7 @@ class Call:
     output_dtypes: tuple[str, ...]
     true_input_sizes: Sizes | None
     true_output_sizes: Sizes | None
+    rows_vary: tuple[bool, bool] | None
     state: str
     retired: bool | None
     error: str | None
@@ -487,6 +489,7 @@ def _call(f: _Fields, e: dict[str, Any], where: str) -> Call:
         true_input_sizes=f.opt_sizes(e.get("true_input_sizes"), f"{where}.true_input_sizes"),
         true_output_sizes=f.opt_sizes(e.get("true_output_sizes"),
                                       f"{where}.true_output_sizes"),
+        rows_vary=_rows_vary(f, e.get("rows_vary"), f"{where}.rows_vary"),
         state=f.str_(e["state"], f"{where}.state"),
         retired=f.opt_bool(e.get("retired"), f"{where}.retired"),
         error=f.opt_str(e.get("error"), f"{where}.error"),
@@ -497,6 +500,16 @@ def _call(f: _Fields, e: dict[str, Any], where: str) -> Call:
                                        f"{where}.time_created_monotonic_ns"),
         has_op=op is not None,
     )
+
+
+def _rows_vary(f: _Fields, value: Any, where: str) -> tuple[bool, bool] | None:
+    """``rows_vary``: ``[input, output]`` bools, or None where a dump has none."""
+    if value is None:
+        return None
+    pair = f.list_(value, where)
+    if len(pair) != 2 or not all(isinstance(v, bool) for v in pair):
+        f.fail(where, "[bool, bool]", value)
+    return bool(pair[0]), bool(pair[1])
 
 
 def load_dump(path: str, rank: int, max_bytes: int = DEFAULT_MAX_BYTES) -> Dump:
@@ -718,14 +731,16 @@ def _behind(progress: list[dict[str, Any]], max_seq: int | None,
 
 def _compared(call: Call) -> tuple[Any, ...]:
     """What must agree between ranks at one sequence number (see the module docstring)."""
-    varying = any(-1 in s for s in call.input_sizes + call.output_sizes)
+    if call.rows_vary is not None:  # groupcoord says which side's rows differ by rank
+        vary_in, vary_out = call.rows_vary
+    else:
+        vary_in = vary_out = any(-1 in s for s in call.input_sizes + call.output_sizes)
     in_sizes: Sizes | None = call.input_sizes
     out_sizes: Sizes | None = call.output_sizes
-    if not varying:
-        if call.true_input_sizes is not None:
-            in_sizes = call.true_input_sizes
-        if call.true_output_sizes is not None:
-            out_sizes = call.true_output_sizes
+    if not vary_in and call.true_input_sizes is not None:
+        in_sizes = call.true_input_sizes
+    if not vary_out and call.true_output_sizes is not None:
+        out_sizes = call.true_output_sizes
     in_dtypes: tuple[str, ...] | None = call.input_dtypes
     out_dtypes: tuple[str, ...] | None = call.output_dtypes
     if call.kind == "scatter" or (call.kind == "all_to_all" and not call.has_op):

@@ -13,7 +13,7 @@ groupcoord installed. The top level follows PyTorch's dump (version ``2.10``):
 * ``entries``: the calls, oldest first, each with PyTorch's fields:
   ``record_id``, ``pg_id``, ``process_group`` (name, desc),
   ``collective_seq_id``, ``p2p_seq_id``, ``op_id``, ``profiling_name``
-  (``gloo:all_reduce``, ``nccl:send 0->1``), ``time_created_ns`` (wall
+  (``nccl:all_reduce``, ``nccl:send 0->1``; see below), ``time_created_ns`` (wall
   clock), ``duration_ms``, ``is_p2p``, ``input_sizes``, ``input_dtypes``,
   ``output_sizes``, ``output_dtypes``, ``state`` (``scheduled``,
   ``started``, ``completed``, or ``failed``), ``time_discovered_started_ns``,
@@ -21,18 +21,35 @@ groupcoord installed. The top level follows PyTorch's dump (version ``2.10``):
   plus groupcoord's own: ``op`` (the public method), ``transport``
   (``shm``, ``gloo``, ``hierarchical``, ``pynccl``, ``custom_allreduce``,
   ``queue``...), ``error`` (the class of the error a failed call raised),
-  ``peer``, ``time_created_monotonic_ns``, ``true_input_sizes`` /
+  ``peer``, ``time_created_monotonic_ns``, ``rows_vary``, ``true_input_sizes`` /
   ``true_output_sizes``, ``replays``;
 * ``comm_lib_version``, and ``groupcoord``: rank, host, pid, why the dump was
   written, the monotonic and wall clocks at the dump.
 
-**The analyzer's view of variable-size calls.** PyTorch's analyzer compares
-input and output sizes across ranks by op type. Calls whose row counts
-legitimately differ between ranks (``all_gatherv``, ``reduce_scatterv``,
-``all_to_allv``, ``all_gatherv_rows``, MoE ``dispatch``/``combine``) show
-their per-rank dimension as ``-1`` in ``input_sizes``/``output_sizes``, so the
-analyzer compares what must agree (dtypes, row shapes) and not the counts;
-the real sizes are in ``true_input_sizes``/``true_output_sizes``. Calls that
+**What every version of PyTorch's analyzer reads.** The analyzer splits
+``profiling_name`` at the colon and refuses a library or an op type it does
+not list, and the lists grew over time: torch 2.11's analyzer knows the
+libraries ``nccl`` and ``xccl`` only (PyTorch's own dumps said ``nccl:`` for
+every backend until 2026) and neither ``barrier`` nor ``all_gather_v``; torch
+2.13's adds ``gloo``, those types and others. So every name here is one that
+each version lists (:data:`ANALYZER_TYPES`):
+
+* the library is ``nccl`` whatever the transport (``transport`` names the
+  real one);
+* a barrier is ``all_reduce_barrier``, as PyTorch's NCCL barrier writes it;
+* a call whose row counts legitimately differ between ranks
+  (``all_gatherv``, ``all_gatherv_rows``, ``reduce_scatterv``,
+  ``all_to_allv``, MoE ``dispatch``/``combine``) is an ``all_to_all``, the
+  one collective the analyzer accepts with sizes that differ by rank.
+
+The real op is ``op``. For those variable-size calls both sides show their
+per-rank dimension (rows) as ``-1`` in ``input_sizes``/``output_sizes``: the
+analyzer's all-to-all check sums each side's elements over the ranks, and
+two sides shown alike balance, so it compares what must agree (dtypes) and
+not the counts. ``rows_vary`` (``[input, output]``) says which side's rows
+really differ by rank, and the real sizes are in
+``true_input_sizes``/``true_output_sizes``: ``groupcoord trace`` compares
+the true sizes of the side that does not vary. Calls that
 carry objects (object broadcasts, tensor-dict metadata, queue broadcasts)
 have no sizes. A tensor call that recorded no shape at all (a rank that
 rejected its arguments without knowing the tensor its peers pass) shows
@@ -83,32 +100,34 @@ from coordinator.trace.recorder import (
     recorder,
 )
 
-__all__ = ["FR_VERSION", "OPS", "snapshot", "write_dump", "dump_path", "global_rank"]
+__all__ = ["ANALYZER_TYPES", "FR_VERSION", "OPS", "snapshot", "write_dump", "dump_path",
+           "global_rank"]
 
 #: The PyTorch flight-recorder dump version these dumps follow.
 FR_VERSION = "2.10"
 
 #: Transports whose calls PyTorch's analyzer should read as NCCL's.
-_DEVICE_TRANSPORTS = frozenset({"pynccl", "nccl", "custom_allreduce", "cuda_p2p", "cuda"})
+#: The library every ``profiling_name`` names (see the module docstring).
+PROFILING_LIBRARY = "nccl"
 
 # op -> (PyTorch's op type, is_p2p, input rows vary by rank, output rows vary, has tensors)
 OPS: dict[str, tuple[str, bool, bool, bool, bool]] = {
     "all_reduce": ("all_reduce", False, False, False, True),
     "all_gather": ("all_gather", False, False, False, True),
-    "all_gatherv": ("all_gather_v", False, True, False, True),
-    "all_gatherv_rows": ("all_gather_v", False, True, False, True),
-    "dispatch": ("all_gather_v", False, True, False, True),
-    "dispatch_router_logits": ("all_gather_v", False, True, False, True),
+    "all_gatherv": ("all_to_all", False, True, False, True),
+    "all_gatherv_rows": ("all_to_all", False, True, False, True),
+    "dispatch": ("all_to_all", False, True, False, True),
+    "dispatch_router_logits": ("all_to_all", False, True, False, True),
     "reduce_scatter": ("reduce_scatter", False, False, False, True),
-    "reduce_scatterv": ("reduce_scatter_v", False, False, True, True),
-    "combine": ("reduce_scatter_v", False, False, True, True),
+    "reduce_scatterv": ("all_to_all", False, False, True, True),
+    "combine": ("all_to_all", False, False, True, True),
     "gather": ("gather", False, False, False, True),
     "reduce": ("reduce", False, False, False, True),
     "scatter": ("scatter", False, False, False, True),
     "broadcast": ("broadcast", False, False, False, True),
     "all_to_all": ("all_to_all", False, False, False, True),
     "all_to_allv": ("all_to_all", False, True, True, True),
-    "barrier": ("barrier", False, False, False, False),
+    "barrier": ("all_reduce_barrier", False, False, False, False),
     "broadcast_object": ("broadcast", False, False, False, False),
     "broadcast_object_list": ("broadcast", False, False, False, False),
     "broadcast_tensor_dict": ("broadcast", False, False, False, False),
@@ -125,7 +144,12 @@ OPS: dict[str, tuple[str, bool, bool, bool, bool]] = {
     "irecv_tensor_dict": ("recv", True, False, False, False),
 }
 #: An op missing from :data:`OPS` reads as a barrier (no sizes compared).
-_UNKNOWN = ("barrier", False, False, False, False)
+_UNKNOWN = ("all_reduce_barrier", False, False, False, False)
+#: The op types of :data:`OPS`: each is one that every version of PyTorch's
+#: analyzer lists (see the module docstring).
+ANALYZER_TYPES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "gather", "reduce",
+                            "scatter", "broadcast", "all_to_all", "all_reduce_barrier",
+                            "send", "recv"})
 
 # c10's scalar type names, which PyTorch's dumps use for dtypes.
 _DTYPE_NAMES = {
@@ -227,7 +251,6 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
     if entry[TRANSPORT] is None and group.transport_of is not None:
         with contextlib.suppress(Exception):
             transport = str(group.transport_of(op, entry))
-    backend = "nccl" if transport in _DEVICE_TRANSPORTS else "gloo"
     in_sizes, out_sizes = _sizes(entry[IN_SIZES]), _sizes(entry[OUT_SIZES])
     in_dtypes, out_dtypes = _dtypes(entry[IN_DTYPES]), _dtypes(entry[OUT_DTYPES])
     if entry[OUT_SIZES] is not None and entry[OUT_DTYPES] is None:
@@ -242,7 +265,12 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
     else:
         in_sizes = out_sizes = []
         in_dtypes = out_dtypes = []
-    name = f"{backend}:{fr_type}"
+    # PyTorch's all-to-all check sums each side's elements over the ranks: a side
+    # shown with -1 rows balances only against another shown so.
+    either = vary_in or vary_out
+    shown_in = vary_in or (fr_type == "all_to_all" and either)
+    shown_out = vary_out or (fr_type == "all_to_all" and either)
+    name = f"{PROFILING_LIBRARY}:{fr_type}"
     me, peer = group.rank_in_group, entry[PEER]
     if is_p2p:
         name += f" {me}->{peer}" if fr_type == "send" else f" {me}<-{peer}"
@@ -259,9 +287,9 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
         "time_created_ns": created + wall_offset,
         "duration_ms": None if done is None else (done - created) / 1e6,
         "is_p2p": is_p2p,
-        "input_sizes": _varying(in_sizes) if vary_in else in_sizes,
+        "input_sizes": _varying(in_sizes) if shown_in else in_sizes,
         "input_dtypes": in_dtypes,
-        "output_sizes": _varying(out_sizes) if vary_out else out_sizes,
+        "output_sizes": _varying(out_sizes) if shown_out else out_sizes,
         "output_dtypes": out_dtypes,
         "state": state,
         "time_discovered_started_ns": None if started is None else started + wall_offset,
@@ -274,6 +302,7 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
         "error": entry[ERROR],
         "peer": peer if is_p2p else None,
         "time_created_monotonic_ns": created,
+        "rows_vary": [vary_in, vary_out],
         "true_input_sizes": _sizes(entry[IN_SIZES]),
         "true_output_sizes": _sizes(entry[OUT_SIZES]) if entry[OUT_SIZES] is not None
         else _sizes(entry[IN_SIZES]),

@@ -93,9 +93,14 @@ Configuration (read and checked first thing when a group is created,
 calls are still marked for the recorder while it is on);
 ``GROUPCOORD_WATCHDOG_ABORT=0`` dumps and logs without aborting.
 
-The CUDA side (events, ``ncclCommAbort`` from this thread, graph capture) is
-not verified on a GPU yet; the CPU tests drive the same thread through a
-stand-in device communicator whose completion they control.
+The CPU tests drive the thread through a stand-in device communicator whose
+completion they control. On a GPU (``tests/gpu/test_watchdog_cuda.py``, run on
+one H200) two processes sharing the device hold a custom all-reduce that one
+of them never joins: the watchdog dumps it, names that rank and aborts the
+communicator, or with the abort off logs it once and the late call
+completes; ``ncclCommAbort`` from another thread ran at world size 1 only
+(NCCL refuses two ranks on one GPU), so an abort of NCCL work that waits for
+a peer is not verified on a GPU.
 """
 
 from __future__ import annotations

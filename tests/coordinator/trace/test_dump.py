@@ -18,7 +18,7 @@ from torch.distributed.flight_recorder.components.types import Op
 from coordinator import dump_trace
 from coordinator.errors import CollectiveMismatch, CommTimeout
 from coordinator.trace import auto_dump
-from coordinator.trace.dump import OPS, snapshot, write_dump
+from coordinator.trace.dump import ANALYZER_TYPES, OPS, snapshot, write_dump
 from coordinator.trace.recorder import (
     DEVICE,
     DONE,
@@ -102,7 +102,7 @@ def test_each_entry_reads_as_pytorch_writes_it(tmp_path) -> None:
         by_op.setdefault(e["op"], []).append(e)
     reduce_ok, reduce_failed = by_op["all_reduce"]
     assert (reduce_ok["profiling_name"], reduce_ok["transport"], reduce_ok["state"]) == (
-        "gloo:all_reduce", "shm", "completed")
+        "nccl:all_reduce", "shm", "completed")
     assert reduce_ok["input_sizes"] == reduce_ok["output_sizes"] == [[4]]
     assert reduce_ok["input_dtypes"] == reduce_ok["output_dtypes"] == ["Float"]
     assert (reduce_failed["state"], reduce_failed["error"]) == ("failed", "CommTimeout")
@@ -113,15 +113,101 @@ def test_each_entry_reads_as_pytorch_writes_it(tmp_path) -> None:
     assert (rows["input_sizes"], rows["true_input_sizes"]) == ([[-1, 2]], [[1, 2]])
     obj = by_op["broadcast_object"][0]
     assert (obj["transport"], obj["input_sizes"], obj["profiling_name"]) == (
-        "queue", [], "gloo:broadcast")
+        "queue", [], "nccl:broadcast")
     send, recv = by_op["send"][0], by_op["recv"][0]
-    assert (send["profiling_name"], send["is_p2p"], send["peer"]) == ("gloo:send 0->1", True, 1)
-    assert (recv["profiling_name"], recv["input_sizes"]) == ("gloo:recv 0<-1", [[5]])
+    assert (send["profiling_name"], send["is_p2p"], send["peer"]) == ("nccl:send 0->1", True, 1)
+    assert (recv["profiling_name"], recv["input_sizes"]) == ("nccl:recv 0<-1", [[5]])
     assert by_op["barrier"][0]["state"] == "started"
     memberships = {"tp:0": {2, 3}}
     for e in entries:  # PyTorch's analyzer parses each one
         op = Op(e, memberships, "tp:0")
         assert op.type == OPS[e["op"]][0]
+
+
+#: The op types that PyTorch's analyzer lists in every version (torch 2.11's
+#: COLLECTIVES, which knows neither ``barrier`` nor ``all_gather_v``, and P2P).
+_OLDEST_TYPES = frozenset({
+    "broadcast", "_broadcast_oop", "reduce", "_reduce_oop", "all_gather", "all_reduce",
+    "_all_gather_base", "all_gather_into_tensor_coalesced", "reduce_scatter",
+    "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", "gather", "scatter",
+    "all_to_all", "all_reduce_barrier", "allreduce_coalesced", "ALLGATHER_coalesced",
+    "REDUCE_SCATTER_coalesced", "send", "recv"})
+
+
+def test_every_op_type_is_one_every_analyzer_lists() -> None:
+    from torch.distributed.flight_recorder.components import types
+
+    written = {fr_type for fr_type, *_ in OPS.values()}
+    assert written <= ANALYZER_TYPES <= _OLDEST_TYPES
+    assert ANALYZER_TYPES <= types.COLLECTIVES | types.P2P  # the installed analyzer's too
+
+
+def _clean_step(directory: Any) -> None:
+    """Two ranks' dumps of one step of variable-size calls that agree."""
+    h = 4
+    for rank in range(2):
+        rec = FlightRecorder(capacity=32, dump_prefix=str(directory / "rank_"))
+        trace = rec.group("ep:0", "ep", [0, 1], rank)
+        assert trace is not None
+        mine, total = torch.Size([rank + 1, h]), torch.Size([3, h])
+        f32 = torch.float32
+        GroupTrace.complete(trace.begin("all_gatherv", 1, 0, mine, f32), total, f32)
+        GroupTrace.complete(trace.begin("reduce_scatterv", 2, 0, total, f32), mine, f32)
+        GroupTrace.complete(trace.begin("dispatch", 3, 0, [mine], [f32]), [total], [f32])
+        GroupTrace.complete(trace.begin("combine", 4, 0, total, f32), mine, f32)
+        GroupTrace.complete(trace.begin("all_to_allv", 5, 0, mine, f32),
+                            torch.Size([2 - rank, h]), f32)
+        GroupTrace.complete(trace.begin("all_gatherv_rows", 6, 0, [mine], [f32]),
+                            [total], [f32])
+        GroupTrace.complete(trace.begin("barrier", 7, 0))
+        GroupTrace.complete(trace.begin_tensor("all_reduce", 8, 0, torch.ones(h)))
+        write_dump(rec, rank=rank)
+
+
+@pytest.mark.parametrize("allowlist", ["installed", "oldest"])
+def test_variable_size_calls_and_barriers_read_clean_in_pytorchs_analyzer(
+        tmp_path, capsys, monkeypatch, allowlist: str) -> None:
+    """Every entry parses and the step reads without an error, with the installed
+    analyzer's op types and with the oldest list (torch 2.11's)."""
+    from torch.distributed.flight_recorder.components import types
+    from torch.distributed.flight_recorder.fr_trace import main
+
+    from coordinator.trace import analysis
+
+    if allowlist == "oldest":
+        monkeypatch.setattr(types, "COLLECTIVES", _OLDEST_TYPES - types.P2P)
+    _clean_step(tmp_path)
+    memberships = {"ep:0": {0, 1}}
+    for rank in range(2):
+        for e in _load(str(tmp_path / f"rank_{rank}"))["entries"]:
+            assert e["profiling_name"].startswith("nccl:"), e
+            assert Op(e, memberships, "ep:0").type == OPS[e["op"]][0]
+    main([str(tmp_path)])
+    report = capsys.readouterr()
+    text = report.out + report.err
+    assert "has errors" not in text and "Culprit" not in text, text[-3000:]
+    result = analysis.analyze(str(tmp_path))
+    assert result["ok"], result
+    (group,) = result["groups"]
+    assert group["first_mismatch"] is None, group
+
+
+def test_groupcoord_trace_compares_the_rows_that_do_not_vary(tmp_path) -> None:
+    """An all_gatherv whose gathered rows differ between ranks is a mismatch for
+    ``groupcoord trace`` (the input rows may differ, the output rows may not)."""
+    from coordinator.trace import analysis
+
+    for rank in range(2):
+        rec = FlightRecorder(capacity=4, dump_prefix=str(tmp_path / "rank_"))
+        trace = rec.group("ep:0", "ep", [0, 1], rank)
+        assert trace is not None
+        GroupTrace.complete(trace.begin("all_gatherv", 1, 0, torch.Size([rank + 1, 4]),
+                                        torch.float32), torch.Size([3 + rank, 4]),
+                            torch.float32)
+        write_dump(rec, rank=rank)
+    (group,) = analysis.analyze(str(tmp_path))["groups"]
+    mismatch = group["first_mismatch"]
+    assert mismatch is not None and mismatch["seq"] == 1 and mismatch["tie"], group
 
 
 def test_a_dump_replaces_the_file_atomically_and_never_follows_a_link(tmp_path) -> None:
@@ -282,7 +368,8 @@ def record_a_step(rank: int, world_size: int, capacity: int) -> dict[str, Any]:
         dump = snapshot(rec, rank=rank)
         return {"entries": [{k: e[k] for k in ("op", "collective_seq_id", "p2p_seq_id",
                                                "state", "input_sizes", "output_sizes",
-                                               "transport", "peer")}
+                                               "transport", "peer", "profiling_name",
+                                               "rows_vary", "true_output_sizes")}
                             for e in dump["entries"]], "trace": g._trace is not None}
     finally:
         g.destroy()
@@ -303,7 +390,9 @@ def test_a_groups_calls_are_recorded_in_order(dist_pool) -> None:
                        (sends[2], 5, 3, "completed"), ("barrier", 6, 3, "completed")], got
         by_op = {e["op"]: e for e in out["entries"]}
         assert by_op["all_gather"]["output_sizes"] == [[4, 3]]
-        assert by_op["all_gatherv_rows"]["output_sizes"] == [[3, 2]]
+        rows = by_op["all_gatherv_rows"]  # PyTorch's view: an all-to-all, rows as -1
+        assert (rows["output_sizes"], rows["true_output_sizes"]) == ([[-1, 2]], [[3, 2]])
+        assert rows["profiling_name"] == "nccl:all_to_all" and rows["rows_vary"] == [True, False]
         assert by_op["all_reduce"]["transport"] == "shm"
         assert by_op[sends[2]]["output_sizes"] == [[6]] and by_op[sends[2]]["peer"] == 1 - rank
         assert by_op[sends[0]]["transport"] == "shm"  # the direction's shared-memory link

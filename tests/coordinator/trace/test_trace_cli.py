@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pickle
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 
 from coordinator.cli import main
 from coordinator.trace.cli import add_args, run
+from tests.child_env import child_env
 from tests.coordinator.trace.test_analysis import (
     MIXED,
     PREFIX,
@@ -119,10 +119,9 @@ def test_control_characters_from_a_dump_are_escaped(
 
 def test_python_m_coordinator_trace(tmp_path: Path) -> None:
     directory = skipped_all_reduce(tmp_path / "dumps", (0, 1, 2, 3))
-    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
     done = subprocess.run([sys.executable, "-m", "coordinator", "trace", str(directory),
-                           "--json"], cwd=_ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+                           "--json"], cwd=_ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     result = json.loads(done.stdout)
     assert result["prefix"] == PREFIX and not result["ok"]

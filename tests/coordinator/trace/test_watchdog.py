@@ -416,32 +416,6 @@ def test_thread_fires_once_aborts_and_stops_with_the_last_group(tmp_path: Any) -
     assert not [t for t in threading.enumerate() if t.name == "groupcoord-watchdog"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none is visible)")
-def test_cuda_marks_follow_events_and_count_replays() -> None:  # pragma: no cover - GPU only
-    from coordinator.trace.cuda_marks import CudaMarker
-
-    marker = CudaMarker(torch.device("cuda", torch.cuda.current_device()))
-    x = torch.ones(1 << 20, device="cuda")
-    marks = marker()
-    y = x * 2
-    marks.finish()
-    torch.cuda.synchronize()
-    assert marks.started_ns() is not None and marks.completed_ns() is not None
-    assert marks.replays() is None and y.sum().item() == 2 * (1 << 20)
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
-        captured = marker()
-        z = x + 1
-        captured.finish()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    assert captured.completed_ns() is not None and z.sum().item() == 2 * (1 << 20)
-    assert captured.replays() == 3
-
-
 # ---------------------------------------------------------------------- review fixes
 def test_two_threads_drain_the_removed_keys_once_each() -> None:
     store = dist.HashStore()
