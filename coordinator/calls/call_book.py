@@ -55,6 +55,7 @@ from coordinator.trace import auto_dump
 from coordinator.trace.recorder import (
     CREATED,
     DEVICE,
+    DIM,
     DONE,
     OUT_DTYPES,
     OUT_SIZES,
@@ -127,11 +128,13 @@ class CallBook:
             raise NotInitializedError(destroyed_msg(self.name, op))
 
     def run(self, op: str, fn: Callable[..., _R], *args: Any, partner: int | None = None,
-            p2p: bool = False, data: Any = None, transport: str | None = None) -> _R:
+            p2p: bool = False, data: Any = None, transport: str | None = None,
+            dim: int | None = None) -> _R:
         """Run ``fn(*args)`` as call ``op``: numbered (a collective call unless
         ``p2p``), recorded (``data``: the input whose shapes the entry keeps;
-        ``transport``: see :meth:`record`) and a failed wait explained
-        (``partner``: the peer of a point-to-point call)."""
+        ``transport``: see :meth:`record`; ``dim``: the dimension along which a
+        variable-size call's rows differ between ranks, None for 0) and a
+        failed wait explained (``partner``: the peer of a point-to-point call)."""
         if p2p:
             self.p2p_calls = n = self.p2p_calls + 1
             seq = n + self.collectives
@@ -139,6 +142,8 @@ class CallBook:
             self.collectives = n = self.collectives + 1
             seq = n + self.p2p_calls
         entry = self.record(op, data, -1 if partner is None else partner, transport)
+        if entry is not None and dim is not None:
+            entry[DIM] = dim
         marks = None if p2p or self.marks is None else self.marks()
         started = monotonic()
         try:

@@ -396,7 +396,7 @@ class GroupCoordinator:
         ``input_`` may be a list of tensors; then a list comes back.
         """
         return self._book.run("all_gatherv", self.comm.all_gatherv, input_, dim, sizes,
-                              data=input_)
+                              data=input_, dim=dim)
 
     def reduce_scatter(
         self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
@@ -438,7 +438,7 @@ class GroupCoordinator:
     ) -> torch.Tensor:
         """Reduce, then keep ``sizes[rank]`` entries along ``dim`` (sizes sum to the dim)."""
         return self._book.run("reduce_scatterv", self.comm.reduce_scatterv, input_, dim, sizes,
-                              op, data=input_)
+                              op, data=input_, dim=dim)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""

@@ -29,27 +29,33 @@ groupcoord installed. The top level follows PyTorch's dump (version ``2.10``):
 **What every version of PyTorch's analyzer reads.** The analyzer splits
 ``profiling_name`` at the colon and refuses a library or an op type it does
 not list, and the lists grew over time: torch 2.11's analyzer knows the
-libraries ``nccl`` and ``xccl`` only (PyTorch's own dumps said ``nccl:`` for
-every backend until 2026) and neither ``barrier`` nor ``all_gather_v``; torch
-2.13's adds ``gloo``, those types and others. So every name here is one that
-each version lists (:data:`ANALYZER_TYPES`):
+libraries ``nccl`` and ``xccl`` only (PyTorch named every backend's calls
+``nccl:`` until it began to write the real backend, in 2026) and neither
+``barrier`` nor ``all_gather_v``; torch 2.13's adds ``gloo``, those types and
+others. So every name here is one that each version lists
+(:data:`ANALYZER_TYPES`), and ``op`` is the real call:
 
 * the library is ``nccl`` whatever the transport (``transport`` names the
   real one);
 * a barrier is ``all_reduce_barrier``, as PyTorch's NCCL barrier writes it;
-* a call whose row counts legitimately differ between ranks
-  (``all_gatherv``, ``all_gatherv_rows``, ``reduce_scatterv``,
-  ``all_to_allv``, MoE ``dispatch``/``combine``) is an ``all_to_all``, the
-  one collective the analyzer accepts with sizes that differ by rank.
+* the variable-size calls are the analyzer's equal-size ones with the
+  dimension along which their rows differ (the ``dim`` argument of
+  ``all_gatherv``/``reduce_scatterv``, else 0) shown as a negative count:
+  ``all_gatherv``, ``all_gatherv_rows`` and MoE ``dispatch`` are
+  ``all_gather`` with the input's rows shown as ``-1`` and the output's as
+  ``-n`` (``n`` ranks); ``reduce_scatterv`` and MoE ``combine`` are
+  ``reduce_scatter`` with the input's rows ``-n`` and the output's ``-1``;
+  ``all_to_allv`` is ``all_to_all`` with both ``-1``.
 
-The real op is ``op``. For those variable-size calls both sides show their
-per-rank dimension (rows) as ``-1`` in ``input_sizes``/``output_sizes``: the
-analyzer's all-to-all check sums each side's elements over the ranks, and
-two sides shown alike balance, so it compares what must agree (dtypes) and
-not the counts. ``rows_vary`` (``[input, output]``) says which side's rows
-really differ by rank, and the real sizes are in
-``true_input_sizes``/``true_output_sizes``: ``groupcoord trace`` compares
-the true sizes of the side that does not vary. Calls that
+The analyzer then compares the op type, the other dimensions and the
+dtypes, and its element-count checks hold: an all-gather's output holds
+``n`` times its input's elements, a reduce-scatter's input ``n`` times its
+output's, and an all-to-all's two sides, summed over the ranks, balance.
+``rows_vary`` (``[input, output]``) says which side's rows really differ by
+rank, and the real sizes are in ``true_input_sizes``/``true_output_sizes``
+(the output's None while a variable-size call has not produced it):
+``groupcoord trace`` compares the true sizes of the side that does not
+vary. Calls that
 carry objects (object broadcasts, tensor-dict metadata, queue broadcasts)
 have no sizes. A tensor call that recorded no shape at all (a rank that
 rejected its arguments without knowing the tensor its peers pass) shows
@@ -81,6 +87,7 @@ from coordinator.trace.recorder import (
     CREATED,
     DEFAULT_DUMP_DIR,
     DEVICE,
+    DIM,
     DONE,
     ERROR,
     FRAMES,
@@ -106,7 +113,6 @@ __all__ = ["ANALYZER_TYPES", "FR_VERSION", "OPS", "snapshot", "write_dump", "dum
 #: The PyTorch flight-recorder dump version these dumps follow.
 FR_VERSION = "2.10"
 
-#: Transports whose calls PyTorch's analyzer should read as NCCL's.
 #: The library every ``profiling_name`` names (see the module docstring).
 PROFILING_LIBRARY = "nccl"
 
@@ -114,13 +120,13 @@ PROFILING_LIBRARY = "nccl"
 OPS: dict[str, tuple[str, bool, bool, bool, bool]] = {
     "all_reduce": ("all_reduce", False, False, False, True),
     "all_gather": ("all_gather", False, False, False, True),
-    "all_gatherv": ("all_to_all", False, True, False, True),
-    "all_gatherv_rows": ("all_to_all", False, True, False, True),
-    "dispatch": ("all_to_all", False, True, False, True),
-    "dispatch_router_logits": ("all_to_all", False, True, False, True),
+    "all_gatherv": ("all_gather", False, True, False, True),
+    "all_gatherv_rows": ("all_gather", False, True, False, True),
+    "dispatch": ("all_gather", False, True, False, True),
+    "dispatch_router_logits": ("all_gather", False, True, False, True),
     "reduce_scatter": ("reduce_scatter", False, False, False, True),
-    "reduce_scatterv": ("all_to_all", False, False, True, True),
-    "combine": ("all_to_all", False, False, True, True),
+    "reduce_scatterv": ("reduce_scatter", False, False, True, True),
+    "combine": ("reduce_scatter", False, False, True, True),
     "gather": ("gather", False, False, False, True),
     "reduce": ("reduce", False, False, False, True),
     "scatter": ("scatter", False, False, False, True),
@@ -211,9 +217,24 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype)
 
 
-def _varying(sizes: list[list[int]]) -> list[list[int]]:
-    """``sizes`` with each tensor's first dimension (its rows) shown as -1."""
-    return [[-1, *s[1:]] if s else s for s in sizes]
+def _varying(sizes: list[list[int]], dim: int, shown: int) -> list[list[int]]:
+    """``sizes`` with each tensor's dimension ``dim`` (its rows; negative counts
+    from the end) shown as ``shown``; a shape without that dimension as it is."""
+    return [[shown if i == dim % len(s) else d for i, d in enumerate(s)]
+            if -len(s) <= dim < len(s) else s for s in sizes]
+
+
+def _shown_rows(fr_type: str, vary_in: bool, vary_out: bool,
+                n: int) -> tuple[int | None, int | None]:
+    """What the varying dimension of each side shows in PyTorch's view (None: the
+    true sizes) for a group of ``n`` ranks (see the module docstring)."""
+    if not (vary_in or vary_out):
+        return None, None
+    if fr_type == "all_gather":
+        return -1, -n  # PyTorch's check: output numel == input numel * n
+    if fr_type == "reduce_scatter":
+        return -n, -1  # input numel == output numel * n
+    return -1, -1  # all_to_all: each side's numel summed over the ranks balances
 
 
 def _state(entry: list[Any]) -> tuple[str, int | None, int | None, int | None]:
@@ -265,11 +286,8 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
     else:
         in_sizes = out_sizes = []
         in_dtypes = out_dtypes = []
-    # PyTorch's all-to-all check sums each side's elements over the ranks: a side
-    # shown with -1 rows balances only against another shown so.
-    either = vary_in or vary_out
-    shown_in = vary_in or (fr_type == "all_to_all" and either)
-    shown_out = vary_out or (fr_type == "all_to_all" and either)
+    shown_in, shown_out = _shown_rows(fr_type, vary_in, vary_out, len(group.ranks))
+    dim = entry[DIM] or 0
     name = f"{PROFILING_LIBRARY}:{fr_type}"
     me, peer = group.rank_in_group, entry[PEER]
     if is_p2p:
@@ -287,9 +305,9 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
         "time_created_ns": created + wall_offset,
         "duration_ms": None if done is None else (done - created) / 1e6,
         "is_p2p": is_p2p,
-        "input_sizes": _varying(in_sizes) if shown_in else in_sizes,
+        "input_sizes": in_sizes if shown_in is None else _varying(in_sizes, dim, shown_in),
         "input_dtypes": in_dtypes,
-        "output_sizes": _varying(out_sizes) if shown_out else out_sizes,
+        "output_sizes": out_sizes if shown_out is None else _varying(out_sizes, dim, shown_out),
         "output_dtypes": out_dtypes,
         "state": state,
         "time_discovered_started_ns": None if started is None else started + wall_offset,
@@ -305,7 +323,7 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
         "rows_vary": [vary_in, vary_out],
         "true_input_sizes": _sizes(entry[IN_SIZES]),
         "true_output_sizes": _sizes(entry[OUT_SIZES]) if entry[OUT_SIZES] is not None
-        else _sizes(entry[IN_SIZES]),
+        else None if vary_in or vary_out else _sizes(entry[IN_SIZES]),
         "replays": replays,
     }
 

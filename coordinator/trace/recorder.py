@@ -76,7 +76,7 @@ __all__ = [
     "reset_recorder",
     "RID", "GROUP", "OP", "SEQ", "P2P_SEQ", "PEER", "IN_SIZES", "IN_DTYPES",
     "OUT_SIZES", "OUT_DTYPES", "CREATED", "DONE", "ERROR", "FRAMES", "DEVICE", "TRANSPORT",
-    "ENTRY_LEN", "shapes_of",
+    "DIM", "ENTRY_LEN", "shapes_of",
 ]
 
 #: Ring entries unless ``GROUPCOORD_TRACE_BUFFER`` says otherwise.
@@ -101,7 +101,8 @@ ERROR = 12  # the error's class name, None unless the call failed
 FRAMES = 13  # [{"name", "filename", "line"}] or None
 DEVICE = 14  # DeviceMarks of a device call, else None
 TRANSPORT = 15  # the transport when the call named it (queue broadcasts), else None
-ENTRY_LEN = 16
+DIM = 16  # the dimension along which a variable-size call's rows differ; None: 0
+ENTRY_LEN = 17
 
 
 class DeviceMarks(Protocol):
@@ -247,7 +248,7 @@ class GroupTrace:
             peer: The group rank of a point-to-point call's peer.
         """
         entry = [next(self._ids), self, op, seq, p2p_seq, peer, sizes, dtypes, None, None,
-                 monotonic_ns(), 0, None, None, None, None]
+                 monotonic_ns(), 0, None, None, None, None, None]
         self._append(entry)
         return entry
 
@@ -262,7 +263,7 @@ class GroupTrace:
         except AttributeError:
             sizes = dtypes = None
         entry = [next(self._ids), self, op, seq, p2p_seq, peer, sizes, dtypes, None, None,
-                 monotonic_ns(), 0, None, None, None, None]
+                 monotonic_ns(), 0, None, None, None, None, None]
         self._append(entry)
         return entry
 
@@ -340,7 +341,7 @@ class StartOnly:
                      peer: int = -1) -> list[Any]:
         """An unrecorded entry of call ``op`` that begins now (``tensor`` unread)."""
         return [-1, None, op, seq, p2p_seq, peer, None, None, None, None, monotonic_ns(),
-                0, None, None, None, None]
+                0, None, None, None, None, None]
 
 
 def _frames() -> list[dict[str, Any]]:

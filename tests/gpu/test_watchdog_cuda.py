@@ -229,7 +229,7 @@ def nccl_abort(rank: int, world_size: int) -> dict[str, Any]:
     x = torch.ones(1 << 20, device="cuda")
     out["before"] = comm.all_reduce(x).unique().tolist()
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(3e9))  # about two seconds of device work ahead of the call
+    torch.cuda._sleep(int(3e9))  # device work ahead of the call (1.5 s on an H200)
     comm.all_reduce(x)
     result: list[Any] = []
 
@@ -261,7 +261,7 @@ def test_nccl_abort_from_another_thread_with_work_queued() -> None:
     (out,) = run_distributed(nccl_abort, 1, timeout=120)
     assert out["before"] == [1.0], out
     assert not out["alive"] and out["abort"][0] is True, out
-    assert out["abort"][1] < 20.0, out
+    assert out["abort"][1] < 10.0, out  # far below the abort's own 20 s bound
     assert out["after"] == "closed" and out["again"] is False, out
     assert out["device_ok"] == 8.0, out
 

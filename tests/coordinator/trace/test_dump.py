@@ -21,6 +21,7 @@ from coordinator.trace import auto_dump
 from coordinator.trace.dump import ANALYZER_TYPES, OPS, snapshot, write_dump
 from coordinator.trace.recorder import (
     DEVICE,
+    DIM,
     DONE,
     IN_DTYPES,
     IN_SIZES,
@@ -142,31 +143,45 @@ def test_every_op_type_is_one_every_analyzer_lists() -> None:
     assert ANALYZER_TYPES <= types.COLLECTIVES | types.P2P  # the installed analyzer's too
 
 
-def _clean_step(directory: Any) -> None:
-    """Two ranks' dumps of one step of variable-size calls that agree."""
-    h = 4
-    for rank in range(2):
+def _write_ranks(directory: Any, calls: Any, n: int = 2) -> None:
+    """``n`` ranks' dumps of the ``calls(rank)`` each rank makes: ``(op, input size,
+    output size or None while it runs, dim or None)``."""
+    f32 = torch.float32
+    for rank in range(n):
         rec = FlightRecorder(capacity=32, dump_prefix=str(directory / "rank_"))
-        trace = rec.group("ep:0", "ep", [0, 1], rank)
+        trace = rec.group("ep:0", "ep", list(range(n)), rank)
         assert trace is not None
-        mine, total = torch.Size([rank + 1, h]), torch.Size([3, h])
-        f32 = torch.float32
-        GroupTrace.complete(trace.begin("all_gatherv", 1, 0, mine, f32), total, f32)
-        GroupTrace.complete(trace.begin("reduce_scatterv", 2, 0, total, f32), mine, f32)
-        GroupTrace.complete(trace.begin("dispatch", 3, 0, [mine], [f32]), [total], [f32])
-        GroupTrace.complete(trace.begin("combine", 4, 0, total, f32), mine, f32)
-        GroupTrace.complete(trace.begin("all_to_allv", 5, 0, mine, f32),
-                            torch.Size([2 - rank, h]), f32)
-        GroupTrace.complete(trace.begin("all_gatherv_rows", 6, 0, [mine], [f32]),
-                            [total], [f32])
-        GroupTrace.complete(trace.begin("barrier", 7, 0))
-        GroupTrace.complete(trace.begin_tensor("all_reduce", 8, 0, torch.ones(h)))
+        for seq, (op, size, out, dim) in enumerate(calls(rank), start=1):
+            if size is None:  # no tensors
+                GroupTrace.complete(trace.begin(op, seq, 0))
+                continue
+            listed = op in ("dispatch", "all_gatherv_rows")
+            entry = trace.begin(op, seq, 0, [size] if listed else size, [f32] if listed else f32)
+            entry[DIM] = dim
+            if out is not None:
+                GroupTrace.complete(entry, [out] if listed else out, [f32] if listed else f32)
         write_dump(rec, rank=rank)
+
+
+def _agreeing(rank: int) -> list[tuple[str, Any, Any, Any]]:
+    """One step of calls that agree, the variable-size ones along several dims."""
+    h, S = 4, torch.Size
+    mine, total = S([rank + 1, h]), S([3, h])
+    return [("all_gatherv", mine, total, None),
+            ("reduce_scatterv", total, mine, 0),
+            ("dispatch", mine, total, None),
+            ("combine", total, mine, None),
+            ("all_to_allv", mine, S([2 - rank, h]), None),
+            ("all_gatherv_rows", mine, total, None),
+            ("all_gatherv", S([h, rank + 1]), S([h, 3]), 1),  # along the last dimension
+            ("reduce_scatterv", S([2, h, 3]), S([2, h, rank + 1]), -1),
+            ("barrier", None, None, None),
+            ("all_reduce", S([h]), S([h]), None)]
 
 
 @pytest.mark.parametrize("allowlist", ["installed", "oldest"])
 def test_variable_size_calls_and_barriers_read_clean_in_pytorchs_analyzer(
-        tmp_path, capsys, monkeypatch, allowlist: str) -> None:
+        tmp_path, capsys, caplog, monkeypatch, allowlist: str) -> None:
     """Every entry parses and the step reads without an error, with the installed
     analyzer's op types and with the oldest list (torch 2.11's)."""
     from torch.distributed.flight_recorder.components import types
@@ -176,38 +191,81 @@ def test_variable_size_calls_and_barriers_read_clean_in_pytorchs_analyzer(
 
     if allowlist == "oldest":
         monkeypatch.setattr(types, "COLLECTIVES", _OLDEST_TYPES - types.P2P)
-    _clean_step(tmp_path)
+    _write_ranks(tmp_path, _agreeing)
     memberships = {"ep:0": {0, 1}}
     for rank in range(2):
         for e in _load(str(tmp_path / f"rank_{rank}"))["entries"]:
             assert e["profiling_name"].startswith("nccl:"), e
             assert Op(e, memberships, "ep:0").type == OPS[e["op"]][0]
-    main([str(tmp_path)])
-    report = capsys.readouterr()
-    text = report.out + report.err
-    assert "has errors" not in text and "Culprit" not in text, text[-3000:]
+    with caplog.at_level(logging.INFO):  # the analyzer reports through logging
+        main([str(tmp_path)])
+    capsys.readouterr()
+    assert "has errors" not in caplog.text and "Culprit" not in caplog.text, caplog.text
     result = analysis.analyze(str(tmp_path))
     assert result["ok"], result
     (group,) = result["groups"]
     assert group["first_mismatch"] is None, group
 
 
-def test_groupcoord_trace_compares_the_rows_that_do_not_vary(tmp_path) -> None:
-    """An all_gatherv whose gathered rows differ between ranks is a mismatch for
-    ``groupcoord trace`` (the input rows may differ, the output rows may not)."""
+_S = torch.Size
+#: Variable-size calls that disagree between two ranks: rank r's call.
+_DISAGREEING: dict[str, Any] = {
+    "other-columns": lambda r: ("all_gatherv", _S([r + 1, 4 * (r + 1)]),
+                                _S([3, 4 * (r + 1)]), None),
+    "other-op": lambda r: (("all_gatherv", _S([r + 1, 4]), _S([3, 4]), None) if r == 0
+                           else ("reduce_scatterv", _S([3, 4]), _S([r + 1, 4]), None)),
+    "other-dim-columns": lambda r: ("reduce_scatterv", _S([4 + r, 3]), _S([4 + r, r + 1]), -1),
+}
+
+
+@pytest.mark.parametrize("allowlist", ["installed", "oldest"])
+@pytest.mark.parametrize("case", sorted(_DISAGREEING))
+def test_pytorchs_analyzer_still_finds_a_variable_size_call_that_disagrees(
+        tmp_path, caplog, monkeypatch, allowlist: str, case: str) -> None:
+    from torch.distributed.flight_recorder.components import types
+    from torch.distributed.flight_recorder.fr_trace import main
+
     from coordinator.trace import analysis
 
-    for rank in range(2):
-        rec = FlightRecorder(capacity=4, dump_prefix=str(tmp_path / "rank_"))
-        trace = rec.group("ep:0", "ep", [0, 1], rank)
-        assert trace is not None
-        GroupTrace.complete(trace.begin("all_gatherv", 1, 0, torch.Size([rank + 1, 4]),
-                                        torch.float32), torch.Size([3 + rank, 4]),
-                            torch.float32)
-        write_dump(rec, rank=rank)
+    if allowlist == "oldest":
+        monkeypatch.setattr(types, "COLLECTIVES", _OLDEST_TYPES - types.P2P)
+    _write_ranks(tmp_path, lambda r: [_DISAGREEING[case](r)])
+    with caplog.at_level(logging.INFO):  # the analyzer reports through logging
+        main([str(tmp_path)])
+    assert "Collective sequence number: 1 has errors" in caplog.text, caplog.text
+    (group,) = analysis.analyze(str(tmp_path))["groups"]
+    assert group["first_mismatch"] is not None and group["first_mismatch"]["seq"] == 1
+
+
+@pytest.mark.parametrize("case", ["gathered-rows", "reduced-rows"])
+def test_groupcoord_trace_compares_the_rows_that_do_not_vary(tmp_path, case: str) -> None:
+    """A variable-size call whose rows on the side that may not vary differ between
+    ranks is a mismatch for ``groupcoord trace``."""
+    from coordinator.trace import analysis
+
+    if case == "gathered-rows":  # each rank gathers another total
+        def calls(r: int) -> Any:
+            return [("all_gatherv", _S([r + 1, 4]), _S([3 + r, 4]), None)]
+    else:  # each rank scatters from another total
+        def calls(r: int) -> Any:
+            return [("reduce_scatterv", _S([3 + r, 4]), _S([r + 1, 4]), None)]
+    _write_ranks(tmp_path, calls)
     (group,) = analysis.analyze(str(tmp_path))["groups"]
     mismatch = group["first_mismatch"]
     assert mismatch is not None and mismatch["seq"] == 1 and mismatch["tie"], group
+
+
+@pytest.mark.parametrize("op", ["all_gatherv", "dispatch", "all_gatherv_rows"])
+def test_a_variable_size_call_in_flight_is_no_mismatch(tmp_path, op: str) -> None:
+    """Stuck in the call (no output yet, what a watchdog dump holds): the rows that
+    differ by rank are the input's, so nothing disagrees."""
+    from coordinator.trace import analysis
+
+    _write_ranks(tmp_path, lambda r: [(op, _S([r + 1, 4]), None, None)])
+    entry = _load(str(tmp_path / "rank_1"))["entries"][0]
+    assert entry["true_output_sizes"] is None and entry["state"] == "started", entry
+    (group,) = analysis.analyze(str(tmp_path))["groups"]
+    assert group["first_mismatch"] is None, group
 
 
 def test_a_dump_replaces_the_file_atomically_and_never_follows_a_link(tmp_path) -> None:
@@ -390,13 +448,52 @@ def test_a_groups_calls_are_recorded_in_order(dist_pool) -> None:
                        (sends[2], 5, 3, "completed"), ("barrier", 6, 3, "completed")], got
         by_op = {e["op"]: e for e in out["entries"]}
         assert by_op["all_gather"]["output_sizes"] == [[4, 3]]
-        rows = by_op["all_gatherv_rows"]  # PyTorch's view: an all-to-all, rows as -1
-        assert (rows["output_sizes"], rows["true_output_sizes"]) == ([[-1, 2]], [[3, 2]])
-        assert rows["profiling_name"] == "nccl:all_to_all" and rows["rows_vary"] == [True, False]
+        rows = by_op["all_gatherv_rows"]  # PyTorch's view: an all-gather, the rows -n
+        assert (rows["output_sizes"], rows["true_output_sizes"]) == ([[-2, 2]], [[3, 2]])
+        assert rows["profiling_name"] == "nccl:all_gather" and rows["rows_vary"] == [True, False]
         assert by_op["all_reduce"]["transport"] == "shm"
         assert by_op[sends[2]]["output_sizes"] == [[6]] and by_op[sends[2]]["peer"] == 1 - rank
         assert by_op[sends[0]]["transport"] == "shm"  # the direction's shared-memory link
         assert by_op["barrier"]["transport"] == "gloo"
+
+
+def variable_sizes_along_a_dim(rank: int, world_size: int, directory: str) -> None:
+    """A real group's all_gatherv along dim 1 and reduce_scatterv along dim -1, dumped."""
+    from coordinator import GroupCoordinator
+
+    rec = FlightRecorder(capacity=16, dump_prefix=os.path.join(directory, "rank_"))
+    previous = reset_recorder(rec)
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="dims")
+    try:
+        sizes = [r + 1 for r in range(world_size)]
+        g.all_gatherv(torch.ones(2, rank + 1, 3), dim=1, sizes=sizes)
+        g.reduce_scatterv(torch.ones(2, sum(sizes)), dim=-1, sizes=sizes)
+        write_dump(rec, rank=rank)
+    finally:
+        g.destroy()
+        reset_recorder(previous)
+
+
+@pytest.mark.timeout(60)
+def test_a_groups_variable_size_calls_show_the_rows_along_their_dim(dist_pool, tmp_path,
+                                                                    caplog) -> None:
+    from torch.distributed.flight_recorder.fr_trace import main
+
+    from coordinator.trace import analysis
+
+    n = 3
+    dist_pool(n).run(variable_sizes_along_a_dim, str(tmp_path), timeout=45)
+    for rank in range(n):
+        gv, rs = [e for e in _load(str(tmp_path / f"rank_{rank}"))["entries"]
+                  if e["op"] in ("all_gatherv", "reduce_scatterv")]
+        assert (gv["input_sizes"], gv["output_sizes"]) == ([[2, -1, 3]], [[2, -n, 3]]), gv
+        assert gv["true_output_sizes"] == [[2, 6, 3]] and gv["rows_vary"] == [True, False]
+        assert (rs["input_sizes"], rs["output_sizes"]) == ([[2, -n]], [[2, -1]]), rs
+        assert rs["true_output_sizes"] == [[2, rank + 1]] and rs["rows_vary"] == [False, True]
+    with caplog.at_level(logging.INFO):
+        main([str(tmp_path)])
+    assert "has errors" not in caplog.text, caplog.text
+    assert analysis.analyze(str(tmp_path))["ok"]
 
 
 def test_a_recorder_turned_off_records_nothing(dist_pool) -> None:
