@@ -142,7 +142,7 @@ class CallBook:
             self.collectives = n = self.collectives + 1
             seq = n + self.p2p_calls
         entry = self.record(op, data, -1 if partner is None else partner, transport)
-        if entry is not None and dim is not None:
+        if entry is not None and type(dim) is int:  # a bad dim: the call itself raises
             entry[DIM] = dim
         marks = None if p2p or self.marks is None else self.marks()
         started = monotonic()

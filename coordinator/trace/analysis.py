@@ -46,9 +46,11 @@ members differ). Per group, :func:`analyze_dumps` reports:
   holds, at which ranks' calls differ in op, sizes or dtypes. Sizes are the
   true ones (``true_input_sizes``), except on the side of a call whose rows
   legitimately differ by rank (``rows_vary``; in a dump without it, any call
-  that shows ``-1`` rows): there PyTorch's view, rows as ``-1``, is
-  compared; rooted calls compare only what all ranks share (``scatter``: the
-  output, ``gather``: the input). The **culprits** are the ranks whose call
+  that shows negative rows) and on a side some rank's call at that number
+  has no true sizes for (a variable-size call still running has no output
+  yet): there PyTorch's view, rows as a negative count, is compared; rooted
+  calls compare only what all ranks share (``scatter``: the output,
+  ``gather``: the input). The **culprits** are the ranks whose call
   differs from the most common one; on a tie there is no majority and every
   rank at that sequence number is named (``tie``). A rank without a call at
   that sequence number stopped earlier: it is behind, never a culprit;
@@ -256,7 +258,7 @@ class PlainDataUnpickler(pickle._Unpickler):  # noqa: SLF001 - its opcode table 
 class Call:
     """One recorded call of one rank, as the analysis reads it.
 
-    ``input_sizes``/``output_sizes`` are PyTorch's view (``-1`` rows for
+    ``input_sizes``/``output_sizes`` are PyTorch's view (negative rows for
     variable-size calls); ``true_*`` are groupcoord's real sizes (None in
     PyTorch's own dumps). ``peer`` is the group rank of a point-to-point call's
     peer (None when unknown).
@@ -729,17 +731,20 @@ def _behind(progress: list[dict[str, Any]], max_seq: int | None,
     return out
 
 
-def _compared(call: Call) -> tuple[Any, ...]:
-    """What must agree between ranks at one sequence number (see the module docstring)."""
+def _compared(call: Call, view_in: bool = False, view_out: bool = False) -> tuple[Any, ...]:
+    """What must agree between ranks at one sequence number (see the module docstring);
+    ``view_in``/``view_out``: compare PyTorch's view of that side, not the true
+    sizes (a call at the same number lacks them)."""
     if call.rows_vary is not None:  # groupcoord says which side's rows differ by rank
         vary_in, vary_out = call.rows_vary
     else:
-        vary_in = vary_out = any(-1 in s for s in call.input_sizes + call.output_sizes)
+        vary_in = vary_out = any(d < 0 for s in call.input_sizes + call.output_sizes
+                                 for d in s)
     in_sizes: Sizes | None = call.input_sizes
     out_sizes: Sizes | None = call.output_sizes
-    if not vary_in and call.true_input_sizes is not None:
+    if not (vary_in or view_in) and call.true_input_sizes is not None:
         in_sizes = call.true_input_sizes
-    if not vary_out and call.true_output_sizes is not None:
+    if not (vary_out or view_out) and call.true_output_sizes is not None:
         out_sizes = call.true_output_sizes
     in_dtypes: tuple[str, ...] | None = call.input_dtypes
     out_dtypes: tuple[str, ...] | None = call.output_dtypes
@@ -774,7 +779,11 @@ def _first_mismatch(collectives: Mapping[int, Mapping[int, list[Call]]],
         present = {r: per_seq[s] for r, per_seq in active.items() if s in per_seq}
         if len(present) < 2:
             continue
-        sigs = {r: tuple(_compared(c) for c in calls) for r, calls in present.items()}
+        held = [c for calls in present.values() for c in calls]
+        view_in = any(c.true_input_sizes is None for c in held)  # in flight, or PyTorch's
+        view_out = any(c.true_output_sizes is None for c in held)
+        sigs = {r: tuple(_compared(c, view_in, view_out) for c in calls)
+                for r, calls in present.items()}
         counts = Counter(sigs.values())
         if len(counts) == 1:
             continue

@@ -53,7 +53,7 @@ dtypes, and its element-count checks hold: an all-gather's output holds
 output's, and an all-to-all's two sides, summed over the ranks, balance.
 ``rows_vary`` (``[input, output]``) says which side's rows really differ by
 rank, and the real sizes are in ``true_input_sizes``/``true_output_sizes``
-(the output's None while a variable-size call has not produced it):
+(the output's None while a variable-size call has not completed):
 ``groupcoord trace`` compares the true sizes of the side that does not
 vary. Calls that
 carry objects (object broadcasts, tensor-dict metadata, queue broadcasts)
@@ -323,7 +323,7 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
         "rows_vary": [vary_in, vary_out],
         "true_input_sizes": _sizes(entry[IN_SIZES]),
         "true_output_sizes": _sizes(entry[OUT_SIZES]) if entry[OUT_SIZES] is not None
-        else None if vary_in or vary_out else _sizes(entry[IN_SIZES]),
+        else None if (vary_in or vary_out) and done is None else _sizes(entry[IN_SIZES]),
         "replays": replays,
     }
 

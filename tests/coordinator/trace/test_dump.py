@@ -155,11 +155,15 @@ def _write_ranks(directory: Any, calls: Any, n: int = 2) -> None:
             if size is None:  # no tensors
                 GroupTrace.complete(trace.begin(op, seq, 0))
                 continue
-            listed = op in ("dispatch", "all_gatherv_rows")
-            entry = trace.begin(op, seq, 0, [size] if listed else size, [f32] if listed else f32)
+            if op in ("dispatch", "all_gatherv_rows") and not isinstance(size, list):
+                size, out = [size], [out] if isinstance(out, torch.Size) else out
+            kinds = [f32] * len(size) if isinstance(size, list) else f32
+            entry = trace.begin(op, seq, 0, size, kinds)
             entry[DIM] = dim
-            if out is not None:
-                GroupTrace.complete(entry, [out] if listed else out, [f32] if listed else f32)
+            if out == "same":  # completed with the input's shape: no output recorded
+                GroupTrace.complete(entry)
+            elif out is not None:
+                GroupTrace.complete(entry, out, kinds)
         write_dump(rec, rank=rank)
 
 
@@ -175,13 +179,16 @@ def _agreeing(rank: int) -> list[tuple[str, Any, Any, Any]]:
             ("all_gatherv_rows", mine, total, None),
             ("all_gatherv", S([h, rank + 1]), S([h, 3]), 1),  # along the last dimension
             ("reduce_scatterv", S([2, h, 3]), S([2, h, rank + 1]), -1),
+            ("dispatch", [mine, S([rank + 1, 2 * h]), S([rank + 1])],  # several tensors
+             [total, S([3, 2 * h]), S([3])], None),
+            ("all_gatherv", [S([h, rank + 1]), S([rank + 1])], [S([h, 3]), S([3])], -1),
             ("barrier", None, None, None),
             ("all_reduce", S([h]), S([h]), None)]
 
 
 @pytest.mark.parametrize("allowlist", ["installed", "oldest"])
 def test_variable_size_calls_and_barriers_read_clean_in_pytorchs_analyzer(
-        tmp_path, capsys, caplog, monkeypatch, allowlist: str) -> None:
+        tmp_path, caplog, monkeypatch, allowlist: str) -> None:
     """Every entry parses and the step reads without an error, with the installed
     analyzer's op types and with the oldest list (torch 2.11's)."""
     from torch.distributed.flight_recorder.components import types
@@ -199,7 +206,6 @@ def test_variable_size_calls_and_barriers_read_clean_in_pytorchs_analyzer(
             assert Op(e, memberships, "ep:0").type == OPS[e["op"]][0]
     with caplog.at_level(logging.INFO):  # the analyzer reports through logging
         main([str(tmp_path)])
-    capsys.readouterr()
     assert "has errors" not in caplog.text and "Culprit" not in caplog.text, caplog.text
     result = analysis.analyze(str(tmp_path))
     assert result["ok"], result
@@ -255,17 +261,45 @@ def test_groupcoord_trace_compares_the_rows_that_do_not_vary(tmp_path, case: str
     assert mismatch is not None and mismatch["seq"] == 1 and mismatch["tie"], group
 
 
-@pytest.mark.parametrize("op", ["all_gatherv", "dispatch", "all_gatherv_rows"])
-def test_a_variable_size_call_in_flight_is_no_mismatch(tmp_path, op: str) -> None:
-    """Stuck in the call (no output yet, what a watchdog dump holds): the rows that
-    differ by rank are the input's, so nothing disagrees."""
+@pytest.mark.parametrize("op", ["all_gatherv", "dispatch", "all_gatherv_rows",
+                                "reduce_scatterv"])
+@pytest.mark.parametrize("running", ["all", "one"])
+def test_a_variable_size_call_in_flight_is_no_mismatch(tmp_path, op: str,
+                                                       running: str) -> None:
+    """Stuck in the call (no output yet, what a watchdog dump holds) on every rank
+    or on one while the other completed: nothing disagrees."""
     from coordinator.trace import analysis
 
-    _write_ranks(tmp_path, lambda r: [(op, _S([r + 1, 4]), None, None)])
+    def calls(r: int) -> Any:
+        mine = _S([r + 1, 4])
+        if op == "reduce_scatterv":
+            return [(op, _S([3, 4]), None if running == "all" or r == 1 else mine, None)]
+        return [(op, mine, None if running == "all" or r == 1 else _S([3, 4]), None)]
+
+    _write_ranks(tmp_path, calls)
     entry = _load(str(tmp_path / "rank_1"))["entries"][0]
     assert entry["true_output_sizes"] is None and entry["state"] == "started", entry
     (group,) = analysis.analyze(str(tmp_path))["groups"]
     assert group["first_mismatch"] is None, group
+
+
+@pytest.mark.parametrize("op", ["all_gatherv", "all_gatherv_rows"])
+def test_a_gather_of_nothing_from_the_peers_is_no_mismatch(tmp_path, caplog, op: str) -> None:
+    """The peers sent 0 rows: rank 0's output has its input's shape (no output
+    size is recorded then), yet the call completed and agrees."""
+    from torch.distributed.flight_recorder.fr_trace import main
+
+    from coordinator.trace import analysis
+
+    _write_ranks(tmp_path, lambda r: [(op, _S([3 if r == 0 else 0, 4]),
+                                       "same" if r == 0 else _S([3, 4]), None)])
+    entry = _load(str(tmp_path / "rank_0"))["entries"][0]
+    assert entry["true_output_sizes"] == [[3, 4]] and entry["state"] == "completed", entry
+    (group,) = analysis.analyze(str(tmp_path))["groups"]
+    assert group["first_mismatch"] is None, group
+    with caplog.at_level(logging.INFO):
+        main([str(tmp_path)])
+    assert "has errors" not in caplog.text, caplog.text
 
 
 def test_a_dump_replaces_the_file_atomically_and_never_follows_a_link(tmp_path) -> None:
@@ -466,6 +500,8 @@ def variable_sizes_along_a_dim(rank: int, world_size: int, directory: str) -> No
     g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="dims")
     try:
         sizes = [r + 1 for r in range(world_size)]
+        with contextlib.suppress(TypeError):  # refused on every rank; the dumps still work
+            g.all_gatherv(torch.ones(2, 2, 3), dim="1", sizes=[2] * world_size)  # type: ignore
         g.all_gatherv(torch.ones(2, rank + 1, 3), dim=1, sizes=sizes)
         g.reduce_scatterv(torch.ones(2, sum(sizes)), dim=-1, sizes=sizes)
         write_dump(rec, rank=rank)
@@ -484,8 +520,9 @@ def test_a_groups_variable_size_calls_show_the_rows_along_their_dim(dist_pool, t
     n = 2  # the pool the other tests of this file use (-n is -2, not -1)
     dist_pool(n).run(variable_sizes_along_a_dim, str(tmp_path), timeout=45)
     for rank in range(n):
-        gv, rs = [e for e in _load(str(tmp_path / f"rank_{rank}"))["entries"]
-                  if e["op"] in ("all_gatherv", "reduce_scatterv")]
+        refused, gv, rs = [e for e in _load(str(tmp_path / f"rank_{rank}"))["entries"]
+                           if e["op"] in ("all_gatherv", "reduce_scatterv")]
+        assert refused["state"] == "failed" and refused["input_sizes"] == [[-1, 2, 3]]
         assert (gv["input_sizes"], gv["output_sizes"]) == ([[2, -1, 3]], [[2, -n, 3]]), gv
         assert gv["true_output_sizes"] == [[2, n * (n + 1) // 2, 3]], gv
         assert gv["rows_vary"] == [True, False]
