@@ -125,8 +125,9 @@ def test_each_entry_reads_as_pytorch_writes_it(tmp_path) -> None:
         assert op.type == OPS[e["op"]][0]
 
 
-#: The op types that PyTorch's analyzer lists in every version (torch 2.11's
-#: COLLECTIVES, which knows neither ``barrier`` nor ``all_gather_v``, and P2P).
+#: The op types of an analyzer from before the list grew: the types PyTorch's
+#: NCCL backend has long written, and P2P (torch 2.11's analyzer was seen to refuse
+#: ``barrier`` and ``all_gather_v``; its whole list was not read).
 _OLDEST_TYPES = frozenset({
     "broadcast", "_broadcast_oop", "reduce", "_reduce_oop", "all_gather", "all_reduce",
     "_all_gather_base", "all_gather_into_tensor_coalesced", "reduce_scatter",
@@ -190,7 +191,7 @@ def _agreeing(rank: int) -> list[tuple[str, Any, Any, Any]]:
 def test_variable_size_calls_and_barriers_read_clean_in_pytorchs_analyzer(
         tmp_path, caplog, monkeypatch, allowlist: str) -> None:
     """Every entry parses and the step reads without an error, with the installed
-    analyzer's op types and with the oldest list (torch 2.11's)."""
+    analyzer's op types and with the older, shorter list."""
     from torch.distributed.flight_recorder.components import types
     from torch.distributed.flight_recorder.fr_trace import main
 
