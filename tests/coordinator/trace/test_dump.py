@@ -136,6 +136,25 @@ _OLDEST_TYPES = frozenset({
     "REDUCE_SCATTER_coalesced", "send", "recv"})
 
 
+@pytest.fixture(params=["installed", "oldest"])
+def allowlist(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """PyTorch's analyzer with the op types it ships, or cut to the older list."""
+    from torch.distributed.flight_recorder.components import types
+
+    if request.param == "oldest":
+        monkeypatch.setattr(types, "COLLECTIVES", _OLDEST_TYPES - types.P2P)
+    return str(request.param)
+
+
+def _pytorch_report(directory: Any, caplog: pytest.LogCaptureFixture) -> str:
+    """What PyTorch's analyzer reports (through logging) on the dumps in ``directory``."""
+    from torch.distributed.flight_recorder.fr_trace import main
+
+    with caplog.at_level(logging.INFO):
+        main([str(directory)])
+    return caplog.text
+
+
 def test_every_op_type_is_one_every_analyzer_lists() -> None:
     from torch.distributed.flight_recorder.components import types
 
@@ -187,27 +206,20 @@ def _agreeing(rank: int) -> list[tuple[str, Any, Any, Any]]:
             ("all_reduce", S([h]), S([h]), None)]
 
 
-@pytest.mark.parametrize("allowlist", ["installed", "oldest"])
 def test_variable_size_calls_and_barriers_read_clean_in_pytorchs_analyzer(
-        tmp_path, caplog, monkeypatch, allowlist: str) -> None:
+        tmp_path, caplog, allowlist: str) -> None:
     """Every entry parses and the step reads without an error, with the installed
     analyzer's op types and with the older, shorter list."""
-    from torch.distributed.flight_recorder.components import types
-    from torch.distributed.flight_recorder.fr_trace import main
-
     from coordinator.trace import analysis
 
-    if allowlist == "oldest":
-        monkeypatch.setattr(types, "COLLECTIVES", _OLDEST_TYPES - types.P2P)
     _write_ranks(tmp_path, _agreeing)
     memberships = {"ep:0": {0, 1}}
     for rank in range(2):
         for e in _load(str(tmp_path / f"rank_{rank}"))["entries"]:
             assert e["profiling_name"].startswith("nccl:"), e
             assert Op(e, memberships, "ep:0").type == OPS[e["op"]][0]
-    with caplog.at_level(logging.INFO):  # the analyzer reports through logging
-        main([str(tmp_path)])
-    assert "has errors" not in caplog.text and "Culprit" not in caplog.text, caplog.text
+    report = _pytorch_report(tmp_path, caplog)
+    assert "has errors" not in report and "Culprit" not in report, report
     result = analysis.analyze(str(tmp_path))
     assert result["ok"], result
     (group,) = result["groups"]
@@ -225,21 +237,14 @@ _DISAGREEING: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("allowlist", ["installed", "oldest"])
 @pytest.mark.parametrize("case", sorted(_DISAGREEING))
 def test_pytorchs_analyzer_still_finds_a_variable_size_call_that_disagrees(
-        tmp_path, caplog, monkeypatch, allowlist: str, case: str) -> None:
-    from torch.distributed.flight_recorder.components import types
-    from torch.distributed.flight_recorder.fr_trace import main
-
+        tmp_path, caplog, allowlist: str, case: str) -> None:
     from coordinator.trace import analysis
 
-    if allowlist == "oldest":
-        monkeypatch.setattr(types, "COLLECTIVES", _OLDEST_TYPES - types.P2P)
     _write_ranks(tmp_path, lambda r: [_DISAGREEING[case](r)])
-    with caplog.at_level(logging.INFO):  # the analyzer reports through logging
-        main([str(tmp_path)])
-    assert "Collective sequence number: 1 has errors" in caplog.text, caplog.text
+    report = _pytorch_report(tmp_path, caplog)
+    assert "Collective sequence number: 1 has errors" in report, report
     (group,) = analysis.analyze(str(tmp_path))["groups"]
     assert group["first_mismatch"] is not None and group["first_mismatch"]["seq"] == 1
 
@@ -288,8 +293,6 @@ def test_a_variable_size_call_in_flight_is_no_mismatch(tmp_path, op: str,
 def test_a_gather_of_nothing_from_the_peers_is_no_mismatch(tmp_path, caplog, op: str) -> None:
     """The peers sent 0 rows: rank 0's output has its input's shape (no output
     size is recorded then), yet the call completed and agrees."""
-    from torch.distributed.flight_recorder.fr_trace import main
-
     from coordinator.trace import analysis
 
     _write_ranks(tmp_path, lambda r: [(op, _S([3 if r == 0 else 0, 4]),
@@ -298,9 +301,8 @@ def test_a_gather_of_nothing_from_the_peers_is_no_mismatch(tmp_path, caplog, op:
     assert entry["true_output_sizes"] == [[3, 4]] and entry["state"] == "completed", entry
     (group,) = analysis.analyze(str(tmp_path))["groups"]
     assert group["first_mismatch"] is None, group
-    with caplog.at_level(logging.INFO):
-        main([str(tmp_path)])
-    assert "has errors" not in caplog.text, caplog.text
+    report = _pytorch_report(tmp_path, caplog)
+    assert "has errors" not in report, report
 
 
 def test_a_dump_replaces_the_file_atomically_and_never_follows_a_link(tmp_path) -> None:
@@ -514,8 +516,6 @@ def variable_sizes_along_a_dim(rank: int, world_size: int, directory: str) -> No
 @pytest.mark.timeout(60)
 def test_a_groups_variable_size_calls_show_the_rows_along_their_dim(dist_pool, tmp_path,
                                                                     caplog) -> None:
-    from torch.distributed.flight_recorder.fr_trace import main
-
     from coordinator.trace import analysis
 
     n = 2  # the pool the other tests of this file use (-n is -2, not -1)
@@ -529,9 +529,8 @@ def test_a_groups_variable_size_calls_show_the_rows_along_their_dim(dist_pool, t
         assert gv["rows_vary"] == [True, False]
         assert (rs["input_sizes"], rs["output_sizes"]) == ([[2, -n]], [[2, -1]]), rs
         assert rs["true_output_sizes"] == [[2, rank + 1]] and rs["rows_vary"] == [False, True]
-    with caplog.at_level(logging.INFO):
-        main([str(tmp_path)])
-    assert "has errors" not in caplog.text, caplog.text
+    report = _pytorch_report(tmp_path, caplog)
+    assert "has errors" not in report, report
     assert analysis.analyze(str(tmp_path))["ok"]
 
 
