@@ -413,7 +413,7 @@ class Codec:
         try:
             if len(msg) <= SMALL_FRAME:
                 return self._decoder.decode(msg)
-            return self._safe.decode_large(msg)
+            return self._safe.decode_large(msg, blob_len > 0)  # arrays: exts hold them
         except DecodeError:
             raise
         except RecursionError:

@@ -88,14 +88,24 @@ class SafeDecoder:
         self.fast = msgspec.msgpack.Decoder(ext_hook=ext_hook)
         self._hook = ext_hook
 
-    def decode(self, data: Any) -> Any:
-        """The object of msgpack ``data`` (any buffer)."""
+    def decode(self, data: Any, exts_likely: bool = False) -> Any:
+        """The object of msgpack ``data`` (any buffer); ``exts_likely`` as in
+        :meth:`decode_large`."""
         if len(data) <= SMALL_FRAME:
             return self.fast.decode(data)
-        return self.decode_large(data)
+        return self.decode_large(data, exts_likely)
 
-    def decode_large(self, data: Any) -> Any:
+    def decode_large(self, data: Any, exts_likely: bool = False) -> Any:
         """:meth:`decode` for a frame known to be larger than :data:`SMALL_FRAME`.
+
+        Args:
+            data: The frame.
+            exts_likely: The caller expects exts in the frame (a message that
+                carries arrays holds one per array). Only the order of the
+                typed passes depends on it, never what is accepted: without
+                exts the typed pass that refuses them returns the value in one
+                pass, and with exts it fails at the first one, a pass wasted,
+                so a caller that knows better says so.
 
         Raises:
             msgspec.DecodeError: ``data`` is malformed.
@@ -103,7 +113,7 @@ class SafeDecoder:
         """
         verdict, exts = _scan(data, _QUICK_VALUES)
         if verdict is _UNSETTLED:
-            if not exts:  # likely none at all: then the typed pass's result is the value
+            if not (exts or exts_likely):  # likely none: the typed pass's result is the value
                 with contextlib.suppress(msgspec.ValidationError):
                     return _validator(str, False).decode(data)
             if _passes(_validator(str, True), data) or _passes(_validator(bytes, True), data):

@@ -54,6 +54,7 @@ def test_the_python_reader_reads_what_msgspec_reads(value):
     assert safe_msgpack._Reader(data, _hook).read() == want
     assert SafeDecoder(_hook).decode(data) == want
     assert SafeDecoder(_hook).decode(memoryview(data)) == want
+    assert SafeDecoder(_hook).decode(data, exts_likely=True) == want  # a hint, never a verdict
 
 
 def test_float32_and_every_integer_width_read_alike():
@@ -136,9 +137,10 @@ def test_every_route_of_a_large_frame_refuses_a_colliding_map():
     for name, data in frames.items():
         if len(data) <= SMALL_FRAME:
             data = b"\x92" + pad + data
-        with pytest.raises(DecodeError, match="share one hash"):
-            SafeDecoder(_hook).decode(data)
-            pytest.fail(name)
+        for exts_likely in (False, True):
+            with pytest.raises(DecodeError, match="share one hash"):
+                SafeDecoder(_hook).decode(data, exts_likely)
+                pytest.fail(f"{name}, exts_likely={exts_likely}")
 
 
 def test_a_small_frame_goes_to_msgspec_directly():
