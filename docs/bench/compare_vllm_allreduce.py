@@ -44,6 +44,7 @@ Run from the repository root (takes about a minute)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import glob
 import json
@@ -180,7 +181,8 @@ def _copy_us(nbytes: int) -> float:
     import mmap
 
     pages = (nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    area = mmap.mmap(-1, 2 * max(pages, mmap.PAGESIZE))
+    area = mmap.mmap(-1, 2 * max(pages, mmap.PAGESIZE),
+                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = ctypes.addressof(ctypes.c_char.from_buffer(area))
     src, dst = base, base + max(pages, mmap.PAGESIZE)
     ctypes.memset(src, 1, nbytes)
@@ -237,6 +239,12 @@ def _driver(cfg: dict[str, Any]) -> dict[str, Any]:
             except queue.Empty:
                 pass
             dead = [r for r, p in enumerate(procs) if str(r) not in got and p.exitcode is not None]
+            if dead:  # a result may have reached the pipe just before its rank exited
+                with contextlib.suppress(queue.Empty):
+                    while len(got) < len(procs):
+                        rank, result = q.get(timeout=0.5)
+                        got[str(rank)] = result
+                dead = [r for r in dead if str(r) not in got]
             if dead or time.monotonic() > deadline:
                 what = (f"rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]})"
                         if dead else f"no result after {cfg['timeout']} s")

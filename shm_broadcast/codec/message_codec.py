@@ -418,8 +418,10 @@ class Codec:
         self._src = blob
         self._src_start = blob_start
         self._src_len = blob_len
-        # A tensor at least this large is a view of a private blob (never, without one).
-        self._view_min = (blob_len + 1) // 2 if blob_private else _NEVER
+        # A tensor at least this large is a view of a private blob (never, without one):
+        # half the buffer the view would keep alive, whatever blob_len claims.
+        self._view_min = ((memoryview(blob).nbytes - blob_start + 1) // 2 if blob_private
+                          else _NEVER)
         self._src_span: tuple[int, int] | None = None  # (address, size), once needed
         self._budget.reset()
         try:
@@ -449,12 +451,17 @@ class Codec:
 
     def _plain_copy(self, off: int, nbytes: int, dtype: np.dtype, itemsize: int,
                     shape: tuple[int, ...], copy: bool = True) -> np.ndarray:
-        """A copy of the message's array of plain (unstructured) ``dtype`` at ``off``
-        (``copy=False``: a view of the blob, for a private one).
+        """A copy of the message's array of plain (unstructured) ``dtype`` at ``off``.
 
         Plain dtypes have no padding, so numpy's copy of a contiguous array is
         a byte copy (NaN payloads and non-0/1 bools come through as sent), done
         in one call instead of :meth:`_slice`'s three.
+
+        ``copy=False`` (a private blob): a view of the blob instead, if the blob
+        is writable there and the array starts on a multiple of its item size
+        (zmq frames start 8 bytes off 16, and torch's complex128 kernels fault
+        on less than 16); it is the message's only view, so no two arrays of a
+        message share memory, whatever offsets a writer claims.
         """
         if not self._in_area(off, nbytes, dtype, itemsize, shape):
             return np.empty(shape, dtype)
@@ -465,7 +472,10 @@ class Codec:
                 f"corrupt message: array of {nbytes} bytes at offset {off} extends beyond "
                 f"the bytes received") from None
         out: np.ndarray = raw.reshape(shape)
-        return out.copy() if copy else out
+        if copy or not out.flags.writeable or out.ctypes.data % itemsize:
+            return out.copy()
+        self._view_min = _NEVER
+        return out
 
     def _owned_tensor(self, off: int, nbytes: int, np_dtype: np.dtype, itemsize: int,
                       shape: tuple[int, ...], dtype: Any, torch: Any) -> Any:

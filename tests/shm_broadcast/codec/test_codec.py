@@ -6,7 +6,9 @@ import dataclasses
 import datetime
 import enum
 import pickle
+import warnings
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -330,3 +332,71 @@ def test_property_roundtrip_equals_pickle_roundtrip(obj):
     got, _, _ = roundtrip(obj)
     assert got == pickle.loads(pickle.dumps(obj))
     assert type(got) is type(obj)
+
+
+def _inside(t: torch.Tensor, buf: bytearray, start: int = 0) -> bool:
+    """Whether tensor ``t``'s memory lies in ``buf[start:]``."""
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    return base + start <= t.data_ptr() < base + len(buf)
+
+
+@pytest.mark.timeout(30)
+def test_a_private_blob_lends_its_large_tensor_and_copies_the_rest():
+    src = {"big": torch.arange(4096, dtype=torch.float32), "small": torch.arange(5),
+           "arr": np.arange(3.0)}
+    enc = Codec().encode(src)
+    blob = enc.blob_bytes()
+    got = Codec().decode(enc.msg, blob, 0, enc.blob_len, blob_private=True)
+    assert torch.equal(got["big"], src["big"]) and torch.equal(got["small"], src["small"])
+    assert _inside(got["big"], blob)  # a view: no copy of the bulk
+    assert not _inside(got["small"], blob) and not np.shares_memory(got["arr"], blob)
+    got["big"][0] = 7.0  # writable
+    plain = Codec().decode(enc.msg, blob, 0, enc.blob_len)  # without the flag: copies only
+    assert not _inside(plain["big"], blob) and plain["big"][0] == 7.0
+    resizable = Codec(resizable=True).decode(enc.msg, blob, 0, enc.blob_len, blob_private=True)
+    assert not _inside(resizable["big"], blob)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shift", range(0, 17, 4))
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.float64, torch.complex64,
+                                   torch.bfloat16, torch.float32], ids=str)
+def test_a_private_blob_lends_only_aligned_memory(dtype, shift):
+    """zmq frames start 8 bytes off 16; torch's complex128 kernels fault on such
+    memory, so a view is lent only where the tensor starts on its item size."""
+    src = sample(dtype, (64, 33))
+    enc = Codec().encode({"t": src})
+    buf = bytearray(shift) + enc.blob_bytes()
+    got = Codec().decode(enc.msg, buf, shift, enc.blob_len, blob_private=True)["t"]
+    assert got.data_ptr() % got.element_size() == 0
+    assert torch.equal(bits(got), bits(src))
+    assert torch.equal(bits(got[::3, 1::2].clone()), bits(src[::3, 1::2]))  # a strided kernel
+    if _inside(got, buf, shift):
+        got.view(torch.uint8).fill_(0)
+        assert not torch.equal(bits(got), bits(src))  # the view is the blob's memory
+
+
+@pytest.mark.timeout(30)
+def test_a_private_blob_lends_one_view_whatever_the_descriptors_say():
+    """A hostile writer points two tensors at the same bytes: they must still not
+    share memory."""
+    t = torch.arange(1024, dtype=torch.float32)
+    enc = Codec().encode({"a": t, "b": t.clone()})
+    raw = msgspec.msgpack.Decoder().decode(enc.msg)
+    raw["b"] = msgspec.msgpack.Ext(raw["a"].code, raw["a"].data)  # b's descriptor := a's
+    blob = enc.blob_bytes()
+    got = Codec().decode(msgspec.msgpack.encode(raw), blob, 0, enc.blob_len, blob_private=True)
+    assert torch.equal(got["a"], t) and torch.equal(got["b"], t)
+    got["a"].zero_()
+    assert torch.equal(got["b"], t)
+
+
+@pytest.mark.timeout(30)
+def test_a_read_only_private_blob_is_copied_quietly():
+    enc = Codec().encode({"t": torch.arange(1024, dtype=torch.float32)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when it wraps read-only memory
+        got = Codec().decode(enc.msg, bytes(enc.blob_bytes()), 0, enc.blob_len,
+                             blob_private=True)
+    got["t"].add_(1)
+    assert got["t"][0] == 1

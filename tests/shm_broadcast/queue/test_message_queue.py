@@ -406,11 +406,23 @@ def test_a_hash_flooding_message_is_refused_naming_the_writer(queues, big):
 
 
 @pytest.mark.timeout(60)
-def test_overflow_tensors_are_private_to_each_reader(queues):
+def test_overflow_tensors_are_private_to_each_reader(queues, monkeypatch):
     """A message too large for a chunk arrives as a zmq frame per reader, local
     and remote; its large tensor is then a view of that frame, not a copy. Each
     reader's tensors must still be its own: writable, equal to what was sent,
     and untouched by what another reader, the writer or a later message does."""
+    from shm_broadcast.codec.message_codec import Codec
+
+    lent = []  # arrays the decoders returned without copying
+    plain_copy = Codec._plain_copy
+
+    def spy(self, *args, **kwargs):
+        out = plain_copy(self, *args, **kwargs)
+        if out.base is not None:
+            lent.append(out)
+        return out
+
+    monkeypatch.setattr(Codec, "_plain_copy", spy)
     w, readers = queues(2, 1, max_chunk_bytes=4096, max_chunks=4, name="ovf")
     big = torch.arange(64 << 10, dtype=torch.float32)  # 256 KiB: the overflow path
     small = torch.arange(7, dtype=torch.int64)
@@ -430,3 +442,17 @@ def test_overflow_tensors_are_private_to_each_reader(queues):
         assert got["n"] == 2 and torch.equal(got["big"], torch.full_like(want, -1.0))
     ptrs = {t["big"].data_ptr() for t in firsts + seconds}
     assert len(ptrs) == len(firsts + seconds)  # no two messages or readers share memory
+    assert len(lent) == len(firsts + seconds)  # each big tensor was its frame's memory
+
+
+@pytest.mark.timeout(60)
+def test_an_overflow_complex128_tensor_is_aligned(queues):
+    """zmq frames start 8 bytes off 16, where torch's complex128 kernels fault:
+    such a tensor must arrive on 16 bytes (a copy) and work in strided kernels."""
+    w, readers = queues(1, 1, max_chunk_bytes=4096, max_chunks=4, name="c128")
+    sent = torch.arange(16 << 10, dtype=torch.float64).to(torch.complex128) * (1 + 2j)
+    w.enqueue({"c": sent}, timeout=10)
+    for r in readers:
+        got = r.dequeue(timeout=10)["c"]
+        assert got.data_ptr() % 16 == 0
+        assert torch.equal(got[::3].sum(), sent[::3].sum())
