@@ -473,8 +473,9 @@ class Codec:
                 f"the bytes received") from None
         out: np.ndarray = raw.reshape(shape)
         if copy or not out.flags.writeable or out.ctypes.data % itemsize:
-            return out.copy()
-        self._view_min = _NEVER
+            out = out.copy()
+        else:
+            self._view_min = _NEVER
         return out
 
     def _owned_tensor(self, off: int, nbytes: int, np_dtype: np.dtype, itemsize: int,
