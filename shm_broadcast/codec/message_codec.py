@@ -398,9 +398,11 @@ class Codec:
                 array is read).
             blob_private: ``blob`` is a writable buffer that nothing else reads
                 or writes once this call returns (a frame this process received):
-                a tensor of at least half the blob is then a view of it, not a
-                copy (unless ``resizable``), so the blob lives as long as such
-                a tensor and holds at most twice its bytes.
+                a tensor of at least half the buffer is then a view of it, not
+                a copy (unless ``resizable``; at most one per message, and only
+                where it starts on a multiple of its item size: see
+                :meth:`_plain_copy`), so the buffer lives as long as that
+                tensor and holds at most twice its bytes.
 
         Returns:
             The object; every array in it is a private copy, or, with
