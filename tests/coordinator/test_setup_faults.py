@@ -19,6 +19,7 @@ import pytest
 
 from coordinator.testing import free_port
 from tests.child_env import child_env
+from tests.start_together import READY, start_together
 
 TIMEOUT = 2.0
 
@@ -27,6 +28,7 @@ import importlib, json, os, signal, sys, time
 rank, ws, port, victim, fault, call, point = (int(sys.argv[1]), int(sys.argv[2]),
     int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7])
 from coordinator import parallel_state as ps
+""" + READY + """
 ps.init_distributed_environment(ws, rank, f"tcp://127.0.0.1:{port}", rank, timeout=TIMEOUT)
 if call != "initialize_model_parallel":
     ps.initialize_model_parallel(ws)
@@ -78,9 +80,11 @@ def test_peers_of_a_rank_lost_in_set_up_raise_our_error_naming_it(
     ws, port = 2, free_port()
     env = child_env(OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(ws), str(port), str(victim),
-                               fault, call, point], stdout=subprocess.PIPE, text=True, env=env)
+                               fault, call, point], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=env)
              for r in range(ws)]
     try:
+        start_together(dict(enumerate(procs)), within=60)  # the 2 s init must not time out
         survivors = [r for r in range(ws) if r != victim]
         out = {r: json.loads(procs[r].communicate(timeout=90)[0].strip().splitlines()[-1])
                for r in survivors}

@@ -9,15 +9,14 @@ went away) naming the ranks they waited for, within the timeout plus a grace.
 from __future__ import annotations
 
 import json
-import select
 import subprocess
 import sys
-import time
 
 import pytest
 
 from coordinator.testing import free_port
 from tests.child_env import child_env
+from tests.start_together import READY, start_together
 
 TIMEOUT = 2.0
 
@@ -25,8 +24,7 @@ RANK = f"TIMEOUT = {TIMEOUT!r}\n" + """
 import json, sys, time
 from coordinator import parallel_state as ps
 rank, ws, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-print("ready", flush=True)  # imported: the ranks start the call together
-sys.stdin.readline()
+""" + READY + """
 t0 = time.monotonic()
 try:
     ps.init_distributed_environment(ws, rank, f"tcp://127.0.0.1:{port}", rank, timeout=TIMEOUT)
@@ -37,22 +35,6 @@ except Exception as e:
 out["t"] = time.monotonic() - t0
 print(json.dumps(out), flush=True)
 """
-
-
-def _start_together(procs: dict[int, subprocess.Popen[str]], within: float) -> None:
-    """Wait until every rank imported (its "ready" line), then let all of them go: the
-    ranks that do come then reach rank 0's store well within its 2 s timeout, also
-    when imports take seconds on a loaded machine."""
-    deadline = time.monotonic() + within
-    for r, p in procs.items():
-        assert p.stdout is not None and p.stdin is not None
-        ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        line = p.stdout.readline() if ready else ""
-        assert line.strip() == "ready", f"rank {r} did not start: {line!r}"
-    for p in procs.values():
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
 
 
 @pytest.mark.timeout(120)
@@ -70,7 +52,7 @@ def test_ranks_that_never_arrive_are_named(world_size: int, missing: tuple[int, 
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  env=env) for r in ranks}
     try:
-        _start_together(procs, within=60)
+        start_together(procs, within=60)
         out = {r: json.loads(p.communicate(timeout=90)[0].strip().splitlines()[-1])
                for r, p in procs.items()}
     finally:

@@ -1,0 +1,37 @@
+"""Start the rank processes of a test at one moment, after each has imported.
+
+A rank process that starts ``init_distributed_environment`` with a short
+timeout must reach rank 0's store in time; importing torch and the library
+takes seconds on a loaded two-core machine, and one rank's import can lag the
+other's by more than that timeout. So a rank script prints ``ready`` once it
+has imported and waits for a line on stdin; :func:`start_together` waits for
+every ``ready`` and then lets all of them go.
+"""
+
+from __future__ import annotations
+
+import select
+import subprocess
+import time
+from collections.abc import Mapping
+
+__all__ = ["READY", "start_together"]
+
+#: The rank script's lines: say it has imported, then wait to be let go.
+READY = 'print("ready", flush=True)\nsys.stdin.readline()\n'
+
+
+def start_together(procs: Mapping[int, subprocess.Popen[str]], within: float) -> None:
+    """Wait until every process printed ``ready`` (within ``within`` seconds in all),
+    then write a line to each one's stdin. The processes need ``stdin`` and
+    ``stdout`` pipes in text mode."""
+    deadline = time.monotonic() + within
+    for r, p in procs.items():
+        assert p.stdout is not None and p.stdin is not None
+        ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = p.stdout.readline() if ready else ""
+        assert line.strip() == "ready", f"rank {r} did not start: {line!r}"
+    for p in procs.values():
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
