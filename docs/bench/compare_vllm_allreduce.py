@@ -44,7 +44,6 @@ Run from the repository root (takes about a minute)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import glob
 import json
@@ -231,6 +230,7 @@ def _driver(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         got: dict[str, Any] = {}
         deadline = time.monotonic() + cfg["timeout"]
+        exited: list[int] = []  # ranks gone without a result at the previous look
         while len(got) < len(procs):  # a rank that died fails the round now, not at the timeout
             try:
                 rank, result = q.get(timeout=1.0)
@@ -238,13 +238,11 @@ def _driver(cfg: dict[str, Any]) -> dict[str, Any]:
                 continue
             except queue.Empty:
                 pass
-            dead = [r for r, p in enumerate(procs) if str(r) not in got and p.exitcode is not None]
-            if dead:  # a result may have reached the pipe just before its rank exited
-                with contextlib.suppress(queue.Empty):
-                    while len(got) < len(procs):
-                        rank, result = q.get(timeout=0.5)
-                        got[str(rank)] = result
-                dead = [r for r in dead if str(r) not in got]
+            # A rank counts as dead once it has been gone for a whole get: a result it put
+            # just before exiting has then been read.
+            dead = [r for r in exited if str(r) not in got]
+            exited = [r for r, p in enumerate(procs)
+                      if str(r) not in got and p.exitcode is not None]
             if dead or time.monotonic() > deadline:
                 what = (f"rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]})"
                         if dead else f"no result after {cfg['timeout']} s")
