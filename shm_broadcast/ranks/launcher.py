@@ -14,12 +14,28 @@ Two ways to use it:
   are reported one by one: a rank that dies does **not** stop the others, so a
   test can kill a rank on purpose and check what the survivors saw.
 
-What holds for every rank started here: it is a ``spawn`` child (no inherited
-threads or CUDA state); it dies with its parent process, whichever thread
+What holds for every rank started here: it inherits no threads, CUDA state or
+objects of its parent; it dies with its parent process, whichever thread
 started it (:func:`die_with_parent`); :func:`stop_ranks`
 sends SIGTERM first (ranks unlink the shared memory they own on SIGTERM), then
 SIGKILL, reaps every process and unlinks the segments still owned by a dead
 rank.
+
+How a rank starts (``start_method``, or the environment variable
+:data:`START_METHOD_ENV`):
+
+* ``spawn`` (the default): a fresh interpreter, which imports torch again
+  (seconds of CPU on a small machine);
+* ``forkserver``: a fork of this process's ``multiprocessing`` fork server,
+  which imported torch and the target's module once, when it started (the
+  first such start in this process). A rank starts in a fraction of the time,
+  which is what a test suite that starts hundreds of ranks wants. The rank
+  runs with this process's environment of the moment, as under ``spawn``,
+  except for what was read when the server loaded torch: if a variable that
+  libraries read at load (``OMP_*``, ``MKL_*``, ``TORCH*``, ``CUDA*``... see
+  :data:`LOAD_TIME_PREFIXES`) has changed since the server started, or the
+  ranks are pinned to CPUs (the OpenMP runtime sized its pool before the pin),
+  the ranks are spawned instead.
 """
 
 from __future__ import annotations
@@ -44,6 +60,9 @@ from shm_broadcast.checks import check_int
 from shm_broadcast.ranks.tcp_store import client_store, master_store
 
 __all__ = [
+    "LOAD_TIME_PREFIXES",
+    "START_METHODS",
+    "START_METHOD_ENV",
     "RankOutcome",
     "describe_exit",
     "die_with_parent",
@@ -51,11 +70,22 @@ __all__ = [
     "per_rank_env",
     "pin_to_cpu",
     "spawn_group",
+    "start_process",
     "start_ranks",
     "stop_ranks",
 ]
 
 EnvArg = Mapping[str, str] | Sequence[Mapping[str, str]] | None
+
+#: The ways :func:`start_ranks` starts a rank (see the module docstring).
+START_METHODS = ("spawn", "forkserver")
+#: The environment variable that picks the start method where the caller does not.
+START_METHOD_ENV = "GROUPCOORD_RANK_START"
+#: Environment variables with these prefixes may be read when torch and its
+#: libraries load (the OpenMP runtime reads ``OMP_NUM_THREADS`` then): a fork
+#: server whose value differs from this process's is not used.
+LOAD_TIME_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_",
+                      "CUDA", "NVIDIA_", "NCCL_", "LD_", "PYTHON", "MALLOC_")
 
 
 # ---------------------------------------------------------------- primitives
@@ -130,34 +160,72 @@ def die_with_parent(parent_pid: int) -> None:
     pipe a ``multiprocessing`` parent keeps open until it exits
     (``multiprocessing.parent_process().sentinel``), and the parent pid
     (``getppid()`` changes when the parent dies, also while a forked copy of
-    the parent still holds the pipe). When the parent is gone the child sends
-    itself SIGTERM (ranks unlink the shared memory they own on it), then
-    SIGKILL after :data:`PARENT_GONE_GRACE_S`. ``PR_SET_PDEATHSIG`` is not
-    used: it fires when the parent's *thread* that started the child exits,
-    so ranks started from a short-lived thread would die with it.
+    the parent still holds the pipe). A child whose operating-system parent is
+    not ``parent_pid`` (a fork server's child) watches ``parent_pid`` itself,
+    through a pidfd (readable once that process has exited), and its own
+    parent. When the parent is gone the child sends itself SIGTERM (ranks
+    unlink the shared memory they own on it), then SIGKILL after
+    :data:`PARENT_GONE_GRACE_S`. ``PR_SET_PDEATHSIG`` is not used: it fires
+    when the parent's *thread* that started the child exits, so ranks started
+    from a short-lived thread would die with it.
     """
-    parent = mp.parent_process()
-    sentinel = parent.sentinel if parent is not None and parent.pid == parent_pid else None
-    threading.Thread(target=_exit_with_parent, args=(parent_pid, sentinel),
+    os_parent = os.getppid()
+    watch: int | None = None
+    if os_parent == parent_pid:
+        parent = mp.parent_process()
+        if parent is not None and parent.pid == parent_pid:
+            watch = parent.sentinel
+    else:  # a fork server's child (or the parent died before this line)
+        try:
+            watch = os.pidfd_open(parent_pid)
+        except ProcessLookupError:
+            os._exit(1)
+        except (AttributeError, OSError):  # no pidfds here: the pid alone, once a second
+            watch = None
+    threading.Thread(target=_exit_with_parent,
+                     args=(os_parent, watch, parent_pid if os_parent != parent_pid else None),
                      name="die-with-parent", daemon=True).start()
-    if os.getppid() != parent_pid:  # the parent died before the watch began
+    if os_parent != parent_pid and not _pid_alive(parent_pid):
         os._exit(1)
 
 
-def _exit_with_parent(parent_pid: int, sentinel: int | None) -> None:
-    """Wait until the parent process is gone, then end this process."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exit_with_parent(os_parent: int, fd: int | None, pid: int | None) -> None:
+    """Wait until the parent process is gone, then end this process.
+
+    ``fd`` is the parent's sentinel pipe (``pid`` None) or a pidfd of ``pid``
+    (readable once it exited); ``os_parent`` is this process's parent at the
+    start, which changes when it dies.
+    """
     poller = select.poll()
-    if sentinel is not None:
-        poller.register(sentinel, select.POLLIN | select.POLLHUP)
-    while os.getppid() == parent_pid:
+    if fd is not None:
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+    while os.getppid() == os_parent:
         events = [ev for _, ev in poller.poll(1000)]
-        if not events or sentinel is None:  # events come from the sentinel only
+        if pid is not None:  # a pidfd, or the pid alone
+            if fd is not None and any(ev & select.POLLNVAL for ev in events):
+                poller.unregister(fd)  # closed here by mistake: watch the pid alone
+                fd, events = None, []
+            if events or not _pid_alive(pid):
+                break
+            continue
+        if not events or fd is None:  # events come from the sentinel only
             continue
         if any(ev & select.POLLNVAL for ev in events):
-            poller.unregister(sentinel)  # closed here by mistake: watch the pid alone
+            poller.unregister(fd)  # closed here by mistake: watch the pid alone
+            fd = None
         elif any(ev & select.POLLHUP for ev in events):
             break  # the parent's end closed: it exited
-        elif os.read(sentinel, 4096) == b"":
+        elif os.read(fd, 4096) == b"":
             break  # end of file: the same
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(PARENT_GONE_GRACE_S)
@@ -178,28 +246,138 @@ def start_ranks(
     *,
     name: str,
     duplex: bool,
+    start_method: str | None = None,
+    pinned: bool = False,
 ) -> tuple[list[Any], list[Connection]]:
-    """Start ``world_size`` spawn children running ``target(*args_of(rank, pipe_end))``.
+    """Start ``world_size`` children running ``target(*args_of(rank, pipe_end))``.
 
-    Returns the processes and the parent's ends of their pipes, by rank. If a
-    start fails, the ranks already started are stopped before re-raising.
+    Args:
+        target: Module-level function the child runs.
+        world_size: Number of children.
+        args_of: ``(rank, child's pipe end) -> target's arguments``.
+        name: Process name prefix (the rank is appended).
+        duplex: Whether the pipes carry messages both ways.
+        start_method: One of :data:`START_METHODS`; None: the value of
+            :data:`START_METHOD_ENV`, else ``spawn`` (see the module docstring).
+        pinned: The children pin themselves to CPUs (always spawned).
+
+    Returns:
+        The processes and the parent's ends of their pipes, by rank. If a
+        start fails, the ranks already started are stopped before re-raising.
+
+    Raises:
+        TypeError: ``start_method`` is neither a str nor None.
+        ValueError: ``start_method`` (or the environment variable) names no
+            start method.
     """
-    ctx = mp.get_context("spawn")
+    method = _method(start_method)
     procs: list[Any] = []
     conns: list[Connection] = []
     try:
         for rank in range(world_size):
-            parent, child = ctx.Pipe(duplex=duplex)
-            p = ctx.Process(target=target, args=args_of(rank, child),
-                            name=f"{name}{rank}", daemon=True)
+            parent, child = mp.Pipe(duplex=duplex)
             conns.append(parent)
-            p.start()
+            p = start_process(target, args_of(rank, child), name=f"{name}{rank}",
+                              start_method=method, pinned=pinned)
             child.close()
             procs.append(p)
     except BaseException:
         stop_ranks(procs, conns)
         raise
     return procs, conns
+
+
+def start_process(target: Callable[..., None], args: tuple[Any, ...], *, name: str,
+                  start_method: str | None = None, pinned: bool = False) -> Any:
+    """Start one daemon child running ``target(*args)``, the way :func:`start_ranks` does.
+
+    For a harness with its own queues and events: ``multiprocessing`` objects
+    of the ``spawn`` context (queues, events, pipes) may be passed in ``args``
+    whichever way the child starts.
+
+    Args:
+        target: Module-level function the child runs.
+        args: Its arguments (picklable).
+        name: Process name.
+        start_method: As for :func:`start_ranks`.
+        pinned: The child pins itself to a CPU (always spawned).
+
+    Returns:
+        The started ``multiprocessing`` process.
+
+    Raises:
+        TypeError: ``start_method`` is neither a str nor None.
+        ValueError: ``start_method`` (or the environment variable) names no
+            start method.
+    """
+    ctx, env = _start_context(target, _method(start_method), pinned)
+    if env is None:
+        p = ctx.Process(target=target, args=args, name=name, daemon=True)
+    else:
+        p = ctx.Process(target=_with_environment, args=(env, target, *args), name=name,
+                        daemon=True)
+    p.start()
+    return p
+
+
+class _ForkServerEnv:
+    """The environment this process's fork server started with, once it has."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.env: dict[str, str] | None = None
+
+
+_FORK_SERVER = _ForkServerEnv()
+
+
+def _load_time(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES)}
+
+
+def _method(start_method: str | None) -> str:
+    """The start method named by the argument, else by the environment, else spawn."""
+    if start_method is None:
+        method = os.environ.get(START_METHOD_ENV, "spawn")
+        if method not in START_METHODS:
+            raise ValueError(f"environment variable {START_METHOD_ENV} must be one of "
+                             f"{list(START_METHODS)}, got {method!r}")
+        return method
+    if not isinstance(start_method, str):
+        raise TypeError(f"start_method must be a str (one of {list(START_METHODS)}) or None, "
+                        f"got {type(start_method).__name__}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {list(START_METHODS)}, "
+                         f"got {start_method!r}")
+    return start_method
+
+
+def _start_context(target: Callable[..., None], method: str,
+                   pinned: bool) -> tuple[Any, dict[str, str] | None]:
+    """The ``multiprocessing`` context to start a child with, and the environment a
+    fork server's child must take on (None: spawned, it inherits it)."""
+    if method == "spawn" or pinned or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn"), None
+    env = dict(os.environ)
+    ctx = mp.get_context("forkserver")
+    with _FORK_SERVER.lock:
+        if _FORK_SERVER.env is None:
+            # Takes effect when the server starts, at the first start below. A
+            # script's own functions (``__main__``) are imported by each child.
+            module = getattr(target, "__module__", None)
+            ctx.set_forkserver_preload(
+                ["torch"] + ([module] if module and module != "__main__" else []))
+            _FORK_SERVER.env = env
+        elif _load_time(env) != _load_time(_FORK_SERVER.env):
+            return mp.get_context("spawn"), None
+    return ctx, env
+
+
+def _with_environment(env: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """A fork server's child: take on the starting process's environment, then run."""
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
 
 
 def _signal_all(procs: Sequence[Any], sig: int) -> None:
@@ -269,6 +447,7 @@ def spawn_group(
     env: EnvArg = None,
     timeout: float = 300.0,
     pin_cpus: bool = False,
+    start_method: str | None = None,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
 
@@ -284,6 +463,7 @@ def spawn_group(
         timeout: Seconds before ranks still running are killed.
         pin_cpus: Bind rank ``r`` (all its threads) to the ``r``-th allowed CPU
             (round robin), as MPI launchers do by default for benchmarks.
+        start_method: How the ranks start (see :func:`start_ranks`).
 
     Returns:
         One :class:`RankOutcome` per rank, by rank.
@@ -299,7 +479,7 @@ def spawn_group(
             _spawn_child, world_size,
             lambda r, child: (fn, r, world_size, port, tuple(args), envs[r], child, me,
                               timeout, pin_cpus),
-            name="gc-rank", duplex=False)
+            name="gc-rank", duplex=False, start_method=start_method, pinned=pin_cpus)
         try:
             return _collect_outcomes(procs, conns, timeout)
         finally:

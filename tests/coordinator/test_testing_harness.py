@@ -29,6 +29,7 @@ from coordinator.errors import (
     RankFailedError,
 )
 from coordinator.testing import DistributedPool, live_pool_pids, run_distributed
+from shm_broadcast.ranks.launcher import START_METHOD_ENV
 from tests.child_env import child_env
 
 
@@ -159,11 +160,13 @@ def test_startup_failure_is_reported():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
 @pytest.mark.parametrize("starter", [pytest.param("main_thread", marks=pytest.mark.slow),
                                      "short_lived_thread"])
-def test_ranks_die_with_their_parent(tmp_path, starter: str):
+def test_ranks_die_with_their_parent(tmp_path, starter: str, method: str):
     """SIGKILL the process that owns a pool: its ranks must not outlive it. A pool
-    started from a thread that has exited since keeps its ranks until then."""
+    started from a thread that has exited since keeps its ranks until then. Ranks
+    forked by a fork server (whose parent is the server) watch the owner too."""
     script = tmp_path / "owner.py"
     script.write_text(textwrap.dedent(f"""
         import os, sys, threading, time
@@ -186,6 +189,7 @@ def test_ranks_die_with_their_parent(tmp_path, starter: str):
             time.sleep(120)
     """))
     env = child_env()
+    env[START_METHOD_ENV] = method
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                              env=env, cwd=os.getcwd())
     try:

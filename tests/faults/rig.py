@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -35,7 +34,7 @@ from typing import Any
 
 import psutil
 
-from shm_broadcast.ranks.launcher import describe_exit, die_with_parent, stop_ranks
+from shm_broadcast.ranks.launcher import describe_exit, die_with_parent, start_ranks, stop_ranks
 from tests.faults.contract import DESTRUCTIVE
 
 __all__ = ["CaseRun", "FaultRig", "live_rig_pids"]
@@ -77,12 +76,10 @@ class CaseRun:
 
 
 class _Worker:
-    def __init__(self, ctx: Any, parent_pid: int) -> None:
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, parent_pid),
-                                name="gc-fault-rank", daemon=True)
-        self.proc.start()
-        child.close()
+    def __init__(self, parent_pid: int) -> None:
+        procs, conns = start_ranks(_worker_main, 1, lambda _r, child: (child, parent_pid),
+                                   name="gc-fault-rank", duplex=True)
+        self.proc, self.conn = procs[0], conns[0]
         self.pid: int = self.proc.pid
         self.idle = False
 
@@ -106,7 +103,6 @@ class FaultRig:
     """Reusable rank processes for fault cases (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._ctx = mp.get_context("spawn")
         self.workers: list[_Worker] = []
         self._size = 0  # workers kept (the largest world size asked for)
         _RIGS.add(self)
@@ -114,7 +110,7 @@ class FaultRig:
     # ------------------------------------------------------------------ pool
     def _top_up(self) -> None:
         while len(self.workers) < self._size:
-            self.workers.append(_Worker(self._ctx, os.getpid()))
+            self.workers.append(_Worker(os.getpid()))
 
     def _take(self, n: int) -> list[_Worker]:
         self._size = max(self._size, n)

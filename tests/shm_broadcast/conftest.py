@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
+from shm_broadcast.ranks.launcher import start_process
+
 
 class Procs:
-    """Spawned child processes of one test, reaped whatever happens."""
+    """Child processes of one test, reaped whatever happens."""
 
     def __init__(self) -> None:
         self.ctx = mp.get_context("spawn")
@@ -23,9 +25,9 @@ class Procs:
         self.started: list[Any] = []
 
     def start(self, target: Callable[..., None], *args: Any) -> Any:
-        """Start ``target(*args, out_queue)`` in a fresh (spawn) process."""
-        p = self.ctx.Process(target=target, args=(*args, self.out), daemon=True)
-        p.start()
+        """Start ``target(*args, out_queue)`` in a fresh process (as the launcher
+        starts ranks: see :func:`~shm_broadcast.ranks.launcher.start_process`)."""
+        p = start_process(target, (*args, self.out), name=f"gc-test-{target.__name__}")
         self.started.append(p)
         return p
 

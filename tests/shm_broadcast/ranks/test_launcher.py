@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from shm_broadcast.ranks.launcher import (
+    START_METHOD_ENV,
     describe_exit,
     per_rank_env,
     spawn_group,
@@ -43,6 +44,12 @@ def _idle_child(conn) -> None:
     conn.recv()
 
 
+def _environment_and_parent(rank: int, world_size: int) -> tuple[str | None, str | None, int]:
+    """The probe variables and this rank's operating-system parent."""
+    return (os.environ.get("GC_LAUNCHER_LATE"), os.environ.get("GC_LAUNCHER_GONE"),
+            os.getppid())
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("world_size", [pytest.param(3, marks=pytest.mark.slow), 4])
 def test_each_rank_reports_its_own_outcome(world_size: int) -> None:
@@ -72,6 +79,49 @@ def test_env_reaches_each_rank() -> None:
     outs = spawn_group(_env_value, 2, env=[{"GC_LAUNCHER_PROBE": "a"},
                                            {"GC_LAUNCHER_PROBE": "b"}], timeout=120)
     assert [o.result for o in outs] == ["a", "b"]
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_ranks_see_the_environment_of_the_moment_they_start(monkeypatch, method: str) -> None:
+    """Whichever way a rank starts, it sees the caller's environment as it is at
+    the start (a fork server started earlier holds an older one)."""
+    monkeypatch.setenv("GC_LAUNCHER_GONE", "set before the first start")
+    spawn_group(_environment_and_parent, 1, timeout=120, start_method=method)
+    monkeypatch.setenv("GC_LAUNCHER_LATE", "set later")
+    monkeypatch.delenv("GC_LAUNCHER_GONE")
+    outs = spawn_group(_environment_and_parent, 2, timeout=120, start_method=method)
+    assert [o.result[:2] for o in outs] == [("set later", None)] * 2, outs
+    spawned = [o.result[2] == os.getpid() for o in outs]
+    assert spawned == [method == "spawn"] * 2, (method, outs)
+
+
+def test_a_load_time_variable_changed_since_the_fork_server_started_means_spawn(
+        monkeypatch) -> None:
+    """The OpenMP runtime read OMP_NUM_THREADS when the server loaded torch: with
+    another value now, the ranks are spawned, and see it."""
+    spawn_group(_environment_and_parent, 1, timeout=120, start_method="forkserver")
+    value = str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    monkeypatch.setenv("GC_LAUNCHER_LATE", value)
+    outs = spawn_group(_environment_and_parent, 1, timeout=120, start_method="forkserver")
+    assert outs[0].result == (value, None, os.getpid()), outs
+
+
+@pytest.mark.parametrize("how, value, exc, match", [
+    ("argument", "fork", ValueError, r"start_method must be one of \['spawn', 'forkserver'\], "
+                                     r"got 'fork'"),
+    ("argument", 1, TypeError, "start_method must be a str .* got int"),
+    ("environment", "threads", ValueError, f"{START_METHOD_ENV} must be one of .* got 'threads'"),
+])
+def test_an_unknown_start_method_is_refused(monkeypatch, how, value, exc, match) -> None:
+    kwargs = {}
+    if how == "argument":
+        kwargs["start_method"] = value
+    else:
+        monkeypatch.setenv(START_METHOD_ENV, value)
+    with pytest.raises(exc, match=match):
+        start_ranks(_idle_child, 1, lambda r, child: (child,), name="gc-launcher-test",
+                    duplex=True, **kwargs)
 
 
 def test_stop_ranks_terminates_reaps_and_closes() -> None:
