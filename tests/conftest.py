@@ -216,8 +216,9 @@ def _descendants(roots: set[int], ppids: dict[int, int]) -> set[int]:
 
 def _pool_family(tree: dict[int, int]) -> set[int]:
     """Pids of pool workers (``dist_pool``'s and the pytest plugin's ranks) and their
-    descendants (allowed to outlive a test); the workers are this process's children,
-    so ``tree`` (this process's) holds them."""
+    descendants (allowed to outlive a test); the workers are this process's
+    descendants (children, or children of its fork server), so ``tree`` (this
+    process's) holds them."""
     pids = set(live_pool_pids()) | set(live_rank_pids())
     return pids | _descendants(pids, tree)
 

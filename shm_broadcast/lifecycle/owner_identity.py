@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["OwnerIdentity", "write_owner_record", "read_owner_record", "judge_owner",
-           "own_start_ticks"]
+           "own_start_ticks", "pid_exists"]
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity | None = N
     if me is None:
         me = OwnerIdentity.of_self()
     if exists is None:
-        exists = _pid_exists
+        exists = pid_exists
     if isinstance(rec, OwnerIdentity) and rec.pid != pid:
         rec = f"owner record names pid {rec.pid}, the segment name pid {pid}"
     if isinstance(rec, str):
@@ -170,7 +170,8 @@ def own_start_ticks() -> int | None:
     return _start_ticks(os.getpid()) if _proc_is_ours() else None
 
 
-def _pid_exists(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts)."""
     if pid <= 0:
         return False
     try:

@@ -29,17 +29,23 @@ How a rank starts (``start_method``, or the environment variable
 * ``forkserver``: a fork of this process's ``multiprocessing`` fork server,
   which imported torch and the target's module once, when it started (the
   first such start in this process). A rank starts in a fraction of the time,
-  which is what a test suite that starts hundreds of ranks wants. The rank
-  runs with this process's environment of the moment, as under ``spawn``,
-  except for what was read when the server loaded torch: if a variable that
-  libraries read at load (``OMP_*``, ``MKL_*``, ``TORCH*``, ``CUDA*``... see
-  :data:`LOAD_TIME_PREFIXES`) has changed since the server started, or the
-  ranks are pinned to CPUs (the OpenMP runtime sized its pool before the pin),
-  the ranks are spawned instead.
+  which is what a test suite that starts hundreds of ranks wants. As under
+  ``spawn``, the rank has this process's environment, stdout and stderr of
+  the moment (taken on before the target's module is imported), its working
+  directory and ``sys.path``, and its exit handlers run. What differs: the
+  modules the server imported (torch, the target's module) read the
+  environment the server started with, and the umask and resource limits are
+  the server's. So where a variable that libraries read at load (``OMP_*``,
+  ``MKL_*``, ``TORCH*``, ``CUDA*``... see :data:`LOAD_TIME_PREFIXES`) has
+  changed since the server started, where the ranks are pinned to CPUs (the
+  OpenMP runtime sized its pool before the pin), or where another part of the
+  program started the fork server first (what it loaded is unknown), the
+  ranks are spawned instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import multiprocessing as mp
@@ -48,6 +54,7 @@ import random
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -57,6 +64,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from shm_broadcast.checks import check_int
+from shm_broadcast.lifecycle.owner_identity import pid_exists
 from shm_broadcast.ranks.tcp_store import client_store, master_store
 
 __all__ = [
@@ -161,72 +169,58 @@ def die_with_parent(parent_pid: int) -> None:
     (``multiprocessing.parent_process().sentinel``), and the parent pid
     (``getppid()`` changes when the parent dies, also while a forked copy of
     the parent still holds the pipe). A child whose operating-system parent is
-    not ``parent_pid`` (a fork server's child) watches ``parent_pid`` itself,
-    through a pidfd (readable once that process has exited), and its own
-    parent. When the parent is gone the child sends itself SIGTERM (ranks
-    unlink the shared memory they own on it), then SIGKILL after
-    :data:`PARENT_GONE_GRACE_S`. ``PR_SET_PDEATHSIG`` is not used: it fires
-    when the parent's *thread* that started the child exits, so ranks started
-    from a short-lived thread would die with it.
+    not ``parent_pid`` (a fork server's child) watches, besides that pipe and
+    its own parent, ``parent_pid`` itself through a pidfd (readable once that
+    process has exited; where pidfds are missing, the pid once a second). When
+    the parent is gone the child sends itself SIGTERM (ranks unlink the shared
+    memory they own on it), then SIGKILL after :data:`PARENT_GONE_GRACE_S`.
+    ``PR_SET_PDEATHSIG`` is not used: it fires when the parent's *thread* that
+    started the child exits, so ranks started from a short-lived thread would
+    die with it.
     """
     os_parent = os.getppid()
-    watch: int | None = None
-    if os_parent == parent_pid:
-        parent = mp.parent_process()
-        if parent is not None and parent.pid == parent_pid:
-            watch = parent.sentinel
-    else:  # a fork server's child (or the parent died before this line)
+    parent = mp.parent_process()
+    sentinel = parent.sentinel if parent is not None and parent.pid == parent_pid else None
+    pidfd: int | None = None
+    watch_pid: int | None = None
+    if os_parent != parent_pid:  # a fork server's child (or the parent died before this line)
+        watch_pid = parent_pid
         try:
-            watch = os.pidfd_open(parent_pid)
+            pidfd = os.pidfd_open(parent_pid)
         except ProcessLookupError:
             os._exit(1)
-        except (AttributeError, OSError):  # no pidfds here: the pid alone, once a second
-            watch = None
-    threading.Thread(target=_exit_with_parent,
-                     args=(os_parent, watch, parent_pid if os_parent != parent_pid else None),
+        except (AttributeError, OSError):  # no pidfds here: the pid, once a second
+            pidfd = None
+    threading.Thread(target=_exit_with_parent, args=(os_parent, sentinel, pidfd, watch_pid),
                      name="die-with-parent", daemon=True).start()
-    if os_parent != parent_pid and not _pid_alive(parent_pid):
+    if watch_pid is not None and not pid_exists(watch_pid):
         os._exit(1)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _exit_with_parent(os_parent: int, fd: int | None, pid: int | None) -> None:
+def _exit_with_parent(os_parent: int, sentinel: int | None, pidfd: int | None,
+                      pid: int | None) -> None:
     """Wait until the parent process is gone, then end this process.
 
-    ``fd`` is the parent's sentinel pipe (``pid`` None) or a pidfd of ``pid``
-    (readable once it exited); ``os_parent`` is this process's parent at the
-    start, which changes when it dies.
+    ``sentinel`` is the parent's pipe (end of file once it exited), ``pidfd``
+    a pidfd of ``pid`` (readable once it exited), ``pid`` the parent's pid when
+    it is not ``os_parent`` (this process's parent at the start, which changes
+    when that one dies).
     """
     poller = select.poll()
-    if fd is not None:
-        poller.register(fd, select.POLLIN | select.POLLHUP)
+    for fd in (sentinel, pidfd):
+        if fd is not None:
+            poller.register(fd, select.POLLIN | select.POLLHUP)
     while os.getppid() == os_parent:
-        events = [ev for _, ev in poller.poll(1000)]
-        if pid is not None:  # a pidfd, or the pid alone
-            if fd is not None and any(ev & select.POLLNVAL for ev in events):
-                poller.unregister(fd)  # closed here by mistake: watch the pid alone
-                fd, events = None, []
-            if events or not _pid_alive(pid):
-                break
-            continue
-        if not events or fd is None:  # events come from the sentinel only
-            continue
-        if any(ev & select.POLLNVAL for ev in events):
-            poller.unregister(fd)  # closed here by mistake: watch the pid alone
-            fd = None
-        elif any(ev & select.POLLHUP for ev in events):
-            break  # the parent's end closed: it exited
-        elif os.read(fd, 4096) == b"":
-            break  # end of file: the same
+        gone = False
+        for fd, ev in poller.poll(1000):
+            if ev & select.POLLNVAL:
+                poller.unregister(fd)  # closed here by mistake: the other checks remain
+                if fd == pidfd:
+                    pidfd = None
+            elif fd == pidfd or ev & select.POLLHUP or os.read(fd, 4096) == b"":
+                gone = True  # the pidfd is readable, or the pipe's end closed: exited
+        if gone or (pid is not None and pidfd is None and not pid_exists(pid)):
+            break
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(PARENT_GONE_GRACE_S)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -314,18 +308,21 @@ def start_process(target: Callable[..., None], args: tuple[Any, ...], *, name: s
     if env is None:
         p = ctx.Process(target=target, args=args, name=name, daemon=True)
     else:
-        p = ctx.Process(target=_with_environment, args=(env, target, *args), name=name,
-                        daemon=True)
+        p = ctx.Process(target=_with_environment, args=(_StarterState(env), target, *args),
+                        name=name, daemon=True)
     p.start()
     return p
 
 
 class _ForkServerEnv:
-    """The environment this process's fork server started with, once it has."""
+    """What this module knows of the process's fork server."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        #: The environment it started with (None: not started by this module).
         self.env: dict[str, str] | None = None
+        #: Another's server was running before this module's first start.
+        self.foreign = False
 
 
 _FORK_SERVER = _ForkServerEnv()
@@ -333,6 +330,14 @@ _FORK_SERVER = _ForkServerEnv()
 
 def _load_time(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES)}
+
+
+def _server_running() -> bool:
+    """Whether ``multiprocessing``'s fork server of this process was started
+    (only its private state tells; a Python without it counts as not)."""
+    from multiprocessing import forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None) is not None
 
 
 def _method(start_method: str | None) -> str:
@@ -361,23 +366,61 @@ def _start_context(target: Callable[..., None], method: str,
     env = dict(os.environ)
     ctx = mp.get_context("forkserver")
     with _FORK_SERVER.lock:
-        if _FORK_SERVER.env is None:
-            # Takes effect when the server starts, at the first start below. A
-            # script's own functions (``__main__``) are imported by each child.
-            module = getattr(target, "__module__", None)
-            ctx.set_forkserver_preload(
-                ["torch"] + ([module] if module and module != "__main__" else []))
-            _FORK_SERVER.env = env
-        elif _load_time(env) != _load_time(_FORK_SERVER.env):
+        if _FORK_SERVER.env is None and not _FORK_SERVER.foreign:
+            if _server_running():  # another's: what it loaded, and with what, is unknown
+                _FORK_SERVER.foreign = True
+            else:
+                # Takes effect when the server starts, at the first start below. A
+                # script's own functions (``__main__``) are imported by each child.
+                module = getattr(target, "__module__", None)
+                ctx.set_forkserver_preload(
+                    ["torch"] + ([module] if module and module != "__main__" else []))
+                _FORK_SERVER.env = env
+        if _FORK_SERVER.foreign or _load_time(env) != _load_time(_FORK_SERVER.env or {}):
             return mp.get_context("spawn"), None
     return ctx, env
 
 
-def _with_environment(env: dict[str, str], target: Callable[..., None], *args: Any) -> None:
-    """A fork server's child: take on the starting process's environment, then run."""
+class _StarterState:
+    """The starting process's environment, stdout and stderr, taken on by a fork
+    server's child while it unpickles its arguments: before the target's module
+    is imported, as a spawned child has them from the start."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from multiprocessing import reduction
+
+        stdio: list[Any] = []
+        for fd in (1, 2):  # handed over as descriptors (the server's are its own)
+            try:
+                os.fstat(fd)
+            except OSError:
+                stdio.append(None)
+            else:
+                stdio.append(reduction.DupFd(fd))
+        return (_take_starter_state, (self.env, *stdio))
+
+
+def _take_starter_state(env: dict[str, str], *stdio: Any) -> None:
     os.environ.clear()
     os.environ.update(env)
-    target(*args)
+    for target_fd, dup in zip((1, 2), stdio, strict=True):
+        if dup is not None:
+            fd = dup.detach()
+            os.dup2(fd, target_fd)
+            os.close(fd)
+
+
+def _with_environment(_state: None, target: Callable[..., None], *args: Any) -> None:
+    """A fork server's child (the starter's state already taken on): run ``target``,
+    then the exit handlers, which the server's ``os._exit`` skips before Python 3.13."""
+    try:
+        target(*args)
+    finally:
+        if sys.version_info < (3, 13):
+            atexit._run_exitfuncs()  # noqa: SLF001 - what 3.13's fork server calls
 
 
 def _signal_all(procs: Sequence[Any], sig: int) -> None:

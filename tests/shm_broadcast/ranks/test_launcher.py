@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
+import tempfile
 import time
 
 import psutil
@@ -44,6 +47,14 @@ def _idle_child(conn) -> None:
     conn.recv()
 
 
+def _print_and_register_exit(rank: int, world_size: int, path: str) -> None:
+    """Print a line, and leave a file from an exit handler."""
+    import atexit
+
+    print(f"rank {rank} says hello", flush=True)
+    atexit.register(lambda: open(path, "w").close())
+
+
 def _environment_and_parent(rank: int, world_size: int) -> tuple[str | None, str | None, int]:
     """The probe variables and this rank's operating-system parent."""
     return (os.environ.get("GC_LAUNCHER_LATE"), os.environ.get("GC_LAUNCHER_GONE"),
@@ -72,13 +83,44 @@ def test_a_rank_past_the_timeout_is_killed_and_reaped() -> None:
     assert all(not o.ok and o.error is None and o.exitcode is None for o in outs), outs
     left = {c.pid for c in me.children(recursive=True)} - before
     assert not [p for p in left if psutil.pid_exists(p)
-                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                and not _is_fork_server(psutil.Process(p))]
+
+
+def _is_fork_server(p: psutil.Process) -> bool:
+    """This process's fork server (it lives as long as this process), not a rank it forked."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return p.ppid() == os.getpid() and "forkserver" in " ".join(p.cmdline())
+    return False
 
 
 def test_env_reaches_each_rank() -> None:
     outs = spawn_group(_env_value, 2, env=[{"GC_LAUNCHER_PROBE": "a"},
                                            {"GC_LAUNCHER_PROBE": "b"}], timeout=120)
     assert [o.result for o in outs] == ["a", "b"]
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_ranks_write_to_the_starters_stdout_of_the_moment_and_run_exit_handlers(
+        tmp_path, method: str) -> None:
+    """A rank prints to the stdout its starter has when it starts (a fork server
+    started earlier holds an older one), and its exit handlers run."""
+    spawn_group(_environment_and_parent, 1, timeout=120, start_method=method)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile("w+") as out:
+        os.dup2(out.fileno(), 1)
+        try:
+            outs = spawn_group(_print_and_register_exit, 1, (str(tmp_path / "exited"),),
+                               timeout=120, start_method=method)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        out.seek(0)
+        printed = out.read()
+    assert outs[0].ok, outs
+    assert "rank 0 says hello" in printed, printed
+    assert (tmp_path / "exited").exists()
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
