@@ -31,16 +31,17 @@ How a rank starts (``start_method``, or the environment variable
   first such start in this process). A rank starts in a fraction of the time,
   which is what a test suite that starts hundreds of ranks wants. As under
   ``spawn``, the rank has this process's environment, stdout and stderr of
-  the moment (taken on before the target's module is imported), its working
-  directory and ``sys.path``, and its exit handlers run. What differs: the
-  modules the server imported (torch, the target's module) read the
-  environment the server started with, and the umask and resource limits are
-  the server's. So where a variable that libraries read at load (``OMP_*``,
-  ``MKL_*``, ``TORCH*``, ``CUDA*``... see :data:`LOAD_TIME_PREFIXES`) has
-  changed since the server started, where the ranks are pinned to CPUs (the
-  OpenMP runtime sized its pool before the pin), or where another part of the
-  program started the fork server first (what it loaded is unknown), the
-  ranks are spawned instead.
+  the moment (taken on before the target is unpickled, so before its module
+  is imported), its working directory and ``sys.path``, and its exit handlers
+  run. What differs: the modules the server imported (torch, the target's
+  module) and the main script's module-level code (which a child runs first,
+  as a spawned one does) see the environment and stderr the server started
+  with, and the umask and resource limits are the server's. So where a
+  variable that libraries read at load (``OMP_*``, ``MKL_*``, ``TORCH*``,
+  ``CUDA*``... see :data:`LOAD_TIME_PREFIXES`) has changed since the server
+  started, where the ranks are pinned to CPUs (the OpenMP runtime sized its
+  pool before the pin), or where another part of the program started the fork
+  server first (what it loaded is unknown), the ranks are spawned instead.
 """
 
 from __future__ import annotations
@@ -409,8 +410,9 @@ def _take_starter_state(env: dict[str, str], *stdio: Any) -> None:
     for target_fd, dup in zip((1, 2), stdio, strict=True):
         if dup is not None:
             fd = dup.detach()
-            os.dup2(fd, target_fd)
-            os.close(fd)
+            if fd != target_fd:  # it may arrive on that number where the server had it closed
+                os.dup2(fd, target_fd)
+                os.close(fd)
 
 
 def _with_environment(_state: None, target: Callable[..., None], *args: Any) -> None:
@@ -419,7 +421,10 @@ def _with_environment(_state: None, target: Callable[..., None], *args: Any) -> 
     try:
         target(*args)
     finally:
-        if sys.version_info < (3, 13):
+        if sys.version_info < (3, 13):  # in the order of a spawned child's exit
+            from multiprocessing import util
+
+            util._exit_function()  # type: ignore[attr-defined]  # noqa: SLF001 - finalizers, children (runs once)
             atexit._run_exitfuncs()  # noqa: SLF001 - what 3.13's fork server calls
 
 
