@@ -27,16 +27,18 @@ How a rank starts (``start_method``, or the environment variable
 * ``spawn`` (the default): a fresh interpreter, which imports torch again
   (seconds of CPU on a small machine);
 * ``forkserver``: a fork of this process's ``multiprocessing`` fork server,
-  which imported torch and the target's module once, when it started (the
+  which imported torch (and the target's module, if it is one of this
+  project's, which never touch a GPU at import: a server that initialised
+  CUDA would fork children that cannot use it) once, when it started (the
   first such start in this process). A rank starts in a fraction of the time,
   which is what a test suite that starts hundreds of ranks wants. As under
   ``spawn``, the rank has this process's environment, stdout and stderr of
   the moment (taken on before the target is unpickled, so before its module
   is imported), its working directory and ``sys.path``, and its exit handlers
-  run. What differs: the modules the server imported (torch, the target's
-  module) and the main script's module-level code (which a child runs first,
-  as a spawned one does) see the environment and stderr the server started
-  with, and the umask and resource limits are the server's. So where a
+  run. What differs: the modules the server imported and the main script's
+  module-level code (which a child runs first, as a spawned one does) see
+  the environment and stderr the server started with, and the umask and
+  resource limits are the server's. So where a
   variable that libraries read at load (``OMP_*``, ``MKL_*``, ``TORCH*``,
   ``CUDA*``... see :data:`LOAD_TIME_PREFIXES`) has changed since the server
   started, where the ranks are pinned to CPUs (the OpenMP runtime sized its
@@ -371,15 +373,26 @@ def _start_context(target: Callable[..., None], method: str,
             if _server_running():  # another's: what it loaded, and with what, is unknown
                 _FORK_SERVER.foreign = True
             else:
-                # Takes effect when the server starts, at the first start below. A
-                # script's own functions (``__main__``) are imported by each child.
-                module = getattr(target, "__module__", None)
-                ctx.set_forkserver_preload(
-                    ["torch"] + ([module] if module and module != "__main__" else []))
+                # Takes effect when the server starts, at the first start below.
+                ctx.set_forkserver_preload(["torch", *_preloadable(target)])
                 _FORK_SERVER.env = env
         if _FORK_SERVER.foreign or _load_time(env) != _load_time(_FORK_SERVER.env or {}):
             return mp.get_context("spawn"), None
     return ctx, env
+
+
+#: The packages whose modules never initialise a GPU when imported (the house
+#: rule), so the fork server may import them: a server that initialised CUDA
+#: would fork children that cannot use it.
+_PRELOADABLE = ("shm_broadcast", "device_comms", "coordinator")
+
+
+def _preloadable(target: Callable[..., None]) -> list[str]:
+    """The target's module, where the fork server may import it (else each child does)."""
+    module = getattr(target, "__module__", None)
+    if isinstance(module, str) and module.split(".", 1)[0] in _PRELOADABLE:
+        return [module]
+    return []
 
 
 class _StarterState:

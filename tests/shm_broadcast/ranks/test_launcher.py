@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,8 +21,15 @@ from shm_broadcast.ranks.launcher import (
     start_ranks,
     stop_ranks,
 )
+from tests.child_env import child_env
+
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 pytestmark = pytest.mark.timeout(180)
+
+#: The process that imported this module (a fork server's child that finds its
+#: server's pid here got the module from the server).
+IMPORTED_IN = os.getpid()
 
 
 # ------------------------------------------------------------------ rank code
@@ -45,6 +53,10 @@ def _env_value(rank: int, world_size: int) -> str | None:
 
 def _idle_child(conn) -> None:
     conn.recv()
+
+
+def _send_whether_imported_here(conn) -> None:
+    conn.send(os.getpid() == IMPORTED_IN)
 
 
 def _print_and_register_exit(rank: int, world_size: int, path: str) -> None:
@@ -98,6 +110,25 @@ def test_env_reaches_each_rank() -> None:
     outs = spawn_group(_env_value, 2, env=[{"GC_LAUNCHER_PROBE": "a"},
                                            {"GC_LAUNCHER_PROBE": "b"}], timeout=120)
     assert [o.result for o in outs] == ["a", "b"]
+
+
+def test_the_fork_server_imports_no_module_outside_the_project(tmp_path) -> None:
+    """A module that may initialise CUDA when imported (a test's, a user's) is
+    imported by each rank, never by the fork server, whose children could not
+    use CUDA then. A fresh process, so that this is the server's first start."""
+    script = tmp_path / "first_start.py"
+    script.write_text(
+        "from shm_broadcast.ranks.launcher import start_ranks, stop_ranks\n"
+        "from tests.shm_broadcast.ranks.test_launcher import _send_whether_imported_here\n"
+        "if __name__ == '__main__':\n"
+        "    procs, conns = start_ranks(_send_whether_imported_here, 1, lambda r, c: (c,),\n"
+        "                               name='probe', duplex=False, start_method='forkserver')\n"
+        "    print(conns[0].recv() if conns[0].poll(60) else 'silent')\n"
+        "    stop_ranks(procs, conns, wait_first=10)\n")
+    done = subprocess.run([sys.executable, str(script)], env=child_env(), cwd=_ROOT,
+                          capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:1] == ["True"], (done.stdout, done.stderr)
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
