@@ -311,7 +311,7 @@ def start_process(target: Callable[..., None], args: tuple[Any, ...], *, name: s
     if env is None:
         p = ctx.Process(target=target, args=args, name=name, daemon=True)
     else:
-        p = ctx.Process(target=_with_environment, args=(_StarterState(env), target, *args),
+        p = ctx.Process(target=_run_forked, args=(_StarterState(env), target, *args),
                         name=name, daemon=True)
     p.start()
     return p
@@ -428,7 +428,7 @@ def _take_starter_state(env: dict[str, str], *stdio: Any) -> None:
                 os.close(fd)
 
 
-def _with_environment(_state: None, target: Callable[..., None], *args: Any) -> None:
+def _run_forked(_state: None, target: Callable[..., None], *args: Any) -> None:
     """A fork server's child (the starter's state already taken on): run ``target``,
     then the exit handlers, which the server's ``os._exit`` skips before Python 3.13."""
     try:
@@ -437,7 +437,8 @@ def _with_environment(_state: None, target: Callable[..., None], *args: Any) -> 
         if sys.version_info < (3, 13):  # in the order of a spawned child's exit
             from multiprocessing import util
 
-            util._exit_function()  # type: ignore[attr-defined]  # noqa: SLF001 - finalizers, children (runs once)
+            # multiprocessing's finalizers and children first (it runs once)
+            util._exit_function()  # type: ignore[attr-defined]  # noqa: SLF001
             atexit._run_exitfuncs()  # noqa: SLF001 - what 3.13's fork server calls
 
 
