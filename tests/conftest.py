@@ -25,6 +25,7 @@ from shm_broadcast.lifecycle.segment import (
     list_orphan_records,
     list_segments,
 )
+from shm_broadcast.ranks.launcher import fork_server_pid
 from tests.faults.rig import live_rig_pids
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,8 +110,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         compileall.compile_dir(os.path.join(_ROOT, pkg), quiet=2)
 
 
-# A process's exit reaper lives as long as the process: not a leak of the test.
-_IGNORED_CHILDREN = ("resource_tracker", "forkserver", REAPER_MARKER)
+# A process's exit reaper and resource tracker live as long as the process (and so
+# does its fork server: see _is_ignored): not leaks of the test.
+_IGNORED_CHILDREN = ("resource_tracker", REAPER_MARKER)
 
 
 def _processes(pids: set[int]) -> list[psutil.Process]:
@@ -127,12 +129,9 @@ def _is_ignored(p: psutil.Process) -> bool:
         cmd = " ".join(p.cmdline())
         if p.status() == psutil.STATUS_ZOMBIE:
             return True
-        if "forkserver" in cmd:
-            # The server lives as long as this process; its children (ranks it
-            # forked, with its command line) are the test's.
-            parent = p.parent()
-            return parent is None or "forkserver" not in " ".join(parent.cmdline())
-        return any(k in cmd for k in _IGNORED_CHILDREN)
+        # The fork server lives as long as this process; its children (ranks it
+        # forked, with its command line) are the test's.
+        return p.pid == fork_server_pid() or any(k in cmd for k in _IGNORED_CHILDREN)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return True
 

@@ -77,6 +77,7 @@ __all__ = [
     "RankOutcome",
     "describe_exit",
     "die_with_parent",
+    "fork_server_pid",
     "free_port",
     "per_rank_env",
     "pin_to_cpu",
@@ -335,12 +336,14 @@ def _load_time(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES)}
 
 
-def _server_running() -> bool:
-    """Whether ``multiprocessing``'s fork server of this process was started
-    (only its private state tells; a Python without it counts as not)."""
+def fork_server_pid() -> int | None:
+    """The pid of this process's ``multiprocessing`` fork server; None while none
+    was started (only multiprocessing's private state tells; a Python without it
+    says None). The server lives as long as this process: not a leaked child."""
     from multiprocessing import forkserver
 
-    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None) is not None
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
 
 
 def _method(start_method: str | None) -> str:
@@ -370,7 +373,7 @@ def _start_context(target: Callable[..., None], method: str,
     ctx = mp.get_context("forkserver")
     with _FORK_SERVER.lock:
         if _FORK_SERVER.env is None and not _FORK_SERVER.foreign:
-            if _server_running():  # another's: what it loaded, and with what, is unknown
+            if fork_server_pid() is not None:  # another's: what it loaded, and how, is unknown
                 _FORK_SERVER.foreign = True
             else:
                 # Takes effect when the server starts, at the first start below.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 from shm_broadcast.ranks.launcher import (
     START_METHOD_ENV,
     describe_exit,
+    fork_server_pid,
     per_rank_env,
     spawn_group,
     start_ranks,
@@ -96,14 +96,7 @@ def test_a_rank_past_the_timeout_is_killed_and_reaped() -> None:
     left = {c.pid for c in me.children(recursive=True)} - before
     assert not [p for p in left if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                and not _is_fork_server(psutil.Process(p))]
-
-
-def _is_fork_server(p: psutil.Process) -> bool:
-    """This process's fork server (it lives as long as this process), not a rank it forked."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        return p.ppid() == os.getpid() and "forkserver" in " ".join(p.cmdline())
-    return False
+                and p != fork_server_pid()]
 
 
 def test_env_reaches_each_rank() -> None:
