@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -502,24 +503,58 @@ def get_prefill_context_model_parallel_rank() -> int:
 
 
 def destroy_model_parallel() -> None:
-    """Destroy the TP, PP, DP, PCP, DCP and EP groups (no-op if absent)."""
+    """Destroy the TP, PP, DP, PCP, DCP and EP groups (no-op if absent).
+
+    When it destroyed any, it ends their gloo groups' threads and sockets before
+    it returns (see :func:`_release_groups`).
+    """
+    if _destroy_model_groups():
+        _release_groups()
+
+
+def _destroy_model_groups() -> bool:
+    """Destroy the model-parallel groups; whether there were any."""
+    destroyed = False
     for attr in ("tp", "pp", "dp", "pcp", "dcp", "ep", "ep_tokens"):
         g = getattr(REGISTRY, attr)
         setattr(REGISTRY, attr, None)
         if g is not None:
             g.destroy()
+            destroyed = True
+    return destroyed
+
+
+def _release_groups() -> None:
+    """Collect the destroyed groups' objects now.
+
+    A communicator and its helpers refer to each other (bound methods handed
+    to the helpers), so a destroyed group's torch process group outlives its
+    last use until the cyclic garbage collector runs, and with it the gloo
+    transport's three threads per group and their sockets. A process that
+    creates and destroys groups again and again (a test pool, an engine that
+    re-shards) would pile them up; one full collection here ends them.
+    """
+    gc.collect()
 
 
 def destroy_distributed_environment() -> None:
-    """Destroy the world group and torch.distributed; the process may initialise again."""
-    destroy_model_parallel()
+    """Destroy the world group and torch.distributed; the process may initialise again.
+
+    Like :func:`destroy_model_parallel`, it ends the destroyed groups' gloo
+    threads and sockets before it returns.
+    """
+    destroyed = _destroy_model_groups()
     world, REGISTRY.world = REGISTRY.world, None
     REGISTRY.timeout = REGISTRY.node_count = None
     if world is not None:
         world.destroy()
+        destroyed = True
     if dist.is_initialized():
         dist.destroy_process_group()
+        destroyed = True
     REGISTRY.gloo_pinned = None
+    if destroyed:
+        _release_groups()
 
 
 def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
@@ -529,13 +564,10 @@ def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
     Args:
         shutdown_ray: Also shut Ray down, when Ray is installed and running.
     """
-    import gc
-
     if not isinstance(shutdown_ray, bool):
         raise TypeError(f"shutdown_ray must be a bool, got {type(shutdown_ray).__name__}")
 
-    destroy_distributed_environment()
-    gc.collect()
+    destroy_distributed_environment()  # collects the destroyed groups' garbage
     if shutdown_ray:
         _shutdown_ray()
     if torch.cuda.is_available() and torch.cuda.is_initialized():

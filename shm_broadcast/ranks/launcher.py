@@ -51,6 +51,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import random
@@ -433,7 +434,14 @@ def _take_starter_state(env: dict[str, str], *stdio: Any) -> None:
 
 def _run_forked(_state: None, target: Callable[..., None], *args: Any) -> None:
     """A fork server's child (the starter's state already taken on): run ``target``,
-    then the exit handlers, which the server's ``os._exit`` skips before Python 3.13."""
+    then the exit handlers, which the server's ``os._exit`` skips before Python 3.13.
+
+    What the child inherited from the server (torch's and the preloaded modules'
+    objects, which live as long as the process) is frozen out of the cyclic
+    garbage collector first: its full collections then walk only what the rank
+    itself made, not the hundreds of thousands of objects of an imported torch
+    (``gc.freeze``, as Python's documentation advises for forked children)."""
+    gc.freeze()
     try:
         target(*args)
     finally:

@@ -11,6 +11,7 @@ import torch
 
 from coordinator import parallel_state as ps
 from coordinator.group.registry import get_group_by_name
+from coordinator.testing import run_distributed
 
 
 def run_custom_groups(rank: int, world_size: int, allow_pickle: bool) -> dict[str, Any]:
@@ -117,3 +118,59 @@ def test_node_count_without_torch_distributed() -> None:
     if dist.is_initialized():
         pytest.skip("this process belongs to a group")
     assert ps.get_node_count() == 1
+
+
+def _gloo_threads() -> int:
+    """This process's threads named by gloo's TCP transport (three per group)."""
+    tasks = f"/proc/{os.getpid()}/task"
+    names = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return sum(name == "gloo_tcp_loop" for name in names)
+
+
+def run_destroy_ends_threads(rank: int, world_size: int, tp: int, pp: int,
+                             whole_env: bool) -> dict[str, int]:
+    """Make and use the model groups, destroy them with the cyclic collector off
+    (so only the destroy call may end the groups' threads), count gloo threads."""
+    import gc
+
+    before = _gloo_threads()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        ps.initialize_model_parallel(tp, pp)
+        for g in ps.get_all_model_groups():
+            g.all_reduce(torch.ones(3))
+        during = _gloo_threads()
+        if whole_env:
+            ps.destroy_distributed_environment()
+        else:
+            ps.destroy_model_parallel()
+        return {"before": before, "during": during, "after": _gloo_threads()}
+    finally:
+        if was_on:
+            gc.enable()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize("world_size,tp,pp,whole_env", [
+    pytest.param(2, 2, 1, False, id="ws2-tp2"),
+    pytest.param(4, 2, 2, False, id="ws4-tp2-pp2"),
+    pytest.param(3, 1, 3, True, id="ws3-pp3-whole-environment")])
+def test_destroy_ends_the_groups_threads(dist_pool, world_size: int, tp: int, pp: int,
+                                         whole_env: bool) -> None:
+    if whole_env:  # the world group goes too: ranks of their own, not the shared pool's
+        outs = run_distributed(run_destroy_ends_threads, world_size, tp, pp, whole_env,
+                               timeout=90)
+    else:
+        outs = dist_pool(world_size).run(run_destroy_ends_threads, tp, pp, whole_env,
+                                         timeout=90)
+    for out in outs:
+        assert out["during"] > out["before"], out  # the groups had threads to end
+        assert out["after"] <= (0 if whole_env else out["before"]), out

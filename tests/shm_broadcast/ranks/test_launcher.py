@@ -67,6 +67,12 @@ def _print_and_register_exit(rank: int, world_size: int, path: str) -> None:
     atexit.register(lambda: open(path, "w").close())
 
 
+def _frozen_objects(rank: int, world_size: int) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def _environment_and_parent(rank: int, world_size: int) -> tuple[str | None, str | None, int]:
     """The probe variables and this rank's operating-system parent."""
     return (os.environ.get("GC_LAUNCHER_LATE"), os.environ.get("GC_LAUNCHER_GONE"),
@@ -159,6 +165,16 @@ def test_ranks_see_the_environment_of_the_moment_they_start(monkeypatch, method:
     assert [o.result[:2] for o in outs] == [("set later", None)] * 2, outs
     spawned = [o.result[2] == os.getpid() for o in outs]
     assert spawned == [method == "spawn"] * 2, (method, outs)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_forked_rank_leaves_what_it_inherited_out_of_garbage_collection(method: str) -> None:
+    """A fork server's child freezes the objects it inherited (an imported torch:
+    about 180,000, which each full collection would walk); a spawned one has
+    nothing inherited to freeze."""
+    outs = spawn_group(_frozen_objects, 1, timeout=120, start_method=method)
+    frozen = outs[0].result
+    assert (frozen > 10_000) if method == "forkserver" else frozen == 0, (method, outs)
 
 
 def test_a_load_time_variable_changed_since_the_fork_server_started_means_spawn(
