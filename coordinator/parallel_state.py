@@ -506,10 +506,10 @@ def destroy_model_parallel() -> None:
     """Destroy the TP, PP, DP, PCP, DCP and EP groups (no-op if absent).
 
     When it destroyed any, it ends their gloo groups' threads and sockets before
-    it returns (see :func:`_release_groups`).
+    it returns (one garbage collection for all: see ``GroupCoordinator.destroy``).
     """
     if _destroy_model_groups():
-        _release_groups()
+        gc.collect()
 
 
 def _destroy_model_groups() -> bool:
@@ -519,22 +519,9 @@ def _destroy_model_groups() -> bool:
         g = getattr(REGISTRY, attr)
         setattr(REGISTRY, attr, None)
         if g is not None:
-            g.destroy()
+            g.destroy(collect=False)
             destroyed = True
     return destroyed
-
-
-def _release_groups() -> None:
-    """Collect the destroyed groups' objects now.
-
-    A communicator and its helpers refer to each other (bound methods handed
-    to the helpers), so a destroyed group's torch process group outlives its
-    last use until the cyclic garbage collector runs, and with it the gloo
-    transport's three threads per group and their sockets. A process that
-    creates and destroys groups again and again (a test pool, an engine that
-    re-shards) would pile them up; one full collection here ends them.
-    """
-    gc.collect()
 
 
 def destroy_distributed_environment() -> None:
@@ -547,14 +534,14 @@ def destroy_distributed_environment() -> None:
     world, REGISTRY.world = REGISTRY.world, None
     REGISTRY.timeout = REGISTRY.node_count = None
     if world is not None:
-        world.destroy()
+        world.destroy(collect=False)
         destroyed = True
     if dist.is_initialized():
         dist.destroy_process_group()
         destroyed = True
     REGISTRY.gloo_pinned = None
     if destroyed:
-        _release_groups()
+        gc.collect()
 
 
 def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:

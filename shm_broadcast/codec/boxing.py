@@ -125,9 +125,11 @@ def _all_pass(items: list[Any]) -> bool:
     """Whether the type of every item of ``items`` is one of ``_PASS``.
 
     Lists are mostly of one type, and counting the items of a list of their
-    types that are that one type object (a pointer comparison each) is the
-    cheapest full scan in C: see docs/performance.md. A mixed list falls back
-    to the set test, and so does a huge one, which the list of types would
+    types that equal the first one (for types of the ``type`` metaclass a
+    pointer comparison) is the cheapest full scan in C: see
+    docs/performance.md. A type whose metaclass defines ``__eq__`` could claim
+    to equal ``int``; no class msgspec carries does. A mixed list falls back to
+    the set test, and so does a huge one, which the list of types would
     double in memory.
     """
     if len(items) > _TYPE_LIST_MAX:
@@ -149,9 +151,13 @@ def _plain_rows(obj: list[Any]) -> bool:
         return False
     row = type(obj[0])
     if row is list:
+        if not _LIST_ONLY.issuperset(map(type, obj)):
+            return False
+        if sum(map(len, obj)) > _TYPE_LIST_MAX:
+            return _PASS.issuperset(map(type, _chain(obj)))
         # One flat list of the items (a pointer copy per item, far cheaper than
         # iterating a chain of the rows), then the scan of :func:`_all_pass`.
-        return _LIST_ONLY.issuperset(map(type, obj)) and _all_pass(_reduce(_iadd, obj, []))
+        return _all_pass(_reduce(_iadd, obj, []))
     if row is dict:
         return (_DICT_ONLY.issuperset(map(type, obj))
                 and _PLAIN_KEYS.issuperset(map(type, _chain(obj)))

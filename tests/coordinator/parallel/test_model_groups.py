@@ -134,24 +134,47 @@ def _gloo_threads() -> int:
 
 
 def run_destroy_ends_threads(rank: int, world_size: int, tp: int, pp: int,
-                             whole_env: bool) -> dict[str, int]:
-    """Make and use the model groups, destroy them with the cyclic collector off
-    (so only the destroy call may end the groups' threads), count gloo threads."""
+                             how: str) -> dict[str, int]:
+    """Make and use groups, destroy them with the cyclic collector off (so only
+    the destroy call may end the groups' threads), count gloo threads.
+
+    ``how``: ``model`` (destroy_model_parallel), ``whole``
+    (destroy_distributed_environment) or ``one`` (a group of its own, made by
+    init_model_parallel_group, and its ``destroy()``).
+    """
     import gc
+
+    from coordinator.parallel.model_groups import init_model_parallel_group
 
     before = _gloo_threads()
     was_on = gc.isenabled()
     gc.disable()
     try:
-        ps.initialize_model_parallel(tp, pp)
-        for g in ps.get_all_model_groups():
+        if how == "one":
+            pairs = [list(range(i, min(i + 2, world_size))) for i in range(0, world_size, 2)]
+            groups = [init_model_parallel_group(pairs, rank, "gloo", group_name="own")]
+        else:
+            ps.initialize_model_parallel(tp, pp)
+            groups = ps.get_all_model_groups()
+        for g in groups:
             g.all_reduce(torch.ones(3))
         during = _gloo_threads()
-        if whole_env:
+        own = groups[0]
+        del g, groups  # a caller's references to destroyed groups pin nothing: kept in own
+        if how == "whole":
             ps.destroy_distributed_environment()
-        else:
+        elif how == "model":
             ps.destroy_model_parallel()
-        return {"before": before, "during": during, "after": _gloo_threads()}
+        else:
+            try:
+                own.destroy(collect="yes")  # type: ignore[arg-type]
+                refused = "destroyed"
+            except TypeError as e:  # checked before anything is torn down
+                refused = str(e)
+            own.all_reduce(torch.ones(3))
+            own.destroy()
+        return {"before": before, "during": during, "after": _gloo_threads(),
+                "refused": refused if how == "one" else None}
     finally:
         if was_on:
             gc.enable()
@@ -159,18 +182,19 @@ def run_destroy_ends_threads(rank: int, world_size: int, tp: int, pp: int,
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-@pytest.mark.parametrize("world_size,tp,pp,whole_env", [
-    pytest.param(2, 2, 1, False, id="ws2-tp2"),
-    pytest.param(4, 2, 2, False, id="ws4-tp2-pp2"),
-    pytest.param(3, 1, 3, True, id="ws3-pp3-whole-environment")])
+@pytest.mark.parametrize("world_size,tp,pp,how", [
+    pytest.param(2, 2, 1, "model", id="ws2-tp2"),
+    pytest.param(4, 2, 2, "model", id="ws4-tp2-pp2"),
+    pytest.param(3, 1, 3, "whole", id="ws3-pp3-whole-environment"),
+    pytest.param(3, 1, 1, "one", id="ws3-a-group-of-its-own")])
 def test_destroy_ends_the_groups_threads(dist_pool, world_size: int, tp: int, pp: int,
-                                         whole_env: bool) -> None:
-    if whole_env:  # the world group goes too: ranks of their own, not the shared pool's
-        outs = run_distributed(run_destroy_ends_threads, world_size, tp, pp, whole_env,
-                               timeout=90)
+                                         how: str) -> None:
+    if how == "whole":  # the world group goes too: ranks of their own, not the shared pool's
+        outs = run_distributed(run_destroy_ends_threads, world_size, tp, pp, how, timeout=90)
     else:
-        outs = dist_pool(world_size).run(run_destroy_ends_threads, tp, pp, whole_env,
-                                         timeout=90)
+        outs = dist_pool(world_size).run(run_destroy_ends_threads, tp, pp, how, timeout=90)
     for out in outs:
         assert out["during"] > out["before"], out  # the groups had threads to end
-        assert out["after"] <= (0 if whole_env else out["before"]), out
+        assert out["after"] <= (0 if how == "whole" else out["before"]), out
+        if how == "one":
+            assert out["refused"] == "collect must be a bool, got str", out

@@ -216,6 +216,11 @@ def _child_signal(handler: str, where: str, sig: int, marker: str) -> None:
         signal.signal(signum, signal.SIG_DFL)  # after-reraise: the usual idiom
         os.kill(os.getpid(), signum)
 
+    if signal.getsignal(sig) == signal.SIG_IGN:
+        # The cases start from the signal's default disposition; a suite run
+        # under nohup hands its children SIGHUP ignored (which the queues'
+        # cleanup leaves alone, as it should).
+        signal.signal(sig, signal.SIG_DFL)
     if handler.startswith("before"):
         signal.signal(sig, app_handler)
     queues: list[Any] = []
