@@ -506,7 +506,7 @@ def destroy_model_parallel() -> None:
     """Destroy the TP, PP, DP, PCP, DCP and EP groups (no-op if absent).
 
     When it destroyed any, it ends their gloo groups' threads and sockets before
-    it returns (one garbage collection for all: see ``GroupCoordinator.destroy``).
+    it returns: one garbage collection for all (see ``GroupCoordinator.destroy``).
     """
     if _destroy_model_groups():
         gc.collect()
@@ -519,7 +519,7 @@ def _destroy_model_groups() -> bool:
         g = getattr(REGISTRY, attr)
         setattr(REGISTRY, attr, None)
         if g is not None:
-            g.destroy(collect=False)
+            g.destroy()
             destroyed = True
     return destroyed
 
@@ -534,7 +534,7 @@ def destroy_distributed_environment() -> None:
     world, REGISTRY.world = REGISTRY.world, None
     REGISTRY.timeout = REGISTRY.node_count = None
     if world is not None:
-        world.destroy(collect=False)
+        world.destroy()
         destroyed = True
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -859,18 +859,21 @@ class GroupCoordinator:
         self._book.check_live("create_single_reader_mq_broadcasters")
         return create_single_reader_mq_broadcasters(self, reader_rank_in_group, blocking)
 
-    def destroy(self, *, collect: bool = True) -> None:
+    def destroy(self, *, collect: bool = False) -> None:
         """Release communicators, queues and process groups. Idempotent.
 
         Args:
-            collect: Run the cyclic garbage collector once the group is torn
-                down. A communicator and its helpers refer to each other, so
-                without it the torch process groups, and with them their gloo
-                threads (three per group) and sockets, live until the next
-                collection. A full collection costs about 80 ms in a process
-                that imported torch (development VM);
-                :func:`~coordinator.parallel_state.destroy_model_parallel`
-                passes False to each group and collects once.
+            collect: Also run the cyclic garbage collector once the group is
+                torn down. A communicator and its helpers refer to each other,
+                so without it the torch process groups, and with them their
+                gloo threads (three per group) and sockets, live until the
+                next collection. A full collection costs about 80 ms in a
+                process that imported torch (development VM), more where
+                torch.compile's modules are loaded, so it is not the default;
+                :func:`~coordinator.parallel_state.destroy_model_parallel` and
+                :func:`~coordinator.parallel_state.destroy_distributed_environment`
+                collect once after destroying their groups. Pass True where a
+                process makes and destroys groups of its own again and again.
 
         Raises:
             TypeError: ``collect`` is not a bool.

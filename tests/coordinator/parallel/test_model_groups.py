@@ -140,7 +140,7 @@ def run_destroy_ends_threads(rank: int, world_size: int, tp: int, pp: int,
 
     ``how``: ``model`` (destroy_model_parallel), ``whole``
     (destroy_distributed_environment) or ``one`` (a group of its own, made by
-    init_model_parallel_group, and its ``destroy()``).
+    init_model_parallel_group, and its ``destroy(collect=True)``).
     """
     import gc
 
@@ -172,7 +172,7 @@ def run_destroy_ends_threads(rank: int, world_size: int, tp: int, pp: int,
             except TypeError as e:  # checked before anything is torn down
                 refused = str(e)
             own.all_reduce(torch.ones(3))
-            own.destroy()
+            own.destroy(collect=True)
         return {"before": before, "during": during, "after": _gloo_threads(),
                 "refused": refused if how == "one" else None}
     finally:
