@@ -868,8 +868,8 @@ class GroupCoordinator:
                 so without it the torch process groups, and with them their
                 gloo threads (three per group) and sockets, live until the
                 next collection. A full collection costs about 80 ms in a
-                process that imported torch (development VM), more where
-                torch.compile's modules are loaded, so it is not the default;
+                process that imported torch (development VM), so it is not
+                the default;
                 :func:`~coordinator.parallel_state.destroy_model_parallel` and
                 :func:`~coordinator.parallel_state.destroy_distributed_environment`
                 collect once after destroying their groups. Pass True where a
