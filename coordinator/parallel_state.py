@@ -505,23 +505,13 @@ def get_prefill_context_model_parallel_rank() -> int:
 def destroy_model_parallel() -> None:
     """Destroy the TP, PP, DP, PCP, DCP and EP groups (no-op if absent).
 
-    When it destroyed any, it ends their gloo groups' threads and sockets before
-    it returns: one garbage collection for all (see ``GroupCoordinator.destroy``).
+    Their process groups' threads and sockets end before it returns.
     """
-    if _destroy_model_groups():
-        gc.collect()
-
-
-def _destroy_model_groups() -> bool:
-    """Destroy the model-parallel groups; whether there were any."""
-    destroyed = False
     for attr in ("tp", "pp", "dp", "pcp", "dcp", "ep", "ep_tokens"):
         g = getattr(REGISTRY, attr)
         setattr(REGISTRY, attr, None)
         if g is not None:
             g.destroy()
-            destroyed = True
-    return destroyed
 
 
 def destroy_distributed_environment() -> None:
@@ -530,18 +520,14 @@ def destroy_distributed_environment() -> None:
     Like :func:`destroy_model_parallel`, it ends the destroyed groups' gloo
     threads and sockets before it returns.
     """
-    destroyed = _destroy_model_groups()
+    destroy_model_parallel()
     world, REGISTRY.world = REGISTRY.world, None
     REGISTRY.timeout = REGISTRY.node_count = None
     if world is not None:
         world.destroy()
-        destroyed = True
     if dist.is_initialized():
         dist.destroy_process_group()
-        destroyed = True
     REGISTRY.gloo_pinned = None
-    if destroyed:
-        gc.collect()
 
 
 def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
@@ -554,9 +540,10 @@ def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
     if not isinstance(shutdown_ray, bool):
         raise TypeError(f"shutdown_ray must be a bool, got {type(shutdown_ray).__name__}")
 
-    destroy_distributed_environment()  # collects the destroyed groups' garbage
+    destroy_distributed_environment()
     if shutdown_ray:
         _shutdown_ray()
+    gc.collect()  # tensors that only reference cycles hold, before the cache is emptied
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 

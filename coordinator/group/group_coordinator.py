@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import gc
 import inspect
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -859,34 +858,14 @@ class GroupCoordinator:
         self._book.check_live("create_single_reader_mq_broadcasters")
         return create_single_reader_mq_broadcasters(self, reader_rank_in_group, blocking)
 
-    def destroy(self, *, collect: bool = False) -> None:
+    def destroy(self) -> None:
         """Release communicators, queues and process groups. Idempotent.
 
-        Args:
-            collect: Also run the cyclic garbage collector once the group is
-                torn down. A communicator and its helpers refer to each other,
-                so without it the torch process groups, and with them their
-                gloo threads (three per group) and sockets, live until the
-                next collection. A full collection costs about 80 ms in a
-                process that imported torch (development VM), so it is not
-                the default;
-                :func:`~coordinator.parallel_state.destroy_model_parallel` and
-                :func:`~coordinator.parallel_state.destroy_distributed_environment`
-                collect once after destroying their groups. Pass True where a
-                process makes and destroys groups of its own again and again.
-
-        Raises:
-            TypeError: ``collect`` is not a bool.
+        The process groups' threads and sockets end before it returns: nothing
+        of the group keeps them alive in a reference cycle.
         """
-        if not isinstance(collect, bool):
-            raise TypeError(f"collect must be a bool, got {type(collect).__name__}")
-        if self._tear_down() and collect:
-            gc.collect()  # here, not in _tear_down: its locals would keep the garbage alive
-
-    def _tear_down(self) -> bool:
-        """Release everything :meth:`destroy` names; False when it was done before."""
         if self._book.closed:
-            return False
+            return
         self._book.close()  # calls still running on other threads: ClosedError
         trace = self._book.trace
         if trace is not None:
@@ -912,7 +891,6 @@ class GroupCoordinator:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(pg)
         self.cpu_group = self.device_group = None
-        return True
 
     def __repr__(self) -> str:
         return (

@@ -171,11 +171,11 @@ class CpuCommunicator(TorchDistributedCommunicator):
         oneshot_bytes: int | None = None,
     ) -> None:
         wait_s = step_timeout(timeout)
+        super().__init__(cpu_group, device, device_group, unique_name, timeout=wait_s)
         #: Held by the thread in a collective; another thread's collective meanwhile
         #: raises ConcurrentCallError.
-        self._one_call = OneCall(lambda: f"group {self.unique_name!r} "
-                                         f"(rank {self.rank_in_group}/{self.world_size})")
-        super().__init__(cpu_group, device, device_group, unique_name, timeout=wait_s)
+        self._one_call = OneCall(
+            f"group {self.unique_name!r} (rank {self.rank_in_group}/{self.world_size})")
         if self.device.type != "cpu":
             raise ValueError(f"device must be a CPU device for CpuCommunicator, got {self.device}")
         ws_bytes = positive_bytes(workspace_bytes, "workspace_bytes", BYTES_ENV)

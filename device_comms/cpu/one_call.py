@@ -18,7 +18,6 @@ on worker threads while collectives run.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 from device_comms.errors import ConcurrentCallError
 
@@ -29,13 +28,15 @@ class OneCall:
     """The token of a communicator's one collective at a time.
 
     Args:
-        who: Names the communicator in errors, e.g. ``"group 'tp' (rank 1/4)"``;
-            called only when a call is refused.
+        who: Names the communicator in errors, e.g. ``"group 'tp' (rank 1/4)"``
+            (a string, not a callable of the communicator: the communicator
+            holds this token, and a reference back would make a cycle that
+            keeps it alive after its owner drops it).
     """
 
     __slots__ = ("_lock", "_who")
 
-    def __init__(self, who: Callable[[], str]) -> None:
+    def __init__(self, who: str) -> None:
         self._lock = threading.RLock()
         self._who = who
 
@@ -47,7 +48,7 @@ class OneCall:
         """
         if not self._lock.acquire(False):
             raise ConcurrentCallError(
-                f"{self._who()}: {op} was called on thread "
+                f"{self._who}: {op} was called on thread "
                 f"{threading.current_thread().name!r} while another thread is in a "
                 f"collective of this communicator; a communicator runs one collective at a "
                 f"time: call its collectives from one thread (or give each thread its own group)"

@@ -127,6 +127,18 @@ class SignedCalls:
             raise TypeError(f"source must be callable or None, got {type(source).__name__}")
         self._number = source
 
+    def release(self) -> None:
+        """Drop the prologue and call-number source (the owner is being destroyed).
+
+        Both are usually bound methods or closures of the owning communicator,
+        which holds this object: a reference cycle that would keep the
+        communicator, and the process group it holds with its threads and
+        sockets, alive until the next cyclic garbage collection. Afterwards
+        collectives have no prologue and number themselves.
+        """
+        self._prologue = no_prologue
+        self._number = None
+
     # ------------------------------------------------------------------ headers
     def header(
         self,

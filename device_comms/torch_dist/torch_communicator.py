@@ -151,6 +151,13 @@ class TorchDistributedCommunicator(DeviceCommunicator):
     def _g(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
+    def destroy(self) -> None:
+        """Release every resource (see the base class), and the signed calls'
+        references to this communicator: nothing then keeps it, or its process
+        groups, alive in a reference cycle once its owner lets go of it."""
+        self._signed.release()
+        super().destroy()
+
     def number_calls(self, source: Callable[[], int] | None) -> None:
         """Number the collectives (see the base class); the signed calls' headers
         carry the numbers."""

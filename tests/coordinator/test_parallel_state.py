@@ -490,6 +490,9 @@ def run_reinit_world(rank: int, world_size: int) -> dict[str, Any]:
             del os.environ["LOCAL_RANK"]
         else:
             os.environ["LOCAL_RANK"] = saved
+    # The pool's ranks live on in this world: their environment names its store
+    # (test_tcp_rendezvous_store_listens_on_the_given_host_only reads it).
+    os.environ["MASTER_PORT"] = str(port)
     assert g is not old and g is ps.get_world_group() and g.world_size == world_size
     assert g.local_rank == rank, g.local_rank
     assert g.unique_name != old.unique_name

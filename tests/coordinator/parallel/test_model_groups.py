@@ -133,32 +133,72 @@ def _gloo_threads() -> int:
     return sum(name == "gloo_tcp_loop" for name in names)
 
 
-def run_destroy_ends_threads(rank: int, world_size: int, tp: int, pp: int,
-                             how: str) -> dict[str, int | str | None]:
-    """Make and use groups, destroy them with the cyclic collector off (so only
-    the destroy call may end the groups' threads), count gloo threads.
+def _process_groups_in_cycles() -> int:
+    """Torch process groups that only the cyclic garbage collector would free
+    (held by objects in reference cycles); the collection runs here."""
+    import gc
 
-    ``how``: ``model`` (destroy_model_parallel), ``whole``
-    (destroy_distributed_environment) or ``one`` (a group of its own, made by
-    init_model_parallel_group, and its ``destroy(collect=True)``).
+    import torch.distributed as dist
+
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in gc.garbage
+    try:
+        gc.collect()
+        return sum(isinstance(r, dist.ProcessGroup)
+                   for o in gc.garbage for r in gc.get_referents(o))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+def _use(g: Any) -> None:
+    """Calls that build what a group makes lazily (plans, envelopes, p2p links)."""
+    g.all_reduce(torch.ones(3))
+    g.all_gather(torch.ones(2))
+    g.broadcast_object({"step": 1}, src=0)
+    g.broadcast_tensor_dict({"ids": torch.arange(3)} if g.rank_in_group == 0 else None, src=0)
+    g.barrier()
+    if g.world_size > 1 and g.rank_in_group < 2:
+        if g.rank_in_group == 0:
+            g.send(torch.arange(4), dst=1)
+        else:
+            g.recv((4,), torch.int64, src=0)
+
+
+def run_destroy_ends_threads(rank: int, world_size: int, tp: int, pp: int, how: str,
+                             transport: str) -> dict[str, int]:
+    """Make and use groups, destroy them with the cyclic collector off (so only
+    the destroy call may end the groups' threads), count gloo threads, then
+    count the process groups that reference cycles still hold.
+
+    ``how``: ``model`` (destroy_model_parallel, with an EP group too),
+    ``whole`` (destroy_distributed_environment) or ``one`` (pairs of ranks made
+    by init_model_parallel_group with a message queue, and their ``destroy()``).
+    ``transport``: ``shm`` (the shared-memory engine), ``gloo`` (the engine
+    off) or ``hier`` (two pretend hosts: hierarchical groups).
     """
     import gc
 
     from coordinator.parallel.model_groups import init_model_parallel_group
 
+    saved = {k: os.environ.get(k) for k in ("GROUPCOORD_CPU_SHM", "GROUPCOORD_NODE_ID")}
+    os.environ["GROUPCOORD_CPU_SHM"] = "0" if transport == "gloo" else "1"
+    os.environ.pop("GROUPCOORD_NODE_ID", None)
+    if transport == "hier":
+        os.environ["GROUPCOORD_NODE_ID"] = f"host{rank * 2 // world_size}"
+    gc.collect()  # what earlier runs on this pool rank left is not this run's to count
     before = _gloo_threads()
-    refused: str | None = None  # what destroy(collect="yes") said (the "one" case)
     was_on = gc.isenabled()
     gc.disable()
     try:
         if how == "one":
             pairs = [list(range(i, min(i + 2, world_size))) for i in range(0, world_size, 2)]
-            groups = [init_model_parallel_group(pairs, rank, "gloo", group_name="own")]
+            groups = [init_model_parallel_group(pairs, rank, "gloo", group_name="own",
+                                                use_message_queue_broadcaster=True)]
         else:
-            ps.initialize_model_parallel(tp, pp)
+            ps.initialize_model_parallel(tp, pp, enable_expert_parallel=True)
             groups = ps.get_all_model_groups()
         for g in groups:
-            g.all_reduce(torch.ones(3))
+            _use(g)
         during = _gloo_threads()
         own = groups[0]
         del g, groups  # a caller's references to destroyed groups pin nothing: kept in own
@@ -167,35 +207,39 @@ def run_destroy_ends_threads(rank: int, world_size: int, tp: int, pp: int,
         elif how == "model":
             ps.destroy_model_parallel()
         else:
-            try:
-                own.destroy(collect="yes")  # type: ignore[arg-type]
-                refused = "destroyed"  # not refused: the assertion below fails
-            except TypeError as e:  # checked before anything is torn down
-                refused = str(e)
-            own.all_reduce(torch.ones(3))
-            own.destroy(collect=True)
-        return {"before": before, "during": during, "after": _gloo_threads(),
-                "refused": refused}
+            own.destroy()
+        after = _gloo_threads()
+        return {"before": before, "during": during, "after": after,
+                "in_cycles": _process_groups_in_cycles()}
     finally:
         if was_on:
             gc.enable()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-@pytest.mark.parametrize("world_size,tp,pp,how", [
-    pytest.param(2, 2, 1, "model", id="ws2-tp2"),
-    pytest.param(4, 2, 2, "model", id="ws4-tp2-pp2"),
-    pytest.param(3, 1, 3, "whole", id="ws3-pp3-whole-environment"),
-    pytest.param(3, 1, 1, "one", id="ws3-a-group-of-its-own")])
+@pytest.mark.parametrize("world_size,tp,pp,how,transport", [
+    pytest.param(2, 2, 1, "model", "shm", id="ws2-tp2-shm"),
+    pytest.param(4, 2, 2, "model", "gloo", id="ws4-tp2-pp2-gloo"),
+    pytest.param(4, 4, 1, "model", "hier", id="ws4-tp4-two-hosts"),
+    pytest.param(3, 1, 3, "whole", "shm", id="ws3-pp3-whole-environment"),
+    pytest.param(3, 1, 1, "one", "shm", id="ws3-pairs-with-queues")])
 def test_destroy_ends_the_groups_threads(dist_pool, world_size: int, tp: int, pp: int,
-                                         how: str) -> None:
+                                         how: str, transport: str) -> None:
+    """Destroying a group ends its process groups' threads and sockets at once:
+    nothing of the group keeps them in a reference cycle until a garbage
+    collection (which a process may not run for a long time)."""
+    args = (tp, pp, how, transport)
     if how == "whole":  # the world group goes too: ranks of their own, not the shared pool's
-        outs = run_distributed(run_destroy_ends_threads, world_size, tp, pp, how, timeout=90)
+        outs = run_distributed(run_destroy_ends_threads, world_size, *args, timeout=90)
     else:
-        outs = dist_pool(world_size).run(run_destroy_ends_threads, tp, pp, how, timeout=90)
+        outs = dist_pool(world_size).run(run_destroy_ends_threads, *args, timeout=90)
     for out in outs:
         assert out["during"] > out["before"], out  # the groups had threads to end
         assert out["after"] <= (0 if how == "whole" else out["before"]), out
-        if how == "one":
-            assert out["refused"] == "collect must be a bool, got str", out
+        assert out["in_cycles"] == 0, out
