@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import shutil
 import tempfile
@@ -93,6 +94,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Put the long files first (a stable sort: the rest keep their order)."""
     order = {name: i for i, name in enumerate(_LONG_FILES)}
     items.sort(key=lambda item: order.get(item.nodeid.split("::", 1)[0], len(order)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Leave what collection imported (torch, transformers, every test module:
+    about 200,000 objects) out of this process's garbage collections.
+
+    They live as long as the process, yet each full collection would walk them:
+    in a profile of the suite, collections took 13-17% of an xdist worker's CPU.
+    """
+    gc.freeze()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
