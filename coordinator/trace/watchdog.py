@@ -283,8 +283,6 @@ class Watchdog:
         while True:
             tick = _MAX_TICK_S
             try:
-                with self._lock:
-                    groups = list(self._groups)
                 if not board_tried:
                     board_tried = True
                     board = progress.ProgressBoard.of_default_store()
@@ -292,20 +290,29 @@ class Watchdog:
                 if stop.is_set():
                     self._forget_gone(board)  # keys queued while it stopped
                     return
-                for watch in groups:
-                    try:
-                        self._check(watch, board)
-                    except Exception:  # a bug or a broken device: say so once, watch the rest
-                        if not watch.failed:
-                            watch.failed = True
-                            logger.exception("groupcoord watchdog: checking group %r failed",
-                                             watch.name)
-                tick = min((w.timeout_s for w in groups), default=_MAX_TICK_S * 10) / 10
+                tick = self._check_groups(board)
             except Exception:  # the thread goes on: later ticks may work again
                 if not failed:
                     failed = True
                     logger.exception("groupcoord watchdog: a tick failed")
             stop.wait(min(_MAX_TICK_S, max(_MIN_TICK_S, tick)))
+
+    def _check_groups(self, board: progress.ProgressBoard | None) -> float:
+        """Check every watched group once; returns the next tick's length (a tenth
+        of the shortest timeout). The groups are listed only for this call, so a
+        group closed meanwhile (and its communicator) is not kept until the next
+        tick."""
+        with self._lock:
+            groups = list(self._groups)
+        for watch in groups:
+            try:
+                self._check(watch, board)
+            except Exception:  # a bug or a broken device: say so once, watch the rest
+                if not watch.failed:
+                    watch.failed = True
+                    logger.exception("groupcoord watchdog: checking group %r failed",
+                                     watch.name)
+        return min((w.timeout_s for w in groups), default=_MAX_TICK_S * 10) / 10
 
     def _forget_gone(self, board: progress.ProgressBoard | None) -> None:
         """Delete the queued keys of removed groups from the store (see the module

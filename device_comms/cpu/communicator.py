@@ -331,6 +331,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
 
     def barrier(self) -> None:
         """Wait until every rank of the group calls this (shared memory when one node)."""
+        self._check_open()
         if self.world_size == 1:
             return
         eng = self._flat
@@ -348,9 +349,11 @@ class CpuCommunicator(TorchDistributedCommunicator):
         eng, self._engine, self._flat, self._hier = self._engine, None, None, None
         self._small = None
         self._plans.clear()
-        if eng is not None:
-            eng.close()
-        super().destroy()
+        try:
+            if eng is not None:
+                eng.close()
+        finally:
+            super().destroy()
 
     # ------------------------------------------------------------------ reductions
     def all_reduce(

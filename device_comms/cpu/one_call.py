@@ -28,10 +28,8 @@ class OneCall:
     """The token of a communicator's one collective at a time.
 
     Args:
-        who: Names the communicator in errors, e.g. ``"group 'tp' (rank 1/4)"``
-            (a string, not a callable of the communicator: the communicator
-            holds this token, and a reference back would make a cycle that
-            keeps it alive after its owner drops it).
+        who: Names the communicator in errors, e.g. ``"group 'tp' (rank 1/4)"``;
+            a string, so that the token holds no reference to its owner.
     """
 
     __slots__ = ("_lock", "_who")

@@ -34,6 +34,7 @@ stay equal across ranks after any of those.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -42,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from device_comms.errors import ClosedError
 from device_comms.reduce_op import ReduceOp
 from device_comms.signatures.call_signature import REJECTED, group_id, layout_key, settle, template
 from device_comms.signatures.envelopes import Blocks, failure_header, reason_bytes
@@ -61,6 +63,12 @@ _KIND = {"send": "send/recv", "recv": "send/recv"}
 def no_prologue(op: str, header: np.ndarray | None, reason: str | None) -> bool:
     """The prologue of a group whose ranks meet nowhere else: nothing to agree on first."""
     return False
+
+
+def _closed_prologue(name: str, op: str, header: np.ndarray | None, reason: str | None) -> bool:
+    """The prologue of a released :class:`SignedCalls`: every collective is refused."""
+    raise ClosedError(f"communicator of group {name!r} was destroyed during {op}; create a "
+                      f"new one to communicate again")
 
 
 class SignedCalls:
@@ -128,16 +136,16 @@ class SignedCalls:
         self._number = source
 
     def release(self) -> None:
-        """Drop the prologue and call-number source (the owner is being destroyed).
+        """Drop the prologue (the owning communicator is destroyed).
 
-        Both are usually bound methods or closures of the owning communicator,
+        The prologue is usually a bound method of the owning communicator,
         which holds this object: a reference cycle that would keep the
         communicator, and the process group it holds with its threads and
-        sockets, alive until the next cyclic garbage collection. Afterwards
-        collectives have no prologue and number themselves.
+        sockets, alive until the next cyclic garbage collection. A collective
+        that still gets here afterwards (another thread's call racing the
+        destroy) raises :class:`~device_comms.errors.ClosedError`.
         """
-        self._prologue = no_prologue
-        self._number = None
+        self._prologue = functools.partial(_closed_prologue, self.unique_name)
 
     # ------------------------------------------------------------------ headers
     def header(

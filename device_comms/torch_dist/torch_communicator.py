@@ -155,8 +155,10 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         """Release every resource (see the base class), and the signed calls'
         references to this communicator: nothing then keeps it, or its process
         groups, alive in a reference cycle once its owner lets go of it."""
-        self._signed.release()
-        super().destroy()
+        try:
+            super().destroy()
+        finally:
+            self._signed.release()
 
     def number_calls(self, source: Callable[[], int] | None) -> None:
         """Number the collectives (see the base class); the signed calls' headers

@@ -156,3 +156,58 @@ def test_signed_calls_alone_on_two_ranks(dist_pool) -> None:
         for name, (kind, word) in want.items():
             assert out["refused"][name].startswith(kind), (name, out["refused"][name])
             assert word in out["refused"][name], (name, out["refused"][name])
+
+
+def released_signed_calls(rank: int, world_size: int, kind: str) -> dict[str, Any]:
+    """A communicator of ``kind`` (``torch``: TorchDistributedCommunicator, ``cpu``:
+    CpuCommunicator) over a group of its own, used and destroyed with the cyclic
+    collector off: is it gone once dropped, and what does its SignedCalls do after
+    the release?"""
+    import gc
+    import weakref
+
+    from device_comms import ClosedError
+    from device_comms.cpu.communicator import CpuCommunicator
+    from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
+
+    cls = CpuCommunicator if kind == "cpu" else TorchDistributedCommunicator
+    group = dist.new_group(list(range(world_size)), backend="gloo")
+    gc.collect()
+    gc.disable()
+    try:
+        comm = cls(group, torch.device("cpu"), unique_name=f"released-{kind}")
+        comm.all_reduce(torch.ones(3))
+        if isinstance(comm, CpuCommunicator):
+            comm.barrier()
+        signed = comm._signed  # the object under test, as the communicator holds it
+        alive = weakref.ref(comm)
+        comm.destroy()
+        del comm
+        out: dict[str, Any] = {"freed": alive() is None}
+        shape = torch.Size([3])
+        h = signed.header("all_reduce", torch.float32, ReduceOp.SUM, 0, shape, shape)
+        for label, call in (("call", lambda: signed.call("all_reduce", h)),
+                            ("reject", lambda: signed.reject("all_reduce", "ValueError: x"))):
+            try:
+                call()
+                out[label] = "returned"
+            except ClosedError as e:
+                out[label] = str(e)
+        return out
+    finally:
+        gc.enable()
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kind", ["torch", "cpu"])
+def test_a_destroyed_communicator_is_freed_and_its_signed_calls_refuse(
+        dist_pool, world_size: int, kind: str) -> None:
+    """Destroy releases the prologue (a bound method of the communicator), so
+    nothing holds the communicator in a reference cycle, and a collective that
+    still reaches its SignedCalls raises ClosedError before any envelope moves."""
+    for out in dist_pool(world_size).run(released_signed_calls, kind, timeout=75):
+        assert out["freed"], out
+        for label in ("call", "reject"):
+            assert f"'released-{kind}' was destroyed during all_reduce" in out[label], out
