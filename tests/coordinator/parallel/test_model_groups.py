@@ -121,7 +121,7 @@ def test_node_count_without_torch_distributed() -> None:
 
 
 def _gloo_threads() -> int:
-    """This process's threads named by gloo's TCP transport (three per group)."""
+    """This process's threads named by gloo's TCP transport (one event loop per gloo group)."""
     tasks = f"/proc/{os.getpid()}/task"
     names = []
     for tid in os.listdir(tasks):
