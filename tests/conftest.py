@@ -48,7 +48,7 @@ atexit.register(shutil.rmtree, _TRACE_DIR, True)
 #: then the longest shm_broadcast files, which collection order would put
 #: last), collected first: with ``--no-loadscope-reorder`` xdist's ``loadfile``
 #: hands out whole files in collection order, so long files started early keep
-#: the two workers finishing together.
+#: the workers finishing together.
 _LONG_FILES = (
     "tests/faults/test_fault_matrix.py",
     "tests/multihost/test_two_hosts.py",
@@ -79,15 +79,22 @@ _LONG_FILES = (
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist ignores it
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: ``PYTEST_XDIST_AUTO_NUM_WORKERS`` if set, else two workers; one
-    where a CUDA GPU is visible, so that two GPU test files never share the
-    device (their timings assume it is theirs)."""
+    """``-n auto``: ``PYTEST_XDIST_AUTO_NUM_WORKERS`` if set; else one worker more
+    than the CPUs this process may use, at most four (most tests wait on
+    timeouts, sleeps and peers: on the 2-core CI machine three workers ran the
+    suite in 581 s where two took 668-703 s); one where a CUDA GPU is visible,
+    so that two GPU test files never share the device (their timings assume
+    it is theirs)."""
     import torch
 
     text = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
     if text:
         return int(text)
-    return 1 if torch.cuda.is_available() else 2
+    if torch.cuda.is_available():
+        return 1
+    usable = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+              else os.cpu_count() or 1)
+    return min(usable, 3) + 1
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
