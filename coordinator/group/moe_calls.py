@@ -36,7 +36,9 @@ Every dispatch must be combined: to gather tokens for another use, call
 or whose rows do not add up to the record's, raises ``ValueError`` on that
 rank and, on the CPU transports, ``PeerRejectedError`` on its peers (NCCL
 calls carry no "rejected" mark: there the peers wait, bounded by the
-group's timeout). At most :data:`MAX_PENDING` records are kept per flag, so
+group's timeout). A combine takes its record only when it succeeds, so
+after a rejected one every rank still holds it and the corrected call
+pairs with the same dispatch. At most :data:`MAX_PENDING` records are kept per flag, so
 a program that forgets its combines does not grow without bound.
 
 Arguments whose group is unknown (an ``is_sequence_parallel`` that is not a
@@ -195,7 +197,10 @@ class MoeCalls:
         """
         group = self.group_for(is_sequence_parallel)
         pending = self._pending[is_sequence_parallel]
-        record = pending.popleft() if pending else None
+        # The record is taken only once the reduce-scatter returned: a combine
+        # that this rank or a peer rejected leaves every rank's record in place,
+        # so the corrected call pairs with the same dispatch.
+        record = pending[0] if pending else None
         if record is not None:
             group = record.group
         try:
@@ -203,7 +208,10 @@ class MoeCalls:
         except (TypeError, ValueError) as e:
             group.reject_call("reduce_scatterv", e, hidden_states)
             raise
-        return group.reduce_scatterv(hidden_states, 0, counts)
+        out = group.reduce_scatterv(hidden_states, 0, counts)
+        if record is not None:
+            pending.popleft()
+        return out
 
 
 def _check_named(named: Sequence[tuple[str, Any]], extra_tensors: Any) -> list[torch.Tensor]:

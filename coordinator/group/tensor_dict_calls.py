@@ -46,11 +46,13 @@ from coordinator.p2p.point_to_point import PointToPoint
 from coordinator.wire import object_comm
 from coordinator.wire.object_comm import SERIALIZE_ERRORS, SourceFailure
 from coordinator.wire.tensor_dict_format import (
+    INLINE,
     TENSOR,
     alloc,
     check_metadata,
     dtype_of,
     flatten_tensor_dict,
+    plain,
 )
 from device_comms import validation
 from device_comms.torch_dist.torch_communicator import wire_view
@@ -184,6 +186,8 @@ class TensorDictCalls:
                 if t.numel():
                     self._broadcast_tensor(t, src, group, metadata_group)
                 out[key] = t
+            elif kind == INLINE:
+                out[key] = plain(value)
             else:
                 out[key] = value
         return out

@@ -47,6 +47,7 @@ __all__ = [
     "flatten_tensor_dict",
     "check_metadata",
     "alloc",
+    "plain",
     "sent_numels",
 ]
 
@@ -130,7 +131,7 @@ def flatten_tensor_dict(
                     f"on {where}; move it with .to({str(device)!r})"
                 )
             if inline_cpu and value.device.type == "cpu":
-                meta.append([key, INLINE, value])
+                meta.append([key, INLINE, plain(value)])
                 continue
             n = parts if slicing and slicing.get(key, False) else 0
             meta.append(
@@ -140,6 +141,15 @@ def flatten_tensor_dict(
         else:
             meta.append([key, VALUE, value])
     return meta, payload
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor outside autograd: receivers get new tensors, neither
+    Parameters nor tensors that require grad, whichever transport carried them
+    (the message queue's codec would keep both)."""
+    if type(t) is not torch.Tensor or t.requires_grad:
+        return t.detach()
+    return t
 
 
 def _check_sendable(key: Any, value: torch.Tensor) -> None:

@@ -22,6 +22,10 @@ def test_tp_group_broadcasts_through_queue(dist_pool, world_size: int, tp: int) 
         # The group's broadcaster readers wait predictively; an explicit policy wins.
         assert r["predictive"] == (r["rank_in_group"] != 0)
         assert r["explicit_plain"] is True
+        for path in ("queue", "world", "metadata-group"):
+            assert r[f"grads/{path}"] in (("src", True), [
+                ("g", "Tensor", False, True), ("plain", "Tensor", False, True),
+                ("w", "Tensor", False, True)]), (path, r[f"grads/{path}"])
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -83,6 +87,18 @@ def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
         torch.equal(d[k], meta[k]) and d[k].dtype == meta[k].dtype
         for k in ("input_ids", "positions", "scale", "empty")
     ) and d["none"] is None and d["reqs"] == ["a", "b"]
+    # Receivers get plain tensors outside autograd over the queue, as over the
+    # group's other paths (the world group's, and an explicit metadata group)
+    grads = {"w": torch.nn.Parameter(torch.arange(4.0)),
+             "g": torch.ones(3, requires_grad=True) * 2,  # a non-leaf
+             "plain": torch.ones(2, dtype=torch.int32)}
+    for path, group, kw in (("queue", g, {}), ("world", ps.get_world_group(), {}),
+                            ("metadata-group", g, {"metadata_group": g.cpu_group})):
+        src = group.rank_in_group == 0
+        got = group.broadcast_tensor_dict(grads if src else None, **kw)
+        out[f"grads/{path}"] = ("src", all(got[k] is grads[k] for k in grads)) if src else sorted(
+            (k, type(v).__name__, v.requires_grad, torch.equal(v.detach(), grads[k].detach()))
+            for k, v in got.items())
     # A second broadcaster with a non-zero writer and its own queue options:
     # a 4 KiB ring of 2 chunks, so the 20 KB message takes the overflow path.
     try:

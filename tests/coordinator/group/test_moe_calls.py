@@ -177,9 +177,21 @@ def _faults(ep: Any) -> dict[str, tuple[str, str]]:
     out["combine-unmatched"] = _attempt(lambda: ep.combine(
         torch.ones(3 * ep.world_size, 6, dtype=torch.float64), True,
         sizes=None if me == last else [3] * ep.world_size))
-    # combine whose rows do not add up to its dispatch, on one rank
-    h, _ = ep.dispatch(x["hidden"], x["logits"], True)
-    out["combine-rows"] = _attempt(lambda: ep.combine(h[1:] if me == last else h, True))
+    # combine whose rows do not add up to its dispatch, on one rank, with a second
+    # dispatch (other row counts) in flight: every rank keeps the first record, so
+    # the corrected combine pairs with the first dispatch and the next with the second
+    ya = _inputs(10, ep.rank, 1 + me)
+    yb = _inputs(11, ep.rank, 2 * (me + 1))
+    ha, _ = ep.dispatch(ya["hidden"], ya["logits"], True)
+    hb, _ = ep.dispatch(yb["hidden"], yb["logits"], True)
+    out["combine-rows"] = _attempt(lambda: ep.combine(ha[1:] if me == last else ha, True))
+    for key, h, y in (("retry-first", ha, ya), ("retry-second", hb, yb)):
+        try:
+            got = ep.combine(h, True)
+            want = sum(y["hidden"] for _ in range(ep.world_size))  # in rank order, as reduced
+            out[key] = ("ok", "") if torch.equal(got, want) else ("wrong", f"{got.shape}")
+        except Exception as e:  # the parent names it
+            out[key] = (type(e).__name__, str(e))
     # router_logits with other rows than hidden_states, on one rank
     out["dispatch-rows"] = _attempt(lambda: ep.dispatch(
         x["hidden"], x["logits"][:2] if me == last else x["logits"], True))
@@ -242,7 +254,8 @@ def _check_faults(f: dict[str, tuple[str, str]], me: int, p: int) -> None:
     for key in ("layout-differs", "layout-differs-sizes"):
         assert f[key][0] == "CollectiveMismatch", (key, f[key])
     assert f["bad-flag"][0] == "TypeError" and "is_sequence_parallel" in f["bad-flag"][1]
-    assert f["after"] == ("ok", ""), f["after"]
+    for key in ("retry-first", "retry-second", "after"):
+        assert f[key] == ("ok", ""), (key, f[key])
 
 
 # ---------------------------------------------------------------------- one process
