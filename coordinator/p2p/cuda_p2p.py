@@ -55,6 +55,7 @@ from coordinator.wire import object_comm
 from coordinator.wire.object_comm import ObjectChannel
 from coordinator.wire.tensor_dict_format import TENSOR, alloc, check_metadata, flatten_tensor_dict
 from device_comms.torch_dist.torch_communicator import wire_view
+from device_comms.validation import dense
 
 __all__ = ["CudaP2P", "Ordering", "EventWork"]
 
@@ -153,6 +154,7 @@ class CudaP2P:
               entry: list[Any] | None = None) -> P2PHandle:
         """Enqueue sending ``t`` to ``dst`` (call ``seq``; ``entry``: its recorder
         entry, which gets the transfer's marks)."""
+        t = dense(t)  # NCCL sends contiguous memory; a conj or neg view is resolved first
         ev = self._enqueue(lambda s: self._send(t, dst, s), [t], entry)
         return self._handle("isend", dst, seq, ev, None)
 
@@ -176,8 +178,8 @@ class CudaP2P:
     # ------------------------------------------------------------------ tensor dicts
     def isend_tensor_dict(self, d: dict[Any, Any], dst: int, seq: int) -> P2PHandle:
         meta, payload = flatten_tensor_dict(d, device=self._group.device)
-        on_gpu = [t.contiguous() for t in payload if t.numel() and t.device.type == "cuda"]
-        on_cpu = [t.contiguous() for t in payload if t.numel() and t.device.type == "cpu"]
+        on_gpu = [dense(t) for t in payload if t.numel() and t.device.type == "cuda"]
+        on_cpu = [dense(t) for t in payload if t.numel() and t.device.type == "cpu"]
         cpu = self._order.submit(SEND, dst, "isend_tensor_dict", seq, self._send_meta, meta,
                                  on_cpu, dst)
         ev = self._enqueue(lambda s: self._send_all(on_gpu, dst, s), on_gpu)

@@ -22,6 +22,8 @@ def test_tp_group_broadcasts_through_queue(dist_pool, world_size: int, tp: int) 
         # The group's broadcaster readers wait predictively; an explicit policy wins.
         assert r["predictive"] == (r["rank_in_group"] != 0)
         assert r["explicit_plain"] is True
+        for arg in ("group", "metadata_group"):
+            assert r[f"bad-{arg}"] == f"{arg} must be a torch ProcessGroup or None, got str"
         for path in ("queue", "world", "metadata-group"):
             assert r[f"grads/{path}"] in (("src", True), [
                 ("g", "Tensor", False, True), ("plain", "Tensor", False, True),
@@ -87,6 +89,13 @@ def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
         torch.equal(d[k], meta[k]) and d[k].dtype == meta[k].dtype
         for k in ("input_ids", "positions", "scale", "empty")
     ) and d["none"] is None and d["reqs"] == ["a", "b"]
+    # A group argument that is no process group: TypeError naming it, on every rank
+    for arg in ("group", "metadata_group"):
+        try:
+            g.broadcast_tensor_dict(meta if g.rank_in_group == 0 else None, **{arg: "tp"})
+            out[f"bad-{arg}"] = "returned"
+        except TypeError as e:
+            out[f"bad-{arg}"] = str(e)
     # Receivers get plain tensors outside autograd over the queue, as over the
     # group's other paths (the world group's, and an explicit metadata group)
     grads = {"w": torch.nn.Parameter(torch.arange(4.0)),
