@@ -393,6 +393,8 @@ class DeviceCommunicator(abc.ABC):
         try:
             t = validation.check_tensor(input_, "input_", self.device)
             validation.check_rank(src, self.world_size, "src")
+            if self.rank_in_group != src:  # the source only reads its tensor
+                validation.check_writable(t, "input_")
             if not t.is_contiguous():
                 raise ValueError("input_ must be contiguous for an in-place broadcast")
             if t.is_conj() or t.is_neg():

@@ -91,6 +91,11 @@ def check_reduce_op(op: object, dtype: torch.dtype, arg: str = "op") -> ReduceOp
             f"{arg}=ReduceOp.AVG needs a floating-point tensor, got dtype {dtype}; "
             f"use SUM and divide, or convert to float first"
         )
+    if rop is ReduceOp.AVG and dtype == torch.complex32:
+        raise TypeError(
+            f"{arg}=ReduceOp.AVG cannot reduce a {dtype} tensor: torch cannot divide "
+            f"that dtype; use SUM and divide after .to(torch.complex64)"
+        )
     return rop
 
 

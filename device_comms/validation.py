@@ -90,11 +90,14 @@ def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.
 
 def check_writable(t: torch.Tensor, arg: str) -> torch.Tensor:
     """Return ``t`` if data can be received into it: no two of its elements share
-    memory (an ``expand``-ed or stride-0 view cannot hold distinct values).
+    memory (an ``expand``-ed or stride-0 view cannot hold distinct values), and
+    torch allows writing into it here (:func:`check_receivable`).
 
     Raises:
-        ValueError: ``t`` has a dimension of size above 1 with stride 0.
+        ValueError: ``t`` has a dimension of size above 1 with stride 0, or is
+            an inference tensor outside ``torch.inference_mode()``.
     """
+    check_receivable(t, arg)
     shared = [d for d, (n, s) in enumerate(zip(t.shape, t.stride(), strict=True))
               if s == 0 and n > 1]
     if shared:

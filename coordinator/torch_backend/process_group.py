@@ -52,7 +52,6 @@ import torch.distributed as dist
 from coordinator.torch_backend import gloo_group
 from coordinator.torch_backend.translate import (
     check_whole_and_piece,
-    check_writable,
     copy_pieces,
     known_reduce_op,
     root_list,
@@ -74,7 +73,7 @@ from device_comms.errors import (
 )
 from device_comms.reduce_op import ReduceOp
 from device_comms.row_gather import layout_key
-from device_comms.validation import check_receivable, check_tensor
+from device_comms.validation import check_receivable, check_tensor, check_writable
 from shm_broadcast.errors import GroupCoordError
 
 __all__ = ["BACKEND_NAME", "GroupcoordProcessGroup"]
@@ -238,10 +237,8 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             single(tensors, "tensors"), to_reduce_op(opts.reduceOp)))
         if t.layout is not torch.strided:
             return self._sparse_all_reduce(comm, t, op, opts)
-        if t.is_inference():  # written in place: refused outside inference mode
-            self._checked("all_reduce", lambda: check_receivable(t, "tensors[0]"))
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-            comm.all_reduce(t, op, out=t)
+            comm.all_reduce(t, op, out=t)  # checks that t can be written here
         else:
             self._checked("all_reduce", lambda: check_writable(t, "tensors[0]"))
             with torch.no_grad(), comm.kernel_threads():
@@ -300,7 +297,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
         def check() -> tuple[torch.Tensor, ReduceOp]:
             t = single(tensors, "tensors")
-            if self.rank() == opts.rootRank and not t.is_contiguous():
+            if self.rank() == opts.rootRank:  # the result is written into it
                 check_writable(t, "tensors[0]")
             return t, to_reduce_op(opts.reduceOp)
 

@@ -22,7 +22,7 @@ from device_comms.reduce_op import ReduceOp
 __all__ = [
     "known_reduce_op", "to_reduce_op",
     "single", "tensor_list", "same_dtype", "split_sizes", "copy_pieces",
-    "check_writable", "check_whole_and_piece", "root_list",
+    "check_whole_and_piece", "root_list",
 ]
 
 _RED = dist.ReduceOp.RedOpType
@@ -144,21 +144,6 @@ def copy_pieces(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
         n = o.numel()
         o.copy_(flat[offset:offset + n].view(o.shape))
         offset += n
-
-
-def check_writable(t: torch.Tensor, arg: str) -> None:
-    """Check that an in-place call can write ``t`` back element by element.
-
-    Raises:
-        ValueError: A dimension of more than one element has stride 0 (an
-            ``expand``-ed view: its elements share memory, so the result,
-            one value per element, cannot be written into it).
-    """
-    for d, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True)):
-        if stride == 0 and size > 1:
-            raise ValueError(f"{arg} is an expanded view (dimension {d} has {size} elements "
-                             f"but stride 0), which an in-place collective cannot write; "
-                             f"pass {arg}.clone()")
 
 
 def check_whole_and_piece(whole: torch.Tensor, whole_arg: str, piece: torch.Tensor,

@@ -379,6 +379,7 @@ BAD_CALLS: dict[str, tuple[type[Exception], str]] = {
     "irecv-spec-negative": (ValueError, "tensor_or_spec[0]"),
     "irecv-src-self": (ValueError, "src"),
     "irecv-expanded-buffer": (ValueError, "tensor_or_spec"),
+    "irecv-inference-buffer": (ValueError, "tensor_or_spec"),
     "irecv-spec-too-big": (ValueError, "tensor_or_spec"),
     "isend_tensor_dict-not-a-dict": (TypeError, "tensor_dict"),
     "isend_tensor_dict-sparse": (TypeError, "tensor_dict['s']"),
@@ -386,6 +387,13 @@ BAD_CALLS: dict[str, tuple[type[Exception], str]] = {
     "wait-negative-timeout": (ValueError, "timeout"),
     "wait-string-timeout": (TypeError, "timeout"),
 }
+
+
+def _inference_zeros(n: int) -> torch.Tensor:
+    """A tensor made under ``torch.inference_mode()``: torch refuses writes into it
+    outside that mode."""
+    with torch.inference_mode():
+        return torch.zeros(n)
 
 
 def _bad_call(g: Any, rank: int, case: str) -> Any:
@@ -401,6 +409,7 @@ def _bad_call(g: Any, rank: int, case: str) -> Any:
         "irecv-spec-negative": lambda: g.irecv(((2, -1), torch.float32), peer),
         "irecv-src-self": lambda: g.irecv(((2,), torch.float32), rank),
         "irecv-expanded-buffer": lambda: g.irecv(torch.zeros(1).expand(2), peer),
+        "irecv-inference-buffer": lambda: g.irecv(_inference_zeros(2), peer),
         "irecv-spec-too-big": lambda: g.irecv(((1 << 40, 1 << 30), torch.float32), peer),
         "isend_tensor_dict-not-a-dict": lambda: g.isend_tensor_dict([torch.ones(1)], peer),
         "isend_tensor_dict-sparse": lambda: g.isend_tensor_dict(
@@ -422,7 +431,8 @@ def bad_arguments(rank: int, n: int, case: str, transport: str) -> dict[str, Any
     exc_type, arg = BAD_CALLS[case]
     rejected_peer = case in ("isend-not-a-tensor", "isend-meta-tensor", "irecv-spec-not-a-pair",
                              "irecv-spec-bad-dtype", "irecv-spec-negative",
-                             "irecv-expanded-buffer", "irecv-spec-too-big")
+                             "irecv-expanded-buffer", "irecv-inference-buffer",
+                             "irecv-spec-too-big")
 
     def body(g: Any) -> dict[str, Any]:
         peer = rank ^ 1
@@ -662,7 +672,7 @@ def test_a_bad_call_queued_behind_a_settling_dict_is_told_on_the_link(dist_pool,
 
 
 _TOLD_CASES = ["isend-not-a-tensor", "isend-meta-tensor", "irecv-spec-not-a-pair",
-               "irecv-spec-negative"]
+               "irecv-spec-negative", "irecv-inference-buffer"]
 
 
 @pytest.mark.timeout(120)

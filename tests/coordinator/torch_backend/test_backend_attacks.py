@@ -14,6 +14,7 @@ All attacks of a world size run in one pool call (one group, reused).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -208,6 +209,20 @@ def _all_reduce_inference(pg: Any, rank: int, world: int) -> Any:
     return t.tolist()
 
 
+def _broadcast_inference(pg: Any, rank: int, world: int, contiguous: bool) -> Any:
+    """A receiver (rank 1) whose buffer is an inference tensor: contiguous (received
+    into directly) or transposed (received into a copy, then copied back)."""
+    shape = (4, 2) if contiguous else (2, 4)
+    if rank == 1:
+        with torch.inference_mode():
+            t = torch.zeros(shape)
+    else:
+        t = torch.ones(shape)
+    t = t if contiguous else t.t()
+    dist.broadcast(t, 0, group=pg)
+    return t.tolist()
+
+
 #: calls that must raise on every rank
 MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "all_reduce_coalesced-split": _coalesced_split,
@@ -235,12 +250,17 @@ MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "all_gather_into_tensor-inference-out": _ag_inference_out,
     "reduce_scatter_tensor-inference-out": _rs_inference_out,
     "all_reduce-inference-in-place": _all_reduce_inference,
+    "broadcast-inference-receiver": functools.partial(_broadcast_inference, contiguous=True),
+    "broadcast-inference-receiver-transposed": functools.partial(_broadcast_inference,
+                                                                 contiguous=False),
 }
 #: (attack, rank) whose own arguments are wrong: ValueError there, PeerRejectedError elsewhere
 _OWN_FAULT = {("scatter-root-rejects", 0), ("scatter-receiver-rejects", 1),
               ("all_reduce-expanded", 0), ("broadcast-expanded", 1), ("reduce-expanded", 0),
               ("all_reduce-sparse-max", 0), ("all_gather_into_tensor-inference-out", 0),
-              ("reduce_scatter_tensor-inference-out", 0), ("all_reduce-inference-in-place", 0)}
+              ("reduce_scatter_tensor-inference-out", 0), ("all_reduce-inference-in-place", 0),
+              ("broadcast-inference-receiver", 1),
+              ("broadcast-inference-receiver-transposed", 1)}
 
 
 def _exact(rank: int, world: int) -> dict[str, tuple[Any, Any]]:

@@ -185,6 +185,18 @@ def _in_place_inference(rank: int,
     return "all_reduce", lambda comm: comm.all_reduce(x, out=x)
 
 
+def _broadcast_into_inference(rank: int,
+                              world_size: int) -> tuple[str, Callable[[CpuCommunicator], Any]]:
+    with torch.inference_mode():  # a receiver's buffer that cannot be written out here
+        buf = torch.zeros(_SHAPE)
+    return "broadcast", lambda comm: comm.broadcast(buf, src=world_size - 1)
+
+
+def _avg_complex32(rank: int, world_size: int) -> tuple[str, Callable[[CpuCommunicator], Any]]:
+    x = torch.ones(6, dtype=torch.complex32)  # torch cannot divide complex32
+    return "all_reduce", lambda comm: comm.all_reduce(x, op=ReduceOp.AVG)
+
+
 _REFUSED: dict[str, tuple[Callable[[int, int], tuple[str, Callable[[CpuCommunicator], Any]]],
                           type[Exception]]] = {
     "freed-storage": (_freed, ValueError),
@@ -196,6 +208,8 @@ _REFUSED: dict[str, tuple[Callable[[int, int], tuple[str, Callable[[CpuCommunica
     "op-bitwise-on-floats": (_op_for_ints, TypeError),
     "out-inference-tensor": (_out_inference, ValueError),
     "in-place-inference-tensor": (_in_place_inference, ValueError),
+    "broadcast-into-inference-tensor": (_broadcast_into_inference, ValueError),
+    "op-avg-complex32": (_avg_complex32, TypeError),
 }
 
 
@@ -211,6 +225,9 @@ def refused_rank(rank: int, world_size: int, case: str) -> list[str]:
             if op == "all_gather":
                 def call(comm: CpuCommunicator) -> Any:
                     return comm.all_gather(_x(rank), 0)
+            elif op == "broadcast":
+                def call(comm: CpuCommunicator) -> Any:
+                    return comm.broadcast(_x(rank), src=world_size - 1)
             elif op == "all_reduce":
                 def call(comm: CpuCommunicator) -> Any:
                     x = _x(rank)
