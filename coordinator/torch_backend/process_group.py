@@ -51,6 +51,8 @@ import torch.distributed as dist
 
 from coordinator.torch_backend import gloo_group
 from coordinator.torch_backend.translate import (
+    check_inputs,
+    check_outputs,
     check_whole_and_piece,
     copy_pieces,
     known_reduce_op,
@@ -73,7 +75,7 @@ from device_comms.errors import (
 )
 from device_comms.reduce_op import ReduceOp
 from device_comms.row_gather import layout_key
-from device_comms.validation import check_receivable, check_tensor, check_writable
+from device_comms.validation import check_tensor, check_writable
 from shm_broadcast.errors import GroupCoordError
 
 __all__ = ["BACKEND_NAME", "GroupcoordProcessGroup"]
@@ -277,6 +279,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             ts = tensor_list(tensors, "tensors")
             if not ts:
                 raise ValueError("tensors must hold at least one tensor")
+            check_outputs(ts, "tensors")
             same_dtype(ts, ts[0].dtype, "tensors")
             return ts, to_reduce_op(opts.reduceOp)
 
@@ -318,9 +321,11 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
         def check() -> tuple[torch.Tensor, list[torch.Tensor], ReduceOp]:
             out = single(output_tensors, "output_tensors")
+            check_outputs([out], "output_tensors")
             if not isinstance(input_tensors, Sequence) or len(input_tensors) != 1:
                 raise ValueError("input_tensors must be a list holding one list of tensors")
             ins = tensor_list(input_tensors[0], "input_list", world)
+            check_inputs(ins, "input_list")
             same_dtype(ins, out.dtype, "input_list")
             if ins[self.rank()].numel() != out.numel():
                 raise ValueError(f"input_list[{self.rank()}] has {ins[self.rank()].numel()} "
@@ -371,8 +376,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         comm = self.communicator
 
         def check() -> ReduceOp:
-            check_tensor(output, "output", _CPU)
-            check_receivable(output, "output")
+            check_writable(check_tensor(output, "output", _CPU), "output")
             check_tensor(input, "input", _CPU)
             check_whole_and_piece(input, "input", output, "output", self.size())
             return to_reduce_op(opts.reduceOp)
@@ -399,6 +403,8 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         def check() -> tuple[list[torch.Tensor], list[torch.Tensor], ReduceOp]:
             outs = tensor_list(outputs, "outputs")
             ins = tensor_list(inputs, "inputs", len(outs))
+            check_outputs(outs, "outputs")
+            check_inputs(ins, "inputs")
             for i, (o, x) in enumerate(zip(outs, ins, strict=True)):
                 check_whole_and_piece(x, f"inputs[{i}]", o, f"outputs[{i}]", world)
             return outs, ins, to_reduce_op(opts.reduceOp)
@@ -461,6 +467,8 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
             if not isinstance(output_tensors, Sequence) or len(output_tensors) != 1:
                 raise ValueError("output_tensors must be a list holding one list of tensors")
             outs = tensor_list(output_tensors[0], "output_tensor_list", world)
+            check_inputs([x], "input_tensors")
+            check_outputs(outs, "output_tensor_list")
             same_dtype(outs, x.dtype, "output_tensor_list")
             if outs[self.rank()].numel() != x.numel():
                 raise ValueError(f"output_tensor_list[{self.rank()}] has "
@@ -505,8 +513,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         comm = self.communicator
 
         def check() -> None:
-            check_tensor(output, "output", _CPU)
-            check_receivable(output, "output")
+            check_writable(check_tensor(output, "output", _CPU), "output")
             check_tensor(input, "input", _CPU)
             check_whole_and_piece(output, "output", input, "input", self.size())
 
@@ -530,6 +537,9 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"output_tensor_lists must hold one list per rank ({world})")
             outs = [tensor_list(o, f"output_tensor_lists[{r}]", len(ins))
                     for r, o in enumerate(output_lists)]
+            check_inputs(ins, "input_tensor_list")
+            for r, o in enumerate(outs):
+                check_outputs(o, f"output_tensor_lists[{r}]")
             for r, o in enumerate(outs):
                 for i, (t, x) in enumerate(zip(o, ins, strict=True)):
                     if t.dtype != x.dtype:
@@ -559,6 +569,8 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         def check() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             outs = tensor_list(outputs, "outputs")
             ins = tensor_list(inputs, "inputs", len(outs))
+            check_outputs(outs, "outputs")
+            check_inputs(ins, "inputs")
             for i, (o, x) in enumerate(zip(outs, ins, strict=True)):
                 check_whole_and_piece(o, f"outputs[{i}]", x, f"inputs[{i}]", world)
             return outs, ins
@@ -584,9 +596,12 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
         def check() -> tuple[list[torch.Tensor], torch.Tensor]:
             x = single(input_tensors, "input_tensors")
+            check_inputs([x], "input_tensors")
             if self.rank() != root:
                 return [], x
-            return root_list(output_tensors, "output_tensors", "gather_list", world, x), x
+            outs = root_list(output_tensors, "output_tensors", "gather_list", world, x)
+            check_outputs(outs, "gather_list")
+            return outs, x
 
         outs, x = self._checked("gather", check)
         got = comm.gather(x.reshape(-1), root, 0)
@@ -604,9 +619,11 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
 
         def check() -> tuple[torch.Tensor, torch.Tensor | None]:
             out = single(output_tensors, "output_tensors")
+            check_outputs([out], "output_tensors")
             if self.rank() != root:
                 return out, None
             ins = root_list(input_tensors, "input_tensors", "scatter_list", world, out)
+            check_inputs(ins, "scatter_list")
             return out, torch.stack([t.reshape(-1) for t in ins])
 
         out, rows = self._checked("scatter", check)
@@ -624,7 +641,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         world = self.size()
 
         def check() -> tuple[list[int], list[int]]:
-            check_tensor(output, "output", _CPU)
+            check_writable(check_tensor(output, "output", _CPU), "output")
             check_tensor(input, "input", _CPU)
             if output.dtype != input.dtype:
                 raise TypeError(f"output must have input's dtype {input.dtype}, "
@@ -659,6 +676,8 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         def check() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             outs = tensor_list(output_tensors, "output_tensor_list", world)
             ins = tensor_list(input_tensors, "input_tensor_list", world)
+            check_outputs(outs, "output_tensor_list")
+            check_inputs(ins, "input_tensor_list")
             same_dtype(outs, ins[0].dtype, "output_tensor_list")
             same_dtype(ins, ins[0].dtype, "input_tensor_list")
             return outs, ins
@@ -707,8 +726,9 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
     def _receive(self, tensors: list[torch.Tensor],
                  start: Callable[[list[torch.Tensor]], dist.Work], op: str) -> GroupcoordWork:
         t = single(tensors, "tensors")
+        check_outputs([t], "tensors")  # before gloo takes the message
         where = self._where(op)
-        if t.is_contiguous():
+        if t.is_contiguous() and not (t.is_conj() or t.is_neg()):  # raw elements are values
             return GroupcoordWork([t], pending=self._start(lambda: start([t]), where),
                                   timeout=self._timeout_s, where=where)
         buf = torch.empty(t.shape, dtype=t.dtype)

@@ -18,13 +18,15 @@ import torch
 import torch.distributed as dist
 
 from device_comms.reduce_op import ReduceOp
+from device_comms.validation import check_tensor, check_writable
 
 __all__ = [
     "known_reduce_op", "to_reduce_op",
     "single", "tensor_list", "same_dtype", "split_sizes", "copy_pieces",
-    "check_whole_and_piece", "root_list",
+    "check_whole_and_piece", "root_list", "check_inputs", "check_outputs",
 ]
 
+_CPU = torch.device("cpu")
 _RED = dist.ReduceOp.RedOpType
 #: torch's op kinds by our ops (every one of ours has torch's name; PREMUL_SUM is torch's only).
 _OPS: dict[Any, ReduceOp] = {_RED.__members__[op.name]: op for op in ReduceOp}
@@ -97,6 +99,31 @@ def tensor_list(tensors: Any, arg: str, length: int | None = None) -> list[torch
         raise ValueError(f"{arg} must hold {length} tensors (one per rank of the group), "
                          f"got {len(out)}")
     return out
+
+
+def check_inputs(tensors: Sequence[torch.Tensor], arg: str) -> None:
+    """Check that every tensor of ``tensors`` is a dense CPU tensor with data, naming
+    ``arg[i]``: a meta, sparse or GPU input would otherwise fail in a local copy
+    on this rank alone, with the peers already in the call.
+
+    Raises:
+        TypeError: A tensor is sparse, quantised or nested.
+        ValueError: A tensor is a meta tensor, not on the CPU, or its storage was freed.
+    """
+    for i, t in enumerate(tensors):
+        check_tensor(t, f"{arg}[{i}]", _CPU)
+
+
+def check_outputs(tensors: Sequence[torch.Tensor], arg: str) -> None:
+    """:func:`check_inputs`, and that the result can be written into each tensor
+    (not an expanded view, not an inference tensor outside inference mode).
+
+    Raises:
+        TypeError: As :func:`check_inputs`.
+        ValueError: As :func:`check_inputs`, or a tensor cannot be written here.
+    """
+    for i, t in enumerate(tensors):
+        check_writable(check_tensor(t, f"{arg}[{i}]", _CPU), f"{arg}[{i}]")
 
 
 def same_dtype(tensors: Sequence[torch.Tensor], dtype: torch.dtype, arg: str) -> None:

@@ -223,6 +223,71 @@ def _broadcast_inference(pg: Any, rank: int, world: int, contiguous: bool) -> An
     return t.tolist()
 
 
+def _rank0(bad: str, make: Callable[[], torch.Tensor], rank: int) -> torch.Tensor:
+    """``make()``, turned into rank 0's unwritable output: ``bad`` is "expanded" (a
+    stride-0 view of it) or "inference" (made under ``torch.inference_mode()``)."""
+    if rank != 0:
+        return make()
+    if bad == "inference":
+        with torch.inference_mode():
+            return make()
+    t = make()
+    return t.reshape(-1)[:1].expand(t.numel()).view(t.shape)
+
+
+def _outputs_attack(op: str, bad: str, pg: Any, rank: int, world: int) -> Any:
+    """Rank 0 passes an output it cannot write (see :func:`_rank0`) to ``op``."""
+    def out(n: int) -> torch.Tensor:
+        return _rank0(bad, lambda: torch.zeros(n), rank)
+    if op == "all_gather":
+        outs = [out(2)] + [torch.zeros(2) for _ in range(world - 1)]
+        dist.all_gather(outs, torch.ones(2), group=pg)
+        return [o.tolist() for o in outs]
+    if op == "all_gather_into_tensor":
+        o = out(2 * world)
+        dist.all_gather_into_tensor(o, torch.ones(2), group=pg)
+    elif op == "reduce_scatter":
+        o = out(2)
+        dist.reduce_scatter(o, [torch.ones(2) for _ in range(world)], group=pg)
+    elif op == "reduce_scatter_tensor":
+        o = out(2)
+        dist.reduce_scatter_tensor(o, torch.ones(2 * world), group=pg)
+    elif op == "all_reduce_coalesced":
+        o = out(3)
+        dist.all_reduce_coalesced([torch.ones(2), o], group=pg)
+    elif op == "gather":
+        o = torch.ones(2)
+        dist.gather(o, [out(2) for _ in range(world)] if rank == 0 else None, dst=0, group=pg)
+    elif op == "scatter":
+        o = out(2)
+        dist.scatter(o, [torch.ones(2) for _ in range(world)] if rank == 1 else None, src=1,
+                     group=pg)
+    elif op == "all_to_all_single":
+        o = out(world)
+        dist.all_to_all_single(o, torch.ones(world), group=pg)
+    elif op == "all_to_all":
+        outs = [out(2)] + [torch.zeros(2) for _ in range(world - 1)]
+        dist.all_to_all(outs, [torch.ones(2) for _ in range(world)], group=pg)
+        return [x.tolist() for x in outs]
+    else:
+        raise AssertionError(op)
+    return o.tolist()
+
+
+_OUTPUT_OPS = ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "all_reduce_coalesced", "gather", "scatter", "all_to_all_single", "all_to_all")
+
+
+def _meta_input(pg: Any, rank: int, world: int) -> Any:
+    """Rank 0's input list holds a meta tensor (no data)."""
+    ins = [torch.ones(2) for _ in range(world)]
+    if rank == 0:
+        ins[-1] = torch.empty(2, device="meta")
+    out = torch.zeros(2)
+    dist.reduce_scatter(out, ins, group=pg)
+    return out.tolist()
+
+
 #: calls that must raise on every rank
 MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "all_reduce_coalesced-split": _coalesced_split,
@@ -253,6 +318,9 @@ MISMATCHES: dict[str, Callable[[Any, int, int], Any]] = {
     "broadcast-inference-receiver": functools.partial(_broadcast_inference, contiguous=True),
     "broadcast-inference-receiver-transposed": functools.partial(_broadcast_inference,
                                                                  contiguous=False),
+    "reduce_scatter-meta-input": _meta_input,
+    **{f"{op}-{bad}-out": functools.partial(_outputs_attack, op, bad)
+       for op in _OUTPUT_OPS for bad in ("expanded", "inference")},
 }
 #: (attack, rank) whose own arguments are wrong: ValueError there, PeerRejectedError elsewhere
 _OWN_FAULT = {("scatter-root-rejects", 0), ("scatter-receiver-rejects", 1),
@@ -260,7 +328,9 @@ _OWN_FAULT = {("scatter-root-rejects", 0), ("scatter-receiver-rejects", 1),
               ("all_reduce-sparse-max", 0), ("all_gather_into_tensor-inference-out", 0),
               ("reduce_scatter_tensor-inference-out", 0), ("all_reduce-inference-in-place", 0),
               ("broadcast-inference-receiver", 1),
-              ("broadcast-inference-receiver-transposed", 1)}
+              ("broadcast-inference-receiver-transposed", 1), ("reduce_scatter-meta-input", 0),
+              *((f"{op}-{bad}-out", 0) for op in _OUTPUT_OPS
+                for bad in ("expanded", "inference"))}
 
 
 def _exact(rank: int, world: int) -> dict[str, tuple[Any, Any]]:
@@ -404,3 +474,44 @@ def test_aliased_offset_noncontiguous_are_exact(pools: Callable[[int], Any],
     for rank, res in enumerate(results):
         for name, (got, want) in res.items():
             assert got == want, f"rank {rank} {name}: got {got}, want {want}"
+
+
+def _recv_targets(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 receives rank 0's sends into targets torch allows but gloo cannot fill
+    directly: refused before gloo takes the message (an expanded view, an
+    inference tensor), or received through a copy (a negative view, whose raw
+    elements are not its values)."""
+    pg = cases.group(timeout=10.0)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        for tag in (1, 2):
+            dist.send(torch.full((4,), float(tag)), 1, group=pg, tag=tag)
+        dist.send(torch.tensor([5.0]), 1, group=pg, tag=3)
+    elif rank == 1:
+        with torch.inference_mode():
+            inference = torch.zeros(4)
+        for key, bad in (("expanded", torch.zeros(1).expand(4)), ("inference", inference)):
+            try:
+                dist.recv(bad, 0, group=pg, tag=1)
+                out[key] = "returned"
+            except ValueError as e:
+                out[key] = "ValueError: " + str(e)
+        for tag in (1, 2):  # the refused receives took no message
+            got = torch.zeros(4)
+            dist.recv(got, 0, group=pg, tag=tag)
+            out[f"tag{tag}"] = got.tolist()
+        neg = torch.tensor([1 + 2j]).conj().imag  # contiguous, is_neg()
+        dist.recv(neg, 0, group=pg, tag=3)
+        out["neg"] = neg.tolist()
+    dist.barrier(group=pg)
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_receive_targets_are_checked_or_received_through_a_copy(
+        pools: Callable[[int], Any], world: int) -> None:
+    got = pools(world).run(_recv_targets, timeout=90)[1]
+    for key in ("expanded", "inference"):
+        assert got[key].startswith("ValueError: tensors[0]"), (key, got[key])
+    assert got["tag1"] == [1.0] * 4 and got["tag2"] == [2.0] * 4, got
+    assert got["neg"] == [5.0], got
