@@ -81,10 +81,9 @@ _LONG_FILES = (
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: ``PYTEST_XDIST_AUTO_NUM_WORKERS`` if set; else one worker more
     than the CPUs this process may use, at most four (most tests wait on
-    timeouts, sleeps and peers: on the 2-core CI machine three workers ran the
-    suite in 581 s where two took 668-703 s); one where a CUDA GPU is visible,
-    so that two GPU test files never share the device (their timings assume
-    it is theirs)."""
+    timeouts, sleeps and peers, so the extra worker fills the CPUs they leave
+    idle); one where a CUDA GPU is visible, so that two GPU test files never
+    share the device (their timings assume it is theirs)."""
     import torch
 
     text = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
