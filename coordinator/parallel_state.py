@@ -300,7 +300,8 @@ def _create_groups(mesh: RankMesh, world: GroupCoordinator, backend: str,
     plan: list[tuple[str, list[list[int]], dict[str, Any]]] = [
         ("tp", mesh.tp_groups(), {"use_message_queue_broadcaster": True}),
         ("pp", mesh.pp_groups(), {}), ("dp", mesh.dp_groups(), {}),
-        ("pcp", mesh.pcp_groups(), {}), ("dcp", mesh.dcp_groups(), {}),
+        ("pcp", mesh.pcp_groups(), {}),
+        ("dcp", mesh.dcp_groups(), {"use_message_queue_broadcaster": True}),  # as vLLM's
     ]
     if enable_expert_parallel:
         plan.append(("ep", mesh.ep_groups(), {}))

@@ -216,6 +216,7 @@ class GroupCoordinator:
                               self.timeout)
         if self.world_size > 1:
             self._book.learn_peers(cpu_group)
+        self.use_device_communicator = use_device_communicator
         self.device_communicator: DeviceCommunicator | None = None
         if use_device_communicator and self.world_size > 1:
             self.device_communicator = setup.build_communicator(

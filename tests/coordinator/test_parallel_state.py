@@ -118,6 +118,8 @@ def test_layouts_at_world_size_4(dist_pool):
             my_dcp = next(g for g in want["dcp"] if rank in g)
             assert rec["getters"] == (tp, rank % tp, pp, my_pp.index(rank), pcp,
                                       my_pcp.index(rank), dcp, my_dcp.index(rank)), rec
+            assert rec["queues"] == {k: k in ("tp", "dcp") and len(want[k][0]) > 1
+                                     for k in KINDS}, (layout, rec["queues"])
 
 
 @pytest.mark.timeout(120)
@@ -407,6 +409,14 @@ def run_layouts(rank: int, world_size: int,
             assert got.item() == sum(g.ranks), f"{(tp, pp, dp)} {k}: {got.item()} != sum{g.ranks}"
             gathered = g.all_gather(torch.tensor([rank]), 0)
             assert gathered.tolist() == list(g.ranks), f"{k}: gathered {gathered.tolist()}"
+            assert g.use_device_communicator is True, k
+        # As vLLM's, the TP and DCP groups of more than one rank broadcast through a
+        # message queue, the others through their CPU group.
+        rec["queues"] = {k: g.mq_broadcaster is not None for k, g in groups.items()}
+        sent = {"step": tp * 10 + dcp, "ids": torch.arange(4)}
+        got = groups["dcp"].broadcast_tensor_dict(
+            sent if groups["dcp"].rank_in_group == 0 else None)
+        assert got["step"] == sent["step"] and torch.equal(got["ids"], sent["ids"]), got
         # ensure_...: a no-op with the same sizes, an error with others.
         ps.ensure_model_parallel_initialized(tp, pp, dp, **cp)
         ps.ensure_model_parallel_initialized(tp, pp, **cp)  # no DP size (vLLM's workers): any
