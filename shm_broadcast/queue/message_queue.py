@@ -418,6 +418,7 @@ class MessageQueue:
             TypeError, ValueError: ``rank`` is not a rank, is the writer's own,
                 is beyond :data:`~shm_broadcast.queue.transport.MAX_RANK`, or is
                 a remote rank beyond the queue's number of remote readers.
+            QueueClosedError: The queue was closed (its segment is gone).
         """
         if not self._writer:
             raise QueueRoleError(f"queue {self.name!r}: export_handle() is for the writer; "

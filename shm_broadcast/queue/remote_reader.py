@@ -220,6 +220,9 @@ class RemoteReader:
             self._warnings.stop()
         while True:
             b.step()
+            if self._peek is not None:  # taken by the liveness check: the writer is gone
+                frames, self._peek = self._peek, None
+                return frames
             events = dict(self._poller.poll(max(1, int(b.park_timeout() * 1000))))
             if self._mon in events:
                 self._drain_monitor()
@@ -266,6 +269,8 @@ class RemoteReader:
                 f"{self._wait_what}", queue=self.name, side=self.side)
         self._vet()
         if self._writer_lost or not self._writer.alive():
+            if self._peek is not None:  # a message still to deliver
+                return
             try:  # deliver what arrived before the connection dropped
                 self._peek = self.sub.recv_multipart(zmq.NOBLOCK, copy=False)
                 return

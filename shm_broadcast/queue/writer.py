@@ -382,7 +382,9 @@ class QueueWriter:
                 :data:`~shm_broadcast.queue.transport.MAX_RANK` (no reader can
                 have it), or keys were already made for as many ranks as the
                 queue has remote readers, none of them ``rank``.
+            QueueClosedError: The queue was closed (its segment is gone).
         """
+        self._check_open("export_handle")
         if rank is None or rank in self.local_ranks:
             return self.handle
         if rank == self.writer_rank or not 0 <= rank <= MAX_RANK:

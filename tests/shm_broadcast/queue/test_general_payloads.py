@@ -273,6 +273,17 @@ def test_dequeue_order_with_overflow_interleaved_and_slow_start():
             q.close()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("rank", [None, 1], ids=["any-reader", "rank-1"])
+def test_a_closed_writer_exports_no_handle(rank: int | None) -> None:
+    """A handle of a closed queue would name a segment that is gone."""
+    w = MessageQueue(1, 1, [1], name="closed-handle")
+    w.export_handle(rank)
+    w.close()
+    with pytest.raises(QueueClosedError, match="export_handle"):
+        w.export_handle(rank)
+
+
 # ------------------------------------------------------------ payloads and reader processes
 # Both the test (writer) and the reader processes build the same payloads with
 # payloads(), so a reader can check each message without it being sent twice.
