@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.calls.group_view import GroupView
 from device_comms import validation
-from shm_broadcast.checks import check_int
+from shm_broadcast.checks import check_bool, check_int
 from shm_broadcast.ranks.agreement import agree
 from shm_broadcast.ranks.group_adapter import object_group
 
@@ -78,6 +78,7 @@ def create_mq_broadcaster(
     allowed = _HANDLE_OPTIONS if external_writer_handle is not None else _COLLECTIVE_OPTIONS
     try:
         validation.check_rank(writer_rank, group.world_size, "writer_rank")
+        check_bool(blocking, "blocking")
         unknown = sorted(set(queue_options) - allowed)
         if unknown:
             raise TypeError(f"create_mq_broadcaster() got unexpected queue options {unknown}; "

@@ -19,6 +19,7 @@ def test_tp_group_broadcasts_through_queue(dist_pool, world_size: int, tp: int) 
         assert r["dict_ok"]
         assert r["writer_last_ok"]
         assert r.get("bad_option") is True
+        assert r.get("bad_blocking") == "blocking must be a bool, got str ('no')", r
         # The group's broadcaster readers wait predictively; an explicit policy wins.
         assert r["predictive"] == (r["rank_in_group"] != 0)
         assert r["explicit_plain"] is True
@@ -114,6 +115,10 @@ def tp_broadcasts(rank: int, world_size: int, tp: int) -> dict:
         g.create_mq_broadcaster(max_chunk=1)
     except TypeError as e:
         out["bad_option"] = "max_chunk" in str(e)
+    try:
+        g.create_mq_broadcaster(blocking="no")
+    except TypeError as e:
+        out["bad_blocking"] = str(e)
     mq = g.create_mq_broadcaster(writer_rank=g.world_size - 1, max_chunk_bytes=1 << 12,
                                  max_chunks=2, wait_policy=WaitPolicy(yield_s=0.005),
                                  warn_interval=30.0)
