@@ -40,8 +40,9 @@ def check_device(device: Any, arg: str = "device") -> torch.device:
                          f"got {device!r:.60} ({e})") from None
 
 
-def check_group(group: Any, arg: str) -> Any:
-    """``group`` if it is a :class:`torch.distributed.ProcessGroup` this process belongs to.
+def check_group(group: Any, arg: str, allow_none: bool = False) -> Any:
+    """``group`` if it is a :class:`torch.distributed.ProcessGroup` this process
+    belongs to (or None, with ``allow_none``).
 
     Raises:
         TypeError: ``group`` is not a ProcessGroup.
@@ -49,9 +50,11 @@ def check_group(group: Any, arg: str) -> Any:
     """
     import torch.distributed as dist
 
+    if group is None and allow_none:
+        return None
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{arg} must be a torch.distributed.ProcessGroup, "
-                        f"got {type(group).__name__}")
+        raise TypeError(f"{arg} must be a torch.distributed.ProcessGroup"
+                        f"{' or None' if allow_none else ''}, got {type(group).__name__}")
     if dist.get_rank(group) < 0:
         raise ValueError(f"{arg}: this process (rank {dist.get_rank()}) is not a member")
     return group

@@ -117,9 +117,7 @@ class ObjectCalls:
     def _broadcast_object_list(self, obj_list: list[Any], src: int,
                                group: dist.ProcessGroup | None) -> list[Any]:
         g, op = self._group, "broadcast_object_list"
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a torch ProcessGroup or None, got "
-                            f"{type(group).__name__}")
+        validation.check_group(group, "group", allow_none=True)
         try:
             if not isinstance(obj_list, list):
                 raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")

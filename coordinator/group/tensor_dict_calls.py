@@ -125,10 +125,8 @@ class TensorDictCalls:
                            group: dist.ProcessGroup | None,
                            metadata_group: dist.ProcessGroup | None) -> dict[Any, Any] | None:
         g = self._group
-        for arg, value in (("group", group), ("metadata_group", metadata_group)):
-            if value is not None and not isinstance(value, dist.ProcessGroup):
-                raise TypeError(f"{arg} must be a torch ProcessGroup or None, got "
-                                f"{type(value).__name__}")
+        validation.check_group(group, "group", allow_none=True)
+        validation.check_group(metadata_group, "metadata_group", allow_none=True)
         try:
             validation.check_rank(src, g.world_size, "src")
         except (TypeError, ValueError) as e:

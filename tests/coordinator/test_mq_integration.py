@@ -24,7 +24,8 @@ def test_tp_group_broadcasts_through_queue(dist_pool, world_size: int, tp: int) 
         assert r["predictive"] == (r["rank_in_group"] != 0)
         assert r["explicit_plain"] is True
         for arg in ("group", "metadata_group"):
-            assert r[f"bad-{arg}"] == f"{arg} must be a torch ProcessGroup or None, got str"
+            assert r[f"bad-{arg}"] == (f"{arg} must be a torch.distributed.ProcessGroup or None, "
+                                       f"got str")
         for path in ("queue", "world", "metadata-group"):
             assert r[f"grads/{path}"] in (("src", True), [
                 ("g", "Tensor", False, True), ("plain", "Tensor", False, True),
