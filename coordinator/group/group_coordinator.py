@@ -239,7 +239,8 @@ class GroupCoordinator:
         self._moe = MoeCalls(self)
         self._trace: GroupTrace | StartOnly | None = rec.group(
             self.unique_name, group_name or "anonymous", self.ranks, self.rank_in_group,
-            TransportNamer(self.comm, self.device, _link_lookup(self._p2p.links)))
+            TransportNamer(self.comm, self.device, _link_lookup(self._p2p.links)),
+            timeout=self.timeout)
         book.trace = self._trace
         if use_message_queue_broadcaster and self.world_size > 1 and setup.mq_available():
             self.mq_broadcaster = self.create_mq_broadcaster(writer_rank=0)

@@ -8,8 +8,9 @@ groupcoord installed. The top level follows PyTorch's dump (version ``2.10``):
 * ``version``: ``"2.10"``;
 * ``pg_config``: per group name, ``{"name", "desc", "ranks"}`` with ``ranks``
   the members' global ranks written as a list literal (``"[0, 1]"``);
-* ``pg_status``: per group name, the last enqueued, started and completed
-  collective sequence numbers;
+* ``pg_status``: per group, keyed by its ``pg_id`` as a string (as PyTorch
+  keys it), the last enqueued, started and completed collective sequence
+  numbers (-1 for none);
 * ``entries``: the calls, oldest first, each with PyTorch's fields:
   ``record_id``, ``pg_id``, ``process_group`` (name, desc),
   ``collective_seq_id``, ``p2p_seq_id``, ``op_id``, ``profiling_name``
@@ -17,8 +18,12 @@ groupcoord installed. The top level follows PyTorch's dump (version ``2.10``):
   clock), ``duration_ms``, ``is_p2p``, ``input_sizes``, ``input_dtypes``,
   ``output_sizes``, ``output_dtypes``, ``state`` (``scheduled``,
   ``started``, ``completed``, or ``failed``), ``time_discovered_started_ns``,
-  ``time_discovered_completed_ns``, ``retired``, ``timeout_ms``, ``frames``;
-  plus groupcoord's own: ``op`` (the public method), ``transport``
+  ``time_discovered_completed_ns``, ``retired``, ``timeout_ms`` (the group's
+  timeout), ``frames``, ``thread_id`` and ``thread_name`` (of the calling
+  thread; the name is empty once that thread has ended). As in PyTorch,
+  ``collective_seq_id`` and ``p2p_seq_id`` count the group's collectives and
+  point-to-point calls so far (each entry carries both) and ``op_id`` their sum.
+  Plus groupcoord's own fields: ``op`` (the public method), ``transport``
   (``shm``, ``gloo``, ``hierarchical``, ``pynccl``, ``custom_allreduce``,
   ``queue``...), ``error`` (the class of the error a failed call raised),
   ``peer``, ``time_created_monotonic_ns``, ``rows_vary``, ``true_input_sizes`` /
@@ -76,6 +81,7 @@ import pickle
 import socket
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from time import monotonic_ns
@@ -101,6 +107,7 @@ from coordinator.trace.recorder import (
     PEER,
     RID,
     SEQ,
+    THREAD,
     TRANSPORT,
     FlightRecorder,
     GroupTrace,
@@ -263,8 +270,9 @@ def _state(entry: list[Any]) -> tuple[str, int | None, int | None, int | None]:
     return ("started" if started is not None else "scheduled"), started, None, replays
 
 
-def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
-    """One entry as a plain dict in PyTorch's layout (see the module docstring)."""
+def _entry(entry: list[Any], wall_offset: int, threads: dict[int, str]) -> dict[str, Any]:
+    """One entry as a plain dict in PyTorch's layout (see the module docstring);
+    ``threads`` names the live threads by ident."""
     group: GroupTrace = entry[GROUP]
     op: str = entry[OP]
     fr_type, is_p2p, vary_in, vary_out, tensors = OPS.get(op, _UNKNOWN)
@@ -300,7 +308,7 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
         "process_group": (group.name, group.desc),
         "collective_seq_id": entry[SEQ],
         "p2p_seq_id": entry[P2P_SEQ],
-        "op_id": entry[P2P_SEQ] if is_p2p else entry[SEQ],
+        "op_id": entry[SEQ] + entry[P2P_SEQ],
         "profiling_name": name,
         "time_created_ns": created + wall_offset,
         "duration_ms": None if done is None else (done - created) / 1e6,
@@ -313,8 +321,10 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
         "time_discovered_started_ns": None if started is None else started + wall_offset,
         "time_discovered_completed_ns": None if done is None else done + wall_offset,
         "retired": done is not None or state == "failed",
-        "timeout_ms": None,
+        "timeout_ms": group.timeout_ms,
         "frames": list(entry[FRAMES] or []),
+        "thread_id": "" if entry[THREAD] is None else str(entry[THREAD]),
+        "thread_name": threads.get(entry[THREAD], ""),
         "op": op,
         "transport": transport,
         "error": entry[ERROR],
@@ -329,18 +339,22 @@ def _entry(entry: list[Any], wall_offset: int) -> dict[str, Any]:
 
 
 def _pg_status(groups: Iterable[GroupTrace], entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per ``str(pg_id)``, as PyTorch keys it: the last collective enqueued (every
+    entry's ``collective_seq_id`` counts the group's collectives so far, so a
+    point-to-point entry tells it too), started and completed; -1 for none."""
     status: dict[str, dict[str, int]] = {}
     for g in groups:
-        status[g.name] = {"last_enqueued_collective": -1, "last_started_collective": -1,
-                          "last_completed_collective": -1}
+        status[str(g.pg_id)] = {"last_enqueued_collective": -1, "last_started_collective": -1,
+                                "last_completed_collective": -1}
     for e in entries:
-        if e["is_p2p"]:
-            continue
-        s = status.get(e["process_group"][0])
+        s = status.get(str(e["pg_id"]))
         if s is None:
             continue
         seq = e["collective_seq_id"]
-        s["last_enqueued_collective"] = max(s["last_enqueued_collective"], seq)
+        if seq > 0:
+            s["last_enqueued_collective"] = max(s["last_enqueued_collective"], seq)
+        if e["is_p2p"]:
+            continue
         if e["state"] in ("started", "completed", "failed"):
             s["last_started_collective"] = max(s["last_started_collective"], seq)
         if e["state"] == "completed":
@@ -360,7 +374,8 @@ def snapshot(rec: FlightRecorder | None = None, reason: str = "on demand",
     rec = rec if rec is not None else recorder()
     wall_offset = time.time_ns() - monotonic_ns()
     raw = rec.entries()
-    entries = [_entry(e, wall_offset) for e in raw]
+    threads = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
+    entries = [_entry(e, wall_offset, threads) for e in raw]
     groups = rec.groups()
     listed = {id(g) for g in groups}
     for e in raw:  # a group forgotten since its entries were read is still described

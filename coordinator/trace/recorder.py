@@ -12,7 +12,7 @@ An entry is a Python list laid out by the index constants below (``RID``,
 * **begin** (:meth:`GroupTrace.begin`): record id, group, op, the group's
   collective and point-to-point sequence numbers, the peer of a
   point-to-point call, the input's shape and dtype (never its data), the
-  monotonic creation time, and the Python stack when
+  monotonic creation time, the calling thread, and the Python stack when
   ``GROUPCOORD_TRACE_STACKS=1``;
 * **completion**: the caller stores ``monotonic_ns()`` at ``DONE`` (and the
   output's shape and dtype at ``OUT_SIZES``/``OUT_DTYPES`` when they differ
@@ -59,6 +59,7 @@ import threading
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
+from threading import get_ident
 from time import monotonic_ns
 from typing import Any, Protocol
 
@@ -76,7 +77,7 @@ __all__ = [
     "reset_recorder",
     "RID", "GROUP", "OP", "SEQ", "P2P_SEQ", "PEER", "IN_SIZES", "IN_DTYPES",
     "OUT_SIZES", "OUT_DTYPES", "CREATED", "DONE", "ERROR", "FRAMES", "DEVICE", "TRANSPORT",
-    "DIM", "ENTRY_LEN", "shapes_of",
+    "DIM", "THREAD", "ENTRY_LEN", "shapes_of",
 ]
 
 #: Ring entries unless ``GROUPCOORD_TRACE_BUFFER`` says otherwise.
@@ -102,7 +103,8 @@ FRAMES = 13  # [{"name", "filename", "line"}] or None
 DEVICE = 14  # DeviceMarks of a device call, else None
 TRANSPORT = 15  # the transport when the call named it (queue broadcasts), else None
 DIM = 16  # the dimension along which a variable-size call's rows differ; None: 0
-ENTRY_LEN = 17
+THREAD = 17  # threading.get_ident() of the thread that made the call
+ENTRY_LEN = 18
 
 
 class DeviceMarks(Protocol):
@@ -150,7 +152,8 @@ class FlightRecorder:
         return self.capacity > 0
 
     def group(self, name: str, desc: str, ranks: Sequence[int], rank_in_group: int,
-              transport_of: Callable[[str, list[Any]], str] | None = None) -> GroupTrace | None:
+              transport_of: Callable[[str, list[Any]], str] | None = None,
+              timeout: float | None = None) -> GroupTrace | None:
         """The :class:`GroupTrace` a new group writes through; None when disabled.
 
         Args:
@@ -160,11 +163,15 @@ class FlightRecorder:
             rank_in_group: This process's rank in it.
             transport_of: Names the transport of an entry (``op``, entry), read
                 at dump time; None: ``"gloo"``.
+            timeout: Seconds that bound the group's calls (dumped as each
+                entry's ``timeout_ms``); None: not known.
         """
         if not self.enabled:
             return None
         kind = StackedGroupTrace if self.stacks else GroupTrace
         trace = kind(self, -1, name, desc, list(ranks), rank_in_group, transport_of)
+        if timeout is not None:
+            trace.timeout_ms = round(timeout * 1000)
         with self._lock:
             self._prune()
             trace.pg_id = next(self._pg_ids)
@@ -214,11 +221,12 @@ class GroupTrace:
         rank_in_group: This process's rank in it.
         pg_id: Its number among the recorder's groups, in creation order (never reused).
         transport_of: Names an entry's transport at dump time.
+        timeout_ms: Milliseconds that bound the group's calls; None: not known.
         closed: Set when the group is destroyed.
     """
 
     __slots__ = ("recorder", "pg_id", "name", "desc", "ranks", "rank_in_group",
-                 "transport_of", "closed", "_append", "_ids")
+                 "transport_of", "timeout_ms", "closed", "_append", "_ids")
 
     def __init__(self, rec: FlightRecorder, pg_id: int, name: str, desc: str, ranks: list[int],
                  rank_in_group: int,
@@ -230,6 +238,7 @@ class GroupTrace:
         self.ranks = ranks
         self.rank_in_group = rank_in_group
         self.transport_of = transport_of
+        self.timeout_ms: int | None = None
         self.closed = False
         self._append = rec.ring.append
         self._ids = rec.ids
@@ -248,7 +257,7 @@ class GroupTrace:
             peer: The group rank of a point-to-point call's peer.
         """
         entry = [next(self._ids), self, op, seq, p2p_seq, peer, sizes, dtypes, None, None,
-                 monotonic_ns(), 0, None, None, None, None, None]
+                 monotonic_ns(), 0, None, None, None, None, None, get_ident()]
         self._append(entry)
         return entry
 
@@ -263,7 +272,7 @@ class GroupTrace:
         except AttributeError:
             sizes = dtypes = None
         entry = [next(self._ids), self, op, seq, p2p_seq, peer, sizes, dtypes, None, None,
-                 monotonic_ns(), 0, None, None, None, None, None]
+                 monotonic_ns(), 0, None, None, None, None, None, get_ident()]
         self._append(entry)
         return entry
 
@@ -341,7 +350,7 @@ class StartOnly:
                      peer: int = -1) -> list[Any]:
         """An unrecorded entry of call ``op`` that begins now (``tensor`` unread)."""
         return [-1, None, op, seq, p2p_seq, peer, None, None, None, None, monotonic_ns(),
-                0, None, None, None, None, None]
+                0, None, None, None, None, None, None]
 
 
 def _frames() -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import stat
+import threading
 from typing import Any
 
 import pytest
@@ -39,7 +40,8 @@ _FR_FIELDS = {
     "record_id", "pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "op_id",
     "profiling_name", "time_created_ns", "duration_ms", "is_p2p", "input_sizes",
     "input_dtypes", "output_sizes", "output_dtypes", "state", "time_discovered_started_ns",
-    "time_discovered_completed_ns", "retired", "timeout_ms", "frames",
+    "time_discovered_completed_ns", "retired", "timeout_ms", "frames", "thread_id",
+    "thread_name",
 }
 
 
@@ -60,7 +62,8 @@ def _recorder(tmp_path: Any) -> FlightRecorder:
     """A recorder holding one call of every kind of state and shape."""
     rec = FlightRecorder(capacity=64, stacks=True, dump_prefix=str(tmp_path / "rank_"))
     names = {"all_reduce": "shm", "send": "gloo"}
-    trace = rec.group("tp:0", "tp", [2, 3], 0, lambda op, entry: names.get(op, "gloo"))
+    trace = rec.group("tp:0", "tp", [2, 3], 0, lambda op, entry: names.get(op, "gloo"),
+                      timeout=12.5)
     assert trace is not None
     GroupTrace.complete(trace.begin_tensor("all_reduce", 1, 0, torch.ones(4)))
     gather = trace.begin_tensor("all_gather", 2, 0, torch.ones(2, 3, dtype=torch.bfloat16))
@@ -88,12 +91,41 @@ def test_a_dump_holds_plain_data_only_and_is_owner_only(tmp_path) -> None:
     dump = _load(path)  # no class is needed to read it back
     assert dump["version"] == "2.10"
     assert dump["pg_config"] == {"tp:0": {"name": "tp:0", "desc": "tp", "ranks": "[2, 3]"}}
-    assert dump["pg_status"]["tp:0"] == {"last_enqueued_collective": 6,
-                                         "last_started_collective": 6,
-                                         "last_completed_collective": 4}
+    assert dump["pg_status"]["0"] == {"last_enqueued_collective": 6,
+                                      "last_started_collective": 6,
+                                      "last_completed_collective": 4}
     assert dump["groupcoord"]["rank"] == 3 and dump["groupcoord"]["pid"] == os.getpid()
     for e in dump["entries"]:
         assert set(e) >= _FR_FIELDS, sorted(_FR_FIELDS - set(e))
+
+
+def test_ids_timeout_and_thread_are_pytorchs(tmp_path) -> None:
+    """``op_id`` counts every call of the group (PyTorch bumps it for collectives and
+    point-to-point calls alike), ``timeout_ms`` is the group's, the thread is the
+    caller's, and ``pg_status`` is keyed by ``pg_id`` as a string."""
+    rec = _recorder(tmp_path)
+    other = rec.group("pp:0", "pp", [0, 1], 1)  # no timeout known
+    assert other is not None
+
+    def call_from_a_thread() -> None:
+        GroupTrace.complete(other.begin("send", 0, 1, peer=0))
+
+    worker = threading.Thread(target=call_from_a_thread, name="fr-worker")
+    worker.start()
+    worker.join()
+    dump = snapshot(rec, rank=2)
+    tp = [e for e in dump["entries"] if e["process_group"][0] == "tp:0"]
+    assert [e["op_id"] for e in tp] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert {e["timeout_ms"] for e in tp} == {12500}
+    assert {(e["thread_id"], e["thread_name"]) for e in tp} == {
+        (str(threading.get_ident()), threading.current_thread().name)}
+    (send,) = [e for e in dump["entries"] if e["process_group"][0] == "pp:0"]
+    assert (send["op_id"], send["timeout_ms"], send["pg_id"]) == (1, None, 1)
+    assert send["thread_id"] == str(worker.ident)
+    assert send["thread_name"] == ""  # the thread has ended: its name is no longer known
+    assert dump["pg_status"]["1"] == {"last_enqueued_collective": -1,
+                                      "last_started_collective": -1,
+                                      "last_completed_collective": -1}
 
 
 def test_each_entry_reads_as_pytorch_writes_it(tmp_path) -> None:
@@ -443,7 +475,7 @@ def record_a_step(rank: int, world_size: int, capacity: int) -> dict[str, Any]:
 
     rec = FlightRecorder(capacity=capacity)
     previous = reset_recorder(rec)
-    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="wired")
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="wired", timeout=42)
     try:
         other = 1 - rank
         g.all_reduce(torch.ones(4))
@@ -462,10 +494,13 @@ def record_a_step(rank: int, world_size: int, capacity: int) -> dict[str, Any]:
         g.barrier()
         dump = snapshot(rec, rank=rank)
         return {"entries": [{k: e[k] for k in ("op", "collective_seq_id", "p2p_seq_id",
-                                               "state", "input_sizes", "output_sizes",
-                                               "transport", "peer", "profiling_name",
-                                               "rows_vary", "true_output_sizes")}
-                            for e in dump["entries"]], "trace": g._trace is not None}
+                                               "op_id", "state", "input_sizes",
+                                               "output_sizes", "transport", "peer",
+                                               "profiling_name", "rows_vary",
+                                               "true_output_sizes", "timeout_ms",
+                                               "thread_id")}
+                            for e in dump["entries"]], "trace": g._trace is not None,
+                "thread": str(threading.get_ident()), "pg_status": dump["pg_status"]}
     finally:
         g.destroy()
         reset_recorder(previous)
@@ -483,6 +518,12 @@ def test_a_groups_calls_are_recorded_in_order(dist_pool) -> None:
                        ("broadcast_tensor_dict", 5, 0, "completed"),
                        (sends[0], 5, 1, "completed"), (sends[1], 5, 2, "completed"),
                        (sends[2], 5, 3, "completed"), ("barrier", 6, 3, "completed")], got
+        assert [e["op_id"] for e in out["entries"]] == list(range(1, 10))
+        assert {(e["timeout_ms"], e["thread_id"]) for e in out["entries"]} == {
+            (42000, out["thread"])}
+        assert list(out["pg_status"].values()) == [{"last_enqueued_collective": 6,
+                                                    "last_started_collective": 6,
+                                                    "last_completed_collective": 6}]
         by_op = {e["op"]: e for e in out["entries"]}
         assert by_op["all_gather"]["output_sizes"] == [[4, 3]]
         rows = by_op["all_gatherv_rows"]  # PyTorch's view: an all-gather, the rows -n
