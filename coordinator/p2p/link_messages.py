@@ -59,6 +59,7 @@ import torch
 from coordinator.errors import CollectiveMismatch, CommTimeout, DecodeError, PeerRejectedError
 from coordinator.p2p.link_offer import CHUNK_BYTES
 from coordinator.wire.tensor_dict_format import check_metadata, dtype_of, sent_numels
+from shm_broadcast.describe import describe
 
 __all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "confirmed", "plain_piece",
            "failure",
@@ -243,7 +244,7 @@ def lone_tensor(msg: Any, src: int) -> torch.Tensor | None:
         return None
     if type(msg[1]) is not torch.Tensor:
         raise DecodeError(f"recv: malformed link message from rank {src}: "
-                          f"{type(msg[1]).__name__} {msg[1]!r:.80}")
+                          f"{type(msg[1]).__name__} {describe(msg[1])}")
     return msg[1]
 
 
@@ -287,7 +288,7 @@ class Pieces:
         if sent not in _CALLS or type(msg[2]) is not list or not all(
                 type(p) is torch.Tensor for p in msg[2]):
             raise DecodeError(f"{call}: malformed link message from rank "
-                              f"{src}: {type(msg).__name__} {msg!r:.80}")
+                              f"{src}: {type(msg).__name__} {describe(msg)}")
         self.meta: Any = msg[1]
         self._inline: list[torch.Tensor] = msg[2]
         self._link, self._src, self._broken = link, src, broken
@@ -323,7 +324,7 @@ class Pieces:
             return piece.reshape(-1)
         if piece.dtype == torch.uint8 and piece.dim() == 1 and piece.numel() == nbytes:
             return piece.view(dtype)  # a dtype the codec does not carry, as bytes
-        raise DecodeError(f"recv_tensor_dict: tensor {key!r} should be {numel} elements of "
+        raise DecodeError(f"recv_tensor_dict: tensor {describe(key)} should be {numel} elements of "
                           f"{dtype}, the link message holds {piece.numel()} of {piece.dtype}")
 
     def _stream(self, nbytes: int, key: Any) -> torch.Tensor:
@@ -346,9 +347,9 @@ class Pieces:
         size = min(PART_BYTES, nbytes - done)  # what send() cuts: full parts, then the rest
         if (type(part) is not torch.Tensor or part.dtype != torch.uint8 or part.dim() != 1
                 or part.numel() != size):
-            raise DecodeError(f"recv_tensor_dict: expected a part of tensor {key!r} "
+            raise DecodeError(f"recv_tensor_dict: expected a part of tensor {describe(key)} "
                               f"({size} of {nbytes - done} more bytes) from rank "
-                              f"{self._src}, got {type(msg).__name__} {msg!r:.80}")
+                              f"{self._src}, got {type(msg).__name__} {describe(msg)}")
         return part
 
 

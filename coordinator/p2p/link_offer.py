@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.calls.group_view import GroupView
 from coordinator.errors import DecodeError
+from shm_broadcast.describe import describe
 
 if TYPE_CHECKING:
     from shm_broadcast.queue.handle import Handle
@@ -70,7 +71,7 @@ def check_offer(got: Any, taker: GroupView, src: int, pid: int) -> Handle | None
     if (type(got) is not list or len(got) != 2 or type(got[0]) is not str or got[0] != MAGIC
             or not (got[1] is None or type(got[1]) is bytes)):
         raise DecodeError(f"{where}: the first call of a direction begins with a link "
-                          f"offer; got {type(got).__name__} {got!r:.80}", peers=(src,))
+                          f"offer; got {type(got).__name__} {describe(got)}", peers=(src,))
     if got[1] is None:
         return None
     if len(got[1]) > MAX_HANDLE_BYTES:

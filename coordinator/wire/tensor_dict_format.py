@@ -37,6 +37,7 @@ import torch
 from coordinator.errors import DecodeError
 from coordinator.wire import object_comm
 from shm_broadcast.codec.hash_flooding import check_spread
+from shm_broadcast.describe import describe
 
 __all__ = [
     "VALUE",
@@ -90,7 +91,7 @@ def dtype_of(name: str) -> torch.dtype:
     """
     dt = DTYPES.get(name) if type(name) is str else None
     if dt is None:
-        raise DecodeError(f"unknown dtype {name!r} in tensor-dict metadata")
+        raise DecodeError(f"unknown dtype {describe(name, 60)} in tensor-dict metadata")
     return dt
 
 
@@ -222,8 +223,10 @@ def _checked(meta: Any, device_type: str) -> list[list[Any]]:
         raise DecodeError(f"tensor-dict metadata must be a list, got {type(meta).__name__}")
     cpu_bytes = 0
     for i, entry in enumerate(meta):
-        if type(entry) is not list or len(entry) != 3 or entry[1] not in (VALUE, TENSOR, INLINE):
-            raise DecodeError(f"tensor-dict metadata entry {i} is malformed: {entry!r:.200}")
+        if (type(entry) is not list or len(entry) != 3 or type(entry[1]) is not int
+                or entry[1] not in (VALUE, TENSOR, INLINE)):
+            raise DecodeError(f"tensor-dict metadata entry {i} is malformed: "
+                              f"{describe(entry, 200)}")
         try:
             hash(entry[0])
         except TypeError:
@@ -242,23 +245,25 @@ def _checked(meta: Any, device_type: str) -> list[list[Any]]:
 def _check_desc(desc: Any, device_type: str, i: int) -> int:
     """Check one tensor descriptor; returns the bytes of its whole tensor."""
     if type(desc) is not list or len(desc) != 4:
-        raise DecodeError(f"tensor-dict metadata entry {i}: bad tensor descriptor {desc!r:.200}")
+        raise DecodeError(f"tensor-dict metadata entry {i}: bad tensor descriptor "
+                          f"{describe(desc, 200)}")
     dev_type, dtype_name, shape, parts = desc
-    if dev_type not in ("cpu", device_type):
-        raise DecodeError(f"tensor-dict metadata entry {i}: device {dev_type!r:.40} is not "
+    if type(dev_type) is not str or dev_type not in ("cpu", device_type):
+        raise DecodeError(f"tensor-dict metadata entry {i}: device {describe(dev_type, 40)} is not "
                           f"'cpu' or this group's {device_type!r}")
     itemsize = dtype_of(dtype_name).itemsize
     if (type(shape) is not list or len(shape) > _MAX_NDIM
             or not all(type(n) is int and n >= 0 for n in shape)):
-        raise DecodeError(f"tensor-dict metadata entry {i}: bad shape {shape!r:.200}")
+        raise DecodeError(f"tensor-dict metadata entry {i}: bad shape {describe(shape, 200)}")
     numel, span = 1, 1
     for n in shape:
         numel *= n
         span *= max(n, 1)  # an empty tensor's strides still multiply its other sizes
     if span * itemsize > _MAX_TENSOR_BYTES:
-        raise DecodeError(f"tensor-dict metadata entry {i}: shape {shape} is too large")
+        raise DecodeError(f"tensor-dict metadata entry {i}: shape {describe(shape, 200)} is too "
+                          f"large")
     if type(parts) is not int or parts < 0 or (parts and numel % parts):
-        raise DecodeError(f"tensor-dict metadata entry {i}: bad slice count {parts!r:.40} "
+        raise DecodeError(f"tensor-dict metadata entry {i}: bad slice count {describe(parts, 40)} "
                           f"for {numel} elements")
     return numel * itemsize
 

@@ -40,6 +40,7 @@ from device_comms.reduce_op import ReduceOp
 from device_comms.torch_dist import gloo_alltoallv
 from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
 from shm_broadcast.checks import check_timeout
+from shm_broadcast.describe import describe
 from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.timeouts import default_timeout
 
@@ -301,12 +302,13 @@ def _settle_counts(comm: CudaCommunicator, everyone: list[Any]) -> list[int]:
     """
     name, counts = comm.unique_name, []
     for q, item in enumerate(everyone):
-        ok = isinstance(item, list) and len(item) == 2 and item[0] in ("ok", "rejected")
+        ok = (type(item) is list and len(item) == 2 and type(item[0]) is str
+              and item[0] in ("ok", "rejected"))
         if ok and item[0] == "ok" and not (type(item[1]) is int and item[1] >= 0):
             ok = False
         if not ok:
             raise DecodeError(f"group {name!r}, op all_gatherv_rows: rank {q} sent "
-                              f"{item!r:.80}", queue=name, peers=(q,))
+                              f"{describe(item)}", queue=name, peers=(q,))
         if item[0] == "rejected":
             if q != comm.rank_in_group:
                 raise PeerRejectedError(name, "all_gatherv_rows", q, str(item[1]))

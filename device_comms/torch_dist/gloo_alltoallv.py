@@ -38,6 +38,7 @@ from device_comms.alltoallv import (
 )
 from device_comms.errors import DecodeError, PeerRejectedError
 from device_comms.signatures.envelopes import BLOCK_INLINE, as_bytes
+from shm_broadcast.describe import describe
 from shm_broadcast.ranks.group_adapter import object_group
 
 __all__ = ["signed_all_to_allv", "plain_all_to_allv", "exchange_sizes", "reject_exchange"]
@@ -164,8 +165,9 @@ def reject_exchange(comm: Any, reason: str) -> None:
 def _settle(comm: Any, everyone: list[Any]) -> SizeTable:
     name, n = comm.unique_name, comm.world_size
     for q, item in enumerate(everyone):
-        if not (isinstance(item, list) and len(item) == 2 and item[0] in ("ok", "rejected")):
-            raise DecodeError(f"group {name!r}, op all_to_allv: rank {q} sent {item!r:.80}",
+        if not (type(item) is list and len(item) == 2 and type(item[0]) is str
+                and item[0] in ("ok", "rejected")):
+            raise DecodeError(f"group {name!r}, op all_to_allv: rank {q} sent {describe(item)}",
                               queue=name, peers=(q,))
         if item[0] == "rejected" and q != comm.rank_in_group:
             raise PeerRejectedError(name, "all_to_allv", q, str(item[1]))

@@ -61,6 +61,7 @@ from device_comms.signatures.call_signature import data_shape
 from device_comms.signatures.envelopes import BLOCK_INLINE, INLINE_MAX, Blocks, as_bytes
 from device_comms.signatures.signed_calls import SignedCalls
 from device_comms.torch_dist import gloo_alltoallv
+from shm_broadcast.describe import describe
 from shm_broadcast.ranks.group_adapter import object_group
 
 __all__ = ["TorchDistributedCommunicator", "wire_view"]
@@ -516,7 +517,7 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         if not ok:
             raise DecodeError(
                 f"scatter on group {self.unique_name!r}: the announcement of rank {src} is "
-                f"malformed ({meta!r:.200}); nothing was allocated", peers=(src,))
+                f"malformed ({describe(meta, 200)}); nothing was allocated", peers=(src,))
         return shape, dtype, d
 
     def _scatter_abort(self, src: int, message: str) -> None:

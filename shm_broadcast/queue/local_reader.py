@@ -473,9 +473,8 @@ class LocalReader:
                 f"{chunk} holds #{wseq}; the ring is corrupt")
         if kind == KIND_OVERFLOW:
             frames = self._recv_overflow(seq, timeout)
-            head = frames[0].buffer  # topic byte, header, msgpack
-            return self._judged(chunk, seq, verdict, self.codec.decode,  # the frame is ours
-                                head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen, True)
+            return self._judged(chunk, seq, verdict, self._decode_overflow, frames, seq,
+                                mlen, blen)
         boff = CHUNK_HEADER + (mlen + 63) // 64 * 64
         if kind != KIND_DATA or (boff + blen if blen else CHUNK_HEADER + mlen) > self._chunk_bytes:
             raise DecodeError(
@@ -540,11 +539,28 @@ class LocalReader:
         if ring.buf[ring.writer_parked_offset] and ring.take_writer_parked():
             self._ring_writer()
 
+    def _decode_overflow(self, frames: list[zmq.Frame], seq: int, mlen: int, blen: int) -> Any:
+        """Decode overflow message ``seq`` from its frames (this process's own), once
+        they are known to hold exactly the ``mlen`` + ``blen`` bytes its chunk says.
+
+        Raises:
+            DecodeError: They do not (the message is refused).
+        """
+        if (len(frames) != 2 or len(frames[0].buffer) != _HEAD + mlen
+                or len(frames[1].buffer) != blen):
+            raise DecodeError(
+                f"queue {self.name!r}: {self.side} got a malformed payload for overflow "
+                f"message #{seq}: {len(frames)} frame(s) of "
+                f"{[len(f.buffer) for f in frames[:3]]} bytes where its chunk says "
+                f"{_HEAD + mlen} and {blen}")
+        head = frames[0].buffer  # topic byte, header, msgpack
+        return self.codec.decode(head[_HEAD : _HEAD + mlen], frames[1].buffer, 0, blen, True)
+
     def _recv_overflow(self, seq: int, timeout: float | None) -> list[zmq.Frame]:
         def have() -> bool:
             while self._stash:
-                (s,) = WIRE.unpack_from(self._stash[0][0].buffer, 1)[:1]
-                if s >= seq:
+                s = _overflow_seq(self._stash[0])
+                if s is None or s >= seq:  # a malformed payload is refused by its chunk
                     return True
                 self._stash.popleft()  # stale: cannot happen, but never block on it
             return False
@@ -565,8 +581,8 @@ class LocalReader:
         finally:
             self._in_flight_until = None
         frames = self._stash.popleft()
-        (s,) = WIRE.unpack_from(frames[0].buffer, 1)[:1]
-        if s != seq:
+        s = _overflow_seq(frames)
+        if s is not None and s != seq:
             raise ShmBroadcastError(
                 f"queue {self.name!r}: {self.side} expected overflow payload #{seq}, got #{s}")
         return frames
@@ -638,3 +654,12 @@ def _check_geometry(ring: ShmRingBuffer, handle: Handle, n_local: int) -> None:
             f"ring {ring.name!r} of queue {handle.name!r} holds {have[0]} readers x "
             f"{have[1]} chunks of {have[2]} bytes, but its handle says {want[0]} x "
             f"{want[1]} of {want[2]}: refusing to read it")
+
+
+def _overflow_seq(frames: list[zmq.Frame]) -> int | None:
+    """The message number of an overflow payload, None when its frames are not the
+    writer's layout (two frames, the first holding at least the header)."""
+    if len(frames) != 2 or len(frames[0].buffer) < _HEAD:
+        return None
+    seq: int = WIRE.unpack_from(frames[0].buffer, 1)[0]
+    return seq

@@ -313,7 +313,7 @@ class RemoteReader:
         while True:
             frames = self._next("the writer to see all readers connected", timeout)
             self._vet()
-            seq, kind, _m, _b = WIRE.unpack_from(frames[0].buffer, 1)
+            seq, kind, _m, _b = self._header(frames)
             if kind == KIND_READY:
                 self._ready = True
                 return
@@ -340,7 +340,7 @@ class RemoteReader:
         frames = self._next(f"message #{self._seq}", timeout)
         self._vet()
         head = frames[0].buffer  # topic byte, header, msgpack
-        seq, kind, mlen, blen = WIRE.unpack_from(head, 1)
+        seq, kind, mlen, blen = self._header(frames)
         if kind == KIND_SHUTDOWN:
             self._shutdown_seen = True
             self._raise_shutdown()
@@ -363,6 +363,28 @@ class RemoteReader:
                 f"queue {self.name!r}: {self.side} refused message #{seq} from the "
                 f"{self._writer_desc}: {e}", queue=self.name, side=self.side,
                 peers=[self._writer_peer]) from None
+
+    def _header(self, frames: list[zmq.Frame]) -> tuple[int, int, int, int]:
+        """``(seq, kind, mlen, blen)`` of a message's frames, once they are known to hold
+        exactly what the header says (the writer's layout: one frame of topic,
+        header, msgpack and arrays, or the arrays in a second frame).
+
+        Raises:
+            DecodeError: Any other number of frames or bytes (naming the writer).
+        """
+        head = frames[0].buffer
+        if len(frames) in (1, 2) and len(head) >= _HEAD:
+            seq, kind, mlen, blen = WIRE.unpack_from(head, 1)
+            if len(frames) == 1:
+                if len(head) == _HEAD + mlen + blen:
+                    return seq, kind, mlen, blen
+            elif len(head) == _HEAD + mlen and len(frames[1].buffer) == blen:
+                return seq, kind, mlen, blen
+        raise DecodeError(
+            f"queue {self.name!r}: {self.side} got a malformed message from the "
+            f"{self._writer_desc}: {len(frames)} frame(s) of "
+            f"{[len(f.buffer) for f in frames[:3]]} bytes, which is not the header's layout",
+            queue=self.name, side=self.side, peers=[self._writer_peer])
 
     def _raise_shutdown(self) -> None:
         raise QueueClosedError(

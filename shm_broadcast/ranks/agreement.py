@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shm_broadcast.describe import describe
 from shm_broadcast.errors import CollectiveMismatch, GroupCoordError, PeerRejectedError
 from shm_broadcast.ranks.group_adapter import exchange_failed
 
@@ -66,6 +67,7 @@ def agree(og: Any, problem: BaseException | None, op: str, name: str,
     differ = [rank for rank, (_, theirs) in enumerate(verdicts) if theirs != first]
     if differ:
         raise CollectiveMismatch(
-            f"group {name!r}, op {op}: rank(s) {differ} passed {verdicts[differ[0]][1]!r:.200} "
-            f"where rank 0 passed {first!r:.200}; every rank must pass the same values",
+            f"group {name!r}, op {op}: rank(s) {differ} passed "
+            f"{describe(verdicts[differ[0]][1], 200)} "
+            f"where rank 0 passed {describe(first, 200)}; every rank must pass the same values",
             queue=name, peers=differ)

@@ -174,7 +174,16 @@ def _hostile_messages() -> list[tuple[str, Any]]:
                          [torch.zeros(8, dtype=torch.uint8)]]),
         ("pickled-value", ["td", [["x", 0, _Evil()]], []]),
         ("streamed-sent-inline", ["td", _BIG[1], [torch.zeros(2_400_000, dtype=torch.uint8)]]),
+        # values whose repr() raises, where the receiver quotes what it got
+        ("bigint-message", ["td", _HUGE_INT]),
+        ("bigint-dim", ["td", [["x", 1, ["cpu", "float32", [_HUGE_INT], 0]]], []]),
+        ("bigint-key-of-a-short-piece", ["td", [[_HUGE_INT, 1, f32]],
+                                         [torch.zeros(4, dtype=torch.float64)]]),
     ]
+
+
+#: An int whose repr() raises ValueError (CPython's int-to-str limit).
+_HUGE_INT = 10**5000
 
 
 #: A dict header whose one tensor (2.4 MB) must follow in parts.
@@ -192,7 +201,8 @@ _CRAFTED = {
     "no-segment": {"segment": None},
     "two-readers": {"n_reader": 2},
 }
-_OFFER_NAMES = ["garbage-handle", "no-magic", "magic-not-a-str", *_CRAFTED]
+_OFFER_NAMES = ["garbage-handle", "no-magic", "magic-not-a-str", "bigint-offer",
+                "bigint-handle", *_CRAFTED]
 
 
 def _crafted_offers(q: Any) -> list[Any]:
@@ -202,7 +212,8 @@ def _crafted_offers(q: Any) -> list[Any]:
     from coordinator.p2p.link_offer import MAGIC
 
     h = q.export_handle()
-    return [[MAGIC, b"\x93garbage"], ["not-it", None], [np.zeros(2), None],
+    return [[MAGIC, b"\x93garbage"], ["not-it", None], [np.zeros(2), None], _HUGE_INT,
+            [MAGIC, _HUGE_INT],
             *([MAGIC, msgspec.structs.replace(h, **kw).to_bytes()] for kw in _CRAFTED.values())]
 
 

@@ -69,6 +69,9 @@ def test_mutated_metadata_slow_100k():
         _run(25_000, seed=100 + s)
 
 
+_BIG = 10**5000  # repr() of it raises ValueError (CPython's int-to-str limit)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("meta", [
     {"not": "a list"},
@@ -84,11 +87,22 @@ def test_mutated_metadata_slow_100k():
     [["k", TENSOR, ["cpu", "float32", [2]]]],
     [["k", TENSOR, ["cpu", "float32", [2.5], 0]]],
     [["k", 2, "inline without a tensor"]],
+    # values whose repr() or truth value raises (a peer's codec carries them all)
+    [["k", 7, _BIG]],
+    [["k", TENSOR, ["cpu", "float32", [_BIG], 0]]],
+    [["k", TENSOR, ["cpu", "float32", [4], _BIG]]],
+    [["k", TENSOR, ["cpu", _BIG, [4], 0]]],
+    [["k", np.array([0, 1]), None]],
+    [["k", torch.tensor([1, 2]), None]],
+    [["k", TENSOR, [np.array([1, 2]), "float32", [4], 0]]],
+    [["k", TENSOR, ["cpu", "float32", [4], torch.tensor([1, 2])]]],
 ], ids=["not-list", "kind", "key", "negative", "huge", "empty-huge-strides", "getattr",
-        "quantized", "device", "parts", "short", "float-dim", "inline"])
+        "quantized", "device", "parts", "short", "float-dim", "inline", "bigint-entry",
+        "bigint-dim", "bigint-parts", "bigint-dtype", "array-kind", "tensor-kind",
+        "array-device", "tensor-parts"])
 def test_bad_metadata_is_refused(meta):
     with pytest.raises(DecodeError):
-        check_metadata(meta, "cpu")
+        check_metadata(meta, "cpu", 3)
 
 
 def test_empty_tensors_with_large_other_sizes_are_accepted():
