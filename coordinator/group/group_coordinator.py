@@ -814,16 +814,20 @@ class GroupCoordinator:
     ) -> Any:
         """Create a message queue from group rank ``writer_rank`` to all others.
 
-        Collective over the CPU group (every rank calls it), unless
-        ``external_writer_handle`` is given: then this rank only connects, as a
-        reader, to a queue whose writer lives elsewhere.
+        Collective over the CPU group (every rank calls it).
 
         Args:
             writer_rank: Group rank of the writer.
-            external_writer_handle: A :class:`shm_broadcast.Handle` (or its bytes)
-                of an existing queue to read from.
-            blocking: Wait until every reader is connected (always done for
-                collective creation, so no message can be lost).
+            external_writer_handle: On ``writer_rank``: a
+                :class:`shm_broadcast.Handle` (or its bytes) of an existing
+                queue whose writer lives outside the group, as vLLM's keyword:
+                nothing is created; the writer rank broadcasts the handle and
+                every rank, ``writer_rank`` included, connects to that queue as
+                the reader of its group rank (the queue must have readers
+                ``0 .. world_size - 1``). Other ranks may pass the same
+                handle or None; theirs is not used.
+            blocking: Wait until every reader is connected. With False, call
+                ``wait_until_ready()`` on the queue before its first message.
             **queue_options: Passed on to the queue: ``max_chunk_bytes``,
                 ``max_chunks``, ``connect_ip``, ``wait_policy`` (a
                 :class:`shm_broadcast.WaitPolicy`; default
@@ -835,7 +839,8 @@ class GroupCoordinator:
                 ``wait_policy`` and ``warn_interval``.
 
         Returns:
-            The writer's queue on ``writer_rank``, a reader's queue elsewhere.
+            The writer's queue on ``writer_rank``, a reader's queue elsewhere
+            (on every rank with an external writer's handle).
         """
         from coordinator.group.mq_broadcasters import create_mq_broadcaster
 

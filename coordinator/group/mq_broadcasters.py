@@ -84,25 +84,14 @@ def create_mq_broadcaster(
             raise TypeError(f"create_mq_broadcaster() got unexpected queue options {unknown}; "
                             f"allowed here: {sorted(allowed)}")
     except (TypeError, ValueError) as e:
-        if external_writer_handle is None:  # collective: the peers learn of it
-            agree(object_group(group.cpu_group), e, "create_mq_broadcaster", group.unique_name)
+        agree(object_group(group.cpu_group), e, "create_mq_broadcaster", group.unique_name)
         raise
     if queue_options.get("wait_policy") is None:
         queue_options["wait_policy"] = WaitPolicy.predictive()
-    if external_writer_handle is not None:
-        mq = MessageQueue.create_from_handle(external_writer_handle, group.rank_in_group,
-                                             allow_pickle=group.allow_pickle, **queue_options)
-        mq.default_timeout = group.timeout
-        if blocking:
-            try:
-                mq.wait_until_ready(group.timeout)
-            except BaseException:
-                mq.close()
-                raise
-        return mq
     made = MessageQueue.create_from_process_group(
         group.cpu_group, writer_rank=writer_rank, name=f"{group.unique_name}-mq",
-        timeout=group.timeout, allow_pickle=group.allow_pickle, **queue_options)
+        timeout=group.timeout, allow_pickle=group.allow_pickle, blocking=blocking,
+        external_writer_handle=external_writer_handle, **queue_options)
     if made is not None:
         made.default_timeout = group.timeout
     return made

@@ -277,6 +277,7 @@ class MessageQueue:
         allow_pickle: bool = False,
         blocking: bool = True,
         warn_interval: float | None = None,
+        external_writer_handle: Handle | bytes | None = None,
     ) -> MessageQueue | None:
         """Build a connected queue collectively over ``group``.
 
@@ -285,12 +286,15 @@ class MessageQueue:
 
         Returns:
             The writer's queue on ``writer_rank``, a reader's queue on each of
-            ``reader_ranks`` (default: every other rank), ``None`` elsewhere.
+            ``reader_ranks`` (default: every other rank), ``None`` elsewhere;
+            with ``external_writer_handle`` on ``writer_rank``, a reader's
+            queue of that external writer on every rank.
         """
         return create_from_process_group(
             cls, group, max_chunk_bytes, max_chunks, writer_rank, reader_ranks, name=name,
             connect_ip=connect_ip, wait_policy=wait_policy, timeout=timeout,
-            allow_pickle=allow_pickle, blocking=blocking, warn_interval=warn_interval)
+            allow_pickle=allow_pickle, blocking=blocking, warn_interval=warn_interval,
+            external_writer_handle=external_writer_handle)
 
     # ---------------------------------------------------------- properties
     @property

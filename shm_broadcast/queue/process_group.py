@@ -35,6 +35,8 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol, TypeVar
 
+import msgspec
+
 from shm_broadcast.checks import check_bool, check_rank, check_timeout
 from shm_broadcast.errors import CollectiveMismatch, DecodeError
 from shm_broadcast.queue.handle import Handle
@@ -102,6 +104,7 @@ def create_from_process_group(
     allow_pickle: bool = False,
     blocking: bool = True,
     warn_interval: float | None = None,
+    external_writer_handle: Handle | bytes | None = None,
 ) -> Q | None:
     """Create and connect a queue collectively; every rank of ``group`` calls it.
 
@@ -126,9 +129,20 @@ def create_from_process_group(
             (see :mod:`shm_broadcast.queue.laggards`); default
             ``$GROUPCOORD_MQ_WARN_INTERVAL``, else 10 s. Checked on every
             rank; each side uses its own.
+        external_writer_handle: On ``writer_rank``: the handle (or its bytes)
+            of a queue whose writer lives outside the group (vLLM's keyword).
+            Nothing is created then: the writer rank broadcasts that handle
+            and *every* rank of the group, ``writer_rank`` included, connects
+            to it as the reader of its own group rank (so the external queue
+            must have been made for readers ``0 .. world_size - 1``). The
+            handle travels without its client secret: a remote reader must
+            pass the handle itself (with the queue's shared key:
+            ``shared_reader_key``). Other ranks' value is otherwise not used,
+            as in vLLM; ``reader_ranks`` must then be None.
 
     Returns:
-        The queue on the writer and the readers, ``None`` on other ranks.
+        The queue on the writer and the readers, ``None`` on other ranks;
+        with an external writer's handle, a reader's queue on every rank.
 
     Raises:
         TypeError, ValueError: This rank's arguments are invalid (every other
@@ -147,10 +161,20 @@ def create_from_process_group(
         _check_options(max_chunk_bytes, max_chunks, connect_ip, wait_policy, timeout,
                        warn_interval)
         check_bool(blocking, "blocking")
+        external = _external_bytes(external_writer_handle, reader_ranks)
     except (TypeError, ValueError) as e:
         agree(og, e, "create_from_process_group", qname)
         raise  # agree raised e already
     agree(og, None, "create_from_process_group", qname, [writer_rank, readers])
+    if og.rank == writer_rank:  # whether the writer is outside the group, for every rank
+        og.broadcast(external is not None, src=writer_rank,
+                     op="create_from_process_group (writer)")
+    elif og.broadcast(None, src=writer_rank, op="create_from_process_group (writer)") is True:
+        external = b""  # the writer rank's handle follows
+    if external is not None:
+        return _connect_to_external(queue_cls, og, writer_rank, external, wait_policy,
+                                    allow_pickle, warn_interval, timeout if blocking else None,
+                                    _external_bytes(external_writer_handle, None))
     same_node = in_the_same_node_as(og, source_rank=writer_rank)
     local = [r for r in readers if same_node[r]]
     my_keys, reader_keys = _exchange_reader_keys(og, [r for r in readers if r not in local])
@@ -170,6 +194,73 @@ def create_from_process_group(
             mq.close()
         raise
     return mq
+
+
+def _external_bytes(handle: Any, reader_ranks: Any) -> bytes | None:
+    """``external_writer_handle`` as bytes (None: none given).
+
+    Raises:
+        TypeError: It is neither a :class:`Handle` nor bytes.
+        ValueError: ``reader_ranks`` was given too (every rank reads then).
+    """
+    if handle is None:
+        return None
+    if isinstance(handle, Handle):
+        data = handle.to_bytes()
+    elif isinstance(handle, bytes | bytearray | memoryview):
+        data = bytes(handle)
+    else:
+        raise TypeError(f"external_writer_handle must be a shm_broadcast Handle or its bytes, "
+                        f"got {type(handle).__name__}")
+    Handle.from_bytes(data)  # a ValueError naming what is wrong, before anyone connects
+    if reader_ranks is not None:
+        raise ValueError("reader_ranks must be None with an external_writer_handle: every "
+                         f"rank of the group reads the external queue, got {reader_ranks!r}")
+    return data
+
+
+def _connect_to_external(queue_cls: QueueClass[Q], og: Any, writer_rank: int, external: bytes,
+                         wait_policy: WaitPolicy | None, allow_pickle: bool,
+                         warn_interval: float | None, ready_timeout: float | None,
+                         own: bytes | None) -> Q:
+    """Every rank connects, as the reader of its group rank, to the queue whose handle
+    the writer rank holds (``external``, there); waits ``ready_timeout`` if given.
+
+    The group's channel may be plain TCP, so the handle travels without its
+    client secret (a remote reader's credential): a rank that passed the same
+    handle itself (``own``) connects with its own copy, secret included; the
+    others with the public part, which is all a local reader needs.
+    """
+    public = _public(external) if og.rank == writer_rank else None
+    data = og.broadcast(public, src=writer_rank,
+                        op="create_from_process_group (external handle)")
+    try:
+        if type(data) is not bytes:
+            raise ValueError(f"got {type(data).__name__}")
+        handle = Handle.from_bytes(data)
+    except ValueError as e:
+        raise DecodeError(f"rank {writer_rank} sent no queue handle: {e}",
+                          peers=(writer_rank,)) from None
+    if own is not None and _public(own) == data:
+        handle = Handle.from_bytes(own)
+    mq = queue_cls.create_from_handle(handle, og.rank, wait_policy=wait_policy,
+                                      allow_pickle=allow_pickle, curve_keypair=None,
+                                      warn_interval=warn_interval)
+    if ready_timeout is not None:
+        try:
+            mq.wait_until_ready(ready_timeout)
+        except BaseException:
+            mq.close()
+            raise
+    return mq
+
+
+def _public(data: bytes) -> bytes:
+    """A serialised handle without its client secret."""
+    handle = Handle.from_bytes(data)
+    if handle.curve_client_secret is None:
+        return data
+    return msgspec.structs.replace(handle, curve_client_secret=None).to_bytes()
 
 
 def _check_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any,

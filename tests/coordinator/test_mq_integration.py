@@ -40,10 +40,38 @@ def test_single_reader_queues(dist_pool, world_size: int, blocking: bool) -> Non
     assert res[-1]["count"] == 20 * (world_size - 1)
 
 
-def test_external_writer_handle(dist_pool) -> None:
-    res = dist_pool(3).run(external_writer, timeout=120)
+@pytest.mark.parametrize("who", ["every-rank", "writer-rank-only"])
+@pytest.mark.parametrize("blocking", [True, False])
+def test_external_writer_handle(dist_pool, who: str, blocking: bool) -> None:
+    """As in vLLM: the writer rank's handle counts and every rank of the group (the
+    writer rank too) reads the external queue, whether or not the others pass it."""
+    res = dist_pool(3).run(external_writer, who, blocking, timeout=120)
     assert res[1]["got"] == [0, 1, 2, 3, 4]
     assert res[2]["got"] == [0, 1, 2, 3, 4]
+    assert res[1]["transport"] == res[2]["transport"] == "shm"
+
+
+@pytest.mark.parametrize("who", ["every-rank", "writer-rank-only"])
+def test_an_external_handles_secret_does_not_travel_over_the_group(dist_pool, who: str) -> None:
+    """The external queue's reader of group rank 1 is remote (TCP): the handle the
+    writer rank broadcasts holds no client secret, so rank 1 reads only when it
+    passed the handle (with its secret) itself."""
+    res = dist_pool(3).run(external_remote_reader, who, timeout=120)
+    if who == "every-rank":
+        assert res[2]["got"] == [0, 1, 2, 3, 4] and res[2]["transport"] == "tcp", res[2]
+    else:
+        assert res[2]["error"][0] == "ValueError" and "CURVE" in res[2]["error"][1], res[2]
+    assert res[1]["transport"] == "shm", res[1]
+    assert res[1]["got"] == ([0, 1, 2, 3, 4] if who == "every-rank" else []), res[1]
+
+
+def test_a_bad_external_writer_handle_raises_on_every_rank(dist_pool) -> None:
+    res = dist_pool(2).run(bad_external_handle, timeout=120)
+    assert res[0]["error"][0] == "ValueError" and "Handle" in res[0]["error"][1], res[0]
+    assert res[1]["error"][0] == "PeerRejectedError" and "rank 0" in res[1]["error"][1], res[1]
+    assert res[0]["type"][0] == "TypeError" and "external_writer_handle" in res[0]["type"][1]
+    assert res[1]["type"][0] == "PeerRejectedError", res[1]
+    assert res[0]["after"] == res[1]["after"] == "ok"  # the group goes on
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -173,7 +201,7 @@ def single_reader(rank: int, world_size: int, blocking: bool) -> dict:
     return out
 
 
-def external_writer(rank: int, world_size: int) -> dict:
+def external_writer(rank: int, world_size: int, who: str, blocking: bool) -> dict:
     from shm_broadcast.queue.message_queue import MessageQueue
 
     # Rank 0 is outside the group [1, 2] and writes to it.
@@ -192,12 +220,80 @@ def external_writer(rank: int, world_size: int) -> dict:
             for i in range(5):
                 mq.enqueue({"i": i})
         else:
-            mq = gc.create_mq_broadcaster(external_writer_handle=box[0])
+            passes = who == "every-rank" or gc.rank_in_group == 0
+            mq = gc.create_mq_broadcaster(external_writer_handle=box[0] if passes else None,
+                                          blocking=blocking)
+            if not blocking:
+                mq.wait_until_ready(30)
             out["got"] = [mq.dequeue(timeout=30)["i"] for _ in range(5)]
+            out["transport"] = mq.transport
         dist.barrier()
     finally:
         if mq is not None:
             mq.close()
+        gc.destroy()
+    return out
+
+
+def external_remote_reader(rank: int, world_size: int, who: str) -> dict:
+    from shm_broadcast.queue.message_queue import MessageQueue
+
+    # Rank 0 is outside the group [1, 2]; group rank 1 (global 2) reads over TCP.
+    gc = GroupCoordinator([[0], [1, 2]], rank, "gloo", use_device_communicator=False,
+                          group_name="ext-remote")
+    mq = None
+    box = [None]
+    if rank == 0:
+        mq = MessageQueue(n_reader=2, n_local_reader=1, local_reader_ranks=[0],
+                          connect_ip="127.0.0.1")
+        box = [mq.export_handle().to_bytes()]
+        assert mq.export_handle().curve_client_secret is not None
+    dist.broadcast_object_list(box, src=0)  # the test's own trusted channel
+    out: dict = {}
+    try:
+        every = who == "every-rank"  # else the remote reader never connects: no messages
+        if rank == 0:
+            if every:
+                mq.wait_until_ready(30)
+            dist.barrier()
+            for i in range(5 if every else 0):
+                mq.enqueue({"i": i}, timeout=30)
+        else:
+            passes = who == "every-rank" or gc.rank_in_group == 0
+            try:
+                mq = gc.create_mq_broadcaster(external_writer_handle=box[0] if passes else None,
+                                              blocking=False)
+            except ValueError as e:
+                out["error"] = (type(e).__name__, str(e))
+            dist.barrier()
+            if mq is not None:
+                out["got"] = [mq.dequeue(timeout=30)["i"] for _ in range(5 if every else 0)]
+                out["transport"] = mq.transport
+        dist.barrier()
+    finally:
+        if mq is not None:
+            mq.close()
+        gc.destroy()
+    return out
+
+
+def bad_external_handle(rank: int, world_size: int) -> dict:
+    gc = GroupCoordinator([[0, 1]], rank, "gloo", use_device_communicator=False,
+                          group_name="bad-ext", timeout=30)
+    out: dict = {}
+    try:
+        for key, handle in (("error", b"not a handle"), ("type", 42)):
+            try:
+                gc.create_mq_broadcaster(external_writer_handle=handle if rank == 0 else None)
+                out[key] = ("none", "")
+            except Exception as e:
+                out[key] = (type(e).__name__, str(e))
+        mq = gc.create_mq_broadcaster()  # the group is in step
+        if rank == 0:
+            mq.enqueue("ok")
+        out["after"] = "ok" if rank == 0 else mq.dequeue(timeout=30)
+        mq.close()
+    finally:
         gc.destroy()
     return out
 
