@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+import unittest
+import warnings
 
 import pytest
 
@@ -25,7 +27,7 @@ from coordinator.pytest_plugin.marker import (
     parse_marker,
 )
 from coordinator.pytest_plugin.pool import START_TIMEOUT_S, PoolSet, PoolStartError
-from coordinator.pytest_plugin.protocol import TestCall, type_names
+from coordinator.pytest_plugin.protocol import RankResult, TestCall, type_names
 from coordinator.pytest_plugin.report import failure_report, print_output, raise_outcome
 from coordinator.pytest_plugin.time_limit import pytest_timeout_of, time_limit
 
@@ -44,9 +46,10 @@ def live_rank_pids() -> list[int]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the ``distributed`` marker and the session's pools."""
+    """Register the ``distributed`` marker and the session's pools (whose ranks start
+    from this process's environment and working directory as they are now)."""
     config.addinivalue_line("markers", MARKER_HELP)
-    config.stash[_POOLS] = PoolSet()
+    config.stash[_POOLS] = PoolSet(base=(dict(os.environ), os.getcwd()))
     _CONFIGS.append(config)
 
 
@@ -65,11 +68,20 @@ def _options(item: pytest.Item) -> MarkerOptions | None:
         return None
     if not is_ours(mark.args, mark.kwargs):  # another project's marker of the same name
         return None
+    if _is_unittest(item):  # pytest runs it through unittest, never through our hook
+        pytest.fail(f"{item.nodeid}: the distributed marker does not apply to "
+                    f"unittest.TestCase methods; write the test as a function or a method "
+                    f"of a plain class", pytrace=False)
     try:
         return parse_marker(mark.args, mark.kwargs)
     except ValueError as e:
         problem = str(e)
     pytest.fail(f"{item.nodeid}: {problem}", pytrace=False)  # outside: no chained error
+
+
+def _is_unittest(item: pytest.Function) -> bool:
+    cls = getattr(item, "cls", None)
+    return cls is not None and issubclass(cls, unittest.TestCase)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -104,6 +116,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         tb_style=_tb_style(pyfuncitem.config),
         showlocals=bool(pyfuncitem.config.getoption("showlocals", False)),
         assertion_options=assertion_options(pyfuncitem.config),
+        warning_filters=_warning_filters(pyfuncitem),
     )
     pytest_timeout, body_only = pytest_timeout_of(pyfuncitem)
     elapsed = 0.0 if body_only else time.monotonic() - pyfuncitem.stash[_STARTED]
@@ -113,7 +126,32 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     print_output(results)
     raise_outcome(results, options.layout.describe(), limit.seconds, limit.source,
                   _expected_exceptions(pyfuncitem))
+    _warn_of_returned(pyfuncitem, results)
     return True
+
+
+def _warning_filters(item: pytest.Function) -> tuple[list[str], list[str], list[str]] | None:
+    """The warning filters pytest's warnings plugin applies around ``item`` (None when
+    that plugin is off): the ini's, ``-W``'s, and the item's marks', in that order."""
+    config = item.config
+    if config.pluginmanager.get_plugin("warnings") is None:
+        return None
+    ini = [str(f) for f in config.getini("filterwarnings")]
+    cmdline = [str(f) for f in (config.known_args_namespace.pythonwarnings or [])]
+    marks = [str(arg) for mark in item.iter_markers(name="filterwarnings") for arg in mark.args]
+    return ini, cmdline, marks
+
+
+def _warn_of_returned(item: pytest.Function, results: list[RankResult]) -> None:
+    """pytest's warning for a test function that returns a value, once for the ranks."""
+    returned = [r for r in results if r.returned]
+    if not returned:
+        return
+    what = f"rank {returned[0].rank} returned {returned[0].returned}"
+    warning = getattr(pytest, "PytestReturnNotNoneWarning", pytest.PytestWarning)
+    warnings.warn(warning(
+        f"Expected None, but {item.nodeid} {what}; a test function should return None. "
+        f"Did you mean to use `assert` instead of `return`?"), stacklevel=1)
 
 
 def _expected_exceptions(item: pytest.Function) -> tuple[str, tuple[str, ...]] | None:

@@ -14,7 +14,8 @@ sends a test to every rank and waits for all of them at once:
 
 Before a rank still running is killed it is asked for its Python stacks
 (:data:`~coordinator.pytest_plugin.rank_process.STACK_SIGNAL`), which go into its
-result. Unless every rank passed (or skipped) and reset itself, every rank is
+result, with what it printed so far (its output file); so does the output of a
+rank that died. Unless every rank passed (or skipped) and reset itself, every rank is
 then stopped and reaped (SIGTERM, so that ranks unlink their shared memory, then
 SIGKILL; :func:`~shm_broadcast.ranks.launcher.stop_ranks`), and the next test
 starts a fresh pool: a failure never leaks into the next test. Stopping the
@@ -50,7 +51,8 @@ from coordinator.pytest_plugin.protocol import (
     RankResult,
     TestCall,
 )
-from coordinator.pytest_plugin.rank_process import STACK_SIGNAL, rank_main
+from coordinator.pytest_plugin.rank_call import read_output
+from coordinator.pytest_plugin.rank_process import STACK_SIGNAL, output_path, rank_main
 from shm_broadcast.ranks.launcher import describe_exit, free_port, start_ranks, stop_ranks
 
 __all__ = ["FAILURE_GRACE_S", "MAX_IDLE_RANKS", "START_TIMEOUT_S", "PoolStartError",
@@ -84,9 +86,11 @@ class RankPool:
         start_timeout: Seconds for the ranks to start and initialise.
     """
 
-    def __init__(self, layout: Layout, start_timeout: float = START_TIMEOUT_S) -> None:
+    def __init__(self, layout: Layout, start_timeout: float = START_TIMEOUT_S,
+                 base: tuple[dict[str, str], str] | None = None) -> None:
         self.layout = layout
         self._start_timeout = start_timeout
+        self._base = base
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._dump_dir: str | None = None
@@ -115,7 +119,7 @@ class RankPool:
         dumps = [os.path.join(self._dump_dir, f"rank{r}") for r in range(n)]
         self._procs, self._conns = start_ranks(
             rank_main, n,
-            lambda r, child: (r, self.layout, port, child, me, dumps[r]),
+            lambda r, child: (r, self.layout, port, child, me, dumps[r], self._base),
             name="groupcoord-test-rank", duplex=True)
         results = self._collect_or_stop(self._start_timeout)
         bad = [r for r in results if r.status != PASSED]
@@ -214,6 +218,10 @@ class RankPool:
             status = TIMED_OUT if first_bad is None else STOPPED
             for r in missing:
                 results[r] = RankResult(r, status, traceback=stacks.get(r, ""), reusable=False)
+        for r in range(n):  # what a rank that did not report printed before it stopped
+            if results[r].status in (DIED, TIMED_OUT, STOPPED) and self._dump_dir is not None:
+                results[r].output = read_output(
+                    output_path(os.path.join(self._dump_dir, f"rank{r}")))
         return [results[r] for r in range(n)]
 
     def _receive(self, rank: int) -> RankResult | None:
@@ -272,9 +280,11 @@ def _size(path: str) -> int:
 class PoolSet:
     """A session's pools, by layout."""
 
-    def __init__(self, max_idle_ranks: int = MAX_IDLE_RANKS) -> None:
+    def __init__(self, max_idle_ranks: int = MAX_IDLE_RANKS,
+                 base: tuple[dict[str, str], str] | None = None) -> None:
         self._pools: OrderedDict[Layout, RankPool] = OrderedDict()
         self._max_idle_ranks = max_idle_ranks
+        self._base = base
 
     def get(self, layout: Layout) -> RankPool:
         """The pool of ``layout`` (made, not started, when new); marks it most recent.
@@ -282,7 +292,7 @@ class PoolSet:
         Pools of other layouts close, oldest first, while their ranks together
         exceed the limit of idle ranks.
         """
-        pool = self._pools.pop(layout, None) or RankPool(layout)
+        pool = self._pools.pop(layout, None) or RankPool(layout, base=self._base)
         self._pools[layout] = pool
         idle = [p for p in self._pools.values() if p is not pool and p.started]
         waiting = sum(p.layout.world_size for p in idle)

@@ -53,6 +53,10 @@ class TestCall:
         showlocals: pytest's ``--showlocals``: tracebacks with local variables.
         assertion_options: What the ranks' failed asserts are explained with
             (:func:`coordinator.pytest_plugin.assertions.assertion_options`).
+        warning_filters: pytest's warning filters for the test, as
+            ``(ini filterwarnings, -W options, the test's filterwarnings
+            marks)``, applied in the rank as pytest applies them around a
+            test; None: pytest's warnings plugin is off.
     """
 
     __test__ = False  # not a test class, whatever pytest collects it with
@@ -66,6 +70,7 @@ class TestCall:
     tb_style: str = "long"
     showlocals: bool = False
     assertion_options: dict[str, Any] = field(default_factory=dict)
+    warning_filters: tuple[list[str], list[str], list[str]] | None = None
 
 
 @dataclass
@@ -82,6 +87,8 @@ class RankResult:
         reusable: Whether the rank's state is fit for the next test.
         exception_types: ``module.qualname`` of the raised exception's class and of
             its bases (a failure), for ``xfail(raises=...)`` in the pytest process.
+        returned: A description of what the test function returned, when not
+            None (pytest warns of it); empty otherwise.
     """
 
     rank: int
@@ -91,6 +98,7 @@ class RankResult:
     output: str = ""
     reusable: bool = True
     exception_types: tuple[str, ...] = ()
+    returned: str = ""
 
 
 def type_names(cls: type) -> tuple[str, ...]:

@@ -5,7 +5,13 @@ parent's ``sys.path``), with pytest's assertion rewriting when the module is
 loaded here for the first time, so a failing ``assert`` reports its values. The
 function's arguments arrive as values, except :class:`RankFixture` stand-ins,
 which become this rank's ``rank``, ``world_size``, groups. What the test writes
-to file descriptors 1 and 2 is captured and sent back with the result.
+to file descriptors 1 and 2 is captured and sent back with the result; it goes to
+a file the pytest process can read too (the rank's output file), so the output
+of a rank that hangs or dies is not lost, and Python's ``sys.stdout`` and
+``sys.stderr`` are line-buffered meanwhile, so that a line printed is in the
+file. The test runs under pytest's warning filters (the ini's
+``filterwarnings``, ``-W``, the test's ``filterwarnings`` marks), as in the
+pytest process.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import pickle
 import sys
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -39,7 +46,7 @@ from coordinator.pytest_plugin.protocol import (
     type_names,
 )
 
-__all__ = ["RANK_FIXTURES", "run_call"]
+__all__ = ["RANK_FIXTURES", "import_test_module", "run_call", "read_output"]
 
 #: The rank's fixtures, by name: what each is in a rank.
 RANK_FIXTURES = ("rank", "world_size", "local_rank", "group", "tp_group", "pp_group", "dp_group")
@@ -48,19 +55,33 @@ RANK_FIXTURES = ("rank", "world_size", "local_rank", "group", "tp_group", "pp_gr
 _MAX_OUTPUT = 20_000
 
 
-def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> RankResult:
-    """Run ``call`` here; never raises (a failure is in the result)."""
+def import_test_module(call: TestCall) -> None:
+    """Import ``call``'s module now, if it is not yet (a failure is left for
+    :func:`run_call` to report): what its top-level code does then holds for
+    every test of the module, as in the pytest process."""
+    with contextlib.suppress(BaseException):
+        _test_function(call)
+
+
+def run_call(call: TestCall, rank: int, world_size: int, local_rank: int,
+             output_path: str | None = None) -> RankResult:
+    """Run ``call`` here; never raises (a failure is in the result).
+
+    ``output_path``: the file the test's output goes to (emptied first); None:
+    a temporary file.
+    """
     __tracebackhide__ = True  # pytest: the report starts at the test function
     import pytest
 
-    with _captured_fds() as output, assertion_explanations(call.assertion_options):
+    with _captured_fds(output_path) as output, assertion_explanations(call.assertion_options):
         try:
-            owner, fn = _test_function(call)
-            kwargs = {k: _rank_value(v, rank, world_size, local_rank)
-                      for k, v in pickle.loads(call.kwargs).items()}
-            with _xunit_setup(owner, fn):
-                _check_returned(fn(**kwargs), call)
-            result = RankResult(rank, PASSED)
+            with _warning_filters(call.warning_filters):
+                owner, fn = _test_function(call)
+                kwargs = {k: _rank_value(v, rank, world_size, local_rank)
+                          for k, v in pickle.loads(call.kwargs).items()}
+                with _xunit_setup(owner, fn):
+                    returned = _check_returned(fn(**kwargs), call)
+            result = RankResult(rank, PASSED, returned=returned)
         except pytest.skip.Exception as e:
             result = RankResult(rank, SKIPPED, summary=str(e.msg or ""))
         except pytest.xfail.Exception as e:  # before fail.Exception: XFailed is a Failed
@@ -69,12 +90,43 @@ def run_call(call: TestCall, rank: int, world_size: int, local_rank: int) -> Ran
             result = RankResult(rank, FAILED, summary=_summary(e),
                                 traceback=format_failure(e, call.tb_style, call.showlocals),
                                 exception_types=type_names(type(e)))
-    result.output = output[0][-_MAX_OUTPUT:] if output else ""
+    result.output = _tail(output[0]) if output else ""
     return result
 
 
-def _check_returned(out: Any, call: TestCall) -> None:
-    """Refuse a body that did not run: a coroutine or generator the call only made."""
+def read_output(path: str) -> str:
+    """What a rank wrote to its output file ``path`` (its end, as :func:`run_call`
+    sends it back); empty when there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 4 * _MAX_OUTPUT))  # at most 4 bytes a character
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return _tail(text, dropped=max(0, size - 4 * _MAX_OUTPUT))
+
+
+def _tail(text: str, dropped: int = 0) -> str:
+    """The end of ``text`` that is sent back, saying what was left out."""
+    if len(text) <= _MAX_OUTPUT and not dropped:
+        return text
+    cut = text[-_MAX_OUTPUT:]
+    newline = cut.find("\n")
+    if 0 <= newline < 200:  # start at a whole line
+        cut = cut[newline + 1:]
+    return (f"[groupcoord pytest plugin: the rank's output was longer; only its last "
+            f"{len(cut)} characters are shown]\n{cut}")
+
+
+def _check_returned(out: Any, call: TestCall) -> str:
+    """Refuse a body that did not run: a coroutine or generator the call only made.
+
+    Returns:
+        A description of ``out`` when it is not None (pytest warns of a test
+        function that returns a value), else ``""``.
+    """
     __tracebackhide__ = True
     if inspect.isawaitable(out) or inspect.isgenerator(out):
         close = getattr(out, "close", None)
@@ -83,6 +135,13 @@ def _check_returned(out: Any, call: TestCall) -> None:
         raise TypeError(f"{call.nodeid}: the test function returned a "
                         f"{type(out).__name__}; async and generator test functions cannot "
                         f"run as distributed tests (the body would never run)")
+    if out is None:
+        return ""
+    try:
+        text = repr(out)
+    except Exception:
+        text = f"a {type(out).__name__}"
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _summary(e: BaseException) -> str:
@@ -215,26 +274,60 @@ def _same_file(a: str | None, b: str) -> bool:
 
 
 @contextlib.contextmanager
-def _captured_fds() -> Iterator[list[str]]:
-    """Send file descriptors 1 and 2 to a temporary file; yields a list that holds
-    the text written once the block ends."""
+def _captured_fds(path: str | None) -> Iterator[list[str]]:
+    """Send file descriptors 1 and 2 to the file ``path`` (emptied first; None: a
+    temporary file), with ``sys.stdout``/``sys.stderr`` line-buffered; yields a
+    list that holds the text written once the block ends."""
     out: list[str] = []
-    for stream in (sys.stdout, sys.stderr):
+    streams = (sys.stdout, sys.stderr)
+    for stream in streams:
         with contextlib.suppress(Exception):
             stream.flush()
-    with tempfile.TemporaryFile() as tmp:
+    buffering = [getattr(stream, "line_buffering", None) for stream in streams]
+    tmp = tempfile.TemporaryFile() if path is None else open(path, "w+b")  # noqa: SIM115
+    with tmp:
         saved = (os.dup(1), os.dup(2))
         os.dup2(tmp.fileno(), 1)
         os.dup2(tmp.fileno(), 2)
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         try:
             yield out
         finally:
-            for stream in (sys.stdout, sys.stderr):
+            for stream, before in zip(streams, buffering, strict=True):
                 with contextlib.suppress(Exception):
                     stream.flush()
+                    if before is not None:
+                        stream.reconfigure(line_buffering=before)  # type: ignore[union-attr]
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
             tmp.seek(0)
             out.append(tmp.read().decode("utf-8", errors="replace"))
+
+
+@contextlib.contextmanager
+def _warning_filters(filters: tuple[list[str], list[str], list[str]] | None
+                     ) -> Iterator[None]:
+    """pytest's warning filters for one test, applied as its warnings plugin applies
+    them (:class:`~coordinator.pytest_plugin.protocol.TestCall`'s ``warning_filters``);
+    the process's filters are back after the block."""
+    if filters is None:
+        yield
+        return
+    ini, cmdline, marks = filters
+    with warnings.catch_warnings():
+        if not sys.warnoptions:  # pytest shows these by default
+            warnings.filterwarnings("always", category=DeprecationWarning)
+            warnings.filterwarnings("always", category=PendingDeprecationWarning)
+        try:
+            from _pytest.config import apply_warning_filters, parse_warning_filter
+        except ImportError:  # another pytest: the defaults above only
+            yield
+            return
+        apply_warning_filters(ini, cmdline)
+        for arg in marks:
+            warnings.filterwarnings(*parse_warning_filter(arg, escape=False))
+        yield

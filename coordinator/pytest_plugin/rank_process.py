@@ -1,11 +1,16 @@
 """A rank process of the plugin's pool: start, run tests until told to stop, reset between.
 
-Start: the environment of its :class:`~coordinator.pytest_plugin.marker.Layout`
+Start: the environment and working directory the pytest process had when the
+session began (not whatever fixtures and earlier tests made of them by the time
+the pool starts), plus that of its
+:class:`~coordinator.pytest_plugin.marker.Layout`
 (simulated host's node id, ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``), torch's thread
 count, the world group (gloo, and our communicators), then the model-parallel
 groups when the layout has them. Answers ``("ready",)``.
 
-Each test: run it (:func:`coordinator.pytest_plugin.rank_call.run_call`), then put
+Each test: import its module if it is new to the rank (its top-level code then
+holds for every later test, as in pytest), run it
+(:func:`coordinator.pytest_plugin.rank_call.run_call`), then put
 back what a test may change in the process
 (:class:`~coordinator.pytest_plugin.process_state.ProcessState`: environment,
 working directory, torch's settings, random states, ...); model-parallel groups
@@ -28,6 +33,7 @@ works while the main thread waits inside a C call).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -46,7 +52,7 @@ from coordinator.pytest_plugin.protocol import (
 )
 from shm_broadcast.ranks.launcher import die_with_parent
 
-__all__ = ["STACK_SIGNAL", "rank_main"]
+__all__ = ["STACK_SIGNAL", "output_path", "rank_main"]
 
 #: The signal that makes a rank write its Python stacks to its dump file.
 STACK_SIGNAL = signal.SIGUSR2
@@ -55,13 +61,23 @@ _dump_file: IO[str] | None = None  # open for the process's life: faulthandler w
 
 
 def rank_main(rank: int, layout: Layout, port: int, conn: Connection, parent_pid: int,
-              dump_path: str) -> None:
-    """The rank process: start, then serve tests until ``("stop",)`` or EOF."""
+              dump_path: str, base: tuple[dict[str, str], str] | None = None) -> None:
+    """The rank process: start, then serve tests until ``("stop",)`` or EOF.
+
+    ``base``: the environment and working directory the rank starts from (the
+    pytest process's when the session began), whatever the pytest process's are
+    when the pool starts; None: as inherited.
+    """
     global _dump_file
     os.setpgid(0, 0)  # a group of its own: the parent ends what the rank leaves running
     die_with_parent(parent_pid)
     _dump_file = open(dump_path, "w")  # noqa: SIM115  # kept open until the process exits
     faulthandler.register(STACK_SIGNAL, file=_dump_file, all_threads=True, chain=False)
+    if base is not None:
+        os.environ.clear()
+        os.environ.update(base[0])
+        with contextlib.suppress(OSError):
+            os.chdir(base[1])
     try:
         state = _RankState(rank, layout, port)
     except BaseException as e:
@@ -72,14 +88,19 @@ def rank_main(rank: int, layout: Layout, port: int, conn: Connection, parent_pid
         return
     conn.send(("ready",))
     try:
-        _serve(conn, state)
+        _serve(conn, state, output_path(dump_path))
     finally:
         state.close()
         conn.close()
 
 
-def _serve(conn: Connection, state: _RankState) -> None:
-    from coordinator.pytest_plugin.rank_call import run_call
+def output_path(dump_path: str) -> str:
+    """The file a rank's test output goes to, beside its stack dump file."""
+    return dump_path + ".out"
+
+
+def _serve(conn: Connection, state: _RankState, output: str) -> None:
+    from coordinator.pytest_plugin.rank_call import import_test_module, run_call
 
     while True:
         try:
@@ -89,8 +110,11 @@ def _serve(conn: Connection, state: _RankState) -> None:
         if msg[0] == "stop":
             return
         call: TestCall = msg[1]
+        # The module's top-level code runs once, before the state every test of the
+        # rank starts from is saved: it holds for each of them, as in pytest.
+        import_test_module(call)
         saved = ProcessState.save()
-        result = run_call(call, state.rank, state.layout.world_size, state.local_rank)
+        result = run_call(call, state.rank, state.layout.world_size, state.local_rank, output)
         # After a failure peers may wait in a collective (and the reset's own
         # collectives with them): the parent replaces the whole pool instead.
         result.reusable = result.status in (PASSED, SKIPPED, XFAILED)

@@ -54,8 +54,9 @@ def raise_outcome(results: list[RankResult], what: str, timeout: float,
     statuses = {r.status for r in results}
     if statuses == {PASSED}:
         return
-    if statuses == {SKIPPED}:
-        pytest.skip(results[0].summary or "skipped on every rank")
+    if statuses == {SKIPPED}:  # reported at the test, as a skip raised in it is
+        raise pytest.skip.Exception(results[0].summary or "skipped on every rank",
+                                    _use_item_location=True)
     if statuses == {XFAILED}:
         pytest.xfail(results[0].summary or "xfailed on every rank")
     bad = [r for r in results if r.status != PASSED]

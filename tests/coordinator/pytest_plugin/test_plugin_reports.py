@@ -98,6 +98,92 @@ def test_pass_params_and_a_failing_rank(pytester: pytest.Pytester,
     assert "run_call" not in out  # the plugin's own frames are left out
 
 
+_AS_IN_PYTEST = """
+    import os
+    import unittest
+    import warnings
+
+    import pytest
+    import torch
+
+    torch.set_default_dtype(torch.float64)  # top-level code: holds for every test
+    os.environ["SET_AT_IMPORT"] = "yes"
+
+
+    @pytest.fixture(scope="module")
+    def fixture_env():
+        os.environ["SET_BY_A_FIXTURE"] = "1"  # this process's: never the ranks'
+        yield
+        del os.environ["SET_BY_A_FIXTURE"]
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_module_state_first(rank, fixture_env):
+        assert torch.get_default_dtype() == torch.float64
+        assert os.environ.get("SET_AT_IMPORT") == "yes"
+        assert "SET_BY_A_FIXTURE" not in os.environ
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_module_state_second(rank, fixture_env):
+        assert torch.get_default_dtype() == torch.float64
+        assert os.environ.get("SET_AT_IMPORT") == "yes"
+        assert "SET_BY_A_FIXTURE" not in os.environ
+
+
+    @pytest.mark.distributed(world_size=2)
+    @pytest.mark.filterwarnings("error::UserWarning")
+    def test_warning_made_an_error(rank):
+        warnings.warn("a user warning", UserWarning)
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_warning_made_an_error_by_the_ini(rank):
+        warnings.warn("deprecated here", DeprecationWarning)
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_returns_a_value(rank):
+        return rank + 41
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_skips_everywhere(rank):
+        pytest.skip("not here")
+
+
+    class TestUnit(unittest.TestCase):
+        @pytest.mark.distributed(world_size=2)
+        def test_in_a_testcase(self):
+            pass
+"""
+
+
+@pytest.mark.timeout(240)
+def test_module_state_environment_warnings_returns_and_refusals(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks do what pytest does: a module's top-level code holds for each of its
+    tests, the ranks start from the session's environment (not what a fixture set
+    here), warning filters (ini and marks) apply, a returned value warns, a skip is
+    reported at the test; a unittest method is refused instead of running here."""
+    pytester.makeini("[pytest]\nfilterwarnings =\n    error::DeprecationWarning\n")
+    res = _run(pytester, monkeypatch, _AS_IN_PYTEST, "-rs", "-W", "default::UserWarning")
+    out = res.stdout.str()
+    res.assert_outcomes(passed=3, failed=2, skipped=1, errors=1, warnings=1)
+    res.stdout.fnmatch_lines([
+        "*::test_module_state_first PASSED*", "*::test_module_state_second PASSED*",
+        "*::test_warning_made_an_error FAILED*",
+        "*::test_warning_made_an_error_by_the_ini FAILED*",
+        "*::test_returns_a_value PASSED*",
+    ])
+    res.stdout.fnmatch_lines(["*UserWarning: a user warning*"])
+    res.stdout.fnmatch_lines(["*DeprecationWarning: deprecated here*"])
+    res.stdout.fnmatch_lines(["*returned 41*"])
+    skip_line = _line(_AS_IN_PYTEST, "def test_skips_everywhere") - 1  # its decorator
+    res.stdout.fnmatch_lines([f"SKIPPED [[]1[]] test_generated.py:{skip_line}: not here"])
+    assert "does not apply to unittest.TestCase methods" in out
+
+
 _LAYOUTS = """
     import os
     import time
@@ -289,6 +375,7 @@ _ROBUST = """
 
     @pytest.mark.distributed(world_size=2, timeout=30)
     def test_segfault(rank, group):
+        print(f"rank {rank} before the crash")  # shown, though rank 1 never returns
         if rank == 1:
             os.kill(os.getpid(), signal.SIGSEGV)
         group.barrier()
@@ -327,6 +414,7 @@ _ROBUST = """
     @pytest.mark.timeout(25)
     @pytest.mark.distributed(world_size=2, timeout=60)
     def test_hangs_past_pytest_timeout(rank, group):
+        print(f"rank {rank} before the hang")  # shown, though no rank returns
         if rank == 0:
             group.barrier()
         else:
@@ -358,6 +446,10 @@ def test_asserts_deaths_children_and_pytest_timeout(pytester: pytest.Pytester,
         f"test_hangs_past_pytest_timeout",
     ])
     assert "Timeout (0:00:25)" not in res.stdout.str()
+    out = res.stdout.str()
+    for text in ("rank 0 before the crash", "rank 1 before the crash",
+                 "rank 0 before the hang", "rank 1 before the hang"):
+        assert text in out, text
 
 
 _INTERRUPTED = """
