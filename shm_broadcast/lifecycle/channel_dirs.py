@@ -4,10 +4,11 @@ A writer with local readers keeps its Unix sockets (doorbells ``w`` and
 ``r<i>``, overflow PUB ``p``, control ROUTER ``c``) in a private directory
 (see :mod:`shm_broadcast.queue.transport` and ``docs/security-channels.md``):
 
-* :func:`new_channel_dir` makes it with ``mkdtemp`` (``gc`` + 8 random
-  characters, ``0700``, under ``$XDG_RUNTIME_DIR``, the temp directory or
-  ``/tmp``), registers it with :mod:`shm_broadcast.lifecycle.exit_cleanup` (removed at
-  exit, on a default fatal signal, and by the reaper after any death), and
+* :func:`new_channel_dir` registers a fresh name with
+  :mod:`shm_broadcast.lifecycle.exit_cleanup` (removed at exit, on a default fatal
+  signal, and by the reaper after any death), makes the directory (``gc`` + 8
+  random characters, ``0700``, under ``$XDG_RUNTIME_DIR``, the temp directory or
+  ``/tmp``; ``mkdir`` fails on an existing name), and
   writes the owner record ``owner`` in it (mode ``0600``, the same
   :class:`~shm_broadcast.lifecycle.segment.OwnerIdentity` as a segment's record).
 * :func:`remove_channel_dir` removes it (the writer, once its readers are
@@ -27,8 +28,8 @@ A writer with local readers keeps its Unix sockets (doorbells ``w`` and
 from __future__ import annotations
 
 import os
+import secrets
 import stat
-import tempfile
 from dataclasses import dataclass
 
 from shm_broadcast.errors import SegmentError
@@ -65,12 +66,22 @@ def _dir_base() -> str:
                   "(tried $XDG_RUNTIME_DIR, the temp directory, /tmp)")
 
 
+#: The characters of a channel directory's random part (as ``mkdtemp``'s).
+_NAME_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
+
+
+def _random_suffix() -> str:
+    return "".join(secrets.choice(_NAME_CHARS) for _ in range(8))
+
+
 def new_channel_dir() -> str:
     """Create a fresh private directory (``0700``, ours) for one queue's local sockets.
 
-    ``mkdtemp`` creates it with ``O_EXCL`` semantics under a random name, so it
-    cannot be a directory another user prepared; owner and mode are checked
-    again, and the owner record is written inside.
+    It is made (``mkdir``, mode ``0700``, which fails on an existing name) under a
+    random name, so it cannot be a directory another user prepared; owner and
+    mode are checked again, and the owner record is written inside. The name is
+    registered for removal before the directory exists, so a process that ends
+    in between (another thread exiting it) leaves nothing behind.
 
     Returns:
         Its absolute path (every socket path in it fits ``sun_path``).
@@ -78,8 +89,20 @@ def new_channel_dir() -> str:
     Raises:
         OSError: No usable base directory, or the new directory is not private.
     """
-    path = tempfile.mkdtemp(prefix=leftovers.CHANNEL_DIR_PREFIX, dir=_dir_base())
-    exit_cleanup.add_dir(path)
+    base = _dir_base()
+    for _ in range(100):
+        path = os.path.join(base, leftovers.CHANNEL_DIR_PREFIX + _random_suffix())
+        exit_cleanup.add_dir(path)
+        try:
+            os.mkdir(path, 0o700)
+            break
+        except FileExistsError:
+            exit_cleanup.discard_dir(path)
+        except BaseException:
+            exit_cleanup.discard_dir(path)
+            raise
+    else:  # pragma: no cover - 100 collisions of random names
+        raise FileExistsError(f"no free channel directory name in {base}")
     try:
         st = os.lstat(path)
         if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:

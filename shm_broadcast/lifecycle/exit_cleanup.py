@@ -37,11 +37,13 @@ them), and the three paths that remove it:
    its owner exits (it waits on a pidfd; typically within milliseconds, not
    before the owner's exit).
 
-Limits (documented in ``docs/security-channels.md``): when the owner *and*
-its reaper die together (``SIGKILL`` to a whole cgroup or session by hand,
-``docker kill``), or in the microseconds between creating a file and
-registering it, files can remain: ``groupcoord cleanup --yes`` removes them
-once their owner is provably gone. If the reaper cannot be started (no
+Callers register a name before they create the file (see
+:mod:`shm_broadcast.lifecycle.segment` and
+:mod:`shm_broadcast.lifecycle.channel_dirs`), so no moment of a creation is
+unknown here. Limits (documented in ``docs/security-channels.md``): when the
+owner *and* its reaper die together (``SIGKILL`` to a whole cgroup or session
+by hand, ``docker kill``), files can remain: ``groupcoord cleanup --yes``
+removes them once their owner is provably gone. If the reaper cannot be started (no
 ``sys.executable``, no processes left), a ``RuntimeWarning`` says so and
 paths 1 and 2 remain.
 

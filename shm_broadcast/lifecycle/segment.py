@@ -11,7 +11,8 @@ gives the guarantees the rest of the code relies on:
   the pages are reserved with ``posix_fallocate``; a full ``/dev/shm`` raises
   :class:`ShmSpaceError` at creation instead of ``SIGBUS`` on a later write.
 * **One owner unlinks.** Only the creating process (same pid, so not a forked
-  child) unlinks: on :meth:`SharedSegment.close`, and however the process
+  child) unlinks: on :meth:`SharedSegment.close`, when the owning object is
+  collected without a close (a queue nobody closed), and however the process
   ends -- at interpreter exit, on a fatal signal, and after ``SIGKILL`` or
   ``os._exit`` through its reaper process (:mod:`shm_broadcast.lifecycle.exit_cleanup`
   has the exact guarantee). Attaching processes never unlink and never
@@ -35,6 +36,7 @@ import os
 import re
 import secrets
 import stat
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -150,6 +152,7 @@ class SharedSegment:
         self.buf: memoryview = memoryview(mm)
         self.is_owner = is_owner
         self._owner_pid = os.getpid()
+        self._dropped: weakref.finalize | None = None  # type: ignore[type-arg]
 
     @classmethod
     def create(cls, kind: str, size: int) -> SharedSegment:
@@ -175,16 +178,21 @@ class SharedSegment:
             raise _space_error(kind, size, free)
         for _ in range(8):
             name = f"{PREFIX}{kind}_{os.getpid()}_{secrets.token_hex(4)}"
+            # Registered before it exists: a process that ends between the two
+            # steps (another thread exiting it) leaves nothing its exit paths do
+            # not know of; removing a name that was never made is harmless.
+            exit_cleanup.add_segment(name)
             try:
                 fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 break
             except FileExistsError:
+                exit_cleanup.discard_segment(name)
                 continue
             except OSError as e:
+                exit_cleanup.discard_segment(name)
                 raise SegmentError(f"cannot create shared memory segment {name!r}: {e}") from e
         else:  # pragma: no cover - 8 collisions of a 32-bit token
             raise SegmentError("could not find a free shared memory segment name")
-        exit_cleanup.add_segment(name)
         try:
             write_owner_record(_record_path(name))
             os.ftruncate(fd, size)
@@ -202,7 +210,11 @@ class SharedSegment:
             raise
         finally:
             os.close(fd)
-        return cls(name, size, mm, is_owner=True)
+        seg = cls(name, size, mm, is_owner=True)
+        # An owner dropped without close() (a writer nobody closed) frees its name
+        # when it is collected, not only when the process ends.
+        seg._dropped = weakref.finalize(seg, _unlink_dropped, name, os.getpid())
+        return seg
 
     @classmethod
     def attach(cls, name: str) -> SharedSegment:
@@ -250,6 +262,8 @@ class SharedSegment:
         The mapping stays valid for processes that already attached.
         """
         if self.is_owner and os.getpid() == self._owner_pid:
+            if self._dropped is not None:
+                self._dropped.detach()
             leftovers.unlink_segment(self.name)
             exit_cleanup.discard_segment(self.name)
 
@@ -274,6 +288,15 @@ class SharedSegment:
     def __repr__(self) -> str:
         role = "owner" if self.is_owner else "attached"
         return f"SharedSegment({self.name!r}, size={self.size}, {role})"
+
+
+def _unlink_dropped(name: str, owner_pid: int) -> None:
+    """An owning :class:`SharedSegment` was collected without :meth:`~SharedSegment.close`:
+    unlink its name (in the creating process only; a forked child's copy of the
+    object owns nothing)."""
+    if os.getpid() == owner_pid:
+        leftovers.unlink_segment(name)
+        exit_cleanup.discard_segment(name)
 
 
 @dataclass(frozen=True)

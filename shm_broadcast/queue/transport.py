@@ -548,8 +548,15 @@ def guard_zmq(owner: object, ctx: zmq.SyncContext, parts: list[Any],
     them with linger 0, then terminates the context. ``owner.close()`` should
     call its ``detach()`` before releasing them itself. The list is read when
     the finalizer runs, so parts appended later count too.
+
+    Not at interpreter exit (``atexit = False``), as pyzmq's own context
+    finalizer does not run then: a daemon thread may still be using, or
+    closing, the very sockets, and two threads in ``zmq_ctx_term`` on one
+    context wait for each other forever; the process's end releases them.
     """
-    return weakref.finalize(owner, _release_zmq, ctx, parts, os.getpid())
+    finalizer = weakref.finalize(owner, _release_zmq, ctx, parts, os.getpid())
+    finalizer.atexit = False
+    return finalizer
 
 
 def _release_zmq(ctx: zmq.SyncContext, parts: list[Any], pid: int) -> None:

@@ -99,3 +99,96 @@ def segment_owner(out: Any) -> None:
             time.sleep(0.1)
     except BaseException:
         out.put(("error", 0, traceback.format_exc()))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("holder", ["segment", "queue-writer"])
+def test_an_owner_dropped_without_close_frees_its_name(holder: str) -> None:
+    """A segment (or a queue writer nobody closed) that is collected unlinks its name
+    then, not only when the process ends."""
+    import gc
+
+    from shm_broadcast import MessageQueue
+
+    obj: Any = (SharedSegment.create("test", 4096) if holder == "segment"
+                else MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2))
+    mine = [n for n in os.listdir(SHM_DIR) if f"_{os.getpid()}_" in n
+            and not n.endswith(".owner")]
+    assert mine
+    del obj
+    gc.collect()
+    assert not [n for n in mine if os.path.exists(os.path.join(SHM_DIR, n))]
+
+
+_FORK_DROP = """
+import gc, os, sys
+from shm_broadcast import SharedSegment
+seg = SharedSegment.create("test", 4096)
+path = os.path.join("/dev/shm", seg.name)
+pid = os.fork()
+if pid == 0:  # the child's copy is collected: it owns nothing
+    del seg
+    gc.collect()
+    os._exit(0 if os.path.exists(path) else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), os.path.exists(path))
+seg.close()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_childs_copy_of_an_owner_unlinks_nothing() -> None:
+    out = subprocess.run([sys.executable, "-c", _FORK_DROP], capture_output=True, text=True,
+                         timeout=50, check=True)
+    assert out.stdout.split() == ["0", "True"], out.stdout + out.stderr
+
+
+_EXIT_RACE = """
+import os, sys, threading, time
+from shm_broadcast import MessageQueue
+
+
+def churn():
+    while True:
+        MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2).close()
+
+
+keep = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)  # the reaper is up
+threading.Thread(target=churn, daemon=True).start()
+time.sleep(float(sys.argv[1]))
+# While the thread is somewhere in making or removing a queue: os._exit, or an
+# interpreter exit (atexit handlers run while the daemon thread still does).
+if sys.argv[2] == "os._exit":
+    os._exit(0)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["os._exit", "exit"])
+def test_a_process_that_ends_while_a_thread_makes_queues_leaves_nothing(
+        tmp_path: Any, how: str) -> None:
+    """Names are registered with the exit paths before they exist: whenever the process
+    ends, the reaper knows every segment and channel directory it made (the
+    children's directories go to ``tmp_path``: ``XDG_RUNTIME_DIR``); and an
+    interpreter exit does not wait on the thread's sockets."""
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path))
+    pids = []
+    for i in range(6):
+        p = subprocess.Popen([sys.executable, "-c", _EXIT_RACE, str(0.2 + 0.037 * i), how],
+                             env=env, stderr=subprocess.PIPE)
+        try:
+            _, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            pytest.fail(f"the process did not end ({how}) within 30 s")
+        assert p.returncode == 0, err.decode()[-2000:]
+        pids.append(p.pid)
+    deadline = time.monotonic() + 10
+    while True:
+        left = [n for n in os.listdir(SHM_DIR) if any(f"_{pid}_" in n for pid in pids)]
+        dirs = os.listdir(tmp_path)
+        if not left and not dirs or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not left and not dirs, (left, dirs)
