@@ -72,7 +72,7 @@ def rank_main(rank: int, layout: Layout, port: int, conn: Connection, parent_pid
     os.setpgid(0, 0)  # a group of its own: the parent ends what the rank leaves running
     die_with_parent(parent_pid)
     _dump_file = open(dump_path, "w")  # noqa: SIM115  # kept open until the process exits
-    faulthandler.register(STACK_SIGNAL, file=_dump_file, all_threads=True, chain=False)
+    _listen_for_stacks()
     if base is not None:
         os.environ.clear()
         os.environ.update(base[0])
@@ -92,6 +92,23 @@ def rank_main(rank: int, layout: Layout, port: int, conn: Connection, parent_pid
     finally:
         state.close()
         conn.close()
+
+
+def _listen_for_stacks(again: bool = False) -> None:
+    """Install the handler that writes the stacks on :data:`STACK_SIGNAL`; ``again``:
+    once more, after a test set a handler of its own on the signal (putting the
+    process back then leaves it at ``SIG_DFL``, and faulthandler's ``register``
+    alone keeps a registration it believes current). The signal is held
+    meanwhile, so one the parent sends then reaches the new handler."""
+    if _dump_file is None:
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_SIGNAL})
+    try:
+        if again:
+            faulthandler.unregister(STACK_SIGNAL)
+        faulthandler.register(STACK_SIGNAL, file=_dump_file, all_threads=True, chain=False)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACK_SIGNAL})
 
 
 def output_path(dump_path: str) -> str:
@@ -115,11 +132,14 @@ def _serve(conn: Connection, state: _RankState, output: str) -> None:
         import_test_module(call)
         saved = ProcessState.save()
         result = run_call(call, state.rank, state.layout.world_size, state.local_rank, output)
+        stack_signal_set = signal.getsignal(STACK_SIGNAL) is not saved.handlers.get(STACK_SIGNAL)
         # After a failure peers may wait in a collective (and the reset's own
         # collectives with them): the parent replaces the whole pool instead.
         result.reusable = result.status in (PASSED, SKIPPED, XFAILED)
         try:
             saved.restore()
+            if stack_signal_set:
+                _listen_for_stacks(again=True)
             if result.reusable:
                 result.reusable = state.reset()
         except BaseException as e:  # the next test needs a fresh rank

@@ -411,6 +411,11 @@ _ROBUST = """
         assert os.getpid() == PYTEST_PID  # runs in the pytest process, as usual
 
 
+    @pytest.mark.distributed(world_size=2, timeout=60)
+    def test_sets_a_handler_on_the_stack_signal(rank):
+        signal.signal(signal.SIGUSR2, lambda *args: None)  # the next test's stacks still come
+
+
     @pytest.mark.timeout(25)
     @pytest.mark.distributed(world_size=2, timeout=60)
     def test_hangs_past_pytest_timeout(rank, group):
@@ -428,7 +433,7 @@ def test_asserts_deaths_children_and_pytest_timeout(pytester: pytest.Pytester,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PLUGIN_TEST_CHILD", str(pytester.path / "child"))
     res = _run(pytester, monkeypatch, _ROBUST)
-    res.assert_outcomes(passed=2, failed=4, xfailed=1)
+    res.assert_outcomes(passed=3, failed=4, xfailed=1)
     res.stdout.fnmatch_lines([  # pytest's explanation of the comparison, from the rank
         "*rank 1: AssertionError: assert [[]1, 2, 3[]] == [[]1, 2, 4[]]*",
         "E*At index 2 diff: 3 != 4",
