@@ -75,6 +75,30 @@ def _resolve_secret(secret: Any, insecure: bool, auto_ok: bool = False) -> bytes
         f"(hex) on every rank, or pass insecure=True")
 
 
+def uses_key_file(host: str, secret: Any, insecure: bool) -> bool:
+    """Whether a group on ``host`` with these arguments takes its secret from a local
+    key file (so all its ranks are on this host); checks what :func:`secret_plan`
+    checks, before anything is made.
+
+    Raises:
+        TypeError, ValueError: ``secret`` (or the environment's) is malformed, or
+            there is none and ``host`` is not a loopback address.
+    """
+    if _resolve_secret(secret, insecure, auto_ok=True) is not _AUTO:
+        return False
+    if not is_loopback_host(host):
+        raise _no_secret_error(host)
+    return True
+
+
+def _no_secret_error(host: str) -> ValueError:
+    return ValueError(
+        f"a stateless group on non-loopback host {host!r} needs a shared secret: pass "
+        f"secret=<the same >= {_MIN_SECRET} random bytes on every rank>, or set "
+        f"{SECRET_ENV}=<hex> in every rank's environment (e.g. from secrets.token_hex(32) "
+        f"in the launcher), or pass insecure=True")
+
+
 def secret_plan(rank: int, host: str | None, port: int, name: str, secret: Any,
                  insecure: bool) -> tuple[Callable[[], bytes | None] | None, str | None]:
     """``(secret source or None if insecure, key file this rank writes or None)``.
@@ -89,11 +113,7 @@ def secret_plan(rank: int, host: str | None, port: int, name: str, secret: Any,
         return (lambda: fixed), None
     host = str(host)  # set: _AUTO comes only with a host
     if not is_loopback_host(host):
-        raise ValueError(
-            f"a stateless group on non-loopback host {host!r} needs a shared secret: pass "
-            f"secret=<the same >= {_MIN_SECRET} random bytes on every rank>, or set "
-            f"{SECRET_ENV}=<hex> in every rank's environment (e.g. from secrets.token_hex(32) "
-            f"in the launcher), or pass insecure=True")
+        raise _no_secret_error(host)
     if rank == 0:
         path = _key_file_path(host, port, name)
         return _write_key_file(path), path

@@ -83,7 +83,12 @@ from typing import Any
 import torch.distributed as dist
 
 from coordinator.errors import AuthenticationError, ClosedError, CommTimeout, StoreConnectionError
-from coordinator.stateless.group_secret import SECRET_ENV, remove_quietly, secret_plan
+from coordinator.stateless.group_secret import (
+    SECRET_ENV,
+    remove_quietly,
+    secret_plan,
+    uses_key_file,
+)
 from coordinator.stateless.retry_delay import RetryDelay
 from coordinator.stateless.session_agreement import SessionAgreement
 from coordinator.stateless.store_sealing import Sealer
@@ -250,8 +255,9 @@ class StatelessProcessGroup:
         check_int(port, "port", minimum=1, maximum=65535)
         if not isinstance(host, str):
             raise TypeError(f"host must be a str, got {type(host).__name__} ({host!r:.60})")
-        if not host:
-            raise ValueError("host must be a non-empty str, got ''")
+        if not host or host != host.strip() or any(c in host for c in "\x00\t\r\n "):
+            raise ValueError(f"host must be a non-empty str without whitespace or NUL, got "
+                             f"{host!r:.60}")
         t: float = check_timeout(timeout if store_timeout is None else store_timeout,  # type: ignore[assignment]
                                  "store_timeout" if store_timeout is not None else "timeout",
                                  positive=True)
@@ -262,13 +268,21 @@ class StatelessProcessGroup:
                             f"{type(listen_socket).__name__}")
         _check_name(name)
         check_bool(allow_pickle, "allow_pickle")
-        source, key_file = secret_plan(rank, host, port, name, secret,
-                                        check_bool(insecure, "insecure"))
+        check_bool(insecure, "insecure")
+        local = uses_key_file(host, secret, insecure)  # then every rank is on this host
+        # Rank 0 binds its port before it writes the key file: a second rank 0 on a
+        # live group's port fails there, and leaves that group's key file alone.
+        store = (_open_store(host, port, rank, world_size, t, listen_socket, local)
+                 if rank == 0 else None)
+        key_file = None
         try:
-            store = _open_store(host, port, rank, world_size, t, listen_socket)
+            source, key_file = secret_plan(rank, host, port, name, secret, insecure)
+            if store is None:
+                store = _open_store(host, port, rank, world_size, t, listen_socket)
             group = cls(rank, world_size, store, name=name, timeout=t, insecure=source is None,
                         allow_pickle=allow_pickle, _secret_source=source)
         except BaseException:
+            store = None  # rank 0's server stops with its last reference
             if key_file is not None:
                 remove_quietly(key_file)
             raise
@@ -519,10 +533,20 @@ class StatelessProcessGroup:
             return self._calls.call(method, *args, limit=left + _ANSWER_GRACE_S, op=op,
                                     side=f"rank {self.rank}/{self.world_size}")
         except dist.DistNetworkError as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            who = ("rank 0 has probably exited or closed the group" if self.rank else
+                   "this rank's own store server closed it")
             raise StoreConnectionError(
                 f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
-                f"lost the connection to the store on rank 0; rank 0 has probably exited or "
-                f"closed the group ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                f"lost the connection to the store on rank 0; {who}, or the store dropped it "
+                f"(it does when a value under a counter key is not an integer: see "
+                f"docs/security-stateless.md) ({why})",
+                queue=self.name, peers=[0] if self.rank else []) from e
+        except MemoryError as e:  # torch's client allocates the length the server claims
+            raise StoreConnectionError(
+                f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op {op}: "
+                f"the store at the group's address answered a {method} with a length no "
+                f"process can hold; it is not rank 0's store (a process that took the port?)",
                 queue=self.name, peers=[0] if self.rank else []) from e
 
     def _check_peer(self, r: Any, arg: str) -> None:
@@ -664,9 +688,11 @@ def _describe(store: dist.Store, rank: int) -> str:
 
 
 def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float,
-                listen_socket: socket.socket | None = None) -> dist.Store:
+                listen_socket: socket.socket | None = None,
+                loopback_only: bool = False) -> dist.Store:
     """Rank 0: a TCPStore listening on ``host:port`` only (or on the caller's
-    ``listen_socket``); others: a client of it."""
+    ``listen_socket``; ``loopback_only``: a name that resolves to loopback listens
+    there); others: a client of it."""
     td = datetime.timedelta(seconds=timeout)
     if rank != 0:
         try:
@@ -675,7 +701,8 @@ def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float
             raise CommTimeout(f"stateless group (rank {rank}/{world_size}), op create: {e}",
                               peers=[0]) from e
     try:
-        return master_store(host, port, world_size, td, listen_socket=listen_socket)
+        return master_store(host, port, world_size, td, listen_socket=listen_socket,
+                            loopback_only=loopback_only)
     except OSError as e:
         raise StoreConnectionError(
             f"rank 0 cannot listen on {host}:{port} for its stateless group's store: "

@@ -12,6 +12,10 @@ Which address is bound:
 
 * an IP address (``127.0.0.1``, ``::1``, ``10.0.0.5``): exactly that one;
 * ``localhost``: the first of its loopback addresses this host can bind;
+* an IPv4 address in a short form (``127.1``): the address it denotes;
+* a name that resolves to loopback addresses only, for a store that serves
+  this host only (``loopback_only``: a stateless group whose secret is a
+  local key file): those addresses;
 * any other host name: every interface, as torch does. A node's own name
   often resolves differently on the node itself (``/etc/hosts`` maps it to
   ``127.0.1.1`` on many distributions) than on the other nodes (DNS), so
@@ -30,6 +34,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from shm_broadcast.errors import CommTimeout
+from shm_broadcast.ranks.host_address import is_loopback_host
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -44,7 +49,8 @@ CONNECT_GRACE_S = 2.0
 
 def master_store(host: str, port: int, world_size: int | None,
                  timeout: datetime.timedelta, *,
-                 listen_socket: socket.socket | None = None) -> TCPStore:
+                 listen_socket: socket.socket | None = None,
+                 loopback_only: bool = False) -> TCPStore:
     """A TCPStore server listening on ``host:port`` only (``port=0``: a free port,
     which ``store.port`` gives).
 
@@ -55,6 +61,9 @@ def master_store(host: str, port: int, world_size: int | None,
         timeout: The store's default timeout for waits.
         listen_socket: A socket the caller already made listen (its address
             is then the caller's choice); the store uses a duplicate.
+        loopback_only: The store serves this host only (a group whose secret
+            is a local key file): a name that resolves to loopback here listens
+            on loopback, not on every interface.
 
     Raises:
         OSError: ``host:port`` cannot be bound (taken, or not this host's address).
@@ -64,7 +73,7 @@ def master_store(host: str, port: int, world_size: int | None,
     if listen_socket is not None:
         sock: socket.socket | None = listen_socket.dup()
     else:
-        sock = _listen(host, port)
+        sock = _listen(host, port, loopback_only)
     if sock is None:  # a host name: every interface (see the module docstring)
         return dist.TCPStore(host_name=host, port=port, world_size=world_size, is_master=True,
                              timeout=timeout, wait_for_workers=False)
@@ -79,9 +88,13 @@ def master_store(host: str, port: int, world_size: int | None,
         raise
 
 
-def _listen(host: str, port: int) -> socket.socket | None:
-    """A socket listening on ``host``'s address (None: ``host`` is a name other
-    than localhost, which gets every interface).
+def _listen(host: str, port: int, loopback_only: bool = False) -> socket.socket | None:
+    """A socket listening on ``host``'s address (None: ``host`` is a name other than
+    localhost, which gets every interface, unless ``loopback_only``).
+
+    An IPv4 address in a short form (``127.1``, ``2130706433``) is that address.
+    ``loopback_only`` (a store whose group cannot have ranks on other hosts):
+    a name that resolves to loopback addresses here listens on those.
 
     Raises:
         OSError: No address of ``host`` can be bound.
@@ -90,10 +103,16 @@ def _listen(host: str, port: int) -> socket.socket | None:
         ipaddress.ip_address(host.strip("[]"))
         candidates = [host.strip("[]")]
     except ValueError:
-        if host.lower() != "localhost":
+        numeric = _short_ipv4(host)
+        if numeric is not None:
+            candidates = [numeric]
+        elif host.lower() == "localhost" or (loopback_only and is_loopback_host(host)):
+            candidates = list(dict.fromkeys(
+                a for a in (str(info[4][0]).split("%", 1)[0] for info in socket.getaddrinfo(
+                    host, port, type=socket.SOCK_STREAM))
+                if ipaddress.ip_address(a).is_loopback))
+        else:
             return None
-        candidates = [a for a in (str(info[4][0]) for info in socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM)) if ipaddress.ip_address(a).is_loopback]
     error: OSError | None = None
     for address in candidates:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -102,6 +121,19 @@ def _listen(host: str, port: int) -> socket.socket | None:
         except OSError as e:
             error = error or e
     raise error or OSError(f"no address to listen on for {host!r}")
+
+
+def _short_ipv4(host: str) -> str | None:
+    """The dotted address a short IPv4 form (``127.1``, ``0x7f.1``, ``2130706433``)
+    denotes, as the C resolver reads it; None for anything else."""
+    if not host or not all(c.isalnum() or c == "." for c in host):
+        return None
+    if not all(part.isdigit() or part.lower().startswith("0x") for part in host.split(".")):
+        return None
+    try:
+        return socket.inet_ntoa(socket.inet_aton(host))
+    except OSError:
+        return None
 
 
 def client_store(host: str, port: int, world_size: int | None,

@@ -100,6 +100,46 @@ def test_port_in_use_is_a_store_connection_error_and_leaves_no_key_file() -> Non
     assert not os.path.exists(_key_file_path(HOST, port, "busy"))
 
 
+def test_a_second_rank_0_on_a_live_groups_port_leaves_its_key_file() -> None:
+    """The second rank 0 fails to bind before it writes anything: the live group's key
+    file (which its other ranks read) is neither replaced nor removed."""
+    from coordinator.errors import StoreConnectionError
+    from coordinator.stateless.group_secret import _key_file_path
+
+    port = free_port()
+    live = StatelessProcessGroup.create(HOST, port, 0, 1, timeout=10, name="live")
+    try:
+        path = _key_file_path(HOST, port, "live")
+        with open(path, "rb") as f:
+            key = f.read()
+        with pytest.raises(StoreConnectionError, match=f"cannot listen on {HOST}:{port}"):
+            StatelessProcessGroup.create(HOST, port, 0, 1, timeout=5, name="live")
+        with open(path, "rb") as f:
+            assert f.read() == key
+        assert live.broadcast_obj("still", 0) == "still"
+    finally:
+        live.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1\x00", " 127.0.0.1", "127.0.0.1\n", "a b"],
+                         ids=["nul", "leading-space", "newline", "inner-space"])
+def test_a_host_with_whitespace_or_nul_is_refused(host: str) -> None:
+    with pytest.raises(ValueError, match="host must be a non-empty str without whitespace"):
+        StatelessProcessGroup.create(host, free_port(), 0, 1, timeout=5)
+
+
+@pytest.mark.parametrize("host", ["127.1", "2130706433", "0x7f.1"])
+def test_a_short_ipv4_form_listens_on_the_address_it_denotes(host: str) -> None:
+    port = free_port()
+    g = StatelessProcessGroup.create(host, port, 0, 1, timeout=10, name="short")
+    try:
+        listening = {c.laddr.ip for c in psutil.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}, listening
+    finally:
+        g.close()
+
+
 @pytest.mark.parametrize("secret_from", ["key-file", pytest.param("env", marks=pytest.mark.slow)])
 def test_outsider_pickle_under_the_keys_runs_nothing(dist_pool, tmp_path, secret_from: str) -> None:
     marker = str(tmp_path / "pwned")

@@ -70,3 +70,21 @@ def test_a_taken_port_is_an_os_error() -> None:
             master_store("127.0.0.1", store.port, 1, _T)
     finally:
         del store
+
+
+def test_a_loopback_name_of_a_host_only_store_listens_on_loopback() -> None:
+    """``loopback_only`` (a group whose ranks are all here): a name that resolves to
+    loopback addresses here listens on those, not on every interface."""
+    import socket
+
+    from shm_broadcast.ranks.host_address import is_loopback_host
+
+    name = next((n for n in (socket.gethostname(), "localhost") if is_loopback_host(n)), None)
+    if name is None:
+        pytest.skip("no name of this host resolves to loopback only")
+    store = master_store(name, 0, 1, _T, loopback_only=True)
+    try:
+        listening = listening_on(store.port)
+        assert listening and listening <= {"127.0.0.1", "::1", "127.0.1.1"}, listening
+    finally:
+        del store
