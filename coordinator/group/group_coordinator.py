@@ -750,8 +750,7 @@ class GroupCoordinator:
         book = self._book
         book.collectives = n = book.collectives + 1
         seq = n + book.p2p_calls
-        if self.world_size > 1:
-            book.check_live("barrier")
+        book.check_live("barrier")
         entry = book.record("barrier")
         if self.world_size > 1:
             started = monotonic()

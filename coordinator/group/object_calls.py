@@ -89,6 +89,7 @@ class ObjectCalls:
             self.reject_broadcast("broadcast_object", e)
             raise
         if g.world_size == 1:
+            self._book.check_live("broadcast_object")
             return obj
         if g.rank_in_group == src:
             try:
@@ -127,6 +128,7 @@ class ObjectCalls:
                 self.reject_broadcast(op, e, queue=False)
             raise
         if g.world_size == 1:
+            self._book.check_live(op)
             return obj_list
         if g.rank_in_group == src:
             try:

@@ -141,6 +141,7 @@ class TensorDictCalls:
                 self._abort_broadcast(src, group, metadata_group, str(err))
             raise err
         if g.world_size == 1:
+            self._book.check_live("broadcast_tensor_dict")
             return dict(tensor_dict)
         return self._broadcast_from_here(tensor_dict, src, group, metadata_group)
 
@@ -234,6 +235,7 @@ class TensorDictCalls:
             dst = (g.rank_in_group + 1) % g.world_size
         validation.check_rank(dst, g.world_size, "dst")
         if g.world_size == 1:
+            self._book.check_live("send_tensor_dict")
             if not isinstance(tensor_dict, Mapping):
                 raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
             self._check_all_gather_group(all_gather_group)
@@ -252,6 +254,7 @@ class TensorDictCalls:
             src = (g.rank_in_group - 1) % g.world_size
         validation.check_rank(src, g.world_size, "src")
         if g.world_size == 1:
+            self._book.check_live("recv_tensor_dict")
             self._check_all_gather_group(all_gather_group)
             return None
         check_peer(src, "src", g.world_size, g.rank_in_group)
