@@ -115,6 +115,9 @@ from shm_broadcast.ranks.topology import node_assignment
 __all__ = ["CpuCommunicator", "BYTES_ENV", "ENABLE_ENV", "TIMEOUT_ENV"]
 
 _R = TypeVar("_R")  # what a guarded hook returns
+#: Seconds :meth:`CpuCommunicator.destroy` waits for a collective of another thread to
+#: leave the workspace before it unmaps it (a broken wait leaves within a health check).
+DESTROY_WAIT_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -345,15 +348,24 @@ class CpuCommunicator(TorchDistributedCommunicator):
             self._guard("barrier", dist.barrier, self.cpu_group)
 
     def destroy(self) -> None:
-        """Unmap the workspace (peers waiting on this rank get an error). Idempotent."""
+        """Unmap the workspace (peers waiting on this rank get an error). Idempotent.
+
+        Safe from another thread while a collective runs: the engine's copies go
+        by address into the workspace, so it is unmapped only once that call
+        left. The call is told first (the workspace is marked broken, which its
+        waits notice within a health check) and waited for at most
+        :data:`DESTROY_WAIT_S`; a call still running then keeps the mapping,
+        which goes with the call's last reference (the owner's name is
+        unlinked then).
+        """
+        super().destroy()  # first: a call that starts meanwhile is refused at once
         eng, self._engine, self._flat, self._hier = self._engine, None, None, None
         self._small = None
         self._plans.clear()
-        try:
-            if eng is not None:
+        if eng is not None:
+            eng.sync.leave("destroyed")
+            if self._one_call.wait_idle(DESTROY_WAIT_S):
                 eng.close()
-        finally:
-            super().destroy()
 
     # ------------------------------------------------------------------ reductions
     def all_reduce(
@@ -420,11 +432,12 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 and not input_._is_zerotensor()  # noqa: SLF001 - torch's own API, no public one
                 and storage_covers(input_)  # not freed under it: the engine copies by address
             ):
-                # 3. run the engine's all_reduce (4. counted first, as the hooks count)
-                self.shm_calls["all_reduce"] += 1
-                eng: ShmEngine = self._flat  # type: ignore[assignment]  # set with _small
-                return self._engine_call("all_reduce", (input_, op), eng.all_reduce,
-                                         input_, op, out)
+                eng = self._flat
+                if eng is not None:  # None: destroyed meanwhile (the checked path says so)
+                    # 3. run the engine's all_reduce (4. counted first, as the hooks count)
+                    self.shm_calls["all_reduce"] += 1
+                    return self._engine_call("all_reduce", (input_, op), eng.all_reduce,
+                                             input_, op, out)
         # The checked path. 4. finish: complex tensors can be lazy conjugate views,
         # which only the checked path resolves.
         result = super().all_reduce(input_, op, out=out)

@@ -55,3 +55,14 @@ class OneCall:
     def leave(self) -> None:
         """Give the token back (the thread that took it)."""
         self._lock.release()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` seconds, until no other thread holds the token.
+
+        Returns:
+            Whether none does (the calling thread's own holding counts as idle).
+        """
+        if not self._lock.acquire(timeout=max(timeout, 0.0)):
+            return False
+        self._lock.release()
+        return True

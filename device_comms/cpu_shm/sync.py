@@ -427,6 +427,14 @@ class StepSync:
         with contextlib.suppress(ValueError, TypeError):  # already released
             self.hdr[self._my_line + CLOSED] = -(self.gen + 1)
 
+    def leave(self, why: str) -> None:
+        """This rank's communicator is going away (``why``), maybe from another thread: a
+        wait in progress here raises :class:`BrokenCommunicator` at its next health
+        check, and peers learn that this rank left, as after :meth:`close`."""
+        if self.broken is None:
+            self.broken = f"the communicator was closed: {why}"
+        self.close()
+
     def close(self) -> None:
         """Tell peers this rank left (they stop waiting on it with an error).
 
