@@ -28,6 +28,7 @@ from coordinator.engine.layers.weights import (
     set_weight_loader,
     tp_size_and_rank,
 )
+from shm_broadcast.checks import check_int
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead"]
 
@@ -56,11 +57,11 @@ class VocabParallelEmbedding(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        if num_embeddings <= 0 or embedding_dim <= 0:
-            raise ValueError(
-                f"num_embeddings and embedding_dim must be positive, "
-                f"got {num_embeddings}, {embedding_dim}"
-            )
+        check_int(num_embeddings, "num_embeddings", minimum=1)
+        check_int(embedding_dim, "embedding_dim", minimum=1)
+        if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
+            raise TypeError(f"params_dtype must be a floating-point torch.dtype, got "
+                            f"{params_dtype!r}")
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
         self.num_embeddings = num_embeddings
@@ -96,12 +97,33 @@ class VocabParallelEmbedding(nn.Module):
         """Embed ``input_ids`` (any shape) to ``[..., embedding_dim]``."""
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
+        self._check_ids(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter:
             return tp_reduce_scatter(self.tp_group, partial, 0)
         return tp_all_reduce(self.tp_group, partial)
+
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        """Refuse ids outside the vocabulary, as one process's lookup does: sharded, an id
+        outside every rank's range would embed as zeros. Every rank holds the same ids,
+        so every rank raises. CPU ids only (on a GPU the check would synchronise the
+        stream, and break graph capture), and not while torch.compile traces.
+
+        Raises:
+            IndexError: An id is negative or not below ``num_embeddings``.
+        """
+        if input_ids.device.type != "cpu" or not input_ids.numel():
+            return
+        if torch.compiler.is_compiling() or input_ids.dtype.is_floating_point:
+            return
+        low, high = torch.aminmax(input_ids)
+        if int(low) < 0 or int(high) >= self.num_embeddings:
+            raise IndexError(
+                f"{self.prefix}: input_ids must lie in [0, {self.num_embeddings}) (the "
+                f"vocabulary), got ids from {int(low)} to {int(high)}")
 
 
 class ParallelLMHead(VocabParallelEmbedding):

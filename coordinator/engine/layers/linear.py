@@ -34,6 +34,7 @@ from coordinator.engine.layers.weights import (
     set_weight_loader,
     tp_size_and_rank,
 )
+from shm_broadcast.checks import check_int
 
 __all__ = [
     "ColumnParallelLinear",
@@ -64,6 +65,9 @@ class _ParallelLinearBase(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
+        if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
+            raise TypeError(f"params_dtype must be a floating-point torch.dtype, got "
+                            f"{params_dtype!r}")
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
         self.prefix = prefix or type(self).__name__
@@ -109,6 +113,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
         params_dtype: torch.dtype = torch.float32,
         prefix: str = "",
     ) -> None:
+        check_int(input_size, "input_size", minimum=1)
+        check_int(output_size, "output_size", minimum=1)
         tp, _ = tp_size_and_rank(tp_group)
         out_local = divide(output_size, tp, f"{prefix or 'ColumnParallelLinear'} output_size")
         super().__init__(input_size, out_local, bias, tp_group, params_dtype, prefix)
@@ -131,7 +137,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     Each rank keeps, for every logical matrix ``i``, its slice of
     ``output_sizes[i]`` rows, concatenated in order. Loading takes the shard id
-    ``i`` (for Llama: 0 = ``gate_proj``, 1 = ``up_proj``).
+    ``i`` (for Llama: 0 = ``gate_proj``, 1 = ``up_proj``). With
+    ``gather_output`` the output holds the matrices' full outputs one after
+    the other, as the unsharded ``cat`` of the matrices gives them.
     """
 
     def __init__(
@@ -146,6 +154,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         if not output_sizes:
             raise ValueError("output_sizes must list at least one matrix size")
+        for i, size in enumerate(output_sizes):
+            check_int(size, f"output_sizes[{i}]", minimum=1)
         tp, _ = tp_size_and_rank(tp_group)
         self.output_sizes = [int(s) for s in output_sizes]
         self.local_sizes = [
@@ -173,6 +183,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.local_sizes[:i])
         dst = param.data.narrow(0, offset, self.local_sizes[i])
         copy_checked(dst, narrow_for_rank(loaded, 0, self.tp_size, self.tp_rank), name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if not self.gather_output:
+            return y
+        # The gather lays the ranks' outputs side by side ([gate_0, up_0, gate_1, up_1]);
+        # each matrix's columns are its ranks' slices in rank order.
+        gathered = tp_all_gather(self.tp_group, y, -1)
+        by_rank = gathered.reshape(*gathered.shape[:-1], self.tp_size, sum(self.local_sizes))
+        return torch.cat([part.flatten(-2) for part in by_rank.split(self.local_sizes, -1)], -1)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -209,6 +229,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         params_dtype: torch.dtype = torch.float32,
         prefix: str = "",
     ) -> None:
+        for value, arg in ((hidden_size, "hidden_size"), (head_size, "head_size"),
+                           (total_num_heads, "total_num_heads"),
+                           (total_num_kv_heads, "total_num_kv_heads")):
+            check_int(value, arg, minimum=1)
+        if total_num_heads % total_num_kv_heads:
+            raise ValueError(f"total_num_heads ({total_num_heads}) must be a multiple of "
+                             f"total_num_kv_heads ({total_num_kv_heads})")
         tp, rank = tp_size_and_rank(tp_group)
         self.head_size = head_size
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
@@ -293,6 +320,8 @@ class RowParallelLinear(_ParallelLinearBase):
         params_dtype: torch.dtype = torch.float32,
         prefix: str = "",
     ) -> None:
+        check_int(input_size, "input_size", minimum=1)
+        check_int(output_size, "output_size", minimum=1)
         tp, _ = tp_size_and_rank(tp_group)
         in_local = divide(input_size, tp, f"{prefix or 'RowParallelLinear'} input_size")
         super().__init__(in_local, output_size, bias, tp_group, params_dtype, prefix)

@@ -153,6 +153,32 @@ def test_qkv_rejects_unsplittable_heads() -> None:
         layer.weight_loader(layer.weight, torch.zeros(16, 8), "k")
 
 
+_BAD_ARGS = {
+    "column-output-negative": (lambda: ColumnParallelLinear(6, -2, tp_group=_RankSlot(2, 0)),
+                               ValueError, "output_size must be an int >= 1"),
+    "column-input-float": (lambda: ColumnParallelLinear(8.0, 4), TypeError, "input_size"),
+    "row-output-zero": (lambda: RowParallelLinear(4, 0), ValueError, "output_size"),
+    "merged-negative": (lambda: MergedColumnParallelLinear(6, [4, -4]), ValueError,
+                        r"output_sizes\[1\]"),
+    "qkv-no-kv-heads": (lambda: QKVParallelLinear(8, 4, 4, 0, tp_group=_RankSlot(2, 0)),
+                        ValueError, "total_num_kv_heads"),
+    "qkv-head-size-zero": (lambda: QKVParallelLinear(8, 0, 4, 2), ValueError, "head_size"),
+    "qkv-heads-not-a-multiple": (lambda: QKVParallelLinear(8, 4, 6, 4), ValueError,
+                                 "must be a multiple of total_num_kv_heads"),
+    "int-params-dtype": (lambda: ColumnParallelLinear(4, 4, params_dtype=torch.int64),
+                         TypeError, "params_dtype"),
+    "embedding-float-size": (lambda: VocabParallelEmbedding(5.5, 4), TypeError,
+                             "num_embeddings"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_ARGS))
+def test_bad_layer_arguments_name_the_argument(case: str) -> None:
+    build, error, text = _BAD_ARGS[case]
+    with pytest.raises(error, match=text):
+        build()
+
+
 def test_vocab_shards_cover_padded_vocab() -> None:
     table = torch.randn(11, 4)
     shards = []
@@ -272,6 +298,16 @@ def _tp_layers(rank: int, world_size: int) -> dict[str, float]:
         diff(
             "swiglu_mlp", mlp_out(F.silu(gl) * ul), F.linear(F.silu(x @ gate.T) * (x @ up.T), down)
         )
+        # gathered: the full gate and up outputs one after the other, as the unsharded cat
+        merged = MergedColumnParallelLinear(8, [24, 16], bias=True, gather_output=True,
+                                            tp_group=tp)
+        up16, bg, bu = rn(16, 8), rn(24), rn(16)
+        merged.weight_loader(merged.weight, gate, 0)
+        merged.weight_loader(merged.weight, up16, 1)
+        merged.weight_loader(merged.bias, bg, 0)
+        merged.weight_loader(merged.bias, bu, 1)
+        diff("merged_gather", merged(x),
+             F.linear(x, torch.cat([gate, up16]), torch.cat([bg, bu])))
 
         vocab = 4 * world_size + 3  # not divisible: padded
         table, bias = rn(vocab, 8), rn(vocab)
@@ -279,6 +315,12 @@ def _tp_layers(rank: int, world_size: int) -> dict[str, float]:
         emb = VocabParallelEmbedding(vocab, 8, tp_group=tp)
         _load(emb, weight=table)
         diff("embedding", emb(ids), table[ids])
+        for bad_id in (-1, vocab, vocab + 1):  # as one process's lookup: refused, not zeros
+            try:
+                emb(torch.tensor([0, bad_id]))
+                raise AssertionError(f"id {bad_id} of a vocabulary of {vocab} was embedded")
+            except IndexError as e:
+                assert "input_ids must lie in" in str(e), e
         emb_rs = VocabParallelEmbedding(vocab, 8, tp_group=tp, reduce_scatter=True)
         _load(emb_rs, weight=table)
         flat = torch.arange(world_size * 2) % vocab
@@ -304,6 +346,6 @@ def _tp_layers(rank: int, world_size: int) -> dict[str, float]:
 def test_layers_over_real_tp_groups(dist_pool: Any, world_size: int) -> None:
     results = dist_pool(world_size).run(_tp_layers, timeout=120)
     for rank, diffs in enumerate(results):
-        assert len(diffs) == 9
+        assert len(diffs) == 10
         bad = {k: v for k, v in diffs.items() if not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
