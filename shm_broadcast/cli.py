@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from shm_broadcast.cli_args import number
+from shm_broadcast.cli_args import number, output_path
 
 if TYPE_CHECKING:
     from shm_broadcast.lifecycle.channel_dirs import ChannelDirInfo
@@ -189,7 +189,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=number(int, minimum=1, maximum=1 << 16), default=None,
                         metavar="N",
                         help="ring chunks of the measured queue (default: MessageQueue's)")
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--json", metavar="PATH", type=output_path,
+                        help="also write the report as JSON")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
-__all__ = ["number", "size_bytes"]
+__all__ = ["number", "output_path", "size_bytes"]
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -57,3 +58,19 @@ def size_bytes(text: str) -> int:
     if not math.isfinite(value) or value < 1:
         raise argparse.ArgumentTypeError(f"expected a size > 0 like 4096, 64K or 1M, got {text!r}")
     return int(value)
+
+
+def output_path(text: str) -> str:
+    """A file a command writes its results to once it ran: checked before it runs, so
+    that a long run is not lost to a path it cannot write (a missing or read-only
+    directory, a directory named as the file)."""
+    path = os.path.abspath(os.path.expanduser(text))
+    directory = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file to write")
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"the directory of {text!r} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK) or (
+            os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written")
+    return text

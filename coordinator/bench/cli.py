@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from shm_broadcast.cli_args import number, size_bytes
+from shm_broadcast.cli_args import number, output_path, size_bytes
 
 __all__ = ["add_args", "run", "parse_size", "parse_threads"]
 
@@ -80,9 +80,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(yield-poll for 1 s, like vLLM's reader); default predictive")
     p.add_argument("--rounds", type=_positive(int), default=1,
                    help="blocks per policy, interleaved (default 1)")
-    p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", type=output_path,
                    help="write the report as JSON")
-    p.add_argument("--plot", dest="plot_path", default=None, metavar="PATH",
+    p.add_argument("--plot", dest="plot_path", default=None, metavar="PATH", type=output_path,
                    help="write a PNG plot (needs matplotlib: pip install 'groupcoord[plot]')")
     p.add_argument("--timeout", type=_positive(float), default=900.0,
                    help="seconds before the ranks are killed (default 900)")

@@ -32,6 +32,8 @@ import sys
 import time
 from typing import Any
 
+from shm_broadcast.cli_args import output_path
+
 __all__ = ["add_args", "run"]
 
 _GROUPS = ("link", "cpu-group")
@@ -58,7 +60,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=_positive(int), default=3,
                    help="blocks per transport (default 3)")
 
-    p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", type=output_path)
     p.add_argument("--timeout", type=_positive(float), default=900.0,
                    help="seconds before the ranks are killed (default 900)")
 

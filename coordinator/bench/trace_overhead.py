@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -43,7 +44,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from device_comms.bench.report import load_average
-from shm_broadcast.cli_args import number, size_bytes
+from shm_broadcast.cli_args import number, output_path, size_bytes
 
 __all__ = ["add_args", "run", "bench_rank"]
 
@@ -69,7 +70,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control", action="store_true",
                    help="build both copies with the recorder off: the 'on - off' column is "
                         "then the harness's own bias between two identical groups")
-    p.add_argument("--json", dest="json_path", default=None, help="write the records here")
+    p.add_argument("--json", dest="json_path", default=None, type=output_path,
+                   help="write the records here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,11 +79,12 @@ def run(args: argparse.Namespace) -> int:
     from coordinator.testing import run_distributed
 
     records: list[dict[str, Any]] = []
-    for threads in args.threads:
+    for threads in args.threads:  # every value, before anything runs
         if threads != "default" and (not threads.isdigit() or int(threads) < 1):
             print(f"--threads: expected 'default' or an int >= 1, got {threads!r}",
                   file=sys.stderr)
             return 2
+    for threads in args.threads:
         cfg = {"sizes": list(args.sizes), "queue_bytes": args.queue_bytes,
                "rounds": args.rounds, "blocks": args.blocks, "block": args.block,
                "threads": threads, "control": bool(args.control)}
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         records.extend(rows)
         print(format_table(rows), flush=True)
     if args.json_path:
-        meta = {"command": " ".join(["groupcoord bench trace", *sys.argv[1:]]),
+        meta = {"command": shlex.join(sys.argv),
                 "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "loadavg": load_average()}
         with open(args.json_path, "w") as f:

@@ -109,12 +109,16 @@ import os
 import pickle
 import pickletools
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NoReturn
 
 from shm_broadcast.errors import DecodeError
+
+#: The largest int a float holds without overflowing (``sys.float_info.max``, as an int).
+_FLOAT_INT_MAX = int(sys.float_info.max)
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -370,8 +374,11 @@ class _Fields:
     def opt_float(self, value: Any, where: str) -> float | None:
         if value is None:
             return None
-        if (not isinstance(value, int | float) or isinstance(value, bool)
-                or not math.isfinite(value)):
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            self.fail(where, "a finite number", value)
+        if isinstance(value, int) and not -_FLOAT_INT_MAX <= value <= _FLOAT_INT_MAX:
+            self.fail(where, "a finite number", value)  # float() of it would overflow
+        if not math.isfinite(value):
             self.fail(where, "a finite number", value)
         return float(value)
 

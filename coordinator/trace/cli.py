@@ -23,13 +23,17 @@ from coordinator.trace.analysis import DEFAULT_MAX_BYTES, analyze_dumps, load_di
 __all__ = ["add_args", "run", "render"]
 
 
+#: The largest ``--max-mib``: 8 TiB, beyond any dump file and any read a process can make.
+_MAX_MIB = 1 << 23
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int > 0, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected an int > 0, got {text!r}")
+    if not 0 < value <= _MAX_MIB:
+        raise argparse.ArgumentTypeError(f"expected an int in [1, {_MAX_MIB}], got {text!r}")
     return value
 
 
@@ -49,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     """Analyse ``args.dir``; returns the exit status (see the module docstring)."""
     try:
         prefix, dumps = load_dir(args.dir, args.prefix, args.max_mib << 20)
-    except (OSError, ValueError) as e:  # DecodeError is a ValueError: it names the file
+    except (OSError, ValueError, OverflowError) as e:  # DecodeError is a ValueError
         print(f"groupcoord trace: error: {e}", file=sys.stderr)
         return 2
     result: dict[str, Any] = {"directory": args.dir, "prefix": prefix, **analyze_dumps(dumps)}

@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -68,7 +69,7 @@ from collections.abc import Callable
 from typing import Any
 
 from device_comms.bench.report import load_average
-from shm_broadcast.cli_args import number
+from shm_broadcast.cli_args import number, output_path
 
 __all__ = ["add_bench_args", "run_bench", "main"]
 
@@ -89,7 +90,7 @@ def _parse_size(text: str) -> int:
     num = t[:-1] if t[-1:] in "KMG" else t
     try:
         value = int(float(num) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or not a finite one
         raise argparse.ArgumentTypeError(
             f"size must look like 4096, 64K or 16M, got {text!r}") from None
     if value <= 0:
@@ -162,8 +163,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "run (default: max(1, cpus // world size))")
     parser.add_argument("--workspace-bytes", type=_parse_size, default=None,
                         help="CpuCommunicator workspace (default: its own default)")
-    parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
-    parser.add_argument("--plot", dest="plot_path", default=None,
+    parser.add_argument("--json", dest="json_path", default=None, type=output_path,
+                        help="write results as JSON here")
+    parser.add_argument("--plot", dest="plot_path", default=None, type=output_path,
                         help="write a log-log PNG plot here (needs matplotlib: "
                              "pip install groupcoord[plot])")
     parser.add_argument("--timeout", type=number(float, above=0), default=1800.0,
@@ -209,6 +211,9 @@ def _check_cpu_args(args: argparse.Namespace) -> str | None:
             return f"--world-sizes: every world size must be >= 2, got {ws}"
     if args.min_iters < 1 or args.max_iters < args.min_iters:
         return "--min-iters must be >= 1 and <= --max-iters"
+    if not _rank_config(args)["sizes"]:
+        return (f"no size is left between --min-bytes ({args.min_bytes}) and --max-bytes "
+                f"({args.max_bytes})")
     if "dispatch_combine" in args.ops:
         odd = [ws for ws in args.world_sizes if args.experts % ws]
         if odd:
@@ -270,7 +275,7 @@ def _write_outputs(args: argparse.Namespace, records: list[dict[str, Any]],
     from device_comms.bench.report import write_json, write_plot
 
     meta = {
-        "command": " ".join(["python -m device_comms.bench.collectives"] + sys.argv[1:]),
+        "command": shlex.join(sys.argv),
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "loadavg_before": load_before,

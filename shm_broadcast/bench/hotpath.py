@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from shm_broadcast.cli_args import output_path
+
 __all__ = ["add_args", "run", "measure"]
 
 _PAYLOADS: dict[str, Any] = {
@@ -57,7 +59,8 @@ def measure(payload: Any, rounds: int = 400, chunks: int = 8) -> tuple[float, fl
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=400, help="fill-and-drain rounds")
     parser.add_argument("--repeats", type=int, default=3, help="independent measurements")
-    parser.add_argument("--json", dest="json_path", help="also write the results as JSON")
+    parser.add_argument("--json", dest="json_path", type=output_path,
+                        help="also write the results as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

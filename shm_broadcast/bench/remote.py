@@ -38,6 +38,7 @@ from typing import Any
 import zmq
 
 from shm_broadcast.bench.payloads import make_payload, payload_names
+from shm_broadcast.cli_args import output_path
 from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.queue.message_queue import MessageQueue
 from shm_broadcast.queue.transport import bind
@@ -283,7 +284,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads per process (0: torch's default)")
     parser.add_argument("--no-baselines", action="store_true", help="measure only the queue")
-    parser.add_argument("--json", dest="json_path", help="also write the report as JSON")
+    parser.add_argument("--json", dest="json_path", type=output_path,
+                        help="also write the report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

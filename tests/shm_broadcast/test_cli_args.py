@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from shm_broadcast.cli_args import number, size_bytes
+from shm_broadcast.cli_args import number, output_path, size_bytes
 
 BAD_OPTIONS = {
     "mq-readers-0": (["bench", "mq", "--readers", "0"], "--readers"),
@@ -77,3 +77,11 @@ def test_sizes_in_binary_units(text: str, want: int) -> None:
 def test_sizes_that_are_not_whole_positive_byte_counts(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="size"):
         size_bytes(text)
+
+
+def test_an_output_path_is_checked_before_anything_runs(tmp_path) -> None:
+    assert output_path(str(tmp_path / "out.json")) == str(tmp_path / "out.json")
+    for text, why in ((str(tmp_path / "missing" / "out.json"), "does not exist"),
+                      (str(tmp_path), "is a directory")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            output_path(text)

@@ -25,6 +25,7 @@ from coordinator.engine.demo.requests import (
     parse_prompt_ids,
     requests_from_args,
 )
+from shm_broadcast.cli_args import output_path
 
 __all__ = ["add_args", "run", "parse_prompt_ids", "default_requests"]
 
@@ -68,7 +69,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at end-of-sequence tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded model (default 0)")
-    p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", type=output_path,
                    help="write generated ids and timings as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress line while running")
     p.add_argument("--timeout", type=_seconds, default=600.0,
@@ -104,6 +105,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--dp {args.dp} needs --model moe (the dense demo has no DP replicas)")
     if args.mlp and args.model == "moe":
         raise ValueError("--mlp and --model moe are different demos; pass one")
+    if args.mlp and args.json_path:
+        raise ValueError("--json reports the engine demo; --mlp only prints its check")
     for name in ("moe_comm", "moe_sp"):
         if getattr(args, name) is not None and args.model != "moe":
             raise ValueError(f"--{name.replace('_', '-')} needs --model moe")

@@ -30,11 +30,13 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
 def default_requests(vocab: int, max_new: int,
                      seed: int = 0) -> list[tuple[tuple[int, ...], int, int]]:
     """Built-in workload: prompts of different lengths arriving over time, with
-    different output lengths, so batches change every few steps."""
+    different output lengths (at most ``max_new`` tokens each), so batches change
+    every few steps."""
     rng = random.Random(seed)
     shape = [(5, 0, 0), (9, -4, 0), (3, 4, 1), (12, -8, 3), (7, 0, 5), (4, -2, 8)]
     return [
-        (tuple(rng.randrange(vocab) for _ in range(n)), max(1, max_new + dn), arrival)
+        (tuple(rng.randrange(vocab) for _ in range(n)), min(max_new, max(1, max_new + dn)),
+         arrival)
         for n, dn, arrival in shape
     ]
 

@@ -451,6 +451,7 @@ def _mutate(dump: dict[str, Any], where: str, value: Any) -> None:
     ("entries.0.process_group", ("tp:0",), "entries[0].process_group"),
     ("entries.0.state", None, "entries[0].state"),
     ("entries.0.duration_ms", float("nan"), "entries[0].duration_ms"),
+    ("entries.0.duration_ms", 10**400, "entries[0].duration_ms"),  # float() would overflow
     ("entries.0.op", "x" * 5000, "entries[0].op"),
     ("pg_config.tp:0.ranks", "[0, __import__('os')]", "pg_config['tp:0'].ranks"),
     ("groupcoord.monotonic_ns", 1.5, "groupcoord.monotonic_ns"),
