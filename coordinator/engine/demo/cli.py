@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -25,7 +26,6 @@ from coordinator.engine.demo.requests import (
     parse_prompt_ids,
     requests_from_args,
 )
-from shm_broadcast.cli_args import output_path
 
 __all__ = ["add_args", "run", "parse_prompt_ids", "default_requests"]
 
@@ -69,7 +69,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at end-of-sequence tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded model (default 0)")
-    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", type=output_path,
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="write generated ids and timings as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress line while running")
     p.add_argument("--timeout", type=_seconds, default=600.0,
@@ -107,6 +107,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--mlp and --model moe are different demos; pass one")
     if args.mlp and args.json_path:
         raise ValueError("--json reports the engine demo; --mlp only prints its check")
+    if args.json_path is not None:  # checked before the run, which it would otherwise lose
+        where = os.path.dirname(os.path.abspath(args.json_path))
+        if os.path.isdir(args.json_path) or not os.access(where, os.W_OK | os.X_OK):
+            raise ValueError(f"--json: cannot write {args.json_path!r}")
     for name in ("moe_comm", "moe_sp"):
         if getattr(args, name) is not None and args.model != "moe":
             raise ValueError(f"--{name.replace('_', '-')} needs --model moe")

@@ -23,12 +23,12 @@ from torch import nn
 from coordinator.engine.layers.comm import tp_all_gather, tp_all_reduce, tp_reduce_scatter
 from coordinator.engine.layers.weights import (
     TPGroup,
+    check_size,
     copy_checked,
     pad_to_multiple,
     set_weight_loader,
     tp_size_and_rank,
 )
-from shm_broadcast.checks import check_int
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead"]
 
@@ -57,8 +57,8 @@ class VocabParallelEmbedding(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        check_int(num_embeddings, "num_embeddings", minimum=1)
-        check_int(embedding_dim, "embedding_dim", minimum=1)
+        check_size(num_embeddings, "num_embeddings")
+        check_size(embedding_dim, "embedding_dim")
         if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
             raise TypeError(f"params_dtype must be a floating-point torch.dtype, got "
                             f"{params_dtype!r}")

@@ -28,13 +28,13 @@ from torch import nn
 from coordinator.engine.layers.comm import tp_all_gather, tp_all_reduce, tp_reduce_scatter
 from coordinator.engine.layers.weights import (
     TPGroup,
+    check_size,
     copy_checked,
     divide,
     narrow_for_rank,
     set_weight_loader,
     tp_size_and_rank,
 )
-from shm_broadcast.checks import check_int
 
 __all__ = [
     "ColumnParallelLinear",
@@ -113,8 +113,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
         params_dtype: torch.dtype = torch.float32,
         prefix: str = "",
     ) -> None:
-        check_int(input_size, "input_size", minimum=1)
-        check_int(output_size, "output_size", minimum=1)
+        check_size(input_size, "input_size")
+        check_size(output_size, "output_size")
         tp, _ = tp_size_and_rank(tp_group)
         out_local = divide(output_size, tp, f"{prefix or 'ColumnParallelLinear'} output_size")
         super().__init__(input_size, out_local, bias, tp_group, params_dtype, prefix)
@@ -155,7 +155,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if not output_sizes:
             raise ValueError("output_sizes must list at least one matrix size")
         for i, size in enumerate(output_sizes):
-            check_int(size, f"output_sizes[{i}]", minimum=1)
+            check_size(size, f"output_sizes[{i}]")
         tp, _ = tp_size_and_rank(tp_group)
         self.output_sizes = [int(s) for s in output_sizes]
         self.local_sizes = [
@@ -232,7 +232,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         for value, arg in ((hidden_size, "hidden_size"), (head_size, "head_size"),
                            (total_num_heads, "total_num_heads"),
                            (total_num_kv_heads, "total_num_kv_heads")):
-            check_int(value, arg, minimum=1)
+            check_size(value, arg)
         if total_num_heads % total_num_kv_heads:
             raise ValueError(f"total_num_heads ({total_num_heads}) must be a multiple of "
                              f"total_num_kv_heads ({total_num_kv_heads})")
@@ -320,8 +320,8 @@ class RowParallelLinear(_ParallelLinearBase):
         params_dtype: torch.dtype = torch.float32,
         prefix: str = "",
     ) -> None:
-        check_int(input_size, "input_size", minimum=1)
-        check_int(output_size, "output_size", minimum=1)
+        check_size(input_size, "input_size")
+        check_size(output_size, "output_size")
         tp, _ = tp_size_and_rank(tp_group)
         in_local = divide(input_size, tp, f"{prefix or 'RowParallelLinear'} input_size")
         super().__init__(in_local, output_size, bias, tp_group, params_dtype, prefix)

@@ -77,6 +77,20 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def check_size(value: object, arg: str) -> int:
+    """``value`` as a layer size: an int >= 1 (not a bool).
+
+    Raises:
+        TypeError: It is not an int.
+        ValueError: It is below 1.
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{arg} must be an int, got {type(value).__name__} ({value!r:.40})")
+    if value < 1:
+        raise ValueError(f"{arg} must be an int >= 1, got {value}")
+    return value
+
+
 def pad_to_multiple(n: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is >= ``n``."""
     if multiple <= 0:
