@@ -166,15 +166,15 @@ def create_from_process_group(
         agree(og, e, "create_from_process_group", qname)
         raise  # agree raised e already
     agree(og, None, "create_from_process_group", qname, [writer_rank, readers])
-    if og.rank == writer_rank:  # whether the writer is outside the group, for every rank
-        og.broadcast(external is not None, src=writer_rank,
-                     op="create_from_process_group (writer)")
-    elif og.broadcast(None, src=writer_rank, op="create_from_process_group (writer)") is True:
-        external = b""  # the writer rank's handle follows
-    if external is not None:
-        return _connect_to_external(queue_cls, og, writer_rank, external, wait_policy,
-                                    allow_pickle, warn_interval, timeout if blocking else None,
-                                    _external_bytes(external_writer_handle, None))
+    # Whether the writer is outside the group: the writer rank's handle decides, for
+    # every rank (the others' own handles count only as their copy of it).
+    is_writer = og.rank == writer_rank
+    outside = og.broadcast(external is not None if is_writer else None, src=writer_rank,
+                           op="create_from_process_group (writer)")
+    if outside is True:
+        return _connect_to_external(queue_cls, og, writer_rank, external if is_writer else None,
+                                    wait_policy, allow_pickle, warn_interval,
+                                    timeout if blocking else None, external)
     same_node = in_the_same_node_as(og, source_rank=writer_rank)
     local = [r for r in readers if same_node[r]]
     my_keys, reader_keys = _exchange_reader_keys(og, [r for r in readers if r not in local])
@@ -219,10 +219,10 @@ def _external_bytes(handle: Any, reader_ranks: Any) -> bytes | None:
     return data
 
 
-def _connect_to_external(queue_cls: QueueClass[Q], og: Any, writer_rank: int, external: bytes,
-                         wait_policy: WaitPolicy | None, allow_pickle: bool,
-                         warn_interval: float | None, ready_timeout: float | None,
-                         own: bytes | None) -> Q:
+def _connect_to_external(queue_cls: QueueClass[Q], og: Any, writer_rank: int,
+                         external: bytes | None, wait_policy: WaitPolicy | None,
+                         allow_pickle: bool, warn_interval: float | None,
+                         ready_timeout: float | None, own: bytes | None) -> Q:
     """Every rank connects, as the reader of its group rank, to the queue whose handle
     the writer rank holds (``external``, there); waits ``ready_timeout`` if given.
 
@@ -231,7 +231,7 @@ def _connect_to_external(queue_cls: QueueClass[Q], og: Any, writer_rank: int, ex
     handle itself (``own``) connects with its own copy, secret included; the
     others with the public part, which is all a local reader needs.
     """
-    public = _public(external) if og.rank == writer_rank else None
+    public = _public(external) if external is not None else None
     data = og.broadcast(public, src=writer_rank,
                         op="create_from_process_group (external handle)")
     try:

@@ -288,11 +288,18 @@ def bad_external_handle(rank: int, world_size: int) -> dict:
                 out[key] = ("none", "")
             except Exception as e:
                 out[key] = (type(e).__name__, str(e))
-        mq = gc.create_mq_broadcaster()  # the group is in step
+        # Only the writer rank's handle decides: another rank's own is not used.
+        from shm_broadcast.queue.message_queue import MessageQueue
+
+        spare = MessageQueue(1, 1) if rank == 1 else None
+        mq = gc.create_mq_broadcaster(  # the group is in step
+            external_writer_handle=None if spare is None else spare.export_handle())
         if rank == 0:
             mq.enqueue("ok")
         out["after"] = "ok" if rank == 0 else mq.dequeue(timeout=30)
         mq.close()
+        if spare is not None:
+            spare.close()
     finally:
         gc.destroy()
     return out
