@@ -84,6 +84,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (mq, collectives, engine)")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
     _add(bsub, _BENCHES, argv)
+    # the parser whose usage a command line that names no runnable command gets
+    parser.set_defaults(_usage=parser)
+    bench.set_defaults(_usage=bench)
     return parser
 
 
@@ -94,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     target = getattr(args, "_run", None)
     if target is None:
-        parser.print_help()
+        usage: argparse.ArgumentParser = getattr(args, "_usage", parser)
+        usage.print_usage(sys.stderr)
+        what = "BENCH" if usage is not parser else "COMMAND"
+        print(f"{usage.prog}: error: name a {what} (see {usage.prog} --help)", file=sys.stderr)
         return 2
     module, fn = target
     from shm_broadcast.errors import GroupCoordError

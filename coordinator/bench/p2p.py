@@ -174,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     report: list[dict[str, Any]] = []
     print(f"groupcoord bench p2p: 2 ranks, {args.dtype}, {args.rounds} x {args.iters} round "
           f"trips per transport and size (rank 0's clock), blocks interleaved", flush=True)
+    args.sizes = list(dict.fromkeys(args.sizes))  # a size named twice is one point
     for threads in args.threads:
         if threads == "default":  # this process's, as the ranks' harness caps theirs
             threads = torch.get_num_threads()

@@ -90,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         from device_comms.bench.collectives import run_bench
 
         return run_bench(args)
+    from device_comms.bench.collectives import fill_defaults
+
+    fill_defaults(args, dtypes=["float32"], world_sizes=[2, 4])
     problem = _check_args(args)
     if problem:
         print(problem, file=sys.stderr)
@@ -107,17 +110,21 @@ def _check_args(args: argparse.Namespace) -> str | None:
     bad = [op for op in args.ops if op not in _TORCH_OPS]
     if bad:
         return f"--via torch: --ops must be among {list(_TORCH_OPS)}, got {bad}"
+    if not _config(args)["sizes"]:
+        return (f"no size is left between --min-bytes ({args.min_bytes}) and --max-bytes "
+                f"({args.max_bytes})")
     return None
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
+    from device_comms.bench.collectives import DECODE_SIZES
+
     sizes = args.sizes or [
-        s for s in _DEFAULT_SIZES
+        s for s in (DECODE_SIZES if args.decode else _DEFAULT_SIZES)
         if (args.min_bytes is None or s >= args.min_bytes)
         and (args.max_bytes is None or s <= args.max_bytes)
     ]
-    dtypes = ["float32"] if args.dtypes == ["float32", "bfloat16"] else list(args.dtypes)
-    return {"ops": list(args.ops), "dtypes": dtypes, "sizes": sizes,
+    return {"ops": list(args.ops), "dtypes": list(args.dtypes), "sizes": sizes,
             "threads": [str(t) for t in args.threads] if args.threads else ["1", "default"],
             "rounds": args.rounds, "block": args.block, "backend": args.backend,
             "workspace_bytes": args.workspace_bytes}

@@ -124,14 +124,15 @@ def threads_for(setting: int | str | None, world_size: int) -> int | None:
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """Add this benchmark's options to ``parser``."""
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4],
-                        help="world sizes to run (default: 2 4)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=None,
+                        help="world sizes to run (default: 2 4; --device cuda: 2 4 8)")
     parser.add_argument("--ops", nargs="+", choices=_OPS, default=list(_DEFAULT_OPS),
                         help="collectives to time (default: all_reduce all_gather "
                              "reduce_scatter); dispatch_combine: one MoE layer's traffic, the "
                              "all-gather path vs the token all-to-all path vs raw gloo")
-    parser.add_argument("--dtypes", nargs="+", choices=_DTYPES, default=["float32", "bfloat16"],
-                        help="dtypes (default: float32 bfloat16)")
+    parser.add_argument("--dtypes", nargs="+", choices=_DTYPES, default=None,
+                        help="dtypes (default: float32 bfloat16; --device cuda: bfloat16; "
+                             "--via torch: float32)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--sizes", type=_parse_size, nargs="+", default=None,
                        help="buffer sizes (e.g. 1K 64K 1M); default 1K..64M in powers of 4")
@@ -181,16 +182,23 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "(its I/O threads then share the rank's CPU), so off by default")
 
 
+def fill_defaults(args: argparse.Namespace, dtypes: list[str], world_sizes: list[int]) -> None:
+    """Give ``--dtypes`` and ``--world-sizes`` the defaults of the chosen path where the
+    command line left them out (an explicit list is kept as given)."""
+    if args.dtypes is None:
+        args.dtypes = list(dtypes)
+    if args.world_sizes is None:
+        args.world_sizes = list(world_sizes)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; returns the exit status."""
     if args.device == "cuda":
         from device_comms.bench.cuda import run_cuda_bench
 
-        if args.dtypes == ["float32", "bfloat16"]:  # the CPU default: keep one for the GPU
-            args.dtypes = ["bfloat16"]
-        if args.world_sizes == [2, 4]:
-            args.world_sizes = [2, 4, 8]
+        fill_defaults(args, dtypes=["bfloat16"], world_sizes=[2, 4, 8])
         return run_cuda_bench(args)
+    fill_defaults(args, dtypes=["float32", "bfloat16"], world_sizes=[2, 4])
     problem = _check_cpu_args(args)
     if problem:
         print(problem, file=sys.stderr)

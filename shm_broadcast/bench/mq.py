@@ -260,9 +260,10 @@ def _measure(drivers: list[Any], obj: Any, size: int, cfg: BenchConfig) -> list[
         iters.append(int(min(cfg.max_iters, max(cfg.min_iters, cfg.seconds / per))))
         d.rt(obj, min(50, max(3, iters[-1] // 10)))
     lat: list[list[float]] = [[] for _ in drivers]
-    for _ in range(rounds):
+    for r in range(rounds):
         for k, d in enumerate(drivers):
-            lat[k].extend(d.rt(obj, -(-iters[k] // rounds)))  # ceil: >= min_iters in all
+            # the rounds share iters[k] exactly: --max-iters caps the samples taken
+            lat[k].extend(d.rt(obj, iters[k] // rounds + (r < iters[k] % rounds)))
     out = []
     for k, d in enumerate(drivers):
         n_stream = iters[k]

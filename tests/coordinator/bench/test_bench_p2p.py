@@ -17,7 +17,7 @@ import pytest
 def test_bench_p2p_reports_every_transport_per_call_and_size(tmp_path: Path) -> None:
     out = tmp_path / "p2p.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "coordinator", "bench", "p2p", "--sizes", "4K", "3M",
+        [sys.executable, "-m", "coordinator", "bench", "p2p", "--sizes", "4K", "3M", "4K",
          "--threads", "2", "--iters", "3", "--rounds", "2", "--dtype", "float32",
          "--calls", "tensor", "dict", "--json", str(out)],
         capture_output=True, text=True, timeout=200)

@@ -67,3 +67,37 @@ def test_bench_collectives_default_path_is_device_comms(
 def test_bench_via_is_rejected_unless_direct_or_torch(run_cli: Any) -> None:
     code, _, err = run_cli(["bench", "collectives", "--via", "nccl"])
     assert code == 2 and "--via" in err
+
+
+@pytest.mark.parametrize("args,dtypes,sizes", [
+    ([], ["float32"], [1 << s for s in range(10, 25, 2)]),
+    (["--dtypes", "float32", "bfloat16"], ["float32", "bfloat16"], None),
+    (["--dtypes", "bfloat16", "--decode"], ["bfloat16"], "decode"),
+    (["--decode", "--max-bytes", "64K"], ["float32"], "decode<=64K"),
+], ids=["defaults", "explicit-two-dtypes", "decode-bfloat16", "decode-capped"])
+def test_bench_via_torch_runs_the_dtypes_and_sizes_asked_for(
+        run_cli: Any, monkeypatch: pytest.MonkeyPatch, args: list[str], dtypes: list[str],
+        sizes: Any) -> None:
+    import coordinator.testing as testing
+    from device_comms.bench.collectives import DECODE_SIZES
+
+    seen: list[dict[str, Any]] = []
+
+    def capture(fn: Any, world_size: int, cfg: dict[str, Any], **kw: Any) -> list[Any]:
+        seen.append(cfg)
+        return [[] for _ in range(world_size)]
+
+    monkeypatch.setattr(testing, "run_distributed", capture)
+    code, _, err = run_cli(["bench", "collectives", "--via", "torch", "--world-sizes", "2",
+                            *args])
+    assert code == 0, err
+    assert len(seen) == 1 and seen[0]["dtypes"] == dtypes
+    want = {"decode": DECODE_SIZES, "decode<=64K": [s for s in DECODE_SIZES if s <= 64 << 10]}
+    if sizes is not None:
+        assert seen[0]["sizes"] == (want[sizes] if isinstance(sizes, str) else sizes)
+
+
+def test_bench_via_torch_refuses_an_empty_size_range(run_cli: Any) -> None:
+    code, _, err = run_cli(["bench", "collectives", "--via", "torch", "--min-bytes", "1M",
+                            "--max-bytes", "4K"])
+    assert code == 2 and "--min-bytes" in err

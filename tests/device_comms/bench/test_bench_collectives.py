@@ -125,7 +125,26 @@ def test_cuda_bench_plans_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> N
 def test_decode_preset_picks_decode_step_sizes(argv: list[str], sizes: list[int]) -> None:
     parser = argparse.ArgumentParser()
     bench.add_bench_args(parser)
-    assert bench._rank_config(parser.parse_args(argv))["sizes"] == sizes
+    args = parser.parse_args(argv)
+    bench.fill_defaults(args, dtypes=["float32"], world_sizes=[2])
+    assert bench._rank_config(args)["sizes"] == sizes
+
+
+@pytest.mark.parametrize("argv,dtypes,world_sizes", [
+    ([], ["float32", "bfloat16"], [2, 4]),
+    (["--dtypes", "bfloat16"], ["bfloat16"], [2, 4]),
+    (["--device", "cuda", "--dtypes", "float32", "bfloat16", "--world-sizes", "2", "4"],
+     ["float32", "bfloat16"], [2, 4]),
+], ids=["cpu-defaults", "cpu-explicit", "cuda-explicit-equal-to-cpu-defaults"])
+def test_explicit_dtypes_and_world_sizes_are_kept(argv: list[str], dtypes: list[str],
+                                                  world_sizes: list[int]) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_bench_args(parser)
+    args = parser.parse_args(argv)
+    cpu = args.device == "cpu"
+    bench.fill_defaults(args, dtypes=["float32", "bfloat16"] if cpu else ["bfloat16"],
+                        world_sizes=[2, 4] if cpu else [2, 4, 8])
+    assert (args.dtypes, args.world_sizes) == (dtypes, world_sizes)
 
 
 def test_decode_and_sizes_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
