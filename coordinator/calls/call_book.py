@@ -26,16 +26,19 @@ The busiest calls (``all_reduce`` and friends) number and record themselves
 inline with the statements :meth:`CallBook.run` runs, so that they pay no
 function layer for it::
 
-    book.collectives = n = book.collectives + 1     # a point-to-point call: p2p_calls
-    seq = n + book.p2p_calls                        # ... + book.collectives
-    trace, mark = self._trace, self._marks          # the group's GroupTrace; marks
-    if trace is None and mark is None:              # a failure: book.explain(op, seq, e,
-        started = monotonic()                       #   started=started)
-        ...
-    entry = None if trace is None else trace.begin_tensor(op, n, book.p2p_calls, input_)
-    marks = None if mark is None else mark()
-    ...                                             # a failure: book.failed(op, seq, e,
-    book.finished(entry, marks)                     #   entry, marks)
+    n = book.begin(op)                        # the group's token, then the number
+    try:                                      # (a point-to-point call: p2p_calls += 1,
+        seq = n + book.p2p_calls              #  no token; seq = n + book.collectives)
+        trace, mark = self._trace, self._marks  # the group's GroupTrace; marks
+        if trace is None and mark is None:    # a failure: book.explain(op, seq, e,
+            started = monotonic()             #   started=started)
+            ...
+        entry = None if trace is None else trace.begin_tensor(op, n, book.p2p_calls, input_)
+        marks = None if mark is None else mark()
+        ...                                   # a failure: book.failed(op, seq, e,
+        book.finished(entry, marks)           #   entry, marks)
+    finally:
+        book.end()                            # the token back
 
 A group whose device calls are marked while the recorder is off gives those
 calls a :class:`~coordinator.trace.recorder.StartOnly` as ``trace``: its
@@ -63,6 +66,7 @@ from coordinator.trace.recorder import (
     GroupTrace,
     shapes_of,
 )
+from device_comms.cpu.one_call import OneCall
 
 __all__ = ["CallBook", "destroyed_msg"]
 
@@ -100,6 +104,8 @@ class CallBook:
         self.name = name
         self.collectives = 0
         self.p2p_calls = 0
+        #: Held by the thread in one of the group's collectives (see :meth:`begin`).
+        self.one_call = OneCall(f"group {name!r} (rank {rank}/{world_size})")
         self.errors = CallErrors(name, rank, world_size, timeout)
         self.trace = trace
         self.marks: Callable[[], Any] | None = None
@@ -127,6 +133,31 @@ class CallBook:
         if self.errors.destroyed:
             raise NotInitializedError(destroyed_msg(self.name, op))
 
+    def begin(self, op: str) -> int:
+        """Begin collective ``op`` on this thread: take the group's token, then number
+        the call; :meth:`end` after it, whatever it raised.
+
+        The token comes first so that a call refused takes no number: the
+        numbers are what the ranks compare to pair their calls, and the
+        communicator reads them while the call runs, so a number taken by a
+        refused call (or by another thread's call meanwhile) would leave this
+        rank one call ahead of its peers for good.
+
+        Returns:
+            The call's collective number.
+
+        Raises:
+            ConcurrentCallError: Another thread of this rank is in a collective
+                of the group; nothing was numbered or sent.
+        """
+        self.one_call.enter(op)
+        self.collectives = n = self.collectives + 1
+        return n
+
+    def end(self) -> None:
+        """End the collective :meth:`begin` began on this thread."""
+        self.one_call.leave()
+
     def run(self, op: str, fn: Callable[..., _R], *args: Any, partner: int | None = None,
             p2p: bool = False, data: Any = None, transport: str | None = None,
             dim: int | None = None) -> _R:
@@ -137,10 +168,19 @@ class CallBook:
         failed wait explained (``partner``: the peer of a point-to-point call)."""
         if p2p:
             self.p2p_calls = n = self.p2p_calls + 1
-            seq = n + self.collectives
-        else:
-            self.collectives = n = self.collectives + 1
-            seq = n + self.p2p_calls
+            return self._run(op, fn, args, n + self.collectives, partner, p2p, data,
+                             transport, dim)
+        n = self.begin(op)
+        try:
+            return self._run(op, fn, args, n + self.p2p_calls, partner, p2p, data,
+                             transport, dim)
+        finally:
+            self.end()
+
+    def _run(self, op: str, fn: Callable[..., _R], args: tuple[Any, ...], seq: int,
+             partner: int | None, p2p: bool, data: Any, transport: str | None,
+             dim: int | None) -> _R:
+        """:meth:`run`'s call, numbered ``seq``."""
         entry = self.record(op, data, -1 if partner is None else partner, transport)
         if entry is not None and type(dim) is int:  # a bad dim: the call itself raises
             entry[DIM] = dim

@@ -324,27 +324,30 @@ class GroupCoordinator:
         """
         if _tracing() and (self.world_size == 1 or op is ReduceOp.SUM):
             return self._traced_all_reduce(input_, op, out)
-        book = self._book  # number the call
-        book.collectives = n = book.collectives + 1
-        seq = n + book.p2p_calls
-        trace, mark = self._trace, self._marks
-        if trace is None and mark is None:  # nothing records this call
-            started = monotonic()
-            try:
-                return self.comm.all_reduce(input_, op, out=out)
-            except WAIT_ERRORS as e:
-                book.explain("all_reduce", seq, e, started=started)  # name what went wrong
-                raise
-        entry = None if trace is None else trace.begin_tensor("all_reduce", n, book.p2p_calls,
-                                                              input_)  # record it
-        marks = None if mark is None else mark()  # follow the device's work
+        book = self._book
+        n = book.begin("all_reduce")  # the group's token, then the number
         try:
-            result = self.comm.all_reduce(input_, op, out=out)
-        except BaseException as e:
-            book.failed("all_reduce", seq, e, entry, marks)  # name what went wrong, record it
-            raise
-        book.finished(entry, marks)
-        return result
+            seq = n + book.p2p_calls
+            trace, mark = self._trace, self._marks
+            if trace is None and mark is None:  # nothing records this call
+                started = monotonic()
+                try:
+                    return self.comm.all_reduce(input_, op, out=out)
+                except WAIT_ERRORS as e:
+                    book.explain("all_reduce", seq, e, started=started)  # name what went wrong
+                    raise
+            entry = None if trace is None else trace.begin_tensor("all_reduce", n, book.p2p_calls,
+                                                                  input_)  # record it
+            marks = None if mark is None else mark()  # follow the device's work
+            try:
+                result = self.comm.all_reduce(input_, op, out=out)
+            except BaseException as e:
+                book.failed("all_reduce", seq, e, entry, marks)  # name what went wrong, record it
+                raise
+            book.finished(entry, marks)
+            return result
+        finally:
+            book.end()
 
     def _traced_all_reduce(self, input_: torch.Tensor, op: ReduceOp,
                            out: torch.Tensor | None) -> torch.Tensor:
@@ -363,29 +366,32 @@ class GroupCoordinator:
         if _tracing():
             return _traced_alone(input_, dim) if self.world_size == 1 else \
                 custom_ops.traced_all_gather(self, input_, dim)
-        book = self._book  # number the call
-        book.collectives = n = book.collectives + 1
-        seq = n + book.p2p_calls
-        trace, mark = self._trace, self._marks
-        if trace is None and mark is None:  # nothing records this call
-            started = monotonic()
-            try:
-                return self.comm.all_gather(input_, dim)
-            except WAIT_ERRORS as e:
-                book.explain("all_gather", seq, e, started=started)  # name what went wrong
-                raise
-        entry = None if trace is None else trace.begin_tensor("all_gather", n, book.p2p_calls,
-                                                              input_)  # record it
-        marks = None if mark is None else mark()  # follow the device's work
+        book = self._book
+        n = book.begin("all_gather")  # the group's token, then the number
         try:
-            result = self.comm.all_gather(input_, dim)
-        except BaseException as e:
-            book.failed("all_gather", seq, e, entry, marks)  # name what went wrong, record it
-            raise
-        if entry is not None:
-            entry[OUT_SIZES] = result.shape
-        book.finished(entry, marks)
-        return result
+            seq = n + book.p2p_calls
+            trace, mark = self._trace, self._marks
+            if trace is None and mark is None:  # nothing records this call
+                started = monotonic()
+                try:
+                    return self.comm.all_gather(input_, dim)
+                except WAIT_ERRORS as e:
+                    book.explain("all_gather", seq, e, started=started)  # name what went wrong
+                    raise
+            entry = None if trace is None else trace.begin_tensor("all_gather", n, book.p2p_calls,
+                                                                  input_)  # record it
+            marks = None if mark is None else mark()  # follow the device's work
+            try:
+                result = self.comm.all_gather(input_, dim)
+            except BaseException as e:
+                book.failed("all_gather", seq, e, entry, marks)  # name what went wrong, record it
+                raise
+            if entry is not None:
+                entry[OUT_SIZES] = result.shape
+            book.finished(entry, marks)
+            return result
+        finally:
+            book.end()
 
     def all_gatherv(
         self,
@@ -407,29 +413,32 @@ class GroupCoordinator:
         if _tracing() and (self.world_size == 1 or op is ReduceOp.SUM):
             return _traced_alone(input_, dim) if self.world_size == 1 else \
                 custom_ops.traced_reduce_scatter(self, input_, dim)
-        book = self._book  # number the call
-        book.collectives = n = book.collectives + 1
-        seq = n + book.p2p_calls
-        trace, mark = self._trace, self._marks
-        if trace is None and mark is None:  # nothing records this call
-            started = monotonic()
-            try:
-                return self.comm.reduce_scatter(input_, dim, op)
-            except WAIT_ERRORS as e:
-                book.explain("reduce_scatter", seq, e, started=started)  # name what went wrong
-                raise
-        entry = None if trace is None else trace.begin_tensor("reduce_scatter", n, book.p2p_calls,
-                                                              input_)  # record it
-        marks = None if mark is None else mark()  # follow the device's work
+        book = self._book
+        n = book.begin("reduce_scatter")  # the group's token, then the number
         try:
-            result = self.comm.reduce_scatter(input_, dim, op)
-        except BaseException as e:
-            book.failed("reduce_scatter", seq, e, entry, marks)  # name what went wrong, record it
-            raise
-        if entry is not None:
-            entry[OUT_SIZES] = result.shape
-        book.finished(entry, marks)
-        return result
+            seq = n + book.p2p_calls
+            trace, mark = self._trace, self._marks
+            if trace is None and mark is None:  # nothing records this call
+                started = monotonic()
+                try:
+                    return self.comm.reduce_scatter(input_, dim, op)
+                except WAIT_ERRORS as e:
+                    book.explain("reduce_scatter", seq, e, started=started)  # name what went wrong
+                    raise
+            entry = None if trace is None else trace.begin_tensor(
+                "reduce_scatter", n, book.p2p_calls, input_)  # record it
+            marks = None if mark is None else mark()  # follow the device's work
+            try:
+                result = self.comm.reduce_scatter(input_, dim, op)
+            except BaseException as e:
+                book.failed("reduce_scatter", seq, e, entry, marks)  # name it, record it
+                raise
+            if entry is not None:
+                entry[OUT_SIZES] = result.shape
+            book.finished(entry, marks)
+            return result
+        finally:
+            book.end()
 
     def reduce_scatterv(
         self,
@@ -675,41 +684,47 @@ class GroupCoordinator:
                 (anything else: none kept).
         """
         book = self._book
-        book.collectives = n = book.collectives + 1
-        seq = n + book.p2p_calls
-        entry = book.record(op, data)
-        started = monotonic()
+        n = book.begin(op)  # the group's token, then the number
         try:
-            self.comm.reject(op, error)
-        except BaseException as e:
-            book.failed(op, seq, e, entry, started=started)
-            raise
-        book.completed(entry)
-        book.note_failure(op, seq, error, entry)
+            seq = n + book.p2p_calls
+            entry = book.record(op, data)
+            started = monotonic()
+            try:
+                self.comm.reject(op, error)
+            except BaseException as e:
+                book.failed(op, seq, e, entry, started=started)
+                raise
+            book.completed(entry)
+            book.note_failure(op, seq, error, entry)
+        finally:
+            book.end()
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
-        book = self._book  # number the call
-        book.collectives = n = book.collectives + 1
-        seq = n + book.p2p_calls
-        trace, mark = self._trace, self._marks
-        if trace is None and mark is None:  # nothing records this call
-            started = monotonic()
-            try:
-                return self.comm.broadcast(input_, src)
-            except WAIT_ERRORS as e:
-                book.explain("broadcast", seq, e, started=started)  # name what went wrong
-                raise
-        entry = None if trace is None else trace.begin_tensor("broadcast", n, book.p2p_calls,
-                                                              input_)  # record it
-        marks = None if mark is None else mark()  # follow the device's work
+        book = self._book
+        n = book.begin("broadcast")  # the group's token, then the number
         try:
-            result = self.comm.broadcast(input_, src)
-        except BaseException as e:
-            book.failed("broadcast", seq, e, entry, marks)  # name what went wrong, record it
-            raise
-        book.finished(entry, marks)
-        return result
+            seq = n + book.p2p_calls
+            trace, mark = self._trace, self._marks
+            if trace is None and mark is None:  # nothing records this call
+                started = monotonic()
+                try:
+                    return self.comm.broadcast(input_, src)
+                except WAIT_ERRORS as e:
+                    book.explain("broadcast", seq, e, started=started)  # name what went wrong
+                    raise
+            entry = None if trace is None else trace.begin_tensor("broadcast", n, book.p2p_calls,
+                                                                  input_)  # record it
+            marks = None if mark is None else mark()  # follow the device's work
+            try:
+                result = self.comm.broadcast(input_, src)
+            except BaseException as e:
+                book.failed("broadcast", seq, e, entry, marks)  # name what went wrong, record it
+                raise
+            book.finished(entry, marks)
+            return result
+        finally:
+            book.end()
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to group rank ``dst`` (default: the next rank)."""
@@ -748,23 +763,26 @@ class GroupCoordinator:
         except (TypeError, ValueError) as e:  # still take part: the peers are not stranded
             wait_s, bad = self.timeout, e
         book = self._book
-        book.collectives = n = book.collectives + 1
-        seq = n + book.p2p_calls
-        book.check_live("barrier")
-        entry = book.record("barrier")
-        if self.world_size > 1:
-            started = monotonic()
-            try:
-                monitored_barrier(self.cpu_group, self.unique_name, wait_s,
-                                  book.errors.await_exit)
-            except BaseException as e:
-                book.failed("barrier", seq, e, entry, started=started,
-                            group_timeout=wait_s == self.timeout)
-                raise
-        book.completed(entry)
-        if bad is not None:
-            book.note_failure("barrier", seq, bad, entry)
-            raise bad
+        n = book.begin("barrier")  # the group's token, then the number
+        try:
+            seq = n + book.p2p_calls
+            book.check_live("barrier")
+            entry = book.record("barrier")
+            if self.world_size > 1:
+                started = monotonic()
+                try:
+                    monitored_barrier(self.cpu_group, self.unique_name, wait_s,
+                                      book.errors.await_exit)
+                except BaseException as e:
+                    book.failed("barrier", seq, e, entry, started=started,
+                                group_timeout=wait_s == self.timeout)
+                    raise
+            book.completed(entry)
+            if bad is not None:
+                book.note_failure("barrier", seq, bad, entry)
+                raise bad
+        finally:
+            book.end()
 
     @contextlib.contextmanager
     def graph_capture(

@@ -67,19 +67,22 @@ class ObjectCalls:
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """``GroupCoordinator.broadcast_object``: ``obj`` from ``src`` to every rank."""
         book, g = self._book, self._group
-        book.collectives = n = book.collectives + 1
-        seq = n + book.p2p_calls
-        entry = book.record("broadcast_object", transport=(
-            "queue" if g.mq_broadcaster is not None and src == g.mq_writer_rank else None))
-        started = monotonic()
+        n = book.begin("broadcast_object")  # the group's token, then the number
         try:
-            got = self._broadcast_object(obj, src)
-        except BaseException as e:
-            book.failed("broadcast_object", seq, e, entry, writer=g.mq_writer_rank,
-                        started=started)
-            raise
-        book.completed(entry)
-        return got
+            seq = n + book.p2p_calls
+            entry = book.record("broadcast_object", transport=(
+                "queue" if g.mq_broadcaster is not None and src == g.mq_writer_rank else None))
+            started = monotonic()
+            try:
+                got = self._broadcast_object(obj, src)
+            except BaseException as e:
+                book.failed("broadcast_object", seq, e, entry, writer=g.mq_writer_rank,
+                            started=started)
+                raise
+            book.completed(entry)
+            return got
+        finally:
+            book.end()
 
     def _broadcast_object(self, obj: Any, src: int) -> Any:
         g = self._group

@@ -107,19 +107,22 @@ class TensorDictCalls:
                               metadata_group: dist.ProcessGroup | None) -> dict[Any, Any] | None:
         """``GroupCoordinator.broadcast_tensor_dict``: ``src``'s dict to every rank."""
         book, g = self._book, self._group
-        book.collectives = n = book.collectives + 1
-        seq = n + book.p2p_calls
-        entry = book.record("broadcast_tensor_dict",
-                            transport=_broadcast_transport(g, src, group, metadata_group))
-        started = monotonic()
+        n = book.begin("broadcast_tensor_dict")  # the group's token, then the number
         try:
-            got = self._broadcast_checked(tensor_dict, src, group, metadata_group)
-        except BaseException as e:
-            book.failed("broadcast_tensor_dict", seq, e, entry, writer=g.mq_writer_rank,
-                        started=started)
-            raise
-        book.completed(entry)
-        return got
+            seq = n + book.p2p_calls
+            entry = book.record("broadcast_tensor_dict",
+                                transport=_broadcast_transport(g, src, group, metadata_group))
+            started = monotonic()
+            try:
+                got = self._broadcast_checked(tensor_dict, src, group, metadata_group)
+            except BaseException as e:
+                book.failed("broadcast_tensor_dict", seq, e, entry, writer=g.mq_writer_rank,
+                            started=started)
+                raise
+            book.completed(entry)
+            return got
+        finally:
+            book.end()
 
     def _broadcast_checked(self, tensor_dict: Mapping[Any, Any] | None, src: int,
                            group: dist.ProcessGroup | None,
