@@ -25,6 +25,7 @@ Which address is bound:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import ipaddress
@@ -136,6 +137,54 @@ def _short_ipv4(host: str) -> str | None:
         return None
 
 
+def _sockets_to(port: int) -> set[int]:
+    """The descriptors of this process's TCP sockets connected to ``port``."""
+    import psutil
+
+    me = psutil.Process()
+    try:
+        conns = (me.net_connections if hasattr(me, "net_connections") else me.connections)(
+            kind="tcp")
+    except (psutil.Error, OSError):
+        return set()
+    return {c.fd for c in conns if c.fd >= 0 and c.raddr and c.raddr.port == port}
+
+
+#: Connect threads given up on and maybe still inside torch's constructor.
+_ABANDONED: list[threading.Thread] = []
+_ABANDONED_LOCK = threading.Lock()
+
+
+def _give_up(thread: threading.Thread, done: threading.Event, fds: set[int]) -> None:
+    """End a connect thread's wait in torch's constructor, which has no limit once the
+    server accepted the connection: shut its socket (``fds``: the sockets to the
+    port that the thread opened) so that the constructor fails. Its retries are
+    over by then (they stop at the timeout). A thread that still runs is joined,
+    for at most :data:`CONNECT_GRACE_S`, at interpreter exit: one that returned
+    from C++ while the interpreter is being finalised would abort the process
+    ("terminate called without an active exception", SIGABRT)."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(fd))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()  # the duplicate only; the thread's own descriptor stays
+    if done.wait(CONNECT_GRACE_S):
+        return
+    with _ABANDONED_LOCK:
+        if not _ABANDONED:
+            atexit.register(_join_abandoned)
+        _ABANDONED.append(thread)
+
+
+def _join_abandoned() -> None:
+    with _ABANDONED_LOCK:
+        threads = list(_ABANDONED)
+    for t in threads:
+        t.join(CONNECT_GRACE_S)
+
+
 def client_store(host: str, port: int, world_size: int | None,
                  timeout: datetime.timedelta) -> TCPStore:
     """A client of the TCPStore at ``host:port`` (it retries until ``timeout``).
@@ -143,7 +192,8 @@ def client_store(host: str, port: int, world_size: int | None,
     The client's constructor waits without limit for the server to answer a
     connection it accepted (a server process that is stopped still has its
     connections accepted by the kernel), so it runs on a daemon thread that
-    is given up on after ``timeout`` plus :data:`CONNECT_GRACE_S`.
+    is given up on after ``timeout`` plus :data:`CONNECT_GRACE_S`; its socket
+    is then shut so that the constructor returns (:func:`_give_up`).
 
     Raises:
         CommTimeout: No answer within ``timeout`` plus the grace: nothing
@@ -155,6 +205,7 @@ def client_store(host: str, port: int, world_size: int | None,
 
     box: dict[str, Any] = {}
     done = threading.Event()
+    before = _sockets_to(port)
 
     def connect() -> None:
         try:
@@ -166,9 +217,11 @@ def client_store(host: str, port: int, world_size: int | None,
         finally:
             done.set()
 
-    threading.Thread(target=connect, name=f"store-connect {host}:{port}", daemon=True).start()
+    thread = threading.Thread(target=connect, name=f"store-connect {host}:{port}", daemon=True)
+    thread.start()
     limit = timeout.total_seconds() + CONNECT_GRACE_S
     if not done.wait(limit):
+        _give_up(thread, done, _sockets_to(port) - before)
         raise CommTimeout(f"could not connect to the TCPStore at {host}:{port} and get its "
                           f"answer within {limit:.1f}s: nothing listens there (yet), or the "
                           f"process serving it is stopped (SIGSTOP, a debugger) or overloaded",

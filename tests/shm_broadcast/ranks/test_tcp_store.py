@@ -88,3 +88,37 @@ def test_a_loopback_name_of_a_host_only_store_listens_on_loopback() -> None:
         assert listening and listening <= {"127.0.0.1", "::1", "127.0.1.1"}, listening
     finally:
         del store
+
+
+_SILENT_SERVER = """
+import datetime, socket, sys, time
+from shm_broadcast.errors import CommTimeout
+from shm_broadcast.ranks.tcp_store import client_store
+server = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+t0 = time.monotonic()
+try:
+    client_store("127.0.0.1", server.getsockname()[1], 2, datetime.timedelta(seconds=1))
+except CommTimeout:
+    print(f"timed out {time.monotonic() - t0:.2f}", flush=True)
+{end}
+sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("end", ["", "server.close()"], ids=["server-open", "server-closed"])
+def test_a_silent_server_times_out_and_the_process_exits_cleanly(end: str) -> None:
+    """torch's client constructor waits without limit for an accepted connection's
+    answer; given up on, it must be over before the interpreter ends (a C++ call
+    returning into a finalised interpreter aborts the process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", _SILENT_SERVER.replace("{end}", end)],
+                          capture_output=True, text=True, timeout=50, env=env)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
+    assert "terminate called" not in proc.stderr
+    waited = float(proc.stdout.split()[-1])
+    assert 1.0 <= waited < 1.0 + 2 * 2.0 + 3.0, proc.stdout  # timeout + grace (+ load)
