@@ -493,9 +493,8 @@ class MessageQueue:
             self._busy -= 1
 
     # ------------------------------------------------------------ reader API
-    def dequeue(self, timeout: float | None = None,
-                verdict: Callable[[Any], str | None] | None = None, *,
-                indefinite: bool = False) -> Any:
+    def dequeue(self, timeout: float | None = None, indefinite: bool = False, *,
+                verdict: Callable[[Any], str | None] | None = None) -> Any:
         """Receive the next message (readers only).
 
         Args:
@@ -510,8 +509,9 @@ class MessageQueue:
                 error propagates. The message is returned either way. Readers
                 on the writer's host only.
             indefinite: Wait with no time limit, whatever ``timeout`` and
-                :attr:`default_timeout` say (vLLM's keyword: a worker's busy
-                loop between requests); the writer's death still ends the wait.
+                :attr:`default_timeout` say (vLLM's argument, second as in its
+                ``dequeue(timeout, indefinite)``: a worker's busy loop between
+                requests); the writer's death still ends the wait.
 
         Raises:
             QueueTimeout: Nothing arrived within ``timeout``.

@@ -14,6 +14,7 @@ def test_vllm_worker_patterns(dist_pool) -> None:
     outs = dist_pool(2).run(vllm_patterns, timeout=90)
     assert outs[1]["recv_int_size"] == [64, 1.0], outs
     assert outs[1]["dequeued"] == {"step": 7} and outs[0]["wrote"], outs
+    assert outs[1]["dequeued_positional"] == {"step": 8}, outs
 
 
 def vllm_patterns(rank: int, world_size: int) -> dict[str, Any]:
@@ -36,8 +37,10 @@ def vllm_patterns(rank: int, world_size: int) -> dict[str, Any]:
         mq.wait_until_ready(30)
         if rank == 0:
             mq.enqueue({"step": 7})
+            mq.enqueue({"step": 8})
             out["wrote"] = True
         else:
             out["dequeued"] = mq.dequeue(indefinite=True)
+            out["dequeued_positional"] = mq.dequeue(None, True)  # vLLM's (timeout, indefinite)
         g.barrier()
     return out
