@@ -81,7 +81,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add(sub, _COMMANDS, argv)
-    bench = sub.add_parser("bench", help="benchmarks (mq, collectives, engine)")
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(_BENCHES))
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
     _add(bsub, _BENCHES, argv)
     # the parser whose usage a command line that names no runnable command gets

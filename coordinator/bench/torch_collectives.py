@@ -160,14 +160,14 @@ def _run_torch(args: argparse.Namespace) -> int:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The records as a text table, one line per point and thread setting."""
-    head = (f"{'ws':>3} {'op':<15}{'dtype':<9}{'bytes':>10}{'threads':>7}"
+    head = (f"{'ws':>3} {'op':<15}{'dtype':<9}{'bytes':>10}{'threads':>8}"
             f"{'ours med':>10}{'ours p99':>10}{'gloo med':>10}{'gloo p99':>10}"
             f"{'direct':>9}{'gloo/ours':>10}{'pg ovh us':>10}{'ok':>4}")
     lines = [head]
     for r in rows:
         threads = str(r["threads"]) if r["threads_setting"] != "default" else f"d={r['threads']}"
         lines.append(
-            f"{r['world_size']:>3} {r['op']:<15}{r['dtype']:<9}{r['bytes']:>10}{threads:>7}"
+            f"{r['world_size']:>3} {r['op']:<15}{r['dtype']:<9}{r['bytes']:>10}{threads:>8}"
             f"{r['ours_median_us']:>10.1f}{r['ours_p99_us']:>10.1f}"
             f"{r['gloo_median_us']:>10.1f}{r['gloo_p99_us']:>10.1f}"
             f"{r['direct_median_us']:>9.1f}{r['gloo_over_ours']:>10.1f}"
