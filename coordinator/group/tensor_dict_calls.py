@@ -491,12 +491,15 @@ def slicing_plan(tensor_dict: Mapping[Any, Any], n: int,
                  overrides: Mapping[Any, bool] | None) -> dict[Any, bool]:
     """Which tensors of ``tensor_dict`` travel as ``1/n`` slices for an all-gather
     group of ``n`` ranks: those whose size divides by ``n``, unless ``overrides``
-    (``all_gather_tensors``) says otherwise per key.
+    (``all_gather_tensors``) says otherwise per key. With ``n`` 1 (no group, or a
+    group of one rank: TP=1 under vLLM's pipeline code) every tensor travels
+    whole, whatever ``overrides`` says, as in vLLM, where its one slice is the
+    whole tensor.
 
     Raises:
         TypeError: ``overrides`` is not a mapping.
-        ValueError: ``overrides`` forces a slice where there is no group of more
-            than one rank, or of a tensor whose size does not divide by ``n``.
+        ValueError: ``overrides`` forces a slice of a tensor whose size does not
+            divide by ``n``.
     """
     if overrides is not None and not isinstance(overrides, Mapping):
         raise TypeError(
@@ -506,13 +509,11 @@ def slicing_plan(tensor_dict: Mapping[Any, Any], n: int,
     for key, t in tensor_dict.items():
         if not isinstance(t, torch.Tensor):
             continue
-        divisible = n > 1 and t.numel() > 0 and t.numel() % n == 0
+        if n == 1:
+            plan[key] = False
+            continue
+        divisible = t.numel() > 0 and t.numel() % n == 0
         want = overrides.get(key, divisible) if overrides else divisible
-        if want and n == 1:
-            raise ValueError(
-                f"all_gather_tensors[{key!r}] is True but no all_gather_group of more than "
-                f"one rank was given; pass all_gather_group to slice tensors"
-            )
         if want and not divisible:
             raise ValueError(
                 f"all_gather_tensors[{key!r}] is True but tensor {key!r} has {t.numel()} "

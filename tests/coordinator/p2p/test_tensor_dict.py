@@ -103,8 +103,8 @@ def test_slicing_plan_overrides():
     assert slicing_plan(d, 2, {"even": False}) == {"even": False, "odd": False}
     with pytest.raises(ValueError, match=r"all_gather_tensors\['odd'\].*3 elements"):
         slicing_plan(d, 2, {"odd": True})
-    with pytest.raises(ValueError, match="no all_gather_group"):
-        slicing_plan(d, 1, {"even": True})
+    # one rank (no group, or TP=1): everything whole, as vLLM sends it
+    assert slicing_plan(d, 1, {"even": True, "odd": True}) == {"even": False, "odd": False}
     with pytest.raises(TypeError, match="all_gather_tensors"):
         slicing_plan(d, 2, ["even"])
     with pytest.raises(ValueError, match="unknown dtype"):
@@ -262,16 +262,15 @@ def run_send_recv_tensor_dict(rank: int, world_size: int) -> list[str]:
         got = pp.recv_tensor_dict(all_gather_group=tp)
         expect_same_dict("p2p/all-gather/back", got, expected(peer, [2, 3], True))
     done.append("all-gather-back")
-    # 4) forcing a non-divisible tensor, slicing without a group, a bad group object
-    # and a non-dict are refused on the sender, and the receiver is told
+    # 4) forcing a non-divisible tensor, a bad group object and a non-dict are
+    # refused on the sender, and the receiver is told
     # (PeerRejectedError quoting the sender's error); a bad dst raises before the call.
     if stage == 0:
         expect_raises("p2p/force-odd", ValueError,
                       lambda: pp.send_tensor_dict({"odd": torch.ones(7)}, 1, tp, {"odd": True}),
                       "odd", "7")
-        expect_raises("p2p/force-no-group", ValueError,
-                      lambda: pp.send_tensor_dict({"x": torch.ones(8)}, 1, None, {"x": True}),
-                      "no all_gather_group")
+        # without a group a forced slice is the whole tensor, as in vLLM
+        pp.send_tensor_dict({"x": torch.ones(8)}, 1, None, {"x": True})
         expect_raises("p2p/bad-group", TypeError,
                       lambda: pp.send_tensor_dict({"x": torch.ones(8)}, 1, tp.cpu_group),
                       "all_gather_group")
@@ -283,9 +282,13 @@ def run_send_recv_tensor_dict(rank: int, world_size: int) -> list[str]:
                       lambda: pp.send_tensor_dict({"x": 1}, 2), "dst")
     else:
         for case, words in (("force-odd", ("rejected", "odd", "7")),
-                            ("force-no-group", ("rejected", "no all_gather_group")),
+                            ("force-no-group", ()),
                             ("bad-group", ("rejected", "all_gather_group must be")),
                             ("not-a-dict", ("rejected", "tensor_dict"))):
+            if not words:
+                got = pp.recv_tensor_dict(None, None, {"x": True})
+                expect_equal(f"p2p/{case}/whole", got["x"], torch.ones(8))
+                continue
             expect_raises(f"p2p/{case}/told", ValueError, lambda: pp.recv_tensor_dict(), *words)
         expect_raises("p2p/src-range", ValueError, lambda: pp.recv_tensor_dict(src=5), "src")
     done.append("errors")
