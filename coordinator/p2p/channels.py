@@ -252,6 +252,11 @@ class Channel:
         """The call running on the worker now, if any."""
         return self._running
 
+    def busy(self) -> bool:
+        """Whether a call of this direction runs now: on the worker, or a blocking
+        call on its caller's thread (:meth:`turn`)."""
+        return self._running is not None or self._inline
+
     def join(self, deadline: float) -> bool:
         """Wait until the worker thread ended (until ``deadline``); whether it did."""
         t = self._thread
@@ -302,15 +307,15 @@ class Channels:
                 f"group {self.name!r} was destroyed before {w.describe()} started",
                 queue=self.name, peers=(w.peer,)))
         deadline = time.monotonic() + grace
-        while any(ch.running() for ch in channels) and time.monotonic() < deadline:
+        while any(ch.busy() for ch in channels) and time.monotonic() < deadline:
             time.sleep(0.01)
         stuck = [w for w in (ch.running() for ch in channels) if w is not None]
-        if stuck:
-            for w in stuck:
-                w.cancel = ClosedError(
-                    f"group {self.name!r} was destroyed while {w.describe()} was still waiting "
-                    f"for its peer ({grace:g}s after destroy() began)",
-                    queue=self.name, peers=(w.peer,))
+        for w in stuck:
+            w.cancel = ClosedError(
+                f"group {self.name!r} was destroyed while {w.describe()} was still waiting "
+                f"for its peer ({grace:g}s after destroy() began)",
+                queue=self.name, peers=(w.peer,))
+        if any(ch.busy() for ch in channels):  # blocking calls too: gloo waits end at once
             self._break_group()
         end = time.monotonic() + _JOIN_S
         alive = [ch.label for ch in channels if not ch.join(end)]

@@ -138,11 +138,8 @@ class PointToPoint:
         entry = book.record("send", tensor, -1 if partner is None else partner)
         started = monotonic()
         try:
-            if self._channels is None:  # no asynchronous call ever: nothing to wait for
-                link_tensors.send(self._group, self.links, tensor, dst)
-            else:
-                self.ordered(SEND, dst, "send", link_tensors.send, self._group, self.links,
-                             tensor, dst)
+            self.ordered(SEND, dst, "send", link_tensors.send, self._group, self.links,
+                         tensor, dst)
         except BaseException as e:
             book.failed("send", seq, e, entry, partner=partner, started=started)
             raise
@@ -159,11 +156,8 @@ class PointToPoint:
                             shapes=_spec_shapes(size, dtype))
         started = monotonic()
         try:
-            if self._channels is None:  # no asynchronous call ever: nothing to wait for
-                got = link_tensors.recv(self._group, self.links, size, dtype, src)
-            else:
-                got = self.ordered(RECV, src, "recv", link_tensors.recv, self._group,
-                                   self.links, size, dtype, src)
+            got = self.ordered(RECV, src, "recv", link_tensors.recv, self._group,
+                               self.links, size, dtype, src)
         except BaseException as e:
             book.failed("recv", seq, e, entry, partner=partner, started=started)
             raise
@@ -182,18 +176,22 @@ class PointToPoint:
 
     def ordered(self, direction: str, peer: Any, op: str, fn: Callable[..., _R],
                 *args: Any) -> _R:
-        """Run blocking call ``fn(*args)`` after this direction's outstanding asynchronous calls.
+        """Run blocking call ``fn(*args)`` after this direction's outstanding calls.
 
-        Runs on the caller's thread; costs one dictionary lookup when no
-        asynchronous call was ever made in that direction.
+        Runs on the caller's thread, holding the direction's turn: asynchronous
+        calls issued meanwhile (by any thread) wait for it, a blocking call of
+        another thread too, and ``destroy()`` can tell that it runs (it breaks
+        the group's connections to end a wait in gloo).
 
         Raises:
             CommTimeout: The earlier calls did not finish within the group's timeout.
+            ClosedError: The group was destroyed.
         """
         chs = self._channels
-        ch = chs.find(direction, peer) if chs is not None else None
-        if ch is None:
-            return fn(*args)
+        if chs is None:
+            self._book.check_live(op)
+            chs = self._channels_at_first_use()
+        ch = chs.get(direction, peer)
         book = self._book
 
         def check() -> None:
