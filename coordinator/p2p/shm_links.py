@@ -55,7 +55,6 @@ queue's, see :mod:`shm_broadcast.lifecycle.exit_cleanup`).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -73,6 +72,7 @@ from coordinator.p2p import link_offer
 from coordinator.p2p.channels import LIVENESS_S, RECV, SEND
 from coordinator.p2p.link_offer import CHUNK_BYTES, CHUNKS
 from coordinator.wire.object_comm import LINK_OFFER, ObjectChannel
+from shm_broadcast.checks import env_flag
 
 if TYPE_CHECKING:
     from shm_broadcast.queue.message_queue import MessageQueue
@@ -104,6 +104,7 @@ class ShmLinks:
         self._queues: list[MessageQueue] = []  # settled or settling: shutdown reaches both
         self._broken: dict[tuple[str, int], tuple[str, bool]] = {}
         self._closed = False
+        env_flag(ENABLE_ENV, True)  # a bad GROUPCOORD_P2P_SHM raises when the group is made
 
     def sender(self, dst: int, op: str = "send_tensor_dict") -> MessageQueue | None:
         """The link to group rank ``dst``, or None for the CPU group (settles on first
@@ -269,7 +270,7 @@ class ShmLinks:
     def _open_writer(self, dst: int) -> MessageQueue | None:
         """A new link's writer, or None where the CPU group must carry the dicts."""
         g = self._group
-        if os.environ.get(ENABLE_ENV, "1").strip() == "0":
+        if not env_flag(ENABLE_ENV, True):
             return None
         if not g.comm.shares_memory_with(dst):
             return None

@@ -102,6 +102,7 @@ from device_comms.cpu.repeat_calls import LayoutPlan, LayoutPlans, plain, takes_
 from device_comms.cpu_shm import host_alloc
 from device_comms.cpu_shm.engine import ShmEngine
 from device_comms.cpu_shm.engine_threads import env_threads
+from device_comms.cpu_shm.placement import spread_enabled
 from device_comms.cpu_shm.small import NotServed, SmallAllReduce
 from device_comms.cpu_shm.sync import StepSync
 from device_comms.cpu_shm.workspace import WorkspacePlan, open_workspace
@@ -184,6 +185,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         ws_bytes = positive_bytes(workspace_bytes, "workspace_bytes", BYTES_ENV)
         threads = env_threads()
         enabled = use_shm_enabled(use_shm)
+        spread_enabled()  # a bad GROUPCOORD_CPU_SPREAD raises here, before anything is made
         if node_id is not None and not isinstance(node_id, str):
             raise TypeError(f"node_id must be a str or None, got {type(node_id).__name__}")
         if oneshot_bytes is not None:

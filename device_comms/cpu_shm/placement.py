@@ -47,10 +47,23 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["CpuSpread", "SPREAD_ENV", "MOVE_EVERY", "UNDONE_WITHIN", "MOVE_MAX", "current_cpu"]
+from shm_broadcast.checks import env_flag
 
-#: ``0`` turns the moves off (read when a communicator is built).
+__all__ = ["CpuSpread", "SPREAD_ENV", "spread_enabled", "MOVE_EVERY", "UNDONE_WITHIN", "MOVE_MAX",
+           "current_cpu"]
+
+#: ``0`` (or ``false``/``no``/``off``) turns the moves off (read when a communicator
+#: is built; another value raises ``ValueError``).
 SPREAD_ENV = "GROUPCOORD_CPU_SPREAD"
+
+
+def spread_enabled() -> bool:
+    """``GROUPCOORD_CPU_SPREAD`` (default on).
+
+    Raises:
+        ValueError: The variable is not a recognised on/off word.
+    """
+    return env_flag(SPREAD_ENV, True)
 #: Shortest time between two moves of one rank, in seconds.
 MOVE_EVERY = 0.001
 #: A move needed again within this many seconds after the spacing allowed it doubles
@@ -115,7 +128,7 @@ class CpuSpread:
         #: the peers a shared CPU makes this rank leave (those with lower indices)
         self._yield_to = [word for peer, word in peer_words if peer < local_rank]
         if enabled is None:
-            enabled = os.environ.get(SPREAD_ENV, "1").strip() != "0"
+            enabled = spread_enabled()
         self.active = False
         if enabled and _getcpu is not None and local_size > 1:
             try:
