@@ -16,9 +16,11 @@ compared with ``torch.equal`` whatever order the transport reduces in.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -99,3 +101,18 @@ def with_size(shape: Sequence[int], dim: int, size: int) -> list[int]:
     out = list(shape)
     out[dim] = size
     return out
+
+
+@contextlib.contextmanager
+def env_set(var: str, value: str) -> Iterator[None]:
+    """``var=value`` in this rank's environment for the block, then as it was: the
+    pool's ranks run later tests too."""
+    kept = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if kept is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = kept

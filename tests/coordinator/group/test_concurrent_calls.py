@@ -18,7 +18,6 @@ makes every kind of collective from its main thread.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -28,6 +27,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
+from tests.coordinator.rank_checks import env_set
 
 _N = 1 << 16  # above the small-message path of the shared-memory engine
 
@@ -54,16 +55,9 @@ def concurrent_group_rank(rank: int, world_size: int, transport: str,
                           done_key: str) -> dict[str, Any]:
     from coordinator import GroupCoordinator
 
-    saved = os.environ.get("GROUPCOORD_CPU_SHM")  # the pool's ranks run later tests too
-    os.environ["GROUPCOORD_CPU_SHM"] = "1" if transport == "shm" else "0"
-    try:
+    with env_set("GROUPCOORD_CPU_SHM", "1" if transport == "shm" else "0"):
         g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, True,
                              group_name=f"threads-{transport}", timeout=20.0)
-    finally:
-        if saved is None:
-            os.environ.pop("GROUPCOORD_CPU_SHM", None)
-        else:
-            os.environ["GROUPCOORD_CPU_SHM"] = saved
     store = dist.distributed_c10d._get_default_store()
     out: dict[str, Any] = {"refused": {}}
     try:

@@ -6,11 +6,12 @@ off and silently ignored ``off``/``false`` and any typo."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
+
+from tests.coordinator.rank_checks import env_set
 
 _VARS = ["GROUPCOORD_P2P_SHM", "GROUPCOORD_CPU_SPREAD"]
 
@@ -19,9 +20,7 @@ def make_group_with(rank: int, world_size: int, var: str, value: str) -> str:
     """Create (and use) a group with ``var=value``: 'ok' or the error's class and text."""
     from coordinator import GroupCoordinator
 
-    kept = os.environ.get(var)
-    os.environ[var] = value  # pool workers live on: restored below
-    try:
+    with env_set(var, value):
         try:
             g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, True,
                                  group_name=f"env-{var[11:].lower()}", timeout=20.0)
@@ -38,11 +37,6 @@ def make_group_with(rank: int, world_size: int, var: str, value: str) -> str:
         finally:
             g.destroy()
         return "ok"
-    finally:
-        if kept is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = kept
 
 
 @pytest.mark.timeout(90)

@@ -12,7 +12,6 @@ waited for the group's whole timeout. Both transports, tensors and dicts.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -22,22 +21,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.coordinator.rank_checks import env_set
+
 _TIMEOUT = 20.0
 
 
 def _group(rank: int, world_size: int, transport: str, name: str) -> Any:
     from coordinator import GroupCoordinator
 
-    saved = os.environ.get("GROUPCOORD_P2P_SHM")  # the pool's ranks run later tests too
-    os.environ["GROUPCOORD_P2P_SHM"] = "1" if transport == "link" else "0"
-    try:
+    with env_set("GROUPCOORD_P2P_SHM", "1" if transport == "link" else "0"):
         return GroupCoordinator([list(range(world_size))], rank, "gloo", True, True,
                                 group_name=name, timeout=_TIMEOUT)
-    finally:
-        if saved is None:
-            os.environ.pop("GROUPCOORD_P2P_SHM", None)
-        else:
-            os.environ["GROUPCOORD_P2P_SHM"] = saved
 
 
 def blocking_then_async(rank: int, world_size: int, transport: str, kind: str,

@@ -111,13 +111,13 @@ def test_a_silent_server_times_out_and_the_process_exits_cleanly(end: str) -> No
     """torch's client constructor waits without limit for an accepted connection's
     answer; given up on, it must be over before the interpreter ends (a C++ call
     returning into a finalised interpreter aborts the process)."""
-    import os
     import subprocess
     import sys
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    from tests.child_env import child_env
+
     proc = subprocess.run([sys.executable, "-c", _SILENT_SERVER.replace("{end}", end)],
-                          capture_output=True, text=True, timeout=50, env=env)
+                          capture_output=True, text=True, timeout=50, env=child_env())
     assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
     assert "terminate called" not in proc.stderr
     waited = float(proc.stdout.split()[-1])
