@@ -187,12 +187,11 @@ class PointToPoint:
             CommTimeout: The earlier calls did not finish within the group's timeout.
             ClosedError: The group was destroyed.
         """
-        chs = self._channels
+        book, chs = self._book, self._channels
         if chs is None:
-            self._book.check_live(op)
+            book.check_live(op)
             chs = self._channels_at_first_use()
         ch = chs.get(direction, peer)
-        book = self._book
 
         def check() -> None:
             dead = book.dead_partner(op, peer)

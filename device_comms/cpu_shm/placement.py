@@ -56,14 +56,6 @@ __all__ = ["CpuSpread", "SPREAD_ENV", "spread_enabled", "MOVE_EVERY", "UNDONE_WI
 #: is built; another value raises ``ValueError``).
 SPREAD_ENV = "GROUPCOORD_CPU_SPREAD"
 
-
-def spread_enabled() -> bool:
-    """``GROUPCOORD_CPU_SPREAD`` (default on).
-
-    Raises:
-        ValueError: The variable is not a recognised on/off word.
-    """
-    return env_flag(SPREAD_ENV, True)
 #: Shortest time between two moves of one rank, in seconds.
 MOVE_EVERY = 0.001
 #: A move needed again within this many seconds after the spacing allowed it doubles
@@ -73,6 +65,15 @@ UNDONE_WITHIN = 0.05
 MOVE_MAX = 0.1
 _CPU_BITS = 16  # a record is step << 16 | (cpu + 1); 0 is "no record"
 _CPU_MASK = (1 << _CPU_BITS) - 1
+
+
+def spread_enabled() -> bool:
+    """``GROUPCOORD_CPU_SPREAD`` (default on).
+
+    Raises:
+        ValueError: The variable is not a recognised on/off word.
+    """
+    return env_flag(SPREAD_ENV, True)
 
 
 def _libc_getcpu() -> Any:
