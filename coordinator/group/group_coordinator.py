@@ -1041,15 +1041,35 @@ class GroupCoordinator:
         a new one of ``(shape, dtype)``; ``wait()`` returns it."""
         return self._p2p.irecv(tensor_or_spec, src)
 
-    def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any],
-                          dst: int | None = None) -> P2PHandle:
-        """Start :meth:`send_tensor_dict` to ``dst`` (default: the next rank)."""
-        return self._dicts.isend_tensor_dict(tensor_dict, dst)
+    def isend_tensor_dict(
+        self,
+        tensor_dict: Mapping[Any, Any],
+        dst: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[Any, bool] | None = None,
+    ) -> P2PHandle:
+        """Start :meth:`send_tensor_dict` to ``dst`` (default: the next rank), with the
+        same slicing for ``all_gather_group``; the handle's ``wait()`` returns None."""
+        return self._dicts.isend_tensor_dict(tensor_dict, dst, all_gather_group,
+                                             all_gather_tensors)
 
-    def irecv_tensor_dict(self, src: int | None = None) -> P2PHandle:
+    def irecv_tensor_dict(
+        self,
+        src: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[Any, bool] | None = None,
+    ) -> P2PHandle:
         """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank);
-        ``wait()`` returns the dict."""
-        return self._dicts.irecv_tensor_dict(src)
+        ``wait()`` returns the dict.
+
+        With ``all_gather_group``, the tensors the sender sliced arrive as this
+        rank's slices, and the first ``wait()`` rebuilds them with all-gathers
+        over that group on the waiting thread (in vLLM, the ``postprocess``
+        step): a collective of that group, so each of its ranks waits for the
+        dict among its other calls of that group in the same order.
+        ``all_gather_tensors`` is accepted for symmetry with the sender.
+        """
+        return self._dicts.irecv_tensor_dict(src, all_gather_group)
 
 
 def _dispatch_form(third: str) -> inspect.Signature:

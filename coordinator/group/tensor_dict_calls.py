@@ -21,7 +21,10 @@ sender sends only its ``1/n`` slice and the receiving TP ranks rebuild the
 whole tensor with one all-gather among themselves.
 
 Point-to-point dicts keep the group's point-to-point order and run
-asynchronously on its channels (:mod:`coordinator.p2p.point_to_point`).
+asynchronously on its channels (:mod:`coordinator.p2p.point_to_point`). An
+asynchronous receive with an ``all_gather_group`` receives the slices on the
+channel and leaves the all-gathers, collectives of that group, to the handle's
+first ``wait()`` on the caller's thread (:mod:`coordinator.p2p.handle`).
 """
 
 from __future__ import annotations
@@ -48,11 +51,15 @@ from coordinator.wire.object_comm import SERIALIZE_ERRORS, SourceFailure
 from coordinator.wire.tensor_dict_format import (
     INLINE,
     TENSOR,
+    AllGatherGroup,
+    SlicedDict,
     alloc,
     check_metadata,
     dtype_of,
     flatten_tensor_dict,
+    own_slices,
     plain,
+    rebuild_slices,
 )
 from device_comms import validation
 from device_comms.torch_dist.torch_communicator import wire_view
@@ -68,17 +75,6 @@ class DictGroup(GroupView, Protocol):
     def mq_broadcaster(self) -> Any: ...
     @property
     def mq_writer_rank(self) -> int: ...
-
-
-class AllGatherGroup(Protocol):
-    """What a send or receive uses of its ``all_gather_group``."""
-
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def rank_in_group(self) -> int: ...
-
-    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
 
 
 class TensorDictCalls:
@@ -300,9 +296,7 @@ class TensorDictCalls:
             self._reject_send(dst, e)
             raise
         if gather is not None:  # sliced: send only this rank's 1/n
-            descs = [desc for _, kind, desc in meta if kind == TENSOR]
-            payload = [t.reshape(n, -1)[gather.rank_in_group] if desc[3] else t
-                       for desc, t in zip(descs, payload, strict=True)]
+            payload = own_slices(meta, payload, n, gather.rank_in_group)
         link = self._p2p.links.sender(dst)
         if link is not None:
             self._send_on_link(link, meta, payload, dst)
@@ -350,8 +344,11 @@ class TensorDictCalls:
         if refusal is not None:
             raise link_messages.refused(name, "send_tensor_dict", refusal, dst)
 
-    def _recv(self, src: int, all_gather_group: Any) -> dict[Any, Any]:
-        """Receive a dict (not a call of its own: the caller numbers and orders it).
+    def _recv(self, src: int, all_gather_group: Any,
+              op: str = "recv_tensor_dict") -> dict[Any, Any]:
+        """Receive a dict (not a call of its own: the caller numbers and orders it), its
+        sliced tensors rebuilt by all-gathers over ``all_gather_group`` (``op``: the
+        call, named by errors).
 
         A bad ``all_gather_group`` (not a group, or not the sender's kind) is
         raised after the dict has been received, so the sender's call completes
@@ -362,8 +359,30 @@ class TensorDictCalls:
             bad_group: TypeError | None = None
         except TypeError as e:
             gather, bad_group = None, e
+        got, problem = self._recv_slices(src, gather, op)
+        if bad_group is not None:
+            raise bad_group
+        if problem:
+            raise ValueError(problem)
+        return rebuild_slices(got, gather) if gather is not None else got.out
+
+    def _recv_unassembled(self, src: int, gather: AllGatherGroup) -> SlicedDict:
+        """Receive a dict for ``irecv_tensor_dict`` with an ``all_gather_group``: its
+        slices, which the handle's ``wait()`` rebuilds on the caller's thread."""
+        got, problem = self._recv_slices(src, gather, "irecv_tensor_dict")
+        if problem:
+            raise ValueError(problem)
+        return got
+
+    def _recv_slices(self, src: int, gather: AllGatherGroup | None,
+                     op: str) -> tuple[SlicedDict, str]:
+        """Receive a dict, a sliced tensor as this rank's slice; and what is wrong
+        with it for ``gather`` ("" when nothing; ``op`` names the call): a tensor
+        sliced into other than ``gather``'s size is received all the same (the
+        sender is blocked on its sends) and left out of the dict."""
         meta, fill = self._recv_meta(src)
         out: dict[Any, Any] = {}
+        sliced: list[tuple[Any, torch.Tensor, tuple[int, ...]]] = []
         problem = ""
         have = gather.world_size if gather is not None else None
         for key, kind, value in meta:
@@ -375,22 +394,18 @@ class TensorDictCalls:
                 out[key] = fill(value, 0, key)
                 continue
             piece = fill(value, parts, key)
-            if gather is None or have != parts:
-                # Keep receiving (the sender is blocked on its sends), report at the end.
+            if have != parts:
                 given = ("no all_gather_group" if have is None
                          else f"an all_gather_group of size {have}")
                 problem = problem or (
                     f"the sender sliced tensor {key!r} into {parts} parts for an all-gather, "
-                    f"but recv_tensor_dict was called with {given}; pass the same kind of "
+                    f"but {op} was called with {given}; pass the same kind of "
                     f"all_gather_group on both sides"
                 )
                 continue
-            out[key] = gather.all_gather(piece, dim=0).reshape(value[2])
-        if bad_group is not None:
-            raise bad_group
-        if problem:
-            raise ValueError(problem)
-        return out
+            out[key] = piece
+            sliced.append((key, piece, tuple(value[2])))
+        return SlicedDict(out, sliced), problem
 
     def _recv_meta(self, src: int) -> tuple[list[list[Any]], Filler]:
         """The dict's checked metadata, and how to fill each of its tensors: from the
@@ -437,15 +452,21 @@ class TensorDictCalls:
         return buf
 
     # ------------------------------------------------------------------ asynchronous
-    def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any], dst: int | None) -> P2PHandle:
+    def isend_tensor_dict(self, tensor_dict: Mapping[Any, Any], dst: int | None,
+                          all_gather_group: Any = None,
+                          all_gather_tensors: Mapping[Any, bool] | None = None) -> P2PHandle:
         """``GroupCoordinator.isend_tensor_dict``: start sending ``tensor_dict`` to ``dst``."""
         g, p2p = self._group, self._p2p
         dst, seq, entry = p2p.begin("isend_tensor_dict", dst, "dst", +1, allow_alone=True)
         try:
             if not isinstance(tensor_dict, Mapping):
                 raise TypeError(f"tensor_dict must be a dict, got {type(tensor_dict).__name__}")
-            # Same checks as the blocking call (sparse tensors, devices), before anything is queued.
-            flatten_tensor_dict(tensor_dict, device=g.device)
+            gather = self._check_all_gather_group(all_gather_group)
+            n = gather.world_size if gather is not None else 1
+            # Same checks as the blocking call (the slicing asked for, sparse tensors,
+            # devices), before anything is queued.
+            slicing = slicing_plan(tensor_dict, n, all_gather_tensors)
+            flatten_tensor_dict(tensor_dict, slicing=slicing, parts=n, device=g.device)
         except (TypeError, ValueError) as e:
             if g.world_size > 1 and g.device.type == "cpu":  # the receiver is told, in order
                 p2p.submit(SEND, dst, "isend_tensor_dict", seq, self._reject_send, dst, e,
@@ -456,20 +477,30 @@ class TensorDictCalls:
             return p2p.done("isend_tensor_dict", dst, seq, None, entry)
         snapshot = dict(tensor_dict)  # later changes to the caller's dict do not travel
         if g.device.type == "cuda":
-            return p2p.cuda().isend_tensor_dict(snapshot, dst, seq)
+            return p2p.cuda().isend_tensor_dict(snapshot, dst, seq, gather, slicing)
         return p2p.handle(p2p.submit(SEND, dst, "isend_tensor_dict", seq, self._send, snapshot,
-                                     dst, None, None, entry=entry))
+                                     dst, gather, slicing, entry=entry))
 
-    def irecv_tensor_dict(self, src: int | None) -> P2PHandle:
-        """``GroupCoordinator.irecv_tensor_dict``: start receiving a dict from ``src``."""
+    def irecv_tensor_dict(self, src: int | None, all_gather_group: Any = None) -> P2PHandle:
+        """``GroupCoordinator.irecv_tensor_dict``: start receiving a dict from ``src``;
+        with ``all_gather_group``, the handle's ``wait()`` rebuilds sliced tensors."""
         g, p2p = self._group, self._p2p
         src, seq, entry = p2p.begin("irecv_tensor_dict", src, "src", -1, allow_alone=True)
+        try:
+            gather = self._check_all_gather_group(all_gather_group)
+        except TypeError as e:
+            self._book.note_failure("irecv_tensor_dict", seq, e, entry)
+            raise
         if g.world_size == 1:
             return p2p.done("irecv_tensor_dict", src, seq, None, entry)
         if g.device.type == "cuda":
-            return p2p.cuda().irecv_tensor_dict(src, seq)
-        return p2p.handle(p2p.submit(RECV, src, "irecv_tensor_dict", seq, self._recv, src,
-                                     None, entry=entry))
+            return p2p.cuda().irecv_tensor_dict(src, seq, gather)
+        if gather is None:
+            return p2p.handle(p2p.submit(RECV, src, "irecv_tensor_dict", seq, self._recv, src,
+                                         None, "irecv_tensor_dict", entry=entry))
+        work = p2p.submit(RECV, src, "irecv_tensor_dict", seq, self._recv_unassembled, src,
+                          gather, entry=entry)
+        return p2p.handle(work, finish=lambda got: rebuild_slices(got, gather))
 
 
 def _broadcast_transport(g: DictGroup, src: Any, group: Any, metadata_group: Any) -> str | None:

@@ -38,7 +38,7 @@ CUDA payload is asynchronous.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -53,7 +53,16 @@ from coordinator.trace.cuda_marks import CudaMarks
 from coordinator.trace.recorder import DEVICE
 from coordinator.wire import object_comm
 from coordinator.wire.object_comm import ObjectChannel
-from coordinator.wire.tensor_dict_format import TENSOR, alloc, check_metadata, flatten_tensor_dict
+from coordinator.wire.tensor_dict_format import (
+    TENSOR,
+    AllGatherGroup,
+    SlicedDict,
+    alloc,
+    check_metadata,
+    flatten_tensor_dict,
+    own_slices,
+    rebuild_slices,
+)
 from device_comms.torch_dist.torch_communicator import wire_view
 from device_comms.validation import dense
 
@@ -176,8 +185,16 @@ class CudaP2P:
         return self._handle("irecv", src, seq, ev, out)
 
     # ------------------------------------------------------------------ tensor dicts
-    def isend_tensor_dict(self, d: dict[Any, Any], dst: int, seq: int) -> P2PHandle:
-        meta, payload = flatten_tensor_dict(d, device=self._group.device)
+    def isend_tensor_dict(self, d: dict[Any, Any], dst: int, seq: int,
+                          gather: AllGatherGroup | None = None,
+                          slicing: Mapping[Any, bool] | None = None) -> P2PHandle:
+        """Send ``d`` to ``dst`` (call ``seq``); with ``gather``, the tensors ``slicing``
+        marks travel as this rank's slice of ``gather``'s size."""
+        n = gather.world_size if gather is not None else 1
+        meta, payload = flatten_tensor_dict(d, slicing=slicing if gather is not None else None,
+                                            parts=n, device=self._group.device)
+        if gather is not None:
+            payload = own_slices(meta, payload, n, gather.rank_in_group)
         on_gpu = [dense(t) for t in payload if t.numel() and t.device.type == "cuda"]
         on_cpu = [dense(t) for t in payload if t.numel() and t.device.type == "cpu"]
         cpu = self._order.submit(SEND, dst, "isend_tensor_dict", seq, self._send_meta, meta,
@@ -185,17 +202,24 @@ class CudaP2P:
         ev = self._enqueue(lambda s: self._send_all(on_gpu, dst, s), on_gpu)
         return self._handle("isend_tensor_dict", dst, seq, ev, None, cpu)
 
-    def irecv_tensor_dict(self, src: int, seq: int) -> P2PHandle:
+    def irecv_tensor_dict(self, src: int, seq: int,
+                          gather: AllGatherGroup | None = None) -> P2PHandle:
+        """Receive a dict from ``src`` (call ``seq``); with ``gather``, the handle's
+        ``wait()`` rebuilds the sliced tensors with all-gathers over it, after the
+        current stream was ordered after the transfer."""
         try:
-            out, on_gpu, problem = self._order.ordered(RECV, src, "irecv_tensor_dict",
-                                                       self._recv_meta, src)
+            got, on_gpu, problem = self._order.ordered(RECV, src, "irecv_tensor_dict",
+                                                       self._recv_meta, src, gather)
         except WAIT_ERRORS as e:  # a failed wait: translated like every other call's
             self._errors.explain("irecv_tensor_dict", seq, e, partner=src)
             raise
         ev = self._enqueue(lambda s: self._recv_all(on_gpu, src, s), on_gpu)
         if problem:  # raised once every piece the sender sends has a receive posted
             raise ValueError(problem)
-        return self._handle("irecv_tensor_dict", src, seq, ev, out)
+        if gather is None:
+            return self._handle("irecv_tensor_dict", src, seq, ev, got.out)
+        return self._handle("irecv_tensor_dict", src, seq, ev, got,
+                            finish=lambda received: rebuild_slices(received, gather))
 
     # ------------------------------------------------------------------ closing
     def close(self, grace: float) -> None:
@@ -254,11 +278,12 @@ class CudaP2P:
             self._recv(t, src, s)
 
     def _handle(self, op: str, peer: int, seq: int, ev: Any, result: Any,
-                cpu: Work | None = None) -> P2PHandle:
+                cpu: Work | None = None,
+                finish: Callable[[Any], Any] | None = None) -> P2PHandle:
         g = self._group
         w = EventWork(op, peer, seq, ev, g.device, result, self._errors, cpu)
         self._pending = [p for p in self._pending if not p.done()] + [w]
-        return P2PHandle(w, g.timeout)
+        return P2PHandle(w, g.timeout, finish)
 
     # ------------------------------------------------------------------ the gloo side of a dict
     def _send_meta(self, meta: list[Any], cpu: list[torch.Tensor], dst: int) -> None:
@@ -268,39 +293,47 @@ class CudaP2P:
         for t in cpu:
             dist.send(wire_view(t), dst=g.ranks[dst], group=g.cpu_group)
 
-    def _recv_meta(self, src: int) -> tuple[dict[Any, Any], list[torch.Tensor], str]:
+    def _recv_meta(self, src: int, gather: AllGatherGroup | None,
+                   ) -> tuple[SlicedDict, list[torch.Tensor], str]:
         """Receive the gloo part; returns the dict (CUDA tensors allocated, not yet
-        filled), those CUDA tensors in order, and what is wrong with the dict ("" when
-        nothing).
+        filled; a tensor sliced for ``gather`` as this rank's slice), those CUDA
+        tensors in order, and what is wrong with the dict ("" when nothing).
 
-        A tensor the sender sliced for an all-gather (which an asynchronous
-        receive cannot rebuild) is received all the same, as the slice the sender
-        sends, and reported afterwards: a receive left unposted would leave its
-        bytes on the gloo pair, where the next receive from ``src`` would take
-        them (gloo aborts the process when they are longer than that receive).
+        A tensor the sender sliced into other than ``gather``'s size (or with no
+        ``gather``) is received all the same, as the slice the sender sends, and
+        reported afterwards: a receive left unposted would leave its bytes on the
+        gloo pair, where the next receive from ``src`` would take them (gloo
+        aborts the process when they are longer than that receive).
         """
         g = self._group
         meta = check_metadata(self._objects.recv(src, object_comm.DICT_META), g.device.type, src)
         out: dict[Any, Any] = {}
+        sliced: list[tuple[Any, torch.Tensor, tuple[int, ...]]] = []
         on_gpu: list[torch.Tensor] = []
         problem = ""
+        have = gather.world_size if gather is not None else None
         for key, kind, value in meta:
             if kind != TENSOR:
                 out[key] = value
                 continue
             parts = int(value[3])
-            if parts:
-                problem = problem or (
-                    f"irecv_tensor_dict: the sender sliced tensor {key!r} for an all-gather, "
-                    f"which asynchronous receives do not do; use recv_tensor_dict with the "
-                    f"same kind of all_gather_group")
             t = alloc(value, g.device, parts or 1)
             if not parts:
                 out[key] = t
+            elif parts == have:
+                out[key] = t
+                sliced.append((key, t, tuple(value[2])))
+            else:
+                given = ("no all_gather_group" if have is None
+                         else f"an all_gather_group of size {have}")
+                problem = problem or (
+                    f"irecv_tensor_dict: the sender sliced tensor {key!r} into {parts} parts "
+                    f"for an all-gather, but irecv_tensor_dict was called with {given}; pass "
+                    f"the same kind of all_gather_group on both sides")
             if not t.numel():
                 continue
             if t.device.type == "cpu":
                 dist.recv(wire_view(t), src=g.ranks[src], group=g.cpu_group)
             else:
                 on_gpu.append(t)
-        return out, on_gpu, problem
+        return SlicedDict(out, sliced), on_gpu, problem

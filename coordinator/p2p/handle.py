@@ -10,6 +10,14 @@ peer (``PeerDiedError``), a mismatch or a peer's rejection
 call number and the peer). Argument errors (``TypeError``/``ValueError``
 naming the argument) raise at the call itself, as in the blocking calls.
 
+A receive may end with a step that must run on the waiting thread: an
+``irecv_tensor_dict`` with an ``all_gather_group`` rebuilds its sliced
+tensors with all-gathers over that group, collectives the group's ranks must
+call in the same order as their others. Such a handle's first successful
+``wait()`` runs the step (``finish``) and keeps what it returned or raised,
+so every later ``wait()`` returns or raises the same; ``is_completed()``
+says whether the transfer finished.
+
 A ``wait(timeout)`` that runs out leaves the call running: wait again, or
 destroy the group. A handle dropped without ``wait()`` does not stop its
 call, which keeps its place in the order; if the call fails, a
@@ -22,7 +30,9 @@ How the calls run, in which order, and how destroying the group ends them:
 from __future__ import annotations
 
 import datetime
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from coordinator.errors import CommTimeout
@@ -40,14 +50,21 @@ class P2PHandle:
         work: The call's state (a :class:`~coordinator.p2p.channels.Work`, or a
             CUDA event's :class:`~coordinator.p2p.cuda_p2p.EventWork`).
         timeout: The group's timeout, the default of :meth:`wait`.
+        finish: Run once, by the first :meth:`wait` that sees the call
+            succeed, on the call's result; what it returns is the handle's
+            result (see the module docstring).
     """
 
-    __slots__ = ("_work", "_timeout", "_next_check")
+    __slots__ = ("_work", "_timeout", "_next_check", "_finish", "_finish_lock", "_finished")
 
-    def __init__(self, work: Any, timeout: float) -> None:
+    def __init__(self, work: Any, timeout: float,
+                 finish: Callable[[Any], Any] | None = None) -> None:
         self._work = work
         self._timeout = timeout
         self._next_check = time.monotonic() + LIVENESS_S
+        self._finish = finish
+        self._finish_lock = threading.Lock()
+        self._finished: tuple[Any, Exception | None] | None = None
 
     @property
     def op(self) -> str:
@@ -114,7 +131,26 @@ class P2PHandle:
         w.observed = True
         if w.error is not None:
             raise w.error
-        return w.result
+        finish = self._finish
+        if finish is None:
+            return w.result
+        return self._finished_result(finish, w.result)
+
+    def _finished_result(self, finish: Callable[[Any], Any], result: Any) -> Any:
+        """``finish(result)``, run once; later calls return or raise what it did. An
+        interrupt (not an ``Exception``) is not kept: the next wait runs it again."""
+        with self._finish_lock:
+            done = self._finished
+            if done is None:
+                try:
+                    done = (finish(result), None)
+                except Exception as e:
+                    done = (None, e)
+                self._finished = done
+        value, error = done
+        if error is not None:
+            raise error
+        return value
 
     def _check_peer(self) -> None:
         w = self._work

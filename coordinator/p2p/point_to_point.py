@@ -271,9 +271,9 @@ class PointToPoint:
         self._channels_at_first_use().get(direction, peer).submit(work)
         return work
 
-    def handle(self, work: Work) -> P2PHandle:
-        """The handle of a submitted call."""
-        return P2PHandle(work, self._group.timeout)
+    def handle(self, work: Work, finish: Callable[[Any], Any] | None = None) -> P2PHandle:
+        """The handle of a submitted call (``finish``: see :class:`P2PHandle`)."""
+        return P2PHandle(work, self._group.timeout, finish)
 
     def done(self, op: str, peer: int, seq: int, result: Any,
              entry: list[Any] | None = None) -> P2PHandle:

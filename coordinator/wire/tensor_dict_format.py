@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -50,6 +50,10 @@ __all__ = [
     "alloc",
     "plain",
     "sent_numels",
+    "AllGatherGroup",
+    "SlicedDict",
+    "rebuild_slices",
+    "own_slices",
 ]
 
 #: The kinds of metadata entries.
@@ -81,6 +85,54 @@ def _known_dtypes() -> dict[str, torch.dtype]:
 
 #: Canonical names of the dtypes a receiver may allocate.
 DTYPES = _known_dtypes()
+
+
+class AllGatherGroup(Protocol):
+    """What a send or receive uses of its ``all_gather_group``."""
+
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def rank_in_group(self) -> int: ...
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+
+class SlicedDict(NamedTuple):
+    """A received dict whose sliced tensors are not rebuilt yet.
+
+    Attributes:
+        out: The dict, in the sender's key order; a sliced key holds this
+            rank's slice until :func:`rebuild_slices` replaces it.
+        sliced: ``(key, this rank's slice, the whole tensor's shape)`` of every
+            sliced tensor, in key order.
+    """
+
+    out: dict[Any, Any]
+    sliced: list[tuple[Any, torch.Tensor, tuple[int, ...]]]
+
+
+def own_slices(meta: list[list[Any]], payload: list[torch.Tensor], parts: int,
+               rank: int) -> list[torch.Tensor]:
+    """``payload`` as it travels: each tensor that ``meta`` (from
+    :func:`flatten_tensor_dict`) marks sliced replaced by slice ``rank`` of ``parts``
+    (a view of its flat elements), the others whole."""
+    descs = [desc for _, kind, desc in meta if kind == TENSOR]
+    return [t.reshape(parts, -1)[rank] if desc[3] else t
+            for desc, t in zip(descs, payload, strict=True)]
+
+
+def rebuild_slices(got: SlicedDict, gather: AllGatherGroup) -> dict[Any, Any]:
+    """Rebuild every sliced tensor of ``got`` with one all-gather over ``gather`` each
+    (a collective of that group: each of its ranks calls this for the same dict).
+
+    Returns:
+        ``got.out``, its sliced keys now holding the whole tensors.
+    """
+    out = got.out
+    for key, piece, shape in got.sliced:
+        out[key] = gather.all_gather(piece, dim=0).reshape(shape)
+    return out
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -4,7 +4,9 @@ A writer with readers on other nodes binds its TCP endpoints on one address
 and sends it to them in the handle, so the address must be one that the other
 nodes reach. :func:`host_ip` tries, in order:
 
-1. ``$GROUPCOORD_HOST_IP``: the operator knows best;
+1. ``$GROUPCOORD_HOST_IP``: the operator knows best (it must be an IP address
+   assigned to this host, since the writer binds it: anything else raises
+   ``ValueError`` naming the variable, instead of a socket error later);
 2. the source address of the route to ``$MASTER_ADDR`` (set by ``torchrun``
    and most launchers to the address every node already used to reach rank
    0's store), unless that is a loopback address: the interface that reaches
@@ -43,10 +45,14 @@ def host_ip() -> str:
     Returns:
         An IPv4 or IPv6 address string (see the module docstring for the
         order of the sources); ``"127.0.0.1"`` when nothing better is found.
+
+    Raises:
+        ValueError: ``$GROUPCOORD_HOST_IP`` is set but is not an IP address
+            assigned to this host.
     """
     env = os.environ.get(HOST_IP_ENV)
     if env:
-        return env
+        return _operator_address(env)
     master = os.environ.get(MASTER_ADDR_ENV, "").strip().strip("[]")
     candidates = [_route_source(master)] if master else []
     candidates += [_route_source(t) for t in _DEFAULT_ROUTE_TARGETS]
@@ -60,6 +66,35 @@ def host_ip() -> str:
         "127.0.0.1, which readers on other hosts cannot reach; set $%s",
         MASTER_ADDR_ENV, HOST_IP_ENV)
     return "127.0.0.1"
+
+
+def _operator_address(text: str) -> str:
+    """``$GROUPCOORD_HOST_IP``'s address (brackets around IPv6 dropped), checked.
+
+    Raises:
+        ValueError: Not an IP address, the wildcard or a multicast address, or
+            not assigned to this host (it cannot be bound here).
+    """
+    ip = text.strip().removeprefix("[").removesuffix("]")
+    why = ""
+    try:
+        addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        why = "it is not an IPv4 or IPv6 address"
+    else:
+        if addr.is_unspecified or addr.is_multicast:
+            why = "readers cannot connect to a wildcard or multicast address"
+        else:
+            try:  # assigned here iff it can be bound
+                with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET,
+                                   socket.SOCK_DGRAM) as s:
+                    s.bind((ip, 0))
+            except OSError as e:
+                why = f"it is not an address of this host ({e.strerror or e})"
+    if why:
+        raise ValueError(f"${HOST_IP_ENV} must be an IP address of this host that readers on "
+                         f"other hosts reach, got {text!r}: {why}")
+    return ip
 
 
 def _usable(ip: str) -> bool:

@@ -4,6 +4,7 @@ the case of a host without a default route runs in tests/multihost)."""
 from __future__ import annotations
 
 import logging
+import socket
 
 import pytest
 
@@ -18,10 +19,33 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
-def test_the_environment_variable_wins(clean_env: pytest.MonkeyPatch) -> None:
-    clean_env.setenv("GROUPCOORD_HOST_IP", "192.0.2.7")
-    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
-    assert host_ip() == "192.0.2.7"
+@pytest.mark.parametrize("value,want", [("127.0.0.1", "127.0.0.1"), (" 127.0.0.2 ", "127.0.0.2"),
+                                        ("::1", "::1"), ("[::1]", "::1")])
+def test_the_environment_variable_wins(clean_env: pytest.MonkeyPatch, value: str,
+                                       want: str) -> None:
+    if ":" in want and not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    clean_env.setenv("GROUPCOORD_HOST_IP", value)
+    clean_env.setenv("MASTER_ADDR", "10.255.255.255")
+    try:
+        assert host_ip() == want
+    except ValueError as e:  # a host whose loopback has no IPv6 address
+        if ":" not in want:
+            raise
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("value,words", [
+    ("myhost", "not an IPv4 or IPv6"), ("10.0.0.300", "not an IPv4 or IPv6"),
+    ("0.0.0.0", "wildcard"), ("::", "wildcard"), ("224.0.0.1", "multicast"),
+    ("192.0.2.7", "not an address of this host")],  # TEST-NET-1: assigned nowhere
+    ids=["name", "bad-octet", "wildcard", "wildcard6", "multicast", "not-assigned"])
+def test_a_bad_environment_variable_is_refused_naming_it(clean_env: pytest.MonkeyPatch,
+                                                         value: str, words: str) -> None:
+    clean_env.setenv("GROUPCOORD_HOST_IP", value)
+    with pytest.raises(ValueError, match="GROUPCOORD_HOST_IP") as info:
+        host_ip()
+    assert words in str(info.value) and repr(value) in str(info.value)
 
 
 @pytest.mark.parametrize("master", ["127.0.0.1", "localhost", "::1", "no-such-host.invalid",

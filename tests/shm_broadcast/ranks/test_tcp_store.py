@@ -121,4 +121,6 @@ def test_a_silent_server_times_out_and_the_process_exits_cleanly(end: str) -> No
     assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
     assert "terminate called" not in proc.stderr
     waited = float(proc.stdout.split()[-1])
-    assert 1.0 <= waited < 1.0 + 2 * 2.0 + 3.0, proc.stdout  # timeout + grace (+ load)
+    # timeout + grace, plus what a loaded 2-core machine adds (8.4 s seen): bounded,
+    # where the unfixed wait never returns
+    assert 1.0 <= waited < 1.0 + 2 * 2.0 + 15.0, proc.stdout
