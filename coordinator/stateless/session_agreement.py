@@ -107,7 +107,6 @@ seal.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import hmac
 import secrets
@@ -138,7 +137,10 @@ _JOIN_SLICE_S = 0.5  # the longest single wait for rank 0's record while joining
 _CONFIRMED = b"\x01"  # first byte of a confirmation
 _REFUSAL = b"\x00"  # first byte of a refusal
 _REFUSAL_RECORD = 1 + SESSION_BYTES + _TAG_BYTES
-_SHORT_WAIT_S = 0.05  # below this, a store wait is replaced by a check (see _keys_exist)
+#: How long :meth:`SessionAgreement._keys_exist` first sleeps between two looks at the
+#: store (seconds); later pauses double up to ``_LOOK_MOST_S``.
+_LOOK_FIRST_S = 0.001
+_LOOK_MOST_S = 0.02
 # What a best-effort store call (the done count, deleting keys) may meet when the
 # store's host has left or stopped; the call is then skipped.
 _BEST_EFFORT = (RuntimeError, dist.DistError, CommTimeout, StoreConnectionError)
@@ -303,8 +305,8 @@ class SessionAgreement:
         the error if the store did not answer; else None."""
         left = max(deadline[0] - time.monotonic(), 0.001)
         try:
-            self._call("wait", [key], datetime.timedelta(seconds=min(left, _JOIN_SLICE_S)),
-                       op="create", deadline=deadline)
+            if not self._keys_exist([key], min(left, _JOIN_SLICE_S), deadline, "create"):
+                return None
             return bytes(self._call("get", key, op="create", deadline=deadline))
         except CommTimeout as e:
             return e
@@ -633,16 +635,25 @@ class SessionAgreement:
 
     def _keys_exist(self, keys: list[str], seconds: float, deadline: tuple[float, float],
                     op: str) -> bool:
-        """True once every key of ``keys`` exists, waiting at most ``seconds`` (never past
-        the deadline); False if they do not by then."""
-        left = min(seconds, deadline[0] - time.monotonic())
+        """True once every key of ``keys`` exists, looking for at most ``seconds`` (never
+        past the deadline); False if they do not by then.
+
+        Looks with the store's ``check`` at growing intervals (:data:`_LOOK_FIRST_S` up
+        to :data:`_LOOK_MOST_S`), not with its timed ``wait``: a wait that runs out
+        makes torch's client log two warnings, and rank 0 waits for the answers in
+        slices that run out until the last rank has come.
+        """
+        end = min(time.monotonic() + seconds, deadline[0])
+        pause = _LOOK_FIRST_S
         try:
-            # The store's wait times out at once below ~1 ms even when the keys
-            # exist, so a (nearly) spent wait checks them instead.
-            if left < _SHORT_WAIT_S:
-                return bool(self._call("check", keys, op=op, deadline=deadline))
-            self._call("wait", keys, datetime.timedelta(seconds=left), op=op, deadline=deadline)
-            return True
+            while True:
+                if self._call("check", keys, op=op, deadline=deadline):
+                    return True
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, _LOOK_MOST_S)
         except ClosedError:
             raise
         except (RuntimeError, dist.DistError):

@@ -224,3 +224,48 @@ def barrier_timeout(rank: int, world_size: int, port: int) -> dict:
     if rank == 0:  # rank 0 hosts the store: outlive the other ranks' timed-out waits
         time.sleep(1.5)
     return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("late_rank", [1, 0])
+def test_waiting_for_a_late_rank_logs_nothing(capfd: pytest.CaptureFixture[str],
+                                              late_rank: int) -> None:
+    """One rank of two joins 1.5 s late. Rank 0 waits for the answers in slices (it
+    checks its own record between them); a joining rank waits for rank 0's record in
+    slices. A slice spent in the store's timed wait made torch's client log two
+    warnings each time it ran out ("[c10d] waitForInput: ... likely a timeout"), a
+    dozen lines for one late rank."""
+    import threading
+
+    port, secret = free_port(), StatelessProcessGroup.generate_secret()
+    groups: list[StatelessProcessGroup] = []
+    errors: list[BaseException] = []
+
+    def rank(r: int, after: float) -> None:
+        try:
+            time.sleep(after)
+            g = StatelessProcessGroup.create("127.0.0.1", port, r, 2, timeout=20,
+                                             name="late", secret=secret)
+            groups.append(g)
+            t0 = time.monotonic()
+            g.barrier()
+            if after == 0.0:
+                waited.append(time.monotonic() - t0)
+        except BaseException as e:
+            errors.append(e)
+
+    waited: list[float] = []
+    threads = [threading.Thread(target=rank, args=(r, 1.5 if r == late_rank else 0.0))
+               for r in (0, 1)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join(40)
+    finally:
+        for g in groups:
+            g.close()
+    assert not errors, errors
+    assert len(waited) == 1 and waited[0] < 10.0, waited
+    err = capfd.readouterr().err
+    assert "waitForInput" not in err, err[-2000:]
