@@ -62,8 +62,9 @@ sends or receives a value, within that call's timeout)::
                              answer is missing, else rank 0
 
 Rank 0's wait slices start at :data:`WATCH_FIRST_S` and double up to
-:data:`~coordinator.stateless.retry_delay.MOST_S`: a store ``wait`` returns as soon
-as the keys exist, so the slices cost nothing when the answers are there.
+:data:`~coordinator.stateless.retry_delay.MOST_S`; within a slice it looks for
+the answers with the store's ``check`` every 1-20 ms (``_keys_exist``), so a
+slice ends soon after the answers are there.
 
 **No replay is ever accepted** (a group re-created with the same secret, name,
 size and port, in this job or a later one): every rank's session hashes its own
