@@ -386,8 +386,8 @@ class TensorDictCalls:
         problem = ""
         have = gather.world_size if gather is not None else None
         for key, kind, value in meta:
-            if kind != TENSOR:
-                out[key] = value
+            if kind != TENSOR:  # an honest sender inlines no tensor here; a peer's may be odd
+                out[key] = plain(value) if kind == INLINE else value
                 continue
             parts = int(value[3])
             if not parts:

@@ -54,6 +54,7 @@ from coordinator.trace.recorder import DEVICE
 from coordinator.wire import object_comm
 from coordinator.wire.object_comm import ObjectChannel
 from coordinator.wire.tensor_dict_format import (
+    INLINE,
     TENSOR,
     AllGatherGroup,
     SlicedDict,
@@ -61,6 +62,7 @@ from coordinator.wire.tensor_dict_format import (
     check_metadata,
     flatten_tensor_dict,
     own_slices,
+    plain,
     rebuild_slices,
 )
 from device_comms.torch_dist.torch_communicator import wire_view
@@ -313,8 +315,8 @@ class CudaP2P:
         problem = ""
         have = gather.world_size if gather is not None else None
         for key, kind, value in meta:
-            if kind != TENSOR:
-                out[key] = value
+            if kind != TENSOR:  # an honest sender inlines no tensor here; a peer's may be odd
+                out[key] = plain(value) if kind == INLINE else value
                 continue
             parts = int(value[3])
             t = alloc(value, g.device, parts or 1)

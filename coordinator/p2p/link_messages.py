@@ -58,7 +58,7 @@ import torch
 
 from coordinator.errors import CollectiveMismatch, CommTimeout, DecodeError, PeerRejectedError
 from coordinator.p2p.link_offer import CHUNK_BYTES
-from coordinator.wire.tensor_dict_format import check_metadata, dtype_of, sent_numels
+from coordinator.wire.tensor_dict_format import check_metadata, dtype_of, plain, sent_numels
 from shm_broadcast.describe import describe
 
 __all__ = ["PART_BYTES", "DICT", "TENSOR_ONLY", "streamed", "send", "confirmed", "plain_piece",
@@ -316,10 +316,8 @@ class Pieces:
             except BaseException as e:
                 self._broken(e)
                 raise
-        piece = self._inline[self._taken]
+        piece = plain(self._inline[self._taken])  # a peer's codec may mark it a Parameter
         self._taken += 1
-        if piece.requires_grad:
-            piece = piece.detach()
         if piece.dtype == dtype and piece.numel() == numel:
             return piece.reshape(-1)
         if piece.dtype == torch.uint8 and piece.dim() == 1 and piece.numel() == nbytes:

@@ -50,7 +50,7 @@ from coordinator.errors import CollectiveMismatch, DecodeError, GroupCoordError
 from coordinator.p2p import link_messages
 from coordinator.p2p.channels import RECV, SEND
 from coordinator.p2p.shm_links import ShmLinks
-from coordinator.wire.tensor_dict_format import dtype_of, flatten_tensor_dict, sent_numels
+from coordinator.wire.tensor_dict_format import dtype_of, flatten_tensor_dict, plain, sent_numels
 from device_comms import DeviceCommunicator, validation
 
 __all__ = ["send", "recv", "reject", "reject_through_comm"]
@@ -117,7 +117,7 @@ def recv(group: GroupView, links: ShmLinks, size: torch.Size | Sequence[int],
                 f"{sent_dtype}", peers=(src,))
 
     got = _take(group, links, link, src, check)
-    return got.detach() if got.requires_grad else got  # a peer's codec may set the flag
+    return plain(got)  # a peer's codec may mark it a Parameter or requiring grad
 
 
 def reject(group: GroupView, links: ShmLinks, direction: str, peer: int,

@@ -8,6 +8,7 @@ return exactly what was sent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -678,3 +679,41 @@ def late_receiver_mid_stream(rank: int, n: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_a_dict_cut_short_closes_the_direction(dist_pool):
     assert dist_pool(2).run(late_receiver_mid_stream, timeout=100) == [[], []]
+
+
+def parameters_on_a_link(rank: int, n: int) -> list[Any]:
+    """Rank 0 offers a link of its own and writes tensors its codec marks as
+    requiring grad or as Parameters: a lone tensor for ``recv`` arrives plain (a
+    lone Parameter is no tensor message: DecodeError), and a dict's inline
+    Parameter arrives plain too."""
+    from coordinator.errors import DecodeError
+    from coordinator.p2p.link_offer import MAGIC
+
+    g = _group(rank, n, "param-link")
+    try:
+        if rank == 0:
+            q = _attacker_queue(1)
+            g._objects.send([MAGIC, q.export_handle().to_bytes()], 1, LINK_OFFER)
+            q.wait_until_ready(30)
+            q.enqueue(["t1", torch.arange(3.0).requires_grad_()])
+            q.enqueue(["t1", torch.nn.Parameter(torch.arange(3.0), requires_grad=False)])
+            q.enqueue(["td", [["t", 2, torch.nn.Parameter(torch.ones(2), requires_grad=False)],
+                              ["u", 2, torch.nn.Parameter(torch.ones(1))]], []])
+            g.barrier()
+            q.close()
+            return []
+        got = [g.recv(torch.Size([3]), torch.float32, 0)]
+        with contextlib.suppress(DecodeError):  # the lone Parameter
+            got.append(g.recv(torch.Size([3]), torch.float32, 0))
+        got += g.recv_tensor_dict(0).values()
+        g.barrier()
+        return [(type(t).__name__, t.requires_grad, t.tolist()) for t in got]
+    finally:
+        g.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_tensors_a_peer_marks_as_parameters_arrive_plain(dist_pool):
+    got = dist_pool(2).run(parameters_on_a_link, timeout=100)
+    assert got == [[], [("Tensor", False, [0.0, 1.0, 2.0]), ("Tensor", False, [1.0, 1.0]),
+                        ("Tensor", False, [1.0])]]

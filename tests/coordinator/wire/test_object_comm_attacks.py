@@ -181,3 +181,37 @@ def test_a_claimed_size_is_allocated_only_as_its_bytes_arrive(dist_pool):
     results = dist_pool(2).run(claim_without_bytes, timeout=80)
     kind, small = results[1]
     assert kind in (CommTimeout.__name__, ClosedError.__name__, "DecodeError") and small, results
+
+
+def inline_parameters(rank: int, world_size: int) -> list[Any]:
+    """Rank 0 sends dict metadata holding inline tensors (which an honest sender puts
+    only in queue messages) marked Parameter, one requiring grad; rank 1 receives
+    with recv_tensor_dict and irecv_tensor_dict."""
+    from coordinator.group.group_coordinator import GroupCoordinator
+    from coordinator.p2p.link_offer import MAGIC
+    from coordinator.wire.object_comm import DICT_META, LINK_OFFER
+    from coordinator.wire.tensor_dict_format import INLINE
+
+    world = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
+                             group_name="inline", timeout=60)
+    try:
+        if rank == 0:
+            world._objects.send([MAGIC, None], 1, LINK_OFFER)  # the direction: CPU group
+            meta = [["p", INLINE, torch.nn.Parameter(torch.ones(2))],
+                    ["q", INLINE, torch.nn.Parameter(torch.ones(3), requires_grad=False)]]
+            for _ in range(2):
+                world._objects.send(meta, 1, DICT_META)
+            return []
+        got = [world.recv_tensor_dict(0), world.irecv_tensor_dict(0).wait(30)]
+        return [(k, type(t).__name__, t.requires_grad, t.tolist())
+                for d in got for k, t in d.items()]
+    finally:
+        world.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_inline_tensors_of_a_peer_arrive_plain(dist_pool):
+    """Receivers get plain tensors outside autograd, whatever the metadata claims
+    (the CPU-group path returned the peer's Parameter as it was decoded)."""
+    plain = [("p", "Tensor", False, [1.0, 1.0]), ("q", "Tensor", False, [1.0, 1.0, 1.0])]
+    assert dist_pool(2).run(inline_parameters, timeout=100) == [[], plain * 2]
