@@ -23,8 +23,11 @@ whole tensor with one all-gather among themselves.
 Point-to-point dicts keep the group's point-to-point order and run
 asynchronously on its channels (:mod:`coordinator.p2p.point_to_point`). An
 asynchronous receive with an ``all_gather_group`` receives the slices on the
-channel and leaves the all-gathers, collectives of that group, to the handle's
-first ``wait()`` on the caller's thread (:mod:`coordinator.p2p.handle`).
+channel and rebuilds the tensors there too, trading slices point to point with
+the other ranks of that group (:func:`exchange_slices`: an all-gather on the
+worker would take a place among that group's collectives that depends on
+timing). A CUDA group's receive leaves the all-gathers to the handle's first
+``wait()`` (:mod:`coordinator.p2p.handle`).
 """
 
 from __future__ import annotations
@@ -366,13 +369,14 @@ class TensorDictCalls:
             raise ValueError(problem)
         return rebuild_slices(got, gather) if gather is not None else got.out
 
-    def _recv_unassembled(self, src: int, gather: AllGatherGroup) -> SlicedDict:
-        """Receive a dict for ``irecv_tensor_dict`` with an ``all_gather_group``: its
-        slices, which the handle's ``wait()`` rebuilds on the caller's thread."""
+    def _recv_exchanged(self, src: int, gather: AllGatherGroup) -> dict[Any, Any]:
+        """``irecv_tensor_dict`` with an ``all_gather_group`` on a CPU group, on the
+        direction's worker: receive this rank's slices, then rebuild the tensors by
+        trading slices with the other ranks of ``gather`` (:func:`exchange_slices`)."""
         got, problem = self._recv_slices(src, gather, "irecv_tensor_dict")
         if problem:
             raise ValueError(problem)
-        return got
+        return exchange_slices(got, gather)
 
     def _recv_slices(self, src: int, gather: AllGatherGroup | None,
                      op: str) -> tuple[SlicedDict, str]:
@@ -498,9 +502,41 @@ class TensorDictCalls:
         if gather is None:
             return p2p.handle(p2p.submit(RECV, src, "irecv_tensor_dict", seq, self._recv, src,
                                          None, "irecv_tensor_dict", entry=entry))
-        work = p2p.submit(RECV, src, "irecv_tensor_dict", seq, self._recv_unassembled, src,
-                          gather, entry=entry)
-        return p2p.handle(work, finish=lambda got: rebuild_slices(got, gather))
+        return p2p.handle(p2p.submit(RECV, src, "irecv_tensor_dict", seq, self._recv_exchanged,
+                                     src, gather, entry=entry))
+
+
+def exchange_slices(got: SlicedDict, gather: AllGatherGroup) -> dict[Any, Any]:
+    """Rebuild the sliced tensors of ``got`` by trading slices with the other ranks
+    of ``gather`` point to point: each sends its slice of every sliced tensor to
+    every other rank and receives theirs, then concatenates them in rank order.
+
+    This is how an asynchronous receive rebuilds, on its worker thread: an
+    all-gather is a collective, whose place among ``gather``'s other collectives
+    would depend on when the worker got there; point-to-point calls keep their
+    own order per peer and direction (:mod:`coordinator.p2p.point_to_point`), the
+    order in which each rank's receives of the dicts finish. Every rank of
+    ``gather`` receives its dicts in the same order, so the slices pair up, as
+    long as no other thread of these ranks sends or receives between them over
+    ``gather`` at the same time. Each wait is bounded by ``gather``'s timeout.
+
+    Returns:
+        ``got.out``, its sliced keys now holding the whole tensors.
+    """
+    out = got.out
+    n, me = gather.world_size, gather.rank_in_group
+    peers = [r for r in range(n) if r != me]
+    sends: list[Any] = []
+    recvs: list[dict[int, Any]] = []
+    for _, piece, _ in got.sliced:
+        sends += [gather.isend(piece, r) for r in peers]
+        recvs.append({r: gather.irecv((piece.shape, piece.dtype), r) for r in peers})
+    for (key, piece, shape), theirs in zip(got.sliced, recvs, strict=True):
+        parts = [piece if r == me else theirs[r].wait() for r in range(n)]
+        out[key] = torch.cat(parts).reshape(shape)
+    for h in sends:
+        h.wait()
+    return out
 
 
 def _broadcast_transport(g: DictGroup, src: Any, group: Any, metadata_group: Any) -> str | None:

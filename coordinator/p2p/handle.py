@@ -10,13 +10,14 @@ peer (``PeerDiedError``), a mismatch or a peer's rejection
 call number and the peer). Argument errors (``TypeError``/``ValueError``
 naming the argument) raise at the call itself, as in the blocking calls.
 
-A receive may end with a step that must run on the waiting thread: an
-``irecv_tensor_dict`` with an ``all_gather_group`` rebuilds its sliced
-tensors with all-gathers over that group, collectives the group's ranks must
-call in the same order as their others. Such a handle's first successful
-``wait()`` runs the step (``finish``) and keeps what it returned or raised,
-so every later ``wait()`` returns or raises the same; ``is_completed()``
-says whether the transfer finished.
+A receive may end with a step that must run on the waiting thread: on a
+CUDA group, an ``irecv_tensor_dict`` with an ``all_gather_group`` rebuilds
+its sliced tensors with all-gathers over that group, collectives the group's
+ranks must call in the same order as their others (vLLM's ``postprocess``).
+Such a handle's first ``wait()`` that finds the transfer done runs the step
+(``finish``, which waits with that group's timeout, not the wait's) and
+keeps what it returned or raised, so every later ``wait()`` returns or
+raises the same; ``is_completed()`` says whether the transfer finished.
 
 A ``wait(timeout)`` that runs out leaves the call running: wait again, or
 destroy the group. A handle dropped without ``wait()`` does not stop its

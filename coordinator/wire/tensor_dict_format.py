@@ -97,6 +97,10 @@ class AllGatherGroup(Protocol):
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
 
+    def isend(self, tensor: torch.Tensor, dst: int | None = None) -> Any: ...
+
+    def irecv(self, tensor_or_spec: Any, src: int | None = None) -> Any: ...
+
 
 class SlicedDict(NamedTuple):
     """A received dict whose sliced tensors are not rebuilt yet.

@@ -2,9 +2,10 @@
 
 A pipeline stage of TP ranks that all hold the same tensors sends each one as
 this rank's ``1/tp`` slice; the receiving stage's TP ranks get their slices
-asynchronously and rebuild the tensors with all-gathers over their TP group,
-run by the handle's first ``wait()`` on the waiting thread (vLLM 0.33's
-``irecv_tensor_dict(all_gather_group=...)`` and its ``postprocess`` step).
+asynchronously and rebuild the tensors in the background, trading slices
+point to point over their TP group (vLLM 0.33's
+``irecv_tensor_dict(all_gather_group=...)`` leaves that to a ``postprocess``
+step; here ``wait()`` only waits).
 
 The senders' "replicated" tensors deliberately differ between TP ranks, so a
 rebuilt tensor shows which rank's slice landed where. Layouts: TP x PP of
@@ -139,6 +140,60 @@ def _slices_suite(rank: int, tp_size: int) -> list[str]:
 def test_async_dicts_rebuild_slices_at_wait(dist_pool, tp, pp, transport) -> None:
     results = dist_pool(tp * pp).run(run_async_slices, tp, transport, timeout=200)
     assert results == [["ring", "whole", "missing-group", "errors", "in-step"]] * (tp * pp)
+
+
+def run_polls(rank: int, world_size: int, transport: str) -> list[Any]:
+    """TP=2 x PP=2. The second sender starts 1.5 s after the first. Receivers poll
+    with wait(0) and, between polls, make all_gathers of their TP group of the
+    shape a rebuild would make: the rebuild must not pair with them (it used to
+    run at the first poll that found the transfer done, a moment that differs
+    between the ranks). Then rank 2 waits with a 1 s timeout for a dict whose
+    TP peer (rank 3) waits only 4 s later: the wait ends when the dict is there."""
+    import time
+
+    from coordinator import parallel_state as ps
+    from coordinator.errors import CommTimeout
+
+    with env_set("GROUPCOORD_P2P_SHM", "1" if transport == "link" else "0"):
+        ps.initialize_model_parallel(2, 2)
+        try:
+            tp, pp = ps.get_tp_group(), ps.get_pp_group()
+            out: list[Any] = []
+            if pp.rank_in_group == 0:
+                time.sleep(1.5 * rank)
+                pp.isend_tensor_dict({"x": torch.full((8,), 7.0)}, 1, tp).wait()
+                pp.isend_tensor_dict({"y": torch.arange(6.0)}, 1, tp).wait()
+                return out
+            h = pp.irecv_tensor_dict(0, tp)
+            gathers = 0
+            while True:
+                try:
+                    got = h.wait(0)
+                    break
+                except CommTimeout:
+                    pass
+                tp.all_gather(torch.full((4,), float(rank)), dim=0)  # the rank's own TP work
+                gathers += 1
+                time.sleep(0.1)
+            out.append(got["x"].tolist())
+            tp.barrier()
+            h = pp.irecv_tensor_dict(0, tp)
+            if rank == 3:
+                time.sleep(4.0)
+            t0 = time.monotonic()
+            got = h.wait(timeout=10.0 if rank == 3 else 1.0)
+            out.append((got["y"].tolist(), rank == 3 or time.monotonic() - t0 < 1.5))
+            return out
+        finally:
+            ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("transport", ["link", "cpu-group"])
+def test_polling_receivers_interleaved_with_tp_work_get_their_dicts(dist_pool,
+                                                                    transport) -> None:
+    got = dist_pool(4).run(run_polls, transport, timeout=200)
+    want = [[7.0] * 8, ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], True)]
+    assert got == [[], [], want, want], got
 
 
 def run_group_of_one(rank: int, world_size: int) -> list[Any]:
