@@ -62,6 +62,8 @@ from coordinator.trace.recorder import (
     DONE,
     OUT_DTYPES,
     OUT_SIZES,
+    REDUCE_OP,
+    ROOT,
     TRANSPORT,
     GroupTrace,
     shapes_of,
@@ -160,30 +162,34 @@ class CallBook:
 
     def run(self, op: str, fn: Callable[..., _R], *args: Any, partner: int | None = None,
             p2p: bool = False, data: Any = None, transport: str | None = None,
-            dim: int | None = None) -> _R:
+            dim: int | None = None, root: Any = None, reduce_op: Any = None) -> _R:
         """Run ``fn(*args)`` as call ``op``: numbered (a collective call unless
         ``p2p``), recorded (``data``: the input whose shapes the entry keeps;
-        ``transport``: see :meth:`record`; ``dim``: the dimension along which a
-        variable-size call's rows differ between ranks, None for 0) and a
+        ``transport``: see :meth:`record`; ``dim``: the call's dimension, along
+        which a variable-size call's rows differ between ranks and an
+        all-gather's or gather's output grows, None for 0; ``root``: a rooted
+        call's ``src``/``dst``; ``reduce_op``: a reducing call's op) and a
         failed wait explained (``partner``: the peer of a point-to-point call)."""
         if p2p:
             self.p2p_calls = n = self.p2p_calls + 1
             return self._run(op, fn, args, n + self.collectives, partner, p2p, data,
-                             transport, dim)
+                             transport, dim, root, reduce_op)
         n = self.begin(op)
         try:
             return self._run(op, fn, args, n + self.p2p_calls, partner, p2p, data,
-                             transport, dim)
+                             transport, dim, root, reduce_op)
         finally:
             self.end()
 
     def _run(self, op: str, fn: Callable[..., _R], args: tuple[Any, ...], seq: int,
              partner: int | None, p2p: bool, data: Any, transport: str | None,
-             dim: int | None) -> _R:
+             dim: int | None, root: Any = None, reduce_op: Any = None) -> _R:
         """:meth:`run`'s call, numbered ``seq``."""
         entry = self.record(op, data, -1 if partner is None else partner, transport)
-        if entry is not None and type(dim) is int:  # a bad dim: the call itself raises
-            entry[DIM] = dim
+        if entry is not None:
+            entry[DIM] = dim  # as given (a bad one: the call raises, the dump ignores it)
+            entry[ROOT] = root  # as given: the dump keeps only an int
+            entry[REDUCE_OP] = reduce_op
         marks = None if p2p or self.marks is None else self.marks()
         started = monotonic()
         try:

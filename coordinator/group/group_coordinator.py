@@ -336,8 +336,8 @@ class GroupCoordinator:
                 except WAIT_ERRORS as e:
                     book.explain("all_reduce", seq, e, started=started)  # name what went wrong
                     raise
-            entry = None if trace is None else trace.begin_tensor("all_reduce", n, book.p2p_calls,
-                                                                  input_)  # record it
+            entry = None if trace is None else trace.begin_tensor(
+                "all_reduce", n, book.p2p_calls, input_, -1, None, None, op)  # record it
             marks = None if mark is None else mark()  # follow the device's work
             try:
                 result = self.comm.all_reduce(input_, op, out=out)
@@ -378,8 +378,8 @@ class GroupCoordinator:
                 except WAIT_ERRORS as e:
                     book.explain("all_gather", seq, e, started=started)  # name what went wrong
                     raise
-            entry = None if trace is None else trace.begin_tensor("all_gather", n, book.p2p_calls,
-                                                                  input_)  # record it
+            entry = None if trace is None else trace.begin_tensor(
+                "all_gather", n, book.p2p_calls, input_, -1, dim)  # record it (dim: its output)
             marks = None if mark is None else mark()  # follow the device's work
             try:
                 result = self.comm.all_gather(input_, dim)
@@ -426,7 +426,7 @@ class GroupCoordinator:
                     book.explain("reduce_scatter", seq, e, started=started)  # name what went wrong
                     raise
             entry = None if trace is None else trace.begin_tensor(
-                "reduce_scatter", n, book.p2p_calls, input_)  # record it
+                "reduce_scatter", n, book.p2p_calls, input_, -1, dim, None, op)  # record it
             marks = None if mark is None else mark()  # follow the device's work
             try:
                 result = self.comm.reduce_scatter(input_, dim, op)
@@ -449,24 +449,27 @@ class GroupCoordinator:
     ) -> torch.Tensor:
         """Reduce, then keep ``sizes[rank]`` entries along ``dim`` (sizes sum to the dim)."""
         return self._book.run("reduce_scatterv", self.comm.reduce_scatterv, input_, dim, sizes,
-                              op, data=input_, dim=dim)
+                              op, data=input_, dim=dim, reduce_op=op)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
         if _tracing() and self.world_size == 1:
             validation.check_rank(dst, 1, "dst")
             return _traced_alone(input_, dim)
-        return self._book.run("gather", self.comm.gather, input_, dst, dim, data=input_)
+        return self._book.run("gather", self.comm.gather, input_, dst, dim, data=input_, dim=dim,
+                              root=dst)
 
     def reduce(
         self, input_: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor | None:
         """Reduce onto ``dst`` (a new tensor there, None elsewhere)."""
-        return self._book.run("reduce", self.comm.reduce, input_, dst, op, data=input_)
+        return self._book.run("reduce", self.comm.reduce, input_, dst, op, data=input_, root=dst,
+                              reduce_op=op)
 
     def scatter(self, input_: torch.Tensor | None, src: int = 0, dim: int = 0) -> torch.Tensor:
         """Split ``src``'s tensor into equal slices along ``dim``; rank ``i`` gets slice ``i``."""
-        return self._book.run("scatter", self.comm.scatter, input_, src, dim, data=input_)
+        return self._book.run("scatter", self.comm.scatter, input_, src, dim, data=input_,
+                              root=src)
 
     def all_to_all(
         self, input_: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0
@@ -660,13 +663,14 @@ class GroupCoordinator:
     def _all_gather_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         """All-gather along ``dim`` into a new tensor: the eager body of
         ``groupcoord::all_gather``, named as in the seed."""
-        return self._book.run("all_gather", self.comm.all_gather, input_, dim, data=input_)
+        return self._book.run("all_gather", self.comm.all_gather, input_, dim, data=input_,
+                              dim=dim)
 
     def _reduce_scatter_out_place(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
         """Reduce-scatter along ``dim`` into a new tensor: the eager body of
         ``groupcoord::reduce_scatter``, named as in the seed."""
         return self._book.run("reduce_scatter", self.comm.reduce_scatter, input_, dim,
-                              data=input_)
+                              data=input_, dim=dim)
 
     def reject_call(self, op: str, error: BaseException, data: Any = None) -> None:
         """Take this rank's part in the peers' collective ``op`` as a rejection of ``error``.
@@ -713,8 +717,8 @@ class GroupCoordinator:
                 except WAIT_ERRORS as e:
                     book.explain("broadcast", seq, e, started=started)  # name what went wrong
                     raise
-            entry = None if trace is None else trace.begin_tensor("broadcast", n, book.p2p_calls,
-                                                                  input_)  # record it
+            entry = None if trace is None else trace.begin_tensor(
+                "broadcast", n, book.p2p_calls, input_, -1, None, src)  # record it
             marks = None if mark is None else mark()  # follow the device's work
             try:
                 result = self.comm.broadcast(input_, src)
@@ -1063,11 +1067,17 @@ class GroupCoordinator:
         ``wait()`` returns the dict.
 
         With ``all_gather_group``, the tensors the sender sliced arrive as this
-        rank's slices, and the first ``wait()`` rebuilds them with all-gathers
-        over that group on the waiting thread (in vLLM, the ``postprocess``
-        step): a collective of that group, so each of its ranks waits for the
-        dict among its other calls of that group in the same order.
-        ``all_gather_tensors`` is accepted for symmetry with the sender.
+        rank's slices, and are rebuilt from the slices of the group's other
+        ranks. On a CPU group that happens in the background, point to point
+        over ``all_gather_group`` (its ranks trade slices in the order their
+        receives finish, which is the order of the dicts): ``wait()`` only
+        waits, and no call of that group between the receive and the wait can
+        pair with it. On a CUDA group the first ``wait()`` that finds the
+        transfer done rebuilds them with all-gathers over that group (vLLM's
+        ``postprocess`` step), so there each of its ranks must make that wait
+        at the same point among its calls of that group: poll with
+        ``is_completed()``, not with ``wait(0)``. ``all_gather_tensors`` is
+        accepted for symmetry with the sender.
         """
         return self._dicts.irecv_tensor_dict(src, all_gather_group)
 

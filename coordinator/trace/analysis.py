@@ -43,7 +43,11 @@ members differ). Per group, :func:`analyze_dumps` reports:
   the furthest one, by how much, and whether a rank dumped before the others
   even created its next call (then it may just have dumped early);
 * **first mismatch**: the lowest sequence number, among those every rank still
-  holds, at which ranks' calls differ in op, sizes or dtypes. Sizes are the
+  holds, at which ranks' calls differ in op, sizes, dtypes, root (``root``:
+  a broadcast's or scatter's ``src``, a reduce's or gather's ``dst``) or
+  reduce op (``reduce_op``), or at which the calls recorded agree but a rank's
+  failed with ``CollectiveMismatch`` (the ranks disagree on something the
+  dumps do not hold: a ``broadcast_object``'s source, say). Sizes are the
   true ones (``true_input_sizes``), except on the side of a call whose rows
   legitimately differ by rank (``rows_vary``; in a dump without it, any call
   that shows negative rows) and on a side some rank's call at that number
@@ -52,8 +56,10 @@ members differ). Per group, :func:`analyze_dumps` reports:
   calls compare only what all ranks share (``scatter``: the output,
   ``gather``: the input). The **culprits** are the ranks whose call
   differs from the most common one; on a tie there is no majority and every
-  rank at that sequence number is named (``tie``). A rank without a call at
-  that sequence number stopped earlier: it is behind, never a culprit;
+  rank at that sequence number is named (``tie``); when the calls recorded
+  agree (``undetermined``) the ranks whose call raised ``CollectiveMismatch``
+  are named. A rank without a call at that sequence number stopped earlier:
+  it is behind, never a culprit;
 * **latency** per op: count, p50, p90, p99 and max of ``duration_ms`` over
   completed calls (nearest-rank percentiles), all ranks together;
 * **in flight**: per rank, calls started or scheduled but not completed when
@@ -81,12 +87,13 @@ Result
                       "calls", "wrapped"}],
         "behind": [{"rank", "last_seq", "by", "dumped_early"}],
         "first_mismatch": None | {
-            "seq": int, "culprits": [int], "tie": bool,
+            "seq": int, "culprits": [int], "tie": bool, "undetermined": bool,
             "majority": None | {"op", "input_sizes", "input_dtypes",
-                                "output_sizes", "output_dtypes"},
+                                "output_sizes", "output_dtypes", "root",
+                                "reduce_op"},
             "calls": [{"rank", "op", "input_sizes", "input_dtypes",
-                       "output_sizes", "output_dtypes", "state", "error",
-                       "transport", "coalesced"}],
+                       "output_sizes", "output_dtypes", "root", "reduce_op",
+                       "state", "error", "transport", "coalesced"}],
             "behind": [int], "absent": [int]},
         "latency": [{"op", "count", "p50_ms", "p90_ms", "p99_ms", "max_ms"}],
         "in_flight": [{"rank", "count", "oldest": {"op", "seq", "p2p_seq", "state",
@@ -98,7 +105,9 @@ Result
                  "recv_dtypes"}]}]}]}
 
 Ranks are global ranks (the number in a dump's file name). In the mismatch,
-sizes and dtypes are the values compared (None: not compared for that op).
+sizes and dtypes are the values compared (None: not compared for that op);
+``root`` (a group rank) and ``reduce_op`` are None for calls without them
+and in dumps that do not record them (PyTorch's).
 """
 
 from __future__ import annotations
@@ -292,6 +301,8 @@ class Call:
     created_wall_ns: int | None
     created_monotonic_ns: int | None
     has_op: bool
+    root: int | None = None
+    reduce_op: str | None = None
 
 
 @dataclass
@@ -508,6 +519,8 @@ def _call(f: _Fields, e: dict[str, Any], where: str) -> Call:
         created_monotonic_ns=f.opt_int(e.get("time_created_monotonic_ns"),
                                        f"{where}.time_created_monotonic_ns"),
         has_op=op is not None,
+        root=f.opt_int(e.get("root"), f"{where}.root"),
+        reduce_op=f.opt_str(e.get("reduce_op"), f"{where}.reduce_op"),
     )
 
 
@@ -759,13 +772,18 @@ def _compared(call: Call, view_in: bool = False, view_out: bool = False) -> tupl
         in_sizes = in_dtypes = None  # the source's alone (PyTorch's all_to_all: any split)
     if call.kind == "gather" or (call.kind == "all_to_all" and not call.has_op):
         out_sizes = out_dtypes = None  # the root's alone
-    return call.op, in_sizes, in_dtypes, out_sizes, out_dtypes
+    return call.op, in_sizes, in_dtypes, out_sizes, out_dtypes, call.root, call.reduce_op
 
 
 def _signature_dict(sig: tuple[Any, ...]) -> dict[str, Any]:
-    op, in_sizes, in_dtypes, out_sizes, out_dtypes = sig
+    op, in_sizes, in_dtypes, out_sizes, out_dtypes, root, reduce_op = sig
     return {"op": op, "input_sizes": _lists(in_sizes), "input_dtypes": _lists(in_dtypes),
-            "output_sizes": _lists(out_sizes), "output_dtypes": _lists(out_dtypes)}
+            "output_sizes": _lists(out_sizes), "output_dtypes": _lists(out_dtypes),
+            "root": root, "reduce_op": reduce_op}
+
+
+#: The error of a call whose ranks disagreed (the class name dumps record).
+_MISMATCH_ERROR = "CollectiveMismatch"
 
 
 def _lists(value: Any) -> Any:
@@ -792,17 +810,30 @@ def _first_mismatch(collectives: Mapping[int, Mapping[int, list[Call]]],
         sigs = {r: tuple(_compared(c, view_in, view_out) for c in calls)
                 for r, calls in present.items()}
         counts = Counter(sigs.values())
+        undetermined = False
         if len(counts) == 1:
-            continue
+            # Alike as recorded: a mismatch all the same when ranks raised one (they
+            # disagree on what the dumps do not hold); those ranks are named.
+            raised = sorted(r for r, calls in present.items()
+                            if any(c.error == _MISMATCH_ERROR for c in calls))
+            if not raised:
+                continue
+            undetermined = True
         top = max(counts.values())
         winners = [sig for sig, n in counts.items() if n == top]
         tie = len(winners) > 1
         majority = None if tie else winners[0]
-        culprits = sorted(present) if tie else sorted(r for r in present if sigs[r] != majority)
+        if undetermined:
+            culprits = raised
+        elif tie:
+            culprits = sorted(present)
+        else:
+            culprits = sorted(r for r in present if sigs[r] != majority)
         return {
             "seq": s,
             "culprits": culprits,
             "tie": tie,
+            "undetermined": undetermined,
             "majority": None if majority is None else _signature_dict(majority[0]),
             "calls": [{"rank": r, **_signature_dict(sigs[r][0]), "state": calls[0].state,
                        "error": next((c.error for c in calls if c.error), None),

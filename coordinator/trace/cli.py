@@ -98,7 +98,9 @@ def _group(g: dict[str, Any]) -> list[str]:
     mm = g["first_mismatch"]
     if mm is not None:
         status.append(f"MISMATCH at seq {mm['seq']}, culprits {_ranks(mm['culprits'])}"
-                      + (" (tie)" if mm["tie"] else ""))
+                      + (" (tie)" if mm["tie"] else "")
+                      + (" (raised CollectiveMismatch; the calls recorded agree)"
+                         if mm["undetermined"] else ""))
     if g["behind"]:
         status.append(f"BEHIND: {_ranks([b['rank'] for b in g['behind']])}")
     if any(p["mismatches"] for p in g["p2p"]):
@@ -140,7 +142,11 @@ def _group(g: dict[str, Any]) -> list[str]:
 
 def _mismatch(mm: dict[str, Any]) -> list[str]:
     present = len(mm["calls"])
-    if mm["tie"]:
+    if mm["undetermined"]:
+        head = (f"rank(s) {_ranks(mm['culprits'])} raised CollectiveMismatch at seq "
+                f"{mm['seq']}, but the calls recorded agree: they differ in something the "
+                "dumps do not hold (an object broadcast's source, say)")
+    elif mm["tie"]:
         head = f"no majority among the {present} ranks at seq {mm['seq']} (tie)"
     else:
         head = (f"rank(s) {_ranks(mm['culprits'])} differ from the other "
@@ -149,12 +155,13 @@ def _mismatch(mm: dict[str, Any]) -> list[str]:
     culprits = set(mm["culprits"])
     rows = []
     for c in mm["calls"]:
-        mark = "<- culprit" if c["rank"] in culprits and not mm["tie"] else ""
+        mark = ("<- culprit" if c["rank"] in culprits and not mm["tie"]
+                and not mm["undetermined"] else "")
         rows.append([str(c["rank"]), _clean(c["op"]),
                      _sizes(c["input_sizes"], c["input_dtypes"]),
-                     _sizes(c["output_sizes"], c["output_dtypes"]),
+                     _sizes(c["output_sizes"], c["output_dtypes"]), _args(c),
                      _clean(c["state"]), _clean(c["error"] or "-"), mark])
-    lines += _table(["rank", "op", "input", "output", "state", "error", ""], rows,
+    lines += _table(["rank", "op", "input", "output", "root/op", "state", "error", ""], rows,
                     indent="    ")
     if mm["behind"]:
         lines.append(f"    stopped before seq {mm['seq']} (behind, not culprits): "
@@ -162,6 +169,16 @@ def _mismatch(mm: dict[str, Any]) -> list[str]:
     if mm["absent"]:
         lines.append(f"    no call recorded at seq {mm['seq']}: {_ranks(mm['absent'])}")
     return lines
+
+
+def _args(c: dict[str, Any]) -> str:
+    """A call's root and reduce op as the table shows them (``-``: neither)."""
+    parts = []
+    if c["root"] is not None:
+        parts.append(f"root {c['root']}")
+    if c["reduce_op"] is not None:
+        parts.append(f"op {_clean(c['reduce_op'])}")
+    return ", ".join(parts) or "-"
 
 
 def _pair(p: dict[str, Any]) -> str:

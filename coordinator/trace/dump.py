@@ -27,7 +27,11 @@ groupcoord installed. The top level follows PyTorch's dump (version ``2.10``):
   (``shm``, ``gloo``, ``hierarchical``, ``pynccl``, ``custom_allreduce``,
   ``queue``...), ``error`` (the class of the error a failed call raised),
   ``peer``, ``time_created_monotonic_ns``, ``rows_vary``, ``true_input_sizes`` /
-  ``true_output_sizes``, ``replays``;
+  ``true_output_sizes``, ``replays``, ``root`` (the group rank of a rooted
+  call's root: a broadcast's or scatter's ``src``, a reduce's or gather's
+  ``dst``; else None) and ``reduce_op`` (a reducing call's op by name,
+  ``SUM``...; else None). PyTorch's loader ignores keys it does not read;
+  these let ``groupcoord trace`` name ranks that disagree on a root or op;
 * ``comm_lib_version``, and ``groupcoord``: rank, host, pid, why the dump was
   written, the monotonic and wall clocks at the dump.
 
@@ -68,7 +72,13 @@ rejected its arguments without knowing the tensor its peers pass) shows
 ``input_sizes[0]`` and ``output_sizes[0]`` of every tensor call it compares,
 and an empty first shape makes its dtype checks skip the call (its size
 checks still compare it: where an op's sizes are compared, the call shows as
-differing from its peers'). A missing side of a rooted call (``gather``'s
+differing from its peers'). A call that has not completed (failed, or still
+waiting) has no output yet: an ``all_gather``, ``reduce_scatter`` or a
+``gather``'s root shows the output it produces (the input's shape with
+``dim`` multiplied, or divided, by the group's size), so that ranks that
+made the same call compare equal whatever became of it; where its arguments
+give no output (``dim`` out of range or not divisible) it shows the input's.
+A missing side of a rooted call (``gather``'s
 output off the root, ``scatter``'s input off the source) shows the other
 side's sizes, as the analyzer expects of PyTorch's in-place calls.
 """
@@ -105,7 +115,9 @@ from coordinator.trace.recorder import (
     OUT_SIZES,
     P2P_SEQ,
     PEER,
+    REDUCE_OP,
     RID,
+    ROOT,
     SEQ,
     THREAD,
     TRANSPORT,
@@ -244,6 +256,46 @@ def _shown_rows(fr_type: str, vary_in: bool, vary_out: bool,
     return -1, -1  # all_to_all: each side's numel summed over the ranks balances
 
 
+def _expected_out(entry: list[Any], n: int) -> Any:
+    """The output shape ``entry``'s call produces, derived from its input's shape,
+    its ``dim`` and the group's size ``n`` (see :mod:`coordinator.trace.recorder`):
+    an ``all_gather``'s input with ``dim`` times ``n``, a ``reduce_scatter``'s
+    with ``dim`` divided by ``n``, a ``gather``'s on its root as an all-gather's.
+    None for other calls, and where the arguments cannot give an output (a
+    ``dim`` out of range, not divisible by ``n``): those show the input's."""
+    op, sizes, dim = entry[OP], entry[IN_SIZES], entry[DIM]
+    if op == "gather":
+        if entry[ROOT] != entry[GROUP].rank_in_group:
+            return None  # no output off the root
+        op = "all_gather"
+    elif op != "all_gather" and op != "reduce_scatter":
+        return None
+    if dim is None:
+        dim = -1  # not recorded: the calls' default
+    if type(dim) is not int or not isinstance(sizes, torch.Size) or not -len(sizes) <= dim < len(
+            sizes):
+        return None
+    out = list(sizes)
+    if op == "all_gather":
+        out[dim] *= n
+    elif out[dim] % n:
+        return None
+    else:
+        out[dim] //= n
+    return torch.Size(out)
+
+
+def _reduce_op_name(op: Any) -> str | None:
+    """A reduce op as a dump writes it: its name (``SUM``), None for none."""
+    if op is None:
+        return None
+    try:
+        name = getattr(op, "name", None)
+        return name if isinstance(name, str) else str(op)[:64]
+    except Exception:
+        return type(op).__name__
+
+
 def _state(entry: list[Any]) -> tuple[str, int | None, int | None, int | None]:
     """(state, started, completed, replays) of ``entry``; times monotonic ns.
 
@@ -280,12 +332,16 @@ def _entry(entry: list[Any], wall_offset: int, threads: dict[int, str]) -> dict[
     if entry[TRANSPORT] is None and group.transport_of is not None:
         with contextlib.suppress(Exception):
             transport = str(group.transport_of(op, entry))
-    in_sizes, out_sizes = _sizes(entry[IN_SIZES]), _sizes(entry[OUT_SIZES])
+    n = len(group.ranks)
+    out_raw = entry[OUT_SIZES]
+    if out_raw is None:  # not completed (or no output): the one the call produces
+        out_raw = _expected_out(entry, n)
+    in_sizes, out_sizes = _sizes(entry[IN_SIZES]), _sizes(out_raw)
     in_dtypes, out_dtypes = _dtypes(entry[IN_DTYPES]), _dtypes(entry[OUT_DTYPES])
-    if entry[OUT_SIZES] is not None and entry[OUT_DTYPES] is None:
+    if out_raw is not None and entry[OUT_DTYPES] is None:
         out_dtypes = in_dtypes  # only the shape changed (all_gather, reduce_scatter)
     if tensors:  # a missing side reads as the other one (see the module docstring)
-        if entry[OUT_SIZES] is None:
+        if out_raw is None:
             out_sizes, out_dtypes = in_sizes, in_dtypes
         if entry[IN_SIZES] is None:
             in_sizes, in_dtypes = out_sizes, out_dtypes
@@ -294,8 +350,8 @@ def _entry(entry: list[Any], wall_offset: int, threads: dict[int, str]) -> dict[
     else:
         in_sizes = out_sizes = []
         in_dtypes = out_dtypes = []
-    shown_in, shown_out = _shown_rows(fr_type, vary_in, vary_out, len(group.ranks))
-    dim = entry[DIM] or 0
+    shown_in, shown_out = _shown_rows(fr_type, vary_in, vary_out, n)
+    dim = entry[DIM] if type(entry[DIM]) is int else 0
     name = f"{PROFILING_LIBRARY}:{fr_type}"
     me, peer = group.rank_in_group, entry[PEER]
     if is_p2p:
@@ -332,9 +388,11 @@ def _entry(entry: list[Any], wall_offset: int, threads: dict[int, str]) -> dict[
         "time_created_monotonic_ns": created,
         "rows_vary": [vary_in, vary_out],
         "true_input_sizes": _sizes(entry[IN_SIZES]),
-        "true_output_sizes": _sizes(entry[OUT_SIZES]) if entry[OUT_SIZES] is not None
+        "true_output_sizes": _sizes(out_raw) if out_raw is not None
         else None if (vary_in or vary_out) and done is None else _sizes(entry[IN_SIZES]),
         "replays": replays,
+        "root": entry[ROOT] if type(entry[ROOT]) is int else None,
+        "reduce_op": _reduce_op_name(entry[REDUCE_OP]),
     }
 
 

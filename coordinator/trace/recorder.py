@@ -13,7 +13,15 @@ An entry is a Python list laid out by the index constants below (``RID``,
   collective and point-to-point sequence numbers, the peer of a
   point-to-point call, the input's shape and dtype (never its data), the
   monotonic creation time, the calling thread, and the Python stack when
-  ``GROUPCOORD_TRACE_STACKS=1``;
+  ``GROUPCOORD_TRACE_STACKS=1``; the call's ``dim`` (``DIM``), root
+  (``ROOT``: a broadcast's or scatter's ``src``, a reduce's or gather's
+  ``dst``) and reduce op (``REDUCE_OP``) where it has them. The output shape
+  of a call whose output differs from its input by a rule (``all_gather``:
+  ``dim`` times the group's size; ``reduce_scatter``: divided by it; a
+  ``gather``'s root) follows from the input's shape, ``DIM`` and the group:
+  the dump derives it (:mod:`coordinator.trace.dump`), so a call that fails,
+  or has not completed yet, shows the output it would produce while the hot
+  calls compute nothing for it;
 * **completion**: the caller stores ``monotonic_ns()`` at ``DONE`` (and the
   output's shape and dtype at ``OUT_SIZES``/``OUT_DTYPES`` when they differ
   from the input's);
@@ -77,7 +85,7 @@ __all__ = [
     "reset_recorder",
     "RID", "GROUP", "OP", "SEQ", "P2P_SEQ", "PEER", "IN_SIZES", "IN_DTYPES",
     "OUT_SIZES", "OUT_DTYPES", "CREATED", "DONE", "ERROR", "FRAMES", "DEVICE", "TRANSPORT",
-    "DIM", "THREAD", "ENTRY_LEN", "shapes_of",
+    "DIM", "THREAD", "ROOT", "REDUCE_OP", "ENTRY_LEN", "shapes_of",
 ]
 
 #: Ring entries unless ``GROUPCOORD_TRACE_BUFFER`` says otherwise.
@@ -102,9 +110,11 @@ ERROR = 12  # the error's class name, None unless the call failed
 FRAMES = 13  # [{"name", "filename", "line"}] or None
 DEVICE = 14  # DeviceMarks of a device call, else None
 TRANSPORT = 15  # the transport when the call named it (queue broadcasts), else None
-DIM = 16  # the dimension along which a variable-size call's rows differ; None: 0
+DIM = 16  # the call's dim as given (a variable-size call's rows differ along it); None: its default
 THREAD = 17  # threading.get_ident() of the thread that made the call
-ENTRY_LEN = 18
+ROOT = 18  # group rank of a rooted call's root (broadcast/scatter src, reduce/gather dst)
+REDUCE_OP = 19  # the reduce op of a reducing call (a ReduceOp), else None
+ENTRY_LEN = 20
 
 
 class DeviceMarks(Protocol):
@@ -257,22 +267,25 @@ class GroupTrace:
             peer: The group rank of a point-to-point call's peer.
         """
         entry = [next(self._ids), self, op, seq, p2p_seq, peer, sizes, dtypes, None, None,
-                 monotonic_ns(), 0, None, None, None, None, None, get_ident()]
+                 monotonic_ns(), 0, None, None, None, None, None, get_ident(), None, None]
         self._append(entry)
         return entry
 
     def begin_tensor(self, op: str, seq: int, p2p_seq: int, tensor: Any,
-                     peer: int = -1) -> list[Any]:
+                     peer: int = -1, dim: Any = None, root: Any = None,
+                     reduce_op: Any = None) -> list[Any]:
         """:meth:`begin` for a call on one tensor: keeps its shape and dtype (never
         the tensor). Anything without them records none: the call's own checks
-        then say what is wrong with it. The hot calls' form, one call layer only.
+        then say what is wrong with it. The hot calls' form, one call layer only:
+        ``dim``, ``root`` and ``reduce_op`` (the call's arguments, as given: the
+        dump checks them) go into the entry as it is built.
         """
         try:
             sizes, dtypes = tensor.shape, tensor.dtype
         except AttributeError:
             sizes = dtypes = None
         entry = [next(self._ids), self, op, seq, p2p_seq, peer, sizes, dtypes, None, None,
-                 monotonic_ns(), 0, None, None, None, None, None, get_ident()]
+                 monotonic_ns(), 0, None, None, None, None, dim, get_ident(), root, reduce_op]
         self._append(entry)
         return entry
 
@@ -328,9 +341,10 @@ class StackedGroupTrace(GroupTrace):
         return entry
 
     def begin_tensor(self, op: str, seq: int, p2p_seq: int, tensor: Any,
-                     peer: int = -1) -> list[Any]:
+                     peer: int = -1, dim: Any = None, root: Any = None,
+                     reduce_op: Any = None) -> list[Any]:
         """:meth:`GroupTrace.begin_tensor`, with the caller's stack in ``FRAMES``."""
-        entry = super().begin_tensor(op, seq, p2p_seq, tensor, peer)
+        entry = super().begin_tensor(op, seq, p2p_seq, tensor, peer, dim, root, reduce_op)
         entry[FRAMES] = _frames()
         return entry
 
@@ -347,10 +361,12 @@ class StartOnly:
 
     @staticmethod
     def begin_tensor(op: str, seq: int, p2p_seq: int, tensor: Any,
-                     peer: int = -1) -> list[Any]:
-        """An unrecorded entry of call ``op`` that begins now (``tensor`` unread)."""
+                     peer: int = -1, dim: Any = None, root: Any = None,
+                     reduce_op: Any = None) -> list[Any]:
+        """An unrecorded entry of call ``op`` that begins now (``tensor`` and the
+        call's arguments unread)."""
         return [-1, None, op, seq, p2p_seq, peer, None, None, None, None, monotonic_ns(),
-                0, None, None, None, None, None, None]
+                0, None, None, None, None, None, None, None, None]
 
 
 def _frames() -> list[dict[str, Any]]:
