@@ -487,7 +487,8 @@ class TensorDictCalls:
 
     def irecv_tensor_dict(self, src: int | None, all_gather_group: Any = None) -> P2PHandle:
         """``GroupCoordinator.irecv_tensor_dict``: start receiving a dict from ``src``;
-        with ``all_gather_group``, the handle's ``wait()`` rebuilds sliced tensors."""
+        with ``all_gather_group``, sliced tensors are rebuilt on the direction's
+        worker (a CUDA group's: by the handle's first ``wait()``)."""
         g, p2p = self._group, self._p2p
         src, seq, entry = p2p.begin("irecv_tensor_dict", src, "src", -1, allow_alone=True)
         try:
