@@ -20,16 +20,16 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
 
+from tests.coordinator.rank_checks import env_set
+from tests.coordinator.trace.fr_tools import PREFIX, analyzer_order, torchfrtrace
+
 pytestmark = pytest.mark.timeout(180)
 
-_PREFIX = "rank_"
 _TIMEOUT = 10.0
 
 
@@ -38,17 +38,10 @@ def _group(rank: int, world_size: int, directory: str, name: str) -> Any:
     from coordinator import GroupCoordinator
     from coordinator.trace.recorder import reset_recorder
 
-    saved = os.environ.get("GROUPCOORD_TRACE_DUMP")
-    os.environ["GROUPCOORD_TRACE_DUMP"] = os.path.join(directory, _PREFIX)
-    previous = reset_recorder()
-    try:
+    with env_set("GROUPCOORD_TRACE_DUMP", os.path.join(directory, PREFIX)):
+        previous = reset_recorder()
         g = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
                              group_name=name, timeout=_TIMEOUT)
-    finally:
-        if saved is None:
-            os.environ.pop("GROUPCOORD_TRACE_DUMP", None)
-        else:
-            os.environ["GROUPCOORD_TRACE_DUMP"] = saved
     return g, previous
 
 
@@ -80,20 +73,8 @@ def _load(path: str) -> dict[str, Any]:
         return pickle.load(f)  # our own test's dumps
 
 
-def _torchfrtrace(directory: str) -> str:
-    script = os.path.join(os.path.dirname(sys.executable), "torchfrtrace")
-    cmd = [script] if os.path.exists(script) else [
-        sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
-    done = subprocess.run([*cmd, directory], capture_output=True, text=True, timeout=60)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
-    return out
 
 
-def _analyzer_order(directory: str) -> list[int]:
-    """The ranks in the order PyTorch's loader reads their files."""
-    return [int(f[len(_PREFIX):]) for _, _, files in os.walk(directory) for f in files
-            if f.startswith(_PREFIX)]
 
 
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
@@ -110,7 +91,7 @@ def test_a_failed_call_dumps_the_output_shape_it_would_produce(
     last = world_size - 1
     entries = {}
     for r in range(world_size):
-        dump = _load(os.path.join(directory, f"{_PREFIX}{r}"))
+        dump = _load(os.path.join(directory, f"{PREFIX}{r}"))
         (e,) = [x for x in dump["entries"] if x["op"] == op]
         assert e["state"] == "failed" and e["error"] == "CollectiveMismatch", e
         k = 3 if r == last else 2
@@ -136,10 +117,10 @@ def test_a_failed_call_dumps_the_output_shape_it_would_produce(
             assert got.state == MatchState.FULLY_MATCHED, (r, s, str(got))
 
     # torchfrtrace on the directory: only the disagreeing side is blamed.
-    report = _torchfrtrace(directory)
+    report = torchfrtrace(directory)
     assert "Collective sequence number: 2 has errors" in report, report
     blamed = {int(r) for r in re.findall(r"Culprit rank (\d+)", report)}
-    if _analyzer_order(directory)[0] == last:  # the odd one is its reference
+    if analyzer_order(directory)[0] == last:  # the odd one is its reference
         assert blamed == set(range(last)), report
     else:
         assert blamed == {last}, report
@@ -169,7 +150,7 @@ def test_a_call_in_flight_dumps_the_output_shape_it_will_produce(
     t = torch.ones(3, 2 * world_size)
     entries = []
     for r in range(world_size):
-        rec = FlightRecorder(16, dump_prefix=str(tmp_path / _PREFIX))
+        rec = FlightRecorder(16, dump_prefix=str(tmp_path / PREFIX))
         g = rec.group("g:0", "g", list(range(world_size)), r, timeout=10)
         assert g is not None
         entry = g.begin_tensor(op, 1, 0, t)
@@ -241,4 +222,4 @@ def test_ranks_that_disagree_on_root_or_reduce_op_are_named(
     assert f"MISMATCH at seq 2, culprits {[0, 1] if world_size == 2 else [last]}" in out, out
 
     # PyTorch's analyzer still loads and reads the dumps (its verdict: nothing it compares)
-    _torchfrtrace(directory)
+    torchfrtrace(directory)

@@ -20,18 +20,17 @@ import os
 import pickle
 import re
 import stat
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
 
+from tests.coordinator.trace.fr_tools import PREFIX, analyzer_order, torchfrtrace
+
 pytestmark = pytest.mark.timeout(120)
 
 _SKIPPER = 2
 _TIMEOUT = 10.0
-_PREFIX = "rank_"
 
 
 def _calls(g: Any, rank: int) -> list[tuple[str, Any]]:
@@ -61,7 +60,7 @@ def skip_one_all_reduce(rank: int, world_size: int, transport: str,
     from coordinator.trace.recorder import reset_recorder
 
     saved = os.environ.get("GROUPCOORD_TRACE_DUMP")
-    os.environ["GROUPCOORD_TRACE_DUMP"] = os.path.join(directory, _PREFIX)
+    os.environ["GROUPCOORD_TRACE_DUMP"] = os.path.join(directory, PREFIX)
     previous = reset_recorder()  # this run's calls only, dumped where the test looks
     try:
         kwargs = {"device_communicator": "torch"} if transport == "gloo" else {}
@@ -89,20 +88,8 @@ def skip_one_all_reduce(rank: int, world_size: int, transport: str,
         reset_recorder(previous)
 
 
-def _analyzer_order(directory: str) -> list[int]:
-    """The ranks in the order PyTorch's loader reads their files (``read_dir``)."""
-    return [int(f[len(_PREFIX):]) for _, _, files in os.walk(directory) for f in files
-            if f.startswith(_PREFIX)]
 
 
-def _torchfrtrace(directory: str) -> str:
-    script = os.path.join(os.path.dirname(sys.executable), "torchfrtrace")
-    cmd = [script] if os.path.exists(script) else [
-        sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"]
-    done = subprocess.run([*cmd, directory], capture_output=True, text=True, timeout=60)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
-    return out
 
 
 _SEQ = 7  # rank 2's 7th collective is the all_gather its peers' 7th all_reduce meets
@@ -114,11 +101,11 @@ def _dumps(dist_pool: Any, directory: str, transport: str) -> list[dict[str, Any
     for o in outs:
         assert o["error"] == "CollectiveMismatch", outs
         assert len(o["done"]) == _SEQ - 1, outs
-        assert o["dump"] == os.path.join(directory, f"{_PREFIX}{o['rank']}"), outs
+        assert o["dump"] == os.path.join(directory, f"{PREFIX}{o['rank']}"), outs
     assert outs[_SKIPPER]["failed"] == "all_gather"
     assert all(o["failed"] == "all_reduce" for o in outs if o["rank"] != _SKIPPER)
     for r in range(4):
-        mode = stat.S_IMODE(os.stat(os.path.join(directory, f"{_PREFIX}{r}")).st_mode)
+        mode = stat.S_IMODE(os.stat(os.path.join(directory, f"{PREFIX}{r}")).st_mode)
         assert mode == 0o600, oct(mode)
     return outs
 
@@ -132,17 +119,17 @@ def test_torchfrtrace_and_groupcoord_trace_find_the_skipped_all_reduce(
     directory = str(tmp_path / "dumps")
     outs = _dumps(dist_pool, directory, transport)
 
-    with open(os.path.join(directory, f"{_PREFIX}0"), "rb") as f:
+    with open(os.path.join(directory, f"{PREFIX}0"), "rb") as f:
         dump = pickle.load(f)
     reduces = [e for e in dump["entries"] if e["op"] == "all_reduce"]
     assert {e["transport"] for e in reduces} == {transport}  # the transport the calls took
     assert reduces[-1]["state"] == "failed" and reduces[-1]["error"] == "CollectiveMismatch"
 
     # PyTorch's analyzer, as a subprocess on the directory
-    report = _torchfrtrace(directory)
+    report = torchfrtrace(directory)
     assert f"Collective sequence number: {_SEQ} has errors" in report, report
     blamed = {int(r) for r in re.findall(r"Culprit rank (\d+)", report)}
-    if _analyzer_order(directory)[0] != _SKIPPER:  # the reference made the agreed calls
+    if analyzer_order(directory)[0] != _SKIPPER:  # the reference made the agreed calls
         assert blamed == {_SKIPPER}, report
         assert "found collective type: 'all_gather'" in report, report
     else:  # rank 2 is the reference: the analyzer blames the others
