@@ -58,7 +58,7 @@ import re
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import psutil
 
@@ -176,33 +176,47 @@ class CallErrors:
                 reader's timeout (its ``peers`` say ``"writer"``).
             started: When the call began (``time.monotonic()``), if known.
         """
+        error = self._explained(op, seq, e, partner, writer, started)
+        if error is None:
+            return
+        # Dropped from this frame on the way out: the error's traceback holds the
+        # frame, and a frame that held the error would make a cycle keeping the
+        # frames' objects (the group's communicator and process groups, whose
+        # sockets and threads destroy() ends) alive until the garbage collector ran.
+        try:
+            raise error from e
+        finally:
+            del error
+
+    def _explained(self, op: str, seq: int, e: BaseException, partner: int | None,
+                   writer: int | None, started: float | None) -> BaseException | None:
+        """:meth:`explain`'s error for ``e``, or None where ``e`` is raised as it is."""
         if self.destroyed and not isinstance(e, (ClosedError, NotInitializedError)):
             # (NotInitializedError: the call began after destroy, and says so.)
             err = ClosedError(f"{self._where(op, seq)}: the group was destroyed while this "
                               f"call was running ({type(e).__name__}: {_first_line(e)})")
             err.call = seq  # type: ignore[attr-defined]
             err.op = op  # type: ignore[attr-defined]
-            self._raise(err, e)
+            return err
         cause = e
         raw = e.__cause__ if isinstance(e, GroupCoordError) else e
         if not isinstance(e, GroupCoordError):
             e = translate_backend_error(e, self._where(op, seq))
             if e is cause:
-                return  # not a failed wait: the caller re-raises it as it is
+                return None  # not a failed wait: the caller re-raises it as it is
         if isinstance(e, CommTimeout):
             if getattr(e, "call", None) is not None:
-                return  # already explained by the group whose call it was
+                return None  # already explained by the group whose call it was
             detail = f"gloo: {_first_line(raw)}" if _is_backend_error(raw) else _first_line(e)
-            self._raise(self._timeout(op, seq, e, partner, writer, detail), cause)
+            return self._timeout(op, seq, e, partner, writer, detail)
         if isinstance(e, PeerDiedError) and _is_backend_error(raw):
-            self._raise(self._closed_by_peer(op, seq, _first_line(raw), partner, started),
-                        cause)
+            return self._closed_by_peer(op, seq, _first_line(raw), partner, started)
         if isinstance(e, PeerDiedError) and getattr(e, "suspected", False):
             ranks = [p for p in e.peers if isinstance(p, int) and not isinstance(p, bool)]
-            self._raise(self._closed_by_peer(op, seq, _first_line(e), partner, started,
-                                             ranks or None), cause)
+            return self._closed_by_peer(op, seq, _first_line(e), partner, started,
+                                        ranks or None)
         if e is not cause or not isinstance(e, GroupCoordError):
-            self._raise(e, cause)
+            return e
         # Raised by a lower layer for a call of its own (the header broadcast of
         # broadcast_object, the tensors of a tensor dict): say which call of this
         # group it served; a queue names its writer "writer": give its rank.
@@ -212,7 +226,8 @@ class CallErrors:
         writer_named = writer is not None and "writer" in e.peers
         if not names_op or writer_named:
             peers = [writer if p == "writer" else p for p in e.peers]
-            self._raise(_in_call(e, None if names_op else self._where(op, seq), peers), cause)
+            return _in_call(e, None if names_op else self._where(op, seq), peers)
+        return None
 
     def dead_partner(self, op: str, seq: int, partner: int) -> PeerDiedError | None:
         """The error of call ``seq`` when its ``partner``'s process is provably gone
@@ -389,10 +404,6 @@ class CallErrors:
                 who += f" on {self.hosts[r]}"
             parts.append(f"rank {r}, {who}: {_WHY[st]}")
         return "; ".join(parts)
-
-    @staticmethod
-    def _raise(err: BaseException, cause: BaseException) -> NoReturn:
-        raise err from cause
 
 
 def _in_call(e: GroupCoordError, where: str | None, peers: Sequence[object]) -> GroupCoordError:

@@ -477,19 +477,27 @@ class CpuCommunicator(TorchDistributedCommunicator):
         communicator was aborted meanwhile; this package's errors as they are (a
         mismatch naming this rank's ``args``); a backend's ``RuntimeError``
         translated; anything else (an interrupt partway through) after breaking
-        the engine for the peers."""
-        why = self.broken
-        if why is not None:
-            raise copy.copy(why) from e
-        if isinstance(e, CollectiveMismatch):
-            with_own_arguments(e, args)
+        the engine for the peers.
+
+        ``e`` is dropped from this frame on the way out: the raised error's
+        traceback holds the frame, and a frame that held the error would make a
+        cycle keeping this communicator (and its process groups' sockets and
+        threads) alive after ``destroy()`` until the garbage collector ran."""
+        try:
+            why = self.broken
+            if why is not None:
+                raise copy.copy(why) from e
+            if isinstance(e, CollectiveMismatch):
+                with_own_arguments(e, args)
+                raise e
+            if isinstance(e, DeviceCommError):
+                raise e
+            if isinstance(e, RuntimeError):
+                raise self._translate(op, e) from e
+            self._interrupted(op, e)
             raise e
-        if isinstance(e, DeviceCommError):
-            raise e
-        if isinstance(e, RuntimeError):
-            raise self._translate(op, e) from e
-        self._interrupted(op, e)
-        raise e
+        finally:
+            del e
 
     def _all_reduce(self, t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         eng = self._flat

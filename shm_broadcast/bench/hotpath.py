@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from shm_broadcast.cli_args import output_path
+from shm_broadcast.cli_args import number, output_path
 
 __all__ = ["add_args", "run", "measure"]
 
@@ -57,16 +57,15 @@ def measure(payload: Any, rounds: int = 400, chunks: int = 8) -> tuple[float, fl
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=400, help="fill-and-drain rounds")
-    parser.add_argument("--repeats", type=int, default=3, help="independent measurements")
+    parser.add_argument("--rounds", type=number(int, minimum=16), default=400,
+                        help="fill-and-drain rounds, at least 16 (default: %(default)s)")
+    parser.add_argument("--repeats", type=number(int, minimum=1), default=3,
+                        help="independent measurements, at least 1 (default: %(default)s)")
     parser.add_argument("--json", dest="json_path", type=output_path,
                         help="also write the results as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.rounds < 16 or args.repeats < 1:
-        print("--rounds must be >= 16 and --repeats >= 1")
-        return 2
     out: dict[str, dict[str, float]] = {}
     print(f"{'payload':<12} {'best p50 us/msg':>16} {'p99 us/msg':>11}")
     for name, payload in _PAYLOADS.items():

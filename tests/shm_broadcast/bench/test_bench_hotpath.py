@@ -21,6 +21,11 @@ def test_hotpath_cli_writes_every_payload(tmp_path) -> None:
     assert all(0 < v["p50_us"] <= v["p99_us"] for v in got.values()), got
 
 
-def test_hotpath_cli_rejects_too_few_rounds(run_cli) -> None:
-    code, out, _ = run_cli(["bench", "mq-hotpath", "--rounds", "3"])
-    assert code == 2 and "--rounds" in out
+@pytest.mark.parametrize("args,words", [(["--rounds", "3"], ("--rounds", ">= 16", "'3'")),
+                                        (["--repeats", "0"], ("--repeats", ">= 1", "'0'"))],
+                         ids=["rounds", "repeats"])
+def test_hotpath_cli_rejects_too_few_rounds(run_cli, args, words) -> None:
+    """On stderr with the usage, as every other bad argument (it used to print on stdout)."""
+    code, out, err = run_cli(["bench", "mq-hotpath", *args])
+    assert code == 2 and not out and "usage:" in err
+    assert all(w in err for w in words), err
