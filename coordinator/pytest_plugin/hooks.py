@@ -62,6 +62,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _CONFIGS.remove(config)
 
 
+#: Fixtures whose values are the model-parallel groups a marker's tp=/pp=/dp= make.
+_MODEL_GROUP_FIXTURES = ("tp_group", "pp_group", "dp_group")
+
+
 def _options(item: pytest.Item) -> MarkerOptions | None:
     mark = item.get_closest_marker(MARKER)
     if mark is None or not isinstance(item, pytest.Function):
@@ -90,6 +94,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     options = _options(item)
     if options is None:
         return
+    wanted = [f for f in _MODEL_GROUP_FIXTURES if f in getattr(item, "fixturenames", ())]
+    if wanted and not options.layout.model_parallel:  # before any rank starts
+        pytest.fail(f"{item.nodeid}: fixture {wanted[0]!r} needs model-parallel groups: give "
+                    f"tp=, pp= or dp= in the distributed marker", pytrace=False)
     item.stash[_OPTIONS] = options
     item.stash[_STARTED] = started
     pool = item.config.stash[_POOLS].get(options.layout)

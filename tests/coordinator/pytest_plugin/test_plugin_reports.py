@@ -156,6 +156,11 @@ _AS_IN_PYTEST = """
         @pytest.mark.distributed(world_size=2)
         def test_in_a_testcase(self):
             pass
+
+
+    @pytest.mark.distributed(world_size=2)
+    def test_tp_group_without_tp(rank, tp_group):
+        pass
 """
 
 
@@ -165,11 +170,14 @@ def test_module_state_environment_warnings_returns_and_refusals(
     """The ranks do what pytest does: a module's top-level code holds for each of its
     tests, the ranks start from the session's environment (not what a fixture set
     here), warning filters (ini and marks) apply, a returned value warns, a skip is
-    reported at the test; a unittest method is refused instead of running here."""
+    reported at the test; a unittest method is refused instead of running here, and
+    so is a model group's fixture in a test whose marker makes no model groups."""
     pytester.makeini("[pytest]\nfilterwarnings =\n    error::DeprecationWarning\n")
     res = _run(pytester, monkeypatch, _AS_IN_PYTEST, "-rs", "-W", "default::UserWarning")
     out = res.stdout.str()
-    res.assert_outcomes(passed=3, failed=2, skipped=1, errors=1, warnings=1)
+    # (a model group's fixture without tp=/pp=/dp= is refused at setup, before
+    # any rank starts, as other bad options are: it used to fail on every rank)
+    res.assert_outcomes(passed=3, failed=2, skipped=1, errors=2, warnings=1)
     res.stdout.fnmatch_lines([
         "*::test_module_state_first PASSED*", "*::test_module_state_second PASSED*",
         "*::test_warning_made_an_error FAILED*",
@@ -182,6 +190,7 @@ def test_module_state_environment_warnings_returns_and_refusals(
     skip_line = _line(_AS_IN_PYTEST, "def test_skips_everywhere") - 1  # its decorator
     res.stdout.fnmatch_lines([f"SKIPPED [[]1[]] test_generated.py:{skip_line}: not here"])
     assert "does not apply to unittest.TestCase methods" in out
+    assert "fixture 'tp_group' needs model-parallel groups: give tp=, pp= or dp=" in out
 
 
 _LAYOUTS = """
