@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import inspect
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -919,6 +920,17 @@ class GroupCoordinator:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(pg)
         self.cpu_group = self.device_group = None
+        # The communicator goes now, and with it the process groups it holds (a
+        # gloo group's sockets and threads end with its last reference). A call
+        # that failed (one blocked on another thread when the group was destroyed,
+        # say) may have left its error in a reference cycle with the frames that
+        # raised it, a frame holding the error its traceback holds; those frames
+        # hold the communicator, which only the garbage collector would free. So
+        # when it outlives the last reference this method had, collect now.
+        alive = weakref.ref(comm)
+        del comm, groups, pg
+        if alive() is not None:
+            gc.collect()
 
     def __repr__(self) -> str:
         return (

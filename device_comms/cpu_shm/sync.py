@@ -571,7 +571,10 @@ class StepSync:
 
     def _fail(self, error: DeviceCommError) -> None:
         self.broken = f"an earlier error left this communicator unusable: {error}"
-        raise error
+        try:
+            raise error
+        finally:
+            del error  # a frame holding the error its traceback holds is a cycle
 
     def _disagree(self, op: str, gen: int, sig_a: int, sig_b: int) -> None:
         """Some peer's signature of step ``gen`` differs from ours (``sig_a``, ``sig_b``):
