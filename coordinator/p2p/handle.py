@@ -56,15 +56,15 @@ class P2PHandle:
             result (see the module docstring).
     """
 
-    __slots__ = ("_work", "_timeout", "_next_check", "_finish", "_finish_lock", "_finished")
+    __slots__ = ("_work", "_timeout", "_next_check", "_finish", "_finished")
 
     def __init__(self, work: Any, timeout: float,
                  finish: Callable[[Any], Any] | None = None) -> None:
         self._work = work
         self._timeout = timeout
         self._next_check = time.monotonic() + LIVENESS_S
-        self._finish = finish
-        self._finish_lock = threading.Lock()
+        # (the step, and the lock under which the first wait runs it), only with a step
+        self._finish = None if finish is None else (finish, threading.Lock())
         self._finished: tuple[Any, Exception | None] | None = None
 
     @property
@@ -132,15 +132,16 @@ class P2PHandle:
         w.observed = True
         if w.error is not None:
             raise w.error
-        finish = self._finish
-        if finish is None:
+        step = self._finish
+        if step is None:
             return w.result
-        return self._finished_result(finish, w.result)
+        return self._finished_result(*step, w.result)
 
-    def _finished_result(self, finish: Callable[[Any], Any], result: Any) -> Any:
+    def _finished_result(self, finish: Callable[[Any], Any], lock: threading.Lock,
+                         result: Any) -> Any:
         """``finish(result)``, run once; later calls return or raise what it did. An
         interrupt (not an ``Exception``) is not kept: the next wait runs it again."""
-        with self._finish_lock:
+        with lock:
             done = self._finished
             if done is None:
                 try:
