@@ -183,7 +183,7 @@ class CallBook:
 
     def _run(self, op: str, fn: Callable[..., _R], args: tuple[Any, ...], seq: int,
              partner: int | None, p2p: bool, data: Any, transport: str | None,
-             dim: int | None, root: Any = None, reduce_op: Any = None) -> _R:
+             dim: int | None, root: Any, reduce_op: Any) -> _R:
         """:meth:`run`'s call, numbered ``seq``."""
         entry = self.record(op, data, -1 if partner is None else partner, transport)
         if entry is not None:
