@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar, cast
 
@@ -362,7 +363,7 @@ class DeviceCommunicator(abc.ABC):
         self._check_open()
         try:
             t = validation.check_tensor(input_, "input_", self.device)
-            validation.check_rank(dst, self.world_size, "dst")
+            dst = validation.check_rank(dst, self.world_size, "dst")
             d = validation.gather_dim(t, dim, self.world_size)
         except (TypeError, ValueError) as e:
             self._reject("gather", e)
@@ -378,7 +379,7 @@ class DeviceCommunicator(abc.ABC):
         self._check_open()
         try:
             t = validation.check_tensor(input_, "input_", self.device)
-            validation.check_rank(dst, self.world_size, "dst")
+            dst = validation.check_rank(dst, self.world_size, "dst")
             rop = check_reduce_op(op, t.dtype)
         except (TypeError, ValueError) as e:
             self._reject("reduce", e)
@@ -392,7 +393,7 @@ class DeviceCommunicator(abc.ABC):
         self._check_open()
         try:
             t = validation.check_tensor(input_, "input_", self.device)
-            validation.check_rank(src, self.world_size, "src")
+            src = validation.check_rank(src, self.world_size, "src")
             if self.rank_in_group != src:  # the source only reads its tensor
                 validation.check_writable(t, "input_")
             if not t.is_contiguous():
@@ -416,9 +417,11 @@ class DeviceCommunicator(abc.ABC):
         """
         self._check_open()
         try:
-            validation.check_rank(src, self.world_size, "src")
-            if not isinstance(dim, int) or isinstance(dim, bool):
+            src = validation.check_rank(src, self.world_size, "src")
+            checked_dim = checks.as_int(dim)
+            if checked_dim is None:
                 raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+            dim = checked_dim
         except (TypeError, ValueError) as e:
             self._reject("scatter", e)
             raise
@@ -523,7 +526,7 @@ class DeviceCommunicator(abc.ABC):
             if peer is None:
                 raise ValueError(f"peer is required for op {op!r}: the group rank that "
                                  f"this rank's {op} would pair with")
-            validation.check_rank(peer, self.world_size, "peer")
+            peer = validation.check_rank(peer, self.world_size, "peer")
             if peer == self.rank_in_group:
                 raise ValueError(f"peer={peer} is this rank; {op} pairs with another rank "
                                  f"of the group")
@@ -544,9 +547,9 @@ class DeviceCommunicator(abc.ABC):
             t = validation.check_tensor(tensor, "tensor", self.device)
         except (TypeError, ValueError) as e:
             if self._is_peer(dst):  # the receiver can be told
-                self._reject("send", e, dst)
+                self._reject("send", e, operator.index(dst))
             raise
-        validation.check_rank(dst, self.world_size, "dst")
+        dst = validation.check_rank(dst, self.world_size, "dst")
         if dst == self.rank_in_group:
             raise ValueError(f"dst={dst} is this rank; send needs another rank of the group")
         self._guard("send", self._send, validation.dense(t), dst)
@@ -558,16 +561,17 @@ class DeviceCommunicator(abc.ABC):
             shape = validation.check_spec(size, dtype, self.device)
         except (TypeError, ValueError) as e:
             if self._is_peer(src):  # the sender can be told
-                self._reject("recv", e, src)
+                self._reject("recv", e, operator.index(src))
             raise
-        validation.check_rank(src, self.world_size, "src")
+        src = validation.check_rank(src, self.world_size, "src")
         if src == self.rank_in_group:
             raise ValueError(f"src={src} is this rank; recv needs another rank of the group")
         return self._guard("recv", self._recv, shape, dtype, src)
 
     def _is_peer(self, r: Any) -> bool:
         """Whether ``r`` is another rank of this group (a valid send/recv peer)."""
-        return (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.world_size
+        r = checks.as_int(r)
+        return (r is not None and 0 <= r < self.world_size
                 and r != self.rank_in_group)
 
     # ------------------------------------------------------------------ lifecycle

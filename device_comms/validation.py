@@ -263,13 +263,14 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def norm_dim(dim: Any, ndim: int, arg: str = "dim") -> int:
     """Return ``dim`` as a non-negative index into a tensor of ``ndim`` dims."""
-    if not isinstance(dim, int) or isinstance(dim, bool):
+    d = checks.as_int(dim)
+    if d is None:
         raise TypeError(f"{arg} must be an int, got {type(dim).__name__}")
     if ndim == 0:
-        raise ValueError(f"{arg}={dim} is invalid for a 0-dim tensor; reshape it to 1-D first")
-    if not -ndim <= dim < ndim:
-        raise ValueError(f"{arg} must be in [{-ndim}, {ndim}) for a {ndim}-D tensor, got {dim}")
-    return dim % ndim
+        raise ValueError(f"{arg}={d} is invalid for a 0-dim tensor; reshape it to 1-D first")
+    if not -ndim <= d < ndim:
+        raise ValueError(f"{arg} must be in [{-ndim}, {ndim}) for a {ndim}-D tensor, got {d}")
+    return d % ndim
 
 
 _INT64_MAX = (1 << 63) - 1
@@ -325,12 +326,12 @@ def check_spec(size: Any, dtype: Any, device: torch.device | None = None) -> tor
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-    if isinstance(size, int) and not isinstance(size, bool):
+    if checks.as_int(size) is not None:
         size = (size,)  # a length, as torch.empty(n) takes it (vLLM's callers pass one)
-    if not isinstance(size, (torch.Size, list, tuple)) or not all(
-        isinstance(s, int) and not isinstance(s, bool) for s in size
-    ):
+    dims = [checks.as_int(s) for s in size] if isinstance(size, (torch.Size, list, tuple)) else None
+    if dims is None or None in dims:
         raise TypeError(f"size must be a shape (a sequence of ints), got {size!r}")
+    size = dims
     if any(s < 0 for s in size):
         raise ValueError(f"size must not have negative entries, got {tuple(size)}")
     check_fits(size, dtype, device, "size")

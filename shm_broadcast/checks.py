@@ -3,7 +3,9 @@
 One rule everywhere: a value of the wrong type raises ``TypeError`` naming the
 argument, the expected type and the type that came; a value of the right type
 outside its range raises ``ValueError`` naming the argument, the range and
-the value. ``bool`` is never accepted where an int is expected.
+the value. ``bool`` is never accepted where an int is expected; a NumPy
+integer (any ``numbers.Integral`` but ``bool``) is, and comes back a Python
+``int`` (:func:`as_int`), so callers use the checked value, not the argument.
 
 Timeouts mean the same in every layer (:func:`check_timeout`): a number of
 seconds (or a ``datetime.timedelta``) ``>= 0``, where ``0`` polls once without
@@ -19,10 +21,14 @@ from __future__ import annotations
 
 import datetime
 import math
+import numbers
+import operator
 import os
 from typing import Any
 
-__all__ = ["check_bool", "check_int", "check_rank", "check_str", "check_timeout", "env_flag"]
+__all__ = [
+    "as_int", "check_bool", "check_int", "check_rank", "check_str", "check_timeout", "env_flag",
+]
 
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"0", "false", "no", "off"})
@@ -45,18 +51,33 @@ def env_flag(var: str, default: bool) -> bool:
     raise ValueError(f"{var} must be 0 or 1, got {raw!r}")
 
 
+def as_int(value: Any) -> int | None:
+    """``value`` as a Python ``int`` if it is an integer, else None.
+
+    An integer is an ``int`` or any other ``numbers.Integral`` (NumPy's
+    integer scalars register as one) that is not a ``bool``. An ``int``
+    subclass comes back as it is.
+    """
+    if isinstance(value, int):
+        return None if isinstance(value, bool) else value
+    if isinstance(value, numbers.Integral):
+        return operator.index(value)
+    return None
+
+
 def check_int(value: Any, arg: str, *, minimum: int | None = None,
               maximum: int | None = None) -> int:
     """Return ``value`` if it is an int in ``[minimum, maximum]`` (either bound optional).
 
     Raises:
-        TypeError: ``value`` is not an int (or is a bool).
+        TypeError: ``value`` is not an integer (:func:`as_int`).
         ValueError: ``value`` is outside the bounds.
     """
-    if not isinstance(value, int) or isinstance(value, bool):
+    n = as_int(value)
+    if n is None:
         raise TypeError(f"{arg} must be an int, got {type(value).__name__} ({value!r:.60})")
-    too_small = minimum is not None and value < minimum
-    too_big = maximum is not None and value > maximum
+    too_small = minimum is not None and n < minimum
+    too_big = maximum is not None and n > maximum
     if too_small or too_big:
         if maximum is None:
             want = f">= {minimum}"
@@ -64,8 +85,8 @@ def check_int(value: Any, arg: str, *, minimum: int | None = None,
             want = f"<= {maximum}"
         else:
             want = f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{arg} must be an int {want}, got {value}")
-    return value
+        raise ValueError(f"{arg} must be an int {want}, got {n}")
+    return n
 
 
 def check_bool(value: Any, arg: str) -> bool:
@@ -91,17 +112,18 @@ def check_str(value: Any, arg: str) -> str:
 
 
 def check_rank(value: Any, world_size: int, arg: str) -> int:
-    """Return ``value`` if it is a rank in ``[0, world_size)``.
+    """Return ``value`` as an int if it is a rank in ``[0, world_size)``.
 
     Raises:
-        TypeError: ``value`` is not an int (or is a bool).
+        TypeError: ``value`` is not an integer (:func:`as_int`).
         ValueError: ``value`` is not in ``[0, world_size)``.
     """
-    if not isinstance(value, int) or isinstance(value, bool):
+    rank = as_int(value)
+    if rank is None:
         raise TypeError(f"{arg} must be an int rank, got {type(value).__name__} ({value!r:.60})")
-    if not 0 <= value < world_size:
-        raise ValueError(f"{arg} must be a rank in [0, {world_size}), got {value}")
-    return value
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{arg} must be a rank in [0, {world_size}), got {rank}")
+    return rank
 
 
 #: The longest timeout accepted: far beyond any wait, and within what

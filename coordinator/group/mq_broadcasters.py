@@ -77,7 +77,7 @@ def create_mq_broadcaster(
 
     allowed = _HANDLE_OPTIONS if external_writer_handle is not None else _COLLECTIVE_OPTIONS
     try:
-        validation.check_rank(writer_rank, group.world_size, "writer_rank")
+        writer_rank = validation.check_rank(writer_rank, group.world_size, "writer_rank")
         check_bool(blocking, "blocking")
         unknown = sorted(set(queue_options) - allowed)
         if unknown:
@@ -126,7 +126,8 @@ def create_single_reader_mq_broadcasters(
     og = object_group(group.cpu_group)
     op = "create_single_reader_mq_broadcasters"
     try:
-        validation.check_rank(reader_rank_in_group, group.world_size, "reader_rank_in_group")
+        reader_rank_in_group = validation.check_rank(reader_rank_in_group, group.world_size,
+                                                     "reader_rank_in_group")
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be a bool, got {type(blocking).__name__}")
         check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)

@@ -87,7 +87,7 @@ class ObjectCalls:
     def _broadcast_object(self, obj: Any, src: int) -> Any:
         g = self._group
         try:
-            validation.check_rank(src, g.world_size, "src")
+            src = validation.check_rank(src, g.world_size, "src")
         except (TypeError, ValueError) as e:
             self.reject_broadcast("broadcast_object", e)
             raise
@@ -125,7 +125,7 @@ class ObjectCalls:
         try:
             if not isinstance(obj_list, list):
                 raise TypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
-            validation.check_rank(src, g.world_size, "src")
+            src = validation.check_rank(src, g.world_size, "src")
         except (TypeError, ValueError) as e:
             if group is None:  # plain gloo broadcasts over a group cannot carry the news
                 self.reject_broadcast(op, e, queue=False)
@@ -258,7 +258,7 @@ class ObjectCalls:
                 ``CollectiveMismatch``.
         """
         g = self._group
-        check_peer(dst, "dst", g.world_size, g.rank_in_group)
+        dst = check_peer(dst, "dst", g.world_size, g.rank_in_group)
         self._book.check_live("send_object")
         object_comm.send_object(obj, g.ranks[dst], g.cpu_group, g.codec, kind)
 
@@ -271,7 +271,7 @@ class ObjectCalls:
             DecodeError: The bytes received are malformed.
         """
         g = self._group
-        check_peer(src, "src", g.world_size, g.rank_in_group)
+        src = check_peer(src, "src", g.world_size, g.rank_in_group)
         self._book.check_live("recv_object")
         return object_comm.recv_object(g.ranks[src], g.cpu_group, g.codec, kind, src)
 

@@ -130,7 +130,7 @@ class TensorDictCalls:
         validation.check_group(group, "group", allow_none=True)
         validation.check_group(metadata_group, "metadata_group", allow_none=True)
         try:
-            validation.check_rank(src, g.world_size, "src")
+            src = validation.check_rank(src, g.world_size, "src")
         except (TypeError, ValueError) as e:
             if group is None and metadata_group is None:  # plain gloo cannot carry the news
                 self._objects.reject_broadcast("broadcast_tensor_dict", e)
@@ -235,7 +235,7 @@ class TensorDictCalls:
         g = self._group
         if dst is None:
             dst = (g.rank_in_group + 1) % g.world_size
-        validation.check_rank(dst, g.world_size, "dst")
+        dst = validation.check_rank(dst, g.world_size, "dst")
         if g.world_size == 1:
             self._book.check_live("send_tensor_dict")
             if not isinstance(tensor_dict, Mapping):
@@ -254,7 +254,7 @@ class TensorDictCalls:
         g = self._group
         if src is None:
             src = (g.rank_in_group - 1) % g.world_size
-        validation.check_rank(src, g.world_size, "src")
+        src = validation.check_rank(src, g.world_size, "src")
         if g.world_size == 1:
             self._book.check_live("recv_tensor_dict")
             self._check_all_gather_group(all_gather_group)

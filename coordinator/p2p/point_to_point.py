@@ -252,9 +252,9 @@ class PointToPoint:
         entry = book.record(op, data, -1 if partner is None else partner)
         try:
             if allow_alone and g.world_size == 1:
-                validation.check_rank(peer, 1, arg)
+                peer = validation.check_rank(peer, 1, arg)
             else:
-                check_peer(peer, arg, g.world_size, g.rank_in_group)
+                peer = check_peer(peer, arg, g.world_size, g.rank_in_group)
         except BaseException as e:
             book.note_failure(op, seq, e, entry)
             raise

@@ -318,7 +318,7 @@ class StatelessProcessGroup:
                 a session record was refused, or replayed from an earlier
                 incarnation of the group (the message names it).
         """
-        self._check_peer(dst, "dst")
+        dst = self._check_peer(dst, "dst")
         if self._sealer is None:
             self._agreed_sealer(None, "send_obj")
         key = self._key(f"p2p/{self.rank}->{dst}/{self._send_seq[dst]}")
@@ -334,7 +334,7 @@ class StatelessProcessGroup:
             CollectiveMismatch: ``src`` could not encode its object, or sent
                 one this rank refuses (pickle without ``allow_pickle``).
         """
-        self._check_peer(src, "src")
+        src = self._check_peer(src, "src")
         deadline = self._deadline(timeout)  # checked before the call takes its number
         if self._sealer is None:
             self._agreed_sealer(deadline, "recv_obj")
@@ -352,7 +352,7 @@ class StatelessProcessGroup:
         within ``timeout`` (see :meth:`send_obj`); if that fails, the call takes no
         sequence number and may be repeated.
         """
-        _check_in_range(src, self.world_size, "src")
+        src = _check_in_range(src, self.world_size, "src")
         deadline = self._deadline(timeout)  # checked (on every rank) before numbering
         if self._sealer is None:
             self._agreed_sealer(deadline, "broadcast_obj")
@@ -549,10 +549,11 @@ class StatelessProcessGroup:
                 f"process can hold; it is not rank 0's store (a process that took the port?)",
                 queue=self.name, peers=[0] if self.rank else []) from e
 
-    def _check_peer(self, r: Any, arg: str) -> None:
-        _check_in_range(r, self.world_size, arg)
-        if r == self.rank:
-            raise ValueError(f"{arg}={r} is this rank; point-to-point needs another rank")
+    def _check_peer(self, r: Any, arg: str) -> int:
+        peer = _check_in_range(r, self.world_size, arg)
+        if peer == self.rank:
+            raise ValueError(f"{arg}={peer} is this rank; point-to-point needs another rank")
+        return peer
 
     def _wait(self, keys: list[str], deadline: tuple[float, float], op: str,
               peers: list[int] | None = None, ranks: list[int] | None = None) -> None:
@@ -717,8 +718,8 @@ def _check_name(name: Any) -> None:
         raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
 
 
-def _check_in_range(r: Any, world_size: int, arg: str) -> None:
-    check_rank(r, world_size, arg)
+def _check_in_range(r: Any, world_size: int, arg: str) -> int:
+    return check_rank(r, world_size, arg)
 
 
 def _check_rank_world(rank: Any, world_size: Any) -> None:

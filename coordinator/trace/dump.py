@@ -125,6 +125,7 @@ from coordinator.trace.recorder import (
     GroupTrace,
     recorder,
 )
+from shm_broadcast import checks
 
 __all__ = ["ANALYZER_TYPES", "FR_VERSION", "OPS", "snapshot", "write_dump", "dump_path",
            "global_rank"]
@@ -391,7 +392,7 @@ def _entry(entry: list[Any], wall_offset: int, threads: dict[int, str]) -> dict[
         "true_output_sizes": _sizes(out_raw) if out_raw is not None
         else None if (vary_in or vary_out) and done is None else _sizes(entry[IN_SIZES]),
         "replays": replays,
-        "root": entry[ROOT] if type(entry[ROOT]) is int else None,
+        "root": checks.as_int(entry[ROOT]),
         "reduce_op": _reduce_op_name(entry[REDUCE_OP]),
     }
 

@@ -156,7 +156,7 @@ def create_from_process_group(
     og = object_group(group)
     qname = name or f"mq-w{writer_rank}-{os.getpid()}"
     try:
-        check_rank(writer_rank, og.world_size, "writer_rank")
+        writer_rank = check_rank(writer_rank, og.world_size, "writer_rank")
         readers = _resolve_readers(reader_ranks, writer_rank, og.world_size)
         _check_options(max_chunk_bytes, max_chunks, connect_ip, wait_policy, timeout,
                        warn_interval)

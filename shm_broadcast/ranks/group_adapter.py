@@ -311,7 +311,7 @@ class ObjectGroup:
             PeerDiedError: A peer's connection closed during the exchange.
             CommTimeout: The exchange ran out of time waiting for a peer.
         """
-        check_rank(src, self.world_size, "src")
+        src = check_rank(src, self.world_size, "src")
         if self._stateless:
             return self._group.broadcast_obj(obj, src=src)
         import torch

@@ -115,15 +115,16 @@ def check_rows(piece: torch.Tensor, whole: torch.Tensor, sizes: Any, piece_arg: 
     return sz
 
 
-def check_peer(peer: Any, arg: str, rank: int, world_size: int) -> None:
-    """``peer`` must be a group rank other than ``rank`` (point-to-point).
+def check_peer(peer: Any, arg: str, rank: int, world_size: int) -> int:
+    """Return ``peer`` as an int if it is a group rank other than ``rank`` (point-to-point).
 
     Raises:
         TypeError: ``peer`` is not an int.
         ValueError: ``peer`` is out of range or this rank.
     """
-    validation.check_rank(peer, world_size, arg)
-    if peer == rank:
+    checked = validation.check_rank(peer, world_size, arg)
+    if checked == rank:
         raise ValueError(
-            f"{arg}={peer} is this rank; point-to-point needs another rank of the group"
+            f"{arg}={checked} is this rank; point-to-point needs another rank of the group"
         )
+    return checked

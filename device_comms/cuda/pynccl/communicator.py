@@ -218,7 +218,7 @@ class PyNcclCommunicator:
         """
         self._check_usable("reduce")
         x = check_operand(in_, "in_", self.device)
-        validation.check_rank(root, self.world_size, "root")
+        root = validation.check_rank(root, self.world_size, "root")
         plan = self._plan(x.dtype, op)
         if self.rank == root and out is None:
             raise ValueError(f"out must be a tensor on the root rank {root}, got None")
@@ -308,7 +308,7 @@ class PyNcclCommunicator:
         """Broadcast ``tensor`` from group rank ``src`` in place (any dtype); returns it."""
         self._check_usable("broadcast")
         t = check_operand(tensor, "tensor", self.device)
-        validation.check_rank(src, self.world_size, "src")
+        src = validation.check_rank(src, self.world_size, "src")
         with self._launch, on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
             if buf.numel():
@@ -320,7 +320,7 @@ class PyNcclCommunicator:
         """Send ``tensor`` to group rank ``dst`` (which must :meth:`recv` the same bytes)."""
         self._check_usable("send")
         t = check_operand(tensor, "tensor", self.device)
-        check_peer(dst, "dst", self.rank, self.world_size)
+        dst = check_peer(dst, "dst", self.rank, self.world_size)
         with self._launch, on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
             if buf.numel():
@@ -330,7 +330,7 @@ class PyNcclCommunicator:
         """Receive into ``tensor`` from group rank ``src``; returns it."""
         self._check_usable("recv")
         t = check_operand(tensor, "tensor", self.device)
-        check_peer(src, "src", self.rank, self.world_size)
+        src = check_peer(src, "src", self.rank, self.world_size)
         with self._launch, on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
             if buf.numel():
@@ -346,7 +346,7 @@ class PyNcclCommunicator:
         """
         self._check_usable("gather")
         x = check_operand(in_, "in_", self.device)
-        validation.check_rank(dst, self.world_size, "dst")
+        dst = validation.check_rank(dst, self.world_size, "dst")
         if self.rank == dst:
             if out is None:
                 raise ValueError(f"out must be a tensor on the destination rank {dst}, got None")
