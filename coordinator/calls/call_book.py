@@ -162,12 +162,13 @@ class CallBook:
 
     def run(self, op: str, fn: Callable[..., _R], *args: Any, partner: int | None = None,
             p2p: bool = False, data: Any = None, transport: str | None = None,
-            dim: int | None = None, root: Any = None, reduce_op: Any = None) -> _R:
+            dim: Any = None, root: Any = None, reduce_op: Any = None) -> _R:
         """Run ``fn(*args)`` as call ``op``: numbered (a collective call unless
         ``p2p``), recorded (``data``: the input whose shapes the entry keeps;
         ``transport``: see :meth:`record`; ``dim``: the call's dimension, along
         which a variable-size call's rows differ between ranks and an
-        all-gather's or gather's output grows, None for 0; ``root``: a rooted
+        all-gather's or gather's output grows, None for 0, and an all-to-all's
+        ``(scatter_dim, gather_dim)``; ``root``: a rooted
         call's ``src``/``dst``; ``reduce_op``: a reducing call's op) and a
         failed wait explained (``partner``: the peer of a point-to-point call)."""
         if p2p:
@@ -183,7 +184,7 @@ class CallBook:
 
     def _run(self, op: str, fn: Callable[..., _R], args: tuple[Any, ...], seq: int,
              partner: int | None, p2p: bool, data: Any, transport: str | None,
-             dim: int | None, root: Any, reduce_op: Any) -> _R:
+             dim: Any, root: Any, reduce_op: Any) -> _R:
         """:meth:`run`'s call, numbered ``seq``."""
         entry = self.record(op, data, -1 if partner is None else partner, transport)
         if entry is not None:
@@ -204,12 +205,13 @@ class CallBook:
 
     def record(self, op: str, data: Any = None, peer: int = -1,
                transport: str | None = None,
-               shapes: tuple[Any, Any] | None = None) -> list[Any] | None:
+               shapes: tuple[Any, Any] | None = None, root: Any = None) -> list[Any] | None:
         """Begin the recorder's entry of call ``op``, numbered just now: the
         counts as they are, ``data``'s shapes (or ``shapes``, ``(sizes,
         dtypes)``, for a call that has no tensor yet: a receive), ``peer`` (a
         point-to-point call's group rank), ``transport`` when the call names its
-        own. None when the recorder is off."""
+        own, ``root``: a rooted call's ``src``/``dst`` as given. None when the
+        recorder is off."""
         trace = self.trace
         if trace is None:
             return None
@@ -217,6 +219,7 @@ class CallBook:
         entry = trace.begin(op, self.collectives, self.p2p_calls, sizes, dtypes, peer)
         if transport is not None:
             entry[TRANSPORT] = transport
+        entry[ROOT] = root
         return entry
 
     @staticmethod

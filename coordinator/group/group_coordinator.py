@@ -478,7 +478,7 @@ class GroupCoordinator:
         """Slice ``j`` along ``scatter_dim`` goes to rank ``j``; received slices are
         concatenated along ``gather_dim``."""
         return self._book.run("all_to_all", self.comm.all_to_all, input_, scatter_dim,
-                              gather_dim, data=input_)
+                              gather_dim, data=input_, dim=(scatter_dim, gather_dim))
 
     def all_to_allv(
         self,

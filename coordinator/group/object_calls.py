@@ -71,7 +71,8 @@ class ObjectCalls:
         try:
             seq = n + book.p2p_calls
             entry = book.record("broadcast_object", transport=(
-                "queue" if g.mq_broadcaster is not None and src == g.mq_writer_rank else None))
+                "queue" if g.mq_broadcaster is not None and src == g.mq_writer_rank else None),
+                root=src)
             started = monotonic()
             try:
                 got = self._broadcast_object(obj, src)
@@ -116,7 +117,7 @@ class ObjectCalls:
                               group: dist.ProcessGroup | None) -> list[Any]:
         """``GroupCoordinator.broadcast_object_list``: ``obj_list`` filled in place from ``src``."""
         return self._book.run("broadcast_object_list", self._broadcast_object_list, obj_list,
-                              src, group, transport=None if group is None else "gloo")
+                              src, group, transport=None if group is None else "gloo", root=src)
 
     def _broadcast_object_list(self, obj_list: list[Any], src: int,
                                group: dist.ProcessGroup | None) -> list[Any]:

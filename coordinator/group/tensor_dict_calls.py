@@ -110,7 +110,8 @@ class TensorDictCalls:
         try:
             seq = n + book.p2p_calls
             entry = book.record("broadcast_tensor_dict",
-                                transport=_broadcast_transport(g, src, group, metadata_group))
+                                transport=_broadcast_transport(g, src, group, metadata_group),
+                                root=src)
             started = monotonic()
             try:
                 got = self._broadcast_checked(tensor_dict, src, group, metadata_group)

@@ -261,23 +261,41 @@ def _expected_out(entry: list[Any], n: int) -> Any:
     """The output shape ``entry``'s call produces, derived from its input's shape,
     its ``dim`` and the group's size ``n`` (see :mod:`coordinator.trace.recorder`):
     an ``all_gather``'s input with ``dim`` times ``n``, a ``reduce_scatter``'s
-    with ``dim`` divided by ``n``, a ``gather``'s on its root as an all-gather's.
-    None for other calls, and where the arguments cannot give an output (a
-    ``dim`` out of range, not divisible by ``n``): those show the input's."""
-    op, sizes, dim = entry[OP], entry[IN_SIZES], entry[DIM]
+    with ``dim`` divided by ``n``, a ``gather``'s on its root as an all-gather's,
+    an ``all_to_all``'s (``dim``: ``(scatter_dim, gather_dim)``) divided along
+    the first and multiplied along the second. None for other calls, and where
+    the arguments cannot give an output (a ``dim`` out of range, not divisible
+    by ``n``): those show the input's."""
+    op, sizes = entry[OP], entry[IN_SIZES]
     if op == "gather":
         if entry[ROOT] != entry[GROUP].rank_in_group:
             return None  # no output off the root
         op = "all_gather"
-    elif op != "all_gather" and op != "reduce_scatter":
+    if not isinstance(sizes, torch.Size):
         return None
-    if dim is None:
-        dim = -1  # not recorded: the calls' default
-    if type(dim) is not int or not isinstance(sizes, torch.Size) or not -len(sizes) <= dim < len(
-            sizes):
+    if op == "all_to_all":
+        dims = entry[DIM] if isinstance(entry[DIM], tuple) and len(entry[DIM]) == 2 else (0, 0)
+        split, joined = (_dim_in(d, sizes) for d in dims)
+        if split is None or joined is None:
+            return None
+        grown = _grown(sizes, split, n, divide=True)
+        return None if grown is None else _grown(grown, joined, n, divide=False)
+    if op != "all_gather" and op != "reduce_scatter":
         return None
+    dim = _dim_in(-1 if entry[DIM] is None else entry[DIM], sizes)  # None: the default
+    return None if dim is None else _grown(sizes, dim, n, divide=op == "reduce_scatter")
+
+
+def _dim_in(dim: Any, sizes: torch.Size) -> int | None:
+    """``dim`` (an integer as given) as an index into ``sizes``; None if out of range."""
+    d = checks.as_int(dim)
+    return d % len(sizes) if d is not None and -len(sizes) <= d < len(sizes) else None
+
+
+def _grown(sizes: torch.Size, dim: int, n: int, divide: bool) -> torch.Size | None:
+    """``sizes`` with dimension ``dim`` divided (None: not divisible) or multiplied by ``n``."""
     out = list(sizes)
-    if op == "all_gather":
+    if not divide:
         out[dim] *= n
     elif out[dim] % n:
         return None
@@ -352,7 +370,7 @@ def _entry(entry: list[Any], wall_offset: int, threads: dict[int, str]) -> dict[
         in_sizes = out_sizes = []
         in_dtypes = out_dtypes = []
     shown_in, shown_out = _shown_rows(fr_type, vary_in, vary_out, n)
-    dim = entry[DIM] if type(entry[DIM]) is int else 0
+    dim = checks.as_int(entry[DIM]) or 0  # the rows of a variable-size call differ along it
     name = f"{PROFILING_LIBRARY}:{fr_type}"
     me, peer = group.rank_in_group, entry[PEER]
     if is_p2p:

@@ -22,6 +22,7 @@ import pickle
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,16 +138,29 @@ def test_a_failed_call_dumps_the_output_shape_it_would_produce(
         assert not mm["tie"] and mm["culprits"] == [last], mm
 
 
-@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+#: op, the dim the call stores (an all-to-all's: scatter and gather dims), and the
+#: output shape of an input of shape (3, 2n) in a group of n ranks.
+IN_FLIGHT_CASES = {
+    "all_gather": ("all_gather", 1, lambda n: [3, 2 * n * n]),
+    "all_gather-np-dim": ("all_gather", np.int64(-1), lambda n: [3, 2 * n * n]),
+    "reduce_scatter": ("reduce_scatter", 1, lambda n: [3, 2]),
+    "all_to_all-1-0": ("all_to_all", (1, 0), lambda n: [3 * n, 2]),
+    "all_to_all-1-1": ("all_to_all", (1, 1), lambda n: [3, 2 * n]),
+    "all_to_all-np-dims": ("all_to_all", (np.int32(-1), np.int64(-2)), lambda n: [3 * n, 2]),
+}
+
+
+@pytest.mark.parametrize("case", list(IN_FLIGHT_CASES))
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_call_in_flight_dumps_the_output_shape_it_will_produce(
-        world_size: int, op: str, tmp_path: Any) -> None:
+        world_size: int, case: str, tmp_path: Any) -> None:
     """Entries begun and not completed (a hang), as every rank's dump shows them."""
     from torch.distributed.flight_recorder.components.types import MatchState, Op
 
     from coordinator.trace.dump import snapshot
     from coordinator.trace.recorder import DIM, FlightRecorder
 
+    op, dim, want = IN_FLIGHT_CASES[case]
     t = torch.ones(3, 2 * world_size)
     entries = []
     for r in range(world_size):
@@ -154,17 +168,18 @@ def test_a_call_in_flight_dumps_the_output_shape_it_will_produce(
         g = rec.group("g:0", "g", list(range(world_size)), r, timeout=10)
         assert g is not None
         entry = g.begin_tensor(op, 1, 0, t)
-        entry[DIM] = 1  # what the call stores: its dim
+        entry[DIM] = dim  # what the call stores: its dim
         entries.append(snapshot(rec, rank=r)["entries"][-1])
     e = entries[0]
     assert e["state"] == "started"
-    assert e["output_sizes"] == ([[3, 2 * world_size * world_size]] if op == "all_gather"
-                                 else [[3, 2]]), e
+    assert e["output_sizes"] == [want(world_size)], e
     members = {"g": set(range(world_size))}
+    # PyTorch's matcher leaves every all-to-all undecided (any split is legal).
+    agreed = MatchState.UNDECIDED if op == "all_to_all" else MatchState.FULLY_MATCHED
     for a in entries:
         for b in entries:
             got = Op(a, members, "g").match(Op(b, members, "g"))
-            assert got.state == MatchState.FULLY_MATCHED, str(got)
+            assert got.state == agreed, str(got)
 
 
 def disagree(rank: int, world_size: int, kind: str, directory: str) -> dict[str, Any]:
@@ -177,9 +192,16 @@ def disagree(rank: int, world_size: int, kind: str, directory: str) -> dict[str,
     try:
         odd = rank == world_size - 1
         g.all_reduce(torch.ones(2))  # a completed call first
+        src = 1 if odd else 0
         try:
             if kind == "src":
-                g.broadcast(torch.ones(4), 1 if odd else 0)
+                g.broadcast(torch.ones(4), src)
+            elif kind == "object-src":
+                g.broadcast_object({"from": rank} if rank == src else None, src)
+            elif kind == "dict-src":
+                g.broadcast_tensor_dict({"t": torch.ones(2)} if rank == src else None, src)
+            elif kind == "list-src":
+                g.broadcast_object_list([rank] if rank == src else [None], src)
             else:
                 g.all_reduce(torch.ones(4), op=ReduceOp.MAX if odd else ReduceOp.SUM)
         except GroupCoordError as e:
@@ -190,7 +212,7 @@ def disagree(rank: int, world_size: int, kind: str, directory: str) -> dict[str,
         reset_recorder(previous)
 
 
-@pytest.mark.parametrize("kind", ["src", "op"])
+@pytest.mark.parametrize("kind", ["src", "object-src", "dict-src", "list-src", "op"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_that_disagree_on_root_or_reduce_op_are_named(
         dist_pool: Any, tmp_path: Any, world_size: int, kind: str,
@@ -212,7 +234,7 @@ def test_ranks_that_disagree_on_root_or_reduce_op_are_named(
         assert mm["tie"] and mm["culprits"] == [0, 1], mm
     else:
         assert not mm["tie"] and mm["culprits"] == [last], mm
-    field, agreed, odd = ("root", 0, 1) if kind == "src" else ("reduce_op", "SUM", "MAX")
+    field, agreed, odd = ("reduce_op", "SUM", "MAX") if kind == "op" else ("root", 0, 1)
     got = {c["rank"]: c[field] for c in mm["calls"]}
     assert got == {r: odd if r == last else agreed for r in range(world_size)}, mm
 
