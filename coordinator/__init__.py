@@ -28,6 +28,7 @@ from coordinator.errors import (
 )
 from coordinator.group.group_coordinator import GraphCaptureContext, GroupCoordinator
 from coordinator.group.registry import get_group_by_name
+from coordinator.p2p.dict_handles import DictReceive, DictSend
 from coordinator.p2p.handle import P2PHandle
 from coordinator.parallel.tensor_split import (
     divide,
@@ -83,6 +84,8 @@ __all__ = [
     "GroupCoordinator",
     "GraphCaptureContext",
     "P2PHandle",
+    "DictSend",
+    "DictReceive",
     "StatelessProcessGroup",
     "ReduceOp",
     "GroupCoordError",

@@ -79,6 +79,7 @@ from coordinator.group.object_calls import ObjectCalls
 from coordinator.group.registry import REGISTRY
 from coordinator.group.tensor_dict_calls import TensorDictCalls
 from coordinator.p2p.channels import RECV, SEND
+from coordinator.p2p.dict_handles import DictReceive, DictSend
 from coordinator.p2p.handle import P2PHandle
 from coordinator.p2p.point_to_point import PointToPoint
 from coordinator.p2p.shm_links import ShmLinks
@@ -1063,20 +1064,32 @@ class GroupCoordinator:
         dst: int | None = None,
         all_gather_group: GroupCoordinator | None = None,
         all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> P2PHandle:
+    ) -> DictSend:
         """Start :meth:`send_tensor_dict` to ``dst`` (default: the next rank), with the
-        same slicing for ``all_gather_group``; the handle's ``wait()`` returns None."""
-        return self._dicts.isend_tensor_dict(tensor_dict, dst, all_gather_group,
-                                             all_gather_tensors)
+        same slicing for ``all_gather_group``.
+
+        Returns:
+            The send's handle in vLLM's form, a list of handles whose ``[1:]``
+            covers the whole send, with ``wait()`` (returns None) and
+            ``is_completed()`` of its own (:class:`~coordinator.p2p.dict_handles.DictSend`).
+        """
+        return DictSend(self._dicts.isend_tensor_dict(tensor_dict, dst, all_gather_group,
+                                                      all_gather_tensors))
 
     def irecv_tensor_dict(
         self,
         src: int | None = None,
         all_gather_group: GroupCoordinator | None = None,
         all_gather_tensors: Mapping[Any, bool] | None = None,
-    ) -> P2PHandle:
-        """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank);
-        ``wait()`` returns the dict.
+    ) -> DictReceive:
+        """Start :meth:`recv_tensor_dict` from ``src`` (default: the previous rank).
+
+        Returns the receive in vLLM's form, ``(tensor_dict, handles,
+        postprocess)``, whose dict holds what arrived once each handle was
+        waited and each postprocess step run; the triple's own ``wait()``
+        does both and returns the dict, and ``is_completed()`` polls
+        (:class:`~coordinator.p2p.dict_handles.DictReceive`; in a group of
+        one rank the dict is None).
 
         With ``all_gather_group``, the tensors the sender sliced arrive as this
         rank's slices, and are rebuilt from the slices of the group's other
@@ -1091,7 +1104,8 @@ class GroupCoordinator:
         ``is_completed()``, not with ``wait(0)``. ``all_gather_tensors`` is
         accepted for symmetry with the sender.
         """
-        return self._dicts.irecv_tensor_dict(src, all_gather_group)
+        return DictReceive(self._dicts.irecv_tensor_dict(src, all_gather_group),
+                           alone=self.world_size == 1)
 
 
 def _dispatch_form(third: str) -> inspect.Signature:

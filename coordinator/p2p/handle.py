@@ -1,7 +1,8 @@
 """The handle of an asynchronous point-to-point call.
 
 ``isend``, ``irecv``, ``isend_tensor_dict`` and ``irecv_tensor_dict`` each
-return a :class:`P2PHandle` at once: :meth:`P2PHandle.is_completed` polls,
+make a :class:`P2PHandle` at once (the dict calls return it in vLLM's forms:
+:mod:`coordinator.p2p.dict_handles`): :meth:`P2PHandle.is_completed` polls,
 :meth:`P2PHandle.wait` blocks until the call finished and returns its result
 (the received tensor or dict; None for sends) or raises its error: a dead
 peer (``PeerDiedError``), a mismatch or a peer's rejection

@@ -44,3 +44,81 @@ def vllm_patterns(rank: int, world_size: int) -> dict[str, Any]:
             out["dequeued_positional"] = mq.dequeue(None, True)  # vLLM's (timeout, indefinite)
         g.barrier()
     return out
+
+
+class _LazyIntermediate:
+    """What vLLM's worker builds from ``irecv_tensor_dict``'s triple: the tensors
+    are read only after every handle was waited and every postprocess step run."""
+
+    def __init__(self, tensors: Any, handles: list[Any], postprocess: list[Any]) -> None:
+        self._tensors, self._handles, self._postprocess = tensors, handles, postprocess
+        self._synced = False
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if not self._synced:
+            for h in self._handles:
+                h.wait()
+            for fn in self._postprocess:
+                fn()
+            self._synced = True
+        return self._tensors
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (1, 3)], ids=["tp1-pp2", "tp2-pp2", "tp1-pp3"])
+def test_vllm_pipeline_step_forms(dist_pool, tp: int, pp: int) -> None:
+    """vLLM 0.33's worker step, as written there: ``handles = isend_tensor_dict(...)``
+    with ``handles[1:]`` waited before the next step, and ``tensor_dict, handles,
+    postprocess = irecv_tensor_dict(...)`` read lazily."""
+    outs = dist_pool(tp * pp).run(vllm_pipeline_steps, tp, timeout=150)
+    for rank, got in enumerate(outs):
+        stage = rank // tp
+        if stage == 0:
+            assert got == [], (rank, got)
+        else:
+            want = [[float(step * 100 + (stage - 1) * 10)] * 4 for step in range(3)]
+            assert got == want, (rank, got)
+
+
+def vllm_pipeline_steps(rank: int, world_size: int, tp_size: int) -> list[Any]:
+    from coordinator import parallel_state as ps
+
+    ps.initialize_model_parallel(tp_size, world_size // tp_size)
+    try:
+        pp, tp = ps.get_pp_group(), ps.get_tp_group()
+        pending: list[Any] = []
+        seen = []
+        for step in range(3):
+            for handle in pending:  # the previous step's sends, before buffers are reused
+                handle.wait()
+            pending = []
+            hidden = torch.full((4,), float(step * 100 + pp.rank_in_group * 10))
+            if not pp.is_first_rank:
+                tensor_dict, handles, postprocess = pp.irecv_tensor_dict(all_gather_group=tp)
+                assert tensor_dict is not None
+                received = _LazyIntermediate(tensor_dict, handles, postprocess)
+                seen.append(received.tensors["hidden"].tolist())
+            if not pp.is_last_rank:
+                handles = pp.isend_tensor_dict({"hidden": hidden}, all_gather_group=tp)
+                pending = handles[1:]
+                assert pending, "handles[1:] must cover the send"
+        for handle in pending:
+            handle.wait()
+        # A group of one rank, as vLLM's: nothing to receive.
+        alone = ps.get_world_group() if world_size == 1 else None
+        if alone is None:
+            from coordinator import GroupCoordinator
+
+            alone = GroupCoordinator([[r] for r in range(world_size)], rank, "gloo",
+                                     False, group_name="vllm-forms-alone")
+            try:
+                tensor_dict, handles, postprocess = alone.irecv_tensor_dict()
+                assert tensor_dict is None and alone.irecv_tensor_dict().wait() is None
+                alone.isend_tensor_dict({"x": torch.ones(1)}).wait()
+            finally:
+                alone.destroy()
+        pp.barrier()
+        return seen
+    finally:
+        ps.destroy_model_parallel()
