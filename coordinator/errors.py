@@ -56,8 +56,13 @@ __all__ = [
 ]
 
 
-class NotInitializedError(GroupCoordError, RuntimeError):
-    """A getter was called before the state it returns was initialised."""
+class NotInitializedError(GroupCoordError, RuntimeError, AssertionError):
+    """A getter was called before the state it returns was initialised.
+
+    Also an ``AssertionError``, which vLLM's getters raise there: code that
+    probes for an optional group with ``except AssertionError`` (vLLM's
+    ``try: get_dcp_group() ... except AssertionError: size = 1``) works the same.
+    """
 
 
 class RankFailedError(GroupCoordError, RuntimeError):

@@ -78,6 +78,7 @@ __all__ = [
     "get_pcp_group",
     "get_dcp_group",
     "get_context_model_parallel_group",
+    "get_dcp_world_size_and_rank",
     "get_decode_context_model_parallel_world_size",
     "get_decode_context_model_parallel_rank",
     "get_prefill_context_model_parallel_world_size",
@@ -438,6 +439,16 @@ def get_dcp_group() -> GroupCoordinator:
 
 #: vLLM's older name of :func:`get_dcp_group`.
 get_context_model_parallel_group = get_dcp_group
+
+
+def get_dcp_world_size_and_rank(enabled: bool = True) -> tuple[int, int]:
+    """``(world_size, rank_in_group)`` of the decode-context-parallel group, or
+    ``(1, 0)`` when not ``enabled`` or no such group is initialised (vLLM's
+    attention backends ask this way)."""
+    dcp = REGISTRY.dcp
+    if not enabled or dcp is None:
+        return 1, 0
+    return dcp.world_size, dcp.rank_in_group
 
 
 def get_ep_group() -> GroupCoordinator:

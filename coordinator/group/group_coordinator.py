@@ -747,6 +747,19 @@ class GroupCoordinator:
         return self._p2p.recv(size, dtype, src)
 
     # ------------------------------------------------------------------ control
+    def cpu_all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a CPU ``tensor`` across the group in place and return it, on any group
+        (a GPU group's goes over its CPU group): vLLM's small per-step syncs,
+        such as the data-parallel padding. Recorded and numbered as an ``all_reduce``.
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor.
+            ValueError: ``tensor`` is not on the CPU.
+        """
+        return self._book.run("all_reduce", self._objects.cpu_all_reduce_, tensor, data=tensor,
+                              transport=None if self.device.type == "cpu" else "gloo",
+                              reduce_op=ReduceOp.SUM)
+
     def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
         """Wait for every rank of the group (on the CPU group).
 

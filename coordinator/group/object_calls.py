@@ -248,6 +248,16 @@ class ObjectCalls:
             self._cpu_side = side
         return self._cpu_side
 
+    # ------------------------------------------------------------------ CPU tensors
+    def cpu_all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum the CPU ``tensor`` across the group in place, through the
+        communicator that carries the group's CPU bytes; returns ``tensor``."""
+        comm = self._cpu_comm()
+        if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+            tensor.copy_(comm.all_reduce(tensor))
+            return tensor
+        return comm.all_reduce(tensor, out=tensor)  # its checks name what is wrong
+
     # ------------------------------------------------------------------ point to point
     def send(self, obj: Any, dst: int, kind: int = object_comm.OBJECT) -> None:
         """Send ``obj`` to group rank ``dst``, not counted as a call (``send_object``

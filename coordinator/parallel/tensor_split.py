@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,8 +87,10 @@ def pp_layer_ranges(num_hidden_layers: int, pp_size: int,
     ``num_hidden_layers % pp_size`` go one each to the stages before the last,
     starting from the second-to-last (the first stage also carries the
     embedding and the last the LM head). Example: 6 layers over 4 stages are
-    ``1, 2, 2, 1``. This is vLLM's default split (vLLM's
-    ``VLLM_PP_LAYER_PARTITION`` override is not read here).
+    ``1, 2, 2, 1``. This is vLLM's default split; as in vLLM, the environment
+    variable ``VLLM_PP_LAYER_PARTITION`` (:data:`PARTITION_VAR`), when set,
+    gives the layers of each stage instead (``"5,3"``: five layers on the
+    first stage, three on the second).
 
     Args:
         num_hidden_layers: Layers of the model.
@@ -96,10 +99,15 @@ def pp_layer_ranges(num_hidden_layers: int, pp_size: int,
             stages (as vLLM does), instead of raising.
 
     Raises:
-        ValueError: Fewer layers than stages, unless ``allow_empty``.
+        ValueError: Fewer layers than stages, unless ``allow_empty``; or
+            ``VLLM_PP_LAYER_PARTITION`` is not ``pp_size`` non-negative
+            integers that sum to ``num_hidden_layers``.
     """
     num_hidden_layers = _count(num_hidden_layers, "num_hidden_layers", 0)
     pp_size = _count(pp_size, "pp_size", 1)
+    given = _partition_from_env(num_hidden_layers, pp_size)
+    if given is not None:
+        return _ranges(given)
     if num_hidden_layers < pp_size and not allow_empty:
         raise ValueError(
             f"cannot split {num_hidden_layers} layers over {pp_size} pipeline stages "
@@ -109,6 +117,39 @@ def pp_layer_ranges(num_hidden_layers: int, pp_size: int,
     sizes = [base] * pp_size
     for i in range(2, extra + 2):  # extra < pp_size: index -pp_size at most
         sizes[-i] += 1
+    return _ranges(sizes)
+
+
+#: The environment variable that overrides the layer split (vLLM's name).
+PARTITION_VAR = "VLLM_PP_LAYER_PARTITION"
+
+
+def _partition_from_env(num_hidden_layers: int, pp_size: int) -> list[int] | None:
+    """The layers per stage that :data:`PARTITION_VAR` gives; None when it is unset
+    or empty.
+
+    Raises:
+        ValueError: The value is not ``pp_size`` comma-separated non-negative
+            integers summing to ``num_hidden_layers`` (names the variable).
+    """
+    raw = os.environ.get(PARTITION_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        sizes = [int(part) for part in raw.split(",")]
+    except ValueError:
+        raise ValueError(f"{PARTITION_VAR} must be comma-separated layer counts such as "
+                         f"'5,3', got {raw!r}") from None
+    if len(sizes) != pp_size or any(n < 0 for n in sizes) or sum(sizes) != num_hidden_layers:
+        raise ValueError(
+            f"{PARTITION_VAR}={raw!r} must give {pp_size} non-negative layer counts (one "
+            f"per pipeline stage) summing to num_hidden_layers={num_hidden_layers}, got "
+            f"{len(sizes)} summing to {sum(sizes)}")
+    return sizes
+
+
+def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of consecutive runs of ``sizes`` layers."""
     out, start = [], 0
     for size in sizes:
         out.append((start, start + size))

@@ -402,8 +402,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if (
             small is not None
             and not self._closed  # aborted: the checked path says why
-            and (out is None or (out is input_ and writable(input_)))
             and type(input_) is _PLAIN_TENSOR
+            and (out is None or (out is input_ and writable(input_)))
             and input_.is_cpu
             and input_.layout is _STRIDED  # before is_contiguous: sparse has none
             and not input_.requires_grad

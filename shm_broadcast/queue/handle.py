@@ -105,6 +105,11 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
             fields.append(f"{name}={value!r}")
         return f"Handle({', '.join(fields)})"
 
+    @property
+    def remote_subscribe_addr(self) -> str | None:
+        """vLLM's name of :attr:`remote_pub`."""
+        return self.remote_pub
+
     def to_bytes(self) -> bytes:
         """Serialise with msgspec msgpack."""
         return msgspec.msgpack.encode(self)

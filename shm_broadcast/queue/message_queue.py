@@ -125,6 +125,10 @@ class MessageQueue:
             which readers are behind (slot, rank, messages outstanding), and
             between such warnings; a positive finite number. Default:
             ``$GROUPCOORD_MQ_WARN_INTERVAL``, else 10 s.
+        enable_shm_tensor_arena: vLLM's option to move tensors through shared
+            memory instead of pickling them; taken (a bool) for vLLM's call
+            form and changes nothing, since local readers always get a
+            message's tensors from the ring's shared memory.
 
     Raises:
         TypeError: An argument has the wrong type.
@@ -150,8 +154,10 @@ class MessageQueue:
         remote_reader_keys: dict[int, bytes] | None = None,
         shared_reader_key: bool = False,
         warn_interval: float | None = None,
+        enable_shm_tensor_arena: bool = False,
     ) -> None:
         check_int(n_reader, "n_reader", minimum=0)
+        check_bool(enable_shm_tensor_arena, "enable_shm_tensor_arena")
         check_int(n_local_reader, "n_local_reader", minimum=0)
         if n_local_reader > n_reader:
             raise ValueError(

@@ -122,3 +122,108 @@ def vllm_pipeline_steps(rank: int, world_size: int, tp_size: int) -> list[Any]:
         return seen
     finally:
         ps.destroy_model_parallel()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_cpu_all_reduce_in_place(dist_pool, world_size: int) -> None:
+    """``cpu_all_reduce_``, vLLM's per-step data-parallel sync: sums in place and
+    returns the tensor it was given, on every layout."""
+    outs = dist_pool(world_size).run(cpu_all_reduce_calls, timeout=90)
+    total = sum(range(world_size))
+    for got in outs:
+        assert got["float"] == [float(total + world_size)] * 3, got
+        assert got["int64"] == [[total, 2 * total]], got
+        assert got["non_contiguous"] == [[total * 10, total], [total * 10 + world_size, total]]
+        assert got["same_object"] == [True, True, True], got
+        assert got["refused"] == ["TypeError"] * 2, got
+
+
+def cpu_all_reduce_calls(rank: int, world_size: int) -> dict[str, Any]:
+    from coordinator import parallel_state as ps
+
+    g = ps.get_world_group()
+    out: dict[str, Any] = {"same_object": [], "refused": []}
+    for key, t in (("float", torch.full((3,), rank + 1.0)),
+                   ("int64", torch.tensor([[rank, 2 * rank]], dtype=torch.int64)),
+                   ("non_contiguous",
+                    torch.tensor([[rank * 10, rank * 10 + 1], [rank, rank]]).t())):
+        got = g.cpu_all_reduce_(t)
+        out["same_object"].append(got is t)
+        out[key] = t.tolist()
+    for bad in ("x", [1.0]):
+        try:
+            g.cpu_all_reduce_(bad)
+        except TypeError as e:
+            assert "input_" in str(e), e
+            out["refused"].append("TypeError")
+    g.barrier()
+    return out
+
+
+def test_optional_groups_probed_as_vllm_does() -> None:
+    """vLLM probes optional groups with ``except AssertionError`` and asks
+    ``get_dcp_world_size_and_rank``; both work before the groups exist."""
+    from coordinator import parallel_state as ps
+
+    assert not ps.model_parallel_is_initialized()
+    try:  # vLLM's block_table.py, as written there
+        dcp_size = ps.get_dcp_group().world_size
+    except AssertionError:
+        dcp_size = 1
+    assert dcp_size == 1
+    assert ps.get_dcp_world_size_and_rank() == (1, 0)
+    assert ps.get_dcp_world_size_and_rank(enabled=False) == (1, 0)
+
+
+@pytest.mark.timeout(120)
+def test_dcp_world_size_and_rank_of_a_live_group(dist_pool) -> None:
+    outs = dist_pool(2).run(dcp_size_and_rank, timeout=90)
+    assert outs == [[(2, 0), (1, 0)], [(2, 1), (1, 0)]], outs
+
+
+def dcp_size_and_rank(rank: int, world_size: int) -> list[tuple[int, int]]:
+    from coordinator import parallel_state as ps
+
+    ps.initialize_model_parallel(2, decode_context_model_parallel_size=2)
+    try:
+        return [ps.get_dcp_world_size_and_rank(), ps.get_dcp_world_size_and_rank(False)]
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("value,want", [
+    ("5,3", [(0, 5), (5, 8)]),
+    ("0,8", [(0, 0), (0, 8)]),
+    (" 2,6 ", [(0, 2), (2, 8)]),
+    ("", [(0, 4), (4, 8)]),
+], ids=["5-3", "empty-first", "spaces", "unset"])
+def test_pp_layer_partition_from_the_environment(monkeypatch, value: str, want: Any) -> None:
+    from coordinator import get_pp_indices
+
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", value)
+    assert [get_pp_indices(8, r, 2) for r in range(2)] == want
+
+
+@pytest.mark.parametrize("value", ["5,2", "4,4,0", "a,b", "9,-1", "8"],
+                         ids=["wrong-sum", "too-many", "not-ints", "negative", "too-few"])
+def test_bad_pp_layer_partition_is_refused(monkeypatch, value: str) -> None:
+    from coordinator import get_pp_indices
+
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", value)
+    with pytest.raises(ValueError, match="VLLM_PP_LAYER_PARTITION"):
+        get_pp_indices(8, 0, 2)
+
+
+def test_queue_takes_vllms_constructor_form_and_handle_fields() -> None:
+    from shm_broadcast import MessageQueue
+
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, connect_ip=None,
+                      enable_shm_tensor_arena=True)
+    try:
+        handle = mq.export_handle()
+        assert handle.remote_subscribe_addr == handle.remote_pub
+        with pytest.raises(TypeError, match="enable_shm_tensor_arena"):
+            MessageQueue(1, 1, enable_shm_tensor_arena="yes")  # type: ignore[arg-type]
+    finally:
+        mq.close()
