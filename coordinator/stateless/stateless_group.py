@@ -4,8 +4,10 @@
 (say an engine's data-parallel coordinator group and a KV-transfer group)
 without ``torch.distributed.init_process_group``. It moves plain Python
 objects (see :func:`shm_broadcast.ranks.group_adapter.encode_object`: ``None``,
-numbers, str, bytes and lists/tuples/dicts/sets of them); it is meant for
-setup handshakes and control messages.
+numbers, str, bytes and lists/tuples/dicts/sets of them, and CPU tensors
+and arrays); it is meant for setup handshakes and control messages. vLLM's
+tensor calls (``broadcast``, ``send``, ``recv``, ``all_reduce``) are made of
+these object calls.
 
 Security (see ``docs/security-stateless.md``; the sealing itself is
 :mod:`coordinator.stateless.store_sealing`, where the secret comes from
@@ -80,9 +82,16 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from coordinator.errors import AuthenticationError, ClosedError, CommTimeout, StoreConnectionError
+from coordinator.errors import (
+    AuthenticationError,
+    ClosedError,
+    CollectiveMismatch,
+    CommTimeout,
+    StoreConnectionError,
+)
 from coordinator.stateless.group_secret import (
     SECRET_ENV,
     remove_quietly,
@@ -92,6 +101,7 @@ from coordinator.stateless.group_secret import (
 from coordinator.stateless.retry_delay import RetryDelay
 from coordinator.stateless.session_agreement import SessionAgreement
 from coordinator.stateless.store_sealing import Sealer
+from device_comms import ReduceOp
 from shm_broadcast.checks import check_bool, check_int, check_rank, check_timeout
 from shm_broadcast.ranks.group_adapter import (
     decode_object,
@@ -385,6 +395,81 @@ class StatelessProcessGroup:
                for r, k in enumerate(keys) if r != self.rank}
         self._ack_and_clean(f"{base}/done", self.world_size, keys, "all_gather_obj", deadline)
         return [obj if r == self.rank else self._decode(raw[r], r) for r in range(self.world_size)]
+
+    # ------------------------------------------------------------------ tensors
+    # vLLM's tensor calls of its stateless group, carried as objects: CPU copies
+    # of the tensors travel through the store in the codec's format (no pickle),
+    # so these suit the small tensors of control traffic, not bulk data.
+
+    def broadcast(self, tensor: Any, src: int, timeout: float | None = None) -> Any:
+        """``src``'s ``tensor`` on every rank: the source returns its own, the others a
+        new tensor on their ``tensor``'s device (``tensor`` is only read on the source;
+        other ranks may pass None).
+
+        Raises:
+            TypeError: On ``src``: ``tensor`` is not a tensor.
+            CollectiveMismatch: On the others: the source sent no tensor.
+            CommTimeout: As :meth:`broadcast_obj`.
+        """
+        src = _check_in_range(src, self.world_size, "src")
+        if self.rank == src:
+            self.broadcast_obj(_cpu_copy(tensor, "tensor"), src, timeout)
+            return tensor
+        got = self.broadcast_obj(None, src, timeout)
+        _expect_tensor(got, src, "broadcast", self.name)
+        return got.to(tensor.device) if isinstance(tensor, torch.Tensor) else got
+
+    def send(self, tensor: Any, dst: int) -> None:
+        """Send ``tensor`` to rank ``dst`` (a CPU copy, through the store).
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor.
+        """
+        dst = self._check_peer(dst, "dst")
+        self.send_obj(_cpu_copy(tensor, "tensor"), dst)
+
+    def recv(self, tensor: Any, src: int, timeout: float | None = None) -> Any:
+        """Receive rank ``src``'s next :meth:`send` into ``tensor`` and return it.
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor.
+            CollectiveMismatch: ``src`` sent something other than a tensor of
+                ``tensor``'s shape and dtype (``tensor`` is left as it was).
+            CommTimeout: As :meth:`recv_obj`.
+        """
+        _cpu_copy(tensor, "tensor")  # checked before anything is taken from the store
+        src = self._check_peer(src, "src")
+        got = self.recv_obj(src, timeout)
+        _expect_tensor(got, src, "recv", self.name, like=tensor)
+        tensor.copy_(got)
+        return tensor
+
+    def all_reduce(self, tensor: Any, op: Any = dist.ReduceOp.SUM,
+                   timeout: float | None = None) -> Any:
+        """Reduce ``tensor`` across the ranks; a new tensor on ``tensor``'s device.
+
+        Every rank reduces the same tensors in rank order, so all get the same
+        bits. ``op``: ``SUM``, ``PRODUCT``, ``MIN``, ``MAX`` or ``AVG`` of
+        ``torch.distributed.ReduceOp`` or :class:`device_comms.ReduceOp`.
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor, or ``op`` not a reduce op.
+            ValueError: ``op`` is a reduce op this call does not make.
+            CollectiveMismatch: (On every rank) the ranks' tensors differ in
+                shape or dtype, or a rank sent no tensor.
+            CommTimeout: As :meth:`all_gather_obj`.
+        """
+        reduce = _reduction(op)
+        mine = _cpu_copy(tensor, "tensor")
+        parts = self.all_gather_obj(mine, timeout)
+        for r, part in enumerate(parts):
+            _expect_tensor(part, r, "all_reduce", self.name, like=mine)
+        result = parts[0].clone()
+        for part in parts[1:]:
+            result = reduce(result, part)
+        if _op_name(op) == "AVG":
+            result = result / self.world_size
+        return result.to(tensor.device)
 
     def barrier(self, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier.
@@ -716,6 +801,65 @@ def _check_name(name: Any) -> None:
         raise TypeError(f"name must be a str, got {type(name).__name__} ({name!r:.60})")
     if not name or "/" in name:
         raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
+
+
+def _cpu_copy(tensor: Any, arg: str) -> Any:
+    """``tensor`` as a CPU tensor to send (itself when it is one already).
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type(tensor).__name__}")
+    return tensor.detach().cpu()
+
+
+def _expect_tensor(got: Any, rank: int, op: str, group: str, like: Any = None) -> None:
+    """Raise CollectiveMismatch unless ``got``, from ``rank``, is a tensor (of ``like``'s
+    shape and dtype, when given)."""
+    if not isinstance(got, torch.Tensor):
+        raise CollectiveMismatch(
+            f"stateless group {group!r}, op {op}: rank {rank} sent a "
+            f"{type(got).__name__}, not a tensor", queue=group, peers=[rank])
+    if like is not None and (got.shape != like.shape or got.dtype != like.dtype):
+        raise CollectiveMismatch(
+            f"stateless group {group!r}, op {op}: rank {rank} sent a {got.dtype} tensor of "
+            f"shape {tuple(got.shape)}, this rank's is {like.dtype} {tuple(like.shape)}",
+            queue=group, peers=[rank])
+
+
+def _op_name(op: Any) -> str:
+    """The name of reduce op ``op`` (``"SUM"``...), from torch's or groupcoord's ReduceOp.
+
+    Raises:
+        TypeError: ``op`` is neither.
+    """
+    if isinstance(op, ReduceOp):
+        return op.name
+    name = getattr(op, "name", None)
+    if isinstance(op, dist.ReduceOp.RedOpType) and isinstance(name, str):
+        return name
+    raise TypeError(f"op must be a torch.distributed.ReduceOp or a groupcoord ReduceOp, "
+                    f"got {type(op).__name__} ({op!r:.60})")
+
+
+_REDUCTIONS: dict[str, Callable[[Any, Any], Any]] = {
+    "SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul,
+    "MIN": torch.minimum, "MAX": torch.maximum,
+}
+
+
+def _reduction(op: Any) -> Callable[[Any, Any], Any]:
+    """How two tensors combine under ``op``.
+
+    Raises:
+        TypeError: ``op`` is not a reduce op.
+        ValueError: A reduce op this group does not make (the bitwise ones).
+    """
+    name = _op_name(op)
+    if name not in _REDUCTIONS:
+        raise ValueError(f"op must be one of {', '.join(_REDUCTIONS)}, got {name}")
+    return _REDUCTIONS[name]
 
 
 def _check_in_range(r: Any, world_size: int, arg: str) -> int:

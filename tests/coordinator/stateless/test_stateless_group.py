@@ -269,3 +269,80 @@ def test_waiting_for_a_late_rank_logs_nothing(capfd: pytest.CaptureFixture[str],
     assert len(waited) == 1 and waited[0] < 10.0, waited
     err = capfd.readouterr().err
     assert "waitForInput" not in err, err[-2000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_vllm_tensor_calls(dist_pool, world_size: int) -> None:
+    """vLLM 0.33's tensor calls of its stateless group (``broadcast``, ``send``,
+    ``recv``, ``all_reduce``): same results on every rank, mismatches raise."""
+    res = dist_pool(world_size).run(tensor_calls, free_port(), timeout=90)
+    n = world_size
+    for rank, r in enumerate(res):
+        assert r["bcast"] == [[float(src), 1.0] for src in range(n)], r
+        assert r["bcast_is_own"] == [True], r
+        assert r["recv"] == [float((rank - 1) % n)] * 3 and r["recv_is_given"], r
+        assert r["sum"] == [[float(sum(range(n))), float(n)]], r
+        assert r["max"] == [float(n - 1)] * 2 and r["min"] == [0.0, 0.0], r
+        assert r["avg"] == [sum(range(n)) / n], r
+        assert r["product_int"] == [0 if n > 1 else 1], r
+        assert r["dtypes"] == ["torch.float32", "torch.int64"], r
+        assert r["refused"] == ["TypeError", "TypeError", "ValueError"], r
+        assert r["mismatch"] == "CollectiveMismatch", r
+        assert r["recv_mismatch"] == ("CollectiveMismatch" if rank < 2 else None), r
+        assert r["recv_untouched"], r
+
+
+def tensor_calls(rank: int, world_size: int, port: int) -> dict:
+    import torch
+
+    from coordinator.errors import CollectiveMismatch
+    from device_comms import ReduceOp
+
+    g = StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, timeout=30,
+                                     name="tensors")
+    out: dict = {"bcast": [], "bcast_is_own": [], "refused": []}
+    for src in range(world_size):
+        mine = torch.tensor([float(src), 1.0]) if rank == src else None
+        got = g.broadcast(mine, src)
+        out["bcast"].append(got.tolist())
+        if rank == src:
+            out["bcast_is_own"].append(got is mine)
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    g.send(torch.full((3,), float(rank)), nxt)
+    given = torch.zeros(3)
+    got = g.recv(given, prev)
+    out["recv"], out["recv_is_given"] = got.tolist(), got is given
+    x = torch.tensor([[float(rank), 1.0]])
+    out["sum"] = g.all_reduce(x).tolist()
+    out["max"] = g.all_reduce(torch.full((2,), float(rank)), dist.ReduceOp.MAX).tolist()
+    out["min"] = g.all_reduce(torch.full((2,), float(rank)), ReduceOp.MIN).tolist()
+    out["avg"] = g.all_reduce(torch.tensor([float(rank)]), dist.ReduceOp.AVG).tolist()
+    product = g.all_reduce(torch.tensor([rank], dtype=torch.int64), dist.ReduceOp.PRODUCT)
+    out["product_int"] = product.tolist()
+    out["dtypes"] = [str(x.dtype), str(product.dtype)]
+    for bad in (lambda: g.send([1.0], nxt), lambda: g.all_reduce(x, op="sum"),
+                lambda: g.all_reduce(x, op=ReduceOp.BAND)):
+        try:
+            bad()
+        except (TypeError, ValueError) as e:
+            out["refused"].append(type(e).__name__)
+    # The last rank's tensor has another shape: every rank raises.
+    try:
+        g.all_reduce(torch.ones(3 if rank == world_size - 1 else 2))
+        out["mismatch"] = None
+    except CollectiveMismatch:
+        out["mismatch"] = "CollectiveMismatch"
+    # Rank 1 sends rank 0 a tensor of another dtype, rank 0 one of another shape.
+    out["recv_mismatch"], out["recv_untouched"] = None, True
+    if rank < 2:
+        g.send(torch.ones(3, dtype=torch.int64) if rank == 1 else torch.ones(4), 1 - rank)
+        into = torch.zeros(3)
+        try:
+            g.recv(into, 1 - rank)
+        except CollectiveMismatch:
+            out["recv_mismatch"] = "CollectiveMismatch"
+        out["recv_untouched"] = into.tolist() == [0.0, 0.0, 0.0]
+    g.barrier()
+    g.close()
+    return out
