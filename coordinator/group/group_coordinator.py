@@ -453,6 +453,23 @@ class GroupCoordinator:
         return self._book.run("reduce_scatterv", self.comm.reduce_scatterv, input_, dim, sizes,
                               op, data=input_, dim=dim, reduce_op=op)
 
+    def reduce_scatterv_into_output(
+        self,
+        input_: torch.Tensor,
+        output: torch.Tensor,
+        dim: int = -1,
+        sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`reduce_scatterv` (a sum), its result copied into ``output``, which is
+        returned (vLLM's form).
+
+        Raises:
+            TypeError: ``output`` is not a tensor.
+            ValueError: ``output``'s shape or dtype is not the result's; raised
+                after the call, which the peers completed: ``output`` is untouched.
+        """
+        return _into(self.reduce_scatterv(input_, dim, sizes), output, "reduce_scatterv")
+
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
         if _tracing() and self.world_size == 1:
@@ -636,6 +653,32 @@ class GroupCoordinator:
         """
         self._book.check_live("combine")
         return self._moe.combine(hidden_states, is_sequence_parallel, sizes)
+
+    def allocate_combine_input(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        is_sequence_parallel: bool = False,
+    ) -> torch.Tensor | None:
+        """A buffer the communicator wants :meth:`combine`'s input in: None here, as
+        from vLLM's communicators without one (the caller allocates its own)."""
+        return None
+
+    def combine_into_output(
+        self,
+        hidden_states: torch.Tensor,
+        output: torch.Tensor,
+        is_sequence_parallel: bool = False,
+    ) -> torch.Tensor:
+        """:meth:`combine`, its result copied into ``output``, which is returned (vLLM's form).
+
+        Raises:
+            TypeError: ``output`` is not a tensor (or as :meth:`combine`).
+            ValueError: ``output``'s shape or dtype is not the result's (raised
+                after the call: ``output`` is untouched), or as :meth:`combine`.
+        """
+        return _into(self.combine(hidden_states, is_sequence_parallel), output, "combine")
 
     def set_token_peers(self, group: GroupCoordinator) -> None:
         """Make ``dispatch``/``combine`` with ``is_sequence_parallel=False`` run over
@@ -1119,6 +1162,24 @@ class GroupCoordinator:
         """
         return DictReceive(self._dicts.irecv_tensor_dict(src, all_gather_group),
                            alone=self.world_size == 1)
+
+
+def _into(result: torch.Tensor, output: Any, op: str) -> torch.Tensor:
+    """``output`` holding ``result``, the result of call ``op``.
+
+    Raises:
+        TypeError: ``output`` is not a tensor.
+        ValueError: ``output``'s shape or dtype differs from ``result``'s (a copy
+            would broadcast or convert it).
+    """
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"output must be a torch.Tensor, got {type(output).__name__}")
+    if output.shape != result.shape or output.dtype != result.dtype:
+        raise ValueError(
+            f"output must be a {result.dtype} tensor of shape {tuple(result.shape)} (the "
+            f"result of {op} on this rank), got {output.dtype} {tuple(output.shape)}")
+    output.copy_(result)
+    return output
 
 
 def _dispatch_form(third: str) -> inspect.Signature:

@@ -227,3 +227,59 @@ def test_queue_takes_vllms_constructor_form_and_handle_fields() -> None:
             MessageQueue(1, 1, enable_shm_tensor_arena="yes")  # type: ignore[arg-type]
     finally:
         mq.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_into_output_forms(dist_pool, world_size: int) -> None:
+    """``reduce_scatterv_into_output`` and ``combine_into_output`` (vLLM's MoE
+    forms) write what ``reduce_scatterv``/``combine`` return into ``output``,
+    and refuse an output of another shape or dtype after the call, untouched."""
+    outs = dist_pool(world_size).run(into_output_calls, timeout=90)
+    for got in outs:
+        assert got["rsv"] and got["rsv_even"] and got["combine"], got
+        assert got["refused"] == ["ValueError", "ValueError", "TypeError"], got
+        assert got["untouched"] and got["no_buffer"], got
+
+
+def into_output_calls(rank: int, world_size: int) -> dict[str, Any]:
+    from coordinator import parallel_state as ps
+
+    ps.initialize_model_parallel(1, 1, world_size, enable_expert_parallel=True)
+    try:
+        ep = ps.get_ep_group()
+        out: dict[str, Any] = {"refused": []}
+        sizes = [1 + r % 2 for r in range(world_size)]
+        x = torch.arange(float(sum(sizes) * 3)).view(-1, 3) * (rank + 1)
+        want = ep.reduce_scatterv(x, 0, sizes)
+        into = torch.empty_like(want)
+        got = ep.reduce_scatterv_into_output(x, into, dim=0, sizes=sizes)
+        out["rsv"] = got is into and torch.equal(into, want)
+        even = torch.ones(2 * world_size, 2)
+        into_even = torch.empty(2, 2)
+        ep.reduce_scatterv_into_output(even, into_even, 0)
+        out["rsv_even"] = into_even.tolist() == [[float(world_size)] * 2] * 2
+        hidden = torch.full((2, 4), float(rank))
+        logits = torch.zeros(2, 8)
+        gathered, _ = ep.dispatch(hidden, logits)
+        want_c = ep.combine(gathered)
+        gathered, _ = ep.dispatch(hidden, logits)
+        into_c = torch.empty_like(want_c)
+        out["combine"] = (ep.combine_into_output(gathered, into_c) is into_c
+                          and torch.equal(into_c, want_c))
+        out["no_buffer"] = ep.allocate_combine_input((2, 4), torch.float32,
+                                                     torch.device("cpu")) is None
+        wrong = torch.zeros(5, 3)
+        for call in (lambda: ep.reduce_scatterv_into_output(x, wrong, 0, sizes),
+                     lambda: ep.reduce_scatterv_into_output(
+                         x, torch.zeros_like(want, dtype=torch.float64), 0, sizes),
+                     lambda: ep.reduce_scatterv_into_output(x, [0.0], 0, sizes)):
+            try:
+                call()
+            except (TypeError, ValueError) as e:
+                out["refused"].append(type(e).__name__)
+        out["untouched"] = not wrong.any().item()
+        ep.barrier()
+        return out
+    finally:
+        ps.destroy_model_parallel()
