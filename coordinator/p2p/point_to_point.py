@@ -79,15 +79,17 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 from collections.abc import Callable, Sequence
 from time import monotonic
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from coordinator.calls.call_book import CallBook
+from coordinator.calls.call_book import CallBook, destroyed_msg
 from coordinator.calls.group_view import GroupView
 from coordinator.calls.peers import check_peer, peer_rank
+from coordinator.errors import NotInitializedError
 from coordinator.p2p import link_tensors
 from coordinator.p2p.channels import RECV, SEND, Channels, Work
 from coordinator.p2p.handle import P2PHandle
@@ -127,6 +129,10 @@ class PointToPoint:
         self.links = ShmLinks(group, objects, book)
         self._channels: Channels | None = None  # the asynchronous calls' threads, at first use
         self._cuda: CudaP2P | None = None  # a CUDA group's side stream, at first use
+        # Two threads' first calls must build one Channels (one CudaP2P), and none
+        # may be built once close() took them.
+        self._first_use = threading.Lock()
+        self._closed = False
 
     # ------------------------------------------------------------------ blocking calls
     def send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -189,8 +195,7 @@ class PointToPoint:
         """
         book, chs = self._book, self._channels
         if chs is None:
-            book.check_live(op)
-            chs = self._channels_at_first_use()
+            chs = self._channels_at_first_use(op)
         ch = chs.get(direction, peer)
 
         def check() -> None:
@@ -268,7 +273,7 @@ class PointToPoint:
         if entry is not None:
             fn = _recording(self._book, op, seq, entry, fn)
         work = Work(op, peer, seq, fn, args, self._book.errors, quiet=quiet)
-        self._channels_at_first_use().get(direction, peer).submit(work)
+        self._channels_at_first_use(op).get(direction, peer).submit(work)
         return work
 
     def handle(self, work: Work, finish: Callable[[Any], Any] | None = None) -> P2PHandle:
@@ -284,12 +289,21 @@ class PointToPoint:
         return P2PHandle(work, self._group.timeout)
 
     def cuda(self) -> CudaP2P:
-        """The asynchronous calls of a CUDA group (created, and imported, at first use)."""
-        if self._cuda is None:
-            from coordinator.p2p.cuda_p2p import CudaP2P
+        """The asynchronous calls of a CUDA group (created, and imported, at first use).
 
-            self._cuda = CudaP2P(self._group, self._book.errors, self._objects, self)
-        return self._cuda
+        Raises:
+            NotInitializedError: The group was closed.
+        """
+        cuda = self._cuda
+        if cuda is not None:
+            return cuda
+        with self._first_use:
+            if self._cuda is None:
+                self._refuse_after_close("isend")
+                from coordinator.p2p.cuda_p2p import CudaP2P
+
+                self._cuda = CudaP2P(self._group, self._book.errors, self._objects, self)
+            return self._cuda
 
     def _tell_peer(self, direction: str, peer: int, op: str, seq: int,
                    e: BaseException) -> None:
@@ -315,21 +329,38 @@ class PointToPoint:
             buf.copy_(out)
         return buf
 
-    def _channels_at_first_use(self) -> Channels:
+    def _channels_at_first_use(self, op: str) -> Channels:
+        """The group's channels, built by the first call (``op``) of any thread.
+
+        Raises:
+            NotInitializedError: The group was closed.
+        """
         chs = self._channels
-        if chs is None:
-            g = self._group
-            group, peer = g.cpu_group, (g.rank_in_group + 1) % g.world_size
-            chs = self._channels = Channels(g.unique_name,
-                                            lambda: _break_connections(group, peer))
-        return chs
+        if chs is not None:
+            return chs
+        with self._first_use:
+            if self._channels is None:
+                self._refuse_after_close(op)
+                g = self._group
+                group, peer = g.cpu_group, (g.rank_in_group + 1) % g.world_size
+                self._channels = Channels(g.unique_name,
+                                          lambda: _break_connections(group, peer))
+            return self._channels
+
+    def _refuse_after_close(self, op: str) -> None:
+        """Raise as a call ``op`` on a closed group does (holding ``_first_use``)."""
+        self._book.check_live(op)
+        if self._closed:  # closing, before the group counts as destroyed
+            raise NotInitializedError(destroyed_msg(self._group.unique_name, op))
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
         """End every point-to-point call of the group (see the module docstring)."""
         self.links.shutdown()  # calls blocked on a link end with ClosedError
-        chs, cuda = self._channels, self._cuda
-        self._channels = self._cuda = None
+        with self._first_use:
+            self._closed = True
+            chs, cuda = self._channels, self._cuda
+            self._channels = self._cuda = None
         if cuda is not None:
             cuda.close(CLOSE_GRACE_S)
         if chs is not None:
