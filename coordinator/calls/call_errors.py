@@ -193,8 +193,11 @@ class CallErrors:
         """:meth:`explain`'s error for ``e``, or None where ``e`` is raised as it is."""
         if self.destroyed and not isinstance(e, (ClosedError, NotInitializedError)):
             # (NotInitializedError: the call began after destroy, and says so.)
+            # What ended the wait is chained (raise ... from e), not quoted: destroy()
+            # ends gloo waits by closing their connections, and gloo then reports a
+            # timeout that never ran out.
             err = ClosedError(f"{self._where(op, seq)}: the group was destroyed while this "
-                              f"call was running ({type(e).__name__}: {_first_line(e)})")
+                              f"call was running (its wait ended with {type(e).__name__})")
             err.call = seq  # type: ignore[attr-defined]
             err.op = op  # type: ignore[attr-defined]
             return err

@@ -69,6 +69,7 @@ import torch.distributed as dist
 from coordinator import custom_ops
 from coordinator.calls.call_book import CallBook
 from coordinator.calls.call_errors import WAIT_ERRORS
+from coordinator.calls.gloo_break import break_connections
 from coordinator.custom_ops import traced_alone as _traced_alone
 from coordinator.custom_ops import tracing as _tracing
 from coordinator.errors import NotInitializedError
@@ -962,6 +963,11 @@ class GroupCoordinator:
         if watch is not None:  # before the communicator goes: no abort during its destroy
             watch.close()
         self._p2p.close()  # links and outstanding handles end (ClosedError), threads joined
+        if self.world_size > 1 and not self._book.one_call.wait_idle(0):
+            # A collective runs on another thread: end its gloo waits now (it raises
+            # ClosedError), not at its timeout; the communicator's own waits end
+            # when it is destroyed below.
+            break_connections(self.cpu_group, (self.rank_in_group + 1) % self.world_size)
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.close()
             self.mq_broadcaster = None

@@ -77,8 +77,6 @@ receive still waiting compares with its send.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import threading
 from collections.abc import Callable, Sequence
 from time import monotonic
@@ -87,6 +85,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from coordinator.calls.call_book import CallBook, destroyed_msg
+from coordinator.calls.gloo_break import break_connections
 from coordinator.calls.group_view import GroupView
 from coordinator.calls.peers import check_peer, peer_rank
 from coordinator.errors import NotInitializedError
@@ -106,7 +105,6 @@ __all__ = ["PointToPoint", "CLOSE_GRACE_S"]
 
 #: Seconds ``destroy()`` lets running point-to-point calls finish before ending them.
 CLOSE_GRACE_S = 1.0
-_BREAK_TAG = 0x6770  # never sent: the expired wait on it closes the group's connections
 _R = TypeVar("_R")  # what a blocking call run in its turn returns
 
 
@@ -344,7 +342,7 @@ class PointToPoint:
                 g = self._group
                 group, peer = g.cpu_group, (g.rank_in_group + 1) % g.world_size
                 self._channels = Channels(g.unique_name,
-                                          lambda: _break_connections(group, peer))
+                                          lambda: break_connections(group, peer))
             return self._channels
 
     def _refuse_after_close(self, op: str) -> None:
@@ -424,10 +422,3 @@ def _recording(book: CallBook, op: str, seq: int, entry: list[Any],
 
     return run
 
-
-def _break_connections(group: Any, peer: int) -> None:
-    """Close every gloo connection of ``group``: a wait that expires makes gloo close
-    the group's pairs, which ends every pending operation of the group at once."""
-    buf = torch.empty(1, dtype=torch.uint8)
-    with contextlib.suppress(RuntimeError):
-        group.recv([buf], peer, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
