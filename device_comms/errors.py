@@ -17,6 +17,7 @@ from shm_broadcast.errors import (
     ClosedError,
     CollectiveMismatch,
     CommTimeout,
+    ConcurrentCallError,
     DecodeError,
     EncodeError,
     GroupCoordError,
@@ -57,14 +58,6 @@ class CommunicatorUnavailable(GroupCoordError, LookupError):
 
 class BrokenCommunicator(GroupCoordError, RuntimeError):
     """An earlier failure (dead peer, timeout) left the communicator unusable."""
-
-
-class ConcurrentCallError(GroupCoordError, RuntimeError):
-    """A collective was called while another thread's collective of the same
-    communicator was still running (a communicator runs one at a time).
-
-    Raised before the call touches anything; the call in flight is unaffected.
-    """
 
 
 class NcclError(GroupCoordError, RuntimeError):

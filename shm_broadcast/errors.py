@@ -17,6 +17,9 @@ ranks disagree, or     :class:`CollectiveMismatch`                 ValueError
 the source failed      (:class:`PeerRejectedError`: a peer refused
                        its own arguments)
 wrong queue role       :class:`QueueRoleError`                     RuntimeError
+a second thread in a   :class:`ConcurrentCallError`                RuntimeError
+one-at-a-time object
+(queue, communicator)
 malformed bytes from   :class:`DecodeError`                        ValueError
 a peer (or refused
 pickle)
@@ -51,6 +54,7 @@ __all__ = [
     "CollectiveMismatch",
     "PeerRejectedError",
     "QueueRoleError",
+    "ConcurrentCallError",
     "DecodeError",
     "EncodeError",
     "SegmentError",
@@ -144,6 +148,15 @@ def _rebuild_rejected(msg: str, rank: int, op: str, reason: str) -> PeerRejected
 
 class QueueRoleError(GroupCoordError, RuntimeError):
     """A writer-only method was called on a reader, or the reverse."""
+
+
+class ConcurrentCallError(GroupCoordError, RuntimeError):
+    """A call was made while another thread's call of the same object was still
+    running, where the object serves one call at a time (a communicator's
+    collectives, a queue side's enqueue or dequeue).
+
+    Raised before the call touches anything; the call in flight is unaffected.
+    """
 
 
 class DecodeError(GroupCoordError, ValueError):

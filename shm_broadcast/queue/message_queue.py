@@ -50,13 +50,12 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from shm_broadcast.checks import check_bool, check_int, check_timeout
 from shm_broadcast.codec.message_codec import Codec
-from shm_broadcast.errors import QueueRoleError
+from shm_broadcast.errors import ConcurrentCallError, QueueRoleError
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.local_reader import LocalReader
 from shm_broadcast.queue.options import (
@@ -197,7 +196,11 @@ class MessageQueue:
         self._reader: LocalReader | RemoteReader | None = (
             None if isinstance(impl, QueueWriter) else impl)
         self._rank = rank
-        self._busy = 0
+        # One call at a time: a second thread's call raises ConcurrentCallError
+        # instead of interleaving with the first on the ring (close() and
+        # shutdown() are the calls meant for other threads).
+        self._one_call = threading.Lock()
+        self._in_call = ""
         self._close_lock = threading.Lock()
         self._default_timeout: float | None = None
 
@@ -459,11 +462,11 @@ class MessageQueue:
             raise QueueRoleError(f"queue {self.name!r}: enqueue() is for the writer; "
                                  f"this is reader rank {self._rank}")
         timeout = self._default_timeout if timeout is None else check_timeout(timeout)
-        self._busy += 1
+        self._enter("enqueue")
         try:
             self._writer.enqueue(obj, timeout)
         finally:
-            self._busy -= 1
+            self._leave()
 
     def enqueue_confirmed(self, obj: Any, timeout: float | None = None) -> list[str | None]:
         """Send ``obj`` like :meth:`enqueue`, then wait until every reader has taken
@@ -492,11 +495,11 @@ class MessageQueue:
             raise QueueRoleError(f"queue {self.name!r}: enqueue_confirmed() is for the writer; "
                                  f"this is reader rank {self._rank}")
         timeout = self._default_timeout if timeout is None else check_timeout(timeout)
-        self._busy += 1
+        self._enter("enqueue_confirmed")
         try:
             return self._writer.enqueue_confirmed(obj, timeout)
         finally:
-            self._busy -= 1
+            self._leave()
 
     # ------------------------------------------------------------ reader API
     def dequeue(self, timeout: float | None = None, indefinite: bool = False, *,
@@ -538,7 +541,7 @@ class MessageQueue:
             timeout = check_timeout(timeout)
         if verdict is not None and not callable(verdict):
             raise TypeError(f"verdict must be a callable or None, got {type(verdict).__name__}")
-        self._busy += 1
+        self._enter("dequeue")
         try:
             if verdict is None:
                 return self._reader.dequeue(timeout)
@@ -547,7 +550,7 @@ class MessageQueue:
                                      f"writer's host; this reader is remote")
             return self._reader.dequeue(timeout, verdict)
         finally:
-            self._busy -= 1
+            self._leave()
 
     def poll(self) -> bool:
         """Whether :meth:`dequeue` has a message ready now (readers only)."""
@@ -574,11 +577,11 @@ class MessageQueue:
             PeerDiedError: A peer died meanwhile.
         """
         timeout = check_timeout(timeout)
-        self._busy += 1
+        self._enter("wait_until_ready")
         try:
             self._impl.wait_until_ready(timeout)
         finally:
-            self._busy -= 1
+            self._leave()
 
     def shutdown(self) -> None:
         """Wake blocked callers with QueueClosedError; safe from any thread.
@@ -598,12 +601,33 @@ class MessageQueue:
         with self._close_lock:
             if self._impl.closed:
                 return
-            if self._busy:
+            if not self._one_call.acquire(blocking=False):  # another thread is in a call
                 self._impl.shutdown()
-                end = time.monotonic() + 2.0
-                while self._busy and time.monotonic() < end:
-                    time.sleep(0.005)
-            self._impl.close()
+                if not self._one_call.acquire(timeout=2.0):
+                    self._impl.close()
+                    return
+            try:
+                self._impl.close()
+            finally:
+                self._one_call.release()
+
+    def _enter(self, op: str) -> None:
+        """Begin call ``op``, the only one of this queue object until :meth:`_leave`.
+
+        Raises:
+            ConcurrentCallError: Another thread is in a call of this object.
+        """
+        if not self._one_call.acquire(blocking=False):
+            raise ConcurrentCallError(
+                f"queue {self.name!r}: {op}() was called while another thread is in "
+                f"{self._in_call or 'a call'}() of this queue object; a queue side serves "
+                f"one call at a time: use one queue object per thread, or a lock",
+                queue=self.name)
+        self._in_call = op
+
+    def _leave(self) -> None:
+        self._in_call = ""
+        self._one_call.release()
 
     def __enter__(self) -> MessageQueue:
         return self

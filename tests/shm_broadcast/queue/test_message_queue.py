@@ -194,6 +194,45 @@ def test_close_from_another_thread_while_blocked():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("side", ["writer", "reader"])
+def test_a_second_thread_in_a_call_is_refused(queues, side):
+    """A queue side serves one call at a time: a second thread's enqueue/dequeue
+    raises ConcurrentCallError naming both calls and leaves the first one and
+    the ring as they were."""
+    from shm_broadcast import ConcurrentCallError
+
+    w, (r,) = queues(1, max_chunks=1, name=f"two-threads-{side}")
+    if side == "writer":
+        w.enqueue(0)  # the ring is full: the next enqueue waits for the reader
+        first, second = (lambda: w.enqueue(1)), (lambda: w.enqueue(2))
+    else:  # nothing to read: the dequeue waits for the writer
+        first, second = r.dequeue, r.dequeue
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(first()))
+    t.start()
+    time.sleep(0.3)
+    op = "enqueue" if side == "writer" else "dequeue"
+    with pytest.raises(ConcurrentCallError, match=rf"{op}\(\) was called while another "
+                                                  rf"thread is in {op}\(\)"):
+        second()
+    if side == "writer":
+        assert r.dequeue(timeout=10) == 0  # room: the first enqueue goes on
+        t.join(10)
+        assert r.dequeue(timeout=10) == 1 and not r.poll()
+    else:
+        w.enqueue("next")
+        t.join(10)
+        assert out == ["next"]
+    assert not t.is_alive()
+    if side == "writer":
+        w.enqueue(3)  # the side serves calls again
+        assert r.dequeue(timeout=10) == 3
+    else:
+        w.enqueue(4)
+        assert r.dequeue(timeout=10) == 4
+
+
+@pytest.mark.timeout(60)
 def test_lifecycle_handles_and_roles():
     w, (r,) = make_queue(1, name="life")
     with w, r:
