@@ -407,11 +407,19 @@ class StepSync:
         self.step(op, FAILED, len(data), True)
 
     def abandon(self, op: str, why: str) -> None:
-        """This rank left ``op`` partway (``why``): break and tell the peers.
+        """This rank left ``op`` partway (``why``), on the thread that made it: break
+        and tell the peers.
 
-        Peers waiting for this rank's next step find ``CLOSED < 0`` and raise
-        (as for a rank that gave up after its timeout), instead of taking its
-        next call's steps for the rest of this one."""
+        The last step this rank published is withdrawn as after a timeout
+        ("Giving up on a step"): a peer that had not arrived at it yet then
+        raises instead of passing it alone (the step stands where every peer
+        had arrived). Peers waiting for this rank's next step find
+        ``CLOSED < 0`` and raise (as for a rank that gave up after its
+        timeout), instead of taking its next call's steps for the rest of
+        this one."""
+        if self.gen > 0:
+            with contextlib.suppress(ValueError, TypeError):  # already released
+                self._give_up(self.gen)
         self._break_off(f"an earlier call ({op}) was interrupted partway ({why}); this "
                         f"communicator cannot be used any more")
 

@@ -177,3 +177,7 @@ def test_an_interrupted_call_breaks_the_communicator_not_the_results(
     outs = dist_pool(world_size).run(interrupted_rank, numel)
     assert all("WRONG" not in o["calls"] for o in outs), outs
     assert outs[-1]["calls"] == ["_Interrupted", "BrokenCommunicator"], outs
+    # The interrupted rank withdrew its step: the peers, arriving after it left,
+    # raise on that call rather than complete it without it.
+    for o in outs[:-1]:
+        assert o["calls"][0] == "CommTimeout", outs
