@@ -105,8 +105,9 @@ every machine. The flag is one aligned 8-byte store/load through a
 Rank ``r`` writes only its own 128-byte header line, so flags do not falsely
 share cache lines.
 
-Giving up on a step. A rank whose timeout runs out at step ``g`` must not let
-a late peer complete the step (it would return a result while this one
+Giving up on a step. A rank whose timeout runs out at step ``g`` (or whose
+call is interrupted there: :meth:`StepSync.abandon`) must not let a late peer
+complete the step (it would return a result while this one
 raised): it first *withdraws* its publication, and a step passes only on a
 second sweep of the peers' generations after one that saw them all::
 
