@@ -200,7 +200,6 @@ class MessageQueue:
         # instead of interleaving with the first on the ring (close() and
         # shutdown() are the calls meant for other threads).
         self._one_call = threading.Lock()
-        self._in_call = ""
         self._close_lock = threading.Lock()
         self._default_timeout: float | None = None
 
@@ -462,11 +461,12 @@ class MessageQueue:
             raise QueueRoleError(f"queue {self.name!r}: enqueue() is for the writer; "
                                  f"this is reader rank {self._rank}")
         timeout = self._default_timeout if timeout is None else check_timeout(timeout)
-        self._enter("enqueue")
+        if not self._one_call.acquire(False):  # another thread is in a call
+            self._refuse("enqueue")
         try:
             self._writer.enqueue(obj, timeout)
         finally:
-            self._leave()
+            self._one_call.release()
 
     def enqueue_confirmed(self, obj: Any, timeout: float | None = None) -> list[str | None]:
         """Send ``obj`` like :meth:`enqueue`, then wait until every reader has taken
@@ -495,11 +495,12 @@ class MessageQueue:
             raise QueueRoleError(f"queue {self.name!r}: enqueue_confirmed() is for the writer; "
                                  f"this is reader rank {self._rank}")
         timeout = self._default_timeout if timeout is None else check_timeout(timeout)
-        self._enter("enqueue_confirmed")
+        if not self._one_call.acquire(False):  # another thread is in a call
+            self._refuse("enqueue_confirmed")
         try:
             return self._writer.enqueue_confirmed(obj, timeout)
         finally:
-            self._leave()
+            self._one_call.release()
 
     # ------------------------------------------------------------ reader API
     def dequeue(self, timeout: float | None = None, indefinite: bool = False, *,
@@ -541,7 +542,8 @@ class MessageQueue:
             timeout = check_timeout(timeout)
         if verdict is not None and not callable(verdict):
             raise TypeError(f"verdict must be a callable or None, got {type(verdict).__name__}")
-        self._enter("dequeue")
+        if not self._one_call.acquire(False):  # another thread is in a call
+            self._refuse("dequeue")
         try:
             if verdict is None:
                 return self._reader.dequeue(timeout)
@@ -550,7 +552,7 @@ class MessageQueue:
                                      f"writer's host; this reader is remote")
             return self._reader.dequeue(timeout, verdict)
         finally:
-            self._leave()
+            self._one_call.release()
 
     def poll(self) -> bool:
         """Whether :meth:`dequeue` has a message ready now (readers only)."""
@@ -577,11 +579,12 @@ class MessageQueue:
             PeerDiedError: A peer died meanwhile.
         """
         timeout = check_timeout(timeout)
-        self._enter("wait_until_ready")
+        if not self._one_call.acquire(False):  # another thread is in a call
+            self._refuse("wait_until_ready")
         try:
             self._impl.wait_until_ready(timeout)
         finally:
-            self._leave()
+            self._one_call.release()
 
     def shutdown(self) -> None:
         """Wake blocked callers with QueueClosedError; safe from any thread.
@@ -611,23 +614,16 @@ class MessageQueue:
             finally:
                 self._one_call.release()
 
-    def _enter(self, op: str) -> None:
-        """Begin call ``op``, the only one of this queue object until :meth:`_leave`.
+    def _refuse(self, op: str) -> None:
+        """Refuse call ``op``: another thread is in a call of this queue object.
 
         Raises:
-            ConcurrentCallError: Another thread is in a call of this object.
+            ConcurrentCallError: Always.
         """
-        if not self._one_call.acquire(blocking=False):
-            raise ConcurrentCallError(
-                f"queue {self.name!r}: {op}() was called while another thread is in "
-                f"{self._in_call or 'a call'}() of this queue object; a queue side serves "
-                f"one call at a time: use one queue object per thread, or a lock",
-                queue=self.name)
-        self._in_call = op
-
-    def _leave(self) -> None:
-        self._in_call = ""
-        self._one_call.release()
+        raise ConcurrentCallError(
+            f"queue {self.name!r}: {op}() was called while another thread is in a call of "
+            f"this queue object; a queue side serves one call at a time: use one queue "
+            f"object per thread, or a lock", queue=self.name)
 
     def __enter__(self) -> MessageQueue:
         return self
