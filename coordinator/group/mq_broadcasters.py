@@ -130,8 +130,8 @@ def create_single_reader_mq_broadcasters(
                                                      "reader_rank_in_group")
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be a bool, got {type(blocking).__name__}")
-        check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
-        check_int(max_chunks, "max_chunks", minimum=1)
+        max_chunk_bytes = check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
+        max_chunks = check_int(max_chunks, "max_chunks", minimum=1)
     except (TypeError, ValueError) as e:
         if group.world_size > 1:
             agree(og, e, op, group.unique_name)

@@ -253,10 +253,18 @@ class ObjectCalls:
         """Sum the CPU ``tensor`` across the group in place, through the
         communicator that carries the group's CPU bytes; returns ``tensor``."""
         comm = self._cpu_comm()
-        if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+        problem: Exception | None = None
+        if not isinstance(tensor, torch.Tensor):
+            problem = TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        elif tensor.device.type != "cpu":
+            problem = ValueError(f"tensor must be a CPU tensor, got one on {tensor.device}")
+        if problem is not None:
+            comm.reject("all_reduce", problem)  # the peers raise instead of waiting
+            raise problem
+        if not tensor.is_contiguous():
             tensor.copy_(comm.all_reduce(tensor))
             return tensor
-        return comm.all_reduce(tensor, out=tensor)  # its checks name what is wrong
+        return comm.all_reduce(tensor, out=tensor)  # its checks name what else is wrong
 
     # ------------------------------------------------------------------ point to point
     def send(self, obj: Any, dst: int, kind: int = object_comm.OBJECT) -> None:

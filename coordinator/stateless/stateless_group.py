@@ -102,6 +102,7 @@ from coordinator.stateless.retry_delay import RetryDelay
 from coordinator.stateless.session_agreement import SessionAgreement
 from coordinator.stateless.store_sealing import Sealer
 from device_comms import ReduceOp
+from device_comms.reduce_op import check_reduce_op
 from shm_broadcast.checks import check_bool, check_int, check_rank, check_timeout
 from shm_broadcast.ranks.group_adapter import (
     decode_object,
@@ -185,7 +186,7 @@ class StatelessProcessGroup:
                  timeout: float = _DEFAULT_TIMEOUT, *, secret: bytes | None = None,
                  insecure: bool = False, allow_pickle: bool = False,
                  _secret_source: Callable[[], bytes | None] | None = None) -> None:
-        _check_rank_world(rank, world_size)
+        rank, world_size = _check_rank_world(rank, world_size)
         _check_name(name)
         self.rank = rank
         self.world_size = world_size
@@ -261,8 +262,8 @@ class StatelessProcessGroup:
             StoreConnectionError: The connection to rank 0's store was lost
                 while the session was set up (rank 0 exited).
         """
-        _check_rank_world(rank, world_size)
-        check_int(port, "port", minimum=1, maximum=65535)
+        rank, world_size = _check_rank_world(rank, world_size)
+        port = check_int(port, "port", minimum=1, maximum=65535)
         if not isinstance(host, str):
             raise TypeError(f"host must be a str, got {type(host).__name__} ({host!r:.60})")
         if not host or host != host.strip() or any(c in host for c in "\x00\t\r\n "):
@@ -272,7 +273,8 @@ class StatelessProcessGroup:
                                  "store_timeout" if store_timeout is not None else "timeout",
                                  positive=True)
         if data_expiration_seconds is not None:
-            check_int(data_expiration_seconds, "data_expiration_seconds", minimum=1)
+            data_expiration_seconds = check_int(data_expiration_seconds,
+                                                "data_expiration_seconds", minimum=1)
         if listen_socket is not None and not isinstance(listen_socket, socket.socket):
             raise TypeError(f"listen_socket must be a socket.socket, got "
                             f"{type(listen_socket).__name__}")
@@ -403,12 +405,14 @@ class StatelessProcessGroup:
 
     def broadcast(self, tensor: Any, src: int, timeout: float | None = None) -> Any:
         """``src``'s ``tensor`` on every rank: the source returns its own, the others a
-        new tensor on their ``tensor``'s device (``tensor`` is only read on the source;
-        other ranks may pass None).
+        new tensor (on their ``tensor``'s device). Other ranks may pass None; a
+        tensor they pass says what they expect (its shape and dtype) and is not
+        written.
 
         Raises:
             TypeError: On ``src``: ``tensor`` is not a tensor.
-            CollectiveMismatch: On the others: the source sent no tensor.
+            CollectiveMismatch: On the others: the source sent no tensor, or
+                one of another shape or dtype than the receiver's ``tensor``.
             CommTimeout: As :meth:`broadcast_obj`.
         """
         src = _check_in_range(src, self.world_size, "src")
@@ -416,8 +420,9 @@ class StatelessProcessGroup:
             self.broadcast_obj(_cpu_copy(tensor, "tensor"), src, timeout)
             return tensor
         got = self.broadcast_obj(None, src, timeout)
-        _expect_tensor(got, src, "broadcast", self.name)
-        return got.to(tensor.device) if isinstance(tensor, torch.Tensor) else got
+        given = tensor if isinstance(tensor, torch.Tensor) else None
+        _expect_tensor(got, src, "broadcast", self.name, like=given)
+        return got if given is None else got.to(given.device)
 
     def send(self, tensor: Any, dst: int) -> None:
         """Send ``tensor`` to rank ``dst`` (a CPU copy, through the store).
@@ -449,25 +454,28 @@ class StatelessProcessGroup:
         """Reduce ``tensor`` across the ranks; a new tensor on ``tensor``'s device.
 
         Every rank reduces the same tensors in rank order, so all get the same
-        bits. ``op``: ``SUM``, ``PRODUCT``, ``MIN``, ``MAX`` or ``AVG`` of
-        ``torch.distributed.ReduceOp`` or :class:`device_comms.ReduceOp`.
+        bits. ``op``: a :class:`device_comms.ReduceOp`, its name, or a
+        ``torch.distributed.ReduceOp``, under the rules of every other
+        reduction (:func:`device_comms.reduce_op.check_reduce_op`: ``AVG``
+        needs a floating dtype, the bitwise ops an integer one).
 
         Raises:
-            TypeError: ``tensor`` is not a tensor, or ``op`` not a reduce op.
-            ValueError: ``op`` is a reduce op this call does not make.
+            TypeError: ``tensor`` is not a tensor, or ``op`` not a reduce op
+                (or not one for its dtype).
             CollectiveMismatch: (On every rank) the ranks' tensors differ in
                 shape or dtype, or a rank sent no tensor.
             CommTimeout: As :meth:`all_gather_obj`.
         """
-        reduce = _reduction(op)
         mine = _cpu_copy(tensor, "tensor")
+        rop = check_reduce_op(op, mine.dtype)
+        reduce = _REDUCTIONS[rop]
         parts = self.all_gather_obj(mine, timeout)
         for r, part in enumerate(parts):
             _expect_tensor(part, r, "all_reduce", self.name, like=mine)
         result = parts[0].clone()
         for part in parts[1:]:
             result = reduce(result, part)
-        if _op_name(op) == "AVG":
+        if rop is ReduceOp.AVG:
             result = result / self.world_size
         return result.to(tensor.device)
 
@@ -828,44 +836,20 @@ def _expect_tensor(got: Any, rank: int, op: str, group: str, like: Any = None) -
             queue=group, peers=[rank])
 
 
-def _op_name(op: Any) -> str:
-    """The name of reduce op ``op`` (``"SUM"``...), from torch's or groupcoord's ReduceOp.
-
-    Raises:
-        TypeError: ``op`` is neither.
-    """
-    if isinstance(op, ReduceOp):
-        return op.name
-    name = getattr(op, "name", None)
-    if isinstance(op, dist.ReduceOp.RedOpType) and isinstance(name, str):
-        return name
-    raise TypeError(f"op must be a torch.distributed.ReduceOp or a groupcoord ReduceOp, "
-                    f"got {type(op).__name__} ({op!r:.60})")
-
-
-_REDUCTIONS: dict[str, Callable[[Any, Any], Any]] = {
-    "SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul,
-    "MIN": torch.minimum, "MAX": torch.maximum,
+#: How two tensors combine under each reduce op (AVG: summed, then divided).
+_REDUCTIONS: dict[ReduceOp, Callable[[Any, Any], Any]] = {
+    ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
+    ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or,
+    ReduceOp.BXOR: torch.bitwise_xor,
 }
-
-
-def _reduction(op: Any) -> Callable[[Any, Any], Any]:
-    """How two tensors combine under ``op``.
-
-    Raises:
-        TypeError: ``op`` is not a reduce op.
-        ValueError: A reduce op this group does not make (the bitwise ones).
-    """
-    name = _op_name(op)
-    if name not in _REDUCTIONS:
-        raise ValueError(f"op must be one of {', '.join(_REDUCTIONS)}, got {name}")
-    return _REDUCTIONS[name]
 
 
 def _check_in_range(r: Any, world_size: int, arg: str) -> int:
     return check_rank(r, world_size, arg)
 
 
-def _check_rank_world(rank: Any, world_size: Any) -> None:
-    check_int(world_size, "world_size", minimum=1)
-    check_rank(rank, world_size, "rank")
+def _check_rank_world(rank: Any, world_size: Any) -> tuple[int, int]:
+    """``(rank, world_size)`` as ints, checked."""
+    size = check_int(world_size, "world_size", minimum=1)
+    return check_rank(rank, size, "rank"), size

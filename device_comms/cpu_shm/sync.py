@@ -260,6 +260,7 @@ class StepSync:
         self.pids = list(pids)
         self.timeout = timeout
         self.gen = 0
+        self._waiting = 0  # the step a slow wait is at (0: none; see abandon)
         self.broken: str | None = None
         #: The owning group's call counter (see "Call numbers"); None: every call is 0.
         self.number: Callable[[], int] | None = None
@@ -411,14 +412,17 @@ class StepSync:
         """This rank left ``op`` partway (``why``), on the thread that made it: break
         and tell the peers.
 
-        The last step this rank published is withdrawn as after a timeout
-        ("Giving up on a step"): a peer that had not arrived at it yet then
-        raises instead of passing it alone (the step stands where every peer
-        had arrived). Peers waiting for this rank's next step find
+        A step this rank was interrupted waiting at (in its slow wait, where
+        peers were missing) is withdrawn as after a timeout ("Giving up on a
+        step"): a peer that had not arrived at it yet then raises instead of
+        passing it alone (the step stands where every peer had arrived). A
+        step this rank had passed is left alone: peers may still be
+        confirming it. Peers waiting for this rank's next step find
         ``CLOSED < 0`` and raise (as for a rank that gave up after its
         timeout), instead of taking its next call's steps for the rest of
         this one."""
-        if self.gen > 0:
+        if self._waiting and self._waiting == self.gen:  # interrupted waiting for peers
+            self._waiting = 0
             with contextlib.suppress(ValueError, TypeError):  # already released
                 self._give_up(self.gen)
         self._break_off(f"an earlier call ({op}) was interrupted partway ({why}); this "
@@ -459,12 +463,14 @@ class StepSync:
         start = time.perf_counter()
         next_health = start + _HEALTH_EVERY
         hdr, peers = self.hdr, self._peer_gen
+        self._waiting = gen  # an interrupt from here on withdraws the step (abandon)
         while True:
             next_health = self._wait_each(gen, op, start, next_health)
             for word in peers:  # a sweep after every peer was seen: see "Giving up on a step"
                 if hdr[word] < gen:
                     break
             else:
+                self._waiting = 0
                 return
 
     def _wait_each(self, gen: int, op: str, start: float, next_health: float) -> float:

@@ -172,7 +172,7 @@ class SharedSegment:
         """
         if not isinstance(kind, str) or not _KIND_RE.match(kind):
             raise ValueError(f"kind must be 1-16 lowercase letters/digits, got {kind!r}")
-        check_int(size, "size", minimum=1)
+        size = check_int(size, "size", minimum=1)
         free = shm_free_bytes()
         if free >= 0 and free < size + _SPACE_MARGIN:
             raise _space_error(kind, size, free)

@@ -155,21 +155,21 @@ class MessageQueue:
         warn_interval: float | None = None,
         enable_shm_tensor_arena: bool = False,
     ) -> None:
-        check_int(n_reader, "n_reader", minimum=0)
+        n_reader = check_int(n_reader, "n_reader", minimum=0)
         check_bool(enable_shm_tensor_arena, "enable_shm_tensor_arena")
-        check_int(n_local_reader, "n_local_reader", minimum=0)
+        n_local_reader = check_int(n_local_reader, "n_local_reader", minimum=0)
         if n_local_reader > n_reader:
             raise ValueError(
                 f"n_local_reader must be <= n_reader ({n_reader}), got {n_local_reader}")
         ranks = _local_ranks(local_reader_ranks, n_local_reader)
-        check_ring_options(max_chunk_bytes, max_chunks, connect_ip)
+        max_chunk_bytes, max_chunks = check_ring_options(max_chunk_bytes, max_chunks, connect_ip)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         check_bool(allow_pickle, "allow_pickle")
         check_bool(exact_types, "exact_types")
         check_bool(shared_reader_key, "shared_reader_key")
         if writer_rank is not None:
-            check_int(writer_rank, "writer_rank", minimum=0)
+            writer_rank = check_int(writer_rank, "writer_rank", minimum=0)
         warn = check_warn_interval(warn_interval)
         policy = _policy(wait_policy)
         writer = QueueWriter(
@@ -253,7 +253,7 @@ class MessageQueue:
             handle = Handle.from_bytes(bytes(handle))
         if not isinstance(handle, Handle):
             raise TypeError(f"handle must be a shm_broadcast.Handle, got {type(handle).__name__}")
-        check_int(rank, "rank", minimum=0)
+        rank = check_int(rank, "rank", minimum=0)
         warn = check_warn_interval(warn_interval)
         policy = _policy(wait_policy)
         codec = Codec(allow_pickle=allow_pickle, resizable=resizable_tensors)
@@ -436,7 +436,7 @@ class MessageQueue:
             raise QueueRoleError(f"queue {self.name!r}: export_handle() is for the writer; "
                                  f"this is reader rank {self._rank}")
         if rank is not None:
-            check_int(rank, "rank", minimum=0)
+            rank = check_int(rank, "rank", minimum=0)
         return self._writer.handle_for(rank)
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
@@ -653,8 +653,7 @@ def _local_ranks(ranks: Any, n_local_reader: int) -> tuple[int, ...]:
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (list, tuple, range)):
         raise TypeError(f"local_reader_ranks must be a list of ints, got {type(ranks).__name__} "
                         f"({ranks!r:.60})")
-    for i, r in enumerate(ranks):
-        check_int(r, f"local_reader_ranks[{i}]", minimum=0)
+    ranks = [check_int(r, f"local_reader_ranks[{i}]", minimum=0) for i, r in enumerate(ranks)]
     if len(ranks) != n_local_reader or len(set(ranks)) != len(ranks):
         raise ValueError(f"local_reader_ranks must be {n_local_reader} distinct ints >= 0 "
                          f"(n_local_reader), got {list(ranks)!r:.120}")

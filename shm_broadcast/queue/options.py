@@ -36,21 +36,23 @@ DEFAULT_WARN_INTERVAL = 10.0
 WARN_INTERVAL_ENV = "GROUPCOORD_MQ_WARN_INTERVAL"
 
 
-def check_ring_options(max_chunk_bytes: Any, max_chunks: Any, connect_ip: Any) -> None:
-    """Check a writer's ring sizes and TCP address.
+def check_ring_options(max_chunk_bytes: Any, max_chunks: Any,
+                       connect_ip: Any) -> tuple[int, int]:
+    """Check a writer's ring sizes and TCP address; the sizes as ints.
 
     Raises:
         TypeError: A size is not an int.
         ValueError: A size is too small, or ``connect_ip`` is not None or a
             non-empty str.
     """
-    check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
-    check_int(max_chunks, "max_chunks", minimum=1)
+    chunk_bytes = check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
+    chunks = check_int(max_chunks, "max_chunks", minimum=1)
     if connect_ip is not None and not isinstance(connect_ip, str):
         raise TypeError(f"connect_ip must be None or an IP address string, got "
                         f"{type(connect_ip).__name__} ({connect_ip!r:.60})")
     if connect_ip == "":
         raise ValueError("connect_ip must be None or an IP address string, got ''")
+    return chunk_bytes, chunks
 
 
 def check_wait_policy(wait_policy: Any) -> WaitPolicy | None:

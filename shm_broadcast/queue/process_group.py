@@ -37,7 +37,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from shm_broadcast.checks import check_bool, check_rank, check_timeout
+from shm_broadcast.checks import as_int, check_bool, check_rank, check_timeout
 from shm_broadcast.errors import CollectiveMismatch, DecodeError
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.options import (
@@ -277,12 +277,12 @@ def _resolve_readers(reader_ranks: list[int] | None, writer_rank: int, world: in
     """The reader ranks: the given ones, checked, or every rank but the writer."""
     if reader_ranks is None:
         return [r for r in range(world) if r != writer_rank]
-    readers = list(reader_ranks)
+    given = [as_int(r) for r in reader_ranks]
+    readers = [r for r in given if r is not None and 0 <= r < world]
     if (
-        len(set(readers)) != len(readers)
+        len(readers) != len(given)
+        or len(set(readers)) != len(readers)
         or writer_rank in readers
-        or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world
-                   for r in readers)
     ):
         raise ValueError(
             f"reader_ranks must be distinct group ranks in [0, {world}) other than the "

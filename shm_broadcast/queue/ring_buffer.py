@@ -236,9 +236,9 @@ class ShmRingBuffer:
             ValueError: A size is out of range.
             ShmSpaceError: ``/dev/shm`` is too small.
         """
-        check_int(n_reader, "n_reader", minimum=1)
-        check_int(max_chunk_bytes, "max_chunk_bytes", minimum=CHUNK_HEADER + 64)
-        check_int(max_chunks, "max_chunks", minimum=1)
+        n_reader = check_int(n_reader, "n_reader", minimum=1)
+        max_chunk_bytes = check_int(max_chunk_bytes, "max_chunk_bytes", minimum=CHUNK_HEADER + 64)
+        max_chunks = check_int(max_chunks, "max_chunks", minimum=1)
         g = _Geometry(n_reader, max_chunk_bytes, max_chunks)
         seg = SharedSegment.create("mq", g.total)
         _HDR.pack_into(seg.buf, 0, _MAGIC, n_reader, max_chunks, max_chunk_bytes, 0, 0.0)

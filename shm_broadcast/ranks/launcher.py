@@ -543,7 +543,7 @@ def spawn_group(
     Returns:
         One :class:`RankOutcome` per rank, by rank.
     """
-    check_int(world_size, "world_size", minimum=1)
+    world_size = check_int(world_size, "world_size", minimum=1)
     envs = per_rank_env(env, world_size)
     me = os.getpid()
     # The rendezvous store serves the ranks until they have all ended.

@@ -103,3 +103,77 @@ def test_numpy_ranks_out_of_range_are_refused(kind: str) -> None:
         checks.check_rank(num(5), 2, "src")
     with pytest.raises(ValueError, match=r"dim must be in \[-2, 2\)"):
         validation.norm_dim(num(2), 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["int64", "int32"])
+def test_a_queue_made_with_numpy_ints_works(kind: str) -> None:
+    """Every int a queue takes (sizes, ranks) as a NumPy integer: the handle
+    encodes, a reader attaches, a message goes through."""
+    from shm_broadcast import Handle, MessageQueue
+
+    num = getattr(np, kind)
+    w = MessageQueue(num(1), num(1), [num(1)], max_chunk_bytes=num(1 << 16),
+                     max_chunks=num(4), writer_rank=num(0))
+    try:
+        handle = w.export_handle(num(1))
+        assert Handle.from_bytes(handle.to_bytes()) == handle
+        r = MessageQueue.create_from_handle(handle, num(1))
+        try:
+            w.wait_until_ready(30)
+            r.wait_until_ready(30)
+            w.enqueue({"step": 1})
+            assert r.dequeue(timeout=10) == {"step": 1}
+        finally:
+            r.close()
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(120)
+def test_group_queues_made_with_numpy_ints(dist_pool) -> None:
+    outs = dist_pool(2).run(group_queues_with_numpy_ints, timeout=90)
+    assert outs == [[{"n": 1}, {"n": 2}]] * 2, outs
+
+
+def group_queues_with_numpy_ints(rank: int, world_size: int) -> list[Any]:
+    import torch.distributed as dist
+
+    from coordinator import parallel_state as ps
+    from shm_broadcast import MessageQueue
+
+    got = []
+    mq = MessageQueue.create_from_process_group(
+        dist.group.WORLD, np.int64(1 << 16), np.int64(4), writer_rank=np.int64(0),
+        reader_ranks=[np.int64(1)])
+    with mq:
+        got.append(mq.broadcast_object({"n": 1} if rank == 0 else None))
+    g = ps.get_world_group()
+    bq = g.create_mq_broadcaster(np.int64(0), max_chunk_bytes=np.int64(1 << 16),
+                                 max_chunks=np.int32(4))
+    with bq:
+        got.append(bq.broadcast_object({"n": 2} if rank == 0 else None))
+    g.barrier()
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_a_stateless_group_made_with_numpy_ints(dist_pool) -> None:
+    from coordinator.testing import free_port
+
+    outs = dist_pool(2).run(stateless_with_numpy_ints, free_port(), timeout=90)
+    assert outs == [[0, 1]] * 2, outs
+
+
+def stateless_with_numpy_ints(rank: int, world_size: int, port: int) -> list[int]:
+    from coordinator import StatelessProcessGroup
+
+    g = StatelessProcessGroup.create("127.0.0.1", np.int64(port), np.int64(rank),
+                                     np.int64(world_size), timeout=30, name="np",
+                                     data_expiration_seconds=np.int32(3600))
+    try:
+        assert type(g.rank) is int and type(g.world_size) is int
+        return g.all_gather_obj(g.rank)
+    finally:
+        g.barrier()
+        g.close()

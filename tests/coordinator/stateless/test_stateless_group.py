@@ -287,7 +287,9 @@ def test_vllm_tensor_calls(dist_pool, world_size: int) -> None:
         assert r["avg"] == [sum(range(n)) / n], r
         assert r["product_int"] == [0 if n > 1 else 1], r
         assert r["dtypes"] == ["torch.float32", "torch.int64"], r
-        assert r["refused"] == ["TypeError", "TypeError", "ValueError"], r
+        assert r["refused"] == ["TypeError"] * 4, r
+        assert r["bxor"] == [0 if n % 2 == 0 else 1], r  # the ranks' 1s, xored
+        assert r["bcast_mismatch"] == (None if rank == 0 else "CollectiveMismatch"), r
         assert r["mismatch"] == "CollectiveMismatch", r
         assert r["recv_mismatch"] == ("CollectiveMismatch" if rank < 2 else None), r
         assert r["recv_untouched"], r
@@ -321,12 +323,20 @@ def tensor_calls(rank: int, world_size: int, port: int) -> dict:
     product = g.all_reduce(torch.tensor([rank], dtype=torch.int64), dist.ReduceOp.PRODUCT)
     out["product_int"] = product.tolist()
     out["dtypes"] = [str(x.dtype), str(product.dtype)]
-    for bad in (lambda: g.send([1.0], nxt), lambda: g.all_reduce(x, op="sum"),
-                lambda: g.all_reduce(x, op=ReduceOp.BAND)):
+    out["bxor"] = g.all_reduce(torch.tensor([1]), ReduceOp.BXOR).tolist()
+    for bad in (lambda: g.send([1.0], nxt), lambda: g.all_reduce(x, op=1.5),
+                lambda: g.all_reduce(x, op=ReduceOp.BAND),  # bitwise on floats
+                lambda: g.all_reduce(torch.tensor([rank]), dist.ReduceOp.AVG)):  # on ints
         try:
             bad()
         except (TypeError, ValueError) as e:
             out["refused"].append(type(e).__name__)
+    # A receiver that expects another shape raises; the source goes on.
+    try:
+        g.broadcast(torch.ones(2) if rank == 0 else torch.zeros(5, dtype=torch.int64), 0)
+        out["bcast_mismatch"] = None
+    except CollectiveMismatch:
+        out["bcast_mismatch"] = "CollectiveMismatch"
     # The last rank's tensor has another shape: every rank raises.
     try:
         g.all_reduce(torch.ones(3 if rank == world_size - 1 else 2))
