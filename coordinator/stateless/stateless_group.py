@@ -364,7 +364,7 @@ class StatelessProcessGroup:
         within ``timeout`` (see :meth:`send_obj`); if that fails, the call takes no
         sequence number and may be repeated.
         """
-        src = _check_in_range(src, self.world_size, "src")
+        src = check_rank(src, self.world_size, "src")
         deadline = self._deadline(timeout)  # checked (on every rank) before numbering
         if self._sealer is None:
             self._agreed_sealer(deadline, "broadcast_obj")
@@ -415,7 +415,7 @@ class StatelessProcessGroup:
                 one of another shape or dtype than the receiver's ``tensor``.
             CommTimeout: As :meth:`broadcast_obj`.
         """
-        src = _check_in_range(src, self.world_size, "src")
+        src = check_rank(src, self.world_size, "src")
         if self.rank == src:
             self.broadcast_obj(_cpu_copy(tensor, "tensor"), src, timeout)
             return tensor
@@ -643,7 +643,7 @@ class StatelessProcessGroup:
                 queue=self.name, peers=[0] if self.rank else []) from e
 
     def _check_peer(self, r: Any, arg: str) -> int:
-        peer = _check_in_range(r, self.world_size, arg)
+        peer = check_rank(r, self.world_size, arg)
         if peer == self.rank:
             raise ValueError(f"{arg}={peer} is this rank; point-to-point needs another rank")
         return peer
@@ -843,10 +843,6 @@ _REDUCTIONS: dict[ReduceOp, Callable[[Any, Any], Any]] = {
     ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or,
     ReduceOp.BXOR: torch.bitwise_xor,
 }
-
-
-def _check_in_range(r: Any, world_size: int, arg: str) -> int:
-    return check_rank(r, world_size, arg)
 
 
 def _check_rank_world(rank: Any, world_size: Any) -> tuple[int, int]:
