@@ -52,6 +52,8 @@ from collections.abc import Callable
 from time import monotonic, monotonic_ns
 from typing import Any, TypeVar
 
+import torch
+
 from coordinator.calls.call_errors import WAIT_ERRORS, CallErrors
 from coordinator.errors import NotInitializedError, PeerDiedError
 from coordinator.trace import auto_dump
@@ -170,7 +172,17 @@ class CallBook:
         all-gather's or gather's output grows, None for 0, and an all-to-all's
         ``(scatter_dim, gather_dim)``; ``root``: a rooted
         call's ``src``/``dst``; ``reduce_op``: a reducing call's op) and a
-        failed wait explained (``partner``: the peer of a point-to-point call)."""
+        failed wait explained (``partner``: the peer of a point-to-point call).
+
+        While torch.compile traces, the call runs eagerly, outside the graph
+        (:data:`run_eagerly`): the tracer must not follow it into the waits and
+        address arithmetic below, which fake tensors of dynamic shapes cannot
+        take."""
+        if torch.compiler.is_compiling():
+            eager: _R = run_eagerly(self, op, fn, *args, partner=partner, p2p=p2p, data=data,
+                                    transport=transport, dim=dim, root=root,
+                                    reduce_op=reduce_op)
+            return eager
         if p2p:
             self.p2p_calls = n = self.p2p_calls + 1
             return self._run(op, fn, args, n + self.collectives, partner, p2p, data,
@@ -314,3 +326,9 @@ class CallBook:
         """Mark the group closed: calls that begin from now on raise
         ``NotInitializedError``, calls still running that fail raise ``ClosedError``."""
         self.errors.destroyed = True
+
+
+#: :meth:`CallBook.run` outside torch.compile's graph: called from a traced
+#: function it is a graph break, and the call runs as in eager mode.
+run_eagerly: Callable[..., Any] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    CallBook.run)

@@ -325,8 +325,10 @@ class GroupCoordinator:
         Returns:
             ``out`` when given, else a new tensor.
         """
-        if _tracing() and (self.world_size == 1 or op is ReduceOp.SUM):
-            return self._traced_all_reduce(input_, op, out)
+        if _tracing():  # a custom op in the graph, or (no op for it) a graph break
+            if self.world_size == 1 or op is ReduceOp.SUM:
+                return self._traced_all_reduce(input_, op, out)
+            return _all_reduce_eagerly(self, input_, op, out=out)
         book = self._book
         n = book.begin("all_reduce")  # the group's token, then the number
         try:
@@ -751,6 +753,8 @@ class GroupCoordinator:
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast in place from ``src``; receivers pass a buffer of the right shape."""
+        if _tracing():  # no custom op: the call runs outside the graph
+            return _broadcast_eagerly(self, input_, src)
         book = self._book
         n = book.begin("broadcast")  # the group's token, then the number
         try:
@@ -1168,6 +1172,14 @@ class GroupCoordinator:
         """
         return DictReceive(self._dicts.irecv_tensor_dict(src, all_gather_group),
                            alone=self.world_size == 1)
+
+
+#: Collectives with no custom op, run outside torch.compile's graph when traced
+#: (a graph break; as :func:`coordinator.calls.call_book.run_eagerly`).
+_all_reduce_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    GroupCoordinator.all_reduce)
+_broadcast_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    GroupCoordinator.broadcast)
 
 
 def _into(result: torch.Tensor, output: Any, op: str) -> torch.Tensor:

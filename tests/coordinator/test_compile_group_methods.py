@@ -163,3 +163,59 @@ def compiled_bad_dim(rank: int, world_size: int, op: str, dim: int) -> str:
         return f"returned shape {tuple(y.shape)}"
     except Exception as e:
         return f"{type(e).__name__}: {e}"
+
+
+UNTRACED = ["broadcast", "gather", "all_reduce-max", "all_gatherv", "scatter"]
+
+
+@pytest.mark.timeout(300)
+def test_calls_without_a_custom_op_run_eagerly_as_shapes_change(dist_pool) -> None:
+    """Collectives that have no custom op run outside the graph, also when the
+    batch size changes and torch.compile recompiles with dynamic shapes (they
+    used to fail there: the tracer followed them into the library's waits)."""
+    res = dist_pool(2).run(untraced_calls_in_a_loop, timeout=280)
+    for r in res:
+        assert r == {name: ["ok"] * 4 for name in UNTRACED}, r
+
+
+@torch.no_grad()
+def untraced_calls_in_a_loop(rank: int, world_size: int) -> dict:
+    import torch._dynamo
+
+    from device_comms import ReduceOp
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    try:
+        tp = ps.get_tp_group()
+        sizes = [r + 1 for r in range(world_size)]
+
+        def gathered(t: torch.Tensor) -> torch.Tensor:
+            g = tp.gather(t * 1, 0, 0)
+            return t * 0 if g is None else g[: t.shape[0]]
+
+        bodies = {
+            "broadcast": lambda t: tp.broadcast(t * 1, 0) + 1,
+            "gather": lambda t: gathered(t) + 1,
+            "all_reduce-max": lambda t: tp.all_reduce(t * 1, ReduceOp.MAX) + 1,
+            "all_gatherv": lambda t: tp.all_gatherv(t[: rank + 1].contiguous() * 1, 0,
+                                                     sizes) + 1,
+            "scatter": lambda t: tp.scatter(t.repeat(world_size, 1) * 1, 0, 0) + 1,
+        }
+        out: dict = {}
+        for name, body in bodies.items():
+            torch._dynamo.reset()
+            compiled = torch.compile(body, backend="aot_eager")
+            got = []
+            for i, rows in enumerate((3, 3, 4, 5)):
+                x = torch.full((rows, 2), float(i + rank))
+                try:
+                    same = torch.equal(compiled(x.clone()), body(x.clone()))
+                    got.append("ok" if same else "WRONG")
+                except Exception as e:
+                    got.append(f"{type(e).__name__}: {str(e)[:200]}")
+                    break
+            out[name] = got
+        tp.barrier()
+        return out
+    finally:
+        ps.destroy_model_parallel()
