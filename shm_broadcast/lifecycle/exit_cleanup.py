@@ -181,17 +181,23 @@ class ExitCleanup:
         return table.get(item) == os.getpid()
 
     def remove_all(self) -> None:
-        """Remove everything this very process (not a parent) created."""
+        """Remove everything this very process (not a parent) created.
+
+        The names stay registered, and the reaper keeps them: another thread
+        may be inside a creation when this runs at exit (between registering a
+        name and writing its owner record, say) and finish it afterwards. The
+        reaper removes such late files once the process is gone; for the names
+        removed here its second attempt finds nothing, which is harmless since
+        names are never reused.
+        """
         me = os.getpid()
         with self._lock:
             segs = [n for n, pid in self._segments.items() if pid == me]
             dirs = [p for p, pid in self._dirs.items() if pid == me]
             for n in segs:
                 leftovers.unlink_segment(n)
-                self.discard("s", n)
             for p in dirs:
                 leftovers.remove_channel_dir(p)
-                self.discard("d", p)
 
     def reaper_pid(self) -> int | None:
         """Pid of this process's reaper (None before the first registration).

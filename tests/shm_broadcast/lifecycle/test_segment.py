@@ -192,3 +192,44 @@ def test_a_process_that_ends_while_a_thread_makes_queues_leaves_nothing(
             break
         time.sleep(0.1)
     assert not left and not dirs, (left, dirs)
+
+
+_LATE_CREATE = """
+import atexit, os, secrets
+from shm_broadcast import MessageQueue
+from shm_broadcast.lifecycle import exit_cleanup
+from shm_broadcast.lifecycle.segment import _shm_open, _record_path, write_owner_record
+
+name = f"gc_test_{os.getpid()}_{secrets.token_hex(4)}"
+
+
+def finish_creation():
+    # Runs after groupcoord's own exit handler (atexit is last in, first out): a
+    # thread that registered ``name`` before the exit and makes its files after.
+    os.close(_shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    write_owner_record(_record_path(name))
+
+
+atexit.register(finish_creation)
+keep = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
+exit_cleanup.add_segment(name)
+print(name, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_files_a_thread_finishes_after_the_exit_handler_are_removed_by_the_reaper() -> None:
+    """The exit handler removes what exists and leaves the names with the reaper: a
+    creation another thread completes after it (the owner record written after the
+    handler ran) is removed once the process is gone."""
+    out = subprocess.run([sys.executable, "-c", _LATE_CREATE], capture_output=True, text=True,
+                         timeout=50, check=True)
+    name = out.stdout.strip()
+    paths = [os.path.join(SHM_DIR, name), os.path.join(SHM_DIR, name + ".owner")]
+    deadline = time.monotonic() + 10
+    while any(os.path.lexists(p) for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in paths if os.path.lexists(p)]
+    for p in left:
+        os.unlink(p)
+    assert not left, left
