@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import numbers
 from collections.abc import Iterator
 from typing import Any
 
@@ -234,7 +235,9 @@ def initialize_model_parallel(
 
     Raises:
         TypeError: A size is not an int, ``allow_pickle`` is not a bool or
-            None, or ``enable_expert_parallel`` is not a bool.
+            None, ``enable_expert_parallel`` is not a bool, or ``backend`` is
+            not a str or None (an int there is refused by name: vLLM's order
+            ``(tp, pp, pcp, dcp)``, whose context-parallel sizes go by keyword here).
         NotInitializedError: :func:`init_distributed_environment` was not called.
         ValueError: A size is below 1, the sizes' product does not divide
             the world size, or the DCP size is not one the layout allows.
@@ -249,6 +252,7 @@ def initialize_model_parallel(
     sizes = (tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size,
              prefill_context_model_parallel_size, decode_context_model_parallel_size)
     try:
+        _check_not_vllm_order(backend, "initialize_model_parallel")
         mesh = _checked_mesh(world, *sizes)
         if allow_pickle is not None and not isinstance(allow_pickle, bool):
             raise TypeError(f"allow_pickle must be a bool or None, got "
@@ -268,6 +272,19 @@ def initialize_model_parallel(
     agree(object_group(world.cpu_group), None, _IMP, world.unique_name,
           [dataclasses.astuple(mesh), backend, pickle_ok, enable_expert_parallel])
     _create_groups(mesh, world, backend, pickle_ok, enable_expert_parallel)
+
+
+def _check_not_vllm_order(backend: Any, fn: str) -> None:
+    """Refuse an int where the backend goes: vLLM's ``fn(tp, pp, pcp, dcp, backend)``
+    puts the context-parallel sizes third and fourth, where this module takes the
+    DP size and the backend, so such a call would build another layout."""
+    if isinstance(backend, numbers.Integral) and not isinstance(backend, bool):
+        raise TypeError(
+            f"backend must be a str such as 'gloo' or 'nccl' (or None), got int {backend!r}: "
+            f"{fn}(tp, pp, dp, backend) takes the DP size third and the backend fourth, "
+            f"unlike vLLM's {fn}(tp, pp, pcp, dcp); pass "
+            f"prefill_context_model_parallel_size= and decode_context_model_parallel_size= "
+            f"by keyword")
 
 
 _IMP = "initialize_model_parallel"
@@ -362,6 +379,7 @@ def ensure_model_parallel_initialized(
             prefill_context_model_parallel_size=prefill_context_model_parallel_size,
             decode_context_model_parallel_size=decode_context_model_parallel_size)
         return
+    _check_not_vllm_order(backend, "ensure_model_parallel_initialized")
     sizes = (_int_arg(tensor_model_parallel_size, "tensor_model_parallel_size"),
              _int_arg(pipeline_model_parallel_size, "pipeline_model_parallel_size"),
              None if data_parallel_size is None

@@ -283,3 +283,41 @@ def into_output_calls(rank: int, world_size: int) -> dict[str, Any]:
         return out
     finally:
         ps.destroy_model_parallel()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_vllms_positional_context_sizes_are_refused_by_name(dist_pool, world_size: int) -> None:
+    """vLLM's worker calls ``ensure_model_parallel_initialized(tp, pp, pcp, dcp)``;
+    here the third and fourth places are the DP size and the backend, so such a
+    call raises on every rank (before the groups exist, and when checking them)
+    instead of building or accepting another layout."""
+    outs = dist_pool(world_size).run(vllm_positional_sizes, timeout=90)
+    for out in outs:
+        assert len(out) == 3 and all("decode_context_model_parallel_size=" in m
+                                     for m in out[:2]), out
+        assert out[2] == world_size, out
+
+
+def vllm_positional_sizes(rank: int, world_size: int) -> list[Any]:
+    from coordinator import parallel_state as ps
+
+    seen: list[Any] = []
+    for call in (ps.initialize_model_parallel, ps.ensure_model_parallel_initialized):
+        try:
+            call(world_size, 1, 1, 1)
+            seen.append("no error")
+        except TypeError as e:
+            seen.append(str(e))
+    ps.initialize_model_parallel(world_size, 1, prefill_context_model_parallel_size=1,
+                                 decode_context_model_parallel_size=1)
+    try:
+        try:  # checking live groups refuses it too
+            ps.ensure_model_parallel_initialized(world_size, 1, 1, 1)
+            seen[1] = "no error when checking"
+        except TypeError as e:
+            seen[1] = str(e)
+        seen.append(ps.get_tp_group().world_size)
+    finally:
+        ps.destroy_model_parallel()
+    return seen
