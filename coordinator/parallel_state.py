@@ -94,6 +94,7 @@ __all__ = [
     "is_global_first_rank",
     "is_local_first_rank",
     "graph_capture",
+    "set_custom_all_reduce",
     "in_the_same_node_as",
     "patch_tensor_parallel_group",
     "tensor_model_parallel_all_reduce",
@@ -600,6 +601,27 @@ def is_local_first_rank() -> bool:
     True before any initialisation)."""
     world = REGISTRY.world
     return world is None or world.local_rank == 0
+
+
+def set_custom_all_reduce(enable: bool) -> None:
+    """Turn the CUDA custom all-reduce on or off for groups created from now on.
+
+    vLLM's worker calls this before creating its groups (off when its config
+    disables the custom all-reduce). Groups that exist keep what they agreed
+    at creation. Off here is off whatever a communicator's
+    ``use_custom_allreduce`` says, like ``GROUPCOORD_DISABLE_CUSTOM_ALLREDUCE``;
+    a group's ranks agree, so off on one rank is off for its groups. CPU
+    groups have no custom all-reduce: it changes nothing for them.
+
+    Args:
+        enable: Whether the custom all-reduce may be built.
+
+    Raises:
+        TypeError: ``enable`` is not a bool.
+    """
+    from device_comms.cuda.custom_allreduce import eligibility
+
+    eligibility.set_enabled(enable)
 
 
 @contextlib.contextmanager

@@ -64,7 +64,8 @@ class CudaCommunicator(TorchDistributedCommunicator):
         unique_name: The owning group's unique name.
         use_custom_allreduce: False never builds the custom all-reduce; None
             (default) builds it unless ``GROUPCOORD_DISABLE_CUSTOM_ALLREDUCE``
-            is set. Either way every rank agrees on the outcome.
+            is set or ``set_custom_all_reduce(False)`` was called (those two
+            also override True). Either way every rank agrees on the outcome.
         custom_allreduce_max_size: Largest message for the custom all-reduce
             in bytes (default 8 MiB).
         timeout: Seconds a custom all-reduce kernel waits for a peer (default:

@@ -321,3 +321,47 @@ def vllm_positional_sizes(rank: int, world_size: int) -> list[Any]:
     finally:
         ps.destroy_model_parallel()
     return seen
+
+
+@pytest.mark.parametrize("value", [0, 1, None, "False"], ids=repr)
+def test_set_custom_all_reduce_takes_a_bool(value: Any) -> None:
+    from coordinator import parallel_state as ps
+
+    with pytest.raises(TypeError, match="enable must be a bool"):
+        ps.set_custom_all_reduce(value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_set_custom_all_reduce_false_on_one_rank_disables_it_for_the_group(
+        dist_pool, world_size: int) -> None:
+    """vLLM's worker calls ``set_custom_all_reduce(enable)`` before building groups.
+    Its off switch reaches the custom all-reduce's agreement (which needs no GPU
+    when it ends disabled) on every rank; turned back on, the verdict is another."""
+    outs = dist_pool(world_size).run(custom_all_reduce_switch, timeout=90)
+    for off, *on in outs:
+        assert off[0] and "set_custom_all_reduce(False)" in off[1], off
+        for disabled, reason in on:  # no GPU: off for another reason (peer access)
+            assert disabled and reason and "set_custom_all_reduce" not in reason, on
+
+
+def custom_all_reduce_switch(rank: int, world_size: int) -> list[tuple[bool, str]]:
+    from coordinator import parallel_state as ps
+    from device_comms.cuda.custom_allreduce.communicator import CustomAllreduce
+
+    group = ps.get_world_group().cpu_group
+    seen = []
+    # Without a GPU the agreement touches no device (switched on, it ends at peer
+    # access); with one, the switched-on half would build buffers: it is left out.
+    for enable in (False,) if torch.cuda.is_available() else (False, True):
+        if rank == 0:
+            ps.set_custom_all_reduce(enable)
+        try:
+            car = CustomAllreduce(group, torch.device("cuda", 0), 1 << 20, timeout=30.0)
+            try:
+                seen.append((car.disabled, car.reason))
+            finally:
+                car.close()
+        finally:
+            ps.set_custom_all_reduce(True)
+    return seen

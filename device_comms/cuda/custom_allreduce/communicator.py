@@ -127,7 +127,8 @@ class CustomAllreduce:
         self._closed = self._capturing = False
         self._pending: list[_Pending] = []
         self._broken: str | None = None
-        verdict = self._agree(enabled and not elig.disabled_by_env())
+        verdict = self._agree(enabled and not elig.disabled_by_env()
+                              and not elig.disabled_in_process())
         if not verdict.ok:
             self.reason = verdict.reason
             return

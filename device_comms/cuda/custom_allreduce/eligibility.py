@@ -38,6 +38,8 @@ __all__ = [
     "ALIGNMENT",
     "ENV_DISABLE",
     "disabled_by_env",
+    "set_enabled",
+    "disabled_in_process",
     "check_max_size",
     "GroupVerdict",
     "group_verdict",
@@ -69,6 +71,37 @@ def disabled_by_env(environ: Mapping[str, str] | None = None) -> bool:
     if environ is None:
         environ = os.environ
     return environ.get(ENV_DISABLE, "").strip().lower() in _TRUE_WORDS
+
+
+class _ProcessSwitch:
+    """The process-wide on/off switch of :func:`set_enabled` (on until turned off)."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+
+_SWITCH = _ProcessSwitch()
+
+
+def set_enabled(enable: bool) -> None:
+    """Turn the custom all-reduce on or off for groups built from now on in this process.
+
+    A group that is already built keeps what it agreed at construction. Off
+    here, like :data:`ENV_DISABLE`, disables it whatever a communicator's
+    ``use_custom_allreduce`` says; a group's ranks agree, so off on one rank is
+    off for the group.
+
+    Raises:
+        TypeError: ``enable`` is not a bool.
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__} {enable!r:.40}")
+    _SWITCH.enabled = enable
+
+
+def disabled_in_process() -> bool:
+    """Whether :func:`set_enabled` turned the custom all-reduce off in this process."""
+    return not _SWITCH.enabled
 
 
 def check_max_size(max_size: Any) -> int:
@@ -131,7 +164,8 @@ def group_verdict(world_size: int, same_node: bool, p2p_ok: bool, enabled: bool,
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
     if not enabled:
-        return GroupVerdict(False, f"disabled on at least one rank (by argument or {ENV_DISABLE})")
+        return GroupVerdict(False, f"disabled on at least one rank (by argument, {ENV_DISABLE} "
+                                   f"or set_custom_all_reduce(False))")
     if world_size not in SUPPORTED_WORLD_SIZES:
         return GroupVerdict(
             False, f"world size {world_size} is not supported (supported: {SUPPORTED_WORLD_SIZES})"
