@@ -386,7 +386,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
 
         1. **check** what the engine reads by address: a plain, contiguous CPU
            tensor that does not require grad and whose bytes are its values
-           (not a lazily negated view), with no ``out`` but ``input_`` itself;
+           (not a lazily negated view) and are still in its storage (not freed
+           or shrunk under it), with no ``out`` but ``input_`` itself;
         2. **choose** the path: the engine's one-step entry when the op, dtype
            and shape are the entry's (they passed the checks when it was made);
            else the engine's all_reduce when this (op, dtype) passed them before
@@ -413,7 +414,11 @@ class CpuCommunicator(TorchDistributedCommunicator):
             # 2. choose
             entry = small.last
             if (op is entry.op and input_.dtype is entry.dtype and entry.plain
-                    and input_.shape == entry.shape):
+                    and input_.shape == entry.shape
+                    # its bytes are still there (not freed or shrunk under it): the
+                    # entry copies by address
+                    and input_.untyped_storage().nbytes()
+                    >= input_.storage_offset() * entry.itemsize + entry.nbytes):
                 # 3. run the one-step entry
                 self._one_call.enter("all_reduce")
                 try:

@@ -90,9 +90,11 @@ class SmallEntry:
         dtype: The tensors' dtype.
         shape: Their shape.
         nbytes: Their bytes.
+        itemsize: Bytes of one element.
         plain: Real dtype (no lazy conjugation to resolve): a caller that checked
             a tensor's dtype, shape, device, layout, strides and grad against
-            this entry may call :meth:`SmallAllReduce.run` directly.
+            this entry, and that its storage still holds its bytes, may call
+            :meth:`SmallAllReduce.run` directly.
         sig: The step's signature word.
         size_key: The step's size key.
         fn: ``fn(a, b, out=...)``: the reduction of two operands.
@@ -109,9 +111,9 @@ class SmallEntry:
         by_address: Views of caller memory by address (input and ``out``).
     """
 
-    __slots__ = ("op", "dtype", "shape", "nbytes", "plain", "sig", "size_key", "fn", "numpy",
-                 "avg", "into_peer", "threaded", "parities", "scratch", "scratch_address",
-                 "by_address")
+    __slots__ = ("op", "dtype", "shape", "nbytes", "itemsize", "plain", "sig", "size_key", "fn",
+                 "numpy", "avg", "into_peer", "threaded", "parities", "scratch",
+                 "scratch_address", "by_address")
 
     def __init__(
         self,
@@ -123,7 +125,7 @@ class SmallEntry:
         self.scratch: Any = None
         self.scratch_address = 0
         if ctx is None or tensor is None or op is None:  # the entry no call matches
-            self.op, self.dtype, self.shape, self.nbytes = None, None, None, 0
+            self.op, self.dtype, self.shape, self.nbytes, self.itemsize = None, None, None, 0, 0
             self.plain = self.numpy = self.avg = self.into_peer = self.threaded = False
             self.sig = self.size_key = 0
             self.fn: Any = torch.add
@@ -132,6 +134,7 @@ class SmallEntry:
             return
         dtype, shape = tensor.dtype, tensor.shape
         self.op, self.dtype, self.shape, self.nbytes = op, dtype, shape, tensor.nbytes
+        self.itemsize = tensor.element_size()
         self.plain = not dtype.is_complex
         self.sig = signature("all_reduce", dtype, op)
         self.size_key = shape_key(shape)

@@ -12,7 +12,9 @@ raises ``ValueError`` naming the argument, its peers
 :class:`~device_comms.errors.PeerRejectedError`, and the group stays usable.
 Covered: a first call, a call on the all_reduce fast paths (an entry that
 matches, and an (op, dtype) already checked), ``out=`` freed, a freed view
-with a storage offset, and every other op the engine runs.
+with a storage offset, the very tensor the fast path served before with its
+storage shrunk or freed (also at an offset past the null page, and in place),
+and every other op the engine runs.
 """
 
 from __future__ import annotations
@@ -67,6 +69,28 @@ def _ar_warm_offset(comm: Any, rank: int, n: int, bad: bool) -> Any:
     return comm.all_reduce(_freed(n, 4) if bad else torch.ones(n))
 
 
+def _ar_seen_then_shrunk(comm: Any, rank: int, n: int, bad: bool, offset: int = 500,
+                         keep: int = 200, in_place: bool = False) -> Any:
+    """The same view, reduced before (the entry, and views of its address), then its
+    storage shrunk to ``keep`` elements (0: freed) under it."""
+    base = torch.ones(offset + n)
+    x = base[offset:]
+    for _ in range(3):
+        comm.all_reduce(x)
+    if bad:
+        base.untyped_storage().resize_(keep * 4)
+    return comm.all_reduce(x, out=x) if in_place else comm.all_reduce(x)
+
+
+def _ar_seen_then_freed_far(comm: Any, rank: int, n: int, bad: bool) -> Any:
+    # offset 2000 floats: data_ptr() is 8000 once freed, past the null page
+    return _ar_seen_then_shrunk(comm, rank, n, bad, offset=2000, keep=0)
+
+
+def _ar_seen_then_shrunk_in_place(comm: Any, rank: int, n: int, bad: bool) -> Any:
+    return _ar_seen_then_shrunk(comm, rank, n, bad, in_place=True)
+
+
 def _ar_checked_op(comm: Any, rank: int, n: int, bad: bool) -> Any:
     _warm(comm, n)  # (n, 1) is another shape: the fast path of an (op, dtype) checked before
     return comm.all_reduce((_freed(n, 4) if bad else torch.ones(n)).view(n, 1))
@@ -109,6 +133,9 @@ _CASES: dict[str, _Case] = {
     "all_reduce-warm-in-place": _ar_warm_in_place,
     "all_reduce-warm-offset-view": _ar_warm_offset,
     "all_reduce-checked-op-offset-view": _ar_checked_op,
+    "all_reduce-seen-then-shrunk": _ar_seen_then_shrunk,
+    "all_reduce-seen-then-freed-far-offset": _ar_seen_then_freed_far,
+    "all_reduce-seen-then-shrunk-in-place": _ar_seen_then_shrunk_in_place,
     "all_reduce-out": _ar_out,
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,
