@@ -46,7 +46,9 @@ compiled code backpropagates through it.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.library import custom_op
@@ -62,6 +64,7 @@ __all__ = [
     "traced_reduce_scatter",
     "traced_alone",
     "tracing",
+    "outside_graph",
 ]
 
 
@@ -142,6 +145,30 @@ def tracing() -> bool:
     """True while torch.compile traces: a group's collectives become these custom
     ops, opaque graph nodes whose implementation calls back into the eager path."""
     return torch.compiler.is_compiling()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def outside_graph(method: _F) -> _F:
+    """A group method with no custom op, run eagerly while torch.compile traces.
+
+    The tracer must not follow such a call into the library's waits, queues and
+    address arithmetic: fake tensors of dynamic shapes cannot take them (a
+    recompile for a new batch size failed there on the rank that sends, and its
+    peers waited). While tracing, the call goes through
+    ``torch.compiler.disable``: a graph break, with the call run as in eager
+    mode. Outside tracing it costs one check.
+    """
+    eager = torch.compiler.disable(method)  # type: ignore[no-untyped-call]
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return eager(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return cast(_F, call)
 
 
 def traced_alone(input_: torch.Tensor, dim: int) -> torch.Tensor:

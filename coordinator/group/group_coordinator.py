@@ -70,6 +70,7 @@ from coordinator import custom_ops
 from coordinator.calls.call_book import CallBook
 from coordinator.calls.call_errors import WAIT_ERRORS
 from coordinator.calls.gloo_break import break_connections
+from coordinator.custom_ops import outside_graph as _outside_graph
 from coordinator.custom_ops import traced_alone as _traced_alone
 from coordinator.custom_ops import tracing as _tracing
 from coordinator.errors import NotInitializedError
@@ -415,9 +416,12 @@ class GroupCoordinator:
         self, input_: torch.Tensor, dim: int = -1, op: ReduceOp = ReduceOp.SUM
     ) -> torch.Tensor:
         """Reduce, then keep this rank's equal slice along ``dim``."""
-        if _tracing() and (self.world_size == 1 or op is ReduceOp.SUM):
-            return _traced_alone(input_, dim) if self.world_size == 1 else \
-                custom_ops.traced_reduce_scatter(self, input_, dim)
+        if _tracing():  # a custom op in the graph, or (no op for it) a graph break
+            if self.world_size == 1:
+                return _traced_alone(input_, dim)
+            if op is ReduceOp.SUM:
+                return custom_ops.traced_reduce_scatter(self, input_, dim)
+            return _reduce_scatter_eagerly(self, input_, dim, op)
         book = self._book
         n = book.begin("reduce_scatter")  # the group's token, then the number
         try:
@@ -559,6 +563,7 @@ class GroupCoordinator:
         sizes: Sequence[int] | None = None,
     ) -> tuple[Any, ...]: ...
 
+    @_outside_graph
     def dispatch(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Gather every token peer's tokens for the experts (the seed's MoE dispatch).
 
@@ -606,6 +611,7 @@ class GroupCoordinator:
         return self._dispatch("dispatch", [(n, a[n]) for n in names], a["is_sequence_parallel"],
                               a["extra_tensors"], a["sizes"])
 
+    @_outside_graph
     def dispatch_router_logits(
         self,
         hidden_states: torch.Tensor,
@@ -628,6 +634,7 @@ class GroupCoordinator:
         gathered, extras = self._moe.dispatch(named, is_sequence_parallel, extra_tensors, sizes)
         return (*gathered, extras) if extras is not None else tuple(gathered)
 
+    @_outside_graph
     def combine(
         self,
         hidden_states: torch.Tensor,
@@ -668,6 +675,7 @@ class GroupCoordinator:
         from vLLM's communicators without one (the caller allocates its own)."""
         return None
 
+    @_outside_graph
     def combine_into_output(
         self,
         hidden_states: torch.Tensor,
@@ -720,6 +728,7 @@ class GroupCoordinator:
         return self._book.run("reduce_scatter", self.comm.reduce_scatter, input_, dim,
                               data=input_, dim=dim)
 
+    @_outside_graph
     def reject_call(self, op: str, error: BaseException, data: Any = None) -> None:
         """Take this rank's part in the peers' collective ``op`` as a rejection of ``error``.
 
@@ -780,12 +789,14 @@ class GroupCoordinator:
         finally:
             book.end()
 
+    @_outside_graph
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to group rank ``dst`` (default: the next rank)."""
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         return self._p2p.send(tensor, dst)
 
+    @_outside_graph
     def recv(
         self, size: torch.Size | Sequence[int], dtype: torch.dtype, src: int | None = None
     ) -> torch.Tensor:
@@ -808,6 +819,7 @@ class GroupCoordinator:
                               transport=None if self.device.type == "cpu" else "gloo",
                               reduce_op=ReduceOp.SUM)
 
+    @_outside_graph
     def barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
         """Wait for every rank of the group (on the CPU group).
 
@@ -1006,6 +1018,7 @@ class GroupCoordinator:
         )
 
     # ------------------------------------------------------------------ objects
+    @_outside_graph
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """Broadcast a Python object from ``src``; returns it on every rank.
 
@@ -1025,6 +1038,7 @@ class GroupCoordinator:
         """
         return self._objects.broadcast_object(obj, src)
 
+    @_outside_graph
     def broadcast_object_list(
         self, obj_list: list[Any], src: int = 0, group: dist.ProcessGroup | None = None
     ) -> list[Any]:
@@ -1043,6 +1057,7 @@ class GroupCoordinator:
         """
         return self._objects.broadcast_object_list(obj_list, src, group)
 
+    @_outside_graph
     def send_object(self, obj: Any, dst: int) -> None:
         """Send a Python object to group rank ``dst`` over the CPU group (no pickle
         unless the group opted in; see :meth:`broadcast_object`).
@@ -1053,6 +1068,7 @@ class GroupCoordinator:
         """
         self._p2p.send_object(obj, dst)
 
+    @_outside_graph
     def recv_object(self, src: int) -> Any:
         """Receive a Python object from group rank ``src``.
 
@@ -1063,6 +1079,7 @@ class GroupCoordinator:
         return self._p2p.recv_object(src)
 
     # ------------------------------------------------------------------ tensor dicts
+    @_outside_graph
     def broadcast_tensor_dict(
         self,
         tensor_dict: Mapping[Any, Any] | None = None,
@@ -1078,6 +1095,7 @@ class GroupCoordinator:
         """
         return self._dicts.broadcast_tensor_dict(tensor_dict, src, group, metadata_group)
 
+    @_outside_graph
     def send_tensor_dict(
         self,
         tensor_dict: Mapping[Any, Any],
@@ -1098,6 +1116,7 @@ class GroupCoordinator:
         return self._dicts.send_tensor_dict(tensor_dict, dst, all_gather_group,
                                             all_gather_tensors)
 
+    @_outside_graph
     def recv_tensor_dict(
         self,
         src: int | None = None,
@@ -1114,16 +1133,19 @@ class GroupCoordinator:
     # ------------------------------------------------------------------ asynchronous p2p
     # Handles with wait(timeout=None) / is_completed(); order, errors and closing:
     # see coordinator.p2p.point_to_point.
+    @_outside_graph
     def isend(self, tensor: torch.Tensor, dst: int | None = None) -> P2PHandle:
         """Start sending ``tensor`` to group rank ``dst`` (default: the next rank)."""
         return self._p2p.isend(tensor, dst)
 
+    @_outside_graph
     def irecv(self, tensor_or_spec: torch.Tensor | tuple[Sequence[int], torch.dtype],
               src: int | None = None) -> P2PHandle:
         """Start receiving from ``src`` (default: the previous rank) into a tensor, or
         a new one of ``(shape, dtype)``; ``wait()`` returns it."""
         return self._p2p.irecv(tensor_or_spec, src)
 
+    @_outside_graph
     def isend_tensor_dict(
         self,
         tensor_dict: Mapping[Any, Any],
@@ -1142,6 +1164,7 @@ class GroupCoordinator:
         return DictSend(self._dicts.isend_tensor_dict(tensor_dict, dst, all_gather_group,
                                                       all_gather_tensors))
 
+    @_outside_graph
     def irecv_tensor_dict(
         self,
         src: int | None = None,
@@ -1180,6 +1203,8 @@ _all_reduce_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # ty
     GroupCoordinator.all_reduce)
 _broadcast_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
     GroupCoordinator.broadcast)
+_reduce_scatter_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    GroupCoordinator.reduce_scatter)
 
 
 def _into(result: torch.Tensor, output: Any, op: str) -> torch.Tensor:

@@ -166,6 +166,10 @@ def compiled_bad_dim(rank: int, world_size: int, op: str, dim: int) -> str:
 
 
 UNTRACED = ["broadcast", "gather", "all_reduce-max", "all_gatherv", "scatter"]
+#: Calls of objects, tensor dicts and point-to-point transfers, and a reduce_scatter
+#: whose op has no custom op.
+UNTRACED_OBJECTS_P2P = ["reduce_scatter-max", "broadcast_tensor_dict", "broadcast_object",
+                        "send-recv", "isend-irecv", "send-recv_tensor_dict", "barrier"]
 
 
 @pytest.mark.timeout(300)
@@ -173,13 +177,23 @@ def test_calls_without_a_custom_op_run_eagerly_as_shapes_change(dist_pool) -> No
     """Collectives that have no custom op run outside the graph, also when the
     batch size changes and torch.compile recompiles with dynamic shapes (they
     used to fail there: the tracer followed them into the library's waits)."""
-    res = dist_pool(2).run(untraced_calls_in_a_loop, timeout=280)
+    res = dist_pool(2).run(untraced_calls_in_a_loop, UNTRACED, timeout=280)
     for r in res:
         assert r == {name: ["ok"] * 4 for name in UNTRACED}, r
 
 
+@pytest.mark.timeout(300)
+def test_object_dict_and_p2p_calls_run_eagerly_as_shapes_change(dist_pool) -> None:
+    """The same for calls that move objects, tensor dicts and point-to-point tensors
+    (a recompile for a new batch size failed in the sender's encoder, and the
+    receivers waited for the message until the group's timeout)."""
+    res = dist_pool(2).run(untraced_calls_in_a_loop, UNTRACED_OBJECTS_P2P, timeout=280)
+    for r in res:
+        assert r == {name: ["ok"] * 4 for name in UNTRACED_OBJECTS_P2P}, r
+
+
 @torch.no_grad()
-def untraced_calls_in_a_loop(rank: int, world_size: int) -> dict:
+def untraced_calls_in_a_loop(rank: int, world_size: int, names: list[str]) -> dict:
     import torch._dynamo
 
     from device_comms import ReduceOp
@@ -193,6 +207,30 @@ def untraced_calls_in_a_loop(rank: int, world_size: int) -> dict:
             g = tp.gather(t * 1, 0, 0)
             return t * 0 if g is None else g[: t.shape[0]]
 
+        def sent_back(t: torch.Tensor) -> torch.Tensor:  # rank 0 -> 1, then 1 -> 0
+            if rank == 0:
+                tp.send(t * 1, 1)
+                return tp.recv(t.shape, t.dtype, 1) + 1
+            got = tp.recv(t.shape, t.dtype, 0)
+            tp.send(got * 1, 0)
+            return got + 1
+
+        def sent_back_async(t: torch.Tensor) -> torch.Tensor:
+            peer = 1 - rank
+            buf = torch.empty_like(t)
+            handles = [tp.isend(t * 1, peer), tp.irecv(buf, peer)]
+            for h in handles:
+                h.wait()
+            return buf + 1
+
+        def dict_sent_back(t: torch.Tensor) -> torch.Tensor:
+            if rank == 0:
+                tp.send_tensor_dict({"a": t * 1, "step": 1}, 1)
+                return tp.recv_tensor_dict(1)["a"] + 1
+            got = tp.recv_tensor_dict(0)["a"]
+            tp.send_tensor_dict({"a": got * 1, "step": 1}, 0)
+            return got + 1
+
         bodies = {
             "broadcast": lambda t: tp.broadcast(t * 1, 0) + 1,
             "gather": lambda t: gathered(t) + 1,
@@ -200,9 +238,21 @@ def untraced_calls_in_a_loop(rank: int, world_size: int) -> dict:
             "all_gatherv": lambda t: tp.all_gatherv(t[: rank + 1].contiguous() * 1, 0,
                                                      sizes) + 1,
             "scatter": lambda t: tp.scatter(t.repeat(world_size, 1) * 1, 0, 0) + 1,
+            "reduce_scatter-max": lambda t: tp.reduce_scatter(t.repeat(world_size, 1) * 1, 0,
+                                                              ReduceOp.MAX) + 1,
+            "broadcast_tensor_dict": lambda t: tp.broadcast_tensor_dict(
+                {"a": t * 1, "n": 3} if rank == 0 else None, 0)["a"] + 1,
+            "broadcast_object": lambda t: t * tp.broadcast_object(
+                int(t.shape[0]) if rank == 0 else None, 0),
+            "send-recv": sent_back,
+            "isend-irecv": sent_back_async,
+            "send-recv_tensor_dict": dict_sent_back,
+            "barrier": lambda t: (tp.barrier(), t + 1)[1],
         }
+
         out: dict = {}
-        for name, body in bodies.items():
+        for name in names:
+            body = bodies[name]
             torch._dynamo.reset()
             compiled = torch.compile(body, backend="aot_eager")
             got = []
