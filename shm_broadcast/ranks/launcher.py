@@ -137,15 +137,42 @@ def _ephemeral_low() -> int:
 
 
 def per_rank_env(env: EnvArg, n: int) -> list[dict[str, str]]:
-    """``env`` as one dict per rank: one mapping for all, or exactly ``n`` of them."""
+    """``env`` as one dict per rank: one mapping for all, or exactly ``n`` of them.
+
+    Args:
+        env: None, a mapping of str to str (every rank), or a sequence (list,
+            tuple) of ``n`` such mappings, one per rank.
+        n: The number of ranks.
+
+    Raises:
+        TypeError: ``env`` is not one of those, or maps a key or a value that is
+            not a str (the message names ``env`` and what came).
+        ValueError: A sequence of mappings whose length is not ``n``.
+    """
     if env is None:
         return [{} for _ in range(n)]
     if isinstance(env, Mapping):
-        return [dict(env) for _ in range(n)]
-    envs = [dict(e) for e in env]
+        return [_str_env(env, "env") for _ in range(n)]
+    # A str is a Sequence too: refused here, not read as a sequence of characters.
+    if not isinstance(env, Sequence) or isinstance(env, (str, bytes, bytearray)):
+        raise TypeError(f"env must be a mapping of str to str, or a sequence of {n} such "
+                        f"mappings (one per rank), got {type(env).__name__} {env!r}")
+    envs = [_str_env(e, f"env[{i}]") for i, e in enumerate(env)]
     if len(envs) != n:
         raise ValueError(f"env must be one mapping or {n} mappings (one per rank), got {len(envs)}")
     return envs
+
+
+def _str_env(env: Any, name: str) -> dict[str, str]:
+    """``env`` (a mapping of str to str) as a dict; ``name``: how the message calls it."""
+    if not isinstance(env, Mapping):
+        raise TypeError(f"{name} must be a mapping of str to str, got "
+                        f"{type(env).__name__} {env!r}")
+    for k, v in env.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"{name} must map str to str (environment variables), got "
+                            f"{k!r}: {v!r} ({type(k).__name__} to {type(v).__name__})")
+    return dict(env)
 
 
 def describe_exit(code: int | None) -> str:

@@ -229,6 +229,24 @@ def test_per_rank_env_rejects_a_wrong_count(env, exc, match) -> None:
         per_rank_env(env, 2)
 
 
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ("A=1", "env must be a mapping of str to str, or a sequence"),
+        (b"A=1", "env must be a mapping of str to str, or a sequence"),
+        (5, "env must be a mapping of str to str, or a sequence"),
+        ([("A", "1"), ("B", "2")], r"env\[0\] must be a mapping of str to str, got tuple"),
+        ({"A": 1}, r"env must map str to str .*'A': 1 \(str to int\)"),
+        ({1: "a"}, r"env must map str to str .*1: 'a' \(int to str\)"),
+        ([{"A": "1"}, {"A": None}], r"env\[1\] must map str to str"),
+    ],
+    ids=["str", "bytes", "int", "list-of-pairs", "int-value", "int-key", "none-value"],
+)
+def test_per_rank_env_rejects_what_is_not_str_mappings(env, match) -> None:
+    with pytest.raises(TypeError, match=match):
+        per_rank_env(env, 2)
+
+
 @pytest.mark.parametrize("world_size", [0, -1, True, 1.5])
 def test_spawn_group_rejects_a_bad_world_size(world_size) -> None:
     with pytest.raises((TypeError, ValueError), match="world_size"):
