@@ -35,6 +35,7 @@ Example (a pytest test)::
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import time
@@ -96,19 +97,27 @@ def run_distributed(
         world_size: Number of ranks (>= 1).
         *args: Extra arguments passed to ``fn`` on every rank (picklable).
         backend: torch.distributed backend of the world group.
-        timeout: Seconds before every rank is killed and
-            :class:`DistributedTimeout` is raised.
-        env: Extra environment variables, one mapping for all ranks or one per rank.
+        timeout: Seconds (a finite number > 0) before every rank is killed and
+            :class:`DistributedTimeout` is raised; also the limit of the ranks' start.
+        env: Extra environment variables: one mapping of str to str for all
+            ranks, or a sequence of ``world_size`` such mappings (one per rank).
 
     Returns:
         ``fn``'s return values, ordered by rank.
 
     Raises:
+        TypeError: ``timeout`` or ``env`` is of the wrong type.
+        ValueError: ``timeout`` is not finite and > 0, or ``env`` holds the wrong
+            number of mappings.
         Exception: The first exception raised by any rank, re-raised here with
             ``rank`` and the remote traceback attached.
+        RankFailedError: A rank raised something that is not an
+            :class:`Exception` (``KeyboardInterrupt``, ``SystemExit``), or an
+            exception that does not pickle.
         RankDiedError: A rank exited without returning.
         DistributedTimeout: ``timeout`` elapsed.
     """
+    timeout = _check_timeout(timeout, "timeout")
     with DistributedPool(world_size, backend=backend, env=env, start_timeout=timeout) as pool:
         return pool.run(fn, *args, timeout=timeout)
 
@@ -124,8 +133,14 @@ class DistributedPool:
     Args:
         world_size: Number of ranks.
         backend: torch.distributed backend.
-        env: Extra environment variables, one mapping for all ranks or one per rank.
-        start_timeout: Seconds allowed for the ranks to start and initialise.
+        env: Extra environment variables: one mapping of str to str for all
+            ranks, or a sequence of ``world_size`` such mappings (one per rank).
+        start_timeout: Seconds (a finite number > 0) allowed for the ranks to
+            start and initialise.
+
+    Raises:
+        TypeError: An argument is of the wrong type (the message names it).
+        ValueError: An argument is out of range (the message names it).
     """
 
     def __init__(
@@ -142,7 +157,7 @@ class DistributedPool:
         self.world_size = world_size
         self.backend = backend
         self._envs = per_rank_env(env, world_size)
-        self._start_timeout = start_timeout
+        self._start_timeout = _check_timeout(start_timeout, "start_timeout")
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._closed = False
@@ -155,19 +170,30 @@ class DistributedPool:
 
     def run(self, fn: Callable[..., Any], *args: Any,
             timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
-        """Run ``fn(rank, world_size, *args)`` on every rank; see :func:`run_distributed`."""
+        """Run ``fn(rank, world_size, *args)`` on every rank; see :func:`run_distributed`.
+
+        Raises:
+            TypeError: ``fn`` is not callable, or ``timeout`` is not a number.
+            ValueError: ``timeout`` is not finite and > 0.
+        """
         if self._closed:
             raise RuntimeError("this DistributedPool is closed; create a new one")
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        timeout = _check_timeout(timeout, "timeout")  # before anything reaches a rank
         if not self._procs:
             self._start()
+        # Whatever ends this call early (a send that fails, Ctrl-C between two
+        # sends) stops the ranks: a rank that got the call would otherwise leave
+        # its reply queued, and the next run() would read it as its own.
         try:
             for c in self._conns:
-                c.send(("run", fn, args))
-        except (BrokenPipeError, OSError):
-            pass  # a dead rank is reported by _collect
-        return self._collect(timeout, what=getattr(fn, "__qualname__", repr(fn)))
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    c.send(("run", fn, args))  # a dead rank is reported by _collect
+            return self._collect(timeout, what=getattr(fn, "__qualname__", repr(fn)))
+        except BaseException:
+            self._shutdown(graceful=False)
+            raise
 
     def close(self) -> None:
         """Stop and reap every rank. Idempotent."""
@@ -197,11 +223,13 @@ class DistributedPool:
         n = self.world_size
         results: list[Any] = [None] * n
         pending = set(range(n))
-        deadline = time.monotonic() + timeout
-        by_conn = {c: r for r, c in enumerate(self._conns)}
-        by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
         eof: set[int] = set()
+        # Everything after the ranks got work is inside the try: however this
+        # ends early, the ranks are stopped, so no reply is left queued.
         try:
+            deadline = time.monotonic() + timeout
+            by_conn = {c: r for r, c in enumerate(self._conns)}
+            by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
             while pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -264,7 +292,13 @@ class DistributedPool:
             except Exception:
                 exc = None
         header = f"rank {rank} of {self.world_size} raised {type_name}"
-        if isinstance(exc, BaseException):
+        if not isinstance(exc, Exception) and exc is not None:
+            # KeyboardInterrupt, SystemExit, ...: re-raised here they would stop
+            # the caller (end a pytest session, exit a script) for a rank's failure.
+            raise RankFailedError(
+                f"{header} (not an Exception, so not re-raised here): {text}\n"
+                f"remote traceback:\n{tb}", rank, tb)
+        if isinstance(exc, Exception):
             exc.__cause__ = _RemoteTraceback(f"\n{header}; remote traceback:\n{tb}")
             exc.groupcoord_rank = rank  # type: ignore[attr-defined]  # read by the caller
             if hasattr(exc, "add_note"):
@@ -373,4 +407,24 @@ def _send_error(conn: Connection, e: BaseException) -> None:
     except Exception:  # the exception itself does not pickle
         blob = None
     with contextlib.suppress(BrokenPipeError, OSError):
-        conn.send(("err", blob, type(e).__name__, str(e), tb))
+        conn.send(("err", blob, type(e).__name__, _safe_str(e), tb))
+
+
+def _safe_str(e: BaseException) -> str:
+    """``str(e)``, or a stand-in when the exception's ``__str__`` itself raises (the
+    report of the rank's failure must still go out)."""
+    try:
+        return str(e)
+    except Exception:
+        return f"<{type(e).__name__}: str() failed>"
+
+
+def _check_timeout(value: Any, name: str) -> float:
+    """``value`` as seconds: a finite number > 0 (not a bool); ``name`` is the
+    argument's name for the message."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of seconds (int or float), got "
+                        f"{type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)

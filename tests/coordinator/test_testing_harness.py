@@ -134,6 +134,87 @@ def test_closed_pool_and_bad_arguments():
         p.run(echo)
 
 
+_BAD_TIMEOUTS = [
+    pytest.param(None, TypeError, "number of seconds", id="none"),
+    pytest.param("5", TypeError, "number of seconds", id="str"),
+    pytest.param(True, TypeError, "number of seconds", id="bool"),
+    pytest.param(float("nan"), ValueError, "finite number of seconds > 0", id="nan"),
+    pytest.param(float("inf"), ValueError, "finite number of seconds > 0", id="inf"),
+    pytest.param(-1, ValueError, "finite number of seconds > 0", id="negative"),
+    pytest.param(0, ValueError, "finite number of seconds > 0", id="zero"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("value,exc,words", _BAD_TIMEOUTS)
+def test_bad_run_timeout_is_refused_before_the_ranks_get_work(pool, value, exc, words):
+    assert [r[2] for r in pool.run(echo, "warm")] == [("warm",)] * 2
+    with pytest.raises(exc, match=f"^timeout must be a.*{words}"):
+        pool.run(echo, "refused", timeout=value)
+    # Nothing of the refused call reached a rank: the next run gets its own results.
+    assert [r[2] for r in pool.run(echo, "next")] == [("next",)] * 2
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("where", ["pool_start_timeout", "run_distributed_timeout"])
+@pytest.mark.parametrize("value,exc,words", _BAD_TIMEOUTS)
+def test_bad_start_timeout_is_refused_at_once(where, value, exc, words):
+    name = "start_timeout" if where.startswith("pool") else "timeout"
+    before = live_pool_pids()  # (the module's pool may be up)
+    t0 = time.monotonic()
+    with pytest.raises(exc, match=f"^{name} must be a.*{words}"):
+        if where.startswith("pool"):
+            DistributedPool(2, start_timeout=value)
+        else:
+            run_distributed(echo, 2, timeout=value)
+    assert time.monotonic() - t0 < 5  # refused before any rank started
+    assert live_pool_pids() <= before
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("env,exc,words", [
+    pytest.param("A=1", TypeError, "env must be a mapping of str to str", id="str"),
+    pytest.param(5, TypeError, "env must be a mapping of str to str", id="int"),
+    pytest.param([("A", "1"), ("B", "2")], TypeError, r"env\[0\] must be a mapping",
+                 id="list-of-pairs"),
+    pytest.param({"A": 1}, TypeError, "env must map str to str", id="int-value"),
+    pytest.param([{"A": "1"}, {"B": None}], TypeError, r"env\[1\] must map str to str",
+                 id="per-rank-none-value"),
+    pytest.param([{}], ValueError, "env must be one mapping or 2 mappings", id="too-few"),
+])
+def test_bad_env_is_refused_at_construction(env, exc, words):
+    before = live_pool_pids()  # (the module's pool may be up)
+    with pytest.raises(exc, match=words):
+        DistributedPool(2, env=env)
+    assert live_pool_pids() <= before
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,type_name", [("keyboard_interrupt", "KeyboardInterrupt"),
+                                            ("system_exit", "SystemExit")])
+def test_a_rank_base_exception_becomes_rank_failed_error(pool, kind, type_name):
+    # Re-raised here, a rank's KeyboardInterrupt would end this pytest session
+    # and its SystemExit would exit a script: a rank's failure is a RankFailedError.
+    with pytest.raises(RankFailedError) as info:
+        pool.run(raise_on, 1, kind)
+    e = info.value
+    assert type(e) is RankFailedError and e.rank == 1
+    assert f"rank 1 of 2 raised {type_name}" in str(e)
+    assert "in raise_on" in e.remote_traceback and type_name in e.remote_traceback
+    assert not pool.worker_pids  # every rank was stopped
+    assert [r[2] for r in pool.run(echo, "after")] == [("after",)] * 2
+
+
+@pytest.mark.timeout(120)
+def test_exception_whose_str_raises_is_reported_with_its_traceback(pool):
+    with pytest.raises(BrokenStr) as info:
+        pool.run(raise_on, 1, "broken_str")
+    e = info.value
+    assert e.groupcoord_rank == 1  # reported as raised, not as a rank that died
+    tb = str(e.__cause__)
+    assert "rank 1 of 2 raised BrokenStr" in tb and "in raise_on" in tb
+
+
 @pytest.mark.timeout(120)
 def test_run_distributed_env_per_rank_and_node_simulation():
     results = run_distributed(
@@ -224,9 +305,22 @@ class Unpicklable(Exception):
         self.fn = lambda: None
 
 
+class BrokenStr(Exception):
+    """An exception whose ``str()`` itself raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken")
+
+
 def raise_on(rank: int, world_size: int, bad_rank: int, kind: str) -> int:
     """Raise on ``bad_rank`` (the others return their rank)."""
     if rank == bad_rank:
+        if kind == "keyboard_interrupt":
+            raise KeyboardInterrupt("raised by the code under test")
+        if kind == "system_exit":
+            sys.exit(3)
+        if kind == "broken_str":
+            raise BrokenStr("the real problem")
         if kind == "custom":
             raise RankBoom(f"boom on rank {rank}")
         if kind == "keyerror":
