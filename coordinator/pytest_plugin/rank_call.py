@@ -46,7 +46,7 @@ from coordinator.pytest_plugin.protocol import (
     type_names,
 )
 
-__all__ = ["RANK_FIXTURES", "import_test_module", "run_call", "read_output"]
+__all__ = ["RANK_FIXTURES", "import_test_module", "run_call", "read_output", "safe_str"]
 
 #: The rank's fixtures, by name: what each is in a rank.
 RANK_FIXTURES = ("rank", "world_size", "local_rank", "group", "tp_group", "pp_group", "dp_group")
@@ -149,8 +149,18 @@ def _summary(e: BaseException) -> str:
 
     if isinstance(e, pytest.fail.Exception):
         return f"Failed: {e.msg}"
-    text = str(e).strip().splitlines()
+    text = safe_str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def safe_str(e: BaseException) -> str:
+    """``str(e)``, or a stand-in when the exception's ``__str__`` itself raises: the
+    rank must still report the failure (an error escaping here ends the rank, and
+    the report would say it died, without the test's traceback)."""
+    try:
+        return str(e)
+    except Exception:
+        return f"<{type(e).__name__}: str() failed>"
 
 
 def format_failure(e: BaseException, tb_style: str, showlocals: bool = False) -> str:

@@ -81,9 +81,9 @@ def rank_main(rank: int, layout: Layout, port: int, conn: Connection, parent_pid
     try:
         state = _RankState(rank, layout, port)
     except BaseException as e:
-        from coordinator.pytest_plugin.rank_call import format_failure
+        from coordinator.pytest_plugin.rank_call import format_failure, safe_str
 
-        conn.send(RankResult(rank, FAILED, summary=f"{type(e).__name__}: {e}",
+        conn.send(RankResult(rank, FAILED, summary=f"{type(e).__name__}: {safe_str(e)}",
                              traceback=format_failure(e, "native"), reusable=False))
         return
     conn.send(("ready",))
@@ -117,7 +117,7 @@ def output_path(dump_path: str) -> str:
 
 
 def _serve(conn: Connection, state: _RankState, output: str) -> None:
-    from coordinator.pytest_plugin.rank_call import import_test_module, run_call
+    from coordinator.pytest_plugin.rank_call import import_test_module, run_call, safe_str
 
     while True:
         try:
@@ -144,7 +144,8 @@ def _serve(conn: Connection, state: _RankState, output: str) -> None:
                 result.reusable = state.reset()
         except BaseException as e:  # the next test needs a fresh rank
             result.reusable = False
-            result.output += f"\n[groupcoord pytest plugin] reset after the test failed: {e!r}"
+            result.output += (f"\n[groupcoord pytest plugin] reset after the test failed: "
+                              f"{type(e).__name__}: {safe_str(e)}")
         conn.send(result)
 
 

@@ -74,3 +74,26 @@ def test_xunit_setup_and_teardown_of_a_method_run_in_the_rank() -> None:
     r = run_call(_call("WithSetup.test_uses_setup", rank=RankFixture("rank")), 0, 2, 0)
     assert r.status == PASSED, r.traceback
     assert "teardown_method after test_uses_setup" in r.output
+
+
+class BrokenStr(Exception):
+    """An exception whose ``str()`` itself raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken")
+
+
+def raises_broken_str(rank: int) -> None:
+    """Rank code of the test below: raise an exception that cannot be turned into text."""
+    raise BrokenStr(f"the real problem, on rank {rank}")
+
+
+def test_an_exception_whose_str_raises_is_reported_as_raised() -> None:
+    # Before: str(e) raised in the rank, the rank died, and the report said
+    # "died (exit code 1)" without the test's traceback.
+    call = TestCall(f"{__name__}::raises_broken_str", __name__, os.path.abspath(__file__),
+                    "raises_broken_str", pickle.dumps({"rank": RankFixture("rank")}), [])
+    r = run_call(call, 1, 2, 1)
+    assert r.status == FAILED and r.summary == "BrokenStr: <BrokenStr: str() failed>", r
+    assert "raises_broken_str" in r.traceback and "BrokenStr" in r.traceback, r.traceback
+    assert r.exception_types[0].endswith("test_rank_call.BrokenStr")
