@@ -9,14 +9,15 @@ processes that can run the test); the timeout belongs to each test alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from shm_broadcast.ranks.topology import NODE_ID_ENV
 
-__all__ = ["MARKER", "MARKER_HELP", "DEFAULT_TIMEOUT", "Layout", "MarkerOptions", "is_ours",
-           "parse_marker"]
+__all__ = ["MARKER", "MARKER_HELP", "DEFAULT_TIMEOUT", "MAX_TIMEOUT", "Layout",
+           "MarkerOptions", "is_ours", "parse_marker"]
 
 MARKER = "distributed"
 MARKER_HELP = (
@@ -27,6 +28,9 @@ MARKER_HELP = (
 
 #: Seconds a test's body may run on the ranks before every rank is killed.
 DEFAULT_TIMEOUT = 60.0
+#: The longest timeout a marker may give (seconds, about 11.6 days): finite, so
+#: that every wait on the ranks ends.
+MAX_TIMEOUT = 1e6
 
 _OPTIONS = ("world_size", "timeout", "tp", "pp", "dp", "hosts", "env")
 
@@ -127,7 +131,8 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> MarkerOpti
 
     Raises:
         ValueError: An unknown option, a missing or repeated ``world_size``, or a
-            value of the wrong type or range (the message names the option).
+            value of the wrong type or range (the message names the option);
+            ``timeout`` must be finite, > 0 and at most :data:`MAX_TIMEOUT`.
     """
     unknown = sorted(set(kwargs) - set(_OPTIONS))
     if unknown:
@@ -144,9 +149,12 @@ def parse_marker(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> MarkerOpti
                          "@pytest.mark.distributed(world_size=2)")
     world_size = _positive_int(args[0] if args else kwargs["world_size"], "world_size")
     timeout = kwargs.get("timeout", DEFAULT_TIMEOUT)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-        raise ValueError(f"distributed marker: timeout must be a number of seconds > 0, "
-                         f"got {timeout!r}")
+    # Finite and at most MAX_TIMEOUT: the pool adds it to a monotonic clock and
+    # waits on it, where inf or 1e300 overflow (OverflowError) mid-test.
+    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+            or not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT)):
+        raise ValueError(f"distributed marker: timeout must be a number of seconds > 0 and "
+                         f"<= {MAX_TIMEOUT:g}, got {timeout!r}")
     tp, pp, dp = (_positive_int(kwargs.get(k), k, optional=True) for k in ("tp", "pp", "dp"))
     hosts = _positive_int(kwargs.get("hosts", 1), "hosts")
     if world_size % hosts:
