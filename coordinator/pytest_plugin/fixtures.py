@@ -8,6 +8,13 @@ pickled in the pytest process and sent: values such as ``tmp_path`` work in the
 ranks; a fixture that acts on the pytest process itself (``monkeypatch``,
 ``capsys``, ...) or whose value does not pickle fails the test with a message
 naming it.
+
+Only the test function may request the rank fixtures: another fixture runs once,
+in the pytest process, and would compute with the stand-in (``f"cpu:{rank}"``,
+``rank == 0``) instead of each rank's value, so a distributed test with a
+fixture that requests one fails at setup, naming that fixture
+(:func:`check_fixture_requests`, and :func:`_stand_in` for
+``request.getfixturevalue``).
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ import pytest
 
 from coordinator.pytest_plugin.marker import MARKER, is_ours
 from coordinator.pytest_plugin.protocol import RankFixture
+from coordinator.pytest_plugin.rank_call import RANK_FIXTURES
 
-__all__ = ["PROCESS_LOCAL_FIXTURES", "call_arguments", "rank", "world_size", "local_rank",
-           "group", "tp_group", "pp_group", "dp_group"]
+__all__ = ["PROCESS_LOCAL_FIXTURES", "call_arguments", "check_fixture_requests", "rank",
+           "world_size", "local_rank", "group", "tp_group", "pp_group", "dp_group"]
 
 #: Fixtures that act on the pytest process: the ranks cannot use them.
 PROCESS_LOCAL_FIXTURES = frozenset({
@@ -39,7 +47,45 @@ def _stand_in(request: pytest.FixtureRequest, name: str) -> RankFixture:
         pytest.fail(f"fixture {name!r} exists only in tests marked "
                     f"@pytest.mark.{MARKER}(world_size=...) (it is the rank's value)",
                     pytrace=False)
+    # Asked for by another fixture (request.getfixturevalue; what a fixture names
+    # as an argument check_fixture_requests refuses before setup): that fixture
+    # runs here, once, and would compute with the stand-in, not a rank's value.
+    requester = getattr(getattr(request, "_parent_request", None), "fixturename", None)
+    if requester is not None and requester not in RANK_FIXTURES:
+        pytest.fail(_requested_by_fixture(request.node.nodeid, requester, [name]),
+                    pytrace=False)
     return RankFixture(name)
+
+
+def _requested_by_fixture(nodeid: str, fixture: str, wanted: list[str]) -> str:
+    return (f"{nodeid}: fixture {fixture!r} requests the rank fixture(s) {wanted}, whose "
+            f"values exist only in the ranks: a fixture runs once, in the pytest process, "
+            f"where it would get a stand-in instead of each rank's value. Request "
+            f"{', '.join(map(repr, wanted))} in the test function and derive what you need in "
+            f"its body")
+
+
+def check_fixture_requests(item: pytest.Item) -> None:
+    """Fail a distributed test one of whose fixtures (other than the rank fixtures
+    themselves) requests a rank fixture, naming both, before any is set up.
+
+    Raises:
+        pytest.fail.Exception: Such a fixture is in the test's closure.
+    """
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:  # not a pytest Function as this pytest makes them: nothing to check
+        return
+    for name in info.names_closure:
+        if name in RANK_FIXTURES:
+            continue
+        # The definition in effect is the last; one that requests its own name
+        # extends the one before it, which then runs too.
+        for fixdef in reversed(info.name2fixturedefs.get(name, ())):
+            wanted = [a for a in fixdef.argnames if a in RANK_FIXTURES]
+            if wanted:
+                pytest.fail(_requested_by_fixture(item.nodeid, name, wanted), pytrace=False)
+            if name not in fixdef.argnames:
+                break
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import warnings
 import pytest
 
 from coordinator.pytest_plugin.assertions import assertion_options
-from coordinator.pytest_plugin.fixtures import call_arguments
+from coordinator.pytest_plugin.fixtures import call_arguments, check_fixture_requests
 from coordinator.pytest_plugin.marker import (
     MARKER,
     MARKER_HELP,
@@ -98,12 +98,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if wanted and not options.layout.model_parallel:  # before any rank starts
         pytest.fail(f"{item.nodeid}: fixture {wanted[0]!r} needs model-parallel groups: give "
                     f"tp=, pp= or dp= in the distributed marker", pytrace=False)
+    check_fixture_requests(item)  # before any rank starts
     item.stash[_OPTIONS] = options
     item.stash[_STARTED] = started
     pool = item.config.stash[_POOLS].get(options.layout)
     try:
         pool.start()
     except PoolStartError as e:
+        if not e.results:  # no rank process started: the message says why
+            pytest.fail(f"{item.nodeid}: {e}", pytrace=False)
         pytest.fail(failure_report(e.results, f"starting {options.layout.describe()}",
                                    START_TIMEOUT_S, "the limit of a start"), pytrace=False)
 

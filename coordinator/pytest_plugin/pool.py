@@ -7,9 +7,9 @@ A :class:`RankPool` holds the ranks of one
 sends a test to every rank and waits for all of them at once:
 
 * every rank reports: the results, by rank;
-* a rank fails (or dies): the others get :data:`FAILURE_GRACE_S` to report, as
-  ones that do not depend on it will; those still running then are stopped
-  (most wait in a collective for the failed rank);
+* a rank fails, dies, skips or xfails: the others get :data:`FAILURE_GRACE_S`
+  to report, as ones that do not depend on it will; those still running then
+  are stopped (most wait in a collective for the rank that left);
 * the timeout passes: the ranks still running are timed out.
 
 Before a rank still running is killed it is asked for its Python stacks
@@ -35,6 +35,7 @@ import shutil
 import signal
 import tempfile
 import time
+import traceback
 from collections import OrderedDict
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -51,14 +52,14 @@ from coordinator.pytest_plugin.protocol import (
     RankResult,
     TestCall,
 )
-from coordinator.pytest_plugin.rank_call import read_output
+from coordinator.pytest_plugin.rank_call import read_output, safe_str
 from coordinator.pytest_plugin.rank_process import STACK_SIGNAL, output_path, rank_main
 from shm_broadcast.ranks.launcher import describe_exit, free_port, start_ranks, stop_ranks
 
 __all__ = ["FAILURE_GRACE_S", "MAX_IDLE_RANKS", "START_TIMEOUT_S", "PoolStartError",
            "RankPool", "PoolSet"]
 
-#: Seconds the other ranks get to report after one fails or dies.
+#: Seconds the other ranks get to report after one fails, dies, skips or xfails.
 FAILURE_GRACE_S = 3.0
 #: Seconds the ranks of a pool get to start and initialise their groups.
 START_TIMEOUT_S = 90.0
@@ -71,7 +72,8 @@ _GROUP_EXIT_S = 5.0
 
 
 class PoolStartError(RuntimeError):
-    """The ranks of a pool did not start; ``results`` says how each rank ended."""
+    """The ranks of a pool did not start; ``results`` says how each rank ended
+    (empty when the processes could not be started: the message says why)."""
 
     def __init__(self, message: str, results: list[RankResult]) -> None:
         super().__init__(message)
@@ -109,18 +111,34 @@ class RankPool:
         """Start the ranks unless they are up.
 
         Raises:
-            PoolStartError: A rank failed, died or did not get ready in time;
-                every rank has been stopped.
+            PoolStartError: A rank failed, died or did not get ready in time, or
+                the ranks could not be started at all (``results`` is then
+                empty); every rank has been stopped, and the stacks directory
+                removed.
         """
         if self._procs:
             return
         n, port, me = self.layout.world_size, free_port(), os.getpid()
-        self._dump_dir = tempfile.mkdtemp(prefix="groupcoord-pytest-stacks-")
-        dumps = [os.path.join(self._dump_dir, f"rank{r}") for r in range(n)]
-        self._procs, self._conns = start_ranks(
-            rank_main, n,
-            lambda r, child: (r, self.layout, port, child, me, dumps[r], self._base),
-            name="groupcoord-test-rank", duplex=True)
+        dump_dir = tempfile.mkdtemp(prefix="groupcoord-pytest-stacks-")
+        dumps = [os.path.join(dump_dir, f"rank{r}") for r in range(n)]
+        try:
+            # start_ranks stops the ranks it started before it raises.
+            procs, conns = start_ranks(
+                rank_main, n,
+                lambda r, child: (r, self.layout, port, child, me, dumps[r], self._base),
+                name="groupcoord-test-rank", duplex=True)
+        except BaseException as e:
+            # No rank is up, so stop() will never run for this directory.
+            shutil.rmtree(dump_dir, ignore_errors=True)
+            if not isinstance(e, Exception):  # Ctrl-C and the like go on as they are
+                raise
+            raise PoolStartError(
+                f"the ranks of {self.layout.describe()} could not be started: "
+                f"{type(e).__name__}: {safe_str(e)}\n"
+                + "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip(),
+                []) from e
+        self._dump_dir = dump_dir
+        self._procs, self._conns = procs, conns
         results = self._collect_or_stop(self._start_timeout)
         bad = [r for r in results if r.status != PASSED]
         if bad:
@@ -180,7 +198,8 @@ class RankPool:
 
     def _collect(self, timeout: float, grace: float) -> list[RankResult]:
         """Each rank's result (``("ready",)`` counts as passed) until the timeout, or
-        ``grace`` after the first rank that did not pass; the rest stopped or timed out."""
+        ``grace`` after the first rank that did not pass (failed, died, skipped,
+        xfailed); the rest stopped or timed out."""
         n = self.layout.world_size
         results: dict[int, RankResult] = {}
         deadline = time.monotonic() + timeout
@@ -210,7 +229,10 @@ class RankPool:
                     result = RankResult(r, DIED, summary=describe_exit(self._procs[r].exitcode),
                                         reusable=False)
                 results[r] = result
-                if result.status not in (PASSED, SKIPPED, XFAILED) and first_bad is None:
+                # A rank that did not pass (a skip and an xfail included) no longer
+                # takes part: ranks waiting for it in a collective would wait the
+                # whole timeout, so the others get the grace period from now.
+                if result.status != PASSED and first_bad is None:
                     first_bad = time.monotonic()
         missing = [r for r in range(n) if r not in results]
         if missing:

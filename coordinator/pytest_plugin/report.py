@@ -4,9 +4,9 @@ Every rank passed: the test passes. Otherwise the test fails with one report
 (pytest's longrepr, without the plugin's own frames) that has a section per rank
 that did not pass: the traceback of a rank that raised, in pytest's format; the
 exit of a rank that died; the Python stacks of the ranks stopped after a failure
-or still running at the timeout. Every rank skipped: the test is skipped (the
-same for ``pytest.xfail``). What each rank wrote goes to the test's captured
-output, under a header per rank.
+(or after another rank skipped or xfailed) or still running at the timeout.
+Every rank skipped: the test is skipped (the same for ``pytest.xfail``). What
+each rank wrote goes to the test's captured output, under a header per rank.
 """
 
 from __future__ import annotations
@@ -82,8 +82,11 @@ def failure_report(results: list[RankResult], what: str, timeout: float,
         lines.append(f"  timed out: rank(s) {by[TIMED_OUT]} of {n} did not finish within "
                      f"{timeout:g} s ({limit})")
     if by[STOPPED]:
+        left = by[SKIPPED] + by[XFAILED]
+        why = ("another rank failed" if by[FAILED] or by[DIED] or not left
+               else f"rank(s) {sorted(left)} {_left_how(by)}")
         lines.append(f"  stopped: rank(s) {by[STOPPED]} of {n} were still running after "
-                     f"another rank failed (most likely waiting for it in a collective)")
+                     f"{why} (most likely waiting for it in a collective)")
     for status in (SKIPPED, XFAILED):
         if by[status]:
             lines.append(f"  {status}: rank(s) {by[status]} of {n} (the others did not)")
@@ -104,6 +107,11 @@ def failure_report(results: list[RankResult], what: str, timeout: float,
         elif r.status in (TIMED_OUT, STOPPED):
             lines.append("(no Python stack came back from the rank)")
     return "\n".join(lines)
+
+
+def _left_how(by: dict[str, list[int]]) -> str:
+    """How the ranks that left without failing left: ``skipped``, ``xfailed`` or both."""
+    return " or ".join(s for s in (SKIPPED, XFAILED) if by[s])
 
 
 def _section_title(r: RankResult) -> str:

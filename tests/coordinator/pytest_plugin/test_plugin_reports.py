@@ -509,3 +509,137 @@ def test_ctrl_c_ends_the_ranks(pytester: pytest.Pytester) -> None:
             proc.wait()
     assert b"KeyboardInterrupt" in out, out
     assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks), out
+
+
+_REFUSED_AT_SETUP = """
+    import pytest
+
+
+    @pytest.fixture
+    def shard_info(rank, world_size):
+        return {"rank": rank, "world_size": world_size}
+
+
+    @pytest.fixture
+    def device(local_rank):
+        return f"cpu:{local_rank}"
+
+
+    @pytest.fixture
+    def dynamic(request):
+        return request.getfixturevalue("rank")
+
+
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_derived_fixture(rank, shard_info):  # rank is set up before shard_info asks
+        assert shard_info["rank"] == rank
+
+
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_derived_device(device):
+        pass
+
+
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_dynamic_request(dynamic):
+        pass
+
+
+    @pytest.mark.parametrize("which", [
+        pytest.param("inf", marks=pytest.mark.distributed(world_size=2, timeout=float("inf"))),
+        pytest.param("huge", marks=pytest.mark.distributed(world_size=2, timeout=1e300)),
+    ], ids=["inf", "huge"])
+    def test_timeout(rank, which):
+        pass
+
+
+    @pytest.mark.distributed(world_size=3, timeout=30)
+    def test_cannot_start(rank):
+        pass
+"""
+
+#: Makes the ranks of test_cannot_start fail to start (no such start method).
+_CANNOT_START_CONFTEST = """
+    import os
+
+    import pytest
+
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(item):
+        if item.name == "test_cannot_start":
+            os.environ["GROUPCOORD_RANK_START"] = "no-such-method"
+        else:
+            os.environ.pop("GROUPCOORD_RANK_START", None)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_fixtures_on_rank_fixtures_bad_timeouts_and_failed_starts_error_at_setup(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    (pytester.path / "conftest.py").write_text(textwrap.dedent(_CANNOT_START_CONFTEST))
+    res = _run(pytester, monkeypatch, _REFUSED_AT_SETUP)
+    res.assert_outcomes(errors=6)
+    res.stdout.fnmatch_lines([  # before, the fixtures silently got the plugin's stand-ins
+        "*::test_derived_fixture: fixture 'shard_info' requests the rank fixture(s) "
+        "[[]'rank', 'world_size'[]], whose values exist only in the ranks*",
+    ])
+    res.stdout.fnmatch_lines(["*::test_derived_device: fixture 'device' requests the rank "
+                              "fixture(s) [[]'local_rank'[]]*"])
+    res.stdout.fnmatch_lines(["*::test_dynamic_request: fixture 'dynamic' requests the rank "
+                              "fixture(s) [[]'rank'[]]*"])
+    # before: accepted, then an OverflowError in the middle of the run
+    res.stdout.fnmatch_lines(["*test_timeout[[]inf[]]: distributed marker: timeout must be "
+                              "a number of seconds > 0 and <= 1e+06, got inf"])
+    res.stdout.fnmatch_lines(["*test_timeout[[]huge[]]: distributed marker: timeout must be "
+                              "a number of seconds > 0 and <= 1e+06, got 1e+300"])
+    # before: start_ranks' own ValueError, and the stacks directory left behind
+    res.stdout.fnmatch_lines(["*::test_cannot_start: the ranks of world_size=3 could not be "
+                              "started: ValueError: *GROUPCOORD_RANK_START*no-such-method*"])
+
+
+_LEAVES_EARLY = """
+    import pytest
+    import torch
+
+
+    class BrokenStr(Exception):
+        def __str__(self):
+            raise RuntimeError("__str__ is broken")
+
+
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_broken_str(rank):
+        if rank == 1:
+            raise BrokenStr("the real problem")
+
+
+    @pytest.mark.distributed(world_size=2, timeout=60)
+    @pytest.mark.parametrize("how", ["skip", "xfail"])
+    def test_rank_0_leaves(rank, group, how):
+        if rank == 0:
+            getattr(pytest, how)(f"{how} on rank 0")
+        group.all_reduce(torch.ones(1))  # rank 1 waits here for rank 0
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_broken_str_and_a_rank_that_skips_while_others_wait(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    t0 = time.monotonic()
+    res = _run(pytester, monkeypatch, _LEAVES_EARLY)
+    res.assert_outcomes(failed=3)
+    # before: the rank died on str(e), and the report said "died (exit code 1)"
+    res.stdout.fnmatch_lines(["*raised: rank(s) [[]1[]] of 2",
+                              "*rank 1: BrokenStr: <BrokenStr: str() failed>*",
+                              f"*test_generated.py:{_line(_LEAVES_EARLY, 'raise BrokenStr')}: "
+                              f"BrokenStr"])
+    assert "died" not in res.stdout.str()
+    # before: rank 1 waited the marker's whole 60 s and was reported as timed out
+    for how in ("skipped", "xfailed"):
+        res.stdout.fnmatch_lines([f"*stopped: rank(s) [[]1[]] of 2 were still running after "
+                                  f"rank(s) [[]0[]] {how} (most likely waiting for it in a "
+                                  f"collective)"])
+    assert "timed out" not in res.stdout.str()
+    assert time.monotonic() - t0 < 100  # three pool starts, no 60 s wait

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,16 +15,19 @@ from typing import Any
 import pytest
 
 from coordinator.pytest_plugin.marker import Layout
-from coordinator.pytest_plugin.pool import PoolSet, RankPool
+from coordinator.pytest_plugin.pool import PoolSet, PoolStartError, RankPool
 from coordinator.pytest_plugin.protocol import (
     FAILED,
     PASSED,
+    SKIPPED,
     STOPPED,
     TIMED_OUT,
+    XFAILED,
     RankFixture,
     RankResult,
     TestCall,
 )
+from shm_broadcast.ranks.launcher import START_METHOD_ENV
 from tests.coordinator.pytest_plugin import rank_functions
 
 _PATH = os.path.abspath(rank_functions.__file__)
@@ -150,3 +154,55 @@ def test_pool_set_keeps_one_pool_per_layout() -> None:
     assert pools.get(Layout(2)) is a and a is not b
     assert pools.worker_pids == []  # made, not started
     pools.close()
+
+
+def _own_call(name: str, **kwargs: Any) -> TestCall:
+    """A call of ``name``, a function of this module (rank code kept with its test)."""
+    args = {"rank": RankFixture("rank"), **kwargs}
+    return TestCall(f"{__name__}::{name}", __name__, os.path.abspath(__file__), name,
+                    pickle.dumps(args), [])
+
+
+def leaves_on_rank_0_then_barrier(rank: int, group: object, how: str) -> None:
+    """Rank code: rank 0 skips or xfails; the others wait for it in a barrier."""
+    if rank == 0:
+        (pytest.skip if how == "skip" else pytest.xfail)(f"{how} on rank 0")
+    group.barrier()  # type: ignore[attr-defined]  # rank 0 never comes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how,status", [("skip", SKIPPED), ("xfail", XFAILED)])
+def test_the_others_are_stopped_after_a_rank_skips_or_xfails(how: str, status: str) -> None:
+    # Before: a skip did not start the grace period, and the ranks waiting for
+    # the skipped one ran until the whole timeout (here 60 s).
+    pool = RankPool(Layout(2))
+    try:
+        pool.start()
+        t0 = time.monotonic()
+        results = pool.run(_own_call("leaves_on_rank_0_then_barrier", how=how,
+                                     group=RankFixture("group")), timeout=60)
+        elapsed = time.monotonic() - t0
+        assert [r.status for r in results] == [status, STOPPED], results
+        assert elapsed < 30, elapsed
+        assert "barrier" in results[1].traceback  # where it waited for rank 0
+        assert not pool.started  # a stopped rank is not reused
+    finally:
+        pool.stop(graceful=True)
+
+
+def test_a_start_that_raises_removes_its_stacks_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # start_ranks raises before any rank runs (here: a start method that does
+    # not exist); before, the stacks directory was left behind and the error
+    # was not a PoolStartError.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv(START_METHOD_ENV, "no-such-method")
+    pool = RankPool(Layout(2))
+    try:
+        with pytest.raises(PoolStartError, match="could not be started: ValueError") as info:
+            pool.start()
+        assert info.value.results == [] and "no-such-method" in str(info.value)
+        assert not pool.started
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        pool.stop()

@@ -11,6 +11,7 @@ from coordinator.pytest_plugin.protocol import (
     SKIPPED,
     STOPPED,
     TIMED_OUT,
+    XFAILED,
     RankResult,
 )
 from coordinator.pytest_plugin.report import failure_report, raise_outcome, trim_stacks
@@ -74,3 +75,13 @@ def test_xfail_raises_matches_the_ranks_exceptions() -> None:
         raise_outcome([value_error], "w", 1, expected=("b", ("builtins.KeyError",)))
     with pytest.raises(pytest.fail.Exception):  # a rank that died did not raise it
         raise_outcome([value_error, RankResult(0, DIED)], "w", 1, expected=expected)
+
+
+@pytest.mark.parametrize("status", [SKIPPED, XFAILED])
+def test_ranks_stopped_after_a_skip_or_xfail_say_so(status: str) -> None:
+    results = [RankResult(0, status, summary="not here"), RankResult(1, STOPPED)]
+    text = failure_report(results, "world_size=2", 60)
+    assert f"{status}: rank(s) [0] of 2" in text
+    assert (f"stopped: rank(s) [1] of 2 were still running after rank(s) [0] {status} "
+            "(most likely waiting for it in a collective)") in text
+    assert "timed out" not in text and "another rank failed" not in text
