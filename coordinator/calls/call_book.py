@@ -176,13 +176,23 @@ class CallBook:
 
         While torch.compile traces, the call runs eagerly, outside the graph
         (:data:`run_eagerly`): the tracer must not follow it into the waits and
-        address arithmetic below, which fake tensors of dynamic shapes cannot
-        take."""
+        address arithmetic of :meth:`run_now`, which fake tensors of dynamic
+        shapes cannot take."""
         if torch.compiler.is_compiling():
             eager: _R = run_eagerly(self, op, fn, *args, partner=partner, p2p=p2p, data=data,
                                     transport=transport, dim=dim, root=root,
                                     reduce_op=reduce_op)
             return eager
+        return self.run_now(op, fn, *args, partner=partner, p2p=p2p, data=data,
+                            transport=transport, dim=dim, root=root, reduce_op=reduce_op)
+
+    def run_now(self, op: str, fn: Callable[..., _R], *args: Any, partner: int | None = None,
+                p2p: bool = False, data: Any = None, transport: str | None = None,
+                dim: Any = None, root: Any = None, reduce_op: Any = None) -> _R:
+        """:meth:`run` without asking whether torch.compile traces: the body that
+        :data:`run_eagerly` runs. It must not ask: torch's flag is process-wide, so
+        while another thread compiles it is set here too, and asking again would
+        send the call back to :data:`run_eagerly` without end."""
         if p2p:
             self.p2p_calls = n = self.p2p_calls + 1
             return self._run(op, fn, args, n + self.collectives, partner, p2p, data,
@@ -328,7 +338,7 @@ class CallBook:
         self.errors.destroyed = True
 
 
-#: :meth:`CallBook.run` outside torch.compile's graph: called from a traced
+#: :meth:`CallBook.run_now` outside torch.compile's graph: called from a traced
 #: function it is a graph break, and the call runs as in eager mode.
 run_eagerly: Callable[..., Any] = torch.compiler.disable(  # type: ignore[no-untyped-call]
-    CallBook.run)
+    CallBook.run_now)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import inspect
 import weakref
@@ -329,7 +330,7 @@ class GroupCoordinator:
         if _tracing():  # a custom op in the graph, or (no op for it) a graph break
             if self.world_size == 1 or op is ReduceOp.SUM:
                 return self._traced_all_reduce(input_, op, out)
-            return _all_reduce_eagerly(self, input_, op, out=out)
+            return _all_reduce_eagerly(self, input_, op, out)
         book = self._book
         n = book.begin("all_reduce")  # the group's token, then the number
         try:
@@ -418,6 +419,7 @@ class GroupCoordinator:
         """Reduce, then keep this rank's equal slice along ``dim``."""
         if _tracing():  # a custom op in the graph, or (no op for it) a graph break
             if self.world_size == 1:
+                check_reduce_op(op, input_.dtype)  # as eager mode: refused, not ignored
                 return _traced_alone(input_, dim)
             if op is ReduceOp.SUM:
                 return custom_ops.traced_reduce_scatter(self, input_, dim)
@@ -709,6 +711,28 @@ class GroupCoordinator:
     def token_peers(self) -> GroupCoordinator:
         """The group ``dispatch``/``combine`` with ``is_sequence_parallel=False`` run on."""
         return cast(GroupCoordinator, self._moe.token_peers)  # set_token_peers takes only these
+
+    # ------------------------------------------------------------------ eager, untraced
+    def _all_reduce_untraced(self, input_: torch.Tensor, op: ReduceOp,
+                             out: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`all_reduce` as a recorded call that never asks whether torch.compile
+        traces (:data:`_all_reduce_eagerly` runs it outside the graph; asking again
+        there would come back here without end while another thread compiles: torch's
+        flag is process-wide)."""
+        fn = self.comm.all_reduce if out is None else functools.partial(self.comm.all_reduce,
+                                                                        out=out)
+        return self._book.run_now("all_reduce", fn, input_, op, data=input_, reduce_op=op)
+
+    def _broadcast_untraced(self, input_: torch.Tensor, src: int) -> torch.Tensor:
+        """:meth:`broadcast` as a recorded call (see :meth:`_all_reduce_untraced`)."""
+        return self._book.run_now("broadcast", self.comm.broadcast, input_, src, data=input_,
+                                  root=src)
+
+    def _reduce_scatter_untraced(self, input_: torch.Tensor, dim: int,
+                                 op: ReduceOp) -> torch.Tensor:
+        """:meth:`reduce_scatter` as a recorded call (see :meth:`_all_reduce_untraced`)."""
+        return self._book.run_now("reduce_scatter", self.comm.reduce_scatter, input_, dim, op,
+                                  data=input_, dim=dim, reduce_op=op)
 
     # ------------------------------------------------------------------ the seed's helpers
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
@@ -1200,11 +1224,11 @@ class GroupCoordinator:
 #: Collectives with no custom op, run outside torch.compile's graph when traced
 #: (a graph break; as :func:`coordinator.calls.call_book.run_eagerly`).
 _all_reduce_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
-    GroupCoordinator.all_reduce)
+    GroupCoordinator._all_reduce_untraced)  # noqa: SLF001 - the class's own eager body
 _broadcast_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
-    GroupCoordinator.broadcast)
+    GroupCoordinator._broadcast_untraced)  # noqa: SLF001
 _reduce_scatter_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
-    GroupCoordinator.reduce_scatter)
+    GroupCoordinator._reduce_scatter_untraced)  # noqa: SLF001
 
 
 def _into(result: torch.Tensor, output: Any, op: str) -> torch.Tensor:

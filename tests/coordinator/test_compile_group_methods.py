@@ -3,6 +3,8 @@ torch.compile(fullgraph=True)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -269,3 +271,92 @@ def untraced_calls_in_a_loop(rank: int, world_size: int, names: list[str]) -> di
         return out
     finally:
         ps.destroy_model_parallel()
+
+
+#: Eager calls made while another thread compiles, with what each must return.
+WHILE_COMPILING = ["all_reduce-sum", "all_reduce-sum-out", "all_reduce-max", "broadcast",
+                   "reduce_scatter-sum", "reduce_scatter-max", "all_gather", "all_gatherv",
+                   "send-recv", "send_object-recv_object", "broadcast_object",
+                   "broadcast_tensor_dict", "barrier"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", WHILE_COMPILING)
+def test_eager_calls_while_another_thread_compiles(dist_pool, name: str) -> None:
+    """torch's "is compiling" flag is process-wide: while one thread compiles, a
+    collective in another thread sees it set. The call must still run eagerly and
+    give its result (the eager routes asked the flag again and recursed without
+    end: RecursionError)."""
+    for r in dist_pool(2).run(eager_while_compiling, name, timeout=280):
+        assert r == {"flag_set": True, name: "ok"}, r
+
+
+def eager_while_compiling(rank: int, world_size: int, name: str) -> dict:
+    import threading
+
+    from device_comms import ReduceOp
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    tp = ps.get_tp_group()
+    started, done = threading.Event(), threading.Event()
+
+    def held_backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        started.set()
+        done.wait(120)  # the flag stays set until the eager call below is over
+        return gm.forward
+
+    import torch._dynamo
+
+    torch._dynamo.reset()  # a pool's process compiled this function before: compile afresh
+    compiling = threading.Thread(
+        target=lambda: torch.compile(lambda t: t * 2 + 1, backend=held_backend)(torch.ones(3)))
+    x = torch.arange(world_size * 2 * 2, dtype=torch.float32).view(world_size * 2, 2) + rank
+    peer = 1 - rank
+
+    def exchange(send: Any, recv: Any) -> Any:  # rank 0 sends first, rank 1 receives first
+        if rank == 0:
+            send()
+            return recv()
+        got = recv()
+        send()
+        return got
+
+    total = sum(torch.arange(world_size * 4, dtype=torch.float32).view(-1, 2) + r
+                for r in range(world_size))
+    top = torch.arange(world_size * 4, dtype=torch.float32).view(-1, 2) + world_size - 1
+    mine = slice(2 * rank, 2 * rank + 2)
+    checks = {
+        "all_reduce-sum": lambda: torch.equal(tp.all_reduce(x.clone()), total),
+        "all_reduce-sum-out": lambda: torch.equal(tp.all_reduce(x.clone(), out=torch.empty_like(x)),
+                                                  total),
+        "all_reduce-max": lambda: torch.equal(tp.all_reduce(x.clone(), ReduceOp.MAX), top),
+        "broadcast": lambda: torch.equal(tp.broadcast(x.clone(), 0), x - rank),
+        "reduce_scatter-sum": lambda: torch.equal(tp.reduce_scatter(x.clone(), 0), total[mine]),
+        "reduce_scatter-max": lambda: torch.equal(tp.reduce_scatter(x.clone(), 0, ReduceOp.MAX),
+                                                  top[mine]),
+        "all_gather": lambda: tp.all_gather(x.clone(), 0).shape == (world_size * x.shape[0], 2),
+        "all_gatherv": lambda: tp.all_gatherv(x.clone(), 0).shape == (world_size * x.shape[0], 2),
+        "send-recv": lambda: exchange(lambda: tp.send(x.clone(), peer), lambda: torch.equal(
+            tp.recv(x.shape, x.dtype, peer), x - rank + peer)),
+        "send_object-recv_object": lambda: exchange(lambda: tp.send_object(rank, peer),
+                                                    lambda: tp.recv_object(peer) == peer),
+        "broadcast_object": lambda: tp.broadcast_object(5 if rank == 0 else None, 0) == 5,
+        "broadcast_tensor_dict": lambda: torch.equal(tp.broadcast_tensor_dict(
+            {"a": x.clone()} if rank == 0 else None, 0)["a"], x - rank),
+        "barrier": lambda: tp.barrier() is None,
+    }
+    out: dict = {}
+    compiling.start()
+    try:
+        if not started.wait(60):
+            return {"compile": "did not start"}
+        out["flag_set"] = torch.compiler.is_compiling()
+        try:
+            out[name] = "ok" if checks[name]() else "WRONG"
+        except Exception as e:  # the parent shows which call failed, and how
+            out[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    finally:
+        done.set()
+        compiling.join(120)
+        ps.destroy_model_parallel()
+    return out
