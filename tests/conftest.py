@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import gc
 import os
 import shutil
@@ -387,6 +388,33 @@ def no_leaks() -> Iterator[None]:
         leaks.remove()
     if problems:
         pytest.fail("test leaked resources: " + "; ".join(problems))
+
+
+@pytest.fixture
+def cleanup_serial() -> Iterator[None]:
+    """Run the test alone among the tests that use this fixture, in every pytest
+    process of the machine.
+
+    ``groupcoord cleanup --yes`` removes every orphan of this user, so a test that
+    runs it would take the orphans another test left on purpose (pytest-xdist runs
+    test files side by side); a test that plants a file cleanup keeps would make
+    another's ``cleanup --yes`` exit 2. The lock is ``flock`` on ``/dev/shm`` itself: the
+    resource it guards, and nothing is left behind. The wait is bounded.
+    """
+    fd = os.open("/dev/shm" if os.path.isdir("/dev/shm") else ".", os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail("another test held the cleanup lock on /dev/shm for 120 s")
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture

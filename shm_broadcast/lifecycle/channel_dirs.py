@@ -170,6 +170,9 @@ def remove_dead_channel_dir(path: str) -> None:
         path: The directory named by the writer's handle.
     """
     try:
+        # What the directory and its record hold never raises here (a malformed
+        # record, or one naming a pid no process can have, is judged "unknown");
+        # left are the system's errors and a path with a NUL byte.
         info = _judge_dir(path, OwnerIdentity.of_self())
     except (OSError, ValueError):
         return

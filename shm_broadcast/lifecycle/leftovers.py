@@ -49,7 +49,11 @@ __all__ = [
 ]
 
 SHM_DIR = "/dev/shm"
-#: A segment's file name: ``gc_<kind>_<owner pid>_<random hex>``.
+#: A segment's file name: ``gc_<kind>_<owner pid>_<random hex>``. The pid part
+#: is any run of digits, so a name of this form may state a number no process
+#: has (a file the user made by hand); whoever judges the owner checks it
+#: (:func:`shm_broadcast.lifecycle.owner_identity.judge_owner` keeps such a file,
+#: as one whose owner cannot be told).
 SEGMENT_RE = re.compile(r"^gc_(?P<kind>[a-z0-9]+)_(?P<pid>\d+)_(?P<token>[0-9a-f]+)$")
 RECORD_SUFFIX = ".owner"
 #: ``tempfile.mkdtemp(prefix=CHANNEL_DIR_PREFIX)`` names: the prefix and 8

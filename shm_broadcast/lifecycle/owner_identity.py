@@ -25,7 +25,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["OwnerIdentity", "write_owner_record", "read_owner_record", "judge_owner",
-           "own_start_ticks", "pid_exists"]
+           "own_start_ticks", "pid_exists", "PID_MAX"]
+
+#: The largest process id there can be: ``pid_t`` is a C ``int`` (Linux hands
+#: out at most ``2**22``). A larger number, in a file name or a record, names
+#: no process, and ``os.kill`` refuses it with ``OverflowError``.
+PID_MAX = 2**31 - 1
+
+#: The integer fields of a record and the values each can hold: a pid, inode
+#: numbers and start ticks (``unsigned long long``), a uid (``uid_t``).
+_INT_FIELDS = (("pid", 1, PID_MAX), ("pidns", 0, 2**64 - 1), ("start_ticks", 0, 2**64 - 1),
+               ("uid", 0, 2**32 - 1), ("timens", 0, 2**64 - 1))
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,11 @@ def read_owner_record(path: str, owner_uid: int,
         owner_uid: Uid of the file the record describes; the record must be
             a regular file of that user, unreadable and unwritable by others.
         dir_fd: Directory descriptor ``path`` is relative to.
+
+    Returns:
+        The record's identity, or the reason there is none to trust (no
+        record, not the owner's, malformed: see :func:`_identity_of`). Never
+        raises for what the file holds.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
@@ -111,11 +126,44 @@ def read_owner_record(path: str, owner_uid: int,
         os.close(fd)
     try:
         d = json.loads(raw)
-        ident = OwnerIdentity(int(d["pid"]), int(d["pidns"]), int(d["start_ticks"]),
-                              str(d["boot_id"]), int(d["uid"]), int(d.get("timens", 0)))
-    except (ValueError, KeyError, TypeError):
-        return "owner record malformed"
-    return ident
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        return "owner record malformed (not JSON)"
+    return _identity_of(d)
+
+
+def _identity_of(d: object) -> OwnerIdentity | str:
+    """The :class:`OwnerIdentity` a decoded record states, or why it states none.
+
+    Every integer field must be a JSON integer (``int`` exactly: no bool, no
+    float, so neither ``Infinity`` nor ``1.5``) within its range, and
+    ``boot_id`` a string; ``timens`` may be missing (records of releases before
+    it was recorded), and means 0 then.
+    """
+    if not isinstance(d, dict):
+        return f"owner record malformed (a JSON {type(d).__name__}, not an object)"
+    fields = {"timens": 0, **d}
+    values: dict[str, int] = {}
+    for key, lo, hi in _INT_FIELDS:
+        v = fields.get(key, _MISSING)
+        if type(v) is not int:
+            return f"owner record malformed ({key} is {_kind(v)}, not an integer)"
+        if not lo <= v <= hi:
+            shown = str(v) if len(str(v)) <= 30 else f"{str(v)[:20]}... ({len(str(v))} digits)"
+            return f"owner record malformed ({key} {shown} is out of range ({lo} to {hi}))"
+        values[key] = v
+    boot_id = fields.get("boot_id", _MISSING)
+    if type(boot_id) is not str:
+        return f"owner record malformed (boot_id is {_kind(boot_id)}, not a string)"
+    return OwnerIdentity(values["pid"], values["pidns"], values["start_ticks"], boot_id,
+                         values["uid"], values["timens"])
+
+
+_MISSING = object()
+
+
+def _kind(v: object) -> str:
+    """How a record's value is described in a reason: missing, or its type."""
+    return "missing" if v is _MISSING else f"a {type(v).__name__}"
 
 
 def judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity | None = None,
@@ -130,7 +178,13 @@ def judge_owner(pid: int, rec: OwnerIdentity | str, me: OwnerIdentity | None = N
 
     Returns:
         ``("gone" | "alive" | "unknown", reason)``; only ``"gone"`` may be removed.
+        A ``pid`` no process can have (above :data:`PID_MAX`: not a name
+        groupcoord made) is ``"unknown"``.
     """
+    if not 0 < pid <= PID_MAX:
+        # Checked before ``exists`` is asked, which need not take such a number.
+        return "unknown", (f"pid {pid} is not a process id (1 to {PID_MAX}): groupcoord "
+                           f"did not make this name")
     if me is None:
         me = OwnerIdentity.of_self()
     if exists is None:
@@ -171,8 +225,12 @@ def own_start_ticks() -> int | None:
 
 
 def pid_exists(pid: int) -> bool:
-    """Whether a process ``pid`` exists (one of another user's counts)."""
-    if pid <= 0:
+    """Whether a process ``pid`` exists (one of another user's counts).
+
+    Never raises: a ``pid`` outside 1 to :data:`PID_MAX` names no process (and
+    ``os.kill`` would raise ``OverflowError`` for one beyond a C ``int``).
+    """
+    if not 0 < pid <= PID_MAX:
         return False
     try:
         os.kill(pid, 0)

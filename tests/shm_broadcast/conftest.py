@@ -1,14 +1,12 @@
-"""Fixtures of the shm_broadcast tests: spawned child processes, always reaped;
-one test at a time around ``groupcoord cleanup --yes``."""
+"""Fixtures of the shm_broadcast tests: spawned child processes, always reaped
+(``cleanup_serial``, one test at a time around ``groupcoord cleanup --yes``, is
+in ``tests/conftest.py``: the coordinator's ``doctor`` tests share it)."""
 
 from __future__ import annotations
 
-import fcntl
 import multiprocessing as mp
-import os
 import queue
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -70,32 +68,6 @@ def procs() -> Any:
         yield p
     finally:
         p.reap()
-
-
-@pytest.fixture
-def cleanup_serial() -> Iterator[None]:
-    """Run the test alone among the tests that use this fixture, in every pytest
-    process of the machine.
-
-    ``groupcoord cleanup --yes`` removes every orphan of this user, so a test that
-    runs it would take the orphans another test left on purpose (pytest-xdist runs
-    test files side by side). The lock is ``flock`` on ``/dev/shm`` itself: the
-    resource it guards, and nothing is left behind. The wait is bounded.
-    """
-    fd = os.open("/dev/shm" if os.path.isdir("/dev/shm") else ".", os.O_RDONLY)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail("another test held the cleanup lock on /dev/shm for 120 s")
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)
 
 
 # Leak checks (segments and child processes) come from the autouse fixture in
