@@ -12,7 +12,12 @@ import math
 import os
 from collections.abc import Callable
 
-__all__ = ["number", "output_path", "size_bytes"]
+__all__ = ["MAX_THREADS", "number", "output_path", "size_bytes"]
+
+#: The most torch threads a bench option sets per process. ``torch.set_num_threads``
+#: takes up to a C ``int`` and fails only in the ranks (a traceback each); more
+#: than this many threads per process is a typo on any machine, refused up front.
+MAX_THREADS = 1024
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

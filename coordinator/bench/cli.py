@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from shm_broadcast.cli_args import number, output_path, size_bytes
+from shm_broadcast.cli_args import MAX_THREADS, number, output_path, size_bytes
 
 __all__ = ["add_args", "run", "parse_size", "parse_threads"]
 
@@ -26,15 +26,21 @@ def parse_size(text: str) -> int:
 
 
 def parse_threads(text: str) -> int | str:
-    """``default`` (torch's own default) or an int >= 1."""
+    """``default`` (torch's own default) or an int from 1 to
+    :data:`~shm_broadcast.cli_args.MAX_THREADS`.
+
+    Raises:
+        argparse.ArgumentTypeError: Anything else (argparse names the option).
+    """
     if text == "default":
         return text
     try:
         value = int(text)
-    except ValueError:
+    except ValueError:  # a word, or a digit int() does not take ("²")
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 'default' or an int >= 1, got {text!r}")
+    if not 1 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(
+            f"expected 'default' or an int from 1 to {MAX_THREADS}, got {text!r}")
     return value
 
 

@@ -43,8 +43,9 @@ import time
 from time import perf_counter_ns
 from typing import Any
 
+from coordinator.bench.cli import parse_threads
 from device_comms.bench.report import load_average
-from shm_broadcast.cli_args import number, output_path, size_bytes
+from shm_broadcast.cli_args import MAX_THREADS, number, output_path, size_bytes
 
 __all__ = ["add_args", "run", "bench_rank"]
 
@@ -63,8 +64,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="on/off block pairs per round and case (default 4)")
     p.add_argument("--block", type=number(int, minimum=1), default=200,
                    help="calls per block (default 200)")
-    p.add_argument("--threads", nargs="+", default=["default", "1"],
-                   help="torch threads per rank: 'default' and/or numbers (default: default 1)")
+    p.add_argument("--threads", nargs="+", type=parse_threads, default=["default", 1],
+                   help=f"torch threads per rank: 'default' and/or numbers from 1 to "
+                        f"{MAX_THREADS} (default: default 1)")
     p.add_argument("--timeout", type=number(float, above=0), default=600.0,
                    help="seconds before the ranks are killed (default 600)")
     p.add_argument("--control", action="store_true",
@@ -79,11 +81,6 @@ def run(args: argparse.Namespace) -> int:
     from coordinator.testing import run_distributed
 
     records: list[dict[str, Any]] = []
-    for threads in args.threads:  # every value, before anything runs
-        if threads != "default" and (not threads.isdigit() or int(threads) < 1):
-            print(f"--threads: expected 'default' or an int >= 1, got {threads!r}",
-                  file=sys.stderr)
-            return 2
     for threads in args.threads:
         cfg = {"sizes": list(args.sizes), "queue_bytes": args.queue_bytes,
                "rounds": args.rounds, "blocks": args.blocks, "block": args.block,

@@ -68,8 +68,10 @@ def test_bench_engine_reports_every_rank_and_policy(tmp_path: Path, tp: int, pol
     (["--policies", "fastest"], "--policies"),
     (["--load", "gpu"], "--load"),
     (["--warmup-steps", "-3"], "--warmup-steps"),
+    (["--threads", "1025"], "argument --threads: expected 'default' or an int from 1 to 1024"),
+    (["--threads", "99999999999999999999"], "argument --threads"),
 ], ids=["tp-1", "tp-0", "negative-step", "bad-size", "zero-threads", "bad-policy", "bad-load",
-        "negative-warmup"])
+        "negative-warmup", "threads-1025", "threads-20-digits"])
 def test_bench_engine_rejects_bad_options(capsys: pytest.CaptureFixture, args: list[str],
                                           needle: str) -> None:
     from coordinator.cli import main

@@ -43,8 +43,10 @@ def test_bench_p2p_reports_every_transport_per_call_and_size(tmp_path: Path) -> 
     (["--threads", "zero"], "--threads"),
     (["--dtype", "int3"], "--dtype"),
     (["--calls", "object"], "--calls"),
+    (["--threads", "1", "1025"], "argument --threads: expected 'default' or an int from 1 to 1024"),
+    (["--threads", "99999999999999999999"], "argument --threads"),
 ], ids=["iters-zero", "rounds-negative", "size-zero", "threads-word", "dtype-unknown",
-        "calls-unknown"])
+        "calls-unknown", "threads-1025", "threads-20-digits"])
 def test_bench_p2p_rejects_bad_options(capsys: pytest.CaptureFixture, args: list[str],
                                        needle: str) -> None:
     from coordinator.cli import main

@@ -48,8 +48,18 @@ def test_bench_trace_rejects_bad_options(capsys: pytest.CaptureFixture, args: li
     assert needle in capsys.readouterr().err
 
 
-def test_bench_trace_rejects_bad_threads(capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("threads", [
+    ["zero"], ["\u00b2"], ["default", "1025"], ["99999999999999999999"],
+], ids=["word", "superscript-two", "1025", "20-digits"])
+def test_bench_trace_rejects_bad_threads(capsys: pytest.CaptureFixture,
+                                         threads: list[str]) -> None:
+    """Refused as an option error before any rank starts (``²`` passes
+    ``str.isdigit`` but not ``int``; a count torch refuses failed in the ranks)."""
     from coordinator.cli import main
 
-    assert main(["bench", "trace", "--threads", "zero"]) == 2
-    assert "--threads" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "trace", "--threads", *threads])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --threads: expected 'default' or an int from 1 to 1024" in err, err
