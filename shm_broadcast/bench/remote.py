@@ -31,6 +31,7 @@ import multiprocessing as mp
 import os
 import pickle
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,13 +39,13 @@ from typing import Any
 import zmq
 
 from shm_broadcast.bench.payloads import make_payload, payload_names
-from shm_broadcast.cli_args import output_path
+from shm_broadcast.cli_args import MAX_THREADS, number, output_path
 from shm_broadcast.codec.message_codec import Codec
 from shm_broadcast.queue.message_queue import MessageQueue
 from shm_broadcast.queue.transport import bind
 from shm_broadcast.ranks.launcher import stop_ranks
 
-__all__ = ["QueueEcho", "ZmqEcho", "measure_all", "add_args", "run"]
+__all__ = ["EchoDied", "QueueEcho", "ZmqEcho", "measure_all", "add_args", "run"]
 
 _READY_S = 60.0
 _RECV_MS = 60_000
@@ -57,6 +58,29 @@ def _set_threads(threads: int) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+class EchoDied(RuntimeError):
+    """The echo process B exited while A waited for it."""
+
+
+def _first_message(conn: Any, proc: Any, what: str) -> Any:
+    """What echo process ``proc`` sends first on ``conn``: its endpoint or handle.
+
+    Raises:
+        EchoDied: ``proc`` exited before sending it (told at once, with its
+            exit status: its own traceback is on stderr above).
+        TimeoutError: Nothing came within ``_READY_S`` seconds.
+    """
+    deadline = time.monotonic() + _READY_S
+    while not conn.poll(0.05):
+        # Polled once more after it is seen dead: it may have sent, then exited.
+        if not proc.is_alive() and not conn.poll(0):
+            raise EchoDied(f"the {what} echo process exited (exit status {proc.exitcode}) "
+                           f"before it started")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {what} echo process did not start within {_READY_S:.0f} s")
+    return conn.recv()
 
 
 # ------------------------------------------------------------------ the queue
@@ -92,9 +116,8 @@ class QueueEcho:
                                  args=(self._ping.export_handle(), child, threads))
         self._proc.start()
         try:
-            if not parent.poll(_READY_S):
-                raise TimeoutError("the queue echo process did not start")
-            self._pong = MessageQueue.create_from_handle(parent.recv(), rank=0)
+            self._pong = MessageQueue.create_from_handle(
+                _first_message(parent, self._proc, "queue"), rank=0)
             self._ping.wait_until_ready(_READY_S)
             self._pong.wait_until_ready(_READY_S)
         except BaseException:
@@ -174,9 +197,7 @@ class ZmqEcho:
             endpoint, child, use_pickle, threads))
         self._proc.start()
         try:
-            if not parent.poll(_READY_S):
-                raise TimeoutError("the zmq echo process did not start")
-            self._sub.connect(parent.recv())
+            self._sub.connect(_first_message(parent, self._proc, "zmq"))
             self._sync()
         except BaseException:
             self.close()
@@ -186,6 +207,9 @@ class ZmqEcho:
         """Ping until the echo answers: both subscriptions are then in place."""
         deadline = time.monotonic() + _READY_S
         while not self._sub.poll(20):
+            if not self._proc.is_alive():
+                raise EchoDied(f"the zmq echo process exited (exit status {self._proc.exitcode}) "
+                               f"before it subscribed")
             if time.monotonic() > deadline:
                 raise TimeoutError("the zmq echo process did not subscribe")
             self._pub.send(b"sync")
@@ -279,21 +303,31 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """Options of ``groupcoord bench mq-remote``."""
     parser.add_argument("--payloads", nargs="+", default=_DEFAULT_PAYLOADS,
                         choices=payload_names(), help="payloads to send")
-    parser.add_argument("--iters", type=int, default=2000, help="round trips per transport "
-                        "and payload (split over interleaved rounds)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads per process (0: torch's default)")
+    parser.add_argument("--iters", type=number(int, minimum=_ROUNDS), default=2000,
+                        help=f"round trips per transport and payload (split over {_ROUNDS} "
+                             f"interleaved rounds; at least {_ROUNDS}; default 2000)")
+    parser.add_argument("--threads", type=number(int, minimum=0, maximum=MAX_THREADS), default=0,
+                        help=f"torch intra-op threads per process, 0 to {MAX_THREADS} (0: torch's "
+                             f"default)")
     parser.add_argument("--no-baselines", action="store_true", help="measure only the queue")
     parser.add_argument("--json", dest="json_path", type=output_path,
                         help="also write the report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``groupcoord bench mq-remote``; 2 on bad options."""
-    if args.iters < _ROUNDS or args.threads < 0:
-        print(f"--iters must be >= {_ROUNDS} and --threads >= 0")
-        return 2
-    report = measure_all(args.payloads, args.iters, args.threads, not args.no_baselines)
+    """Run ``groupcoord bench mq-remote``.
+
+    Options are checked by :func:`add_args`'s types (argparse exits 2 naming
+    the option).
+
+    Returns:
+        0, or 1 when an echo process died (its exit status on stderr).
+    """
+    try:
+        report = measure_all(args.payloads, args.iters, args.threads, not args.no_baselines)
+    except EchoDied as e:
+        print(f"groupcoord bench mq-remote: {e}", file=sys.stderr)
+        return 1
     print(f"{'payload':>7} {'bytes':>8}  {'method':<26} {'p50 us':>9} {'p99 us':>9} "
           f"{'vs queue':>8}")
     for r in report["results"]:

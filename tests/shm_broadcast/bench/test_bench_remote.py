@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -25,6 +27,31 @@ def test_remote_bench_cli_measures_queue_and_baselines(tmp_path) -> None:
     assert all(r["x_vs_mq"] == 1.0 for r in rows if r["method"].startswith("groupcoord"))
 
 
-def test_remote_bench_cli_rejects_bad_options(run_cli) -> None:
-    code, out, _ = run_cli(["bench", "mq-remote", "--iters", "2"])
-    assert code == 2 and "--iters" in out
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,needle", [
+    (["--iters", "2"], "argument --iters: expected an int >= 4"),
+    (["--threads", "-1"], "argument --threads: expected an int >= 0 and <= 1024"),
+    (["--threads", "1025"], "argument --threads: expected an int >= 0 and <= 1024"),
+    (["--threads", "99999999999999999999"], "argument --threads"),
+], ids=["iters-2", "threads-negative", "threads-1025", "threads-20-digits"])
+def test_remote_bench_cli_rejects_bad_options(run_cli, args: list[str], needle: str) -> None:
+    """An option error on stderr, exit 2, before any echo process starts."""
+    code, out, err = run_cli(["bench", "mq-remote", *args])
+    assert code == 2 and out == "" and needle in err, (code, out, err)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("echo", ["queue", "zmq-pickle", "zmq-raw"])
+def test_an_echo_process_that_dies_is_reported_at_once(echo: str) -> None:
+    """An echo process that dies before it answers (here: torch refuses its thread
+    count) is reported with its exit status, without waiting out the 60 s start."""
+    from shm_broadcast.bench.remote import QueueEcho, ZmqEcho
+
+    ctx = mp.get_context("spawn")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"echo process exited \(exit status 1\)"):
+        if echo == "queue":
+            QueueEcho(ctx, 10**20)
+        else:
+            ZmqEcho(ctx, 10**20, use_pickle=echo == "zmq-pickle")
+    assert time.monotonic() - t0 < 40
