@@ -26,6 +26,7 @@ from coordinator.engine.demo.requests import (
     parse_prompt_ids,
     requests_from_args,
 )
+from shm_broadcast.cli_args import number
 
 __all__ = ["add_args", "run", "parse_prompt_ids", "default_requests"]
 
@@ -68,7 +69,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "reproduces transformers' float32 forward; auto = the checkpoint's dtype)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at end-of-sequence tokens")
-    p.add_argument("--seed", type=int, default=0, help="seed of the embedded model (default 0)")
+    # torch's generators take seeds from -2**63 to 2**64 - 1 (any other int raises
+    # deep in the run, as a message that does not say which option).
+    p.add_argument("--seed", type=number(int, minimum=-2**63, maximum=2**64 - 1), default=0,
+                   help="seed of the embedded model, -2**63 to 2**64-1 (default 0)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="write generated ids and timings as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress line while running")

@@ -88,6 +88,15 @@ def test_demo_rejects_bad_prompt_ids(run_cli) -> None:
     assert "--prompt-ids" in err and "'1,x'" in err
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", [str(2**64), str(-2**63 - 1), "99999999999999999999"],
+                         ids=["2**64", "below-int64", "20-digits"])
+def test_demo_refuses_a_seed_torch_cannot_take(run_cli, seed: str) -> None:
+    code, out, err = run_cli(["demo", f"--seed={seed}"])
+    assert code == 2 and out == ""
+    assert "argument --seed: expected an int >= -9223372036854775808" in err, err
+
+
 # ------------------------------------------------------------- --launcher env
 def _torchrun() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
