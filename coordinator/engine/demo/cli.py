@@ -26,7 +26,6 @@ from coordinator.engine.demo.requests import (
     parse_prompt_ids,
     requests_from_args,
 )
-from shm_broadcast.cli_args import number
 
 __all__ = ["add_args", "run", "parse_prompt_ids", "default_requests"]
 
@@ -69,9 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "reproduces transformers' float32 forward; auto = the checkpoint's dtype)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at end-of-sequence tokens")
-    # torch's generators take seeds from -2**63 to 2**64 - 1 (any other int raises
-    # deep in the run, as a message that does not say which option).
-    p.add_argument("--seed", type=number(int, minimum=-2**63, maximum=2**64 - 1), default=0,
+    p.add_argument("--seed", type=_seed, default=0,
                    help="seed of the embedded model, -2**63 to 2**64-1 (default 0)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                    help="write generated ids and timings as JSON")
@@ -96,6 +93,23 @@ def _seconds(text: str) -> float:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+#: The seeds torch's generators take (any other int raises deep in the run, with
+#: a message that does not say which option).
+_SEED_MIN, _SEED_MAX = -2**63, 2**64 - 1
+
+
+def _seed(text: str) -> int:
+    """argparse type of ``--seed``: an int torch's generators take."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not _SEED_MIN <= value <= _SEED_MAX:
+        raise argparse.ArgumentTypeError(
+            f"expected an int from {_SEED_MIN} to {_SEED_MAX}, got {text!r}")
     return value
 
 
