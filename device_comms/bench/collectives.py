@@ -69,7 +69,7 @@ from collections.abc import Callable
 from typing import Any
 
 from device_comms.bench.report import load_average
-from shm_broadcast.cli_args import number, output_path
+from shm_broadcast.cli_args import MAX_THREADS, number, output_path
 
 __all__ = ["add_bench_args", "run_bench", "main"]
 
@@ -99,7 +99,7 @@ def _parse_size(text: str) -> int:
 
 
 def _parse_threads(text: str) -> int | str:
-    """``--threads``: ``"default"`` or a positive int."""
+    """``--threads``: ``"default"`` or an int from 1 to ``MAX_THREADS``."""
     t = text.strip().lower()
     if t == "default":
         return "default"
@@ -107,9 +107,9 @@ def _parse_threads(text: str) -> int | str:
         value = int(t)
     except ValueError:
         value = 0
-    if value < 1:
+    if not 1 <= value <= MAX_THREADS:
         raise argparse.ArgumentTypeError(
-            f"threads must be 1, default or a positive int N, got {text!r}")
+            f"threads must be default or an int from 1 to {MAX_THREADS}, got {text!r}")
     return value
 
 

@@ -24,12 +24,17 @@ def test_parse_size() -> None:
 def test_parse_threads() -> None:
     assert bench._parse_threads("default") == "default"
     assert bench._parse_threads(" 1 ") == 1 and bench._parse_threads("6") == 6
-    for bad in ("0", "-1", "all", "1.5"):
-        with pytest.raises(argparse.ArgumentTypeError, match="1, default or a positive int"):
-            bench._parse_threads(bad)
+    assert bench._parse_threads("1024") == 1024
     assert bench.threads_for("default", 2) is None
     assert bench.threads_for(3, 2) == 3
     assert bench.threads_for(None, 2) >= 1
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "all", "1.5", "²", "1025", "99999999999999999999"])
+def test_parse_threads_refuses(bad: str) -> None:
+    """Not an int from 1 to 1024 (a count torch would refuse killed every rank)."""
+    with pytest.raises(argparse.ArgumentTypeError, match="default or an int from 1 to 1024"):
+        bench._parse_threads(bad)
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
