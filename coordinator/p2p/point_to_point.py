@@ -97,6 +97,7 @@ from coordinator.trace.recorder import IN_DTYPES, IN_SIZES
 from coordinator.wire.object_comm import ObjectChannel
 from device_comms import validation
 from device_comms.errors import translate_backend_error
+from shm_broadcast.checks import as_int
 
 if TYPE_CHECKING:
     from coordinator.p2p.cuda_p2p import CudaP2P
@@ -135,6 +136,7 @@ class PointToPoint:
     # ------------------------------------------------------------------ blocking calls
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """``GroupCoordinator.send``: ``tensor`` to group rank ``dst``, in its turn."""
+        dst = _peer(dst)
         book = self._book
         book.p2p_calls = n = book.p2p_calls + 1
         seq = n + book.collectives
@@ -152,6 +154,7 @@ class PointToPoint:
     def recv(self, size: torch.Size | Sequence[int], dtype: torch.dtype,
              src: int) -> torch.Tensor:
         """``GroupCoordinator.recv``: a tensor from group rank ``src``, in its turn."""
+        src = _peer(src)
         book = self._book
         book.p2p_calls = n = book.p2p_calls + 1
         seq = n + book.collectives
@@ -170,11 +173,13 @@ class PointToPoint:
 
     def send_object(self, obj: Any, dst: int) -> None:
         """``GroupCoordinator.send_object``: ``obj`` to group rank ``dst``, in its turn."""
+        dst = _peer(dst)
         self._book.run("send_object", self.ordered, SEND, dst, "send_object",
                        self._objects.send, obj, dst, partner=peer_rank(dst), p2p=True)
 
     def recv_object(self, src: int) -> Any:
         """``GroupCoordinator.recv_object``: an object from group rank ``src``, in its turn."""
+        src = _peer(src)
         return self._book.run("recv_object", self.ordered, RECV, src, "recv_object",
                               self._objects.recv, src, partner=peer_rank(src), p2p=True)
 
@@ -422,3 +427,11 @@ def _recording(book: CallBook, op: str, seq: int, entry: list[Any],
 
     return run
 
+
+def _peer(peer: Any) -> Any:
+    """``peer`` as a Python ``int`` when it is an integer of another type (a NumPy
+    rank): the link path and the channels take ``int`` peers, and a NumPy peer
+    went over gloo while its partner's call used the link. Anything else comes
+    back as it is, for the call's own check to refuse by name."""
+    got = as_int(peer)
+    return peer if got is None else got

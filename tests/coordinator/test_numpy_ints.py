@@ -74,6 +74,18 @@ def _calls(rank: int, world_size: int, num: Any) -> dict[str, Any]:
     else:
         out["recv_object"] = g.recv_object(src=num(prev))
         g.send_object({"to": nxt}, dst=num(nxt))
+    # A NumPy peer on one side, an int peer or an asynchronous call on the other (a
+    # blocking call with a NumPy peer took gloo while its partner took the link: both
+    # waited until the group's timeout).
+    if rank % 2 == 0:
+        g.send(x + 2, dst=num(nxt))
+        out["irecv_of_send"] = g.irecv((x.shape, x.dtype), src=prev).wait().tolist()
+    else:
+        out["irecv_of_send"] = g.irecv((x.shape, x.dtype), src=prev).wait().tolist()
+        g.send(x + 2, dst=num(nxt))
+    handle = g.isend(x + 3, dst=nxt)
+    out["recv_of_isend"] = g.recv(x.shape, x.dtype, src=num(prev)).tolist()
+    handle.wait()
     sending = g.isend_tensor_dict({"h": x * 2}, dst=num(nxt))
     out["irecv_tensor_dict"] = g.irecv_tensor_dict(src=num(prev)).wait()["h"].tolist()
     sending.wait()
