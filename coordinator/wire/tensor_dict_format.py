@@ -215,7 +215,12 @@ def _check_sendable(key: Any, value: torch.Tensor) -> None:
     Raises:
         TypeError: ``value`` is not dense (strided), or its dtype is one a
             receiver does not allocate (quantized dtypes).
+        ValueError: ``value`` has more dimensions than a receiver accepts.
     """
+    if value.dim() > _MAX_NDIM:
+        raise ValueError(
+            f"tensor_dict[{key!r}] has {value.dim()} dimensions; at most {_MAX_NDIM} travel "
+            f"(a receiver refuses more): reshape it and send its shape alongside")
     if value.layout != torch.strided or value.is_nested:
         kind = "nested" if value.is_nested else str(value.layout)
         raise TypeError(

@@ -124,6 +124,7 @@ from shm_broadcast.codec.wire_format import (
     EXT_TUPLE,
     FLAG_PARAMETER,
     FLAG_REQUIRES_GRAD,
+    MAX_NDIM,
     SHAPES,
     TENSOR_HEAD,
     TORCH,
@@ -282,6 +283,9 @@ class Codec:
         return off
 
     def _tensor_desc(self, t: Any, flags: int = 0) -> bytes:
+        if t.dim() > MAX_NDIM:  # before any copy is reserved: a descriptor holds at most that
+            raise EncodeError(f"a tensor in the message has {t.dim()} dimensions; at most "
+                              f"{MAX_NDIM} travel (reshape it and send its shape alongside)")
         if not t.is_cpu:
             raise TypeError(
                 f"MessageQueue carries CPU tensors only, got a tensor on {t.device}; "
