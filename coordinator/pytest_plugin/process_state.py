@@ -6,7 +6,10 @@ Put back: the environment variables, the working directory, ``sys.path``,
 are not modules at all, such as a mock a test put there: a module object it added
 stays, as libraries add lazily loaded modules of their own), the
 warnings filters, handlers the test set on signals (except the library's own
-exit handlers, which it installs when a rank first creates shared memory), and
+exit handlers, which it installs when a rank first creates shared memory),
+timers the test started and left running (``signal.setitimer``/``alarm`` of
+each kind, ``faulthandler.dump_traceback_later``: each would fire during a
+later test, and with its handler put back to the default end the rank), and
 torch's default dtype and device, grad mode, deterministic-algorithms flag,
 intra-op thread count, and the random states of torch's CPU generator,
 :mod:`random` and ``numpy.random``.
@@ -19,6 +22,7 @@ groups other than the layout's (``dist.new_group``).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
 import signal
@@ -32,6 +36,7 @@ __all__ = ["ProcessState"]
 #: Modules whose signal handlers are the library's (installed lazily), kept.
 _LIBRARY = ("shm_broadcast.", "coordinator.", "device_comms.", "torch.")
 _UNSETTABLE = {signal.SIGKILL, signal.SIGSTOP}
+_TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
 
 
 class ProcessState:
@@ -47,6 +52,7 @@ class ProcessState:
         self.warnings.__enter__()
         self.handlers = {s: signal.getsignal(s) for s in signal.valid_signals()
                          if s not in _UNSETTABLE}
+        self.idle_timers = [which for which in _TIMERS if signal.getitimer(which) == (0.0, 0.0)]
         self.random = random.getstate()
         self.torch = _TorchState() if "torch" in sys.modules else None
         np = sys.modules.get("numpy")
@@ -67,6 +73,7 @@ class ProcessState:
         sys.path[:] = self.path
         self._restore_modules()
         self.warnings.__exit__(None, None, None)
+        self._stop_timers()  # before the handlers: a default one would end the process
         self._restore_handlers()
         random.setstate(self.random)
         if self.torch is not None:
@@ -82,6 +89,14 @@ class ProcessState:
                 now[name] = mod
         for name in [n for n, m in now.items() if n not in self.modules and not _is_module(m)]:
             del now[name]
+
+    def _stop_timers(self) -> None:
+        """Stop the interval timers that were idle when saved, and faulthandler's
+        timer (the rank process never arms one of its own)."""
+        for which in self.idle_timers:
+            if signal.getitimer(which) != (0.0, 0.0):
+                signal.setitimer(which, 0.0)
+        faulthandler.cancel_dump_traceback_later()
 
     def _restore_handlers(self) -> None:
         for sig, before in self.handlers.items():

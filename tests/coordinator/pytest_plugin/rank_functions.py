@@ -77,6 +77,13 @@ def changes_process_state(rank: int, tmp: str) -> None:
     sys.path.append("/plugin-test-path")
     os.environ["PLUGIN_TEST_LEFT"] = "1"
     os.chdir("/")
+    # Timers left running: each would end the process during the next test
+    import faulthandler
+
+    signal.signal(signal.SIGALRM, lambda *_: None)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    signal.setitimer(signal.ITIMER_PROF, 0.5)  # SIGPROF's default action ends the process
+    faulthandler.dump_traceback_later(0.5, exit=True)
 
 
 def sees_the_process_state_as_before(rank: int, tmp: str, threads: int) -> None:
@@ -93,6 +100,9 @@ def sees_the_process_state_as_before(rank: int, tmp: str, threads: int) -> None:
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
     assert "plugin_test_stand_in" not in sys.modules and "/plugin-test-path" not in sys.path
     assert "PLUGIN_TEST_LEFT" not in os.environ and os.getcwd() != "/"
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+    time.sleep(1.0)  # past the faulthandler timer the last test set
 
 
 def thread_count(rank: int, tmp: str) -> None:

@@ -37,6 +37,25 @@ def test_what_a_test_changes_is_put_back() -> None:
     assert (torch.rand(2).tolist(), random.random()) == draws  # the same draws again
 
 
+def test_timers_the_test_left_running_are_stopped() -> None:
+    # ITIMER_REAL is pytest-timeout's in this process (the pool's test covers it in a rank)
+    before = signal.getsignal(signal.SIGPROF)
+    saved = ProcessState.save()
+    try:
+        signal.signal(signal.SIGPROF, lambda *_: None)
+        signal.setitimer(signal.ITIMER_PROF, 30.0)
+        signal.setitimer(signal.ITIMER_VIRTUAL, 30.0)
+    finally:
+        saved.restore()
+    try:
+        assert signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
+        assert signal.getitimer(signal.ITIMER_VIRTUAL) == (0.0, 0.0)
+        assert signal.getsignal(signal.SIGPROF) is before
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0.0)
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0.0)
+
+
 def _library_exit_handler(signum: int, frame: object) -> None:
     """Stands for the library's exit handler (installed when shared memory is made)."""
 
