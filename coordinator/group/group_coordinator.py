@@ -1180,6 +1180,11 @@ class GroupCoordinator:
         """Start :meth:`send_tensor_dict` to ``dst`` (default: the next rank), with the
         same slicing for ``all_gather_group``.
 
+        The dict's values travel as they are at the call: the dict and its nested
+        lists, dicts, sets, bytearrays and numpy arrays are copied before this
+        returns, so the caller may change them at once. Tensors are not copied:
+        as with :meth:`isend`, do not write to them before the send's ``wait()``.
+
         Returns:
             The send's handle in vLLM's form, a list of handles whose ``[1:]``
             covers the whole send, with ``wait()`` (returns None) and

@@ -63,6 +63,7 @@ from coordinator.wire.tensor_dict_format import (
     own_slices,
     plain,
     rebuild_slices,
+    snapshot,
 )
 from device_comms import validation
 from device_comms.torch_dist.torch_communicator import wire_view
@@ -480,10 +481,10 @@ class TensorDictCalls:
             raise
         if g.world_size == 1:
             return p2p.done("isend_tensor_dict", dst, seq, None, entry)
-        snapshot = dict(tensor_dict)  # later changes to the caller's dict do not travel
+        now = snapshot(tensor_dict)  # later changes to the caller's values do not travel
         if g.device.type == "cuda":
-            return p2p.cuda().isend_tensor_dict(snapshot, dst, seq, gather, slicing)
-        return p2p.handle(p2p.submit(SEND, dst, "isend_tensor_dict", seq, self._send, snapshot,
+            return p2p.cuda().isend_tensor_dict(now, dst, seq, gather, slicing)
+        return p2p.handle(p2p.submit(SEND, dst, "isend_tensor_dict", seq, self._send, now,
                                      dst, gather, slicing, entry=entry))
 
     def irecv_tensor_dict(self, src: int | None, all_gather_group: Any = None) -> P2PHandle:

@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from coordinator.errors import DecodeError
@@ -46,6 +47,7 @@ __all__ = [
     "DTYPES",
     "dtype_of",
     "flatten_tensor_dict",
+    "snapshot",
     "check_metadata",
     "alloc",
     "plain",
@@ -149,6 +151,41 @@ def dtype_of(name: str) -> torch.dtype:
     if dt is None:
         raise DecodeError(f"unknown dtype {describe(name, 60)} in tensor-dict metadata")
     return dt
+
+
+#: Levels of nested containers :func:`snapshot` copies; below them values are kept by
+#: reference (the codec refuses nesting that deep anyway).
+_SNAPSHOT_DEPTH = 100
+
+
+def snapshot(tensor_dict: Mapping[Any, Any]) -> dict[Any, Any]:
+    """The dict as it is now, for a send that encodes it later: a copy of
+    ``tensor_dict`` and of the mutable containers in its values (dicts, lists,
+    tuples holding them, sets, bytearrays, numpy arrays), so that what the
+    caller changes after the call does not travel. Tensors and other objects
+    are kept by reference (a tensor is the caller's until the send completes,
+    as with ``isend``)."""
+    return {key: _copied(value, _SNAPSHOT_DEPTH) for key, value in tensor_dict.items()}
+
+
+def _copied(value: Any, depth: int) -> Any:
+    """``value`` with its mutable containers copied, ``depth`` levels down."""
+    t = type(value)
+    if depth <= 0:
+        return value
+    if t is list:
+        return [_copied(v, depth - 1) for v in value]
+    if t is dict:
+        return {k: _copied(v, depth - 1) for k, v in value.items()}
+    if t is tuple:
+        return tuple(_copied(v, depth - 1) for v in value)
+    if t is set:  # its items are hashable, so none is a list, dict or set
+        return set(value)
+    if t is bytearray:
+        return bytearray(value)
+    if t is np.ndarray:
+        return value.copy()
+    return value
 
 
 def flatten_tensor_dict(
