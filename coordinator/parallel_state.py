@@ -76,6 +76,10 @@ __all__ = [
     "get_pp_group",
     "get_dp_group",
     "get_ep_group",
+    "get_eplb_group",
+    "get_etp_group",
+    "get_engram_dp_group",
+    "get_engram_dp_size",
     "get_pcp_group",
     "get_dcp_group",
     "get_context_model_parallel_group",
@@ -207,8 +211,9 @@ def initialize_model_parallel(
     enable_expert_parallel: bool = False,
     prefill_context_model_parallel_size: int = 1,
     decode_context_model_parallel_size: int | None = 1,
+    enable_eplb: bool = False,
 ) -> None:
-    """Create the TP, PP, DP, PCP and DCP groups, and the EP group when asked
+    """Create the TP, PP, DP, PCP and DCP groups, and the EP (and EPLB) groups when asked
     (collective over the world). The layout: :mod:`coordinator.parallel.rank_mesh`.
 
     The sizes' product must divide the world size; a larger world holds that
@@ -233,15 +238,21 @@ def initialize_model_parallel(
             (each TP group splits into groups of this many consecutive ranks);
             with PCP > 1 it must be 1, PCP or TP x PCP
             (:mod:`coordinator.parallel.rank_mesh`).
+        enable_eplb: Also create the expert-load-balancing group (needs
+            ``enable_expert_parallel``): the EP group's ranks in a group of
+            their own, as vLLM's ``enable_eplb``, so that moving expert weights
+            never pairs with the forward pass's calls on the EP group;
+            :func:`get_eplb_group` returns it.
 
     Raises:
         TypeError: A size is not an int, ``allow_pickle`` is not a bool or
-            None, ``enable_expert_parallel`` is not a bool, or ``backend`` is
-            not a str or None (an int there is refused by name: vLLM's order
+            None, ``enable_expert_parallel`` or ``enable_eplb`` is not a bool,
+            or ``backend`` is not a str or None (an int there is refused by name: vLLM's order
             ``(tp, pp, pcp, dcp)``, whose context-parallel sizes go by keyword here).
         NotInitializedError: :func:`init_distributed_environment` was not called.
         ValueError: A size is below 1, the sizes' product does not divide
-            the world size, or the DCP size is not one the layout allows.
+            the world size, the DCP size is not one the layout allows, or
+            ``enable_eplb`` is set without ``enable_expert_parallel``.
         RuntimeError: Model parallel groups already exist.
     """
     if model_parallel_is_initialized():
@@ -261,6 +272,7 @@ def initialize_model_parallel(
         if not isinstance(enable_expert_parallel, bool):
             raise TypeError("enable_expert_parallel must be a bool, got "
                             f"{type(enable_expert_parallel).__name__}")
+        _check_eplb(enable_eplb, enable_expert_parallel)
         if backend is not None:
             check_backend(backend, "backend")
     except (TypeError, ValueError) as e:
@@ -271,8 +283,17 @@ def initialize_model_parallel(
     backend = str(dist.get_backend(world.device_group)) if backend is None else backend
     pickle_ok = world.allow_pickle if allow_pickle is None else allow_pickle
     agree(object_group(world.cpu_group), None, _IMP, world.unique_name,
-          [dataclasses.astuple(mesh), backend, pickle_ok, enable_expert_parallel])
-    _create_groups(mesh, world, backend, pickle_ok, enable_expert_parallel)
+          [dataclasses.astuple(mesh), backend, pickle_ok, enable_expert_parallel, enable_eplb])
+    _create_groups(mesh, world, backend, pickle_ok, enable_expert_parallel, enable_eplb)
+
+
+def _check_eplb(enable_eplb: Any, enable_expert_parallel: bool | None) -> None:
+    """``enable_eplb`` is a bool, and set only with expert parallelism."""
+    if not isinstance(enable_eplb, bool):
+        raise TypeError(f"enable_eplb must be a bool, got {type(enable_eplb).__name__}")
+    if enable_eplb and not enable_expert_parallel:
+        raise ValueError("enable_eplb=True needs enable_expert_parallel=True: the EPLB group "
+                         "holds the expert-parallel group's ranks")
 
 
 def _check_not_vllm_order(backend: Any, fn: str) -> None:
@@ -311,7 +332,7 @@ def _checked_mesh(world: GroupCoordinator | None, tp: Any, pp: Any, dp: Any, pcp
 
 
 def _create_groups(mesh: RankMesh, world: GroupCoordinator, backend: str,
-                   allow_pickle: bool, enable_expert_parallel: bool) -> None:
+                   allow_pickle: bool, enable_expert_parallel: bool, enable_eplb: bool) -> None:
     """Create and register the model-parallel groups of ``mesh``, in one order on
     every rank. If one fails, those already made are destroyed."""
     kw = {"timeout": REGISTRY.timeout, "use_device_communicator": True,
@@ -324,6 +345,8 @@ def _create_groups(mesh: RankMesh, world: GroupCoordinator, backend: str,
     ]
     if enable_expert_parallel:
         plan.append(("ep", mesh.ep_groups(), {}))
+    if enable_eplb:  # the EP ranks again, in a group of their own (as vLLM's)
+        plan.append(("eplb", mesh.ep_groups(), {}))
     try:
         for attr, group_ranks, extra in plan:
             group = GroupCoordinator(group_ranks, world.local_rank, backend,
@@ -359,17 +382,18 @@ def ensure_model_parallel_initialized(
     enable_expert_parallel: bool | None = None,
     prefill_context_model_parallel_size: int = 1,
     decode_context_model_parallel_size: int | None = 1,
+    enable_eplb: bool | None = None,
 ) -> None:
     """Initialise model parallel groups unless they exist; if they do, check the sizes.
 
     ``data_parallel_size`` None: 1 when creating, any when checking (vLLM's
     workers pass no DP size). ``enable_expert_parallel`` None: create no EP
     group, and accept existing groups with or without one; a bool: create or
-    require that.
+    require that. ``enable_eplb`` likewise for the EPLB group.
 
     Raises:
         ValueError: Existing groups have other sizes, or do (not) have the EP
-            group ``enable_expert_parallel`` asks for.
+            or EPLB group ``enable_expert_parallel`` or ``enable_eplb`` asks for.
     """
     if not model_parallel_is_initialized():  # every argument is checked in its agreement step
         initialize_model_parallel(
@@ -378,7 +402,8 @@ def ensure_model_parallel_initialized(
             enable_expert_parallel=(False if enable_expert_parallel is None
                                     else enable_expert_parallel),
             prefill_context_model_parallel_size=prefill_context_model_parallel_size,
-            decode_context_model_parallel_size=decode_context_model_parallel_size)
+            decode_context_model_parallel_size=decode_context_model_parallel_size,
+            enable_eplb=False if enable_eplb is None else enable_eplb)
         return
     _check_not_vllm_order(backend, "ensure_model_parallel_initialized")
     sizes = (_int_arg(tensor_model_parallel_size, "tensor_model_parallel_size"),
@@ -394,13 +419,17 @@ def ensure_model_parallel_initialized(
                         f"{type(enable_expert_parallel).__name__}")
     if backend is not None:
         check_backend(backend, "backend")
-    if enable_expert_parallel is not None and enable_expert_parallel != (REGISTRY.ep is not None):
-        have_ep = "has" if REGISTRY.ep is not None else "has no"
-        raise ValueError(
-            f"model parallel groups exist and {have_ep} expert-parallel group, but "
-            f"enable_expert_parallel={enable_expert_parallel} was requested; call "
-            f"destroy_model_parallel() first to change that"
-        )
+    if enable_eplb is not None and not isinstance(enable_eplb, bool):
+        raise TypeError(f"enable_eplb must be a bool or None, got {type(enable_eplb).__name__}")
+    for flag, arg, name, group in (
+            (enable_expert_parallel, "enable_expert_parallel", "expert-parallel", REGISTRY.ep),
+            (enable_eplb, "enable_eplb", "EPLB", REGISTRY.eplb)):
+        if flag is not None and flag != (group is not None):
+            raise ValueError(
+                f"model parallel groups exist and {'have' if group is not None else 'have no'} "
+                f"{name} group, but {arg}={flag} was requested; call "
+                f"destroy_model_parallel() first to change that"
+            )
     have = tuple(g.world_size for g in (get_tp_group(), get_pp_group(), get_dp_group(),
                                           get_pcp_group(), get_dcp_group()))
     if any(want is not None and want != got for want, got in zip(sizes, have, strict=True)):
@@ -493,6 +522,47 @@ def get_ep_group() -> GroupCoordinator:
     )
 
 
+def get_eplb_group() -> GroupCoordinator:
+    """The expert-load-balancing group of this process: its EP group's ranks in a
+    group of their own (vLLM's ``get_eplb_group``).
+
+    Raises:
+        NotInitializedError: Model parallel groups do not exist yet, or were
+            created without ``enable_eplb=True``.
+    """
+    if REGISTRY.eplb is not None:
+        return REGISTRY.eplb
+    how = ("initialize_model_parallel(..., enable_expert_parallel=True, enable_eplb=True)")
+    if model_parallel_is_initialized():
+        raise NotInitializedError(
+            "the EPLB group is not initialised: expert load balancing is off "
+            "(initialize_model_parallel was called without enable_eplb=True); call "
+            f"destroy_model_parallel(), then {how}")
+    raise NotInitializedError(
+        f"the EPLB group is not initialised; call coordinator.parallel_state.{how} first")
+
+
+def get_etp_group() -> GroupCoordinator:
+    """The group that shards one engram embedding table (vLLM's ``get_etp_group``).
+
+    Without an engram configuration (this module takes none) vLLM makes it the
+    TP group itself, and so does this: the TP group.
+    """
+    return _need(REGISTRY.tp, "engram tensor parallel", _MP_HOW)
+
+
+def get_engram_dp_group() -> GroupCoordinator | None:
+    """The data-parallel replicas that share one engram embedding table: None, as
+    in vLLM without an engram configuration (every replica holds a whole copy)."""
+    return None
+
+
+def get_engram_dp_size() -> int:
+    """How many data-parallel replicas share one engram embedding table: 1 (see
+    :func:`get_engram_dp_group`)."""
+    return 1
+
+
 def get_tensor_model_parallel_world_size() -> int:
     """Size of the TP group."""
     return get_tp_group().world_size
@@ -534,11 +604,11 @@ def get_prefill_context_model_parallel_rank() -> int:
 
 
 def destroy_model_parallel() -> None:
-    """Destroy the TP, PP, DP, PCP, DCP and EP groups (no-op if absent).
+    """Destroy the TP, PP, DP, PCP, DCP, EP and EPLB groups (no-op if absent).
 
     Their process groups' threads and sockets end before it returns.
     """
-    for attr in ("tp", "pp", "dp", "pcp", "dcp", "ep", "ep_tokens"):
+    for attr in ("tp", "pp", "dp", "pcp", "dcp", "ep", "eplb", "ep_tokens"):
         g = getattr(REGISTRY, attr)
         setattr(REGISTRY, attr, None)
         if g is not None:

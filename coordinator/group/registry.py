@@ -29,6 +29,8 @@ class GroupRegistry:
         pcp: The current prefill-context-parallel group.
         dcp: The current decode-context-parallel group.
         ep: The current expert-parallel group (None unless expert parallelism is on).
+        eplb: The expert-load-balancing group: the EP group's ranks in a group of
+            their own (None unless asked for).
     """
 
     def __init__(self) -> None:
@@ -44,6 +46,7 @@ class GroupRegistry:
         self.pcp: GroupCoordinator | None = None
         self.dcp: GroupCoordinator | None = None
         self.ep: GroupCoordinator | None = None
+        self.eplb: GroupCoordinator | None = None
         #: The EP group's token peers when no other group has their ranks (DP > 1,
         #: PCP > 1 and TP > 1); see ``GroupCoordinator.set_token_peers``.
         self.ep_tokens: GroupCoordinator | None = None

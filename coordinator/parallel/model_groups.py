@@ -90,9 +90,9 @@ def init_model_parallel_group(
 
 
 def get_all_model_groups() -> list[GroupCoordinator]:
-    """The model-parallel groups that exist: TP, PP, DP, PCP, DCP, then EP."""
+    """The model-parallel groups that exist: TP, PP, DP, PCP, DCP, then EP and EPLB."""
     return [g for g in (REGISTRY.tp, REGISTRY.pp, REGISTRY.dp, REGISTRY.pcp, REGISTRY.dcp,
-                        REGISTRY.ep) if g is not None]
+                        REGISTRY.ep, REGISTRY.eplb) if g is not None]
 
 
 def prepare_communication_buffer_for_model(model: Any) -> None:

@@ -154,3 +154,83 @@ def _lifecycle(world_size: int) -> dict[str, Any]:
     life["bad_flag"] = _attempt(lambda: ps.initialize_model_parallel(world_size,
                                                                      enable_expert_parallel=1))
     return life
+
+
+# ------------------------------------------------------------------ EPLB, ETP, engram DP
+def test_eplb_and_engram_getters_before_initialisation(uninitialised: Any) -> None:
+    with pytest.raises(NotInitializedError, match=r"enable_eplb=True\) first"):
+        ps.get_eplb_group()
+    with pytest.raises(NotInitializedError, match="engram tensor parallel"):
+        ps.get_etp_group()
+    assert ps.get_engram_dp_group() is None and ps.get_engram_dp_size() == 1
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_eplb_group_holds_the_ep_ranks_in_a_group_of_its_own(dist_pool: Any,
+                                                                  world_size: int) -> None:
+    layouts = {2: [(2, 1, 1), (1, 2, 1)], 4: [(2, 1, 2), (1, 2, 2)]}[world_size]
+    results = dist_pool(world_size).run(run_eplb, layouts, timeout=220)
+    for i, layout in enumerate(layouts):
+        for rank, per_rank in enumerate(results):
+            rec = per_rank[i]
+            mine = next(g for g in EXPECTED[layout] if rank in g)
+            assert rec["ranks"] == rec["ep_ranks"] == mine, (layout, rank, rec)
+            assert rec["rank_in_group"] == mine.index(rank)
+            assert rec["name"].startswith("eplb:") and rec["distinct"], rec
+            # a send on the EPLB group pairs with the receive there, whatever the EP
+            # group does meanwhile
+            assert rec["pairs"] == float(sum(mine)), rec
+            assert rec["etp"] == rec["tp"] and rec["engram"] == (None, 1)
+            assert rec["all_groups_has_eplb"]
+    life = results[0][-1]
+    assert life["after_destroy"][0] == "NotInitializedError", life
+    name, msg = life["off"]
+    assert name == "NotInitializedError" and "expert load balancing is off" in msg, msg
+    name, msg = life["without_ep"]
+    assert name == "ValueError" and "enable_expert_parallel=True" in msg, msg
+    assert life["bad_flag"][0] == "TypeError" and "enable_eplb" in life["bad_flag"][1], life
+    name, msg = life["ensure_mismatch"]
+    assert name == "ValueError" and "enable_eplb=True" in msg, msg
+    assert life["ensure_ok"], life
+
+
+def run_eplb(rank: int, world_size: int, layouts: list[tuple[int, int, int]]) -> list[Any]:
+    out: list[Any] = []
+    for tp, pp, dp in layouts:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tp, pp, dp, enable_expert_parallel=True, enable_eplb=True)
+        ep, eplb = ps.get_ep_group(), ps.get_eplb_group()
+        total = float(rank)
+        if eplb.world_size > 1:  # a ring of sends on EPLB around an all-reduce on EP
+            me, n = eplb.rank_in_group, eplb.world_size
+            send = eplb.isend(torch.tensor([float(rank)]), (me + 1) % n)
+            ep.all_reduce(torch.ones(1))  # an EP collective between the send and its receive
+            got = eplb.recv(torch.Size([1]), torch.float32, (me - 1) % n)
+            send.wait()
+            total = eplb.all_reduce(torch.tensor([float(rank)])).item()
+            assert got.item() == float(eplb.ranks[(me - 1) % n])
+        out.append({"ranks": list(eplb.ranks), "ep_ranks": list(ep.ranks),
+                    "rank_in_group": eplb.rank_in_group, "name": eplb.unique_name,
+                    "distinct": eplb is not ep and eplb.cpu_group is not ep.cpu_group,
+                    "pairs": total, "etp": ps.get_etp_group().unique_name,
+                    "tp": ps.get_tp_group().unique_name,
+                    "engram": (ps.get_engram_dp_group(), ps.get_engram_dp_size()),
+                    "all_groups_has_eplb": eplb in ps.get_all_model_groups()})
+    ps.destroy_model_parallel()
+    life = {"after_destroy": _attempt(ps.get_eplb_group)}
+    ps.initialize_model_parallel(world_size, enable_expert_parallel=True)
+    life["off"] = _attempt(ps.get_eplb_group)
+    life["ensure_mismatch"] = _attempt(
+        lambda: ps.ensure_model_parallel_initialized(world_size, 1, enable_eplb=True))
+    ps.destroy_model_parallel()
+    life["without_ep"] = _attempt(lambda: ps.initialize_model_parallel(world_size,
+                                                                       enable_eplb=True))
+    life["bad_flag"] = _attempt(lambda: ps.initialize_model_parallel(
+        world_size, enable_expert_parallel=True, enable_eplb="yes"))
+    ps.ensure_model_parallel_initialized(world_size, 1, enable_expert_parallel=True,
+                                         enable_eplb=True)
+    life["ensure_ok"] = ps.get_eplb_group().ranks == ps.get_ep_group().ranks
+    ps.destroy_model_parallel()
+    out.append(life)
+    return out
