@@ -82,7 +82,12 @@ from device_comms.cuda.pynccl.library import (
     format_version,
     load_library,
 )
-from device_comms.cuda.pynccl.streams import device_context, on_stream
+from device_comms.cuda.pynccl.streams import (
+    current_torch_stream,
+    device_context,
+    made_current,
+    on_stream,
+)
 from device_comms.cuda.pynccl.types import (
     DATATYPE_CODES,
     ReducePlan,
@@ -131,7 +136,13 @@ class PyNcclCommunicator:
         self._comm: Any = None
         self._disabled = False
         self._group_depth = 0
-        self._after_group: list[Callable[[], Any]] = []
+        # (step, the stream it runs on) to run once the outermost group launched
+        self._after_group: list[tuple[Callable[[], Any], Any]] = []
+        # Tensors the operations of the open group read or write: NCCL enqueues a
+        # grouped operation's kernels at ncclGroupEnd, so a buffer freed before
+        # that could go to a later allocation whose kernels run first (the caching
+        # allocator reuses a block once the frees on its stream are enqueued).
+        self._held: list[torch.Tensor] = []
         error: BaseException | None = None
         try:
             self.device = check_device(device, injected=library is not None)
@@ -276,6 +287,7 @@ class PyNcclCommunicator:
         check_same(o, x, "out", "in_", x.numel() * self.world_size, what="in_.numel() * world_size")
         with self._launch, on_stream(stream, self.device) as s:
             src, dst = bytes_view(x, "in_"), bytes_view(o, "out")
+            self._hold(x, o)
             if src.numel():
                 self.lib.all_gather(src.data_ptr(), dst.data_ptr(), src.numel(), _UINT8,
                                     self._comm, s)
@@ -295,6 +307,7 @@ class PyNcclCommunicator:
         row = math.prod(o.shape[1:]) * o.element_size()
         with self._launch, on_stream(stream, self.device) as s:
             src, dst = bytes_view(x, "in_"), bytes_view(o, "out")
+            self._hold(x, o)
             with self.grouped():
                 off = dst.data_ptr()
                 for r, rows in enumerate(sz):
@@ -311,6 +324,7 @@ class PyNcclCommunicator:
         src = validation.check_rank(src, self.world_size, "src")
         with self._launch, on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
+            self._hold(t)
             if buf.numel():
                 self.lib.broadcast(buf.data_ptr(), buf.data_ptr(), buf.numel(), _UINT8, src,
                                    self._comm, s)
@@ -323,6 +337,7 @@ class PyNcclCommunicator:
         dst = check_peer(dst, "dst", self.rank, self.world_size)
         with self._launch, on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
+            self._hold(t)
             if buf.numel():
                 self.lib.send(buf.data_ptr(), buf.numel(), _UINT8, dst, self._comm, s)
 
@@ -333,6 +348,7 @@ class PyNcclCommunicator:
         src = check_peer(src, "src", self.rank, self.world_size)
         with self._launch, on_stream(stream, self.device) as s:
             buf = bytes_view(t, "tensor")
+            self._hold(t)
             if buf.numel():
                 self.lib.recv(buf.data_ptr(), buf.numel(), _UINT8, src, self._comm, s)
         return t
@@ -354,6 +370,7 @@ class PyNcclCommunicator:
                        x.numel() * self.world_size, what="in_.numel() * world_size")
         with self._launch, on_stream(stream, self.device) as s:
             src = bytes_view(x, "in_")
+            self._hold(x, out)
             if out is not None and self.rank == dst:
                 self._gather_into(bytes_view(out, "out"), src, dst, s)
                 return out
@@ -383,6 +400,7 @@ class PyNcclCommunicator:
         o, x, send, recv = a2av.check_arguments(out, in_, send_sizes, recv_sizes, self.rank,
                                                 self.world_size, self.device)
         with self._launch, on_stream(stream, self.device) as s:
+            self._hold(o, x)
             a2av.all_to_allv(self.lib, self._comm, self.grouped, o, x, send, recv, self.rank, s)
         return o
 
@@ -408,14 +426,21 @@ class PyNcclCommunicator:
                     add_note(e, f"ncclGroupEnd after the failure also failed: {end_error}")
                 if self._group_depth == 0:
                     self._after_group.clear()
+                    self._held.clear()
                 raise
             self._group_depth -= 1
-            pending: list[Callable[[], Any]] = []
+            pending: list[tuple[Callable[[], Any], Any]] = []
+            held: list[torch.Tensor] = []
             if self._group_depth == 0:
                 pending, self._after_group = self._after_group, []
+                held, self._held = self._held, []
             self.lib.group_end()  # on failure the pending conversions are dropped with it
-        for fn in pending:
-            fn()
+        # The kernels are enqueued now: the buffers may go once the conversions back
+        # (on the streams their operations ran on) are enqueued too.
+        for fn, stream in pending:
+            with made_current(stream):
+                fn()
+        del held
 
     # ------------------------------------------------------------------ state
     def disable(self) -> None:
@@ -555,20 +580,29 @@ class PyNcclCommunicator:
         if send_count == 0:
             return  # every rank has zero elements: nothing to enqueue
         if plan.kind != "widen":
+            self._hold(x, out)
             issue(plan.wire(x), None if out is None else plan.wire(out))
             return
         send = x.reshape(-1).to(plan.wide)
         recv = None if out is None else torch.empty(out.numel(), dtype=plan.wide, device=out.device)
+        self._hold(x, out, send, recv)
         issue(send, recv)
         if out is not None and recv is not None:  # recv is a tensor whenever out is
             self._then(lambda: out.copy_(recv.view(out.shape)))
 
     def _then(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` now, or after the outermost :meth:`grouped` launched the NCCL work."""
+        """Run ``fn`` now, or after the outermost :meth:`grouped` launched the NCCL work
+        (then on the stream current now: the operation's)."""
         if self._group_depth:
-            self._after_group.append(fn)
+            self._after_group.append((fn, current_torch_stream(self.device)))
         else:
             fn()
+
+    def _hold(self, *tensors: torch.Tensor | None) -> None:
+        """Inside :meth:`grouped`: keep ``tensors`` alive until the outermost group
+        launched its kernels (see ``_held``)."""
+        if self._group_depth:
+            self._held.extend(t for t in tensors if t is not None)
 
 
 def _send_count(t: torch.Tensor, plan: ReducePlan) -> int:

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["current_stream", "on_stream", "device_context"]
+__all__ = ["current_stream", "current_torch_stream", "made_current", "on_stream",
+           "device_context"]
 
 
 def current_stream(device: torch.device) -> int | None:
@@ -25,6 +26,17 @@ def current_stream(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None  # only with an injected library (tests): NULL stream
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def current_torch_stream(device: torch.device) -> Any:
+    """``device``'s current ``torch.cuda.Stream`` (None on a CPU device: tests only)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def made_current(stream: Any) -> Any:
+    """A context that makes ``stream`` (from :func:`current_torch_stream`) current; one
+    that does nothing for None."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -10,8 +10,11 @@ operator codes, roots and grouping are all exercised.
 Semantics follow nccl.h: reductions combine the ranks' buffers element-wise
 (in rank order, with :func:`reduce_local`, so results match the tests'
 references bitwise); collectives inside ``group_start``/``group_end`` run in
-issue order (every rank issues the same sequence), point-to-point calls inside
-a group are posted together at the outermost ``group_end``.
+issue order (every rank issues the same sequence), at once or, with
+``defer=True``, at the outermost ``group_end`` as NCCL may run them ("when
+called inside a group, stream operations ... can return without having
+enqueued the operation"; the buffers are read then); point-to-point calls
+inside a group are posted together at the outermost ``group_end``.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class GlooNccl:
         async_error: What ``comm_get_async_error`` reports (tests set it).
     """
 
-    def __init__(self, group: Any = None, nccl_version: int = 23203) -> None:
+    def __init__(self, group: Any = None, nccl_version: int = 23203, defer: bool = False) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.ranks = dist.get_process_group_ranks(self.group)
         self.rank = dist.get_rank(self.group)
@@ -77,6 +80,15 @@ class GlooNccl:
         self.depth = 0
         self._p2p: list[tuple[str, torch.Tensor, int]] = []
         self.uid: bytes | None = None
+        self.defer = defer
+        self._deferred: list[Any] = []  # collectives of the open group (defer=True)
+
+    def _run(self, job: Any) -> None:
+        """Run a collective now, or at the outermost ``group_end`` (``defer``)."""
+        if self.defer and self.depth:
+            self._deferred.append(job)
+        else:
+            job()
 
     # ------------------------------------------------------------------ setup
     def version(self) -> int:
@@ -129,37 +141,51 @@ class GlooNccl:
     def all_reduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: Any,
                    stream: Any) -> None:
         self._log("all_reduce", comm, stream, count, dtype, op)
-        xs = self._gathered(memory(send, count, dtype))
-        memory(recv, count, dtype).copy_(reduce_local(xs, OPS[op]))
+
+        def job() -> None:
+            xs = self._gathered(memory(send, count, dtype))
+            memory(recv, count, dtype).copy_(reduce_local(xs, OPS[op]))
+        self._run(job)
 
     def all_gather(self, send: int, recv: int, count: int, dtype: int, comm: Any,
                    stream: Any) -> None:
         self._log("all_gather", comm, stream, count, dtype)
-        xs = self._gathered(memory(send, count, dtype))
-        memory(recv, count * self.n, dtype).copy_(torch.cat(xs))
+
+        def job() -> None:
+            xs = self._gathered(memory(send, count, dtype))
+            memory(recv, count * self.n, dtype).copy_(torch.cat(xs))
+        self._run(job)
 
     def reduce_scatter(self, send: int, recv: int, count: int, dtype: int, op: int, comm: Any,
                        stream: Any) -> None:
         self._log("reduce_scatter", comm, stream, count, dtype, op)
-        xs = self._gathered(memory(send, count * self.n, dtype))
-        full = reduce_local(xs, OPS[op])
-        memory(recv, count, dtype).copy_(full[self.rank * count:(self.rank + 1) * count])
+
+        def job() -> None:
+            xs = self._gathered(memory(send, count * self.n, dtype))
+            full = reduce_local(xs, OPS[op])
+            memory(recv, count, dtype).copy_(full[self.rank * count:(self.rank + 1) * count])
+        self._run(job)
 
     def reduce(self, send: int, recv: int | None, count: int, dtype: int, op: int, root: int,
                comm: Any, stream: Any) -> None:
         self._log("reduce", comm, stream, count, dtype, op, root)
-        xs = self._gathered(memory(send, count, dtype))
-        if self.rank == root:
-            memory(recv, count, dtype).copy_(reduce_local(xs, OPS[op]))
+
+        def job() -> None:
+            xs = self._gathered(memory(send, count, dtype))
+            if self.rank == root:
+                memory(recv, count, dtype).copy_(reduce_local(xs, OPS[op]))
+        self._run(job)
 
     def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int, comm: Any,
                   stream: Any) -> None:
         self._log("broadcast", comm, stream, count, dtype, root)
-        buf = memory(recv, count, dtype)
-        if self.rank == root and send != recv:
-            buf.copy_(memory(send, count, dtype))
-        raw = buf.view(torch.uint8)
-        dist.broadcast(raw, src=self.ranks[root], group=self.group)
+
+        def job() -> None:
+            buf = memory(recv, count, dtype)
+            if self.rank == root and send != recv:
+                buf.copy_(memory(send, count, dtype))
+            dist.broadcast(buf.view(torch.uint8), src=self.ranks[root], group=self.group)
+        self._run(job)
 
     def send(self, buf: int, count: int, dtype: int, peer: int, comm: Any, stream: Any) -> None:
         self._log("send", comm, stream, count, dtype, peer)
@@ -183,6 +209,9 @@ class GlooNccl:
             raise AssertionError("group_end without group_start")
         self.depth -= 1
         if not self.depth:
+            jobs, self._deferred = self._deferred, []
+            for job in jobs:
+                job()
             self._flush()
 
     def _flush(self) -> None:

@@ -145,6 +145,29 @@ def _grouped_widened(rank: int, n: int) -> None:
     comm.close()
 
 
+def _grouped_buffers_live_until_launch(rank: int, n: int) -> None:
+    """NCCL may read a grouped operation's buffers only at the group's end: the
+    widened copies of int16 inputs, and inputs the caller dropped, must still
+    hold their values then (a freed block goes to the next allocation)."""
+    comm, lib = _comm(GlooNccl(defer=True))
+    xs, ys = _all(7, n, (1000,), torch.int16), _all(8, n, (1000,), torch.int16)
+    with comm.grouped():
+        rx = comm.all_reduce(xs[rank])
+        ry = comm.all_reduce(ys[rank])
+        rz = comm.all_reduce(torch.full((1000,), float(rank)))  # a temporary input
+        scratch = [torch.full((1000,), -1.0) for _ in range(4)]  # may reuse freed blocks
+        scratch += [torch.full((1000,), -1, dtype=torch.int32) for _ in range(4)]
+        got = torch.empty(4)
+        comm.broadcast(got if rank else torch.arange(4.0), 0)  # a temporary on rank 0
+    _same(rx, reduce_local(xs, ReduceOp.SUM), "first grouped int16 all_reduce")
+    _same(ry, reduce_local(ys, ReduceOp.SUM), "second grouped int16 all_reduce")
+    _same(rz, torch.full((1000,), float(sum(range(n)))), "grouped all_reduce of a temporary")
+    if rank:
+        _same(got, torch.arange(4.0), "grouped broadcast from a temporary")
+    assert lib.names().count("group_end") == 1 and len(scratch) == 8
+    comm.close()
+
+
 def _checks(rank: int, n: int) -> list[str]:
     """Bad arguments raise before anything is sent (the stand-in logs every call)."""
     comm, lib = _comm()
@@ -270,6 +293,11 @@ def test_data_movement(dist_pool, world_size: int) -> None:
 
 def test_grouped_conversion_waits_for_the_group(dist_pool) -> None:
     dist_pool(2).run(_grouped_widened)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_grouped_buffers_live_until_the_group_launches(dist_pool, world_size: int) -> None:
+    dist_pool(world_size).run(_grouped_buffers_live_until_launch)
 
 
 def test_arguments_are_checked_before_communicating(dist_pool) -> None:
