@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from device_comms import validation
+from device_comms.errors import CommunicatorUnavailable
 
 __all__ = ["check_device", "check_operand", "check_same", "check_rows", "check_peer"]
 
@@ -26,6 +27,8 @@ def check_device(device: Any, injected: bool) -> torch.device:
     Raises:
         TypeError: ``device`` is not a torch.device, str or int.
         ValueError: Not a CUDA device while the library is NCCL's own.
+        CommunicatorUnavailable: A CUDA device without an index where CUDA
+            cannot be used (torch built without it, no driver or GPU).
     """
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
         raise TypeError(
@@ -35,7 +38,11 @@ def check_device(device: Any, injected: bool) -> torch.device:
     if dev.type != "cuda" and not injected:
         raise ValueError(f"device must be a CUDA device for NCCL, got {dev}")
     if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+        try:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        except (AssertionError, RuntimeError) as e:  # torch without CUDA, or no driver/GPU
+            raise CommunicatorUnavailable(
+                f"device {device!r} needs CUDA, which this process cannot use: {e}") from e
     return dev
 
 
