@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from device_comms import row_gather
 from device_comms.cuda.pynccl.communicator import PyNcclCommunicator
-from device_comms.errors import DecodeError, PeerRejectedError
+from device_comms.errors import DecodeError, PeerRejectedError, add_note
 from device_comms.reduce_op import ReduceOp
 from device_comms.torch_dist import gloo_alltoallv
 from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
@@ -105,7 +105,15 @@ class CudaCommunicator(TorchDistributedCommunicator):
             self._make_pynccl() if self.world_size > 1 else None
         )
         if self.world_size > 1:
-            self._make_custom_ar(use_custom_allreduce, custom_allreduce_max_size, timeout)
+            try:
+                self._make_custom_ar(use_custom_allreduce, custom_allreduce_max_size, timeout)
+            except BaseException as e:  # the NCCL communicator made above goes with this one
+                if self.pynccl is not None:
+                    try:
+                        self.pynccl.close(abort=True)
+                    except Exception as close_error:  # the setup's failure is the one raised
+                        add_note(e, f"closing the NCCL communicator also failed: {close_error}")
+                raise
 
     def _make_pynccl(self) -> PyNcclCommunicator:
         """Build the NCCL communicator (collective over ``cpu_group``)."""

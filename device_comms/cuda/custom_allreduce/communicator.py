@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,11 +67,14 @@ from device_comms.errors import (
     CommunicatorClosed,
     DecodeError,
 )
+from shm_broadcast.checks import check_timeout
 from shm_broadcast.ranks.topology import in_the_same_node_as
 
 __all__ = ["CustomAllreduce"]
 
 _MAX_DEVICE_INDEX = 1 << 16  # far above any device count; a larger index is garbage
+#: The least compute capability the kernels run on (their bfloat16 conversions need sm_80).
+MIN_CAPABILITY = (8, 0)
 
 
 @dataclasses.dataclass
@@ -116,12 +118,13 @@ class CustomAllreduce:
         unique_name: str = "custom-allreduce",
     ) -> None:
         self.max_size = elig.check_max_size(max_size)
-        self.max_blocks = _check_blocks(max_blocks)
+        self.max_blocks = layout.check_max_blocks(max_blocks)
+        wait_s = check_timeout(timeout, "timeout", positive=True)
+        self.timeout_ns = int((300.0 if wait_s is None else wait_s) * 1e9)
         self.cpu_group, self.device = cpu_group, torch.device(device)
         self.unique_name = unique_name
         self.rank = dist.get_rank(cpu_group)
         self.world_size = dist.get_world_size(cpu_group)
-        self.timeout_ns = int(float(timeout) * 1e9)
         self.oneshot_limit = oneshot_limit
         self.disabled, self.reason = True, ""
         self._closed = self._capturing = False
@@ -132,7 +135,10 @@ class CustomAllreduce:
         if not verdict.ok:
             self.reason = verdict.reason
             return
-        self._setup(ipc_backend or CudaIpcBackend(), max_graph_inputs)
+        why_not = self._setup(ipc_backend or CudaIpcBackend(), max_graph_inputs)
+        if why_not:
+            self.reason = why_not
+            return
         self.disabled = False
 
     # ------------------------------------------------------------------ setup
@@ -141,20 +147,27 @@ class CustomAllreduce:
         if index is None:
             index = torch.cuda.current_device() if enabled else 0
         self.device_index = index
-        facts = torch.tensor([int(enabled), index], dtype=torch.int64)
+        # Whether the kernels run here, asked before the exchange: a rank where they
+        # do not (an older GPU, a compile failure) disables the group on every rank.
+        why = _kernels_ready(index) if enabled else ""
+        facts = torch.tensor([int(enabled), index, int(not why)], dtype=torch.int64)
         rows = [torch.zeros_like(facts) for _ in range(self.world_size)]
         dist.all_gather(rows, facts, group=self.cpu_group)
         devices = [int(r[1]) for r in rows]
         everyone = all(int(r[0]) for r in rows)
         for r, row in enumerate(rows):
-            flag, device = (int(v) for v in row)
-            if flag not in (0, 1) or not 0 <= device < _MAX_DEVICE_INDEX:
+            flag, device, ready = (int(v) for v in row)
+            if flag not in (0, 1) or ready not in (0, 1) or not 0 <= device < _MAX_DEVICE_INDEX:
                 # Every rank sees the same rows: every rank raises.
                 raise DecodeError(
                     f"custom all-reduce of {self.unique_name!r}: rank {r} sent (enabled "
-                    f"{flag}, device {device}); expected 0 or 1 and a device index in "
-                    f"[0, {_MAX_DEVICE_INDEX})", queue=self.unique_name,
-                    side=f"rank {self.rank}", peers=(r,))
+                    f"{flag}, device {device}, kernels ready {ready}); expected 0 or 1, a "
+                    f"device index in [0, {_MAX_DEVICE_INDEX}) and 0 or 1",
+                    queue=self.unique_name, side=f"rank {self.rank}", peers=(r,))
+        not_ready = [r for r, row in enumerate(rows) if int(row[0]) and not int(row[2])]
+        if everyone and not_ready:  # the same rows everywhere: every rank returns here
+            return elig.GroupVerdict(False, f"the kernels cannot run on rank(s) {not_ready}"
+                                            + (f" ({why})" if why else ""))
         same_node = all(in_the_same_node_as(self.cpu_group, 0))
         # Every rank sees the same rows, so every rank skips (or runs) the P2P step alike.
         p2p, why = self._agree_on_peer_access(devices) if everyone and same_node else (False, "")
@@ -173,16 +186,35 @@ class CustomAllreduce:
         return elig.peer_access_verdict(answers, devices, group=self.unique_name, me=self.rank,
                                         detail=detail)
 
-    def _setup(self, backend: IpcBackend, max_graph_inputs: int) -> None:
+    def _setup(self, backend: IpcBackend, max_graph_inputs: int) -> str:
+        """Allocate, then exchange the buffers' handles (collective).
+
+        Returns:
+            "" once set up; else why not (an allocation failed on some rank:
+            every rank returns the same ranks, having freed what it made).
+        """
         nbytes = layout.buffer_bytes(self.max_size)
-        self._buffer = DeviceBuffer(nbytes, self.device_index)
-        self._staging = self._buffer.tensor(layout.staging_offset(), self.max_size)
-        self._errors = KernelFaultWords(1)
-        self._tables = RankTables(self.device_index, max_graph_inputs + 1)
-        self._book = HandleBook(backend, self.rank)
-        self._backend = backend
+        failure: Exception | None = None
         try:
+            self._buffer = DeviceBuffer(nbytes, self.device_index)
+            self._staging = self._buffer.tensor(layout.staging_offset(), self.max_size)
+            self._errors = KernelFaultWords(1)
+            self._tables = RankTables(self.device_index, max_graph_inputs + 1)
+            self._book = HandleBook(backend, self.rank)
+            self._backend = backend
+            self._kernels = kernel_set(self.device_index)  # compiled in the agreement
             torch.cuda.synchronize(self.device)  # zeroed signals land before peers can see them
+        except Exception as e:  # out of memory, a bad max_graph_inputs: the peers are told
+            failure = e
+        flags = torch.tensor([int(failure is not None)], dtype=torch.int64)
+        rows = [torch.zeros_like(flags) for _ in range(self.world_size)]
+        dist.all_gather(rows, flags, group=self.cpu_group)
+        failed = [r for r, row in enumerate(rows) if int(row[0])]
+        if failed:
+            self._free()
+            return (f"setting up failed on rank(s) {failed}"
+                    + (f" ({type(failure).__name__}: {failure})" if failure is not None else ""))
+        try:
             own = [(self._buffer.ptr, nbytes)]
             self._bases = self._exchange(own, "custom all-reduce buffers")[0]
         except BaseException:
@@ -192,7 +224,7 @@ class CustomAllreduce:
         self._tmp = [b + layout.tmp_offset(self.max_size) for b in self._bases]
         staging = [b + layout.staging_offset() for b in self._bases]
         self._tables.fill(0, self._sig, staging, self._tmp)
-        self._kernels = kernel_set(self.device_index)
+        return ""
 
     # ------------------------------------------------------------------ calls
     def should_use(self, t: torch.Tensor) -> bool:
@@ -210,6 +242,11 @@ class CustomAllreduce:
             CommunicatorClosed: After :meth:`close`.
         """
         self._check_usable()
+        if isinstance(t, torch.Tensor) and (t.device.type != "cuda"
+                                            or t.device.index != self.device_index):
+            raise ValueError(
+                f"input_ must be on the custom all-reduce's device cuda:{self.device_index} "
+                f"({self.unique_name!r}), got a tensor on {t.device}")
         if not elig.call_eligible(t, self.max_size):
             raise ValueError(
                 f"input_ is not eligible for the custom all-reduce of {self.unique_name!r} "
@@ -337,11 +374,20 @@ class CustomAllreduce:
         self._free()
 
     def _free(self) -> None:
-        """Close peers' handles, free the tables and this rank's memory (idempotent)."""
-        self._book.close()
-        self._tables.close()
-        self._buffer.close()
-        self._errors.close()
+        """Close peers' handles, free the tables and this rank's memory (idempotent;
+        each part is released even when another fails or was never made, and the
+        first failure is raised after)."""
+        failures: list[Exception] = []
+        for name in ("_book", "_tables", "_buffer", "_errors"):
+            part = getattr(self, name, None)
+            if part is None:
+                continue
+            try:
+                part.close()
+            except Exception as e:  # the others are still released
+                failures.append(e)
+        if failures:
+            raise failures[0]
 
     def __enter__(self) -> CustomAllreduce:
         return self
@@ -354,12 +400,19 @@ class CustomAllreduce:
         return f"CustomAllreduce({self.unique_name!r}, rank {self.rank}/{self.world_size}, {state})"
 
 
-def _check_blocks(max_blocks: Any) -> int:
-    if not isinstance(max_blocks, int) or isinstance(max_blocks, bool):
-        raise TypeError(f"max_blocks must be an int, got {type(max_blocks).__name__}")
-    if not 1 <= max_blocks <= layout.MAX_BLOCKS:
-        raise ValueError(f"max_blocks must be in [1, {layout.MAX_BLOCKS}], got {max_blocks}")
-    return max_blocks
+def _kernels_ready(index: int) -> str:
+    """Why the kernels cannot run on device ``index`` ("" when they can): its compute
+    capability is below :data:`MIN_CAPABILITY`, or they do not compile (CuPy and
+    NVRTC, cached per device: the setup uses the same set)."""
+    try:
+        capability = tuple(torch.cuda.get_device_capability(index))
+        if capability < MIN_CAPABILITY:
+            return (f"device {index} has compute capability {capability[0]}.{capability[1]}; "
+                    f"the kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer")
+        kernel_set(index)
+    except Exception as e:  # CUDA, CuPy or NVRTC refused: this rank cannot run them
+        return f"the kernels do not compile for device {index}: {type(e).__name__}: {e}"
+    return ""
 
 
 def _device_count() -> int:

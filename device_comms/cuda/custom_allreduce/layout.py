@@ -19,6 +19,7 @@ entry naming the peers' copies of that input.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,7 @@ __all__ = [
     "tmp_offset",
     "table_entry",
     "launch_blocks",
+    "check_max_blocks",
 ]
 
 MAX_RANKS = 8
@@ -74,3 +76,18 @@ def table_entry(sig: Sequence[int], data: Sequence[int], tmp: Sequence[int]) -> 
 def launch_blocks(npacks: int, max_blocks: int) -> int:
     """Blocks for ``npacks`` 16-byte packs: one pack per thread, capped at ``max_blocks``."""
     return max(1, min(max_blocks, -(-npacks // THREADS)))
+
+
+def check_max_blocks(max_blocks: Any) -> int:
+    """``max_blocks`` if it is an int in ``[1, MAX_BLOCKS]`` (a launch's blocks each own
+    a signal slot of a phase, and a phase has :data:`MAX_BLOCKS`).
+
+    Raises:
+        TypeError: Not an int.
+        ValueError: Outside ``[1, MAX_BLOCKS]``.
+    """
+    if not isinstance(max_blocks, int) or isinstance(max_blocks, bool):
+        raise TypeError(f"max_blocks must be an int, got {type(max_blocks).__name__}")
+    if not 1 <= max_blocks <= MAX_BLOCKS:
+        raise ValueError(f"max_blocks must be in [1, {MAX_BLOCKS}], got {max_blocks}")
+    return max_blocks

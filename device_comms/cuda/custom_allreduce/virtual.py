@@ -30,6 +30,7 @@ from device_comms.cuda.custom_allreduce.device_memory import (
 from device_comms.cuda.custom_allreduce.kernels import choose_variant, kernel_set
 from device_comms.cuda.custom_allreduce.table import RankTables
 from device_comms.errors import CollectiveTimeout
+from shm_broadcast.checks import check_timeout
 
 __all__ = ["VirtualRanks"]
 
@@ -66,8 +67,9 @@ class VirtualRanks:
         self.device = torch.device(device)
         self.device_index = self.device.index if self.device.index is not None else 0
         self.max_size = elig.check_max_size(max_size)
-        self.max_blocks, self.oneshot_limit = max_blocks, oneshot_limit
-        self.timeout_ns = int(timeout * 1e9)
+        self.max_blocks, self.oneshot_limit = layout.check_max_blocks(max_blocks), oneshot_limit
+        wait_s = check_timeout(timeout, "timeout", positive=True)
+        self.timeout_ns = int((10.0 if wait_s is None else wait_s) * 1e9)
         size = layout.buffer_bytes(self.max_size)
         self._buffers = [DeviceBuffer(size, self.device_index) for _ in range(world_size)]
         self._staging = [b.tensor(layout.staging_offset(), self.max_size) for b in self._buffers]

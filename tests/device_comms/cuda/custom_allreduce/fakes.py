@@ -89,16 +89,19 @@ def fake_peer_probe(device_count: int, broken: bool = False) -> Callable[[int, i
 
 
 @contextlib.contextmanager
-def fake_driver(device_count: int, probe: Callable[[int, int], bool] | None = None
-                ) -> Iterator[None]:
+def fake_driver(device_count: int, probe: Callable[[int, int], bool] | None = None,
+                not_ready: str = "") -> Iterator[None]:
     """The custom all-reduce's view of the devices, in this process, for the block:
-    ``device_count`` devices and ``probe`` (default :func:`fake_peer_probe`) for
-    peer access. The process-wide verdict cache is emptied before and after."""
+    ``device_count`` devices, ``probe`` (default :func:`fake_peer_probe`) for
+    peer access, and the kernels ready to run (``not_ready``: why they are not,
+    as a GPU that is too old or a failed compile would say). The process-wide
+    verdict cache is emptied before and after."""
     probe = probe or fake_peer_probe(device_count)
     eligibility.P2P_CACHE.clear()
     try:
         with mock.patch.object(communicator, "_device_count", lambda: device_count), \
-                mock.patch.object(communicator, "_can_access_peer", probe):
+                mock.patch.object(communicator, "_can_access_peer", probe), \
+                mock.patch.object(communicator, "_kernels_ready", lambda index: not_ready):
             yield
     finally:
         eligibility.P2P_CACHE.clear()

@@ -105,6 +105,78 @@ def test_devices_every_rank_sees_enable_every_rank(dist_pool: Any) -> None:
     assert outs == [{"disabled": False, "reason": ""}] * 2
 
 
+# ---------------------------------------------------------------------- kernels not ready
+def _one_rank_cannot_run_the_kernels(rank: int, world_size: int, old_gpu: int) -> dict:
+    group = _short_group()
+    why = "device 0 has compute capability 7.5; the kernels need 8.0 or newer"
+    try:
+        with fake_driver(world_size, not_ready=why if rank == old_gpu else ""):
+            car = HostOnlyAllreduce(group, torch.device("cuda", rank),
+                                    ipc_backend=FakeIpcBackend(rank=rank), unique_name="old")
+    except Exception as e:
+        return {"error": _described(e)}
+    car.close()
+    return {"disabled": car.disabled, "reason": car.reason}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_rank_whose_gpu_cannot_run_the_kernels_disables_every_rank(
+        dist_pool: Any, world_size: int) -> None:
+    """An older GPU (or a failed compile) on the last rank: every rank is disabled
+    alike, the reason names the rank (and, there, the cause); none sets up alone."""
+    old_gpu = world_size - 1
+    outs = dist_pool(world_size).run(_one_rank_cannot_run_the_kernels, old_gpu, timeout=60)
+    for rank, out in enumerate(outs):
+        assert out.get("disabled") is True, (rank, out)
+        assert f"the kernels cannot run on rank(s) [{old_gpu}]" in out["reason"], (rank, out)
+    assert "compute capability 7.5" in outs[old_gpu]["reason"]
+
+
+def _cpu_input_on_an_enabled_group(rank: int, world_size: int) -> dict:
+    group = _short_group()
+    with fake_driver(2):
+        car = HostOnlyAllreduce(group, torch.device("cuda", rank),
+                                ipc_backend=FakeIpcBackend(rank=rank), unique_name="dev")
+    try:
+        car.all_reduce(torch.ones(8, dtype=torch.float16))  # eligible, but on the CPU
+    except Exception as e:
+        return {"disabled": car.disabled, "error": _described(e)}
+    finally:
+        car.close()
+    return {"disabled": car.disabled}
+
+
+def test_an_input_on_another_device_is_refused_before_any_launch(dist_pool: Any) -> None:
+    for out in dist_pool(2).run(_cpu_input_on_an_enabled_group, timeout=60):
+        assert out["disabled"] is False, out
+        assert out["error"]["type"] == "ValueError", out
+        assert "input_ must be on the custom all-reduce's device cuda:" in out["error"]["msg"]
+        assert "got a tensor on cpu" in out["error"]["msg"], out
+
+
+@pytest.mark.parametrize("bad, kind", [(-1.0, ValueError), (0, ValueError),
+                                        (float("nan"), ValueError), ("5", TypeError)],
+                         ids=["negative", "zero", "nan", "str"])
+def test_a_bad_kernel_timeout_is_refused_at_construction(bad: Any, kind: type) -> None:
+    """Before any collective (the group is never touched): the kernels took the
+    timeout in nanoseconds, and a negative one failed at every launch on that rank."""
+    from device_comms.cuda.custom_allreduce.virtual import VirtualRanks
+
+    with pytest.raises(kind, match="timeout"):
+        CustomAllreduce(object(), torch.device("cuda", 0), timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(kind, match="timeout"):
+        VirtualRanks(2, "cuda:0", timeout=bad)
+
+
+@pytest.mark.parametrize("blocks", [0, 65])
+def test_virtual_ranks_check_max_blocks(blocks: int) -> None:
+    """Each block owns a signal slot of a phase (64 of them): more wrote past them."""
+    from device_comms.cuda.custom_allreduce.virtual import VirtualRanks
+
+    with pytest.raises(ValueError, match="max_blocks must be in"):
+        VirtualRanks(2, "cuda:0", max_blocks=blocks)
+
+
 def _garbage_answer(rank: int, world_size: int, liar: int) -> dict:
     import torch.distributed as dist
 
