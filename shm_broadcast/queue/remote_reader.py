@@ -84,6 +84,7 @@ from shm_broadcast.queue.transport import (
     joined_topic,
     make_curve_client,
     new_socket,
+    open_monitor,
     reader_routing_id,
     say_goodbye,
     stop_monitor,
@@ -184,8 +185,8 @@ class RemoteReader:
             make_curve_client(sock, *keys)
             if "[" in addr:
                 sock.setsockopt(zmq.IPV6, 1)
-        self._mon = mon = sub.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
+        self._mon = mon = open_monitor(
+            sub, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
         res.callback(stop_monitor, sub, mon)
         res.callback(guard_zmq(self, ctx, [mon, sub, dealer]).detach)
         sub.connect(remote_pub)

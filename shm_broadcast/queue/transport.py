@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import secrets
 import struct
@@ -130,6 +131,7 @@ __all__ = [
     "local_bind_address",
     "close_all",
     "close_dealer",
+    "open_monitor",
     "stop_monitor",
     "say_goodbye",
     "guard_zmq",
@@ -517,6 +519,35 @@ def close_dealer(dealer: zmq.SyncSocket | None) -> None:
     if dealer is not None and not dealer.closed:
         dealer.setsockopt(zmq.LINGER, 200)
         dealer.close()
+
+
+_MONITORS = itertools.count()
+
+
+def open_monitor(sock: zmq.SyncSocket, events: int) -> zmq.SyncSocket:
+    """Monitor ``events`` of ``sock``: the PAIR socket its events arrive on.
+
+    As ``get_monitor_socket``, but the pipe from libzmq's side is unbounded
+    (``RCVHWM`` 0 on this end: an inproc pipe with either mark 0 has none).
+    libzmq sends monitor events blocking, from the I/O thread the context's
+    sockets share; with the default mark of 1,000, events nobody took in yet
+    (a failed handshake for every TCP connection to a public port: a scan, a
+    health probe, an attacker) filled the pipe, and the I/O thread stopped with
+    them: no connection accepted, nothing sent or received, and
+    ``disable_monitor`` (at close) waited for it forever. Owners drain their
+    monitors whenever they take in their control traffic.
+    """
+    addr = f"inproc://groupcoord-monitor-{os.getpid()}-{next(_MONITORS)}"
+    mon: zmq.SyncSocket = sock.context.socket(zmq.PAIR)
+    try:
+        mon.setsockopt(zmq.RCVHWM, 0)
+        mon.setsockopt(zmq.LINGER, 0)
+        sock.monitor(addr, events)
+        mon.connect(addr)
+    except BaseException:
+        mon.close(0)
+        raise
+    return mon
 
 
 def stop_monitor(sock: zmq.SyncSocket, mon: zmq.SyncSocket) -> None:

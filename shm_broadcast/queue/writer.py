@@ -105,6 +105,7 @@ from shm_broadcast.queue.transport import (
     make_curve_server,
     new_keypair,
     new_socket,
+    open_monitor,
     outbound_queue_messages,
     stop_monitor,
 )
@@ -327,9 +328,9 @@ class QueueWriter:
                     sock.setsockopt(zmq.IPV6, 1)
             if ":" in ip:
                 ip = f"[{ip}]"
-            mon = ctl.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+            mon = open_monitor(ctl, zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
             res.callback(stop_monitor, ctl, mon)
-            pub_mon = pub.get_monitor_socket(HANDSHAKE_FAILED)
+            pub_mon = open_monitor(pub, HANDSHAKE_FAILED)
             res.callback(stop_monitor, pub, pub_mon)
             parts[:0] = [auth, mon, pub_mon]
             addrs["remote_pub"] = bind(pub, f"tcp://{ip}:*")

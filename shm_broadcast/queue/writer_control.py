@@ -316,12 +316,14 @@ class WriterControl:
         self._take_monitor()
 
     def _take_monitor(self) -> None:
-        """Count failed handshakes; a disconnect of a remote reader's control
-        connection marks it dead (unless it said goodbye)."""
+        """Count failed handshakes (of both sockets: their monitors' pipes are
+        unbounded, so each drain empties them); a disconnect of a remote reader's
+        control connection marks it dead (unless it said goodbye)."""
         if self.mon is None:
             return
         failed, gone = count_failed_handshakes(self.mon)
-        self._failed_handshakes += failed
+        failed_pub, _ = count_failed_handshakes(self._pub_mon)
+        self._failed_handshakes += failed + failed_pub
         for fd in gone:
             rank = self._remote_fd.pop(fd, None)
             if rank is not None and rank not in self.said_goodbye:
@@ -412,8 +414,6 @@ class WriterControl:
         if drain:
             self.drain(sent)
             self.drain_subscriptions()
-            failed, _ = count_failed_handshakes(self._pub_mon)
-            self._failed_handshakes += failed
         auth, budgets = self._auth, self.budgets
         return {"auth_denied": auth.denied if auth is not None else 0,
                 "auth_over_limit": auth.over_limit if auth is not None else 0,

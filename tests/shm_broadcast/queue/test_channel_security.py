@@ -367,6 +367,35 @@ def test_silent_connections_are_dropped_and_do_not_hold_the_writers_descriptors(
         mq.close()
 
 
+@pytest.mark.timeout(150)
+def test_thousands_of_failed_handshakes_do_not_stop_the_writer(procs):
+    """Plain TCP connections that close at once, no key needed: each is a failed
+    handshake the writer's socket monitors report. With libzmq's default mark
+    the monitors' pipes filled after about 1,000-2,000 of them, and libzmq's I/O
+    thread stopped with them: no connection accepted, nothing sent, and
+    ``close()`` hung in ``disable_monitor``."""
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-flood")
+    closed = False
+    try:
+        h = mq.export_handle(1)
+        for endpoint, n in ((h.remote_pub, 2600), (h.remote_ctl, 1400)):
+            for i in range(n):
+                try:
+                    socket.create_connection(("127.0.0.1", _port(endpoint)), timeout=5).close()
+                except OSError as e:
+                    pytest.fail(f"connection {i} to {endpoint} failed: the writer stopped "
+                                f"accepting ({e})")
+        _real_reader_still_gets_in(procs, mq, h)
+        assert mq._impl.security_stats()["handshake_failed"] >= 3900
+        start = time.monotonic()
+        mq.close()
+        closed = True
+        assert time.monotonic() - start < 10
+    finally:
+        if not closed:
+            mq.close()
+
+
 def _dead_pid() -> int:
     p = psutil.Popen(["true"])
     p.wait()
