@@ -8,13 +8,15 @@ the same options on every rank before any rank creates anything.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 from shm_broadcast.checks import check_int, check_timeout
 from shm_broadcast.timeouts import env_timeout
 from shm_broadcast.waiting.policy import WaitPolicy
 
-__all__ = ["DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS", "DEFAULT_READY_TIMEOUT",
+__all__ = ["check_connect_ip", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS",
+           "DEFAULT_READY_TIMEOUT",
            "DEFAULT_WARN_INTERVAL", "WARN_INTERVAL_ENV", "check_ring_options",
            "check_wait_policy", "check_warn_interval"]
 
@@ -42,17 +44,39 @@ def check_ring_options(max_chunk_bytes: Any, max_chunks: Any,
 
     Raises:
         TypeError: A size is not an int.
-        ValueError: A size is too small, or ``connect_ip`` is not None or a
-            non-empty str.
+        ValueError: A size is too small, or ``connect_ip`` is not None or an IP
+            address remote readers can connect to (:func:`check_connect_ip`).
     """
     chunk_bytes = check_int(max_chunk_bytes, "max_chunk_bytes", minimum=128)
     chunks = check_int(max_chunks, "max_chunks", minimum=1)
     if connect_ip is not None and not isinstance(connect_ip, str):
         raise TypeError(f"connect_ip must be None or an IP address string, got "
                         f"{type(connect_ip).__name__} ({connect_ip!r:.60})")
-    if connect_ip == "":
-        raise ValueError("connect_ip must be None or an IP address string, got ''")
+    if connect_ip is not None:
+        check_connect_ip(connect_ip)
     return chunk_bytes, chunks
+
+
+def check_connect_ip(connect_ip: str) -> str:
+    """``connect_ip`` if it is an IPv4 or IPv6 address a remote host can connect to.
+
+    The writer binds its TCP sockets on it and hands it to remote readers, so
+    neither a host name nor a wildcard (``0.0.0.0``, ``::``, ``*``: no reader
+    reaches it) will do.
+
+    Raises:
+        ValueError: Not such an address.
+    """
+    try:
+        address = ipaddress.ip_address(connect_ip)
+    except ValueError:
+        raise ValueError(f"connect_ip must be None or an IP address string such as "
+                         f"'10.0.0.5' or 'fd00::5', got {connect_ip!r:.80}") from None
+    if address.is_unspecified:
+        raise ValueError(f"connect_ip must be an address remote readers can connect to, got "
+                         f"the wildcard {connect_ip!r}; pass this host's address on the "
+                         f"readers' network (or None for the default)")
+    return connect_ip
 
 
 def check_wait_policy(wait_policy: Any) -> WaitPolicy | None:

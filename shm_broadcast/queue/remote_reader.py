@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -56,6 +57,7 @@ from typing import Any
 import msgspec
 import psutil
 import zmq
+from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from shm_broadcast.codec.message_codec import Codec
@@ -189,11 +191,11 @@ class RemoteReader:
             sub, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
         res.callback(stop_monitor, sub, mon)
         res.callback(guard_zmq(self, ctx, [mon, sub, dealer]).detach)
-        sub.connect(remote_pub)
+        _connect_to(sub, remote_pub, "remote_pub", handle.name)
         sub.subscribe(TOPIC_REMOTE)
         sub.subscribe(joined_topic(rank))  # after TOPIC_REMOTE: see transport.TOPIC_JOINED
         dealer.setsockopt(zmq.ROUTING_ID, reader_routing_id(b"R", rank))
-        dealer.connect(remote_ctl)
+        _connect_to(dealer, remote_ctl, "remote_ctl", handle.name)
         ctime = psutil.Process(self._pid).create_time()
         dealer.send(CTL_HELLO + msgspec.msgpack.encode(
             [rank, self._pid, ctime, socket.gethostname(), own_pid_space()]))
@@ -423,6 +425,21 @@ class RemoteReader:
         self._resources.close()
 
 
+def _connect_to(sock: zmq.SyncSocket, endpoint: str, field: str, queue: str) -> None:
+    """``sock.connect(endpoint)``; an endpoint zmq refuses (not ``tcp://host:port``) is
+    a ``ValueError`` naming the handle's ``field``."""
+    bad = ValueError(f"the handle of queue {queue!r}: {field} must be a tcp://host:port "
+                     f"endpoint zmq accepts, got {endpoint!r:.80}")
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        raise bad
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        if e.errno != zmq.EINVAL:
+            raise
+        raise bad from None
+
+
 def _client_keys(handle: Handle, rank: int, own: tuple[bytes, bytes] | None
                  ) -> tuple[bytes, bytes, bytes]:
     """``(server public, client public, client secret)``: the reader's own pair or
@@ -451,4 +468,12 @@ def _client_keys(handle: Handle, rank: int, own: tuple[bytes, bytes] | None
             f"reader rank {rank}: pass the handle the writer made for this rank "
             f"(export_handle(rank={rank})), or this reader's own curve_keypair whose public "
             "key the writer was given (remote_reader_keys)")
+    for what, key in (("curve_server_key", server), ("curve_client_key", public),
+                      ("curve_client_secret", secret)):
+        try:  # 40 bytes of Z85 are 32 key bytes; zmq refuses anything else without a reason
+            z85.decode(key)
+        except (ValueError, KeyError, IndexError, TypeError, struct.error):
+            raise ValueError(
+                f"the handle of queue {handle.name!r}: {what} is not a Z85-encoded CURVE key "
+                f"(40 characters of the Z85 alphabet), got {key!r:.60}") from None
     return server, public, secret

@@ -638,6 +638,27 @@ def test_handle_hides_the_client_secret_and_readers_refuse_plain_tcp():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("field, value", [
+    ("curve_server_key", b"\x00" * 40), ("curve_client_key", b"\x00" * 40),
+    ("curve_client_secret", b"~" * 40), ("remote_pub", "garbage"),
+    ("remote_ctl", "tcp://127.0.0.1"), ("remote_pub", "inproc://x")])
+def test_a_malformed_key_or_endpoint_in_a_handle_is_a_value_error(field: str, value: Any):
+    """zmq refused these with a bare ``ZMQError: Invalid argument`` naming nothing
+    (or, for another transport, the reader waited out its timeout)."""
+    import threading
+
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-bad-handle")
+    try:
+        h = msgspec.structs.replace(mq.export_handle(1), **{field: value})
+        threads, fds = threading.active_count(), psutil.Process().num_fds()
+        with pytest.raises(ValueError, match=field):
+            MessageQueue.create_from_handle(h, rank=1)
+        assert threading.active_count() == threads and psutil.Process().num_fds() == fds
+    finally:
+        mq.close()
+
+
+@pytest.mark.timeout(60)
 def test_per_reader_keys_admit_each_reader_only_under_its_own_rank():
     # The planned mode (needs MessageQueue/process_group plumbing): every remote
     # reader brings its own keypair; only public keys reach the writer.

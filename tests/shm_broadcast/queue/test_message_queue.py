@@ -313,7 +313,14 @@ def test_zero_reader_queue_and_bytes_handle():
         (dict(n_reader=1, n_local_reader=1, max_chunk_bytes=10), "max_chunk_bytes"),
         (dict(n_reader=1, n_local_reader=1, max_chunks=0), "max_chunks"),
         (dict(n_reader=1, n_local_reader=0, connect_ip=""), "connect_ip"),
+        (dict(n_reader=1, n_local_reader=0, connect_ip="notanip"), "connect_ip"),
+        (dict(n_reader=1, n_local_reader=0, connect_ip="127.0.0.1:80"), "connect_ip"),
+        (dict(n_reader=1, n_local_reader=0, connect_ip="*"), "connect_ip"),
+        (dict(n_reader=1, n_local_reader=0, connect_ip="0.0.0.0"), "connect_ip"),
+        (dict(n_reader=1, n_local_reader=0, connect_ip="::"), "connect_ip"),
     ],
+    ids=["n_reader", "n_local_reader", "ranks-repeated", "ranks-short", "chunk-bytes",
+         "chunks", "ip-empty", "ip-name", "ip-with-port", "ip-star", "ip-any4", "ip-any6"],
 )
 def test_bad_arguments_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
