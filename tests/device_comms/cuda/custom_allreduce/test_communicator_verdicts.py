@@ -154,6 +154,30 @@ def test_an_input_on_another_device_is_refused_before_any_launch(dist_pool: Any)
         assert "got a tensor on cpu" in out["error"]["msg"], out
 
 
+def _full_table(rank: int, world_size: int, inputs: int) -> dict:
+    group = _short_group()
+    with fake_driver(2):
+        car = HostOnlyAllreduce(group, torch.device("cuda", rank), max_graph_inputs=inputs,
+                                ipc_backend=FakeIpcBackend(rank=rank), unique_name="full")
+    t = torch.ones(8, dtype=torch.float16)
+    try:
+        with car.capture():
+            inside = car.should_use(t)
+        return {"inside": inside, "outside": car.should_use(t)}
+    finally:
+        car.close()
+
+
+@pytest.mark.parametrize("inputs, inside", [(0, False), (3, True)], ids=["full", "room"])
+def test_a_full_table_of_captured_inputs_leaves_the_call_to_nccl(dist_pool: Any, inputs: int,
+                                                                 inside: bool) -> None:
+    """Past ``max_graph_inputs`` captured calls, ``should_use`` says no inside a capture
+    (the same on every rank: each captured the same calls), so NCCL serves them;
+    ``reserve`` raised during the capture before."""
+    for out in dist_pool(2).run(_full_table, inputs, timeout=60):
+        assert out == {"inside": inside, "outside": True}, out
+
+
 @pytest.mark.parametrize("bad, kind", [(-1.0, ValueError), (0, ValueError),
                                         (float("nan"), ValueError), ("5", TypeError)],
                          ids=["negative", "zero", "nan", "str"])
@@ -164,8 +188,17 @@ def test_a_bad_kernel_timeout_is_refused_at_construction(bad: Any, kind: type) -
 
     with pytest.raises(kind, match="timeout"):
         CustomAllreduce(object(), torch.device("cuda", 0), timeout=bad)  # type: ignore[arg-type]
+
     with pytest.raises(kind, match="timeout"):
         VirtualRanks(2, "cuda:0", timeout=bad)
+
+
+@pytest.mark.parametrize("bad, kind", [(-1, ValueError), ("5", TypeError), (1.5, TypeError)],
+                         ids=["negative", "str", "float"])
+def test_a_bad_max_graph_inputs_is_refused_at_construction(bad: Any, kind: type) -> None:
+    with pytest.raises(kind, match="max_graph_inputs"):
+        CustomAllreduce(object(), torch.device("cuda", 0),  # type: ignore[arg-type]
+                        max_graph_inputs=bad)
 
 
 @pytest.mark.parametrize("blocks", [0, 65])
