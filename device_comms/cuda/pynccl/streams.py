@@ -46,6 +46,7 @@ def on_stream(stream: Any, device: torch.device) -> Iterator[int | None]:
 
     Raises:
         TypeError: ``stream`` is neither None nor a ``torch.cuda.Stream``.
+        ValueError: ``stream`` belongs to another device (NCCL failed on it).
     """
     if stream is None:
         yield current_stream(device)
@@ -54,6 +55,9 @@ def on_stream(stream: Any, device: torch.device) -> Iterator[int | None]:
         raise TypeError(
             f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
         )
+    if getattr(stream, "device", device) != device:
+        raise ValueError(f"stream must be a stream of this communicator's device {device}, "
+                         f"got one of {stream.device}")
     with torch.cuda.stream(stream):
         yield stream.cuda_stream
 

@@ -168,6 +168,14 @@ def _grouped_buffers_live_until_launch(rank: int, n: int) -> None:
     comm.close()
 
 
+class _OtherDeviceStream:
+    """What the communicator reads of a ``torch.cuda.Stream`` of another device (a
+    process without a GPU cannot make a real one)."""
+
+    cuda_stream = 0x1234
+    device = torch.device("cuda", 1)
+
+
 def _checks(rank: int, n: int) -> list[str]:
     """Bad arguments raise before anything is sent (the stand-in logs every call)."""
     comm, lib = _comm()
@@ -198,6 +206,7 @@ def _checks(rank: int, n: int) -> list[str]:
         (ValueError, lambda: comm.broadcast(x, -1)),
         (ValueError, lambda: comm.gather(None, x, rank)),
         (TypeError, lambda: comm.all_reduce(x, stream="default")),
+        (ValueError, lambda: comm.all_reduce(x, stream=_OtherDeviceStream())),
     ]
     msgs = []
     for i, (exc, fn) in enumerate(bad):
@@ -317,6 +326,8 @@ def test_arguments_are_checked_before_communicating(dist_pool) -> None:
     assert "sizes must have 2 entries" in msgs[16]
     assert "dst=0 is this rank" in msgs[18]
     assert "stream must be a torch.cuda.Stream or None, got str" in msgs[22]
+    assert "stream must be a stream of this communicator's device cpu, got one of cuda:1" \
+        in msgs[23]
 
 
 def test_disabled_closed_and_abort(dist_pool) -> None:
