@@ -424,7 +424,8 @@ class QueueWriter:
             control.drain_subscriptions()
             control.drain(self._seq)
             self._raise_if_cut_off(control)
-            missing = control.missing_readers()
+            remote_ranks = self._remote_ranks()
+            missing = control.missing_readers(remote_ranks)
             if not missing:
                 break
             if self._closing:
@@ -437,7 +438,8 @@ class QueueWriter:
                 raise QueueTimeout(
                     f"queue {self.name!r}: {self.side} waited {timeout:g} s for its readers "
                     f"to connect; still missing: {', '.join(missing)}",
-                    queue=self.name, side=self.side, peers=missing)
+                    queue=self.name, side=self.side,
+                    peers=control.missing_local() + control.missing_remote(remote_ranks))
             wait = 0.1 if deadline is None else min(0.1, deadline - now)
             poller.poll(max(1, int(wait * 1000)))
         self._ready = True
@@ -727,6 +729,15 @@ class QueueWriter:
             self._raise_if_local_reader_dead(self._own_ring(), local)
         if remote and self._remote:
             self._raise_if_remote_reader_dead(self._remote, remote)
+
+    def _remote_ranks(self) -> list[int] | None:
+        """The remote readers' ranks, when their keys tell them (given, or made for
+        each through ``export_handle(rank=...)``); None otherwise."""
+        if self._reader_keys is not None:
+            return list(self._reader_keys)
+        if self._issued is not None and len(self._issued) == self.n_remote:
+            return list(self._issued)
+        return None
 
     def _raise_if_cut_off(self, control: WriterControl) -> None:
         """End the queue if a reader key sent more subscriptions than a reader does,

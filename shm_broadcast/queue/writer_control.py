@@ -67,7 +67,7 @@ key.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -162,18 +162,35 @@ class WriterControl:
                                    else SUBSCRIPTIONS_PER_KEY * max(1, n_remote))
         self._failed_handshakes = 0
 
-    def missing_readers(self) -> list[str]:
-        """Who the writer still waits for before it is ready (module docstring)."""
+    def missing_readers(self, remote_ranks: Collection[int] | None = None) -> list[str]:
+        """Who the writer still waits for before it is ready (module docstring).
+
+        Args:
+            remote_ranks: The remote readers' ranks, when the writer knows them
+                (their keys): the missing ones are named, else counted.
+        """
         missing = [f"local reader rank {r}" for i, r in enumerate(self.local_ranks)
                    if i not in self._local_seen]
         remote = self._remote_seen
         if len(remote) < self.n_remote:
-            missing.append(f"{self.n_remote - len(remote)} remote reader(s)")
+            unseen = self.missing_remote(remote_ranks)
+            missing.append(f"remote reader rank(s) {unseen}" if unseen
+                           else f"{self.n_remote - len(remote)} remote reader(s)")
         if not missing and (self._subs[TOPIC_OVERFLOW] < self.n_local
                             or self._subs[TOPIC_REMOTE] < self.n_remote
                             or any(self._joined.get(r, 0) < 1 for r in remote)):
             missing.append("subscriptions still in flight")
         return missing
+
+    def missing_local(self) -> list[int]:
+        """The local readers' ranks whose hello has not arrived."""
+        return [r for i, r in enumerate(self.local_ranks) if i not in self._local_seen]
+
+    def missing_remote(self, remote_ranks: Collection[int] | None) -> list[int]:
+        """Of ``remote_ranks`` (None: not known), those whose hello was not accepted."""
+        if remote_ranks is None:
+            return []
+        return sorted(set(remote_ranks) - self._remote_seen)
 
     def lagging(self, need: int) -> list[int]:
         """Remote ranks that acknowledged fewer than ``need`` messages."""

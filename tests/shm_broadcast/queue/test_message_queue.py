@@ -383,6 +383,19 @@ def test_wait_until_ready_times_out_naming_missing_readers():
             w.wait_until_ready(timeout=0.3)
         assert time.monotonic() - t0 < 1.0
         assert "local reader rank 4" in str(info.value) and "1 remote reader" in str(info.value)
+        assert info.value.peers == (4,)  # ranks only: the remote one's is not known here
+
+
+@pytest.mark.timeout(60)
+def test_wait_until_ready_names_the_missing_remote_ranks_it_made_keys_for():
+    with MessageQueue(3, 1, [4], connect_ip="127.0.0.1", name="lonely-keys") as w:
+        w.export_handle(1)
+        w.export_handle(2)
+        with pytest.raises(QueueTimeout) as info:
+            w.wait_until_ready(timeout=0.3)
+        assert "local reader rank 4" in str(info.value), info.value
+        assert "remote reader rank(s) [1, 2]" in str(info.value), info.value
+        assert info.value.peers == (4, 1, 2)
 
 
 @pytest.mark.timeout(30)
