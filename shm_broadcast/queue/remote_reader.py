@@ -287,10 +287,14 @@ class RemoteReader:
             state = self._writer.state()
             how = {"stopped": " (alive but stopped: SIGSTOP, job control or a debugger)",
                    "running": " (alive)"}.get(state, "")
+            link = ("its connection is up" if self._handshakes else
+                    "no connection to it was ever made (nothing completed a handshake at "
+                    f"{self.sub.getsockopt_string(zmq.LAST_ENDPOINT) or 'its address'}: the "
+                    "writer may be gone, or the network drops the connections)")
             raise QueueTimeout(
                 f"queue {self.name!r}: {self.side} timed out after {self._wait_timeout:g} s "
-                f"waiting for {self._wait_what} from the {self._writer_desc}{how}; its "
-                f"connection is up", queue=self.name, side=self.side, peers=[self._writer_peer])
+                f"waiting for {self._wait_what} from the {self._writer_desc}{how}; {link}",
+                queue=self.name, side=self.side, peers=[self._writer_peer])
         now = time.monotonic()
         if self._warnings.due(now):
             logger.warning(reader_warning(

@@ -659,6 +659,24 @@ def test_a_malformed_key_or_endpoint_in_a_handle_is_a_value_error(field: str, va
 
 
 @pytest.mark.timeout(60)
+def test_a_reader_that_never_reached_its_writer_says_so_at_its_timeout():
+    """The writer (on "another host", so its pid tells nothing) was gone before the
+    reader connected: the timeout said "its connection is up"."""
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1", name="sec-gone")
+    h = msgspec.structs.replace(mq.export_handle(0), writer_host="otherhost",
+                                writer_pid_space="otherboot/1")
+    mq.close()
+    r = MessageQueue.create_from_handle(h, 0)
+    try:
+        with pytest.raises(QueueTimeout) as info:
+            r.wait_until_ready(timeout=1.0)
+    finally:
+        r.close()
+    assert "no connection to it was ever made" in str(info.value), info.value
+    assert h.remote_pub in str(info.value) and "connection is up" not in str(info.value)
+
+
+@pytest.mark.timeout(60)
 def test_per_reader_keys_admit_each_reader_only_under_its_own_rank():
     # The planned mode (needs MessageQueue/process_group plumbing): every remote
     # reader brings its own keypair; only public keys reach the writer.
