@@ -8,7 +8,9 @@ process holds **both** engines and times them interleaved in blocks over the
 same tensors: machine noise hits both alike.
 
 Timed per sample (all ranks start together after a barrier; a sample's latency
-is the slowest rank's):
+is the slowest rank's; with ``--back-to-back``, rank 0's own latency of each
+call in a block of consecutive calls, as the issue's harness and an engine's
+layers call it):
 
 * ``ours``: :meth:`device_comms.cpu.communicator.CpuCommunicator.all_reduce`
   (returns a new tensor; argument checks included);
@@ -112,7 +114,8 @@ def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
         torch.ops._C.join_shm_manager(handle, cfg["prefix"])
         dist.barrier()
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "mode": comm.mode, "points": [],
-                           "vllm_path": VLLM_COMPILED if handle >= 0 else VLLM_FALLBACK}
+                           "vllm_path": VLLM_COMPILED if handle >= 0 else VLLM_FALLBACK,
+                           "back_to_back": bool(cfg.get("back_to_back"))}
     bare = _Bare(cfg, rank, ws, dist.barrier) if cfg.get("bare") else None
     try:
         for dname in cfg["dtypes"]:
@@ -239,10 +242,16 @@ def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
     faults = dict.fromkeys(fns, 0)  # minor page faults inside the timed calls
     block = max(1, min(20, iters // 4))
     clock = time.perf_counter
+    b2b = cfg.get("back_to_back", False)
     while len(times["ours"]) < iters:
         for k, f in fns.items():
-            for _ in range(block):
+            if b2b:  # the block's calls one after another, as an engine's layers make them
                 comm.barrier()
+                for _ in range(2):  # the first calls after the barrier catch up
+                    f()
+            for _ in range(block):
+                if not b2b:
+                    comm.barrier()
                 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = clock()
                 f()
@@ -348,6 +357,15 @@ def _driver(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ launcher (any python)
+def _samples(got: dict[str, Any], i: int, impl: str) -> list[float]:
+    """One round's samples of point ``i`` for ``impl``: the slowest rank's time of each
+    call, or, back to back (``--back-to-back``), rank 0's own."""
+    if got["0"].get("back_to_back"):
+        return list(got["0"]["points"][i]["times"][impl])
+    per_rank = [got[k]["points"][i]["times"][impl] for k in got]
+    return [max(v) for v in zip(*per_rank, strict=True)]
+
+
 def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     first = rounds[0]["0"]["points"]
@@ -357,8 +375,7 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for impl in pt["times"]:
             slow: list[float] = []
             for r in rounds:
-                per_rank = [r[k]["points"][i]["times"][impl] for k in r]
-                slow += [max(v) for v in zip(*per_rank, strict=True)]
+                slow += _samples(r, i, impl)
             row[f"{impl}_p50"] = statistics.median(slow)
             row[f"{impl}_p99"] = _pct(slow, 99)
         row["faults_per_call"] = {impl: max(r[k]["points"][i]["faults_per_call"][impl]
@@ -369,8 +386,7 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for r in rounds:
             p50 = {}
             for impl in pt["times"]:
-                per_rank = [r[k]["points"][i]["times"][impl] for k in r]
-                p50[impl] = statistics.median(max(v) for v in zip(*per_rank, strict=True))
+                p50[impl] = statistics.median(_samples(r, i, impl))
             per_round.append((p50["vllm_op"] / p50["ours"], p50["vllm_op"] / p50["ours_inplace"]))
             row.setdefault("p50_per_round", []).append(p50)
             if "bare" in p50:
@@ -438,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-iters", type=int, default=2000)
     p.add_argument("--budget-mb", type=float, default=512.0)
     p.add_argument("--pin", action="store_true", help="bind rank r to the r-th allowed CPU")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="time each call of a block of consecutive calls on rank 0 (no barrier "
+                        "between them, as an engine's layers call it) instead of one call "
+                        "after a barrier, the slowest rank's time")
     p.add_argument("--bare", action="store_true",
                    help="also time the least Python a shared-memory all_reduce can run "
                         "(no checks; a reference, not an engine)")
@@ -451,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"world_size": a.world_size, "threads": a.threads, "dtypes": a.dtypes,
                "sizes": a.sizes, "min_iters": a.min_iters, "max_iters": a.max_iters,
                "budget": int(a.budget_mb * (1 << 20)), "timeout": a.timeout,
-               "prefix": f"gccmp{os.getpid()}r{i}", "pin": a.pin, "bare": a.bare}
+               "prefix": f"gccmp{os.getpid()}r{i}", "pin": a.pin, "bare": a.bare,
+               "back_to_back": a.back_to_back}
         got = run_driver(__file__, a.python, cfg, a.timeout + 60)
         if got is None:
             return 1
@@ -460,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     rows = _summarise(rounds)
     vllm_path = rounds[0]["0"]["vllm_path"]
+    how = "rank 0, back to back" if a.back_to_back else "after a barrier, the slowest rank"
+    print(f"# samples: {how}")
     print(f"# world size {a.world_size}, torch threads per rank: {a.threads}, pinned: {a.pin}, "
           f"load average before {load0}, after {os.getloadavg()}; latency in us")
     print(f"# vLLM's side: {vllm_path}")
@@ -469,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json_path, "w") as f:
             json.dump({"command": " ".join([sys.executable] + sys.argv), "world_size": a.world_size,
                        "threads": a.threads, "load_before": load0, "load_after": os.getloadavg(),
-                       "vllm_path": vllm_path, "rows": rows}, f, indent=1)
+                       "vllm_path": vllm_path, "back_to_back": a.back_to_back,
+                       "rows": rows}, f, indent=1)
     return 0
 
 

