@@ -257,8 +257,11 @@ class StatelessProcessGroup:
                 did not answer).
             StoreConnectionError: Rank 0 cannot listen on ``host:port`` (in
                 use, or not an address of this host).
-            CommTimeout: Rank 0's store accepted the connection but did not
-                answer within ``timeout`` plus a grace (its process stopped).
+            CommTimeout: (Not rank 0) rank 0's store did not answer within
+                ``timeout`` plus a grace: nothing listened there (rank 0 not
+                started or gone), or its process accepted the connection and
+                stayed silent (stopped). It names the group, op ``create`` and
+                rank 0 (``peers == (0,)``).
             StoreConnectionError: The connection to rank 0's store was lost
                 while the session was set up (rank 0 exited).
         """
@@ -284,13 +287,13 @@ class StatelessProcessGroup:
         local = uses_key_file(host, secret, insecure)  # then every rank is on this host
         # Rank 0 binds its port before it writes the key file: a second rank 0 on a
         # live group's port fails there, and leaves that group's key file alone.
-        store = (_open_store(host, port, rank, world_size, t, listen_socket, local)
+        store = (_open_store(host, port, rank, world_size, t, name, listen_socket, local)
                  if rank == 0 else None)
         key_file = None
         try:
             source, key_file = secret_plan(rank, host, port, name, secret, insecure)
             if store is None:
-                store = _open_store(host, port, rank, world_size, t, listen_socket)
+                store = _open_store(host, port, rank, world_size, t, name, listen_socket)
             group = cls(rank, world_size, store, name=name, timeout=t, insecure=source is None,
                         allow_pickle=allow_pickle, _secret_source=source)
         except BaseException:
@@ -782,18 +785,29 @@ def _describe(store: dist.Store, rank: int) -> str:
 
 
 def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float,
-                listen_socket: socket.socket | None = None,
+                name: str, listen_socket: socket.socket | None = None,
                 loopback_only: bool = False) -> dist.Store:
     """Rank 0: a TCPStore listening on ``host:port`` only (or on the caller's
     ``listen_socket``; ``loopback_only``: a name that resolves to loopback listens
-    there); others: a client of it."""
+    there); others: a client of it.
+
+    Raises:
+        CommTimeout: (Not rank 0) rank 0's store did not answer within ``timeout``
+            (plus the connect grace): nothing listened (torch's DistNetworkError),
+            or its process accepted the connection and stayed silent.
+        StoreConnectionError: (Rank 0) ``host:port`` cannot be bound.
+    """
     td = datetime.timedelta(seconds=timeout)
     if rank != 0:
         try:
             return client_store(host, port, world_size, td)
-        except CommTimeout as e:
-            raise CommTimeout(f"stateless group (rank {rank}/{world_size}), op create: {e}",
-                              peers=[0]) from e
+        except (CommTimeout, dist.DistNetworkError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CommTimeout(
+                f"stateless group {name!r} (rank {rank}/{world_size}), op create: rank 0's "
+                f"store at {host}:{port} did not answer within {timeout:g}s (rank 0 not "
+                f"started yet, exited, stopped, or another address). Detail: {first}",
+                queue=name, side=f"rank {rank}/{world_size}", peers=[0]) from e
     try:
         return master_store(host, port, world_size, td, listen_socket=listen_socket,
                             loopback_only=loopback_only)

@@ -356,3 +356,29 @@ def tensor_calls(rank: int, world_size: int, port: int) -> dict:
     g.barrier()
     g.close()
     return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank0", ["absent", "silent"])
+def test_create_without_rank_0_is_a_comm_timeout_naming_the_group(rank0: str) -> None:
+    """Rank 1 creates its group while rank 0's store is absent (nothing listens:
+    torch raised its DistNetworkError, outside the library's family) or silent (the
+    kernel accepts, nobody answers). Either way: CommTimeout naming the group, the op
+    and rank 0, with the group's name and rank 0 in its fields."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0)) if rank0 == "silent" else None
+    port = server.getsockname()[1] if server is not None else free_port()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CommTimeout) as err:
+            StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=1.0, name="lonely",
+                                         secret=StatelessProcessGroup.generate_secret())
+        assert time.monotonic() - t0 < 20.0
+    finally:
+        if server is not None:
+            server.close()
+    e = err.value
+    assert e.queue == "lonely" and list(e.peers) == [0], (e.queue, e.peers)
+    assert "'lonely'" in str(e) and "op create" in str(e) and "rank 0" in str(e), str(e)
+    assert "rank 1/2" in str(e), str(e)
