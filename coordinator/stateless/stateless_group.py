@@ -48,9 +48,8 @@ Protocol (all through the store, keys prefixed with the group's name)::
                        rank joins, read in its first call (before that call takes
                        a sequence number); the last rank to agree deletes them
     send_obj(dst)      set  p2p/<src>-><dst>/<seq>             recv_obj deletes it
-    broadcast_obj(src) set  bcast/<seq>/<src>                  each reader adds 1 to
-                                                               .../acks; the last
-                                                               reader deletes both
+    broadcast_obj(src) set  bcast/<seq>/<rank> ([its src,     last reader cleans up
+                            obj on src only]), read all;
     all_gather_obj     set  gather/<seq>/<rank>, read all;    last reader cleans up
     barrier            set  barrier/<seq>/<rank>, wait all;   others set
                             barrier/<seq>/left/<rank>;         rank 0 deletes them in
@@ -58,9 +57,11 @@ Protocol (all through the store, keys prefixed with the group's name)::
 
 Sequence numbers are per peer (p2p) or one for all broadcasts, so the store
 holds only messages not yet read. Broadcasts share one sequence whatever
-their source: after a call in which ranks named different sources, the next
-broadcast still pairs every rank with the same call, never with a value left
-over from an earlier one. The ``acks``/``done`` counters decide only
+their source, and every rank reads every rank's record, so every rank sees
+which source each named: if they differ, all raise ``CollectiveMismatch``
+(as ``all_reduce`` does for different reduce ops), and the next broadcast
+still pairs every rank with the same call, never with a value left over from
+an earlier one. The ``done`` counters decide only
 when keys are deleted, never what is read. Blocking calls take a timeout and
 raise :class:`~coordinator.errors.CommTimeout` naming the group, the operation
 and the peer(s) that did not answer. That holds also when the store itself does
@@ -363,27 +364,46 @@ class StatelessProcessGroup:
     def broadcast_obj(self, obj: Any | None, src: int, timeout: float | None = None) -> Any:
         """Broadcast ``obj`` from rank ``src``; every rank returns it.
 
+        Every rank states the source it named, so the call returns once every
+        rank has called it (the source too). Ranks that named different
+        sources all raise ``CollectiveMismatch``; the next broadcast still
+        pairs every rank with the same call.
+
         The rank's first call that sends or receives agrees on the session first,
         within ``timeout`` (see :meth:`send_obj`); if that fails, the call takes no
         sequence number and may be repeated.
+
+        Raises:
+            TypeError: (On ``src``) ``obj`` cannot be sent without pickle (the
+                other ranks raise ``CollectiveMismatch``).
+            CollectiveMismatch: (On every rank) the ranks named different
+                sources (the message lists each rank's); or, on the others, the
+                source could not encode its object or sent one this rank refuses.
+            CommTimeout: Some rank did not call within ``timeout``.
         """
         src = check_rank(src, self.world_size, "src")
         deadline = self._deadline(timeout)  # checked (on every rank) before numbering
         if self._sealer is None:
             self._agreed_sealer(deadline, "broadcast_obj")
+        if self.world_size == 1:
+            encode_object(obj, allow_pickle=self.allow_pickle)  # same TypeError as with peers
+            return obj
         seq = self._bcast_seq
         self._bcast_seq += 1
-        key = self._key(f"bcast/{seq}/{src}")
-        if self.rank == src:
-            if self.world_size > 1:
-                self._put_obj(key, obj, "broadcast_obj", deadline)
-            else:
-                encode_object(obj, allow_pickle=self.allow_pickle)  # same TypeError as with peers
-            return obj
-        data = self._get(key, deadline, "broadcast_obj", [src])
-        self._ack_and_clean(key + "/acks", self.world_size - 1, [key], "broadcast_obj",
-                            deadline)
-        return self._decode(data, src)
+        # Each rank's record: [the source it named, the object (the source's only)].
+        records = self._exchange(self._key(f"bcast/{seq}"),
+                                 [src, obj if self.rank == src else None], "broadcast_obj",
+                                 deadline)
+        named = [_field(rec, 0, r, "broadcast_obj", self.name) for r, rec in enumerate(records)]
+        if any(s != src for s in named):
+            raise CollectiveMismatch(
+                f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op "
+                f"broadcast_obj: the ranks named different sources (src by rank: "
+                f"{dict(enumerate(named))})", queue=self.name,
+                side=f"rank {self.rank}/{self.world_size}",
+                peers=[r for r, s in enumerate(named) if s != src])
+        return obj if self.rank == src else _field(records[src], 1, src, "broadcast_obj",
+                                                   self.name)
 
     def all_gather_obj(self, obj: Any, timeout: float | None = None) -> list[Any]:
         """Gather one object from every rank; returns the list ordered by rank."""
@@ -392,13 +412,18 @@ class StatelessProcessGroup:
             self._agreed_sealer(deadline, "all_gather_obj")
         seq = self._gather_seq
         self._gather_seq += 1
-        base = self._key(f"gather/{seq}")
-        self._put_obj(f"{base}/{self.rank}", obj, "all_gather_obj", deadline)
+        return self._exchange(self._key(f"gather/{seq}"), obj, "all_gather_obj", deadline)
+
+    def _exchange(self, base: str, obj: Any, op: str,
+                  deadline: tuple[float, float]) -> list[Any]:
+        """Put ``obj`` under ``base/<rank>``, read every other rank's; the last reader
+        deletes them. Returns the objects ordered by rank (this rank's is ``obj``)."""
+        self._put_obj(f"{base}/{self.rank}", obj, op, deadline)
         keys = [f"{base}/{r}" for r in range(self.world_size)]
-        self._wait(keys, deadline, "all_gather_obj")
-        raw = {r: self._get(k, deadline, "all_gather_obj", [r])
+        self._wait(keys, deadline, op)
+        raw = {r: self._get(k, deadline, op, [r])
                for r, k in enumerate(keys) if r != self.rank}
-        self._ack_and_clean(f"{base}/done", self.world_size, keys, "all_gather_obj", deadline)
+        self._ack_and_clean(f"{base}/done", self.world_size, keys, op, deadline)
         return [obj if r == self.rank else self._decode(raw[r], r) for r in range(self.world_size)]
 
     # ------------------------------------------------------------------ tensors
@@ -465,14 +490,25 @@ class StatelessProcessGroup:
         Raises:
             TypeError: ``tensor`` is not a tensor, or ``op`` not a reduce op
                 (or not one for its dtype).
-            CollectiveMismatch: (On every rank) the ranks' tensors differ in
-                shape or dtype, or a rank sent no tensor.
+            CollectiveMismatch: (On every rank) the ranks asked for different
+                reduce ops (the message lists each rank's), their tensors differ
+                in shape or dtype, or a rank sent no tensor.
             CommTimeout: As :meth:`all_gather_obj`.
         """
         mine = _cpu_copy(tensor, "tensor")
         rop = check_reduce_op(op, mine.dtype)
         reduce = _REDUCTIONS[rop]
-        parts = self.all_gather_obj(mine, timeout)
+        # Each rank's record: [its reduce op's name, its tensor].
+        records = self.all_gather_obj([rop.name, mine], timeout)
+        ops = [_field(rec, 0, r, "all_reduce", self.name) for r, rec in enumerate(records)]
+        if any(o != rop.name for o in ops):
+            raise CollectiveMismatch(
+                f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op "
+                f"all_reduce: the ranks asked for different reduce ops (op by rank: "
+                f"{dict(enumerate(ops))})", queue=self.name,
+                side=f"rank {self.rank}/{self.world_size}",
+                peers=[r for r, o in enumerate(ops) if o != rop.name])
+        parts = [_field(rec, 1, r, "all_reduce", self.name) for r, rec in enumerate(records)]
         for r, part in enumerate(parts):
             _expect_tensor(part, r, "all_reduce", self.name, like=mine)
         result = parts[0].clone()
@@ -848,6 +884,20 @@ def _expect_tensor(got: Any, rank: int, op: str, group: str, like: Any = None) -
             f"stateless group {group!r}, op {op}: rank {rank} sent a {got.dtype} tensor of "
             f"shape {tuple(got.shape)}, this rank's is {like.dtype} {tuple(like.shape)}",
             queue=group, peers=[rank])
+
+
+def _field(record: Any, i: int, rank: int, op: str, group: str) -> Any:
+    """Item ``i`` of ``record``, the two-item list that ``rank`` sent in ``op``.
+
+    Raises:
+        CollectiveMismatch: ``record`` is not such a list (``rank`` made another call).
+    """
+    if not isinstance(record, (list, tuple)) or len(record) != 2:
+        raise CollectiveMismatch(
+            f"stateless group {group!r}, op {op}: rank {rank} sent a "
+            f"{type(record).__name__}, not this call's record (did it make another call?)",
+            queue=group, peers=[rank])
+    return record[i]
 
 
 #: How two tensors combine under each reduce op (AVG: summed, then divided).

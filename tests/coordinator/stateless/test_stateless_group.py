@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -29,9 +31,14 @@ def test_stateless_group_collectives(dist_pool, world_size: int) -> None:
         assert r["world_unchanged"]
         if rank < 2:
             assert r["b_gather"] == [("b", 0), ("b", 1)]
-            assert r["b_self"] == ("self", rank)
+            assert r["b_self"].startswith("CollectiveMismatch") and "src" in r["b_self"], \
+                r["b_self"]
             assert r["b_next"] == "fresh", \
                 "a broadcast after one with disagreeing sources read a stale value"
+        # The last rank names itself the source, the others rank 0: every rank raises.
+        assert r["a_src_mismatch"].startswith("CollectiveMismatch"), r["a_src_mismatch"]
+        assert "broadcast_obj" in r["a_src_mismatch"], r["a_src_mismatch"]
+        assert r["a_next"] == "after", r
     # Everything read was deleted; only barrier bookkeeping of the last barrier may remain.
     assert res[0]["keys_left"] <= world_size + 2
 
@@ -83,6 +90,7 @@ def test_a_first_call_that_fails_to_agree_takes_no_sequence_number() -> None:
     sequence numbers: the repeated value went under the next one, and rank 1 waited
     for the first in vain."""
     import datetime
+    import threading
 
     port, secret = free_port(), StatelessProcessGroup.generate_secret()
 
@@ -103,8 +111,16 @@ def test_a_first_call_that_fails_to_agree_takes_no_sequence_number() -> None:
         g2 = StatelessProcessGroup(2, 3, client(), name="sq", timeout=5, secret=secret)
         g0.send_obj("hello again", 1)
         assert g1.recv_obj(0) == "hello again"
-        assert g0.broadcast_obj("to all again", src=0) == "to all again"
-        assert [g.broadcast_obj(None, src=0) for g in (g1, g2)] == ["to all again"] * 2
+        # A broadcast returns once every rank called it (each states its source).
+        got: list = []
+        rest = [threading.Thread(target=lambda g=g: got.append(
+            g.broadcast_obj(None, src=0, timeout=10))) for g in (g1, g2)]
+        for t in rest:
+            t.start()
+        assert g0.broadcast_obj("to all again", src=0, timeout=10) == "to all again"
+        for t in rest:
+            t.join(30)
+        assert got == ["to all again"] * 2
     finally:
         for g in (g2, g1, g0):
             if g is not None:
@@ -163,12 +179,16 @@ def exercise(rank: int, world_size: int, port_a: int, port_b: int) -> dict:
     out["bcast"] = [a.broadcast_obj(f"x{src}" if rank == src else None, src=src)
                     for src in range(world_size)]
     out["gather"] = a.all_gather_obj(rank * 10)
+    last = world_size - 1
+    out["a_src_mismatch"] = _outcome(
+        lambda: a.broadcast_obj(("claim", rank), src=last if rank == last else 0))
+    out["a_next"] = a.broadcast_obj("after" if rank == 0 else None, src=0)
     a.barrier()
     if b is not None:
         out["b_gather"] = b.all_gather_obj(("b", rank))
         # The ranks disagree on the source: each is its own source. The next
         # broadcast must still pair with the same call on both ranks.
-        out["b_self"] = b.broadcast_obj(("self", rank), src=rank)
+        out["b_self"] = _outcome(lambda: b.broadcast_obj(("self", rank), src=rank))
         out["b_next"] = b.broadcast_obj("fresh" if rank == 0 else None, src=0)
         b.barrier()
     out["same_node"] = in_the_same_node_as(a, source_rank=0)
@@ -179,6 +199,17 @@ def exercise(rank: int, world_size: int, port_a: int, port_b: int) -> dict:
     a.barrier()
     out["world_unchanged"] = dist.get_world_size() == world_before
     return out
+
+
+def _outcome(call: Callable[[], Any]) -> Any:
+    """``call()``'s result, or ``"<error type>: <message>"`` when it raised one of the
+    library's errors."""
+    from coordinator.errors import GroupCoordError
+
+    try:
+        return call()
+    except GroupCoordError as e:
+        return f"{type(e).__name__}: {e}"
 
 
 def vllm_tensors(rank: int, world_size: int, port: int) -> dict:
@@ -291,6 +322,10 @@ def test_vllm_tensor_calls(dist_pool, world_size: int) -> None:
         assert r["bxor"] == [0 if n % 2 == 0 else 1], r  # the ranks' 1s, xored
         assert r["bcast_mismatch"] == (None if rank == 0 else "CollectiveMismatch"), r
         assert r["mismatch"] == "CollectiveMismatch", r
+        # Rank 0 sums, the others take the maximum: every rank raises, naming both.
+        assert r["op_mismatch"].startswith("CollectiveMismatch"), r["op_mismatch"]
+        assert "SUM" in r["op_mismatch"] and "MAX" in r["op_mismatch"], r["op_mismatch"]
+        assert r["after_op_mismatch"] == [float(n)], r
         assert r["recv_mismatch"] == ("CollectiveMismatch" if rank < 2 else None), r
         assert r["recv_untouched"], r
 
@@ -343,6 +378,9 @@ def tensor_calls(rank: int, world_size: int, port: int) -> dict:
         out["mismatch"] = None
     except CollectiveMismatch:
         out["mismatch"] = "CollectiveMismatch"
+    out["op_mismatch"] = _outcome(lambda: g.all_reduce(
+        torch.tensor([float(rank)]), op="sum" if rank == 0 else dist.ReduceOp.MAX))
+    out["after_op_mismatch"] = g.all_reduce(torch.ones(1)).tolist()
     # Rank 1 sends rank 0 a tensor of another dtype, rank 0 one of another shape.
     out["recv_mismatch"], out["recv_untouched"] = None, True
     if rank < 2:

@@ -377,8 +377,17 @@ def test_a_replay_verified_by_every_other_rank_is_reported_on_every_rank(
     master = _external_store(port)  # a shared store: a group does not own it
     old = [_external_group(port, r, world_size, secret, "ra", 5.0) for r in range(world_size)]
     recorded = master.get("ra/session")
-    assert old[0].broadcast_obj("incarnation 1", src=0) == "incarnation 1"
-    assert [g.broadcast_obj(None, src=0) for g in old[1:]] == ["incarnation 1"] * (world_size - 1)
+    got: list[Any] = [None] * world_size
+
+    def bcast(r: int) -> None:  # a broadcast returns once every rank called it
+        got[r] = old[r].broadcast_obj("incarnation 1" if r == 0 else None, src=0)
+
+    callers = [threading.Thread(target=bcast, args=(r,)) for r in range(world_size)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(30)
+    assert got == ["incarnation 1"] * world_size
     for g in old:
         g.close()
     assert not [k for k in master.list_keys() if k.startswith("ra/session")]  # cleaned up
