@@ -466,11 +466,16 @@ class StatelessProcessGroup:
 
         Raises:
             TypeError: ``tensor`` is not a tensor.
+            ValueError: ``tensor`` cannot be written in place (a leaf that
+                requires grad while grad mode is on, an inference tensor outside
+                inference mode, or a view whose elements share memory, such as
+                an ``expand``); nothing is taken from the store.
             CollectiveMismatch: ``src`` sent something other than a tensor of
                 ``tensor``'s shape and dtype (``tensor`` is left as it was).
             CommTimeout: As :meth:`recv_obj`.
         """
         _cpu_copy(tensor, "tensor")  # checked before anything is taken from the store
+        _check_writable(tensor, "tensor")  # likewise: a failed copy_ would lose the message
         src = self._check_peer(src, "src")
         got = self.recv_obj(src, timeout)
         _expect_tensor(got, src, "recv", self.name, like=tensor)
@@ -870,6 +875,29 @@ def _cpu_copy(tensor: Any, arg: str) -> Any:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(tensor).__name__}")
     return tensor.detach().cpu()
+
+
+def _check_writable(tensor: torch.Tensor, arg: str) -> None:
+    """Raise ValueError unless ``copy_`` can write into ``tensor`` in place.
+
+    The cases are those where torch's ``copy_`` refuses the destination itself:
+    a leaf requiring grad (grad mode on), an inference tensor (outside inference
+    mode), and elements sharing memory (a stride of 0 over more than one element,
+    what torch's own overlap check reports as certain overlap).
+    """
+    if tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
+        raise ValueError(f"{arg} must be writable in place: got a leaf tensor that requires "
+                         f"grad (pass one without requires_grad, or call under torch.no_grad())")
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{arg} must be writable in place: got an inference tensor outside "
+                         f"inference mode (pass a normal tensor)")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{arg} must be a dense (strided) tensor to receive into, got layout "
+                         f"{tensor.layout}")
+    if any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape, strict=True)):
+        raise ValueError(f"{arg} must be writable in place: got a tensor whose elements share "
+                         f"memory (stride {tuple(tensor.stride())} for shape "
+                         f"{tuple(tensor.shape)}, e.g. an expand()); pass a contiguous one")
 
 
 def _expect_tensor(got: Any, rank: int, op: str, group: str, like: Any = None) -> None:

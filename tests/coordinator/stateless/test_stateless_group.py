@@ -420,3 +420,35 @@ def test_create_without_rank_0_is_a_comm_timeout_naming_the_group(rank0: str) ->
     assert e.queue == "lonely" and list(e.peers) == [0], (e.queue, e.peers)
     assert "'lonely'" in str(e) and "op create" in str(e) and "rank 0" in str(e), str(e)
     assert "rank 1/2" in str(e), str(e)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["leaf_requiring_grad", "expanded_view", "inference"])
+def test_recv_into_an_unwritable_tensor_takes_no_message(bad: str) -> None:
+    """A tensor ``recv`` cannot write in place is refused before a message is taken:
+    the message stays for the next recv. It used to be taken from the store, then
+    ``copy_`` failed (a raw RuntimeError) and the message was lost."""
+    import torch
+
+    port, secret = free_port(), StatelessProcessGroup.generate_secret()
+    g0 = StatelessProcessGroup.create("127.0.0.1", port, 0, 2, timeout=10, name="rb",
+                                      secret=secret)
+    g1 = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=10, name="rb",
+                                      secret=secret)
+    try:
+        g0.send(torch.tensor([1.0, 2.0]), 1)
+        g0.send(torch.tensor([3.0, 4.0]), 1)
+        if bad == "leaf_requiring_grad":
+            into = torch.zeros(2, requires_grad=True)
+        elif bad == "expanded_view":
+            into = torch.zeros(1).expand(2)
+        else:
+            with torch.inference_mode():
+                into = torch.zeros(2)
+        with pytest.raises(ValueError, match="tensor"):
+            g1.recv(into, 0)
+        assert g1.recv(torch.zeros(2), 0).tolist() == [1.0, 2.0]
+        assert g1.recv(torch.zeros(2), 0).tolist() == [3.0, 4.0]
+    finally:
+        g1.close()
+        g0.close()
