@@ -326,10 +326,15 @@ class StatelessProcessGroup:
                 raises ``CollectiveMismatch`` instead of waiting).
             StoreConnectionError: The store's host (rank 0) is gone. The value
                 may or may not have reached the store before it went.
-            CommTimeout: The store did not answer within the group's timeout;
-                or (first call) the session was not agreed by then: the message
-                names the ranks not constructed yet, or rank 0. Nothing was sent
-                and no sequence number taken: the call may be repeated.
+            CommTimeout: (First call) the session was not agreed within the
+                group's timeout: the message names the ranks not constructed
+                yet, or rank 0; nothing was sent and no sequence number taken,
+                so the call may be repeated. Or the store did not confirm the
+                value within the timeout (rank 0 stopped or overloaded): the
+                value went out before the confirmation was awaited and may have
+                been delivered (once rank 0 runs again), and its sequence number
+                is taken. Do not repeat the call: ``dst`` could receive the
+                value twice; treat the pairing with ``dst`` as unknown.
             AuthenticationError: (First call) the session could not be agreed:
                 a session record was refused, or replayed from an earlier
                 incarnation of the group (the message names it).

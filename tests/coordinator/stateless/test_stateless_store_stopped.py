@@ -160,3 +160,34 @@ def test_a_write_after_the_store_host_died_raises_instead_of_returning(op: str) 
             g.close()
         host.kill()
         host.wait(10)
+
+
+@pytest.mark.timeout(90)
+def test_a_send_that_timed_out_may_still_be_delivered() -> None:
+    """send_obj's value goes out before its confirmation is awaited: when the
+    confirmation times out (store host stopped), the value can still land once the
+    host runs again. The docstring said nothing was sent and the call could be
+    repeated, which delivered the value twice."""
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", RANK0.format(port=port, secret=SECRET)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=child_env())
+    g = None
+    try:
+        assert host.stdout.readline().strip() == "created"
+        g = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=TIMEOUT, secret=SECRET)
+        g.barrier(timeout=60)
+        assert host.stdout.readline().strip() == "ready"
+        os.kill(host.pid, signal.SIGSTOP)
+        with pytest.raises(CommTimeout):
+            g.send_obj("timed out", 0)
+        os.kill(host.pid, signal.SIGCONT)
+        assert host.stdout.readline().split() == ["got", "timed", "out"]
+        doc = " ".join((StatelessProcessGroup.send_obj.__doc__ or "").split())
+        assert "may have been delivered" in doc and "do not repeat" in doc.lower(), doc
+        host.communicate("bye\n", timeout=30)
+    finally:
+        if g is not None:
+            g.close()
+        host.kill()
+        host.wait(10)
