@@ -251,8 +251,9 @@ class StatelessProcessGroup:
 
         Raises:
             TypeError: An argument has the wrong type.
-            ValueError: Bad rank/world_size/port/host, or no secret for a
-                non-loopback ``host`` without ``insecure``.
+            ValueError: Bad rank/world_size/port/host, no secret for a
+                non-loopback ``host`` without ``insecure``, or (rank 0) a
+                ``listen_socket`` that is not a TCP socket bound to ``port``.
             AuthenticationError: The session could not be authenticated in time
                 (the message says why: no record, a bad one, or rank 0's store
                 did not answer).

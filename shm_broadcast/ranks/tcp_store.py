@@ -60,18 +60,23 @@ def master_store(host: str, port: int, world_size: int | None,
         port: The port, or 0.
         world_size: Processes that will use the store (None: not counted).
         timeout: The store's default timeout for waits.
-        listen_socket: A socket the caller already made listen (its address
-            is then the caller's choice); the store uses a duplicate.
+        listen_socket: A TCP socket (IPv4 or IPv6) the caller bound to
+            ``port`` (listening or not: the store listens); the store listens
+            on a duplicate, at the socket's address (the caller's choice).
         loopback_only: The store serves this host only (a group whose secret
             is a local key file): a name that resolves to loopback here listens
             on loopback, not on every interface.
 
     Raises:
+        TypeError: ``listen_socket`` is not a socket.
+        ValueError: ``listen_socket`` is not a TCP socket bound to ``port``
+            (clients connect to ``port``).
         OSError: ``host:port`` cannot be bound (taken, or not this host's address).
     """
     import torch.distributed as dist
 
     if listen_socket is not None:
+        _check_listen_socket(listen_socket, port)
         sock: socket.socket | None = listen_socket.dup()
     else:
         sock = _listen(host, port, loopback_only)
@@ -87,6 +92,26 @@ def master_store(host: str, port: int, world_size: int | None,
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
+
+
+def _check_listen_socket(sock: Any, port: int) -> None:
+    """Raise unless ``sock`` is a TCP (IPv4/IPv6) socket bound to ``port`` (any port
+    for ``port=0``): the store listens on it while clients connect to ``port``."""
+    if not isinstance(sock, socket.socket):
+        raise TypeError(f"listen_socket must be a socket.socket, got {type(sock).__name__}")
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        raise ValueError(
+            f"listen_socket must be a TCP socket (AF_INET/AF_INET6, SOCK_STREAM) bound to port "
+            f"{port}, got a {sock.family.name}/{sock.type.name} socket")
+    try:
+        bound = sock.getsockname()[1]
+    except OSError as e:  # closed
+        raise ValueError(f"listen_socket must be an open TCP socket bound to port {port}, "
+                         f"got one whose address cannot be read ({e})") from e
+    if bound == 0 or (port != 0 and bound != port):
+        raise ValueError(
+            f"listen_socket must be bound to port {port}, where the clients connect, got one "
+            f"{'not bound to any port' if bound == 0 else f'bound to port {bound}'}")
 
 
 def _listen(host: str, port: int, loopback_only: bool = False) -> socket.socket | None:

@@ -124,3 +124,45 @@ def test_a_silent_server_times_out_and_the_process_exits_cleanly(end: str) -> No
     # timeout + grace, plus what a loaded 2-core machine adds (8.4 s seen): bounded,
     # where the unfixed wait never returns
     assert 1.0 <= waited < 1.0 + 2 * 2.0 + 15.0, proc.stdout
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["other_port", "udp", "unix", "unbound"])
+def test_a_listen_socket_that_is_not_a_tcp_socket_on_port_is_refused(kind: str) -> None:
+    """The store listens on the caller's socket while clients connect to ``port``:
+    a socket on another port left rank 0 listening where nobody connects (the others
+    timed out); a UDP socket gave torch's DistNetworkError."""
+    import socket
+
+    port = free_port()
+    if kind == "other_port":
+        sock = socket.create_server(("127.0.0.1", 0))
+    elif kind == "udp":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", port))
+    elif kind == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    else:
+        sock = socket.socket()
+    try:
+        with pytest.raises(ValueError, match="listen_socket") as err:
+            master_store("127.0.0.1", port, 2, _T, listen_socket=sock)
+        assert str(port) in str(err.value), err.value
+    finally:
+        sock.close()
+    assert not listening_on(port)
+
+
+def test_a_listen_socket_on_port_serves_clients() -> None:
+    import socket
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    try:
+        store = master_store("127.0.0.1", port, 2, _T, listen_socket=sock)
+        client = client_store("127.0.0.1", port, 2, _T)
+        client.set("k", b"v")
+        assert store.get("k") == b"v"
+        del client, store
+    finally:
+        sock.close()
