@@ -111,7 +111,7 @@ from shm_broadcast.ranks.group_adapter import (
     encode_object,
 )
 from shm_broadcast.ranks.store_calls import StoreCalls
-from shm_broadcast.ranks.tcp_store import client_store, master_store
+from shm_broadcast.ranks.tcp_store import client_store, master_store, unbracket_host
 
 __all__ = ["SECRET_ENV", "StatelessProcessGroup"]
 
@@ -230,7 +230,8 @@ class StatelessProcessGroup:
         """Create a group: rank 0 listens on ``host:port`` (that address only), others connect.
 
         Args:
-            host: Address of rank 0's store; rank 0 binds exactly this address.
+            host: Address of rank 0's store; rank 0 binds exactly this address
+                (an IPv6 address may be bracketed: ``[::1]``).
             port: Port of the store (rank 0 binds it).
             rank: This process's rank.
             world_size: Number of processes.
@@ -274,6 +275,7 @@ class StatelessProcessGroup:
         if not host or host != host.strip() or any(c in host for c in "\x00\t\r\n "):
             raise ValueError(f"host must be a non-empty str without whitespace or NUL, got "
                              f"{host!r:.60}")
+        host = unbracket_host(host)  # "[::1]" is "::1" for the stores and the secret alike
         t: float = check_timeout(timeout if store_timeout is None else store_timeout,  # type: ignore[assignment]
                                  "store_timeout" if store_timeout is not None else "timeout",
                                  positive=True)

@@ -40,7 +40,7 @@ from shm_broadcast.ranks.host_address import is_loopback_host
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
-__all__ = ["master_store", "client_store", "CONNECT_GRACE_S"]
+__all__ = ["master_store", "client_store", "unbracket_host", "CONNECT_GRACE_S"]
 
 # How much longer than its timeout a client may take to connect: the
 # constructor's own retries end by the timeout, and a live server answers the
@@ -75,6 +75,7 @@ def master_store(host: str, port: int, world_size: int | None,
     """
     import torch.distributed as dist
 
+    host = unbracket_host(host)  # torch and the clients take the bare address
     if listen_socket is not None:
         _check_listen_socket(listen_socket, port)
         sock: socket.socket | None = listen_socket.dup()
@@ -92,6 +93,30 @@ def master_store(host: str, port: int, world_size: int | None,
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
+
+
+def unbracket_host(host: str) -> str:
+    """``host`` without the brackets of the URL form of an IPv6 address (``[::1]``
+    is ``::1``); any other ``host`` unchanged.
+
+    torch's store takes bare addresses only: a bracketed one is bound (the
+    socket is made here) but never reached (torch resolves the brackets as a
+    name), so every store address goes through here once.
+
+    Raises:
+        ValueError: Brackets around something other than an IPv6 address, or
+            only one of them.
+    """
+    if not host.startswith("[") and not host.endswith("]"):
+        return host
+    inner = host[1:-1] if host.startswith("[") and host.endswith("]") else None
+    if inner is not None:
+        try:
+            if isinstance(ipaddress.ip_address(inner), ipaddress.IPv6Address):
+                return inner
+        except ValueError:
+            pass
+    raise ValueError(f"host may be bracketed only around an IPv6 address ([::1]), got {host!r}")
 
 
 def _check_listen_socket(sock: Any, port: int) -> None:
@@ -126,8 +151,8 @@ def _listen(host: str, port: int, loopback_only: bool = False) -> socket.socket 
         OSError: No address of ``host`` can be bound.
     """
     try:
-        ipaddress.ip_address(host.strip("[]"))
-        candidates = [host.strip("[]")]
+        ipaddress.ip_address(host)
+        candidates = [host]
     except ValueError:
         numeric = _short_ipv4(host)
         if numeric is not None:
@@ -228,6 +253,7 @@ def client_store(host: str, port: int, world_size: int | None,
     """
     import torch.distributed as dist
 
+    host = unbracket_host(host)  # torch connects to the bare address only
     box: dict[str, Any] = {}
     done = threading.Event()
     before = _sockets_to(port)

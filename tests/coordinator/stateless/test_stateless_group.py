@@ -452,3 +452,29 @@ def test_recv_into_an_unwritable_tensor_takes_no_message(bad: str) -> None:
     finally:
         g1.close()
         g0.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_group_on_a_bracketed_ipv6_loopback_address() -> None:
+    """``[::1]`` is ``::1``: a loopback group (its secret from the private key file)
+    whose ranks connect. Rank 1 used to time out connecting to ``[::1]``."""
+    import socket
+    import threading
+
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = free_port()
+    g0 = StatelessProcessGroup.create("[::1]", port, 0, 2, timeout=10, name="v6")
+    g1 = StatelessProcessGroup.create("[::1]", port, 1, 2, timeout=10, name="v6")
+    got: list = []
+    try:
+        t = threading.Thread(target=lambda: got.append(g0.broadcast_obj("x", 0)))
+        t.start()
+        got.append(g1.broadcast_obj(None, 0))
+        t.join(30)
+        assert got == ["x", "x"]
+    finally:
+        g1.close()
+        g0.close()

@@ -166,3 +166,38 @@ def test_a_listen_socket_on_port_serves_clients() -> None:
         del client, store
     finally:
         sock.close()
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_a_bracketed_ipv6_address_is_served_and_reached(host: str) -> None:
+    """``[::1]`` (the URL form) bound ``::1`` but went to torch and the clients as
+    written, and no client could ever connect."""
+    store = master_store(host, 0, 2, _T)
+    try:
+        assert listening_on(store.port) == {"::1"}
+        client = client_store(host, store.port, 2, datetime.timedelta(seconds=3))
+        client.set("k", b"v")
+        assert store.get("k") == b"v"
+        del client
+    finally:
+        del store
+
+
+@pytest.mark.parametrize("host", ["[localhost]", "[127.0.0.1]", "[::1"])
+def test_brackets_around_anything_but_an_ipv6_address_are_refused(host: str) -> None:
+    with pytest.raises(ValueError, match="host"):
+        master_store(host, 0, 1, _T)
+    with pytest.raises(ValueError, match="host"):
+        client_store(host, free_port(), 1, datetime.timedelta(seconds=1))
