@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from shm_broadcast.checks import check_int
+from shm_broadcast.checks import check_bool, check_int, check_timeout
 from shm_broadcast.lifecycle.owner_identity import pid_exists
 from shm_broadcast.ranks.tcp_store import client_store, master_store
 
@@ -562,15 +562,23 @@ def spawn_group(
         world_size: Number of ranks (>= 1).
         args: Extra arguments for ``fn``.
         env: Extra environment variables, one mapping or one per rank.
-        timeout: Seconds before ranks still running are killed.
+        timeout: Seconds before ranks still running are killed (> 0).
         pin_cpus: Bind rank ``r`` (all its threads) to the ``r``-th allowed CPU
             (round robin), as MPI launchers do by default for benchmarks.
         start_method: How the ranks start (see :func:`start_ranks`).
 
     Returns:
         One :class:`RankOutcome` per rank, by rank.
+
+    Raises:
+        TypeError: ``timeout`` is not a number of seconds, or ``pin_cpus``
+            not a bool (before any rank starts).
+        ValueError: ``timeout`` is not finite and > 0, or ``world_size`` < 1.
     """
     world_size = check_int(world_size, "world_size", minimum=1)
+    # Checked before any rank starts: the store and each rank's wait use them.
+    timeout = check_timeout(timeout, "timeout", positive=True)  # type: ignore[assignment]
+    pin_cpus = check_bool(pin_cpus, "pin_cpus")
     envs = per_rank_env(env, world_size)
     me = os.getpid()
     # The rendezvous store serves the ranks until they have all ended.

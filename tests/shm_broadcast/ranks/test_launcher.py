@@ -258,3 +258,20 @@ def test_spawn_group_rejects_a_bad_world_size(world_size) -> None:
                                          (None, "still running")])
 def test_describe_exit(code, words) -> None:
     assert describe_exit(code) == words
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"timeout": "5"}, TypeError), ({"timeout": True}, TypeError),
+    ({"timeout": -1.0}, ValueError), ({"timeout": float("nan")}, ValueError),
+    ({"timeout": 0}, ValueError), ({"timeout": float("inf")}, ValueError),
+    ({"pin_cpus": "yes"}, TypeError), ({"pin_cpus": 1}, TypeError),
+])
+def test_spawn_group_refuses_a_bad_timeout_or_pin_cpus(kwargs: dict, error: type) -> None:
+    """Refused before any rank starts, naming the argument: these used to reach
+    torch's store (raw errors) or the ranks."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    (name,) = kwargs
+    with pytest.raises(error, match=name):
+        spawn_group(_env_value, 1, **kwargs)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
