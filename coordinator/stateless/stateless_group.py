@@ -189,6 +189,9 @@ class StatelessProcessGroup:
                  _secret_source: Callable[[], bytes | None] | None = None) -> None:
         rank, world_size = _check_rank_world(rank, world_size)
         _check_name(name)
+        if not isinstance(store, dist.Store):
+            raise TypeError(f"store must be a torch.distributed.Store (a TCPStore, usually from "
+                            f"create()), got {type(store).__name__} ({store!r:.60})")
         self.rank = rank
         self.world_size = world_size
         self.store = store

@@ -478,3 +478,11 @@ def test_a_group_on_a_bracketed_ipv6_loopback_address() -> None:
     finally:
         g1.close()
         g0.close()
+
+
+@pytest.mark.parametrize("store", ["not a store", None, 12345, object()])
+def test_a_store_that_is_not_a_store_is_a_type_error(store: Any) -> None:
+    """It used to be an AttributeError from deep inside, or a ClosedError (None)."""
+    with pytest.raises(TypeError, match="store") as err:
+        StatelessProcessGroup(0, 2, store, secret=b"k" * 32, timeout=2)
+    assert type(store).__name__ in str(err.value), err.value
