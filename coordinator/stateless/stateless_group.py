@@ -220,7 +220,8 @@ class StatelessProcessGroup:
         else:
             self._agreement = SessionAgreement(
                 name, rank, world_size, self._store_port(),
-                label=f"stateless group {name!r} (rank {rank}/{world_size})", call=self._call)
+                label=f"stateless group {name!r} (rank {rank}/{world_size})",
+                call=self._weak_call())
             self._agreement.join(_secret_source, self.timeout)
 
     @classmethod
@@ -656,6 +657,22 @@ class StatelessProcessGroup:
 
     def _key(self, suffix: str) -> str:
         return f"{self.name}/{suffix}"
+
+    def _weak_call(self) -> Callable[..., Any]:
+        """:meth:`_call` without a reference to this group, for the session agreement
+        it owns: a bound method would make a cycle that keeps a dropped group (rank 0:
+        its store server and worker thread) alive until the cyclic GC runs."""
+        method = weakref.WeakMethod(self._call)
+        name = self.name
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = method()
+            if bound is None:  # only the agreement is left: its group was dropped
+                raise ClosedError(f"stateless group {name!r} is gone (op {kwargs.get('op')})",
+                                  queue=name)
+            return bound(*args, **kwargs)
+
+        return call
 
     def _call(self, method: str, *args: Any, op: str,
               deadline: tuple[float, float] | None = None) -> Any:

@@ -486,3 +486,37 @@ def test_a_store_that_is_not_a_store_is_a_type_error(store: Any) -> None:
     with pytest.raises(TypeError, match="store") as err:
         StatelessProcessGroup(0, 2, store, secret=b"k" * 32, timeout=2)
     assert type(store).__name__ in str(err.value), err.value
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("secured", [True, False])
+def test_a_dropped_group_stops_its_store_without_the_cyclic_gc(secured: bool) -> None:
+    """Rank 0's group dropped without close(): its store stops listening and its
+    worker thread ends once the last reference goes. The session agreement held the
+    group's bound method, a cycle that kept both until the cyclic GC ran."""
+    import gc
+    import threading
+
+    import psutil
+
+    def listening(port: int) -> bool:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in psutil.Process().net_connections(kind="tcp"))
+
+    name = f"dropped{int(secured)}"
+    port = free_port()
+    gc.disable()
+    try:
+        g = StatelessProcessGroup.create("127.0.0.1", port, 0, 1, timeout=5, name=name,
+                                         **({"secret": b"k" * 32} if secured else
+                                            {"insecure": True}))
+        g.barrier()
+        del g
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and (listening(port) or any(
+                name in t.name for t in threading.enumerate())):
+            time.sleep(0.05)
+        assert not listening(port)
+        assert not [t.name for t in threading.enumerate() if name in t.name]
+    finally:
+        gc.enable()
