@@ -91,6 +91,7 @@ from coordinator.errors import (
     ClosedError,
     CollectiveMismatch,
     CommTimeout,
+    PeerRejectedError,
     StoreConnectionError,
 )
 from coordinator.stateless.group_secret import (
@@ -506,18 +507,28 @@ class StatelessProcessGroup:
 
         Raises:
             TypeError: ``tensor`` is not a tensor, or ``op`` not a reduce op
-                (or not one for its dtype).
+                (or not one for its dtype); the peers raise
+                :class:`~coordinator.errors.PeerRejectedError` naming this rank.
             CollectiveMismatch: (On every rank) the ranks asked for different
                 reduce ops (the message lists each rank's), their tensors differ
                 in shape or dtype, or a rank sent no tensor.
             CommTimeout: As :meth:`all_gather_obj`.
         """
-        mine = _cpu_copy(tensor, "tensor")
-        rop = check_reduce_op(op, mine.dtype)
+        try:
+            mine = _cpu_copy(tensor, "tensor")
+            rop = check_reduce_op(op, mine.dtype)
+        except (TypeError, ValueError) as e:  # the peers are told, not left to time out
+            self.all_gather_obj([_REJECTED, str(e)[:_REASON_MAX]], timeout)
+            raise
         reduce = _REDUCTIONS[rop]
-        # Each rank's record: [its reduce op's name, its tensor].
+        # Each rank's record: [its reduce op's name, its tensor], or [_REJECTED, why].
         records = self.all_gather_obj([rop.name, mine], timeout)
         ops = [_field(rec, 0, r, "all_reduce", self.name) for r, rec in enumerate(records)]
+        for r, o in enumerate(ops):
+            if o == _REJECTED:
+                why = _field(records[r], 1, r, "all_reduce", self.name)
+                raise PeerRejectedError(self.name, "all_reduce", r,
+                                        why if isinstance(why, str) else "")
         if any(o != rop.name for o in ops):
             raise CollectiveMismatch(
                 f"stateless group {self.name!r} (rank {self.rank}/{self.world_size}), op "
@@ -892,6 +903,12 @@ def _check_name(name: Any) -> None:
         raise TypeError(f"name must be a str, got {type(name).__name__} ({name!r:.60})")
     if not name or "/" in name:
         raise ValueError(f"name must be a non-empty str without '/', got {name!r}")
+
+
+#: The op field of a rank's all_reduce record when that rank refused its own arguments
+#: (no reduce op has this name), and the longest reason it sends.
+_REJECTED = "!rejected"
+_REASON_MAX = 500
 
 
 def _cpu_copy(tensor: Any, arg: str) -> Any:

@@ -326,6 +326,11 @@ def test_vllm_tensor_calls(dist_pool, world_size: int) -> None:
         assert r["op_mismatch"].startswith("CollectiveMismatch"), r["op_mismatch"]
         assert "SUM" in r["op_mismatch"] and "MAX" in r["op_mismatch"], r["op_mismatch"]
         assert r["after_op_mismatch"] == [float(n)], r
+        # The last rank's op is no reduce op: it raises TypeError, the others hear why.
+        want = "TypeError" if rank == n - 1 else "PeerRejectedError"
+        assert r["one_rejects"].startswith(want), r["one_rejects"]
+        assert f"rank {n - 1}" in r["one_rejects"] or rank == n - 1, r["one_rejects"]
+        assert r["after_one_rejects"] == [float(n)], r
         assert r["recv_mismatch"] == ("CollectiveMismatch" if rank < 2 else None), r
         assert r["recv_untouched"], r
 
@@ -381,6 +386,12 @@ def tensor_calls(rank: int, world_size: int, port: int) -> dict:
     out["op_mismatch"] = _outcome(lambda: g.all_reduce(
         torch.tensor([float(rank)]), op="sum" if rank == 0 else dist.ReduceOp.MAX))
     out["after_op_mismatch"] = g.all_reduce(torch.ones(1)).tolist()
+    try:
+        out["one_rejects"] = g.all_reduce(
+            torch.ones(1), op=1.5 if rank == world_size - 1 else ReduceOp.SUM)
+    except (TypeError, CollectiveMismatch) as e:
+        out["one_rejects"] = f"{type(e).__name__}: {e}"
+    out["after_one_rejects"] = g.all_reduce(torch.ones(1)).tolist()
     # Rank 1 sends rank 0 a tensor of another dtype, rank 0 one of another shape.
     out["recv_mismatch"], out["recv_untouched"] = None, True
     if rank < 2:
