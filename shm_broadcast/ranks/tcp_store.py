@@ -187,17 +187,34 @@ def _short_ipv4(host: str) -> str | None:
         return None
 
 
-def _sockets_to(port: int) -> set[int]:
-    """The descriptors of this process's TCP sockets connected to ``port``."""
+def _addresses(host: str, port: int) -> set[str]:
+    """The IP addresses ``host`` resolves to (empty when it does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return set()
+    return {str(info[4][0]) for info in infos}
+
+
+def _sockets_to(host: str, port: int) -> set[int]:
+    """The descriptors of this process's TCP sockets connected to ``host:port`` (any
+    address it resolves to; a socket to another host on the same port is not one)."""
     import psutil
 
+    ips = _addresses(host, port)
     me = psutil.Process()
     try:
         conns = (me.net_connections if hasattr(me, "net_connections") else me.connections)(
             kind="tcp")
     except (psutil.Error, OSError):
         return set()
-    return {c.fd for c in conns if c.fd >= 0 and c.raddr and c.raddr.port == port}
+    return {c.fd for c in conns if c.fd >= 0 and c.raddr and c.raddr.port == port
+            and _unmapped(c.raddr.ip) in ips}
+
+
+def _unmapped(ip: str) -> str:
+    """``ip`` without an IPv4-mapped IPv6 prefix (``::ffff:10.0.0.1`` -> ``10.0.0.1``)."""
+    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
 
 
 #: Connect threads given up on and maybe still inside torch's constructor.
@@ -256,7 +273,7 @@ def client_store(host: str, port: int, world_size: int | None,
     host = unbracket_host(host)  # torch connects to the bare address only
     box: dict[str, Any] = {}
     done = threading.Event()
-    before = _sockets_to(port)
+    before = _sockets_to(host, port)
 
     def connect() -> None:
         try:
@@ -272,7 +289,7 @@ def client_store(host: str, port: int, world_size: int | None,
     thread.start()
     limit = timeout.total_seconds() + CONNECT_GRACE_S
     if not done.wait(limit):
-        _give_up(thread, done, _sockets_to(port) - before)
+        _give_up(thread, done, _sockets_to(host, port) - before)
         raise CommTimeout(f"could not connect to the TCPStore at {host}:{port} and get its "
                           f"answer within {limit:.1f}s: nothing listens there (yet), or the "
                           f"process serving it is stopped (SIGSTOP, a debugger) or overloaded",

@@ -201,3 +201,38 @@ def test_brackets_around_anything_but_an_ipv6_address_are_refused(host: str) -> 
         master_store(host, 0, 1, _T)
     with pytest.raises(ValueError, match="host"):
         client_store(host, free_port(), 1, datetime.timedelta(seconds=1))
+
+
+@pytest.mark.timeout(60)
+def test_giving_up_on_one_store_leaves_a_store_on_another_host_at_the_same_port() -> None:
+    """A client that times out shuts the sockets it opened to its silent server; it
+    shut every socket of the process to that port number, so a healthy client of a
+    store on another host (here 127.0.0.2) at the same port broke with it."""
+    import socket
+    import threading
+
+    from shm_broadcast.errors import CommTimeout
+
+    port = free_port()
+    silent = socket.create_server(("127.0.0.1", port))  # accepts, never answers
+    live = master_store("127.0.0.2", port, None, _T)
+    outcome: dict[str, str] = {}
+
+    def gives_up() -> None:
+        try:
+            client_store("127.0.0.1", port, None, datetime.timedelta(seconds=2))
+        except CommTimeout:
+            outcome["silent"] = "CommTimeout"
+
+    waiter = threading.Thread(target=gives_up)
+    waiter.start()
+    try:
+        other = client_store("127.0.0.2", port, None, _T)  # opened during the other's wait
+        other.set("k", b"before")
+        waiter.join(30)
+        assert outcome == {"silent": "CommTimeout"}
+        assert other.get("k") == b"before"  # still connected
+    finally:
+        waiter.join(30)
+        silent.close()
+        del live
