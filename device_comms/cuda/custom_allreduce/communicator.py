@@ -151,31 +151,47 @@ class CustomAllreduce:
         if index is None:
             index = torch.cuda.current_device() if enabled else 0
         self.device_index = index
-        # Whether the kernels run here, asked before the exchange: a rank where they
-        # do not (an older GPU, a compile failure) disables the group on every rank.
-        why = _kernels_ready(index) if enabled else ""
-        facts = torch.tensor([int(enabled), index, int(not why)], dtype=torch.int64)
+        facts = torch.tensor([int(enabled), index], dtype=torch.int64)
         rows = [torch.zeros_like(facts) for _ in range(self.world_size)]
         dist.all_gather(rows, facts, group=self.cpu_group)
         devices = [int(r[1]) for r in rows]
         everyone = all(int(r[0]) for r in rows)
         for r, row in enumerate(rows):
-            flag, device, ready = (int(v) for v in row)
-            if flag not in (0, 1) or ready not in (0, 1) or not 0 <= device < _MAX_DEVICE_INDEX:
+            flag, device = (int(v) for v in row)
+            if flag not in (0, 1) or not 0 <= device < _MAX_DEVICE_INDEX:
                 # Every rank sees the same rows: every rank raises.
                 raise DecodeError(
                     f"custom all-reduce of {self.unique_name!r}: rank {r} sent (enabled "
-                    f"{flag}, device {device}, kernels ready {ready}); expected 0 or 1, a "
-                    f"device index in [0, {_MAX_DEVICE_INDEX}) and 0 or 1",
-                    queue=self.unique_name, side=f"rank {self.rank}", peers=(r,))
-        not_ready = [r for r, row in enumerate(rows) if int(row[0]) and not int(row[2])]
-        if everyone and not_ready:  # the same rows everywhere: every rank returns here
-            return elig.GroupVerdict(False, f"the kernels cannot run on rank(s) {not_ready}"
-                                            + (f" ({why})" if why else ""))
+                    f"{flag}, device {device}); expected 0 or 1 and a device index in "
+                    f"[0, {_MAX_DEVICE_INDEX})", queue=self.unique_name,
+                    side=f"rank {self.rank}", peers=(r,))
         same_node = all(in_the_same_node_as(self.cpu_group, 0))
         # Every rank sees the same rows, so every rank skips (or runs) the P2P step alike.
         p2p, why = self._agree_on_peer_access(devices) if everyone and same_node else (False, "")
-        return elig.group_verdict(self.world_size, same_node, p2p, everyone, p2p_reason=why)
+        verdict = elig.group_verdict(self.world_size, same_node, p2p, everyone, p2p_reason=why)
+        # The same verdict everywhere: every rank asks about the kernels, or none does.
+        return self._agree_on_kernels(index) if verdict.ok else verdict
+
+    def _agree_on_kernels(self, index: int) -> elig.GroupVerdict:
+        """Whether the kernels run on every rank's device, gathered (collective): a
+        rank where they do not (an older GPU, a compile failure) disables the group on
+        every rank, instead of raising alone while its peers go on to the setup."""
+        why = _kernels_ready(index)
+        word = torch.tensor([int(not why)], dtype=torch.int64)
+        rows = [torch.zeros_like(word) for _ in range(self.world_size)]
+        dist.all_gather(rows, word, group=self.cpu_group)
+        ready = [int(row[0]) for row in rows]
+        for r, flag in enumerate(ready):
+            if flag not in (0, 1):
+                raise DecodeError(
+                    f"custom all-reduce of {self.unique_name!r}: rank {r} sent kernels ready "
+                    f"{flag}; expected 0 or 1", queue=self.unique_name,
+                    side=f"rank {self.rank}", peers=(r,))
+        not_ready = [r for r, flag in enumerate(ready) if not flag]
+        if not_ready:
+            return elig.GroupVerdict(False, f"the kernels cannot run on rank(s) {not_ready}"
+                                            + (f" ({why})" if why else ""))
+        return elig.GroupVerdict(True, "")
 
     def _agree_on_peer_access(self, devices: list[int]) -> tuple[bool, str]:
         """Every rank's peer-access answer, gathered; the verdict comes from the gathered

@@ -132,6 +132,35 @@ def test_a_rank_whose_gpu_cannot_run_the_kernels_disables_every_rank(
     assert "compute capability 7.5" in outs[old_gpu]["reason"]
 
 
+def _garbage_ready_word(rank: int, world_size: int, liar: int) -> dict:
+    import torch.distributed as dist
+
+    class Liar(HostOnlyAllreduce):
+        """Sends kernels-ready word 5, which is neither yes nor no."""
+
+        def _agree_on_kernels(self, index: int) -> Any:
+            rows = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(rows, torch.tensor([5], dtype=torch.int64), group=self.cpu_group)
+            from device_comms.cuda.custom_allreduce.eligibility import GroupVerdict
+
+            return GroupVerdict(False, "lying")
+
+    group = _short_group()
+    cls = Liar if rank == liar else HostOnlyAllreduce
+    try:
+        with fake_driver(2):
+            cls(group, torch.device("cuda", rank), ipc_backend=FakeIpcBackend(rank=rank))
+    except Exception as e:
+        return {"error": _described(e)}
+    return {}
+
+
+def test_a_garbage_kernels_ready_word_is_a_decode_error(dist_pool: Any) -> None:
+    out = dist_pool(2).run(_garbage_ready_word, 1, timeout=60)[0]
+    assert out["error"]["type"] == "DecodeError", out
+    assert out["error"]["peers"] == [1] and "kernels ready 5" in out["error"]["msg"], out
+
+
 def _cpu_input_on_an_enabled_group(rank: int, world_size: int) -> dict:
     group = _short_group()
     with fake_driver(2):
