@@ -431,8 +431,12 @@ class StatelessProcessGroup:
                   deadline: tuple[float, float]) -> list[Any]:
         """Put ``obj`` under ``base/<rank>``, read every other rank's; the last reader
         deletes them. Returns the objects ordered by rank (this rank's is ``obj``)."""
-        self._put_obj(f"{base}/{self.rank}", obj, op, deadline)
         keys = [f"{base}/{r}" for r in range(self.world_size)]
+        try:
+            self._put_obj(f"{base}/{self.rank}", obj, op, deadline)
+        except (TypeError, ValueError):  # its failure record is stored: count this rank
+            self._ack_and_clean(f"{base}/done", self.world_size, keys, op, deadline)
+            raise
         self._wait(keys, deadline, op)
         raw = {r: self._get(k, deadline, op, [r])
                for r, k in enumerate(keys) if r != self.rank}
@@ -451,16 +455,26 @@ class StatelessProcessGroup:
         written.
 
         Raises:
-            TypeError: On ``src``: ``tensor`` is not a tensor.
-            CollectiveMismatch: On the others: the source sent no tensor, or
-                one of another shape or dtype than the receiver's ``tensor``.
+            TypeError: On ``src``: ``tensor`` is not a tensor (the others raise
+                :class:`~coordinator.errors.PeerRejectedError` naming it).
+            CollectiveMismatch: On the others: the source sent something other
+                than a tensor, or one of another shape or dtype than the
+                receiver's ``tensor``.
             CommTimeout: As :meth:`broadcast_obj`.
         """
         src = check_rank(src, self.world_size, "src")
         if self.rank == src:
-            self.broadcast_obj(_cpu_copy(tensor, "tensor"), src, timeout)
+            try:
+                mine = _cpu_copy(tensor, "tensor")
+            except TypeError as e:  # the receivers are told, not left to time out
+                self.broadcast_obj([_REJECTED, str(e)[:_REASON_MAX]], src, timeout)
+                raise
+            self.broadcast_obj(mine, src, timeout)
             return tensor
         got = self.broadcast_obj(None, src, timeout)
+        if type(got) is list and len(got) == 2 and got[0] == _REJECTED:
+            raise PeerRejectedError(self.name, "broadcast", src,
+                                    got[1] if isinstance(got[1], str) else "")
         given = tensor if isinstance(tensor, torch.Tensor) else None
         _expect_tensor(got, src, "broadcast", self.name, like=given)
         return got if given is None else got.to(given.device)
@@ -926,13 +940,14 @@ def _check_writable(tensor: torch.Tensor, arg: str) -> None:
     """Raise ValueError unless ``copy_`` can write into ``tensor`` in place.
 
     The cases are those where torch's ``copy_`` refuses the destination itself:
-    a leaf requiring grad (grad mode on), an inference tensor (outside inference
+    a tensor requiring grad (grad mode on: a leaf or a view of one; a result of
+    autograd is refused too, which nobody receives into), an inference tensor (outside inference
     mode), and elements sharing memory (a stride of 0 over more than one element,
     what torch's own overlap check reports as certain overlap).
     """
-    if tensor.requires_grad and tensor.is_leaf and torch.is_grad_enabled():
-        raise ValueError(f"{arg} must be writable in place: got a leaf tensor that requires "
-                         f"grad (pass one without requires_grad, or call under torch.no_grad())")
+    if tensor.requires_grad and torch.is_grad_enabled():  # a leaf, or a view of one
+        raise ValueError(f"{arg} must be writable in place: got a tensor that requires grad "
+                         f"(pass one without requires_grad, or call under torch.no_grad())")
     if tensor.is_inference() and not torch.is_inference_mode_enabled():
         raise ValueError(f"{arg} must be writable in place: got an inference tensor outside "
                          f"inference mode (pass a normal tensor)")

@@ -153,6 +153,8 @@ def dtype_of(name: str) -> torch.dtype:
     return dt
 
 
+#: Values :func:`snapshot` keeps as they are: none of them can change.
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None), complex})
 #: Levels of nested containers :func:`snapshot` copies; below them values are kept by
 #: reference (the codec refuses nesting that deep anyway).
 _SNAPSHOT_DEPTH = 100
@@ -160,11 +162,12 @@ _SNAPSHOT_DEPTH = 100
 
 def snapshot(tensor_dict: Mapping[Any, Any]) -> dict[Any, Any]:
     """The dict as it is now, for a send that encodes it later: a copy of
-    ``tensor_dict`` and of the mutable containers in its values (dicts, lists,
-    tuples holding them, sets, bytearrays, numpy arrays), so that what the
-    caller changes after the call does not travel. Tensors and other objects
-    are kept by reference (a tensor is the caller's until the send completes,
-    as with ``isend``)."""
+    ``tensor_dict`` and of the mutable containers in its values (plain dicts,
+    lists, tuples holding them, sets, bytearrays, numpy arrays), so that what
+    the caller changes after the call does not travel. Tensors and other
+    objects (subclasses of those containers included, which travel only with
+    ``allow_pickle``) are kept by reference (a tensor is the caller's until the
+    send completes, as with ``isend``)."""
     return {key: _copied(value, _SNAPSHOT_DEPTH) for key, value in tensor_dict.items()}
 
 
@@ -174,6 +177,8 @@ def _copied(value: Any, depth: int) -> Any:
     if depth <= 0:
         return value
     if t is list:
+        if _SCALARS.issuperset(map(type, value)):  # token ids, positions: one C-level pass
+            return value.copy()
         return [_copied(v, depth - 1) for v in value]
     if t is dict:
         return {k: _copied(v, depth - 1) for k, v in value.items()}

@@ -132,7 +132,8 @@ class CudaCommunicator(TorchDistributedCommunicator):
             self.custom_ar_reason = f"world size {self.world_size} is not one of 2, 4, 6, 8"
             return  # every rank sees the same world size: no exchange needed
         checked = check_timeout(timeout)
-        wait_s = default_timeout() if checked is None else checked
+        # A group timeout of 0 (poll once) is no time for a kernel to wait for its peers.
+        wait_s = checked if checked else default_timeout()
         size = elig.DEFAULT_MAX_SIZE if max_size is None else elig.check_max_size(max_size)
         cupy_ok = _cupy_imports()
         enabled = use is not False and cupy_ok

@@ -577,6 +577,9 @@ def spawn_group(
     """
     world_size = check_int(world_size, "world_size", minimum=1)
     # Checked before any rank starts: the store and each rank's wait use them.
+    if timeout is None:
+        raise TypeError("timeout must be a number of seconds > 0 (ranks still running then "
+                        "are killed), got None")
     timeout = check_timeout(timeout, "timeout", positive=True)  # type: ignore[assignment]
     pin_cpus = check_bool(pin_cpus, "pin_cpus")
     envs = per_rank_env(env, world_size)

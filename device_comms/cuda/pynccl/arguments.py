@@ -37,12 +37,19 @@ def check_device(device: Any, injected: bool) -> torch.device:
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if dev.type != "cuda" and not injected:
         raise ValueError(f"device must be a CUDA device for NCCL, got {dev}")
-    if dev.type == "cuda" and dev.index is None:
+    if dev.type == "cuda":
         try:
-            dev = torch.device("cuda", torch.cuda.current_device())
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            elif not torch.cuda.is_available():
+                raise RuntimeError("torch.cuda.is_available() is False")
         except (AssertionError, RuntimeError) as e:  # torch without CUDA, or no driver/GPU
             raise CommunicatorUnavailable(
                 f"device {device!r} needs CUDA, which this process cannot use: {e}") from e
+        count = torch.cuda.device_count()
+        if not 0 <= dev.index < count:
+            raise ValueError(f"device must be one of this process's {count} CUDA device(s), "
+                             f"got {dev}")
     return dev
 
 

@@ -434,7 +434,8 @@ def test_create_without_rank_0_is_a_comm_timeout_naming_the_group(rank0: str) ->
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("bad", ["leaf_requiring_grad", "expanded_view", "inference"])
+@pytest.mark.parametrize("bad", ["leaf_requiring_grad", "view_of_such_a_leaf", "expanded_view",
+                                 "inference"])
 def test_recv_into_an_unwritable_tensor_takes_no_message(bad: str) -> None:
     """A tensor ``recv`` cannot write in place is refused before a message is taken:
     the message stays for the next recv. It used to be taken from the store, then
@@ -451,6 +452,8 @@ def test_recv_into_an_unwritable_tensor_takes_no_message(bad: str) -> None:
         g0.send(torch.tensor([3.0, 4.0]), 1)
         if bad == "leaf_requiring_grad":
             into = torch.zeros(2, requires_grad=True)
+        elif bad == "view_of_such_a_leaf":
+            into = torch.zeros(3, requires_grad=True)[:2]
         elif bad == "expanded_view":
             into = torch.zeros(1).expand(2)
         else:
@@ -460,6 +463,52 @@ def test_recv_into_an_unwritable_tensor_takes_no_message(bad: str) -> None:
             g1.recv(into, 0)
         assert g1.recv(torch.zeros(2), 0).tolist() == [1.0, 2.0]
         assert g1.recv(torch.zeros(2), 0).tolist() == [3.0, 4.0]
+    finally:
+        g1.close()
+        g0.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["broadcast", "broadcast_obj"])
+def test_a_source_that_cannot_send_tells_the_receiver_and_leaves_no_keys(call: str) -> None:
+    """The source's ``tensor`` is none (``broadcast``), or its object does not encode
+    (``broadcast_obj``): the receiver raises at once (for ``broadcast`` it waited
+    until the timeout), none of the call's keys stays in the store (they stayed:
+    the source never counted itself), and the next broadcast pairs."""
+    import threading
+
+    import torch
+
+    port, secret = free_port(), StatelessProcessGroup.generate_secret()
+    g0 = StatelessProcessGroup.create("127.0.0.1", port, 0, 2, timeout=20, name="bk",
+                                      secret=secret)
+    g1 = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=20, name="bk",
+                                      secret=secret)
+    got: dict[str, Any] = {}
+
+    def receive() -> None:
+        start = time.monotonic()
+        try:
+            getattr(g1, call)(None, 0)
+            got["receiver"] = "returned"
+        except Exception as e:  # the test checks which error, and how soon
+            got["receiver"], got["took"] = type(e).__name__, time.monotonic() - start
+
+    try:
+        receiver = threading.Thread(target=receive)
+        receiver.start()
+        with pytest.raises(TypeError):
+            getattr(g0, call)([1.0] if call == "broadcast" else object(), 0)
+        receiver.join(30)
+        want = "PeerRejectedError" if call == "broadcast" else "CollectiveMismatch"
+        assert got.get("receiver") == want and got["took"] < 10, got
+        nxt = threading.Thread(target=lambda: got.update(next=g1.broadcast(None, 0)))
+        nxt.start()
+        g0.broadcast(torch.ones(1), 0)
+        nxt.join(30)
+        assert got["next"].tolist() == [1.0]
+        time.sleep(0.3)  # the last reader's deletes
+        assert sorted(k for k in g0.store.list_keys() if "/bcast/" in k) == []
     finally:
         g1.close()
         g0.close()

@@ -265,6 +265,7 @@ def test_describe_exit(code, words) -> None:
     ({"timeout": "5"}, TypeError), ({"timeout": True}, TypeError),
     ({"timeout": -1.0}, ValueError), ({"timeout": float("nan")}, ValueError),
     ({"timeout": 0}, ValueError), ({"timeout": float("inf")}, ValueError),
+    ({"timeout": None}, TypeError),
     ({"pin_cpus": "yes"}, TypeError), ({"pin_cpus": 1}, TypeError),
 ])
 def test_spawn_group_refuses_a_bad_timeout_or_pin_cpus(kwargs: dict, error: type) -> None:

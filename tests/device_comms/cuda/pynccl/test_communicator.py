@@ -353,11 +353,11 @@ def test_setup_failure_reaches_every_rank(dist_pool) -> None:
         assert "group rank(s) [1] could not set up NCCL" in msg
 
 
-def _no_cuda_here(rank: int, n: int) -> tuple[str, str]:
-    """Rank 0 asks for "cuda" where CUDA cannot be used; the others set up on CPU."""
+def _no_cuda_here(rank: int, n: int, device: Any) -> tuple[str, str]:
+    """Rank 0 asks for a CUDA device where CUDA cannot be used; the others set up on CPU."""
     try:
         if rank == 0:
-            PyNcclCommunicator(dist.group.WORLD, "cuda", library=GlooNccl())
+            PyNcclCommunicator(dist.group.WORLD, device, library=GlooNccl())
         else:
             _comm()
     except CommunicatorUnavailable as e:
@@ -366,8 +366,9 @@ def _no_cuda_here(rank: int, n: int) -> tuple[str, str]:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a process where CUDA cannot be used")
-def test_a_cuda_device_without_cuda_reaches_every_rank(dist_pool) -> None:
-    outs = dist_pool(2).run(_no_cuda_here, timeout=60)
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 3], ids=["cuda", "cuda-0", "index-3"])
+def test_a_cuda_device_without_cuda_reaches_every_rank(dist_pool, device: Any) -> None:
+    outs = dist_pool(2).run(_no_cuda_here, device, timeout=60)
     assert outs[0][0] == "CommunicatorUnavailable" and "needs CUDA" in outs[0][1], outs
     assert outs[1][0] == "CommunicatorUnavailable", outs
     # rank 0 makes the unique id: rank 1 hears of the failure there
