@@ -335,19 +335,34 @@ class CpuCommunicator(TorchDistributedCommunicator):
         }
 
     def barrier(self) -> None:
-        """Wait until every rank of the group calls this (shared memory when one node)."""
+        """Wait until every rank of the group calls this (shared memory when one node).
+
+        Signed like the other collectives: a rank in a barrier while another is
+        in some other collective raises ``CollectiveMismatch`` on every rank
+        (an unsigned step let the barrier's rank pass alone).
+        """
         self._check_open()
         if self.world_size == 1:
             return
+        header = self._signed.header("barrier", None, None, 0, None, None)
         eng = self._flat
         if eng is not None:
             self._one_call.enter("barrier")
             try:
-                eng.sync.step("barrier")
+                eng.sync.step("barrier", int(header[3]), int(header[4]), True)
+            except BaseException as e:
+                self._engine_failed("barrier", e)
             finally:
                 self._one_call.leave()
         else:
-            self._guard("barrier", dist.barrier, self.cpu_group)
+            self._guard("barrier", self._agreed_barrier, header)
+
+    def _agreed_barrier(self, header: Any) -> None:
+        """Several nodes: agree through the leaders (as every collective does), then
+        gloo's barrier."""
+        if self._hier is not None:
+            self._hier.agree("barrier", header)
+        dist.barrier(self.cpu_group)
 
     def destroy(self) -> None:
         """Unmap the workspace (peers waiting on this rank get an error). Idempotent.

@@ -27,7 +27,7 @@ KIND_NAMES = {
     1: "all_reduce", 2: "all_gather", 3: "all_gatherv", 4: "reduce_scatter",
     5: "reduce_scatterv", 6: "broadcast", 7: "gather", 8: "reduce",
     9: "scatter", 10: "all_to_all", 11: "send/recv", 12: "all_to_allv",
-    13: "all_gatherv_rows",
+    13: "all_gatherv_rows", 14: "barrier",
 }
 _KIND_CODES = {v: k for k, v in KIND_NAMES.items()}
 #: Signature of a step taken by a rank that rejected its own arguments (kind 0xFF).

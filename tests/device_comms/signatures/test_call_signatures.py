@@ -260,6 +260,40 @@ def run_case(rank: int, world_size: int, path: str, op: str, fault: str) -> dict
 
 
 # ---------------------------------------------------------------------- beyond the matrix
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path,world_size", [("shm", 2), ("shm", 3), ("hierarchical", 3),
+                                             ("hierarchical", 4)])
+def test_a_barrier_meets_another_collective(dist_pool, path: str, world_size: int) -> None:
+    """The last rank enters a barrier, the others an all_reduce. Its barrier step
+    was unsigned: on one node that rank passed the barrier alone (the others
+    raised), on several nodes every rank waited until the timeout."""
+    for rank, out in enumerate(dist_pool(world_size).run(barrier_meets_all_reduce, path,
+                                                         timeout=45)):
+        assert out["mode"] == path
+        assert out["outcome"] == "CollectiveMismatch", (rank, out)
+        assert "barrier" in out["message"] and out["elapsed"] < 10.0, (rank, out)
+        assert out["good"] == [float(world_size)] and out["barrier"] == "ok", (rank, out)
+
+
+def barrier_meets_all_reduce(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    comm = _comm(path, rank, world_size)
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"outcome": "returned", "message": "", "mode": comm.mode}
+    try:
+        if rank == world_size - 1:
+            comm.barrier()
+        else:
+            comm.all_reduce(torch.ones(4))
+    except CollectiveMismatch as e:
+        out["outcome"], out["message"] = type(e).__name__, str(e)
+    out["elapsed"] = time.monotonic() - t0
+    out["good"] = comm.all_reduce(torch.ones(1)).tolist()
+    comm.barrier()
+    out["barrier"] = "ok"
+    comm.destroy()
+    return out
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_large_calls_agree_first_then_run_gloo(dist_pool, world_size: int) -> None:
