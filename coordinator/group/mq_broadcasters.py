@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from coordinator.calls.group_view import GroupView
+from coordinator.errors import CollectiveMismatch
 from device_comms import validation
 from shm_broadcast.checks import check_bool, check_int
 from shm_broadcast.ranks.agreement import agree
@@ -97,6 +98,10 @@ def create_mq_broadcaster(
     return made
 
 
+#: The longest reason a writer whose queue failed sends its peers.
+_REASON_MAX = 500
+
+
 def create_single_reader_mq_broadcasters(
     group: GroupView,
     reader_rank_in_group: int = 0,
@@ -143,24 +148,38 @@ def create_single_reader_mq_broadcasters(
     same_node = in_the_same_node_as(group.cpu_group, source_rank=reader)
     keypair, reader_key = _reader_keys(group, me, reader, all(same_node))
     writer: MessageQueue | None = None
+    entry: Any = None  # this rank's handle, or ("error", why) when its queue failed
+    failure: BaseException | None = None
     if me != reader:
-        writer = MessageQueue(
-            n_reader=1,
-            n_local_reader=1 if same_node[me] else 0,
-            local_reader_ranks=[reader] if same_node[me] else [],
-            max_chunk_bytes=max_chunk_bytes,
-            max_chunks=max_chunks,
-            name=f"{group.unique_name}-to{reader}-from{me}",
-            writer_rank=me,
-            allow_pickle=group.allow_pickle,
-            remote_reader_keys=None if same_node[me] else {reader: reader_key},
-        )
-    try:
-        if writer is not None:
+        try:
+            writer = MessageQueue(
+                n_reader=1,
+                n_local_reader=1 if same_node[me] else 0,
+                local_reader_ranks=[reader] if same_node[me] else [],
+                max_chunk_bytes=max_chunk_bytes,
+                max_chunks=max_chunks,
+                name=f"{group.unique_name}-to{reader}-from{me}",
+                writer_rank=me,
+                allow_pickle=group.allow_pickle,
+                remote_reader_keys=None if same_node[me] else {reader: reader_key},
+            )
             writer.default_timeout = group.timeout
-        handle = writer.export_handle().to_bytes() if writer is not None else None
-        handles: list[Any] = og.all_gather(handle, op="create_single_reader_mq_broadcasters",
+            entry = writer.export_handle().to_bytes()
+        except Exception as e:  # the others are told in the exchange, then this re-raises
+            failure, entry = e, ("error", f"{type(e).__name__}: {e}"[:_REASON_MAX])
+    try:
+        handles: list[Any] = og.all_gather(entry, op="create_single_reader_mq_broadcasters",
                                            name=group.unique_name)
+        if failure is not None:
+            raise failure
+        failed = {r: h[1] for r, h in enumerate(handles)
+                  if isinstance(h, (list, tuple)) and len(h) == 2 and h[0] == "error"}
+        if failed:
+            first = min(failed)
+            raise CollectiveMismatch(
+                f"group {group.unique_name!r}, op {op}: the writer(s) {sorted(failed)} could not "
+                f"create their message queue (rank {first}: {failed[first]}); no queue was "
+                f"made on any rank", queue=group.unique_name, peers=tuple(sorted(failed)))
     except BaseException:  # a peer failed during the exchange: this rank's queue goes too
         if writer is not None:
             writer.close()
