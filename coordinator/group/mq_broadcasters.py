@@ -145,7 +145,7 @@ def create_single_reader_mq_broadcasters(
     if group.world_size == 1:
         return None, [None]
     agree(og, None, op, group.unique_name, reader)
-    same_node = in_the_same_node_as(group.cpu_group, source_rank=reader)
+    same_node = in_the_same_node_as(group.cpu_group, source_rank=reader, name=group.unique_name)
     keypair, reader_key = _reader_keys(group, me, reader, all(same_node))
     writer: MessageQueue | None = None
     entry: Any = None  # this rank's handle, or ("error", why) when its queue failed

@@ -110,6 +110,7 @@ from device_comms.errors import CollectiveMismatch, DeviceCommError, with_own_ar
 from device_comms.reduce_op import ReduceOp
 from device_comms.torch_dist.torch_communicator import TorchDistributedCommunicator
 from device_comms.validation import storage_covers
+from shm_broadcast.errors import SegmentError
 from shm_broadcast.ranks.group_adapter import object_group
 from shm_broadcast.ranks.topology import node_assignment
 
@@ -240,7 +241,12 @@ class CpuCommunicator(TorchDistributedCommunicator):
             order: dict[str, int] = {}
             self.nodes = [order.setdefault(i, len(order)) for i in ids]
         else:
-            self.nodes = node_assignment(self.cpu_group)
+            try:
+                self.nodes = node_assignment(self.cpu_group, self.unique_name or None)
+            except SegmentError as e:  # every rank raises it: every rank falls back alike
+                self.fallback_reason = f"the node probe could not use shared memory: {e}"
+                logger.warning("group %r falls back to gloo: %s", self.unique_name, e)
+                return
         n_nodes = max(self.nodes) + 1
         if n_nodes == self.world_size:
             self.fallback_reason = "every rank is on a different node"

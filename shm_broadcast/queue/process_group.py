@@ -175,7 +175,7 @@ def create_from_process_group(
         return _connect_to_external(queue_cls, og, writer_rank, external if is_writer else None,
                                     wait_policy, allow_pickle, warn_interval,
                                     timeout if blocking else None, external)
-    same_node = in_the_same_node_as(og, source_rank=writer_rank)
+    same_node = in_the_same_node_as(og, source_rank=writer_rank, name=qname)
     local = [r for r in readers if same_node[r]]
     my_keys, reader_keys = _exchange_reader_keys(og, [r for r in readers if r not in local])
     mq = None if og.rank != writer_rank else _create_on_writer(

@@ -21,6 +21,7 @@ from typing import Any
 from shm_broadcast.errors import DecodeError, SegmentError
 from shm_broadcast.lifecycle.leftovers import SEGMENT_RE
 from shm_broadcast.lifecycle.segment import SharedSegment
+from shm_broadcast.ranks.agreement import agree
 from shm_broadcast.ranks.group_adapter import object_group
 
 __all__ = ["NODE_ID_ENV", "in_the_same_node_as", "node_assignment"]
@@ -31,16 +32,22 @@ _MAGIC_LEN = 16
 _MAX_NODE_ID = 4096
 #: What a rank contributes to the verdict when it could not read the source's record.
 _UNREADABLE = "unreadable"
+#: First field of the source's record when it could not create its segment.
+_FAILED = "!failed"
 
 
-def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:
+def in_the_same_node_as(group: Any, source_rank: int = 0, name: str | None = None) -> list[bool]:
     """Tell, for every rank of ``group``, whether it shares a node with ``source_rank``.
 
-    Collective: every rank of the group must call it.
+    Collective: every rank of the group must call it, with the same
+    ``source_rank`` (the ranks agree on it first: a rank whose ``source_rank``
+    is bad raises ``TypeError``/``ValueError`` and the others
+    ``PeerRejectedError``; different ones raise ``CollectiveMismatch``).
 
     Args:
         group: torch ProcessGroup (CPU-capable) or StatelessProcessGroup.
         source_rank: Group rank to compare against.
+        name: The group's name, for errors (default: the process group's).
 
     Returns:
         ``result[i]`` is True when group rank ``i`` is on the source's node.
@@ -48,31 +55,50 @@ def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:
     Raises:
         TypeError: ``source_rank`` is not an int.
         ValueError: ``source_rank`` is out of range.
+        SegmentError: The source could not create its probe segment (on the
+            source its own error, ``ShmSpaceError`` when ``/dev/shm`` is full;
+            on the others a ``SegmentError`` naming the source and the cause).
     """
     og = object_group(group)
+    label = name or getattr(group, "group_name", "") or "unnamed"
+    problem: BaseException | None = None
     if not isinstance(source_rank, int) or isinstance(source_rank, bool):
-        raise TypeError(f"source_rank must be an int, got {type(source_rank).__name__}")
-    if not 0 <= source_rank < og.world_size:
-        raise ValueError(
-            f"source_rank must be an int in [0, {og.world_size}), got {source_rank!r}"
-        )
+        problem = TypeError(f"source_rank must be an int, got {type(source_rank).__name__}")
+    elif not 0 <= source_rank < og.world_size:
+        problem = ValueError(
+            f"source_rank must be an int in [0, {og.world_size}), got {source_rank!r}")
     if og.world_size == 1:
+        if problem is not None:
+            raise problem
         return [True]
+    agree(og, problem, "in_the_same_node_as", label, source_rank)
     override = os.environ.get(NODE_ID_ENV) or None
     seg: SharedSegment | None = None
-    info: tuple[str | None, bytes, str | None] | None
+    info: Any
+    failure: BaseException | None = None
     try:
         if og.rank == source_rank:
             magic = secrets.token_bytes(_MAGIC_LEN)
             if override is None:
-                seg = SharedSegment.create("node", _MAGIC_LEN)
-                seg.buf[:_MAGIC_LEN] = magic
-                info = (seg.name, magic, None)
+                try:
+                    seg = SharedSegment.create("node", _MAGIC_LEN)
+                    seg.buf[:_MAGIC_LEN] = magic
+                    info = (seg.name, magic, None)
+                except (SegmentError, OSError) as e:  # the others are told, then this raises
+                    failure, info = e, (_FAILED, f"{type(e).__name__}: {e}"[:_MAX_NODE_ID])
             else:
                 info = (None, magic, override)
         else:
             info = None
-        record = _checked_record(og.broadcast(info, src=source_rank, op="in_the_same_node_as"))
+        raw = og.broadcast(info, src=source_rank, op="in_the_same_node_as", name=label)
+        if failure is not None:
+            raise failure
+        if isinstance(raw, (list, tuple)) and len(raw) == 2 and raw[0] == _FAILED:
+            why = raw[1] if isinstance(raw[1], str) else "no reason given"
+            raise SegmentError(
+                f"group {label!r}, op in_the_same_node_as: the source (rank {source_rank}) "
+                f"could not create its probe segment ({why})")
+        record = _checked_record(raw)
         same: bool | str
         if og.rank == source_rank:
             same = True
@@ -84,7 +110,7 @@ def in_the_same_node_as(group: Any, source_rank: int = 0) -> list[bool]:
                 same = override == src_override
             else:
                 same = _sees_segment(name, magic)
-        flags = og.all_gather(same, op="in_the_same_node_as")
+        flags = og.all_gather(same, op="in_the_same_node_as", name=label)
     finally:
         if seg is not None:
             seg.close()
@@ -144,7 +170,7 @@ def _sees_segment(name: str | None, magic: bytes) -> bool:
         return False
 
 
-def node_assignment(group: Any) -> list[int]:
+def node_assignment(group: Any, name: str | None = None) -> list[int]:
     """Number the nodes of ``group`` and give each rank its node index.
 
     Collective. Node 0 is the node of rank 0; nodes are numbered in order of
@@ -152,16 +178,21 @@ def node_assignment(group: Any) -> list[int]:
 
     Args:
         group: torch ProcessGroup (CPU-capable) or StatelessProcessGroup.
+        name: The group's name, for errors.
 
     Returns:
         ``result[i]`` is the node index of group rank ``i``.
+
+    Raises:
+        SegmentError: A probe's source could not create its segment (every
+            rank raises; see :func:`in_the_same_node_as`).
     """
     og = object_group(group)
     nodes = [-1] * og.world_size
     node = 0
     while -1 in nodes:
         src = nodes.index(-1)
-        same = in_the_same_node_as(og, source_rank=src)
+        same = in_the_same_node_as(group, source_rank=src, name=name)
         for r, s in enumerate(same):
             if s and nodes[r] == -1:
                 nodes[r] = node
