@@ -223,11 +223,12 @@ class HierarchicalAllReduce:
     def _relaying_failures(self, op: str, node_waits: bool) -> Iterator[None]:
         """On a leader: when the exchange with the other leaders fails (gloo's
         timeout or a closed connection), tell this node's ranks, which wait
-        for the verdict (``node_waits``), before raising the failure here."""
+        for the verdict (``node_waits``), then raise the same error here (it
+        names the other nodes' ranks)."""
         try:
             yield
         except RuntimeError as e:
-            if isinstance(e, GroupCoordError) or not node_waits or self.engine is None:
+            if isinstance(e, GroupCoordError):
                 raise
             remote = [r for r, j in enumerate(self.nodes) if j != self.node]
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
@@ -242,9 +243,10 @@ class HierarchicalAllReduce:
                 lost.suspected = True  # type: ignore[attr-defined]  # an extra: suspected
             else:
                 lost = CollectiveTimeout(text, queue=self.name, peers=remote)
-            with contextlib.suppress(GroupCoordError):  # a local rank gone too: it is reported
-                self.engine.sync.relay(op, lost)
-            raise
+            if node_waits and self.engine is not None:
+                with contextlib.suppress(GroupCoordError):  # a local rank gone: it is reported
+                    self.engine.sync.relay(op, lost)
+            raise lost from e  # here too the error names the other nodes' ranks
 
     def reject(self, op: str, reason: str) -> None:
         """Take part in ``op`` (any collective) as a rank that rejected its arguments."""
