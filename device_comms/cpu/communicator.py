@@ -350,7 +350,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self._check_open()
         if self.world_size == 1:
             return
-        header = self._signed.header("barrier", None, None, 0, None, None)
+        header = self._signed.header("barrier", None, None, 0, (), None)
         eng = self._flat
         if eng is not None:
             self._one_call.enter("barrier")

@@ -114,6 +114,8 @@ def layout_key(layout: object) -> int:
     the shared-memory engine signs its steps with; any other layout (a tuple
     holding the shape and ``dim``, ``sizes``...) a hash of it.
     """
+    if layout is None:  # hash(None) is its address before Python 3.12: not the same
+        return 0          # in every process
     if isinstance(layout, tuple) and all(type(x) is int for x in layout):
         return shape_key(layout)
     return hash(layout) & 0x7FFF_FFFF_FFFF_FFFF

@@ -661,3 +661,22 @@ def test_a_split_header_where_no_participant_speaks_for_others_is_refused() -> N
     heads[1], _ = _split_node({1: "a", 2: "b"})
     with pytest.raises(DecodeError, match="rank 1 sent a SPLIT header"):
         settle("tp:0", "all_reduce", 0, heads, lambda r: "")
+
+
+def test_layout_keys_are_the_same_in_every_process() -> None:
+    """Ranks compare these keys, and ranks are often separate interpreters (spawned,
+    or on other hosts): ``hash(None)`` is an address before Python 3.12, so a
+    barrier signed with layout None mismatched between spawned ranks."""
+    import subprocess
+    import sys
+
+    from device_comms.signatures.call_signature import layout_key
+    from tests.child_env import child_env
+
+    layouts = "[None, (), (2, 3), ((2, 3), 1), ((4,), 3, 0, True), ((1, 2), (3,), 0)]"
+    code = ("from device_comms.signatures.call_signature import layout_key\n"
+            f"print([layout_key(x) for x in {layouts}])")
+    mine = [layout_key(x) for x in eval(layouts)]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=child_env(), check=True).stdout
+    assert eval(out) == mine, (out, mine)
