@@ -248,7 +248,7 @@ def _garbage_answer(rank: int, world_size: int, liar: int) -> dict:
         def _agree_on_peer_access(self, devices: list[int]) -> tuple[bool, str]:
             rows = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
             dist.all_gather(rows, torch.tensor([7, 2], dtype=torch.int64), group=self.cpu_group)
-            return True, ""
+            return False, "lying"  # no further step: the honest rank has raised
 
     group = _short_group()
     cls = Liar if rank == liar else HostOnlyAllreduce
