@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from coordinator.group.gloo_interface import gloo_interface_for, pinned_gloo
 from shm_broadcast.ranks.group_adapter import CLOSED_WORDS, TIMEOUT_WORDS
-from shm_broadcast.ranks.tcp_store import client_store, master_store
+from shm_broadcast.ranks.tcp_store import master_store, rank0_store_client
 
 __all__ = ["check_init_method", "check_local_rank", "check_same_world", "env_local_rank_of",
            "init_torch_distributed"]
@@ -150,7 +150,7 @@ def _rendezvous_store(method: str, size: int, me: int,
     Raises:
         StoreConnectionError: Rank 0 cannot listen on the address.
     """
-    from coordinator.errors import CommTimeout, StoreConnectionError
+    from coordinator.errors import StoreConnectionError
 
     if size < 1 or me < 0:
         return None
@@ -164,15 +164,9 @@ def _rendezvous_store(method: str, size: int, me: int,
     if not host or port is None:
         return None
     if me != 0:
-        try:
-            return dist.PrefixStore("default_pg", client_store(host, port, size, timeout))
-        except (CommTimeout, dist.DistNetworkError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CommTimeout(
-                f"world group (rank {me}/{size}), op init_distributed_environment: rank 0's "
-                f"store at {host}:{port} did not answer within {timeout.total_seconds():g}s "
-                f"(rank 0 not started yet, stopped, or another address). Detail: {first}",
-                queue="world", peers=[0]) from e
+        return dist.PrefixStore("default_pg", rank0_store_client(
+            host, port, size, timeout, who=f"world group (rank {me}/{size})",
+            op="init_distributed_environment", queue="world"))
     try:
         server = master_store(host, port, size, timeout)
     except OSError as e:

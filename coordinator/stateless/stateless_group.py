@@ -112,7 +112,7 @@ from shm_broadcast.ranks.group_adapter import (
     encode_object,
 )
 from shm_broadcast.ranks.store_calls import StoreCalls
-from shm_broadcast.ranks.tcp_store import client_store, master_store, unbracket_host
+from shm_broadcast.ranks.tcp_store import master_store, rank0_store_client, unbracket_host
 
 __all__ = ["SECRET_ENV", "StatelessProcessGroup"]
 
@@ -893,15 +893,9 @@ def _open_store(host: str, port: int, rank: int, world_size: int, timeout: float
     """
     td = datetime.timedelta(seconds=timeout)
     if rank != 0:
-        try:
-            return client_store(host, port, world_size, td)
-        except (CommTimeout, dist.DistNetworkError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CommTimeout(
-                f"stateless group {name!r} (rank {rank}/{world_size}), op create: rank 0's "
-                f"store at {host}:{port} did not answer within {timeout:g}s (rank 0 not "
-                f"started yet, exited, stopped, or another address). Detail: {first}",
-                queue=name, side=f"rank {rank}/{world_size}", peers=[0]) from e
+        return rank0_store_client(host, port, world_size, td, op="create", queue=name,
+                                  who=f"stateless group {name!r} (rank {rank}/{world_size})",
+                                  side=f"rank {rank}/{world_size}")
     try:
         return master_store(host, port, world_size, td, listen_socket=listen_socket,
                             loopback_only=loopback_only)

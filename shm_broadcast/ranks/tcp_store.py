@@ -40,7 +40,8 @@ from shm_broadcast.ranks.host_address import is_loopback_host
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
-__all__ = ["master_store", "client_store", "unbracket_host", "CONNECT_GRACE_S"]
+__all__ = ["master_store", "client_store", "rank0_store_client", "unbracket_host",
+           "CONNECT_GRACE_S"]
 
 # How much longer than its timeout a client may take to connect: the
 # constructor's own retries end by the timeout, and a live server answers the
@@ -298,3 +299,26 @@ def client_store(host: str, port: int, world_size: int | None,
         raise box["error"]
     store: TCPStore = box["store"]
     return store
+
+
+def rank0_store_client(host: str, port: int, world_size: int | None,
+                       timeout: datetime.timedelta, *, who: str, op: str, queue: str,
+                       side: str | None = None) -> TCPStore:
+    """:func:`client_store` for a rank other than 0 of a group whose rank 0 serves the
+    store: any failure to reach it is a ``CommTimeout`` naming the group (``who``),
+    the op and rank 0 (torch's own ``DistNetworkError`` when nothing listens).
+
+    Raises:
+        CommTimeout: Rank 0's store did not answer within ``timeout`` (plus the
+            connect grace).
+    """
+    import torch.distributed as dist
+
+    try:
+        return client_store(host, port, world_size, timeout)
+    except (CommTimeout, dist.DistNetworkError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CommTimeout(
+            f"{who}, op {op}: rank 0's store at {host}:{port} did not answer within "
+            f"{timeout.total_seconds():g}s (rank 0 not started yet, exited, stopped, or another "
+            f"address). Detail: {first}", queue=queue, side=side, peers=[0]) from e
