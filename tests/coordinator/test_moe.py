@@ -16,11 +16,12 @@ EP groups of 2, one per pipeline stage).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
+
+from tests.env_vars import environ
 
 # (id, (tp, pp, dp), transport)
 RUNS = [
@@ -100,31 +101,24 @@ def reference(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
 
 
 # ---------------------------------------------------------------------- on the ranks
-def _set_transport(transport: str, rank: int, world_size: int) -> None:
-    os.environ["GROUPCOORD_CPU_SHM"] = "0" if transport == "gloo" else "1"
-    os.environ.pop("GROUPCOORD_NODE_ID", None)
-    if transport == "hier":  # ranks [0, n/2) on one host, the rest on another
-        os.environ["GROUPCOORD_NODE_ID"] = f"host{rank * 2 // world_size}"
+def _transport_env(transport: str, rank: int, world_size: int) -> dict[str, str | None]:
+    """The variables that pick ``transport`` (hier: ranks [0, n/2) on one host, the
+    rest on another)."""
+    return {"GROUPCOORD_CPU_SHM": "0" if transport == "gloo" else "1",
+            "GROUPCOORD_NODE_ID": (f"host{rank * 2 // world_size}" if transport == "hier"
+                                   else None)}
 
 
 def run_moe(rank: int, world_size: int, layout: tuple[int, int, int], transport: str) -> dict:
     from coordinator import parallel_state as ps
 
-    saved = {k: os.environ.get(k) for k in ("GROUPCOORD_CPU_SHM", "GROUPCOORD_NODE_ID")}
-    _set_transport(transport, rank, world_size)
-    try:
+    with environ(**_transport_env(transport, rank, world_size)):
         ps.initialize_model_parallel(*layout, enable_expert_parallel=True)
         ep = ps.get_ep_group()
         out = {"mode": getattr(ep.comm, "mode", None), "cases": _run_cases(ep),
                "errors": _errors(ep)}
         ps.destroy_model_parallel()
         return out
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _run_cases(ep: Any) -> list[dict[str, Any]]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.env_vars import environ
+
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -34,18 +36,9 @@ def test_a_writer_that_cannot_make_its_queue_is_named_on_every_rank(dist_pool,
 
 def one_writer_fails(rank: int, world_size: int) -> dict[str, Any]:
     bad = world_size - 1
-    names = ("GROUPCOORD_NODE_ID", "GROUPCOORD_HOST_IP")
-    saved = {k: os.environ.get(k) for k in names}  # the pool's ranks run later tests too
-    os.environ["GROUPCOORD_NODE_ID"] = "far" if rank == bad else "near"
-    os.environ["GROUPCOORD_HOST_IP"] = "127.0.0.1"
-    try:
+    with environ(GROUPCOORD_NODE_ID="far" if rank == bad else "near",
+                 GROUPCOORD_HOST_IP="127.0.0.1"):  # the pool's ranks run later tests too
         return _one_writer_fails(rank, world_size, bad)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _one_writer_fails(rank: int, world_size: int, bad: int) -> dict[str, Any]:

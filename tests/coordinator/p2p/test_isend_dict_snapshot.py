@@ -10,13 +10,14 @@ second dict: what the worker sends of it then is what the call kept."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+
+from tests.env_vars import environ
 
 
 @pytest.mark.timeout(150)
@@ -31,12 +32,9 @@ def test_changes_after_the_call_do_not_travel(dist_pool, link: str) -> None:
 def changed_after_isend(rank: int, world_size: int, link: str) -> Any:
     from coordinator import GroupCoordinator
 
-    os.environ["GROUPCOORD_P2P_SHM"] = "1" if link == "shm-link" else "0"
-    try:
+    with environ(GROUPCOORD_P2P_SHM="1" if link == "shm-link" else "0"):
         g = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
                              group_name=f"snapshot-{link}", timeout=60.0)
-    finally:
-        del os.environ["GROUPCOORD_P2P_SHM"]
     big = torch.ones(64 << 20, dtype=torch.uint8)  # past what either transport buffers
     try:
         if rank == 0:

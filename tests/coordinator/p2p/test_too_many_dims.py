@@ -7,11 +7,12 @@ gloo a dict's receiver refused it and the sender waited until the timeout."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
+
+from tests.env_vars import environ
 
 
 @pytest.mark.timeout(120)
@@ -31,12 +32,9 @@ def test_a_tensor_of_65_dims_is_refused_and_the_next_calls_pair(dist_pool, form:
 def many_dims(rank: int, world_size: int, form: str, link: str) -> list[Any]:
     from coordinator import GroupCoordinator
 
-    os.environ["GROUPCOORD_P2P_SHM"] = "1" if link == "shm-link" else "0"
-    try:
+    with environ(GROUPCOORD_P2P_SHM="1" if link == "shm-link" else "0"):
         g = GroupCoordinator([list(range(world_size))], rank, "gloo", True,
                              group_name=f"dims-{form}-{link}", timeout=20.0)
-    finally:
-        del os.environ["GROUPCOORD_P2P_SHM"]
     out: list[Any] = []
     try:
         for t in (torch.ones([1] * 65), torch.arange(3.0), torch.arange(3.0) + 10):
