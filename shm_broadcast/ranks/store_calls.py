@@ -26,8 +26,11 @@ store answers again (SIGCONT) the calls go on in order.
 
 The store's C++ calls release the GIL, so the worker never holds up the
 caller. The worker is a daemon thread: one stuck in a call cannot keep the
-interpreter from exiting. It keeps the store alive while a call runs, so an
-abandoned call never runs on a destroyed client. After ``os.fork`` the child
+interpreter from exiting; the exit waits a little for a call given up on
+while running (:mod:`shm_broadcast.ranks.native_calls`), since its return
+into a finalised interpreter would abort the process. The worker keeps the
+store alive while a call runs, so an abandoned call never runs on a
+destroyed client. After ``os.fork`` the child
 starts a worker of its own (threads do not survive a fork).
 """
 
@@ -41,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shm_broadcast.errors import ClosedError, CommTimeout
+from shm_broadcast.ranks.native_calls import wait_at_exit
 
 __all__ = ["StoreCalls"]
 
@@ -158,6 +162,8 @@ class StoreCalls:
             if req.state == "queued":
                 req.state = "abandoned"
             running = self._running[0]
+        if req.state == "running":
+            wait_at_exit(req.done)  # its answer must not come while the interpreter ends
         if req.state == "abandoned":
             why = (f" (never sent: queued behind an earlier {running.method} it has not "
                    f"answered)" if running is not None else " (never sent)")

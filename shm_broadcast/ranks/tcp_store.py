@@ -25,7 +25,6 @@ Which address is bound:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import ipaddress
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from shm_broadcast.errors import CommTimeout
 from shm_broadcast.ranks.host_address import is_loopback_host
+from shm_broadcast.ranks.native_calls import wait_at_exit
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -218,19 +218,12 @@ def _unmapped(ip: str) -> str:
     return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
 
 
-#: Connect threads given up on and maybe still inside torch's constructor.
-_ABANDONED: list[threading.Thread] = []
-_ABANDONED_LOCK = threading.Lock()
-
-
-def _give_up(thread: threading.Thread, done: threading.Event, fds: set[int]) -> None:
+def _give_up(done: threading.Event, fds: set[int]) -> None:
     """End a connect thread's wait in torch's constructor, which has no limit once the
     server accepted the connection: shut its socket (``fds``: the sockets to the
     port that the thread opened) so that the constructor fails. Its retries are
-    over by then (they stop at the timeout). A thread that still runs is joined,
-    for at most :data:`CONNECT_GRACE_S`, at interpreter exit: one that returned
-    from C++ while the interpreter is being finalised would abort the process
-    ("terminate called without an active exception", SIGABRT)."""
+    over by then (they stop at the timeout). A thread that still runs is waited
+    for at interpreter exit (:func:`~shm_broadcast.ranks.native_calls.wait_at_exit`)."""
     for fd in fds:
         with contextlib.suppress(OSError):
             sock = socket.socket(fileno=os.dup(fd))
@@ -238,19 +231,8 @@ def _give_up(thread: threading.Thread, done: threading.Event, fds: set[int]) -> 
                 sock.shutdown(socket.SHUT_RDWR)
             finally:
                 sock.close()  # the duplicate only; the thread's own descriptor stays
-    if done.wait(CONNECT_GRACE_S):
-        return
-    with _ABANDONED_LOCK:
-        if not _ABANDONED:
-            atexit.register(_join_abandoned)
-        _ABANDONED.append(thread)
-
-
-def _join_abandoned() -> None:
-    with _ABANDONED_LOCK:
-        threads = list(_ABANDONED)
-    for t in threads:
-        t.join(CONNECT_GRACE_S)
+    if not done.wait(CONNECT_GRACE_S):
+        wait_at_exit(done)
 
 
 def client_store(host: str, port: int, world_size: int | None,
@@ -290,7 +272,7 @@ def client_store(host: str, port: int, world_size: int | None,
     thread.start()
     limit = timeout.total_seconds() + CONNECT_GRACE_S
     if not done.wait(limit):
-        _give_up(thread, done, _sockets_to(host, port) - before)
+        _give_up(done, _sockets_to(host, port) - before)
         raise CommTimeout(f"could not connect to the TCPStore at {host}:{port} and get its "
                           f"answer within {limit:.1f}s: nothing listens there (yet), or the "
                           f"process serving it is stopped (SIGSTOP, a debugger) or overloaded",

@@ -90,3 +90,57 @@ def test_a_bad_limit_is_refused(limit: object) -> None:
             calls.call("check", ["k"], limit=limit, op="check", side="server")  # type: ignore[arg-type]
     finally:
         calls.close()
+
+
+_EXITING_CLIENT = """
+import atexit, datetime, os, signal, sys, time
+from shm_broadcast.errors import CommTimeout
+from shm_broadcast.ranks.store_calls import StoreCalls
+from shm_broadcast.ranks.tcp_store import client_store
+port, server = int(sys.argv[1]), int(sys.argv[2])
+calls = StoreCalls(client_store("127.0.0.1", port, None, datetime.timedelta(seconds=30)),
+                   "test store", "the test's server", [0])
+calls.call("set", "ready", b"1", limit=10, op="setup", side="client")
+os.kill(server, signal.SIGSTOP)
+time.sleep(0.2)  # the stop has taken effect
+try:
+    calls.call("get", "ready", limit=0.3, op="stuck", side="client")
+    sys.exit("the stopped server answered")
+except CommTimeout:
+    pass
+atexit.register(print, "exiting", flush=True)  # the last handler registered runs first
+sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("delay", [0.03, 0.1], ids=["30ms", "100ms"])
+def test_a_call_answered_while_the_process_exits_does_not_abort_it(delay: float) -> None:
+    """A call given up on while the server was stopped is answered while its process
+    exits (the server resumes ``delay`` after the client started to exit): the exit
+    waits for that answer instead of letting the worker return from C++ into a
+    finalised interpreter, which aborts the process ("terminate called without an
+    active exception"; at 30 ms the unfixed client aborted 6 times in 6)."""
+    env = child_env()
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    client = None
+    try:
+        port = server.stdout.readline().strip()
+        client = subprocess.Popen([sys.executable, "-c", _EXITING_CLIENT, port, str(server.pid)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env)
+        for line in client.stdout:
+            if line.strip() == "exiting":
+                time.sleep(delay)
+                break
+        os.kill(server.pid, signal.SIGCONT)
+        out, err = client.communicate(timeout=60)
+        assert client.returncode == 3, (client.returncode, err[-2000:])
+        assert "terminate called" not in err, err[-2000:]
+    finally:
+        if client is not None and client.poll() is None:
+            client.kill()
+            client.wait(10)
+        server.kill()
+        server.wait(10)
