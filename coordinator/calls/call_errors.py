@@ -80,8 +80,9 @@ __all__ = ["CallErrors", "WAIT_ERRORS", "own_identity"]
 #: Seconds to keep looking at peers' processes before reporting a closed
 #: connection from a live peer: an exiting process closes its sockets before it
 #: is gone, and an interpreter that exits on an uncaught exception takes a few
-#: hundred milliseconds more to finish (atexit handlers, finalisation).
-_EXIT_GRACE_S = 1.0
+#: hundred milliseconds more to finish (atexit handlers, finalisation), a
+#: second or more on a loaded host. Never past the call's own timeout.
+_EXIT_GRACE_S = 2.0
 _EXIT_POLL_S = 0.02
 #: A live peer that closed its connections after the call had lasted this share
 #: of the timeout gave up at its own timeout: the call is reported as timed out.
@@ -316,6 +317,8 @@ class CallErrors:
         # process is gone before its sockets close; a slowly exiting one is then
         # reported as the timeout it caused, not as dead).
         deadline = time.monotonic() + (0.0 if late else _EXIT_GRACE_S)
+        if started is not None and self.timeout is not None:
+            deadline = min(deadline, started + self.timeout)
         while (not {"exited", "stopped"} & set(states.values())
                and time.monotonic() < deadline):
             # An exiting process closes its sockets before it is gone: keep
