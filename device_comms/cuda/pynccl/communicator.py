@@ -479,7 +479,7 @@ class PyNcclCommunicator:
         if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
             raise NcclError(
                 "ncclCommGetAsyncError", code,
-                f"{self.lib.error_string(code)} (asynchronous error of the communicator of rank "
+                f"{self.lib.describe(code)} (asynchronous error of the communicator of rank "
                 f"{self.rank}/{self.world_size}; close it with close(abort=True))",
             )
 

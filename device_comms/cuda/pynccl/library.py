@@ -101,6 +101,10 @@ SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "ncclGroupStart": (_R, ()),
     "ncclGroupEnd": (_R, ()),
 }
+#: Bound where the library has them (``ncclGetLastError``: NCCL 2.13 on).
+OPTIONAL_SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+    "ncclGetLastError": (ctypes.c_char_p, (ncclComm_t,)),
+}
 
 
 # ---------------------------------------------------------------------- discovery
@@ -304,6 +308,11 @@ class NcclLibrary:
                 ) from e
             fn.restype, fn.argtypes = restype, list(argtypes)
             self._fns[name] = fn
+        for name, (restype, argtypes) in OPTIONAL_SIGNATURES.items():
+            fn = getattr(self._lib, name, None)
+            if fn is not None:
+                fn.restype, fn.argtypes = restype, list(argtypes)
+                self._fns[name] = fn
 
     def __repr__(self) -> str:
         return f"NcclLibrary({self.path!r}, version {self.version_string()})"
@@ -314,10 +323,23 @@ class NcclLibrary:
         raw = self._fns["ncclGetErrorString"](code)
         return raw.decode(errors="replace") if raw else f"unknown NCCL result {code}"
 
+    def last_error(self) -> str:
+        """NCCL's message for the last failure of this thread (``ncclGetLastError``:
+        what went wrong, where :meth:`error_string` gives only the class of error);
+        ``""`` when there is none or the library predates the call."""
+        fn = self._fns.get("ncclGetLastError")
+        raw = fn(None) if fn is not None else None  # NCCL ignores the comm argument
+        return raw.decode(errors="replace").strip() if raw else ""
+
+    def describe(self, code: int) -> str:
+        """:meth:`error_string` of ``code``, with :meth:`last_error` where NCCL has one."""
+        text, last = self.error_string(code), self.last_error()
+        return f"{text}; NCCL's last message: {last}" if last else text
+
     def check(self, call: str, code: int) -> None:
         """Raise :class:`NcclError` for ``call`` unless ``code`` is ``ncclSuccess``."""
         if code != NCCL_SUCCESS:
-            raise NcclError(call, code, self.error_string(code))
+            raise NcclError(call, code, self.describe(code))
 
     def _call(self, name: str, *args: Any) -> None:
         self.check(name, self._fns[name](*args))

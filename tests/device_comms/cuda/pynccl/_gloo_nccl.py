@@ -104,6 +104,9 @@ class GlooNccl:
     def error_string(self, code: int) -> str:
         return f"fake NCCL error {code}"
 
+    def describe(self, code: int) -> str:
+        return self.error_string(code)
+
     def comm_init_rank(self, nranks: int, uid: bytes, rank: int) -> str:
         if (nranks, rank) != (self.n, self.rank) or len(uid) != 128:
             raise AssertionError(f"comm_init_rank({nranks}, <{len(uid)} bytes>, {rank})")

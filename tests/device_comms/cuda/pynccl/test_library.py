@@ -176,11 +176,15 @@ def test_real_failing_calls_raise_nccl_error(nccl_lib) -> None:
         nccl_lib.comm_get_async_error(None)  # NULL communicator
     assert info.value.call == "ncclCommGetAsyncError" and info.value.code != 0
     assert nccl_lib.error_string(info.value.code) in str(info.value)
+    # what went wrong, not only the class of error (ncclGetLastError)
+    assert "NCCL's last message:" in str(info.value) and "NULL" in str(info.value), info.value
     # Rank 5 of a 1-rank communicator: invalid without a GPU, and with one.
     with pytest.raises(NcclError) as info:
         nccl_lib.comm_init_rank(1, nccl_lib.unique_id(), 5)
     assert info.value.call == "ncclCommInitRank" and info.value.code != 0
     assert nccl_lib.error_string(info.value.code) in str(info.value)
+    assert "NCCL's last message:" in str(info.value), info.value
+    assert "NULL" not in str(info.value), f"the previous failure's message: {info.value}"
 
 
 def test_nccl_error_pickles() -> None:
