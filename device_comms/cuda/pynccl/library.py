@@ -324,9 +324,9 @@ class NcclLibrary:
         return raw.decode(errors="replace") if raw else f"unknown NCCL result {code}"
 
     def last_error(self) -> str:
-        """NCCL's message for the last failure of this thread (``ncclGetLastError``:
-        what went wrong, where :meth:`error_string` gives only the class of error);
-        ``""`` when there is none or the library predates the call."""
+        """NCCL's message for its latest failure (``ncclGetLastError``: what went
+        wrong, where :meth:`error_string` gives only the class of error); ``""``
+        when there is none or the library predates the call."""
         fn = self._fns.get("ncclGetLastError")
         raw = fn(None) if fn is not None else None  # NCCL ignores the comm argument
         return raw.decode(errors="replace").strip() if raw else ""
