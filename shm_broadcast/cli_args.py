@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Callable
 
-__all__ = ["MAX_THREADS", "number", "output_path", "size_bytes"]
+__all__ = ["MAX_THREADS", "number", "output_path", "size_bytes", "threads"]
 
 #: The most torch threads a bench option sets per process. ``torch.set_num_threads``
 #: takes up to a C ``int`` and fails only in the ranks (a traceback each); more
@@ -63,6 +63,26 @@ def size_bytes(text: str) -> int:
     if not math.isfinite(value) or value < 1:
         raise argparse.ArgumentTypeError(f"expected a size > 0 like 4096, 64K or 1M, got {text!r}")
     return int(value)
+
+
+def threads(text: str) -> int | str:
+    """``--threads``: ``default`` (torch's own default) or an int from 1 to
+    :data:`MAX_THREADS` (a count torch refuses would kill every rank).
+
+    Raises:
+        argparse.ArgumentTypeError: Anything else (argparse names the option).
+    """
+    t = text.strip().lower()
+    if t == "default":
+        return t
+    try:
+        value = int(t)
+    except ValueError:  # a word, or a digit int() does not take ("²")
+        value = 0
+    if not 1 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(
+            f"expected 'default' or an int from 1 to {MAX_THREADS}, got {text!r}")
+    return value
 
 
 def output_path(text: str) -> str:

@@ -15,7 +15,8 @@ import sys
 import time
 from typing import Any
 
-from shm_broadcast.cli_args import MAX_THREADS, number, output_path, size_bytes
+from shm_broadcast import cli_args
+from shm_broadcast.cli_args import number, output_path, size_bytes
 
 __all__ = ["add_args", "run", "parse_size", "parse_threads"]
 
@@ -25,23 +26,8 @@ def parse_size(text: str) -> int:
     return size_bytes(text)
 
 
-def parse_threads(text: str) -> int | str:
-    """``default`` (torch's own default) or an int from 1 to
-    :data:`~shm_broadcast.cli_args.MAX_THREADS`.
-
-    Raises:
-        argparse.ArgumentTypeError: Anything else (argparse names the option).
-    """
-    if text == "default":
-        return text
-    try:
-        value = int(text)
-    except ValueError:  # a word, or a digit int() does not take ("²")
-        value = 0
-    if not 1 <= value <= MAX_THREADS:
-        raise argparse.ArgumentTypeError(
-            f"expected 'default' or an int from 1 to {MAX_THREADS}, got {text!r}")
-    return value
+#: ``--threads``: ``default`` or an int from 1 to 1024 (:func:`shm_broadcast.cli_args.threads`).
+parse_threads = cli_args.threads
 
 
 def _positive(kind: type) -> Any:

@@ -69,7 +69,8 @@ from collections.abc import Callable
 from typing import Any
 
 from device_comms.bench.report import load_average
-from shm_broadcast.cli_args import MAX_THREADS, number, output_path
+from shm_broadcast import cli_args
+from shm_broadcast.cli_args import number, output_path
 
 __all__ = ["add_bench_args", "run_bench", "main"]
 
@@ -95,21 +96,6 @@ def _parse_size(text: str) -> int:
             f"size must look like 4096, 64K or 16M, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
-
-
-def _parse_threads(text: str) -> int | str:
-    """``--threads``: ``"default"`` or an int from 1 to ``MAX_THREADS``."""
-    t = text.strip().lower()
-    if t == "default":
-        return "default"
-    try:
-        value = int(t)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_THREADS:
-        raise argparse.ArgumentTypeError(
-            f"threads must be default or an int from 1 to {MAX_THREADS}, got {text!r}")
     return value
 
 
@@ -158,7 +144,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-mb", type=number(float, above=0), default=1024.0,
                         help="per point and implementation, about this many MB are moved "
                              "(sets iterations)")
-    parser.add_argument("--threads", type=_parse_threads, nargs="+", default=None,
+    parser.add_argument("--threads", type=cli_args.threads, nargs="+", default=None,
                         help="torch threads per rank: 1, default (torch's own default, the "
                              "core count) or N; several settings are timed interleaved in one "
                              "run (default: max(1, cpus // world size))")

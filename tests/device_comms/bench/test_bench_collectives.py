@@ -9,6 +9,7 @@ import pytest
 
 from device_comms.bench import collectives as bench
 from device_comms.bench.report import format_markdown, human_bytes
+from shm_broadcast import cli_args
 
 
 def test_parse_size() -> None:
@@ -22,9 +23,9 @@ def test_parse_size() -> None:
 
 
 def test_parse_threads() -> None:
-    assert bench._parse_threads("default") == "default"
-    assert bench._parse_threads(" 1 ") == 1 and bench._parse_threads("6") == 6
-    assert bench._parse_threads("1024") == 1024
+    assert cli_args.threads("default") == "default"
+    assert cli_args.threads(" 1 ") == 1 and cli_args.threads("6") == 6
+    assert cli_args.threads("1024") == 1024
     assert bench.threads_for("default", 2) is None
     assert bench.threads_for(3, 2) == 3
     assert bench.threads_for(None, 2) >= 1
@@ -33,8 +34,8 @@ def test_parse_threads() -> None:
 @pytest.mark.parametrize("bad", ["0", "-1", "all", "1.5", "²", "1025", "99999999999999999999"])
 def test_parse_threads_refuses(bad: str) -> None:
     """Not an int from 1 to 1024 (a count torch would refuse killed every rank)."""
-    with pytest.raises(argparse.ArgumentTypeError, match="default or an int from 1 to 1024"):
-        bench._parse_threads(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="'default' or an int from 1 to 1024"):
+        cli_args.threads(bad)
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
