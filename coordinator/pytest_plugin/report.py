@@ -46,8 +46,9 @@ def raise_outcome(results: list[RankResult], what: str, timeout: float,
         limit: Where that limit came from, in words.
         expected: The test's ``xfail(raises=...)`` marker, as its reason and the
             :func:`~coordinator.pytest_plugin.protocol.type_names` of the classes
-            it names: the test xfails when every rank that did not pass raised
-            one of them (the exception here is the plugin's, not the rank's).
+            it names: the test xfails when the ranks that raised raised one of
+            them and the others passed or were stopped while they waited for
+            them (the exception here is the plugin's, not the rank's).
     """
     import pytest
 
@@ -59,11 +60,19 @@ def raise_outcome(results: list[RankResult], what: str, timeout: float,
                                     _use_item_location=True)
     if statuses == {XFAILED}:
         pytest.xfail(results[0].summary or "xfailed on every rank")
-    bad = [r for r in results if r.status != PASSED]
-    if expected is not None and all(
-            r.status == FAILED and set(r.exception_types) & set(expected[1]) for r in bad):
+    if expected is not None and _as_expected(results, expected[1]):
         pytest.xfail(expected[0])
     pytest.fail(failure_report(results, what, timeout, limit), pytrace=False)
+
+
+def _as_expected(results: list[RankResult], expected: tuple[str, ...]) -> bool:
+    """Whether the ranks that did not pass raised one of the ``expected`` exception
+    types, apart from ranks stopped while they waited (most likely for a rank that
+    raised): at least one raised, and none died, timed out, skipped or raised
+    something else."""
+    raised = [r for r in results if r.status == FAILED]
+    return bool(raised) and all(set(r.exception_types) & set(expected) for r in raised) and all(
+        r.status in (PASSED, FAILED, STOPPED) for r in results)
 
 
 def failure_report(results: list[RankResult], what: str, timeout: float,

@@ -2,7 +2,8 @@
 (``pytester``), and what its report says.
 
 One run covers the fast cases: a passing test, parametrize ids, a rank that
-fails (its traceback and the ranks' output in the report). The others (a rank
+fails (its traceback and the ranks' output in the report), a rank that raises
+what ``xfail(raises=...)`` expects while the other waits for it. The others (a rank
 that hangs past the timeout, layouts, simulated hosts, a rank that dies, test
 classes, fixtures that cannot reach the ranks, skips, xdist) are ``slow``.
 """
@@ -49,6 +50,13 @@ _FAST = """
         values = [rank, rank * 10]
         assert values[1] == 0, "only rank 0 gets here"
 
+
+    @pytest.mark.xfail(raises=NotImplementedError, reason="rank 1 cannot do it yet")
+    @pytest.mark.distributed(world_size=2, timeout=30)
+    def test_one_rank_raises_what_xfail_expects(rank, group):
+        if rank == 1:
+            raise NotImplementedError("not on rank 1")
+        group.barrier()  # rank 0 waits for rank 1 until the plugin stops it
 """
 
 
@@ -72,12 +80,13 @@ def test_pass_params_and_a_failing_rank(pytester: pytest.Pytester,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     res = _run(pytester, monkeypatch, _FAST)
     out = res.stdout.str()
-    res.assert_outcomes(passed=3, failed=1)
+    res.assert_outcomes(passed=3, failed=1, xfailed=1)
     res.stdout.fnmatch_lines([
         "*test_generated.py::test_sum PASSED*",
         "*test_generated.py::test_scaled[[]double[]] PASSED*",
         "*test_generated.py::test_scaled[[]triple[]] PASSED*",
         "*test_generated.py::test_one_rank_fails FAILED*",
+        "*test_generated.py::test_one_rank_raises_what_xfail_expects XFAIL*",
     ])
     # the failing rank's own traceback, in pytest's format, under its rank
     res.stdout.fnmatch_lines([
