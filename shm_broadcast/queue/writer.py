@@ -80,6 +80,7 @@ from shm_broadcast.errors import (
 from shm_broadcast.lifecycle.channel_dirs import new_channel_dir, remove_channel_dir
 from shm_broadcast.queue.handle import Handle
 from shm_broadcast.queue.laggards import Laggard, WaitWarnings, logger, writer_warning
+from shm_broadcast.queue.monitor_drain import MonitorDrain
 from shm_broadcast.queue.options import DEFAULT_WARN_INTERVAL
 from shm_broadcast.queue.ring_buffer import CHUNK_HEADER, READER_CLOSED, READER_EMPTY, ShmRingBuffer
 from shm_broadcast.queue.transport import (
@@ -306,7 +307,7 @@ class QueueWriter:
         if channel_dir is not None:
             addrs["local_pub"] = bind(pub, local_bind_address(channel_dir, "p"))
             addrs["local_ctl"] = bind(ctl, local_bind_address(channel_dir, "c"))
-        mon = pub_mon = auth = None
+        mon = pub_mon = drain = auth = None
         if remote:
             self._server_keys = new_keypair()
             connections = CONNECTIONS_PER_KEY
@@ -332,13 +333,15 @@ class QueueWriter:
             res.callback(stop_monitor, ctl, mon)
             pub_mon = open_monitor(pub, HANDSHAKE_FAILED)
             res.callback(stop_monitor, pub, pub_mon)
-            parts[:0] = [auth, mon, pub_mon]
+            drain = MonitorDrain(mon, pub_mon)
+            res.callback(drain.stop)  # before the monitors close
+            parts[:0] = [auth, drain, mon, pub_mon]
             addrs["remote_pub"] = bind(pub, f"tcp://{ip}:*")
             addrs["remote_ctl"] = bind(ctl, f"tcp://{ip}:*")
         self._control = WriterControl(
             local_ranks=self.local_ranks, n_remote=self.n_remote,
             per_reader_keys=not self._shared_key, ring=self.ring, pub=pub, ctl=ctl, mon=mon,
-            pub_mon=pub_mon, auth=auth)
+            monitors=drain, auth=auth)
         self._remote = self._control if remote else None
         return addrs
 
@@ -650,6 +653,8 @@ class QueueWriter:
         poller.register(remote.ctl, zmq.POLLIN)
         if remote.mon is not None:
             poller.register(remote.mon, zmq.POLLIN)
+        polling = (remote.monitors.holding if remote.monitors is not None
+                   else contextlib.nullcontext)
         b = self._backoff
         b.start(deadline)
         remote.drain(self._seq)
@@ -659,7 +664,8 @@ class QueueWriter:
             self._warnings.start(_monotonic())
         while remote.min_acked < need:
             b.step()
-            poller.poll(max(1, int(b.park_timeout() * 1000)))
+            with polling():
+                poller.poll(max(1, int(b.park_timeout() * 1000)))
             remote.drain(self._seq)
 
     def _lagging(self) -> tuple[list[int], list[int]]:

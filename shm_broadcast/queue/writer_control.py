@@ -74,6 +74,7 @@ import msgspec
 import zmq
 
 from shm_broadcast.queue.inbound_limits import DRAIN_FRAMES, SUBSCRIPTIONS_PER_KEY, PeerBudgets
+from shm_broadcast.queue.monitor_drain import MonitorDrain
 from shm_broadcast.queue.ring_buffer import READER_EMPTY, ShmRingBuffer
 from shm_broadcast.queue.transport import (
     ACK,
@@ -83,7 +84,6 @@ from shm_broadcast.queue.transport import (
     TOPIC_OVERFLOW,
     TOPIC_REMOTE,
     ReaderAuthenticator,
-    count_failed_handshakes,
     joined_rank,
     parse_routing_id,
 )
@@ -114,8 +114,10 @@ class WriterControl:
             must come from the process registered in its slot.
         pub: The writer's XPUB data socket (subscriptions arrive on it).
         ctl: The writer's ROUTER control socket.
-        mon: Monitor of ``ctl``'s TCP connections (None without remote readers).
-        pub_mon: Monitor of ``pub``'s TCP handshakes (likewise).
+        mon: Monitor of ``ctl``'s TCP connections (None without remote readers):
+            the writer polls it to learn of a dropped reader at once.
+        monitors: What empties ``mon`` and the data socket's monitor
+            (likewise None), in the background too.
         auth: The ZAP handler (likewise).
 
     Attributes:
@@ -132,7 +134,7 @@ class WriterControl:
 
     def __init__(self, *, local_ranks: tuple[int, ...], n_remote: int, per_reader_keys: bool,
                  ring: ShmRingBuffer | None, pub: zmq.SyncSocket, ctl: zmq.SyncSocket,
-                 mon: zmq.SyncSocket | None, pub_mon: zmq.SyncSocket | None,
+                 mon: zmq.SyncSocket | None, monitors: MonitorDrain | None,
                  auth: ReaderAuthenticator | None) -> None:
         self.local_ranks = local_ranks
         self.n_local = len(local_ranks)
@@ -140,7 +142,7 @@ class WriterControl:
         self.pub, self.ctl, self.mon = pub, ctl, mon
         self._per_reader_keys = per_reader_keys
         self._ring = ring
-        self._pub_mon = pub_mon
+        self.monitors = monitors
         self._auth = auth
         self._subs = {TOPIC_OVERFLOW: 0, TOPIC_REMOTE: 0}
         self._joined: dict[int, int] = {}  # remote rank -> its joined-topic subscriptions
@@ -336,11 +338,10 @@ class WriterControl:
         """Count failed handshakes (of both sockets: their monitors' pipes are
         unbounded, so each drain empties them); a disconnect of a remote reader's
         control connection marks it dead (unless it said goodbye)."""
-        if self.mon is None:
+        if self.monitors is None:
             return
-        failed, gone = count_failed_handshakes(self.mon)
-        failed_pub, _ = count_failed_handshakes(self._pub_mon)
-        self._failed_handshakes += failed + failed_pub
+        failed, gone = self.monitors.take()
+        self._failed_handshakes += failed
         for fd in gone:
             rank = self._remote_fd.pop(fd, None)
             if rank is not None and rank not in self.said_goodbye:

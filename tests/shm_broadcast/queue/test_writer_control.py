@@ -51,7 +51,7 @@ def channel() -> Iterator[dict[str, Any]]:
             dealer.setsockopt(zmq.ROUTING_ID, b"L0")
             dealer.connect(bind(ctl, f"ipc://{d}/c"))
             control = WriterControl(local_ranks=(3,), n_remote=0, per_reader_keys=True, ring=ring,
-                                    pub=pub, ctl=ctl, mon=None, pub_mon=None, auth=None)
+                                    pub=pub, ctl=ctl, mon=None, monitors=None, auth=None)
             yield {"control": control, "sub": sub, "dealer": dealer, "ctime": ctime}
         finally:
             close_all(*socks)
