@@ -535,7 +535,8 @@ def open_monitor(sock: zmq.SyncSocket, events: int) -> zmq.SyncSocket:
     health probe, an attacker) filled the pipe, and the I/O thread stopped with
     them: no connection accepted, nothing sent or received, and
     ``disable_monitor`` (at close) waited for it forever. Owners drain their
-    monitors whenever they take in their control traffic.
+    monitors whenever they take in their control traffic, and a writer's also
+    in the background (:mod:`shm_broadcast.queue.monitor_drain`).
     """
     addr = f"inproc://groupcoord-monitor-{os.getpid()}-{next(_MONITORS)}"
     mon: zmq.SyncSocket = sock.context.socket(zmq.PAIR)
