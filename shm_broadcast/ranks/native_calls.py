@@ -27,8 +27,8 @@ import time
 
 __all__ = ["wait_at_exit", "EXIT_GRACE_S"]
 
-#: The longest the exit waits for one call given up on (a live peer answers in
-#: milliseconds; a stopped one may never).
+#: The longest the exit waits for the calls given up on, all together (a live
+#: peer answers in milliseconds; a stopped one may never).
 EXIT_GRACE_S = 2.0
 
 _PENDING: list[threading.Event] = []
