@@ -152,8 +152,10 @@ class SparseMoeBlock(nn.Module):
 
     Raises:
         TypeError: ``comm`` is not a :class:`MoeComm`.
-        ValueError: ``allgather`` without sequence parallelism on an EP group
-            that is not its token peers times the TP group.
+        ValueError: ``num_experts`` is not a multiple of the EP group's size
+            (on either path: experts are sharded contiguously, the same number
+            per rank), or ``allgather`` without sequence parallelism on an EP
+            group that is not its token peers times the TP group.
     """
 
     def __init__(self, config: Any, tp_group: TPGroup | None, ep_group: Any,
@@ -169,6 +171,10 @@ class SparseMoeBlock(nn.Module):
         self.ep_group = ep_group
         self.tp_size, self.tp_rank = tp_size_and_rank(tp_group)
         ep, me = tp_size_and_rank(ep_group)
+        if c.num_experts % ep:  # else some experts would be held by no rank
+            raise ValueError(
+                f"num_experts must be a positive multiple of the EP group's size {ep} (experts "
+                f"are sharded contiguously, num_experts / {ep} per rank), got {c.num_experts}")
         self.comm = comm
         #: Experts on other ranks (so rows travel); False: all experts here.
         self.sharded = ep > 1

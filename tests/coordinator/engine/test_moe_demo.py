@@ -250,6 +250,28 @@ def test_moe_comm_refuses_bad_settings() -> None:
         _engine_cfg("unused", 2, 1, 1, "all2all", False)
 
 
+@dataclasses.dataclass
+class _FakeEpGroup:
+    """What SparseMoeBlock's constructor reads of an EP group."""
+
+    world_size: int
+    rank_in_group: int = 0
+
+
+@pytest.mark.parametrize("comm", ["allgather", "all2all"])
+def test_moe_block_refuses_experts_not_divisible_by_ep(comm: str) -> None:
+    """3 experts over 2 EP ranks: refused when built (the allgather path used to run
+    with expert 2 held by no rank), with the all2all dispatch's message."""
+    from coordinator.engine.models.moe_block import MoeComm, SparseMoeBlock
+    from coordinator.engine.models.moe_config import default_moe_config
+
+    config = dataclasses.replace(default_moe_config(), num_experts=3)
+    with pytest.raises(ValueError, match=r"num_experts must be a positive multiple of the EP "
+                                         r"group's size 2 .*got 3"):
+        SparseMoeBlock(config, None, _FakeEpGroup(2), torch.float32, "mlp", MoeComm(comm))
+    SparseMoeBlock(config, None, _FakeEpGroup(3, 2), torch.float32, "mlp", MoeComm(comm))
+
+
 @pytest.mark.slow  # 13 s each; the engine's EP over DP is matched in test_moe_engine_matches_hf
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("comm", ["all2all", "allgather"])
