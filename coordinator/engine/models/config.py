@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -133,12 +134,23 @@ class LlamaModelConfig:
         ):
             if key not in d:
                 raise ValueError(f"config.json lacks required field {key!r}")
+        # checked before use (a division, float(), int()), so a bad value is named here
+        for key in ("hidden_size", "num_attention_heads"):
+            _positive_int_field(key, d[key])
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         rope_type, theta, params = _parse_rope(d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        for e in eos_ids:
+            if not _is_int(e) or e < 0:
+                raise ValueError(f"config field eos_token_id must be a token id (an int >= 0), "
+                                 f"a list of them or null, got {eos!r}")
+        bos = d.get("bos_token_id")
+        if bos is not None and (not _is_int(bos) or bos < 0):
+            raise ValueError(f"config field bos_token_id must be a token id (an int >= 0) or "
+                             f"null, got {bos!r}")
         dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
         return cls(
             vocab_size=d["vocab_size"],
@@ -148,16 +160,16 @@ class LlamaModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_positive_number_field("rms_norm_eps", d.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_type=rope_type,
             rope_params=params,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
+            tie_word_embeddings=_bool_field(d, "tie_word_embeddings"),
+            attention_bias=_bool_field(d, "attention_bias"),
+            mlp_bias=_bool_field(d, "mlp_bias"),
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
             dtype=str(dtype),
         )
 
@@ -311,6 +323,36 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: LlamaModelConfig) -> 
     raise TypeError(f"dtype must be a floating torch.dtype, a name or 'auto', got {dtype!r}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int_field(name: str, value: Any) -> int:
+    """``value`` of config field ``name``, which must be an int > 0."""
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"config field {name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _positive_number_field(name: str, value: Any) -> float:
+    """``value`` of config field ``name`` as a float; it must be a finite number > 0."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"config field {name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _bool_field(d: Mapping[str, Any], name: str) -> bool:
+    """Config field ``name`` of ``d``: true/false (absent or null: false). Not ``bool()``
+    of anything else: ``bool("false")`` is True."""
+    value = d.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"config field {name} must be true, false or null, got {value!r}")
+    return value
+
+
 def _parse_rope(d: Mapping[str, Any]) -> tuple[str, float, dict[str, Any]]:
     """``(rope_type, theta, extra params)`` from either config dialect."""
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -335,7 +377,7 @@ def _parse_rope(d: Mapping[str, Any]) -> tuple[str, float, dict[str, Any]]:
                 f"rope_scaling of type {rope_type!r} needs a positive numeric 'factor', "
                 f"got {factor!r}"
             )
-    return str(rope_type), float(theta), extra
+    return str(rope_type), _positive_number_field("rope_theta", theta), extra
 
 
 def default_config() -> LlamaModelConfig:

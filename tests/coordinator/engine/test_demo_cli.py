@@ -88,6 +88,22 @@ def test_demo_rejects_bad_prompt_ids(run_cli) -> None:
     assert "--prompt-ids" in err and "'1,x'" in err
 
 
+@pytest.mark.parametrize("update,needle", [
+    ({"num_attention_heads": 0}, "config field num_attention_heads must be a positive int, got 0"),
+    ({"rms_norm_eps": None}, "config field rms_norm_eps must be a positive number, got None"),
+    ({"eos_token_id": "</s>"}, "config field eos_token_id must be a token id"),
+], ids=["heads-zero", "eps-null", "eos-str"])
+def test_demo_names_a_malformed_config_field(tmp_path: Path, run_cli, update: dict[str, Any],
+                                             needle: str) -> None:
+    """A bad config.json: exit status 2 and the field, before any rank starts."""
+    cfg = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, **update}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run_cli(["demo", "--model-dir", str(tmp_path), "--no-progress"])
+    assert code == 2 and out == "", out + err
+    assert f"groupcoord demo: error: {needle}" in err, err
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seed", [str(2**64), str(-2**63 - 1), "99999999999999999999"],
                          ids=["2**64", "below-int64", "20-digits"])

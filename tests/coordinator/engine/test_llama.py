@@ -131,6 +131,36 @@ def test_config_old_dialect_and_errors() -> None:
         LlamaModelConfig.from_json("/nonexistent/dir")
 
 
+_BAD_FIELDS = [
+    ({"num_attention_heads": 0}, "config field num_attention_heads must be a positive int, got 0"),
+    ({"num_attention_heads": "4"}, "config field num_attention_heads must be a positive int, "
+                                   "got '4'"),
+    ({"hidden_size": 16.0}, "config field hidden_size must be a positive int, got 16.0"),
+    ({"rms_norm_eps": None}, "config field rms_norm_eps must be a positive number, got None"),
+    ({"rms_norm_eps": "1e-5"}, "config field rms_norm_eps must be a positive number, got '1e-5'"),
+    ({"eos_token_id": "</s>"}, "config field eos_token_id must be a token id (an int >= 0), "
+                               "a list of them or null, got '</s>'"),
+    ({"eos_token_id": [2, True]}, "config field eos_token_id must be a token id"),
+    ({"bos_token_id": "<s>"}, "config field bos_token_id must be a token id"),
+    ({"rope_theta": "abc"}, "config field rope_theta must be a positive number, got 'abc'"),
+    ({"tie_word_embeddings": "false"}, "config field tie_word_embeddings must be true, false or "
+                                       "null, got 'false'"),
+]
+
+
+@pytest.mark.parametrize("update,message", _BAD_FIELDS,
+                         ids=["heads-zero", "heads-str", "hidden-float", "eps-null", "eps-str",
+                              "eos-str", "eos-bool", "bos-str", "theta-str", "tie-str"])
+def test_config_names_a_malformed_field(update: dict[str, Any], message: str) -> None:
+    """A bad value is refused with the field's name, not a ZeroDivisionError / float()
+    / int() traceback (nor bool("false") read as True)."""
+    base = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    with pytest.raises(ValueError) as info:
+        LlamaModelConfig.from_hf_dict({**base, **update})
+    assert message in str(info.value)
+
+
 def test_config_round_trips_through_transformers(tmp_path: Any) -> None:
     """Our config.json (llama3 RoPE) loads in transformers with the same inverse frequencies."""
     from transformers import AutoConfig
