@@ -226,7 +226,8 @@ class LlamaModelConfig:
 
         Raises:
             TypeError: ``tp`` or ``pp`` is not an int.
-            ValueError: A size the model cannot be split by, naming the field.
+            ValueError: A size the model cannot be split by, naming the field; or
+                ``VLLM_PP_LAYER_PARTITION`` gives a stage no layers (naming the stage).
         """
         for name, value in (("tensor-parallel size (tp)", tp), ("pipeline-parallel size (pp)", pp)):
             if not isinstance(value, int) or isinstance(value, bool):
@@ -260,11 +261,32 @@ class LlamaModelConfig:
                 f"pipeline-parallel size (pp={pp}) must be <= num_hidden_layers "
                 f"({self.num_hidden_layers})"
             )
+        stage_layer_ranges(self.num_hidden_layers, pp)  # VLLM_PP_LAYER_PARTITION, if set
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The checkpoint dtype as a ``torch.dtype``."""
         return DTYPES[self.dtype]
+
+
+def stage_layer_ranges(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` layers of each of ``pp_size`` stages (:func:`coordinator.get_pp_indices`,
+    so ``VLLM_PP_LAYER_PARTITION`` when set), every stage at least one.
+
+    Raises:
+        ValueError: ``VLLM_PP_LAYER_PARTITION`` gives a stage no layers, or is
+            malformed (named).
+    """
+    from coordinator.parallel.tensor_split import PARTITION_VAR, pp_layer_ranges
+
+    ranges = pp_layer_ranges(num_layers, pp_size, allow_empty=True)
+    for stage, (start, end) in enumerate(ranges):
+        if start == end:
+            raise ValueError(
+                f"{PARTITION_VAR}={os.environ.get(PARTITION_VAR, '')!r} gives pipeline stage "
+                f"{stage} no layers; every stage needs at least one decoder layer (layer "
+                f"counts >= 1 summing to num_hidden_layers={num_layers})")
+    return ranges
 
 
 def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coordinator import get_pp_indices
 from coordinator.engine.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -49,7 +48,7 @@ from coordinator.engine.layers import (
 )
 from coordinator.engine.layers.weights import TPGroup, tp_size_and_rank, weight_loader_of
 from coordinator.engine.models import attention as _attention  # noqa: F401  (registers the op)
-from coordinator.engine.models.config import LlamaModelConfig
+from coordinator.engine.models.config import LlamaModelConfig, stage_layer_ranges
 from coordinator.engine.models.kv_cache import AttentionInputs, KVCache
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "partition_layers"]
@@ -70,7 +69,8 @@ def partition_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     ``get_pp_indices`` split (:func:`coordinator.get_pp_indices`).
 
     Raises:
-        ValueError: Fewer layers than stages (vLLM would leave stages empty).
+        ValueError: Fewer layers than stages (vLLM would leave stages empty), or
+            ``VLLM_PP_LAYER_PARTITION`` gives a stage no layers (naming it).
     """
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size <= 0:
         raise ValueError(f"pipeline-parallel size must be a positive int, got {pp_size!r}")
@@ -79,7 +79,7 @@ def partition_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
             f"cannot split {num_layers} layers over {pp_size} pipeline stages "
             f"(num_hidden_layers={num_layers}, pp_size={pp_size}); use a "
             f"pipeline-parallel size <= num_hidden_layers")
-    return [get_pp_indices(num_layers, stage, pp_size) for stage in range(pp_size)]
+    return stage_layer_ranges(num_layers, pp_size)
 
 
 def _sp_pad(num_tokens: int, tp: int) -> int:

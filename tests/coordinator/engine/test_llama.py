@@ -204,6 +204,24 @@ def test_partition_layers() -> None:
         partition_layers(2, 3)
 
 
+@pytest.mark.parametrize("value,stage", [("0,4", 0), ("4,0", 1), ("1,0,3", 1)],
+                         ids=["first-empty", "last-empty", "middle-empty"])
+@pytest.mark.parametrize("check", ["partition_layers", "check_parallel"])
+def test_pp_layer_partition_with_an_empty_stage_is_refused(
+    monkeypatch: pytest.MonkeyPatch, value: str, stage: int, check: str
+) -> None:
+    """VLLM_PP_LAYER_PARTITION giving a stage no layers: refused up front with the
+    variable and the stage (it used to fail later, in the KV cache, naming neither)."""
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", value)
+    pp = value.count(",") + 1
+    match = f"VLLM_PP_LAYER_PARTITION='{value}' gives pipeline stage {stage} no layers"
+    with pytest.raises(ValueError, match=match):
+        if check == "partition_layers":
+            partition_layers(4, pp)
+        else:
+            default_config().check_parallel(1, pp)
+
+
 # ---------------------------------------------------------------------- KV cache
 def test_kv_cache_blocks_and_metadata() -> None:
     kv = KVCache(num_layers=2, num_kv_heads=1, head_dim=4, num_blocks=4, block_size=2)
