@@ -26,6 +26,7 @@ pipeline group so the first stage (the driver's) has them.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,21 @@ class StepInput(msgspec.Struct, frozen=True):
     token_ids: list[list[int]]
     num_computed: list[int]
     finished_req_ids: list[int] = []
+
+
+def _refuse_token_ids(req: int, suspects: list[Any], vocab: int) -> None:
+    """Raise for the first non-integer or out-of-vocabulary id among ``suspects`` (ids
+    that are not plain ints or are out of range); other integer types in range (a
+    NumPy int) pass."""
+    for t in suspects:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(
+                f"step.token_ids: request {req} has token id {t!r} of type "
+                f"{type(t).__name__}; token ids must be ints (not bool)")
+    bad = [t for t in suspects if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(
+            f"request {req}: token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
 
 
 class ModelRunner:
@@ -115,11 +131,10 @@ class ModelRunner:
             )
         vocab = self.model.config.vocab_size
         for req, toks in zip(step.req_ids, step.token_ids, strict=True):
-            bad = [t for t in toks if not 0 <= t < vocab]
+            # one pass per step: plain ints in range cost a type() test more than before
+            bad = [t for t in toks if type(t) is not int or not 0 <= t < vocab]
             if bad:
-                raise ValueError(
-                    f"request {req}: token ids {bad[:4]} are outside the vocabulary [0, {vocab})"
-                )
+                _refuse_token_ids(req, bad, vocab)
 
     @torch.no_grad()
     def run(self, step: StepInput, all_logits: bool = False) -> torch.Tensor | None:

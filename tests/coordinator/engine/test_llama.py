@@ -348,6 +348,24 @@ def test_runner_rejects_bad_steps() -> None:
         runner.execute({"req_ids": [0]})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("ids,bad", [([[5.9, 7]], "5.9 of type float"),
+                                     ([[3], [True, 7]], "True of type bool"),
+                                     ([["4"]], "'4' of type str")],
+                         ids=["float", "bool", "str"])
+def test_runner_refuses_non_int_token_ids(ids: list[list[Any]], bad: str) -> None:
+    """A non-integer token id is refused (it used to be truncated: 5.9 ran as 5, True as 1)."""
+    cfg = LlamaModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                           head_dim=8)
+    runner = ModelRunner(LlamaForCausalLM.from_seed(cfg, 0), num_kv_blocks=2, block_size=4)
+    req = len(ids) - 1
+    with pytest.raises(TypeError, match=f"step.token_ids: request {req} has token id {bad}"):
+        runner.execute(StepInput(list(range(len(ids))), ids, [0] * len(ids)))
+    # an integer type other than int (NumPy's) is still a token id
+    np = pytest.importorskip("numpy")
+    assert len(runner.execute(StepInput([9], [[np.int64(3), 4]], [0])) or []) == 1
+
+
 def test_default_model_is_deterministic() -> None:
     a = LlamaForCausalLM.from_seed(seed=3)
     b = LlamaForCausalLM.from_seed(default_config(), seed=3)
