@@ -24,7 +24,7 @@ CASES: dict[str, tuple[str, bool]] = {
     "tp_mlp.py": ("tp_mlp: PASS", False),
     "broadcast_metadata.py": ("dicts intact: PASS", False),
     "pipeline_send_recv.py": ("pipeline_send_recv: PASS", True),  # 4 ranks; links tested apart
-    "results_to_driver.py": ("dot products match: PASS", True),  # a 4-rank engine loop
+    "results_to_driver.py": ("dot products match: PASS", True),  # a driver + 2 workers loop
     "stateless_group.py": ("stateless_group: PASS", True),  # authenticated store: slow start
     "compile_collectives.py": ("compile_collectives: PASS", True),  # compiling: most CPU
 }
@@ -55,6 +55,24 @@ def test_every_example_is_covered_and_documented() -> None:
         ]
         assert guards, f"{name}: no `if __name__ == \"__main__\":` guard"
         assert f"examples/{name}" in readme, f"examples/README.md does not explain {name}"
+
+
+def _readme_slow_column() -> dict[str, bool]:
+    """example -> the README table's "`slow` in the tests" column (yes/no)."""
+    out = {}
+    for line in (EXAMPLES / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("[`") and cells[3] in ("yes", "no"):
+            out[cells[0][2:cells[0].index("`", 2)]] = cells[3] == "yes"
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES), ids=lambda n: n.removesuffix(".py"))
+def test_readme_says_which_examples_are_slow(name: str) -> None:
+    """examples/README.md's table says, per example, whether CASES marks it slow."""
+    column = _readme_slow_column()
+    assert name in column, f"examples/README.md's table has no `slow` column entry for {name}"
+    assert column[name] == CASES[name][1], (name, column[name])
 
 
 @pytest.mark.timeout(150)
