@@ -23,6 +23,7 @@ from typing import Any
 
 from coordinator.engine.demo.requests import (
     default_requests,
+    kv_blocks_from_args,
     parse_prompt_ids,
     requests_from_args,
 )
@@ -57,6 +58,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-ids", default=None,
                    help='prompts as token ids, ";" between prompts: "1,2,3;4,5"')
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV cache capacity per rank (per replica with --dp) in blocks of 16 "
+                        "tokens; refused up front when it cannot hold every request at once "
+                        "(default: just what the requests need)")
     p.add_argument("--compile", action="store_true",
                    help="run the model under torch.compile(fullgraph=True)")
     p.add_argument("--compile-backend", default="aot_eager",
@@ -114,8 +119,8 @@ def _seed(text: str) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("tp", "pp", "dp", "max_new_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("tp", "pp", "dp", "max_new_tokens", "kv_blocks"):
+        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.mlp and args.launcher != "spawn":
         raise ValueError(f"--mlp runs with --launcher spawn only, got --launcher {args.launcher}")
@@ -170,11 +175,13 @@ def _run_engine(args: argparse.Namespace) -> int:
     mcfg = LlamaModelConfig.from_json(args.model_dir) if args.model_dir else default_config()
     # refuse an unshardable layout here, with the field's name, before any rank starts
     mcfg.check_parallel(args.tp, args.pp)
+    requests = tuple(requests_from_args(args, mcfg.vocab_size))
     cfg = EngineConfig(
         tp=args.tp, pp=args.pp, model_dir=args.model_dir, seed=args.seed,
-        requests=tuple(requests_from_args(args, mcfg.vocab_size)), compile=args.compile,
+        requests=requests, compile=args.compile,
         compile_backend=args.compile_backend, ignore_eos=args.ignore_eos,
         progress=not args.no_progress, dtype=args.dtype,
+        kv_blocks=kv_blocks_from_args(args, requests),
     )
     src = args.model_dir or f"embedded model (seed {args.seed})"
     if args.launcher == "env":

@@ -58,16 +58,17 @@ def _comm_text(cfg: Any) -> str:
 def run_moe(args: argparse.Namespace) -> int:
     """Run the MoE demo; 0 when the sharded run matches the unsharded reference."""
     from coordinator.engine.demo.moe_engine import MoeEngineConfig, moe_engine_rank
-    from coordinator.engine.demo.requests import requests_from_args
+    from coordinator.engine.demo.requests import kv_blocks_from_args, requests_from_args
     from coordinator.engine.models.moe_config import MoeModelConfig, default_moe_config
     from coordinator.testing import run_distributed
 
     _check(args)
     mcfg = MoeModelConfig.from_json(args.model_dir) if args.model_dir else default_moe_config()
     mcfg.check_parallel(args.tp, args.pp, args.dp * args.tp)
+    requests = tuple(requests_from_args(args, mcfg.vocab_size))
     cfg = MoeEngineConfig(tp=args.tp, pp=args.pp, dp=args.dp, model_dir=args.model_dir,
-                          seed=args.seed, requests=tuple(requests_from_args(args, mcfg.vocab_size)),
-                          ignore_eos=args.ignore_eos, dtype=args.dtype,
+                          seed=args.seed, requests=requests, ignore_eos=args.ignore_eos,
+                          kv_blocks=kv_blocks_from_args(args, requests, args.dp), dtype=args.dtype,
                           moe_comm=args.moe_comm or "all2all", moe_sp=args.moe_sp != "off")
     world = args.tp * args.pp * args.dp
     t0 = time.perf_counter()

@@ -63,12 +63,15 @@ def reference_run(cfg: Any, sequences: list[list[int]], build_model: Callable[..
         The reference's generated ids and top-two logits per step, and its
         logits for ``sequences``.
     """
+    from coordinator.engine.demo.requests import kv_blocks_needed
     from coordinator.engine.models.generate import GenerationRequest, generate_greedy
     from coordinator.engine.models.runner import ModelRunner, StepInput
 
     torch.set_num_threads(1)  # tiny model: one thread avoids OpenMP spin on busy cores
     model = build_model(cfg, None, None)
-    runner = ModelRunner(model, num_kv_blocks=cfg.kv_blocks)
+    # one process runs every request (cfg.kv_blocks is per replica with --dp): size the
+    # cache to all of them (the verification pass, after they are freed, needs no more)
+    runner = ModelRunner(model, num_kv_blocks=kv_blocks_needed(cfg.requests))
     top2: dict[int, list[Any]] = {}
 
     def step(s: StepInput) -> list[int]:

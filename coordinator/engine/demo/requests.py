@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Sequence
 
-__all__ = ["parse_prompt_ids", "default_requests", "requests_from_args"]
+__all__ = ["parse_prompt_ids", "default_requests", "requests_from_args", "KV_BLOCK_SIZE",
+           "kv_blocks_needed", "kv_blocks_from_args"]
+
+#: Tokens per KV-cache block (``ModelRunner``'s default, which the demos use).
+KV_BLOCK_SIZE = 16
 
 
 def parse_prompt_ids(text: str) -> list[list[int]]:
@@ -55,3 +60,46 @@ def requests_from_args(args: argparse.Namespace,
                              f"[0, {vocab})")
 
     return [(tuple(p), args.max_new_tokens, 0) for p in prompts]
+
+
+def kv_blocks_needed(requests: Sequence[tuple[Sequence[int], int, int]],
+                     replicas: int = 1) -> int:
+    """KV blocks that hold every request of the busiest replica at once.
+
+    A request caches at most its prompt and all but its last new token; the
+    scheduler admits every request that has arrived (no preemption), so this
+    is what one replica's cache must hold in the worst case. Replica ``d``
+    serves the requests whose index ``% replicas == d``. At least 1 (the
+    warm-up request).
+    """
+    per = [0] * replicas
+    for i, (prompt, max_new, _) in enumerate(requests):
+        per[i % replicas] += -(-(len(prompt) + max_new - 1) // KV_BLOCK_SIZE)
+    return max(1, *per)
+
+
+def kv_blocks_from_args(args: argparse.Namespace,
+                        requests: Sequence[tuple[Sequence[int], int, int]],
+                        replicas: int = 1) -> int:
+    """The KV capacity to run with: ``--kv-blocks``, checked against the requests, or by
+    default just what they need (:func:`kv_blocks_needed`).
+
+    Raises:
+        ValueError: ``--kv-blocks`` cannot hold the requests (naming the options and
+            both capacities), before any rank starts rather than mid-run.
+    """
+    need = kv_blocks_needed(requests, replicas)
+    given = getattr(args, "kv_blocks", None)
+    if given is None:
+        return need
+    if given < need:
+        per = " per replica" if replicas > 1 else ""
+        which = (f"the busiest replica's requests (of {len(requests)}, over --dp {replicas})"
+                 if replicas > 1 else f"the {len(requests)} requests")
+        raise ValueError(
+            f"--kv-blocks {given} holds {given * KV_BLOCK_SIZE} tokens{per} (blocks of "
+            f"{KV_BLOCK_SIZE}), but {which} need {need} blocks when all are in the cache at "
+            f"once (each its prompt + --max-new-tokens - 1 tokens); pass --kv-blocks {need} "
+            f"or more, or omit it (the default sizes the cache to the requests), or give "
+            f"fewer or shorter --prompt-ids or a smaller --max-new-tokens")
+    return int(given)

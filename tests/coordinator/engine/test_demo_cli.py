@@ -173,6 +173,60 @@ def test_demo_reference_records_its_top_two() -> None:
             assert tok == first != second and v1 >= v2
 
 
+# ------------------------------------------------------------- KV capacity
+_LONG = ";".join(",".join(str((i * 7 + j) % 500) for j in range(200)) for i in range(5))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--kv-blocks", "64", "--prompt-ids", _LONG, "--max-new-tokens", "1"],
+     "--kv-blocks 64 holds 1024 tokens (blocks of 16), but the 5 requests need 65 blocks"),
+    (["--model", "moe", "--tp", "1", "--pp", "1", "--dp", "2", "--kv-blocks", "38",
+      "--prompt-ids", _LONG, "--max-new-tokens", "1"],
+     "--kv-blocks 38 holds 608 tokens per replica (blocks of 16), but the busiest replica's "
+     "requests (of 5, over --dp 2) need 39 blocks"),
+    (["--kv-blocks", "0"], "--kv-blocks must be >= 1, got 0"),
+], ids=["dense", "moe-per-replica", "zero"])
+def test_demo_refuses_a_kv_cache_too_small_before_starting(run_cli, argv: list[str],
+                                                           needle: str) -> None:
+    """Requests the KV cache cannot hold at once: exit status 2 naming --kv-blocks and
+    the capacities, before any rank starts (it used to fail mid-run, "KV cache full")."""
+    code, out, err = run_cli(["demo", *argv, "--no-progress"])
+    assert code == 2 and out == "", out + err
+    assert needle in err, err
+
+
+@pytest.mark.parametrize("replicas,want", [(1, 65), (2, 39), (5, 13)],
+                         ids=["one-replica", "dp2", "dp5"])
+def test_demo_kv_blocks_default_fits_the_requests(replicas: int, want: int) -> None:
+    """By default the cache holds every request of the busiest replica at once: 200-token
+    prompts + 1 new token = 13 blocks of 16 each; 5 requests over the replicas."""
+    import argparse
+
+    from coordinator.engine.demo.requests import (
+        kv_blocks_from_args,
+        kv_blocks_needed,
+        parse_prompt_ids,
+    )
+
+    reqs = [(tuple(p), 1, 0) for p in parse_prompt_ids(_LONG)]
+    assert kv_blocks_needed(reqs, replicas) == want
+    assert kv_blocks_from_args(argparse.Namespace(kv_blocks=None), reqs, replicas) == want
+    assert kv_blocks_from_args(argparse.Namespace(kv_blocks=want), reqs, replicas) == want
+
+
+def test_demo_reference_cache_fits_every_request() -> None:
+    """The unsharded reference runs all requests in one process: its cache fits them all,
+    whatever the per-replica kv_blocks (with --dp N it used to get one replica's)."""
+    from coordinator.engine.demo.engine import EngineConfig, build_model
+    from coordinator.engine.demo.reference import reference_run
+
+    prompts = [tuple(range(i, i + 20)) for i in range(3)]  # 2 blocks each with 2 new tokens
+    cfg = EngineConfig(tp=1, pp=1, model_dir=None, seed=0, progress=False, kv_blocks=2,
+                       requests=tuple((p, 2, 0) for p in prompts))
+    ref = reference_run(cfg, [[*p, 1, 2] for p in prompts], build_model)
+    assert [len(t) for t in ref.tokens] == [2, 2, 2]
+
+
 # ------------------------------------------------------------- --launcher env
 def _torchrun() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
