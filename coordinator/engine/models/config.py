@@ -144,11 +144,11 @@ class LlamaModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         for e in eos_ids:
-            if not _is_int(e) or e < 0:
+            if not is_int(e) or e < 0:
                 raise ValueError(f"config field eos_token_id must be a token id (an int >= 0), "
                                  f"a list of them or null, got {eos!r}")
         bos = d.get("bos_token_id")
-        if bos is not None and (not _is_int(bos) or bos < 0):
+        if bos is not None and (not is_int(bos) or bos < 0):
             raise ValueError(f"config field bos_token_id must be a token id (an int >= 0) or "
                              f"null, got {bos!r}")
         dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
@@ -165,9 +165,9 @@ class LlamaModelConfig:
             rope_type=rope_type,
             rope_params=params,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=_bool_field(d, "tie_word_embeddings"),
-            attention_bias=_bool_field(d, "attention_bias"),
-            mlp_bias=_bool_field(d, "mlp_bias"),
+            tie_word_embeddings=bool_field(d, "tie_word_embeddings"),
+            attention_bias=bool_field(d, "attention_bias"),
+            mlp_bias=bool_field(d, "mlp_bias"),
             bos_token_id=bos,
             eos_token_ids=eos_ids,
             dtype=str(dtype),
@@ -345,14 +345,25 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: LlamaModelConfig) -> 
     raise TypeError(f"dtype must be a floating torch.dtype, a name or 'auto', got {dtype!r}")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an int and not a bool (JSON's true is no count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _positive_int_field(name: str, value: Any) -> int:
     """``value`` of config field ``name``, which must be an int > 0."""
-    if not _is_int(value) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ValueError(f"config field {name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def count_field(d: Mapping[str, Any], name: str, default: int) -> int:
+    """Config field ``name`` of ``d``: an int >= 0 (absent or null: ``default``)."""
+    value = d.get(name)
+    if value is None:
+        return default
+    if not is_int(value) or value < 0:
+        raise ValueError(f"config field {name} must be an int >= 0 or null, got {value!r}")
     return int(value)
 
 
@@ -364,12 +375,12 @@ def _positive_number_field(name: str, value: Any) -> float:
     return float(value)
 
 
-def _bool_field(d: Mapping[str, Any], name: str) -> bool:
-    """Config field ``name`` of ``d``: true/false (absent or null: false). Not ``bool()``
-    of anything else: ``bool("false")`` is True."""
+def bool_field(d: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    """Config field ``name`` of ``d``: true/false (absent or null: ``default``). Not
+    ``bool()`` of anything else: ``bool("false")`` is True."""
     value = d.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise ValueError(f"config field {name} must be true, false or null, got {value!r}")
     return value

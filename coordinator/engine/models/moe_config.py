@@ -23,7 +23,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from coordinator.engine.models.config import LlamaModelConfig, read_hf_config
+from coordinator.engine.models.config import (
+    LlamaModelConfig,
+    bool_field,
+    count_field,
+    is_int,
+    read_hf_config,
+)
 
 __all__ = ["MoeModelConfig", "default_moe_config", "MOE_MODEL_TYPES"]
 
@@ -97,7 +103,9 @@ class MoeModelConfig(LlamaModelConfig):
         if qwen and d.get("use_sliding_window"):
             raise ValueError("use_sliding_window: sliding-window attention is not supported")
         window = None if qwen else d.get("sliding_window")
-        if window is not None and window < d.get("max_position_embeddings", 2048):
+        if window is not None and not is_int(window):
+            raise ValueError(f"config field sliding_window must be an int or null, got {window!r}")
+        if window is not None and window < count_field(d, "max_position_embeddings", 2048):
             raise ValueError(f"sliding_window ({window}) < max_position_embeddings: "
                              "sliding-window attention is not supported (null = full attention)")
         key = "num_experts" if qwen else "num_local_experts"
@@ -105,12 +113,20 @@ class MoeModelConfig(LlamaModelConfig):
             if k not in d:
                 raise ValueError(f"config.json lacks required field {k!r}")
         base = LlamaModelConfig.from_hf_dict(
-            {**d, "model_type": "llama", "attention_bias": bool(d.get("qkv_bias", True)) if qwen
-             else bool(d.get("attention_bias", False)), "mlp_bias": False})
+            {**d, "model_type": "llama",
+             "attention_bias": bool_field(d, "qkv_bias", True) if qwen
+             else bool_field(d, "attention_bias"), "mlp_bias": False})
         layers = base.num_hidden_layers
         if qwen:
-            step = int(d.get("decoder_sparse_step", 1)) or 1
-            dense = set(d.get("mlp_only_layers") or ())
+            step = count_field(d, "decoder_sparse_step", 1)
+            if step == 0:
+                raise ValueError("config field decoder_sparse_step must be an int >= 1 or null, "
+                                 "got 0")
+            dense_layers = d.get("mlp_only_layers") or []
+            if not isinstance(dense_layers, list) or not all(map(is_int, dense_layers)):
+                raise ValueError(f"config field mlp_only_layers must be a list of layer "
+                                 f"indices or null, got {dense_layers!r:.80}")
+            dense = set(dense_layers)
             sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         else:
             sparse = tuple(range(layers))
@@ -123,8 +139,8 @@ class MoeModelConfig(LlamaModelConfig):
             num_experts_per_tok=d["num_experts_per_tok"],
             moe_intermediate_size=expert_size,
 
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)) if qwen else True,
-            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0)
+            norm_topk_prob=bool_field(d, "norm_topk_prob") if qwen else True,
+            shared_expert_intermediate_size=count_field(d, "shared_expert_intermediate_size", 0)
             if qwen else 0,
             sparse_layers=sparse,
             o_proj_bias=False if qwen else base.attention_bias,

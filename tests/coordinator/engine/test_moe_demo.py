@@ -359,3 +359,28 @@ def test_moe_config_from_hf_and_checks(tmp_path: Path) -> None:
         MoeModelConfig.from_hf_dict(windowed)
     with pytest.raises(ValueError, match="num_experts_per_tok \\(9\\) must be <= num_experts"):
         MoeModelConfig.from_hf_dict({**windowed, "sliding_window": None, "num_experts_per_tok": 9})
+
+
+_BAD_MOE_FIELDS = [
+    ("qwen2_moe", {"qkv_bias": "false"}, "qkv_bias must be true, false or null"),
+    ("qwen2_moe", {"norm_topk_prob": "true"}, "norm_topk_prob must be true, false or null"),
+    ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be an int >= 1"),
+    ("qwen2_moe", {"decoder_sparse_step": "2"}, "decoder_sparse_step must be an int >= 0"),
+    ("qwen2_moe", {"mlp_only_layers": "1"}, "mlp_only_layers must be a list of layer indices"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 4.5},
+     "shared_expert_intermediate_size must be an int >= 0 or null"),
+    ("mixtral", {"sliding_window": "4096"}, "sliding_window must be an int or null"),
+    ("mixtral", {"attention_bias": 1}, "attention_bias must be true, false or null"),
+]
+
+
+@pytest.mark.parametrize("kind,update,message", _BAD_MOE_FIELDS,
+                         ids=["qkv-bias-str", "norm-topk-str", "sparse-step-zero",
+                              "sparse-step-str", "dense-layers-str", "shared-size-float",
+                              "window-str", "attention-bias-int"])
+def test_moe_config_names_a_malformed_field(kind: str, update: dict[str, Any],
+                                            message: str) -> None:
+    """Each field is checked, not converted: ``bool("false")`` is True, ``int(4.5)`` 4,
+    and a step of 0 divided by zero."""
+    with pytest.raises(ValueError, match=f"config field {message}"):
+        MoeModelConfig.from_hf_dict({**_hf_model_config(kind).to_dict(), **update})
