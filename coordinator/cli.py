@@ -110,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GroupCoordError as e:  # a failure this project names: its message, no traceback
         print(f"groupcoord: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the command's own cleanup has run on the way out
+        print("groupcoord: interrupted", file=sys.stderr)
+        return 130  # as a shell reports a command ended by SIGINT
 
 
 if __name__ == "__main__":  # pragma: no cover
