@@ -89,6 +89,14 @@ def run_stage(
     Returns:
         On the last stage the outputs of every micro-batch concatenated in
         request order; elsewhere None.
+
+    Raises:
+        Exception: What ``forward`` or a transfer raised. The step's other
+            transfers are then left as they were (a posted receive, sends not
+            waited for, the next stage waiting for an output that never
+            comes), so the pipeline group is out of step with its peers: treat
+            the error as the end of the group (destroy and create it again),
+            never run the next step on it.
     """
     bounds = split_bounds(len(token_ids), micro_batches)
     # the next micro-batch's receive is posted before this one's compute starts
