@@ -11,7 +11,9 @@ What it shows:
     with msgspec, CPU tensors appended as raw bytes, one write into a ring
     that the workers read). For comparison the same dicts are then sent with
     ``torch.distributed.broadcast_object_list`` on the group's gloo
-    ``cpu_group`` (pickle + TCP). Each step ends with a tiny all-reduce (the
+    ``cpu_group`` (pickle + TCP: each worker unpickles what the driver sent,
+    which groupcoord's own calls never do; it is here only as the baseline
+    engines copy from vLLM). Each step ends with a tiny all-reduce (the
     "model step"), so the driver never runs ahead of the workers and each
     step's latency is measured alone.
 
