@@ -126,7 +126,7 @@ def test_torchfrtrace_and_groupcoord_trace_find_the_skipped_all_reduce(
     assert reduces[-1]["state"] == "failed" and reduces[-1]["error"] == "CollectiveMismatch"
 
     # PyTorch's analyzer, as a subprocess on the directory
-    report = torchfrtrace(directory)
+    report = torchfrtrace(directory, subprocess_run=True)
     assert f"Collective sequence number: {_SEQ} has errors" in report, report
     blamed = {int(r) for r in re.findall(r"Culprit rank (\d+)", report)}
     if analyzer_order(directory)[0] != _SKIPPER:  # the reference made the agreed calls
