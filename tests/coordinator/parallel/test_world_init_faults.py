@@ -8,58 +8,83 @@ went away) naming the ranks they waited for, within the timeout plus a grace.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import multiprocessing as mp
+import queue
+import time
+from typing import Any
 
 import pytest
 
 from coordinator.testing import free_port
-from tests.child_env import child_env
-from tests.start_together import READY, start_together
+from shm_broadcast.ranks.launcher import start_process
 
 TIMEOUT = 2.0
 
-RANK = f"TIMEOUT = {TIMEOUT!r}\n" + """
-import json, sys, time
-from coordinator import parallel_state as ps
-rank, ws, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-""" + READY + """
-t0 = time.monotonic()
-try:
-    ps.init_distributed_environment(ws, rank, f"tcp://127.0.0.1:{port}", rank, timeout=TIMEOUT)
-    out = {"cls": None}
-except Exception as e:
-    out = {"cls": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
-           "msg": str(e), "peers": list(getattr(e, "peers", None) or [])}
-out["t"] = time.monotonic() - t0
-print(json.dumps(out), flush=True)
-"""
+
+def _rank(rank: int, ws: int, port: int, out: Any, go: Any) -> None:
+    """One rank that comes: say it is ready, wait for the others, then init the world.
+
+    The ranks are forks of the test process's fork server (torch and the library
+    already imported, as a ``python -c`` rank first had to), and start the call
+    together: the ranks that do come must reach rank 0's store within its 2 s
+    connect timeout."""
+    from coordinator import parallel_state as ps
+
+    out.put(("ready", rank))
+    go.wait(60)
+    t0 = time.monotonic()
+    try:
+        ps.init_distributed_environment(ws, rank, f"tcp://127.0.0.1:{port}", rank,
+                                        timeout=TIMEOUT)
+        o: dict[str, Any] = {"cls": None}
+    except Exception as e:
+        o = {"cls": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
+             "msg": str(e), "peers": list(getattr(e, "peers", None) or [])}
+    o["t"] = time.monotonic() - t0
+    out.put(("done", rank, o))
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size,missing", [
     # ranks that do come must reach rank 0's store within its 2 s connect timeout: they
-    # import first and start the call together; the four-rank case stays slow-marked
+    # start the call together; the four-rank case stays slow-marked
     pytest.param(2, (1,), marks=pytest.mark.slow), (3, (2,)),
     pytest.param(4, (1, 3), marks=pytest.mark.slow),
     pytest.param(2, (0,), marks=pytest.mark.slow), (3, (0,))], ids=str)
 def test_ranks_that_never_arrive_are_named(world_size: int, missing: tuple[int, ...]) -> None:
     port = free_port()
-    env = child_env()
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
     ranks = [r for r in range(world_size) if r not in missing]
-    procs = {r: subprocess.Popen([sys.executable, "-c", RANK, str(r), str(world_size), str(port)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                 env=env) for r in ranks}
+    procs = {r: start_process(_rank, (r, world_size, port, out, go), name=f"gc-init-{r}")
+             for r in ranks}
+    got: dict[int, dict[str, Any]] = {}
     try:
-        start_together(procs, within=60)
-        out = {r: json.loads(p.communicate(timeout=90)[0].strip().splitlines()[-1])
-               for r, p in procs.items()}
+        deadline = time.monotonic() + 60
+        ready: set[int] = set()
+        while ready != set(ranks):
+            try:
+                msg = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"ranks {sorted(set(ranks) - ready)} did not start") from None
+            ready.add(msg[1])
+        go.set()
+        deadline = time.monotonic() + 90
+        while len(got) < len(ranks):
+            try:
+                _, r, o = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no result from {sorted(set(ranks) - set(got))}") from None
+            got[r] = o
     finally:
         for p in procs.values():
-            p.kill()
-            p.wait(10)
-    for r, o in out.items():
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        out.close()
+        out.join_thread()
+    for r, o in got.items():
         assert "GroupCoordError" in o.get("mro", []), (r, o)
         assert o["t"] < TIMEOUT + 2.0 + 2.0, (r, o)  # + client_store's grace + a loaded machine
         if 0 in missing:  # nobody serves the store: the others name rank 0
