@@ -3,7 +3,9 @@
 
 One run covers the fast cases: a passing test, parametrize ids, a rank that
 fails (its traceback and the ranks' output in the report), a rank that raises
-what ``xfail(raises=...)`` expects while the other waits for it. The others (a rank
+what ``xfail(raises=...)`` expects while the other waits for it, and the tests
+refused at setup (two tests read its report: a pytest subprocess costs seconds
+of CPU, importing torch). The others (a rank
 that hangs past the timeout, layouts, simulated hosts, a rank that dies, test
 classes, fixtures that cannot reach the ranks, skips, xdist) are ``slow``.
 """
@@ -75,12 +77,28 @@ def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, source: str
         *args, timeout=240)
 
 
+#: The one run of the fast cases and of the cases refused at setup.
+_FAST_RUN: list[pytest.RunResult] = []
+
+
+def _fast_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.RunResult:
+    """The report of one pytest run of ``_FAST`` followed by ``_REFUSED_AT_SETUP``
+    (made by the first test that asks; ``_FAST``'s lines keep their numbers)."""
+    if not _FAST_RUN:
+        (pytester.path / "conftest.py").write_text(textwrap.dedent(_CANNOT_START_CONFTEST))
+        source = textwrap.dedent(_FAST) + "\n\n" + textwrap.dedent(_REFUSED_AT_SETUP)
+        res = _run(pytester, monkeypatch, source)
+        # the fast cases passed and failed; the refused ones errored at setup
+        res.assert_outcomes(passed=3, failed=1, xfailed=1, errors=6)
+        _FAST_RUN.append(res)
+    return _FAST_RUN[0]
+
+
 @pytest.mark.timeout(240)
 def test_pass_params_and_a_failing_rank(pytester: pytest.Pytester,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    res = _run(pytester, monkeypatch, _FAST)
+    res = _fast_run(pytester, monkeypatch)
     out = res.stdout.str()
-    res.assert_outcomes(passed=3, failed=1, xfailed=1)
     res.stdout.fnmatch_lines([
         "*test_generated.py::test_sum PASSED*",
         "*test_generated.py::test_scaled[[]double[]] PASSED*",
@@ -567,28 +585,31 @@ _REFUSED_AT_SETUP = """
         pass
 """
 
-#: Makes the ranks of test_cannot_start fail to start (no such start method).
+#: Makes the ranks of test_cannot_start fail to start (no such start method); the
+#: other tests start theirs as the run would have (the variable as inherited).
 _CANNOT_START_CONFTEST = """
     import os
 
     import pytest
+
+    INHERITED = os.environ.get("GROUPCOORD_RANK_START")
 
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(item):
         if item.name == "test_cannot_start":
             os.environ["GROUPCOORD_RANK_START"] = "no-such-method"
-        else:
+        elif INHERITED is None:
             os.environ.pop("GROUPCOORD_RANK_START", None)
+        else:
+            os.environ["GROUPCOORD_RANK_START"] = INHERITED
 """
 
 
 @pytest.mark.timeout(240)
 def test_fixtures_on_rank_fixtures_bad_timeouts_and_failed_starts_error_at_setup(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    (pytester.path / "conftest.py").write_text(textwrap.dedent(_CANNOT_START_CONFTEST))
-    res = _run(pytester, monkeypatch, _REFUSED_AT_SETUP)
-    res.assert_outcomes(errors=6)
+    res = _fast_run(pytester, monkeypatch)  # (one run with the fast cases)
     res.stdout.fnmatch_lines([  # before, the fixtures silently got the plugin's stand-ins
         "*::test_derived_fixture: fixture 'shard_info' requests the rank fixture(s) "
         "[[]'rank', 'world_size'[]], whose values exist only in the ranks*",
