@@ -407,18 +407,21 @@ def test_survivors_of_a_killed_rank_raise_peer_died_error_without_the_harness():
     """Production has no harness: the ranks themselves must notice a dead peer.
     Three hand-spawned ranks alternate all-reduces on the default (shared-memory)
     communicator and on plain gloo; rank 1 is SIGKILLed; both survivors must raise
-    PeerDiedError promptly, on the group they were in and on the other one."""
+    PeerDiedError promptly, on the group they were in and on the other one.
+    (The ranks start as the launcher starts a process, not through a pool: forks
+    of the fork server, which imported torch once; each spawned rank imported it
+    again, ~2.5 s of CPU.)"""
     import multiprocessing as mp
 
     from coordinator.testing import free_port
+    from shm_broadcast.ranks.launcher import start_process
 
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes, procs = [], []
     for rank in range(3):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=survivor_main, args=(rank, 3, port, child), daemon=True)
-        p.start()
+        p = start_process(survivor_main, (rank, 3, port, child), name=f"gc-survivor-{rank}")
         child.close()
         pipes.append(parent)
         procs.append(p)
