@@ -11,52 +11,62 @@ within the timeout plus a margin, instead of gloo's bare ``RuntimeError``.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+from typing import Any
 
 import pytest
 
 from coordinator.testing import free_port
-from tests.child_env import child_env
-from tests.start_together import READY, start_together
+from shm_broadcast.ranks.launcher import start_process
 
 TIMEOUT = 2.0
 
-RANK = f"TIMEOUT = {TIMEOUT!r}\n" + """
-import importlib, json, os, signal, sys, time
-rank, ws, port, victim, fault, call, point = (int(sys.argv[1]), int(sys.argv[2]),
-    int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7])
-from coordinator import parallel_state as ps
-""" + READY + """
-ps.init_distributed_environment(ws, rank, f"tcp://127.0.0.1:{port}", rank, timeout=TIMEOUT)
-if call != "initialize_model_parallel":
-    ps.initialize_model_parallel(ws)
-if rank == victim:
-    mod, fn = point.split(":")
-    m = importlib.import_module(mod)
-    orig = getattr(m, fn)
-    def trap(*a, **k):
-        os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
-        return orig(*a, **k)
-    setattr(m, fn, trap)
-ps.get_world_group().barrier()
-t0 = time.monotonic()
-try:
-    if call == "create_mq_broadcaster":
-        ps.get_tp_group().create_mq_broadcaster()
-    elif call == "create_single_reader_mq_broadcasters":
-        ps.get_tp_group().create_single_reader_mq_broadcasters(0, blocking=True)
-    else:
+
+def _rank(rank: int, ws: int, port: int, victim: int, fault: str, call: str, point: str,
+          out: Any, go: Any) -> None:
+    """One rank (a fork of the fork server, torch already imported): say it is
+    ready, wait for the other, set up, and report what the faulted call raised."""
+    from coordinator import parallel_state as ps
+
+    out.put(("ready", rank))
+    go.wait(60)  # both start the 2 s init together
+    ps.init_distributed_environment(ws, rank, f"tcp://127.0.0.1:{port}", rank, timeout=TIMEOUT)
+    if call != "initialize_model_parallel":
         ps.initialize_model_parallel(ws)
-    out = {"cls": None}
-except Exception as e:
-    out = {"cls": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
-           "msg": str(e), "peers": [int(p) for p in (getattr(e, "peers", None) or [])]}
-out["t"] = time.monotonic() - t0
-print(json.dumps(out), flush=True)
-os._exit(0)
-"""
+    if rank == victim:
+        mod, fn = point.split(":")
+        m = importlib.import_module(mod)
+        orig = getattr(m, fn)
+
+        def trap(*a: Any, **k: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
+            return orig(*a, **k)
+
+        setattr(m, fn, trap)
+    ps.get_world_group().barrier()
+    t0 = time.monotonic()
+    try:
+        if call == "create_mq_broadcaster":
+            ps.get_tp_group().create_mq_broadcaster()
+        elif call == "create_single_reader_mq_broadcasters":
+            ps.get_tp_group().create_single_reader_mq_broadcasters(0, blocking=True)
+        else:
+            ps.initialize_model_parallel(ws)
+        o: dict[str, Any] = {"cls": None}
+    except Exception as e:
+        o = {"cls": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
+             "msg": str(e), "peers": [int(p) for p in (getattr(e, "peers", None) or [])]}
+    o["t"] = time.monotonic() - t0
+    out.put(("done", rank, o))
+    out.close()
+    out.join_thread()  # (sent before the exit)
+    os._exit(0)  # skip a teardown that would wait for the stopped or killed peer
+
 
 CASES = [
     pytest.param("create_mq_broadcaster", "shm_broadcast.queue.process_group:in_the_same_node_as",
@@ -78,20 +88,33 @@ CASES = [
 def test_peers_of_a_rank_lost_in_set_up_raise_our_error_naming_it(
         call: str, point: str, fault: str, victim: int) -> None:
     ws, port = 2, free_port()
-    env = child_env(OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(ws), str(port), str(victim),
-                               fault, call, point], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=env)
-             for r in range(ws)]
+    ctx = mp.get_context("spawn")
+    msgs, go = ctx.Queue(), ctx.Event()
+    procs = [start_process(_rank, (r, ws, port, victim, fault, call, point, msgs, go),
+                           name=f"gc-setup-{r}") for r in range(ws)]
+    survivors = [r for r in range(ws) if r != victim]
+    out: dict[int, dict[str, Any]] = {}
     try:
-        start_together(dict(enumerate(procs)), within=60)  # the 2 s init must not time out
-        survivors = [r for r in range(ws) if r != victim]
-        out = {r: json.loads(procs[r].communicate(timeout=90)[0].strip().splitlines()[-1])
-               for r in survivors}
+        deadline = time.monotonic() + 60
+        for _ in range(ws):  # the 2 s init must not time out: both have imported
+            try:
+                msgs.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError("the ranks did not start") from None
+        go.set()
+        deadline = time.monotonic() + 90
+        while len(out) < len(survivors):
+            try:
+                _, r, o = msgs.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no result from {set(survivors) - set(out)}") from None
+            out[r] = o
     finally:
         for p in procs:
             p.kill()  # SIGKILL ends a stopped process too
-            p.wait(10)
+            p.join(10)
+        msgs.close()
+        msgs.join_thread()
     want = "CommTimeout" if fault == "stop" else "PeerDiedError"
     for r, o in out.items():
         assert o["cls"] == want and "GroupCoordError" in o["mro"], (r, o)
