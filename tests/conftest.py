@@ -74,7 +74,11 @@ _LONG_FILES = (
     "tests/shm_broadcast/queue/test_general_payloads.py",
     "tests/shm_broadcast/ranks/test_launcher.py",
     "tests/shm_broadcast/ranks/test_agreement.py",
+    "tests/shm_broadcast/ranks/test_tcp_store.py",
     "tests/shm_broadcast/lifecycle/test_exit_cleanup.py",
+    # one ~20 s test (PyTorch's suite in a child process): collected last, it
+    # ended the run alone
+    "tests/torch_suite/test_torch_suite.py",
 )
 
 
