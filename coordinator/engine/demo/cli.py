@@ -222,8 +222,8 @@ def _report(args: argparse.Namespace, cfg: Any, src: str, drv: dict[str, Any],
     """Print the driver's results, verify them, write the JSON; the exit status."""
     from coordinator.engine.demo.reference import (
         compare_with_reference,
-        describe_divergence,
         reference_run,
+        verdict_text,
     )
 
     ref = reference_run(cfg, drv["sequences"], build_model)
@@ -241,7 +241,7 @@ def _report(args: argparse.Namespace, cfg: Any, src: str, drv: dict[str, Any],
           f"(driver enqueue); compute {comp['p50'] / 1e3:.2f} / {comp['p99'] / 1e3:.2f} ms")
     _print_arrivals(workers, mb)
     print(f"  TP communicator: {drv['communicator']}")
-    print(verdict_text(v, describe_divergence))
+    print(verdict_text(v))
     if args.json_path:
         _write_json(args, src, drv, workers, {"reference_generated": ref.tokens,
                                            "tokens_identical": v.tokens_identical,
@@ -251,17 +251,6 @@ def _report(args: argparse.Namespace, cfg: Any, src: str, drv: dict[str, Any],
                                            "verified": v.verified,
                                            "logits_sha256": _digest(drv["logits"])})
     return 0 if v.verified else 1
-
-
-def verdict_text(v: Any, describe: Any) -> str:
-    """The report's verification lines (shared with ``--model moe``)."""
-    near = (" (first divergences are near-ties of the reference's top two)"
-            if v.divergences and v.verified else "")
-    lines = [f"  verification vs unsharded reference: greedy tokens identical: "
-             f"{v.tokens_identical}{near}; max |logit diff| = {v.max_logit_diff:.2e} "
-             f"(tolerance {v.tolerance:.2e}) -> {'PASS' if v.verified else 'FAIL'}"]
-    lines += [f"    {describe(d, v.tolerance)}" for d in v.divergences]
-    return "\n".join(lines)
 
 
 def _print_arrivals(workers: list[dict[str, Any]], enqueue: dict[str, float]) -> None:

@@ -104,12 +104,11 @@ def _sharded_logits(cfg: Any, results: list[dict[str, Any]]) -> Any:
 
 def _report(args: argparse.Namespace, cfg: Any, mcfg: Any, results: list[dict[str, Any]],
             wall: float) -> int:
-    from coordinator.engine.demo.cli import verdict_text
     from coordinator.engine.demo.moe_engine import build_moe_model
     from coordinator.engine.demo.reference import (
         compare_with_reference,
-        describe_divergence,
         reference_run,
+        verdict_text,
     )
 
     drv = results[0]
@@ -139,7 +138,7 @@ def _report(args: argparse.Namespace, cfg: Any, mcfg: Any, results: list[dict[st
         print(f"    stage {p}: " + "; ".join(cells))
     if not agree:
         print("  the ranks disagree on the generated ids (each should hold every replica's)")
-    print(verdict_text(dataclasses.replace(v, verified=ok), describe_divergence))
+    print(verdict_text(dataclasses.replace(v, verified=ok)))
     if args.json_path:
         out = {"model": src_name(args), "model_type": mcfg.model_type, "tp": args.tp,
                "pp": args.pp, "dp": args.dp, "ep": args.dp * args.tp,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 __all__ = ["Reference", "Verdict", "reference_run", "compare_with_reference", "logit_tolerance",
-           "describe_divergence"]
+           "describe_divergence", "verdict_text"]
 
 
 @dataclasses.dataclass
@@ -169,3 +169,14 @@ def describe_divergence(d: dict[str, Any], tol: float) -> str:
     return (f"{where}; reference top two {tops}, gap {d['gap']:.2e} "
             f"{'<=' if d['gap'] <= tol else '>'} tolerance {tol:.2e} -> "
             f"{'near-tie' if d['near_tie'] else 'not a near-tie'}")
+
+
+def verdict_text(v: Verdict) -> str:
+    """The demo report's verification lines (dense and ``--model moe``)."""
+    near = (" (first divergences are near-ties of the reference's top two)"
+            if v.divergences and v.verified else "")
+    lines = [f"  verification vs unsharded reference: greedy tokens identical: "
+             f"{v.tokens_identical}{near}; max |logit diff| = {v.max_logit_diff:.2e} "
+             f"(tolerance {v.tolerance:.2e}) -> {'PASS' if v.verified else 'FAIL'}"]
+    lines += [f"    {describe_divergence(d, v.tolerance)}" for d in v.divergences]
+    return "\n".join(lines)

@@ -269,6 +269,10 @@ class LlamaModelConfig:
         return DTYPES[self.dtype]
 
 
+#: The variable vLLM reads a pipeline's layer split from (``get_pp_indices`` reads it).
+_PARTITION_VAR = "VLLM_PP_LAYER_PARTITION"
+
+
 def stage_layer_ranges(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     """``[start, end)`` layers of each of ``pp_size`` stages (:func:`coordinator.get_pp_indices`,
     so ``VLLM_PP_LAYER_PARTITION`` when set), every stage at least one.
@@ -277,13 +281,13 @@ def stage_layer_ranges(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
         ValueError: ``VLLM_PP_LAYER_PARTITION`` gives a stage no layers, or is
             malformed (named).
     """
-    from coordinator.parallel.tensor_split import PARTITION_VAR, pp_layer_ranges
+    from coordinator import get_pp_indices
 
-    ranges = pp_layer_ranges(num_layers, pp_size, allow_empty=True)
+    ranges = [get_pp_indices(num_layers, stage, pp_size) for stage in range(pp_size)]
     for stage, (start, end) in enumerate(ranges):
         if start == end:
             raise ValueError(
-                f"{PARTITION_VAR}={os.environ.get(PARTITION_VAR, '')!r} gives pipeline stage "
+                f"{_PARTITION_VAR}={os.environ.get(_PARTITION_VAR, '')!r} gives pipeline stage "
                 f"{stage} no layers; every stage needs at least one decoder layer (layer "
                 f"counts >= 1 summing to num_hidden_layers={num_layers})")
     return ranges
