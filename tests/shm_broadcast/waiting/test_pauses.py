@@ -15,6 +15,7 @@ through the shared-memory ring).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -40,6 +41,12 @@ def _resume_later(pid: int, seconds: float) -> threading.Timer:
     t = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
     t.start()
     return t
+
+
+def _resume(pid: int) -> None:
+    """SIGCONT ``pid`` if it is still there (a child that finished may be reaped already)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 def _stop(pid: int) -> None:
@@ -144,7 +151,7 @@ def test_a_stopped_reader_makes_the_writer_time_out_naming_it(procs, transport: 
             sent.append(i)
         assert _report(procs, "read")[1] == sent
     finally:
-        os.kill(child.pid, signal.SIGCONT)
+        _resume(child.pid)
         mq.close()
 
 
@@ -171,7 +178,7 @@ def test_a_stopped_writer_is_waited_for_without_a_timeout(procs, transport: str)
             _report(procs, "sent")
             go.put("done")
     finally:
-        os.kill(child.pid, signal.SIGCONT)
+        _resume(child.pid)
         go.close()
         go.join_thread()
 
@@ -202,6 +209,6 @@ def test_a_stopped_writer_makes_the_reader_time_out_naming_it(procs, transport: 
             _report(procs, "sent")
             go.put("done")
     finally:
-        os.kill(child.pid, signal.SIGCONT)
+        _resume(child.pid)
         go.close()
         go.join_thread()
