@@ -10,12 +10,15 @@ every ``ready`` and then lets all of them go.
 
 from __future__ import annotations
 
+import queue
 import select
 import subprocess
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import Any
 
-__all__ = ["READY", "start_together"]
+__all__ = ["READY", "start_together", "release_and_collect"]
 
 #: The rank script's lines: say it has imported, then wait to be let go.
 READY = 'print("ready", flush=True)\nsys.stdin.readline()\n'
@@ -35,3 +38,26 @@ def start_together(procs: Mapping[int, subprocess.Popen[str]], within: float) ->
         assert p.stdin is not None
         p.stdin.write("go\n")
         p.stdin.flush()
+
+
+def release_and_collect(out: Any, go: threading.Event | Any, starting: int,
+                        ranks: Collection[int]) -> dict[int, Any]:
+    """For forked ranks: wait for ``starting`` ready messages on the queue ``out``
+    (within 60 s in all), set the event ``go``, then collect each of ``ranks``'
+    ``(tag, rank, result)`` message (within 90 s in all). Returns rank -> result."""
+    deadline = time.monotonic() + 60
+    for _ in range(starting):
+        try:
+            out.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError("the ranks did not start") from None
+    go.set()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + 90
+    while len(got) < len(ranks):
+        try:
+            _, r, o = out.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no result from {sorted(set(ranks) - set(got))}") from None
+        got[r] = o
+    return got

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
-import queue
 import signal
 import time
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 
 from coordinator.testing import free_port
 from shm_broadcast.ranks.launcher import start_process
+from tests.start_together import release_and_collect
 
 TIMEOUT = 2.0
 
@@ -93,22 +93,8 @@ def test_peers_of_a_rank_lost_in_set_up_raise_our_error_naming_it(
     procs = [start_process(_rank, (r, ws, port, victim, fault, call, point, msgs, go),
                            name=f"gc-setup-{r}") for r in range(ws)]
     survivors = [r for r in range(ws) if r != victim]
-    out: dict[int, dict[str, Any]] = {}
-    try:
-        deadline = time.monotonic() + 60
-        for _ in range(ws):  # the 2 s init must not time out: both have imported
-            try:
-                msgs.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError("the ranks did not start") from None
-        go.set()
-        deadline = time.monotonic() + 90
-        while len(out) < len(survivors):
-            try:
-                _, r, o = msgs.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no result from {set(survivors) - set(out)}") from None
-            out[r] = o
+    try:  # the 2 s init must not time out: every rank has imported before it starts
+        out: dict[int, dict[str, Any]] = release_and_collect(msgs, go, ws, survivors)
     finally:
         for p in procs:
             p.kill()  # SIGKILL ends a stopped process too

@@ -9,7 +9,6 @@ went away) naming the ranks they waited for, within the timeout plus a grace.
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import time
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 
 from coordinator.testing import free_port
 from shm_broadcast.ranks.launcher import start_process
+from tests.start_together import release_and_collect
 
 TIMEOUT = 2.0
 
@@ -58,24 +58,8 @@ def test_ranks_that_never_arrive_are_named(world_size: int, missing: tuple[int, 
     ranks = [r for r in range(world_size) if r not in missing]
     procs = {r: start_process(_rank, (r, world_size, port, out, go), name=f"gc-init-{r}")
              for r in ranks}
-    got: dict[int, dict[str, Any]] = {}
     try:
-        deadline = time.monotonic() + 60
-        ready: set[int] = set()
-        while ready != set(ranks):
-            try:
-                msg = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(ranks) - ready)} did not start") from None
-            ready.add(msg[1])
-        go.set()
-        deadline = time.monotonic() + 90
-        while len(got) < len(ranks):
-            try:
-                _, r, o = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no result from {sorted(set(ranks) - set(got))}") from None
-            got[r] = o
+        got = release_and_collect(out, go, len(ranks), ranks)
     finally:
         for p in procs.values():
             p.join(10)
