@@ -15,15 +15,16 @@ def environ(**values: str | None) -> Iterator[None]:
     each is as it was before (set to its old value, or unset)."""
     saved = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _apply(values)
         yield
     finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
+        _apply(saved)
+
+
+def _apply(values: dict[str, str | None]) -> None:
+    """Set each variable to its value; None unsets it."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
