@@ -187,12 +187,27 @@ class Encoded:
         for src, nbytes, off in self.copies:
             memmove(dst_addr + off, src, nbytes)
 
-    def blob_bytes(self) -> bytearray:
-        """Return the blob as one new buffer (for zmq transport)."""
-        out = bytearray(self.blob_len)
+    def blob_bytes(self) -> memoryview:
+        """Return the blob as one new buffer (for zmq transport).
+
+        Every byte is written once: the arrays', and zeros in the alignment
+        gaps between and after them (never what the allocator left there,
+        which may be another message's or secret). A zero-filled buffer
+        written over would be a second pass over the memory
+        (docs/performance.md, "Messages larger than a chunk").
+        """
+        out = np.empty(self.blob_len, np.uint8)
         if self.blob_len:
-            self.write_blob(ctypes.addressof(ctypes.c_char.from_buffer(out)))
-        return out
+            addr = out.ctypes.data
+            self.write_blob(addr)
+            memset, end = ctypes.memset, 0
+            for _src, nbytes, off in self.copies:  # in offset order (Codec._reserve)
+                if off > end:
+                    memset(addr + end, 0, off - end)
+                end = off + nbytes
+            if self.blob_len > end:
+                memset(addr + end, 0, self.blob_len - end)
+        return out.data
 
 
 def carries_dtype(dtype: Any) -> bool:
