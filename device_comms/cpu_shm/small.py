@@ -29,7 +29,10 @@ element-wise op, so the Python calls around it decide its speed, and
   less dispatch than ``torch.add``; :data:`~device_comms.fixed_reduce.NUMPY_SUM`),
   wrapped with ``torch.from_numpy``.
 
-**Two ranks, into the peer's slot** (from :data:`PAIR_SMALL_MIN_BYTES`): each
+**Two ranks, into the peer's slot** (from :data:`PAIR_SMALL_MIN_BYTES`; a
+reduction torch runs, not a ``numpy.add`` sum, only up to
+:data:`PAIR_TORCH_INTO_PEER_MAX_BYTES`, beyond which reading both slots measured
+faster): each
 rank copies its tensor into its slot, steps, reduces into the *peer's* slot in
 rank order (``fn(x0, x1)`` on both, so the bits agree) and copies that out
 (into ``out`` when given). A shared line is then written by its owner and
@@ -57,13 +60,19 @@ from device_comms.cpu_shm.host_arrays import array_of, mark_written, numpy_dtype
 from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn, quiet_numpy_sum
 from device_comms.reduce_op import ReduceOp
 
-__all__ = ["SmallAllReduce", "SmallEntry", "NotServed", "PAIR_SMALL_MIN_BYTES"]
+__all__ = ["SmallAllReduce", "SmallEntry", "NotServed", "PAIR_SMALL_MIN_BYTES",
+           "PAIR_TORCH_INTO_PEER_MAX_BYTES"]
 
 #: Two ranks: the smallest one-step all_reduce that reduces into the peer's slot. Its
 #: extra copy out of the slot is a fixed cost per call; what it saves (lines that move
 #: once, in the modified state) grows with the message, and outweighs the copy from
 #: here on (the crossover is measured in docs/performance.md).
 PAIR_SMALL_MIN_BYTES = 4 << 10
+#: Two ranks: the largest one-step all_reduce reduced by torch (not a ``numpy.add``
+#: sum: bfloat16, float16, MAX, ...) that reduces into the peer's slot; larger ones
+#: read both slots into a private result, which measured faster there
+#: (docs/performance.md, "Torch's reductions past 128 KiB").
+PAIR_TORCH_INTO_PEER_MAX_BYTES = 128 << 10
 _ADDRESSES_MAX = 16  # caller addresses with views, per entry
 _memmove = ctypes.memmove
 _from_numpy = torch.from_numpy
@@ -72,6 +81,13 @@ _from_numpy = torch.from_numpy
 class NotServed(Exception):
     """:meth:`SmallAllReduce.run` cannot serve this call as it stands (raised before
     any step); the caller takes its checked path, which says why."""
+
+
+def numpy_sum(tensor: torch.Tensor, op: ReduceOp) -> bool:
+    """Whether a one-step all_reduce of ``tensor`` with ``op`` is a ``numpy.add`` sum
+    (else torch reduces)."""
+    # 0-d: numpy's ufuncs return scalars, not arrays
+    return op is ReduceOp.SUM and tensor.dtype in NUMPY_SUM and tensor.dim() > 0
 
 
 class SmallEntry:
@@ -141,8 +157,7 @@ class SmallEntry:
         self.avg = op is ReduceOp.AVG
         self.into_peer = into_peer
         operands: list[list[Any]] = [ctx.shaped(0, tensor), ctx.shaped(1, tensor)]
-        # 0-d: numpy's ufuncs return scalars, not arrays
-        self.numpy = op is ReduceOp.SUM and dtype in NUMPY_SUM and tensor.dim() > 0
+        self.numpy = numpy_sum(tensor, op)
         if self.numpy:
             self.fn = np.add
             operands = [[view.numpy() for view in operands[0]],
@@ -170,26 +185,38 @@ class SmallAllReduce:
         ctx: The engine's context.
         into_peer_min_bytes: Two ranks: one-step all_reduces of at least this many
             bytes reduce into the peer's slot; smaller ones read both slots.
+        into_peer_torch_max_bytes: Two ranks: one-step all_reduces that torch
+            reduces (not ``numpy.add`` sums) and that are larger than this read
+            both slots too.
 
     Attributes:
         last: The entry of the last one-step all_reduce (see :meth:`remember`).
         into_peer_min_bytes: As the argument (read when an entry is made).
+        into_peer_torch_max_bytes: As the argument (read when an entry is made).
     """
 
-    def __init__(self, ctx: EngineContext, into_peer_min_bytes: int = PAIR_SMALL_MIN_BYTES) -> None:
+    def __init__(
+        self,
+        ctx: EngineContext,
+        into_peer_min_bytes: int = PAIR_SMALL_MIN_BYTES,
+        into_peer_torch_max_bytes: int = PAIR_TORCH_INTO_PEER_MAX_BYTES,
+    ) -> None:
         self._ctx = ctx
         self._sync = ctx.sync
         self._size = ctx.size
         self._me = ctx.me
         self._my_slot = (ctx.slot_addresses[0][ctx.me], ctx.slot_addresses[1][ctx.me])
         self.into_peer_min_bytes = into_peer_min_bytes
+        self.into_peer_torch_max_bytes = into_peer_torch_max_bytes
         self._kernel_threads = ctx.kernel_threads
         self.last = SmallEntry()
 
     def remember(self, tensor: torch.Tensor, op: ReduceOp) -> SmallEntry:
         """A new entry for ``tensor``'s shape and dtype (contiguous, fits a slot) and
         ``op``, kept as :attr:`last` in place of the previous one."""
-        into_peer = self._size == 2 and tensor.nbytes >= self.into_peer_min_bytes
+        nbytes = tensor.nbytes
+        into_peer = self._size == 2 and nbytes >= self.into_peer_min_bytes and (
+            nbytes <= self.into_peer_torch_max_bytes or numpy_sum(tensor, op))
         entry = self.last = SmallEntry(self._ctx, tensor, op, into_peer)
         return entry
 
