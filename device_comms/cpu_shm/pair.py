@@ -28,13 +28,16 @@ from device_comms.cpu_shm.host_arrays import array_of
 from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn
 from device_comms.reduce_op import ReduceOp
 
-__all__ = ["PairAllReduce", "DEFAULT_PAIR_PIECE_BYTES"]
+__all__ = ["PairAllReduce", "DEFAULT_PAIR_PIECE_BYTES", "DEFAULT_PAIR_TORCH_PIECE_BYTES"]
 
 #: Bytes of a piece of the pipelined all_reduce (both halves). Larger pieces mean
 #: fewer steps, each a synchronisation; a piece must stay in a core's L2 cache from
 #: its copy in to its reduction and leave room there for the caller's data. The
 #: sizes compared are in docs/performance.md.
 DEFAULT_PAIR_PIECE_BYTES = 1 << 20
+#: The same for reductions torch runs (bfloat16, float16, every op but a ``numpy.add``
+#: sum): larger pieces measured faster for those (docs/performance.md).
+DEFAULT_PAIR_TORCH_PIECE_BYTES = 2 << 20
 
 _HALF_ALIGN_BYTES = 64  # halves start on cache lines
 _PLAN_CACHE_MAX = 512
@@ -70,17 +73,25 @@ class PairAllReduce:
 
     Args:
         ctx: The engine's context (two local ranks).
-        piece_bytes: Bytes of a piece (both halves; at most a slot is used).
+        piece_bytes: Bytes of a piece (both halves; at most a slot is used) of
+            a ``numpy.add`` sum.
+        torch_piece_bytes: The same for a reduction torch runs.
 
     Attributes:
         piece_bytes: As the argument (read at every call; the engine leaves
             this part unused while it is 0).
+        torch_piece_bytes: As the argument (read at every call).
 
     Raises:
         ValueError: ``ctx`` has another number of local ranks.
     """
 
-    def __init__(self, ctx: EngineContext, piece_bytes: int = DEFAULT_PAIR_PIECE_BYTES) -> None:
+    def __init__(
+        self,
+        ctx: EngineContext,
+        piece_bytes: int = DEFAULT_PAIR_PIECE_BYTES,
+        torch_piece_bytes: int = DEFAULT_PAIR_TORCH_PIECE_BYTES,
+    ) -> None:
         if ctx.size != 2:
             raise ValueError(f"PairAllReduce needs 2 local ranks, got ctx with {ctx.size}")
         self._ws = ctx.ws
@@ -88,6 +99,7 @@ class PairAllReduce:
         self._me = ctx.me
         self._slot_addresses = ctx.slot_addresses
         self.piece_bytes = piece_bytes
+        self.torch_piece_bytes = torch_piece_bytes
         self._plans: dict[tuple[int, int, int], tuple[int, list[_Step]]] = {}
         self._slots: dict[tuple[torch.dtype, bool], list[list[Any]]] = {}
 
@@ -95,20 +107,21 @@ class PairAllReduce:
         """Drop the cached slot views (they map the workspace)."""
         self._slots.clear()
 
-    def _plan(self, count: int, itemsize: int) -> tuple[int, list[_Step]]:
-        """``(half, steps)`` of :meth:`all_reduce` for ``count`` elements of ``itemsize`` bytes.
+    def _plan(self, count: int, itemsize: int, piece_bytes: int) -> tuple[int, list[_Step]]:
+        """``(half, steps)`` of :meth:`all_reduce` for ``count`` elements of ``itemsize``
+        bytes in pieces of ``piece_bytes``.
 
         Step ``s`` is ``(send, recv, lo, hi)``: the (byte offset, bytes) of the
         input copied into this rank's slot before the step, those of the output
         filled from the peer's reduced half after it (None where nothing moves),
         and the elements this rank reduces after it (``hi < 0``: none). Cached.
         """
-        key = (count, itemsize, self.piece_bytes)
+        key = (count, itemsize, piece_bytes)
         got = self._plans.get(key)
         if got is not None:
             return got
         me, peer = self._me, 1 - self._me
-        pieces = _pair_pieces(count, itemsize, min(self._ws.slot_bytes, self.piece_bytes))
+        pieces = _pair_pieces(count, itemsize, min(self._ws.slot_bytes, piece_bytes))
         steps: list[_Step] = []
         for step in range(len(pieces) + 1):
             send = recv = None
@@ -181,13 +194,15 @@ class PairAllReduce:
         count, dtype, itemsize = tensor.numel(), tensor.dtype, tensor.element_size()
         if out is None:
             out = host_alloc.empty(count, dtype)
-        half, plan = self._plan(count, itemsize)
         if op is ReduceOp.SUM and dtype in NUMPY_SUM:  # bitwise torch's sum, less dispatch
             src: Any = array_of(tensor).reshape(-1)
             fn: Any = np.add
             slots = self._slot_arrays(dtype, True)
+            piece_bytes = self.piece_bytes
         else:
             src, fn, slots = tensor.view(-1), binary_fn(op, dtype), self._slot_arrays(dtype, False)
+            piece_bytes = self.torch_piece_bytes
+        half, plan = self._plan(count, itemsize, piece_bytes)
         avg = op is ReduceOp.AVG
         src_address, out_address = tensor.data_ptr(), out.data_ptr()
         addresses = self._slot_addresses

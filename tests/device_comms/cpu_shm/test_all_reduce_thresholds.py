@@ -5,7 +5,8 @@ The engine picks its scheme by size: the one-step path up to
 peer's slot from :data:`~device_comms.cpu_shm.small.PAIR_SMALL_MIN_BYTES`, torch's
 reductions up to :data:`~device_comms.cpu_shm.small.PAIR_TORCH_INTO_PEER_MAX_BYTES`), then
 one step per slot, one shot in slot-sized pieces up to the one-shot bytes,
-the pipelined pair scheme (pieces of :data:`DEFAULT_PAIR_PIECE_BYTES`) or
+the pipelined pair scheme (pieces of :data:`DEFAULT_PAIR_PIECE_BYTES`, or
+:data:`DEFAULT_PAIR_TORCH_PIECE_BYTES` for torch's reductions) or
 reduce-scatter + all-gather. Each size below is ``threshold - 1``,
 ``threshold`` and ``threshold + 1`` elements of every dtype (odd counts, not
 divisible by the world size), as a new tensor, in place and into an ``out``
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from device_comms import CpuCommunicator, ReduceOp, reduce_local
 from device_comms.cpu_shm.engine import DEFAULT_ONESHOT_BYTES, PAIR_ONE_STEP_MAX_BYTES
 from device_comms.cpu_shm.engine_threads import GRAIN
-from device_comms.cpu_shm.pair import DEFAULT_PAIR_PIECE_BYTES
+from device_comms.cpu_shm.pair import DEFAULT_PAIR_PIECE_BYTES, DEFAULT_PAIR_TORCH_PIECE_BYTES
 from device_comms.cpu_shm.small import PAIR_SMALL_MIN_BYTES, PAIR_TORCH_INTO_PEER_MAX_BYTES
 
 _DTYPES = ("int8", "uint8", "bool", "complex64", "float16", "bfloat16", "float64", "float32",
@@ -56,7 +57,8 @@ def _make(seed: int, rank: int, n: int, dt: torch.dtype) -> torch.Tensor:
 def _sizes(dt: torch.dtype, slot: int, world_size: int) -> list[int]:
     """Element counts around every threshold (the same on every rank)."""
     isz = dt.itemsize
-    edges = [GRAIN * isz, slot, DEFAULT_ONESHOT_BYTES, DEFAULT_PAIR_PIECE_BYTES]
+    edges = [GRAIN * isz, slot, DEFAULT_ONESHOT_BYTES, DEFAULT_PAIR_PIECE_BYTES,
+             DEFAULT_PAIR_TORCH_PIECE_BYTES]
     if world_size == 2:
         edges += [PAIR_SMALL_MIN_BYTES, PAIR_TORCH_INTO_PEER_MAX_BYTES, PAIR_ONE_STEP_MAX_BYTES]
     counts = {1, 7, 1001}

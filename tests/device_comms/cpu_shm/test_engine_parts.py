@@ -96,7 +96,8 @@ def pair_part_rank(rank: int, world_size: int) -> list[str]:
             except ValueError:
                 pass
             return bad
-        pair = PairAllReduce(ctx, piece_bytes=12_288 + 64)  # odd halves, several pieces
+        pair = PairAllReduce(ctx, piece_bytes=12_288 + 64,  # odd halves, several pieces
+                             torch_piece_bytes=12_288 + 64)
         for seed, (count, dtype, op) in enumerate([(100_003, torch.float32, ReduceOp.SUM),
                                                    (40_001, torch.int64, ReduceOp.MAX),
                                                    (70_000, torch.bfloat16, ReduceOp.AVG)]):

@@ -65,7 +65,7 @@ def pair_rank(rank: int, world_size: int, piece: int) -> dict[str, Any]:
     eng = comm._engine
     assert eng is not None
     if piece:
-        eng.pair.piece_bytes = piece
+        eng.pair.piece_bytes = eng.pair.torch_piece_bytes = piece
     lo, hi = eng.ws.slot_address(0, 0), eng.ws.slot_address(1, 1) + eng.ws.slot_bytes
     # One step into the peer's slot (>= 4 KiB and within a 64 KiB slot for 2- and 4-byte types),
     # then pieces (beyond the slot or the torch grain).
