@@ -24,6 +24,7 @@ from coordinator import StatelessProcessGroup
 from coordinator.errors import CommTimeout, StoreConnectionError
 from coordinator.testing import free_port
 from shm_broadcast.ranks.launcher import start_process
+from tests.process_stop import stop_process
 
 SECRET = b"stopped-store-test-secret-000000"
 TIMEOUT = 2.0
@@ -98,7 +99,7 @@ def test_a_stopped_store_host_times_out_and_the_group_recovers(op: str) -> None:
         g = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=TIMEOUT, secret=SECRET)
         g.barrier(timeout=60)
         assert host.said() == ("ready",)
-        os.kill(host.pid, signal.SIGSTOP)
+        stop_process(host.pid)
         t0 = time.monotonic()
         with pytest.raises(CommTimeout) as err:
             OPS[op](g)
@@ -137,7 +138,7 @@ def test_create_against_a_stopped_store_host_times_out_then_succeeds() -> None:
     host = _Host(_rank0_create, port)
     try:
         assert host.said() == ("created",)
-        os.kill(host.pid, signal.SIGSTOP)
+        stop_process(host.pid)
         t0 = time.monotonic()
         with pytest.raises(CommTimeout) as err:
             StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=TIMEOUT, secret=SECRET)
@@ -197,7 +198,7 @@ def test_a_send_that_timed_out_may_still_be_delivered() -> None:
         g = StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=TIMEOUT, secret=SECRET)
         g.barrier(timeout=60)
         assert host.said() == ("ready",)
-        os.kill(host.pid, signal.SIGSTOP)
+        stop_process(host.pid)
         with pytest.raises(CommTimeout):
             g.send_obj("timed out", 0)
         os.kill(host.pid, signal.SIGCONT)

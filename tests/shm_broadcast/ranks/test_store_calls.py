@@ -18,6 +18,7 @@ from shm_broadcast.errors import ClosedError, CommTimeout
 from shm_broadcast.ranks.store_calls import StoreCalls
 from shm_broadcast.ranks.tcp_store import client_store, master_store
 from tests.child_env import child_env
+from tests.process_stop import stop_process
 
 SERVER = """
 import datetime, sys, time
@@ -41,7 +42,7 @@ def test_a_call_abandoned_before_it_was_sent_never_reaches_the_store() -> None:
         port = int(server.stdout.readline())
         calls = _calls(client_store("127.0.0.1", port, None, datetime.timedelta(seconds=30)))
         calls.call("set", "ready", b"1", limit=10, op="setup", side="client")
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         t0 = time.monotonic()
         with pytest.raises(CommTimeout) as running:  # sent: stuck in the server's silence
             calls.call("wait", ["never"], datetime.timedelta(seconds=0.5), limit=1.0,
@@ -93,16 +94,16 @@ def test_a_bad_limit_is_refused(limit: object) -> None:
 
 
 _EXITING_CLIENT = """
-import atexit, datetime, os, signal, sys, time
+import atexit, datetime, sys
 from shm_broadcast.errors import CommTimeout
 from shm_broadcast.ranks.store_calls import StoreCalls
 from shm_broadcast.ranks.tcp_store import client_store
+from tests.process_stop import stop_process
 port, server = int(sys.argv[1]), int(sys.argv[2])
 calls = StoreCalls(client_store("127.0.0.1", port, None, datetime.timedelta(seconds=30)),
                    "test store", "the test's server", [0])
 calls.call("set", "ready", b"1", limit=10, op="setup", side="client")
-os.kill(server, signal.SIGSTOP)
-time.sleep(0.2)  # the stop has taken effect
+stop_process(server)
 try:
     calls.call("get", "ready", limit=0.3, op="stuck", side="client")
     sys.exit("the stopped server answered")

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from shm_broadcast import MessageQueue, PeerDiedError, QueueTimeout
+from tests.process_stop import stop_process
 
 PAUSE_S = 4.0  # > the old 3 s heartbeat timeout: the shortest pause that proves the point
 TIMEOUT_S = 1.0  # the timed cases: a pause of 2 s outlasts it
@@ -47,18 +48,6 @@ def _resume(pid: int) -> None:
     """SIGCONT ``pid`` if it is still there (a child that finished may be reaped already)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
-
-
-def _stop(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until the kernel shows it stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    end = time.monotonic() + 5
-    while time.monotonic() < end:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop")
 
 
 # ---------------------------------------------------------------------- child processes
@@ -109,7 +98,7 @@ def test_a_stopped_reader_is_waited_for_without_a_timeout(procs, transport: str)
         _report(procs, "ready")
         for i in range(4):
             mq.enqueue(i)
-        _stop(child.pid)
+        stop_process(child.pid)
         timer = _resume_later(child.pid, PAUSE_S)
         t0 = time.monotonic()
         for i in range(4, n):  # blocks on the full ring / window until the reader resumes
@@ -132,7 +121,7 @@ def test_a_stopped_reader_makes_the_writer_time_out_naming_it(procs, transport: 
         child = procs.start(reader_main, mq.export_handle(), n_before + 3)
         mq.wait_until_ready(60)
         _report(procs, "ready")
-        _stop(child.pid)
+        stop_process(child.pid)
         for i in range(n_before):
             mq.enqueue(i, timeout=TIMEOUT_S)
             sent.append(i)
@@ -166,7 +155,7 @@ def test_a_stopped_writer_is_waited_for_without_a_timeout(procs, transport: str)
         with MessageQueue.create_from_handle(handle, 1) as mq:
             mq.wait_until_ready(60)
             got = [mq.dequeue(), mq.dequeue()]
-            _stop(child.pid)
+            stop_process(child.pid)
             go.put("send the second batch")  # read by the writer only once it runs again
             timer = _resume_later(child.pid, PAUSE_S)
             t0 = time.monotonic()
@@ -193,7 +182,7 @@ def test_a_stopped_writer_makes_the_reader_time_out_naming_it(procs, transport: 
         with MessageQueue.create_from_handle(handle, 1) as mq:
             mq.wait_until_ready(60)
             assert mq.dequeue() == 0
-            _stop(child.pid)
+            stop_process(child.pid)
             go.put("send the second batch")
             t0 = time.monotonic()
             with pytest.raises(QueueTimeout) as info:
