@@ -18,7 +18,6 @@ import textwrap
 import time
 from typing import Any
 
-import psutil
 import pytest
 import torch
 
@@ -31,6 +30,7 @@ from coordinator.errors import (
 from coordinator.testing import DistributedPool, live_pool_pids, run_distributed
 from shm_broadcast.ranks.launcher import START_METHOD_ENV
 from tests.child_env import child_env
+from tests.processes import running
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,7 @@ def test_rank_that_dies_raises_rank_died_error(pool, how, words):
     assert time.monotonic() - t0 < 30
     assert info.value.rank == 1 and words in str(info.value) and "exit_on" in str(info.value)
     assert not pool.worker_pids  # every rank was killed and reaped
-    assert all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
-               for p in before)
+    assert not any(running(p) for p in before)
     # (that the pool restarts after a failure is checked by the exception test)
 
 
@@ -282,8 +281,7 @@ def test_ranks_die_with_their_parent(tmp_path, starter: str, method: str):
         deadline = time.monotonic() + 10
         alive = pids
         while alive and time.monotonic() < deadline:
-            alive = [p for p in pids if psutil.pid_exists(p)
-                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            alive = [p for p in pids if running(p)]
             time.sleep(0.05)
         assert not alive, f"ranks {alive} outlived their parent"
     finally:

@@ -24,7 +24,7 @@ from coordinator import StatelessProcessGroup
 from coordinator.errors import CommTimeout, StoreConnectionError
 from coordinator.testing import free_port
 from shm_broadcast.ranks.launcher import start_process
-from tests.process_stop import stop_process
+from tests.processes import stop_process
 
 SECRET = b"stopped-store-test-secret-000000"
 TIMEOUT = 2.0

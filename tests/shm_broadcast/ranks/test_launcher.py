@@ -22,6 +22,7 @@ from shm_broadcast.ranks.launcher import (
     stop_ranks,
 )
 from tests.child_env import child_env
+from tests.processes import running
 
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
@@ -100,9 +101,7 @@ def test_a_rank_past_the_timeout_is_killed_and_reaped() -> None:
     assert time.monotonic() - t0 < 60
     assert all(not o.ok and o.error is None and o.exitcode is None for o in outs), outs
     left = {c.pid for c in me.children(recursive=True)} - before
-    assert not [p for p in left if psutil.pid_exists(p)
-                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                and p != fork_server_pid()]
+    assert not [p for p in left if running(p) and p != fork_server_pid()]
 
 
 def test_env_reaches_each_rank() -> None:
@@ -214,8 +213,7 @@ def test_stop_ranks_terminates_reaps_and_closes() -> None:
     pids = [p.pid for p in procs]
     stop_ranks(procs, conns)
     assert all(c.closed for c in conns)
-    assert not [p for p in pids if psutil.pid_exists(p)
-                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in pids if running(p)]
 
 
 @pytest.mark.parametrize(

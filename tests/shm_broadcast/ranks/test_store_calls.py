@@ -18,7 +18,7 @@ from shm_broadcast.errors import ClosedError, CommTimeout
 from shm_broadcast.ranks.store_calls import StoreCalls
 from shm_broadcast.ranks.tcp_store import client_store, master_store
 from tests.child_env import child_env
-from tests.process_stop import stop_process
+from tests.processes import stop_process
 
 SERVER = """
 import datetime, sys, time
@@ -98,7 +98,7 @@ import atexit, datetime, sys
 from shm_broadcast.errors import CommTimeout
 from shm_broadcast.ranks.store_calls import StoreCalls
 from shm_broadcast.ranks.tcp_store import client_store
-from tests.process_stop import stop_process
+from tests.processes import stop_process
 port, server = int(sys.argv[1]), int(sys.argv[2])
 calls = StoreCalls(client_store("127.0.0.1", port, None, datetime.timedelta(seconds=30)),
                    "test store", "the test's server", [0])

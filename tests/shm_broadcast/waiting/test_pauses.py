@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from shm_broadcast import MessageQueue, PeerDiedError, QueueTimeout
-from tests.process_stop import stop_process
+from tests.processes import stop_process
 
 PAUSE_S = 4.0  # > the old 3 s heartbeat timeout: the shortest pause that proves the point
 TIMEOUT_S = 1.0  # the timed cases: a pause of 2 s outlasts it

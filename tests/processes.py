@@ -1,9 +1,11 @@
-"""Stop a process for a test and know that it has stopped.
+"""The state of another process, read without races: stopped, running.
 
 ``os.kill(pid, SIGSTOP)`` returns once the signal is queued; each thread of the
 target stops the next time the kernel checks its signals, and a thread running
 on another core can still serve a request in between. A test that then expects
 the process to be silent must wait until the kernel shows every thread stopped.
+A process can also end between any two questions about it, so each question
+here is asked once and a process that is gone answers for itself.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import contextlib
 import os
 import signal
 import time
+
+import psutil
 
 
 def _thread_states(pid: int) -> list[str]:
@@ -40,3 +44,11 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
             raise AssertionError(f"process {pid} did not stop within {timeout} s "
                                  f"(thread states {states})")
         time.sleep(0.005)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has ended)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
