@@ -16,6 +16,9 @@ layers call it):
   (returns a new tensor; argument checks included);
 * ``ours_inplace``: the same with ``out=x`` (the result written over the
   input, as vLLM's op does; checks included);
+* ``group``: ``get_tp_group().all_reduce(x)``, the call an engine (and the
+  issue's harness) makes: the group's bookkeeping and its flight recorder,
+  on as by default, on top of ``ours`` (the group's own communicator);
 * ``bare`` (with ``--bare``): the least Python a shared-memory all_reduce
   can run, timed as a reference for what the language costs, not an engine:
   one numpy copy of the input into this rank's slot, one flag store, a spin
@@ -105,6 +108,11 @@ def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
     from device_comms.cpu.communicator import CpuCommunicator
 
     comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="cmp")
+    from coordinator import parallel_state
+
+    parallel_state.init_distributed_environment(world_size=ws, rank=rank, local_rank=rank)
+    parallel_state.initialize_model_parallel(ws)
+    tp = parallel_state.get_tp_group()
     handle = -1
     if hasattr(torch.ops._C, "init_shm_manager"):
         nt = torch.tensor([torch.get_num_threads()], dtype=torch.int64)
@@ -120,15 +128,16 @@ def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
     try:
         for dname in cfg["dtypes"]:
             for nbytes in cfg["sizes"]:
-                out["points"].append(_point(comm, handle, getattr(torch, dname), nbytes, cfg, rank,
-                                            bare))
+                out["points"].append(_point(comm, tp, handle, getattr(torch, dname), nbytes, cfg,
+                                            rank, bare))
     finally:
         comm.destroy()
+        parallel_state.destroy_model_parallel()
         if bare is not None:
             bare.close()
     q.put((rank, out))
     dist.barrier()
-    dist.destroy_process_group()
+    parallel_state.destroy_distributed_environment()  # the world group, then torch's
 
 
 class _Bare:
@@ -205,7 +214,7 @@ class _Bare:
             self.map.close()
 
 
-def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
+def _point(comm: Any, tp: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
            rank: int, bare: _Bare | None = None) -> dict[str, Any]:
     import torch
 
@@ -225,11 +234,12 @@ def _point(comm: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
     comm.all_reduce(z, out=z)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     same = bool(torch.allclose(ref.float(), y.float(), rtol=tol, atol=tol)
-                and torch.equal(ref, z))
+                and torch.equal(ref, z) and torch.equal(ref, tp.all_reduce(x)))
     iters = max(cfg["min_iters"], min(cfg["max_iters"], cfg["budget"] // max(1, nbytes)))
     fns = {
         "ours": lambda: comm.all_reduce(x),
         "ours_inplace": lambda: comm.all_reduce(z, out=z),
+        "group": lambda: tp.all_reduce(x),
         "vllm_op": vllm_op,
     }
     if bare is not None:
@@ -391,6 +401,8 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row.setdefault("p50_per_round", []).append(p50)
             if "bare" in p50:
                 row.setdefault("bare_speed_per_round", []).append(p50["vllm_op"] / p50["bare"])
+            if "group" in p50:
+                row.setdefault("group_speed_per_round", []).append(p50["vllm_op"] / p50["group"])
         row["speed_per_round"] = per_round
         ratios = [a for a, _ in per_round]
         row["speed_median_of_rounds"] = statistics.median(ratios)
@@ -405,6 +417,8 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "floor_us"]
         if "bare_speed_per_round" in row:
             row["bare_speed_median_of_rounds"] = statistics.median(row["bare_speed_per_round"])
+        if "group_speed_per_round" in row:
+            row["group_speed_median_of_rounds"] = statistics.median(row["group_speed_per_round"])
         rows.append(row)
     return rows
 
@@ -412,7 +426,8 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'dtype':>9} {'size':>8} {'ours p50':>9} {'ours p99':>9} {'in-pl p50':>9} "
             f"{'in-pl p99':>9} {'vllm p50':>9} {'vllm p99':>9} {'speed':>6} {'in-pl':>6} "
-            f"{'min':>6} {'floor':>7} {'ours/fl':>7} {'vllm/fl':>7} {'bare':>7} {'b-speed':>7}  ok"
+            f"{'min':>6} {'group':>7} {'g-speed':>7} {'floor':>7} {'ours/fl':>7} {'vllm/fl':>7} "
+            f"{'bare':>7} {'b-speed':>7}  ok"
             "  speed per round (new tensor/in place)")
     lines = [head]
     for r in rows:
@@ -423,7 +438,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
                      f"{r['vllm_op_p50']:9.1f} {r['vllm_op_p99']:9.1f} "
                      f"{r['speed_median_of_rounds']:5.2f}x "
                      f"{r['inplace_speed_median_of_rounds']:5.2f}x "
-                     f"{r['speed_min_round']:5.2f}x {r['floor_us']:7.1f} "
+                     f"{r['speed_min_round']:5.2f}x "
+                     + (f"{r['group_p50']:7.1f} {r['group_speed_median_of_rounds']:6.2f}x "
+                        if "group_p50" in r else f"{'-':>7} {'-':>7} ")
+                     + f"{r['floor_us']:7.1f} "
                      f"{r['ours_x_floor']:6.1f}x {r['vllm_x_floor']:6.1f}x "
                      + (f"{r['bare_p50']:7.1f} {r['bare_speed_median_of_rounds']:6.2f}x "
                         if "bare_p50" in r else f"{'-':>7} {'-':>7} ")
@@ -434,7 +452,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 LEGEND = ("p50/p99: pooled over the rounds (a sample is the slowest rank's call); speed, "
           "in-pl: vLLM p50 / ours p50, median of the rounds' own ratios (new tensor, in "
-          "place); min: the lowest round (new tensor); floor: one thread's time for the "
+          "place); min: the lowest round (new tensor); group, g-speed: p50 of "
+          "get_tp_group().all_reduce(x) (flight recorder on, as by default) and vLLM p50 / "
+          "its p50; floor: one thread's time for the "
           "all_reduce's least memory traffic, from a copy of the message timed in the same "
           "ranks (copy in, read the peers' parts, write the result); ours/fl, vllm/fl: "
           "p50 (median of rounds) over the floor; bare, b-speed: p50 of the least Python a "

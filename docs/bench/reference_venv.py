@@ -39,13 +39,28 @@ def driver_side(args: argparse.Namespace, driver: Callable[[dict[str, Any]], Any
     return None if have_reference(args.python) else 2
 
 
+#: What this repository imports that a reference venv may lack: import name -> package.
+OUR_DEPENDENCIES = {"msgspec": "msgspec", "zmq": "pyzmq", "psutil": "psutil",
+                    "cryptography": "cryptography"}
+
+
 def have_reference(python: str) -> bool:
-    """Whether ``python`` exists; says how to build it when it does not."""
-    if os.path.exists(python):
-        return True
-    print(f"--python: {python} not found; run shared/anchors/install_vllm_anchors.sh",
-          file=sys.stderr)
-    return False
+    """Whether ``python`` exists and imports this repository's dependencies; says how to
+    build it or what to install into it when not."""
+    if not os.path.exists(python):
+        print(f"--python: {python} not found; run shared/anchors/install_vllm_anchors.sh",
+              file=sys.stderr)
+        return False
+    probe = ("import importlib.util, sys; "
+             f"print(' '.join(p for m, p in {OUR_DEPENDENCIES!r}.items() "
+             "if importlib.util.find_spec(m) is None))")
+    missing = subprocess.run([python, "-c", probe], capture_output=True, text=True,
+                             timeout=60).stdout.split()
+    if missing:
+        print(f"--python: {python} lacks what this repository imports; run "
+              f"{python} -m pip install {' '.join(missing)}", file=sys.stderr)
+        return False
+    return True
 
 
 def run_driver(script: str, python: str, cfg: dict[str, Any], timeout: float) -> Any:
