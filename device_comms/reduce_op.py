@@ -50,7 +50,10 @@ NO_ARITHMETIC = frozenset(
         getattr(torch, name, None)
         for name in (
             "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
-            "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+            "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+            "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+            "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+            "int1", "int2", "int3", "int4", "int5", "int6", "int7",
         )
     )
     if isinstance(dt, torch.dtype)
@@ -67,7 +70,8 @@ def check_reduce_op(op: object, dtype: torch.dtype, arg: str = "op") -> ReduceOp
         TypeError: ``op`` is not a reduction, a bitwise op is used on a
             non-integer dtype, AVG on an integer dtype, MIN/MAX/PRODUCT on a
             complex dtype, or ``dtype`` has no
-            arithmetic in torch (``uint16/32/64``, ``float8_*``).
+            arithmetic in torch (``uint16/32/64``, ``float8_*``, ``float4_*``,
+            ``bits*``, and the sub-byte ``uint1-7``/``int1-7``).
     """
     rop = _coerce(op, arg)
     if dtype in NO_ARITHMETIC:

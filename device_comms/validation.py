@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from shm_broadcast import checks
+from shm_broadcast.codec.tensor_layout import contiguous
 from shm_broadcast.codec.tensor_storage import check_storage, storage_covers
 
 __all__ = [
@@ -136,7 +137,7 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     (``x[3:4:2]``), and its flat view keeps the odd stride; such a tensor is
     copied into fresh storage (a few bytes).
     """
-    t = resolved(t).contiguous()
+    t = contiguous(resolved(t))  # sub-byte dtypes too, which torch cannot copy
     if t.numel() <= 1 and t.dim() and t.stride(-1) != 1:
         t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
     return t

@@ -30,8 +30,9 @@ numpy scalars (``np.float32(1)``...,       ext: dtype string + raw bytes
 non-object, non-structured)                (same numpy scalar type back)
 ``torch.Tensor`` and                       ext descriptor + raw bytes
 ``torch.nn.Parameter`` (CPU, strided,      (non-contiguous ones are made
-any dtype incl. bfloat16/float8/complex,   contiguous first; requires_grad
-0-dim, empty, non-contiguous, conj/neg)    and the Parameter type kept)
+any dtype incl. bfloat16/float8/complex    contiguous first; requires_grad
+and uint1-7/int1-7 (a byte an element),    and the Parameter type kept)
+0-dim, empty, non-contiguous, conj/neg)
 ``torch.Size``, ``torch.dtype``,           ext: the dims / the dtype's name
 ``torch.device``                           (known dtypes only) / the device
                                            string
@@ -102,6 +103,7 @@ from shm_broadcast.codec.hash_flooding import (
 )
 from shm_broadcast.codec.pickle_opt_in import pickle_oob, unpickle_oob
 from shm_broadcast.codec.safe_msgpack import SMALL_FRAME, SafeDecoder
+from shm_broadcast.codec.tensor_layout import contiguous
 from shm_broadcast.codec.tensor_storage import check_storage
 from shm_broadcast.codec.wire_format import (
     ALIGN,
@@ -324,7 +326,7 @@ class Codec:
         if t.is_neg():
             t = t.resolve_neg()
         if not t.is_contiguous():
-            t = t.contiguous()
+            t = contiguous(t)  # sub-byte dtypes too, which torch cannot copy
         nbytes = t.nbytes
         off = self._reserve(nbytes, t.data_ptr(), t)
         shape = t.shape

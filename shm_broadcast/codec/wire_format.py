@@ -94,6 +94,10 @@ _TORCH_DTYPE_NAMES = (
     "uint8", "bool", "complex64", "complex128", "complex32", "uint16", "uint32",
     "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
     "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16",
+    # Sub-byte dtypes: one element per byte in torch's storage, carried as those bytes.
+    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7",
+    "bits1x8", "bits2x4", "bits4x2",
 )
 _UINT_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.complex128}
 _NONE_TYPE = type(None)

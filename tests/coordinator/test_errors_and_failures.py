@@ -491,6 +491,36 @@ def test_check_reduce_op_property(op, dtype):
         assert check_reduce_op(op.name.lower(), dtype) is op  # names are accepted too
 
 
+def _torch_dtypes() -> list[torch.dtype]:
+    """Every dtype this torch names, quantised ones aside (no tensor passes the checks
+    with those)."""
+    found = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    return sorted((d for d in found if not str(d).startswith(("torch.qint", "torch.quint"))),
+                  key=str)
+
+
+def _has_arithmetic(dtype: torch.dtype) -> bool:
+    """Whether torch adds two CPU tensors of ``dtype`` (made from bytes: any dtype)."""
+    carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64,
+               16: torch.complex128}[dtype.itemsize]
+    a = torch.zeros(2, dtype=carrier).view(dtype)
+    try:
+        torch.add(a, a)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [d for d in _torch_dtypes() if not _has_arithmetic(d)],
+                         ids=str)
+def test_every_dtype_torch_cannot_add_is_refused_for_every_op(dtype):
+    """A reduction of a dtype without arithmetic (bits8, float4_e2m1fn_x2, uint4...)
+    is refused before any step; accepted, it failed mid-collective on one rank."""
+    for op in ReduceOp:
+        with pytest.raises(TypeError, match=f"op=ReduceOp.{op.name}"):
+            check_reduce_op(op, dtype)
+
+
 def test_check_helpers_reject_wrong_types():
     with pytest.raises(TypeError, match="sizes"):
         validation.check_sizes((i for i in range(2)), 2)

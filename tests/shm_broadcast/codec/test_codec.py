@@ -76,6 +76,39 @@ def test_tensor_kinds_roundtrip_bit_exact(dtype, resizable):
     assert len(enc.msg) < 1024
 
 
+SUB_BYTE_DTYPES = [getattr(torch, name) for name in (
+    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7",
+    "bits1x8", "bits2x4", "bits4x2") if isinstance(getattr(torch, name, None), torch.dtype)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("resizable", [False, True], ids=["numpy-copy", "resizable"])
+@pytest.mark.parametrize("dtype", SUB_BYTE_DTYPES, ids=str)
+def test_sub_byte_dtypes_travel_as_their_bytes(dtype, resizable):
+    """torch.uint4 and its kin keep one element per byte and have no copy kernel
+    (``contiguous()`` raises NotImplementedError): they travel as those bytes, in any
+    layout, alone, nested, and as dtype values."""
+    raw = torch.randint(0, 256, (24,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(3)).reshape(4, 6)
+    base = raw.view(dtype)
+    cases = {
+        "contiguous": base,
+        "non_contiguous": base.t(),
+        "strided_slice": base[::2, 1::3],
+        "expanded": base[:1].expand(3, 6),
+        "zero_dim": raw[1, 2].view(dtype),
+        "empty": torch.empty((0, 3), dtype=dtype),
+    }
+    got, _, _ = roundtrip({"cases": [cases], "dtype": dtype}, Codec(resizable=resizable))
+    assert got["dtype"] is dtype
+    for name, t in cases.items():
+        g = got["cases"][0][name]
+        assert type(g) is torch.Tensor and g.dtype == dtype and g.shape == t.shape, name
+        assert g.is_contiguous(), name
+        assert torch.equal(g.view(torch.uint8), t.view(torch.uint8).contiguous()), name
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("resizable", [False, True], ids=["numpy-copy", "resizable"])
 def test_raw_bytes_survive_typed_copies(resizable):
