@@ -156,7 +156,7 @@ class DeviceCommunicator(abc.ABC):
         t = validation.dense(t)  # transports move raw elements
         if self.world_size == 1:
             with torch.no_grad():
-                return t.clone() if out is None else out.copy_(t)
+                return validation.clone(t) if out is None else out.copy_(t)
         if out is None:
             return self._guard("all_reduce", self._all_reduce, t, rop)
         return self._guard("all_reduce", self._all_reduce_into, t, rop, out)
@@ -177,7 +177,7 @@ class DeviceCommunicator(abc.ABC):
         """
         self._check_open()
         try:
-            t = validation.check_tensor(input_, "input_", self.device)
+            t = validation.check_tensor(input_, "input_", self.device, copied=True)
             d = validation.gather_dim(t, dim, self.world_size)
             if out is not None:
                 validation.check_gather_out(out, t, d, self.world_size, self.device)
@@ -185,7 +185,7 @@ class DeviceCommunicator(abc.ABC):
             self._reject("all_gather", e)
             raise
         if self.world_size == 1:
-            return t.clone() if out is None else out.copy_(t)
+            return validation.clone(t) if out is None else out.copy_(t)
         if out is None:
             return self._guard("all_gather", self._all_gather, validation.dense(t), d)
         return self._guard("all_gather", self._all_gather_into, validation.dense(t), d, out)
@@ -223,7 +223,7 @@ class DeviceCommunicator(abc.ABC):
         if sz is None:
             return self.all_gather(t, d)
         if self.world_size == 1:
-            return t.clone()
+            return validation.clone(t)
         return self._guard("all_gatherv", self._all_gatherv, validation.dense(t), d, sz)
 
     def all_gatherv_rows(
@@ -282,7 +282,7 @@ class DeviceCommunicator(abc.ABC):
             self._reject(op, e)
             raise
         if self.world_size == 1:
-            return [t.clone() for t in ts], [n]
+            return [validation.clone(t) for t in ts], [n]
         return self._guard(op, self._all_gatherv_rows, [validation.dense(t) for t in ts], sz)
 
     def _same_count(self, n: int) -> None:
@@ -302,7 +302,7 @@ class DeviceCommunicator(abc.ABC):
     def _check_gatherv(
         self, input_: Any, dim: int, sizes: Sequence[int] | None, arg: str
     ) -> tuple[torch.Tensor, int, list[int] | None]:
-        t = validation.check_tensor(input_, arg, self.device)
+        t = validation.check_tensor(input_, arg, self.device, copied=True)
         d = validation.norm_dim(dim, t.dim())
         if sizes is None:
             return t, d, None
@@ -330,7 +330,7 @@ class DeviceCommunicator(abc.ABC):
             self._reject("reduce_scatter", e)
             raise
         if self.world_size == 1:
-            return t.clone()
+            return validation.clone(t)
         return self._guard("reduce_scatter", self._reduce_scatter, validation.dense(t), d, rop)
 
     def reduce_scatterv(
@@ -354,7 +354,7 @@ class DeviceCommunicator(abc.ABC):
         if sizes is None:
             return self.reduce_scatter(t, d, op)
         if self.world_size == 1:
-            return t.clone()
+            return validation.clone(t)
         return self._guard(
             "reduce_scatterv", self._reduce_scatterv, validation.dense(t), d, sz, rop)
 
@@ -362,14 +362,14 @@ class DeviceCommunicator(abc.ABC):
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere."""
         self._check_open()
         try:
-            t = validation.check_tensor(input_, "input_", self.device)
+            t = validation.check_tensor(input_, "input_", self.device, copied=True)
             dst = validation.check_rank(dst, self.world_size, "dst")
             d = validation.gather_dim(t, dim, self.world_size)
         except (TypeError, ValueError) as e:
             self._reject("gather", e)
             raise
         if self.world_size == 1:
-            return t.clone()
+            return validation.clone(t)
         return self._guard("gather", self._gather, validation.dense(t), dst, d)
 
     def reduce(
@@ -385,14 +385,14 @@ class DeviceCommunicator(abc.ABC):
             self._reject("reduce", e)
             raise
         if self.world_size == 1:
-            return t.clone()
+            return validation.clone(t)
         return self._guard("reduce", self._reduce, validation.dense(t), dst, rop)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Broadcast ``input_`` from ``src`` in place; receivers pass the buffer to fill."""
         self._check_open()
         try:
-            t = validation.check_tensor(input_, "input_", self.device)
+            t = validation.check_tensor(input_, "input_", self.device, copied=True)
             src = validation.check_rank(src, self.world_size, "src")
             if self.rank_in_group != src:  # the source only reads its tensor
                 validation.check_writable(t, "input_")
@@ -427,7 +427,7 @@ class DeviceCommunicator(abc.ABC):
             raise
         if self.rank_in_group == src:
             try:
-                t = validation.check_tensor(input_, "input_", self.device)
+                t = validation.check_tensor(input_, "input_", self.device, copied=True)
                 d = validation.norm_dim(dim, t.dim())
                 validation.check_divisible(t.shape[d], self.world_size, f"input_.shape[{dim}]")
             except (TypeError, ValueError) as e:
@@ -435,7 +435,7 @@ class DeviceCommunicator(abc.ABC):
                     self._guard("scatter", self._scatter_abort, src, str(e))
                 raise
             if self.world_size == 1:
-                return t.clone()
+                return validation.clone(t)
             t = validation.dense(t)
         else:
             t, d = None, dim
@@ -448,7 +448,7 @@ class DeviceCommunicator(abc.ABC):
         and concatenate the slices received from every rank along ``gather_dim``."""
         self._check_open()
         try:
-            t = validation.check_tensor(input_, "input_", self.device)
+            t = validation.check_tensor(input_, "input_", self.device, copied=True)
             sd = validation.norm_dim(scatter_dim, t.dim(), "scatter_dim")
             gd = validation.norm_dim(gather_dim, t.dim(), "gather_dim")
             validation.check_divisible(t.shape[sd], self.world_size, f"input_.shape[{scatter_dim}]")
@@ -456,7 +456,7 @@ class DeviceCommunicator(abc.ABC):
             self._reject("all_to_all", e)
             raise
         if self.world_size == 1:
-            return t.clone()
+            return validation.clone(t)
         return self._guard("all_to_all", self._all_to_all, validation.dense(t), sd, gd)
 
     def all_to_allv(
@@ -485,7 +485,7 @@ class DeviceCommunicator(abc.ABC):
                     f"group {self.unique_name!r}, op all_to_allv: recv_sizes {recv} do not "
                     f"match send_sizes {send} (a group of one sends to itself)",
                     queue=self.unique_name, peers=(0,))
-            return t.clone()
+            return validation.clone(t)
         return self._guard("all_to_allv", self._all_to_allv, validation.dense(t), send, recv)
 
     def reject(self, op: str, error: BaseException, peer: int | None = None) -> None:

@@ -59,7 +59,7 @@ def check_row_tensors(tensors: Any, device: torch.device, arg: str = "tensors"
                         f"{type(tensors).__name__}")
     out: list[torch.Tensor] = []
     for i, t in enumerate(tensors):
-        x = validation.check_tensor(t, f"{arg}[{i}]", device)
+        x = validation.check_tensor(t, f"{arg}[{i}]", device, copied=True)
         if device.index is not None and x.device != device:
             raise ValueError(f"{arg}[{i}] is on {x.device}, the communicator on {device}")
         if x.dim() < 1:

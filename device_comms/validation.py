@@ -15,7 +15,9 @@ from shm_broadcast.codec.tensor_storage import check_storage, storage_covers
 
 __all__ = [
     "check_device", "check_group", "check_writable", "check_fits", "gather_dim", "check_tensor",
-    "check_storage", "storage_covers", "resolved", "dense", "check_out", "check_gather_out",
+    "NOT_COPYABLE",
+    "check_storage", "storage_covers", "resolved", "dense", "clone", "check_out",
+    "check_gather_out",
     "check_out_meta",
     "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible",
 ]
@@ -61,14 +63,26 @@ def check_group(group: Any, arg: str, allow_none: bool = False) -> Any:
     return group
 
 
-def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.Tensor:
+#: Dtypes torch stores one element per byte but cannot copy (no copy kernel).
+NOT_COPYABLE = frozenset(
+    dt for dt in (getattr(torch, f"{kind}{bits}", None) for kind in ("uint", "int")
+                  for bits in range(1, 8))
+    if isinstance(dt, torch.dtype)
+)
+
+
+def check_tensor(t: Any, arg: str, device: torch.device | None = None,
+                 copied: bool = False) -> torch.Tensor:
     """Return ``t`` if it is a dense tensor with data (on ``device``'s type when given).
 
     Layout and storage are checked here, before any communication: a sparse or
     meta tensor that got further would fail mid-collective on one rank only.
+    With ``copied`` (a collective, whose transports copy tensors with torch) a
+    dtype torch cannot copy (:data:`NOT_COPYABLE`) is refused too.
 
     Raises:
-        TypeError: ``t`` is not a tensor, or is sparse / quantised / nested.
+        TypeError: ``t`` is not a tensor, or is sparse / quantised / nested, or
+            (``copied``) of a dtype in :data:`NOT_COPYABLE`.
         ValueError: ``t`` is a meta tensor, on another device type, or its
             storage no longer holds its elements (:func:`check_storage`).
     """
@@ -79,6 +93,12 @@ def check_tensor(t: Any, arg: str, device: torch.device | None = None) -> torch.
         raise TypeError(
             f"{arg} must be a dense (torch.strided) tensor, got a {kind} tensor; "
             f"convert it first (e.g. .to_dense())"
+        )
+    if copied and t.dtype in NOT_COPYABLE:
+        raise TypeError(
+            f"{arg} has dtype {t.dtype}, which torch cannot copy (it has no copy kernel "
+            f"for it), and collectives copy their tensors; send its bytes and view them "
+            f"back: {arg}.view(torch.uint8), then .view({t.dtype}) on the result"
         )
     if t.is_meta:
         where = f" on a {device.type} device" if device is not None else ""
@@ -127,6 +147,14 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
     if t._is_zerotensor():  # noqa: SLF001 - torch's own API
         return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     return t
+
+
+def clone(t: torch.Tensor) -> torch.Tensor:
+    """``t.clone()`` (contiguous), through its bytes for a dtype torch cannot copy
+    (:data:`NOT_COPYABLE`)."""
+    if t.dtype in NOT_COPYABLE:
+        return t.view(torch.uint8).clone(memory_format=torch.contiguous_format).view(t.dtype)
+    return t.clone()
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
