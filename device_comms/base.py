@@ -156,7 +156,7 @@ class DeviceCommunicator(abc.ABC):
         t = validation.dense(t)  # transports move raw elements
         if self.world_size == 1:
             with torch.no_grad():
-                return validation.clone(t) if out is None else out.copy_(t)
+                return t.clone() if out is None else out.copy_(t)
         if out is None:
             return self._guard("all_reduce", self._all_reduce, t, rop)
         return self._guard("all_reduce", self._all_reduce_into, t, rop, out)
@@ -185,7 +185,7 @@ class DeviceCommunicator(abc.ABC):
             self._reject("all_gather", e)
             raise
         if self.world_size == 1:
-            return validation.clone(t) if out is None else out.copy_(t)
+            return t.clone() if out is None else out.copy_(t)
         if out is None:
             return self._guard("all_gather", self._all_gather, validation.dense(t), d)
         return self._guard("all_gather", self._all_gather_into, validation.dense(t), d, out)
@@ -223,7 +223,7 @@ class DeviceCommunicator(abc.ABC):
         if sz is None:
             return self.all_gather(t, d)
         if self.world_size == 1:
-            return validation.clone(t)
+            return t.clone()
         return self._guard("all_gatherv", self._all_gatherv, validation.dense(t), d, sz)
 
     def all_gatherv_rows(
@@ -282,7 +282,7 @@ class DeviceCommunicator(abc.ABC):
             self._reject(op, e)
             raise
         if self.world_size == 1:
-            return [validation.clone(t) for t in ts], [n]
+            return [t.clone() for t in ts], [n]
         return self._guard(op, self._all_gatherv_rows, [validation.dense(t) for t in ts], sz)
 
     def _same_count(self, n: int) -> None:
@@ -330,7 +330,7 @@ class DeviceCommunicator(abc.ABC):
             self._reject("reduce_scatter", e)
             raise
         if self.world_size == 1:
-            return validation.clone(t)
+            return t.clone()
         return self._guard("reduce_scatter", self._reduce_scatter, validation.dense(t), d, rop)
 
     def reduce_scatterv(
@@ -354,7 +354,7 @@ class DeviceCommunicator(abc.ABC):
         if sizes is None:
             return self.reduce_scatter(t, d, op)
         if self.world_size == 1:
-            return validation.clone(t)
+            return t.clone()
         return self._guard(
             "reduce_scatterv", self._reduce_scatterv, validation.dense(t), d, sz, rop)
 
@@ -369,7 +369,7 @@ class DeviceCommunicator(abc.ABC):
             self._reject("gather", e)
             raise
         if self.world_size == 1:
-            return validation.clone(t)
+            return t.clone()
         return self._guard("gather", self._gather, validation.dense(t), dst, d)
 
     def reduce(
@@ -385,7 +385,7 @@ class DeviceCommunicator(abc.ABC):
             self._reject("reduce", e)
             raise
         if self.world_size == 1:
-            return validation.clone(t)
+            return t.clone()
         return self._guard("reduce", self._reduce, validation.dense(t), dst, rop)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -435,7 +435,7 @@ class DeviceCommunicator(abc.ABC):
                     self._guard("scatter", self._scatter_abort, src, str(e))
                 raise
             if self.world_size == 1:
-                return validation.clone(t)
+                return t.clone()
             t = validation.dense(t)
         else:
             t, d = None, dim
@@ -456,7 +456,7 @@ class DeviceCommunicator(abc.ABC):
             self._reject("all_to_all", e)
             raise
         if self.world_size == 1:
-            return validation.clone(t)
+            return t.clone()
         return self._guard("all_to_all", self._all_to_all, validation.dense(t), sd, gd)
 
     def all_to_allv(
@@ -485,7 +485,7 @@ class DeviceCommunicator(abc.ABC):
                     f"group {self.unique_name!r}, op all_to_allv: recv_sizes {recv} do not "
                     f"match send_sizes {send} (a group of one sends to itself)",
                     queue=self.unique_name, peers=(0,))
-            return validation.clone(t)
+            return validation.clone(t)  # sub-byte dtypes travel here; t.clone() cannot copy them
         return self._guard("all_to_allv", self._all_to_allv, validation.dense(t), send, recv)
 
     def reject(self, op: str, error: BaseException, peer: int | None = None) -> None:
