@@ -50,6 +50,7 @@ from device_comms.errors import (
 from device_comms.reduce_op import ReduceOp, check_reduce_op
 from shm_broadcast import checks
 from shm_broadcast.checks import check_timeout
+from shm_broadcast.codec.tensor_layout import clone
 
 __all__ = ["DeviceCommunicator"]
 
@@ -485,7 +486,8 @@ class DeviceCommunicator(abc.ABC):
                     f"group {self.unique_name!r}, op all_to_allv: recv_sizes {recv} do not "
                     f"match send_sizes {send} (a group of one sends to itself)",
                     queue=self.unique_name, peers=(0,))
-            return validation.clone(t)  # sub-byte dtypes travel here; t.clone() cannot copy them
+            copied: torch.Tensor = clone(t)  # sub-byte dtypes travel here: t.clone() fails
+            return copied
         return self._guard("all_to_allv", self._all_to_allv, validation.dense(t), send, recv)
 
     def reject(self, op: str, error: BaseException, peer: int | None = None) -> None:

@@ -16,7 +16,7 @@ from shm_broadcast.codec.tensor_storage import check_storage, storage_covers
 __all__ = [
     "check_device", "check_group", "check_writable", "check_fits", "gather_dim", "check_tensor",
     "NOT_COPYABLE",
-    "check_storage", "storage_covers", "resolved", "dense", "clone", "check_out",
+    "check_storage", "storage_covers", "resolved", "dense", "check_out",
     "check_gather_out",
     "check_out_meta",
     "norm_dim", "check_rank", "check_spec", "check_sizes", "check_divisible",
@@ -147,14 +147,6 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
     if t._is_zerotensor():  # noqa: SLF001 - torch's own API
         return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     return t
-
-
-def clone(t: torch.Tensor) -> torch.Tensor:
-    """``t.clone()`` (contiguous), through its bytes for a dtype torch cannot copy
-    (:data:`NOT_COPYABLE`)."""
-    if t.dtype in NOT_COPYABLE:
-        return t.view(torch.uint8).clone(memory_format=torch.contiguous_format).view(t.dtype)
-    return t.clone()
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:

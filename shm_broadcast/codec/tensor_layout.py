@@ -1,4 +1,4 @@
-"""A contiguous copy of any tensor, including those of dtypes torch cannot copy.
+"""Contiguous copies of any tensor, including those of dtypes torch cannot copy.
 
 torch keeps its sub-byte dtypes (``torch.uint1``-``uint7``, ``int1``-``int7``)
 one element per byte but has no copy kernel for them: ``contiguous()`` of a
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["contiguous"]
+__all__ = ["contiguous", "clone"]
 
 
 def contiguous(t: Any) -> Any:
@@ -27,9 +27,25 @@ def contiguous(t: Any) -> Any:
     """
     try:
         return t.contiguous()
-    except NotImplementedError:  # no copy kernel for the dtype: copy one byte an element
-        if t.element_size() != 1:
-            raise
-        import torch
+    except NotImplementedError as e:
+        return _copy_bytes(t, e)
 
-        return t.view(torch.uint8).contiguous().view(t.dtype)
+
+def clone(t: Any) -> Any:
+    """``t.clone()``, through its bytes when torch has no copy kernel for its dtype
+    (then contiguous)."""
+    try:
+        return t.clone()
+    except NotImplementedError as e:
+        return _copy_bytes(t, e)
+
+
+def _copy_bytes(t: Any, error: NotImplementedError) -> Any:
+    """A contiguous copy of ``t`` made as ``uint8`` of the same strides, viewed back;
+    ``error`` (torch's, for want of a copy kernel) again unless ``t`` holds one
+    element per byte."""
+    if t.element_size() != 1:
+        raise error
+    import torch
+
+    return t.view(torch.uint8).clone(memory_format=torch.contiguous_format).view(t.dtype)
