@@ -399,10 +399,10 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 p50[impl] = statistics.median(_samples(r, i, impl))
             per_round.append((p50["vllm_op"] / p50["ours"], p50["vllm_op"] / p50["ours_inplace"]))
             row.setdefault("p50_per_round", []).append(p50)
-            if "bare" in p50:
-                row.setdefault("bare_speed_per_round", []).append(p50["vllm_op"] / p50["bare"])
-            if "group" in p50:
-                row.setdefault("group_speed_per_round", []).append(p50["vllm_op"] / p50["group"])
+            for impl in _EXTRA_SERIES:
+                if impl in p50:
+                    row.setdefault(f"{impl}_speed_per_round", []).append(
+                        p50["vllm_op"] / p50[impl])
         row["speed_per_round"] = per_round
         ratios = [a for a, _ in per_round]
         row["speed_median_of_rounds"] = statistics.median(ratios)
@@ -415,12 +415,23 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "floor_us"]
         row["vllm_x_floor"] = statistics.median(p["vllm_op"] for p in row["p50_per_round"]) / row[
             "floor_us"]
-        if "bare_speed_per_round" in row:
-            row["bare_speed_median_of_rounds"] = statistics.median(row["bare_speed_per_round"])
-        if "group_speed_per_round" in row:
-            row["group_speed_median_of_rounds"] = statistics.median(row["group_speed_per_round"])
+        for impl in _EXTRA_SERIES:
+            if f"{impl}_speed_per_round" in row:
+                row[f"{impl}_speed_median_of_rounds"] = statistics.median(
+                    row[f"{impl}_speed_per_round"])
         rows.append(row)
     return rows
+
+
+#: Series reported beside the two engines, each with its speed against vLLM.
+_EXTRA_SERIES = ("group", "bare")
+
+
+def _extra(r: dict[str, Any], impl: str) -> str:
+    """``impl``'s p50 and speed columns of row ``r`` (dashes when not timed)."""
+    if f"{impl}_p50" not in r:
+        return f"{'-':>7} {'-':>7} "
+    return f"{r[f'{impl}_p50']:7.1f} {r[f'{impl}_speed_median_of_rounds']:6.2f}x "
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -439,12 +450,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
                      f"{r['speed_median_of_rounds']:5.2f}x "
                      f"{r['inplace_speed_median_of_rounds']:5.2f}x "
                      f"{r['speed_min_round']:5.2f}x "
-                     + (f"{r['group_p50']:7.1f} {r['group_speed_median_of_rounds']:6.2f}x "
-                        if "group_p50" in r else f"{'-':>7} {'-':>7} ")
+                     + _extra(r, "group")
                      + f"{r['floor_us']:7.1f} "
                      f"{r['ours_x_floor']:6.1f}x {r['vllm_x_floor']:6.1f}x "
-                     + (f"{r['bare_p50']:7.1f} {r['bare_speed_median_of_rounds']:6.2f}x "
-                        if "bare_p50" in r else f"{'-':>7} {'-':>7} ")
+                     + _extra(r, "bare")
                      + f"{'yes' if r['same'] else 'NO':>3}  "
                      + " ".join(f"{a:.2f}/{b:.2f}" for a, b in r["speed_per_round"]))
     return "\n".join(lines)
