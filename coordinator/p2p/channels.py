@@ -63,18 +63,26 @@ class Work:
             whether the peer's process is gone.
         quiet: Nobody waits for this item (it only tells the peer that this
             rank rejected its arguments): its failure is expected and not reported.
+        self_ending: Says whether the call's transport ends it by itself when the
+            peer dies (a shared-memory link: its reader first takes what the
+            dead writer published, then raises; its writer raises when the
+            reader it waits for is gone). Such a call is never declared failed
+            from outside (:meth:`dead_peer`): what the peer sent before dying
+            still arrives. None: the transport may miss a death (gloo).
     """
 
     __slots__ = ("op", "peer", "call", "_fn", "_args", "errors", "quiet", "result", "error",
-                 "observed", "dropped", "cancel", "_done", "_settle")
+                 "observed", "dropped", "cancel", "_done", "_settle", "_self_ending")
 
     def __init__(self, op: str, peer: int, call: int, fn: Callable[..., Any],
-                 args: tuple[Any, ...], errors: CallErrors, quiet: bool = False) -> None:
+                 args: tuple[Any, ...], errors: CallErrors, quiet: bool = False,
+                 self_ending: Callable[[], bool] | None = None) -> None:
         self.op, self.peer, self.call = op, peer, call
         self._fn: Callable[..., Any] | None = fn
         self._args: tuple[Any, ...] | None = args
         self.errors = errors
         self.quiet = quiet
+        self._self_ending = self_ending
         self.result: Any = None
         self.error: BaseException | None = None
         self.observed = False  # a wait() or is_completed() saw the outcome
@@ -115,7 +123,12 @@ class Work:
         self._finish(None, error)
 
     def dead_peer(self) -> BaseException | None:
-        """The error of this call when the peer's process is provably gone, else None."""
+        """The error of this call when the peer's process is provably gone and its
+        transport would not end the call by itself, else None (a call on a link
+        may still complete from what the peer published before it died)."""
+        ending = self._self_ending
+        if ending is not None and ending():
+            return None
         return self.errors.dead_partner(self.op, self.call, self.peer)
 
     def describe(self) -> str:

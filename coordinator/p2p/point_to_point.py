@@ -77,6 +77,7 @@ receive still waiting compares with its send.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from time import monotonic
@@ -275,7 +276,8 @@ class PointToPoint:
         the call's recorder entry, completed or failed when it ran)."""
         if entry is not None:
             fn = _recording(self._book, op, seq, entry, fn)
-        work = Work(op, peer, seq, fn, args, self._book.errors, quiet=quiet)
+        work = Work(op, peer, seq, fn, args, self._book.errors, quiet=quiet,
+                    self_ending=functools.partial(self.links.on_link, direction, peer))
         self._channels_at_first_use(op).get(direction, peer).submit(work)
         return work
 

@@ -131,6 +131,12 @@ class ShmLinks:
         link: MessageQueue = got  # neither unsettled nor _CPU_GROUP
         return link
 
+    def on_link(self, direction: str, peer: int) -> bool:
+        """Whether one direction has settled on a link (a closed one included);
+        never settles nor raises."""
+        got = self._settled.get((direction, peer))
+        return got is not None and got is not _CPU_GROUP
+
     def _link(self, direction: str, peer: int, op: str) -> MessageQueue | None:
         if self._group.device.type != "cpu":
             return None
