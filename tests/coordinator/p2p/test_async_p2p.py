@@ -9,6 +9,7 @@ harness would kill the survivors.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -555,6 +556,54 @@ def killed_peer(rank: int, n: int) -> dict[str, Any]:
     return out
 
 
+def _pin_process(cpu: int) -> None:
+    """Bind every thread of this process, and the threads it starts later, to ``cpu``."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), {cpu})
+
+
+def sender_dies_after_its_send(rank: int, n: int) -> dict[str, Any]:
+    """Rank 0's isend of a tensor in parts completes (its last parts wait in the link's
+    ring), then rank 0 stops rank 1 and dies; rank 2 continues rank 1 once rank 0 is
+    gone and a liveness tick has passed, so rank 1's ``wait()`` finds its peer dead
+    while its channel's thread still has parts to read. Ranks 0 and 1 share one CPU:
+    while rank 0 runs, rank 1's thread does not, so it is stopped with parts unread."""
+    from coordinator import GroupCoordinator
+    from coordinator.errors import PeerDiedError
+    from coordinator.p2p.channels import LIVENESS_S
+    from tests.processes import running, stop_process
+
+    cpus = sorted(os.sched_getaffinity(0))
+    _pin_process(cpus[-1] if rank == 2 else cpus[0])
+    pids: list[Any] = [None] * n
+    torch.distributed.all_gather_object(pids, os.getpid())
+    g = GroupCoordinator([list(range(n))], rank, "gloo", True, group_name="dies-after",
+                         timeout=60)
+    numel = 6 << 20  # 24 MiB: a header and 13 parts through a ring of two chunks
+    if rank == 0:
+        g.send(torch.zeros(2), 1)  # settles the direction on a link
+        g.isend(torch.arange(numel, dtype=torch.float32), 1).wait()
+        stop_process(pids[1])
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        return {}
+    if rank == 2:
+        end = time.monotonic() + 60
+        while running(pids[0]) and time.monotonic() < end:
+            time.sleep(0.005)
+        time.sleep(3 * LIVENESS_S)  # rank 1's wait is due for a liveness check
+        os.kill(pids[1], signal.SIGCONT)
+        return {}
+    g.recv(torch.Size([2]), torch.float32, 0)
+    h = g.irecv(((numel,), torch.float32), 0)
+    try:
+        got = h.wait()
+    except PeerDiedError as e:
+        return {"error": str(e)[:300]}
+    return {"equal": bool(torch.equal(got, torch.arange(numel, dtype=torch.float32)))}
+
+
 def alone(rank: int, n: int) -> dict[str, Any]:
     """A group of one: dicts behave as the blocking calls (nothing to send, None
     received); a tensor has no peer to go to."""
@@ -698,6 +747,15 @@ def test_peer_killed_mid_transfer_raises_at_wait() -> None:
     assert results[0] == ("ok", True), results  # rank 0 saw it complete before dying
     assert results[-1][0] == "PeerDiedError", results  # the last one cannot have arrived
     assert res.result["s"] < 30, res.result
+
+
+@pytest.mark.timeout(120)
+def test_a_send_that_completed_arrives_after_its_sender_died() -> None:
+    outcomes = spawn_group(sender_dies_after_its_send, 3, timeout=90)
+    assert outcomes[0].exitcode == -signal.SIGKILL, outcomes[0]
+    assert outcomes[2].ok, outcomes[2].error
+    assert outcomes[1].ok, outcomes[1].error
+    assert outcomes[1].result == {"equal": True}, outcomes[1].result
 
 
 def test_cuda_half_imports_lazily_and_without_touching_cuda() -> None:
