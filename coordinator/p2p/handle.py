@@ -92,6 +92,8 @@ class P2PHandle:
 
         A call whose peer's process is gone counts as finished (with
         ``PeerDiedError``); that is checked at most every :data:`LIVENESS_S`.
+        A call on a shared-memory link is left to the link, which first
+        delivers what the peer published before it died, then raises.
         """
         w = self._work
         if w.done():
