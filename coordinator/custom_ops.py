@@ -53,6 +53,11 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.library import custom_op
 
+try:  # torch's own lazy torch.compiler.disable (see untraced)
+    from torch._compile import _disable_dynamo as _lazy_disable
+except ImportError:  # pragma: no cover - a torch without it wraps eagerly
+    _lazy_disable = None  # type: ignore[assignment]
+
 from device_comms.validation import norm_dim
 
 __all__ = [
@@ -65,6 +70,7 @@ __all__ = [
     "traced_alone",
     "tracing",
     "outside_graph",
+    "untraced",
 ]
 
 
@@ -150,6 +156,21 @@ def tracing() -> bool:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+def untraced(fn: _F) -> _F:
+    """``fn`` as ``torch.compiler.disable`` makes it, with Dynamo imported at its first call.
+
+    Called while torch.compile traces, the result is a graph break and ``fn``
+    runs as in eager mode. ``torch.compiler.disable`` imports Dynamo when it
+    wraps, which costs every process that imports this library 1.3-1.5 s of
+    CPU (docs/performance.md, "Import time"); torch's own lazy form
+    (``torch._compile._disable_dynamo``, in a module Dynamo never traces into)
+    wraps at the first call instead, which only comes while Dynamo traces.
+    """
+    if _lazy_disable is None:
+        return cast(_F, torch.compiler.disable(fn))
+    return cast(_F, _lazy_disable(fn))
+
+
 def outside_graph(method: _F) -> _F:
     """A group method with no custom op, run eagerly while torch.compile traces.
 
@@ -160,7 +181,7 @@ def outside_graph(method: _F) -> _F:
     ``torch.compiler.disable``: a graph break, with the call run as in eager
     mode. Outside tracing it costs one check.
     """
-    eager = torch.compiler.disable(method)  # type: ignore[no-untyped-call]
+    eager = untraced(method)
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:

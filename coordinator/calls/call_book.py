@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 import torch
 
 from coordinator.calls.call_errors import WAIT_ERRORS, CallErrors
+from coordinator.custom_ops import untraced
 from coordinator.errors import NotInitializedError, PeerDiedError
 from coordinator.trace import auto_dump
 from coordinator.trace.recorder import (
@@ -340,5 +341,4 @@ class CallBook:
 
 #: :meth:`CallBook.run_now` outside torch.compile's graph: called from a traced
 #: function it is a graph break, and the call runs as in eager mode.
-run_eagerly: Callable[..., Any] = torch.compiler.disable(  # type: ignore[no-untyped-call]
-    CallBook.run_now)
+run_eagerly: Callable[..., Any] = untraced(CallBook.run_now)

@@ -74,6 +74,7 @@ from coordinator.calls.gloo_break import break_connections
 from coordinator.custom_ops import outside_graph as _outside_graph
 from coordinator.custom_ops import traced_alone as _traced_alone
 from coordinator.custom_ops import tracing as _tracing
+from coordinator.custom_ops import untraced as _untraced
 from coordinator.errors import NotInitializedError
 from coordinator.group import setup as setup
 from coordinator.group.moe_calls import MoeCalls
@@ -1228,11 +1229,11 @@ class GroupCoordinator:
 
 #: Collectives with no custom op, run outside torch.compile's graph when traced
 #: (a graph break; as :func:`coordinator.calls.call_book.run_eagerly`).
-_all_reduce_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+_all_reduce_eagerly: Callable[..., torch.Tensor] = _untraced(
     GroupCoordinator._all_reduce_untraced)  # noqa: SLF001 - the class's own eager body
-_broadcast_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+_broadcast_eagerly: Callable[..., torch.Tensor] = _untraced(
     GroupCoordinator._broadcast_untraced)  # noqa: SLF001
-_reduce_scatter_eagerly: Callable[..., torch.Tensor] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+_reduce_scatter_eagerly: Callable[..., torch.Tensor] = _untraced(
     GroupCoordinator._reduce_scatter_untraced)  # noqa: SLF001
 
 
