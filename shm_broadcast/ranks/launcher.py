@@ -73,6 +73,7 @@ from shm_broadcast.ranks.tcp_store import client_store, master_store
 
 __all__ = [
     "LOAD_TIME_PREFIXES",
+    "RUN_TIME_VARIABLES",
     "START_METHODS",
     "START_METHOD_ENV",
     "RankOutcome",
@@ -99,6 +100,12 @@ START_METHOD_ENV = "GROUPCOORD_RANK_START"
 #: server whose value differs from this process's is not used.
 LOAD_TIME_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_",
                       "CUDA", "NVIDIA_", "NCCL_", "LD_", "PYTHON", "MALLOC_")
+#: Variables of those prefixes that torch sets in the process itself when it first
+#: compiles (Inductor's cache directory) and reads at each use, never at load: a
+#: child has the value of the moment with the rest of the environment, so a change
+#: does not make the fork server's preloaded modules stale, and a process that
+#: compiled keeps starting its ranks from the server.
+RUN_TIME_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 
 
 # ---------------------------------------------------------------- primitives
@@ -361,7 +368,9 @@ _FORK_SERVER = _ForkServerEnv()
 
 
 def _load_time(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(LOAD_TIME_PREFIXES)}
+    """The variables of ``env`` that libraries may read when they load."""
+    return {k: v for k, v in env.items()
+            if k.startswith(LOAD_TIME_PREFIXES) and k not in RUN_TIME_VARIABLES}
 
 
 def fork_server_pid() -> int | None:

@@ -190,6 +190,22 @@ def test_a_load_time_variable_changed_since_the_fork_server_started_means_spawn(
     assert outs[0].result == (value, None, os.getpid()), outs
 
 
+def _compiler_cache_dir_and_parent(rank: int, world_size: int) -> tuple[str | None, int]:
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.getppid()
+
+
+def test_the_compilers_cache_directory_set_since_the_server_started_keeps_the_server(
+        monkeypatch, tmp_path) -> None:
+    """torch's first compile in a process sets TORCHINDUCTOR_CACHE_DIR there; read
+    at each use, not at load, it does not send the ranks to be spawned, and they
+    see the value of the moment."""
+    spawn_group(_compiler_cache_dir_and_parent, 1, timeout=120, start_method="forkserver")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    outs = spawn_group(_compiler_cache_dir_and_parent, 1, timeout=120, start_method="forkserver")
+    assert outs[0].result[0] == str(tmp_path), outs
+    assert outs[0].result[1] != os.getpid(), f"spawned, not forked by the server: {outs}"
+
+
 @pytest.mark.parametrize("how, value, exc, match", [
     ("argument", "fork", ValueError, r"start_method must be one of \['spawn', 'forkserver'\], "
                                      r"got 'fork'"),
