@@ -177,9 +177,9 @@ def outside_graph(method: _F) -> _F:
     The tracer must not follow such a call into the library's waits, queues and
     address arithmetic: fake tensors of dynamic shapes cannot take them (a
     recompile for a new batch size failed there on the rank that sends, and its
-    peers waited). While tracing, the call goes through
-    ``torch.compiler.disable``: a graph break, with the call run as in eager
-    mode. Outside tracing it costs one check.
+    peers waited). While tracing, the call goes through :func:`untraced`: a
+    graph break, with the call run as in eager mode. Outside tracing it costs
+    one check.
     """
     eager = untraced(method)
 

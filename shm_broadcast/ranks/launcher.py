@@ -97,7 +97,8 @@ START_METHODS = ("spawn", "forkserver")
 START_METHOD_ENV = "GROUPCOORD_RANK_START"
 #: Environment variables with these prefixes may be read when torch and its
 #: libraries load (the OpenMP runtime reads ``OMP_NUM_THREADS`` then): a fork
-#: server whose value differs from this process's is not used.
+#: server whose value differs from this process's is not used (but for
+#: :data:`RUN_TIME_VARIABLES`).
 LOAD_TIME_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_",
                       "CUDA", "NVIDIA_", "NCCL_", "LD_", "PYTHON", "MALLOC_")
 #: Variables of those prefixes that torch sets in the process itself when it first
