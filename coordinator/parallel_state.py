@@ -606,7 +606,8 @@ def get_prefill_context_model_parallel_rank() -> int:
 def destroy_model_parallel() -> None:
     """Destroy the TP, PP, DP, PCP, DCP, EP and EPLB groups (no-op if absent).
 
-    Their process groups' threads and sockets end before it returns.
+    Their process groups are released before it returns, which ends their gloo
+    threads and sockets (see :meth:`GroupCoordinator.destroy`).
     """
     for attr in ("tp", "pp", "dp", "pcp", "dcp", "ep", "eplb", "ep_tokens"):
         g = getattr(REGISTRY, attr)
@@ -618,8 +619,8 @@ def destroy_model_parallel() -> None:
 def destroy_distributed_environment() -> None:
     """Destroy the world group and torch.distributed; the process may initialise again.
 
-    Like :func:`destroy_model_parallel`, it ends the destroyed groups' gloo
-    threads and sockets before it returns.
+    Like :func:`destroy_model_parallel`, it releases the destroyed groups'
+    process groups before it returns, which ends their gloo threads and sockets.
     """
     destroy_model_parallel()
     world, REGISTRY.world = REGISTRY.world, None

@@ -989,8 +989,10 @@ class GroupCoordinator:
     def destroy(self) -> None:
         """Release communicators, queues and process groups. Idempotent.
 
-        The process groups' threads and sockets end before it returns: nothing
-        of the group keeps them alive in a reference cycle.
+        Its process groups are released before it returns (nothing of the
+        group keeps them alive in a reference cycle), and torch then ends their
+        gloo threads and sockets: a gloo event-loop thread can still be listed
+        in ``/proc`` for a few milliseconds after, as with plain torch.
         """
         if self._book.closed:
             return

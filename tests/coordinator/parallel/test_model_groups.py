@@ -136,6 +136,29 @@ def _gloo_threads() -> list[int]:
     return sorted(found)
 
 
+#: Seconds a released gloo group's event-loop thread may stay listed. torch
+#: releases the loop from the thread that drops the group's last reference, yet
+#: the thread can still show in /proc a few milliseconds later: with plain
+#: torch (five gloo groups made, used, destroyed and dropped, repeated) one of
+#: about 1,500 rounds on an oversubscribed 2-core VM still listed a thread right
+#: after, and none 0.2 s later. A group that a reference cycle keeps alive keeps
+#: its thread for good (the collector is off), which this grace does not hide.
+EXIT_GRACE_S = 2.0
+
+
+def _gloo_threads_left(known: set[int]) -> tuple[list[int], list[int]]:
+    """The gloo threads not in ``known`` right now, and those still there once
+    every one has ended or :data:`EXIT_GRACE_S` passed."""
+    import time
+
+    first = [t for t in _gloo_threads() if t not in known]
+    left, deadline = first, time.monotonic() + EXIT_GRACE_S
+    while left and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = [t for t in _gloo_threads() if t not in known]
+    return first, left
+
+
 def _process_groups_in_cycles() -> int:
     """Torch process groups that only the cyclic garbage collector would free
     (held by objects in reference cycles); the collection runs here."""
@@ -211,8 +234,9 @@ def run_destroy_ends_threads(rank: int, world_size: int, tp: int, pp: int, how: 
             ps.destroy_model_parallel()
         else:
             own.destroy()
-        after = _gloo_threads()
-        return {"before": before, "during": during, "after": after,
+        # The world's own threads count as left when the world went too.
+        at_once, after = _gloo_threads_left(set() if how == "whole" else set(before))
+        return {"before": before, "during": during, "at_once": at_once, "after": after,
                 "in_cycles": _process_groups_in_cycles()}
     finally:
         if was_on:
@@ -234,16 +258,15 @@ def run_destroy_ends_threads(rank: int, world_size: int, tp: int, pp: int, how: 
     pytest.param(3, 1, 1, "one", "shm", id="ws3-pairs-with-queues")])
 def test_destroy_ends_the_groups_threads(dist_pool, world_size: int, tp: int, pp: int,
                                          how: str, transport: str) -> None:
-    """Destroying a group ends its process groups' threads and sockets at once:
-    nothing of the group keeps them in a reference cycle until a garbage
-    collection (which a process may not run for a long time)."""
+    """Destroying a group releases its process groups at once, so their gloo
+    threads end: nothing of the group keeps them in a reference cycle until a
+    garbage collection (which a process may not run for a long time)."""
     args = (tp, pp, how, transport)
     if how == "whole":  # the world group goes too: ranks of their own, not the shared pool's
         outs = run_distributed(run_destroy_ends_threads, world_size, *args, timeout=90)
     else:
         outs = dist_pool(world_size).run(run_destroy_ends_threads, *args, timeout=90)
     for out in outs:
-        before, during, after = (set(out[k]) for k in ("before", "during", "after"))
-        assert during - before, out  # the groups had threads to end
-        assert not (after if how == "whole" else after - before), out  # and they ended
+        assert set(out["during"]) - set(out["before"]), out  # the groups had threads to end
+        assert not out["after"], out  # and they ended (at once, or within EXIT_GRACE_S)
         assert out["in_cycles"] == 0, out
