@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import re
@@ -510,6 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM/SIGHUP unwind like an exception, so every host is taken down
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+    # SIGUSR1 prints every thread's stack to stderr (a test's view of a stuck driver)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     reason = unavailable_reason()
     if reason:
         print(f"two-host simulation unavailable: {reason}")

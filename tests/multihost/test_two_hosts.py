@@ -9,6 +9,7 @@ root, ``ip netns`` and ``unshare``; skips with the reason elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -158,15 +159,17 @@ def test_link_down_is_a_timeout_not_a_death(fault_runs: dict[str, sc.Run],
 
 
 # ---------------------------------------------------------------- clean-up
-def _start_driver(argv: list[str], early: bool) -> tuple[Any, int]:
-    """Start a scenario driver; return it and the Python driver's pid once its hosts
-    start (``early``: as soon as the first one is being created) or run."""
+def _start_driver(argv: list[str], early: bool, log: Path) -> tuple[Any, int]:
+    """Start a scenario driver (its output to ``log``); return it and the Python
+    driver's pid once its hosts start (``early``: as soon as the first one is
+    being created) or run."""
     import subprocess
 
     import psutil
 
-    proc = subprocess.Popen(argv, cwd=str(sc.REPO), env=sc.host_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=str(sc.REPO), env=sc.host_env(),
+                                stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -200,6 +203,50 @@ def _cmdline(p: Any) -> str:
         return ""
 
 
+def _wait_or_explain(proc: Any, driver: int, timeout: float, log: Path) -> None:
+    """Wait for ``proc`` to exit; past ``timeout``, fail with what every process of
+    its tree and the driver's was doing (state, kernel wait channel, command line;
+    the driver's Python stacks, which it prints on SIGUSR1, in ``log``), after
+    killing them all."""
+    import signal
+    import subprocess
+
+    import psutil
+
+    try:
+        proc.wait(timeout)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    tree: dict[int, Any] = {}
+    for root in (proc.pid, driver):
+        try:
+            top = psutil.Process(root)
+            tree.update((p.pid, p) for p in [top, *top.children(recursive=True)])
+        except psutil.NoSuchProcess:
+            pass
+    rows = []
+    for pid, p in sorted(tree.items()):
+        try:
+            with open(f"/proc/{pid}/wchan") as f:
+                wchan = f.read().strip()
+            rows.append(f"{pid} ppid {p.ppid()} {p.status()} wchan {wchan}: {_cmdline(p)[:160]}")
+        except (OSError, psutil.Error):
+            rows.append(f"{pid}: gone")
+    if driver in tree:
+        with contextlib.suppress(OSError):
+            os.kill(driver, signal.SIGUSR1)
+        time.sleep(0.5)
+    for p in tree.values():
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    proc.kill()
+    proc.wait()
+    output = log.read_text(errors="replace")[-6000:]
+    raise AssertionError(f"{proc.args} still ran {timeout:g}s after the signal; processes:\n"
+                         + "\n".join(rows) + f"\noutput (driver stacks last):\n{output}")
+
+
 def _processes_of(driver: int) -> list[Any]:
     """Processes whose command line names the driver's work directory or namespaces."""
     import psutil
@@ -211,7 +258,7 @@ def _processes_of(driver: int) -> list[Any]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["sigkill-driver", "sigkill-driver-while-starting",
                                  "sigterm-script"])
-def test_everything_is_removed_when_the_run_is_killed(how: str) -> None:
+def test_everything_is_removed_when_the_run_is_killed(how: str, tmp_path: Path) -> None:
     """SIGKILL of the Python driver, also while its hosts are being created (its
     hosts die with it; the next run sweeps its namespaces and work directory),
     or SIGTERM of run_two_hosts.sh (its trap and the driver remove everything):
@@ -224,9 +271,10 @@ def test_everything_is_removed_when_the_run_is_killed(how: str) -> None:
         argv = [sys.executable, "-m", "tests.multihost.scenarios", "--case", "healthy"]
     else:
         argv = ["bash", str(sc.REPO / "tests/multihost/run_two_hosts.sh"), "--case", "healthy"]
-    proc, driver = _start_driver(argv, early=how.endswith("while-starting"))
+    log = tmp_path / "driver.log"
+    proc, driver = _start_driver(argv, early=how.endswith("while-starting"), log=log)
     os.kill(proc.pid, signal.SIGTERM if how == "sigterm-script" else signal.SIGKILL)
-    proc.wait(30)
+    _wait_or_explain(proc, driver, 30, log)
     # 5 s: far less than the run itself would take, so nothing may just finish
     deadline = time.monotonic() + 5
     while (left_procs := _processes_of(driver)) and time.monotonic() < deadline:
