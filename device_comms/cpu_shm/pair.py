@@ -166,12 +166,16 @@ class PairAllReduce:
         (region ``IN``; its own reduced half of piece ``s-1``, region ``RED``,
         went there after step ``s-1``). After the step it copies the peer's
         reduced half of piece ``s-1`` into the output and reduces its half of
-        piece ``s`` (its input and the peer's ``IN``, in rank order) into its
-        slot of the *next* parity's ``RED``, from where it copies it into the
-        output. So ``K`` pieces take ``K+1`` steps, every element is reduced by
-        exactly one rank (both ranks get the same bits) and a rank moves half
-        the bytes that reducing everything would take: per element of the
-        message, half an element in, half reduced, one out.
+        piece ``s`` (its input and the peer's ``IN``, in rank order) into the
+        output, from where it copies it into ``RED`` of its slot of the *next*
+        parity. A rank never reads its own slot back: on a machine where
+        writing lines the peer process also holds costs a round trip per
+        line, reading them back too made a 1 MiB call about 1.5x slower
+        (docs/performance.md, "The slow mode on the AMD VM"). So ``K`` pieces
+        take ``K+1`` steps, every element is reduced by exactly one rank (both
+        ranks get the same bits) and a rank moves half the bytes that reducing
+        everything would take: per element of the message, half an element
+        in, half reduced, one out.
 
         Slots are written only in the parity of the step about to be
         published or, after step ``s``, of step ``s+1``, whose previous use
@@ -196,11 +200,13 @@ class PairAllReduce:
             out = host_alloc.empty(count, dtype)
         if op is ReduceOp.SUM and dtype in NUMPY_SUM:  # bitwise torch's sum, less dispatch
             src: Any = array_of(tensor).reshape(-1)
+            dst_all: Any = array_of(out).reshape(-1)
             fn: Any = np.add
             slots = self._slot_arrays(dtype, True)
             piece_bytes = self.piece_bytes
         else:
             src, fn, slots = tensor.view(-1), binary_fn(op, dtype), self._slot_arrays(dtype, False)
+            dst_all = out.view(-1)
             piece_bytes = self.torch_piece_bytes
         half, plan = self._plan(count, itemsize, piece_bytes)
         avg = op is ReduceOp.AVG
@@ -214,9 +220,9 @@ class PairAllReduce:
             sync.step("all_reduce", signed[0], signed[1], step == 0)
             if recv is not None:  # the peer's reduced half of the previous piece
                 _memmove(out_address + recv[0], addresses[parity][peer] + red_offset, recv[1])
-            if hi >= 0:  # my half, reduced into RED of the next step's slot
+            if hi >= 0:  # my half, reduced into the output, then into RED of the next step's slot
                 length = hi - lo
-                dst = slots[1 - parity][me][half : half + length]
+                dst = dst_all[lo:hi]
                 try:
                     if me == 0:
                         fn(src[lo:hi], slots[parity][peer][:length], out=dst)
@@ -226,6 +232,6 @@ class PairAllReduce:
                     pass
                 if avg:
                     dst.div_(2)
-                _memmove(out_address + lo * itemsize, addresses[1 - parity][me] + red_offset,
+                _memmove(addresses[1 - parity][me] + red_offset, out_address + lo * itemsize,
                          length * itemsize)
         return out.view(tensor.shape)
