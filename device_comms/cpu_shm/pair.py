@@ -166,12 +166,14 @@ class PairAllReduce:
         (region ``IN``; its own reduced half of piece ``s-1``, region ``RED``,
         went there after step ``s-1``). After the step it copies the peer's
         reduced half of piece ``s-1`` into the output and reduces its half of
-        piece ``s`` (its input and the peer's ``IN``, in rank order) into the
-        output, from where it copies it into ``RED`` of its slot of the *next*
-        parity. A rank never reads its own slot back: on a machine where
-        writing lines the peer process also holds costs a round trip per
-        line, reading them back too made a 1 MiB call about 1.5x slower
-        (docs/performance.md, "The slow mode on the AMD VM"). So ``K`` pieces
+        piece ``s`` (its input and the peer's ``IN``, in rank order) into its
+        slot of the *next* parity's ``RED``, from where it copies it into the
+        output; a message of one piece is reduced into the output and copied
+        into ``RED`` instead, so the rank never reads its slot back (on a
+        machine where writing lines the peer process also holds costs a round
+        trip per line, reading them back too made a 1 MiB call about 1.5x
+        slower; with several pieces that order measured slower:
+        docs/performance.md, "The slow mode on the AMD VM"). So ``K`` pieces
         take ``K+1`` steps, every element is reduced by exactly one rank (both
         ranks get the same bits) and a rank moves half the bytes that reducing
         everything would take: per element of the message, half an element
@@ -209,6 +211,11 @@ class PairAllReduce:
             dst_all = out.view(-1)
             piece_bytes = self.torch_piece_bytes
         half, plan = self._plan(count, itemsize, piece_bytes)
+        # One piece (two steps): reduce into the output, then copy it into RED, so the
+        # rank never reads its slot back. Several: reduce into RED, then copy it out.
+        # Each order measured faster where it is used (docs/performance.md, "The
+        # slow mode on the AMD VM").
+        via_out = len(plan) <= 2
         avg = op is ReduceOp.AVG
         src_address, out_address = tensor.data_ptr(), out.data_ptr()
         addresses = self._slot_addresses
@@ -220,9 +227,9 @@ class PairAllReduce:
             sync.step("all_reduce", signed[0], signed[1], step == 0)
             if recv is not None:  # the peer's reduced half of the previous piece
                 _memmove(out_address + recv[0], addresses[parity][peer] + red_offset, recv[1])
-            if hi >= 0:  # my half, reduced into the output, then into RED of the next step's slot
+            if hi >= 0:  # my half, reduced for RED of the next step's slot and the output
                 length = hi - lo
-                dst = dst_all[lo:hi]
+                dst = dst_all[lo:hi] if via_out else slots[1 - parity][me][half : half + length]
                 try:
                     if me == 0:
                         fn(src[lo:hi], slots[parity][peer][:length], out=dst)
@@ -232,6 +239,9 @@ class PairAllReduce:
                     pass
                 if avg:
                     dst.div_(2)
-                _memmove(addresses[1 - parity][me] + red_offset, out_address + lo * itemsize,
-                         length * itemsize)
+                red, mine = addresses[1 - parity][me] + red_offset, out_address + lo * itemsize
+                if via_out:
+                    _memmove(red, mine, length * itemsize)
+                else:
+                    _memmove(mine, red, length * itemsize)
         return out.view(tensor.shape)
