@@ -35,8 +35,9 @@ def test_bench_names_are_listed_in_bench_help(run_cli: Any) -> None:
 
 
 _INTERRUPTED_COMMAND = """
-import sys
+import faulthandler, signal, sys
 from coordinator.cli import main
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
 print("entering main", flush=True)
 sys.exit(main(["bench", "mq-hotpath", "--repeats", "1000"]))
 """
@@ -53,7 +54,15 @@ def test_ctrl_c_ends_a_command_with_status_130_and_no_traceback() -> None:
         assert proc.stdout is not None and proc.stdout.readline() == "entering main\n"
         time.sleep(1.0)  # in main: importing the bench, or running it
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # say where it hangs: its stacks, then fail
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            proc.kill()
+            out, err = proc.communicate(timeout=10)
+            stacks = err[-6000:]
+            raise AssertionError(f"running 60 s after SIGINT; its stacks:\n{stacks}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
