@@ -202,20 +202,19 @@ class PairAllReduce:
             out = host_alloc.empty(count, dtype)
         if op is ReduceOp.SUM and dtype in NUMPY_SUM:  # bitwise torch's sum, less dispatch
             src: Any = array_of(tensor).reshape(-1)
-            dst_all: Any = array_of(out).reshape(-1)
             fn: Any = np.add
             slots = self._slot_arrays(dtype, True)
             piece_bytes = self.piece_bytes
         else:
             src, fn, slots = tensor.view(-1), binary_fn(op, dtype), self._slot_arrays(dtype, False)
-            dst_all = out.view(-1)
             piece_bytes = self.torch_piece_bytes
         half, plan = self._plan(count, itemsize, piece_bytes)
-        # One piece (two steps): reduce into the output, then copy it into RED, so the
-        # rank never reads its slot back. Several: reduce into RED, then copy it out.
-        # Each order measured faster where it is used (docs/performance.md, "The
-        # slow mode on the AMD VM").
+        # One piece (two steps): reduced into the output, then copied into RED (the
+        # docstring says why); several: reduced into RED, then copied out.
         via_out = len(plan) <= 2
+        dst_all: Any = None
+        if via_out:  # the output as the reduction's type (numpy or torch, as ``src``)
+            dst_all = (array_of(out) if isinstance(src, np.ndarray) else out).reshape(-1)
         avg = op is ReduceOp.AVG
         src_address, out_address = tensor.data_ptr(), out.data_ptr()
         addresses = self._slot_addresses
