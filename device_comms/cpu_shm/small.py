@@ -30,9 +30,9 @@ element-wise op, so the Python calls around it decide its speed, and
   wrapped with ``torch.from_numpy``.
 
 **Two ranks, into the peer's slot** (from :data:`PAIR_SMALL_MIN_BYTES`; a
-reduction torch runs, not a ``numpy.add`` sum, only up to
-:data:`PAIR_TORCH_INTO_PEER_MAX_BYTES`, beyond which reading both slots measured
-faster): each
+reduction torch runs, not a ``numpy.add`` sum, only from
+:data:`PAIR_TORCH_INTO_PEER_MIN_BYTES` to :data:`PAIR_TORCH_INTO_PEER_MAX_BYTES`:
+outside that window reading both slots measured faster): each
 rank copies its tensor into its slot, steps, reduces into the *peer's* slot in
 rank order (``fn(x0, x1)`` on both, so the bits agree) and copies that out
 (into ``out`` when given). A shared line is then written by its owner and
@@ -61,13 +61,19 @@ from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn, quiet_
 from device_comms.reduce_op import ReduceOp
 
 __all__ = ["SmallAllReduce", "SmallEntry", "NotServed", "PAIR_SMALL_MIN_BYTES",
-           "PAIR_TORCH_INTO_PEER_MAX_BYTES"]
+           "PAIR_TORCH_INTO_PEER_MIN_BYTES", "PAIR_TORCH_INTO_PEER_MAX_BYTES"]
 
 #: Two ranks: the smallest one-step all_reduce that reduces into the peer's slot. Its
 #: extra copy out of the slot is a fixed cost per call; what it saves (lines that move
 #: once, in the modified state) grows with the message, and outweighs the copy from
 #: here on (the crossover is measured in docs/performance.md).
 PAIR_SMALL_MIN_BYTES = 4 << 10
+#: Two ranks: the smallest one-step all_reduce reduced by torch (not a ``numpy.add``
+#: sum) that reduces into the peer's slot. Below it, torch's copy out of the peer's
+#: slot (a ``clone`` or ``copy_``, 1.2 us at 4 KiB against numpy's 0.2) costs more
+#: than the line transfers it saves (docs/performance.md, "Torch's reductions below
+#: 64 KiB").
+PAIR_TORCH_INTO_PEER_MIN_BYTES = 64 << 10
 #: Two ranks: the largest one-step all_reduce reduced by torch (not a ``numpy.add``
 #: sum: bfloat16, float16, MAX, ...) that reduces into the peer's slot; larger ones
 #: read both slots into a private result, which measured faster there
@@ -185,13 +191,16 @@ class SmallAllReduce:
         ctx: The engine's context.
         into_peer_min_bytes: Two ranks: one-step all_reduces of at least this many
             bytes reduce into the peer's slot; smaller ones read both slots.
-        into_peer_torch_max_bytes: Two ranks: one-step all_reduces that torch
-            reduces (not ``numpy.add`` sums) and that are larger than this read
+        into_peer_torch_min_bytes: Two ranks: one-step all_reduces that torch
+            reduces (not ``numpy.add`` sums) and that are smaller than this read
             both slots too.
+        into_peer_torch_max_bytes: Two ranks: one-step all_reduces that torch
+            reduces and that are larger than this read both slots too.
 
     Attributes:
         last: The entry of the last one-step all_reduce (see :meth:`remember`).
         into_peer_min_bytes: As the argument (read when an entry is made).
+        into_peer_torch_min_bytes: As the argument (read when an entry is made).
         into_peer_torch_max_bytes: As the argument (read when an entry is made).
     """
 
@@ -200,6 +209,7 @@ class SmallAllReduce:
         ctx: EngineContext,
         into_peer_min_bytes: int = PAIR_SMALL_MIN_BYTES,
         into_peer_torch_max_bytes: int = PAIR_TORCH_INTO_PEER_MAX_BYTES,
+        into_peer_torch_min_bytes: int = PAIR_TORCH_INTO_PEER_MIN_BYTES,
     ) -> None:
         self._ctx = ctx
         self._sync = ctx.sync
@@ -208,6 +218,7 @@ class SmallAllReduce:
         self._my_slot = (ctx.slot_addresses[0][ctx.me], ctx.slot_addresses[1][ctx.me])
         self.into_peer_min_bytes = into_peer_min_bytes
         self.into_peer_torch_max_bytes = into_peer_torch_max_bytes
+        self.into_peer_torch_min_bytes = into_peer_torch_min_bytes
         self._kernel_threads = ctx.kernel_threads
         self.last = SmallEntry()
 
@@ -216,7 +227,8 @@ class SmallAllReduce:
         ``op``, kept as :attr:`last` in place of the previous one."""
         nbytes = tensor.nbytes
         into_peer = self._size == 2 and nbytes >= self.into_peer_min_bytes and (
-            nbytes <= self.into_peer_torch_max_bytes or numpy_sum(tensor, op))
+            numpy_sum(tensor, op)
+            or self.into_peer_torch_min_bytes <= nbytes <= self.into_peer_torch_max_bytes)
         entry = self.last = SmallEntry(self._ctx, tensor, op, into_peer)
         return entry
 

@@ -3,7 +3,8 @@
 The engine picks its scheme by size: the one-step path up to
 :data:`~device_comms.cpu_shm.engine_threads.GRAIN` elements (two ranks: into the
 peer's slot from :data:`~device_comms.cpu_shm.small.PAIR_SMALL_MIN_BYTES`, torch's
-reductions up to :data:`~device_comms.cpu_shm.small.PAIR_TORCH_INTO_PEER_MAX_BYTES`), then
+reductions from :data:`~device_comms.cpu_shm.small.PAIR_TORCH_INTO_PEER_MIN_BYTES` up to
+:data:`~device_comms.cpu_shm.small.PAIR_TORCH_INTO_PEER_MAX_BYTES`), then
 one step per slot, one shot in slot-sized pieces up to the one-shot bytes,
 the pipelined pair scheme (pieces of :data:`DEFAULT_PAIR_PIECE_BYTES`, or
 :data:`DEFAULT_PAIR_TORCH_PIECE_BYTES` for torch's reductions) or
@@ -27,7 +28,11 @@ from device_comms import CpuCommunicator, ReduceOp, reduce_local
 from device_comms.cpu_shm.engine import DEFAULT_ONESHOT_BYTES, PAIR_ONE_STEP_MAX_BYTES
 from device_comms.cpu_shm.engine_threads import GRAIN
 from device_comms.cpu_shm.pair import DEFAULT_PAIR_PIECE_BYTES, DEFAULT_PAIR_TORCH_PIECE_BYTES
-from device_comms.cpu_shm.small import PAIR_SMALL_MIN_BYTES, PAIR_TORCH_INTO_PEER_MAX_BYTES
+from device_comms.cpu_shm.small import (
+    PAIR_SMALL_MIN_BYTES,
+    PAIR_TORCH_INTO_PEER_MAX_BYTES,
+    PAIR_TORCH_INTO_PEER_MIN_BYTES,
+)
 
 _DTYPES = ("int8", "uint8", "bool", "complex64", "float16", "bfloat16", "float64", "float32",
            "int32", "int64")
@@ -60,7 +65,8 @@ def _sizes(dt: torch.dtype, slot: int, world_size: int) -> list[int]:
     edges = [GRAIN * isz, slot, DEFAULT_ONESHOT_BYTES, DEFAULT_PAIR_PIECE_BYTES,
              DEFAULT_PAIR_TORCH_PIECE_BYTES]
     if world_size == 2:
-        edges += [PAIR_SMALL_MIN_BYTES, PAIR_TORCH_INTO_PEER_MAX_BYTES, PAIR_ONE_STEP_MAX_BYTES]
+        edges += [PAIR_SMALL_MIN_BYTES, PAIR_TORCH_INTO_PEER_MIN_BYTES,
+                  PAIR_TORCH_INTO_PEER_MAX_BYTES, PAIR_ONE_STEP_MAX_BYTES]
     counts = {1, 7, 1001}
     for e in edges:
         counts |= {e // isz - 1, e // isz, e // isz + 1}

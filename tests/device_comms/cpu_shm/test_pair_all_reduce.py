@@ -66,6 +66,9 @@ def pair_rank(rank: int, world_size: int, piece: int) -> dict[str, Any]:
     assert eng is not None
     if piece:
         eng.pair.piece_bytes = eng.pair.torch_piece_bytes = piece
+    # torch's reductions too into the peer's slot from 4 KiB (by default only from 64 KiB,
+    # past this workspace's slots), so that every dtype below takes that scheme
+    eng.small.into_peer_torch_min_bytes = 4 << 10
     lo, hi = eng.ws.slot_address(0, 0), eng.ws.slot_address(1, 1) + eng.ws.slot_bytes
     # One step into the peer's slot (>= 4 KiB and within a 64 KiB slot for 2- and 4-byte types),
     # then pieces (beyond the slot or the torch grain).
