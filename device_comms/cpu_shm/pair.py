@@ -168,12 +168,13 @@ class PairAllReduce:
         reduced half of piece ``s-1`` into the output and reduces its half of
         piece ``s`` (its input and the peer's ``IN``, in rank order) into its
         slot of the *next* parity's ``RED``, from where it copies it into the
-        output; a message of one piece is reduced into the output and copied
-        into ``RED`` instead, so the rank never reads its slot back (on a
-        machine where writing lines the peer process also holds costs a round
-        trip per line, reading them back too made a 1 MiB call about 1.5x
-        slower; with several pieces that order measured slower:
-        docs/performance.md, "The slow mode on the AMD VM"). So ``K`` pieces
+        output; a reduction torch runs, and a ``numpy.add`` sum of one piece,
+        are reduced into the output and copied into ``RED`` instead, so the
+        rank never reads its slot back (on a machine where writing lines the
+        peer process also holds costs a round trip per line, reading them back
+        too made a 1 MiB call about 1.5x slower; a ``numpy.add`` sum of several
+        pieces measured slower in that order: docs/performance.md, "The slow
+        mode on the AMD VM"). So ``K`` pieces
         take ``K+1`` steps, every element is reduced by exactly one rank (both
         ranks get the same bits) and a rank moves half the bytes that reducing
         everything would take: per element of the message, half an element
@@ -200,7 +201,8 @@ class PairAllReduce:
         count, dtype, itemsize = tensor.numel(), tensor.dtype, tensor.element_size()
         if out is None:
             out = host_alloc.empty(count, dtype)
-        if op is ReduceOp.SUM and dtype in NUMPY_SUM:  # bitwise torch's sum, less dispatch
+        numpy_sum = op is ReduceOp.SUM and dtype in NUMPY_SUM
+        if numpy_sum:  # bitwise torch's sum, less dispatch
             src: Any = array_of(tensor).reshape(-1)
             fn: Any = np.add
             slots = self._slot_arrays(dtype, True)
@@ -209,9 +211,10 @@ class PairAllReduce:
             src, fn, slots = tensor.view(-1), binary_fn(op, dtype), self._slot_arrays(dtype, False)
             piece_bytes = self.torch_piece_bytes
         half, plan = self._plan(count, itemsize, piece_bytes)
-        # One piece (two steps): reduced into the output, then copied into RED (the
-        # docstring says why); several: reduced into RED, then copied out.
-        via_out = len(plan) <= 2
+        # Reduced into the output, then copied into RED (the docstring says why) for
+        # torch's reductions and for a numpy sum of one piece (two steps); a numpy sum
+        # of several pieces is reduced into RED, then copied out.
+        via_out = not numpy_sum or len(plan) <= 2
         dst_all: Any = None
         if via_out:  # the output as the reduction's type (numpy or torch, as ``src``)
             dst_all = (array_of(out) if isinstance(src, np.ndarray) else out).reshape(-1)
