@@ -111,6 +111,9 @@ class CallBook:
         self.p2p_calls = 0
         #: Held by the thread in one of the group's collectives (see :meth:`begin`).
         self.one_call = OneCall(f"group {name!r} (rank {rank}/{world_size})")
+        #: ``end()`` ends the collective :meth:`begin` began on this thread, whatever
+        #: it raised: the token's own ``leave``, so that it costs no Python frame.
+        self.end: Callable[[], None] = self.one_call.leave
         self.errors = CallErrors(name, rank, world_size, timeout)
         self.trace = trace
         self.marks: Callable[[], Any] | None = None
@@ -140,7 +143,7 @@ class CallBook:
 
     def begin(self, op: str) -> int:
         """Begin collective ``op`` on this thread: take the group's token, then number
-        the call; :meth:`end` after it, whatever it raised.
+        the call; :attr:`end` after it, whatever it raised.
 
         The token comes first so that a call refused takes no number: the
         numbers are what the ranks compare to pair their calls, and the
@@ -155,13 +158,11 @@ class CallBook:
             ConcurrentCallError: Another thread of this rank is in a collective
                 of the group; nothing was numbered or sent.
         """
-        self.one_call.enter(op)
+        one_call = self.one_call
+        if not one_call.take(False):
+            one_call.refuse(op)
         self.collectives = n = self.collectives + 1
         return n
-
-    def end(self) -> None:
-        """End the collective :meth:`begin` began on this thread."""
-        self.one_call.leave()
 
     def run(self, op: str, fn: Callable[..., _R], *args: Any, partner: int | None = None,
             p2p: bool = False, data: Any = None, transport: str | None = None,

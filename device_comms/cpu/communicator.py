@@ -441,7 +441,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
                     and input_.untyped_storage().nbytes()
                     >= input_.storage_offset() * entry.itemsize + entry.nbytes):
                 # 3. run the one-step entry
-                self._one_call.enter("all_reduce")
+                one_call = self._one_call
+                if not one_call.take(False):
+                    one_call.refuse("all_reduce")
                 try:
                     result = small.run(input_, entry, out)
                 except NotServed:  # no memory behind input_: the checked path says why
@@ -449,7 +451,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 except BaseException as e:
                     self._engine_failed("all_reduce", e, (input_, op))
                 finally:
-                    self._one_call.leave()
+                    one_call.leave()
                 # 4. finish
                 if result is not None:
                     self.shm_calls["all_reduce"] += 1

