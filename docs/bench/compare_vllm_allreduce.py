@@ -277,8 +277,8 @@ def _point(comm: Any, tp: Any, handle: int, dtype: Any, nbytes: int, cfg: dict[s
         "group": lambda: tp.all_reduce(x),
         "vllm_op": vllm_op,
     }
-    if vtp is not None:  # beside vllm_op: the time vLLM's threads spin after a call falls on
-        v = x.clone()    # vLLM's own series (and on bare, when timed), not on ours
+    if vtp is not None:  # timed right after vllm_op, before the bare loop
+        v = x.clone()
         vtp.all_reduce(v)  # in place, as vLLM's CPU path reduces
         same = same and bool(torch.allclose(ref.float(), v.float(), rtol=tol, atol=tol))
         fns["vllm_group"] = lambda: vtp.all_reduce(v)
