@@ -138,7 +138,8 @@ def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
     bare = _Bare(cfg, rank, ws, dist.barrier) if cfg.get("bare") else None
     vtp = _vllm_tp(cfg, rank, ws, port) if cfg.get("vllm_group") else None
     if vtp is not None:
-        out["vllm_group_path"] = type(vtp.device_communicator.dist_module).__name__
+        via = vtp.device_communicator.dist_module  # torch.distributed without the compiled op
+        out["vllm_group_path"] = getattr(via, "__name__", type(via).__name__)
     try:
         for dname in cfg["dtypes"]:
             for nbytes in cfg["sizes"]:
