@@ -50,6 +50,14 @@ read the peers' parts of the region it reduces, write the result), from a
 ``memmove`` of the message between two private buffers timed in the same rank
 processes (:func:`floor_us`), with each engine's p50 as a multiple of it.
 
+Each round also reports the **line round trip** of ranks 0 and 1, before and
+after its points (:func:`_line_round_trip_us`): the two ranks pass a counter
+back and forth through one int64 each in a shared mapping. On a VM it tells
+apart the host's placements of the two vCPUs, which can change during a
+round: docs/performance.md ("Where the group call's time goes, in pieces")
+found our engine's slow points to be those next to a round trip well above
+the fast rounds'.
+
 vLLM's manager is created with ``init_shm_manager``/``join_shm_manager`` with
 the thread count vLLM would pass (the group's minimum of
 ``torch.get_num_threads()``). Its segments are named ``<prefix>_<n>`` in
@@ -135,6 +143,7 @@ def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "mode": comm.mode, "points": [],
                            "vllm_path": VLLM_COMPILED if handle >= 0 else VLLM_FALLBACK,
                            "back_to_back": bool(cfg.get("back_to_back"))}
+    out["line_rtt_us"] = [_line_round_trip_us(rank, cfg["prefix"], dist.barrier)]
     bare = _Bare(cfg, rank, ws, dist.barrier) if cfg.get("bare") else None
     vtp = _vllm_tp(cfg, rank, ws, port) if cfg.get("vllm_group") else None
     if vtp is not None:
@@ -145,6 +154,7 @@ def _rank(rank: int, ws: int, port: int, cfg: dict[str, Any], q: Any) -> None:
             for nbytes in cfg["sizes"]:
                 out["points"].append(_point(comm, tp, handle, getattr(torch, dname), nbytes, cfg,
                                             rank, bare, vtp))
+        out["line_rtt_us"].append(_line_round_trip_us(rank, cfg["prefix"], dist.barrier))
     finally:
         comm.destroy()
         if vtp is not None:  # its world group goes with torch's groups at the end
@@ -174,6 +184,69 @@ def _vllm_tp(cfg: dict[str, Any], rank: int, ws: int, port: int) -> Any:
             distributed_init_method=f"tcp://127.0.0.1:{port}")
         vllm_state.initialize_model_parallel(tensor_model_parallel_size=ws, backend="gloo")
     return vllm_state.get_tp_group()
+
+
+def _line_round_trip_us(rank: int, prefix: str, barrier: Any, trips: int = 20_000,
+                        budget_s: float = 0.2) -> float | None:
+    """Ranks 0 and 1 (every rank calls it): the mean time for a counter to go from rank
+    0 to rank 1 and back, through one int64 each, a cache line apart, in a file under
+    ``/dev/shm`` named with the round's prefix (removed after; by the driver if a rank
+    fails); None on other ranks. At most ``trips`` round trips or ``budget_s`` seconds;
+    a wait yields the CPU after every 1,000 polls, so two ranks on one CPU end within
+    the budget."""
+    import mmap
+
+    import numpy as np
+
+    path = f"/dev/shm/{prefix}_line"
+    if rank == 0:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, 4096)
+        os.close(fd)
+    barrier()
+    if rank > 1:
+        barrier()
+        return None
+    fd = os.open(path, os.O_RDWR)
+    m = mmap.mmap(fd, 4096)
+    os.close(fd)
+    flags: Any = np.frombuffer(m, dtype=np.int64, count=16)
+    mine, peer = (0, 8) if rank == 0 else (8, 0)
+    done = trips = max(1, trips)
+    start = time.perf_counter()
+    if rank == 0:
+        deadline = start + budget_s
+        for i in range(1, trips + 1):
+            flags[mine] = i
+            polls = 0
+            while flags[peer] != i:
+                polls += 1
+                if polls % 1000 == 0:
+                    os.sched_yield()
+            if time.perf_counter() > deadline:
+                done = i
+                break
+        flags[mine] = -1  # rank 1 stops
+    else:
+        seen = 0
+        while True:
+            polls = 0
+            while flags[peer] == seen:
+                polls += 1
+                if polls % 1000 == 0:
+                    os.sched_yield()
+            seen = int(flags[peer])
+            if seen < 0:
+                break
+            flags[mine] = seen
+    elapsed = time.perf_counter() - start
+    del flags
+    m.close()
+    barrier()
+    if rank == 0:
+        os.unlink(path)
+        return elapsed / done * 1e6
+    return None
 
 
 class _Bare:
@@ -580,8 +653,10 @@ def main(argv: list[str] | None = None) -> int:
         if got is None:
             return 1
         rounds.append(got)
-        print(f"# round {i + 1}/{a.rounds} done (threads per rank: {got['0']['threads']})",
-              flush=True)
+        rtt = got["0"].get("line_rtt_us") or []
+        print(f"# round {i + 1}/{a.rounds} done (threads per rank: {got['0']['threads']}; "
+              f"rank 0-1 line round trip before/after: "
+              f"{'/'.join(f'{t:.2f}' for t in rtt if t is not None)} us)", flush=True)
     rows = _summarise(rounds)
     vllm_path = rounds[0]["0"]["vllm_path"]
     how = "rank 0, back to back" if a.back_to_back else "after a barrier, the slowest rank"
@@ -599,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"command": " ".join([sys.executable] + sys.argv), "world_size": a.world_size,
                        "threads": a.threads, "load_before": load0, "load_after": os.getloadavg(),
                        "vllm_path": vllm_path, "back_to_back": a.back_to_back,
+                       "line_rtt_us_per_round": [r["0"].get("line_rtt_us") for r in rounds],
                        "rows": rows}, f, indent=1)
     return 0
 
