@@ -186,6 +186,27 @@ def _vllm_tp(cfg: dict[str, Any], rank: int, ws: int, port: int) -> Any:
     return vllm_state.get_tp_group()
 
 
+def _map_shared(path: str, size: int, rank: int, barrier: Any,
+                mapped: bool = True) -> Any:
+    """The file ``path`` of ``size`` bytes, created owner-only by rank 0 (it must not
+    exist), mapped by every rank that passes ``mapped`` once all ranks reached
+    ``barrier`` (None for the others). Nobody unlinks it here."""
+    import mmap
+
+    if rank == 0:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, size)
+        os.close(fd)
+    barrier()
+    if not mapped:
+        return None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 def _line_round_trip_us(rank: int, prefix: str, barrier: Any, trips: int = 20_000,
                         budget_s: float = 0.2) -> float | None:
     """Ranks 0 and 1 (every rank calls it): the mean time for a counter to go from rank
@@ -194,22 +215,13 @@ def _line_round_trip_us(rank: int, prefix: str, barrier: Any, trips: int = 20_00
     fails); None on other ranks. At most ``trips`` round trips or ``budget_s`` seconds;
     a wait yields the CPU after every 1,000 polls, so two ranks on one CPU end within
     the budget."""
-    import mmap
-
     import numpy as np
 
     path = f"/dev/shm/{prefix}_line"
-    if rank == 0:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, 4096)
-        os.close(fd)
-    barrier()
-    if rank > 1:
+    m = _map_shared(path, 4096, rank, barrier, rank < 2)
+    if m is None:
         barrier()
         return None
-    fd = os.open(path, os.O_RDWR)
-    m = mmap.mmap(fd, 4096)
-    os.close(fd)
     flags: Any = np.frombuffer(m, dtype=np.int64, count=16)
     mine, peer = (0, 8) if rank == 0 else (8, 0)
     done = trips = max(1, trips)
@@ -261,20 +273,10 @@ class _Bare:
     """
 
     def __init__(self, cfg: dict[str, Any], rank: int, ws: int, barrier: Any) -> None:
-        import mmap
-
         self.rank, self.ws, self.gen = rank, ws, 0
         self.slot_bytes = max(cfg["sizes"]) + 64
         self.path = f"/dev/shm/{cfg['prefix']}_bare"
-        size = 4096 + 2 * ws * self.slot_bytes
-        if rank == 0:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, size)
-            os.close(fd)
-        barrier()
-        fd = os.open(self.path, os.O_RDWR)
-        self.map = mmap.mmap(fd, size)
-        os.close(fd)
+        self.map = _map_shared(self.path, 4096 + 2 * ws * self.slot_bytes, rank, barrier)
         self.yield_ = ws > len(os.sched_getaffinity(0))  # oversubscribed: spinning starves peers
 
     def fn(self, x: Any) -> Any:
