@@ -34,27 +34,28 @@ doubles the spacing, up to :data:`MOVE_MAX`, so ranks whose moves the kernel
 keeps undoing (more runnable threads than CPUs) pay at most about 0.04% of a
 CPU for them. It is off where no spread exists (a rank may run on fewer CPUs
 than its node has ranks), where the platform lacks ``sched_getcpu`` or
-thread affinity, and with ``GROUPCOORD_CPU_SPREAD=0``.
+thread affinity, and with ``GROUPCOORD_CPU_SPREAD=0``. The move itself, and
+the queue readers' own moves, are :mod:`shm_broadcast.waiting.thread_cpu`'s.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from shm_broadcast.checks import env_flag
+from shm_broadcast.waiting.thread_cpu import (
+    SPREAD_ENV,
+    current_cpu,
+    move_off,
+    sched_getcpu,
+    spread_enabled,
+)
 
 __all__ = ["CpuSpread", "SPREAD_ENV", "spread_enabled", "MOVE_EVERY", "UNDONE_WITHIN", "MOVE_MAX",
            "current_cpu"]
-
-#: ``0`` (or ``false``/``no``/``off``) turns the moves off (read when a communicator
-#: is built; another value raises ``ValueError``).
-SPREAD_ENV = "GROUPCOORD_CPU_SPREAD"
 
 #: Shortest time between two moves of one rank, in seconds.
 MOVE_EVERY = 0.001
@@ -65,37 +66,9 @@ UNDONE_WITHIN = 0.05
 MOVE_MAX = 0.1
 _CPU_BITS = 16  # a record is step << 16 | (cpu + 1); 0 is "no record"
 _CPU_MASK = (1 << _CPU_BITS) - 1
-
-
-def spread_enabled() -> bool:
-    """``GROUPCOORD_CPU_SPREAD`` (default on).
-
-    Raises:
-        ValueError: The variable is not a recognised on/off word.
-    """
-    return env_flag(SPREAD_ENV, True)
-
-
-def _libc_getcpu() -> Any:
-    """glibc's ``sched_getcpu`` through ctypes, or None where it or thread affinity
-    is missing."""
-    if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
-        return None
-    try:
-        fn = ctypes.CDLL(None).sched_getcpu
-    except (OSError, AttributeError):  # pragma: no cover - a libc without it
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = []
-    return fn
-
-
-_getcpu = _libc_getcpu()
-
-
-def current_cpu() -> int:
-    """The CPU the calling thread runs on (-1 where the platform cannot say)."""
-    return int(_getcpu()) if _getcpu is not None else -1
+#: Called on every wait's first yield: typed loosely, as mypy cannot see it is set
+#: whenever a spread is active.
+_getcpu: Any = sched_getcpu
 
 
 class CpuSpread:
@@ -176,15 +149,9 @@ class CpuSpread:
             if seen >= recent:
                 taken.add((seen & _CPU_MASK) - 1)
         try:
-            allowed = os.sched_getaffinity(0)
-            free = allowed - taken
-            if not free:
-                return
-            try:
-                os.sched_setaffinity(0, free)  # migrates this thread before returning
-            finally:
-                os.sched_setaffinity(0, allowed)
+            moved = move_off(taken)  # the thread's affinity is what it was afterwards
         except OSError:  # pragma: no cover - refused (a seccomp policy)
             self.active = False
             return
-        self.moves += 1
+        if moved:
+            self.moves += 1

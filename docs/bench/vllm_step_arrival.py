@@ -13,6 +13,9 @@ of them alike):
 
 * ``ours`` -- groupcoord's ``MessageQueue`` with the predictive policy that
   group broadcasters use (``WaitPolicy.predictive()``);
+* ``ours-stay`` -- the same with ``leave_shared_cpu=False``: the reader does
+  not move off a CPU its polls found shared (not run unless named in
+  ``--contenders``);
 * ``ours-plain`` -- the same queue with the plain spin -> yield -> park policy;
 * ``vllm`` -- ``vllm.distributed.device_communicators.shm_broadcast.MessageQueue``
   in its own virtual environment (its reader spins with ``sched_yield`` for
@@ -108,7 +111,12 @@ def _open_reader(kind: str, handle: Any, policy: str) -> Any:
         return mq
     from shm_broadcast import MessageQueue, WaitPolicy
 
-    pol = WaitPolicy.predictive() if policy == "predictive" else WaitPolicy()
+    if policy == "predictive":
+        pol = WaitPolicy.predictive()
+    elif policy == "predictive-stay":
+        pol = WaitPolicy.predictive(leave_shared_cpu=False)
+    else:
+        pol = WaitPolicy()
     mq = MessageQueue.create_from_handle(handle, 1, wait_policy=pol)
     mq.wait_until_ready(120)
     return mq
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                          "spinning for 1 s after its last message, which would otherwise "
                          "take a CPU from the next contender's block")
     ap.add_argument("--contenders", nargs="+", default=["ours", "ours-plain", "vllm"],
-                    choices=("ours", "ours-plain", "vllm"))
+                    choices=("ours", "ours-stay", "ours-plain", "vllm"))
     ap.add_argument("--pin", action="store_true",
                     help="bind every writer to the first allowed CPU and every reader to the "
                          "second (dedicated cores; without it the scheduler places them)")
@@ -239,11 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         return _side(args.side, args.policy, args.step_ms / 1e3, args.pin)
     if args.steps <= args.skip:
         ap.error("--steps must be larger than --skip")
-    specs = {"ours": ("ours", "predictive"), "ours-plain": ("ours", "plain"),
+    specs = {"ours": ("ours", "predictive"), "ours-stay": ("ours", "predictive-stay"),
+             "ours-plain": ("ours", "plain"),
              "vllm": ("vllm", "spin")}
     procs = {name: _start(*specs[name], args) for name in args.contenders}
     pooled: dict[str, dict[str, list[float]]] = {
-        n: {"lat": [], "cpu": [], "enq": []} for n in procs}
+        n: {"lat": [], "cpu": [], "enq": [], "after": []} for n in procs}
     stats: dict[str, list[Any]] = {n: [] for n in procs}
     load0 = os.getloadavg()
     try:
@@ -254,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                 pooled[name]["lat"] += res["lat_us"][args.skip:]
                 pooled[name]["cpu"].append(res["cpu_pct"])
                 pooled[name]["enq"] += res["enqueue_us"][args.skip:]
+                # Message by message: how long the reader took after enqueue returned.
+                pooled[name]["after"] += [lat - enq for lat, enq in zip(
+                    res["lat_us"][args.skip:], res["enqueue_us"][args.skip:], strict=True)]
                 stats[name].append(res.get("stats"))
                 print(f"round {r} {name:<10} p50 {_pct(res['lat_us'][args.skip:], 50):8.1f} us  "
                       f"cpu {res['cpu_pct']:5.1f}%", flush=True)
@@ -282,16 +294,20 @@ def _report(args: argparse.Namespace, pooled: dict[str, dict[str, list[float]]],
     print(f"\n{args.rounds} rounds x {args.steps - args.skip} counted messages, step "
           f"{args.step_ms} ms; load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{'contender':<11} {'p50 us':>8} {'p90 us':>8} {'p99 us':>9} {'reader CPU %':>12} "
-          f"{'enqueue p50 us':>14}")
+          f"{'enqueue p50 us':>14} {'after enqueue p50 us':>20} {'CPU moves':>9}")
     for name, d in pooled.items():
         rows[name] = {"p50_us": _pct(d["lat"], 50), "p90_us": _pct(d["lat"], 90),
                       "p99_us": _pct(d["lat"], 99), "n": len(d["lat"]),
                       "reader_cpu_pct": sum(d["cpu"]) / len(d["cpu"]),
                       "reader_cpu_pct_blocks": d["cpu"],
-                      "enqueue_p50_us": _pct(d["enq"], 50), "queue_stats": stats[name]}
+                      "enqueue_p50_us": _pct(d["enq"], 50),
+                      "after_enqueue_p50_us": _pct(d["after"], 50), "queue_stats": stats[name]}
         r = rows[name]
+        last = (stats[name] or [None])[-1] or {}
+        moves = last.get("cpu_moves", "-")  # the reader's counters are totals since it started
         print(f"{name:<11} {r['p50_us']:8.1f} {r['p90_us']:8.1f} {r['p99_us']:9.1f} "
-              f"{r['reader_cpu_pct']:12.1f} {r['enqueue_p50_us']:14.1f}")
+              f"{r['reader_cpu_pct']:12.1f} {r['enqueue_p50_us']:14.1f} "
+              f"{r['after_enqueue_p50_us']:20.1f} {moves:>9}")
     if "ours" in rows and "vllm" in rows:
         ratio = rows["ours"]["p50_us"] / rows["vllm"]["p50_us"]
         print(f"ours / vllm arrival p50: {ratio:.2f}x (target <= 0.8x); ours reader CPU "

@@ -97,6 +97,7 @@ from shm_broadcast.waiting.doorbell import BellRinger, Doorbell, bell_address
 from shm_broadcast.waiting.peer_watch import PeerWatch, own_pid_space
 from shm_broadcast.waiting.policy import PARK, SLEEP, Backoff, WaitPolicy
 from shm_broadcast.waiting.predictive import STAMP, STAMP_OFFSET, ArrivalPredictor
+from shm_broadcast.waiting.thread_cpu import CpuHop
 
 __all__ = ["LocalReader"]
 
@@ -161,6 +162,11 @@ class LocalReader:
         #: planned sleeps (predictive policy) and those a ring cut short.
         self.park_stats = {"parks": 0, "timeouts": 0, "sleeps": 0, "sleeps_rung": 0}
         self._predictor = ArrivalPredictor(policy.predict) if policy.predict else None
+        #: Moves off a CPU a planned poll found shared (predictive policy only),
+        #: and the polls found shared so far, as last handed to it.
+        self._hop = (CpuHop() if policy.predict is not None and policy.predict.leave_shared_cpu
+                     else None)
+        self._contended_seen = 0
         #: What the predictor learns from the last message, handed over at the
         #: next dequeue (off the message's path): its stamp, and when the wait
         #: for it began and saw it (both None: it was there).
@@ -268,6 +274,8 @@ class LocalReader:
         """
         self._cond, self._wait_what, self._wait_timeout = cond, what, timeout
         b = self._backoff
+        if predictor is not None and self._hop is not None:
+            self._leave_shared_cpu(self._hop)
         now = time.monotonic()
         if what is None:
             self._warnings.start(now)
@@ -326,6 +334,14 @@ class LocalReader:
         stamp, (began, seen) = learning
         self._learning = None
         predictor.observe(stamp, began, seen)
+
+    def _leave_shared_cpu(self, hop: CpuHop) -> None:
+        """Before a wait for a message: move to another CPU if the polls since the
+        last such wait found this one shared (the move, ~40 us, is then off the
+        message's path: a message already there is read without it)."""
+        contended = self._backoff.contended
+        hop.after_wait(contended != self._contended_seen)
+        self._contended_seen = contended
 
     def _warm_up(self) -> None:
         """Decode the last message again, result discarded, as the window opens.
@@ -426,11 +442,13 @@ class LocalReader:
     @property
     def predictor_stats(self) -> dict[str, int]:
         """The predictor's counters (see :class:`ArrivalPredictor`) and
-        ``contended`` (planned polls that parked because the CPU was shared);
-        empty without a predictor."""
+        ``contended`` (planned polls that parked because the CPU was shared)
+        and ``cpu_moves`` (moves to another CPU after such a poll: see
+        ``PredictivePolicy.leave_shared_cpu``); empty without a predictor."""
         if self._predictor is None:
             return {}
-        return {**self._predictor.stats, "contended": self._backoff.contended}
+        return {**self._predictor.stats, "contended": self._backoff.contended,
+                "cpu_moves": 0 if self._hop is None else self._hop.moves}
 
     # ------------------------------------------------------------- dequeue
     def poll(self) -> bool:

@@ -68,7 +68,10 @@ median lag (park's plus ``park_penalty_s``, the writer's cost of ringing) is
 used, the other one every ``explore_every``-th window so its estimate stays
 current. Within poll mode, a ``sched_yield`` that returns only after
 ``yield_contended_s`` (another task held the CPU) ends the polling too: the
-reader parks for the rest of the window.
+reader parks for the rest of the window. That other task is most often the
+writer itself: the two sleep between steps and the kernel wakes them on one
+CPU. So after such a window the reader moves to another CPU before its next
+sleep (``leave_shared_cpu``, :mod:`shm_broadcast.waiting.thread_cpu`).
 
 Publish times are exact: the writer stamps every ring chunk with
 ``time.monotonic()`` just before publishing it (:data:`STAMP` at
@@ -174,10 +177,14 @@ class PredictivePolicy:
     min_sleep_s: float = 300e-6
     fallback_yield_s: float | None = None
     yield_contended_s: float = 50e-6
+    leave_shared_cpu: bool = True
     explore_every: int = 16
     park_penalty_s: float = 20e-6
 
     def __post_init__(self) -> None:
+        if not isinstance(self.leave_shared_cpu, bool):
+            raise TypeError(f"PredictivePolicy.leave_shared_cpu must be a bool, got "
+                            f"{type(self.leave_shared_cpu).__name__}")
         for name in ("history", "min_samples", "explore_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

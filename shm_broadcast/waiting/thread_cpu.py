@@ -1,0 +1,184 @@
+"""Where the calling thread runs, and moving it off a CPU it shares with a peer.
+
+Two processes that wait for each other in turns (a queue's writer and its
+reader, the ranks of a CPU collective) are fast only on different CPUs: on
+one CPU each hand-over waits for a context switch, and a reader polling for
+a message waits until the writer, which publishes it on the same CPU, has
+finished its call and blocked. Linux does not keep them apart by itself. A
+woken task goes back to its previous CPU when that CPU is idle, and a
+socket's wake-up (the queue's doorbell) is synchronous, which draws the
+woken task to the waker's CPU; so two tasks that both sleep between their
+exchanges come together on one CPU and stay there while other CPUs idle.
+Measured on the 2-vCPU development VM, a writer and its reader of 10 ms
+steps shared one CPU at 97-100% of the steps (docs/performance.md, "A
+reader that shares its writer's CPU").
+
+:func:`move_off` moves the calling thread: it narrows the thread's affinity
+to the CPUs it may run on less the given ones (the kernel migrates the
+thread before the call returns) and at once restores the affinity it had,
+so nothing stays pinned and the kernel may place the thread anywhere
+afterwards. A move costs about 40 us (the migration, 2-vCPU VM).
+
+Who moves: the CPU collectives' ranks (:mod:`device_comms.cpu_shm.placement`,
+which records each rank's CPU in shared memory), and a queue reader whose
+planned poll found its CPU shared (:class:`CpuHop`). Both are off where the
+platform lacks ``sched_getcpu`` or thread affinity (anything but Linux), and
+with ``GROUPCOORD_CPU_SPREAD=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Callable, Iterable
+
+from shm_broadcast.checks import env_flag
+
+__all__ = ["SPREAD_ENV", "spread_enabled", "sched_getcpu", "current_cpu", "can_move",
+           "move_off", "CpuHop", "UNDONE_WITHIN", "MAX_PAUSE"]
+
+#: ``0`` (or ``false``/``no``/``off``) turns every move off: the collectives'
+#: ranks' and the queue readers' (read when a communicator or reader is built;
+#: another value raises ``ValueError``).
+SPREAD_ENV = "GROUPCOORD_CPU_SPREAD"
+
+#: A reader's move needed again within this many waits after its pause ended
+#: did not hold (the kernel put it back, or no CPU is free) ...
+UNDONE_WITHIN = 4
+#: ... and doubles the pause (waits that must pass before the next move), up to
+#: this many waits.
+MAX_PAUSE = 256
+
+
+def spread_enabled() -> bool:
+    """``GROUPCOORD_CPU_SPREAD`` (default on).
+
+    Raises:
+        ValueError: The variable is not a recognised on/off word.
+    """
+    return env_flag(SPREAD_ENV, True)
+
+
+def _libc_getcpu() -> Callable[[], int] | None:
+    """The C library's ``sched_getcpu`` through ctypes, or None where it or thread
+    affinity is missing."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):  # pragma: no cover - a libc without it
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = []
+    getcpu: Callable[[], int] = fn
+    return getcpu
+
+
+#: The C library's ``sched_getcpu()`` (0.16 us: the hot paths call it directly),
+#: or None where the platform has no such call or no thread affinity.
+sched_getcpu = _libc_getcpu()
+
+
+def current_cpu() -> int:
+    """The CPU the calling thread runs on (-1 where the platform cannot say)."""
+    return int(sched_getcpu()) if sched_getcpu is not None else -1
+
+
+def can_move() -> bool:
+    """Whether the calling thread may run on more than one CPU and can be moved."""
+    if sched_getcpu is None:
+        return False
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except OSError:  # pragma: no cover - affinity unavailable
+        return False
+
+
+def move_off(cpus: Iterable[int]) -> bool:
+    """Move the calling thread to a CPU it may run on other than ``cpus``.
+
+    The thread's affinity is what it was when this returns (see the module
+    docstring).
+
+    Args:
+        cpus: The CPUs to leave (the thread's own, and any a peer runs on).
+
+    Returns:
+        Whether the thread moved: False when ``cpus`` covers every CPU it may
+        run on (nothing changed).
+
+    Raises:
+        OSError: The kernel refused the affinity call (a seccomp policy);
+            callers stop moving.
+    """
+    allowed = os.sched_getaffinity(0)
+    free = allowed.difference(cpus)
+    if not free:
+        return False
+    try:
+        os.sched_setaffinity(0, free)  # migrates this thread before returning
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return True
+
+
+class CpuHop:
+    """A queue reader's moves off a CPU its waits found shared.
+
+    After each message the reader says whether its wait for it found the CPU
+    shared (a planned poll whose ``sched_yield`` returned only after another
+    task ran: :class:`~shm_broadcast.waiting.policy.Backoff`'s
+    ``contended``). After such a wait, and before the next one sleeps, the
+    thread moves to another CPU it may run on, off the message's path. A
+    reader whose writer published on its CPU then finds the next message
+    within microseconds instead of after the writer's call.
+
+    A move that does not hold (its CPU found shared again within
+    :data:`UNDONE_WITHIN` waits) doubles the pause before the next one, up to
+    :data:`MAX_PAUSE` waits; one that holds resets it. So where no CPU is free
+    (more runnable threads than CPUs), moves soon come one per
+    :data:`MAX_PAUSE` waits, while a writer and its reader that the kernel put
+    together again after many steps are separated at once.
+
+    Args:
+        enabled: False turns the moves off (so does ``GROUPCOORD_CPU_SPREAD=0``).
+
+    Attributes:
+        active: Whether this reader may move.
+        moves: How many times it moved.
+
+    Raises:
+        ValueError: ``GROUPCOORD_CPU_SPREAD`` is not an on/off word.
+    """
+
+    __slots__ = ("active", "moves", "_since", "_pause")
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.active = spread_enabled() and enabled and can_move()
+        self.moves = 0
+        self._since = MAX_PAUSE + UNDONE_WITHIN + 1  # waits since the last move
+        self._pause = 0  # waits that must pass after a move before the next
+
+    def after_wait(self, shared: bool) -> None:
+        """The reader's last wait found its CPU ``shared`` (or not): move if it did
+        and the pause allows.
+
+        Call it between messages, on the thread that waits.
+        """
+        if not self.active:
+            return
+        since = self._since = self._since + 1
+        if not shared or since <= self._pause:
+            return
+        pause = self._pause
+        undone = since <= pause + UNDONE_WITHIN
+        self._pause = min(MAX_PAUSE, max(1, 2 * pause)) if undone else 0
+        self._since = 0
+        try:
+            moved = move_off((current_cpu(),))
+        except OSError:  # pragma: no cover - refused (a seccomp policy)
+            self.active = False
+            return
+        if moved:
+            self.moves += 1

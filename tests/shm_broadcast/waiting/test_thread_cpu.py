@@ -1,0 +1,268 @@
+"""Moving a thread off a CPU (shm_broadcast.waiting.thread_cpu): real affinity calls
+on real threads, and a real queue reader whose planned polls find its CPUs busy.
+
+Each affinity test runs in a thread of its own (affinity is per thread), so the
+test process's own placement is never touched; every one checks that the
+thread's affinity is what it was.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from shm_broadcast import MessageQueue, WaitPolicy
+from shm_broadcast.waiting import thread_cpu
+from shm_broadcast.waiting.predictive import PredictivePolicy
+from shm_broadcast.waiting.thread_cpu import (
+    MAX_PAUSE,
+    SPREAD_ENV,
+    UNDONE_WITHIN,
+    CpuHop,
+    can_move,
+    current_cpu,
+    move_off,
+)
+
+movable = pytest.mark.skipif(
+    thread_cpu.sched_getcpu is None or not hasattr(os, "sched_getaffinity")
+    or len(os.sched_getaffinity(0)) < 2,
+    reason="needs sched_getcpu and at least two CPUs this process may run on")
+
+
+def in_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on a fresh thread (its own affinity); its exception re-raised here."""
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # handed to the test's thread
+            box["error"] = e
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the thread did not finish"
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+# ------------------------------------------------------------------ move_off
+@movable
+def test_move_off_leaves_the_cpu_and_keeps_the_affinity() -> None:
+    def body() -> tuple[int, int, set[int], set[int], bool]:
+        before, cpu = os.sched_getaffinity(0), current_cpu()
+        moved = move_off({cpu})
+        return cpu, current_cpu(), before, os.sched_getaffinity(0), moved
+
+    cpu, now, before, after, moved = in_thread(body)
+    assert moved and now != cpu and now in before
+    assert after == before
+
+
+@movable
+def test_move_off_within_a_narrowed_affinity_stays_inside_it() -> None:
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+
+    def body() -> tuple[int, int, set[int]]:
+        os.sched_setaffinity(0, {a})  # runs on a now
+        os.sched_setaffinity(0, {a, b})
+        start = current_cpu()
+        move_off({start})
+        return start, current_cpu(), os.sched_getaffinity(0)
+
+    start, now, after = in_thread(body)
+    assert start == a and now == b
+    assert after == {a, b}
+
+
+@movable
+def test_move_off_every_allowed_cpu_changes_nothing() -> None:
+    def body() -> tuple[bool, set[int], set[int]]:
+        before = os.sched_getaffinity(0)
+        return move_off(before), before, os.sched_getaffinity(0)
+
+    moved, before, after = in_thread(body)
+    assert moved is False and after == before
+
+
+@movable
+def test_can_move_needs_two_cpus() -> None:
+    only = min(os.sched_getaffinity(0))
+
+    def body() -> tuple[bool, bool]:
+        two = can_move()
+        os.sched_setaffinity(0, {only})
+        return two, can_move()
+
+    assert in_thread(body) == (True, False)
+
+
+# ------------------------------------------------------------------ CpuHop
+@movable
+def test_cpu_hop_moves_after_a_shared_wait_only() -> None:
+    def body() -> list[tuple[int, int]]:
+        hop = CpuHop()
+        assert hop.active
+        seen = []
+        for shared in (False, True, False, True):
+            cpu = current_cpu()
+            hop.after_wait(shared)
+            seen.append((cpu, current_cpu()))
+        assert hop.moves == 2
+        return seen
+
+    seen = in_thread(body)
+    assert seen[1][0] != seen[1][1] and seen[3][0] != seen[3][1]
+
+
+@movable
+def test_cpu_hop_pauses_longer_after_each_move_that_did_not_hold() -> None:
+    """Every wait shared (no CPU free): the pause before the next move doubles,
+    so the moves come at waits 1, 2, 4, 7, 12, 21, 38... (each pause + 1 after
+    the last); a move that holds (no shared wait for longer than the pause and
+    UNDONE_WITHIN) lets the next move come at once."""
+    def body() -> tuple[list[int], int, int]:
+        before = os.sched_getaffinity(0)
+        hop = CpuHop()
+        at = []
+        for wait in range(1, 41):
+            moves = hop.moves
+            hop.after_wait(True)
+            if hop.moves != moves:
+                at.append(wait)
+        for _ in range(MAX_PAUSE + UNDONE_WITHIN + 1):
+            hop.after_wait(False)
+        held = hop.moves
+        hop.after_wait(True)
+        hop.after_wait(True)
+        assert os.sched_getaffinity(0) == before
+        return at, held, hop.moves
+
+    at, held, after = in_thread(body)
+    assert at == [1, 2, 4, 7, 12, 21, 38]
+    assert after == held + 2  # the pause was reset: two moves in a row again
+
+
+@movable
+def test_the_pause_stops_growing_at_its_bound() -> None:
+    def body() -> list[int]:
+        hop = CpuHop()
+        at = []
+        for wait in range(1, 6 * MAX_PAUSE):
+            moves = hop.moves
+            hop.after_wait(True)
+            if hop.moves != moves:
+                at.append(wait)
+        return [b - a for a, b in zip(at, at[1:], strict=False)]
+
+    gaps = in_thread(body)
+    assert max(gaps) == MAX_PAUSE + 1 and gaps[-3:] == [MAX_PAUSE + 1] * 3
+
+
+@pytest.mark.parametrize("value,active", [("0", False), ("off", False), ("1", True)],
+                         ids=["0", "off", "1"])
+def test_cpu_hop_follows_the_spread_variable(monkeypatch: pytest.MonkeyPatch, value: str,
+                                             active: bool) -> None:
+    monkeypatch.setenv(SPREAD_ENV, value)
+    assert CpuHop().active is (active and can_move())
+    assert CpuHop(enabled=False).active is False
+
+
+def test_cpu_hop_rejects_a_bad_spread_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SPREAD_ENV, "sometimes")
+    with pytest.raises(ValueError, match=SPREAD_ENV):
+        CpuHop()
+
+
+def test_an_inactive_hop_never_moves() -> None:
+    hop = CpuHop(enabled=False)
+    for _ in range(3):
+        hop.after_wait(True)
+    assert hop.moves == 0
+
+
+@pytest.mark.parametrize("value", [1, None, "yes"], ids=["int", "None", "str"])
+def test_the_policy_takes_only_a_bool(value: Any) -> None:
+    with pytest.raises(TypeError, match="leave_shared_cpu"):
+        PredictivePolicy(leave_shared_cpu=value)
+
+
+# ------------------------------------------- a reader whose polls find a busy CPU
+PERIOD_S = 0.02
+
+
+def hog(cpu: int, stop: Any, until: float, out: Any) -> None:
+    """Keep ``cpu`` busy until ``stop`` is set (or ``until``, monotonic, passed)."""
+    try:
+        os.sched_setaffinity(0, {cpu})
+        out.put(("hogging", cpu))
+        while not stop.is_set() and time.monotonic() < until:
+            pass
+    except BaseException:
+        out.put(("error", -1, traceback.format_exc()))
+
+
+def stepped_reader(handle: Any, leave: bool, n: int, out: Any) -> None:
+    """Dequeue ``n`` messages with a predictive policy; report counters and affinity."""
+    try:
+        policy = WaitPolicy(park_poll_s=1.0, liveness_s=1.0, predict=PredictivePolicy(
+            min_samples=3, leave_shared_cpu=leave))
+        before = os.sched_getaffinity(0)
+        with MessageQueue.create_from_handle(handle, 1, wait_policy=policy) as mq:
+            mq.wait_until_ready(60)
+            for i in range(n):
+                got = mq.dequeue(timeout=30)
+                if got != i:
+                    raise AssertionError(f"got message {got!r}, expected {i}")
+            out.put(("ok", 1, mq.park_stats(), before, os.sched_getaffinity(0)))
+    except BaseException:
+        out.put(("error", 1, traceback.format_exc()))
+
+
+@movable
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("leave", [True, False], ids=["leaves", "stays"])
+def test_a_reader_whose_polls_find_its_cpu_busy_moves_only_when_asked(procs,
+                                                                        leave: bool) -> None:
+    """Every CPU the reader may run on is kept busy by a pinned process, so its
+    planned polls find the CPU shared: it moves (ever more rarely: no CPU is
+    free) when the policy says so and never otherwise; its affinity ends as it
+    began."""
+    cpus = sorted(os.sched_getaffinity(0))
+    n = 40
+    mq = MessageQueue(1, 1, [1], max_chunk_bytes=4096, max_chunks=4, name="hop-busy")
+    stop = procs.ctx.Event()
+    try:
+        procs.start(stepped_reader, mq.export_handle(), leave, n)
+        mq.wait_until_ready(60)
+        until = time.monotonic() + n * PERIOD_S + 30.0
+        for cpu in cpus:
+            procs.start(hog, cpu, stop, until)
+        hogging = {procs.get(timeout=30)[1] for _ in cpus}
+        assert hogging == set(cpus)
+        t = time.monotonic()
+        for i in range(n):
+            delay = t + i * PERIOD_S - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            mq.enqueue(i, timeout=30)
+        _, _, stats, before, after = procs.get(timeout=60)
+    finally:
+        stop.set()
+        mq.close()
+    detail = str(stats)
+    assert after == before, detail
+    assert stats["contended"] >= 1, detail  # the hogs made the polls contended
+    if leave:
+        assert 1 <= stats["cpu_moves"] <= stats["contended"], detail
+    else:
+        assert stats["cpu_moves"] == 0, detail
