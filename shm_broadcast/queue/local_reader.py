@@ -274,14 +274,14 @@ class LocalReader:
         """
         self._cond, self._wait_what, self._wait_timeout = cond, what, timeout
         b = self._backoff
-        if predictor is not None and self._hop is not None:
-            self._leave_shared_cpu(self._hop)
         now = time.monotonic()
         if what is None:
             self._warnings.start(now)
         else:
             self._warnings.stop()
         plan = predictor.plan(now) if predictor is not None else None
+        if plan is not None and plan.sleep_until > now and self._hop is not None:
+            self._leave_shared_cpu(self._hop)  # a sleep follows: the move is off the path
         b.start(None if timeout is None else now + timeout, plan, now)
         while not cond():
             phase = b.step()
@@ -336,9 +336,10 @@ class LocalReader:
         predictor.observe(stamp, began, seen)
 
     def _leave_shared_cpu(self, hop: CpuHop) -> None:
-        """Before a wait for a message: move to another CPU if the polls since the
-        last such wait found this one shared (the move, ~40 us, is then off the
-        message's path: a message already there is read without it)."""
+        """Before a planned sleep: move to another CPU if the polls since the last
+        such sleep found this one shared. The move (~40 us) is off the message's
+        path: it runs only where a sleep of at least ``min_sleep_s`` follows,
+        never before a message already there or a wait that polls at once."""
         contended = self._backoff.contended
         hop.after_wait(contended != self._contended_seen)
         self._contended_seen = contended

@@ -14,6 +14,7 @@ from typing import Any
 from shm_broadcast.checks import check_int, check_timeout
 from shm_broadcast.timeouts import env_timeout
 from shm_broadcast.waiting.policy import WaitPolicy
+from shm_broadcast.waiting.thread_cpu import spread_enabled
 
 __all__ = ["check_connect_ip", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS",
            "DEFAULT_READY_TIMEOUT",
@@ -82,11 +83,22 @@ def check_connect_ip(connect_ip: str) -> str:
 def check_wait_policy(wait_policy: Any) -> WaitPolicy | None:
     """Return ``wait_policy`` if it is a :class:`WaitPolicy` or None.
 
+    A predictive policy whose reader may move off a shared CPU reads
+    ``GROUPCOORD_CPU_SPREAD`` here, so that a bad value raises on every rank
+    before anything is made (not only in the readers, after the writer made
+    the queue).
+
     Raises:
         TypeError: It is anything else.
+        ValueError: ``GROUPCOORD_CPU_SPREAD`` is not an on/off word (and the
+            policy's readers would read it).
     """
-    if wait_policy is not None and not isinstance(wait_policy, WaitPolicy):
+    if wait_policy is None:
+        return None
+    if not isinstance(wait_policy, WaitPolicy):
         raise TypeError(f"wait_policy must be a WaitPolicy, got {type(wait_policy).__name__}")
+    if wait_policy.predict is not None and wait_policy.predict.leave_shared_cpu:
+        spread_enabled()
     return wait_policy
 
 

@@ -17,7 +17,12 @@ reader that shares its writer's CPU").
 to the CPUs it may run on less the given ones (the kernel migrates the
 thread before the call returns) and at once restores the affinity it had,
 so nothing stays pinned and the kernel may place the thread anywhere
-afterwards. A move costs about 40 us (the migration, 2-vCPU VM).
+afterwards. A move costs about 40 us (the migration, 2-vCPU VM). Should the
+restore fail (a cpuset that changed between the two calls), the thread gets
+every CPU its cpuset allows and a warning is logged. On Linux 6.2 and later
+a thread whose affinity was ever set keeps that set when its cpuset later
+grows; where CPUs are added to running processes' cpusets, set
+``GROUPCOORD_CPU_SPREAD=0``.
 
 Who moves: the CPU collectives' ranks (:mod:`device_comms.cpu_shm.placement`,
 which records each rank's CPU in shared memory), and a queue reader whose
@@ -29,6 +34,7 @@ with ``GROUPCOORD_CPU_SPREAD=0``.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -37,6 +43,8 @@ from shm_broadcast.checks import env_flag
 
 __all__ = ["SPREAD_ENV", "spread_enabled", "sched_getcpu", "current_cpu", "can_move",
            "move_off", "CpuHop", "UNDONE_WITHIN", "MAX_PAUSE"]
+
+logger = logging.getLogger(__name__)
 
 #: ``0`` (or ``false``/``no``/``off``) turns every move off: the collectives'
 #: ranks' and the queue readers' (read when a communicator or reader is built;
@@ -119,27 +127,46 @@ def move_off(cpus: Iterable[int]) -> bool:
     try:
         os.sched_setaffinity(0, free)  # migrates this thread before returning
     finally:
-        os.sched_setaffinity(0, allowed)
+        _restore(allowed)
     return True
+
+
+def _restore(allowed: set[int]) -> None:
+    """Give the calling thread back the CPUs ``allowed``; if the kernel refuses them
+    (its cpuset changed meanwhile), every CPU the cpuset allows now.
+
+    Raises:
+        OSError: Even the cpuset's CPUs were refused.
+    """
+    try:
+        os.sched_setaffinity(0, allowed)
+    except OSError as e:
+        # The kernel keeps the part of a mask its cpuset allows: all CPUs = the cpuset's.
+        os.sched_setaffinity(0, range(max(os.cpu_count() or 1, max(allowed) + 1)))
+        logger.warning("could not give a thread back its CPUs %s after moving it (%s); it "
+                       "may now run on every CPU its cpuset allows: %s", sorted(allowed), e,
+                       sorted(os.sched_getaffinity(0)))
 
 
 class CpuHop:
     """A queue reader's moves off a CPU its waits found shared.
 
-    After each message the reader says whether its wait for it found the CPU
-    shared (a planned poll whose ``sched_yield`` returned only after another
-    task ran: :class:`~shm_broadcast.waiting.policy.Backoff`'s
-    ``contended``). After such a wait, and before the next one sleeps, the
-    thread moves to another CPU it may run on, off the message's path. A
-    reader whose writer published on its CPU then finds the next message
-    within microseconds instead of after the writer's call.
+    Before each wait that sleeps, the reader says whether its waits since
+    the last such call found the CPU shared (a planned poll whose
+    ``sched_yield`` returned only after another task ran:
+    :class:`~shm_broadcast.waiting.policy.Backoff`'s ``contended``); if so,
+    the thread moves to another CPU it may run on, before the sleep and off
+    the message's path. A reader whose writer published on its CPU then finds
+    the next message within microseconds instead of after the writer's call.
 
-    A move that does not hold (its CPU found shared again within
-    :data:`UNDONE_WITHIN` waits) doubles the pause before the next one, up to
-    :data:`MAX_PAUSE` waits; one that holds resets it. So where no CPU is free
-    (more runnable threads than CPUs), moves soon come one per
-    :data:`MAX_PAUSE` waits, while a writer and its reader that the kernel put
-    together again after many steps are separated at once.
+    Moves are spaced by a pause counted in those calls: for ``pause`` calls
+    after a move, a shared CPU moves nothing. A move due within
+    :data:`UNDONE_WITHIN` calls after the pause ended means the last one did
+    not hold: the pause doubles (at least 1, at most :data:`MAX_PAUSE`); a
+    move due later resets it to none. So where no CPU is free (more runnable
+    threads than CPUs) moves soon come once per :data:`MAX_PAUSE` waits,
+    while a writer and its reader that the kernel put together again after
+    many steps are separated at once.
 
     Args:
         enabled: False turns the moves off (so does ``GROUPCOORD_CPU_SPREAD=0``).
@@ -155,16 +182,20 @@ class CpuHop:
     __slots__ = ("active", "moves", "_since", "_pause")
 
     def __init__(self, enabled: bool = True) -> None:
-        self.active = spread_enabled() and enabled and can_move()
+        self.active = enabled and spread_enabled() and can_move()
         self.moves = 0
         self._since = MAX_PAUSE + UNDONE_WITHIN + 1  # waits since the last move
         self._pause = 0  # waits that must pass after a move before the next
 
     def after_wait(self, shared: bool) -> None:
-        """The reader's last wait found its CPU ``shared`` (or not): move if it did
-        and the pause allows.
+        """Move if the reader's last wait found its CPU shared and the pause allows.
 
-        Call it between messages, on the thread that waits.
+        Call it before a wait that sleeps, on the thread that waits (the CPUs
+        it may run on are those of that thread).
+
+        Args:
+            shared: Whether the reader's waits since the last call found the
+                CPU shared (a contended poll).
         """
         if not self.active:
             return

@@ -2,8 +2,8 @@
 on real threads, and a real queue reader whose planned polls find its CPUs busy.
 
 Each affinity test runs in a thread of its own (affinity is per thread), so the
-test process's own placement is never touched; every one checks that the
-thread's affinity is what it was.
+test process's own placement is never touched; those that move a thread check
+that its affinity is what it was.
 """
 
 from __future__ import annotations
@@ -190,6 +190,31 @@ def test_an_inactive_hop_never_moves() -> None:
     assert hop.moves == 0
 
 
+def test_without_sched_getcpu_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(thread_cpu, "sched_getcpu", None)  # as on macOS
+    assert current_cpu() == -1 and not can_move()
+    hop = CpuHop()
+    hop.after_wait(True)
+    assert not hop.active and hop.moves == 0
+
+
+@pytest.mark.parametrize("policy,raises", [
+    (WaitPolicy.predictive(), True),
+    (WaitPolicy.predictive(leave_shared_cpu=False), False),
+    (WaitPolicy(), False),
+], ids=["predictive", "predictive-stay", "plain"])
+def test_a_bad_spread_variable_is_refused_when_the_queue_is_made(
+        monkeypatch: pytest.MonkeyPatch, policy: WaitPolicy, raises: bool) -> None:
+    """Checked with the queue's options (on every rank of a group's queue, before
+    anything is made), only where the policy's readers would read it."""
+    monkeypatch.setenv(SPREAD_ENV, "sometimes")
+    if raises:
+        with pytest.raises(ValueError, match=SPREAD_ENV):
+            MessageQueue(1, 1, [1], max_chunk_bytes=4096, max_chunks=2, wait_policy=policy)
+        return
+    MessageQueue(1, 1, [1], max_chunk_bytes=4096, max_chunks=2, wait_policy=policy).close()
+
+
 @pytest.mark.parametrize("value", [1, None, "yes"], ids=["int", "None", "str"])
 def test_the_policy_takes_only_a_bool(value: Any) -> None:
     with pytest.raises(TypeError, match="leave_shared_cpu"):
@@ -200,11 +225,13 @@ def test_the_policy_takes_only_a_bool(value: Any) -> None:
 PERIOD_S = 0.02
 
 
-def hog(cpu: int, stop: Any, until: float, out: Any) -> None:
-    """Keep ``cpu`` busy until ``stop`` is set (or ``until``, monotonic, passed)."""
+def hog(cpu: int, go: Any, stop: Any, until: float, out: Any) -> None:
+    """Once ``go`` is set, keep ``cpu`` busy until ``stop`` is set (or ``until``,
+    monotonic, passed)."""
     try:
         os.sched_setaffinity(0, {cpu})
         out.put(("hogging", cpu))
+        go.wait(60)
         while not stop.is_set() and time.monotonic() < until:
             pass
     except BaseException:
@@ -238,17 +265,18 @@ def test_a_reader_whose_polls_find_its_cpu_busy_moves_only_when_asked(procs,
     free) when the policy says so and never otherwise; its affinity ends as it
     began."""
     cpus = sorted(os.sched_getaffinity(0))
-    n = 40
+    n = 30
     mq = MessageQueue(1, 1, [1], max_chunk_bytes=4096, max_chunks=4, name="hop-busy")
-    stop = procs.ctx.Event()
+    go, stop = procs.ctx.Event(), procs.ctx.Event()
     try:
         procs.start(stepped_reader, mq.export_handle(), leave, n)
         mq.wait_until_ready(60)
         until = time.monotonic() + n * PERIOD_S + 30.0
         for cpu in cpus:
-            procs.start(hog, cpu, stop, until)
+            procs.start(hog, cpu, go, stop, until)
         hogging = {procs.get(timeout=30)[1] for _ in cpus}
         assert hogging == set(cpus)
+        go.set()  # the CPUs are busy only while the messages flow
         t = time.monotonic()
         for i in range(n):
             delay = t + i * PERIOD_S - time.monotonic()
