@@ -6,12 +6,12 @@ one CPU each hand-over waits for a context switch, and a reader polling for
 a message waits until the writer, which publishes it on the same CPU, has
 finished its call and blocked. Linux does not keep them apart by itself. A
 woken task goes back to its previous CPU when that CPU is idle, and a
-socket's wake-up (the queue's doorbell) is synchronous, which draws the
+socket's wake-up (the queue's doorbell) is synchronous, which can draw the
 woken task to the waker's CPU; so two tasks that both sleep between their
 exchanges come together on one CPU and stay there while other CPUs idle.
 Measured on the 2-vCPU development VM, a writer and its reader of 10 ms
-steps shared one CPU at 97-100% of the steps (docs/performance.md, "A
-reader that shares its writer's CPU").
+steps shared one CPU at 95-100% of the steps in 11 runs of 13
+(docs/performance.md, "A reader that shares its writer's CPU").
 
 :func:`move_off` moves the calling thread: it narrows the thread's affinity
 to the CPUs it may run on less the given ones (the kernel migrates the
@@ -47,8 +47,9 @@ __all__ = ["SPREAD_ENV", "spread_enabled", "sched_getcpu", "current_cpu", "can_m
 logger = logging.getLogger(__name__)
 
 #: ``0`` (or ``false``/``no``/``off``) turns every move off: the collectives'
-#: ranks' and the queue readers' (read when a communicator or reader is built;
-#: another value raises ``ValueError``).
+#: ranks' and the queue readers' (read when a communicator is built and when a
+#: queue is made with a policy whose readers may move; another value raises
+#: ``ValueError``).
 SPREAD_ENV = "GROUPCOORD_CPU_SPREAD"
 
 #: A reader's move needed again within this many waits after its pause ended
