@@ -230,6 +230,7 @@ def hog(cpu: int, go: Any, stop: Any, until: float, out: Any) -> None:
     monotonic, passed)."""
     try:
         os.sched_setaffinity(0, {cpu})
+        os.nice(19)  # other tests' processes keep nearly all of the CPU
         out.put(("hogging", cpu))
         go.wait(60)
         while not stop.is_set() and time.monotonic() < until:
@@ -260,10 +261,11 @@ def stepped_reader(handle: Any, leave: bool, n: int, out: Any) -> None:
 @pytest.mark.parametrize("leave", [True, False], ids=["leaves", "stays"])
 def test_a_reader_whose_polls_find_its_cpu_busy_moves_only_when_asked(procs,
                                                                         leave: bool) -> None:
-    """Every CPU the reader may run on is kept busy by a pinned process, so its
-    planned polls find the CPU shared: it moves (ever more rarely: no CPU is
-    free) when the policy says so and never otherwise; its affinity ends as it
-    began."""
+    """Every CPU the reader may run on is kept busy by a pinned process, niced
+    to 19 so that other tests' processes keep nearly all of the CPUs (a yield
+    still hands it the CPU), so the reader's planned polls find the CPU
+    shared: it moves (ever more rarely: no CPU is free) when the policy says
+    so and never otherwise; its affinity ends as it began."""
     cpus = sorted(os.sched_getaffinity(0))
     n = 30
     mq = MessageQueue(1, 1, [1], max_chunk_bytes=4096, max_chunks=4, name="hop-busy")
