@@ -444,12 +444,15 @@ class LocalReader:
     def predictor_stats(self) -> dict[str, int]:
         """The predictor's counters (see :class:`ArrivalPredictor`) and
         ``contended`` (planned polls that parked because the CPU was shared)
-        and ``cpu_moves`` (moves to another CPU after such a poll: see
-        ``PredictivePolicy.leave_shared_cpu``); empty without a predictor."""
+        ``cpu_moves`` (moves to another CPU after such a poll: see
+        ``PredictivePolicy.leave_shared_cpu``) and ``cpu_moves_no_free_cpu``
+        (moves not made: no CPU was likely free); empty without a predictor."""
         if self._predictor is None:
             return {}
+        hop = self._hop
         return {**self._predictor.stats, "contended": self._backoff.contended,
-                "cpu_moves": 0 if self._hop is None else self._hop.moves}
+                "cpu_moves": 0 if hop is None else hop.moves,
+                "cpu_moves_no_free_cpu": 0 if hop is None else hop.no_free_cpu}
 
     # ------------------------------------------------------------- dequeue
     def poll(self) -> bool:

@@ -343,7 +343,8 @@ class MessageQueue:
             awaited message fell relative to its window (``early``,
             ``on_time``, ``late``), plus ``ready`` (no wait was needed),
             ``contended`` (polls cut short because another task shared the
-            CPU), ``cpu_moves`` (moves to another CPU after such a poll) and
+            CPU), ``cpu_moves`` (moves to another CPU after such a poll),
+            ``cpu_moves_no_free_cpu`` (such moves not made: no CPU was free) and
             ``mode_poll``/``mode_park`` (how windows were spent). See
             :mod:`shm_broadcast.waiting.predictive`.
         """

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 from shm_broadcast.checks import env_flag
 
 __all__ = ["SPREAD_ENV", "spread_enabled", "sched_getcpu", "current_cpu", "can_move",
-           "move_off", "CpuHop", "UNDONE_WITHIN", "MAX_PAUSE"]
+           "move_off", "free_cpu_likely", "CpuHop", "UNDONE_WITHIN", "MAX_PAUSE"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,25 @@ def can_move() -> bool:
         return False
 
 
+def free_cpu_likely() -> bool:
+    """Whether a thread that shares its CPU with another task likely has a free
+    CPU to go to: no more tasks are runnable than the thread may use CPUs.
+
+    The kernel's count of runnable tasks (``/proc/loadavg``) includes the
+    calling thread and the task it shares its CPU with, which together hold
+    one CPU; so with ``n`` CPUs allowed and at most ``n`` tasks runnable, one
+    is free. Tasks outside the thread's CPUs count too, so on a machine busy
+    with other work this says "no" more often than it should, never "yes"
+    where every CPU is busy. True where the count cannot be read.
+    """
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+        return running <= len(os.sched_getaffinity(0))
+    except (OSError, ValueError, IndexError):
+        return True
+
+
 def move_off(cpus: Iterable[int]) -> bool:
     """Move the calling thread to a CPU it may run on other than ``cpus``.
 
@@ -160,8 +179,10 @@ class CpuHop:
     the message's path. A reader whose writer published on its CPU then finds
     the next message within microseconds instead of after the writer's call.
 
-    Moves are spaced by a pause counted in those calls: for ``pause`` calls
-    after a move, a shared CPU moves nothing. A move due within
+    A move needs a CPU to go to: where more tasks are runnable than the
+    thread may use CPUs (:func:`free_cpu_likely`), a shared CPU moves
+    nothing. Moves are also spaced by a pause counted in those calls: for
+    ``pause`` calls after a move, a shared CPU moves nothing. A move due within
     :data:`UNDONE_WITHIN` calls after the pause ended means the last one did
     not hold: the pause doubles (at least 1, at most :data:`MAX_PAUSE`); a
     move due later resets it to none. So where no CPU is free (more runnable
@@ -171,20 +192,27 @@ class CpuHop:
 
     Args:
         enabled: False turns the moves off (so does ``GROUPCOORD_CPU_SPREAD=0``).
+        free_cpu: Says whether a CPU to move to is likely free now
+            (:func:`free_cpu_likely` unless given).
 
     Attributes:
         active: Whether this reader may move.
         moves: How many times it moved.
+        no_free_cpu: Moves not made because no CPU was likely free (more
+            tasks runnable than CPUs: an oversubscribed machine).
 
     Raises:
         ValueError: ``GROUPCOORD_CPU_SPREAD`` is not an on/off word.
     """
 
-    __slots__ = ("active", "moves", "_since", "_pause")
+    __slots__ = ("active", "moves", "no_free_cpu", "_free_cpu", "_since", "_pause")
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True,
+                 free_cpu: Callable[[], bool] = free_cpu_likely) -> None:
         self.active = enabled and spread_enabled() and can_move()
+        self._free_cpu = free_cpu
         self.moves = 0
+        self.no_free_cpu = 0
         self._since = MAX_PAUSE + UNDONE_WITHIN + 1  # waits since the last move
         self._pause = 0  # waits that must pass after a move before the next
 
@@ -202,6 +230,9 @@ class CpuHop:
             return
         since = self._since = self._since + 1
         if not shared or since <= self._pause:
+            return
+        if not self._free_cpu():
+            self.no_free_cpu += 1
             return
         pause = self._pause
         undone = since <= pause + UNDONE_WITHIN
