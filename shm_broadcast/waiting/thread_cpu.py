@@ -26,9 +26,10 @@ grows; where CPUs are added to running processes' cpusets, set
 
 Who moves: the CPU collectives' ranks (:mod:`device_comms.cpu_shm.placement`,
 which records each rank's CPU in shared memory), and a queue reader whose
-planned poll found its CPU shared (:class:`CpuHop`). Both are off where the
-platform lacks ``sched_getcpu`` or thread affinity (anything but Linux), and
-with ``GROUPCOORD_CPU_SPREAD=0``.
+planned poll found its CPU shared (:class:`CpuHop`), when a CPU is likely
+free (:func:`free_cpu_likely`). Both are off where the platform lacks
+``sched_getcpu`` or thread affinity (anything but Linux), and with
+``GROUPCOORD_CPU_SPREAD=0``.
 """
 
 from __future__ import annotations
@@ -185,10 +186,10 @@ class CpuHop:
     ``pause`` calls after a move, a shared CPU moves nothing. A move due within
     :data:`UNDONE_WITHIN` calls after the pause ended means the last one did
     not hold: the pause doubles (at least 1, at most :data:`MAX_PAUSE`); a
-    move due later resets it to none. So where no CPU is free (more runnable
-    threads than CPUs) moves soon come once per :data:`MAX_PAUSE` waits,
-    while a writer and its reader that the kernel put together again after
-    many steps are separated at once.
+    move due later resets it to none. So where the kernel keeps undoing the
+    moves, they soon come once per :data:`MAX_PAUSE` waits, while a writer
+    and its reader that the kernel put together again after many steps are
+    separated at once.
 
     Args:
         enabled: False turns the moves off (so does ``GROUPCOORD_CPU_SPREAD=0``).
@@ -217,7 +218,8 @@ class CpuHop:
         self._pause = 0  # waits that must pass after a move before the next
 
     def after_wait(self, shared: bool) -> None:
-        """Move if the reader's last wait found its CPU shared and the pause allows.
+        """Move if the reader's waits found its CPU shared, the pause allows and a
+        CPU is likely free.
 
         Call it before a wait that sleeps, on the thread that waits (the CPUs
         it may run on are those of that thread).
