@@ -341,7 +341,7 @@ class LocalReader:
         path: it runs only where a sleep of at least ``min_sleep_s`` follows,
         never before a message already there or a wait that polls at once."""
         contended = self._backoff.contended
-        hop.after_wait(contended != self._contended_seen)
+        hop.before_sleep(contended != self._contended_seen)
         self._contended_seen = contended
 
     def _warm_up(self) -> None:

@@ -217,7 +217,7 @@ class CpuHop:
         self._since = MAX_PAUSE + UNDONE_WITHIN + 1  # waits since the last move
         self._pause = 0  # waits that must pass after a move before the next
 
-    def after_wait(self, shared: bool) -> None:
+    def before_sleep(self, shared: bool) -> None:
         """Move if the reader's waits found its CPU shared, the pause allows and a
         CPU is likely free.
 

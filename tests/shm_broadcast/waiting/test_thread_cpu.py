@@ -116,7 +116,7 @@ def test_cpu_hop_moves_after_a_shared_wait_only() -> None:
         seen = []
         for shared in (False, True, False, True):
             cpu = current_cpu()
-            hop.after_wait(shared)
+            hop.before_sleep(shared)
             seen.append((cpu, current_cpu()))
         assert hop.moves == 2
         return seen
@@ -137,14 +137,14 @@ def test_cpu_hop_pauses_longer_after_each_move_that_did_not_hold() -> None:
         at = []
         for wait in range(1, 41):
             moves = hop.moves
-            hop.after_wait(True)
+            hop.before_sleep(True)
             if hop.moves != moves:
                 at.append(wait)
         for _ in range(MAX_PAUSE + UNDONE_WITHIN + 1):
-            hop.after_wait(False)
+            hop.before_sleep(False)
         held = hop.moves
-        hop.after_wait(True)
-        hop.after_wait(True)
+        hop.before_sleep(True)
+        hop.before_sleep(True)
         assert os.sched_getaffinity(0) == before
         return at, held, hop.moves
 
@@ -160,7 +160,7 @@ def test_the_pause_stops_growing_at_its_bound() -> None:
         at = []
         for wait in range(1, 6 * MAX_PAUSE):
             moves = hop.moves
-            hop.after_wait(True)
+            hop.before_sleep(True)
             if hop.moves != moves:
                 at.append(wait)
         return [b - a for a, b in zip(at, at[1:], strict=False)]
@@ -187,7 +187,7 @@ def test_cpu_hop_rejects_a_bad_spread_variable(monkeypatch: pytest.MonkeyPatch) 
 def test_an_inactive_hop_never_moves() -> None:
     hop = CpuHop(enabled=False)
     for _ in range(3):
-        hop.after_wait(True)
+        hop.before_sleep(True)
     assert hop.moves == 0
 
 
@@ -195,7 +195,7 @@ def test_without_sched_getcpu_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(thread_cpu, "sched_getcpu", None)  # as on macOS
     assert current_cpu() == -1 and not can_move()
     hop = CpuHop()
-    hop.after_wait(True)
+    hop.before_sleep(True)
     assert not hop.active and hop.moves == 0
 
 
@@ -258,7 +258,7 @@ def test_no_move_while_every_cpu_is_busy(procs) -> None:
 
         def body() -> tuple[bool, int]:
             hop = CpuHop()
-            hop.after_wait(True)
+            hop.before_sleep(True)
             return free_cpu_likely(), hop.moves
 
         likely, moves = in_thread(body)
