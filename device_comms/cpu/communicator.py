@@ -410,7 +410,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
            (not a lazily negated view) and are still in its storage (not freed
            or shrunk under it), with no ``out`` but ``input_`` itself;
         2. **choose** the path: the engine's one-step entry when the op, dtype
-           and shape are the entry's (they passed the checks when it was made);
+           and shape are those of its last entry or of one it keeps (they passed
+           the checks when it was made);
            else the engine's all_reduce when this (op, dtype) passed them before
            and the tensor has memory; else the checked path;
         3. **run** it holding the one-call token, with the errors of the base
@@ -434,8 +435,10 @@ class CpuCommunicator(TorchDistributedCommunicator):
         ):
             # 2. choose
             entry = small.last
-            if (op is entry.op and input_.dtype is entry.dtype and entry.plain
-                    and input_.shape == entry.shape
+            dtype, shape = input_.dtype, input_.shape
+            if op is not entry.op or dtype is not entry.dtype or shape != entry.shape:
+                entry = small.find(op, dtype, shape)  # another kept layout, or none
+            if (entry.plain
                     # its bytes are still there (not freed or shrunk under it): the
                     # entry copies by address
                     and input_.untyped_storage().nbytes()
@@ -458,7 +461,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
                     return result
             elif (
                 type(op) is ReduceOp
-                and op in self._validated.get(input_.dtype, ())
+                and op in self._validated.get(dtype, ())
                 and not input_._is_zerotensor()  # noqa: SLF001 - torch's own API, no public one
                 and storage_covers(input_)  # not freed under it: the engine copies by address
             ):

@@ -14,9 +14,11 @@ element-wise op, so the Python calls around it decide its speed, and
 
 * a :class:`SmallEntry` holds what one (op, dtype, shape) needs -- the step's
   signature, the slot views, the reduction -- and :attr:`SmallAllReduce.last`
-  keeps the last one, matched by identity (hashing a ``ReduceOp`` runs Python
+  is the last one used, matched by identity (hashing a ``ReduceOp`` runs Python
   code); a caller that checked a tensor against it may call
-  :meth:`SmallAllReduce.run` directly;
+  :meth:`SmallAllReduce.run` directly. Up to :data:`KEPT_ENTRIES` entries are
+  kept (:meth:`SmallAllReduce.find`), so layers that alternate between layouts
+  do not make an entry per call;
 * the input goes into the slot with one ``ctypes.memmove`` the first time an
   address is seen and, from its second call on, through a numpy view of that
   address (an in-place result is written through it too): one numpy copy has
@@ -60,7 +62,7 @@ from device_comms.cpu_shm.host_arrays import array_of, mark_written, numpy_dtype
 from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn, quiet_numpy_sum
 from device_comms.reduce_op import ReduceOp
 
-__all__ = ["SmallAllReduce", "SmallEntry", "NotServed", "PAIR_SMALL_MIN_BYTES",
+__all__ = ["SmallAllReduce", "SmallEntry", "NotServed", "KEPT_ENTRIES", "PAIR_SMALL_MIN_BYTES",
            "PAIR_TORCH_INTO_PEER_MIN_BYTES", "PAIR_TORCH_INTO_PEER_MAX_BYTES"]
 
 #: Two ranks: the smallest one-step all_reduce that reduces into the peer's slot. Its
@@ -80,6 +82,9 @@ PAIR_TORCH_INTO_PEER_MIN_BYTES = 64 << 10
 #: (docs/performance.md, "Torch's reductions past 128 KiB").
 PAIR_TORCH_INTO_PEER_MAX_BYTES = 128 << 10
 _ADDRESSES_MAX = 16  # caller addresses with views, per entry
+#: Entries a :class:`SmallAllReduce` keeps, one per (op, dtype, shape): an engine's
+#: layers alternate among a few layouts, and making an entry costs several calls' time.
+KEPT_ENTRIES = 16
 _memmove = ctypes.memmove
 _from_numpy = torch.from_numpy
 
@@ -184,6 +189,10 @@ class SmallEntry:
         )
 
 
+#: The entry no call matches.
+_NO_ENTRY = SmallEntry()
+
+
 class SmallAllReduce:
     """The one-step all_reduce over an engine context: entries by (op, dtype, shape), the call.
 
@@ -220,21 +229,48 @@ class SmallAllReduce:
         self.into_peer_torch_max_bytes = into_peer_torch_max_bytes
         self.into_peer_torch_min_bytes = into_peer_torch_min_bytes
         self._kernel_threads = ctx.kernel_threads
-        self.last = SmallEntry()
+        self.last = _NO_ENTRY
+        #: The entries by (dtype, shape, id of the op), oldest first.
+        self._kept: dict[tuple[torch.dtype, torch.Size, int], SmallEntry] = {}
+
+    def find(self, op: Any, dtype: torch.dtype, shape: torch.Size) -> SmallEntry:
+        """The kept entry of ``op`` on ``dtype`` and ``shape``, made :attr:`last`; else the
+        entry no call matches (its ``plain`` is False). A caller that checked a tensor
+        as :attr:`SmallEntry.plain` says may then :meth:`run` it directly.
+
+        ``op`` may be anything: entries are found by its identity (``id``: a kept
+        entry holds its op, so no other object has that id meanwhile), which
+        costs less than hashing a ``ReduceOp``.
+        """
+        entry = self._kept.get((dtype, shape, id(op)))
+        if entry is None:
+            return _NO_ENTRY
+        self.last = entry
+        return entry
 
     def remember(self, tensor: torch.Tensor, op: ReduceOp) -> SmallEntry:
-        """A new entry for ``tensor``'s shape and dtype (contiguous, fits a slot) and
-        ``op``, kept as :attr:`last` in place of the previous one."""
-        nbytes = tensor.nbytes
-        into_peer = self._size == 2 and nbytes >= self.into_peer_min_bytes and (
-            numpy_sum(tensor, op)
-            or self.into_peer_torch_min_bytes <= nbytes <= self.into_peer_torch_max_bytes)
-        entry = self.last = SmallEntry(self._ctx, tensor, op, into_peer)
+        """The entry for ``tensor``'s shape and dtype (contiguous, fits a slot) and
+        ``op``, made :attr:`last`: the kept one, else a new one, kept in place of
+        the one kept longest once :data:`KEPT_ENTRIES` are."""
+        key = (tensor.dtype, tensor.shape, id(op))
+        kept = self._kept
+        entry = kept.get(key)
+        if entry is None:
+            nbytes = tensor.nbytes
+            into_peer = self._size == 2 and nbytes >= self.into_peer_min_bytes and (
+                numpy_sum(tensor, op)
+                or self.into_peer_torch_min_bytes <= nbytes <= self.into_peer_torch_max_bytes)
+            entry = SmallEntry(self._ctx, tensor, op, into_peer)
+            if len(kept) >= KEPT_ENTRIES:
+                del kept[next(iter(kept))]
+            kept[key] = entry
+        self.last = entry
         return entry
 
     def close(self) -> None:
-        """Drop the last entry (its views map the workspace)."""
-        self.last = SmallEntry()
+        """Drop the entries (their views map the workspace)."""
+        self.last = _NO_ENTRY
+        self._kept.clear()
 
     def run(
         self, tensor: torch.Tensor, entry: SmallEntry, out: torch.Tensor | None = None

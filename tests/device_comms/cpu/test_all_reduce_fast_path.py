@@ -136,3 +136,73 @@ def forms_rank(rank: int, world_size: int) -> list[str]:
 def test_call_forms_share_one_entry(dist_pool: Any, world_size: int) -> None:
     results = dist_pool(world_size).run(forms_rank, timeout=80)
     assert results == [[]] * world_size
+
+
+#: Layouts an engine's layers might take in turn: shapes of one numel, a dtype numpy
+#: lacks, another op on a kept layout, an integer MAX, a size reduced into the peer's slot.
+_LAYOUTS: list[tuple[tuple[int, ...], torch.dtype, ReduceOp]] = [
+    ((256,), torch.float32, ReduceOp.SUM),
+    ((4, 64), torch.float32, ReduceOp.SUM),
+    ((256,), torch.bfloat16, ReduceOp.SUM),
+    ((256,), torch.float32, ReduceOp.MAX),
+    ((8, 16), torch.int64, ReduceOp.MAX),
+    ((12_288,), torch.float32, ReduceOp.SUM),
+]
+
+
+def _ints(rank: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Small integers as float32: exact in every dtype and summation order."""
+    return (_x(rank, shape, seed) * 8).round()
+
+
+def layouts_rank(rank: int, world_size: int) -> list[str]:
+    """Layouts in turn, every call form: right results, and each layout's entry is kept
+    (not made again on its next turn); an input of a kept layout that is not plain
+    (non-contiguous, requires grad) still takes the checked path."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="fast-layouts")
+    bad: list[str] = []
+    try:
+        entries: dict[int, Any] = {}
+        for call in range(5 * len(_LAYOUTS)):
+            i = call % len(_LAYOUTS)
+            shape, dtype, op = _LAYOUTS[i]
+            inputs = [_ints(r, shape, call).to(dtype) for r in range(world_size)]
+            x = inputs[rank].clone()
+            ref = reduce_local(inputs, op)
+            form = (call // len(_LAYOUTS)) % 3
+            if form == 0:
+                got = comm.all_reduce(x, op)
+            elif form == 1:
+                got = comm.all_reduce(x, op, out=x)
+            else:
+                got = comm.all_reduce(x, op, out=torch.empty_like(x))
+            if not torch.equal(got, ref):
+                bad.append(f"call {call}: {shape} {dtype} {op.name} form {form} wrong")
+            eng = comm._flat  # the engine's entries are what this test checks
+            entry = None if eng is None else eng.small.find(op, dtype, torch.Size(shape))
+            if entry is None or not entry.plain:
+                bad.append(f"call {call}: no entry kept for {shape} {dtype} {op.name}")
+            elif entries.setdefault(i, entry) is not entry:
+                bad.append(f"call {call}: the entry of {shape} {dtype} {op.name} was made again")
+            if i == 1:  # a kept layout, not the last one: (4, 64) float32 SUM
+                t = _ints(rank, (64, 4), call).t()  # shape (4, 64), not contiguous
+                want = reduce_local([_ints(r, (64, 4), call).t() for r in range(world_size)],
+                                    ReduceOp.SUM)
+                comm.all_reduce(_x(rank, (8, 16), call).to(torch.int64), ReduceOp.MAX)
+                if not torch.equal(comm.all_reduce(t), want):
+                    bad.append(f"call {call}: a transposed input of a kept layout")
+                g = inputs[rank].clone().requires_grad_(True)
+                comm.all_reduce(torch.zeros(256))
+                if not torch.equal(comm.all_reduce(g, op), ref):
+                    bad.append(f"call {call}: an input that requires grad")
+    finally:
+        comm.destroy()
+    return bad
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layouts_in_turn_keep_their_entries(dist_pool: Any, world_size: int) -> None:
+    results = dist_pool(world_size).run(layouts_rank, timeout=80)
+    for rank, bad in enumerate(results):
+        assert bad == [], f"rank {rank}: {bad[:4]}"

@@ -24,7 +24,7 @@ from device_comms.cpu_shm.alltoallv import ShmAllToAllv
 from device_comms.cpu_shm.context import EngineContext, shape_key, signature
 from device_comms.cpu_shm.gather import ShmGathers
 from device_comms.cpu_shm.pair import PairAllReduce
-from device_comms.cpu_shm.small import SmallAllReduce
+from device_comms.cpu_shm.small import KEPT_ENTRIES, SmallAllReduce
 from device_comms.cpu_shm.sync import StepSync
 from device_comms.cpu_shm.workspace import WorkspacePlan, open_workspace
 
@@ -82,6 +82,54 @@ def small_part_rank(rank: int, world_size: int) -> list[str]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_small_all_reduce_part_alone(dist_pool: Any, world_size: int) -> None:
     for rank, bad in enumerate(dist_pool(world_size).run(small_part_rank, timeout=100)):
+        assert bad == [], f"rank {rank}: {bad}"
+
+
+def kept_entries_rank(rank: int, world_size: int) -> list[str]:
+    """Layouts used in turn keep their entries, up to ``KEPT_ENTRIES``, oldest out first."""
+    ctx = _context(rank, world_size, "part-kept", 1 << 20)
+    small = SmallAllReduce(ctx)
+    bad: list[str] = []
+    layouts = [((256,), torch.float32, ReduceOp.SUM), ((512,), torch.float32, ReduceOp.SUM),
+               ((4, 64), torch.float32, ReduceOp.SUM), ((256,), torch.bfloat16, ReduceOp.SUM),
+               ((256,), torch.float32, ReduceOp.MAX), ((12_288,), torch.float32, ReduceOp.SUM)]
+    try:
+        made: dict[int, Any] = {}
+        for call in range(4 * len(layouts)):  # in turn: every call misses the last entry
+            i = call % len(layouts)
+            shape, dtype, op = layouts[i]
+            inputs = [_operand(call, r, shape, dtype) for r in range(world_size)]
+            entry = small.find(op, dtype, torch.Size(shape))
+            if i in made and entry is not made[i]:
+                bad.append(f"call {call}: the entry of {shape} {dtype} {op.name} was not kept")
+            if not entry.plain:
+                entry = small.remember(inputs[rank], op)
+            made.setdefault(i, entry)
+            if small.last is not entry:
+                bad.append(f"call {call}: last is not the entry used")
+            got = small.run(inputs[rank].clone(), entry)
+            if not torch.equal(got, reduce_local(inputs, op)):
+                bad.append(f"call {call}: {shape} {dtype} {op.name} wrong")
+        for extra in range(KEPT_ENTRIES):  # as many new layouts: the six above go, oldest first
+            small.remember(torch.zeros(1000 + extra), ReduceOp.SUM)
+            over = len(layouts) + extra + 1 - KEPT_ENTRIES
+            gone = [i for i, (shape, dtype, op) in enumerate(layouts)
+                    if not small.find(op, dtype, torch.Size(shape)).plain]
+            if gone != list(range(min(len(layouts), max(0, over)))):
+                bad.append(f"after {extra + 1} new layouts the gone ones are {gone}")
+                break
+        small.close()
+        if small.find(ReduceOp.SUM, torch.float32, torch.Size((1000,))).plain:
+            bad.append("close kept an entry")
+    finally:
+        small.close()
+        ctx.close()
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_small_all_reduce_keeps_entries(dist_pool: Any, world_size: int) -> None:
+    for rank, bad in enumerate(dist_pool(world_size).run(kept_entries_rank, timeout=100)):
         assert bad == [], f"rank {rank}: {bad}"
 
 
