@@ -595,6 +595,12 @@ class CpuCommunicator(TorchDistributedCommunicator):
                             key: int) -> torch.Tensor:
         """Reduce-scatter in the engine; ``key`` signs the layout."""
         self.shm_calls["reduce_scatter"] += 1
+        entry = eng.one_step_scatter(t, dim, op, key)
+        if entry is not None:  # one step, this rank's part one block: no torch views
+            try:
+                return eng.small.run(t, entry)
+            except NotServed:  # no memory behind t (before any step): the steps below
+                pass
         n = self.world_size
         if t.dim() == 1:  # nothing to move or view: the engine's own kernels are threaded
             return eng.reduce_scatter(t, [t.numel() // n] * n, op, "reduce_scatter", key)

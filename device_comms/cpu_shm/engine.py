@@ -87,7 +87,7 @@ from device_comms.cpu_shm.engine_threads import GRAIN, threaded
 from device_comms.cpu_shm.gather import ShmGathers
 from device_comms.cpu_shm.host_arrays import mark_written
 from device_comms.cpu_shm.pair import PairAllReduce
-from device_comms.cpu_shm.small import SmallAllReduce
+from device_comms.cpu_shm.small import SmallAllReduce, SmallEntry
 from device_comms.cpu_shm.sync import StepSync
 from device_comms.cpu_shm.workspace import ShmWorkspace
 from device_comms.fixed_reduce import reduce_views
@@ -379,6 +379,27 @@ class ShmEngine:
                     if hi > lo:
                         result[start + lo : start + hi].copy_(
                             ws.slot(reduced_parity, region, dtype)[lo:hi])
+
+    def one_step_scatter(
+        self, tensor: torch.Tensor, dim: int, op: ReduceOp, size_key: int
+    ) -> SmallEntry | None:
+        """The one-step reduce_scatter entry for ``tensor`` along non-negative ``dim``
+        (divided among the ranks) and ``op`` (:meth:`SmallAllReduce.remember_scatter`;
+        ``size_key`` signs the step), when one serves it: a contiguous real tensor of
+        at most a slot and :data:`GRAIN` elements whose dimensions before ``dim`` are
+        all of length 1, so that each rank's part is one block. None: the caller takes
+        :meth:`reduce_scatter`, which signs its first step the same way."""
+        if not tensor.is_contiguous():
+            return None
+        small = self.small
+        entry = small.find_scatter(op, tensor.dtype, tensor.shape, dim)
+        if entry.plain:
+            return entry
+        numel = tensor.numel()
+        if (0 < numel <= GRAIN and tensor.nbytes <= self._one_step_bytes
+                and not tensor.dtype.is_complex and math.prod(tensor.shape[:dim]) == 1):
+            return small.remember_scatter(tensor, dim, op, size_key)
+        return None
 
     @threaded(lambda self, flat, *_: flat.numel())
     def reduce_scatter(

@@ -45,11 +45,20 @@ The rank's own slot belongs to the peer from the step until the next one: the
 peer writes a rank's slot only between the step and its next one, which the
 double-buffer argument of :mod:`device_comms.cpu_shm.sync` covers ("Writing a
 peer's slot").
+
+**reduce_scatter in one step** (:meth:`SmallAllReduce.remember_scatter`): when
+each rank's part of the input is one block (the dimensions before the scattered
+one are all of length 1), the same step serves a reduce_scatter: every rank
+copies its whole input into its slot, steps, and reduces only its own part of
+every slot, in rank order, into a new tensor of the part's shape. Its step is
+signed as the engine's general reduce_scatter signs its first step, so ranks
+whose layouts take different paths still find the mismatch.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any
 
 import numpy as np
@@ -102,7 +111,8 @@ def numpy_sum(tensor: torch.Tensor, op: ReduceOp) -> bool:
 
 
 class SmallEntry:
-    """What a one-step all_reduce of one (op, dtype, shape) needs, kept for the next call.
+    """What a one-step all_reduce (or reduce_scatter) of one (op, dtype, shape) needs,
+    kept for the next call.
 
     Without arguments: the entry no call matches.
 
@@ -111,8 +121,14 @@ class SmallEntry:
         tensor: A contiguous tensor of the shape and dtype (it fits a slot).
         op: The reduction.
         into_peer: Two ranks reduce into each other's slot.
+        part: A reduce_scatter's: ``(start, shape)``, this rank's part of the
+            input (contiguous from element ``start``, of ``shape``), which is
+            all it reduces; None: an all_reduce.
+        size_key: The step's size key (None: the shape's).
 
     Attributes:
+        kind: The collective (``"all_reduce"`` or ``"reduce_scatter"``), signed
+            into the step and named in its errors.
         op: The reduction (None: the entry no call matches).
         dtype: The tensors' dtype.
         shape: Their shape.
@@ -138,7 +154,8 @@ class SmallEntry:
         by_address: Views of caller memory by address (input and ``out``).
     """
 
-    __slots__ = ("op", "dtype", "shape", "nbytes", "itemsize", "plain", "sig", "size_key", "fn",
+    __slots__ = ("kind", "op", "dtype", "shape", "nbytes", "itemsize", "plain", "sig",
+                 "size_key", "fn",
                  "numpy", "avg", "into_peer", "threaded", "parities", "scratch",
                  "scratch_address", "by_address")
 
@@ -148,9 +165,12 @@ class SmallEntry:
         tensor: torch.Tensor | None = None,
         op: ReduceOp | None = None,
         into_peer: bool = False,
+        part: tuple[int, torch.Size] | None = None,
+        size_key: int | None = None,
     ) -> None:
         self.scratch: Any = None
         self.scratch_address = 0
+        self.kind = "all_reduce" if part is None else "reduce_scatter"
         if ctx is None or tensor is None or op is None:  # the entry no call matches
             self.op, self.dtype, self.shape, self.nbytes, self.itemsize = None, None, None, 0, 0
             self.plain = self.numpy = self.avg = self.into_peer = self.threaded = False
@@ -163,17 +183,24 @@ class SmallEntry:
         self.op, self.dtype, self.shape, self.nbytes = op, dtype, shape, tensor.nbytes
         self.itemsize = tensor.element_size()
         self.plain = not dtype.is_complex
-        self.sig = signature("all_reduce", dtype, op)
-        self.size_key = shape_key(shape)
+        self.sig = signature(self.kind, dtype, op)
+        self.size_key = shape_key(shape) if size_key is None else size_key
         self.avg = op is ReduceOp.AVG
-        self.into_peer = into_peer
-        operands: list[list[Any]] = [ctx.shaped(0, tensor), ctx.shaped(1, tensor)]
+        self.into_peer = into_peer and part is None
+        operands: list[list[Any]]
+        if part is None:
+            operands = [ctx.shaped(0, tensor), ctx.shaped(1, tensor)]
+        else:  # every rank's copy of this rank's part
+            start, part_shape = part
+            end = start + math.prod(part_shape)
+            operands = [[slot[start:end].view(part_shape) for slot in ctx.ws.slots(parity, dtype)]
+                        for parity in (0, 1)]
         self.numpy = numpy_sum(tensor, op)
         if self.numpy:
             self.fn = np.add
             operands = [[view.numpy() for view in operands[0]],
                         [view.numpy() for view in operands[1]]]
-            if not into_peer:  # a reduction into out= goes here when out has no view
+            if not into_peer and part is None:  # out= goes here when out has no view
                 self.scratch = np.empty(tuple(shape), dtype=numpy_dtype(dtype))
                 self.scratch_address = self.scratch.ctypes.data
         else:
@@ -232,6 +259,8 @@ class SmallAllReduce:
         self.last = _NO_ENTRY
         #: The entries by (dtype, shape, id of the op), oldest first.
         self._kept: dict[tuple[torch.dtype, torch.Size, int], SmallEntry] = {}
+        #: The reduce_scatter entries by (dtype, shape, id of the op, dim), oldest first.
+        self._kept_scatter: dict[tuple[torch.dtype, torch.Size, int, int], SmallEntry] = {}
 
     def find(self, op: Any, dtype: torch.dtype, shape: torch.Size) -> SmallEntry:
         """The kept entry of ``op`` on ``dtype`` and ``shape``, made :attr:`last`; else the
@@ -267,19 +296,47 @@ class SmallAllReduce:
         self.last = entry
         return entry
 
+    def find_scatter(self, op: Any, dtype: torch.dtype, shape: torch.Size, dim: int) -> SmallEntry:
+        """The kept reduce_scatter entry of ``op`` on ``dtype`` and ``shape`` along ``dim``
+        (non-negative), else the entry no call matches; found as :meth:`find` finds."""
+        return self._kept_scatter.get((dtype, shape, id(op), dim), _NO_ENTRY)
+
+    def remember_scatter(self, tensor: torch.Tensor, dim: int, op: ReduceOp,
+                         size_key: int) -> SmallEntry:
+        """The reduce_scatter entry for ``tensor`` (contiguous, fits a slot, its
+        dimensions before ``dim`` all of length 1, ``dim`` non-negative and divided
+        among the ranks) and ``op``: this rank's part of it, reduced from every
+        rank's slot; ``size_key`` signs the step. Kept as :meth:`remember` keeps
+        all_reduce entries."""
+        key = (tensor.dtype, tensor.shape, id(op), dim)
+        kept = self._kept_scatter
+        entry = kept.get(key)
+        if entry is None:
+            part_shape = list(tensor.shape)
+            part_shape[dim] //= self._size
+            part = torch.Size(part_shape)
+            entry = SmallEntry(self._ctx, tensor, op, part=(self._me * part.numel(), part),
+                               size_key=size_key)
+            if len(kept) >= KEPT_ENTRIES:
+                del kept[next(iter(kept))]
+            kept[key] = entry
+        return entry
+
     def close(self) -> None:
         """Drop the entries (their views map the workspace)."""
         self.last = _NO_ENTRY
         self._kept.clear()
+        self._kept_scatter.clear()
 
     def run(
         self, tensor: torch.Tensor, entry: SmallEntry, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The one-step all_reduce of ``tensor``, which matches ``entry`` (op, dtype, shape).
+        """The one-step all_reduce of ``tensor``, which matches ``entry`` (op, dtype, shape),
+        or its reduce_scatter for an entry of :meth:`remember_scatter`.
 
         ``entry`` comes from :meth:`remember` (its views map this workspace);
         ``tensor`` is contiguous. Returns ``out`` (``tensor`` itself or disjoint
-        from it) when given, else a new tensor.
+        from it) when given (an all_reduce's only), else a new tensor.
 
         Raises:
             NotServed: ``tensor`` has no memory (before any step).
@@ -305,7 +362,7 @@ class SmallAllReduce:
                 raise NotServed("input_ has no memory")  # the caller's checks say which
             _memmove(self._my_slot[parity], src, entry.nbytes)
             held = entry.by_address.sight(tensor, src)
-        sync.step("all_reduce", entry.sig, entry.size_key, True, True)  # glibc / numpy stores
+        sync.step(entry.kind, entry.sig, entry.size_key, True, True)  # glibc / numpy stores
         if out is not None:  # the operands are slot views: out may be tensor
             return self._into(tensor, operands, more, entry, out, held)
         if entry.into_peer:

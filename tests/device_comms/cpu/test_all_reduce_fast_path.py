@@ -206,3 +206,58 @@ def test_layouts_in_turn_keep_their_entries(dist_pool: Any, world_size: int) -> 
     results = dist_pool(world_size).run(layouts_rank, timeout=80)
     for rank, bad in enumerate(results):
         assert bad == [], f"rank {rank}: {bad[:4]}"
+
+
+#: reduce_scatter layouts: (shape, dim, dtype, op). Dimension 0 (or all dimensions
+#: before ``dim`` of length 1) gives each rank one block of the input: one step in the
+#: engine; a block split across rows (dim 1 of a matrix) takes the engine's general path.
+_SCATTER_LAYOUTS: list[tuple[tuple[int, ...], int, torch.dtype, ReduceOp]] = [
+    ((3 * 4 * 64,), 0, torch.float32, ReduceOp.SUM),
+    ((3 * 4, 64), 0, torch.float32, ReduceOp.SUM),
+    ((1, 3 * 4 * 64), 1, torch.bfloat16, ReduceOp.SUM),
+    ((3 * 4, 8), 0, torch.int64, ReduceOp.MAX),
+    ((3 * 4, 64), 0, torch.float32, ReduceOp.AVG),
+    ((8, 3 * 4), 1, torch.float32, ReduceOp.SUM),
+    ((3 * 4 * 1024,), -1, torch.float32, ReduceOp.SUM),
+]
+
+
+def scatter_layouts_rank(rank: int, world_size: int) -> list[str]:
+    """reduce_scatter layouts in turn, between all_reduces: right results (each rank's
+    part, bitwise as reduced locally), and the one-step layouts keep their entries."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="fast-scatter")
+    bad: list[str] = []
+    try:
+        entries: dict[int, Any] = {}
+        for call in range(4 * len(_SCATTER_LAYOUTS)):
+            i = call % len(_SCATTER_LAYOUTS)
+            shape, dim, dtype, op = _SCATTER_LAYOUTS[i]
+            inputs = [_ints(r, shape, call).to(dtype) for r in range(world_size)]
+            want = reduce_local(inputs, op).chunk(world_size, dim)[rank]
+            got = comm.reduce_scatter(inputs[rank].clone(), dim, op)
+            if got.shape != want.shape or not torch.equal(got, want):
+                bad.append(f"call {call}: {shape} dim {dim} {dtype} {op.name} wrong")
+            if i == 2:  # an all_reduce of the same bytes between them
+                comm.all_reduce(inputs[rank])
+            eng = comm._flat  # the engine's entries are what this test checks
+            if eng is None:
+                bad.append("no engine")
+                break
+            d = dim % len(shape)
+            entry = eng.small.find_scatter(op, dtype, torch.Size(shape), d)
+            one_step = all(n == 1 for n in shape[:d])
+            if entry.plain != one_step:
+                bad.append(f"call {call}: {shape} dim {dim}: one-step entry {entry.plain}")
+            elif one_step and entries.setdefault(i, entry) is not entry:
+                bad.append(f"call {call}: the entry of {shape} dim {dim} was made again")
+    finally:
+        comm.destroy()
+    return bad
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_reduce_scatter_layouts_in_turn(dist_pool: Any, world_size: int) -> None:
+    results = dist_pool(world_size).run(scatter_layouts_rank, timeout=80)
+    for rank, bad in enumerate(results):
+        assert bad == [], f"rank {rank}: {bad[:4]}"
