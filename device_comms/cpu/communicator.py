@@ -100,7 +100,9 @@ from device_comms.cpu.hierarchical import HierarchicalAllReduce
 from device_comms.cpu.one_call import OneCall
 from device_comms.cpu.repeat_calls import LayoutPlan, LayoutPlans, plain, takes_out, writable
 from device_comms.cpu_shm import host_alloc
-from device_comms.cpu_shm.engine import ShmEngine
+from device_comms.cpu_shm.context import shape_key as _step_shape_key
+from device_comms.cpu_shm.context import signature as _step_signature
+from device_comms.cpu_shm.engine import BY_ADDRESS_MAX_BYTES, ShmEngine
 from device_comms.cpu_shm.engine_threads import env_threads
 from device_comms.cpu_shm.placement import spread_enabled
 from device_comms.cpu_shm.small import NotServed, SmallAllReduce
@@ -128,6 +130,7 @@ logger = logging.getLogger(__name__)
 _PLAIN_TENSOR = torch.Tensor  # exactly this type: no subclass (Parameter, FakeTensor)
 _STRIDED = torch.strided
 _P2P_OPS = frozenset({"send", "recv"})  # not held by a collective (device_comms.cpu.one_call)
+_BROADCASTS_MAX = 256  # broadcast layouts kept; a full table starts again
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
     "reduce_scatterv", "broadcast", "gather", "all_to_allv", "all_gatherv_rows",
@@ -204,6 +207,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         #: What the checked path concluded about the layouts of all_gather and
         #: reduce_scatter calls the engine served (their fast paths).
         self._plans = LayoutPlans()
+        #: Step signatures of the broadcasts by address the checked path took, by
+        #: (dtype, shape, src); bounded as the plans are.
+        self._broadcasts: dict[tuple[torch.dtype, torch.Size, int], tuple[int, int]] = {}
         self._engine: ShmEngine | None = None
         self._flat: ShmEngine | None = None
         #: The one-step all_reduce of the engine (one node), for all_reduce's fast path.
@@ -385,6 +391,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         eng, self._engine, self._flat, self._hier = self._engine, None, None, None
         self._small = None
         self._plans.clear()
+        self._broadcasts.clear()
         if eng is not None:
             eng.sync.leave("destroyed")
             if self._one_call.wait_idle(DESTROY_WAIT_S):
@@ -779,6 +786,40 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if eng is None or op not in _SHM_OPS:
             return False
         return op != "all_to_allv" or eng.alltoallv.fits
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Broadcast ``input_`` from ``src`` in place; receivers pass the buffer to fill.
+
+        Same contract as :meth:`DeviceCommunicator.broadcast`. A call of a layout
+        (dtype, shape, ``src``) that the checked path sent by address before
+        (:meth:`ShmEngine.broadcast_by_address`: at most
+        :data:`~device_comms.cpu_shm.engine.BY_ADDRESS_MAX_BYTES` and a slot)
+        skips the checks: **check** the tensor object (:func:`plain`, and
+        writable on a receiver), **look up** the layout's step signature, **run**
+        the engine's broadcast by address; the checked path **keeps** the
+        signature for the next call.
+        """
+        eng = self._flat
+        # check
+        if eng is not None and not self._closed and type(src) is int and plain(input_):
+            # look up
+            signed = self._broadcasts.get((input_.dtype, input_.shape, src))
+            if signed is not None and (src == self.rank_in_group or writable(input_)):
+                # run
+                self.shm_calls["broadcast"] += 1
+                return self._engine_call("broadcast", (input_, src), eng.broadcast_by_address,
+                                         input_, src, signed)
+        result = super().broadcast(input_, src)
+        # keep
+        if (eng is not None and type(src) is int and 0 <= src < self.world_size
+                and plain(input_) and input_.nbytes <= min(BY_ADDRESS_MAX_BYTES,
+                                                           eng.ws.slot_bytes)):
+            if len(self._broadcasts) >= _BROADCASTS_MAX:
+                self._broadcasts.clear()
+            self._broadcasts[(input_.dtype, input_.shape, src)] = (
+                _step_signature("broadcast", input_.dtype, None, src),
+                _step_shape_key(input_.shape))
+        return result
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         eng = self._flat

@@ -23,12 +23,16 @@ slot-sized pieces, two steps apart in the double buffer):
   exactly one rank, so results are identical everywhere, and the reduction
   work and memory bandwidth are shared.
 * **reduce_scatter(v)**: rank ``j``'s region of every rank's input goes through
-  the slots; rank ``j`` reduces it (one step per piece).
+  the slots; rank ``j`` reduces it (one step per piece). A small reduce_scatter
+  whose regions are blocks of the input is one step of the one-step all_reduce
+  (:meth:`ShmEngine.one_step_scatter`).
 * **all_gather(v)/gather**: every rank copies its tensor in; readers copy all
   slots out: ``torch.cat`` straight from the slots when it fits, else blocks
   of rows written into the output's final layout
   (:meth:`~device_comms.cpu_shm.gather.ShmGathers.gather_rows`).
-* **broadcast/reduce**: the root writes / only the root reduces.
+* **broadcast/reduce**: the root writes / only the root reduces; a broadcast of
+  at most :data:`BY_ADDRESS_MAX_BYTES` that fits a slot is one step with one
+  ``memmove`` in and one out (:meth:`ShmEngine.broadcast_by_address`).
 * **all_to_allv**: each rank's rows for the others stream through its slot,
   every receiver copies its part straight into place: one copy in, one out
   (:class:`~device_comms.cpu_shm.alltoallv.ShmAllToAllv`).
@@ -63,7 +67,7 @@ and a size key covering the shape and layout arguments; see
 mismatched calls raise
 :class:`~device_comms.errors.CollectiveMismatch` everywhere instead of
 returning garbage. Results are always new tensors (never views of the
-workspace), except :meth:`ShmEngine.broadcast`, which fills its argument. A
+workspace), except the broadcasts, which fill their argument. A
 new result may live in memory torch did not allocate (numpy's, huge pages),
 so its storage cannot grow (``resize_`` to more elements raises); a caller's
 own tensors are never marked so (:mod:`device_comms.cpu_shm.host_arrays`).
@@ -93,7 +97,8 @@ from device_comms.cpu_shm.workspace import ShmWorkspace
 from device_comms.fixed_reduce import reduce_views
 from device_comms.reduce_op import ReduceOp
 
-__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES", "PAIR_ONE_STEP_MAX_BYTES"]
+__all__ = ["ShmEngine", "DEFAULT_ONESHOT_BYTES", "PAIR_ONE_STEP_MAX_BYTES",
+           "BY_ADDRESS_MAX_BYTES"]
 
 #: Largest all_reduce done in one shot; above it, reduce-scatter + all-gather. One
 #: shot takes one synchronisation per piece where the two-phase scheme takes two,
@@ -110,6 +115,9 @@ DEFAULT_ONESHOT_BYTES = 2 << 20
 #: never touched, 17x on a host in a slow state (docs/performance.md, "Lines the
 #: peer has read"). Ranks with more threads keep the pipelined scheme past the grain.
 PAIR_ONE_STEP_MAX_BYTES = 512 << 10
+#: Largest broadcast :meth:`ShmEngine.broadcast_by_address` copies with one thread's
+#: ``memmove`` (larger ones: torch copies, parallel with the engine's thread count).
+BY_ADDRESS_MAX_BYTES = 256 << 10
 _ALIGN_BYTES = 64  # region boundaries on cache lines
 _VIEW_CACHE_MAX = 512
 _memmove = ctypes.memmove
@@ -475,6 +483,24 @@ class ShmEngine:
         return views
 
     # ------------------------------------------------------------------ data movement
+    def broadcast_by_address(
+        self, tensor: torch.Tensor, src: int, signed: tuple[int, int]
+    ) -> torch.Tensor:
+        """:meth:`broadcast` of a tensor of at most :data:`BY_ADDRESS_MAX_BYTES` (and a
+        slot) that is contiguous and has memory (a caller checked): one step, this
+        thread's ``memmove`` in on ``src`` and out elsewhere, no torch dispatch.
+        ``signed`` is the signature :meth:`broadcast` would take."""
+        sync = self.sync
+        parity = (sync.gen + 1) & 1  # sync.next_parity, without the property call
+        me, nbytes = self.me, tensor.nbytes
+        if me == src:
+            _memmove(self._my_slot[parity], tensor.data_ptr(), nbytes)
+        sync.step("broadcast", signed[0], signed[1], True, True)  # glibc stores and loads
+        if me != src:
+            _memmove(tensor.data_ptr(), self.ctx.slot_addresses[parity][src], nbytes)
+            mark_written(tensor)  # torch did not see the write
+        return tensor
+
     @threaded(lambda self, tensor, *_: tensor.numel())
     def broadcast(
         self,

@@ -1,8 +1,9 @@
-"""The fast paths of repeated all_gather and reduce_scatter never skip a check they need.
+"""The fast paths of repeated collectives never skip a check they need.
 
 ``CpuCommunicator.all_gather`` and ``reduce_scatter`` skip the checks of a
 layout (dtype, shape, ``dim``) the engine served before
-(:mod:`device_comms.cpu.repeat_calls`). Each case first makes such a plan on
+(:mod:`device_comms.cpu.repeat_calls`), and ``broadcast`` those of a layout
+(dtype, shape, ``src``) it sent by address before. Each case first makes such a plan on
 every rank, then calls with the same layout but a tensor that must not be
 taken as it is: a lazily negated view, a transposed or strided view, one that
 requires grad, a ``Parameter``, a freed storage, an ``out`` that overlaps the
@@ -64,6 +65,8 @@ def _warm(comm: CpuCommunicator, rank: int) -> None:
         comm.reduce_scatter(_x(rank), 0)
         x = _x(rank)
         comm.all_reduce(x, out=x)
+        for src in {0, comm.world_size - 1}:
+            comm.broadcast(_x(rank), src=src)
 
 
 # ---------------------------------------------------------------- inputs that must be read right
@@ -269,12 +272,14 @@ def disagree_rank(rank: int, world_size: int, case: str) -> list[str]:
         if case == "shape" and rank == 0:
             x = _x(rank, (_SHAPE[0] * 2, _SHAPE[1] // 2))  # same element count
         dim = 1 if case == "dim" and rank == 0 else 0
-        for op in ("all_gather", "reduce_scatter"):
+        for op in ("all_gather", "reduce_scatter", "broadcast"):
             try:
                 if op == "all_gather":
                     comm.all_gather(x, dim)
-                else:
+                elif op == "reduce_scatter":
                     comm.reduce_scatter(x, dim)
+                else:  # "dim": rank 0 names another source (both layouts were sent before)
+                    comm.broadcast(x, src=comm.world_size - 1 if dim == 0 else 0)
                 bad.append(f"{op}: no error")
             except CollectiveMismatch:
                 pass
@@ -292,6 +297,51 @@ def test_ranks_disagreeing_on_a_planned_layout_raise(
     dist_pool: Any, case: str, world_size: int
 ) -> None:
     assert dist_pool(world_size).run(disagree_rank, case, timeout=50) == [[]] * world_size
+
+
+# ---------------------------------------------------------------- broadcast by address
+def broadcast_rank(rank: int, world_size: int) -> list[str]:
+    """Layouts and sources in turn: receivers get the source's values (their version
+    counted, so autograd refuses a buffer it saved), the source's tensor is untouched."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="rep-bcast",
+                           timeout=30)
+    bad: list[str] = []
+    layouts = [((6, 6), torch.float32), ((36,), torch.float32), ((6, 6), torch.bfloat16),
+               ((5, 3), torch.int64), ((4096,), torch.float32)]
+    try:
+        for call in range(4 * len(layouts)):
+            shape, dtype = layouts[call % len(layouts)]
+            src = (call // len(layouts)) % world_size
+            values = [_x(r, shape, call).to(dtype) for r in range(world_size)]
+            buf = values[rank].clone()
+            version = buf._version
+            got = comm.broadcast(buf, src=src)
+            if got is not buf or not torch.equal(buf, values[src]):
+                bad.append(f"call {call}: {shape} {dtype} from {src}: wrong values")
+            if rank != src and buf._version == version:
+                bad.append(f"call {call}: the receiver's version did not move")
+        w = torch.ones(6, 6, requires_grad=True)
+        saved = _x(rank)
+        y = (saved * w).sum()  # the product saves ``saved`` for w's gradient
+        comm.broadcast(saved, src=0)
+        try:
+            y.backward()
+            if rank != 0:
+                bad.append("backward used a buffer the broadcast overwrote")
+        except RuntimeError:
+            if rank == 0:
+                bad.append("the source's tensor counted as written")
+    finally:
+        comm.destroy()
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_broadcast_layouts_in_turn(dist_pool: Any, world_size: int) -> None:
+    results = dist_pool(world_size).run(broadcast_rank, timeout=50)
+    for rank, bad in enumerate(results):
+        assert bad == [], f"rank {rank}: {bad[:4]}"
 
 
 # ---------------------------------------------------------------- abort
