@@ -199,6 +199,7 @@ class ShmEngine:
         """Mark this rank closed for its peers and unmap. Idempotent."""
         self._scatter_views.clear()
         self.small.close()
+        self.gathers.close()
         if self.pair is not None:
             self.pair.close()
         self.alltoallv.close()

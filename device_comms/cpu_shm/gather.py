@@ -9,6 +9,13 @@ written into the output's final layout, one step per block. A root that
 gathers reads its own part from its input, so it writes nothing. The slot
 double buffer makes the next op's writes safe (see :mod:`device_comms.cpu_shm.sync`).
 
+A small all_gather whose pieces are blocks of the result (the dimensions
+before the gathered one all of length 1) runs with no torch call but the
+result's wrapping (:meth:`ShmGathers.all_gather_by_address`): a kept
+:class:`CatEntry` per layout holds numpy views of every slot, the input goes
+in through a view of its address, and the result is one ``numpy.concatenate``
+of the slots.
+
 :meth:`ShmGathers.rows_exchange` gathers several tensors' rows when no rank
 knows the others' row counts: each rank writes a header (its row count, and
 whether its rows follow) and, when they fit its slot, its rows, each
@@ -34,13 +41,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from device_comms.cpu_shm.address_views import NULL_PAGE
+from device_comms.cpu_shm.address_views import NULL_PAGE, AddressViews
 from device_comms.cpu_shm.context import EngineContext, signature
 from device_comms.cpu_shm.engine_threads import threaded
-from device_comms.cpu_shm.host_arrays import bytes_at, mark_written
+from device_comms.cpu_shm.host_arrays import bytes_at, mark_written, numpy_dtype
 from device_comms.errors import CollectiveMismatch
 
-__all__ = ["ShmGathers", "ROWS_HEADER"]
+__all__ = ["ShmGathers", "CatEntry", "ROWS_HEADER", "CAT_ENTRIES"]
 
 #: Bytes before a rank's rows in :meth:`ShmGathers.rows_exchange` (and the alignment
 #: of each tensor's block after it).
@@ -49,6 +56,12 @@ ROWS_HEADER = 64
 #: parallel with the engine's thread count).
 _MEMMOVE_MAX = 256 << 10
 _memmove = ctypes.memmove
+_from_numpy = torch.from_numpy
+_concatenate = np.concatenate
+#: Layouts whose by-address all_gather a :class:`ShmGathers` keeps (oldest out first).
+CAT_ENTRIES = 16
+#: numpy's unsigned integer of each item size: the elements of a dtype numpy lacks.
+_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class _GatherStep(NamedTuple):
@@ -62,6 +75,49 @@ class _GatherStep(NamedTuple):
     kind: str
     sig: int
     size_key: int
+
+
+class CatEntry:
+    """What a one-step all_gather by address of one (dtype, shape, ``dim``) needs, kept
+    for the next call: every rank's piece is one block of the result, in rank order
+    (the dimensions before ``dim`` are all of length 1), so the result is numpy's
+    concatenation of every rank's slot viewed as an array of the piece's shape.
+
+    Args:
+        gathers: The gathers whose slots are viewed.
+        tensor: A contiguous tensor of the shape and dtype, of at least one
+            dimension, with memory, that fits a slot.
+        dim: The dimension gathered (non-negative).
+
+    Attributes:
+        sig: The step's signature word (as :meth:`ShmGathers.all_gather_cat` signs).
+        nbytes: Bytes of one piece.
+        mine: Per parity, this rank's slot as ``nbytes`` numpy bytes.
+        parts: Per parity, every rank's slot as an array of the piece's shape.
+        axis: ``dim``.
+        wrap: The torch dtype the result's bytes are viewed as, where numpy lacks
+            it (bfloat16 and the like: the arrays hold unsigned integers of its
+            size); None: numpy's dtype is torch's.
+        by_address: Views of caller memory by address (the input).
+    """
+
+    __slots__ = ("sig", "nbytes", "mine", "parts", "axis", "wrap", "by_address")
+
+    def __init__(self, gathers: ShmGathers, tensor: torch.Tensor, dim: int) -> None:
+        dtype, shape = tensor.dtype, tuple(tensor.shape)
+        self.sig = signature("all_gather", dtype, None, 0)
+        self.nbytes = nbytes = tensor.nbytes
+        self.axis = dim
+        self.wrap: torch.dtype | None = None
+        try:
+            elems = numpy_dtype(dtype)
+        except TypeError:  # a dtype numpy lacks: its bytes as unsigned integers
+            elems, self.wrap = _UINTS[tensor.element_size()], dtype
+        addresses = gathers.slot_addresses
+        self.mine = tuple(bytes_at(row[gathers.me], nbytes) for row in addresses)
+        self.parts = tuple([bytes_at(address, nbytes).view(elems).reshape(shape)
+                            for address in row] for row in addresses)
+        self.by_address = AddressViews(tensor)
 
 
 class ShmGathers:
@@ -83,10 +139,52 @@ class ShmGathers:
         self._shaped = ctx.shaped
         self.size = ctx.size
         self.kernel_threads = ctx.kernel_threads
-        self._slot_addresses = ctx.slot_addresses
+        self._slot_addresses = self.slot_addresses = ctx.slot_addresses
+        self.me = ctx.me
+        self._cat: dict[tuple[torch.dtype, torch.Size, int], CatEntry] = {}
         # rows_exchange's headers (three int64 words at the start of each slot), by parity
         self._heads = [[bytes_at(addr, 24).view(np.int64) for addr in row]
                        for row in ctx.slot_addresses]
+
+    def all_gather_by_address(
+        self, tensor: torch.Tensor, dim: int, size_key: int
+    ) -> torch.Tensor | None:
+        """:meth:`all_gather_cat` (every rank gets it, a new tensor) of a piece of at most
+        :data:`_MEMMOVE_MAX` bytes and a slot whose dimensions before ``dim``
+        (non-negative) are all of length 1, by address (:class:`CatEntry`, kept by
+        layout): the input goes into the slot through a numpy view of its address
+        (a ``memmove`` the first time), and the result is one numpy concatenation of
+        the slots. None, before any step, for a call that is not of that kind: the
+        caller takes :meth:`all_gather_cat`, which signs its step the same way.
+        """
+        src = tensor.data_ptr()
+        entry = self._cat.get((tensor.dtype, tensor.shape, dim))
+        if entry is None:
+            nbytes = tensor.nbytes
+            if not (0 < nbytes <= min(_MEMMOVE_MAX, self._ws.slot_bytes)
+                    and tensor.is_contiguous() and src >= NULL_PAGE
+                    and math.prod(tensor.shape[:dim]) == 1):
+                return None
+            if len(self._cat) >= CAT_ENTRIES:
+                del self._cat[next(iter(self._cat))]
+            entry = self._cat[(tensor.dtype, tensor.shape, dim)] = CatEntry(self, tensor, dim)
+        elif src < NULL_PAGE or not tensor.is_contiguous():
+            return None
+        sync = self._sync
+        parity = (sync.gen + 1) & 1  # sync.next_parity, without the property call
+        held = entry.by_address.get(src)
+        if held is not None:
+            entry.mine[parity][...] = held[0]
+        else:
+            _memmove(self._slot_addresses[parity][self._me], src, entry.nbytes)
+            entry.by_address.sight(tensor, src)
+        sync.step("all_gather", entry.sig, size_key, True, True)  # glibc / numpy stores
+        result = _from_numpy(_concatenate(entry.parts[parity], axis=entry.axis))
+        return result if entry.wrap is None else result.view(entry.wrap)
+
+    def close(self) -> None:
+        """Drop the kept entries (their views map the workspace)."""
+        self._cat.clear()
 
     @threaded(lambda self, tensor, *_: tensor.numel() * self.size)
     def all_gather_cat(

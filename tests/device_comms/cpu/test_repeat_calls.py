@@ -344,6 +344,55 @@ def test_broadcast_layouts_in_turn(dist_pool: Any, world_size: int) -> None:
         assert bad == [], f"rank {rank}: {bad[:4]}"
 
 
+# ---------------------------------------------------------------- all_gather by address
+def all_gather_rank(rank: int, world_size: int) -> list[str]:
+    """Layouts in turn, inputs at new and reused addresses (a fresh tensor, one buffer
+    rewritten, rows of a matrix): every result is the concatenation of every rank's
+    current values, of the right dtype and shape, and its own memory."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="rep-gather",
+                           timeout=30)
+    bad: list[str] = []
+    layouts = [((6, 6), 0, torch.float32), ((36,), 0, torch.float32),
+               ((1, 36), 1, torch.bfloat16), ((6, 6), 1, torch.float32),
+               ((5, 3), 0, torch.int8), ((7,), 0, torch.bool), ((4, 2), 0, torch.complex64),
+               ((4096,), 0, torch.float16)]
+    rows = torch.zeros(3, 36)
+    kept: dict[str, torch.Tensor] = {}
+    try:
+        for call in range(6 * len(layouts)):
+            shape, dim, dtype = layouts[call % len(layouts)]
+            values = [_x(r, shape, call).to(dtype) for r in range(world_size)]
+            form = (call // len(layouts)) % 3
+            if form == 0:
+                x = values[rank].clone()
+            elif form == 1:  # one buffer per layout, rewritten: the same address each time
+                x = kept.setdefault(f"{shape}{dtype}", torch.empty(shape, dtype=dtype))
+                x.copy_(values[rank])
+            elif shape == (36,) and dtype is torch.float32:  # a row of a matrix
+                x = rows[call % 3]
+                x.copy_(values[rank])
+            else:
+                x = values[rank].clone()
+            got = comm.all_gather(x, dim)
+            want = torch.cat(values, dim)
+            if got.dtype is not dtype or got.shape != want.shape or not torch.equal(got, want):
+                bad.append(f"call {call}: {shape} dim {dim} {dtype} form {form} wrong")
+            x.fill_(0)
+            if not torch.equal(got, want):
+                bad.append(f"call {call}: the result changed with the input")
+    finally:
+        comm.destroy()
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_all_gather_layouts_in_turn(dist_pool: Any, world_size: int) -> None:
+    results = dist_pool(world_size).run(all_gather_rank, timeout=50)
+    for rank, bad in enumerate(results):
+        assert bad == [], f"rank {rank}: {bad[:4]}"
+
+
 # ---------------------------------------------------------------- abort
 def abort_rank(rank: int, world_size: int, blocked: bool) -> list[str]:
     comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"),
