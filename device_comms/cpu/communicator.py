@@ -131,6 +131,7 @@ _PLAIN_TENSOR = torch.Tensor  # exactly this type: no subclass (Parameter, FakeT
 _STRIDED = torch.strided
 _P2P_OPS = frozenset({"send", "recv"})  # not held by a collective (device_comms.cpu.one_call)
 _BROADCASTS_MAX = 256  # broadcast layouts kept; a full table starts again
+_GATHERS_MAX = 256  # gather layouts kept; a full table starts again
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
     "reduce_scatterv", "broadcast", "gather", "all_to_allv", "all_gatherv_rows",
@@ -210,6 +211,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         #: Step signatures of the broadcasts by address the checked path took, by
         #: (dtype, shape, src); bounded as the plans are.
         self._broadcasts: dict[tuple[torch.dtype, torch.Size, int], tuple[int, int]] = {}
+        #: Normalised dim and size key of the gathers the checked path took, by
+        #: (dtype, shape, dst, dim as given); bounded as the plans are.
+        self._gathers: dict[tuple[torch.dtype, torch.Size, int, int], tuple[int, int]] = {}
         self._engine: ShmEngine | None = None
         self._flat: ShmEngine | None = None
         #: The one-step all_reduce of the engine (one node), for all_reduce's fast path.
@@ -392,6 +396,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self._small = None
         self._plans.clear()
         self._broadcasts.clear()
+        self._gathers.clear()
         if eng is not None:
             eng.sync.leave("destroyed")
             if self._one_call.wait_idle(DESTROY_WAIT_S):
@@ -681,9 +686,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         the layout."""
         self.shm_calls["all_gather"] += 1
         if out is None:  # a small piece that is one block of the result: one step by address
-            got = eng.gathers.all_gather_by_address(t, dim, key)
-            if got is not None:
-                return got
+            entry = eng.gathers.cat_entry(t, dim)
+            if entry is not None:
+                return eng.gathers.cat(t, entry, key)  # type: ignore[return-value]  # every rank
         if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
             return eng.all_gather_cat(  # type: ignore[return-value]  # no dst: every rank gets it
                 t, dim, size_key=key, out=out)
@@ -741,12 +746,49 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self._gather_rows(eng, t, dim, sizes, "all_gatherv", None, key, out)
         return out
 
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere.
+
+        Same contract as :meth:`DeviceCommunicator.gather`. A call of a layout
+        (dtype, shape, ``dst``, ``dim``) the engine took before skips the checks
+        of the layout: **check** the tensor object (:func:`plain`), **look up**
+        the layout's normalised ``dim`` and size key, **run** the engine's gather;
+        the checked path **keeps** them for the next call.
+        """
+        eng = self._flat
+        # check
+        if (eng is not None and not self._closed and type(dst) is int and type(dim) is int
+                and plain(input_)):
+            # look up
+            kept = self._gathers.get((input_.dtype, input_.shape, dst, dim))
+            if kept is not None:
+                # run
+                return self._engine_call("gather", (input_, dst, kept[0]), self._shm_gather,
+                                         eng, input_, dst, kept[0], kept[1])
+        result = super().gather(input_, dst, dim)
+        # keep
+        if (eng is not None and type(dst) is int and type(dim) is int
+                and 0 <= dst < self.world_size and plain(input_) and input_.dim() > 0):
+            if len(self._gathers) >= _GATHERS_MAX:
+                self._gathers.clear()
+            d = dim % input_.dim()
+            self._gathers[(input_.dtype, input_.shape, dst, dim)] = (
+                d, _shape_key(input_.shape, d))
+        return result
+
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
         eng = self._flat
         if eng is None:
             return super()._gather(t, dst, dim)
+        return self._shm_gather(eng, t, dst, dim, _shape_key(t.shape, dim))
+
+    def _shm_gather(self, eng: ShmEngine, t: torch.Tensor, dst: int, dim: int,
+                    key: int) -> torch.Tensor | None:
+        """Gather in the engine onto ``dst``; ``key`` signs the layout."""
         self.shm_calls["gather"] += 1
-        key = _shape_key(t.shape, dim)
+        entry = eng.gathers.cat_entry(t, dim, dst)  # a small piece that is one block: by address
+        if entry is not None:
+            return eng.gathers.cat(t, entry, key)
         if t.nbytes <= eng.ws.slot_bytes and t.nbytes * self.world_size < host_alloc.HUGE_MIN_BYTES:
             return eng.all_gather_cat(t, dim, "gather", dst, key)
         sizes = [t.shape[dim]] * self.world_size

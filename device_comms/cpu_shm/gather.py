@@ -9,9 +9,9 @@ written into the output's final layout, one step per block. A root that
 gathers reads its own part from its input, so it writes nothing. The slot
 double buffer makes the next op's writes safe (see :mod:`device_comms.cpu_shm.sync`).
 
-A small all_gather whose pieces are blocks of the result (the dimensions
-before the gathered one all of length 1) runs with no torch call but the
-result's wrapping (:meth:`ShmGathers.all_gather_by_address`): a kept
+A small all_gather or gather whose pieces are blocks of the result (the
+dimensions before the gathered one all of length 1) runs with no torch call but
+the result's wrapping (:meth:`ShmGathers.cat`): a kept
 :class:`CatEntry` per layout holds numpy views of every slot, the input goes
 in through a view of its address, and the result is one ``numpy.concatenate``
 of the slots.
@@ -78,8 +78,8 @@ class _GatherStep(NamedTuple):
 
 
 class CatEntry:
-    """What a one-step all_gather by address of one (dtype, shape, ``dim``) needs, kept
-    for the next call: every rank's piece is one block of the result, in rank order
+    """What a one-step all_gather (or gather) by address of one (dtype, shape, ``dim``)
+    needs, kept for the next call: every rank's piece is one block of the result, in rank order
     (the dimensions before ``dim`` are all of length 1), so the result is numpy's
     concatenation of every rank's slot viewed as an array of the piece's shape.
 
@@ -88,9 +88,12 @@ class CatEntry:
         tensor: A contiguous tensor of the shape and dtype, of at least one
             dimension, with memory, that fits a slot.
         dim: The dimension gathered (non-negative).
+        dst: A gather's local root; None: an all_gather.
 
     Attributes:
+        kind: ``"all_gather"`` or ``"gather"`` (signed into the step, named in its errors).
         sig: The step's signature word (as :meth:`ShmGathers.all_gather_cat` signs).
+        reads: This rank gets the result (every rank of an all_gather, a gather's root).
         nbytes: Bytes of one piece.
         mine: Per parity, this rank's slot as ``nbytes`` numpy bytes.
         parts: Per parity, every rank's slot as an array of the piece's shape.
@@ -101,11 +104,15 @@ class CatEntry:
         by_address: Views of caller memory by address (the input).
     """
 
-    __slots__ = ("sig", "nbytes", "mine", "parts", "axis", "wrap", "by_address")
+    __slots__ = ("kind", "sig", "reads", "nbytes", "mine", "parts", "axis", "wrap",
+                 "by_address")
 
-    def __init__(self, gathers: ShmGathers, tensor: torch.Tensor, dim: int) -> None:
+    def __init__(self, gathers: ShmGathers, tensor: torch.Tensor, dim: int,
+                 dst: int | None = None) -> None:
         dtype, shape = tensor.dtype, tuple(tensor.shape)
-        self.sig = signature("all_gather", dtype, None, 0)
+        self.kind = "all_gather" if dst is None else "gather"
+        self.sig = signature(self.kind, dtype, None, 0 if dst is None else dst)
+        self.reads = dst is None or dst == gathers.me
         self.nbytes = nbytes = tensor.nbytes
         self.axis = dim
         self.wrap: torch.dtype | None = None
@@ -141,44 +148,50 @@ class ShmGathers:
         self.kernel_threads = ctx.kernel_threads
         self._slot_addresses = self.slot_addresses = ctx.slot_addresses
         self.me = ctx.me
-        self._cat: dict[tuple[torch.dtype, torch.Size, int], CatEntry] = {}
+        #: The kept entries by (dtype, shape, dim, root or -1), oldest first.
+        self._cat: dict[tuple[torch.dtype, torch.Size, int, int], CatEntry] = {}
         # rows_exchange's headers (three int64 words at the start of each slot), by parity
         self._heads = [[bytes_at(addr, 24).view(np.int64) for addr in row]
                        for row in ctx.slot_addresses]
 
-    def all_gather_by_address(
-        self, tensor: torch.Tensor, dim: int, size_key: int
-    ) -> torch.Tensor | None:
-        """:meth:`all_gather_cat` (every rank gets it, a new tensor) of a piece of at most
-        :data:`_MEMMOVE_MAX` bytes and a slot whose dimensions before ``dim``
-        (non-negative) are all of length 1, by address (:class:`CatEntry`, kept by
-        layout): the input goes into the slot through a numpy view of its address
-        (a ``memmove`` the first time), and the result is one numpy concatenation of
-        the slots. None, before any step, for a call that is not of that kind: the
-        caller takes :meth:`all_gather_cat`, which signs its step the same way.
-        """
-        src = tensor.data_ptr()
-        entry = self._cat.get((tensor.dtype, tensor.shape, dim))
+    def cat_entry(self, tensor: torch.Tensor, dim: int, dst: int | None = None) -> CatEntry | None:
+        """The kept (or a new) :class:`CatEntry` for an all_gather (``dst`` None) or a
+        gather onto local rank ``dst`` of ``tensor`` along non-negative ``dim``, when
+        one serves the call: a contiguous piece with memory, of at most
+        :data:`_MEMMOVE_MAX` bytes and a slot, whose dimensions before ``dim`` are all
+        of length 1. None: the caller takes :meth:`all_gather_cat`, which signs its
+        step as the entry does."""
+        if tensor.data_ptr() < NULL_PAGE or not tensor.is_contiguous():
+            return None
+        key = (tensor.dtype, tensor.shape, dim, -1 if dst is None else dst)
+        entry = self._cat.get(key)
         if entry is None:
-            nbytes = tensor.nbytes
-            if not (0 < nbytes <= min(_MEMMOVE_MAX, self._ws.slot_bytes)
-                    and tensor.is_contiguous() and src >= NULL_PAGE
+            if not (0 < tensor.nbytes <= min(_MEMMOVE_MAX, self._ws.slot_bytes)
                     and math.prod(tensor.shape[:dim]) == 1):
                 return None
             if len(self._cat) >= CAT_ENTRIES:
                 del self._cat[next(iter(self._cat))]
-            entry = self._cat[(tensor.dtype, tensor.shape, dim)] = CatEntry(self, tensor, dim)
-        elif src < NULL_PAGE or not tensor.is_contiguous():
-            return None
+            entry = self._cat[key] = CatEntry(self, tensor, dim, dst)
+        return entry
+
+    def cat(self, tensor: torch.Tensor, entry: CatEntry, size_key: int) -> torch.Tensor | None:
+        """:meth:`all_gather_cat` by address with ``entry`` (from :meth:`cat_entry` for
+        ``tensor``'s layout; ``size_key`` as there): the input goes into the slot
+        through a numpy view of its address (a ``memmove`` the first time), and the
+        result is one numpy concatenation of the slots, a new tensor on every rank
+        for an all_gather, on the root only for a gather (None elsewhere)."""
         sync = self._sync
         parity = (sync.gen + 1) & 1  # sync.next_parity, without the property call
+        src = tensor.data_ptr()
         held = entry.by_address.get(src)
         if held is not None:
             entry.mine[parity][...] = held[0]
         else:
             _memmove(self._slot_addresses[parity][self._me], src, entry.nbytes)
             entry.by_address.sight(tensor, src)
-        sync.step("all_gather", entry.sig, size_key, True, True)  # glibc / numpy stores
+        sync.step(entry.kind, entry.sig, size_key, True, True)  # glibc / numpy stores
+        if not entry.reads:
+            return None
         result = _from_numpy(_concatenate(entry.parts[parity], axis=entry.axis))
         return result if entry.wrap is None else result.view(entry.wrap)
 

@@ -2,8 +2,9 @@
 
 ``CpuCommunicator.all_gather`` and ``reduce_scatter`` skip the checks of a
 layout (dtype, shape, ``dim``) the engine served before
-(:mod:`device_comms.cpu.repeat_calls`), and ``broadcast`` those of a layout
-(dtype, shape, ``src``) it sent by address before. Each case first makes such a plan on
+(:mod:`device_comms.cpu.repeat_calls`), ``broadcast`` those of a layout
+(dtype, shape, ``src``) it sent by address before, and ``gather`` those of a
+layout (dtype, shape, ``dst``, ``dim``) it took before. Each case first makes such a plan on
 every rank, then calls with the same layout but a tensor that must not be
 taken as it is: a lazily negated view, a transposed or strided view, one that
 requires grad, a ``Parameter``, a freed storage, an ``out`` that overlaps the
@@ -67,6 +68,7 @@ def _warm(comm: CpuCommunicator, rank: int) -> None:
         comm.all_reduce(x, out=x)
         for src in {0, comm.world_size - 1}:
             comm.broadcast(_x(rank), src=src)
+            comm.gather(_x(rank), src, 0)
 
 
 # ---------------------------------------------------------------- inputs that must be read right
@@ -272,14 +274,16 @@ def disagree_rank(rank: int, world_size: int, case: str) -> list[str]:
         if case == "shape" and rank == 0:
             x = _x(rank, (_SHAPE[0] * 2, _SHAPE[1] // 2))  # same element count
         dim = 1 if case == "dim" and rank == 0 else 0
-        for op in ("all_gather", "reduce_scatter", "broadcast"):
+        for op in ("all_gather", "reduce_scatter", "broadcast", "gather"):
             try:
                 if op == "all_gather":
                     comm.all_gather(x, dim)
                 elif op == "reduce_scatter":
                     comm.reduce_scatter(x, dim)
-                else:  # "dim": rank 0 names another source (both layouts were sent before)
+                elif op == "broadcast":  # "dim": rank 0 names another source (both kept)
                     comm.broadcast(x, src=comm.world_size - 1 if dim == 0 else 0)
+                else:  # "dim": rank 0 names another root (both kept)
+                    comm.gather(x, comm.world_size - 1 if dim == 0 else 0, 0)
                 bad.append(f"{op}: no error")
             except CollectiveMismatch:
                 pass
@@ -383,6 +387,40 @@ def all_gather_rank(rank: int, world_size: int) -> list[str]:
     finally:
         comm.destroy()
     return bad
+
+
+def gather_rank(rank: int, world_size: int) -> list[str]:
+    """gather layouts and roots in turn: the root gets the concatenation of every rank's
+    current values, of the right dtype and shape; every other rank gets None."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="rep-root",
+                           timeout=30)
+    bad: list[str] = []
+    layouts = [((6, 6), 0, torch.float32), ((36,), -1, torch.float32),
+               ((1, 36), 1, torch.bfloat16), ((6, 6), 1, torch.float32), ((5, 3), 0, torch.int8)]
+    try:
+        for call in range(4 * len(layouts) * world_size):
+            shape, dim, dtype = layouts[call % len(layouts)]
+            dst = (call // len(layouts)) % world_size
+            values = [_x(r, shape, call).to(dtype) for r in range(world_size)]
+            got = comm.gather(values[rank].clone(), dst, dim)
+            if rank != dst:
+                if got is not None:
+                    bad.append(f"call {call}: a result on rank {rank}, not the root {dst}")
+                continue
+            want = torch.cat(values, dim)
+            if got is None or got.dtype is not dtype or not torch.equal(got, want):
+                bad.append(f"call {call}: {shape} dim {dim} {dtype} onto {dst} wrong")
+    finally:
+        comm.destroy()
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_gather_layouts_and_roots_in_turn(dist_pool: Any, world_size: int) -> None:
+    results = dist_pool(world_size).run(gather_rank, timeout=50)
+    for rank, bad in enumerate(results):
+        assert bad == [], f"rank {rank}: {bad[:4]}"
 
 
 @pytest.mark.timeout(60)
