@@ -460,6 +460,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 if not one_call.take(False):
                     one_call.refuse("all_reduce")
                 try:
+                    if self._small is None:  # destroyed since it was read: the mapping may
+                        self._check_open()  # be gone; raises CommunicatorClosed
                     result = small.run(input_, entry, out)
                 except NotServed:  # no memory behind input_: the checked path says why
                     result = None
@@ -508,6 +510,8 @@ class CpuCommunicator(TorchDistributedCommunicator):
         arguments as the checked path's hook would have received them)."""
         self._one_call.enter(op)
         try:
+            if self._flat is None:  # destroyed since the fast path read the engine, whose
+                self._check_open()  # mapping may be gone: raises CommunicatorClosed
             return fn(*args)
         except BaseException as e:
             self._engine_failed(op, e, shown)

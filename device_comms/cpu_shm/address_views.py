@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from device_comms.cpu_shm.host_arrays import bytes_at
+from device_comms.cpu_shm.seen_once import SeenOnce
 
 __all__ = ["AddressViews", "NULL_PAGE"]
 
@@ -72,7 +73,7 @@ class AddressViews:
         self._numpy_dtype = numpy_dtype
         self._limit = limit
         self._views: dict[int, tuple[Any, Any]] = {}
-        self._seen: set[int] = set()
+        self._seen = SeenOnce(limit)
         self.get = self._views.get
 
     def __len__(self) -> int:
@@ -90,10 +91,7 @@ class AddressViews:
         """
         if address < NULL_PAGE or not self.nbytes:
             return None
-        if address not in self._seen:
-            if len(self._seen) >= self._limit:
-                self._seen.clear()
-            self._seen.add(address)
+        if not self._seen.again(address):
             return None
         if (
             tensor.data_ptr() != address

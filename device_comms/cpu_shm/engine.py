@@ -406,7 +406,7 @@ class ShmEngine:
             return entry
         numel = tensor.numel()
         if (0 < numel <= GRAIN and tensor.nbytes <= self._one_step_bytes
-                and not tensor.dtype.is_complex and math.prod(tensor.shape[:dim]) == 1):
+                and not tensor.dtype.is_complex and tensor.shape[:dim].numel() == 1):
             return small.remember_scatter(tensor, dim, op, size_key)
         return None
 

@@ -45,6 +45,7 @@ from device_comms.cpu_shm.address_views import NULL_PAGE, AddressViews
 from device_comms.cpu_shm.context import EngineContext, signature
 from device_comms.cpu_shm.engine_threads import threaded
 from device_comms.cpu_shm.host_arrays import bytes_at, mark_written, numpy_dtype
+from device_comms.cpu_shm.seen_once import SeenOnce
 from device_comms.errors import CollectiveMismatch
 
 __all__ = ["ShmGathers", "CatEntry", "ROWS_HEADER", "CAT_ENTRIES"]
@@ -59,9 +60,10 @@ _memmove = ctypes.memmove
 _from_numpy = torch.from_numpy
 _concatenate = np.concatenate
 #: Layouts whose by-address all_gather a :class:`ShmGathers` keeps (oldest out first).
-CAT_ENTRIES = 16
-#: numpy's unsigned integer of each item size: the elements of a dtype numpy lacks.
-_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+CAT_ENTRIES = 64
+#: numpy's integer of each item size: the elements of a dtype numpy lacks (signed:
+#: ``torch.from_numpy`` before torch 2.3 refuses numpy's unsigned 16-64-bit integers).
+_INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 class _GatherStep(NamedTuple):
@@ -99,8 +101,8 @@ class CatEntry:
         parts: Per parity, every rank's slot as an array of the piece's shape.
         axis: ``dim``.
         wrap: The torch dtype the result's bytes are viewed as, where numpy lacks
-            it (bfloat16 and the like: the arrays hold unsigned integers of its
-            size); None: numpy's dtype is torch's.
+            it (bfloat16 and the like: the arrays hold integers of its size);
+            None: numpy's dtype is torch's.
         by_address: Views of caller memory by address (the input).
     """
 
@@ -118,8 +120,8 @@ class CatEntry:
         self.wrap: torch.dtype | None = None
         try:
             elems = numpy_dtype(dtype)
-        except TypeError:  # a dtype numpy lacks: its bytes as unsigned integers
-            elems, self.wrap = _UINTS[tensor.element_size()], dtype
+        except TypeError:  # a dtype numpy lacks: its bytes as integers of its size
+            elems, self.wrap = _INTS[tensor.element_size()], dtype
         addresses = gathers.slot_addresses
         self.mine = tuple(bytes_at(row[gathers.me], nbytes) for row in addresses)
         self.parts = tuple([bytes_at(address, nbytes).view(elems).reshape(shape)
@@ -150,6 +152,7 @@ class ShmGathers:
         self.me = ctx.me
         #: The kept entries by (dtype, shape, dim, root or -1), oldest first.
         self._cat: dict[tuple[torch.dtype, torch.Size, int, int], CatEntry] = {}
+        self._cat_seen = SeenOnce(CAT_ENTRIES)  # layouts without an entry, seen once
         # rows_exchange's headers (three int64 words at the start of each slot), by parity
         self._heads = [[bytes_at(addr, 24).view(np.int64) for addr in row]
                        for row in ctx.slot_addresses]
@@ -166,6 +169,8 @@ class ShmGathers:
         key = (tensor.dtype, tensor.shape, dim, -1 if dst is None else dst)
         entry = self._cat.get(key)
         if entry is None:
+            if not self._cat_seen.again(key):  # a layout seen once may not come back
+                return None
             if not (0 < tensor.nbytes <= min(_MEMMOVE_MAX, self._ws.slot_bytes)
                     and math.prod(tensor.shape[:dim]) == 1):
                 return None
@@ -198,6 +203,7 @@ class ShmGathers:
     def close(self) -> None:
         """Drop the kept entries (their views map the workspace)."""
         self._cat.clear()
+        self._cat_seen.clear()
 
     @threaded(lambda self, tensor, *_: tensor.numel() * self.size)
     def all_gather_cat(

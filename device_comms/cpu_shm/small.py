@@ -68,6 +68,7 @@ from device_comms.cpu_shm.address_views import NULL_PAGE, AddressViews
 from device_comms.cpu_shm.context import EngineContext, shape_key, signature
 from device_comms.cpu_shm.engine_threads import GRAIN
 from device_comms.cpu_shm.host_arrays import array_of, mark_written, numpy_dtype
+from device_comms.cpu_shm.seen_once import SeenOnce
 from device_comms.fixed_reduce import NUMPY_ERRORS, NUMPY_SUM, binary_fn, quiet_numpy_sum
 from device_comms.reduce_op import ReduceOp
 
@@ -93,7 +94,7 @@ PAIR_TORCH_INTO_PEER_MAX_BYTES = 128 << 10
 _ADDRESSES_MAX = 16  # caller addresses with views, per entry
 #: Entries a :class:`SmallAllReduce` keeps, one per (op, dtype, shape): an engine's
 #: layers alternate among a few layouts, and making an entry costs several calls' time.
-KEPT_ENTRIES = 16
+KEPT_ENTRIES = 64
 _memmove = ctypes.memmove
 _from_numpy = torch.from_numpy
 
@@ -261,6 +262,7 @@ class SmallAllReduce:
         self._kept: dict[tuple[torch.dtype, torch.Size, int], SmallEntry] = {}
         #: The reduce_scatter entries by (dtype, shape, id of the op, dim), oldest first.
         self._kept_scatter: dict[tuple[torch.dtype, torch.Size, int, int], SmallEntry] = {}
+        self._scatter_seen = SeenOnce(KEPT_ENTRIES)  # layouts without an entry, seen once
 
     def find(self, op: Any, dtype: torch.dtype, shape: torch.Size) -> SmallEntry:
         """The kept entry of ``op`` on ``dtype`` and ``shape``, made :attr:`last`; else the
@@ -302,16 +304,19 @@ class SmallAllReduce:
         return self._kept_scatter.get((dtype, shape, id(op), dim), _NO_ENTRY)
 
     def remember_scatter(self, tensor: torch.Tensor, dim: int, op: ReduceOp,
-                         size_key: int) -> SmallEntry:
+                         size_key: int) -> SmallEntry | None:
         """The reduce_scatter entry for ``tensor`` (contiguous, fits a slot, its
         dimensions before ``dim`` all of length 1, ``dim`` non-negative and divided
         among the ranks) and ``op``: this rank's part of it, reduced from every
         rank's slot; ``size_key`` signs the step. Kept as :meth:`remember` keeps
-        all_reduce entries."""
+        all_reduce entries, and made only when the layout comes back (None the
+        first time: the caller takes the engine's general reduce_scatter)."""
         key = (tensor.dtype, tensor.shape, id(op), dim)
         kept = self._kept_scatter
         entry = kept.get(key)
         if entry is None:
+            if not self._scatter_seen.again(key):  # id(op): a false "seen" costs one entry
+                return None
             part_shape = list(tensor.shape)
             part_shape[dim] //= self._size
             part = torch.Size(part_shape)
@@ -327,6 +332,7 @@ class SmallAllReduce:
         self.last = _NO_ENTRY
         self._kept.clear()
         self._kept_scatter.clear()
+        self._scatter_seen.clear()
 
     def run(
         self, tensor: torch.Tensor, entry: SmallEntry, out: torch.Tensor | None = None

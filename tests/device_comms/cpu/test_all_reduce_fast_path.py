@@ -224,7 +224,8 @@ _SCATTER_LAYOUTS: list[tuple[tuple[int, ...], int, torch.dtype, ReduceOp]] = [
 
 def scatter_layouts_rank(rank: int, world_size: int) -> list[str]:
     """reduce_scatter layouts in turn, between all_reduces: right results (each rank's
-    part, bitwise as reduced locally), and the one-step layouts keep their entries."""
+    part, bitwise as reduced locally), and the one-step layouts keep their entries,
+    made at their second call."""
     comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="fast-scatter")
     bad: list[str] = []
     try:
@@ -245,7 +246,8 @@ def scatter_layouts_rank(rank: int, world_size: int) -> list[str]:
                 break
             d = dim % len(shape)
             entry = eng.small.find_scatter(op, dtype, torch.Size(shape), d)
-            one_step = all(n == 1 for n in shape[:d])
+            # an entry is made when a layout comes back: from its second call on
+            one_step = all(n == 1 for n in shape[:d]) and call >= len(_SCATTER_LAYOUTS)
             if entry.plain != one_step:
                 bad.append(f"call {call}: {shape} dim {dim}: one-step entry {entry.plain}")
             elif one_step and entries.setdefault(i, entry) is not entry:

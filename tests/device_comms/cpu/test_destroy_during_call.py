@@ -1,5 +1,9 @@
 """destroy() from another thread while a collective runs: no crash, clear errors.
 
+A destroy that lands after a fast path read the engine and before it took the
+call's token (the last test) makes that call raise ``CommunicatorClosed`` instead
+of copying into the unmapped workspace.
+
 The shared-memory engine copies by address into its workspace, so unmapping it
 under a running call crashed the process (SIGSEGV in a ``memmove``). Now
 ``destroy()`` tells the running call (its wait raises within a health check),
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 from device_comms import CpuCommunicator
 from device_comms.cpu_shm.engine_threads import GRAIN
+from device_comms.errors import CommunicatorClosed
 
 #: (name, elements): the one-step small path and the large two-rank path.
 _SIZES = {"small": 256, "large": 4 * GRAIN}
@@ -84,3 +89,70 @@ def test_destroy_under_a_running_collective(dist_pool, size: str) -> None:
     # Rank 0's step was published before it left: the peer's call may complete with it
     # (the right sum), or learn that rank 0 left; never a wrong result or a long wait.
     assert peer["peer"] in ("sum", "PeerDiedError") and peer["peer_s"] < 10, peer
+
+
+def _fast_call(comm: CpuCommunicator, op: str, rank: int) -> Any:
+    """``op`` on a layout the communicator keeps (its fast path, no checks)."""
+    x = torch.ones(4, 64)
+    if op == "all_reduce":
+        return comm.all_reduce(x)
+    if op == "broadcast":
+        return comm.broadcast(x, src=0)
+    if op == "gather":
+        return comm.gather(x, 1, 0)
+    if op == "all_gather":
+        return comm.all_gather(x, 0)
+    return comm.reduce_scatter(x, 0)
+
+
+def window_rank(rank: int, world_size: int, op: str) -> dict[str, Any]:
+    """Rank 0 destroys its communicator on another thread after the fast path of ``op``
+    read the engine and before it took the call's token (the token's take, or the
+    communicator's engine call, runs the destroy first, once)."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name=f"window-{op}",
+                           timeout=20)
+    out: dict[str, Any] = {}
+    try:
+        for _ in range(3):  # the layout is kept: the next call takes the fast path
+            _fast_call(comm, op, rank)
+        if rank == 0:
+            # all_reduce takes the token itself; the others through _engine_call
+            token = comm._one_call
+            take, engine_call = token.take, comm._engine_call
+
+            def destroy_first() -> None:
+                token.take = take  # once
+                del comm._engine_call
+                worker = threading.Thread(target=comm.destroy)
+                worker.start()
+                worker.join()
+
+            def take_late(blocking: bool) -> bool:
+                destroy_first()
+                return take(blocking)
+
+            def engine_call_late(*args: Any) -> Any:
+                destroy_first()
+                return engine_call(*args)
+
+            token.take = take_late
+            comm._engine_call = engine_call_late  # type: ignore[method-assign]
+        try:
+            _fast_call(comm, op, rank)
+            out["error"] = None
+        except CommunicatorClosed:
+            out["error"] = "closed"
+        except Exception as e:
+            out["error"] = type(e).__name__
+    finally:
+        comm.destroy()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "gather", "all_gather",
+                                "reduce_scatter"])
+def test_destroy_between_a_fast_paths_checks_and_its_token(dist_pool, op: str) -> None:
+    results = dist_pool(2).run(window_rank, op, timeout=50)
+    assert results[0]["error"] == "closed", results
+    assert results[1]["error"] in ("PeerDiedError", "CollectiveTimeout"), results
