@@ -633,6 +633,13 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if eng is None:
             return super()._reduce_scatterv(t, dim, sizes, op)
         self.shm_calls["reduce_scatterv"] += 1
+        rest = t.shape[:dim] + t.shape[dim + 1 :]  # the moved tensor's other dimensions
+        entry = eng.one_step_scatter(t, dim, op, _size_key(sizes, rest, dim), tuple(sizes))
+        if entry is not None:  # one step, this rank's part one block: no torch views
+            try:
+                return eng.small.run(t, entry)
+            except NotServed:  # no memory behind t (before any step): the steps below
+                pass
         with eng.kernel_threads:
             x = _moved(t, dim, 0)
             inner = math.prod(x.shape[1:])

@@ -390,24 +390,26 @@ class ShmEngine:
                             ws.slot(reduced_parity, region, dtype)[lo:hi])
 
     def one_step_scatter(
-        self, tensor: torch.Tensor, dim: int, op: ReduceOp, size_key: int
+        self, tensor: torch.Tensor, dim: int, op: ReduceOp, size_key: int,
+        counts: tuple[int, ...] | None = None,
     ) -> SmallEntry | None:
         """The one-step reduce_scatter entry for ``tensor`` along non-negative ``dim``
-        (divided among the ranks) and ``op`` (:meth:`SmallAllReduce.remember_scatter`;
-        ``size_key`` signs the step), when one serves it: a contiguous real tensor of
-        at most a slot and :data:`GRAIN` elements whose dimensions before ``dim`` are
-        all of length 1, so that each rank's part is one block. None: the caller takes
-        :meth:`reduce_scatter`, which signs its first step the same way."""
+        (divided among the ranks, or by ``counts`` for a reduce_scatterv) and ``op``
+        (:meth:`SmallAllReduce.remember_scatter`; ``size_key`` signs the step), when
+        one serves it: a contiguous real tensor of at most a slot and :data:`GRAIN`
+        elements whose dimensions before ``dim`` are all of length 1, so that each
+        rank's part is one block. None: the caller takes :meth:`reduce_scatter`,
+        which signs its first step the same way."""
         if not tensor.is_contiguous():
             return None
         small = self.small
-        entry = small.find_scatter(op, tensor.dtype, tensor.shape, dim)
+        entry = small.find_scatter(op, tensor.dtype, tensor.shape, dim, counts)
         if entry.plain:
             return entry
         numel = tensor.numel()
         if (0 < numel <= GRAIN and tensor.nbytes <= self._one_step_bytes
                 and not tensor.dtype.is_complex and tensor.shape[:dim].numel() == 1):
-            return small.remember_scatter(tensor, dim, op, size_key)
+            return small.remember_scatter(tensor, dim, op, size_key, counts)
         return None
 
     @threaded(lambda self, flat, *_: flat.numel())

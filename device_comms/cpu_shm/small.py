@@ -126,6 +126,8 @@ class SmallEntry:
             input (contiguous from element ``start``, of ``shape``), which is
             all it reduces; None: an all_reduce.
         size_key: The step's size key (None: the shape's).
+        kind: The collective's name (None: ``"all_reduce"``, or
+            ``"reduce_scatter"`` with ``part``).
 
     Attributes:
         kind: The collective (``"all_reduce"`` or ``"reduce_scatter"``), signed
@@ -168,10 +170,11 @@ class SmallEntry:
         into_peer: bool = False,
         part: tuple[int, torch.Size] | None = None,
         size_key: int | None = None,
+        kind: str | None = None,
     ) -> None:
         self.scratch: Any = None
         self.scratch_address = 0
-        self.kind = "all_reduce" if part is None else "reduce_scatter"
+        self.kind = kind or ("all_reduce" if part is None else "reduce_scatter")
         if ctx is None or tensor is None or op is None:  # the entry no call matches
             self.op, self.dtype, self.shape, self.nbytes, self.itemsize = None, None, None, 0, 0
             self.plain = self.numpy = self.avg = self.into_peer = self.threaded = False
@@ -260,8 +263,10 @@ class SmallAllReduce:
         self.last = _NO_ENTRY
         #: The entries by (dtype, shape, id of the op), oldest first.
         self._kept: dict[tuple[torch.dtype, torch.Size, int], SmallEntry] = {}
-        #: The reduce_scatter entries by (dtype, shape, id of the op, dim), oldest first.
-        self._kept_scatter: dict[tuple[torch.dtype, torch.Size, int, int], SmallEntry] = {}
+        #: The reduce_scatter(v) entries by (dtype, shape, id of the op, dim, counts or
+        #: None), oldest first.
+        self._kept_scatter: dict[
+            tuple[torch.dtype, torch.Size, int, int, tuple[int, ...] | None], SmallEntry] = {}
         self._scatter_seen = SeenOnce(KEPT_ENTRIES)  # layouts without an entry, seen once
 
     def find(self, op: Any, dtype: torch.dtype, shape: torch.Size) -> SmallEntry:
@@ -298,30 +303,40 @@ class SmallAllReduce:
         self.last = entry
         return entry
 
-    def find_scatter(self, op: Any, dtype: torch.dtype, shape: torch.Size, dim: int) -> SmallEntry:
+    def find_scatter(self, op: Any, dtype: torch.dtype, shape: torch.Size, dim: int,
+                     counts: tuple[int, ...] | None = None) -> SmallEntry:
         """The kept reduce_scatter entry of ``op`` on ``dtype`` and ``shape`` along ``dim``
-        (non-negative), else the entry no call matches; found as :meth:`find` finds."""
-        return self._kept_scatter.get((dtype, shape, id(op), dim), _NO_ENTRY)
+        (non-negative; with ``counts``, a reduce_scatterv's), else the entry no call
+        matches; found as :meth:`find` finds."""
+        return self._kept_scatter.get((dtype, shape, id(op), dim, counts), _NO_ENTRY)
 
-    def remember_scatter(self, tensor: torch.Tensor, dim: int, op: ReduceOp,
-                         size_key: int) -> SmallEntry | None:
+    def remember_scatter(self, tensor: torch.Tensor, dim: int, op: ReduceOp, size_key: int,
+                         counts: tuple[int, ...] | None = None) -> SmallEntry | None:
         """The reduce_scatter entry for ``tensor`` (contiguous, fits a slot, its
         dimensions before ``dim`` all of length 1, ``dim`` non-negative and divided
-        among the ranks) and ``op``: this rank's part of it, reduced from every
-        rank's slot; ``size_key`` signs the step. Kept as :meth:`remember` keeps
-        all_reduce entries, and made only when the layout comes back (None the
-        first time: the caller takes the engine's general reduce_scatter)."""
-        key = (tensor.dtype, tensor.shape, id(op), dim)
+        among the ranks, or by ``counts`` for a reduce_scatterv) and ``op``: this
+        rank's part of it, reduced from every rank's slot; ``size_key`` signs the
+        step. Kept as :meth:`remember` keeps all_reduce entries, and made only
+        when the layout comes back (None the first time: the caller takes the
+        engine's general reduce_scatter)."""
+        key = (tensor.dtype, tensor.shape, id(op), dim, counts)
         kept = self._kept_scatter
         entry = kept.get(key)
         if entry is None:
             if not self._scatter_seen.again(key):  # id(op): a false "seen" costs one entry
                 return None
             part_shape = list(tensor.shape)
-            part_shape[dim] //= self._size
-            part = torch.Size(part_shape)
-            entry = SmallEntry(self._ctx, tensor, op, part=(self._me * part.numel(), part),
-                               size_key=size_key)
+            inner = math.prod(part_shape[dim + 1:])
+            me = self._me
+            if counts is None:
+                part_shape[dim] //= self._size
+                start = me * part_shape[dim] * inner
+            else:
+                part_shape[dim] = counts[me]
+                start = sum(counts[:me]) * inner
+            entry = SmallEntry(self._ctx, tensor, op, part=(start, torch.Size(part_shape)),
+                               size_key=size_key,
+                               kind="reduce_scatter" if counts is None else "reduce_scatterv")
             if len(kept) >= KEPT_ENTRIES:
                 del kept[next(iter(kept))]
             kept[key] = entry
