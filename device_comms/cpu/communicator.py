@@ -132,6 +132,9 @@ _STRIDED = torch.strided
 _P2P_OPS = frozenset({"send", "recv"})  # not held by a collective (device_comms.cpu.one_call)
 _BROADCASTS_MAX = 256  # broadcast layouts kept; a full table starts again
 _GATHERS_MAX = 256  # gather layouts kept; a full table starts again
+_SCATTERV_MAX = 256  # reduce_scatterv layouts (with their sizes) kept; likewise
+_SEQUENCES = (list, tuple)  # what a fast path takes as sizes (the checked path takes more)
+_INTS = frozenset({int})  # the one type of a fast path's sizes
 _SHM_OPS = (
     "all_reduce", "reduce", "all_gather", "all_gatherv", "reduce_scatter",
     "reduce_scatterv", "broadcast", "gather", "all_to_allv", "all_gatherv_rows",
@@ -214,6 +217,11 @@ class CpuCommunicator(TorchDistributedCommunicator):
         #: Normalised dim and size key of the gathers the checked path took, by
         #: (dtype, shape, dst, dim as given); bounded as the plans are.
         self._gathers: dict[tuple[torch.dtype, torch.Size, int, int], tuple[int, int]] = {}
+        #: Normalised dim and size key of the reduce_scatterv calls the checked path
+        #: took, by (dtype, shape, dim as given, sizes, id of the op); bounded as the
+        #: plans are.
+        self._scatterv: dict[tuple[torch.dtype, torch.Size, int, tuple[int, ...], int],
+                             tuple[int, int]] = {}
         self._engine: ShmEngine | None = None
         self._flat: ShmEngine | None = None
         #: The one-step all_reduce of the engine (one node), for all_reduce's fast path.
@@ -397,6 +405,7 @@ class CpuCommunicator(TorchDistributedCommunicator):
         self._plans.clear()
         self._broadcasts.clear()
         self._gathers.clear()
+        self._scatterv.clear()
         if eng is not None:
             eng.sync.leave("destroyed")
             if self._one_call.wait_idle(DESTROY_WAIT_S):
@@ -626,15 +635,64 @@ class CpuCommunicator(TorchDistributedCommunicator):
             out = eng.reduce_scatter(x.view(-1), [k] * n, op, "reduce_scatter", key)
             return _moved(out.view((x.shape[0] // n,) + x.shape[1:]), 0, dim)
 
+    def reduce_scatterv(
+        self,
+        input_: torch.Tensor,
+        dim: int = -1,
+        sizes: Sequence[int] | None = None,
+        op: ReduceOp = ReduceOp.SUM,
+    ) -> torch.Tensor:
+        """Reduce-scatter where rank ``i`` receives ``sizes[i]`` entries along ``dim``.
+
+        Same contract as :meth:`DeviceCommunicator.reduce_scatterv`. A call of a
+        layout (dtype, shape, ``dim``, ``sizes``, op) the engine took before
+        skips the checks: **check** the tensor object (:func:`plain`) and that
+        ``sizes`` is a list or tuple of ints, **look up** the layout's normalised
+        ``dim`` and size key, **run** the engine's reduce_scatterv; the checked
+        path **keeps** them for the next call.
+        """
+        eng = self._flat
+        # check
+        if (eng is not None and not self._closed and type(dim) is int and type(op) is ReduceOp
+                and type(sizes) in _SEQUENCES and plain(input_)):
+            counts = tuple(sizes)  # type: ignore[arg-type]  # a list or a tuple: checked
+            if _INTS.issuperset(map(type, counts)):
+                # look up
+                kept = self._scatterv.get((input_.dtype, input_.shape, dim, counts, id(op)))
+                if kept is not None:
+                    # run
+                    return self._engine_call(
+                        "reduce_scatterv", (input_, kept[0], list(counts), op),
+                        self._shm_reduce_scatterv, eng, input_, kept[0], counts, op, kept[1])
+        result = super().reduce_scatterv(input_, dim, sizes, op)
+        # keep
+        if (eng is not None and sizes is not None and type(dim) is int
+                and type(op) is ReduceOp and type(sizes) in _SEQUENCES and plain(input_)):
+            counts = tuple(sizes)
+            if _INTS.issuperset(map(type, counts)):
+                if len(self._scatterv) >= _SCATTERV_MAX:
+                    self._scatterv.clear()
+                d = dim % input_.dim()
+                rest = input_.shape[:d] + input_.shape[d + 1 :]
+                self._scatterv[(input_.dtype, input_.shape, dim, counts, id(op))] = (
+                    d, _size_key(counts, rest, d))
+        return result
+
     def _reduce_scatterv(
         self, t: torch.Tensor, dim: int, sizes: list[int], op: ReduceOp
     ) -> torch.Tensor:
         eng = self._flat
         if eng is None:
             return super()._reduce_scatterv(t, dim, sizes, op)
-        self.shm_calls["reduce_scatterv"] += 1
         rest = t.shape[:dim] + t.shape[dim + 1 :]  # the moved tensor's other dimensions
-        entry = eng.one_step_scatter(t, dim, op, _size_key(sizes, rest, dim), tuple(sizes))
+        return self._shm_reduce_scatterv(eng, t, dim, tuple(sizes), op,
+                                         _size_key(sizes, rest, dim))
+
+    def _shm_reduce_scatterv(self, eng: ShmEngine, t: torch.Tensor, dim: int,
+                             sizes: tuple[int, ...], op: ReduceOp, key: int) -> torch.Tensor:
+        """Reduce-scatterv in the engine; ``key`` signs the layout."""
+        self.shm_calls["reduce_scatterv"] += 1
+        entry = eng.one_step_scatter(t, dim, op, key, sizes)
         if entry is not None:  # one step, this rank's part one block: no torch views
             try:
                 return eng.small.run(t, entry)
@@ -643,7 +701,6 @@ class CpuCommunicator(TorchDistributedCommunicator):
         with eng.kernel_threads:
             x = _moved(t, dim, 0)
             inner = math.prod(x.shape[1:])
-            key = _size_key(sizes, x.shape[1:], dim)
             out = eng.reduce_scatter(
                 x.view(-1), [s * inner for s in sizes], op, "reduce_scatterv", key
             )

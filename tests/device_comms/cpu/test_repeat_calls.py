@@ -57,6 +57,11 @@ def _scattered(inputs: list[torch.Tensor], rank: int, world_size: int) -> torch.
     return total.chunk(world_size, 0)[rank]
 
 
+def _counts(world_size: int) -> list[int]:
+    """Uneven rows of ``_SHAPE[0]`` for reduce_scatterv."""
+    return [2, 4] if world_size == 2 else [1, 2, 3]
+
+
 def _warm(comm: CpuCommunicator, rank: int) -> None:
     """Make the plans of every layout the cases use (the second call takes them)."""
     for _ in range(2):
@@ -69,6 +74,7 @@ def _warm(comm: CpuCommunicator, rank: int) -> None:
         for src in {0, comm.world_size - 1}:
             comm.broadcast(_x(rank), src=src)
             comm.gather(_x(rank), src, 0)
+        comm.reduce_scatterv(_x(rank), 0, _counts(comm.world_size))
 
 
 # ---------------------------------------------------------------- inputs that must be read right
@@ -125,6 +131,11 @@ def values_rank(rank: int, world_size: int, case: str) -> list[str]:
         got = comm.reduce_scatter(_VALUES[case](rank), 0)
         if not torch.allclose(got, _scattered(inputs, rank, world_size), rtol=1e-6, atol=1e-6):
             bad.append("reduce_scatter: wrong values")
+        counts = _counts(world_size)
+        got = comm.reduce_scatterv(_VALUES[case](rank), 0, counts)
+        want = torch.stack([x.detach() for x in inputs]).sum(0).split(counts, 0)[rank]
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-6, atol=1e-6):
+            bad.append("reduce_scatterv: wrong values")
     finally:
         comm.destroy()
     return bad
@@ -202,8 +213,25 @@ def _avg_complex32(rank: int, world_size: int) -> tuple[str, Callable[[CpuCommun
     return "all_reduce", lambda comm: comm.all_reduce(x, op=ReduceOp.AVG)
 
 
+def _counts_with_a_bool(rank: int,
+                        world_size: int) -> tuple[str, Callable[[CpuCommunicator], Any]]:
+    counts: list[Any] = _counts(world_size)
+    counts[0] = bool(counts[0])  # True == 1: equal to an int where the sizes are compared
+    counts[-1] += 1 - _counts(world_size)[0]  # the same total
+    return "reduce_scatterv", lambda comm: comm.reduce_scatterv(_x(rank), 0, counts)
+
+
+def _counts_off_by_one(rank: int,
+                       world_size: int) -> tuple[str, Callable[[CpuCommunicator], Any]]:
+    counts = _counts(world_size)
+    counts[-1] += 1
+    return "reduce_scatterv", lambda comm: comm.reduce_scatterv(_x(rank), 0, counts)
+
+
 _REFUSED: dict[str, tuple[Callable[[int, int], tuple[str, Callable[[CpuCommunicator], Any]]],
                           type[Exception]]] = {
+    "reduce-scatterv-bool-count": (_counts_with_a_bool, TypeError),
+    "reduce-scatterv-wrong-total": (_counts_off_by_one, ValueError),
     "freed-storage": (_freed, ValueError),
     "freed-storage-scatter": (_freed_scatter, ValueError),
     "out-overlaps-input": (_out_overlaps, ValueError),
@@ -237,6 +265,9 @@ def refused_rank(rank: int, world_size: int, case: str) -> list[str]:
                 def call(comm: CpuCommunicator) -> Any:
                     x = _x(rank)
                     return comm.all_reduce(x, out=x)
+            elif op == "reduce_scatterv":
+                def call(comm: CpuCommunicator) -> Any:
+                    return comm.reduce_scatterv(_x(rank), 0, _counts(world_size))
             else:
                 def call(comm: CpuCommunicator) -> Any:
                     return comm.reduce_scatter(_x(rank), 0)
@@ -274,7 +305,9 @@ def disagree_rank(rank: int, world_size: int, case: str) -> list[str]:
         if case == "shape" and rank == 0:
             x = _x(rank, (_SHAPE[0] * 2, _SHAPE[1] // 2))  # same element count
         dim = 1 if case == "dim" and rank == 0 else 0
-        for op in ("all_gather", "reduce_scatter", "broadcast", "gather"):
+        for op in ("all_gather", "reduce_scatter", "broadcast", "gather", "reduce_scatterv"):
+            if op == "reduce_scatterv" and case == "shape":
+                continue  # rank 0's rows no longer sum to the counts: refused, not mismatched
             try:
                 if op == "all_gather":
                     comm.all_gather(x, dim)
@@ -282,8 +315,13 @@ def disagree_rank(rank: int, world_size: int, case: str) -> list[str]:
                     comm.reduce_scatter(x, dim)
                 elif op == "broadcast":  # "dim": rank 0 names another source (both kept)
                     comm.broadcast(x, src=comm.world_size - 1 if dim == 0 else 0)
-                else:  # "dim": rank 0 names another root (both kept)
+                elif op == "gather":  # "dim": rank 0 names another root (both kept)
                     comm.gather(x, comm.world_size - 1 if dim == 0 else 0, 0)
+                else:  # "dim": rank 0 passes other counts of the same total
+                    counts = _counts(comm.world_size)
+                    if dim == 1:
+                        counts = counts[::-1]
+                    comm.reduce_scatterv(x, 0, counts)
                 bad.append(f"{op}: no error")
             except CollectiveMismatch:
                 pass
