@@ -385,11 +385,19 @@ class ShmGathers:
         head = self._heads[parity][me]
         head[0], head[1] = n, fits
         head[2] = -1 if claimed is None else _counts_digest(claimed)
+        plain_stores = True  # every copy in is this thread's memmove (or none)
         if fits:
+            base = self._slot_addresses[parity][me]
             for t, at, width in zip(tensors, offsets, widths, strict=False):
-                if n and width:
-                    mine[at:at + n * width].copy_(t.reshape(-1).view(torch.uint8))
-        sync.step("all_gatherv_rows", signature("all_gatherv_rows", torch.uint8), size_key, True)
+                nbytes = n * width
+                if (nbytes <= _MEMMOVE_MAX and t.data_ptr() >= NULL_PAGE  # no torch dispatch
+                        and t.is_contiguous()):
+                    _memmove(base + at, t.data_ptr(), nbytes)
+                elif nbytes:
+                    mine[at:at + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+                    plain_stores = False
+        sync.step("all_gatherv_rows", signature("all_gatherv_rows", torch.uint8), size_key, True,
+                  plain_stores)  # the header's numpy stores, glibc's memmove
         heads = [h.tolist() for h in self._heads[parity]]
         counts = [int(h[0]) for h in heads]
         if any(c < 0 for c in counts):
@@ -410,7 +418,31 @@ class ShmGathers:
             raise CollectiveMismatch(
                 f"op all_gatherv_rows: ranks {over} claim rows that do not fit a slot "
                 f"(row counts {counts})", peers=tuple(over))
+        if (sum(counts) * max(widths, default=0) <= _MEMMOVE_MAX
+                and all(t.is_contiguous() for t in tensors)):  # its own rows by address too
+            return counts, self._rows_by_address(tensors, widths, parity, counts, blocks)
         return counts, self._rows_out(tensors, widths, slots, counts, blocks)
+
+    def _rows_by_address(self, tensors: Sequence[torch.Tensor], widths: Sequence[int],
+                         parity: int, counts: list[int],
+                         blocks: list[list[int]]) -> list[torch.Tensor]:
+        """:meth:`_rows_out` for at most :data:`_MEMMOVE_MAX` bytes a tensor: each
+        result allocated once and every rank's block copied into it with ``memmove``
+        (this rank's from its own tensor): no torch call but the allocation."""
+        out = []
+        total = sum(counts)
+        addresses = self._slot_addresses[parity]
+        for j, (t, width) in enumerate(zip(tensors, widths, strict=True)):
+            result = torch.empty((total, *t.shape[1:]), dtype=t.dtype)
+            at = result.data_ptr()
+            for rank, c in enumerate(counts):
+                nbytes = c * width
+                if nbytes:
+                    src = t.data_ptr() if rank == self._me else addresses[rank] + blocks[rank][j]
+                    _memmove(at, src, nbytes)
+                    at += nbytes
+            out.append(result)
+        return out
 
     @threaded(lambda self, tensors, widths, slots, counts, blocks: sum(counts) * sum(widths))
     def _rows_out(self, tensors: Sequence[torch.Tensor], widths: Sequence[int],
