@@ -123,7 +123,7 @@ def record(send: Sequence[int], recv: Sequence[int] | None) -> torch.Tensor:
     n = len(send)
     given = [1 if recv is not None else 0]
     words = given + list(send) + (list(recv) if recv is not None else [0] * n)
-    return torch.tensor(words, dtype=torch.int64)
+    return torch.tensor(words, dtype=torch.int64, device="cpu")
 
 
 class SizeTable:

@@ -402,7 +402,8 @@ class HierarchicalAllReduce:
         bounds = [n * j // k for j in range(k + 1)]
         lo, hi = bounds[me], bounds[me + 1]
         # Reduce-scatter: piece j of every leader's partial goes to leader j.
-        recv = {j: torch.empty(hi - lo, dtype=x.dtype) for j in range(k) if j != me}
+        recv = {j: torch.empty(hi - lo, dtype=x.dtype, device="cpu") for j in range(k)
+                if j != me}
         works = []
         for j in range(k):
             if j == me:

@@ -433,7 +433,7 @@ class ShmGathers:
         total = sum(counts)
         addresses = self._slot_addresses[parity]
         for j, (t, width) in enumerate(zip(tensors, widths, strict=True)):
-            result = torch.empty((total, *t.shape[1:]), dtype=t.dtype)
+            result = torch.empty((total, *t.shape[1:]), dtype=t.dtype, device="cpu")
             at = result.data_ptr()
             for rank, c in enumerate(counts):
                 nbytes = c * width

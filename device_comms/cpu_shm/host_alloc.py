@@ -36,7 +36,7 @@ def empty(shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
     numel = math.prod(shape_t)
     nbytes = numel * dtype.itemsize
     if nbytes < HUGE_MIN_BYTES or _MADV_HUGEPAGE is None or not _FLAGS:
-        return torch.empty(shape_t, dtype=dtype)
+        return torch.empty(shape_t, dtype=dtype, device="cpu")  # whatever the default device
     mm = mmap.mmap(-1, nbytes, flags=_FLAGS)
     with contextlib.suppress(OSError):  # THP disabled: still correct, just 4 KiB pages
         mm.madvise(_MADV_HUGEPAGE)

@@ -37,7 +37,7 @@ def numpy_dtype(dtype: torch.dtype) -> Any:
     """numpy's dtype for a torch dtype numpy has (TypeError for bfloat16 and the like)."""
     got = _NUMPY_DTYPES.get(dtype)
     if got is None:
-        got = _NUMPY_DTYPES[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+        got = _NUMPY_DTYPES[dtype] = torch.empty(0, dtype=dtype, device="cpu").numpy().dtype
     return got
 
 
@@ -54,7 +54,7 @@ def _version_bumper() -> Any:
     bump = getattr(torch._C, "_increment_version", None)  # noqa: SLF001 - torch's own
     if bump is None:
         return torch.autograd.graph.increment_version
-    probe = torch.empty(0)
+    probe = torch.empty(0, device="cpu")
     try:
         before = probe._version  # noqa: SLF001 - torch's own
         bump((probe,))

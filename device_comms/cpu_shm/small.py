@@ -181,7 +181,7 @@ class SmallEntry:
             self.sig = self.size_key = 0
             self.fn: Any = torch.add
             self.parities: tuple[tuple[Any, list[Any], list[Any]], ...] = ((None, [], []),) * 2
-            self.by_address = AddressViews(torch.empty(0))
+            self.by_address = AddressViews(torch.empty(0, device="cpu"))
             return
         dtype, shape = tensor.dtype, tensor.shape
         self.op, self.dtype, self.shape, self.nbytes = op, dtype, shape, tensor.nbytes
@@ -263,11 +263,15 @@ class SmallAllReduce:
         self.last = _NO_ENTRY
         #: The entries by (dtype, shape, id of the op), oldest first.
         self._kept: dict[tuple[torch.dtype, torch.Size, int], SmallEntry] = {}
-        #: The reduce_scatter(v) entries by (dtype, shape, id of the op, dim, counts or
-        #: None), oldest first.
+        #: The reduce_scatter entries by (dtype, shape, id of the op, dim, None),
+        #: oldest first.
         self._kept_scatter: dict[
             tuple[torch.dtype, torch.Size, int, int, tuple[int, ...] | None], SmallEntry] = {}
         self._scatter_seen = SeenOnce(KEPT_ENTRIES)  # layouts without an entry, seen once
+        #: The reduce_scatterv entries, likewise (by counts too).
+        self._kept_scatterv: dict[
+            tuple[torch.dtype, torch.Size, int, int, tuple[int, ...] | None], SmallEntry] = {}
+        self._scatterv_seen = SeenOnce(KEPT_ENTRIES)
 
     def find(self, op: Any, dtype: torch.dtype, shape: torch.Size) -> SmallEntry:
         """The kept entry of ``op`` on ``dtype`` and ``shape``, made :attr:`last`; else the
@@ -308,7 +312,8 @@ class SmallAllReduce:
         """The kept reduce_scatter entry of ``op`` on ``dtype`` and ``shape`` along ``dim``
         (non-negative; with ``counts``, a reduce_scatterv's), else the entry no call
         matches; found as :meth:`find` finds."""
-        return self._kept_scatter.get((dtype, shape, id(op), dim, counts), _NO_ENTRY)
+        kept = self._kept_scatter if counts is None else self._kept_scatterv
+        return kept.get((dtype, shape, id(op), dim, counts), _NO_ENTRY)
 
     def remember_scatter(self, tensor: torch.Tensor, dim: int, op: ReduceOp, size_key: int,
                          counts: tuple[int, ...] | None = None) -> SmallEntry | None:
@@ -320,10 +325,13 @@ class SmallAllReduce:
         when the layout comes back (None the first time: the caller takes the
         engine's general reduce_scatter)."""
         key = (tensor.dtype, tensor.shape, id(op), dim, counts)
-        kept = self._kept_scatter
+        # reduce_scatterv's counts change from step to step: their entries come and go
+        # in a table of their own, which leaves the reduce_scatter entries be
+        kept, seen = ((self._kept_scatter, self._scatter_seen) if counts is None
+                      else (self._kept_scatterv, self._scatterv_seen))
         entry = kept.get(key)
         if entry is None:
-            if not self._scatter_seen.again(key):  # id(op): a false "seen" costs one entry
+            if not seen.again(key):  # id(op): a false "seen" costs one entry
                 return None
             part_shape = list(tensor.shape)
             inner = math.prod(part_shape[dim + 1:])
@@ -348,6 +356,8 @@ class SmallAllReduce:
         self._kept.clear()
         self._kept_scatter.clear()
         self._scatter_seen.clear()
+        self._kept_scatterv.clear()
+        self._scatterv_seen.clear()
 
     def run(
         self, tensor: torch.Tensor, entry: SmallEntry, out: torch.Tensor | None = None

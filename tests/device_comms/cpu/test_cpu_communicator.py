@@ -595,3 +595,52 @@ def hierarchical(
         })
         comm.destroy()
     return out
+
+
+def default_device_rank(rank: int, world_size: int) -> list[str]:
+    """Every collective on CPU tensors, called twice (the second time on its fast path)
+    inside ``with torch.device("meta")``: CPU results with the right values."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="default-dev")
+    bad: list[str] = []
+    x = torch.arange(4.0 * world_size * 6).view(4 * world_size, 6) + rank  # CPU, made outside
+    rows = [torch.ones(2, 3) * rank, torch.full((2,), rank, dtype=torch.int32)]
+    counts = [4 * world_size - (world_size - 1)] + [1] * (world_size - 1)
+    total = sum(x.clone() - rank + r for r in range(world_size))
+    try:
+        for _ in range(2):
+            with torch.device("meta"):
+                got = {
+                    "all_reduce": comm.all_reduce(x),
+                    "all_gather": comm.all_gather(x, 0),
+                    "reduce_scatter": comm.reduce_scatter(x, 0),
+                    "reduce_scatterv": comm.reduce_scatterv(x, 0, counts),
+                    "gather": comm.gather(x, 0, 0),
+                    "broadcast": comm.broadcast(x.clone(), 0),
+                    "all_gatherv_rows": comm.all_gatherv_rows(rows, None)[0][0],
+                }
+            want = {
+                "all_reduce": total,
+                "all_gather": torch.cat([x - rank + r for r in range(world_size)]),
+                "reduce_scatter": total.chunk(world_size)[rank],
+                "reduce_scatterv": total.split(counts)[rank],
+                "gather": torch.cat([x - rank + r for r in range(world_size)]) if rank == 0
+                else None,
+                "broadcast": x - rank,
+                "all_gatherv_rows": torch.cat([torch.ones(2, 3) * r for r in range(world_size)]),
+            }
+            for op, value in got.items():
+                if want[op] is None:
+                    if value is not None:
+                        bad.append(f"{op}: a result off the root")
+                elif value.device.type != "cpu" or not torch.equal(value, want[op]):
+                    bad.append(f"{op}: {value.device} {value.flatten()[:3].tolist()}")
+    finally:
+        comm.destroy()
+    return bad
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_ignore_the_default_device(dist_pool, world_size: int) -> None:
+    for rank, bad in enumerate(dist_pool(world_size).run(default_device_rank, timeout=50)):
+        assert bad == [], f"rank {rank}: {bad}"

@@ -217,7 +217,7 @@ def _counts_with_a_bool(rank: int,
                         world_size: int) -> tuple[str, Callable[[CpuCommunicator], Any]]:
     counts: list[Any] = _counts(world_size)
     counts[0] = bool(counts[0])  # True == 1: equal to an int where the sizes are compared
-    counts[-1] += 1 - _counts(world_size)[0]  # the same total
+    counts[-1] += _counts(world_size)[0] - 1  # the same total
     return "reduce_scatterv", lambda comm: comm.reduce_scatterv(_x(rank), 0, counts)
 
 
