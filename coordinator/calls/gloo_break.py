@@ -25,6 +25,6 @@ BREAK_TAG = 0x6770
 def break_connections(group: Any, peer: int) -> None:
     """Close every gloo connection of ``group`` (a receive from group rank ``peer``,
     another rank, on :data:`BREAK_TAG` whose 1 ms wait expires)."""
-    buf = torch.empty(1, dtype=torch.uint8)
+    buf = torch.empty(1, dtype=torch.uint8, device="cpu")
     with contextlib.suppress(RuntimeError):
         group.recv([buf], peer, BREAK_TAG).wait(datetime.timedelta(milliseconds=1))

@@ -306,7 +306,7 @@ class Pieces:
     def take(self, dtype: torch.dtype, numel: int, key: Any) -> torch.Tensor:
         """The next piece: ``numel`` elements of ``dtype``, flat (empty: a new tensor)."""
         if not numel:
-            return torch.empty(0, dtype=dtype)
+            return torch.empty(0, dtype=dtype, device="cpu")
         nbytes = numel * dtype.itemsize
         streamed_piece = self._flags[self._next]
         self._next += 1
@@ -327,7 +327,8 @@ class Pieces:
 
     def _stream(self, nbytes: int, key: Any) -> torch.Tensor:
         part = self._part(nbytes, 0, key)
-        out = torch.empty(nbytes, dtype=torch.uint8)  # once a part arrived, not on a claim alone
+        # once a part arrived, not on a claim alone
+        out = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         done = 0
         while True:
             # One thread's memcpy: torch's copy_ would start its OpenMP team, which

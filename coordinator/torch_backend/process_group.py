@@ -217,7 +217,8 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
                 group stays usable).
         """
         try:
-            keys = comm.all_gather(torch.tensor([layout_key(rows)], dtype=torch.int64), 0)
+            own_key = torch.tensor([layout_key(rows)], dtype=torch.int64, device="cpu")
+            keys = comm.all_gather(own_key, 0)
         except GroupCoordError as e:
             add_note(e, f"{self._where(op)}: raised by the check that the ranks' layouts agree")
             raise
@@ -731,7 +732,7 @@ class GroupcoordProcessGroup(dist.ProcessGroup):
         if t.is_contiguous() and not (t.is_conj() or t.is_neg()):  # raw elements are values
             return GroupcoordWork([t], pending=self._start(lambda: start([t]), where),
                                   timeout=self._timeout_s, where=where)
-        buf = torch.empty(t.shape, dtype=t.dtype)
+        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
         return GroupcoordWork([t], pending=self._start(lambda: start([buf]), where),
                               finish=lambda: _no_grad(t.copy_)(buf),
                               timeout=self._timeout_s, where=where)

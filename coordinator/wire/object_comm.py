@@ -157,13 +157,13 @@ def _pack(obj: Any, codec: Codec | ObjectCodec) -> tuple[tuple[int, int], torch.
     """
     if not isinstance(codec, Codec):
         data = codec.dumps(obj)
-        payload = torch.empty(len(data), dtype=torch.uint8)
+        payload = torch.empty(len(data), dtype=torch.uint8, device="cpu")
         if len(data):
             ctypes.memmove(payload.data_ptr(), bytes(data), len(data))
         return (len(data), 0), payload
     enc = codec.encode(obj)
     mlen = len(enc.msg)
-    payload = torch.empty(mlen + enc.blob_len, dtype=torch.uint8)
+    payload = torch.empty(mlen + enc.blob_len, dtype=torch.uint8, device="cpu")
     if payload.numel():
         addr = payload.data_ptr()
         ctypes.memmove(addr, enc.msg, mlen)
@@ -221,12 +221,12 @@ def _receive_payload(nbytes: int, move: Callable[[torch.Tensor], Any]) -> torch.
     use peak at the payload plus one piece."""
     pieces: collections.deque[torch.Tensor] = collections.deque()
     for start in range(0, nbytes, PIECE_BYTES):
-        piece = torch.empty(min(PIECE_BYTES, nbytes - start), dtype=torch.uint8)
+        piece = torch.empty(min(PIECE_BYTES, nbytes - start), dtype=torch.uint8, device="cpu")
         got = move(piece)
         pieces.append(got if isinstance(got, torch.Tensor) else piece)
     if len(pieces) == 1:
         return pieces[0]
-    whole = torch.empty(nbytes, dtype=torch.uint8)
+    whole = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     start = 0
     while pieces:
         # Taking the next piece drops the last one: its pages go back before the
@@ -286,7 +286,7 @@ def send_failure(reason: str, dst_global: int, group: dist.ProcessGroup, kind: i
 
 def _send(sizes: tuple[int, int], payload: torch.Tensor, kind: int, dst: int,
           group: dist.ProcessGroup) -> None:
-    dist.send(torch.tensor([*sizes, kind], dtype=torch.int64), dst=dst, group=group)
+    dist.send(torch.tensor([*sizes, kind], dtype=torch.int64, device="cpu"), dst=dst, group=group)
     _send_payload(payload, lambda piece: dist.send(piece, dst=dst, group=group))
 
 
@@ -304,7 +304,7 @@ def recv_object(src_global: int, group: dist.ProcessGroup, codec: Codec | Object
         DecodeError: The bytes received are malformed, or hold a pickled value
             while ``codec`` has ``allow_pickle`` off.
     """
-    header = torch.empty(3, dtype=torch.int64)
+    header = torch.empty(3, dtype=torch.int64, device="cpu")
     who = src_global if src_rank is None else src_rank
     dist.recv(header, src=src_global, group=group)
     mlen, blen = _checked_header(header, who)
@@ -366,10 +366,10 @@ def broadcast_object(obj: Any, src: int, bcast: Broadcast,
     """
     if is_src:
         sizes, payload = _pack(obj, codec)
-        bcast(torch.tensor([*sizes, BROADCAST_KINDS[op]], dtype=torch.int64))
+        bcast(torch.tensor([*sizes, BROADCAST_KINDS[op]], dtype=torch.int64, device="cpu"))
         _send_payload(payload, bcast)
         return obj
-    header = bcast(torch.empty(3, dtype=torch.int64))
+    header = bcast(torch.empty(3, dtype=torch.int64, device="cpu"))
     mlen, blen = _checked_header(header, src)
     payload = _receive_payload(mlen + max(blen, 0), bcast)
     if blen == -1:  # senders of broadcasts send SourceFailure objects, never this form

@@ -78,7 +78,7 @@ def _known_dtypes() -> dict[str, torch.dtype]:
             try:
                 with warnings.catch_warnings():  # complex32 warns that it is experimental
                     warnings.simplefilter("ignore")
-                    torch.empty(0, dtype=value)
+                    torch.empty(0, dtype=value, device="cpu")
             except (RuntimeError, TypeError):
                 continue
             out[_dtype_name(value)] = value

@@ -77,7 +77,7 @@ def signed_all_to_allv(
     table = _table(comm, payload, rec, carried)
     settle_sizes(table, comm.unique_name, row=row_bytes(t))
     got = table.received_by(me)
-    out = torch.empty((sum(got),) + tuple(t.shape[1:]), dtype=t.dtype)
+    out = torch.empty((sum(got),) + tuple(t.shape[1:]), dtype=t.dtype, device="cpu")
     row = row_bytes(t)
     limit = BLOCK_INLINE - rec_b.numel()
     if carried and all(sum(s) * row <= limit for s in table.send):
@@ -103,7 +103,7 @@ def _table(
                     peers=(q,))
             rows.append(raw[: 8 * words].view(torch.int64).tolist())
     else:  # a record longer than a block (hundreds of ranks): one more all-gather
-        everyone = torch.empty(n * words, dtype=torch.int64)
+        everyone = torch.empty(n * words, dtype=torch.int64, device="cpu")
         dist.all_gather_into_tensor(everyone, rec, group=comm.device_group)
         rows = everyone.view(n, words).tolist()
     return SizeTable.decode(rows, comm.unique_name)

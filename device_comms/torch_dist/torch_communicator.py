@@ -341,7 +341,7 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         if not self._checks_calls:
             return super()._row_counts(n)
         signed = self._signed
-        mine = torch.tensor([n], dtype=torch.int64)
+        mine = torch.tensor([n], dtype=torch.int64, device="cpu")
         h = signed.header("all_gatherv_rows", torch.int64, None, 0, (1,), (1,))
         signed.call("all_gatherv_rows", h, mine)
         return [int(t) for t in torch.cat(signed.received(mine)).tolist()]
@@ -463,7 +463,7 @@ class TorchDistributedCommunicator(DeviceCommunicator):
         d = self._check_scatter_dims(src, h, env)
         shape, dtype = self._scatter_source(src, env)
         skip = 16 * ((len(shape) + 1) // 2)
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype, device="cpu").element_size()
         if skip + nbytes <= BLOCK_INLINE:
             whole = env.payload(src)[skip : skip + nbytes].view(dtype).view(shape)
             return torch.tensor_split(whole, n, d)[me].clone(memory_format=torch.contiguous_format)
@@ -608,8 +608,8 @@ _MAX_DIMS = 64  # dims a tensor may have (torch's limit)
 
 def _shape_prefix(shape: torch.Size) -> torch.Tensor:
     """The shape as int64 words, padded to 16 bytes (the data after it stays aligned)."""
-    words = torch.zeros(2 * ((len(shape) + 1) // 2), dtype=torch.int64)
-    words[: len(shape)] = torch.tensor(list(shape), dtype=torch.int64)
+    words = torch.zeros(2 * ((len(shape) + 1) // 2), dtype=torch.int64, device="cpu")
+    words[: len(shape)] = torch.tensor(list(shape), dtype=torch.int64, device="cpu")
     return words.view(torch.uint8)
 
 

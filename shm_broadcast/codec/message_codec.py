@@ -513,10 +513,10 @@ class Codec:
                 raise DecodeError(
                     f"corrupt message: array of {nbytes} bytes at offset {off} extends beyond "
                     f"the bytes received")
-            t = torch.empty(shape, dtype=dtype)
+            t = torch.empty(shape, dtype=dtype, device="cpu")
             ctypes.memmove(t.data_ptr(), base + self._src_start + off, nbytes)
             return t
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu")
 
     def _bytes(self, off: int, nbytes: int, dtype: np.dtype, itemsize: int,
                shape: tuple[int, ...]) -> np.ndarray | None:

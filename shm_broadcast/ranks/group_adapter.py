@@ -360,7 +360,7 @@ class ObjectGroup:
         self._backend(op, name, dist.all_gather, sizes, mine, group=self._group)
         lens = [self._checked_size(int(s.item()), r) for r, s in enumerate(sizes)]
         width = max(lens)
-        data = torch.zeros(width, dtype=torch.uint8)
+        data = torch.zeros(width, dtype=torch.uint8, device="cpu")
         data[: len(payload)] = _bytes_tensor(payload)
         bufs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(n)]
         self._backend(op, name, dist.all_gather, bufs, data.to(dev), group=self._group)
