@@ -222,49 +222,6 @@ _SCATTER_LAYOUTS: list[tuple[tuple[int, ...], int, torch.dtype, ReduceOp]] = [
 ]
 
 
-def scatter_layouts_rank(rank: int, world_size: int) -> list[str]:
-    """reduce_scatter layouts in turn, between all_reduces: right results (each rank's
-    part, bitwise as reduced locally), and the one-step layouts keep their entries,
-    made at their second call."""
-    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="fast-scatter")
-    bad: list[str] = []
-    try:
-        entries: dict[int, Any] = {}
-        for call in range(4 * len(_SCATTER_LAYOUTS)):
-            i = call % len(_SCATTER_LAYOUTS)
-            shape, dim, dtype, op = _SCATTER_LAYOUTS[i]
-            inputs = [_ints(r, shape, call).to(dtype) for r in range(world_size)]
-            want = reduce_local(inputs, op).chunk(world_size, dim)[rank]
-            got = comm.reduce_scatter(inputs[rank].clone(), dim, op)
-            if got.shape != want.shape or not torch.equal(got, want):
-                bad.append(f"call {call}: {shape} dim {dim} {dtype} {op.name} wrong")
-            if i == 2:  # an all_reduce of the same bytes between them
-                comm.all_reduce(inputs[rank])
-            eng = comm._flat  # the engine's entries are what this test checks
-            if eng is None:
-                bad.append("no engine")
-                break
-            d = dim % len(shape)
-            entry = eng.small.find_scatter(op, dtype, torch.Size(shape), d)
-            # an entry is made when a layout comes back: from its second call on
-            one_step = all(n == 1 for n in shape[:d]) and call >= len(_SCATTER_LAYOUTS)
-            if entry.plain != one_step:
-                bad.append(f"call {call}: {shape} dim {dim}: one-step entry {entry.plain}")
-            elif one_step and entries.setdefault(i, entry) is not entry:
-                bad.append(f"call {call}: the entry of {shape} dim {dim} was made again")
-    finally:
-        comm.destroy()
-    return bad
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_reduce_scatter_layouts_in_turn(dist_pool: Any, world_size: int) -> None:
-    results = dist_pool(world_size).run(scatter_layouts_rank, timeout=80)
-    for rank, bad in enumerate(results):
-        assert bad == [], f"rank {rank}: {bad[:4]}"
-
-
 #: reduce_scatterv counts of 12 rows per world size (a rank may get none).
 _COUNTS = {2: (5, 7), 3: (0, 5, 7), 4: (3, 0, 4, 5)}
 _SCATTERV_LAYOUTS: list[tuple[tuple[int, ...], int, torch.dtype, ReduceOp]] = [
@@ -276,29 +233,40 @@ _SCATTERV_LAYOUTS: list[tuple[tuple[int, ...], int, torch.dtype, ReduceOp]] = [
 ]
 
 
-def scatterv_layouts_rank(rank: int, world_size: int) -> list[str]:
-    """reduce_scatterv layouts in turn with uneven counts (one rank gets none at world
-    sizes 3 and 4): each rank's rows, bitwise as reduced locally, and the one-step
-    layouts keep their entries from their second call on."""
-    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="fast-scatterv")
+def scatter_layouts_rank(rank: int, world_size: int, uneven: bool) -> list[str]:
+    """reduce_scatter layouts in turn, between all_reduces, or with ``uneven``
+    reduce_scatterv layouts with uneven counts (one rank gets none at world sizes 3
+    and 4): each rank's part, bitwise as reduced locally, and the one-step layouts
+    keep their entries, made at their second call."""
+    comm = CpuCommunicator(dist.group.WORLD, torch.device("cpu"), unique_name="fast-scatter")
     bad: list[str] = []
-    counts = _COUNTS[world_size]
+    layouts = _SCATTERV_LAYOUTS if uneven else _SCATTER_LAYOUTS
+    counts = _COUNTS[world_size] if uneven else None
     try:
         entries: dict[int, Any] = {}
-        for call in range(4 * len(_SCATTERV_LAYOUTS)):
-            i = call % len(_SCATTERV_LAYOUTS)
-            shape, dim, dtype, op = _SCATTERV_LAYOUTS[i]
+        for call in range(4 * len(layouts)):
+            i = call % len(layouts)
+            shape, dim, dtype, op = layouts[i]
             inputs = [_ints(r, shape, call).to(dtype) for r in range(world_size)]
-            want = reduce_local(inputs, op).split(list(counts), dim)[rank]
-            got = comm.reduce_scatterv(inputs[rank].clone(), dim, list(counts), op)
+            reduced = reduce_local(inputs, op)
+            if counts is None:
+                want = reduced.chunk(world_size, dim)[rank]
+                got = comm.reduce_scatter(inputs[rank].clone(), dim, op)
+            else:
+                want = reduced.split(list(counts), dim)[rank]
+                got = comm.reduce_scatterv(inputs[rank].clone(), dim, list(counts), op)
             if got.shape != want.shape or not torch.equal(got, want):
                 bad.append(f"call {call}: {shape} dim {dim} {dtype} {op.name} wrong")
+            if i == 2:  # an all_reduce of the same bytes between them
+                comm.all_reduce(inputs[rank])
             eng = comm._flat  # the engine's entries are what this test checks
             if eng is None:
                 bad.append("no engine")
                 break
-            entry = eng.small.find_scatter(op, dtype, torch.Size(shape), dim, counts)
-            one_step = all(n == 1 for n in shape[:dim]) and call >= len(_SCATTERV_LAYOUTS)
+            d = dim % len(shape)
+            entry = eng.small.find_scatter(op, dtype, torch.Size(shape), d, counts)
+            # an entry is made when a layout comes back: from its second call on
+            one_step = all(n == 1 for n in shape[:d]) and call >= len(layouts)
             if entry.plain != one_step:
                 bad.append(f"call {call}: {shape} dim {dim}: one-step entry {entry.plain}")
             elif one_step and entries.setdefault(i, entry) is not entry:
@@ -310,7 +278,8 @@ def scatterv_layouts_rank(rank: int, world_size: int) -> list[str]:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_reduce_scatterv_layouts_in_turn(dist_pool: Any, world_size: int) -> None:
-    results = dist_pool(world_size).run(scatterv_layouts_rank, timeout=80)
+@pytest.mark.parametrize("uneven", [False, True], ids=["reduce_scatter", "reduce_scatterv"])
+def test_reduce_scatter_layouts_in_turn(dist_pool: Any, uneven: bool, world_size: int) -> None:
+    results = dist_pool(world_size).run(scatter_layouts_rank, uneven, timeout=80)
     for rank, bad in enumerate(results):
         assert bad == [], f"rank {rank}: {bad[:4]}"
