@@ -98,7 +98,14 @@ from device_comms.cpu.config import (
 )
 from device_comms.cpu.hierarchical import HierarchicalAllReduce
 from device_comms.cpu.one_call import OneCall
-from device_comms.cpu.repeat_calls import LayoutPlan, LayoutPlans, plain, takes_out, writable
+from device_comms.cpu.repeat_calls import (
+    KeptLayouts,
+    LayoutPlan,
+    LayoutPlans,
+    plain,
+    takes_out,
+    writable,
+)
 from device_comms.cpu_shm import host_alloc
 from device_comms.cpu_shm.context import shape_key as _step_shape_key
 from device_comms.cpu_shm.context import signature as _step_signature
@@ -130,9 +137,6 @@ logger = logging.getLogger(__name__)
 _PLAIN_TENSOR = torch.Tensor  # exactly this type: no subclass (Parameter, FakeTensor)
 _STRIDED = torch.strided
 _P2P_OPS = frozenset({"send", "recv"})  # not held by a collective (device_comms.cpu.one_call)
-_BROADCASTS_MAX = 256  # broadcast layouts kept; a full table starts again
-_GATHERS_MAX = 256  # gather layouts kept; a full table starts again
-_SCATTERV_MAX = 256  # reduce_scatterv layouts (with their sizes) kept; likewise
 _SEQUENCES = (list, tuple)  # what a fast path takes as sizes (the checked path takes more)
 _INTS = frozenset({int})  # the one type of a fast path's sizes
 _SHM_OPS = (
@@ -212,16 +216,17 @@ class CpuCommunicator(TorchDistributedCommunicator):
         #: reduce_scatter calls the engine served (their fast paths).
         self._plans = LayoutPlans()
         #: Step signatures of the broadcasts by address the checked path took, by
-        #: (dtype, shape, src); bounded as the plans are.
-        self._broadcasts: dict[tuple[torch.dtype, torch.Size, int], tuple[int, int]] = {}
+        #: (dtype, shape, src).
+        self._broadcasts: KeptLayouts[tuple[torch.dtype, torch.Size, int], tuple[int, int]] = (
+            KeptLayouts())
         #: Normalised dim and size key of the gathers the checked path took, by
-        #: (dtype, shape, dst, dim as given); bounded as the plans are.
-        self._gathers: dict[tuple[torch.dtype, torch.Size, int, int], tuple[int, int]] = {}
+        #: (dtype, shape, dst, dim as given).
+        self._gathers: KeptLayouts[tuple[torch.dtype, torch.Size, int, int],
+                                   tuple[int, int]] = KeptLayouts()
         #: Normalised dim and size key of the reduce_scatterv calls the checked path
-        #: took, by (dtype, shape, dim as given, sizes, id of the op); bounded as the
-        #: plans are.
-        self._scatterv: dict[tuple[torch.dtype, torch.Size, int, tuple[int, ...], int],
-                             tuple[int, int]] = {}
+        #: took, by (dtype, shape, dim as given, sizes, id of the op).
+        self._scatterv: KeptLayouts[tuple[torch.dtype, torch.Size, int, tuple[int, ...], int],
+                                    tuple[int, int]] = KeptLayouts()
         self._engine: ShmEngine | None = None
         self._flat: ShmEngine | None = None
         #: The one-step all_reduce of the engine (one node), for all_reduce's fast path.
@@ -670,12 +675,10 @@ class CpuCommunicator(TorchDistributedCommunicator):
                 and type(op) is ReduceOp and type(sizes) in _SEQUENCES and plain(input_)):
             counts = tuple(sizes)
             if _INTS.issuperset(map(type, counts)):
-                if len(self._scatterv) >= _SCATTERV_MAX:
-                    self._scatterv.clear()
                 d = dim % input_.dim()
                 rest = input_.shape[:d] + input_.shape[d + 1 :]
-                self._scatterv[(input_.dtype, input_.shape, dim, counts, id(op))] = (
-                    d, _size_key(counts, rest, d))
+                self._scatterv.keep((input_.dtype, input_.shape, dim, counts, id(op)),
+                                    (d, _size_key(counts, rest, d)))
         return result
 
     def _reduce_scatterv(
@@ -837,11 +840,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         # keep
         if (eng is not None and type(dst) is int and type(dim) is int
                 and 0 <= dst < self.world_size and plain(input_) and input_.dim() > 0):
-            if len(self._gathers) >= _GATHERS_MAX:
-                self._gathers.clear()
             d = dim % input_.dim()
-            self._gathers[(input_.dtype, input_.shape, dst, dim)] = (
-                d, _shape_key(input_.shape, d))
+            self._gathers.keep((input_.dtype, input_.shape, dst, dim),
+                               (d, _shape_key(input_.shape, d)))
         return result
 
     def _gather(self, t: torch.Tensor, dst: int, dim: int) -> torch.Tensor | None:
@@ -928,11 +929,9 @@ class CpuCommunicator(TorchDistributedCommunicator):
         if (eng is not None and type(src) is int and 0 <= src < self.world_size
                 and plain(input_) and input_.nbytes <= min(BY_ADDRESS_MAX_BYTES,
                                                            eng.ws.slot_bytes)):
-            if len(self._broadcasts) >= _BROADCASTS_MAX:
-                self._broadcasts.clear()
-            self._broadcasts[(input_.dtype, input_.shape, src)] = (
-                _step_signature("broadcast", input_.dtype, None, src),
-                _step_shape_key(input_.shape))
+            self._broadcasts.keep((input_.dtype, input_.shape, src),
+                                  (_step_signature("broadcast", input_.dtype, None, src),
+                                   _step_shape_key(input_.shape)))
         return result
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:

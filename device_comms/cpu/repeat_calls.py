@@ -20,17 +20,20 @@ wrong and tells the peers.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
 from device_comms.validation import storage_covers
 
-__all__ = ["LayoutPlan", "LayoutPlans", "plain", "takes_out", "apart", "writable"]
+__all__ = ["KeptLayouts", "LayoutPlan", "LayoutPlans", "plain", "takes_out", "apart",
+           "writable"]
 
 _PLAIN_TENSOR = torch.Tensor  # exactly this type: no subclass (Parameter, FakeTensor)
 _STRIDED = torch.strided
 _PLANS_MAX = 256  # layouts kept; a caller's layouts are few, and a full table starts again
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 class LayoutPlan(NamedTuple):
@@ -47,13 +50,43 @@ class LayoutPlan(NamedTuple):
     result_shape: torch.Size
 
 
+class KeptLayouts(Generic[_K, _V]):
+    """What a communicator's checked path concluded about the layouts it accepted, by a
+    layout key: at most ``limit`` entries (a caller's layouts are few; a full table
+    starts again).
+
+    Attributes:
+        get: ``get(key)``: the kept value, or None (a plain dict lookup: fast paths
+            call it on every call).
+    """
+
+    __slots__ = ("get", "_table", "_limit")
+
+    def __init__(self, limit: int = _PLANS_MAX) -> None:
+        self._table: dict[_K, _V] = {}
+        self._limit = limit
+        self.get = self._table.get
+
+    def keep(self, key: _K, value: _V) -> None:
+        """Keep ``value`` for ``key``."""
+        table = self._table
+        if len(table) >= self._limit:
+            table.clear()
+        table[key] = value
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        self._table.clear()
+
+
 class LayoutPlans:
     """The plans of the layouts a communicator's checked path accepted, by op."""
 
     __slots__ = ("_plans",)
 
     def __init__(self) -> None:
-        self._plans: dict[tuple[str, torch.dtype, torch.Size, int], LayoutPlan] = {}
+        self._plans: KeptLayouts[tuple[str, torch.dtype, torch.Size, int], LayoutPlan] = (
+            KeptLayouts())
 
     def get(self, op: str, t: torch.Tensor, dim: int) -> LayoutPlan | None:
         """The plan of ``op`` on ``t``'s dtype and shape along ``dim``, if one was kept."""
@@ -62,10 +95,7 @@ class LayoutPlans:
     def keep(self, op: str, t: torch.Tensor, dim: int, plan: LayoutPlan) -> None:
         """Keep ``plan`` for ``op`` on ``t``'s dtype and shape along ``dim`` (as the
         caller passed it: ``-1`` and ``ndim - 1`` are two entries)."""
-        plans = self._plans
-        if len(plans) >= _PLANS_MAX:
-            plans.clear()
-        plans[(op, t.dtype, t.shape, dim)] = plan
+        self._plans.keep((op, t.dtype, t.shape, dim), plan)
 
     def clear(self) -> None:
         """Forget every plan."""
