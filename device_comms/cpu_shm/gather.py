@@ -137,6 +137,8 @@ class ShmGathers:
 
     Attributes:
         size: Number of local ranks.
+        me: This rank's local index.
+        slot_addresses: ``slot_addresses[parity][rank]``: every slot's address.
         kernel_threads: The context's thread cap (kernels over more than
             :data:`~device_comms.cpu_shm.engine_threads.GRAIN` elements run under it).
     """
@@ -144,12 +146,11 @@ class ShmGathers:
     def __init__(self, ctx: EngineContext) -> None:
         self._ws = ctx.ws
         self._sync = ctx.sync
-        self._me = ctx.me
+        self.me = ctx.me
         self._shaped = ctx.shaped
         self.size = ctx.size
         self.kernel_threads = ctx.kernel_threads
-        self._slot_addresses = self.slot_addresses = ctx.slot_addresses
-        self.me = ctx.me
+        self.slot_addresses = ctx.slot_addresses
         #: The kept entries by (dtype, shape, dim, root or -1), oldest first.
         self._cat: dict[tuple[torch.dtype, torch.Size, int, int], CatEntry] = {}
         self._cat_seen = SeenOnce(CAT_ENTRIES)  # layouts without an entry, seen once
@@ -192,7 +193,7 @@ class ShmGathers:
         if held is not None:
             entry.mine[parity][...] = held[0]
         else:
-            _memmove(self._slot_addresses[parity][self._me], src, entry.nbytes)
+            _memmove(self.slot_addresses[parity][self.me], src, entry.nbytes)
             entry.by_address.sight(tensor, src)
         sync.step(entry.kind, entry.sig, size_key, True, True)  # glibc / numpy stores
         if not entry.reads:
@@ -228,12 +229,12 @@ class ShmGathers:
         by_address = nbytes <= _MEMMOVE_MAX and tensor.is_contiguous() and (
             tensor.data_ptr() >= NULL_PAGE)
         if by_address:
-            _memmove(self._slot_addresses[parity][self._me], tensor.data_ptr(), nbytes)
+            _memmove(self.slot_addresses[parity][self.me], tensor.data_ptr(), nbytes)
         else:
-            self._shaped(parity, tensor)[self._me].copy_(tensor)
+            self._shaped(parity, tensor)[self.me].copy_(tensor)
         sig = signature(kind, tensor.dtype, None, 0 if dst is None else dst)
         sync.step(kind, sig, tensor.numel() if size_key is None else size_key, True, by_address)
-        if dst is not None and dst != self._me:
+        if dst is not None and dst != self.me:
             return None
         if by_address and math.prod(tensor.shape[:dim]) == 1:
             # each rank's piece is one block of the result, in rank order
@@ -253,7 +254,7 @@ class ShmGathers:
         else:
             mark_written(out)  # torch did not see the write
         address = out.data_ptr()
-        for slot in self._slot_addresses[parity]:
+        for slot in self.slot_addresses[parity]:
             _memmove(address, slot, nbytes)
             address += nbytes
         return out
@@ -268,7 +269,7 @@ class ShmGathers:
         slots = self._ws.slots(sync.next_parity, dtype)
         views = [slot[: math.prod(shape)].view(shape)
                  for slot, shape in zip(slots, shapes, strict=True)]
-        views[self._me].copy_(tensor)
+        views[self.me].copy_(tensor)
         sync.step("all_gatherv", signature("all_gatherv", dtype), size_key, True)
         return torch.cat(views, dim)
 
@@ -290,7 +291,7 @@ class ShmGathers:
         slots a block of whole rows at a time, or a row in column pieces when a
         row is larger than a slot, so the output is written in its final layout.
         """
-        me, dtype = self._me, x2.dtype
+        me, dtype = self.me, x2.dtype
         sig = signature(kind, dtype, None, 0 if dst is None else dst)
         rows = x2.shape[0]
         offsets = [0]
@@ -318,7 +319,7 @@ class ShmGathers:
                           first: bool) -> None:
         """Rows ``first_row : first_row + rows`` of every rank's piece through one round of
         slots."""
-        ws, me, dtype, widths = self._ws, self._me, step.x2.dtype, step.widths
+        ws, me, dtype, widths = self._ws, self.me, step.x2.dtype, step.widths
         end = first_row + rows
         parity = self._sync.next_parity
         if step.writes and widths[me]:
@@ -338,7 +339,7 @@ class ShmGathers:
                              first: bool) -> None:
         """Columns ``column : column + chunk`` of row ``row`` of every rank's piece (rows
         wider than a slot)."""
-        ws, me, dtype, widths = self._ws, self._me, step.x2.dtype, step.widths
+        ws, me, dtype, widths = self._ws, self.me, step.x2.dtype, step.widths
         parity = self._sync.next_parity
         length = max(0, min(chunk, widths[me] - column))
         if step.writes and length:
@@ -375,7 +376,7 @@ class ShmGathers:
             CollectiveMismatch: On every rank: a rank claimed other row counts
                 than the ranks have, or a header is malformed.
         """
-        sync, me, ws = self._sync, self._me, self._ws
+        sync, me, ws = self._sync, self.me, self._ws
         n = tensors[0].shape[0]
         slots = ws.slots(sync.next_parity, torch.uint8)  # the parity this step writes
         offsets = _block_offsets(n, widths)
@@ -387,7 +388,7 @@ class ShmGathers:
         head[2] = -1 if claimed is None else _counts_digest(claimed)
         plain_stores = True  # every copy in is this thread's memmove (or none)
         if fits:
-            base = self._slot_addresses[parity][me]
+            base = self.slot_addresses[parity][me]
             for t, at, width in zip(tensors, offsets, widths, strict=False):
                 nbytes = n * width
                 if (nbytes <= _MEMMOVE_MAX and t.data_ptr() >= NULL_PAGE  # no torch dispatch
@@ -431,14 +432,14 @@ class ShmGathers:
         (this rank's from its own tensor): no torch call but the allocation."""
         out = []
         total = sum(counts)
-        addresses = self._slot_addresses[parity]
+        addresses = self.slot_addresses[parity]
         for j, (t, width) in enumerate(zip(tensors, widths, strict=True)):
             result = torch.empty((total, *t.shape[1:]), dtype=t.dtype, device="cpu")
             at = result.data_ptr()
             for rank, c in enumerate(counts):
                 nbytes = c * width
                 if nbytes:
-                    src = t.data_ptr() if rank == self._me else addresses[rank] + blocks[rank][j]
+                    src = t.data_ptr() if rank == self.me else addresses[rank] + blocks[rank][j]
                     _memmove(at, src, nbytes)
                     at += nbytes
             out.append(result)
@@ -455,7 +456,7 @@ class ShmGathers:
             row_shape = tuple(t.shape[1:])
             pieces = []
             for rank, (slot, c) in enumerate(zip(slots, counts, strict=True)):
-                if rank == self._me:
+                if rank == self.me:
                     pieces.append(t)
                     continue
                 at = blocks[rank][j]
